@@ -1,0 +1,86 @@
+"""Turning a launcher call into keys: pick parameters by name, freeze keys, measure key distance."""
+
+import inspect
+import json
+import math
+from typing import Any, Callable, Dict, Sequence, Tuple
+
+
+class ParamPicker:
+    """Takes the values of named launcher parameters from one call, by name or by position.
+
+    Built once per (launcher, key function); ``pick`` runs on every kernel call, so it avoids
+    ``inspect.Signature.bind``.
+    """
+
+    def __init__(self, kernel_name: str, launcher: Callable, names: Sequence[str]):
+        params = inspect.signature(launcher).parameters
+        positions = {}
+        for i, p in enumerate(params.values()):
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+                positions[p.name] = i
+        self.kernel_name = kernel_name
+        self.names = tuple(names)
+        self._slots = []
+        for name in self.names:
+            if name not in params:
+                raise TypeError(f"autotune kernel {kernel_name!r}: launcher has no parameter {name!r} to key on")
+            default = params[name].default
+            self._slots.append((name, positions.get(name), default is not inspect.Parameter.empty, default))
+
+    def pick(self, args: tuple, kwargs: dict) -> Dict[str, Any]:
+        values = {}
+        for name, pos, has_default, default in self._slots:
+            if name in kwargs:
+                values[name] = kwargs[name]
+            elif pos is not None and pos < len(args):
+                values[name] = args[pos]
+            elif has_default:
+                values[name] = default
+            else:
+                raise TypeError(f"autotune kernel {self.kernel_name!r}: call is missing required parameter {name!r}")
+        return values
+
+
+def param_names(func: Callable) -> Tuple[str, ...]:
+    """Names a key function asks for; ``*args``/``**kwargs`` are not allowed (keys must be explicit)."""
+    names = []
+    for p in inspect.signature(func).parameters.values():
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            raise TypeError(f"{func.__qualname__}: key functions must name launcher parameters, not use *args")
+        names.append(p.name)
+    return tuple(names)
+
+
+def freeze(key: Any) -> Any:
+    """A hashable, JSON-round-trippable form: dicts become sorted item tuples, lists become tuples."""
+    if isinstance(key, dict):
+        return tuple(sorted((str(k), freeze(v)) for k, v in key.items()))
+    if isinstance(key, (list, tuple)):
+        return tuple(freeze(v) for v in key)
+    if isinstance(key, (bool, int, float, str)) or key is None:
+        return key
+    # torch.dtype and friends: their str() is stable across processes.
+    return str(key)
+
+
+def key_to_json(key: Any) -> str:
+    return json.dumps(key, separators=(",", ":"), sort_keys=True, default=str)
+
+
+def key_from_json(text: str) -> Any:
+    return freeze(json.loads(text))
+
+
+def default_run_key_distance(run_key: Any, cached_key: Any) -> float:
+    """L1 distance between numeric keys (or equal-length tuples of numbers); otherwise equal-or-infinite."""
+    if _is_number(run_key) and _is_number(cached_key):
+        return abs(run_key - cached_key)
+    if isinstance(run_key, tuple) and isinstance(cached_key, tuple) and len(run_key) == len(cached_key):
+        if all(_is_number(a) and _is_number(b) for a, b in zip(run_key, cached_key)):
+            return sum(abs(a - b) for a, b in zip(run_key, cached_key))
+    return 0.0 if run_key == cached_key else math.inf
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)

@@ -1,0 +1,191 @@
+"""Persistent configs: ``<root>/triton_<version>/<gpu name>/<kernel_name>/<static key>.json``.
+
+Two roots are read: configs shipped inside the package and the writable root
+(``LIGHTLLM_AUTOTUNE_CONFIG_DIR``); the writable root wins for a run key both have. Writes go to the
+writable root only, merged under a file lock with whatever another process wrote, then renamed into
+place so readers never see a half-written file. A file that cannot be read or has the wrong schema
+gives one warning and counts as a miss.
+"""
+
+import datetime
+import hashlib
+import json
+import logging
+import os
+import re
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Dict, Iterator, Optional, Tuple
+
+from filelock import FileLock, Timeout
+
+from lightllm.common import envs
+from lightllm.common.autotuner.keys import key_from_json, key_to_json
+
+logger = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 1
+SHIPPED_ROOT = Path(__file__).resolve().parent / "configs"
+_LOCK_TIMEOUT_S = 60.0
+_MAX_NAME_LEN = 160
+_warned_paths = set()
+
+Config = Optional[Dict[str, Any]]  # None means "the launcher's own default"
+
+
+def _safe_name(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.=,+-]+", "_", text).strip("_") or "_"
+
+
+@lru_cache(maxsize=None)
+def triton_dir_name() -> str:
+    try:
+        import triton
+
+        return f"triton_{triton.__version__}"
+    except ImportError:
+        return "triton_none"
+
+
+@lru_cache(maxsize=None)
+def device_dir_name() -> str:
+    import torch
+
+    if torch.cuda.is_available():
+        return _safe_name(torch.cuda.get_device_name())
+    return "cpu"
+
+
+def static_key_file_name(frozen_static_key: Any) -> str:
+    """``k=v,k=v.json`` for dict keys (readable in ``ls``), hashed when too long for a file name."""
+    if isinstance(frozen_static_key, tuple) and all(
+        isinstance(kv, tuple) and len(kv) == 2 and isinstance(kv[0], str) for kv in frozen_static_key
+    ):
+        text = ",".join(f"{k}={key_to_json(v).strip(chr(34))}" for k, v in frozen_static_key)
+    else:
+        text = key_to_json(frozen_static_key)
+    name = _safe_name(text)
+    if len(name) > _MAX_NAME_LEN:
+        digest = hashlib.sha1(key_to_json(frozen_static_key).encode()).hexdigest()[:16]
+        name = f"{name[:_MAX_NAME_LEN - 17]}-{digest}"
+    return name + ".json"
+
+
+def _warn_once(path: Path, why: str) -> None:
+    if path not in _warned_paths:
+        _warned_paths.add(path)
+        logger.warning("autotune config %s ignored (%s); treating it as a cache miss", path, why)
+
+
+def _valid_config(cfg: Any) -> bool:
+    if cfg is None:
+        return True
+    return isinstance(cfg, dict) and all(
+        isinstance(k, str) and (v is None or isinstance(v, (bool, int, float, str))) for k, v in cfg.items()
+    )
+
+
+def read_config_file(path: Path) -> Optional[dict]:
+    """The parsed file, or None (with one warning) when it is unreadable, corrupt or of the wrong schema."""
+    try:
+        with open(path, "r", encoding="utf-8") as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        _warn_once(path, f"{type(e).__name__}: {e}")
+        return None
+    if not isinstance(data, dict) or data.get("version") != SCHEMA_VERSION:
+        _warn_once(path, f"expected a JSON object with version {SCHEMA_VERSION}")
+        return None
+    configs = data.get("configs")
+    if not isinstance(configs, dict) or not all(_valid_config(c) for c in configs.values()):
+        _warn_once(path, "'configs' must map run keys to objects of JSON scalars or null")
+        return None
+    try:
+        for rk in configs:
+            key_from_json(rk)
+    except (json.JSONDecodeError, TypeError) as e:
+        _warn_once(path, f"bad run key: {e}")
+        return None
+    if not isinstance(data.get("timings"), dict):
+        data["timings"] = {}  # optional: hand-written and shipped files may carry configs alone
+    return data
+
+
+class ConfigStore:
+    """Reads and writes the config files of one kernel."""
+
+    def __init__(self, kernel_name: str):
+        if not kernel_name or _safe_name(kernel_name) != kernel_name:
+            raise ValueError(f"autotune kernel_name {kernel_name!r} must use only letters, digits and '_.=,+-'")
+        self.kernel_name = kernel_name
+
+    def kernel_dir(self, root: Path) -> Path:
+        return Path(root) / triton_dir_name() / device_dir_name() / self.kernel_name
+
+    def path(self, root: Path, frozen_static_key: Any) -> Path:
+        return self.kernel_dir(root) / static_key_file_name(frozen_static_key)
+
+    def load(self, frozen_static_key: Any) -> Dict[Any, Config]:
+        """Run key (frozen) -> config, shipped configs overlaid by the writable root's."""
+        configs: Dict[Any, Config] = {}
+        for root in (SHIPPED_ROOT, envs.get_autotune_config_dir()):
+            data = read_config_file(self.path(root, frozen_static_key))
+            if data is not None:
+                configs.update({key_from_json(rk): cfg for rk, cfg in data["configs"].items()})
+        return configs
+
+    def save(self, static_key: Any, frozen_static_key: Any, entries: Dict[Any, Tuple[Config, dict]]) -> Optional[Path]:
+        """Merge ``{run_key: (config, timing)}`` into the writable root's file; None if it could not be written."""
+        path = self.path(envs.get_autotune_config_dir(), frozen_static_key)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with FileLock(str(path) + ".lock", timeout=_LOCK_TIMEOUT_S):
+                data = read_config_file(path) or {}
+                configs = dict(data.get("configs", {}))
+                timings = dict(data.get("timings", {}))
+                now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+                for run_key, (config, timing) in entries.items():
+                    rk = key_to_json(run_key)
+                    configs[rk] = config
+                    timings[rk] = {**timing, "tuned_at": now}
+                payload = {
+                    "version": SCHEMA_VERSION,
+                    "kernel": self.kernel_name,
+                    "static_key": static_key,
+                    "configs": dict(sorted(configs.items())),
+                    "timings": dict(sorted(timings.items())),
+                }
+                _atomic_write_json(path, payload)
+        except (OSError, Timeout, TypeError, ValueError) as e:
+            logger.warning("autotune: could not write %s (%s); the config is used for this run only", path, e)
+            return None
+        return path
+
+
+def _atomic_write_json(path: Path, payload: dict) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(payload, f, indent=1, default=str)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def iter_config_files(root: Path, kernel_name: Optional[str] = None) -> Iterator[Path]:
+    """Every config file under ``root`` (all Triton versions and GPUs), optionally of one kernel."""
+    root = Path(root)
+    if not root.is_dir():
+        return
+    pattern = f"triton_*/*/{kernel_name}/*.json" if kernel_name else "triton_*/*/*/*.json"
+    yield from sorted(root.glob(pattern))

@@ -1,0 +1,413 @@
+"""The ``autotune`` decorator: per-call config choice, searches in the active phase, cached-config warmup."""
+
+import functools
+import inspect
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+from tqdm import tqdm
+
+from lightllm.common import envs
+from lightllm.common.autotuner import dist
+from lightllm.common.autotuner.accuracy import collect_tensors, mismatch
+from lightllm.common.autotuner.bench import get_bench_func
+from lightllm.common.autotuner.keys import ParamPicker, default_run_key_distance, freeze, key_to_json, param_names
+from lightllm.common.autotuner.phase import (
+    STATS,
+    AutotuneKernelType,
+    AutotuneLevel,
+    current_warmup_kernel_type,
+    is_searching_level,
+)
+from lightllm.common.autotuner.store import Config, ConfigStore
+
+logger = logging.getLogger(__name__)
+
+_MISSING = object()
+
+
+_force_as_adaptive_logged = False
+
+
+def _is_capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+@dataclass
+class SearchRecord:
+    """What the latest search of a kernel measured (for reports and benchmarks)."""
+
+    static_key: Any
+    run_key: Any
+    default_ms: float
+    timings: List[Tuple[dict, float]]  # (candidate, ms); inf = failed, rejected or not reached
+    chosen: Config
+    chosen_ms: float
+    seconds: float
+
+
+class _StaticKeyState:
+    """What one kernel knows about one static key: its configs, nearest-key memo, warmed configs."""
+
+    def __init__(self, static_key: Any, configs: Dict[Any, Config]):
+        self.static_key = static_key
+        self.configs = configs
+        self.nearest: Dict[Any, Any] = {}  # run key -> matched cached run key (None: nothing to match)
+        self.warmed: set = set()  # JSON of configs already run once in this process
+        self.searched: set = set()  # run keys searched in this process (FORCE searches each once)
+
+
+class Autotuner:
+    """Wraps a launcher ``fn(..., run_config=None)``; see :func:`autotune`."""
+
+    def __init__(
+        self,
+        fn: Callable,
+        kernel_name: str,
+        configs_gen_func: Callable[..., Iterable[dict]],
+        static_key_func: Callable[..., Any],
+        run_key_func: Callable[..., Any],
+        run_key_distance_func: Callable[[Any, Any], float],
+        mutates_args: Sequence[str],
+        kernel_type: AutotuneKernelType,
+        rebuild_input_func: Optional[Callable[..., Tuple[tuple, dict]]],
+        warmup_all_exist_config: bool,
+        output_args: Sequence[str],
+        accuracy_tol: Optional[Tuple[float, float]],
+    ):
+        if not isinstance(kernel_type, AutotuneKernelType):
+            raise TypeError(f"autotune kernel {kernel_name!r}: kernel_type must be an AutotuneKernelType")
+        if "run_config" not in inspect.signature(fn).parameters:
+            raise TypeError(
+                f"autotune kernel {kernel_name!r}: launcher {fn.__qualname__} needs a run_config=None param"
+            )
+        functools.update_wrapper(self, fn)
+        self.fn = fn
+        self.kernel_name = kernel_name
+        self.kernel_type = kernel_type
+        self.configs_gen_func = configs_gen_func
+        self.static_key_func = static_key_func
+        self.run_key_func = run_key_func
+        self.run_key_distance_func = run_key_distance_func
+        self.rebuild_input_func = rebuild_input_func
+        self.warmup_all_exist_config = warmup_all_exist_config
+        self.accuracy_tol = accuracy_tol
+        self.store = ConfigStore(kernel_name)
+        pick = functools.partial(ParamPicker, kernel_name, fn)
+        self._static_picker = pick(param_names(static_key_func))
+        self._run_picker = pick(param_names(run_key_func))
+        self._configs_picker = pick(param_names(configs_gen_func))
+        self._mutates_picker = pick(tuple(mutates_args))
+        self._outputs_picker = pick(tuple(output_args))
+        self._states: Dict[Any, _StaticKeyState] = {}
+        self.last_search: Optional[SearchRecord] = None
+
+    # ---- per call -------------------------------------------------------------------------------------
+
+    def __call__(self, *args, run_config: Optional[dict] = None, **kwargs):
+        if run_config is not None:
+            return self.fn(*args, run_config=run_config, **kwargs)
+        level = envs.get_triton_autotune_level()
+        if level == AutotuneLevel.OFF:
+            return self.fn(*args, run_config=None, **kwargs)
+        state = self._state(self.static_key_func(**self._static_picker.pick(args, kwargs)))
+        run_key = freeze(self.run_key_func(**self._run_picker.pick(args, kwargs)))
+        phase = current_warmup_kernel_type()
+        if phase is self.kernel_type and is_searching_level(level):
+            config = self._decide(state, run_key, level, args, kwargs)
+        else:
+            config = self._lookup(state, run_key)
+        if phase is not None and self.warmup_all_exist_config and not _is_capturing():
+            self._warm_cached_configs(state, args, kwargs)
+        return self.fn(*args, run_config=config, **kwargs)
+
+    def _state(self, static_key: Any) -> _StaticKeyState:
+        frozen = freeze(static_key)
+        state = self._states.get(frozen)
+        if state is None:
+            state = self._states[frozen] = _StaticKeyState(static_key, self.store.load(frozen))
+        return state
+
+    def _lookup(self, state: _StaticKeyState, run_key: Any) -> Config:
+        """The run key's cached config, else the nearest cached run key's, else None (launcher default)."""
+        config = state.configs.get(run_key, _MISSING)
+        if config is not _MISSING:
+            return config
+        if run_key not in state.nearest:
+            best, best_distance = None, math.inf
+            for cached in state.configs:
+                distance = self.run_key_distance_func(run_key, cached)
+                if distance < best_distance:
+                    best, best_distance = cached, distance
+            state.nearest[run_key] = best
+        matched = state.nearest[run_key]
+        return None if matched is None else state.configs[matched]
+
+    def _decide(self, state: _StaticKeyState, run_key: Any, level: int, args: tuple, kwargs: dict) -> Config:
+        """In the kernel's own phase at level 1/2: search if needed (agreed across ranks), else use the cache."""
+        if level == AutotuneLevel.FORCE and self.kernel_type is AutotuneKernelType.DECODE_ATTENTION:
+            _log_force_as_adaptive()
+            level = AutotuneLevel.ADAPTIVE
+        cached = state.configs.get(run_key, _MISSING)
+        need = cached is _MISSING or (level == AutotuneLevel.FORCE and run_key not in state.searched)
+        if dist.world() == 1:
+            return self._search(state, run_key, args, kwargs, split=False) if need else cached
+        mine = (key_to_json(freeze(state.static_key)), key_to_json(run_key), need, cached)
+        infos = dist.all_gather_object(mine)
+        if any(info[:2] != mine[:2] for info in infos):
+            logger.warning(
+                "autotune %s: ranks disagree on keys (%s); each rank decides alone",
+                self.kernel_name,
+                "; ".join(f"rank {r}: {s} {k}" for r, (s, k, _, _) in enumerate(infos)),
+            )
+            return self._search(state, run_key, args, kwargs, split=False) if need else cached
+        if any(info[2] for info in infos):
+            return self._search(state, run_key, args, kwargs, split=True)
+        agreed = infos[0][3]  # every rank has a config: all take rank 0's
+        state.configs[run_key] = agreed
+        return agreed
+
+    def _warm_cached_configs(self, state: _StaticKeyState, args: tuple, kwargs: dict) -> None:
+        """Run each cached config once so Triton compiles them at start-up, not on a live request."""
+        pending = {}
+        for config in state.configs.values():
+            text = key_to_json(config)
+            if config is not None and text not in state.warmed:
+                pending[text] = config
+        if not pending:
+            return
+        snapshot = _Snapshot(self._mutates_picker.pick(args, kwargs))
+        for text, config in pending.items():
+            state.warmed.add(text)
+            try:
+                self.fn(*args, run_config=config, **kwargs)
+            except Exception as e:  # a stale config must not stop start-up; the search or default takes over
+                logger.warning("autotune %s: cached config %s failed to run: %s", self.kernel_name, config, e)
+            finally:
+                snapshot.restore()
+
+    # ---- search ---------------------------------------------------------------------------------------
+
+    def _search(self, state: _StaticKeyState, run_key: Any, args: tuple, kwargs: dict, split: bool) -> Config:
+        if _is_capturing():
+            raise RuntimeError(
+                f"autotune kernel {self.kernel_name!r}: refusing to search while a CUDA graph is being captured; "
+                "run one eager forward inside autotune_warmup(...) before capturing"
+            )
+        start = time.perf_counter()
+        budget = envs.get_autotune_max_seconds_per_search()
+        candidates = self._candidates(args, kwargs)
+        t_args, t_kwargs = self._rebuild(args, kwargs) if self.rebuild_input_func else (args, kwargs)
+        rank, world = (dist.rank(), dist.world()) if split else (0, 1)
+        mine = [i for i in range(len(candidates)) if i % world == rank]  # ranks time disjoint slices
+        trial = _Trial(self, t_args, t_kwargs)
+        timings: Dict[int, float] = {}
+        try:
+            default_ms = trial.measure(None)  # first, so nothing slower than the default can win
+            bar = tqdm(mine, desc=f"autotune {self.kernel_name}", delay=2.0, leave=False, disable=rank != 0)
+            for i in bar:
+                if time.perf_counter() - start > budget:
+                    logger.warning(
+                        "autotune %s: search budget of %gs spent after %d of %d candidates; keeping the best so far",
+                        self.kernel_name,
+                        budget,
+                        len(timings),
+                        len(mine),
+                    )
+                    break
+                timings[i] = trial.measure(candidates[i])
+            bar.close()
+        finally:
+            trial.snapshot.restore()
+        if split:
+            parts = dist.all_gather_object((default_ms, timings))
+            default_ms = parts[0][0]  # every rank compares against rank 0's default
+            timings = {i: ms for _, part in parts for i, ms in part.items()}
+        best_i = min(timings, key=lambda i: timings[i], default=None)
+        if best_i is None or not timings[best_i] < default_ms:
+            best, best_ms = None, default_ms
+        else:
+            best, best_ms = candidates[best_i], timings[best_i]
+        if not math.isfinite(best_ms):
+            raise RuntimeError(f"autotune kernel {self.kernel_name!r}: no config, the default included, could run")
+        seconds = time.perf_counter() - start
+        self.last_search = SearchRecord(
+            state.static_key,
+            run_key,
+            default_ms,
+            [(c, timings.get(i, math.inf)) for i, c in enumerate(candidates)],
+            best,
+            best_ms,
+            seconds,
+        )
+        self._adopt(state, run_key, best, best_ms, default_ms, len(timings), seconds, write=not split or rank == 0)
+        STATS.searches += 1
+        STATS.search_seconds += seconds
+        return best
+
+    def _candidates(self, args: tuple, kwargs: dict) -> List[dict]:
+        seen, out = set(), []
+        for config in self.configs_gen_func(**self._configs_picker.pick(args, kwargs)):
+            if not isinstance(config, dict):
+                raise TypeError(f"autotune kernel {self.kernel_name!r}: configs_gen_func yielded {config!r}, not dict")
+            text = key_to_json(config)
+            if text not in seen:
+                seen.add(text)
+                out.append(config)
+        return out
+
+    def _rebuild(self, args: tuple, kwargs: dict) -> Tuple[tuple, dict]:
+        rebuilt = self.rebuild_input_func(*args, **kwargs)
+        if not (isinstance(rebuilt, tuple) and len(rebuilt) == 2):
+            raise TypeError(f"autotune kernel {self.kernel_name!r}: rebuild_input_func must return (args, kwargs)")
+        t_args, t_kwargs = rebuilt
+        return tuple(t_args), dict(t_kwargs)
+
+    def _adopt(self, state, run_key, config, best_ms, default_ms, timed, seconds, write: bool) -> None:
+        state.configs[run_key] = config
+        state.nearest.clear()
+        state.searched.add(run_key)
+        if config is not None:
+            state.warmed.add(key_to_json(config))
+        speedup = default_ms / best_ms if best_ms > 0 else 1.0
+        logger.info(
+            "autotune %s %s run_key=%s: %s %.4f ms, %.2fx over default (%.4f ms), %d candidates in %.2fs",
+            self.kernel_name,
+            key_to_json(state.static_key),
+            key_to_json(run_key),
+            "default" if config is None else key_to_json(config),
+            best_ms,
+            speedup,
+            default_ms,
+            timed,
+            seconds,
+        )
+        if write:
+            timing = {"best_ms": round(best_ms, 6), "default_ms": round(default_ms, 6), "candidates": timed}
+            entry = {run_key: (config, timing)}
+            if self.store.save(state.static_key, freeze(state.static_key), entry) is not None:
+                STATS.configs_written += 1
+
+    def clear_cache(self) -> None:
+        """Forget what this process loaded and tuned (the files stay)."""
+        self._states.clear()
+
+
+class _Snapshot:
+    """Clones of the tensors a kernel mutates, to restore after each candidate run."""
+
+    def __init__(self, tensors: Dict[str, Any]):
+        self.saved = [(t, t.clone()) for t in tensors.values() if isinstance(t, torch.Tensor)]
+
+    def restore(self) -> None:
+        for tensor, copy in self.saved:
+            tensor.copy_(copy)
+
+
+class _Trial:
+    """Runs candidates on one set of (possibly rebuilt) inputs: eager run, accuracy gate, timing."""
+
+    def __init__(self, tuner: Autotuner, args: tuple, kwargs: dict):
+        self.tuner, self.args, self.kwargs = tuner, args, kwargs
+        self.snapshot = _Snapshot(tuner._mutates_picker.pick(args, kwargs))
+        self.reference: Optional[List[torch.Tensor]] = None
+
+    def _outputs(self, returned: Any) -> List[torch.Tensor]:
+        named = {**self.tuner._mutates_picker.pick(self.args, self.kwargs)}
+        named.update(self.tuner._outputs_picker.pick(self.args, self.kwargs))
+        return collect_tensors(returned) + [t for t in named.values() if isinstance(t, torch.Tensor)]
+
+    def measure(self, config: Config) -> float:
+        """Milliseconds per run, or inf when the config fails or disagrees with the default's outputs."""
+        tuner = self.tuner
+
+        def run():
+            return tuner.fn(*self.args, run_config=config, **self.kwargs)
+
+        try:
+            outputs = self._outputs(run())
+            if self.reference is None:
+                self.reference = [t.detach().clone() for t in outputs]
+            else:
+                why = mismatch(self.reference, outputs, tuner.accuracy_tol)
+                if why is not None:
+                    STATS.candidates_rejected += 1
+                    logger.warning(
+                        "autotune %s: rejected %s, disagrees with default: %s", tuner.kernel_name, config, why
+                    )
+                    return math.inf
+            self.snapshot.restore()
+            ms = float(get_bench_func()(run))
+            STATS.candidates_timed += 1
+            return ms if ms >= 0 else math.inf
+        except Exception as e:
+            if config is None:
+                raise RuntimeError(f"autotune kernel {tuner.kernel_name!r}: launcher default failed: {e}") from e
+            logger.info("autotune %s: config %s failed (%s: %s)", tuner.kernel_name, config, type(e).__name__, e)
+            return math.inf
+        finally:
+            self.snapshot.restore()
+
+
+def _log_force_as_adaptive() -> None:
+    global _force_as_adaptive_logged
+    if not _force_as_adaptive_logged:
+        _force_as_adaptive_logged = True
+        logger.info(
+            "%s=2 (force) acts as 1 (adaptive) for decode-attention kernels: every layer calls the same key. "
+            "To re-tune one, clear its configs: python -m lightllm.common.autotuner clear KERNEL",
+            envs.AUTOTUNE_LEVEL,
+        )
+
+
+def autotune(
+    kernel_name: str,
+    configs_gen_func: Callable[..., Iterable[dict]],
+    static_key_func: Callable[..., Any],
+    run_key_func: Callable[..., Any],
+    run_key_distance_func: Callable[[Any, Any], float] = default_run_key_distance,
+    mutates_args: Sequence[str] = (),
+    kernel_type: AutotuneKernelType = AutotuneKernelType.GENERAL,
+    rebuild_input_func: Optional[Callable[..., Tuple[tuple, dict]]] = None,
+    warmup_all_exist_config: bool = True,
+    output_args: Sequence[str] = (),
+    accuracy_tol: Optional[Tuple[float, float]] = None,
+) -> Callable[[Callable], Autotuner]:
+    """Declare how a launcher ``fn(..., run_config=None)`` is tuned.
+
+    Args:
+        kernel_name: names the config folder; change it (or the store version) when the kernel changes.
+        configs_gen_func: candidate configs (dicts); may name launcher parameters to prune by shape.
+        static_key_func / run_key_func: name launcher parameters and return a JSON-able key. The static
+            key selects a config file (shapes that compile differently); the run key an entry in it.
+        run_key_distance_func: ``(run_key, cached_run_key) -> distance`` to pick the nearest cached key.
+        mutates_args: tensors the kernel changes in place; cloned and restored around each candidate.
+        kernel_type: the warmup phase in which the kernel may search.
+        rebuild_input_func: ``(*args, **kwargs) -> (args, kwargs)`` giving representative inputs used only
+            for timing a search.
+        warmup_all_exist_config: during any warmup, run each cached config once so Triton compiles it.
+        output_args: out-parameters the kernel overwrites; compared by the accuracy gate, never cloned.
+        accuracy_tol: ``(rtol, atol)`` for the gate, atol in units of the reference output's RMS.
+    """
+
+    def decorator(fn: Callable) -> Autotuner:
+        return Autotuner(
+            fn,
+            kernel_name,
+            configs_gen_func,
+            static_key_func,
+            run_key_func,
+            run_key_distance_func,
+            mutates_args,
+            kernel_type,
+            rebuild_input_func,
+            warmup_all_exist_config,
+            output_args,
+            accuracy_tol,
+        )
+
+    return decorator

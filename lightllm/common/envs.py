@@ -1,0 +1,77 @@
+"""Every ``LIGHTLLM_*`` environment variable, parsed and validated in one place.
+
+Getters read the environment on each call (cheap, and tests can change it); ``validate_all`` parses every
+variable once so that start-up stops with one line naming the bad one.
+"""
+
+import os
+from pathlib import Path
+
+AUTOTUNE_LEVEL = "LIGHTLLM_TRITON_AUTOTUNE_LEVEL"
+AUTOTUNE_CONFIG_DIR = "LIGHTLLM_AUTOTUNE_CONFIG_DIR"
+AUTOTUNE_MAX_SECONDS_PER_SEARCH = "LIGHTLLM_AUTOTUNE_MAX_SECONDS_PER_SEARCH"
+DECODE_ATTN_AUTOTUNE_SEQ_LEN = "LIGHTLLM_DECODE_ATTN_AUTOTUNE_SEQ_LEN"
+
+_AUTOTUNE_LEVELS = {0: "use cached configs", 1: "adaptive", 2: "force", 3: "off"}
+
+
+def _parse_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        return int(raw.strip())
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not an integer") from None
+
+
+def get_triton_autotune_level() -> int:
+    """0 use cached configs only (default), 1 adaptive, 2 force re-tune, 3 off (launcher defaults)."""
+    level = _parse_int(AUTOTUNE_LEVEL, 0)
+    if level not in _AUTOTUNE_LEVELS:
+        allowed = ", ".join(f"{k} ({v})" for k, v in _AUTOTUNE_LEVELS.items())
+        raise ValueError(f"{AUTOTUNE_LEVEL}={os.environ[AUTOTUNE_LEVEL]!r} is not allowed; use one of {allowed}")
+    return level
+
+
+def get_decode_attn_autotune_seq_len() -> int:
+    """KV length of the representative batch that decode-attention kernels tune on (default 32768)."""
+    seq_len = _parse_int(DECODE_ATTN_AUTOTUNE_SEQ_LEN, 32768)
+    if seq_len <= 0:
+        raise ValueError(
+            f"{DECODE_ATTN_AUTOTUNE_SEQ_LEN}={os.environ[DECODE_ATTN_AUTOTUNE_SEQ_LEN]!r} must be a positive integer"
+        )
+    return seq_len
+
+
+def get_autotune_max_seconds_per_search() -> float:
+    """Wall-clock budget of one search; when spent the search ends with the best config so far."""
+    raw = os.environ.get(AUTOTUNE_MAX_SECONDS_PER_SEARCH)
+    if raw is None or raw.strip() == "":
+        return 30.0
+    try:
+        seconds = float(raw)
+    except ValueError:
+        raise ValueError(f"{AUTOTUNE_MAX_SECONDS_PER_SEARCH}={raw!r} is not a number") from None
+    if not seconds > 0 or seconds == float("inf"):
+        raise ValueError(f"{AUTOTUNE_MAX_SECONDS_PER_SEARCH}={raw!r} must be a positive, finite number of seconds")
+    return seconds
+
+
+def get_autotune_config_dir() -> Path:
+    """Writable root of tuned configs (default ``~/.cache/lightllm/autotune``)."""
+    raw = os.environ.get(AUTOTUNE_CONFIG_DIR)
+    if raw is None or raw.strip() == "":
+        return Path("~/.cache/lightllm/autotune").expanduser()
+    path = Path(raw).expanduser()
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{AUTOTUNE_CONFIG_DIR}={raw!r} exists and is not a directory")
+    return path
+
+
+def validate_all() -> None:
+    """Parse every variable; raises ``ValueError`` naming the first bad one."""
+    get_triton_autotune_level()
+    get_decode_attn_autotune_seq_len()
+    get_autotune_max_seconds_per_search()
+    get_autotune_config_dir()

@@ -1,0 +1,113 @@
+"""RMSNorm (Qwen3 flavour: normalize in float32, cast to the input dtype, then scale by the weight).
+
+Tuned as a GENERAL kernel: prefill warmup searches BLOCK_N (one pass when it covers the row, else two
+chunked passes) and num_warps per row count.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from lightllm.common.autotuner import AutotuneKernelType, autotune
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@triton.jit
+def _rmsnorm_kernel(X, W, Y, stride_x, stride_y, N, eps, BLOCK_N: tl.constexpr, ONE_PASS: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = X + row * stride_x
+    y_row = Y + row * stride_y
+    cols = tl.arange(0, BLOCK_N)
+    if ONE_PASS:
+        mask = cols < N
+        x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / N + eps)
+        w = tl.load(W + cols, mask=mask, other=0.0)
+        y = (x * rstd).to(X.dtype.element_ty) * w
+        tl.store(y_row + cols, y.to(Y.dtype.element_ty), mask=mask)
+    else:
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        num_chunks = tl.cdiv(N, BLOCK_N)
+        for i in range(num_chunks):
+            off = i * BLOCK_N
+            mask = off + cols < N
+            x = tl.load(x_row + off + cols, mask=mask, other=0.0).to(tl.float32)
+            acc += x * x
+        rstd = 1.0 / tl.sqrt(tl.sum(acc, axis=0) / N + eps)
+        for i in range(num_chunks):
+            off = i * BLOCK_N
+            mask = off + cols < N
+            x = tl.load(x_row + off + cols, mask=mask, other=0.0).to(tl.float32)
+            w = tl.load(W + off + cols, mask=mask, other=0.0)
+            y = (x * rstd).to(X.dtype.element_ty) * w
+            tl.store(y_row + off + cols, y.to(Y.dtype.element_ty), mask=mask)
+
+
+def _configs(x):
+    full = triton.next_power_of_2(x.shape[-1])
+    blocks = sorted({min(b, full) for b in (256, 1024, 4096, full) if b <= 16384})
+    return [{"BLOCK_N": b, "num_warps": w} for b in blocks for w in (1, 2, 4, 8, 16) if w * 32 <= b]
+
+
+def _static_key(x, weight):
+    return {"N": x.shape[-1], "x_dtype": str(x.dtype), "w_dtype": str(weight.dtype)}
+
+
+def _run_key(x):
+    return x.numel() // x.shape[-1]
+
+
+def _default_config(n: int) -> dict:
+    block = min(triton.next_power_of_2(n), 16384)
+    return {"BLOCK_N": block, "num_warps": max(1, min(16, block // 256))}
+
+
+@autotune(
+    kernel_name="rmsnorm",
+    configs_gen_func=_configs,
+    static_key_func=_static_key,
+    run_key_func=_run_key,
+    kernel_type=AutotuneKernelType.GENERAL,
+    output_args=("out",),
+)
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, out=None, run_config=None) -> torch.Tensor:
+    """RMSNorm over the last dim.
+
+    Args:
+        x: ``[..., N]`` float16/bfloat16/float32, last dim contiguous.
+        weight: ``[N]``, same device.
+        out: optional ``[..., N]`` tensor of x's shape and dtype to write into.
+    Returns:
+        ``out`` (allocated when None), ``weight * (x * rsqrt(mean(x**2) + eps)).to(x.dtype)``.
+    """
+    _check(x, weight, out)
+    n = x.shape[-1]
+    x2 = x.reshape(-1, n)
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out
+    y2 = y.view(-1, n)
+    cfg = run_config or _default_config(n)
+    block = cfg["BLOCK_N"]
+    if x2.shape[0] > 0:
+        _rmsnorm_kernel[(x2.shape[0],)](
+            x2, weight, y2, x2.stride(0), y2.stride(0), n, eps, block, block >= n, num_warps=cfg["num_warps"]
+        )
+    return y
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, out) -> None:
+    if x.dtype not in _DTYPES:
+        raise ValueError(f"rmsnorm: x must be one of {_DTYPES}, got {x.dtype}")
+    if x.dim() < 1 or x.stride(-1) != 1:
+        raise ValueError(f"rmsnorm: x must have a contiguous last dim, got shape {tuple(x.shape)}")
+    if weight.shape != (x.shape[-1],) or weight.device != x.device:
+        raise ValueError(f"rmsnorm: weight must be [{x.shape[-1]}] on {x.device}, got {tuple(weight.shape)}")
+    if out is not None and (out.shape != x.shape or out.dtype != x.dtype or not out.is_contiguous()):
+        raise ValueError(f"rmsnorm: out must be a contiguous {tuple(x.shape)} {x.dtype} tensor")
+
+
+def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """Torch reference with the kernel's rounding steps, computed in float32."""
+    xf = x.float()
+    normed = (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return (normed.float() * weight.float()).to(x.dtype)

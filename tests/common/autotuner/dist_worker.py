@@ -1,0 +1,110 @@
+"""One rank of the rank-agreement test (see test_dist.py); writes what it saw as JSON."""
+
+import json
+import logging
+import os
+import sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from lightllm.common.autotuner import AutotuneKernelType, autotune, autotune_warmup, set_bench_func, store
+from lightllm.common.autotuner.keys import freeze
+
+DECODE = AutotuneKernelType.DECODE_ATTENTION
+CANDIDATES = [{"ms": v} for v in (0.5, 0.3, 0.9, 0.4, 0.6, 0.05)]
+
+
+def make_kernel(name, kernel_type=DECODE):
+    timed = []
+
+    @autotune(name, lambda: CANDIDATES, lambda x: x.shape[1], lambda x: x.shape[0], kernel_type=kernel_type)
+    def k(x, run_config=None):
+        k.last = run_config
+        return x + 1
+
+    k.timed = timed
+    return k
+
+
+def main():
+    rank, world, out_path, root = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    os.environ["LIGHTLLM_AUTOTUNE_CONFIG_DIR"] = os.path.join(root, f"rank{rank}")
+    os.environ["LIGHTLLM_TRITON_AUTOTUNE_LEVEL"] = "1"
+    warnings = []
+    logging.getLogger("lightllm").addHandler(_Collect(warnings))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{os.environ['PORT']}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=60),
+    )
+    current = []
+
+    def bench(run):
+        run()
+        current[0].timed.append(current[0].last)
+        return 1.0 if current[0].last is None else current[0].last["ms"]
+
+    set_bench_func(bench)
+    x = torch.ones(8, 4)
+    result = {}
+
+    # A kernel outside the active phase never enters a collective: only rank 0 calls it here.
+    general = make_kernel("dist_general", AutotuneKernelType.GENERAL)
+    with autotune_warmup(DECODE):
+        if rank == 0:
+            general(x)
+
+        split = make_kernel("dist_split")
+        current[:] = [split]
+        split(x)
+        result["split"] = {"timed": split.timed, "used": split.last}
+
+        # One rank has the key cached, the others not: all of them search.
+        one = make_kernel("dist_one_missing")
+        if rank == 0:
+            store.ConfigStore(one.kernel_name).save(4, freeze(4), {8: ({"ms": 0.9}, {})})
+        dist.barrier()
+        current[:] = [one]
+        one(x)
+        result["one_missing"] = {"timed": one.timed, "used": one.last}
+
+        # Every rank has a config, but not the same: all adopt rank 0's without searching.
+        adopt = make_kernel("dist_adopt")
+        store.ConfigStore(adopt.kernel_name).save(4, freeze(4), {8: ({"ms": 0.3 + rank}, {})})
+        current[:] = [adopt]
+        adopt(x)
+        result["adopt"] = {"timed": adopt.timed, "used": adopt.last}
+
+        # Keys differ between ranks: each searches the whole list alone, with a warning.
+        differ = make_kernel("dist_differ")
+        current[:] = [differ]
+        differ(torch.ones(8 + rank, 4))
+        result["differ"] = {"timed": differ.timed, "used": differ.last}
+
+    dist.barrier()  # every rank has written its files
+    files = {}
+    for r in range(world):
+        files[r] = [str(p.relative_to(root)) for p in store.iter_config_files(os.path.join(root, f"rank{r}"))]
+    result["files"] = files
+    result["warnings"] = warnings
+    dist.barrier()
+    dist.destroy_process_group()
+    with open(out_path, "w") as f:
+        json.dump(result, f)
+
+
+class _Collect(logging.Handler):
+    def __init__(self, sink):
+        super().__init__(logging.WARNING)
+        self.sink = sink
+
+    def emit(self, record):
+        self.sink.append(record.getMessage())
+
+
+if __name__ == "__main__":
+    main()

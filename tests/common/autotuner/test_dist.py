@@ -1,0 +1,70 @@
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
+ALL = {0.5, 0.3, 0.9, 0.4, 0.6, 0.05}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ranks_agree_on_configs(tmp_path, world):
+    env = {**os.environ, "PYTHONPATH": REPO, "PORT": str(_free_port())}
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                os.path.join(HERE, "dist_worker.py"),
+                str(r),
+                str(world),
+                str(tmp_path / f"{r}.json"),
+                str(tmp_path),
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(world)
+    ]
+    for p in procs:
+        out, _ = p.communicate(timeout=240)
+        assert p.returncode == 0, out
+    res = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(world)]
+
+    # Split search: disjoint slices covering every candidate, one agreed winner found on the last rank's slice.
+    slices = [{c["ms"] for c in r["split"]["timed"] if c} for r in res]
+    assert set().union(*slices) == ALL and sum(len(s) for s in slices) == len(ALL)
+    assert all(r["split"]["timed"][0] is None for r in res)  # each rank measured the default first
+    assert [r["split"]["used"] for r in res] == [{"ms": 0.05}] * world
+    assert 0.05 in slices[-1]
+
+    # Any rank missing the key makes every rank search.
+    assert all(len(r["one_missing"]["timed"]) > 1 for r in res)
+    assert [r["one_missing"]["used"] for r in res] == [{"ms": 0.05}] * world
+
+    # All cached, configs differ: everyone takes rank 0's, nobody searches.
+    assert [r["adopt"]["used"] for r in res] == [{"ms": 0.3}] * world
+    assert all(r["adopt"]["timed"] == [] for r in res)
+
+    # Different keys: each rank tunes the full list, with a warning.
+    assert all({c["ms"] for c in r["differ"]["timed"] if c} == ALL for r in res)
+    assert all(any("ranks disagree on keys" in w for w in r["warnings"]) for r in res)
+
+    # Only rank 0 wrote agreed configs; ranks whose keys differed wrote their own.
+    files = res[0]["files"]
+    assert any("dist_split" in f for f in files["0"]) and any("dist_one_missing" in f for f in files["0"])
+    for r in range(1, world):
+        assert not any("dist_split" in f or "dist_one_missing" in f for f in files[str(r)])
+        assert any("dist_differ" in f for f in files[str(r)])
+    assert not any("dist_general" in f for r in range(world) for f in files[str(r)])

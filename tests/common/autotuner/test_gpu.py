@@ -1,0 +1,72 @@
+"""On a CUDA GPU: the real CUDA-graph timer, a real search, and the capture guard."""
+
+import json
+
+import pytest
+import torch
+
+from lightllm.common.autotuner import AutotuneKernelType, autotune_warmup, cuda_graph_bench, store
+from lightllm.kernels.norm.rmsnorm import rmsnorm, rmsnorm_ref
+
+pytestmark = pytest.mark.gpu
+GENERAL = AutotuneKernelType.GENERAL
+
+
+@pytest.fixture(autouse=True)
+def fresh(monkeypatch):
+    monkeypatch.setenv("LIGHTLLM_TRITON_AUTOTUNE_LEVEL", "1")
+    rmsnorm.clear_cache()
+    yield
+    rmsnorm.clear_cache()
+
+
+def test_cuda_graph_bench_agrees_with_event_timing():
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    c = torch.empty_like(a)
+    graph_ms = cuda_graph_bench(lambda: torch.mm(a, b, out=c))
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(5):
+        torch.mm(a, b, out=c)
+    start.record()
+    for _ in range(50):
+        torch.mm(a, b, out=c)
+    end.record()
+    torch.cuda.synchronize()
+    eager_ms = start.elapsed_time(end) / 50
+    assert 0.8 * eager_ms < graph_ms < 1.2 * eager_ms  # a 0.2 ms kernel: launch overhead is noise here
+
+
+def test_search_with_graph_timer_stores_a_correct_config(isolated_autotune):
+    x = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    w = torch.rand(4096, device="cuda", dtype=torch.bfloat16)
+    with autotune_warmup(GENERAL):
+        out = rmsnorm(x, w)
+    record = rmsnorm.last_search
+    assert record is not None and record.run_key == 4096
+    assert all(ms > 0 for _, ms in record.timings)
+    assert record.chosen_ms <= record.default_ms
+    torch.testing.assert_close(out.float(), rmsnorm_ref(x, w).float(), rtol=1e-2, atol=1e-2)
+    (path,) = store.iter_config_files(isolated_autotune, "rmsnorm")
+    assert json.loads(path.read_text())["configs"]["4096"] == record.chosen
+
+
+@pytest.mark.filterwarnings("ignore:The CUDA Graph is empty")
+def test_capture_uses_cache_and_refuses_to_search():
+    x = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16)
+    w = torch.rand(4096, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty_like(x)
+    with autotune_warmup(GENERAL):
+        rmsnorm(x, w, out=out)  # searches and compiles before capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            rmsnorm(x, w, out=out)  # cache hit while capturing
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out.float(), rmsnorm_ref(x, w).float(), rtol=1e-2, atol=1e-2)
+        y = torch.randn(96, 4096, device="cuda", dtype=torch.bfloat16)
+        other = torch.cuda.CUDAGraph()
+        with pytest.raises(RuntimeError, match="refusing to search while a CUDA graph is being captured"):
+            with torch.cuda.graph(other):
+                rmsnorm(y, w)

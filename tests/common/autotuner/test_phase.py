@@ -1,0 +1,69 @@
+import pytest
+
+from lightllm.common.autotuner import (
+    AutotuneKernelType,
+    autotune_warmup,
+    current_warmup_kernel_type,
+    decode_attn_run_key_kv_len,
+    is_autotune_warmup,
+    is_decode_attn_tuning,
+    round_up_kv_len,
+)
+
+GENERAL = AutotuneKernelType.GENERAL
+DECODE = AutotuneKernelType.DECODE_ATTENTION
+
+
+def test_scopes_nest_and_restore():
+    assert current_warmup_kernel_type() is None and not is_autotune_warmup()
+    with autotune_warmup(GENERAL):
+        assert current_warmup_kernel_type() is GENERAL and is_autotune_warmup()
+        with autotune_warmup(DECODE):
+            assert current_warmup_kernel_type() is DECODE
+            with autotune_warmup(GENERAL):
+                assert current_warmup_kernel_type() is GENERAL
+            assert current_warmup_kernel_type() is DECODE
+        assert current_warmup_kernel_type() is GENERAL
+    assert current_warmup_kernel_type() is None and not is_autotune_warmup()
+
+
+def test_scope_restores_outer_phase_on_exception():
+    with autotune_warmup(GENERAL):
+        with pytest.raises(ZeroDivisionError):
+            with autotune_warmup(DECODE):
+                1 / 0
+        assert current_warmup_kernel_type() is GENERAL
+    assert current_warmup_kernel_type() is None
+
+
+def test_scope_rejects_non_kernel_type():
+    with pytest.raises(TypeError, match="AutotuneKernelType"):
+        with autotune_warmup("decode_attention"):
+            pass
+    assert current_warmup_kernel_type() is None
+
+
+def test_round_up_kv_len():
+    assert [round_up_kv_len(n) for n in (0, 1, 511, 512, 513, 32768, 32769)] == [512, 512, 512, 512, 1024, 32768, 33280]
+
+
+@pytest.mark.parametrize(
+    "level, phase, expected",
+    [
+        ("0", DECODE, 100),
+        ("1", DECODE, 4096),
+        ("2", DECODE, 4096),
+        ("3", DECODE, 100),
+        ("1", GENERAL, 100),
+        ("1", None, 100),
+    ],
+)
+def test_decode_run_key_kv_len(monkeypatch, level, phase, expected):
+    monkeypatch.setenv("LIGHTLLM_TRITON_AUTOTUNE_LEVEL", level)
+    monkeypatch.setenv("LIGHTLLM_DECODE_ATTN_AUTOTUNE_SEQ_LEN", "4096")
+    if phase is None:
+        assert decode_attn_run_key_kv_len(100) == expected
+        return
+    with autotune_warmup(phase):
+        assert decode_attn_run_key_kv_len(100) == expected
+        assert is_decode_attn_tuning() == (expected == 4096)

@@ -1,0 +1,179 @@
+import json
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from lightllm.common.autotuner import AutotuneKernelType, autotune_warmup, store
+
+GENERAL = AutotuneKernelType.GENERAL
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+
+def _run_python(code: str, env_extra: dict, timeout=120) -> subprocess.CompletedProcess:
+    env = {**os.environ, **env_extra, "PYTHONPATH": REPO}
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+_TUNE_SCRIPT = """
+    import json, torch
+    from lightllm.common.autotuner import AutotuneKernelType, autotune, autotune_warmup, set_bench_func
+
+    timed = []
+    @autotune("persist_test", lambda: [{"ms": 0.4}, {"ms": 0.1}], lambda x: x.shape[1], lambda x: x.shape[0])
+    def k(x, run_config=None):
+        k.last = run_config
+        return x * 2
+
+    def bench(run):
+        run()
+        timed.append(k.last)
+        return 1.0 if k.last is None else k.last["ms"]
+
+    set_bench_func(bench)
+    with autotune_warmup(AutotuneKernelType.GENERAL):
+        k(torch.ones(8, 4))
+    print(json.dumps({"timed": len(timed), "used": k.last}))
+"""
+
+
+def test_configs_persist_across_processes(isolated_autotune):
+    env = {"LIGHTLLM_AUTOTUNE_CONFIG_DIR": str(isolated_autotune), "LIGHTLLM_TRITON_AUTOTUNE_LEVEL": "1"}
+    first = _run_python(_TUNE_SCRIPT, env)
+    assert first.returncode == 0, first.stderr
+    assert json.loads(first.stdout.splitlines()[-1]) == {"timed": 3, "used": {"ms": 0.1}}
+    second = _run_python(_TUNE_SCRIPT, env)
+    assert second.returncode == 0, second.stderr
+    assert json.loads(second.stdout.splitlines()[-1]) == {"timed": 0, "used": {"ms": 0.1}}
+
+
+_WRITER_SCRIPT = """
+    import sys
+    from lightllm.common.autotuner.keys import freeze
+    from lightllm.common.autotuner.store import ConfigStore
+
+    worker, count = int(sys.argv[1]), int(sys.argv[2])
+    s = ConfigStore("concurrent_test")
+    static = {"d": 128}
+    for i in range(count):
+        path = s.save(static, freeze(static), {(worker, i): ({"BLOCK": i, "w": worker}, {"best_ms": 0.1})})
+        assert path is not None
+"""
+
+
+def test_many_processes_writing_one_kernel_lose_nothing(isolated_autotune):
+    workers, count = 4, 25
+    env = {**os.environ, "LIGHTLLM_AUTOTUNE_CONFIG_DIR": str(isolated_autotune), "PYTHONPATH": REPO}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", textwrap.dedent(_WRITER_SCRIPT), str(w), str(count)],
+            env=env,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for w in range(workers)
+    ]
+    for p in procs:
+        _, err = p.communicate(timeout=180)
+        assert p.returncode == 0, err
+    files = list(store.iter_config_files(isolated_autotune, "concurrent_test"))
+    assert len(files) == 1
+    data = json.loads(files[0].read_text())  # valid JSON
+    expected = {
+        json.dumps([w, i], separators=(",", ":")): {"BLOCK": i, "w": w} for w in range(workers) for i in range(count)
+    }
+    assert data["configs"] == expected
+    assert not [p for p in files[0].parent.iterdir() if p.suffix == ".tmp"]
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        "{not json",
+        "\xff\xfe garbage",
+        "[1, 2, 3]",
+        '{"version": 99, "configs": {}}',
+        '{"version": 1, "configs": []}',
+        '{"version": 1, "configs": {"8": [1, 2]}}',
+        '{"version": 1, "configs": {"not json": {}}}',
+        '{"version": 1, "configs": {"8": {"BLOCK": {"nested": 1}}}}',
+    ],
+)
+def test_corrupt_file_is_a_warning_and_a_miss(toy, monkeypatch, caplog, isolated_autotune, content):
+    monkeypatch.setenv("LIGHTLLM_TRITON_AUTOTUNE_LEVEL", "1")
+    t = toy()
+    path = store.ConfigStore(t.name).path(isolated_autotune, (("alpha", 2.0), ("dtype", "torch.float32")))
+    path.parent.mkdir(parents=True)
+    path.write_bytes(content.encode("utf-8", "surrogateescape") if "\xff" not in content else b"\xff\xfe garbage")
+    with caplog.at_level(logging.WARNING, logger="lightllm.common.autotuner"):
+        t(n=8)  # level 1 outside warmup: a cache miss, launcher default
+        assert t.configs_used() == [None]
+        with autotune_warmup(GENERAL):
+            t(n=8)  # searches, then overwrites the bad file with a good one
+    warnings = [r for r in caplog.records if "ignored" in r.getMessage() and str(path) in r.getMessage()]
+    assert len(warnings) == 1
+    assert json.loads(path.read_text())["configs"] == {"8": {"ms": 0.2}}
+
+
+def test_shipped_configs_are_read_and_user_root_wins(toy, isolated_autotune, tmp_path):
+    t = toy()
+    frozen = (("alpha", 2.0), ("dtype", "torch.float32"))
+    s = store.ConfigStore(t.name)
+    for root, configs in (
+        (store.SHIPPED_ROOT, {"4": {"ms": 0.5}, "8": {"ms": 0.9}}),
+        (isolated_autotune, {"8": {"ms": 0.2}}),
+    ):
+        p = s.path(root, frozen)
+        p.parent.mkdir(parents=True)
+        p.write_text(json.dumps({"version": 1, "configs": configs}))
+    t(n=4)
+    t(n=8)
+    assert t.configs_used() == [{"ms": 0.5}, {"ms": 0.2}]
+
+
+def test_writes_go_only_to_user_root(toy, monkeypatch, isolated_autotune):
+    monkeypatch.setenv("LIGHTLLM_TRITON_AUTOTUNE_LEVEL", "1")
+    t = toy()
+    with autotune_warmup(GENERAL):
+        t(n=4)
+    assert list(store.iter_config_files(isolated_autotune, t.name))
+    assert not list(store.iter_config_files(store.SHIPPED_ROOT, t.name))
+
+
+def test_unwritable_path_keeps_config_in_memory(toy, monkeypatch, caplog, tmp_path):
+    blocker = tmp_path / "blocker"
+    blocker.write_text("a file where a folder should be")
+    monkeypatch.setenv("LIGHTLLM_AUTOTUNE_CONFIG_DIR", str(tmp_path))
+    monkeypatch.setattr(store, "triton_dir_name", lambda: "blocker")  # mkdir below a file fails for root too
+    monkeypatch.setenv("LIGHTLLM_TRITON_AUTOTUNE_LEVEL", "1")
+    t = toy()
+    with caplog.at_level(logging.WARNING, logger="lightllm.common.autotuner"):
+        with autotune_warmup(GENERAL):
+            t(n=4)
+            t(n=4)
+    assert t.configs_used()[-2:] == [{"ms": 0.2}] * 2
+    assert any("could not write" in r.getMessage() for r in caplog.records)
+
+
+def test_file_layout_and_names(isolated_autotune):
+    s = store.ConfigStore("layout_test")
+    static = {"head_dim": 128, "dtype": torch.bfloat16}
+    from lightllm.common.autotuner.keys import freeze
+
+    path = s.save(static, freeze(static), {(8, 32768): ({"BLOCK_N": 64}, {"best_ms": 0.01})})
+    rel = path.relative_to(isolated_autotune).parts
+    assert rel[0].startswith("triton_") and rel[1] == store.device_dir_name() and rel[2] == "layout_test"
+    assert rel[3] == "dtype=torch.bfloat16,head_dim=128.json"
+    data = json.loads(path.read_text())
+    assert data["configs"] == {"[8,32768]": {"BLOCK_N": 64}} and data["static_key"]["head_dim"] == 128
+    assert s.load(freeze(static)) == {(8, 32768): {"BLOCK_N": 64}}
+    long_key = {f"k{i}": "v" * 20 for i in range(20)}
+    name = store.static_key_file_name(freeze(long_key))
+    assert len(name) <= 170 and name.endswith(".json")
+    assert name != store.static_key_file_name(freeze({**long_key, "k19": "w" * 20}))

@@ -1,0 +1,371 @@
+import json
+import logging
+import time
+
+import pytest
+import torch
+
+from lightllm.common.autotuner import (
+    AutotuneKernelType,
+    autotune,
+    autotune_warmup,
+    get_autotune_stats,
+    store,
+    tuner,
+)
+
+GENERAL = AutotuneKernelType.GENERAL
+DECODE = AutotuneKernelType.DECODE_ATTENTION
+
+
+@pytest.fixture
+def level(monkeypatch):
+    def set_level(n):
+        monkeypatch.setenv("LIGHTLLM_TRITON_AUTOTUNE_LEVEL", str(n))
+
+    return set_level
+
+
+def saved(toy_kernel, config_dir):
+    files = list(store.iter_config_files(config_dir, toy_kernel.name))
+    assert len(files) <= 1
+    return json.loads(files[0].read_text())["configs"] if files else {}
+
+
+def test_level_1_searches_in_own_phase_once_per_run_key(toy, level, isolated_autotune):
+    level(1)
+    t = toy()
+    with autotune_warmup(GENERAL):
+        t(n=4)
+    assert t.bench.timed == [None, {"ms": 0.5}, {"ms": 0.2}, {"ms": 0.9}]  # default first
+    assert t.configs_used()[-1] == {"ms": 0.2}
+    assert saved(t, isolated_autotune) == {"4": {"ms": 0.2}}
+    t.reset_log()
+    with autotune_warmup(GENERAL):
+        t(n=4)
+        t(n=4)
+    assert t.bench.timed == []
+    assert t.configs_used() == [{"ms": 0.2}, {"ms": 0.2}]
+
+
+def test_no_search_outside_warmup_or_in_other_phase(toy, level):
+    level(1)
+    general, decode = toy(GENERAL), toy(DECODE)
+    general()
+    decode()
+    with autotune_warmup(DECODE):
+        general()
+    with autotune_warmup(GENERAL):
+        decode()
+    assert general.bench.timed == [] and decode.bench.timed == []
+    assert general.configs_used() == [None, None] and decode.configs_used() == [None, None]
+    with autotune_warmup(GENERAL):
+        with autotune_warmup(DECODE):
+            decode(n=2)
+        general(n=2)  # outer phase is back
+    assert decode.bench.timed and general.bench.timed
+
+
+def test_level_0_uses_cache_only_and_level_3_ignores_it(toy, level):
+    t = toy()
+    level(1)
+    with autotune_warmup(GENERAL):
+        t(n=4)
+    t.kernel.clear_cache()
+    t.reset_log()
+    level(0)
+    with autotune_warmup(GENERAL):
+        t(n=4)
+    assert t.bench.timed == [] and t.configs_used()[-1] == {"ms": 0.2}
+    t.reset_log()
+    level(3)
+    with autotune_warmup(GENERAL):
+        t(n=4)
+    assert t.configs_used() == [None]
+
+
+def test_explicit_run_config_bypasses_tuning(toy, level):
+    level(2)
+    t = toy()
+    with autotune_warmup(GENERAL):
+        t(run_config={"ms": 0.9})
+    assert t.bench.timed == [] and t.configs_used() == [{"ms": 0.9}]
+
+
+def test_force_retunes_general_once_per_process_but_acts_adaptive_for_decode(toy, level, caplog, monkeypatch):
+    monkeypatch.setattr(tuner, "_force_as_adaptive_logged", False)
+    for kind in (GENERAL, DECODE):
+        t = toy(kind)
+        level(1)
+        with autotune_warmup(kind):
+            t(n=8)
+        t.kernel.clear_cache()
+        t.bench.timed.clear()
+        level(2)
+        with caplog.at_level(logging.INFO, logger="lightllm.common.autotuner"):
+            with autotune_warmup(kind):
+                for _ in range(3):  # e.g. one call per layer
+                    t(n=8)
+        searches = t.bench.timed.count(None)
+        assert searches == (1 if kind is GENERAL else 0)
+    forced = [r for r in caplog.records if "acts as 1 (adaptive)" in r.getMessage()]
+    assert len(forced) == 1
+    t = toy(DECODE)
+    with autotune_warmup(DECODE):
+        t(n=8)  # a missing key still searches at level 2
+    assert t.bench.timed.count(None) == 1
+    assert len([r for r in caplog.records if "acts as 1 (adaptive)" in r.getMessage()]) == 1
+
+
+def test_key_params_by_position_keyword_and_declared_default(toy, level, isolated_autotune):
+    level(1)
+    t = toy()
+    x, out = torch.randn(4, 3), torch.empty(4, 3)
+    with autotune_warmup(GENERAL):
+        t.kernel(x, out)  # alpha omitted: static key uses the declared default 2.0
+        t.kernel(x, out, 2.0)
+        t.kernel(x=x, out=out, alpha=2.0)
+    assert t.bench.timed.count(None) == 1
+    files = list(store.iter_config_files(isolated_autotune, t.name))
+    assert [f.name for f in files] == ["alpha=2.0,dtype=torch.float32.json"]
+
+
+def test_missing_required_key_param_names_kernel_and_param(toy):
+    t = toy()
+    with pytest.raises(TypeError, match=rf"{t.name}.*missing required parameter 'x'"):
+        t.kernel(out=torch.empty(1))
+
+
+def test_declaration_errors():
+    with pytest.raises(TypeError, match="run_config"):
+        autotune("bad_a", lambda: [], lambda x: 0, lambda x: 0)(lambda x: x)
+    with pytest.raises(TypeError, match="no parameter 'y'"):
+        autotune("bad_b", lambda: [], lambda y: 0, lambda x: 0)(lambda x, run_config=None: x)
+    with pytest.raises(TypeError, match="must name launcher parameters"):
+        autotune("bad_c", lambda: [], lambda *a: 0, lambda x: 0)(lambda x, run_config=None: x)
+    with pytest.raises(TypeError, match="AutotuneKernelType"):
+        autotune("bad_d", lambda: [], lambda x: 0, lambda x: 0, kernel_type="decode")(lambda x, run_config=None: x)
+    with pytest.raises(ValueError, match="kernel_name"):
+        autotune("bad/e", lambda: [], lambda x: 0, lambda x: 0)(lambda x, run_config=None: x)
+
+
+def test_rebuilt_inputs_only_for_timing(toy, level):
+    level(1)
+    calls = []
+
+    def rebuild(x, out, alpha=2.0):
+        calls.append(x.shape[0])
+        big = torch.randn(64, 3)
+        return (big, torch.empty_like(big)), {"alpha": alpha}
+
+    t = toy(DECODE, rebuild_input_func=rebuild)
+    x = torch.randn(2, 3)
+    x_before = x.clone()
+    out = torch.full_like(x, float("nan"))
+    with autotune_warmup(DECODE):
+        t.kernel(x, out)
+        t.kernel(x, out)
+    assert calls == [2]  # once per search
+    assert {inp.shape[0] for inp in t.bench.inputs} == {64}  # timed on rebuilt inputs
+    assert t.log[-1][1] is x  # the final call gets the caller's tensor
+    assert torch.equal(x, x_before) and torch.equal(out, 2.0 * x)
+    assert list(t.kernel._states.values())[0].configs == {2: {"ms": 0.2}}  # keyed by the caller's run key
+
+
+def test_mutated_args_are_restored_after_each_candidate(level):
+    level(1)
+    seen = []
+
+    @autotune(
+        "accumulate_test",
+        configs_gen_func=lambda: [{"ms": 0.3}, {"ms": 0.1}],
+        static_key_func=lambda acc: acc.shape[1],
+        run_key_func=lambda acc: acc.shape[0],
+        mutates_args=("acc",),
+    )
+    def accumulate(acc, x, run_config=None):
+        seen.append(acc.clone())
+        acc.add_(x)
+
+    from lightllm.common.autotuner import set_bench_func
+
+    set_bench_func(lambda run: run() or 1.0)
+    acc = torch.randn(5, 4)
+    start = acc.clone()
+    x = torch.randn(5, 4)
+    with autotune_warmup(GENERAL):
+        accumulate(acc, x)
+    torch.testing.assert_close(acc, start + x, rtol=0, atol=0)  # only the final call's update remains
+    assert len(seen) == 7  # (eager + timed) x (default + 2 candidates) + the final call
+    assert all(torch.equal(s, start) for s in seen)  # every run began from the caller's values
+
+
+def test_nearest_key_is_memoized_and_memo_cleared_on_save(toy, level):
+    distance_calls = []
+
+    def distance(a, b):
+        distance_calls.append((a, b))
+        return abs(a - b)
+
+    t = toy(run_key_distance_func=distance)
+    t.configs = [{"ms": 0.2}]
+    level(1)
+    with autotune_warmup(GENERAL):
+        t(n=8)
+    t.configs = [{"ms": 0.1}]
+    with autotune_warmup(GENERAL):
+        t(n=64)
+    level(0)
+    t.reset_log()
+    distance_calls.clear()
+    t(n=10)
+    t(n=10)
+    assert t.configs_used() == [{"ms": 0.2}, {"ms": 0.2}]  # 8 is nearest to 10
+    assert len(distance_calls) == 2  # memoized: second call computed nothing
+    level(1)
+    t.configs = [{"ms": 0.05}]
+    with autotune_warmup(GENERAL):
+        t(n=11)  # a new key saved for the same static key
+    level(0)
+    t.reset_log()
+    t(n=10)
+    assert t.configs_used() == [{"ms": 0.05}]  # 11 is nearer now: the memo was dropped
+
+
+def test_accuracy_gate_rejects_wrong_candidate(toy, level, caplog):
+    level(1)
+    t = toy()
+    t.bias[0.2] = 1e-2  # fastest config gives wrong results
+    with caplog.at_level(logging.WARNING, logger="lightllm.common.autotuner"):
+        with autotune_warmup(GENERAL):
+            t(n=4)
+    assert t.configs_used()[-1] == {"ms": 0.5}
+    assert any("rejected" in r.getMessage() and "disagrees with default" in r.getMessage() for r in caplog.records)
+    assert get_autotune_stats().candidates_rejected >= 1
+
+
+def test_accuracy_gate_tolerance_is_per_kernel(toy, level):
+    level(1)
+    t = toy(accuracy_tol=(1e-1, 1e-1))
+    t.bias[0.2] = 1e-3  # within the kernel's declared tolerance
+    with autotune_warmup(GENERAL):
+        t.kernel(torch.ones(4, 3) * 5, torch.empty(4, 3))
+    assert t.configs_used()[-1] == {"ms": 0.2}
+
+
+def test_failing_candidate_scores_infinity(toy, level):
+    level(1)
+    t = toy()
+    t.fail.add(0.2)
+    with autotune_warmup(GENERAL):
+        t(n=4)
+    assert t.configs_used()[-1] == {"ms": 0.5}
+
+
+def test_never_slower_than_default(toy, level, isolated_autotune):
+    level(1)
+    t = toy(configs=[{"ms": 1.5}, {"ms": 1.0}])  # default is 1.0 ms: a tie does not win
+    with autotune_warmup(GENERAL):
+        t(n=4)
+    assert t.configs_used()[-1] is None
+    assert saved(t, isolated_autotune) == {"4": None}
+
+
+def test_budget_ends_search_with_best_so_far(toy, level, monkeypatch, caplog):
+    level(1)
+    monkeypatch.setenv("LIGHTLLM_AUTOTUNE_MAX_SECONDS_PER_SEARCH", "0.05")
+    t = toy(configs=[{"ms": 0.5}, {"ms": 0.4}, {"ms": 0.1}, {"ms": 0.05}])
+    real_ms = t.bench.ms
+
+    def slow(cfg):
+        time.sleep(0.04)
+        return real_ms(cfg)
+
+    t.bench.ms = slow
+    with caplog.at_level(logging.WARNING, logger="lightllm.common.autotuner"):
+        with autotune_warmup(GENERAL):
+            t(n=4)
+    assert t.bench.timed[0] is None  # default always measured first
+    assert 2 <= len(t.bench.timed) < 5
+    assert t.configs_used()[-1] == t.bench.timed[-1]  # the best of those timed
+    assert any("budget" in r.getMessage() for r in caplog.records)
+
+
+def test_search_refused_during_capture_but_cache_hits_work(toy, level, monkeypatch):
+    level(1)
+    t = toy()
+    with autotune_warmup(GENERAL):
+        t(n=4)
+    monkeypatch.setattr(tuner, "_is_capturing", lambda: True)
+    t.reset_log()
+    with autotune_warmup(GENERAL):
+        t(n=4)  # cached: fine while capturing
+        with pytest.raises(RuntimeError, match="refusing to search while a CUDA graph is being captured"):
+            t(n=5)
+    assert t.configs_used() == [{"ms": 0.2}]
+
+
+def test_cached_configs_run_once_during_any_warmup(toy, level):
+    t = toy(DECODE)
+    level(1)
+    with autotune_warmup(DECODE):
+        t(n=4)
+    t.configs = [{"ms": 0.1}]
+    with autotune_warmup(DECODE):
+        t(n=16)
+    t.kernel.clear_cache()
+    t.reset_log()
+    level(0)
+    t(n=4)
+    assert t.configs_used() == [{"ms": 0.2}]  # outside warmup: no extra runs
+    with autotune_warmup(GENERAL):  # any phase, not only the kernel's own
+        t(n=4)
+        t(n=4)
+    used = t.configs_used()[1:]
+    assert sorted(c["ms"] for c in used[:-2]) == [0.1, 0.2] and used[-2:] == [{"ms": 0.2}] * 2
+
+    quiet = toy(DECODE, warmup_all_exist_config=False)
+    level(1)
+    with autotune_warmup(DECODE):
+        quiet(n=4)
+        quiet.configs = [{"ms": 0.1}]
+        quiet(n=16)
+    quiet.kernel.clear_cache()
+    quiet.reset_log()
+    level(0)
+    with autotune_warmup(GENERAL):
+        quiet(n=4)
+    assert quiet.configs_used() == [{"ms": 0.2}]
+
+
+def test_warmup_scope_summary_and_stats(toy, level, caplog):
+    level(1)
+    t = toy()
+    before = get_autotune_stats()
+    with caplog.at_level(logging.INFO, logger="lightllm.common.autotuner"):
+        with autotune_warmup(GENERAL):
+            t(n=4)
+            t(n=6)
+    done = get_autotune_stats() - before
+    assert (done.searches, done.configs_written, done.candidates_timed) == (2, 2, 8)
+    summary = [r.getMessage() for r in caplog.records if "autotune warmup [GENERAL] done" in r.getMessage()]
+    assert len(summary) == 1 and "2 searches" in summary[0] and "2 configs written" in summary[0]
+    reports = [r.getMessage() for r in caplog.records if "over default" in r.getMessage()]
+    assert len(reports) == 2 and "5.00x over default" in reports[0]
+
+
+def test_default_failing_in_search_is_a_clear_error(toy, level):
+    level(1)
+    t = toy()
+    t.fail.add(None)
+    with pytest.raises(RuntimeError, match="launcher default failed"):
+        with autotune_warmup(GENERAL):
+            t(n=4)
+
+
+def test_rebuild_must_return_args_and_kwargs(toy, level):
+    level(1)
+    t = toy(DECODE, rebuild_input_func=lambda x, out, alpha=2.0: [x, out])
+    with pytest.raises(TypeError, match="rebuild_input_func must return"):
+        with autotune_warmup(DECODE):
+            t(n=4)

@@ -1,0 +1,66 @@
+from pathlib import Path
+
+import pytest
+
+from lightllm.common import envs
+
+
+def test_defaults():
+    assert envs.get_triton_autotune_level() == 0
+    assert envs.get_decode_attn_autotune_seq_len() == 32768
+    assert envs.get_autotune_max_seconds_per_search() == 30.0
+    envs.validate_all()
+
+
+def test_default_config_dir(monkeypatch):
+    monkeypatch.delenv("LIGHTLLM_AUTOTUNE_CONFIG_DIR")
+    assert envs.get_autotune_config_dir() == Path.home() / ".cache" / "lightllm" / "autotune"
+
+
+@pytest.mark.parametrize(
+    "name, value, message",
+    [
+        ("LIGHTLLM_TRITON_AUTOTUNE_LEVEL", "4", r"LIGHTLLM_TRITON_AUTOTUNE_LEVEL='4' is not allowed; use one of 0"),
+        ("LIGHTLLM_TRITON_AUTOTUNE_LEVEL", "fast", r"LIGHTLLM_TRITON_AUTOTUNE_LEVEL='fast' is not an integer"),
+        ("LIGHTLLM_DECODE_ATTN_AUTOTUNE_SEQ_LEN", "0", r"LIGHTLLM_DECODE_ATTN_AUTOTUNE_SEQ_LEN='0' must be a positive"),
+        (
+            "LIGHTLLM_DECODE_ATTN_AUTOTUNE_SEQ_LEN",
+            "-8",
+            r"LIGHTLLM_DECODE_ATTN_AUTOTUNE_SEQ_LEN='-8' must be a positive",
+        ),
+        (
+            "LIGHTLLM_DECODE_ATTN_AUTOTUNE_SEQ_LEN",
+            "32k",
+            r"LIGHTLLM_DECODE_ATTN_AUTOTUNE_SEQ_LEN='32k' is not an integer",
+        ),
+        (
+            "LIGHTLLM_DECODE_ATTN_AUTOTUNE_SEQ_LEN",
+            "1.5",
+            r"LIGHTLLM_DECODE_ATTN_AUTOTUNE_SEQ_LEN='1.5' is not an integer",
+        ),
+        ("LIGHTLLM_AUTOTUNE_MAX_SECONDS_PER_SEARCH", "0", r"LIGHTLLM_AUTOTUNE_MAX_SECONDS_PER_SEARCH='0' must be"),
+        ("LIGHTLLM_AUTOTUNE_MAX_SECONDS_PER_SEARCH", "nan", r"LIGHTLLM_AUTOTUNE_MAX_SECONDS_PER_SEARCH='nan' must be"),
+        ("LIGHTLLM_AUTOTUNE_MAX_SECONDS_PER_SEARCH", "x", r"LIGHTLLM_AUTOTUNE_MAX_SECONDS_PER_SEARCH='x' is not a"),
+    ],
+)
+def test_bad_values_name_variable_and_value(monkeypatch, name, value, message):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=message):
+        envs.validate_all()
+
+
+def test_config_dir_must_not_be_a_file(monkeypatch, tmp_path):
+    f = tmp_path / "file"
+    f.write_text("x")
+    monkeypatch.setenv("LIGHTLLM_AUTOTUNE_CONFIG_DIR", str(f))
+    with pytest.raises(ValueError, match="LIGHTLLM_AUTOTUNE_CONFIG_DIR=.* is not a directory"):
+        envs.validate_all()
+
+
+def test_valid_values_parse(monkeypatch):
+    monkeypatch.setenv("LIGHTLLM_TRITON_AUTOTUNE_LEVEL", " 2 ")
+    monkeypatch.setenv("LIGHTLLM_DECODE_ATTN_AUTOTUNE_SEQ_LEN", "8192")
+    monkeypatch.setenv("LIGHTLLM_AUTOTUNE_MAX_SECONDS_PER_SEARCH", "2.5")
+    assert envs.get_triton_autotune_level() == 2
+    assert envs.get_decode_attn_autotune_seq_len() == 8192
+    assert envs.get_autotune_max_seconds_per_search() == 2.5

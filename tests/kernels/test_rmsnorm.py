@@ -1,0 +1,80 @@
+import json
+
+import pytest
+import torch
+
+from lightllm.common.autotuner import AutotuneKernelType, autotune_warmup, get_autotune_stats, store
+from lightllm.kernels.norm.rmsnorm import rmsnorm, rmsnorm_ref
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def fresh_tuner_state():
+    rmsnorm.clear_cache()
+    yield
+    rmsnorm.clear_cache()
+
+
+def _check(x, w, out, eps=1e-6):
+    ref = rmsnorm_ref(x.double().to(x.dtype), w, eps)
+    assert not out.isnan().any(), "some output elements were never written"
+    tol = 1e-5 if x.dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize(
+    "shape, config",
+    [
+        ((1, 64), None),
+        ((5, 100), None),
+        ((3, 300), {"BLOCK_N": 512, "num_warps": 4}),  # one pass, masked tail
+        ((3, 300), {"BLOCK_N": 64, "num_warps": 1}),  # two chunked passes, ragged last chunk
+        ((2, 3, 128), {"BLOCK_N": 128, "num_warps": 2}),  # leading dims flattened
+    ],
+    ids=["row1", "rows5-N100", "onepass", "twopass", "3d"],
+)
+def test_matches_reference(dtype, shape, config):
+    torch.manual_seed(0)
+    x = torch.randn(shape, dtype=dtype, device=DEVICE) * 3
+    w = torch.rand(shape[-1], dtype=dtype, device=DEVICE) + 0.5
+    out = torch.full_like(x, float("nan"))
+    rmsnorm(x, w, 1e-6, out=out, run_config=config)
+    _check(x, w, out)
+
+
+def test_bad_inputs_are_value_errors():
+    x = torch.randn(2, 8, device=DEVICE)
+    with pytest.raises(ValueError, match="x must be one of"):
+        rmsnorm(x.to(torch.int32), torch.ones(8, device=DEVICE))
+    with pytest.raises(ValueError, match=r"weight must be \[8\]"):
+        rmsnorm(x, torch.ones(9, device=DEVICE))
+    with pytest.raises(ValueError, match="contiguous last dim"):
+        rmsnorm(torch.randn(8, 2, device=DEVICE).t(), torch.ones(8, device=DEVICE))
+    with pytest.raises(ValueError, match="out must be"):
+        rmsnorm(x, torch.ones(8, device=DEVICE), out=torch.empty(2, 8, dtype=torch.float16, device=DEVICE))
+
+
+def test_real_triton_kernel_through_the_tuner(monkeypatch, isolated_autotune):
+    """Level 1, GENERAL warmup, the default timer: every candidate compiles/runs, the winner is stored."""
+    monkeypatch.setenv("LIGHTLLM_TRITON_AUTOTUNE_LEVEL", "1")
+    torch.manual_seed(1)
+    x = torch.randn(4, 300, device=DEVICE)
+    w = torch.rand(300, device=DEVICE)
+    before = get_autotune_stats()
+    with autotune_warmup(AutotuneKernelType.GENERAL):
+        out = rmsnorm(x, w)
+    done = get_autotune_stats() - before
+    _check(x, w, out)
+    assert done.searches == 1 and done.candidates_timed == 10 and done.candidates_rejected == 0  # default + 9
+    (path,) = store.iter_config_files(isolated_autotune, "rmsnorm")
+    data = json.loads(path.read_text())
+    assert list(data["configs"]) == ["4"] and data["timings"]["4"]["candidates"] == 9
+    chosen = data["configs"]["4"]
+    assert chosen is None or chosen["BLOCK_N"] in (256, 512)
+    rmsnorm.clear_cache()
+    monkeypatch.setenv("LIGHTLLM_TRITON_AUTOTUNE_LEVEL", "0")
+    out2 = torch.full_like(x, float("nan"))
+    rmsnorm(x, w, out=out2)
+    _check(x, w, out2)
