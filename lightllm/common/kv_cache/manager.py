@@ -1,0 +1,86 @@
+"""KV cache bookkeeping for requests: request slots, their tokens and the req_to_token table.
+
+No policy lives here (no admission, preemption or eviction): callers ask, the manager counts and refuses
+with ``KVCacheFull`` when the pool is short.
+"""
+
+from typing import List
+
+import torch
+
+from lightllm.common.kv_cache.allocator import ReqSlotAllocator, TokenAllocator, check_count
+from lightllm.common.kv_cache.req_to_token import MAX_TOKEN_INDEX, ReqToTokenTable
+
+
+class KVCacheManager:
+    """Token pool of ``num_tokens`` slots shared by up to ``max_reqs`` requests of at most ``max_len`` tokens.
+
+    The token indices each request holds are also kept on the CPU (one tensor per ``extend``), so freeing a
+    request never reads the device table back.
+    """
+
+    def __init__(self, num_tokens: int, max_reqs: int, max_len: int, device="cuda"):
+        check_count("KVCacheManager", "num_tokens", num_tokens, 1)
+        if num_tokens - 1 > MAX_TOKEN_INDEX:
+            raise ValueError(f"KVCacheManager: num_tokens expected <= {MAX_TOKEN_INDEX + 1} (int32), got {num_tokens}")
+        self.tokens = TokenAllocator(num_tokens)
+        self.slots = ReqSlotAllocator(max_reqs)
+        self.req_to_token = ReqToTokenTable(max_reqs, max_len, device)
+        self.max_len = max_len
+        self._seq_lens = [0] * max_reqs
+        self._held: List[List[torch.Tensor]] = [[] for _ in range(max_reqs)]
+
+    @property
+    def table(self) -> torch.Tensor:
+        """The int32 ``[max_reqs, max_len]`` req_to_token table."""
+        return self.req_to_token.table
+
+    @property
+    def num_free_tokens(self) -> int:
+        return self.tokens.num_free
+
+    @property
+    def num_free_slots(self) -> int:
+        return self.slots.num_free
+
+    def add_request(self) -> int:
+        """A fresh request slot of length 0; ``KVCacheFull`` if every slot is taken."""
+        slot = self.slots.alloc()
+        self._seq_lens[slot] = 0
+        self._held[slot] = []
+        return slot
+
+    def extend(self, slot: int, n: int) -> torch.Tensor:
+        """Allocate ``n`` tokens for ``slot`` and append them to its row of the table.
+
+        Returns the new token indices (CPU int64 ``[n]``). Raises ``ValueError`` if ``slot`` is not allocated
+        or the request would exceed ``max_len``, ``KVCacheFull`` if the pool has fewer than ``n`` free tokens;
+        nothing changes in either case.
+        """
+        self.slots.check_allocated("KVCacheManager.extend", slot)
+        check_count("KVCacheManager.extend", "n", n, 0)
+        cur = self._seq_lens[slot]
+        if cur + n > self.max_len:
+            raise ValueError(
+                f"KVCacheManager.extend: n expected <= {self.max_len - cur} (max_len {self.max_len}, "
+                f"slot {slot} holds {cur}), got {n}"
+            )
+        token_idx = self.tokens.alloc(n)
+        if n:
+            self.req_to_token.write(slot, cur, token_idx)
+            self._held[slot].append(token_idx)
+            self._seq_lens[slot] = cur + n
+        return token_idx
+
+    def free_request(self, slot: int) -> None:
+        """Free ``slot`` and every token it holds."""
+        self.slots.check_allocated("KVCacheManager.free_request", slot)
+        if self._held[slot]:
+            self.tokens.free(torch.cat(self._held[slot]))
+        self._held[slot] = []
+        self._seq_lens[slot] = 0
+        self.slots.free(slot)
+
+    def seq_len(self, slot: int) -> int:
+        self.slots.check_allocated("KVCacheManager.seq_len", slot)
+        return self._seq_lens[slot]

@@ -1,0 +1,30 @@
+"""The req_to_token table: (request slot, position) -> token index in the KV pool."""
+
+import torch
+
+from lightllm.common.kv_cache.allocator import check_count
+
+# Token indices are stored as int32, which is what the attention kernels read.
+MAX_TOKEN_INDEX = torch.iinfo(torch.int32).max
+
+
+class ReqToTokenTable:
+    """``table``: int32 ``[max_reqs, max_len]`` on ``device``, allocated once; row = request slot.
+
+    Entries past a request's length are stale; the kernels read only ``table[slot, :seq_len]``.
+    """
+
+    def __init__(self, max_reqs: int, max_len: int, device="cuda"):
+        check_count("ReqToTokenTable", "max_reqs", max_reqs, 1)
+        check_count("ReqToTokenTable", "max_len", max_len, 1)
+        self.max_reqs = max_reqs
+        self.max_len = max_len
+        self.table = torch.zeros((max_reqs, max_len), dtype=torch.int32, device=device)
+
+    @property
+    def device(self) -> torch.device:
+        return self.table.device
+
+    def write(self, slot: int, start: int, token_idx: torch.Tensor) -> None:
+        """``table[slot, start:start+len(token_idx)] = token_idx`` (bounds checked by the caller)."""
+        self.table[slot, start : start + token_idx.numel()] = token_idx.to(device=self.table.device, dtype=torch.int32)

@@ -1,0 +1,175 @@
+import random
+
+import pytest
+import torch
+
+from lightllm.common.kv_cache import KVCacheFull, KVCacheManager, ReqSlotAllocator, TokenAllocator
+
+
+def test_token_alloc_free_accounting():
+    alloc = TokenAllocator(10)
+    assert (alloc.num_free, alloc.num_used) == (10, 0)
+    a = alloc.alloc(4)
+    assert a.dtype == torch.int64 and a.device.type == "cpu" and a.tolist() == [0, 1, 2, 3]
+    b = alloc.alloc(3)
+    assert (alloc.num_free, alloc.num_used) == (3, 7)
+    assert len(set(a.tolist()) | set(b.tolist())) == 7
+    alloc.free(a[1:3])
+    assert (alloc.num_free, alloc.num_used) == (5, 5)
+    c = alloc.alloc(5)
+    assert sorted(c.tolist()) == [1, 2, 7, 8, 9] and alloc.num_free == 0
+    assert alloc.alloc(0).numel() == 0
+    alloc.free(torch.cat([a[:1], a[3:], b, c]))
+    assert (alloc.num_free, alloc.num_used) == (10, 0)
+    assert sorted(alloc.alloc(10).tolist()) == list(range(10))
+
+
+def test_token_free_accepts_lists_and_other_int_dtypes():
+    alloc = TokenAllocator(6)
+    idx = alloc.alloc(4)
+    alloc.free(idx[:2].to(torch.int32))
+    alloc.free(idx[2:].tolist())
+    alloc.free([])
+    assert alloc.num_free == 6
+
+
+def test_token_exhaustion_message_and_no_change():
+    alloc = TokenAllocator(8)
+    alloc.alloc(5)
+    with pytest.raises(KVCacheFull, match="asked for 4 tokens, only 3 of 8 are free"):
+        alloc.alloc(4)
+    assert alloc.num_free == 3 and alloc.can_alloc(3) and not alloc.can_alloc(4)
+    assert isinstance(KVCacheFull("x"), RuntimeError)
+
+
+def test_token_bad_frees_raise_and_keep_accounting():
+    alloc = TokenAllocator(8)
+    idx = alloc.alloc(4)
+    alloc.free(idx[:1])
+    with pytest.raises(ValueError, match=r"double free or never allocated.*\[0\]"):
+        alloc.free(idx[:2])  # 0 already free, 1 in use: nothing may change
+    with pytest.raises(ValueError, match="double free or never allocated"):
+        alloc.free([6])  # never handed out
+    with pytest.raises(ValueError, match="distinct"):
+        alloc.free([2, 2])
+    with pytest.raises(ValueError, match=r"indices expected values in \[0, 8\), got range \[-1, 3\]"):
+        alloc.free([3, -1])
+    with pytest.raises(ValueError, match="indices expected values"):
+        alloc.free([8])
+    assert (alloc.num_free, alloc.num_used) == (5, 3)
+    alloc.free(idx[1:])
+    assert alloc.num_free == 8
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda: TokenAllocator(0), "num_tokens expected an int >= 1, got 0"),
+        (lambda: TokenAllocator(2.0), "num_tokens expected an int, got float"),
+        (lambda: TokenAllocator(4).alloc(-1), "n expected an int >= 0, got -1"),
+        (lambda: TokenAllocator(4).alloc(True), "n expected an int, got bool"),
+        (lambda: TokenAllocator(4).free(torch.zeros(2, 2, dtype=torch.int64)), "indices expected a 1-D tensor"),
+        (lambda: TokenAllocator(4).free(torch.zeros(2)), "indices expected an integer tensor"),
+        (lambda: TokenAllocator(4).free([1.5]), "indices expected an integer tensor, got dtype torch.float32"),
+        (lambda: ReqSlotAllocator(0), "max_reqs expected an int >= 1, got 0"),
+    ],
+    ids=[
+        "tokens-zero",
+        "tokens-float",
+        "alloc-negative",
+        "alloc-bool",
+        "free-2d",
+        "free-float",
+        "free-float-list",
+        "slots-zero",
+    ],
+)
+def test_bad_arguments(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def test_req_slots():
+    slots = ReqSlotAllocator(3)
+    got = [slots.alloc() for _ in range(3)]
+    assert sorted(got) == [0, 1, 2] and slots.num_free == 0 and slots.num_used == 3
+    with pytest.raises(KVCacheFull, match="0 of 3 are free"):
+        slots.alloc()
+    slots.free(1)
+    with pytest.raises(ValueError, match="free slot 1"):
+        slots.free(1)
+    with pytest.raises(ValueError, match=r"slot expected a value in \[0, 3\), got 3"):
+        slots.free(3)
+    with pytest.raises(ValueError, match="slot expected an int >= 0, got -1"):
+        slots.free(-1)
+    assert (slots.num_free, slots.num_used) == (1, 2)
+    assert slots.alloc() == 1
+
+
+def test_manager_extend_writes_table():
+    mgr = KVCacheManager(num_tokens=16, max_reqs=2, max_len=6, device="cpu")
+    assert mgr.table.shape == (2, 6) and mgr.table.dtype == torch.int32
+    a, b = mgr.add_request(), mgr.add_request()
+    ta = mgr.extend(a, 3)
+    tb = mgr.extend(b, 2)
+    ta2 = mgr.extend(a, 1)
+    assert mgr.extend(a, 0).numel() == 0
+    assert (mgr.seq_len(a), mgr.seq_len(b), mgr.num_free_tokens) == (4, 2, 10)
+    assert mgr.table[a, :4].tolist() == torch.cat([ta, ta2]).tolist()
+    assert mgr.table[b, :2].tolist() == tb.tolist()
+    assert len(set(mgr.table[a, :4].tolist()) | set(mgr.table[b, :2].tolist())) == 6
+
+
+def test_manager_limits_change_nothing():
+    mgr = KVCacheManager(num_tokens=8, max_reqs=2, max_len=5, device="cpu")
+    a = mgr.add_request()
+    mgr.extend(a, 4)
+    with pytest.raises(ValueError, match=r"n expected <= 1 \(max_len 5, slot 0 holds 4\), got 2"):
+        mgr.extend(a, 2)
+    b = mgr.add_request()
+    mgr.extend(b, 3)
+    with pytest.raises(KVCacheFull, match="asked for 2 tokens, only 1 of 8"):
+        mgr.extend(b, 2)
+    assert (mgr.seq_len(a), mgr.seq_len(b), mgr.num_free_tokens) == (4, 3, 1)
+    with pytest.raises(KVCacheFull, match="request slot"):
+        mgr.add_request()
+    mgr.free_request(a)
+    with pytest.raises(ValueError, match="free slot 0"):
+        mgr.free_request(a)
+    with pytest.raises(ValueError, match="free slot 0"):
+        mgr.extend(a, 1)
+    with pytest.raises(ValueError, match="free slot 0"):
+        mgr.seq_len(a)
+    with pytest.raises(ValueError, match="num_tokens expected <= 2147483648"):
+        KVCacheManager(num_tokens=2**31 + 1, max_reqs=1, max_len=1, device="cpu")
+    assert mgr.num_free_tokens == 5 and mgr.num_free_slots == 1
+
+
+def test_manager_random_cycles_never_leak():
+    rng = random.Random(0)
+    num_tokens = 40
+    mgr = KVCacheManager(num_tokens=num_tokens, max_reqs=6, max_len=20, device="cpu")
+    live, refused = {}, set()
+    for _ in range(400):
+        op = rng.random()
+        if op < 0.2 and mgr.num_free_slots:
+            live[mgr.add_request()] = []
+        elif op < 0.85 and live:
+            slot = rng.choice(list(live))
+            n = rng.randint(0, 6)
+            try:
+                live[slot] += mgr.extend(slot, n).tolist()
+            except (KVCacheFull, ValueError) as e:
+                refused.add(type(e))  # the check below proves a refusal changed nothing
+        elif live:
+            slot = rng.choice(list(live))
+            mgr.free_request(slot)
+            del live[slot]
+        held = [t for toks in live.values() for t in toks]
+        assert len(set(held)) == len(held) and mgr.num_free_tokens == num_tokens - len(held)
+        for slot, toks in live.items():
+            assert mgr.seq_len(slot) == len(toks) and mgr.table[slot, : len(toks)].tolist() == toks
+    assert refused == {KVCacheFull, ValueError}  # both the pool and max_len limits were hit
+    for slot in list(live):
+        mgr.free_request(slot)
+    assert mgr.num_free_tokens == num_tokens and mgr.num_free_slots == 6
