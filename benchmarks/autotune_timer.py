@@ -55,7 +55,7 @@ def main():
     for rows in args.rows:
         runs = [search_once(rows, args.hidden) for _ in range(2)]
         (r1, err1, ref_ms), (r2, _, _) = runs
-        diffs = [abs(a[1] - b[1]) / min(a[1], b[1]) * 100 for a, b in zip(r1.timings, r2.timings)]
+        diffs = [abs(a[1][0] - b[1][0]) / min(a[1][0], b[1][0]) * 100 for a, b in zip(r1.timings, r2.timings)]
         nbytes = 2 * rows * args.hidden * 2 + args.hidden * 2
         rows_out.append(
             {
@@ -65,13 +65,13 @@ def main():
                 "search_s": [r1.seconds, r2.seconds],
                 "s_per_candidate": [r1.seconds / (len(r1.timings) + 1), r2.seconds / (len(r2.timings) + 1)],
                 "chosen": [r1.chosen, r2.chosen],
-                "chosen_ms": [r1.chosen_ms, r2.chosen_ms],
-                "default_ms": [r1.default_ms, r2.default_ms],
+                "chosen_ms": [r1.chosen_ms[0], r2.chosen_ms[0]],
+                "default_ms": [r1.default_ms[0], r2.default_ms[0]],
                 "torch_ref_ms": ref_ms,
-                "candidate_ms": [[c, a, b[1]] for (c, a), b in zip(r1.timings, r2.timings)],
+                "candidate_ms": [[c, a[0], b[1][0]] for (c, a), b in zip(r1.timings, r2.timings)],
                 "run_to_run_diff_pct_median": statistics.median(diffs),
                 "run_to_run_diff_pct_max": max(diffs),
-                "bandwidth_pct_of_copy": nbytes / (r1.chosen_ms * 1e-3) / 1e9 / bw * 100,
+                "bandwidth_pct_of_copy": nbytes / (r1.chosen_ms[0] * 1e-3) / 1e9 / bw * 100,
                 "rel_err_vs_ref": err1,
             }
         )

@@ -11,6 +11,7 @@ AUTOTUNE_LEVEL = "LIGHTLLM_TRITON_AUTOTUNE_LEVEL"
 AUTOTUNE_CONFIG_DIR = "LIGHTLLM_AUTOTUNE_CONFIG_DIR"
 AUTOTUNE_MAX_SECONDS_PER_SEARCH = "LIGHTLLM_AUTOTUNE_MAX_SECONDS_PER_SEARCH"
 DECODE_ATTN_AUTOTUNE_SEQ_LEN = "LIGHTLLM_DECODE_ATTN_AUTOTUNE_SEQ_LEN"
+AUTOTUNE_CHOICE_RULE = "LIGHTLLM_AUTOTUNE_CHOICE_RULE"
 
 _AUTOTUNE_LEVELS = {0: "use cached configs", 1: "adaptive", 2: "force", 3: "off"}
 
@@ -58,6 +59,17 @@ def get_autotune_max_seconds_per_search() -> float:
     return seconds
 
 
+def get_autotune_choice_rule() -> str:
+    """How a search timed on several inputs picks its winner: ``minimax_loss`` (default) or ``tuning_len``."""
+    raw = os.environ.get(AUTOTUNE_CHOICE_RULE)
+    if raw is None or raw.strip() == "":
+        return "minimax_loss"
+    rule = raw.strip()
+    if rule not in ("minimax_loss", "tuning_len"):
+        raise ValueError(f"{AUTOTUNE_CHOICE_RULE}={raw!r} is not allowed; use minimax_loss or tuning_len")
+    return rule
+
+
 def get_autotune_config_dir() -> Path:
     """Writable root of tuned configs (default ``~/.cache/lightllm/autotune``)."""
     raw = os.environ.get(AUTOTUNE_CONFIG_DIR)
@@ -74,4 +86,5 @@ def validate_all() -> None:
     get_triton_autotune_level()
     get_decode_attn_autotune_seq_len()
     get_autotune_max_seconds_per_search()
+    get_autotune_choice_rule()
     get_autotune_config_dir()

@@ -2,6 +2,7 @@
 
 from lightllm.common.autotuner.bench import cuda_graph_bench, get_bench_func, set_bench_func, wall_clock_bench
 from lightllm.common.autotuner.decode import (
+    decode_attn_autotune_seq_lens,
     decode_attn_run_key_kv_len,
     get_decode_attn_autotune_seq_len,
     is_decode_attn_tuning,
@@ -27,6 +28,7 @@ __all__ = [
     "autotune_warmup",
     "cuda_graph_bench",
     "current_warmup_kernel_type",
+    "decode_attn_autotune_seq_lens",
     "decode_attn_run_key_kv_len",
     "get_autotune_stats",
     "get_bench_func",

@@ -25,8 +25,22 @@ def decode_attn_run_key_kv_len(real_kv_len: int) -> int:
     return get_decode_attn_autotune_seq_len() if is_decode_attn_tuning() else int(real_kv_len)
 
 
+def decode_attn_autotune_seq_lens() -> list:
+    """KV lengths a decode-attention search times on: the tuning length first, then 1/2, 1/8 and 1/32 of it
+    (at least 512), so the config a CUDA graph freezes is checked against the shorter lengths it will also
+    serve (see the ``minimax_loss`` choice rule)."""
+    seq_len = get_decode_attn_autotune_seq_len()
+    lens = [seq_len]
+    for div in (2, 8, 32):
+        n = max(KV_LEN_BUCKET, seq_len // div)
+        if n < lens[-1]:
+            lens.append(n)
+    return lens
+
+
 __all__ = [
     "KV_LEN_BUCKET",
+    "decode_attn_autotune_seq_lens",
     "decode_attn_run_key_kv_len",
     "get_decode_attn_autotune_seq_len",
     "is_decode_attn_tuning",

@@ -15,6 +15,7 @@ from lightllm.common import envs
 from lightllm.common.autotuner import dist
 from lightllm.common.autotuner.accuracy import collect_tensors, mismatch
 from lightllm.common.autotuner.bench import get_bench_func
+from lightllm.common.autotuner.choice import choose, per_scenario_best, worst_case_loss
 from lightllm.common.autotuner.keys import ParamPicker, default_run_key_distance, freeze, key_to_json, param_names
 from lightllm.common.autotuner.phase import (
     STATS,
@@ -39,14 +40,15 @@ def _is_capturing() -> bool:
 
 @dataclass
 class SearchRecord:
-    """What the latest search of a kernel measured (for reports and benchmarks)."""
+    """What the latest search of a kernel measured (for reports and benchmarks); times are per scenario."""
 
     static_key: Any
     run_key: Any
-    default_ms: float
-    timings: List[Tuple[dict, float]]  # (candidate, ms); inf = failed, rejected or not reached
+    rule: str
+    default_ms: List[float]
+    timings: List[Tuple[dict, List[float]]]  # (candidate, ms per scenario); inf = failed, rejected, not reached
     chosen: Config
-    chosen_ms: float
+    chosen_ms: List[float]
     seconds: float
 
 
@@ -156,7 +158,7 @@ class Autotuner:
         need = cached is _MISSING or (level == AutotuneLevel.FORCE and run_key not in state.searched)
         if dist.world() == 1:
             return self._search(state, run_key, args, kwargs, split=False) if need else cached
-        mine = (key_to_json(freeze(state.static_key)), key_to_json(run_key), need, cached)
+        mine = (key_to_json(freeze(state.static_key)), key_to_json(run_key), need, None if need else cached)
         infos = dist.all_gather_object(mine)
         if any(info[:2] != mine[:2] for info in infos):
             logger.warning(
@@ -200,14 +202,15 @@ class Autotuner:
             )
         start = time.perf_counter()
         budget = envs.get_autotune_max_seconds_per_search()
+        rule = envs.get_autotune_choice_rule()
         candidates = self._candidates(args, kwargs)
-        t_args, t_kwargs = self._rebuild(args, kwargs) if self.rebuild_input_func else (args, kwargs)
+        scenarios = self._rebuild(args, kwargs) if self.rebuild_input_func else [(args, kwargs)]
         rank, world = (dist.rank(), dist.world()) if split else (0, 1)
         mine = [i for i in range(len(candidates)) if i % world == rank]  # ranks time disjoint slices
-        trial = _Trial(self, t_args, t_kwargs)
-        timings: Dict[int, float] = {}
+        trials = [_Trial(self, t_args, t_kwargs) for t_args, t_kwargs in scenarios]
+        timings: Dict[int, List[float]] = {}
         try:
-            default_ms = trial.measure(None)  # first, so nothing slower than the default can win
+            default_ms = [trial.measure(None) for trial in trials]  # first: the bar every candidate must beat
             bar = tqdm(mine, desc=f"autotune {self.kernel_name}", delay=2.0, leave=False, disable=rank != 0)
             for i in bar:
                 if time.perf_counter() - start > budget:
@@ -219,32 +222,34 @@ class Autotuner:
                         len(mine),
                     )
                     break
-                timings[i] = trial.measure(candidates[i])
+                timings[i] = []
+                for trial in trials:  # a failure on one input rules the candidate out
+                    timings[i].append(trial.measure(candidates[i]) if all(map(math.isfinite, timings[i])) else math.inf)
             bar.close()
         finally:
-            trial.snapshot.restore()
+            for trial in trials:
+                trial.snapshot.restore()
         if split:
             parts = dist.all_gather_object((default_ms, timings))
             default_ms = parts[0][0]  # every rank compares against rank 0's default
             timings = {i: ms for _, part in parts for i, ms in part.items()}
-        best_i = min(timings, key=lambda i: timings[i], default=None)
-        if best_i is None or not timings[best_i] < default_ms:
-            best, best_ms = None, default_ms
-        else:
-            best, best_ms = candidates[best_i], timings[best_i]
-        if not math.isfinite(best_ms):
+        winner = choose(default_ms, timings, rule)
+        best, best_ms = (None, default_ms) if winner < 0 else (candidates[winner], timings[winner])
+        if not all(map(math.isfinite, best_ms)):
             raise RuntimeError(f"autotune kernel {self.kernel_name!r}: no config, the default included, could run")
         seconds = time.perf_counter() - start
         self.last_search = SearchRecord(
             state.static_key,
             run_key,
+            rule,
             default_ms,
-            [(c, timings.get(i, math.inf)) for i, c in enumerate(candidates)],
+            [(c, timings.get(i, [math.inf] * len(trials))) for i, c in enumerate(candidates)],
             best,
             best_ms,
             seconds,
         )
-        self._adopt(state, run_key, best, best_ms, default_ms, len(timings), seconds, write=not split or rank == 0)
+        self._log_search(self.last_search, len(timings))
+        self._adopt(state, run_key, best, best_ms[0], default_ms[0], len(timings), write=not split or rank == 0)
         STATS.searches += 1
         STATS.search_seconds += seconds
         return best
@@ -260,32 +265,53 @@ class Autotuner:
                 out.append(config)
         return out
 
-    def _rebuild(self, args: tuple, kwargs: dict) -> Tuple[tuple, dict]:
+    def _rebuild(self, args: tuple, kwargs: dict) -> List[Tuple[tuple, dict]]:
+        """Timing inputs: one ``(args, kwargs)`` pair, or a list of them (the first is the tuning point)."""
         rebuilt = self.rebuild_input_func(*args, **kwargs)
-        if not (isinstance(rebuilt, tuple) and len(rebuilt) == 2):
-            raise TypeError(f"autotune kernel {self.kernel_name!r}: rebuild_input_func must return (args, kwargs)")
-        t_args, t_kwargs = rebuilt
-        return tuple(t_args), dict(t_kwargs)
+        many = rebuilt if isinstance(rebuilt, list) else [rebuilt]
+        if not many or not all(isinstance(r, tuple) and len(r) == 2 for r in many):
+            raise TypeError(
+                f"autotune kernel {self.kernel_name!r}: rebuild_input_func must return (args, kwargs) or a list of them"
+            )
+        return [(tuple(a), dict(k)) for a, k in many]
 
-    def _adopt(self, state, run_key, config, best_ms, default_ms, timed, seconds, write: bool) -> None:
+    def _log_search(self, record: SearchRecord, timed: int) -> None:
+        best, default = record.chosen_ms[0], record.default_ms[0]
+        extra = ""
+        if len(record.default_ms) > 1:
+            everyone = [record.default_ms] + [t for _, t in record.timings if all(map(math.isfinite, t))]
+            per_best = per_scenario_best(everyone)
+            extra = (
+                f", worst-case loss {worst_case_loss(record.chosen_ms, per_best) - 1:.1%} over {len(per_best)} inputs"
+            )
+            fastest = min(everyone, key=lambda t: t[0])
+            if fastest is not record.chosen_ms and fastest[0] < best:
+                i = [t for _, t in record.timings].index(fastest) if fastest is not record.default_ms else -1
+                name = "default" if i < 0 else key_to_json(record.timings[i][0])
+                extra += (
+                    f"; best at tuning length was {name} ({fastest[0]:.4f} ms, worst-case loss "
+                    f"{worst_case_loss(fastest, per_best) - 1:.1%}), chosen by {record.rule}"
+                )
+        logger.info(
+            "autotune %s %s run_key=%s: %s %.4f ms, %.2fx over default (%.4f ms), %d candidates in %.2fs%s",
+            self.kernel_name,
+            key_to_json(record.static_key),
+            key_to_json(record.run_key),
+            "default" if record.chosen is None else key_to_json(record.chosen),
+            best,
+            default / best if best > 0 else 1.0,
+            default,
+            timed,
+            record.seconds,
+            extra,
+        )
+
+    def _adopt(self, state, run_key, config, best_ms: float, default_ms: float, timed: int, write: bool) -> None:
         state.configs[run_key] = config
         state.nearest.clear()
         state.searched.add(run_key)
         if config is not None:
             state.warmed.add(key_to_json(config))
-        speedup = default_ms / best_ms if best_ms > 0 else 1.0
-        logger.info(
-            "autotune %s %s run_key=%s: %s %.4f ms, %.2fx over default (%.4f ms), %d candidates in %.2fs",
-            self.kernel_name,
-            key_to_json(state.static_key),
-            key_to_json(run_key),
-            "default" if config is None else key_to_json(config),
-            best_ms,
-            speedup,
-            default_ms,
-            timed,
-            seconds,
-        )
         if write:
             timing = {"best_ms": round(best_ms, 6), "default_ms": round(default_ms, 6), "candidates": timed}
             entry = {run_key: (config, timing)}

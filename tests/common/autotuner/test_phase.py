@@ -67,3 +67,12 @@ def test_decode_run_key_kv_len(monkeypatch, level, phase, expected):
     with autotune_warmup(phase):
         assert decode_attn_run_key_kv_len(100) == expected
         assert is_decode_attn_tuning() == (expected == 4096)
+
+
+@pytest.mark.parametrize("env, expected", [(None, [32768, 16384, 4096, 1024]), ("1024", [1024, 512]), ("512", [512])])
+def test_decode_autotune_seq_lens(monkeypatch, env, expected):
+    from lightllm.common.autotuner import decode_attn_autotune_seq_lens
+
+    if env:
+        monkeypatch.setenv("LIGHTLLM_DECODE_ATTN_AUTOTUNE_SEQ_LEN", env)
+    assert decode_attn_autotune_seq_lens() == expected

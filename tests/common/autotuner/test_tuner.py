@@ -365,7 +365,73 @@ def test_default_failing_in_search_is_a_clear_error(toy, level):
 
 def test_rebuild_must_return_args_and_kwargs(toy, level):
     level(1)
-    t = toy(DECODE, rebuild_input_func=lambda x, out, alpha=2.0: [x, out])
+    t = toy(DECODE, rebuild_input_func=lambda x, out, alpha=2.0: {"x": x})
     with pytest.raises(TypeError, match="rebuild_input_func must return"):
         with autotune_warmup(DECODE):
             t(n=4)
+
+
+def _length_dependent(t):
+    """Config "a" is best at the tuning length (64 rows) but 30% off at 8 rows; "b" is never more than 5% off."""
+    table = {None: {64: 1.0, 8: 1.0}, "a": {64: 0.50, 8: 0.39}, "b": {64: 0.52, 8: 0.315}, "c": {64: 0.9, 8: 0.3}}
+    t.configs = [{"ms": 1, "name": n} for n in ("a", "b", "c")]
+    t.bench.ms_at = lambda cfg, rows: table[None if cfg is None else cfg["name"]][rows]
+
+    def rebuild(x, out, alpha=2.0):
+        return [((torch.randn(n, 3), torch.empty(n, 3)), {"alpha": alpha}) for n in (64, 8)]
+
+    return rebuild
+
+
+@pytest.mark.parametrize("rule, expected", [("minimax_loss", "b"), ("tuning_len", "a"), (None, "b")])
+def test_choice_rule_over_several_inputs(toy, level, monkeypatch, caplog, rule, expected):
+    level(1)
+    if rule:
+        monkeypatch.setenv("LIGHTLLM_AUTOTUNE_CHOICE_RULE", rule)
+    t = toy(DECODE)
+    t.kernel.rebuild_input_func = _length_dependent(t)
+    with caplog.at_level(logging.INFO, logger="lightllm.common.autotuner"):
+        with autotune_warmup(DECODE):
+            t(n=4)
+    assert t.configs_used()[-1]["name"] == expected
+    record = t.kernel.last_search
+    assert record.rule == (rule or "minimax_loss") and len(record.default_ms) == 2
+    assert [rows for rows in map(len, t.bench.inputs)][:2] == [64, 8]  # default timed on every input first
+    msg = [r.getMessage() for r in caplog.records if "over default" in r.getMessage()][0]
+    assert "worst-case loss" in msg
+    if expected == "b":
+        assert 'best at tuning length was {"ms":1,"name":"a"}' in msg
+
+
+def test_choice_rule_env_is_validated(monkeypatch):
+    from lightllm.common import envs
+
+    monkeypatch.setenv("LIGHTLLM_AUTOTUNE_CHOICE_RULE", "fastest")
+    with pytest.raises(ValueError, match="LIGHTLLM_AUTOTUNE_CHOICE_RULE='fastest' is not allowed"):
+        envs.validate_all()
+
+
+def test_choose_unit():
+    from lightllm.common.autotuner.choice import choose
+
+    assert choose([1.0], {0: [0.5], 1: [0.4]}, "minimax_loss") == 1
+    assert choose([1.0], {0: [1.0]}, "minimax_loss") == -1  # ties keep the default
+    assert choose([1.0, 1.0], {0: [0.5, 1.01], 1: [0.6, 0.7]}, "minimax_loss") == 1
+    assert choose([1.0, 1.0], {0: [0.5, 1.01], 1: [0.6, 0.7]}, "tuning_len") == 0
+    assert choose([1.0, 1.0], {0: [0.5, float("inf")]}, "minimax_loss") == -1
+
+
+def test_minimax_winner_never_has_a_larger_worst_case_loss_than_default():
+    import random
+
+    from lightllm.common.autotuner.choice import choose, per_scenario_best, worst_case_loss
+
+    rng = random.Random(0)
+    for _ in range(200):
+        default = [rng.uniform(0.5, 2) for _ in range(4)]
+        timings = {i: [rng.uniform(0.5, 2) for _ in range(4)] for i in range(6)}
+        w = choose(default, timings, "minimax_loss")
+        best = per_scenario_best([default, *timings.values()])
+        chosen = default if w < 0 else timings[w]
+        assert worst_case_loss(chosen, best) <= worst_case_loss(default, best)
+        assert worst_case_loss(chosen, best) == min(worst_case_loss(t, best) for t in [default, *timings.values()])
