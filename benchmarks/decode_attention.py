@@ -1,0 +1,315 @@
+"""Decode attention on the GPU: Triton GQA flash decode (bf16, INT8, INT4 KV) against FlashAttention-3.
+
+Matrix B x L for two shapes, every time a CUDA-graph replay median on random data, launched for a graph
+whose maximum length is the largest L (as a captured decode graph is):
+
+- per cell: the default config, the per-cell best of the candidate configs ("tuned"), the config a graph
+  freezes under each choice rule, FA3 (``fa3_fwd_interface``) at each ``num_splits`` and its best, achieved
+  bandwidth as % of the device-to-device copy measured in the same run, INT8/INT4 speed-ups over bf16;
+- the frozen-config analysis: per batch, the config each rule picks from the tuner's ladder of lengths
+  (``decode_attn_autotune_seq_lens``), applied at every L, against that L's best;
+- stage 2's share of the time and whether its num_warps matters.
+
+    python benchmarks/decode_attention.py --out benchmarks/results/decode_attention_h200.json
+"""
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+import torch
+import triton
+
+from lightllm.common.autotuner import decode_attn_autotune_seq_lens
+from lightllm.common.autotuner.choice import choose, per_scenario_best, worst_case_loss
+from lightllm.kernels.attention.decode import flash_decode
+from lightllm.kernels.attention.decode.stage2 import decode_stage2_kernel
+
+SHAPES = {"hq32-hk8-d128": (32, 8, 128), "hq24-hk4-d256": (24, 4, 256)}
+FA3_SPLITS = (0, 1, 2, 4, 8, 16, 32)
+KINDS = ("none", "int8", "int4")
+
+
+def graph_time_ms(fn, budget_ms: float = 12.0) -> float:
+    """Median per-run time from CUDA-graph replays (enough runs per graph for ~0.5 ms, replays within budget)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    runs = max(1, min(50, math.ceil(0.5 / max(start.elapsed_time(end), 1e-3))))
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(runs):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    g.replay()
+    torch.cuda.synchronize()
+    one = (time.perf_counter() - t0) * 1e3
+    reps = max(3, min(20, int(budget_ms / max(one, 1e-3))))
+    times = []
+    for _ in range(reps):
+        start.record()
+        g.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / runs)
+    del g
+    return statistics.median(times)
+
+
+def copy_bandwidth_gbs() -> float:
+    src = torch.randn(1 << 30, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(100):  # ~150 ms of load first: an idle GPU starts at low clocks
+        dst.copy_(src)
+    ms = graph_time_ms(lambda: dst.copy_(src), budget_ms=100)
+    return 2 * (1 << 30) * 2 / ms / 1e6
+
+
+def make_pool(kind, tokens, kv_heads, head_dim, group):
+    """Random KV for timing (codes and scales drawn directly; correctness is the tests' job)."""
+    if kind == "none":
+        k = torch.randn(tokens, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16)
+        return k, torch.randn_like(k), None, None
+    width = head_dim if kind == "int8" else head_dim // 2
+    dtype = torch.int8 if kind == "int8" else torch.uint8
+    lo, hi = (-127, 128) if kind == "int8" else (0, 256)
+    k = torch.randint(lo, hi, (tokens, kv_heads, width), device="cuda", dtype=dtype)
+    v = torch.randint(lo, hi, (tokens, kv_heads, width), device="cuda", dtype=dtype)
+    scale = lambda: torch.rand(tokens, kv_heads, head_dim // group, device="cuda").add_(0.5).mul_(0.02).half()  # noqa
+    return k, v, scale(), scale()
+
+
+def kv_bytes(kind, batch, length, kv_heads, head_dim, group):
+    per_elem = {"none": 2.0, "int8": 1.0, "int4": 0.5}[kind] + (0 if kind == "none" else 2.0 / group)
+    return 2 * batch * length * kv_heads * head_dim * per_elem
+
+
+def decode_fn(kind, q, pool, r2t, idx, seq, graph_max, out, group, cfg):
+    k, v, ks, vs = pool
+    if kind == "none":
+        return lambda: flash_decode.gqa_decode_attention(q, k, v, r2t, idx, seq, graph_max, out=out, run_config=cfg)
+    fn = flash_decode.gqa_decode_attention_int8kv if kind == "int8" else flash_decode.gqa_decode_attention_int4kv
+    return lambda: fn(q, k, v, ks, vs, r2t, idx, seq, graph_max, out=out, quant_group=group, run_config=cfg)
+
+
+def fa3_times(fa3, q, pool, batch, max_len, seq):
+    k, v = pool[0].view(batch, max_len, *pool[0].shape[1:]), pool[1].view(batch, max_len, *pool[1].shape[1:])
+    q4 = q.unsqueeze(1)
+    times = {}
+    for splits in FA3_SPLITS:
+        try:
+            times[splits] = graph_time_ms(
+                lambda: fa3.flash_attn_with_kvcache(q4, k, v, cache_seqlens=seq, causal=True, num_splits=splits)
+            )
+        except Exception as e:  # a split count the build refuses
+            print(f"  fa3 num_splits={splits}: {type(e).__name__}: {e}", file=sys.stderr)
+    return times
+
+
+def stage2_study(shape, batch, length, group):
+    """Stage-2 time alone at num_warps 1..8 vs the whole decode (default config)."""
+    hq, hk, d = SHAPES[shape]
+    cfg = flash_decode.default_config(d, "none")
+    splits = flash_decode.num_splits(
+        batch, hk, length, flash_decode.DEFAULT_BLOCK_SEQ, cfg["WAVES"], torch.device("cuda")
+    )
+    mid_o = torch.randn(batch, hq, splits, d, device="cuda")
+    mid_lse = torch.randn(batch, hq, splits, device="cuda")
+    seq = torch.full((batch,), length, device="cuda", dtype=torch.int32)
+    out = torch.empty(batch, hq, d, device="cuda", dtype=torch.bfloat16)
+    res = {"shape": shape, "B": batch, "L": length, "splits": splits, "stage2_ms": {}}
+    for warps in (1, 2, 4, 8):
+        res["stage2_ms"][warps] = graph_time_ms(
+            lambda: decode_stage2_kernel[(batch, hq)](
+                mid_o,
+                mid_lse,
+                seq,
+                out,
+                *mid_o.stride()[:3],
+                *mid_lse.stride()[:2],
+                *out.stride()[:2],
+                splits,
+                BLOCK_SEQ=flash_decode.DEFAULT_BLOCK_SEQ,
+                HEAD_DIM=d,
+                num_warps=warps,
+            )
+        )
+    return res
+
+
+def _save(results, path):
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(results, f, default=str)
+
+
+def run(args):
+    fa3 = None
+    if not args.no_fa3:
+        try:
+            import fa3_fwd_interface as fa3
+        except ImportError as e:
+            print(f"FA3 not available ({e}); FA3 columns left empty", file=sys.stderr)
+    bw = copy_bandwidth_gbs()
+    print(f"copy bandwidth {bw:.0f} GB/s", flush=True)
+    graph_max = max(args.lens)
+    ladder = [n for n in decode_attn_autotune_seq_lens() if n in args.lens]
+    results = {"device": torch.cuda.get_device_name(), "copy_GBs": bw, "graph_max_len": graph_max,
+               "ladder": ladder, "quant_group": args.group, "cells": [], "stage2": []}  # fmt: skip
+    for shape in args.shapes:
+        for batch in (1, 16, 64):
+            if batch in args.batches:
+                results["stage2"].append(stage2_study(shape, batch, max(args.lens), args.group))
+    for kind in args.kinds:  # bf16 (and FA3) first: partial results stay useful under a time limit
+        for shape, batch in [(s, b) for s in args.shapes for b in args.batches]:
+            hq, hk, d = SHAPES[shape]
+            tokens = batch * graph_max
+            if kv_bytes(kind, batch, graph_max, hk, d, args.group) > args.max_gb * 1e9:
+                print(f"skip {shape} B={batch} {kind}: pool over {args.max_gb} GB", file=sys.stderr)
+                continue
+            pool = make_pool(kind, tokens, hk, d, args.group)
+            r2t = torch.arange(tokens, device="cuda", dtype=torch.int32).view(batch, graph_max)
+            idx = torch.arange(batch, device="cuda", dtype=torch.int32)
+            q = torch.randn(batch, hq, d, device="cuda", dtype=torch.bfloat16)
+            out = torch.empty_like(q)
+            configs = flash_decode._configs(q, flash_decode.DEFAULT_BLOCK_SEQ)  # what the tuner searches
+            for length in args.lens:
+                seq = torch.full((batch,), length, device="cuda", dtype=torch.int32)
+                cell = {"shape": shape, "B": batch, "L": length, "kind": kind,
+                        "bytes": kv_bytes(kind, batch, length, hk, d, args.group)}  # fmt: skip
+                cell["default_ms"] = graph_time_ms(decode_fn(kind, q, pool, r2t, idx, seq, graph_max, out,
+                                                             args.group, None))  # fmt: skip
+                cell["configs"] = []
+                for cfg in configs:
+                    try:
+                        ms = graph_time_ms(decode_fn(kind, q, pool, r2t, idx, seq, graph_max, out, args.group, cfg))
+                    except Exception as e:  # out of resources at some shapes
+                        ms = math.inf
+                        print(f"  {cfg}: {type(e).__name__}", file=sys.stderr)
+                    cell["configs"].append([cfg, ms])
+                if kind == "none" and fa3 is not None:
+                    cell["fa3_ms"] = fa3_times(fa3, q, pool, batch, graph_max, seq)
+                results["cells"].append(cell)
+                print(f"{shape} B={batch:3d} L={length:6d} {kind:4s} default {cell['default_ms'] * 1e3:8.1f} us, "
+                      f"best {min(ms for _, ms in cell['configs']) * 1e3:8.1f} us", flush=True)  # fmt: skip
+            del pool, r2t
+            torch.cuda.empty_cache()
+            _save(results, args.out)  # partial results survive a time limit
+    return results
+
+
+# ---- analysis -------------------------------------------------------------------------------------------
+
+
+def analyze(results):
+    cells = {(c["shape"], c["B"], c["L"], c["kind"]): c for c in results["cells"]}
+    ladder = results["ladder"]
+    lens = sorted({c["L"] for c in results["cells"]})
+    rows, frozen = [], []
+    for (shape, batch, length, kind), c in sorted(cells.items()):
+        best_cfg, best = min(c["configs"], key=lambda x: x[1])
+        row = {"shape": shape, "B": batch, "L": length, "kind": kind, "default_ms": c["default_ms"],
+               "tuned_ms": min(best, c["default_ms"]), "tuned_cfg": best_cfg}  # fmt: skip
+        row["TBps"] = c["bytes"] / (row["tuned_ms"] * 1e-3) / 1e12
+        row["bw_pct"] = row["TBps"] * 1e3 / results["copy_GBs"] * 100
+        if c.get("fa3_ms"):
+            row["fa3_best_ms"] = min(c["fa3_ms"].values())
+            row["fa3_heuristic_ms"] = c["fa3_ms"].get("0", c["fa3_ms"].get(0))
+        if kind != "none" and (shape, batch, length, "none") in cells:
+            base = cells[(shape, batch, length, "none")]
+            row["speedup_vs_bf16"] = min(x[1] for x in base["configs"] + [[None, base["default_ms"]]]) / row["tuned_ms"]
+        rows.append(row)
+    for shape, batch, kind in sorted({(k[0], k[1], k[3]) for k in cells}):
+        if not all((shape, batch, n, kind) in cells for n in lens):
+            continue
+        per_len = [cells[(shape, batch, n, kind)] for n in lens]
+        names = [None] + [json.dumps(cfg, sort_keys=True) for cfg, _ in per_len[0]["configs"]]
+        table = {name: [] for name in names}
+        for c in per_len:
+            table[None].append(c["default_ms"])
+            for cfg, ms in c["configs"]:
+                table[json.dumps(cfg, sort_keys=True)].append(ms)
+        best = per_scenario_best(table.values())
+        entry = {"shape": shape, "B": batch, "kind": kind, "lens": lens, "best_ms": best, "rules": {}}
+        order = [lens.index(n) for n in ladder]
+        candidates = {i: [table[names[i + 1]][j] for j in order] for i in range(len(names) - 1)}
+        default = [table[None][j] for j in order]
+        for rule in ("tuning_len", "minimax_loss"):
+            w = choose(default, candidates, rule)
+            times = table[names[w + 1]]
+            entry["rules"][rule] = {"config": names[w + 1], "ms": times,
+                                    "loss_pct": [(t / b - 1) * 100 for t, b in zip(times, best)],
+                                    "worst_loss_pct": (worst_case_loss(times, best) - 1) * 100}  # fmt: skip
+        frozen.append(entry)
+    return rows, frozen
+
+
+def print_tables(results, rows, frozen):
+    print(f"\n{results['device']}: copy {results['copy_GBs']:.0f} GB/s; graph max len {results['graph_max_len']}; "
+          f"rule ladder {results['ladder']}; quant group {results['quant_group']}")  # fmt: skip
+    print(
+        "\nshape          B      L kind  default us  tuned us  tuned/def  TB/s  %copy  fa3 best  fa3 heur  tuned/fa3"
+        "  x bf16"
+    )
+    for r in rows:
+        fa3 = r.get("fa3_best_ms")
+        print(
+            f"{r['shape']:13s} {r['B']:3d} {r['L']:6d} {r['kind']:4s} {r['default_ms'] * 1e3:10.1f} "
+            f"{r['tuned_ms'] * 1e3:9.1f} {r['tuned_ms'] / r['default_ms']:9.2f} {r['TBps']:5.2f} {r['bw_pct']:6.1f} "
+            + (f"{fa3 * 1e3:9.1f} {r['fa3_heuristic_ms'] * 1e3:9.1f} {r['tuned_ms'] / fa3:9.2f}" if fa3 else " " * 29)
+            + (f" {r['speedup_vs_bf16']:7.2f}" if "speedup_vs_bf16" in r else "")
+        )
+    print("\nfrozen config (chosen from the ladder, applied at every L): loss % vs that L's best")
+    for f in frozen:
+        for rule, v in f["rules"].items():
+            losses = " ".join(f"{n // 1024:3d}K:{x:5.1f}" for n, x in zip(f["lens"], v["loss_pct"]))
+            print(
+                f"{f['shape']:13s} B={f['B']:3d} {f['kind']:4s} {rule:12s} worst {v['worst_loss_pct']:5.1f}  {losses}"
+            )
+    for s in results["stage2"]:
+        st = " ".join(f"w{w}:{ms * 1e3:.1f}" for w, ms in s["stage2_ms"].items())
+        print(f"stage2 {s['shape']} B={s['B']} L={s['L']} splits={s['splits']}: {st} us")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--batches", nargs="+", type=int, default=[1, 8, 16, 32, 64, 128])
+    p.add_argument("--lens", nargs="+", type=int, default=[1024, 4096, 8192, 16384, 32768, 65536])
+    p.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
+    p.add_argument("--analyze", metavar="JSON", help="print the tables of a saved run (no GPU needed)")
+    p.add_argument("--group", type=int, default=8, help="INT8/INT4 quant group size")
+    p.add_argument("--max-gb", type=float, default=60.0, help="skip cells whose KV pool is larger")
+    p.add_argument("--no-fa3", action="store_true")
+    p.add_argument("--out", default="benchmarks/results/decode_attention.json")
+    args = p.parse_args()
+    if args.analyze:
+        with open(args.analyze) as f:
+            results = json.load(f)
+    elif not torch.cuda.is_available():
+        sys.exit("decode_attention.py needs a CUDA GPU")
+    else:
+        results = run(args)
+    rows, frozen = analyze(results)
+    results["rows"], results["frozen"] = rows, frozen
+    if not args.analyze:
+        _save(results, args.out)
+    print_tables(results, rows, frozen)
+    print(f"triton {triton.__version__}, torch {torch.__version__}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,295 @@
+"""GQA flash decode over the token-level KV cache: bf16/fp16, INT8 and INT4 KV.
+
+One query token per request. ``stage1`` splits each request's KV into ``block_seq`` chunks shared out to a
+fixed number of split programs per (request, KV head); ``stage2`` merges the splits. Each KV type has its
+own tuned kernel (``gqa_flash_decode``, ``gqa_flash_decode_int8kv``, ``gqa_flash_decode_int4kv``), tuned in
+the DECODE_ATTENTION phase on a representative batch rebuilt over the existing pool: every request at
+``LIGHTLLM_DECODE_ATTN_AUTOTUNE_SEQ_LEN`` tokens, timed also at shorter lengths so that the config a CUDA
+graph freezes suits every length it serves. A search times stage 1 and stage 2 together: the split count a
+config implies changes stage 2's work too.
+"""
+
+import math
+from functools import lru_cache
+from typing import Optional
+
+import torch
+import triton
+
+from lightllm.common.autotuner import (
+    AutotuneKernelType,
+    autotune,
+    decode_attn_autotune_seq_lens,
+    decode_attn_run_key_kv_len,
+    round_up_kv_len,
+)
+from lightllm.kernels.attention.decode.stage1 import decode_stage1_kernel
+from lightllm.kernels.attention.decode.stage2 import decode_stage2_kernel
+
+HEAD_DIMS = (64, 128, 256)
+Q_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+DEFAULT_BLOCK_SEQ = 256
+_QUANT_BITS = {"none": 0, "int8": 8, "int4": 4}
+
+
+@lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # interpreter: keep grids small
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def num_splits(batch: int, kv_heads: int, max_len_in_batch: int, block_seq: int, waves: int, device) -> int:
+    """Split programs per (request, KV head): about ``waves`` programs per SM, never more than the chunks of
+    the longest request the launch must serve (the graph's maximum when captured)."""
+    max_chunks = max(1, triton.cdiv(max_len_in_batch, block_seq))
+    want = triton.cdiv(waves * _num_sms(device), batch * kv_heads)
+    return max(1, min(want, max_chunks))
+
+
+def default_config(head_dim: int, quant: str) -> dict:
+    return {"BLOCK_N": 32 if head_dim == 256 else 64, "num_warps": 4, "num_stages": 2, "WAVES": 2}
+
+
+def _launch(
+    q,
+    k_cache,
+    v_cache,
+    k_scale,
+    v_scale,
+    req_to_token,
+    b_req_idx,
+    b_seq_len,
+    max_len_in_batch,
+    out,
+    sm_scale,
+    block_seq,
+    quant,
+    quant_group,
+    run_config=None,
+):
+    batch, q_heads, head_dim = q.shape
+    kv_heads = k_cache.shape[1]
+    group = q_heads // kv_heads
+    cfg = run_config or default_config(head_dim, quant)
+    splits = num_splits(batch, kv_heads, max_len_in_batch, block_seq, cfg["WAVES"], q.device)
+    mid_o = torch.empty((batch, q_heads, splits, head_dim), dtype=torch.float32, device=q.device)
+    mid_lse = torch.empty((batch, q_heads, splits), dtype=torch.float32, device=q.device)
+    ks = k_scale if k_scale is not None else k_cache
+    vs = v_scale if v_scale is not None else v_cache
+    if batch > 0:
+        decode_stage1_kernel[(batch, kv_heads, splits)](
+            q, k_cache, v_cache, ks, vs, req_to_token, b_req_idx, b_seq_len, mid_o, mid_lse,
+            sm_scale * 1.4426950408889634,
+            q.stride(0), q.stride(1),
+            k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+            ks.stride(0), ks.stride(1), vs.stride(0), vs.stride(1),
+            req_to_token.stride(0),
+            mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+            GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HALF_D=head_dim // 2,
+            BLOCK_SEQ=block_seq, BLOCK_N=cfg["BLOCK_N"], QUANT=_QUANT_BITS[quant], QGROUP=quant_group,
+            PRECISION="ieee" if q.dtype == torch.float32 else None,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        )  # fmt: skip
+        decode_stage2_kernel[(batch, q_heads)](
+            mid_o, mid_lse, b_seq_len, out,
+            mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+            out.stride(0), out.stride(1), splits,
+            BLOCK_SEQ=block_seq, HEAD_DIM=head_dim, num_warps=4 if head_dim <= 128 else 8,
+        )  # fmt: skip
+    return out
+
+
+# ---- tuning declaration ---------------------------------------------------------------------------------
+
+
+def _configs(q, block_seq):
+    """16 candidates, 4 compiles per shape: WAVES only changes the grid (no recompile), and what was left out
+    (BLOCK_N 16/128, 2 warps, 1 stage) only pays for its compile time at start-up."""
+    block_ns = [n for n in (32, 64) if n <= block_seq]
+    return [
+        {"BLOCK_N": block_n, "num_warps": num_warps, "num_stages": num_stages, "WAVES": waves}
+        for block_n in block_ns
+        for num_warps, num_stages in ((4, 2), (8, 3))
+        for waves in (1, 2, 4, 8)
+    ]
+
+
+def _static_key(q, k_cache, block_seq, quant, quant_group):
+    return {
+        "group": q.shape[1] // k_cache.shape[1],
+        "head_dim": q.shape[2],
+        "block_seq": block_seq,
+        "q_dtype": str(q.dtype),
+        "kv": quant if quant != "none" else str(k_cache.dtype),
+        "quant_group": quant_group if quant != "none" else 0,
+    }
+
+
+def _run_key(q, max_len_in_batch):
+    return q.shape[0], round_up_kv_len(decode_attn_run_key_kv_len(max_len_in_batch))
+
+
+def _representative_batches(
+    q,
+    k_cache,
+    v_cache,
+    k_scale,
+    v_scale,
+    req_to_token,
+    b_req_idx,
+    b_seq_len,
+    max_len_in_batch,
+    out,
+    sm_scale,
+    block_seq,
+    quant,
+    quant_group,
+):
+    """The caller's batch with every request at each tuning length, over the existing pool (token indices
+    wrap modulo its size: no KV is allocated). Launch sizes stay the caller's (``max_len_in_batch`` is the
+    graph's maximum when capturing), so timings see the grid the graph will replay."""
+    batch, pool = q.shape[0], k_cache.shape[0]
+    lens = decode_attn_autotune_seq_lens()
+    table = (torch.arange(batch * lens[0], device=q.device, dtype=torch.int64) % pool).to(torch.int32)
+    table = table.view(batch, lens[0])
+    slots = torch.arange(batch, device=q.device, dtype=torch.int32)
+    launch_len = max(max_len_in_batch, lens[0])
+    scenarios = []
+    for n in lens:
+        seq = torch.full((batch,), n, device=q.device, dtype=torch.int32)
+        args = (q, k_cache, v_cache, k_scale, v_scale, table, slots, seq, launch_len, torch.empty_like(out))
+        scenarios.append((args + (sm_scale, block_seq, quant, quant_group), {}))
+    return scenarios
+
+
+def _declare(kernel_name: str):
+    return autotune(
+        kernel_name=kernel_name,
+        configs_gen_func=_configs,
+        static_key_func=_static_key,
+        run_key_func=_run_key,
+        kernel_type=AutotuneKernelType.DECODE_ATTENTION,
+        rebuild_input_func=_representative_batches,
+        output_args=("out",),
+    )(_launch)
+
+
+_tuned = {
+    "none": _declare("gqa_flash_decode"),
+    "int8": _declare("gqa_flash_decode_int8kv"),
+    "int4": _declare("gqa_flash_decode_int4kv"),
+}
+
+
+# ---- public API -----------------------------------------------------------------------------------------
+
+
+def gqa_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    req_to_token: torch.Tensor,
+    b_req_idx: torch.Tensor,
+    b_seq_len: torch.Tensor,
+    max_len_in_batch: int,
+    out: Optional[torch.Tensor] = None,
+    sm_scale: Optional[float] = None,
+    block_seq: int = DEFAULT_BLOCK_SEQ,
+    run_config: Optional[dict] = None,
+) -> torch.Tensor:
+    """Decode attention of one query token per request over a bf16/fp16/fp32 token pool.
+
+    Args:
+        q: ``[batch, q_heads, head_dim]``; head_dim 64, 128 or 256.
+        k_cache, v_cache: ``[pool_tokens, kv_heads, head_dim]`` of q's dtype; ``q_heads % kv_heads == 0``.
+        req_to_token: int32 ``[max_reqs, max_len]``, token index of each position of each request slot.
+        b_req_idx, b_seq_len: int32 ``[batch]``: slot and KV length (including the current token) per request.
+        max_len_in_batch: upper bound of ``b_seq_len`` this launch must serve (the graph's maximum when
+            captured); sizes the split grid.
+        out: optional ``[batch, q_heads, head_dim]`` of q's dtype.
+    """
+    _check(q, k_cache, v_cache, None, None, req_to_token, b_req_idx, b_seq_len, out, "none", 0, block_seq)
+    return _run("none", q, k_cache, v_cache, None, None, req_to_token, b_req_idx, b_seq_len, max_len_in_batch,
+                out, sm_scale, block_seq, 0, run_config)  # fmt: skip
+
+
+def gqa_decode_attention_int8kv(
+    q, k_cache, v_cache, k_scale, v_scale, req_to_token, b_req_idx, b_seq_len, max_len_in_batch,
+    out=None, sm_scale=None, block_seq=DEFAULT_BLOCK_SEQ, quant_group=8, run_config=None,
+) -> torch.Tensor:  # fmt: skip
+    """As :func:`gqa_decode_attention` over an INT8 pool: ``k_cache``/``v_cache`` int8
+    ``[pool_tokens, kv_heads, head_dim]``, ``k_scale``/``v_scale`` float16 ``[pool_tokens, kv_heads,
+    head_dim // quant_group]`` (see ``lightllm.common.kv_cache.quant``)."""
+    _check(q, k_cache, v_cache, k_scale, v_scale, req_to_token, b_req_idx, b_seq_len, out, "int8", quant_group,
+           block_seq)  # fmt: skip
+    return _run("int8", q, k_cache, v_cache, k_scale, v_scale, req_to_token, b_req_idx, b_seq_len,
+                max_len_in_batch, out, sm_scale, block_seq, quant_group, run_config)  # fmt: skip
+
+
+def gqa_decode_attention_int4kv(
+    q, k_cache, v_cache, k_scale, v_scale, req_to_token, b_req_idx, b_seq_len, max_len_in_batch,
+    out=None, sm_scale=None, block_seq=DEFAULT_BLOCK_SEQ, quant_group=8, run_config=None,
+) -> torch.Tensor:  # fmt: skip
+    """As :func:`gqa_decode_attention` over an INT4 pool: ``k_cache``/``v_cache`` uint8
+    ``[pool_tokens, kv_heads, head_dim // 2]`` (byte j: element j low nibble, j + head_dim/2 high nibble),
+    scales float16 ``[pool_tokens, kv_heads, head_dim // quant_group]``."""
+    _check(q, k_cache, v_cache, k_scale, v_scale, req_to_token, b_req_idx, b_seq_len, out, "int4", quant_group,
+           block_seq)  # fmt: skip
+    return _run("int4", q, k_cache, v_cache, k_scale, v_scale, req_to_token, b_req_idx, b_seq_len,
+                max_len_in_batch, out, sm_scale, block_seq, quant_group, run_config)  # fmt: skip
+
+
+def _run(quant, q, k_cache, v_cache, k_scale, v_scale, req_to_token, b_req_idx, b_seq_len, max_len_in_batch, out,
+         sm_scale, block_seq, quant_group, run_config):  # fmt: skip
+    if out is None:
+        out = torch.empty_like(q)
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(q.shape[-1])
+    return _tuned[quant](
+        q, k_cache, v_cache, k_scale, v_scale, req_to_token, b_req_idx, b_seq_len, int(max_len_in_batch), out,
+        float(sm_scale), block_seq, quant, quant_group, run_config=run_config,
+    )  # fmt: skip
+
+
+def _check(q, k_cache, v_cache, k_scale, v_scale, req_to_token, b_req_idx, b_seq_len, out, quant, quant_group,
+           block_seq):  # fmt: skip
+
+    def fail(name, expected, got):
+        raise ValueError(f"gqa decode attention ({quant} KV): {name} expected {expected}, got {got}")
+
+    if q.dim() != 3 or q.dtype not in Q_DTYPES:
+        fail("q", f"a [batch, q_heads, head_dim] tensor of {Q_DTYPES}", f"{tuple(q.shape)} {q.dtype}")
+    batch, q_heads, head_dim = q.shape
+    if head_dim not in HEAD_DIMS:
+        fail("head_dim", f"one of {HEAD_DIMS}", head_dim)
+    if q.stride(-1) != 1:
+        fail("q", "a contiguous last dim", f"strides {q.stride()}")
+    if block_seq not in (64, 128, 256, 512, 1024):
+        fail("block_seq", "a power of two in [64, 1024]", block_seq)
+    packed_dim = head_dim // 2 if quant == "int4" else head_dim
+    kv_dtype = {"none": q.dtype, "int8": torch.int8, "int4": torch.uint8}[quant]
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dim() != 3 or t.shape[2] != packed_dim or t.dtype != kv_dtype or t.stride(-1) != 1:
+            fail(name, f"a [pool_tokens, kv_heads, {packed_dim}] {kv_dtype} tensor", f"{tuple(t.shape)} {t.dtype}")
+        if t.device != q.device:
+            fail(name, f"device {q.device}", t.device)
+    kv_heads = k_cache.shape[1]
+    if v_cache.shape[:2] != k_cache.shape[:2] or q_heads % kv_heads:
+        fail("kv_heads", f"k/v of one shape with q_heads ({q_heads}) a multiple of kv_heads", kv_heads)
+    if quant != "none":
+        half = head_dim // 2 if quant == "int4" else head_dim
+        if quant_group <= 0 or half % quant_group or quant_group & (quant_group - 1):
+            fail("quant_group", f"a power of two dividing {half}", quant_group)
+        for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
+            shape = (k_cache.shape[0], kv_heads, head_dim // quant_group)
+            if t is None or tuple(t.shape) != shape or t.dtype != torch.float16 or t.device != q.device:
+                got = None if t is None else f"{tuple(t.shape)} {t.dtype} on {t.device}"
+                fail(name, f"a float16 {list(shape)} tensor on {q.device}", got)
+    if req_to_token.dim() != 2 or req_to_token.dtype != torch.int32 or req_to_token.device != q.device:
+        fail("req_to_token", "an int32 [max_reqs, max_len] tensor on q's device", f"{req_to_token.dtype}")
+    for name, t in (("b_req_idx", b_req_idx), ("b_seq_len", b_seq_len)):
+        if t.shape != (batch,) or t.dtype != torch.int32 or t.device != q.device:
+            fail(name, f"an int32 [{batch}] tensor on {q.device}", f"{tuple(t.shape)} {t.dtype} on {t.device}")
+    if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1):
+        fail("out", f"a {tuple(q.shape)} {q.dtype} tensor", f"{tuple(out.shape)} {out.dtype}")

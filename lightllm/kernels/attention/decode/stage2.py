@@ -1,0 +1,47 @@
+"""Split-KV decode attention, stage 2: merge the non-empty splits of stage 1 by their log-sum-exp."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def decode_stage2_kernel(
+    mid_o,
+    mid_lse,
+    b_seq_len,
+    Out,
+    stride_mob,
+    stride_moh,
+    stride_mos,
+    stride_mlb,
+    stride_mlh,
+    stride_ob,
+    stride_oh,
+    SPLITS,
+    BLOCK_SEQ: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    seq_len = tl.load(b_seq_len + b)
+    chunks = tl.cdiv(seq_len, BLOCK_SEQ)
+    per_split = tl.maximum(tl.cdiv(chunks, SPLITS), 1)
+    used = tl.cdiv(chunks, per_split)  # same split ranges as stage 1; 0 for an empty request
+
+    d = tl.arange(0, HEAD_DIM)
+    o_ptr = mid_o + b.to(tl.int64) * stride_mob + h * stride_moh + d
+    lse_ptr = mid_lse + b * stride_mlb + h * stride_mlh
+    m_i = float("-inf")
+    l_i = 0.0
+    acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
+    for s in range(0, used):
+        lse = tl.load(lse_ptr + s)
+        o = tl.load(o_ptr + s * stride_mos)
+        m_new = tl.maximum(m_i, lse)
+        alpha = tl.exp2(m_i - m_new)
+        w = tl.exp2(lse - m_new)
+        acc = acc * alpha + o * w
+        l_i = l_i * alpha + w
+        m_i = m_new
+    out = tl.where(used > 0, acc / tl.maximum(l_i, 1e-30), 0.0)
+    tl.store(Out + b.to(tl.int64) * stride_ob + h * stride_oh + d, out.to(Out.dtype.element_ty))

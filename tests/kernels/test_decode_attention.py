@@ -1,0 +1,196 @@
+import pytest
+import torch
+
+from lightllm.common.autotuner import AutotuneKernelType, autotune_warmup, set_bench_func
+from lightllm.common.kv_cache.quant import (
+    dequantize_int4_ref,
+    dequantize_int8_ref,
+    quantize_int4_ref,
+    quantize_int8_ref,
+)
+from lightllm.kernels.attention.decode import (
+    gqa_decode_attention,
+    gqa_decode_attention_int4kv,
+    gqa_decode_attention_int8kv,
+)
+from lightllm.kernels.attention.decode import flash_decode
+from lightllm.kernels.attention.decode.reference import decode_attention_ref
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# Relative (Frobenius) error of the quantized-KV output against attention over the unquantized KV, for
+# random normal K/V, group 8: INT8 steps are absmax/127 per group, INT4 steps absmax/7.
+QUANT_ERROR_BOUND = {"int8": 2e-2, "int4": 2.5e-1}
+
+
+def make_batch(batch, q_heads, kv_heads, head_dim, lens, dtype, pool=4096, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, q_heads, head_dim, generator=g).to(dtype)
+    k = torch.randn(pool, kv_heads, head_dim, generator=g).to(dtype)
+    v = torch.randn(pool, kv_heads, head_dim, generator=g).to(dtype)
+    max_len = max(lens)
+    req_to_token = torch.randperm(pool, generator=g)[: (batch + 1) * max_len].view(batch + 1, max_len).int()
+    b_req_idx = torch.randperm(batch + 1, generator=g)[:batch].int()  # slots out of order, one unused
+    b_seq_len = torch.tensor(lens, dtype=torch.int32)
+    tensors = q, k, v, req_to_token, b_req_idx, b_seq_len
+    return [t.to(DEVICE) for t in tensors]
+
+
+def quantize(k, v, kind, group=8):
+    quant, dequant = {
+        "int8": (quantize_int8_ref, dequantize_int8_ref),
+        "int4": (quantize_int4_ref, dequantize_int4_ref),
+    }[kind]
+    kq, ks = quant(k, group)
+    vq, vs = quant(v, group)
+    return kq, vq, ks, vs, dequant(kq, ks, group), dequant(vq, vs, group)
+
+
+def run(kind, q, k, v, req_to_token, b_req_idx, b_seq_len, max_len, group=8, **kw):
+    out = torch.full_like(q, float("nan"))
+    if kind == "none":
+        gqa_decode_attention(q, k, v, req_to_token, b_req_idx, b_seq_len, max_len, out=out, **kw)
+        return out, (k, v)
+    kq, vq, ks, vs, kd, vd = quantize(k, v, kind, group)
+    fn = gqa_decode_attention_int8kv if kind == "int8" else gqa_decode_attention_int4kv
+    fn(q, kq, vq, ks, vs, req_to_token, b_req_idx, b_seq_len, max_len, out=out, quant_group=group, **kw)
+    return out, (kd, vd)
+
+
+def rel_err(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+SHAPES = [(64, 4, 4), (128, 8, 2), (256, 12, 1)]  # (head_dim, q_heads, kv_heads): groups 1, 4, 12
+
+
+@pytest.mark.parametrize("kind", ["none", "int8", "int4"])
+@pytest.mark.parametrize("head_dim, q_heads, kv_heads", SHAPES, ids=[f"d{d}-g{hq // hk}" for d, hq, hk in SHAPES])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_matches_reference(kind, head_dim, q_heads, kv_heads, dtype):
+    lens = [1, 77, 300, 129]  # length 1, not multiples of the block, ragged
+    q, k, v, r2t, idx, seq = make_batch(4, q_heads, kv_heads, head_dim, lens, dtype)
+    cfg = {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1, "WAVES": 2}
+    out, (kd, vd) = run(kind, q, k, v, r2t, idx, seq, max(lens), block_seq=64, run_config=cfg)
+    assert not out.isnan().any(), "unwritten output"
+    ref = decode_attention_ref(q, kd, vd, r2t, idx, seq)
+    tol = 1e-4 if dtype == torch.float32 else 3e-3
+    torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
+    if kind != "none":
+        exact = decode_attention_ref(q, k, v, r2t, idx, seq)
+        assert rel_err(out, exact) < QUANT_ERROR_BOUND[kind]
+
+
+@pytest.mark.parametrize("waves, block_n", [(1, 32), (4, 16)])
+def test_split_counts_and_empty_request(waves, block_n):
+    """Many splits with few chunks (most splits empty), a padded request of length 0 (output 0)."""
+    lens = [0, 5, 600]
+    q, k, v, r2t, idx, seq = make_batch(3, 4, 2, 64, lens, torch.float32, seed=3)
+    cfg = {"BLOCK_N": block_n, "num_warps": 2, "num_stages": 1, "WAVES": waves}
+    out, _ = run("none", q, k, v, r2t, idx, seq, 2048, block_seq=64, run_config=cfg)  # graph max > real
+    ref = decode_attention_ref(q, k, v, r2t, idx, seq)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-4)
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
+
+
+def test_bad_inputs_name_the_argument():
+    q, k, v, r2t, idx, seq = make_batch(2, 4, 2, 64, [3, 4], torch.float32)
+    cases = [
+        (dict(q=q.to(torch.int32)), "q expected"),
+        (
+            dict(q=torch.randn(2, 4, 96, device=DEVICE), k=torch.randn(8, 2, 96, device=DEVICE)),
+            "head_dim expected one of",
+        ),
+        (dict(k=k.half()), "k_cache expected"),
+        (dict(k=k[:, :1]), "kv_heads expected"),
+        (dict(r2t=r2t.long()), "req_to_token expected"),
+        (dict(seq=seq.long()), "b_seq_len expected"),
+        (dict(idx=idx[:1]), "b_req_idx expected"),
+    ]
+    for override, message in cases:
+        a = {**dict(q=q, k=k, v=v, r2t=r2t, idx=idx, seq=seq), **override}
+        v_ = a["k"] if a["v"] is None else a["v"]
+        with pytest.raises(ValueError, match=message):
+            gqa_decode_attention(a["q"], a["k"], v_, a["r2t"], a["idx"], a["seq"], 8)
+    kq, vq, ks, vs, _, _ = quantize(k, v, "int8")
+    with pytest.raises(ValueError, match="quant_group expected a power of two dividing 64"):
+        gqa_decode_attention_int8kv(q, kq, vq, ks, vs, r2t, idx, seq, 8, quant_group=3)
+    with pytest.raises(ValueError, match="k_scale expected a float16"):
+        gqa_decode_attention_int8kv(q, kq, vq, ks.float(), vs, r2t, idx, seq, 8)
+    with pytest.raises(ValueError, match="k_cache expected .* torch.uint8"):
+        gqa_decode_attention_int4kv(q, kq, vq, ks, vs, r2t, idx, seq, 8)
+
+
+def test_search_uses_representative_batch_over_existing_pool(monkeypatch):
+    """Level 1 in the DECODE_ATTENTION scope: one search per key, timed on every request at the tuning
+    lengths over the same pool tensors; the caller's tensors are untouched and its output is right."""
+    monkeypatch.setenv("LIGHTLLM_TRITON_AUTOTUNE_LEVEL", "1")
+    monkeypatch.setenv("LIGHTLLM_DECODE_ATTN_AUTOTUNE_SEQ_LEN", "1024")
+    tuned = flash_decode._tuned["none"]
+    tuned.clear_cache()
+    cfgs = [{"BLOCK_N": 16, "num_warps": 2, "num_stages": 1, "WAVES": w} for w in (1, 4)]
+    monkeypatch.setattr(tuned, "configs_gen_func", lambda q, block_seq: cfgs)
+    seen = []
+
+    def bench(run_fn):
+        seen.append(run_fn)
+        run_fn()
+        return 1.0
+
+    set_bench_func(bench)
+    q, k, v, r2t, idx, seq = make_batch(2, 4, 2, 64, [3, 9], torch.float32, pool=512)
+    before = [t.clone() for t in (q, k, v, r2t, idx, seq)]
+    calls = []
+    real_launch = tuned.fn
+
+    def spy(*args, **kwargs):
+        calls.append((args[1], args[5], args[7], args[8]))  # k_cache, req_to_token, b_seq_len, max_len
+        return real_launch(*args, **kwargs)
+
+    monkeypatch.setattr(tuned, "fn", spy)
+    with autotune_warmup(AutotuneKernelType.DECODE_ATTENTION):
+        out1, _ = run("none", q, k, v, r2t, idx, seq, 16, block_seq=64)
+        out2, _ = run("none", q, k, v, r2t, idx, seq, 16, block_seq=64)  # same key: no second search
+    tuned.clear_cache()
+    timed = [c for c in calls if c[1] is not r2t]
+    assert len(seen) == 3 * 2  # (default + 2 configs) x lengths [1024, 512]
+    assert {int(c[2][0]) for c in timed} == {1024, 512} and all(c[3] == 1024 for c in timed)
+    assert all(c[0] is k for c in timed)  # the existing pool, no new KV
+    assert all(int(c[1].max()) < k.shape[0] and c[1].shape == (2, 1024) for c in timed)
+    for t, b in zip((q, k, v, r2t, idx, seq), before):
+        assert torch.equal(t, b)
+    ref = decode_attention_ref(q, k, v, r2t, idx, seq)
+    for out in (out1, out2):
+        torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["none", "int8", "int4"])
+@pytest.mark.parametrize("head_dim, q_heads, kv_heads", [(128, 32, 8), (256, 24, 4)])
+def test_gpu_large_bf16(kind, head_dim, q_heads, kv_heads):
+    lens = [1, 4097, 16384, 777, 30000, 8192, 255, 12000]
+    q, k, v, r2t, idx, seq = make_batch(8, q_heads, kv_heads, head_dim, lens, torch.bfloat16, pool=300000)
+    out, (kd, vd) = run(kind, q, k, v, r2t, idx, seq, 32768)
+    assert not out.isnan().any()
+    ref = decode_attention_ref(q, kd.to(torch.bfloat16), vd.to(torch.bfloat16), r2t, idx, seq)
+    assert rel_err(out, ref) < 1e-2
+    if kind != "none":
+        assert rel_err(out, decode_attention_ref(q, k, v, r2t, idx, seq)) < QUANT_ERROR_BOUND[kind]
+
+
+@pytest.mark.gpu
+def test_gpu_search_runs_once_per_key_at_representative_length(monkeypatch, isolated_autotune):
+    monkeypatch.setenv("LIGHTLLM_TRITON_AUTOTUNE_LEVEL", "1")
+    tuned = flash_decode._tuned["none"]
+    tuned.clear_cache()
+    q, k, v, r2t, idx, seq = make_batch(16, 32, 8, 128, [5] * 16, torch.bfloat16, pool=65536)
+    before = [t.clone() for t in (q, k, v, r2t, idx, seq)]
+    with autotune_warmup(AutotuneKernelType.DECODE_ATTENTION):
+        for _ in range(3):  # three layers, one key
+            out, _ = run("none", q, k, v, r2t, idx, seq, 8192)
+    record = tuned.last_search
+    assert record.run_key == (16, 32768) and len(record.default_ms) == 4 and len(record.timings) == 16
+    assert tuned.last_search is record and len(list(isolated_autotune.rglob("*.json"))) == 1
+    for t, b in zip((q, k, v, r2t, idx, seq), before):
+        assert torch.equal(t, b)
+    assert rel_err(out, decode_attention_ref(q, k, v, r2t, idx, seq)) < 1e-2
+    tuned.clear_cache()
