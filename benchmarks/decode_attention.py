@@ -257,6 +257,33 @@ def analyze(results):
     return rows, frozen
 
 
+def analyze_fa3(results):
+    """FA3's split count frozen by each rule (heuristic 0, fastest at the tuning length, least worst-case
+    loss over the ladder), applied at every L, against that L's best fixed split."""
+    cells = {(c["shape"], c["B"], c["L"]): c["fa3_ms"] for c in results["cells"] if c.get("fa3_ms")}
+    ladder, out = results["ladder"], []
+    for shape, batch in sorted({(k[0], k[1]) for k in cells}):
+        lens = sorted(k[2] for k in cells if k[:2] == (shape, batch))
+        if not all(n in lens for n in ladder):
+            continue
+        splits = sorted({int(sp) for n in lens for sp in cells[(shape, batch, n)]})
+        times = {sp: [cells[(shape, batch, n)].get(str(sp), cells[(shape, batch, n)].get(sp, math.inf)) for n in lens]
+                 for sp in splits}  # fmt: skip
+        best = per_scenario_best(times.values())
+        order = [lens.index(n) for n in ladder]
+        rest = [sp for sp in splits if sp != 0]
+        candidates = {i: [times[sp][j] for j in order] for i, sp in enumerate(rest)}
+        picks = {"heuristic": 0}
+        for rule in ("tuning_len", "minimax_loss"):
+            w = choose([times[0][j] for j in order], candidates, rule)
+            picks[rule] = 0 if w < 0 else rest[w]
+        entry = {"shape": shape, "B": batch, "lens": lens, "splits": {str(k): v for k, v in times.items()}, "rules": {}}
+        for rule, sp in picks.items():
+            entry["rules"][rule] = {"num_splits": sp, "loss_pct": [(t / b - 1) * 100 for t, b in zip(times[sp], best)]}
+        out.append(entry)
+    return out
+
+
 def print_tables(results, rows, frozen):
     print(f"\n{results['device']}: copy {results['copy_GBs']:.0f} GB/s; graph max len {results['graph_max_len']}; "
           f"rule ladder {results['ladder']}; quant group {results['quant_group']}")  # fmt: skip
@@ -279,6 +306,12 @@ def print_tables(results, rows, frozen):
             print(
                 f"{f['shape']:13s} B={f['B']:3d} {f['kind']:4s} {rule:12s} worst {v['worst_loss_pct']:5.1f}  {losses}"
             )
+    print("\nFA3 num_splits frozen by each rule, applied at every L: loss % vs that L's best fixed split")
+    for f in results.get("fa3_frozen", []):
+        for rule, v in f["rules"].items():
+            losses = " ".join(f"{n // 1024:3d}K:{x:5.1f}" for n, x in zip(f["lens"], v["loss_pct"]))
+            worst = max(v["loss_pct"])
+            print(f"{f['shape']:13s} B={f['B']:3d} {rule:12s} splits={v['num_splits']:2d} worst {worst:5.1f}  {losses}")
     for s in results["stage2"]:
         st = " ".join(f"w{w}:{ms * 1e3:.1f}" for w, ms in s["stage2_ms"].items())
         print(f"stage2 {s['shape']} B={s['B']} L={s['L']} splits={s['splits']}: {st} us")
@@ -304,7 +337,7 @@ def main():
     else:
         results = run(args)
     rows, frozen = analyze(results)
-    results["rows"], results["frozen"] = rows, frozen
+    results["rows"], results["frozen"], results["fa3_frozen"] = rows, frozen, analyze_fa3(results)
     if not args.analyze:
         _save(results, args.out)
     print_tables(results, rows, frozen)

@@ -17,9 +17,14 @@ class KVCacheManager:
 
     The token indices each request holds are also kept on the CPU (one tensor per ``extend``), so freeing a
     request never reads the device table back.
+
+    ``contiguous_slots=True`` gives slot ``r`` the fixed tokens ``r * max_len + [0, max_len)`` instead of
+    tokens from the shared pool (``num_tokens`` must be ``max_reqs * max_len``): the layout of KV-cache
+    kernels that address a request as one contiguous row (FA3 builds without paged KV, via
+    ``cache_batch_idx``). Capacity is then reserved per request.
     """
 
-    def __init__(self, num_tokens: int, max_reqs: int, max_len: int, device="cuda"):
+    def __init__(self, num_tokens: int, max_reqs: int, max_len: int, device="cuda", contiguous_slots: bool = False):
         check_count("KVCacheManager", "num_tokens", num_tokens, 1)
         if num_tokens - 1 > MAX_TOKEN_INDEX:
             raise ValueError(f"KVCacheManager: num_tokens expected <= {MAX_TOKEN_INDEX + 1} (int32), got {num_tokens}")
@@ -27,6 +32,12 @@ class KVCacheManager:
         self.slots = ReqSlotAllocator(max_reqs)
         self.req_to_token = ReqToTokenTable(max_reqs, max_len, device)
         self.max_len = max_len
+        self.contiguous_slots = contiguous_slots
+        if contiguous_slots and num_tokens != max_reqs * max_len:
+            raise ValueError(
+                f"KVCacheManager: num_tokens expected max_reqs * max_len = {max_reqs * max_len} with "
+                f"contiguous_slots, got {num_tokens}"
+            )
         self._seq_lens = [0] * max_reqs
         self._held: List[List[torch.Tensor]] = [[] for _ in range(max_reqs)]
 
@@ -37,6 +48,8 @@ class KVCacheManager:
 
     @property
     def num_free_tokens(self) -> int:
+        if self.contiguous_slots:  # capacity left in free slots and behind each request's length
+            return self.tokens.num_tokens - sum(self._seq_lens)
         return self.tokens.num_free
 
     @property
@@ -65,7 +78,10 @@ class KVCacheManager:
                 f"KVCacheManager.extend: n expected <= {self.max_len - cur} (max_len {self.max_len}, "
                 f"slot {slot} holds {cur}), got {n}"
             )
-        token_idx = self.tokens.alloc(n)
+        if self.contiguous_slots:  # reserved with the slot: nothing to allocate
+            token_idx = torch.arange(cur, cur + n, dtype=torch.int64) + slot * self.max_len
+        else:
+            token_idx = self.tokens.alloc(n)
         if n:
             self.req_to_token.write(slot, cur, token_idx)
             self._held[slot].append(token_idx)
@@ -75,7 +91,7 @@ class KVCacheManager:
     def free_request(self, slot: int) -> None:
         """Free ``slot`` and every token it holds."""
         self.slots.check_allocated("KVCacheManager.free_request", slot)
-        if self._held[slot]:
+        if self._held[slot] and not self.contiguous_slots:
             self.tokens.free(torch.cat(self._held[slot]))
         self._held[slot] = []
         self._seq_lens[slot] = 0

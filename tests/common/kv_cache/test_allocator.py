@@ -173,3 +173,23 @@ def test_manager_random_cycles_never_leak():
     for slot in list(live):
         mgr.free_request(slot)
     assert mgr.num_free_tokens == num_tokens and mgr.num_free_slots == 6
+
+
+def test_contiguous_slots_layout():
+    from lightllm.common.kv_cache import KVCacheManager
+
+    m = KVCacheManager(4 * 16, max_reqs=4, max_len=16, device="cpu", contiguous_slots=True)
+    a, b = m.add_request(), m.add_request()
+    assert m.extend(b, 3).tolist() == [b * 16, b * 16 + 1, b * 16 + 2]
+    assert m.extend(b, 2).tolist() == [b * 16 + 3, b * 16 + 4]
+    assert m.extend(a, 1).tolist() == [a * 16]
+    assert m.table[b, :5].tolist() == list(range(b * 16, b * 16 + 5))
+    assert m.num_free_tokens == 64 - 6
+    with pytest.raises(ValueError, match="n expected <= 11"):
+        m.extend(b, 12)
+    m.free_request(b)
+    assert m.num_free_tokens == 64 - 1
+    c = m.add_request()
+    assert m.extend(c, 2).tolist() == [c * 16, c * 16 + 1]
+    with pytest.raises(ValueError, match="num_tokens expected max_reqs \\* max_len = 64"):
+        KVCacheManager(63, max_reqs=4, max_len=16, device="cpu", contiguous_slots=True)

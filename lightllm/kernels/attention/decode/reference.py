@@ -15,13 +15,16 @@ def decode_attention_ref(
     b_seq_len: torch.Tensor,
     sm_scale: Optional[float] = None,
 ) -> torch.Tensor:
-    """Softmax attention of ``q [batch, q_heads, D]`` over each request's tokens; float64 result.
+    """Softmax attention of each request's query tokens over its KV; float64 result of q's shape.
 
+    ``q`` is ``[batch, q_heads, D]`` (one token) or ``[batch, q_len, q_heads, D]`` (the last ``q_len`` tokens
+    of each request, e.g. MTP verify: token ``t`` sees the first ``seq_len - q_len + t + 1`` keys).
     ``k_cache``/``v_cache`` are ``[pool_tokens, kv_heads, D]`` in any float dtype (dequantize first)."""
-    batch, q_heads, head_dim = q.shape
+    q4 = q.unsqueeze(1) if q.dim() == 3 else q
+    batch, q_len, q_heads, head_dim = q4.shape
     group = q_heads // k_cache.shape[1]
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)
-    out = torch.zeros(q.shape, dtype=torch.float64, device=q.device)
+    out = torch.zeros(q4.shape, dtype=torch.float64, device=q.device)
     for b in range(batch):
         n = int(b_seq_len[b])
         if n == 0:
@@ -29,6 +32,10 @@ def decode_attention_ref(
         tokens = req_to_token[int(b_req_idx[b]), :n].long()
         k = k_cache[tokens].double().repeat_interleave(group, dim=1)  # [n, q_heads, D]
         v = v_cache[tokens].double().repeat_interleave(group, dim=1)
-        scores = torch.einsum("hd,nhd->hn", q[b].double(), k) * scale
-        out[b] = torch.einsum("hn,nhd->hd", scores.softmax(-1), v)
-    return out
+        scores = torch.einsum("thd,nhd->thn", q4[b].double(), k) * scale
+        visible = (
+            torch.arange(n, device=q.device)[None, :] < (n - q_len + 1 + torch.arange(q_len, device=q.device))[:, None]
+        )
+        scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
+        out[b] = torch.einsum("thn,nhd->thd", scores.softmax(-1), v)
+    return out.squeeze(1) if q.dim() == 3 else out

@@ -1,0 +1,293 @@
+"""FlashAttention-3 KV-cache decode with ``num_splits`` tuned in the DECODE_ATTENTION phase.
+
+Providers, in order of preference (each exposes ``flash_attn_with_kvcache``):
+
+- ``flash_attn_interface``: FlashAttention's Hopper build (paged KV);
+- ``sgl_kernel.flash_attn``: sgl-kernel's build (paged KV);
+- ``fa3_fwd_interface``: the ``fa3-fwd`` wheel (split-KV and ``cache_batch_idx``; paged KV compiled out).
+
+KV layouts over the engine's cache:
+
+- ``"paged"``: page size 1. The token pool ``[tokens, kv_heads, D]`` is seen as ``[tokens, 1, kv_heads, D]``
+  and ``page_table`` rows are ``req_to_token[b_req_idx, :max_len_in_batch]``: the width is the launch's
+  max length (the graph's maximum when captured, the real one otherwise).
+- ``"slots"``: request slot ``r`` owns tokens ``r * max_len + [0, max_len)`` (``KVCacheManager(...,
+  contiguous_slots=True)``); the pool is seen as ``[max_reqs, max_len, kv_heads, D]`` and ``b_req_idx`` is
+  ``cache_batch_idx``. For providers without paged KV.
+
+Importing this module never fails; :func:`require_fa3` raises one clear error when FA3 can't be used.
+"""
+
+import importlib
+import importlib.metadata
+import logging
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Callable, Optional, Tuple
+
+import torch
+
+from lightllm.common.autotuner import (
+    AutotuneKernelType,
+    autotune,
+    decode_attn_autotune_seq_lens,
+    decode_attn_run_key_kv_len,
+    round_up_kv_len,
+)
+
+logger = logging.getLogger(__name__)
+
+SPLIT_CANDIDATES = (1, 2, 4, 8, 16, 32)  # 0, FA3's own heuristic, is the launcher default: always timed
+_MIN_TOKENS_PER_SPLIT = 128  # a split smaller than one FA3 KV block only adds reduction work
+INSTALL_HINT = (
+    "install FlashAttention-3 for Hopper: `pip install fa3-fwd` (forward-only wheel), FlashAttention's "
+    "hopper build (`flash_attn_interface`), or `sgl-kernel`"
+)
+
+
+@dataclass(frozen=True)
+class FA3Provider:
+    name: str
+    version: str
+    paged: bool  # accepts page_table
+    split: bool  # honours num_splits > 1
+    fn: Callable
+
+    def describe(self) -> str:
+        caps = ", ".join(f"{k}={'yes' if getattr(self, k) else 'no'}" for k in ("paged", "split"))
+        return f"{self.name} {self.version} ({caps})"
+
+
+def _version(*dists: str) -> str:
+    for dist in dists:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return "unknown"
+
+
+def _try(module: str) -> Optional[object]:
+    try:
+        return importlib.import_module(module)
+    except Exception:  # ImportError, or a broken build failing to load its extension
+        return None
+
+
+def _probe_flash_attn_interface() -> Optional[FA3Provider]:
+    mod = _try("flash_attn_interface")
+    if mod is None or not hasattr(mod, "flash_attn_with_kvcache"):
+        return None
+    version = _version("flash_attn_3", "flash-attn-3", "flash_attn")
+    return FA3Provider("flash_attn_interface", version, True, True, mod.flash_attn_with_kvcache)
+
+
+def _probe_sgl_kernel() -> Optional[FA3Provider]:
+    mod = _try("sgl_kernel.flash_attn")
+    if mod is None or not hasattr(mod, "flash_attn_with_kvcache"):
+        return None
+    return FA3Provider("sgl_kernel.flash_attn", _version("sgl-kernel", "sgl_kernel"), True, True,
+                       mod.flash_attn_with_kvcache)  # fmt: skip
+
+
+def _probe_fa3_fwd() -> Optional[FA3Provider]:
+    mod = _try("fa3_fwd_interface")
+    if mod is None or not hasattr(mod, "flash_attn_with_kvcache"):
+        return None
+    config = _try("fa3_fwd_config")
+    flags = getattr(config, "CONFIG", {}).get("build_flags", {}) if config is not None else {}
+    paged = not flags.get("FLASHATTENTION_DISABLE_PAGEDKV", True)
+    split = not flags.get("FLASHATTENTION_DISABLE_SPLIT", False)
+    return FA3Provider("fa3_fwd_interface", _version("fa3-fwd", "fa3_fwd"), paged, split, mod.flash_attn_with_kvcache)
+
+
+_PROBES = (_probe_flash_attn_interface, _probe_sgl_kernel, _probe_fa3_fwd)
+
+
+@lru_cache(maxsize=None)
+def find_fa3_provider() -> Optional[FA3Provider]:
+    """The first usable provider, or None. Cached: call ``find_fa3_provider.cache_clear()`` after installs."""
+    for probe in _PROBES:
+        provider = probe()
+        if provider is not None:
+            logger.info("FA3 provider: %s", provider.describe())
+            return provider
+    return None
+
+
+def _is_hopper(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+
+
+def require_fa3(device=None) -> FA3Provider:
+    """The provider to use on ``device``; ``RuntimeError`` saying what to install or why it can't run."""
+    provider = find_fa3_provider()
+    if provider is None:
+        raise RuntimeError(f"--llm_decode_att_backend fa3: no FlashAttention-3 provider found; {INSTALL_HINT}")
+    device = torch.device(device if device is not None else "cuda")
+    if device.type != "cuda" or not torch.cuda.is_available() or not _is_hopper(device):
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" and torch.cuda.is_available() else "no GPU"
+        raise RuntimeError(
+            f"--llm_decode_att_backend fa3: {provider.name} needs a Hopper GPU (sm90, H100/H200), found {name}; "
+            "use --llm_decode_att_backend triton"
+        )
+    return provider
+
+
+# ---- tuned launcher ---------------------------------------------------------------------------------------
+
+
+def _launch(
+    q, k_cache, v_cache, page_table, cache_batch_idx, cache_seqlens, max_len_in_batch, sm_scale, causal,
+    window, softcap, provider, run_config=None,
+):  # fmt: skip
+    """One provider call; ``q`` is ``[batch, q_len, q_heads, D]``. ``run_config=None``: FA3's split heuristic."""
+    num_splits = 0 if run_config is None else run_config["num_splits"]
+    return provider.fn(
+        q, k_cache, v_cache, cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx, page_table=page_table,
+        softmax_scale=sm_scale, causal=causal, window_size=window, softcap=softcap, num_splits=num_splits,
+    )  # fmt: skip
+
+
+def _configs(provider, max_len_in_batch):
+    if not provider.split:
+        return [{"num_splits": 1}]
+    longest = max(max_len_in_batch, decode_attn_autotune_seq_lens()[0])
+    return [{"num_splits": s} for s in SPLIT_CANDIDATES if s == 1 or s * _MIN_TOKENS_PER_SPLIT <= longest]
+
+
+def _static_key(q, k_cache, page_table, causal, window, softcap, provider):
+    return {
+        "q_dtype": str(q.dtype),
+        "kv_dtype": str(k_cache.dtype),
+        "q_heads": q.shape[2],
+        "kv_heads": k_cache.shape[2],
+        "head_dim": q.shape[3],
+        "page_size": k_cache.shape[1] if page_table is not None else 0,  # 0: contiguous request slots
+        "causal": bool(causal),
+        "window": list(window),
+        "softcap": float(softcap),
+        "provider": f"{provider.name}=={provider.version}",
+    }
+
+
+def _run_key(q, max_len_in_batch):
+    return q.shape[0], q.shape[1], round_up_kv_len(decode_attn_run_key_kv_len(max_len_in_batch))
+
+
+def _representative_batches(
+    q, k_cache, v_cache, page_table, cache_batch_idx, cache_seqlens, max_len_in_batch, sm_scale, causal,
+    window, softcap, provider,
+):  # fmt: skip
+    """The caller's batch with every request at each tuning length, over the existing cache (no new KV).
+
+    Paged: a fresh page table over the pool (indices modulo its size), as wide as the launch's max length.
+    Slots: each request's own row, at most its capacity."""
+    batch = q.shape[0]
+    lens = decode_attn_autotune_seq_lens()
+    width = max(max_len_in_batch, lens[0])
+    if page_table is not None:
+        pool = k_cache.shape[0]
+        table = (torch.arange(batch * width, device=q.device, dtype=torch.int64) % pool).to(torch.int32)
+        table, slots = table.view(batch, width), None
+    else:
+        capacity = k_cache.shape[1]
+        if lens[0] > capacity:
+            logger.warning("FA3 tuning length %d is over the slot capacity %d: tuning at %d", lens[0], capacity,
+                           capacity)  # fmt: skip
+        lens = sorted({min(n, capacity) for n in lens}, reverse=True)
+        table, slots = None, cache_batch_idx
+    scenarios = []
+    for n in lens:
+        seqlens = torch.full((batch,), n, device=q.device, dtype=torch.int32)
+        args = (q, k_cache, v_cache, table, slots, seqlens, width, sm_scale, causal, window, softcap, provider)
+        scenarios.append((args, {}))
+    return scenarios
+
+
+_tuned = autotune(
+    kernel_name="fa3_decode",
+    configs_gen_func=_configs,
+    static_key_func=_static_key,
+    run_key_func=_run_key,
+    kernel_type=AutotuneKernelType.DECODE_ATTENTION,
+    rebuild_input_func=_representative_batches,
+)(_launch)
+
+
+# ---- public API -------------------------------------------------------------------------------------------
+
+
+def fa3_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    req_to_token: torch.Tensor,
+    b_req_idx: torch.Tensor,
+    b_seq_len: torch.Tensor,
+    max_len_in_batch: int,
+    layout: Optional[str] = None,
+    sm_scale: Optional[float] = None,
+    causal: bool = True,
+    window: Tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    provider: Optional[FA3Provider] = None,
+    run_config: Optional[dict] = None,
+) -> torch.Tensor:
+    """Decode attention through FlashAttention-3.
+
+    Args:
+        q: ``[batch, q_heads, D]`` or ``[batch, q_len, q_heads, D]`` (several tokens per request, e.g. MTP
+            verify; causal aligns them to the end of each request's KV).
+        k_cache, v_cache: the layer's token pool ``[tokens, kv_heads, D]`` (q's dtype).
+        req_to_token, b_req_idx, b_seq_len: as for :func:`gqa_decode_attention`; ``b_seq_len`` counts the new
+            tokens, already written to the cache.
+        max_len_in_batch: the most the launch must serve (the graph's maximum when captured).
+        layout: ``"paged"`` or ``"slots"`` (see the module doc); default: paged when the provider can.
+    Returns:
+        Output of q's shape and dtype.
+    """
+    provider = provider or require_fa3(q.device)
+    layout = layout or ("paged" if provider.paged else "slots")
+    q4 = q.unsqueeze(1) if q.dim() == 3 else q
+    _check(q4, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len, max_len_in_batch, layout, provider)
+    if layout == "paged":
+        k4, v4 = k_cache.unsqueeze(1), v_cache.unsqueeze(1)
+        page_table, batch_idx = req_to_token[b_req_idx.long(), :max_len_in_batch], None
+    else:
+        rows, cols = req_to_token.shape
+        k4 = k_cache.view(rows, cols, *k_cache.shape[1:])
+        v4 = v_cache.view(rows, cols, *v_cache.shape[1:])
+        page_table, batch_idx = None, b_req_idx
+    scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    out = _tuned(q4, k4, v4, page_table, batch_idx, b_seq_len, int(max_len_in_batch), float(scale), bool(causal),
+                 tuple(window), float(softcap), provider, run_config=run_config)  # fmt: skip
+    return out.squeeze(1) if q.dim() == 3 else out
+
+
+def _check(q4, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len, max_len_in_batch, layout, provider):
+    def fail(name, expected, got):
+        raise ValueError(f"fa3 decode attention: {name} expected {expected}, got {got}")
+
+    if layout not in ("paged", "slots"):
+        fail("layout", "'paged' or 'slots'", repr(layout))
+    if layout == "paged" and not provider.paged:
+        fail("layout", f"'slots' ({provider.name} {provider.version} has no paged KV)", "'paged'")
+    if q4.dim() != 4 or q4.dtype not in (torch.float16, torch.bfloat16):
+        fail("q", "a [batch, (q_len,) q_heads, head_dim] float16/bfloat16 tensor", f"{tuple(q4.shape)} {q4.dtype}")
+    batch, _, q_heads, head_dim = q4.shape
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dim() != 3 or t.dtype != q4.dtype or t.shape[2] != head_dim or t.device != q4.device:
+            fail(name, f"a [tokens, kv_heads, {head_dim}] {q4.dtype} tensor on {q4.device}", f"{tuple(t.shape)}")
+    if q_heads % k_cache.shape[1]:
+        fail("kv_heads", f"a divisor of q_heads ({q_heads})", k_cache.shape[1])
+    if req_to_token.dtype != torch.int32 or req_to_token.dim() != 2:
+        fail("req_to_token", "an int32 [max_reqs, max_len] tensor", f"{req_to_token.dtype} {tuple(req_to_token.shape)}")
+    for name, t in (("b_req_idx", b_req_idx), ("b_seq_len", b_seq_len)):
+        if t.shape != (batch,) or t.dtype != torch.int32:
+            fail(name, f"an int32 [{batch}] tensor", f"{tuple(t.shape)} {t.dtype}")
+    if layout == "paged" and not 0 < max_len_in_batch <= req_to_token.shape[1]:
+        fail("max_len_in_batch", f"a length in [1, {req_to_token.shape[1]}]", max_len_in_batch)
+    if layout == "slots" and k_cache.shape[0] != req_to_token.numel():
+        fail("k_cache", f"{req_to_token.numel()} tokens (max_reqs * max_len) for the slots layout", k_cache.shape[0])

@@ -1,0 +1,173 @@
+"""FA3 adapter logic on the CPU with a torch stand-in for ``flash_attn_with_kvcache`` (GPU runs: -m gpu)."""
+
+import json
+import sys
+import types
+
+import pytest
+import torch
+
+from lightllm.common.autotuner import AutotuneKernelType, autotune_warmup, set_bench_func, store
+from lightllm.common.kv_cache import KVCacheManager
+from lightllm.kernels.attention.decode import fa3
+from lightllm.kernels.attention.decode.reference import decode_attention_ref
+
+
+class FakeFA3:
+    """Implements the FA3 call in float64 torch, checking the arguments the way the real one needs them."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, q, k_cache, v_cache, cache_seqlens=None, cache_batch_idx=None, page_table=None,
+                 softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, num_splits=0):  # fmt: skip
+        assert q.dim() == 4 and k_cache.dim() == 4 and causal and window_size == (-1, -1) and softcap == 0.0
+        self.calls.append({"num_splits": num_splits, "page_table": page_table, "seqlens": cache_seqlens.clone()})
+        batch, q_len, q_heads, _ = q.shape
+        out = torch.empty_like(q)
+        for b in range(batch):
+            n = int(cache_seqlens[b])
+            if page_table is not None:
+                assert k_cache.shape[1] == 1 and n <= page_table.shape[1]
+                tokens = page_table[b, :n].long()
+                k, v = k_cache[tokens, 0], v_cache[tokens, 0]
+            else:
+                row = int(cache_batch_idx[b]) if cache_batch_idx is not None else b
+                assert n <= k_cache.shape[1]
+                k, v = k_cache[row, :n], v_cache[row, :n]
+            table = torch.arange(n, dtype=torch.int32)[None]
+            one = decode_attention_ref(q[b : b + 1], k, v, table, torch.zeros(1, dtype=torch.int32),
+                                       torch.tensor([n], dtype=torch.int32), softmax_scale)  # fmt: skip
+            out[b] = one[0].to(q.dtype)
+        return out
+
+
+def install(monkeypatch, name, paged=True, split=True):
+    fake = FakeFA3()
+    mod = types.ModuleType(name)
+    mod.flash_attn_with_kvcache = fake
+    monkeypatch.setitem(sys.modules, name, mod)
+    if name == "fa3_fwd_interface":
+        cfg = types.ModuleType("fa3_fwd_config")
+        cfg.CONFIG = {"build_flags": {"FLASHATTENTION_DISABLE_PAGEDKV": not paged,
+                                      "FLASHATTENTION_DISABLE_SPLIT": not split}}  # fmt: skip
+        monkeypatch.setitem(sys.modules, "fa3_fwd_config", cfg)
+    fa3.find_fa3_provider.cache_clear()
+    return fake
+
+
+@pytest.fixture(autouse=True)
+def no_real_providers(monkeypatch):
+    for name in ("flash_attn_interface", "sgl_kernel", "sgl_kernel.flash_attn", "fa3_fwd_interface", "fa3_fwd_config"):
+        monkeypatch.setitem(sys.modules, name, None)  # import raises ImportError
+    fa3.find_fa3_provider.cache_clear()
+    fa3._tuned.clear_cache()
+    yield
+    fa3.find_fa3_provider.cache_clear()
+    fa3._tuned.clear_cache()
+
+
+def test_no_provider_is_one_clear_error():
+    assert fa3.find_fa3_provider() is None
+    with pytest.raises(RuntimeError, match="no FlashAttention-3 provider found; install .*fa3-fwd"):
+        fa3.require_fa3("cpu")
+
+
+def test_detects_fa3_fwd_capabilities_and_needs_hopper(monkeypatch):
+    install(monkeypatch, "fa3_fwd_interface", paged=False)
+    p = fa3.find_fa3_provider()
+    assert (p.name, p.paged, p.split) == ("fa3_fwd_interface", False, True)
+    assert "paged=no" in p.describe() and "split=yes" in p.describe()
+    with pytest.raises(RuntimeError, match="needs a Hopper GPU .*use --llm_decode_att_backend triton"):
+        fa3.require_fa3("cpu")
+
+
+def test_prefers_full_builds(monkeypatch):
+    install(monkeypatch, "fa3_fwd_interface", paged=False)
+    install(monkeypatch, "flash_attn_interface")
+    assert fa3.find_fa3_provider().name == "flash_attn_interface" and fa3.find_fa3_provider().paged
+
+
+def make_cache(batch, q_heads, kv_heads, head_dim, lens, contiguous=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    max_len = 64
+    m = KVCacheManager(8 * max_len, max_reqs=8, max_len=max_len, device="cpu", contiguous_slots=contiguous)
+    k = torch.randn(8 * max_len, kv_heads, head_dim, generator=g).half()
+    v = torch.randn(8 * max_len, kv_heads, head_dim, generator=g).half()
+    slots = []
+    for n in lens:
+        s = m.add_request()
+        if not contiguous:
+            m.extend(m.add_request(), 3)  # interleave another request so tokens are not contiguous
+        m.extend(s, n)
+        slots.append(s)
+    b_req_idx = torch.tensor(slots, dtype=torch.int32)
+    b_seq_len = torch.tensor(lens, dtype=torch.int32)
+    return m.table, k, v, b_req_idx, b_seq_len
+
+
+@pytest.mark.parametrize("q_len", [1, 4])
+@pytest.mark.parametrize("layout", ["paged", "slots"])
+def test_layouts_match_reference(monkeypatch, layout, q_len):
+    fake = install(monkeypatch, "flash_attn_interface")
+    provider = fa3.find_fa3_provider()
+    table, k, v, idx, seq = make_cache(3, 8, 2, 64, [5, 17, 40], contiguous=layout == "slots")
+    q = torch.randn(3, q_len, 8, 64).half() if q_len > 1 else torch.randn(3, 8, 64).half()
+    out = fa3.fa3_decode_attention(q, k, v, table, idx, seq, 48, layout=layout, provider=provider)
+    ref = decode_attention_ref(q, k, v, table, idx, seq)
+    assert out.shape == q.shape
+    torch.testing.assert_close(out.double(), ref, rtol=2e-3, atol=2e-3)
+    call = fake.calls[-1]
+    assert call["num_splits"] == 0  # level 0, nothing cached: FA3's own heuristic
+    if layout == "paged":
+        assert call["page_table"].shape == (3, 48)  # width = max_len_in_batch, not the table's
+        assert torch.equal(call["page_table"], table[idx.long(), :48])
+
+
+def test_layout_errors(monkeypatch):
+    install(monkeypatch, "fa3_fwd_interface", paged=False)
+    provider = fa3.find_fa3_provider()
+    table, k, v, idx, seq = make_cache(2, 4, 2, 64, [3, 4])
+    q = torch.randn(2, 4, 64).half()
+    with pytest.raises(ValueError, match="layout expected 'slots' .*has no paged KV"):
+        fa3.fa3_decode_attention(q, k, v, table, idx, seq, 8, layout="paged", provider=provider)
+    with pytest.raises(ValueError, match="k_cache expected 512 tokens"):
+        fa3.fa3_decode_attention(q, k[:100], v[:100], table, idx, seq, 8, provider=provider)
+    with pytest.raises(ValueError, match="q expected"):
+        fa3.fa3_decode_attention(q.float(), k, v, table, idx, seq, 8, provider=provider)
+
+
+def test_num_splits_search_and_restart(monkeypatch, isolated_autotune):
+    monkeypatch.setenv("LIGHTLLM_TRITON_AUTOTUNE_LEVEL", "1")
+    monkeypatch.setenv("LIGHTLLM_DECODE_ATTN_AUTOTUNE_SEQ_LEN", "1024")
+    fake = install(monkeypatch, "flash_attn_interface")
+    provider = fa3.find_fa3_provider()
+    speed = {0: 1.0, 1: 3.0, 2: 0.9, 4: 0.5, 8: 0.7}  # ms; 4 splits wins
+
+    def bench(run):
+        run()
+        return speed[fake.calls[-1]["num_splits"]]
+
+    set_bench_func(bench)
+    table, k, v, idx, seq = make_cache(2, 8, 2, 64, [5, 9])
+    q = torch.randn(2, 8, 64).half()
+    with autotune_warmup(AutotuneKernelType.DECODE_ATTENTION):
+        for _ in range(2):  # two layers, one search
+            out = fa3.fa3_decode_attention(q, k, v, table, idx, seq, 16, provider=provider)
+    timed = [c for c in fake.calls if c["page_table"] is not None and c["page_table"].shape[1] == 1024]
+    assert sorted({c["num_splits"] for c in timed}) == [0, 1, 2, 4, 8]  # pruned: 8 * 128 <= 1024
+    assert {int(c["seqlens"][0]) for c in timed} == {1024, 512}  # the tuning ladder, every request
+    assert all(int(c["page_table"].max()) < k.shape[0] for c in timed)  # over the existing pool
+    assert fake.calls[-1]["num_splits"] == 4 and fake.calls[-1]["page_table"].shape == (2, 16)
+    torch.testing.assert_close(out.double(), decode_attention_ref(q, k, v, table, idx, seq), rtol=2e-3, atol=2e-3)
+    (path,) = store.iter_config_files(isolated_autotune, "fa3_decode")
+    data = json.loads(path.read_text())
+    assert data["configs"] == {"[2,1,1024]": {"num_splits": 4}}
+    key = data["static_key"]
+    assert key["provider"].startswith("flash_attn_interface==") and key["page_size"] == 1 and key["causal"]
+
+    fa3._tuned.clear_cache()  # a restart: level 0, the stored split count, no search
+    monkeypatch.setenv("LIGHTLLM_TRITON_AUTOTUNE_LEVEL", "0")
+    fake.calls.clear()
+    fa3.fa3_decode_attention(q, k, v, table, idx, seq, 16, provider=provider)
+    assert [c["num_splits"] for c in fake.calls] == [4]
