@@ -6,6 +6,7 @@ import torch
 # On a CPU-only machine Triton kernels run through the interpreter; set it before any kernel is defined.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # models in tests are made locally; never reach for a hub
 
 _LIGHTLLM_ENV = (
     "LIGHTLLM_TRITON_AUTOTUNE_LEVEL",

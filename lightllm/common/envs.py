@@ -12,6 +12,7 @@ AUTOTUNE_CONFIG_DIR = "LIGHTLLM_AUTOTUNE_CONFIG_DIR"
 AUTOTUNE_MAX_SECONDS_PER_SEARCH = "LIGHTLLM_AUTOTUNE_MAX_SECONDS_PER_SEARCH"
 DECODE_ATTN_AUTOTUNE_SEQ_LEN = "LIGHTLLM_DECODE_ATTN_AUTOTUNE_SEQ_LEN"
 AUTOTUNE_CHOICE_RULE = "LIGHTLLM_AUTOTUNE_CHOICE_RULE"
+TINY_MODEL_DIR = "LIGHTLLM_TINY_MODEL_DIR"
 
 _AUTOTUNE_LEVELS = {0: "use cached configs", 1: "adaptive", 2: "force", 3: "off"}
 
@@ -79,6 +80,12 @@ def get_autotune_config_dir() -> Path:
     if path.exists() and not path.is_dir():
         raise ValueError(f"{AUTOTUNE_CONFIG_DIR}={raw!r} exists and is not a directory")
     return path
+
+
+def get_tiny_model_dir() -> Path:
+    """Where the built-in tiny model is generated on first use (default ``~/.cache/lightllm/tiny-qwen3``)."""
+    raw = os.environ.get(TINY_MODEL_DIR, "").strip()
+    return Path(raw or "~/.cache/lightllm/tiny-qwen3").expanduser()
 
 
 def validate_all() -> None:

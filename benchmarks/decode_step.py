@@ -1,0 +1,137 @@
+"""Decode step time of a Qwen3-shaped model: CUDA graphs vs eager per batch size, against the memory floor,
+and start-up time with decode-attention tuning cold, warm (configs cached) and off.
+
+The model has 8B-like widths (hidden 4096, 32/8 heads of 128, intermediate 12288, vocab 151936) with
+fewer layers, random weights. Floor = (weight bytes + KV bytes read per step) / measured copy bandwidth.
+
+    python benchmarks/decode_step.py --out benchmarks/results/decode_step_h200.json
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+from lightllm.common.autotuner import cuda_graph_bench
+
+
+def copy_bandwidth_gbs() -> float:
+    src = torch.randn(1 << 30, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(100):  # an idle GPU starts at low clocks
+        dst.copy_(src)
+    return 2 * src.numel() * src.element_size() / cuda_graph_bench(lambda: dst.copy_(src)) / 1e6
+
+
+def build_model(root: str, layers: int) -> str:
+    from lightllm.tools.make_tiny_model import make_tiny_qwen3
+
+    return str(make_tiny_qwen3(os.path.join(root, "qwen3-8b-shaped"), padded_vocab_size=151936, hidden_size=4096,
+                               intermediate_size=12288, num_hidden_layers=layers, num_attention_heads=32,
+                               num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+                               dtype="bfloat16", initializer_range=0.02))  # fmt: skip
+
+
+def step_times(model_dir, batch_sizes, kv_len, graph_max_len):
+    from lightllm import LLM
+
+    llm = LLM(model_dir, data_type="bf16", running_max_req_size=max(batch_sizes), max_req_total_len=graph_max_len,
+              graph_max_batch_size=max(batch_sizes), graph_max_len_in_batch=graph_max_len,
+              batch_max_tokens=8192)  # fmt: skip
+    runner, rows = llm.runner, []
+    for bs in batch_sizes:
+        slots = [runner.kv.add_request() for _ in range(bs)]
+        for s in slots:  # KV of kv_len tokens per request (contents random: timing only)
+            runner.kv.extend(s, kv_len - 1)
+        tokens = [1] * bs
+        eager_graphs, runner.graphs = runner.graphs, None
+        eager = _time(lambda: runner.decode(slots, tokens), runner)
+        runner.graphs = eager_graphs
+        graph = _time(lambda: runner.decode(slots, tokens), runner)
+        for s in slots:
+            runner.free(s)
+        rows.append({"batch": bs, "eager_ms": eager, "graph_ms": graph})
+    return llm, rows
+
+
+def _time(step, runner, reps=10):
+    step()  # warm (also grows each request by one token per call: lengths drift by reps, negligible)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def startup_seconds(model_dir, mode, config_dir):
+    """A fresh process: tuning cold (empty config dir, level 1), warm (same dir again, level 1), off (level 3)."""
+    env = {**os.environ, "LIGHTLLM_AUTOTUNE_CONFIG_DIR": config_dir,
+           "LIGHTLLM_TRITON_AUTOTUNE_LEVEL": "3" if mode == "off" else "1"}  # fmt: skip
+    code = ("import time; t=time.perf_counter(); from lightllm import LLM; "
+            f"LLM({model_dir!r}, data_type='bf16', running_max_req_size=64, graph_max_batch_size=64, "
+            "max_req_total_len=32768, graph_max_len_in_batch=32768, batch_max_tokens=8192); "
+            "print('STARTUP', time.perf_counter()-t)")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    return float(out.split("STARTUP")[-1])
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
+    p.add_argument("--kv-len", type=int, default=4096)
+    p.add_argument("--out", default="benchmarks/results/decode_step.json")
+    p.add_argument("--no-startup", action="store_true")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("decode_step.py needs a CUDA GPU")
+    copy_gbs = copy_bandwidth_gbs()
+    with tempfile.TemporaryDirectory() as root:
+        model_dir = build_model(root, args.layers)
+        llm, rows = step_times(model_dir, args.batches, args.kv_len, 2 * args.kv_len)
+        c = llm.runner.config
+        weight_bytes = sum(t.numel() * t.element_size() for t in _step_weights(llm.runner.model.w))
+        for r in rows:
+            kv = 2 * c.num_hidden_layers * r["batch"] * args.kv_len * c.num_key_value_heads * c.head_dim * 2
+            r["floor_ms"] = (weight_bytes + kv) / copy_gbs / 1e6
+            r["graph_over_floor"] = r["graph_ms"] / r["floor_ms"]
+        startup = {}
+        if not args.no_startup:
+            del llm
+            torch.cuda.empty_cache()
+            with tempfile.TemporaryDirectory() as cfg:
+                for mode in ("cold", "warm", "off"):
+                    startup[mode] = startup_seconds(model_dir, mode, cfg)
+    result = {"device": torch.cuda.get_device_name(), "copy_GBs": copy_gbs, "layers": args.layers,
+              "kv_len": args.kv_len, "rows": rows, "startup_s": startup}  # fmt: skip
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"{result['device']}: copy {copy_gbs:.0f} GB/s, {args.layers} layers, KV {args.kv_len} tokens/request")
+    print(" batch  eager ms  graph ms  floor ms  graph/floor")
+    for r in rows:
+        ratio = r["graph_over_floor"]
+        print(f"{r['batch']:6d} {r['eager_ms']:9.3f} {r['graph_ms']:9.3f} {r['floor_ms']:9.3f} {ratio:11.2f}")
+    if startup:
+        print("start-up s: " + ", ".join(f"{k} {v:.1f}" for k, v in startup.items()))
+
+
+def _step_weights(w):
+    """Weights a decode step reads in full (the embedding is only gathered)."""
+    yield w.lm_head
+    yield w.final_norm
+    for lw in w.layers:
+        yield from vars(lw).values()
+
+
+if __name__ == "__main__":
+    main()

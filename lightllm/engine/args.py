@@ -1,0 +1,82 @@
+"""Engine options, named like the server flags, validated and normalized in one place."""
+
+import logging
+from dataclasses import dataclass, fields
+from typing import List, Optional
+
+import torch
+
+from lightllm.engine.attention import DECODE_BACKENDS, KV_TYPES
+
+logger = logging.getLogger(__name__)
+
+DATA_TYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+              "float16": torch.float16, "float32": torch.float32}  # fmt: skip
+
+
+@dataclass
+class EngineArgs:
+    model_dir: Optional[str] = None  # None: the built-in tiny model
+    data_type: str = "bf16"
+    running_max_req_size: int = 64
+    max_req_total_len: int = 4096
+    batch_max_tokens: int = 4096
+    graph_max_batch_size: int = 64
+    graph_split_batch_size: int = 16
+    graph_grow_step_size: int = 16
+    graph_max_len_in_batch: int = 4096
+    disable_cudagraph: bool = False
+    llm_kv_type: str = "None"
+    llm_kv_quant_group_size: int = 8
+    llm_decode_att_backend: str = "triton"
+    mem_fraction: float = 0.8
+    max_total_token_num: Optional[int] = None  # explicit KV pool size; default: from mem_fraction (GPU)
+    device: Optional[str] = None  # default: cuda if available
+
+    def normalize(self) -> "EngineArgs":
+        """Validate every option (``ValueError`` naming the flag) and derive what depends on others."""
+        if self.data_type not in DATA_TYPES:
+            raise ValueError(f"--data_type expected one of {sorted(DATA_TYPES)}, got {self.data_type!r}")
+        for name in ("running_max_req_size", "max_req_total_len", "batch_max_tokens", "graph_max_batch_size",
+                     "graph_split_batch_size", "graph_grow_step_size", "graph_max_len_in_batch"):  # fmt: skip
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"--{name} expected a positive integer, got {value!r}")
+        if self.llm_kv_type not in KV_TYPES:
+            raise ValueError(f"--llm_kv_type expected one of {KV_TYPES}, got {self.llm_kv_type!r}")
+        if self.llm_decode_att_backend not in DECODE_BACKENDS:
+            raise ValueError(f"--llm_decode_att_backend expected one of {DECODE_BACKENDS}, "
+                             f"got {self.llm_decode_att_backend!r}")  # fmt: skip
+        if not 0 < self.mem_fraction <= 1:
+            raise ValueError(f"--mem_fraction expected a value in (0, 1], got {self.mem_fraction!r}")
+        if self.max_total_token_num is not None and self.max_total_token_num <= 0:
+            raise ValueError(f"--max_total_token_num expected a positive integer, got {self.max_total_token_num!r}")
+        if self.batch_max_tokens < self.max_req_total_len:
+            logger.info("batch_max_tokens %d < max_req_total_len %d: long prompts prefill alone in chunks of "
+                        "the budget", self.batch_max_tokens, self.max_req_total_len)  # fmt: skip
+        self.device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.graph_max_len_in_batch = min(self.graph_max_len_in_batch, self.max_req_total_len)
+        if not self.disable_cudagraph and self.graph_max_batch_size > self.running_max_req_size:
+            logger.info("graph_max_batch_size %d -> %d (running_max_req_size): larger graphs can never be used",
+                        self.graph_max_batch_size, self.running_max_req_size)  # fmt: skip
+            self.graph_max_batch_size = self.running_max_req_size
+        return self
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DATA_TYPES[self.data_type]
+
+    def graph_batch_sizes(self) -> List[int]:
+        """1..graph_split_batch_size, then steps of graph_grow_step_size, up to the cap (ascending)."""
+        cap = self.graph_max_batch_size
+        sizes = list(range(1, min(self.graph_split_batch_size, cap) + 1))
+        nxt = sizes[-1] + self.graph_grow_step_size
+        while nxt <= cap:
+            sizes.append(nxt)
+            nxt += self.graph_grow_step_size
+        if sizes[-1] != cap:
+            sizes.append(cap)
+        return sizes
+
+    def summary(self) -> str:
+        return " ".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self))

@@ -1,0 +1,103 @@
+"""Attention backends: write the new K/V into the pool, then attend (prefill or decode).
+
+- ``triton`` (GPU): Triton context attention for prefill; Triton GQA flash decode (bf16/fp16, INT8, INT4 KV).
+- ``fa3`` (Hopper GPU): FlashAttention-3 decode (bf16/fp16 KV), Triton context attention for prefill.
+- On a CPU device both run the torch references, so the engine runs (slowly) without a GPU.
+"""
+
+import torch
+
+from lightllm.common.kv_cache import Int4KVPool, Int8KVPool, KVPool, dequantize_int4_ref, dequantize_int8_ref
+from lightllm.engine.infer_state import InferState
+from lightllm.kernels import kv_cache_write as kvw
+from lightllm.kernels.attention.decode import (
+    gqa_decode_attention,
+    gqa_decode_attention_int4kv,
+    gqa_decode_attention_int8kv,
+)
+from lightllm.kernels.attention.decode.reference import decode_attention_ref
+from lightllm.kernels.attention.prefill import context_attention, context_attention_ref
+
+DECODE_BACKENDS = ("triton", "fa3")
+KV_TYPES = ("None", "int8kv", "int4kv")
+
+
+class AttentionBackend:
+    def __init__(self, pool, decode_backend: str, device: torch.device, contiguous_slots: bool = False):
+        if decode_backend not in DECODE_BACKENDS:
+            raise ValueError(f"--llm_decode_att_backend expected one of {DECODE_BACKENDS}, got {decode_backend!r}")
+        self.pool = pool
+        self.quant = "int8" if isinstance(pool, Int8KVPool) else "int4" if isinstance(pool, Int4KVPool) else "none"
+        self.decode_backend = decode_backend
+        self.on_gpu = device.type == "cuda"
+        self.contiguous_slots = contiguous_slots
+        if decode_backend == "fa3":
+            if self.quant != "none":
+                raise ValueError("--llm_decode_att_backend fa3 expected --llm_kv_type None, got a quantized KV cache")
+            from lightllm.kernels.attention.decode.fa3 import require_fa3
+
+            self.fa3_provider = require_fa3(device)
+
+    # ---- KV writes ----------------------------------------------------------------------------------------
+
+    def write_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor, token_idx: torch.Tensor) -> None:
+        p = self.pool
+        if self.quant == "none":
+            fn = kvw.write_kv if self.on_gpu else kvw.write_kv_ref
+            fn(k, v, p.k[layer], p.v[layer], token_idx)
+            return
+        if self.on_gpu:
+            fn = kvw.write_kv_int8 if self.quant == "int8" else kvw.write_kv_int4
+        else:
+            fn = kvw.write_kv_int8_ref if self.quant == "int8" else kvw.write_kv_int4_ref
+        fn(k, v, p.k[layer], p.v[layer], p.k_scale[layer], p.v_scale[layer], token_idx, p.group_size)
+
+    def _dequantized(self, layer: int, dtype: torch.dtype):
+        p = self.pool
+        if self.quant == "none":
+            return p.k[layer], p.v[layer]
+        deq = dequantize_int8_ref if self.quant == "int8" else dequantize_int4_ref
+        return (deq(p.k[layer], p.k_scale[layer], p.group_size).to(dtype),
+                deq(p.v[layer], p.v_scale[layer], p.group_size).to(dtype))  # fmt: skip
+
+    # ---- attention ----------------------------------------------------------------------------------------
+
+    def prefill(self, layer: int, q, k, v, state: InferState) -> torch.Tensor:
+        """Causal attention of each request's packed new tokens over themselves (no cached prefix)."""
+        if self.on_gpu:
+            return context_attention(q, k, v, state.b_q_start, state.b_q_len, state.max_q_len)
+        return context_attention_ref(q, k, v, state.b_q_start, state.b_q_len).to(q.dtype)
+
+    def decode(self, layer: int, q: torch.Tensor, state: InferState, req_to_token: torch.Tensor) -> torch.Tensor:
+        """``q [batch * q_len, q_heads, D]`` against each request's cached KV (new tokens already written)."""
+        batch = state.batch_size
+        q_b = q.view(batch, state.q_len, *q.shape[1:]) if state.q_len > 1 else q
+        if not self.on_gpu:
+            k, v = self._dequantized(layer, q.dtype)
+            out = decode_attention_ref(q_b, k, v, req_to_token, state.b_req_idx, state.b_seq_len)
+            return out.to(q.dtype).reshape(q.shape)
+        if self.decode_backend == "fa3":
+            from lightllm.kernels.attention.decode.fa3 import fa3_decode_attention
+
+            out = fa3_decode_attention(q_b, self.pool.k[layer], self.pool.v[layer], req_to_token, state.b_req_idx,
+                                       state.b_seq_len, state.launch_max_len, provider=self.fa3_provider)  # fmt: skip
+            return out.reshape(q.shape)
+        if state.q_len != 1:
+            raise NotImplementedError("Triton decode attention takes one query token per request; use fa3 for MTP")
+        p = self.pool
+        args = (state.b_req_idx, state.b_seq_len, state.launch_max_len)
+        if self.quant == "none":
+            return gqa_decode_attention(q, p.k[layer], p.v[layer], req_to_token, *args)
+        fn = gqa_decode_attention_int8kv if self.quant == "int8" else gqa_decode_attention_int4kv
+        return fn(q, p.k[layer], p.v[layer], p.k_scale[layer], p.v_scale[layer], req_to_token, *args,
+                  quant_group=p.group_size)  # fmt: skip
+
+
+def make_pool(kv_type: str, num_tokens: int, num_layers: int, kv_heads: int, head_dim: int, dtype, device,
+              group_size: int = 8):  # fmt: skip
+    if kv_type not in KV_TYPES:
+        raise ValueError(f"--llm_kv_type expected one of {KV_TYPES}, got {kv_type!r}")
+    if kv_type == "None":
+        return KVPool(num_tokens, num_layers, kv_heads, head_dim, dtype, device)
+    cls = Int8KVPool if kv_type == "int8kv" else Int4KVPool
+    return cls(num_tokens, num_layers, kv_heads, head_dim, device=device, group_size=group_size)

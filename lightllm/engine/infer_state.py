@@ -1,0 +1,40 @@
+"""Batch metadata of one forward, built once per step and read by every layer."""
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+
+@dataclass
+class InferState:
+    """What attention needs to know about the batch.
+
+    Prefill packs each request's new tokens one after another (``b_q_start``/``b_q_len``); decode has
+    ``q_len`` new tokens per request (1, or more for MTP verify). ``b_seq_len`` counts every KV token of
+    the request after this step. ``max_len_in_batch`` is the real longest request;
+    ``graph_max_len`` is set while running a captured decode graph (or capturing one) and sizes kernel
+    launches instead, so a graph replays at any real length up to it. Run keys use the real length.
+    """
+
+    is_prefill: bool
+    b_req_idx: torch.Tensor  # int32 [batch]: request slot (row of req_to_token)
+    b_seq_len: torch.Tensor  # int32 [batch]
+    out_token_idx: torch.Tensor  # int64 [tokens]: pool slots the new tokens' K/V go to
+    positions: torch.Tensor  # int64 [tokens]
+    max_len_in_batch: int
+    b_q_start: Optional[torch.Tensor] = None  # int32 [batch], prefill only
+    b_q_len: Optional[torch.Tensor] = None  # int32 [batch], prefill only
+    max_q_len: int = 1
+    q_len: int = 1  # decode: new tokens per request
+    graph_max_len: Optional[int] = None
+    b_state_idx: Optional[torch.Tensor] = None  # recurrent-state slot per request (linear-attention layers)
+
+    @property
+    def batch_size(self) -> int:
+        return self.b_req_idx.shape[0]
+
+    @property
+    def launch_max_len(self) -> int:
+        """Length kernel launches are sized for: the graph's maximum inside a graph, else the real one."""
+        return self.graph_max_len if self.graph_max_len is not None else self.max_len_in_batch

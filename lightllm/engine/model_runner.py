@@ -1,0 +1,209 @@
+"""Model runner: loads the model, sizes the KV cache, warms up and captures decode graphs, runs steps.
+
+Start-up, top to bottom (``ModelRunner.__init__``):
+1. load weights, size the KV pool;
+2. GENERAL warmup: dummy prefills at a spread of lengths up to ``batch_max_tokens``;
+3. decode graphs, largest batch first: per size one eager decode forward in the DECODE_ATTENTION scope
+   (decode-attention kernels tune there), then the capture;
+4. one summary line.
+"""
+
+import logging
+import time
+from typing import Optional, Sequence
+
+import torch
+
+from lightllm.common import envs
+from lightllm.common.autotuner import AutotuneKernelType, autotune_warmup, get_autotune_stats
+from lightllm.common.cuda_graph import DecodeGraphs
+from lightllm.common.kv_cache import KVCacheManager, pool_num_tokens
+from lightllm.engine.args import EngineArgs
+from lightllm.engine.attention import AttentionBackend, make_pool
+from lightllm.engine.infer_state import InferState
+from lightllm.models.qwen3.config import Qwen3ModelConfig
+from lightllm.models.qwen3.model import Qwen3Model
+from lightllm.models.qwen3.weights import load_qwen3_weights
+
+logger = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    def __init__(self, args: EngineArgs, graph_api=None):
+        args.normalize()
+        envs.validate_all()
+        self.args = args
+        self.device = torch.device(args.device)
+        seconds = {}
+        t = time.perf_counter()
+        from lightllm.tools.make_tiny_model import default_model_dir
+
+        self.model_dir = args.model_dir or str(default_model_dir())
+        self.config = Qwen3ModelConfig.from_model_dir(self.model_dir)
+        weights = load_qwen3_weights(self.model_dir, self.config, args.torch_dtype, self.device)
+        self.model = Qwen3Model(self.config, weights, self.device)
+        self._init_kv_cache()
+        seconds["load"] = time.perf_counter() - t
+
+        stats0, t = get_autotune_stats(), time.perf_counter()
+        with autotune_warmup(AutotuneKernelType.GENERAL):
+            self._warmup_prefill()
+        seconds["general warmup"] = time.perf_counter() - t
+
+        self.graphs: Optional[DecodeGraphs] = None
+        use_graphs = not args.disable_cudagraph and (self.device.type == "cuda" or graph_api is not None)
+        if use_graphs:
+            t = time.perf_counter()
+            self._init_graph_buffers()
+            self.graphs = DecodeGraphs(args.graph_batch_sizes(), graph_api).capture_all(self._graph_decode)
+            seconds["decode graphs"] = time.perf_counter() - t
+        tuned = get_autotune_stats() - stats0
+        graphs = self.graphs
+        logger.info(
+            "ready: %d decode graphs (%.1f MiB), %d kernels tuned, %d configs written; %s",
+            len(graphs.graphs) if graphs else 0,
+            (graphs.memory_bytes if graphs else 0) / 2**20,
+            tuned.searches,
+            tuned.configs_written,
+            ", ".join(f"{k} {v:.1f}s" for k, v in seconds.items()),
+        )
+        self.startup_seconds = seconds
+
+    # ---- KV cache ------------------------------------------------------------------------------------------
+
+    def _init_kv_cache(self) -> None:
+        a, c = self.args, self.config
+        max_reqs = a.running_max_req_size + 1  # one slot is the padding request of graph batches
+        contiguous = False
+        if a.llm_decode_att_backend == "fa3" and self.device.type == "cuda":
+            from lightllm.kernels.attention.decode.fa3 import require_fa3
+
+            contiguous = not require_fa3(self.device).paged
+        if contiguous:
+            num_tokens = max_reqs * a.max_req_total_len
+        else:
+            per_token = make_pool(a.llm_kv_type, 1, c.num_hidden_layers, c.num_key_value_heads, c.head_dim,
+                                  a.torch_dtype, "meta", a.llm_kv_quant_group_size).bytes_per_token()  # fmt: skip
+            if a.max_total_token_num is not None or self.device.type != "cuda":
+                num_tokens = a.max_total_token_num or max_reqs * a.max_req_total_len
+            else:
+                num_tokens = pool_num_tokens(mem_fraction=a.mem_fraction, bytes_per_token=per_token, device=self.device)
+        self.kv = KVCacheManager(num_tokens, max_reqs, a.max_req_total_len, self.device, contiguous_slots=contiguous)
+        pool = make_pool(a.llm_kv_type, num_tokens, c.num_hidden_layers, c.num_key_value_heads, c.head_dim,
+                         a.torch_dtype, self.device, a.llm_kv_quant_group_size)  # fmt: skip
+        self.attn = AttentionBackend(pool, a.llm_decode_att_backend, self.device, contiguous)
+        self.pad_slot = self.kv.add_request()
+        self.pad_token = int(self.kv.extend(self.pad_slot, 1)[0])
+        logger.info("KV cache: %d tokens (%s, %s)", num_tokens, a.llm_kv_type, "contiguous slots" if contiguous
+                    else "token pool")  # fmt: skip
+
+    # ---- steps ---------------------------------------------------------------------------------------------
+
+    def prefill(self, slots: Sequence[int], prompts: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Allocate KV for each prompt and run them as one packed prefill; float32 logits of last tokens."""
+        lens = [len(p) for p in prompts]
+        token_idx = torch.cat([self.kv.extend(s, n) for s, n in zip(slots, lens)])
+        starts = [0]
+        for n in lens[:-1]:
+            starts.append(starts[-1] + n)
+        dev = self.device
+        state = InferState(
+            is_prefill=True,
+            b_req_idx=torch.tensor(slots, dtype=torch.int32, device=dev),
+            b_seq_len=torch.tensor(lens, dtype=torch.int32, device=dev),
+            out_token_idx=token_idx.to(dev),
+            positions=torch.cat([torch.arange(n) for n in lens]).to(dev),
+            max_len_in_batch=max(lens),
+            b_q_start=torch.tensor(starts, dtype=torch.int32, device=dev),
+            b_q_len=torch.tensor(lens, dtype=torch.int32, device=dev),
+            max_q_len=max(lens),
+        )
+        input_ids = torch.tensor([t for p in prompts for t in p], dtype=torch.int64, device=dev)
+        return self.model.forward(input_ids, state, self.attn, self.kv.table)
+
+    def decode(self, slots: Sequence[int], last_tokens: Sequence[int]) -> torch.Tensor:
+        """One decode step (one new token per request); a captured graph when one fits, else eager."""
+        token_idx = torch.cat([self.kv.extend(s, 1) for s in slots])
+        seq_lens = [self.kv.seq_len(s) for s in slots]
+        bs, max_len = len(slots), max(seq_lens)
+        graph_bs = self.graphs.pick(bs) if self.graphs and max_len <= self.args.graph_max_len_in_batch else None
+        if graph_bs is None:
+            dev = self.device
+            state = InferState(
+                is_prefill=False,
+                b_req_idx=torch.tensor(slots, dtype=torch.int32, device=dev),
+                b_seq_len=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+                out_token_idx=token_idx.to(dev),
+                positions=torch.tensor([n - 1 for n in seq_lens], dtype=torch.int64, device=dev),
+                max_len_in_batch=max_len,
+            )
+            ids = torch.tensor(list(last_tokens), dtype=torch.int64, device=dev)
+            return self.model.forward(ids, state, self.attn, self.kv.table)
+        b = self._buf
+        b["input_ids"][:bs].copy_(torch.tensor(list(last_tokens)), non_blocking=True)
+        b["b_req_idx"][:bs].copy_(torch.tensor(list(slots), dtype=torch.int32), non_blocking=True)
+        b["b_seq_len"][:bs].copy_(torch.tensor(seq_lens, dtype=torch.int32), non_blocking=True)
+        b["positions"][:bs].copy_(torch.tensor([n - 1 for n in seq_lens]), non_blocking=True)
+        b["out_token_idx"][:bs].copy_(token_idx, non_blocking=True)
+        self._pad_rows(bs, graph_bs)
+        return self.graphs.replay(graph_bs)[:bs]
+
+    def free(self, slot: int) -> None:
+        self.kv.free_request(slot)
+
+    # ---- warmup and graphs ---------------------------------------------------------------------------------
+
+    def _warmup_prefill(self) -> None:
+        """Dummy prefills at 16, 32, ... up to ``batch_max_tokens`` tokens (several requests when one request
+        can't hold them), so GENERAL kernels tune and compile before the first live request."""
+        a = self.args
+        total, lengths = 16, []
+        while total < a.batch_max_tokens:
+            lengths.append(total)
+            total *= 2
+        lengths.append(a.batch_max_tokens)
+        gen = torch.Generator().manual_seed(0)
+        for total in lengths:
+            per_req = min(total, a.max_req_total_len)
+            count = min(-(-total // per_req), a.running_max_req_size)
+            slots = [self.kv.add_request() for _ in range(count)]
+            try:
+                prompts = [torch.randint(0, self.config.vocab_size, (per_req,), generator=gen).tolist() for _ in slots]
+                self.prefill(slots, prompts)
+            finally:
+                for s in slots:
+                    self.kv.free_request(s)
+
+    def _init_graph_buffers(self) -> None:
+        n, dev = self.args.graph_max_batch_size, self.device
+        self._buf = {
+            "input_ids": torch.zeros(n, dtype=torch.int64, device=dev),
+            "positions": torch.zeros(n, dtype=torch.int64, device=dev),
+            "b_req_idx": torch.full((n,), self.pad_slot, dtype=torch.int32, device=dev),
+            "b_seq_len": torch.ones(n, dtype=torch.int32, device=dev),
+            "out_token_idx": torch.full((n,), self.pad_token, dtype=torch.int64, device=dev),
+        }
+
+    def _pad_rows(self, start: int, end: int) -> None:
+        """Rows past the live batch: the padding request (1 token, its own KV slot), harmless to compute."""
+        b = self._buf
+        b["input_ids"][start:end] = 0
+        b["positions"][start:end] = 0
+        b["b_req_idx"][start:end] = self.pad_slot
+        b["b_seq_len"][start:end] = 1
+        b["out_token_idx"][start:end] = self.pad_token
+
+    def _graph_decode(self, bs: int) -> torch.Tensor:
+        """The decode forward a graph captures: the first ``bs`` rows of the static buffers, kernels launched
+        for ``graph_max_len_in_batch`` so the graph serves any length up to it."""
+        b = self._buf
+        state = InferState(
+            is_prefill=False,
+            b_req_idx=b["b_req_idx"][:bs],
+            b_seq_len=b["b_seq_len"][:bs],
+            out_token_idx=b["out_token_idx"][:bs],
+            positions=b["positions"][:bs],
+            max_len_in_batch=1,
+            graph_max_len=self.args.graph_max_len_in_batch,
+        )
+        return self.model.forward(b["input_ids"][:bs], state, self.attn, self.kv.table)

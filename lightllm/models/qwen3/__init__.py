@@ -1,0 +1,1 @@
+"""Qwen3 (dense GQA): config parsing and weight loading from Hugging Face folders."""

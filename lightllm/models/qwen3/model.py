@@ -1,0 +1,64 @@
+"""Qwen3 forward: embedding, RMSNorm, q/k norm, rotary, GQA attention over the KV cache, SwiGLU, lm_head.
+
+Follows transformers' Qwen3 rounding steps (norms in float32 then cast, rotary tables cast to the model
+dtype, softmax in float32) so the CPU float32 path matches it to float rounding.
+"""
+
+import torch
+import torch.nn.functional as F
+
+from lightllm.engine.attention import AttentionBackend
+from lightllm.engine.infer_state import InferState
+from lightllm.kernels.norm.rmsnorm import rmsnorm, rmsnorm_ref
+from lightllm.models.qwen3.config import Qwen3ModelConfig
+from lightllm.models.qwen3.weights import Qwen3Weights
+
+
+class Qwen3Model:
+    def __init__(self, config: Qwen3ModelConfig, weights: Qwen3Weights, device: torch.device):
+        self.config = config
+        self.w = weights
+        self.device = device
+        self.dtype = weights.embed.dtype
+        self._norm = rmsnorm if device.type == "cuda" else rmsnorm_ref
+        d = config.head_dim
+        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float().to(device) / d))
+        t = torch.arange(config.max_position_embeddings, device=device, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self._cos = emb.cos().to(self.dtype)
+        self._sin = emb.sin().to(self.dtype)
+
+    def _rotary(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        cos = self._cos[positions][:, None, :]
+        sin = self._sin[positions][:, None, :]
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rotated * sin
+
+    def forward(
+        self, input_ids: torch.Tensor, state: InferState, attn: AttentionBackend, req_to_token: torch.Tensor
+    ) -> torch.Tensor:
+        """Float32 logits ``[rows, vocab]``: the last token of each request (prefill), every new token (decode)."""
+        cfg, eps = self.config, self.config.rms_norm_eps
+        tokens = input_ids.shape[0]
+        h = F.embedding(input_ids, self.w.embed)
+        for i, lw in enumerate(self.w.layers):
+            x = self._norm(h, lw.input_norm, eps)
+            q = F.linear(x, lw.q_proj).view(tokens, cfg.num_attention_heads, cfg.head_dim)
+            k = F.linear(x, lw.k_proj).view(tokens, cfg.num_key_value_heads, cfg.head_dim)
+            v = F.linear(x, lw.v_proj).view(tokens, cfg.num_key_value_heads, cfg.head_dim)
+            q = self._rotary(self._norm(q.contiguous(), lw.q_norm, eps), state.positions)
+            k = self._rotary(self._norm(k.contiguous(), lw.k_norm, eps), state.positions)
+            attn.write_kv(i, k, v, state.out_token_idx)
+            if state.is_prefill:
+                o = attn.prefill(i, q, k, v, state)
+            else:
+                o = attn.decode(i, q, state, req_to_token)
+            h = h + F.linear(o.reshape(tokens, -1), lw.o_proj)
+            x = self._norm(h, lw.post_norm, eps)
+            h = h + F.linear(F.silu(F.linear(x, lw.gate_proj)) * F.linear(x, lw.up_proj), lw.down_proj)
+        if state.is_prefill:
+            h = h[(state.b_q_start + state.b_q_len - 1).long()]
+        h = self._norm(h.contiguous(), self.w.final_norm, eps)
+        return F.linear(h, self.w.lm_head).float()

@@ -1,0 +1,182 @@
+"""Qwen3 weights from a Hugging Face folder's ``*.safetensors`` files, in HF layout.
+
+Linears stay ``[out_features, in_features]`` (use them with ``F.linear``). Tensors are read one at a time
+with ``safe_open``, checked against the shape the config implies, cast and moved, so at most one extra
+tensor is alive beside the result.
+"""
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Tuple, Union
+
+import torch
+from safetensors import safe_open
+
+from lightllm.models.qwen3.config import ModelLoadError, Qwen3ModelConfig, read_json
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# Checkpoint dtypes we can cast from; anything else (fp8, int8, packed int4) needs scales we don't read.
+_SOURCE_DTYPES = ("F16", "BF16", "F32")
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor  # [hidden]
+    q_proj: torch.Tensor  # [heads * head_dim, hidden]
+    k_proj: torch.Tensor  # [kv_heads * head_dim, hidden]
+    v_proj: torch.Tensor  # [kv_heads * head_dim, hidden]
+    o_proj: torch.Tensor  # [hidden, heads * head_dim]
+    q_norm: torch.Tensor  # [head_dim]
+    k_norm: torch.Tensor  # [head_dim]
+    post_norm: torch.Tensor  # [hidden]
+    gate_proj: torch.Tensor  # [intermediate, hidden]
+    up_proj: torch.Tensor  # [intermediate, hidden]
+    down_proj: torch.Tensor  # [hidden, intermediate]
+
+
+@dataclass
+class Qwen3Weights:
+    embed: torch.Tensor  # [vocab, hidden]
+    layers: List[LayerWeights]
+    final_norm: torch.Tensor  # [hidden]
+    lm_head: torch.Tensor  # [vocab, hidden]; the same object as ``embed`` when embeddings are tied
+
+
+def _layer_names(i: int) -> Dict[str, str]:
+    p = f"model.layers.{i}."
+    return {
+        "input_norm": p + "input_layernorm.weight",
+        "q_proj": p + "self_attn.q_proj.weight",
+        "k_proj": p + "self_attn.k_proj.weight",
+        "v_proj": p + "self_attn.v_proj.weight",
+        "o_proj": p + "self_attn.o_proj.weight",
+        "q_norm": p + "self_attn.q_norm.weight",
+        "k_norm": p + "self_attn.k_norm.weight",
+        "post_norm": p + "post_attention_layernorm.weight",
+        "gate_proj": p + "mlp.gate_proj.weight",
+        "up_proj": p + "mlp.up_proj.weight",
+        "down_proj": p + "mlp.down_proj.weight",
+    }
+
+
+def expected_shapes(config: Qwen3ModelConfig) -> Dict[str, Tuple[int, ...]]:
+    """Every HF tensor name a Qwen3 checkpoint must hold, with its shape (``lm_head`` only when untied)."""
+    c = config
+    h, q_out, kv_out = c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    shapes = {"model.embed_tokens.weight": (c.vocab_size, h), "model.norm.weight": (h,)}
+    if not c.tie_word_embeddings:
+        shapes["lm_head.weight"] = (c.vocab_size, h)
+    layer_shapes = {
+        "input_norm": (h,),
+        "q_proj": (q_out, h),
+        "k_proj": (kv_out, h),
+        "v_proj": (kv_out, h),
+        "o_proj": (h, q_out),
+        "q_norm": (c.head_dim,),
+        "k_norm": (c.head_dim,),
+        "post_norm": (h,),
+        "gate_proj": (c.intermediate_size, h),
+        "up_proj": (c.intermediate_size, h),
+        "down_proj": (h, c.intermediate_size),
+    }
+    for i in range(c.num_hidden_layers):
+        for field, name in _layer_names(i).items():
+            shapes[name] = layer_shapes[field]
+    return shapes
+
+
+def _is_ignored(name: str, config: Qwen3ModelConfig) -> bool:
+    """Tensors skipped without a warning: a duplicate lm_head of tied embeddings, old rotary buffers."""
+    return (config.tie_word_embeddings and name == "lm_head.weight") or name.endswith(_IGNORED_SUFFIXES)
+
+
+def safetensors_files(model_dir: Path) -> List[Path]:
+    """The checkpoint's files: those named by ``model.safetensors.index.json`` if present, else every
+    ``*.safetensors`` in the folder, sorted."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ModelLoadError(f"{index}: field 'weight_map' is missing or empty")
+        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+        for file in files:
+            if not file.is_file():
+                raise ModelLoadError(f"{index}: shard {file.name} is listed but not found in {model_dir}")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{model_dir}: no *.safetensors files found")
+    return files
+
+
+def load_qwen3_weights(
+    model_dir: Union[str, Path],
+    config: Qwen3ModelConfig,
+    dtype: torch.dtype = torch.bfloat16,
+    device: Union[str, torch.device] = "cpu",
+) -> Qwen3Weights:
+    """Read every Qwen3 tensor of ``model_dir``, check its shape against ``config``, cast to ``dtype``
+    (float16, bfloat16 or float32) and move it to ``device``.
+
+    Raises ModelLoadError (one line) for no safetensors files, a missing tensor, a shape mismatch, an unsupported
+    checkpoint or target dtype. Tensors the model does not use (attention biases, for instance) are skipped
+    with one warning.
+    """
+    if dtype not in _DTYPES:
+        raise ModelLoadError(f"dtype {dtype} is not supported; use torch.float16, torch.bfloat16 or torch.float32")
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise ModelLoadError(f"{model_dir}: model folder not found")
+    shapes = expected_shapes(config)
+    tensors: Dict[str, torch.Tensor] = {}
+    unexpected: List[str] = []
+    for file in safetensors_files(model_dir):
+        try:
+            handle = safe_open(str(file), framework="pt", device="cpu")
+        except Exception as e:  # safetensors raises its own error types for a bad header
+            raise ModelLoadError(f"{file}: cannot read safetensors file: {e}") from None
+        with handle as f:
+            for name in f.keys():
+                if name not in shapes:
+                    if not _is_ignored(name, config):
+                        unexpected.append(name)
+                    continue
+                if name in tensors:
+                    raise ModelLoadError(f"{file}: tensor {name} is also in another safetensors file")
+                view = f.get_slice(name)
+                found, source_dtype = tuple(view.get_shape()), view.get_dtype()
+                if found != shapes[name]:
+                    raise ModelLoadError(
+                        f"{file}: tensor {name} has shape {list(found)}, expected {list(shapes[name])}"
+                    )
+                if source_dtype not in _SOURCE_DTYPES:
+                    raise ModelLoadError(
+                        f"{file}: tensor {name} has dtype {source_dtype}; only F16, BF16 and F32 are supported"
+                    )
+                tensors[name] = f.get_tensor(name).to(device=device, dtype=dtype)
+
+    missing = [name for name in shapes if name not in tensors]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ModelLoadError(f"{model_dir}: tensor {missing[0]} is missing from the safetensors files{more}")
+    if unexpected:
+        more = f" and {len(unexpected) - 5} more" if len(unexpected) > 5 else ""
+        logger.warning(
+            "%s: ignoring %d tensors Qwen3 does not use: %s%s",
+            model_dir,
+            len(unexpected),
+            ", ".join(sorted(unexpected)[:5]),
+            more,
+        )
+
+    embed = tensors["model.embed_tokens.weight"]
+    layers = [
+        LayerWeights(**{field: tensors[name] for field, name in _layer_names(i).items()})
+        for i in range(config.num_hidden_layers)
+    ]
+    lm_head = embed if config.tie_word_embeddings else tensors["lm_head.weight"]
+    return Qwen3Weights(embed=embed, layers=layers, final_norm=tensors["model.norm.weight"], lm_head=lm_head)

@@ -1,0 +1,1 @@
+"""Command-line tools: the tiny-model maker and config inspection."""

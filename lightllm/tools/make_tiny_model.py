@@ -1,0 +1,237 @@
+"""Tiny random-weight Hugging Face Qwen3 folders: test fixtures and the server's built-in default model.
+
+A folder holds what a real checkpoint holds: ``config.json``, ``model.safetensors``, ``generation_config.json``
+and a working byte-level BPE tokenizer (with a chat template) trained offline on a small built-in corpus.
+Everything is deterministic: the same arguments give byte-identical files.
+
+    python -m lightllm.tools.make_tiny_model OUT_DIR [--layers 2 --hidden 64 ...]
+"""
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Union
+
+import torch
+
+from lightllm.common import envs
+
+logger = logging.getLogger(__name__)
+
+# Read here for now; the one registry of LIGHTLLM_* variables (lightllm/common/envs.py) will adopt it.
+TINY_MODEL_DIR_ENV = envs.TINY_MODEL_DIR
+
+PAD_TOKEN = "<|endoftext|>"
+BOS_TOKEN = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+EOS_TOKEN = IM_END
+SPECIAL_TOKENS = (PAD_TOKEN, IM_START, IM_END)
+
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+# Training text for the tokenizer: plain English, a little code and numbers, so common words get merged.
+_CORPUS = """\
+The quick brown fox jumps over the lazy dog. A large language model reads a prompt, one token at a time,
+and predicts the next token. The server keeps a cache of keys and values for every request, so that each
+new token only needs one step of attention over the tokens that came before it.
+Once upon a time there was a small model that lived in a folder on a disk. It did not know very much, but it
+answered every question with great confidence. People asked it about the weather, the news, and the meaning
+of life. It always replied with a string of words that looked like English from a distance.
+Hello, world! How are you today? I am fine, thank you. What is your name? My name is Tiny. Where do you live?
+I live in the cache. What do you do? I help the tests run fast, and I make sure the server can start.
+The kernel autotuner measures each launch configuration on the device, keeps the fastest one, and writes it
+to a file. The next time the server starts, it reads the file and skips the search. Decode attention is tuned
+before each graph is captured, on inputs that look like real traffic.
+In the beginning the system was quiet. Then requests arrived: first a few, then many. The scheduler grouped
+them into batches, the model ran forward, and the sampler picked the next token for every sequence. When a
+sequence produced the end of text token, or reached its length limit, it was finished and its memory was freed.
+def add(a, b):
+    return a + b
+
+for i in range(10):
+    print(i, add(i, i * 2))
+
+Numbers: 0 1 2 3 4 5 6 7 8 9 10 11 12 16 32 64 128 256 512 1024 2048 4096 8192 32768 3.14 2.718 1e-6.
+Questions and answers: Why is the sky blue? Because air scatters blue light more than red light. Why do cats
+sleep so much? Because they can. Which is larger, an elephant or a mouse? An elephant is much larger.
+The rain in Spain stays mainly in the plain. She sells sea shells by the sea shore. Peter Piper picked a peck
+of pickled peppers. All that glitters is not gold. To be, or not to be, that is the question. A journey of a
+thousand miles begins with a single step. Knowledge is power. Time is money. Practice makes perfect.
+Monday, Tuesday, Wednesday, Thursday, Friday, Saturday, Sunday. January, February, March, April, May, June,
+July, August, September, October, November, December. Red, orange, yellow, green, blue, indigo, violet.
+The user said: please write a short story about a robot. The assistant said: once there was a robot who
+wanted to learn to paint. It practiced every day, and after a long time its paintings were beautiful.
+"""
+
+
+def _build_tokenizer(vocab_size: int, model_max_length: int):
+    """A byte-level BPE trained on ``_CORPUS`` with Qwen-style special tokens, as a PreTrainedTokenizerFast."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        show_progress=False,
+        special_tokens=[AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tokenizer.train_from_iterator(_CORPUS.splitlines(keepends=True), trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token=BOS_TOKEN,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=model_max_length,
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def make_tiny_qwen3(
+    out_dir: Union[str, os.PathLike],
+    *,
+    vocab_size: int = 512,
+    hidden_size: int = 64,
+    intermediate_size: int = 128,
+    num_hidden_layers: int = 2,
+    num_attention_heads: int = 4,
+    num_key_value_heads: int = 2,
+    head_dim: int = 16,
+    max_position_embeddings: int = 4096,
+    tie_word_embeddings: bool = False,
+    seed: int = 0,
+    dtype: str = "float32",
+    initializer_range: float = 0.2,
+    padded_vocab_size: int = 0,
+) -> Path:
+    """Write a random-weight Qwen3 checkpoint with a working tokenizer into ``out_dir`` and return its path.
+
+    ``vocab_size`` is the tokenizer's training target; the config gets the tokenizer's actual size (at most
+    the target), or ``padded_vocab_size`` when larger (embedding rows no token uses, as real checkpoints
+    pad theirs; benchmarks use it for a realistic lm_head). Weights come from transformers' own
+    ``Qwen3ForCausalLM`` init under ``seed``, with a wider ``initializer_range`` than HF's 0.02 so logits are
+    not flat, and RMSNorm weights perturbed around 1 so a loader that swaps two norms is caught. The caller's
+    global RNG state is left untouched.
+    """
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    if dtype not in _DTYPES:
+        raise ValueError(f"expected dtype in {sorted(_DTYPES)}, got {dtype!r}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+
+    tokenizer = _build_tokenizer(vocab_size, max_position_embeddings)
+    config = Qwen3Config(
+        vocab_size=max(len(tokenizer), padded_vocab_size),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        head_dim=head_dim,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings,
+        initializer_range=initializer_range,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen3ForCausalLM(config)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.copy_(1.0 + 0.1 * torch.randn_like(param))
+    model = model.to(_DTYPES[dtype])
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def _is_complete(model_dir: Path) -> bool:
+    names = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+    return all((model_dir / name).is_file() for name in names)
+
+
+def default_model_dir() -> Path:
+    """The built-in tiny model (``~/.cache/lightllm/tiny-qwen3`` or ``$LIGHTLLM_TINY_MODEL_DIR``).
+
+    Built on first use in a temporary folder beside the target and renamed into place, so a reader never sees
+    a half-written folder; when another process wins the race its folder is used.
+    """
+    target = envs.get_tiny_model_dir()
+    if _is_complete(target):
+        return target
+    if target.exists() and (not target.is_dir() or any(target.iterdir())):
+        raise ValueError(f"{TINY_MODEL_DIR_ENV}: {target} exists but is not a tiny model folder; remove it")
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        logger.info("building the built-in tiny Qwen3 model in %s", target)
+        make_tiny_qwen3(tmp)
+        tmp.chmod(0o755)  # mkdtemp makes it private; the cache folder is an ordinary one
+        try:
+            os.rename(tmp, target)  # atomic; replaces only a missing or empty folder
+        except OSError:
+            if not _is_complete(target):
+                raise
+            logger.info("another process built %s first; using it", target)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description="Write a tiny random-weight Qwen3 Hugging Face folder.")
+    parser.add_argument("out_dir", help="folder to write (created if missing)")
+    parser.add_argument("--vocab-size", type=int, default=512, help="tokenizer vocab size target")
+    parser.add_argument("--hidden", type=int, default=64, help="hidden_size")
+    parser.add_argument("--intermediate", type=int, default=128, help="intermediate_size")
+    parser.add_argument("--layers", type=int, default=2, help="num_hidden_layers")
+    parser.add_argument("--heads", type=int, default=4, help="num_attention_heads")
+    parser.add_argument("--kv-heads", type=int, default=2, help="num_key_value_heads")
+    parser.add_argument("--head-dim", type=int, default=16, help="head_dim")
+    parser.add_argument("--max-position-embeddings", type=int, default=4096)
+    parser.add_argument("--tie-word-embeddings", action="store_true")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", choices=sorted(_DTYPES), default="float32")
+    args = parser.parse_args(argv)
+    out = make_tiny_qwen3(
+        args.out_dir,
+        vocab_size=args.vocab_size,
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        max_position_embeddings=args.max_position_embeddings,
+        tie_word_embeddings=args.tie_word_embeddings,
+        seed=args.seed,
+        dtype=args.dtype,
+    )
+    vocab = json.loads((out / "config.json").read_text())["vocab_size"]
+    print(f"wrote tiny Qwen3 model to {out} (vocab_size={vocab})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,135 @@
+"""Start-up ordering, graph sizes and argument checks, on the CPU with a fake graph API."""
+
+import pytest
+import torch
+
+from lightllm.common.autotuner import AutotuneKernelType, current_warmup_kernel_type
+from lightllm.common.cuda_graph import DecodeGraphs
+from lightllm.engine.args import EngineArgs
+from lightllm.engine.sampler import SamplingParams, sample
+
+
+class FakeGraphAPI:
+    """Records the order of events; capture is a context manager that marks 'capturing'."""
+
+    def __init__(self, log):
+        self.log = log
+        self.capturing = False
+        self.pools = []
+
+    def new_graph(self):
+        return {"ops": []}
+
+    def capture(self, graph, pool):
+        api = self
+        self.pools.append(pool)
+
+        class _Ctx:
+            def __enter__(self):
+                api.capturing = True
+                api.log.append(("capture-begin", current_warmup_kernel_type()))
+
+            def __exit__(self, *exc):
+                api.capturing = False
+                api.log.append(("capture-end", current_warmup_kernel_type()))
+                return False
+
+        return _Ctx()
+
+    def pool(self, graph):
+        return "shared-pool"
+
+    def replay(self, graph):
+        self.log.append(("replay",))
+
+    def memory_used(self):
+        return 0
+
+
+def test_each_capture_follows_a_decode_forward_in_the_decode_attention_scope():
+    log = []
+    api = FakeGraphAPI(log)
+
+    def run_decode(bs):
+        log.append(("forward", bs, current_warmup_kernel_type(), api.capturing))
+        return torch.full((bs,), float(bs))
+
+    graphs = DecodeGraphs([1, 2, 3, 8], api).capture_all(run_decode)
+    forwards = [e for e in log if e[0] == "forward"]
+    assert [e[1] for e in forwards] == [8, 8, 3, 3, 2, 2, 1, 1]  # largest first, warmup then capture
+    for warm, cap in zip(forwards[::2], forwards[1::2]):
+        assert warm[2] is AutotuneKernelType.DECODE_ATTENTION and not warm[3]
+        assert cap[2] is None and cap[3]  # outer phase restored for the capture
+    assert api.pools == [None, "shared-pool", "shared-pool", "shared-pool"]  # one pool, from the first graph
+    assert graphs.pick(1) == 1 and graphs.pick(4) == 8 and graphs.pick(9) is None
+    assert torch.equal(graphs.replay(3), torch.full((3,), 3.0))
+
+
+def test_failed_warmup_forward_stops_with_phase_restored_and_nothing_captured():
+    log = []
+    api = FakeGraphAPI(log)
+
+    def run_decode(bs):
+        if bs == 2:
+            raise RuntimeError("out of memory")
+        return torch.zeros(bs)
+
+    graphs = DecodeGraphs([1, 2, 4], api)
+    with pytest.raises(RuntimeError, match="batch-size-2 graph failed .*out of memory.*--disable_cudagraph"):
+        graphs.capture_all(run_decode)
+    assert current_warmup_kernel_type() is None
+    assert sorted(graphs.graphs) == [4] and ("capture-begin", None) in log
+
+
+def test_graph_sizes_and_cap():
+    a = EngineArgs(graph_max_batch_size=64, running_max_req_size=20, graph_split_batch_size=4,
+                   graph_grow_step_size=8, device="cpu").normalize()  # fmt: skip
+    assert a.graph_max_batch_size == 20
+    assert a.graph_batch_sizes() == [1, 2, 3, 4, 12, 20]
+    off = EngineArgs(graph_max_batch_size=64, running_max_req_size=20, disable_cudagraph=True, device="cpu")
+    assert off.normalize().graph_max_batch_size == 64
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("data_type", "int8", "--data_type expected one of"),
+        ("running_max_req_size", 0, "--running_max_req_size expected a positive integer"),
+        ("llm_kv_type", "fp8", "--llm_kv_type expected one of"),
+        ("llm_decode_att_backend", "flashinfer", "--llm_decode_att_backend expected one of"),
+        ("mem_fraction", 1.5, "--mem_fraction expected a value in"),
+    ],
+)
+def test_bad_engine_args(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        EngineArgs(**{field: value, "device": "cpu"}).normalize()
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(max_new_tokens=0), "max_new_tokens expected a positive integer"),
+        (dict(temperature=-1), "temperature expected"),
+        (dict(top_p=0), "top_p expected"),
+        (dict(top_k=-2), "top_k expected"),
+        (dict(seed="x"), "seed expected"),
+    ],
+)
+def test_bad_sampling_params(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_sampler():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 50, generator=g)
+    greedy, lp = sample(logits, [SamplingParams()] * 3, [None] * 3)
+    assert torch.equal(greedy, logits.argmax(-1))
+    torch.testing.assert_close(lp, torch.log_softmax(logits, -1).max(-1).values)
+    top1, _ = sample(logits, [SamplingParams(temperature=1.0, top_k=1)] * 3, [None] * 3)
+    assert torch.equal(top1, greedy)
+    nucleus, _ = sample(logits, [SamplingParams(temperature=1.0, top_p=1e-6)] * 3, [None] * 3)
+    assert torch.equal(nucleus, greedy)
+    draws = [sample(logits, [SamplingParams(temperature=1.0)] * 3, [torch.Generator().manual_seed(7)] * 3)[0]
+             for _ in range(2)]  # fmt: skip
+    assert torch.equal(draws[0], draws[1])  # seeded: reproducible

@@ -1,0 +1,280 @@
+import json
+import logging
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig, Qwen3ForCausalLM
+
+from lightllm.models.qwen3.config import ModelLoadError, Qwen3ModelConfig
+from lightllm.models.qwen3.weights import load_qwen3_weights
+from lightllm.tools.make_tiny_model import make_tiny_qwen3
+
+HF_NAMES = {
+    "input_norm": "input_layernorm.weight",
+    "q_proj": "self_attn.q_proj.weight",
+    "k_proj": "self_attn.k_proj.weight",
+    "v_proj": "self_attn.v_proj.weight",
+    "o_proj": "self_attn.o_proj.weight",
+    "q_norm": "self_attn.q_norm.weight",
+    "k_norm": "self_attn.k_norm.weight",
+    "post_norm": "post_attention_layernorm.weight",
+    "gate_proj": "mlp.gate_proj.weight",
+    "up_proj": "mlp.up_proj.weight",
+    "down_proj": "mlp.down_proj.weight",
+}
+_DELETE = object()
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    # Unequal sizes everywhere so a transposed or swapped tensor cannot pass the shape checks by accident.
+    return make_tiny_qwen3(
+        tmp_path_factory.mktemp("qwen3") / "model",
+        hidden_size=48,
+        intermediate_size=80,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_hidden_layers=2,
+    )
+
+
+@pytest.fixture
+def model_copy(tiny_dir, tmp_path):
+    out = tmp_path / "copy"
+    shutil.copytree(tiny_dir, out)
+    return out
+
+
+def edit_config(model_dir, **changes):
+    path = model_dir / "config.json"
+    data = json.loads(path.read_text())
+    for key, value in changes.items():
+        if value is _DELETE:
+            data.pop(key, None)
+        else:
+            data[key] = value
+    path.write_text(json.dumps(data))
+
+
+def edit_tensors(model_dir, edit):
+    path = model_dir / "model.safetensors"
+    tensors = load_file(path)
+    edit(tensors)
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+def test_config_matches_transformers(tiny_dir):
+    ours = Qwen3ModelConfig.from_model_dir(tiny_dir)
+    hf = AutoConfig.from_pretrained(tiny_dir)
+    for field in (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "rms_norm_eps",
+        "max_position_embeddings",
+        "tie_word_embeddings",
+        "bos_token_id",
+    ):
+        assert getattr(ours, field) == getattr(hf, field), field
+    assert ours.rope_theta == hf.rope_parameters["rope_theta"]
+    assert ours.eos_token_ids == (hf.eos_token_id,)
+    assert ours.torch_dtype == "float32"
+
+
+def test_config_of_older_transformers_and_defaults(model_copy):
+    # Pre-v5 layout: rope_theta and torch_dtype at the top level, rope_scaling null, eos a list, no head_dim.
+    edit_config(
+        model_copy,
+        rope_parameters=_DELETE,
+        rope_theta=1000000.0,
+        rope_scaling=None,
+        dtype=_DELETE,
+        torch_dtype="bfloat16",
+        eos_token_id=[2, 0],
+        head_dim=_DELETE,
+        rms_norm_eps=_DELETE,
+    )
+    cfg = Qwen3ModelConfig.from_model_dir(model_copy)
+    assert cfg.rope_theta == 1000000.0
+    assert cfg.torch_dtype == "bfloat16"
+    assert cfg.eos_token_ids == (2, 0)
+    assert cfg.head_dim == 48 // 4
+    assert cfg.rms_norm_eps == 1e-6
+
+
+def test_generation_config_adds_eos_ids(model_copy):
+    (model_copy / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7, 9]}))
+    assert Qwen3ModelConfig.from_model_dir(model_copy).eos_token_ids == (2, 7, 9)
+
+
+def test_weights_equal_transformers_state_dict(tiny_dir):
+    cfg = Qwen3ModelConfig.from_model_dir(tiny_dir)
+    weights = load_qwen3_weights(tiny_dir, cfg, dtype=torch.float32)
+    state = Qwen3ForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).state_dict()
+    assert torch.equal(weights.embed, state["model.embed_tokens.weight"])
+    assert torch.equal(weights.final_norm, state["model.norm.weight"])
+    assert torch.equal(weights.lm_head, state["lm_head.weight"])
+    assert weights.lm_head is not weights.embed
+    assert len(weights.layers) == cfg.num_hidden_layers
+    for i, layer in enumerate(weights.layers):
+        for field, name in HF_NAMES.items():
+            tensor = getattr(layer, field)
+            assert tensor.dtype == torch.float32 and tensor.device.type == "cpu"
+            assert torch.equal(tensor, state[f"model.layers.{i}.{name}"]), (i, field)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_dtype_cast(tiny_dir, dtype):
+    cfg = Qwen3ModelConfig.from_model_dir(tiny_dir)
+    full = load_qwen3_weights(tiny_dir, cfg, dtype=torch.float32)
+    cast = load_qwen3_weights(tiny_dir, cfg, dtype=dtype)
+    assert cast.embed.dtype == dtype and cast.layers[1].down_proj.dtype == dtype
+    assert torch.equal(cast.layers[0].q_proj, full.layers[0].q_proj.to(dtype))
+
+
+def test_tied_embeddings(tmp_path):
+    model_dir = make_tiny_qwen3(tmp_path / "tied", num_hidden_layers=1, tie_word_embeddings=True)
+    cfg = Qwen3ModelConfig.from_model_dir(model_dir)
+    assert cfg.tie_word_embeddings
+    weights = load_qwen3_weights(model_dir, cfg, dtype=torch.float32)
+    assert weights.lm_head is weights.embed
+    hf = Qwen3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    assert torch.equal(weights.lm_head, hf.lm_head.weight)
+
+
+def test_sharded_checkpoint(model_copy, tiny_dir):
+    tensors = load_file(model_copy / "model.safetensors")
+    (model_copy / "model.safetensors").unlink()
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    weight_map = {}
+    for file, shard_names in shards.items():
+        save_file({n: tensors[n] for n in shard_names}, model_copy / file, metadata={"format": "pt"})
+        weight_map.update({n: file for n in shard_names})
+    (model_copy / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    cfg = Qwen3ModelConfig.from_model_dir(model_copy)
+    sharded = load_qwen3_weights(model_copy, cfg, dtype=torch.float32)
+    single = load_qwen3_weights(tiny_dir, cfg, dtype=torch.float32)
+    assert torch.equal(sharded.lm_head, single.lm_head)
+    assert torch.equal(sharded.layers[1].v_proj, single.layers[1].v_proj)
+
+    (model_copy / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(ModelLoadError, match="model-00002-of-00002.safetensors"):
+        load_qwen3_weights(model_copy, cfg)
+
+
+def test_extra_tensors_warn(model_copy, caplog):
+    def add_biases(tensors):
+        for i in range(2):
+            for proj in ("q", "k", "v", "o"):
+                tensors[f"model.layers.{i}.self_attn.{proj}_proj.bias"] = torch.zeros(4)
+
+    edit_tensors(model_copy, add_biases)
+    cfg = Qwen3ModelConfig.from_model_dir(model_copy)
+    with caplog.at_level(logging.WARNING, logger="lightllm.models.qwen3.weights"):
+        load_qwen3_weights(model_copy, cfg)
+    [record] = caplog.records
+    assert "8 tensors" in record.getMessage() and "and 3 more" in record.getMessage()
+    assert "model.layers.0.self_attn.k_proj.bias" in record.getMessage()
+
+
+# ---- config errors: each names the file and the field ----
+
+
+@pytest.mark.parametrize(
+    "changes, field",
+    [
+        ({"architectures": ["LlamaForCausalLM"]}, "architectures"),
+        ({"hidden_size": _DELETE}, "hidden_size"),
+        ({"num_hidden_layers": "two"}, "num_hidden_layers"),
+        ({"num_key_value_heads": 3}, "num_key_value_heads"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling"),
+        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}}, "rope_parameters"),
+        ({"eos_token_id": 100000}, "eos_token_id"),
+        ({"use_sliding_window": True}, "use_sliding_window"),
+        ({"attention_bias": True}, "attention_bias"),
+        ({"tie_word_embeddings": "yes"}, "tie_word_embeddings"),
+    ],
+    ids=lambda v: next(iter(v)) if isinstance(v, dict) else None,
+)
+def test_config_errors(model_copy, changes, field):
+    edit_config(model_copy, **changes)
+    with pytest.raises(ModelLoadError) as err:
+        Qwen3ModelConfig.from_model_dir(model_copy)
+    msg = str(err.value)
+    assert "\n" not in msg
+    assert str(model_copy / "config.json") in msg and f"'{field}'" in msg
+
+
+def test_wrong_architecture_says_what_is_supported(model_copy):
+    edit_config(model_copy, architectures=["LlamaForCausalLM"], model_type="llama")
+    with pytest.raises(ModelLoadError, match=r"LlamaForCausalLM.*supported: Qwen3ForCausalLM"):
+        Qwen3ModelConfig.from_model_dir(model_copy)
+
+
+def test_bad_json_and_missing_files(model_copy, tmp_path):
+    with pytest.raises(ModelLoadError, match="model folder not found"):
+        Qwen3ModelConfig.from_model_dir(tmp_path / "nowhere")
+    (model_copy / "config.json").write_text('{"vocab_size": 512,')
+    with pytest.raises(ModelLoadError, match=r"config\.json: invalid JSON"):
+        Qwen3ModelConfig.from_model_dir(model_copy)
+    (model_copy / "config.json").unlink()
+    with pytest.raises(ModelLoadError, match=r"config\.json: file not found"):
+        Qwen3ModelConfig.from_model_dir(model_copy)
+
+
+# ---- weight errors: each names the tensor ----
+
+
+def test_missing_tensor(model_copy):
+    cfg = Qwen3ModelConfig.from_model_dir(model_copy)
+    edit_tensors(model_copy, lambda t: t.pop("model.layers.1.self_attn.k_norm.weight"))
+    with pytest.raises(ModelLoadError, match=r"model\.layers\.1\.self_attn\.k_norm\.weight is missing"):
+        load_qwen3_weights(model_copy, cfg)
+
+
+def test_missing_lm_head_when_untied(model_copy):
+    cfg = Qwen3ModelConfig.from_model_dir(model_copy)
+    edit_tensors(model_copy, lambda t: t.pop("lm_head.weight"))
+    with pytest.raises(ModelLoadError, match=r"lm_head\.weight is missing"):
+        load_qwen3_weights(model_copy, cfg)
+
+
+def test_shape_mismatch(model_copy):
+    cfg = Qwen3ModelConfig.from_model_dir(model_copy)
+
+    def transpose(tensors):
+        name = "model.layers.0.mlp.down_proj.weight"
+        tensors[name] = tensors[name].t().contiguous()
+
+    edit_tensors(model_copy, transpose)
+    with pytest.raises(ModelLoadError, match=r"down_proj\.weight has shape \[80, 48\], expected \[48, 80\]"):
+        load_qwen3_weights(model_copy, cfg)
+
+
+def test_quantized_checkpoint_is_refused(model_copy):
+    cfg = Qwen3ModelConfig.from_model_dir(model_copy)
+
+    def quantize(tensors):
+        name = "model.layers.0.mlp.up_proj.weight"
+        tensors[name] = tensors[name].to(torch.int8)
+
+    edit_tensors(model_copy, quantize)
+    with pytest.raises(ModelLoadError, match=r"up_proj\.weight has dtype I8"):
+        load_qwen3_weights(model_copy, cfg)
+
+
+def test_no_safetensors_and_bad_dtype(model_copy):
+    cfg = Qwen3ModelConfig.from_model_dir(model_copy)
+    with pytest.raises(ModelLoadError, match="int8"):
+        load_qwen3_weights(model_copy, cfg, dtype=torch.int8)
+    (model_copy / "model.safetensors").unlink()
+    with pytest.raises(ModelLoadError, match=r"no \*\.safetensors files"):
+        load_qwen3_weights(model_copy, cfg)

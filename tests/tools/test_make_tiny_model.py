@@ -1,0 +1,141 @@
+import json
+import shutil
+
+import pytest
+import torch
+from transformers import AutoTokenizer, Qwen3ForCausalLM
+
+from lightllm.tools import make_tiny_model
+from lightllm.tools.make_tiny_model import TINY_MODEL_DIR_ENV, default_model_dir, make_tiny_qwen3
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return make_tiny_qwen3(tmp_path_factory.mktemp("tiny") / "model")
+
+
+def test_folder_holds_config_weights_and_tokenizer(tiny_dir):
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        assert (tiny_dir / name).is_file(), name
+    config = json.loads((tiny_dir / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3ForCausalLM"]
+    assert (config["hidden_size"], config["num_hidden_layers"], config["head_dim"]) == (64, 2, 16)
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["Hello, world! How are you today?", "  two  spaces\tand a tab\n\nnew lines", "ünïcödé 漢字 🙂", "x" * 50],
+    ids=["english", "whitespace", "unicode", "repeated"],
+)
+def test_tokenizer_round_trips(tiny_dir, text):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dir)
+    ids = tokenizer.encode(text)
+    assert tokenizer.decode(ids) == text
+
+
+def test_special_tokens_match_config(tiny_dir):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dir)
+    config = json.loads((tiny_dir / "config.json").read_text())
+    assert config["vocab_size"] == len(tokenizer)
+    assert config["eos_token_id"] == tokenizer.eos_token_id == tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert config["bos_token_id"] == tokenizer.bos_token_id
+    assert tokenizer.pad_token_id is not None
+    assert len(tokenizer.encode("the model")) < len("the model")  # BPE learned merges
+    # A special token in text encodes to its single id and decodes back.
+    ids = tokenizer.encode("<|im_start|>user")
+    assert ids[0] == tokenizer.convert_tokens_to_ids("<|im_start|>")
+    assert tokenizer.decode(ids) == "<|im_start|>user"
+
+
+def test_chat_template(tiny_dir):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dir)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert (
+        text == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n"
+    )
+    without = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+    assert without == text[: -len("<|im_start|>assistant\n")]
+
+
+def test_transformers_loads_it_and_logits_are_not_flat(tiny_dir):
+    model = Qwen3ForCausalLM.from_pretrained(tiny_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dir)
+    ids = torch.tensor([tokenizer.encode("The quick brown fox")])
+    with torch.no_grad():
+        logits = model(ids).logits[0, -1]
+    assert logits.shape == (len(tokenizer),)
+    assert logits.std() > 0.5
+
+
+def test_same_arguments_give_identical_files(tmp_path):
+    a = make_tiny_qwen3(tmp_path / "a", num_hidden_layers=1, seed=3)
+    b = make_tiny_qwen3(tmp_path / "b", num_hidden_layers=1, seed=3)
+    c = make_tiny_qwen3(tmp_path / "c", num_hidden_layers=1, seed=4)
+    for name in ("model.safetensors", "config.json", "tokenizer.json"):
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+    assert (a / "model.safetensors").read_bytes() != (c / "model.safetensors").read_bytes()
+
+
+def test_global_rng_is_untouched(tmp_path):
+    torch.manual_seed(123)
+    expected = torch.rand(4)
+    torch.manual_seed(123)
+    make_tiny_qwen3(tmp_path / "m", num_hidden_layers=1)
+    assert torch.equal(torch.rand(4), expected)
+
+
+def test_dtype_and_tied_embeddings(tmp_path):
+    out = make_tiny_qwen3(tmp_path / "m", num_hidden_layers=1, dtype="bfloat16", tie_word_embeddings=True)
+    model = Qwen3ForCausalLM.from_pretrained(out, dtype="auto")
+    assert model.dtype == torch.bfloat16
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    with pytest.raises(ValueError, match="dtype"):
+        make_tiny_qwen3(tmp_path / "bad", dtype="int8")
+
+
+def test_cli(tmp_path):
+    make_tiny_model.main([str(tmp_path / "cli"), "--layers", "1", "--hidden", "32", "--heads", "2", "--kv-heads", "1"])
+    config = json.loads((tmp_path / "cli" / "config.json").read_text())
+    assert (config["num_hidden_layers"], config["hidden_size"], config["num_key_value_heads"]) == (1, 32, 1)
+
+
+def test_default_model_dir_builds_once(tmp_path, monkeypatch):
+    target = tmp_path / "cache" / "tiny"
+    monkeypatch.setenv(TINY_MODEL_DIR_ENV, str(target))
+    assert default_model_dir() == target
+    weights = target / "model.safetensors"
+    mtime = weights.stat().st_mtime_ns
+
+    def fail(*args, **kwargs):
+        raise AssertionError("rebuilt the default model")
+
+    monkeypatch.setattr(make_tiny_model, "make_tiny_qwen3", fail)
+    assert default_model_dir() == target
+    assert weights.stat().st_mtime_ns == mtime
+    assert [p.name for p in target.parent.iterdir()] == ["tiny"]  # no temporary folder left behind
+
+
+def test_default_model_dir_uses_the_winner_of_a_race(tmp_path, monkeypatch, tiny_dir):
+    target = tmp_path / "tiny"
+    monkeypatch.setenv(TINY_MODEL_DIR_ENV, str(target))
+    real = make_tiny_model.make_tiny_qwen3
+
+    def build_while_another_process_finishes_first(out_dir, **kwargs):
+        shutil.copytree(tiny_dir, target)
+        (target / "winner").write_text("")
+        return real(out_dir, num_hidden_layers=1)
+
+    monkeypatch.setattr(make_tiny_model, "make_tiny_qwen3", build_while_another_process_finishes_first)
+    assert default_model_dir() == target
+    assert (target / "winner").exists()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_default_model_dir_refuses_a_foreign_folder(tmp_path, monkeypatch):
+    target = tmp_path / "tiny"
+    target.mkdir()
+    (target / "notes.txt").write_text("mine")
+    monkeypatch.setenv(TINY_MODEL_DIR_ENV, str(target))
+    with pytest.raises(ValueError, match=TINY_MODEL_DIR_ENV):
+        default_model_dir()
