@@ -5,6 +5,7 @@ import inspect
 import logging
 import math
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
@@ -32,6 +33,13 @@ _MISSING = object()
 
 
 _force_as_adaptive_logged = False
+_instances: "weakref.WeakSet[Autotuner]" = weakref.WeakSet()
+
+
+def clear_all_caches() -> None:
+    """Forget every kernel's loaded and tuned configs in this process, as a restart would (files stay)."""
+    for instance in list(_instances):
+        instance.clear_cache()
 
 
 def _is_capturing() -> bool:
@@ -107,6 +115,7 @@ class Autotuner:
         self._outputs_picker = pick(tuple(output_args))
         self._states: Dict[Any, _StaticKeyState] = {}
         self.last_search: Optional[SearchRecord] = None
+        _instances.add(self)
 
     # ---- per call -------------------------------------------------------------------------------------
 

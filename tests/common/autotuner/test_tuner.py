@@ -435,3 +435,19 @@ def test_minimax_winner_never_has_a_larger_worst_case_loss_than_default():
         chosen = default if w < 0 else timings[w]
         assert worst_case_loss(chosen, best) <= worst_case_loss(default, best)
         assert worst_case_loss(chosen, best) == min(worst_case_loss(t, best) for t in [default, *timings.values()])
+
+
+def test_clear_all_caches_forgets_like_a_restart(toy, level):
+    from lightllm.common.autotuner import tuner as tuner_module
+
+    level(1)
+    t = toy()
+    with autotune_warmup(GENERAL):
+        t(n=4)
+    assert t.kernel._states
+    tuner_module.clear_all_caches()
+    assert not t.kernel._states
+    t.reset_log()
+    level(0)
+    t(n=4)
+    assert t.configs_used() == [{"ms": 0.2}]  # reloaded from the file

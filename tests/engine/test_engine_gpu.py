@@ -1,0 +1,82 @@
+"""Engine start-up and CUDA-graph decode on the GPU (tiny model): ordering, phases, reuse, exact replay."""
+
+import pytest
+import torch
+
+from lightllm.common.autotuner import current_warmup_kernel_type, tuner
+from lightllm.common.cuda_graph import TorchGraphAPI
+from lightllm.engine.args import EngineArgs
+from lightllm.engine.model_runner import ModelRunner
+from lightllm.tools.make_tiny_model import make_tiny_qwen3
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    # head_dim 64: the smallest the decode kernels take
+    return str(make_tiny_qwen3(tmp_path_factory.mktemp("tiny"), hidden_size=256, num_attention_heads=4,
+                               num_key_value_heads=2, head_dim=64, intermediate_size=512, seed=1))  # fmt: skip
+
+
+def engine_args(model_dir, **kw):
+    base = dict(model_dir=model_dir, data_type="bf16", running_max_req_size=4, max_req_total_len=1024,
+                batch_max_tokens=256, graph_max_batch_size=4, graph_split_batch_size=2, graph_grow_step_size=2,
+                graph_max_len_in_batch=1024, max_total_token_num=8192)  # fmt: skip
+    return EngineArgs(**{**base, **kw})
+
+
+class LoggingGraphAPI(TorchGraphAPI):
+    def __init__(self, log):
+        self.log = log
+
+    def capture(self, graph, pool):
+        self.log.append(("capture", current_warmup_kernel_type()))
+        return super().capture(graph, pool)
+
+
+def test_startup_order_phases_and_reuse(tiny_dir, monkeypatch):
+    monkeypatch.setenv("LIGHTLLM_TRITON_AUTOTUNE_LEVEL", "1")
+    monkeypatch.setenv("LIGHTLLM_DECODE_ATTN_AUTOTUNE_SEQ_LEN", "2048")
+    log, searches = [], []
+    real_search = tuner.Autotuner._search
+
+    def spy(self, *args, **kwargs):
+        searches.append((self.kernel_name, self.kernel_type, current_warmup_kernel_type()))
+        return real_search(self, *args, **kwargs)
+
+    monkeypatch.setattr(tuner.Autotuner, "_search", spy)
+    real_graph_decode = ModelRunner._graph_decode
+
+    def graph_decode(self, bs):
+        log.append(("forward", bs, current_warmup_kernel_type()))
+        return real_graph_decode(self, bs)
+
+    monkeypatch.setattr(ModelRunner, "_graph_decode", graph_decode)
+    ModelRunner(engine_args(tiny_dir), graph_api=LoggingGraphAPI(log))
+    sizes = [e[1] for e in log if e[0] == "forward"][::2]
+    assert sizes == [4, 2, 1]
+    for i in range(0, len(log), 3):  # per size: eager forward in the decode scope, capture, captured forward
+        assert log[i][0] == "forward" and log[i][2] is not None and log[i][2].name == "DECODE_ATTENTION"
+        assert log[i + 1] == ("capture", None) and log[i + 2][2] is None
+    assert searches, "level 1 from an empty config dir must search"
+    for name, kind, phase in searches:
+        assert kind is phase, f"{name} ({kind.name}) searched in the {phase} scope"
+    assert {n for n, _, _ in searches} >= {"rmsnorm", "context_attention", "gqa_flash_decode"}
+
+    searches.clear()  # a second start over the same config dir searches nothing
+    log.clear()
+    tuner.clear_all_caches()  # as a new process would: only the files remain
+    ModelRunner(engine_args(tiny_dir), graph_api=LoggingGraphAPI(log))
+    assert searches == []
+
+
+def test_graph_replay_equals_eager_decode(tiny_dir):
+    runner = ModelRunner(engine_args(tiny_dir))
+    slots = [runner.kv.add_request() for _ in range(3)]
+    runner.prefill(slots, [[5, 6, 7], list(range(40)), [9] * 300])
+    replayed = runner.decode(slots, [11, 12, 13]).clone()  # pads to the size-4 graph
+    assert runner.graphs.pick(3) == 4
+    eager = runner._graph_decode(4)[:3]  # the captured function, run eagerly on the same buffers
+    assert torch.equal(replayed, eager)
+    assert replayed.isfinite().all()
