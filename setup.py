@@ -18,5 +18,5 @@ setup(
     python_requires=">=3.10",
     install_requires=_requirements(),
     # numpy<2.4: Triton 3.6's interpreter turns 1-element arrays into scalars, which numpy 2.4 refuses.
-    extras_require={"test": ["pytest>=8", "black>=24", "flake8>=7", "numpy<2.4"]},
+    extras_require={"test": ["pytest>=8", "black>=24", "flake8>=7", "numpy<2.4", "httpx>=0.27", "openai>=1.40"]},
 )

@@ -1,0 +1,351 @@
+"""HTTP server: ``python -m lightllm.server.api_server [flags]``.
+
+Native ``/generate`` and ``/generate_stream``, OpenAI-compatible ``/v1/completions`` and
+``/v1/chat/completions`` (server-sent events ending in ``data: [DONE]`` when streaming), ``/v1/models``,
+``/health`` and ``/metrics``. Bad requests get a 400 with a message; the server keeps serving.
+"""
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from typing import AsyncIterator, List, Optional, Union
+
+import torch
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from pydantic import BaseModel, ConfigDict, Field
+
+from lightllm.engine.model_runner import ModelRunner
+from lightllm.engine.sampler import SamplingParams
+from lightllm.server.args import parse_args
+from lightllm.server.scheduler import Event, Scheduler, ServerRequest
+
+logger = logging.getLogger(__name__)
+
+
+class Metrics:
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.queue_length = Gauge("lightllm_queue_length", "requests waiting for admission", registry=r)
+        self.running = Gauge("lightllm_running_batch", "requests decoding", registry=r)
+        self.kv_usage = Gauge("lightllm_kv_usage_ratio", "fraction of KV cache tokens in use", registry=r)
+        self.generated_tokens = Counter("lightllm_generated_tokens", "tokens generated", registry=r)
+        self.finished = Counter("lightllm_requests_finished", "finished requests", ["finish_reason"], registry=r)
+        self.ttft = Histogram("lightllm_time_to_first_token_seconds", "arrival to first token", registry=r,
+                              buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))  # fmt: skip
+        self.itl = Histogram("lightllm_inter_token_latency_seconds", "time between tokens", registry=r,
+                             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1))  # fmt: skip
+
+
+# ---- request bodies (unknown fields are errors) ------------------------------------------------------------
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class GenerateParameters(_Body):
+    max_new_tokens: int = Field(16, ge=1)
+    temperature: float = Field(0.0, ge=0, le=100)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0)
+    seed: Optional[int] = None
+    stop: Union[str, List[str], None] = None
+    logprobs: bool = False
+    ignore_eos: bool = False
+
+
+class GenerateRequest(_Body):
+    inputs: Union[str, List[int]]
+    parameters: GenerateParameters = GenerateParameters()
+
+
+class CompletionRequest(_Body):
+    model: Optional[str] = None
+    prompt: Union[str, List[int]]
+    max_tokens: int = Field(16, ge=1)
+    temperature: float = Field(1.0, ge=0, le=100)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0)
+    seed: Optional[int] = None
+    stop: Union[str, List[str], None] = None
+    stream: bool = False
+    logprobs: Optional[int] = Field(None, ge=0, le=0)  # only the chosen token's logprob is returned
+    n: int = Field(1, ge=1, le=1)
+    user: Optional[str] = None
+
+
+class ChatMessage(_Body):
+    role: str
+    content: str
+
+
+class ChatRequest(_Body):
+    model: Optional[str] = None
+    messages: List[ChatMessage] = Field(min_length=1)
+    max_tokens: Optional[int] = Field(None, ge=1)
+    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0, le=100)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0)
+    seed: Optional[int] = None
+    stop: Union[str, List[str], None] = None
+    stream: bool = False
+    logprobs: bool = False
+    n: int = Field(1, ge=1, le=1)
+    user: Optional[str] = None
+
+
+class BadRequest(Exception):
+    pass
+
+
+# ---- the app -----------------------------------------------------------------------------------------------
+
+
+class Server:
+    def __init__(self, runner: ModelRunner, tokenizer, model_name: str):
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.metrics = Metrics()
+        eos = set(runner.config.eos_token_ids)
+        if tokenizer.eos_token_id is not None:
+            eos.add(tokenizer.eos_token_id)
+        self.scheduler = Scheduler(runner, eos, self.metrics)
+        self.app = self._build_app()
+
+    def _build_app(self) -> FastAPI:
+        @contextlib.asynccontextmanager
+        async def lifespan(_app):
+            self.scheduler.start()
+            yield
+            self.scheduler.stop()
+
+        app = FastAPI(title="lightllm", lifespan=lifespan)
+
+        @app.exception_handler(RequestValidationError)
+        async def invalid(_request, exc: RequestValidationError):
+            parts = []
+            for e in exc.errors():
+                where = "body" if e["type"] == "json_invalid" else ".".join(str(x) for x in e["loc"][1:]) or "body"
+                parts.append(f"{where}: {'invalid JSON' if e['type'] == 'json_invalid' else e['msg']}")
+            return _error(400, "; ".join(parts) or "invalid request")
+
+        @app.exception_handler(BadRequest)
+        async def bad(_request, exc: BadRequest):
+            return _error(400, str(exc))
+
+        @app.get("/health")
+        async def health():
+            alive = self.scheduler.thread.is_alive()
+            return JSONResponse({"status": "ok" if alive else "scheduler stopped"}, status_code=200 if alive else 503)
+
+        @app.get("/metrics")
+        async def metrics():
+            return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+        @app.get("/v1/models")
+        async def models():
+            return {"object": "list", "data": [{"id": self.model_name, "object": "model", "owned_by": "lightllm"}]}
+
+        @app.post("/generate")
+        async def generate(body: GenerateRequest, request: Request):
+            p = body.parameters
+            ids, params, stops = self._prepare(body.inputs, p.max_new_tokens, p.temperature, p.top_p, p.top_k, p.seed,
+                                               p.stop, p.logprobs, p.ignore_eos)  # fmt: skip
+            result = await self._collect(ids, params, stops, request)
+            out = {"generated_text": result["text"], "token_ids": result["token_ids"],
+                   "finish_reason": result["finish_reason"], "prompt_tokens": len(ids)}  # fmt: skip
+            if p.logprobs:
+                out["logprobs"] = result["logprobs"]
+            return out
+
+        @app.post("/generate_stream")
+        async def generate_stream(body: GenerateRequest, request: Request):
+            p = body.parameters
+            ids, params, stops = self._prepare(body.inputs, p.max_new_tokens, p.temperature, p.top_p, p.top_k, p.seed,
+                                               p.stop, p.logprobs, p.ignore_eos)  # fmt: skip
+
+            async def events():
+                async for delta, tok, lp, reason in self._stream(ids, params, stops, request):
+                    chunk = {"token": {"id": tok, "text": delta, "logprob": lp}, "finish_reason": reason}
+                    yield f"data: {json.dumps(chunk)}\n\n"
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+
+        @app.post("/v1/completions")
+        async def completions(body: CompletionRequest, request: Request):
+            ids, params, stops = self._prepare(body.prompt, body.max_tokens, body.temperature, body.top_p, body.top_k,
+                                               body.seed, body.stop, body.logprobs is not None, False)  # fmt: skip
+            return await self._openai(ids, params, stops, request, body.stream, chat=False)
+
+        @app.post("/v1/chat/completions")
+        async def chat(body: ChatRequest, request: Request):
+            messages = [m.model_dump() for m in body.messages]
+            try:
+                prompt = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            except Exception as e:  # a template that rejects these messages
+                raise BadRequest(f"messages: the model's chat template could not render them ({e})") from e
+            max_tokens = body.max_completion_tokens or body.max_tokens
+            if max_tokens is None:
+                max_tokens = max(1, self.runner.args.max_req_total_len - len(self.tokenizer.encode(prompt)))
+            ids, params, stops = self._prepare(prompt, max_tokens, body.temperature, body.top_p, body.top_k,
+                                               body.seed, body.stop, body.logprobs, False)  # fmt: skip
+            return await self._openai(ids, params, stops, request, body.stream, chat=True)
+
+        return app
+
+    # ---- request plumbing ----------------------------------------------------------------------------------
+
+    def _prepare(self, prompt, max_tokens, temperature, top_p, top_k, seed, stop, logprobs, ignore_eos):
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise BadRequest("prompt: expected at least one token")
+        vocab = self.runner.config.vocab_size
+        if any(t < 0 or t >= vocab for t in ids):
+            raise BadRequest(f"prompt: token ids expected in [0, {vocab})")
+        limit = self.runner.args.max_req_total_len
+        if len(ids) >= limit:
+            raise BadRequest(f"prompt: {len(ids)} tokens, max_req_total_len is {limit}")
+        if max_tokens > limit - len(ids):
+            raise BadRequest(
+                f"max_tokens: {max_tokens} with a {len(ids)}-token prompt exceeds max_req_total_len {limit}"
+            )
+        params = SamplingParams(max_new_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                                logprobs=logprobs, seed=seed, ignore_eos=ignore_eos)  # fmt: skip
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        if any(not s for s in stops):
+            raise BadRequest("stop: expected non-empty strings")
+        return ids, params, stops
+
+    async def _stream(self, ids, params, stops, request: Request) -> AsyncIterator[tuple]:
+        """(text delta, token id, logprob, finish reason or None) per token; aborts on disconnect or stop string."""
+        loop = asyncio.get_running_loop()
+        events: "asyncio.Queue[Event]" = asyncio.Queue()
+        req = ServerRequest(uuid.uuid4().hex, ids, params, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
+        if params.seed is not None:
+            req.generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
+        self.scheduler.submit(req)
+        out_ids: List[int] = []
+        text = ""
+        finished = False
+        try:
+            while True:
+                try:
+                    ev = await asyncio.wait_for(events.get(), timeout=1.0)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        return
+                    continue
+                if ev.kind == "finish":
+                    finished = True
+                    yield "", None, None, ev.finish_reason
+                    return
+                out_ids.append(ev.token_id)
+                full = self.tokenizer.decode(out_ids, skip_special_tokens=True)
+                delta, text = full[len(text) :], full
+                hit = next((s for s in stops if s in text), None)
+                if hit is not None:
+                    cut = text.index(hit)
+                    keep = delta[: max(0, len(delta) - (len(text) - cut))]
+                    self.scheduler.abort(req.id)
+                    finished = True
+                    yield keep, ev.token_id, ev.logprob, None
+                    yield "", None, None, "stop"
+                    return
+                yield delta, ev.token_id, ev.logprob, None
+        finally:
+            if not finished:  # client gone (or the handler was cancelled): free its KV now
+                self.scheduler.abort(req.id)
+
+    async def _collect(self, ids, params, stops, request: Request) -> dict:
+        text, token_ids, logprobs, reason = "", [], [], ""
+        async for delta, tok, lp, fin in self._stream(ids, params, stops, request):
+            text += delta
+            if tok is not None:
+                token_ids.append(tok)
+                logprobs.append(lp)
+            if fin:
+                reason = fin
+        return {"text": text, "token_ids": token_ids, "logprobs": logprobs, "finish_reason": reason or "abort"}
+
+    async def _openai(self, ids, params, stops, request: Request, stream: bool, chat: bool):
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        created = int(time.time())
+        kind = "chat.completion" if chat else "text_completion"
+        if not stream:
+            r = await self._collect(ids, params, stops, request)
+            choice = {"index": 0, "finish_reason": r["finish_reason"]}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": r["text"]}
+                if params.logprobs:
+                    choice["logprobs"] = {"content": [{"token": self.tokenizer.decode([t]), "logprob": lp}
+                                                      for t, lp in zip(r["token_ids"], r["logprobs"])]}  # fmt: skip
+            else:
+                choice["text"] = r["text"]
+                if params.logprobs:
+                    choice["logprobs"] = {"tokens": [self.tokenizer.decode([t]) for t in r["token_ids"]],
+                                          "token_logprobs": r["logprobs"]}  # fmt: skip
+            usage = {"prompt_tokens": len(ids), "completion_tokens": len(r["token_ids"]),
+                     "total_tokens": len(ids) + len(r["token_ids"])}  # fmt: skip
+            return {"id": rid, "object": kind, "created": created, "model": self.model_name, "choices": [choice],
+                    "usage": usage}  # fmt: skip
+
+        async def events():
+            n_out = 0
+            if chat:
+                first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+                yield _sse(rid, kind + ".chunk", created, self.model_name, first)
+            async for delta, tok, lp, fin in self._stream(ids, params, stops, request):
+                if tok is not None:
+                    n_out += 1
+                if fin:
+                    choice = {"index": 0, "finish_reason": fin, **({"delta": {}} if chat else {"text": ""})}
+                    usage = {"prompt_tokens": len(ids), "completion_tokens": n_out, "total_tokens": len(ids) + n_out}
+                    yield _sse(rid, kind + ".chunk" if chat else kind, created, self.model_name, choice, usage)
+                    break
+                choice = {
+                    "index": 0,
+                    "finish_reason": None,
+                    **({"delta": {"content": delta}} if chat else {"text": delta}),
+                }
+                yield _sse(rid, kind + ".chunk" if chat else kind, created, self.model_name, choice)
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def _sse(rid, kind, created, model, choice, usage=None) -> str:
+    body = {"id": rid, "object": kind, "created": created, "model": model, "choices": [choice]}
+    if usage is not None:
+        body["usage"] = usage
+    return f"data: {json.dumps(body)}\n\n"
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "code": status}}, status)
+
+
+def main(argv=None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    server_args, engine_args = parse_args(argv)
+    if server_args.tp != 1:
+        raise SystemExit("error: --tp > 1 is not implemented yet; use --tp 1")
+    runner = ModelRunner(engine_args)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(runner.model_dir)
+    server = Server(runner, tokenizer, model_name=engine_args.model_dir or "lightllm-tiny-qwen3")
+    uvicorn.run(server.app, host=server_args.host, port=server_args.port, log_level="info")
+
+
+if __name__ == "__main__":
+    main()

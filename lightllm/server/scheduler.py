@@ -1,0 +1,203 @@
+"""Continuous batching on one thread that owns the model runner.
+
+Each step: take new and aborted requests, admit waiting ones while request slots, the prefill token
+budget and free KV allow (prefill first), else decode every running request. When the KV cache can't
+hold the next token of every running request the newest one is preempted: its KV is freed and it waits
+to be re-prefilled with what it has generated so far. Results go back through each request's ``emit``
+callback (thread-safe on the HTTP side).
+"""
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Deque, List, Optional
+
+import torch
+
+from lightllm.common.kv_cache import KVCacheFull
+from lightllm.engine.model_runner import ModelRunner
+from lightllm.engine.sampler import SamplingParams, sample
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Event:
+    kind: str  # "token" | "finish"
+    token_id: int = -1
+    logprob: float = 0.0
+    finish_reason: str = ""
+
+
+@dataclass
+class ServerRequest:
+    id: str
+    prompt_ids: List[int]
+    params: SamplingParams
+    emit: Callable[[Event], None]
+    output_ids: List[int] = field(default_factory=list)
+    slot: int = -1
+    generator: Optional[torch.Generator] = None
+    arrival: float = field(default_factory=time.perf_counter)
+    last_token_time: Optional[float] = None
+
+    @property
+    def context(self) -> List[int]:
+        """What a (re-)prefill must process: the prompt and everything generated so far."""
+        return self.prompt_ids + self.output_ids
+
+
+class Scheduler:
+    def __init__(self, runner: ModelRunner, eos_token_ids, metrics=None):
+        self.runner = runner
+        self.args = runner.args
+        self.eos = set(eos_token_ids)
+        self.metrics = metrics
+        self._inbox: "queue.Queue[ServerRequest]" = queue.Queue()
+        self._aborts: "queue.Queue[str]" = queue.Queue()
+        self.waiting: Deque[ServerRequest] = deque()
+        self.running: List[ServerRequest] = []
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._loop, name="lightllm-scheduler", daemon=True)
+
+    # ---- called from the HTTP side -------------------------------------------------------------------------
+
+    def submit(self, req: ServerRequest) -> None:
+        self._inbox.put(req)
+
+    def abort(self, request_id: str) -> None:
+        """Drop the request and free its KV at the next step boundary (milliseconds)."""
+        self._aborts.put(request_id)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.thread.join(timeout=10)
+
+    # ---- the loop ------------------------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                if not self.step():
+                    self._take_new(block=True)
+            except Exception:  # a failing step must not kill the server silently
+                logger.exception("scheduler step failed; failing the requests in it")
+                for req in self.running + list(self.waiting):
+                    self._finish(req, "error")
+                self.running, self.waiting = [], deque()
+
+    def _take_new(self, block: bool) -> None:
+        try:
+            first = self._inbox.get(timeout=0.05) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        self.waiting.append(first)
+        while True:
+            try:
+                self.waiting.append(self._inbox.get_nowait())
+            except queue.Empty:
+                break
+
+    def _apply_aborts(self) -> None:
+        ids = set()
+        while True:
+            try:
+                ids.add(self._aborts.get_nowait())
+            except queue.Empty:
+                break
+        if not ids:
+            return
+        for req in [r for r in self.running if r.id in ids]:
+            self.running.remove(req)
+            self._finish(req, "abort")
+        self.waiting = deque(r for r in self.waiting if r.id not in ids)
+
+    def step(self) -> bool:
+        """One prefill or decode step; False when there was nothing to do."""
+        self._take_new(block=False)
+        self._apply_aborts()
+        self._update_gauges()
+        batch = self._admit()
+        if batch:
+            logits = self.runner.prefill([r.slot for r in batch], [r.context for r in batch])
+            self.running += self._advance(batch, logits)
+            return True
+        if not self.running:
+            return False
+        while self.running and self.runner.kv.num_free_tokens < len(self.running):
+            self._preempt(self.running.pop())
+        if self.running:
+            logits = self.runner.decode([r.slot for r in self.running], [r.output_ids[-1] for r in self.running])
+            self.running = self._advance(self.running, logits)
+        return True
+
+    def _admit(self) -> List[ServerRequest]:
+        batch, budget = [], self.args.batch_max_tokens
+        kv = self.runner.kv
+        free = kv.num_free_tokens - len(self.running)  # keep one token per running request for its next step
+        while self.waiting and len(self.running) + len(batch) < self.args.running_max_req_size:
+            need = len(self.waiting[0].context)
+            if (batch and need > budget) or need + 1 > free or kv.num_free_slots == 0:
+                break
+            req = self.waiting.popleft()
+            req.slot = kv.add_request()
+            budget -= need
+            free -= need + 1
+            batch.append(req)
+        return batch
+
+    def _preempt(self, req: ServerRequest) -> None:
+        logger.info("KV cache full: preempting request %s (%d tokens), it will be re-prefilled", req.id,
+                    len(req.context))  # fmt: skip
+        self.runner.free(req.slot)
+        req.slot = -1
+        self.waiting.appendleft(req)
+
+    def _advance(self, reqs: List[ServerRequest], logits: torch.Tensor) -> List[ServerRequest]:
+        tokens, logprobs = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
+        now = time.perf_counter()
+        alive = []
+        for req, tok, lp in zip(reqs, tokens.tolist(), logprobs.tolist()):
+            if self.metrics is not None:
+                if req.last_token_time is None:
+                    self.metrics.ttft.observe(now - req.arrival)
+                else:
+                    self.metrics.itl.observe(now - req.last_token_time)
+                self.metrics.generated_tokens.inc()
+            req.last_token_time = now
+            req.output_ids.append(tok)
+            req.emit(Event("token", tok, lp))
+            p = req.params
+            if (tok in self.eos and not p.ignore_eos) or tok in p.stop_token_ids:
+                self._finish(req, "stop")
+            elif len(req.output_ids) >= p.max_new_tokens or len(req.context) >= self.args.max_req_total_len:
+                self._finish(req, "length")
+            else:
+                alive.append(req)
+        return alive
+
+    def _finish(self, req: ServerRequest, reason: str) -> None:
+        if req.slot >= 0:
+            try:
+                self.runner.free(req.slot)
+            except (ValueError, KVCacheFull):
+                logger.exception("freeing request %s", req.id)
+            req.slot = -1
+        if self.metrics is not None:
+            self.metrics.finished.labels(reason).inc()
+        req.emit(Event("finish", finish_reason=reason))
+
+    def _update_gauges(self) -> None:
+        if self.metrics is None:
+            return
+        kv = self.runner.kv
+        self.metrics.queue_length.set(len(self.waiting))
+        self.metrics.running.set(len(self.running))
+        total = kv.req_to_token.table.numel() if kv.contiguous_slots else kv.tokens.num_tokens
+        self.metrics.kv_usage.set(1 - kv.num_free_tokens / total)
