@@ -19,6 +19,7 @@ from lightllm.common.autotuner import AutotuneKernelType, autotune_warmup, get_a
 from lightllm.common.cuda_graph import DecodeGraphs
 from lightllm.common.kv_cache import KVCacheManager, pool_num_tokens
 from lightllm.engine.args import EngineArgs
+from lightllm.engine import parallel
 from lightllm.engine.attention import AttentionBackend, make_pool
 from lightllm.engine.infer_state import InferState
 from lightllm.models.qwen3.config import Qwen3ModelConfig
@@ -40,7 +41,10 @@ class ModelRunner:
 
         self.model_dir = args.model_dir or str(default_model_dir())
         self.config = Qwen3ModelConfig.from_model_dir(self.model_dir)
+        self.tp_rank, self.tp = parallel.rank(), parallel.world()
+        parallel.check_divisible(self.config, self.tp)
         weights = load_qwen3_weights(self.model_dir, self.config, args.torch_dtype, self.device)
+        weights = parallel.shard_weights(weights, self.config, self.tp_rank, self.tp)
         self.model = Qwen3Model(self.config, weights, self.device)
         self._init_kv_cache()
         seconds["load"] = time.perf_counter() - t
@@ -82,14 +86,14 @@ class ModelRunner:
         if contiguous:
             num_tokens = max_reqs * a.max_req_total_len
         else:
-            per_token = make_pool(a.llm_kv_type, 1, c.num_hidden_layers, c.num_key_value_heads, c.head_dim,
+            per_token = make_pool(a.llm_kv_type, 1, c.num_hidden_layers, self.model.kv_heads, c.head_dim,
                                   a.torch_dtype, "meta", a.llm_kv_quant_group_size).bytes_per_token()  # fmt: skip
             if a.max_total_token_num is not None or self.device.type != "cuda":
                 num_tokens = a.max_total_token_num or max_reqs * a.max_req_total_len
             else:
                 num_tokens = pool_num_tokens(mem_fraction=a.mem_fraction, bytes_per_token=per_token, device=self.device)
         self.kv = KVCacheManager(num_tokens, max_reqs, a.max_req_total_len, self.device, contiguous_slots=contiguous)
-        pool = make_pool(a.llm_kv_type, num_tokens, c.num_hidden_layers, c.num_key_value_heads, c.head_dim,
+        pool = make_pool(a.llm_kv_type, num_tokens, c.num_hidden_layers, self.model.kv_heads, c.head_dim,
                          a.torch_dtype, self.device, a.llm_kv_quant_group_size)  # fmt: skip
         self.attn = AttentionBackend(pool, a.llm_decode_att_backend, self.device, contiguous)
         self.pad_slot = self.kv.add_request()
@@ -147,6 +151,9 @@ class ModelRunner:
         b["out_token_idx"][:bs].copy_(token_idx, non_blocking=True)
         self._pad_rows(bs, graph_bs)
         return self.graphs.replay(graph_bs)[:bs]
+
+    def add_request(self) -> int:
+        return self.kv.add_request()
 
     def free(self, slot: int) -> None:
         self.kv.free_request(slot)

@@ -337,14 +337,21 @@ def _error(status: int, message: str) -> JSONResponse:
 def main(argv=None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     server_args, engine_args = parse_args(argv)
-    if server_args.tp != 1:
-        raise SystemExit("error: --tp > 1 is not implemented yet; use --tp 1")
-    runner = ModelRunner(engine_args)
+    if server_args.tp > 1:
+        from lightllm.server.tp import start_tp
+
+        runner = start_tp(engine_args, server_args.tp)
+    else:
+        runner = ModelRunner(engine_args)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(runner.model_dir)
     server = Server(runner, tokenizer, model_name=engine_args.model_dir or "lightllm-tiny-qwen3")
-    uvicorn.run(server.app, host=server_args.host, port=server_args.port, log_level="info")
+    try:
+        uvicorn.run(server.app, host=server_args.host, port=server_args.port, log_level="info")
+    finally:
+        if server_args.tp > 1:
+            runner.stop()
 
 
 if __name__ == "__main__":

@@ -6,6 +6,8 @@ import logging
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
+import torch
+
 from lightllm.common import envs
 from lightllm.engine.args import DATA_TYPES, EngineArgs
 from lightllm.engine.attention import DECODE_BACKENDS, KV_TYPES
@@ -79,6 +81,8 @@ def parse_args(argv: Optional[List[str]] = None) -> Tuple[ServerArgs, EngineArgs
             raise ValueError(f"--tp expected a positive integer, got {server.tp}")
         engine = EngineArgs(**ns).normalize()
         envs.validate_all()
+        if engine.device.startswith("cuda") and server.tp > torch.cuda.device_count():
+            raise ValueError(f"--tp {server.tp} expected at most the {torch.cuda.device_count()} visible GPUs")
     except ValueError as e:
         parser.exit(2, f"error: {e}\n")
     logger.info("args: host=%s port=%d tp=%d %s", server.host, server.port, server.tp, engine.summary())

@@ -146,7 +146,7 @@ class Scheduler:
             if (batch and need > budget) or need + 1 > free or kv.num_free_slots == 0:
                 break
             req = self.waiting.popleft()
-            req.slot = kv.add_request()
+            req.slot = self.runner.add_request()
             budget -= need
             free -= need + 1
             batch.append(req)

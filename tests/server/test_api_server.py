@@ -2,55 +2,24 @@
 
 import concurrent.futures
 import json
-import os
 import re
-import socket
-import subprocess
-import sys
 import time
 
 import httpx
 import openai
 import pytest
+from server_helpers import running_server
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MAX_LEN = 256
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    port = _free_port()
     home = tmp_path_factory.mktemp("server")
-    env = {**os.environ, "PYTHONPATH": REPO, "LIGHTLLM_TINY_MODEL_DIR": str(home / "tiny"),
-           "LIGHTLLM_AUTOTUNE_CONFIG_DIR": str(home / "autotune"), "HF_HUB_OFFLINE": "1"}  # fmt: skip
-    cmd = [sys.executable, "-m", "lightllm.server.api_server", "--port", str(port), "--data_type", "fp32",
-           "--device", "cpu", "--batch_max_tokens", "128", "--max_req_total_len", str(MAX_LEN),
-           "--running_max_req_size", "8"]  # fmt: skip
-    log = open(home / "server.log", "w")
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited: {(home / 'server.log').read_text()[-3000:]}")
-        try:
-            if httpx.get(base + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.3)
-    else:
-        proc.kill()
-        raise RuntimeError("server did not come up in 120 s")
-    yield base
-    proc.terminate()
-    proc.wait(timeout=20)
-    log.close()
+    args = ["--data_type", "fp32", "--device", "cpu", "--batch_max_tokens", "128", "--max_req_total_len", str(MAX_LEN),
+            "--running_max_req_size", "8"]  # fmt: skip
+    with running_server(home, args) as base:
+        yield base
 
 
 @pytest.fixture

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from lightllm.engine.attention import AttentionBackend
 from lightllm.engine.infer_state import InferState
+from lightllm.engine.parallel import all_reduce_, local_heads
 from lightllm.kernels.norm.rmsnorm import rmsnorm, rmsnorm_ref
 from lightllm.models.qwen3.config import Qwen3ModelConfig
 from lightllm.models.qwen3.weights import Qwen3Weights
@@ -20,6 +21,7 @@ class Qwen3Model:
         self.w = weights
         self.device = device
         self.dtype = weights.embed.dtype
+        self.heads, self.kv_heads = local_heads(config)  # this rank's share under tensor parallelism
         self._norm = rmsnorm if device.type == "cuda" else rmsnorm_ref
         d = config.head_dim
         inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float().to(device) / d))
@@ -45,9 +47,9 @@ class Qwen3Model:
         h = F.embedding(input_ids, self.w.embed)
         for i, lw in enumerate(self.w.layers):
             x = self._norm(h, lw.input_norm, eps)
-            q = F.linear(x, lw.q_proj).view(tokens, cfg.num_attention_heads, cfg.head_dim)
-            k = F.linear(x, lw.k_proj).view(tokens, cfg.num_key_value_heads, cfg.head_dim)
-            v = F.linear(x, lw.v_proj).view(tokens, cfg.num_key_value_heads, cfg.head_dim)
+            q = F.linear(x, lw.q_proj).view(tokens, self.heads, cfg.head_dim)
+            k = F.linear(x, lw.k_proj).view(tokens, self.kv_heads, cfg.head_dim)
+            v = F.linear(x, lw.v_proj).view(tokens, self.kv_heads, cfg.head_dim)
             q = self._rotary(self._norm(q.contiguous(), lw.q_norm, eps), state.positions)
             k = self._rotary(self._norm(k.contiguous(), lw.k_norm, eps), state.positions)
             attn.write_kv(i, k, v, state.out_token_idx)
@@ -55,9 +57,9 @@ class Qwen3Model:
                 o = attn.prefill(i, q, k, v, state)
             else:
                 o = attn.decode(i, q, state, req_to_token)
-            h = h + F.linear(o.reshape(tokens, -1), lw.o_proj)
+            h = h + all_reduce_(F.linear(o.reshape(tokens, -1), lw.o_proj))
             x = self._norm(h, lw.post_norm, eps)
-            h = h + F.linear(F.silu(F.linear(x, lw.gate_proj)) * F.linear(x, lw.up_proj), lw.down_proj)
+            h = h + all_reduce_(F.linear(F.silu(F.linear(x, lw.gate_proj)) * F.linear(x, lw.up_proj), lw.down_proj))
         if state.is_prefill:
             h = h[(state.b_q_start + state.b_q_len - 1).long()]
         h = self._norm(h.contiguous(), self.w.final_norm, eps)

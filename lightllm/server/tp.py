@@ -1,0 +1,98 @@
+"""Tensor-parallel serving: rank 0 runs HTTP and the scheduler; every step is broadcast to the workers.
+
+Each rank holds its shard of the weights and of the KV heads and runs the same calls in the same order,
+so their allocators stay identical. Commands travel over a gloo group (never the NCCL stream).
+"""
+
+import logging
+import multiprocessing as mp
+import socket
+
+import torch.distributed as dist
+
+from lightllm.engine.args import EngineArgs
+from lightllm.engine.model_runner import ModelRunner
+from lightllm.engine.parallel import init_tp
+
+logger = logging.getLogger(__name__)
+_COMMANDS = ("prefill", "decode", "add_request", "free")
+
+
+class TPRunner:
+    """Rank 0's runner: state-changing calls go to the workers first, then run here."""
+
+    def __init__(self, runner: ModelRunner, group):
+        self.runner = runner
+        self.group = group
+
+    def __getattr__(self, name):
+        return getattr(self.runner, name)
+
+    def _cast(self, *cmd) -> None:
+        dist.broadcast_object_list([cmd], src=0, group=self.group)
+
+    def prefill(self, slots, prompts):
+        self._cast("prefill", list(slots), [list(p) for p in prompts])
+        return self.runner.prefill(slots, prompts)
+
+    def decode(self, slots, last_tokens):
+        self._cast("decode", list(slots), list(last_tokens))
+        return self.runner.decode(slots, last_tokens)
+
+    def add_request(self) -> int:
+        self._cast("add_request")
+        return self.runner.add_request()
+
+    def free(self, slot: int) -> None:
+        self._cast("free", slot)
+        self.runner.free(slot)
+
+    def stop(self) -> None:
+        self._cast("stop")
+
+
+def worker_loop(runner: ModelRunner, group) -> None:
+    """Run rank 0's commands until it says stop."""
+    while True:
+        box = [None]
+        dist.broadcast_object_list(box, src=0, group=group)
+        name, *args = box[0]
+        if name == "stop":
+            return
+        if name not in _COMMANDS:
+            raise RuntimeError(f"tensor-parallel worker: unknown command {name!r}")
+        getattr(runner, name)(*args)
+
+
+def _for_rank(args: EngineArgs, rank: int) -> EngineArgs:
+    args = EngineArgs(**vars(args))
+    if args.device.startswith("cuda"):
+        args.device = f"cuda:{rank}"
+    return args
+
+
+def _worker(rank: int, world: int, init_method: str, args: EngineArgs) -> None:
+    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
+    args = _for_rank(args, rank)
+    import torch
+
+    init_tp(rank, world, init_method, torch.device(args.device))
+    group = dist.new_group(backend="gloo")
+    worker_loop(ModelRunner(args), group)
+    dist.destroy_process_group()
+
+
+def start_tp(args: EngineArgs, tp: int) -> TPRunner:
+    """Spawn ranks 1..tp-1, join as rank 0 and build every rank's runner (start-up runs in lockstep)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        init_method = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    ctx = mp.get_context("spawn")
+    for rank in range(1, tp):
+        ctx.Process(target=_worker, args=(rank, tp, init_method, args), daemon=True, name=f"lightllm-tp{rank}").start()
+    args = _for_rank(args, 0)
+    import torch
+
+    init_tp(0, tp, init_method, torch.device(args.device))
+    group = dist.new_group(backend="gloo")
+    return TPRunner(ModelRunner(args), group)

@@ -1,0 +1,37 @@
+"""--tp 2 on the CPU (gloo): the sharded server generates what one process does."""
+
+import httpx
+from server_helpers import running_server
+
+from lightllm import LLM, SamplingParams
+from lightllm.tools.make_tiny_model import make_tiny_qwen3
+
+
+def test_tp2_matches_tp1(tmp_path):
+    model = str(make_tiny_qwen3(tmp_path / "model", num_attention_heads=4, num_key_value_heads=2, seed=4))
+    args = ["--model_dir", model, "--tp", "2", "--data_type", "fp32", "--device", "cpu", "--batch_max_tokens", "64",
+            "--max_req_total_len", "128", "--running_max_req_size", "4"]  # fmt: skip
+    prompts = [[5, 6, 7, 8, 9], [11, 3], list(range(30, 50))]
+    ref = LLM(model, data_type="fp32", device="cpu", batch_max_tokens=64, max_req_total_len=128).generate(
+        prompts, SamplingParams(max_new_tokens=8, logprobs=True, ignore_eos=True)
+    )
+    with running_server(tmp_path, args) as base:
+        for prompt, want in zip(prompts, ref):
+            body = {"inputs": prompt, "parameters": {"max_new_tokens": 8, "logprobs": True, "ignore_eos": True}}
+            got = httpx.post(base + "/generate", json=body, timeout=60).json()
+            assert got["token_ids"] == want.token_ids
+            assert max(abs(a - b) for a, b in zip(got["logprobs"], want.logprobs)) <= 1e-4
+        assert httpx.get(base + "/health").status_code == 200
+
+
+def test_tp_must_divide_heads(tmp_path):
+    import pytest
+
+    from lightllm.engine.parallel import check_divisible
+    from lightllm.models.qwen3.config import Qwen3ModelConfig
+
+    model = make_tiny_qwen3(tmp_path / "m", num_attention_heads=4, num_key_value_heads=2)
+    cfg = Qwen3ModelConfig.from_model_dir(model)
+    check_divisible(cfg, 2)
+    with pytest.raises(ValueError, match="--tp 4: the model's num_key_value_heads \\(2\\) is not divisible"):
+        check_divisible(cfg, 4)
