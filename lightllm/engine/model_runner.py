@@ -92,6 +92,10 @@ class ModelRunner:
                 num_tokens = a.max_total_token_num or max_reqs * a.max_req_total_len
             else:
                 num_tokens = pool_num_tokens(mem_fraction=a.mem_fraction, bytes_per_token=per_token, device=self.device)
+        if num_tokens - 1 < a.max_req_total_len:  # one token is the padding request's
+            raise ValueError(f"the KV cache holds {num_tokens} tokens, fewer than one --max_req_total_len "
+                             f"({a.max_req_total_len}) request plus padding: raise --max_total_token_num or "
+                             "--mem_fraction, or lower --max_req_total_len")  # fmt: skip
         self.kv = KVCacheManager(num_tokens, max_reqs, a.max_req_total_len, self.device, contiguous_slots=contiguous)
         pool = make_pool(a.llm_kv_type, num_tokens, c.num_hidden_layers, self.model.kv_heads, c.head_dim,
                          a.torch_dtype, self.device, a.llm_kv_quant_group_size)  # fmt: skip
@@ -164,18 +168,19 @@ class ModelRunner:
         """Dummy prefills at 16, 32, ... up to ``batch_max_tokens`` tokens (several requests when one request
         can't hold them), so GENERAL kernels tune and compile before the first live request."""
         a = self.args
+        most = min(a.batch_max_tokens, self.kv.num_free_tokens)
         total, lengths = 16, []
-        while total < a.batch_max_tokens:
+        while total < most:
             lengths.append(total)
             total *= 2
-        lengths.append(a.batch_max_tokens)
+        lengths.append(most)
         gen = torch.Generator().manual_seed(0)
         for total in lengths:
-            per_req = min(total, a.max_req_total_len)
-            count = min(-(-total // per_req), a.running_max_req_size)
-            slots = [self.kv.add_request() for _ in range(count)]
+            full, rest = divmod(total, a.max_req_total_len)
+            sizes = ([a.max_req_total_len] * full + ([rest] if rest else []))[: a.running_max_req_size]
+            slots = [self.kv.add_request() for _ in sizes]
             try:
-                prompts = [torch.randint(0, self.config.vocab_size, (per_req,), generator=gen).tolist() for _ in slots]
+                prompts = [torch.randint(0, self.config.vocab_size, (n,), generator=gen).tolist() for n in sizes]
                 self.prefill(slots, prompts)
             finally:
                 for s in slots:

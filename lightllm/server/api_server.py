@@ -51,13 +51,19 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class GenerateParameters(_Body):
-    max_new_tokens: int = Field(16, ge=1)
-    temperature: float = Field(0.0, ge=0, le=100)
+class _Sampling(_Body):
+    """Fields every endpoint shares; OpenAI's endpoints default to temperature 1, the native one to greedy."""
+
+    temperature: float = Field(1.0, ge=0, le=100)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0)
     seed: Optional[int] = None
     stop: Union[str, List[str], None] = None
+
+
+class GenerateParameters(_Sampling):
+    max_new_tokens: int = Field(16, ge=1)
+    temperature: float = Field(0.0, ge=0, le=100)
     logprobs: bool = False
     ignore_eos: bool = False
 
@@ -67,19 +73,17 @@ class GenerateRequest(_Body):
     parameters: GenerateParameters = GenerateParameters()
 
 
-class CompletionRequest(_Body):
+class _OpenAI(_Sampling):
     model: Optional[str] = None
-    prompt: Union[str, List[int]]
-    max_tokens: int = Field(16, ge=1)
-    temperature: float = Field(1.0, ge=0, le=100)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=0)
-    seed: Optional[int] = None
-    stop: Union[str, List[str], None] = None
     stream: bool = False
-    logprobs: Optional[int] = Field(None, ge=0, le=0)  # only the chosen token's logprob is returned
     n: int = Field(1, ge=1, le=1)
     user: Optional[str] = None
+
+
+class CompletionRequest(_OpenAI):
+    prompt: Union[str, List[int]]
+    max_tokens: int = Field(16, ge=1)
+    logprobs: Optional[int] = Field(None, ge=0, le=0)  # only the chosen token's logprob is returned
 
 
 class ChatMessage(_Body):
@@ -87,20 +91,11 @@ class ChatMessage(_Body):
     content: str
 
 
-class ChatRequest(_Body):
-    model: Optional[str] = None
+class ChatRequest(_OpenAI):
     messages: List[ChatMessage] = Field(min_length=1)
     max_tokens: Optional[int] = Field(None, ge=1)
     max_completion_tokens: Optional[int] = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0, le=100)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=0)
-    seed: Optional[int] = None
-    stop: Union[str, List[str], None] = None
-    stream: bool = False
     logprobs: bool = False
-    n: int = Field(1, ge=1, le=1)
-    user: Optional[str] = None
 
 
 class BadRequest(Exception):

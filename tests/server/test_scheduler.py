@@ -1,0 +1,77 @@
+"""The scheduler on the CPU with a tiny model: preemption under a small KV cache, aborts free KV."""
+
+import threading
+
+import pytest
+
+from lightllm.engine.args import EngineArgs
+from lightllm.engine.model_runner import ModelRunner
+from lightllm.engine.sampler import SamplingParams
+from lightllm.server.scheduler import Scheduler, ServerRequest
+from lightllm.tools.make_tiny_model import make_tiny_qwen3
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return str(make_tiny_qwen3(tmp_path_factory.mktemp("m"), seed=2))
+
+
+def runner(model_dir, tokens):
+    args = EngineArgs(model_dir=model_dir, data_type="fp32", device="cpu", batch_max_tokens=64, max_req_total_len=32,
+                      running_max_req_size=4, max_total_token_num=tokens)  # fmt: skip
+    return ModelRunner(args)
+
+
+def run_all(sched, prompts, max_new=12):
+    outs = {i: [] for i in range(len(prompts))}
+    done = threading.Semaphore(0)
+    reasons = {}
+
+    def emitter(i):
+        def emit(ev):
+            if ev.kind == "token":
+                outs[i].append(ev.token_id)
+            else:
+                reasons[i] = ev.finish_reason
+                done.release()
+
+        return emit
+
+    for i, p in enumerate(prompts):
+        sched.submit(ServerRequest(str(i), p, SamplingParams(max_new_tokens=max_new, ignore_eos=True), emitter(i)))
+    while len(reasons) < len(prompts):
+        assert sched.step() or not sched._inbox.empty() or len(reasons) == len(prompts)
+    return outs, reasons
+
+
+def test_preemption_under_a_small_cache_gives_the_same_tokens(model_dir):
+    prompts = [[3, 4, 5, 6, 7, 8, 9, 10], [20, 21, 22, 23], [30, 31, 32, 33, 34, 35], [40, 41]]
+    roomy = Scheduler(runner(model_dir, 512), eos_token_ids=[])
+    want, _ = run_all(roomy, prompts)
+    tight_runner = runner(model_dir, 40)  # 20 prompt tokens + 48 new ones cannot all fit: someone is preempted
+    tight = Scheduler(tight_runner, eos_token_ids=[])
+    preempted = []
+    real = tight._preempt
+    tight._preempt = lambda req: (preempted.append(req.id), real(req))
+    got, reasons = run_all(tight, prompts)
+    assert preempted, "the cache was meant to run out"
+    assert got == want and set(reasons.values()) == {"length"}
+    assert tight_runner.kv.num_free_tokens == 40 - 1  # all freed but the padding token
+
+
+def test_abort_frees_kv(model_dir):
+    r = runner(model_dir, 256)
+    sched = Scheduler(r, eos_token_ids=[])
+    events = []
+    sched.submit(ServerRequest("a", [1, 2, 3], SamplingParams(max_new_tokens=50, ignore_eos=True), events.append))
+    sched.step()  # prefill
+    sched.step()  # one decode
+    assert r.kv.num_free_tokens < 255
+    sched.abort("a")
+    sched.step()
+    assert r.kv.num_free_tokens == 255 and events[-1].finish_reason == "abort"
+
+
+def test_cache_smaller_than_one_request_is_a_startup_error(model_dir):
+    with pytest.raises(ValueError, match="fewer than one --max_req_total_len \\(32\\) request"):
+        runner(model_dir, 20)
