@@ -5,7 +5,7 @@ __version__ = "0.1.0"
 
 def __getattr__(name):  # lazy: `import lightllm` stays light (no torch/transformers until used)
     if name == "LLM":
-        from lightllm.engine.llm import LLM
+        from lightllm.llm import LLM
 
         return LLM
     if name == "SamplingParams":

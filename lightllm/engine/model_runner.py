@@ -57,6 +57,14 @@ class ModelRunner:
         self.graphs: Optional[DecodeGraphs] = None
         use_graphs = not args.disable_cudagraph and (self.device.type == "cuda" or graph_api is not None)
         if use_graphs:
+            tune_len = envs.get_decode_attn_autotune_seq_len()
+            if args.graph_max_len_in_batch < tune_len:
+                logger.warning(
+                    "decode graphs serve requests up to %d tokens but decode attention tunes at %d "
+                    "(%s); set it to %d so the frozen configs are chosen for lengths the graphs serve",
+                    args.graph_max_len_in_batch, tune_len, envs.DECODE_ATTN_AUTOTUNE_SEQ_LEN,
+                    args.graph_max_len_in_batch,
+                )  # fmt: skip
             t = time.perf_counter()
             self._init_graph_buffers()
             self.graphs = DecodeGraphs(args.graph_batch_sizes(), graph_api).capture_all(self._graph_decode)
