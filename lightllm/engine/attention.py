@@ -23,14 +23,13 @@ KV_TYPES = ("None", "int8kv", "int4kv")
 
 
 class AttentionBackend:
-    def __init__(self, pool, decode_backend: str, device: torch.device, contiguous_slots: bool = False):
+    def __init__(self, pool, decode_backend: str, device: torch.device):
         if decode_backend not in DECODE_BACKENDS:
             raise ValueError(f"--llm_decode_att_backend expected one of {DECODE_BACKENDS}, got {decode_backend!r}")
         self.pool = pool
         self.quant = "int8" if isinstance(pool, Int8KVPool) else "int4" if isinstance(pool, Int4KVPool) else "none"
         self.decode_backend = decode_backend
         self.on_gpu = device.type == "cuda"
-        self.contiguous_slots = contiguous_slots
         if decode_backend == "fa3":
             if self.quant != "none":
                 raise ValueError("--llm_decode_att_backend fa3 expected --llm_kv_type None, got a quantized KV cache")

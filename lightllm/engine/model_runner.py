@@ -8,6 +8,7 @@ Start-up, top to bottom (``ModelRunner.__init__``):
 4. one summary line.
 """
 
+import itertools
 import logging
 import time
 from typing import Optional, Sequence
@@ -107,7 +108,7 @@ class ModelRunner:
         self.kv = KVCacheManager(num_tokens, max_reqs, a.max_req_total_len, self.device, contiguous_slots=contiguous)
         pool = make_pool(a.llm_kv_type, num_tokens, c.num_hidden_layers, self.model.kv_heads, c.head_dim,
                          a.torch_dtype, self.device, a.llm_kv_quant_group_size)  # fmt: skip
-        self.attn = AttentionBackend(pool, a.llm_decode_att_backend, self.device, contiguous)
+        self.attn = AttentionBackend(pool, a.llm_decode_att_backend, self.device)  # fa3 picks its layout too
         self.pad_slot = self.kv.add_request()
         self.pad_token = int(self.kv.extend(self.pad_slot, 1)[0])
         logger.info("KV cache: %d tokens (%s, %s)", num_tokens, a.llm_kv_type, "contiguous slots" if contiguous
@@ -119,9 +120,7 @@ class ModelRunner:
         """Allocate KV for each prompt and run them as one packed prefill; float32 logits of last tokens."""
         lens = [len(p) for p in prompts]
         token_idx = torch.cat([self.kv.extend(s, n) for s, n in zip(slots, lens)])
-        starts = [0]
-        for n in lens[:-1]:
-            starts.append(starts[-1] + n)
+        starts = [0, *itertools.accumulate(lens[:-1])]
         dev = self.device
         state = InferState(
             is_prefill=True,
