@@ -34,6 +34,10 @@ class TorchGraphAPI:
         graph.replay()
 
     def memory_used(self) -> int:
+        # Cached free blocks released first: capturing empties the cache itself, so without this the
+        # before/after difference would count freed warmup blocks as negative graph memory.
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
         return torch.cuda.memory_reserved()
 
 

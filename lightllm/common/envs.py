@@ -83,9 +83,9 @@ def get_autotune_config_dir() -> Path:
 
 
 def get_tiny_model_dir() -> Path:
-    """Where the built-in tiny model is generated on first use (default ``~/.cache/lightllm/tiny-qwen3``)."""
+    """Where the built-in tiny model is generated on first use (default ``~/.cache/lightllm/tiny-qwen3-d64``)."""
     raw = os.environ.get(TINY_MODEL_DIR, "").strip()
-    return Path(raw or "~/.cache/lightllm/tiny-qwen3").expanduser()
+    return Path(raw or "~/.cache/lightllm/tiny-qwen3-d64").expanduser()
 
 
 def validate_all() -> None:

@@ -20,6 +20,14 @@ from lightllm.kernels.attention.prefill import context_attention, context_attent
 
 DECODE_BACKENDS = ("triton", "fa3")
 KV_TYPES = ("None", "int8kv", "int4kv")
+GPU_HEAD_DIMS = (64, 128, 256)  # what the Triton prefill and decode kernels compile for
+
+
+def check_head_dim(head_dim: int, device: torch.device) -> None:
+    """Fail at start-up, before any weight is loaded, for a head_dim the GPU kernels don't take."""
+    if device.type == "cuda" and head_dim not in GPU_HEAD_DIMS:
+        raise ValueError(f"model head_dim expected one of {GPU_HEAD_DIMS} on a GPU, got {head_dim} "
+                         "(the CPU device runs any head_dim through the torch references)")  # fmt: skip
 
 
 class AttentionBackend:

@@ -16,12 +16,12 @@ from typing import Optional, Sequence
 import torch
 
 from lightllm.common import envs
-from lightllm.common.autotuner import AutotuneKernelType, autotune_warmup, get_autotune_stats
+from lightllm.common.autotuner import AutotuneKernelType, autotune_warmup, decode_attn_tuning_len, get_autotune_stats
 from lightllm.common.cuda_graph import DecodeGraphs
 from lightllm.common.kv_cache import KVCacheManager, pool_num_tokens
 from lightllm.engine.args import EngineArgs
 from lightllm.engine import parallel
-from lightllm.engine.attention import AttentionBackend, make_pool
+from lightllm.engine.attention import AttentionBackend, check_head_dim, make_pool
 from lightllm.engine.infer_state import InferState
 from lightllm.models.qwen3.config import Qwen3ModelConfig
 from lightllm.models.qwen3.model import Qwen3Model
@@ -42,6 +42,7 @@ class ModelRunner:
 
         self.model_dir = args.model_dir or str(default_model_dir())
         self.config = Qwen3ModelConfig.from_model_dir(self.model_dir)
+        check_head_dim(self.config.head_dim, self.device)
         self.tp_rank, self.tp = parallel.rank(), parallel.world()
         parallel.check_divisible(self.config, self.tp)
         weights = load_qwen3_weights(self.model_dir, self.config, args.torch_dtype, self.device)
@@ -58,14 +59,9 @@ class ModelRunner:
         self.graphs: Optional[DecodeGraphs] = None
         use_graphs = not args.disable_cudagraph and (self.device.type == "cuda" or graph_api is not None)
         if use_graphs:
-            tune_len = envs.get_decode_attn_autotune_seq_len()
-            if args.graph_max_len_in_batch < tune_len:
-                logger.warning(
-                    "decode graphs serve requests up to %d tokens but decode attention tunes at %d "
-                    "(%s); set it to %d so the frozen configs are chosen for lengths the graphs serve",
-                    args.graph_max_len_in_batch, tune_len, envs.DECODE_ATTN_AUTOTUNE_SEQ_LEN,
-                    args.graph_max_len_in_batch,
-                )  # fmt: skip
+            tune_len = decode_attn_tuning_len(args.graph_max_len_in_batch)
+            logger.info("decode attention tunes at KV lengths up to %d (%s, capped at --graph_max_len_in_batch)",
+                        tune_len, envs.DECODE_ATTN_AUTOTUNE_SEQ_LEN)  # fmt: skip
             t = time.perf_counter()
             self._init_graph_buffers()
             self.graphs = DecodeGraphs(args.graph_batch_sizes(), graph_api).capture_all(self._graph_decode)
@@ -138,7 +134,7 @@ class ModelRunner:
 
     def decode(self, slots: Sequence[int], last_tokens: Sequence[int]) -> torch.Tensor:
         """One decode step (one new token per request); a captured graph when one fits, else eager."""
-        token_idx = torch.cat([self.kv.extend(s, 1) for s in slots])
+        token_idx = self.kv.extend_each(slots)
         seq_lens = [self.kv.seq_len(s) for s in slots]
         bs, max_len = len(slots), max(seq_lens)
         graph_bs = self.graphs.pick(bs) if self.graphs and max_len <= self.args.graph_max_len_in_batch else None

@@ -84,6 +84,10 @@ def _worker(rank: int, world: int, init_method: str, args: EngineArgs) -> None:
 
 def start_tp(args: EngineArgs, tp: int) -> TPRunner:
     """Spawn ranks 1..tp-1, join as rank 0 and build every rank's runner (start-up runs in lockstep)."""
+    if not args.model_dir:  # resolve (and build, once) the built-in model here, not in every rank
+        from lightllm.tools.make_tiny_model import default_model_dir
+
+        args = EngineArgs(**{**vars(args), "model_dir": str(default_model_dir())})
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         init_method = f"tcp://127.0.0.1:{s.getsockname()[1]}"

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Union
 
 import torch
+from filelock import FileLock
 
 from lightllm.common import envs
 
@@ -170,8 +171,12 @@ def _is_complete(model_dir: Path) -> bool:
     return all((model_dir / name).is_file() for name in names)
 
 
+# head_dim 64: the smallest the GPU kernels take, so the built-in model also serves on a GPU
+BUILTIN_SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+
+
 def default_model_dir() -> Path:
-    """The built-in tiny model (``~/.cache/lightllm/tiny-qwen3`` or ``$LIGHTLLM_TINY_MODEL_DIR``).
+    """The built-in tiny model (``~/.cache/lightllm/tiny-qwen3-d64`` or ``$LIGHTLLM_TINY_MODEL_DIR``).
 
     Built on first use in a temporary folder beside the target and renamed into place, so a reader never sees
     a half-written folder; when another process wins the race its folder is used.
@@ -183,20 +188,24 @@ def default_model_dir() -> Path:
         raise ValueError(f"{TINY_MODEL_DIR_ENV}: {target} exists but is not a tiny model folder; remove it")
 
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-    try:
-        logger.info("building the built-in tiny Qwen3 model in %s", target)
-        make_tiny_qwen3(tmp)
-        tmp.chmod(0o755)  # mkdtemp makes it private; the cache folder is an ordinary one
+    # One builder at a time (tensor-parallel ranks, several servers): the others wait and use its folder.
+    with FileLock(str(target.parent / f".{target.name}.lock")):
+        if _is_complete(target):
+            return target
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
         try:
-            os.rename(tmp, target)  # atomic; replaces only a missing or empty folder
-        except OSError:
-            if not _is_complete(target):
-                raise
-            logger.info("another process built %s first; using it", target)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+            logger.info("building the built-in tiny Qwen3 model in %s", target)
+            make_tiny_qwen3(tmp, **BUILTIN_SHAPE)
+            tmp.chmod(0o755)  # mkdtemp makes it private; the cache folder is an ordinary one
+            try:
+                os.rename(tmp, target)  # atomic; replaces only a missing or empty folder
+            except OSError:
+                if not _is_complete(target):
+                    raise
+                logger.info("another process built %s first; using it", target)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
     return target
 
 

@@ -6,6 +6,7 @@ import torch
 from lightllm.common.autotuner import AutotuneKernelType, current_warmup_kernel_type
 from lightllm.common.cuda_graph import DecodeGraphs
 from lightllm.engine.args import EngineArgs
+from lightllm.engine.attention import check_head_dim
 from lightllm.engine.sampler import SamplingParams, sample
 
 
@@ -103,6 +104,14 @@ def test_graph_sizes_and_cap():
 def test_bad_engine_args(field, value, message):
     with pytest.raises(ValueError, match=message):
         EngineArgs(**{field: value, "device": "cpu"}).normalize()
+
+
+def test_gpu_head_dim_checked_before_loading():
+    check_head_dim(16, torch.device("cpu"))  # the torch references take any head_dim
+    for d in (64, 128, 256):
+        check_head_dim(d, torch.device("cuda"))
+    with pytest.raises(ValueError, match=r"head_dim expected one of \(64, 128, 256\) on a GPU, got 96"):
+        check_head_dim(96, torch.device("cuda"))
 
 
 @pytest.mark.parametrize(

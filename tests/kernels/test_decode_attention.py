@@ -148,12 +148,13 @@ def test_search_uses_representative_batch_over_existing_pool(monkeypatch):
 
     monkeypatch.setattr(tuned, "fn", spy)
     with autotune_warmup(AutotuneKernelType.DECODE_ATTENTION):
-        out1, _ = run("none", q, k, v, r2t, idx, seq, 16, block_seq=64)
-        out2, _ = run("none", q, k, v, r2t, idx, seq, 16, block_seq=64)  # same key: no second search
+        # a launch that serves up to 2048 tokens (a graph's maximum) on a dummy batch of tiny real lengths
+        out1, _ = run("none", q, k, v, r2t, idx, seq, 2048, block_seq=64)
+        out2, _ = run("none", q, k, v, r2t, idx, seq, 2048, block_seq=64)  # same key: no second search
     tuned.clear_cache()
     timed = [c for c in calls if c[1] is not r2t]
     assert len(seen) == 3 * 2  # (default + 2 configs) x lengths [1024, 512]
-    assert {int(c[2][0]) for c in timed} == {1024, 512} and all(c[3] == 1024 for c in timed)
+    assert {int(c[2][0]) for c in timed} == {1024, 512} and all(c[3] == 2048 for c in timed)
     assert all(c[0] is k for c in timed)  # the existing pool, no new KV
     assert all(int(c[1].max()) < k.shape[0] and c[1].shape == (2, 1024) for c in timed)
     for t, b in zip((q, k, v, r2t, idx, seq), before):
@@ -185,8 +186,8 @@ def test_gpu_search_runs_once_per_key_at_representative_length(monkeypatch, isol
     q, k, v, r2t, idx, seq = make_batch(16, 32, 8, 128, [5] * 16, torch.bfloat16, pool=65536)
     before = [t.clone() for t in (q, k, v, r2t, idx, seq)]
     with autotune_warmup(AutotuneKernelType.DECODE_ATTENTION):
-        for _ in range(3):  # three layers, one key
-            out, _ = run("none", q, k, v, r2t, idx, seq, 8192)
+        for _ in range(3):  # three layers of a graph serving up to 32K tokens, one key
+            out, _ = run("none", q, k, v, r2t, idx, seq, 32768)
     record = tuned.last_search
     assert record.run_key == (16, 32768) and len(record.default_ms) == 4 and len(record.timings) == 16
     assert tuned.last_search is record and len(list(isolated_autotune.rglob("*.json"))) == 1

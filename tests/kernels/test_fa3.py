@@ -88,9 +88,8 @@ def test_prefers_full_builds(monkeypatch):
     assert fa3.find_fa3_provider().name == "flash_attn_interface" and fa3.find_fa3_provider().paged
 
 
-def make_cache(batch, q_heads, kv_heads, head_dim, lens, contiguous=False, seed=0):
+def make_cache(batch, q_heads, kv_heads, head_dim, lens, contiguous=False, seed=0, max_len=64):
     g = torch.Generator().manual_seed(seed)
-    max_len = 64
     m = KVCacheManager(8 * max_len, max_reqs=8, max_len=max_len, device="cpu", contiguous_slots=contiguous)
     k = torch.randn(8 * max_len, kv_heads, head_dim, generator=g).half()
     v = torch.randn(8 * max_len, kv_heads, head_dim, generator=g).half()
@@ -149,16 +148,17 @@ def test_num_splits_search_and_restart(monkeypatch, isolated_autotune):
         return speed[fake.calls[-1]["num_splits"]]
 
     set_bench_func(bench)
-    table, k, v, idx, seq = make_cache(2, 8, 2, 64, [5, 9])
+    table, k, v, idx, seq = make_cache(2, 8, 2, 64, [5, 9], max_len=2048)
     q = torch.randn(2, 8, 64).half()
     with autotune_warmup(AutotuneKernelType.DECODE_ATTENTION):
         for _ in range(2):  # two layers, one search
-            out = fa3.fa3_decode_attention(q, k, v, table, idx, seq, 16, provider=provider)
-    timed = [c for c in fake.calls if c["page_table"] is not None and c["page_table"].shape[1] == 1024]
+            # a launch serving up to 2048 tokens (a graph's maximum) on tiny real lengths
+            out = fa3.fa3_decode_attention(q, k, v, table, idx, seq, 2048, provider=provider)
+    timed = [c for c in fake.calls if not torch.equal(c["seqlens"], seq)]  # the rebuilt batches
     assert sorted({c["num_splits"] for c in timed}) == [0, 1, 2, 4, 8]  # pruned: 8 * 128 <= 1024
     assert {int(c["seqlens"][0]) for c in timed} == {1024, 512}  # the tuning ladder, every request
     assert all(int(c["page_table"].max()) < k.shape[0] for c in timed)  # over the existing pool
-    assert fake.calls[-1]["num_splits"] == 4 and fake.calls[-1]["page_table"].shape == (2, 16)
+    assert fake.calls[-1]["num_splits"] == 4 and fake.calls[-1]["page_table"].shape == (2, 2048)
     torch.testing.assert_close(out.double(), decode_attention_ref(q, k, v, table, idx, seq), rtol=2e-3, atol=2e-3)
     (path,) = store.iter_config_files(isolated_autotune, "fa3_decode")
     data = json.loads(path.read_text())
@@ -169,5 +169,5 @@ def test_num_splits_search_and_restart(monkeypatch, isolated_autotune):
     fa3._tuned.clear_cache()  # a restart: level 0, the stored split count, no search
     monkeypatch.setenv("LIGHTLLM_TRITON_AUTOTUNE_LEVEL", "0")
     fake.calls.clear()
-    fa3.fa3_decode_attention(q, k, v, table, idx, seq, 16, provider=provider)
+    fa3.fa3_decode_attention(q, k, v, table, idx, seq, 2048, provider=provider)
     assert [c["num_splits"] for c in fake.calls] == [4]

@@ -6,6 +6,7 @@ import torch
 from transformers import AutoTokenizer, Qwen3ForCausalLM
 
 from lightllm.tools import make_tiny_model
+from lightllm.engine.attention import GPU_HEAD_DIMS
 from lightllm.tools.make_tiny_model import TINY_MODEL_DIR_ENV, default_model_dir, make_tiny_qwen3
 
 
@@ -104,6 +105,8 @@ def test_default_model_dir_builds_once(tmp_path, monkeypatch):
     target = tmp_path / "cache" / "tiny"
     monkeypatch.setenv(TINY_MODEL_DIR_ENV, str(target))
     assert default_model_dir() == target
+    config = json.loads((target / "config.json").read_text())
+    assert config["head_dim"] in GPU_HEAD_DIMS  # the built-in model serves on a GPU too
     weights = target / "model.safetensors"
     mtime = weights.stat().st_mtime_ns
 
@@ -113,7 +116,7 @@ def test_default_model_dir_builds_once(tmp_path, monkeypatch):
     monkeypatch.setattr(make_tiny_model, "make_tiny_qwen3", fail)
     assert default_model_dir() == target
     assert weights.stat().st_mtime_ns == mtime
-    assert [p.name for p in target.parent.iterdir()] == ["tiny"]  # no temporary folder left behind
+    assert [p.name for p in target.parent.iterdir() if not p.name.endswith(".lock")] == ["tiny"]  # no temp folder
 
 
 def test_default_model_dir_uses_the_winner_of_a_race(tmp_path, monkeypatch, tiny_dir):
@@ -129,7 +132,7 @@ def test_default_model_dir_uses_the_winner_of_a_race(tmp_path, monkeypatch, tiny
     monkeypatch.setattr(make_tiny_model, "make_tiny_qwen3", build_while_another_process_finishes_first)
     assert default_model_dir() == target
     assert (target / "winner").exists()
-    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".") and not p.name.endswith(".lock")] == []
 
 
 def test_default_model_dir_refuses_a_foreign_folder(tmp_path, monkeypatch):
@@ -139,3 +142,26 @@ def test_default_model_dir_refuses_a_foreign_folder(tmp_path, monkeypatch):
     monkeypatch.setenv(TINY_MODEL_DIR_ENV, str(target))
     with pytest.raises(ValueError, match=TINY_MODEL_DIR_ENV):
         default_model_dir()
+
+
+def _resolve_default(queue):
+    queue.put(str(default_model_dir()))
+
+
+def test_default_model_dir_concurrent_processes_build_once(tmp_path, monkeypatch):
+    """Tensor-parallel ranks or several servers starting together: one builds, the others wait for it."""
+    import multiprocessing as mp
+
+    target = tmp_path / "tiny"
+    monkeypatch.setenv(TINY_MODEL_DIR_ENV, str(target))
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_resolve_default, args=(queue,)) for _ in range(3)]
+    for p in procs:
+        p.start()
+    results = [queue.get(timeout=300) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    assert results == [str(target)] * 3 and make_tiny_model._is_complete(target)
+    assert [p.name for p in tmp_path.iterdir() if ".tmp-" in p.name] == []

@@ -4,6 +4,7 @@ from lightllm.common.autotuner.bench import cuda_graph_bench, get_bench_func, se
 from lightllm.common.autotuner.decode import (
     decode_attn_autotune_seq_lens,
     decode_attn_run_key_kv_len,
+    decode_attn_tuning_len,
     get_decode_attn_autotune_seq_len,
     is_decode_attn_tuning,
     round_up_kv_len,
@@ -30,6 +31,7 @@ __all__ = [
     "current_warmup_kernel_type",
     "decode_attn_autotune_seq_lens",
     "decode_attn_run_key_kv_len",
+    "decode_attn_tuning_len",
     "get_autotune_stats",
     "get_bench_func",
     "get_decode_attn_autotune_seq_len",

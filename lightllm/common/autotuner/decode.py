@@ -1,5 +1,7 @@
 """Helpers for decode-attention kernels' run keys."""
 
+from typing import Optional
+
 from lightllm.common import envs
 from lightllm.common.autotuner.phase import AutotuneKernelType, current_warmup_kernel_type, is_searching_level
 from lightllm.common.envs import get_decode_attn_autotune_seq_len
@@ -19,17 +21,24 @@ def is_decode_attn_tuning() -> bool:
     return is_searching_level(envs.get_triton_autotune_level())
 
 
-def decode_attn_run_key_kv_len(real_kv_len: int) -> int:
-    """The KV length a run key should use: the representative length while decode attention is being
-    tuned (the dummy capture batch has tiny real lengths), the real length otherwise. Not rounded."""
-    return get_decode_attn_autotune_seq_len() if is_decode_attn_tuning() else int(real_kv_len)
+def decode_attn_tuning_len(launch_max_len: int) -> int:
+    """The longest KV length decode attention tunes at: ``LIGHTLLM_DECODE_ATTN_AUTOTUNE_SEQ_LEN``, capped at the
+    launch's maximum (a graph captured for ``graph_max_len_in_batch`` never serves longer requests, and timing
+    lengths it cannot serve would choose for a grid it never replays)."""
+    return min(get_decode_attn_autotune_seq_len(), max(1, int(launch_max_len)))
 
 
-def decode_attn_autotune_seq_lens() -> list:
-    """KV lengths a decode-attention search times on: the tuning length first, then 1/2, 1/8 and 1/32 of it
-    (at least 512), so the config a CUDA graph freezes is checked against the shorter lengths it will also
-    serve (see the ``minimax_loss`` choice rule)."""
-    seq_len = get_decode_attn_autotune_seq_len()
+def decode_attn_run_key_kv_len(launch_max_len: int) -> int:
+    """The KV length a run key should use: the tuning length while decode attention is being tuned (the dummy
+    capture batch has tiny real lengths), the launch's own maximum otherwise. Not rounded."""
+    return decode_attn_tuning_len(launch_max_len) if is_decode_attn_tuning() else int(launch_max_len)
+
+
+def decode_attn_autotune_seq_lens(launch_max_len: Optional[int] = None) -> list:
+    """KV lengths a decode-attention search times on: the tuning length first (capped at ``launch_max_len``
+    when given), then 1/2, 1/8 and 1/32 of it (at least 512), so the config a CUDA graph freezes is checked
+    against the shorter lengths it will also serve (see the ``minimax_loss`` choice rule)."""
+    seq_len = get_decode_attn_autotune_seq_len() if launch_max_len is None else decode_attn_tuning_len(launch_max_len)
     lens = [seq_len]
     for div in (2, 8, 32):
         n = max(KV_LEN_BUCKET, seq_len // div)
@@ -42,6 +51,7 @@ __all__ = [
     "KV_LEN_BUCKET",
     "decode_attn_autotune_seq_lens",
     "decode_attn_run_key_kv_len",
+    "decode_attn_tuning_len",
     "get_decode_attn_autotune_seq_len",
     "is_decode_attn_tuning",
     "round_up_kv_len",

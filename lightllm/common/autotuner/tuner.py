@@ -42,6 +42,11 @@ def clear_all_caches() -> None:
         instance.clear_cache()
 
 
+def kernel_names(kernel_type: AutotuneKernelType) -> set:
+    """Names of the tuned kernels of ``kernel_type`` declared in this process (their modules imported)."""
+    return {instance.kernel_name for instance in list(_instances) if instance.kernel_type is kernel_type}
+
+
 def _is_capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 

@@ -4,7 +4,7 @@ No policy lives here (no admission, preemption or eviction): callers ask, the ma
 with ``KVCacheFull`` when the pool is short.
 """
 
-from typing import List
+from typing import List, Sequence
 
 import torch
 
@@ -40,6 +40,7 @@ class KVCacheManager:
             )
         self._seq_lens = [0] * max_reqs
         self._held: List[List[torch.Tensor]] = [[] for _ in range(max_reqs)]
+        self._held_decode: List[List[int]] = [[] for _ in range(max_reqs)]  # one token per decode step
 
     @property
     def table(self) -> torch.Tensor:
@@ -60,7 +61,7 @@ class KVCacheManager:
         """A fresh request slot of length 0; ``KVCacheFull`` if every slot is taken."""
         slot = self.slots.alloc()
         self._seq_lens[slot] = 0
-        self._held[slot] = []
+        self._held[slot], self._held_decode[slot] = [], []
         return slot
 
     def extend(self, slot: int, n: int) -> torch.Tensor:
@@ -88,12 +89,37 @@ class KVCacheManager:
             self._seq_lens[slot] = cur + n
         return token_idx
 
+    def extend_each(self, slots: Sequence[int]) -> torch.Tensor:
+        """One new token for each of ``slots`` (a decode step): one allocation and one table write for the
+        whole batch instead of one per request. Same return value and errors as ``extend``."""
+        for slot in slots:
+            self.slots.check_allocated("KVCacheManager.extend_each", slot)
+        if len(set(slots)) != len(slots):
+            raise ValueError(f"KVCacheManager.extend_each: slots expected distinct, got {list(slots)}")
+        positions = [self._seq_lens[s] for s in slots]
+        full = [s for s, p in zip(slots, positions) if p + 1 > self.max_len]
+        if full:
+            raise ValueError(f"KVCacheManager.extend_each: slots {full} already hold max_len {self.max_len} tokens")
+        if self.contiguous_slots:
+            token_idx = torch.tensor([s * self.max_len + p for s, p in zip(slots, positions)], dtype=torch.int64)
+        else:
+            token_idx = self.tokens.alloc(len(slots))
+        if not slots:
+            return token_idx
+        self.req_to_token.write_points(torch.tensor(slots), torch.tensor(positions), token_idx)
+        for s, p, t in zip(slots, positions, token_idx.tolist()):
+            self._held_decode[s].append(t)
+            self._seq_lens[s] = p + 1
+        return token_idx
+
     def free_request(self, slot: int) -> None:
         """Free ``slot`` and every token it holds."""
         self.slots.check_allocated("KVCacheManager.free_request", slot)
-        if self._held[slot] and not self.contiguous_slots:
-            self.tokens.free(torch.cat(self._held[slot]))
-        self._held[slot] = []
+        if not self.contiguous_slots:
+            held = self._held[slot] + ([torch.tensor(self._held_decode[slot])] if self._held_decode[slot] else [])
+            if held:
+                self.tokens.free(torch.cat(held))
+        self._held[slot], self._held_decode[slot] = [], []
         self._seq_lens[slot] = 0
         self.slots.free(slot)
 

@@ -28,3 +28,9 @@ class ReqToTokenTable:
     def write(self, slot: int, start: int, token_idx: torch.Tensor) -> None:
         """``table[slot, start:start+len(token_idx)] = token_idx`` (bounds checked by the caller)."""
         self.table[slot, start : start + token_idx.numel()] = token_idx.to(device=self.table.device, dtype=torch.int32)
+
+    def write_points(self, slots: torch.Tensor, positions: torch.Tensor, token_idx: torch.Tensor) -> None:
+        """``table[slots[i], positions[i]] = token_idx[i]`` for every ``i`` in one indexed write (a decode step's
+        new tokens), bounds checked by the caller."""
+        dev = self.table.device
+        self.table[slots.to(dev), positions.to(dev)] = token_idx.to(device=dev, dtype=torch.int32)

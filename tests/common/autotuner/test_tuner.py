@@ -451,3 +451,13 @@ def test_clear_all_caches_forgets_like_a_restart(toy, level):
     level(0)
     t(n=4)
     assert t.configs_used() == [{"ms": 0.2}]  # reloaded from the file
+
+
+def test_kernel_names_by_type():
+    import lightllm.kernels.attention.decode.fa3  # noqa: F401  (declares fa3_decode)
+    import lightllm.kernels.attention.decode.flash_decode  # noqa: F401
+    import lightllm.kernels.norm.rmsnorm  # noqa: F401
+
+    decode = tuner.kernel_names(DECODE)
+    assert {"gqa_flash_decode", "gqa_flash_decode_int8kv", "gqa_flash_decode_int4kv", "fa3_decode"} <= decode
+    assert "rmsnorm" in tuner.kernel_names(GENERAL) and "rmsnorm" not in decode

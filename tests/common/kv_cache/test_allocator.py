@@ -154,13 +154,20 @@ def test_manager_random_cycles_never_leak():
         op = rng.random()
         if op < 0.2 and mgr.num_free_slots:
             live[mgr.add_request()] = []
-        elif op < 0.85 and live:
+        elif op < 0.6 and live:
             slot = rng.choice(list(live))
             n = rng.randint(0, 6)
             try:
                 live[slot] += mgr.extend(slot, n).tolist()
             except (KVCacheFull, ValueError) as e:
                 refused.add(type(e))  # the check below proves a refusal changed nothing
+        elif op < 0.85 and live:  # a decode step over some of the live requests
+            slots = rng.sample(list(live), rng.randint(1, len(live)))
+            try:
+                for slot, t in zip(slots, mgr.extend_each(slots).tolist()):
+                    live[slot].append(t)
+            except (KVCacheFull, ValueError) as e:
+                refused.add(type(e))
         elif live:
             slot = rng.choice(list(live))
             mgr.free_request(slot)
@@ -173,6 +180,26 @@ def test_manager_random_cycles_never_leak():
     for slot in list(live):
         mgr.free_request(slot)
     assert mgr.num_free_tokens == num_tokens and mgr.num_free_slots == 6
+
+
+def test_extend_each_is_one_token_per_slot():
+    for contiguous in (False, True):
+        m = KVCacheManager(3 * 8, max_reqs=3, max_len=8, device="cpu", contiguous_slots=contiguous)
+        a, b, c = m.add_request(), m.add_request(), m.add_request()
+        m.extend(a, 3)
+        m.extend(c, 7)
+        new = m.extend_each([c, a, b])
+        assert [m.seq_len(s) for s in (a, b, c)] == [4, 1, 8]
+        assert [int(m.table[s, m.seq_len(s) - 1]) for s in (c, a, b)] == new.tolist()
+        assert m.extend_each([]).numel() == 0
+        with pytest.raises(ValueError, match=r"slots \[2\] already hold max_len 8"):
+            m.extend_each([a, c])
+        with pytest.raises(ValueError, match="slots expected distinct"):
+            m.extend_each([a, a])
+        assert [m.seq_len(s) for s in (a, b, c)] == [4, 1, 8]  # refusals changed nothing
+        for s in (a, b, c):
+            m.free_request(s)
+        assert m.num_free_tokens == 24
 
 
 def test_contiguous_slots_layout():

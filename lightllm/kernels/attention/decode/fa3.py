@@ -153,7 +153,7 @@ def _launch(
 def _configs(provider, max_len_in_batch):
     if not provider.split:
         return [{"num_splits": 1}]
-    longest = max(max_len_in_batch, decode_attn_autotune_seq_lens()[0])
+    longest = decode_attn_autotune_seq_lens(max_len_in_batch)[0]
     return [{"num_splits": s} for s in SPLIT_CANDIDATES if s == 1 or s * _MIN_TOKENS_PER_SPLIT <= longest]
 
 
@@ -185,8 +185,8 @@ def _representative_batches(
     Paged: a fresh page table over the pool (indices modulo its size), as wide as the launch's max length.
     Slots: each request's own row, at most its capacity."""
     batch = q.shape[0]
-    lens = decode_attn_autotune_seq_lens()
-    width = max(max_len_in_batch, lens[0])
+    lens = decode_attn_autotune_seq_lens(max_len_in_batch)
+    width = max_len_in_batch  # >= lens[0]: the ladder is capped at it
     if page_table is not None:
         pool = k_cache.shape[0]
         table = (torch.arange(batch * width, device=q.device, dtype=torch.int64) % pool).to(torch.int32)

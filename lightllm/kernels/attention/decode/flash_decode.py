@@ -150,11 +150,11 @@ def _representative_batches(
     wrap modulo its size: no KV is allocated). Launch sizes stay the caller's (``max_len_in_batch`` is the
     graph's maximum when capturing), so timings see the grid the graph will replay."""
     batch, pool = q.shape[0], k_cache.shape[0]
-    lens = decode_attn_autotune_seq_lens()
+    lens = decode_attn_autotune_seq_lens(max_len_in_batch)
     table = (torch.arange(batch * lens[0], device=q.device, dtype=torch.int64) % pool).to(torch.int32)
     table = table.view(batch, lens[0])
     slots = torch.arange(batch, device=q.device, dtype=torch.int32)
-    launch_len = max(max_len_in_batch, lens[0])
+    launch_len = max_len_in_batch  # >= lens[0]: the ladder is capped at it
     scenarios = []
     for n in lens:
         seq = torch.full((batch,), n, device=q.device, dtype=torch.int32)

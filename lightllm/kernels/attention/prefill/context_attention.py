@@ -86,6 +86,9 @@ def _run_key(q):
     run_key_func=_run_key,
     kernel_type=AutotuneKernelType.GENERAL,
     output_args=("out",),
+    # P is rounded to q's dtype against the running row max, which depends on BLOCK_N: in bf16 a few outlier
+    # elements of 2^25 differ by ~4 ulps (0.0078 at 0.3, seen on the H200), which the default 2e-2 rejects.
+    accuracy_tol=(4e-2, 2e-2),
 )
 def _launch(q, k, v, out, b_start, b_len, max_q_len, sm_scale, run_config=None):
     cfg = run_config or _default_config(q.shape[-1])
