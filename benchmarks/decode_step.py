@@ -2,12 +2,14 @@
 and start-up time with decode-attention tuning cold, warm (configs cached) and off.
 
 The model has 8B-like widths (hidden 4096, 32/8 heads of 128, intermediate 12288, vocab 151936) with
-fewer layers, random weights. Floor = (weight bytes + KV bytes read per step) / measured copy bandwidth.
+fewer layers, random weights. Floor = (weight bytes + KV bytes read per step) / the faster of the measured
+copy and GEMV read rates.
 
     python benchmarks/decode_step.py --out benchmarks/results/decode_step_h200.json
 """
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -21,12 +23,24 @@ import torch
 from lightllm.common.autotuner import cuda_graph_bench
 
 
-def copy_bandwidth_gbs() -> float:
+def bandwidths_gbs() -> dict:
+    """Device read rates, GB/s: a 2 GiB copy (read + write bytes) and a 1 GiB bf16 GEMV (bytes of the matrix,
+    the access pattern of a decode step's weights). The floor uses the faster, so it is the stricter one."""
+    return {"copy": _copy_gbs(), "gemv": _gemv_gbs()}
+
+
+def _copy_gbs() -> float:
     src = torch.randn(1 << 30, dtype=torch.bfloat16, device="cuda")
     dst = torch.empty_like(src)
     for _ in range(100):  # an idle GPU starts at low clocks
         dst.copy_(src)
     return 2 * src.numel() * src.element_size() / cuda_graph_bench(lambda: dst.copy_(src)) / 1e6
+
+
+def _gemv_gbs() -> float:
+    w = torch.randn(16384, 32768, dtype=torch.bfloat16, device="cuda")
+    x = torch.randn(32768, dtype=torch.bfloat16, device="cuda")
+    return w.numel() * w.element_size() / cuda_graph_bench(lambda: torch.mv(w, x)) / 1e6
 
 
 def build_model(root: str, layers: int) -> str:
@@ -57,6 +71,7 @@ def step_times(model_dir, batch_sizes, kv_len, graph_max_len):
         for s in slots:
             runner.free(s)
         rows.append({"batch": bs, "eager_ms": eager, "graph_ms": graph})
+        print(json.dumps(rows[-1]), flush=True)
     return llm, rows
 
 
@@ -73,15 +88,16 @@ def _time(step, runner, reps=10):
 
 
 def startup_seconds(model_dir, mode, config_dir):
-    """A fresh process: tuning cold (empty config dir, level 1), warm (same dir again, level 1), off (level 3)."""
+    """A fresh process: tuning cold (empty config dir, level 1), warm (same dir again, level 1), off (level 3).
+    Returns the whole start-up and the runner's seconds per phase."""
     env = {**os.environ, "LIGHTLLM_AUTOTUNE_CONFIG_DIR": config_dir,
            "LIGHTLLM_TRITON_AUTOTUNE_LEVEL": "3" if mode == "off" else "1"}  # fmt: skip
-    code = ("import time; t=time.perf_counter(); from lightllm import LLM; "
-            f"LLM({model_dir!r}, data_type='bf16', running_max_req_size=64, graph_max_batch_size=64, "
+    code = ("import json, time; t=time.perf_counter(); from lightllm import LLM; "
+            f"llm = LLM({model_dir!r}, data_type='bf16', running_max_req_size=64, graph_max_batch_size=64, "
             "max_req_total_len=32768, graph_max_len_in_batch=32768, batch_max_tokens=8192); "
-            "print('STARTUP', time.perf_counter()-t)")  # fmt: skip
+            "print('STARTUP', json.dumps({'total': time.perf_counter()-t, **llm.runner.startup_seconds}))")  # fmt: skip
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
-    return float(out.split("STARTUP")[-1])
+    return json.loads(out.split("STARTUP")[-1])
 
 
 def main():
@@ -94,35 +110,47 @@ def main():
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("decode_step.py needs a CUDA GPU")
-    copy_gbs = copy_bandwidth_gbs()
+    bw = bandwidths_gbs()
+    floor_gbs = max(bw.values())
     with tempfile.TemporaryDirectory() as root:
         model_dir = build_model(root, args.layers)
+        # graphs replay the configs tuned at their capture (level 1 from an empty dir, as a first start)
+        os.environ["LIGHTLLM_AUTOTUNE_CONFIG_DIR"] = os.path.join(root, "configs")
+        os.environ["LIGHTLLM_TRITON_AUTOTUNE_LEVEL"] = "1"
         llm, rows = step_times(model_dir, args.batches, args.kv_len, 2 * args.kv_len)
         c = llm.runner.config
         weight_bytes = sum(t.numel() * t.element_size() for t in _step_weights(llm.runner.model.w))
         for r in rows:
             kv = 2 * c.num_hidden_layers * r["batch"] * args.kv_len * c.num_key_value_heads * c.head_dim * 2
-            r["floor_ms"] = (weight_bytes + kv) / copy_gbs / 1e6
+            r["floor_ms"] = (weight_bytes + kv) / floor_gbs / 1e6
             r["graph_over_floor"] = r["graph_ms"] / r["floor_ms"]
-        startup = {}
+        result = {"device": torch.cuda.get_device_name(), "bandwidth_GBs": bw, "layers": args.layers,
+                  "kv_len": args.kv_len, "first_start_s": llm.runner.startup_seconds, "rows": rows,
+                  "startup_s": {}}  # fmt: skip
+        save(args.out, result)  # the step times survive a start-up run cut short
         if not args.no_startup:
             del llm
+            gc.collect()  # the children size their KV pools from free memory
             torch.cuda.empty_cache()
             with tempfile.TemporaryDirectory() as cfg:
                 for mode in ("cold", "warm", "off"):
-                    startup[mode] = startup_seconds(model_dir, mode, cfg)
-    result = {"device": torch.cuda.get_device_name(), "copy_GBs": copy_gbs, "layers": args.layers,
-              "kv_len": args.kv_len, "rows": rows, "startup_s": startup}  # fmt: skip
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"{result['device']}: copy {copy_gbs:.0f} GB/s, {args.layers} layers, KV {args.kv_len} tokens/request")
+                    result["startup_s"][mode] = startup_seconds(model_dir, mode, cfg)
+                    print(mode, json.dumps(result["startup_s"][mode]), flush=True)
+                    save(args.out, result)
+    print(f"{result['device']}: copy {bw['copy']:.0f} GB/s, GEMV {bw['gemv']:.0f} GB/s (floor at the faster), "
+          f"{args.layers} layers, KV {args.kv_len} tokens/request")  # fmt: skip
     print(" batch  eager ms  graph ms  floor ms  graph/floor")
     for r in rows:
         ratio = r["graph_over_floor"]
         print(f"{r['batch']:6d} {r['eager_ms']:9.3f} {r['graph_ms']:9.3f} {r['floor_ms']:9.3f} {ratio:11.2f}")
-    if startup:
-        print("start-up s: " + ", ".join(f"{k} {v:.1f}" for k, v in startup.items()))
+    for mode, phases in result["startup_s"].items():
+        print(f"start-up {mode}: " + ", ".join(f"{k} {v:.1f}s" for k, v in phases.items()))
+
+
+def save(path, result):
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
 
 
 def _step_weights(w):

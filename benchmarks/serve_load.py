@@ -1,9 +1,12 @@
 """Serving load: output tokens/s with decode-attention tuning on vs off, per concurrency and prompt length.
 
-Starts the real server (a Qwen3-shaped random-weight model, 8B widths, fewer layers) twice per case:
-tuning on (level 1, empty config dir) and off (level 3), sends N requests at a fixed concurrency to
-/generate with logprobs, checks every request completed with finite logprobs, and reports output tokens/s
-and the server's start-up time.
+Starts the real server (a Qwen3-shaped random-weight model, 8B widths, fewer layers) per workload, sized
+for the largest concurrency, in turn with decode-attention tuning on (tuned at the first start from an
+empty config dir) and off (the same prefill configs, decode attention at its default), ``--repeats`` times
+each. Against each it sends N requests at every concurrency to /generate with logprobs, checks every
+request completed with finite logprobs, and reports median output tokens/s on vs off with the spread
+between starts, and each start-up (seconds, and the runner's summary: graphs, kernels tuned, seconds per
+phase).
 
     python benchmarks/serve_load.py --tp 1 --out benchmarks/results/serve_load_tp1_h200.json
 """
@@ -14,6 +17,8 @@ import json
 import math
 import os
 import random
+import shutil
+import statistics
 import socket
 import subprocess
 import sys
@@ -31,19 +36,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model_dir, tp, level, config_dir, concurrency, max_len):
+def start_server(model_dir, tp, level, config_dir, max_batch, max_len, log_path):
+    """One server sized for the largest concurrency; its stderr (the start-up summary) goes to ``log_path``."""
     port = free_port()
     env = {**os.environ, "LIGHTLLM_TRITON_AUTOTUNE_LEVEL": str(level), "LIGHTLLM_AUTOTUNE_CONFIG_DIR": config_dir}
     cmd = [sys.executable, "-m", "lightllm.server.api_server", "--model_dir", model_dir, "--port", str(port),
-           "--tp", str(tp), "--running_max_req_size", str(concurrency), "--graph_max_batch_size", str(concurrency),
+           "--tp", str(tp), "--running_max_req_size", str(max_batch), "--graph_max_batch_size", str(max_batch),
            "--max_req_total_len", str(max_len), "--graph_max_len_in_batch", str(max_len),
            "--batch_max_tokens", "16384"]  # fmt: skip
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = open(log_path, "w")
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     while True:
         if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}")
+            raise RuntimeError(f"server exited with {proc.returncode}; see {log_path}")
         try:
             if httpx.get(base + "/health", timeout=1).status_code == 200:
                 return proc, base, time.perf_counter() - t0
@@ -51,9 +58,30 @@ def start_server(model_dir, tp, level, config_dir, concurrency, max_len):
             time.sleep(0.5)
 
 
+def copy_without_decode_attention(src, dst):
+    """The tuned configs of ``src`` into ``dst``, leaving out every decode-attention kernel's directory."""
+    import lightllm.kernels.attention.decode.fa3  # noqa: F401  (declare the tuned kernels)
+    import lightllm.kernels.attention.decode.flash_decode  # noqa: F401
+    from lightllm.common.autotuner import AutotuneKernelType, store, tuner
+
+    skip = tuner.kernel_names(AutotuneKernelType.DECODE_ATTENTION)
+    for path in store.iter_config_files(src):
+        if path.parent.name not in skip:
+            target = os.path.join(dst, os.path.relpath(path, src))
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            shutil.copyfile(path, target)
+
+
+def startup_summary(log_path):
+    """The model runner's ``ready:`` line (graphs, kernels tuned, seconds per phase), '' when absent."""
+    with open(log_path) as f:
+        lines = [ln.strip() for ln in f if "ready:" in ln]
+    return lines[0].split("ready:", 1)[1].strip() if lines else ""
+
+
 async def load(base, n, concurrency, prompt_len, out_len, vocab):
     rng = random.Random(0)
-    prompts = [[rng.randrange(1000, vocab) for _ in range(prompt_len)] for _ in range(n)]
+    prompts = [[rng.randrange(vocab // 8, vocab) for _ in range(prompt_len)] for _ in range(n)]
     sem = asyncio.Semaphore(concurrency)
     async with httpx.AsyncClient(timeout=600) as client:
 
@@ -77,13 +105,16 @@ def main():
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--requests", type=int, default=200)
+    p.add_argument("--repeats", type=int, default=2, help="server starts per mode (medians are reported)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[16, 32, 64])
     p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     p.add_argument("--out", default="benchmarks/results/serve_load.json")
+    p.add_argument("--log-dir", default="serve_load_logs", help="server logs, one per server start")
     args = p.parse_args()
     from lightllm.tools.make_tiny_model import make_tiny_qwen3
 
-    rows = []
+    os.makedirs(args.log_dir, exist_ok=True)
+    rows, startups = [], []
     with tempfile.TemporaryDirectory() as root:
         model = str(make_tiny_qwen3(os.path.join(root, "model"), padded_vocab_size=151936, hidden_size=4096,
                                     intermediate_size=12288, num_hidden_layers=args.layers, num_attention_heads=32,
@@ -91,29 +122,65 @@ def main():
                                     dtype="bfloat16", initializer_range=0.02))  # fmt: skip
         for workload in args.workloads:
             prompt_len, out_len = WORKLOADS[workload]
-            for conc in args.concurrency:
-                row = {"workload": workload, "concurrency": conc, "tp": args.tp}
-                for mode, level in (("on", 1), ("off", 3)):
-                    with tempfile.TemporaryDirectory() as cfg:
-                        proc, base, startup = start_server(model, args.tp, level, cfg, conc, prompt_len + out_len + 64)
+            results = {}
+            # Servers sized for the largest concurrency, as an operator would run them, started in turn
+            # on, off, on, off, ... (--repeats pairs) so drift hits both modes alike.
+            # "on": decode-attention configs tuned by the first "on" start (level 1, empty config dir: its
+            # start-up includes the cold search of every kernel); later "on" starts reuse them (level 0).
+            # "off": level 0 over the same files minus the decode-attention kernels', so only decode attention
+            # differs (it runs its launcher default).
+            with tempfile.TemporaryDirectory() as cfg_on, tempfile.TemporaryDirectory() as cfg_off:
+                for rep in range(args.repeats):
+                    for mode, cfg in (("on", cfg_on), ("off", cfg_off)):
+                        level = 1 if (mode, rep) == ("on", 0) else 0
+                        if (mode, rep) == ("off", 0):
+                            copy_without_decode_attention(cfg_on, cfg_off)
+                        name = f"server_tp{args.tp}_{workload}_{mode}{rep}.log"
+                        proc, base, seconds = start_server(model, args.tp, level, cfg, max(args.concurrency),
+                                                           prompt_len + out_len + 64,
+                                                           os.path.join(args.log_dir, name))  # fmt: skip
+                        startups.append({"workload": workload, "mode": mode, "repeat": rep, "startup_s": seconds,
+                                         "summary": startup_summary(os.path.join(args.log_dir, name))})  # fmt: skip
+                        print(json.dumps(startups[-1]), flush=True)
                         try:
-                            res = asyncio.run(load(base, args.requests, conc, prompt_len, out_len, 151936))
+                            for conc in args.concurrency:
+                                res = asyncio.run(load(base, args.requests, conc, prompt_len, out_len, 151936))
+                                results.setdefault((mode, conc), []).append(res)
+                                print(json.dumps({"workload": workload, "mode": mode, "repeat": rep,
+                                                  "concurrency": conc, **res}), flush=True)  # fmt: skip
                         finally:
                             proc.terminate()
                             proc.wait(timeout=60)
-                    row[mode] = {**res, "startup_s": startup}
-                row["on_vs_off_pct"] = (row["on"]["tokens_per_s"] / row["off"]["tokens_per_s"] - 1) * 100
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"tp": args.tp, "layers": args.layers, "rows": rows}, f, indent=1)
-    print("\nworkload conc  on tok/s  off tok/s  on vs off  start on/off s  all ok")
+            for conc in args.concurrency:
+                on, off = summarize(results["on", conc]), summarize(results["off", conc])
+                rows.append({"workload": workload, "concurrency": conc, "tp": args.tp, "on": on, "off": off,
+                             "on_vs_off_pct": (on["tokens_per_s"] / off["tokens_per_s"] - 1) * 100})  # fmt: skip
+            save(args, rows, startups)
+    save(args, rows, startups)
+    print(f"\nmedian of {args.repeats} server starts per mode; spread = (max - min) / median")
+    print("workload conc  on tok/s  off tok/s  on vs off  on spread  off spread  all ok")
     for r in rows:
         on, off = r["on"], r["off"]
         print(f"{r['workload']:8s} {r['concurrency']:4d} {on['tokens_per_s']:9.0f} {off['tokens_per_s']:10.0f} "
-              f"{r['on_vs_off_pct']:+9.1f}% {on['startup_s']:6.1f}/{off['startup_s']:5.1f} "
+              f"{r['on_vs_off_pct']:+9.1f}% {on['spread_pct']:8.1f}% {off['spread_pct']:10.1f}% "
               f"{on['all_complete_finite'] and off['all_complete_finite']}")  # fmt: skip
+    for s in startups:
+        print(f"start-up {s['workload']} {s['mode']}{s['repeat']}: {s['startup_s']:.1f}s ({s['summary']})")
+
+
+def summarize(runs):
+    """Median tokens/s over server starts, the spread, and whether every request of every run was whole."""
+    tps = sorted(r["tokens_per_s"] for r in runs)
+    median = statistics.median(tps)
+    return {"tokens_per_s": median, "spread_pct": (tps[-1] - tps[0]) / median * 100, "runs": runs,
+            "all_complete_finite": all(r["all_complete_finite"] for r in runs)}  # fmt: skip
+
+
+def save(args, rows, startups):
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"tp": args.tp, "layers": args.layers, "requests": args.requests, "repeats": args.repeats,
+                   "rows": rows, "startups": startups}, f, indent=1)  # fmt: skip
 
 
 if __name__ == "__main__":
