@@ -103,13 +103,13 @@ async def load(base, n, concurrency, prompt_len, out_len, vocab):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--layers", type=int, default=4)
     p.add_argument("--requests", type=int, default=200)
     p.add_argument("--repeats", type=int, default=2, help="server starts per mode (medians are reported)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[16, 32, 64])
     p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     p.add_argument("--out", default="benchmarks/results/serve_load.json")
-    p.add_argument("--log-dir", default="serve_load_logs", help="server logs, one per server start")
+    p.add_argument("--log-dir", default="serve_load_logs", help="server logs (one per start) and the tuned configs")
     args = p.parse_args()
     from lightllm.tools.make_tiny_model import make_tiny_qwen3
 
@@ -151,6 +151,9 @@ def main():
                         finally:
                             proc.terminate()
                             proc.wait(timeout=60)
+                # the tuned files keep each candidate's time per ladder length: why "on" chose what it chose
+                shutil.copytree(cfg_on, os.path.join(args.log_dir, f"configs_tp{args.tp}_{workload}"),
+                                dirs_exist_ok=True)  # fmt: skip
             for conc in args.concurrency:
                 on, off = summarize(results["on", conc]), summarize(results["off", conc])
                 rows.append({"workload": workload, "concurrency": conc, "tp": args.tp, "on": on, "off": off,
