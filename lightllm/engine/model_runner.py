@@ -45,8 +45,8 @@ class ModelRunner:
         check_head_dim(self.config.head_dim, self.device)
         self.tp_rank, self.tp = parallel.rank(), parallel.world()
         parallel.check_divisible(self.config, self.tp)
-        weights = load_qwen3_weights(self.model_dir, self.config, args.torch_dtype, self.device)
-        weights = parallel.shard_weights(weights, self.config, self.tp_rank, self.tp)
+        weights = load_qwen3_weights(self.model_dir, self.config, args.torch_dtype, self.device,
+                                     shard=parallel.shard_spec(self.config, self.tp_rank, self.tp))  # fmt: skip
         self.model = Qwen3Model(self.config, weights, self.device)
         self._init_kv_cache()
         seconds["load"] = time.perf_counter() - t

@@ -5,14 +5,13 @@ keeps its heads / columns), o_proj and down_proj row-parallel (partial sums, all
 norms and lm_head are replicated. Ranks run identical steps; rank 0 alone samples.
 """
 
-import dataclasses
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from lightllm.models.qwen3.config import Qwen3ModelConfig
-from lightllm.models.qwen3.weights import Qwen3Weights
+from lightllm.models.qwen3.weights import ShardSpec
 
 
 def world() -> int:
@@ -43,21 +42,18 @@ def check_divisible(config: Qwen3ModelConfig, tp: int) -> None:
             raise ValueError(f"--tp {tp}: the model's {name} ({getattr(config, name)}) is not divisible by it")
 
 
-def shard_weights(w: Qwen3Weights, config: Qwen3ModelConfig, tp_rank: int, tp: int) -> Qwen3Weights:
-    """This rank's slices (copies, so the full tensors can be freed)."""
+def shard_spec(config: Qwen3ModelConfig, tp_rank: int, tp: int) -> Optional[ShardSpec]:
+    """What this rank reads of each layer tensor: its heads / MLP columns of the column-parallel weights (rows
+    of q/k/v and gate/up) and the matching columns of the row-parallel ones (o_proj, down_proj)."""
     if tp == 1:
-        return w
+        return None
     d = config.head_dim
-    q_rows = _part(config.num_attention_heads * d, tp_rank, tp)
-    kv_rows = _part(config.num_key_value_heads * d, tp_rank, tp)
+    q = _part(config.num_attention_heads * d, tp_rank, tp)
+    kv = _part(config.num_key_value_heads * d, tp_rank, tp)
     mlp = _part(config.intermediate_size, tp_rank, tp)
-    layers = []
-    for lw in w.layers:
-        columns = dict(q_proj=lw.q_proj[q_rows], k_proj=lw.k_proj[kv_rows], v_proj=lw.v_proj[kv_rows],
-                       gate_proj=lw.gate_proj[mlp], up_proj=lw.up_proj[mlp])  # fmt: skip
-        rows = dict(o_proj=lw.o_proj[:, q_rows], down_proj=lw.down_proj[:, mlp])
-        layers.append(dataclasses.replace(lw, **{k: v.contiguous().clone() for k, v in {**columns, **rows}.items()}))
-    return dataclasses.replace(w, layers=layers)
+    parts = {"q_proj": (0, q), "k_proj": (0, kv), "v_proj": (0, kv), "gate_proj": (0, mlp), "up_proj": (0, mlp),
+             "o_proj": (1, q), "down_proj": (1, mlp)}  # fmt: skip
+    return parts.get
 
 
 def _part(n: int, r: int, tp: int) -> slice:

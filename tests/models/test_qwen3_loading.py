@@ -278,3 +278,27 @@ def test_no_safetensors_and_bad_dtype(model_copy):
     (model_copy / "model.safetensors").unlink()
     with pytest.raises(ModelLoadError, match=r"no \*\.safetensors files"):
         load_qwen3_weights(model_copy, cfg)
+
+
+def test_tensor_parallel_rank_reads_only_its_part(tiny_dir):
+    from lightllm.engine.parallel import shard_spec
+
+    tp = 2
+
+    cfg = Qwen3ModelConfig.from_model_dir(tiny_dir)
+    full = load_qwen3_weights(tiny_dir, cfg, dtype=torch.float32)
+    d = cfg.head_dim
+    q, kv, mlp = cfg.num_attention_heads * d // tp, cfg.num_key_value_heads * d // tp, cfg.intermediate_size // tp
+    for rank in range(tp):
+        part = load_qwen3_weights(tiny_dir, cfg, dtype=torch.float32, shard=shard_spec(cfg, rank, tp))
+        for lf, lp in zip(full.layers, part.layers):
+            rows = {"q_proj": q, "k_proj": kv, "v_proj": kv, "gate_proj": mlp, "up_proj": mlp}
+            for name, n in rows.items():
+                assert torch.equal(getattr(lp, name), getattr(lf, name)[rank * n : (rank + 1) * n]), name
+            assert torch.equal(lp.o_proj, lf.o_proj[:, rank * q : (rank + 1) * q])
+            assert torch.equal(lp.down_proj, lf.down_proj[:, rank * mlp : (rank + 1) * mlp])
+            for name in ("input_norm", "q_norm", "k_norm", "post_norm"):  # replicated
+                assert torch.equal(getattr(lp, name), getattr(lf, name))
+            assert all(t.is_contiguous() for t in vars(lp).values())
+        assert torch.equal(part.embed, full.embed) and torch.equal(part.lm_head, full.lm_head)
+    assert shard_spec(cfg, 0, 1) is None

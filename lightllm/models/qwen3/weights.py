@@ -8,7 +8,7 @@ tensor is alive beside the result.
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Tuple, Union
+from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 from safetensors import safe_open
@@ -113,14 +113,23 @@ def safetensors_files(model_dir: Path) -> List[Path]:
     return files
 
 
+# A layer field's tensor-parallel part: (dim, slice) of the full tensor, or None for all of it.
+ShardSpec = Callable[[str], Optional[Tuple[int, slice]]]
+
+
 def load_qwen3_weights(
     model_dir: Union[str, Path],
     config: Qwen3ModelConfig,
     dtype: torch.dtype = torch.bfloat16,
     device: Union[str, torch.device] = "cpu",
+    shard: Optional[ShardSpec] = None,
 ) -> Qwen3Weights:
     """Read every Qwen3 tensor of ``model_dir``, check its shape against ``config``, cast to ``dtype``
     (float16, bfloat16 or float32) and move it to ``device``.
+
+    ``shard(field)`` (a layer field such as ``"q_proj"``) gives the part of that tensor this process keeps.
+    Tensors are read one at a time and only that part reaches ``device``, so a tensor-parallel rank never
+    holds the full checkpoint.
 
     Raises ModelLoadError (one line) for no safetensors files, a missing tensor, a shape mismatch, an unsupported
     checkpoint or target dtype. Tensors the model does not use (attention biases, for instance) are skipped
@@ -132,6 +141,7 @@ def load_qwen3_weights(
     if not model_dir.is_dir():
         raise ModelLoadError(f"{model_dir}: model folder not found")
     shapes = expected_shapes(config)
+    fields = {name: field for i in range(config.num_hidden_layers) for field, name in _layer_names(i).items()}
     tensors: Dict[str, torch.Tensor] = {}
     unexpected: List[str] = []
     for file in safetensors_files(model_dir):
@@ -157,7 +167,13 @@ def load_qwen3_weights(
                     raise ModelLoadError(
                         f"{file}: tensor {name} has dtype {source_dtype}; only F16, BF16 and F32 are supported"
                     )
-                tensors[name] = f.get_tensor(name).to(device=device, dtype=dtype)
+                part = shard(fields[name]) if shard is not None and name in fields else None
+                if part is None:
+                    tensor = f.get_tensor(name)
+                else:
+                    dim, rows = part
+                    tensor = (view[rows] if dim == 0 else view[:, rows]).contiguous()  # a column slice is strided
+                tensors[name] = tensor.to(device=device, dtype=dtype)
 
     missing = [name for name in shapes if name not in tensors]
     if missing:
