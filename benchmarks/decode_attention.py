@@ -24,7 +24,7 @@ import time
 import torch
 import triton
 
-from lightllm.common.autotuner import decode_attn_autotune_seq_lens
+from lightllm.kernels.attention.decode.tuning import decode_attn_autotune_seq_lens
 from lightllm.common.autotuner.choice import choose, per_scenario_best, worst_case_loss
 from lightllm.kernels.attention.decode import flash_decode
 from lightllm.kernels.attention.decode.stage2 import decode_stage2_kernel

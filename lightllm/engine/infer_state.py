@@ -14,7 +14,8 @@ class InferState:
     ``q_len`` new tokens per request (1, or more for MTP verify). ``b_seq_len`` counts every KV token of
     the request after this step. ``max_len_in_batch`` is the real longest request;
     ``graph_max_len`` is set while running a captured decode graph (or capturing one) and sizes kernel
-    launches instead, so a graph replays at any real length up to it. Run keys use the real length.
+    launches instead, so a graph replays at any real length up to it. Kernels key their configs by the
+    launch length (``launch_max_len``): the real one eagerly, the graph's inside a graph.
     """
 
     is_prefill: bool

@@ -16,13 +16,14 @@ from typing import Optional, Sequence
 import torch
 
 from lightllm.common import envs
-from lightllm.common.autotuner import AutotuneKernelType, autotune_warmup, decode_attn_tuning_len, get_autotune_stats
+from lightllm.common.autotuner import AutotuneKernelType, autotune_warmup, get_autotune_stats
 from lightllm.common.cuda_graph import DecodeGraphs
 from lightllm.common.kv_cache import KVCacheManager, pool_num_tokens
 from lightllm.engine.args import EngineArgs
 from lightllm.engine import parallel
 from lightllm.engine.attention import AttentionBackend, check_head_dim, make_pool
 from lightllm.engine.infer_state import InferState
+from lightllm.kernels.attention.decode.tuning import decode_attn_tuning_len
 from lightllm.models.qwen3.config import Qwen3ModelConfig
 from lightllm.models.qwen3.model import Qwen3Model
 from lightllm.models.qwen3.weights import load_qwen3_weights

@@ -1,14 +1,6 @@
 """The phase-aware kernel autotuner; see docs/autotune.md."""
 
 from lightllm.common.autotuner.bench import cuda_graph_bench, get_bench_func, set_bench_func, wall_clock_bench
-from lightllm.common.autotuner.decode import (
-    decode_attn_autotune_seq_lens,
-    decode_attn_run_key_kv_len,
-    decode_attn_tuning_len,
-    get_decode_attn_autotune_seq_len,
-    is_decode_attn_tuning,
-    round_up_kv_len,
-)
 from lightllm.common.autotuner.phase import (
     AutotuneKernelType,
     AutotuneLevel,
@@ -17,8 +9,10 @@ from lightllm.common.autotuner.phase import (
     current_warmup_kernel_type,
     get_autotune_stats,
     is_autotune_warmup,
+    is_tuning,
 )
 from lightllm.common.autotuner.tuner import Autotuner, autotune
+from lightllm.common.envs import get_decode_attn_autotune_seq_len
 
 __all__ = [
     "AutotuneKernelType",
@@ -29,15 +23,11 @@ __all__ = [
     "autotune_warmup",
     "cuda_graph_bench",
     "current_warmup_kernel_type",
-    "decode_attn_autotune_seq_lens",
-    "decode_attn_run_key_kv_len",
-    "decode_attn_tuning_len",
     "get_autotune_stats",
     "get_bench_func",
     "get_decode_attn_autotune_seq_len",
     "is_autotune_warmup",
-    "is_decode_attn_tuning",
-    "round_up_kv_len",
+    "is_tuning",
     "set_bench_func",
     "wall_clock_bench",
 ]

@@ -7,6 +7,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from typing import Iterator, List, Optional
 
+from lightllm.common import envs
+
 logger = logging.getLogger(__name__)
 
 
@@ -56,6 +58,12 @@ def current_warmup_kernel_type() -> Optional[AutotuneKernelType]:
 
 def is_searching_level(level: int) -> bool:
     return level in (AutotuneLevel.ADAPTIVE, AutotuneLevel.FORCE)
+
+
+def is_tuning(kernel_type: AutotuneKernelType) -> bool:
+    """True while ``kernel_type``'s warmup scope is the active one at level 1 (adaptive) or 2 (force): its
+    kernels search now, so they may key and time on the inputs they rebuild rather than the caller's."""
+    return current_warmup_kernel_type() is kernel_type and is_searching_level(envs.get_triton_autotune_level())
 
 
 def is_autotune_warmup() -> bool:

@@ -4,10 +4,8 @@ from lightllm.common.autotuner import (
     AutotuneKernelType,
     autotune_warmup,
     current_warmup_kernel_type,
-    decode_attn_run_key_kv_len,
     is_autotune_warmup,
-    is_decode_attn_tuning,
-    round_up_kv_len,
+    is_tuning,
 )
 
 GENERAL = AutotuneKernelType.GENERAL
@@ -43,48 +41,13 @@ def test_scope_rejects_non_kernel_type():
     assert current_warmup_kernel_type() is None
 
 
-def test_round_up_kv_len():
-    assert [round_up_kv_len(n) for n in (0, 1, 511, 512, 513, 32768, 32769)] == [512, 512, 512, 512, 1024, 32768, 33280]
-
-
 @pytest.mark.parametrize(
     "level, phase, expected",
-    [
-        ("0", DECODE, 100000),
-        ("1", DECODE, 4096),
-        ("2", DECODE, 4096),
-        ("3", DECODE, 100000),
-        ("1", GENERAL, 100000),
-        ("1", None, 100000),
-    ],
+    [("0", DECODE, False), ("1", DECODE, True), ("2", DECODE, True), ("3", DECODE, False), ("1", GENERAL, False)],
 )
-def test_decode_run_key_kv_len(monkeypatch, level, phase, expected):
+def test_is_tuning_only_in_own_scope_at_searching_levels(monkeypatch, level, phase, expected):
     monkeypatch.setenv("LIGHTLLM_TRITON_AUTOTUNE_LEVEL", level)
-    monkeypatch.setenv("LIGHTLLM_DECODE_ATTN_AUTOTUNE_SEQ_LEN", "4096")
-    if phase is None:
-        assert decode_attn_run_key_kv_len(100000) == expected
-        return
+    assert not is_tuning(DECODE)
     with autotune_warmup(phase):
-        assert decode_attn_run_key_kv_len(100000) == expected
-        assert is_decode_attn_tuning() == (expected == 4096)
-        # a launch that serves at most 1000 tokens tunes at 1000, not at the longer tuning length
-        assert decode_attn_run_key_kv_len(1000) == 1000
-
-
-def test_decode_tuning_capped_at_launch_max_len(monkeypatch):
-    from lightllm.common.autotuner import decode_attn_autotune_seq_lens, decode_attn_tuning_len
-
-    monkeypatch.setenv("LIGHTLLM_DECODE_ATTN_AUTOTUNE_SEQ_LEN", "32768")
-    assert decode_attn_tuning_len(8384) == 8384 and decode_attn_tuning_len(40960) == 32768
-    assert decode_attn_autotune_seq_lens(8384) == [8384, 4192, 1048, 512]
-    assert decode_attn_autotune_seq_lens(448) == [448]
-    assert decode_attn_autotune_seq_lens(10**6) == decode_attn_autotune_seq_lens() == [32768, 16384, 4096, 1024]
-
-
-@pytest.mark.parametrize("env, expected", [(None, [32768, 16384, 4096, 1024]), ("1024", [1024, 512]), ("512", [512])])
-def test_decode_autotune_seq_lens(monkeypatch, env, expected):
-    from lightllm.common.autotuner import decode_attn_autotune_seq_lens
-
-    if env:
-        monkeypatch.setenv("LIGHTLLM_DECODE_ATTN_AUTOTUNE_SEQ_LEN", env)
-    assert decode_attn_autotune_seq_lens() == expected
+        assert is_tuning(DECODE) == expected
+        assert is_tuning(GENERAL) == (phase is GENERAL and level in ("1", "2"))

@@ -16,9 +16,8 @@ from typing import Optional
 import torch
 import triton
 
-from lightllm.common.autotuner import (
-    AutotuneKernelType,
-    autotune,
+from lightllm.common.autotuner import AutotuneKernelType, autotune
+from lightllm.kernels.attention.decode.tuning import (
     decode_attn_autotune_seq_lens,
     decode_attn_run_key_kv_len,
     round_up_kv_len,

@@ -1,10 +1,9 @@
-"""Helpers for decode-attention kernels' run keys."""
+"""What the decode-attention kernels (Triton GQA decode, FA3) share about tuning: run-key KV lengths and the
+ladder of lengths a search times on."""
 
 from typing import Optional
 
-from lightllm.common import envs
-from lightllm.common.autotuner.phase import AutotuneKernelType, current_warmup_kernel_type, is_searching_level
-from lightllm.common.envs import get_decode_attn_autotune_seq_len
+from lightllm.common.autotuner import AutotuneKernelType, get_decode_attn_autotune_seq_len, is_tuning
 
 KV_LEN_BUCKET = 512
 
@@ -12,13 +11,6 @@ KV_LEN_BUCKET = 512
 def round_up_kv_len(kv_len: int, bucket: int = KV_LEN_BUCKET) -> int:
     """KV length rounded up to a multiple of ``bucket`` (at least one bucket), for run keys."""
     return max(1, -(-int(kv_len) // bucket)) * bucket
-
-
-def is_decode_attn_tuning() -> bool:
-    """True while a DECODE_ATTENTION warmup scope is active at level 1 (adaptive) or 2 (force)."""
-    if current_warmup_kernel_type() is not AutotuneKernelType.DECODE_ATTENTION:
-        return False
-    return is_searching_level(envs.get_triton_autotune_level())
 
 
 def decode_attn_tuning_len(launch_max_len: int) -> int:
@@ -31,7 +23,8 @@ def decode_attn_tuning_len(launch_max_len: int) -> int:
 def decode_attn_run_key_kv_len(launch_max_len: int) -> int:
     """The KV length a run key should use: the tuning length while decode attention is being tuned (the dummy
     capture batch has tiny real lengths), the launch's own maximum otherwise. Not rounded."""
-    return decode_attn_tuning_len(launch_max_len) if is_decode_attn_tuning() else int(launch_max_len)
+    tuning = is_tuning(AutotuneKernelType.DECODE_ATTENTION)
+    return decode_attn_tuning_len(launch_max_len) if tuning else int(launch_max_len)
 
 
 def decode_attn_autotune_seq_lens(launch_max_len: Optional[int] = None) -> list:
@@ -45,14 +38,3 @@ def decode_attn_autotune_seq_lens(launch_max_len: Optional[int] = None) -> list:
         if n < lens[-1]:
             lens.append(n)
     return lens
-
-
-__all__ = [
-    "KV_LEN_BUCKET",
-    "decode_attn_autotune_seq_lens",
-    "decode_attn_run_key_kv_len",
-    "decode_attn_tuning_len",
-    "get_decode_attn_autotune_seq_len",
-    "is_decode_attn_tuning",
-    "round_up_kv_len",
-]
