@@ -31,9 +31,8 @@ class Qwen3Model:
         self._cos = emb.cos().to(self.dtype)
         self._sin = emb.sin().to(self.dtype)
 
-    def _rotary(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        cos = self._cos[positions][:, None, :]
-        sin = self._sin[positions][:, None, :]
+    @staticmethod
+    def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         half = x.shape[-1] // 2
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos + rotated * sin
@@ -45,13 +44,15 @@ class Qwen3Model:
         cfg, eps = self.config, self.config.rms_norm_eps
         tokens = input_ids.shape[0]
         h = F.embedding(input_ids, self.w.embed)
+        cos = self._cos[state.positions][:, None, :]  # gathered once per step, not per layer and tensor
+        sin = self._sin[state.positions][:, None, :]
         for i, lw in enumerate(self.w.layers):
             x = self._norm(h, lw.input_norm, eps)
             q = F.linear(x, lw.q_proj).view(tokens, self.heads, cfg.head_dim)
             k = F.linear(x, lw.k_proj).view(tokens, self.kv_heads, cfg.head_dim)
             v = F.linear(x, lw.v_proj).view(tokens, self.kv_heads, cfg.head_dim)
-            q = self._rotary(self._norm(q.contiguous(), lw.q_norm, eps), state.positions)
-            k = self._rotary(self._norm(k.contiguous(), lw.k_norm, eps), state.positions)
+            q = self._rotary(self._norm(q.contiguous(), lw.q_norm, eps), cos, sin)
+            k = self._rotary(self._norm(k.contiguous(), lw.k_norm, eps), cos, sin)
             attn.write_kv(i, k, v, state.out_token_idx)
             if state.is_prefill:
                 o = attn.prefill(i, q, k, v, state)
