@@ -106,8 +106,9 @@ class BadRequest(Exception):
 
 
 class Server:
-    def __init__(self, runner: ModelRunner, tokenizer, model_name: str):
+    def __init__(self, runner: ModelRunner, tokenizer, model_name: str, on_shutdown=None):
         self.runner = runner
+        self.on_shutdown = on_shutdown  # after the scheduler stops: tensor-parallel workers
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.metrics = Metrics()
@@ -122,7 +123,12 @@ class Server:
         async def lifespan(_app):
             self.scheduler.start()
             yield
-            self.scheduler.stop()
+            # Here, not after uvicorn.run returns: uvicorn re-raises SIGTERM/SIGINT once it has shut down,
+            # which ends the process before any code after run() executes.
+            if not self.scheduler.stop():
+                logger.warning("scheduler still inside a step after 60s; exiting without a clean shutdown")
+            elif self.on_shutdown is not None:
+                self.on_shutdown()
 
         app = FastAPI(title="lightllm", lifespan=lifespan)
 
@@ -341,12 +347,13 @@ def main(argv=None) -> None:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(runner.model_dir)
-    server = Server(runner, tokenizer, model_name=engine_args.model_dir or "lightllm-tiny-qwen3")
+    stop = runner.stop if server_args.tp > 1 else None
+    server = Server(runner, tokenizer, model_name=engine_args.model_dir or "lightllm-tiny-qwen3", on_shutdown=stop)
     try:
         uvicorn.run(server.app, host=server_args.host, port=server_args.port, log_level="info")
-    finally:
-        if server_args.tp > 1:
-            runner.stop()
+    finally:  # uvicorn returned without a shutdown (e.g. the port was taken); stop is idempotent
+        if stop is not None:
+            stop()
 
 
 if __name__ == "__main__":

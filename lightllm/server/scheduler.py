@@ -75,9 +75,12 @@ class Scheduler:
     def start(self) -> None:
         self.thread.start()
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 60.0) -> bool:
+        """Stop after the current step; False when the step is still running after ``timeout`` seconds."""
         self._stop.set()
-        self.thread.join(timeout=10)
+        if self.thread.is_alive():
+            self.thread.join(timeout)
+        return not self.thread.is_alive()
 
     # ---- the loop ------------------------------------------------------------------------------------------
 

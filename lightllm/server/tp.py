@@ -21,9 +21,11 @@ _COMMANDS = ("prefill", "decode", "add_request", "free")
 class TPRunner:
     """Rank 0's runner: state-changing calls go to the workers first, then run here."""
 
-    def __init__(self, runner: ModelRunner, group):
+    def __init__(self, runner: ModelRunner, group, workers=()):
         self.runner = runner
         self.group = group
+        self.workers = list(workers)
+        self._stopped = False
 
     def __getattr__(self, name):
         return getattr(self.runner, name)
@@ -47,8 +49,21 @@ class TPRunner:
         self._cast("free", slot)
         self.runner.free(slot)
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 60.0) -> None:
+        """Stop the workers and wait for them, then leave the process group: rank 0 hosts the store the
+        workers tear down against, so it must outlive them. Idempotent; the scheduler must be stopped first."""
+        if self._stopped:
+            return
+        self._stopped = True
         self._cast("stop")
+        for proc in self.workers:
+            proc.join(timeout)
+            if proc.is_alive():
+                logger.warning("tensor-parallel worker %s did not stop in %gs; terminating it", proc.name, timeout)
+                proc.terminate()
+                proc.join(5)
+        dist.destroy_process_group()
+        logger.info("tensor-parallel workers stopped (%d ranks)", len(self.workers) + 1)
 
 
 def worker_loop(runner: ModelRunner, group) -> None:
@@ -92,11 +107,14 @@ def start_tp(args: EngineArgs, tp: int) -> TPRunner:
         s.bind(("127.0.0.1", 0))
         init_method = f"tcp://127.0.0.1:{s.getsockname()[1]}"
     ctx = mp.get_context("spawn")
+    workers = []
     for rank in range(1, tp):
-        ctx.Process(target=_worker, args=(rank, tp, init_method, args), daemon=True, name=f"lightllm-tp{rank}").start()
+        proc = ctx.Process(target=_worker, args=(rank, tp, init_method, args), daemon=True, name=f"lightllm-tp{rank}")
+        proc.start()
+        workers.append(proc)
     args = _for_rank(args, 0)
     import torch
 
     init_tp(0, tp, init_method, torch.device(args.device))
     group = dist.new_group(backend="gloo")
-    return TPRunner(ModelRunner(args), group)
+    return TPRunner(ModelRunner(args), group, workers)

@@ -1,4 +1,4 @@
-"""--tp 2 on the CPU (gloo): the sharded server generates what one process does."""
+"""--tp 2 on the CPU (gloo): the sharded server generates what one process does, and shuts down cleanly."""
 
 import httpx
 from server_helpers import running_server
@@ -22,6 +22,11 @@ def test_tp2_matches_tp1(tmp_path):
             assert got["token_ids"] == want.token_ids
             assert max(abs(a - b) for a, b in zip(got["logprobs"], want.logprobs)) <= 1e-4
         assert httpx.get(base + "/health").status_code == 200
+    # SIGTERM: rank 0 stops the workers and waits for them, so no rank dies on a closed connection
+    (log,) = tmp_path.glob("server-*.log")
+    text = log.read_text()
+    assert "tensor-parallel workers stopped (2 ranks)" in text
+    assert "Traceback" not in text
 
 
 def test_tp_must_divide_heads(tmp_path):
