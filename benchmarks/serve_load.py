@@ -6,7 +6,9 @@ empty config dir) and off (the same prefill configs, decode attention at its def
 each. Against each it sends N requests at every concurrency to /generate with logprobs, checks every
 request completed with finite logprobs, and reports median output tokens/s on vs off with the spread
 between starts, and each start-up (seconds, and the runner's summary: graphs, kernels tuned, seconds per
-phase).
+phase). Beside each case it prints decode attention's share of a step as the tuner timed it (tuned and
+default), which bounds what tuning can change there; ``--control`` adds an A/A pair (a second "off" server)
+whose difference is the method's own noise.
 
     python benchmarks/serve_load.py --tp 1 --out benchmarks/results/serve_load_tp1_h200.json
 """
@@ -110,6 +112,7 @@ def main():
     p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     p.add_argument("--out", default="benchmarks/results/serve_load.json")
     p.add_argument("--log-dir", default="serve_load_logs", help="server logs (one per start) and the tuned configs")
+    p.add_argument("--control", action="store_true", help="also start a second 'off' server per repeat (off_b)")
     args = p.parse_args()
     from lightllm.tools.make_tiny_model import make_tiny_qwen3
 
@@ -123,20 +126,23 @@ def main():
         for workload in args.workloads:
             prompt_len, out_len = WORKLOADS[workload]
             results = {}
-            # Servers sized for the largest concurrency, as an operator would run them, started in turn
-            # on, off, on, off, ... (--repeats pairs) so drift hits both modes alike.
+            # Servers sized for the largest concurrency, as an operator would run them, --repeats starts per
+            # mode in a rotating order (start_order).
             # "on": decode-attention configs tuned by the first "on" start (level 1, empty config dir: its
             # start-up includes the cold search of every kernel); later "on" starts reuse them (level 0).
             # "off": level 0 over the same files minus the decode-attention kernels', so only decode attention
             # differs (it runs its launcher default).
+            # "off_b" (--control): "off" again. Servers that differ in nothing differ by off_b vs off: the
+            # noise floor an on-vs-off difference must clear before decode attention can be blamed for it.
             with tempfile.TemporaryDirectory() as cfg_on, tempfile.TemporaryDirectory() as cfg_off:
+                cfg = {"on": cfg_on, "off": cfg_off, "off_b": cfg_off}
                 for rep in range(args.repeats):
-                    for mode, cfg in (("on", cfg_on), ("off", cfg_off)):
+                    for mode in start_order(rep, args.control):
                         level = 1 if (mode, rep) == ("on", 0) else 0
                         if (mode, rep) == ("off", 0):
                             copy_without_decode_attention(cfg_on, cfg_off)
                         name = f"server_tp{args.tp}_{workload}_{mode}{rep}.log"
-                        proc, base, seconds = start_server(model, args.tp, level, cfg, max(args.concurrency),
+                        proc, base, seconds = start_server(model, args.tp, level, cfg[mode], max(args.concurrency),
                                                            prompt_len + out_len + 64,
                                                            os.path.join(args.log_dir, name))  # fmt: skip
                         startups.append({"workload": workload, "mode": mode, "repeat": rep, "startup_s": seconds,
@@ -151,24 +157,73 @@ def main():
                         finally:
                             proc.terminate()
                             proc.wait(timeout=60)
-                # the tuned files keep each candidate's time per ladder length: why "on" chose what it chose
+                # the tuned files keep each run key's tuned and default time: why "on" chose what it chose
                 shutil.copytree(cfg_on, os.path.join(args.log_dir, f"configs_tp{args.tp}_{workload}"),
                                 dirs_exist_ok=True)  # fmt: skip
+                kernels = decode_attention_timings(cfg_on)
             for conc in args.concurrency:
                 on, off = summarize(results["on", conc]), summarize(results["off", conc])
-                rows.append({"workload": workload, "concurrency": conc, "tp": args.tp, "on": on, "off": off,
-                             "on_vs_off_pct": (on["tokens_per_s"] / off["tokens_per_s"] - 1) * 100})  # fmt: skip
+                row = {"workload": workload, "concurrency": conc, "tp": args.tp, "on": on, "off": off,
+                       "on_vs_off_pct": (on["tokens_per_s"] / off["tokens_per_s"] - 1) * 100,
+                       "decode_attention": per_step_attention(kernels, conc, args.layers)}  # fmt: skip
+                if args.control:
+                    off_b = row["off_b"] = summarize(results["off_b", conc])
+                    row["off_b_vs_off_pct"] = (off_b["tokens_per_s"] / off["tokens_per_s"] - 1) * 100
+                rows.append(row)
             save(args, rows, startups)
     save(args, rows, startups)
     print(f"\nmedian of {args.repeats} server starts per mode; spread = (max - min) / median")
-    print("workload conc  on tok/s  off tok/s  on vs off  on spread  off spread  all ok")
+    print("attention = decode attention per step (layers x the graph's kernel) as timed by the tuner: tuned / default")
+    head = "workload conc  on tok/s  off tok/s  on vs off  on spread  off spread  attention ms tuned/default"
+    print(head + ("  off_b vs off" if args.control else "") + "  all ok")
     for r in rows:
-        on, off = r["on"], r["off"]
+        on, off, att = r["on"], r["off"], r["decode_attention"]
+        att_text = f"{att['tuned_ms']:.3f}/{att['default_ms']:.3f}" if att else "-"
+        ok = all(r[m]["all_complete_finite"] for m in ("on", "off", "off_b") if m in r)
+        control = f"  {r['off_b_vs_off_pct']:+11.1f}%" if args.control else ""
         print(f"{r['workload']:8s} {r['concurrency']:4d} {on['tokens_per_s']:9.0f} {off['tokens_per_s']:10.0f} "
-              f"{r['on_vs_off_pct']:+9.1f}% {on['spread_pct']:8.1f}% {off['spread_pct']:10.1f}% "
-              f"{on['all_complete_finite'] and off['all_complete_finite']}")  # fmt: skip
+              f"{r['on_vs_off_pct']:+9.1f}% {on['spread_pct']:8.1f}% {off['spread_pct']:10.1f}%  {att_text:>27s}"
+              f"{control}  {ok}")  # fmt: skip
     for s in startups:
         print(f"start-up {s['workload']} {s['mode']}{s['repeat']}: {s['startup_s']:.1f}s ({s['summary']})")
+
+
+def start_order(rep, control):
+    """Server starts of one repeat. The first is "on" (its start tunes); after that the order alternates so a
+    drift between consecutive starts (clocks, page cache, the last server's exit) hits every mode alike."""
+    modes = ["on", "off"] + (["off_b"] if control else [])
+    if rep == 0:
+        return modes
+    shift = rep % len(modes)
+    return modes[shift:] + modes[:shift]
+
+
+def decode_attention_timings(config_dir):
+    """Every decode-attention run key the "on" start tuned: ``{(kernel, batch): (tuned_ms, default_ms)}``, as the
+    tuner timed them at the tuning length (from the timings the config files keep)."""
+    import lightllm.kernels.attention.decode.fa3  # noqa: F401  (declare the tuned kernels)
+    import lightllm.kernels.attention.decode.flash_decode  # noqa: F401
+    from lightllm.common.autotuner import AutotuneKernelType, store, tuner
+
+    out = {}
+    for name in tuner.kernel_names(AutotuneKernelType.DECODE_ATTENTION):
+        for path in store.iter_config_files(config_dir, name):
+            data = store.read_config_file(path) or {}
+            for run_key, timing in data.get("timings", {}).items():
+                key = json.loads(run_key)
+                batch = key[0] if isinstance(key, list) and key else None
+                if isinstance(batch, int) and {"best_ms", "default_ms"} <= set(timing):
+                    out[name, batch] = (timing["best_ms"], timing["default_ms"])
+    return out
+
+
+def per_step_attention(kernels, concurrency, layers):
+    """Decode attention per step at the graph for ``concurrency`` (tuned and default ms, x layers), or None."""
+    found = [(t, d) for (_, batch), (t, d) in kernels.items() if batch == concurrency]
+    if not found:
+        return None
+    tuned, default = found[0]
+    return {"tuned_ms": tuned * layers, "default_ms": default * layers, "layers": layers}
 
 
 def summarize(runs):
@@ -183,7 +238,7 @@ def save(args, rows, startups):
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"tp": args.tp, "layers": args.layers, "requests": args.requests, "repeats": args.repeats,
-                   "rows": rows, "startups": startups}, f, indent=1)  # fmt: skip
+                   "control": args.control, "rows": rows, "startups": startups}, f, indent=1)  # fmt: skip
 
 
 if __name__ == "__main__":
