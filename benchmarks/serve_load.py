@@ -11,6 +11,7 @@ default), which bounds what tuning can change there; ``--control`` adds an A/A p
 whose difference is the method's own noise.
 
     python benchmarks/serve_load.py --tp 1 --out benchmarks/results/serve_load_tp1_h200.json
+    python benchmarks/serve_load.py --tiny --requests 3 --concurrency 2 --control   # the method on a CPU
 """
 
 import argparse
@@ -113,16 +114,22 @@ def main():
     p.add_argument("--out", default="benchmarks/results/serve_load.json")
     p.add_argument("--log-dir", default="serve_load_logs", help="server logs (one per start) and the tuned configs")
     p.add_argument("--control", action="store_true", help="also start a second 'off' server per repeat (off_b)")
+    p.add_argument("--tiny", action="store_true", help="the built-in tiny model instead (a CPU check of the method)")
     args = p.parse_args()
     from lightllm.tools.make_tiny_model import make_tiny_qwen3
 
     os.makedirs(args.log_dir, exist_ok=True)
     rows, startups = [], []
     with tempfile.TemporaryDirectory() as root:
-        model = str(make_tiny_qwen3(os.path.join(root, "model"), padded_vocab_size=151936, hidden_size=4096,
-                                    intermediate_size=12288, num_hidden_layers=args.layers, num_attention_heads=32,
-                                    num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
-                                    dtype="bfloat16", initializer_range=0.02))  # fmt: skip
+        if args.tiny:
+            model = str(make_tiny_qwen3(os.path.join(root, "model")))
+        else:
+            model = str(make_tiny_qwen3(os.path.join(root, "model"), padded_vocab_size=151936, hidden_size=4096,
+                                        intermediate_size=12288, num_hidden_layers=args.layers, num_attention_heads=32,
+                                        num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+                                        dtype="bfloat16", initializer_range=0.02))  # fmt: skip
+        with open(os.path.join(model, "config.json")) as f:
+            vocab = json.load(f)["vocab_size"]
         for workload in args.workloads:
             prompt_len, out_len = WORKLOADS[workload]
             results = {}
@@ -150,7 +157,7 @@ def main():
                         print(json.dumps(startups[-1]), flush=True)
                         try:
                             for conc in args.concurrency:
-                                res = asyncio.run(load(base, args.requests, conc, prompt_len, out_len, 151936))
+                                res = asyncio.run(load(base, args.requests, conc, prompt_len, out_len, vocab))
                                 results.setdefault((mode, conc), []).append(res)
                                 print(json.dumps({"workload": workload, "mode": mode, "repeat": rep,
                                                   "concurrency": conc, **res}), flush=True)  # fmt: skip

@@ -60,3 +60,28 @@ def test_per_step_attention_reads_what_a_search_wrote(serve_load, monkeypatch, i
     assert timings == {("gqa_flash_decode", 2): (1.0, 2.0)}
     assert serve_load.per_step_attention(timings, 2, layers=4) == {"tuned_ms": 4.0, "default_ms": 8.0, "layers": 4}
     assert serve_load.per_step_attention(timings, 16, layers=4) is None  # no graph of that batch was tuned
+
+
+def test_runs_end_to_end_on_the_tiny_model(tmp_path):
+    """The whole method on the CPU: servers started in order, every request whole, an A/A pair, JSON written."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "out.json"
+    cmd = [sys.executable, os.path.join(REPO, "benchmarks", "serve_load.py"), "--tiny", "--requests", "3",
+           "--concurrency", "2", "--repeats", "1", "--control", "--workloads", "short", "--out", str(out),
+           "--log-dir", str(tmp_path / "logs")]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": REPO, "LIGHTLLM_AUTOTUNE_CONFIG_DIR": str(tmp_path / "unused")}
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert [(s["mode"], s["repeat"]) for s in result["startups"]] == [("on", 0), ("off", 0), ("off_b", 0)]
+    (row,) = result["rows"]
+    assert row["concurrency"] == 2 and result["control"] is True
+    for mode in ("on", "off", "off_b"):
+        (run,) = row[mode]["runs"]
+        assert run["all_complete_finite"] and run["output_tokens"] == 3 * 256
+    assert sorted(p.name for p in (tmp_path / "logs").glob("*.log")) == [
+        "server_tp1_short_off0.log", "server_tp1_short_off_b0.log", "server_tp1_short_on0.log"]  # fmt: skip
+    assert "off_b vs off" in done.stdout
