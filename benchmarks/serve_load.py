@@ -95,12 +95,37 @@ async def load(base, n, concurrency, prompt_len, out_len, vocab):
                 r.raise_for_status()
                 return r.json()
 
+        before = await engine_steps(client, base)
         t0 = time.perf_counter()
         results = await asyncio.gather(*(one(p) for p in prompts))
         seconds = time.perf_counter() - t0
+        steps = step_stats(before, await engine_steps(client, base))
     tokens = sum(len(r["token_ids"]) for r in results)
     ok = all(len(r["token_ids"]) == out_len and all(math.isfinite(x) for x in r["logprobs"]) for r in results)
-    return {"output_tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "all_complete_finite": ok}
+    return {"output_tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "all_complete_finite": ok,
+            **steps}  # fmt: skip
+
+
+async def engine_steps(client, base):
+    """The server's cumulative step histograms: ``{(sample, kind): value}`` for their _count and _sum."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = (await client.get(base + "/metrics")).text
+    return {(s.name, s.labels["kind"]): s.value for family in text_string_to_metric_families(text)
+            if family.name in ("lightllm_step_seconds", "lightllm_step_batch_size")
+            for s in family.samples if s.name.endswith(("_count", "_sum"))}  # fmt: skip
+
+
+def step_stats(before, after):
+    """What one load was made of: steps per kind, their mean time (ms) and mean batch (requests)."""
+    delta = {k: v - before.get(k, 0.0) for k, v in after.items()}
+    out = {}
+    for kind in ("prefill", "decode"):
+        n = delta.get(("lightllm_step_seconds_count", kind), 0.0)
+        out[f"{kind}_steps"] = int(n)
+        out[f"{kind}_step_ms"] = delta[("lightllm_step_seconds_sum", kind)] / n * 1e3 if n else None
+        out[f"{kind}_batch"] = delta[("lightllm_step_batch_size_sum", kind)] / n if n else None
+    return out
 
 
 def main():
@@ -180,16 +205,19 @@ def main():
             save(args, rows, startups)
     save(args, rows, startups)
     print(f"\nmedian of {args.repeats} server starts per mode; spread = (max - min) / median")
+    print("step ms = the server's mean decode step (forward, sampling, bookkeeping; median over starts): on / off")
     print("attention = decode attention per step (layers x the graph's kernel) as timed by the tuner: tuned / default")
-    head = "workload conc  on tok/s  off tok/s  on vs off  on spread  off spread  attention ms tuned/default"
+    head = "workload conc  on tok/s  off tok/s  on vs off  on spread  off spread  step ms on/off  attention ms"
     print(head + ("  off_b vs off" if args.control else "") + "  all ok")
     for r in rows:
         on, off, att = r["on"], r["off"], r["decode_attention"]
         att_text = f"{att['tuned_ms']:.3f}/{att['default_ms']:.3f}" if att else "-"
+        step_text = "/".join("-" if x is None else f"{x:.3f}" for x in (on["decode_step_ms"], off["decode_step_ms"]))
         ok = all(r[m]["all_complete_finite"] for m in ("on", "off", "off_b") if m in r)
         control = f"  {r['off_b_vs_off_pct']:+11.1f}%" if args.control else ""
         print(f"{r['workload']:8s} {r['concurrency']:4d} {on['tokens_per_s']:9.0f} {off['tokens_per_s']:10.0f} "
-              f"{r['on_vs_off_pct']:+9.1f}% {on['spread_pct']:8.1f}% {off['spread_pct']:10.1f}%  {att_text:>27s}"
+              f"{r['on_vs_off_pct']:+9.1f}% {on['spread_pct']:8.1f}% {off['spread_pct']:10.1f}%  {step_text:>14s}"
+              f"  {att_text:>12s}"
               f"{control}  {ok}")  # fmt: skip
     for s in startups:
         print(f"start-up {s['workload']} {s['mode']}{s['repeat']}: {s['startup_s']:.1f}s ({s['summary']})")
@@ -237,7 +265,9 @@ def summarize(runs):
     """Median tokens/s over server starts, the spread, and whether every request of every run was whole."""
     tps = sorted(r["tokens_per_s"] for r in runs)
     median = statistics.median(tps)
+    step_ms = [r["decode_step_ms"] for r in runs if r.get("decode_step_ms") is not None]
     return {"tokens_per_s": median, "spread_pct": (tps[-1] - tps[0]) / median * 100, "runs": runs,
+            "decode_step_ms": statistics.median(step_ms) if step_ms else None,
             "all_complete_finite": all(r["all_complete_finite"] for r in runs)}  # fmt: skip
 
 

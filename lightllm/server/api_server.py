@@ -42,6 +42,13 @@ class Metrics:
                               buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))  # fmt: skip
         self.itl = Histogram("lightllm_inter_token_latency_seconds", "time between tokens", registry=r,
                              buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1))  # fmt: skip
+        # Per engine step (kind = prefill or decode): what a throughput number is made of. A decode step's
+        # time is the forward, sampling and bookkeeping of one token for every running request.
+        self.step_seconds = Histogram("lightllm_step_seconds", "engine step time", ["kind"], registry=r,
+                                      buckets=(0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128,
+                                               0.256, 0.512, 1.024, 2.048))  # fmt: skip
+        self.step_batch = Histogram("lightllm_step_batch_size", "requests per engine step", ["kind"], registry=r,
+                                    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512))  # fmt: skip
 
 
 # ---- request bodies (unknown fields are errors) ------------------------------------------------------------

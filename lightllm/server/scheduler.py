@@ -128,17 +128,26 @@ class Scheduler:
         self._update_gauges()
         batch = self._admit()
         if batch:
+            t0 = time.perf_counter()
             logits = self.runner.prefill([r.slot for r in batch], [r.context for r in batch])
             self.running += self._advance(batch, logits)
+            self._observe_step("prefill", len(batch), t0)
             return True
         if not self.running:
             return False
         while self.running and self.runner.kv.num_free_tokens < len(self.running):
             self._preempt(self.running.pop())
         if self.running:
+            t0, size = time.perf_counter(), len(self.running)
             logits = self.runner.decode([r.slot for r in self.running], [r.output_ids[-1] for r in self.running])
             self.running = self._advance(self.running, logits)
+            self._observe_step("decode", size, t0)
         return True
+
+    def _observe_step(self, kind: str, size: int, t0: float) -> None:
+        if self.metrics is not None:  # _advance synchronized on the sampled tokens: t0..now covers the GPU work
+            self.metrics.step_seconds.labels(kind).observe(time.perf_counter() - t0)
+            self.metrics.step_batch.labels(kind).observe(size)
 
     def _admit(self) -> List[ServerRequest]:
         batch, budget = [], self.args.batch_max_tokens

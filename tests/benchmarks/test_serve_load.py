@@ -82,6 +82,11 @@ def test_runs_end_to_end_on_the_tiny_model(tmp_path):
     for mode in ("on", "off", "off_b"):
         (run,) = row[mode]["runs"]
         assert run["all_complete_finite"] and run["output_tokens"] == 3 * 256
+        # from the server's step histograms: each request's first token comes from its prefill, the rest
+        # from decode steps, and every step of the load is counted once
+        assert round(run["prefill_batch"] * run["prefill_steps"]) == 3
+        assert round(run["decode_batch"] * run["decode_steps"]) == 3 * 255
+        assert run["decode_step_ms"] > 0 and 1 <= run["decode_batch"] <= 2
     assert sorted(p.name for p in (tmp_path / "logs").glob("*.log")) == [
         "server_tp1_short_off0.log", "server_tp1_short_off_b0.log", "server_tp1_short_on0.log"]  # fmt: skip
-    assert "off_b vs off" in done.stdout
+    assert "off_b vs off" in done.stdout and row["on"]["decode_step_ms"] > 0

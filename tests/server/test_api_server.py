@@ -148,6 +148,7 @@ def test_models_and_metrics(server, client):
     text = httpx.get(server + "/metrics").text
     for name in ("lightllm_queue_length", "lightllm_running_batch", "lightllm_generated_tokens_total",
                  "lightllm_time_to_first_token_seconds_bucket", "lightllm_inter_token_latency_seconds_bucket",
-                 "lightllm_kv_usage_ratio"):  # fmt: skip
+                 "lightllm_kv_usage_ratio", 'lightllm_step_seconds_count{kind="decode"}',
+                 'lightllm_step_batch_size_sum{kind="prefill"}'):  # fmt: skip
         assert name in text
     assert metric(server, "lightllm_generated_tokens_total") > 0

@@ -75,3 +75,21 @@ def test_abort_frees_kv(model_dir):
 def test_cache_smaller_than_one_request_is_a_startup_error(model_dir):
     with pytest.raises(ValueError, match="fewer than one --max_req_total_len \\(32\\) request"):
         runner(model_dir, 20)
+
+
+def test_step_metrics_count_every_prefill_and_decode_step(model_dir):
+    """4 prompts that fit one prefill, 12 tokens each: 1 prefill step of 4 requests, then 11 decode steps of 4."""
+    from lightllm.server.api_server import Metrics
+
+    metrics = Metrics()
+    sched = Scheduler(runner(model_dir, 512), eos_token_ids=[], metrics=metrics)
+    run_all(sched, [[3, 4, 5, 6, 7, 8, 9, 10], [20, 21, 22, 23], [30, 31, 32, 33, 34, 35], [40, 41]])
+    value = metrics.registry.get_sample_value
+    assert value("lightllm_step_batch_size_count", {"kind": "prefill"}) == 1
+    assert value("lightllm_step_batch_size_sum", {"kind": "prefill"}) == 4
+    assert value("lightllm_step_batch_size_count", {"kind": "decode"}) == 11
+    assert value("lightllm_step_batch_size_sum", {"kind": "decode"}) == 44
+    for kind, steps in (("prefill", 1), ("decode", 11)):
+        assert value("lightllm_step_seconds_count", {"kind": kind}) == steps
+        assert value("lightllm_step_seconds_sum", {"kind": kind}) > 0
+    assert value("lightllm_generated_tokens_total") == 4 * 12
