@@ -17,7 +17,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, 3, 4])
 def test_ranks_agree_on_configs(tmp_path, world):
     env = {**os.environ, "PYTHONPATH": REPO, "PORT": str(_free_port())}
     procs = [
@@ -42,12 +42,13 @@ def test_ranks_agree_on_configs(tmp_path, world):
         assert p.returncode == 0, out
     res = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(world)]
 
-    # Split search: disjoint slices covering every candidate, one agreed winner found on the last rank's slice.
+    # Split search: disjoint slices covering every candidate (dealt round-robin), one agreed winner, found on
+    # the slice of the rank that timed it (candidate 5: rank 5 % world), so the winner crossed ranks.
     slices = [{c["ms"] for c in r["split"]["timed"] if c} for r in res]
     assert set().union(*slices) == ALL and sum(len(s) for s in slices) == len(ALL)
     assert all(r["split"]["timed"][0] is None for r in res)  # each rank measured the default first
     assert [r["split"]["used"] for r in res] == [{"ms": 0.05}] * world
-    assert 0.05 in slices[-1]
+    assert 0.05 in slices[5 % world] and [len(s) for s in slices] == [len(range(r, 6, world)) for r in range(world)]
 
     # Any rank missing the key makes every rank search.
     assert all(len(r["one_missing"]["timed"]) > 1 for r in res)
