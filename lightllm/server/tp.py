@@ -4,9 +4,13 @@ Each rank holds its shard of the weights and of the KV heads and runs the same c
 so their allocators stay identical. Commands travel over a gloo group (never the NCCL stream).
 """
 
+import atexit
 import logging
 import multiprocessing as mp
+import os
 import socket
+import threading
+import time
 
 import torch.distributed as dist
 
@@ -18,13 +22,50 @@ logger = logging.getLogger(__name__)
 _COMMANDS = ("prefill", "decode", "add_request", "free")
 
 
+class Workers:
+    """Ranks 1..N-1, one process each, and a watchdog: when one dies the others (rank 0 included) would wait for
+    it in their next collective forever, so the whole server exits at once, non-zero, saying which rank died."""
+
+    def __init__(self, procs, interval_s: float = 0.5):
+        self.procs = list(procs)
+        self.stopping = False  # set before a clean stop: workers exiting then is expected
+        self._interval_s = interval_s
+        atexit.register(self._exiting)  # runs before multiprocessing's own hook terminates daemon workers
+        threading.Thread(target=self._watch, name="lightllm-tp-watchdog", daemon=True).start()
+
+    def _watch(self) -> None:
+        while not self.stopping:
+            dead = [p for p in self.procs if not p.is_alive()]
+            if dead and not self.stopping:
+                p = dead[0]
+                logger.error("tensor-parallel worker %s (pid %d) exited with code %s; the other ranks cannot go on "
+                             "without it, so the server exits", p.name, p.pid, p.exitcode)  # fmt: skip
+                for other in self.procs:
+                    if other.is_alive():
+                        other.kill()
+                logging.shutdown()
+                os._exit(1)
+            time.sleep(self._interval_s)
+
+    def _exiting(self) -> None:
+        self.stopping = True
+
+    def join(self, timeout: float) -> None:
+        for proc in self.procs:
+            proc.join(timeout)
+            if proc.is_alive():
+                logger.warning("tensor-parallel worker %s did not stop in %gs; terminating it", proc.name, timeout)
+                proc.terminate()
+                proc.join(5)
+
+
 class TPRunner:
     """Rank 0's runner: state-changing calls go to the workers first, then run here."""
 
-    def __init__(self, runner: ModelRunner, group, workers=()):
+    def __init__(self, runner: ModelRunner, group, workers: Workers):
         self.runner = runner
         self.group = group
-        self.workers = list(workers)
+        self.workers = workers
         self._stopped = False
 
     def __getattr__(self, name):
@@ -55,15 +96,11 @@ class TPRunner:
         if self._stopped:
             return
         self._stopped = True
+        self.workers.stopping = True
         self._cast("stop")
-        for proc in self.workers:
-            proc.join(timeout)
-            if proc.is_alive():
-                logger.warning("tensor-parallel worker %s did not stop in %gs; terminating it", proc.name, timeout)
-                proc.terminate()
-                proc.join(5)
+        self.workers.join(timeout)
         dist.destroy_process_group()
-        logger.info("tensor-parallel workers stopped (%d ranks)", len(self.workers) + 1)
+        logger.info("tensor-parallel workers stopped (%d ranks)", len(self.workers.procs) + 1)
 
 
 def worker_loop(runner: ModelRunner, group) -> None:
@@ -86,7 +123,20 @@ def _for_rank(args: EngineArgs, rank: int) -> EngineArgs:
     return args
 
 
-def _worker(rank: int, world: int, init_method: str, args: EngineArgs) -> None:
+def _exit_with_parent(parent: int, interval_s: float = 0.5) -> None:
+    """A worker outliving rank 0 (killed, crashed) would hold its GPU inside a collective that never ends.
+    ``parent`` is rank 0's pid as it spawned us: it may already be gone by the time this runs."""
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(interval_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="lightllm-tp-parent-watch", daemon=True).start()
+
+
+def _worker(rank: int, world: int, init_method: str, args: EngineArgs, parent: int) -> None:
+    _exit_with_parent(parent)
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
     args = _for_rank(args, rank)
     import torch
@@ -107,11 +157,14 @@ def start_tp(args: EngineArgs, tp: int) -> TPRunner:
         s.bind(("127.0.0.1", 0))
         init_method = f"tcp://127.0.0.1:{s.getsockname()[1]}"
     ctx = mp.get_context("spawn")
-    workers = []
+    procs = []
     for rank in range(1, tp):
-        proc = ctx.Process(target=_worker, args=(rank, tp, init_method, args), daemon=True, name=f"lightllm-tp{rank}")
+        proc = ctx.Process(target=_worker, args=(rank, tp, init_method, args, os.getpid()), daemon=True,
+                           name=f"lightllm-tp{rank}")  # fmt: skip
         proc.start()
-        workers.append(proc)
+        procs.append(proc)
+    logger.info("tensor-parallel workers started: %s", ", ".join(f"{p.name} pid {p.pid}" for p in procs))
+    workers = Workers(procs)  # watched from here on: a rank dying at start-up must not hang rank 0 either
     args = _for_rank(args, 0)
     import torch
 

@@ -1,8 +1,15 @@
 """--tp 2 and 4 on the CPU (gloo): the sharded server generates what one process does, and shuts down cleanly."""
 
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
 import httpx
 import pytest
-from server_helpers import running_server
+from server_helpers import REPO, free_port, running_server
 
 from lightllm import LLM, SamplingParams
 from lightllm.tools.make_tiny_model import make_tiny_qwen3
@@ -41,3 +48,81 @@ def test_tp_must_divide_heads(tmp_path):
     check_divisible(cfg, 2)
     with pytest.raises(ValueError, match="--tp 4: the model's num_key_value_heads \\(2\\) is not divisible"):
         check_divisible(cfg, 4)
+
+
+def _start_tp2(tmp_path):
+    """A --tp 2 CPU server up and answering; returns (process, port, log path, rank 1's pid)."""
+    model = str(make_tiny_qwen3(tmp_path / "model", num_attention_heads=4, num_key_value_heads=2))
+    port, log_path = free_port(), tmp_path / "server.log"
+    env = {**os.environ, "PYTHONPATH": REPO, "LIGHTLLM_AUTOTUNE_CONFIG_DIR": str(tmp_path / "autotune")}
+    cmd = [sys.executable, "-m", "lightllm.server.api_server", "--model_dir", model, "--tp", "2", "--device", "cpu",
+           "--data_type", "fp32", "--port", str(port), "--batch_max_tokens", "64",
+           "--max_req_total_len", "128"]  # fmt: skip
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.time() + 180
+    while True:
+        if proc.poll() is not None or time.time() > deadline:
+            proc.kill()
+            raise AssertionError(log_path.read_text()[-3000:])
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.3)
+    return proc, port, log_path, int(re.search(r"lightllm-tp1 pid (\d+)", log_path.read_text()).group(1))
+
+
+def _gone(pid: int) -> bool:
+    """Exited: no such process, or a zombie nobody has reaped yet (a container's init may not reap)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return any(line.startswith("State:") and "Z" in line.split()[1] for line in f)
+    except FileNotFoundError:
+        return True
+
+
+def test_a_dead_worker_ends_the_server_instead_of_hanging_it(tmp_path):
+    """SIGKILL rank 1 (as the OOM killer would): rank 0 must not wait for it in the next step forever."""
+    proc, _, log_path, pid = _start_tp2(tmp_path)
+    try:
+        os.kill(pid, signal.SIGKILL)
+        assert proc.wait(timeout=30) == 1
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert f"tensor-parallel worker lightllm-tp1 (pid {pid}) exited with code -9" in log_path.read_text()
+
+
+_ORPHAN = """
+import multiprocessing as mp, os, time
+from lightllm.server.tp import _exit_with_parent
+
+def child(parent):
+    _exit_with_parent(parent, interval_s=0.1)
+    time.sleep(600)  # stands for a collective waiting on a rank that is gone
+
+if __name__ == "__main__":
+    p = mp.get_context("spawn").Process(target=child, args=(os.getpid(),), daemon=True)
+    p.start()
+    print(p.pid, flush=True)
+    time.sleep(600)
+"""
+
+
+def test_a_worker_does_not_outlive_rank_0(tmp_path):
+    """SIGKILL rank 0 while a worker waits on it: the worker exits instead of holding its device forever."""
+    script = tmp_path / "orphan.py"
+    script.write_text(_ORPHAN)
+    parent = subprocess.Popen([sys.executable, str(script)], env={**os.environ, "PYTHONPATH": REPO},
+                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    child = int(parent.stdout.readline())
+    assert not _gone(child)
+    parent.kill()  # maybe before the child has even started watching: it must exit all the same
+    parent.wait(timeout=30)
+    deadline = time.time() + 15
+    while not _gone(child) and time.time() < deadline:
+        time.sleep(0.2)
+    if not _gone(child):
+        os.kill(child, signal.SIGKILL)
+        raise AssertionError("the worker outlived rank 0")
