@@ -20,6 +20,7 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 import statistics
 import socket
@@ -73,6 +74,17 @@ def copy_without_decode_attention(src, dst):
             target = os.path.join(dst, os.path.relpath(path, src))
             os.makedirs(os.path.dirname(target), exist_ok=True)
             shutil.copyfile(path, target)
+
+
+def rank_agreement(log_path):
+    """Rank 0's check that every rank holds the same configs: {"agree", "keys", "digest"}; None at tp 1."""
+    with open(log_path, errors="replace") as f:
+        text = f.read()
+    m = re.search(r"autotune: all (\d+) ranks hold identical configs \((\d+) keys, digest (\w+)\)", text)
+    if m:
+        return {"agree": True, "ranks": int(m.group(1)), "keys": int(m.group(2)), "digest": m.group(3)}
+    m = re.search(r"autotune: ranks hold different configs for (\d+) keys", text)
+    return {"agree": False, "differing_keys": int(m.group(1))} if m else None
 
 
 def startup_summary(log_path):
@@ -177,8 +189,10 @@ def main():
                         proc, base, seconds = start_server(model, args.tp, level, cfg[mode], max(args.concurrency),
                                                            prompt_len + out_len + 64,
                                                            os.path.join(args.log_dir, name))  # fmt: skip
+                        log_path = os.path.join(args.log_dir, name)
                         startups.append({"workload": workload, "mode": mode, "repeat": rep, "startup_s": seconds,
-                                         "summary": startup_summary(os.path.join(args.log_dir, name))})  # fmt: skip
+                                         "summary": startup_summary(log_path),
+                                         "ranks": rank_agreement(log_path)})  # fmt: skip
                         print(json.dumps(startups[-1]), flush=True)
                         try:
                             for conc in args.concurrency:
@@ -220,7 +234,11 @@ def main():
               f"  {att_text:>12s}"
               f"{control}  {ok}")  # fmt: skip
     for s in startups:
-        print(f"start-up {s['workload']} {s['mode']}{s['repeat']}: {s['startup_s']:.1f}s ({s['summary']})")
+        ranks = s["ranks"]
+        agreement = "" if ranks is None else (
+            f"; {ranks['ranks']} ranks, identical configs, digest {ranks['digest']}" if ranks["agree"]
+            else f"; RANKS DISAGREE on {ranks['differing_keys']} keys")  # fmt: skip
+        print(f"start-up {s['workload']} {s['mode']}{s['repeat']}: {s['startup_s']:.1f}s ({s['summary']}){agreement}")
 
 
 def start_order(rep, control):

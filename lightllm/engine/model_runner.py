@@ -5,7 +5,8 @@ Start-up, top to bottom (``ModelRunner.__init__``):
 2. GENERAL warmup: dummy prefills at a spread of lengths up to ``batch_max_tokens``;
 3. decode graphs, largest batch first: per size one eager decode forward in the DECODE_ATTENTION scope
    (decode-attention kernels tune there), then the capture;
-4. one summary line.
+4. with tensor parallelism, a check that every rank holds the same configs (one log line);
+5. one summary line.
 """
 
 import itertools
@@ -16,7 +17,8 @@ from typing import Optional, Sequence
 import torch
 
 from lightllm.common import envs
-from lightllm.common.autotuner import AutotuneKernelType, autotune_warmup, get_autotune_stats
+from lightllm.common.autotuner import AutotuneKernelType, autotune_warmup, check_rank_agreement, get_autotune_stats
+from lightllm.common.autotuner import dist as autotune_dist
 from lightllm.common.cuda_graph import DecodeGraphs
 from lightllm.common.kv_cache import KVCacheManager, pool_num_tokens
 from lightllm.engine.args import EngineArgs
@@ -67,6 +69,8 @@ class ModelRunner:
             self._init_graph_buffers()
             self.graphs = DecodeGraphs(args.graph_batch_sizes(), graph_api).capture_all(self._graph_decode)
             seconds["decode graphs"] = time.perf_counter() - t
+        if autotune_dist.world() > 1:  # agreement is built into every search; this proves it held end to end
+            check_rank_agreement()
         tuned = get_autotune_stats() - stats0
         graphs = self.graphs
         logger.info(

@@ -63,13 +63,14 @@ def test_per_step_attention_reads_what_a_search_wrote(serve_load, monkeypatch, i
 
 
 def test_runs_end_to_end_on_the_tiny_model(tmp_path):
-    """The whole method on the CPU: servers started in order, every request whole, an A/A pair, JSON written."""
+    """The whole method on the CPU at tp 2: servers started in order, every request whole, an A/A pair, the
+    ranks' config agreement read from each start's log, JSON written."""
     import json
     import subprocess
     import sys
 
     out = tmp_path / "out.json"
-    cmd = [sys.executable, os.path.join(REPO, "benchmarks", "serve_load.py"), "--tiny", "--requests", "3",
+    cmd = [sys.executable, os.path.join(REPO, "benchmarks", "serve_load.py"), "--tiny", "--tp", "2", "--requests", "3",
            "--concurrency", "2", "--repeats", "1", "--control", "--workloads", "short", "--out", str(out),
            "--log-dir", str(tmp_path / "logs")]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": REPO, "LIGHTLLM_AUTOTUNE_CONFIG_DIR": str(tmp_path / "unused")}
@@ -77,6 +78,7 @@ def test_runs_end_to_end_on_the_tiny_model(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(out.read_text())
     assert [(s["mode"], s["repeat"]) for s in result["startups"]] == [("on", 0), ("off", 0), ("off_b", 0)]
+    assert all(s["ranks"]["agree"] and s["ranks"]["ranks"] == 2 for s in result["startups"])
     (row,) = result["rows"]
     assert row["concurrency"] == 2 and result["control"] is True
     for mode in ("on", "off", "off_b"):
@@ -88,5 +90,5 @@ def test_runs_end_to_end_on_the_tiny_model(tmp_path):
         assert round(run["decode_batch"] * run["decode_steps"]) == 3 * 255
         assert run["decode_step_ms"] > 0 and 1 <= run["decode_batch"] <= 2
     assert sorted(p.name for p in (tmp_path / "logs").glob("*.log")) == [
-        "server_tp1_short_off0.log", "server_tp1_short_off_b0.log", "server_tp1_short_on0.log"]  # fmt: skip
+        "server_tp2_short_off0.log", "server_tp2_short_off_b0.log", "server_tp2_short_on0.log"]  # fmt: skip
     assert "off_b vs off" in done.stdout and row["on"]["decode_step_ms"] > 0

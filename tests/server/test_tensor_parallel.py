@@ -36,6 +36,7 @@ def test_tp_matches_one_process(tmp_path, tp):
     (log,) = tmp_path.glob("server-*.log")
     text = log.read_text()
     assert f"tensor-parallel workers stopped ({tp} ranks)" in text
+    assert f"autotune: all {tp} ranks hold identical configs" in text
     assert "Traceback" not in text
 
 

@@ -11,7 +11,7 @@ from lightllm.common.autotuner.phase import (
     is_autotune_warmup,
     is_tuning,
 )
-from lightllm.common.autotuner.tuner import Autotuner, autotune
+from lightllm.common.autotuner.tuner import Autotuner, autotune, check_rank_agreement, configs_in_use
 from lightllm.common.envs import get_decode_attn_autotune_seq_len
 
 __all__ = [
@@ -21,6 +21,8 @@ __all__ = [
     "Autotuner",
     "autotune",
     "autotune_warmup",
+    "check_rank_agreement",
+    "configs_in_use",
     "cuda_graph_bench",
     "current_warmup_kernel_type",
     "get_autotune_stats",

@@ -1,7 +1,9 @@
 """The ``autotune`` decorator: per-call config choice, searches in the active phase, cached-config warmup."""
 
 import functools
+import hashlib
 import inspect
+import json
 import logging
 import math
 import time
@@ -45,6 +47,37 @@ def clear_all_caches() -> None:
 def kernel_names(kernel_type: AutotuneKernelType) -> set:
     """Names of the tuned kernels of ``kernel_type`` declared in this process (their modules imported)."""
     return {instance.kernel_name for instance in list(_instances) if instance.kernel_type is kernel_type}
+
+
+def configs_in_use() -> Dict[str, Config]:
+    """Every config this process holds, as ``"kernel static_key run_key" -> config`` (keys in JSON)."""
+    out = {}
+    for instance in list(_instances):
+        for state in instance._states.values():
+            for run_key, config in state.configs.items():
+                out[f"{instance.kernel_name} {key_to_json(state.static_key)} {key_to_json(run_key)}"] = config
+    return dict(sorted(out.items()))
+
+
+def check_rank_agreement(show: int = 5) -> bool:
+    """Collective: compare every rank's :func:`configs_in_use`. Rank 0 logs one line saying they are identical
+    (and their digest), or warns with the first ``show`` keys that differ. True when they agree."""
+    mine = configs_in_use()
+    everyone = dist.all_gather_object(mine)
+    digests = [hashlib.sha256(json.dumps(c, sort_keys=True, default=str).encode()).hexdigest()[:12] for c in everyone]
+    agree = len(set(digests)) == 1
+    if dist.rank() == 0:
+        if agree:
+            logger.info("autotune: all %d ranks hold identical configs (%d keys, digest %s)", len(everyone),
+                        len(mine), digests[0])  # fmt: skip
+        else:
+            keys = sorted(set().union(*everyone))
+            differ = [k for k in keys if len({key_to_json(c.get(k, "missing")) for c in everyone}) > 1]
+            logger.warning("autotune: ranks hold different configs for %d keys, e.g. %s", len(differ),
+                           "; ".join(f"{k}: " + ", ".join(f"rank {r} {key_to_json(c.get(k, 'missing'))}"
+                                                          for r, c in enumerate(everyone))
+                                     for k in differ[:show]))  # fmt: skip
+    return agree
 
 
 def _is_capturing() -> bool:

@@ -9,7 +9,15 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from lightllm.common.autotuner import AutotuneKernelType, autotune, autotune_warmup, set_bench_func, store
+from lightllm.common.autotuner import (
+    AutotuneKernelType,
+    autotune,
+    autotune_warmup,
+    check_rank_agreement,
+    configs_in_use,
+    set_bench_func,
+    store,
+)
 from lightllm.common.autotuner.keys import freeze
 
 DECODE = AutotuneKernelType.DECODE_ATTENTION
@@ -78,12 +86,15 @@ def main():
         current[:] = [adopt]
         adopt(x)
         result["adopt"] = {"timed": adopt.timed, "used": adopt.last}
+        result["agree_before_differ"] = check_rank_agreement()
 
         # Keys differ between ranks: each searches the whole list alone, with a warning.
         differ = make_kernel("dist_differ")
         current[:] = [differ]
         differ(torch.ones(8 + rank, 4))
         result["differ"] = {"timed": differ.timed, "used": differ.last}
+        result["agree_after_differ"] = check_rank_agreement()
+        result["configs_in_use"] = configs_in_use()
 
     dist.barrier()  # every rank has written its files
     files = {}

@@ -58,6 +58,13 @@ def test_ranks_agree_on_configs(tmp_path, world):
     assert [r["adopt"]["used"] for r in res] == [{"ms": 0.3}] * world
     assert all(r["adopt"]["timed"] == [] for r in res)
 
+    # The start-up check: identical configs everywhere until the keys differed, then rank 0 names the keys.
+    assert [r["agree_before_differ"] for r in res] == [True] * world
+    assert [r["agree_after_differ"] for r in res] == [False] * world
+    assert any(f"ranks hold different configs for {world} keys" in w and "dist_differ" in w for w in res[0]["warnings"])
+    assert all(k.split()[0] in ("dist_split", "dist_one_missing", "dist_adopt", "dist_differ")
+               for r in res for k in r["configs_in_use"])  # fmt: skip
+
     # Different keys: each rank tunes the full list, with a warning.
     assert all({c["ms"] for c in r["differ"]["timed"] if c} == ALL for r in res)
     assert all(any("ranks disagree on keys" in w for w in r["warnings"]) for r in res)
