@@ -77,7 +77,7 @@ def copy_without_decode_attention(src, dst):
 
 
 def rank_agreement(log_path):
-    """Rank 0's check that every rank holds the same configs: {"agree", "keys", "digest"}; None at tp 1."""
+    """Rank 0's check that every rank holds the same configs (agree, ranks, keys, digest); None at tp 1."""
     with open(log_path, errors="replace") as f:
         text = f.read()
     m = re.search(r"autotune: all (\d+) ranks hold identical configs \((\d+) keys, digest (\w+)\)", text)
@@ -185,11 +185,9 @@ def main():
                         level = 1 if (mode, rep) == ("on", 0) else 0
                         if (mode, rep) == ("off", 0):
                             copy_without_decode_attention(cfg_on, cfg_off)
-                        name = f"server_tp{args.tp}_{workload}_{mode}{rep}.log"
+                        log_path = os.path.join(args.log_dir, f"server_tp{args.tp}_{workload}_{mode}{rep}.log")
                         proc, base, seconds = start_server(model, args.tp, level, cfg[mode], max(args.concurrency),
-                                                           prompt_len + out_len + 64,
-                                                           os.path.join(args.log_dir, name))  # fmt: skip
-                        log_path = os.path.join(args.log_dir, name)
+                                                           prompt_len + out_len + 64, log_path)  # fmt: skip
                         startups.append({"workload": workload, "mode": mode, "repeat": rep, "startup_s": seconds,
                                          "summary": startup_summary(log_path),
                                          "ranks": rank_agreement(log_path)})  # fmt: skip
