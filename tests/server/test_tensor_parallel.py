@@ -52,7 +52,7 @@ def test_tp_must_divide_heads(tmp_path):
 
 
 def _start_tp2(tmp_path):
-    """A --tp 2 CPU server up and answering; returns (process, port, log path, rank 1's pid)."""
+    """A --tp 2 CPU server up and answering; returns (process, log path, rank 1's pid)."""
     model = str(make_tiny_qwen3(tmp_path / "model", num_attention_heads=4, num_key_value_heads=2))
     port, log_path = free_port(), tmp_path / "server.log"
     env = {**os.environ, "PYTHONPATH": REPO, "LIGHTLLM_AUTOTUNE_CONFIG_DIR": str(tmp_path / "autotune")}
@@ -71,7 +71,7 @@ def _start_tp2(tmp_path):
                 break
         except httpx.HTTPError:
             time.sleep(0.3)
-    return proc, port, log_path, int(re.search(r"lightllm-tp1 pid (\d+)", log_path.read_text()).group(1))
+    return proc, log_path, int(re.search(r"lightllm-tp1 pid (\d+)", log_path.read_text()).group(1))
 
 
 def _gone(pid: int) -> bool:
@@ -85,7 +85,7 @@ def _gone(pid: int) -> bool:
 
 def test_a_dead_worker_ends_the_server_instead_of_hanging_it(tmp_path):
     """SIGKILL rank 1 (as the OOM killer would): rank 0 must not wait for it in the next step forever."""
-    proc, _, log_path, pid = _start_tp2(tmp_path)
+    proc, log_path, pid = _start_tp2(tmp_path)
     try:
         os.kill(pid, signal.SIGKILL)
         assert proc.wait(timeout=30) == 1
