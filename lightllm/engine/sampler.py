@@ -35,20 +35,33 @@ class SamplingParams:
 def sample(
     logits: torch.Tensor, params: List[SamplingParams], generators: List[Optional[torch.Generator]]
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Next token and its logprob (under the unmodified distribution) for each row of float32 ``logits``."""
+    """Next token and its logprob (under the unmodified distribution) for each row of float32 ``logits``.
+
+    Rows without a seed are sampled together, a fixed number of launches whatever the batch; a seeded row
+    is sampled alone with its own generator, so a seed gives the same tokens whoever shares the batch."""
     logprobs = torch.log_softmax(logits, dim=-1)
     tokens = logits.argmax(dim=-1)
-    for i, p in enumerate(params):
-        if p.temperature == 0:
-            continue
-        row = logits[i] / p.temperature
-        if p.top_k:
-            kth = torch.topk(row, min(p.top_k, row.shape[-1])).values[-1]
-            row = row.masked_fill(row < kth, float("-inf"))
-        probs = torch.softmax(row, dim=-1)
-        if p.top_p < 1:
-            sorted_probs, order = probs.sort(descending=True)
-            drop = sorted_probs.cumsum(0) - sorted_probs > p.top_p  # keep the smallest set reaching top_p
-            probs = probs.scatter(0, order, sorted_probs.masked_fill(drop, 0.0))
-        tokens[i] = torch.multinomial(probs, 1, generator=generators[i]).squeeze(0)
+    free = [i for i, p in enumerate(params) if p.temperature > 0 and generators[i] is None]
+    groups = [(free, None)] if free else []
+    groups += [([i], generators[i]) for i, p in enumerate(params) if p.temperature > 0 and generators[i] is not None]
+    for rows, generator in groups:
+        tokens[rows] = sample_rows(logits[rows], [params[i] for i in rows], generator)
     return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
+
+
+def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams], generator=None) -> torch.Tensor:
+    """One draw per row of ``logits [n, vocab]`` at its temperature, kept to its ``top_k`` most likely tokens
+    (exactly k), then to the smallest most-likely set whose probability reaches ``top_p``."""
+    dev, vocab = logits.device, logits.shape[-1]
+    temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=dev)
+    scaled = logits / temperature[:, None]
+    if all(p.top_k == 0 and p.top_p >= 1 for p in params):
+        return torch.multinomial(torch.softmax(scaled, dim=-1), 1, generator=generator).squeeze(1)
+    top_k = torch.tensor([p.top_k or vocab for p in params], device=dev)
+    top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=dev)
+    ordered, order = scaled.sort(dim=-1, descending=True)
+    ordered = ordered.masked_fill(torch.arange(vocab, device=dev)[None, :] >= top_k[:, None], float("-inf"))
+    probs = torch.softmax(ordered, dim=-1)
+    probs = probs.masked_fill(probs.cumsum(-1) - probs > top_p[:, None], 0.0)  # mass before a token > top_p
+    picked = torch.multinomial(probs, 1, generator=generator)  # multinomial renormalizes what is left
+    return order.gather(1, picked).squeeze(1)

@@ -1,0 +1,66 @@
+"""The sampler's draws follow the distribution each request asked for, rows of a batch sampled together."""
+
+import pytest
+import torch
+
+from lightllm.engine.sampler import SamplingParams, sample
+
+SETS = [
+    SamplingParams(temperature=0.7),
+    SamplingParams(temperature=1.3, top_k=4),
+    SamplingParams(temperature=1.0, top_p=0.8),
+    SamplingParams(temperature=0.9, top_k=6, top_p=0.7),
+    SamplingParams(),  # greedy
+]
+
+
+def expected(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """float64 reference: temperature, then exactly top_k, then the smallest set reaching top_p."""
+    probs = torch.softmax(row.double() / p.temperature, -1)
+    order = probs.argsort(descending=True)
+    keep = torch.zeros_like(probs, dtype=torch.bool)
+    keep[order[: p.top_k or len(row)]] = True
+    probs = torch.where(keep, probs, 0.0) / probs[keep].sum()
+    q = probs[order]
+    if p.top_p < 1:
+        mass_before = q.cumsum(0) - q
+        assert (mass_before - p.top_p).abs().min() > 1e-3, "a boundary this close would test float rounding"
+        q = torch.where(mass_before > p.top_p, 0.0, q)
+    out = torch.zeros_like(probs)
+    out[order] = q / q.sum()
+    return out
+
+
+def test_draws_follow_each_rows_distribution_in_one_mixed_batch():
+    torch.manual_seed(0)
+    vocab, n = 12, 4000
+    base = torch.randn(len(SETS), vocab) * 1.5
+    which = torch.arange(len(SETS)).repeat(n)  # the sets interleaved, as requests are in a batch
+    logits = base[which]
+    tokens, logprobs = sample(logits, [SETS[i] for i in which.tolist()], [None] * len(which))
+    torch.testing.assert_close(logprobs, torch.log_softmax(logits, -1).gather(1, tokens[:, None]).squeeze(1))
+    for s, p in enumerate(SETS):
+        got = tokens[which == s]
+        if p.temperature == 0:
+            assert torch.equal(got, base[s].argmax().expand_as(got))
+            continue
+        freq = torch.bincount(got, minlength=vocab).double() / n
+        want = expected(base[s], p)
+        assert torch.all(freq[want == 0] == 0), f"set {s}: drew a token its top_k/top_p excludes"
+        sigma = (want * (1 - want) / n).sqrt()
+        assert torch.all((freq - want).abs() <= 5 * sigma + 1e-9), f"set {s}: {freq} vs {want}"
+
+
+@pytest.mark.parametrize("p", SETS[:4], ids=["t", "topk", "topp", "topk-topp"])
+def test_a_seed_gives_the_same_tokens_whoever_shares_the_batch(p):
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(3, 50, generator=g)
+
+    def run(rows):
+        gen = torch.Generator().manual_seed(7)
+        return [sample(logits[rows], [p] * len(rows), [gen if r == 1 else None for r in rows])[0][rows.index(1)].item()
+                for _ in range(20)]  # fmt: skip
+
+    alone = run([1])
+    assert run([0, 1, 2]) == alone and run([2, 1]) == alone
+    assert len(set(alone)) > 1  # it really samples
