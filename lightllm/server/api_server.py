@@ -11,7 +11,7 @@ import json
 import logging
 import time
 import uuid
-from typing import AsyncIterator, List, Optional, Union
+from typing import AsyncIterator, List, Optional, Tuple, Union
 
 import torch
 import uvicorn
@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from lightllm.engine.model_runner import ModelRunner
 from lightllm.engine.sampler import SamplingParams
 from lightllm.server.args import parse_args
+from lightllm.server.detokenize import IncrementalDetokenizer
 from lightllm.server.scheduler import Event, Scheduler, ServerRequest
 
 logger = logging.getLogger(__name__)
@@ -234,16 +235,17 @@ class Server:
             raise BadRequest("stop: expected non-empty strings")
         return ids, params, stops
 
-    async def _stream(self, ids, params, stops, request: Request) -> AsyncIterator[tuple]:
-        """(text delta, token id, logprob, finish reason or None) per token; aborts on disconnect or stop string."""
+    async def _stream(self, ids, params, stops, request: Request, text: bool = True) -> AsyncIterator[tuple]:
+        """(text delta, token id, logprob, finish reason or None) per token; aborts on disconnect or stop string.
+        ``text=False`` (a caller that decodes once at the end, with no stop strings) leaves every delta ''."""
         loop = asyncio.get_running_loop()
         events: "asyncio.Queue[Event]" = asyncio.Queue()
         req = ServerRequest(uuid.uuid4().hex, ids, params, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
         if params.seed is not None:
             req.generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
         self.scheduler.submit(req)
-        out_ids: List[int] = []
-        text = ""
+        detok = IncrementalDetokenizer(self.tokenizer) if text or stops else None
+        stop_at = _StopStrings(stops)
         finished = False
         try:
             while True:
@@ -255,18 +257,14 @@ class Server:
                     continue
                 if ev.kind == "finish":
                     finished = True
-                    yield "", None, None, ev.finish_reason
+                    rest, hit = stop_at.cut(detok.finish() if detok else "", final=True)
+                    yield rest, None, None, "stop" if hit else ev.finish_reason
                     return
-                out_ids.append(ev.token_id)
-                full = self.tokenizer.decode(out_ids, skip_special_tokens=True)
-                delta, text = full[len(text) :], full
-                hit = next((s for s in stops if s in text), None)
-                if hit is not None:
-                    cut = text.index(hit)
-                    keep = delta[: max(0, len(delta) - (len(text) - cut))]
+                delta, hit = stop_at.cut(detok.add(ev.token_id) if detok else "")
+                if hit:
                     self.scheduler.abort(req.id)
                     finished = True
-                    yield keep, ev.token_id, ev.logprob, None
+                    yield delta, ev.token_id, ev.logprob, None
                     yield "", None, None, "stop"
                     return
                 yield delta, ev.token_id, ev.logprob, None
@@ -276,13 +274,16 @@ class Server:
 
     async def _collect(self, ids, params, stops, request: Request) -> dict:
         text, token_ids, logprobs, reason = "", [], [], ""
-        async for delta, tok, lp, fin in self._stream(ids, params, stops, request):
+        incremental = bool(stops)  # only stop strings need the text while generating
+        async for delta, tok, lp, fin in self._stream(ids, params, stops, request, text=incremental):
             text += delta
             if tok is not None:
                 token_ids.append(tok)
                 logprobs.append(lp)
             if fin:
                 reason = fin
+        if not incremental:
+            text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
         return {"text": text, "token_ids": token_ids, "logprobs": logprobs, "finish_reason": reason or "abort"}
 
     async def _openai(self, ids, params, stops, request: Request, stream: bool, chat: bool):
@@ -316,7 +317,8 @@ class Server:
                 if tok is not None:
                     n_out += 1
                 if fin:
-                    choice = {"index": 0, "finish_reason": fin, **({"delta": {}} if chat else {"text": ""})}
+                    tail = {"delta": {"content": delta} if delta else {}} if chat else {"text": delta}
+                    choice = {"index": 0, "finish_reason": fin, **tail}
                     usage = {"prompt_tokens": len(ids), "completion_tokens": n_out, "total_tokens": len(ids) + n_out}
                     yield _sse(rid, kind + ".chunk" if chat else kind, created, self.model_name, choice, usage)
                     break
@@ -336,6 +338,35 @@ def _sse(rid, kind, created, model, choice, usage=None) -> str:
     if usage is not None:
         body["usage"] = usage
     return f"data: {json.dumps(body)}\n\n"
+
+
+class _StopStrings:
+    """Cuts streamed text at the first stop string. Text that could be the start of one is held back until
+    the next delta shows whether it is, so no part of a stop string is ever emitted."""
+
+    def __init__(self, stops: List[str]):
+        self.stops = stops
+        self._held = ""
+
+    def cut(self, delta: str, final: bool = False) -> Tuple[str, bool]:
+        """What can be emitted now, and whether a stop string was found (the text ends before it)."""
+        if not self.stops:
+            return delta, False
+        text, self._held = self._held + delta, ""
+        found = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        if found:
+            return text[: min(found)], True
+        hold = 0 if final else max(self._prefix_at_end(text, s) for s in self.stops)
+        self._held = text[len(text) - hold :] if hold else ""
+        return text[: len(text) - hold], False
+
+    @staticmethod
+    def _prefix_at_end(text: str, stop: str) -> int:
+        """Length of the longest proper prefix of ``stop`` that ``text`` ends with."""
+        for k in range(min(len(stop) - 1, len(text)), 0, -1):
+            if text.endswith(stop[:k]):
+                return k
+        return 0
 
 
 def _error(status: int, message: str) -> JSONResponse:

@@ -58,13 +58,15 @@ def test_stream_ends_with_done(server):
 
 
 def test_native_generate_and_stream(server):
-    body = {"inputs": [5, 6, 7, 8], "parameters": {"max_new_tokens": 5, "logprobs": True, "ignore_eos": True}}
+    body = {"inputs": [5, 6, 7, 8], "parameters": {"max_new_tokens": 24, "logprobs": True, "ignore_eos": True}}
     r = httpx.post(server + "/generate", json=body, timeout=60).json()
-    assert len(r["token_ids"]) == 5 and len(r["logprobs"]) == 5 and all(lp <= 0 for lp in r["logprobs"])
+    assert len(r["token_ids"]) == 24 and len(r["logprobs"]) == 24 and all(lp <= 0 for lp in r["logprobs"])
     with httpx.stream("POST", server + "/generate_stream", json=body, timeout=60) as s:
         events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: ")]
     assert [e["token"]["id"] for e in events if e["token"]["id"] is not None] == r["token_ids"]
     assert events[-1]["finish_reason"] == "length"
+    # streamed deltas (incremental) add up to the text /generate decodes once at the end
+    assert "".join(e["token"]["text"] for e in events) == r["generated_text"]
 
 
 def test_concurrent_requests_match_sequential(server):
