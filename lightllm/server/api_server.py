@@ -7,8 +7,10 @@ Native ``/generate`` and ``/generate_stream``, OpenAI-compatible ``/v1/completio
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
+import threading
 import time
 import uuid
 from typing import AsyncIterator, List, Optional, Tuple, Union
@@ -123,12 +125,14 @@ class Server:
         eos = set(runner.config.eos_token_ids)
         if tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
-        self.scheduler = Scheduler(runner, eos, self.metrics)
+        self.mailbox = _Mailbox()
+        self.scheduler = Scheduler(runner, eos, self.metrics, after_step=self.mailbox.flush)
         self.app = self._build_app()
 
     def _build_app(self) -> FastAPI:
         @contextlib.asynccontextmanager
         async def lifespan(_app):
+            self.mailbox.bind(asyncio.get_running_loop())
             self.scheduler.start()
             yield
             # Here, not after uvicorn.run returns: uvicorn re-raises SIGTERM/SIGINT once it has shut down,
@@ -238,9 +242,8 @@ class Server:
     async def _stream(self, ids, params, stops, request: Request, text: bool = True) -> AsyncIterator[tuple]:
         """(text delta, token id, logprob, finish reason or None) per token; aborts on disconnect or stop string.
         ``text=False`` (a caller that decodes once at the end, with no stop strings) leaves every delta ''."""
-        loop = asyncio.get_running_loop()
         events: "asyncio.Queue[Event]" = asyncio.Queue()
-        req = ServerRequest(uuid.uuid4().hex, ids, params, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
+        req = ServerRequest(uuid.uuid4().hex, ids, params, functools.partial(self.mailbox.post, events))
         if params.seed is not None:
             req.generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
         self.scheduler.submit(req)
@@ -338,6 +341,34 @@ def _sse(rid, kind, created, model, choice, usage=None) -> str:
     if usage is not None:
         body["usage"] = usage
     return f"data: {json.dumps(body)}\n\n"
+
+
+class _Mailbox:
+    """Events from the scheduler thread to the HTTP event loop, handed over once per step: one wake-up of the
+    loop (a pipe write and a GIL hand-off) per step, not one per running request."""
+
+    def __init__(self):
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._items: List[tuple] = []
+        self._lock = threading.Lock()
+
+    def bind(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+
+    def post(self, queue: "asyncio.Queue[Event]", event: Event) -> None:
+        with self._lock:
+            self._items.append((queue, event))
+
+    def flush(self) -> None:
+        with self._lock:
+            items, self._items = self._items, []
+        if items and self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(_deliver, items)
+
+
+def _deliver(items) -> None:
+    for queue, event in items:
+        queue.put_nowait(event)
 
 
 class _StopStrings:

@@ -51,8 +51,11 @@ class ServerRequest:
 
 
 class Scheduler:
-    def __init__(self, runner: ModelRunner, eos_token_ids, metrics=None):
+    def __init__(
+        self, runner: ModelRunner, eos_token_ids, metrics=None, after_step: Optional[Callable[[], None]] = None
+    ):
         self.runner = runner
+        self.after_step = after_step  # called on the scheduler thread after every step: deliver its events
         self.args = runner.args
         self.eos = set(eos_token_ids)
         self.metrics = metrics
@@ -94,6 +97,8 @@ class Scheduler:
                 for req in self.running + list(self.waiting):
                     self._finish(req, "error")
                 self.running, self.waiting = [], deque()
+            if self.after_step is not None:
+                self.after_step()
 
     def _take_new(self, block: bool) -> None:
         try:

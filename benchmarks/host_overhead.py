@@ -1,0 +1,95 @@
+"""The server's host cost per decode step, with the model taken out: the real server (scheduler, KV
+bookkeeping, sampling, events, detokenization, HTTP) over a runner whose forward returns ready logits at
+once (a small vocabulary, so sampling is cheap too). What is left is what a GPU step cannot hide when the
+GPU work is short: short prompts, small models, large batches.
+
+    python benchmarks/host_overhead.py --out benchmarks/results/host_overhead_cpu.json
+"""
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from serve_load import free_port, load  # noqa: E402
+
+
+def serve(model_dir: str, port: int, batch: int) -> None:
+    """A server whose model forward is free: every other part of a step runs as in production."""
+    import torch
+    import uvicorn
+    from transformers import AutoTokenizer
+
+    from lightllm.engine.args import EngineArgs
+    from lightllm.engine.model_runner import ModelRunner
+    from lightllm.server.api_server import Server
+
+    args = EngineArgs(model_dir=model_dir, data_type="fp32", device="cpu", running_max_req_size=batch,
+                      max_req_total_len=1024, batch_max_tokens=8192, max_total_token_num=batch * 1024 + 64)  # fmt: skip
+    runner = ModelRunner(args)
+    logits = torch.randn(max(batch, 8192), runner.config.vocab_size)
+    runner.model.forward = lambda ids, state, *rest: logits[: state.b_seq_len.shape[0]]
+    server = Server(runner, AutoTokenizer.from_pretrained(model_dir), model_name="host-overhead")
+    uvicorn.run(server.app, host="127.0.0.1", port=port, log_level="warning")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--concurrency", type=int, nargs="+", default=[16, 64])
+    p.add_argument("--requests", type=int, default=256)
+    p.add_argument("--prompt", type=int, default=128)
+    p.add_argument("--output", type=int, default=256)
+    p.add_argument("--out", default="benchmarks/results/host_overhead_cpu.json")
+    p.add_argument("--serve", nargs=3, metavar=("MODEL_DIR", "PORT", "BATCH"), help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.serve:
+        return serve(args.serve[0], int(args.serve[1]), int(args.serve[2]))
+    from lightllm.tools.make_tiny_model import make_tiny_qwen3
+
+    rows = []
+    with tempfile.TemporaryDirectory() as root:
+        model = str(make_tiny_qwen3(os.path.join(root, "m")))
+        with open(os.path.join(model, "config.json")) as f:
+            vocab = json.load(f)["vocab_size"]
+        port = free_port()
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")])}
+        proc = subprocess.Popen([sys.executable, __file__, "--serve", model, str(port), str(max(args.concurrency))],
+                                env=env)  # fmt: skip
+        base = f"http://127.0.0.1:{port}"
+        try:
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"server exited with {proc.returncode}")
+                try:
+                    if httpx.get(base + "/health", timeout=1).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    time.sleep(0.3)
+            asyncio.run(load(base, 8, 8, args.prompt, 8, vocab))  # warm the paths once
+            for conc in args.concurrency:
+                res = asyncio.run(load(base, args.requests, conc, args.prompt, args.output, vocab))
+                rows.append({"concurrency": conc, **res})
+        finally:
+            proc.terminate()
+            proc.wait(timeout=60)
+    print(f"{'conc':>5} {'tok/s':>8} {'decode step ms':>15} {'decode batch':>13} {'prefill steps':>14} {'all ok':>7}")
+    for r in rows:
+        print(f"{r['concurrency']:5d} {r['tokens_per_s']:8.0f} {r['decode_step_ms']:15.3f} {r['decode_batch']:13.1f} "
+              f"{r['prefill_steps']:14d} {str(r['all_complete_finite']):>7}")  # fmt: skip
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"machine": platform.machine(), "cpus": os.cpu_count(), "python": platform.python_version(),
+                   "prompt": args.prompt, "output": args.output, "rows": rows}, f, indent=1)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
