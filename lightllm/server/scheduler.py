@@ -89,16 +89,18 @@ class Scheduler:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
+            busy = True
             try:
-                if not self.step():
-                    self._take_new(block=True)
+                busy = self.step()
             except Exception:  # a failing step must not kill the server silently
                 logger.exception("scheduler step failed; failing the requests in it")
                 for req in self.running + list(self.waiting):
                     self._finish(req, "error")
                 self.running, self.waiting = [], deque()
-            if self.after_step is not None:
+            if self.after_step is not None:  # before any wait: an idle step may still have finished aborts
                 self.after_step()
+            if not busy:
+                self._take_new(block=True)
 
     def _take_new(self, block: bool) -> None:
         try:
