@@ -93,3 +93,28 @@ def test_step_metrics_count_every_prefill_and_decode_step(model_dir):
         assert value("lightllm_step_seconds_count", {"kind": kind}) == steps
         assert value("lightllm_step_seconds_sum", {"kind": kind}) > 0
     assert value("lightllm_generated_tokens_total") == 4 * 12
+
+
+def test_a_failing_step_fails_its_requests_and_delivers_that(model_dir):
+    """The loop's error path: the requests of a step that raised finish with "error", and those events are
+    handed over by after_step like any other (the server's one wake-up of the HTTP loop per step)."""
+    r = runner(model_dir, 512)
+    delivered, done = [], threading.Event()
+    pending = []
+
+    def deliver():
+        delivered.extend(pending)
+        pending.clear()
+        if any(ev.kind == "finish" for ev in delivered):
+            done.set()
+
+    sched = Scheduler(r, eos_token_ids=[], after_step=deliver)
+    r.decode = lambda slots, tokens: (_ for _ in ()).throw(RuntimeError("device lost"))
+    sched.submit(ServerRequest("x", [3, 4, 5], SamplingParams(max_new_tokens=4, ignore_eos=True), pending.append))
+    sched.start()
+    try:
+        assert done.wait(30)
+    finally:
+        assert sched.stop()
+    assert [ev.kind for ev in delivered] == ["token", "finish"] and delivered[-1].finish_reason == "error"
+    assert r.kv.num_free_tokens == 512 - 1  # its KV freed (all but the padding token)
