@@ -14,13 +14,10 @@ import platform
 import subprocess
 import sys
 import tempfile
-import time
-
-import httpx
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from serve_load import free_port, load  # noqa: E402
+from serve_load import free_port, load, wait_healthy  # noqa: E402
 
 
 def serve(model_dir: str, port: int, batch: int) -> None:
@@ -66,14 +63,7 @@ def main():
                                 env=env)  # fmt: skip
         base = f"http://127.0.0.1:{port}"
         try:
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"server exited with {proc.returncode}")
-                try:
-                    if httpx.get(base + "/health", timeout=1).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    time.sleep(0.3)
+            wait_healthy(proc, base)
             asyncio.run(load(base, 8, 8, args.prompt, 8, vocab))  # warm the paths once
             for conc in args.concurrency:
                 res = asyncio.run(load(base, args.requests, conc, args.prompt, args.output, vocab))

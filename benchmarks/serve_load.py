@@ -49,15 +49,21 @@ def start_server(model_dir, tp, level, config_dir, max_batch, max_len, log_path)
            "--max_req_total_len", str(max_len), "--graph_max_len_in_batch", str(max_len),
            "--batch_max_tokens", "16384"]  # fmt: skip
     t0 = time.perf_counter()
-    log = open(log_path, "w")
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
+    wait_healthy(proc, base, f"see {log_path}")
+    return proc, base, time.perf_counter() - t0
+
+
+def wait_healthy(proc, base, hint=""):
+    """Until ``base`` answers /health; RuntimeError if ``proc`` exits first."""
     while True:
         if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}; see {log_path}")
+            raise RuntimeError(f"server exited with {proc.returncode}; {hint}")
         try:
             if httpx.get(base + "/health", timeout=1).status_code == 200:
-                return proc, base, time.perf_counter() - t0
+                return
         except httpx.HTTPError:
             time.sleep(0.5)
 
