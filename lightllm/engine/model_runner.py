@@ -18,7 +18,6 @@ import torch
 
 from lightllm.common import envs
 from lightllm.common.autotuner import AutotuneKernelType, autotune_warmup, check_rank_agreement, get_autotune_stats
-from lightllm.common.autotuner import dist as autotune_dist
 from lightllm.common.cuda_graph import DecodeGraphs
 from lightllm.common.kv_cache import KVCacheManager, pool_num_tokens
 from lightllm.engine.args import EngineArgs
@@ -28,6 +27,7 @@ from lightllm.engine.infer_state import InferState
 from lightllm.kernels.attention.decode.tuning import decode_attn_tuning_len
 from lightllm.models.qwen3.config import Qwen3ModelConfig
 from lightllm.models.qwen3.model import Qwen3Model
+from lightllm.models.qwen3.tensor_parallel import check_divisible, shard_spec
 from lightllm.models.qwen3.weights import load_qwen3_weights
 
 logger = logging.getLogger(__name__)
@@ -47,9 +47,9 @@ class ModelRunner:
         self.config = Qwen3ModelConfig.from_model_dir(self.model_dir)
         check_head_dim(self.config.head_dim, self.device)
         self.tp_rank, self.tp = parallel.rank(), parallel.world()
-        parallel.check_divisible(self.config, self.tp)
+        check_divisible(self.config, self.tp)
         weights = load_qwen3_weights(self.model_dir, self.config, args.torch_dtype, self.device,
-                                     shard=parallel.shard_spec(self.config, self.tp_rank, self.tp))  # fmt: skip
+                                     shard=shard_spec(self.config, self.tp_rank, self.tp))  # fmt: skip
         self.model = Qwen3Model(self.config, weights, self.device)
         self._init_kv_cache()
         seconds["load"] = time.perf_counter() - t
@@ -69,7 +69,7 @@ class ModelRunner:
             self._init_graph_buffers()
             self.graphs = DecodeGraphs(args.graph_batch_sizes(), graph_api).capture_all(self._graph_decode)
             seconds["decode graphs"] = time.perf_counter() - t
-        if autotune_dist.world() > 1:  # agreement is built into every search; this proves it held end to end
+        if self.tp > 1:  # agreement is built into every search; this proves it held end to end
             check_rank_agreement()
         tuned = get_autotune_stats() - stats0
         graphs = self.graphs

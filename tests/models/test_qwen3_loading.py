@@ -281,7 +281,7 @@ def test_no_safetensors_and_bad_dtype(model_copy):
 
 
 def test_tensor_parallel_rank_reads_only_its_part(tiny_dir):
-    from lightllm.engine.parallel import shard_spec
+    from lightllm.models.qwen3.tensor_parallel import shard_spec
 
     tp = 2
 

@@ -41,7 +41,7 @@ def test_tp_matches_one_process(tmp_path, tp):
 
 
 def test_tp_must_divide_heads(tmp_path):
-    from lightllm.engine.parallel import check_divisible
+    from lightllm.models.qwen3.tensor_parallel import check_divisible
     from lightllm.models.qwen3.config import Qwen3ModelConfig
 
     model = make_tiny_qwen3(tmp_path / "m", num_attention_heads=4, num_key_value_heads=2)

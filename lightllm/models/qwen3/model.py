@@ -9,9 +9,10 @@ import torch.nn.functional as F
 
 from lightllm.engine.attention import AttentionBackend
 from lightllm.engine.infer_state import InferState
-from lightllm.engine.parallel import all_reduce_, local_heads
+from lightllm.engine.parallel import all_reduce_, world
 from lightllm.kernels.norm.rmsnorm import rmsnorm, rmsnorm_ref
 from lightllm.models.qwen3.config import Qwen3ModelConfig
+from lightllm.models.qwen3.tensor_parallel import local_heads
 from lightllm.models.qwen3.weights import Qwen3Weights
 
 
@@ -21,7 +22,7 @@ class Qwen3Model:
         self.w = weights
         self.device = device
         self.dtype = weights.embed.dtype
-        self.heads, self.kv_heads = local_heads(config)  # this rank's share under tensor parallelism
+        self.heads, self.kv_heads = local_heads(config, world())  # this rank's share under tensor parallelism
         self._norm = rmsnorm if device.type == "cuda" else rmsnorm_ref
         d = config.head_dim
         inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float().to(device) / d))
