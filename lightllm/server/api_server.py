@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 import uuid
-from typing import AsyncIterator, List, Optional, Tuple, Union
+from typing import AsyncIterator, List, Optional, Union
 
 import torch
 import uvicorn
@@ -26,10 +26,11 @@ from pydantic import BaseModel, ConfigDict, Field
 from lightllm.engine.model_runner import ModelRunner
 from lightllm.engine.sampler import SamplingParams
 from lightllm.server.args import parse_args
-from lightllm.server.detokenize import IncrementalDetokenizer
+from lightllm.server.detokenize import IncrementalDetokenizer, StopStrings
 from lightllm.server.scheduler import Event, Scheduler, ServerRequest
 
 logger = logging.getLogger(__name__)
+_DISCONNECT_CHECK_S = 0.25  # how often a request checks that its client is still there
 
 
 class Metrics:
@@ -247,16 +248,22 @@ class Server:
         if params.seed is not None:
             req.generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
         self.scheduler.submit(req)
-        detok = IncrementalDetokenizer(self.tokenizer) if text or stops else None
-        stop_at = _StopStrings(stops)
+        detok = IncrementalDetokenizer(self.tokenizer) if text else None
+        stop_at = StopStrings(stops)
         finished = False
+        loop = asyncio.get_running_loop()
+        next_check = loop.time() + _DISCONNECT_CHECK_S
         try:
             while True:
-                try:
-                    ev = await asyncio.wait_for(events.get(), timeout=1.0)
+                try:  # a step's events arrive together: take the queued ones without a timer each
+                    ev = events.get_nowait() if not events.empty() else await asyncio.wait_for(events.get(), 1.0)
                 except asyncio.TimeoutError:
+                    ev = None
+                if loop.time() >= next_check:  # also while tokens flow: a gone client must not keep decoding
+                    next_check = loop.time() + _DISCONNECT_CHECK_S
                     if await request.is_disconnected():
                         return
+                if ev is None:
                     continue
                 if ev.kind == "finish":
                     finished = True
@@ -369,35 +376,6 @@ class _Mailbox:
 def _deliver(items) -> None:
     for queue, event in items:
         queue.put_nowait(event)
-
-
-class _StopStrings:
-    """Cuts streamed text at the first stop string. Text that could be the start of one is held back until
-    the next delta shows whether it is, so no part of a stop string is ever emitted."""
-
-    def __init__(self, stops: List[str]):
-        self.stops = stops
-        self._held = ""
-
-    def cut(self, delta: str, final: bool = False) -> Tuple[str, bool]:
-        """What can be emitted now, and whether a stop string was found (the text ends before it)."""
-        if not self.stops:
-            return delta, False
-        text, self._held = self._held + delta, ""
-        found = [i for i in (text.find(s) for s in self.stops) if i >= 0]
-        if found:
-            return text[: min(found)], True
-        hold = 0 if final else max(self._prefix_at_end(text, s) for s in self.stops)
-        self._held = text[len(text) - hold :] if hold else ""
-        return text[: len(text) - hold], False
-
-    @staticmethod
-    def _prefix_at_end(text: str, stop: str) -> int:
-        """Length of the longest proper prefix of ``stop`` that ``text`` ends with."""
-        for k in range(min(len(stop) - 1, len(text)), 0, -1):
-            if text.endswith(stop[:k]):
-                return k
-        return 0
 
 
 def _error(status: int, message: str) -> JSONResponse:

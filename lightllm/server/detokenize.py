@@ -1,4 +1,5 @@
-"""Incremental detokenization: the text a growing list of token ids adds, one delta per step.
+"""Incremental detokenization: the text a growing list of token ids adds, one delta per step; and stop
+strings cut on that streamed text.
 
 Decoding every id so far at every step costs O(n) per token, O(n^2) per request, on the thread that also
 serves HTTP. Each step here decodes a short window instead: the ids emitted last time (kept as context, since
@@ -7,7 +8,7 @@ text of its already-emitted part. Text ending in an incomplete UTF-8 sequence (U
 later id completes it; :meth:`IncrementalDetokenizer.finish` emits whatever is left.
 """
 
-from typing import List
+from typing import List, Tuple
 
 
 class IncrementalDetokenizer:
@@ -39,3 +40,32 @@ class IncrementalDetokenizer:
             return ""
         self._start, self._emitted = self._emitted, len(self.ids)
         return window[len(done) :]
+
+
+class StopStrings:
+    """Cuts streamed text at the first stop string. Text that could be the start of one is held back until
+    the next delta shows whether it is, so no part of a stop string is ever emitted."""
+
+    def __init__(self, stops: List[str]):
+        self.stops = stops
+        self._held = ""
+
+    def cut(self, delta: str, final: bool = False) -> Tuple[str, bool]:
+        """What can be emitted now, and whether a stop string was found (the text ends before it)."""
+        if not self.stops:
+            return delta, False
+        text, self._held = self._held + delta, ""
+        found = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        if found:
+            return text[: min(found)], True
+        hold = 0 if final else max(self._prefix_at_end(text, s) for s in self.stops)
+        self._held = text[len(text) - hold :] if hold else ""
+        return text[: len(text) - hold], False
+
+    @staticmethod
+    def _prefix_at_end(text: str, stop: str) -> int:
+        """Length of the longest proper prefix of ``stop`` that ``text`` ends with."""
+        for k in range(min(len(stop) - 1, len(text)), 0, -1):
+            if text.endswith(stop[:k]):
+                return k
+        return 0

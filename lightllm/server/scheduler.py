@@ -136,8 +136,14 @@ class Scheduler:
         batch = self._admit()
         if batch:
             t0 = time.perf_counter()
-            logits = self.runner.prefill([r.slot for r in batch], [r.context for r in batch])
-            self.running += self._advance(batch, logits)
+            try:
+                logits = self.runner.prefill([r.slot for r in batch], [r.context for r in batch])
+                self.running += self._advance(batch, logits)
+            except Exception:  # the batch is in neither running nor waiting: fail it here, free its slots
+                for req in batch:
+                    if req.slot >= 0:
+                        self._finish(req, "error")
+                raise
             self._observe_step("prefill", len(batch), t0)
             return True
         if not self.running:

@@ -10,7 +10,7 @@ import openai
 import pytest
 from server_helpers import running_server
 
-MAX_LEN = 256
+MAX_LEN = 1024  # long enough that a full-length request outlives a client that gives up
 
 
 @pytest.fixture(scope="module")
@@ -98,6 +98,16 @@ def test_sampling_seed_and_stop_string(server):
     assert len(r["token_ids"]) < 8
 
 
+def wait_for_abort(server, aborted_before):
+    deadline = time.time() + 15
+    while time.time() < deadline:
+        done = metric(server, "lightllm_requests_finished_total", '{finish_reason="abort"}') or 0.0
+        if done > aborted_before and metric(server, "lightllm_running_batch") == 0:
+            return done
+        time.sleep(0.05)
+    return done
+
+
 def test_disconnect_mid_stream_frees_kv(server):
     baseline = metric(server, "lightllm_kv_usage_ratio")
     aborted = metric(server, "lightllm_requests_finished_total", '{finish_reason="abort"}') or 0.0
@@ -106,13 +116,20 @@ def test_disconnect_mid_stream_frees_kv(server):
         for i, _ in enumerate(r.iter_lines()):
             if i >= 3:
                 break  # leave mid-stream: the connection closes
-    deadline = time.time() + 15
-    while time.time() < deadline:
-        done = metric(server, "lightllm_requests_finished_total", '{finish_reason="abort"}') or 0.0
-        if done > aborted and metric(server, "lightllm_running_batch") == 0:
-            break
-        time.sleep(0.2)
-    assert done > aborted, "the disconnected request was not aborted"
+    assert wait_for_abort(server, aborted) > aborted, "the disconnected request was not aborted"
+    assert metric(server, "lightllm_kv_usage_ratio") == baseline
+
+
+def test_disconnect_while_generating_frees_kv(server):
+    """Non-streaming: tokens keep arriving for the request, yet the client's departure is still noticed."""
+    baseline = metric(server, "lightllm_kv_usage_ratio")
+    aborted = metric(server, "lightllm_requests_finished_total", '{finish_reason="abort"}') or 0.0
+    generated = metric(server, "lightllm_generated_tokens_total")
+    body = {"inputs": [4, 5, 6], "parameters": {"max_new_tokens": MAX_LEN - 10, "ignore_eos": True}}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server + "/generate", json=body, timeout=0.3)  # the client gives up and closes
+    assert wait_for_abort(server, aborted) > aborted, "the abandoned request kept generating"
+    assert metric(server, "lightllm_generated_tokens_total") - generated < MAX_LEN - 10
     assert metric(server, "lightllm_kv_usage_ratio") == baseline
 
 

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from lightllm.server.detokenize import IncrementalDetokenizer
+from lightllm.server.detokenize import IncrementalDetokenizer, StopStrings
 from lightllm.tools.make_tiny_model import make_tiny_qwen3
 
 
@@ -44,9 +44,7 @@ def test_nothing_to_finish(tokenizer):
 
 
 def run_stops(stops, deltas):
-    from lightllm.server.api_server import _StopStrings
-
-    cut = _StopStrings(stops)
+    cut = StopStrings(stops)
     out = []
     for d in deltas:
         text, hit = cut.cut(d)

@@ -118,3 +118,17 @@ def test_a_failing_step_fails_its_requests_and_delivers_that(model_dir):
         assert sched.stop()
     assert [ev.kind for ev in delivered] == ["token", "finish"] and delivered[-1].finish_reason == "error"
     assert r.kv.num_free_tokens == 512 - 1  # its KV freed (all but the padding token)
+
+
+def test_a_failing_prefill_fails_its_batch_and_frees_it(model_dir):
+    """The admitted batch is in neither the running nor the waiting list while it prefills."""
+    r = runner(model_dir, 512)
+    events = []
+    sched = Scheduler(r, eos_token_ids=[])
+    r.prefill = lambda slots, prompts: (_ for _ in ()).throw(RuntimeError("device lost"))
+    for i in range(2):
+        sched.submit(ServerRequest(str(i), [3, 4, 5], SamplingParams(max_new_tokens=4), events.append))
+    with pytest.raises(RuntimeError, match="device lost"):
+        sched.step()
+    assert [(ev.kind, ev.finish_reason) for ev in events] == [("finish", "error")] * 2
+    assert r.kv.num_free_tokens == 512 - 1 and r.kv.num_free_slots == r.args.running_max_req_size
