@@ -399,7 +399,7 @@ def main(argv=None) -> None:
     try:
         uvicorn.run(server.app, host=server_args.host, port=server_args.port, log_level="info")
     finally:  # uvicorn returned without a shutdown (e.g. the port was taken); stop is idempotent
-        if stop is not None:
+        if stop is not None and not server.scheduler.thread.is_alive():  # never while a step may broadcast
             stop()
 
 

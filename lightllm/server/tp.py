@@ -38,14 +38,18 @@ class Workers:
             dead = [p for p in self.procs if not p.is_alive()]
             if dead and not self.stopping:
                 p = dead[0]
-                logger.error("tensor-parallel worker %s (pid %d) exited with code %s; the other ranks cannot go on "
-                             "without it, so the server exits", p.name, p.pid, p.exitcode)  # fmt: skip
-                for other in self.procs:
-                    if other.is_alive():
-                        other.kill()
-                logging.shutdown()
-                os._exit(1)
+                self.fail(f"tensor-parallel worker {p.name} (pid {p.pid}) exited with code {p.exitcode}; the other "
+                          "ranks cannot go on without it")  # fmt: skip
             time.sleep(self._interval_s)
+
+    def fail(self, why: str) -> None:
+        """The ranks can no longer run in step: end every one of them and this process, saying why."""
+        logger.error("%s, so the server exits", why)
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.kill()
+        logging.shutdown()
+        os._exit(1)
 
     def _exiting(self) -> None:
         self.stopping = True
@@ -76,11 +80,20 @@ class TPRunner:
 
     def prefill(self, slots, prompts):
         self._cast("prefill", list(slots), [list(p) for p in prompts])
-        return self.runner.prefill(slots, prompts)
+        return self._run(self.runner.prefill, slots, prompts)
 
     def decode(self, slots, last_tokens):
         self._cast("decode", list(slots), list(last_tokens))
-        return self.runner.decode(slots, last_tokens)
+        return self._run(self.runner.decode, slots, last_tokens)
+
+    def _run(self, step, *args):
+        """Rank 0's half of a step the workers have started: if it fails, they are left inside its collectives
+        and their KV bookkeeping has moved on without ours, so no later step can be right."""
+        try:
+            return step(*args)
+        except Exception as e:
+            logger.exception("tensor-parallel rank 0: %s failed", step.__name__)
+            self.workers.fail(f"rank 0's {step.__name__} step failed after the workers started it ({e})")
 
     def add_request(self) -> int:
         self._cast("add_request")

@@ -127,3 +127,24 @@ def test_a_worker_does_not_outlive_rank_0(tmp_path):
     if not _gone(child):
         os.kill(child, signal.SIGKILL)
         raise AssertionError("the worker outlived rank 0")
+
+
+def test_a_failed_rank_0_step_ends_every_rank():
+    """After the workers started a step, rank 0 failing leaves them inside its collectives: the server must end,
+    not serve on with ranks out of step."""
+    from lightllm.server.tp import TPRunner
+
+    class FakeRunner:
+        def decode(self, slots, tokens):
+            raise RuntimeError("CUDA error: an illegal memory access")
+
+    class FakeWorkers:
+        def fail(self, why):
+            raise SystemExit(why)
+
+    runner = TPRunner(FakeRunner(), group=None, workers=FakeWorkers())
+    cast = []
+    runner._cast = lambda *cmd: cast.append(cmd)
+    with pytest.raises(SystemExit, match="rank 0's decode step failed after the workers started it .*illegal"):
+        runner.decode([0], [5])
+    assert cast == [("decode", [0], [5])]
