@@ -17,7 +17,9 @@ import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from serve_load import free_port, load, wait_healthy  # noqa: E402
+from serve_load import load  # noqa: E402
+
+from lightllm.common.net import free_port, wait_healthy  # noqa: E402
 
 
 def serve(model_dir: str, port: int, batch: int) -> None:

@@ -23,7 +23,6 @@ import random
 import re
 import shutil
 import statistics
-import socket
 import subprocess
 import sys
 import tempfile
@@ -31,13 +30,9 @@ import time
 
 import httpx
 
+from lightllm.common.net import free_port, wait_healthy
+
 WORKLOADS = {"short": (128, 256), "long": (8192, 128)}  # prompt tokens, output tokens
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_server(model_dir, tp, level, config_dir, max_batch, max_len, log_path):
@@ -52,20 +47,8 @@ def start_server(model_dir, tp, level, config_dir, max_batch, max_len, log_path)
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
-    wait_healthy(proc, base, f"see {log_path}")
+    wait_healthy(proc, base, hint=f"see {log_path}")
     return proc, base, time.perf_counter() - t0
-
-
-def wait_healthy(proc, base, hint=""):
-    """Until ``base`` answers /health; RuntimeError if ``proc`` exits first."""
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}; {hint}")
-        try:
-            if httpx.get(base + "/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            time.sleep(0.5)
 
 
 def copy_without_decode_attention(src, dst):

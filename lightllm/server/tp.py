@@ -8,12 +8,12 @@ import atexit
 import logging
 import multiprocessing as mp
 import os
-import socket
 import threading
 import time
 
 import torch.distributed as dist
 
+from lightllm.common.net import free_port
 from lightllm.engine.args import EngineArgs
 from lightllm.engine.model_runner import ModelRunner
 from lightllm.engine.parallel import init_tp
@@ -166,9 +166,7 @@ def start_tp(args: EngineArgs, tp: int) -> TPRunner:
         from lightllm.tools.make_tiny_model import default_model_dir
 
         args = EngineArgs(**{**vars(args), "model_dir": str(default_model_dir())})
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        init_method = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    init_method = f"tcp://127.0.0.1:{free_port()}"
     ctx = mp.get_context("spawn")
     procs = []
     for rank in range(1, tp):

@@ -9,7 +9,7 @@ import time
 
 import httpx
 import pytest
-from server_helpers import REPO, free_port, running_server
+from server_helpers import REPO, running_server, start_server
 
 from lightllm import LLM, SamplingParams
 from lightllm.tools.make_tiny_model import make_tiny_qwen3
@@ -54,23 +54,9 @@ def test_tp_must_divide_heads(tmp_path):
 def _start_tp2(tmp_path):
     """A --tp 2 CPU server up and answering; returns (process, log path, rank 1's pid)."""
     model = str(make_tiny_qwen3(tmp_path / "model", num_attention_heads=4, num_key_value_heads=2))
-    port, log_path = free_port(), tmp_path / "server.log"
-    env = {**os.environ, "PYTHONPATH": REPO, "LIGHTLLM_AUTOTUNE_CONFIG_DIR": str(tmp_path / "autotune")}
-    cmd = [sys.executable, "-m", "lightllm.server.api_server", "--model_dir", model, "--tp", "2", "--device", "cpu",
-           "--data_type", "fp32", "--port", str(port), "--batch_max_tokens", "64",
-           "--max_req_total_len", "128"]  # fmt: skip
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.time() + 180
-    while True:
-        if proc.poll() is not None or time.time() > deadline:
-            proc.kill()
-            raise AssertionError(log_path.read_text()[-3000:])
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.3)
+    args = ["--model_dir", model, "--tp", "2", "--device", "cpu", "--data_type", "fp32", "--batch_max_tokens", "64",
+            "--max_req_total_len", "128"]  # fmt: skip
+    proc, _, log_path = start_server(tmp_path, args)
     return proc, log_path, int(re.search(r"lightllm-tp1 pid (\d+)", log_path.read_text()).group(1))
 
 

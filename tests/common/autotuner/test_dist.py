@@ -1,25 +1,20 @@
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
+
+from lightllm.common.net import free_port
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
 ALL = {0.5, 0.3, 0.9, 0.4, 0.6, 0.05}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_ranks_agree_on_configs(tmp_path, world):
-    env = {**os.environ, "PYTHONPATH": REPO, "PORT": str(_free_port())}
+    env = {**os.environ, "PYTHONPATH": REPO, "PORT": str(free_port())}
     procs = [
         subprocess.Popen(
             [
