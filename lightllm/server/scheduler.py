@@ -224,5 +224,4 @@ class Scheduler:
         kv = self.runner.kv
         self.metrics.queue_length.set(len(self.waiting))
         self.metrics.running.set(len(self.running))
-        total = kv.req_to_token.table.numel() if kv.contiguous_slots else kv.tokens.num_tokens
-        self.metrics.kv_usage.set(1 - kv.num_free_tokens / total)
+        self.metrics.kv_usage.set(1 - kv.num_free_tokens / kv.num_tokens)

@@ -48,6 +48,11 @@ class KVCacheManager:
         return self.req_to_token.table
 
     @property
+    def num_tokens(self) -> int:
+        """The pool's capacity in tokens."""
+        return self.tokens.num_tokens
+
+    @property
     def num_free_tokens(self) -> int:
         if self.contiguous_slots:  # capacity left in free slots and behind each request's length
             return self.tokens.num_tokens - sum(self._seq_lens)
