@@ -7,7 +7,6 @@ The graph API is injectable so the ordering can be tested without a GPU.
 """
 
 import logging
-import time
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -51,15 +50,12 @@ class DecodeGraphs:
         self.api = api or TorchGraphAPI()
         self.graphs: Dict[int, Tuple[object, object]] = {}
         self.memory_bytes = 0
-        self.warmup_seconds = 0.0
-        self.capture_seconds = 0.0
 
     def capture_all(self, run_decode: Callable[[int], object]) -> "DecodeGraphs":
         """``run_decode(bs)`` runs one decode forward over the first ``bs`` rows of static buffers."""
         pool = None
         before = self.api.memory_used()
         for bs in tqdm(sorted(self.batch_sizes, reverse=True), desc="decode graphs", leave=False):
-            t0 = time.perf_counter()
             try:
                 with autotune_warmup(AutotuneKernelType.DECODE_ATTENTION):
                     run_decode(bs)
@@ -69,15 +65,12 @@ class DecodeGraphs:
                     f"({type(e).__name__}: {e}); nothing was captured for it. Fix the cause or start with "
                     "--disable_cudagraph"
                 ) from e
-            t1 = time.perf_counter()
             graph = self.api.new_graph()
             with self.api.capture(graph, pool):
                 out = run_decode(bs)
             if pool is None:
                 pool = self.api.pool(graph)
             self.graphs[bs] = (graph, out)
-            self.warmup_seconds += t1 - t0
-            self.capture_seconds += time.perf_counter() - t1
         self.memory_bytes = self.api.memory_used() - before
         return self
 

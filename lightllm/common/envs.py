@@ -12,6 +12,7 @@ AUTOTUNE_CONFIG_DIR = "LIGHTLLM_AUTOTUNE_CONFIG_DIR"
 AUTOTUNE_MAX_SECONDS_PER_SEARCH = "LIGHTLLM_AUTOTUNE_MAX_SECONDS_PER_SEARCH"
 DECODE_ATTN_AUTOTUNE_SEQ_LEN = "LIGHTLLM_DECODE_ATTN_AUTOTUNE_SEQ_LEN"
 AUTOTUNE_CHOICE_RULE = "LIGHTLLM_AUTOTUNE_CHOICE_RULE"
+AUTOTUNE_CHOICE_RULES = ("minimax_loss", "tuning_len")  # see autotuner/choice.py
 TINY_MODEL_DIR = "LIGHTLLM_TINY_MODEL_DIR"
 
 _AUTOTUNE_LEVELS = {0: "use cached configs", 1: "adaptive", 2: "force", 3: "off"}
@@ -66,8 +67,10 @@ def get_autotune_choice_rule() -> str:
     if raw is None or raw.strip() == "":
         return "minimax_loss"
     rule = raw.strip()
-    if rule not in ("minimax_loss", "tuning_len"):
-        raise ValueError(f"{AUTOTUNE_CHOICE_RULE}={raw!r} is not allowed; use minimax_loss or tuning_len")
+    if rule not in AUTOTUNE_CHOICE_RULES:
+        raise ValueError(
+            f"{AUTOTUNE_CHOICE_RULE}={raw!r} is not allowed; use one of {', '.join(AUTOTUNE_CHOICE_RULES)}"
+        )
     return rule
 
 

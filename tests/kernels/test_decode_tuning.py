@@ -54,3 +54,15 @@ def test_decode_autotune_seq_lens(monkeypatch, env, expected):
     if env:
         monkeypatch.setenv("LIGHTLLM_DECODE_ATTN_AUTOTUNE_SEQ_LEN", env)
     assert decode_attn_autotune_seq_lens() == expected
+
+
+def test_decode_attention_kernels_are_declared_as_such():
+    from lightllm.common.autotuner import AutotuneKernelType, tuner
+
+    import lightllm.kernels.attention.decode.fa3  # noqa: F401  (declares fa3_decode)
+    import lightllm.kernels.attention.decode.flash_decode  # noqa: F401
+    import lightllm.kernels.norm.rmsnorm  # noqa: F401
+
+    decode = tuner.kernel_names(AutotuneKernelType.DECODE_ATTENTION)
+    assert {"gqa_flash_decode", "gqa_flash_decode_int8kv", "gqa_flash_decode_int4kv", "fa3_decode"} <= decode
+    assert "rmsnorm" in tuner.kernel_names(AutotuneKernelType.GENERAL) and "rmsnorm" not in decode

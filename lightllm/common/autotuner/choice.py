@@ -1,7 +1,7 @@
 """Choosing the winner of a search from its timings.
 
-A search may time each candidate on several inputs ("scenarios"), e.g. a decode batch at several KV
-lengths: a captured CUDA graph freezes one config for every length it later serves. Rules:
+A search may time each candidate on several inputs ("scenarios"), the first being the tuning point: a
+kernel whose config is frozen (e.g. into a CUDA graph) may serve other inputs later. Rules:
 
 - ``tuning_len``: fastest on the first scenario (the tuning point) alone;
 - ``minimax_loss`` (default): least worst-case loss, ``max over scenarios of time / best time there``,
@@ -9,15 +9,14 @@ lengths: a captured CUDA graph freezes one config for every length it later serv
   the tuning point.
 
 The launcher default is index -1, is always a contender and wins ties: under ``minimax_loss`` the winner's
-worst-case loss is never above the default's. (A hard "never slower than the default at any length" guard
-was measured and rejected: at hq32/hk8/d128, B=8, no config beats the default at 1K, so the guard froze a
-default that is 27 % slower than the best at 4K-64K; see docs/decode_attention.md.)
+worst-case loss is never above the default's. A stricter "never slower than the default on any input"
+guard was measured and rejected (docs/decode_attention.md).
 """
 
 import math
 from typing import Dict, List, Sequence
 
-RULES = ("minimax_loss", "tuning_len")
+from lightllm.common.envs import AUTOTUNE_CHOICE_RULES as RULES
 
 
 def worst_case_loss(times: Sequence[float], best: Sequence[float]) -> float:

@@ -71,12 +71,14 @@ def check_rank_agreement(show: int = 5) -> bool:
             logger.info("autotune: all %d ranks hold identical configs (%d keys, digest %s)", len(everyone),
                         len(mine), digests[0])  # fmt: skip
         else:
-            keys = sorted(set().union(*everyone))
-            differ = [k for k in keys if len({key_to_json(c.get(k, "missing")) for c in everyone}) > 1]
-            logger.warning("autotune: ranks hold different configs for %d keys, e.g. %s", len(differ),
-                           "; ".join(f"{k}: " + ", ".join(f"rank {r} {key_to_json(c.get(k, 'missing'))}"
-                                                          for r, c in enumerate(everyone))
-                                     for k in differ[:show]))  # fmt: skip
+            differ = []
+            for key in sorted(set().union(*everyone)):
+                per_rank = [key_to_json(c.get(key, "missing")) for c in everyone]
+                if len(set(per_rank)) > 1:
+                    differ.append(f"{key}: " + ", ".join(f"rank {r} {v}" for r, v in enumerate(per_rank)))
+            logger.warning(
+                "autotune: ranks hold different configs for %d keys, e.g. %s", len(differ), "; ".join(differ[:show])
+            )
     return agree
 
 
@@ -331,9 +333,9 @@ class Autotuner:
             extra = (
                 f", worst-case loss {worst_case_loss(record.chosen_ms, per_best) - 1:.1%} over {len(per_best)} inputs"
             )
-            fastest = min(everyone, key=lambda t: t[0])
-            if fastest is not record.chosen_ms and fastest[0] < best:
-                i = [t for _, t in record.timings].index(fastest) if fastest is not record.default_ms else -1
+            i = choose(record.default_ms, {i: t for i, (_, t) in enumerate(record.timings)}, "tuning_len")
+            fastest = record.default_ms if i < 0 else record.timings[i][1]
+            if fastest[0] < best:  # the rule gave up speed at the first input for the other inputs
                 name = "default" if i < 0 else key_to_json(record.timings[i][0])
                 extra += (
                     f"; best at tuning length was {name} ({fastest[0]:.4f} ms, worst-case loss "
