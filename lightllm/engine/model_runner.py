@@ -95,13 +95,12 @@ class ModelRunner:
             contiguous = not require_fa3(self.device).paged
         if contiguous:
             num_tokens = max_reqs * a.max_req_total_len
-        else:
+        elif a.max_total_token_num is not None or self.device.type != "cuda":
+            num_tokens = a.max_total_token_num or max_reqs * a.max_req_total_len
+        else:  # a one-token pool on the meta device: bytes per token of whichever KV type, nothing allocated
             per_token = make_pool(a.llm_kv_type, 1, c.num_hidden_layers, self.model.kv_heads, c.head_dim,
                                   a.torch_dtype, "meta", a.llm_kv_quant_group_size).bytes_per_token()  # fmt: skip
-            if a.max_total_token_num is not None or self.device.type != "cuda":
-                num_tokens = a.max_total_token_num or max_reqs * a.max_req_total_len
-            else:
-                num_tokens = pool_num_tokens(mem_fraction=a.mem_fraction, bytes_per_token=per_token, device=self.device)
+            num_tokens = pool_num_tokens(mem_fraction=a.mem_fraction, bytes_per_token=per_token, device=self.device)
         if num_tokens - 1 < a.max_req_total_len:  # one token is the padding request's
             raise ValueError(f"the KV cache holds {num_tokens} tokens, fewer than one --max_req_total_len "
                              f"({a.max_req_total_len}) request plus padding: raise --max_total_token_num or "
@@ -196,13 +195,10 @@ class ModelRunner:
 
     def _init_graph_buffers(self) -> None:
         n, dev = self.args.graph_max_batch_size, self.device
-        self._buf = {
-            "input_ids": torch.zeros(n, dtype=torch.int64, device=dev),
-            "positions": torch.zeros(n, dtype=torch.int64, device=dev),
-            "b_req_idx": torch.full((n,), self.pad_slot, dtype=torch.int32, device=dev),
-            "b_seq_len": torch.ones(n, dtype=torch.int32, device=dev),
-            "out_token_idx": torch.full((n,), self.pad_token, dtype=torch.int64, device=dev),
-        }
+        i32, i64 = torch.int32, torch.int64
+        dtypes = {"input_ids": i64, "positions": i64, "b_req_idx": i32, "b_seq_len": i32, "out_token_idx": i64}
+        self._buf = {name: torch.empty(n, dtype=dt, device=dev) for name, dt in dtypes.items()}
+        self._pad_rows(0, n)
 
     def _pad_rows(self, start: int, end: int) -> None:
         """Rows past the live batch: the padding request (1 token, its own KV slot), harmless to compute."""
