@@ -44,12 +44,9 @@ def _gemv_gbs() -> float:
 
 
 def build_model(root: str, layers: int) -> str:
-    from lightllm.tools.make_tiny_model import make_tiny_qwen3
+    from lightllm.tools.make_tiny_model import QWEN3_8B_SHAPE, make_tiny_qwen3
 
-    return str(make_tiny_qwen3(os.path.join(root, "qwen3-8b-shaped"), padded_vocab_size=151936, hidden_size=4096,
-                               intermediate_size=12288, num_hidden_layers=layers, num_attention_heads=32,
-                               num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
-                               dtype="bfloat16", initializer_range=0.02))  # fmt: skip
+    return str(make_tiny_qwen3(os.path.join(root, "qwen3-8b-shaped"), num_hidden_layers=layers, **QWEN3_8B_SHAPE))
 
 
 def step_times(model_dir, batch_sizes, kv_len, graph_max_len):

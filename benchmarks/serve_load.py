@@ -142,7 +142,7 @@ def main():
     p.add_argument("--control", action="store_true", help="also start a second 'off' server per repeat (off_b)")
     p.add_argument("--tiny", action="store_true", help="the built-in tiny model instead (a CPU check of the method)")
     args = p.parse_args()
-    from lightllm.tools.make_tiny_model import make_tiny_qwen3
+    from lightllm.tools.make_tiny_model import QWEN3_8B_SHAPE, make_tiny_qwen3
 
     os.makedirs(args.log_dir, exist_ok=True)
     rows, startups = [], []
@@ -150,10 +150,7 @@ def main():
         if args.tiny:
             model = str(make_tiny_qwen3(os.path.join(root, "model")))
         else:
-            model = str(make_tiny_qwen3(os.path.join(root, "model"), padded_vocab_size=151936, hidden_size=4096,
-                                        intermediate_size=12288, num_hidden_layers=args.layers, num_attention_heads=32,
-                                        num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
-                                        dtype="bfloat16", initializer_range=0.02))  # fmt: skip
+            model = str(make_tiny_qwen3(os.path.join(root, "model"), num_hidden_layers=args.layers, **QWEN3_8B_SHAPE))
         with open(os.path.join(model, "config.json")) as f:
             vocab = json.load(f)["vocab_size"]
         for workload in args.workloads:

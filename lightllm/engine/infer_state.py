@@ -29,7 +29,6 @@ class InferState:
     max_q_len: int = 1
     q_len: int = 1  # decode: new tokens per request
     graph_max_len: Optional[int] = None
-    b_state_idx: Optional[torch.Tensor] = None  # recurrent-state slot per request (linear-attention layers)
 
     @property
     def batch_size(self) -> int:

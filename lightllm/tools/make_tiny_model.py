@@ -23,8 +23,6 @@ from lightllm.common import envs
 
 logger = logging.getLogger(__name__)
 
-# Read here for now; the one registry of LIGHTLLM_* variables (lightllm/common/envs.py) will adopt it.
-TINY_MODEL_DIR_ENV = envs.TINY_MODEL_DIR
 
 PAD_TOKEN = "<|endoftext|>"
 BOS_TOKEN = "<|endoftext|>"
@@ -173,6 +171,10 @@ def _is_complete(model_dir: Path) -> bool:
 
 # head_dim 64: the smallest the GPU kernels take, so the built-in model also serves on a GPU
 BUILTIN_SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+# Qwen3-8B's widths, vocabulary and dtype, for benchmarks: pass num_hidden_layers as well.
+QWEN3_8B_SHAPE = dict(padded_vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_attention_heads=32,
+                      num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, dtype="bfloat16",
+                      initializer_range=0.02)  # fmt: skip
 
 
 def default_model_dir() -> Path:
@@ -185,7 +187,7 @@ def default_model_dir() -> Path:
     if _is_complete(target):
         return target
     if target.exists() and (not target.is_dir() or any(target.iterdir())):
-        raise ValueError(f"{TINY_MODEL_DIR_ENV}: {target} exists but is not a tiny model folder; remove it")
+        raise ValueError(f"{envs.TINY_MODEL_DIR}: {target} exists but is not a tiny model folder; remove it")
 
     target.parent.mkdir(parents=True, exist_ok=True)
     # One builder at a time (tensor-parallel ranks, several servers): the others wait and use its folder.

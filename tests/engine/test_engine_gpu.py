@@ -7,16 +7,15 @@ from lightllm.common.autotuner import current_warmup_kernel_type, tuner
 from lightllm.common.cuda_graph import TorchGraphAPI
 from lightllm.engine.args import EngineArgs
 from lightllm.engine.model_runner import ModelRunner
-from lightllm.tools.make_tiny_model import make_tiny_qwen3
+from lightllm.tools.make_tiny_model import BUILTIN_SHAPE, make_tiny_qwen3
 
 pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    # head_dim 64: the smallest the decode kernels take
-    return str(make_tiny_qwen3(tmp_path_factory.mktemp("tiny"), hidden_size=256, num_attention_heads=4,
-                               num_key_value_heads=2, head_dim=64, intermediate_size=512, seed=1))  # fmt: skip
+    # the built-in model's shape: head_dim 64, the smallest the decode kernels take
+    return str(make_tiny_qwen3(tmp_path_factory.mktemp("tiny"), seed=1, **BUILTIN_SHAPE))
 
 
 def engine_args(model_dir, **kw):

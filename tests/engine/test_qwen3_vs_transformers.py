@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from lightllm import LLM, SamplingParams
-from lightllm.tools.make_tiny_model import make_tiny_qwen3
+from lightllm.tools.make_tiny_model import BUILTIN_SHAPE, make_tiny_qwen3
 
 
 @pytest.fixture(scope="module")
@@ -14,9 +14,8 @@ def tiny_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tiny_gpu_dir(tmp_path_factory):
-    # head_dim 64: the smallest the GPU kernels take
-    return str(make_tiny_qwen3(tmp_path_factory.mktemp("tiny-qwen3-d64"), hidden_size=256, num_attention_heads=4,
-                               num_key_value_heads=2, head_dim=64, intermediate_size=512, seed=3))  # fmt: skip
+    # the built-in model's shape: head_dim 64, the smallest the GPU kernels take
+    return str(make_tiny_qwen3(tmp_path_factory.mktemp("tiny-qwen3-d64"), seed=3, **BUILTIN_SHAPE))
 
 
 def hf_greedy(model_dir, prompt, steps, dtype, device):

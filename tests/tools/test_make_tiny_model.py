@@ -7,7 +7,8 @@ from transformers import AutoTokenizer, Qwen3ForCausalLM
 
 from lightllm.tools import make_tiny_model
 from lightllm.engine.attention import GPU_HEAD_DIMS
-from lightllm.tools.make_tiny_model import TINY_MODEL_DIR_ENV, default_model_dir, make_tiny_qwen3
+from lightllm.common.envs import TINY_MODEL_DIR
+from lightllm.tools.make_tiny_model import default_model_dir, make_tiny_qwen3
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +104,7 @@ def test_cli(tmp_path):
 
 def test_default_model_dir_builds_once(tmp_path, monkeypatch):
     target = tmp_path / "cache" / "tiny"
-    monkeypatch.setenv(TINY_MODEL_DIR_ENV, str(target))
+    monkeypatch.setenv(TINY_MODEL_DIR, str(target))
     assert default_model_dir() == target
     config = json.loads((target / "config.json").read_text())
     assert config["head_dim"] in GPU_HEAD_DIMS  # the built-in model serves on a GPU too
@@ -121,7 +122,7 @@ def test_default_model_dir_builds_once(tmp_path, monkeypatch):
 
 def test_default_model_dir_uses_the_winner_of_a_race(tmp_path, monkeypatch, tiny_dir):
     target = tmp_path / "tiny"
-    monkeypatch.setenv(TINY_MODEL_DIR_ENV, str(target))
+    monkeypatch.setenv(TINY_MODEL_DIR, str(target))
     real = make_tiny_model.make_tiny_qwen3
 
     def build_while_another_process_finishes_first(out_dir, **kwargs):
@@ -139,8 +140,8 @@ def test_default_model_dir_refuses_a_foreign_folder(tmp_path, monkeypatch):
     target = tmp_path / "tiny"
     target.mkdir()
     (target / "notes.txt").write_text("mine")
-    monkeypatch.setenv(TINY_MODEL_DIR_ENV, str(target))
-    with pytest.raises(ValueError, match=TINY_MODEL_DIR_ENV):
+    monkeypatch.setenv(TINY_MODEL_DIR, str(target))
+    with pytest.raises(ValueError, match=TINY_MODEL_DIR):
         default_model_dir()
 
 
@@ -153,7 +154,7 @@ def test_default_model_dir_concurrent_processes_build_once(tmp_path, monkeypatch
     import multiprocessing as mp
 
     target = tmp_path / "tiny"
-    monkeypatch.setenv(TINY_MODEL_DIR_ENV, str(target))
+    monkeypatch.setenv(TINY_MODEL_DIR, str(target))
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     procs = [ctx.Process(target=_resolve_default, args=(queue,)) for _ in range(3)]
