@@ -64,3 +64,33 @@ def test_a_seed_gives_the_same_tokens_whoever_shares_the_batch(p):
     alone = run([1])
     assert run([0, 1, 2]) == alone and run([2, 1]) == alone
     assert len(set(alone)) > 1  # it really samples
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(max_new_tokens=0), "max_new_tokens expected a positive integer"),
+        (dict(temperature=-1), "temperature expected"),
+        (dict(top_p=0), "top_p expected"),
+        (dict(top_k=-2), "top_k expected"),
+        (dict(seed="x"), "seed expected"),
+    ],
+)
+def test_bad_sampling_params(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_sampler():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 50, generator=g)
+    greedy, lp = sample(logits, [SamplingParams()] * 3, [None] * 3)
+    assert torch.equal(greedy, logits.argmax(-1))
+    torch.testing.assert_close(lp, torch.log_softmax(logits, -1).max(-1).values)
+    top1, _ = sample(logits, [SamplingParams(temperature=1.0, top_k=1)] * 3, [None] * 3)
+    assert torch.equal(top1, greedy)
+    nucleus, _ = sample(logits, [SamplingParams(temperature=1.0, top_p=1e-6)] * 3, [None] * 3)
+    assert torch.equal(nucleus, greedy)
+    draws = [sample(logits, [SamplingParams(temperature=1.0)] * 3, [torch.Generator().manual_seed(7)] * 3)[0]
+             for _ in range(2)]  # fmt: skip
+    assert torch.equal(draws[0], draws[1])  # seeded: reproducible

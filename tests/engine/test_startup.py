@@ -7,7 +7,6 @@ from lightllm.common.autotuner import AutotuneKernelType, current_warmup_kernel_
 from lightllm.common.cuda_graph import DecodeGraphs
 from lightllm.engine.args import EngineArgs
 from lightllm.engine.attention import check_head_dim
-from lightllm.engine.sampler import SamplingParams, sample
 
 
 class FakeGraphAPI:
@@ -112,33 +111,3 @@ def test_gpu_head_dim_checked_before_loading():
         check_head_dim(d, torch.device("cuda"))
     with pytest.raises(ValueError, match=r"head_dim expected one of \(64, 128, 256\) on a GPU, got 96"):
         check_head_dim(96, torch.device("cuda"))
-
-
-@pytest.mark.parametrize(
-    "kwargs, message",
-    [
-        (dict(max_new_tokens=0), "max_new_tokens expected a positive integer"),
-        (dict(temperature=-1), "temperature expected"),
-        (dict(top_p=0), "top_p expected"),
-        (dict(top_k=-2), "top_k expected"),
-        (dict(seed="x"), "seed expected"),
-    ],
-)
-def test_bad_sampling_params(kwargs, message):
-    with pytest.raises(ValueError, match=message):
-        SamplingParams(**kwargs)
-
-
-def test_sampler():
-    g = torch.Generator().manual_seed(0)
-    logits = torch.randn(3, 50, generator=g)
-    greedy, lp = sample(logits, [SamplingParams()] * 3, [None] * 3)
-    assert torch.equal(greedy, logits.argmax(-1))
-    torch.testing.assert_close(lp, torch.log_softmax(logits, -1).max(-1).values)
-    top1, _ = sample(logits, [SamplingParams(temperature=1.0, top_k=1)] * 3, [None] * 3)
-    assert torch.equal(top1, greedy)
-    nucleus, _ = sample(logits, [SamplingParams(temperature=1.0, top_p=1e-6)] * 3, [None] * 3)
-    assert torch.equal(nucleus, greedy)
-    draws = [sample(logits, [SamplingParams(temperature=1.0)] * 3, [torch.Generator().manual_seed(7)] * 3)[0]
-             for _ in range(2)]  # fmt: skip
-    assert torch.equal(draws[0], draws[1])  # seeded: reproducible
