@@ -16,15 +16,9 @@ import tempfile
 
 import torch
 
+from bandwidth import copy_gbs
 from lightllm.common.autotuner import AutotuneKernelType, autotune_warmup, cuda_graph_bench
 from lightllm.kernels.norm.rmsnorm import rmsnorm, rmsnorm_ref
-
-
-def copy_bandwidth_gbs() -> float:
-    src = torch.randn(1 << 30, dtype=torch.bfloat16, device="cuda")  # 2 GiB: far beyond L2
-    dst = torch.empty_like(src)
-    ms = cuda_graph_bench(lambda: dst.copy_(src))
-    return 2 * src.numel() * src.element_size() / ms / 1e6
 
 
 def search_once(rows: int, hidden: int):
@@ -50,7 +44,7 @@ def main():
     if not torch.cuda.is_available():
         sys.exit("autotune_timer.py needs a CUDA GPU")
     os.environ["LIGHTLLM_TRITON_AUTOTUNE_LEVEL"] = "1"
-    bw = copy_bandwidth_gbs()
+    bw = copy_gbs()
     rows_out = []
     for rows in args.rows:
         runs = [search_once(rows, args.hidden) for _ in range(2)]

@@ -17,65 +17,21 @@ import argparse
 import json
 import math
 import os
-import statistics
 import sys
-import time
 
 import torch
 import triton
 
-from lightllm.kernels.attention.decode.tuning import decode_attn_autotune_seq_lens
+from bandwidth import copy_gbs
+from lightllm.common.autotuner import cuda_graph_bench
 from lightllm.common.autotuner.choice import choose, per_scenario_best, worst_case_loss
+from lightllm.kernels.attention.decode.tuning import decode_attn_autotune_seq_lens
 from lightllm.kernels.attention.decode import flash_decode
 from lightllm.kernels.attention.decode.stage2 import decode_stage2_kernel
 
 SHAPES = {"hq32-hk8-d128": (32, 8, 128), "hq24-hk4-d256": (24, 4, 256)}
 FA3_SPLITS = (0, 1, 2, 4, 8, 16, 32)
 KINDS = ("none", "int8", "int4")
-
-
-def graph_time_ms(fn, budget_ms: float = 12.0) -> float:
-    """Median per-run time from CUDA-graph replays (enough runs per graph for ~0.5 ms, replays within budget)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    torch.cuda.synchronize()
-    runs = max(1, min(50, math.ceil(0.5 / max(start.elapsed_time(end), 1e-3))))
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(runs):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    g.replay()
-    torch.cuda.synchronize()
-    one = (time.perf_counter() - t0) * 1e3
-    reps = max(3, min(20, int(budget_ms / max(one, 1e-3))))
-    times = []
-    for _ in range(reps):
-        start.record()
-        g.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / runs)
-    del g
-    return statistics.median(times)
-
-
-def copy_bandwidth_gbs() -> float:
-    src = torch.randn(1 << 30, dtype=torch.bfloat16, device="cuda")
-    dst = torch.empty_like(src)
-    for _ in range(100):  # ~150 ms of load first: an idle GPU starts at low clocks
-        dst.copy_(src)
-    ms = graph_time_ms(lambda: dst.copy_(src), budget_ms=100)
-    return 2 * (1 << 30) * 2 / ms / 1e6
 
 
 def make_pool(kind, tokens, kv_heads, head_dim, group):
@@ -111,7 +67,7 @@ def fa3_times(fa3, q, pool, batch, max_len, seq):
     times = {}
     for splits in FA3_SPLITS:
         try:
-            times[splits] = graph_time_ms(
+            times[splits] = cuda_graph_bench(
                 lambda: fa3.flash_attn_with_kvcache(q4, k, v, cache_seqlens=seq, causal=True, num_splits=splits)
             )
         except Exception as e:  # a split count the build refuses
@@ -132,7 +88,7 @@ def stage2_study(shape, batch, length, group):
     out = torch.empty(batch, hq, d, device="cuda", dtype=torch.bfloat16)
     res = {"shape": shape, "B": batch, "L": length, "splits": splits, "stage2_ms": {}}
     for warps in (1, 2, 4, 8):
-        res["stage2_ms"][warps] = graph_time_ms(
+        res["stage2_ms"][warps] = cuda_graph_bench(
             lambda: decode_stage2_kernel[(batch, hq)](
                 mid_o,
                 mid_lse,
@@ -163,7 +119,7 @@ def run(args):
             import fa3_fwd_interface as fa3
         except ImportError as e:
             print(f"FA3 not available ({e}); FA3 columns left empty", file=sys.stderr)
-    bw = copy_bandwidth_gbs()
+    bw = copy_gbs()
     print(f"copy bandwidth {bw:.0f} GB/s", flush=True)
     graph_max = max(args.lens)
     ladder = [n for n in decode_attn_autotune_seq_lens() if n in args.lens]
@@ -190,12 +146,12 @@ def run(args):
                 seq = torch.full((batch,), length, device="cuda", dtype=torch.int32)
                 cell = {"shape": shape, "B": batch, "L": length, "kind": kind,
                         "bytes": kv_bytes(kind, batch, length, hk, d, args.group)}  # fmt: skip
-                cell["default_ms"] = graph_time_ms(decode_fn(kind, q, pool, r2t, idx, seq, graph_max, out,
-                                                             args.group, None))  # fmt: skip
+                cell["default_ms"] = cuda_graph_bench(decode_fn(kind, q, pool, r2t, idx, seq, graph_max, out,
+                                                                args.group, None))  # fmt: skip
                 cell["configs"] = []
                 for cfg in configs:
                     try:
-                        ms = graph_time_ms(decode_fn(kind, q, pool, r2t, idx, seq, graph_max, out, args.group, cfg))
+                        ms = cuda_graph_bench(decode_fn(kind, q, pool, r2t, idx, seq, graph_max, out, args.group, cfg))
                     except Exception as e:  # out of resources at some shapes
                         ms = math.inf
                         print(f"  {cfg}: {type(e).__name__}", file=sys.stderr)

@@ -20,27 +20,13 @@ import time
 
 import torch
 
-from lightllm.common.autotuner import cuda_graph_bench
+from bandwidth import copy_gbs, gemv_gbs
 
 
 def bandwidths_gbs() -> dict:
     """Device read rates, GB/s: a 2 GiB copy (read + write bytes) and a 1 GiB bf16 GEMV (bytes of the matrix,
     the access pattern of a decode step's weights). The floor uses the faster, so it is the stricter one."""
-    return {"copy": _copy_gbs(), "gemv": _gemv_gbs()}
-
-
-def _copy_gbs() -> float:
-    src = torch.randn(1 << 30, dtype=torch.bfloat16, device="cuda")
-    dst = torch.empty_like(src)
-    for _ in range(100):  # an idle GPU starts at low clocks
-        dst.copy_(src)
-    return 2 * src.numel() * src.element_size() / cuda_graph_bench(lambda: dst.copy_(src)) / 1e6
-
-
-def _gemv_gbs() -> float:
-    w = torch.randn(16384, 32768, dtype=torch.bfloat16, device="cuda")
-    x = torch.randn(32768, dtype=torch.bfloat16, device="cuda")
-    return w.numel() * w.element_size() / cuda_graph_bench(lambda: torch.mv(w, x)) / 1e6
+    return {"copy": copy_gbs(), "gemv": gemv_gbs()}
 
 
 def build_model(root: str, layers: int) -> str:

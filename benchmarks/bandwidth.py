@@ -1,0 +1,21 @@
+"""Device memory rates the benchmarks compare against (GB/s), timed with the tuner's CUDA-graph timer."""
+
+import torch
+
+from lightllm.common.autotuner import cuda_graph_bench
+
+
+def copy_gbs() -> float:
+    """A 2 GiB bf16 device copy, read + write bytes (far beyond L2)."""
+    src = torch.randn(1 << 30, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(100):  # ~150 ms of load first: an idle GPU starts at low clocks
+        dst.copy_(src)
+    return 2 * src.numel() * src.element_size() / cuda_graph_bench(lambda: dst.copy_(src)) / 1e6
+
+
+def gemv_gbs() -> float:
+    """A 1 GiB bf16 GEMV, bytes of the matrix: the access pattern of a decode step's weights."""
+    w = torch.randn(16384, 32768, dtype=torch.bfloat16, device="cuda")
+    x = torch.randn(32768, dtype=torch.bfloat16, device="cuda")
+    return w.numel() * w.element_size() / cuda_graph_bench(lambda: torch.mv(w, x)) / 1e6
