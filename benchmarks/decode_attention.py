@@ -27,7 +27,6 @@ from lightllm.common.autotuner import cuda_graph_bench
 from lightllm.common.autotuner.choice import choose, per_scenario_best, worst_case_loss
 from lightllm.kernels.attention.decode.tuning import decode_attn_autotune_seq_lens
 from lightllm.kernels.attention.decode import flash_decode
-from lightllm.kernels.attention.decode.stage2 import decode_stage2_kernel
 
 SHAPES = {"hq32-hk8-d128": (32, 8, 128), "hq24-hk4-d256": (24, 4, 256)}
 FA3_SPLITS = (0, 1, 2, 4, 8, 16, 32)
@@ -78,7 +77,7 @@ def fa3_times(fa3, q, pool, batch, max_len, seq):
 def stage2_study(shape, batch, length, group):
     """Stage-2 time alone at num_warps 1..8 vs the whole decode (default config)."""
     hq, hk, d = SHAPES[shape]
-    cfg = flash_decode.default_config(d, "none")
+    cfg = flash_decode.default_config(d)
     splits = flash_decode.num_splits(
         batch, hk, length, flash_decode.DEFAULT_BLOCK_SEQ, cfg["WAVES"], torch.device("cuda")
     )
@@ -89,19 +88,7 @@ def stage2_study(shape, batch, length, group):
     res = {"shape": shape, "B": batch, "L": length, "splits": splits, "stage2_ms": {}}
     for warps in (1, 2, 4, 8):
         res["stage2_ms"][warps] = cuda_graph_bench(
-            lambda: decode_stage2_kernel[(batch, hq)](
-                mid_o,
-                mid_lse,
-                seq,
-                out,
-                *mid_o.stride()[:3],
-                *mid_lse.stride()[:2],
-                *out.stride()[:2],
-                splits,
-                BLOCK_SEQ=flash_decode.DEFAULT_BLOCK_SEQ,
-                HEAD_DIM=d,
-                num_warps=warps,
-            )
+            lambda: flash_decode.launch_stage2(mid_o, mid_lse, seq, out, flash_decode.DEFAULT_BLOCK_SEQ, warps)
         )
     return res
 

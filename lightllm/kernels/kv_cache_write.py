@@ -302,17 +302,17 @@ def write_kv_ref(k_new, v_new, k_cache, v_cache, token_idx) -> None:
 
 def write_kv_int8_ref(k_new, v_new, k_cache, v_cache, k_scale, v_scale, token_idx, group_size: int) -> None:
     """Torch reference of ``write_kv_int8`` (``quantize_int8_ref`` per token and head)."""
-    idx = token_idx.long()
-    for new, cache, scale in ((k_new, k_cache, k_scale), (v_new, v_cache, v_scale)):
-        q, s = quantize_int8_ref(new, group_size)
-        cache[idx] = q
-        scale[idx] = s
+    _write_quantized_ref(quantize_int8_ref, k_new, v_new, k_cache, v_cache, k_scale, v_scale, token_idx, group_size)
 
 
 def write_kv_int4_ref(k_new, v_new, k_cache, v_cache, k_scale, v_scale, token_idx, group_size: int) -> None:
     """Torch reference of ``write_kv_int4`` (``quantize_int4_ref`` per token and head)."""
+    _write_quantized_ref(quantize_int4_ref, k_new, v_new, k_cache, v_cache, k_scale, v_scale, token_idx, group_size)
+
+
+def _write_quantized_ref(quantize, k_new, v_new, k_cache, v_cache, k_scale, v_scale, token_idx, group_size):
     idx = token_idx.long()
     for new, cache, scale in ((k_new, k_cache, k_scale), (v_new, v_cache, v_scale)):
-        packed, s = quantize_int4_ref(new, group_size)
-        cache[idx] = packed
+        codes, s = quantize(new, group_size)
+        cache[idx] = codes
         scale[idx] = s

@@ -108,9 +108,8 @@ def test_bad_inputs_name_the_argument():
     ]
     for override, message in cases:
         a = {**dict(q=q, k=k, v=v, r2t=r2t, idx=idx, seq=seq), **override}
-        v_ = a["k"] if a["v"] is None else a["v"]
         with pytest.raises(ValueError, match=message):
-            gqa_decode_attention(a["q"], a["k"], v_, a["r2t"], a["idx"], a["seq"], 8)
+            gqa_decode_attention(a["q"], a["k"], a["v"], a["r2t"], a["idx"], a["seq"], 8)
     kq, vq, ks, vs, _, _ = quantize(k, v, "int8")
     with pytest.raises(ValueError, match="quant_group expected a power of two dividing 64"):
         gqa_decode_attention_int8kv(q, kq, vq, ks, vs, r2t, idx, seq, 8, quant_group=3)

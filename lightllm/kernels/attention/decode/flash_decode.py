@@ -17,6 +17,7 @@ import torch
 import triton
 
 from lightllm.common.autotuner import AutotuneKernelType, autotune
+from lightllm.common.kv_cache.quant import INT4_OFFSET, SCALE_DTYPE
 from lightllm.kernels.attention.decode.tuning import (
     decode_attn_autotune_seq_lens,
     decode_attn_run_key_kv_len,
@@ -46,7 +47,7 @@ def num_splits(batch: int, kv_heads: int, max_len_in_batch: int, block_seq: int,
     return max(1, min(want, max_chunks))
 
 
-def default_config(head_dim: int, quant: str) -> dict:
+def default_config(head_dim: int) -> dict:
     return {"BLOCK_N": 32 if head_dim == 256 else 64, "num_warps": 4, "num_stages": 2, "WAVES": 2}
 
 
@@ -70,7 +71,7 @@ def _launch(
     batch, q_heads, head_dim = q.shape
     kv_heads = k_cache.shape[1]
     group = q_heads // kv_heads
-    cfg = run_config or default_config(head_dim, quant)
+    cfg = run_config or default_config(head_dim)
     splits = num_splits(batch, kv_heads, max_len_in_batch, block_seq, cfg["WAVES"], q.device)
     mid_o = torch.empty((batch, q_heads, splits, head_dim), dtype=torch.float32, device=q.device)
     mid_lse = torch.empty((batch, q_heads, splits), dtype=torch.float32, device=q.device)
@@ -87,16 +88,24 @@ def _launch(
             mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
             GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HALF_D=head_dim // 2,
             BLOCK_SEQ=block_seq, BLOCK_N=cfg["BLOCK_N"], QUANT=_QUANT_BITS[quant], QGROUP=quant_group,
+            INT4_OFFSET=INT4_OFFSET,
             PRECISION="ieee" if q.dtype == torch.float32 else None,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )  # fmt: skip
-        decode_stage2_kernel[(batch, q_heads)](
-            mid_o, mid_lse, b_seq_len, out,
-            mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
-            out.stride(0), out.stride(1), splits,
-            BLOCK_SEQ=block_seq, HEAD_DIM=head_dim, num_warps=4 if head_dim <= 128 else 8,
-        )  # fmt: skip
+        launch_stage2(mid_o, mid_lse, b_seq_len, out, block_seq)
     return out
+
+
+def launch_stage2(mid_o, mid_lse, b_seq_len, out, block_seq: int, num_warps: Optional[int] = None) -> None:
+    """Merge ``mid_o [batch, q_heads, splits, D]`` / ``mid_lse`` into ``out [batch, q_heads, D]`` (not tuned:
+    it takes a few microseconds whatever its warps, docs/decode_attention.md)."""
+    batch, q_heads, splits, head_dim = mid_o.shape
+    decode_stage2_kernel[(batch, q_heads)](
+        mid_o, mid_lse, b_seq_len, out,
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        out.stride(0), out.stride(1), splits,
+        BLOCK_SEQ=block_seq, HEAD_DIM=head_dim, num_warps=num_warps or (4 if head_dim <= 128 else 8),
+    )  # fmt: skip
 
 
 # ---- tuning declaration ---------------------------------------------------------------------------------
@@ -282,9 +291,9 @@ def _check(q, k_cache, v_cache, k_scale, v_scale, req_to_token, b_req_idx, b_seq
             fail("quant_group", f"a power of two dividing {half}", quant_group)
         for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
             shape = (k_cache.shape[0], kv_heads, head_dim // quant_group)
-            if t is None or tuple(t.shape) != shape or t.dtype != torch.float16 or t.device != q.device:
+            if t is None or tuple(t.shape) != shape or t.dtype != SCALE_DTYPE or t.device != q.device:
                 got = None if t is None else f"{tuple(t.shape)} {t.dtype} on {t.device}"
-                fail(name, f"a float16 {list(shape)} tensor on {q.device}", got)
+                fail(name, f"a {str(SCALE_DTYPE).removeprefix('torch.')} {list(shape)} tensor on {q.device}", got)
     if req_to_token.dim() != 2 or req_to_token.dtype != torch.int32 or req_to_token.device != q.device:
         fail("req_to_token", "an int32 [max_reqs, max_len] tensor on q's device", f"{req_to_token.dtype}")
     for name, t in (("b_req_idx", b_req_idx), ("b_seq_len", b_seq_len)):

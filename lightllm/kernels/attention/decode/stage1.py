@@ -38,14 +38,15 @@ def _load_kv_halves(
     HALF_D: tl.constexpr,
     QUANT: tl.constexpr,
     QGROUP: tl.constexpr,
+    INT4_OFFSET: tl.constexpr,
     DTYPE,
 ):
     """Both halves ``[BLOCK_N, HALF_D]`` of the K or V rows at element offsets ``row`` (scales at ``srow``)."""
     m = mask_n[:, None]
     if QUANT == 4:
         packed = tl.load(Base + row[:, None] + d[None, :], mask=m, other=0).to(tl.int32)
-        lo = (packed & 15) - 8
-        hi = (packed >> 4) - 8
+        lo = (packed & 15) - INT4_OFFSET
+        hi = (packed >> 4) - INT4_OFFSET
     else:
         lo = tl.load(Base + row[:, None] + d[None, :], mask=m, other=0)
         hi = tl.load(Base + row[:, None] + (d + HALF_D)[None, :], mask=m, other=0)
@@ -94,6 +95,7 @@ def decode_stage1_kernel(
     BLOCK_N: tl.constexpr,
     QUANT: tl.constexpr,
     QGROUP: tl.constexpr,
+    INT4_OFFSET: tl.constexpr,  # nibble = code + offset (common/kv_cache/quant.py)
     PRECISION: tl.constexpr,  # "ieee" for float32 queries (no tf32 rounding), None (default) for 16-bit
 ):
     b = tl.program_id(0)
@@ -138,6 +140,7 @@ def decode_stage1_kernel(
             HALF_D,
             QUANT,
             QGROUP,
+            INT4_OFFSET,
             Q.dtype.element_ty,
         )
         qk = tl.dot(q_lo, tl.trans(k_lo), input_precision=PRECISION) + tl.dot(
@@ -159,6 +162,7 @@ def decode_stage1_kernel(
             HALF_D,
             QUANT,
             QGROUP,
+            INT4_OFFSET,
             Q.dtype.element_ty,
         )
         p = p.to(v_lo.dtype)
