@@ -3,7 +3,7 @@ bookkeeping, sampling, events, detokenization, HTTP) over a runner whose forward
 once (a small vocabulary, so sampling is cheap too). What is left is what a GPU step cannot hide when the
 GPU work is short: short prompts, small models, large batches.
 
-    python benchmarks/host_overhead.py --out benchmarks/results/host_overhead_cpu.json
+    python benchmarks/host_overhead.py --repeats 2 --out host_overhead.json
 """
 
 import argparse
@@ -11,6 +11,7 @@ import asyncio
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -47,40 +48,48 @@ def main():
     p.add_argument("--requests", type=int, default=256)
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--output", type=int, default=256)
-    p.add_argument("--out", default="benchmarks/results/host_overhead_cpu.json")
+    p.add_argument("--repeats", type=int, default=2, help="server starts (medians are reported)")
+    p.add_argument("--out", default="host_overhead.json")
     p.add_argument("--serve", nargs=3, metavar=("MODEL_DIR", "PORT", "BATCH"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.serve:
         return serve(args.serve[0], int(args.serve[1]), int(args.serve[2]))
     from lightllm.tools.make_tiny_model import make_tiny_qwen3
 
-    rows = []
+    runs = []
     with tempfile.TemporaryDirectory() as root:
         model = str(make_tiny_qwen3(os.path.join(root, "m")))
         with open(os.path.join(model, "config.json")) as f:
             vocab = json.load(f)["vocab_size"]
-        port = free_port()
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")])}
-        proc = subprocess.Popen([sys.executable, __file__, "--serve", model, str(port), str(max(args.concurrency))],
-                                env=env)  # fmt: skip
-        base = f"http://127.0.0.1:{port}"
-        try:
-            wait_healthy(proc, base)
-            asyncio.run(load(base, 8, 8, args.prompt, 8, vocab))  # warm the paths once
-            for conc in args.concurrency:
-                res = asyncio.run(load(base, args.requests, conc, args.prompt, args.output, vocab))
-                rows.append({"concurrency": conc, **res})
-        finally:
-            proc.terminate()
-            proc.wait(timeout=60)
-    print(f"{'conc':>5} {'tok/s':>8} {'decode step ms':>15} {'decode batch':>13} {'prefill steps':>14} {'all ok':>7}")
-    for r in rows:
-        print(f"{r['concurrency']:5d} {r['tokens_per_s']:8.0f} {r['decode_step_ms']:15.3f} {r['decode_batch']:13.1f} "
-              f"{r['prefill_steps']:14d} {str(r['all_complete_finite']):>7}")  # fmt: skip
+        for rep in range(args.repeats):
+            port = free_port()
+            cmd = [sys.executable, __file__, "--serve", model, str(port), str(max(args.concurrency))]
+            proc = subprocess.Popen(cmd, env=env)
+            base = f"http://127.0.0.1:{port}"
+            try:
+                wait_healthy(proc, base)
+                asyncio.run(load(base, 8, 8, args.prompt, 8, vocab))  # warm the paths once
+                for conc in args.concurrency:
+                    res = asyncio.run(load(base, args.requests, conc, args.prompt, args.output, vocab))
+                    runs.append({"repeat": rep, "concurrency": conc, **res})
+            finally:
+                proc.terminate()
+                proc.wait(timeout=60)
+    median = [{"concurrency": c, **{k: statistics.median(r[k] for r in runs if r["concurrency"] == c)
+                                    for k in ("tokens_per_s", "decode_step_ms", "decode_batch")}}
+              for c in args.concurrency]  # fmt: skip
+    print(f"median of {args.repeats} server starts")
+    print(f"{'conc':>5} {'tok/s':>8} {'decode step ms':>15} {'decode batch':>13} {'all ok':>7}")
+    for m in median:
+        ok = all(r["all_complete_finite"] for r in runs if r["concurrency"] == m["concurrency"])
+        print(f"{m['concurrency']:5d} {m['tokens_per_s']:8.0f} {m['decode_step_ms']:15.3f} {m['decode_batch']:13.1f} "
+              f"{str(ok):>7}")  # fmt: skip
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"machine": platform.machine(), "cpus": os.cpu_count(), "python": platform.python_version(),
-                   "prompt": args.prompt, "output": args.output, "rows": rows}, f, indent=1)  # fmt: skip
+                   "prompt": args.prompt, "output": args.output, "repeats": args.repeats, "runs": runs,
+                   "median": median}, f, indent=1)  # fmt: skip
 
 
 if __name__ == "__main__":
