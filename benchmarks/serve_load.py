@@ -51,13 +51,20 @@ def start_server(model_dir, tp, level, config_dir, max_batch, max_len, log_path)
     return proc, base, time.perf_counter() - t0
 
 
+def decode_attention_kernels() -> set:
+    """Names of the DECODE_ATTENTION kernels (their modules imported, so they are declared)."""
+    import lightllm.kernels.attention.decode.fa3  # noqa: F401
+    import lightllm.kernels.attention.decode.flash_decode  # noqa: F401
+    from lightllm.common.autotuner import AutotuneKernelType, tuner
+
+    return tuner.kernel_names(AutotuneKernelType.DECODE_ATTENTION)
+
+
 def copy_without_decode_attention(src, dst):
     """The tuned configs of ``src`` into ``dst``, leaving out every decode-attention kernel's directory."""
-    import lightllm.kernels.attention.decode.fa3  # noqa: F401  (declare the tuned kernels)
-    import lightllm.kernels.attention.decode.flash_decode  # noqa: F401
-    from lightllm.common.autotuner import AutotuneKernelType, store, tuner
+    from lightllm.common.autotuner import store
 
-    skip = tuner.kernel_names(AutotuneKernelType.DECODE_ATTENTION)
+    skip = decode_attention_kernels()
     for path in store.iter_config_files(src):
         if path.parent.name not in skip:
             target = os.path.join(dst, os.path.relpath(path, src))
@@ -238,12 +245,10 @@ def start_order(rep, control):
 def decode_attention_timings(config_dir):
     """Every decode-attention run key the "on" start tuned: ``{(kernel, batch): (tuned_ms, default_ms)}``, as the
     tuner timed them at the tuning length (from the timings the config files keep)."""
-    import lightllm.kernels.attention.decode.fa3  # noqa: F401  (declare the tuned kernels)
-    import lightllm.kernels.attention.decode.flash_decode  # noqa: F401
-    from lightllm.common.autotuner import AutotuneKernelType, store, tuner
+    from lightllm.common.autotuner import store
 
     out = {}
-    for name in tuner.kernel_names(AutotuneKernelType.DECODE_ATTENTION):
+    for name in decode_attention_kernels():
         for path in store.iter_config_files(config_dir, name):
             data = store.read_config_file(path) or {}
             for run_key, timing in data.get("timings", {}).items():
