@@ -131,12 +131,17 @@ class ConfigStore:
 
     def load(self, frozen_static_key: Any) -> Dict[Any, Config]:
         """Run key (frozen) -> config, shipped configs overlaid by the writable root's."""
-        configs: Dict[Any, Config] = {}
+        return {run_key: config for run_key, (config, _) in self.load_entries(frozen_static_key).items()}
+
+    def load_entries(self, frozen_static_key: Any) -> Dict[Any, Tuple[Config, Path]]:
+        """As :meth:`load`, with the file each config comes from."""
+        entries: Dict[Any, Tuple[Config, Path]] = {}
         for root in (SHIPPED_ROOT, envs.get_autotune_config_dir()):
-            data = read_config_file(self.path(root, frozen_static_key))
+            path = self.path(root, frozen_static_key)
+            data = read_config_file(path)
             if data is not None:
-                configs.update({key_from_json(rk): cfg for rk, cfg in data["configs"].items()})
-        return configs
+                entries.update({key_from_json(rk): (cfg, path) for rk, cfg in data["configs"].items()})
+        return entries
 
     def save(self, static_key: Any, frozen_static_key: Any, entries: Dict[Any, Tuple[Config, dict]]) -> Optional[Path]:
         """Merge ``{run_key: (config, timing)}`` into the writable root's file; None if it could not be written."""
