@@ -301,10 +301,11 @@ class Autotuner:
         if any(info[2] for info in infos):
             return self._search(state, run_key, args, kwargs, split=True)
         agreed = infos[0][3]  # every rank has a config: all take rank 0's
-        if agreed != cached:
-            state.configs[run_key] = agreed
-            state.resolved.clear()
-        return cached if agreed == cached else agreed
+        if agreed == cached:
+            return cached  # the very object, so the run key's memo of its launched config stays valid
+        state.configs[run_key] = agreed
+        state.resolved.clear()
+        return agreed
 
     def _warm_cached_configs(self, state: _StaticKeyState, args: tuple, kwargs: dict) -> None:
         """Run each cached config once so Triton compiles them at start-up, not on a live request."""
