@@ -17,7 +17,13 @@ from typing import Optional, Sequence
 import torch
 
 from lightllm.common import envs
-from lightllm.common.autotuner import AutotuneKernelType, autotune_warmup, check_rank_agreement, get_autotune_stats
+from lightllm.common.autotuner import (
+    AutotuneKernelType,
+    AutotuneLevel,
+    autotune_warmup,
+    check_rank_agreement,
+    get_autotune_stats,
+)
 from lightllm.common.cuda_graph import DecodeGraphs
 from lightllm.common.kv_cache import KVCacheManager, pool_num_tokens
 from lightllm.engine.args import EngineArgs
@@ -74,10 +80,11 @@ class ModelRunner:
         tuned = get_autotune_stats() - stats0
         graphs = self.graphs
         logger.info(
-            "ready: %d decode graphs (%.1f MiB), %d kernels tuned, %d configs written; %s",
+            "ready: %d decode graphs (%.1f MiB), %d kernels tuned%s, %d configs written; %s",
             len(graphs.graphs) if graphs else 0,
             (graphs.memory_bytes if graphs else 0) / 2**20,
             tuned.searches,
+            _untuned_device_note(self.device),
             tuned.configs_written,
             ", ".join(f"{k} {v:.1f}s" for k, v in seconds.items()),
         )
@@ -223,3 +230,14 @@ class ModelRunner:
             graph_max_len=self.args.graph_max_len_in_batch,
         )
         return self.model.forward(b["input_ids"][:bs], state, self.attn, self.kv.table)
+
+
+def _untuned_device_note(device: torch.device) -> str:
+    """Why a level that asks for tuning tuned nothing: off the GPU the torch references run, no Triton kernel."""
+    level = envs.get_triton_autotune_level()
+    if device.type == "cuda" or level not in (AutotuneLevel.ADAPTIVE, AutotuneLevel.FORCE):
+        return ""
+    return (
+        f" ({envs.AUTOTUNE_LEVEL}={level} asks for tuning, but tuning runs only on a GPU: on {device.type} the "
+        "torch references run)"
+    )

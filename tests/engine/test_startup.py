@@ -1,5 +1,7 @@
 """Start-up ordering, graph sizes and argument checks, on the CPU with a fake graph API."""
 
+import logging
+
 import pytest
 import torch
 
@@ -111,3 +113,19 @@ def test_gpu_head_dim_checked_before_loading():
         check_head_dim(d, torch.device("cuda"))
     with pytest.raises(ValueError, match=r"head_dim expected one of \(64, 128, 256\) on a GPU, got 96"):
         check_head_dim(96, torch.device("cuda"))
+
+
+@pytest.mark.parametrize("level, note", [("1", True), ("2", True), ("0", False), ("3", False)])
+def test_summary_says_tuning_needs_a_gpu(tmp_path, monkeypatch, caplog, level, note):
+    """On a CPU the torch references run, so a level that asks for tuning tunes nothing: the summary says why."""
+    from lightllm.engine.model_runner import ModelRunner
+    from lightllm.tools.make_tiny_model import make_tiny_qwen3
+
+    monkeypatch.setenv("LIGHTLLM_TRITON_AUTOTUNE_LEVEL", level)
+    args = EngineArgs(model_dir=str(make_tiny_qwen3(tmp_path / "m", seed=0)), data_type="fp32", device="cpu",
+                      batch_max_tokens=16, max_req_total_len=16, running_max_req_size=2)  # fmt: skip
+    with caplog.at_level(logging.INFO, logger="lightllm.engine.model_runner"):
+        ModelRunner(args)
+    (ready,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("ready:")]
+    expected = f"0 kernels tuned (LIGHTLLM_TRITON_AUTOTUNE_LEVEL={level} asks for tuning, but tuning runs only on a GPU"
+    assert (expected in ready) == note and ("0 kernels tuned, " in ready) != note

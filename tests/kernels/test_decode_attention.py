@@ -1,7 +1,10 @@
+import logging
+
 import pytest
 import torch
 
 from lightllm.common.autotuner import AutotuneKernelType, autotune_warmup, set_bench_func
+from lightllm.common.autotuner.keys import freeze, key_to_json
 from lightllm.common.kv_cache.quant import (
     dequantize_int4_ref,
     dequantize_int8_ref,
@@ -161,6 +164,43 @@ def test_search_uses_representative_batch_over_existing_pool(monkeypatch):
     ref = decode_attention_ref(q, k, v, r2t, idx, seq)
     for out in (out1, out2):
         torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("bad", [{"num_warps": 2}, {"BLOCK_N": 100}, {"BLOCK_N": "256"}], ids=["keys", "value", "type"])
+@pytest.mark.parametrize("level", [0, 1])
+def test_cached_config_outside_the_candidates_is_a_miss(monkeypatch, caplog, isolated_autotune, bad, level):
+    """Valid JSON the kernel cannot run: one warning, then the default (level 0) or a fresh search (level 1)."""
+    monkeypatch.setenv("LIGHTLLM_TRITON_AUTOTUNE_LEVEL", str(level))
+    monkeypatch.setenv("LIGHTLLM_DECODE_ATTN_AUTOTUNE_SEQ_LEN", "512")
+    tuned = flash_decode._tuned["none"]
+    tuned.clear_cache()
+    q, k, v, r2t, idx, seq = make_batch(2, 4, 2, 64, [3, 9], torch.float32, pool=512)
+    static_key = freeze(flash_decode._static_key(q, k, 64, "none", 0))
+    run_key = flash_decode._run_key(q, 2048)
+    tuned.store.save(static_key, static_key, {run_key: (bad, {})})
+    cfg = {"BLOCK_N": 16, "num_warps": 2, "num_stages": 1, "WAVES": 1}  # one cheap candidate
+    monkeypatch.setattr(tuned, "configs_gen_func", lambda q, block_seq: [cfg])
+    launched = []
+    real_launch = tuned.fn
+
+    def spy(*args, run_config=None, **kwargs):
+        launched.append(run_config)
+        return real_launch(*args, run_config=run_config, **kwargs)
+
+    def bench(run_fn):
+        run_fn()
+        return 0.5 if launched[-1] == cfg else 1.0  # the candidate beats the default
+
+    monkeypatch.setattr(tuned, "fn", spy)
+    set_bench_func(bench)
+    with caplog.at_level(logging.WARNING, logger="lightllm.common.autotuner"):
+        with autotune_warmup(AutotuneKernelType.DECODE_ATTENTION):
+            out, _ = run("none", q, k, v, r2t, idx, seq, 2048, block_seq=64)
+    tuned.clear_cache()
+    (warning,) = [r.getMessage() for r in caplog.records if "gqa_flash_decode" in r.getMessage()]
+    assert "not among the kernel's candidates" in warning and key_to_json(bad) in warning
+    assert bad not in launched and launched[-1] == (cfg if level == 1 else None)
+    torch.testing.assert_close(out.double(), decode_attention_ref(q, k, v, r2t, idx, seq), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.gpu

@@ -141,7 +141,7 @@ def test_num_splits_search_and_restart(monkeypatch, isolated_autotune):
     monkeypatch.setenv("LIGHTLLM_DECODE_ATTN_AUTOTUNE_SEQ_LEN", "1024")
     fake = install(monkeypatch, "flash_attn_interface")
     provider = fa3.find_fa3_provider()
-    speed = {0: 1.0, 1: 3.0, 2: 0.9, 4: 0.5, 8: 0.7}  # ms; 4 splits wins
+    speed = {0: 1.0, 1: 3.0, 2: 0.9, 4: 0.5, 8: 0.7, 16: 0.8, 32: 0.9}  # ms; 4 splits wins
 
     def bench(run):
         run()
@@ -155,7 +155,7 @@ def test_num_splits_search_and_restart(monkeypatch, isolated_autotune):
             # a launch serving up to 2048 tokens (a graph's maximum) on tiny real lengths
             out = fa3.fa3_decode_attention(q, k, v, table, idx, seq, 2048, provider=provider)
     timed = [c for c in fake.calls if not torch.equal(c["seqlens"], seq)]  # the rebuilt batches
-    assert sorted({c["num_splits"] for c in timed}) == [0, 1, 2, 4, 8]  # pruned: 8 * 128 <= 1024
+    assert sorted({c["num_splits"] for c in timed}) == [0, 1, 2, 4, 8, 16, 32]  # one space at every length
     assert {int(c["seqlens"][0]) for c in timed} == {1024, 512}  # the tuning ladder, every request
     assert all(int(c["page_table"].max()) < k.shape[0] for c in timed)  # over the existing pool
     assert fake.calls[-1]["num_splits"] == 4 and fake.calls[-1]["page_table"].shape == (2, 2048)
@@ -171,3 +171,41 @@ def test_num_splits_search_and_restart(monkeypatch, isolated_autotune):
     fake.calls.clear()
     fa3.fa3_decode_attention(q, k, v, table, idx, seq, 2048, provider=provider)
     assert [c["num_splits"] for c in fake.calls] == [4]
+
+
+def test_capture_launches_what_the_warmup_chose_whatever_earlier_starts_stored(monkeypatch, isolated_autotune):
+    """Starts at several tuning lengths share one config dir; the graph's maximum (2048) is at or above each.
+    An earlier start leaves entries under other run keys (one under the graph's maximum); the capture after each
+    warm-up must still launch exactly the split count that warm-up chose."""
+    from lightllm.common.autotuner import tuner
+
+    monkeypatch.setenv("LIGHTLLM_TRITON_AUTOTUNE_LEVEL", "1")
+    fake = install(monkeypatch, "flash_attn_interface")
+    provider = fa3.find_fa3_provider()
+    favourite = {}
+
+    def bench(run):
+        run()
+        return 0.5 if fake.calls[-1]["num_splits"] == favourite["splits"] else 1.0
+
+    set_bench_func(bench)
+    table, k, v, idx, seq = make_cache(2, 8, 2, 64, [5, 9], max_len=2048)
+    q = torch.randn(2, 8, 64).half()
+    for tuning_len, splits in ((4096, 8), (1024, 4), (512, 2), (1024, 4)):
+        tuner.clear_all_caches()  # a restart; the files stay
+        monkeypatch.setenv("LIGHTLLM_DECODE_ATTN_AUTOTUNE_SEQ_LEN", str(tuning_len))
+        favourite["splits"] = splits
+        with autotune_warmup(AutotuneKernelType.DECODE_ATTENTION):
+            fa3.fa3_decode_attention(q, k, v, table, idx, seq, 2048, provider=provider)
+        chosen = fake.calls[-1]["num_splits"]
+        monkeypatch.setattr(tuner, "_is_capturing", lambda: True)
+        fake.calls.clear()
+        fa3.fa3_decode_attention(q, k, v, table, idx, seq, 2048, provider=provider)  # the capture
+        monkeypatch.setattr(tuner, "_is_capturing", lambda: False)
+        assert chosen == splits and [c["num_splits"] for c in fake.calls] == [chosen], tuning_len
+    (path,) = store.iter_config_files(isolated_autotune, "fa3_decode")
+    assert json.loads(path.read_text())["configs"] == {
+        "[2,1,2048]": {"num_splits": 8},
+        "[2,1,1024]": {"num_splits": 4},
+        "[2,1,512]": {"num_splits": 2},
+    }

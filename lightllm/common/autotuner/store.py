@@ -3,8 +3,9 @@
 Two roots are read: configs shipped inside the package and the writable root
 (``LIGHTLLM_AUTOTUNE_CONFIG_DIR``); the writable root wins for a run key both have. Writes go to the
 writable root only, merged under a file lock with whatever another process wrote, then renamed into
-place so readers never see a half-written file. A file that cannot be read or has the wrong schema
-gives one warning and counts as a miss.
+place so readers never see a half-written file. Temp files are made only under that lock, so one found
+there was left by a writer that died (killed with -9, say): the next writer of that file removes it.
+A file that cannot be read or has the wrong schema gives one warning and counts as a miss.
 """
 
 import datetime
@@ -130,12 +131,17 @@ class ConfigStore:
 
     def load(self, frozen_static_key: Any) -> Dict[Any, Config]:
         """Run key (frozen) -> config, shipped configs overlaid by the writable root's."""
-        configs: Dict[Any, Config] = {}
+        return {run_key: config for run_key, (config, _) in self.load_entries(frozen_static_key).items()}
+
+    def load_entries(self, frozen_static_key: Any) -> Dict[Any, Tuple[Config, Path]]:
+        """As :meth:`load`, with the file each config comes from."""
+        entries: Dict[Any, Tuple[Config, Path]] = {}
         for root in (SHIPPED_ROOT, envs.get_autotune_config_dir()):
-            data = read_config_file(self.path(root, frozen_static_key))
+            path = self.path(root, frozen_static_key)
+            data = read_config_file(path)
             if data is not None:
-                configs.update({key_from_json(rk): cfg for rk, cfg in data["configs"].items()})
-        return configs
+                entries.update({key_from_json(rk): (cfg, path) for rk, cfg in data["configs"].items()})
+        return entries
 
     def save(self, static_key: Any, frozen_static_key: Any, entries: Dict[Any, Tuple[Config, dict]]) -> Optional[Path]:
         """Merge ``{run_key: (config, timing)}`` into the writable root's file; None if it could not be written."""
@@ -158,11 +164,28 @@ class ConfigStore:
                     "configs": dict(sorted(configs.items())),
                     "timings": dict(sorted(timings.items())),
                 }
+                _remove_stale_temp_files(path)
                 _atomic_write_json(path, payload)
         except (OSError, Timeout, TypeError, ValueError) as e:
             logger.warning("autotune: could not write %s (%s); the config is used for this run only", path, e)
             return None
         return path
+
+
+def _temp_file_pattern(path: Path) -> "re.Pattern":
+    # mkstemp's random part has no dots, so the temp files of another config file never match
+    return re.compile(rf"\.{re.escape(path.name)}\.[A-Za-z0-9_]+\.tmp")
+
+
+def _remove_stale_temp_files(path: Path) -> None:
+    """Call with ``path``'s lock held: its writers make temp files only under that lock, so any left is stale."""
+    pattern = _temp_file_pattern(path)
+    for entry in os.scandir(path.parent):
+        if pattern.fullmatch(entry.name):
+            try:
+                os.unlink(entry.path)
+            except FileNotFoundError:
+                pass
 
 
 def _atomic_write_json(path: Path, payload: dict) -> None:

@@ -27,6 +27,7 @@ from lightllm.common.autotuner.phase import (
     current_warmup_kernel_type,
     is_searching_level,
 )
+from lightllm.common.autotuner.space import CandidateSpace
 from lightllm.common.autotuner.store import Config, ConfigStore
 
 logger = logging.getLogger(__name__)
@@ -101,12 +102,13 @@ class SearchRecord:
 
 
 class _StaticKeyState:
-    """What one kernel knows about one static key: its configs, nearest-key memo, warmed configs."""
+    """What one kernel knows about one static key: its configs, the config each run key launched, warmed configs."""
 
-    def __init__(self, static_key: Any, configs: Dict[Any, Config]):
+    def __init__(self, static_key: Any, configs: Dict[Any, Config], sources: Dict[Any, Any]):
         self.static_key = static_key
         self.configs = configs
-        self.nearest: Dict[Any, Any] = {}  # run key -> matched cached run key (None: nothing to match)
+        self.sources = sources  # run key -> file its config was read from
+        self.resolved: Dict[Any, Config] = {}  # run key -> config (exact or nearest) that has launched for it
         self.warmed: set = set()  # JSON of configs already run once in this process
         self.searched: set = set()  # run keys searched in this process (FORCE searches each once)
 
@@ -165,38 +167,118 @@ class Autotuner:
         level = envs.get_triton_autotune_level()
         if level == AutotuneLevel.OFF:
             return self.fn(*args, run_config=None, **kwargs)
-        state = self._state(self.static_key_func(**self._static_picker.pick(args, kwargs)))
+        state = self._state(self.static_key_func(**self._static_picker.pick(args, kwargs)), args, kwargs)
         run_key = freeze(self.run_key_func(**self._run_picker.pick(args, kwargs)))
         phase = current_warmup_kernel_type()
-        if phase is self.kernel_type and is_searching_level(level):
-            config = self._decide(state, run_key, level, args, kwargs)
-        else:
-            config = self._lookup(state, run_key)
+        searching = phase is self.kernel_type and is_searching_level(level)
         if phase is not None and self.warmup_all_exist_config and not _is_capturing():
-            self._warm_cached_configs(state, args, kwargs)
-        return self.fn(*args, run_config=config, **kwargs)
+            self._warm_cached_configs(state, args, kwargs)  # first: a config that fails to run is dropped
+        if searching:
+            config = self._decide(state, run_key, level, args, kwargs)
+            if state.resolved.get(run_key, _MISSING) is config:
+                return self.fn(*args, run_config=config, **kwargs)
+        else:
+            config = state.resolved.get(run_key, _MISSING)
+            if config is not _MISSING:  # the hot path: one dict look-up
+                return self.fn(*args, run_config=config, **kwargs)
+            config = self._lookup(state, run_key)
+        return self._first_launch(state, run_key, config, searching, level, args, kwargs)
 
-    def _state(self, static_key: Any) -> _StaticKeyState:
+    def _state(self, static_key: Any, args: tuple, kwargs: dict) -> _StaticKeyState:
         frozen = freeze(static_key)
         state = self._states.get(frozen)
         if state is None:
-            state = self._states[frozen] = _StaticKeyState(static_key, self.store.load(frozen))
+            entries = self.store.load_entries(frozen)
+            configs = {run_key: config for run_key, (config, _) in entries.items()}
+            state = _StaticKeyState(static_key, configs, {run_key: path for run_key, (_, path) in entries.items()})
+            if configs:
+                self._drop_non_candidates(state, args, kwargs)
+            self._states[frozen] = state
         return state
+
+    def _space(self, args: tuple, kwargs: dict) -> CandidateSpace:
+        """Asked once per static key at load, and again by each (rare) search."""
+        return CandidateSpace(self.kernel_name, self.configs_gen_func(**self._configs_picker.pick(args, kwargs)))
+
+    def _drop_non_candidates(self, state: _StaticKeyState, args: tuple, kwargs: dict) -> None:
+        """Once per static key, at load: a stored config the kernel would never offer is a miss (one warning)."""
+        space = self._space(args, kwargs)
+        bad = {}
+        for run_key, config in state.configs.items():
+            why = space.why_not(config)
+            if why is not None:
+                bad[run_key] = (
+                    f"{key_to_json(config)} for run key {key_to_json(run_key)} in {state.sources[run_key]}: {why}"
+                )
+        for run_key in bad:
+            del state.configs[run_key]
+        if bad:
+            logger.warning(
+                "autotune %s: ignoring %d cached config(s) that are not among the kernel's candidates, their run "
+                "keys count as misses: %s",
+                self.kernel_name,
+                len(bad),
+                "; ".join(bad.values()),
+            )
 
     def _lookup(self, state: _StaticKeyState, run_key: Any) -> Config:
         """The run key's cached config, else the nearest cached run key's, else None (launcher default)."""
         config = state.configs.get(run_key, _MISSING)
         if config is not _MISSING:
             return config
-        if run_key not in state.nearest:
-            best, best_distance = None, math.inf
-            for cached in state.configs:
-                distance = self.run_key_distance_func(run_key, cached)
-                if distance < best_distance:
-                    best, best_distance = cached, distance
-            state.nearest[run_key] = best
-        matched = state.nearest[run_key]
-        return None if matched is None else state.configs[matched]
+        best, best_distance = None, math.inf
+        for cached, config in state.configs.items():
+            distance = self.run_key_distance_func(run_key, cached)
+            if distance < best_distance:
+                best, best_distance = config, distance
+        return best
+
+    def _first_launch(self, state, run_key, config: Config, searching: bool, level: int, args, kwargs):
+        """The first launch of ``config`` for ``run_key`` in this process. A cached config that raises is dropped
+        (its run keys become misses) once the default has run on the same input (else the input is at fault and
+        the error surfaces). This call then runs a fresh search's winner (the kernel's own phase, level 1/2, one
+        process; with tensor parallelism the next call searches, every rank together) or the default."""
+        if config is None or _is_capturing():  # never clone or retry inside a graph capture
+            out = self.fn(*args, run_config=config, **kwargs)
+            state.resolved[run_key] = config
+            return out
+        snapshot = _Snapshot(self._mutates_picker.pick(args, kwargs))
+        try:
+            out = self.fn(*args, run_config=config, **kwargs)
+        except Exception as e:
+            snapshot.restore()
+            why = f"failed to launch ({type(e).__name__}: {e})"
+        else:
+            state.resolved[run_key] = config
+            return out
+        out = self.fn(*args, run_config=None, **kwargs)  # raises when the input is at fault: config kept
+        if searching and dist.world() == 1 and run_key not in state.searched:
+            self._drop(state, config, why, "a fresh search replaces it")
+            snapshot.restore()
+            config = self._decide(state, run_key, level, args, kwargs)
+            out = self.fn(*args, run_config=config, **kwargs)
+            state.resolved[run_key] = config
+        else:
+            self._drop(state, config, why, "its run keys count as misses (this call ran the launcher default)")
+        return out
+
+    def _drop(self, state: _StaticKeyState, config: Config, why: str, instead: str) -> None:
+        """Forget ``config`` for every run key that holds it (in this process; the files stay)."""
+        text = key_to_json(config)
+        run_keys = [run_key for run_key, c in state.configs.items() if c is not None and key_to_json(c) == text]
+        for run_key in run_keys:
+            del state.configs[run_key]
+        state.resolved.clear()
+        files = sorted({str(state.sources[k]) for k in run_keys if k in state.sources}) or ["tuned in this process"]
+        logger.warning(
+            "autotune %s: dropped cached config %s (run keys %s; %s): %s; %s",
+            self.kernel_name,
+            text,
+            ", ".join(key_to_json(k) for k in run_keys),
+            ", ".join(files),
+            why,
+            instead,
+        )
 
     def _decide(self, state: _StaticKeyState, run_key: Any, level: int, args: tuple, kwargs: dict) -> Config:
         """In the kernel's own phase at level 1/2: search if needed (agreed across ranks), else use the cache."""
@@ -219,7 +301,10 @@ class Autotuner:
         if any(info[2] for info in infos):
             return self._search(state, run_key, args, kwargs, split=True)
         agreed = infos[0][3]  # every rank has a config: all take rank 0's
+        if agreed == cached:
+            return cached  # the very object, so the run key's memo of its launched config stays valid
         state.configs[run_key] = agreed
+        state.resolved.clear()
         return agreed
 
     def _warm_cached_configs(self, state: _StaticKeyState, args: tuple, kwargs: dict) -> None:
@@ -237,7 +322,7 @@ class Autotuner:
             try:
                 self.fn(*args, run_config=config, **kwargs)
             except Exception as e:  # a stale config must not stop start-up; the search or default takes over
-                logger.warning("autotune %s: cached config %s failed to run: %s", self.kernel_name, config, e)
+                self._drop(state, config, f"failed to launch ({type(e).__name__}: {e})", "its run keys count as misses")
             finally:
                 snapshot.restore()
 
@@ -252,7 +337,7 @@ class Autotuner:
         start = time.perf_counter()
         budget = envs.get_autotune_max_seconds_per_search()
         rule = envs.get_autotune_choice_rule()
-        candidates = self._candidates(args, kwargs)
+        candidates = self._space(args, kwargs).candidates
         scenarios = self._rebuild(args, kwargs) if self.rebuild_input_func else [(args, kwargs)]
         rank, world = (dist.rank(), dist.world()) if split else (0, 1)
         mine = [i for i in range(len(candidates)) if i % world == rank]  # ranks time disjoint slices
@@ -303,17 +388,6 @@ class Autotuner:
         STATS.search_seconds += seconds
         return best
 
-    def _candidates(self, args: tuple, kwargs: dict) -> List[dict]:
-        seen, out = set(), []
-        for config in self.configs_gen_func(**self._configs_picker.pick(args, kwargs)):
-            if not isinstance(config, dict):
-                raise TypeError(f"autotune kernel {self.kernel_name!r}: configs_gen_func yielded {config!r}, not dict")
-            text = key_to_json(config)
-            if text not in seen:
-                seen.add(text)
-                out.append(config)
-        return out
-
     def _rebuild(self, args: tuple, kwargs: dict) -> List[Tuple[tuple, dict]]:
         """Timing inputs: one ``(args, kwargs)`` pair, or a list of them (the first is the tuning point)."""
         rebuilt = self.rebuild_input_func(*args, **kwargs)
@@ -357,7 +431,7 @@ class Autotuner:
 
     def _adopt(self, state, run_key, config, best_ms: float, default_ms: float, timed: int, write: bool) -> None:
         state.configs[run_key] = config
-        state.nearest.clear()
+        state.resolved.clear()
         state.searched.add(run_key)
         if config is not None:
             state.warmed.add(key_to_json(config))

@@ -82,7 +82,8 @@ def main():
 
         # Every rank has a config, but not the same: all adopt rank 0's without searching.
         adopt = make_kernel("dist_adopt")
-        store.ConfigStore(adopt.kernel_name).save(4, freeze(4), {8: ({"ms": 0.3 + rank}, {})})
+        mine = CANDIDATES[1 + rank % (len(CANDIDATES) - 1)]  # rank 0: 0.3; every rank a valid candidate
+        store.ConfigStore(adopt.kernel_name).save(4, freeze(4), {8: (mine, {})})
         current[:] = [adopt]
         adopt(x)
         result["adopt"] = {"timed": adopt.timed, "used": adopt.last}

@@ -310,7 +310,7 @@ def test_cached_configs_run_once_during_any_warmup(toy, level):
     level(1)
     with autotune_warmup(DECODE):
         t(n=4)
-    t.configs = [{"ms": 0.1}]
+    t.configs = [{"ms": 0.1}, {"ms": 0.2}]
     with autotune_warmup(DECODE):
         t(n=16)
     t.kernel.clear_cache()
@@ -328,7 +328,7 @@ def test_cached_configs_run_once_during_any_warmup(toy, level):
     level(1)
     with autotune_warmup(DECODE):
         quiet(n=4)
-        quiet.configs = [{"ms": 0.1}]
+        quiet.configs = [{"ms": 0.1}, {"ms": 0.2}]
         quiet(n=16)
     quiet.kernel.clear_cache()
     quiet.reset_log()

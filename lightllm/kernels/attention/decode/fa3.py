@@ -38,7 +38,6 @@ from lightllm.kernels.attention.decode.tuning import (
 logger = logging.getLogger(__name__)
 
 SPLIT_CANDIDATES = (1, 2, 4, 8, 16, 32)  # 0, FA3's own heuristic, is the launcher default: always timed
-_MIN_TOKENS_PER_SPLIT = 128  # a split smaller than one FA3 KV block only adds reduction work
 INSTALL_HINT = (
     "install FlashAttention-3 for Hopper: `pip install fa3-fwd` (forward-only wheel), FlashAttention's "
     "hopper build (`flash_attn_interface`), or `sgl-kernel`"
@@ -149,11 +148,10 @@ def _launch(
     )  # fmt: skip
 
 
-def _configs(provider, max_len_in_batch):
-    if not provider.split:
-        return [{"num_splits": 1}]
-    longest = decode_attn_autotune_seq_lens(max_len_in_batch)[0]
-    return [{"num_splits": s} for s in SPLIT_CANDIDATES if s == 1 or s * _MIN_TOKENS_PER_SPLIT <= longest]
+def _configs(provider):
+    # Not pruned by length: the candidates of a static key must be the same at every launch, since configs
+    # read from a file are checked against them (one tuned at 4K must stay valid for a 512-token launch).
+    return [{"num_splits": s} for s in SPLIT_CANDIDATES] if provider.split else [{"num_splits": 1}]
 
 
 def _static_key(q, k_cache, page_table, causal, window, softcap, provider):

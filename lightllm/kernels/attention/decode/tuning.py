@@ -3,7 +3,7 @@ ladder of lengths a search times on."""
 
 from typing import Optional
 
-from lightllm.common.autotuner import AutotuneKernelType, get_decode_attn_autotune_seq_len, is_tuning
+from lightllm.common.autotuner import get_decode_attn_autotune_seq_len
 
 KV_LEN_BUCKET = 512
 
@@ -21,10 +21,11 @@ def decode_attn_tuning_len(launch_max_len: int) -> int:
 
 
 def decode_attn_run_key_kv_len(launch_max_len: int) -> int:
-    """The KV length a run key should use: the tuning length while decode attention is being tuned (the dummy
-    capture batch has tiny real lengths), the launch's own maximum otherwise. Not rounded."""
-    tuning = is_tuning(AutotuneKernelType.DECODE_ATTENTION)
-    return decode_attn_tuning_len(launch_max_len) if tuning else int(launch_max_len)
+    """The KV length a run key uses: the tuning length of the launch, inside the tuning scope and outside it
+    alike. The graph captured after a warm-up therefore looks up the very entry the warm-up searched or
+    confirmed (not one an earlier start stored under the graph's maximum), and an eager batch longer than the
+    tuning length maps to the entry tuned for it. Not rounded."""
+    return decode_attn_tuning_len(launch_max_len)
 
 
 def decode_attn_autotune_seq_lens(launch_max_len: Optional[int] = None) -> list:
