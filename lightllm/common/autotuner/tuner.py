@@ -235,31 +235,28 @@ class Autotuner:
 
     def _first_launch(self, state, run_key, config: Config, searching: bool, level: int, args, kwargs):
         """The first launch of ``config`` for ``run_key`` in this process. A cached config that raises is dropped
-        (its run keys become misses) once the default has run on the same input (else the input is at fault and
-        the error surfaces). This call then runs a fresh search's winner (the kernel's own phase, level 1/2, one
-        process; with tensor parallelism the next call searches, every rank together) or the default."""
-        if config is None or _is_capturing():  # never clone or retry inside a graph capture
-            out = self.fn(*args, run_config=config, **kwargs)
-            state.resolved[run_key] = config
-            return out
-        snapshot = _Snapshot(self._mutates_picker.pick(args, kwargs))
+        (its run keys become misses). This call then runs a fresh search's winner (the kernel's own phase, level
+        1/2, one process; with tensor parallelism the next call searches, every rank together) or the default,
+        which raises when the input itself is at fault (then the config is kept). Nothing is cloned: a launch
+        that raises does so before its kernel runs (Triton binds arguments and compiles first), so the inputs
+        are untouched, and a kernel that advances state in place never has its real state copied."""
         try:
             out = self.fn(*args, run_config=config, **kwargs)
         except Exception as e:
-            snapshot.restore()
+            if config is None or _is_capturing():  # nothing to fall back to; never retry inside a graph capture
+                raise
             why = f"failed to launch ({type(e).__name__}: {e})"
         else:
             state.resolved[run_key] = config
             return out
-        out = self.fn(*args, run_config=None, **kwargs)  # raises when the input is at fault: config kept
         if searching and dist.world() == 1 and run_key not in state.searched:
             self._drop(state, config, why, "a fresh search replaces it")
-            snapshot.restore()
             config = self._decide(state, run_key, level, args, kwargs)
             out = self.fn(*args, run_config=config, **kwargs)
             state.resolved[run_key] = config
-        else:
-            self._drop(state, config, why, "its run keys count as misses (this call ran the launcher default)")
+            return out
+        out = self.fn(*args, run_config=None, **kwargs)  # raises when the input is at fault: config kept
+        self._drop(state, config, why, "its run keys count as misses (this call ran the launcher default)")
         return out
 
     def _drop(self, state: _StaticKeyState, config: Config, why: str, instead: str) -> None:

@@ -134,3 +134,19 @@ def test_candidate_space_says_why(config, why):
 def test_candidate_space_rejects_non_dict_candidates():
     with pytest.raises(TypeError, match="autotune kernel 'k': configs_gen_func yielded 3, not dict"):
         CandidateSpace("k", [{"a": 1}, 3])
+
+
+@pytest.mark.parametrize("fails", [False, True], ids=["runs", "fails"])
+def test_first_launch_never_clones_what_the_kernel_mutates(toy, monkeypatch, isolated_autotune, fails):
+    """A live first launch of a cached config must not copy in-place arguments (a linear-attention kernel's
+    real state pool is huge); a config that raises does so before its kernel writes anything."""
+    from lightllm.common.autotuner import tuner
+
+    t = toy(configs=GOOD, mutates_args=("out",), output_args=())
+    if fails:
+        t.fail.add(0.2)
+    write_configs(t, isolated_autotune, {"8": GOOD[1]})
+    monkeypatch.setattr(tuner, "_Snapshot", lambda *a: pytest.fail("cloned the mutated arguments"))
+    t(n=8)
+    t(n=8)
+    assert t.configs_used()[-1] == (None if fails else GOOD[1])
