@@ -250,8 +250,8 @@ def decode_attention_timings(config_dir):
     out = {}
     for name in decode_attention_kernels():
         for path in store.iter_config_files(config_dir, name):
-            data = store.read_config_file(path) or {}
-            for run_key, timing in data.get("timings", {}).items():
+            data = store.read_config_file(path)
+            for run_key, timing in store.read_timings(data).items() if data else ():
                 key = json.loads(run_key)
                 batch = key[0] if isinstance(key, list) and key else None
                 if isinstance(batch, int) and {"best_ms", "default_ms"} <= set(timing):
