@@ -10,15 +10,25 @@ import contextlib
 import os
 import signal
 import subprocess
+import sys
 import time
 from typing import Dict, Iterator, Optional, Sequence
 
 _POLL_S = 0.05
+# For waits that only a hang runs out (a test's or a benchmark's child that never answers), never a slow or busy
+# machine: tests wait this long at most.
+HANG_TIMEOUT_S = 1800.0
 
 
 def start(cmd: Sequence[str], **popen_kwargs) -> subprocess.Popen:
     """``subprocess.Popen(cmd, **popen_kwargs)`` in a new session, so its tree can be stopped as a whole."""
     return subprocess.Popen(cmd, start_new_session=True, **popen_kwargs)
+
+
+def exit_on_sigterm() -> None:
+    """Make SIGTERM raise SystemExit(143) in the main thread, so a script that :func:`stop` ends still runs its
+    ``finally`` blocks and context exits (stopping its own children, removing its temporary folders)."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
 def _stat(pid: int) -> Optional[tuple]:
