@@ -3,7 +3,7 @@
 Each starts in its own session. Stopping one first asks it to end (SIGTERM, so a server stops its own
 workers and a benchmark its own servers), then SIGKILLs whatever is left of its tree: its process group
 and every descendant seen, including those that started sessions of their own. ``running`` and ``run`` do
-this on every way out: normal end, exception, timeout, KeyboardInterrupt.
+this on every way out: normal end, exception, timeout, KeyboardInterrupt. Linux: processes are found in /proc.
 """
 
 import contextlib
@@ -42,8 +42,8 @@ def _stat(pid: int) -> Optional[tuple]:
     return fields[0], int(fields[1]), int(fields[2]), fields[19]
 
 
-def _tree(pid: int) -> Dict[int, str]:
-    """``{pid: start time}`` of ``pid``'s descendants and of the members of its process group."""
+def _tree(pid: int, descendants: bool = True) -> Dict[int, str]:
+    """``{pid: start time}`` of the members of ``pid``'s process group and (if asked) of its descendants."""
     stats = {}
     for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
         if entry.isdigit():
@@ -51,7 +51,7 @@ def _tree(pid: int) -> Dict[int, str]:
             if stat is not None:
                 stats[int(entry)] = stat
     found = {p for p, (_, _, pgrp, _) in stats.items() if pgrp == pid and p != pid}
-    frontier = [pid]
+    frontier = [pid] if descendants else []
     while frontier:
         parent = frontier.pop()
         for p, (_, ppid, _, _) in stats.items():
@@ -82,7 +82,9 @@ def stop(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
     tree, wait until all of it is gone and reap ``proc``. Safe to call more than once, and after ``proc``
     itself has exited: its process group is still found then, but not a descendant that started a session of
     its own after its parent died."""
-    tree = _tree(proc.pid)  # before the leader exits and its children are handed to init
+    # Before the leader exits and its children are handed to init. Once it is reaped its pid may be another
+    # process's: then only its group (whose id the kernel keeps while the group has members) is ours.
+    tree = _tree(proc.pid, descendants=proc.returncode is None)
     if proc.returncode is None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(proc.pid, signal.SIGTERM)  # not proc.send_signal: that may reap proc, freeing its group id
