@@ -13,7 +13,6 @@ import gc
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -21,6 +20,8 @@ import time
 import torch
 
 from bandwidth import copy_gbs, gemv_gbs
+
+from lightllm.common import proc as procs
 
 
 def bandwidths_gbs() -> dict:
@@ -79,8 +80,10 @@ def startup_seconds(model_dir, mode, config_dir):
             f"llm = LLM({model_dir!r}, data_type='bf16', running_max_req_size=64, graph_max_batch_size=64, "
             "max_req_total_len=32768, graph_max_len_in_batch=32768, batch_max_tokens=8192); "
             "print('STARTUP', json.dumps({'total': time.perf_counter()-t, **llm.runner.startup_seconds}))")  # fmt: skip
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
-    return json.loads(out.split("STARTUP")[-1])
+    done = procs.run([sys.executable, "-c", code], env=env)
+    if done.returncode != 0:
+        raise RuntimeError(f"start-up ({mode}) exited with {done.returncode}:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.split("STARTUP")[-1])
 
 
 def main():

@@ -12,7 +12,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 
@@ -20,6 +19,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from serve_load import load  # noqa: E402
 
+from lightllm.common import proc as procs  # noqa: E402
 from lightllm.common.net import free_port, wait_healthy  # noqa: E402
 
 
@@ -54,6 +54,7 @@ def main():
     args = p.parse_args()
     if args.serve:
         return serve(args.serve[0], int(args.serve[1]), int(args.serve[2]))
+    procs.exit_on_sigterm()  # stopped from outside: still stop the server and remove the model folder
     from lightllm.tools.make_tiny_model import make_tiny_qwen3
 
     runs = []
@@ -65,17 +66,13 @@ def main():
         for rep in range(args.repeats):
             port = free_port()
             cmd = [sys.executable, __file__, "--serve", model, str(port), str(max(args.concurrency))]
-            proc = subprocess.Popen(cmd, env=env)
             base = f"http://127.0.0.1:{port}"
-            try:
+            with procs.running(cmd, env=env) as proc:
                 wait_healthy(proc, base)
                 asyncio.run(load(base, 8, 8, args.prompt, 8, vocab))  # warm the paths once
                 for conc in args.concurrency:
                     res = asyncio.run(load(base, args.requests, conc, args.prompt, args.output, vocab))
                     runs.append({"repeat": rep, "concurrency": conc, **res})
-            finally:
-                proc.terminate()
-                proc.wait(timeout=60)
     median = [{"concurrency": c, **{k: statistics.median(r[k] for r in runs if r["concurrency"] == c)
                                     for k in ("tokens_per_s", "decode_step_ms", "decode_batch")}}
               for c in args.concurrency]  # fmt: skip

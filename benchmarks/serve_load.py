@@ -30,6 +30,7 @@ import time
 
 import httpx
 
+from lightllm.common import proc as procs
 from lightllm.common.net import free_port, wait_healthy
 
 WORKLOADS = {"short": (128, 256), "long": (8192, 128)}  # prompt tokens, output tokens
@@ -45,9 +46,13 @@ def start_server(model_dir, tp, level, config_dir, max_batch, max_len, log_path)
            "--batch_max_tokens", "16384"]  # fmt: skip
     t0 = time.perf_counter()
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+        proc = procs.start(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
-    wait_healthy(proc, base, hint=f"see {log_path}")
+    try:
+        wait_healthy(proc, base, hint=f"see {log_path}")
+    except BaseException:
+        procs.stop(proc)
+        raise
     return proc, base, time.perf_counter() - t0
 
 
@@ -149,6 +154,7 @@ def main():
     p.add_argument("--control", action="store_true", help="also start a second 'off' server per repeat (off_b)")
     p.add_argument("--tiny", action="store_true", help="the built-in tiny model instead (a CPU check of the method)")
     args = p.parse_args()
+    procs.exit_on_sigterm()  # stopped from outside: still stop the servers and remove the temporary folders
     from lightllm.tools.make_tiny_model import QWEN3_8B_SHAPE, make_tiny_qwen3
 
     os.makedirs(args.log_dir, exist_ok=True)
@@ -181,19 +187,18 @@ def main():
                         log_path = os.path.join(args.log_dir, f"server_tp{args.tp}_{workload}_{mode}{rep}.log")
                         proc, base, seconds = start_server(model, args.tp, level, cfg[mode], max(args.concurrency),
                                                            prompt_len + out_len + 64, log_path)  # fmt: skip
-                        startups.append({"workload": workload, "mode": mode, "repeat": rep, "startup_s": seconds,
-                                         "summary": startup_summary(log_path),
-                                         "ranks": rank_agreement(log_path)})  # fmt: skip
-                        print(json.dumps(startups[-1]), flush=True)
                         try:
+                            startups.append({"workload": workload, "mode": mode, "repeat": rep, "startup_s": seconds,
+                                             "summary": startup_summary(log_path),
+                                             "ranks": rank_agreement(log_path)})  # fmt: skip
+                            print(json.dumps(startups[-1]), flush=True)
                             for conc in args.concurrency:
                                 res = asyncio.run(load(base, args.requests, conc, prompt_len, out_len, vocab))
                                 results.setdefault((mode, conc), []).append(res)
                                 print(json.dumps({"workload": workload, "mode": mode, "repeat": rep,
                                                   "concurrency": conc, **res}), flush=True)  # fmt: skip
                         finally:
-                            proc.terminate()
-                            proc.wait(timeout=60)
+                            procs.stop(proc)
                 # the tuned files keep each run key's tuned and default time: why "on" chose what it chose
                 shutil.copytree(cfg_on, os.path.join(args.log_dir, f"configs_tp{args.tp}_{workload}"),
                                 dirs_exist_ok=True)  # fmt: skip
@@ -250,8 +255,8 @@ def decode_attention_timings(config_dir):
     out = {}
     for name in decode_attention_kernels():
         for path in store.iter_config_files(config_dir, name):
-            data = store.read_config_file(path) or {}
-            for run_key, timing in data.get("timings", {}).items():
+            data = store.read_config_file(path)
+            for run_key, timing in store.read_timings(data).items() if data else ():
                 key = json.loads(run_key)
                 batch = key[0] if isinstance(key, list) and key else None
                 if isinstance(batch, int) and {"best_ms", "default_ms"} <= set(timing):

@@ -3,16 +3,17 @@ import os
 import pytest
 import torch
 
+from lightllm.common import envs
+
 # On a CPU-only machine Triton kernels run through the interpreter; set it before any kernel is defined.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # models in tests are made locally; never reach for a hub
 
-_LIGHTLLM_ENV = (
-    "LIGHTLLM_TRITON_AUTOTUNE_LEVEL",
-    "LIGHTLLM_DECODE_ATTN_AUTOTUNE_SEQ_LEN",
-    "LIGHTLLM_AUTOTUNE_MAX_SECONDS_PER_SEARCH",
-)
+# Tests start from a clean environment. Cleared here too, not only per test, so that module- and session-scoped
+# fixtures (and the servers they start) do not see the caller's LIGHTLLM_* settings either.
+for _name in envs.ALL:
+    os.environ.pop(_name, None)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -24,14 +25,23 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-@pytest.fixture(autouse=True)
-def isolated_autotune(tmp_path, monkeypatch):
-    """Each test gets empty config roots, default env, the default timer and no open warmup scope."""
-    from lightllm.common.autotuner import bench, phase, store
+@pytest.fixture(scope="session")
+def tiny_model_home(tmp_path_factory):
+    """Where a test that asks for the built-in tiny model gets it: built once per session, never in ~/.cache."""
+    return tmp_path_factory.mktemp("tiny-model") / "tiny"
 
-    for name in _LIGHTLLM_ENV:
+
+@pytest.fixture(autouse=True)
+def isolated_autotune(tmp_path, monkeypatch, tiny_model_home):
+    """Each test gets empty config roots, every LIGHTLLM_* variable at its default, the default timer, a search
+    clock that never spends a budget (a busy machine must not cut a search short) and no open warmup scope."""
+    from lightllm.common.autotuner import bench, phase, store, tuner
+
+    for name in envs.ALL:
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("LIGHTLLM_AUTOTUNE_CONFIG_DIR", str(tmp_path / "autotune"))
+    monkeypatch.setenv(envs.AUTOTUNE_CONFIG_DIR, str(tmp_path / "autotune"))
+    monkeypatch.setenv(envs.TINY_MODEL_DIR, str(tiny_model_home))
+    monkeypatch.setattr(tuner, "search_clock", lambda: 0.0)
     monkeypatch.setattr(store, "SHIPPED_ROOT", tmp_path / "shipped")
     monkeypatch.setattr(store, "_warned_paths", set())
     bench.set_bench_func(None)

@@ -14,6 +14,15 @@ DECODE_ATTN_AUTOTUNE_SEQ_LEN = "LIGHTLLM_DECODE_ATTN_AUTOTUNE_SEQ_LEN"
 AUTOTUNE_CHOICE_RULE = "LIGHTLLM_AUTOTUNE_CHOICE_RULE"
 AUTOTUNE_CHOICE_RULES = ("minimax_loss", "tuning_len")  # see autotuner/choice.py
 TINY_MODEL_DIR = "LIGHTLLM_TINY_MODEL_DIR"
+# Every variable above; tests clear them all so the caller's environment cannot change a result.
+ALL = (
+    AUTOTUNE_LEVEL,
+    AUTOTUNE_CONFIG_DIR,
+    AUTOTUNE_MAX_SECONDS_PER_SEARCH,
+    DECODE_ATTN_AUTOTUNE_SEQ_LEN,
+    AUTOTUNE_CHOICE_RULE,
+    TINY_MODEL_DIR,
+)
 
 _AUTOTUNE_LEVELS = {0: "use cached configs", 1: "adaptive", 2: "force", 3: "off"}
 

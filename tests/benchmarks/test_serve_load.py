@@ -1,11 +1,16 @@
 """serve_load's plan and its reading of the tuned files (the GPU run itself is a benchmark, not a test)."""
 
 import importlib.util
+import json
 import os
+import signal
+import subprocess
+import sys
 
 import pytest
 import torch
 
+from lightllm.common import proc as procs
 from lightllm.common.autotuner import AutotuneKernelType, autotune_warmup, set_bench_func
 from lightllm.kernels.attention.decode import flash_decode, gqa_decode_attention
 
@@ -62,20 +67,31 @@ def test_per_step_attention_reads_what_a_search_wrote(serve_load, monkeypatch, i
     assert serve_load.per_step_attention(timings, 16, layers=4) is None  # no graph of that batch was tuned
 
 
+def _benchmark(tmp_path, *args):
+    """The command line and environment of serve_load.py on the tiny model, its temporary folders in tmp_path."""
+    (tmp_path / "tmp").mkdir()
+    cmd = [sys.executable, os.path.join(REPO, "benchmarks", "serve_load.py"), "--tiny", "--log-dir",
+           str(tmp_path / "logs"), "--out", str(tmp_path / "out.json"), *args]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": REPO, "TMPDIR": str(tmp_path / "tmp"),
+           "LIGHTLLM_AUTOTUNE_CONFIG_DIR": str(tmp_path / "unused"),
+           "LIGHTLLM_AUTOTUNE_MAX_SECONDS_PER_SEARCH": "1e9"}  # no search is cut short on a busy machine  # fmt: skip
+    return cmd, env
+
+
+def _left_behind(tmp_path):
+    """The benchmark's temporary folders (tempfile's tmp*) still there; torch's own caches (torchinductor_*) aside."""
+    return [p.name for p in (tmp_path / "tmp").iterdir() if p.name.startswith("tmp")]
+
+
 def test_runs_end_to_end_on_the_tiny_model(tmp_path):
     """The whole method on the CPU at tp 2: servers started in order, every request whole, an A/A pair, the
-    ranks' config agreement read from each start's log, JSON written."""
-    import json
-    import subprocess
-    import sys
-
+    ranks' config agreement read from each start's log, JSON written, no temporary folder left."""
+    cmd, env = _benchmark(tmp_path, "--tp", "2", "--requests", "3", "--concurrency", "2", "--repeats", "1",
+                          "--control", "--workloads", "short")  # fmt: skip
     out = tmp_path / "out.json"
-    cmd = [sys.executable, os.path.join(REPO, "benchmarks", "serve_load.py"), "--tiny", "--tp", "2", "--requests", "3",
-           "--concurrency", "2", "--repeats", "1", "--control", "--workloads", "short", "--out", str(out),
-           "--log-dir", str(tmp_path / "logs")]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": REPO, "LIGHTLLM_AUTOTUNE_CONFIG_DIR": str(tmp_path / "unused")}
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    done = procs.run(cmd, env=env, timeout=procs.HANG_TIMEOUT_S)
     assert done.returncode == 0, done.stderr[-3000:]
+    assert _left_behind(tmp_path) == []
     result = json.loads(out.read_text())
     assert [(s["mode"], s["repeat"]) for s in result["startups"]] == [("on", 0), ("off", 0), ("off_b", 0)]
     assert all(s["ranks"]["agree"] and s["ranks"]["ranks"] == 2 for s in result["startups"])
@@ -92,3 +108,19 @@ def test_runs_end_to_end_on_the_tiny_model(tmp_path):
     assert sorted(p.name for p in (tmp_path / "logs").glob("*.log")) == [
         "server_tp2_short_off0.log", "server_tp2_short_off_b0.log", "server_tp2_short_on0.log"]  # fmt: skip
     assert "off_b vs off" in done.stdout and row["on"]["decode_step_ms"] > 0
+
+
+def test_stopping_the_benchmark_stops_its_server_and_removes_its_folders(tmp_path):
+    """SIGTERM (what procs.stop, a timeout or a CI runner sends) while a server is under load: the benchmark
+    stops its server and removes its temporary model and config folders before it exits."""
+    cmd, env = _benchmark(tmp_path, "--tp", "2", "--requests", "1000", "--concurrency", "2", "--workloads", "short")
+    bench = procs.start(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert json.loads(bench.stdout.readline())["mode"] == "on"  # printed once the first server answers
+        server_tree = procs._tree(bench.pid)
+        assert len(server_tree) >= 2  # the server and its worker
+    finally:
+        procs.stop(bench, grace_s=procs.HANG_TIMEOUT_S)  # SIGTERM first; SIGKILL only if the benchmark hangs
+    assert bench.returncode == 128 + signal.SIGTERM  # it ended itself: no SIGKILL was needed
+    assert [p for p, started in server_tree.items() if procs._alive(p, started)] == []
+    assert _left_behind(tmp_path) == []

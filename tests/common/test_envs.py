@@ -1,3 +1,4 @@
+import os
 from pathlib import Path
 
 import pytest
@@ -64,3 +65,21 @@ def test_valid_values_parse(monkeypatch):
     assert envs.get_triton_autotune_level() == 2
     assert envs.get_decode_attn_autotune_seq_len() == 8192
     assert envs.get_autotune_max_seconds_per_search() == 2.5
+
+
+def test_all_names_every_variable():
+    defined = {v for k, v in vars(envs).items() if k.isupper() and isinstance(v, str) and v.startswith("LIGHTLLM_")}
+    assert set(envs.ALL) == defined and len(envs.ALL) == len(defined)
+
+
+def test_tests_start_from_a_clean_environment(isolated_autotune, tiny_model_home):
+    """Whatever the caller exported (e.g. LIGHTLLM_AUTOTUNE_CHOICE_RULE=tuning_len), every variable is unset here but
+    the two roots the fixture points into temporary folders; and the search budget cannot run out."""
+    from lightllm.common.autotuner import tuner
+
+    assert {name: os.environ.get(name) for name in envs.ALL} == {
+        **dict.fromkeys(envs.ALL),
+        envs.AUTOTUNE_CONFIG_DIR: str(isolated_autotune),
+        envs.TINY_MODEL_DIR: str(tiny_model_home),
+    }
+    assert tuner.search_clock() == tuner.search_clock() == 0.0

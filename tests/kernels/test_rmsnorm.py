@@ -3,7 +3,7 @@ import json
 import pytest
 import torch
 
-from lightllm.common.autotuner import AutotuneKernelType, autotune_warmup, get_autotune_stats, store
+from lightllm.common.autotuner import AutotuneKernelType, autotune_warmup, get_autotune_stats, set_bench_func, store
 from lightllm.kernels.norm.rmsnorm import rmsnorm, rmsnorm_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -57,8 +57,23 @@ def test_bad_inputs_are_value_errors():
 
 
 def test_real_triton_kernel_through_the_tuner(monkeypatch, isolated_autotune):
-    """Level 1, GENERAL warmup, the default timer: every candidate compiles/runs, the winner is stored."""
+    """Level 1, GENERAL warmup: every candidate compiles and runs through the real kernel; a timer that makes one
+    candidate (not the launcher's pick for N=300) fastest decides the stored winner, which level 0 then reuses."""
     monkeypatch.setenv("LIGHTLLM_TRITON_AUTOTUNE_LEVEL", "1")
+    fastest = {"BLOCK_N": 256, "num_warps": 2}
+    launched = []
+    launcher = rmsnorm.fn
+
+    def recording_launcher(*args, run_config=None, **kwargs):
+        launched.append(run_config)
+        return launcher(*args, run_config=run_config, **kwargs)
+
+    def timer(run):
+        run()
+        return 0.3 if launched[-1] == fastest else (1.0 if launched[-1] is None else 0.5)
+
+    monkeypatch.setattr(rmsnorm, "fn", recording_launcher)
+    set_bench_func(timer)
     torch.manual_seed(1)
     x = torch.randn(4, 300, device=DEVICE)
     w = torch.rand(300, device=DEVICE)
@@ -70,11 +85,16 @@ def test_real_triton_kernel_through_the_tuner(monkeypatch, isolated_autotune):
     assert done.searches == 1 and done.candidates_timed == 10 and done.candidates_rejected == 0  # default + 9
     (path,) = store.iter_config_files(isolated_autotune, "rmsnorm")
     data = json.loads(path.read_text())
-    assert list(data["configs"]) == ["4"] and data["timings"]["4"]["candidates"] == 9
-    chosen = data["configs"]["4"]
-    assert chosen is None or chosen["BLOCK_N"] in (256, 512)
+    assert data["configs"] == {"4": fastest}
+    assert {k: data["timings"]["4"][k] for k in ("best_ms", "default_ms", "candidates")} == {
+        "best_ms": 0.3,
+        "default_ms": 1.0,
+        "candidates": 9,
+    }
     rmsnorm.clear_cache()
     monkeypatch.setenv("LIGHTLLM_TRITON_AUTOTUNE_LEVEL", "0")
+    launched.clear()
     out2 = torch.full_like(x, float("nan"))
     rmsnorm(x, w, out=out2)
     _check(x, w, out2)
+    assert launched == [fastest]

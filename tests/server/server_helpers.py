@@ -2,40 +2,40 @@
 
 import contextlib
 import os
-import subprocess
 import sys
 
+from lightllm.common import proc as procs
 from lightllm.common.net import free_port, wait_healthy
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def start_server(home, args, timeout=180):
-    """``python -m lightllm.server.api_server *args`` answering /health: (process, base URL, log path)."""
+def start_server(home, args, timeout=procs.HANG_TIMEOUT_S):
+    """``python -m lightllm.server.api_server *args`` answering /health: (process, base URL, log path). The process
+    leads its own session; stop it with ``lightllm.common.proc.stop`` (``running_server`` does)."""
     port = free_port()
     env = {**os.environ, "PYTHONPATH": REPO, "LIGHTLLM_TINY_MODEL_DIR": str(home / "tiny"),
            "LIGHTLLM_AUTOTUNE_CONFIG_DIR": str(home / "autotune"), "HF_HUB_OFFLINE": "1"}  # fmt: skip
     log_path = home / f"server-{port}.log"
     with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "lightllm.server.api_server", "--port", str(port), *args],
-                                env=env, stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+        proc = procs.start([sys.executable, "-m", "lightllm.server.api_server", "--port", str(port), *args], env=env,
+                           stdout=log, stderr=log)  # fmt: skip
     base = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(proc, base, timeout)
-    except RuntimeError as e:
-        proc.kill()
-        raise RuntimeError(f"{e}\n{log_path.read_text()[-3000:]}") from None
+    except BaseException as e:
+        procs.stop(proc)
+        if isinstance(e, RuntimeError):
+            raise RuntimeError(f"{e}\n{log_path.read_text()[-3000:]}") from None
+        raise
     return proc, base, log_path
 
 
 @contextlib.contextmanager
-def running_server(home, args, timeout=180):
+def running_server(home, args, timeout=procs.HANG_TIMEOUT_S):
+    """The server's base URL; on leaving the block, however it is left, the server and its workers are stopped."""
     proc, base, _ = start_server(home, args, timeout)
     try:
         yield base
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        procs.stop(proc)

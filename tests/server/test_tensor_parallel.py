@@ -12,6 +12,7 @@ import pytest
 from server_helpers import REPO, running_server, start_server
 
 from lightllm import LLM, SamplingParams
+from lightllm.common import proc as procs
 from lightllm.tools.make_tiny_model import make_tiny_qwen3
 
 
@@ -74,11 +75,41 @@ def test_a_dead_worker_ends_the_server_instead_of_hanging_it(tmp_path):
     proc, log_path, pid = _start_tp2(tmp_path)
     try:
         os.kill(pid, signal.SIGKILL)
-        assert proc.wait(timeout=30) == 1
+        assert proc.wait(timeout=procs.HANG_TIMEOUT_S) == 1
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        procs.stop(proc)
     assert f"tensor-parallel worker lightllm-tp1 (pid {pid}) exited with code -9" in log_path.read_text()
+
+
+def _session(sid: int) -> list:
+    """Live (not zombie) processes of session ``sid``."""
+    out = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == sid and fields[0] != "Z":
+            out.append(int(entry))
+    return out
+
+
+def test_a_failing_test_leaves_no_server_process_behind(tmp_path):
+    """An exception inside running_server: rank 0, its worker and every other process of the server's session
+    are gone when the block is left."""
+    model = str(make_tiny_qwen3(tmp_path / "model", num_attention_heads=4, num_key_value_heads=2))
+    args = ["--model_dir", model, "--tp", "2", "--device", "cpu", "--data_type", "fp32", "--batch_max_tokens", "64",
+            "--max_req_total_len", "128"]  # fmt: skip
+    with pytest.raises(RuntimeError, match="the test failed"):
+        with running_server(tmp_path, args):
+            (log,) = tmp_path.glob("server-*.log")
+            rank1 = int(re.search(r"lightllm-tp1 pid (\d+)", log.read_text()).group(1))
+            with open(f"/proc/{rank1}/stat") as f:
+                server = int(f.read().rsplit(")", 1)[1].split()[1])  # rank 1's parent: rank 0, the server
+            assert len(_session(server)) >= 2 and rank1 in _session(server)
+            raise RuntimeError("the test failed")
+    assert _gone(rank1) and _gone(server) and _session(server) == []
 
 
 _ORPHAN = """
@@ -101,18 +132,23 @@ def test_a_worker_does_not_outlive_rank_0(tmp_path):
     """SIGKILL rank 0 while a worker waits on it: the worker exits instead of holding its device forever."""
     script = tmp_path / "orphan.py"
     script.write_text(_ORPHAN)
-    parent = subprocess.Popen([sys.executable, str(script)], env={**os.environ, "PYTHONPATH": REPO},
-                              stdout=subprocess.PIPE, text=True)  # fmt: skip
-    child = int(parent.stdout.readline())
-    assert not _gone(child)
-    parent.kill()  # maybe before the child has even started watching: it must exit all the same
-    parent.wait(timeout=30)
-    deadline = time.time() + 15
-    while not _gone(child) and time.time() < deadline:
-        time.sleep(0.2)
-    if not _gone(child):
-        os.kill(child, signal.SIGKILL)
-        raise AssertionError("the worker outlived rank 0")
+    parent = procs.start([sys.executable, str(script)], env={**os.environ, "PYTHONPATH": REPO},
+                         stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        child = int(parent.stdout.readline())
+        assert not _gone(child)
+        os.kill(
+            parent.pid, signal.SIGKILL
+        )  # maybe before the child has even started watching: it must exit all the same
+        parent.wait()
+        deadline = (
+            time.monotonic() + procs.HANG_TIMEOUT_S
+        )  # the child polls every 0.1 s; only a worker that never exits waits this long
+        while not _gone(child) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _gone(child), "the worker outlived rank 0"
+    finally:
+        procs.stop(parent)  # its group: the worker, if it is still there
 
 
 def test_a_failed_rank_0_step_ends_every_rank():

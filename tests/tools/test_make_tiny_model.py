@@ -8,6 +8,7 @@ from transformers import AutoTokenizer, Qwen3ForCausalLM
 from lightllm.tools import make_tiny_model
 from lightllm.engine.attention import GPU_HEAD_DIMS
 from lightllm.common.envs import TINY_MODEL_DIR
+from lightllm.common.proc import HANG_TIMEOUT_S
 from lightllm.tools.make_tiny_model import default_model_dir, make_tiny_qwen3
 
 
@@ -158,11 +159,17 @@ def test_default_model_dir_concurrent_processes_build_once(tmp_path, monkeypatch
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     procs = [ctx.Process(target=_resolve_default, args=(queue,)) for _ in range(3)]
-    for p in procs:
-        p.start()
-    results = [queue.get(timeout=300) for _ in procs]
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
+    try:
+        for p in procs:
+            p.start()
+        results = [queue.get(timeout=HANG_TIMEOUT_S) for _ in procs]
+        for p in procs:
+            p.join(timeout=HANG_TIMEOUT_S)
+            assert p.exitcode == 0
+    finally:  # on a failure too: none may outlive the test
+        for p in procs:
+            if p.pid is not None:  # started
+                p.kill()
+                p.join()
     assert results == [str(target)] * 3 and make_tiny_model._is_complete(target)
     assert [p.name for p in tmp_path.iterdir() if ".tmp-" in p.name] == []

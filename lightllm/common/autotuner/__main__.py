@@ -15,21 +15,32 @@ def _roots() -> List[Tuple[str, Path]]:
     return [("shipped", store.SHIPPED_ROOT), ("user", envs.get_autotune_config_dir())]
 
 
-def _where(root: Path, path: Path) -> Tuple[str, str, str]:
-    triton_dir, gpu, kernel = path.relative_to(root).parts[:3]
-    return triton_dir, gpu, kernel
+def _timing_text(timing: dict) -> str:
+    """What the file's (sanitized) times say; a ratio only when both times are there."""
+    best, default = timing.get("best_ms"), timing.get("default_ms")
+    if best is None:
+        return ""
+    if default is None:
+        return f"  {best:.4f} ms"
+    return f"  {best:.4f} ms, {default / best:.2f}x over default"
 
 
 def cmd_list(_args) -> int:
     rows = defaultdict(lambda: [0, 0])
     for label, root in _roots():
         for path in store.iter_config_files(root):
+            triton_dir, gpu, kernel = path.relative_to(root).parts[:3]
             data = store.read_config_file(path)
-            row = rows[(_where(root, path)[2], label, *_where(root, path)[:2])]
+            row = rows[(kernel, label, triton_dir, gpu)]
             row[0] += 1
             row[1] += len(data["configs"]) if data else 0
     if not rows:
-        print("no autotune configs under " + ", ".join(str(r) for _, r in _roots()))
+        existing = [str(root) for _, root in _roots() if root.is_dir()]
+        if existing:
+            print("no autotune configs under " + ", ".join(existing))
+        else:
+            user_root = envs.get_autotune_config_dir()
+            print(f"no autotune configs: no config folder exists yet (the first search writes under {user_root})")
         return 0
     print(f"{'kernel':40} {'root':8} {'triton':14} {'gpu':24} {'files':>5} {'run keys':>8}")
     for (kernel, label, triton_dir, gpu), (files, keys) in sorted(rows.items()):
@@ -48,12 +59,9 @@ def cmd_show(args) -> int:
                 print("  unreadable (see warning above)")
                 continue
             print(f"  static key: {data.get('static_key')}")
+            timings = store.read_timings(data)
             for rk, cfg in data["configs"].items():
-                t = data["timings"].get(rk, {})
-                extra = ""
-                if t.get("best_ms") and t.get("default_ms"):
-                    extra = f"  {t['best_ms']:.4f} ms, {t['default_ms'] / t['best_ms']:.2f}x over default"
-                print(f"  run key {rk}: {'default' if cfg is None else cfg}{extra}")
+                print(f"  run key {rk}: {'default' if cfg is None else cfg}{_timing_text(timings[rk])}")
     if not found:
         print(f"no configs for kernel {args.kernel!r}")
         return 1
@@ -62,13 +70,24 @@ def cmd_show(args) -> int:
 
 def cmd_clear(args) -> int:
     root = envs.get_autotune_config_dir()
+    shipped = store.SHIPPED_ROOT.resolve()
+    if root.resolve() == shipped or shipped in root.resolve().parents:
+        why = "is the shipped configs folder or inside it; clear never touches shipped configs"
+        print(f"error: {envs.AUTOTUNE_CONFIG_DIR}={str(root)!r} {why}", file=sys.stderr)
+        return 2
     removed = 0
-    for kernel_dir in sorted(root.glob(f"triton_*/*/{args.kernel}")) if root.is_dir() else []:
-        if kernel_dir.is_dir():
-            files = len(list(kernel_dir.glob("*.json")))
+    for kernel_dir in store.iter_kernel_dirs(root, args.kernel):
+        if kernel_dir.is_symlink():  # removing through it would delete files outside the config root
+            print(f"skipped {kernel_dir}: a link, not a folder of the config root; remove it yourself")
+            continue
+        files = len(store.config_files(kernel_dir))
+        try:
             shutil.rmtree(kernel_dir)
-            removed += 1
-            print(f"removed {kernel_dir} ({files} config files)")
+        except OSError as e:
+            print(f"error: could not remove {kernel_dir}: {e}", file=sys.stderr)
+            return 1
+        removed += 1
+        print(f"removed {kernel_dir} ({files} config files)")
     if not removed:
         print(f"nothing to clear for kernel {args.kernel!r} under {root} (shipped configs are never touched)")
     return 0
@@ -88,7 +107,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         envs.get_autotune_config_dir()
         if hasattr(args, "kernel"):
-            store.ConfigStore(args.kernel)  # validates the name: no globs or paths
+            store.check_kernel_name(args.kernel)  # one folder name: no ".", "..", separators or globs
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -12,12 +12,13 @@ import datetime
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 import tempfile
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Dict, Iterator, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from filelock import FileLock, Timeout
 
@@ -37,6 +38,20 @@ Config = Optional[Dict[str, Any]]  # None means "the launcher's own default"
 
 def _safe_name(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.=,+-]+", "_", text).strip("_") or "_"
+
+
+# A kernel name is one folder name: no separators or glob characters, and never ".", ".." or a hidden name.
+_KERNEL_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.=,+-]*")
+
+
+def check_kernel_name(kernel_name: Any) -> str:
+    """``kernel_name`` if it is a valid kernel folder name, else ValueError naming it and what is allowed."""
+    if not isinstance(kernel_name, str) or not _KERNEL_NAME.fullmatch(kernel_name) or len(kernel_name) > _MAX_NAME_LEN:
+        raise ValueError(
+            f"autotune kernel_name {kernel_name!r} is not allowed; use 1 to {_MAX_NAME_LEN} letters, digits and "
+            "'_.=,+-', starting with a letter, digit or '_'"
+        )
+    return kernel_name
 
 
 @lru_cache(maxsize=None)
@@ -119,9 +134,7 @@ class ConfigStore:
     """Reads and writes the config files of one kernel."""
 
     def __init__(self, kernel_name: str):
-        if not kernel_name or _safe_name(kernel_name) != kernel_name:
-            raise ValueError(f"autotune kernel_name {kernel_name!r} must use only letters, digits and '_.=,+-'")
-        self.kernel_name = kernel_name
+        self.kernel_name = check_kernel_name(kernel_name)
 
     def kernel_dir(self, root: Path) -> Path:
         return Path(root) / triton_dir_name() / device_dir_name() / self.kernel_name
@@ -205,10 +218,43 @@ def _atomic_write_json(path: Path, payload: dict) -> None:
         raise
 
 
-def iter_config_files(root: Path, kernel_name: Optional[str] = None) -> Iterator[Path]:
-    """Every config file under ``root`` (all Triton versions and GPUs), optionally of one kernel."""
+def _timing_ms(value: Any) -> Optional[float]:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value) if math.isfinite(value) and value > 0 else None
+
+
+def read_timings(data: dict) -> Dict[str, Dict[str, float]]:
+    """Per run key of ``data`` (from :func:`read_config_file`), the times a reader may use: ``best_ms`` and
+    ``default_ms`` where they are finite positive numbers; anything else in a hand-edited file is dropped."""
+    out = {}
+    for run_key in data["configs"]:
+        timing = data["timings"].get(run_key)
+        if isinstance(timing, dict):
+            times = {name: _timing_ms(timing.get(name)) for name in ("best_ms", "default_ms")}
+            out[run_key] = {name: ms for name, ms in times.items() if ms is not None}
+        else:
+            out[run_key] = {}
+    return out
+
+
+def iter_kernel_dirs(root: Path, kernel_name: Optional[str] = None) -> Iterator[Path]:
+    """Every kernel folder ``<root>/triton_*/<gpu>/<kernel>`` (of one kernel, if named), as the store finds them."""
+    name = "*" if kernel_name is None else check_kernel_name(kernel_name)
     root = Path(root)
     if not root.is_dir():
         return
-    pattern = f"triton_*/*/{kernel_name}/*.json" if kernel_name else "triton_*/*/*/*.json"
-    yield from sorted(root.glob(pattern))
+    for path in sorted(root.glob(f"triton_*/*/{name}")):
+        if path.is_dir() and _KERNEL_NAME.fullmatch(path.name):  # a folder the store could have written
+            yield path
+
+
+def config_files(kernel_dir: Path) -> List[Path]:
+    """The config files of one kernel folder: its regular ``*.json`` files."""
+    return [path for path in sorted(Path(kernel_dir).glob("*.json")) if path.is_file()]
+
+
+def iter_config_files(root: Path, kernel_name: Optional[str] = None) -> Iterator[Path]:
+    """Every config file under ``root`` (all Triton versions and GPUs), optionally of one kernel."""
+    for kernel_dir in iter_kernel_dirs(root, kernel_name):
+        yield from config_files(kernel_dir)

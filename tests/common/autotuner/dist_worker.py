@@ -19,6 +19,7 @@ from lightllm.common.autotuner import (
     store,
 )
 from lightllm.common.autotuner.keys import freeze
+from lightllm.common.proc import HANG_TIMEOUT_S
 
 DECODE = AutotuneKernelType.DECODE_ATTENTION
 CANDIDATES = [{"ms": v} for v in (0.5, 0.3, 0.9, 0.4, 0.6, 0.05)]
@@ -47,7 +48,7 @@ def main():
         init_method=f"tcp://127.0.0.1:{os.environ['PORT']}",
         rank=rank,
         world_size=world,
-        timeout=timedelta(seconds=60),
+        timeout=timedelta(seconds=HANG_TIMEOUT_S),  # ranks start slowly on a busy machine
     )
     current = []
 

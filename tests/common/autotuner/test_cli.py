@@ -33,9 +33,58 @@ def test_list(two_kernels, capsys):
     }
 
 
-def test_list_empty(capsys):
+def test_list_empty_names_only_roots_that_exist(isolated_autotune, capsys):
     assert cli.main(["list"]) == 0
-    assert "no autotune configs" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert out.startswith("no autotune configs: no config folder exists yet")
+    assert str(store.SHIPPED_ROOT) not in out
+    isolated_autotune.mkdir()
+    assert cli.main(["list"]) == 0
+    assert capsys.readouterr().out == f"no autotune configs under {isolated_autotune}\n"
+
+
+def _write(root, kernel, name, payload, triton="triton_9.9.9", gpu="gpu_a"):
+    path = root / triton / gpu / kernel / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(payload if isinstance(payload, str) else json.dumps(payload))
+    return path
+
+
+def test_list_counts_only_regular_files(isolated_autotune, capsys):
+    _write(isolated_autotune, "k", "a.json", {"version": 1, "configs": {"1": None, "2": {"B": 1}}})
+    (isolated_autotune / "triton_9.9.9" / "gpu_a" / "k" / "x.json").mkdir()
+    _write(isolated_autotune, ".hidden", "a.json", {"version": 1, "configs": {"1": None}})  # no kernel's folder
+    assert cli.main(["list"]) == 0
+    header, row = capsys.readouterr().out.splitlines()
+    assert row.split() == ["k", "user", "triton_9.9.9", "gpu_a", "1", "2"]
+
+
+def test_show_prints_only_times_the_store_accepts(isolated_autotune, capsys):
+    timings = {
+        "1": {"best_ms": 0.05, "default_ms": 0.1},
+        "2": [0.05, 0.1],
+        "3": {"best_ms": "fast", "default_ms": 0.1},
+        "4": {"best_ms": -1, "default_ms": 0.1},
+        "5": {"best_ms": 0.05, "default_ms": -1},
+        "6": {"best_ms": 0.05, "default_ms": 0},
+        "7": {"best_ms": True, "default_ms": 0.1},
+    }
+    configs = {rk: {"B": int(rk)} for rk in timings}
+    payload = json.dumps({"version": 1, "configs": configs, "timings": timings})
+    _write(isolated_autotune, "k", "a.json", payload.replace('"default_ms": 0}', '"default_ms": Infinity}'))
+    _write(isolated_autotune, "k", "b.json", {"version": 1, "configs": {"8": None}, "timings": [1, 2]})
+    assert cli.main(["show", "k"]) == 0
+    lines = [ln.strip() for ln in capsys.readouterr().out.splitlines() if "run key" in ln]
+    assert lines == [
+        "run key 1: {'B': 1}  0.0500 ms, 2.00x over default",
+        "run key 2: {'B': 2}",
+        "run key 3: {'B': 3}",
+        "run key 4: {'B': 4}",
+        "run key 5: {'B': 5}  0.0500 ms",
+        "run key 6: {'B': 6}  0.0500 ms",
+        "run key 7: {'B': 7}",
+        "run key 8: default",
+    ]
 
 
 def test_show(two_kernels, capsys):
@@ -57,11 +106,61 @@ def test_clear_touches_only_writable_root(two_kernels, capsys):
     assert "nothing to clear" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("name", ["*", "../x", "a/b"])
-def test_clear_rejects_globs_and_paths(two_kernels, capsys, name):
-    assert cli.main(["clear", name]) == 2
-    assert "kernel_name" in capsys.readouterr().err
-    assert list(store.iter_config_files(two_kernels))
+def test_clear_removes_every_folder_of_the_kernel_and_nothing_else(isolated_autotune, capsys, tmp_path):
+    root = isolated_autotune
+    _write(root, "k", "a.json", "{}")
+    _write(root, "k", "b.json", "{}")
+    (root / "triton_9.9.9" / "gpu_a" / "k" / "x.json").mkdir()  # a folder, not a config file
+    _write(root, "k", "a.json", "{}", triton="triton_1.0.0", gpu="gpu_b")
+    keep = [
+        _write(root, "k2", "a.json", "{}"),
+        _write(root, "k", "a.json", "{}", triton="not_triton"),
+        _write(root, "gpu_c", "k", "{}"),  # a file named like the kernel: triton_9.9.9/gpu_c/k
+        _write(tmp_path / "elsewhere", "k", "a.json", "{}"),
+    ]
+    (root / "triton_9.9.9" / "gpu_d").mkdir()
+    (root / "triton_9.9.9" / "gpu_d" / "k").symlink_to(tmp_path / "elsewhere" / "triton_9.9.9" / "gpu_a" / "k")
+    assert cli.main(["clear", "k"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out == [
+        f"removed {root / 'triton_1.0.0' / 'gpu_b' / 'k'} (1 config files)",
+        f"removed {root / 'triton_9.9.9' / 'gpu_a' / 'k'} (2 config files)",
+        f"skipped {root / 'triton_9.9.9' / 'gpu_d' / 'k'}: a link, not a folder of the config root; remove it yourself",
+    ]
+    assert all(path.read_text() == "{}" for path in keep)
+    assert not (root / "triton_9.9.9" / "gpu_a" / "k").exists() and not (root / "triton_1.0.0" / "gpu_b" / "k").exists()
+
+
+def test_clear_refuses_a_user_root_inside_the_shipped_configs(monkeypatch, capsys):
+    shipped = _write(store.SHIPPED_ROOT, "k", "a.json", "{}")
+    monkeypatch.setenv("LIGHTLLM_AUTOTUNE_CONFIG_DIR", str(store.SHIPPED_ROOT))
+    assert cli.main(["clear", "k"]) == 2
+    assert capsys.readouterr().err.startswith("error: LIGHTLLM_AUTOTUNE_CONFIG_DIR=")
+    assert shipped.exists()
+
+
+def _all_files(*roots):
+    return sorted(str(p) for root in roots for p in root.rglob("*"))
+
+
+@pytest.mark.parametrize("command", ["clear", "show"])
+@pytest.mark.parametrize("name", [".", "..", "../x", "a/b", "/abs", ".hidden", "*", "dec*", "k?", "[ab]", "a\\b", ""])
+def test_names_that_are_not_one_kernel_folder_exit_2(two_kernels, capsys, command, name):
+    before = _all_files(two_kernels, store.SHIPPED_ROOT)
+    assert cli.main([command, name]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith(f"error: autotune kernel_name {name!r} is not allowed;")
+    assert captured.err.count("\n") == 1
+    assert _all_files(two_kernels, store.SHIPPED_ROOT) == before
+
+
+def test_store_refuses_the_same_names():
+    for name in (".", "..", "a/b", ".x", "k*"):
+        with pytest.raises(ValueError, match="kernel_name"):
+            store.ConfigStore(name)
+        with pytest.raises(ValueError, match="kernel_name"):
+            list(store.iter_config_files(store.SHIPPED_ROOT, name))
 
 
 def test_bad_env_is_one_line(monkeypatch, capsys, tmp_path):

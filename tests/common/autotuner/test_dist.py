@@ -5,6 +5,7 @@ import sys
 
 import pytest
 
+from lightllm.common import proc
 from lightllm.common.net import free_port
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -14,27 +15,25 @@ ALL = {0.5, 0.3, 0.9, 0.4, 0.6, 0.05}
 
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_ranks_agree_on_configs(tmp_path, world):
-    env = {**os.environ, "PYTHONPATH": REPO, "PORT": str(free_port())}
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                os.path.join(HERE, "dist_worker.py"),
-                str(r),
-                str(world),
-                str(tmp_path / f"{r}.json"),
-                str(tmp_path),
-            ],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in range(world)
-    ]
-    for p in procs:
-        out, _ = p.communicate(timeout=240)
-        assert p.returncode == 0, out
+    # no search may run out of budget on a busy machine
+    env = {
+        **os.environ,
+        "PYTHONPATH": REPO,
+        "PORT": str(free_port()),
+        "LIGHTLLM_AUTOTUNE_MAX_SECONDS_PER_SEARCH": "1e9",
+    }
+    workers = []
+    try:
+        for r in range(world):
+            out_path = str(tmp_path / f"{r}.json")
+            cmd = [sys.executable, os.path.join(HERE, "dist_worker.py"), str(r), str(world), out_path, str(tmp_path)]
+            workers.append(proc.start(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        for p in workers:
+            out, _ = p.communicate(timeout=proc.HANG_TIMEOUT_S)
+            assert p.returncode == 0, out
+    finally:
+        for p in workers:
+            proc.stop(p)
     res = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(world)]
 
     # Split search: disjoint slices covering every candidate (dealt round-robin), one agreed winner, found on

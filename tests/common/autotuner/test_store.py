@@ -8,17 +8,17 @@ import textwrap
 import pytest
 import torch
 
+from lightllm.common import proc
 from lightllm.common.autotuner import AutotuneKernelType, autotune_warmup, store
 
 GENERAL = AutotuneKernelType.GENERAL
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
-def _run_python(code: str, env_extra: dict, timeout=120) -> subprocess.CompletedProcess:
-    env = {**os.environ, **env_extra, "PYTHONPATH": REPO}
-    return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True, timeout=timeout
-    )
+def _run_python(code: str, env_extra: dict) -> subprocess.CompletedProcess:
+    # no search may run out of budget on a busy machine
+    env = {**os.environ, "LIGHTLLM_AUTOTUNE_MAX_SECONDS_PER_SEARCH": "1e9", **env_extra, "PYTHONPATH": REPO}
+    return proc.run([sys.executable, "-c", textwrap.dedent(code)], env=env, timeout=proc.HANG_TIMEOUT_S)
 
 
 _TUNE_SCRIPT = """
@@ -70,18 +70,17 @@ _WRITER_SCRIPT = """
 def test_many_processes_writing_one_kernel_lose_nothing(isolated_autotune):
     workers, count = 4, 25
     env = {**os.environ, "LIGHTLLM_AUTOTUNE_CONFIG_DIR": str(isolated_autotune), "PYTHONPATH": REPO}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", textwrap.dedent(_WRITER_SCRIPT), str(w), str(count)],
-            env=env,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for w in range(workers)
-    ]
-    for p in procs:
-        _, err = p.communicate(timeout=180)
-        assert p.returncode == 0, err
+    writers = []
+    try:
+        for w in range(workers):
+            cmd = [sys.executable, "-c", textwrap.dedent(_WRITER_SCRIPT), str(w), str(count)]
+            writers.append(proc.start(cmd, env=env, stderr=subprocess.PIPE, text=True))
+        for p in writers:
+            _, err = p.communicate(timeout=proc.HANG_TIMEOUT_S)
+            assert p.returncode == 0, err
+    finally:
+        for p in writers:
+            proc.stop(p)
     files = list(store.iter_config_files(isolated_autotune, "concurrent_test"))
     assert len(files) == 1
     data = json.loads(files[0].read_text())  # valid JSON

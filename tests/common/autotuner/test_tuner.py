@@ -1,6 +1,5 @@
 import json
 import logging
-import time
 
 import pytest
 import torch
@@ -272,23 +271,27 @@ def test_never_slower_than_default(toy, level, isolated_autotune):
 
 
 def test_budget_ends_search_with_best_so_far(toy, level, monkeypatch, caplog):
+    """On a fake clock each timing takes 10 s: a 30 s budget is spent after the default and three candidates."""
     level(1)
-    monkeypatch.setenv("LIGHTLLM_AUTOTUNE_MAX_SECONDS_PER_SEARCH", "0.05")
+    monkeypatch.setenv("LIGHTLLM_AUTOTUNE_MAX_SECONDS_PER_SEARCH", "30")
+    now = [0.0]
+    monkeypatch.setattr(tuner, "search_clock", lambda: now[0])
     t = toy(configs=[{"ms": 0.5}, {"ms": 0.4}, {"ms": 0.1}, {"ms": 0.05}])
     real_ms = t.bench.ms
 
-    def slow(cfg):
-        time.sleep(0.04)
+    def ten_seconds(cfg):
+        now[0] += 10.0
         return real_ms(cfg)
 
-    t.bench.ms = slow
+    t.bench.ms = ten_seconds
     with caplog.at_level(logging.WARNING, logger="lightllm.common.autotuner"):
         with autotune_warmup(GENERAL):
             t(n=4)
-    assert t.bench.timed[0] is None  # default always measured first
-    assert 2 <= len(t.bench.timed) < 5
-    assert t.configs_used()[-1] == t.bench.timed[-1]  # the best of those timed
-    assert any("budget" in r.getMessage() for r in caplog.records)
+    assert t.bench.timed == [None, {"ms": 0.5}, {"ms": 0.4}, {"ms": 0.1}]  # default first; 0.05 never reached
+    assert t.configs_used()[-1] == {"ms": 0.1}  # the best of those timed
+    assert t.kernel.last_search.seconds == 40.0
+    (warning,) = [r.getMessage() for r in caplog.records if "budget" in r.getMessage()]
+    assert "budget of 30s spent after 3 of 4 candidates" in warning
 
 
 def test_search_refused_during_capture_but_cache_hits_work(toy, level, monkeypatch):
