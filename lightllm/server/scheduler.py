@@ -151,6 +151,8 @@ class Scheduler:
         for req in [r for r in self.running if r.id in ids]:
             self.running.remove(req)
             self._finish(req, "abort")
+        for req in [r for r in self.waiting if r.id in ids]:  # a waiting client still there (shutdown) hears why
+            self._finish(req, "abort")
         self.waiting = deque(r for r in self.waiting if r.id not in ids)
 
     def step(self) -> bool:

@@ -86,20 +86,28 @@ def test_a_client_that_never_finishes_its_headers_is_cut_off(tmp_path):
         proc.wait()
 
 
+def _events(lines):
+    return [json.loads(line[6:]) for line in lines if line.startswith("data: ")]
+
+
 def test_shutdown_drains_then_aborts_what_is_left(tmp_path):
-    """SIGTERM with a request 4000 tokens from its end and a 0.5 s drain: the client gets what was generated and
-    finish_reason abort, and the server exits, instead of finishing the request first."""
-    proc, base, log = start_server(tmp_path, ["--device", "cpu", "--shutdown_drain_s", "0.5"])
+    """SIGTERM with one request 4000 tokens from its end and one waiting behind it (one request runs at a time),
+    and a 0.5 s drain: each client gets what was generated and finish_reason abort, and the server exits,
+    instead of finishing both requests first."""
+    args = ["--device", "cpu", "--shutdown_drain_s", "0.5", "--running_max_req_size", "1"]
+    proc, base, log = start_server(tmp_path, args)
     try:
         body = {"inputs": [5, 6, 7], "parameters": {"max_new_tokens": 4000, "ignore_eos": True}}
-        with httpx.stream("POST", base + "/generate_stream", json=body, timeout=120) as r:
-            lines = r.iter_lines()
+        with httpx.stream("POST", base + "/generate_stream", json=body, timeout=120) as running:
+            lines = running.iter_lines()
             first = next(line for line in lines if line.startswith("data: "))
-            proc.send_signal(signal.SIGTERM)
-            events = [json.loads(first[6:])] + [json.loads(line[6:]) for line in lines if line.startswith("data: ")]
-        assert events[-1]["finish_reason"] == "abort"
+            with httpx.stream("POST", base + "/generate_stream", json=body, timeout=120) as waiting:
+                proc.send_signal(signal.SIGTERM)
+                events = _events([first, *lines])
+                waited = _events(waiting.iter_lines())
         tokens = [e for e in events if e["token"]["id"] is not None]
-        assert 1 <= len(tokens) < 4000  # what was generated before the abort was delivered
+        assert 1 <= len(tokens) < 4000 and events[-1]["finish_reason"] == "abort"  # delivered up to the abort
+        assert [e["finish_reason"] for e in waited] == ["abort"]
         assert proc.wait(timeout=120) in (0, -signal.SIGTERM)
     finally:
         if proc.poll() is None:
