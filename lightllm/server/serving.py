@@ -64,8 +64,8 @@ class ReadTimeoutH11(H11Protocol):
     def _read_timed_out(self) -> None:
         self._read_deadline = None
         if self.conn.their_state in (h11.IDLE, h11.SEND_BODY) and not self.transport.is_closing():
-            logger.info("closing a connection from %s: no whole request within %gs (--request_read_timeout_s)",
-                        "%s:%d" % self.client if self.client else "?", self.read_timeout_s)  # fmt: skip
+            logger.debug("closing a connection from %s: no whole request within %gs (--request_read_timeout_s)",
+                         "%s:%d" % self.client if self.client else "?", self.read_timeout_s)  # fmt: skip
             self.transport.close()
 
 
