@@ -1,6 +1,7 @@
 """Engine options, named like the server flags, validated and normalized in one place."""
 
 import logging
+import re
 from dataclasses import dataclass, fields
 from typing import List, Optional
 
@@ -10,6 +11,9 @@ from lightllm.engine.attention import DECODE_BACKENDS, KV_TYPES
 
 logger = logging.getLogger(__name__)
 
+DEFAULT_MAX_REQ_TOTAL_LEN = 4096  # when --max_req_total_len is not given, capped at the model's context
+DEFAULT_KV_QUANT_GROUP_SIZE = 8
+_DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 DATA_TYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "bfloat16": torch.bfloat16,
               "float16": torch.float16, "float32": torch.float32}  # fmt: skip
 
@@ -19,7 +23,7 @@ class EngineArgs:
     model_dir: Optional[str] = None  # None: the built-in tiny model
     data_type: str = "bf16"
     running_max_req_size: int = 64
-    max_req_total_len: int = 4096
+    max_req_total_len: Optional[int] = None  # None: DEFAULT_MAX_REQ_TOTAL_LEN, capped at the model's context
     batch_max_tokens: int = 4096
     graph_max_batch_size: int = 64
     graph_split_batch_size: int = 16
@@ -27,7 +31,7 @@ class EngineArgs:
     graph_max_len_in_batch: int = 4096
     disable_cudagraph: bool = False
     llm_kv_type: str = "None"
-    llm_kv_quant_group_size: int = 8
+    llm_kv_quant_group_size: int = DEFAULT_KV_QUANT_GROUP_SIZE
     llm_decode_att_backend: str = "triton"
     mem_fraction: float = 0.8
     max_total_token_num: Optional[int] = None  # explicit KV pool size; default: from mem_fraction (GPU)
@@ -38,8 +42,11 @@ class EngineArgs:
         if self.data_type not in DATA_TYPES:
             raise ValueError(f"--data_type expected one of {sorted(DATA_TYPES)}, got {self.data_type!r}")
         for name in ("running_max_req_size", "max_req_total_len", "batch_max_tokens", "graph_max_batch_size",
-                     "graph_split_batch_size", "graph_grow_step_size", "graph_max_len_in_batch"):  # fmt: skip
+                     "graph_split_batch_size", "graph_grow_step_size", "graph_max_len_in_batch",
+                     "llm_kv_quant_group_size"):  # fmt: skip
             value = getattr(self, name)
+            if name == "max_req_total_len" and value is None:
+                continue  # resolved against the model's context by fit_to_model
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"--{name} expected a positive integer, got {value!r}")
         if self.llm_kv_type not in KV_TYPES:
@@ -51,15 +58,43 @@ class EngineArgs:
             raise ValueError(f"--mem_fraction expected a value in (0, 1], got {self.mem_fraction!r}")
         if self.max_total_token_num is not None and self.max_total_token_num <= 0:
             raise ValueError(f"--max_total_token_num expected a positive integer, got {self.max_total_token_num!r}")
-        if self.batch_max_tokens < self.max_req_total_len:
-            logger.info("batch_max_tokens %d < max_req_total_len %d: long prompts prefill alone in chunks of "
-                        "the budget", self.batch_max_tokens, self.max_req_total_len)  # fmt: skip
+        if self.device is not None and not _DEVICE.fullmatch(self.device):
+            raise ValueError(f"--device expected cpu, cuda or cuda:N, got {self.device!r}")
         self.device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        self.graph_max_len_in_batch = min(self.graph_max_len_in_batch, self.max_req_total_len)
+        if self.device.startswith("cuda"):
+            _check_gpu_visible(self.device)
         if not self.disable_cudagraph and self.graph_max_batch_size > self.running_max_req_size:
             logger.info("graph_max_batch_size %d -> %d (running_max_req_size): larger graphs can never be used",
                         self.graph_max_batch_size, self.running_max_req_size)  # fmt: skip
             self.graph_max_batch_size = self.running_max_req_size
+        return self
+
+    def fit_to_model(self, context_len: int, head_dim: int) -> "EngineArgs":
+        """Check and derive what depends on the model (its context ``max_position_embeddings`` and head_dim),
+        before any weight is loaded. Idempotent: the server calls it at parse time, the runner again."""
+        if self.max_req_total_len is None:
+            self.max_req_total_len = min(DEFAULT_MAX_REQ_TOTAL_LEN, context_len)
+            if context_len < DEFAULT_MAX_REQ_TOTAL_LEN:
+                logger.info("max_req_total_len %d -> %d: the model's context (max_position_embeddings)",
+                            DEFAULT_MAX_REQ_TOTAL_LEN, context_len)  # fmt: skip
+        elif self.max_req_total_len > context_len:
+            raise ValueError(f"--max_req_total_len {self.max_req_total_len} expected at most the model's context, "
+                             f"max_position_embeddings {context_len}")  # fmt: skip
+        self.graph_max_len_in_batch = min(self.graph_max_len_in_batch, self.max_req_total_len)
+        if self.max_total_token_num is not None and self.max_total_token_num - 1 < self.max_req_total_len:
+            raise ValueError(f"--max_total_token_num {self.max_total_token_num} expected at least "
+                             f"{self.max_req_total_len + 1}: one --max_req_total_len ({self.max_req_total_len}) "
+                             "request plus the padding token")  # fmt: skip
+        group = self.llm_kv_quant_group_size
+        if self.llm_kv_type == "None":
+            if group != DEFAULT_KV_QUANT_GROUP_SIZE:
+                logger.warning("--llm_kv_quant_group_size %d is unused with --llm_kv_type None", group)
+        else:
+            span = head_dim // 2 if self.llm_kv_type == "int4kv" else head_dim  # INT4 packs the two halves
+            if span % group:
+                what = f"head_dim / 2 = {span}" if self.llm_kv_type == "int4kv" else f"head_dim {span}"
+                raise ValueError(f"--llm_kv_quant_group_size {group} expected a divisor of the model's {what} "
+                                 f"(--llm_kv_type {self.llm_kv_type})")  # fmt: skip
         return self
 
     @property
@@ -80,3 +115,11 @@ class EngineArgs:
 
     def summary(self) -> str:
         return " ".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self))
+
+
+def _check_gpu_visible(device: str) -> None:
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    index = int(device.split(":")[1]) if ":" in device else 0
+    if index >= count:
+        raise ValueError(f"--device {device} expected a visible CUDA GPU, but {count} are visible"
+                         + ("; use --device cpu" if count == 0 else ""))  # fmt: skip

@@ -1,7 +1,8 @@
 """Model runner: loads the model, sizes the KV cache, warms up and captures decode graphs, runs steps.
 
 Start-up, top to bottom (``ModelRunner.__init__``):
-1. load weights, size the KV pool;
+1. read the model config and fit the options to it (context length, KV group size), load weights, size
+   the KV pool;
 2. GENERAL warmup: dummy prefills at a spread of lengths up to ``batch_max_tokens``;
 3. decode graphs, largest batch first: per size one eager decode forward in the DECODE_ATTENTION scope
    (decode-attention kernels tune there), then the capture;
@@ -51,6 +52,7 @@ class ModelRunner:
 
         self.model_dir = args.model_dir or str(default_model_dir())
         self.config = Qwen3ModelConfig.from_model_dir(self.model_dir)
+        args.fit_to_model(self.config.max_position_embeddings, self.config.head_dim)
         check_head_dim(self.config.head_dim, self.device)
         self.tp_rank, self.tp = parallel.rank(), parallel.world()
         check_divisible(self.config, self.tp)

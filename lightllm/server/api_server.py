@@ -10,13 +10,13 @@ import contextlib
 import functools
 import json
 import logging
+import sys
 import threading
 import time
 import uuid
 from typing import AsyncIterator, List, Optional, Union
 
 import torch
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -25,9 +25,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from lightllm.engine.model_runner import ModelRunner
 from lightllm.engine.sampler import SamplingParams
-from lightllm.server.args import parse_args
+from lightllm.server.args import ServerArgs, parse_args
 from lightllm.server.detokenize import IncrementalDetokenizer, StopStrings
 from lightllm.server.scheduler import Event, Scheduler, ServerRequest
+from lightllm.server.serving import bind, serve
 
 logger = logging.getLogger(__name__)
 _DISCONNECT_CHECK_S = 0.25  # how often a request checks that its client is still there
@@ -117,9 +118,11 @@ class BadRequest(Exception):
 
 
 class Server:
-    def __init__(self, runner: ModelRunner, tokenizer, model_name: str, on_shutdown=None):
+    def __init__(self, runner: ModelRunner, tokenizer, model_name: str, on_shutdown=None,
+                 health_step_timeout_s: float = ServerArgs.health_step_timeout_s):  # fmt: skip
         self.runner = runner
         self.on_shutdown = on_shutdown  # after the scheduler stops: tensor-parallel workers
+        self.health_step_timeout_s = health_step_timeout_s
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.metrics = Metrics()
@@ -159,8 +162,8 @@ class Server:
 
         @app.get("/health")
         async def health():
-            alive = self.scheduler.thread.is_alive()
-            return JSONResponse({"status": "ok" if alive else "scheduler stopped"}, status_code=200 if alive else 503)
+            problem = self._liveness_problem()
+            return JSONResponse({"status": problem or "ok"}, status_code=503 if problem else 200)
 
         @app.get("/metrics")
         async def metrics():
@@ -216,6 +219,16 @@ class Server:
             return await self._openai(ids, params, stops, request, body.stream, chat=True)
 
         return app
+
+    def _liveness_problem(self) -> Optional[str]:
+        """Why the engine loop is not making progress (None while it is): a thread that ended, or one step
+        running longer than ``health_step_timeout_s`` (a hung kernel, a stopped tensor-parallel rank)."""
+        if not self.scheduler.thread.is_alive():
+            return "scheduler stopped"
+        busy = self.scheduler.step_in_flight_s()
+        if busy is not None and busy > self.health_step_timeout_s:
+            return f"engine step running for {busy:.1f}s, over --health_step_timeout_s {self.health_step_timeout_s:g}"
+        return None
 
     # ---- request plumbing ----------------------------------------------------------------------------------
 
@@ -385,20 +398,27 @@ def _error(status: int, message: str) -> JSONResponse:
 def main(argv=None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     server_args, engine_args = parse_args(argv)
+    try:  # before the model loads: a taken port is reported in a second, not after the warm-up
+        sock = bind(server_args.host, server_args.port)
+    except ValueError as e:
+        sys.stderr.write(f"error: {e}\n")
+        sys.exit(2)
     if server_args.tp > 1:
         from lightllm.server.tp import start_tp
 
-        runner = start_tp(engine_args, server_args.tp)
+        runner = start_tp(engine_args, server_args.tp, step_timeout_s=server_args.tp_step_timeout_s)
     else:
         runner = ModelRunner(engine_args)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(runner.model_dir)
     stop = runner.stop if server_args.tp > 1 else None
-    server = Server(runner, tokenizer, model_name=engine_args.model_dir or "lightllm-tiny-qwen3", on_shutdown=stop)
+    server = Server(runner, tokenizer, model_name=engine_args.model_dir or "lightllm-tiny-qwen3", on_shutdown=stop,
+                    health_step_timeout_s=server_args.health_step_timeout_s)  # fmt: skip
     try:
-        uvicorn.run(server.app, host=server_args.host, port=server_args.port, log_level="info")
-    finally:  # uvicorn returned without a shutdown (e.g. the port was taken); stop is idempotent
+        serve(server.app, sock, read_timeout_s=server_args.request_read_timeout_s,
+              drain_s=server_args.shutdown_drain_s, abort_rest=server.scheduler.abort_all)  # fmt: skip
+    finally:  # uvicorn returned without a shutdown; stop is idempotent
         if stop is not None and not server.scheduler.thread.is_alive():  # never while a step may broadcast
             stop()
 

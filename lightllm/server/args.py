@@ -3,6 +3,7 @@
 import argparse
 import dataclasses
 import logging
+import math
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
@@ -10,7 +11,9 @@ import torch
 
 from lightllm.common import envs
 from lightllm.engine.args import DATA_TYPES, EngineArgs
-from lightllm.engine.attention import DECODE_BACKENDS, KV_TYPES
+from lightllm.engine.attention import DECODE_BACKENDS, KV_TYPES, check_head_dim
+from lightllm.models.qwen3.config import ModelLoadError, Qwen3ModelConfig
+from lightllm.models.qwen3.tensor_parallel import check_divisible
 
 logger = logging.getLogger(__name__)
 
@@ -18,7 +21,8 @@ _HELP = {
     "model_dir": "Hugging Face model folder (default: the built-in tiny model, generated on first use)",
     "data_type": "weights and activations dtype",
     "running_max_req_size": "most requests decoding at once",
-    "max_req_total_len": "most tokens of one request (prompt + output)",
+    "max_req_total_len": "most tokens of one request (prompt + output); default 4096, capped at the model's "
+    "max_position_embeddings",
     "batch_max_tokens": "most prompt tokens in one prefill batch",
     "graph_max_batch_size": "largest decode CUDA graph (capped at running_max_req_size)",
     "graph_split_batch_size": "decode graphs for every batch size up to this",
@@ -32,7 +36,12 @@ _HELP = {
     "max_total_token_num": "KV cache size in tokens (overrides mem_fraction)",
     "device": "cuda or cpu (default: cuda when available)",
 }
-_OPTIONAL_TYPES = {"model_dir": str, "max_total_token_num": int, "device": str}  # fields defaulting to None
+_OPTIONAL_TYPES = {
+    "model_dir": str,
+    "max_req_total_len": int,
+    "max_total_token_num": int,
+    "device": str,
+}  # fields defaulting to None
 _CHOICES = {
     "data_type": sorted(DATA_TYPES),
     "llm_kv_type": list(KV_TYPES),
@@ -45,6 +54,19 @@ class ServerArgs:
     host: str = "127.0.0.1"
     port: int = 8000
     tp: int = 1
+    health_step_timeout_s: float = 60.0
+    tp_step_timeout_s: float = 300.0
+    shutdown_drain_s: float = 30.0
+    request_read_timeout_s: float = 30.0
+
+
+_SERVER_HELP = {
+    "tp": "tensor-parallel GPUs",
+    "health_step_timeout_s": "/health answers 503 while one engine step has run longer than this",
+    "tp_step_timeout_s": "with --tp > 1: a step some rank has not finished after this ends the server, naming it",
+    "shutdown_drain_s": "on SIGTERM/SIGINT, wait this long for in-flight requests, then abort the rest",
+    "request_read_timeout_s": "close a connection that has not sent a whole request within this",
+}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -56,7 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m lightllm.server.api_server", description="lightllm HTTP server")
     p.add_argument("--host", default=ServerArgs.host)
     p.add_argument("--port", type=int, default=ServerArgs.port)
-    p.add_argument("--tp", type=int, default=ServerArgs.tp, help="tensor-parallel GPUs")
+    for f in dataclasses.fields(ServerArgs):
+        if f.name not in ("host", "port"):
+            p.add_argument(f"--{f.name}", type=type(f.default), default=f.default, help=_SERVER_HELP[f.name])
     for f in dataclasses.fields(EngineArgs):
         flag, default = f"--{f.name}", f.default
         if f.type in (bool, "bool"):
@@ -73,17 +97,37 @@ def parse_args(argv: Optional[List[str]] = None) -> Tuple[ServerArgs, EngineArgs
     """Parsed and validated flags and env vars; a bad one exits with one ``error: ...`` line."""
     parser = build_parser()
     ns = vars(parser.parse_args(argv))
-    server = ServerArgs(host=ns.pop("host"), port=ns.pop("port"), tp=ns.pop("tp"))
+    server = ServerArgs(**{f.name: ns.pop(f.name) for f in dataclasses.fields(ServerArgs)})
     try:
         if not 0 < server.port < 65536:
             raise ValueError(f"--port expected a value in [1, 65535], got {server.port}")
         if server.tp < 1:
             raise ValueError(f"--tp expected a positive integer, got {server.tp}")
+        for name in ("health_step_timeout_s", "tp_step_timeout_s", "request_read_timeout_s", "shutdown_drain_s"):
+            value, zero_ok = getattr(server, name), name == "shutdown_drain_s"  # a drain of 0 aborts at once
+            if not (0 <= value if zero_ok else 0 < value) or not math.isfinite(value):
+                raise ValueError(f"--{name} expected a finite number of seconds {'>=' if zero_ok else '>'} 0, "
+                                 f"got {value!r}")  # fmt: skip
         engine = EngineArgs(**ns).normalize()
         envs.validate_all()
         if engine.device.startswith("cuda") and server.tp > torch.cuda.device_count():
             raise ValueError(f"--tp {server.tp} expected at most the {torch.cuda.device_count()} visible GPUs")
+        _fit_to_model(engine, server.tp)
     except ValueError as e:
         parser.exit(2, f"error: {e}\n")
     logger.info("args: host=%s port=%d tp=%d %s", server.host, server.port, server.tp, engine.summary())
     return server, engine
+
+
+def _fit_to_model(engine: EngineArgs, tp: int) -> None:
+    """The checks that need the model's config.json (read here, before any weight loads)."""
+    from lightllm.tools.make_tiny_model import default_model_dir
+
+    model_dir = engine.model_dir or str(default_model_dir())
+    try:
+        config = Qwen3ModelConfig.from_model_dir(model_dir)
+    except ModelLoadError as e:
+        raise ValueError(f"--model_dir expected a Hugging Face Qwen3 model folder: {e}") from None
+    engine.fit_to_model(config.max_position_embeddings, config.head_dim)
+    check_head_dim(config.head_dim, torch.device(engine.device))
+    check_divisible(config, tp)

@@ -52,11 +52,23 @@ class ServerRequest:
 
 class Scheduler:
     def __init__(
-        self, runner: ModelRunner, eos_token_ids, metrics=None, after_step: Optional[Callable[[], None]] = None
+        self,
+        runner: ModelRunner,
+        eos_token_ids,
+        metrics=None,
+        after_step: Optional[Callable[[], None]] = None,
+        clock: Callable[[], float] = time.monotonic,
     ):
         self.runner = runner
         self.after_step = after_step  # called on the scheduler thread after every step: deliver its events
         self.args = runner.args
+        self.clock = clock  # times the step in flight, for /health
+        self._step_started: Optional[float] = None
+        self._closing = threading.Event()
+        if self.args.batch_max_tokens < self.args.max_req_total_len:
+            logger.info("batch_max_tokens %d < max_req_total_len %d: a longer prompt is prefilled alone and whole, "
+                        "over the budget, in one step (there is no chunked prefill yet)", self.args.batch_max_tokens,
+                        self.args.max_req_total_len)  # fmt: skip
         self.eos = set(eos_token_ids)
         self.metrics = metrics
         self._inbox: "queue.Queue[ServerRequest]" = queue.Queue()
@@ -75,6 +87,15 @@ class Scheduler:
         """Drop the request and free its KV at the next step boundary (milliseconds)."""
         self._aborts.put(request_id)
 
+    def abort_all(self) -> None:
+        """From the next step boundary on, abort every request, running, waiting or submitted later (shutdown)."""
+        self._closing.set()
+
+    def step_in_flight_s(self) -> Optional[float]:
+        """How long the loop's current step has run; None between steps."""
+        started = self._step_started
+        return None if started is None else self.clock() - started
+
     def start(self) -> None:
         self.thread.start()
 
@@ -90,6 +111,7 @@ class Scheduler:
     def _loop(self) -> None:
         while not self._stop.is_set():
             busy = True
+            self._step_started = self.clock()
             try:
                 busy = self.step()
             except Exception:  # a failing step must not kill the server silently
@@ -97,6 +119,7 @@ class Scheduler:
                 for req in self.running + list(self.waiting):
                     self._finish(req, "error")
                 self.running, self.waiting = [], deque()
+            self._step_started = None
             if self.after_step is not None:  # before any wait: an idle step may still have finished aborts
                 self.after_step()
             if not busy:
@@ -121,10 +144,14 @@ class Scheduler:
                 ids.add(self._aborts.get_nowait())
             except queue.Empty:
                 break
+        if self._closing.is_set():
+            ids.update(r.id for r in self.running + list(self.waiting))
         if not ids:
             return
         for req in [r for r in self.running if r.id in ids]:
             self.running.remove(req)
+            self._finish(req, "abort")
+        for req in [r for r in self.waiting if r.id in ids]:  # a waiting client still there (shutdown) hears why
             self._finish(req, "abort")
         self.waiting = deque(r for r in self.waiting if r.id not in ids)
 

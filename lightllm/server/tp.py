@@ -5,11 +5,14 @@ so their allocators stay identical. Commands travel over a gloo group (never the
 """
 
 import atexit
+import contextlib
+import ctypes
 import logging
 import multiprocessing as mp
 import os
 import threading
 import time
+from typing import Optional
 
 import torch.distributed as dist
 
@@ -20,18 +23,53 @@ from lightllm.engine.parallel import init_tp
 
 logger = logging.getLogger(__name__)
 _COMMANDS = ("prefill", "decode", "add_request", "free")
+_HEARTBEAT_S = 0.5  # how often a worker marks itself alive
+_FROZEN_S = 5.0  # a worker silent this long is stopped (SIGSTOP, a debugger) or frozen
+
+
+class RankProgress:
+    """Per rank, in shared memory: commands received, commands finished and the time of the last heartbeat
+    (``time.monotonic``, one clock for every process of the host). Rank 0 reads it to name a rank that holds
+    up a step: the others wait for that one inside a collective, so only this tells them apart."""
+
+    RECEIVED, FINISHED, BEAT = range(3)
+
+    def __init__(self, ctx, world: int):
+        self.values = ctx.RawArray(ctypes.c_double, 3 * world)
+
+    def set(self, rank: int, field: int, value: float) -> None:
+        self.values[3 * rank + field] = value
+
+    def get(self, rank: int, field: int) -> float:
+        return self.values[3 * rank + field]
 
 
 class Workers:
     """Ranks 1..N-1, one process each, and a watchdog: when one dies the others (rank 0 included) would wait for
-    it in their next collective forever, so the whole server exits at once, non-zero, saying which rank died."""
+    it in their next collective forever, so the whole server exits at once, non-zero, saying which rank died.
+    It does the same when a step is still running after ``step_timeout_s``, naming the rank(s) holding it up."""
 
-    def __init__(self, procs, interval_s: float = 0.5):
+    def __init__(self, procs, progress: Optional[RankProgress] = None, step_timeout_s: Optional[float] = None,
+                 interval_s: float = 0.5):  # fmt: skip
         self.procs = list(procs)
+        self.progress = progress
+        self.step_timeout_s = step_timeout_s
         self.stopping = False  # set before a clean stop: workers exiting then is expected
         self._interval_s = interval_s
+        self._sent = 0  # commands broadcast so far
+        self._in_flight = None  # (command, its number, start time) while rank 0 runs one
         atexit.register(self._exiting)  # runs before multiprocessing's own hook terminates daemon workers
         threading.Thread(target=self._watch, name="lightllm-tp-watchdog", daemon=True).start()
+
+    @contextlib.contextmanager
+    def command(self, name: str):
+        """Rank 0 broadcasts and runs one command inside this: the watchdog times it."""
+        self._sent += 1
+        self._in_flight = (name, self._sent, time.monotonic())
+        try:
+            yield
+        finally:
+            self._in_flight = None
 
     def _watch(self) -> None:
         while not self.stopping:
@@ -40,7 +78,30 @@ class Workers:
                 p = dead[0]
                 self.fail(f"tensor-parallel worker {p.name} (pid {p.pid}) exited with code {p.exitcode}; the other "
                           "ranks cannot go on without it")  # fmt: skip
+            in_flight = self._in_flight
+            if in_flight and self.step_timeout_s is not None and not self.stopping:
+                name, number, t0 = in_flight
+                if time.monotonic() - t0 > self.step_timeout_s:
+                    self.fail(f"tensor-parallel command '{name}' not finished after --tp_step_timeout_s "
+                              f"{self.step_timeout_s:g}: {self._holding_up(number)}")  # fmt: skip
             time.sleep(self._interval_s)
+
+    def _holding_up(self, number: int) -> str:
+        """Which rank(s) hold up command ``number``: a worker that did not receive it or is frozen; when every
+        worker received it and is alive, each one that has not finished it (a hung kernel or collective)."""
+        pr, now = self.progress, time.monotonic()
+        unfinished = [r for r in range(1, len(self.procs) + 1) if pr.get(r, pr.FINISHED) < number]
+        if not unfinished:
+            return "rank 0 (every other rank finished it)"
+        why = {}
+        for r in unfinished:
+            silent = now - pr.get(r, pr.BEAT)
+            reasons = [f"no heartbeat for {silent:.1f}s: stopped or frozen"] if silent > _FROZEN_S else []
+            if pr.get(r, pr.RECEIVED) < number:
+                reasons.append("never received it")
+            why[r] = reasons
+        culprits = [r for r in unfinished if why[r]] or unfinished
+        return "; ".join(f"rank {r} ({', '.join(why[r]) or 'alive, inside the step'})" for r in culprits)
 
     def fail(self, why: str) -> None:
         """The ranks can no longer run in step: end every one of them and this process, saying why."""
@@ -79,12 +140,14 @@ class TPRunner:
         dist.broadcast_object_list([cmd], src=0, group=self.group)
 
     def prefill(self, slots, prompts):
-        self._cast("prefill", list(slots), [list(p) for p in prompts])
-        return self._run(self.runner.prefill, slots, prompts)
+        with self.workers.command("prefill"):
+            self._cast("prefill", list(slots), [list(p) for p in prompts])
+            return self._run(self.runner.prefill, slots, prompts)
 
     def decode(self, slots, last_tokens):
-        self._cast("decode", list(slots), list(last_tokens))
-        return self._run(self.runner.decode, slots, last_tokens)
+        with self.workers.command("decode"):
+            self._cast("decode", list(slots), list(last_tokens))
+            return self._run(self.runner.decode, slots, last_tokens)
 
     def _run(self, step, *args):
         """Rank 0's half of a step the workers have started: if it fails, they are left inside its collectives
@@ -96,12 +159,14 @@ class TPRunner:
             self.workers.fail(f"rank 0's {step.__name__} step failed after the workers started it ({e})")
 
     def add_request(self) -> int:
-        self._cast("add_request")
-        return self.runner.add_request()
+        with self.workers.command("add_request"):
+            self._cast("add_request")
+            return self.runner.add_request()
 
     def free(self, slot: int) -> None:
-        self._cast("free", slot)
-        self.runner.free(slot)
+        with self.workers.command("free"):
+            self._cast("free", slot)
+            self.runner.free(slot)
 
     def stop(self, timeout: float = 60.0) -> None:
         """Stop the workers and wait for them, then leave the process group: rank 0 hosts the store the
@@ -116,8 +181,9 @@ class TPRunner:
         logger.info("tensor-parallel workers stopped (%d ranks)", len(self.workers.procs) + 1)
 
 
-def worker_loop(runner: ModelRunner, group) -> None:
-    """Run rank 0's commands until it says stop."""
+def worker_loop(runner: ModelRunner, group, progress: Optional[RankProgress] = None, rank: int = 0) -> None:
+    """Run rank 0's commands until it says stop, counting them in ``progress``."""
+    done = 0
     while True:
         box = [None]
         dist.broadcast_object_list(box, src=0, group=group)
@@ -126,7 +192,12 @@ def worker_loop(runner: ModelRunner, group) -> None:
             return
         if name not in _COMMANDS:
             raise RuntimeError(f"tensor-parallel worker: unknown command {name!r}")
+        if progress is not None:
+            progress.set(rank, progress.RECEIVED, done + 1)
         getattr(runner, name)(*args)
+        done += 1
+        if progress is not None:
+            progress.set(rank, progress.FINISHED, done)
 
 
 def _for_rank(args: EngineArgs, rank: int) -> EngineArgs:
@@ -148,19 +219,32 @@ def _exit_with_parent(parent: int, interval_s: float = 0.5) -> None:
     threading.Thread(target=watch, name="lightllm-tp-parent-watch", daemon=True).start()
 
 
-def _worker(rank: int, world: int, init_method: str, args: EngineArgs, parent: int) -> None:
+def _heartbeat(progress: RankProgress, rank: int) -> None:
+    """Marks this process alive every _HEARTBEAT_S from a thread of its own: it stops only when the whole process
+    does (SIGSTOP, a debugger), not when the main thread waits in a collective."""
+
+    def beat():
+        while True:
+            progress.set(rank, progress.BEAT, time.monotonic())
+            time.sleep(_HEARTBEAT_S)
+
+    threading.Thread(target=beat, name="lightllm-tp-heartbeat", daemon=True).start()
+
+
+def _worker(rank: int, world: int, init_method: str, args: EngineArgs, parent: int, progress: RankProgress) -> None:
     _exit_with_parent(parent)
+    _heartbeat(progress, rank)
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
     args = _for_rank(args, rank)
     import torch
 
     init_tp(rank, world, init_method, torch.device(args.device))
     group = dist.new_group(backend="gloo")
-    worker_loop(ModelRunner(args), group)
+    worker_loop(ModelRunner(args), group, progress, rank)
     dist.destroy_process_group()
 
 
-def start_tp(args: EngineArgs, tp: int) -> TPRunner:
+def start_tp(args: EngineArgs, tp: int, step_timeout_s: Optional[float] = None) -> TPRunner:
     """Spawn ranks 1..tp-1, join as rank 0 and build every rank's runner (start-up runs in lockstep)."""
     if not args.model_dir:  # resolve (and build, once) the built-in model here, not in every rank
         from lightllm.tools.make_tiny_model import default_model_dir
@@ -168,14 +252,17 @@ def start_tp(args: EngineArgs, tp: int) -> TPRunner:
         args = EngineArgs(**{**vars(args), "model_dir": str(default_model_dir())})
     init_method = f"tcp://127.0.0.1:{free_port()}"
     ctx = mp.get_context("spawn")
+    progress = RankProgress(ctx, tp)
     procs = []
     for rank in range(1, tp):
-        proc = ctx.Process(target=_worker, args=(rank, tp, init_method, args, os.getpid()), daemon=True,
+        proc = ctx.Process(target=_worker, args=(rank, tp, init_method, args, os.getpid(), progress), daemon=True,
                            name=f"lightllm-tp{rank}")  # fmt: skip
         proc.start()
         procs.append(proc)
     logger.info("tensor-parallel workers started: %s", ", ".join(f"{p.name} pid {p.pid}" for p in procs))
-    workers = Workers(procs)  # watched from here on: a rank dying at start-up must not hang rank 0 either
+    # Watched from here on: a rank dying at start-up must not hang rank 0 either. Start-up itself (loading,
+    # compiles, tuning, graph capture) is not timed: only the commands of serving are.
+    workers = Workers(procs, progress, step_timeout_s)
     args = _for_rank(args, 0)
     import torch
 

@@ -100,11 +100,34 @@ def test_graph_sizes_and_cap():
         ("llm_kv_type", "fp8", "--llm_kv_type expected one of"),
         ("llm_decode_att_backend", "flashinfer", "--llm_decode_att_backend expected one of"),
         ("mem_fraction", 1.5, "--mem_fraction expected a value in"),
+        ("llm_kv_quant_group_size", 0, "--llm_kv_quant_group_size expected a positive integer, got 0"),
     ],
 )
 def test_bad_engine_args(field, value, message):
     with pytest.raises(ValueError, match=message):
         EngineArgs(**{field: value, "device": "cpu"}).normalize()
+
+
+def test_device_names_the_allowed_values():
+    with pytest.raises(ValueError, match="--device expected cpu, cuda or cuda:N, got 'gpu0'"):
+        EngineArgs(device="gpu0").normalize()
+
+
+@pytest.mark.parametrize(
+    "kv_type, group, message",
+    [
+        (
+            "int8kv",
+            48,
+            r"--llm_kv_quant_group_size 48 expected a divisor of the model's head_dim 128 \(--llm_kv_type int8kv\)",
+        ),
+        ("int4kv", 128, r"--llm_kv_quant_group_size 128 expected a divisor of the model's head_dim / 2 = 64"),
+    ],
+)
+def test_kv_group_size_is_checked_against_the_model(kv_type, group, message):
+    EngineArgs(llm_kv_type=kv_type, llm_kv_quant_group_size=64, device="cpu").normalize().fit_to_model(4096, 128)
+    with pytest.raises(ValueError, match=message):
+        EngineArgs(llm_kv_type=kv_type, llm_kv_quant_group_size=group, device="cpu").normalize().fit_to_model(4096, 128)
 
 
 def test_gpu_head_dim_checked_before_loading():

@@ -73,7 +73,7 @@ def test_abort_frees_kv(model_dir):
 
 
 def test_cache_smaller_than_one_request_is_a_startup_error(model_dir):
-    with pytest.raises(ValueError, match="fewer than one --max_req_total_len \\(32\\) request"):
+    with pytest.raises(ValueError, match="--max_total_token_num 20 expected at least 33: one --max_req_total_len"):
         runner(model_dir, 20)
 
 

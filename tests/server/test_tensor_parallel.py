@@ -1,7 +1,10 @@
 """--tp 2 and 4 on the CPU (gloo): the sharded server generates what one process does, and shuts down cleanly."""
 
+import contextlib
+import multiprocessing
 import os
 import re
+import threading
 import signal
 import subprocess
 import sys
@@ -18,6 +21,8 @@ from lightllm.tools.make_tiny_model import make_tiny_qwen3
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_tp_matches_one_process(tmp_path, tp):
+    """In float32 only: in bf16 the all-reduce sums the ranks' partials in another order than one process does,
+    and the rounding flips near-tied greedy tokens (docs/server.md, "Tensor parallelism")."""
     heads = 2 * tp  # every rank gets 1 KV head and 2 query heads
     model = str(make_tiny_qwen3(tmp_path / "model", num_attention_heads=heads, num_key_value_heads=tp, seed=4))
     args = ["--model_dir", model, "--tp", str(tp), "--data_type", "fp32", "--device", "cpu", "--batch_max_tokens", "64",
@@ -52,13 +57,13 @@ def test_tp_must_divide_heads(tmp_path):
         check_divisible(cfg, 4)
 
 
-def _start_tp2(tmp_path):
-    """A --tp 2 CPU server up and answering; returns (process, log path, rank 1's pid)."""
+def _start_tp2(tmp_path, *extra):
+    """A --tp 2 CPU server up and answering; returns (process, log path, rank 1's pid, base URL)."""
     model = str(make_tiny_qwen3(tmp_path / "model", num_attention_heads=4, num_key_value_heads=2))
     args = ["--model_dir", model, "--tp", "2", "--device", "cpu", "--data_type", "fp32", "--batch_max_tokens", "64",
-            "--max_req_total_len", "128"]  # fmt: skip
-    proc, _, log_path = start_server(tmp_path, args)
-    return proc, log_path, int(re.search(r"lightllm-tp1 pid (\d+)", log_path.read_text()).group(1))
+            "--max_req_total_len", "128", *extra]  # fmt: skip
+    proc, base, log_path = start_server(tmp_path, args)
+    return proc, log_path, int(re.search(r"lightllm-tp1 pid (\d+)", log_path.read_text()).group(1)), base
 
 
 def _gone(pid: int) -> bool:
@@ -72,7 +77,7 @@ def _gone(pid: int) -> bool:
 
 def test_a_dead_worker_ends_the_server_instead_of_hanging_it(tmp_path):
     """SIGKILL rank 1 (as the OOM killer would): rank 0 must not wait for it in the next step forever."""
-    proc, log_path, pid = _start_tp2(tmp_path)
+    proc, log_path, pid, _ = _start_tp2(tmp_path)
     try:
         os.kill(pid, signal.SIGKILL)
         assert proc.wait(timeout=procs.HANG_TIMEOUT_S) == 1
@@ -161,6 +166,9 @@ def test_a_failed_rank_0_step_ends_every_rank():
             raise RuntimeError("CUDA error: an illegal memory access")
 
     class FakeWorkers:
+        def command(self, name):
+            return contextlib.nullcontext()
+
         def fail(self, why):
             raise SystemExit(why)
 
@@ -170,3 +178,64 @@ def test_a_failed_rank_0_step_ends_every_rank():
     with pytest.raises(SystemExit, match="rank 0's decode step failed after the workers started it .*illegal"):
         runner.decode([0], [5])
     assert cast == [("decode", [0], [5])]
+
+
+def test_a_stopped_worker_turns_health_503_and_then_ends_the_server_naming_it(tmp_path):
+    """SIGSTOP rank 1: rank 0 waits for it inside the step's collective. /health must say so (503), and past
+    --tp_step_timeout_s the server must end, naming rank 1, as it does for a dead rank."""
+    proc, log_path, pid, base = _start_tp2(tmp_path, "--health_step_timeout_s", "0.5", "--tp_step_timeout_s", "10")
+    try:
+        os.kill(pid, signal.SIGSTOP)
+        body = {"inputs": [5, 6, 7], "parameters": {"max_new_tokens": 4}}
+
+        def send():
+            with contextlib.suppress(httpx.HTTPError):  # the server ends while this waits
+                httpx.post(base + "/generate", json=body, timeout=120)
+
+        threading.Thread(target=send, daemon=True).start()
+        statuses, deadline = [], time.monotonic() + 120  # a bound for the old server, healthy forever
+        while proc.poll() is None and 503 not in statuses and time.monotonic() < deadline:
+            with contextlib.suppress(httpx.HTTPError):
+                statuses.append(httpx.get(base + "/health", timeout=5).status_code)
+            time.sleep(0.1)
+        assert 503 in statuses, "the server ended before /health reported the stuck step"
+        assert proc.wait(timeout=120) == 1
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+            os.kill(pid, signal.SIGKILL)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = log_path.read_text()
+    assert re.search(
+        r"tensor-parallel command '\w+' not finished after --tp_step_timeout_s 10: rank 1 \(no heartbeat "
+        r"for [\d.]+s: stopped or frozen, never received it\), so the server exits",
+        text,
+    ), text[-3000:]
+
+
+def test_the_rank_holding_up_a_step_is_named_not_the_ones_waiting_for_it():
+    """tp 4, rank 2 frozen before receiving step 7: ranks 1 and 3 wait for it in the collective, alive."""
+    from lightllm.server.tp import RankProgress, Workers
+
+    class Alive:
+        def is_alive(self):
+            return True
+
+    progress = RankProgress(multiprocessing.get_context("spawn"), 4)
+    now = time.monotonic()
+    for rank, received, beat in ((1, 7, now), (2, 6, now - 60), (3, 7, now)):
+        progress.set(rank, progress.RECEIVED, received)
+        progress.set(rank, progress.FINISHED, 6)
+        progress.set(rank, progress.BEAT, beat)
+    workers = Workers([Alive(), Alive(), Alive()], progress)
+    workers.stopping = True  # no watchdog: this test only asks whom it would name
+    assert re.fullmatch(r"rank 2 \(no heartbeat for 6\d\.\ds: stopped or frozen, never received it\)",
+                        workers._holding_up(7))  # fmt: skip
+    progress.set(2, progress.RECEIVED, 7)
+    progress.set(2, progress.BEAT, now)  # every rank alive and inside the step: all three are named
+    assert workers._holding_up(7) == "; ".join(f"rank {r} (alive, inside the step)" for r in (1, 2, 3))
+    for rank in (1, 2, 3):
+        progress.set(rank, progress.FINISHED, 7)
+    assert workers._holding_up(7) == "rank 0 (every other rank finished it)"

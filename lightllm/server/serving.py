@@ -1,0 +1,103 @@
+"""How the HTTP app is served (uvicorn, h11): the port bound before the model loads, a read timeout for
+clients that never finish sending a request, and a bounded drain of in-flight requests on shutdown."""
+
+import asyncio
+import functools
+import logging
+import socket
+from typing import Callable
+
+import h11
+import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+logger = logging.getLogger(__name__)
+_CANCEL_GRACE_S = 10.0  # after the drain's aborts: time for handlers to send their last bytes
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port`` (listening starts when serving does, so until the model is ready a
+    client is refused rather than left waiting). ``ValueError`` naming the flags when it cannot be bound."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                          flags=socket.AI_PASSIVE)[0]  # fmt: skip
+        sock = socket.socket(family, kind, proto)
+    except OSError as e:
+        raise ValueError(f"--host {host!r}: cannot listen there ({e})") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: TIME_WAIT is no obstacle
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"--port {port}: cannot listen on {host}:{port} ({e.strerror or e})") from None
+    return sock
+
+
+class ReadTimeoutH11(H11Protocol):
+    """uvicorn's h11 protocol, plus a deadline for reading each request: from the connection's start (or its
+    previous response) the client has ``read_timeout_s`` to send the whole request, headers and body, or the
+    connection is closed. uvicorn has none, so half-sent headers would hold a connection forever."""
+
+    def __init__(self, *args, read_timeout_s: float, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.read_timeout_s = read_timeout_s
+        self._read_deadline = None
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._arm_read_deadline()
+
+    def connection_lost(self, exc) -> None:
+        if self._read_deadline is not None:
+            self._read_deadline.cancel()
+        super().connection_lost(exc)
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._arm_read_deadline()  # the next request on a kept-alive connection gets its own deadline
+
+    def _arm_read_deadline(self) -> None:
+        if self._read_deadline is not None:
+            self._read_deadline.cancel()
+        self._read_deadline = self.loop.call_later(self.read_timeout_s, self._read_timed_out)
+
+    def _read_timed_out(self) -> None:
+        self._read_deadline = None
+        if self.conn.their_state in (h11.IDLE, h11.SEND_BODY) and not self.transport.is_closing():
+            logger.debug("closing a connection from %s: no whole request within %gs (--request_read_timeout_s)",
+                         "%s:%d" % self.client if self.client else "?", self.read_timeout_s)  # fmt: skip
+            self.transport.close()
+
+
+class DrainingServer(uvicorn.Server):
+    """On SIGTERM/SIGINT uvicorn stops accepting and waits for in-flight requests without a bound. Here it waits
+    ``drain_s`` seconds, then ``abort_rest()`` ends the remaining requests (their clients get finish_reason
+    "abort"), and anything still open after a short grace is cancelled."""
+
+    def __init__(self, config: uvicorn.Config, drain_s: float, abort_rest: Callable[[], None]):
+        config.timeout_graceful_shutdown = int(drain_s + _CANCEL_GRACE_S) + 1
+        super().__init__(config)
+        self.drain_s = drain_s
+        self.abort_rest = abort_rest
+
+    async def shutdown(self, sockets=None) -> None:
+        timer = asyncio.get_running_loop().call_later(self.drain_s, self._drain_over)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            timer.cancel()
+
+    def _drain_over(self) -> None:
+        if self.server_state.tasks:
+            logger.warning("shutdown: %d request(s) still running after %gs (--shutdown_drain_s); aborting them",
+                           len(self.server_state.tasks), self.drain_s)  # fmt: skip
+        self.abort_rest()
+
+
+def serve(app, sock: socket.socket, read_timeout_s: float, drain_s: float, abort_rest: Callable[[], None]) -> None:
+    """Serve ``app`` on the bound ``sock`` until SIGTERM/SIGINT, then drain (see DrainingServer)."""
+    protocol = functools.partial(ReadTimeoutH11, read_timeout_s=read_timeout_s)
+    config = uvicorn.Config(app, http=protocol, log_level="info")
+    host, port = sock.getsockname()[:2]
+    logger.info("serving on http://%s:%d", host, port)
+    DrainingServer(config, drain_s, abort_rest).run(sockets=[sock])

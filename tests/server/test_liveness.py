@@ -1,0 +1,116 @@
+"""/health reports a stuck engine step; slow clients are cut off; shutdown drains in-flight requests for a bounded
+time and then aborts them."""
+
+import json
+import signal
+import socket
+import threading
+import time
+from types import SimpleNamespace
+
+import httpx
+import torch
+from fastapi.testclient import TestClient
+from server_helpers import start_server
+
+from lightllm.engine.sampler import SamplingParams
+from lightllm.server.api_server import Server
+from lightllm.server.scheduler import ServerRequest
+
+
+class BlockingRunner:
+    """Enough of a ModelRunner for the scheduler; ``prefill`` waits until the test releases it."""
+
+    def __init__(self):
+        self.args = SimpleNamespace(batch_max_tokens=64, max_req_total_len=64, running_max_req_size=4)
+        self.config = SimpleNamespace(eos_token_ids=(), vocab_size=8)
+        self.kv = SimpleNamespace(num_free_tokens=1000, num_free_slots=4, num_tokens=1000)
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def add_request(self):
+        return 0
+
+    def free(self, slot):
+        pass
+
+    def prefill(self, slots, prompts):
+        self.entered.set()
+        assert self.release.wait(60), "the test never released the step"
+        return torch.zeros(len(slots), self.config.vocab_size)
+
+
+def test_health_is_503_while_a_step_runs_past_the_bound():
+    runner = BlockingRunner()
+    server = Server(runner, SimpleNamespace(eos_token_id=None), "m", health_step_timeout_s=30)
+    now = [0.0]
+    server.scheduler.clock = lambda: now[0]  # the step's age is what the test says, whatever the machine's speed
+    finished = threading.Event()
+    req = ServerRequest("r", [1, 2], SamplingParams(max_new_tokens=1),
+                        lambda ev: finished.set() if ev.kind == "finish" else None)  # fmt: skip
+    with TestClient(server.app) as client:
+        assert client.get("/health").status_code == 200
+        server.scheduler.submit(req)
+        try:
+            assert runner.entered.wait(60)
+            now[0] = 30.0  # at the bound: still healthy
+            assert client.get("/health").status_code == 200
+            now[0] = 31.5
+            r = client.get("/health")
+            assert r.status_code == 503
+            assert r.json()["status"] == "engine step running for 31.5s, over --health_step_timeout_s 30"
+        finally:
+            runner.release.set()
+        assert finished.wait(60)  # emitted inside the step: wait for the step itself to end
+        deadline = time.monotonic() + 60
+        while server.scheduler.step_in_flight_s() == 31.5 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert client.get("/health").status_code == 200
+
+
+def test_a_client_that_never_finishes_its_headers_is_cut_off(tmp_path):
+    proc, base, _ = start_server(tmp_path, ["--device", "cpu", "--request_read_timeout_s", "1"])
+    try:
+        port = int(base.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port)) as slow:
+            slow.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: appl")
+            slow.settimeout(120)  # the server closes it after 1 s; the old server never did
+            assert slow.recv(1024) == b""
+        # a connection that sends nothing at all is closed too
+        with socket.create_connection(("127.0.0.1", port)) as idle:
+            idle.settimeout(120)
+            assert idle.recv(1024) == b""
+        body = {"inputs": [5, 6, 7], "parameters": {"max_new_tokens": 4, "ignore_eos": True}}
+        assert len(httpx.post(base + "/generate", json=body, timeout=120).json()["token_ids"]) == 4
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _events(lines):
+    return [json.loads(line[6:]) for line in lines if line.startswith("data: ")]
+
+
+def test_shutdown_drains_then_aborts_what_is_left(tmp_path):
+    """SIGTERM with one request 4000 tokens from its end and one waiting behind it (one request runs at a time),
+    and a 0.5 s drain: each client gets what was generated and finish_reason abort, and the server exits,
+    instead of finishing both requests first."""
+    args = ["--device", "cpu", "--shutdown_drain_s", "0.5", "--running_max_req_size", "1"]
+    proc, base, log = start_server(tmp_path, args)
+    try:
+        body = {"inputs": [5, 6, 7], "parameters": {"max_new_tokens": 4000, "ignore_eos": True}}
+        with httpx.stream("POST", base + "/generate_stream", json=body, timeout=120) as running:
+            lines = running.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            with httpx.stream("POST", base + "/generate_stream", json=body, timeout=120) as waiting:
+                proc.send_signal(signal.SIGTERM)
+                events = _events([first, *lines])
+                waited = _events(waiting.iter_lines())
+        tokens = [e for e in events if e["token"]["id"] is not None]
+        assert 1 <= len(tokens) < 4000 and events[-1]["finish_reason"] == "abort"  # delivered up to the abort
+        assert [e["finish_reason"] for e in waited] == ["abort"]
+        assert proc.wait(timeout=120) in (0, -signal.SIGTERM)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert "still running after 0.5s (--shutdown_drain_s); aborting them" in log.read_text()

@@ -1,0 +1,127 @@
+"""Bad start-up input stops the server with one ``error:`` line (exit 2) before any weight loads; a model with a
+short context caps the default --max_req_total_len instead of crashing in the warm-up."""
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+from server_helpers import REPO
+
+from lightllm import LLM, SamplingParams
+from lightllm.engine.model_runner import ModelRunner
+from lightllm.server.args import parse_args
+from lightllm.server.scheduler import Scheduler
+from lightllm.tools.make_tiny_model import make_tiny_qwen3
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return str(make_tiny_qwen3(tmp_path_factory.mktemp("m")))  # head_dim 16, max_position_embeddings 4096
+
+
+@pytest.fixture(scope="module")
+def short_model(tmp_path_factory):
+    return str(make_tiny_qwen3(tmp_path_factory.mktemp("short"), max_position_embeddings=64))
+
+
+def run_server(tmp_path, args):
+    """``python -m lightllm.server.api_server *args`` to its end: (exit code, stdout + stderr)."""
+    env = {**os.environ, "PYTHONPATH": REPO, "LIGHTLLM_TINY_MODEL_DIR": str(tmp_path / "tiny"), "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "lightllm.server.api_server", *args], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # fmt: skip
+    try:
+        out, _ = proc.communicate(timeout=300)  # a bound for a server that wrongly starts serving
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return proc.returncode, out
+
+
+def assert_one_error_line(code, out, *expected):
+    errors = [line for line in out.splitlines() if line.startswith("error:")]
+    assert code == 2 and len(errors) == 1, out[-3000:]
+    assert "Traceback" not in out
+    assert "KV cache:" not in out, "weights were loaded before the error"  # the runner's first line after loading
+    for text in expected:
+        assert text in errors[0]
+
+
+CASES = {
+    "absurd max_req_total_len": (["--max_req_total_len", "99999999999"], ["99999999999", "4096"]),
+    "cache smaller than a request": (["--max_total_token_num", "10"], ["--max_total_token_num 10", "4097"]),
+    "int8kv group 0": (["--llm_kv_type", "int8kv", "--llm_kv_quant_group_size", "0"], ["--llm_kv_quant_group_size"]),
+    "int8kv group 7": (["--llm_kv_type", "int8kv", "--llm_kv_quant_group_size", "7"], ["7", "head_dim 16"]),
+    "int4kv group 16": (["--llm_kv_type", "int4kv", "--llm_kv_quant_group_size", "16"], ["16", "head_dim / 2 = 8"]),
+    "group 0, default KV": (["--llm_kv_quant_group_size", "0"], ["--llm_kv_quant_group_size", "got 0"]),
+    "negative drain": (["--shutdown_drain_s", "-1"], ["--shutdown_drain_s", "-1"]),
+}
+
+
+@pytest.mark.parametrize("args, expected", list(CASES.values()), ids=list(CASES))
+def test_bad_flag_is_one_line_before_loading(tmp_path, model, args, expected):
+    assert_one_error_line(*run_server(tmp_path, ["--model_dir", model, "--device", "cpu", *args]), *expected)
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--device", "bogus", "--model_dir", "/nonexistent"], ["--device", "'bogus'", "cpu, cuda or cuda:N"]),
+    (["--model_dir", "/nonexistent"], ["--model_dir", "/nonexistent: model folder not found"]),
+    (["--model_dir", "/etc"], ["--model_dir", "/etc/config.json: file not found"]),
+], ids=["device", "missing folder", "folder without config.json"])  # fmt: skip
+def test_bad_device_or_model_dir(tmp_path, args, expected):
+    assert_one_error_line(*run_server(tmp_path, ["--device", "cpu", *args] if "--device" not in args else args),
+                          *expected)  # fmt: skip
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
+def test_cuda_without_a_gpu_names_device(tmp_path, model):
+    assert_one_error_line(*run_server(tmp_path, ["--model_dir", model, "--device", "cuda"]), "--device cuda", "0")
+
+
+def test_port_in_use_is_reported_before_loading(tmp_path, model):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code, out = run_server(tmp_path, ["--model_dir", model, "--device", "cpu", "--port", str(port)])
+    assert_one_error_line(code, out, f"--port {port}", "in use")
+
+
+def test_short_context_caps_the_default_and_everything_derived(short_model, caplog):
+    """max_position_embeddings 64 < the default 4096: the warm-up prefill used to index past the rotary table."""
+    caplog.set_level(logging.INFO)
+    llm = LLM(short_model, data_type="fp32", device="cpu", batch_max_tokens=256, running_max_req_size=4)
+    a = llm.runner.args
+    assert (a.max_req_total_len, a.graph_max_len_in_batch) == (64, 64)
+    assert llm.runner.kv.num_tokens == 5 * 64  # CPU sizing: (running_max_req_size + padding) requests
+    assert [r.message for r in caplog.records if "max_req_total_len 4096 -> 64" in r.message] == [
+        "max_req_total_len 4096 -> 64: the model's context (max_position_embeddings)"
+    ]
+    (out,) = llm.generate([list(range(1, 40))], SamplingParams(max_new_tokens=25, ignore_eos=True))
+    assert len(out.token_ids) == 25 and out.finish_reason == "length"
+
+
+def test_a_given_length_over_the_context_names_both_numbers(short_model):
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--model_dir", short_model, "--device", "cpu", "--max_req_total_len", "65"])
+    assert e.value.code == 2
+    with pytest.raises(ValueError, match="--max_req_total_len 65 expected at most the model's context, "
+                       "max_position_embeddings 64"):  # fmt: skip
+        LLM(short_model, device="cpu", max_req_total_len=65)
+
+
+def test_budget_note_is_logged_once_and_says_what_happens(model, caplog):
+    """Parsing and the runner both normalize the options; the note comes once, from the scheduler that acts on it."""
+    caplog.set_level(logging.INFO)
+    _, engine = parse_args(["--model_dir", model, "--device", "cpu", "--data_type", "fp32", "--batch_max_tokens", "32",
+                            "--max_req_total_len", "64", "--running_max_req_size", "2"])  # fmt: skip
+    Scheduler(ModelRunner(engine), eos_token_ids=[])
+    notes = [r.message for r in caplog.records if "batch_max_tokens 32 < max_req_total_len 64" in r.message]
+    assert len(notes) == 1 and "chunk" not in notes[0].replace("no chunked prefill yet", "")
+    assert "prefilled alone and whole" in notes[0]
