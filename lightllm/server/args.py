@@ -45,6 +45,7 @@ class ServerArgs:
     host: str = "127.0.0.1"
     port: int = 8000
     tp: int = 1
+    max_request_body_bytes: int = 4 << 20  # a body over this gets a 413 before it is parsed
 
 
 class _Parser(argparse.ArgumentParser):
@@ -57,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default=ServerArgs.host)
     p.add_argument("--port", type=int, default=ServerArgs.port)
     p.add_argument("--tp", type=int, default=ServerArgs.tp, help="tensor-parallel GPUs")
+    p.add_argument("--max_request_body_bytes", type=int, default=ServerArgs.max_request_body_bytes,
+                   help="largest HTTP request body; a larger one gets a 413 before it is parsed")  # fmt: skip
     for f in dataclasses.fields(EngineArgs):
         flag, default = f"--{f.name}", f.default
         if f.type in (bool, "bool"):
@@ -73,12 +76,16 @@ def parse_args(argv: Optional[List[str]] = None) -> Tuple[ServerArgs, EngineArgs
     """Parsed and validated flags and env vars; a bad one exits with one ``error: ...`` line."""
     parser = build_parser()
     ns = vars(parser.parse_args(argv))
-    server = ServerArgs(host=ns.pop("host"), port=ns.pop("port"), tp=ns.pop("tp"))
+    server = ServerArgs(**{f.name: ns.pop(f.name) for f in dataclasses.fields(ServerArgs)})
     try:
         if not 0 < server.port < 65536:
             raise ValueError(f"--port expected a value in [1, 65535], got {server.port}")
         if server.tp < 1:
             raise ValueError(f"--tp expected a positive integer, got {server.tp}")
+        if server.max_request_body_bytes < 1:
+            raise ValueError(
+                f"--max_request_body_bytes expected a positive integer, got {server.max_request_body_bytes}"
+            )
         engine = EngineArgs(**ns).normalize()
         envs.validate_all()
         if engine.device.startswith("cuda") and server.tp > torch.cuda.device_count():

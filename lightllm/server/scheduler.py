@@ -244,8 +244,7 @@ class Scheduler:
             except (ValueError, KVCacheFull):
                 logger.exception("freeing request %s", req.id)
             req.slot = -1
-        if self.metrics is not None:
-            self.metrics.finished.labels(reason).inc()
+        # lightllm_requests_finished_total is counted by the HTTP side: it knows the reason the client sees
         req.emit(Event("finish", finish_reason=reason))
 
     def _update_gauges(self) -> None:
