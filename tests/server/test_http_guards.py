@@ -4,6 +4,8 @@ bytes received pass the limit, and a body within it reaches the app whole."""
 import asyncio
 import json
 
+import pytest
+
 from lightllm.server.http_guards import BodyLimit
 
 
@@ -50,3 +52,14 @@ def test_a_body_within_the_limit_reaches_the_app_whole_then_the_clients_own_mess
     assert app_got == [{"type": "http.request", "body": b"x" * 100 + b"y" * 150, "more_body": False},
                        {"type": "http.disconnect"}]  # fmt: skip
     assert sent == []
+
+
+def test_the_body_limit_flag(capsys):
+    from lightllm.server.args import parse_args
+
+    assert parse_args(["--device", "cpu", "--max_request_body_bytes", "1000"])[0].max_request_body_bytes == 1000
+    assert parse_args(["--device", "cpu"])[0].max_request_body_bytes == 4 << 20
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(["--device", "cpu", "--max_request_body_bytes", "0"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err == "error: --max_request_body_bytes expected a positive integer, got 0\n"
