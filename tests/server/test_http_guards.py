@@ -63,3 +63,22 @@ def test_the_body_limit_flag(capsys):
         parse_args(["--device", "cpu", "--max_request_body_bytes", "0"])
     assert exit_.value.code == 2
     assert capsys.readouterr().err == "error: --max_request_body_bytes expected a positive integer, got 0\n"
+
+
+def test_an_unhandled_error_is_a_500_in_the_error_shape():
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from lightllm.server.http_guards import install_error_handlers
+
+    app = FastAPI()
+    install_error_handlers(app)
+
+    @app.get("/boom")
+    async def boom():
+        raise KeyError("oops")
+
+    r = TestClient(app, raise_server_exceptions=False).get("/boom")
+    assert r.status_code == 500
+    assert r.json() == {"error": {"message": "internal error (KeyError); the server log has the details",
+                                  "type": "server_error", "code": 500}}  # fmt: skip
