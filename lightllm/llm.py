@@ -12,7 +12,7 @@ import torch
 
 from lightllm.engine.args import EngineArgs
 from lightllm.engine.model_runner import ModelRunner
-from lightllm.engine.sampler import SamplingParams
+from lightllm.engine.sampler import MAX_SEED, SamplingParams
 from lightllm.server.scheduler import Event, Scheduler, ServerRequest
 
 Prompt = Union[str, Sequence[int]]
@@ -59,7 +59,7 @@ class LLM:
             out = RequestOutput(prompt_token_ids=ids, logprobs=[] if params.logprobs else None)
             req = ServerRequest(f"offline-{i}", ids, params, _collector(out))
             if params.seed is not None:
-                req.generator = torch.Generator(device=self.runner.device).manual_seed(params.seed + i)
+                req.generator = torch.Generator(device=self.runner.device).manual_seed((params.seed + i) % MAX_SEED)
             requests.append(req)
             outputs.append(out)
         for req in requests:

@@ -5,10 +5,16 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
+# Below this a temperature is greedy: dividing logits by it would overflow float32 (1e-40 gives inf), and
+# well before that the distribution is one-hot anyway.
+GREEDY_TEMPERATURE = 1e-5
+MAX_SEED = 2**63  # torch generators take a 64-bit signed seed; seeds are in [0, MAX_SEED)
+
 
 @dataclass
 class SamplingParams:
-    """Per-request sampling; ``temperature=0`` is greedy. Bad values raise ``ValueError`` naming the field."""
+    """Per-request sampling; ``temperature`` below ``GREEDY_TEMPERATURE`` (0 included) is greedy; a ``top_k``
+    of 0 or at least the vocabulary keeps every token. Bad values raise ``ValueError`` naming the field."""
 
     max_new_tokens: int = 16
     temperature: float = 0.0
@@ -28,8 +34,14 @@ class SamplingParams:
             raise ValueError(f"top_p expected a number in (0, 1], got {self.top_p!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k expected a non-negative integer (0 = off), got {self.top_k!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise ValueError(f"seed expected an integer, got {self.seed!r}")
+        if self.seed is not None and (
+            isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < MAX_SEED
+        ):
+            raise ValueError(f"seed expected an integer in [0, 2**63), got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE
 
 
 def sample(
@@ -41,9 +53,9 @@ def sample(
     is sampled alone with its own generator, so a seed gives the same tokens whoever shares the batch."""
     logprobs = torch.log_softmax(logits, dim=-1)
     tokens = logits.argmax(dim=-1)
-    free = [i for i, p in enumerate(params) if p.temperature > 0 and generators[i] is None]
+    free = [i for i, p in enumerate(params) if not p.greedy and generators[i] is None]
     groups = [(free, None)] if free else []
-    groups += [([i], generators[i]) for i, p in enumerate(params) if p.temperature > 0 and generators[i] is not None]
+    groups += [([i], generators[i]) for i, p in enumerate(params) if not p.greedy and generators[i] is not None]
     for rows, generator in groups:
         tokens[rows] = sample_rows(logits[rows], [params[i] for i in rows], generator)
     return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
@@ -51,17 +63,28 @@ def sample(
 
 def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams], generator=None) -> torch.Tensor:
     """One draw per row of ``logits [n, vocab]`` at its temperature, kept to its ``top_k`` most likely tokens
-    (exactly k), then to the smallest most-likely set whose probability reaches ``top_p``."""
+    (exactly k), then to the smallest most-likely set whose probability reaches ``top_p``.
+
+    A row whose distribution is not finite (non-finite logits, or logits so large that dividing by the
+    temperature overflows) takes its most likely token instead of failing the whole batch's draw."""
     dev, vocab = logits.device, logits.shape[-1]
     temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=dev)
     scaled = logits / temperature[:, None]
-    if all(p.top_k == 0 and p.top_p >= 1 for p in params):
-        return torch.multinomial(torch.softmax(scaled, dim=-1), 1, generator=generator).squeeze(1)
-    top_k = torch.tensor([p.top_k or vocab for p in params], device=dev)
+    top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]  # clamped: never beyond int64
+    if all(k == vocab and p.top_p >= 1 for k, p in zip(top_k, params)):
+        return _draw(torch.softmax(scaled, dim=-1), logits, generator)
     top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=dev)
     ordered, order = scaled.sort(dim=-1, descending=True)
-    ordered = ordered.masked_fill(torch.arange(vocab, device=dev)[None, :] >= top_k[:, None], float("-inf"))
-    probs = torch.softmax(ordered, dim=-1)
+    cut = torch.arange(vocab, device=dev)[None, :] >= torch.tensor(top_k, device=dev)[:, None]
+    probs = torch.softmax(ordered.masked_fill(cut, float("-inf")), dim=-1)
     probs = probs.masked_fill(probs.cumsum(-1) - probs > top_p[:, None], 0.0)  # mass before a token > top_p
-    picked = torch.multinomial(probs, 1, generator=generator)  # multinomial renormalizes what is left
-    return order.gather(1, picked).squeeze(1)
+    return order.gather(1, _draw(probs, ordered, generator)[:, None]).squeeze(1)
+
+
+def _draw(probs: torch.Tensor, scores: torch.Tensor, generator) -> torch.Tensor:
+    """One index per row of ``probs`` (renormalized by multinomial); a row that is not a distribution takes
+    the argmax of ``scores`` (the same order as ``probs``) instead of making multinomial raise for all rows."""
+    bad = ~torch.isfinite(probs).all(dim=-1) | (probs.sum(dim=-1) <= 0)
+    safe = probs.masked_fill(bad[:, None], 1.0)  # any valid row: it is overridden below
+    picked = torch.multinomial(safe, 1, generator=generator).squeeze(1)
+    return torch.where(bad, scores.argmax(dim=-1), picked)

@@ -2,7 +2,8 @@
 
 Native ``/generate`` and ``/generate_stream``, OpenAI-compatible ``/v1/completions`` and
 ``/v1/chat/completions`` (server-sent events ending in ``data: [DONE]`` when streaming), ``/v1/models``,
-``/health`` and ``/metrics``. Bad requests get a 400 with a message; the server keeps serving.
+``/health`` and ``/metrics``. Bad requests get a 400 (413 for a body over the size limit) with a message;
+the server keeps serving.
 """
 
 import asyncio
@@ -14,19 +15,20 @@ import sys
 import threading
 import time
 import uuid
-from typing import AsyncIterator, List, Optional, Union
+from typing import AsyncIterator, List, Optional
 
 import torch
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from pydantic import BaseModel, ConfigDict, Field
 
 from lightllm.engine.model_runner import ModelRunner
 from lightllm.engine.sampler import SamplingParams
 from lightllm.server.args import ServerArgs, parse_args
-from lightllm.server.detokenize import IncrementalDetokenizer, StopStrings
+from lightllm.server.bodies import ChatRequest, CompletionRequest, GenerateRequest
+from lightllm.server.detokenize import IncrementalDetokenizer, StopStrings, check_stop_strings
+from lightllm.server.http_guards import BadRequest, BodyLimit, install_error_handlers
+from lightllm.server.prompts import PromptEncoder
 from lightllm.server.scheduler import Event, Scheduler, ServerRequest
 from lightllm.server.serving import bind, serve
 
@@ -56,74 +58,25 @@ class Metrics:
                                     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512))  # fmt: skip
 
 
-# ---- request bodies (unknown fields are errors) ------------------------------------------------------------
-
-
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class _Sampling(_Body):
-    """Fields every endpoint shares; OpenAI's endpoints default to temperature 1, the native one to greedy."""
-
-    temperature: float = Field(1.0, ge=0, le=100)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=0)
-    seed: Optional[int] = None
-    stop: Union[str, List[str], None] = None
-
-
-class GenerateParameters(_Sampling):
-    max_new_tokens: int = Field(16, ge=1)
-    temperature: float = Field(0.0, ge=0, le=100)
-    logprobs: bool = False
-    ignore_eos: bool = False
-
-
-class GenerateRequest(_Body):
-    inputs: Union[str, List[int]]
-    parameters: GenerateParameters = GenerateParameters()
-
-
-class _OpenAI(_Sampling):
-    model: Optional[str] = None
-    stream: bool = False
-    n: int = Field(1, ge=1, le=1)
-    user: Optional[str] = None
-
-
-class CompletionRequest(_OpenAI):
-    prompt: Union[str, List[int]]
-    max_tokens: int = Field(16, ge=1)
-    logprobs: Optional[int] = Field(None, ge=0, le=0)  # only the chosen token's logprob is returned
-
-
-class ChatMessage(_Body):
-    role: str
-    content: str
-
-
-class ChatRequest(_OpenAI):
-    messages: List[ChatMessage] = Field(min_length=1)
-    max_tokens: Optional[int] = Field(None, ge=1)
-    max_completion_tokens: Optional[int] = Field(None, ge=1)
-    logprobs: bool = False
-
-
-class BadRequest(Exception):
-    pass
-
-
 # ---- the app -----------------------------------------------------------------------------------------------
 
 
 class Server:
-    def __init__(self, runner: ModelRunner, tokenizer, model_name: str, on_shutdown=None,
-                 health_step_timeout_s: float = ServerArgs.health_step_timeout_s):  # fmt: skip
+    def __init__(
+        self,
+        runner: ModelRunner,
+        tokenizer,
+        model_name: str,
+        on_shutdown=None,
+        health_step_timeout_s: float = ServerArgs.health_step_timeout_s,
+        max_request_body_bytes: int = ServerArgs.max_request_body_bytes,
+    ):
         self.runner = runner
         self.on_shutdown = on_shutdown  # after the scheduler stops: tensor-parallel workers
         self.health_step_timeout_s = health_step_timeout_s
         self.tokenizer = tokenizer
+        self.prompts = PromptEncoder(tokenizer, runner.args.max_req_total_len)
+        self.max_request_body_bytes = max_request_body_bytes
         self.model_name = model_name
         self.metrics = Metrics()
         eos = set(runner.config.eos_token_ids)
@@ -147,18 +100,8 @@ class Server:
                 self.on_shutdown()
 
         app = FastAPI(title="lightllm", lifespan=lifespan)
-
-        @app.exception_handler(RequestValidationError)
-        async def invalid(_request, exc: RequestValidationError):
-            parts = []
-            for e in exc.errors():
-                where = "body" if e["type"] == "json_invalid" else ".".join(str(x) for x in e["loc"][1:]) or "body"
-                parts.append(f"{where}: {'invalid JSON' if e['type'] == 'json_invalid' else e['msg']}")
-            return _error(400, "; ".join(parts) or "invalid request")
-
-        @app.exception_handler(BadRequest)
-        async def bad(_request, exc: BadRequest):
-            return _error(400, str(exc))
+        app.add_middleware(BodyLimit, limit=self.max_request_body_bytes)
+        install_error_handlers(app)
 
         @app.get("/health")
         async def health():
@@ -176,8 +119,8 @@ class Server:
         @app.post("/generate")
         async def generate(body: GenerateRequest, request: Request):
             p = body.parameters
-            ids, params, stops = self._prepare(body.inputs, p.max_new_tokens, p.temperature, p.top_p, p.top_k, p.seed,
-                                               p.stop, p.logprobs, p.ignore_eos)  # fmt: skip
+            ids, params, stops = await self._prepare("inputs", body.inputs, p.max_new_tokens, p, p.logprobs,
+                                                     p.ignore_eos)  # fmt: skip
             result = await self._collect(ids, params, stops, request)
             out = {"generated_text": result["text"], "token_ids": result["token_ids"],
                    "finish_reason": result["finish_reason"], "prompt_tokens": len(ids)}  # fmt: skip
@@ -188,8 +131,8 @@ class Server:
         @app.post("/generate_stream")
         async def generate_stream(body: GenerateRequest, request: Request):
             p = body.parameters
-            ids, params, stops = self._prepare(body.inputs, p.max_new_tokens, p.temperature, p.top_p, p.top_k, p.seed,
-                                               p.stop, p.logprobs, p.ignore_eos)  # fmt: skip
+            ids, params, stops = await self._prepare("inputs", body.inputs, p.max_new_tokens, p, p.logprobs,
+                                                     p.ignore_eos)  # fmt: skip
 
             async def events():
                 async for delta, tok, lp, reason in self._stream(ids, params, stops, request):
@@ -200,22 +143,15 @@ class Server:
 
         @app.post("/v1/completions")
         async def completions(body: CompletionRequest, request: Request):
-            ids, params, stops = self._prepare(body.prompt, body.max_tokens, body.temperature, body.top_p, body.top_k,
-                                               body.seed, body.stop, body.logprobs is not None, False)  # fmt: skip
+            ids, params, stops = await self._prepare("prompt", body.prompt, body.max_tokens, body,
+                                                     body.logprobs is not None, False)  # fmt: skip
             return await self._openai(ids, params, stops, request, body.stream, chat=False)
 
         @app.post("/v1/chat/completions")
         async def chat(body: ChatRequest, request: Request):
             messages = [m.model_dump() for m in body.messages]
-            try:
-                prompt = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-            except Exception as e:  # a template that rejects these messages
-                raise BadRequest(f"messages: the model's chat template could not render them ({e})") from e
-            max_tokens = body.max_completion_tokens or body.max_tokens
-            if max_tokens is None:
-                max_tokens = max(1, self.runner.args.max_req_total_len - len(self.tokenizer.encode(prompt)))
-            ids, params, stops = self._prepare(prompt, max_tokens, body.temperature, body.top_p, body.top_k,
-                                               body.seed, body.stop, body.logprobs, False)  # fmt: skip
+            max_tokens = body.max_completion_tokens or body.max_tokens  # None: the rest of max_req_total_len
+            ids, params, stops = await self._prepare("messages", messages, max_tokens, body, body.logprobs, False)
             return await self._openai(ids, params, stops, request, body.stream, chat=True)
 
         return app
@@ -232,30 +168,45 @@ class Server:
 
     # ---- request plumbing ----------------------------------------------------------------------------------
 
-    def _prepare(self, prompt, max_tokens, temperature, top_p, top_k, seed, stop, logprobs, ignore_eos):
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    async def _prepare(self, field: str, prompt, max_tokens: Optional[int], sampling, logprobs, ignore_eos):
+        """Token ids, sampling parameters and stop strings of a request, or a 400. ``prompt``: text, token ids or
+        chat messages (named ``field`` in errors); ``max_tokens`` None: the rest of max_req_total_len."""
+        stops = [sampling.stop] if isinstance(sampling.stop, str) else list(sampling.stop or [])
+        try:
+            check_stop_strings(stops)
+        except ValueError as e:
+            raise BadRequest(str(e)) from None
+        if field == "messages":
+            ids = await self.prompts.encode_chat(prompt)
+        else:
+            ids = await self.prompts.encode(prompt, field) if isinstance(prompt, str) else prompt
         if not ids:
-            raise BadRequest("prompt: expected at least one token")
-        vocab = self.runner.config.vocab_size
-        if any(t < 0 or t >= vocab for t in ids):
-            raise BadRequest(f"prompt: token ids expected in [0, {vocab})")
+            raise BadRequest(f"{field}: expected at least one token")
         limit = self.runner.args.max_req_total_len
         if len(ids) >= limit:
-            raise BadRequest(f"prompt: {len(ids)} tokens, max_req_total_len is {limit}")
+            raise BadRequest(f"{field}: {len(ids)} tokens, max_req_total_len is {limit}")
+        vocab = self.runner.config.vocab_size
+        if any(t < 0 or t >= vocab for t in ids):
+            raise BadRequest(f"{field}: token ids expected in [0, {vocab})")
+        if max_tokens is None:
+            max_tokens = limit - len(ids)
         if max_tokens > limit - len(ids):
             raise BadRequest(
                 f"max_tokens: {max_tokens} with a {len(ids)}-token prompt exceeds max_req_total_len {limit}"
             )
-        params = SamplingParams(max_new_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                                logprobs=logprobs, seed=seed, ignore_eos=ignore_eos)  # fmt: skip
-        stops = [stop] if isinstance(stop, str) else list(stop or [])
-        if any(not s for s in stops):
-            raise BadRequest("stop: expected non-empty strings")
+        try:  # the bodies already hold these to the engine's ranges; this keeps the two from drifting apart
+            params = SamplingParams(max_new_tokens=max_tokens, temperature=sampling.temperature,
+                                    top_p=sampling.top_p, top_k=sampling.top_k, logprobs=logprobs, seed=sampling.seed,
+                                    ignore_eos=ignore_eos)  # fmt: skip
+        except ValueError as e:
+            raise BadRequest(str(e)) from None
         return ids, params, stops
 
     async def _stream(self, ids, params, stops, request: Request, text: bool = True) -> AsyncIterator[tuple]:
         """(text delta, token id, logprob, finish reason or None) per token; aborts on disconnect or stop string.
-        ``text=False`` (a caller that decodes once at the end, with no stop strings) leaves every delta ''."""
+        ``text=False`` (a caller that decodes once at the end, with no stop strings) leaves every delta ''.
+        Counts the request in lightllm_requests_finished_total once, with the reason the client is given
+        ("abort" when it left first, whether it was running or still queued)."""
         events: "asyncio.Queue[Event]" = asyncio.Queue()
         req = ServerRequest(uuid.uuid4().hex, ids, params, functools.partial(self.mailbox.post, events))
         if params.seed is not None:
@@ -281,12 +232,15 @@ class Server:
                 if ev.kind == "finish":
                     finished = True
                     rest, hit = stop_at.cut(detok.finish() if detok else "", final=True)
-                    yield rest, None, None, "stop" if hit else ev.finish_reason
+                    reason = "stop" if hit else ev.finish_reason
+                    self.metrics.finished.labels(reason).inc()
+                    yield rest, None, None, reason
                     return
                 delta, hit = stop_at.cut(detok.add(ev.token_id) if detok else "")
                 if hit:
-                    self.scheduler.abort(req.id)
+                    self.scheduler.abort(req.id, reason="stop")
                     finished = True
+                    self.metrics.finished.labels("stop").inc()
                     yield delta, ev.token_id, ev.logprob, None
                     yield "", None, None, "stop"
                     return
@@ -294,6 +248,7 @@ class Server:
         finally:
             if not finished:  # client gone (or the handler was cancelled): free its KV now
                 self.scheduler.abort(req.id)
+                self.metrics.finished.labels("abort").inc()
 
     async def _collect(self, ids, params, stops, request: Request) -> dict:
         text, token_ids, logprobs, reason = "", [], [], ""
@@ -391,10 +346,6 @@ def _deliver(items) -> None:
         queue.put_nowait(event)
 
 
-def _error(status: int, message: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "code": status}}, status)
-
-
 def main(argv=None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     server_args, engine_args = parse_args(argv)
@@ -414,7 +365,8 @@ def main(argv=None) -> None:
     tokenizer = AutoTokenizer.from_pretrained(runner.model_dir)
     stop = runner.stop if server_args.tp > 1 else None
     server = Server(runner, tokenizer, model_name=engine_args.model_dir or "lightllm-tiny-qwen3", on_shutdown=stop,
-                    health_step_timeout_s=server_args.health_step_timeout_s)  # fmt: skip
+                    health_step_timeout_s=server_args.health_step_timeout_s,
+                    max_request_body_bytes=server_args.max_request_body_bytes)  # fmt: skip
     try:
         serve(server.app, sock, read_timeout_s=server_args.request_read_timeout_s,
               drain_s=server_args.shutdown_drain_s, abort_rest=server.scheduler.abort_all)  # fmt: skip

@@ -58,6 +58,7 @@ class ServerArgs:
     tp_step_timeout_s: float = 300.0
     shutdown_drain_s: float = 30.0
     request_read_timeout_s: float = 30.0
+    max_request_body_bytes: int = 4 << 20  # a body over this gets a 413 before it is parsed
 
 
 _SERVER_HELP = {
@@ -66,6 +67,7 @@ _SERVER_HELP = {
     "tp_step_timeout_s": "with --tp > 1: a step some rank has not finished after this ends the server, naming it",
     "shutdown_drain_s": "on SIGTERM/SIGINT, wait this long for in-flight requests, then abort the rest",
     "request_read_timeout_s": "close a connection that has not sent a whole request within this",
+    "max_request_body_bytes": "largest HTTP request body; a larger one gets a 413 before it is parsed",
 }
 
 
@@ -108,6 +110,10 @@ def parse_args(argv: Optional[List[str]] = None) -> Tuple[ServerArgs, EngineArgs
             if not (0 <= value if zero_ok else 0 < value) or not math.isfinite(value):
                 raise ValueError(f"--{name} expected a finite number of seconds {'>=' if zero_ok else '>'} 0, "
                                  f"got {value!r}")  # fmt: skip
+        if server.max_request_body_bytes < 1:
+            raise ValueError(
+                f"--max_request_body_bytes expected a positive integer, got {server.max_request_body_bytes}"
+            )
         engine = EngineArgs(**ns).normalize()
         envs.validate_all()
         if engine.device.startswith("cuda") and server.tp > torch.cuda.device_count():

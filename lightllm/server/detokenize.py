@@ -10,6 +10,10 @@ later id completes it; :meth:`IncrementalDetokenizer.finish` emits whatever is l
 
 from typing import List, Tuple
 
+# Per request: their cost per token is O(count x length), paid on the HTTP event loop.
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, skip_special_tokens: bool = True):
@@ -42,30 +46,50 @@ class IncrementalDetokenizer:
         return window[len(done) :]
 
 
+def check_stop_strings(stops: List[str]) -> None:
+    """``ValueError`` naming the limit when there are too many stop strings, or one is empty or too long."""
+    if len(stops) > MAX_STOP_STRINGS:
+        raise ValueError(f"stop: at most {MAX_STOP_STRINGS} strings, got {len(stops)}")
+    for s in stops:
+        if not s:
+            raise ValueError("stop: expected non-empty strings")
+        if len(s) > MAX_STOP_CHARS:
+            raise ValueError(f"stop: at most {MAX_STOP_CHARS} characters per string, got one of {len(s)}")
+
+
 class StopStrings:
     """Cuts streamed text at the first stop string. Text that could be the start of one is held back until
-    the next delta shows whether it is, so no part of a stop string is ever emitted."""
+    the next delta shows whether it is, so no part of a stop string is ever emitted.
+
+    Matching is incremental: each delta is searched together with what is held back, which is shorter than
+    the longest stop string, so the work per delta does not grow with the text streamed so far."""
 
     def __init__(self, stops: List[str]):
         self.stops = stops
+        self._longest = max((len(s) for s in stops), default=0)
+        self._firsts = {s[0] for s in stops}
         self._held = ""
+        self.scanned = 0  # characters searched so far
 
     def cut(self, delta: str, final: bool = False) -> Tuple[str, bool]:
         """What can be emitted now, and whether a stop string was found (the text ends before it)."""
         if not self.stops:
             return delta, False
         text, self._held = self._held + delta, ""
+        self.scanned += len(text)
         found = [i for i in (text.find(s) for s in self.stops) if i >= 0]
         if found:
             return text[: min(found)], True
-        hold = 0 if final else max(self._prefix_at_end(text, s) for s in self.stops)
+        hold = 0 if final else self._partial_at_end(text)
         self._held = text[len(text) - hold :] if hold else ""
         return text[: len(text) - hold], False
 
-    @staticmethod
-    def _prefix_at_end(text: str, stop: str) -> int:
-        """Length of the longest proper prefix of ``stop`` that ``text`` ends with."""
-        for k in range(min(len(stop) - 1, len(text)), 0, -1):
-            if text.endswith(stop[:k]):
-                return k
+    def _partial_at_end(self, text: str) -> int:
+        """Length of the longest end of ``text`` that is a proper prefix of a stop string (it is in the last
+        longest - 1 characters, and starts with a stop string's first character)."""
+        for i in range(max(0, len(text) - self._longest + 1), len(text)):
+            if text[i] in self._firsts:
+                tail = text[i:]
+                if any(len(s) > len(tail) and s.startswith(tail) for s in self.stops):
+                    return len(tail)
         return 0

@@ -4,7 +4,10 @@ Each step: take new and aborted requests, admit waiting ones while request slots
 budget and free KV allow (prefill first), else decode every running request. When the KV cache can't
 hold the next token of every running request the newest one is preempted: its KV is freed and it waits
 to be re-prefilled with what it has generated so far. Results go back through each request's ``emit``
-callback (thread-safe on the HTTP side).
+callback (thread-safe on the HTTP side); every submitted request gets exactly one "finish" event.
+
+A failure that belongs to one request (its sampling) ends only that request with "error"; its neighbours in
+the step go on. A failure of the step itself (the model forward) fails the requests in it.
 """
 
 import logging
@@ -13,7 +16,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Deque, List, Optional
+from typing import Callable, Deque, Dict, List, Optional, Tuple
 
 import torch
 
@@ -72,7 +75,7 @@ class Scheduler:
         self.eos = set(eos_token_ids)
         self.metrics = metrics
         self._inbox: "queue.Queue[ServerRequest]" = queue.Queue()
-        self._aborts: "queue.Queue[str]" = queue.Queue()
+        self._aborts: "queue.Queue[Tuple[str, str]]" = queue.Queue()
         self.waiting: Deque[ServerRequest] = deque()
         self.running: List[ServerRequest] = []
         self._stop = threading.Event()
@@ -83,9 +86,10 @@ class Scheduler:
     def submit(self, req: ServerRequest) -> None:
         self._inbox.put(req)
 
-    def abort(self, request_id: str) -> None:
-        """Drop the request and free its KV at the next step boundary (milliseconds)."""
-        self._aborts.put(request_id)
+    def abort(self, request_id: str, reason: str = "abort") -> None:
+        """End the request with ``reason`` (running or still waiting) and free its KV at the next step boundary
+        (milliseconds). The HTTP side ends a request on a stop string with "stop"."""
+        self._aborts.put((request_id, reason))
 
     def abort_all(self) -> None:
         """From the next step boundary on, abort every request, running, waiting or submitted later (shutdown)."""
@@ -137,28 +141,32 @@ class Scheduler:
             except queue.Empty:
                 break
 
-    def _apply_aborts(self) -> None:
-        ids = set()
+    def _take_aborts(self) -> Dict[str, str]:
+        reasons = {}
         while True:
             try:
-                ids.add(self._aborts.get_nowait())
+                request_id, reason = self._aborts.get_nowait()
             except queue.Empty:
                 break
-        if self._closing.is_set():
-            ids.update(r.id for r in self.running + list(self.waiting))
-        if not ids:
+            reasons.setdefault(request_id, reason)
+        return reasons
+
+    def _apply_aborts(self, reasons: Dict[str, str]) -> None:
+        if self._closing.is_set():  # shutdown: every request left, running or still waiting, hears why
+            for req in self.running + list(self.waiting):
+                reasons.setdefault(req.id, "abort")
+        if not reasons:
             return
-        for req in [r for r in self.running if r.id in ids]:
-            self.running.remove(req)
-            self._finish(req, "abort")
-        for req in [r for r in self.waiting if r.id in ids]:  # a waiting client still there (shutdown) hears why
-            self._finish(req, "abort")
-        self.waiting = deque(r for r in self.waiting if r.id not in ids)
+        for req in [r for r in self.running if r.id in reasons] + [r for r in self.waiting if r.id in reasons]:
+            self._finish(req, reasons[req.id])
+        self.running = [r for r in self.running if r.id not in reasons]
+        self.waiting = deque(r for r in self.waiting if r.id not in reasons)
 
     def step(self) -> bool:
         """One prefill or decode step; False when there was nothing to do."""
+        aborts = self._take_aborts()  # before the inbox: a request's submit is always seen with its abort
         self._take_new(block=False)
-        self._apply_aborts()
+        self._apply_aborts(aborts)
         self._update_gauges()
         batch = self._admit()
         if batch:
@@ -212,10 +220,13 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def _advance(self, reqs: List[ServerRequest], logits: torch.Tensor) -> List[ServerRequest]:
-        tokens, logprobs = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
         now = time.perf_counter()
         alive = []
-        for req, tok, lp in zip(reqs, tokens.tolist(), logprobs.tolist()):
+        for req, drawn in zip(reqs, self._sample(reqs, logits)):
+            if drawn is None:
+                self._finish(req, "error")
+                continue
+            tok, lp = drawn
             if self.metrics is not None:
                 if req.last_token_time is None:
                     self.metrics.ttft.observe(now - req.arrival)
@@ -234,6 +245,25 @@ class Scheduler:
                 alive.append(req)
         return alive
 
+    def _sample(self, reqs: List[ServerRequest], logits: torch.Tensor) -> List[Optional[Tuple[int, float]]]:
+        """(token, logprob) per request, None for one whose own draw fails. The batch is drawn at once; if that
+        raises, each request is drawn alone, so only the requests that cause the failure lose their draw (a
+        seeded neighbour may then continue from a generator the failed batch draw already advanced)."""
+        try:
+            tokens, logprobs = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
+            return list(zip(tokens.tolist(), logprobs.tolist()))
+        except Exception:
+            logger.exception("sampling a batch of %d requests failed; sampling them one by one", len(reqs))
+        drawn = []
+        for i, req in enumerate(reqs):
+            try:
+                tokens, logprobs = sample(logits[i : i + 1], [req.params], [req.generator])
+                drawn.append((tokens.item(), logprobs.item()))
+            except Exception:
+                logger.exception("sampling request %s failed; it ends with finish_reason error", req.id)
+                drawn.append(None)
+        return drawn
+
     def _finish(self, req: ServerRequest, reason: str) -> None:
         if req.slot >= 0:
             try:
@@ -241,8 +271,7 @@ class Scheduler:
             except (ValueError, KVCacheFull):
                 logger.exception("freeing request %s", req.id)
             req.slot = -1
-        if self.metrics is not None:
-            self.metrics.finished.labels(reason).inc()
+        # lightllm_requests_finished_total is counted by the HTTP side: it knows the reason the client sees
         req.emit(Event("finish", finish_reason=reason))
 
     def _update_gauges(self) -> None:

@@ -94,3 +94,40 @@ def test_sampler():
     draws = [sample(logits, [SamplingParams(temperature=1.0)] * 3, [torch.Generator().manual_seed(7)] * 3)[0]
              for _ in range(2)]  # fmt: skip
     assert torch.equal(draws[0], draws[1])  # seeded: reproducible
+
+
+def test_a_tiny_temperature_is_greedy():
+    """logits / 1e-40 overflows float32 to inf: below GREEDY_TEMPERATURE the row is taken greedily instead."""
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(3)) * 5
+    for t in (1e-40, 1e-6):
+        tokens, _ = sample(logits, [SamplingParams(temperature=t)] * 4, [None] * 4)
+        assert torch.equal(tokens, logits.argmax(-1))
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.9])
+def test_a_top_k_beyond_the_vocabulary_keeps_every_token(top_p):
+    """2**63 does not fit int64: it must mean "every token", as top_k 0 does, not fail the draw."""
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(4))
+
+    def draws(top_k):
+        gen = torch.Generator().manual_seed(11)
+        p = SamplingParams(temperature=1.0, top_k=top_k, top_p=top_p)
+        return [sample(logits, [p] * 3, [gen] * 3)[0].tolist() for _ in range(10)]
+
+    assert draws(2**63) == draws(10**30) == draws(50) == draws(0)
+
+
+def test_a_row_without_a_finite_distribution_takes_its_argmax_and_spares_the_others():
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(5))
+    logits[1, 7] = float("inf")
+    logits[2, 9] = 3e38  # finite, but 3e38 / 0.5 is not
+    for p in (SamplingParams(temperature=0.5), SamplingParams(temperature=0.5, top_k=10, top_p=0.9)):
+        draws = [sample(logits, [p] * 3, [None] * 3)[0].tolist() for _ in range(30)]
+        assert all(d[1] == 7 and d[2] == 9 for d in draws)
+        assert len({d[0] for d in draws}) > 1  # the healthy row is still sampled
+
+
+@pytest.mark.parametrize("seed", [-1, 2**63, True])
+def test_a_seed_outside_int64_is_refused(seed):
+    with pytest.raises(ValueError, match=r"seed expected an integer in \[0, 2\*\*63\)"):
+        SamplingParams(seed=seed)

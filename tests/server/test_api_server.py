@@ -1,8 +1,11 @@
 """The real server in a subprocess (tiny model, CPU), driven over HTTP with the openai client and httpx."""
 
 import concurrent.futures
+import contextlib
+import http.client
 import json
 import re
+import socket
 import time
 
 import httpx
@@ -11,13 +14,14 @@ import pytest
 from server_helpers import running_server
 
 MAX_LEN = 1024  # long enough that a full-length request outlives a client that gives up
+MAX_BODY = 256 * 1024
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     home = tmp_path_factory.mktemp("server")
     args = ["--data_type", "fp32", "--device", "cpu", "--batch_max_tokens", "128", "--max_req_total_len", str(MAX_LEN),
-            "--running_max_req_size", "8"]  # fmt: skip
+            "--running_max_req_size", "8", "--max_request_body_bytes", str(MAX_BODY)]  # fmt: skip
     with running_server(home, args) as base:
         yield base
 
@@ -145,8 +149,32 @@ def test_disconnect_while_generating_frees_kv(server):
         ("/v1/completions", {"prompt": [10**7], "max_tokens": 1}, "token ids expected"),
         ("/v1/chat/completions", {"messages": [], "max_tokens": 2}, "messages"),
         ("/generate", {"inputs": "a", "parameters": {"top_p": 0}}, "top_p"),
+        # strict types: nothing is coerced
+        ("/generate", {"inputs": "a", "parameters": {"max_new_tokens": "8"}}, "parameters.max_new_tokens: Input"),
+        ("/generate", {"inputs": "a", "parameters": {"max_new_tokens": 8.0}}, "parameters.max_new_tokens: Input"),
+        ("/generate", {"inputs": "a", "parameters": {"max_new_tokens": True}}, "parameters.max_new_tokens: Input"),
+        ("/generate", {"inputs": [1.0]}, "inputs.list[int].0: Input should be a valid integer"),
+        ("/generate", {"inputs": [True]}, "inputs.list[int].0: Input should be a valid integer"),
+        ("/generate", {"inputs": ["1"]}, "inputs.list[int].0: Input should be a valid integer"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "stream": 1}, "stream: Input"),
+        # ranges the engine cannot honour
+        ("/generate", {"inputs": "a", "parameters": {"seed": 2**63}}, "parameters.seed: Input should be less than"),
+        ("/v1/completions", {"prompt": "a", "seed": -1}, "seed: Input should be greater than or equal to 0"),
+        # text a tokenizer cannot take
+        ("/v1/completions", b'{"prompt": "ok \\ud800"}',
+         "prompt: expected valid Unicode text, got a lone surrogate U+D800 at"),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\udfff"}]}',
+         "messages.0.content: expected valid Unicode text"),
+        ("/v1/completions", b'{"prompt": "\xff\xfe"}', "body: expected UTF-8 JSON"),
+        ("/v1/completions", b"[" * 100_000, "body: JSON nested too deeply"),
+        # bounded before the work they would cost
+        ("/generate", {"inputs": "x" * (32 * MAX_LEN + 1)}, f"inputs: {32 * MAX_LEN + 1} characters, more than the"),
+        ("/generate", {"inputs": "a", "parameters": {"stop": ["x"] * 17}}, "stop: at most 16 strings, got 17"),
+        ("/v1/completions", {"prompt": "a", "stop": "x" * 257}, "stop: at most 256 characters per string"),
     ],
-    ids=["bad-json", "unknown-field", "wrong-type", "negative", "absurd", "too-long", "bad-token", "no-msgs", "top_p"],
+    ids=["bad-json", "unknown-field", "wrong-type", "negative", "absurd", "too-long", "bad-token", "no-msgs", "top_p",
+         "str-int", "float-int", "bool-int", "float-id", "bool-id", "str-id", "int-bool", "big-seed", "negative-seed",
+         "surrogate", "chat-surrogate", "bad-utf8", "deep-json", "long-text", "many-stops", "long-stop"],  # fmt: skip
 )
 def test_bad_input_is_400_and_server_keeps_serving(server, path, body, message):
     kw = (
@@ -156,7 +184,8 @@ def test_bad_input_is_400_and_server_keeps_serving(server, path, body, message):
     )
     r = httpx.post(server + path, timeout=30, **kw)
     assert r.status_code == 400, r.text
-    assert message in r.json()["error"]["message"]
+    assert message in r.json()["error"]["message"], r.text
+    assert r.json()["error"]["type"] == "invalid_request_error" and r.json()["error"]["code"] == 400
     assert httpx.get(server + "/health").status_code == 200
     ok = httpx.post(server + "/generate", json={"inputs": "ok", "parameters": {"max_new_tokens": 1}}, timeout=30)
     assert ok.status_code == 200
@@ -171,3 +200,92 @@ def test_models_and_metrics(server, client):
                  'lightllm_step_batch_size_sum{kind="prefill"}'):  # fmt: skip
         assert name in text
     assert metric(server, "lightllm_generated_tokens_total") > 0
+
+
+def test_unknown_routes_and_methods_answer_in_the_error_shape(server):
+    for r, code in ((httpx.get(server + "/nope"), 404), (httpx.get(server + "/generate"), 405)):
+        assert r.status_code == code and r.json()["error"]["code"] == code, r.text
+
+
+def test_a_body_over_the_limit_is_refused_before_it_is_read(server):
+    """A declared Content-Length over --max_request_body_bytes is a 413 at once: the server does not wait for
+    (or parse) the 10 MB it announces."""
+    host, port = server.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 10000000\r\n\r\n")  # fmt: skip
+        response = http.client.HTTPResponse(sock)
+        response.begin()
+        assert response.status == 413
+        error = json.loads(response.read())["error"]
+    assert error["code"] == 413
+    assert error["message"] == f"body: 10000000 bytes, more than --max_request_body_bytes ({MAX_BODY})"
+    assert httpx.get(server + "/health").status_code == 200
+
+
+def test_extreme_sampling_parameters_do_not_fail_their_neighbours(server):
+    """temperature 1e-40 overflows logits / temperature and top_k 2**63 overflows int64: both once crashed the
+    sampling step and with it every request in the step. Now they are greedy / every token, and the requests
+    sharing their steps finish normally."""
+    neighbour = {"inputs": [5, 6, 7], "parameters": {"max_new_tokens": 24, "ignore_eos": True}}
+    tiny_t = {"inputs": [9, 10, 11], "parameters": {"max_new_tokens": 24, "temperature": 1e-40, "ignore_eos": True}}
+    greedy = {**tiny_t, "parameters": {**tiny_t["parameters"], "temperature": 0}}
+    greedy_ids = httpx.post(server + "/generate", json=greedy, timeout=60).json()["token_ids"]
+    calls = [("/generate", neighbour)] * 6 + [
+        ("/generate", tiny_t),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 24, "temperature": 1.0, "top_k": 2**63, "seed": 3}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 24,
+                                  "temperature": 1e-40}),
+    ]  # fmt: skip
+    with concurrent.futures.ThreadPoolExecutor(len(calls)) as pool:
+        results = list(pool.map(lambda c: httpx.post(server + c[0], json=c[1], timeout=120), calls))
+    assert all(r.status_code == 200 for r in results), [r.text for r in results]
+    bodies = [r.json() for r in results]
+    assert [b["finish_reason"] for b in bodies[:6]] == ["length"] * 6
+    assert bodies[6]["token_ids"] == greedy_ids
+    assert all(b["choices"][0]["finish_reason"] in ("length", "stop") for b in bodies[7:])
+
+
+def finished(base):
+    return {reason: metric(base, "lightllm_requests_finished_total", f'{{finish_reason="{reason}"}}') or 0.0
+            for reason in ("stop", "length", "abort", "error")}  # fmt: skip
+
+
+def test_a_stop_string_finish_is_counted_as_stop(server):
+    greedy = {"inputs": [9, 10, 11], "parameters": {"max_new_tokens": 8, "ignore_eos": True}}
+    text = httpx.post(server + "/generate", json=greedy, timeout=60).json()["generated_text"]
+    stop = text[next(i for i in range(len(text) // 2, len(text)) if text[i].isalnum())]
+    before = finished(server)
+    greedy["parameters"]["stop"] = [stop]
+    assert httpx.post(server + "/generate", json=greedy, timeout=60).json()["finish_reason"] == "stop"
+    after_stop = finished(server)
+    greedy["parameters"]["stop"] = []  # a whole request after it: the scheduler has long applied its abort
+    assert httpx.post(server + "/generate", json=greedy, timeout=60).json()["finish_reason"] == "length"
+    after = finished(server)
+    assert after_stop["stop"] - before["stop"] == 1
+    assert {k: after[k] - before[k] for k in after} == {"stop": 1, "length": 1, "abort": 0, "error": 0}
+
+
+def test_a_request_dropped_while_queued_is_counted_once_as_abort(server):
+    """Eight long requests fill every slot (--running_max_req_size 8); a ninth waits in the queue, and its
+    client leaves. Every request is counted exactly once."""
+    before = finished(server)
+    body = {"inputs": [4, 5, 6], "parameters": {"max_new_tokens": MAX_LEN - 10, "ignore_eos": True}}
+    with httpx.Client(timeout=60) as client, contextlib.ExitStack() as running:
+        streams = [running.enter_context(client.stream("POST", server + "/generate_stream", json=body))
+                   for _ in range(8)]  # fmt: skip
+        lines = [s.iter_lines() for s in streams]  # kept: a dropped iterator closes its connection
+        for it in lines:
+            next(it)  # its first token: it is running
+        with client.stream("POST", server + "/generate_stream", json=body):
+            deadline = time.time() + 30
+            while (metric(server, "lightllm_queue_length") or 0) < 1 and time.time() < deadline:
+                time.sleep(0.05)
+            assert metric(server, "lightllm_queue_length") == 1, "the ninth request was meant to wait"
+        deadline = time.time() + 30  # it left while queued: counted as abort while the eight still run
+        while finished(server)["abort"] - before["abort"] < 1 and time.time() < deadline:
+            time.sleep(0.05)
+        assert finished(server)["abort"] - before["abort"] == 1
+    wait_for_abort(server, before["abort"] + 8)
+    after = finished(server)
+    assert sum(after.values()) - sum(before.values()) == 9 and after["error"] == before["error"]

@@ -69,3 +69,43 @@ def test_stop_strings_cut_streamed_text(stops, deltas, want, hit):
     out, found = run_stops(stops, deltas)
     assert "".join(out) == want and found is hit
     assert not any(s in "".join(out) for s in stops)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_stop_strings_match_a_search_of_the_whole_text(seed):
+    """Incremental matching finds what a search of the whole text does: the earliest stop string."""
+    rng = random.Random(seed)
+    text = "".join(rng.choice("abc") for _ in range(rng.randrange(1, 120)))
+    stops = ["".join(rng.choice("abc") for _ in range(rng.randrange(1, 7))) for _ in range(rng.randrange(1, 4))]
+    cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randrange(0, 40)))) if len(text) > 1 else []
+    deltas = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
+    first = min((i for i in (text.find(s) for s in stops) if i >= 0), default=None)
+    out, hit = run_stops(stops, deltas)
+    assert "".join(out) == (text if first is None else text[:first]) and hit is (first is not None)
+
+
+def test_stop_matching_work_per_token_does_not_grow_with_the_text():
+    """Each delta is searched with at most the longest stop string - 1 held-back characters, even when the
+    text keeps ending in a prefix of a stop string."""
+    stops = ["a" * 200 + "!", "xyz"]
+    cut = StopStrings(stops)
+    deltas = ["a"] * 5000 + ["ab"] * 5000
+    for d in deltas:
+        assert not cut.cut(d)[1]
+    assert cut.scanned <= sum(map(len, deltas)) + len(deltas) * (201 - 1)
+
+
+@pytest.mark.parametrize(
+    "stops, message",
+    [
+        (["x"] * 17, "stop: at most 16 strings, got 17"),
+        (["x" * 257], "stop: at most 256 characters per string, got one of 257"),
+        (["ok", ""], "stop: expected non-empty strings"),
+    ],
+)
+def test_stop_string_limits(stops, message):
+    from lightllm.server.detokenize import check_stop_strings
+
+    check_stop_strings(["x" * 256] * 16)
+    with pytest.raises(ValueError, match=message):
+        check_stop_strings(stops)

@@ -22,7 +22,8 @@ def runner(model_dir, tokens):
     return ModelRunner(args)
 
 
-def run_all(sched, prompts, max_new=12):
+def run_all(sched, prompts, max_new=12, params=None):
+    """Submit every prompt and step until all finished: ({i: token ids}, {i: finish reason})."""
     outs = {i: [] for i in range(len(prompts))}
     done = threading.Semaphore(0)
     reasons = {}
@@ -38,7 +39,8 @@ def run_all(sched, prompts, max_new=12):
         return emit
 
     for i, p in enumerate(prompts):
-        sched.submit(ServerRequest(str(i), p, SamplingParams(max_new_tokens=max_new, ignore_eos=True), emitter(i)))
+        sp = (params or {}).get(i) or SamplingParams(max_new_tokens=max_new, ignore_eos=True)
+        sched.submit(ServerRequest(str(i), p, sp, emitter(i)))
     while len(reasons) < len(prompts):
         assert sched.step() or not sched._inbox.empty() or len(reasons) == len(prompts)
     return outs, reasons
@@ -132,3 +134,48 @@ def test_a_failing_prefill_fails_its_batch_and_frees_it(model_dir):
         sched.step()
     assert [(ev.kind, ev.finish_reason) for ev in events] == [("finish", "error")] * 2
     assert r.kv.num_free_tokens == 512 - 1 and r.kv.num_free_slots == r.args.running_max_req_size
+
+
+@pytest.mark.parametrize("fail_at_call", [1, 4], ids=["in-prefill", "in-decode"])
+def test_a_request_whose_sampling_fails_ends_alone(model_dir, monkeypatch, fail_at_call):
+    """Its neighbours in the step finish normally with the tokens they get without it; its KV is freed."""
+    import lightllm.server.scheduler as scheduler_module
+
+    prompts = [[3, 4, 5, 6], [20, 21, 22], [30, 31, 32, 33, 34]]
+    want, _ = run_all(Scheduler(runner(model_dir, 512), eos_token_ids=[]), prompts[::2])
+    real, calls = scheduler_module.sample, []
+    poisoned = SamplingParams(max_new_tokens=12, ignore_eos=True, top_p=0.5)  # greedy: top_p marks it only
+
+    def sample(logits, params, generators):
+        calls.append(len(params))
+        if len(calls) >= fail_at_call and any(p is poisoned for p in params):
+            raise RuntimeError("this request's parameters break the sampler")
+        return real(logits, params, generators)
+
+    monkeypatch.setattr(scheduler_module, "sample", sample)
+    r = runner(model_dir, 512)
+    got, reasons = run_all(Scheduler(r, eos_token_ids=[]), prompts, params={1: poisoned})
+    assert reasons == {0: "length", 1: "error", 2: "length"}
+    assert [got[0], got[2]] == [want[0], want[1]]
+    assert len(got[1]) == fail_at_call - 1  # the tokens it had before its draw failed
+    assert r.kv.num_free_tokens == 512 - 1 and r.kv.num_free_slots == r.args.running_max_req_size
+
+
+def test_an_abort_ends_a_waiting_request_too_and_keeps_its_reason(model_dir):
+    """Every submitted request gets one finish event: a request aborted while still queued as well; a stop
+    string's abort ends the request with "stop"."""
+    r = runner(model_dir, 512)  # running_max_req_size 4: the fifth request waits
+    sched = Scheduler(r, eos_token_ids=[])
+    events = {str(i): [] for i in range(5)}
+    for i in range(5):
+        req_id = str(i)
+        sched.submit(ServerRequest(req_id, [3, 4, 5], SamplingParams(max_new_tokens=20, ignore_eos=True),
+                                   events[req_id].append))  # fmt: skip
+    sched.step()  # prefill of the first four
+    assert [r.id for r in sched.waiting] == ["4"]
+    sched.abort("4")
+    sched.abort("0", reason="stop")
+    sched.step()
+    assert [(e.kind, e.finish_reason) for e in events["4"]] == [("finish", "abort")]
+    assert (events["0"][-1].kind, events["0"][-1].finish_reason) == ("finish", "stop")
+    assert not sched.waiting and [r.id for r in sched.running] == ["1", "2", "3"]

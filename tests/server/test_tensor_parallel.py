@@ -1,5 +1,6 @@
 """--tp 2 and 4 on the CPU (gloo): the sharded server generates what one process does, and shuts down cleanly."""
 
+import concurrent.futures
 import contextlib
 import multiprocessing
 import os
@@ -37,6 +38,16 @@ def test_tp_matches_one_process(tmp_path, tp):
             got = httpx.post(base + "/generate", json=body, timeout=60).json()
             assert got["token_ids"] == want.token_ids
             assert max(abs(a - b) for a, b in zip(got["logprobs"], want.logprobs)) <= 1e-4
+        # parameters that once crashed rank 0's sampling step: greedy / every token, beside a request that must
+        # still get the one-process tokens (the ranks stayed in step)
+        extreme = {"inputs": prompts[1], "parameters": {"max_new_tokens": 8, "temperature": 1e-40, "top_k": 2**63,
+                                                        "ignore_eos": True}}  # fmt: skip
+        neighbour = {"inputs": prompts[0], "parameters": {"max_new_tokens": 8, "ignore_eos": True}}
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            done = list(
+                pool.map(lambda b: httpx.post(base + "/generate", json=b, timeout=60).json(), [extreme, neighbour])
+            )
+        assert [d["token_ids"] for d in done] == [ref[1].token_ids, ref[0].token_ids]
         assert httpx.get(base + "/health").status_code == 200
     # SIGTERM: rank 0 stops the workers and waits for them, so no rank dies on a closed connection
     (log,) = tmp_path.glob("server-*.log")
@@ -239,3 +250,41 @@ def test_the_rank_holding_up_a_step_is_named_not_the_ones_waiting_for_it():
     for rank in (1, 2, 3):
         progress.set(rank, progress.FINISHED, 7)
     assert workers._holding_up(7) == "rank 0 (every other rank finished it)"
+
+
+def test_a_request_failing_alone_keeps_the_ranks_in_step(tmp_path, monkeypatch):
+    """Rank 0 samples. A request whose own draw fails ends there, and its slot is freed through the same
+    broadcast as any finish: a worker replaying rank 0's commands ends with rank 0's KV bookkeeping."""
+    import lightllm.server.scheduler as scheduler_module
+    from lightllm.engine.args import EngineArgs
+    from lightllm.engine.model_runner import ModelRunner
+    from lightllm.server.scheduler import Scheduler, ServerRequest
+    from lightllm.server.tp import TPRunner
+
+    model = str(make_tiny_qwen3(tmp_path / "model", seed=4))
+    args = dict(model_dir=model, data_type="fp32", device="cpu", batch_max_tokens=64, max_req_total_len=32,
+                running_max_req_size=4, max_total_token_num=256)  # fmt: skip
+    rank0 = TPRunner(ModelRunner(EngineArgs(**args)), group=None, workers=None)
+    worker, commands = ModelRunner(EngineArgs(**args)), []
+    rank0._cast = lambda *cmd: commands.append(cmd)
+    poisoned = SamplingParams(max_new_tokens=6, ignore_eos=True, top_p=0.5)  # greedy: top_p only marks it
+    real = scheduler_module.sample
+
+    def sample(logits, params, generators):
+        if any(p is poisoned for p in params):
+            raise RuntimeError("this request's parameters break the sampler")
+        return real(logits, params, generators)
+
+    monkeypatch.setattr(scheduler_module, "sample", sample)
+    sched, reasons = Scheduler(rank0, eos_token_ids=[]), {}
+    for i, p in enumerate([poisoned, SamplingParams(max_new_tokens=6, ignore_eos=True)] * 2):
+        emit = (lambda i: lambda ev: reasons.update({i: ev.finish_reason}) if ev.kind == "finish" else None)(i)
+        sched.submit(ServerRequest(str(i), [3 + i, 4, 5], p, emit))
+    while len(reasons) < 4:
+        sched.step()
+    assert reasons == {0: "error", 1: "length", 2: "error", 3: "length"}
+    assert [c[0] for c in commands[:8]] == ["add_request"] * 4 + ["prefill", "free", "free", "decode"]
+    for name, *cmd_args in commands:
+        getattr(worker, name)(*cmd_args)
+    assert worker.kv.num_free_tokens == rank0.kv.num_free_tokens == 256 - 1
+    assert worker.kv.num_free_slots == rank0.kv.num_free_slots

@@ -1,0 +1,60 @@
+"""Prompt text to token ids for the HTTP server: checked and bounded before the tokenizer sees it, and
+tokenized (chat template included) on a thread of its own, so a long prompt never stalls the event loop
+that serves ``/health`` and every running stream."""
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from typing import List
+
+from lightllm.server.http_guards import BadRequest
+
+# A text prompt longer than this many characters per token of max_req_total_len is refused before it is
+# tokenized. No tokenizer's tokens average that long, so no prompt that would fit is refused.
+CHARS_PER_TOKEN = 32
+
+
+class PromptEncoder:
+    def __init__(self, tokenizer, max_req_total_len: int):
+        self.tokenizer = tokenizer
+        self.max_req_total_len = max_req_total_len
+        self.max_chars = CHARS_PER_TOKEN * max_req_total_len
+        # One thread: tokenizations queue behind each other (as they did on the loop), never beside it.
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lightllm-tokenize")
+
+    async def encode(self, text: str, field: str) -> List[int]:
+        """Token ids of a text prompt; ``field`` names it in a 400."""
+        self._check(field, text)
+        return await self._off_loop(self.tokenizer.encode, text)
+
+    async def encode_chat(self, messages: List[dict]) -> List[int]:
+        """Token ids of ``messages`` rendered by the model's chat template (generation prompt added)."""
+        for i, m in enumerate(messages):
+            for key in ("role", "content"):
+                self._check(f"messages.{i}.{key}", m[key])
+        self._check_length("messages", sum(len(m["role"]) + len(m["content"]) for m in messages))
+        return await self._off_loop(self._render, messages)
+
+    def _render(self, messages: List[dict]) -> List[int]:
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # a template that rejects these messages
+            raise BadRequest(f"messages: the model's chat template could not render them ({e})") from e
+        return self.tokenizer.encode(text)
+
+    async def _off_loop(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def _check(self, field: str, text: str) -> None:
+        self._check_length(field, len(text))
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:  # JSON can carry one ("\ud800"); no tokenizer can encode it
+            raise BadRequest(f"{field}: expected valid Unicode text, got a lone surrogate "
+                             f"U+{ord(text[e.start]):04X} at character {e.start}") from None  # fmt: skip
+
+    def _check_length(self, field: str, chars: int) -> None:
+        if chars > self.max_chars:
+            raise BadRequest(
+                f"{field}: {chars} characters, more than the {self.max_chars} a prompt may have "
+                f"({CHARS_PER_TOKEN} per token of max_req_total_len {self.max_req_total_len})"
+            )

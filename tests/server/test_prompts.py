@@ -1,0 +1,64 @@
+"""Prompts are tokenized on a thread of their own: the event loop serving /health and every stream keeps
+running while a long prompt is tokenized."""
+
+import asyncio
+import threading
+
+import pytest
+
+from lightllm.server.http_guards import BadRequest
+from lightllm.server.prompts import CHARS_PER_TOKEN, PromptEncoder
+
+
+class BlockingTokenizer:
+    """Each call records its thread and waits until the test lets it finish, as a long prompt would."""
+
+    def __init__(self):
+        self.release = threading.Event()
+        self.threads = []
+
+    def _work(self, result):
+        self.threads.append(threading.current_thread())
+        if not self.release.wait(60):  # only when the loop is blocked: then the test fails, it does not hang
+            raise AssertionError("the event loop did not run while the prompt was being tokenized")
+        return result
+
+    def encode(self, text):
+        return self._work([1] * len(text))
+
+    def apply_chat_template(self, messages, tokenize, add_generation_prompt):
+        return self._work("".join(m["content"] for m in messages))
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["text", "chat"])
+def test_tokenization_runs_beside_the_event_loop(chat):
+    tok = BlockingTokenizer()
+    prompts = PromptEncoder(tok, max_req_total_len=64)
+
+    async def other_work():  # stands for /health and the other streams: it runs while the tokenizer works
+        while not tok.threads:
+            await asyncio.sleep(0.01)
+        tok.release.set()
+
+    async def main():
+        work = prompts.encode_chat([{"role": "user", "content": "abc"}]) if chat else prompts.encode("abc", "prompt")
+        ids, _ = await asyncio.gather(work, other_work())
+        return ids, threading.current_thread()
+
+    ids, loop_thread = asyncio.run(main())
+    assert ids == [1, 1, 1]
+    assert tok.threads and all(t is not loop_thread and t.name.startswith("lightllm-tokenize") for t in tok.threads)
+
+
+def test_text_is_checked_before_the_tokenizer_sees_it():
+    tok = BlockingTokenizer()
+    prompts = PromptEncoder(tok, max_req_total_len=64)
+    limit = CHARS_PER_TOKEN * 64
+    with pytest.raises(BadRequest, match=f"prompt: {limit + 1} characters, more than the {limit} a prompt may have"):
+        asyncio.run(prompts.encode("x" * (limit + 1), "prompt"))
+    too_long = [{"role": "user", "content": "x" * (limit // 2)}] * 2
+    with pytest.raises(BadRequest, match="messages: .* characters, more than the"):
+        asyncio.run(prompts.encode_chat(too_long))
+    with pytest.raises(BadRequest, match="messages.1.role: expected valid Unicode text, got a lone surrogate U"):
+        asyncio.run(prompts.encode_chat([{"role": "user", "content": "a"}, {"role": "\ud83d", "content": "b"}]))
+    assert not tok.threads  # refused without tokenizing
