@@ -96,3 +96,5 @@ def test_stop_after_the_leader_exited_still_stops_its_group(tree_cmd):
     finally:
         proc.os.kill(own_session, 9)
         proc.stop(p)
+        while proc._alive(own_session):  # SIGKILL is delivered asynchronously: wait before the fixture looks
+            proc.time.sleep(0.01)

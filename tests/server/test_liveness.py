@@ -13,6 +13,7 @@ import torch
 from fastapi.testclient import TestClient
 from server_helpers import start_server
 
+from lightllm.common import proc as procs
 from lightllm.engine.sampler import SamplingParams
 from lightllm.server.api_server import Server
 from lightllm.server.scheduler import ServerRequest
@@ -82,8 +83,7 @@ def test_a_client_that_never_finishes_its_headers_is_cut_off(tmp_path):
         body = {"inputs": [5, 6, 7], "parameters": {"max_new_tokens": 4, "ignore_eos": True}}
         assert len(httpx.post(base + "/generate", json=body, timeout=120).json()["token_ids"]) == 4
     finally:
-        proc.kill()
-        proc.wait()
+        procs.stop(proc)
 
 
 def _events(lines):
@@ -108,9 +108,7 @@ def test_shutdown_drains_then_aborts_what_is_left(tmp_path):
         tokens = [e for e in events if e["token"]["id"] is not None]
         assert 1 <= len(tokens) < 4000 and events[-1]["finish_reason"] == "abort"  # delivered up to the abort
         assert [e["finish_reason"] for e in waited] == ["abort"]
-        assert proc.wait(timeout=120) in (0, -signal.SIGTERM)
+        assert proc.wait(timeout=procs.HANG_TIMEOUT_S) in (0, -signal.SIGTERM)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        procs.stop(proc)
     assert "still running after 0.5s (--shutdown_drain_s); aborting them" in log.read_text()

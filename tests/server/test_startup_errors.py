@@ -3,9 +3,7 @@ short context caps the default --max_req_total_len instead of crashing in the wa
 
 import logging
 import os
-import signal
 import socket
-import subprocess
 import sys
 
 import pytest
@@ -13,6 +11,7 @@ import torch
 from server_helpers import REPO
 
 from lightllm import LLM, SamplingParams
+from lightllm.common import proc as procs
 from lightllm.engine.model_runner import ModelRunner
 from lightllm.server.args import parse_args
 from lightllm.server.scheduler import Scheduler
@@ -32,16 +31,9 @@ def short_model(tmp_path_factory):
 def run_server(tmp_path, args):
     """``python -m lightllm.server.api_server *args`` to its end: (exit code, stdout + stderr)."""
     env = {**os.environ, "PYTHONPATH": REPO, "LIGHTLLM_TINY_MODEL_DIR": str(tmp_path / "tiny"), "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "lightllm.server.api_server", *args], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)  # fmt: skip
-    try:
-        out, _ = proc.communicate(timeout=300)  # a bound for a server that wrongly starts serving
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    return proc.returncode, out
+    # the bound only catches a server that wrongly starts serving; the whole tree is stopped however it ends
+    done = procs.run([sys.executable, "-m", "lightllm.server.api_server", *args], timeout=procs.HANG_TIMEOUT_S, env=env)
+    return done.returncode, done.stdout + done.stderr
 
 
 def assert_one_error_line(code, out, *expected):

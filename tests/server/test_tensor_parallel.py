@@ -153,13 +153,11 @@ def test_a_worker_does_not_outlive_rank_0(tmp_path):
     try:
         child = int(parent.stdout.readline())
         assert not _gone(child)
-        os.kill(
-            parent.pid, signal.SIGKILL
-        )  # maybe before the child has even started watching: it must exit all the same
+        # maybe before the child has even started watching: it must exit all the same
+        os.kill(parent.pid, signal.SIGKILL)
         parent.wait()
-        deadline = (
-            time.monotonic() + procs.HANG_TIMEOUT_S
-        )  # the child polls every 0.1 s; only a worker that never exits waits this long
+        # the child polls every 0.1 s; only a worker that never exits waits this long
+        deadline = time.monotonic() + procs.HANG_TIMEOUT_S
         while not _gone(child) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert _gone(child), "the worker outlived rank 0"
@@ -204,20 +202,17 @@ def test_a_stopped_worker_turns_health_503_and_then_ends_the_server_naming_it(tm
                 httpx.post(base + "/generate", json=body, timeout=120)
 
         threading.Thread(target=send, daemon=True).start()
-        statuses, deadline = [], time.monotonic() + 120  # a bound for the old server, healthy forever
+        statuses, deadline = [], time.monotonic() + procs.HANG_TIMEOUT_S  # the old server: healthy forever
         while proc.poll() is None and 503 not in statuses and time.monotonic() < deadline:
             with contextlib.suppress(httpx.HTTPError):
                 statuses.append(httpx.get(base + "/health", timeout=5).status_code)
             time.sleep(0.1)
         assert 503 in statuses, "the server ended before /health reported the stuck step"
-        assert proc.wait(timeout=120) == 1
+        assert proc.wait(timeout=procs.HANG_TIMEOUT_S) == 1
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGCONT)
-            os.kill(pid, signal.SIGKILL)
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        procs.stop(proc)  # its session: rank 1 too
     text = log_path.read_text()
     assert re.search(
         r"tensor-parallel command '\w+' not finished after --tp_step_timeout_s 10: rank 1 \(no heartbeat "
@@ -264,7 +259,12 @@ def test_a_request_failing_alone_keeps_the_ranks_in_step(tmp_path, monkeypatch):
     model = str(make_tiny_qwen3(tmp_path / "model", seed=4))
     args = dict(model_dir=model, data_type="fp32", device="cpu", batch_max_tokens=64, max_req_total_len=32,
                 running_max_req_size=4, max_total_token_num=256)  # fmt: skip
-    rank0 = TPRunner(ModelRunner(EngineArgs(**args)), group=None, workers=None)
+
+    class Workers:  # no processes: the test replays rank 0's broadcast commands on a second runner itself
+        def command(self, name):
+            return contextlib.nullcontext()
+
+    rank0 = TPRunner(ModelRunner(EngineArgs(**args)), group=None, workers=Workers())
     worker, commands = ModelRunner(EngineArgs(**args)), []
     rank0._cast = lambda *cmd: commands.append(cmd)
     poisoned = SamplingParams(max_new_tokens=6, ignore_eos=True, top_p=0.5)  # greedy: top_p only marks it
