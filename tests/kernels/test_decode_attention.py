@@ -127,7 +127,7 @@ def test_search_uses_representative_batch_over_existing_pool(monkeypatch):
     lengths over the same pool tensors; the caller's tensors are untouched and its output is right."""
     monkeypatch.setenv("LIGHTLLM_TRITON_AUTOTUNE_LEVEL", "1")
     monkeypatch.setenv("LIGHTLLM_DECODE_ATTN_AUTOTUNE_SEQ_LEN", "1024")
-    tuned = flash_decode._tuned["none"]
+    tuned = flash_decode._launch_gqa_flash_decode
     tuned.clear_cache()
     cfgs = [{"BLOCK_N": 16, "num_warps": 2, "num_stages": 1, "WAVES": w} for w in (1, 4)]
     monkeypatch.setattr(tuned, "configs_gen_func", lambda q, block_seq: cfgs)
@@ -145,7 +145,8 @@ def test_search_uses_representative_batch_over_existing_pool(monkeypatch):
     real_launch = tuned.fn
 
     def spy(*args, **kwargs):
-        calls.append((args[1], args[5], args[7], args[8]))  # k_cache, req_to_token, b_seq_len, max_len
+        named = tuned.named_arguments(args, kwargs)
+        calls.append((named["k_cache"], named["req_to_token"], named["b_seq_len"], named["max_len_in_batch"]))
         return real_launch(*args, **kwargs)
 
     monkeypatch.setattr(tuned, "fn", spy)
@@ -172,7 +173,7 @@ def test_cached_config_outside_the_candidates_is_a_miss(monkeypatch, caplog, iso
     """Valid JSON the kernel cannot run: one warning, then the default (level 0) or a fresh search (level 1)."""
     monkeypatch.setenv("LIGHTLLM_TRITON_AUTOTUNE_LEVEL", str(level))
     monkeypatch.setenv("LIGHTLLM_DECODE_ATTN_AUTOTUNE_SEQ_LEN", "512")
-    tuned = flash_decode._tuned["none"]
+    tuned = flash_decode._launch_gqa_flash_decode
     tuned.clear_cache()
     q, k, v, r2t, idx, seq = make_batch(2, 4, 2, 64, [3, 9], torch.float32, pool=512)
     static_key = freeze(flash_decode._static_key(q, k, 64, "none", 0))
@@ -220,7 +221,7 @@ def test_gpu_large_bf16(kind, head_dim, q_heads, kv_heads):
 @pytest.mark.gpu
 def test_gpu_search_runs_once_per_key_at_representative_length(monkeypatch, isolated_autotune):
     monkeypatch.setenv("LIGHTLLM_TRITON_AUTOTUNE_LEVEL", "1")
-    tuned = flash_decode._tuned["none"]
+    tuned = flash_decode._launch_gqa_flash_decode
     tuned.clear_cache()
     q, k, v, r2t, idx, seq = make_batch(16, 32, 8, 128, [5] * 16, torch.bfloat16, pool=65536)
     before = [t.clone() for t in (q, k, v, r2t, idx, seq)]

@@ -4,16 +4,16 @@ import pytest
 import torch
 
 from lightllm.common.autotuner import AutotuneKernelType, autotune_warmup, get_autotune_stats, store
-from lightllm.kernels.norm.rmsnorm import rmsnorm, rmsnorm_ref
+from lightllm.kernels.norm.rmsnorm import _launch_rmsnorm, rmsnorm, rmsnorm_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.fixture(autouse=True)
 def fresh_tuner_state():
-    rmsnorm.clear_cache()
+    _launch_rmsnorm.clear_cache()
     yield
-    rmsnorm.clear_cache()
+    _launch_rmsnorm.clear_cache()
 
 
 def _check(x, w, out, eps=1e-6):
@@ -73,7 +73,7 @@ def test_real_triton_kernel_through_the_tuner(monkeypatch, isolated_autotune):
     assert list(data["configs"]) == ["4"] and data["timings"]["4"]["candidates"] == 9
     chosen = data["configs"]["4"]
     assert chosen is None or chosen["BLOCK_N"] in (256, 512)
-    rmsnorm.clear_cache()
+    _launch_rmsnorm.clear_cache()
     monkeypatch.setenv("LIGHTLLM_TRITON_AUTOTUNE_LEVEL", "0")
     out2 = torch.full_like(x, float("nan"))
     rmsnorm(x, w, out=out2)

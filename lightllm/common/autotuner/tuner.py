@@ -427,8 +427,10 @@ class Autotuner:
         rebuilt = self.rebuild_input_func(self.named_arguments(args, kwargs))
         many = rebuilt if isinstance(rebuilt, list) else [rebuilt]
         if not many or not all(isinstance(r, dict) for r in many):
-            got = type(rebuilt).__name__ if not isinstance(rebuilt, list) else f"a list of {len(rebuilt)}: " + (
-                ", ".join(sorted({type(r).__name__ for r in rebuilt})) or "empty"
+            got = (
+                type(rebuilt).__name__
+                if not isinstance(rebuilt, list)
+                else f"a list of {len(rebuilt)}: " + (", ".join(sorted({type(r).__name__ for r in rebuilt})) or "empty")
             )
             raise TypeError(
                 f"autotune kernel {self.kernel_name!r}: rebuild_input_func must return a dict of named launcher "

@@ -71,6 +71,19 @@ def _default_config(n: int) -> dict:
     kernel_type=AutotuneKernelType.GENERAL,
     output_args=("out",),
 )
+def _launch_rmsnorm(x, weight, eps, out, run_config=None):
+    n = x.shape[-1]
+    x2 = x.reshape(-1, n)
+    y2 = out.view(-1, n)
+    cfg = run_config or _default_config(n)
+    block = cfg["BLOCK_N"]
+    if x2.shape[0] > 0:
+        _rmsnorm_kernel[(x2.shape[0],)](
+            x2, weight, y2, x2.stride(0), y2.stride(0), n, eps, block, block >= n, num_warps=cfg["num_warps"]
+        )
+    return out
+
+
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, out=None, run_config=None) -> torch.Tensor:
     """RMSNorm over the last dim.
 
@@ -82,17 +95,8 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, out=None, 
         ``out`` (allocated when None), ``weight * (x * rsqrt(mean(x**2) + eps)).to(x.dtype)``.
     """
     _check(x, weight, out)
-    n = x.shape[-1]
-    x2 = x.reshape(-1, n)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out
-    y2 = y.view(-1, n)
-    cfg = run_config or _default_config(n)
-    block = cfg["BLOCK_N"]
-    if x2.shape[0] > 0:
-        _rmsnorm_kernel[(x2.shape[0],)](
-            x2, weight, y2, x2.stride(0), y2.stride(0), n, eps, block, block >= n, num_warps=cfg["num_warps"]
-        )
-    return y
+    return _launch_rmsnorm(x, weight, eps, y, run_config=run_config)
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, out) -> None:
