@@ -78,3 +78,51 @@ def test_real_triton_kernel_through_the_tuner(monkeypatch, isolated_autotune):
     out2 = torch.full_like(x, float("nan"))
     rmsnorm(x, w, out=out2)
     _check(x, w, out2)
+
+
+def test_plan_checks_and_resolves_once_for_every_call_of_its_shape(monkeypatch):
+    from lightllm.kernels.norm import rmsnorm as module
+    from lightllm.kernels.norm.rmsnorm import RMSNormPlan
+
+    planned, checked = [], []
+    real_plan, real_check = _launch_rmsnorm.plan, module._check
+    monkeypatch.setattr(_launch_rmsnorm, "plan", lambda *a, **k: planned.append(a) or real_plan(*a, **k))
+    monkeypatch.setattr(module, "_check", lambda *a: checked.append(a) or real_check(*a))
+    x = torch.randn(4, 64, device=DEVICE)
+    plan = RMSNormPlan(x, torch.ones(64, device=DEVICE))
+    for layer in range(3):
+        w = torch.rand(64, device=DEVICE) + 0.5
+        y = torch.randn(4, 64, device=DEVICE)
+        _check(y, w, plan.run(y, w))
+    assert len(planned) == 1 and len(checked) == 1
+    with pytest.raises(ValueError, match=r"rmsnorm plan: x expected the planned \(4, 64\) torch.float32"):
+        plan.run(torch.randn(5, 64, device=DEVICE), w)
+    with pytest.raises(ValueError, match="contiguous last dim"):
+        plan.run(torch.randn(64, 4, device=DEVICE).t(), w)
+    with pytest.raises(ValueError, match="rmsnorm: weight must be"):
+        RMSNormPlan(x, torch.ones(9, device=DEVICE))
+
+
+def test_qwen3_forward_plans_one_norm_per_shape(monkeypatch):
+    """On a GPU the model's norms of one forward share a plan per input shape (hidden states, q heads, k heads)."""
+    from types import SimpleNamespace
+
+    from lightllm.kernels.norm import rmsnorm as module
+    from lightllm.models.qwen3.model import Qwen3Model
+
+    made = []
+    real = module.RMSNormPlan
+
+    class Counting(real):
+        def __init__(self, x, *args, **kwargs):
+            made.append(tuple(x.shape))
+            super().__init__(x, *args, **kwargs)
+
+    monkeypatch.setattr("lightllm.models.qwen3.model.RMSNormPlan", Counting)
+    norm = Qwen3Model._step_norm(SimpleNamespace(device=torch.device("cuda")), 1e-6)  # the GPU path, interpreted
+    h, q, k = torch.randn(3, 64), torch.randn(3, 4, 64), torch.randn(3, 2, 64)
+    for layer in range(3):
+        w = torch.rand(64) + 0.5
+        for x in (h, q, k, h):
+            _check(x, w, norm(x, w))
+    assert made == [(3, 64), (3, 4, 64), (3, 2, 64)]

@@ -84,6 +84,38 @@ def _launch_rmsnorm(x, weight, eps, out, run_config=None):
     return out
 
 
+class RMSNormPlan:
+    """RMSNorm of one input shape for one step: arguments checked once, on the first call's tensors, and the
+    tuned config resolved at the first :meth:`run`; every later input of that shape and dtype (each layer's
+    norm) runs with them. ``run`` checks only what can change between layers: shape, dtype, last-dim stride.
+
+    Args: as :func:`rmsnorm`, without ``out``.
+    """
+
+    def __init__(self, x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, run_config=None):
+        _check(x, weight, None)
+        self.shape, self.dtype, self.w_shape, self.eps = x.shape, x.dtype, weight.shape, float(eps)
+        self.run_config = run_config
+        self._tuned = None  # the tuner's plan, made by the first run (it may search on that call's inputs)
+
+    def run(self, x: torch.Tensor, weight: torch.Tensor, out=None) -> torch.Tensor:
+        if x.shape != self.shape or x.dtype != self.dtype or x.stride(-1) != 1 or weight.shape != self.w_shape:
+            raise ValueError(
+                f"rmsnorm plan: x expected the planned {tuple(self.shape)} {self.dtype} with a contiguous last dim "
+                f"and weight {tuple(self.w_shape)}, got {tuple(x.shape)} {x.dtype} strides {x.stride()} and weight "
+                f"{tuple(weight.shape)}"
+            )
+        if out is None:
+            out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        else:
+            _check(x, weight, out)
+        if self.run_config is not None:
+            return _launch_rmsnorm(x, weight, self.eps, out, run_config=self.run_config)
+        if self._tuned is None:
+            self._tuned = _launch_rmsnorm.plan(x, weight, self.eps, out)
+        return self._tuned.run(x, weight, self.eps, out)
+
+
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, out=None, run_config=None) -> torch.Tensor:
     """RMSNorm over the last dim.
 
@@ -93,6 +125,7 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, out=None, 
         out: optional ``[..., N]`` tensor of x's shape and dtype to write into.
     Returns:
         ``out`` (allocated when None), ``weight * (x * rsqrt(mean(x**2) + eps)).to(x.dtype)``.
+    Many calls of one shape in a step (every layer): :class:`RMSNormPlan` checks and resolves once.
     """
     _check(x, weight, out)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out
