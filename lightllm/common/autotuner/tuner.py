@@ -174,43 +174,49 @@ class Autotuner:
     def __call__(self, *args, run_config: Optional[dict] = None, **kwargs):
         if run_config is not None:
             return self.fn(*args, run_config=run_config, **kwargs)
-        return self.plan(*args, **kwargs).run(*args, **kwargs)
+        state, run_key, config, searching, level, launched = self._resolve(args, kwargs)
+        if launched:
+            return self.fn(*args, run_config=config, **kwargs)
+        return self._first_launch(state, run_key, config, searching, level, args, kwargs)
 
     def plan(self, *args, **kwargs) -> Plan:
         """Resolve the config for a launch with these arguments (searching, in the kernel's own phase at level
         1/2, as a call would) without launching; ``plan.run(...)`` then launches with it, for every call that
         shares these keys (every layer of a step). ``run_config`` is not an argument here."""
         plan = Plan(self)
-        self._resolve(plan, args, kwargs)
+        self._settle(plan, args, kwargs)
         return plan
 
-    def _resolve(self, plan: Plan, args: tuple, kwargs: dict) -> None:
+    def _resolve(self, args: tuple, kwargs: dict) -> tuple:
+        """What a call with these arguments launches: ``(state, run_key, config, searching, level, launched)``;
+        ``launched``: the config has launched for the run key in this process (else this is its first launch)."""
         level = envs.get_triton_autotune_level()
         if level == AutotuneLevel.OFF:
-            plan.state, plan.run_key, plan.config, plan.searching, plan.confirmed = None, None, None, False, True
+            return None, None, None, False, level, True
+        state = self._state(self.static_key_func(**self._static_picker.pick(args, kwargs)), args, kwargs)
+        run_key = freeze(self.run_key_func(**self._run_picker.pick(args, kwargs)))
+        phase = current_warmup_kernel_type()
+        searching = phase is self.kernel_type and is_searching_level(level)
+        if phase is not None and self.warmup_all_exist_config and not _is_capturing():
+            self._warm_cached_configs(state, args, kwargs)  # first: a config that fails to run is dropped
+        if searching:
+            config = self._decide(state, run_key, level, args, kwargs)
         else:
-            state = self._state(self.static_key_func(**self._static_picker.pick(args, kwargs)), args, kwargs)
-            run_key = freeze(self.run_key_func(**self._run_picker.pick(args, kwargs)))
-            phase = current_warmup_kernel_type()
-            searching = phase is self.kernel_type and is_searching_level(level)
-            if phase is not None and self.warmup_all_exist_config and not _is_capturing():
-                self._warm_cached_configs(state, args, kwargs)  # first: a config that fails to run is dropped
-            if searching:
-                config = self._decide(state, run_key, level, args, kwargs)
-            else:
-                config = state.resolved.get(run_key, _MISSING)  # the hot path: one dict look-up
-                if config is _MISSING:
-                    config = self._lookup(state, run_key)
-            plan.state, plan.run_key, plan.config, plan.searching = state, run_key, config, searching
-            plan.confirmed = state.resolved.get(run_key, _MISSING) is config
-        plan.level = level
+            config = state.resolved.get(run_key, _MISSING)
+            if config is not _MISSING:  # the hot path: one dict look-up
+                return state, run_key, config, False, level, True
+            config = self._lookup(state, run_key)
+        return state, run_key, config, searching, level, state.resolved.get(run_key, _MISSING) is config
+
+    def _settle(self, plan: Plan, args: tuple, kwargs: dict) -> None:
+        plan.state, plan.run_key, plan.config, plan.searching, plan.level, plan.confirmed = self._resolve(args, kwargs)
         plan.generation, plan.scope_ticks = self.generation, SCOPE_CLOCK.ticks
 
     def _run_unsettled(self, plan: Plan, args: tuple, kwargs: dict):
         """``Plan.run`` off its fast path: a stale plan resolves again on these arguments; a config that has not
         launched for its run key yet gets its first launch."""
         if plan.generation != self.generation or plan.scope_ticks != SCOPE_CLOCK.ticks:
-            self._resolve(plan, args, kwargs)
+            self._settle(plan, args, kwargs)
             if plan.confirmed:
                 return self.fn(*args, run_config=plan.config, **kwargs)
         state, run_key, config = plan.state, plan.run_key, plan.config
