@@ -99,6 +99,8 @@ def test_plan_checks_and_resolves_once_for_every_call_of_its_shape(monkeypatch):
         plan.run(torch.randn(5, 64, device=DEVICE), w)
     with pytest.raises(ValueError, match="contiguous last dim"):
         plan.run(torch.randn(64, 4, device=DEVICE).t(), w)
+    with pytest.raises(ValueError, match=r"rmsnorm: out must be a contiguous \(4, 64\)"):
+        plan.run(x, w, out=torch.empty(64, 4, device=DEVICE).t())
     with pytest.raises(ValueError, match="rmsnorm: weight must be"):
         RMSNormPlan(x, torch.ones(9, device=DEVICE))
 

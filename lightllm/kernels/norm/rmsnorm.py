@@ -107,8 +107,8 @@ class RMSNormPlan:
             )
         if out is None:
             out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        else:
-            _check(x, weight, out)
+        elif out.shape != x.shape or out.dtype != x.dtype or not out.is_contiguous():
+            raise ValueError(f"rmsnorm: out must be a contiguous {tuple(x.shape)} {x.dtype} tensor")
         if self.run_config is not None:
             return _launch_rmsnorm(x, weight, self.eps, out, run_config=self.run_config)
         if self._tuned is None:
