@@ -122,6 +122,23 @@ def test_bad_inputs_name_the_argument():
         gqa_decode_attention_int4kv(q, kq, vq, ks, vs, r2t, idx, seq, 8)
 
 
+def test_step_plan_checks_once_and_refuses_other_shapes():
+    """The plan runs the public function's checks (same errors) once; its run checks only the planned shapes."""
+    q, k, v, r2t, idx, seq = make_batch(2, 4, 2, 64, [3, 9], torch.float32, pool=512)
+    with pytest.raises(ValueError, match=r"kv expected one of \('none', 'int8', 'int4'\), got 'fp8'"):
+        flash_decode.GQADecodePlan("fp8", q, k, v, r2t, idx, seq, 16)
+    with pytest.raises(ValueError, match="b_seq_len expected an int32"):
+        flash_decode.GQADecodePlan("none", q, k, v, r2t, idx, seq.long(), 16)
+    plan = flash_decode.GQADecodePlan("none", q, k, v, r2t, idx, seq, 16, block_seq=64)
+    ref = decode_attention_ref(q, k, v, r2t, idx, seq)
+    for _ in range(2):  # two layers
+        torch.testing.assert_close(plan.run(q, k, v).double(), ref, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match=r"plan: q and k_cache expected the planned shapes"):
+        plan.run(q, k[:256], v[:256])
+    with pytest.raises(ValueError, match="out expected a"):
+        plan.run(q, k, v, out=torch.empty(2, 4, 32))
+
+
 def test_search_uses_representative_batch_over_existing_pool(monkeypatch):
     """Level 1 in the DECODE_ATTENTION scope: one search per key, timed on every request at the tuning
     lengths over the same pool tensors; the caller's tensors are untouched and its output is right."""
