@@ -4,8 +4,10 @@ Getters read the environment on each call (cheap, and tests can change it); ``va
 variable once so that start-up stops with one line naming the bad one.
 """
 
+import functools
 import os
 from pathlib import Path
+from typing import Optional
 
 AUTOTUNE_LEVEL = "LIGHTLLM_TRITON_AUTOTUNE_LEVEL"
 AUTOTUNE_CONFIG_DIR = "LIGHTLLM_AUTOTUNE_CONFIG_DIR"
@@ -27,8 +29,8 @@ ALL = (
 _AUTOTUNE_LEVELS = {0: "use cached configs", 1: "adaptive", 2: "force", 3: "off"}
 
 
-def _parse_int(name: str, default: int) -> int:
-    raw = os.environ.get(name)
+def _parse_int(name: str, default: int, raw: Optional[str] = None) -> int:
+    raw = os.environ.get(name) if raw is None else raw
     if raw is None or raw.strip() == "":
         return default
     try:
@@ -39,10 +41,16 @@ def _parse_int(name: str, default: int) -> int:
 
 def get_triton_autotune_level() -> int:
     """0 use cached configs only (default), 1 adaptive, 2 force re-tune, 3 off (launcher defaults)."""
-    level = _parse_int(AUTOTUNE_LEVEL, 0)
+    return _autotune_level(os.environ.get(AUTOTUNE_LEVEL))
+
+
+@functools.lru_cache(maxsize=16)
+def _autotune_level(raw: Optional[str]) -> int:
+    """Parsed once per distinct value: every tuned kernel call reads the level."""
+    level = _parse_int(AUTOTUNE_LEVEL, 0, raw)
     if level not in _AUTOTUNE_LEVELS:
         allowed = ", ".join(f"{k} ({v})" for k, v in _AUTOTUNE_LEVELS.items())
-        raise ValueError(f"{AUTOTUNE_LEVEL}={os.environ[AUTOTUNE_LEVEL]!r} is not allowed; use one of {allowed}")
+        raise ValueError(f"{AUTOTUNE_LEVEL}={raw!r} is not allowed; use one of {allowed}")
     return level
 
 

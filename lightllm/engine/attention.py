@@ -10,13 +10,9 @@ import torch
 from lightllm.common.kv_cache import Int4KVPool, Int8KVPool, KVPool, dequantize_int4_ref, dequantize_int8_ref
 from lightllm.engine.infer_state import InferState
 from lightllm.kernels import kv_cache_write as kvw
-from lightllm.kernels.attention.decode import (
-    gqa_decode_attention,
-    gqa_decode_attention_int4kv,
-    gqa_decode_attention_int8kv,
-)
+from lightllm.kernels.attention.decode.flash_decode import GQADecodePlan
 from lightllm.kernels.attention.decode.reference import decode_attention_ref
-from lightllm.kernels.attention.prefill import context_attention, context_attention_ref
+from lightllm.kernels.attention.prefill.context_attention import ContextAttentionPlan, context_attention_ref
 
 DECODE_BACKENDS = ("triton", "fa3")
 KV_TYPES = ("None", "int8kv", "int4kv")
@@ -72,7 +68,10 @@ class AttentionBackend:
     def prefill(self, layer: int, q, k, v, state: InferState) -> torch.Tensor:
         """Causal attention of each request's packed new tokens over themselves (no cached prefix)."""
         if self.on_gpu:
-            return context_attention(q, k, v, state.b_q_start, state.b_q_len, state.max_q_len)
+            plan = state.attn_plan
+            if plan is None:  # the first layer plans for every layer of the step
+                plan = state.attn_plan = ContextAttentionPlan(q, k, v, state.b_q_start, state.b_q_len, state.max_q_len)
+            return plan.run(q, k, v)
         return context_attention_ref(q, k, v, state.b_q_start, state.b_q_len).to(q.dtype)
 
     def decode(self, layer: int, q: torch.Tensor, state: InferState, req_to_token: torch.Tensor) -> torch.Tensor:
@@ -83,21 +82,30 @@ class AttentionBackend:
             k, v = self._dequantized(layer, q.dtype)
             out = decode_attention_ref(q_b, k, v, req_to_token, state.b_req_idx, state.b_seq_len)
             return out.to(q.dtype).reshape(q.shape)
+        p = self.pool
+        plan = state.attn_plan
+        if plan is None:  # the first layer plans for every layer of the step
+            plan = state.attn_plan = self._plan_decode(layer, q_b, state, req_to_token)
         if self.decode_backend == "fa3":
-            from lightllm.kernels.attention.decode.fa3 import fa3_decode_attention
+            return plan.run(q_b, p.k[layer], p.v[layer]).reshape(q.shape)
+        if self.quant == "none":
+            return plan.run(q, p.k[layer], p.v[layer])
+        return plan.run(q, p.k[layer], p.v[layer], p.k_scale[layer], p.v_scale[layer])
 
-            out = fa3_decode_attention(q_b, self.pool.k[layer], self.pool.v[layer], req_to_token, state.b_req_idx,
-                                       state.b_seq_len, state.launch_max_len, provider=self.fa3_provider)  # fmt: skip
-            return out.reshape(q.shape)
+    def _plan_decode(self, layer: int, q_b: torch.Tensor, state: InferState, req_to_token: torch.Tensor):
+        """Checks, FA3's page table and the tuned config of decode attention, once per step (all layers share the
+        batch, the pool's shapes and therefore the keys)."""
+        p, args = self.pool, (state.b_req_idx, state.b_seq_len, state.launch_max_len)
+        if self.decode_backend == "fa3":
+            from lightllm.kernels.attention.decode.fa3 import FA3DecodePlan
+
+            return FA3DecodePlan(q_b, p.k[layer], p.v[layer], req_to_token, *args, provider=self.fa3_provider)
         if state.q_len != 1:
             raise NotImplementedError("Triton decode attention takes one query token per request; use fa3 for MTP")
-        p = self.pool
-        args = (state.b_req_idx, state.b_seq_len, state.launch_max_len)
         if self.quant == "none":
-            return gqa_decode_attention(q, p.k[layer], p.v[layer], req_to_token, *args)
-        fn = gqa_decode_attention_int8kv if self.quant == "int8" else gqa_decode_attention_int4kv
-        return fn(q, p.k[layer], p.v[layer], p.k_scale[layer], p.v_scale[layer], req_to_token, *args,
-                  quant_group=p.group_size)  # fmt: skip
+            return GQADecodePlan("none", q_b, p.k[layer], p.v[layer], req_to_token, *args)
+        return GQADecodePlan(self.quant, q_b, p.k[layer], p.v[layer], req_to_token, *args, p.k_scale[layer],
+                             p.v_scale[layer], quant_group=p.group_size)  # fmt: skip
 
 
 def make_pool(kv_type: str, num_tokens: int, num_layers: int, kv_heads: int, head_dim: int, dtype, device,

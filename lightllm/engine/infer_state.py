@@ -1,7 +1,7 @@
 """Batch metadata of one forward, built once per step and read by every layer."""
 
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Any, Optional
 
 import torch
 
@@ -16,6 +16,8 @@ class InferState:
     ``graph_max_len`` is set while running a captured decode graph (or capturing one) and sizes kernel
     launches instead, so a graph replays at any real length up to it. Kernels key their configs by the
     launch length (``launch_max_len``): the real one eagerly, the graph's inside a graph.
+    ``attn_plan`` is the attention backend's plan of this step (argument checks, page table, tuned config),
+    made by the first layer and run by every layer.
     """
 
     is_prefill: bool
@@ -29,6 +31,7 @@ class InferState:
     max_q_len: int = 1
     q_len: int = 1  # decode: new tokens per request
     graph_max_len: Optional[int] = None
+    attn_plan: Optional[Any] = field(default=None, repr=False)
 
     @property
     def batch_size(self) -> int:

@@ -40,7 +40,7 @@ def test_per_step_attention_reads_what_a_search_wrote(serve_load, monkeypatch, i
     1 ms) writes its config file; the benchmark reads tuned and default time per graph batch back from it."""
     monkeypatch.setenv("LIGHTLLM_TRITON_AUTOTUNE_LEVEL", "1")
     monkeypatch.setenv("LIGHTLLM_DECODE_ATTN_AUTOTUNE_SEQ_LEN", "1024")
-    tuned = flash_decode._tuned["none"]
+    tuned = flash_decode._launch_gqa_flash_decode
     tuned.clear_cache()
     monkeypatch.setattr(tuned, "configs_gen_func", lambda q, block_seq: [{"BLOCK_N": 16, "num_warps": 2,
                                                                           "num_stages": 1, "WAVES": 1}])  # fmt: skip

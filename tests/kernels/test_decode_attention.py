@@ -122,12 +122,29 @@ def test_bad_inputs_name_the_argument():
         gqa_decode_attention_int4kv(q, kq, vq, ks, vs, r2t, idx, seq, 8)
 
 
+def test_step_plan_checks_once_and_refuses_other_shapes():
+    """The plan runs the public function's checks (same errors) once; its run checks only the planned shapes."""
+    q, k, v, r2t, idx, seq = make_batch(2, 4, 2, 64, [3, 9], torch.float32, pool=512)
+    with pytest.raises(ValueError, match=r"kv expected one of \('none', 'int8', 'int4'\), got 'fp8'"):
+        flash_decode.GQADecodePlan("fp8", q, k, v, r2t, idx, seq, 16)
+    with pytest.raises(ValueError, match="b_seq_len expected an int32"):
+        flash_decode.GQADecodePlan("none", q, k, v, r2t, idx, seq.long(), 16)
+    plan = flash_decode.GQADecodePlan("none", q, k, v, r2t, idx, seq, 16, block_seq=64)
+    ref = decode_attention_ref(q, k, v, r2t, idx, seq)
+    for _ in range(2):  # two layers
+        torch.testing.assert_close(plan.run(q, k, v).double(), ref, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match=r"plan: q and k_cache expected the planned shapes"):
+        plan.run(q, k[:256], v[:256])
+    with pytest.raises(ValueError, match="out expected a"):
+        plan.run(q, k, v, out=torch.empty(2, 4, 32))
+
+
 def test_search_uses_representative_batch_over_existing_pool(monkeypatch):
     """Level 1 in the DECODE_ATTENTION scope: one search per key, timed on every request at the tuning
     lengths over the same pool tensors; the caller's tensors are untouched and its output is right."""
     monkeypatch.setenv("LIGHTLLM_TRITON_AUTOTUNE_LEVEL", "1")
     monkeypatch.setenv("LIGHTLLM_DECODE_ATTN_AUTOTUNE_SEQ_LEN", "1024")
-    tuned = flash_decode._tuned["none"]
+    tuned = flash_decode._launch_gqa_flash_decode
     tuned.clear_cache()
     cfgs = [{"BLOCK_N": 16, "num_warps": 2, "num_stages": 1, "WAVES": w} for w in (1, 4)]
     monkeypatch.setattr(tuned, "configs_gen_func", lambda q, block_seq: cfgs)
@@ -145,7 +162,8 @@ def test_search_uses_representative_batch_over_existing_pool(monkeypatch):
     real_launch = tuned.fn
 
     def spy(*args, **kwargs):
-        calls.append((args[1], args[5], args[7], args[8]))  # k_cache, req_to_token, b_seq_len, max_len
+        named = tuned.named_arguments(args, kwargs)
+        calls.append((named["k_cache"], named["req_to_token"], named["b_seq_len"], named["max_len_in_batch"]))
         return real_launch(*args, **kwargs)
 
     monkeypatch.setattr(tuned, "fn", spy)
@@ -172,7 +190,7 @@ def test_cached_config_outside_the_candidates_is_a_miss(monkeypatch, caplog, iso
     """Valid JSON the kernel cannot run: one warning, then the default (level 0) or a fresh search (level 1)."""
     monkeypatch.setenv("LIGHTLLM_TRITON_AUTOTUNE_LEVEL", str(level))
     monkeypatch.setenv("LIGHTLLM_DECODE_ATTN_AUTOTUNE_SEQ_LEN", "512")
-    tuned = flash_decode._tuned["none"]
+    tuned = flash_decode._launch_gqa_flash_decode
     tuned.clear_cache()
     q, k, v, r2t, idx, seq = make_batch(2, 4, 2, 64, [3, 9], torch.float32, pool=512)
     static_key = freeze(flash_decode._static_key(q, k, 64, "none", 0))
@@ -220,7 +238,7 @@ def test_gpu_large_bf16(kind, head_dim, q_heads, kv_heads):
 @pytest.mark.gpu
 def test_gpu_search_runs_once_per_key_at_representative_length(monkeypatch, isolated_autotune):
     monkeypatch.setenv("LIGHTLLM_TRITON_AUTOTUNE_LEVEL", "1")
-    tuned = flash_decode._tuned["none"]
+    tuned = flash_decode._launch_gqa_flash_decode
     tuned.clear_cache()
     q, k, v, r2t, idx, seq = make_batch(16, 32, 8, 128, [5] * 16, torch.bfloat16, pool=65536)
     before = [t.clone() for t in (q, k, v, r2t, idx, seq)]

@@ -61,10 +61,10 @@ def no_real_providers(monkeypatch):
     for name in ("flash_attn_interface", "sgl_kernel", "sgl_kernel.flash_attn", "fa3_fwd_interface", "fa3_fwd_config"):
         monkeypatch.setitem(sys.modules, name, None)  # import raises ImportError
     fa3.find_fa3_provider.cache_clear()
-    fa3._tuned.clear_cache()
+    fa3._launch_fa3_decode.clear_cache()
     yield
     fa3.find_fa3_provider.cache_clear()
-    fa3._tuned.clear_cache()
+    fa3._launch_fa3_decode.clear_cache()
 
 
 def test_no_provider_is_one_clear_error():
@@ -166,7 +166,7 @@ def test_num_splits_search_and_restart(monkeypatch, isolated_autotune):
     key = data["static_key"]
     assert key["provider"].startswith("flash_attn_interface==") and key["page_size"] == 1 and key["causal"]
 
-    fa3._tuned.clear_cache()  # a restart: level 0, the stored split count, no search
+    fa3._launch_fa3_decode.clear_cache()  # a restart: level 0, the stored split count, no search
     monkeypatch.setenv("LIGHTLLM_TRITON_AUTOTUNE_LEVEL", "0")
     fake.calls.clear()
     fa3.fa3_decode_attention(q, k, v, table, idx, seq, 2048, provider=provider)

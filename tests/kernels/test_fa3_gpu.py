@@ -18,9 +18,9 @@ def provider():
     p = fa3.find_fa3_provider()
     if p is None:
         pytest.skip("no FlashAttention-3 provider installed (carry the fa3-fwd wheel)")
-    fa3._tuned.clear_cache()
+    fa3._launch_fa3_decode.clear_cache()
     yield fa3.require_fa3("cuda")
-    fa3._tuned.clear_cache()
+    fa3._launch_fa3_decode.clear_cache()
 
 
 def make(batch, q_len, q_heads, kv_heads, head_dim, lens, max_len, contiguous):
@@ -56,19 +56,19 @@ def test_tuning_stores_and_restart_reuses(provider, monkeypatch, isolated_autotu
     q, table, k, v, idx, seq = make(16, 1, 32, 8, 128, [5] * 16, 32768, contiguous=not provider.paged)
     with autotune_warmup(AutotuneKernelType.DECODE_ATTENTION):
         fa3.fa3_decode_attention(q, k, v, table, idx, seq, 8192, provider=provider)
-    record = fa3._tuned.last_search
+    record = fa3._launch_fa3_decode.last_search
     assert record is not None and record.run_key == (16, 1, 8192) and len(record.default_ms) == 4  # capped at 8192
     (path,) = store.iter_config_files(isolated_autotune, "fa3_decode")
     chosen = json.loads(path.read_text())["configs"]["[16,1,8192]"]
-    fa3._tuned.clear_cache()  # a restart: level 0 reads the file, no search
+    fa3._launch_fa3_decode.clear_cache()  # a restart: level 0 reads the file, no search
     monkeypatch.setenv("LIGHTLLM_TRITON_AUTOTUNE_LEVEL", "0")
     calls = []
-    real = fa3._tuned.fn
+    real = fa3._launch_fa3_decode.fn
     monkeypatch.setattr(
-        fa3._tuned,
+        fa3._launch_fa3_decode,
         "fn",
         lambda *a, run_config=None, **kw: calls.append(run_config) or real(*a, run_config=run_config, **kw),
     )
     out = fa3.fa3_decode_attention(q, k, v, table, idx, seq, 8192, provider=provider)
-    assert calls == [chosen] and fa3._tuned.last_search is record
+    assert calls == [chosen] and fa3._launch_fa3_decode.last_search is record
     assert ((out.double() - decode_attention_ref(q, k, v, table, idx, seq)).norm()).isfinite()

@@ -4,16 +4,16 @@ import pytest
 import torch
 
 from lightllm.common.autotuner import AutotuneKernelType, autotune_warmup, get_autotune_stats, set_bench_func, store
-from lightllm.kernels.norm.rmsnorm import rmsnorm, rmsnorm_ref
+from lightllm.kernels.norm.rmsnorm import _launch_rmsnorm, rmsnorm, rmsnorm_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.fixture(autouse=True)
 def fresh_tuner_state():
-    rmsnorm.clear_cache()
+    _launch_rmsnorm.clear_cache()
     yield
-    rmsnorm.clear_cache()
+    _launch_rmsnorm.clear_cache()
 
 
 def _check(x, w, out, eps=1e-6):
@@ -62,7 +62,7 @@ def test_real_triton_kernel_through_the_tuner(monkeypatch, isolated_autotune):
     monkeypatch.setenv("LIGHTLLM_TRITON_AUTOTUNE_LEVEL", "1")
     fastest = {"BLOCK_N": 256, "num_warps": 2}
     launched = []
-    launcher = rmsnorm.fn
+    launcher = _launch_rmsnorm.fn
 
     def recording_launcher(*args, run_config=None, **kwargs):
         launched.append(run_config)
@@ -72,7 +72,7 @@ def test_real_triton_kernel_through_the_tuner(monkeypatch, isolated_autotune):
         run()
         return 0.3 if launched[-1] == fastest else (1.0 if launched[-1] is None else 0.5)
 
-    monkeypatch.setattr(rmsnorm, "fn", recording_launcher)
+    monkeypatch.setattr(_launch_rmsnorm, "fn", recording_launcher)
     set_bench_func(timer)
     torch.manual_seed(1)
     x = torch.randn(4, 300, device=DEVICE)
@@ -91,10 +91,60 @@ def test_real_triton_kernel_through_the_tuner(monkeypatch, isolated_autotune):
         "default_ms": 1.0,
         "candidates": 9,
     }
-    rmsnorm.clear_cache()
+    _launch_rmsnorm.clear_cache()
     monkeypatch.setenv("LIGHTLLM_TRITON_AUTOTUNE_LEVEL", "0")
     launched.clear()
     out2 = torch.full_like(x, float("nan"))
     rmsnorm(x, w, out=out2)
     _check(x, w, out2)
     assert launched == [fastest]
+
+
+def test_plan_checks_and_resolves_once_for_every_call_of_its_shape(monkeypatch):
+    from lightllm.kernels.norm import rmsnorm as module
+    from lightllm.kernels.norm.rmsnorm import RMSNormPlan
+
+    planned, checked = [], []
+    real_plan, real_check = _launch_rmsnorm.plan, module._check
+    monkeypatch.setattr(_launch_rmsnorm, "plan", lambda *a, **k: planned.append(a) or real_plan(*a, **k))
+    monkeypatch.setattr(module, "_check", lambda *a: checked.append(a) or real_check(*a))
+    x = torch.randn(4, 64, device=DEVICE)
+    plan = RMSNormPlan(x, torch.ones(64, device=DEVICE))
+    for layer in range(3):
+        w = torch.rand(64, device=DEVICE) + 0.5
+        y = torch.randn(4, 64, device=DEVICE)
+        _check(y, w, plan.run(y, w))
+    assert len(planned) == 1 and len(checked) == 1
+    with pytest.raises(ValueError, match=r"rmsnorm plan: x expected the planned \(4, 64\) torch.float32"):
+        plan.run(torch.randn(5, 64, device=DEVICE), w)
+    with pytest.raises(ValueError, match="contiguous last dim"):
+        plan.run(torch.randn(64, 4, device=DEVICE).t(), w)
+    with pytest.raises(ValueError, match=r"rmsnorm: out must be a contiguous \(4, 64\)"):
+        plan.run(x, w, out=torch.empty(64, 4, device=DEVICE).t())
+    with pytest.raises(ValueError, match="rmsnorm: weight must be"):
+        RMSNormPlan(x, torch.ones(9, device=DEVICE))
+
+
+def test_qwen3_forward_plans_one_norm_per_shape(monkeypatch):
+    """On a GPU the model's norms of one forward share a plan per input shape (hidden states, q heads, k heads)."""
+    from types import SimpleNamespace
+
+    from lightllm.kernels.norm import rmsnorm as module
+    from lightllm.models.qwen3.model import Qwen3Model
+
+    made = []
+    real = module.RMSNormPlan
+
+    class Counting(real):
+        def __init__(self, x, *args, **kwargs):
+            made.append(tuple(x.shape))
+            super().__init__(x, *args, **kwargs)
+
+    monkeypatch.setattr("lightllm.models.qwen3.model.RMSNormPlan", Counting)
+    norm = Qwen3Model._step_norm(SimpleNamespace(device=torch.device("cuda")), 1e-6)  # the GPU path, interpreted
+    h, q, k = torch.randn(3, 64), torch.randn(3, 4, 64), torch.randn(3, 2, 64)
+    for layer in range(3):
+        w = torch.rand(64) + 0.5
+        for x in (h, q, k, h):
+            _check(x, w, norm(x, w))
+    assert made == [(3, 64), (3, 4, 64), (3, 2, 64)]

@@ -52,12 +52,17 @@ def param_names(func: Callable) -> Tuple[str, ...]:
     return tuple(names)
 
 
+_SCALAR_TYPES = frozenset((bool, int, float, str, type(None)))
+
+
 def freeze(key: Any) -> Any:
     """A hashable, JSON-round-trippable form: dicts become sorted item tuples, lists become tuples."""
+    if type(key) in _SCALAR_TYPES:  # most values: skip the isinstance chain (every tuned call freezes its keys)
+        return key
     if isinstance(key, dict):
-        return tuple(sorted((str(k), freeze(v)) for k, v in key.items()))
+        return tuple(sorted([(str(k), freeze(v)) for k, v in key.items()]))
     if isinstance(key, (list, tuple)):
-        return tuple(freeze(v) for v in key)
+        return tuple([freeze(v) for v in key])
     if isinstance(key, (bool, int, float, str)) or key is None:
         return key
     # torch.dtype and friends: their str() is stable across processes.

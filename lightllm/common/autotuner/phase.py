@@ -51,6 +51,18 @@ STATS = AutotuneStats()
 _phase_stack: List[AutotuneKernelType] = []
 
 
+class _ScopeClock:
+    """Ticks on every scope entry and exit, so a plan made in another scope knows it is stale."""
+
+    __slots__ = ("ticks",)
+
+    def __init__(self):
+        self.ticks = 0
+
+
+SCOPE_CLOCK = _ScopeClock()
+
+
 def current_warmup_kernel_type() -> Optional[AutotuneKernelType]:
     """The innermost active phase, or None outside any warmup scope."""
     return _phase_stack[-1] if _phase_stack else None
@@ -82,12 +94,14 @@ def autotune_warmup(kernel_type: AutotuneKernelType = AutotuneKernelType.GENERAL
         raise TypeError(f"autotune_warmup expects an AutotuneKernelType, got {kernel_type!r}")
     depth = len(_phase_stack)
     _phase_stack.append(kernel_type)
+    SCOPE_CLOCK.ticks += 1
     before = STATS.copy()
     start = time.perf_counter()
     try:
         yield
     finally:
         del _phase_stack[depth:]
+        SCOPE_CLOCK.ticks += 1
         done = STATS - before
         level = logging.INFO if done.searches else logging.DEBUG
         logger.log(

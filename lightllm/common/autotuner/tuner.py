@@ -24,9 +24,11 @@ from lightllm.common.autotuner.phase import (
     STATS,
     AutotuneKernelType,
     AutotuneLevel,
+    SCOPE_CLOCK,
     current_warmup_kernel_type,
     is_searching_level,
 )
+from lightllm.common.autotuner.plan import Plan
 from lightllm.common.autotuner.space import CandidateSpace
 from lightllm.common.autotuner.store import Config, ConfigStore
 
@@ -129,19 +131,26 @@ class Autotuner:
         run_key_distance_func: Callable[[Any, Any], float],
         mutates_args: Sequence[str],
         kernel_type: AutotuneKernelType,
-        rebuild_input_func: Optional[Callable[..., Tuple[tuple, dict]]],
+        rebuild_input_func: Optional[Callable[[Dict[str, Any]], Any]],
         warmup_all_exist_config: bool,
         output_args: Sequence[str],
         accuracy_tol: Optional[Tuple[float, float]],
     ):
         if not isinstance(kernel_type, AutotuneKernelType):
             raise TypeError(f"autotune kernel {kernel_name!r}: kernel_type must be an AutotuneKernelType")
-        if "run_config" not in inspect.signature(fn).parameters:
+        signature = inspect.signature(fn)
+        if "run_config" not in signature.parameters:
             raise TypeError(
                 f"autotune kernel {kernel_name!r}: launcher {fn.__qualname__} needs a run_config=None param"
             )
+        if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in signature.parameters.values()):
+            raise TypeError(
+                f"autotune kernel {kernel_name!r}: launcher {fn.__qualname__} must name every parameter (no *args or "
+                "**kwargs): the tuner passes rebuilt inputs by name"
+            )
         functools.update_wrapper(self, fn)
         self.fn = fn
+        self.signature = signature
         self.kernel_name = kernel_name
         self.kernel_type = kernel_type
         self.configs_gen_func = configs_gen_func
@@ -159,6 +168,7 @@ class Autotuner:
         self._mutates_picker = pick(tuple(mutates_args))
         self._outputs_picker = pick(tuple(output_args))
         self._states: Dict[Any, _StaticKeyState] = {}
+        self.generation = 0  # bumped whenever a config a plan may hold changes: plans then resolve again
         self.last_search: Optional[SearchRecord] = None
         _instances.add(self)
 
@@ -167,9 +177,25 @@ class Autotuner:
     def __call__(self, *args, run_config: Optional[dict] = None, **kwargs):
         if run_config is not None:
             return self.fn(*args, run_config=run_config, **kwargs)
+        state, run_key, config, searching, level, launched = self._resolve(args, kwargs)
+        if launched:
+            return self.fn(*args, run_config=config, **kwargs)
+        return self._first_launch(state, run_key, config, searching, level, args, kwargs)
+
+    def plan(self, *args, **kwargs) -> Plan:
+        """Resolve the config for a launch with these arguments (searching, in the kernel's own phase at level
+        1/2, as a call would) without launching; ``plan.run(...)`` then launches with it, for every call that
+        shares these keys (every layer of a step). ``run_config`` is not an argument here."""
+        plan = Plan(self)
+        self._settle(plan, args, kwargs)
+        return plan
+
+    def _resolve(self, args: tuple, kwargs: dict) -> tuple:
+        """What a call with these arguments launches: ``(state, run_key, config, searching, level, launched)``;
+        ``launched``: the config has launched for the run key in this process (else this is its first launch)."""
         level = envs.get_triton_autotune_level()
         if level == AutotuneLevel.OFF:
-            return self.fn(*args, run_config=None, **kwargs)
+            return None, None, None, False, level, True
         state = self._state(self.static_key_func(**self._static_picker.pick(args, kwargs)), args, kwargs)
         run_key = freeze(self.run_key_func(**self._run_picker.pick(args, kwargs)))
         phase = current_warmup_kernel_type()
@@ -178,14 +204,28 @@ class Autotuner:
             self._warm_cached_configs(state, args, kwargs)  # first: a config that fails to run is dropped
         if searching:
             config = self._decide(state, run_key, level, args, kwargs)
-            if state.resolved.get(run_key, _MISSING) is config:
-                return self.fn(*args, run_config=config, **kwargs)
         else:
             config = state.resolved.get(run_key, _MISSING)
             if config is not _MISSING:  # the hot path: one dict look-up
-                return self.fn(*args, run_config=config, **kwargs)
+                return state, run_key, config, False, level, True
             config = self._lookup(state, run_key)
-        return self._first_launch(state, run_key, config, searching, level, args, kwargs)
+        return state, run_key, config, searching, level, state.resolved.get(run_key, _MISSING) is config
+
+    def _settle(self, plan: Plan, args: tuple, kwargs: dict) -> None:
+        plan.state, plan.run_key, plan.config, plan.searching, plan.level, plan.confirmed = self._resolve(args, kwargs)
+        plan.generation, plan.scope_ticks = self.generation, SCOPE_CLOCK.ticks
+
+    def _run_unsettled(self, plan: Plan, args: tuple, kwargs: dict):
+        """``Plan.run`` off its fast path: a stale plan resolves again on these arguments; a config that has not
+        launched for its run key yet gets its first launch."""
+        if plan.generation != self.generation or plan.scope_ticks != SCOPE_CLOCK.ticks:
+            self._settle(plan, args, kwargs)
+            if plan.confirmed:
+                return self.fn(*args, run_config=plan.config, **kwargs)
+        state, run_key, config = plan.state, plan.run_key, plan.config
+        out = self._first_launch(state, run_key, config, plan.searching, plan.level, args, kwargs)
+        plan.confirmed = state.resolved.get(run_key, _MISSING) is config
+        return out
 
     def _state(self, static_key: Any, args: tuple, kwargs: dict) -> _StaticKeyState:
         frozen = freeze(static_key)
@@ -269,6 +309,7 @@ class Autotuner:
         for run_key in run_keys:
             del state.configs[run_key]
         state.resolved.clear()
+        self.generation += 1
         files = sorted({str(state.sources[k]) for k in run_keys if k in state.sources}) or ["tuned in this process"]
         logger.warning(
             "autotune %s: dropped cached config %s (run keys %s; %s): %s; %s",
@@ -305,6 +346,7 @@ class Autotuner:
             return cached  # the very object, so the run key's memo of its launched config stays valid
         state.configs[run_key] = agreed
         state.resolved.clear()
+        self.generation += 1
         return agreed
 
     def _warm_cached_configs(self, state: _StaticKeyState, args: tuple, kwargs: dict) -> None:
@@ -389,14 +431,37 @@ class Autotuner:
         return best
 
     def _rebuild(self, args: tuple, kwargs: dict) -> List[Tuple[tuple, dict]]:
-        """Timing inputs: one ``(args, kwargs)`` pair, or a list of them (the first is the tuning point)."""
-        rebuilt = self.rebuild_input_func(*args, **kwargs)
+        """Timing inputs: ``rebuild_input_func`` gets every launcher argument by name (defaults filled) in one
+        dict and returns such a dict, or a list of them (the first is the tuning point); launched by keyword."""
+        rebuilt = self.rebuild_input_func(self.named_arguments(args, kwargs))
         many = rebuilt if isinstance(rebuilt, list) else [rebuilt]
-        if not many or not all(isinstance(r, tuple) and len(r) == 2 for r in many):
-            raise TypeError(
-                f"autotune kernel {self.kernel_name!r}: rebuild_input_func must return (args, kwargs) or a list of them"
+        if not many or not all(isinstance(r, dict) for r in many):
+            got = (
+                type(rebuilt).__name__
+                if not isinstance(rebuilt, list)
+                else f"a list of {len(rebuilt)}: " + (", ".join(sorted({type(r).__name__ for r in rebuilt})) or "empty")
             )
-        return [(tuple(a), dict(k)) for a, k in many]
+            raise TypeError(
+                f"autotune kernel {self.kernel_name!r}: rebuild_input_func must return a dict of named launcher "
+                f"arguments or a non-empty list of them, got {got}"
+            )
+        for named in many:
+            try:
+                self.signature.bind(**named)
+            except TypeError as e:
+                raise TypeError(
+                    f"autotune kernel {self.kernel_name!r}: rebuild_input_func returned arguments that don't fit "
+                    f"launcher {self.fn.__qualname__}{self.signature}: {e}"
+                ) from None
+        return [((), dict(named)) for named in many]
+
+    def named_arguments(self, args: tuple, kwargs: dict) -> Dict[str, Any]:
+        """Every launcher parameter of one call by name, defaults filled, ``run_config`` left out."""
+        bound = self.signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        named = dict(bound.arguments)
+        named.pop("run_config", None)
+        return named
 
     def _log_search(self, record: SearchRecord, timed: int) -> None:
         best, default = record.chosen_ms[0], record.default_ms[0]
@@ -432,6 +497,7 @@ class Autotuner:
     def _adopt(self, state, run_key, config, best_ms: float, default_ms: float, timed: int, write: bool) -> None:
         state.configs[run_key] = config
         state.resolved.clear()
+        self.generation += 1
         state.searched.add(run_key)
         if config is not None:
             state.warmed.add(key_to_json(config))
@@ -444,6 +510,7 @@ class Autotuner:
     def clear_cache(self) -> None:
         """Forget what this process loaded and tuned (the files stay)."""
         self._states.clear()
+        self.generation += 1
 
 
 class _Snapshot:
@@ -521,7 +588,7 @@ def autotune(
     run_key_distance_func: Callable[[Any, Any], float] = default_run_key_distance,
     mutates_args: Sequence[str] = (),
     kernel_type: AutotuneKernelType = AutotuneKernelType.GENERAL,
-    rebuild_input_func: Optional[Callable[..., Tuple[tuple, dict]]] = None,
+    rebuild_input_func: Optional[Callable[[Dict[str, Any]], Any]] = None,
     warmup_all_exist_config: bool = True,
     output_args: Sequence[str] = (),
     accuracy_tol: Optional[Tuple[float, float]] = None,
@@ -536,8 +603,9 @@ def autotune(
         run_key_distance_func: ``(run_key, cached_run_key) -> distance`` to pick the nearest cached key.
         mutates_args: tensors the kernel changes in place; cloned and restored around each candidate.
         kernel_type: the warmup phase in which the kernel may search.
-        rebuild_input_func: ``(*args, **kwargs) -> (args, kwargs)`` giving representative inputs used only
-            for timing a search.
+        rebuild_input_func: ``(named: dict) -> dict | list[dict]``: gets the call's launcher arguments by name
+            (defaults filled) and returns representative inputs by name, used only for timing a search; a list
+            times several inputs, the first being the tuning point.
         warmup_all_exist_config: during any warmup, run each cached config once so Triton compiles it.
         output_args: out-parameters the kernel overwrites; compared by the accuracy gate, never cloned.
         accuracy_tol: ``(rtol, atol)`` for the gate, atol in units of the reference output's RMS.

@@ -71,6 +71,51 @@ def _default_config(n: int) -> dict:
     kernel_type=AutotuneKernelType.GENERAL,
     output_args=("out",),
 )
+def _launch_rmsnorm(x, weight, eps, out, run_config=None):
+    n = x.shape[-1]
+    x2 = x.reshape(-1, n)
+    y2 = out.view(-1, n)
+    cfg = run_config or _default_config(n)
+    block = cfg["BLOCK_N"]
+    if x2.shape[0] > 0:
+        _rmsnorm_kernel[(x2.shape[0],)](
+            x2, weight, y2, x2.stride(0), y2.stride(0), n, eps, block, block >= n, num_warps=cfg["num_warps"]
+        )
+    return out
+
+
+class RMSNormPlan:
+    """RMSNorm of one input shape for one step: arguments checked once, on the first call's tensors, and the
+    tuned config resolved at the first :meth:`run`; every later input of that shape and dtype (each layer's
+    norm) runs with them. ``run`` checks only what can change between layers: shape, dtype, last-dim stride.
+
+    Args: as :func:`rmsnorm`, without ``out``.
+    """
+
+    def __init__(self, x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, run_config=None):
+        _check(x, weight, None)
+        self.shape, self.dtype, self.w_shape, self.eps = x.shape, x.dtype, weight.shape, float(eps)
+        self.run_config = run_config
+        self._tuned = None  # the tuner's plan, made by the first run (it may search on that call's inputs)
+
+    def run(self, x: torch.Tensor, weight: torch.Tensor, out=None) -> torch.Tensor:
+        if x.shape != self.shape or x.dtype != self.dtype or x.stride(-1) != 1 or weight.shape != self.w_shape:
+            raise ValueError(
+                f"rmsnorm plan: x expected the planned {tuple(self.shape)} {self.dtype} with a contiguous last dim "
+                f"and weight {tuple(self.w_shape)}, got {tuple(x.shape)} {x.dtype} strides {x.stride()} and weight "
+                f"{tuple(weight.shape)}"
+            )
+        if out is None:
+            out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        elif out.shape != x.shape or out.dtype != x.dtype or not out.is_contiguous():
+            raise ValueError(f"rmsnorm: out must be a contiguous {tuple(x.shape)} {x.dtype} tensor")
+        if self.run_config is not None:
+            return _launch_rmsnorm(x, weight, self.eps, out, run_config=self.run_config)
+        if self._tuned is None:
+            self._tuned = _launch_rmsnorm.plan(x, weight, self.eps, out)
+        return self._tuned.run(x, weight, self.eps, out)
+
+
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, out=None, run_config=None) -> torch.Tensor:
     """RMSNorm over the last dim.
 
@@ -80,19 +125,11 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, out=None, 
         out: optional ``[..., N]`` tensor of x's shape and dtype to write into.
     Returns:
         ``out`` (allocated when None), ``weight * (x * rsqrt(mean(x**2) + eps)).to(x.dtype)``.
+    Many calls of one shape in a step (every layer): :class:`RMSNormPlan` checks and resolves once.
     """
     _check(x, weight, out)
-    n = x.shape[-1]
-    x2 = x.reshape(-1, n)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out
-    y2 = y.view(-1, n)
-    cfg = run_config or _default_config(n)
-    block = cfg["BLOCK_N"]
-    if x2.shape[0] > 0:
-        _rmsnorm_kernel[(x2.shape[0],)](
-            x2, weight, y2, x2.stride(0), y2.stride(0), n, eps, block, block >= n, num_warps=cfg["num_warps"]
-        )
-    return y
+    return _launch_rmsnorm(x, weight, eps, y, run_config=run_config)
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, out) -> None:

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from lightllm.engine.attention import AttentionBackend
 from lightllm.engine.infer_state import InferState
 from lightllm.engine.parallel import all_reduce_, world
-from lightllm.kernels.norm.rmsnorm import rmsnorm, rmsnorm_ref
+from lightllm.kernels.norm.rmsnorm import RMSNormPlan, rmsnorm_ref
 from lightllm.models.qwen3.config import Qwen3ModelConfig
 from lightllm.models.qwen3.tensor_parallel import local_heads
 from lightllm.models.qwen3.weights import Qwen3Weights
@@ -23,7 +23,6 @@ class Qwen3Model:
         self.device = device
         self.dtype = weights.embed.dtype
         self.heads, self.kv_heads = local_heads(config, world())  # this rank's share under tensor parallelism
-        self._norm = rmsnorm if device.type == "cuda" else rmsnorm_ref
         d = config.head_dim
         inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float().to(device) / d))
         t = torch.arange(config.max_position_embeddings, device=device, dtype=torch.float32)
@@ -31,6 +30,21 @@ class Qwen3Model:
         emb = torch.cat((freqs, freqs), dim=-1)
         self._cos = emb.cos().to(self.dtype)
         self._sin = emb.sin().to(self.dtype)
+
+    def _step_norm(self, eps: float):
+        """The RMSNorm of one forward: on a GPU one plan per input shape (hidden states, q heads, k heads), made
+        by its first call and run by every layer; elsewhere the torch reference."""
+        if self.device.type != "cuda":
+            return lambda x, weight: rmsnorm_ref(x, weight, eps)
+        plans = {}
+
+        def norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+            plan = plans.get(x.shape)
+            if plan is None:
+                plan = plans[x.shape] = RMSNormPlan(x, weight, eps)
+            return plan.run(x, weight)
+
+        return norm
 
     @staticmethod
     def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -43,26 +57,27 @@ class Qwen3Model:
     ) -> torch.Tensor:
         """Float32 logits ``[rows, vocab]``: the last token of each request (prefill), every new token (decode)."""
         cfg, eps = self.config, self.config.rms_norm_eps
+        norm = self._step_norm(eps)
         tokens = input_ids.shape[0]
         h = F.embedding(input_ids, self.w.embed)
         cos = self._cos[state.positions][:, None, :]  # gathered once per step, not per layer and tensor
         sin = self._sin[state.positions][:, None, :]
         for i, lw in enumerate(self.w.layers):
-            x = self._norm(h, lw.input_norm, eps)
+            x = norm(h, lw.input_norm)
             q = F.linear(x, lw.q_proj).view(tokens, self.heads, cfg.head_dim)
             k = F.linear(x, lw.k_proj).view(tokens, self.kv_heads, cfg.head_dim)
             v = F.linear(x, lw.v_proj).view(tokens, self.kv_heads, cfg.head_dim)
-            q = self._rotary(self._norm(q.contiguous(), lw.q_norm, eps), cos, sin)
-            k = self._rotary(self._norm(k.contiguous(), lw.k_norm, eps), cos, sin)
+            q = self._rotary(norm(q.contiguous(), lw.q_norm), cos, sin)
+            k = self._rotary(norm(k.contiguous(), lw.k_norm), cos, sin)
             attn.write_kv(i, k, v, state.out_token_idx)
             if state.is_prefill:
                 o = attn.prefill(i, q, k, v, state)
             else:
                 o = attn.decode(i, q, state, req_to_token)
             h = h + all_reduce_(F.linear(o.reshape(tokens, -1), lw.o_proj))
-            x = self._norm(h, lw.post_norm, eps)
+            x = norm(h, lw.post_norm)
             h = h + all_reduce_(F.linear(F.silu(F.linear(x, lw.gate_proj)) * F.linear(x, lw.up_proj), lw.down_proj))
         if state.is_prefill:
             h = h[(state.b_q_start + state.b_q_len - 1).long()]
-        h = self._norm(h.contiguous(), self.w.final_norm, eps)
+        h = norm(h.contiguous(), self.w.final_norm)
         return F.linear(h, self.w.lm_head).float()

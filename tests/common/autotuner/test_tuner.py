@@ -152,10 +152,10 @@ def test_rebuilt_inputs_only_for_timing(toy, level):
     level(1)
     calls = []
 
-    def rebuild(x, out, alpha=2.0):
-        calls.append(x.shape[0])
+    def rebuild(named):
+        calls.append(named)
         big = torch.randn(64, 3)
-        return (big, torch.empty_like(big)), {"alpha": alpha}
+        return {**named, "x": big, "out": torch.empty_like(big)}
 
     t = toy(DECODE, rebuild_input_func=rebuild)
     x = torch.randn(2, 3)
@@ -164,7 +164,8 @@ def test_rebuilt_inputs_only_for_timing(toy, level):
     with autotune_warmup(DECODE):
         t.kernel(x, out)
         t.kernel(x, out)
-    assert calls == [2]  # once per search
+    assert len(calls) == 1 and calls[0].keys() == {"x", "out", "alpha"}  # once per search, every name bound
+    assert calls[0]["x"] is x and calls[0]["alpha"] == 2.0  # the caller's tensors; the declared default filled
     assert {inp.shape[0] for inp in t.bench.inputs} == {64}  # timed on rebuilt inputs
     assert t.log[-1][1] is x  # the final call gets the caller's tensor
     assert torch.equal(x, x_before) and torch.equal(out, 2.0 * x)
@@ -366,12 +367,29 @@ def test_default_failing_in_search_is_a_clear_error(toy, level):
             t(n=4)
 
 
-def test_rebuild_must_return_args_and_kwargs(toy, level):
+@pytest.mark.parametrize(
+    "rebuild, message",
+    [
+        (lambda named: ((named["x"], named["out"]), {}), "must return a dict of named launcher arguments .*got tuple"),
+        (lambda named: [((named["x"], named["out"]), {})], "got a list of 1: tuple"),
+        (lambda named: [], "got a list of 0: empty"),
+        (lambda named: {"x": named["x"]}, r"don't fit launcher .*\(x, out, alpha=2.0, run_config=None\).*'out'"),
+        (lambda named: {**named, "beta": 1.0}, "don't fit launcher .*beta"),
+    ],
+    ids=["positional-tuple", "list-of-tuples", "empty-list", "missing-name", "unknown-name"],
+)
+def test_rebuild_must_return_named_arguments(toy, level, rebuild, message):
     level(1)
-    t = toy(DECODE, rebuild_input_func=lambda x, out, alpha=2.0: {"x": x})
-    with pytest.raises(TypeError, match="rebuild_input_func must return"):
+    t = toy(DECODE, rebuild_input_func=rebuild)
+    with pytest.raises(TypeError, match=message):
         with autotune_warmup(DECODE):
             t(n=4)
+    assert t.bench.timed == []  # refused before anything was timed
+
+
+def test_launcher_must_name_every_parameter():
+    with pytest.raises(TypeError, match=r"must name every parameter \(no \*args"):
+        autotune("bad_varargs", lambda: [], lambda x: 0, lambda x: 0)(lambda x, *rest, run_config=None: x)
 
 
 def _length_dependent(t):
@@ -380,8 +398,8 @@ def _length_dependent(t):
     t.configs = [{"ms": 1, "name": n} for n in ("a", "b", "c")]
     t.bench.ms_at = lambda cfg, rows: table[None if cfg is None else cfg["name"]][rows]
 
-    def rebuild(x, out, alpha=2.0):
-        return [((torch.randn(n, 3), torch.empty(n, 3)), {"alpha": alpha}) for n in (64, 8)]
+    def rebuild(named):
+        return [{**named, "x": torch.randn(n, 3), "out": torch.empty(n, 3)} for n in (64, 8)]
 
     return rebuild
 

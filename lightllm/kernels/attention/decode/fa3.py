@@ -136,18 +136,6 @@ def require_fa3(device=None) -> FA3Provider:
 # ---- tuned launcher ---------------------------------------------------------------------------------------
 
 
-def _launch(
-    q, k_cache, v_cache, page_table, cache_batch_idx, cache_seqlens, max_len_in_batch, sm_scale, causal,
-    window, softcap, provider, run_config=None,
-):  # fmt: skip
-    """One provider call; ``q`` is ``[batch, q_len, q_heads, D]``. ``run_config=None``: FA3's split heuristic."""
-    num_splits = 0 if run_config is None else run_config["num_splits"]
-    return provider.fn(
-        q, k_cache, v_cache, cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx, page_table=page_table,
-        softmax_scale=sm_scale, causal=causal, window_size=window, softcap=softcap, num_splits=num_splits,
-    )  # fmt: skip
-
-
 def _configs(provider):
     # Not pruned by length: the candidates of a static key must be the same at every launch, since configs
     # read from a file are checked against them (one tuned at 4K must stay valid for a 512-token launch).
@@ -173,47 +161,102 @@ def _run_key(q, max_len_in_batch):
     return q.shape[0], q.shape[1], round_up_kv_len(decode_attn_run_key_kv_len(max_len_in_batch))
 
 
-def _representative_batches(
-    q, k_cache, v_cache, page_table, cache_batch_idx, cache_seqlens, max_len_in_batch, sm_scale, causal,
-    window, softcap, provider,
-):  # fmt: skip
+def _representative_batches(named: dict) -> list:
     """The caller's batch with every request at each tuning length, over the existing cache (no new KV).
 
     Paged: a fresh page table over the pool (indices modulo its size), as wide as the launch's max length.
     Slots: each request's own row, at most its capacity."""
+    q, k_cache, width = named["q"], named["k_cache"], named["max_len_in_batch"]
     batch = q.shape[0]
-    lens = decode_attn_autotune_seq_lens(max_len_in_batch)
-    width = max_len_in_batch  # >= lens[0]: the ladder is capped at it
-    if page_table is not None:
+    lens = decode_attn_autotune_seq_lens(width)  # capped at the launch's max length
+    if named["page_table"] is not None:
         pool = k_cache.shape[0]
         table = (torch.arange(batch * width, device=q.device, dtype=torch.int64) % pool).to(torch.int32)
-        table, slots = table.view(batch, width), None
+        table = table.view(batch, width)
     else:
         capacity = k_cache.shape[1]
         if lens[0] > capacity:
             logger.warning("FA3 tuning length %d is over the slot capacity %d: tuning at %d", lens[0], capacity,
                            capacity)  # fmt: skip
         lens = sorted({min(n, capacity) for n in lens}, reverse=True)
-        table, slots = None, cache_batch_idx
-    scenarios = []
-    for n in lens:
-        seqlens = torch.full((batch,), n, device=q.device, dtype=torch.int32)
-        args = (q, k_cache, v_cache, table, slots, seqlens, width, sm_scale, causal, window, softcap, provider)
-        scenarios.append((args, {}))
-    return scenarios
+        table = None
+    seqlens = [torch.full((batch,), n, device=q.device, dtype=torch.int32) for n in lens]
+    return [{**named, "page_table": table, "cache_seqlens": s} for s in seqlens]
 
 
-_tuned = autotune(
+@autotune(
     kernel_name="fa3_decode",
     configs_gen_func=_configs,
     static_key_func=_static_key,
     run_key_func=_run_key,
     kernel_type=AutotuneKernelType.DECODE_ATTENTION,
     rebuild_input_func=_representative_batches,
-)(_launch)
+)
+def _launch_fa3_decode(
+    q, k_cache, v_cache, page_table, cache_batch_idx, cache_seqlens, max_len_in_batch, sm_scale, causal,
+    window, softcap, provider, run_config=None,
+):  # fmt: skip
+    """One provider call; ``q`` is ``[batch, q_len, q_heads, D]``. ``run_config=None``: FA3's split heuristic."""
+    num_splits = 0 if run_config is None else run_config["num_splits"]
+    return provider.fn(
+        q, k_cache, v_cache, cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx, page_table=page_table,
+        softmax_scale=sm_scale, causal=causal, window_size=window, softcap=softcap, num_splits=num_splits,
+    )  # fmt: skip
 
 
 # ---- public API -------------------------------------------------------------------------------------------
+
+
+class FA3DecodePlan:
+    """FA3 decode attention of one step: provider and layout chosen, arguments checked and the page table
+    gathered once, on the first layer's tensors; the tuned config is resolved at the first :meth:`run`. Every
+    layer's ``q`` and caches must have the first layer's shapes and dtype (``run`` checks the shapes only).
+
+    Args: as :func:`fa3_decode_attention`, without ``out``.
+    """
+
+    def __init__(
+        self, q, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len, max_len_in_batch, layout=None, sm_scale=None,
+        causal=True, window=(-1, -1), softcap=0.0, provider=None, run_config=None,
+    ):  # fmt: skip
+        provider = provider or require_fa3(q.device)
+        layout = layout or ("paged" if provider.paged else "slots")
+        q4 = q.unsqueeze(1) if q.dim() == 3 else q
+        _check(q4, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len, max_len_in_batch, layout, provider)
+        if layout == "paged":
+            self.page_table, self.batch_idx = req_to_token[b_req_idx.long(), :max_len_in_batch], None
+            self.slot_shape = None
+        else:
+            self.page_table, self.batch_idx = None, b_req_idx
+            self.slot_shape = req_to_token.shape  # each slot's row of the pool
+        self.q_shape, self.kv_shape = q.shape, k_cache.shape
+        self.b_seq_len, self.max_len_in_batch = b_seq_len, int(max_len_in_batch)
+        self.sm_scale = float(sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1]))
+        self.causal, self.window, self.softcap, self.provider = bool(causal), tuple(window), float(softcap), provider
+        self.run_config = run_config
+        self._tuned = None  # the tuner's plan, made by the first run (it may search on that layer's inputs)
+
+    def run(self, q, k_cache, v_cache) -> torch.Tensor:
+        if q.shape != self.q_shape or k_cache.shape != self.kv_shape:
+            raise ValueError(
+                f"fa3 decode attention plan: q and k_cache expected the planned shapes {tuple(self.q_shape)} and "
+                f"{tuple(self.kv_shape)}, got {tuple(q.shape)} and {tuple(k_cache.shape)}"
+            )
+        q4 = q.unsqueeze(1) if q.dim() == 3 else q
+        if self.slot_shape is None:
+            k4, v4 = k_cache.unsqueeze(1), v_cache.unsqueeze(1)
+        else:
+            k4 = k_cache.view(*self.slot_shape, *k_cache.shape[1:])
+            v4 = v_cache.view(*self.slot_shape, *v_cache.shape[1:])
+        args = (q4, k4, v4, self.page_table, self.batch_idx, self.b_seq_len, self.max_len_in_batch, self.sm_scale,
+                self.causal, self.window, self.softcap, self.provider)  # fmt: skip
+        if self.run_config is not None:
+            out = _launch_fa3_decode(*args, run_config=self.run_config)
+        else:
+            if self._tuned is None:
+                self._tuned = _launch_fa3_decode.plan(*args)
+            out = self._tuned.run(*args)
+        return out.squeeze(1) if q.dim() == 3 else out
 
 
 def fa3_decode_attention(
@@ -243,24 +286,11 @@ def fa3_decode_attention(
         max_len_in_batch: the most the launch must serve (the graph's maximum when captured).
         layout: ``"paged"`` or ``"slots"`` (see the module doc); default: paged when the provider can.
     Returns:
-        Output of q's shape and dtype.
+        Output of q's shape and dtype. Every layer of a step: :class:`FA3DecodePlan` checks and gathers once.
     """
-    provider = provider or require_fa3(q.device)
-    layout = layout or ("paged" if provider.paged else "slots")
-    q4 = q.unsqueeze(1) if q.dim() == 3 else q
-    _check(q4, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len, max_len_in_batch, layout, provider)
-    if layout == "paged":
-        k4, v4 = k_cache.unsqueeze(1), v_cache.unsqueeze(1)
-        page_table, batch_idx = req_to_token[b_req_idx.long(), :max_len_in_batch], None
-    else:
-        rows, cols = req_to_token.shape
-        k4 = k_cache.view(rows, cols, *k_cache.shape[1:])
-        v4 = v_cache.view(rows, cols, *v_cache.shape[1:])
-        page_table, batch_idx = None, b_req_idx
-    scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    out = _tuned(q4, k4, v4, page_table, batch_idx, b_seq_len, int(max_len_in_batch), float(scale), bool(causal),
-                 tuple(window), float(softcap), provider, run_config=run_config)  # fmt: skip
-    return out.squeeze(1) if q.dim() == 3 else out
+    plan = FA3DecodePlan(q, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len, max_len_in_batch, layout,
+                         sm_scale, causal, window, softcap, provider, run_config)  # fmt: skip
+    return plan.run(q, k_cache, v_cache)
 
 
 def _check(q4, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len, max_len_in_batch, layout, provider):

@@ -51,7 +51,7 @@ def default_config(head_dim: int) -> dict:
     return {"BLOCK_N": 32 if head_dim == 256 else 64, "num_warps": 4, "num_stages": 2, "WAVES": 2}
 
 
-def _launch(
+def _launch_split_kv(
     q,
     k_cache,
     v_cache,
@@ -138,59 +138,95 @@ def _run_key(q, max_len_in_batch):
     return q.shape[0], round_up_kv_len(decode_attn_run_key_kv_len(max_len_in_batch))
 
 
-def _representative_batches(
-    q,
-    k_cache,
-    v_cache,
-    k_scale,
-    v_scale,
-    req_to_token,
-    b_req_idx,
-    b_seq_len,
-    max_len_in_batch,
-    out,
-    sm_scale,
-    block_seq,
-    quant,
-    quant_group,
-):
+def _representative_batches(named: dict) -> list:
     """The caller's batch with every request at each tuning length, over the existing pool (token indices
     wrap modulo its size: no KV is allocated). Launch sizes stay the caller's (``max_len_in_batch`` is the
     graph's maximum when capturing), so timings see the grid the graph will replay."""
+    q, k_cache, launch_len = named["q"], named["k_cache"], named["max_len_in_batch"]
     batch, pool = q.shape[0], k_cache.shape[0]
-    lens = decode_attn_autotune_seq_lens(max_len_in_batch)
+    lens = decode_attn_autotune_seq_lens(launch_len)  # capped at launch_len
     table = (torch.arange(batch * lens[0], device=q.device, dtype=torch.int64) % pool).to(torch.int32)
     table = table.view(batch, lens[0])
     slots = torch.arange(batch, device=q.device, dtype=torch.int32)
-    launch_len = max_len_in_batch  # >= lens[0]: the ladder is capped at it
-    scenarios = []
-    for n in lens:
-        seq = torch.full((batch,), n, device=q.device, dtype=torch.int32)
-        args = (q, k_cache, v_cache, k_scale, v_scale, table, slots, seq, launch_len, torch.empty_like(out))
-        scenarios.append((args + (sm_scale, block_seq, quant, quant_group), {}))
-    return scenarios
+    return [
+        {
+            **named,
+            "req_to_token": table,
+            "b_req_idx": slots,
+            "b_seq_len": torch.full((batch,), n, device=q.device, dtype=torch.int32),
+            "out": torch.empty_like(named["out"]),
+        }
+        for n in lens
+    ]
 
 
-def _declare(kernel_name: str):
-    return autotune(
-        kernel_name=kernel_name,
-        configs_gen_func=_configs,
-        static_key_func=_static_key,
-        run_key_func=_run_key,
-        kernel_type=AutotuneKernelType.DECODE_ATTENTION,
-        rebuild_input_func=_representative_batches,
-        output_args=("out",),
-    )(_launch)
-
-
-_tuned = {
-    "none": _declare("gqa_flash_decode"),
-    "int8": _declare("gqa_flash_decode_int8kv"),
-    "int4": _declare("gqa_flash_decode_int4kv"),
+_TUNING = dict(
+    configs_gen_func=_configs,
+    static_key_func=_static_key,
+    run_key_func=_run_key,
+    kernel_type=AutotuneKernelType.DECODE_ATTENTION,
+    rebuild_input_func=_representative_batches,
+    output_args=("out",),
+)
+# One launcher body, three tuned kernels (each KV type keeps its own config files).
+_launch_gqa_flash_decode = autotune(kernel_name="gqa_flash_decode", **_TUNING)(_launch_split_kv)
+_launch_gqa_flash_decode_int8kv = autotune(kernel_name="gqa_flash_decode_int8kv", **_TUNING)(_launch_split_kv)
+_launch_gqa_flash_decode_int4kv = autotune(kernel_name="gqa_flash_decode_int4kv", **_TUNING)(_launch_split_kv)
+_LAUNCHERS = {
+    "none": _launch_gqa_flash_decode,
+    "int8": _launch_gqa_flash_decode_int8kv,
+    "int4": _launch_gqa_flash_decode_int4kv,
 }
 
 
 # ---- public API -----------------------------------------------------------------------------------------
+
+
+class GQADecodePlan:
+    """Decode attention of one step: the arguments are checked once, on the first layer's tensors, and the tuned
+    config is resolved at the first :meth:`run`; every layer then runs with them. Each layer's ``q`` and caches
+    must have the first layer's shapes and dtypes (one pool, one model): ``run`` checks the shapes only.
+
+    Args: as :func:`gqa_decode_attention`, plus ``kv`` (``"none"``, ``"int8"`` or ``"int4"``) and, for a
+    quantized pool, the first layer's ``k_scale``/``v_scale`` and ``quant_group``.
+    """
+
+    def __init__(
+        self, kv, q, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len, max_len_in_batch, k_scale=None,
+        v_scale=None, sm_scale=None, block_seq=DEFAULT_BLOCK_SEQ, quant_group=8, run_config=None,
+    ):  # fmt: skip
+        if kv not in _LAUNCHERS:
+            raise ValueError(f"gqa decode attention: kv expected one of {tuple(_LAUNCHERS)}, got {kv!r}")
+        quant_group = quant_group if kv != "none" else 0
+        _check(q, k_cache, v_cache, k_scale, v_scale, req_to_token, b_req_idx, b_seq_len, None, kv, quant_group,
+               block_seq)  # fmt: skip
+        self.kv, self.quant_group, self.block_seq = kv, quant_group, block_seq
+        self.req_to_token, self.b_req_idx, self.b_seq_len = req_to_token, b_req_idx, b_seq_len
+        self.max_len_in_batch = int(max_len_in_batch)
+        self.sm_scale = float(sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1]))
+        self.q_shape, self.kv_shape = q.shape, k_cache.shape
+        self.run_config = run_config
+        self._launcher = _LAUNCHERS[kv]
+        self._tuned = None  # the tuner's plan, made by the first run (it may search on that layer's inputs)
+
+    def run(self, q, k_cache, v_cache, k_scale=None, v_scale=None, out=None) -> torch.Tensor:
+        if q.shape != self.q_shape or k_cache.shape != self.kv_shape:
+            raise ValueError(
+                f"gqa decode attention ({self.kv} KV) plan: q and k_cache expected the planned shapes "
+                f"{tuple(self.q_shape)} and {tuple(self.kv_shape)}, got {tuple(q.shape)} and {tuple(k_cache.shape)}"
+            )
+        if out is None:
+            out = torch.empty_like(q)
+        elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
+            raise ValueError(f"gqa decode attention ({self.kv} KV): out expected a {tuple(q.shape)} {q.dtype} "
+                             f"tensor, got {tuple(out.shape)} {out.dtype}")  # fmt: skip
+        args = (q, k_cache, v_cache, k_scale, v_scale, self.req_to_token, self.b_req_idx, self.b_seq_len,
+                self.max_len_in_batch, out, self.sm_scale, self.block_seq, self.kv, self.quant_group)  # fmt: skip
+        if self.run_config is not None:
+            return self._launcher(*args, run_config=self.run_config)
+        if self._tuned is None:
+            self._tuned = self._launcher.plan(*args)
+        return self._tuned.run(*args)
 
 
 def gqa_decode_attention(
@@ -216,10 +252,11 @@ def gqa_decode_attention(
         max_len_in_batch: upper bound of ``b_seq_len`` this launch must serve (the graph's maximum when
             captured); sizes the split grid.
         out: optional ``[batch, q_heads, head_dim]`` of q's dtype.
+    Every layer of a step: :class:`GQADecodePlan` checks and resolves once.
     """
-    _check(q, k_cache, v_cache, None, None, req_to_token, b_req_idx, b_seq_len, out, "none", 0, block_seq)
-    return _run("none", q, k_cache, v_cache, None, None, req_to_token, b_req_idx, b_seq_len, max_len_in_batch,
-                out, sm_scale, block_seq, 0, run_config)  # fmt: skip
+    plan = GQADecodePlan("none", q, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len, max_len_in_batch,
+                         sm_scale=sm_scale, block_seq=block_seq, run_config=run_config)  # fmt: skip
+    return plan.run(q, k_cache, v_cache, out=out)
 
 
 def gqa_decode_attention_int8kv(
@@ -229,10 +266,9 @@ def gqa_decode_attention_int8kv(
     """As :func:`gqa_decode_attention` over an INT8 pool: ``k_cache``/``v_cache`` int8
     ``[pool_tokens, kv_heads, head_dim]``, ``k_scale``/``v_scale`` float16 ``[pool_tokens, kv_heads,
     head_dim // quant_group]`` (see ``lightllm.common.kv_cache.quant``)."""
-    _check(q, k_cache, v_cache, k_scale, v_scale, req_to_token, b_req_idx, b_seq_len, out, "int8", quant_group,
-           block_seq)  # fmt: skip
-    return _run("int8", q, k_cache, v_cache, k_scale, v_scale, req_to_token, b_req_idx, b_seq_len,
-                max_len_in_batch, out, sm_scale, block_seq, quant_group, run_config)  # fmt: skip
+    plan = GQADecodePlan("int8", q, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len, max_len_in_batch,
+                         k_scale, v_scale, sm_scale, block_seq, quant_group, run_config)  # fmt: skip
+    return plan.run(q, k_cache, v_cache, k_scale, v_scale, out=out)
 
 
 def gqa_decode_attention_int4kv(
@@ -242,22 +278,9 @@ def gqa_decode_attention_int4kv(
     """As :func:`gqa_decode_attention` over an INT4 pool: ``k_cache``/``v_cache`` uint8
     ``[pool_tokens, kv_heads, head_dim // 2]`` (byte j: element j low nibble, j + head_dim/2 high nibble),
     scales float16 ``[pool_tokens, kv_heads, head_dim // quant_group]``."""
-    _check(q, k_cache, v_cache, k_scale, v_scale, req_to_token, b_req_idx, b_seq_len, out, "int4", quant_group,
-           block_seq)  # fmt: skip
-    return _run("int4", q, k_cache, v_cache, k_scale, v_scale, req_to_token, b_req_idx, b_seq_len,
-                max_len_in_batch, out, sm_scale, block_seq, quant_group, run_config)  # fmt: skip
-
-
-def _run(quant, q, k_cache, v_cache, k_scale, v_scale, req_to_token, b_req_idx, b_seq_len, max_len_in_batch, out,
-         sm_scale, block_seq, quant_group, run_config):  # fmt: skip
-    if out is None:
-        out = torch.empty_like(q)
-    if sm_scale is None:
-        sm_scale = 1.0 / math.sqrt(q.shape[-1])
-    return _tuned[quant](
-        q, k_cache, v_cache, k_scale, v_scale, req_to_token, b_req_idx, b_seq_len, int(max_len_in_batch), out,
-        float(sm_scale), block_seq, quant, quant_group, run_config=run_config,
-    )  # fmt: skip
+    plan = GQADecodePlan("int4", q, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len, max_len_in_batch,
+                         k_scale, v_scale, sm_scale, block_seq, quant_group, run_config)  # fmt: skip
+    return plan.run(q, k_cache, v_cache, k_scale, v_scale, out=out)
 
 
 def _check(q, k_cache, v_cache, k_scale, v_scale, req_to_token, b_req_idx, b_seq_len, out, quant, quant_group,

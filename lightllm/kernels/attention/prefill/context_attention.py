@@ -90,7 +90,7 @@ def _run_key(q):
     # elements of 2^25 differ by ~4 ulps (0.0078 at 0.3, seen on the H200), which the default 2e-2 rejects.
     accuracy_tol=(4e-2, 2e-2),
 )
-def _launch(q, k, v, out, b_start, b_len, max_q_len, sm_scale, run_config=None):
+def _launch_context_attention(q, k, v, out, b_start, b_len, max_q_len, sm_scale, run_config=None):
     cfg = run_config or _default_config(q.shape[-1])
     grid = (b_len.shape[0], q.shape[1], triton.cdiv(max_q_len, cfg["BLOCK_M"]))
     _context_attention_kernel[grid](
@@ -101,6 +101,42 @@ def _launch(q, k, v, out, b_start, b_len, max_q_len, sm_scale, run_config=None):
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     return out
+
+
+class ContextAttentionPlan:
+    """Prefill attention of one step: the arguments are checked once, on the first layer's tensors, and the tuned
+    config is resolved at the first :meth:`run`; every layer (same shapes, checked) then runs with them.
+
+    Args: as :func:`context_attention`, without ``out``.
+    """
+
+    def __init__(self, q, k, v, b_start, b_len, max_q_len, sm_scale=None, run_config=None):
+        if q.dim() != 3 or k.shape != v.shape or k.shape[::2] != q.shape[::2] or q.shape[-1] not in (64, 128, 256):
+            raise ValueError(f"context_attention: q, k, v expected [tokens, heads, 64|128|256], got "
+                             f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")  # fmt: skip
+        if q.shape[1] % k.shape[1] or k.dtype != q.dtype or v.dtype != q.dtype:
+            raise ValueError("context_attention: q_heads expected a multiple of kv_heads and one dtype for q, k, v")
+        if b_start.dtype != torch.int32 or b_len.dtype != torch.int32 or b_start.shape != b_len.shape:
+            raise ValueError("context_attention: b_start and b_len expected int32 [batch] tensors")
+        self.b_start, self.b_len, self.max_q_len = b_start, b_len, int(max_q_len)
+        self.sm_scale = float(sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1]))
+        self.q_shape, self.kv_shape = q.shape, k.shape
+        self.run_config = run_config
+        self._tuned = None  # the tuner's plan, made by the first run (it may search on that layer's inputs)
+
+    def run(self, q, k, v, out=None) -> torch.Tensor:
+        if q.shape != self.q_shape or k.shape != self.kv_shape or v.shape != self.kv_shape:
+            raise ValueError(
+                f"context_attention plan: q and k, v expected the planned shapes {tuple(self.q_shape)} and "
+                f"{tuple(self.kv_shape)}, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+            )
+        out = torch.empty_like(q) if out is None else out
+        args = (q, k, v, out, self.b_start, self.b_len, self.max_q_len, self.sm_scale)
+        if self.run_config is not None:
+            return _launch_context_attention(*args, run_config=self.run_config)
+        if self._tuned is None:
+            self._tuned = _launch_context_attention.plan(*args)
+        return self._tuned.run(*args)
 
 
 def context_attention(
@@ -120,17 +156,9 @@ def context_attention(
         q: ``[tokens, q_heads, D]``; k, v: ``[tokens, kv_heads, D]`` (same dtype; head_dim 64/128/256).
         b_start, b_len: int32 ``[batch]``: first token and token count of each request in the packing.
         max_q_len: the longest request (sizes the grid).
+    Every layer of a step: :class:`ContextAttentionPlan` checks and resolves once.
     """
-    if q.dim() != 3 or k.shape != v.shape or k.shape[::2] != q.shape[::2] or q.shape[-1] not in (64, 128, 256):
-        raise ValueError(f"context_attention: q, k, v expected [tokens, heads, 64|128|256], got "
-                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")  # fmt: skip
-    if q.shape[1] % k.shape[1] or k.dtype != q.dtype or v.dtype != q.dtype:
-        raise ValueError("context_attention: q_heads expected a multiple of kv_heads and one dtype for q, k, v")
-    if b_start.dtype != torch.int32 or b_len.dtype != torch.int32 or b_start.shape != b_len.shape:
-        raise ValueError("context_attention: b_start and b_len expected int32 [batch] tensors")
-    out = torch.empty_like(q) if out is None else out
-    scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    return _launch(q, k, v, out, b_start, b_len, int(max_q_len), float(scale), run_config=run_config)
+    return ContextAttentionPlan(q, k, v, b_start, b_len, max_q_len, sm_scale, run_config).run(q, k, v, out)
 
 
 def context_attention_ref(q, k, v, b_start, b_len, sm_scale: Optional[float] = None) -> torch.Tensor:

@@ -1,0 +1,39 @@
+"""A tuned launch planned once and run many times (FlashInfer's plan/run split)."""
+
+from typing import Any
+
+from lightllm.common.autotuner.phase import SCOPE_CLOCK
+
+
+class Plan:
+    """The config :meth:`Autotuner.plan` resolved for one static key and run key; :meth:`run` launches with it.
+
+    Made once per step and run by every layer, whose arguments share the plan's keys: ``run`` keys nothing
+    again, it costs three comparisons and the launcher call. A plan goes stale when the kernel's configs change
+    (a search, a dropped config, ``clear_all_caches()``) or a warmup scope is entered or left; its next ``run``
+    then resolves again on that run's arguments, exactly as a plain call would. The first ``run`` of a config
+    not yet launched in this process is that config's first launch (a config that raises is dropped there).
+    """
+
+    __slots__ = ("tuner", "config", "state", "run_key", "searching", "level", "confirmed", "generation", "scope_ticks")
+
+    def __init__(self, tuner: Any):
+        self.tuner = tuner
+        self.config = None
+        self.state = None
+        self.run_key = None
+        self.searching = False
+        self.level = 0
+        self.confirmed = False  # the config has launched for run_key in this process
+        self.generation = -1
+        self.scope_ticks = -1
+
+    def run(self, *args, **kwargs):
+        if self.confirmed and self.generation == self.tuner.generation and self.scope_ticks == SCOPE_CLOCK.ticks:
+            return self.tuner.fn(*args, run_config=self.config, **kwargs)
+        return self.tuner._run_unsettled(self, args, kwargs)
+
+    __call__ = run
+
+    def __repr__(self) -> str:
+        return f"Plan({self.tuner.kernel_name!r}, run_key={self.run_key!r}, config={self.config!r})"

@@ -1,0 +1,124 @@
+"""The attention backend plans once per step: argument checks, FA3's page table and the tuned config are made by
+the first layer and reused by every layer. Runs the GPU code path on the CPU (Triton interpreter, a torch FA3)."""
+
+import pytest
+import torch
+
+from lightllm.engine.attention import AttentionBackend, make_pool
+from lightllm.engine.infer_state import InferState
+from lightllm.kernels.attention.decode import fa3, flash_decode
+from lightllm.kernels.attention.decode.reference import decode_attention_ref
+from lightllm.kernels.attention.prefill.context_attention import _launch_context_attention, context_attention_ref
+
+LAYERS, KV_HEADS, Q_HEADS, HEAD_DIM, POOL = 3, 2, 4, 64, 64
+
+
+def gpu_path_backend(decode_backend="triton", monkeypatch=None, provider=None):
+    pool = make_pool("None", POOL, LAYERS, KV_HEADS, HEAD_DIM, torch.float32, torch.device("cpu"))
+    g = torch.Generator().manual_seed(0)
+    for layer in range(LAYERS):
+        pool.k[layer].copy_(torch.randn(pool.k[layer].shape, generator=g))
+        pool.v[layer].copy_(torch.randn(pool.v[layer].shape, generator=g))
+    if decode_backend == "fa3":
+        monkeypatch.setattr(fa3, "require_fa3", lambda device: provider)
+    backend = AttentionBackend(pool, decode_backend, torch.device("cpu"))
+    backend.on_gpu = True  # the GPU kernels, under the interpreter
+    return backend
+
+
+def decode_state(lens):
+    return InferState(
+        is_prefill=False,
+        b_req_idx=torch.tensor([1, 0], dtype=torch.int32),
+        b_seq_len=torch.tensor(lens, dtype=torch.int32),
+        out_token_idx=torch.zeros(len(lens), dtype=torch.int64),
+        positions=torch.tensor([n - 1 for n in lens]),
+        max_len_in_batch=max(lens),
+    )
+
+
+def counting(monkeypatch, owner, name):
+    calls = []
+    real = getattr(owner, name)
+
+    def spy(*args, **kwargs):
+        calls.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, spy)
+    return calls
+
+
+def test_triton_decode_checks_and_resolves_once_per_step(monkeypatch, isolated_autotune):
+    backend = gpu_path_backend()
+    req_to_token = torch.arange(2 * 32, dtype=torch.int32).view(2, 32)
+    checks = counting(monkeypatch, flash_decode, "_check")
+    plans = counting(monkeypatch, flash_decode._launch_gqa_flash_decode, "plan")
+    state = decode_state([9, 20])
+    g = torch.Generator().manual_seed(1)
+    for layer in range(LAYERS):
+        q = torch.randn(2, Q_HEADS, HEAD_DIM, generator=g)
+        out = backend.decode(layer, q, state, req_to_token)
+        ref = decode_attention_ref(q, backend.pool.k[layer], backend.pool.v[layer], req_to_token, state.b_req_idx,
+                                   state.b_seq_len)  # fmt: skip
+        torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-4)
+    assert len(checks) == 1 and len(plans) == 1
+    backend.decode(0, q, decode_state([9, 20]), req_to_token)  # the next step plans again
+    assert len(checks) == 2 and len(plans) == 2
+
+
+def test_a_layer_with_other_shapes_is_refused_by_the_plan(isolated_autotune):
+    backend = gpu_path_backend()
+    req_to_token = torch.arange(2 * 32, dtype=torch.int32).view(2, 32)
+    state = decode_state([9, 20])
+    backend.decode(0, torch.randn(2, Q_HEADS, HEAD_DIM), state, req_to_token)
+    with pytest.raises(ValueError, match=r"plan: q and k_cache expected the planned shapes \(2, 4, 64\)"):
+        backend.decode(1, torch.randn(2, 2 * Q_HEADS, HEAD_DIM), state, req_to_token)
+
+
+def test_fa3_page_table_gathered_once_per_step(monkeypatch, isolated_autotune):
+    from tests.kernels.test_fa3 import FakeFA3
+
+    fake = FakeFA3()
+    provider = fa3.FA3Provider("fake_fa3", "0", True, True, fake)
+    pool = make_pool("None", POOL, LAYERS, KV_HEADS, HEAD_DIM, torch.float16, torch.device("cpu"))
+    for layer in range(LAYERS):
+        pool.k[layer].copy_(torch.randn(pool.k[layer].shape).half())
+        pool.v[layer].copy_(torch.randn(pool.v[layer].shape).half())
+    monkeypatch.setattr(fa3, "require_fa3", lambda device: provider)
+    backend = AttentionBackend(pool, "fa3", torch.device("cpu"))
+    backend.on_gpu = True
+    req_to_token = torch.randperm(POOL)[:64].int().view(2, 32)
+    checks = counting(monkeypatch, fa3, "_check")
+    state = decode_state([9, 20])
+    for layer in range(LAYERS):
+        q = torch.randn(2, Q_HEADS, HEAD_DIM).half()
+        out = backend.decode(layer, q, state, req_to_token)
+        ref = decode_attention_ref(q, pool.k[layer], pool.v[layer], req_to_token, state.b_req_idx, state.b_seq_len)
+        torch.testing.assert_close(out.double(), ref, rtol=2e-3, atol=2e-3)
+    tables = [c["page_table"] for c in fake.calls]
+    assert len(tables) == LAYERS and all(t is tables[0] for t in tables) and len(checks) == 1
+    assert torch.equal(tables[0], req_to_token[state.b_req_idx.long(), :20])
+
+
+def test_prefill_checks_and_resolves_once_per_step(monkeypatch, isolated_autotune):
+    backend = gpu_path_backend()
+    plans = counting(monkeypatch, _launch_context_attention, "plan")
+    lens = [3, 5]
+    state = InferState(
+        is_prefill=True,
+        b_req_idx=torch.tensor([0, 1], dtype=torch.int32),
+        b_seq_len=torch.tensor(lens, dtype=torch.int32),
+        out_token_idx=torch.arange(8),
+        positions=torch.tensor([0, 1, 2, 0, 1, 2, 3, 4]),
+        max_len_in_batch=5,
+        b_q_start=torch.tensor([0, 3], dtype=torch.int32),
+        b_q_len=torch.tensor(lens, dtype=torch.int32),
+        max_q_len=5,
+    )
+    for layer in range(LAYERS):
+        q, k, v = torch.randn(8, Q_HEADS, HEAD_DIM), torch.randn(8, KV_HEADS, HEAD_DIM), torch.randn(8, KV_HEADS, 64)
+        out = backend.prefill(layer, q, k, v, state)
+        torch.testing.assert_close(out.double(), context_attention_ref(q, k, v, state.b_q_start, state.b_q_len),
+                                   rtol=1e-4, atol=1e-4)  # fmt: skip
+    assert len(plans) == 1
