@@ -52,8 +52,8 @@ def test_search_with_graph_timer_stores_a_correct_config(isolated_autotune):
     # ... and a fresh measurement outside the search agrees that it is no slower than the launcher default
     # (a timer that timed the wrong thing would not); 10% leaves room for run-to-run noise.
     scratch = torch.empty_like(x)
-    chosen_ms = cuda_graph_bench(lambda: rmsnorm.fn(x, w, out=scratch, run_config=record.chosen))
-    default_ms = cuda_graph_bench(lambda: rmsnorm.fn(x, w, out=scratch, run_config=None))
+    chosen_ms = cuda_graph_bench(lambda: _launch_rmsnorm.fn(x, w, 1e-6, scratch, run_config=record.chosen))
+    default_ms = cuda_graph_bench(lambda: _launch_rmsnorm.fn(x, w, 1e-6, scratch, run_config=None))
     assert chosen_ms <= 1.1 * default_ms
     torch.testing.assert_close(out.float(), rmsnorm_ref(x, w).float(), rtol=1e-2, atol=1e-2)
     (path,) = store.iter_config_files(isolated_autotune, "rmsnorm")
