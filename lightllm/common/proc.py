@@ -99,7 +99,11 @@ def stop(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(p, signal.SIGKILL)
     proc.wait()
-    while any(_alive(p, started) for p, started in left.items()):  # SIGKILL cannot be ignored: this is short
+    deadline = time.monotonic() + HANG_TIMEOUT_S  # SIGKILL cannot be ignored: only a process stuck in the kernel
+    while any(_alive(p, started) for p, started in left.items()):
+        if time.monotonic() > deadline:
+            alive = sorted(p for p, started in left.items() if _alive(p, started))
+            raise RuntimeError(f"processes {alive} of {proc.args!r} survived SIGKILL for {HANG_TIMEOUT_S:.0f}s")
         time.sleep(_POLL_S)
 
 

@@ -179,6 +179,7 @@ class ConfigStore:
                 }
                 _remove_stale_temp_files(path)
                 _atomic_write_json(path, payload)
+            _sweep_stale_temp_files(path)
         except (OSError, Timeout, TypeError, ValueError) as e:
             logger.warning("autotune: could not write %s (%s); the config is used for this run only", path, e)
             return None
@@ -199,6 +200,24 @@ def _remove_stale_temp_files(path: Path) -> None:
                 os.unlink(entry.path)
             except FileNotFoundError:
                 pass
+
+
+_TEMP_FILE = re.compile(r"\.(?P<name>.+\.json)\.[A-Za-z0-9_]+\.tmp")
+
+
+def _sweep_stale_temp_files(written: Path) -> None:
+    """The other config files' stale temp files in ``written``'s folder (a writer killed while writing a static
+    key that is never written again). Each file's lock is only tried: a held lock means its writer is alive."""
+    for entry in os.scandir(written.parent):
+        match = _TEMP_FILE.fullmatch(entry.name)
+        if match is None or match["name"] == written.name:
+            continue
+        path = written.parent / match["name"]
+        try:
+            with FileLock(str(path) + ".lock", timeout=0):
+                _remove_stale_temp_files(path)
+        except (Timeout, OSError):
+            continue
 
 
 def _atomic_write_json(path: Path, payload: dict) -> None:

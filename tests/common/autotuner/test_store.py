@@ -179,8 +179,10 @@ def test_file_layout_and_names(isolated_autotune):
 
 
 def test_save_removes_stale_temp_files_of_its_own_file_only(isolated_autotune):
-    """Writers make temp files only under the file's lock, so those found under it were left by dead writers;
-    temp files of other config files in the folder may belong to live writers and stay."""
+    """Writers make temp files only under the file's lock, so those found under it were left by dead writers.
+    Other config files' temp files in the folder go too, unless their lock is held (a live writer)."""
+    from filelock import FileLock
+
     from lightllm.common.autotuner.keys import freeze
 
     s = store.ConfigStore("stale_tmp")
@@ -188,9 +190,11 @@ def test_save_removes_stale_temp_files_of_its_own_file_only(isolated_autotune):
     path = s.path(isolated_autotune, freeze(static))
     path.parent.mkdir(parents=True)
     stale = [path.parent / f".{path.name}.{rand}.tmp" for rand in ("a1b2c3d4", "zz_9y8x7", "q0w9e8r7")]
-    others = [path.parent / ".head_dim=64.json.a1b2c3d4.tmp", path.parent / f".{path.name}.x.json.a1b2c3d4.tmp"]
-    for p in stale + others:
+    dead_other = path.parent / ".head_dim=32.json.k9j8h7g6.tmp"  # its static key is never written again
+    live_other = path.parent / ".head_dim=64.json.a1b2c3d4.tmp"
+    for p in stale + [dead_other, live_other]:
         p.write_text('{"version": 1, "configs": {"1": {"BLOCK_N": 16}}')  # a half-written file
-    assert s.save(static, freeze(static), {8: ({"BLOCK_N": 64}, {"best_ms": 0.01})}) == path
-    assert sorted(p.name for p in path.parent.iterdir() if p.name.endswith(".tmp")) == sorted(p.name for p in others)
+    with FileLock(str(path.parent / "head_dim=64.json.lock")):  # its writer is alive, writing it now
+        assert s.save(static, freeze(static), {8: ({"BLOCK_N": 64}, {"best_ms": 0.01})}) == path
+    assert sorted(p.name for p in path.parent.iterdir() if p.name.endswith(".tmp")) == [live_other.name]
     assert json.loads(path.read_text())["configs"] == {"8": {"BLOCK_N": 64}}
