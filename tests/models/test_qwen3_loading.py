@@ -7,7 +7,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, Qwen3ForCausalLM
 
-from lightllm.models.qwen3.config import ModelLoadError, Qwen3ModelConfig
+from lightllm.models.hf_config import ModelLoadError
+from lightllm.models.qwen3.config import Qwen3ModelConfig
 from lightllm.models.qwen3.weights import load_qwen3_weights
 from lightllm.tools.make_tiny_model import make_tiny_qwen3
 

@@ -9,27 +9,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple, Union
 
-SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM",)
+from lightllm.models.hf_config import ModelLoadError, read_json
+
+ARCHITECTURES = ("Qwen3ForCausalLM",)
+MODEL_TYPE = "qwen3"
 _FROM_DATA = object()
-
-
-class ModelLoadError(ValueError):
-    """A model folder that cannot be served: the message is one line naming the file and the field or tensor."""
-
-
-def read_json(path: Path) -> Dict[str, Any]:
-    """Parse a JSON object from ``path``; a missing file, bad JSON or a non-object raises ModelLoadError."""
-    if not path.is_file():
-        raise ModelLoadError(f"{path}: file not found")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError) as e:
-        raise ModelLoadError(f"{path}: cannot read: {e}") from None
-    except json.JSONDecodeError as e:
-        raise ModelLoadError(f"{path}: invalid JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise ModelLoadError(f"{path}: expected a JSON object, got {type(data).__name__}")
-    return data
 
 
 class _Fields:
@@ -102,12 +86,12 @@ class Qwen3ModelConfig:
         d = f.data
 
         archs = d.get("architectures")
-        if archs is None and d.get("model_type") == "qwen3":
-            archs = list(SUPPORTED_ARCHITECTURES)
-        if not isinstance(archs, list) or not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+        if archs is None and d.get("model_type") == MODEL_TYPE:
+            archs = list(ARCHITECTURES)
+        if not isinstance(archs, list) or not any(a in ARCHITECTURES for a in archs):
             raise f.error(
                 "architectures",
-                f"is {archs!r} (model_type {d.get('model_type')!r}); supported: {', '.join(SUPPORTED_ARCHITECTURES)}",
+                f"is {archs!r} (model_type {d.get('model_type')!r}); supported: {', '.join(ARCHITECTURES)}",
             )
 
         hidden_size = f.positive_int("hidden_size")
