@@ -214,6 +214,21 @@ def test_config_errors(model_copy, changes, field):
     assert str(model_copy / "config.json") in msg and f"'{field}'" in msg
 
 
+@pytest.mark.parametrize("changes, expected", [
+    ({"layer_types": ["full_attention"]}, "`num_hidden_layers` (2) must be equal to the number of `layer_types` (1)"),
+    ({"model_type": "zzz"}, "has model type `zzz` but Transformers does not recognize this architecture."),
+    ({"rms_norm_eps": "small"}, "Field 'rms_norm_eps' expected float, got str (value: 'small')"),
+], ids=["layer_types length", "model_type", "rms_norm_eps type"])  # fmt: skip
+def test_transformers_reads_the_config_and_its_errors_are_one_line(model_copy, changes, expected):
+    """AutoConfig's own checks apply (they caught what ours let through); its multi-line errors become one line."""
+    edit_config(model_copy, **changes)
+    with pytest.raises(ModelLoadError) as err:
+        Qwen3ModelConfig.from_model_dir(model_copy)
+    msg = str(err.value)
+    assert msg.startswith(f"{model_copy / 'config.json'}: transformers cannot read it: ") and "\n" not in msg
+    assert expected in msg
+
+
 def test_wrong_architecture_says_what_is_supported(model_copy):
     edit_config(model_copy, architectures=["LlamaForCausalLM"], model_type="llama")
     with pytest.raises(ModelLoadError, match=r"LlamaForCausalLM.*supported: Qwen3ForCausalLM"):
