@@ -7,7 +7,7 @@ from typing import List, Optional
 
 import torch
 
-from lightllm.engine.attention import DECODE_BACKENDS, KV_TYPES
+from lightllm.layers.attention import DECODE_BACKENDS, KV_TYPES
 
 logger = logging.getLogger(__name__)
 

@@ -13,6 +13,7 @@ Start-up, top to bottom (``ModelRunner.__init__``):
 import itertools
 import logging
 import time
+from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
@@ -28,14 +29,11 @@ from lightllm.common.autotuner import (
 from lightllm.common.cuda_graph import DecodeGraphs
 from lightllm.common.kv_cache import KVCacheManager, pool_num_tokens
 from lightllm.engine.args import EngineArgs
-from lightllm.engine import parallel
-from lightllm.engine.attention import AttentionBackend, check_head_dim, make_pool
-from lightllm.engine.infer_state import InferState
+from lightllm.layers import parallel
+from lightllm.layers.attention import AttentionBackend, check_head_dim, make_pool
+from lightllm.layers.infer_state import InferState
 from lightllm.kernels.attention.decode.tuning import decode_attn_tuning_len
-from lightllm.models.qwen3.config import Qwen3ModelConfig
-from lightllm.models.qwen3.model import Qwen3Model
-from lightllm.models.qwen3.tensor_parallel import check_divisible, shard_spec
-from lightllm.models.qwen3.weights import load_qwen3_weights
+from lightllm.models.registry import read_model_config
 
 logger = logging.getLogger(__name__)
 
@@ -51,14 +49,13 @@ class ModelRunner:
         from lightllm.tools.make_tiny_model import default_model_dir
 
         self.model_dir = args.model_dir or str(default_model_dir())
-        self.config = Qwen3ModelConfig.from_model_dir(self.model_dir)
+        self.family, self.config = read_model_config(self.model_dir)
         args.fit_to_model(self.config.max_position_embeddings, self.config.head_dim)
         check_head_dim(self.config.head_dim, self.device)
         self.tp_rank, self.tp = parallel.rank(), parallel.world()
-        check_divisible(self.config, self.tp)
-        weights = load_qwen3_weights(self.model_dir, self.config, args.torch_dtype, self.device,
-                                     shard=shard_spec(self.config, self.tp_rank, self.tp))  # fmt: skip
-        self.model = Qwen3Model(self.config, weights, self.device)
+        self.family.check_tp(self.config, self.tp)
+        self.model = self.family.build(Path(self.model_dir), self.config, args.torch_dtype, self.device, self.tp_rank,
+                                       self.tp)  # fmt: skip
         self._init_kv_cache()
         seconds["load"] = time.perf_counter() - t
 
@@ -118,6 +115,7 @@ class ModelRunner:
         pool = make_pool(a.llm_kv_type, num_tokens, c.num_hidden_layers, self.model.kv_heads, c.head_dim,
                          a.torch_dtype, self.device, a.llm_kv_quant_group_size)  # fmt: skip
         self.attn = AttentionBackend(pool, a.llm_decode_att_backend, self.device)  # fa3 picks its layout too
+        self.model.set_attention(self.attn)
         self.pad_slot = self.kv.add_request()
         self.pad_token = int(self.kv.extend(self.pad_slot, 1)[0])
         logger.info("KV cache: %d tokens (%s, %s)", num_tokens, a.llm_kv_type, "contiguous slots" if contiguous
@@ -134,6 +132,7 @@ class ModelRunner:
         state = InferState(
             is_prefill=True,
             b_req_idx=torch.tensor(slots, dtype=torch.int32, device=dev),
+            req_to_token=self.kv.table,
             b_seq_len=torch.tensor(lens, dtype=torch.int32, device=dev),
             out_token_idx=token_idx.to(dev),
             positions=torch.cat([torch.arange(n) for n in lens]).to(dev),
@@ -143,7 +142,7 @@ class ModelRunner:
             max_q_len=max(lens),
         )
         input_ids = torch.tensor([t for p in prompts for t in p], dtype=torch.int64, device=dev)
-        return self.model.forward(input_ids, state, self.attn, self.kv.table)
+        return self.model.forward(input_ids, state)
 
     def decode(self, slots: Sequence[int], last_tokens: Sequence[int]) -> torch.Tensor:
         """One decode step (one new token per request); a captured graph when one fits, else eager."""
@@ -156,13 +155,14 @@ class ModelRunner:
             state = InferState(
                 is_prefill=False,
                 b_req_idx=torch.tensor(slots, dtype=torch.int32, device=dev),
+                req_to_token=self.kv.table,
                 b_seq_len=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
                 out_token_idx=token_idx.to(dev),
                 positions=torch.tensor([n - 1 for n in seq_lens], dtype=torch.int64, device=dev),
                 max_len_in_batch=max_len,
             )
             ids = torch.tensor(list(last_tokens), dtype=torch.int64, device=dev)
-            return self.model.forward(ids, state, self.attn, self.kv.table)
+            return self.model.forward(ids, state)
         b = self._buf
         b["input_ids"][:bs].copy_(torch.tensor(list(last_tokens)), non_blocking=True)
         b["b_req_idx"][:bs].copy_(torch.tensor(list(slots), dtype=torch.int32), non_blocking=True)
@@ -225,13 +225,14 @@ class ModelRunner:
         state = InferState(
             is_prefill=False,
             b_req_idx=b["b_req_idx"][:bs],
+            req_to_token=self.kv.table,
             b_seq_len=b["b_seq_len"][:bs],
             out_token_idx=b["out_token_idx"][:bs],
             positions=b["positions"][:bs],
             max_len_in_batch=1,
             graph_max_len=self.args.graph_max_len_in_batch,
         )
-        return self.model.forward(b["input_ids"][:bs], state, self.attn, self.kv.table)
+        return self.model.forward(b["input_ids"][:bs], state)
 
 
 def _untuned_device_note(device: torch.device) -> str:

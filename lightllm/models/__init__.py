@@ -1,1 +1,2 @@
-"""Model families served by lightllm; each folder holds config parsing, weights and the layer forward."""
+"""Model families served by lightllm: one folder each (config, weights, forward, family object) and the registry that
+maps config.json's architectures to them."""

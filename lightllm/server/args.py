@@ -11,9 +11,9 @@ import torch
 
 from lightllm.common import envs
 from lightllm.engine.args import DATA_TYPES, EngineArgs
-from lightllm.engine.attention import DECODE_BACKENDS, KV_TYPES, check_head_dim
-from lightllm.models.qwen3.config import ModelLoadError, Qwen3ModelConfig
-from lightllm.models.qwen3.tensor_parallel import check_divisible
+from lightllm.layers.attention import DECODE_BACKENDS, KV_TYPES, check_head_dim
+from lightllm.models.hf_config import ModelLoadError
+from lightllm.models.registry import read_model_config
 
 logger = logging.getLogger(__name__)
 
@@ -131,9 +131,9 @@ def _fit_to_model(engine: EngineArgs, tp: int) -> None:
 
     model_dir = engine.model_dir or str(default_model_dir())
     try:
-        config = Qwen3ModelConfig.from_model_dir(model_dir)
+        family, config = read_model_config(model_dir)
     except ModelLoadError as e:
-        raise ValueError(f"--model_dir expected a Hugging Face Qwen3 model folder: {e}") from None
+        raise ValueError(f"--model_dir expected a Hugging Face model folder of a supported architecture: {e}") from None
     engine.fit_to_model(config.max_position_embeddings, config.head_dim)
     check_head_dim(config.head_dim, torch.device(engine.device))
-    check_divisible(config, tp)
+    family.check_tp(config, tp)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from lightllm.common.net import free_port
 from lightllm.engine.args import EngineArgs
 from lightllm.engine.model_runner import ModelRunner
-from lightllm.engine.parallel import init_tp
+from lightllm.layers.parallel import init_tp
 
 logger = logging.getLogger(__name__)
 _COMMANDS = ("prefill", "decode", "add_request", "free")

@@ -8,7 +8,7 @@ import torch
 from lightllm.common.autotuner import AutotuneKernelType, current_warmup_kernel_type
 from lightllm.common.cuda_graph import DecodeGraphs
 from lightllm.engine.args import EngineArgs
-from lightllm.engine.attention import check_head_dim
+from lightllm.layers.attention import check_head_dim
 
 
 class FakeGraphAPI:

@@ -7,7 +7,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, Qwen3ForCausalLM
 
-from lightllm.models.qwen3.config import ModelLoadError, Qwen3ModelConfig
+from lightllm.models.hf_config import ModelLoadError
+from lightllm.models.qwen3.config import Qwen3ModelConfig
 from lightllm.models.qwen3.weights import load_qwen3_weights
 from lightllm.tools.make_tiny_model import make_tiny_qwen3
 
@@ -211,6 +212,21 @@ def test_config_errors(model_copy, changes, field):
     msg = str(err.value)
     assert "\n" not in msg
     assert str(model_copy / "config.json") in msg and f"'{field}'" in msg
+
+
+@pytest.mark.parametrize("changes, expected", [
+    ({"layer_types": ["full_attention"]}, "`num_hidden_layers` (2) must be equal to the number of `layer_types` (1)"),
+    ({"model_type": "zzz"}, "has model type `zzz` but Transformers does not recognize this architecture."),
+    ({"rms_norm_eps": "small"}, "Field 'rms_norm_eps' expected float, got str (value: 'small')"),
+], ids=["layer_types length", "model_type", "rms_norm_eps type"])  # fmt: skip
+def test_transformers_reads_the_config_and_its_errors_are_one_line(model_copy, changes, expected):
+    """AutoConfig's own checks apply (they caught what ours let through); its multi-line errors become one line."""
+    edit_config(model_copy, **changes)
+    with pytest.raises(ModelLoadError) as err:
+        Qwen3ModelConfig.from_model_dir(model_copy)
+    msg = str(err.value)
+    assert msg.startswith(f"{model_copy / 'config.json'}: transformers cannot read it: ") and "\n" not in msg
+    assert expected in msg
 
 
 def test_wrong_architecture_says_what_is_supported(model_copy):

@@ -58,14 +58,13 @@ def test_tp_matches_one_process(tmp_path, tp):
 
 
 def test_tp_must_divide_heads(tmp_path):
-    from lightllm.models.qwen3.tensor_parallel import check_divisible
-    from lightllm.models.qwen3.config import Qwen3ModelConfig
+    from lightllm.models.registry import read_model_config
 
     model = make_tiny_qwen3(tmp_path / "m", num_attention_heads=4, num_key_value_heads=2)
-    cfg = Qwen3ModelConfig.from_model_dir(model)
-    check_divisible(cfg, 2)
+    family, cfg = read_model_config(model)
+    family.check_tp(cfg, 2)
     with pytest.raises(ValueError, match="--tp 4: the model's num_key_value_heads \\(2\\) is not divisible"):
-        check_divisible(cfg, 4)
+        family.check_tp(cfg, 4)
 
 
 def _start_tp2(tmp_path, *extra):

@@ -6,7 +6,7 @@ import torch
 from transformers import AutoTokenizer, Qwen3ForCausalLM
 
 from lightllm.tools import make_tiny_model
-from lightllm.engine.attention import GPU_HEAD_DIMS
+from lightllm.layers.attention import GPU_HEAD_DIMS
 from lightllm.common.envs import TINY_MODEL_DIR
 from lightllm.common.proc import HANG_TIMEOUT_S
 from lightllm.tools.make_tiny_model import default_model_dir, make_tiny_qwen3

@@ -1,4 +1,5 @@
-"""Qwen3 model config, read from a Hugging Face folder's ``config.json`` and checked once.
+"""Qwen3 model config: a Hugging Face folder's ``config.json`` read through transformers' ``AutoConfig``, checked
+once and kept as this typed view.
 
 Anything the Qwen3 forward does not implement (rope scaling, sliding window, attention biases, another
 activation) is refused here with one line naming the file and the field, rather than producing wrong logits.
@@ -7,67 +8,12 @@ activation) is refused here with one line naming the file and the field, rather 
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Optional, Tuple, Union
+from typing import Optional, Tuple, Union
 
-SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM",)
-_FROM_DATA = object()
+from lightllm.models.hf_config import ConfigFields, ModelLoadError, auto_config, read_config_file, read_json
 
-
-class ModelLoadError(ValueError):
-    """A model folder that cannot be served: the message is one line naming the file and the field or tensor."""
-
-
-def read_json(path: Path) -> Dict[str, Any]:
-    """Parse a JSON object from ``path``; a missing file, bad JSON or a non-object raises ModelLoadError."""
-    if not path.is_file():
-        raise ModelLoadError(f"{path}: file not found")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError) as e:
-        raise ModelLoadError(f"{path}: cannot read: {e}") from None
-    except json.JSONDecodeError as e:
-        raise ModelLoadError(f"{path}: invalid JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise ModelLoadError(f"{path}: expected a JSON object, got {type(data).__name__}")
-    return data
-
-
-class _Fields:
-    """Typed access to config.json fields; every error names the file and the field."""
-
-    def __init__(self, path: Path, data: Dict[str, Any]):
-        self.path = path
-        self.data = data
-
-    def error(self, field: str, msg: str) -> ModelLoadError:
-        return ModelLoadError(f"{self.path}: field '{field}' {msg}")
-
-    def positive_int(self, field: str, default: Optional[int] = None) -> int:
-        value = self.data.get(field)
-        if value is None:
-            if default is None:
-                raise self.error(field, "is missing")
-            return default
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise self.error(field, f"must be a positive integer, got {value!r}")
-        return value
-
-    def positive_float(self, field: str, default: float, value: Any = _FROM_DATA) -> float:
-        """``data[field]`` (or ``value`` when given, for nested fields) as a positive float; null -> default."""
-        if value is _FROM_DATA:
-            value = self.data.get(field)
-        if value is None:
-            return default
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
-            raise self.error(field, f"must be a positive number, got {value!r}")
-        return float(value)
-
-    def token_ids(self, field: str, value: Any) -> Tuple[int, ...]:
-        ids = value if isinstance(value, list) else [value]
-        for i in ids:
-            if isinstance(i, bool) or not isinstance(i, int) or i < 0:
-                raise self.error(field, f"must be a token id or a list of token ids, got {value!r}")
-        return tuple(ids)
+ARCHITECTURES = ("Qwen3ForCausalLM",)
+MODEL_TYPE = "qwen3"
 
 
 @dataclass(frozen=True)
@@ -95,27 +41,24 @@ class Qwen3ModelConfig:
         ``generation_config.json`` (instruct checkpoints list their chat end token there).
         """
         model_dir = Path(model_dir)
-        if not model_dir.is_dir():
-            raise ModelLoadError(f"{model_dir}: model folder not found")
-        path = model_dir / "config.json"
-        f = _Fields(path, read_json(path))
-        d = f.data
-
-        archs = d.get("architectures")
-        if archs is None and d.get("model_type") == "qwen3":
-            archs = list(SUPPORTED_ARCHITECTURES)
-        if not isinstance(archs, list) or not any(a in SUPPORTED_ARCHITECTURES for a in archs):
-            raise f.error(
-                "architectures",
-                f"is {archs!r} (model_type {d.get('model_type')!r}); supported: {', '.join(SUPPORTED_ARCHITECTURES)}",
-            )
+        path, raw = read_config_file(model_dir)
+        archs = raw.get("architectures")
+        if archs is None and raw.get("model_type") == MODEL_TYPE:
+            archs = list(ARCHITECTURES)
+        if not isinstance(archs, list) or not any(a in ARCHITECTURES for a in archs):
+            raise ModelLoadError(f"{path}: field 'architectures' is {archs!r} (model_type {raw.get('model_type')!r}); "
+                                 f"supported: {', '.join(ARCHITECTURES)}")  # fmt: skip
+        f = ConfigFields(path, raw, auto_config(model_dir))
+        hf = f.hf
 
         hidden_size = f.positive_int("hidden_size")
         num_heads = f.positive_int("num_attention_heads")
+        # AutoConfig's defaults for these two (32 KV heads, head_dim 128) fit no small model; a file without them
+        # means what transformers' modeling code has always read: one KV head per head, hidden_size // heads.
         num_kv_heads = f.positive_int("num_key_value_heads", default=num_heads)
         if num_heads % num_kv_heads:
             raise f.error("num_key_value_heads", f"({num_kv_heads}) must divide num_attention_heads ({num_heads})")
-        if d.get("head_dim") is None and hidden_size % num_heads:
+        if raw.get("head_dim") is None and hidden_size % num_heads:
             raise f.error("head_dim", f"is missing and hidden_size ({hidden_size}) is not divisible by {num_heads}")
         head_dim = f.positive_int("head_dim", default=hidden_size // num_heads)
         if head_dim % 2:
@@ -123,32 +66,32 @@ class Qwen3ModelConfig:
         vocab_size = f.positive_int("vocab_size")
 
         rope_theta = _rope_theta(f)
-        for field, unsupported in (("attention_bias", True), ("use_sliding_window", True)):
-            if d.get(field) is unsupported:
-                raise f.error(field, f"= {unsupported} is not supported")
-        act = d.get("hidden_act", "silu")
+        for field in ("attention_bias", "use_sliding_window"):
+            if getattr(hf, field, False) is True:
+                raise f.error(field, "= True is not supported")
+        act = hf.hidden_act
         if act != "silu":
             raise f.error("hidden_act", f"must be 'silu', got {act!r}")
-        layer_types = d.get("layer_types")
+        layer_types = hf.layer_types
         if layer_types is not None and (
             not isinstance(layer_types, list) or any(t != "full_attention" for t in layer_types)
         ):
             raise f.error("layer_types", f"only 'full_attention' layers are supported, got {layer_types!r}")
 
-        tie = d.get("tie_word_embeddings", False)
+        tie = hf.tie_word_embeddings
         if not isinstance(tie, bool):
             raise f.error("tie_word_embeddings", f"must be true or false, got {tie!r}")
 
-        eos = f.token_ids("eos_token_id", d["eos_token_id"]) if d.get("eos_token_id") is not None else ()
+        eos = f.token_ids("eos_token_id", hf.eos_token_id) if hf.eos_token_id is not None else ()
         eos += _generation_eos(model_dir, exclude=eos)
-        bos = d.get("bos_token_id")
+        bos = hf.bos_token_id
         if bos is not None:
             (bos,) = f.token_ids("bos_token_id", bos)
         for field, ids in (("eos_token_id", eos), ("bos_token_id", () if bos is None else (bos,))):
             if any(i >= vocab_size for i in ids):
                 raise f.error(field, f"{list(ids)} out of range for vocab_size {vocab_size}")
 
-        dtype = d.get("torch_dtype", d.get("dtype"))
+        dtype = raw.get("torch_dtype", raw.get("dtype"))  # the file's name for it; transformers makes a torch.dtype
         if dtype is not None and not isinstance(dtype, str):
             raise f.error("torch_dtype", f"must be a string, got {dtype!r}")
 
@@ -160,9 +103,9 @@ class Qwen3ModelConfig:
             num_attention_heads=num_heads,
             num_key_value_heads=num_kv_heads,
             head_dim=head_dim,
-            rms_norm_eps=f.positive_float("rms_norm_eps", 1e-6),
+            rms_norm_eps=f.positive_float("rms_norm_eps"),
             rope_theta=rope_theta,
-            max_position_embeddings=f.positive_int("max_position_embeddings", default=32768),
+            max_position_embeddings=f.positive_int("max_position_embeddings", default=hf.max_position_embeddings),
             tie_word_embeddings=tie,
             eos_token_ids=eos,
             bos_token_id=bos,
@@ -170,31 +113,30 @@ class Qwen3ModelConfig:
         )
 
 
-def _rope_theta(f: _Fields) -> float:
-    """``rope_theta`` from the top level (older configs) or ``rope_parameters`` (transformers >= 5)."""
-    scaling = f.data.get("rope_scaling")
-    if scaling is not None:
+def _rope_theta(f: ConfigFields) -> float:
+    """The plain rope's theta. transformers folds the older top-level ``rope_theta`` / ``rope_scaling`` into
+    ``rope_parameters``; anything but ``rope_type`` 'default' is refused, naming the field the file used."""
+    scaling = f.raw.get("rope_scaling")
+    if scaling is not None and scaling != {"rope_type": "default"}:
         raise f.error("rope_scaling", f"is not supported (must be null), found {json.dumps(scaling)}")
-    params = f.data.get("rope_parameters")
-    if params is None:
-        return f.positive_float("rope_theta", 10000.0)
+    params = f.hf.rope_parameters or {}
     if not isinstance(params, dict):
         raise f.error("rope_parameters", f"must be an object, got {params!r}")
     extra = sorted(set(params) - {"rope_type", "rope_theta"})
     if params.get("rope_type", "default") != "default" or extra:
+        found = f.raw.get("rope_parameters", params)
         raise f.error(
-            "rope_parameters", f"only plain rope (rope_type 'default') is supported, found {json.dumps(params)}"
+            "rope_parameters", f"only plain rope (rope_type 'default') is supported, found {json.dumps(found)}"
         )
-    theta = params.get("rope_theta", f.data.get("rope_theta"))
-    return f.positive_float("rope_parameters.rope_theta", 10000.0, value=theta)
+    return f.positive_float("rope_parameters.rope_theta", value=params.get("rope_theta", 10000.0))
 
 
 def _generation_eos(model_dir: Path, exclude: Tuple[int, ...]) -> Tuple[int, ...]:
     path = model_dir / "generation_config.json"
     if not path.is_file():
         return ()
-    f = _Fields(path, read_json(path))
-    value = f.data.get("eos_token_id")
+    f = ConfigFields(path, read_json(path))
+    value = f.raw.get("eos_token_id")
     if value is None:
         return ()
     ids = f.token_ids("eos_token_id", value)

@@ -4,25 +4,28 @@ Follows transformers' Qwen3 rounding steps (norms in float32 then cast, rotary t
 dtype, softmax in float32) so the CPU float32 path matches it to float rounding.
 """
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 
-from lightllm.engine.attention import AttentionBackend
-from lightllm.engine.infer_state import InferState
-from lightllm.engine.parallel import all_reduce_, world
 from lightllm.kernels.norm.rmsnorm import RMSNormPlan, rmsnorm_ref
+from lightllm.layers.attention import AttentionBackend
+from lightllm.layers.infer_state import InferState
+from lightllm.layers.parallel import all_reduce_
 from lightllm.models.qwen3.config import Qwen3ModelConfig
 from lightllm.models.qwen3.tensor_parallel import local_heads
 from lightllm.models.qwen3.weights import Qwen3Weights
 
 
 class Qwen3Model:
-    def __init__(self, config: Qwen3ModelConfig, weights: Qwen3Weights, device: torch.device):
+    def __init__(self, config: Qwen3ModelConfig, weights: Qwen3Weights, device: torch.device, tp: int = 1):
         self.config = config
         self.w = weights
         self.device = device
         self.dtype = weights.embed.dtype
-        self.heads, self.kv_heads = local_heads(config, world())  # this rank's share under tensor parallelism
+        self.heads, self.kv_heads = local_heads(config, tp)  # this rank's share of ``tp`` ranks (the weights' shard)
+        self.attn: Optional[AttentionBackend] = None  # set once the KV cache is sized, after the weights load
         d = config.head_dim
         inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float().to(device) / d))
         t = torch.arange(config.max_position_embeddings, device=device, dtype=torch.float32)
@@ -52,10 +55,15 @@ class Qwen3Model:
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos + rotated * sin
 
-    def forward(
-        self, input_ids: torch.Tensor, state: InferState, attn: AttentionBackend, req_to_token: torch.Tensor
-    ) -> torch.Tensor:
+    def set_attention(self, attn: AttentionBackend) -> None:
+        """The backend that owns the KV pool this model writes and attends over."""
+        self.attn = attn
+
+    def forward(self, input_ids: torch.Tensor, state: InferState) -> torch.Tensor:
         """Float32 logits ``[rows, vocab]``: the last token of each request (prefill), every new token (decode)."""
+        attn = self.attn
+        if attn is None:
+            raise RuntimeError("Qwen3Model.forward expected an attention backend: call set_attention(...) first")
         cfg, eps = self.config, self.config.rms_norm_eps
         norm = self._step_norm(eps)
         tokens = input_ids.shape[0]
@@ -73,7 +81,7 @@ class Qwen3Model:
             if state.is_prefill:
                 o = attn.prefill(i, q, k, v, state)
             else:
-                o = attn.decode(i, q, state, req_to_token)
+                o = attn.decode(i, q, state)
             h = h + all_reduce_(F.linear(o.reshape(tokens, -1), lw.o_proj))
             x = norm(h, lw.post_norm)
             h = h + all_reduce_(F.linear(F.silu(F.linear(x, lw.gate_proj)) * F.linear(x, lw.up_proj), lw.down_proj))

@@ -13,7 +13,8 @@ from typing import Callable, Dict, List, Optional, Tuple, Union
 import torch
 from safetensors import safe_open
 
-from lightllm.models.qwen3.config import ModelLoadError, Qwen3ModelConfig, read_json
+from lightllm.models.hf_config import ModelLoadError, read_json
+from lightllm.models.qwen3.config import Qwen3ModelConfig
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ import torch
 
 @dataclass
 class InferState:
-    """What attention needs to know about the batch.
+    """What attention needs to know about the batch, so a model's forward takes only ``(input_ids, state)``.
 
     Prefill packs each request's new tokens one after another (``b_q_start``/``b_q_len``); decode has
     ``q_len`` new tokens per request (1, or more for MTP verify). ``b_seq_len`` counts every KV token of
@@ -22,6 +22,7 @@ class InferState:
 
     is_prefill: bool
     b_req_idx: torch.Tensor  # int32 [batch]: request slot (row of req_to_token)
+    req_to_token: torch.Tensor  # int32 [max_reqs, max_len]: the KV cache's table, token index per slot and position
     b_seq_len: torch.Tensor  # int32 [batch]
     out_token_idx: torch.Tensor  # int64 [tokens]: pool slots the new tokens' K/V go to
     positions: torch.Tensor  # int64 [tokens]

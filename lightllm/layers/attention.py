@@ -8,7 +8,7 @@
 import torch
 
 from lightllm.common.kv_cache import Int4KVPool, Int8KVPool, KVPool, dequantize_int4_ref, dequantize_int8_ref
-from lightllm.engine.infer_state import InferState
+from lightllm.layers.infer_state import InferState
 from lightllm.kernels import kv_cache_write as kvw
 from lightllm.kernels.attention.decode.flash_decode import GQADecodePlan
 from lightllm.kernels.attention.decode.reference import decode_attention_ref
@@ -74,28 +74,28 @@ class AttentionBackend:
             return plan.run(q, k, v)
         return context_attention_ref(q, k, v, state.b_q_start, state.b_q_len).to(q.dtype)
 
-    def decode(self, layer: int, q: torch.Tensor, state: InferState, req_to_token: torch.Tensor) -> torch.Tensor:
+    def decode(self, layer: int, q: torch.Tensor, state: InferState) -> torch.Tensor:
         """``q [batch * q_len, q_heads, D]`` against each request's cached KV (new tokens already written)."""
         batch = state.batch_size
         q_b = q.view(batch, state.q_len, *q.shape[1:]) if state.q_len > 1 else q
         if not self.on_gpu:
             k, v = self._dequantized(layer, q.dtype)
-            out = decode_attention_ref(q_b, k, v, req_to_token, state.b_req_idx, state.b_seq_len)
+            out = decode_attention_ref(q_b, k, v, state.req_to_token, state.b_req_idx, state.b_seq_len)
             return out.to(q.dtype).reshape(q.shape)
         p = self.pool
         plan = state.attn_plan
         if plan is None:  # the first layer plans for every layer of the step
-            plan = state.attn_plan = self._plan_decode(layer, q_b, state, req_to_token)
+            plan = state.attn_plan = self._plan_decode(layer, q_b, state)
         if self.decode_backend == "fa3":
             return plan.run(q_b, p.k[layer], p.v[layer]).reshape(q.shape)
         if self.quant == "none":
             return plan.run(q, p.k[layer], p.v[layer])
         return plan.run(q, p.k[layer], p.v[layer], p.k_scale[layer], p.v_scale[layer])
 
-    def _plan_decode(self, layer: int, q_b: torch.Tensor, state: InferState, req_to_token: torch.Tensor):
+    def _plan_decode(self, layer: int, q_b: torch.Tensor, state: InferState):
         """Checks, FA3's page table and the tuned config of decode attention, once per step (all layers share the
         batch, the pool's shapes and therefore the keys)."""
-        p, args = self.pool, (state.b_req_idx, state.b_seq_len, state.launch_max_len)
+        p, req_to_token, args = self.pool, state.req_to_token, (state.b_req_idx, state.b_seq_len, state.launch_max_len)
         if self.decode_backend == "fa3":
             from lightllm.kernels.attention.decode.fa3 import FA3DecodePlan
 

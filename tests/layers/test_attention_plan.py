@@ -4,8 +4,8 @@ the first layer and reused by every layer. Runs the GPU code path on the CPU (Tr
 import pytest
 import torch
 
-from lightllm.engine.attention import AttentionBackend, make_pool
-from lightllm.engine.infer_state import InferState
+from lightllm.layers.attention import AttentionBackend, make_pool
+from lightllm.layers.infer_state import InferState
 from lightllm.kernels.attention.decode import fa3, flash_decode
 from lightllm.kernels.attention.decode.reference import decode_attention_ref
 from lightllm.kernels.attention.prefill.context_attention import _launch_context_attention, context_attention_ref
@@ -26,10 +26,11 @@ def gpu_path_backend(decode_backend="triton", monkeypatch=None, provider=None):
     return backend
 
 
-def decode_state(lens):
+def decode_state(lens, req_to_token):
     return InferState(
         is_prefill=False,
         b_req_idx=torch.tensor([1, 0], dtype=torch.int32),
+        req_to_token=req_to_token,
         b_seq_len=torch.tensor(lens, dtype=torch.int32),
         out_token_idx=torch.zeros(len(lens), dtype=torch.int64),
         positions=torch.tensor([n - 1 for n in lens]),
@@ -54,26 +55,26 @@ def test_triton_decode_checks_and_resolves_once_per_step(monkeypatch, isolated_a
     req_to_token = torch.arange(2 * 32, dtype=torch.int32).view(2, 32)
     checks = counting(monkeypatch, flash_decode, "_check")
     plans = counting(monkeypatch, flash_decode._launch_gqa_flash_decode, "plan")
-    state = decode_state([9, 20])
+    state = decode_state([9, 20], req_to_token)
     g = torch.Generator().manual_seed(1)
     for layer in range(LAYERS):
         q = torch.randn(2, Q_HEADS, HEAD_DIM, generator=g)
-        out = backend.decode(layer, q, state, req_to_token)
+        out = backend.decode(layer, q, state)
         ref = decode_attention_ref(q, backend.pool.k[layer], backend.pool.v[layer], req_to_token, state.b_req_idx,
                                    state.b_seq_len)  # fmt: skip
         torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-4)
     assert len(checks) == 1 and len(plans) == 1
-    backend.decode(0, q, decode_state([9, 20]), req_to_token)  # the next step plans again
+    backend.decode(0, q, decode_state([9, 20], req_to_token))  # the next step plans again
     assert len(checks) == 2 and len(plans) == 2
 
 
 def test_a_layer_with_other_shapes_is_refused_by_the_plan(isolated_autotune):
     backend = gpu_path_backend()
     req_to_token = torch.arange(2 * 32, dtype=torch.int32).view(2, 32)
-    state = decode_state([9, 20])
-    backend.decode(0, torch.randn(2, Q_HEADS, HEAD_DIM), state, req_to_token)
+    state = decode_state([9, 20], req_to_token)
+    backend.decode(0, torch.randn(2, Q_HEADS, HEAD_DIM), state)
     with pytest.raises(ValueError, match=r"plan: q and k_cache expected the planned shapes \(2, 4, 64\)"):
-        backend.decode(1, torch.randn(2, 2 * Q_HEADS, HEAD_DIM), state, req_to_token)
+        backend.decode(1, torch.randn(2, 2 * Q_HEADS, HEAD_DIM), state)
 
 
 def test_fa3_page_table_gathered_once_per_step(monkeypatch, isolated_autotune):
@@ -90,10 +91,10 @@ def test_fa3_page_table_gathered_once_per_step(monkeypatch, isolated_autotune):
     backend.on_gpu = True
     req_to_token = torch.randperm(POOL)[:64].int().view(2, 32)
     checks = counting(monkeypatch, fa3, "_check")
-    state = decode_state([9, 20])
+    state = decode_state([9, 20], req_to_token)
     for layer in range(LAYERS):
         q = torch.randn(2, Q_HEADS, HEAD_DIM).half()
-        out = backend.decode(layer, q, state, req_to_token)
+        out = backend.decode(layer, q, state)
         ref = decode_attention_ref(q, pool.k[layer], pool.v[layer], req_to_token, state.b_req_idx, state.b_seq_len)
         torch.testing.assert_close(out.double(), ref, rtol=2e-3, atol=2e-3)
     tables = [c["page_table"] for c in fake.calls]
@@ -108,6 +109,7 @@ def test_prefill_checks_and_resolves_once_per_step(monkeypatch, isolated_autotun
     state = InferState(
         is_prefill=True,
         b_req_idx=torch.tensor([0, 1], dtype=torch.int32),
+        req_to_token=torch.arange(2 * 8, dtype=torch.int32).view(2, 8),
         b_seq_len=torch.tensor(lens, dtype=torch.int32),
         out_token_idx=torch.arange(8),
         positions=torch.tensor([0, 1, 2, 0, 1, 2, 3, 4]),

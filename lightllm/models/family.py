@@ -1,0 +1,48 @@
+"""What the engine and the server start-up may ask of a model family, whatever the architecture."""
+
+from pathlib import Path
+from typing import Any, Protocol, Tuple
+
+import torch
+
+from lightllm.layers.attention import AttentionBackend
+from lightllm.layers.infer_state import InferState
+
+
+class ModelConfig(Protocol):
+    """The fields of a family's config that code outside ``models/`` reads."""
+
+    vocab_size: int
+    num_hidden_layers: int
+    head_dim: int
+    max_position_embeddings: int  # the model's context
+    eos_token_ids: Tuple[int, ...]
+
+
+class Model(Protocol):
+    kv_heads: int  # this rank's KV heads: the KV pool is sized by them
+
+    def set_attention(self, attn: AttentionBackend) -> None: ...
+
+    def forward(self, input_ids: torch.Tensor, state: InferState) -> torch.Tensor: ...
+
+
+class ModelFamily(Protocol):
+    """One model family (``models/<family>/``): reads its config, checks a TP degree, loads and builds."""
+
+    name: str
+    architectures: Tuple[str, ...]  # Hugging Face ``architectures`` names it serves
+    model_type: str  # config.json's ``model_type``, for configs that give no ``architectures``
+
+    def read_config(self, model_dir: Path) -> ModelConfig:
+        """Read and check ``config.json``; ModelLoadError (one line) on anything the family does not implement."""
+
+    def check_tp(self, config: Any, tp: int) -> None:
+        """ValueError naming ``--tp`` and the model field it does not divide."""
+
+    def kv_heads(self, config: Any, tp: int) -> int:
+        """KV heads one rank holds."""
+
+    def build(self, model_dir: Path, config: Any, dtype: torch.dtype, device: torch.device, tp_rank: int,
+              tp: int) -> Model:  # fmt: skip
+        """Load this rank's shard of the weights and build the forward module."""

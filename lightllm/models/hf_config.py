@@ -1,0 +1,96 @@
+"""Reading a Hugging Face model folder's ``config.json``: through transformers' ``AutoConfig``, with every failure
+turned into one ``ModelLoadError`` line that names the file and the field."""
+
+import json
+from pathlib import Path
+from typing import Any, Dict, Optional, Tuple
+
+_FROM_CONFIG = object()
+
+
+class ModelLoadError(ValueError):
+    """A model folder that cannot be served: the message is one line naming the file and the field or tensor."""
+
+
+def read_json(path: Path) -> Dict[str, Any]:
+    """Parse a JSON object from ``path``; a missing file, bad JSON or a non-object raises ModelLoadError."""
+    if not path.is_file():
+        raise ModelLoadError(f"{path}: file not found")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as e:
+        raise ModelLoadError(f"{path}: cannot read: {e}") from None
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{path}: invalid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def read_config_file(model_dir: Path) -> Tuple[Path, Dict[str, Any]]:
+    """``(path, fields)`` of ``model_dir/config.json`` as the file holds them. They say what the file really
+    gives: ``AutoConfig`` fills a missing field with its class default (``hidden_size`` 4096, ``head_dim`` 128),
+    which fits no other model."""
+    if not model_dir.is_dir():
+        raise ModelLoadError(f"{model_dir}: model folder not found")
+    path = model_dir / "config.json"
+    return path, read_json(path)
+
+
+def auto_config(model_dir: Path) -> Any:
+    """transformers' ``AutoConfig`` of the folder (offline); its errors, often several lines, become one."""
+    from transformers import AutoConfig  # lazy: transformers takes seconds to import
+
+    try:
+        return AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    except Exception as e:  # transformers' validators raise many types, each multi-line
+        cause = e.__cause__ if e.__cause__ is not None and str(e.__cause__) else e
+        first = str(cause).strip().split("\n\n")[0]  # drop the upgrade advice after the first paragraph
+        raise ModelLoadError(
+            f"{model_dir / 'config.json'}: transformers cannot read it: {' '.join(first.split())}"
+        ) from None
+
+
+class ConfigFields:
+    """Typed, checked access to a config's fields; every error names the file and the field.
+
+    Values come from transformers' config (``hf``); ``raw`` (the file's own fields) tells a missing field apart
+    from transformers' default."""
+
+    def __init__(self, path: Path, raw: Dict[str, Any], hf: Any = None):
+        self.path = path
+        self.raw = raw
+        self.hf = hf
+
+    def error(self, field: str, msg: str) -> ModelLoadError:
+        return ModelLoadError(f"{self.path}: field '{field}' {msg}")
+
+    def value(self, field: str) -> Any:
+        if self.raw.get(field) is None:
+            return None
+        return getattr(self.hf, field) if self.hf is not None else self.raw[field]
+
+    def positive_int(self, field: str, default: Optional[int] = None) -> int:
+        """A positive int the file must give, or ``default`` when it doesn't (and a default is given)."""
+        value = self.value(field)
+        if value is None:
+            if default is None:
+                raise self.error(field, "is missing")
+            return default
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise self.error(field, f"must be a positive integer, got {value!r}")
+        return value
+
+    def positive_float(self, field: str, value: Any = _FROM_CONFIG) -> float:
+        """``field`` (or ``value`` when given, for nested fields) as a positive float."""
+        value = getattr(self.hf, field) if value is _FROM_CONFIG else value
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+            raise self.error(field, f"must be a positive number, got {value!r}")
+        return float(value)
+
+    def token_ids(self, field: str, value: Any) -> Tuple[int, ...]:
+        ids = value if isinstance(value, list) else [value]
+        for i in ids:
+            if isinstance(i, bool) or not isinstance(i, int) or i < 0:
+                raise self.error(field, f"must be a token id or a list of token ids, got {value!r}")
+        return tuple(ids)
