@@ -1,6 +1,7 @@
 """On a CUDA GPU: the real CUDA-graph timer, a real search, and the capture guard."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -49,15 +50,15 @@ def test_search_with_graph_timer_stores_a_correct_config(isolated_autotune):
     # or the last candidate fails here) ...
     measured = [record.default_ms[0]] + [ms[0] for _, ms in record.timings]
     assert record.chosen_ms[0] == min(measured)
-    # ... and a fresh measurement outside the search agrees that it is no slower than the launcher default
-    # (a timer that timed the wrong thing would not); 10% leaves room for run-to-run noise.
-    scratch = torch.empty_like(x)
-    chosen_ms = cuda_graph_bench(lambda: _launch_rmsnorm.fn(x, w, 1e-6, scratch, run_config=record.chosen))
-    default_ms = cuda_graph_bench(lambda: _launch_rmsnorm.fn(x, w, 1e-6, scratch, run_config=None))
-    assert chosen_ms <= 1.1 * default_ms
+    # ... every candidate compiled and ran on this GPU (a timer or launcher that failed would score inf) ...
+    assert all(math.isfinite(ms[0]) for _, ms in record.timings) and len(record.timings) == 14
     torch.testing.assert_close(out.float(), rmsnorm_ref(x, w).float(), rtol=1e-2, atol=1e-2)
     (path,) = store.iter_config_files(isolated_autotune, "rmsnorm")
-    assert json.loads(path.read_text())["configs"]["4096"] == record.chosen
+    # ... and the file holds what was chosen and measured (no speed is asserted here: benchmarks/ measure speed)
+    data = json.loads(path.read_text())
+    assert data["configs"]["4096"] == record.chosen
+    timing = data["timings"]["4096"]
+    assert (timing["best_ms"], timing["default_ms"]) == (round(record.chosen_ms[0], 6), round(record.default_ms[0], 6))
 
 
 @pytest.mark.filterwarnings("ignore:The CUDA Graph is empty")
