@@ -6,6 +6,7 @@ sampled with ``seed + i``, so a single prompt with seed ``s`` gives the tokens t
 """
 
 import dataclasses
+import itertools
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Union
 
@@ -41,6 +42,7 @@ class LLM:
 
         self.tokenizer = AutoTokenizer.from_pretrained(self.runner.model_dir)
         self.engine = Engine(self.runner, eos_token_ids(self.runner.config, self.tokenizer))
+        self._requests = itertools.count()  # ids unique across calls: a stop string's abort may outlive its call
 
     def generate(
         self, prompts: Union[Prompt, Sequence[Prompt]], sampling_params: Optional[SamplingParams] = None
@@ -59,7 +61,8 @@ class LLM:
                                  f"max_req_total_len {limit}")  # fmt: skip
             own = params if params.seed is None else dataclasses.replace(params, seed=(params.seed + i) % MAX_SEED)
             out = RequestOutput(prompt_token_ids=ids, logprobs=[] if params.logprobs else None)
-            requests.append(Request(f"offline-{i}", ids, own, self._collector(f"offline-{i}", out, params)))
+            request_id = f"offline-{next(self._requests)}"
+            requests.append(Request(request_id, ids, own, self._collector(request_id, out, params)))
             outputs.append(out)
         for req in requests:
             self.engine.submit(req)

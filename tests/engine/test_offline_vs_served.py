@@ -84,3 +84,15 @@ def test_seeded_sampling_is_the_same_offline_and_served(both):
     want = [served(base, p, seed=1234 + i, **params) for i, p in enumerate(PROMPTS)]
     assert got == want
     assert got[0][0] != offline(llm, [PROMPTS[0]], seed=99, **params)[0][0]  # the seed is what decides
+
+
+def test_a_stop_string_on_the_last_token_leaves_the_next_generate_alone(both):
+    """The stop string's abort of a request that also ended by length was left queued; the next call's request
+    of the same index took it and ended at once with "stop", no tokens generated."""
+    llm, _ = both
+    whole = offline(llm, [PROMPTS[1]], max_new_tokens=24, ignore_eos=True)[0]
+    stop = whole[1][len(whole[1]) // 2 :][:2]
+    cut = offline(llm, [PROMPTS[1]], max_new_tokens=24, ignore_eos=True, stop=[stop])[0]
+    last = offline(llm, [PROMPTS[1]], max_new_tokens=len(cut[0]), ignore_eos=True, stop=[stop])[0]
+    assert last == cut  # its stop string and its length end on the same token
+    assert offline(llm, [PROMPTS[1]], max_new_tokens=24, ignore_eos=True)[0] == whole
