@@ -30,8 +30,11 @@ class SamplingParams:
     stop: Sequence[str] = ()
 
     def __post_init__(self):
-        self.stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
-        check_stop_strings(list(self.stop))
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(x, str) for x in stop):
+            raise ValueError(f"stop expected a string or a list of strings, got {self.stop!r}")
+        check_stop_strings(list(stop))
+        self.stop = tuple(stop)
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens expected a positive integer, got {self.max_new_tokens!r}")
         if not isinstance(self.temperature, (int, float)) or not 0 <= self.temperature <= 100:
