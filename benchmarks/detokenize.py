@@ -13,7 +13,7 @@ import random
 import tempfile
 import time
 
-from lightllm.server.detokenize import IncrementalDetokenizer
+from lightllm.engine.detokenize import IncrementalDetokenizer
 
 
 def per_token_us(fn, ids, repeats):

@@ -1,19 +1,21 @@
 """Offline API: ``LLM(model_dir, **engine options).generate(prompts, SamplingParams(...))``.
 
-Runs the server's scheduler in the caller's thread, so offline generation batches, admits and preempts
-exactly as serving does.
+Runs the server's ``Engine`` in the caller's thread, so offline generation batches, admits, preempts and ends
+requests (EOS, stop token ids, stop strings, length) exactly as serving does. Seeds: prompt ``i`` of a list is
+sampled with ``seed + i``, so a single prompt with seed ``s`` gives the tokens the server gives for seed ``s``.
 """
 
 import dataclasses
+import itertools
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Union
 
-import torch
-
 from lightllm.engine.args import EngineArgs
+from lightllm.engine.detokenize import TextStream
+from lightllm.engine.engine import Engine, eos_token_ids
 from lightllm.engine.model_runner import ModelRunner
+from lightllm.engine.request import Event, Request
 from lightllm.engine.sampler import MAX_SEED, SamplingParams
-from lightllm.server.scheduler import Event, Scheduler, ServerRequest
 
 Prompt = Union[str, Sequence[int]]
 
@@ -39,7 +41,8 @@ class LLM:
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(self.runner.model_dir)
-        self.scheduler = Scheduler(self.runner, self.runner.config.eos_token_ids)
+        self.engine = Engine(self.runner, eos_token_ids(self.runner.config, self.tokenizer))
+        self._requests = itertools.count()  # ids unique across calls: a stop string's abort may outlive its call
 
     def generate(
         self, prompts: Union[Prompt, Sequence[Prompt]], sampling_params: Optional[SamplingParams] = None
@@ -56,28 +59,43 @@ class LLM:
             if len(ids) + params.max_new_tokens > limit:
                 raise ValueError(f"prompt {i}: {len(ids)} tokens + max_new_tokens {params.max_new_tokens} exceed "
                                  f"max_req_total_len {limit}")  # fmt: skip
+            own = params if params.seed is None else dataclasses.replace(params, seed=(params.seed + i) % MAX_SEED)
             out = RequestOutput(prompt_token_ids=ids, logprobs=[] if params.logprobs else None)
-            req = ServerRequest(f"offline-{i}", ids, params, _collector(out))
-            if params.seed is not None:
-                req.generator = torch.Generator(device=self.runner.device).manual_seed((params.seed + i) % MAX_SEED)
-            requests.append(req)
+            request_id = f"offline-{next(self._requests)}"
+            requests.append(Request(request_id, ids, own, self._collector(request_id, out, params)))
             outputs.append(out)
         for req in requests:
-            self.scheduler.submit(req)
-        while not all(o.finish_reason for o in outputs):
-            self.scheduler.step()
-        for out in outputs:
-            out.text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+            self.engine.submit(req)
+        try:
+            while self.engine.has_unfinished():  # a request ended by a stop string is still freed
+                self.engine.step()
+        except BaseException:  # the step's requests would hold their KV slots for good
+            self.engine.fail_all()
+            raise
+        if not params.stop:  # without stop strings the text is decoded once, as the server does
+            for out in outputs:
+                out.text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
         return outputs
 
+    def _collector(self, request_id: str, out: RequestOutput, params: SamplingParams):
+        """The request's ``emit``: collects tokens and, with stop strings, the text, ending the request at the
+        first stop string as the server does."""
+        text = TextStream(self.tokenizer if params.stop else None, params.stop)
 
-def _collector(out: RequestOutput):
-    def emit(ev: Event) -> None:
-        if ev.kind == "token":
+        def emit(ev: Event) -> None:
+            if out.finish_reason:  # ended by a stop string: nothing after it counts
+                return
+            if ev.kind == "finish":
+                rest, out.finish_reason = text.finish(ev.finish_reason)
+                out.text += rest
+                return
             out.token_ids.append(ev.token_id)
             if out.logprobs is not None:
                 out.logprobs.append(ev.logprob)
-        else:
-            out.finish_reason = ev.finish_reason
+            delta, hit = text.add(ev.token_id)
+            out.text += delta
+            if hit:
+                self.engine.abort(request_id, reason="stop")
+                out.finish_reason = "stop"
 
-    return emit
+        return emit

@@ -13,9 +13,6 @@ FLOORS = {"common": 0, "kernels": 1, "layers": 2, "models": 3, "tools": 4, "engi
 # What code above models/ may import from it: the registry and the family-neutral parts, never a family's folder.
 MODELS_API = ("lightllm.models.registry", "lightllm.models.hf_config", "lightllm.models.family")
 AUTOTUNER_MAY_IMPORT = ("lightllm.common.autotuner", "lightllm.common.envs")
-# llm.py still runs the server's scheduler here; branch issue-14c moves the step loop into engine/ (the lead
-# removes this entry after merging it; test_known_exceptions_still_occur says when).
-KNOWN_EXCEPTIONS = {("lightllm.llm", "lightllm.server.scheduler")}
 
 
 def module_name(path: Path) -> str:
@@ -71,21 +68,11 @@ def tree_violations() -> List[Tuple[str, str]]:
     return found
 
 
-def _excused(module: str, target: str) -> bool:
-    return any(module == m and _within(target, [t]) for m, t in KNOWN_EXCEPTIONS)
-
-
 def test_every_module_imports_only_downward():
-    unexpected = [v for v in tree_violations() if not _excused(*v)]
+    unexpected = tree_violations()
     assert not unexpected, "imports against server -> engine -> models -> layers -> kernels -> common:\n" + "\n".join(
         f"  {m} imports {t}" for m, t in unexpected
     )
-
-
-def test_known_exceptions_still_occur():
-    found = tree_violations()
-    stale = {(m, t) for m, t in KNOWN_EXCEPTIONS if not any(m == fm and _within(ft, [t]) for fm, ft in found)}
-    assert not stale, f"remove from KNOWN_EXCEPTIONS, the import is gone: {sorted(stale)}"
 
 
 def test_the_checker_catches_each_rule():

@@ -5,6 +5,8 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
+from lightllm.engine.detokenize import check_stop_strings
+
 # Below this a temperature is greedy: dividing logits by it would overflow float32 (1e-40 gives inf), and
 # well before that the distribution is one-hot anyway.
 GREEDY_TEMPERATURE = 1e-5
@@ -14,7 +16,8 @@ MAX_SEED = 2**63  # torch generators take a 64-bit signed seed; seeds are in [0,
 @dataclass
 class SamplingParams:
     """Per-request sampling; ``temperature`` below ``GREEDY_TEMPERATURE`` (0 included) is greedy; a ``top_k``
-    of 0 or at least the vocabulary keeps every token. Bad values raise ``ValueError`` naming the field."""
+    of 0 or at least the vocabulary keeps every token. ``stop``: strings that end the generated text (cut
+    before the first one found, finish_reason "stop"). Bad values raise ``ValueError`` naming the field."""
 
     max_new_tokens: int = 16
     temperature: float = 0.0
@@ -24,8 +27,14 @@ class SamplingParams:
     seed: Optional[int] = None
     ignore_eos: bool = False
     stop_token_ids: Sequence[int] = ()
+    stop: Sequence[str] = ()
 
     def __post_init__(self):
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(x, str) for x in stop):
+            raise ValueError(f"stop expected a string or a list of strings, got {self.stop!r}")
+        check_stop_strings(list(stop))
+        self.stop = tuple(stop)
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens expected a positive integer, got {self.max_new_tokens!r}")
         if not isinstance(self.temperature, (int, float)) or not 0 <= self.temperature <= 100:

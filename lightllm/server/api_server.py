@@ -17,19 +17,22 @@ import time
 import uuid
 from typing import AsyncIterator, List, Optional
 
-import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from lightllm.engine.detokenize import TextStream, check_stop_strings
+from lightllm.engine.engine import Engine, eos_token_ids
 from lightllm.engine.model_runner import ModelRunner
+from lightllm.engine.request import Event
+from lightllm.engine.request import Request as EngineRequest
+from lightllm.engine.runner import Runner
 from lightllm.engine.sampler import SamplingParams
 from lightllm.server.args import ServerArgs, parse_args
 from lightllm.server.bodies import ChatRequest, CompletionRequest, GenerateRequest
-from lightllm.server.detokenize import IncrementalDetokenizer, StopStrings, check_stop_strings
+from lightllm.server.engine_loop import EngineLoop
 from lightllm.server.http_guards import BadRequest, BodyLimit, install_error_handlers
 from lightllm.server.prompts import PromptEncoder
-from lightllm.server.scheduler import Event, Scheduler, ServerRequest
 from lightllm.server.serving import bind, serve
 
 logger = logging.getLogger(__name__)
@@ -57,6 +60,20 @@ class Metrics:
         self.step_batch = Histogram("lightllm_step_batch_size", "requests per engine step", ["kind"], registry=r,
                                     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512))  # fmt: skip
 
+    # the engine's StepObserver
+    def on_queues(self, waiting: int, running: int, kv_usage: float) -> None:
+        self.queue_length.set(waiting)
+        self.running.set(running)
+        self.kv_usage.set(kv_usage)
+
+    def on_token(self, first: bool, seconds: float) -> None:
+        (self.ttft if first else self.itl).observe(seconds)
+        self.generated_tokens.inc()
+
+    def on_step(self, kind: str, batch_size: int, seconds: float) -> None:
+        self.step_seconds.labels(kind).observe(seconds)
+        self.step_batch.labels(kind).observe(batch_size)
+
 
 # ---- the app -----------------------------------------------------------------------------------------------
 
@@ -64,7 +81,7 @@ class Metrics:
 class Server:
     def __init__(
         self,
-        runner: ModelRunner,
+        runner: Runner,
         tokenizer,
         model_name: str,
         on_shutdown=None,
@@ -72,30 +89,28 @@ class Server:
         max_request_body_bytes: int = ServerArgs.max_request_body_bytes,
     ):
         self.runner = runner
-        self.on_shutdown = on_shutdown  # after the scheduler stops: tensor-parallel workers
+        self.on_shutdown = on_shutdown  # after the engine loop stops: tensor-parallel workers
         self.health_step_timeout_s = health_step_timeout_s
         self.tokenizer = tokenizer
         self.prompts = PromptEncoder(tokenizer, runner.args.max_req_total_len)
         self.max_request_body_bytes = max_request_body_bytes
         self.model_name = model_name
         self.metrics = Metrics()
-        eos = set(runner.config.eos_token_ids)
-        if tokenizer.eos_token_id is not None:
-            eos.add(tokenizer.eos_token_id)
         self.mailbox = _Mailbox()
-        self.scheduler = Scheduler(runner, eos, self.metrics, after_step=self.mailbox.flush)
+        self.engine = Engine(runner, eos_token_ids(runner.config, tokenizer), observer=self.metrics)
+        self.loop = EngineLoop(self.engine, after_step=self.mailbox.flush)
         self.app = self._build_app()
 
     def _build_app(self) -> FastAPI:
         @contextlib.asynccontextmanager
         async def lifespan(_app):
             self.mailbox.bind(asyncio.get_running_loop())
-            self.scheduler.start()
+            self.loop.start()
             yield
             # Here, not after uvicorn.run returns: uvicorn re-raises SIGTERM/SIGINT once it has shut down,
             # which ends the process before any code after run() executes.
-            if not self.scheduler.stop():
-                logger.warning("scheduler still inside a step after 60s; exiting without a clean shutdown")
+            if not self.loop.stop():
+                logger.warning("engine loop still inside a step after 60s; exiting without a clean shutdown")
             elif self.on_shutdown is not None:
                 self.on_shutdown()
 
@@ -119,9 +134,8 @@ class Server:
         @app.post("/generate")
         async def generate(body: GenerateRequest, request: Request):
             p = body.parameters
-            ids, params, stops = await self._prepare("inputs", body.inputs, p.max_new_tokens, p, p.logprobs,
-                                                     p.ignore_eos)  # fmt: skip
-            result = await self._collect(ids, params, stops, request)
+            ids, params = await self._prepare("inputs", body.inputs, p.max_new_tokens, p, p.logprobs, p.ignore_eos)
+            result = await self._collect(ids, params, request)
             out = {"generated_text": result["text"], "token_ids": result["token_ids"],
                    "finish_reason": result["finish_reason"], "prompt_tokens": len(ids)}  # fmt: skip
             if p.logprobs:
@@ -131,11 +145,10 @@ class Server:
         @app.post("/generate_stream")
         async def generate_stream(body: GenerateRequest, request: Request):
             p = body.parameters
-            ids, params, stops = await self._prepare("inputs", body.inputs, p.max_new_tokens, p, p.logprobs,
-                                                     p.ignore_eos)  # fmt: skip
+            ids, params = await self._prepare("inputs", body.inputs, p.max_new_tokens, p, p.logprobs, p.ignore_eos)
 
             async def events():
-                async for delta, tok, lp, reason in self._stream(ids, params, stops, request):
+                async for delta, tok, lp, reason in self._stream(ids, params, request):
                     chunk = {"token": {"id": tok, "text": delta, "logprob": lp}, "finish_reason": reason}
                     yield f"data: {json.dumps(chunk)}\n\n"
 
@@ -143,25 +156,25 @@ class Server:
 
         @app.post("/v1/completions")
         async def completions(body: CompletionRequest, request: Request):
-            ids, params, stops = await self._prepare("prompt", body.prompt, body.max_tokens, body,
-                                                     body.logprobs is not None, False)  # fmt: skip
-            return await self._openai(ids, params, stops, request, body.stream, chat=False)
+            ids, params = await self._prepare("prompt", body.prompt, body.max_tokens, body,
+                                              body.logprobs is not None, False)  # fmt: skip
+            return await self._openai(ids, params, request, body.stream, chat=False)
 
         @app.post("/v1/chat/completions")
         async def chat(body: ChatRequest, request: Request):
             messages = [m.model_dump() for m in body.messages]
             max_tokens = body.max_completion_tokens or body.max_tokens  # None: the rest of max_req_total_len
-            ids, params, stops = await self._prepare("messages", messages, max_tokens, body, body.logprobs, False)
-            return await self._openai(ids, params, stops, request, body.stream, chat=True)
+            ids, params = await self._prepare("messages", messages, max_tokens, body, body.logprobs, False)
+            return await self._openai(ids, params, request, body.stream, chat=True)
 
         return app
 
     def _liveness_problem(self) -> Optional[str]:
         """Why the engine loop is not making progress (None while it is): a thread that ended, or one step
         running longer than ``health_step_timeout_s`` (a hung kernel, a stopped tensor-parallel rank)."""
-        if not self.scheduler.thread.is_alive():
-            return "scheduler stopped"
-        busy = self.scheduler.step_in_flight_s()
+        if not self.loop.thread.is_alive():
+            return "engine loop stopped"
+        busy = self.loop.step_in_flight_s()
         if busy is not None and busy > self.health_step_timeout_s:
             return f"engine step running for {busy:.1f}s, over --health_step_timeout_s {self.health_step_timeout_s:g}"
         return None
@@ -169,8 +182,8 @@ class Server:
     # ---- request plumbing ----------------------------------------------------------------------------------
 
     async def _prepare(self, field: str, prompt, max_tokens: Optional[int], sampling, logprobs, ignore_eos):
-        """Token ids, sampling parameters and stop strings of a request, or a 400. ``prompt``: text, token ids or
-        chat messages (named ``field`` in errors); ``max_tokens`` None: the rest of max_req_total_len."""
+        """Token ids and sampling parameters (stop strings included) of a request, or a 400. ``prompt``: text,
+        token ids or chat messages (named ``field`` in errors); ``max_tokens`` None: the rest of max_req_total_len."""
         stops = [sampling.stop] if isinstance(sampling.stop, str) else list(sampling.stop or [])
         try:
             check_stop_strings(stops)
@@ -197,23 +210,20 @@ class Server:
         try:  # the bodies already hold these to the engine's ranges; this keeps the two from drifting apart
             params = SamplingParams(max_new_tokens=max_tokens, temperature=sampling.temperature,
                                     top_p=sampling.top_p, top_k=sampling.top_k, logprobs=logprobs, seed=sampling.seed,
-                                    ignore_eos=ignore_eos)  # fmt: skip
+                                    ignore_eos=ignore_eos, stop=stops)  # fmt: skip
         except ValueError as e:
             raise BadRequest(str(e)) from None
-        return ids, params, stops
+        return ids, params
 
-    async def _stream(self, ids, params, stops, request: Request, text: bool = True) -> AsyncIterator[tuple]:
+    async def _stream(self, ids, params, request: Request, text: bool = True) -> AsyncIterator[tuple]:
         """(text delta, token id, logprob, finish reason or None) per token; aborts on disconnect or stop string.
         ``text=False`` (a caller that decodes once at the end, with no stop strings) leaves every delta ''.
         Counts the request in lightllm_requests_finished_total once, with the reason the client is given
         ("abort" when it left first, whether it was running or still queued)."""
         events: "asyncio.Queue[Event]" = asyncio.Queue()
-        req = ServerRequest(uuid.uuid4().hex, ids, params, functools.partial(self.mailbox.post, events))
-        if params.seed is not None:
-            req.generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
-        self.scheduler.submit(req)
-        detok = IncrementalDetokenizer(self.tokenizer) if text else None
-        stop_at = StopStrings(stops)
+        req = EngineRequest(uuid.uuid4().hex, ids, params, functools.partial(self.mailbox.post, events))
+        self.engine.submit(req)
+        out = TextStream(self.tokenizer if text else None, params.stop)
         finished = False
         loop = asyncio.get_running_loop()
         next_check = loop.time() + _DISCONNECT_CHECK_S
@@ -231,14 +241,13 @@ class Server:
                     continue
                 if ev.kind == "finish":
                     finished = True
-                    rest, hit = stop_at.cut(detok.finish() if detok else "", final=True)
-                    reason = "stop" if hit else ev.finish_reason
+                    rest, reason = out.finish(ev.finish_reason)
                     self.metrics.finished.labels(reason).inc()
                     yield rest, None, None, reason
                     return
-                delta, hit = stop_at.cut(detok.add(ev.token_id) if detok else "")
+                delta, hit = out.add(ev.token_id)
                 if hit:
-                    self.scheduler.abort(req.id, reason="stop")
+                    self.engine.abort(req.id, reason="stop")
                     finished = True
                     self.metrics.finished.labels("stop").inc()
                     yield delta, ev.token_id, ev.logprob, None
@@ -247,13 +256,13 @@ class Server:
                 yield delta, ev.token_id, ev.logprob, None
         finally:
             if not finished:  # client gone (or the handler was cancelled): free its KV now
-                self.scheduler.abort(req.id)
+                self.engine.abort(req.id)
                 self.metrics.finished.labels("abort").inc()
 
-    async def _collect(self, ids, params, stops, request: Request) -> dict:
+    async def _collect(self, ids, params, request: Request) -> dict:
         text, token_ids, logprobs, reason = "", [], [], ""
-        incremental = bool(stops)  # only stop strings need the text while generating
-        async for delta, tok, lp, fin in self._stream(ids, params, stops, request, text=incremental):
+        incremental = bool(params.stop)  # only stop strings need the text while generating
+        async for delta, tok, lp, fin in self._stream(ids, params, request, text=incremental):
             text += delta
             if tok is not None:
                 token_ids.append(tok)
@@ -264,12 +273,12 @@ class Server:
             text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
         return {"text": text, "token_ids": token_ids, "logprobs": logprobs, "finish_reason": reason or "abort"}
 
-    async def _openai(self, ids, params, stops, request: Request, stream: bool, chat: bool):
+    async def _openai(self, ids, params, request: Request, stream: bool, chat: bool):
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         kind = "chat.completion" if chat else "text_completion"
         if not stream:
-            r = await self._collect(ids, params, stops, request)
+            r = await self._collect(ids, params, request)
             choice = {"index": 0, "finish_reason": r["finish_reason"]}
             if chat:
                 choice["message"] = {"role": "assistant", "content": r["text"]}
@@ -291,7 +300,7 @@ class Server:
             if chat:
                 first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
                 yield _sse(rid, kind + ".chunk", created, self.model_name, first)
-            async for delta, tok, lp, fin in self._stream(ids, params, stops, request):
+            async for delta, tok, lp, fin in self._stream(ids, params, request):
                 if tok is not None:
                     n_out += 1
                 if fin:
@@ -319,7 +328,7 @@ def _sse(rid, kind, created, model, choice, usage=None) -> str:
 
 
 class _Mailbox:
-    """Events from the scheduler thread to the HTTP event loop, handed over once per step: one wake-up of the
+    """Events from the engine thread to the HTTP event loop, handed over once per step: one wake-up of the
     loop (a pipe write and a GIL hand-off) per step, not one per running request."""
 
     def __init__(self):
@@ -369,9 +378,9 @@ def main(argv=None) -> None:
                     max_request_body_bytes=server_args.max_request_body_bytes)  # fmt: skip
     try:
         serve(server.app, sock, read_timeout_s=server_args.request_read_timeout_s,
-              drain_s=server_args.shutdown_drain_s, abort_rest=server.scheduler.abort_all)  # fmt: skip
+              drain_s=server_args.shutdown_drain_s, abort_rest=server.engine.abort_all)  # fmt: skip
     finally:  # uvicorn returned without a shutdown; stop is idempotent
-        if stop is not None and not server.scheduler.thread.is_alive():  # never while a step may broadcast
+        if stop is not None and not server.loop.thread.is_alive():  # never while a step may broadcast
             stop()
 
 

@@ -1,4 +1,5 @@
-"""Tensor-parallel serving: rank 0 runs HTTP and the scheduler; every step is broadcast to the workers.
+"""Tensor-parallel serving: rank 0 runs HTTP and the engine; every state-changing runner call is broadcast to the
+workers.
 
 Each rank holds its shard of the weights and of the KV heads and runs the same calls in the same order,
 so their allocators stay identical. Commands travel over a gloo group (never the NCCL stream).
@@ -19,10 +20,11 @@ import torch.distributed as dist
 from lightllm.common.net import free_port
 from lightllm.engine.args import EngineArgs
 from lightllm.engine.model_runner import ModelRunner
+from lightllm.engine.runner import STATE_CHANGING
 from lightllm.layers.parallel import init_tp
 
 logger = logging.getLogger(__name__)
-_COMMANDS = ("prefill", "decode", "add_request", "free")
+_COMMANDS = STATE_CHANGING
 _HEARTBEAT_S = 0.5  # how often a worker marks itself alive
 _FROZEN_S = 5.0  # a worker silent this long is stopped (SIGSTOP, a debugger) or frozen
 
@@ -125,7 +127,9 @@ class Workers:
 
 
 class TPRunner:
-    """Rank 0's runner: state-changing calls go to the workers first, then run here."""
+    """Rank 0's runner (``engine.runner.Runner``): the state-changing calls go to the workers first, then run here;
+    the read-only ones are answered by rank 0's runner. Nothing else is forwarded, so a new state-changing call
+    cannot reach rank 0 alone and put the ranks out of step."""
 
     def __init__(self, runner: ModelRunner, group, workers: Workers):
         self.runner = runner
@@ -133,8 +137,26 @@ class TPRunner:
         self.workers = workers
         self._stopped = False
 
-    def __getattr__(self, name):
-        return getattr(self.runner, name)
+    @property
+    def args(self):
+        return self.runner.args
+
+    @property
+    def config(self):
+        return self.runner.config
+
+    @property
+    def device(self):
+        return self.runner.device
+
+    @property
+    def model_dir(self) -> str:
+        return self.runner.model_dir
+
+    @property
+    def kv(self):
+        """Rank 0's KV cache, for the policy's questions; it changes only through the broadcast calls."""
+        return self.runner.kv
 
     def _cast(self, *cmd) -> None:
         dist.broadcast_object_list([cmd], src=0, group=self.group)
@@ -170,7 +192,7 @@ class TPRunner:
 
     def stop(self, timeout: float = 60.0) -> None:
         """Stop the workers and wait for them, then leave the process group: rank 0 hosts the store the
-        workers tear down against, so it must outlive them. Idempotent; the scheduler must be stopped first."""
+        workers tear down against, so it must outlive them. Idempotent; the engine loop must be stopped first."""
         if self._stopped:
             return
         self._stopped = True

@@ -74,6 +74,9 @@ def test_a_seed_gives_the_same_tokens_whoever_shares_the_batch(p):
         (dict(top_p=0), "top_p expected"),
         (dict(top_k=-2), "top_k expected"),
         (dict(seed="x"), "seed expected"),
+        (dict(stop=["ok", 7]), r"stop expected a string or a list of strings, got \['ok', 7\]"),
+        (dict(stop=7), "stop expected a string or a list of strings, got 7"),
+        (dict(stop=["x"] * 17), "stop: at most 16 strings, got 17"),
     ],
 )
 def test_bad_sampling_params(kwargs, message):

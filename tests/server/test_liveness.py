@@ -14,18 +14,20 @@ from fastapi.testclient import TestClient
 from server_helpers import start_server
 
 from lightllm.common import proc as procs
+from lightllm.common.kv_cache import KVCacheManager
+from lightllm.engine.request import Request
 from lightllm.engine.sampler import SamplingParams
 from lightllm.server.api_server import Server
-from lightllm.server.scheduler import ServerRequest
 
 
 class BlockingRunner:
-    """Enough of a ModelRunner for the scheduler; ``prefill`` waits until the test releases it."""
+    """Enough of a ModelRunner for the engine; ``prefill`` waits until the test releases it."""
 
     def __init__(self):
         self.args = SimpleNamespace(batch_max_tokens=64, max_req_total_len=64, running_max_req_size=4)
         self.config = SimpleNamespace(eos_token_ids=(), vocab_size=8)
-        self.kv = SimpleNamespace(num_free_tokens=1000, num_free_slots=4, num_tokens=1000)
+        self.device = torch.device("cpu")
+        self.kv = KVCacheManager(1000, 4, 64, "cpu")
         self.entered, self.release = threading.Event(), threading.Event()
 
     def add_request(self):
@@ -44,13 +46,13 @@ def test_health_is_503_while_a_step_runs_past_the_bound():
     runner = BlockingRunner()
     server = Server(runner, SimpleNamespace(eos_token_id=None), "m", health_step_timeout_s=30)
     now = [0.0]
-    server.scheduler.clock = lambda: now[0]  # the step's age is what the test says, whatever the machine's speed
+    server.loop.clock = lambda: now[0]  # the step's age is what the test says, whatever the machine's speed
     finished = threading.Event()
-    req = ServerRequest("r", [1, 2], SamplingParams(max_new_tokens=1),
-                        lambda ev: finished.set() if ev.kind == "finish" else None)  # fmt: skip
+    req = Request("r", [1, 2], SamplingParams(max_new_tokens=1),
+                  lambda ev: finished.set() if ev.kind == "finish" else None)  # fmt: skip
     with TestClient(server.app) as client:
         assert client.get("/health").status_code == 200
-        server.scheduler.submit(req)
+        server.engine.submit(req)
         try:
             assert runner.entered.wait(60)
             now[0] = 30.0  # at the bound: still healthy
@@ -63,7 +65,7 @@ def test_health_is_503_while_a_step_runs_past_the_bound():
             runner.release.set()
         assert finished.wait(60)  # emitted inside the step: wait for the step itself to end
         deadline = time.monotonic() + 60
-        while server.scheduler.step_in_flight_s() == 31.5 and time.monotonic() < deadline:
+        while server.loop.step_in_flight_s() == 31.5 and time.monotonic() < deadline:
             time.sleep(0.01)
         assert client.get("/health").status_code == 200
 

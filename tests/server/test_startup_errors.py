@@ -14,7 +14,7 @@ from lightllm import LLM, SamplingParams
 from lightllm.common import proc as procs
 from lightllm.engine.model_runner import ModelRunner
 from lightllm.server.args import parse_args
-from lightllm.server.scheduler import Scheduler
+from lightllm.engine.engine import Engine
 from lightllm.tools.make_tiny_model import make_tiny_qwen3
 
 
@@ -113,7 +113,7 @@ def test_budget_note_is_logged_once_and_says_what_happens(model, caplog):
     caplog.set_level(logging.INFO)
     _, engine = parse_args(["--model_dir", model, "--device", "cpu", "--data_type", "fp32", "--batch_max_tokens", "32",
                             "--max_req_total_len", "64", "--running_max_req_size", "2"])  # fmt: skip
-    Scheduler(ModelRunner(engine), eos_token_ids=[])
+    Engine(ModelRunner(engine), eos_ids=[])
     notes = [r.message for r in caplog.records if "batch_max_tokens 32 < max_req_total_len 64" in r.message]
     assert len(notes) == 1 and "chunk" not in notes[0].replace("no chunked prefill yet", "")
     assert "prefilled alone and whole" in notes[0]

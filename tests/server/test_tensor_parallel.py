@@ -249,10 +249,11 @@ def test_the_rank_holding_up_a_step_is_named_not_the_ones_waiting_for_it():
 def test_a_request_failing_alone_keeps_the_ranks_in_step(tmp_path, monkeypatch):
     """Rank 0 samples. A request whose own draw fails ends there, and its slot is freed through the same
     broadcast as any finish: a worker replaying rank 0's commands ends with rank 0's KV bookkeeping."""
-    import lightllm.server.scheduler as scheduler_module
+    import lightllm.engine.engine as engine_module
     from lightllm.engine.args import EngineArgs
     from lightllm.engine.model_runner import ModelRunner
-    from lightllm.server.scheduler import Scheduler, ServerRequest
+    from lightllm.engine.engine import Engine
+    from lightllm.engine.request import Request
     from lightllm.server.tp import TPRunner
 
     model = str(make_tiny_qwen3(tmp_path / "model", seed=4))
@@ -267,18 +268,18 @@ def test_a_request_failing_alone_keeps_the_ranks_in_step(tmp_path, monkeypatch):
     worker, commands = ModelRunner(EngineArgs(**args)), []
     rank0._cast = lambda *cmd: commands.append(cmd)
     poisoned = SamplingParams(max_new_tokens=6, ignore_eos=True, top_p=0.5)  # greedy: top_p only marks it
-    real = scheduler_module.sample
+    real = engine_module.sample
 
     def sample(logits, params, generators):
         if any(p is poisoned for p in params):
             raise RuntimeError("this request's parameters break the sampler")
         return real(logits, params, generators)
 
-    monkeypatch.setattr(scheduler_module, "sample", sample)
-    sched, reasons = Scheduler(rank0, eos_token_ids=[]), {}
+    monkeypatch.setattr(engine_module, "sample", sample)
+    sched, reasons = Engine(rank0, eos_ids=[]), {}
     for i, p in enumerate([poisoned, SamplingParams(max_new_tokens=6, ignore_eos=True)] * 2):
         emit = (lambda i: lambda ev: reasons.update({i: ev.finish_reason}) if ev.kind == "finish" else None)(i)
-        sched.submit(ServerRequest(str(i), [3 + i, 4, 5], p, emit))
+        sched.submit(Request(str(i), [3 + i, 4, 5], p, emit))
     while len(reasons) < 4:
         sched.step()
     assert reasons == {0: "error", 1: "length", 2: "error", 3: "length"}

@@ -62,6 +62,17 @@ class KVCacheManager:
     def num_free_slots(self) -> int:
         return self.slots.num_free
 
+    def can_allocate(self, num_tokens: int) -> bool:
+        """Whether ``num_tokens`` more tokens fit in the pool now."""
+        return num_tokens <= self.num_free_tokens
+
+    def has_free_slot(self) -> bool:
+        return self.slots.num_free > 0
+
+    def usage(self) -> float:
+        """Fraction of the pool's tokens in use."""
+        return 1 - self.num_free_tokens / self.num_tokens
+
     def add_request(self) -> int:
         """A fresh request slot of length 0; ``KVCacheFull`` if every slot is taken."""
         slot = self.slots.alloc()

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from lightllm.server.detokenize import IncrementalDetokenizer, StopStrings
+from lightllm.engine.detokenize import IncrementalDetokenizer, StopStrings
 from lightllm.tools.make_tiny_model import make_tiny_qwen3
 
 
@@ -104,7 +104,7 @@ def test_stop_matching_work_per_token_does_not_grow_with_the_text():
     ],
 )
 def test_stop_string_limits(stops, message):
-    from lightllm.server.detokenize import check_stop_strings
+    from lightllm.engine.detokenize import check_stop_strings
 
     check_stop_strings(["x" * 256] * 16)
     with pytest.raises(ValueError, match=message):

@@ -1,4 +1,5 @@
-"""The scheduler on the CPU with a tiny model: preemption under a small KV cache, aborts free KV."""
+"""The engine on the CPU with a tiny model: preemption under a small KV cache, aborts free KV, failures stay
+with their requests."""
 
 import threading
 
@@ -7,7 +8,8 @@ import pytest
 from lightllm.engine.args import EngineArgs
 from lightllm.engine.model_runner import ModelRunner
 from lightllm.engine.sampler import SamplingParams
-from lightllm.server.scheduler import Scheduler, ServerRequest
+from lightllm.engine.engine import Engine
+from lightllm.engine.request import Request
 from lightllm.tools.make_tiny_model import make_tiny_qwen3
 
 
@@ -40,21 +42,21 @@ def run_all(sched, prompts, max_new=12, params=None):
 
     for i, p in enumerate(prompts):
         sp = (params or {}).get(i) or SamplingParams(max_new_tokens=max_new, ignore_eos=True)
-        sched.submit(ServerRequest(str(i), p, sp, emitter(i)))
+        sched.submit(Request(str(i), p, sp, emitter(i)))
     while len(reasons) < len(prompts):
-        assert sched.step() or not sched._inbox.empty() or len(reasons) == len(prompts)
+        assert sched.step() or len(reasons) == len(prompts)
     return outs, reasons
 
 
 def test_preemption_under_a_small_cache_gives_the_same_tokens(model_dir):
     prompts = [[3, 4, 5, 6, 7, 8, 9, 10], [20, 21, 22, 23], [30, 31, 32, 33, 34, 35], [40, 41]]
-    roomy = Scheduler(runner(model_dir, 512), eos_token_ids=[])
+    roomy = Engine(runner(model_dir, 512), eos_ids=[])
     want, _ = run_all(roomy, prompts)
     tight_runner = runner(model_dir, 40)  # 20 prompt tokens + 48 new ones cannot all fit: someone is preempted
-    tight = Scheduler(tight_runner, eos_token_ids=[])
+    tight = Engine(tight_runner, eos_ids=[])
     preempted = []
-    real = tight._preempt
-    tight._preempt = lambda req: (preempted.append(req.id), real(req))
+    real = tight.scheduler._preempt
+    tight.scheduler._preempt = lambda req: (preempted.append(req.id), real(req))
     got, reasons = run_all(tight, prompts)
     assert preempted, "the cache was meant to run out"
     assert got == want and set(reasons.values()) == {"length"}
@@ -63,9 +65,9 @@ def test_preemption_under_a_small_cache_gives_the_same_tokens(model_dir):
 
 def test_abort_frees_kv(model_dir):
     r = runner(model_dir, 256)
-    sched = Scheduler(r, eos_token_ids=[])
+    sched = Engine(r, eos_ids=[])
     events = []
-    sched.submit(ServerRequest("a", [1, 2, 3], SamplingParams(max_new_tokens=50, ignore_eos=True), events.append))
+    sched.submit(Request("a", [1, 2, 3], SamplingParams(max_new_tokens=50, ignore_eos=True), events.append))
     sched.step()  # prefill
     sched.step()  # one decode
     assert r.kv.num_free_tokens < 255
@@ -84,7 +86,7 @@ def test_step_metrics_count_every_prefill_and_decode_step(model_dir):
     from lightllm.server.api_server import Metrics
 
     metrics = Metrics()
-    sched = Scheduler(runner(model_dir, 512), eos_token_ids=[], metrics=metrics)
+    sched = Engine(runner(model_dir, 512), eos_ids=[], observer=metrics)
     run_all(sched, [[3, 4, 5, 6, 7, 8, 9, 10], [20, 21, 22, 23], [30, 31, 32, 33, 34, 35], [40, 41]])
     value = metrics.registry.get_sample_value
     assert value("lightllm_step_batch_size_count", {"kind": "prefill"}) == 1
@@ -97,39 +99,14 @@ def test_step_metrics_count_every_prefill_and_decode_step(model_dir):
     assert value("lightllm_generated_tokens_total") == 4 * 12
 
 
-def test_a_failing_step_fails_its_requests_and_delivers_that(model_dir):
-    """The loop's error path: the requests of a step that raised finish with "error", and those events are
-    handed over by after_step like any other (the server's one wake-up of the HTTP loop per step)."""
-    r = runner(model_dir, 512)
-    delivered, done = [], threading.Event()
-    pending = []
-
-    def deliver():
-        delivered.extend(pending)
-        pending.clear()
-        if any(ev.kind == "finish" for ev in delivered):
-            done.set()
-
-    sched = Scheduler(r, eos_token_ids=[], after_step=deliver)
-    r.decode = lambda slots, tokens: (_ for _ in ()).throw(RuntimeError("device lost"))
-    sched.submit(ServerRequest("x", [3, 4, 5], SamplingParams(max_new_tokens=4, ignore_eos=True), pending.append))
-    sched.start()
-    try:
-        assert done.wait(30)
-    finally:
-        assert sched.stop()
-    assert [ev.kind for ev in delivered] == ["token", "finish"] and delivered[-1].finish_reason == "error"
-    assert r.kv.num_free_tokens == 512 - 1  # its KV freed (all but the padding token)
-
-
 def test_a_failing_prefill_fails_its_batch_and_frees_it(model_dir):
     """The admitted batch is in neither the running nor the waiting list while it prefills."""
     r = runner(model_dir, 512)
     events = []
-    sched = Scheduler(r, eos_token_ids=[])
+    sched = Engine(r, eos_ids=[])
     r.prefill = lambda slots, prompts: (_ for _ in ()).throw(RuntimeError("device lost"))
     for i in range(2):
-        sched.submit(ServerRequest(str(i), [3, 4, 5], SamplingParams(max_new_tokens=4), events.append))
+        sched.submit(Request(str(i), [3, 4, 5], SamplingParams(max_new_tokens=4), events.append))
     with pytest.raises(RuntimeError, match="device lost"):
         sched.step()
     assert [(ev.kind, ev.finish_reason) for ev in events] == [("finish", "error")] * 2
@@ -139,11 +116,11 @@ def test_a_failing_prefill_fails_its_batch_and_frees_it(model_dir):
 @pytest.mark.parametrize("fail_at_call", [1, 4], ids=["in-prefill", "in-decode"])
 def test_a_request_whose_sampling_fails_ends_alone(model_dir, monkeypatch, fail_at_call):
     """Its neighbours in the step finish normally with the tokens they get without it; its KV is freed."""
-    import lightllm.server.scheduler as scheduler_module
+    import lightllm.engine.engine as engine_module
 
     prompts = [[3, 4, 5, 6], [20, 21, 22], [30, 31, 32, 33, 34]]
-    want, _ = run_all(Scheduler(runner(model_dir, 512), eos_token_ids=[]), prompts[::2])
-    real, calls = scheduler_module.sample, []
+    want, _ = run_all(Engine(runner(model_dir, 512), eos_ids=[]), prompts[::2])
+    real, calls = engine_module.sample, []
     poisoned = SamplingParams(max_new_tokens=12, ignore_eos=True, top_p=0.5)  # greedy: top_p marks it only
 
     def sample(logits, params, generators):
@@ -152,9 +129,9 @@ def test_a_request_whose_sampling_fails_ends_alone(model_dir, monkeypatch, fail_
             raise RuntimeError("this request's parameters break the sampler")
         return real(logits, params, generators)
 
-    monkeypatch.setattr(scheduler_module, "sample", sample)
+    monkeypatch.setattr(engine_module, "sample", sample)
     r = runner(model_dir, 512)
-    got, reasons = run_all(Scheduler(r, eos_token_ids=[]), prompts, params={1: poisoned})
+    got, reasons = run_all(Engine(r, eos_ids=[]), prompts, params={1: poisoned})
     assert reasons == {0: "length", 1: "error", 2: "length"}
     assert [got[0], got[2]] == [want[0], want[1]]
     assert len(got[1]) == fail_at_call - 1  # the tokens it had before its draw failed
@@ -165,17 +142,18 @@ def test_an_abort_ends_a_waiting_request_too_and_keeps_its_reason(model_dir):
     """Every submitted request gets one finish event: a request aborted while still queued as well; a stop
     string's abort ends the request with "stop"."""
     r = runner(model_dir, 512)  # running_max_req_size 4: the fifth request waits
-    sched = Scheduler(r, eos_token_ids=[])
+    sched = Engine(r, eos_ids=[])
     events = {str(i): [] for i in range(5)}
     for i in range(5):
         req_id = str(i)
-        sched.submit(ServerRequest(req_id, [3, 4, 5], SamplingParams(max_new_tokens=20, ignore_eos=True),
-                                   events[req_id].append))  # fmt: skip
+        sched.submit(
+            Request(req_id, [3, 4, 5], SamplingParams(max_new_tokens=20, ignore_eos=True), events[req_id].append)
+        )
     sched.step()  # prefill of the first four
-    assert [r.id for r in sched.waiting] == ["4"]
+    assert [r.id for r in sched.scheduler.waiting] == ["4"]
     sched.abort("4")
     sched.abort("0", reason="stop")
     sched.step()
     assert [(e.kind, e.finish_reason) for e in events["4"]] == [("finish", "abort")]
     assert (events["0"][-1].kind, events["0"][-1].finish_reason) == ("finish", "stop")
-    assert not sched.waiting and [r.id for r in sched.running] == ["1", "2", "3"]
+    assert not sched.scheduler.waiting and [r.id for r in sched.scheduler.running] == ["1", "2", "3"]

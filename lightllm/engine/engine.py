@@ -1,0 +1,184 @@
+"""The engine: ``step()`` takes new and aborted requests, lets the scheduler decide, runs the runner, samples and
+emits each request's events. No threads here: ``LLM`` calls ``step()`` in the caller's thread, the server from
+its engine-loop thread. ``submit``, ``abort`` and ``abort_all`` may be called from any thread.
+
+Every submitted request gets exactly one "finish" event. A failure that belongs to one request (its sampling)
+ends only that request with "error"; its neighbours in the step go on. A failure of the step itself (the model
+forward) is raised: the caller ends the requests with ``fail_all``.
+"""
+
+import logging
+import queue
+import threading
+import time
+from typing import Iterable, List, Optional, Protocol, Set, Tuple
+
+import torch
+
+from lightllm.common.kv_cache import KVCacheFull
+from lightllm.engine.request import Event, Request
+from lightllm.engine.runner import Runner
+from lightllm.engine.sampler import sample
+from lightllm.engine.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+class StepObserver(Protocol):
+    """What the engine reports as it goes (the server's metrics implement it)."""
+
+    def on_queues(self, waiting: int, running: int, kv_usage: float) -> None: ...
+
+    def on_token(self, first: bool, seconds: float) -> None: ...  # since arrival (first) or the previous token
+
+    def on_step(self, kind: str, batch_size: int, seconds: float) -> None: ...
+
+
+def eos_token_ids(config, tokenizer) -> Set[int]:
+    """The ids that end a request (unless it ignores EOS): the model config's and the tokenizer's."""
+    eos = set(config.eos_token_ids)
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        eos.add(tokenizer.eos_token_id)
+    return eos
+
+
+class Engine:
+    def __init__(self, runner: Runner, eos_ids: Iterable[int], observer: Optional[StepObserver] = None):
+        self.runner = runner
+        self.scheduler = Scheduler(runner, eos_ids)
+        self.observer = observer
+        self._inbox: "queue.Queue[Request]" = queue.Queue()
+        self._aborts: "queue.Queue[Tuple[str, str]]" = queue.Queue()
+        self._closing = threading.Event()
+
+    # ---- any thread ----------------------------------------------------------------------------------------
+
+    def submit(self, req: Request) -> None:
+        """Queue ``req`` for the next step; a seeded one gets its own generator (the same seed gives the same
+        tokens whoever shares the batch, offline or served)."""
+        if req.params.seed is not None and req.generator is None:
+            req.generator = torch.Generator(device=self.runner.device).manual_seed(req.params.seed)
+        self._inbox.put(req)
+
+    def abort(self, request_id: str, reason: str = "abort") -> None:
+        """End the request with ``reason`` (running or still waiting) and free its KV at the next step boundary.
+        The server and ``LLM`` end a request on a stop string with "stop"."""
+        self._aborts.put((request_id, reason))
+
+    def abort_all(self) -> None:
+        """From the next step boundary on, abort every request, running, waiting or submitted later (shutdown)."""
+        self._closing.set()
+
+    def wait_for_request(self, timeout: float) -> None:
+        """Block up to ``timeout`` seconds until a request is submitted (an idle loop's wait)."""
+        try:
+            self.scheduler.add(self._inbox.get(timeout=timeout))
+        except queue.Empty:
+            pass
+
+    # ---- the stepping thread -------------------------------------------------------------------------------
+
+    def step(self) -> bool:
+        """One prefill or decode step; False when there was nothing to do."""
+        aborts = self._take_aborts()  # before the inbox: a request's submit is always seen with its abort
+        self._take_new()
+        if self._closing.is_set():  # shutdown: every request left, running or still waiting, hears why
+            for req in self.scheduler.running + list(self.scheduler.waiting):
+                aborts.setdefault(req.id, "abort")
+        for req, reason in self.scheduler.remove(aborts):
+            self._finish(req, reason)
+        if self.observer is not None:
+            sched = self.scheduler
+            self.observer.on_queues(len(sched.waiting), len(sched.running), self.runner.kv.usage())
+        kind, batch = self.scheduler.schedule()
+        if kind == "idle":
+            return False
+        t0 = time.perf_counter()
+        if kind == "prefill":
+            try:
+                logits = self.runner.prefill([r.slot for r in batch], [r.context for r in batch])
+                alive = self._postprocess(batch, logits)
+            except Exception:  # the batch is in neither running nor waiting: fail it here, free its slots
+                for req in batch:
+                    if req.slot >= 0:
+                        self._finish(req, "error")
+                raise
+        else:
+            logits = self.runner.decode([r.slot for r in batch], [r.output_ids[-1] for r in batch])
+            alive = self._postprocess(batch, logits)
+        self.scheduler.update(kind, alive)
+        if self.observer is not None:  # _postprocess synchronized on the sampled tokens: t0..now covers the GPU work
+            self.observer.on_step(kind, len(batch), time.perf_counter() - t0)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self.scheduler.running or self.scheduler.waiting or not self._inbox.empty())
+
+    def fail_all(self) -> None:
+        """After a failed step: every request it holds ends with "error"."""
+        for req in self.scheduler.remove_all():
+            self._finish(req, "error")
+
+    def _take_new(self) -> None:
+        while True:
+            try:
+                self.scheduler.add(self._inbox.get_nowait())
+            except queue.Empty:
+                return
+
+    def _take_aborts(self) -> dict:
+        reasons = {}
+        while True:
+            try:
+                request_id, reason = self._aborts.get_nowait()
+            except queue.Empty:
+                return reasons
+            reasons.setdefault(request_id, reason)
+
+    def _postprocess(self, reqs: List[Request], logits: torch.Tensor) -> List[Request]:
+        """Append each request's sampled token, emit it, finish the requests that end: those that go on."""
+        now = time.perf_counter()
+        alive = []
+        for req, drawn in zip(reqs, self._sample(reqs, logits)):
+            if drawn is None:
+                self._finish(req, "error")
+                continue
+            tok, lp = drawn
+            if self.observer is not None:
+                first = req.last_token_time is None
+                self.observer.on_token(first, now - (req.arrival if first else req.last_token_time))
+            req.last_token_time = now
+            req.output_ids.append(tok)
+            req.emit(Event("token", tok, lp))
+            reason = self.scheduler.finish_reason(req, tok)
+            if reason is None:
+                alive.append(req)
+            else:
+                self._finish(req, reason)
+        return alive
+
+    def _sample(self, reqs: List[Request], logits: torch.Tensor) -> List[Optional[Tuple[int, float]]]:
+        """(token, logprob) per request, None for one whose own draw fails. The batch is drawn at once; if that
+        raises, each request is drawn alone, so only the requests that cause the failure lose their draw (a
+        seeded neighbour may then continue from a generator the failed batch draw already advanced)."""
+        try:
+            tokens, logprobs = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
+            return list(zip(tokens.tolist(), logprobs.tolist()))
+        except Exception:
+            logger.exception("sampling a batch of %d requests failed; sampling them one by one", len(reqs))
+        drawn = []
+        for i, req in enumerate(reqs):
+            try:
+                tokens, logprobs = sample(logits[i : i + 1], [req.params], [req.generator])
+                drawn.append((tokens.item(), logprobs.item()))
+            except Exception:
+                logger.exception("sampling request %s failed; it ends with finish_reason error", req.id)
+                drawn.append(None)
+        return drawn
+
+    def _finish(self, req: Request, reason: str) -> None:
+        try:
+            self.scheduler.release(req)
+        except (ValueError, KVCacheFull):
+            logger.exception("freeing request %s", req.id)
+        req.emit(Event("finish", finish_reason=reason))

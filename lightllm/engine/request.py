@@ -1,0 +1,37 @@
+"""What goes into the engine (a ``Request``) and what comes out of it (``Event``s through the request's ``emit``)."""
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional
+
+import torch
+
+from lightllm.engine.sampler import SamplingParams
+
+
+@dataclass
+class Event:
+    kind: str  # "token" | "finish"
+    token_id: int = -1
+    logprob: float = 0.0
+    finish_reason: str = ""  # "stop" | "length" | "abort" | "error", or the reason an abort gave
+
+
+@dataclass
+class Request:
+    """One generation. ``emit`` is called on the engine's thread: once per token, then once with "finish"."""
+
+    id: str
+    prompt_ids: List[int]
+    params: SamplingParams
+    emit: Callable[[Event], None]
+    output_ids: List[int] = field(default_factory=list)
+    slot: int = -1  # its KV slot while it holds one
+    generator: Optional[torch.Generator] = None  # from params.seed, made by the engine on submit
+    arrival: float = field(default_factory=time.perf_counter)
+    last_token_time: Optional[float] = None
+
+    @property
+    def context(self) -> List[int]:
+        """What a (re-)prefill must process: the prompt and everything generated so far."""
+        return self.prompt_ids + self.output_ids

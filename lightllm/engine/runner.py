@@ -1,0 +1,49 @@
+"""The runner interface the engine drives: ``ModelRunner`` (one process) and ``server.tp.TPRunner`` (rank 0 of
+tensor parallelism) implement it.
+
+Every call that changes KV or model state is in ``STATE_CHANGING``: a tensor-parallel runner broadcasts exactly
+these to the other ranks, so their KV bookkeeping stays identical. The rest is read-only.
+"""
+
+from typing import Protocol, Sequence, runtime_checkable
+
+import torch
+
+STATE_CHANGING = ("prefill", "decode", "add_request", "free")
+
+
+@runtime_checkable
+class KVQueries(Protocol):
+    """The questions the scheduling policy asks the KV cache; it never changes the cache through this."""
+
+    def can_allocate(self, num_tokens: int) -> bool: ...
+
+    def has_free_slot(self) -> bool: ...
+
+    def usage(self) -> float: ...
+
+
+@runtime_checkable
+class Runner(Protocol):
+    @property
+    def args(self): ...  # EngineArgs
+
+    @property
+    def config(self): ...  # the model config: eos_token_ids, vocab_size
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def model_dir(self) -> str: ...  # where the tokenizer is (the server and LLM load it)
+
+    @property
+    def kv(self) -> KVQueries: ...
+
+    def prefill(self, slots: Sequence[int], prompts: Sequence[Sequence[int]]) -> torch.Tensor: ...
+
+    def decode(self, slots: Sequence[int], last_tokens: Sequence[int]) -> torch.Tensor: ...
+
+    def add_request(self) -> int: ...
+
+    def free(self, slot: int) -> None: ...

@@ -1,0 +1,57 @@
+"""The server's engine thread: runs ``Engine.step()`` until stopped, times the step in flight (for /health),
+hands each step's events to the HTTP side (``after_step``) and fails the requests of a step that raised."""
+
+import logging
+import threading
+import time
+from typing import Callable, Optional
+
+from lightllm.engine.engine import Engine
+
+logger = logging.getLogger(__name__)
+_IDLE_WAIT_S = 0.05  # an idle loop wakes this often to notice a stop
+
+
+class EngineLoop:
+    def __init__(
+        self,
+        engine: Engine,
+        after_step: Optional[Callable[[], None]] = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.engine = engine
+        self.after_step = after_step  # called on the loop's thread after every step: deliver its events
+        self.clock = clock  # times the step in flight, for /health
+        self._step_started: Optional[float] = None
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="lightllm-engine", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self, timeout: float = 60.0) -> bool:
+        """Stop after the current step; False when the step is still running after ``timeout`` seconds."""
+        self._stop.set()
+        if self.thread.is_alive():
+            self.thread.join(timeout)
+        return not self.thread.is_alive()
+
+    def step_in_flight_s(self) -> Optional[float]:
+        """How long the current step has run; None between steps."""
+        started = self._step_started
+        return None if started is None else self.clock() - started
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            busy = True
+            self._step_started = self.clock()
+            try:
+                busy = self.engine.step()
+            except Exception:  # a failing step must not kill the server silently
+                logger.exception("engine step failed; failing the requests in it")
+                self.engine.fail_all()
+            self._step_started = None
+            if self.after_step is not None:  # before any wait: an idle step may still have finished aborts
+                self.after_step()
+            if not busy:
+                self.engine.wait_for_request(_IDLE_WAIT_S)
