@@ -3,8 +3,10 @@ emits each request's events. No threads here: ``LLM`` calls ``step()`` in the ca
 its engine-loop thread. ``submit``, ``abort`` and ``abort_all`` may be called from any thread.
 
 Every submitted request gets exactly one "finish" event. A failure that belongs to one request (its sampling)
-ends only that request with "error"; its neighbours in the step go on. A failure of the step itself (the model
-forward) is raised: the caller ends the requests with ``fail_all``.
+ends only that request with "error"; its neighbours in the step go on. A failed model forward ends the requests
+of that step with "error" (a prefill's new batch, or the decoding batch) and nothing else: requests still
+waiting, and the running ones during a failed prefill, go on. Anything else that raises (a bug) propagates: the
+caller then ends every request with ``fail_all``.
 """
 
 import logging
@@ -94,18 +96,18 @@ class Engine:
         if kind == "idle":
             return False
         t0 = time.perf_counter()
-        if kind == "prefill":
-            try:
+        try:
+            if kind == "prefill":
                 logits = self.runner.prefill([r.slot for r in batch], [r.context for r in batch])
-                alive = self._postprocess(batch, logits)
-            except Exception:  # the batch is in neither running nor waiting: fail it here, free its slots
-                for req in batch:
-                    if req.slot >= 0:
-                        self._finish(req, "error")
-                raise
-        else:
-            logits = self.runner.decode([r.slot for r in batch], [r.output_ids[-1] for r in batch])
-            alive = self._postprocess(batch, logits)
+            else:
+                logits = self.runner.decode([r.slot for r in batch], [r.output_ids[-1] for r in batch])
+        except Exception:  # e.g. out of memory on one long prompt: only the requests of this forward fail
+            logger.exception("%s forward of %d requests failed; they end with finish_reason error", kind, len(batch))
+            for req in batch:
+                self._finish(req, "error")
+            self.scheduler.update(kind, [])
+            return True
+        alive = self._postprocess(batch, logits)
         self.scheduler.update(kind, alive)
         if self.observer is not None:  # _postprocess synchronized on the sampled tokens: t0..now covers the GPU work
             self.observer.on_step(kind, len(batch), time.perf_counter() - t0)
@@ -159,13 +161,17 @@ class Engine:
 
     def _sample(self, reqs: List[Request], logits: torch.Tensor) -> List[Optional[Tuple[int, float]]]:
         """(token, logprob) per request, None for one whose own draw fails. The batch is drawn at once; if that
-        raises, each request is drawn alone, so only the requests that cause the failure lose their draw (a
-        seeded neighbour may then continue from a generator the failed batch draw already advanced)."""
+        raises, each request is drawn alone, so only the requests that cause the failure lose their draw; seeded
+        generators are first put back where the failed batch draw found them, so a seed's tokens do not depend on
+        a neighbour's failure."""
+        seeded = [(r.generator, r.generator.get_state()) for r in reqs if r.generator is not None]
         try:
             tokens, logprobs = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
             return list(zip(tokens.tolist(), logprobs.tolist()))
         except Exception:
             logger.exception("sampling a batch of %d requests failed; sampling them one by one", len(reqs))
+        for generator, state in seeded:
+            generator.set_state(state)
         drawn = []
         for i, req in enumerate(reqs):
             try:
