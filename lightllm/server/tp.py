@@ -102,8 +102,13 @@ class Workers:
             if pr.get(r, pr.RECEIVED) < number:
                 reasons.append("never received it")
             why[r] = reasons
-        culprits = [r for r in unfinished if why[r]] or unfinished
-        return "; ".join(f"rank {r} ({', '.join(why[r]) or 'alive, inside the step'})" for r in culprits)
+        culprits = [r for r in unfinished if why[r]]
+        if culprits:
+            return "; ".join(f"rank {r} ({', '.join(why[r])})" for r in culprits)
+        # every worker is alive inside the step: one of them or rank 0 hangs in a kernel while the rest wait for it
+        # in a collective, and from here the two look the same
+        ranks = ", ".join(str(r) for r in unfinished)
+        return f"ranks {ranks} are alive inside the step: a kernel or collective hangs on rank 0 or one of them"
 
     def fail(self, why: str) -> None:
         """The ranks can no longer run in step: end every one of them and this process, saying why."""
