@@ -4,6 +4,7 @@ short context caps the default --max_req_total_len instead of crashing in the wa
 import logging
 import os
 import socket
+import subprocess
 import sys
 
 import pytest
@@ -29,11 +30,18 @@ def short_model(tmp_path_factory):
 
 
 def run_server(tmp_path, args):
-    """``python -m lightllm.server.api_server *args`` to its end: (exit code, stdout + stderr)."""
+    """``python -m lightllm.server.api_server *args`` to its end: (exit code, stdout + stderr). A server that
+    wrongly gets as far as loading weights is stopped there (its output says so), not left to serve."""
     env = {**os.environ, "PYTHONPATH": REPO, "LIGHTLLM_TINY_MODEL_DIR": str(tmp_path / "tiny"), "HF_HUB_OFFLINE": "1"}
-    # the bound only catches a server that wrongly starts serving; the whole tree is stopped however it ends
-    done = procs.run([sys.executable, "-m", "lightllm.server.api_server", *args], timeout=procs.HANG_TIMEOUT_S, env=env)
-    return done.returncode, done.stdout + done.stderr
+    cmd = [sys.executable, "-m", "lightllm.server.api_server", *args]
+    lines = []
+    with procs.running(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+        for line in proc.stdout:
+            lines.append(line)
+            if "KV cache:" in line:  # the runner's first line after loading: too late for a start-up error
+                return None, "".join(lines)
+        code = proc.wait()
+    return code, "".join(lines)
 
 
 def assert_one_error_line(code, out, *expected):
