@@ -13,6 +13,8 @@ import openai
 import pytest
 from server_helpers import running_server
 
+from lightllm.common import proc as procs
+
 MAX_LEN = 1024  # long enough that a full-length request outlives a client that gives up
 MAX_BODY = 256 * 1024
 
@@ -103,8 +105,8 @@ def test_sampling_seed_and_stop_string(server):
 
 
 def wait_for_abort(server, aborted_before):
-    deadline = time.time() + 15
-    while time.time() < deadline:
+    deadline = time.monotonic() + procs.HANG_TIMEOUT_S  # only a request that is never aborted waits this long
+    while time.monotonic() < deadline:
         done = metric(server, "lightllm_requests_finished_total", '{finish_reason="abort"}') or 0.0
         if done > aborted_before and metric(server, "lightllm_running_batch") == 0:
             return done
@@ -278,14 +280,16 @@ def test_a_request_dropped_while_queued_is_counted_once_as_abort(server):
         for it in lines:
             next(it)  # its first token: it is running
         with client.stream("POST", server + "/generate_stream", json=body):
-            deadline = time.time() + 30
-            while (metric(server, "lightllm_queue_length") or 0) < 1 and time.time() < deadline:
+            deadline = time.monotonic() + procs.HANG_TIMEOUT_S
+            while (metric(server, "lightllm_queue_length") or 0) < 1 and time.monotonic() < deadline:
                 time.sleep(0.05)
             assert metric(server, "lightllm_queue_length") == 1, "the ninth request was meant to wait"
-        deadline = time.time() + 30  # it left while queued: counted as abort while the eight still run
-        while finished(server)["abort"] - before["abort"] < 1 and time.time() < deadline:
+        deadline = time.monotonic() + procs.HANG_TIMEOUT_S  # it left while queued: counted as abort at once
+        while finished(server)["abort"] - before["abort"] < 1 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert finished(server)["abort"] - before["abort"] == 1
-    wait_for_abort(server, before["abort"] + 8)
+    deadline = time.monotonic() + procs.HANG_TIMEOUT_S  # the eight end too (aborted, or done if they were fast)
+    while sum(finished(server).values()) - sum(before.values()) < 9 and time.monotonic() < deadline:
+        time.sleep(0.05)
     after = finished(server)
     assert sum(after.values()) - sum(before.values()) == 9 and after["error"] == before["error"]

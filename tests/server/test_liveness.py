@@ -38,7 +38,7 @@ class BlockingRunner:
 
     def prefill(self, slots, prompts):
         self.entered.set()
-        assert self.release.wait(60), "the test never released the step"
+        assert self.release.wait(procs.HANG_TIMEOUT_S), "the test never released the step"
         return torch.zeros(len(slots), self.config.vocab_size)
 
 
@@ -54,7 +54,7 @@ def test_health_is_503_while_a_step_runs_past_the_bound():
         assert client.get("/health").status_code == 200
         server.engine.submit(req)
         try:
-            assert runner.entered.wait(60)
+            assert runner.entered.wait(procs.HANG_TIMEOUT_S)
             now[0] = 30.0  # at the bound: still healthy
             assert client.get("/health").status_code == 200
             now[0] = 31.5
@@ -63,8 +63,8 @@ def test_health_is_503_while_a_step_runs_past_the_bound():
             assert r.json()["status"] == "engine step running for 31.5s, over --health_step_timeout_s 30"
         finally:
             runner.release.set()
-        assert finished.wait(60)  # emitted inside the step: wait for the step itself to end
-        deadline = time.monotonic() + 60
+        assert finished.wait(procs.HANG_TIMEOUT_S)  # emitted inside the step: wait for the step itself to end
+        deadline = time.monotonic() + procs.HANG_TIMEOUT_S
         while server.loop.step_in_flight_s() == 31.5 and time.monotonic() < deadline:
             time.sleep(0.01)
         assert client.get("/health").status_code == 200
