@@ -10,7 +10,8 @@ from lightllm.server.http_guards import BodyLimit
 
 
 def run(limit, chunks, headers=()):
-    """Send ``chunks`` (then a disconnect) through BodyLimit: (what the app received, what was sent back)."""
+    """Send ``chunks`` (then a disconnect) through BodyLimit: (what the app received, what was sent back, the
+    messages BodyLimit left unread)."""
     messages = [{"type": "http.request", "body": c, "more_body": i < len(chunks) - 1} for i, c in enumerate(chunks)]
     messages.append({"type": "http.disconnect"})
     received, sent, app_got = list(messages), [], []
@@ -27,12 +28,12 @@ def run(limit, chunks, headers=()):
 
     scope = {"type": "http", "method": "POST", "path": "/generate", "headers": list(headers)}
     asyncio.run(BodyLimit(app, limit)(scope, receive, send))
-    return app_got, sent
+    return app_got, sent, received
 
 
 def test_a_streamed_body_over_the_limit_is_refused_without_reading_the_rest():
-    app_got, sent = run(250, [b"x" * 100] * 5)
-    assert app_got == []  # never parsed
+    app_got, sent, unread = run(250, [b"x" * 100] * 5)
+    assert app_got == [] and len(unread) == 3  # never parsed; the last two chunks and the disconnect unread
     assert sent[0]["status"] == 413
     error = json.loads(sent[1]["body"])["error"]
     assert error == {"message": "body: 300 bytes received so far, more than --max_request_body_bytes (250)",
@@ -40,15 +41,15 @@ def test_a_streamed_body_over_the_limit_is_refused_without_reading_the_rest():
 
 
 def test_a_declared_length_over_the_limit_is_refused_before_any_byte_is_read():
-    app_got, sent = run(250, [b"x" * 10], headers=[(b"content-length", b"1000")])
-    assert app_got == [] and sent[0]["status"] == 413
+    app_got, sent, unread = run(250, [b"x" * 10], headers=[(b"content-length", b"1000")])
+    assert app_got == [] and sent[0]["status"] == 413 and len(unread) == 2  # not one message read
     assert (
         json.loads(sent[1]["body"])["error"]["message"] == "body: 1000 bytes, more than --max_request_body_bytes (250)"
     )
 
 
 def test_a_body_within_the_limit_reaches_the_app_whole_then_the_clients_own_messages():
-    app_got, sent = run(250, [b"x" * 100, b"y" * 150])
+    app_got, sent, _ = run(250, [b"x" * 100, b"y" * 150])
     assert app_got == [{"type": "http.request", "body": b"x" * 100 + b"y" * 150, "more_body": False},
                        {"type": "http.disconnect"}]  # fmt: skip
     assert sent == []
