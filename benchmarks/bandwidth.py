@@ -19,3 +19,11 @@ def gemv_gbs() -> float:
     w = torch.randn(16384, 32768, dtype=torch.bfloat16, device="cuda")
     x = torch.randn(32768, dtype=torch.bfloat16, device="cuda")
     return w.numel() * w.element_size() / cuda_graph_bench(lambda: torch.mv(w, x)) / 1e6
+
+
+def matmul_tflops() -> float:
+    """An 8192^3 bf16 matmul, TFLOP/s: the compute rate a prefill's GEMMs can reach."""
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    c = torch.empty_like(a)
+    return 2 * 8192**3 / cuda_graph_bench(lambda: torch.mm(a, b, out=c)) / 1e9

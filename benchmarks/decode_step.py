@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from bandwidth import copy_gbs, gemv_gbs
+from bandwidth import copy_gbs, gemv_gbs, matmul_tflops
 
 from lightllm.common import proc as procs
 
@@ -59,6 +59,25 @@ def step_times(model_dir, batch_sizes, kv_len, graph_max_len):
     return llm, rows
 
 
+def ttft_ms(llm, prompt_len: int, reps: int = 10) -> dict:
+    """Time to the first token of one ``prompt_len``-token prompt through the offline API (prefill, sampling,
+    bookkeeping), and the runner's prefill forward alone; medians of ``reps`` after one warm-up each."""
+    from lightllm import SamplingParams
+
+    prompt, params = list(range(1, prompt_len + 1)), SamplingParams(max_new_tokens=1, ignore_eos=True)
+    runner = llm.runner
+
+    def prefill_only():
+        slot = runner.kv.add_request()
+        runner.prefill([slot], [prompt])
+        runner.free(slot)
+
+    out = {}
+    for name, fn in (("generate_ms", lambda: llm.generate(prompt, params)), ("prefill_ms", prefill_only)):
+        out[name] = _time(fn, runner, reps)
+    return out
+
+
 def _time(step, runner, reps=10):
     step()  # warm (also grows each request by one token per call: lengths drift by reps, negligible)
     torch.cuda.synchronize()
@@ -93,6 +112,7 @@ def main():
     p.add_argument("--kv-len", type=int, default=4096)
     p.add_argument("--out", default="benchmarks/results/decode_step.json")
     p.add_argument("--no-startup", action="store_true")
+    p.add_argument("--ttft-prompt", type=int, default=128, help="prompt tokens of the time-to-first-token row")
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("decode_step.py needs a CUDA GPU")
@@ -113,6 +133,11 @@ def main():
         result = {"device": torch.cuda.get_device_name(), "bandwidth_GBs": bw, "layers": args.layers,
                   "kv_len": args.kv_len, "first_start_s": llm.runner.startup_seconds, "rows": rows,
                   "startup_s": {}}  # fmt: skip
+        result["ttft"] = {"prompt_tokens": args.ttft_prompt, **ttft_ms(llm, args.ttft_prompt)}
+        params, tflops = sum(t.numel() for t in _step_weights(llm.runner.model.w)), matmul_tflops()
+        # a bound, not a target: read the weights once, plus the prompt's matmul FLOPs at the measured bf16 rate
+        flops_ms = 2 * params * args.ttft_prompt / tflops / 1e9
+        result["ttft"].update(floor_ms=weight_bytes / floor_gbs / 1e6 + flops_ms, matmul_tflops=tflops)
         save(args.out, result)  # the step times survive a start-up run cut short
         if not args.no_startup:
             del llm
@@ -125,6 +150,11 @@ def main():
                     save(args.out, result)
     print(f"{result['device']}: copy {bw['copy']:.0f} GB/s, GEMV {bw['gemv']:.0f} GB/s (floor at the faster), "
           f"{args.layers} layers, KV {args.kv_len} tokens/request")  # fmt: skip
+    t = result["ttft"]
+    print(
+        f"time to first token, {t['prompt_tokens']}-token prompt: {t['generate_ms']:.2f} ms (prefill forward "
+        f"{t['prefill_ms']:.2f} ms; floor {t['floor_ms']:.2f} ms)"
+    )
     print(" batch  eager ms  graph ms  floor ms  graph/floor")
     for r in rows:
         ratio = r["graph_over_floor"]
