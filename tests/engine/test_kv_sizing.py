@@ -9,7 +9,7 @@ from lightllm.common.kv_cache.sizing import HostMemory
 from lightllm.engine.args import EngineArgs
 from lightllm.engine.model_runner import PROFILE_POOL_TOKENS, ModelRunner
 from lightllm.models.qwen3.model import Qwen3Model
-from lightllm.tools.make_tiny_model import make_tiny_qwen3
+from lightllm.tools.make_tiny_model import QWEN3_8B_SHAPE, make_tiny_qwen3
 
 MIB, GIB = 2**20, 2**30
 BYTES_PER_TOKEN = 2 * 2 * 16 * 2 * 4  # the tiny model: 2 layers x 2 KV heads x head_dim 16 x (K, V) x fp32
@@ -195,3 +195,29 @@ def test_host_memory_reads_memavailable_else_sysconf(tmp_path, monkeypatch):
     pages = {"SC_AVPHYS_PAGES": 3, "SC_PAGE_SIZE": 4096}
     monkeypatch.setattr("os.sysconf", lambda name: pages[name])
     assert HostMemory(str(tmp_path / "missing")).available() == 3 * 4096
+
+
+@pytest.mark.gpu
+def test_gpu_high_mem_fraction_leaves_room_for_the_worst_forwards(tmp_path, caplog):
+    """On a real device at --mem_fraction 0.95 (8B-shaped layers): the worst prefill and an eager full-length
+    decode of the largest batch run on the real pool, after the graphs, without running out of memory."""
+    model = str(make_tiny_qwen3(tmp_path / "m", num_hidden_layers=2, **QWEN3_8B_SHAPE))
+    args = EngineArgs(model_dir=model, data_type="bf16", mem_fraction=0.95, running_max_req_size=64,
+                      batch_max_tokens=8192, max_req_total_len=4096, graph_max_batch_size=64)  # fmt: skip
+    with caplog.at_level(logging.INFO, logger="lightllm.engine.model_runner"):
+        runner = ModelRunner(args)
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("KV cache sizing:")]
+    print(line)
+    slots = [runner.add_request() for _ in range(64)]
+    for s in slots:
+        runner.kv.extend(s, 4094)
+    runner.decode(slots, [1] * 64)  # the graph of 64
+    runner.graphs = None
+    runner.decode(slots, [1] * 64)  # eager, every request at 4096 tokens
+    for s in slots:
+        runner.free(s)
+    sizes = [4096, 4096]  # batch_max_tokens as two full requests
+    runner.prefill([runner.add_request() for _ in sizes], [[1] * n for n in sizes])
+    torch.cuda.synchronize()
+    free, total = torch.cuda.mem_get_info()
+    print(f"free {free / GIB:.2f} GiB of {total / GIB:.2f}; peak reserved {torch.cuda.max_memory_reserved() / GIB:.2f}")
