@@ -4,6 +4,8 @@ graphs) with a fake device-memory API, and the CPU path with a fake host-memory 
 import logging
 
 import pytest
+import torch
+
 from lightllm.common.autotuner import AutotuneKernelType, current_warmup_kernel_type
 from lightllm.common.kv_cache.sizing import HostMemory
 from lightllm.engine.args import EngineArgs
