@@ -2,7 +2,8 @@
 
 Start-up, top to bottom (``ModelRunner.__init__``):
 1. read the model config and fit the options to it (context length, KV group size), load weights, size
-   the KV pool;
+   the KV pool: on a GPU from the peak of a profiling prefill and decode over a scratch pool (no tuning
+   there), on the CPU from the available RAM (``common/kv_cache/sizing.py``);
 2. GENERAL warmup: dummy prefills at a spread of lengths up to ``batch_max_tokens``;
 3. decode graphs, largest batch first: per size one eager decode forward in the DECODE_ATTENTION scope
    (decode-attention kernels tune there), then the capture;
@@ -26,8 +27,17 @@ from lightllm.common.autotuner import (
     check_rank_agreement,
     get_autotune_stats,
 )
+from lightllm.common.autotuner.dist import all_gather_object
 from lightllm.common.cuda_graph import DecodeGraphs
-from lightllm.common.kv_cache import KVCacheManager, pool_num_tokens
+from lightllm.common.kv_cache import KVCacheManager
+from lightllm.common.kv_cache.sizing import (
+    GIB,
+    GpuProfile,
+    cpu_pool_tokens,
+    default_memory_api,
+    describe_gpu_sizing,
+    gpu_pool_tokens,
+)
 from lightllm.engine.args import EngineArgs
 from lightllm.layers import parallel
 from lightllm.layers.attention import AttentionBackend, check_head_dim, make_pool
@@ -37,9 +47,11 @@ from lightllm.models.registry import read_model_config
 
 logger = logging.getLogger(__name__)
 
+PROFILE_POOL_TOKENS = 256  # the profiling forward's scratch KV pool; its token indices wrap
+
 
 class ModelRunner:
-    def __init__(self, args: EngineArgs, graph_api=None):
+    def __init__(self, args: EngineArgs, graph_api=None, memory_api=None):
         args.normalize()
         envs.validate_all()
         self.args = args
@@ -56,8 +68,13 @@ class ModelRunner:
         self.family.check_tp(self.config, self.tp)
         self.model = self.family.build(Path(self.model_dir), self.config, args.torch_dtype, self.device, self.tp_rank,
                                        self.tp)  # fmt: skip
-        self._init_kv_cache()
         seconds["load"] = time.perf_counter() - t
+
+        t = time.perf_counter()
+        use_graphs = not args.disable_cudagraph and (self.device.type == "cuda" or graph_api is not None)
+        self._init_kv_cache(memory_api or default_memory_api(self.device), args.graph_batch_sizes() if use_graphs
+                            else [])  # fmt: skip
+        seconds["kv sizing"] = time.perf_counter() - t
 
         stats0, t = get_autotune_stats(), time.perf_counter()
         with autotune_warmup(AutotuneKernelType.GENERAL):
@@ -65,7 +82,6 @@ class ModelRunner:
         seconds["general warmup"] = time.perf_counter() - t
 
         self.graphs: Optional[DecodeGraphs] = None
-        use_graphs = not args.disable_cudagraph and (self.device.type == "cuda" or graph_api is not None)
         if use_graphs:
             tune_len = decode_attn_tuning_len(args.graph_max_len_in_batch)
             logger.info("decode attention tunes at KV lengths up to %d (%s, capped at --graph_max_len_in_batch)",
@@ -91,7 +107,7 @@ class ModelRunner:
 
     # ---- KV cache ------------------------------------------------------------------------------------------
 
-    def _init_kv_cache(self) -> None:
+    def _init_kv_cache(self, memory_api, graph_sizes: Sequence[int]) -> None:
         a, c = self.args, self.config
         max_reqs = a.running_max_req_size + 1  # one slot is the padding request of graph batches
         contiguous = False
@@ -99,14 +115,24 @@ class ModelRunner:
             from lightllm.kernels.attention.decode.fa3 import require_fa3
 
             contiguous = not require_fa3(self.device).paged
-        if contiguous:
+        # a one-token pool on the meta device: bytes per token of whichever KV type, nothing allocated
+        per_token = make_pool(a.llm_kv_type, 1, c.num_hidden_layers, self.model.kv_heads, c.head_dim,
+                              a.torch_dtype, "meta", a.llm_kv_quant_group_size).bytes_per_token()  # fmt: skip
+        if contiguous:  # fixed per-request rows
             num_tokens = max_reqs * a.max_req_total_len
-        elif a.max_total_token_num is not None or self.device.type != "cuda":
-            num_tokens = a.max_total_token_num or max_reqs * a.max_req_total_len
-        else:  # a one-token pool on the meta device: bytes per token of whichever KV type, nothing allocated
-            per_token = make_pool(a.llm_kv_type, 1, c.num_hidden_layers, self.model.kv_heads, c.head_dim,
-                                  a.torch_dtype, "meta", a.llm_kv_quant_group_size).bytes_per_token()  # fmt: skip
-            num_tokens = pool_num_tokens(mem_fraction=a.mem_fraction, bytes_per_token=per_token, device=self.device)
+        elif memory_api.profiles:
+            profile = self._profile_memory(memory_api, graph_sizes)
+            num_tokens = gpu_pool_tokens(profile, a.mem_fraction, per_token, a.max_total_token_num)
+            logger.info("%s", describe_gpu_sizing(profile, a.mem_fraction, per_token, num_tokens))
+        else:
+            available = memory_api.available()
+            num_tokens = cpu_pool_tokens(available, a.mem_fraction, per_token, max_reqs * a.max_req_total_len,
+                                         a.max_total_token_num)  # fmt: skip
+            logger.info("KV cache sizing: %.2f GiB RAM available x --mem_fraction %s, at most %d requests of %d "
+                        "tokens -> %d tokens x %d B", available / GIB, a.mem_fraction, max_reqs,
+                        a.max_req_total_len, num_tokens, per_token)  # fmt: skip
+        if self.tp > 1:  # ranks share token indices: every pool takes the smallest rank's size
+            num_tokens = min(all_gather_object(num_tokens))
         if num_tokens - 1 < a.max_req_total_len:  # one token is the padding request's
             raise ValueError(f"the KV cache holds {num_tokens} tokens, fewer than one --max_req_total_len "
                              f"({a.max_req_total_len}) request plus padding: raise --max_total_token_num or "
@@ -120,6 +146,55 @@ class ModelRunner:
         self.pad_token = int(self.kv.extend(self.pad_slot, 1)[0])
         logger.info("KV cache: %d tokens (%s, %s)", num_tokens, a.llm_kv_type, "contiguous slots" if contiguous
                     else "token pool")  # fmt: skip
+
+    def _profile_memory(self, memory_api, graph_sizes: Sequence[int]) -> GpuProfile:
+        """The worst forwards the server runs (a ``batch_max_tokens`` prefill, a ``running_max_req_size`` decode
+        at ``max_req_total_len``) over a scratch pool whose token indices wrap, outside any autotune scope so
+        no kernel searches on dummy data; their peak allocation above the state before them. The decode graphs
+        are estimated to keep the decode peak plus the float32 logits each smaller graph holds as its output."""
+        a, c, dev = self.args, self.config, self.device
+        scratch = make_pool(a.llm_kv_type, PROFILE_POOL_TOKENS, c.num_hidden_layers, self.model.kv_heads, c.head_dim,
+                            a.torch_dtype, dev, a.llm_kv_quant_group_size)  # fmt: skip
+        self.model.set_attention(AttentionBackend(scratch, a.llm_decode_att_backend, dev))
+        max_reqs, max_len = a.running_max_req_size + 1, a.max_req_total_len
+        table = (torch.arange(max_len, device=dev) % PROFILE_POOL_TOKENS).to(torch.int32).repeat(max_reqs, 1)
+        full, rest = divmod(a.batch_max_tokens, max_len)
+        sizes = ([max_len] * full + ([rest] if rest else []))[: a.running_max_req_size]
+        i32 = dict(dtype=torch.int32, device=dev)
+        prefill = InferState(
+            is_prefill=True,
+            b_req_idx=torch.arange(len(sizes), **i32),
+            req_to_token=table,
+            b_seq_len=torch.tensor(sizes, **i32),
+            out_token_idx=torch.arange(sum(sizes), device=dev) % PROFILE_POOL_TOKENS,
+            positions=torch.cat([torch.arange(n) for n in sizes]).to(dev),
+            max_len_in_batch=max(sizes),
+            b_q_start=torch.tensor([0, *itertools.accumulate(sizes[:-1])], **i32),
+            b_q_len=torch.tensor(sizes, **i32),
+            max_q_len=max(sizes),
+        )
+        bs = a.running_max_req_size
+        decode = InferState(
+            is_prefill=False,
+            b_req_idx=torch.arange(bs, **i32),
+            req_to_token=table,
+            b_seq_len=torch.full((bs,), max_len, **i32),
+            out_token_idx=torch.arange(bs, device=dev) % PROFILE_POOL_TOKENS,
+            positions=torch.full((bs,), max_len - 1, dtype=torch.int64, device=dev),
+            max_len_in_batch=max_len,
+        )
+        peaks = []
+        base = memory_api.allocated()
+        for state in (prefill, decode):
+            memory_api.reset_peak()
+            self.model.forward(torch.zeros(state.positions.shape[0], dtype=torch.int64, device=dev), state)
+            peaks.append(memory_api.peak_allocated() - base)
+        self.model.set_attention(None)
+        del scratch, table, prefill, decode, state
+        used, total = memory_api.used_and_total()
+        outputs = sum(sorted(graph_sizes)[:-1]) * c.vocab_size * 4
+        return GpuProfile(total=total, used=used, torch_allocated=memory_api.allocated(), activation_peak=max(peaks),
+                          graph_estimate=peaks[1] + outputs if graph_sizes else 0)  # fmt: skip
 
     # ---- steps ---------------------------------------------------------------------------------------------
 

@@ -32,7 +32,8 @@ _HELP = {
     "llm_kv_type": "KV cache type",
     "llm_kv_quant_group_size": "INT8/INT4 KV quantization group size along head_dim",
     "llm_decode_att_backend": "decode attention kernels",
-    "mem_fraction": "fraction of free GPU memory for the KV cache",
+    "mem_fraction": "fraction of GPU memory the server may use, KV cache sized after a profiling forward "
+    "(CPU: fraction of available RAM for the KV cache)",
     "max_total_token_num": "KV cache size in tokens (overrides mem_fraction)",
     "device": "cuda or cpu (default: cuda when available)",
 }

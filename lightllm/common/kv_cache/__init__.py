@@ -2,7 +2,7 @@
 
 from lightllm.common.kv_cache.allocator import KVCacheFull, ReqSlotAllocator, TokenAllocator
 from lightllm.common.kv_cache.manager import KVCacheManager
-from lightllm.common.kv_cache.pools import Int4KVPool, Int8KVPool, KVPool, pool_num_tokens, tokens_for_budget
+from lightllm.common.kv_cache.pools import Int4KVPool, Int8KVPool, KVPool, tokens_for_budget
 from lightllm.common.kv_cache.quant import (
     check_group_size,
     dequantize_int4_ref,
@@ -22,7 +22,6 @@ __all__ = [
     "Int8KVPool",
     "Int4KVPool",
     "tokens_for_budget",
-    "pool_num_tokens",
     "check_group_size",
     "quantize_int8_ref",
     "dequantize_int8_ref",

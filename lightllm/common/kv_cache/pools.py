@@ -5,8 +5,6 @@
 request the allocator gave slot ``i`` to.
 """
 
-from typing import Optional
-
 import torch
 
 from lightllm.common.kv_cache.allocator import check_count
@@ -106,26 +104,3 @@ def tokens_for_budget(bytes_budget: int, bytes_per_token: int) -> int:
             f"got {bytes_budget}"
         )
     return bytes_budget // bytes_per_token
-
-
-def pool_num_tokens(
-    mem_fraction: Optional[float] = None,
-    num_tokens: Optional[int] = None,
-    *,
-    bytes_per_token: int,
-    device="cuda",
-) -> int:
-    """Pool size in tokens: ``num_tokens`` as given, or what fits in ``mem_fraction`` of the *free* memory of
-    ``device`` (``torch.cuda.mem_get_info``). Exactly one of the two must be given."""
-    if (mem_fraction is None) == (num_tokens is None):
-        raise ValueError(
-            f"pool_num_tokens: expected exactly one of mem_fraction or num_tokens, "
-            f"got mem_fraction={mem_fraction!r}, num_tokens={num_tokens!r}"
-        )
-    check_count("pool_num_tokens", "bytes_per_token", bytes_per_token, 1)
-    if num_tokens is not None:
-        return check_count("pool_num_tokens", "num_tokens", num_tokens, 1)
-    if isinstance(mem_fraction, bool) or not isinstance(mem_fraction, (int, float)) or not 0 < mem_fraction <= 1:
-        raise ValueError(f"pool_num_tokens: mem_fraction expected a number in (0, 1], got {mem_fraction!r}")
-    free_bytes, _total = torch.cuda.mem_get_info(device)
-    return tokens_for_budget(int(free_bytes * mem_fraction), bytes_per_token)

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from lightllm.common.kv_cache import Int4KVPool, Int8KVPool, KVPool, pool_num_tokens, tokens_for_budget
+from lightllm.common.kv_cache import Int4KVPool, Int8KVPool, KVPool, tokens_for_budget
 
 
 def _storage_bytes(*tensors):
@@ -92,45 +92,3 @@ def test_tokens_for_budget():
         tokens_for_budget(1000, 0)
     with pytest.raises(ValueError, match="bytes_budget expected an int >= 0, got -5"):
         tokens_for_budget(-5, 10)
-
-
-def test_pool_num_tokens_from_count():
-    assert pool_num_tokens(num_tokens=1234, bytes_per_token=64) == 1234
-    with pytest.raises(ValueError, match="num_tokens expected an int >= 1, got 0"):
-        pool_num_tokens(num_tokens=0, bytes_per_token=64)
-
-
-def test_pool_num_tokens_from_free_memory_fraction(monkeypatch):
-    seen = []
-
-    def fake_mem_get_info(device=None):
-        seen.append(device)
-        return 10_000, 80_000  # (free, total): sizing must use free memory
-
-    monkeypatch.setattr(torch.cuda, "mem_get_info", fake_mem_get_info)
-    bpt = Int8KVPool.token_bytes(num_layers=2, kv_heads=2, head_dim=64, group_size=8)  # 2*2*2*(64+16) = 640
-    assert pool_num_tokens(mem_fraction=0.5, bytes_per_token=bpt, device="cuda:1") == 5_000 // 640
-    assert pool_num_tokens(mem_fraction=1.0, bytes_per_token=bpt) == 10_000 // 640
-    assert seen == ["cuda:1", "cuda"]
-    with pytest.raises(ValueError, match="bytes_budget expected at least one token"):
-        pool_num_tokens(mem_fraction=0.01, bytes_per_token=bpt)
-
-
-@pytest.mark.parametrize(
-    "kwargs, match",
-    [
-        ({}, "expected exactly one of mem_fraction or num_tokens, got mem_fraction=None, num_tokens=None"),
-        ({"mem_fraction": 0.5, "num_tokens": 10}, "expected exactly one of mem_fraction or num_tokens"),
-        ({"mem_fraction": 0.0}, r"mem_fraction expected a number in \(0, 1\], got 0.0"),
-        ({"mem_fraction": 1.5}, r"mem_fraction expected a number in \(0, 1\], got 1.5"),
-        ({"mem_fraction": -0.1}, r"mem_fraction expected a number in \(0, 1\]"),
-        ({"mem_fraction": float("nan")}, r"mem_fraction expected a number in \(0, 1\]"),
-        ({"mem_fraction": "0.5"}, r"mem_fraction expected a number in \(0, 1\], got '0.5'"),
-        ({"num_tokens": 2.5}, "num_tokens expected an int, got float"),
-    ],
-    ids=["neither", "both", "fraction-zero", "fraction-above-one", "fraction-negative", "fraction-nan", "str", "float"],
-)
-def test_pool_num_tokens_bad_arguments(monkeypatch, kwargs, match):
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10**9, 10**9))
-    with pytest.raises(ValueError, match=match):
-        pool_num_tokens(bytes_per_token=64, **kwargs)
