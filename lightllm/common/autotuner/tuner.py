@@ -19,12 +19,20 @@ from lightllm.common.autotuner import dist
 from lightllm.common.autotuner.accuracy import collect_tensors, mismatch
 from lightllm.common.autotuner.bench import get_bench_func
 from lightllm.common.autotuner.choice import choose, per_scenario_best, worst_case_loss
-from lightllm.common.autotuner.keys import ParamPicker, default_run_key_distance, freeze, key_to_json, param_names
+from lightllm.common.autotuner.keys import (
+    ParamPicker,
+    default_run_key_distance,
+    freeze,
+    key_caller,
+    key_to_json,
+    param_names,
+)
 from lightllm.common.autotuner.phase import (
     STATS,
     AutotuneKernelType,
     AutotuneLevel,
     SCOPE_CLOCK,
+    _phase_stack,
     current_warmup_kernel_type,
     is_searching_level,
 )
@@ -35,6 +43,7 @@ from lightllm.common.autotuner.store import Config, ConfigStore
 logger = logging.getLogger(__name__)
 
 _MISSING = object()
+_OFF = int(AutotuneLevel.OFF)  # a plain int: every call compares the level with it
 
 
 _force_as_adaptive_logged = False
@@ -165,6 +174,8 @@ class Autotuner:
         self._static_picker = pick(param_names(static_key_func))
         self._run_picker = pick(param_names(run_key_func))
         self._configs_picker = pick(param_names(configs_gen_func))
+        self._static_key_of = key_caller(self._static_picker, static_key_func)
+        self._run_key_of = key_caller(self._run_picker, run_key_func)
         self._mutates_picker = pick(tuple(mutates_args))
         self._outputs_picker = pick(tuple(output_args))
         self._states: Dict[Any, _StaticKeyState] = {}
@@ -177,7 +188,19 @@ class Autotuner:
     def __call__(self, *args, run_config: Optional[dict] = None, **kwargs):
         if run_config is not None:
             return self.fn(*args, run_config=run_config, **kwargs)
-        state, run_key, config, searching, level, launched = self._resolve(args, kwargs)
+        level = envs.get_triton_autotune_level()
+        if level == _OFF:
+            return self.fn(*args, run_config=None, **kwargs)
+        static_key = self._static_key_of(args, kwargs)
+        state = self._states.get(freeze(static_key))
+        if state is None:
+            state = self._state(static_key, args, kwargs)
+        run_key = freeze(self._run_key_of(args, kwargs))
+        if not _phase_stack:  # the hot path, serving: a run key that has launched is one dict look-up
+            config = state.resolved.get(run_key, _MISSING)
+            if config is not _MISSING:
+                return self.fn(*args, run_config=config, **kwargs)
+        config, searching, launched = self._resolve_keyed(state, run_key, level, args, kwargs)
         if launched:
             return self.fn(*args, run_config=config, **kwargs)
         return self._first_launch(state, run_key, config, searching, level, args, kwargs)
@@ -194,10 +217,15 @@ class Autotuner:
         """What a call with these arguments launches: ``(state, run_key, config, searching, level, launched)``;
         ``launched``: the config has launched for the run key in this process (else this is its first launch)."""
         level = envs.get_triton_autotune_level()
-        if level == AutotuneLevel.OFF:
+        if level == _OFF:
             return None, None, None, False, level, True
-        state = self._state(self.static_key_func(**self._static_picker.pick(args, kwargs)), args, kwargs)
-        run_key = freeze(self.run_key_func(**self._run_picker.pick(args, kwargs)))
+        state = self._state(self._static_key_of(args, kwargs), args, kwargs)
+        run_key = freeze(self._run_key_of(args, kwargs))
+        config, searching, launched = self._resolve_keyed(state, run_key, level, args, kwargs)
+        return state, run_key, config, searching, level, launched
+
+    def _resolve_keyed(self, state: _StaticKeyState, run_key: Any, level: int, args: tuple, kwargs: dict) -> tuple:
+        """``(config, searching, launched)`` for keys already made, at a level other than off."""
         phase = current_warmup_kernel_type()
         searching = phase is self.kernel_type and is_searching_level(level)
         if phase is not None and self.warmup_all_exist_config and not _is_capturing():
@@ -206,10 +234,10 @@ class Autotuner:
             config = self._decide(state, run_key, level, args, kwargs)
         else:
             config = state.resolved.get(run_key, _MISSING)
-            if config is not _MISSING:  # the hot path: one dict look-up
-                return state, run_key, config, False, level, True
+            if config is not _MISSING:
+                return config, False, True
             config = self._lookup(state, run_key)
-        return state, run_key, config, searching, level, state.resolved.get(run_key, _MISSING) is config
+        return config, searching, state.resolved.get(run_key, _MISSING) is config
 
     def _settle(self, plan: Plan, args: tuple, kwargs: dict) -> None:
         plan.state, plan.run_key, plan.config, plan.searching, plan.level, plan.confirmed = self._resolve(args, kwargs)
