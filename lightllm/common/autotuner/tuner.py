@@ -9,7 +9,7 @@ import math
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 from tqdm import tqdm
@@ -36,7 +36,7 @@ from lightllm.common.autotuner.phase import (
     current_warmup_kernel_type,
     is_searching_level,
 )
-from lightllm.common.autotuner.plan import Plan
+from lightllm.common.autotuner.plan import FixedPlan, Plan
 from lightllm.common.autotuner.space import CandidateSpace
 from lightllm.common.autotuner.store import Config, ConfigStore
 
@@ -205,12 +205,16 @@ class Autotuner:
             return self.fn(*args, run_config=config, **kwargs)
         return self._first_launch(state, run_key, config, searching, level, args, kwargs)
 
-    def plan(self, *args, **kwargs) -> Plan:
-        """Resolve the config for a launch with these arguments (searching, in the kernel's own phase at level
-        1/2, as a call would) without launching; ``plan.run(...)`` then launches with it, for every call that
-        shares these keys (every layer of a step). ``run_config`` is not an argument here."""
+    def plan(self, *args, run_config: Optional[dict] = None, **kwargs) -> Union[Plan, FixedPlan]:
+        """A plan whose ``run(...)`` launches with one resolved config, for every call that shares these keys
+        (every layer of a step). With arguments it resolves now (searching, in the kernel's own phase at level
+        1/2, as a call would) without launching; without any it settles on its first ``run``'s arguments, so a
+        kernel's plan can be made from shapes before any layer runs. ``run_config``: launch with it, untuned."""
+        if run_config is not None:
+            return FixedPlan(self, run_config)
         plan = Plan(self)
-        self._settle(plan, args, kwargs)
+        if args or kwargs:
+            self._settle(plan, args, kwargs)
         return plan
 
     def _resolve(self, args: tuple, kwargs: dict) -> tuple:
