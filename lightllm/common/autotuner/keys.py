@@ -120,6 +120,11 @@ def freeze(key: Any) -> Any:
     return str(key)
 
 
+def is_flat_key(key: Any) -> bool:
+    """A dict of str names to scalars: equal such keys freeze equal, and nothing inside one can change in place."""
+    return type(key) is dict and all(type(k) is str and type(v) in _SCALAR_TYPES for k, v in key.items())
+
+
 def key_to_json(key: Any) -> str:
     return json.dumps(key, separators=(",", ":"), sort_keys=True, default=str)
 

@@ -23,6 +23,7 @@ from lightllm.common.autotuner.keys import (
     ParamPicker,
     default_run_key_distance,
     freeze,
+    is_flat_key,
     key_caller,
     key_to_json,
     param_names,
@@ -179,6 +180,8 @@ class Autotuner:
         self._mutates_picker = pick(tuple(mutates_args))
         self._outputs_picker = pick(tuple(output_args))
         self._states: Dict[Any, _StaticKeyState] = {}
+        # Consecutive calls (every layer of a step) mostly share the static key; equal flat keys freeze equal.
+        self._last_static: Tuple[Optional[dict], Any] = (None, None)
         self.generation = 0  # bumped whenever a config a plan may hold changes: plans then resolve again
         self.last_search: Optional[SearchRecord] = None
         _instances.add(self)
@@ -192,7 +195,14 @@ class Autotuner:
         if level == _OFF:
             return self.fn(*args, run_config=None, **kwargs)
         static_key = self._static_key_of(args, kwargs)
-        state = self._states.get(freeze(static_key))
+        memo = self._last_static  # (a copy of the last flat static key, its frozen form): one atomic read
+        if static_key == memo[0]:
+            frozen = memo[1]
+        else:
+            frozen = freeze(static_key)
+            if is_flat_key(static_key):
+                self._last_static = (dict(static_key), frozen)
+        state = self._states.get(frozen)
         if state is None:
             state = self._state(static_key, args, kwargs)
         run_key = freeze(self._run_key_of(args, kwargs))

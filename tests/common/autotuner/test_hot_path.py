@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 
+from lightllm.common.autotuner import AutotuneKernelType, autotune_warmup
 from lightllm.common.autotuner.keys import ParamPicker, freeze, key_caller
 
 
@@ -66,3 +67,22 @@ def test_call_at_a_launched_key_keys_once_and_skips_the_resolver(toy, level, mon
     for _ in range(3):
         t()
     assert keyed == [1, 1, 1] and resolver_calls == [] and t.configs_used() == [None] * 4
+
+
+def test_alternating_static_keys_each_launch_their_own_config(toy, level, isolated_autotune):
+    """Consecutive calls reuse the last static key's frozen form only when the key is equal: calls that alternate
+    between two static keys (and a key whose value changes) each launch the config searched for their own key."""
+    level(1)
+    t = toy(static_key_func=lambda x, alpha: {"width": x.shape[1], "alpha": alpha})
+    narrow, wide = (torch.randn(4, 3), torch.empty(4, 3)), (torch.randn(4, 5), torch.empty(4, 5))
+    with autotune_warmup(AutotuneKernelType.GENERAL):
+        t.kernel(*narrow)  # searched: {"ms": 0.2} is fastest
+        t.configs = [{"ms": 0.3}, {"ms": 0.1}]
+        t.kernel(*wide)  # searched: {"ms": 0.1}
+    level(0)
+    t.reset_log()
+    for _ in range(2):
+        t.kernel(*narrow)
+        t.kernel(*wide)
+        t.kernel(*narrow, 3.0)  # alpha 3.0: a static key with no config, the default
+    assert t.configs_used() == [{"ms": 0.2}, {"ms": 0.1}, None] * 2
