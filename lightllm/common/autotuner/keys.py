@@ -63,7 +63,7 @@ class ParamPicker:
 
 def key_caller(picker: ParamPicker, func: Callable) -> Callable[[tuple, dict], Any]:
     """``(args, kwargs) -> func(picked values)``; a call with no keyword arguments (the usual one) calls ``func``
-    positionally, with no dict built (every tuned call keys twice)."""
+    positionally, with no dict built (every tuned call calls its static and its run key function)."""
     kinds = [p.kind for p in inspect.signature(func).parameters.values()]
     pick, fast_from = picker.pick, picker.fast_from
     if fast_from is None or not all(k is inspect.Parameter.POSITIONAL_OR_KEYWORD for k in kinds):

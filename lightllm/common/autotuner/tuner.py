@@ -194,19 +194,9 @@ class Autotuner:
         level = envs.get_triton_autotune_level()
         if level == _OFF:
             return self.fn(*args, run_config=None, **kwargs)
-        static_key = self._static_key_of(args, kwargs)
-        memo = self._last_static  # (a copy of the last flat static key, its frozen form): one atomic read
-        if static_key == memo[0]:
-            frozen = memo[1]
-        else:
-            frozen = freeze(static_key)
-            if is_flat_key(static_key):
-                self._last_static = (dict(static_key), frozen)
-        state = self._states.get(frozen)
-        if state is None:
-            state = self._state(static_key, args, kwargs)
+        state = self._state_of(args, kwargs)
         run_key = freeze(self._run_key_of(args, kwargs))
-        if not _phase_stack:  # the hot path, serving: a run key that has launched is one dict look-up
+        if not _phase_stack:  # the hot path, serving outside any warmup: a launched run key is one dict look-up
             config = state.resolved.get(run_key, _MISSING)
             if config is not _MISSING:
                 return self.fn(*args, run_config=config, **kwargs)
@@ -233,7 +223,7 @@ class Autotuner:
         level = envs.get_triton_autotune_level()
         if level == _OFF:
             return None, None, None, False, level, True
-        state = self._state(self._static_key_of(args, kwargs), args, kwargs)
+        state = self._state_of(args, kwargs)
         run_key = freeze(self._run_key_of(args, kwargs))
         config, searching, launched = self._resolve_keyed(state, run_key, level, args, kwargs)
         return state, run_key, config, searching, level, launched
@@ -268,6 +258,19 @@ class Autotuner:
         out = self._first_launch(state, run_key, config, plan.searching, plan.level, args, kwargs)
         plan.confirmed = state.resolved.get(run_key, _MISSING) is config
         return out
+
+    def _state_of(self, args: tuple, kwargs: dict) -> _StaticKeyState:
+        """The static key's state for a call's arguments (keyed on every call: kept cheap)."""
+        static_key = self._static_key_of(args, kwargs)
+        memo = self._last_static  # (a copy of the last flat static key, its frozen form): one atomic read
+        if static_key == memo[0]:
+            frozen = memo[1]
+        else:
+            frozen = freeze(static_key)
+            if is_flat_key(static_key):
+                self._last_static = (dict(static_key), frozen)
+        state = self._states.get(frozen)
+        return state if state is not None else self._state(static_key, args, kwargs)
 
     def _state(self, static_key: Any, args: tuple, kwargs: dict) -> _StaticKeyState:
         frozen = freeze(static_key)
