@@ -14,6 +14,7 @@ import argparse
 import functools
 import gc
 import importlib
+import inspect
 import json
 import os
 import platform
@@ -73,6 +74,11 @@ def _noop_decode(
     return out
 
 
+def _plans_from_shapes(plan_class) -> bool:
+    """Kernel plans are made from shapes since the explicit per-step planning (before: from the first layer's q)."""
+    return any(name in inspect.signature(plan_class).parameters for name in ("shape", "q_shape"))
+
+
 def measure(number: int, repeats: int) -> list:
     from lightllm.common.autotuner import AutotuneKernelType, autotune, autotune_warmup, set_bench_func
     from lightllm.kernels.attention.decode import fa3, flash_decode
@@ -115,7 +121,8 @@ def measure(number: int, repeats: int) -> list:
         norm_module.rmsnorm(h, w, out=h_out)
     row("rmsnorm, per call (checks, keys, dispatch)", lambda: norm_module.rmsnorm(h, w, out=h_out))
     if hasattr(norm_module, "RMSNormPlan"):
-        norm_plan = norm_module.RMSNormPlan(h, w)
+        shaped = _plans_from_shapes(norm_module.RMSNormPlan)
+        norm_plan = norm_module.RMSNormPlan(h.shape, h.dtype) if shaped else norm_module.RMSNormPlan(h, w)
         row("RMSNormPlan.run, per call (plan once per step and shape)", lambda: norm_plan.run(h, w, out=h_out))
 
     # Decode attention as the backend calls it per layer, the kernels replaced by no-ops.
@@ -137,10 +144,11 @@ def measure(number: int, repeats: int) -> list:
     row("gqa_decode_attention, per layer (checks, keys, dispatch)",
         lambda: flash_decode.gqa_decode_attention(q, k, v, r2t, idx, seq, max_len, out=out))  # fmt: skip
     if hasattr(flash_decode, "GQADecodePlan"):
-        step = flash_decode.GQADecodePlan("none", q, k, v, r2t, idx, seq, max_len)
-        row("GQADecodePlan.run, per layer (plan once per step)", lambda: step.run(q, k, v, out=out))
         make = flash_decode.GQADecodePlan
-        row("GQADecodePlan, made once per step (checks)", lambda: make("none", q, k, v, r2t, idx, seq, max_len))
+        q_spec = (q.shape, q.dtype) if _plans_from_shapes(make) else (q,)
+        step = make("none", *q_spec, k, v, r2t, idx, seq, max_len)
+        row("GQADecodePlan.run, per layer (plan once per step)", lambda: step.run(q, k, v, out=out))
+        row("GQADecodePlan, made once per step (checks)", lambda: make("none", *q_spec, k, v, r2t, idx, seq, max_len))
 
     provider = fa3.FA3Provider("noop", "0", True, True, lambda q, *a, **kw: q)
     q16, k16, v16 = q.half(), k.half(), v.half()
@@ -150,7 +158,8 @@ def measure(number: int, repeats: int) -> list:
     row("fa3_decode_attention, per layer (checks, page table, keys, dispatch)",
         lambda: fa3.fa3_decode_attention(q16, k16, v16, r2t, idx, seq, max_len, provider=provider))  # fmt: skip
     if hasattr(fa3, "FA3DecodePlan"):
-        step = fa3.FA3DecodePlan(q16, k16, v16, r2t, idx, seq, max_len, provider=provider)
+        q16_spec = (q16.shape, q16.dtype) if _plans_from_shapes(fa3.FA3DecodePlan) else (q16,)
+        step = fa3.FA3DecodePlan(*q16_spec, k16, v16, r2t, idx, seq, max_len, provider=provider)
         row("FA3DecodePlan.run, per layer (plan once per step)", lambda: step.run(q16, k16, v16))
     return rows
 

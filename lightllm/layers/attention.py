@@ -63,15 +63,58 @@ class AttentionBackend:
         return (deq(p.k[layer], p.k_scale[layer], p.group_size).to(dtype),
                 deq(p.v[layer], p.v_scale[layer], p.group_size).to(dtype))  # fmt: skip
 
-    # ---- attention ----------------------------------------------------------------------------------------
+    # ---- planning: once per forward, before any layer runs -------------------------------------------------
+
+    def plan_prefill(self, state: InferState, q_heads: int, q_dtype: torch.dtype):
+        """Plan prefill attention for every layer of this forward from the batch metadata and the pool's shapes
+        (argument checks once, the tuned config at the first layer's run); sets and returns ``state.attn_plan``.
+        The CPU references need no plan (None)."""
+        plan = None
+        if self.on_gpu:
+            tokens, p = state.out_token_idx.shape[0], self.pool
+            plan = ContextAttentionPlan((tokens, q_heads, p.head_dim), (tokens, p.kv_heads, p.head_dim), q_dtype,
+                                        state.b_q_start, state.b_q_len, state.max_q_len)  # fmt: skip
+        state.attn_plan = plan
+        return plan
+
+    def plan_decode(self, state: InferState, q_heads: int, q_dtype: torch.dtype):
+        """Plan decode attention for every layer of this forward (all share the batch and the pool's shapes):
+        checks, FA3's page table and the tuned config (resolved at the first layer's run, which may search there
+        inside the DECODE_ATTENTION warm-up); sets and returns ``state.attn_plan``. CPU: None."""
+        plan = None
+        if self.on_gpu:
+            plan = self._plan_decode(state, q_heads, q_dtype)
+        state.attn_plan = plan
+        return plan
+
+    def _plan_decode(self, state: InferState, q_heads: int, q_dtype: torch.dtype):
+        p, req_to_token, args = self.pool, state.req_to_token, (state.b_req_idx, state.b_seq_len, state.launch_max_len)
+        batch, q_len = state.batch_size, state.q_len
+        q_shape = (batch, q_heads, p.head_dim) if q_len == 1 else (batch, q_len, q_heads, p.head_dim)
+        if self.decode_backend == "fa3":
+            from lightllm.kernels.attention.decode.fa3 import FA3DecodePlan
+
+            return FA3DecodePlan(q_shape, q_dtype, p.k[0], p.v[0], req_to_token, *args, provider=self.fa3_provider)
+        if q_len != 1:
+            raise NotImplementedError("Triton decode attention takes one query token per request; use fa3 for MTP")
+        if self.quant == "none":
+            return GQADecodePlan("none", q_shape, q_dtype, p.k[0], p.v[0], req_to_token, *args)
+        return GQADecodePlan(self.quant, q_shape, q_dtype, p.k[0], p.v[0], req_to_token, *args, p.k_scale[0],
+                             p.v_scale[0], quant_group=p.group_size)  # fmt: skip
+
+    def _plan_of(self, state: InferState, kind: str):
+        plan = state.attn_plan
+        if plan is None:
+            raise RuntimeError(f"attention {kind} on a GPU expected a plan: call plan_{kind}(state, ...) once per "
+                               "forward, before the first layer")  # fmt: skip
+        return plan
+
+    # ---- attention: every layer runs the forward's plan ---------------------------------------------------
 
     def prefill(self, layer: int, q, k, v, state: InferState) -> torch.Tensor:
         """Causal attention of each request's packed new tokens over themselves (no cached prefix)."""
         if self.on_gpu:
-            plan = state.attn_plan
-            if plan is None:  # the first layer plans for every layer of the step
-                plan = state.attn_plan = ContextAttentionPlan(q, k, v, state.b_q_start, state.b_q_len, state.max_q_len)
-            return plan.run(q, k, v)
+            return self._plan_of(state, "prefill").run(q, k, v)
         return context_attention_ref(q, k, v, state.b_q_start, state.b_q_len).to(q.dtype)
 
     def decode(self, layer: int, q: torch.Tensor, state: InferState) -> torch.Tensor:
@@ -82,30 +125,12 @@ class AttentionBackend:
             k, v = self._dequantized(layer, q.dtype)
             out = decode_attention_ref(q_b, k, v, state.req_to_token, state.b_req_idx, state.b_seq_len)
             return out.to(q.dtype).reshape(q.shape)
-        p = self.pool
-        plan = state.attn_plan
-        if plan is None:  # the first layer plans for every layer of the step
-            plan = state.attn_plan = self._plan_decode(layer, q_b, state)
+        p, plan = self.pool, self._plan_of(state, "decode")
         if self.decode_backend == "fa3":
             return plan.run(q_b, p.k[layer], p.v[layer]).reshape(q.shape)
         if self.quant == "none":
             return plan.run(q, p.k[layer], p.v[layer])
         return plan.run(q, p.k[layer], p.v[layer], p.k_scale[layer], p.v_scale[layer])
-
-    def _plan_decode(self, layer: int, q_b: torch.Tensor, state: InferState):
-        """Checks, FA3's page table and the tuned config of decode attention, once per step (all layers share the
-        batch, the pool's shapes and therefore the keys)."""
-        p, req_to_token, args = self.pool, state.req_to_token, (state.b_req_idx, state.b_seq_len, state.launch_max_len)
-        if self.decode_backend == "fa3":
-            from lightllm.kernels.attention.decode.fa3 import FA3DecodePlan
-
-            return FA3DecodePlan(q_b, p.k[layer], p.v[layer], req_to_token, *args, provider=self.fa3_provider)
-        if state.q_len != 1:
-            raise NotImplementedError("Triton decode attention takes one query token per request; use fa3 for MTP")
-        if self.quant == "none":
-            return GQADecodePlan("none", q_b, p.k[layer], p.v[layer], req_to_token, *args)
-        return GQADecodePlan(self.quant, q_b, p.k[layer], p.v[layer], req_to_token, *args, p.k_scale[layer],
-                             p.v_scale[layer], quant_group=p.group_size)  # fmt: skip
 
 
 def make_pool(kv_type: str, num_tokens: int, num_layers: int, kv_heads: int, head_dim: int, dtype, device,

@@ -17,7 +17,7 @@ class InferState:
     launches instead, so a graph replays at any real length up to it. Kernels key their configs by the
     launch length (``launch_max_len``): the real one eagerly, the graph's inside a graph.
     ``attn_plan`` is the attention backend's plan of this step (argument checks, page table, tuned config),
-    made by the first layer and run by every layer.
+    set by ``plan_prefill``/``plan_decode`` at the forward's start, before any layer, and run by every layer.
     """
 
     is_prefill: bool

@@ -126,15 +126,20 @@ def test_step_plan_checks_once_and_refuses_other_shapes():
     """The plan runs the public function's checks (same errors) once; its run checks only the planned shapes."""
     q, k, v, r2t, idx, seq = make_batch(2, 4, 2, 64, [3, 9], torch.float32, pool=512)
     with pytest.raises(ValueError, match=r"kv expected one of \('none', 'int8', 'int4'\), got 'fp8'"):
-        flash_decode.GQADecodePlan("fp8", q, k, v, r2t, idx, seq, 16)
+        flash_decode.GQADecodePlan("fp8", q.shape, q.dtype, k, v, r2t, idx, seq, 16)
     with pytest.raises(ValueError, match="b_seq_len expected an int32"):
-        flash_decode.GQADecodePlan("none", q, k, v, r2t, idx, seq.long(), 16)
-    plan = flash_decode.GQADecodePlan("none", q, k, v, r2t, idx, seq, 16, block_seq=64)
+        flash_decode.GQADecodePlan("none", q.shape, q.dtype, k, v, r2t, idx, seq.long(), 16)
+    with pytest.raises(ValueError, match="head_dim expected one of"):
+        flash_decode.GQADecodePlan("none", (2, 4, 48), q.dtype, k, v, r2t, idx, seq, 16)
+    plan = flash_decode.GQADecodePlan("none", q.shape, q.dtype, k, v, r2t, idx, seq, 16, block_seq=64)
     ref = decode_attention_ref(q, k, v, r2t, idx, seq)
     for _ in range(2):  # two layers
         torch.testing.assert_close(plan.run(q, k, v).double(), ref, rtol=1e-4, atol=1e-4)
-    with pytest.raises(ValueError, match=r"plan: q and k_cache expected the planned shapes"):
+    with pytest.raises(ValueError, match=r"plan: k_cache expected the planned \(512, 2, 64\), got \(256, 2, 64\)"):
         plan.run(q, k[:256], v[:256])
+    with pytest.raises(ValueError, match=r"plan: q expected the planned \(2, 4, 64\) torch.float32, got "
+                                         r"\(2, 4, 64\) torch.float16"):  # fmt: skip
+        plan.run(q.half(), k, v)
     with pytest.raises(ValueError, match="out expected a"):
         plan.run(q, k, v, out=torch.empty(2, 4, 32))
 

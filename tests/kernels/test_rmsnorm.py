@@ -109,24 +109,29 @@ def test_plan_checks_and_resolves_once_for_every_call_of_its_shape(monkeypatch):
     monkeypatch.setattr(_launch_rmsnorm, "plan", lambda *a, **k: planned.append(a) or real_plan(*a, **k))
     monkeypatch.setattr(module, "_check", lambda *a: checked.append(a) or real_check(*a))
     x = torch.randn(4, 64, device=DEVICE)
-    plan = RMSNormPlan(x, torch.ones(64, device=DEVICE))
+    plan = RMSNormPlan(x.shape, x.dtype)
     for layer in range(3):
         w = torch.rand(64, device=DEVICE) + 0.5
         y = torch.randn(4, 64, device=DEVICE)
         _check(y, w, plan.run(y, w))
-    assert len(planned) == 1 and len(checked) == 1
+    assert len(planned) == 1 and not checked  # planned from the shape; runs check only what a layer can change
     with pytest.raises(ValueError, match=r"rmsnorm plan: x expected the planned \(4, 64\) torch.float32"):
         plan.run(torch.randn(5, 64, device=DEVICE), w)
     with pytest.raises(ValueError, match="contiguous last dim"):
         plan.run(torch.randn(64, 4, device=DEVICE).t(), w)
     with pytest.raises(ValueError, match=r"rmsnorm: out must be a contiguous \(4, 64\)"):
         plan.run(x, w, out=torch.empty(64, 4, device=DEVICE).t())
-    with pytest.raises(ValueError, match="rmsnorm: weight must be"):
-        RMSNormPlan(x, torch.ones(9, device=DEVICE))
+    with pytest.raises(ValueError, match=r"rmsnorm plan: weight expected the planned \(64,\), got \(9,\)"):
+        plan.run(x, torch.ones(9, device=DEVICE))
+    with pytest.raises(
+        ValueError, match=r"rmsnorm plan: x expected a \[..., N\] tensor of .*, got \(4, 64\) torch.int32"
+    ):
+        RMSNormPlan((4, 64), torch.int32)
 
 
-def test_qwen3_forward_plans_one_norm_per_shape(monkeypatch):
-    """On a GPU the model's norms of one forward share a plan per input shape (hidden states, q heads, k heads)."""
+def test_qwen3_plans_its_norms_from_the_step_shapes(monkeypatch):
+    """On a GPU the model plans the norms of one forward from its shapes (tokens, hidden, heads), before any layer:
+    hidden states (also the final norm in decode), q heads, k heads, and the final rows of a prefill."""
     from types import SimpleNamespace
 
     from lightllm.kernels.norm import rmsnorm as module
@@ -136,15 +141,22 @@ def test_qwen3_forward_plans_one_norm_per_shape(monkeypatch):
     real = module.RMSNormPlan
 
     class Counting(real):
-        def __init__(self, x, *args, **kwargs):
-            made.append(tuple(x.shape))
-            super().__init__(x, *args, **kwargs)
+        def __init__(self, shape, *args, **kwargs):
+            made.append(tuple(shape))
+            super().__init__(shape, *args, **kwargs)
 
     monkeypatch.setattr("lightllm.models.qwen3.model.RMSNormPlan", Counting)
-    norm = Qwen3Model._step_norm(SimpleNamespace(device=torch.device("cuda")), 1e-6)  # the GPU path, interpreted
+    config = SimpleNamespace(rms_norm_eps=1e-6, hidden_size=64, head_dim=64)
+    model = SimpleNamespace(device=torch.device("cuda"), config=config, dtype=torch.float32, heads=4, kv_heads=2)
+    norm, q_norm, k_norm, final = Qwen3Model._plan_norms(model, 3, 3)  # the GPU path, interpreted
+    assert made == [(3, 64), (3, 4, 64), (3, 2, 64)] and final == norm
     h, q, k = torch.randn(3, 64), torch.randn(3, 4, 64), torch.randn(3, 2, 64)
     for layer in range(3):
         w = torch.rand(64) + 0.5
-        for x in (h, q, k, h):
-            _check(x, w, norm(x, w))
-    assert made == [(3, 64), (3, 4, 64), (3, 2, 64)]
+        for fn, x in ((norm, h), (q_norm, q), (k_norm, k), (norm, h)):
+            _check(x, w, fn(x, w))
+    with pytest.raises(ValueError, match=r"rmsnorm plan: x expected the planned \(3, 4, 64\)"):
+        q_norm(k, w)
+    made.clear()
+    Qwen3Model._plan_norms(model, 7, 2)  # a prefill of two requests: the final norm sees two rows
+    assert made == [(7, 64), (2, 64), (7, 4, 64), (7, 2, 64)]

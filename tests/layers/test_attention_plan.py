@@ -1,5 +1,6 @@
-"""The attention backend plans once per step: argument checks, FA3's page table and the tuned config are made by
-the first layer and reused by every layer. Runs the GPU code path on the CPU (Triton interpreter, a torch FA3)."""
+"""The attention backend plans once per forward, explicitly, before any layer runs (from the batch metadata and the
+pool's shapes): argument checks, FA3's page table and the tuned config; every layer only runs the plan. Runs the GPU
+code path on the CPU (Triton interpreter, a torch FA3)."""
 
 import pytest
 import torch
@@ -56,6 +57,8 @@ def test_triton_decode_checks_and_resolves_once_per_step(monkeypatch, isolated_a
     checks = counting(monkeypatch, flash_decode, "_check")
     plans = counting(monkeypatch, flash_decode._launch_gqa_flash_decode, "plan")
     state = decode_state([9, 20], req_to_token)
+    backend.plan_decode(state, Q_HEADS, torch.float32)
+    assert len(checks) == 1 and len(plans) == 1  # before any layer
     g = torch.Generator().manual_seed(1)
     for layer in range(LAYERS):
         q = torch.randn(2, Q_HEADS, HEAD_DIM, generator=g)
@@ -64,7 +67,7 @@ def test_triton_decode_checks_and_resolves_once_per_step(monkeypatch, isolated_a
                                    state.b_seq_len)  # fmt: skip
         torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-4)
     assert len(checks) == 1 and len(plans) == 1
-    backend.decode(0, q, decode_state([9, 20], req_to_token))  # the next step plans again
+    backend.plan_decode(decode_state([9, 20], req_to_token), Q_HEADS, torch.float32)  # the next step plans again
     assert len(checks) == 2 and len(plans) == 2
 
 
@@ -72,9 +75,21 @@ def test_a_layer_with_other_shapes_is_refused_by_the_plan(isolated_autotune):
     backend = gpu_path_backend()
     req_to_token = torch.arange(2 * 32, dtype=torch.int32).view(2, 32)
     state = decode_state([9, 20], req_to_token)
+    backend.plan_decode(state, Q_HEADS, torch.float32)
     backend.decode(0, torch.randn(2, Q_HEADS, HEAD_DIM), state)
-    with pytest.raises(ValueError, match=r"plan: q and k_cache expected the planned shapes \(2, 4, 64\)"):
+    with pytest.raises(ValueError, match=r"plan: q expected the planned \(2, 4, 64\) torch.float32, got \(2, 8, 64\)"):
         backend.decode(1, torch.randn(2, 2 * Q_HEADS, HEAD_DIM), state)
+    with pytest.raises(
+        ValueError, match=r"plan: q expected the planned \(2, 4, 64\) torch.float32, got .* torch.float64"
+    ):
+        backend.decode(1, torch.randn(2, Q_HEADS, HEAD_DIM, dtype=torch.float64), state)
+
+
+def test_a_layer_without_a_plan_is_refused(isolated_autotune):
+    backend = gpu_path_backend()
+    state = decode_state([9, 20], torch.arange(2 * 32, dtype=torch.int32).view(2, 32))
+    with pytest.raises(RuntimeError, match=r"call plan_decode\(state, ...\) once per forward, before the first layer"):
+        backend.decode(0, torch.randn(2, Q_HEADS, HEAD_DIM), state)
 
 
 def test_fa3_page_table_gathered_once_per_step(monkeypatch, isolated_autotune):
@@ -92,6 +107,7 @@ def test_fa3_page_table_gathered_once_per_step(monkeypatch, isolated_autotune):
     req_to_token = torch.randperm(POOL)[:64].int().view(2, 32)
     checks = counting(monkeypatch, fa3, "_check")
     state = decode_state([9, 20], req_to_token)
+    backend.plan_decode(state, Q_HEADS, torch.float16)
     for layer in range(LAYERS):
         q = torch.randn(2, Q_HEADS, HEAD_DIM).half()
         out = backend.decode(layer, q, state)
@@ -118,9 +134,44 @@ def test_prefill_checks_and_resolves_once_per_step(monkeypatch, isolated_autotun
         b_q_len=torch.tensor(lens, dtype=torch.int32),
         max_q_len=5,
     )
+    backend.plan_prefill(state, Q_HEADS, torch.float32)
     for layer in range(LAYERS):
         q, k, v = torch.randn(8, Q_HEADS, HEAD_DIM), torch.randn(8, KV_HEADS, HEAD_DIM), torch.randn(8, KV_HEADS, 64)
         out = backend.prefill(layer, q, k, v, state)
         torch.testing.assert_close(out.double(), context_attention_ref(q, k, v, state.b_q_start, state.b_q_len),
                                    rtol=1e-4, atol=1e-4)  # fmt: skip
     assert len(plans) == 1
+
+
+def test_a_forward_whose_first_layer_is_not_attention_plans_before_it(monkeypatch, isolated_autotune):
+    """A hybrid model (Qwen3.5's linear-attention first layers, MTP): the forward plans from the batch and the pool
+    before its first layer, whatever that layer is; nothing is planned by a layer. A fake forward: a linear
+    layer, then the attention layers."""
+    backend = gpu_path_backend()
+    req_to_token = torch.arange(2 * 32, dtype=torch.int32).view(2, 32)
+    events = []
+    real_plan = flash_decode.GQADecodePlan.__init__
+    monkeypatch.setattr(flash_decode.GQADecodePlan, "__init__",
+                        lambda self, *a, **k: events.append("plan") or real_plan(self, *a, **k))  # fmt: skip
+    state = decode_state([9, 20], req_to_token)
+    g = torch.Generator().manual_seed(2)
+    h = torch.randn(2, Q_HEADS * HEAD_DIM, generator=g)
+    mix = torch.randn(Q_HEADS * HEAD_DIM, 3 * Q_HEADS * HEAD_DIM, generator=g) / 16
+
+    def forward():
+        backend.plan_decode(state, Q_HEADS, torch.float32)
+        x = h.tanh() * 2  # layer 0: not attention; it touches no attention plan
+        events.append("layer 0")
+        outs = []
+        for layer in range(1, LAYERS):
+            q = (x @ mix)[:, : Q_HEADS * HEAD_DIM].reshape(2, Q_HEADS, HEAD_DIM).contiguous() * layer
+            events.append(f"layer {layer}")
+            outs.append((q, backend.decode(layer, q, state)))
+        return outs
+
+    outs = forward()
+    assert events == ["plan", "layer 0"] + [f"layer {i}" for i in range(1, LAYERS)]  # planned once, first
+    for layer, (q, out) in enumerate(outs, start=1):
+        ref = decode_attention_ref(q, backend.pool.k[layer], backend.pool.v[layer], req_to_token, state.b_req_idx,
+                                   state.b_seq_len)  # fmt: skip
+        torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-4)

@@ -11,7 +11,7 @@ from lightllm.common.autotuner.phase import (
     is_autotune_warmup,
     is_tuning,
 )
-from lightllm.common.autotuner.plan import Plan
+from lightllm.common.autotuner.plan import FixedPlan, Plan, PlannedInputs
 from lightllm.common.autotuner.tuner import Autotuner, autotune, check_rank_agreement, configs_in_use
 from lightllm.common.envs import get_decode_attn_autotune_seq_len
 
@@ -20,7 +20,9 @@ __all__ = [
     "AutotuneLevel",
     "AutotuneStats",
     "Autotuner",
+    "FixedPlan",
     "Plan",
+    "PlannedInputs",
     "autotune",
     "autotune_warmup",
     "check_rank_agreement",

@@ -3,6 +3,7 @@
 import inspect
 import json
 import math
+import operator
 from typing import Any, Callable, Dict, Sequence, Tuple
 
 
@@ -27,6 +28,24 @@ class ParamPicker:
                 raise TypeError(f"autotune kernel {kernel_name!r}: launcher has no parameter {name!r} to key on")
             default = params[name].default
             self._slots.append((name, positions.get(name), default is not inspect.Parameter.empty, default))
+        # Every picked name positional in the launcher: a call without keyword arguments (the usual one) is read
+        # with one itemgetter over its arguments, defaults filled in, with no loop and no dict.
+        self.places = places = tuple(positions.get(name) for name in self.names)
+        self.fast_from = None  # the fewest positional arguments the fast path takes; None: never
+        if places and None not in places:
+            ordered = list(params.values())[: max(places) + 1]
+            fill = tuple(p.default for p in ordered)
+            required = [pos for pos in places if fill[pos] is inspect.Parameter.empty]
+            self.fast_from = max(required) + 1 if required else 0
+            get = operator.itemgetter(*places) if len(places) > 1 else lambda args: (args[places[0]],)
+            width = len(fill)
+
+            def values(args: tuple) -> tuple:
+                if len(args) < width:
+                    args = args + fill[len(args) :]
+                return get(args)
+
+            self.values = values
 
     def pick(self, args: tuple, kwargs: dict) -> Dict[str, Any]:
         values = {}
@@ -40,6 +59,32 @@ class ParamPicker:
             else:
                 raise TypeError(f"autotune kernel {self.kernel_name!r}: call is missing required parameter {name!r}")
         return values
+
+
+def key_caller(picker: ParamPicker, func: Callable) -> Callable[[tuple, dict], Any]:
+    """``(args, kwargs) -> func(picked values)``; a call with no keyword arguments (the usual one) calls ``func``
+    positionally, with no dict built (every tuned call calls its static and its run key function)."""
+    kinds = [p.kind for p in inspect.signature(func).parameters.values()]
+    pick, fast_from = picker.pick, picker.fast_from
+    if fast_from is None or not all(k is inspect.Parameter.POSITIONAL_OR_KEYWORD for k in kinds):
+        return lambda args, kwargs: func(**pick(args, kwargs))
+    if len(picker.places) == 1:  # one parameter, e.g. the run key's: index the call's arguments directly
+        (place,) = picker.places
+
+        def call_one(args: tuple, kwargs: dict) -> Any:
+            if not kwargs and len(args) > place:
+                return func(args[place])
+            return func(**pick(args, kwargs))
+
+        return call_one
+    values = picker.values
+
+    def call(args: tuple, kwargs: dict) -> Any:
+        if not kwargs and len(args) >= fast_from:
+            return func(*values(args))
+        return func(**pick(args, kwargs))
+
+    return call
 
 
 def param_names(func: Callable) -> Tuple[str, ...]:
@@ -59,6 +104,12 @@ def freeze(key: Any) -> Any:
     """A hashable, JSON-round-trippable form: dicts become sorted item tuples, lists become tuples."""
     if type(key) in _SCALAR_TYPES:  # most values: skip the isinstance chain (every tuned call freezes its keys)
         return key
+    if type(key) is dict:
+        for k, v in key.items():
+            if type(k) is not str or type(v) not in _SCALAR_TYPES:
+                break
+        else:  # the usual flat key of names and scalars: sorted, it is frozen (unique keys: no value compared)
+            return tuple(sorted(key.items()))
     if isinstance(key, dict):
         return tuple(sorted([(str(k), freeze(v)) for k, v in key.items()]))
     if isinstance(key, (list, tuple)):
@@ -67,6 +118,11 @@ def freeze(key: Any) -> Any:
         return key
     # torch.dtype and friends: their str() is stable across processes.
     return str(key)
+
+
+def is_flat_key(key: Any) -> bool:
+    """A dict of str names to scalars: equal such keys freeze equal, and nothing inside one can change in place."""
+    return type(key) is dict and all(type(k) is str and type(v) in _SCALAR_TYPES for k, v in key.items())
 
 
 def key_to_json(key: Any) -> str:

@@ -9,7 +9,7 @@ import math
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 from tqdm import tqdm
@@ -19,22 +19,32 @@ from lightllm.common.autotuner import dist
 from lightllm.common.autotuner.accuracy import collect_tensors, mismatch
 from lightllm.common.autotuner.bench import get_bench_func
 from lightllm.common.autotuner.choice import choose, per_scenario_best, worst_case_loss
-from lightllm.common.autotuner.keys import ParamPicker, default_run_key_distance, freeze, key_to_json, param_names
+from lightllm.common.autotuner.keys import (
+    ParamPicker,
+    default_run_key_distance,
+    freeze,
+    is_flat_key,
+    key_caller,
+    key_to_json,
+    param_names,
+)
 from lightllm.common.autotuner.phase import (
     STATS,
     AutotuneKernelType,
     AutotuneLevel,
     SCOPE_CLOCK,
+    _phase_stack,
     current_warmup_kernel_type,
     is_searching_level,
 )
-from lightllm.common.autotuner.plan import Plan
+from lightllm.common.autotuner.plan import FixedPlan, Plan
 from lightllm.common.autotuner.space import CandidateSpace
 from lightllm.common.autotuner.store import Config, ConfigStore
 
 logger = logging.getLogger(__name__)
 
 _MISSING = object()
+_OFF = int(AutotuneLevel.OFF)  # a plain int: every call compares the level with it
 
 
 _force_as_adaptive_logged = False
@@ -165,9 +175,13 @@ class Autotuner:
         self._static_picker = pick(param_names(static_key_func))
         self._run_picker = pick(param_names(run_key_func))
         self._configs_picker = pick(param_names(configs_gen_func))
+        self._static_key_of = key_caller(self._static_picker, static_key_func)
+        self._run_key_of = key_caller(self._run_picker, run_key_func)
         self._mutates_picker = pick(tuple(mutates_args))
         self._outputs_picker = pick(tuple(output_args))
         self._states: Dict[Any, _StaticKeyState] = {}
+        # Consecutive calls (every layer of a step) mostly share the static key; equal flat keys freeze equal.
+        self._last_static: Tuple[Optional[dict], Any] = (None, None)
         self.generation = 0  # bumped whenever a config a plan may hold changes: plans then resolve again
         self.last_search: Optional[SearchRecord] = None
         _instances.add(self)
@@ -177,27 +191,45 @@ class Autotuner:
     def __call__(self, *args, run_config: Optional[dict] = None, **kwargs):
         if run_config is not None:
             return self.fn(*args, run_config=run_config, **kwargs)
-        state, run_key, config, searching, level, launched = self._resolve(args, kwargs)
+        level = envs.get_triton_autotune_level()
+        if level == _OFF:
+            return self.fn(*args, run_config=None, **kwargs)
+        state = self._state_of(args, kwargs)
+        run_key = freeze(self._run_key_of(args, kwargs))
+        if not _phase_stack:  # the hot path, serving outside any warmup: a launched run key is one dict look-up
+            config = state.resolved.get(run_key, _MISSING)
+            if config is not _MISSING:
+                return self.fn(*args, run_config=config, **kwargs)
+        config, searching, launched = self._resolve_keyed(state, run_key, level, args, kwargs)
         if launched:
             return self.fn(*args, run_config=config, **kwargs)
         return self._first_launch(state, run_key, config, searching, level, args, kwargs)
 
-    def plan(self, *args, **kwargs) -> Plan:
-        """Resolve the config for a launch with these arguments (searching, in the kernel's own phase at level
-        1/2, as a call would) without launching; ``plan.run(...)`` then launches with it, for every call that
-        shares these keys (every layer of a step). ``run_config`` is not an argument here."""
+    def plan(self, *args, run_config: Optional[dict] = None, **kwargs) -> Union[Plan, FixedPlan]:
+        """A plan whose ``run(...)`` launches with one resolved config, for every call that shares these keys
+        (every layer of a step). With arguments it resolves now (searching, in the kernel's own phase at level
+        1/2, as a call would) without launching; without any it settles on its first ``run``'s arguments, so a
+        kernel's plan can be made from shapes before any layer runs. ``run_config``: launch with it, untuned."""
+        if run_config is not None:
+            return FixedPlan(self, run_config)
         plan = Plan(self)
-        self._settle(plan, args, kwargs)
+        if args or kwargs:
+            self._settle(plan, args, kwargs)
         return plan
 
     def _resolve(self, args: tuple, kwargs: dict) -> tuple:
         """What a call with these arguments launches: ``(state, run_key, config, searching, level, launched)``;
         ``launched``: the config has launched for the run key in this process (else this is its first launch)."""
         level = envs.get_triton_autotune_level()
-        if level == AutotuneLevel.OFF:
+        if level == _OFF:
             return None, None, None, False, level, True
-        state = self._state(self.static_key_func(**self._static_picker.pick(args, kwargs)), args, kwargs)
-        run_key = freeze(self.run_key_func(**self._run_picker.pick(args, kwargs)))
+        state = self._state_of(args, kwargs)
+        run_key = freeze(self._run_key_of(args, kwargs))
+        config, searching, launched = self._resolve_keyed(state, run_key, level, args, kwargs)
+        return state, run_key, config, searching, level, launched
+
+    def _resolve_keyed(self, state: _StaticKeyState, run_key: Any, level: int, args: tuple, kwargs: dict) -> tuple:
+        """``(config, searching, launched)`` for keys already made, at a level other than off."""
         phase = current_warmup_kernel_type()
         searching = phase is self.kernel_type and is_searching_level(level)
         if phase is not None and self.warmup_all_exist_config and not _is_capturing():
@@ -206,10 +238,10 @@ class Autotuner:
             config = self._decide(state, run_key, level, args, kwargs)
         else:
             config = state.resolved.get(run_key, _MISSING)
-            if config is not _MISSING:  # the hot path: one dict look-up
-                return state, run_key, config, False, level, True
+            if config is not _MISSING:
+                return config, False, True
             config = self._lookup(state, run_key)
-        return state, run_key, config, searching, level, state.resolved.get(run_key, _MISSING) is config
+        return config, searching, state.resolved.get(run_key, _MISSING) is config
 
     def _settle(self, plan: Plan, args: tuple, kwargs: dict) -> None:
         plan.state, plan.run_key, plan.config, plan.searching, plan.level, plan.confirmed = self._resolve(args, kwargs)
@@ -226,6 +258,19 @@ class Autotuner:
         out = self._first_launch(state, run_key, config, plan.searching, plan.level, args, kwargs)
         plan.confirmed = state.resolved.get(run_key, _MISSING) is config
         return out
+
+    def _state_of(self, args: tuple, kwargs: dict) -> _StaticKeyState:
+        """The static key's state for a call's arguments (keyed on every call: kept cheap)."""
+        static_key = self._static_key_of(args, kwargs)
+        memo = self._last_static  # (a copy of the last flat static key, its frozen form): one atomic read
+        if static_key == memo[0]:
+            frozen = memo[1]
+        else:
+            frozen = freeze(static_key)
+            if is_flat_key(static_key):
+                self._last_static = (dict(static_key), frozen)
+        state = self._states.get(frozen)
+        return state if state is not None else self._state(static_key, args, kwargs)
 
     def _state(self, static_key: Any, args: tuple, kwargs: dict) -> _StaticKeyState:
         frozen = freeze(static_key)

@@ -4,11 +4,13 @@ Tuned as a GENERAL kernel: prefill warmup searches BLOCK_N (one pass when it cov
 chunked passes) and num_warps per row count.
 """
 
+from typing import Tuple
+
 import torch
 import triton
 import triton.language as tl
 
-from lightllm.common.autotuner import AutotuneKernelType, autotune
+from lightllm.common.autotuner import AutotuneKernelType, PlannedInputs, autotune
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -85,34 +87,28 @@ def _launch_rmsnorm(x, weight, eps, out, run_config=None):
 
 
 class RMSNormPlan:
-    """RMSNorm of one input shape for one step: arguments checked once, on the first call's tensors, and the
-    tuned config resolved at the first :meth:`run`; every later input of that shape and dtype (each layer's
-    norm) runs with them. ``run`` checks only what can change between layers: shape, dtype, last-dim stride.
+    """RMSNorm of one input shape for one step, made from the shape before any layer runs: checked once here,
+    the tuned config resolved at the first :meth:`run`; every input of that shape and dtype (each layer's norm)
+    runs with them. ``run`` checks only what can change between layers: shape, dtype, last-dim stride, weight.
 
-    Args: as :func:`rmsnorm`, without ``out``.
+    Args: ``shape`` and ``dtype`` of ``x``; ``eps`` and ``run_config`` as :func:`rmsnorm`.
     """
 
-    def __init__(self, x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, run_config=None):
-        _check(x, weight, None)
-        self.shape, self.dtype, self.w_shape, self.eps = x.shape, x.dtype, weight.shape, float(eps)
-        self.run_config = run_config
-        self._tuned = None  # the tuner's plan, made by the first run (it may search on that call's inputs)
+    def __init__(self, shape: Tuple[int, ...], dtype: torch.dtype, eps: float = 1e-6, run_config=None):
+        if dtype not in _DTYPES or len(shape) < 1:
+            raise ValueError(f"rmsnorm plan: x expected a [..., N] tensor of {_DTYPES}, got {tuple(shape)} {dtype}")
+        self.eps = float(eps)
+        self.inputs = PlannedInputs("rmsnorm", x=(torch.Size(shape), dtype), weight=(torch.Size(shape[-1:]),))
+        self._tuned = _launch_rmsnorm.plan(run_config=run_config)
 
     def run(self, x: torch.Tensor, weight: torch.Tensor, out=None) -> torch.Tensor:
-        if x.shape != self.shape or x.dtype != self.dtype or x.stride(-1) != 1 or weight.shape != self.w_shape:
-            raise ValueError(
-                f"rmsnorm plan: x expected the planned {tuple(self.shape)} {self.dtype} with a contiguous last dim "
-                f"and weight {tuple(self.w_shape)}, got {tuple(x.shape)} {x.dtype} strides {x.stride()} and weight "
-                f"{tuple(weight.shape)}"
-            )
+        self.inputs.check((x.shape, x.dtype), (weight.shape,))
+        if x.stride(-1) != 1:
+            raise ValueError(f"rmsnorm: x expected a contiguous last dim, got strides {x.stride()}")
         if out is None:
             out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         elif out.shape != x.shape or out.dtype != x.dtype or not out.is_contiguous():
             raise ValueError(f"rmsnorm: out must be a contiguous {tuple(x.shape)} {x.dtype} tensor")
-        if self.run_config is not None:
-            return _launch_rmsnorm(x, weight, self.eps, out, run_config=self.run_config)
-        if self._tuned is None:
-            self._tuned = _launch_rmsnorm.plan(x, weight, self.eps, out)
         return self._tuned.run(x, weight, self.eps, out)
 
 

@@ -34,20 +34,33 @@ class Qwen3Model:
         self._cos = emb.cos().to(self.dtype)
         self._sin = emb.sin().to(self.dtype)
 
-    def _step_norm(self, eps: float):
-        """The RMSNorm of one forward: on a GPU one plan per input shape (hidden states, q heads, k heads), made
-        by its first call and run by every layer; elsewhere the torch reference."""
+    def _plan_norms(self, tokens: int, rows_out: int) -> tuple:
+        """The RMSNorms of one forward, planned from its shapes before any layer runs: ``(hidden, q heads,
+        k heads, final)`` callables ``(x, weight) -> y``. On a GPU each is an :class:`RMSNormPlan` run by every
+        layer (the final norm sees ``rows_out`` rows: one per request in prefill); elsewhere the torch reference."""
+        eps = self.config.rms_norm_eps
         if self.device.type != "cuda":
-            return lambda x, weight: rmsnorm_ref(x, weight, eps)
-        plans = {}
+            ref = lambda x, weight: rmsnorm_ref(x, weight, eps)  # noqa: E731
+            return ref, ref, ref, ref
+        hidden, head_dim = self.config.hidden_size, self.config.head_dim
 
-        def norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-            plan = plans.get(x.shape)
-            if plan is None:
-                plan = plans[x.shape] = RMSNormPlan(x, weight, eps)
-            return plan.run(x, weight)
+        def plan(*shape: int):
+            return RMSNormPlan(shape, self.dtype, eps).run
 
-        return norm
+        norm_h = plan(tokens, hidden)
+        final = norm_h if rows_out == tokens else plan(rows_out, hidden)
+        return norm_h, plan(tokens, self.heads, head_dim), plan(tokens, self.kv_heads, head_dim), final
+
+    def plan_step(self, tokens: int, state: InferState) -> tuple:
+        """Everything one forward plans before its first layer: the attention plan (set on ``state``, from the
+        batch metadata and the pool's shapes) and the norm plans (returned, see :meth:`_plan_norms`)."""
+        if state.is_prefill:
+            self.attn.plan_prefill(state, self.heads, self.dtype)
+            rows_out = state.batch_size
+        else:
+            self.attn.plan_decode(state, self.heads, self.dtype)
+            rows_out = tokens
+        return self._plan_norms(tokens, rows_out)
 
     @staticmethod
     def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -64,9 +77,8 @@ class Qwen3Model:
         attn = self.attn
         if attn is None:
             raise RuntimeError("Qwen3Model.forward expected an attention backend: call set_attention(...) first")
-        cfg, eps = self.config, self.config.rms_norm_eps
-        norm = self._step_norm(eps)
-        tokens = input_ids.shape[0]
+        cfg, tokens = self.config, input_ids.shape[0]
+        norm, q_norm, k_norm, final_norm = self.plan_step(tokens, state)
         h = F.embedding(input_ids, self.w.embed)
         cos = self._cos[state.positions][:, None, :]  # gathered once per step, not per layer and tensor
         sin = self._sin[state.positions][:, None, :]
@@ -75,8 +87,8 @@ class Qwen3Model:
             q = F.linear(x, lw.q_proj).view(tokens, self.heads, cfg.head_dim)
             k = F.linear(x, lw.k_proj).view(tokens, self.kv_heads, cfg.head_dim)
             v = F.linear(x, lw.v_proj).view(tokens, self.kv_heads, cfg.head_dim)
-            q = self._rotary(norm(q.contiguous(), lw.q_norm), cos, sin)
-            k = self._rotary(norm(k.contiguous(), lw.k_norm), cos, sin)
+            q = self._rotary(q_norm(q.contiguous(), lw.q_norm), cos, sin)
+            k = self._rotary(k_norm(k.contiguous(), lw.k_norm), cos, sin)
             attn.write_kv(i, k, v, state.out_token_idx)
             if state.is_prefill:
                 o = attn.prefill(i, q, k, v, state)
@@ -87,5 +99,5 @@ class Qwen3Model:
             h = h + all_reduce_(F.linear(F.silu(F.linear(x, lw.gate_proj)) * F.linear(x, lw.up_proj), lw.down_proj))
         if state.is_prefill:
             h = h[(state.b_q_start + state.b_q_len - 1).long()]
-        h = norm(h.contiguous(), self.w.final_norm)
+        h = final_norm(h.contiguous(), self.w.final_norm)
         return F.linear(h, self.w.lm_head).float()

@@ -44,15 +44,17 @@ def _stored(t, level):
 @pytest.mark.parametrize("phase", [None, GENERAL, DECODE], ids=["no-scope", "general-scope", "decode-scope"])
 @pytest.mark.parametrize("lvl", [0, 1, 2, 3])
 @pytest.mark.parametrize("n", [4, 9], ids=["cached-key", "missing-key"])
-def test_plan_launches_what_a_call_launches(toy, level, isolated_autotune, kind, phase, lvl, n):
+@pytest.mark.parametrize("planned_on", ["arguments", "first-run"])
+def test_plan_launches_what_a_call_launches(toy, level, isolated_autotune, kind, phase, lvl, n, planned_on):
     """Every level x phase, a cached run key and a missing one (nearest at level 0, searched at level 1/2 in
-    the kernel's phase): a fresh process's plan + run launches the config a fresh process's call launches."""
+    the kernel's phase), planned on arguments or (made from shapes) settled by its first run: a fresh process's
+    plan + run launches the config a fresh process's call launches."""
     t = toy(kind)
     _stored(t, level)
     level(lvl)
     x, out = inputs(n)
     with scope(phase):
-        plan = t.kernel.plan(x, out)
+        plan = t.kernel.plan(x, out) if planned_on == "arguments" else t.kernel.plan()
         plan.run(x, out)
     by_plan, timed_by_plan = t.configs_used()[-1], list(t.bench.timed)
     assert plan.config == by_plan
@@ -161,3 +163,26 @@ def test_level_off_plans_the_default(toy, level):
     plan = t.kernel.plan(x, out)
     plan(x, out)
     assert plan.config is None and t.configs_used()[-1] is None
+
+
+def test_a_plan_without_arguments_settles_on_its_first_run(toy, level):
+    level(0)
+    keyed = []
+    t = toy(static_key_func=lambda x, alpha: keyed.append(x.shape) or {"alpha": alpha})
+    plan = t.kernel.plan()
+    assert keyed == [] and plan.config is None and t.configs_used() == []
+    x, out = inputs(4)
+    for _ in range(3):
+        plan.run(x, out)
+    assert keyed == [(4, 3)] and t.configs_used() == [None] * 3
+
+
+def test_a_plan_of_an_explicit_run_config_launches_it_untuned(toy, level):
+    level(1)
+    keyed = []
+    t = toy(static_key_func=lambda x, alpha: keyed.append(x.shape) or {"alpha": alpha})
+    plan = t.kernel.plan(run_config={"ms": 0.9})
+    x, out = inputs(4)
+    with autotune_warmup(GENERAL):  # even in its own phase at level 1: no keys, no search
+        plan.run(x, out)
+    assert keyed == [] and t.bench.timed == [] and t.configs_used() == [{"ms": 0.9}]

@@ -28,7 +28,7 @@ from typing import Callable, Optional, Tuple
 
 import torch
 
-from lightllm.common.autotuner import AutotuneKernelType, autotune
+from lightllm.common.autotuner import AutotuneKernelType, PlannedInputs, autotune
 from lightllm.kernels.attention.decode.tuning import (
     decode_attn_autotune_seq_lens,
     decode_attn_run_key_kv_len,
@@ -208,54 +208,46 @@ def _launch_fa3_decode(
 
 
 class FA3DecodePlan:
-    """FA3 decode attention of one step: provider and layout chosen, arguments checked and the page table
-    gathered once, on the first layer's tensors; the tuned config is resolved at the first :meth:`run`. Every
-    layer's ``q`` and caches must have the first layer's shapes and dtype (``run`` checks the shapes only).
+    """FA3 decode attention of one step, made from shapes and the pool before any layer runs: provider and layout
+    chosen, arguments checked and the page table gathered once; the tuned config is resolved at the first
+    :meth:`run`. Every layer's ``q`` and caches must have the planned shapes and dtype (``run`` checks them).
 
-    Args: as :func:`fa3_decode_attention`, without ``out``.
+    Args: ``q_shape`` (``[batch, q_heads, D]`` or ``[batch, q_len, q_heads, D]``) and ``q_dtype`` for ``q``;
+    ``k_cache``/``v_cache`` any layer's (all share one shape); the rest as :func:`fa3_decode_attention`.
     """
 
     def __init__(
-        self, q, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len, max_len_in_batch, layout=None, sm_scale=None,
-        causal=True, window=(-1, -1), softcap=0.0, provider=None, run_config=None,
+        self, q_shape, q_dtype, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len, max_len_in_batch, layout=None,
+        sm_scale=None, causal=True, window=(-1, -1), softcap=0.0, provider=None, run_config=None,
     ):  # fmt: skip
-        provider = provider or require_fa3(q.device)
+        provider = provider or require_fa3(k_cache.device)
         layout = layout or ("paged" if provider.paged else "slots")
-        q4 = q.unsqueeze(1) if q.dim() == 3 else q
-        _check(q4, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len, max_len_in_batch, layout, provider)
+        q_shape = torch.Size(q_shape)
+        q4_shape = q_shape[:1] + (1,) + q_shape[1:] if len(q_shape) == 3 else q_shape
+        _check(q4_shape, q_dtype, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len, max_len_in_batch, layout,
+               provider)  # fmt: skip
         if layout == "paged":
             self.page_table, self.batch_idx = req_to_token[b_req_idx.long(), :max_len_in_batch], None
             self.slot_shape = None
         else:
             self.page_table, self.batch_idx = None, b_req_idx
             self.slot_shape = req_to_token.shape  # each slot's row of the pool
-        self.q_shape, self.kv_shape = q.shape, k_cache.shape
+        self.inputs = PlannedInputs("fa3 decode attention", q=(q_shape, q_dtype), k_cache=(k_cache.shape,))
         self.b_seq_len, self.max_len_in_batch = b_seq_len, int(max_len_in_batch)
-        self.sm_scale = float(sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1]))
+        self.sm_scale = float(sm_scale if sm_scale is not None else 1.0 / math.sqrt(q_shape[-1]))
         self.causal, self.window, self.softcap, self.provider = bool(causal), tuple(window), float(softcap), provider
-        self.run_config = run_config
-        self._tuned = None  # the tuner's plan, made by the first run (it may search on that layer's inputs)
+        self._tuned = _launch_fa3_decode.plan(run_config=run_config)
 
     def run(self, q, k_cache, v_cache) -> torch.Tensor:
-        if q.shape != self.q_shape or k_cache.shape != self.kv_shape:
-            raise ValueError(
-                f"fa3 decode attention plan: q and k_cache expected the planned shapes {tuple(self.q_shape)} and "
-                f"{tuple(self.kv_shape)}, got {tuple(q.shape)} and {tuple(k_cache.shape)}"
-            )
+        self.inputs.check((q.shape, q.dtype), (k_cache.shape,))
         q4 = q.unsqueeze(1) if q.dim() == 3 else q
         if self.slot_shape is None:
             k4, v4 = k_cache.unsqueeze(1), v_cache.unsqueeze(1)
         else:
             k4 = k_cache.view(*self.slot_shape, *k_cache.shape[1:])
             v4 = v_cache.view(*self.slot_shape, *v_cache.shape[1:])
-        args = (q4, k4, v4, self.page_table, self.batch_idx, self.b_seq_len, self.max_len_in_batch, self.sm_scale,
-                self.causal, self.window, self.softcap, self.provider)  # fmt: skip
-        if self.run_config is not None:
-            out = _launch_fa3_decode(*args, run_config=self.run_config)
-        else:
-            if self._tuned is None:
-                self._tuned = _launch_fa3_decode.plan(*args)
-            out = self._tuned.run(*args)
+        out = self._tuned.run(q4, k4, v4, self.page_table, self.batch_idx, self.b_seq_len, self.max_len_in_batch,
+                              self.sm_scale, self.causal, self.window, self.softcap, self.provider)  # fmt: skip
         return out.squeeze(1) if q.dim() == 3 else out
 
 
@@ -288,12 +280,16 @@ def fa3_decode_attention(
     Returns:
         Output of q's shape and dtype. Every layer of a step: :class:`FA3DecodePlan` checks and gathers once.
     """
-    plan = FA3DecodePlan(q, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len, max_len_in_batch, layout,
-                         sm_scale, causal, window, softcap, provider, run_config)  # fmt: skip
+    if q.device != k_cache.device:
+        raise ValueError(f"fa3 decode attention: q expected k_cache's device {k_cache.device}, got {q.device}")
+    plan = FA3DecodePlan(q.shape, q.dtype, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len, max_len_in_batch,
+                         layout, sm_scale, causal, window, softcap, provider, run_config)  # fmt: skip
     return plan.run(q, k_cache, v_cache)
 
 
-def _check(q4, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len, max_len_in_batch, layout, provider):
+def _check(q4_shape, q_dtype, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len, max_len_in_batch, layout,
+           provider):  # fmt: skip
+
     def fail(name, expected, got):
         raise ValueError(f"fa3 decode attention: {name} expected {expected}, got {got}")
 
@@ -301,12 +297,12 @@ def _check(q4, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len, max_len_in_
         fail("layout", "'paged' or 'slots'", repr(layout))
     if layout == "paged" and not provider.paged:
         fail("layout", f"'slots' ({provider.name} {provider.version} has no paged KV)", "'paged'")
-    if q4.dim() != 4 or q4.dtype not in (torch.float16, torch.bfloat16):
-        fail("q", "a [batch, (q_len,) q_heads, head_dim] float16/bfloat16 tensor", f"{tuple(q4.shape)} {q4.dtype}")
-    batch, _, q_heads, head_dim = q4.shape
+    if len(q4_shape) != 4 or q_dtype not in (torch.float16, torch.bfloat16):
+        fail("q", "a [batch, (q_len,) q_heads, head_dim] float16/bfloat16 tensor", f"{tuple(q4_shape)} {q_dtype}")
+    batch, _, q_heads, head_dim = q4_shape
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.dim() != 3 or t.dtype != q4.dtype or t.shape[2] != head_dim or t.device != q4.device:
-            fail(name, f"a [tokens, kv_heads, {head_dim}] {q4.dtype} tensor on {q4.device}", f"{tuple(t.shape)}")
+        if t.dim() != 3 or t.dtype != q_dtype or t.shape[2] != head_dim or t.device != k_cache.device:
+            fail(name, f"a [tokens, kv_heads, {head_dim}] {q_dtype} tensor on {k_cache.device}", f"{tuple(t.shape)}")
     if q_heads % k_cache.shape[1]:
         fail("kv_heads", f"a divisor of q_heads ({q_heads})", k_cache.shape[1])
     if req_to_token.dtype != torch.int32 or req_to_token.dim() != 2:

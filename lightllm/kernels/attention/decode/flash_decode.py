@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 import triton
 
-from lightllm.common.autotuner import AutotuneKernelType, autotune
+from lightllm.common.autotuner import AutotuneKernelType, PlannedInputs, autotune
 from lightllm.common.kv_cache.quant import INT4_OFFSET, SCALE_DTYPE
 from lightllm.kernels.attention.decode.tuning import (
     decode_attn_autotune_seq_lens,
@@ -183,50 +183,45 @@ _LAUNCHERS = {
 
 
 class GQADecodePlan:
-    """Decode attention of one step: the arguments are checked once, on the first layer's tensors, and the tuned
-    config is resolved at the first :meth:`run`; every layer then runs with them. Each layer's ``q`` and caches
-    must have the first layer's shapes and dtypes (one pool, one model): ``run`` checks the shapes only.
+    """Decode attention of one step, made from shapes and the pool before any layer runs: the arguments are
+    checked once here and the tuned config resolved at the first :meth:`run`; every layer then runs with them.
+    Each layer's ``q`` and caches must have the planned shapes and dtype (one pool, one model): ``run`` checks.
 
-    Args: as :func:`gqa_decode_attention`, plus ``kv`` (``"none"``, ``"int8"`` or ``"int4"``) and, for a
-    quantized pool, the first layer's ``k_scale``/``v_scale`` and ``quant_group``.
+    Args: ``kv`` (``"none"``, ``"int8"`` or ``"int4"``), ``q_shape`` ``[batch, q_heads, head_dim]`` and
+    ``q_dtype`` for ``q``, any layer's ``k_cache``/``v_cache`` (and, quantized, ``k_scale``/``v_scale`` and
+    ``quant_group``); the rest as :func:`gqa_decode_attention`.
     """
 
     def __init__(
-        self, kv, q, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len, max_len_in_batch, k_scale=None,
-        v_scale=None, sm_scale=None, block_seq=DEFAULT_BLOCK_SEQ, quant_group=8, run_config=None,
+        self, kv, q_shape, q_dtype, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len, max_len_in_batch,
+        k_scale=None, v_scale=None, sm_scale=None, block_seq=DEFAULT_BLOCK_SEQ, quant_group=8, run_config=None,
     ):  # fmt: skip
         if kv not in _LAUNCHERS:
             raise ValueError(f"gqa decode attention: kv expected one of {tuple(_LAUNCHERS)}, got {kv!r}")
         quant_group = quant_group if kv != "none" else 0
-        _check(q, k_cache, v_cache, k_scale, v_scale, req_to_token, b_req_idx, b_seq_len, None, kv, quant_group,
-               block_seq)  # fmt: skip
+        q_shape = torch.Size(q_shape)
+        _check(q_shape, q_dtype, k_cache, v_cache, k_scale, v_scale, req_to_token, b_req_idx, b_seq_len, None, kv,
+               quant_group, block_seq)  # fmt: skip
         self.kv, self.quant_group, self.block_seq = kv, quant_group, block_seq
         self.req_to_token, self.b_req_idx, self.b_seq_len = req_to_token, b_req_idx, b_seq_len
         self.max_len_in_batch = int(max_len_in_batch)
-        self.sm_scale = float(sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1]))
-        self.q_shape, self.kv_shape = q.shape, k_cache.shape
-        self.run_config = run_config
-        self._launcher = _LAUNCHERS[kv]
-        self._tuned = None  # the tuner's plan, made by the first run (it may search on that layer's inputs)
+        self.sm_scale = float(sm_scale if sm_scale is not None else 1.0 / math.sqrt(q_shape[-1]))
+        self.inputs = PlannedInputs(f"gqa decode attention ({kv} KV)", q=(q_shape, q_dtype), k_cache=(k_cache.shape,))
+        self._tuned = _LAUNCHERS[kv].plan(run_config=run_config)
 
     def run(self, q, k_cache, v_cache, k_scale=None, v_scale=None, out=None) -> torch.Tensor:
-        if q.shape != self.q_shape or k_cache.shape != self.kv_shape:
-            raise ValueError(
-                f"gqa decode attention ({self.kv} KV) plan: q and k_cache expected the planned shapes "
-                f"{tuple(self.q_shape)} and {tuple(self.kv_shape)}, got {tuple(q.shape)} and {tuple(k_cache.shape)}"
-            )
+        self.inputs.check((q.shape, q.dtype), (k_cache.shape,))
+        if q.stride(-1) != 1:
+            raise ValueError(f"gqa decode attention ({self.kv} KV): q expected a contiguous last dim, got strides "
+                             f"{q.stride()}")  # fmt: skip
         if out is None:
             out = torch.empty_like(q)
         elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
             raise ValueError(f"gqa decode attention ({self.kv} KV): out expected a {tuple(q.shape)} {q.dtype} "
                              f"tensor, got {tuple(out.shape)} {out.dtype}")  # fmt: skip
-        args = (q, k_cache, v_cache, k_scale, v_scale, self.req_to_token, self.b_req_idx, self.b_seq_len,
-                self.max_len_in_batch, out, self.sm_scale, self.block_seq, self.kv, self.quant_group)  # fmt: skip
-        if self.run_config is not None:
-            return self._launcher(*args, run_config=self.run_config)
-        if self._tuned is None:
-            self._tuned = self._launcher.plan(*args)
-        return self._tuned.run(*args)
+        return self._tuned.run(q, k_cache, v_cache, k_scale, v_scale, self.req_to_token, self.b_req_idx,
+                               self.b_seq_len, self.max_len_in_batch, out, self.sm_scale, self.block_seq, self.kv,
+                               self.quant_group)  # fmt: skip
 
 
 def gqa_decode_attention(
@@ -254,8 +249,9 @@ def gqa_decode_attention(
         out: optional ``[batch, q_heads, head_dim]`` of q's dtype.
     Every layer of a step: :class:`GQADecodePlan` checks and resolves once.
     """
-    plan = GQADecodePlan("none", q, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len, max_len_in_batch,
-                         sm_scale=sm_scale, block_seq=block_seq, run_config=run_config)  # fmt: skip
+    _check_q_device(q, k_cache)
+    plan = GQADecodePlan("none", q.shape, q.dtype, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len,
+                         max_len_in_batch, sm_scale=sm_scale, block_seq=block_seq, run_config=run_config)  # fmt: skip
     return plan.run(q, k_cache, v_cache, out=out)
 
 
@@ -266,8 +262,9 @@ def gqa_decode_attention_int8kv(
     """As :func:`gqa_decode_attention` over an INT8 pool: ``k_cache``/``v_cache`` int8
     ``[pool_tokens, kv_heads, head_dim]``, ``k_scale``/``v_scale`` float16 ``[pool_tokens, kv_heads,
     head_dim // quant_group]`` (see ``lightllm.common.kv_cache.quant``)."""
-    plan = GQADecodePlan("int8", q, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len, max_len_in_batch,
-                         k_scale, v_scale, sm_scale, block_seq, quant_group, run_config)  # fmt: skip
+    _check_q_device(q, k_cache)
+    plan = GQADecodePlan("int8", q.shape, q.dtype, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len,
+                         max_len_in_batch, k_scale, v_scale, sm_scale, block_seq, quant_group, run_config)  # fmt: skip
     return plan.run(q, k_cache, v_cache, k_scale, v_scale, out=out)
 
 
@@ -278,33 +275,38 @@ def gqa_decode_attention_int4kv(
     """As :func:`gqa_decode_attention` over an INT4 pool: ``k_cache``/``v_cache`` uint8
     ``[pool_tokens, kv_heads, head_dim // 2]`` (byte j: element j low nibble, j + head_dim/2 high nibble),
     scales float16 ``[pool_tokens, kv_heads, head_dim // quant_group]``."""
-    plan = GQADecodePlan("int4", q, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len, max_len_in_batch,
-                         k_scale, v_scale, sm_scale, block_seq, quant_group, run_config)  # fmt: skip
+    _check_q_device(q, k_cache)
+    plan = GQADecodePlan("int4", q.shape, q.dtype, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len,
+                         max_len_in_batch, k_scale, v_scale, sm_scale, block_seq, quant_group, run_config)  # fmt: skip
     return plan.run(q, k_cache, v_cache, k_scale, v_scale, out=out)
 
 
-def _check(q, k_cache, v_cache, k_scale, v_scale, req_to_token, b_req_idx, b_seq_len, out, quant, quant_group,
-           block_seq):  # fmt: skip
+def _check_q_device(q, k_cache) -> None:
+    if q.device != k_cache.device:
+        raise ValueError(f"gqa decode attention: q expected k_cache's device {k_cache.device}, got {q.device}")
+
+
+def _check(q_shape, q_dtype, k_cache, v_cache, k_scale, v_scale, req_to_token, b_req_idx, b_seq_len, out, quant,
+           quant_group, block_seq):  # fmt: skip
 
     def fail(name, expected, got):
         raise ValueError(f"gqa decode attention ({quant} KV): {name} expected {expected}, got {got}")
 
-    if q.dim() != 3 or q.dtype not in Q_DTYPES:
-        fail("q", f"a [batch, q_heads, head_dim] tensor of {Q_DTYPES}", f"{tuple(q.shape)} {q.dtype}")
-    batch, q_heads, head_dim = q.shape
+    if len(q_shape) != 3 or q_dtype not in Q_DTYPES:
+        fail("q", f"a [batch, q_heads, head_dim] tensor of {Q_DTYPES}", f"{tuple(q_shape)} {q_dtype}")
+    batch, q_heads, head_dim = q_shape
     if head_dim not in HEAD_DIMS:
         fail("head_dim", f"one of {HEAD_DIMS}", head_dim)
-    if q.stride(-1) != 1:
-        fail("q", "a contiguous last dim", f"strides {q.stride()}")
     if block_seq not in (64, 128, 256, 512, 1024):
         fail("block_seq", "a power of two in [64, 1024]", block_seq)
+    device = k_cache.device
     packed_dim = head_dim // 2 if quant == "int4" else head_dim
-    kv_dtype = {"none": q.dtype, "int8": torch.int8, "int4": torch.uint8}[quant]
+    kv_dtype = {"none": q_dtype, "int8": torch.int8, "int4": torch.uint8}[quant]
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         if t.dim() != 3 or t.shape[2] != packed_dim or t.dtype != kv_dtype or t.stride(-1) != 1:
             fail(name, f"a [pool_tokens, kv_heads, {packed_dim}] {kv_dtype} tensor", f"{tuple(t.shape)} {t.dtype}")
-        if t.device != q.device:
-            fail(name, f"device {q.device}", t.device)
+        if t.device != device:
+            fail(name, f"device {device}", t.device)
     kv_heads = k_cache.shape[1]
     if v_cache.shape[:2] != k_cache.shape[:2] or q_heads % kv_heads:
         fail("kv_heads", f"k/v of one shape with q_heads ({q_heads}) a multiple of kv_heads", kv_heads)
@@ -314,13 +316,13 @@ def _check(q, k_cache, v_cache, k_scale, v_scale, req_to_token, b_req_idx, b_seq
             fail("quant_group", f"a power of two dividing {half}", quant_group)
         for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
             shape = (k_cache.shape[0], kv_heads, head_dim // quant_group)
-            if t is None or tuple(t.shape) != shape or t.dtype != SCALE_DTYPE or t.device != q.device:
+            if t is None or tuple(t.shape) != shape or t.dtype != SCALE_DTYPE or t.device != device:
                 got = None if t is None else f"{tuple(t.shape)} {t.dtype} on {t.device}"
-                fail(name, f"a {str(SCALE_DTYPE).removeprefix('torch.')} {list(shape)} tensor on {q.device}", got)
-    if req_to_token.dim() != 2 or req_to_token.dtype != torch.int32 or req_to_token.device != q.device:
-        fail("req_to_token", "an int32 [max_reqs, max_len] tensor on q's device", f"{req_to_token.dtype}")
+                fail(name, f"a {str(SCALE_DTYPE).removeprefix('torch.')} {list(shape)} tensor on {device}", got)
+    if req_to_token.dim() != 2 or req_to_token.dtype != torch.int32 or req_to_token.device != device:
+        fail("req_to_token", "an int32 [max_reqs, max_len] tensor on the cache's device", f"{req_to_token.dtype}")
     for name, t in (("b_req_idx", b_req_idx), ("b_seq_len", b_seq_len)):
-        if t.shape != (batch,) or t.dtype != torch.int32 or t.device != q.device:
-            fail(name, f"an int32 [{batch}] tensor on {q.device}", f"{tuple(t.shape)} {t.dtype} on {t.device}")
-    if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1):
-        fail("out", f"a {tuple(q.shape)} {q.dtype} tensor", f"{tuple(out.shape)} {out.dtype}")
+        if t.shape != (batch,) or t.dtype != torch.int32 or t.device != device:
+            fail(name, f"an int32 [{batch}] tensor on {device}", f"{tuple(t.shape)} {t.dtype} on {t.device}")
+    if out is not None and (out.shape != q_shape or out.dtype != q_dtype or out.stride(-1) != 1):
+        fail("out", f"a {tuple(q_shape)} {q_dtype} tensor", f"{tuple(out.shape)} {out.dtype}")

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lightllm.common.autotuner import AutotuneKernelType, autotune
+from lightllm.common.autotuner import AutotuneKernelType, PlannedInputs, autotune
 
 
 @triton.jit
@@ -104,39 +104,37 @@ def _launch_context_attention(q, k, v, out, b_start, b_len, max_q_len, sm_scale,
 
 
 class ContextAttentionPlan:
-    """Prefill attention of one step: the arguments are checked once, on the first layer's tensors, and the tuned
-    config is resolved at the first :meth:`run`; every layer (same shapes, checked) then runs with them.
+    """Prefill attention of one step, made from shapes before any layer runs: checked once here, the tuned config
+    resolved at the first :meth:`run`; every layer (same shapes and dtype, checked) then runs with them.
 
-    Args: as :func:`context_attention`, without ``out``.
+    Args: ``q_shape`` ``(tokens, q_heads, D)``, ``kv_shape`` ``(tokens, kv_heads, D)`` and the dtype of q, k and v;
+    the rest as :func:`context_attention`.
     """
 
-    def __init__(self, q, k, v, b_start, b_len, max_q_len, sm_scale=None, run_config=None):
-        if q.dim() != 3 or k.shape != v.shape or k.shape[::2] != q.shape[::2] or q.shape[-1] not in (64, 128, 256):
-            raise ValueError(f"context_attention: q, k, v expected [tokens, heads, 64|128|256], got "
-                             f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")  # fmt: skip
-        if q.shape[1] % k.shape[1] or k.dtype != q.dtype or v.dtype != q.dtype:
-            raise ValueError("context_attention: q_heads expected a multiple of kv_heads and one dtype for q, k, v")
+    def __init__(self, q_shape, kv_shape, dtype, b_start, b_len, max_q_len, sm_scale=None, run_config=None):
+        q_shape, kv_shape = torch.Size(q_shape), torch.Size(kv_shape)
+        if (
+            len(q_shape) != 3
+            or len(kv_shape) != 3
+            or kv_shape[::2] != q_shape[::2]
+            or q_shape[-1] not in (64, 128, 256)
+        ):
+            raise ValueError(f"context_attention: q, k, v expected [tokens, heads, 64|128|256], got q {tuple(q_shape)} "
+                             f"and k, v {tuple(kv_shape)}")  # fmt: skip
+        if q_shape[1] % kv_shape[1]:
+            raise ValueError(f"context_attention: q_heads expected a multiple of kv_heads, got {q_shape[1]} and "
+                             f"{kv_shape[1]}")  # fmt: skip
         if b_start.dtype != torch.int32 or b_len.dtype != torch.int32 or b_start.shape != b_len.shape:
             raise ValueError("context_attention: b_start and b_len expected int32 [batch] tensors")
         self.b_start, self.b_len, self.max_q_len = b_start, b_len, int(max_q_len)
-        self.sm_scale = float(sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1]))
-        self.q_shape, self.kv_shape = q.shape, k.shape
-        self.run_config = run_config
-        self._tuned = None  # the tuner's plan, made by the first run (it may search on that layer's inputs)
+        self.sm_scale = float(sm_scale if sm_scale is not None else 1.0 / math.sqrt(q_shape[-1]))
+        self.inputs = PlannedInputs("context_attention", q=(q_shape, dtype), k=(kv_shape, dtype), v=(kv_shape, dtype))
+        self._tuned = _launch_context_attention.plan(run_config=run_config)
 
     def run(self, q, k, v, out=None) -> torch.Tensor:
-        if q.shape != self.q_shape or k.shape != self.kv_shape or v.shape != self.kv_shape:
-            raise ValueError(
-                f"context_attention plan: q and k, v expected the planned shapes {tuple(self.q_shape)} and "
-                f"{tuple(self.kv_shape)}, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
-            )
+        self.inputs.check((q.shape, q.dtype), (k.shape, k.dtype), (v.shape, v.dtype))
         out = torch.empty_like(q) if out is None else out
-        args = (q, k, v, out, self.b_start, self.b_len, self.max_q_len, self.sm_scale)
-        if self.run_config is not None:
-            return _launch_context_attention(*args, run_config=self.run_config)
-        if self._tuned is None:
-            self._tuned = _launch_context_attention.plan(*args)
-        return self._tuned.run(*args)
+        return self._tuned.run(q, k, v, out, self.b_start, self.b_len, self.max_q_len, self.sm_scale)
 
 
 def context_attention(
@@ -158,7 +156,8 @@ def context_attention(
         max_q_len: the longest request (sizes the grid).
     Every layer of a step: :class:`ContextAttentionPlan` checks and resolves once.
     """
-    return ContextAttentionPlan(q, k, v, b_start, b_len, max_q_len, sm_scale, run_config).run(q, k, v, out)
+    plan = ContextAttentionPlan(q.shape, k.shape, q.dtype, b_start, b_len, max_q_len, sm_scale, run_config)
+    return plan.run(q, k, v, out)
 
 
 def context_attention_ref(q, k, v, b_start, b_len, sm_scale: Optional[float] = None) -> torch.Tensor:
