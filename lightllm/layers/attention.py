@@ -46,10 +46,10 @@ def pick_decode_backend(requested: str, device: torch.device, kv_type: str) -> s
         why = f"FA3 reads no quantized KV cache (--llm_kv_type {kv_type})"
     elif not is_hopper(device):
         why = f"FA3 needs a Hopper GPU, found {torch.cuda.get_device_name(device)}"
-    elif find_fa3_provider() is None:
+    elif (provider := find_fa3_provider()) is None:
         why = "no FlashAttention-3 provider imports"
     else:
-        logger.info("--llm_decode_att_backend auto -> fa3 (Hopper GPU, %s)", find_fa3_provider().name)
+        logger.info("--llm_decode_att_backend auto -> fa3 (Hopper GPU, %s)", provider.name)
         return "fa3"
     logger.info("--llm_decode_att_backend auto -> triton (%s)", why)
     return "triton"
