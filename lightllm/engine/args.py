@@ -7,7 +7,7 @@ from typing import List, Optional
 
 import torch
 
-from lightllm.layers.attention import DECODE_BACKENDS, KV_TYPES
+from lightllm.layers.attention import DECODE_BACKEND_CHOICES, KV_TYPES, PREFILL_BACKEND_CHOICES, pick_decode_backend
 
 logger = logging.getLogger(__name__)
 
@@ -28,11 +28,12 @@ class EngineArgs:
     graph_max_batch_size: int = 64
     graph_split_batch_size: int = 16
     graph_grow_step_size: int = 16
-    graph_max_len_in_batch: int = 4096
+    graph_max_len_in_batch: int = 4096  # 0: max_req_total_len (LightLLM's meaning)
     disable_cudagraph: bool = False
     llm_kv_type: str = "None"
     llm_kv_quant_group_size: int = DEFAULT_KV_QUANT_GROUP_SIZE
-    llm_decode_att_backend: str = "triton"
+    llm_decode_att_backend: str = "triton"  # "auto" is resolved by normalize, once the device is known
+    llm_prefill_att_backend: str = "triton"
     mem_fraction: float = 0.8
     max_total_token_num: Optional[int] = None  # explicit KV pool size; default: from mem_fraction (GPU)
     device: Optional[str] = None  # default: cuda if available
@@ -45,15 +46,20 @@ class EngineArgs:
                      "graph_split_batch_size", "graph_grow_step_size", "graph_max_len_in_batch",
                      "llm_kv_quant_group_size"):  # fmt: skip
             value = getattr(self, name)
-            if name == "max_req_total_len" and value is None:
+            if (name == "max_req_total_len" and value is None) or (name == "graph_max_len_in_batch" and value == 0):
                 continue  # resolved against the model's context by fit_to_model
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"--{name} expected a positive integer, got {value!r}")
         if self.llm_kv_type not in KV_TYPES:
             raise ValueError(f"--llm_kv_type expected one of {KV_TYPES}, got {self.llm_kv_type!r}")
-        if self.llm_decode_att_backend not in DECODE_BACKENDS:
-            raise ValueError(f"--llm_decode_att_backend expected one of {DECODE_BACKENDS}, "
+        if self.llm_decode_att_backend not in DECODE_BACKEND_CHOICES:
+            raise ValueError(f"--llm_decode_att_backend expected one of {DECODE_BACKEND_CHOICES}, "
                              f"got {self.llm_decode_att_backend!r}")  # fmt: skip
+        if self.llm_prefill_att_backend not in PREFILL_BACKEND_CHOICES:
+            raise ValueError(f"--llm_prefill_att_backend expected one of {PREFILL_BACKEND_CHOICES} (Triton "
+                             "context attention is the only prefill kernel), "
+                             f"got {self.llm_prefill_att_backend!r}")  # fmt: skip
+        self.llm_prefill_att_backend = "triton"
         if not 0 < self.mem_fraction <= 1:
             raise ValueError(f"--mem_fraction expected a value in (0, 1], got {self.mem_fraction!r}")
         if self.max_total_token_num is not None and self.max_total_token_num <= 0:
@@ -63,6 +69,8 @@ class EngineArgs:
         self.device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
         if self.device.startswith("cuda"):
             _check_gpu_visible(self.device)
+        self.llm_decode_att_backend = pick_decode_backend(self.llm_decode_att_backend, torch.device(self.device),
+                                                          self.llm_kv_type)  # fmt: skip
         if not self.disable_cudagraph and self.graph_max_batch_size > self.running_max_req_size:
             logger.info("graph_max_batch_size %d -> %d (running_max_req_size): larger graphs can never be used",
                         self.graph_max_batch_size, self.running_max_req_size)  # fmt: skip
@@ -80,7 +88,7 @@ class EngineArgs:
         elif self.max_req_total_len > context_len:
             raise ValueError(f"--max_req_total_len {self.max_req_total_len} expected at most the model's context, "
                              f"max_position_embeddings {context_len}")  # fmt: skip
-        self.graph_max_len_in_batch = min(self.graph_max_len_in_batch, self.max_req_total_len)
+        self.graph_max_len_in_batch = min(self.graph_max_len_in_batch or self.max_req_total_len, self.max_req_total_len)
         if self.max_total_token_num is not None and self.max_total_token_num - 1 < self.max_req_total_len:
             raise ValueError(f"--max_total_token_num {self.max_total_token_num} expected at least "
                              f"{self.max_req_total_len + 1}: one --max_req_total_len ({self.max_req_total_len}) "

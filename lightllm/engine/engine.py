@@ -36,9 +36,10 @@ class StepObserver(Protocol):
     def on_step(self, kind: str, batch_size: int, seconds: float) -> None: ...
 
 
-def eos_token_ids(config, tokenizer) -> Set[int]:
-    """The ids that end a request (unless it ignores EOS): the model config's and the tokenizer's."""
-    eos = set(config.eos_token_ids)
+def eos_token_ids(config, tokenizer, extra: Iterable[int] = ()) -> Set[int]:
+    """The ids that end a request (unless it ignores EOS): the model config's, the tokenizer's and ``extra``
+    (the server's ``--eos_id``)."""
+    eos = set(config.eos_token_ids) | set(extra)
     if getattr(tokenizer, "eos_token_id", None) is not None:
         eos.add(tokenizer.eos_token_id)
     return eos

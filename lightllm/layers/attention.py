@@ -3,7 +3,10 @@
 - ``triton`` (GPU): Triton context attention for prefill; Triton GQA flash decode (bf16/fp16, INT8, INT4 KV).
 - ``fa3`` (Hopper GPU): FlashAttention-3 decode (bf16/fp16 KV), Triton context attention for prefill.
 - On a CPU device both run the torch references, so the engine runs (slowly) without a GPU.
+- ``auto`` (the flag's value, resolved at start-up by ``pick_decode_backend``): fa3 where it can run, else triton.
 """
+
+import logging
 
 import torch
 
@@ -14,7 +17,11 @@ from lightllm.kernels.attention.decode.flash_decode import GQADecodePlan
 from lightllm.kernels.attention.decode.reference import decode_attention_ref
 from lightllm.kernels.attention.prefill.context_attention import ContextAttentionPlan, context_attention_ref
 
+logger = logging.getLogger(__name__)
+
 DECODE_BACKENDS = ("triton", "fa3")
+DECODE_BACKEND_CHOICES = ("auto", *DECODE_BACKENDS)  # what --llm_decode_att_backend takes
+PREFILL_BACKEND_CHOICES = ("auto", "triton")  # --llm_prefill_att_backend: Triton context attention is the only one
 KV_TYPES = ("None", "int8kv", "int4kv")
 GPU_HEAD_DIMS = (64, 128, 256)  # what the Triton prefill and decode kernels compile for
 
@@ -24,6 +31,28 @@ def check_head_dim(head_dim: int, device: torch.device) -> None:
     if device.type == "cuda" and head_dim not in GPU_HEAD_DIMS:
         raise ValueError(f"model head_dim expected one of {GPU_HEAD_DIMS} on a GPU, got {head_dim} "
                          "(the CPU device runs any head_dim through the torch references)")  # fmt: skip
+
+
+def pick_decode_backend(requested: str, device: torch.device, kv_type: str) -> str:
+    """``requested`` itself, or for ``auto``: fa3 on a Hopper GPU with an FA3 provider installed and an
+    unquantized KV cache (the only one FA3 reads), else triton. The choice is logged with its reason."""
+    if requested != "auto":
+        return requested
+    from lightllm.kernels.attention.decode.fa3 import find_fa3_provider, is_hopper
+
+    if device.type != "cuda":
+        why = "no GPU: the torch references run either way"
+    elif kv_type != "None":
+        why = f"FA3 reads no quantized KV cache (--llm_kv_type {kv_type})"
+    elif not is_hopper(device):
+        why = f"FA3 needs a Hopper GPU, found {torch.cuda.get_device_name(device)}"
+    elif (provider := find_fa3_provider()) is None:
+        why = "no FlashAttention-3 provider imports"
+    else:
+        logger.info("--llm_decode_att_backend auto -> fa3 (Hopper GPU, %s)", provider.name)
+        return "fa3"
+    logger.info("--llm_decode_att_backend auto -> triton (%s)", why)
+    return "triton"
 
 
 class AttentionBackend:

@@ -1,9 +1,9 @@
 """HTTP server: ``python -m lightllm.server.api_server [flags]``.
 
 Native ``/generate`` and ``/generate_stream``, OpenAI-compatible ``/v1/completions`` and
-``/v1/chat/completions`` (server-sent events ending in ``data: [DONE]`` when streaming), ``/v1/models``,
-``/health`` and ``/metrics``. Bad requests get a 400 (413 for a body over the size limit) with a message;
-the server keeps serving.
+``/v1/chat/completions`` (server-sent events ending in ``data: [DONE]`` when streaming), ``/v1/models`` and
+``/v1/models/{id}``, ``/health`` and ``/metrics``. Bad requests get a 400 (413 for a body over the size limit,
+404 for another model) with a message; the server keeps serving.
 """
 
 import asyncio
@@ -15,7 +15,8 @@ import sys
 import threading
 import time
 import uuid
-from typing import AsyncIterator, List, Optional
+from pathlib import Path
+from typing import AsyncIterator, Dict, List, Optional, Sequence, Union
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -31,12 +32,14 @@ from lightllm.engine.sampler import SamplingParams
 from lightllm.server.args import ServerArgs, parse_args
 from lightllm.server.bodies import ChatRequest, CompletionRequest, GenerateRequest
 from lightllm.server.engine_loop import EngineLoop
-from lightllm.server.http_guards import BadRequest, BodyLimit, install_error_handlers
-from lightllm.server.prompts import PromptEncoder
+from lightllm.server.generation_defaults import read_sampling_defaults
+from lightllm.server.http_guards import BadRequest, BodyLimit, ModelNotFound, install_error_handlers
+from lightllm.server.prompts import PromptEncoder, load_tokenizer
 from lightllm.server.serving import bind, serve
 
 logger = logging.getLogger(__name__)
 _DISCONNECT_CHECK_S = 0.25  # how often a request checks that its client is still there
+TINY_NAME = "lightllm-tiny-qwen3"  # the model id of the built-in tiny model
 
 
 class Metrics:
@@ -87,7 +90,11 @@ class Server:
         on_shutdown=None,
         health_step_timeout_s: float = ServerArgs.health_step_timeout_s,
         max_request_body_bytes: int = ServerArgs.max_request_body_bytes,
+        sampling_defaults: Optional[Dict[str, Union[int, float]]] = None,
+        extra_eos_ids: Sequence[int] = (),
     ):
+        """``sampling_defaults``: what the OpenAI routes use for a sampling field a request leaves out
+        (``read_sampling_defaults``); ``extra_eos_ids``: ``--eos_id``."""
         self.runner = runner
         self.on_shutdown = on_shutdown  # after the engine loop stops: tensor-parallel workers
         self.health_step_timeout_s = health_step_timeout_s
@@ -95,9 +102,11 @@ class Server:
         self.prompts = PromptEncoder(tokenizer, runner.args.max_req_total_len)
         self.max_request_body_bytes = max_request_body_bytes
         self.model_name = model_name
+        self.created = int(time.time())  # the /v1/models entry's "created": when this server started
+        self.sampling_defaults = dict(sampling_defaults or {})
         self.metrics = Metrics()
         self.mailbox = _Mailbox()
-        self.engine = Engine(runner, eos_token_ids(runner.config, tokenizer), observer=self.metrics)
+        self.engine = Engine(runner, eos_token_ids(runner.config, tokenizer, extra_eos_ids), observer=self.metrics)
         self.loop = EngineLoop(self.engine, after_step=self.mailbox.flush)
         self.app = self._build_app()
 
@@ -129,7 +138,12 @@ class Server:
 
         @app.get("/v1/models")
         async def models():
-            return {"object": "list", "data": [{"id": self.model_name, "object": "model", "owned_by": "lightllm"}]}
+            return {"object": "list", "data": [self._model_card()]}
+
+        @app.get("/v1/models/{model_id:path}")
+        async def model(model_id: str):
+            self._check_model(model_id)
+            return self._model_card()
 
         @app.post("/generate")
         async def generate(body: GenerateRequest, request: Request):
@@ -156,18 +170,30 @@ class Server:
 
         @app.post("/v1/completions")
         async def completions(body: CompletionRequest, request: Request):
+            self._check_model(body.model)
             ids, params = await self._prepare("prompt", body.prompt, body.max_tokens, body,
                                               body.logprobs is not None, False)  # fmt: skip
             return await self._openai(ids, params, request, body.stream, chat=False)
 
         @app.post("/v1/chat/completions")
         async def chat(body: ChatRequest, request: Request):
+            self._check_model(body.model)
             messages = [m.model_dump() for m in body.messages]
             max_tokens = body.max_completion_tokens or body.max_tokens  # None: the rest of max_req_total_len
             ids, params = await self._prepare("messages", messages, max_tokens, body, body.logprobs, False)
             return await self._openai(ids, params, request, body.stream, chat=True)
 
         return app
+
+    def _model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "lightllm",
+                "max_model_len": self.runner.args.max_req_total_len}  # fmt: skip
+
+    def _check_model(self, name: Optional[str]) -> None:
+        """A request may leave ``model`` out; naming another model is a 404, as OpenAI answers it."""
+        if name is not None and name != self.model_name:
+            raise ModelNotFound(f"model: {name!r} is not served here; this server serves {self.model_name!r} "
+                                "(--model_name)")  # fmt: skip
 
     def _liveness_problem(self) -> Optional[str]:
         """Why the engine loop is not making progress (None while it is): a thread that ended, or one step
@@ -207,9 +233,13 @@ class Server:
             raise BadRequest(
                 f"max_tokens: {max_tokens} with a {len(ids)}-token prompt exceeds max_req_total_len {limit}"
             )
+        # The OpenAI routes take the model's generation_config.json values for fields a request leaves out; the
+        # native route keeps its own documented (greedy) defaults.
+        defaults = {} if field == "inputs" else self.sampling_defaults
+        chosen = {k: getattr(sampling, k) if k in sampling.model_fields_set else defaults.get(k, getattr(sampling, k))
+                  for k in ("temperature", "top_p", "top_k")}  # fmt: skip
         try:  # the bodies already hold these to the engine's ranges; this keeps the two from drifting apart
-            params = SamplingParams(max_new_tokens=max_tokens, temperature=sampling.temperature,
-                                    top_p=sampling.top_p, top_k=sampling.top_k, logprobs=logprobs, seed=sampling.seed,
+            params = SamplingParams(max_new_tokens=max_tokens, **chosen, logprobs=logprobs, seed=sampling.seed,
                                     ignore_eos=ignore_eos, stop=stops)  # fmt: skip
         except ValueError as e:
             raise BadRequest(str(e)) from None
@@ -363,19 +393,32 @@ def main(argv=None) -> None:
     except ValueError as e:
         sys.stderr.write(f"error: {e}\n")
         sys.exit(2)
+    from lightllm.tools.make_tiny_model import default_model_dir
+
+    model_dir = engine_args.model_dir or str(default_model_dir())
+    try:  # still before the model loads: a bad file or tokenizer mode is one line, not a traceback later
+        sampling_defaults = read_sampling_defaults(model_dir)
+        tokenizer = load_tokenizer(model_dir, server_args.tokenizer_mode, server_args.chat_template)
+    except ValueError as e:
+        sock.close()
+        sys.stderr.write(f"error: {e}\n")
+        sys.exit(2)
     if server_args.tp > 1:
         from lightllm.server.tp import start_tp
 
-        runner = start_tp(engine_args, server_args.tp, step_timeout_s=server_args.tp_step_timeout_s)
+        runner = start_tp(engine_args, server_args.tp, step_timeout_s=server_args.tp_step_timeout_s,
+                          port=server_args.nccl_port)  # fmt: skip
     else:
         runner = ModelRunner(engine_args)
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(runner.model_dir)
     stop = runner.stop if server_args.tp > 1 else None
-    server = Server(runner, tokenizer, model_name=engine_args.model_dir or "lightllm-tiny-qwen3", on_shutdown=stop,
+    model_name = server_args.model_name or (
+        Path(engine_args.model_dir).resolve().name if engine_args.model_dir else TINY_NAME
+    )
+    logger.info("serving model %r", model_name)
+    server = Server(runner, tokenizer, model_name=model_name, on_shutdown=stop,
                     health_step_timeout_s=server_args.health_step_timeout_s,
-                    max_request_body_bytes=server_args.max_request_body_bytes)  # fmt: skip
+                    max_request_body_bytes=server_args.max_request_body_bytes, sampling_defaults=sampling_defaults,
+                    extra_eos_ids=server_args.eos_id)  # fmt: skip
     try:
         serve(server.app, sock, read_timeout_s=server_args.request_read_timeout_s,
               drain_s=server_args.shutdown_drain_s, abort_rest=server.engine.abort_all)  # fmt: skip

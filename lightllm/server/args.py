@@ -4,6 +4,7 @@ import argparse
 import dataclasses
 import logging
 import math
+import os
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
@@ -11,7 +12,7 @@ import torch
 
 from lightllm.common import envs
 from lightllm.engine.args import DATA_TYPES, EngineArgs
-from lightllm.layers.attention import DECODE_BACKENDS, KV_TYPES, check_head_dim
+from lightllm.layers.attention import DECODE_BACKEND_CHOICES, KV_TYPES, PREFILL_BACKEND_CHOICES, check_head_dim
 from lightllm.models.hf_config import ModelLoadError
 from lightllm.models.registry import read_model_config
 
@@ -27,11 +28,14 @@ _HELP = {
     "graph_max_batch_size": "largest decode CUDA graph (capped at running_max_req_size)",
     "graph_split_batch_size": "decode graphs for every batch size up to this",
     "graph_grow_step_size": "then one graph every this many",
-    "graph_max_len_in_batch": "longest request a decode graph serves; longer batches decode eagerly",
+    "graph_max_len_in_batch": "longest request a decode graph serves; longer batches decode eagerly; 0: "
+    "max_req_total_len",
     "disable_cudagraph": "decode eagerly (no graphs, no decode-attention tuning scope)",
     "llm_kv_type": "KV cache type",
     "llm_kv_quant_group_size": "INT8/INT4 KV quantization group size along head_dim",
-    "llm_decode_att_backend": "decode attention kernels",
+    "llm_decode_att_backend": "decode attention kernels; auto: fa3 on a Hopper GPU with an FA3 provider installed "
+    "and an unquantized KV cache, else triton",
+    "llm_prefill_att_backend": "prefill attention kernels (Triton context attention is the only one; auto = triton)",
     "mem_fraction": "fraction of GPU memory the server may use, KV cache sized after a profiling forward "
     "(CPU: fraction of available RAM for the KV cache)",
     "max_total_token_num": "KV cache size in tokens (overrides mem_fraction)",
@@ -46,7 +50,8 @@ _OPTIONAL_TYPES = {
 _CHOICES = {
     "data_type": sorted(DATA_TYPES),
     "llm_kv_type": list(KV_TYPES),
-    "llm_decode_att_backend": list(DECODE_BACKENDS),
+    "llm_decode_att_backend": list(DECODE_BACKEND_CHOICES),
+    "llm_prefill_att_backend": list(PREFILL_BACKEND_CHOICES),
 }
 
 
@@ -60,6 +65,23 @@ class ServerArgs:
     shutdown_drain_s: float = 30.0
     request_read_timeout_s: float = 30.0
     max_request_body_bytes: int = 4 << 20  # a body over this gets a 413 before it is parsed
+    model_name: Optional[str] = None  # None: the model folder's name (lightllm-tiny-qwen3 for the built-in one)
+    tokenizer_mode: str = "fast"
+    trust_remote_code: bool = False
+    eos_id: Tuple[int, ...] = ()  # extra ids that end a request, beside the model's own
+    chat_template: Optional[str] = None  # the template's text once parsed (the flag takes a file or the text)
+    nccl_port: Optional[int] = None  # None: a free port
+    disable_dynamic_prompt_cache: bool = False
+
+
+# LightLLM flags for features this project does not have: giving one is a one-line error saying so.
+NOT_IMPLEMENTED = {
+    "chunked_prefill_size": "chunked prefill is not implemented yet (a prompt is prefilled in one piece, "
+    "up to --batch_max_tokens)",
+    "tool_call_parser": "tool-call parsing is not implemented yet (tool calls stay in the text)",
+    "reasoning_parser": "reasoning parsing is not implemented yet (reasoning stays in the text)",
+}
+TOKENIZER_MODES = ("fast", "slow", "auto")
 
 
 _SERVER_HELP = {
@@ -70,6 +92,22 @@ _SERVER_HELP = {
     "request_read_timeout_s": "close a connection that has not sent a whole request within this",
     "max_request_body_bytes": "largest HTTP request body; a larger one gets a 413 before it is parsed",
 }
+_SERVER_FLAGS = {  # the ServerArgs fields whose flag is not a plain typed value
+    "model_name": dict(help="the model id clients send and see (default: the model folder's name)"),
+    "tokenizer_mode": dict(choices=TOKENIZER_MODES, help="fast, slow, or auto (fast, else slow)"),
+    "trust_remote_code": dict(action="store_true", help="accepted for LightLLM compatibility; Qwen3 runs no "
+                              "remote code"),  # fmt: skip
+    "eos_id": dict(type=int, nargs="+", help="token ids that end a request, besides the model's own EOS"),
+    "chat_template": dict(help="a Jinja chat template, as a file path or inline, replacing the tokenizer's"),
+    "nccl_port": dict(type=int, help="with --tp > 1: the port of the ranks' rendezvous (default: a free one)"),
+    "disable_dynamic_prompt_cache": dict(action="store_true", help="accepted as a no-op: there is no prompt "
+                                         "(prefix) cache to disable"),  # fmt: skip
+}
+
+
+class _NotImplemented(argparse.Action):
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{option_string}: {NOT_IMPLEMENTED[self.dest]}")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -82,8 +120,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default=ServerArgs.host)
     p.add_argument("--port", type=int, default=ServerArgs.port)
     for f in dataclasses.fields(ServerArgs):
-        if f.name not in ("host", "port"):
+        if f.name in _SERVER_FLAGS:
+            p.add_argument(f"--{f.name}", default=f.default, **_SERVER_FLAGS[f.name])
+        elif f.name not in ("host", "port"):
             p.add_argument(f"--{f.name}", type=type(f.default), default=f.default, help=_SERVER_HELP[f.name])
+    for name, why in NOT_IMPLEMENTED.items():
+        p.add_argument(f"--{name}", action=_NotImplemented, default=argparse.SUPPRESS, help=why)
     for f in dataclasses.fields(EngineArgs):
         flag, default = f"--{f.name}", f.default
         if f.type in (bool, "bool"):
@@ -115,18 +157,55 @@ def parse_args(argv: Optional[List[str]] = None) -> Tuple[ServerArgs, EngineArgs
             raise ValueError(
                 f"--max_request_body_bytes expected a positive integer, got {server.max_request_body_bytes}"
             )
+        if server.nccl_port is not None and not 0 < server.nccl_port < 65536:
+            raise ValueError(f"--nccl_port expected a value in [1, 65535], got {server.nccl_port}")
+        if server.model_name is not None and not server.model_name.strip():
+            raise ValueError("--model_name expected a non-empty name")
+        server.eos_id = tuple(server.eos_id)
+        server.chat_template = _read_chat_template(server.chat_template)
         engine = EngineArgs(**ns).normalize()
         envs.validate_all()
         if engine.device.startswith("cuda") and server.tp > torch.cuda.device_count():
             raise ValueError(f"--tp {server.tp} expected at most the {torch.cuda.device_count()} visible GPUs")
-        _fit_to_model(engine, server.tp)
+        _fit_to_model(engine, server)
     except ValueError as e:
         parser.exit(2, f"error: {e}\n")
+    _note_unused(server)
     logger.info("args: host=%s port=%d tp=%d %s", server.host, server.port, server.tp, engine.summary())
     return server, engine
 
 
-def _fit_to_model(engine: EngineArgs, tp: int) -> None:
+def _read_chat_template(value: Optional[str]) -> Optional[str]:
+    """The template text of ``--chat_template`` (a file path, or the template itself), checked to compile."""
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            text = f.read()
+    elif "{{" in value or "{%" in value:
+        text = value
+    else:
+        raise ValueError(f"--chat_template expected a Jinja template file or an inline template, got {value!r}: "
+                         "no such file")  # fmt: skip
+    import jinja2
+
+    try:
+        jinja2.Environment().parse(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"--chat_template {value!r}: invalid Jinja at line {e.lineno}: {e.message}") from None
+    return text
+
+
+def _note_unused(server: ServerArgs) -> None:
+    if server.trust_remote_code:
+        logger.info("--trust_remote_code: unused, the supported architectures (Qwen3) run no remote code")
+    if server.disable_dynamic_prompt_cache:
+        logger.info("--disable_dynamic_prompt_cache: nothing to disable, this server has no prompt cache")
+    if server.nccl_port is not None and server.tp == 1:
+        logger.info("--nccl_port %d: unused with --tp 1", server.nccl_port)
+
+
+def _fit_to_model(engine: EngineArgs, server: ServerArgs) -> None:
     """The checks that need the model's config.json (read here, before any weight loads)."""
     from lightllm.tools.make_tiny_model import default_model_dir
 
@@ -137,4 +216,8 @@ def _fit_to_model(engine: EngineArgs, tp: int) -> None:
         raise ValueError(f"--model_dir expected a Hugging Face model folder of a supported architecture: {e}") from None
     engine.fit_to_model(config.max_position_embeddings, config.head_dim)
     check_head_dim(config.head_dim, torch.device(engine.device))
-    family.check_tp(config, tp)
+    family.check_tp(config, server.tp)
+    bad = [i for i in server.eos_id if not 0 <= i < config.vocab_size]
+    if bad:
+        raise ValueError(f"--eos_id expected token ids in [0, {config.vocab_size}) (the model's vocab_size), "
+                         f"got {bad}")  # fmt: skip

@@ -16,9 +16,14 @@ class BadRequest(Exception):
     """A 400 whose message names the field, the value and what is allowed."""
 
 
-def error_response(status: int, message: str) -> JSONResponse:
+class ModelNotFound(Exception):
+    """A 404 for a ``model`` this server does not serve (OpenAI's ``model_not_found``)."""
+
+
+def error_response(status: int, message: str, code=None) -> JSONResponse:
+    """``code``: OpenAI's error code where one is defined, else the status."""
     kind = "invalid_request_error" if status < 500 else "server_error"
-    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status)
+    return JSONResponse({"error": {"message": message, "type": kind, "code": code or status}}, status)
 
 
 class BodyLimit:
@@ -76,6 +81,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(BadRequest)
     async def bad(_request, exc: BadRequest):
         return error_response(400, str(exc))
+
+    @app.exception_handler(ModelNotFound)
+    async def no_model(_request, exc: ModelNotFound):
+        return error_response(404, str(exc), code="model_not_found")
 
     @app.exception_handler(HTTPException)
     async def http_error(_request, exc: HTTPException):

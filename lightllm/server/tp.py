@@ -271,13 +271,20 @@ def _worker(rank: int, world: int, init_method: str, args: EngineArgs, parent: i
     dist.destroy_process_group()
 
 
-def start_tp(args: EngineArgs, tp: int, step_timeout_s: Optional[float] = None) -> TPRunner:
-    """Spawn ranks 1..tp-1, join as rank 0 and build every rank's runner (start-up runs in lockstep)."""
+def rendezvous_address(port: Optional[int] = None) -> str:
+    """Where the ranks meet (torch.distributed's init_method): ``port`` (--nccl_port), else a free one."""
+    return f"tcp://127.0.0.1:{port if port is not None else free_port()}"
+
+
+def start_tp(args: EngineArgs, tp: int, step_timeout_s: Optional[float] = None, port: Optional[int] = None) -> TPRunner:
+    """Spawn ranks 1..tp-1, join as rank 0 and build every rank's runner (start-up runs in lockstep). ``port``:
+    the ranks' rendezvous port (``--nccl_port``), default a free one."""
     if not args.model_dir:  # resolve (and build, once) the built-in model here, not in every rank
         from lightllm.tools.make_tiny_model import default_model_dir
 
         args = EngineArgs(**{**vars(args), "model_dir": str(default_model_dir())})
-    init_method = f"tcp://127.0.0.1:{free_port()}"
+    init_method = rendezvous_address(port)
+    logger.info("tensor-parallel rendezvous at %s", init_method)
     ctx = mp.get_context("spawn")
     progress = RankProgress(ctx, tp)
     procs = []

@@ -14,7 +14,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Union
+from typing import Optional, Union
 
 import torch
 from filelock import FileLock
@@ -118,6 +118,7 @@ def make_tiny_qwen3(
     dtype: str = "float32",
     initializer_range: float = 0.2,
     padded_vocab_size: int = 0,
+    generation_config: Optional[dict] = None,
 ) -> Path:
     """Write a random-weight Qwen3 checkpoint with a working tokenizer into ``out_dir`` and return its path.
 
@@ -126,7 +127,8 @@ def make_tiny_qwen3(
     pad theirs; benchmarks use it for a realistic lm_head). Weights come from transformers' own
     ``Qwen3ForCausalLM`` init under ``seed``, with a wider ``initializer_range`` than HF's 0.02 so logits are
     not flat, and RMSNorm weights perturbed around 1 so a loader that swaps two norms is caught. The caller's
-    global RNG state is left untouched.
+    global RNG state is left untouched. ``generation_config``: keys added to ``generation_config.json`` (sampling
+    defaults such as ``{"do_sample": True, "temperature": 0.6}``).
     """
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -161,6 +163,9 @@ def make_tiny_qwen3(
     model = model.to(_DTYPES[dtype])
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
+    if generation_config:
+        path = out / "generation_config.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), **generation_config}, indent=2))
     return out
 
 

@@ -17,13 +17,15 @@ from lightllm.common import proc as procs
 
 MAX_LEN = 1024  # long enough that a full-length request outlives a client that gives up
 MAX_BODY = 256 * 1024
+MODEL = "tiny-served"  # --model_name
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     home = tmp_path_factory.mktemp("server")
     args = ["--data_type", "fp32", "--device", "cpu", "--batch_max_tokens", "128", "--max_req_total_len", str(MAX_LEN),
-            "--running_max_req_size", "8", "--max_request_body_bytes", str(MAX_BODY)]  # fmt: skip
+            "--running_max_req_size", "8", "--max_request_body_bytes", str(MAX_BODY),
+            "--model_name", MODEL]  # fmt: skip
     with running_server(home, args) as base:
         yield base
 
@@ -40,7 +42,7 @@ def metric(base, name, labels=""):
 
 
 def test_completion_and_usage(client):
-    r = client.completions.create(model="x", prompt="hello world", max_tokens=6, temperature=0)
+    r = client.completions.create(model=MODEL, prompt="hello world", max_tokens=6, temperature=0)
     assert r.choices[0].finish_reason in ("length", "stop")
     assert r.usage.prompt_tokens > 0 and 1 <= r.usage.completion_tokens <= 6
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
@@ -48,8 +50,8 @@ def test_completion_and_usage(client):
 
 def test_chat_stream_matches_non_stream(client):
     msgs = [{"role": "user", "content": "tell me a story"}]
-    full = client.chat.completions.create(model="x", messages=msgs, max_tokens=8, temperature=0)
-    chunks = list(client.chat.completions.create(model="x", messages=msgs, max_tokens=8, temperature=0, stream=True))
+    full = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, temperature=0)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, temperature=0, stream=True))
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == full.choices[0].message.content
     assert chunks[-1].choices[0].finish_reason == full.choices[0].finish_reason
@@ -194,7 +196,11 @@ def test_bad_input_is_400_and_server_keeps_serving(server, path, body, message):
 
 
 def test_models_and_metrics(server, client):
-    assert [m.id for m in client.models.list().data] == ["lightllm-tiny-qwen3"]
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert client.models.retrieve(MODEL).max_model_len == MAX_LEN
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="lightllm-tiny-qwen3", prompt="hi", max_tokens=1)
+    assert e.value.code == "model_not_found"
     text = httpx.get(server + "/metrics").text
     for name in ("lightllm_queue_length", "lightllm_running_batch", "lightllm_generated_tokens_total",
                  "lightllm_time_to_first_token_seconds_bucket", "lightllm_inter_token_latency_seconds_bucket",

@@ -61,6 +61,7 @@ CASES = {
     "int4kv group 16": (["--llm_kv_type", "int4kv", "--llm_kv_quant_group_size", "16"], ["16", "head_dim / 2 = 8"]),
     "group 0, default KV": (["--llm_kv_quant_group_size", "0"], ["--llm_kv_quant_group_size", "got 0"]),
     "negative drain": (["--shutdown_drain_s", "-1"], ["--shutdown_drain_s", "-1"]),
+    "a LightLLM feature not here": (["--chunked_prefill_size", "8192"], ["--chunked_prefill_size", "not implemented"]),
 }
 
 
@@ -91,6 +92,12 @@ def test_port_in_use_is_reported_before_loading(tmp_path, model):
         port = taken.getsockname()[1]
         code, out = run_server(tmp_path, ["--model_dir", model, "--device", "cpu", "--port", str(port)])
     assert_one_error_line(code, out, f"--port {port}", "in use")
+
+
+def test_a_bad_generation_config_is_one_line_before_loading(tmp_path):
+    model = make_tiny_qwen3(tmp_path / "m", generation_config={"do_sample": True, "top_p": 0})
+    code, out = run_server(tmp_path, ["--model_dir", str(model), "--device", "cpu"])
+    assert_one_error_line(code, out, "generation_config.json: top_p expected a number in (0, 1], got 0")
 
 
 def test_short_context_caps_the_default_and_everything_derived(short_model, caplog):

@@ -114,7 +114,7 @@ def find_fa3_provider() -> Optional[FA3Provider]:
     return None
 
 
-def _is_hopper(device: torch.device) -> bool:
+def is_hopper(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
 
 
@@ -124,7 +124,7 @@ def require_fa3(device=None) -> FA3Provider:
     if provider is None:
         raise RuntimeError(f"--llm_decode_att_backend fa3: no FlashAttention-3 provider found; {INSTALL_HINT}")
     device = torch.device(device if device is not None else "cuda")
-    if device.type != "cuda" or not torch.cuda.is_available() or not _is_hopper(device):
+    if device.type != "cuda" or not torch.cuda.is_available() or not is_hopper(device):
         name = torch.cuda.get_device_name(device) if device.type == "cuda" and torch.cuda.is_available() else "no GPU"
         raise RuntimeError(
             f"--llm_decode_att_backend fa3: {provider.name} needs a Hopper GPU (sm90, H100/H200), found {name}; "

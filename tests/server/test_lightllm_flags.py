@@ -1,0 +1,167 @@
+"""LightLLM's server flags: each is accepted with its meaning, or (for a feature this server does not have) refused
+with one ``error:`` line saying so, never argparse's "unrecognized arguments"."""
+
+import logging
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from lightllm.engine.args import EngineArgs
+from lightllm.kernels.attention.decode import fa3
+from lightllm.layers.attention import pick_decode_backend
+from lightllm.server.args import parse_args
+from lightllm.server.prompts import load_tokenizer
+from lightllm.server.tp import rendezvous_address
+from lightllm.tools.make_tiny_model import make_tiny_qwen3
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return str(make_tiny_qwen3(tmp_path_factory.mktemp("m")))  # vocab_size 512 or less
+
+
+def parse(model, *argv):
+    return parse_args(["--model_dir", model, "--device", "cpu", *argv])
+
+
+def refused(capsys, model, *argv) -> str:
+    """The one ``error:`` line (exit 2) that ``argv`` gets."""
+    with pytest.raises(SystemExit) as e:
+        parse(model, *argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and len(err.splitlines()) == 1 and err.startswith("error: "), err
+    return err.strip()
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--chunked_prefill_size", "4096"], "error: --chunked_prefill_size: chunked prefill is not implemented yet"),
+    (["--tool_call_parser", "qwen25"], "error: --tool_call_parser: tool-call parsing is not implemented yet"),
+    (["--reasoning_parser", "qwen3"], "error: --reasoning_parser: reasoning parsing is not implemented yet"),
+], ids=["chunked_prefill_size", "tool_call_parser", "reasoning_parser"])  # fmt: skip
+def test_a_feature_this_server_lacks_is_one_line_saying_so(capsys, model, argv, expected):
+    assert refused(capsys, model, *argv).startswith(expected)
+
+
+def test_flags_accepted_for_compatibility_log_that_they_change_nothing(model, caplog):
+    caplog.set_level(logging.INFO)
+    server, _ = parse(model, "--trust_remote_code", "--disable_dynamic_prompt_cache", "--nccl_port", "29500")
+    assert server.trust_remote_code and server.disable_dynamic_prompt_cache and server.nccl_port == 29500
+    messages = [r.message for r in caplog.records]
+    assert "--trust_remote_code: unused, the supported architectures (Qwen3) run no remote code" in messages
+    assert "--disable_dynamic_prompt_cache: nothing to disable, this server has no prompt cache" in messages
+    assert "--nccl_port 29500: unused with --tp 1" in messages
+
+
+def test_model_name_and_eos_id(capsys, model):
+    server, _ = parse(model, "--model_name", "Qwen/Qwen3-8B", "--eos_id", "3", "7")
+    assert (server.model_name, server.eos_id) == ("Qwen/Qwen3-8B", (3, 7))
+    assert parse(model)[0].eos_id == ()
+    assert refused(capsys, model, "--eos_id", "3", "512") == (
+        "error: --eos_id expected token ids in [0, 512) (the model's vocab_size), got [512]"
+    )
+    assert refused(capsys, model, "--model_name", " ") == "error: --model_name expected a non-empty name"
+
+
+@pytest.mark.parametrize("port", ["0", "65536"])
+def test_nccl_port_out_of_range(capsys, model, port):
+    assert (
+        refused(capsys, model, "--nccl_port", port) == f"error: --nccl_port expected a value in [1, 65535], got {port}"
+    )
+
+
+def test_nccl_port_is_where_the_ranks_meet():
+    assert rendezvous_address(29511) == "tcp://127.0.0.1:29511"
+    assert rendezvous_address(None).startswith("tcp://127.0.0.1:")
+
+
+def test_graph_max_len_in_batch_0_is_max_req_total_len(capsys, model):
+    assert parse(model, "--graph_max_len_in_batch", "0", "--max_req_total_len", "300")[1].graph_max_len_in_batch == 300
+    assert parse(model, "--graph_max_len_in_batch", "0")[1].graph_max_len_in_batch == 4096
+    assert parse(model, "--max_req_total_len", "300")[1].graph_max_len_in_batch == 300  # the default, capped
+    assert "got -1" in refused(capsys, model, "--graph_max_len_in_batch", "-1")
+
+
+def test_prefill_backend(capsys, model):
+    assert parse(model, "--llm_prefill_att_backend", "auto")[1].llm_prefill_att_backend == "triton"
+    assert parse(model, "--llm_prefill_att_backend", "triton")[1].llm_prefill_att_backend == "triton"
+    err = refused(capsys, model, "--llm_prefill_att_backend", "fa3")
+    assert "--llm_prefill_att_backend" in err and "'fa3'" in err and "'auto', 'triton'" in err
+    with pytest.raises(ValueError, match=r"--llm_prefill_att_backend expected one of \('auto', 'triton'\)"):
+        EngineArgs(device="cpu", llm_prefill_att_backend="flashinfer").normalize()
+
+
+# ---- --llm_decode_att_backend auto ------------------------------------------------------------------------
+
+
+def test_decode_backend_auto_on_cpu_is_triton_and_logged(model, caplog):
+    caplog.set_level(logging.INFO)
+    assert parse(model, "--llm_decode_att_backend", "auto")[1].llm_decode_att_backend == "triton"
+    assert "--llm_decode_att_backend auto -> triton (no GPU: the torch references run either way)" in [
+        r.message for r in caplog.records
+    ]
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """A CUDA device whose Hopper-ness and FA3 provider the test sets."""
+    state = SimpleNamespace(hopper=True, provider=SimpleNamespace(name="flash_attn_3"))
+    monkeypatch.setattr(fa3, "is_hopper", lambda device: state.hopper)
+    monkeypatch.setattr(fa3, "find_fa3_provider", lambda: state.provider)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
+    return state
+
+
+def test_decode_backend_auto_picks_fa3_only_where_it_runs(fake_gpu, caplog):
+    caplog.set_level(logging.INFO)
+    gpu = torch.device("cuda")
+    assert pick_decode_backend("auto", gpu, "None") == "fa3"
+    assert pick_decode_backend("auto", gpu, "int8kv") == "triton"
+    fake_gpu.provider = None
+    assert pick_decode_backend("auto", gpu, "None") == "triton"
+    fake_gpu.hopper = False
+    assert pick_decode_backend("auto", gpu, "None") == "triton"
+    assert pick_decode_backend("triton", gpu, "None") == "triton" and pick_decode_backend("fa3", gpu, "None") == "fa3"
+    assert [r.message for r in caplog.records if "auto ->" in r.message] == [
+        "--llm_decode_att_backend auto -> fa3 (Hopper GPU, flash_attn_3)",
+        "--llm_decode_att_backend auto -> triton (FA3 reads no quantized KV cache (--llm_kv_type int8kv))",
+        "--llm_decode_att_backend auto -> triton (no FlashAttention-3 provider imports)",
+        "--llm_decode_att_backend auto -> triton (FA3 needs a Hopper GPU, found NVIDIA A100)",
+    ]
+
+
+# ---- tokenizer: --tokenizer_mode, --chat_template ---------------------------------------------------------
+
+
+def test_tokenizer_modes(model, capsys):
+    assert load_tokenizer(model, "fast").is_fast and load_tokenizer(model, "auto").is_fast
+    with pytest.raises(ValueError, match="--tokenizer_mode slow: .* has no slow tokenizer; use fast or auto"):
+        load_tokenizer(model, "slow")
+    err = refused(capsys, model, "--tokenizer_mode", "sentencepiece")
+    assert "--tokenizer_mode" in err and "'sentencepiece'" in err and "'fast', 'slow', 'auto'" in err
+
+
+TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+
+
+def test_chat_template_from_a_file_or_inline_replaces_the_tokenizers(model, tmp_path):
+    path = tmp_path / "chat.jinja"
+    path.write_text(TEMPLATE)
+    msgs = [{"role": "user", "content": "hi"}]
+    default = load_tokenizer(model).apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    for value in (str(path), TEMPLATE):
+        server, _ = parse(model, "--chat_template", value)
+        assert server.chat_template == TEMPLATE
+        tokenizer = load_tokenizer(model, chat_template=server.chat_template)
+        assert tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) == "<user>hi"
+    assert default != "<user>hi"
+
+
+def test_a_bad_chat_template_is_one_line(capsys, model, tmp_path):
+    missing = str(tmp_path / "nope.jinja")
+    assert refused(capsys, model, "--chat_template", missing) == (
+        f"error: --chat_template expected a Jinja template file or an inline template, got {missing!r}: no such file"
+    )
+    err = refused(capsys, model, "--chat_template", "{% for m in messages %}")
+    assert err.startswith("error: --chat_template '{% for m in messages %}': invalid Jinja at line 1: ")
+    assert "'endfor'" in err
