@@ -11,8 +11,9 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
-from typing import Dict, Iterator, Optional, Sequence
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 _POLL_S = 0.05
 # For waits that only a hang runs out (a test's or a benchmark's child that never answers), never a slow or busy
@@ -125,3 +126,29 @@ def run(
     with running(cmd, grace_s, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen_kwargs) as proc:
         out, err = proc.communicate(timeout=timeout)
     return subprocess.CompletedProcess(list(cmd), proc.returncode, out, err)
+
+
+def run_all(
+    cmds: Sequence[Sequence[str]], timeout: float = HANG_TIMEOUT_S, grace_s: float = 30.0, **popen_kwargs
+) -> List[Tuple[int, str]]:
+    """Run ``cmds`` side by side (ranks that meet each other): ``[(return code, stdout + stderr)]``. As soon as one
+    fails, the others are stopped (they would wait for it forever); every tree is stopped on every way out."""
+    with contextlib.ExitStack() as stack:
+        logs = [stack.enter_context(tempfile.TemporaryFile("w+")) for _ in cmds]
+        procs = []
+        stack.callback(lambda: [stop(p, grace_s) for p in procs])
+        for cmd, log in zip(cmds, logs):
+            procs.append(start(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, **popen_kwargs))
+        deadline = time.monotonic() + timeout
+        while True:
+            codes = [p.poll() for p in procs]  # every one, each pass
+            if None not in codes or any(c not in (None, 0) for c in codes) or time.monotonic() > deadline:
+                break
+            time.sleep(_POLL_S)
+        for p in procs:
+            stop(p, grace_s)
+        out = []
+        for p, log in zip(procs, logs):
+            log.seek(0)
+            out.append((p.returncode, log.read()))
+        return out

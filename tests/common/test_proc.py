@@ -98,3 +98,17 @@ def test_stop_after_the_leader_exited_still_stops_its_group(tree_cmd):
         proc.stop(p)
         while proc._alive(own_session):  # SIGKILL is delivered asynchronously: wait before the fixture looks
             proc.time.sleep(0.01)
+
+
+def test_run_all_stops_the_others_as_soon_as_one_fails(tree_cmd):
+    """Ranks that wait for each other: one failing must not leave the rest (here: 600 s sleepers) running."""
+    cmd, marker = tree_cmd
+    fail = [sys.executable, "-c", "import sys; print('rank failed'); sys.exit(3)"]
+    (code_a, _), (code_b, out_b) = proc.run_all([cmd("stubborn"), fail], grace_s=0.1)
+    assert code_a == -9 and (code_b, out_b) == (3, "rank failed\n")
+    assert _running_with(marker) == []
+
+
+def test_run_all_returns_every_output():
+    cmds = [[sys.executable, "-c", f"print({i})"] for i in range(3)]
+    assert proc.run_all(cmds) == [(0, "0\n"), (0, "1\n"), (0, "2\n")]

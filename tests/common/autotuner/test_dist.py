@@ -1,6 +1,5 @@
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -22,18 +21,12 @@ def test_ranks_agree_on_configs(tmp_path, world):
         "PORT": str(free_port()),
         "LIGHTLLM_AUTOTUNE_MAX_SECONDS_PER_SEARCH": "1e9",
     }
-    workers = []
-    try:
-        for r in range(world):
-            out_path = str(tmp_path / f"{r}.json")
-            cmd = [sys.executable, os.path.join(HERE, "dist_worker.py"), str(r), str(world), out_path, str(tmp_path)]
-            workers.append(proc.start(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-        for p in workers:
-            out, _ = p.communicate(timeout=proc.HANG_TIMEOUT_S)
-            assert p.returncode == 0, out
-    finally:
-        for p in workers:
-            proc.stop(p)
+    worker = os.path.join(HERE, "dist_worker.py")
+    cmds = [
+        [sys.executable, worker, str(r), str(world), str(tmp_path / f"{r}.json"), str(tmp_path)] for r in range(world)
+    ]
+    for code, out in proc.run_all(cmds, env=env):  # a rank that fails stops the others at once
+        assert code == 0, out
     res = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(world)]
 
     # Split search: disjoint slices covering every candidate (dealt round-robin), one agreed winner, found on

@@ -70,17 +70,9 @@ _WRITER_SCRIPT = """
 def test_many_processes_writing_one_kernel_lose_nothing(isolated_autotune):
     workers, count = 4, 25
     env = {**os.environ, "LIGHTLLM_AUTOTUNE_CONFIG_DIR": str(isolated_autotune), "PYTHONPATH": REPO}
-    writers = []
-    try:
-        for w in range(workers):
-            cmd = [sys.executable, "-c", textwrap.dedent(_WRITER_SCRIPT), str(w), str(count)]
-            writers.append(proc.start(cmd, env=env, stderr=subprocess.PIPE, text=True))
-        for p in writers:
-            _, err = p.communicate(timeout=proc.HANG_TIMEOUT_S)
-            assert p.returncode == 0, err
-    finally:
-        for p in writers:
-            proc.stop(p)
+    cmds = [[sys.executable, "-c", textwrap.dedent(_WRITER_SCRIPT), str(w), str(count)] for w in range(workers)]
+    for code, out in proc.run_all(cmds, env=env):
+        assert code == 0, out
     files = list(store.iter_config_files(isolated_autotune, "concurrent_test"))
     assert len(files) == 1
     data = json.loads(files[0].read_text())  # valid JSON
