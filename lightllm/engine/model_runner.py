@@ -148,18 +148,19 @@ class ModelRunner:
                     else "token pool")  # fmt: skip
 
     def _profile_memory(self, memory_api, graph_sizes: Sequence[int]) -> GpuProfile:
-        """The worst forwards the server runs (a ``batch_max_tokens`` prefill, a ``running_max_req_size`` decode
-        at ``max_req_total_len``) over a scratch pool whose token indices wrap, outside any autotune scope so
-        no kernel searches on dummy data; their peak allocation above the state before them. The decode graphs
-        are estimated to keep the decode peak plus the float32 logits each smaller graph holds as its output."""
+        """The worst forwards the server runs (a prefill of ``max(batch_max_tokens, max_req_total_len)`` tokens, a
+        ``running_max_req_size`` decode at ``max_req_total_len``) over a scratch pool whose token indices wrap,
+        outside any autotune scope so no kernel searches on dummy data; their peak allocation above the state before
+        them. The decode graphs are estimated to keep the decode peak plus the float32 logits each smaller graph
+        holds as its output."""
         a, c, dev = self.args, self.config, self.device
         scratch = make_pool(a.llm_kv_type, PROFILE_POOL_TOKENS, c.num_hidden_layers, self.model.kv_heads, c.head_dim,
                             a.torch_dtype, dev, a.llm_kv_quant_group_size)  # fmt: skip
         self.model.set_attention(AttentionBackend(scratch, a.llm_decode_att_backend, dev))
         max_reqs, max_len = a.running_max_req_size + 1, a.max_req_total_len
         table = (torch.arange(max_len, device=dev) % PROFILE_POOL_TOKENS).to(torch.int32).repeat(max_reqs, 1)
-        full, rest = divmod(a.batch_max_tokens, max_len)
-        sizes = ([max_len] * full + ([rest] if rest else []))[: a.running_max_req_size]
+        # a prompt longer than batch_max_tokens still prefills, alone (as does a preempted request's re-prefill)
+        sizes = _prefill_sizes(max(a.batch_max_tokens, max_len), max_len, a.running_max_req_size)
         i32 = dict(dtype=torch.int32, device=dev)
         prefill = InferState(
             is_prefill=True,
@@ -267,8 +268,7 @@ class ModelRunner:
         lengths.append(most)
         gen = torch.Generator().manual_seed(0)
         for total in lengths:
-            full, rest = divmod(total, a.max_req_total_len)
-            sizes = ([a.max_req_total_len] * full + ([rest] if rest else []))[: a.running_max_req_size]
+            sizes = _prefill_sizes(total, a.max_req_total_len, a.running_max_req_size)
             slots = [self.kv.add_request() for _ in sizes]
             try:
                 prompts = [torch.randint(0, self.config.vocab_size, (n,), generator=gen).tolist() for n in sizes]
@@ -319,3 +319,9 @@ def _untuned_device_note(device: torch.device) -> str:
         f" ({envs.AUTOTUNE_LEVEL}={level} asks for tuning, but tuning runs only on a GPU: on {device.type} the "
         "torch references run)"
     )
+
+
+def _prefill_sizes(total: int, max_len: int, max_reqs: int) -> list:
+    """``total`` prompt tokens as requests of at most ``max_len`` tokens, at most ``max_reqs`` of them."""
+    full, rest = divmod(total, max_len)
+    return ([max_len] * full + ([rest] if rest else []))[:max_reqs]

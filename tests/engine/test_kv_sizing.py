@@ -103,6 +103,15 @@ def _args(tmp_path, **kw):
     return EngineArgs(**opts)
 
 
+def test_profiled_prefill_is_the_longest_the_server_runs(tmp_path, forwards):
+    """A prompt longer than batch_max_tokens prefills alone, whole: the profile must cover it, not the budget."""
+    mem = FakeDeviceMemory(forwards, total=16 * GIB, used=4 * GIB, torch_allocated=3 * GIB, prefill_peak=1 * GIB,
+                           decode_peak=1 * GIB)  # fmt: skip
+    ModelRunner(_args(tmp_path, batch_max_tokens=16, max_req_total_len=64, mem_fraction=0.75),
+                graph_api=FakeGraphAPI(forwards), memory_api=mem)  # fmt: skip
+    assert forwards[1] == ("prefill", 64, None, PROFILE_POOL_TOKENS)
+
+
 def test_gpu_pool_is_sized_from_the_profiled_peak_before_warmup(tmp_path, forwards, caplog):
     log = forwards
     # 16 GiB device; 4 GiB in use after load (3 of it torch weights); the profile peaks at 7 GiB - 4 MiB
