@@ -64,7 +64,8 @@ class Scheduler:
         p = req.params
         if (token_id in self.eos and not p.ignore_eos) or token_id in p.stop_token_ids:
             return "stop"
-        if len(req.output_ids) >= p.max_new_tokens or len(req.context) >= self.args.max_req_total_len:
+        n = len(req.output_ids)  # not len(req.context): that builds the whole list, every token
+        if n >= p.max_new_tokens or len(req.prompt_ids) + n >= self.args.max_req_total_len:
             return "length"
         return None
 

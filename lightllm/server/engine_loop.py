@@ -52,6 +52,9 @@ class EngineLoop:
                 self.engine.fail_all()
             self._step_started = None
             if self.after_step is not None:  # before any wait: an idle step may still have finished aborts
-                self.after_step()
+                try:
+                    self.after_step()
+                except Exception:  # e.g. the HTTP loop closing under a shutdown: the engine thread goes on
+                    logger.exception("delivering a step's events failed")
             if not busy:
                 self.engine.wait_for_request(_IDLE_WAIT_S)

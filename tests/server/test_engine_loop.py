@@ -4,6 +4,7 @@ import threading
 
 import pytest
 
+from lightllm.common import proc as procs
 from lightllm.engine.engine import Engine
 from lightllm.engine.request import Request
 from lightllm.engine.sampler import SamplingParams
@@ -32,12 +33,42 @@ def test_a_failing_step_fails_its_requests_and_delivers_that(model_dir):
 
     engine = Engine(r, eos_ids=[])
     loop = EngineLoop(engine, after_step=deliver)
-    r.decode = lambda slots, tokens: (_ for _ in ()).throw(RuntimeError("device lost"))
+    real = engine.scheduler.schedule
+    calls = []
+
+    def schedule():  # the step itself raises (a bug outside the forward, which Engine.step does not contain)
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("scheduler bug")
+        return real()
+
+    engine.scheduler.schedule = schedule
     engine.submit(Request("x", [3, 4, 5], SamplingParams(max_new_tokens=4, ignore_eos=True), pending.append))
     loop.start()
     try:
-        assert done.wait(30)
+        assert done.wait(procs.HANG_TIMEOUT_S)
     finally:
         assert loop.stop()
     assert [ev.kind for ev in delivered] == ["token", "finish"] and delivered[-1].finish_reason == "error"
     assert r.kv.num_free_tokens == 512 - 1  # its KV freed (all but the padding token)
+
+
+def test_a_failing_delivery_does_not_end_the_engine_thread(model_dir):
+    engine = Engine(runner(model_dir, 512), eos_ids=[])
+    delivered, done, failures = [], threading.Event(), []
+
+    def deliver():
+        if not failures:
+            failures.append(1)
+            raise RuntimeError("Event loop is closed")
+        if any(ev.kind == "finish" for ev in delivered):
+            done.set()
+
+    loop = EngineLoop(engine, after_step=deliver)
+    engine.submit(Request("x", [3, 4, 5], SamplingParams(max_new_tokens=4, ignore_eos=True), delivered.append))
+    loop.start()
+    try:
+        assert done.wait(procs.HANG_TIMEOUT_S)
+    finally:
+        assert loop.stop()
+    assert [ev.kind for ev in delivered] == ["token"] * 4 + ["finish"]
