@@ -135,8 +135,12 @@ def test_step_plan_checks_once_and_refuses_other_shapes():
     ref = decode_attention_ref(q, k, v, r2t, idx, seq)
     for _ in range(2):  # two layers
         torch.testing.assert_close(plan.run(q, k, v).double(), ref, rtol=1e-4, atol=1e-4)
-    with pytest.raises(ValueError, match=r"plan: k_cache expected the planned \(512, 2, 64\), got \(256, 2, 64\)"):
+    with pytest.raises(ValueError, match=r"plan: k_cache expected the planned \(512, 2, 64\) torch.float32, got "
+                                         r"\(256, 2, 64\)"):  # fmt: skip
         plan.run(q, k[:256], v[:256])
+    with pytest.raises(ValueError, match=r"k_cache expected the planned \(512, 2, 64\) torch.float32, got "
+                                         r"\(512, 2, 64\) torch.float16"):  # fmt: skip
+        plan.run(q, k.half(), v.half())  # another KV dtype is another tuning key
     with pytest.raises(ValueError, match=r"plan: q expected the planned \(2, 4, 64\) torch.float32, got "
                                          r"\(2, 4, 64\) torch.float16"):  # fmt: skip
         plan.run(q.half(), k, v)

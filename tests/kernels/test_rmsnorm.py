@@ -121,8 +121,14 @@ def test_plan_checks_and_resolves_once_for_every_call_of_its_shape(monkeypatch):
         plan.run(torch.randn(64, 4, device=DEVICE).t(), w)
     with pytest.raises(ValueError, match=r"rmsnorm: out must be a contiguous \(4, 64\)"):
         plan.run(x, w, out=torch.empty(64, 4, device=DEVICE).t())
-    with pytest.raises(ValueError, match=r"rmsnorm plan: weight expected the planned \(64,\), got \(9,\)"):
+    with pytest.raises(
+        ValueError, match=r"rmsnorm plan: weight expected the planned \(64,\) torch.float32, got \(9,\)"
+    ):
         plan.run(x, torch.ones(9, device=DEVICE))
+    with pytest.raises(
+        ValueError, match=r"weight expected the planned \(64,\) torch.float32, got \(64,\) torch.float16"
+    ):
+        plan.run(x, torch.ones(64, device=DEVICE, dtype=torch.float16))  # its dtype is part of the tuning key
     with pytest.raises(
         ValueError, match=r"rmsnorm plan: x expected a \[..., N\] tensor of .*, got \(4, 64\) torch.int32"
     ):

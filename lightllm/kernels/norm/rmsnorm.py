@@ -4,7 +4,7 @@ Tuned as a GENERAL kernel: prefill warmup searches BLOCK_N (one pass when it cov
 chunked passes) and num_warps per row count.
 """
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 import triton
@@ -91,18 +91,23 @@ class RMSNormPlan:
     the tuned config resolved at the first :meth:`run`; every input of that shape and dtype (each layer's norm)
     runs with them. ``run`` checks only what can change between layers: shape, dtype, last-dim stride, weight.
 
-    Args: ``shape`` and ``dtype`` of ``x``; ``eps`` and ``run_config`` as :func:`rmsnorm`.
+    Args: ``shape`` and ``dtype`` of ``x``; ``eps`` and ``run_config`` as :func:`rmsnorm`; ``weight_dtype``
+    (default ``dtype``): the weights' dtype is part of the tuning key, so a layer with another is refused.
     """
 
-    def __init__(self, shape: Tuple[int, ...], dtype: torch.dtype, eps: float = 1e-6, run_config=None):
+    def __init__(self, shape: Tuple[int, ...], dtype: torch.dtype, eps: float = 1e-6, run_config=None,
+                 weight_dtype: Optional[torch.dtype] = None):  # fmt: skip
+        weight_dtype = weight_dtype or dtype  # a model's norm weights share its dtype
         if dtype not in _DTYPES or len(shape) < 1:
             raise ValueError(f"rmsnorm plan: x expected a [..., N] tensor of {_DTYPES}, got {tuple(shape)} {dtype}")
         self.eps = float(eps)
-        self.inputs = PlannedInputs("rmsnorm", x=(torch.Size(shape), dtype), weight=(torch.Size(shape[-1:]),))
+        self.inputs = PlannedInputs(
+            "rmsnorm", x=(torch.Size(shape), dtype), weight=(torch.Size(shape[-1:]), weight_dtype)
+        )
         self._tuned = _launch_rmsnorm.plan(run_config=run_config)
 
     def run(self, x: torch.Tensor, weight: torch.Tensor, out=None) -> torch.Tensor:
-        self.inputs.check((x.shape, x.dtype), (weight.shape,))
+        self.inputs.check((x.shape, x.dtype), (weight.shape, weight.dtype))
         if x.stride(-1) != 1:
             raise ValueError(f"rmsnorm: x expected a contiguous last dim, got strides {x.stride()}")
         if out is None:

@@ -232,14 +232,16 @@ class FA3DecodePlan:
         else:
             self.page_table, self.batch_idx = None, b_req_idx
             self.slot_shape = req_to_token.shape  # each slot's row of the pool
-        self.inputs = PlannedInputs("fa3 decode attention", q=(q_shape, q_dtype), k_cache=(k_cache.shape,))
+        self.inputs = PlannedInputs(
+            "fa3 decode attention", q=(q_shape, q_dtype), k_cache=(k_cache.shape, k_cache.dtype)
+        )
         self.b_seq_len, self.max_len_in_batch = b_seq_len, int(max_len_in_batch)
         self.sm_scale = float(sm_scale if sm_scale is not None else 1.0 / math.sqrt(q_shape[-1]))
         self.causal, self.window, self.softcap, self.provider = bool(causal), tuple(window), float(softcap), provider
         self._tuned = _launch_fa3_decode.plan(run_config=run_config)
 
     def run(self, q, k_cache, v_cache) -> torch.Tensor:
-        self.inputs.check((q.shape, q.dtype), (k_cache.shape,))
+        self.inputs.check((q.shape, q.dtype), (k_cache.shape, k_cache.dtype))
         q4 = q.unsqueeze(1) if q.dim() == 3 else q
         if self.slot_shape is None:
             k4, v4 = k_cache.unsqueeze(1), v_cache.unsqueeze(1)

@@ -206,11 +206,13 @@ class GQADecodePlan:
         self.req_to_token, self.b_req_idx, self.b_seq_len = req_to_token, b_req_idx, b_seq_len
         self.max_len_in_batch = int(max_len_in_batch)
         self.sm_scale = float(sm_scale if sm_scale is not None else 1.0 / math.sqrt(q_shape[-1]))
-        self.inputs = PlannedInputs(f"gqa decode attention ({kv} KV)", q=(q_shape, q_dtype), k_cache=(k_cache.shape,))
+        self.inputs = PlannedInputs(
+            f"gqa decode attention ({kv} KV)", q=(q_shape, q_dtype), k_cache=(k_cache.shape, k_cache.dtype)
+        )
         self._tuned = _LAUNCHERS[kv].plan(run_config=run_config)
 
     def run(self, q, k_cache, v_cache, k_scale=None, v_scale=None, out=None) -> torch.Tensor:
-        self.inputs.check((q.shape, q.dtype), (k_cache.shape,))
+        self.inputs.check((q.shape, q.dtype), (k_cache.shape, k_cache.dtype))
         if q.stride(-1) != 1:
             raise ValueError(f"gqa decode attention ({self.kv} KV): q expected a contiguous last dim, got strides "
                              f"{q.stride()}")  # fmt: skip
