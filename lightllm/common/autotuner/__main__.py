@@ -1,4 +1,4 @@
-"""``python -m lightllm.common.autotuner list | show KERNEL | clear KERNEL``."""
+"""``python -m lightllm.common.autotuner list | show KERNEL | clear KERNEL | export DIR [--kernel KERNEL]``."""
 
 import argparse
 import shutil
@@ -93,6 +93,45 @@ def cmd_clear(args) -> int:
     return 0
 
 
+def _merged(dest: Path, src: dict) -> dict:
+    """``src``'s payload over the readable file at ``dest`` (its other run keys kept; src's win)."""
+    old = store.read_config_file(dest) or {"configs": {}, "timings": {}}
+    out = {k: v for k, v in src.items() if k not in ("configs", "timings")}
+    out["configs"] = dict(sorted({**old["configs"], **src["configs"]}.items()))
+    out["timings"] = dict(sorted({**old["timings"], **src["timings"]}.items()))
+    return out
+
+
+def cmd_export(args) -> int:
+    """Copy the writable root's configs into ``DIR`` in the shipped layout, merged with files already there."""
+    root, dest_root = envs.get_autotune_config_dir(), Path(args.dir)
+    if dest_root.resolve() == root.resolve():
+        print(f"error: export DIR {str(dest_root)!r} is the writable root itself ({envs.AUTOTUNE_CONFIG_DIR})",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    files = keys = 0
+    for path in store.iter_config_files(root, args.kernel):
+        data = store.read_config_file(path)
+        if data is None:
+            print(f"skipped {path}: unreadable (see warning above)")
+            continue
+        dest = dest_root / path.relative_to(root)
+        payload = _merged(dest, data)
+        try:
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            store.atomic_write_json(dest, payload)
+        except OSError as e:
+            print(f"error: could not write {dest}: {e}", file=sys.stderr)
+            return 1
+        files, keys = files + 1, keys + len(data["configs"])
+    if not files:
+        print(f"nothing to export: no configs{'' if args.kernel is None else f' of kernel {args.kernel!r}'} under "
+              f"{root}")  # fmt: skip
+        return 1
+    print(f"exported {files} config files ({keys} run keys) from {root} to {dest_root}")
+    return 0
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m lightllm.common.autotuner", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -103,10 +142,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     clear = sub.add_parser("clear", help="delete one kernel's configs from the writable root, so it re-tunes")
     clear.add_argument("kernel")
     clear.set_defaults(func=cmd_clear)
+    export = sub.add_parser("export", help="copy the writable root's configs into DIR in the shipped layout (e.g. "
+                            "lightllm/common/autotuner/configs to ship them)")  # fmt: skip
+    export.add_argument("dir")
+    export.add_argument("--kernel", default=None, help="only this kernel's configs")
+    export.set_defaults(func=cmd_export)
     args = parser.parse_args(argv)
     try:
         envs.get_autotune_config_dir()
-        if hasattr(args, "kernel"):
+        if getattr(args, "kernel", None) is not None:
             store.check_kernel_name(args.kernel)  # one folder name: no ".", "..", separators or globs
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

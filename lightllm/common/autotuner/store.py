@@ -178,7 +178,7 @@ class ConfigStore:
                     "timings": dict(sorted(timings.items())),
                 }
                 _remove_stale_temp_files(path)
-                _atomic_write_json(path, payload)
+                atomic_write_json(path, payload)
             _sweep_stale_temp_files(path)
         except (OSError, Timeout, TypeError, ValueError) as e:
             logger.warning("autotune: could not write %s (%s); the config is used for this run only", path, e)
@@ -220,7 +220,7 @@ def _sweep_stale_temp_files(written: Path) -> None:
             continue
 
 
-def _atomic_write_json(path: Path, payload: dict) -> None:
+def atomic_write_json(path: Path, payload: dict) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:

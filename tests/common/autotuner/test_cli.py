@@ -1,4 +1,5 @@
 import json
+import shutil
 
 import pytest
 
@@ -169,3 +170,28 @@ def test_bad_env_is_one_line(monkeypatch, capsys, tmp_path):
     monkeypatch.setenv("LIGHTLLM_AUTOTUNE_CONFIG_DIR", str(f))
     assert cli.main(["list"]) == 2
     assert capsys.readouterr().err.startswith("error: LIGHTLLM_AUTOTUNE_CONFIG_DIR=")
+
+
+def test_export_writes_the_shipped_layout_and_merges(two_kernels, tmp_path, capsys, monkeypatch):
+    dest = tmp_path / "ship"
+    rel = store.ConfigStore("decode_a").path(two_kernels, freeze({"d": 128})).relative_to(two_kernels)
+    (dest / rel).parent.mkdir(parents=True)
+    (dest / rel).write_text(json.dumps({"version": 1, "configs": {"8": {"BLOCK_N": 16}, "16": {"BLOCK_N": 32}}}))
+    assert cli.main(["export", str(dest), "--kernel", "decode_a"]) == 0
+    assert "exported 2 config files (2 run keys)" in capsys.readouterr().out
+    merged = store.read_config_file(dest / rel)
+    assert merged["configs"] == {"16": {"BLOCK_N": 32}, "8": {"BLOCK_N": 64}}  # the exported key wins, others kept
+    assert merged["timings"]["8"]["best_ms"] == 0.05
+    assert not list(dest.glob("**/prefill_b"))  # --kernel filters
+    # what export wrote is what the store reads when dest is the shipped root (and the user root is gone)
+    shutil.rmtree(two_kernels)
+    monkeypatch.setattr(store, "SHIPPED_ROOT", dest)
+    config, path = store.ConfigStore("decode_a").load_entries(freeze({"d": 256}))[8]
+    assert config is None and dest in path.parents
+
+
+def test_export_refuses_the_writable_root_and_an_empty_export(isolated_autotune, capsys):
+    assert cli.main(["export", str(isolated_autotune)]) == 2
+    assert "is the writable root itself" in capsys.readouterr().err
+    assert cli.main(["export", str(isolated_autotune.parent / "x")]) == 1
+    assert "nothing to export" in capsys.readouterr().out
