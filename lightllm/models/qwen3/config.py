@@ -33,6 +33,10 @@ class Qwen3ModelConfig:
     bos_token_id: Optional[int]
     torch_dtype: Optional[str]
 
+    @property
+    def num_kv_layers(self) -> int:
+        return self.num_hidden_layers  # every layer attends over the KV cache
+
     @classmethod
     def from_model_dir(cls, model_dir: Union[str, Path]) -> "Qwen3ModelConfig":
         """Read and check ``model_dir/config.json``; raise ModelLoadError on anything unsupported.
