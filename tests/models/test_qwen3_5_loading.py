@@ -177,7 +177,27 @@ def test_missing_and_misshapen_tensors(model_copy):
         load_qwen3_5_weights(model_copy, c)
 
 
-def test_tensor_parallel_is_refused_in_one_line(tiny_dir):
+def test_tensor_parallel_rank_reads_its_heads(tiny_dir):
     family, c = read_model_config(tiny_dir)
-    with pytest.raises(ValueError, match=r"^--tp 2: Qwen3.5 runs on one rank only for now"):
-        family.check_tp(c, 2)
+    full = load_qwen3_5_weights(tiny_dir, c, torch.float32)
+    model = family.build(tiny_dir, c, torch.float32, torch.device("cpu"), tp_rank=1, tp=2)
+    lin, att = model.w.layers[0], model.w.layers[1]
+    assert (model.heads, model.kv_heads, family.kv_heads(c, 2)) == (2, 1, 1)
+    kd, vd = 2 * 16, 4 * 8  # key and value widths of the conv input
+    want = torch.cat([full.layers[0].in_proj_qkv[16:32], full.layers[0].in_proj_qkv[kd + 16 : 2 * kd],
+                      full.layers[0].in_proj_qkv[2 * kd + vd // 2 :]])  # fmt: skip
+    assert torch.equal(lin.in_proj_qkv, want)  # rank 1's key head of q and of k, its two value heads of v
+    assert torch.equal(lin.conv1d, torch.cat([full.layers[0].conv1d[16:32], full.layers[0].conv1d[kd + 16 : 2 * kd],
+                                              full.layers[0].conv1d[2 * kd + vd // 2 :]]))  # fmt: skip
+    assert torch.equal(lin.A_log, full.layers[0].A_log[2:]) and torch.equal(
+        lin.out_proj, full.layers[0].out_proj[:, 16:]
+    )
+    assert torch.equal(att.q_proj, full.layers[1].q_proj[64:])  # heads 2 and 3, each [query | gate]
+    assert torch.equal(att.o_proj, full.layers[1].o_proj[:, 32:]) and torch.equal(lin.norm, full.layers[0].norm)
+
+
+def test_tensor_parallel_must_divide_the_heads(tiny_dir):
+    family, c = read_model_config(tiny_dir)
+    c = dataclasses.replace(c, num_key_value_heads=4)  # the attention heads divide: the linear ones do not
+    with pytest.raises(ValueError, match=r"^--tp 4: the model's linear_num_key_heads \(2\) is not divisible by it$"):
+        family.check_tp(c, 4)

@@ -6,6 +6,7 @@ import torch
 
 from lightllm.models.qwen3_5.config import ARCHITECTURES, MODEL_TYPES, Qwen3_5ModelConfig
 from lightllm.models.qwen3_5.model import Qwen3_5Model
+from lightllm.models.qwen3_5.tensor_parallel import check_divisible, shard_spec
 from lightllm.models.qwen3_5.weights import load_qwen3_5_weights
 
 
@@ -18,14 +19,12 @@ class Qwen3_5Family:
         return Qwen3_5ModelConfig.from_model_dir(model_dir)
 
     def check_tp(self, config: Qwen3_5ModelConfig, tp: int) -> None:
-        if tp != 1:
-            raise ValueError(f"--tp {tp}: Qwen3.5 runs on one rank only for now (tensor parallelism of its linear "
-                             "attention is not implemented); use --tp 1")  # fmt: skip
+        check_divisible(config, tp)
 
     def kv_heads(self, config: Qwen3_5ModelConfig, tp: int) -> int:
         return config.num_key_value_heads // tp
 
     def build(self, model_dir: Path, config: Qwen3_5ModelConfig, dtype: torch.dtype, device: torch.device,
               tp_rank: int, tp: int) -> Qwen3_5Model:  # fmt: skip
-        self.check_tp(config, tp)
-        return Qwen3_5Model(config, load_qwen3_5_weights(model_dir, config, dtype, device), device)
+        weights = load_qwen3_5_weights(model_dir, config, dtype, device, shard=shard_spec(config, tp_rank, tp))
+        return Qwen3_5Model(config, weights, device, tp)

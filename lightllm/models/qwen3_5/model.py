@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from lightllm.layers.attention import AttentionBackend
 from lightllm.layers.infer_state import InferState
+from lightllm.layers.parallel import all_reduce_
 from lightllm.layers.linear_attention import (
     LinearAttentionBackend,
     LinearAttentionPlan,
@@ -38,12 +39,13 @@ def gated_rmsnorm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: f
 
 
 class Qwen3_5Model:
-    def __init__(self, config: Qwen3_5ModelConfig, weights: Qwen3_5Weights, device: torch.device):
+    def __init__(self, config: Qwen3_5ModelConfig, weights: Qwen3_5Weights, device: torch.device, tp: int = 1):
         self.config = config
         self.w = weights
         self.device = device
         self.dtype = weights.embed.dtype
-        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
+        # this rank's share of ``tp`` ranks (the weights' shard, tensor_parallel.py)
+        self.heads, self.kv_heads = config.num_attention_heads // tp, config.num_key_value_heads // tp
         kinds = config.layer_types
         self.kv_layer: Dict[int, int] = {
             i: n for n, i in enumerate(i for i, t in enumerate(kinds) if t == "full_attention")
@@ -51,7 +53,7 @@ class Qwen3_5Model:
         self.state_layer: Dict[int, int] = {
             i: n for n, i in enumerate(i for i, t in enumerate(kinds) if t != "full_attention")
         }
-        self.linear_shape = LinearAttentionShape(config.linear_num_key_heads, config.linear_num_value_heads,
+        self.linear_shape = LinearAttentionShape(config.linear_num_key_heads // tp, config.linear_num_value_heads // tp,
                                                  config.linear_key_head_dim, config.linear_value_head_dim,
                                                  config.linear_conv_kernel_dim)  # fmt: skip
         self.attn: Optional[AttentionBackend] = None  # set once the KV cache is sized
@@ -105,7 +107,7 @@ class Qwen3_5Model:
             else:
                 h = h + self._linear_attention(self.state_layer[i], lw, x, plan, state.is_prefill)
             x = rmsnorm_1p(h, lw.post_norm, eps)
-            h = h + F.linear(F.silu(F.linear(x, lw.gate_proj)) * F.linear(x, lw.up_proj), lw.down_proj)
+            h = h + all_reduce_(F.linear(F.silu(F.linear(x, lw.gate_proj)) * F.linear(x, lw.up_proj), lw.down_proj))
         if state.is_prefill:
             h = h[(state.b_q_start + state.b_q_len - 1).long()]
         return F.linear(rmsnorm_1p(h, self.w.final_norm, eps), self.w.lm_head).float()
@@ -122,7 +124,7 @@ class Qwen3_5Model:
         self.attn.write_kv(layer, k, v, state.out_token_idx)
         o = self.attn.prefill(layer, q, k, v, state) if state.is_prefill else self.attn.decode(layer, q, state)
         o = o.reshape(tokens, -1) * torch.sigmoid(gate.reshape(tokens, -1))
-        return F.linear(o, lw.o_proj)
+        return all_reduce_(F.linear(o, lw.o_proj))
 
     def _rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotate the first ``rotary_dim`` dims of each head (rotate-half layout); the rest pass through."""
@@ -149,4 +151,4 @@ class Qwen3_5Model:
         rule = lin.delta_prefill if prefill else lin.delta_decode
         o = rule(layer, q, k, v, a, b, lw.A_log, lw.dt_bias, plan)
         o = gated_rmsnorm(o, z, lw.norm, self.config.rms_norm_eps)
-        return F.linear(o.reshape(tokens, -1), lw.out_proj)
+        return all_reduce_(F.linear(o.reshape(tokens, -1), lw.out_proj))

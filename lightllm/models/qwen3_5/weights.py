@@ -17,6 +17,7 @@ from safetensors import safe_open
 from lightllm.models.hf_config import ModelLoadError
 from lightllm.models.qwen3.weights import safetensors_files
 from lightllm.models.qwen3_5.config import Qwen3_5ModelConfig
+from lightllm.models.qwen3_5.tensor_parallel import ShardSpec
 
 logger = logging.getLogger(__name__)
 
@@ -114,16 +115,21 @@ def load_qwen3_5_weights(
     config: Qwen3_5ModelConfig,
     dtype: torch.dtype = torch.bfloat16,
     device: Union[str, torch.device] = "cpu",
+    shard: Optional[ShardSpec] = None,
 ) -> Qwen3_5Weights:
     """Read, check (shape, source dtype), cast and move every tensor the text model uses; ModelLoadError (one
     line) on a missing or misshapen tensor. Unused tensors are skipped: vision and MTP ones with one line each,
-    any other with one warning."""
+    any other with one warning. ``shard(field)`` gives the part of a layer tensor this tensor-parallel rank
+    keeps; only that part is read."""
     if dtype not in _DTYPES:
         raise ModelLoadError(f"dtype {dtype} is not supported; use torch.float16, torch.bfloat16 or torch.float32")
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise ModelLoadError(f"{model_dir}: model folder not found")
     shapes = expected_shapes(config)
+    fields = {
+        name: field for i in range(config.num_hidden_layers) for field, (name, _) in _layer_names(config, i).items()
+    }
     tensors: Dict[str, torch.Tensor] = {}
     skipped = {prefix: 0 for prefix in _SKIPPED}
     unexpected: List[str] = []
@@ -151,7 +157,13 @@ def load_qwen3_5_weights(
                 if source_dtype not in _SOURCE_DTYPES:
                     raise ModelLoadError(f"{file}: tensor {name} has dtype {source_dtype}; only F16, BF16 and F32 "
                                          "are supported")  # fmt: skip
-                tensors[name] = f.get_tensor(name).to(device=device, dtype=dtype)
+                part = shard(fields[name]) if shard is not None and name in fields else None
+                if part is None:
+                    tensor = f.get_tensor(name)
+                else:
+                    dim, slices = part
+                    tensor = torch.cat([view[s] if dim == 0 else view[:, s] for s in slices], dim=dim)
+                tensors[name] = tensor.to(device=device, dtype=dtype)
     missing = [name for name in shapes if name not in tensors]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
