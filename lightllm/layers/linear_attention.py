@@ -96,7 +96,7 @@ class LinearAttentionBackend:
         a/b ``[T, Hv]``. Returns ``[T, Hv, Dv]`` in v's dtype."""
         g, beta = gdn_gates_ref(a, b, A_log, dt_bias)
         if self.on_gpu:
-            out, finals = _fla_chunk(q, k, v, g, beta.to(v.dtype), plan.cu_seqlens)
+            out, finals = _fla_chunk(q, k, v, g, beta.to(v.dtype), plan)
         else:
             out, finals = gated_delta_rule_varlen_ref(q, k, v, g, beta, plan.cu_seqlens_cpu)
         self.state.ssm[layer][plan.state_idx.long()] = finals.to(self.state.ssm.dtype)
@@ -119,13 +119,14 @@ class LinearAttentionBackend:
         return gated_delta_decode_ref(q, k, v, a, b, A_log, dt_bias, self.state.ssm[layer], plan.state_idx)
 
 
-def _fla_chunk(q, k, v, g, beta, cu_seqlens) -> Tuple[torch.Tensor, torch.Tensor]:
+def _fla_chunk(q, k, v, g, beta, plan: LinearAttentionPlan) -> Tuple[torch.Tensor, torch.Tensor]:
     """fla-core's chunked gated delta rule over the packed batch (batch dim 1, ``cu_seqlens``), q/k L2-normalized
-    in the kernel, grouped value heads when Hv > Hk; every sequence from zero state."""
+    in the kernel, grouped value heads when Hv > Hk; every sequence from zero state. The plan's bounds are the
+    same tensors for every layer, so fla's per-tensor cache derives its chunk indices once per forward."""
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # lazy: GPU only
 
     q, k, v, g, beta = (t.contiguous().unsqueeze(0) for t in (q, k, v, g, beta))  # q/k/v: views of the conv out
     out, finals = chunk_gated_delta_rule(q, k, v, g, beta, scale=q.shape[-1] ** -0.5, initial_state=None,
                                          output_final_state=True, use_qk_l2norm_in_kernel=True,
-                                         cu_seqlens=cu_seqlens)  # fmt: skip
+                                         cu_seqlens=plan.cu_seqlens, cu_seqlens_cpu=plan.cu_seqlens_cpu)  # fmt: skip
     return out[0], finals
