@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Dict, Optional, Tuple, Union
 
 from lightllm.models.hf_config import ConfigFields, ModelLoadError, auto_config, read_config_file
-from lightllm.models.qwen3.config import _generation_eos
+from lightllm.models.qwen3.config import generation_eos
 
 TEXT_ARCHITECTURE = "Qwen3_5ForCausalLM"
 MULTIMODAL_ARCHITECTURE = "Qwen3_5ForConditionalGeneration"
@@ -122,9 +122,8 @@ def _read(f: _TextFields, model_dir: Path, multimodal: bool, top: ConfigFields) 
     if "full_attention" not in layer_types:
         raise f.error("layer_types", "has no 'full_attention' layer; the KV cache needs at least one")
     theta, rotary_dim = _rope(f, head_dim)
-    for field in ("attention_bias",):
-        if getattr(hf, field, False) is True:
-            raise f.error(field, "= True is not supported")
+    if getattr(hf, "attention_bias", False) is True:
+        raise f.error("attention_bias", "= True is not supported")
     if hf.hidden_act != "silu":
         raise f.error("hidden_act", f"must be 'silu', got {hf.hidden_act!r}")
 
@@ -134,7 +133,7 @@ def _read(f: _TextFields, model_dir: Path, multimodal: bool, top: ConfigFields) 
         raise (top if multimodal else f).error("tie_word_embeddings", f"must be true or false, got {tie!r}")
     vocab = f.positive_int("vocab_size")
     eos = f.token_ids("eos_token_id", hf.eos_token_id) if hf.eos_token_id is not None else ()
-    eos += _generation_eos(model_dir, exclude=eos)
+    eos += generation_eos(model_dir, exclude=eos)
     bos = hf.bos_token_id
     if bos is not None:
         (bos,) = f.token_ids("bos_token_id", bos)
