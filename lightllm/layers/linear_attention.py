@@ -8,7 +8,8 @@ from zero state (there is no prefix reuse) and writes its final states into the 
 the slot in place, so a captured decode graph indexes the state through the static ``b_req_idx`` buffer.
 
 - CPU: the torch references.
-- GPU prefill: fla-core's chunked gated delta rule (packed varlen), the conv through the torch reference.
+- GPU prefill: fla-core's chunked gated delta rule (packed varlen); the conv as K shifted multiply-adds over
+  the whole packed batch (:func:`causal_conv1d_packed`: no per-request loop on the host).
 - GPU decode: the Triton recurrent update and conv update (``kernels/linear_attention``).
 """
 
@@ -68,6 +69,7 @@ class LinearAttentionPlan:
     state_idx: torch.Tensor  # int32 [batch]
     cu_seqlens: Optional[torch.Tensor] = None  # int64 [batch + 1], prefill only
     cu_seqlens_cpu: Optional[torch.Tensor] = None
+    offsets: Optional[torch.Tensor] = None  # int64 [tokens]: each token's index in its request (GPU prefill)
 
 
 class LinearAttentionBackend:
@@ -81,13 +83,22 @@ class LinearAttentionBackend:
             return LinearAttentionPlan(infer_state.b_req_idx)
         lens = infer_state.b_q_len.to(torch.int64)
         cu = torch.cat([lens.new_zeros(1), lens.cumsum(0)])
-        return LinearAttentionPlan(infer_state.b_req_idx, cu, cu.cpu())
+        cu_cpu = cu.cpu()
+        offsets = None
+        if self.on_gpu:
+            tokens = int(cu_cpu[-1])
+            starts = torch.repeat_interleave(cu[:-1], lens, output_size=tokens)  # output_size: no device sync
+            offsets = torch.arange(tokens, device=cu.device) - starts
+        return LinearAttentionPlan(infer_state.b_req_idx, cu, cu_cpu, offsets)
 
     # ---- prefill: every request starts from zero state; the final states go to its slot --------------------
 
     def conv_prefill(self, layer: int, x: torch.Tensor, weight: torch.Tensor, plan: LinearAttentionPlan):
         """Depthwise causal conv + SiLU of the packed ``x`` ``[T, C]`` (``weight`` ``[C, K]``)."""
-        out, states = causal_conv1d_prefill_ref(x, weight, plan.cu_seqlens_cpu)
+        if self.on_gpu:
+            out, states = causal_conv1d_packed(x, weight, plan.cu_seqlens, plan.offsets)
+        else:
+            out, states = causal_conv1d_prefill_ref(x, weight, plan.cu_seqlens_cpu)
         self.state.conv[layer][plan.state_idx.long()] = states.to(self.state.conv.dtype)
         return out
 
@@ -130,3 +141,20 @@ def _fla_chunk(q, k, v, g, beta, plan: LinearAttentionPlan) -> Tuple[torch.Tenso
                                          output_final_state=True, use_qk_l2norm_in_kernel=True,
                                          cu_seqlens=plan.cu_seqlens, cu_seqlens_cpu=plan.cu_seqlens_cpu)  # fmt: skip
     return out[0], finals
+
+
+def causal_conv1d_packed(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor, offsets: torch.Tensor):
+    """:func:`causal_conv1d_prefill_ref` over the whole packed batch at once: ``y[t] = sum_s w[K-1-s] * x[t-s]``
+    over the shifts ``s`` that stay inside the token's request (``offsets[t] >= s``), SiLU, in float32. Returns
+    the output ``[T, C]`` (x's dtype) and each request's last ``K - 1`` inputs ``[N, K - 1, C]`` (zeros before
+    its start)."""
+    K = weight.shape[1]
+    xf, w = x.float(), weight.float()
+    y = xf * w[:, K - 1]
+    for s in range(1, K):
+        shifted = torch.zeros_like(xf)
+        shifted[s:] = xf[:-s]
+        y += shifted * (offsets >= s).unsqueeze(1) * w[:, K - 1 - s]
+    idx = cu_seqlens[1:, None] - (K - 1) + torch.arange(K - 1, device=x.device)  # [N, K - 1]
+    states = x[idx.clamp(min=0)] * (idx >= cu_seqlens[:-1, None]).unsqueeze(-1)
+    return torch.nn.functional.silu(y).to(x.dtype), states

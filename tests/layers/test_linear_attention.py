@@ -11,7 +11,12 @@ from lightllm.kernels.linear_attention.reference import (
     gdn_gates_ref,
 )
 from lightllm.layers.infer_state import InferState
-from lightllm.layers.linear_attention import LinearAttentionBackend, LinearAttentionShape, LinearAttentionState
+from lightllm.layers.linear_attention import (
+    LinearAttentionBackend,
+    LinearAttentionShape,
+    LinearAttentionState,
+    causal_conv1d_packed,
+)
 
 SHAPE = LinearAttentionShape(key_heads=2, value_heads=4, key_dim=16, value_dim=8, conv_kernel=4)
 GPU_SHAPE = LinearAttentionShape(key_heads=2, value_heads=4, key_dim=64, value_dim=64, conv_kernel=4)  # Triton's dims
@@ -86,6 +91,26 @@ def test_decode_advances_only_its_requests_slots():
         )
     for slot in (1, 2):
         assert not torch.equal(be.state.ssm[0, slot], before[1][0, slot])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_packed_conv_matches_the_per_request_reference(dtype):
+    """The GPU prefill's conv (shifted adds over the packed batch) against the reference, with requests shorter
+    than the kernel (their state zero-padded on the left) and one token long."""
+    lens = [1, 2, 9, 5]
+    t = inputs(sum(lens))
+    x, weight = t["x"].to(dtype), t["weight"].to(dtype)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+    offsets = torch.cat([torch.arange(n) for n in lens])
+    be = backend()
+    be.on_gpu = True  # the plan of the GPU path, built on the CPU
+    plan = be.plan(batch(lens, [0, 1, 2, 3]))
+    assert torch.equal(plan.offsets, offsets) and torch.equal(plan.cu_seqlens, cu)
+    out, states = causal_conv1d_packed(x, weight, plan.cu_seqlens, plan.offsets)
+    want_out, want_states = causal_conv1d_prefill_ref(x, weight, cu)
+    assert out.dtype == dtype and torch.allclose(out.float(), want_out.float(), atol=1e-5 if dtype == torch.float32
+                                                 else 2e-3, rtol=1e-3)  # fmt: skip
+    assert torch.equal(states, want_states)
 
 
 @pytest.mark.gpu
