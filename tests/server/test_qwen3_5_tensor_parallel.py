@@ -1,5 +1,5 @@
-"""Qwen3.5 with --tp 2 on the CPU (gloo): linear-attention heads and state split by heads, the same greedy tokens
-and logprobs as one process."""
+"""Qwen3.5 served from its folder with --tp 2 on the CPU (gloo): linear-attention heads and state split by heads,
+the same greedy tokens and logprobs as one process; chat through the folder's template."""
 
 import httpx
 from server_helpers import running_server
@@ -22,5 +22,9 @@ def test_tp2_matches_one_process(tmp_path):
             got = httpx.post(base + "/generate", json=body, timeout=60).json()
             assert got["token_ids"] == want.token_ids
             assert max(abs(a - b) for a, b in zip(got["logprobs"], want.logprobs)) <= 1e-4
+        # the chat template comes from the folder's tokenizer
+        body = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4, "temperature": 0}
+        chat = httpx.post(base + "/v1/chat/completions", json=body, timeout=60)
+        assert chat.status_code == 200 and chat.json()["usage"]["completion_tokens"] >= 1
     (log,) = tmp_path.glob("server-*.log")
     assert "Traceback" not in log.read_text()
