@@ -8,6 +8,7 @@ from typing import List, Optional
 import torch
 
 from lightllm.layers.attention import DECODE_BACKEND_CHOICES, KV_TYPES, PREFILL_BACKEND_CHOICES, pick_decode_backend
+from lightllm.layers.linear_attention import SSM_DATA_TYPES
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +35,7 @@ class EngineArgs:
     llm_kv_quant_group_size: int = DEFAULT_KV_QUANT_GROUP_SIZE
     llm_decode_att_backend: str = "triton"  # "auto" is resolved by normalize, once the device is known
     llm_prefill_att_backend: str = "triton"
+    linear_att_ssm_data_type: str = "float32"  # linear-attention recurrent state (Qwen3.5); unused by Qwen3
     mem_fraction: float = 0.8
     max_total_token_num: Optional[int] = None  # explicit KV pool size; default: from mem_fraction (GPU)
     device: Optional[str] = None  # default: cuda if available
@@ -60,6 +62,9 @@ class EngineArgs:
                              "context attention is the only prefill kernel), "
                              f"got {self.llm_prefill_att_backend!r}")  # fmt: skip
         self.llm_prefill_att_backend = "triton"
+        if self.linear_att_ssm_data_type not in SSM_DATA_TYPES:
+            raise ValueError(f"--linear_att_ssm_data_type expected one of {tuple(SSM_DATA_TYPES)}, "
+                             f"got {self.linear_att_ssm_data_type!r}")  # fmt: skip
         if not 0 < self.mem_fraction <= 1:
             raise ValueError(f"--mem_fraction expected a value in (0, 1], got {self.mem_fraction!r}")
         if self.max_total_token_num is not None and self.max_total_token_num <= 0:

@@ -42,6 +42,7 @@ from lightllm.engine.args import EngineArgs
 from lightllm.layers import parallel
 from lightllm.layers.attention import AttentionBackend, check_head_dim, make_pool
 from lightllm.layers.infer_state import InferState
+from lightllm.layers.linear_attention import SSM_DATA_TYPES
 from lightllm.kernels.attention.decode.tuning import decode_attn_tuning_len
 from lightllm.models.registry import read_model_config
 
@@ -115,22 +116,26 @@ class ModelRunner:
             from lightllm.kernels.attention.decode.fa3 import require_fa3
 
             contiguous = not require_fa3(self.device).paged
+        # per-request model state (linear attention) first, so the GPU profile and the RAM reading count it
+        state_bytes = self.model.alloc_request_state(max_reqs, SSM_DATA_TYPES[a.linear_att_ssm_data_type])
+        state_note = (f"; request state {state_bytes / 2**20:.2f} MiB ({max_reqs} slots x {state_bytes // max_reqs} B, "
+                      f"ssm {a.linear_att_ssm_data_type}) allocated before sizing" if state_bytes else "")  # fmt: skip
         # a one-token pool on the meta device: bytes per token of whichever KV type, nothing allocated
-        per_token = make_pool(a.llm_kv_type, 1, c.num_hidden_layers, self.model.kv_heads, c.head_dim,
+        per_token = make_pool(a.llm_kv_type, 1, c.num_kv_layers, self.model.kv_heads, c.head_dim,
                               a.torch_dtype, "meta", a.llm_kv_quant_group_size).bytes_per_token()  # fmt: skip
         if contiguous:  # fixed per-request rows
             num_tokens = max_reqs * a.max_req_total_len
         elif memory_api.profiles:
             profile = self._profile_memory(memory_api, graph_sizes)
             num_tokens = gpu_pool_tokens(profile, a.mem_fraction, per_token, a.max_total_token_num)
-            logger.info("%s", describe_gpu_sizing(profile, a.mem_fraction, per_token, num_tokens))
+            logger.info("%s%s", describe_gpu_sizing(profile, a.mem_fraction, per_token, num_tokens), state_note)
         else:
             available = memory_api.available()
             num_tokens = cpu_pool_tokens(available, a.mem_fraction, per_token, max_reqs * a.max_req_total_len,
                                          a.max_total_token_num)  # fmt: skip
             logger.info("KV cache sizing: %.2f GiB RAM available x --mem_fraction %s, at most %d requests of %d "
-                        "tokens -> %d tokens x %d B", available / GIB, a.mem_fraction, max_reqs,
-                        a.max_req_total_len, num_tokens, per_token)  # fmt: skip
+                        "tokens -> %d tokens x %d B%s", available / GIB, a.mem_fraction, max_reqs,
+                        a.max_req_total_len, num_tokens, per_token, state_note)  # fmt: skip
         if self.tp > 1:  # ranks share token indices: every pool takes the smallest rank's size
             num_tokens = min(all_gather_object(num_tokens))
         if num_tokens - 1 < a.max_req_total_len:  # one token is the padding request's
@@ -138,7 +143,7 @@ class ModelRunner:
                              f"({a.max_req_total_len}) request plus padding: raise --max_total_token_num or "
                              "--mem_fraction, or lower --max_req_total_len")  # fmt: skip
         self.kv = KVCacheManager(num_tokens, max_reqs, a.max_req_total_len, self.device, contiguous_slots=contiguous)
-        pool = make_pool(a.llm_kv_type, num_tokens, c.num_hidden_layers, self.model.kv_heads, c.head_dim,
+        pool = make_pool(a.llm_kv_type, num_tokens, c.num_kv_layers, self.model.kv_heads, c.head_dim,
                          a.torch_dtype, self.device, a.llm_kv_quant_group_size)  # fmt: skip
         self.attn = AttentionBackend(pool, a.llm_decode_att_backend, self.device)  # fa3 picks its layout too
         self.model.set_attention(self.attn)
@@ -154,7 +159,7 @@ class ModelRunner:
         them. The decode graphs are estimated to keep the decode peak plus the float32 logits each smaller graph
         holds as its output."""
         a, c, dev = self.args, self.config, self.device
-        scratch = make_pool(a.llm_kv_type, PROFILE_POOL_TOKENS, c.num_hidden_layers, self.model.kv_heads, c.head_dim,
+        scratch = make_pool(a.llm_kv_type, PROFILE_POOL_TOKENS, c.num_kv_layers, self.model.kv_heads, c.head_dim,
                             a.torch_dtype, dev, a.llm_kv_quant_group_size)  # fmt: skip
         self.model.set_attention(AttentionBackend(scratch, a.llm_decode_att_backend, dev))
         max_reqs, max_len = a.running_max_req_size + 1, a.max_req_total_len

@@ -14,6 +14,7 @@ class ModelConfig(Protocol):
 
     vocab_size: int
     num_hidden_layers: int
+    num_kv_layers: int  # layers with a KV cache (the pool's layer count): every layer of a dense model
     head_dim: int
     max_position_embeddings: int  # the model's context
     eos_token_ids: Tuple[int, ...]
@@ -24,6 +25,10 @@ class Model(Protocol):
 
     def set_attention(self, attn: AttentionBackend) -> None: ...
 
+    def alloc_request_state(self, num_slots: int, ssm_dtype: torch.dtype) -> int:
+        """Allocate per-request state kept beside the KV cache (linear-attention state; one slot per request
+        row, indexed like ``b_req_idx``) before the KV cache is sized; its bytes, 0 for a model without any."""
+
     def forward(self, input_ids: torch.Tensor, state: InferState) -> torch.Tensor: ...
 
 
@@ -32,7 +37,7 @@ class ModelFamily(Protocol):
 
     name: str
     architectures: Tuple[str, ...]  # Hugging Face ``architectures`` names it serves
-    model_type: str  # config.json's ``model_type``, for configs that give no ``architectures``
+    model_types: Tuple[str, ...]  # config.json's ``model_type`` values, for configs that give no ``architectures``
 
     def read_config(self, model_dir: Path) -> ModelConfig:
         """Read and check ``config.json``; ModelLoadError (one line) on anything the family does not implement."""

@@ -7,10 +7,13 @@ from typing import Dict, Tuple, Union
 from lightllm.models.family import ModelConfig, ModelFamily
 from lightllm.models.hf_config import ModelLoadError, read_config_file
 from lightllm.models.qwen3.family import Qwen3Family
+from lightllm.models.qwen3_5.family import Qwen3_5Family
 
-_FAMILIES: Tuple[ModelFamily, ...] = (Qwen3Family(),)
+_FAMILIES: Tuple[ModelFamily, ...] = (Qwen3Family(), Qwen3_5Family())
 _BY_ARCHITECTURE: Dict[str, ModelFamily] = {a: f for f in _FAMILIES for a in f.architectures}
-_BY_MODEL_TYPE: Dict[str, ModelFamily] = {f.model_type: f for f in _FAMILIES}  # for configs without architectures
+_BY_MODEL_TYPE: Dict[str, ModelFamily] = {
+    t: f for f in _FAMILIES for t in f.model_types
+}  # configs without architectures
 SUPPORTED_ARCHITECTURES: Tuple[str, ...] = tuple(_BY_ARCHITECTURE)
 
 

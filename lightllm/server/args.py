@@ -13,6 +13,7 @@ import torch
 from lightllm.common import envs
 from lightllm.engine.args import DATA_TYPES, EngineArgs
 from lightllm.layers.attention import DECODE_BACKEND_CHOICES, KV_TYPES, PREFILL_BACKEND_CHOICES, check_head_dim
+from lightllm.layers.linear_attention import SSM_DATA_TYPES
 from lightllm.models.hf_config import ModelLoadError
 from lightllm.models.registry import read_model_config
 
@@ -36,6 +37,7 @@ _HELP = {
     "llm_decode_att_backend": "decode attention kernels; auto: fa3 on a Hopper GPU with an FA3 provider installed "
     "and an unquantized KV cache, else triton",
     "llm_prefill_att_backend": "prefill attention kernels (Triton context attention is the only one; auto = triton)",
+    "linear_att_ssm_data_type": "dtype of the linear-attention recurrent state (Qwen3.5); float32 or bfloat16",
     "mem_fraction": "fraction of GPU memory the server may use, KV cache sized after a profiling forward "
     "(CPU: fraction of available RAM for the KV cache)",
     "max_total_token_num": "KV cache size in tokens (overrides mem_fraction)",
@@ -52,6 +54,7 @@ _CHOICES = {
     "llm_kv_type": list(KV_TYPES),
     "llm_decode_att_backend": list(DECODE_BACKEND_CHOICES),
     "llm_prefill_att_backend": list(PREFILL_BACKEND_CHOICES),
+    "linear_att_ssm_data_type": list(SSM_DATA_TYPES),
 }
 
 
@@ -95,7 +98,7 @@ _SERVER_HELP = {
 _SERVER_FLAGS = {  # the ServerArgs fields whose flag is not a plain typed value
     "model_name": dict(help="the model id clients send and see (default: the model folder's name)"),
     "tokenizer_mode": dict(choices=TOKENIZER_MODES, help="fast, slow, or auto (fast, else slow)"),
-    "trust_remote_code": dict(action="store_true", help="accepted for LightLLM compatibility; Qwen3 runs no "
+    "trust_remote_code": dict(action="store_true", help="accepted for LightLLM compatibility; Qwen3 and Qwen3.5 run no "
                               "remote code"),  # fmt: skip
     "eos_id": dict(type=int, nargs="+", help="token ids that end a request, besides the model's own EOS"),
     "chat_template": dict(help="a Jinja chat template, as a file path or inline, replacing the tokenizer's"),
@@ -198,7 +201,7 @@ def _read_chat_template(value: Optional[str]) -> Optional[str]:
 
 def _note_unused(server: ServerArgs) -> None:
     if server.trust_remote_code:
-        logger.info("--trust_remote_code: unused, the supported architectures (Qwen3) run no remote code")
+        logger.info("--trust_remote_code: unused, the supported architectures (Qwen3, Qwen3.5) run no remote code")
     if server.disable_dynamic_prompt_cache:
         logger.info("--disable_dynamic_prompt_cache: nothing to disable, this server has no prompt cache")
     if server.nccl_port is not None and server.tp == 1:

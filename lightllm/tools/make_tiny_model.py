@@ -1,10 +1,11 @@
-"""Tiny random-weight Hugging Face Qwen3 folders: test fixtures and the server's built-in default model.
+"""Tiny random-weight Hugging Face Qwen3 and Qwen3.5 folders: test fixtures and the server's built-in default model.
 
 A folder holds what a real checkpoint holds: ``config.json``, ``model.safetensors``, ``generation_config.json``
 and a working byte-level BPE tokenizer (with a chat template) trained offline on a small built-in corpus.
 Everything is deterministic: the same arguments give byte-identical files.
 
     python -m lightllm.tools.make_tiny_model OUT_DIR [--layers 2 --hidden 64 ...]
+    python -m lightllm.tools.make_tiny_model OUT_DIR --family qwen3.5   # a hybrid Qwen3.5 with its defaults
 """
 
 import argparse
@@ -160,13 +161,93 @@ def make_tiny_qwen3(
             for name, param in model.named_parameters():
                 if name.endswith("norm.weight"):
                     param.copy_(1.0 + 0.1 * torch.randn_like(param))
-    model = model.to(_DTYPES[dtype])
+    return _save(model.to(_DTYPES[dtype]), tokenizer, out, generation_config)
+
+
+def _save(model, tokenizer, out: Path, generation_config: Optional[dict]) -> Path:
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     if generation_config:
         path = out / "generation_config.json"
         path.write_text(json.dumps({**json.loads(path.read_text()), **generation_config}, indent=2))
     return out
+
+
+def make_tiny_qwen3_5(
+    out_dir: Union[str, os.PathLike],
+    *,
+    vocab_size: int = 512,
+    hidden_size: int = 64,
+    intermediate_size: int = 128,
+    layer_types: tuple = ("linear_attention", "full_attention", "linear_attention", "full_attention"),
+    num_attention_heads: int = 4,
+    num_key_value_heads: int = 2,
+    head_dim: int = 16,
+    partial_rotary_factor: float = 0.25,
+    linear_num_key_heads: int = 2,
+    linear_num_value_heads: int = 4,
+    linear_key_head_dim: int = 16,
+    linear_value_head_dim: int = 8,
+    linear_conv_kernel_dim: int = 4,
+    max_position_embeddings: int = 4096,
+    tie_word_embeddings: bool = False,
+    seed: int = 0,
+    dtype: str = "float32",
+    initializer_range: float = 0.2,
+    generation_config: Optional[dict] = None,
+) -> Path:
+    """Write a random-weight Qwen3.5 text checkpoint (``Qwen3_5ForCausalLM``, model_type ``qwen3_5_text``) with
+    the tokenizer of :func:`make_tiny_qwen3` into ``out_dir``; return its path.
+
+    Hybrid: ``layer_types`` mixes gated DeltaNet and gated attention layers; grouped value heads (Hv > Hk) and
+    Dk != Dv by default, mrope sections in the rope parameters as real checkpoints give them. Every parameter is
+    perturbed away from transformers' init so each convention matters: zero-centred norm weights (``1 + w``)
+    around 0, the gated norm's around 1, ``A_log`` and ``dt_bias`` random. The caller's RNG is left untouched.
+    """
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    if dtype not in _DTYPES:
+        raise ValueError(f"expected dtype in {sorted(_DTYPES)}, got {dtype!r}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = _build_tokenizer(vocab_size, max_position_embeddings)
+    rotary_half = int(head_dim * partial_rotary_factor) // 2
+    config = Qwen3_5TextConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=len(layer_types),
+        layer_types=list(layer_types),
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        head_dim=head_dim,
+        linear_num_key_heads=linear_num_key_heads,
+        linear_num_value_heads=linear_num_value_heads,
+        linear_key_head_dim=linear_key_head_dim,
+        linear_value_head_dim=linear_value_head_dim,
+        linear_conv_kernel_dim=linear_conv_kernel_dim,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": partial_rotary_factor,
+                         "mrope_interleaved": True, "mrope_section": [rotary_half - rotary_half // 2,
+                                                                      rotary_half // 2, 0]},  # fmt: skip
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings,
+        initializer_range=initializer_range,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen3_5ForCausalLM(config)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("linear_attn.norm.weight"):
+                    param.copy_(1.0 + 0.1 * torch.randn_like(param))  # the gated norm scales by its plain weight
+                elif name.endswith("norm.weight"):
+                    param.copy_(0.1 * torch.randn_like(param))  # zero-centred: the norm scales by 1 + weight
+                elif name.endswith(("A_log", "dt_bias")):
+                    param.copy_(0.5 * torch.randn_like(param))
+    return _save(model.to(_DTYPES[dtype]), tokenizer, out, generation_config)
 
 
 def _is_complete(model_dir: Path) -> bool:
@@ -180,6 +261,12 @@ BUILTIN_SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads
 QWEN3_8B_SHAPE = dict(padded_vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_attention_heads=32,
                       num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, dtype="bfloat16",
                       initializer_range=0.02)  # fmt: skip
+
+
+# head_dim 64: the smallest the GPU attention kernels take; 64-wide linear-attention heads for the GPU kernels
+QWEN3_5_GPU_SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64,
+                         linear_value_head_dim=64)  # fmt: skip
 
 
 def default_model_dir() -> Path:
@@ -217,8 +304,11 @@ def default_model_dir() -> Path:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description="Write a tiny random-weight Qwen3 Hugging Face folder.")
+    parser = argparse.ArgumentParser(description="Write a tiny random-weight Qwen3 or Qwen3.5 Hugging Face folder.")
     parser.add_argument("out_dir", help="folder to write (created if missing)")
+    parser.add_argument("--family", choices=("qwen3", "qwen3.5"), default="qwen3",
+                        help="qwen3.5: a hybrid Qwen3.5 with make_tiny_qwen3_5's defaults (only --seed and --dtype "
+                        "apply)")  # fmt: skip
     parser.add_argument("--vocab-size", type=int, default=512, help="tokenizer vocab size target")
     parser.add_argument("--hidden", type=int, default=64, help="hidden_size")
     parser.add_argument("--intermediate", type=int, default=128, help="intermediate_size")
@@ -231,6 +321,10 @@ def main(argv=None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default="float32")
     args = parser.parse_args(argv)
+    if args.family == "qwen3.5":
+        out = make_tiny_qwen3_5(args.out_dir, seed=args.seed, dtype=args.dtype)
+        print(f"wrote tiny Qwen3.5 model to {out}")
+        return
     out = make_tiny_qwen3(
         args.out_dir,
         vocab_size=args.vocab_size,

@@ -54,7 +54,8 @@ def test_first_supported_name_wins_and_model_type_stands_in(model_copy):
 
 
 @pytest.mark.parametrize("archs, expected", [
-    (["LlamaForCausalLM"], "field 'architectures' is ['LlamaForCausalLM'], not supported; supported: Qwen3ForCausalLM"),
+    (["LlamaForCausalLM"], "field 'architectures' is ['LlamaForCausalLM'], not supported; supported: Qwen3ForCausalLM, "
+                           "Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration"),
     ("Qwen3ForCausalLM", "field 'architectures' expected a list of names such as 'Qwen3ForCausalLM', got "
                          "'Qwen3ForCausalLM'"),
     ([], "field 'architectures' expected a list of names such as 'Qwen3ForCausalLM', got []"),

@@ -48,7 +48,7 @@ def test_flags_accepted_for_compatibility_log_that_they_change_nothing(model, ca
     server, _ = parse(model, "--trust_remote_code", "--disable_dynamic_prompt_cache", "--nccl_port", "29500")
     assert server.trust_remote_code and server.disable_dynamic_prompt_cache and server.nccl_port == 29500
     messages = [r.message for r in caplog.records]
-    assert "--trust_remote_code: unused, the supported architectures (Qwen3) run no remote code" in messages
+    assert "--trust_remote_code: unused, the supported architectures (Qwen3, Qwen3.5) run no remote code" in messages
     assert "--disable_dynamic_prompt_cache: nothing to disable, this server has no prompt cache" in messages
     assert "--nccl_port 29500: unused with --tp 1" in messages
 

@@ -173,3 +173,22 @@ def test_default_model_dir_concurrent_processes_build_once(tmp_path, monkeypatch
                 p.join()
     assert results == [str(target)] * 3 and make_tiny_model._is_complete(target)
     assert [p.name for p in tmp_path.iterdir() if ".tmp-" in p.name] == []
+
+
+def test_tiny_qwen3_5_is_hybrid_deterministic_and_perturbed(tmp_path):
+    from safetensors.torch import load_file
+
+    a = make_tiny_model.make_tiny_qwen3_5(tmp_path / "a", seed=3)
+    b = make_tiny_model.make_tiny_qwen3_5(tmp_path / "b", seed=3)
+    assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
+    config = json.loads((a / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3_5ForCausalLM"] and config["model_type"] == "qwen3_5_text"
+    assert set(config["layer_types"]) == {"linear_attention", "full_attention"}
+    assert config["linear_num_value_heads"] > config["linear_num_key_heads"]
+    assert (a / "tokenizer.json").read_bytes() == (make_tiny_qwen3(tmp_path / "q3") / "tokenizer.json").read_bytes()
+    w = load_file(a / "model.safetensors")
+    assert w["model.layers.1.input_layernorm.weight"].abs().min() > 0  # transformers' init: zeros
+    assert not torch.equal(w["model.layers.0.linear_attn.dt_bias"], torch.ones(4))  # init: ones
+    assert not torch.equal(w["model.layers.0.linear_attn.norm.weight"], torch.ones(8))
+    make_tiny_model.main([str(tmp_path / "cli"), "--family", "qwen3.5", "--seed", "3"])
+    assert (tmp_path / "cli" / "model.safetensors").read_bytes() == (a / "model.safetensors").read_bytes()

@@ -33,6 +33,10 @@ class Qwen3ModelConfig:
     bos_token_id: Optional[int]
     torch_dtype: Optional[str]
 
+    @property
+    def num_kv_layers(self) -> int:
+        return self.num_hidden_layers  # every layer attends over the KV cache
+
     @classmethod
     def from_model_dir(cls, model_dir: Union[str, Path]) -> "Qwen3ModelConfig":
         """Read and check ``model_dir/config.json``; raise ModelLoadError on anything unsupported.
@@ -83,7 +87,7 @@ class Qwen3ModelConfig:
             raise f.error("tie_word_embeddings", f"must be true or false, got {tie!r}")
 
         eos = f.token_ids("eos_token_id", hf.eos_token_id) if hf.eos_token_id is not None else ()
-        eos += _generation_eos(model_dir, exclude=eos)
+        eos += generation_eos(model_dir, exclude=eos)
         bos = hf.bos_token_id
         if bos is not None:
             (bos,) = f.token_ids("bos_token_id", bos)
@@ -131,7 +135,9 @@ def _rope_theta(f: ConfigFields) -> float:
     return f.positive_float("rope_parameters.rope_theta", value=params.get("rope_theta", 10000.0))
 
 
-def _generation_eos(model_dir: Path, exclude: Tuple[int, ...]) -> Tuple[int, ...]:
+def generation_eos(model_dir: Path, exclude: Tuple[int, ...]) -> Tuple[int, ...]:
+    """``generation_config.json``'s ``eos_token_id`` ids not in ``exclude`` (Qwen instruct checkpoints list their
+    chat end token there), in order; () without the file."""
     path = model_dir / "generation_config.json"
     if not path.is_file():
         return ()

@@ -13,7 +13,7 @@ from lightllm.models.qwen3.weights import load_qwen3_weights
 class Qwen3Family:
     name = "Qwen3"
     architectures = ARCHITECTURES
-    model_type = MODEL_TYPE
+    model_types = (MODEL_TYPE,)
 
     def read_config(self, model_dir: Path) -> Qwen3ModelConfig:
         return Qwen3ModelConfig.from_model_dir(model_dir)

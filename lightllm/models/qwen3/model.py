@@ -72,6 +72,9 @@ class Qwen3Model:
         """The backend that owns the KV pool this model writes and attends over."""
         self.attn = attn
 
+    def alloc_request_state(self, num_slots: int, ssm_dtype: torch.dtype) -> int:
+        return 0  # the KV cache is all the state a request has
+
     def forward(self, input_ids: torch.Tensor, state: InferState) -> torch.Tensor:
         """Float32 logits ``[rows, vocab]``: the last token of each request (prefill), every new token (decode)."""
         attn = self.attn

@@ -1,0 +1,1 @@
+"""Qwen3.5 (hybrid gated DeltaNet + gated attention): config parsing, weight loading and the forward."""

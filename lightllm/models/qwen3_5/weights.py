@@ -1,0 +1,198 @@
+"""Qwen3.5 weights from a Hugging Face folder's ``*.safetensors`` files (text folders and the text part of
+ConditionalGeneration folders).
+
+Linears stay ``[out_features, in_features]``. The zero-centred RMSNorm weights (decoder, final, q/k norms) are
+kept as ``1 + weight`` in float32, the scale transformers multiplies by; the gated norm's weight is plain. The
+vision tower (``model.visual.*``) and the MTP head (``mtp.*``) are skipped, each with one log line.
+"""
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple, Union
+
+import torch
+from safetensors import safe_open
+
+from lightllm.models.hf_config import ModelLoadError
+from lightllm.models.qwen3.weights import safetensors_files
+from lightllm.models.qwen3_5.config import Qwen3_5ModelConfig
+from lightllm.models.qwen3_5.tensor_parallel import ShardSpec
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_SOURCE_DTYPES = ("F16", "BF16", "F32")
+_ZERO_CENTRED = ("input_norm", "post_norm", "q_norm", "k_norm")
+_SKIPPED = {"model.visual.": "vision tower: text only", "mtp.": "MTP head: multi-token prediction is not "
+            "implemented yet"}  # fmt: skip
+
+
+@dataclass
+class LayerWeights:
+    kind: str  # "linear_attention" or "full_attention"
+    input_norm: torch.Tensor  # [hidden], 1 + weight, float32
+    post_norm: torch.Tensor  # [hidden], 1 + weight, float32
+    gate_proj: torch.Tensor  # [intermediate, hidden]
+    up_proj: torch.Tensor
+    down_proj: torch.Tensor  # [hidden, intermediate]
+    # full attention
+    q_proj: Optional[torch.Tensor] = None  # [heads * 2 * head_dim, hidden]: per head [query | gate]
+    k_proj: Optional[torch.Tensor] = None
+    v_proj: Optional[torch.Tensor] = None
+    o_proj: Optional[torch.Tensor] = None
+    q_norm: Optional[torch.Tensor] = None  # [head_dim], 1 + weight, float32
+    k_norm: Optional[torch.Tensor] = None
+    # gated DeltaNet
+    in_proj_qkv: Optional[torch.Tensor] = None  # [2 * Hk * Dk + Hv * Dv, hidden]
+    in_proj_z: Optional[torch.Tensor] = None  # [Hv * Dv, hidden]
+    in_proj_b: Optional[torch.Tensor] = None  # [Hv, hidden]
+    in_proj_a: Optional[torch.Tensor] = None  # [Hv, hidden]
+    conv1d: Optional[torch.Tensor] = None  # [C, K] (HF's [C, 1, K] squeezed)
+    A_log: Optional[torch.Tensor] = None  # [Hv]
+    dt_bias: Optional[torch.Tensor] = None  # [Hv]
+    norm: Optional[torch.Tensor] = None  # [Dv], the gated norm's plain weight
+    out_proj: Optional[torch.Tensor] = None  # [hidden, Hv * Dv]
+
+
+@dataclass
+class Qwen3_5Weights:
+    embed: torch.Tensor  # [vocab, hidden]
+    layers: List[LayerWeights]
+    final_norm: torch.Tensor  # [hidden], 1 + weight, float32
+    lm_head: torch.Tensor  # the same object as ``embed`` when embeddings are tied
+
+
+def _layer_names(c: Qwen3_5ModelConfig, i: int) -> Dict[str, Tuple[str, Tuple[int, ...]]]:
+    """``field -> (HF tensor name, shape)`` of layer ``i``."""
+    p, h = f"{c.weight_prefix}layers.{i}.", c.hidden_size
+    names = {
+        "input_norm": ("input_layernorm.weight", (h,)),
+        "post_norm": ("post_attention_layernorm.weight", (h,)),
+        "gate_proj": ("mlp.gate_proj.weight", (c.intermediate_size, h)),
+        "up_proj": ("mlp.up_proj.weight", (c.intermediate_size, h)),
+        "down_proj": ("mlp.down_proj.weight", (h, c.intermediate_size)),
+    }
+    if c.layer_types[i] == "full_attention":
+        q_out, kv_out = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+        names.update({
+            "q_proj": ("self_attn.q_proj.weight", (2 * q_out, h)),
+            "k_proj": ("self_attn.k_proj.weight", (kv_out, h)),
+            "v_proj": ("self_attn.v_proj.weight", (kv_out, h)),
+            "o_proj": ("self_attn.o_proj.weight", (h, q_out)),
+            "q_norm": ("self_attn.q_norm.weight", (c.head_dim,)),
+            "k_norm": ("self_attn.k_norm.weight", (c.head_dim,)),
+        })  # fmt: skip
+    else:
+        hv, vd = c.linear_num_value_heads, c.linear_value_dim
+        names.update({
+            "in_proj_qkv": ("linear_attn.in_proj_qkv.weight", (c.linear_conv_dim, h)),
+            "in_proj_z": ("linear_attn.in_proj_z.weight", (vd, h)),
+            "in_proj_b": ("linear_attn.in_proj_b.weight", (hv, h)),
+            "in_proj_a": ("linear_attn.in_proj_a.weight", (hv, h)),
+            "conv1d": ("linear_attn.conv1d.weight", (c.linear_conv_dim, 1, c.linear_conv_kernel_dim)),
+            "A_log": ("linear_attn.A_log", (hv,)),
+            "dt_bias": ("linear_attn.dt_bias", (hv,)),
+            "norm": ("linear_attn.norm.weight", (c.linear_value_head_dim,)),
+            "out_proj": ("linear_attn.out_proj.weight", (h, vd)),
+        })  # fmt: skip
+    return {field: (p + name, shape) for field, (name, shape) in names.items()}
+
+
+def expected_shapes(c: Qwen3_5ModelConfig) -> Dict[str, Tuple[int, ...]]:
+    """Every HF tensor name the checkpoint must hold, with its shape (``lm_head`` only when untied)."""
+    shapes = {f"{c.weight_prefix}embed_tokens.weight": (c.vocab_size, c.hidden_size),
+              f"{c.weight_prefix}norm.weight": (c.hidden_size,)}  # fmt: skip
+    if not c.tie_word_embeddings:
+        shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
+    for i in range(c.num_hidden_layers):
+        shapes.update(dict(_layer_names(c, i).values()))
+    return shapes
+
+
+def load_qwen3_5_weights(
+    model_dir: Union[str, Path],
+    config: Qwen3_5ModelConfig,
+    dtype: torch.dtype = torch.bfloat16,
+    device: Union[str, torch.device] = "cpu",
+    shard: Optional[ShardSpec] = None,
+) -> Qwen3_5Weights:
+    """Read, check (shape, source dtype), cast and move every tensor the text model uses; ModelLoadError (one
+    line) on a missing or misshapen tensor. Unused tensors are skipped: vision and MTP ones with one line each,
+    any other with one warning. ``shard(field)`` gives the part of a layer tensor this tensor-parallel rank
+    keeps; only that part is read."""
+    if dtype not in _DTYPES:
+        raise ModelLoadError(f"dtype {dtype} is not supported; use torch.float16, torch.bfloat16 or torch.float32")
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise ModelLoadError(f"{model_dir}: model folder not found")
+    shapes = expected_shapes(config)
+    fields = {
+        name: field for i in range(config.num_hidden_layers) for field, (name, _) in _layer_names(config, i).items()
+    }
+    tensors: Dict[str, torch.Tensor] = {}
+    skipped = {prefix: 0 for prefix in _SKIPPED}
+    unexpected: List[str] = []
+    for file in safetensors_files(model_dir):
+        try:
+            handle = safe_open(str(file), framework="pt", device="cpu")
+        except Exception as e:  # safetensors raises its own error types for a bad header
+            raise ModelLoadError(f"{file}: cannot read safetensors file: {e}") from None
+        with handle as f:
+            for name in f.keys():
+                if name not in shapes:
+                    prefix = next((p for p in _SKIPPED if name.startswith(p)), None)
+                    if prefix is not None:
+                        skipped[prefix] += 1
+                    elif not (config.tie_word_embeddings and name == "lm_head.weight"):
+                        unexpected.append(name)
+                    continue
+                if name in tensors:
+                    raise ModelLoadError(f"{file}: tensor {name} is also in another safetensors file")
+                view = f.get_slice(name)
+                found, source_dtype = tuple(view.get_shape()), view.get_dtype()
+                if found != shapes[name]:
+                    raise ModelLoadError(f"{file}: tensor {name} has shape {list(found)}, expected "
+                                         f"{list(shapes[name])}")  # fmt: skip
+                if source_dtype not in _SOURCE_DTYPES:
+                    raise ModelLoadError(f"{file}: tensor {name} has dtype {source_dtype}; only F16, BF16 and F32 "
+                                         "are supported")  # fmt: skip
+                part = shard(fields[name]) if shard is not None and name in fields else None
+                if part is None:
+                    tensor = f.get_tensor(name)
+                else:
+                    dim, slices = part
+                    tensor = torch.cat([view[s] if dim == 0 else view[:, s] for s in slices], dim=dim)
+                tensors[name] = tensor.to(device=device, dtype=dtype)
+    missing = [name for name in shapes if name not in tensors]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ModelLoadError(f"{model_dir}: tensor {missing[0]} is missing from the safetensors files{more}")
+    for prefix, count in skipped.items():
+        if count:
+            logger.info("%s: skipping %d %s* tensors (%s)", model_dir, count, prefix, _SKIPPED[prefix])
+    if unexpected:
+        more = f" and {len(unexpected) - 5} more" if len(unexpected) > 5 else ""
+        logger.warning("%s: ignoring %d tensors Qwen3.5 does not use: %s%s", model_dir, len(unexpected),
+                       ", ".join(sorted(unexpected)[:5]), more)  # fmt: skip
+    return _assemble(config, tensors)
+
+
+def _one_plus(w: torch.Tensor) -> torch.Tensor:
+    return 1.0 + w.float()
+
+
+def _assemble(c: Qwen3_5ModelConfig, tensors: Dict[str, torch.Tensor]) -> Qwen3_5Weights:
+    layers = []
+    for i in range(c.num_hidden_layers):
+        fields = {field: tensors[name] for field, (name, _) in _layer_names(c, i).items()}
+        for field in _ZERO_CENTRED:
+            if field in fields:
+                fields[field] = _one_plus(fields[field])
+        if "conv1d" in fields:
+            fields["conv1d"] = fields["conv1d"][:, 0, :].contiguous()
+        layers.append(LayerWeights(kind=c.layer_types[i], **fields))
+    embed = tensors[f"{c.weight_prefix}embed_tokens.weight"]
+    lm_head = embed if c.tie_word_embeddings else tensors["lm_head.weight"]
+    return Qwen3_5Weights(embed=embed, layers=layers, final_norm=_one_plus(tensors[f"{c.weight_prefix}norm.weight"]),
+                          lm_head=lm_head)  # fmt: skip

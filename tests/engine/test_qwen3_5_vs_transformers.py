@@ -1,0 +1,269 @@
+"""The engine serving Qwen3.5 against transformers' ``Qwen3_5ForCausalLM`` on tiny random hybrid models (every
+parameter perturbed): packed prefill logits, greedy tokens and logprobs, decode after prefill, state slots."""
+
+import logging
+
+import pytest
+import torch
+
+from lightllm import LLM, SamplingParams
+from lightllm.engine.args import EngineArgs
+from lightllm.engine.engine import Engine
+from lightllm.engine.model_runner import ModelRunner
+from lightllm.server.args import parse_args
+from lightllm.tools.make_tiny_model import QWEN3_5_GPU_SHAPE, make_tiny_qwen3_5
+
+from tests.engine.test_qwen3_vs_transformers import forced_scores
+from tests.engine.test_scheduler import run_all
+
+GEN = torch.Generator().manual_seed(0)
+PROMPTS = [torch.randint(3, 500, (n,), generator=GEN).tolist() for n in (1, 7, 200, 33)]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return str(make_tiny_qwen3_5(tmp_path_factory.mktemp("tiny-qwen3_5"), seed=3))
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_dir):
+    from transformers import Qwen3_5ForCausalLM
+
+    return Qwen3_5ForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+
+
+def cpu_runner(model_dir, **opts):
+    args = dict(model_dir=model_dir, data_type="fp32", device="cpu", batch_max_tokens=256, max_req_total_len=256,
+                running_max_req_size=4)  # fmt: skip
+    return ModelRunner(EngineArgs(**{**args, **opts}))
+
+
+def hf_logprobs(model, tokens):
+    """transformers' log-softmax over the whole sequence, ``[len, vocab]``."""
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([tokens])).logits[0].float(), -1)
+
+
+def test_packed_prefill_logits_match_transformers_per_prompt(tiny_dir, hf_model):
+    runner = cpu_runner(tiny_dir)
+    slots = [runner.add_request() for _ in PROMPTS]
+    got = torch.log_softmax(runner.prefill(slots, PROMPTS), -1)
+    for row, prompt in zip(got, PROMPTS):
+        assert (row - hf_logprobs(hf_model, prompt)[-1]).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("batch", [[0, 1, 2, 3], [2, 0], [3]], ids=["all four", "long and short", "alone"])
+def test_greedy_tokens_and_logprobs_match_transformers_generate(tiny_dir, hf_model, batch):
+    llm = LLM(tiny_dir, data_type="fp32", device="cpu", batch_max_tokens=256, max_req_total_len=256,
+              running_max_req_size=4)  # fmt: skip
+    prompts = [PROMPTS[i] for i in batch]
+    outs = llm.generate(prompts, SamplingParams(max_new_tokens=10, logprobs=True, ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
+        with torch.no_grad():
+            want = hf_model.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, min_new_tokens=10)
+        assert out.token_ids == want[0, len(prompt) :].tolist()
+        ref = hf_logprobs(hf_model, prompt + out.token_ids)[len(prompt) - 1 : -1]
+        ref = ref.gather(1, torch.tensor(out.token_ids)[:, None])[:, 0]
+        assert max(abs(a - b) for a, b in zip(out.logprobs, ref.tolist())) <= 1e-4
+        forced, best = forced_scores(llm.runner, prompt, out.token_ids)  # prefill then decodes, one request
+        assert max(abs(a - b) for a, b in zip(out.logprobs, forced)) <= 1e-5 and forced == best
+
+
+def test_state_after_prefill_equals_state_after_one_token_decodes(tiny_dir):
+    runner = cpu_runner(tiny_dir)
+    prompt = PROMPTS[3]
+    whole, stepped = runner.add_request(), runner.add_request()
+    want = runner.prefill([whole], [prompt])[0]
+    got = runner.prefill([stepped], [prompt[:1]])[0]
+    for t in prompt[1:]:
+        got = runner.decode([stepped], [t])[0]
+    state = runner.model.linear.state
+    assert state.ssm.abs().amax() > 0 and state.conv.abs().amax() > 0
+    assert torch.allclose(state.conv[:, whole], state.conv[:, stepped], rtol=1e-5, atol=1e-5)
+    assert torch.allclose(state.ssm[:, whole], state.ssm[:, stepped], rtol=1e-5, atol=1e-5)
+    assert torch.allclose(want, got, atol=1e-4)
+
+
+def test_a_reused_slot_starts_from_zero_state(tiny_dir):
+    """A request prefilled into a slot another request left behind gets the same logits as on a fresh runner."""
+    fresh = cpu_runner(tiny_dir)
+    slot = fresh.add_request()
+    want = [fresh.prefill([slot], [PROMPTS[1]])[0], fresh.decode([slot], [5])[0]]
+    used = cpu_runner(tiny_dir)
+    first = used.add_request()
+    used.prefill([first], [PROMPTS[2]])
+    used.decode([first], [9])
+    used.free(first)
+    again = used.add_request()
+    assert again == first
+    got = [used.prefill([again], [PROMPTS[1]])[0], used.decode([again], [5])[0]]
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+
+
+def test_interleaved_requests_give_the_tokens_each_gives_alone(tiny_dir):
+    prompts = [PROMPTS[1], PROMPTS[3], PROMPTS[0]]
+    alone = [run_all(Engine(cpu_runner(tiny_dir), eos_ids=[]), [p])[0][0] for p in prompts]
+    together, _ = run_all(Engine(cpu_runner(tiny_dir), eos_ids=[]), prompts)
+    assert [together[i] for i in range(3)] == alone
+
+
+def test_preemption_re_prefills_and_keeps_greedy_tokens(tiny_dir):
+    prompts = [[3, 4, 5, 6, 7, 8, 9, 10], [20, 21, 22, 23], [30, 31, 32, 33, 34, 35], [40, 41]]
+    opts = dict(max_req_total_len=32, batch_max_tokens=64)
+    want, _ = run_all(Engine(cpu_runner(tiny_dir, max_total_token_num=512, **opts), eos_ids=[]), prompts)
+    tight = Engine(cpu_runner(tiny_dir, max_total_token_num=40, **opts), eos_ids=[])
+    preempted = []
+    real = tight.scheduler._preempt
+    tight.scheduler._preempt = lambda req: (preempted.append(req.id), real(req))
+    got, reasons = run_all(tight, prompts)
+    assert preempted, "the cache was meant to run out"
+    assert got == want and set(reasons.values()) == {"length"}
+
+
+class ReplayingGraphAPI:
+    """A CPU stand-in for CUDA graphs: 'replay' re-runs the captured decode forward over the runner's static
+    buffers (padding rows included) and writes the captured output, as a real replay would."""
+
+    def __init__(self):
+        self.runner, self.replays = None, 0
+
+    def new_graph(self):
+        return {}
+
+    def capture(self, graph, pool):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    def pool(self, graph):
+        return "pool"
+
+    def replay(self, graph):
+        bs = next(b for b, (g, _) in self.runner.graphs.graphs.items() if g is graph)
+        self.runner.graphs.graphs[bs][1].copy_(self.runner._graph_decode(bs))
+        self.replays += 1
+
+    def memory_used(self):
+        return 0
+
+
+def test_decode_through_the_graph_buffers_gives_the_eager_tokens(tiny_dir):
+    """State slots are read through the static ``b_req_idx`` buffer; padding rows use the padding slot."""
+    prompts = [PROMPTS[1], PROMPTS[3], PROMPTS[0]]
+    want, _ = run_all(Engine(cpu_runner(tiny_dir, disable_cudagraph=True), eos_ids=[]), prompts)
+    api = ReplayingGraphAPI()
+    runner = ModelRunner(EngineArgs(model_dir=tiny_dir, data_type="fp32", device="cpu", batch_max_tokens=256,
+                                    max_req_total_len=256, running_max_req_size=4, graph_max_batch_size=4,
+                                    graph_split_batch_size=2, graph_grow_step_size=2), graph_api=api)  # fmt: skip
+    api.runner = runner
+    got, _ = run_all(Engine(runner, eos_ids=[]), prompts)
+    assert api.replays > 0 and got == want
+
+
+def test_int8_kv_and_bf16_state_run_on_the_cpu(tiny_dir):
+    opts4 = dict(data_type="fp32", device="cpu", batch_max_tokens=256, max_req_total_len=256, running_max_req_size=4)
+    ref = LLM(tiny_dir, **opts4)
+    params = SamplingParams(max_new_tokens=6, logprobs=True, ignore_eos=True)
+    (want,) = ref.generate([PROMPTS[2]], params)
+    for opts in (dict(llm_kv_type="int8kv"), dict(linear_att_ssm_data_type="bfloat16")):
+        llm = LLM(tiny_dir, **opts4, **opts)
+        if "linear_att_ssm_data_type" in opts:
+            assert llm.runner.model.linear.state.ssm.dtype == torch.bfloat16
+        (out,) = llm.generate([PROMPTS[2]], params)
+        forced, _ = forced_scores(ref.runner, PROMPTS[2], out.token_ids)  # the fp32 engine on the same tokens
+        assert max(abs(a - b) for a, b in zip(out.logprobs, forced)) <= 0.05, opts
+
+
+def test_kv_pool_holds_only_full_attention_layers_and_sizing_counts_the_state(tiny_dir, caplog):
+    with caplog.at_level(logging.INFO, logger="lightllm.engine.model_runner"):
+        runner = cpu_runner(tiny_dir)
+    assert len(runner.attn.pool.k) == 2  # layers 1 and 3 of 4
+    state = runner.model.linear.state
+    slots = runner.args.running_max_req_size + 1
+    assert state.conv.shape == (2, slots, 3, 2 * 2 * 16 + 4 * 8) and state.ssm.shape == (2, slots, 4, 16, 8)
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("KV cache sizing"))
+    assert f"request state {state.nbytes / 2**20:.2f} MiB ({slots} slots x {state.nbytes // slots} B" in line
+
+
+def test_bad_ssm_data_type_is_one_line_naming_the_flag(tiny_dir, capsys):
+    with pytest.raises(ValueError, match=r"^--linear_att_ssm_data_type expected one of \('float32', 'bfloat16'\), "
+                                         r"got 'float16'$"):  # fmt: skip
+        LLM(tiny_dir, device="cpu", linear_att_ssm_data_type="float16")
+    with pytest.raises(SystemExit) as done:
+        parse_args(["--model_dir", tiny_dir, "--device", "cpu", "--linear_att_ssm_data_type", "fp32"])
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and err.count("\n") == 1 and "--linear_att_ssm_data_type" in err
+    assert "'float32', 'bfloat16'" in err
+
+
+# ---- GPU ---------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_gpu_dir(tmp_path_factory):
+    return str(make_tiny_qwen3_5(tmp_path_factory.mktemp("tiny-qwen3_5-gpu"), seed=3, **QWEN3_5_GPU_SHAPE))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend, kv_type, graphs", [("triton", "None", True), ("triton", "None", False),
+                                                      ("triton", "int8kv", True), ("fa3", "None", True)])  # fmt: skip
+def test_gpu_bf16_greedy_close_to_fp32_reference(tiny_gpu_dir, backend, kv_type, graphs):
+    """GPU bf16 (fla-core prefill, Triton linear-attention decode, graphs on/off) against the CPU fp32 engine
+    (the torch references, matching transformers above), teacher-forced on the GPU's tokens; the bound is the
+    CPU bf16 engine's own error against the same reference (the Qwen3 tests' bound)."""
+    if backend == "fa3":
+        from lightllm.kernels.attention.decode.fa3 import find_fa3_provider
+
+        if find_fa3_provider() is None:
+            pytest.skip("no FlashAttention-3 provider installed")
+    opts = dict(llm_kv_type=kv_type, batch_max_tokens=512, max_req_total_len=512, running_max_req_size=8)
+    llm = LLM(tiny_gpu_dir, data_type="bf16", llm_decode_att_backend=backend, graph_max_batch_size=8,
+              graph_max_len_in_batch=512, max_total_token_num=8192, disable_cudagraph=not graphs, **opts)  # fmt: skip
+    prompt = torch.randint(3, 500, (300,), generator=torch.Generator().manual_seed(0)).tolist()
+    (out,) = llm.generate([prompt], SamplingParams(max_new_tokens=9, logprobs=True, ignore_eos=True))
+    ref, ref_best = forced_scores(LLM(tiny_gpu_dir, data_type="fp32", device="cpu", **opts).runner, prompt,
+                                  out.token_ids)  # fmt: skip
+    bf16, _ = forced_scores(LLM(tiny_gpu_dir, data_type="bf16", device="cpu", **opts).runner, prompt, out.token_ids)
+    err = max(abs(a - b) for a, b in zip(out.logprobs, ref))
+    bf16_err = max(abs(a - b) for a, b in zip(bf16, ref))
+    bound = 1.5 * bf16_err + 0.02
+    print(f"\nQwen3.5 GPU-vs-fp32 {backend} {kv_type} graphs={graphs}: max logprob error {err:.4f} "
+          f"(CPU bf16 references {bf16_err:.4f})")  # fmt: skip
+    assert err <= bound, f"max logprob error {err:.4f} > {bound:.4f} (CPU bf16 references: {bf16_err:.4f})"
+    assert max(b - a for a, b in zip(ref, ref_best)) <= bound
+
+
+@pytest.mark.gpu
+def test_gpu_greedy_tokens_match_transformers_in_fp32(tiny_gpu_dir):
+    """The GPU engine in fp32 (fla-core prefill, Triton decode, graphs) gives transformers' greedy tokens."""
+    from transformers import Qwen3_5ForCausalLM
+
+    llm = LLM(tiny_gpu_dir, data_type="fp32", batch_max_tokens=256, max_req_total_len=256, running_max_req_size=4,
+              graph_max_batch_size=4)  # fmt: skip
+    hf = Qwen3_5ForCausalLM.from_pretrained(tiny_gpu_dir, dtype=torch.float32).eval()
+    for prompt in (PROMPTS[0], PROMPTS[2]):
+        (out,) = llm.generate([prompt], SamplingParams(max_new_tokens=6, ignore_eos=True))
+        with torch.no_grad():
+            want = hf.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, min_new_tokens=6)
+        assert out.token_ids == want[0, len(prompt) :].tolist()
+
+
+@pytest.mark.gpu
+def test_gpu_graph_replay_equals_eager_bit_for_bit(tiny_gpu_dir):
+    """One decode step replayed from a graph, then the captured function run eagerly on the same buffers from the
+    same state: logits and state slots identical (decode advances the state in place, so it is restored first)."""
+    llm = LLM(tiny_gpu_dir, data_type="bf16", batch_max_tokens=256, max_req_total_len=256, running_max_req_size=4,
+              graph_max_batch_size=4)  # fmt: skip
+    runner, state = llm.runner, llm.runner.model.linear.state
+    slots = [runner.add_request() for _ in range(3)]
+    runner.prefill(slots, [PROMPTS[1], PROMPTS[3], PROMPTS[0]])
+    before = (state.conv.clone(), state.ssm.clone())
+    replayed = runner.decode(slots, [11, 12, 13]).clone()  # pads to the size-4 graph
+    assert runner.graphs.pick(3) == 4
+    after = (state.conv.clone(), state.ssm.clone())
+    state.conv.copy_(before[0])
+    state.ssm.copy_(before[1])
+    eager = runner._graph_decode(4)[:3]
+    assert torch.equal(replayed, eager) and replayed.isfinite().all()
+    assert torch.equal(after[0], state.conv) and torch.equal(after[1], state.ssm)
+    assert not torch.equal(before[1][:, slots], after[1][:, slots])  # the step did advance the live slots

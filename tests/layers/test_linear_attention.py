@@ -1,0 +1,143 @@
+"""The linear-attention backend: prefill writes each request's final states into its own slot (whatever the batch
+order), decode advances only its requests' slots; on a GPU, fla-core's prefill and the Triton decode against the
+torch references."""
+
+import pytest
+import torch
+
+from lightllm.kernels.linear_attention.reference import (
+    causal_conv1d_prefill_ref,
+    gated_delta_rule_varlen_ref,
+    gdn_gates_ref,
+)
+from lightllm.layers.infer_state import InferState
+from lightllm.layers.linear_attention import (
+    LinearAttentionBackend,
+    LinearAttentionShape,
+    LinearAttentionState,
+    causal_conv1d_packed,
+)
+
+SHAPE = LinearAttentionShape(key_heads=2, value_heads=4, key_dim=16, value_dim=8, conv_kernel=4)
+GPU_SHAPE = LinearAttentionShape(key_heads=2, value_heads=4, key_dim=64, value_dim=64, conv_kernel=4)  # Triton's dims
+
+
+def batch(lens, slots, device="cpu"):
+    """InferState of a packed prefill (``lens`` tokens into ``slots``) or, with ``lens`` None, a one-token decode."""
+    i32 = dict(dtype=torch.int32, device=device)
+    if lens is None:
+        return InferState(is_prefill=False, b_req_idx=torch.tensor(slots, **i32), req_to_token=None,
+                          b_seq_len=None, out_token_idx=None, positions=None, max_len_in_batch=1)  # fmt: skip
+    starts = torch.tensor([0, *torch.tensor(lens).cumsum(0)[:-1].tolist()])
+    return InferState(is_prefill=True, b_req_idx=torch.tensor(slots, **i32), req_to_token=None, b_seq_len=None,
+                      out_token_idx=None, positions=None, max_len_in_batch=max(lens), b_q_start=starts.to(**i32),
+                      b_q_len=torch.tensor(lens, **i32), max_q_len=max(lens))  # fmt: skip
+
+
+def inputs(tokens, seed=0, s=SHAPE):
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g)
+
+    hk, hv = s.key_heads, s.value_heads
+    return dict(x=r(tokens, s.conv_channels), weight=r(s.conv_channels, s.conv_kernel), q=r(tokens, hk, s.key_dim),
+                k=r(tokens, hk, s.key_dim), v=r(tokens, hv, s.value_dim), a=r(tokens, hv), b=r(tokens, hv),
+                A_log=r(hv) * 0.5, dt_bias=r(hv) * 0.5)  # fmt: skip
+
+
+def backend(slots=4, device="cpu", dtype=torch.float32, shape=SHAPE):
+    state = LinearAttentionState(1, slots, shape, dtype, torch.float32, device)
+    return LinearAttentionBackend(state, torch.device(device))
+
+
+def run_prefill(be, t, lens, slots):
+    plan = be.plan(batch(lens, slots, be.state.conv.device))
+    conv = be.conv_prefill(0, t["x"], t["weight"], plan)
+    out = be.delta_prefill(0, t["q"], t["k"], t["v"], t["a"], t["b"], t["A_log"], t["dt_bias"], plan)
+    return conv, out
+
+
+def test_prefill_writes_each_final_state_into_its_own_slot():
+    be, t, lens = backend(), inputs(12), [5, 7]
+    be.state.conv[0, 0] = 7.0  # slots no request of the batch owns keep what they hold
+    be.state.ssm[0, 3] = 7.0
+    conv, out = run_prefill(be, t, lens, slots=[2, 1])  # the first request's slot is the higher one
+    cu = torch.tensor([0, 5, 12])
+    want_conv, want_conv_states = causal_conv1d_prefill_ref(t["x"], t["weight"], cu)
+    g, beta = gdn_gates_ref(t["a"], t["b"], t["A_log"], t["dt_bias"])
+    want_out, want_finals = gated_delta_rule_varlen_ref(t["q"], t["k"], t["v"], g, beta, cu)
+    assert torch.equal(conv, want_conv) and torch.equal(out, want_out)
+    assert torch.equal(be.state.conv[0, 2], want_conv_states[0]) and torch.equal(
+        be.state.conv[0, 1], want_conv_states[1]
+    )
+    assert torch.equal(be.state.ssm[0, 2], want_finals[0]) and torch.equal(be.state.ssm[0, 1], want_finals[1])
+    assert (be.state.conv[0, 0] == 7).all() and (be.state.ssm[0, 3] == 7).all()
+
+
+def test_decode_advances_only_its_requests_slots():
+    be, t = backend(), inputs(12)
+    run_prefill(be, t, [5, 7], slots=[2, 1])
+    before = (be.state.conv.clone(), be.state.ssm.clone())
+    d = inputs(2, seed=1)
+    plan = be.plan(batch(None, [1, 2]))
+    x = be.conv_decode(0, d["x"], t["weight"], plan)
+    q, k, v = x[:, :32].view(2, 2, 16), x[:, 32:64].view(2, 2, 16), x[:, 64:].view(2, 4, 8)
+    out = be.delta_decode(0, q, k, v, d["a"], d["b"], t["A_log"], t["dt_bias"], plan)
+    assert out.shape == (2, 4, 8) and out.isfinite().all()
+    for slot in (0, 3):
+        assert torch.equal(be.state.conv[0, slot], before[0][0, slot]) and torch.equal(
+            be.state.ssm[0, slot], before[1][0, slot]
+        )
+    for slot in (1, 2):
+        assert not torch.equal(be.state.ssm[0, slot], before[1][0, slot])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_packed_conv_matches_the_per_request_reference(dtype):
+    """The GPU prefill's conv (shifted adds over the packed batch) against the reference, with requests shorter
+    than the kernel (their state zero-padded on the left) and one token long."""
+    lens = [1, 2, 9, 5]
+    t = inputs(sum(lens))
+    x, weight = t["x"].to(dtype), t["weight"].to(dtype)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+    offsets = torch.cat([torch.arange(n) for n in lens])
+    be = backend()
+    be.on_gpu = True  # the plan of the GPU path, built on the CPU
+    plan = be.plan(batch(lens, [0, 1, 2, 3]))
+    assert torch.equal(plan.offsets, offsets) and torch.equal(plan.cu_seqlens, cu)
+    out, states = causal_conv1d_packed(x, weight, plan.cu_seqlens, plan.offsets)
+    want_out, want_states = causal_conv1d_prefill_ref(x, weight, cu)
+    assert out.dtype == dtype and torch.allclose(out.float(), want_out.float(), atol=1e-5 if dtype == torch.float32
+                                                 else 2e-3, rtol=1e-3)  # fmt: skip
+    assert torch.equal(states, want_states)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_gpu_prefill_and_decode_match_the_references(dtype):
+    """fla-core's chunked prefill and the Triton decode kernels (the GPU path) against the CPU references, with
+    grouped value heads, several sequences (one longer than fla's 64-token chunk) and unordered slots."""
+    lens, slots = [1, 70, 9], [3, 0, 2]
+    s = GPU_SHAPE
+    t, d = inputs(sum(lens), s=s), inputs(3, seed=1, s=s)
+    ref, gpu = backend(shape=s), backend(device="cuda", dtype=dtype, shape=s)
+    to = lambda v: v.to(device="cuda", dtype=dtype)  # noqa: E731
+    want = run_prefill(ref, t, lens, slots)
+    got = run_prefill(gpu, {n: to(v) for n, v in t.items()}, lens, slots)
+    tol = 5e-3 if dtype == torch.float32 else 1e-1  # fp32: fla's dots may run in tf32
+    for w, g in zip(want, got):
+        assert torch.allclose(g.float().cpu(), w, atol=tol, rtol=tol)
+    assert torch.allclose(gpu.state.ssm.cpu(), ref.state.ssm, atol=tol, rtol=tol)
+    outs = []
+    for be, conv in ((ref, lambda v: v), (gpu, to)):
+        plan = be.plan(batch(None, slots, be.state.conv.device))
+        x = be.conv_decode(0, conv(d["x"]), conv(t["weight"]), plan)
+        kd = s.key_heads * s.key_dim  # q, k, v: strided views of the conv output, as the model passes them
+        q, k = x[:, :kd].view(3, s.key_heads, -1), x[:, kd : 2 * kd].view(3, s.key_heads, -1)
+        v = x[:, 2 * kd :].view(3, s.value_heads, -1)
+        outs.append(be.delta_decode(0, q, k, v, conv(d["a"]), conv(d["b"]), conv(t["A_log"]), conv(t["dt_bias"]),
+                                    plan).float().cpu())  # fmt: skip
+    assert torch.allclose(outs[1], outs[0], atol=tol, rtol=tol)
+    assert torch.allclose(gpu.state.ssm.cpu(), ref.state.ssm, atol=tol, rtol=tol)
+    assert torch.allclose(gpu.state.conv.float().cpu(), ref.state.conv, atol=tol, rtol=tol)

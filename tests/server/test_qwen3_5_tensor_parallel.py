@@ -1,0 +1,30 @@
+"""Qwen3.5 served from its folder with --tp 2 on the CPU (gloo): linear-attention heads and state split by heads,
+the same greedy tokens and logprobs as one process; chat through the folder's template."""
+
+import httpx
+from server_helpers import running_server
+
+from lightllm import LLM, SamplingParams
+from lightllm.tools.make_tiny_model import make_tiny_qwen3_5
+
+
+def test_tp2_matches_one_process(tmp_path):
+    model = str(make_tiny_qwen3_5(tmp_path / "model", seed=4))  # 2 key / 4 value heads, 4 / 2 attention heads
+    args = ["--model_dir", model, "--tp", "2", "--data_type", "fp32", "--device", "cpu", "--batch_max_tokens", "64",
+            "--max_req_total_len", "128", "--running_max_req_size", "4"]  # fmt: skip
+    prompts = [[5, 6, 7, 8, 9], [11], list(range(30, 70))]
+    ref = LLM(model, data_type="fp32", device="cpu", batch_max_tokens=64, max_req_total_len=128,
+              running_max_req_size=4).generate(prompts, SamplingParams(max_new_tokens=8, logprobs=True,
+                                                                       ignore_eos=True))  # fmt: skip
+    with running_server(tmp_path, args) as base:
+        for prompt, want in zip(prompts, ref):
+            body = {"inputs": prompt, "parameters": {"max_new_tokens": 8, "logprobs": True, "ignore_eos": True}}
+            got = httpx.post(base + "/generate", json=body, timeout=60).json()
+            assert got["token_ids"] == want.token_ids
+            assert max(abs(a - b) for a, b in zip(got["logprobs"], want.logprobs)) <= 1e-4
+        # the chat template comes from the folder's tokenizer
+        body = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4, "temperature": 0}
+        chat = httpx.post(base + "/v1/chat/completions", json=body, timeout=60)
+        assert chat.status_code == 200 and chat.json()["usage"]["completion_tokens"] >= 1
+    (log,) = tmp_path.glob("server-*.log")
+    assert "Traceback" not in log.read_text()
