@@ -1,11 +1,14 @@
-"""Decode step time of a Qwen3-shaped model: CUDA graphs vs eager per batch size, against the memory floor,
-and start-up time with decode-attention tuning cold, warm (configs cached) and off.
+"""Decode step time of a Qwen3- or Qwen3.5-shaped model: CUDA graphs vs eager per batch size, against the memory
+floor, and start-up time with decode-attention tuning cold, warm (configs cached) and off.
 
-The model has 8B-like widths (hidden 4096, 32/8 heads of 128, intermediate 12288, vocab 151936) with
-fewer layers, random weights. Floor = (weight bytes + KV bytes read per step) / the faster of the measured
-copy and GEMV read rates.
+``--model qwen3`` has 8B-like widths (hidden 4096, 32/8 heads of 128, intermediate 12288, vocab 151936);
+``--model qwen3.5`` Qwen3.5-27B's (hidden 5120, 24/4 gated-attention heads of 256, gated DeltaNet 16 key / 48
+value heads of 128, intermediate 17408, vocab 248320) in its 3:1 linear:full layer pattern. Both with fewer
+layers and random weights. Floor = (weight bytes + KV bytes read + linear-attention state bytes read and written
+per step) / the faster of the measured copy and GEMV read rates.
 
     python benchmarks/decode_step.py --out benchmarks/results/decode_step_h200.json
+    python benchmarks/decode_step.py --model qwen3.5 --layers 8 --out benchmarks/results/decode_step_qwen3_5_h200.json
 """
 
 import argparse
@@ -30,10 +33,44 @@ def bandwidths_gbs() -> dict:
     return {"copy": copy_gbs(), "gemv": gemv_gbs()}
 
 
-def build_model(root: str, layers: int) -> str:
-    from lightllm.tools.make_tiny_model import QWEN3_8B_SHAPE, make_tiny_qwen3
+# Qwen3.5-27B's text widths (its config.json), random weights
+QWEN3_5_27B_SHAPE = dict(vocab_size=512, hidden_size=5120, intermediate_size=17408, num_attention_heads=24,
+                         num_key_value_heads=4, head_dim=256, partial_rotary_factor=0.25, linear_num_key_heads=16,
+                         linear_num_value_heads=48, linear_key_head_dim=128, linear_value_head_dim=128,
+                         linear_conv_kernel_dim=4, max_position_embeddings=40960, dtype="bfloat16",
+                         initializer_range=0.02)  # fmt: skip
+QWEN3_5_VOCAB = 248320
 
-    return str(make_tiny_qwen3(os.path.join(root, "qwen3-8b-shaped"), num_hidden_layers=layers, **QWEN3_8B_SHAPE))
+
+def build_model(root: str, layers: int, model: str = "qwen3") -> str:
+    from lightllm.tools.make_tiny_model import QWEN3_8B_SHAPE, make_tiny_qwen3, make_tiny_qwen3_5
+
+    if model == "qwen3":
+        return str(make_tiny_qwen3(os.path.join(root, "qwen3-8b-shaped"), num_hidden_layers=layers, **QWEN3_8B_SHAPE))
+    kinds = tuple("full_attention" if i % 4 == 3 else "linear_attention" for i in range(layers))  # 3:1, as 27B
+    path = make_tiny_qwen3_5(os.path.join(root, "qwen3.5-27b-shaped"), layer_types=kinds, **QWEN3_5_27B_SHAPE)
+    _pad_vocab(path, QWEN3_5_VOCAB)
+    return str(path)
+
+
+def _pad_vocab(path, vocab: int) -> None:
+    """Grow the embedding and lm_head to the real vocabulary (the tokenizer stays tiny): a decode step reads the
+    real lm_head."""
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(os.path.join(path, "model.safetensors"))
+    for name, t in list(weights.items()):
+        if name.endswith(("embed_tokens.weight", "lm_head.weight")):
+            grown = torch.randn(vocab, t.shape[1], dtype=t.dtype) * 0.02
+            grown[: t.shape[0]] = t
+            weights[name] = grown
+    save_file(weights, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    cfg_path = os.path.join(path, "config.json")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    cfg["vocab_size"] = vocab
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f, indent=1)
 
 
 def step_times(model_dir, batch_sizes, kv_len, graph_max_len):
@@ -107,6 +144,7 @@ def startup_seconds(model_dir, mode, config_dir):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=("qwen3", "qwen3.5"), default="qwen3")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
     p.add_argument("--kv-len", type=int, default=4096)
@@ -119,20 +157,22 @@ def main():
     bw = bandwidths_gbs()
     floor_gbs = max(bw.values())
     with tempfile.TemporaryDirectory() as root:
-        model_dir = build_model(root, args.layers)
+        model_dir = build_model(root, args.layers, args.model)
         # graphs replay the configs tuned at their capture (level 1 from an empty dir, as a first start)
         os.environ["LIGHTLLM_AUTOTUNE_CONFIG_DIR"] = os.path.join(root, "configs")
         os.environ["LIGHTLLM_TRITON_AUTOTUNE_LEVEL"] = "1"
         llm, rows = step_times(model_dir, args.batches, args.kv_len, 2 * args.kv_len)
         c = llm.runner.config
         weight_bytes = sum(t.numel() * t.element_size() for t in _step_weights(llm.runner.model.w))
+        state_bytes = _state_bytes_per_request(llm.runner.model)
         for r in rows:
-            kv = 2 * c.num_hidden_layers * r["batch"] * args.kv_len * c.num_key_value_heads * c.head_dim * 2
-            r["floor_ms"] = (weight_bytes + kv) / floor_gbs / 1e6
+            kv = 2 * c.num_kv_layers * r["batch"] * args.kv_len * c.num_key_value_heads * c.head_dim * 2
+            state = 2 * r["batch"] * state_bytes  # read and written once per step
+            r["floor_ms"] = (weight_bytes + kv + state) / floor_gbs / 1e6
             r["graph_over_floor"] = r["graph_ms"] / r["floor_ms"]
-        result = {"device": torch.cuda.get_device_name(), "bandwidth_GBs": bw, "layers": args.layers,
-                  "kv_len": args.kv_len, "first_start_s": llm.runner.startup_seconds, "rows": rows,
-                  "startup_s": {}}  # fmt: skip
+        result = {"device": torch.cuda.get_device_name(), "model": args.model, "bandwidth_GBs": bw,
+                  "layers": args.layers, "kv_len": args.kv_len, "first_start_s": llm.runner.startup_seconds,
+                  "rows": rows, "startup_s": {}}  # fmt: skip
         result["ttft"] = {"prompt_tokens": args.ttft_prompt, **ttft_ms(llm, args.ttft_prompt)}
         params, tflops = sum(t.numel() for t in _step_weights(llm.runner.model.w)), matmul_tflops()
         # a bound, not a target: read the weights once, plus the prompt's matmul FLOPs at the measured bf16 rate
@@ -174,7 +214,16 @@ def _step_weights(w):
     yield w.lm_head
     yield w.final_norm
     for lw in w.layers:
-        yield from vars(lw).values()
+        yield from (t for t in vars(lw).values() if isinstance(t, torch.Tensor))
+
+
+def _state_bytes_per_request(model) -> int:
+    """Linear-attention state (conv + recurrent) of one request over every layer; 0 for a model without it."""
+    linear = getattr(model, "linear", None)
+    if linear is None:
+        return 0
+    conv, ssm = linear.state.conv, linear.state.ssm
+    return (conv[:, 0].numel() * conv.element_size()) + (ssm[:, 0].numel() * ssm.element_size())
 
 
 if __name__ == "__main__":
