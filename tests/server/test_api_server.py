@@ -51,11 +51,12 @@ def test_completion_and_usage(client):
 def test_chat_stream_matches_non_stream(client):
     msgs = [{"role": "user", "content": "tell me a story"}]
     full = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, temperature=0)
-    chunks = list(client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, temperature=0, stream=True))
+    chunks = list(client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, temperature=0, stream=True,
+                                                 stream_options={"include_usage": True}))  # fmt: skip
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == full.choices[0].message.content
-    assert chunks[-1].choices[0].finish_reason == full.choices[0].finish_reason
-    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert chunks[-2].choices[0].finish_reason == full.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
 
 
 def test_stream_ends_with_done(server):
@@ -145,7 +146,7 @@ def test_disconnect_while_generating_frees_kv(server):
     "path, body, message",
     [
         ("/v1/completions", b"{not json", "invalid JSON"),
-        ("/v1/completions", {"prompt": "a", "max_tokens": 2, "bogus": 1}, "bogus"),
+        ("/generate", {"inputs": "a", "bogus": 1}, "bogus"),
         ("/v1/completions", {"prompt": "a", "max_tokens": "many"}, "max_tokens"),
         ("/v1/completions", {"prompt": "a", "max_tokens": -3}, "max_tokens"),
         ("/v1/completions", {"prompt": "a", "max_tokens": 10**9}, "exceeds max_req_total_len"),
