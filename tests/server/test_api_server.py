@@ -11,23 +11,14 @@ import time
 import httpx
 import openai
 import pytest
-from server_helpers import running_server
+from server_helpers import MAX_BODY, MAX_LEN, MODEL
 
 from lightllm.common import proc as procs
 
-MAX_LEN = 1024  # long enough that a full-length request outlives a client that gives up
-MAX_BODY = 256 * 1024
-MODEL = "tiny-served"  # --model_name
 
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    home = tmp_path_factory.mktemp("server")
-    args = ["--data_type", "fp32", "--device", "cpu", "--batch_max_tokens", "128", "--max_req_total_len", str(MAX_LEN),
-            "--running_max_req_size", "8", "--max_request_body_bytes", str(MAX_BODY),
-            "--model_name", MODEL]  # fmt: skip
-    with running_server(home, args) as base:
-        yield base
+@pytest.fixture
+def server(tiny_server):
+    return tiny_server
 
 
 @pytest.fixture
