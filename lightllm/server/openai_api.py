@@ -106,6 +106,8 @@ def sampling_options(body, chat: bool, defaults: Dict[str, float]) -> dict:
         value = getattr(body, key)
         chosen[key] = defaults.get(key, fallback) if value is None else value
     chosen["top_k"] = max(chosen["top_k"], 0)  # -1: off
+    if body.repetition_penalty is None and "repetition_penalty" in defaults:
+        chosen["repetition_penalty"] = defaults["repetition_penalty"]
     for key in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "ignore_eos"):
         if getattr(body, key) is not None:
             chosen[key] = getattr(body, key)
