@@ -89,7 +89,7 @@ class LogitsProcessor:
         for table in self._tables.values():
             table[row] = 0
         settings = [p.repetition_penalty, p.frequency_penalty, p.presence_penalty, p.min_tokens, len(req.output_ids)]
-        self._table("settings", torch.float32, 5)[row] = torch.tensor(settings, device=self.device)
+        self._table("settings", torch.float32, 5)[row] = torch.tensor(settings, dtype=torch.float32, device=self.device)
         if p.repetition_penalty != 1 or p.frequency_penalty or p.presence_penalty:
             counts = self._table("counts", torch.int32)
             in_prompt = self._table("in_prompt", torch.bool)
@@ -98,7 +98,8 @@ class LogitsProcessor:
                 counts[row] = torch.bincount(self._ids(req.output_ids), minlength=self.vocab_size).to(torch.int32)
         if p.logit_bias:
             bias = self._table("bias", torch.float32)
-            bias[row, self._ids(list(p.logit_bias))] = torch.tensor(list(p.logit_bias.values()), device=self.device)
+            values = torch.tensor(list(p.logit_bias.values()), dtype=torch.float32, device=self.device)  # ints too
+            bias[row, self._ids(list(p.logit_bias))] = values
         if p.min_tokens:
             self._table("blocked", torch.bool)[row, self._ids(self.eos_ids + list(p.stop_token_ids))] = True
 

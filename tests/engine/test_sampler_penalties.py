@@ -37,17 +37,18 @@ PARAMS = [
 ]
 
 
-def test_a_mixed_batch_matches_the_reference_step_after_step():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_mixed_batch_matches_the_reference_step_after_step(device):
     torch.manual_seed(0)
-    proc = LogitsProcessor(VOCAB, torch.device("cpu"), [EOS])
+    proc = LogitsProcessor(VOCAB, torch.device(device), [EOS])
     reqs = [Request(str(i), [1, 2, 2, 5 + i], p, lambda ev: None) for i, p in enumerate(PARAMS)]
     for step in range(6):
         live = reqs if step != 2 else reqs[::-1]  # rows need not come in the order they were handed out
         logits = torch.randn(len(live), VOCAB) * 3
-        got = proc.apply(logits, live)
+        got = proc.apply(logits.to(device), live).cpu()
         want = torch.stack([reference(row, r) for row, r in zip(logits, live)])
         torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-5)
-        tokens = torch.tensor([(step * 5 + 3 * i) % VOCAB for i in range(len(live))])  # repeats, EOS, 9 included
+        tokens = torch.tensor([(step * 5 + 3 * i) % VOCAB for i in range(len(live))], device=device)  # repeats, EOS
         proc.record(live, tokens)
         for r, t in zip(live, tokens.tolist()):
             r.output_ids.append(t)
@@ -56,7 +57,7 @@ def test_a_mixed_batch_matches_the_reference_step_after_step():
     proc.release(reqs[1])
     late = Request("late", [4], SamplingParams(max_new_tokens=4, presence_penalty=2.0), lambda ev: None)
     logits = torch.randn(1, VOCAB)
-    torch.testing.assert_close(proc.apply(logits, [late]).double(), reference(logits[0], late)[None])
+    torch.testing.assert_close(proc.apply(logits.to(device), [late]).cpu().double(), reference(logits[0], late)[None])
     assert late.sampling_row == freed, "a released row is handed out again, cleared"
 
 
@@ -132,7 +133,7 @@ def test_offline_generate_honours_penalties_bias_and_min_tokens(llm):
     for o in no_repeats:
         assert len(set(o.token_ids)) == len(o.token_ids)
         assert not set(o.token_ids) & set(o.prompt_token_ids)
-    biased = llm.generate(prompts, SamplingParams(max_new_tokens=5, ignore_eos=True, logit_bias={77: 100.0},
+    biased = llm.generate(prompts, SamplingParams(max_new_tokens=5, ignore_eos=True, logit_bias={77: 100, 78: -5},
                                                   logprobs=True, top_logprobs=2))  # fmt: skip
     assert [o.token_ids for o in biased] == [[77] * 5] * 2
     for o in biased:  # logprobs of the model's own distribution: the alternatives rank above the forced token
