@@ -114,6 +114,7 @@ class Server:
         self.model_name = model_name
         self.created = int(time.time())  # the /v1/models entry's "created": when this server started
         self.sampling_defaults = dict(sampling_defaults or {})
+        self._special_ids = set(getattr(tokenizer, "all_special_ids", ()))
         self.metrics = Metrics()
         self.mailbox = _Mailbox()
         self.engine = Engine(runner, eos_token_ids(runner.config, tokenizer, extra_eos_ids), observer=self.metrics)
@@ -159,23 +160,21 @@ class Server:
         async def generate(body: GenerateRequest, request: Request):
             ids, params = await self._native(body)
             result = await self._collect(ids, params, request)
-            out = {"generated_text": result["text"], "token_ids": result["token_ids"],
-                   "finish_reason": result["finish_reason"], "prompt_tokens": len(ids)}  # fmt: skip
-            if params.logprobs:
+            tokens = result["token_ids"]
+            out = {"generated_text": [result["text"]], "count_output_tokens": len(tokens),  # LightLLM's shape
+                   "finish_reason": result["finish_reason"], "prompt_tokens": len(ids),
+                   "token_ids": tokens}  # fmt: skip
+            if body.parameters.logprobs:
                 out["logprobs"] = result["logprobs"]
+            if body.parameters.return_details:
+                out["tokens"] = [self._token_details(t, lp) for t, lp in zip(tokens, result["logprobs"])]
             return out
 
         @app.post("/generate_stream")
         async def generate_stream(body: GenerateRequest, request: Request):
             ids, params = await self._native(body)
-
-            async def events():
-                async for delta, ev, reason in self._stream(ids, params, request):
-                    tok, lp = (ev.token_id, ev.logprob) if ev is not None else (None, None)
-                    chunk = {"token": {"id": tok, "text": delta, "logprob": lp}, "finish_reason": reason}
-                    yield f"data: {json.dumps(chunk)}\n\n"
-
-            return StreamingResponse(events(), media_type="text/event-stream")
+            return StreamingResponse(self._native_events(ids, params, body.parameters, request),
+                                     media_type="text/event-stream")  # fmt: skip
 
         @app.post("/v1/completions")
         async def completions(body: CompletionRequest, request: Request):
@@ -212,9 +211,40 @@ class Server:
     async def _native(self, body: GenerateRequest) -> Tuple[List[int], SamplingParams]:
         p = body.parameters
         ids = await self._encode("inputs", body.inputs)
-        options = dict(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, logprobs=p.logprobs,
-                       ignore_eos=p.ignore_eos)  # fmt: skip
-        return ids, self._params(ids, p.max_new_tokens, p.stop, p.seed, options)
+        if p.do_sample is False:
+            temperature = 0.0
+        else:
+            temperature = p.temperature if p.temperature is not None else (1.0 if p.do_sample else 0.0)
+        stops = [x for s in (p.stop, p.stop_sequences) for x in ([s] if isinstance(s, str) else s or [])]
+        options = dict(temperature=temperature, top_p=p.top_p, top_k=max(p.top_k, 0), ignore_eos=p.ignore_eos,
+                       logprobs=p.logprobs or p.return_details, presence_penalty=p.presence_penalty,
+                       frequency_penalty=p.frequency_penalty, repetition_penalty=p.repetition_penalty,
+                       min_tokens=p.min_new_tokens)  # fmt: skip
+        return ids, self._params(ids, p.max_new_tokens, stops, p.seed, options)
+
+    def _token_details(self, token_id: int, logprob: float) -> dict:
+        """LightLLM's per-token details: id, its text alone, logprob, and whether it is a special token."""
+        special = token_id in self._special_ids
+        return {"id": token_id, "text": self.tokenizer.decode([token_id]), "logprob": logprob, "special": special}
+
+    async def _native_events(self, ids, params, p, request: Request) -> AsyncIterator[str]:
+        """``/generate_stream`` in LightLLM's shape: one event per token, ``finished`` false; then one with
+        ``token.id`` null, the held-back text, ``finished`` true, the finish reason and the whole
+        ``generated_text`` (and ``details`` with ``return_details``)."""
+        text, count = "", 0
+        async for delta, ev, reason in self._stream(ids, params, request):
+            text += delta
+            count += ev is not None
+            token = {"id": None, "text": delta, "logprob": None, "special": False}
+            if ev is not None:
+                token.update(id=ev.token_id, logprob=ev.logprob, special=ev.token_id in self._special_ids)
+            token.update(count_output_tokens=count, prompt_tokens=len(ids))
+            details = None
+            if reason is not None and p.return_details:
+                details = {"finish_reason": reason, "count_output_tokens": count, "prompt_tokens": len(ids)}
+            event = {"token": token, "generated_text": text if reason is not None else None,
+                     "finished": reason is not None, "finish_reason": reason, "details": details}  # fmt: skip
+            yield f"data: {json.dumps(event)}\n\n"
 
     async def _encode(self, field: str, prompt, template_options: Optional[dict] = None) -> List[int]:
         """Token ids of a prompt (text, token ids, or chat messages rendered with ``template_options``), checked
@@ -358,20 +388,18 @@ class Server:
         self._check_model(body.model)
         check_unsupported(body, chat)
         options = sampling_options(body, chat, self.sampling_defaults)
-        if chat:
-            prompts = [await self._encode("messages", chat_messages(body), template_options(body))]
-            items, max_tokens = [None], body.max_completion_tokens or body.max_tokens
-        else:
-            items, many = prompt_list(body.prompt)
-            prompts = [await self._encode(f"prompt.{i}" if many else "prompt", p) for i, p in enumerate(items)]
-            max_tokens = body.max_tokens if "max_tokens" in body.model_fields_set else 16
+        items, many = ([None], False) if chat else prompt_list(body.prompt)
         n = body.n or 1
         best_of = n if chat else (body.best_of or n)
-        if len(prompts) * best_of > MAX_SEQUENCES:
-            raise BadRequest(
-                f"{'prompt' if not chat else 'n'}: {len(prompts)} prompt(s) x {best_of} samples "
-                f"(n or best_of) is more than the {MAX_SEQUENCES} sequences one request may ask for"
-            )
+        if len(items) * best_of > MAX_SEQUENCES:  # before any tokenizing
+            raise BadRequest(f"{'prompt' if many else 'n'}: {len(items)} prompt(s) x {best_of} samples (n or best_of) "
+                             f"is more than the {MAX_SEQUENCES} sequences one request may ask for")  # fmt: skip
+        if chat:
+            prompts = [await self._encode("messages", chat_messages(body), template_options(body))]
+            max_tokens = body.max_completion_tokens or body.max_tokens
+        else:
+            prompts = [await self._encode(f"prompt.{i}" if many else "prompt", p) for i, p in enumerate(items)]
+            max_tokens = body.max_tokens  # null: the rest of max_req_total_len
         seqs = []
         for ids in prompts:
             params = self._params(ids, max_tokens, body.stop, body.seed, options)

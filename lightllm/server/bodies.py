@@ -48,10 +48,21 @@ class _Sampling(_Body):
 
 
 class GenerateParameters(_Sampling):
+    """LightLLM's ``parameters``: ``do_sample`` false is greedy whatever the temperature; true samples at
+    ``temperature`` (default 1); left out, ``temperature`` decides (default 0: greedy)."""
+
     max_new_tokens: int = Field(16, ge=1)
-    temperature: float = Field(0.0, ge=0, le=100)
+    temperature: Optional[float] = Field(None, ge=0, le=100)
+    top_k: int = Field(0, ge=-1)  # -1 or 0: off (LightLLM's default is -1)
+    do_sample: Optional[bool] = None
+    stop_sequences: Union[str, List[str], None] = None  # LightLLM's name; joined with ``stop``
     logprobs: bool = False
+    return_details: bool = False
     ignore_eos: bool = False
+    presence_penalty: float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    frequency_penalty: float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    repetition_penalty: float = Field(1.0, gt=0)
+    min_new_tokens: int = Field(0, ge=0)
 
 
 class GenerateRequest(_Body):

@@ -66,7 +66,7 @@ def test_native_generate_and_stream(server):
     assert [e["token"]["id"] for e in events if e["token"]["id"] is not None] == r["token_ids"]
     assert events[-1]["finish_reason"] == "length"
     # streamed deltas (incremental) add up to the text /generate decodes once at the end
-    assert "".join(e["token"]["text"] for e in events) == r["generated_text"]
+    assert "".join(e["token"]["text"] for e in events) == r["generated_text"][0]
 
 
 def test_concurrent_requests_match_sequential(server):
@@ -89,12 +89,12 @@ def test_sampling_seed_and_stop_string(server):
     b = httpx.post(server + "/generate", json=body, timeout=60).json()
     assert a["token_ids"] == b["token_ids"]
     greedy = {"inputs": [9, 10, 11], "parameters": {"max_new_tokens": 8, "ignore_eos": True}}
-    text = httpx.post(server + "/generate", json=greedy, timeout=60).json()["generated_text"]
+    text = httpx.post(server + "/generate", json=greedy, timeout=60).json()["generated_text"][0]
     at = next(i for i in range(len(text) // 2, len(text)) if text[i].isalnum())  # a stop string mid-output
     stop = text[at]
     greedy["parameters"]["stop"] = [stop, "never-produced"]
     r = httpx.post(server + "/generate", json=greedy, timeout=60).json()
-    assert r["finish_reason"] == "stop" and r["generated_text"] == text[: text.index(stop)]
+    assert r["finish_reason"] == "stop" and r["generated_text"] == [text[: text.index(stop)]]
     assert len(r["token_ids"]) < 8
 
 
@@ -253,7 +253,7 @@ def finished(base):
 
 def test_a_stop_string_finish_is_counted_as_stop(server):
     greedy = {"inputs": [9, 10, 11], "parameters": {"max_new_tokens": 8, "ignore_eos": True}}
-    text = httpx.post(server + "/generate", json=greedy, timeout=60).json()["generated_text"]
+    text = httpx.post(server + "/generate", json=greedy, timeout=60).json()["generated_text"][0]
     stop = text[next(i for i in range(len(text) // 2, len(text)) if text[i].isalnum())]
     before = finished(server)
     greedy["parameters"]["stop"] = [stop]

@@ -1,68 +1,17 @@
 """The OpenAI routes take the fields real clients send (issue 18 item 1): in-process, over a fake model whose
 next-token distribution depends on the last token, and a one-letter-per-token tokenizer."""
 
-import json
 import logging
-from types import SimpleNamespace
 
 import pytest
 import torch
+from fake_model import WEIGHTS, make_server, post, sse
 from fastapi.testclient import TestClient
-
-from lightllm.common.kv_cache import KVCacheManager
-from lightllm.server.api_server import Server
-
-VOCAB = 16
-WEIGHTS = torch.randn(VOCAB, VOCAB, generator=torch.Generator().manual_seed(0)) * 2  # row: logits after a token
-
-
-class FakeRunner:
-    def __init__(self):
-        self.args = SimpleNamespace(batch_max_tokens=256, max_req_total_len=64, running_max_req_size=32)
-        self.config = SimpleNamespace(eos_token_ids=(), vocab_size=VOCAB)
-        self.device = torch.device("cpu")
-        self.kv = KVCacheManager(4000, 32, 64, "cpu")
-
-    def add_request(self):
-        return 0
-
-    def free(self, slot):
-        pass
-
-    def prefill(self, slots, prompts):
-        return WEIGHTS[[p[-1] for p in prompts]].clone()
-
-    def decode(self, slots, last_tokens):
-        return WEIGHTS[list(last_tokens)].clone()
-
-
-class Letters:
-    """Token i is the letter chr(97 + i); the chat template is the last message's content, its options recorded."""
-
-    eos_token_id = None
-
-    def __init__(self):
-        self.template_calls = []
-
-    def encode(self, text):
-        return [ord(c) - 97 for c in text]
-
-    def decode(self, ids, **kw):
-        return "".join(chr(97 + i) for i in ids)
-
-    def apply_chat_template(self, messages, **kw):
-        self.template_calls.append((messages, kw))
-        return messages[-1]["content"]
 
 
 @pytest.fixture
 def server():
-    s = Server(FakeRunner(), Letters(), "tiny")
-    s.prompts.tokenizer = s.tokenizer
-    s.submitted = []
-    submit = s.engine.submit
-    s.engine.submit = lambda req: (s.submitted.append(req.params), submit(req))
-    return s
+    return make_server()
 
 
 @pytest.fixture
@@ -71,18 +20,8 @@ def client(server):
         yield c
 
 
-def post(client, path, body):
-    r = client.post(path, json=body)
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
 def events(client, path, body):
-    with client.stream("POST", path, json=body) as r:
-        assert r.status_code == 200, r.read()
-        lines = [line for line in r.iter_lines() if line]
-    assert lines[-1] == "data: [DONE]"
-    return [json.loads(line[6:]) for line in lines[:-1]]
+    return sse(client, path, body)
 
 
 CHAT = "/v1/chat/completions"
