@@ -17,13 +17,13 @@ from lightllm.engine.engine import Engine
 from lightllm.engine.request import Request
 from lightllm.engine.sampler import SamplingParams
 
+# Greedy, so that the draw itself (a sort over the vocabulary for top-k / top-p) does not hide what penalties cost.
+_PENALTIES = dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.05)
 CASES = {
-    "plain": SamplingParams(max_new_tokens=4096, temperature=0.8, top_p=0.95, top_k=50),
-    "penalties": SamplingParams(max_new_tokens=4096, temperature=0.8, top_p=0.95, top_k=50, presence_penalty=0.5,
-                                frequency_penalty=0.5, repetition_penalty=1.05),  # fmt: skip
-    "penalties+bias+min_tokens": SamplingParams(max_new_tokens=4096, temperature=0.8, top_p=0.95, top_k=50,
-                                                presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.05,
-                                                logit_bias={5: -100, 7: 5}, min_tokens=2048),  # fmt: skip
+    "plain": SamplingParams(max_new_tokens=4096),
+    "penalties": SamplingParams(max_new_tokens=4096, **_PENALTIES),
+    "penalties+bias+min_tokens": SamplingParams(max_new_tokens=4096, logit_bias={5: -100, 7: 5}, min_tokens=2048,
+                                                **_PENALTIES),  # fmt: skip
 }
 
 
@@ -51,8 +51,11 @@ def main():
     p.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 256])
     p.add_argument("--prompt_len", type=int, default=1024)
     p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--threads", type=int, help="torch intra-op threads (on a busy CPU, 1 avoids thread contention)")
     p.add_argument("--out")
     args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     rows = []
     for batch in args.batches:
@@ -64,8 +67,9 @@ def main():
             row[name + "_ms"] = round(time_step(engine, reqs, logits, args.steps, device), 3)
         rows.append(row)
         print(" ".join(f"{k} {v}" for k, v in row.items()), flush=True)
-    result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-              "vocab": args.vocab, "prompt_len": args.prompt_len, "steps": args.steps, "rows": rows}  # fmt: skip
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+    result = {"device": name, "vocab": args.vocab, "prompt_len": args.prompt_len, "steps": args.steps,
+              "threads": torch.get_num_threads(), "rows": rows}  # fmt: skip
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

@@ -52,14 +52,17 @@ class LogitsProcessor:
         if any(p.min_tokens for p in params):
             early = settings[:, _GENERATED] < settings[:, _MIN]
             x.masked_fill_(self._tables["blocked"].index_select(0, rows) & early[:, None], float("-inf"))
-        if any(p.repetition_penalty != 1 or p.frequency_penalty or p.presence_penalty for p in params):
-            counts = self._tables["counts"].index_select(0, rows).to(x.dtype)
+        repetition = any(p.repetition_penalty != 1 for p in params)
+        additive = any(p.frequency_penalty or p.presence_penalty for p in params)
+        if repetition or additive:
+            counts = self._tables["counts"].index_select(0, rows)
             seen = counts > 0
-            if any(p.repetition_penalty != 1 for p in params):
+            if repetition:  # positive logits divided by the penalty, negative ones multiplied
                 rep = settings[:, _REP, None]
-                penalized = torch.where(x > 0, x / rep, x * rep)
-                x = torch.where(seen | self._tables["in_prompt"].index_select(0, rows), penalized, x)
-            x -= settings[:, _FREQ, None] * counts + settings[:, _PRES, None] * seen
+                factor = torch.where(x > 0, rep.reciprocal(), rep)
+                x = torch.where(seen | self._tables["in_prompt"].index_select(0, rows), x * factor, x)
+            if additive:
+                x -= settings[:, _FREQ, None] * counts + settings[:, _PRES, None] * seen
         return logits.index_copy(0, where, x)
 
     def record(self, reqs: Sequence[Request], tokens: torch.Tensor) -> None:
@@ -71,7 +74,9 @@ class LogitsProcessor:
         drawn = tokens.index_select(0, torch.tensor(picked, device=tokens.device)).to(self.device)
         self._tables["settings"][rows, _GENERATED] += 1
         if "counts" in self._tables:
-            self._tables["counts"].index_put_((rows, drawn), torch.ones_like(drawn, dtype=torch.int32), accumulate=True)
+            self._tables["counts"].index_put_(
+                (rows, drawn), torch.ones_like(drawn, dtype=torch.float32), accumulate=True
+            )
 
     def release(self, req: Request) -> None:
         """``req`` has ended: its row is free for another request."""
@@ -91,11 +96,11 @@ class LogitsProcessor:
         settings = [p.repetition_penalty, p.frequency_penalty, p.presence_penalty, p.min_tokens, len(req.output_ids)]
         self._table("settings", torch.float32, 5)[row] = torch.tensor(settings, dtype=torch.float32, device=self.device)
         if p.repetition_penalty != 1 or p.frequency_penalty or p.presence_penalty:
-            counts = self._table("counts", torch.int32)
+            counts = self._table("counts", torch.float32)  # float: used as is by the penalties; exact to 2**24
             in_prompt = self._table("in_prompt", torch.bool)
             in_prompt[row, self._ids(req.prompt_ids)] = True
             if req.output_ids:
-                counts[row] = torch.bincount(self._ids(req.output_ids), minlength=self.vocab_size).to(torch.int32)
+                counts[row] = torch.bincount(self._ids(req.output_ids), minlength=self.vocab_size).float()
         if p.logit_bias:
             bias = self._table("bias", torch.float32)
             values = torch.tensor(list(p.logit_bias.values()), dtype=torch.float32, device=self.device)  # ints too
