@@ -2,10 +2,14 @@
 
 What a body asks that this server cannot do is a 400 that says so (``BadRequest``); the rest becomes sampling
 parameters (``sampling_options``), chat template input (``chat_messages``, ``template_options``) and, on the way
-back, OpenAI's logprobs objects (``LogprobFormatter``)."""
+back, OpenAI's responses and stream chunks (``OpenAIReply``) with their logprobs objects (``LogprobFormatter``)."""
 
-from typing import Dict, List, Optional, Sequence, Tuple
+import json
+import time
+import uuid
+from typing import AsyncIterator, Dict, List, Optional, Sequence, Tuple
 
+from lightllm.engine.request import Event
 from lightllm.server.bodies import ChatRequest, CompletionRequest
 from lightllm.server.http_guards import BadRequest
 
@@ -167,3 +171,92 @@ class LogprobFormatter:
             top_map.setdefault(text, lp)
             top_maps.append(top_map)
         return {"tokens": texts, "token_logprobs": list(logprobs), "top_logprobs": top_maps, "text_offset": offsets}
+
+
+class OpenAIReply:
+    """One OpenAI response: its id, its choices and usage, whole or as server-sent events. ``server``: the
+    api_server's ``Server`` (its tokenizer, model name, and ``_merged`` for streams)."""
+
+    def __init__(self, server, chat: bool, prompts: List[List[int]], n: int, best_of: int, echoes,
+                 with_logprobs: bool):  # fmt: skip
+        self.server, self.chat, self.prompts, self.n, self.best_of = server, chat, prompts, n, best_of
+        self.with_logprobs = with_logprobs
+        self.echoes = echoes  # per prompt, the text echoed before the completion (completions with echo)
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        self.created = int(time.time())
+        self.kind = "chat.completion" if chat else "text_completion"
+        self.logprobs = LogprobFormatter(server.tokenizer)
+
+    def _echo(self, prompt_index: int) -> str:
+        return self.echoes[prompt_index] if self.echoes else ""
+
+    def _usage(self, completion_tokens: int) -> dict:
+        prompt_tokens = sum(len(ids) for ids in self.prompts)
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens}  # fmt: skip
+
+    def whole(self, results: List[dict]) -> dict:
+        choices = []
+        for p in range(len(self.prompts)):
+            group = results[p * self.best_of : (p + 1) * self.best_of]
+            if self.best_of > self.n:  # the n most likely samples under the model, most likely first
+                group = sorted(group, key=lambda r: sum(r["logprobs"]), reverse=True)[: self.n]
+            for r in group:
+                choices.append(self._choice(len(choices), p, r))
+        usage = self._usage(sum(len(r["token_ids"]) for r in results))
+        return {"id": self.id, "object": self.kind, "created": self.created, "model": self.server.model_name,
+                "choices": choices, "usage": usage}  # fmt: skip
+
+    def _choice(self, index: int, prompt_index: int, r: dict) -> dict:
+        lps = None
+        if self.chat:
+            if self.with_logprobs:
+                lps = self.logprobs.chat(r["token_ids"], r["logprobs"], r["top_logprobs"])
+            message = {"role": "assistant", "content": r["text"]}
+            return {"index": index, "message": message, "logprobs": lps, "finish_reason": r["finish_reason"]}
+        echo = self._echo(prompt_index)
+        if self.with_logprobs:
+            lps = self.logprobs.completion(r["token_ids"], r["logprobs"], r["top_logprobs"], len(echo))
+        return {"index": index, "text": echo + r["text"], "logprobs": lps, "finish_reason": r["finish_reason"]}
+
+    async def stream(self, seqs: List[tuple], request, include_usage: bool) -> AsyncIterator[str]:
+        """Server-sent events: per choice, a first chunk (chat: the role; completions with echo: the prompt), one
+        chunk per token (with its logprobs when asked), a last one with the finish reason; with
+        ``include_usage`` a final chunk with no choices and the usage; then ``[DONE]``. best_of equals n here."""
+        kind = self.kind + ".chunk" if self.chat else self.kind
+        produced = [0] * len(seqs)
+        offsets = [len(self._echo(i // self.n)) for i in range(len(seqs))]
+        for i in range(len(seqs)):
+            if self.chat:
+                yield self._sse(kind, [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                        "finish_reason": None}])  # fmt: skip
+            elif self.echoes:
+                yield self._sse(kind, [{"index": i, "text": self._echo(i // self.n), "logprobs": None,
+                                        "finish_reason": None}])  # fmt: skip
+        async for i, (delta, ev, fin) in self.server._merged(seqs, request):
+            lps = None
+            if ev is not None:
+                produced[i] += 1
+                if self.with_logprobs:
+                    lps = self._token_logprobs(ev, offsets[i])
+                    offsets[i] += len(self.logprobs.text(ev.token_id))
+            if self.chat:
+                choice = {"index": i, "delta": {"content": delta} if delta or not fin else {}}
+            else:
+                choice = {"index": i, "text": delta}
+            yield self._sse(kind, [{**choice, "logprobs": lps, "finish_reason": fin}])
+        if include_usage:
+            yield self._sse(kind, [], usage=self._usage(sum(produced)))
+        yield "data: [DONE]\n\n"
+
+    def _token_logprobs(self, ev: Event, offset: int) -> dict:
+        if self.chat:
+            return self.logprobs.chat([ev.token_id], [ev.logprob], [ev.top_logprobs])
+        return self.logprobs.completion([ev.token_id], [ev.logprob], [ev.top_logprobs], offset)
+
+    def _sse(self, kind: str, choices: list, usage: Optional[dict] = None) -> str:
+        body = {"id": self.id, "object": kind, "created": self.created, "model": self.server.model_name,
+                "choices": choices}  # fmt: skip
+        if usage is not None:
+            body["usage"] = usage
+        return f"data: {json.dumps(body)}\n\n"
