@@ -341,7 +341,7 @@ class Server:
         return {"text": text, "token_ids": token_ids, "logprobs": logprobs, "top_logprobs": tops,
                 "finish_reason": reason or "abort"}  # fmt: skip
 
-    async def _merged(self, seqs: Sequence[tuple], request: Request) -> AsyncIterator[tuple]:
+    async def merged_streams(self, seqs: Sequence[tuple], request: Request) -> AsyncIterator[tuple]:
         """(index into ``seqs``, what ``_stream`` yields) for every ``(ids, params)`` of ``seqs``, generated side by
         side, in the order they arrive. Leaving early (the client went) cancels every one of them, which aborts
         them in the engine."""

@@ -175,7 +175,7 @@ class LogprobFormatter:
 
 class OpenAIReply:
     """One OpenAI response: its id, its choices and usage, whole or as server-sent events. ``server``: the
-    api_server's ``Server`` (its tokenizer, model name, and ``_merged`` for streams)."""
+    api_server's ``Server`` (its tokenizer, model name, and ``merged_streams`` for streams)."""
 
     def __init__(self, server, chat: bool, prompts: List[List[int]], n: int, best_of: int, echoes,
                  with_logprobs: bool):  # fmt: skip
@@ -233,7 +233,7 @@ class OpenAIReply:
             elif self.echoes:
                 yield self._sse(kind, [{"index": i, "text": self._echo(i // self.n), "logprobs": None,
                                         "finish_reason": None}])  # fmt: skip
-        async for i, (delta, ev, fin) in self.server._merged(seqs, request):
+        async for i, (delta, ev, fin) in self.server.merged_streams(seqs, request):
             lps = None
             if ev is not None:
                 produced[i] += 1
