@@ -108,15 +108,17 @@ def wait_for_abort(server, aborted_before):
     return done
 
 
-def test_disconnect_mid_stream_frees_kv(server):
+@pytest.mark.parametrize("n", [1, 3])
+def test_disconnect_mid_stream_frees_kv(server, n):
+    """With n > 1 every sample of the stream is aborted, not only the one whose chunk was being sent."""
     baseline = metric(server, "lightllm_kv_usage_ratio")
     aborted = metric(server, "lightllm_requests_finished_total", '{finish_reason="abort"}') or 0.0
-    body = {"prompt": [4, 5, 6], "max_tokens": MAX_LEN - 10, "temperature": 0, "stream": True}
+    body = {"prompt": [4, 5, 6], "max_tokens": MAX_LEN - 10, "temperature": 0, "stream": True, "n": n}
     with httpx.stream("POST", server + "/v1/completions", json=body, timeout=60) as r:
         for i, _ in enumerate(r.iter_lines()):
             if i >= 3:
                 break  # leave mid-stream: the connection closes
-    assert wait_for_abort(server, aborted) > aborted, "the disconnected request was not aborted"
+    assert wait_for_abort(server, aborted) == aborted + n, "the disconnected requests were not all aborted"
     assert metric(server, "lightllm_kv_usage_ratio") == baseline
 
 
