@@ -18,5 +18,16 @@ setup(
     python_requires=">=3.10",
     install_requires=_requirements(),
     # numpy<2.4: Triton 3.6's interpreter turns 1-element arrays into scalars, which numpy 2.4 refuses.
-    extras_require={"test": ["pytest>=8", "black>=24", "flake8>=7", "numpy<2.4", "httpx>=0.27", "openai>=1.40"]},
+    # openai and langchain-openai: the real clients tests/server/test_openai_clients.py drives the server with.
+    extras_require={
+        "test": [
+            "pytest>=8",
+            "black>=24",
+            "flake8>=7",
+            "numpy<2.4",
+            "httpx>=0.27",
+            "openai==3.57.0",
+            "langchain-openai==1.7.4",
+        ]
+    },
 )

@@ -8,7 +8,7 @@ sampled with ``seed + i``, so a single prompt with seed ``s`` gives the tokens t
 import dataclasses
 import itertools
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence, Union
+from typing import List, Optional, Sequence, Tuple, Union
 
 from lightllm.engine.args import EngineArgs
 from lightllm.engine.detokenize import TextStream
@@ -26,6 +26,7 @@ class RequestOutput:
     token_ids: List[int] = field(default_factory=list)
     text: str = ""
     logprobs: Optional[List[float]] = None  # of the chosen tokens, when asked for
+    top_logprobs: Optional[List[List[Tuple[int, float]]]] = None  # per token, with SamplingParams.top_logprobs
     finish_reason: str = ""
 
 
@@ -50,6 +51,7 @@ class LLM:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params or SamplingParams()
+        params.check_token_ids(self.runner.config.vocab_size)
         limit = self.runner.args.max_req_total_len
         requests, outputs = [], []
         for i, p in enumerate(prompts):
@@ -60,7 +62,8 @@ class LLM:
                 raise ValueError(f"prompt {i}: {len(ids)} tokens + max_new_tokens {params.max_new_tokens} exceed "
                                  f"max_req_total_len {limit}")  # fmt: skip
             own = params if params.seed is None else dataclasses.replace(params, seed=(params.seed + i) % MAX_SEED)
-            out = RequestOutput(prompt_token_ids=ids, logprobs=[] if params.logprobs else None)
+            out = RequestOutput(prompt_token_ids=ids, logprobs=[] if params.logprobs else None,
+                                top_logprobs=[] if params.top_logprobs else None)  # fmt: skip
             request_id = f"offline-{next(self._requests)}"
             requests.append(Request(request_id, ids, own, self._collector(request_id, out, params)))
             outputs.append(out)
@@ -92,6 +95,8 @@ class LLM:
             out.token_ids.append(ev.token_id)
             if out.logprobs is not None:
                 out.logprobs.append(ev.logprob)
+            if out.top_logprobs is not None:
+                out.top_logprobs.append(ev.top_logprobs)
             delta, hit = text.add(ev.token_id)
             out.text += delta
             if hit:

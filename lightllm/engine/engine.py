@@ -18,9 +18,10 @@ from typing import Iterable, List, Optional, Protocol, Set, Tuple
 import torch
 
 from lightllm.common.kv_cache import KVCacheFull
+from lightllm.engine.logits_processor import LogitsProcessor
 from lightllm.engine.request import Event, Request
 from lightllm.engine.runner import Runner
-from lightllm.engine.sampler import sample
+from lightllm.engine.sampler import sample, top_logprobs
 from lightllm.engine.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -49,6 +50,7 @@ class Engine:
     def __init__(self, runner: Runner, eos_ids: Iterable[int], observer: Optional[StepObserver] = None):
         self.runner = runner
         self.scheduler = Scheduler(runner, eos_ids)
+        self.processor = LogitsProcessor(runner.config.vocab_size, runner.device, self.scheduler.eos)
         self.observer = observer
         self._inbox: "queue.Queue[Request]" = queue.Queue()
         self._aborts: "queue.Queue[Tuple[str, str]]" = queue.Queue()
@@ -146,13 +148,13 @@ class Engine:
             if drawn is None:
                 self._finish(req, "error")
                 continue
-            tok, lp = drawn
+            tok, lp, top = drawn
             if self.observer is not None:
                 first = req.last_token_time is None
                 self.observer.on_token(first, now - (req.arrival if first else req.last_token_time))
             req.last_token_time = now
             req.output_ids.append(tok)
-            req.emit(Event("token", tok, lp))
+            req.emit(Event("token", tok, lp, top_logprobs=top))
             reason = self.scheduler.finish_reason(req, tok)
             if reason is None:
                 alive.append(req)
@@ -160,15 +162,15 @@ class Engine:
                 self._finish(req, reason)
         return alive
 
-    def _sample(self, reqs: List[Request], logits: torch.Tensor) -> List[Optional[Tuple[int, float]]]:
-        """(token, logprob) per request, None for one whose own draw fails. The batch is drawn at once; if that
-        raises, each request is drawn alone, so only the requests that cause the failure lose their draw; seeded
+    def _sample(self, reqs: List[Request], logits: torch.Tensor) -> List[Optional[tuple]]:
+        """(token, logprob, top logprobs or None) per request, None for one whose own draw fails. The batch is
+        drawn at once; if that raises, each request is drawn alone, so only the requests that cause the failure
+        lose their draw; seeded
         generators are first put back where the failed batch draw found them, so a seed's tokens do not depend on
         a neighbour's failure."""
         seeded = [(r.generator, r.generator.get_state()) for r in reqs if r.generator is not None]
         try:
-            tokens, logprobs = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
-            return list(zip(tokens.tolist(), logprobs.tolist()))
+            return self._draw(reqs, logits)
         except Exception:
             logger.exception("sampling a batch of %d requests failed; sampling them one by one", len(reqs))
         for generator, state in seeded:
@@ -176,14 +178,32 @@ class Engine:
         drawn = []
         for i, req in enumerate(reqs):
             try:
-                tokens, logprobs = sample(logits[i : i + 1], [req.params], [req.generator])
-                drawn.append((tokens.item(), logprobs.item()))
+                drawn += self._draw([req], logits[i : i + 1])
             except Exception:
                 logger.exception("sampling request %s failed; it ends with finish_reason error", req.id)
                 drawn.append(None)
         return drawn
 
+    def _draw(self, reqs: List[Request], logits: torch.Tensor) -> List[tuple]:
+        """Penalties and bias (only for the requests that ask), the draw, and the top logprobs (only when asked):
+        (token, logprob, top logprobs or None) per request."""
+        params = [r.params for r in reqs]
+        changed = self.processor.apply(logits, reqs)
+        if changed is logits:
+            tokens, logprobs = sample(logits, params, [r.generator for r in reqs])
+        else:
+            tokens, logprobs = sample(changed, params, [r.generator for r in reqs], raw_logits=logits)
+        k = max(p.top_logprobs for p in params)
+        tops = [None] * len(reqs)
+        if k:
+            ids, values = top_logprobs(logits, k)
+            tops = [list(zip(i[: p.top_logprobs], v[: p.top_logprobs])) if p.top_logprobs else None
+                    for i, v, p in zip(ids, values, params)]  # fmt: skip
+        self.processor.record(reqs, tokens)
+        return list(zip(tokens.tolist(), logprobs.tolist(), tops))
+
     def _finish(self, req: Request, reason: str) -> None:
+        self.processor.release(req)
         try:
             self.scheduler.release(req)
         except (ValueError, KVCacheFull):

@@ -2,7 +2,7 @@
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Tuple
 
 import torch
 
@@ -15,6 +15,7 @@ class Event:
     token_id: int = -1
     logprob: float = 0.0
     finish_reason: str = ""  # "stop" | "length" | "abort" | "error", or the reason an abort gave
+    top_logprobs: Optional[List[Tuple[int, float]]] = None  # (token id, logprob), most likely first, when asked
 
 
 @dataclass
@@ -28,6 +29,7 @@ class Request:
     output_ids: List[int] = field(default_factory=list)
     slot: int = -1  # its KV slot while it holds one
     generator: Optional[torch.Generator] = None  # from params.seed, made by the engine on submit
+    sampling_row: int = -1  # its row of the logits processor's tables while it holds one
     arrival: float = field(default_factory=time.perf_counter)
     last_token_time: Optional[float] = None
 

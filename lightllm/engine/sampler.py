@@ -1,7 +1,10 @@
-"""Sampling parameters and the sampler (greedy, temperature, top-k, top-p; logprobs of the chosen token)."""
+"""Sampling parameters and the sampler (greedy, temperature, top-k, top-p; logprobs of the chosen token and the
+most likely alternatives). Penalties, logit bias and min_tokens change the logits before the draw:
+``logits_processor.py``."""
 
-from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+import math
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -11,13 +14,23 @@ from lightllm.engine.detokenize import check_stop_strings
 # well before that the distribution is one-hot anyway.
 GREEDY_TEMPERATURE = 1e-5
 MAX_SEED = 2**63  # torch generators take a 64-bit signed seed; seeds are in [0, MAX_SEED)
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit
+MAX_PENALTY = 2.0  # presence / frequency penalties are in [-MAX_PENALTY, MAX_PENALTY], as OpenAI's
+MAX_LOGIT_BIAS = 100.0  # a bias is in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS], as OpenAI's
 
 
 @dataclass
 class SamplingParams:
     """Per-request sampling; ``temperature`` below ``GREEDY_TEMPERATURE`` (0 included) is greedy; a ``top_k``
     of 0 or at least the vocabulary keeps every token. ``stop``: strings that end the generated text (cut
-    before the first one found, finish_reason "stop"). Bad values raise ``ValueError`` naming the field."""
+    before the first one found, finish_reason "stop"). Bad values raise ``ValueError`` naming the field.
+
+    ``presence_penalty`` / ``frequency_penalty`` (OpenAI): subtracted from a token's logit once if the request has
+    generated it / once per time it has. ``repetition_penalty`` (Hugging Face): a token in the prompt or generated
+    has its logit divided by it when positive, multiplied when negative. ``logit_bias``: token id -> value added
+    to its logit. ``min_tokens``: EOS and ``stop_token_ids`` cannot be drawn before this many tokens.
+    ``top_logprobs``: how many most likely tokens (with logprobs) to return per generated token. Token ids are
+    checked against a vocabulary by ``check_token_ids``."""
 
     max_new_tokens: int = 16
     temperature: float = 0.0
@@ -28,6 +41,12 @@ class SamplingParams:
     ignore_eos: bool = False
     stop_token_ids: Sequence[int] = ()
     stop: Sequence[str] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: Dict[int, float] = field(default_factory=dict)
+    min_tokens: int = 0
+    top_logprobs: int = 0
 
     def __post_init__(self):
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
@@ -47,20 +66,70 @@ class SamplingParams:
             isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < MAX_SEED
         ):
             raise ValueError(f"seed expected an integer in [0, 2**63), got {self.seed!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not _number(getattr(self, name)) or not -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY:
+                raise ValueError(f"{name} expected a number in [-2, 2], got {getattr(self, name)!r}")
+        if not _number(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty expected a number > 0 (1 = off), got {self.repetition_penalty!r}")
+        self._check_logit_bias()
+        if not _integer(self.min_tokens) or not 0 <= self.min_tokens <= self.max_new_tokens:
+            raise ValueError(f"min_tokens expected an integer in [0, max_new_tokens {self.max_new_tokens}], "
+                             f"got {self.min_tokens!r}")  # fmt: skip
+        if not _integer(self.top_logprobs) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs expected an integer in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}")
+        ids = list(self.stop_token_ids)
+        if not all(_integer(t) and t >= 0 for t in ids):
+            raise ValueError(f"stop_token_ids expected non-negative integers, got {ids!r}")
+        self.stop_token_ids = tuple(ids)
+
+    def _check_logit_bias(self) -> None:
+        if not isinstance(self.logit_bias, dict):
+            raise ValueError(f"logit_bias expected a dict of token id -> number, got {self.logit_bias!r}")
+        for token, bias in self.logit_bias.items():
+            if not _integer(token) or token < 0:
+                raise ValueError(f"logit_bias expected non-negative integer token ids as keys, got {token!r}")
+            if not _number(bias) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias[{token}] expected a number in [-100, 100], got {bias!r}")
+
+    def check_token_ids(self, vocab_size: int) -> None:
+        """``ValueError`` naming the field for a ``logit_bias`` or ``stop_token_ids`` id outside the vocabulary."""
+        for name, ids in (("logit_bias", self.logit_bias), ("stop_token_ids", self.stop_token_ids)):
+            bad = sorted(t for t in ids if t >= vocab_size)
+            if bad:
+                raise ValueError(f"{name}: token ids expected in [0, {vocab_size}), got {bad[:8]}")
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether the logits need work before the draw (``logits_processor``); most requests do not."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
+                    or self.logit_bias or self.min_tokens)  # fmt: skip
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
 
 
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _integer(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 def sample(
-    logits: torch.Tensor, params: List[SamplingParams], generators: List[Optional[torch.Generator]]
+    logits: torch.Tensor,
+    params: List[SamplingParams],
+    generators: List[Optional[torch.Generator]],
+    raw_logits: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Next token and its logprob (under the unmodified distribution) for each row of float32 ``logits``.
+    """Next token and its logprob for each row of float32 ``logits``. The logprob is under the model's own
+    distribution (``raw_logits`` when ``logits`` were changed by penalties or bias; vLLM's default too), before
+    temperature, top-k and top-p.
 
     Rows without a seed are sampled together, a fixed number of launches whatever the batch; a seeded row
     is sampled alone with its own generator, so a seed gives the same tokens whoever shares the batch."""
-    logprobs = torch.log_softmax(logits, dim=-1)
+    logprobs = torch.log_softmax(logits if raw_logits is None else raw_logits, dim=-1)
     tokens = logits.argmax(dim=-1)
     free = [i for i, p in enumerate(params) if not p.greedy and generators[i] is None]
     groups = [(free, None)] if free else []
@@ -97,3 +166,10 @@ def _draw(probs: torch.Tensor, scores: torch.Tensor, generator) -> torch.Tensor:
     safe = probs.masked_fill(bad[:, None], 1.0)  # any valid row: it is overridden below
     picked = torch.multinomial(safe, 1, generator=generator).squeeze(1)
     return torch.where(bad, scores.argmax(dim=-1), picked)
+
+
+def top_logprobs(raw_logits: torch.Tensor, k: int) -> Tuple[List[List[int]], List[List[float]]]:
+    """The ``k`` most likely token ids of each row and their logprobs, under the model's own distribution (the
+    one ``sample``'s logprobs are of): two host transfers for the batch."""
+    values, ids = torch.log_softmax(raw_logits, dim=-1).topk(k, dim=-1)
+    return ids.tolist(), values.tolist()

@@ -8,6 +8,7 @@ Native ``/generate`` and ``/generate_stream``, OpenAI-compatible ``/v1/completio
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import json
 import logging
@@ -16,30 +17,39 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import AsyncIterator, Dict, List, Optional, Sequence, Union
+from typing import AsyncIterator, Dict, List, Optional, Sequence, Tuple, Union
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from lightllm.engine.detokenize import TextStream, check_stop_strings
+from lightllm.engine.detokenize import TextStream
 from lightllm.engine.engine import Engine, eos_token_ids
 from lightllm.engine.model_runner import ModelRunner
 from lightllm.engine.request import Event
 from lightllm.engine.request import Request as EngineRequest
 from lightllm.engine.runner import Runner
-from lightllm.engine.sampler import SamplingParams
+from lightllm.engine.sampler import MAX_SEED, SamplingParams
 from lightllm.server.args import ServerArgs, parse_args
 from lightllm.server.bodies import ChatRequest, CompletionRequest, GenerateRequest
 from lightllm.server.engine_loop import EngineLoop
 from lightllm.server.generation_defaults import read_sampling_defaults
 from lightllm.server.http_guards import BadRequest, BodyLimit, ModelNotFound, install_error_handlers
+from lightllm.server.openai_api import (
+    OpenAIReply,
+    chat_messages,
+    check_unsupported,
+    prompt_list,
+    sampling_options,
+    template_options,
+)
 from lightllm.server.prompts import PromptEncoder, load_tokenizer
 from lightllm.server.serving import bind, serve
 
 logger = logging.getLogger(__name__)
 _DISCONNECT_CHECK_S = 0.25  # how often a request checks that its client is still there
 TINY_NAME = "lightllm-tiny-qwen3"  # the model id of the built-in tiny model
+MAX_SEQUENCES = 256  # prompts x samples (n, or best_of) of one OpenAI request: each is an engine request
 
 
 class Metrics:
@@ -104,6 +114,7 @@ class Server:
         self.model_name = model_name
         self.created = int(time.time())  # the /v1/models entry's "created": when this server started
         self.sampling_defaults = dict(sampling_defaults or {})
+        self._special_ids = set(getattr(tokenizer, "all_special_ids", ()))
         self.metrics = Metrics()
         self.mailbox = _Mailbox()
         self.engine = Engine(runner, eos_token_ids(runner.config, tokenizer, extra_eos_ids), observer=self.metrics)
@@ -147,41 +158,31 @@ class Server:
 
         @app.post("/generate")
         async def generate(body: GenerateRequest, request: Request):
-            p = body.parameters
-            ids, params = await self._prepare("inputs", body.inputs, p.max_new_tokens, p, p.logprobs, p.ignore_eos)
+            ids, params = await self._native(body)
             result = await self._collect(ids, params, request)
-            out = {"generated_text": result["text"], "token_ids": result["token_ids"],
-                   "finish_reason": result["finish_reason"], "prompt_tokens": len(ids)}  # fmt: skip
-            if p.logprobs:
+            tokens = result["token_ids"]
+            out = {"generated_text": [result["text"]], "count_output_tokens": len(tokens),  # LightLLM's shape
+                   "finish_reason": result["finish_reason"], "prompt_tokens": len(ids),
+                   "token_ids": tokens}  # fmt: skip
+            if body.parameters.logprobs:
                 out["logprobs"] = result["logprobs"]
+            if body.parameters.return_details:
+                out["tokens"] = [self._token_details(t, lp) for t, lp in zip(tokens, result["logprobs"])]
             return out
 
         @app.post("/generate_stream")
         async def generate_stream(body: GenerateRequest, request: Request):
-            p = body.parameters
-            ids, params = await self._prepare("inputs", body.inputs, p.max_new_tokens, p, p.logprobs, p.ignore_eos)
-
-            async def events():
-                async for delta, tok, lp, reason in self._stream(ids, params, request):
-                    chunk = {"token": {"id": tok, "text": delta, "logprob": lp}, "finish_reason": reason}
-                    yield f"data: {json.dumps(chunk)}\n\n"
-
-            return StreamingResponse(events(), media_type="text/event-stream")
+            ids, params = await self._native(body)
+            return StreamingResponse(self._native_events(ids, params, body.parameters, request),
+                                     media_type="text/event-stream")  # fmt: skip
 
         @app.post("/v1/completions")
         async def completions(body: CompletionRequest, request: Request):
-            self._check_model(body.model)
-            ids, params = await self._prepare("prompt", body.prompt, body.max_tokens, body,
-                                              body.logprobs is not None, False)  # fmt: skip
-            return await self._openai(ids, params, request, body.stream, chat=False)
+            return await self._openai(body, request, chat=False)
 
         @app.post("/v1/chat/completions")
         async def chat(body: ChatRequest, request: Request):
-            self._check_model(body.model)
-            messages = [m.model_dump() for m in body.messages]
-            max_tokens = body.max_completion_tokens or body.max_tokens  # None: the rest of max_req_total_len
-            ids, params = await self._prepare("messages", messages, max_tokens, body, body.logprobs, False)
-            return await self._openai(ids, params, request, body.stream, chat=True)
+            return await self._openai(body, request, chat=True)
 
         return app
 
@@ -207,18 +208,51 @@ class Server:
 
     # ---- request plumbing ----------------------------------------------------------------------------------
 
-    async def _prepare(self, field: str, prompt, max_tokens: Optional[int], sampling, logprobs, ignore_eos):
-        """Token ids and sampling parameters (stop strings included) of a request, or a 400. ``prompt``: text,
-        token ids or chat messages (named ``field`` in errors); ``max_tokens`` None: the rest of max_req_total_len."""
-        stops = [sampling.stop] if isinstance(sampling.stop, str) else list(sampling.stop or [])
-        try:
-            check_stop_strings(stops)
-        except ValueError as e:
-            raise BadRequest(str(e)) from None
-        if field == "messages":
-            ids = await self.prompts.encode_chat(prompt)
+    async def _native(self, body: GenerateRequest) -> Tuple[List[int], SamplingParams]:
+        p = body.parameters
+        ids = await self._encode("inputs", body.inputs)
+        if p.do_sample is False:
+            temperature = 0.0
         else:
-            ids = await self.prompts.encode(prompt, field) if isinstance(prompt, str) else prompt
+            temperature = p.temperature if p.temperature is not None else (1.0 if p.do_sample else 0.0)
+        stops = [x for s in (p.stop, p.stop_sequences) for x in ([s] if isinstance(s, str) else s or [])]
+        options = dict(temperature=temperature, top_p=p.top_p, top_k=max(p.top_k, 0), ignore_eos=p.ignore_eos,
+                       logprobs=p.logprobs or p.return_details, presence_penalty=p.presence_penalty,
+                       frequency_penalty=p.frequency_penalty, repetition_penalty=p.repetition_penalty,
+                       min_tokens=p.min_new_tokens)  # fmt: skip
+        return ids, self._params(ids, p.max_new_tokens, stops, p.seed, options)
+
+    def _token_details(self, token_id: int, logprob: float) -> dict:
+        """LightLLM's per-token details: id, its text alone, logprob, and whether it is a special token."""
+        special = token_id in self._special_ids
+        return {"id": token_id, "text": self.tokenizer.decode([token_id]), "logprob": logprob, "special": special}
+
+    async def _native_events(self, ids, params, p, request: Request) -> AsyncIterator[str]:
+        """``/generate_stream`` in LightLLM's shape: one event per token, ``finished`` false; then one with
+        ``token.id`` null, the held-back text, ``finished`` true, the finish reason and the whole
+        ``generated_text`` (and ``details`` with ``return_details``)."""
+        text, count = "", 0
+        async for delta, ev, reason in self._stream(ids, params, request):
+            text += delta
+            count += ev is not None
+            token = {"id": None, "text": delta, "logprob": None, "special": False}
+            if ev is not None:
+                token.update(id=ev.token_id, logprob=ev.logprob, special=ev.token_id in self._special_ids)
+            token.update(count_output_tokens=count, prompt_tokens=len(ids))
+            details = None
+            if reason is not None and p.return_details:
+                details = {"finish_reason": reason, "count_output_tokens": count, "prompt_tokens": len(ids)}
+            event = {"token": token, "generated_text": text if reason is not None else None,
+                     "finished": reason is not None, "finish_reason": reason, "details": details}  # fmt: skip
+            yield f"data: {json.dumps(event)}\n\n"
+
+    async def _encode(self, field: str, prompt, template_options: Optional[dict] = None) -> List[int]:
+        """Token ids of a prompt (text, token ids, or chat messages rendered with ``template_options``), checked
+        against the vocabulary and max_req_total_len; ``field`` names it in a 400."""
+        if field == "messages":
+            ids = await self.prompts.encode_chat(prompt, template_options or {})
+        else:
+            ids = await self.prompts.encode(prompt, field) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise BadRequest(f"{field}: expected at least one token")
         limit = self.runner.args.max_req_total_len
@@ -227,26 +261,28 @@ class Server:
         vocab = self.runner.config.vocab_size
         if any(t < 0 or t >= vocab for t in ids):
             raise BadRequest(f"{field}: token ids expected in [0, {vocab})")
+        return ids
+
+    def _params(self, ids: List[int], max_tokens: Optional[int], stop, seed, options: dict) -> SamplingParams:
+        """The engine's sampling parameters for a prompt of ``ids``, or a 400 naming the field. ``max_tokens``
+        None: the rest of max_req_total_len."""
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        limit = self.runner.args.max_req_total_len
         if max_tokens is None:
             max_tokens = limit - len(ids)
         if max_tokens > limit - len(ids):
             raise BadRequest(
                 f"max_tokens: {max_tokens} with a {len(ids)}-token prompt exceeds max_req_total_len {limit}"
             )
-        # The OpenAI routes take the model's generation_config.json values for fields a request leaves out; the
-        # native route keeps its own documented (greedy) defaults.
-        defaults = {} if field == "inputs" else self.sampling_defaults
-        chosen = {k: getattr(sampling, k) if k in sampling.model_fields_set else defaults.get(k, getattr(sampling, k))
-                  for k in ("temperature", "top_p", "top_k")}  # fmt: skip
-        try:  # the bodies already hold these to the engine's ranges; this keeps the two from drifting apart
-            params = SamplingParams(max_new_tokens=max_tokens, **chosen, logprobs=logprobs, seed=sampling.seed,
-                                    ignore_eos=ignore_eos, stop=stops)  # fmt: skip
+        try:  # the bodies already hold most fields to the engine's ranges; this keeps the two from drifting apart
+            params = SamplingParams(max_new_tokens=max_tokens, stop=stops, seed=seed, **options)
+            params.check_token_ids(self.runner.config.vocab_size)
         except ValueError as e:
             raise BadRequest(str(e)) from None
-        return ids, params
+        return params
 
     async def _stream(self, ids, params, request: Request, text: bool = True) -> AsyncIterator[tuple]:
-        """(text delta, token id, logprob, finish reason or None) per token; aborts on disconnect or stop string.
+        """(text delta, token event or None, finish reason or None) per token; aborts on disconnect or stop string.
         ``text=False`` (a caller that decodes once at the end, with no stop strings) leaves every delta ''.
         Counts the request in lightllm_requests_finished_total once, with the reason the client is given
         ("abort" when it left first, whether it was running or still queued)."""
@@ -273,88 +309,111 @@ class Server:
                     finished = True
                     rest, reason = out.finish(ev.finish_reason)
                     self.metrics.finished.labels(reason).inc()
-                    yield rest, None, None, reason
+                    yield rest, None, reason
                     return
                 delta, hit = out.add(ev.token_id)
                 if hit:
                     self.engine.abort(req.id, reason="stop")
                     finished = True
                     self.metrics.finished.labels("stop").inc()
-                    yield delta, ev.token_id, ev.logprob, None
-                    yield "", None, None, "stop"
+                    yield delta, ev, None
+                    yield "", None, "stop"
                     return
-                yield delta, ev.token_id, ev.logprob, None
+                yield delta, ev, None
         finally:
             if not finished:  # client gone (or the handler was cancelled): free its KV now
                 self.engine.abort(req.id)
                 self.metrics.finished.labels("abort").inc()
 
     async def _collect(self, ids, params, request: Request) -> dict:
-        text, token_ids, logprobs, reason = "", [], [], ""
+        text, token_ids, logprobs, tops, reason = "", [], [], [], ""
         incremental = bool(params.stop)  # only stop strings need the text while generating
-        async for delta, tok, lp, fin in self._stream(ids, params, request, text=incremental):
+        async for delta, ev, fin in self._stream(ids, params, request, text=incremental):
             text += delta
-            if tok is not None:
-                token_ids.append(tok)
-                logprobs.append(lp)
+            if ev is not None:
+                token_ids.append(ev.token_id)
+                logprobs.append(ev.logprob)
+                tops.append(ev.top_logprobs)
             if fin:
                 reason = fin
         if not incremental:
             text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
-        return {"text": text, "token_ids": token_ids, "logprobs": logprobs, "finish_reason": reason or "abort"}
+        return {"text": text, "token_ids": token_ids, "logprobs": logprobs, "top_logprobs": tops,
+                "finish_reason": reason or "abort"}  # fmt: skip
 
-    async def _openai(self, ids, params, request: Request, stream: bool, chat: bool):
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        created = int(time.time())
-        kind = "chat.completion" if chat else "text_completion"
-        if not stream:
-            r = await self._collect(ids, params, request)
-            choice = {"index": 0, "finish_reason": r["finish_reason"]}
-            if chat:
-                choice["message"] = {"role": "assistant", "content": r["text"]}
-                if params.logprobs:
-                    choice["logprobs"] = {"content": [{"token": self.tokenizer.decode([t]), "logprob": lp}
-                                                      for t, lp in zip(r["token_ids"], r["logprobs"])]}  # fmt: skip
-            else:
-                choice["text"] = r["text"]
-                if params.logprobs:
-                    choice["logprobs"] = {"tokens": [self.tokenizer.decode([t]) for t in r["token_ids"]],
-                                          "token_logprobs": r["logprobs"]}  # fmt: skip
-            usage = {"prompt_tokens": len(ids), "completion_tokens": len(r["token_ids"]),
-                     "total_tokens": len(ids) + len(r["token_ids"])}  # fmt: skip
-            return {"id": rid, "object": kind, "created": created, "model": self.model_name, "choices": [choice],
-                    "usage": usage}  # fmt: skip
+    async def merged_streams(self, seqs: Sequence[tuple], request: Request) -> AsyncIterator[tuple]:
+        """(index into ``seqs``, what ``_stream`` yields) for every ``(ids, params)`` of ``seqs``, generated side by
+        side, in the order they arrive. Leaving early (the client went) cancels every one of them, which aborts
+        them in the engine."""
+        queue: asyncio.Queue = asyncio.Queue()
 
-        async def events():
-            n_out = 0
-            if chat:
-                first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
-                yield _sse(rid, kind + ".chunk", created, self.model_name, first)
-            async for delta, tok, lp, fin in self._stream(ids, params, request):
-                if tok is not None:
-                    n_out += 1
-                if fin:
-                    tail = {"delta": {"content": delta} if delta else {}} if chat else {"text": delta}
-                    choice = {"index": 0, "finish_reason": fin, **tail}
-                    usage = {"prompt_tokens": len(ids), "completion_tokens": n_out, "total_tokens": len(ids) + n_out}
-                    yield _sse(rid, kind + ".chunk" if chat else kind, created, self.model_name, choice, usage)
-                    break
-                choice = {
-                    "index": 0,
-                    "finish_reason": None,
-                    **({"delta": {"content": delta}} if chat else {"text": delta}),
-                }
-                yield _sse(rid, kind + ".chunk" if chat else kind, created, self.model_name, choice)
-            yield "data: [DONE]\n\n"
+        async def pump(i, ids, params):
+            try:
+                async for item in self._stream(ids, params, request):
+                    queue.put_nowait((i, item))
+            except Exception as e:  # noqa: BLE001 - handed to the consumer, which raises it
+                queue.put_nowait((i, e))
+            finally:
+                queue.put_nowait((i, None))
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        tasks = [asyncio.ensure_future(pump(i, ids, params)) for i, (ids, params) in enumerate(seqs)]
+        try:
+            running = len(tasks)
+            while running:
+                i, item = await queue.get()
+                if isinstance(item, Exception):
+                    raise item
+                if item is None:
+                    running -= 1
+                    continue
+                yield i, item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
+    async def _collect_all(self, seqs: Sequence[tuple], request: Request) -> List[dict]:
+        """``_collect`` of every ``(ids, params)`` side by side; if one fails the others are cancelled (aborted)."""
+        tasks = [asyncio.ensure_future(self._collect(ids, params, request)) for ids, params in seqs]
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:
+            for task in tasks:
+                task.cancel()
 
-def _sse(rid, kind, created, model, choice, usage=None) -> str:
-    body = {"id": rid, "object": kind, "created": created, "model": model, "choices": [choice]}
-    if usage is not None:
-        body["usage"] = usage
-    return f"data: {json.dumps(body)}\n\n"
+    async def _openai(self, body, request: Request, chat: bool):
+        """Both OpenAI routes: one engine request per prompt and sample (``n``, or ``best_of`` of which the ``n``
+        with the highest cumulative logprob are returned); choices ordered prompt by prompt, ``index`` counting
+        across them."""
+        self._check_model(body.model)
+        check_unsupported(body, chat)
+        options = sampling_options(body, chat, self.sampling_defaults)
+        items, many = ([None], False) if chat else prompt_list(body.prompt)
+        n = body.n or 1
+        best_of = n if chat else (body.best_of or n)
+        if len(items) * best_of > MAX_SEQUENCES:  # before any tokenizing
+            raise BadRequest(f"{'prompt' if many else 'n'}: {len(items)} prompt(s) x {best_of} samples (n or best_of) "
+                             f"is more than the {MAX_SEQUENCES} sequences one request may ask for")  # fmt: skip
+        if chat:
+            prompts = [await self._encode("messages", chat_messages(body), template_options(body))]
+            max_tokens = body.max_completion_tokens or body.max_tokens
+        else:
+            prompts = [await self._encode(f"prompt.{i}" if many else "prompt", p) for i, p in enumerate(items)]
+            max_tokens = body.max_tokens  # null: the rest of max_req_total_len
+        seqs = []
+        for ids in prompts:
+            params = self._params(ids, max_tokens, body.stop, body.seed, options)
+            for j in range(best_of):  # each sample its own seed, as LLM.generate gives each prompt its own
+                seed = None if body.seed is None else (body.seed + j) % MAX_SEED
+                seqs.append((ids, dataclasses.replace(params, seed=seed)))
+        echoes = None
+        if not chat and body.echo:
+            echoes = [p if isinstance(p, str) else self.tokenizer.decode(ids) for p, ids in zip(items, prompts)]
+        reply = OpenAIReply(self, chat, prompts, n, best_of, echoes, options["logprobs"])
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(reply.stream(seqs, request, include_usage), media_type="text/event-stream")
+        return reply.whole(await self._collect_all(seqs, request))
 
 
 class _Mailbox:

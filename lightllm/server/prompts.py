@@ -52,17 +52,19 @@ class PromptEncoder:
         self._check(field, text)
         return await self._off_loop(self.tokenizer.encode, text)
 
-    async def encode_chat(self, messages: List[dict]) -> List[int]:
-        """Token ids of ``messages`` rendered by the model's chat template (generation prompt added)."""
+    async def encode_chat(self, messages: List[dict], options: Optional[dict] = None) -> List[int]:
+        """Token ids of ``messages`` rendered by the model's chat template (generation prompt added); ``options``:
+        more keyword arguments for the template (``tools``, ``enable_thinking``, ...)."""
         for i, m in enumerate(messages):
-            for key in ("role", "content"):
-                self._check(f"messages.{i}.{key}", m[key])
+            for key in ("role", "content", "name"):
+                if key in m:
+                    self._check(f"messages.{i}.{key}", m[key])
         self._check_length("messages", sum(len(m["role"]) + len(m["content"]) for m in messages))
-        return await self._off_loop(self._render, messages)
+        return await self._off_loop(self._render, messages, options or {})
 
-    def _render(self, messages: List[dict]) -> List[int]:
+    def _render(self, messages: List[dict], options: dict) -> List[int]:
         try:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **options)
         except Exception as e:  # a template that rejects these messages
             raise BadRequest(f"messages: the model's chat template could not render them ({e})") from e
         return self.tokenizer.encode(text)

@@ -52,7 +52,7 @@ def served(base, prompt, **parameters):
     r = httpx.post(base + "/generate", json={"inputs": prompt, "parameters": parameters}, timeout=120)
     assert r.status_code == 200, r.text
     body = r.json()
-    return body["token_ids"], body["generated_text"], body["finish_reason"]
+    return body["token_ids"], body["generated_text"][0], body["finish_reason"]
 
 
 def offline(llm, prompts, **params):

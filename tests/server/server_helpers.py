@@ -7,6 +7,11 @@ import sys
 from lightllm.common import proc as procs
 from lightllm.common.net import free_port, wait_healthy
 
+# The session's shared tiny server (conftest.py's tiny_server)
+MAX_LEN = 1024  # long enough that a full-length request outlives a client that gives up
+MAX_BODY = 256 * 1024
+MODEL = "tiny-served"  # --model_name
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 

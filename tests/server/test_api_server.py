@@ -11,23 +11,14 @@ import time
 import httpx
 import openai
 import pytest
-from server_helpers import running_server
+from server_helpers import MAX_BODY, MAX_LEN, MODEL
 
 from lightllm.common import proc as procs
 
-MAX_LEN = 1024  # long enough that a full-length request outlives a client that gives up
-MAX_BODY = 256 * 1024
-MODEL = "tiny-served"  # --model_name
 
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    home = tmp_path_factory.mktemp("server")
-    args = ["--data_type", "fp32", "--device", "cpu", "--batch_max_tokens", "128", "--max_req_total_len", str(MAX_LEN),
-            "--running_max_req_size", "8", "--max_request_body_bytes", str(MAX_BODY),
-            "--model_name", MODEL]  # fmt: skip
-    with running_server(home, args) as base:
-        yield base
+@pytest.fixture
+def server(tiny_server):
+    return tiny_server
 
 
 @pytest.fixture
@@ -51,11 +42,12 @@ def test_completion_and_usage(client):
 def test_chat_stream_matches_non_stream(client):
     msgs = [{"role": "user", "content": "tell me a story"}]
     full = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, temperature=0)
-    chunks = list(client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, temperature=0, stream=True))
+    chunks = list(client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, temperature=0, stream=True,
+                                                 stream_options={"include_usage": True}))  # fmt: skip
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == full.choices[0].message.content
-    assert chunks[-1].choices[0].finish_reason == full.choices[0].finish_reason
-    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert chunks[-2].choices[0].finish_reason == full.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
 
 
 def test_stream_ends_with_done(server):
@@ -74,7 +66,7 @@ def test_native_generate_and_stream(server):
     assert [e["token"]["id"] for e in events if e["token"]["id"] is not None] == r["token_ids"]
     assert events[-1]["finish_reason"] == "length"
     # streamed deltas (incremental) add up to the text /generate decodes once at the end
-    assert "".join(e["token"]["text"] for e in events) == r["generated_text"]
+    assert "".join(e["token"]["text"] for e in events) == r["generated_text"][0]
 
 
 def test_concurrent_requests_match_sequential(server):
@@ -97,12 +89,12 @@ def test_sampling_seed_and_stop_string(server):
     b = httpx.post(server + "/generate", json=body, timeout=60).json()
     assert a["token_ids"] == b["token_ids"]
     greedy = {"inputs": [9, 10, 11], "parameters": {"max_new_tokens": 8, "ignore_eos": True}}
-    text = httpx.post(server + "/generate", json=greedy, timeout=60).json()["generated_text"]
+    text = httpx.post(server + "/generate", json=greedy, timeout=60).json()["generated_text"][0]
     at = next(i for i in range(len(text) // 2, len(text)) if text[i].isalnum())  # a stop string mid-output
     stop = text[at]
     greedy["parameters"]["stop"] = [stop, "never-produced"]
     r = httpx.post(server + "/generate", json=greedy, timeout=60).json()
-    assert r["finish_reason"] == "stop" and r["generated_text"] == text[: text.index(stop)]
+    assert r["finish_reason"] == "stop" and r["generated_text"] == [text[: text.index(stop)]]
     assert len(r["token_ids"]) < 8
 
 
@@ -116,15 +108,17 @@ def wait_for_abort(server, aborted_before):
     return done
 
 
-def test_disconnect_mid_stream_frees_kv(server):
+@pytest.mark.parametrize("n", [1, 3])
+def test_disconnect_mid_stream_frees_kv(server, n):
+    """With n > 1 every sample of the stream is aborted, not only the one whose chunk was being sent."""
     baseline = metric(server, "lightllm_kv_usage_ratio")
     aborted = metric(server, "lightllm_requests_finished_total", '{finish_reason="abort"}') or 0.0
-    body = {"prompt": [4, 5, 6], "max_tokens": MAX_LEN - 10, "temperature": 0, "stream": True}
+    body = {"prompt": [4, 5, 6], "max_tokens": MAX_LEN - 10, "temperature": 0, "stream": True, "n": n}
     with httpx.stream("POST", server + "/v1/completions", json=body, timeout=60) as r:
         for i, _ in enumerate(r.iter_lines()):
             if i >= 3:
                 break  # leave mid-stream: the connection closes
-    assert wait_for_abort(server, aborted) > aborted, "the disconnected request was not aborted"
+    assert wait_for_abort(server, aborted) == aborted + n, "the disconnected requests were not all aborted"
     assert metric(server, "lightllm_kv_usage_ratio") == baseline
 
 
@@ -145,7 +139,7 @@ def test_disconnect_while_generating_frees_kv(server):
     "path, body, message",
     [
         ("/v1/completions", b"{not json", "invalid JSON"),
-        ("/v1/completions", {"prompt": "a", "max_tokens": 2, "bogus": 1}, "bogus"),
+        ("/generate", {"inputs": "a", "bogus": 1}, "bogus"),
         ("/v1/completions", {"prompt": "a", "max_tokens": "many"}, "max_tokens"),
         ("/v1/completions", {"prompt": "a", "max_tokens": -3}, "max_tokens"),
         ("/v1/completions", {"prompt": "a", "max_tokens": 10**9}, "exceeds max_req_total_len"),
@@ -261,7 +255,7 @@ def finished(base):
 
 def test_a_stop_string_finish_is_counted_as_stop(server):
     greedy = {"inputs": [9, 10, 11], "parameters": {"max_new_tokens": 8, "ignore_eos": True}}
-    text = httpx.post(server + "/generate", json=greedy, timeout=60).json()["generated_text"]
+    text = httpx.post(server + "/generate", json=greedy, timeout=60).json()["generated_text"][0]
     stop = text[next(i for i in range(len(text) // 2, len(text)) if text[i].isalnum())]
     before = finished(server)
     greedy["parameters"]["stop"] = [stop]

@@ -1,0 +1,125 @@
+"""Batched logit changes before the draw: ``logit_bias``, ``min_tokens`` and the repetition, frequency and
+presence penalties, for every request of a step at once, on the logits' device.
+
+Per-request state lives in device tables with one row per request that uses any of these (a row is handed out
+at its first draw and returned when it ends; it survives preemption): how often it generated each token
+(``counts``, updated by one scatter per step from the drawn tokens, never rebuilt from the token lists), which
+tokens its prompt holds, its bias, the tokens ``min_tokens`` holds back, and its settings. A table is made the
+first time a request needs it (``rows x vocab`` cells each). A step gathers its rows and runs a few elementwise
+ops over ``[rows, vocab]``; a step without such a request costs one attribute check per request and nothing on
+the device.
+"""
+
+from typing import Dict, Iterable, List, Optional, Sequence
+
+import torch
+
+from lightllm.engine.request import Request
+
+# Columns of the settings table, one row per request.
+_REP, _FREQ, _PRES, _MIN, _GENERATED = range(5)
+
+
+class LogitsProcessor:
+    def __init__(self, vocab_size: int, device: torch.device, eos_ids: Iterable[int]):
+        self.vocab_size = vocab_size
+        self.device = torch.device(device)
+        self.eos_ids = sorted(t for t in eos_ids if 0 <= t < vocab_size)
+        self.capacity = 0
+        self._free: List[int] = []
+        self._tables: Dict[str, torch.Tensor] = {}
+
+    @property
+    def rows_in_use(self) -> int:
+        return self.capacity - len(self._free)
+
+    def apply(self, logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
+        """``logits [len(reqs), vocab]`` changed for the requests that ask for it: a new tensor, or ``logits``
+        itself when none does."""
+        picked = [i for i, r in enumerate(reqs) if r.params.processes_logits]
+        if not picked:
+            return logits
+        for i in picked:
+            if reqs[i].sampling_row < 0:
+                self._start(reqs[i])
+        params = [reqs[i].params for i in picked]
+        rows = torch.tensor([reqs[i].sampling_row for i in picked], device=self.device)
+        where = torch.tensor(picked, device=logits.device)
+        x = logits.index_select(0, where)
+        settings = self._tables["settings"].index_select(0, rows)
+        if any(p.logit_bias for p in params):
+            x += self._tables["bias"].index_select(0, rows)
+        if any(p.min_tokens for p in params):
+            early = settings[:, _GENERATED] < settings[:, _MIN]
+            x.masked_fill_(self._tables["blocked"].index_select(0, rows) & early[:, None], float("-inf"))
+        repetition = any(p.repetition_penalty != 1 for p in params)
+        additive = any(p.frequency_penalty or p.presence_penalty for p in params)
+        if repetition or additive:
+            counts = self._tables["counts"].index_select(0, rows)
+            seen = counts > 0
+            if repetition:  # positive logits divided by the penalty, negative ones multiplied
+                rep = settings[:, _REP, None]
+                factor = torch.where(x > 0, rep.reciprocal(), rep)
+                x = torch.where(seen | self._tables["in_prompt"].index_select(0, rows), x * factor, x)
+            if additive:
+                x -= settings[:, _FREQ, None] * counts + settings[:, _PRES, None] * seen
+        return logits.index_copy(0, where, x)
+
+    def record(self, reqs: Sequence[Request], tokens: torch.Tensor) -> None:
+        """After the draw: ``tokens[i]`` was generated for ``reqs[i]``."""
+        picked = [i for i, r in enumerate(reqs) if r.sampling_row >= 0]
+        if not picked:
+            return
+        rows = torch.tensor([reqs[i].sampling_row for i in picked], device=self.device)
+        drawn = tokens.index_select(0, torch.tensor(picked, device=tokens.device)).to(self.device)
+        self._tables["settings"][rows, _GENERATED] += 1
+        if "counts" in self._tables:
+            self._tables["counts"].index_put_(
+                (rows, drawn), torch.ones_like(drawn, dtype=torch.float32), accumulate=True
+            )
+
+    def release(self, req: Request) -> None:
+        """``req`` has ended: its row is free for another request."""
+        if req.sampling_row >= 0:
+            self._free.append(req.sampling_row)
+            req.sampling_row = -1
+
+    def _start(self, req: Request) -> None:
+        """Give ``req`` a row and fill it: its settings, prompt tokens, bias and held-back tokens."""
+        p = req.params
+        if not self._free:
+            self._grow(max(8, 2 * self.capacity))
+        row = self._free.pop()
+        req.sampling_row = row
+        for table in self._tables.values():
+            table[row] = 0
+        settings = [p.repetition_penalty, p.frequency_penalty, p.presence_penalty, p.min_tokens, len(req.output_ids)]
+        self._table("settings", torch.float32, 5)[row] = torch.tensor(settings, dtype=torch.float32, device=self.device)
+        if p.repetition_penalty != 1 or p.frequency_penalty or p.presence_penalty:
+            counts = self._table("counts", torch.float32)  # float: used as is by the penalties; exact to 2**24
+            in_prompt = self._table("in_prompt", torch.bool)
+            in_prompt[row, self._ids(req.prompt_ids)] = True
+            if req.output_ids:
+                counts[row] = torch.bincount(self._ids(req.output_ids), minlength=self.vocab_size).float()
+        if p.logit_bias:
+            bias = self._table("bias", torch.float32)
+            values = torch.tensor(list(p.logit_bias.values()), dtype=torch.float32, device=self.device)  # ints too
+            bias[row, self._ids(list(p.logit_bias))] = values
+        if p.min_tokens:
+            self._table("blocked", torch.bool)[row, self._ids(self.eos_ids + list(p.stop_token_ids))] = True
+
+    def _ids(self, ids: List[int]) -> torch.Tensor:
+        return torch.tensor(ids, dtype=torch.int64, device=self.device)
+
+    def _table(self, name: str, dtype: torch.dtype, width: Optional[int] = None) -> torch.Tensor:
+        if name not in self._tables:
+            self._tables[name] = torch.zeros(self.capacity, width or self.vocab_size, dtype=dtype, device=self.device)
+        return self._tables[name]
+
+    def _grow(self, capacity: int) -> None:
+        for name, old in self._tables.items():
+            new = old.new_zeros(capacity, old.shape[1])
+            new[: old.shape[0]] = old
+            self._tables[name] = new
+        self._free.extend(range(capacity - 1, self.capacity - 1, -1))
+        self.capacity = capacity

@@ -1,0 +1,262 @@
+"""OpenAI request fields to engine requests, and engine output to OpenAI's response shapes.
+
+What a body asks that this server cannot do is a 400 that says so (``BadRequest``); the rest becomes sampling
+parameters (``sampling_options``), chat template input (``chat_messages``, ``template_options``) and, on the way
+back, OpenAI's responses and stream chunks (``OpenAIReply``) with their logprobs objects (``LogprobFormatter``)."""
+
+import json
+import time
+import uuid
+from typing import AsyncIterator, Dict, List, Optional, Sequence, Tuple
+
+from lightllm.engine.request import Event
+from lightllm.server.bodies import ChatRequest, CompletionRequest
+from lightllm.server.http_guards import BadRequest
+
+# chat_template_kwargs may not set what the server itself passes to the template.
+RESERVED_TEMPLATE_KWARGS = ("conversation", "messages", "tools", "tokenize", "add_generation_prompt", "chat_template")
+PROMPT_LOGPROBS_REFUSED = (
+    "echo with logprobs: prompt token logprobs are not supported; the prefill keeps the logits of the last prompt "
+    "position only (all positions would be prompt_len x vocab floats per request); use echo without logprobs"
+)
+
+
+def check_unsupported(body, chat: bool) -> None:
+    """400 for what the body asks that this server does not do, naming the field and the alternative."""
+    if body.stream_options is not None and not body.stream:
+        raise BadRequest("stream_options: only allowed with stream true")
+    fmt = body.response_format
+    if fmt is not None and fmt.type != "text":
+        allowed = "'text' is the only type (there is no constrained decoding here)"
+        if fmt.type in ("json_object", "json_schema"):
+            raise BadRequest(f"response_format: type {fmt.type!r} is not supported; {allowed}")
+        raise BadRequest(f"response_format: unknown type {fmt.type!r}; {allowed}")
+    if chat:
+        _check_chat(body)
+    else:
+        _check_completion(body)
+
+
+def _check_chat(body: ChatRequest) -> None:
+    if body.top_logprobs and not body.logprobs:
+        raise BadRequest(f"top_logprobs: {body.top_logprobs} needs logprobs true")
+    choice = body.tool_choice
+    if choice is not None and choice not in ("auto", "none"):
+        shown = choice if isinstance(choice, str) else "a named function"
+        raise BadRequest(f"tool_choice: {shown!r} is not supported (it needs tool-call parsing, which this server "
+                         "does not have yet); use 'auto' or 'none'")  # fmt: skip
+    for key in sorted(set(body.chat_template_kwargs or {}) & set(RESERVED_TEMPLATE_KWARGS)):
+        raise BadRequest(f"chat_template_kwargs: {key!r} is set by the server; it may not be passed")
+
+
+def _check_completion(body: CompletionRequest) -> None:
+    if body.suffix:
+        raise BadRequest("suffix: not supported (no fill-in-the-middle); leave it out or send null")
+    n, best_of = body.n or 1, body.best_of
+    if best_of is not None and best_of < n:
+        raise BadRequest(f"best_of: {best_of} is less than n {n}; best_of must be >= n")
+    if best_of is not None and best_of > n and body.stream:
+        raise BadRequest(f"best_of: {best_of} > n {n} cannot be streamed (the best are known only at the end)")
+    if body.echo and body.logprobs is not None:
+        raise BadRequest(PROMPT_LOGPROBS_REFUSED)
+    if isinstance(body.prompt, list) and not body.prompt:
+        raise BadRequest("prompt: expected a string, token ids, or a non-empty list of either")
+
+
+def prompt_list(prompt) -> Tuple[list, bool]:
+    """The prompts of a completions body (each a string or token ids), and whether the body held a list of them."""
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        return [prompt], False
+    return list(prompt), True
+
+
+def chat_messages(body: ChatRequest) -> List[dict]:
+    """The messages as the chat template takes them: text parts joined, ``name`` and tool fields kept."""
+    out = []
+    for i, m in enumerate(body.messages):
+        content = m.content
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                if part.type != "text":
+                    raise BadRequest(f"messages.{i}.content.{j}.type: {part.type!r} is not supported; this server "
+                                     "takes text parts only")  # fmt: skip
+                if part.text is None:
+                    raise BadRequest(f"messages.{i}.content.{j}.text: expected a string in a text part")
+                texts.append(part.text)
+            content = "\n".join(texts)
+        message = {"role": m.role, "content": content or ""}
+        for key in ("name", "tool_calls", "tool_call_id"):
+            if getattr(m, key) is not None:
+                message[key] = getattr(m, key)
+        out.append(message)
+    return out
+
+
+def template_options(body: ChatRequest) -> dict:
+    """Keyword arguments for ``apply_chat_template``: the tools (unless tool_choice is 'none') and the request's
+    ``chat_template_kwargs`` (e.g. Qwen3's ``enable_thinking``)."""
+    options = dict(body.chat_template_kwargs or {})
+    if body.tools and body.tool_choice != "none":
+        options["tools"] = body.tools
+    return options
+
+
+def sampling_options(body, chat: bool, defaults: Dict[str, float]) -> dict:
+    """``SamplingParams`` keyword arguments from an OpenAI body (max_new_tokens, stop and seed aside). A field the
+    body leaves out or sends as null takes ``defaults`` (generation_config.json), else the engine's default."""
+    chosen = {}
+    for key, fallback in (("temperature", 1.0), ("top_p", 1.0), ("top_k", 0)):
+        value = getattr(body, key)
+        chosen[key] = defaults.get(key, fallback) if value is None else value
+    chosen["top_k"] = max(chosen["top_k"], 0)  # -1: off
+    if body.repetition_penalty is None and "repetition_penalty" in defaults:
+        chosen["repetition_penalty"] = defaults["repetition_penalty"]
+    for key in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "ignore_eos"):
+        if getattr(body, key) is not None:
+            chosen[key] = getattr(body, key)
+    chosen["stop_token_ids"] = list(body.stop_token_ids or ())
+    chosen["logit_bias"] = _logit_bias(body.logit_bias)
+    if chat:
+        chosen["logprobs"] = bool(body.logprobs)
+        chosen["top_logprobs"] = body.top_logprobs or 0
+    else:
+        chosen["logprobs"] = body.logprobs is not None
+        chosen["top_logprobs"] = body.logprobs or 0
+    return chosen
+
+
+def _logit_bias(bias: Optional[Dict[str, float]]) -> Dict[int, float]:
+    out = {}
+    for key, value in (bias or {}).items():
+        if not key.isdigit() or not key.isascii():
+            raise BadRequest(f"logit_bias: key {key!r} is not a token id (expected a non-negative integer)")
+        out[int(key)] = value
+    return out
+
+
+class LogprobFormatter:
+    """OpenAI's logprobs objects from the engine's (token id, logprob, top logprobs) per generated token."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def chat(self, tokens: Sequence[int], logprobs: Sequence[float], tops: Sequence[Optional[list]]) -> dict:
+        """``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
+        content = []
+        for tok, lp, top in zip(tokens, logprobs, tops):
+            entry = self._chat_entry(tok, lp)
+            entry["top_logprobs"] = [self._chat_entry(t, v) for t, v in top or ()]
+            content.append(entry)
+        return {"content": content}
+
+    def _chat_entry(self, token_id: int, logprob: float) -> dict:
+        text = self.text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    def completion(self, tokens: Sequence[int], logprobs: Sequence[float], tops: Sequence[Optional[list]],
+                   offset: int) -> dict:  # fmt: skip
+        """``{tokens, token_logprobs, top_logprobs, text_offset}``; ``top_logprobs`` maps text to logprob for the
+        chosen token and the asked-for alternatives; ``text_offset`` counts from ``offset`` (an echoed prompt)."""
+        texts, offsets, top_maps = [], [], []
+        for tok, lp, top in zip(tokens, logprobs, tops):
+            text = self.text(tok)
+            offsets.append(offset)
+            offset += len(text)
+            texts.append(text)
+            top_map = {self.text(t): v for t, v in top or ()}
+            top_map.setdefault(text, lp)
+            top_maps.append(top_map)
+        return {"tokens": texts, "token_logprobs": list(logprobs), "top_logprobs": top_maps, "text_offset": offsets}
+
+
+class OpenAIReply:
+    """One OpenAI response: its id, its choices and usage, whole or as server-sent events. ``server``: the
+    api_server's ``Server`` (its tokenizer, model name, and ``merged_streams`` for streams)."""
+
+    def __init__(self, server, chat: bool, prompts: List[List[int]], n: int, best_of: int, echoes,
+                 with_logprobs: bool):  # fmt: skip
+        self.server, self.chat, self.prompts, self.n, self.best_of = server, chat, prompts, n, best_of
+        self.with_logprobs = with_logprobs
+        self.echoes = echoes  # per prompt, the text echoed before the completion (completions with echo)
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        self.created = int(time.time())
+        self.kind = "chat.completion" if chat else "text_completion"
+        self.logprobs = LogprobFormatter(server.tokenizer)
+
+    def _echo(self, prompt_index: int) -> str:
+        return self.echoes[prompt_index] if self.echoes else ""
+
+    def _usage(self, completion_tokens: int) -> dict:
+        prompt_tokens = sum(len(ids) for ids in self.prompts)
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens}  # fmt: skip
+
+    def whole(self, results: List[dict]) -> dict:
+        choices = []
+        for p in range(len(self.prompts)):
+            group = results[p * self.best_of : (p + 1) * self.best_of]
+            if self.best_of > self.n:  # the n most likely samples under the model, most likely first
+                group = sorted(group, key=lambda r: sum(r["logprobs"]), reverse=True)[: self.n]
+            for r in group:
+                choices.append(self._choice(len(choices), p, r))
+        usage = self._usage(sum(len(r["token_ids"]) for r in results))
+        return {"id": self.id, "object": self.kind, "created": self.created, "model": self.server.model_name,
+                "choices": choices, "usage": usage}  # fmt: skip
+
+    def _choice(self, index: int, prompt_index: int, r: dict) -> dict:
+        lps = None
+        if self.chat:
+            if self.with_logprobs:
+                lps = self.logprobs.chat(r["token_ids"], r["logprobs"], r["top_logprobs"])
+            message = {"role": "assistant", "content": r["text"]}
+            return {"index": index, "message": message, "logprobs": lps, "finish_reason": r["finish_reason"]}
+        echo = self._echo(prompt_index)
+        if self.with_logprobs:
+            lps = self.logprobs.completion(r["token_ids"], r["logprobs"], r["top_logprobs"], len(echo))
+        return {"index": index, "text": echo + r["text"], "logprobs": lps, "finish_reason": r["finish_reason"]}
+
+    async def stream(self, seqs: List[tuple], request, include_usage: bool) -> AsyncIterator[str]:
+        """Server-sent events: per choice, a first chunk (chat: the role; completions with echo: the prompt), one
+        chunk per token (with its logprobs when asked), a last one with the finish reason; with
+        ``include_usage`` a final chunk with no choices and the usage; then ``[DONE]``. best_of equals n here."""
+        kind = self.kind + ".chunk" if self.chat else self.kind
+        produced = [0] * len(seqs)
+        offsets = [len(self._echo(i // self.n)) for i in range(len(seqs))]
+        for i in range(len(seqs)):
+            if self.chat:
+                yield self._sse(kind, [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                        "finish_reason": None}])  # fmt: skip
+            elif self.echoes:
+                yield self._sse(kind, [{"index": i, "text": self._echo(i // self.n), "logprobs": None,
+                                        "finish_reason": None}])  # fmt: skip
+        async for i, (delta, ev, fin) in self.server.merged_streams(seqs, request):
+            lps = None
+            if ev is not None:
+                produced[i] += 1
+                if self.with_logprobs:
+                    lps = self._token_logprobs(ev, offsets[i])
+                    offsets[i] += len(self.logprobs.text(ev.token_id))
+            if self.chat:
+                choice = {"index": i, "delta": {"content": delta} if delta or not fin else {}}
+            else:
+                choice = {"index": i, "text": delta}
+            yield self._sse(kind, [{**choice, "logprobs": lps, "finish_reason": fin}])
+        if include_usage:
+            yield self._sse(kind, [], usage=self._usage(sum(produced)))
+        yield "data: [DONE]\n\n"
+
+    def _token_logprobs(self, ev: Event, offset: int) -> dict:
+        if self.chat:
+            return self.logprobs.chat([ev.token_id], [ev.logprob], [ev.top_logprobs])
+        return self.logprobs.completion([ev.token_id], [ev.logprob], [ev.top_logprobs], offset)
+
+    def _sse(self, kind: str, choices: list, usage: Optional[dict] = None) -> str:
+        body = {"id": self.id, "object": kind, "created": self.created, "model": self.server.model_name,
+                "choices": choices}  # fmt: skip
+        if usage is not None:
+            body["usage"] = usage
+        return f"data: {json.dumps(body)}\n\n"

@@ -1,0 +1,79 @@
+"""A fake model and tokenizer for in-process server tests: the next-token distribution depends on the last
+token (so sampling, penalties and logprobs mean something), and each token is one letter."""
+
+import json
+from types import SimpleNamespace
+
+import torch
+
+from lightllm.common.kv_cache import KVCacheManager
+from lightllm.server.api_server import Server
+
+VOCAB = 16
+WEIGHTS = torch.randn(VOCAB, VOCAB, generator=torch.Generator().manual_seed(0)) * 2  # row: logits after a token
+
+
+class FakeRunner:
+    def __init__(self):
+        self.args = SimpleNamespace(batch_max_tokens=256, max_req_total_len=64, running_max_req_size=32)
+        self.config = SimpleNamespace(eos_token_ids=(), vocab_size=VOCAB)
+        self.device = torch.device("cpu")
+        self.kv = KVCacheManager(4000, 32, 64, "cpu")
+
+    def add_request(self):
+        return 0
+
+    def free(self, slot):
+        pass
+
+    def prefill(self, slots, prompts):
+        return WEIGHTS[[p[-1] for p in prompts]].clone()
+
+    def decode(self, slots, last_tokens):
+        return WEIGHTS[list(last_tokens)].clone()
+
+
+class Letters:
+    """Token i is the letter chr(97 + i); the chat template is the last message's content, its options recorded."""
+
+    eos_token_id = None
+    all_special_ids = [15]  # "p"
+
+    def __init__(self):
+        self.template_calls = []
+
+    def encode(self, text):
+        return [ord(c) - 97 for c in text]
+
+    def decode(self, ids, **kw):
+        return "".join(chr(97 + i) for i in ids)
+
+    def apply_chat_template(self, messages, **kw):
+        self.template_calls.append((messages, kw))
+        return messages[-1]["content"]
+
+
+def make_server() -> Server:
+    """A server over FakeRunner and Letters; the sampling parameters of what it submits land in ``.submitted``."""
+    s = Server(FakeRunner(), Letters(), "tiny")
+    s.prompts.tokenizer = s.tokenizer
+    s.submitted = []
+    submit = s.engine.submit
+    s.engine.submit = lambda req: (s.submitted.append(req.params), submit(req))
+    return s
+
+
+def post(client, path, body):
+    r = client.post(path, json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def sse(client, path, body, done=True):
+    """The events of a server-sent-event response; ``done``: it must end with ``data: [DONE]`` (OpenAI's)."""
+    with client.stream("POST", path, json=body) as r:
+        assert r.status_code == 200, r.read()
+        lines = [line for line in r.iter_lines() if line]
+    if done:
+        assert lines.pop() == "data: [DONE]"
+    return [json.loads(line.removeprefix("data:")) for line in lines]

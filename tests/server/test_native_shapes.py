@@ -1,0 +1,91 @@
+"""``/generate`` and ``/generate_stream`` in LightLLM's request and response shapes (issue 18 item 4): in-process,
+over the fake model of ``fake_model.py`` (token i is the letter chr(97 + i); token 15, "p", is special)."""
+
+import pytest
+import torch
+from fake_model import WEIGHTS, make_server, post, sse
+from fastapi.testclient import TestClient
+
+GENERATE, STREAM = "/generate", "/generate_stream"
+
+
+@pytest.fixture
+def server():
+    return make_server()
+
+
+@pytest.fixture
+def client(server):
+    with TestClient(server.app) as c:
+        yield c
+
+
+def test_generate_answers_in_lightllms_shape_with_details(client):
+    body = {"inputs": "abc", "parameters": {"max_new_tokens": 5, "ignore_eos": True, "return_details": True}}
+    r = post(client, GENERATE, body)
+    text = r["generated_text"][0]
+    assert isinstance(r["generated_text"], list) and len(text) == 5
+    assert (r["count_output_tokens"], r["finish_reason"], r["prompt_tokens"]) == (5, "length", 3)
+    want = torch.log_softmax(WEIGHTS.double(), -1)
+    prev = 2
+    for detail, letter in zip(r["tokens"], text):
+        tok = ord(letter) - 97
+        assert (detail["id"], detail["text"], detail["special"]) == (tok, letter, tok == 15)
+        assert detail["logprob"] == pytest.approx(want[prev, tok].item(), abs=1e-5)
+        prev = tok
+    assert "tokens" not in post(client, GENERATE, {**body, "parameters": {"max_new_tokens": 2}})
+
+
+def test_generate_stream_events_in_lightllms_shape(client):
+    body = {"inputs": "abc", "parameters": {"max_new_tokens": 4, "ignore_eos": True, "return_details": True}}
+    whole = post(client, GENERATE, body)
+    events = sse(client, STREAM, body, done=False)
+    *tokens, last = events
+    assert [e["token"]["id"] for e in tokens] == [t["id"] for t in whole["tokens"]]
+    assert [e["token"]["count_output_tokens"] for e in tokens] == [1, 2, 3, 4]
+    for e in tokens:
+        assert set(e["token"]) == {"id", "text", "logprob", "special", "count_output_tokens", "prompt_tokens"}
+        assert (e["finished"], e["finish_reason"], e["generated_text"], e["details"]) == (False, None, None, None)
+    assert last["finished"] is True and last["finish_reason"] == "length" and last["token"]["id"] is None
+    assert last["generated_text"] == whole["generated_text"][0]
+    assert last["details"] == {"finish_reason": "length", "count_output_tokens": 4, "prompt_tokens": 3}
+
+
+def test_do_sample_and_stop_sequences(server, client):
+    greedy = post(client, GENERATE, {"inputs": "abc", "parameters": {"max_new_tokens": 8, "ignore_eos": True}})
+    text = greedy["generated_text"][0]
+    # do_sample false is greedy whatever the temperature; true samples at the temperature (1 by default)
+    forced = post(
+        client,
+        GENERATE,
+        {
+            "inputs": "abc",
+            "parameters": {"max_new_tokens": 8, "ignore_eos": True, "do_sample": False, "temperature": 5.0},
+        },
+    )
+    assert forced["generated_text"] == [text] and server.submitted[-1].temperature == 0
+    post(client, GENERATE, {"inputs": "abc", "parameters": {"max_new_tokens": 2, "do_sample": True, "seed": 3}})
+    assert server.submitted[-1].temperature == 1.0
+    stop = text[3]
+    cut = post(
+        client,
+        GENERATE,
+        {
+            "inputs": "abc",
+            "parameters": {"max_new_tokens": 8, "ignore_eos": True, "stop_sequences": [stop], "top_k": -1},
+        },
+    )
+    assert cut["finish_reason"] == "stop" and cut["generated_text"] == [text[: text.index(stop)]]
+
+
+@pytest.mark.parametrize("parameters, message", [
+    ({"do_sample": 1}, "parameters.do_sample: Input should be a valid boolean"),
+    ({"top_k": -2}, "parameters.top_k: Input should be greater than or equal to -1"),
+    ({"stop_sequences": [""]}, "stop: expected non-empty strings"),
+    ({"repetition_penalty": 0}, "parameters.repetition_penalty: Input should be greater than 0"),
+    ({"min_new_tokens": 5, "max_new_tokens": 2}, "min_tokens expected an integer in [0, max_new_tokens 2], got 5"),
+], ids=["do-sample", "top-k", "empty-stop", "repetition", "min-new-tokens"])  # fmt: skip
+def test_bad_native_parameters_are_a_400_naming_them(server, client, parameters, message):
+    r = client.post(GENERATE, json={"inputs": "abc", "parameters": parameters})
+    assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
+    assert server.submitted == []
