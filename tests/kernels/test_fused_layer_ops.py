@@ -73,7 +73,9 @@ def test_add_rmsnorm_plan_checks_each_layer_and_bad_inputs():
     with pytest.raises(ValueError, match=r"add_rmsnorm plan: residual expected the planned \(4, 64\) torch.float32, "
                                          r"got \(5, 64\)"):  # fmt: skip
         plan.run(torch.zeros(5, 64, device=DEVICE), torch.zeros(5, 64, device=DEVICE), w)
-    with pytest.raises(ValueError, match=r"x expected the planned \(4, 64\) torch.float32, got \(4, 64\) torch.float16"):
+    with pytest.raises(
+        ValueError, match=r"x expected the planned \(4, 64\) torch.float32, got \(4, 64\) torch.float16"
+    ):
         plan.run(torch.zeros(4, 64, device=DEVICE), torch.zeros(4, 64, device=DEVICE, dtype=torch.float16), w)
     with pytest.raises(ValueError, match="contiguous last dim"):
         plan.run(torch.zeros(64, 4, device=DEVICE).t(), torch.zeros(4, 64, device=DEVICE), w)
@@ -133,8 +135,8 @@ def test_qk_norm_rope_outputs_are_prefilled_nan_and_all_written(monkeypatch):
     monkeypatch.setattr(torch, "empty", lambda *a, **k: real_empty(*a, **k).fill_(float("nan")))
     cos, sin = _tables(16, 16, torch.float32)
     qkv = torch.randn(3, 8 * 16, device=DEVICE)
-    q, k = qk_norm_rope(qkv, torch.ones(16, device=DEVICE), torch.ones(16, device=DEVICE), cos, sin,
-                        torch.tensor([0, 5, 15], device=DEVICE), 4, 2, run_config={"BLOCK_H": 4, "num_warps": 1})  # fmt: skip
+    ones, positions = torch.ones(16, device=DEVICE), torch.tensor([0, 5, 15], device=DEVICE)
+    q, k = qk_norm_rope(qkv, ones, ones, cos, sin, positions, 4, 2, run_config={"BLOCK_H": 4, "num_warps": 1})
     assert not q.isnan().any() and not k.isnan().any()
 
 
@@ -204,14 +206,22 @@ def test_each_candidate_compiles_and_passes_the_accuracy_gate(kernel, monkeypatc
     before = get_autotune_stats()
     with autotune_warmup(AutotuneKernelType.GENERAL):
         if kernel == "add_rmsnorm":
-            residual, x, w = torch.randn(3, 64, device=DEVICE), torch.randn(3, 64, device=DEVICE), torch.rand(64, device=DEVICE)
+            residual, x, w = (
+                torch.randn(3, 64, device=DEVICE),
+                torch.randn(3, 64, device=DEVICE),
+                torch.rand(64, device=DEVICE),
+            )
             h = residual.double()
             ref = add_rmsnorm_ref(h, x.double(), w.double())
             out = add_rmsnorm(residual, x, w)
             torch.testing.assert_close(residual.double(), h)  # added once, whatever the search ran
         elif kernel == "qk_norm_rope":
             cos, sin = _tables(8, 16, torch.float32)
-            qkv, qw, kw = torch.randn(2, 8 * 16, device=DEVICE), torch.rand(16, device=DEVICE) + 0.5, torch.rand(16, device=DEVICE) + 0.5
+            qkv, qw, kw = (
+                torch.randn(2, 8 * 16, device=DEVICE),
+                torch.rand(16, device=DEVICE) + 0.5,
+                torch.rand(16, device=DEVICE) + 0.5,
+            )
             pos = torch.tensor([3, 7], device=DEVICE)
             out = torch.cat(qk_norm_rope(qkv, qw, kw, cos, sin, pos, 4, 2), dim=1)
             g = lambda t: t[pos][:, None, :].double()  # noqa: E731

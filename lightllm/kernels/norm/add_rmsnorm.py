@@ -125,8 +125,10 @@ class AddRMSNormPlan:
         if out is None:
             out = torch.empty(residual.shape, dtype=residual.dtype, device=residual.device)
         elif out.shape != residual.shape or out.dtype != residual.dtype or out.stride(-1) != 1:
-            raise ValueError(f"add_rmsnorm: out expected a {tuple(residual.shape)} {residual.dtype} tensor with a "
-                             f"contiguous last dim, got {tuple(out.shape)} {out.dtype} strides {out.stride()}")  # fmt: skip
+            raise ValueError(
+                f"add_rmsnorm: out expected a {tuple(residual.shape)} {residual.dtype} tensor with a "
+                f"contiguous last dim, got {tuple(out.shape)} {out.dtype} strides {out.stride()}"
+            )
         return self._tuned.run(residual, x, weight, self.eps, out)
 
 

@@ -126,12 +126,12 @@ class QKNormRopePlan:
                              f"{tuple(positions.shape)} {positions.dtype}")  # fmt: skip
         self.q_shape, self.k_shape = (tokens, q_heads, head_dim), (tokens, kv_heads, head_dim)
         self.cos, self.sin, self.positions, self.eps = cos, sin, positions, float(eps)
-        width = (q_heads + 2 * kv_heads) * head_dim
-        self.inputs = PlannedInputs("qk_norm_rope", qkv=(torch.Size((tokens, width)), dtype),
-                                    q_weight=(torch.Size((head_dim,)), dtype), k_weight=(torch.Size((head_dim,)), dtype))  # fmt: skip
+        width, weight = (q_heads + 2 * kv_heads) * head_dim, (torch.Size((head_dim,)), dtype)
+        self.inputs = PlannedInputs("qk_norm_rope", qkv=(torch.Size((tokens, width)), dtype), q_weight=weight,
+                                    k_weight=weight)  # fmt: skip
         self._tuned = _launch_qk_norm_rope.plan(run_config=run_config)
 
-    def run(self, qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    def run(self, qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor) -> Tuple[torch.Tensor, ...]:
         """``(q, k)``, new contiguous tensors; qkv is read only."""
         self.inputs.check((qkv.shape, qkv.dtype), (q_weight.shape, q_weight.dtype), (k_weight.shape, k_weight.dtype))
         if qkv.stride(-1) != 1 or q_weight.stride(0) != 1 or k_weight.stride(0) != 1:
@@ -169,9 +169,9 @@ def rotary_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def qk_norm_rope_ref(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor,
-                     sin: torch.Tensor, q_heads: int, kv_heads: int, eps: float = 1e-6) -> Tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """Torch reference with the kernel's rounding steps; ``cos``/``sin`` are already gathered by position
-    (``[tokens, 1, D]``, once per step)."""
+                     sin: torch.Tensor, q_heads: int, kv_heads: int, eps: float = 1e-6):  # fmt: skip
+    """Torch reference with the kernel's rounding steps: ``(q, k)``. ``cos``/``sin`` are already gathered by
+    position (``[tokens, 1, D]``, once per step)."""
     tokens, d = qkv.shape[0], q_weight.shape[0]
     q = qkv[:, : q_heads * d].reshape(tokens, q_heads, d)
     k = qkv[:, q_heads * d : (q_heads + kv_heads) * d].reshape(tokens, kv_heads, d)
