@@ -232,3 +232,48 @@ def test_each_candidate_compiles_and_passes_the_accuracy_gate(kernel, monkeypatc
     done = get_autotune_stats() - before
     assert done.searches == 1 and done.candidates_timed > 1 and done.candidates_rejected == 0
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+# ---- on the GPU, at Qwen3-8B's widths in bfloat16 ----
+
+Q8B = dict(hidden=4096, q_heads=32, kv_heads=8, head_dim=128, intermediate=12288)
+
+
+def _close_bf16(out, ref_same_dtype, ref64):
+    """Within two bfloat16 rounding steps of the same-dtype reference (the float32 norm's last bit may differ, and
+    rotary rounds twice more) and within bfloat16's error of the float64 math."""
+    assert not out.isnan().any(), "some output elements were never written"
+    torch.testing.assert_close(out.float(), ref_same_dtype.float(), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(out.double(), ref64, rtol=5e-2, atol=5e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 7, 128, 4096])
+def test_gpu_8b_shapes_match_references(tokens):
+    torch.manual_seed(tokens)
+    bf16, dev, s = torch.bfloat16, "cuda", Q8B
+    # residual add + RMSNorm over the hidden states
+    residual = torch.randn(tokens, s["hidden"], dtype=bf16, device=dev) * 4
+    x = torch.randn(tokens, s["hidden"], dtype=bf16, device=dev)
+    w = (torch.rand(s["hidden"], device=dev) + 0.5).to(bf16)
+    h64, h_same = residual.double(), residual.clone()
+    ref64, ref_same = add_rmsnorm_ref(h64, x.double(), w.double()), add_rmsnorm_ref(h_same, x, w)
+    out = add_rmsnorm(residual, x, w)
+    assert torch.equal(residual, h_same)
+    _close_bf16(out, ref_same, ref64)
+    # q/k norm + rotary over the fused qkv output, positions up to 40960
+    d, qh, kvh = s["head_dim"], s["q_heads"], s["kv_heads"]
+    qkv = torch.randn(tokens, (qh + 2 * kvh) * d, dtype=bf16, device=dev) * 3
+    qw, kw = ((torch.rand(d, device=dev) + 0.5).to(bf16) for _ in range(2))
+    cos, sin = _tables(40960, d, bf16, theta=1e6)
+    cos, sin = cos.to(dev), sin.to(dev)
+    pos = torch.randint(0, 40960, (tokens,), device=dev)
+    q, k = qk_norm_rope(qkv, qw, kw, cos, sin, pos, qh, kvh)
+    g = lambda t: t[pos][:, None, :]  # noqa: E731
+    q_same, k_same = qk_norm_rope_ref(qkv, qw, kw, g(cos), g(sin), qh, kvh)
+    q64, k64 = qk_norm_rope_ref(qkv.double(), qw.double(), kw.double(), g(cos).double(), g(sin).double(), qh, kvh)
+    _close_bf16(q, q_same, q64)
+    _close_bf16(k, k_same, k64)
+    # SiLU(gate) * up over the fused gate/up output
+    gate_up = torch.randn(tokens, 2 * s["intermediate"], dtype=bf16, device=dev) * 4
+    _close_bf16(silu_mul(gate_up), silu_mul_ref(gate_up), silu_mul_ref(gate_up.double()))
