@@ -22,24 +22,27 @@ _POSITION_DTYPES = (torch.int32, torch.int64)
 
 
 @triton.jit
-def _qk_norm_rope_kernel(QKV, QW, KW, Cos, Sin, Pos, Q, K, stride_qkv, stride_q_t, stride_q_h, stride_k_t,
-                         stride_k_h, stride_cs, q_heads, heads, D, half, eps, BLOCK_H: tl.constexpr,
+def _qk_norm_rope_kernel(QKV, QW, KW, Cos, Sin, Pos, Q, K, stride_qkv, stride_cs, eps, Q_HEADS: tl.constexpr,
+                         HEADS: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr,
                          BLOCK_D: tl.constexpr):  # fmt: skip
+    # q [tokens, Q_HEADS, D] and k [tokens, HEADS - Q_HEADS, D] are contiguous: their strides need no arguments.
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # q heads first, then k heads, as in qkv's rows
     d = tl.arange(0, BLOCK_D)
     d_mask = d < D
+    half: tl.constexpr = D // 2
     partner = tl.where(d < half, d + half, d - half)  # rotate_half(x)[d] = -x[d + half] | x[d - half]
     sign = tl.where(d < half, -1.0, 1.0)
-    mask = (h < heads)[:, None] & d_mask[None, :]
-    is_q = (h < q_heads)[:, None]
+    mask = (h < HEADS)[:, None] & d_mask[None, :]
+    is_q = (h < Q_HEADS)[:, None]
 
     row = QKV + t * stride_qkv + h[:, None] * D
     x = tl.load(row + d[None, :], mask=mask, other=0.0).to(tl.float32)
     x_partner = tl.load(row + partner[None, :], mask=mask, other=0.0).to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)[:, None]
     w = tl.where(is_q, tl.load(QW + d, mask=d_mask)[None, :], tl.load(KW + d, mask=d_mask)[None, :])
-    w_partner = tl.where(is_q, tl.load(QW + partner, mask=d_mask)[None, :], tl.load(KW + partner, mask=d_mask)[None, :])
+    qw_partner = tl.load(QW + partner, mask=d_mask)[None, :]
+    w_partner = tl.where(is_q, qw_partner, tl.load(KW + partner, mask=d_mask)[None, :])
     dt = QKV.dtype.element_ty
     normed = ((x * rstd).to(dt) * w).to(dt).to(tl.float32)
     normed_partner = ((x_partner * rstd).to(dt) * w_partner).to(dt).to(tl.float32)
@@ -49,10 +52,10 @@ def _qk_norm_rope_kernel(QKV, QW, KW, Cos, Sin, Pos, Q, K, stride_qkv, stride_q_
     sin = tl.load(Sin + pos * stride_cs + d, mask=d_mask).to(tl.float32)[None, :]
     y = ((normed * cos).to(dt).to(tl.float32) + (sign[None, :] * normed_partner * sin).to(dt).to(tl.float32)).to(dt)
 
-    q_ptr = Q + t * stride_q_t + h[:, None] * stride_q_h + d[None, :]
+    q_ptr = Q + t * (Q_HEADS * D) + h[:, None] * D + d[None, :]
     tl.store(q_ptr, y.to(Q.dtype.element_ty), mask=mask & is_q)
-    k_ptr = K + t * stride_k_t + (h - q_heads)[:, None] * stride_k_h + d[None, :]
-    tl.store(k_ptr, y.to(K.dtype.element_ty), mask=mask & (h >= q_heads)[:, None])
+    k_ptr = K + t * ((HEADS - Q_HEADS) * D) + (h - Q_HEADS)[:, None] * D + d[None, :]
+    tl.store(k_ptr, y.to(K.dtype.element_ty), mask=mask & (h >= Q_HEADS)[:, None])
 
 
 def _configs(q_out, k_out):
@@ -81,16 +84,15 @@ def _default_config(heads: int) -> dict:
     output_args=("q_out", "k_out"),
 )
 def _launch_qk_norm_rope(qkv, q_weight, k_weight, cos, sin, positions, eps, q_out, k_out, run_config=None):
+    # q_out and k_out contiguous (the plan allocates them): few runtime arguments keep the launch cheap.
     tokens, q_heads, d = q_out.shape
     heads = q_heads + k_out.shape[1]
     cfg = run_config or _default_config(heads)
     if tokens > 0:
         grid = (tokens, triton.cdiv(heads, cfg["BLOCK_H"]))
-        _qk_norm_rope_kernel[grid](
-            qkv, q_weight, k_weight, cos, sin, positions, q_out, k_out, qkv.stride(0), q_out.stride(0),
-            q_out.stride(1), k_out.stride(0), k_out.stride(1), cos.stride(0), q_heads, heads, d, d // 2, eps,
-            cfg["BLOCK_H"], triton.next_power_of_2(d), num_warps=cfg["num_warps"],
-        )  # fmt: skip
+        _qk_norm_rope_kernel[grid](qkv, q_weight, k_weight, cos, sin, positions, q_out, k_out, qkv.stride(0),
+                                   cos.stride(0), eps, q_heads, heads, d, cfg["BLOCK_H"], triton.next_power_of_2(d),
+                                   num_warps=cfg["num_warps"])  # fmt: skip
     return q_out, k_out
 
 
