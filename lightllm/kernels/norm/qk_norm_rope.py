@@ -30,7 +30,7 @@ def _qk_norm_rope_kernel(QKV, QW, KW, Cos, Sin, Pos, Q, K, stride_qkv, stride_cs
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # q heads first, then k heads, as in qkv's rows
     d = tl.arange(0, BLOCK_D)
     d_mask = d < D
-    half: tl.constexpr = D // 2
+    half = D // 2  # constexpr arithmetic: a constant
     partner = tl.where(d < half, d + half, d - half)  # rotate_half(x)[d] = -x[d + half] | x[d - half]
     sign = tl.where(d < half, -1.0, 1.0)
     mask = (h < HEADS)[:, None] & d_mask[None, :]
