@@ -5,6 +5,7 @@ weight). Rounding as ``F.silu(gate) * up`` in the model dtype: silu in float32 r
 Tuned as a GENERAL kernel: BLOCK_N (columns per program) and num_warps per row count.
 """
 
+import functools
 from typing import Optional
 
 import torch
@@ -13,6 +14,7 @@ import triton
 import triton.language as tl
 
 from lightllm.common.autotuner import AutotuneKernelType, PlannedInputs, autotune
+from lightllm.kernels.launch_math import cdiv, next_power_of_2
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -29,7 +31,7 @@ def _silu_mul_kernel(GU, Out, stride_gu, stride_out, N, BLOCK_N: tl.constexpr):
 
 
 def _configs(out):
-    full = triton.next_power_of_2(out.shape[-1])
+    full = next_power_of_2(out.shape[-1])
     blocks = sorted({min(b, full) for b in (256, 512, 1024, 2048, 4096)})
     return [{"BLOCK_N": b, "num_warps": w} for b in blocks for w in (1, 2, 4, 8) if w * 32 <= b]
 
@@ -42,8 +44,9 @@ def _run_key(gate_up):
     return gate_up.shape[0]
 
 
+@functools.lru_cache(maxsize=None)  # per launch when no tuned config: computed once per size
 def _default_config(n: int) -> dict:
-    block = min(triton.next_power_of_2(n), 1024)
+    block = min(next_power_of_2(n), 1024)
     return {"BLOCK_N": block, "num_warps": max(1, min(4, block // 128))}
 
 
@@ -59,7 +62,7 @@ def _launch_silu_mul(gate_up, out, run_config=None):
     rows, n = out.shape
     cfg = run_config or _default_config(n)
     if rows > 0:
-        grid = (rows, triton.cdiv(n, cfg["BLOCK_N"]))
+        grid = (rows, cdiv(n, cfg["BLOCK_N"]))
         _silu_mul_kernel[grid](gate_up, out, gate_up.stride(0), out.stride(0), n, cfg["BLOCK_N"],
                                num_warps=cfg["num_warps"])  # fmt: skip
     return out

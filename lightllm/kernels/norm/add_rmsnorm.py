@@ -5,6 +5,7 @@ The sum is rounded to the residual's dtype before it is normalized, as an unfuse
 BLOCK_N (one pass when it covers the row, else two chunked passes) and num_warps per row count.
 """
 
+import functools
 from typing import Optional, Tuple
 
 import torch
@@ -13,6 +14,7 @@ import triton.language as tl
 
 from lightllm.common.autotuner import AutotuneKernelType, PlannedInputs, autotune
 from lightllm.kernels.norm.rmsnorm import rmsnorm_ref
+from lightllm.kernels.launch_math import next_power_of_2
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -56,7 +58,7 @@ def _add_rmsnorm_kernel(R, X, W, Y, stride_r, stride_x, stride_y, N, eps, BLOCK_
 
 
 def _configs(residual):
-    full = triton.next_power_of_2(residual.shape[-1])
+    full = next_power_of_2(residual.shape[-1])
     blocks = sorted({min(b, full) for b in (256, 1024, 4096, full) if b <= 16384})
     return [{"BLOCK_N": b, "num_warps": w} for b in blocks for w in (1, 2, 4, 8, 16) if w * 32 <= b]
 
@@ -69,8 +71,9 @@ def _run_key(residual):
     return residual.shape[0]
 
 
+@functools.lru_cache(maxsize=None)  # per launch when no tuned config: computed once per size
 def _default_config(n: int) -> dict:
-    block = min(triton.next_power_of_2(n), 16384)
+    block = min(next_power_of_2(n), 16384)
     return {"BLOCK_N": block, "num_warps": max(1, min(16, block // 256))}
 
 

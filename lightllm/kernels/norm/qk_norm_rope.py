@@ -8,6 +8,7 @@ rotary in the model dtype (``x * cos`` and ``rotate_half(x) * sin`` each rounded
 Tuned as a GENERAL kernel: BLOCK_H (heads per program) and num_warps per token count.
 """
 
+import functools
 from typing import Optional, Tuple
 
 import torch
@@ -16,6 +17,7 @@ import triton.language as tl
 
 from lightllm.common.autotuner import AutotuneKernelType, PlannedInputs, autotune
 from lightllm.kernels.norm.rmsnorm import rmsnorm_ref
+from lightllm.kernels.launch_math import cdiv, next_power_of_2
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _POSITION_DTYPES = (torch.int32, torch.int64)
@@ -59,7 +61,7 @@ def _qk_norm_rope_kernel(QKV, QW, KW, Cos, Sin, Pos, Q, K, stride_qkv, stride_cs
 
 
 def _configs(q_out, k_out):
-    heads = triton.next_power_of_2(q_out.shape[1] + k_out.shape[1])
+    heads = next_power_of_2(q_out.shape[1] + k_out.shape[1])
     return [{"BLOCK_H": b, "num_warps": w} for b in (1, 2, 4, 8, 16) if b <= heads for w in (1, 2, 4, 8)]
 
 
@@ -71,8 +73,9 @@ def _run_key(qkv):
     return qkv.shape[0]
 
 
+@functools.lru_cache(maxsize=None)  # per launch when no tuned config: computed once per size
 def _default_config(heads: int) -> dict:
-    return {"BLOCK_H": min(4, triton.next_power_of_2(heads)), "num_warps": 4}
+    return {"BLOCK_H": min(4, next_power_of_2(heads)), "num_warps": 4}
 
 
 @autotune(
@@ -89,9 +92,9 @@ def _launch_qk_norm_rope(qkv, q_weight, k_weight, cos, sin, positions, eps, q_ou
     heads = q_heads + k_out.shape[1]
     cfg = run_config or _default_config(heads)
     if tokens > 0:
-        grid = (tokens, triton.cdiv(heads, cfg["BLOCK_H"]))
+        grid = (tokens, cdiv(heads, cfg["BLOCK_H"]))
         _qk_norm_rope_kernel[grid](qkv, q_weight, k_weight, cos, sin, positions, q_out, k_out, qkv.stride(0),
-                                   cos.stride(0), eps, q_heads, heads, d, cfg["BLOCK_H"], triton.next_power_of_2(d),
+                                   cos.stride(0), eps, q_heads, heads, d, cfg["BLOCK_H"], next_power_of_2(d),
                                    num_warps=cfg["num_warps"])  # fmt: skip
     return q_out, k_out
 

@@ -42,6 +42,7 @@ class Qwen3Model:
         self.w = weights
         self.device = device
         self.dtype = weights.embed.dtype
+        self.tp = tp
         self.heads, self.kv_heads = local_heads(config, tp)  # this rank's share of ``tp`` ranks (the weights' shard)
         self.intermediate = config.intermediate_size // tp
         self.use_kernels = device.type == "cuda"  # the Triton kernels, else their torch references
@@ -103,6 +104,7 @@ class Qwen3Model:
         tokens, d, layers = input_ids.shape[0], self.config.head_dim, self.w.layers
         v_start = (self.heads + self.kv_heads) * d  # qkv's columns: q heads, k heads, v heads
         ops = self.plan_step(tokens, state)
+        reduce = all_reduce_ if self.tp > 1 else _unchanged  # one rank: no all-reduce, nor its world-size query
         h = F.embedding(input_ids, self.w.embed)  # the residual stream, updated in place by add_norm
         x = ops.norm(h, layers[0].input_norm)
         for i, lw in enumerate(layers):
@@ -111,8 +113,8 @@ class Qwen3Model:
             v = qkv[:, v_start:].view(tokens, self.kv_heads, d)
             attn.write_kv(i, k, v, state.out_token_idx)
             o = attn.prefill(i, q, k, v, state) if state.is_prefill else attn.decode(i, q, state)
-            x = ops.add_norm(h, all_reduce_(F.linear(o.reshape(tokens, -1), lw.o_proj)), lw.post_norm)
-            mlp = all_reduce_(F.linear(ops.silu_mul(F.linear(x, lw.gate_up_proj)), lw.down_proj))
+            x = ops.add_norm(h, reduce(F.linear(o.reshape(tokens, -1), lw.o_proj)), lw.post_norm)
+            mlp = reduce(F.linear(ops.silu_mul(F.linear(x, lw.gate_up_proj)), lw.down_proj))
             if i + 1 < len(layers):
                 x = ops.add_norm(h, mlp, layers[i + 1].input_norm)
         if state.is_prefill:  # only each request's last token goes on
@@ -120,3 +122,7 @@ class Qwen3Model:
             h, mlp = h[last], mlp[last]
         h = ops.final_add_norm(h, mlp, self.w.final_norm)
         return F.linear(h, self.w.lm_head).float()
+
+
+def _unchanged(x: torch.Tensor) -> torch.Tensor:
+    return x
