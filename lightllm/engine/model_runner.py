@@ -39,6 +39,7 @@ from lightllm.common.kv_cache.sizing import (
     gpu_pool_tokens,
 )
 from lightllm.engine.args import EngineArgs
+from lightllm.engine.staging import DecodeStaging
 from lightllm.layers import parallel
 from lightllm.layers.attention import AttentionBackend, check_head_dim, make_pool
 from lightllm.layers.infer_state import InferState
@@ -52,6 +53,8 @@ PROFILE_POOL_TOKENS = 256  # the profiling forward's scratch KV pool; its token 
 
 
 class ModelRunner:
+    _staging: Optional[DecodeStaging] = None  # the decode steps' staging buffer, made with the graphs' inputs
+
     def __init__(self, args: EngineArgs, graph_api=None, memory_api=None):
         args.normalize()
         envs.validate_all()
@@ -231,27 +234,24 @@ class ModelRunner:
         seq_lens = [self.kv.seq_len(s) for s in slots]
         bs, max_len = len(slots), max(seq_lens)
         graph_bs = self.graphs.pick(bs) if self.graphs and max_len <= self.args.graph_max_len_in_batch else None
-        if graph_bs is None:
-            dev = self.device
-            state = InferState(
-                is_prefill=False,
-                b_req_idx=torch.tensor(slots, dtype=torch.int32, device=dev),
-                req_to_token=self.kv.table,
-                b_seq_len=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-                out_token_idx=token_idx.to(dev),
-                positions=torch.tensor([n - 1 for n in seq_lens], dtype=torch.int64, device=dev),
-                max_len_in_batch=max_len,
-            )
-            ids = torch.tensor(list(last_tokens), dtype=torch.int64, device=dev)
-            return self.model.forward(ids, state)
-        b = self._buf
-        b["input_ids"][:bs].copy_(torch.tensor(list(last_tokens)), non_blocking=True)
-        b["b_req_idx"][:bs].copy_(torch.tensor(list(slots), dtype=torch.int32), non_blocking=True)
-        b["b_seq_len"][:bs].copy_(torch.tensor(seq_lens, dtype=torch.int32), non_blocking=True)
-        b["positions"][:bs].copy_(torch.tensor([n - 1 for n in seq_lens]), non_blocking=True)
-        b["out_token_idx"][:bs].copy_(token_idx, non_blocking=True)
-        self._pad_rows(bs, graph_bs)
-        return self.graphs.replay(graph_bs)[:bs]
+        positions = [n - 1 for n in seq_lens]
+        dev, staging = self.device, self._staging
+        if staging is not None and bs <= staging.rows:  # one host-to-device copy for the whole step
+            staging.stage(input_ids=last_tokens, positions=positions, out_token_idx=token_idx, b_req_idx=slots,
+                          b_seq_len=seq_lens)  # fmt: skip
+            if graph_bs is not None:
+                return self.graphs.replay(graph_bs)[:bs]
+            b = {name: view[:bs] for name, view in self._buf.items()}
+        else:
+            i32, i64 = torch.int32, torch.int64
+            b = {"input_ids": torch.tensor(list(last_tokens), dtype=i64, device=dev),
+                 "positions": torch.tensor(positions, dtype=i64, device=dev), "out_token_idx": token_idx.to(dev),
+                 "b_req_idx": torch.tensor(slots, dtype=i32, device=dev),
+                 "b_seq_len": torch.tensor(seq_lens, dtype=i32, device=dev)}  # fmt: skip
+        state = InferState(is_prefill=False, b_req_idx=b["b_req_idx"], req_to_token=self.kv.table,
+                           b_seq_len=b["b_seq_len"], out_token_idx=b["out_token_idx"], positions=b["positions"],
+                           max_len_in_batch=max_len)  # fmt: skip
+        return self.model.forward(b["input_ids"], state)
 
     def add_request(self) -> int:
         return self.kv.add_request()
@@ -283,20 +283,12 @@ class ModelRunner:
                     self.kv.free_request(s)
 
     def _init_graph_buffers(self) -> None:
-        n, dev = self.args.graph_max_batch_size, self.device
-        i32, i64 = torch.int32, torch.int64
-        dtypes = {"input_ids": i64, "positions": i64, "b_req_idx": i32, "b_seq_len": i32, "out_token_idx": i64}
-        self._buf = {name: torch.empty(n, dtype=dt, device=dev) for name, dt in dtypes.items()}
-        self._pad_rows(0, n)
-
-    def _pad_rows(self, start: int, end: int) -> None:
-        """Rows past the live batch: the padding request (1 token, its own KV slot), harmless to compute."""
-        b = self._buf
-        b["input_ids"][start:end] = 0
-        b["positions"][start:end] = 0
-        b["b_req_idx"][start:end] = self.pad_slot
-        b["b_seq_len"][start:end] = 1
-        b["out_token_idx"][start:end] = self.pad_token
+        """The decode graphs' static inputs: device views of one staging buffer, every row the padding request
+        (1 token, its own KV slot, harmless to compute) until a step stages its batch."""
+        pad = {"input_ids": 0, "positions": 0, "b_req_idx": self.pad_slot, "b_seq_len": 1,
+               "out_token_idx": self.pad_token}  # fmt: skip
+        self._staging = DecodeStaging(self.args.graph_max_batch_size, self.device, pad)
+        self._buf = self._staging.device_views
 
     def _graph_decode(self, bs: int) -> torch.Tensor:
         """The decode forward a graph captures: the first ``bs`` rows of the static buffers, kernels launched

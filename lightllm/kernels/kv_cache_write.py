@@ -22,6 +22,7 @@ from lightllm.common.kv_cache.quant import (
     quantize_int4_ref,
     quantize_int8_ref,
 )
+from lightllm.kernels.launch_math import next_power_of_2
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -199,7 +200,7 @@ def write_kv(k_new, v_new, k_cache, v_cache, token_idx) -> None:
         *k_cache.stride()[:2],
         *v_cache.stride()[:2],
         head_dim,
-        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_D=next_power_of_2(head_dim),
         num_warps=_num_warps(head_dim),
     )
 

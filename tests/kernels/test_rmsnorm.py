@@ -133,36 +133,3 @@ def test_plan_checks_and_resolves_once_for_every_call_of_its_shape(monkeypatch):
         ValueError, match=r"rmsnorm plan: x expected a \[..., N\] tensor of .*, got \(4, 64\) torch.int32"
     ):
         RMSNormPlan((4, 64), torch.int32)
-
-
-def test_qwen3_plans_its_norms_from_the_step_shapes(monkeypatch):
-    """On a GPU the model plans the norms of one forward from its shapes (tokens, hidden, heads), before any layer:
-    hidden states (also the final norm in decode), q heads, k heads, and the final rows of a prefill."""
-    from types import SimpleNamespace
-
-    from lightllm.kernels.norm import rmsnorm as module
-    from lightllm.models.qwen3.model import Qwen3Model
-
-    made = []
-    real = module.RMSNormPlan
-
-    class Counting(real):
-        def __init__(self, shape, *args, **kwargs):
-            made.append(tuple(shape))
-            super().__init__(shape, *args, **kwargs)
-
-    monkeypatch.setattr("lightllm.models.qwen3.model.RMSNormPlan", Counting)
-    config = SimpleNamespace(rms_norm_eps=1e-6, hidden_size=64, head_dim=64)
-    model = SimpleNamespace(device=torch.device("cuda"), config=config, dtype=torch.float32, heads=4, kv_heads=2)
-    norm, q_norm, k_norm, final = Qwen3Model._plan_norms(model, 3, 3)  # the GPU path, interpreted
-    assert made == [(3, 64), (3, 4, 64), (3, 2, 64)] and final == norm
-    h, q, k = torch.randn(3, 64), torch.randn(3, 4, 64), torch.randn(3, 2, 64)
-    for layer in range(3):
-        w = torch.rand(64) + 0.5
-        for fn, x in ((norm, h), (q_norm, q), (k_norm, k), (norm, h)):
-            _check(x, w, fn(x, w))
-    with pytest.raises(ValueError, match=r"rmsnorm plan: x expected the planned \(3, 4, 64\)"):
-        q_norm(k, w)
-    made.clear()
-    Qwen3Model._plan_norms(model, 7, 2)  # a prefill of two requests: the final norm sees two rows
-    assert made == [(7, 64), (2, 64), (7, 4, 64), (7, 2, 64)]

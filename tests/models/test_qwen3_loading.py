@@ -131,6 +131,23 @@ def test_weights_equal_transformers_state_dict(tiny_dir):
             assert torch.equal(tensor, state[f"model.layers.{i}.{name}"]), (i, field)
 
 
+def test_qkv_and_gate_up_are_fused_at_load(tiny_dir):
+    """One [q; k; v] and one [gate; up] weight per layer (one GEMM each); the per-projection names are views of
+    them, not copies."""
+    cfg = Qwen3ModelConfig.from_model_dir(tiny_dir)
+    weights = load_qwen3_weights(tiny_dir, cfg, dtype=torch.float32)
+    state = Qwen3ForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).state_dict()
+    for i, layer in enumerate(weights.layers):
+        hf = lambda field: state[f"model.layers.{i}.{HF_NAMES[field]}"]  # noqa: E731
+        assert torch.equal(layer.qkv_proj, torch.cat([hf("q_proj"), hf("k_proj"), hf("v_proj")]))
+        assert torch.equal(layer.gate_up_proj, torch.cat([hf("gate_proj"), hf("up_proj")]))
+        assert layer.qkv_proj.is_contiguous() and layer.gate_up_proj.is_contiguous()
+        for part, fused in (("q_proj", "qkv_proj"), ("v_proj", "qkv_proj"), ("up_proj", "gate_up_proj")):
+            assert getattr(layer, part).untyped_storage().data_ptr() == getattr(layer, fused).data_ptr(), part
+        assert sorted(vars(layer)) == sorted(["input_norm", "qkv_proj", "o_proj", "q_norm", "k_norm", "post_norm",
+                                              "gate_up_proj", "down_proj"])  # fmt: skip
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_dtype_cast(tiny_dir, dtype):
     cfg = Qwen3ModelConfig.from_model_dir(tiny_dir)
@@ -311,6 +328,11 @@ def test_tensor_parallel_rank_reads_only_its_part(tiny_dir):
             rows = {"q_proj": q, "k_proj": kv, "v_proj": kv, "gate_proj": mlp, "up_proj": mlp}
             for name, n in rows.items():
                 assert torch.equal(getattr(lp, name), getattr(lf, name)[rank * n : (rank + 1) * n]), name
+            # split by heads first, then fused: [this rank's q; its k; its v]
+            shards = [getattr(lf, name)[rank * n : (rank + 1) * n] for name, n in rows.items()]
+            assert torch.equal(lp.qkv_proj, torch.cat(shards[:3])) and torch.equal(
+                lp.gate_up_proj, torch.cat(shards[3:])
+            )
             assert torch.equal(lp.o_proj, lf.o_proj[:, rank * q : (rank + 1) * q])
             assert torch.equal(lp.down_proj, lf.down_proj[:, rank * mlp : (rank + 1) * mlp])
             for name in ("input_norm", "q_norm", "k_norm", "post_norm"):  # replicated

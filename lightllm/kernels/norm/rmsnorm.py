@@ -4,6 +4,7 @@ Tuned as a GENERAL kernel: prefill warmup searches BLOCK_N (one pass when it cov
 chunked passes) and num_warps per row count.
 """
 
+import functools
 from typing import Optional, Tuple
 
 import torch
@@ -11,6 +12,7 @@ import triton
 import triton.language as tl
 
 from lightllm.common.autotuner import AutotuneKernelType, PlannedInputs, autotune
+from lightllm.kernels.launch_math import next_power_of_2
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -47,7 +49,7 @@ def _rmsnorm_kernel(X, W, Y, stride_x, stride_y, N, eps, BLOCK_N: tl.constexpr, 
 
 
 def _configs(x):
-    full = triton.next_power_of_2(x.shape[-1])
+    full = next_power_of_2(x.shape[-1])
     blocks = sorted({min(b, full) for b in (256, 1024, 4096, full) if b <= 16384})
     return [{"BLOCK_N": b, "num_warps": w} for b in blocks for w in (1, 2, 4, 8, 16) if w * 32 <= b]
 
@@ -60,8 +62,9 @@ def _run_key(x):
     return x.numel() // x.shape[-1]
 
 
+@functools.lru_cache(maxsize=None)  # per launch when no tuned config: computed once per size
 def _default_config(n: int) -> dict:
-    block = min(triton.next_power_of_2(n), 16384)
+    block = min(next_power_of_2(n), 16384)
     return {"BLOCK_N": block, "num_warps": max(1, min(16, block // 256))}
 
 

@@ -2,13 +2,21 @@
 
 Follows transformers' Qwen3 rounding steps (norms in float32 then cast, rotary tables cast to the model
 dtype, softmax in float32) so the CPU float32 path matches it to float rounding.
+
+Per layer, on a GPU: four GEMMs (fused qkv, o, fused gate/up, down), one q/k norm + rotary kernel, the KV write,
+attention, two residual add + norm kernels (post-attention, and the next layer's input norm or the final norm)
+and one SiLU(gate) * up kernel. Every kernel is planned once per forward (:meth:`Qwen3Model.plan_step`); on
+the CPU each is its torch reference (the same rounding steps).
 """
 
-from typing import Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
 
+from lightllm.kernels.activation import SiluMulPlan, silu_mul_ref
+from lightllm.kernels.norm.add_rmsnorm import AddRMSNormPlan, add_rmsnorm_ref
+from lightllm.kernels.norm.qk_norm_rope import QKNormRopePlan, qk_norm_rope_ref
 from lightllm.kernels.norm.rmsnorm import RMSNormPlan, rmsnorm_ref
 from lightllm.layers.attention import AttentionBackend
 from lightllm.layers.infer_state import InferState
@@ -18,13 +26,26 @@ from lightllm.models.qwen3.tensor_parallel import local_heads
 from lightllm.models.qwen3.weights import Qwen3Weights
 
 
+class LayerOps(NamedTuple):
+    """What the layers of one forward run besides GEMMs and attention, planned before the first layer."""
+
+    norm: Callable  # (x, weight) -> y: the first layer's input norm
+    qk_norm_rope: Callable  # (qkv, q_weight, k_weight) -> (q, k): q/k heads normed and rotated
+    add_norm: Callable  # (residual, x, weight) -> y: residual += x, y = norm(residual); [tokens, hidden]
+    silu_mul: Callable  # (gate_up) -> silu(gate) * up
+    final_add_norm: Callable  # add_norm over the output rows (one per request in prefill)
+
+
 class Qwen3Model:
     def __init__(self, config: Qwen3ModelConfig, weights: Qwen3Weights, device: torch.device, tp: int = 1):
         self.config = config
         self.w = weights
         self.device = device
         self.dtype = weights.embed.dtype
+        self.tp = tp
         self.heads, self.kv_heads = local_heads(config, tp)  # this rank's share of ``tp`` ranks (the weights' shard)
+        self.intermediate = config.intermediate_size // tp
+        self.use_kernels = device.type == "cuda"  # the Triton kernels, else their torch references
         self.attn: Optional[AttentionBackend] = None  # set once the KV cache is sized, after the weights load
         d = config.head_dim
         inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float().to(device) / d))
@@ -34,39 +55,42 @@ class Qwen3Model:
         self._cos = emb.cos().to(self.dtype)
         self._sin = emb.sin().to(self.dtype)
 
-    def _plan_norms(self, tokens: int, rows_out: int) -> tuple:
-        """The RMSNorms of one forward, planned from its shapes before any layer runs: ``(hidden, q heads,
-        k heads, final)`` callables ``(x, weight) -> y``. On a GPU each is an :class:`RMSNormPlan` run by every
-        layer (the final norm sees ``rows_out`` rows: one per request in prefill); elsewhere the torch reference."""
-        eps = self.config.rms_norm_eps
-        if self.device.type != "cuda":
-            ref = lambda x, weight: rmsnorm_ref(x, weight, eps)  # noqa: E731
-            return ref, ref, ref, ref
-        hidden, head_dim = self.config.hidden_size, self.config.head_dim
+    def _plan_ops(self, tokens: int, rows_out: int, positions: torch.Tensor) -> LayerOps:
+        """The layer ops of one forward, planned from its shapes before any layer runs. With kernels each is a
+        plan run by every layer (checks and the tuned config once per forward); else the torch references."""
+        eps, dtype = self.config.rms_norm_eps, self.dtype
+        if not self.use_kernels:
+            cos, sin = self._cos[positions][:, None, :], self._sin[positions][:, None, :]  # once per step
+            heads, kv_heads = self.heads, self.kv_heads
 
-        def plan(*shape: int):
-            return RMSNormPlan(shape, self.dtype, eps).run
+            def add_norm(residual, x, weight):
+                return add_rmsnorm_ref(residual, x, weight, eps)
 
-        norm_h = plan(tokens, hidden)
-        final = norm_h if rows_out == tokens else plan(rows_out, hidden)
-        return norm_h, plan(tokens, self.heads, head_dim), plan(tokens, self.kv_heads, head_dim), final
+            return LayerOps(
+                norm=lambda x, weight: rmsnorm_ref(x, weight, eps),
+                qk_norm_rope=lambda qkv, qw, kw: qk_norm_rope_ref(qkv, qw, kw, cos, sin, heads, kv_heads, eps),
+                add_norm=add_norm,
+                silu_mul=silu_mul_ref,
+                final_add_norm=add_norm,
+            )
+        hidden = self.config.hidden_size
+        add_norm = AddRMSNormPlan((tokens, hidden), dtype, eps).run
+        final = add_norm if rows_out == tokens else AddRMSNormPlan((rows_out, hidden), dtype, eps).run
+        qk = QKNormRopePlan(tokens, self.heads, self.kv_heads, self.config.head_dim, dtype, self._cos, self._sin,
+                            positions, eps)  # fmt: skip
+        return LayerOps(norm=RMSNormPlan((tokens, hidden), dtype, eps).run, qk_norm_rope=qk.run, add_norm=add_norm,
+                        silu_mul=SiluMulPlan(tokens, self.intermediate, dtype).run, final_add_norm=final)  # fmt: skip
 
-    def plan_step(self, tokens: int, state: InferState) -> tuple:
+    def plan_step(self, tokens: int, state: InferState) -> LayerOps:
         """Everything one forward plans before its first layer: the attention plan (set on ``state``, from the
-        batch metadata and the pool's shapes) and the norm plans (returned, see :meth:`_plan_norms`)."""
+        batch metadata and the pool's shapes) and the layer ops (returned, see :meth:`_plan_ops`)."""
         if state.is_prefill:
             self.attn.plan_prefill(state, self.heads, self.dtype)
             rows_out = state.batch_size
         else:
             self.attn.plan_decode(state, self.heads, self.dtype)
             rows_out = tokens
-        return self._plan_norms(tokens, rows_out)
-
-    @staticmethod
-    def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
+        return self._plan_ops(tokens, rows_out, state.positions)
 
     def set_attention(self, attn: AttentionBackend) -> None:
         """The backend that owns the KV pool this model writes and attends over."""
@@ -80,27 +104,28 @@ class Qwen3Model:
         attn = self.attn
         if attn is None:
             raise RuntimeError("Qwen3Model.forward expected an attention backend: call set_attention(...) first")
-        cfg, tokens = self.config, input_ids.shape[0]
-        norm, q_norm, k_norm, final_norm = self.plan_step(tokens, state)
-        h = F.embedding(input_ids, self.w.embed)
-        cos = self._cos[state.positions][:, None, :]  # gathered once per step, not per layer and tensor
-        sin = self._sin[state.positions][:, None, :]
-        for i, lw in enumerate(self.w.layers):
-            x = norm(h, lw.input_norm)
-            q = F.linear(x, lw.q_proj).view(tokens, self.heads, cfg.head_dim)
-            k = F.linear(x, lw.k_proj).view(tokens, self.kv_heads, cfg.head_dim)
-            v = F.linear(x, lw.v_proj).view(tokens, self.kv_heads, cfg.head_dim)
-            q = self._rotary(q_norm(q.contiguous(), lw.q_norm), cos, sin)
-            k = self._rotary(k_norm(k.contiguous(), lw.k_norm), cos, sin)
+        tokens, d, layers = input_ids.shape[0], self.config.head_dim, self.w.layers
+        v_start = (self.heads + self.kv_heads) * d  # qkv's columns: q heads, k heads, v heads
+        ops = self.plan_step(tokens, state)
+        reduce = all_reduce_ if self.tp > 1 else _unchanged  # one rank: no all-reduce, nor its world-size query
+        h = F.embedding(input_ids, self.w.embed)  # the residual stream, updated in place by add_norm
+        x = ops.norm(h, layers[0].input_norm)
+        for i, lw in enumerate(layers):
+            qkv = F.linear(x, lw.qkv_proj)
+            q, k = ops.qk_norm_rope(qkv, lw.q_norm, lw.k_norm)
+            v = qkv[:, v_start:].view(tokens, self.kv_heads, d)
             attn.write_kv(i, k, v, state.out_token_idx)
-            if state.is_prefill:
-                o = attn.prefill(i, q, k, v, state)
-            else:
-                o = attn.decode(i, q, state)
-            h = h + all_reduce_(F.linear(o.reshape(tokens, -1), lw.o_proj))
-            x = norm(h, lw.post_norm)
-            h = h + all_reduce_(F.linear(F.silu(F.linear(x, lw.gate_proj)) * F.linear(x, lw.up_proj), lw.down_proj))
-        if state.is_prefill:
-            h = h[(state.b_q_start + state.b_q_len - 1).long()]
-        h = final_norm(h.contiguous(), self.w.final_norm)
+            o = attn.prefill(i, q, k, v, state) if state.is_prefill else attn.decode(i, q, state)
+            x = ops.add_norm(h, reduce(F.linear(o.reshape(tokens, -1), lw.o_proj)), lw.post_norm)
+            mlp = reduce(F.linear(ops.silu_mul(F.linear(x, lw.gate_up_proj)), lw.down_proj))
+            if i + 1 < len(layers):
+                x = ops.add_norm(h, mlp, layers[i + 1].input_norm)
+        if state.is_prefill:  # only each request's last token goes on
+            last = (state.b_q_start + state.b_q_len - 1).long()
+            h, mlp = h[last], mlp[last]
+        h = ops.final_add_norm(h, mlp, self.w.final_norm)
         return F.linear(h, self.w.lm_head).float()
+
+
+def _unchanged(x: torch.Tensor) -> torch.Tensor:
+    return x

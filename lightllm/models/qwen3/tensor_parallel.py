@@ -16,7 +16,8 @@ def check_divisible(config: Qwen3ModelConfig, tp: int) -> None:
 
 def shard_spec(config: Qwen3ModelConfig, tp_rank: int, tp: int) -> Optional[ShardSpec]:
     """What this rank reads of each layer tensor: its heads / MLP columns of the column-parallel weights (rows
-    of q/k/v and gate/up) and the matching columns of the row-parallel ones (o_proj, down_proj)."""
+    of q/k/v and gate/up) and the matching columns of the row-parallel ones (o_proj, down_proj). q, k and v are
+    split by heads each, then concatenated into this rank's ``qkv_proj`` (gate and up likewise)."""
     if tp == 1:
         return None
     d = config.head_dim

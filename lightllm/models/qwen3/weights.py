@@ -1,8 +1,10 @@
 """Qwen3 weights from a Hugging Face folder's ``*.safetensors`` files, in HF layout.
 
-Linears stay ``[out_features, in_features]`` (use them with ``F.linear``). Tensors are read one at a time
-with ``safe_open``, checked against the shape the config implies, cast and moved, so at most one extra
-tensor is alive beside the result.
+Linears stay ``[out_features, in_features]`` (use them with ``F.linear``). q/k/v and gate/up are fused at load
+into one weight each (``qkv_proj`` = [q; k; v] rows, ``gate_up_proj`` = [gate; up] rows; one GEMM each), and
+the per-projection names remain as views of them. Tensors are read one at a time with ``safe_open``, checked
+against the shape the config implies, cast and moved (a fused part straight into its rows of the fused weight),
+so at most one extra tensor is alive beside the result.
 """
 
 import logging
@@ -24,19 +26,49 @@ _SOURCE_DTYPES = ("F16", "BF16", "F32")
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
+# Checkpoint fields read into rows of one fused weight: field -> (fused weight, its place among the parts).
+FUSED_PARTS = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+               "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}  # fmt: skip
+
+
 @dataclass
 class LayerWeights:
+    """One layer's weights (this rank's shard in tensor parallelism; ``heads``/``kv_heads``/``intermediate`` below
+    are this rank's)."""
+
     input_norm: torch.Tensor  # [hidden]
-    q_proj: torch.Tensor  # [heads * head_dim, hidden]
-    k_proj: torch.Tensor  # [kv_heads * head_dim, hidden]
-    v_proj: torch.Tensor  # [kv_heads * head_dim, hidden]
+    qkv_proj: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]: q rows, then k, then v
     o_proj: torch.Tensor  # [hidden, heads * head_dim]
     q_norm: torch.Tensor  # [head_dim]
     k_norm: torch.Tensor  # [head_dim]
     post_norm: torch.Tensor  # [hidden]
-    gate_proj: torch.Tensor  # [intermediate, hidden]
-    up_proj: torch.Tensor  # [intermediate, hidden]
+    gate_up_proj: torch.Tensor  # [2 * intermediate, hidden]: gate rows, then up
     down_proj: torch.Tensor  # [hidden, intermediate]
+
+    @property
+    def q_proj(self) -> torch.Tensor:
+        return self._qkv_parts()[0]
+
+    @property
+    def k_proj(self) -> torch.Tensor:
+        return self._qkv_parts()[1]
+
+    @property
+    def v_proj(self) -> torch.Tensor:
+        return self._qkv_parts()[2]
+
+    @property
+    def gate_proj(self) -> torch.Tensor:
+        return self.gate_up_proj.chunk(2)[0]
+
+    @property
+    def up_proj(self) -> torch.Tensor:
+        return self.gate_up_proj.chunk(2)[1]
+
+    def _qkv_parts(self) -> Tuple[torch.Tensor, ...]:
+        q_rows = self.o_proj.shape[1]
+        kv_rows = (self.qkv_proj.shape[0] - q_rows) // 2
+        return self.qkv_proj.split((q_rows, kv_rows, kv_rows))
 
 
 @dataclass
@@ -118,6 +150,32 @@ def safetensors_files(model_dir: Path) -> List[Path]:
 ShardSpec = Callable[[str], Optional[Tuple[int, slice]]]
 
 
+class _FusedLayout:
+    """Where each checkpoint part lands in its fused weight, for this rank's shard: rows ``[first, last)``."""
+
+    def __init__(self, config: Qwen3ModelConfig, shard: Optional[ShardSpec]):
+        c = config
+        full = {"q_proj": c.num_attention_heads * c.head_dim, "k_proj": c.num_key_value_heads * c.head_dim,
+                "v_proj": c.num_key_value_heads * c.head_dim, "gate_proj": c.intermediate_size,
+                "up_proj": c.intermediate_size}  # fmt: skip
+        local = {}
+        for field, rows in full.items():
+            part = shard(field) if shard is not None else None
+            local[field] = rows if part is None else len(range(rows)[part[1]])
+        self._rows, ends = {}, {}
+        for field, (target, _) in sorted(FUSED_PARTS.items(), key=lambda item: item[1]):
+            first = ends.get(target, 0)
+            ends[target] = first + local[field]
+            self._rows[field] = (target, first, ends[target])
+        self._shapes = {target: (rows, c.hidden_size) for target, rows in ends.items()}
+
+    def rows(self, field: str) -> Tuple[str, int, int]:
+        return self._rows[field]
+
+    def shape(self, target: str) -> Tuple[int, int]:
+        return self._shapes[target]
+
+
 def load_qwen3_weights(
     model_dir: Union[str, Path],
     config: Qwen3ModelConfig,
@@ -130,7 +188,8 @@ def load_qwen3_weights(
 
     ``shard(field)`` (a layer field such as ``"q_proj"``) gives the part of that tensor this process keeps.
     Tensors are read one at a time and only that part reaches ``device``, so a tensor-parallel rank never
-    holds the full checkpoint.
+    holds the full checkpoint. q/k/v parts are then concatenated into ``qkv_proj`` and gate/up into
+    ``gate_up_proj`` (each part copied into its rows as it is read).
 
     Raises ModelLoadError (one line) for no safetensors files, a missing tensor, a shape mismatch, an unsupported
     checkpoint or target dtype. Tensors the model does not use (attention biases, for instance) are skipped
@@ -142,8 +201,11 @@ def load_qwen3_weights(
     if not model_dir.is_dir():
         raise ModelLoadError(f"{model_dir}: model folder not found")
     shapes = expected_shapes(config)
-    fields = {name: field for i in range(config.num_hidden_layers) for field, name in _layer_names(i).items()}
+    where = {name: (i, field) for i in range(config.num_hidden_layers) for field, name in _layer_names(i).items()}
+    fused = _FusedLayout(config, shard)
     tensors: Dict[str, torch.Tensor] = {}
+    fused_weights: Dict[Tuple[int, str], torch.Tensor] = {}
+    seen = set()
     unexpected: List[str] = []
     for file in safetensors_files(model_dir):
         try:
@@ -156,8 +218,9 @@ def load_qwen3_weights(
                     if not _is_ignored(name, config):
                         unexpected.append(name)
                     continue
-                if name in tensors:
+                if name in seen:
                     raise ModelLoadError(f"{file}: tensor {name} is also in another safetensors file")
+                seen.add(name)
                 view = f.get_slice(name)
                 found, source_dtype = tuple(view.get_shape()), view.get_dtype()
                 if found != shapes[name]:
@@ -168,15 +231,24 @@ def load_qwen3_weights(
                     raise ModelLoadError(
                         f"{file}: tensor {name} has dtype {source_dtype}; only F16, BF16 and F32 are supported"
                     )
-                part = shard(fields[name]) if shard is not None and name in fields else None
+                layer, field = where.get(name, (None, None))
+                part = shard(field) if shard is not None and field is not None else None
                 if part is None:
                     tensor = f.get_tensor(name)
                 else:
                     dim, rows = part
                     tensor = (view[rows] if dim == 0 else view[:, rows]).contiguous()  # a column slice is strided
-                tensors[name] = tensor.to(device=device, dtype=dtype)
+                if field in FUSED_PARTS:
+                    # Straight into its rows of the fused weight: the part is freed here, never held beside it.
+                    target, first, last = fused.rows(field)
+                    if (layer, target) not in fused_weights:
+                        fused_weights[layer, target] = torch.empty(fused.shape(target), dtype=dtype, device=device)
+                    fused_weights[layer, target][first:last].copy_(tensor)
+                else:
+                    tensors[name] = tensor.to(device=device, dtype=dtype)
+                del tensor
 
-    missing = [name for name in shapes if name not in tensors]
+    missing = [name for name in shapes if name not in seen]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise ModelLoadError(f"{model_dir}: tensor {missing[0]} is missing from the safetensors files{more}")
@@ -191,9 +263,11 @@ def load_qwen3_weights(
         )
 
     embed = tensors["model.embed_tokens.weight"]
-    layers = [
-        LayerWeights(**{field: tensors[name] for field, name in _layer_names(i).items()})
-        for i in range(config.num_hidden_layers)
-    ]
+    layers = []
+    for i in range(config.num_hidden_layers):
+        own = {field: tensors[name] for field, name in _layer_names(i).items() if field not in FUSED_PARTS}
+        layers.append(
+            LayerWeights(**own, qkv_proj=fused_weights[i, "qkv_proj"], gate_up_proj=fused_weights[i, "gate_up_proj"])
+        )
     lm_head = embed if config.tie_word_embeddings else tensors["lm_head.weight"]
     return Qwen3Weights(embed=embed, layers=layers, final_norm=tensors["model.norm.weight"], lm_head=lm_head)

@@ -1,0 +1,112 @@
+"""Host time one Qwen3 layer adds to an eager forward, with the device work taken out: every Triton launch and the
+attention backend's calls are no-ops, so what is timed is the Python and torch dispatch of a layer (plans, checks,
+allocations, views) plus its small CPU GEMMs (tiny widths; at batch 1 a few µs each, about a cuBLAS launch's host
+cost; a 128-token prefill also computes its torch elementwise ops on the CPU). Per layer = (time of an 8-layer
+forward - time of a 1-layer forward) / 7; decode at batch 1 and a prefill of 128 tokens; median of ``--repeats``
+timings of ``--number`` forwards.
+
+    python benchmarks/layer_host_cost.py --label after --out benchmarks/results/layer_host_cost_cpu.json
+
+Runs on older checkouts too (they pick the kernel path by device), to compare before and after; each run is
+appended to ``--out`` with its label, commit and machine.
+"""
+
+import argparse
+import dataclasses
+import gc
+import json
+import os
+import platform
+import statistics
+import subprocess
+import tempfile
+import time
+
+import torch
+from triton.runtime.jit import KernelInterface
+
+from lightllm import LLM
+from lightllm.layers.attention import AttentionBackend
+from lightllm.layers.infer_state import InferState
+from lightllm.tools.make_tiny_model import make_tiny_qwen3
+
+
+def _no_device_work() -> None:
+    KernelInterface.__getitem__ = lambda self, grid: (lambda *args, **kwargs: None)
+
+    def attention(name):
+        return lambda self, layer, *args: None if name == "write_kv" else torch.empty_like(args[0])
+
+    for name in ("write_kv", "prefill", "decode"):
+        setattr(AttentionBackend, name, attention(name))
+
+
+def _states(runner, slot, prompt_len: int):
+    i32 = torch.int32
+    decode = InferState(is_prefill=False, b_req_idx=torch.tensor([slot], dtype=i32), req_to_token=runner.kv.table,
+                        b_seq_len=torch.tensor([4], dtype=i32), out_token_idx=torch.tensor([9]),
+                        positions=torch.tensor([3]), max_len_in_batch=4)  # fmt: skip
+    prefill = InferState(is_prefill=True, b_req_idx=torch.tensor([slot], dtype=i32), req_to_token=runner.kv.table,
+                         b_seq_len=torch.tensor([prompt_len], dtype=i32), out_token_idx=torch.arange(prompt_len),
+                         positions=torch.arange(prompt_len), max_len_in_batch=prompt_len,
+                         b_q_start=torch.tensor([0], dtype=i32), b_q_len=torch.tensor([prompt_len], dtype=i32),
+                         max_q_len=prompt_len)  # fmt: skip
+    return {"decode": (torch.tensor([5]), decode), "prefill": (torch.randint(0, 500, (prompt_len,)), prefill)}
+
+
+def forward_us(model, ids, state, number: int, repeats: int) -> float:
+    model.forward(ids, state)
+    samples = []
+    gc.disable()
+    try:
+        for _ in range(repeats):
+            start = time.perf_counter_ns()
+            for _ in range(number):
+                model.forward(ids, state)
+            samples.append((time.perf_counter_ns() - start) / number / 1000.0)
+    finally:
+        gc.enable()
+    return statistics.median(samples)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--number", type=int, default=200)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--label", default="current")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = make_tiny_qwen3(os.path.join(tmp, "tiny"), num_hidden_layers=8, seed=1)
+        llm = LLM(str(model_dir), data_type="fp32", device="cpu", batch_max_tokens=256, max_req_total_len=256,
+                  running_max_req_size=2)  # fmt: skip
+    model, runner = llm.runner.model, llm.runner
+    if hasattr(model, "use_kernels"):
+        model.use_kernels = True
+    else:
+        model.device = torch.device("cuda")  # older checkouts pick the kernel path by device
+    _no_device_work()
+    slot = runner.add_request()
+    weights, rows = model.w, {}
+    for phase, (ids, state) in _states(runner, slot, args.prompt_len).items():
+        times = {}
+        for depth in (1, 8):
+            model.w = dataclasses.replace(weights, layers=weights.layers[:depth])
+            times[depth] = forward_us(model, ids, state, args.number, args.repeats)
+        rows[phase] = {"forward_1_layer_us": times[1], "forward_8_layers_us": times[8],
+                       "per_layer_us": (times[8] - times[1]) / 7}  # fmt: skip
+        print(f"{args.label:>10} {phase:>8}: 1 layer {times[1]:7.1f} us, 8 layers {times[8]:7.1f} us, "
+              f"per layer {rows[phase]['per_layer_us']:6.1f} us")  # fmt: skip
+    if args.out:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        run = {"label": args.label, "commit": commit, "machine": platform.processor() or platform.machine(),
+               "cpus": os.cpu_count(), "prompt_len": args.prompt_len, "number": args.number, "repeats": args.repeats,
+               "results": rows}  # fmt: skip
+        runs = json.load(open(args.out)) if os.path.exists(args.out) else []
+        json.dump(runs + [run], open(args.out, "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,15 @@
+"""Launch-size arithmetic for host code, in plain Python.
+
+In Triton 3.x ``triton.cdiv`` and ``triton.next_power_of_2`` are constexpr functions: called from host code each
+costs about 2.8 µs (it unwraps its arguments; 0.02-0.08 µs here, 2-core CPU), several per layer on the eager path.
+"""
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for positive ``b``."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two ``>= n`` (1 for ``n <= 1``)."""
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()

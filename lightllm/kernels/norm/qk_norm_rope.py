@@ -1,0 +1,183 @@
+"""Qwen3's per-head q/k RMSNorm and rotary embedding in one launch over the fused qkv projection.
+
+Reads the q and k heads of ``qkv [tokens, (q_heads + 2 * kv_heads) * D]`` in place (v is not touched), gathers
+each token's cos/sin rows by position and writes ``q [tokens, q_heads, D]`` and ``k [tokens, kv_heads, D]``.
+Rounding as transformers' Qwen3: the norm in float32, cast to the model dtype, times the weight (rounded);
+rotary in the model dtype (``x * cos`` and ``rotate_half(x) * sin`` each rounded, then their sum).
+
+Tuned as a GENERAL kernel: BLOCK_H (heads per program) and num_warps per token count.
+"""
+
+import functools
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from lightllm.common.autotuner import AutotuneKernelType, PlannedInputs, autotune
+from lightllm.kernels.norm.rmsnorm import rmsnorm_ref
+from lightllm.kernels.launch_math import cdiv, next_power_of_2
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_POSITION_DTYPES = (torch.int32, torch.int64)
+
+
+@triton.jit
+def _qk_norm_rope_kernel(QKV, QW, KW, Cos, Sin, Pos, Q, K, stride_qkv, stride_cs, eps, Q_HEADS: tl.constexpr,
+                         HEADS: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr,
+                         BLOCK_D: tl.constexpr):  # fmt: skip
+    # q [tokens, Q_HEADS, D] and k [tokens, HEADS - Q_HEADS, D] are contiguous: their strides need no arguments.
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # q heads first, then k heads, as in qkv's rows
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < D
+    half = D // 2  # constexpr arithmetic: a constant
+    partner = tl.where(d < half, d + half, d - half)  # rotate_half(x)[d] = -x[d + half] | x[d - half]
+    sign = tl.where(d < half, -1.0, 1.0)
+    mask = (h < HEADS)[:, None] & d_mask[None, :]
+    is_q = (h < Q_HEADS)[:, None]
+
+    row = QKV + t * stride_qkv + h[:, None] * D
+    x = tl.load(row + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    x_partner = tl.load(row + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)[:, None]
+    w = tl.where(is_q, tl.load(QW + d, mask=d_mask)[None, :], tl.load(KW + d, mask=d_mask)[None, :])
+    qw_partner = tl.load(QW + partner, mask=d_mask)[None, :]
+    w_partner = tl.where(is_q, qw_partner, tl.load(KW + partner, mask=d_mask)[None, :])
+    dt = QKV.dtype.element_ty
+    normed = ((x * rstd).to(dt) * w).to(dt).to(tl.float32)
+    normed_partner = ((x_partner * rstd).to(dt) * w_partner).to(dt).to(tl.float32)
+
+    pos = tl.load(Pos + t).to(tl.int64)
+    cos = tl.load(Cos + pos * stride_cs + d, mask=d_mask).to(tl.float32)[None, :]
+    sin = tl.load(Sin + pos * stride_cs + d, mask=d_mask).to(tl.float32)[None, :]
+    y = ((normed * cos).to(dt).to(tl.float32) + (sign[None, :] * normed_partner * sin).to(dt).to(tl.float32)).to(dt)
+
+    q_ptr = Q + t * (Q_HEADS * D) + h[:, None] * D + d[None, :]
+    tl.store(q_ptr, y.to(Q.dtype.element_ty), mask=mask & is_q)
+    k_ptr = K + t * ((HEADS - Q_HEADS) * D) + (h - Q_HEADS)[:, None] * D + d[None, :]
+    tl.store(k_ptr, y.to(K.dtype.element_ty), mask=mask & (h >= Q_HEADS)[:, None])
+
+
+def _configs(q_out, k_out):
+    heads = next_power_of_2(q_out.shape[1] + k_out.shape[1])
+    return [{"BLOCK_H": b, "num_warps": w} for b in (1, 2, 4, 8, 16) if b <= heads for w in (1, 2, 4, 8)]
+
+
+def _static_key(qkv, q_out, k_out):
+    return {"D": q_out.shape[-1], "q_heads": q_out.shape[1], "kv_heads": k_out.shape[1], "dtype": str(qkv.dtype)}
+
+
+def _run_key(qkv):
+    return qkv.shape[0]
+
+
+@functools.lru_cache(maxsize=None)  # per launch when no tuned config: computed once per size
+def _default_config(heads: int) -> dict:
+    return {"BLOCK_H": min(4, next_power_of_2(heads)), "num_warps": 4}
+
+
+@autotune(
+    kernel_name="qk_norm_rope",
+    configs_gen_func=_configs,
+    static_key_func=_static_key,
+    run_key_func=_run_key,
+    kernel_type=AutotuneKernelType.GENERAL,
+    output_args=("q_out", "k_out"),
+)
+def _launch_qk_norm_rope(qkv, q_weight, k_weight, cos, sin, positions, eps, q_out, k_out, run_config=None):
+    # q_out and k_out contiguous (the plan allocates them): few runtime arguments keep the launch cheap.
+    tokens, q_heads, d = q_out.shape
+    heads = q_heads + k_out.shape[1]
+    cfg = run_config or _default_config(heads)
+    if tokens > 0:
+        grid = (tokens, cdiv(heads, cfg["BLOCK_H"]))
+        _qk_norm_rope_kernel[grid](qkv, q_weight, k_weight, cos, sin, positions, q_out, k_out, qkv.stride(0),
+                                   cos.stride(0), eps, q_heads, heads, d, cfg["BLOCK_H"], next_power_of_2(d),
+                                   num_warps=cfg["num_warps"])  # fmt: skip
+    return q_out, k_out
+
+
+class QKNormRopePlan:
+    """q/k norm + rotary of one step's shapes (every layer runs it): checked once here, the tuned config resolved
+    at the first :meth:`run`. The step's ``positions`` and the model's ``cos``/``sin`` tables are fixed here;
+    ``run`` checks only what a layer can change: qkv's shape, dtype and strides, the norm weights.
+
+    Args:
+        tokens, q_heads, kv_heads, head_dim: qkv is ``[tokens, (q_heads + 2 * kv_heads) * head_dim]``.
+        dtype: qkv's (the model's) dtype; the norm weights and the tables share it.
+        cos, sin: ``[max_positions, head_dim]`` of ``dtype``, last dim contiguous.
+        positions: int32/int64 ``[tokens]``, each below ``max_positions`` (not checked on the device).
+        eps: the norm's epsilon; ``run_config`` bypasses tuning.
+    """
+
+    def __init__(self, tokens: int, q_heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, eps: float = 1e-6,
+                 run_config=None):  # fmt: skip
+        if dtype not in _DTYPES:
+            raise ValueError(f"qk_norm_rope plan: dtype expected one of {_DTYPES}, got {dtype}")
+        if head_dim % 2 or min(q_heads, kv_heads, head_dim) < 1:
+            raise ValueError(f"qk_norm_rope plan: expected q_heads, kv_heads >= 1 and an even head_dim, got "
+                             f"{q_heads}, {kv_heads}, {head_dim}")  # fmt: skip
+        if cos.dim() != 2 or cos.shape != sin.shape or cos.shape[1] != head_dim or cos.dtype != dtype:
+            raise ValueError(f"qk_norm_rope plan: cos and sin expected [positions, {head_dim}] {dtype}, got "
+                             f"{tuple(cos.shape)} {cos.dtype} and {tuple(sin.shape)} {sin.dtype}")  # fmt: skip
+        if cos.stride(1) != 1 or sin.stride() != cos.stride():
+            raise ValueError(f"qk_norm_rope plan: cos and sin expected one row-major layout, got strides "
+                             f"{cos.stride()} and {sin.stride()}")  # fmt: skip
+        if positions.shape != (tokens,) or positions.dtype not in _POSITION_DTYPES:
+            raise ValueError(f"qk_norm_rope plan: positions expected an int32/int64 [{tokens}] tensor, got "
+                             f"{tuple(positions.shape)} {positions.dtype}")  # fmt: skip
+        self.q_shape, self.k_shape = (tokens, q_heads, head_dim), (tokens, kv_heads, head_dim)
+        self.cos, self.sin, self.positions, self.eps = cos, sin, positions, float(eps)
+        width, weight = (q_heads + 2 * kv_heads) * head_dim, (torch.Size((head_dim,)), dtype)
+        self.inputs = PlannedInputs("qk_norm_rope", qkv=(torch.Size((tokens, width)), dtype), q_weight=weight,
+                                    k_weight=weight)  # fmt: skip
+        self._tuned = _launch_qk_norm_rope.plan(run_config=run_config)
+
+    def run(self, qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+        """``(q, k)``, new contiguous tensors; qkv is read only."""
+        self.inputs.check((qkv.shape, qkv.dtype), (q_weight.shape, q_weight.dtype), (k_weight.shape, k_weight.dtype))
+        if qkv.stride(-1) != 1 or q_weight.stride(0) != 1 or k_weight.stride(0) != 1:
+            raise ValueError(f"qk_norm_rope: qkv and the norm weights expected a contiguous last dim, got strides "
+                             f"{qkv.stride()}, {q_weight.stride()}, {k_weight.stride()}")  # fmt: skip
+        q = torch.empty(self.q_shape, dtype=qkv.dtype, device=qkv.device)
+        k = torch.empty(self.k_shape, dtype=qkv.dtype, device=qkv.device)
+        return self._tuned.run(qkv, q_weight, k_weight, self.cos, self.sin, self.positions, self.eps, q, k)
+
+
+def qk_norm_rope(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor, positions: torch.Tensor, q_heads: int, kv_heads: int, eps: float = 1e-6,
+                 run_config: Optional[dict] = None) -> Tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Per-head RMSNorm then rotary embedding of the q and k heads of a fused qkv projection.
+
+    Args:
+        qkv: ``[tokens, (q_heads + 2 * kv_heads) * D]`` float16/bfloat16/float32, last dim contiguous.
+        q_weight, k_weight: ``[D]`` norm weights of qkv's dtype.
+        cos, sin: ``[max_positions, D]`` tables of qkv's dtype; positions: int32/int64 ``[tokens]``.
+    Returns:
+        ``(q [tokens, q_heads, D], k [tokens, kv_heads, D])``. Every layer of a step: :class:`QKNormRopePlan`.
+    """
+    if qkv.dim() != 2:
+        raise ValueError(f"qk_norm_rope: qkv expected [tokens, width], got shape {tuple(qkv.shape)}")
+    plan = QKNormRopePlan(qkv.shape[0], q_heads, kv_heads, q_weight.shape[0], qkv.dtype, cos, sin, positions, eps,
+                          run_config)  # fmt: skip
+    return plan.run(qkv, q_weight, k_weight)
+
+
+def rotary_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x * cos + rotate_half(x) * sin`` in x's dtype (cos/sin broadcast over heads: ``[tokens, 1, D]``)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def qk_norm_rope_ref(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor, q_heads: int, kv_heads: int, eps: float = 1e-6):  # fmt: skip
+    """Torch reference with the kernel's rounding steps: ``(q, k)``. ``cos``/``sin`` are already gathered by
+    position (``[tokens, 1, D]``, once per step)."""
+    tokens, d = qkv.shape[0], q_weight.shape[0]
+    q = qkv[:, : q_heads * d].reshape(tokens, q_heads, d)
+    k = qkv[:, q_heads * d : (q_heads + kv_heads) * d].reshape(tokens, kv_heads, d)
+    return rotary_ref(rmsnorm_ref(q, q_weight, eps), cos, sin), rotary_ref(rmsnorm_ref(k, k_weight, eps), cos, sin)

@@ -1,0 +1,138 @@
+"""What one Qwen3 layer runs: the fused kernels' plans made once per forward from its shapes, the kernel path
+equal to the torch-reference path over whole forwards, and the launches per layer counted."""
+
+import dataclasses
+from collections import Counter
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from triton.runtime.jit import KernelInterface
+
+from lightllm import LLM, SamplingParams
+from lightllm.layers.attention import AttentionBackend
+from lightllm.models.qwen3 import model as qwen3_model
+from lightllm.models.qwen3.model import Qwen3Model
+from lightllm.tools.make_tiny_model import make_tiny_qwen3
+
+PLANS = ("RMSNormPlan", "AddRMSNormPlan", "QKNormRopePlan", "SiluMulPlan")
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return make_tiny_qwen3(tmp_path_factory.mktemp("qwen3-ops") / "tiny", num_hidden_layers=2, seed=5)
+
+
+def _llm(model_dir, dtype="fp32"):
+    return LLM(str(model_dir), data_type=dtype, device="cpu", batch_max_tokens=64, max_req_total_len=128,
+               running_max_req_size=4)  # fmt: skip
+
+
+def test_layer_ops_are_planned_from_the_step_shapes(monkeypatch):
+    """With kernels, one plan per op and forward: hidden-state norms over the step's tokens (the final one over a
+    prefill's output rows), q/k norm + rotary over the fused qkv output, SiLU * up over this rank's columns."""
+    made = []
+
+    def counting(name):
+        real = getattr(qwen3_model, name)
+
+        class Counting(real):
+            def __init__(self, *args, **kwargs):
+                made.append((name, args[:4] if name == "QKNormRopePlan" else args[:2]))
+                super().__init__(*args, **kwargs)
+
+        return Counting
+
+    for name in PLANS:
+        monkeypatch.setattr(qwen3_model, name, counting(name))
+    d, f32 = 16, torch.float32
+    config = SimpleNamespace(rms_norm_eps=1e-6, hidden_size=64, head_dim=d)
+    model = SimpleNamespace(use_kernels=True, config=config, dtype=f32, heads=4, kv_heads=2, intermediate=48,
+                            _cos=torch.ones(32, d), _sin=torch.zeros(32, d))  # fmt: skip
+    ops = Qwen3Model._plan_ops(model, 3, 3, torch.arange(3))
+    assert sorted(made) == [("AddRMSNormPlan", ((3, 64), f32)), ("QKNormRopePlan", (3, 4, 2, d)),
+                            ("RMSNormPlan", ((3, 64), f32)), ("SiluMulPlan", (3, 48))]  # fmt: skip
+    assert ops.final_add_norm == ops.add_norm  # decode: one output row per token
+    made.clear()
+    ops = Qwen3Model._plan_ops(model, 7, 2, torch.arange(7))  # a prefill of two requests: the final norm, two rows
+    assert [args for name, args in made if name == "AddRMSNormPlan"] == [((7, 64), f32), ((2, 64), f32)]
+    with pytest.raises(ValueError, match=r"qk_norm_rope plan: qkv expected the planned \(7, 128\)"):
+        ops.qk_norm_rope(torch.zeros(7, 96), torch.ones(d), torch.ones(d))
+
+
+@pytest.mark.parametrize("dtype, tol", [("fp32", 1e-5), ("fp16", 2e-2)])
+def test_kernel_path_matches_the_reference_path(tiny_dir, dtype, tol):
+    """The Triton kernels (interpreted here; the GPU path's code) against the torch references over whole forwards:
+    a prefill of three prompts, then decode steps teacher-forced on the reference path's greedy tokens."""
+    llm = _llm(tiny_dir, dtype)
+    prompts = [[5, 17, 42, 7, 99, 3], [11, 12, 13], list(range(20, 45))]
+    params = SamplingParams(max_new_tokens=5, logprobs=True, ignore_eos=True)
+    ref = llm.generate(prompts, params)
+    llm.runner.model.use_kernels = True
+    fused = llm.generate(prompts, params)
+    for a, b in zip(ref, fused):
+        assert a.token_ids == b.token_ids
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) <= tol
+
+
+class _Counting(TorchDispatchMode):
+    """Counts the aten ops that do work (views excluded) while ``active``."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops, self.active = Counter(), True
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.active and not func.is_view:
+            self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_launches_per_layer(tiny_dir, monkeypatch):
+    """The kernel path of one layer, with every Triton kernel and the attention backend mocked (counted, not run):
+    4 GEMMs, 4 Triton launches (q/k norm + rotary, two add + norm, SiLU * up), the KV write and attention, and the
+    5 output allocations of those kernels. Counted as the difference between a 2-layer and a 1-layer forward, in
+    prefill and in decode; a change that adds a launch, a torch op or an allocation per layer fails here."""
+    llm = _llm(tiny_dir)
+    model = llm.runner.model
+    model.use_kernels = True
+    counter = _Counting()
+    launches = Counter()
+
+    def mocked_launch(kernel, grid):
+        return lambda *args, **kwargs: launches.update([kernel.fn.__name__])
+
+    def mocked_attention(name):
+        def run(self, layer, *args):
+            launches.update([name])
+            counter.active = False  # the mock's own output is not the model's work
+            out = torch.empty_like(args[0]) if name != "write_kv" else None
+            counter.active = True
+            return out
+
+        return run
+
+    monkeypatch.setattr(KernelInterface, "__getitem__", mocked_launch)
+    for name in ("write_kv", "prefill", "decode"):
+        monkeypatch.setattr(AttentionBackend, name, mocked_attention(name))
+    real_forward, weights, per_depth = model.forward, model.w, {}
+
+    def counted_forward(input_ids, state):
+        with counter:
+            return real_forward(input_ids, state)
+
+    monkeypatch.setattr(model, "forward", counted_forward)
+    for depth in (1, 2):
+        model.w = dataclasses.replace(weights, layers=weights.layers[:depth])
+        for phase in ("prefill", "decode"):
+            counter.ops.clear(), launches.clear()
+            slot = llm.runner.add_request()
+            llm.runner.prefill([slot], [[5, 17, 42]]) if phase == "prefill" else llm.runner.decode([slot], [7])
+            llm.runner.free(slot)
+            per_depth[depth, phase] = (Counter(counter.ops), Counter(launches))
+    for phase in ("prefill", "decode"):
+        (ops1, launches1), (ops2, launches2) = per_depth[1, phase], per_depth[2, phase]
+        assert ops2 - ops1 == Counter(mm=4, empty=5) and not ops1 - ops2, phase
+        kernels = {"_qk_norm_rope_kernel": 1, "_add_rmsnorm_kernel": 2, "_silu_mul_kernel": 1, "write_kv": 1, phase: 1}
+        assert launches2 - launches1 == Counter(kernels) and not launches1 - launches2, phase
