@@ -153,6 +153,23 @@ def test_plan_checks_once_and_refuses_other_layers(monkeypatch):
         plan.run(q, k, v, a, b, A_log, dt_bias, pool.bfloat16())  # another state dtype is another tuning key
 
 
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["state-fp32", "state-bf16"])
+def test_gated_delta_decode_matches_fla(state_dtype):
+    """fla-core's fused recurrent gated delta rule (the outside oracle) on the same inputs and initial states: gates
+    computed in its kernel, beta given as sigmoid(b) in b's dtype (the rounding transformers and ours apply)."""
+    fla = pytest.importorskip("fla.ops.gated_delta_rule", reason="fla-core is not installed (pip install fla-core)")
+    q, k, v, a, b, A_log, dt_bias, pool, idx = make_decode(3, 4, dtype=torch.float16, state_dtype=state_dtype, seed=9)
+    want_out, want_state = fla.fused_recurrent_gated_delta_rule(
+        q.contiguous()[:, None], k.contiguous()[:, None], v.contiguous()[:, None], g=a[:, None],
+        beta=b.sigmoid()[:, None], initial_state=pool[idx.long()], output_final_state=True,
+        use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
+    )  # fmt: skip
+    out = gated_delta_decode(q, k, v, a, b, A_log, dt_bias, pool, idx)
+    torch.testing.assert_close(out.float(), want_out[:, 0].float(), rtol=2e-3, atol=2e-3)
+    tol = 2e-5 if state_dtype == torch.float32 else 1.6e-2
+    torch.testing.assert_close(pool[idx.long()].float(), want_state, rtol=tol, atol=tol)
+
+
 # ---- conv1d update ----------------------------------------------------------------------------------------
 
 
