@@ -295,8 +295,10 @@ def test_search_times_on_a_dummy_pool_and_advances_the_real_one_once(monkeypatch
     q, k, v, a, b, A_log, dt_bias, pool, idx = make_decode(3, 4, seed=7)
     before = pool.clone()
     ref_out, ref_pool = reference(q, k, v, a, b, A_log, dt_bias, pool, idx)
+    rng = torch.random.get_rng_state()
     with autotune_warmup(AutotuneKernelType.DECODE_ATTENTION):
         out = gated_delta_decode(q, k, v, a, b, A_log, dt_bias, pool, idx)
+    assert torch.equal(torch.random.get_rng_state(), rng)  # the dummy pool has its own generator
     check_decode(out, pool, before, ref_out, ref_pool, idx, torch.float32)
     assert rec.on(pool) == [(pool, idx, fastest)]  # one launch on the real pool: the call, with the winner
     timed = [launch for launch in rec.launches if launch[0] is not pool]

@@ -26,6 +26,8 @@ BLOCK_VS = (16, 32, 64, 128)
 NUM_WARPS = (1, 2, 4, 8)
 _WARPS = (1, 2, 4, 8, 16)
 _MAX_TILE_PER_THREAD = 128  # state elements a thread holds; beyond this a config spills registers
+_LAST_DIM_NAMES = ("q", "k", "v", "a", "b", "A_log", "dt_bias")
+_UNIT_STRIDES = (1,) * len(_LAST_DIM_NAMES)
 
 
 @triton.jit
@@ -117,10 +119,12 @@ def _run_key(q):
 
 def _dummy_state_batch(named: dict) -> dict:
     """The caller's inputs on a fresh state pool of one slot per request (random, so no candidate is timed on
-    zeros), visited in reverse slot order: timing never reads or writes the caller's pool."""
+    zeros), visited in reverse slot order: timing never reads or writes the caller's pool. Its own generator
+    leaves the process's random stream as it was."""
     q, pool = named["q"], named["ssm_state"]
     batch = q.shape[0]
-    dummy = torch.randn((batch,) + tuple(pool.shape[1:]), device=pool.device).mul_(0.1).to(pool.dtype)
+    gen = torch.Generator(device=pool.device).manual_seed(0)
+    dummy = torch.randn((batch,) + tuple(pool.shape[1:]), generator=gen, device=pool.device).mul_(0.1).to(pool.dtype)
     order = torch.arange(batch - 1, -1, -1, device=pool.device, dtype=torch.int32)
     return {**named, "ssm_state": dummy, "state_idx": order, "out": torch.empty_like(named["out"])}
 
@@ -158,6 +162,7 @@ class GatedDeltaDecodePlan:
         gate_dtype = gate_dtype or dtype
         _check_plan(q_shape, v_shape, dtype, state_shape, state_dtype, state_idx, gate_dtype, run_config)
         self.state_idx = state_idx
+        self.slot_strides = (state_shape[2] * state_shape[3], state_shape[3], 1)
         gate_shape = v_shape[:2]
         self.inputs = PlannedInputs(
             "gated delta decode",
@@ -177,14 +182,15 @@ class GatedDeltaDecodePlan:
             (q.shape, q.dtype), (k.shape, k.dtype), (v.shape, v.dtype), (a.shape, a.dtype), (b.shape, b.dtype),
             (A_log.shape,), (dt_bias.shape,), (ssm_state.shape, ssm_state.dtype),
         )  # fmt: skip
-        for name, t in (("q", q), ("k", k), ("v", v), ("a", a), ("b", b), ("A_log", A_log), ("dt_bias", dt_bias)):
-            if t.stride(-1) != 1:
-                raise ValueError(f"gated delta decode: {name} expected a contiguous last dim, got strides "
-                                 f"{t.stride()}")  # fmt: skip
-        _, v_heads, head_k_dim, head_v_dim = ssm_state.shape
-        if ssm_state.stride()[1:] != (head_k_dim * head_v_dim, head_v_dim, 1):
-            raise ValueError(f"gated delta decode: ssm_state expected each slot contiguous, got strides "
-                             f"{ssm_state.stride()}")  # fmt: skip
+        lasts = (q.stride(-1), k.stride(-1), v.stride(-1), a.stride(-1), b.stride(-1), A_log.stride(-1),
+                 dt_bias.stride(-1))  # fmt: skip
+        if lasts != _UNIT_STRIDES:
+            i = next(i for i, stride in enumerate(lasts) if stride != 1)
+            raise ValueError(f"gated delta decode: {_LAST_DIM_NAMES[i]} expected a contiguous last dim, got last-dim "
+                             f"stride {lasts[i]}")  # fmt: skip
+        if ssm_state.stride()[1:] != self.slot_strides:
+            raise ValueError(f"gated delta decode: ssm_state expected each slot contiguous (strides [..., "
+                             f"{', '.join(map(str, self.slot_strides))}]), got {ssm_state.stride()}")  # fmt: skip
         if out is None:
             out = torch.empty(v.shape, dtype=q.dtype, device=q.device)
         elif out.shape != v.shape or out.dtype != q.dtype or out.stride(-1) != 1:
