@@ -64,7 +64,9 @@ def check_decode(out, pool, before, ref_out, ref_pool, state_idx, dtype):
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["state-fp32", "state-bf16"])
 @pytest.mark.parametrize("hv", [2, 4, 8], ids=["hv=hk", "hv=2hk", "hv=4hk"])
 @pytest.mark.parametrize(
-    "config", [None, {"BV": 16, "num_warps": 1}, {"BV": 32, "num_warps": 2}], ids=["default", "bv16", "bv32"]
+    "config",
+    [None, {"BV": 8, "num_warps": 1}, {"BV": 16, "num_warps": 2}, {"BV": 32, "num_warps": 2}],
+    ids=["default", "bv8", "bv16", "bv32"],
 )
 def test_gated_delta_decode_matches_reference(state_dtype, hv, config):
     q, k, v, a, b, A_log, dt_bias, pool, idx = make_decode(3, hv, state_dtype=state_dtype)

@@ -22,7 +22,7 @@ from lightllm.common.autotuner import AutotuneKernelType, PlannedInputs, autotun
 HEAD_DIMS = (16, 32, 64, 128, 256)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 STATE_DTYPES = (torch.float32, torch.bfloat16)
-BLOCK_VS = (16, 32, 64, 128)
+BLOCK_VS = (8, 16, 32, 64, 128)  # 8 with one warp is fla-core's fixed choice
 NUM_WARPS = (1, 2, 4, 8)
 _WARPS = (1, 2, 4, 8, 16)
 _MAX_TILE_PER_THREAD = 128  # state elements a thread holds; beyond this a config spills registers
