@@ -91,6 +91,24 @@ def test_gated_delta_decode_fp16_inputs_and_repeated_steps():
         q, k = k.roll(1, 0), q.roll(1, 0)  # new tokens
 
 
+def test_padding_rows_sharing_a_scratch_slot_touch_only_that_slot():
+    """A graph's padding rows may all point at one scratch slot: the real rows and every other slot are exact."""
+    q, k, v, a, b, A_log, dt_bias, pool, _ = make_decode(4, 4, seed=11)
+    idx = torch.tensor([3, 5, 0, 0], dtype=torch.int32, device=DEVICE)  # rows 2 and 3 pad onto slot 0
+    x, conv_pool, weight, _ = make_conv(4, 40, 4, torch.float32, torch.float32, seed=11)
+    before, conv_before = pool.clone(), conv_pool.clone()
+    out = gated_delta_decode(q, k, v, a, b, A_log, dt_bias, pool, idx)
+    y = causal_conv1d_update(x, conv_pool, weight, idx)
+    ref_out, ref_pool = reference(q[:2], k[:2], v[:2], a[:2], b[:2], A_log, dt_bias, before, idx[:2])
+    torch.testing.assert_close(out[:2], ref_out, rtol=2e-5, atol=2e-5)
+    ref_conv_pool = conv_before.clone()
+    torch.testing.assert_close(y[:2], causal_conv1d_update_ref(x[:2], ref_conv_pool, weight, idx[:2]), rtol=1e-5,
+                               atol=1e-5)  # fmt: skip
+    real = [1, 2, 3, 4, 5, 6]  # every slot but the scratch one
+    torch.testing.assert_close(pool[real], ref_pool[real], rtol=2e-5, atol=2e-5)
+    assert torch.equal(conv_pool[real], ref_conv_pool[real])
+
+
 def test_gated_delta_decode_empty_batch_launches_nothing():
     q, k, v, a, b, A_log, dt_bias, pool, idx = make_decode(3, 4)
     before = pool.clone()

@@ -106,6 +106,7 @@ def causal_conv1d_update(
         conv_state: ``[slots, K - 1, channels]`` float16/bfloat16/float32, last dim contiguous; ``K >= 2``.
         weight: ``[channels, K]`` contiguous, any of those dtypes.
         state_idx: int32 ``[batch]``: each request's slot, all different (not checked: that would synchronize).
+            Rows that share a slot race on it alone: graph padding rows may share one scratch slot.
         out: optional ``[batch, channels]`` of x's dtype.
     Returns ``out`` (allocated when None). Every layer of a step: :class:`CausalConv1dUpdatePlan` checks once.
     """

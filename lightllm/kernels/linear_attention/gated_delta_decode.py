@@ -224,6 +224,7 @@ def gated_delta_decode(
         a, b: ``[batch, v_heads]`` (last dim contiguous); A_log, dt_bias: ``[v_heads]``.
         ssm_state: ``[slots, v_heads, head_k_dim, head_v_dim]`` float32 or bfloat16, each slot contiguous.
         state_idx: int32 ``[batch]``: each request's slot, all different (not checked: that would synchronize).
+            Rows that share a slot race on it alone: graph padding rows may share one scratch slot.
         out: optional ``[batch, v_heads, head_v_dim]`` of q's dtype.
     Returns ``out`` (allocated when None). Every layer of a step: :class:`GatedDeltaDecodePlan` checks once.
     """
