@@ -167,7 +167,7 @@ def run(args):
                 "default": default,
                 "default_ms": time_ours(t, default),
                 "tuner": picked,
-                "tuner_ms": time_ours(t, picked),
+                "tuner_ms": time_ours(t, picked or default),  # None: the default won (never a cached config)
                 "candidates_ms": candidates,
                 "fla_ms": time_fla(t, fla) if fla is not None else None,
             }
