@@ -1,0 +1,143 @@
+"""Causal depthwise conv1d + SiLU for one new input per request, shifting each request's conv state in place.
+
+A plain kernel with a fixed config, not tuned: it moves ``B * C * 2 * K`` elements (the state read and written,
+x read, y written), 10.5 MB in bf16 at batch 64 for Qwen3.5-27B (C = 10240, K = 4): under 3 % of the recurrent
+update's 403 MB of float32 state. A search per batch size would cost start-up time for a few microseconds at
+most; ``run_config`` lets ``benchmarks/linear_attention_decode.py`` time other block sizes against the default.
+"""
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from lightllm.common.autotuner import PlannedInputs
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+DEFAULT_CONFIG = {"BLOCK_C": 512, "num_warps": 4}
+_WARPS = (1, 2, 4, 8, 16)
+
+
+@triton.jit
+def _conv1d_update_kernel(
+    X, STATE, W, STATE_IDX, Y, C, stride_xb, stride_sn, stride_sk, stride_yb, K: tl.constexpr, BLOCK_C: tl.constexpr
+):
+    i_b = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = cols < C
+    slot = tl.load(STATE_IDX + i_b).to(tl.int64)
+    state = STATE + slot * stride_sn + cols
+    # The new input joins the window in the state's dtype, as the reference rounds it.
+    x = tl.load(X + i_b * stride_xb + cols, mask=mask, other=0.0).to(STATE.dtype.element_ty)
+    acc = x.to(tl.float32) * tl.load(W + cols * K + (K - 1), mask=mask, other=0.0).to(tl.float32)
+    for j in tl.static_range(K - 1):
+        s = tl.load(state + j * stride_sk, mask=mask, other=0.0)
+        acc += s.to(tl.float32) * tl.load(W + cols * K + j, mask=mask, other=0.0).to(tl.float32)
+        if j > 0:  # shift left: the same thread loaded tap j - 1 in the previous step, so no other thread races it
+            tl.store(state + (j - 1) * stride_sk, s, mask=mask)
+    tl.store(state + (K - 2) * stride_sk, x, mask=mask)
+    y = acc * tl.sigmoid(acc)
+    tl.store(Y + i_b * stride_yb + cols, y.to(Y.dtype.element_ty), mask=mask)
+
+
+def _launch(x, conv_state, weight, state_idx, out, run_config=None):
+    batch, channels = x.shape
+    cfg = run_config or DEFAULT_CONFIG
+    if batch > 0:
+        _conv1d_update_kernel[(batch, triton.cdiv(channels, cfg["BLOCK_C"]))](
+            x, conv_state, weight, state_idx, out, channels,
+            x.stride(0), conv_state.stride(0), conv_state.stride(1), out.stride(0),
+            K=weight.shape[1], BLOCK_C=cfg["BLOCK_C"], num_warps=cfg["num_warps"],
+        )  # fmt: skip
+    return out
+
+
+class CausalConv1dUpdatePlan:
+    """The conv update of one step, checked once from shapes before any layer runs; :meth:`run` checks only the
+    planned shapes, dtypes and strides of each layer's tensors.
+
+    Args: ``x_shape`` ``[batch, channels]`` and ``dtype`` of x (and the output), ``state_shape``
+    ``[slots, K - 1, channels]`` and ``state_dtype`` of every layer's conv state, ``weight_dtype``, ``state_idx``
+    as :func:`causal_conv1d_update`, ``run_config`` (``BLOCK_C``, ``num_warps``; default ``DEFAULT_CONFIG``).
+    """
+
+    def __init__(self, x_shape, dtype, state_shape, state_dtype, weight_dtype, state_idx, run_config=None):
+        x_shape, state_shape = torch.Size(x_shape), torch.Size(state_shape)
+        _check_plan(x_shape, dtype, state_shape, state_dtype, weight_dtype, state_idx, run_config)
+        channels, taps = x_shape[1], state_shape[1] + 1
+        self.state_idx, self.run_config = state_idx, run_config
+        self.inputs = PlannedInputs(
+            "causal conv1d update",
+            x=(x_shape, dtype),
+            conv_state=(state_shape, state_dtype),
+            weight=(torch.Size((channels, taps)), weight_dtype),
+        )
+
+    def run(self, x, conv_state, weight, out=None) -> torch.Tensor:
+        self.inputs.check((x.shape, x.dtype), (conv_state.shape, conv_state.dtype), (weight.shape, weight.dtype))
+        for name, t in (("x", x), ("conv_state", conv_state)):
+            if t.stride(-1) != 1:
+                raise ValueError(f"causal conv1d update: {name} expected a contiguous last dim, got strides "
+                                 f"{t.stride()}")  # fmt: skip
+        if not weight.is_contiguous():
+            raise ValueError(f"causal conv1d update: weight expected contiguous, got strides {weight.stride()}")
+        if out is None:
+            out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        elif out.shape != x.shape or out.dtype != x.dtype or out.stride(-1) != 1:
+            raise ValueError(f"causal conv1d update: out expected a {tuple(x.shape)} {x.dtype} tensor with a "
+                             f"contiguous last dim, got {tuple(out.shape)} {out.dtype}")  # fmt: skip
+        return _launch(x, conv_state, weight, self.state_idx, out, run_config=self.run_config)
+
+
+def causal_conv1d_update(
+    x: torch.Tensor,
+    conv_state: torch.Tensor,
+    weight: torch.Tensor,
+    state_idx: torch.Tensor,
+    out: Optional[torch.Tensor] = None,
+    run_config: Optional[dict] = None,
+) -> torch.Tensor:
+    """``silu(sum_j window[j] * weight[:, j])`` over each request's window (its slot's last ``K - 1`` inputs, then
+    ``x``), computed in float32; the slot then drops its oldest input and appends ``x`` (in place, in the state's
+    dtype). Same numerics as ``causal_conv1d_update_ref``.
+
+    Args:
+        x: ``[batch, channels]`` float16/bfloat16/float32, last dim contiguous.
+        conv_state: ``[slots, K - 1, channels]`` float16/bfloat16/float32, last dim contiguous; ``K >= 2``.
+        weight: ``[channels, K]`` contiguous, any of those dtypes.
+        state_idx: int32 ``[batch]``: each request's slot, all different (not checked: that would synchronize).
+            Rows that share a slot race on it alone: graph padding rows may share one scratch slot.
+        out: optional ``[batch, channels]`` of x's dtype.
+    Returns ``out`` (allocated when None). Every layer of a step: :class:`CausalConv1dUpdatePlan` checks once.
+    """
+    for name, t in (("x", x), ("weight", weight), ("state_idx", state_idx)):
+        if t.device != conv_state.device:
+            _fail(name, f"conv_state's device {conv_state.device}", t.device)
+    plan = CausalConv1dUpdatePlan(x.shape, x.dtype, conv_state.shape, conv_state.dtype, weight.dtype, state_idx,
+                                  run_config)  # fmt: skip
+    return plan.run(x, conv_state, weight, out=out)
+
+
+def _fail(name, expected, got):
+    raise ValueError(f"causal conv1d update: {name} expected {expected}, got {got}")
+
+
+def _check_plan(x_shape, dtype, state_shape, state_dtype, weight_dtype, state_idx, run_config) -> None:
+    if len(x_shape) != 2 or dtype not in DTYPES:
+        _fail("x", f"a [batch, channels] tensor of {DTYPES}", f"{tuple(x_shape)} {dtype}")
+    batch, channels = x_shape
+    if len(state_shape) != 3 or state_shape[1] < 1 or state_shape[2] != channels:
+        _fail("conv_state", f"a [slots, K - 1 >= 1, {channels}] tensor", tuple(state_shape))
+    for name, t in (("conv_state", state_dtype), ("weight", weight_dtype)):
+        if t not in DTYPES:
+            _fail(name, f"one of {DTYPES}", t)
+    if state_idx.shape != (batch,) or state_idx.dtype != torch.int32:
+        _fail("state_idx", f"an int32 [{batch}] tensor", f"{tuple(state_idx.shape)} {state_idx.dtype}")
+    if run_config is not None and not _runnable(run_config):
+        _fail("run_config", f"a dict with BLOCK_C a power of two >= 16 and num_warps in {_WARPS}", run_config)
+
+
+def _runnable(cfg) -> bool:
+    block = cfg.get("BLOCK_C") if isinstance(cfg, dict) else None
+    return isinstance(block, int) and block >= 16 and block & (block - 1) == 0 and cfg.get("num_warps") in _WARPS

@@ -1,0 +1,281 @@
+"""Gated delta rule, one new token per request (Qwen3.5's linear-attention decode), updating the state in place.
+
+One Triton launch per call: program (request, value head, V tile) loads its ``[Dk, BV]`` slice of the request's
+state slot, computes the gates, L2-normalizes q/k, applies the delta rule in float32 and stores the slice back
+in the pool's dtype. The state read and write dominate the traffic (``B * Hv * Dk * Dv`` elements each way).
+
+Tuned as ``DECODE_ATTENTION`` (the phase in which decode graphs are prepared): its run key is the batch size
+(the state read per request does not depend on any KV length). A search times candidates on a fresh dummy state
+pool of the batch's size (``_dummy_state_batch``), never on the caller's pool: a launch advances the state it is
+given, so the tuner must neither run cached configs on the real pool (``warmup_all_exist_config=False``) nor
+clone it (``mutates_args`` then names only the dummy pool the tuner times on).
+"""
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from lightllm.common.autotuner import AutotuneKernelType, PlannedInputs, autotune
+
+HEAD_DIMS = (16, 32, 64, 128, 256)
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+STATE_DTYPES = (torch.float32, torch.bfloat16)
+BLOCK_VS = (8, 16, 32, 64, 128)  # 8 with one warp is fla-core's fixed choice
+NUM_WARPS = (1, 2, 4, 8)
+_WARPS = (1, 2, 4, 8, 16)
+_MAX_TILE_PER_THREAD = 128  # state elements a thread holds; beyond this a config spills registers
+_LAST_DIM_NAMES = ("q", "k", "v", "a", "b", "A_log", "dt_bias")
+_UNIT_STRIDES = (1,) * len(_LAST_DIM_NAMES)
+
+
+@triton.jit
+def _gated_delta_decode_kernel(
+    Q, K, V, A, B, A_LOG, DT_BIAS, STATE, STATE_IDX, OUT,
+    stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_ab, stride_bb,
+    stride_sn, stride_ob, stride_oh,
+    scale,
+    GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
+):  # fmt: skip
+    i_b = tl.program_id(0).to(tl.int64)
+    i_hv = tl.program_id(1)
+    i_hk = i_hv // GROUP
+    offs_k = tl.arange(0, DK)
+    offs_v = tl.program_id(2) * BV + tl.arange(0, BV)
+
+    # Gates as the reference rounds them: g in float32, beta = sigmoid(b) in b's dtype.
+    x = tl.load(A + i_b * stride_ab + i_hv).to(tl.float32) + tl.load(DT_BIAS + i_hv).to(tl.float32)
+    softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))
+    decay = tl.exp(-tl.exp(tl.load(A_LOG + i_hv).to(tl.float32)) * softplus)
+    b_raw = tl.load(B + i_b * stride_bb + i_hv)
+    beta = tl.sigmoid(b_raw.to(tl.float32)).to(b_raw.dtype).to(tl.float32)
+
+    q = tl.load(Q + i_b * stride_qb + i_hk * stride_qh + offs_k).to(tl.float32)
+    k = tl.load(K + i_b * stride_kb + i_hk * stride_kh + offs_k).to(tl.float32)
+    q = q * (1.0 / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6)) * scale
+    k = k * (1.0 / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6))
+    v = tl.load(V + i_b * stride_vb + i_hv * stride_vh + offs_v).to(tl.float32)
+
+    slot = tl.load(STATE_IDX + i_b).to(tl.int64)
+    s_ptr = STATE + slot * stride_sn + i_hv * (DK * DV) + offs_k[:, None] * DV + offs_v[None, :]
+    s = tl.load(s_ptr).to(tl.float32) * decay
+    delta = (v - tl.sum(s * k[:, None], axis=0)) * beta
+    s = s + k[:, None] * delta[None, :]
+    o = tl.sum(s * q[:, None], axis=0)
+    tl.store(s_ptr, s.to(STATE.dtype.element_ty))
+    tl.store(OUT + i_b * stride_ob + i_hv * stride_oh + offs_v, o.to(OUT.dtype.element_ty))
+
+
+def default_config(head_v_dim: int) -> dict:
+    return {"BV": min(32, head_v_dim), "num_warps": 4}
+
+
+def _launch(q, k, v, a, b, A_log, dt_bias, ssm_state, state_idx, out, run_config=None):
+    batch, k_heads, head_k_dim = q.shape
+    v_heads, head_v_dim = v.shape[1:]
+    cfg = run_config or default_config(head_v_dim)
+    if batch > 0:
+        _gated_delta_decode_kernel[(batch, v_heads, head_v_dim // cfg["BV"])](
+            q, k, v, a, b, A_log, dt_bias, ssm_state, state_idx, out,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),
+            ssm_state.stride(0), out.stride(0), out.stride(1),
+            head_k_dim**-0.5,
+            GROUP=v_heads // k_heads, DK=head_k_dim, DV=head_v_dim, BV=cfg["BV"], num_warps=cfg["num_warps"],
+        )  # fmt: skip
+    return out
+
+
+# ---- tuning declaration ---------------------------------------------------------------------------------
+
+
+def _configs(q, v):
+    """V tile x warps, without the pairs that would spill (a thread holding over 128 state elements). No
+    num_stages: the kernel has no loop to pipeline, so stages would only add compiles."""
+    head_k_dim, head_v_dim = q.shape[2], v.shape[2]
+    return [
+        {"BV": bv, "num_warps": w}
+        for bv in BLOCK_VS
+        if bv <= head_v_dim
+        for w in NUM_WARPS
+        if head_k_dim * bv <= _MAX_TILE_PER_THREAD * 32 * w
+    ]
+
+
+def _static_key(q, v, ssm_state):
+    return {
+        "k_heads": q.shape[1],
+        "v_heads": v.shape[1],
+        "head_k_dim": q.shape[2],
+        "head_v_dim": v.shape[2],
+        "dtype": str(q.dtype),
+        "state_dtype": str(ssm_state.dtype),
+    }
+
+
+def _run_key(q):
+    return q.shape[0]
+
+
+def _dummy_state_batch(named: dict) -> dict:
+    """The caller's inputs on a fresh state pool of one slot per request (random, so no candidate is timed on
+    zeros), visited in reverse slot order: timing never reads or writes the caller's pool. Its own generator
+    leaves the process's random stream as it was."""
+    q, pool = named["q"], named["ssm_state"]
+    batch = q.shape[0]
+    gen = torch.Generator(device=pool.device).manual_seed(0)
+    dummy = torch.randn((batch,) + tuple(pool.shape[1:]), generator=gen, device=pool.device).mul_(0.1).to(pool.dtype)
+    order = torch.arange(batch - 1, -1, -1, device=pool.device, dtype=torch.int32)
+    return {**named, "ssm_state": dummy, "state_idx": order, "out": torch.empty_like(named["out"])}
+
+
+_launch_gated_delta_decode = autotune(
+    kernel_name="gated_delta_decode",
+    configs_gen_func=_configs,
+    static_key_func=_static_key,
+    run_key_func=_run_key,
+    mutates_args=("ssm_state",),
+    kernel_type=AutotuneKernelType.DECODE_ATTENTION,
+    rebuild_input_func=_dummy_state_batch,
+    warmup_all_exist_config=False,
+    output_args=("out",),
+)(_launch)
+
+
+# ---- public API -----------------------------------------------------------------------------------------
+
+
+class GatedDeltaDecodePlan:
+    """The linear-attention decode of one step, made from shapes before any layer runs: the arguments are
+    checked once here and the tuned config resolved at the first :meth:`run`; every linear-attention layer then
+    runs with them. Each layer's inputs must have the planned shapes and dtypes (``run`` checks).
+
+    Args: ``q_shape`` ``[batch, k_heads, head_k_dim]`` (also k's), ``v_shape`` ``[batch, v_heads, head_v_dim]``,
+    ``dtype`` of q/k/v (and of the output), ``state_shape`` ``[slots, v_heads, head_k_dim, head_v_dim]`` and
+    ``state_dtype`` of every layer's pool, ``state_idx`` as :func:`gated_delta_decode`, ``gate_dtype`` of a/b
+    (default ``dtype``), ``run_config`` to launch one config untuned.
+    """
+
+    def __init__(self, q_shape, v_shape, dtype, state_shape, state_dtype, state_idx, gate_dtype=None,
+                 run_config=None):  # fmt: skip
+        q_shape, v_shape, state_shape = torch.Size(q_shape), torch.Size(v_shape), torch.Size(state_shape)
+        gate_dtype = gate_dtype or dtype
+        _check_plan(q_shape, v_shape, dtype, state_shape, state_dtype, state_idx, gate_dtype, run_config)
+        self.state_idx = state_idx
+        self.slot_strides = (state_shape[2] * state_shape[3], state_shape[3], 1)
+        gate_shape = v_shape[:2]
+        self.inputs = PlannedInputs(
+            "gated delta decode",
+            q=(q_shape, dtype),
+            k=(q_shape, dtype),
+            v=(v_shape, dtype),
+            a=(gate_shape, gate_dtype),
+            b=(gate_shape, gate_dtype),
+            A_log=(gate_shape[1:],),
+            dt_bias=(gate_shape[1:],),
+            ssm_state=(state_shape, state_dtype),
+        )
+        self._tuned = _launch_gated_delta_decode.plan(run_config=run_config)
+
+    def run(self, q, k, v, a, b, A_log, dt_bias, ssm_state, out=None) -> torch.Tensor:
+        self.inputs.check(
+            (q.shape, q.dtype), (k.shape, k.dtype), (v.shape, v.dtype), (a.shape, a.dtype), (b.shape, b.dtype),
+            (A_log.shape,), (dt_bias.shape,), (ssm_state.shape, ssm_state.dtype),
+        )  # fmt: skip
+        lasts = (q.stride(-1), k.stride(-1), v.stride(-1), a.stride(-1), b.stride(-1), A_log.stride(-1),
+                 dt_bias.stride(-1))  # fmt: skip
+        if lasts != _UNIT_STRIDES:
+            i = next(i for i, stride in enumerate(lasts) if stride != 1)
+            raise ValueError(f"gated delta decode: {_LAST_DIM_NAMES[i]} expected a contiguous last dim, got last-dim "
+                             f"stride {lasts[i]}")  # fmt: skip
+        if ssm_state.stride()[1:] != self.slot_strides:
+            raise ValueError(f"gated delta decode: ssm_state expected each slot contiguous (strides [..., "
+                             f"{', '.join(map(str, self.slot_strides))}]), got {ssm_state.stride()}")  # fmt: skip
+        if out is None:
+            out = torch.empty(v.shape, dtype=q.dtype, device=q.device)
+        elif out.shape != v.shape or out.dtype != q.dtype or out.stride(-1) != 1:
+            raise ValueError(f"gated delta decode: out expected a {tuple(v.shape)} {q.dtype} tensor with a contiguous "
+                             f"last dim, got {tuple(out.shape)} {out.dtype} strides {out.stride()}")  # fmt: skip
+        return self._tuned.run(q, k, v, a, b, A_log, dt_bias, ssm_state, self.state_idx, out)
+
+
+def gated_delta_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    ssm_state: torch.Tensor,
+    state_idx: torch.Tensor,
+    out: Optional[torch.Tensor] = None,
+    run_config: Optional[dict] = None,
+) -> torch.Tensor:
+    """One new token per request: gates ``g = -exp(A_log) * softplus(a + dt_bias)``, ``beta = sigmoid(b)``, q/k
+    L2-normalized and q scaled by ``1/sqrt(head_k_dim)``, the delta rule in float32 on each request's state slot
+    (updated in place, stored in the pool's dtype). Same numerics as ``gated_delta_decode_ref``.
+
+    Args:
+        q, k: ``[batch, k_heads, head_k_dim]`` float16/bfloat16/float32, last dim contiguous (may be strided views
+            of one conv output).
+        v: ``[batch, v_heads, head_v_dim]`` of q's dtype, last dim contiguous; ``v_heads % k_heads == 0`` (value
+            head ``h`` reads q/k head ``h // (v_heads // k_heads)``). Head dims: one of ``HEAD_DIMS``.
+        a, b: ``[batch, v_heads]`` (last dim contiguous); A_log, dt_bias: ``[v_heads]``.
+        ssm_state: ``[slots, v_heads, head_k_dim, head_v_dim]`` float32 or bfloat16, each slot contiguous.
+        state_idx: int32 ``[batch]``: each request's slot, all different (not checked: that would synchronize).
+            Rows that share a slot race on it alone: graph padding rows may share one scratch slot.
+        out: optional ``[batch, v_heads, head_v_dim]`` of q's dtype.
+    Returns ``out`` (allocated when None). Every layer of a step: :class:`GatedDeltaDecodePlan` checks once.
+    """
+    _check_devices(q=q, k=k, v=v, a=a, b=b, A_log=A_log, dt_bias=dt_bias, ssm_state=ssm_state, state_idx=state_idx)
+    plan = GatedDeltaDecodePlan(q.shape, v.shape, q.dtype, ssm_state.shape, ssm_state.dtype, state_idx,
+                                gate_dtype=a.dtype, run_config=run_config)  # fmt: skip
+    return plan.run(q, k, v, a, b, A_log, dt_bias, ssm_state, out=out)
+
+
+def _fail(name, expected, got):
+    raise ValueError(f"gated delta decode: {name} expected {expected}, got {got}")
+
+
+def _check_devices(**tensors) -> None:
+    device = tensors["ssm_state"].device
+    for name, t in tensors.items():
+        if t.device != device:
+            _fail(name, f"ssm_state's device {device}", t.device)
+
+
+def _check_plan(q_shape, v_shape, dtype, state_shape, state_dtype, state_idx, gate_dtype, run_config) -> None:
+    if dtype not in DTYPES:
+        _fail("q", f"one of {DTYPES}", dtype)
+    if len(q_shape) != 3:
+        _fail("q", "a [batch, k_heads, head_k_dim] tensor", tuple(q_shape))
+    batch, k_heads, head_k_dim = q_shape
+    if len(v_shape) != 3 or v_shape[0] != batch:
+        _fail("v", f"a [{batch}, v_heads, head_v_dim] tensor", tuple(v_shape))
+    v_heads, head_v_dim = v_shape[1:]
+    if k_heads < 1 or v_heads % k_heads:
+        _fail("v_heads", f"a multiple of k_heads ({k_heads})", v_heads)
+    if head_k_dim not in HEAD_DIMS:
+        _fail("head_k_dim", f"one of {HEAD_DIMS}", head_k_dim)
+    if head_v_dim not in HEAD_DIMS:
+        _fail("head_v_dim", f"one of {HEAD_DIMS}", head_v_dim)
+    if gate_dtype not in DTYPES:
+        _fail("a/b", f"one of {DTYPES}", gate_dtype)
+    want = (v_heads, head_k_dim, head_v_dim)
+    if len(state_shape) != 4 or tuple(state_shape[1:]) != want:
+        _fail("ssm_state", f"a [slots, {v_heads}, {head_k_dim}, {head_v_dim}] tensor", tuple(state_shape))
+    if state_dtype not in STATE_DTYPES:
+        _fail("ssm_state", f"one of {STATE_DTYPES}", state_dtype)
+    if state_idx.shape != (batch,) or state_idx.dtype != torch.int32:
+        _fail("state_idx", f"an int32 [{batch}] tensor", f"{tuple(state_idx.shape)} {state_idx.dtype}")
+    if run_config is not None and not _runnable(run_config, head_v_dim):
+        _fail("run_config", f"a dict with BV dividing {head_v_dim} and num_warps in {_WARPS}", run_config)
+
+
+def _runnable(cfg, head_v_dim: int) -> bool:
+    """Any config the kernel compiles for (the candidates are a subset): head_v_dim is a power of two, so is BV."""
+    if not isinstance(cfg, dict):
+        return False
+    bv = cfg.get("BV")
+    return isinstance(bv, int) and bv > 0 and head_v_dim % bv == 0 and cfg.get("num_warps") in _WARPS
