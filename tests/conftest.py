@@ -9,9 +9,16 @@ from lightllm.common import envs
 # On a CPU-only machine Triton kernels run through the interpreter; set it before any kernel is defined.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-    # transformers binds Qwen3.5's delta rule to fla-core (GPU-only Triton) when fla imports; the CPU oracle must
-    # take transformers' torch path, so fla is hidden here (the engine imports it only on a GPU).
-    sys.modules.setdefault("fla", None)
+    # transformers binds Qwen3.5's delta rule to fla-core's kernels when its modeling module imports with fla
+    # installed; the CPU oracle must take transformers' torch path, so fla is hidden for that one import (the
+    # kernels' tests still use fla itself, through the interpreter, as a second oracle).
+    sys.modules["fla"] = None
+    try:
+        import transformers.models.qwen3_5.modeling_qwen3_5  # noqa: F401
+    except ImportError:
+        pass
+    finally:
+        del sys.modules["fla"]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # models in tests are made locally; never reach for a hub
 
 # Tests start from a clean environment. Cleared here too, not only per test, so that module- and session-scoped

@@ -3,7 +3,7 @@
 A plain kernel with a fixed config, not tuned: it moves ``B * C * 2 * K`` elements (the state read and written,
 x read, y written), 10.5 MB in bf16 at batch 64 for Qwen3.5-27B (C = 10240, K = 4): under 3 % of the recurrent
 update's 403 MB of float32 state. A search per batch size would cost start-up time for a few microseconds at
-most; ``run_config`` lets ``benchmarks/linear_attention_decode.py`` time other block sizes against the default.
+most; ``run_config`` lets ``benchmarks/linear_attention.py`` time other block sizes against the default.
 """
 
 from typing import Optional

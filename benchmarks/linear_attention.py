@@ -14,8 +14,8 @@ dims), float32 state and bf16 activations:
   measured in the same run;
 - conv1d update (bf16, K = 4) at a few ``BLOCK_C``: it is not tuned (docs/decode_attention.md).
 
-    python benchmarks/linear_attention_decode.py --out benchmarks/results/linear_attention_decode_h200.json
-    python benchmarks/linear_attention_decode.py --analyze benchmarks/results/linear_attention_decode_h200.json
+    python benchmarks/linear_attention.py --out benchmarks/results/linear_attention_h200.json
+    python benchmarks/linear_attention.py --analyze benchmarks/results/linear_attention_h200.json
 """
 
 import argparse
@@ -222,7 +222,7 @@ def parse_args(argv=None):
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     p.add_argument("--batches", nargs="+", type=int, default=list(BATCHES))
     p.add_argument("--analyze", metavar="JSON", help="print the tables of a saved run (no GPU needed)")
-    p.add_argument("--out", default="benchmarks/results/linear_attention_decode.json")
+    p.add_argument("--out", default="benchmarks/results/linear_attention.json")
     args = p.parse_args(argv)
     if any(b < 1 for b in args.batches):
         p.error(f"--batches expected positive integers, got {args.batches}")

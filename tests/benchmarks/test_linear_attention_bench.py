@@ -1,5 +1,5 @@
-"""linear_attention_decode's arguments, byte counts, pool cycling and its tables from a saved run (the GPU run itself
-is a benchmark, not a test)."""
+"""benchmarks/linear_attention.py: arguments, byte counts, pool cycling and its tables from a saved run (the GPU run
+itself is a benchmark, not a test)."""
 
 import importlib.util
 import json
@@ -12,8 +12,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 @pytest.fixture(scope="module")
 def bench():
-    path = os.path.join(REPO, "benchmarks", "linear_attention_decode.py")
-    spec = importlib.util.spec_from_file_location("linear_attention_decode", path)
+    path = os.path.join(REPO, "benchmarks", "linear_attention.py")
+    spec = importlib.util.spec_from_file_location("linear_attention_bench", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
