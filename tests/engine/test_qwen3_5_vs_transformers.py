@@ -240,11 +240,13 @@ def test_gpu_greedy_tokens_match_transformers_in_fp32(tiny_gpu_dir):
 
     llm = LLM(tiny_gpu_dir, data_type="fp32", batch_max_tokens=256, max_req_total_len=256, running_max_req_size=4,
               graph_max_batch_size=4)  # fmt: skip
-    hf = Qwen3_5ForCausalLM.from_pretrained(tiny_gpu_dir, dtype=torch.float32).eval()
+    # on the GPU: with fla-core installed transformers runs its delta rule through fla's kernels, GPU tensors only
+    hf = Qwen3_5ForCausalLM.from_pretrained(tiny_gpu_dir, dtype=torch.float32).cuda().eval()
     for prompt in (PROMPTS[0], PROMPTS[2]):
         (out,) = llm.generate([prompt], SamplingParams(max_new_tokens=6, ignore_eos=True))
         with torch.no_grad():
-            want = hf.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, min_new_tokens=6)
+            want = hf.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=6, do_sample=False,
+                               min_new_tokens=6)  # fmt: skip
         assert out.token_ids == want[0, len(prompt) :].tolist()
 
 
@@ -252,8 +254,16 @@ def test_gpu_greedy_tokens_match_transformers_in_fp32(tiny_gpu_dir):
 def test_gpu_graph_replay_equals_eager_bit_for_bit(tiny_gpu_dir):
     """One decode step replayed from a graph, then the captured function run eagerly on the same buffers from the
     same state: logits and state slots identical (decode advances the state in place, so it is restored first)."""
-    llm = LLM(tiny_gpu_dir, data_type="bf16", batch_max_tokens=256, max_req_total_len=256, running_max_req_size=4,
-              graph_max_batch_size=4)  # fmt: skip
+    llm = LLM(
+        tiny_gpu_dir,
+        data_type="bf16",
+        batch_max_tokens=256,
+        max_req_total_len=256,
+        running_max_req_size=4,
+        graph_max_batch_size=4,
+        graph_split_batch_size=2,
+        graph_grow_step_size=2,
+    )  # graphs of 1, 2 and 4
     runner, state = llm.runner, llm.runner.model.linear.state
     slots = [runner.add_request() for _ in range(3)]
     runner.prefill(slots, [PROMPTS[1], PROMPTS[3], PROMPTS[0]])
