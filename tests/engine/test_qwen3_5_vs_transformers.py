@@ -235,24 +235,30 @@ def test_gpu_bf16_greedy_close_to_fp32_reference(tiny_gpu_dir, backend, kv_type,
 
 @pytest.mark.gpu
 def test_gpu_fp32_follows_transformers(tiny_gpu_dir):
-    """The GPU engine in fp32 (fla-core prefill, Triton decode, graphs) against transformers in fp32 on the GPU,
-    teacher-forced on the engine's greedy tokens: each token's logprob within TF32's error (fla's and Triton's dot
-    products round fp32 inputs to TF32), and each token transformers' argmax unless its top two are that close."""
+    """The GPU engine in fp32 (fla-core prefill, Triton decode, graphs), teacher-forced on its greedy tokens, against
+    the CPU fp32 engine (transformers' numbers to 1e-5, above): its logprob error stays within that of transformers
+    itself in fp32 on the GPU (which, with fla-core installed, runs the delta rule through fla's kernels, whose dots
+    round fp32 to TF32), and each token is the reference's argmax unless its top two are that close."""
     from transformers import Qwen3_5ForCausalLM
 
-    llm = LLM(tiny_gpu_dir, data_type="fp32", batch_max_tokens=256, max_req_total_len=256, running_max_req_size=4,
-              graph_max_batch_size=4, max_total_token_num=4096)  # fmt: skip
-    # with fla-core installed transformers runs its delta rule through fla's kernels: GPU tensors only
+    opts = dict(batch_max_tokens=256, max_req_total_len=256, running_max_req_size=4, max_total_token_num=4096)
+    llm = LLM(tiny_gpu_dir, data_type="fp32", graph_max_batch_size=4, **opts)
+    ref = LLM(tiny_gpu_dir, data_type="fp32", device="cpu", **opts).runner
     hf = Qwen3_5ForCausalLM.from_pretrained(tiny_gpu_dir, dtype=torch.float32).cuda().eval()
-    tol = 5e-3
+    errors, hf_errors, margins = [], [], []
     for prompt in (PROMPTS[0], PROMPTS[2]):
         (out,) = llm.generate([prompt], SamplingParams(max_new_tokens=6, ignore_eos=True, logprobs=True))
+        forced, best = forced_scores(ref, prompt, out.token_ids)
         with torch.no_grad():
             ids = torch.tensor([prompt + out.token_ids[:-1]], device="cuda")
-            want = hf(ids).logits[0, len(prompt) - 1 :].float().log_softmax(-1)  # the scores of each new token
-        for step, (token, logprob) in enumerate(zip(out.token_ids, out.logprobs)):
-            assert abs(logprob - want[step, token].item()) <= tol, (prompt, step)
-            assert want[step].max().item() - want[step, token].item() <= tol, (prompt, step)
+            scores = hf(ids).logits[0, len(prompt) - 1 :].float().log_softmax(-1)  # the scores of each new token
+        hf_forced = [scores[i, t].item() for i, t in enumerate(out.token_ids)]
+        errors += [abs(a - b) for a, b in zip(out.logprobs, forced)]
+        hf_errors += [abs(a - b) for a, b in zip(hf_forced, forced)]
+        margins += [b - a for a, b in zip(forced, best)]
+    bound = 1.5 * max(hf_errors) + 2e-3
+    print(f"\nQwen3.5 GPU fp32: max logprob error {max(errors):.2e} (transformers on the GPU {max(hf_errors):.2e})")
+    assert max(errors) <= bound and max(margins) <= bound, (max(errors), max(margins), bound)
 
 
 @pytest.mark.gpu
