@@ -12,38 +12,39 @@ from lightllm.layers.linear_attention import SSM_DATA_TYPES
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_REQ_TOTAL_LEN = 4096  # when --max_req_total_len is not given, capped at the model's context
+DEFAULT_MAX_REQ_TOTAL_LEN = 16384  # LightLLM's default when --max_req_total_len is not given, capped at the context
 DEFAULT_KV_QUANT_GROUP_SIZE = 8
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 DATA_TYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "bfloat16": torch.bfloat16,
               "float16": torch.float16, "float32": torch.float32}  # fmt: skip
+DATA_TYPE_CHOICES = ("auto", *DATA_TYPES)  # auto: the checkpoint's own dtype (config.json), bf16 if it names none
 
 
 @dataclass
 class EngineArgs:
     model_dir: Optional[str] = None  # None: the built-in tiny model
-    data_type: str = "bf16"
+    data_type: str = "auto"  # resolved by fit_to_model from config.json's dtype
     running_max_req_size: int = 64
     max_req_total_len: Optional[int] = None  # None: DEFAULT_MAX_REQ_TOTAL_LEN, capped at the model's context
     batch_max_tokens: int = 4096
     graph_max_batch_size: int = 64
     graph_split_batch_size: int = 16
     graph_grow_step_size: int = 16
-    graph_max_len_in_batch: int = 4096  # 0: max_req_total_len (LightLLM's meaning)
+    graph_max_len_in_batch: int = 0  # 0: max_req_total_len (LightLLM's meaning and default)
     disable_cudagraph: bool = False
     llm_kv_type: str = "None"
     llm_kv_quant_group_size: int = DEFAULT_KV_QUANT_GROUP_SIZE
     llm_decode_att_backend: str = "triton"  # "auto" is resolved by normalize, once the device is known
     llm_prefill_att_backend: str = "triton"
     linear_att_ssm_data_type: str = "float32"  # linear-attention recurrent state (Qwen3.5); unused by Qwen3
-    mem_fraction: float = 0.8
+    mem_fraction: float = 0.9
     max_total_token_num: Optional[int] = None  # explicit KV pool size; default: from mem_fraction (GPU)
     device: Optional[str] = None  # default: cuda if available
 
     def normalize(self) -> "EngineArgs":
         """Validate every option (``ValueError`` naming the flag) and derive what depends on others."""
-        if self.data_type not in DATA_TYPES:
-            raise ValueError(f"--data_type expected one of {sorted(DATA_TYPES)}, got {self.data_type!r}")
+        if self.data_type not in DATA_TYPE_CHOICES:
+            raise ValueError(f"--data_type expected one of {DATA_TYPE_CHOICES}, got {self.data_type!r}")
         for name in ("running_max_req_size", "max_req_total_len", "batch_max_tokens", "graph_max_batch_size",
                      "graph_split_batch_size", "graph_grow_step_size", "graph_max_len_in_batch",
                      "llm_kv_quant_group_size"):  # fmt: skip
@@ -82,9 +83,18 @@ class EngineArgs:
             self.graph_max_batch_size = self.running_max_req_size
         return self
 
-    def fit_to_model(self, context_len: int, head_dim: int) -> "EngineArgs":
-        """Check and derive what depends on the model (its context ``max_position_embeddings`` and head_dim),
-        before any weight is loaded. Idempotent: the server calls it at parse time, the runner again."""
+    def fit_to_model(self, context_len: int, head_dim: int, checkpoint_dtype: Optional[str] = None) -> "EngineArgs":
+        """Check and derive what depends on the model (its context ``max_position_embeddings``, head_dim and the
+        dtype its config.json names), before any weight is loaded. Idempotent: the server calls it at parse time,
+        the runner again."""
+        if self.data_type == "auto":
+            self.data_type = checkpoint_dtype if checkpoint_dtype in DATA_TYPES else "bf16"
+            why = (
+                "the checkpoint's dtype"
+                if checkpoint_dtype in DATA_TYPES
+                else (f"config.json names {'no dtype' if checkpoint_dtype is None else repr(checkpoint_dtype)}")
+            )
+            logger.info("data_type auto -> %s (%s)", self.data_type, why)
         if self.max_req_total_len is None:
             self.max_req_total_len = min(DEFAULT_MAX_REQ_TOTAL_LEN, context_len)
             if context_len < DEFAULT_MAX_REQ_TOTAL_LEN:
@@ -112,6 +122,8 @@ class EngineArgs:
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        if self.data_type == "auto":
+            raise RuntimeError("data_type 'auto' is resolved by fit_to_model(...) from the model's config first")
         return DATA_TYPES[self.data_type]
 
     def graph_batch_sizes(self) -> List[int]:

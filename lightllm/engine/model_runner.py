@@ -45,6 +45,7 @@ from lightllm.layers.attention import AttentionBackend, check_head_dim, make_poo
 from lightllm.layers.infer_state import InferState
 from lightllm.layers.linear_attention import SSM_DATA_TYPES
 from lightllm.kernels.attention.decode.tuning import decode_attn_tuning_len
+from lightllm.models.hf_config import checkpoint_dtype
 from lightllm.models.registry import read_model_config
 
 logger = logging.getLogger(__name__)
@@ -66,7 +67,7 @@ class ModelRunner:
 
         self.model_dir = args.model_dir or str(default_model_dir())
         self.family, self.config = read_model_config(self.model_dir)
-        args.fit_to_model(self.config.max_position_embeddings, self.config.head_dim)
+        args.fit_to_model(self.config.max_position_embeddings, self.config.head_dim, checkpoint_dtype(self.model_dir))
         check_head_dim(self.config.head_dim, self.device)
         self.tp_rank, self.tp = parallel.rank(), parallel.world()
         self.family.check_tp(self.config, self.tp)

@@ -94,3 +94,14 @@ class ConfigFields:
             if isinstance(i, bool) or not isinstance(i, int) or i < 0:
                 raise self.error(field, f"must be a token id or a list of token ids, got {value!r}")
         return tuple(ids)
+
+
+def checkpoint_dtype(model_dir: Path) -> Optional[str]:
+    """The dtype config.json names (``torch_dtype``, or transformers 5's ``dtype``; a multimodal folder's
+    ``text_config`` when the top level names none), as written (``"bfloat16"``), or None."""
+    _, raw = read_config_file(Path(model_dir))
+    for cfg in (raw, raw.get("text_config") if isinstance(raw.get("text_config"), dict) else {}):
+        value = cfg.get("torch_dtype", cfg.get("dtype"))
+        if isinstance(value, str):
+            return value
+    return None

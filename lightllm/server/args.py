@@ -11,26 +11,27 @@ from typing import List, Optional, Tuple
 import torch
 
 from lightllm.common import envs
-from lightllm.engine.args import DATA_TYPES, EngineArgs
+from lightllm.engine.args import DATA_TYPE_CHOICES, EngineArgs
 from lightllm.layers.attention import DECODE_BACKEND_CHOICES, KV_TYPES, PREFILL_BACKEND_CHOICES, check_head_dim
 from lightllm.layers.linear_attention import SSM_DATA_TYPES
-from lightllm.models.hf_config import ModelLoadError
+from lightllm.models.hf_config import ModelLoadError, checkpoint_dtype
 from lightllm.models.registry import read_model_config
 
 logger = logging.getLogger(__name__)
 
 _HELP = {
     "model_dir": "Hugging Face model folder (default: the built-in tiny model, generated on first use)",
-    "data_type": "weights and activations dtype",
+    "data_type": "weights and activations dtype; auto (default): the checkpoint's own (config.json), bf16 if it "
+    "names none",
     "running_max_req_size": "most requests decoding at once",
-    "max_req_total_len": "most tokens of one request (prompt + output); default 4096, capped at the model's "
+    "max_req_total_len": "most tokens of one request (prompt + output); default 16384, capped at the model's "
     "max_position_embeddings",
     "batch_max_tokens": "most prompt tokens in one prefill batch",
     "graph_max_batch_size": "largest decode CUDA graph (capped at running_max_req_size)",
     "graph_split_batch_size": "decode graphs for every batch size up to this",
     "graph_grow_step_size": "then one graph every this many",
     "graph_max_len_in_batch": "longest request a decode graph serves; longer batches decode eagerly; 0: "
-    "max_req_total_len",
+    "max_req_total_len (default)",
     "disable_cudagraph": "decode eagerly (no graphs, no decode-attention tuning scope)",
     "llm_kv_type": "KV cache type",
     "llm_kv_quant_group_size": "INT8/INT4 KV quantization group size along head_dim",
@@ -50,7 +51,7 @@ _OPTIONAL_TYPES = {
     "device": str,
 }  # fields defaulting to None
 _CHOICES = {
-    "data_type": sorted(DATA_TYPES),
+    "data_type": list(DATA_TYPE_CHOICES),
     "llm_kv_type": list(KV_TYPES),
     "llm_decode_att_backend": list(DECODE_BACKEND_CHOICES),
     "llm_prefill_att_backend": list(PREFILL_BACKEND_CHOICES),
@@ -217,7 +218,7 @@ def _fit_to_model(engine: EngineArgs, server: ServerArgs) -> None:
         family, config = read_model_config(model_dir)
     except ModelLoadError as e:
         raise ValueError(f"--model_dir expected a Hugging Face model folder of a supported architecture: {e}") from None
-    engine.fit_to_model(config.max_position_embeddings, config.head_dim)
+    engine.fit_to_model(config.max_position_embeddings, config.head_dim, checkpoint_dtype(model_dir))
     check_head_dim(config.head_dim, torch.device(engine.device))
     family.check_tp(config, server.tp)
     bad = [i for i in server.eos_id if not 0 <= i < config.vocab_size]

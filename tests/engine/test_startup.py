@@ -152,3 +152,22 @@ def test_summary_says_tuning_needs_a_gpu(tmp_path, monkeypatch, caplog, level, n
     (ready,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("ready:")]
     expected = f"0 kernels tuned (LIGHTLLM_TRITON_AUTOTUNE_LEVEL={level} asks for tuning, but tuning runs only on a GPU"
     assert (expected in ready) == note and ("0 kernels tuned, " in ready) != note
+
+
+def test_data_type_auto_is_the_checkpoints_own(caplog):
+    caplog.set_level(logging.INFO)
+    fit = lambda dtype: EngineArgs(device="cpu").normalize().fit_to_model(4096, 128, dtype)  # noqa: E731
+    assert fit("float16").torch_dtype == torch.float16
+    assert fit("bfloat16").data_type == "bfloat16"
+    assert fit("float8_e4m3fn").data_type == "bf16" and fit(None).data_type == "bf16"
+    notes = [r.message for r in caplog.records if r.message.startswith("data_type auto")]
+    assert notes == [
+        "data_type auto -> float16 (the checkpoint's dtype)",
+        "data_type auto -> bfloat16 (the checkpoint's dtype)",
+        "data_type auto -> bf16 (config.json names 'float8_e4m3fn')",
+        "data_type auto -> bf16 (config.json names no dtype)",
+    ]
+    with pytest.raises(RuntimeError, match="data_type 'auto' is resolved by fit_to_model"):
+        EngineArgs(device="cpu").normalize().torch_dtype
+    with pytest.raises(ValueError, match=r"--data_type expected one of \('auto', 'bf16'"):
+        EngineArgs(device="cpu", data_type="int8").normalize()

@@ -101,14 +101,14 @@ def test_a_bad_generation_config_is_one_line_before_loading(tmp_path):
 
 
 def test_short_context_caps_the_default_and_everything_derived(short_model, caplog):
-    """max_position_embeddings 64 < the default 4096: the warm-up prefill used to index past the rotary table."""
+    """max_position_embeddings 64 < the default 16384: the warm-up prefill used to index past the rotary table."""
     caplog.set_level(logging.INFO)
     llm = LLM(short_model, data_type="fp32", device="cpu", batch_max_tokens=256, running_max_req_size=4)
     a = llm.runner.args
     assert (a.max_req_total_len, a.graph_max_len_in_batch) == (64, 64)
     assert llm.runner.kv.num_tokens == 5 * 64  # CPU sizing: (running_max_req_size + padding) requests
-    assert [r.message for r in caplog.records if "max_req_total_len 4096 -> 64" in r.message] == [
-        "max_req_total_len 4096 -> 64: the model's context (max_position_embeddings)"
+    assert [r.message for r in caplog.records if "max_req_total_len 16384 -> 64" in r.message] == [
+        "max_req_total_len 16384 -> 64: the model's context (max_position_embeddings)"
     ]
     (out,) = llm.generate([list(range(1, 40))], SamplingParams(max_new_tokens=25, ignore_eos=True))
     assert len(out.token_ids) == 25 and out.finish_reason == "length"
