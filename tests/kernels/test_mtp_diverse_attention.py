@@ -278,23 +278,54 @@ def test_triton_backend_refuses_mtp_verify_over_quantized_kv(kv_type, name):
 # ---- GPU: Qwen3.5's full-attention shape ------------------------------------------------------------------
 
 
+def qwen35_batch(batch, n, kv_len, seed):
+    """d256, 24 q / 4 KV heads, bf16 on the GPU; ragged lengths in [N + 1, kv_len], the first at kv_len."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    lens = torch.randint(n + 1, kv_len + 1, (batch,), generator=g, device="cuda", dtype=torch.int32)
+    lens[0] = kv_len
+    pool = (batch + 1) * kv_len
+    q = torch.randn(batch, n + 1, 24, 256, generator=g, device="cuda").bfloat16()
+    k = torch.randn(pool, 4, 256, generator=g, device="cuda").bfloat16()
+    v = torch.randn(pool, 4, 256, generator=g, device="cuda").bfloat16()
+    r2t = torch.randperm(pool, generator=g, device="cuda").int().view(batch + 1, kv_len)
+    idx = torch.randperm(batch + 1, generator=g, device="cuda")[:batch].int()
+    return q, k, v, r2t, idx, lens
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("n", [1, 3], ids=lambda n: f"N{n}")
 @pytest.mark.parametrize("batch", [1, 16, 64])
 @pytest.mark.parametrize("kv_len", [1024, 8192], ids=["1K", "8K"])
 def test_gpu_qwen35_shape_matches_reference_and_per_row_plain_decode(n, batch, kv_len):
-    """d256, 24 q / 4 KV heads, bf16; ragged lengths up to ``kv_len``, launched for a 32K graph."""
-    g = torch.Generator().manual_seed(batch + n)
-    lens = torch.randint(n + 1, kv_len + 1, (batch,), generator=g)
-    lens[0] = kv_len
-    pool = 2 * batch * kv_len
-    q, k, v, r2t, idx, seq = make_batch(batch, n + 1, 24, 4, 256, lens.tolist(), torch.bfloat16, pool=pool, seed=n)
+    """Launched for a 32K graph; against the float64 reference (first eight requests: it loops in Python) and
+    against the plain decode kernel run once per query token, token t at length L - N + t."""
+    q, k, v, r2t, idx, seq = qwen35_batch(batch, n, kv_len, seed=batch + n)
     out = run(q, k, v, r2t, idx, seq, 32768)
     assert not out.isnan().any()
-    check = min(batch, 8)  # the float64 reference loops over requests: compare the first eight
+    check = min(batch, 8)
     ref = decode_attention_ref(q[:check], k, v, r2t, idx[:check], seq[:check])
     assert rel_err(out[:check], ref) < 1e-2
-    for t in range(n + 1):  # token t is a plain decode at length L - N + t
-        row_len = (seq - n + t).int()
-        plain = flash_decode.gqa_decode_attention(q[:, t].contiguous(), k, v, r2t, idx, row_len, 32768)
+    for t in range(n + 1):
+        plain = flash_decode.gqa_decode_attention(q[:, t].contiguous(), k, v, r2t, idx, seq - n + t, 32768)
         assert rel_err(out[:, t], plain) < 1e-2
+
+
+@pytest.mark.gpu
+def test_gpu_search_runs_once_per_key_at_representative_length(monkeypatch, isolated_autotune):
+    monkeypatch.setenv("LIGHTLLM_TRITON_AUTOTUNE_LEVEL", "1")
+    tuned = mtp_diverse._launch_mtp_diverse_decode
+    tuned.clear_cache()
+    q, k, v, r2t, idx, seq = qwen35_batch(16, 3, 64, seed=0)  # a graph's dummy batch: tiny real lengths
+    before = [t.clone() for t in (q, k, v, r2t, idx, seq)]
+    try:
+        with autotune_warmup(AutotuneKernelType.DECODE_ATTENTION):
+            for _ in range(3):  # three layers of a graph serving up to 32K tokens, one key
+                out = run(q, k, v, r2t, idx, seq, 32768)
+        record = tuned.last_search
+        assert record.run_key == (16, 32768) and len(record.default_ms) == 4 and len(record.timings) == 16
+        assert len(list(isolated_autotune.rglob("*.json"))) == 1
+    finally:
+        tuned.clear_cache()
+    for t, b in zip((q, k, v, r2t, idx, seq), before):
+        assert torch.equal(t, b)
+    assert rel_err(out, decode_attention_ref(q, k, v, r2t, idx, seq)) < 1e-2
