@@ -82,6 +82,16 @@ def test_tokens_that_see_no_key_get_zero():
     assert torch.equal(out[0, :2], torch.zeros_like(out[0, :2])) and torch.equal(out[1, 0], torch.zeros_like(out[1, 0]))
 
 
+def test_stage1_writes_zero_and_minus_inf_where_a_token_sees_none_of_a_split():
+    """L = 65, N = 3, one 64-key chunk per split: split 1 holds key 64 alone, which only the last token sees."""
+    q, k, v, r2t, idx, seq = make_batch(1, 4, 4, 2, 64, [65], torch.float32, seed=9)
+    mid_o, mid_lse = mtp_diverse._stage1(q, k, v, r2t, idx, seq, 300, 0.125, BLOCK_SEQ, MANY_SPLITS)
+    assert mid_lse.shape[-1] >= 2  # the split count the test relies on
+    assert torch.equal(mid_lse[0, :3, :, 1], torch.full((3, 4), float("-inf")))
+    assert torch.equal(mid_o[0, :3, :, 1], torch.zeros(3, 4, 64))
+    assert mid_lse[0, 3, :, 1].isfinite().all() and mid_lse[0, :, :, 0].isfinite().all()
+
+
 def test_q_len_one_is_plain_decode():
     lens = [70, 3]
     q, k, v, r2t, idx, seq = make_batch(2, 1, 4, 2, 64, lens, torch.float32, seed=2)

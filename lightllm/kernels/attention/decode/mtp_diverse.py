@@ -47,15 +47,23 @@ def _launch_mtp_diverse(
     q, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len, max_len_in_batch, out, sm_scale, block_seq,
     run_config=None,
 ):  # fmt: skip
+    cfg = run_config or default_config(q.shape[3])
+    if q.shape[0] > 0:
+        mid_o, mid_lse = _stage1(q, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len, max_len_in_batch, sm_scale,
+                                 block_seq, cfg)  # fmt: skip
+        _stage2(mid_o, mid_lse, b_seq_len, out, block_seq)
+    return out
+
+
+def _stage1(q, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len, max_len_in_batch, sm_scale, block_seq, cfg):
+    """Partial outputs ``[batch, q_len, q_heads, splits, D]`` and log-sum-exps (base 2) per split; a split past a
+    request's chunks is not written, one that a token does not see holds 0 and -inf."""
     batch, q_len, q_heads, head_dim = q.shape
     kv_heads = k_cache.shape[1]
     group = q_heads // kv_heads
-    cfg = run_config or default_config(head_dim)
     splits = _splits(batch, kv_heads, max_len_in_batch, block_seq, cfg["WAVES"], q.device)
     mid_o = torch.empty((batch, q_len, q_heads, splits, head_dim), dtype=torch.float32, device=q.device)
     mid_lse = torch.empty((batch, q_len, q_heads, splits), dtype=torch.float32, device=q.device)
-    if batch == 0:
-        return out
     mtp_diverse_stage1_kernel[(batch, kv_heads, splits)](
         q, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len, mid_o, mid_lse, sm_scale * LOG2E,
         q.stride(0), q.stride(1), q.stride(2),
@@ -66,6 +74,12 @@ def _launch_mtp_diverse(
         BLOCK_SEQ=block_seq, BLOCK_N=cfg["BLOCK_N"], PRECISION="ieee" if q.dtype == torch.float32 else None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
+    return mid_o, mid_lse
+
+
+def _stage2(mid_o, mid_lse, b_seq_len, out, block_seq):
+    """Merge the splits of each (request, token, head) into ``out`` (not tuned: as the plain kernel's stage 2)."""
+    batch, q_len, q_heads, splits, head_dim = mid_o.shape
     mtp_diverse_stage2_kernel[(batch, q_len, q_heads)](
         mid_o, mid_lse, b_seq_len, out,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_o.stride(3),
@@ -73,7 +87,6 @@ def _launch_mtp_diverse(
         out.stride(0), out.stride(1), out.stride(2), splits,
         Q_LEN=q_len, BLOCK_SEQ=block_seq, HEAD_DIM=head_dim, num_warps=4 if head_dim <= 128 else 8,
     )  # fmt: skip
-    return out
 
 
 # ---- tuning declaration ---------------------------------------------------------------------------------
