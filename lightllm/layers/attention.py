@@ -125,7 +125,13 @@ class AttentionBackend:
 
             return FA3DecodePlan(q_shape, q_dtype, p.k[0], p.v[0], req_to_token, *args, provider=self.fa3_provider)
         if q_len != 1:
-            raise NotImplementedError("Triton decode attention takes one query token per request; use fa3 for MTP")
+            if self.quant != "none":
+                raise NotImplementedError(f"Triton MTP verify attention (q_len {q_len}) reads bf16/fp16 KV, got "
+                                          f"{self.quant} KV (--llm_kv_type {self.quant}kv); MTP needs --llm_kv_type "
+                                          "None")  # fmt: skip
+            from lightllm.kernels.attention.decode.mtp_diverse import MTPDiverseDecodePlan
+
+            return MTPDiverseDecodePlan(q_shape, q_dtype, p.k[0], p.v[0], req_to_token, *args)
         if self.quant == "none":
             return GQADecodePlan("none", q_shape, q_dtype, p.k[0], p.v[0], req_to_token, *args)
         return GQADecodePlan(self.quant, q_shape, q_dtype, p.k[0], p.v[0], req_to_token, *args, p.k_scale[0],
@@ -155,7 +161,7 @@ class AttentionBackend:
             out = decode_attention_ref(q_b, k, v, state.req_to_token, state.b_req_idx, state.b_seq_len)
             return out.to(q.dtype).reshape(q.shape)
         p, plan = self.pool, self._plan_of(state, "decode")
-        if self.decode_backend == "fa3":
+        if self.decode_backend == "fa3" or state.q_len > 1:  # FA3, or Triton's MTP diverse kernel
             return plan.run(q_b, p.k[layer], p.v[layer]).reshape(q.shape)
         if self.quant == "none":
             return plan.run(q, p.k[layer], p.v[layer])

@@ -1,0 +1,259 @@
+"""MTP diverse decode attention: the ``N + 1`` query tokens of an MTP verify step over one bf16/fp16 token pool.
+
+Token ``t`` (0..N) of a request whose KV length ``L`` already counts the ``N + 1`` new tokens sees its first
+``L - N + t`` keys. Stage 1 (``mtp_diverse_stages.py``) reads each split of a request's KV once for all its
+query tokens and the query heads sharing the KV head; stage 2 merges the splits per token. Launches are sized by
+``max_len_in_batch`` (the graph's maximum when captured), like the plain decode kernel, so a captured graph
+serves any length up to it.
+
+Tuned as ``mtp_diverse_decode`` in the DECODE_ATTENTION phase, on representative requests rebuilt over the
+existing pool (every request at the tuning lengths, its tokens seeing ``L - N`` .. ``L`` keys), stage 1 and
+stage 2 timed together.
+"""
+
+import math
+from functools import lru_cache
+from typing import Optional
+
+import torch
+
+from lightllm.common.autotuner import AutotuneKernelType, PlannedInputs, autotune
+from lightllm.kernels.attention.decode.flash_decode import DEFAULT_BLOCK_SEQ, HEAD_DIMS, Q_DTYPES, num_splits
+from lightllm.kernels.attention.decode.mtp_diverse_stages import mtp_diverse_stage1_kernel, mtp_diverse_stage2_kernel
+from lightllm.kernels.attention.decode.tuning import (
+    decode_attn_autotune_seq_lens,
+    decode_attn_run_key_kv_len,
+    round_up_kv_len,
+)
+from lightllm.kernels.launch_math import next_power_of_2
+
+MAX_MTP_STEP = 4  # --mtp_step takes 1..4: q_len is 2..5 (1 is plain decode, accepted too)
+MAX_GROUP = 8  # query heads per KV head: the stage-1 tile holds q_len x group rows (at most 40, padded to 64)
+LOG2E = 1.4426950408889634
+
+
+@lru_cache(maxsize=None)
+def default_config(head_dim: int) -> dict:
+    return {"BLOCK_N": 32 if head_dim == 256 else 64, "num_warps": 4, "num_stages": 2, "WAVES": 2}
+
+
+@lru_cache(maxsize=4096)
+def _splits(batch: int, kv_heads: int, max_len_in_batch: int, block_seq: int, waves: int, device) -> int:
+    # Memoized: every layer of a step asks with the same sizes (num_splits costs a few µs of triton.cdiv).
+    return num_splits(batch, kv_heads, max_len_in_batch, block_seq, waves, device)
+
+
+def _launch_mtp_diverse(
+    q, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len, max_len_in_batch, out, sm_scale, block_seq,
+    run_config=None,
+):  # fmt: skip
+    cfg = run_config or default_config(q.shape[3])
+    if q.shape[0] > 0:
+        mid_o, mid_lse = _stage1(q, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len, max_len_in_batch, sm_scale,
+                                 block_seq, cfg)  # fmt: skip
+        _stage2(mid_o, mid_lse, b_seq_len, out, block_seq)
+    return out
+
+
+def _stage1(q, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len, max_len_in_batch, sm_scale, block_seq, cfg):
+    """Partial outputs ``[batch, q_len, q_heads, splits, D]`` and log-sum-exps (base 2) per split; a split past a
+    request's chunks is not written, one that a token does not see holds 0 and -inf."""
+    batch, q_len, q_heads, head_dim = q.shape
+    kv_heads = k_cache.shape[1]
+    group = q_heads // kv_heads
+    splits = _splits(batch, kv_heads, max_len_in_batch, block_seq, cfg["WAVES"], q.device)
+    mid_o = torch.empty((batch, q_len, q_heads, splits, head_dim), dtype=torch.float32, device=q.device)
+    mid_lse = torch.empty((batch, q_len, q_heads, splits), dtype=torch.float32, device=q.device)
+    mtp_diverse_stage1_kernel[(batch, kv_heads, splits)](
+        q, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len, mid_o, mid_lse, sm_scale * LOG2E,
+        q.stride(0), q.stride(1), q.stride(2),
+        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), req_to_token.stride(0),
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_o.stride(3),
+        mid_lse.stride(0), mid_lse.stride(1), mid_lse.stride(2),
+        GROUP=group, Q_LEN=q_len, BLOCK_M=max(16, next_power_of_2(q_len * group)), HEAD_DIM=head_dim,
+        BLOCK_SEQ=block_seq, BLOCK_N=cfg["BLOCK_N"], PRECISION="ieee" if q.dtype == torch.float32 else None,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )  # fmt: skip
+    return mid_o, mid_lse
+
+
+def _stage2(mid_o, mid_lse, b_seq_len, out, block_seq):
+    """Merge the splits of each (request, token, head) into ``out`` (not tuned: as the plain kernel's stage 2)."""
+    batch, q_len, q_heads, splits, head_dim = mid_o.shape
+    mtp_diverse_stage2_kernel[(batch, q_len, q_heads)](
+        mid_o, mid_lse, b_seq_len, out,
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_o.stride(3),
+        mid_lse.stride(0), mid_lse.stride(1), mid_lse.stride(2),
+        out.stride(0), out.stride(1), out.stride(2), splits,
+        Q_LEN=q_len, BLOCK_SEQ=block_seq, HEAD_DIM=head_dim, num_warps=4 if head_dim <= 128 else 8,
+    )  # fmt: skip
+
+
+# ---- tuning declaration ---------------------------------------------------------------------------------
+
+
+def _configs(block_seq):
+    """The plain decode kernel's 16 candidates (4 compiles per shape: WAVES only changes the grid)."""
+    return [
+        {"BLOCK_N": block_n, "num_warps": num_warps, "num_stages": num_stages, "WAVES": waves}
+        for block_n in (32, 64)
+        if block_n <= block_seq
+        for num_warps, num_stages in ((4, 2), (8, 3))
+        for waves in (1, 2, 4, 8)
+    ]
+
+
+def _static_key(q, k_cache, block_seq):
+    return {
+        "group": q.shape[2] // k_cache.shape[1],
+        "head_dim": q.shape[3],
+        "q_len": q.shape[1],
+        "block_seq": block_seq,
+        "q_dtype": str(q.dtype),
+        "kv_dtype": str(k_cache.dtype),
+    }
+
+
+def _run_key(q, max_len_in_batch):
+    return q.shape[0], round_up_kv_len(decode_attn_run_key_kv_len(max_len_in_batch))
+
+
+def representative_mtp_groups(named: dict) -> list:
+    """The caller's batch with every request (one MTP group of ``q_len`` tokens) at each tuning length ``L``, its
+    tokens seeing ``L - N`` .. ``L`` keys, through one token table over the existing pool (indices wrap modulo
+    its size: no KV is allocated). Launch sizes stay the caller's, so timings see the grid the graph replays."""
+    q, k_cache, launch_len = named["q"], named["k_cache"], named["max_len_in_batch"]
+    batch, q_len, pool = q.shape[0], q.shape[1], k_cache.shape[0]
+    lens = decode_attn_autotune_seq_lens(launch_len)  # capped at launch_len
+    if lens[-1] < q_len:
+        raise ValueError(
+            f"mtp diverse attention tuning: representative KV length expected at least q_len = mtp_step + 1 = "
+            f"{q_len} (every token of a group sees one key or more), got {lens[-1]} (LIGHTLLM_DECODE_ATTN_AUTOTUNE_"
+            f"SEQ_LEN capped at max_len_in_batch = {launch_len})"
+        )
+    table = (torch.arange(batch * lens[0], device=q.device, dtype=torch.int64) % pool).to(torch.int32)
+    table = table.view(batch, lens[0])
+    slots = torch.arange(batch, device=q.device, dtype=torch.int32)
+    return [
+        {
+            **named,
+            "req_to_token": table,
+            "b_req_idx": slots,
+            "b_seq_len": torch.full((batch,), n, device=q.device, dtype=torch.int32),
+            "out": torch.empty_like(named["out"]),
+        }
+        for n in lens
+    ]
+
+
+_launch_mtp_diverse_decode = autotune(
+    kernel_name="mtp_diverse_decode",
+    configs_gen_func=_configs,
+    static_key_func=_static_key,
+    run_key_func=_run_key,
+    kernel_type=AutotuneKernelType.DECODE_ATTENTION,
+    rebuild_input_func=representative_mtp_groups,
+    output_args=("out",),
+)(_launch_mtp_diverse)
+
+
+# ---- public API -----------------------------------------------------------------------------------------
+
+
+class MTPDiverseDecodePlan:
+    """MTP verify attention of one step, made from shapes and the pool before any layer runs: the arguments are
+    checked once here and the tuned config resolved at the first :meth:`run`; every layer then runs with them.
+
+    Args: ``q_shape`` ``[batch, q_len, q_heads, head_dim]`` and ``q_dtype`` for ``q``, any layer's
+    ``k_cache``/``v_cache``; the rest as :func:`mtp_diverse_decode_attention`.
+    """
+
+    def __init__(
+        self, q_shape, q_dtype, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len, max_len_in_batch,
+        sm_scale=None, block_seq=DEFAULT_BLOCK_SEQ, run_config=None,
+    ):  # fmt: skip
+        q_shape = torch.Size(q_shape)
+        _check(q_shape, q_dtype, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len, max_len_in_batch, block_seq)
+        self.req_to_token, self.b_req_idx, self.b_seq_len = req_to_token, b_req_idx, b_seq_len
+        self.max_len_in_batch, self.block_seq = int(max_len_in_batch), block_seq
+        self.sm_scale = float(sm_scale if sm_scale is not None else 1.0 / math.sqrt(q_shape[-1]))
+        self.inputs = PlannedInputs(
+            "mtp diverse attention", q=(q_shape, q_dtype), k_cache=(k_cache.shape, k_cache.dtype)
+        )
+        self._tuned = _launch_mtp_diverse_decode.plan(run_config=run_config)
+
+    def run(self, q, k_cache, v_cache, out=None) -> torch.Tensor:
+        self.inputs.check((q.shape, q.dtype), (k_cache.shape, k_cache.dtype))
+        if q.stride(-1) != 1:
+            raise ValueError(f"mtp diverse attention: q expected a contiguous last dim, got strides {q.stride()}")
+        if out is None:
+            out = torch.empty_like(q)
+        elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
+            raise ValueError(f"mtp diverse attention: out expected a {tuple(q.shape)} {q.dtype} tensor, got "
+                             f"{tuple(out.shape)} {out.dtype}")  # fmt: skip
+        return self._tuned.run(q, k_cache, v_cache, self.req_to_token, self.b_req_idx, self.b_seq_len,
+                               self.max_len_in_batch, out, self.sm_scale, self.block_seq)  # fmt: skip
+
+
+def mtp_diverse_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    req_to_token: torch.Tensor,
+    b_req_idx: torch.Tensor,
+    b_seq_len: torch.Tensor,
+    max_len_in_batch: int,
+    out: Optional[torch.Tensor] = None,
+    sm_scale: Optional[float] = None,
+    block_seq: int = DEFAULT_BLOCK_SEQ,
+    run_config: Optional[dict] = None,
+) -> torch.Tensor:
+    """Decode attention of the ``q_len = N + 1`` tokens of each request of an MTP verify step.
+
+    Args:
+        q: ``[batch, q_len, q_heads, head_dim]``, q_len 1..5, head_dim 64/128/256; token ``t`` sees the first
+            ``b_seq_len - q_len + 1 + t`` keys of its request (a token that sees none, in a padded row, gets 0).
+        k_cache, v_cache: ``[pool_tokens, kv_heads, head_dim]`` of q's dtype; ``q_heads / kv_heads`` in 1..8.
+        req_to_token, b_req_idx: as for :func:`gqa_decode_attention`.
+        b_seq_len: int32 ``[batch]``: KV length per request, counting the ``q_len`` new tokens (already written).
+        max_len_in_batch: upper bound of ``b_seq_len`` this launch serves (the graph's maximum when captured).
+        out: optional ``[batch, q_len, q_heads, head_dim]`` of q's dtype.
+    Every layer of a step: :class:`MTPDiverseDecodePlan` checks and resolves once.
+    """
+    if q.device != k_cache.device:
+        raise ValueError(f"mtp diverse attention: q expected k_cache's device {k_cache.device}, got {q.device}")
+    plan = MTPDiverseDecodePlan(q.shape, q.dtype, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len,
+                                max_len_in_batch, sm_scale, block_seq, run_config)  # fmt: skip
+    return plan.run(q, k_cache, v_cache, out=out)
+
+
+def _check(q_shape, q_dtype, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len, max_len_in_batch, block_seq):
+    def fail(name, expected, got):
+        raise ValueError(f"mtp diverse attention: {name} expected {expected}, got {got}")
+
+    if len(q_shape) != 4 or q_dtype not in Q_DTYPES:
+        fail("q", f"a [batch, q_len, q_heads, head_dim] tensor of {Q_DTYPES}", f"{tuple(q_shape)} {q_dtype}")
+    batch, q_len, q_heads, head_dim = q_shape
+    if not 1 <= q_len <= MAX_MTP_STEP + 1:
+        fail("q_len", f"1..{MAX_MTP_STEP + 1} (mtp_step + 1)", q_len)
+    if head_dim not in HEAD_DIMS:
+        fail("head_dim", f"one of {HEAD_DIMS}", head_dim)
+    if block_seq not in (64, 128, 256, 512, 1024):
+        fail("block_seq", "a power of two in [64, 1024]", block_seq)
+    device = k_cache.device
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dim() != 3 or t.shape[2] != head_dim or t.dtype != q_dtype or t.stride(-1) != 1:
+            fail(name, f"a [pool_tokens, kv_heads, {head_dim}] {q_dtype} tensor", f"{tuple(t.shape)} {t.dtype}")
+        if t.device != device:
+            fail(name, f"device {device}", t.device)
+    kv_heads = k_cache.shape[1]
+    if v_cache.shape[:2] != k_cache.shape[:2] or q_heads % kv_heads or not 1 <= q_heads // kv_heads <= MAX_GROUP:
+        fail("kv_heads", f"k/v of one shape with q_heads ({q_heads}) = 1..{MAX_GROUP} x kv_heads", kv_heads)
+    if req_to_token.dim() != 2 or req_to_token.dtype != torch.int32 or req_to_token.device != device:
+        fail("req_to_token", f"an int32 [max_reqs, max_len] tensor on {device}",
+             f"{tuple(req_to_token.shape)} {req_to_token.dtype} on {req_to_token.device}")  # fmt: skip
+    for name, t in (("b_req_idx", b_req_idx), ("b_seq_len", b_seq_len)):
+        if t.shape != (batch,) or t.dtype != torch.int32 or t.device != device:
+            fail(name, f"an int32 [{batch}] tensor on {device}", f"{tuple(t.shape)} {t.dtype} on {t.device}")
+    if int(max_len_in_batch) < 1:
+        fail("max_len_in_batch", "a length >= 1", max_len_in_batch)
