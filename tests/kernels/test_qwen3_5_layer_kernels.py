@@ -30,6 +30,18 @@ EPS = 1e-6
 
 
 @pytest.fixture(autouse=True)
+def nan_filled_empty(monkeypatch):
+    """Every ``torch.empty`` starts NaN (the kernels allocate their outputs with it): an unwritten element fails."""
+    real_empty = torch.empty
+
+    def empty(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", empty)
+
+
+@pytest.fixture(autouse=True)
 def fresh_tuner_state():
     for launcher in (_launch_rmsnorm, _launch_add_rmsnorm, _launch_qk_norm_rope, _launch_sigmoid_gate_mul,
                      _launch_gated_rmsnorm):  # fmt: skip
