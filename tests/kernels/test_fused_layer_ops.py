@@ -143,8 +143,9 @@ def test_qk_norm_rope_outputs_are_prefilled_nan_and_all_written(monkeypatch):
 def test_qk_norm_rope_bad_inputs():
     cos, sin = _tables(16, 16, torch.float32)
     pos = torch.zeros(3, dtype=torch.int32, device=DEVICE)
-    with pytest.raises(ValueError, match=r"cos and sin expected \[positions, 32\] torch.float32, got \(16, 16\)"):
-        QKNormRopePlan(3, 4, 2, 32, torch.float32, cos, sin, pos)
+    with pytest.raises(ValueError, match=r"cos and sin expected \[positions, R\] torch.float32 with R even in \[2, "
+                                         r"head_dim 8\], got \(16, 16\)"):  # fmt: skip
+        QKNormRopePlan(3, 4, 2, 8, torch.float32, cos, sin, pos)  # more rotary dims than the head has
     with pytest.raises(ValueError, match=r"positions expected an int32/int64 \[4\] tensor, got \(3,\)"):
         QKNormRopePlan(4, 4, 2, 16, torch.float32, cos, sin, pos)
     with pytest.raises(ValueError, match="an even head_dim, got 4, 2, 15"):

@@ -90,6 +90,33 @@ def test_weights_equal_transformers_state_dict(tiny_dir):
     assert torch.equal(w.final_norm, 1 + sd["model.norm.weight"]) and torch.equal(w.lm_head, sd["lm_head.weight"])
 
 
+def test_projections_are_fused_at_load(tiny_dir):
+    """One weight (one GEMM) per input: gated attention's [q (with gate); k; v], gated DeltaNet's [qkv; z; b; a],
+    the MLP's [gate; up]. The checkpoint's names are views of their rows, not copies."""
+    from transformers import Qwen3_5ForCausalLM
+
+    c = Qwen3_5ModelConfig.from_model_dir(tiny_dir)
+    w = load_qwen3_5_weights(tiny_dir, c, torch.float32)
+    sd = Qwen3_5ForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).state_dict()
+    parts = {"qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+             "in_proj": ("linear_attn.in_proj_qkv", "linear_attn.in_proj_z", "linear_attn.in_proj_b",
+                         "linear_attn.in_proj_a"),
+             "gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}  # fmt: skip
+    for i, layer in enumerate(w.layers):
+        fused = ("qkv_proj" if layer.kind == "full_attention" else "in_proj", "gate_up_proj")
+        for target in fused:
+            hf = torch.cat([sd[f"model.layers.{i}.{name}.weight"] for name in parts[target]])
+            assert torch.equal(getattr(layer, target), hf) and getattr(layer, target).is_contiguous(), (i, target)
+        for name in parts[fused[0]] + parts["gate_up_proj"]:
+            view = getattr(layer, name.split(".")[1])
+            assert torch.equal(view, sd[f"model.layers.{i}.{name}.weight"]), (i, name)
+            assert view.untyped_storage().data_ptr() == getattr(layer, fused[0] if "mlp" not in name
+                                                                else "gate_up_proj").data_ptr()  # fmt: skip
+        unfused = {"q_proj", "k_proj", "v_proj", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "gate_proj",
+                   "up_proj"}  # fmt: skip
+        assert not unfused & set(vars(layer)), i
+
+
 def test_conditional_generation_folder_loads_its_text_model(tiny_dir, tmp_path, caplog):
     cg = conditional_generation_folder(tiny_dir, tmp_path / "cg")
     family, c = read_model_config(cg)
@@ -193,6 +220,12 @@ def test_tensor_parallel_rank_reads_its_heads(tiny_dir):
         lin.out_proj, full.layers[0].out_proj[:, 16:]
     )
     assert torch.equal(att.q_proj, full.layers[1].q_proj[64:])  # heads 2 and 3, each [query | gate]
+    # each part sharded by heads first, then the rank's parts fused: [its q; its k; its v], [its qkv; z; b; a]
+    assert torch.equal(att.qkv_proj, torch.cat([full.layers[1].q_proj[64:], full.layers[1].k_proj[16:],
+                                                full.layers[1].v_proj[16:]]))  # fmt: skip
+    assert torch.equal(lin.in_proj, torch.cat([want, full.layers[0].in_proj_z[16:], full.layers[0].in_proj_b[2:],
+                                               full.layers[0].in_proj_a[2:]]))  # fmt: skip
+    assert torch.equal(lin.gate_up_proj, torch.cat([full.layers[0].gate_proj[64:], full.layers[0].up_proj[64:]]))
     assert torch.equal(att.o_proj, full.layers[1].o_proj[:, 32:]) and torch.equal(lin.norm, full.layers[0].norm)
 
 

@@ -1,7 +1,8 @@
 """Residual add + RMSNorm in one launch: ``residual += x; y = rmsnorm(residual)`` (both written).
 
-The sum is rounded to the residual's dtype before it is normalized, as an unfused ``h = h + x`` then
-``rmsnorm(h)`` would round it. Tuned as a GENERAL kernel like :mod:`lightllm.kernels.norm.rmsnorm`:
+The weight's dtype chooses the rounding order as in :mod:`lightllm.kernels.norm.rmsnorm` (float32: scale, then
+cast; else cast, then scale). The sum is rounded to the residual's dtype before it is normalized, as an unfused
+``h = h + x`` then ``rmsnorm(h)`` would round it. Tuned as a GENERAL kernel like :mod:`lightllm.kernels.norm.rmsnorm`:
 BLOCK_N (one pass when it covers the row, else two chunked passes) and num_warps per row count.
 """
 
@@ -13,7 +14,7 @@ import triton
 import triton.language as tl
 
 from lightllm.common.autotuner import AutotuneKernelType, PlannedInputs, autotune
-from lightllm.kernels.norm.rmsnorm import rmsnorm_ref
+from lightllm.kernels.norm.rmsnorm import scale_normed, rmsnorm_ref
 from lightllm.kernels.launch_math import next_power_of_2
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -34,8 +35,7 @@ def _add_rmsnorm_kernel(R, X, W, Y, stride_r, stride_x, stride_y, N, eps, BLOCK_
         hf = h.to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(hf * hf, axis=0) / N + eps)
         w = tl.load(W + cols, mask=mask, other=0.0)
-        y = (hf * rstd).to(R.dtype.element_ty) * w
-        tl.store(y_row + cols, y.to(Y.dtype.element_ty), mask=mask)
+        tl.store(y_row + cols, scale_normed(hf * rstd, w, R.dtype.element_ty).to(Y.dtype.element_ty), mask=mask)
     else:
         # The second pass adds again instead of reading back the first pass's stores (no barrier needed).
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -53,7 +53,7 @@ def _add_rmsnorm_kernel(R, X, W, Y, stride_r, stride_x, stride_y, N, eps, BLOCK_
             h = tl.load(r_row + off + cols, mask=mask, other=0.0) + tl.load(x_row + off + cols, mask=mask, other=0.0)
             tl.store(r_row + off + cols, h, mask=mask)
             w = tl.load(W + off + cols, mask=mask, other=0.0)
-            y = (h.to(tl.float32) * rstd).to(R.dtype.element_ty) * w
+            y = scale_normed(h.to(tl.float32) * rstd, w, R.dtype.element_ty)
             tl.store(y_row + off + cols, y.to(Y.dtype.element_ty), mask=mask)
 
 

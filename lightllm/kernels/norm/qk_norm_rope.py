@@ -1,8 +1,11 @@
-"""Qwen3's per-head q/k RMSNorm and rotary embedding in one launch over the fused qkv projection.
+"""Per-head q/k RMSNorm and rotary embedding in one launch over the fused qkv projection (Qwen3, Qwen3.5).
 
-Reads the q and k heads of ``qkv [tokens, (q_heads + 2 * kv_heads) * D]`` in place (v is not touched), gathers
+Reads the q and k heads of ``qkv [tokens, q_heads * Wq + 2 * kv_heads * D]`` in place (v is not touched), gathers
 each token's cos/sin rows by position and writes ``q [tokens, q_heads, D]`` and ``k [tokens, kv_heads, D]``.
-Rounding as transformers' Qwen3: the norm in float32, cast to the model dtype, times the weight (rounded);
+``Wq`` is ``D``, or ``2 * D`` for gated attention (Qwen3.5: each q head is ``[query | gate]``; the gate is not
+read). Rotary turns the first ``R`` dims of each head (``R``: the tables' width; Qwen3.5's partial rotary), the
+rest pass through. Rounding as transformers: the norm in float32 then the weight in the order its dtype says
+(:func:`lightllm.kernels.norm.rmsnorm.rmsnorm_ref`: Qwen3's cast-then-scale, Qwen3.5's float32 ``1 + w``);
 rotary in the model dtype (``x * cos`` and ``rotate_half(x) * sin`` each rounded, then their sum).
 
 Tuned as a GENERAL kernel: BLOCK_H (heads per program) and num_warps per token count.
@@ -16,7 +19,7 @@ import triton
 import triton.language as tl
 
 from lightllm.common.autotuner import AutotuneKernelType, PlannedInputs, autotune
-from lightllm.kernels.norm.rmsnorm import rmsnorm_ref
+from lightllm.kernels.norm.rmsnorm import rmsnorm_ref, scale_normed
 from lightllm.kernels.launch_math import cdiv, next_power_of_2
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -25,20 +28,22 @@ _POSITION_DTYPES = (torch.int32, torch.int64)
 
 @triton.jit
 def _qk_norm_rope_kernel(QKV, QW, KW, Cos, Sin, Pos, Q, K, stride_qkv, stride_cs, eps, Q_HEADS: tl.constexpr,
-                         HEADS: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr,
-                         BLOCK_D: tl.constexpr):  # fmt: skip
+                         HEADS: tl.constexpr, D: tl.constexpr, Q_WIDTH: tl.constexpr, ROT: tl.constexpr,
+                         BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
     # q [tokens, Q_HEADS, D] and k [tokens, HEADS - Q_HEADS, D] are contiguous: their strides need no arguments.
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # q heads first, then k heads, as in qkv's rows
     d = tl.arange(0, BLOCK_D)
     d_mask = d < D
-    half = D // 2  # constexpr arithmetic: a constant
-    partner = tl.where(d < half, d + half, d - half)  # rotate_half(x)[d] = -x[d + half] | x[d - half]
+    half = ROT // 2  # constexpr arithmetic: a constant
+    # rotate_half over the first ROT dims: -x[d + half] | x[d - half]; the other dims pass through
+    partner = tl.where(d < half, d + half, tl.where(d < ROT, d - half, d))
     sign = tl.where(d < half, -1.0, 1.0)
     mask = (h < HEADS)[:, None] & d_mask[None, :]
     is_q = (h < Q_HEADS)[:, None]
 
-    row = QKV + t * stride_qkv + h[:, None] * D
+    start = tl.where(h < Q_HEADS, h * Q_WIDTH, Q_HEADS * Q_WIDTH + (h - Q_HEADS) * D)
+    row = QKV + t * stride_qkv + start[:, None]
     x = tl.load(row + d[None, :], mask=mask, other=0.0).to(tl.float32)
     x_partner = tl.load(row + partner[None, :], mask=mask, other=0.0).to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)[:, None]
@@ -46,13 +51,15 @@ def _qk_norm_rope_kernel(QKV, QW, KW, Cos, Sin, Pos, Q, K, stride_qkv, stride_cs
     qw_partner = tl.load(QW + partner, mask=d_mask)[None, :]
     w_partner = tl.where(is_q, qw_partner, tl.load(KW + partner, mask=d_mask)[None, :])
     dt = QKV.dtype.element_ty
-    normed = ((x * rstd).to(dt) * w).to(dt).to(tl.float32)
-    normed_partner = ((x_partner * rstd).to(dt) * w_partner).to(dt).to(tl.float32)
+    normed = scale_normed(x * rstd, w, dt).to(dt).to(tl.float32)
+    normed_partner = scale_normed(x_partner * rstd, w_partner, dt).to(dt).to(tl.float32)
 
     pos = tl.load(Pos + t).to(tl.int64)
-    cos = tl.load(Cos + pos * stride_cs + d, mask=d_mask).to(tl.float32)[None, :]
-    sin = tl.load(Sin + pos * stride_cs + d, mask=d_mask).to(tl.float32)[None, :]
-    y = ((normed * cos).to(dt).to(tl.float32) + (sign[None, :] * normed_partner * sin).to(dt).to(tl.float32)).to(dt)
+    rot_mask = d < ROT
+    cos = tl.load(Cos + pos * stride_cs + d, mask=rot_mask, other=0.0).to(tl.float32)[None, :]
+    sin = tl.load(Sin + pos * stride_cs + d, mask=rot_mask, other=0.0).to(tl.float32)[None, :]
+    rotated = (normed * cos).to(dt).to(tl.float32) + (sign[None, :] * normed_partner * sin).to(dt).to(tl.float32)
+    y = tl.where(rot_mask[None, :], rotated, normed).to(dt)
 
     q_ptr = Q + t * (Q_HEADS * D) + h[:, None] * D + d[None, :]
     tl.store(q_ptr, y.to(Q.dtype.element_ty), mask=mask & is_q)
@@ -65,8 +72,11 @@ def _configs(q_out, k_out):
     return [{"BLOCK_H": b, "num_warps": w} for b in (1, 2, 4, 8, 16) if b <= heads for w in (1, 2, 4, 8)]
 
 
-def _static_key(qkv, q_out, k_out):
-    return {"D": q_out.shape[-1], "q_heads": q_out.shape[1], "kv_heads": k_out.shape[1], "dtype": str(qkv.dtype)}
+def _static_key(qkv, q_weight, cos, q_out, k_out):
+    d, q_heads, kv_heads = q_out.shape[-1], q_out.shape[1], k_out.shape[1]
+    return {"D": d, "q_heads": q_heads, "kv_heads": kv_heads, "dtype": str(qkv.dtype),
+            "w_dtype": str(q_weight.dtype), "rotary_dim": cos.shape[-1],
+            "gated": qkv.shape[-1] == (2 * q_heads + 2 * kv_heads) * d}  # fmt: skip
 
 
 def _run_key(qkv):
@@ -89,13 +99,15 @@ def _default_config(heads: int) -> dict:
 def _launch_qk_norm_rope(qkv, q_weight, k_weight, cos, sin, positions, eps, q_out, k_out, run_config=None):
     # q_out and k_out contiguous (the plan allocates them): few runtime arguments keep the launch cheap.
     tokens, q_heads, d = q_out.shape
-    heads = q_heads + k_out.shape[1]
+    kv_heads = k_out.shape[1]
+    heads = q_heads + kv_heads
     cfg = run_config or _default_config(heads)
     if tokens > 0:
         grid = (tokens, cdiv(heads, cfg["BLOCK_H"]))
+        q_width = (qkv.shape[-1] - 2 * kv_heads * d) // q_heads  # d, or 2 * d with the gate beside each q head
         _qk_norm_rope_kernel[grid](qkv, q_weight, k_weight, cos, sin, positions, q_out, k_out, qkv.stride(0),
-                                   cos.stride(0), eps, q_heads, heads, d, cfg["BLOCK_H"], next_power_of_2(d),
-                                   num_warps=cfg["num_warps"])  # fmt: skip
+                                   cos.stride(0), eps, q_heads, heads, d, q_width, cos.shape[-1], cfg["BLOCK_H"],
+                                   next_power_of_2(d), num_warps=cfg["num_warps"])  # fmt: skip
     return q_out, k_out
 
 
@@ -105,24 +117,32 @@ class QKNormRopePlan:
     ``run`` checks only what a layer can change: qkv's shape, dtype and strides, the norm weights.
 
     Args:
-        tokens, q_heads, kv_heads, head_dim: qkv is ``[tokens, (q_heads + 2 * kv_heads) * head_dim]``.
-        dtype: qkv's (the model's) dtype; the norm weights and the tables share it.
-        cos, sin: ``[max_positions, head_dim]`` of ``dtype``, last dim contiguous.
+        tokens, q_heads, kv_heads, head_dim: qkv is ``[tokens, (q_heads + 2 * kv_heads) * head_dim]``, or
+            ``[tokens, (2 * q_heads + 2 * kv_heads) * head_dim]`` when ``gated``.
+        dtype: qkv's (the model's) dtype; the tables share it.
+        cos, sin: ``[max_positions, R]`` of ``dtype``, last dim contiguous: the first ``R`` dims of each head
+            rotate (``R`` even, at most ``head_dim``).
         positions: int32/int64 ``[tokens]``, each below ``max_positions`` (not checked on the device).
         eps: the norm's epsilon; ``run_config`` bypasses tuning.
+        gated: each q head of qkv is ``[query | gate]``, ``2 * head_dim`` wide (Qwen3.5's gated attention).
+        weight_dtype: the norm weights' dtype (default ``dtype``); float32 scales before the cast (Qwen3.5).
     """
 
     def __init__(self, tokens: int, q_heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
                  cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, eps: float = 1e-6,
-                 run_config=None):  # fmt: skip
-        if dtype not in _DTYPES:
-            raise ValueError(f"qk_norm_rope plan: dtype expected one of {_DTYPES}, got {dtype}")
+                 run_config=None, gated: bool = False, weight_dtype: Optional[torch.dtype] = None):  # fmt: skip
+        weight_dtype = weight_dtype or dtype
+        if dtype not in _DTYPES or weight_dtype not in _DTYPES:
+            raise ValueError(f"qk_norm_rope plan: dtype and weight_dtype expected one of {_DTYPES}, got {dtype} and "
+                             f"{weight_dtype}")  # fmt: skip
         if head_dim % 2 or min(q_heads, kv_heads, head_dim) < 1:
             raise ValueError(f"qk_norm_rope plan: expected q_heads, kv_heads >= 1 and an even head_dim, got "
                              f"{q_heads}, {kv_heads}, {head_dim}")  # fmt: skip
-        if cos.dim() != 2 or cos.shape != sin.shape or cos.shape[1] != head_dim or cos.dtype != dtype:
-            raise ValueError(f"qk_norm_rope plan: cos and sin expected [positions, {head_dim}] {dtype}, got "
-                             f"{tuple(cos.shape)} {cos.dtype} and {tuple(sin.shape)} {sin.dtype}")  # fmt: skip
+        rot = cos.shape[-1] if cos.dim() == 2 else -1
+        if cos.dim() != 2 or cos.shape != sin.shape or rot % 2 or not 2 <= rot <= head_dim or cos.dtype != dtype:
+            raise ValueError(f"qk_norm_rope plan: cos and sin expected [positions, R] {dtype} with R even in [2, "
+                             f"head_dim {head_dim}], got {tuple(cos.shape)} {cos.dtype} and {tuple(sin.shape)} "
+                             f"{sin.dtype}")  # fmt: skip
         if cos.stride(1) != 1 or sin.stride() != cos.stride():
             raise ValueError(f"qk_norm_rope plan: cos and sin expected one row-major layout, got strides "
                              f"{cos.stride()} and {sin.stride()}")  # fmt: skip
@@ -131,7 +151,8 @@ class QKNormRopePlan:
                              f"{tuple(positions.shape)} {positions.dtype}")  # fmt: skip
         self.q_shape, self.k_shape = (tokens, q_heads, head_dim), (tokens, kv_heads, head_dim)
         self.cos, self.sin, self.positions, self.eps = cos, sin, positions, float(eps)
-        width, weight = (q_heads + 2 * kv_heads) * head_dim, (torch.Size((head_dim,)), dtype)
+        width = ((2 if gated else 1) * q_heads + 2 * kv_heads) * head_dim
+        weight = (torch.Size((head_dim,)), weight_dtype)
         self.inputs = PlannedInputs("qk_norm_rope", qkv=(torch.Size((tokens, width)), dtype), q_weight=weight,
                                     k_weight=weight)  # fmt: skip
         self._tuned = _launch_qk_norm_rope.plan(run_config=run_config)
@@ -149,35 +170,44 @@ class QKNormRopePlan:
 
 def qk_norm_rope(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor,
                  sin: torch.Tensor, positions: torch.Tensor, q_heads: int, kv_heads: int, eps: float = 1e-6,
-                 run_config: Optional[dict] = None) -> Tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+                 run_config: Optional[dict] = None,
+                 gated: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Per-head RMSNorm then rotary embedding of the q and k heads of a fused qkv projection.
 
     Args:
-        qkv: ``[tokens, (q_heads + 2 * kv_heads) * D]`` float16/bfloat16/float32, last dim contiguous.
-        q_weight, k_weight: ``[D]`` norm weights of qkv's dtype.
-        cos, sin: ``[max_positions, D]`` tables of qkv's dtype; positions: int32/int64 ``[tokens]``.
+        qkv: ``[tokens, (q_heads + 2 * kv_heads) * D]`` (``gated``: ``(2 * q_heads + 2 * kv_heads) * D``, each q
+            head ``[query | gate]``) float16/bfloat16/float32, last dim contiguous.
+        q_weight, k_weight: ``[D]`` norm weights of qkv's dtype, or float32 (scaled before the cast).
+        cos, sin: ``[max_positions, R]`` tables of qkv's dtype (the first ``R`` dims rotate); positions:
+            int32/int64 ``[tokens]``.
     Returns:
         ``(q [tokens, q_heads, D], k [tokens, kv_heads, D])``. Every layer of a step: :class:`QKNormRopePlan`.
     """
     if qkv.dim() != 2:
         raise ValueError(f"qk_norm_rope: qkv expected [tokens, width], got shape {tuple(qkv.shape)}")
     plan = QKNormRopePlan(qkv.shape[0], q_heads, kv_heads, q_weight.shape[0], qkv.dtype, cos, sin, positions, eps,
-                          run_config)  # fmt: skip
+                          run_config, gated, q_weight.dtype)  # fmt: skip
     return plan.run(qkv, q_weight, k_weight)
 
 
 def rotary_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``x * cos + rotate_half(x) * sin`` in x's dtype (cos/sin broadcast over heads: ``[tokens, 1, D]``)."""
-    half = x.shape[-1] // 2
+    """``x * cos + rotate_half(x) * sin`` in x's dtype over the first ``R = cos.shape[-1]`` dims, the rest passed
+    through (cos/sin broadcast over heads: ``[tokens, 1, R]``)."""
+    rot = cos.shape[-1]
+    if rot < x.shape[-1]:
+        return torch.cat((rotary_ref(x[..., :rot], cos, sin), x[..., rot:]), dim=-1)
+    half = rot // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
 
 
 def qk_norm_rope_ref(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor,
-                     sin: torch.Tensor, q_heads: int, kv_heads: int, eps: float = 1e-6):  # fmt: skip
+                     sin: torch.Tensor, q_heads: int, kv_heads: int, eps: float = 1e-6,
+                     gated: bool = False):  # fmt: skip
     """Torch reference with the kernel's rounding steps: ``(q, k)``. ``cos``/``sin`` are already gathered by
-    position (``[tokens, 1, D]``, once per step)."""
+    position (``[tokens, 1, R]``, once per step)."""
     tokens, d = qkv.shape[0], q_weight.shape[0]
-    q = qkv[:, : q_heads * d].reshape(tokens, q_heads, d)
-    k = qkv[:, q_heads * d : (q_heads + kv_heads) * d].reshape(tokens, kv_heads, d)
+    q_width = 2 * d if gated else d
+    q = qkv[:, : q_heads * q_width].reshape(tokens, q_heads, q_width)[..., :d]
+    k = qkv[:, q_heads * q_width : q_heads * q_width + kv_heads * d].reshape(tokens, kv_heads, d)
     return rotary_ref(rmsnorm_ref(q, q_weight, eps), cos, sin), rotary_ref(rmsnorm_ref(k, k_weight, eps), cos, sin)

@@ -1,4 +1,8 @@
-"""RMSNorm (Qwen3 flavour: normalize in float32, cast to the input dtype, then scale by the weight).
+"""RMSNorm in two rounding orders, chosen by the weight's dtype:
+
+- a weight of the input's dtype (Qwen3): normalize in float32, cast to the input dtype, then scale;
+- a float32 weight (Qwen3.5's zero-centred norms, ``1 + weight`` kept in float32): scale the float32 norm, then
+  cast. For float32 inputs the two are the same.
 
 Tuned as a GENERAL kernel: prefill warmup searches BLOCK_N (one pass when it covers the row, else two
 chunked passes) and num_warps per row count.
@@ -18,6 +22,16 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @triton.jit
+def scale_normed(normed, w, dtype: tl.constexpr):
+    """``normed`` (float32) times the weight, in the order the weight's dtype says (see the module docstring)."""
+    if w.dtype == tl.float32:  # a compile-time branch: one body per weight dtype
+        y = (normed * w).to(dtype)
+    else:
+        y = normed.to(dtype) * w
+    return y
+
+
+@triton.jit
 def _rmsnorm_kernel(X, W, Y, stride_x, stride_y, N, eps, BLOCK_N: tl.constexpr, ONE_PASS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     x_row = X + row * stride_x
@@ -28,8 +42,7 @@ def _rmsnorm_kernel(X, W, Y, stride_x, stride_y, N, eps, BLOCK_N: tl.constexpr, 
         x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / N + eps)
         w = tl.load(W + cols, mask=mask, other=0.0)
-        y = (x * rstd).to(X.dtype.element_ty) * w
-        tl.store(y_row + cols, y.to(Y.dtype.element_ty), mask=mask)
+        tl.store(y_row + cols, scale_normed(x * rstd, w, X.dtype.element_ty).to(Y.dtype.element_ty), mask=mask)
     else:
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         num_chunks = tl.cdiv(N, BLOCK_N)
@@ -44,8 +57,9 @@ def _rmsnorm_kernel(X, W, Y, stride_x, stride_y, N, eps, BLOCK_N: tl.constexpr, 
             mask = off + cols < N
             x = tl.load(x_row + off + cols, mask=mask, other=0.0).to(tl.float32)
             w = tl.load(W + off + cols, mask=mask, other=0.0)
-            y = (x * rstd).to(X.dtype.element_ty) * w
-            tl.store(y_row + off + cols, y.to(Y.dtype.element_ty), mask=mask)
+            tl.store(
+                y_row + off + cols, scale_normed(x * rstd, w, X.dtype.element_ty).to(Y.dtype.element_ty), mask=mask
+            )
 
 
 def _configs(x):
@@ -148,7 +162,10 @@ def _check(x: torch.Tensor, weight: torch.Tensor, out) -> None:
 
 
 def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """Torch reference with the kernel's rounding steps, computed in float32."""
+    """Torch reference with the kernel's rounding steps, computed in float32: a float32 ``weight`` scales before
+    the cast to x's dtype (Qwen3.5, transformers' ``(norm(x) * (1 + w)).to(dtype)``), any other after it."""
     xf = x.float()
-    normed = (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)).to(x.dtype)
-    return (normed.float() * weight.float()).to(x.dtype)
+    normed = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+    if weight.dtype == torch.float32:
+        return (normed * weight).to(x.dtype)
+    return (normed.to(x.dtype).float() * weight.float()).to(x.dtype)

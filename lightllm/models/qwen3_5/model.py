@@ -5,13 +5,26 @@ float32 before the cast, the gated norm casts the normalized value, multiplies b
 ``silu(z)`` in float32; gates of the delta rule in float32. The KV pool holds only the full-attention layers
 (``kv_layer`` maps a model layer to its pool layer); the linear-attention layers keep per-request state slots,
 allocated by :meth:`Qwen3_5Model.alloc_request_state`.
+
+Per layer, on a GPU: four GEMMs (the fused input projection: ``qkv_proj`` or ``in_proj``; o_proj or out_proj;
+the fused gate/up; down), the mixer's own launches (gated attention: one q/k norm + partial rotary kernel, the
+KV write, attention, one output-gate kernel; gated DeltaNet: the conv, the delta rule, one gated-norm kernel),
+two residual add + norm kernels (post-mixer, and the next layer's input norm or the final norm) and one
+SiLU(gate) * up kernel. Every kernel is planned once per forward (:meth:`Qwen3_5Model.plan_step`); on the CPU
+each is its torch reference (the same rounding steps).
 """
 
-from typing import Dict, Optional
+from typing import Callable, Dict, NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
+from lightllm.kernels.activation import SiluMulPlan, silu_mul_ref
+from lightllm.kernels.gates import SigmoidGatePlan, sigmoid_gate_mul_ref
+from lightllm.kernels.norm.add_rmsnorm import AddRMSNormPlan, add_rmsnorm_ref
+from lightllm.kernels.norm.gated_rmsnorm import GatedRMSNormPlan, gated_rmsnorm_ref
+from lightllm.kernels.norm.qk_norm_rope import QKNormRopePlan, qk_norm_rope_ref
+from lightllm.kernels.norm.rmsnorm import RMSNormPlan, rmsnorm_ref
 from lightllm.layers.attention import AttentionBackend
 from lightllm.layers.infer_state import InferState
 from lightllm.layers.parallel import all_reduce_
@@ -25,17 +38,17 @@ from lightllm.models.qwen3_5.config import Qwen3_5ModelConfig
 from lightllm.models.qwen3_5.weights import LayerWeights, Qwen3_5Weights
 
 
-def rmsnorm_1p(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
-    """Zero-centred RMSNorm: ``(norm(x) * (1 + w)).to(x.dtype)`` in float32; ``scale`` is ``1 + w`` (float32)."""
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * scale).to(x.dtype)
+class LayerOps(NamedTuple):
+    """What the layers of one forward run besides GEMMs, attention and the delta rule, planned before the first
+    layer."""
 
-
-def gated_rmsnorm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``weight * norm(x)`` (norm cast to x's dtype first), then ``* silu(z)`` in float32, cast back."""
-    xf = x.float()
-    normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-    return ((weight * normed).float() * F.silu(z.float())).to(x.dtype)
+    norm: Callable  # (x, weight) -> y: the first layer's input norm (zero-centred: weight is 1 + w, float32)
+    add_norm: Callable  # (residual, x, weight) -> y: residual += x, y = norm(residual); [tokens, hidden]
+    final_add_norm: Callable  # add_norm over the output rows (one per request in prefill)
+    qk_norm_rope: Callable  # (qkv, q_weight, k_weight) -> (q, k): q/k heads normed, partial rotary
+    attn_gate: Callable  # (o, gate) -> o * sigmoid(gate): [tokens, heads, head_dim]
+    gated_norm: Callable  # (o, z, weight) -> weight * norm(o) * silu(z): [tokens, value_heads, value_dim]
+    silu_mul: Callable  # (gate_up) -> silu(gate) * up
 
 
 class Qwen3_5Model:
@@ -56,6 +69,9 @@ class Qwen3_5Model:
         self.linear_shape = LinearAttentionShape(config.linear_num_key_heads // tp, config.linear_num_value_heads // tp,
                                                  config.linear_key_head_dim, config.linear_value_head_dim,
                                                  config.linear_conv_kernel_dim)  # fmt: skip
+        self.intermediate = config.intermediate_size // tp
+        self.tp = tp
+        self.use_kernels = device.type == "cuda"  # the Triton kernels, else their torch references
         self.attn: Optional[AttentionBackend] = None  # set once the KV cache is sized
         self.linear: Optional[LinearAttentionBackend] = None  # set by alloc_request_state
         d = config.rotary_dim
@@ -81,74 +97,107 @@ class Qwen3_5Model:
 
     # ---- forward ------------------------------------------------------------------------------------------
 
-    def plan_step(self, state: InferState) -> LinearAttentionPlan:
-        """Everything one forward plans before its first layer: the attention plan (set on ``state``) and the
-        linear-attention plan (returned)."""
+    def _plan_ops(self, tokens: int, rows_out: int, positions: torch.Tensor) -> LayerOps:
+        """The layer ops of one forward, planned from its shapes before any layer runs. With kernels each is a
+        plan run by every layer (checks and the tuned config once per forward); else the torch references."""
+        c, eps, dtype, f32 = self.config, self.config.rms_norm_eps, self.dtype, torch.float32
+        heads, kv_heads, s = self.heads, self.kv_heads, self.linear_shape
+        if not self.use_kernels:
+            cos, sin = self._cos[positions][:, None, :], self._sin[positions][:, None, :]  # once per step
+
+            def add_norm(residual, x, weight):
+                return add_rmsnorm_ref(residual, x, weight, eps)
+
+            def qk_norm_rope(qkv, qw, kw):
+                return qk_norm_rope_ref(qkv, qw, kw, cos, sin, heads, kv_heads, eps, gated=True)
+
+            return LayerOps(norm=lambda x, weight: rmsnorm_ref(x, weight, eps), add_norm=add_norm,
+                            final_add_norm=add_norm, qk_norm_rope=qk_norm_rope, attn_gate=sigmoid_gate_mul_ref,
+                            gated_norm=lambda o, z, weight: gated_rmsnorm_ref(o, z, weight, eps),
+                            silu_mul=silu_mul_ref)  # fmt: skip
+        hidden = (tokens, c.hidden_size)
+        add_norm = AddRMSNormPlan(hidden, dtype, eps, weight_dtype=f32).run
+        final = add_norm if rows_out == tokens else AddRMSNormPlan((rows_out, c.hidden_size), dtype, eps,
+                                                                   weight_dtype=f32).run  # fmt: skip
+        qk = QKNormRopePlan(tokens, heads, kv_heads, c.head_dim, dtype, self._cos, self._sin, positions, eps,
+                            gated=True, weight_dtype=f32)  # fmt: skip
+        return LayerOps(
+            norm=RMSNormPlan(hidden, dtype, eps, weight_dtype=f32).run,
+            add_norm=add_norm,
+            final_add_norm=final,
+            qk_norm_rope=qk.run,
+            attn_gate=SigmoidGatePlan(tokens, heads, c.head_dim, dtype).run,
+            gated_norm=GatedRMSNormPlan(tokens, s.value_heads, s.value_dim, dtype, eps).run,
+            silu_mul=SiluMulPlan(tokens, self.intermediate, dtype).run,
+        )
+
+    def plan_step(self, tokens: int, state: InferState) -> Tuple[LayerOps, LinearAttentionPlan]:
+        """Everything one forward plans before its first layer: the attention plan (set on ``state``), the layer
+        ops (see :meth:`_plan_ops`) and the linear-attention plan."""
         if state.is_prefill:
             self.attn.plan_prefill(state, self.heads, self.dtype)
+            rows_out = state.batch_size
         else:
             self.attn.plan_decode(state, self.heads, self.dtype)
-        return self.linear.plan(state)
+            rows_out = tokens
+        return self._plan_ops(tokens, rows_out, state.positions), self.linear.plan(state)
 
     def forward(self, input_ids: torch.Tensor, state: InferState) -> torch.Tensor:
         """Float32 logits ``[rows, vocab]``: the last token of each request (prefill), every new token (decode)."""
         if self.attn is None or self.linear is None:
             raise RuntimeError("Qwen3_5Model.forward expected an attention backend and state slots: call "
                                "alloc_request_state(...) and set_attention(...) first")  # fmt: skip
-        eps = self.config.rms_norm_eps
-        plan = self.plan_step(state)
-        h = F.embedding(input_ids, self.w.embed)
-        cos = self._cos[state.positions][:, None, :]  # gathered once per step
-        sin = self._sin[state.positions][:, None, :]
-        for i, lw in enumerate(self.w.layers):
-            x = rmsnorm_1p(h, lw.input_norm, eps)
+        tokens, layers = input_ids.shape[0], self.w.layers
+        ops, plan = self.plan_step(tokens, state)
+        reduce = all_reduce_ if self.tp > 1 else _unchanged  # one rank: no all-reduce, nor its world-size query
+        h = F.embedding(input_ids, self.w.embed)  # the residual stream, updated in place by add_norm
+        x = ops.norm(h, layers[0].input_norm)
+        for i, lw in enumerate(layers):
             if lw.kind == "full_attention":
-                h = h + self._full_attention(self.kv_layer[i], lw, x, cos, sin, state)
+                out = self._full_attention(self.kv_layer[i], lw, x, ops, state)
             else:
-                h = h + self._linear_attention(self.state_layer[i], lw, x, plan, state.is_prefill)
-            x = rmsnorm_1p(h, lw.post_norm, eps)
-            h = h + all_reduce_(F.linear(F.silu(F.linear(x, lw.gate_proj)) * F.linear(x, lw.up_proj), lw.down_proj))
-        if state.is_prefill:
-            h = h[(state.b_q_start + state.b_q_len - 1).long()]
-        return F.linear(rmsnorm_1p(h, self.w.final_norm, eps), self.w.lm_head).float()
+                out = self._linear_attention(self.state_layer[i], lw, x, ops, plan, state.is_prefill)
+            x = ops.add_norm(h, reduce(out), lw.post_norm)
+            mlp = reduce(F.linear(ops.silu_mul(F.linear(x, lw.gate_up_proj)), lw.down_proj))
+            if i + 1 < len(layers):
+                x = ops.add_norm(h, mlp, layers[i + 1].input_norm)
+        if state.is_prefill:  # only each request's last token goes on
+            last = (state.b_q_start + state.b_q_len - 1).long()
+            h, mlp = h[last], mlp[last]
+        return F.linear(ops.final_add_norm(h, mlp, self.w.final_norm), self.w.lm_head).float()
 
-    def _full_attention(self, layer: int, lw: LayerWeights, x, cos, sin, state: InferState) -> torch.Tensor:
-        """Gated attention: ``q_proj`` gives per head ``[query | gate]``; q/k norms, partial rotary, GQA over the
-        KV pool, output ``* sigmoid(gate)``."""
-        cfg, tokens, eps = self.config, x.shape[0], self.config.rms_norm_eps
-        q, gate = F.linear(x, lw.q_proj).view(tokens, self.heads, 2 * cfg.head_dim).chunk(2, dim=-1)
-        k = F.linear(x, lw.k_proj).view(tokens, self.kv_heads, cfg.head_dim)
-        v = F.linear(x, lw.v_proj).view(tokens, self.kv_heads, cfg.head_dim)
-        q = self._rotary(rmsnorm_1p(q, lw.q_norm, eps), cos, sin)
-        k = self._rotary(rmsnorm_1p(k, lw.k_norm, eps), cos, sin)
+    def _full_attention(self, layer: int, lw: LayerWeights, x, ops: LayerOps, state: InferState) -> torch.Tensor:
+        """Gated attention: one GEMM gives q (per head ``[query | gate]``), k and v; q/k norms and partial rotary,
+        GQA over the KV pool, the output ``* sigmoid(gate)`` (the gate read in place), o_proj."""
+        d, tokens, heads = self.config.head_dim, x.shape[0], self.heads
+        qkv = F.linear(x, lw.qkv_proj)
+        q, k = ops.qk_norm_rope(qkv, lw.q_norm, lw.k_norm)
+        gate = qkv[:, : heads * 2 * d].view(tokens, heads, 2 * d)[..., d:]
+        v = qkv[:, (2 * heads + self.kv_heads) * d :].view(tokens, self.kv_heads, d)
         self.attn.write_kv(layer, k, v, state.out_token_idx)
         o = self.attn.prefill(layer, q, k, v, state) if state.is_prefill else self.attn.decode(layer, q, state)
-        o = o.reshape(tokens, -1) * torch.sigmoid(gate.reshape(tokens, -1))
-        return all_reduce_(F.linear(o, lw.o_proj))
+        o = ops.attn_gate(o.reshape(tokens, heads, d), gate)
+        return F.linear(o.reshape(tokens, -1), lw.o_proj)
 
-    def _rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Rotate the first ``rotary_dim`` dims of each head (rotate-half layout); the rest pass through."""
-        d = self.config.rotary_dim
-        rot, rest = x[..., :d], x[..., d:]
-        half = d // 2
-        rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
-        return torch.cat((rot * cos + rotated * sin, rest), dim=-1).contiguous()
-
-    def _linear_attention(self, layer: int, lw: LayerWeights, x, plan: LinearAttentionPlan,
+    def _linear_attention(self, layer: int, lw: LayerWeights, x, ops: LayerOps, plan: LinearAttentionPlan,
                           prefill: bool) -> torch.Tensor:  # fmt: skip
-        """Gated DeltaNet: in_proj (qkv, z, b, a), causal conv + SiLU, the gated delta rule over the request's
-        state slot, gated RMSNorm, out_proj."""
+        """Gated DeltaNet: one GEMM gives the conv input (q, k, v), z, b and a; causal conv + SiLU, the gated
+        delta rule over the request's state slot, the gated RMSNorm (z read in place), out_proj."""
         s, tokens, lin = self.linear_shape, x.shape[0], self.linear
-        mixed = F.linear(x, lw.in_proj_qkv)
-        z = F.linear(x, lw.in_proj_z).view(tokens, s.value_heads, s.value_dim)
-        b, a = F.linear(x, lw.in_proj_b), F.linear(x, lw.in_proj_a)
+        channels, vd, hv = s.conv_channels, s.value_heads * s.value_dim, s.value_heads
+        proj = F.linear(x, lw.in_proj)
+        z = proj[:, channels : channels + vd].view(tokens, hv, s.value_dim)
+        b, a = proj[:, channels + vd : channels + vd + hv], proj[:, channels + vd + hv :]
         conv = lin.conv_prefill if prefill else lin.conv_decode
-        mixed = conv(layer, mixed, lw.conv1d, plan)
+        mixed = conv(layer, proj[:, :channels], lw.conv1d, plan)
         kd = s.key_heads * s.key_dim
         q = mixed[:, :kd].view(tokens, s.key_heads, s.key_dim)
         k = mixed[:, kd : 2 * kd].view(tokens, s.key_heads, s.key_dim)
         v = mixed[:, 2 * kd :].view(tokens, s.value_heads, s.value_dim)
         rule = lin.delta_prefill if prefill else lin.delta_decode
         o = rule(layer, q, k, v, a, b, lw.A_log, lw.dt_bias, plan)
-        o = gated_rmsnorm(o, z, lw.norm, self.config.rms_norm_eps)
-        return all_reduce_(F.linear(o.reshape(tokens, -1), lw.out_proj))
+        return F.linear(ops.gated_norm(o, z, lw.norm).reshape(tokens, -1), lw.out_proj)
+
+
+def _unchanged(x: torch.Tensor) -> torch.Tensor:
+    return x

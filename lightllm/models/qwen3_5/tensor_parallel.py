@@ -5,7 +5,9 @@ Gated DeltaNet: the q and k parts of ``in_proj_qkv`` and of the conv channels by
 ``in_proj_b``, ``in_proj_a``, ``A_log`` and ``dt_bias`` by value heads (value head ``h`` reads key head
 ``h // (Hv / Hk)``, so a rank's value heads read only its key heads), ``out_proj`` by the matching columns; so the
 state slots split by value heads too. MLP: gate/up rows, down columns. Row-parallel outputs (``o_proj``,
-``out_proj``, ``down_proj``) are all-reduced by the model; embedding, norms and lm_head are replicated.
+``out_proj``, ``down_proj``) are all-reduced by the model; embedding, norms and lm_head are replicated. The
+loader fuses a rank's parts after sharding each (``qkv_proj`` = [its q; its k; its v], ``in_proj`` = [its qkv; z;
+b; a], ``gate_up_proj`` = [its gate; its up]), so the spec names the checkpoint's fields.
 """
 
 from typing import Callable, List, Optional, Tuple

@@ -1,8 +1,12 @@
 """Qwen3.5 weights from a Hugging Face folder's ``*.safetensors`` files (text folders and the text part of
 ConditionalGeneration folders).
 
-Linears stay ``[out_features, in_features]``. The zero-centred RMSNorm weights (decoder, final, q/k norms) are
-kept as ``1 + weight`` in float32, the scale transformers multiplies by; the gated norm's weight is plain. The
+Linears stay ``[out_features, in_features]``. Projections of one input are fused at load into one weight each (one
+GEMM): gated attention's q (with its gate), k and v into ``qkv_proj``; gated DeltaNet's qkv, z, b and a into
+``in_proj``; the MLP's gate and up into ``gate_up_proj``. Each part is read (this rank's shard of it only) and
+copied straight into its rows; the checkpoint names remain as views. The zero-centred RMSNorm weights (decoder,
+final, q/k norms) are kept as ``1 + weight`` in float32, the scale transformers multiplies by; the gated norm's
+weight is plain. The
 vision tower (``model.visual.*``) and the MTP head (``mtp.*``) are skipped, each with one log line.
 """
 
@@ -28,31 +32,87 @@ _SKIPPED = {"model.visual.": "vision tower: text only", "mtp.": "MTP head: multi
             "implemented yet"}  # fmt: skip
 
 
+# Checkpoint fields read into rows of one fused weight: field -> (fused weight, its place among the parts).
+FUSED_PARTS = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+               "in_proj_qkv": ("in_proj", 0), "in_proj_z": ("in_proj", 1), "in_proj_b": ("in_proj", 2),
+               "in_proj_a": ("in_proj", 3),
+               "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}  # fmt: skip
+
+
 @dataclass
 class LayerWeights:
+    """One layer's weights (this rank's shard in tensor parallelism). The projections read from one input are
+    fused into one weight each (one GEMM); the checkpoint's names remain as views of their rows."""
+
     kind: str  # "linear_attention" or "full_attention"
     input_norm: torch.Tensor  # [hidden], 1 + weight, float32
     post_norm: torch.Tensor  # [hidden], 1 + weight, float32
-    gate_proj: torch.Tensor  # [intermediate, hidden]
-    up_proj: torch.Tensor
+    gate_up_proj: torch.Tensor  # [2 * intermediate, hidden]: gate rows, then up
     down_proj: torch.Tensor  # [hidden, intermediate]
     # full attention
-    q_proj: Optional[torch.Tensor] = None  # [heads * 2 * head_dim, hidden]: per head [query | gate]
-    k_proj: Optional[torch.Tensor] = None
-    v_proj: Optional[torch.Tensor] = None
-    o_proj: Optional[torch.Tensor] = None
+    qkv_proj: Optional[torch.Tensor] = None  # [heads * 2 * head_dim + 2 * kv_heads * head_dim, hidden]: q, k, v
+    o_proj: Optional[torch.Tensor] = None  # [hidden, heads * head_dim]
     q_norm: Optional[torch.Tensor] = None  # [head_dim], 1 + weight, float32
     k_norm: Optional[torch.Tensor] = None
     # gated DeltaNet
-    in_proj_qkv: Optional[torch.Tensor] = None  # [2 * Hk * Dk + Hv * Dv, hidden]
-    in_proj_z: Optional[torch.Tensor] = None  # [Hv * Dv, hidden]
-    in_proj_b: Optional[torch.Tensor] = None  # [Hv, hidden]
-    in_proj_a: Optional[torch.Tensor] = None  # [Hv, hidden]
+    in_proj: Optional[torch.Tensor] = None  # [C + Hv * Dv + 2 * Hv, hidden]: qkv (the conv input), z, b, a
     conv1d: Optional[torch.Tensor] = None  # [C, K] (HF's [C, 1, K] squeezed)
     A_log: Optional[torch.Tensor] = None  # [Hv]
     dt_bias: Optional[torch.Tensor] = None  # [Hv]
     norm: Optional[torch.Tensor] = None  # [Dv], the gated norm's plain weight
     out_proj: Optional[torch.Tensor] = None  # [hidden, Hv * Dv]
+
+    @property
+    def q_proj(self) -> Optional[torch.Tensor]:
+        """``[heads * 2 * head_dim, hidden]``: per head ``[query | gate]`` rows."""
+        return self._parts("qkv_proj")[0]
+
+    @property
+    def k_proj(self) -> Optional[torch.Tensor]:
+        return self._parts("qkv_proj")[1]
+
+    @property
+    def v_proj(self) -> Optional[torch.Tensor]:
+        return self._parts("qkv_proj")[2]
+
+    @property
+    def in_proj_qkv(self) -> Optional[torch.Tensor]:
+        return self._parts("in_proj")[0]
+
+    @property
+    def in_proj_z(self) -> Optional[torch.Tensor]:
+        return self._parts("in_proj")[1]
+
+    @property
+    def in_proj_b(self) -> Optional[torch.Tensor]:
+        return self._parts("in_proj")[2]
+
+    @property
+    def in_proj_a(self) -> Optional[torch.Tensor]:
+        return self._parts("in_proj")[3]
+
+    @property
+    def gate_proj(self) -> torch.Tensor:
+        return self.gate_up_proj.chunk(2)[0]
+
+    @property
+    def up_proj(self) -> torch.Tensor:
+        return self.gate_up_proj.chunk(2)[1]
+
+    def split_sizes(self, fused: str) -> Tuple[int, ...]:
+        """Rows of each part of ``qkv_proj`` (q, k, v) or ``in_proj`` (qkv, z, b, a), from the layer's own shapes."""
+        if fused == "qkv_proj":
+            q_rows = 2 * self.o_proj.shape[1]
+            kv_rows = (self.qkv_proj.shape[0] - q_rows) // 2
+            return q_rows, kv_rows, kv_rows
+        value_heads = self.A_log.shape[0]
+        return self.conv1d.shape[0], self.out_proj.shape[1], value_heads, value_heads
+
+    def _parts(self, fused: str) -> Tuple[Optional[torch.Tensor], ...]:
+        weight = getattr(self, fused)
+        if weight is None:
+            return (None,) * 4
+        return weight.split(self.split_sizes(fused))
 
 
 @dataclass
@@ -110,6 +170,23 @@ def expected_shapes(c: Qwen3_5ModelConfig) -> Dict[str, Tuple[int, ...]]:
     return shapes
 
 
+def _fused_rows(c: Qwen3_5ModelConfig, shard: Optional[ShardSpec]) -> Dict[str, Tuple[str, int, int]]:
+    """``field -> (fused weight, first row, end row)`` of each fused part on this rank (every layer of a kind
+    alike): each part is sharded first (a rank keeps its heads of q, of k, of v...), then the parts follow
+    each other in ``FUSED_PARTS`` order."""
+    full = {field: shape[0] for i in range(c.num_hidden_layers) for field, (_, shape) in _layer_names(c, i).items()}
+    rows, ends = {}, {}
+    for field, (target, _) in sorted(FUSED_PARTS.items(), key=lambda item: item[1]):
+        if field not in full:  # a model without layers of that kind
+            continue
+        part = shard(field) if shard is not None else None
+        local = full[field] if part is None else sum(len(range(full[field])[s]) for s in part[1])
+        first = ends.get(target, 0)
+        ends[target] = first + local
+        rows[field] = (target, first, ends[target])
+    return rows
+
+
 def load_qwen3_5_weights(
     model_dir: Union[str, Path],
     config: Qwen3_5ModelConfig,
@@ -120,17 +197,23 @@ def load_qwen3_5_weights(
     """Read, check (shape, source dtype), cast and move every tensor the text model uses; ModelLoadError (one
     line) on a missing or misshapen tensor. Unused tensors are skipped: vision and MTP ones with one line each,
     any other with one warning. ``shard(field)`` gives the part of a layer tensor this tensor-parallel rank
-    keeps; only that part is read."""
+    keeps; only that part is read. The parts of a fused weight (``FUSED_PARTS``) are copied straight into its
+    rows as they are read, so no second copy of them is ever held."""
     if dtype not in _DTYPES:
         raise ModelLoadError(f"dtype {dtype} is not supported; use torch.float16, torch.bfloat16 or torch.float32")
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise ModelLoadError(f"{model_dir}: model folder not found")
     shapes = expected_shapes(config)
-    fields = {
-        name: field for i in range(config.num_hidden_layers) for field, (name, _) in _layer_names(config, i).items()
+    where = {
+        name: (i, field)
+        for i in range(config.num_hidden_layers)
+        for field, (name, _) in _layer_names(config, i).items()
     }
+    fused_rows = _fused_rows(config, shard)
     tensors: Dict[str, torch.Tensor] = {}
+    fused: Dict[Tuple[int, str], torch.Tensor] = {}
+    seen = set()
     skipped = {prefix: 0 for prefix in _SKIPPED}
     unexpected: List[str] = []
     for file in safetensors_files(model_dir):
@@ -147,8 +230,9 @@ def load_qwen3_5_weights(
                     elif not (config.tie_word_embeddings and name == "lm_head.weight"):
                         unexpected.append(name)
                     continue
-                if name in tensors:
+                if name in seen:
                     raise ModelLoadError(f"{file}: tensor {name} is also in another safetensors file")
+                seen.add(name)
                 view = f.get_slice(name)
                 found, source_dtype = tuple(view.get_shape()), view.get_dtype()
                 if found != shapes[name]:
@@ -157,14 +241,29 @@ def load_qwen3_5_weights(
                 if source_dtype not in _SOURCE_DTYPES:
                     raise ModelLoadError(f"{file}: tensor {name} has dtype {source_dtype}; only F16, BF16 and F32 "
                                          "are supported")  # fmt: skip
-                part = shard(fields[name]) if shard is not None and name in fields else None
+                layer, field = where.get(name, (None, None))
+                part = shard(field) if shard is not None and field is not None else None
+                if field in FUSED_PARTS:
+                    target, first, end = fused_rows[field]
+                    if (layer, target) not in fused:
+                        rows = max(e for t, _, e in fused_rows.values() if t == target)
+                        fused[layer, target] = torch.empty(rows, config.hidden_size, dtype=dtype, device=device)
+                    dest = fused[layer, target]
+                    if part is None:
+                        dest[first:end].copy_(f.get_tensor(name))
+                    else:  # row shards only: each slice into the next rows
+                        for s in part[1]:
+                            rows = view[s]
+                            dest[first : first + rows.shape[0]].copy_(rows)
+                            first += rows.shape[0]
+                    continue
                 if part is None:
                     tensor = f.get_tensor(name)
                 else:
                     dim, slices = part
                     tensor = torch.cat([view[s] if dim == 0 else view[:, s] for s in slices], dim=dim)
                 tensors[name] = tensor.to(device=device, dtype=dtype)
-    missing = [name for name in shapes if name not in tensors]
+    missing = [name for name in shapes if name not in seen]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise ModelLoadError(f"{model_dir}: tensor {missing[0]} is missing from the safetensors files{more}")
@@ -175,17 +274,19 @@ def load_qwen3_5_weights(
         more = f" and {len(unexpected) - 5} more" if len(unexpected) > 5 else ""
         logger.warning("%s: ignoring %d tensors Qwen3.5 does not use: %s%s", model_dir, len(unexpected),
                        ", ".join(sorted(unexpected)[:5]), more)  # fmt: skip
-    return _assemble(config, tensors)
+    return _assemble(config, tensors, fused)
 
 
 def _one_plus(w: torch.Tensor) -> torch.Tensor:
     return 1.0 + w.float()
 
 
-def _assemble(c: Qwen3_5ModelConfig, tensors: Dict[str, torch.Tensor]) -> Qwen3_5Weights:
+def _assemble(c: Qwen3_5ModelConfig, tensors: Dict[str, torch.Tensor],
+              fused: Dict[Tuple[int, str], torch.Tensor]) -> Qwen3_5Weights:  # fmt: skip
     layers = []
     for i in range(c.num_hidden_layers):
-        fields = {field: tensors[name] for field, (name, _) in _layer_names(c, i).items()}
+        fields = {field: tensors[name] for field, (name, _) in _layer_names(c, i).items() if field not in FUSED_PARTS}
+        fields.update({target: weight for (layer, target), weight in fused.items() if layer == i})
         for field in _ZERO_CENTRED:
             if field in fields:
                 fields[field] = _one_plus(fields[field])

@@ -1,0 +1,159 @@
+"""What one Qwen3.5 layer runs: the fused kernels' plans made once per forward from its shapes, the kernel path
+equal to the torch-reference path over whole forwards, and the launches per layer of each kind counted."""
+
+import dataclasses
+from collections import Counter
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from triton.runtime.jit import KernelInterface
+
+from lightllm import LLM, SamplingParams
+from lightllm.layers.attention import AttentionBackend
+from lightllm.layers.linear_attention import LinearAttentionBackend
+from lightllm.models.qwen3_5 import model as qwen3_5_model
+from lightllm.models.qwen3_5.model import Qwen3_5Model
+from lightllm.tools.make_tiny_model import make_tiny_qwen3_5
+
+PLANS = ("RMSNormPlan", "AddRMSNormPlan", "QKNormRopePlan", "SigmoidGatePlan", "GatedRMSNormPlan", "SiluMulPlan")
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return make_tiny_qwen3_5(tmp_path_factory.mktemp("qwen3_5-ops") / "tiny", seed=5)  # layers: L F L F
+
+
+def _llm(model_dir, dtype="fp32"):
+    return LLM(str(model_dir), data_type=dtype, device="cpu", batch_max_tokens=64, max_req_total_len=128,
+               running_max_req_size=4)  # fmt: skip
+
+
+def test_layer_ops_are_planned_from_the_step_shapes(monkeypatch):
+    """With kernels, one plan per op and forward: the zero-centred norms (float32 ``1 + w``) over the step's tokens
+    (the final one over a prefill's output rows), the gated q/k norm + partial rotary over the qkv output, the
+    output gate over the attention heads, the gated norm over the value heads, SiLU * up over this rank's columns."""
+    made = []
+
+    def counting(name):
+        real = getattr(qwen3_5_model, name)
+
+        class Counting(real):
+            def __init__(self, *args, **kwargs):
+                made.append((name, args[:4], kwargs.get("gated"), kwargs.get("weight_dtype")))
+                super().__init__(*args, **kwargs)
+
+        return Counting
+
+    for name in PLANS:
+        monkeypatch.setattr(qwen3_5_model, name, counting(name))
+    d, f16, f32 = 16, torch.float16, torch.float32
+    config = SimpleNamespace(rms_norm_eps=1e-6, hidden_size=64, head_dim=d)
+    model = SimpleNamespace(use_kernels=True, config=config, dtype=f16, heads=4, kv_heads=2, intermediate=48,
+                            linear_shape=SimpleNamespace(value_heads=6, value_dim=8), _cos=torch.ones(32, 4, dtype=f16),
+                            _sin=torch.zeros(32, 4, dtype=f16))  # fmt: skip
+    ops = Qwen3_5Model._plan_ops(model, 3, 3, torch.arange(3))
+    assert sorted(made, key=lambda m: m[0]) == [
+        ("AddRMSNormPlan", ((3, 64), f16, 1e-6), None, f32),
+        ("GatedRMSNormPlan", (3, 6, 8, f16), None, None),
+        ("QKNormRopePlan", (3, 4, 2, d), True, f32),
+        ("RMSNormPlan", ((3, 64), f16, 1e-6), None, f32),
+        ("SigmoidGatePlan", (3, 4, d, f16), None, None),
+        ("SiluMulPlan", (3, 48, f16), None, None),
+    ]
+    assert ops.final_add_norm == ops.add_norm  # decode: one output row per token
+    made.clear()
+    ops = Qwen3_5Model._plan_ops(model, 7, 2, torch.arange(7))  # a prefill of two requests: the final norm, two rows
+    assert [args[0] for name, args, _, _ in made if name == "AddRMSNormPlan"] == [(7, 64), (2, 64)]
+    with pytest.raises(ValueError, match=r"qk_norm_rope plan: qkv expected the planned \(7, 192\)"):
+        ops.qk_norm_rope(torch.zeros(7, 128, dtype=f16), torch.ones(d), torch.ones(d))  # an ungated width
+
+
+@pytest.mark.parametrize("dtype, tol", [("fp32", 1e-5), ("fp16", 2e-2)])
+def test_kernel_path_matches_the_reference_path(tiny_dir, dtype, tol):
+    """The Triton kernels (interpreted here; the GPU path's code) against the torch references over whole forwards:
+    a prefill of three prompts, then decode steps teacher-forced on the reference path's greedy tokens."""
+    llm = _llm(tiny_dir, dtype)
+    prompts = [[5, 17, 42, 7, 99, 3], [11, 12, 13], list(range(20, 45))]
+    params = SamplingParams(max_new_tokens=4, logprobs=True, ignore_eos=True)
+    ref = llm.generate(prompts, params)
+    llm.runner.model.use_kernels = True
+    fused = llm.generate(prompts, params)
+    for a, b in zip(ref, fused):
+        assert a.token_ids == b.token_ids
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) <= tol
+
+
+class _Counting(TorchDispatchMode):
+    """Counts the aten ops that do work (views excluded) while ``active``."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops, self.active = Counter(), True
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.active and not func.is_view:
+            self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_launches_per_layer(tiny_dir, monkeypatch):
+    """The kernel path of one layer of each kind, with every Triton kernel, the attention backend and the
+    linear-attention backend mocked (counted, not run). Gated attention: 4 GEMMs, 5 Triton launches (q/k norm +
+    rotary, the output gate, two add + norm, SiLU * up), the KV write and attention, 6 output allocations. Gated
+    DeltaNet: 4 GEMMs, 4 Triton launches (the gated norm, two add + norm, SiLU * up), the conv and the delta rule, 4
+    output allocations. Nothing else: no copy, no elementwise torch op. Counted as differences between forwards of
+    1, 2 and 3 layers (L, L F, L F L), in prefill and in decode; a change that adds a launch, a torch op or an
+    allocation per layer fails here."""
+    llm = _llm(tiny_dir)
+    model = llm.runner.model
+    model.use_kernels = True
+    counter = _Counting()
+    launches = Counter()
+
+    def mocked_launch(kernel, grid):
+        return lambda *args, **kwargs: launches.update([kernel.fn.__name__])
+
+    def mocked(name, like):
+        def run(self, layer, *args):
+            launches.update([name])
+            counter.active = False  # the mock's own output is not the model's work
+            out = None if like is None else torch.empty(args[like].shape, dtype=args[like].dtype)
+            counter.active = True
+            return out
+
+        return run
+
+    monkeypatch.setattr(KernelInterface, "__getitem__", mocked_launch)
+    for name, like in (("write_kv", None), ("prefill", 0), ("decode", 0)):
+        monkeypatch.setattr(AttentionBackend, name, mocked(name, like))
+    for name, like in (("conv_prefill", 0), ("conv_decode", 0), ("delta_prefill", 2), ("delta_decode", 2)):
+        monkeypatch.setattr(LinearAttentionBackend, name, mocked(name, like))
+    real_forward, weights, per_depth = model.forward, model.w, {}
+
+    def counted_forward(input_ids, state):
+        with counter:
+            return real_forward(input_ids, state)
+
+    monkeypatch.setattr(model, "forward", counted_forward)
+    assert [lw.kind for lw in weights.layers[:3]] == ["linear_attention", "full_attention", "linear_attention"]
+    for depth in (1, 2, 3):
+        model.w = dataclasses.replace(weights, layers=weights.layers[:depth])
+        for phase in ("prefill", "decode"):
+            counter.ops.clear(), launches.clear()
+            slot = llm.runner.add_request()
+            llm.runner.prefill([slot], [[5, 17, 42]]) if phase == "prefill" else llm.runner.decode([slot], [7])
+            llm.runner.free(slot)
+            per_depth[depth, phase] = (Counter(counter.ops), Counter(launches))
+    mixers = {"full": {"_qk_norm_rope_kernel": 1, "_sigmoid_gate_mul_kernel": 1, "write_kv": 1},
+              "linear": {"_gated_rmsnorm_kernel": 1}}  # fmt: skip
+    for phase in ("prefill", "decode"):
+        mixers["full"][phase] = 1
+        mixers["linear"].update({f"conv_{phase}": 1, f"delta_{phase}": 1})
+        for kind, (fewer, more), empties in (("full", (1, 2), 6), ("linear", (2, 3), 4)):
+            (ops1, launches1), (ops2, launches2) = per_depth[fewer, phase], per_depth[more, phase]
+            assert ops2 - ops1 == Counter(mm=4, empty=empties) and not ops1 - ops2, (kind, phase)
+            kernels = {"_add_rmsnorm_kernel": 2, "_silu_mul_kernel": 1, **mixers[kind]}
+            assert launches2 - launches1 == Counter(kernels) and not launches1 - launches2, (kind, phase)
+        del mixers["full"][phase], mixers["linear"][f"conv_{phase}"], mixers["linear"][f"delta_{phase}"]
