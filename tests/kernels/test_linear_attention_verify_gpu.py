@@ -76,15 +76,16 @@ def test_gpu_gated_delta_verify_matches_reference(batch, n, state_dtype):
 @pytest.mark.parametrize("n", STEPS, ids=lambda n: f"N={n}")
 def test_gpu_verify_equals_plain_decodes(n, state_dtype):
     """Token t's slot holds the state t + 1 single-token decodes leave (bf16 rounding between tokens included),
-    and its output is theirs: within one bf16 ulp (two compiled kernels may round a reduction differently)."""
+    and its output is theirs: two compiled kernels may round a reduction differently, so a bf16 rounding may rarely
+    go the other way (and carry on), far below the error of skipping the rounding between tokens."""
     q, k, v, a, b, A_log, dt_bias, pool, src, dst = make_verify(16, n + 1, state_dtype, seed=1)
     decoded = pool.clone()
     out = gdv.gated_delta_verify(q, k, v, a, b, A_log, dt_bias, pool, src, dst)
+    tol = 1e-6 if state_dtype == torch.float32 else 1e-4
     for t in range(n + 1):
         o = gated_delta_decode(q[:, t], k[:, t], v[:, t], a[:, t], b[:, t], A_log, dt_bias, decoded, src)
-        torch.testing.assert_close(out[:, t].float(), o.float(), rtol=2**-7, atol=1e-3)
-        torch.testing.assert_close(pool[dst[:, t].long()].float(), decoded[src.long()].float(), rtol=2**-7,
-                                   atol=1e-6)  # fmt: skip
+        assert rel_err(out[:, t], o) < 1e-3
+        assert rel_err(pool[dst[:, t].long()], decoded[src.long()]) < tol
 
 
 @pytest.mark.parametrize("n", STEPS, ids=lambda n: f"N={n}")
