@@ -164,8 +164,9 @@ def test_gated_delta_verify_bad_arguments_name_the_argument():
         gated_delta_verify(**{**args, **changed})
 
     cases = [
-        (dict(src_idx=src.long()), r"src_idx expected an int32 \[3\] tensor, got \(3,\) torch.int64"),
-        (dict(src_idx=src[:2]), r"src_idx expected an int32 \[3\] tensor, got \(2,\) torch.int32"),
+        (dict(src_idx=src.long()), r"src_idx expected a contiguous int32 \[3\] tensor, got \(3,\) torch.int64"),
+        (dict(src_idx=src[:2]), r"src_idx expected a contiguous int32 \[3\] tensor, got \(2,\) torch.int32"),
+        (dict(src_idx=dst[:, 0]), r"src_idx expected a contiguous int32 \[3\] tensor, got .* strides \(3,\)"),
         (
             dict(dst_idx=dst[:, :2]),
             r"dst_idx expected an int32 \[3, 3\] tensor with a contiguous last dim, got \(3, 2\)",
@@ -266,7 +267,8 @@ def test_conv1d_verify_matches_sequential_updates(n, dtype, state_dtype, taps, c
 def test_conv1d_verify_bad_arguments_name_the_argument():
     x, pool, weight, src, dst = make_conv(3, 40, 4, torch.float32, torch.float32)
     cases = [
-        (dict(src_idx=src.long()), r"src_idx expected an int32 \[3\] tensor, got \(3,\) torch.int64"),
+        (dict(src_idx=src.long()), r"src_idx expected a contiguous int32 \[3\] tensor, got \(3,\) torch.int64"),
+        (dict(src_idx=dst[:, 1]), r"src_idx expected a contiguous int32 \[3\] tensor, got .* strides \(3,\)"),
         (dict(dst_idx=dst[:2]), r"dst_idx expected an int32 \[3, 3\] tensor with a contiguous last dim, got \(2, 3\)"),
         (
             dict(conv_state=pool[:, :, :32]),

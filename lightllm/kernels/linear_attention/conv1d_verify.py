@@ -128,7 +128,7 @@ def causal_conv1d_verify(
         x: ``[batch, T, channels]`` float16/bfloat16/float32, last dim contiguous; ``T`` one of ``TOKENS``.
         conv_state: ``[slots, K - 1, channels]`` float16/bfloat16/float32, last dim contiguous; ``K >= 2``.
         weight: ``[channels, K]`` contiguous, any of those dtypes.
-        src_idx: int32 ``[batch]``: the slot each request starts from (read only).
+        src_idx: contiguous int32 ``[batch]``: the slot each request starts from (read only).
         dst_idx: int32 ``[batch, T]`` with a contiguous last dim, all different (not checked: that would
             synchronize); ``src_idx[b]`` may be among ``dst_idx[b]``, never among another request's.
         out: optional ``[batch, T, channels]`` of x's dtype.
@@ -157,8 +157,9 @@ def _check_plan(x_shape, dtype, state_shape, state_dtype, weight_dtype, src_idx,
     for name, t in (("conv_state", state_dtype), ("weight", weight_dtype)):
         if t not in DTYPES:
             _fail(name, f"one of {DTYPES}", t)
-    if src_idx.shape != (batch,) or src_idx.dtype != torch.int32:
-        _fail("src_idx", f"an int32 [{batch}] tensor", f"{tuple(src_idx.shape)} {src_idx.dtype}")
+    if src_idx.shape != (batch,) or src_idx.dtype != torch.int32 or (batch > 1 and src_idx.stride(0) != 1):
+        _fail("src_idx", f"a contiguous int32 [{batch}] tensor",
+              f"{tuple(src_idx.shape)} {src_idx.dtype} strides {src_idx.stride()}")  # fmt: skip
     if dst_idx.shape != (batch, tokens) or dst_idx.dtype != torch.int32 or (batch and dst_idx.stride(1) != 1):
         _fail("dst_idx", f"an int32 [{batch}, {tokens}] tensor with a contiguous last dim",
               f"{tuple(dst_idx.shape)} {dst_idx.dtype} strides {dst_idx.stride()}")  # fmt: skip

@@ -245,7 +245,7 @@ def gated_delta_verify(
             Head dims: one of ``HEAD_DIMS``.
         a, b: ``[batch, T, v_heads]`` (last dim contiguous); A_log, dt_bias: ``[v_heads]``.
         ssm_state: ``[slots, v_heads, head_k_dim, head_v_dim]`` float32 or bfloat16, each slot contiguous.
-        src_idx: int32 ``[batch]``: the slot each request starts from (read only).
+        src_idx: contiguous int32 ``[batch]``: the slot each request starts from (read only).
         dst_idx: int32 ``[batch, T]`` with a contiguous last dim: the slot of each token's state, all different
             (not checked: that would synchronize); ``src_idx[b]`` may be among ``dst_idx[b]``, never among another
             request's. Padding rows may share one scratch slot for every entry: they race on it alone.
@@ -294,8 +294,9 @@ def _check_plan(q_shape, v_shape, dtype, state_shape, state_dtype, src_idx, dst_
         _fail("ssm_state", f"a [slots, {v_heads}, {head_k_dim}, {head_v_dim}] tensor", tuple(state_shape))
     if state_dtype not in STATE_DTYPES:
         _fail("ssm_state", f"one of {STATE_DTYPES}", state_dtype)
-    if src_idx.shape != (batch,) or src_idx.dtype != torch.int32:
-        _fail("src_idx", f"an int32 [{batch}] tensor", f"{tuple(src_idx.shape)} {src_idx.dtype}")
+    if src_idx.shape != (batch,) or src_idx.dtype != torch.int32 or (batch > 1 and src_idx.stride(0) != 1):
+        _fail("src_idx", f"a contiguous int32 [{batch}] tensor",
+              f"{tuple(src_idx.shape)} {src_idx.dtype} strides {src_idx.stride()}")  # fmt: skip
     if dst_idx.shape != (batch, tokens) or dst_idx.dtype != torch.int32 or (batch and dst_idx.stride(1) != 1):
         _fail("dst_idx", f"an int32 [{batch}, {tokens}] tensor with a contiguous last dim",
               f"{tuple(dst_idx.shape)} {dst_idx.dtype} strides {dst_idx.stride()}")  # fmt: skip
