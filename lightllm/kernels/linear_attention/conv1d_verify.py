@@ -1,0 +1,172 @@
+"""Causal depthwise conv1d + SiLU over the ``T = N + 1`` tokens of an MTP verify step, writing the conv window
+after every token into that token's slot.
+
+Program (request, channel block) loads the source window (``K - 1`` rows) and the request's ``T`` inputs as one
+``[K - 1 + T, BLOCK_C]`` sequence tile before it stores anything, so a request's source slot may be one of its own
+destination slots. Token ``t``'s output is rows ``t .. t + K - 1`` of the tile against the ``K`` taps; the window
+after it is rows ``t + 1 .. t + K - 1``. A plain kernel with a fixed config, not tuned, as ``conv1d_update``: it
+moves ``B * C * (K - 1) * (T + 1)`` state elements, under 3 % of the recurrent verify's state bytes.
+"""
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from lightllm.common.autotuner import PlannedInputs
+from lightllm.kernels.launch_math import cdiv, next_power_of_2
+from lightllm.kernels.linear_attention.conv1d_update import DEFAULT_CONFIG, DTYPES
+from lightllm.kernels.linear_attention.gated_delta_verify import TOKENS
+
+_WARPS = (1, 2, 4, 8, 16)
+
+
+@triton.jit
+def _conv1d_verify_kernel(
+    X, STATE, W, SRC_IDX, DST_IDX, Y, C,
+    stride_xb, stride_xt, stride_sn, stride_sk, stride_db, stride_yb, stride_yt,
+    T: tl.constexpr, K: tl.constexpr, ROWS: tl.constexpr, BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    i_b = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    rows = tl.arange(0, ROWS)
+    col_ok = (cols < C)[None, :]
+    in_state = (rows < K - 1)[:, None]
+    in_x = ((rows >= K - 1) & (rows < K - 1 + T))[:, None]
+
+    # The whole sequence (source window, then the new inputs in the state's dtype, as the reference rounds them).
+    src = tl.load(SRC_IDX + i_b).to(tl.int64)
+    old = tl.load(
+        STATE + src * stride_sn + rows[:, None] * stride_sk + cols[None, :], mask=in_state & col_ok, other=0.0
+    )
+    x_rows = tl.where(rows >= K - 1, rows - (K - 1), 0)
+    new = tl.load(X + i_b * stride_xb + x_rows[:, None] * stride_xt + cols[None, :], mask=in_x & col_ok, other=0.0)
+    seq = tl.where(in_state, old, new.to(STATE.dtype.element_ty))
+    seq_f = seq.to(tl.float32)
+
+    for t in tl.static_range(T):
+        tap = rows - t
+        w = tl.load(W + cols[None, :] * K + tap[:, None], mask=((tap >= 0) & (tap < K))[:, None] & col_ok, other=0.0)
+        acc = tl.sum(seq_f * w.to(tl.float32), axis=0)
+        y = acc * tl.sigmoid(acc)
+        tl.store(Y + i_b * stride_yb + t * stride_yt + cols, y.to(Y.dtype.element_ty), mask=cols < C)
+        dst = tl.load(DST_IDX + i_b * stride_db + t).to(tl.int64)
+        pos = rows - (t + 1)  # the window after token t: rows t + 1 .. t + K - 1
+        keep = ((pos >= 0) & (pos < K - 1))[:, None] & col_ok
+        tl.store(STATE + dst * stride_sn + tl.where(pos >= 0, pos, 0)[:, None] * stride_sk + cols[None, :], seq,
+                 mask=keep)  # fmt: skip
+
+
+def _launch(x, conv_state, weight, src_idx, dst_idx, out, run_config=None):
+    batch, tokens, channels = x.shape
+    taps = weight.shape[1]
+    cfg = run_config or DEFAULT_CONFIG
+    if batch > 0:
+        _conv1d_verify_kernel[(batch, cdiv(channels, cfg["BLOCK_C"]))](
+            x, conv_state, weight, src_idx, dst_idx, out, channels,
+            x.stride(0), x.stride(1), conv_state.stride(0), conv_state.stride(1), dst_idx.stride(0),
+            out.stride(0), out.stride(1),
+            T=tokens, K=taps, ROWS=next_power_of_2(taps - 1 + tokens), BLOCK_C=cfg["BLOCK_C"],
+            num_warps=cfg["num_warps"],
+        )  # fmt: skip
+    return out
+
+
+class CausalConv1dVerifyPlan:
+    """The conv of one MTP verify step, checked once from shapes before any layer runs; :meth:`run` checks only the
+    planned shapes, dtypes and strides of each layer's tensors.
+
+    Args: ``x_shape`` ``[batch, T, channels]`` and ``dtype`` of x (and the output), ``state_shape``
+    ``[slots, K - 1, channels]`` and ``state_dtype`` of every layer's conv state, ``weight_dtype``, ``src_idx`` /
+    ``dst_idx`` as :func:`causal_conv1d_verify`, ``run_config`` (``BLOCK_C``, ``num_warps``; default
+    ``conv1d_update.DEFAULT_CONFIG``).
+    """
+
+    def __init__(self, x_shape, dtype, state_shape, state_dtype, weight_dtype, src_idx, dst_idx, run_config=None):
+        x_shape, state_shape = torch.Size(x_shape), torch.Size(state_shape)
+        _check_plan(x_shape, dtype, state_shape, state_dtype, weight_dtype, src_idx, dst_idx, run_config)
+        channels, taps = x_shape[2], state_shape[1] + 1
+        self.src_idx, self.dst_idx, self.run_config = src_idx, dst_idx, run_config
+        self.inputs = PlannedInputs(
+            "causal conv1d verify",
+            x=(x_shape, dtype),
+            conv_state=(state_shape, state_dtype),
+            weight=(torch.Size((channels, taps)), weight_dtype),
+        )
+
+    def run(self, x, conv_state, weight, out=None) -> torch.Tensor:
+        self.inputs.check((x.shape, x.dtype), (conv_state.shape, conv_state.dtype), (weight.shape, weight.dtype))
+        for name, t in (("x", x), ("conv_state", conv_state)):
+            if t.stride(-1) != 1:
+                _fail(name, "a contiguous last dim", f"strides {t.stride()}")
+        if not weight.is_contiguous():
+            _fail("weight", "contiguous", f"strides {weight.stride()}")
+        if out is None:
+            out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        elif out.shape != x.shape or out.dtype != x.dtype or out.stride(-1) != 1:
+            _fail("out", f"a {tuple(x.shape)} {x.dtype} tensor with a contiguous last dim",
+                  f"{tuple(out.shape)} {out.dtype} strides {out.stride()}")  # fmt: skip
+        return _launch(x, conv_state, weight, self.src_idx, self.dst_idx, out, run_config=self.run_config)
+
+
+def causal_conv1d_verify(
+    x: torch.Tensor,
+    conv_state: torch.Tensor,
+    weight: torch.Tensor,
+    src_idx: torch.Tensor,
+    dst_idx: torch.Tensor,
+    out: Optional[torch.Tensor] = None,
+    run_config: Optional[dict] = None,
+) -> torch.Tensor:
+    """For each of the ``T = N + 1`` tokens in order, :func:`~lightllm.kernels.linear_attention.conv1d_update.
+    causal_conv1d_update` (same numerics): the window starts as slot ``src_idx[b]``; the window after token ``t``
+    (its last ``K - 1`` inputs, in the state's dtype) goes to slot ``dst_idx[b, t]``. Same numerics as
+    ``causal_conv1d_verify_ref``.
+
+    Args:
+        x: ``[batch, T, channels]`` float16/bfloat16/float32, last dim contiguous; ``T`` one of ``TOKENS``.
+        conv_state: ``[slots, K - 1, channels]`` float16/bfloat16/float32, last dim contiguous; ``K >= 2``.
+        weight: ``[channels, K]`` contiguous, any of those dtypes.
+        src_idx: contiguous int32 ``[batch]``: the slot each request starts from (read only).
+        dst_idx: int32 ``[batch, T]`` with a contiguous last dim, all different (not checked: that would
+            synchronize); ``src_idx[b]`` may be among ``dst_idx[b]``, never among another request's.
+        out: optional ``[batch, T, channels]`` of x's dtype.
+    Returns ``out`` (allocated when None). Every layer of a step: :class:`CausalConv1dVerifyPlan` checks once.
+    """
+    for name, t in (("x", x), ("weight", weight), ("src_idx", src_idx), ("dst_idx", dst_idx)):
+        if t.device != conv_state.device:
+            _fail(name, f"conv_state's device {conv_state.device}", t.device)
+    plan = CausalConv1dVerifyPlan(x.shape, x.dtype, conv_state.shape, conv_state.dtype, weight.dtype, src_idx,
+                                  dst_idx, run_config)  # fmt: skip
+    return plan.run(x, conv_state, weight, out=out)
+
+
+def _fail(name, expected, got):
+    raise ValueError(f"causal conv1d verify: {name} expected {expected}, got {got}")
+
+
+def _check_plan(x_shape, dtype, state_shape, state_dtype, weight_dtype, src_idx, dst_idx, run_config) -> None:
+    if len(x_shape) != 3 or dtype not in DTYPES:
+        _fail("x", f"a [batch, T, channels] tensor of {DTYPES}", f"{tuple(x_shape)} {dtype}")
+    batch, tokens, channels = x_shape
+    if tokens not in TOKENS:
+        _fail("x", f"T = N + 1 tokens per request in {TOKENS} (mtp_step 1-4)", tokens)
+    if len(state_shape) != 3 or state_shape[1] < 1 or state_shape[2] != channels:
+        _fail("conv_state", f"a [slots, K - 1 >= 1, {channels}] tensor", tuple(state_shape))
+    for name, t in (("conv_state", state_dtype), ("weight", weight_dtype)):
+        if t not in DTYPES:
+            _fail(name, f"one of {DTYPES}", t)
+    if src_idx.shape != (batch,) or src_idx.dtype != torch.int32 or (batch > 1 and src_idx.stride(0) != 1):
+        _fail("src_idx", f"a contiguous int32 [{batch}] tensor",
+              f"{tuple(src_idx.shape)} {src_idx.dtype} strides {src_idx.stride()}")  # fmt: skip
+    if dst_idx.shape != (batch, tokens) or dst_idx.dtype != torch.int32 or (batch and dst_idx.stride(1) != 1):
+        _fail("dst_idx", f"an int32 [{batch}, {tokens}] tensor with a contiguous last dim",
+              f"{tuple(dst_idx.shape)} {dst_idx.dtype} strides {dst_idx.stride()}")  # fmt: skip
+    if run_config is not None and not _runnable(run_config):
+        _fail("run_config", f"a dict with BLOCK_C a power of two >= 16 and num_warps in {_WARPS}", run_config)
+
+
+def _runnable(cfg) -> bool:
+    block = cfg.get("BLOCK_C") if isinstance(cfg, dict) else None
+    return isinstance(block, int) and block >= 16 and block & (block - 1) == 0 and cfg.get("num_warps") in _WARPS
