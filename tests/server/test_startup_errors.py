@@ -61,7 +61,8 @@ CASES = {
     "int4kv group 16": (["--llm_kv_type", "int4kv", "--llm_kv_quant_group_size", "16"], ["16", "head_dim / 2 = 8"]),
     "group 0, default KV": (["--llm_kv_quant_group_size", "0"], ["--llm_kv_quant_group_size", "got 0"]),
     "negative drain": (["--shutdown_drain_s", "-1"], ["--shutdown_drain_s", "-1"]),
-    "a LightLLM feature not here": (["--chunked_prefill_size", "8192"], ["--chunked_prefill_size", "not implemented"]),
+    "a LightLLM feature not here": (["--tool_call_parser", "qwen25"], ["--tool_call_parser", "not implemented"]),
+    "chunked_prefill_size 0": (["--chunked_prefill_size", "0"], ["--chunked_prefill_size", "positive integer, got 0"]),
 }
 
 
