@@ -122,7 +122,7 @@ class Engine:
             if len(sampled) < len(batch):
                 done = {id(r) for r in sampled}
                 logits = logits[[i for i, r in enumerate(batch) if id(r) in done]]
-        alive = self._postprocess(sampled, logits)
+        alive = self._postprocess(sampled, logits) if sampled else []
         self.scheduler.update(kind, alive)
         if self.observer is not None:  # _postprocess synchronized on the sampled tokens: t0..now covers the GPU work
             self.observer.on_step(kind, len(batch), time.perf_counter() - t0)
