@@ -52,7 +52,7 @@ def measure(engine: Engine, streams: int, prompt: int, warmup: int, baseline: in
     prefill_steps = 0
     while not first:
         engine.step()
-        prefill_steps += engine.scheduler._last == "prefill"
+        prefill_steps += engine.scheduler.last_step == "prefill"
     ends = {i: len(t) + 1 for i, t in times.items()}  # through each stream's first token after the long one's
     while any(len(t) < ends[i] for i, t in times.items()):
         engine.step()

@@ -35,7 +35,7 @@ class Scheduler:
         self.prefilling: List[Request] = []  # admitted, holding a slot, part of their context still to prefill
         self.chunked = not self.args.disable_chunked_prefill
         self.step_tokens = self.args.prefill_step_tokens
-        self._last = "idle"
+        self.last_step = "idle"  # the kind of the last step scheduled: a chunk is followed by a decode step
         if not self.chunked and self.args.batch_max_tokens < self.args.max_req_total_len:
             logger.info("batch_max_tokens %d < max_req_total_len %d: with --disable_chunked_prefill a longer prompt "
                         "is prefilled alone and whole, over the budget, in one step", self.args.batch_max_tokens,
@@ -64,17 +64,17 @@ class Scheduler:
     def schedule(self) -> Tuple[str, List[Request]]:
         """("prefill", the requests of this prefill step, each with a slot and its ``chunk_end``), ("decode", the
         running requests) or ("idle", []). The prefill batch joins ``running`` at ``update``, once sampled."""
-        if not (self.prefilling and self.running and self._last == "prefill"):  # else: decode between two chunks
+        if not (self.prefilling and self.running and self.last_step == "prefill"):  # else: decode between two chunks
             batch = self._prefill_batch()
             if batch:
-                self._last = "prefill"
+                self.last_step = "prefill"
                 return "prefill", batch
         while self.running and not self.runner.kv.can_allocate(len(self.running)):
             self._preempt(self.prefilling.pop() if self.prefilling else self.running.pop())
         if not self.running and self.prefilling:  # its next chunk does not fit and nothing else will free KV
             self._preempt(self.prefilling.pop())
             return self.schedule()
-        self._last = "decode" if self.running else "idle"
+        self.last_step = "decode" if self.running else "idle"
         return ("decode", list(self.running)) if self.running else ("idle", [])
 
     def prefilled(self, batch: List[Request]) -> List[Request]:
@@ -113,10 +113,12 @@ class Scheduler:
         batch, budget, kv = [], self.step_tokens, self.runner.kv
         # KV already promised: the running requests' next tokens, the rest of each partly prefilled context
         planned = len(self.running) + sum(len(r.context) - r.prefilled + 1 for r in self.prefilling)
+        chunks = 0
         for req in self.prefilling:  # oldest first; their KV was free at admission, decodes may have taken it
             n = min(len(req.context) - req.prefilled, budget)
-            if n <= 0 or not kv.can_allocate(len(self.running) + n):
+            if n <= 0 or not kv.can_allocate(len(self.running) + chunks + n):
                 break
+            chunks += n
             req.chunk_end = req.prefilled + n
             budget -= n
             batch.append(req)

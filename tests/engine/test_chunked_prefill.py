@@ -52,7 +52,7 @@ def run_all(engine, prompts, max_new=8, trace=None):
             trace.append([None, []])
         assert engine.step()
         if trace is not None:
-            trace[-1][0] = engine.scheduler._last
+            trace[-1][0] = engine.scheduler.last_step
     return outs
 
 
@@ -111,7 +111,7 @@ def test_running_requests_decode_between_the_chunks_of_a_long_prompt(model_dir):
     while not long_tokens:
         before = [len(o) for o in outs.values()]
         assert engine.step()
-        kind = engine.scheduler._last
+        kind = engine.scheduler.last_step
         events.append(kind)
         if kind == "prefill":
             chunks += 1
