@@ -73,9 +73,12 @@ def test_a_chunk_continues_the_request(model_dir):
 @pytest.mark.parametrize("chunk", [1, 7, 16, 64])
 def test_greedy_output_is_the_same_chunked_or_not(model_dir, chunk):
     want = run_all(Engine(runner(model_dir), eos_ids=[]), PROMPTS)
-    trace = []
-    got = run_all(Engine(runner(model_dir, chunk), eos_ids=[]), PROMPTS, trace=trace)
+    trace, r = [], runner(model_dir, chunk)
+    step_tokens, real = [], r.prefill
+    r.prefill = lambda slots, prompts: (step_tokens.append(sum(map(len, prompts))), real(slots, prompts))[1]
+    got = run_all(Engine(r, eos_ids=[]), PROMPTS, trace=trace)
     assert got == want
+    assert max(step_tokens) <= chunk and sum(step_tokens) == sum(map(len, PROMPTS))
     if chunk < len(PROMPTS[0]):  # the long prompt really was prefilled in pieces
         assert sum(kind == "prefill" for kind, _ in trace) >= -(-sum(map(len, PROMPTS)) // chunk)
 
@@ -119,3 +122,17 @@ def test_running_requests_decode_between_the_chunks_of_a_long_prompt(model_dir):
         else:
             assert [len(o) for o in outs.values()] == [n + 1 for n in before], "a running request missed a step"
     assert chunks == 9 and events == ["prefill", "decode"] * 8 + ["prefill"]
+
+
+def test_abort_during_a_chunked_prefill_frees_its_kv(model_dir):
+    r = runner(model_dir, chunk=4)
+    engine = Engine(r, eos_ids=[])
+    events = []
+    engine.submit(Request("long", PROMPTS[0], SamplingParams(max_new_tokens=4, ignore_eos=True), events.append))
+    engine.step()
+    engine.step()
+    assert r.kv.num_free_tokens == 511 - 8 and engine.scheduler.prefilling  # two chunks in, more to come
+    engine.abort("long")
+    assert not engine.step()  # nothing left to run
+    assert [e.kind for e in events] == ["finish"] and events[0].finish_reason == "abort"
+    assert r.kv.num_free_tokens == 511 and not engine.scheduler.prefilling and not engine.has_unfinished()
