@@ -27,6 +27,8 @@ class EngineArgs:
     running_max_req_size: int = 64
     max_req_total_len: Optional[int] = None  # None: DEFAULT_MAX_REQ_TOTAL_LEN, capped at the model's context
     batch_max_tokens: int = 4096
+    chunked_prefill_size: int = 4096  # LightLLM's default; a longer prompt is prefilled in pieces of at most this
+    disable_chunked_prefill: bool = False
     graph_max_batch_size: int = 64
     graph_split_batch_size: int = 16
     graph_grow_step_size: int = 16
@@ -45,14 +47,16 @@ class EngineArgs:
         """Validate every option (``ValueError`` naming the flag) and derive what depends on others."""
         if self.data_type not in DATA_TYPE_CHOICES:
             raise ValueError(f"--data_type expected one of {DATA_TYPE_CHOICES}, got {self.data_type!r}")
-        for name in ("running_max_req_size", "max_req_total_len", "batch_max_tokens", "graph_max_batch_size",
+        for name in ("running_max_req_size", "max_req_total_len", "batch_max_tokens", "chunked_prefill_size",
+                     "graph_max_batch_size",
                      "graph_split_batch_size", "graph_grow_step_size", "graph_max_len_in_batch",
                      "llm_kv_quant_group_size"):  # fmt: skip
             value = getattr(self, name)
             if (name == "max_req_total_len" and value is None) or (name == "graph_max_len_in_batch" and value == 0):
                 continue  # resolved against the model's context by fit_to_model
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"--{name} expected a positive integer, got {value!r}")
+                off = " (--disable_chunked_prefill turns chunking off)" if name == "chunked_prefill_size" else ""
+                raise ValueError(f"--{name} expected a positive integer, got {value!r}{off}")
         if self.llm_kv_type not in KV_TYPES:
             raise ValueError(f"--llm_kv_type expected one of {KV_TYPES}, got {self.llm_kv_type!r}")
         if self.llm_decode_att_backend not in DECODE_BACKEND_CHOICES:
@@ -119,6 +123,14 @@ class EngineArgs:
                 raise ValueError(f"--llm_kv_quant_group_size {group} expected a divisor of the model's {what} "
                                  f"(--llm_kv_type {self.llm_kv_type})")  # fmt: skip
         return self
+
+    @property
+    def prefill_step_tokens(self) -> int:
+        """Most prompt tokens one prefill step carries: ``batch_max_tokens``, and with chunked prefill also at most
+        ``chunked_prefill_size`` (a longer prompt is split). Without chunking a longer prompt still runs, alone."""
+        if self.disable_chunked_prefill:
+            return self.batch_max_tokens
+        return min(self.batch_max_tokens, self.chunked_prefill_size)
 
     @property
     def torch_dtype(self) -> torch.dtype:

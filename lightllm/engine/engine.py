@@ -2,6 +2,9 @@
 emits each request's events. No threads here: ``LLM`` calls ``step()`` in the caller's thread, the server from
 its engine-loop thread. ``submit``, ``abort`` and ``abort_all`` may be called from any thread.
 
+A prefill step may carry only a chunk of a long prompt (chunked prefill): the request's first token is sampled after
+its last chunk; until then it holds its KV slot and emits nothing.
+
 Every submitted request gets exactly one "finish" event. A failure that belongs to one request (its sampling)
 ends only that request with "error"; its neighbours in the step go on. A failed model forward ends the requests
 of that step with "error" (a prefill's new batch, or the decoding batch) and nothing else: requests still
@@ -88,20 +91,23 @@ class Engine:
         aborts = self._take_aborts()  # before the inbox: a request's submit is always seen with its abort
         self._take_new()
         if self._closing.is_set():  # shutdown: every request left, running or still waiting, hears why
-            for req in self.scheduler.running + list(self.scheduler.waiting):
+            for req in self.scheduler.requests():
                 aborts.setdefault(req.id, "abort")
         for req, reason in self.scheduler.remove(aborts):
             self._finish(req, reason)
         if self.observer is not None:
             sched = self.scheduler
-            self.observer.on_queues(len(sched.waiting), len(sched.running), self.runner.kv.usage())
+            self.observer.on_queues(
+                len(sched.waiting), len(sched.running) + len(sched.prefilling), self.runner.kv.usage()
+            )
         kind, batch = self.scheduler.schedule()
         if kind == "idle":
             return False
         t0 = time.perf_counter()
         try:
             if kind == "prefill":
-                logits = self.runner.prefill([r.slot for r in batch], [r.context for r in batch])
+                chunks = [r.context[r.prefilled : r.chunk_end] for r in batch]
+                logits = self.runner.prefill([r.slot for r in batch], chunks)
             else:
                 logits = self.runner.decode([r.slot for r in batch], [r.output_ids[-1] for r in batch])
         except Exception:  # e.g. out of memory on one long prompt: only the requests of this forward fail
@@ -110,14 +116,20 @@ class Engine:
                 self._finish(req, "error")
             self.scheduler.update(kind, [])
             return True
-        alive = self._postprocess(batch, logits)
+        sampled = batch
+        if kind == "prefill":  # only the requests whose whole prompt is in now draw their first token
+            sampled = self.scheduler.prefilled(batch)
+            if len(sampled) < len(batch):
+                done = {id(r) for r in sampled}
+                logits = logits[[i for i, r in enumerate(batch) if id(r) in done]]
+        alive = self._postprocess(sampled, logits) if sampled else []
         self.scheduler.update(kind, alive)
         if self.observer is not None:  # _postprocess synchronized on the sampled tokens: t0..now covers the GPU work
             self.observer.on_step(kind, len(batch), time.perf_counter() - t0)
         return True
 
     def has_unfinished(self) -> bool:
-        return bool(self.scheduler.running or self.scheduler.waiting or not self._inbox.empty())
+        return bool(self.scheduler.requests() or not self._inbox.empty())
 
     def fail_all(self) -> None:
         """After a failed step: every request it holds ends with "error"."""

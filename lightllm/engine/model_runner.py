@@ -4,7 +4,8 @@ Start-up, top to bottom (``ModelRunner.__init__``):
 1. read the model config and fit the options to it (context length, KV group size), load weights, size
    the KV pool: on a GPU from the peak of a profiling prefill and decode over a scratch pool (no tuning
    there), on the CPU from the available RAM (``common/kv_cache/sizing.py``);
-2. GENERAL warmup: dummy prefills at a spread of lengths up to ``batch_max_tokens``;
+2. GENERAL warmup: dummy prefills at a spread of lengths up to the prefill step's tokens (with chunked prefill,
+   each also as a second chunk);
 3. decode graphs, largest batch first: per size one eager decode forward in the DECODE_ATTENTION scope
    (decode-attention kernels tune there), then the capture;
 4. with tensor parallelism, a check that every rank holds the same configs (one log line);
@@ -157,7 +158,8 @@ class ModelRunner:
                     else "token pool")  # fmt: skip
 
     def _profile_memory(self, memory_api, graph_sizes: Sequence[int]) -> GpuProfile:
-        """The worst forwards the server runs (a prefill of ``max(batch_max_tokens, max_req_total_len)`` tokens, a
+        """The worst forwards the server runs (a prefill of ``prefill_step_tokens`` tokens with chunked prefill, else
+        of ``max(batch_max_tokens, max_req_total_len)``, a
         ``running_max_req_size`` decode at ``max_req_total_len``) over a scratch pool whose token indices wrap,
         outside any autotune scope so no kernel searches on dummy data; their peak allocation above the state before
         them. The decode graphs are estimated to keep the decode peak plus the float32 logits each smaller graph
@@ -168,8 +170,9 @@ class ModelRunner:
         self.model.set_attention(AttentionBackend(scratch, a.llm_decode_att_backend, dev))
         max_reqs, max_len = a.running_max_req_size + 1, a.max_req_total_len
         table = (torch.arange(max_len, device=dev) % PROFILE_POOL_TOKENS).to(torch.int32).repeat(max_reqs, 1)
-        # a prompt longer than batch_max_tokens still prefills, alone (as does a preempted request's re-prefill)
-        sizes = _prefill_sizes(max(a.batch_max_tokens, max_len), max_len, a.running_max_req_size)
+        # without chunking a prompt longer than batch_max_tokens still prefills, alone (as does a re-prefill)
+        most = a.prefill_step_tokens if not a.disable_chunked_prefill else max(a.batch_max_tokens, max_len)
+        sizes = _prefill_sizes(most, max_len, a.running_max_req_size)
         i32 = dict(dtype=torch.int32, device=dev)
         prefill = InferState(
             is_prefill=True,
@@ -209,22 +212,29 @@ class ModelRunner:
     # ---- steps ---------------------------------------------------------------------------------------------
 
     def prefill(self, slots: Sequence[int], prompts: Sequence[Sequence[int]]) -> torch.Tensor:
-        """Allocate KV for each prompt and run them as one packed prefill; float32 logits of last tokens."""
+        """Append each request's new tokens to its KV and run them as one packed prefill; float32 logits of each
+        request's last new token. A slot that already holds tokens (the earlier chunks of a chunked prefill) is
+        continued: its new tokens sit after them and attend to them (and Qwen3.5's state slot carries on)."""
         lens = [len(p) for p in prompts]
+        prefix = [self.kv.seq_len(s) for s in slots]
         token_idx = torch.cat([self.kv.extend(s, n) for s, n in zip(slots, lens)])
         starts = [0, *itertools.accumulate(lens[:-1])]
+        seq_lens = [p + n for p, n in zip(prefix, lens)]
         dev = self.device
+        i32 = dict(dtype=torch.int32, device=dev)
         state = InferState(
             is_prefill=True,
-            b_req_idx=torch.tensor(slots, dtype=torch.int32, device=dev),
+            b_req_idx=torch.tensor(slots, **i32),
             req_to_token=self.kv.table,
-            b_seq_len=torch.tensor(lens, dtype=torch.int32, device=dev),
+            b_seq_len=torch.tensor(seq_lens, **i32),
             out_token_idx=token_idx.to(dev),
-            positions=torch.cat([torch.arange(n) for n in lens]).to(dev),
-            max_len_in_batch=max(lens),
-            b_q_start=torch.tensor(starts, dtype=torch.int32, device=dev),
-            b_q_len=torch.tensor(lens, dtype=torch.int32, device=dev),
+            positions=torch.cat([torch.arange(p, p + n) for p, n in zip(prefix, lens)]).to(dev),
+            max_len_in_batch=max(seq_lens),
+            b_q_start=torch.tensor(starts, **i32),
+            b_q_len=torch.tensor(lens, **i32),
             max_q_len=max(lens),
+            b_prefix_len=torch.tensor(prefix, **i32),
+            max_prefix_len=max(prefix),
         )
         input_ids = torch.tensor([t for p in prompts for t in p], dtype=torch.int64, device=dev)
         return self.model.forward(input_ids, state)
@@ -263,10 +273,13 @@ class ModelRunner:
     # ---- warmup and graphs ---------------------------------------------------------------------------------
 
     def _warmup_prefill(self) -> None:
-        """Dummy prefills at 16, 32, ... up to ``batch_max_tokens`` tokens (several requests when one request
-        can't hold them), so GENERAL kernels tune and compile before the first live request."""
+        """Dummy prefills at 16, 32, ... up to the most tokens a prefill step carries (several requests when one
+        request can't hold them), so GENERAL kernels tune and compile before the first live request. With chunked
+        prefill each size also runs as a second chunk, after a first one of the same size (the prefix kernels)."""
         a = self.args
-        most = min(a.batch_max_tokens, self.kv.num_free_tokens)
+        # the second chunks only where kernels compile and tune: on the CPU the references run either way
+        chunked = self.device.type == "cuda" and not a.disable_chunked_prefill and a.max_req_total_len > 1
+        most = min(a.prefill_step_tokens, self.kv.num_free_tokens // (2 if chunked else 1))
         total, lengths = 16, []
         while total < most:
             lengths.append(total)
@@ -274,11 +287,12 @@ class ModelRunner:
         lengths.append(most)
         gen = torch.Generator().manual_seed(0)
         for total in lengths:
-            sizes = _prefill_sizes(total, a.max_req_total_len, a.running_max_req_size)
+            sizes = _prefill_sizes(total, a.max_req_total_len // (2 if chunked else 1), a.running_max_req_size)
             slots = [self.kv.add_request() for _ in sizes]
             try:
-                prompts = [torch.randint(0, self.config.vocab_size, (n,), generator=gen).tolist() for n in sizes]
-                self.prefill(slots, prompts)
+                for _ in range(2 if chunked else 1):
+                    prompts = [torch.randint(0, self.config.vocab_size, (n,), generator=gen).tolist() for n in sizes]
+                    self.prefill(slots, prompts)
             finally:
                 for s in slots:
                     self.kv.free_request(s)

@@ -28,6 +28,8 @@ class Request:
     emit: Callable[[Event], None]
     output_ids: List[int] = field(default_factory=list)
     slot: int = -1  # its KV slot while it holds one
+    prefilled: int = 0  # tokens of its context in the KV cache (chunked prefill: the chunks done so far)
+    chunk_end: int = 0  # how far the prefill step it is scheduled in goes
     generator: Optional[torch.Generator] = None  # from params.seed, made by the engine on submit
     sampling_row: int = -1  # its row of the logits processor's tables while it holds one
     arrival: float = field(default_factory=time.perf_counter)

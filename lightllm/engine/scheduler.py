@@ -1,11 +1,18 @@
-"""The scheduling policy: who is prefilled, who decodes, who is preempted, who is finished. It only decides;
-the KV cache is asked through its verbs (``can_allocate``, ``has_free_slot``) and changed only through the
-runner's ``add_request`` and ``free`` (broadcast under tensor parallelism).
+"""The scheduling policy: who is prefilled (and how much of their prompt), who decodes, who is preempted, who is
+finished. It only decides; the KV cache is asked through its verbs (``can_allocate``, ``has_free_slot``) and
+changed only through the runner's ``add_request`` and ``free`` (broadcast under tensor parallelism).
 
-Prefill first: waiting requests are admitted, oldest first, while request slots, the prefill token budget and
-free KV allow. Otherwise every running request decodes; when the KV cache can't hold the next token of each,
-the newest is preempted: its KV is freed and it waits, first in line, to be re-prefilled with what it has
-generated so far.
+Prefill first: a prefill step carries at most ``prefill_step_tokens`` prompt tokens: first the next chunk of the
+requests being prefilled, then waiting requests, admitted oldest first while request slots and free KV allow (KV
+for a request's whole remaining context must be free when it is admitted; it is allocated chunk by chunk).
+With chunked prefill (the default) the last request of a step gets what is left of the budget and the rest of its
+context waits for the next prefill step; in between, the running requests decode one step, so a long prompt never
+stalls them for more than one chunk. Its first token is sampled after its last chunk. Without chunking a prompt
+longer than the budget is prefilled whole, alone, over the budget.
+
+Otherwise every running request decodes; when the KV cache can't hold the next token of each, the newest request
+is preempted (a partly prefilled one first): its KV is freed and it waits, first in line, to be re-prefilled from
+the start with what it has generated so far.
 """
 
 import logging
@@ -25,38 +32,63 @@ class Scheduler:
         self.eos = set(eos_token_ids)
         self.waiting: Deque[Request] = deque()
         self.running: List[Request] = []
-        if self.args.batch_max_tokens < self.args.max_req_total_len:
-            logger.info("batch_max_tokens %d < max_req_total_len %d: a longer prompt is prefilled alone and whole, "
-                        "over the budget, in one step (there is no chunked prefill yet)", self.args.batch_max_tokens,
+        self.prefilling: List[Request] = []  # admitted, holding a slot, part of their context still to prefill
+        self.chunked = not self.args.disable_chunked_prefill
+        self.step_tokens = self.args.prefill_step_tokens
+        self.last_step = "idle"  # the kind of the last step scheduled: a chunk is followed by a decode step
+        if not self.chunked and self.args.batch_max_tokens < self.args.max_req_total_len:
+            logger.info("batch_max_tokens %d < max_req_total_len %d: with --disable_chunked_prefill a longer prompt "
+                        "is prefilled alone and whole, over the budget, in one step", self.args.batch_max_tokens,
                         self.args.max_req_total_len)  # fmt: skip
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
 
+    def requests(self) -> List[Request]:
+        """Every request it holds: running, being prefilled, waiting."""
+        return self.running + self.prefilling + list(self.waiting)
+
     def remove(self, reasons: Dict[str, str]) -> List[Tuple[Request, str]]:
         """Take the requests named in ``reasons`` out, running ones first: (request, reason) for each found."""
-        gone = [r for r in self.running if r.id in reasons] + [r for r in self.waiting if r.id in reasons]
+        gone = [r for r in self.requests() if r.id in reasons]
         self.running = [r for r in self.running if r.id not in reasons]
+        self.prefilling = [r for r in self.prefilling if r.id not in reasons]
         self.waiting = deque(r for r in self.waiting if r.id not in reasons)
         return [(r, reasons[r.id]) for r in gone]
 
     def remove_all(self) -> List[Request]:
-        gone = self.running + list(self.waiting)
-        self.running, self.waiting = [], deque()
+        gone = self.requests()
+        self.running, self.prefilling, self.waiting = [], [], deque()
         return gone
 
     def schedule(self) -> Tuple[str, List[Request]]:
-        """("prefill", newly admitted requests, each given a slot), ("decode", the running requests) or
-        ("idle", []). The prefill batch is in neither list until ``update``."""
-        batch = self._admit()
-        if batch:
-            return "prefill", batch
+        """("prefill", the requests of this prefill step, each with a slot and its ``chunk_end``), ("decode", the
+        running requests) or ("idle", []). The prefill batch joins ``running`` at ``update``, once sampled."""
+        if not (self.prefilling and self.running and self.last_step == "prefill"):  # else: decode between two chunks
+            batch = self._prefill_batch()
+            if batch:
+                self.last_step = "prefill"
+                return "prefill", batch
         while self.running and not self.runner.kv.can_allocate(len(self.running)):
-            self._preempt(self.running.pop())
+            self._preempt(self.prefilling.pop() if self.prefilling else self.running.pop())
+        if not self.running and self.prefilling:  # its next chunk does not fit and nothing else will free KV
+            self._preempt(self.prefilling.pop())
+            return self.schedule()
+        self.last_step = "decode" if self.running else "idle"
         return ("decode", list(self.running)) if self.running else ("idle", [])
 
+    def prefilled(self, batch: List[Request]) -> List[Request]:
+        """After a prefill step ran: each request's prefill has reached its ``chunk_end``; the requests whose whole
+        context is now in (to be sampled) are returned, the rest stay being prefilled."""
+        for req in batch:
+            req.prefilled = req.chunk_end
+        partial = {id(r) for r in self.prefilling}
+        self.prefilling += [r for r in batch if id(r) not in partial]
+        self.prefilling = [r for r in self.prefilling if r.prefilled < len(r.context)]
+        return [r for r in batch if r.prefilled == len(r.context)]
+
     def update(self, kind: str, alive: List[Request]) -> None:
-        """After a step of ``kind``: ``alive`` are its requests that go on."""
+        """After a step of ``kind``: ``alive`` are its sampled requests that go on."""
         self.running = self.running + alive if kind == "prefill" else alive
 
     def finish_reason(self, req: Request, token_id: int) -> Optional[str]:
@@ -70,24 +102,40 @@ class Scheduler:
         return None
 
     def release(self, req: Request) -> None:
-        """Free ``req``'s KV slot, if it holds one."""
+        """Free ``req``'s KV slot, if it holds one (its prefill starts over if it is admitted again)."""
+        self.prefilling = [r for r in self.prefilling if r is not req]
+        req.prefilled = req.chunk_end = 0
         if req.slot >= 0:
             slot, req.slot = req.slot, -1
             self.runner.free(slot)
 
-    def _admit(self) -> List[Request]:
-        batch, budget = [], self.args.batch_max_tokens
-        planned = len(self.running)  # one token per running request for its next step
-        kv = self.runner.kv
-        while self.waiting and len(self.running) + len(batch) < self.args.running_max_req_size:
+    def _prefill_batch(self) -> List[Request]:
+        batch, budget, kv = [], self.step_tokens, self.runner.kv
+        # KV already promised: the running requests' next tokens, the rest of each partly prefilled context
+        planned = len(self.running) + sum(len(r.context) - r.prefilled + 1 for r in self.prefilling)
+        chunks = 0
+        for req in self.prefilling:  # oldest first; their KV was free at admission, decodes may have taken it
+            n = min(len(req.context) - req.prefilled, budget)
+            if n <= 0 or not kv.can_allocate(len(self.running) + chunks + n):
+                break
+            chunks += n
+            req.chunk_end = req.prefilled + n
+            budget -= n
+            batch.append(req)
+        holding = len(self.running) + len(self.prefilling)  # request slots in use
+        while self.waiting and budget > 0 and holding < self.args.running_max_req_size:
             need = len(self.waiting[0].context)
-            if (batch and need > budget) or not kv.can_allocate(planned + need + 1) or not kv.has_free_slot():
+            if (not self.chunked and batch and need > budget) or not kv.can_allocate(planned + need + 1):
+                break
+            if not kv.has_free_slot():
                 break
             req = self.waiting.popleft()
             req.slot = self.runner.add_request()
-            budget -= need
+            req.prefilled, req.chunk_end = 0, need if not self.chunked else min(need, budget)
+            budget -= req.chunk_end
             planned += need + 1
             batch.append(req)
+            holding += 1
         return batch
 
     def _preempt(self, req: Request) -> None:

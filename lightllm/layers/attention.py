@@ -15,7 +15,11 @@ from lightllm.layers.infer_state import InferState
 from lightllm.kernels import kv_cache_write as kvw
 from lightllm.kernels.attention.decode.flash_decode import GQADecodePlan
 from lightllm.kernels.attention.decode.reference import decode_attention_ref
-from lightllm.kernels.attention.prefill.context_attention import ContextAttentionPlan, context_attention_ref
+from lightllm.kernels.attention.prefill.context_attention import (
+    CachedPrefix,
+    ContextAttentionPlan,
+    context_attention_ref,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -101,8 +105,14 @@ class AttentionBackend:
         plan = None
         if self.on_gpu:
             tokens, p = state.out_token_idx.shape[0], self.pool
-            plan = ContextAttentionPlan((tokens, q_heads, p.head_dim), (tokens, p.kv_heads, p.head_dim), q_dtype,
-                                        state.b_q_start, state.b_q_len, state.max_q_len)  # fmt: skip
+            shapes = ((tokens, q_heads, p.head_dim), (tokens, p.kv_heads, p.head_dim), q_dtype, state.b_q_start,
+                      state.b_q_len, state.max_q_len)  # fmt: skip
+            if not state.max_prefix_len:
+                plan = ContextAttentionPlan(*shapes)
+            elif self.quant == "none":
+                plan = ContextAttentionPlan(*shapes, prefix=_prefix_of(state))
+            else:
+                plan = _QuantPrefixPlan(state, p.num_tokens, shapes)
         state.attn_plan = plan
         return plan
 
@@ -147,10 +157,21 @@ class AttentionBackend:
     # ---- attention: every layer runs the forward's plan ---------------------------------------------------
 
     def prefill(self, layer: int, q, k, v, state: InferState) -> torch.Tensor:
-        """Causal attention of each request's packed new tokens over themselves (no cached prefix)."""
-        if self.on_gpu:
-            return self._plan_of(state, "prefill").run(q, k, v)
-        return context_attention_ref(q, k, v, state.b_q_start, state.b_q_len).to(q.dtype)
+        """Causal attention of each request's packed new tokens over its cached prefix (chunked prefill, read from
+        the pool; a quantized pool's prefix dequantized) and over themselves. The new tokens' own K/V are used
+        as computed, unquantized."""
+        if not state.max_prefix_len:
+            if self.on_gpu:
+                return self._plan_of(state, "prefill").run(q, k, v)
+            return context_attention_ref(q, k, v, state.b_q_start, state.b_q_len).to(q.dtype)
+        if not self.on_gpu:
+            k_cache, v_cache = self._dequantized(layer, q.dtype)
+            return context_attention_ref(q, k, v, state.b_q_start, state.b_q_len, prefix=_prefix_of(state),
+                                         k_cache=k_cache, v_cache=v_cache).to(q.dtype)  # fmt: skip
+        plan, p = self._plan_of(state, "prefill"), self.pool
+        if self.quant == "none":
+            return plan.run(q, k, v, k_cache=p.k[layer], v_cache=p.v[layer])
+        return plan.run(q, k, v, p, layer)
 
     def decode(self, layer: int, q: torch.Tensor, state: InferState) -> torch.Tensor:
         """``q [batch * q_len, q_heads, D]`` against each request's cached KV (new tokens already written)."""
@@ -166,6 +187,32 @@ class AttentionBackend:
         if self.quant == "none":
             return plan.run(q, p.k[layer], p.v[layer])
         return plan.run(q, p.k[layer], p.v[layer], p.k_scale[layer], p.v_scale[layer])
+
+
+def _prefix_of(state: InferState) -> CachedPrefix:
+    return CachedPrefix(state.req_to_token, state.b_req_idx, state.b_prefix_len)
+
+
+class _QuantPrefixPlan:
+    """Prefill over a quantized pool's prefix on the GPU: per layer, each request's cached tokens (``batch x
+    max_prefix_len``, found once per forward) are gathered and dequantized into a scratch buffer, which the
+    prefix kernel reads through a table of its own (row ``i`` = request ``i``)."""
+
+    def __init__(self, state: InferState, pool_tokens: int, shapes: tuple):
+        batch, width, dev = state.batch_size, state.max_prefix_len, state.b_req_idx.device
+        rows = state.req_to_token[state.b_req_idx.long(), :width]
+        inside = torch.arange(width, device=dev) < state.b_prefix_len[:, None]
+        self.token_idx = torch.where(inside, rows, 0).long().flatten().clamp_(0, pool_tokens - 1)
+        table = torch.arange(batch * width, dtype=torch.int32, device=dev).view(batch, width)
+        own_rows = torch.arange(batch, dtype=torch.int32, device=dev)
+        self.attn = ContextAttentionPlan(*shapes, prefix=CachedPrefix(table, own_rows, state.b_prefix_len))
+
+    def run(self, q, k, v, pool, layer: int) -> torch.Tensor:
+        deq = dequantize_int8_ref if isinstance(pool, Int8KVPool) else dequantize_int4_ref
+        idx, group = self.token_idx, pool.group_size
+        k_cache = deq(pool.k[layer][idx], pool.k_scale[layer][idx], group).to(q.dtype)
+        v_cache = deq(pool.v[layer][idx], pool.v_scale[layer][idx], group).to(q.dtype)
+        return self.attn.run(q, k, v, k_cache=k_cache, v_cache=v_cache)
 
 
 def make_pool(kv_type: str, num_tokens: int, num_layers: int, kv_heads: int, head_dim: int, dtype, device,

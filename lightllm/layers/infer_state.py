@@ -12,7 +12,10 @@ class InferState:
 
     Prefill packs each request's new tokens one after another (``b_q_start``/``b_q_len``); decode has
     ``q_len`` new tokens per request (1, or more for MTP verify). ``b_seq_len`` counts every KV token of
-    the request after this step. ``max_len_in_batch`` is the real longest request;
+    the request after this step. A chunked prefill continues requests whose first ``b_prefix_len`` tokens are
+    already in the KV pool (and, for linear attention, in the request's state slot): ``b_seq_len`` = prefix + new;
+    ``max_prefix_len`` (a host int) is 0 when no request of the batch has a prefix, so layers pick the plain
+    path without reading a device tensor. ``max_len_in_batch`` is the real longest request;
     ``graph_max_len`` is set while running a captured decode graph (or capturing one) and sizes kernel
     launches instead, so a graph replays at any real length up to it. Kernels key their configs by the
     launch length (``launch_max_len``): the real one eagerly, the graph's inside a graph.
@@ -30,6 +33,8 @@ class InferState:
     b_q_start: Optional[torch.Tensor] = None  # int32 [batch], prefill only
     b_q_len: Optional[torch.Tensor] = None  # int32 [batch], prefill only
     max_q_len: int = 1
+    b_prefix_len: Optional[torch.Tensor] = None  # int32 [batch], prefill only: tokens cached before this chunk
+    max_prefix_len: int = 0
     q_len: int = 1  # decode: new tokens per request
     graph_max_len: Optional[int] = None
     attn_plan: Optional[Any] = field(default=None, repr=False)

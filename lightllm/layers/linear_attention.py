@@ -3,9 +3,11 @@ and decode over them.
 
 State (one slot per request row, the same index as ``b_req_idx``; layouts in
 ``kernels/linear_attention/reference.py``): conv state ``[layers, slots, K - 1, C]`` in the model dtype and the
-recurrent state ``[layers, slots, Hv, Dk, Dv]`` in ``--linear_att_ssm_data_type``. Prefill starts every request
-from zero state (there is no prefix reuse) and writes its final states into the slot; decode reads and updates
-the slot in place, so a captured decode graph indexes the state through the static ``b_req_idx`` buffer.
+recurrent state ``[layers, slots, Hv, Dk, Dv]`` in ``--linear_att_ssm_data_type``. A prefill starts a request
+from zero state, or, for a chunk that continues a request (``b_prefix_len > 0``: chunked prefill), from its slot's
+states (the conv window of its last ``K - 1`` inputs, the recurrent state as the initial state); either way it
+writes its final states into the slot. Decode reads and updates the slot in place, so a captured decode graph
+indexes the state through the static ``b_req_idx`` buffer.
 
 - CPU: the torch references.
 - GPU prefill: fla-core's chunked gated delta rule (packed varlen); the conv as K shifted multiply-adds over
@@ -70,6 +72,7 @@ class LinearAttentionPlan:
     cu_seqlens: Optional[torch.Tensor] = None  # int64 [batch + 1], prefill only
     cu_seqlens_cpu: Optional[torch.Tensor] = None
     offsets: Optional[torch.Tensor] = None  # int64 [tokens]: each token's index in its request (GPU prefill)
+    continues: Optional[torch.Tensor] = None  # bool [batch]: starts from its slot's states (None: all from zero)
 
 
 class LinearAttentionBackend:
@@ -89,13 +92,23 @@ class LinearAttentionBackend:
             tokens = int(cu_cpu[-1])
             starts = torch.repeat_interleave(cu[:-1], lens, output_size=tokens)  # output_size: no device sync
             offsets = torch.arange(tokens, device=cu.device) - starts
-        return LinearAttentionPlan(infer_state.b_req_idx, cu, cu_cpu, offsets)
+        continues = infer_state.b_prefix_len > 0 if infer_state.max_prefix_len else None
+        return LinearAttentionPlan(infer_state.b_req_idx, cu, cu_cpu, offsets, continues)
 
-    # ---- prefill: every request starts from zero state; the final states go to its slot --------------------
+    def _initial(self, pool: torch.Tensor, plan: LinearAttentionPlan) -> torch.Tensor:
+        """Each request's state from its slot of ``pool`` (one layer), zeros for a request that starts afresh
+        (its slot may hold a finished request's states)."""
+        states = pool[plan.state_idx.long()]
+        keep = plan.continues.view(-1, *([1] * (states.dim() - 1)))
+        return torch.where(keep, states, torch.zeros((), dtype=states.dtype, device=states.device))
+
+    # ---- prefill: from zero state, or a continued request's slot; the final states go to its slot ------------
 
     def conv_prefill(self, layer: int, x: torch.Tensor, weight: torch.Tensor, plan: LinearAttentionPlan):
         """Depthwise causal conv + SiLU of the packed ``x`` ``[T, C]`` (``weight`` ``[C, K]``)."""
-        if self.on_gpu:
+        if plan.continues is not None:
+            out, states = self._conv_continued(x, weight, self._initial(self.state.conv[layer], plan), plan)
+        elif self.on_gpu:
             out, states = causal_conv1d_packed(x, weight, plan.cu_seqlens, plan.offsets)
         else:
             out, states = causal_conv1d_prefill_ref(x, weight, plan.cu_seqlens_cpu)
@@ -106,12 +119,36 @@ class LinearAttentionBackend:
         """The gated delta rule over packed sequences: q/k ``[T, Hk, Dk]`` (not normalized), v ``[T, Hv, Dv]``,
         a/b ``[T, Hv]``. Returns ``[T, Hv, Dv]`` in v's dtype."""
         g, beta = gdn_gates_ref(a, b, A_log, dt_bias)
+        init = None if plan.continues is None else self._initial(self.state.ssm[layer], plan).float()
         if self.on_gpu:
-            out, finals = _fla_chunk(q, k, v, g, beta.to(v.dtype), plan)
+            out, finals = _fla_chunk(q, k, v, g, beta.to(v.dtype), plan, init)
         else:
-            out, finals = gated_delta_rule_varlen_ref(q, k, v, g, beta, plan.cu_seqlens_cpu)
+            out, finals = gated_delta_rule_varlen_ref(q, k, v, g, beta, plan.cu_seqlens_cpu, initial_states=init)
         self.state.ssm[layer][plan.state_idx.long()] = finals.to(self.state.ssm.dtype)
         return out.to(v.dtype)
+
+    def _conv_continued(self, x, weight, init, plan: LinearAttentionPlan):
+        """The conv of requests that carry ``init`` ``[N, K - 1, C]`` (their previous inputs): each request's inputs
+        are packed after its ``K - 1`` previous ones, convolved as one longer sequence (zeros before it: the same
+        as a fresh start), and the outputs of the previous inputs dropped. The final states come out as usual."""
+        n, km1 = init.shape[0], init.shape[1]
+        cu = plan.cu_seqlens
+        lens = cu[1:] - cu[:-1]
+        tokens = x.shape[0]
+        own = torch.repeat_interleave(torch.arange(n, device=x.device), lens, output_size=tokens)
+        at = torch.arange(tokens, device=x.device) + (own + 1) * km1  # token t of request r in the longer packing
+        prev = (cu[:-1] + torch.arange(n, device=x.device) * km1)[:, None] + torch.arange(km1, device=x.device)
+        ext = x.new_empty(tokens + n * km1, x.shape[1])
+        ext[at] = x
+        ext[prev.flatten()] = init.reshape(-1, x.shape[1]).to(x.dtype)
+        cu_ext = cu + torch.arange(n + 1, device=x.device) * km1
+        if self.on_gpu:
+            offsets = torch.arange(ext.shape[0], device=x.device) - torch.repeat_interleave(
+                cu_ext[:-1], lens + km1, output_size=ext.shape[0])  # fmt: skip
+            out, states = causal_conv1d_packed(ext, weight, cu_ext, offsets)
+        else:
+            out, states = causal_conv1d_prefill_ref(ext, weight, cu_ext.cpu())
+        return out[at], states
 
     # ---- decode: one token per request, its slot updated in place -----------------------------------------
 
@@ -130,14 +167,15 @@ class LinearAttentionBackend:
         return gated_delta_decode_ref(q, k, v, a, b, A_log, dt_bias, self.state.ssm[layer], plan.state_idx)
 
 
-def _fla_chunk(q, k, v, g, beta, plan: LinearAttentionPlan) -> Tuple[torch.Tensor, torch.Tensor]:
+def _fla_chunk(q, k, v, g, beta, plan: LinearAttentionPlan, initial_state=None) -> Tuple[torch.Tensor, torch.Tensor]:
     """fla-core's chunked gated delta rule over the packed batch (batch dim 1, ``cu_seqlens``), q/k L2-normalized
-    in the kernel, grouped value heads when Hv > Hk; every sequence from zero state. The plan's bounds are the
-    same tensors for every layer, so fla's per-tensor cache derives its chunk indices once per forward."""
+    in the kernel, grouped value heads when Hv > Hk; each sequence from ``initial_state`` ``[N, Hv, Dk, Dv]``
+    (float32; None: zeros). The plan's bounds are the same tensors for every layer, so fla's per-tensor cache
+    derives its chunk indices once per forward."""
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # lazy: GPU only
 
     q, k, v, g, beta = (t.contiguous().unsqueeze(0) for t in (q, k, v, g, beta))  # q/k/v: views of the conv out
-    out, finals = chunk_gated_delta_rule(q, k, v, g, beta, scale=q.shape[-1] ** -0.5, initial_state=None,
+    out, finals = chunk_gated_delta_rule(q, k, v, g, beta, scale=q.shape[-1] ** -0.5, initial_state=initial_state,
                                          output_final_state=True, use_qk_l2norm_in_kernel=True,
                                          cu_seqlens=plan.cu_seqlens, cu_seqlens_cpu=plan.cu_seqlens_cpu)  # fmt: skip
     return out[0], finals

@@ -27,6 +27,9 @@ _HELP = {
     "max_req_total_len": "most tokens of one request (prompt + output); default 16384, capped at the model's "
     "max_position_embeddings",
     "batch_max_tokens": "most prompt tokens in one prefill batch",
+    "chunked_prefill_size": "prefill a longer prompt in chunks of at most this many tokens, a decode step of the "
+    "running requests between chunks (LightLLM's default 4096)",
+    "disable_chunked_prefill": "prefill every prompt in one piece (a prompt over --batch_max_tokens runs alone)",
     "graph_max_batch_size": "largest decode CUDA graph (capped at running_max_req_size)",
     "graph_split_batch_size": "decode graphs for every batch size up to this",
     "graph_grow_step_size": "then one graph every this many",
@@ -80,8 +83,6 @@ class ServerArgs:
 
 # LightLLM flags for features this project does not have: giving one is a one-line error saying so.
 NOT_IMPLEMENTED = {
-    "chunked_prefill_size": "chunked prefill is not implemented yet (a prompt is prefilled in one piece, "
-    "up to --batch_max_tokens)",
     "tool_call_parser": "tool-call parsing is not implemented yet (tool calls stay in the text)",
     "reasoning_parser": "reasoning parsing is not implemented yet (reasoning stays in the text)",
 }

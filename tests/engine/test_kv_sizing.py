@@ -103,13 +103,16 @@ def _args(tmp_path, **kw):
     return EngineArgs(**opts)
 
 
-def test_profiled_prefill_is_the_longest_the_server_runs(tmp_path, forwards):
-    """A prompt longer than batch_max_tokens prefills alone, whole: the profile must cover it, not the budget."""
+@pytest.mark.parametrize("disable_chunked_prefill, longest", [(True, 64), (False, 16)], ids=["whole", "chunked"])
+def test_profiled_prefill_is_the_longest_the_server_runs(tmp_path, forwards, disable_chunked_prefill, longest):
+    """Without chunking a prompt longer than batch_max_tokens prefills alone, whole: the profile must cover it, not
+    the budget. With chunking no prefill step carries more than the budget."""
     mem = FakeDeviceMemory(forwards, total=16 * GIB, used=4 * GIB, torch_allocated=3 * GIB, prefill_peak=1 * GIB,
                            decode_peak=1 * GIB)  # fmt: skip
-    ModelRunner(_args(tmp_path, batch_max_tokens=16, max_req_total_len=64, mem_fraction=0.75),
+    ModelRunner(_args(tmp_path, batch_max_tokens=16, max_req_total_len=64, mem_fraction=0.75,
+                      disable_chunked_prefill=disable_chunked_prefill),
                 graph_api=FakeGraphAPI(forwards), memory_api=mem)  # fmt: skip
-    assert forwards[1] == ("prefill", 64, None, PROFILE_POOL_TOKENS)
+    assert forwards[1] == ("prefill", longest, None, PROFILE_POOL_TOKENS)
 
 
 def test_gpu_pool_is_sized_from_the_profiled_peak_before_warmup(tmp_path, forwards, caplog):
@@ -227,7 +230,7 @@ def test_gpu_high_mem_fraction_leaves_room_for_the_worst_forwards(tmp_path, capl
     runner.decode(slots, [1] * 64)  # eager, every request at 4096 tokens
     for s in slots:
         runner.free(s)
-    sizes = [4096, 4096]  # batch_max_tokens as two full requests
+    sizes = [2048, 2048]  # the largest prefill step: --chunked_prefill_size 4096 (below batch_max_tokens)
     runner.prefill([runner.add_request() for _ in sizes], [[1] * n for n in sizes])
     torch.cuda.synchronize()
     free, total = torch.cuda.mem_get_info()

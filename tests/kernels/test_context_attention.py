@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from lightllm.kernels.attention.prefill import context_attention, context_attention_ref
+from lightllm.kernels.attention.prefill import CachedPrefix, context_attention, context_attention_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -37,3 +37,81 @@ def test_bad_inputs():
                           torch.ones(1, dtype=torch.int32), 4)  # fmt: skip
     with pytest.raises(ValueError, match="int32"):
         context_attention(q, torch.randn(4, 2, 64), torch.randn(4, 2, 64), torch.zeros(1), torch.ones(1), 4)
+
+
+def _packed(lens, heads, kv_heads, head_dim, dtype, g):
+    starts = [0]
+    for n in lens[:-1]:
+        starts.append(starts[-1] + n)
+    total = sum(lens)
+    q = torch.randn(total, heads, head_dim, generator=g).to(dtype).to(DEVICE)
+    k = torch.randn(total, kv_heads, head_dim, generator=g).to(dtype).to(DEVICE)
+    v = torch.randn(total, kv_heads, head_dim, generator=g).to(dtype).to(DEVICE)
+    i32 = dict(dtype=torch.int32, device=DEVICE)
+    return q, k, v, torch.tensor(starts, **i32), torch.tensor(lens, **i32)
+
+
+def _cached_prefix(prefix_lens, pool_tokens, g):
+    """Each request's prefix at scattered, distinct pool slots, in rows of a table that is not in batch order."""
+    rows, width = len(prefix_lens) + 2, max(prefix_lens) + 5
+    table = torch.full((rows, width), -1, dtype=torch.int32)  # unused cells: an out-of-range read would fault
+    slots = torch.randperm(pool_tokens, generator=g)[: sum(prefix_lens)].to(torch.int32)
+    req_idx = torch.randperm(rows, generator=g)[: len(prefix_lens)].to(torch.int32)
+    used = 0
+    for r, p in zip(req_idx.tolist(), prefix_lens):
+        table[r, :p] = slots[used : used + p]
+        used += p
+    i32 = dict(dtype=torch.int32, device=DEVICE)
+    return CachedPrefix(table.to(DEVICE), req_idx.to(DEVICE), torch.tensor(prefix_lens, **i32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize(
+    "lens, prefix_lens",
+    [([5, 19], [0, 0]), ([16], [37]), ([1, 33, 7, 16], [3, 0, 50, 17])],
+    ids=["prefix0", "prefix_not_block_multiple", "several_requests"],
+)
+def test_prefix_matches_reference(dtype, lens, prefix_lens):
+    g = torch.Generator().manual_seed(sum(lens) + sum(prefix_lens))
+    q, k, v, b_start, b_len = _packed(lens, 8, 2, 64, dtype, g)
+    pool = 160
+    k_cache = torch.randn(pool, 2, 64, generator=g).to(dtype).to(DEVICE)
+    v_cache = torch.randn(pool, 2, 64, generator=g).to(dtype).to(DEVICE)
+    prefix = _cached_prefix(prefix_lens, pool, g)
+    out = torch.full_like(q, float("nan"))
+    cfg = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
+    context_attention(q, k, v, b_start, b_len, max(lens), out=out, run_config=cfg, prefix=prefix, k_cache=k_cache,
+                      v_cache=v_cache)  # fmt: skip
+    assert not out.isnan().any(), "unwritten output"
+    want = context_attention_ref(q, k, v, b_start, b_len, prefix=prefix, k_cache=k_cache, v_cache=v_cache)
+    tol = 1e-4 if dtype == torch.float32 else 3e-3
+    torch.testing.assert_close(out.double(), want, rtol=tol, atol=tol)
+
+
+def test_prefix_reference_is_attention_over_the_whole_sequence():
+    """The reference itself: a request split into a cached prefix and new tokens gives the rows of the unsplit
+    request's causal attention (an oracle independent of how the prefix path is written)."""
+    g = torch.Generator().manual_seed(7)
+    q, k, v, b_start, b_len = _packed([29], 4, 2, 64, torch.float64, g)
+    whole = context_attention_ref(q, k, v, b_start, b_len)
+    p = 11
+    table = torch.arange(29, dtype=torch.int32).unsqueeze(0)
+    prefix = CachedPrefix(table, torch.zeros(1, dtype=torch.int32), torch.tensor([p], dtype=torch.int32))
+    i32 = dict(dtype=torch.int32)
+    tail = context_attention_ref(q[p:], k[p:], v[p:], torch.tensor([0], **i32), torch.tensor([29 - p], **i32),
+                                 prefix=prefix, k_cache=k, v_cache=v)  # fmt: skip
+    torch.testing.assert_close(tail, whole[p:])
+
+
+def test_prefix_bad_inputs():
+    q = torch.randn(4, 4, 64)
+    kv = torch.randn(4, 2, 64)
+    start, length = torch.zeros(1, dtype=torch.int32), torch.full((1,), 4, dtype=torch.int32)
+    with pytest.raises(ValueError, match="b_prefix_len expected int32"):
+        CachedPrefix(torch.zeros(1, 8, dtype=torch.int32), torch.zeros(1, dtype=torch.int32), torch.zeros(1))
+    prefix = CachedPrefix(torch.zeros(1, 8, dtype=torch.int32), torch.zeros(1, dtype=torch.int32),
+                          torch.ones(1, dtype=torch.int32))  # fmt: skip
+    with pytest.raises(ValueError, match="expected k_cache and v_cache"):
+        context_attention(q, kv, kv, start, length, 4, prefix=prefix)
+    with pytest.raises(ValueError, match=r"k_cache expected \[pool tokens, 2, 64\]"):
+        context_attention(q, kv, kv, start, length, 4, prefix=prefix, k_cache=torch.randn(8, 4, 64), v_cache=kv)

@@ -141,3 +141,82 @@ def test_gpu_prefill_and_decode_match_the_references(dtype):
     assert torch.allclose(outs[1], outs[0], atol=tol, rtol=tol)
     assert torch.allclose(gpu.state.ssm.cpu(), ref.state.ssm, atol=tol, rtol=tol)
     assert torch.allclose(gpu.state.conv.float().cpu(), ref.state.conv, atol=tol, rtol=tol)
+
+
+def chunk_batch(lens, slots, prefix):
+    state = batch(lens, slots)
+    state.b_prefix_len = torch.tensor(prefix, dtype=torch.int32)
+    state.max_prefix_len = max(prefix)
+    return state
+
+
+PER_TOKEN = ("x", "q", "k", "v", "a", "b")
+
+
+def rows(t, idx):
+    return {n: (v[idx] if n in PER_TOKEN else v) for n, v in t.items()}
+
+
+@pytest.mark.parametrize("conv_path", ["reference", "gpu_packed"])
+def test_chunked_prefill_continues_each_slots_states(conv_path):
+    """A prefill chunk that continues a request (b_prefix_len > 0) starts from its slot's conv window and recurrent
+    state: two chunks give the outputs and final states of one whole prefill. Request B's first chunk is shorter
+    than the conv window; request C starts fresh in the second step from a slot holding a finished request's
+    states, which it must not read. The GPU path's conv (torch shifted adds) runs here too; its delta rule is
+    fla-core's (GPU test below)."""
+    whole_lens, slots = [9, 3, 6], [2, 0, 1]
+    t = inputs(sum(whole_lens), seed=4)
+    starts = [0, 9, 12]
+    ref = backend()
+    want_conv, want_out = run_prefill(ref, t, whole_lens, slots)
+
+    be = backend()
+    be.on_gpu = conv_path == "gpu_packed"
+    be.state.conv[0, 1] = 7.0  # a finished request's states in C's slot
+    be.state.ssm[0, 1] = 7.0
+    steps = [([(0, 0, 4), (1, 0, 1)], [2, 0]), ([(0, 4, 9), (1, 1, 3), (2, 0, 6)], [2, 0, 1])]
+    got_conv = torch.full_like(want_conv, float("nan"))
+    got_out = torch.full_like(want_out, float("nan"))
+    for pieces, step_slots in steps:
+        idx = torch.cat([torch.arange(starts[r] + a, starts[r] + b) for r, a, b in pieces])
+        u = rows(t, idx)
+        plan = be.plan(chunk_batch([b - a for _, a, b in pieces], step_slots, [a for _, a, _ in pieces]))
+        got_conv[idx] = be.conv_prefill(0, u["x"], u["weight"], plan)
+        if not be.on_gpu:
+            got_out[idx] = be.delta_prefill(0, u["q"], u["k"], u["v"], u["a"], u["b"], u["A_log"], u["dt_bias"],
+                                            plan)  # fmt: skip
+    torch.testing.assert_close(got_conv, want_conv, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(be.state.conv, ref.state.conv, rtol=0, atol=0)
+    if not be.on_gpu:
+        torch.testing.assert_close(got_out, want_out, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(be.state.ssm, ref.state.ssm, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_gpu_chunked_prefill_continues_the_states(dtype):
+    """fla-core with the slot's recurrent state as initial_state and the packed conv with the slot's window: a
+    request prefilled in two chunks (the first longer than fla's 64-token chunk) against the CPU references."""
+    s = GPU_SHAPE
+    lens, slots = [100, 5], [3, 1]
+    t = inputs(sum(lens), seed=5, s=s)
+    ref, gpu = backend(shape=s), backend(device="cuda", dtype=dtype, shape=s)
+    want_conv, want_out = run_prefill(ref, t, lens, slots)
+    to = lambda v: v.to(device="cuda", dtype=dtype)  # noqa: E731
+    got_conv, got_out = torch.zeros_like(want_conv), torch.zeros_like(want_out)
+    for pieces, prefix in (([(0, 0, 70), (1, 0, 2)], [0, 0]), ([(0, 70, 100), (1, 2, 5)], [70, 2])):
+        starts = [0, 100]
+        idx = torch.cat([torch.arange(starts[r] + a, starts[r] + b) for r, a, b in pieces])
+        u = {n: to(v) for n, v in rows(t, idx).items()}
+        state = chunk_batch([b - a for _, a, b in pieces], slots, prefix)
+        state.b_req_idx, state.b_q_start, state.b_q_len, state.b_prefix_len = (
+            x.cuda() for x in (state.b_req_idx, state.b_q_start, state.b_q_len, state.b_prefix_len)
+        )
+        plan = gpu.plan(state)
+        got_conv[idx] = gpu.conv_prefill(0, u["x"], u["weight"], plan).float().cpu()
+        got_out[idx] = gpu.delta_prefill(0, u["q"], u["k"], u["v"], u["a"], u["b"], u["A_log"], u["dt_bias"],
+                                         plan).float().cpu()  # fmt: skip
+    tol = 5e-3 if dtype == torch.float32 else 1e-1
+    assert torch.allclose(got_conv, want_conv, atol=tol, rtol=tol)
+    assert torch.allclose(got_out, want_out, atol=tol, rtol=tol)
+    assert torch.allclose(gpu.state.ssm.cpu(), ref.state.ssm, atol=tol, rtol=tol)

@@ -6,6 +6,7 @@ from types import SimpleNamespace
 
 import torch
 
+from lightllm.engine.args import EngineArgs
 from lightllm.common.kv_cache import KVCacheManager
 from lightllm.server.api_server import Server
 
@@ -15,7 +16,7 @@ WEIGHTS = torch.randn(VOCAB, VOCAB, generator=torch.Generator().manual_seed(0)) 
 
 class FakeRunner:
     def __init__(self):
-        self.args = SimpleNamespace(batch_max_tokens=256, max_req_total_len=64, running_max_req_size=32)
+        self.args = EngineArgs(batch_max_tokens=256, max_req_total_len=64, running_max_req_size=32)
         self.config = SimpleNamespace(eos_token_ids=(), vocab_size=VOCAB)
         self.device = torch.device("cpu")
         self.kv = KVCacheManager(4000, 32, 64, "cpu")

@@ -35,12 +35,29 @@ def refused(capsys, model, *argv) -> str:
 
 
 @pytest.mark.parametrize("argv, expected", [
-    (["--chunked_prefill_size", "4096"], "error: --chunked_prefill_size: chunked prefill is not implemented yet"),
     (["--tool_call_parser", "qwen25"], "error: --tool_call_parser: tool-call parsing is not implemented yet"),
     (["--reasoning_parser", "qwen3"], "error: --reasoning_parser: reasoning parsing is not implemented yet"),
-], ids=["chunked_prefill_size", "tool_call_parser", "reasoning_parser"])  # fmt: skip
+], ids=["tool_call_parser", "reasoning_parser"])  # fmt: skip
 def test_a_feature_this_server_lacks_is_one_line_saying_so(capsys, model, argv, expected):
     assert refused(capsys, model, *argv).startswith(expected)
+
+
+def test_chunked_prefill_flags(capsys, model):
+    """LightLLM's meaning: on by default with chunks of 4096 tokens, off with --disable_chunked_prefill."""
+    engine = parse(model)[1]
+    assert (engine.chunked_prefill_size, engine.disable_chunked_prefill, engine.prefill_step_tokens) == (
+        4096,
+        False,
+        4096,
+    )
+    engine = parse(model, "--chunked_prefill_size", "512", "--batch_max_tokens", "8192")[1]
+    assert engine.prefill_step_tokens == 512
+    assert parse(model, "--chunked_prefill_size", "512", "--disable_chunked_prefill")[1].prefill_step_tokens == 4096
+    for bad in ("0", "-3"):
+        assert refused(capsys, model, "--chunked_prefill_size", bad) == (
+            f"error: --chunked_prefill_size expected a positive integer, got {bad} (--disable_chunked_prefill turns "
+            "chunking off)"
+        )
 
 
 def test_flags_accepted_for_compatibility_log_that_they_change_nothing(model, caplog):

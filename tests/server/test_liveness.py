@@ -13,6 +13,7 @@ import torch
 from fastapi.testclient import TestClient
 from server_helpers import start_server
 
+from lightllm.engine.args import EngineArgs
 from lightllm.common import proc as procs
 from lightllm.common.kv_cache import KVCacheManager
 from lightllm.engine.request import Request
@@ -24,7 +25,7 @@ class BlockingRunner:
     """Enough of a ModelRunner for the engine; ``prefill`` waits until the test releases it."""
 
     def __init__(self):
-        self.args = SimpleNamespace(batch_max_tokens=64, max_req_total_len=64, running_max_req_size=4)
+        self.args = EngineArgs(batch_max_tokens=64, max_req_total_len=64, running_max_req_size=4)
         self.config = SimpleNamespace(eos_token_ids=(), vocab_size=8)
         self.device = torch.device("cpu")
         self.kv = KVCacheManager(1000, 4, 64, "cpu")

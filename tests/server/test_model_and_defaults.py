@@ -9,6 +9,7 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
+from lightllm.engine.args import EngineArgs
 from lightllm.common.kv_cache import KVCacheManager
 from lightllm.server.api_server import Server
 from lightllm.server.generation_defaults import read_sampling_defaults
@@ -22,7 +23,7 @@ class FakeRunner:
     """Enough of a ModelRunner for the engine: every forward predicts token NEXT."""
 
     def __init__(self):
-        self.args = SimpleNamespace(batch_max_tokens=64, max_req_total_len=64, running_max_req_size=4)
+        self.args = EngineArgs(batch_max_tokens=64, max_req_total_len=64, running_max_req_size=4)
         self.config = SimpleNamespace(eos_token_ids=(), vocab_size=VOCAB)
         self.device = torch.device("cpu")
         self.kv = KVCacheManager(1000, 4, 64, "cpu")

@@ -61,7 +61,8 @@ CASES = {
     "int4kv group 16": (["--llm_kv_type", "int4kv", "--llm_kv_quant_group_size", "16"], ["16", "head_dim / 2 = 8"]),
     "group 0, default KV": (["--llm_kv_quant_group_size", "0"], ["--llm_kv_quant_group_size", "got 0"]),
     "negative drain": (["--shutdown_drain_s", "-1"], ["--shutdown_drain_s", "-1"]),
-    "a LightLLM feature not here": (["--chunked_prefill_size", "8192"], ["--chunked_prefill_size", "not implemented"]),
+    "a LightLLM feature not here": (["--tool_call_parser", "qwen25"], ["--tool_call_parser", "not implemented"]),
+    "chunked_prefill_size 0": (["--chunked_prefill_size", "0"], ["--chunked_prefill_size", "positive integer, got 0"]),
 }
 
 
@@ -123,12 +124,17 @@ def test_a_given_length_over_the_context_names_both_numbers(short_model):
         LLM(short_model, device="cpu", max_req_total_len=65)
 
 
-def test_budget_note_is_logged_once_and_says_what_happens(model, caplog):
-    """Parsing and the runner both normalize the options; the note comes once, from the scheduler that acts on it."""
+@pytest.mark.parametrize("chunking", [False, True], ids=["disable_chunked_prefill", "chunked"])
+def test_budget_note_is_logged_once_and_says_what_happens(model, caplog, chunking):
+    """Parsing and the runner both normalize the options; the note comes once, from the scheduler that acts on it,
+    and only when it is true: with chunked prefill (the default) a long prompt is split, not run whole."""
     caplog.set_level(logging.INFO)
     _, engine = parse_args(["--model_dir", model, "--device", "cpu", "--data_type", "fp32", "--batch_max_tokens", "32",
-                            "--max_req_total_len", "64", "--running_max_req_size", "2"])  # fmt: skip
+                            "--max_req_total_len", "64", "--running_max_req_size", "2"]
+                           + ([] if chunking else ["--disable_chunked_prefill"]))  # fmt: skip
     Engine(ModelRunner(engine), eos_ids=[])
     notes = [r.message for r in caplog.records if "batch_max_tokens 32 < max_req_total_len 64" in r.message]
-    assert len(notes) == 1 and "chunk" not in notes[0].replace("no chunked prefill yet", "")
-    assert "prefilled alone and whole" in notes[0]
+    if chunking:
+        assert notes == []
+        return
+    assert len(notes) == 1 and "prefilled alone and whole" in notes[0]

@@ -1,7 +1,9 @@
-"""Causal prefill attention over packed requests (each request's new tokens attend to themselves).
+"""Causal prefill attention over packed requests: each request's new tokens attend to its cached prefix (chunked
+prefill: the tokens already in the KV pool, read through ``req_to_token``) and causally to themselves.
 
-Grid ``(batch, q_heads, ceil(max_q_len / BLOCK_M))``; each program streams its request's keys up to the
-diagonal with an online softmax. Tuned as a GENERAL kernel by the prefill warmup.
+Grid ``(batch, q_heads, ceil(max_q_len / BLOCK_M))``; each program streams its request's prefix keys from the pool,
+then its new keys up to the diagonal, with one online softmax. Tuned as GENERAL kernels by the prefill warmup:
+``context_attention`` (no prefix) and ``context_attention_prefix`` (the same kernel compiled with the prefix loop).
 """
 
 import math
@@ -15,11 +17,26 @@ from lightllm.common.autotuner import AutotuneKernelType, PlannedInputs, autotun
 
 
 @triton.jit
+def _attend_block(q, k, v, valid, m_i, l_i, acc, qk_scale, PRECISION: tl.constexpr):
+    """One online-softmax step of a query block over a key block; ``valid`` masks the scores (base-2 logits)."""
+    qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+    qk = tl.where(valid, qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _context_attention_kernel(
     Q, K, V, Out, b_start, b_len, qk_scale,
+    K_cache, V_cache, req_to_token, b_req_idx, b_prefix_len,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+    stride_kct, stride_kch, stride_vct, stride_vch, stride_rt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, HAS_PREFIX: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -37,22 +54,27 @@ def _context_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    if HAS_PREFIX:  # the request's cached tokens, through its row of req_to_token: every new token sees them all
+        prefix = tl.load(b_prefix_len + b)
+        row = req_to_token + tl.load(b_req_idx + b).to(tl.int64) * stride_rt
+        for n0 in range(0, prefix, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < prefix
+            tok = tl.load(row + offs_n, mask=mask_n, other=0).to(tl.int64)[:, None]
+            k = tl.load(K_cache + tok * stride_kct + kvh * stride_kch + offs_d[None, :], mask=mask_n[:, None],
+                        other=0.0)  # fmt: skip
+            v = tl.load(V_cache + tok * stride_vct + kvh * stride_vch + offs_d[None, :], mask=mask_n[:, None],
+                        other=0.0)  # fmt: skip
+            m_i, l_i, acc = _attend_block(q, k, v, mask_n[None, :], m_i, l_i, acc, qk_scale, PRECISION)
     end = tl.minimum((m_block + 1) * BLOCK_M, seq_len)
-    for n0 in range(0, end, BLOCK_N):
+    for n0 in range(0, end, BLOCK_N):  # the new tokens, causally
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
         rows = (start + offs_n)[:, None]
         k = tl.load(K + rows * stride_kt + kvh * stride_kh + offs_d[None, :], mask=mask_n[:, None], other=0.0)
-        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        causal = (offs_m[:, None] >= offs_n[None, :]) & mask_n[None, :]
-        qk = tl.where(causal, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(V + rows * stride_vt + kvh * stride_vh + offs_d[None, :], mask=mask_n[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        causal = (offs_m[:, None] >= offs_n[None, :]) & mask_n[None, :]
+        m_i, l_i, acc = _attend_block(q, k, v, causal, m_i, l_i, acc, qk_scale, PRECISION)
     out = acc / l_i[:, None]
     tl.store(Out + (start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
              out.to(Out.dtype.element_ty), mask=mask_m[:, None])  # fmt: skip
@@ -79,6 +101,28 @@ def _run_key(q):
     return triton.next_power_of_2(max(q.shape[0], 16))  # total prefill tokens, in power-of-two buckets
 
 
+def _launch(q, k, v, out, b_start, b_len, max_q_len, sm_scale, cfg, prefix):
+    """The grid and the kernel call; ``prefix`` is (k_cache, v_cache, req_to_token, b_req_idx, b_prefix_len) or
+    None (no cached prefix: the cache arguments are placeholders the compiled kernel never reads)."""
+    k_cache, v_cache, req_to_token, b_req_idx, b_prefix_len = prefix or (k, v, b_start, b_start, b_start)
+    grid = (b_len.shape[0], q.shape[1], triton.cdiv(max_q_len, cfg["BLOCK_M"]))
+    _context_attention_kernel[grid](
+        q, k, v, out, b_start, b_len, sm_scale * 1.4426950408889634,
+        k_cache, v_cache, req_to_token, b_req_idx, b_prefix_len,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), req_to_token.stride(0),
+        GROUP=q.shape[1] // k.shape[1], HEAD_DIM=q.shape[-1], BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+        PRECISION="ieee" if q.dtype == torch.float32 else None, HAS_PREFIX=prefix is not None,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )  # fmt: skip
+    return out
+
+
+# P is rounded to q's dtype against the running row max, which depends on BLOCK_N: in bf16 a few outlier
+# elements of 2^25 differ by ~4 ulps (0.0078 at 0.3, seen on the H200), which the default 2e-2 rejects.
+_ACCURACY_TOL = (4e-2, 2e-2)
+
+
 @autotune(
     kernel_name="context_attention",
     configs_gen_func=_configs,
@@ -86,21 +130,44 @@ def _run_key(q):
     run_key_func=_run_key,
     kernel_type=AutotuneKernelType.GENERAL,
     output_args=("out",),
-    # P is rounded to q's dtype against the running row max, which depends on BLOCK_N: in bf16 a few outlier
-    # elements of 2^25 differ by ~4 ulps (0.0078 at 0.3, seen on the H200), which the default 2e-2 rejects.
-    accuracy_tol=(4e-2, 2e-2),
+    accuracy_tol=_ACCURACY_TOL,
 )
 def _launch_context_attention(q, k, v, out, b_start, b_len, max_q_len, sm_scale, run_config=None):
-    cfg = run_config or _default_config(q.shape[-1])
-    grid = (b_len.shape[0], q.shape[1], triton.cdiv(max_q_len, cfg["BLOCK_M"]))
-    _context_attention_kernel[grid](
-        q, k, v, out, b_start, b_len, sm_scale * 1.4426950408889634,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-        GROUP=q.shape[1] // k.shape[1], HEAD_DIM=q.shape[-1], BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-        PRECISION="ieee" if q.dtype == torch.float32 else None,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-    )  # fmt: skip
-    return out
+    return _launch(q, k, v, out, b_start, b_len, max_q_len, sm_scale, run_config or _default_config(q.shape[-1]),
+                   None)  # fmt: skip
+
+
+@autotune(
+    kernel_name="context_attention_prefix",
+    configs_gen_func=_configs,
+    static_key_func=_static_key,
+    run_key_func=_run_key,
+    kernel_type=AutotuneKernelType.GENERAL,
+    output_args=("out",),
+    accuracy_tol=_ACCURACY_TOL,
+)
+def _launch_context_attention_prefix(q, k, v, out, b_start, b_len, max_q_len, sm_scale, k_cache, v_cache,
+                                     req_to_token, b_req_idx, b_prefix_len, run_config=None):  # fmt: skip
+    """A sibling of ``context_attention`` tuned apart: its time grows with the prefix, which the other never reads."""
+    prefix = (k_cache, v_cache, req_to_token, b_req_idx, b_prefix_len)
+    return _launch(q, k, v, out, b_start, b_len, max_q_len, sm_scale, run_config or _default_config(q.shape[-1]),
+                   prefix)  # fmt: skip
+
+
+class CachedPrefix:
+    """Each request's tokens already in the KV pool before this prefill (chunked prefill): request ``i`` reads
+    ``b_prefix_len[i]`` tokens through row ``b_req_idx[i]`` of ``req_to_token`` (int32 tensors, ``[batch]`` and
+    ``[max_reqs, max_len]``) from a cache ``[pool tokens, kv_heads, D]`` given per layer."""
+
+    def __init__(self, req_to_token: torch.Tensor, b_req_idx: torch.Tensor, b_prefix_len: torch.Tensor):
+        for name, t in (("req_to_token", req_to_token), ("b_req_idx", b_req_idx), ("b_prefix_len", b_prefix_len)):
+            if t.dtype != torch.int32:
+                raise ValueError(f"context_attention: {name} expected int32, got {t.dtype}")
+        if b_req_idx.shape != b_prefix_len.shape or req_to_token.dim() != 2:
+            raise ValueError(f"context_attention: b_req_idx and b_prefix_len expected [batch], req_to_token "
+                             f"[max_reqs, max_len], got {tuple(b_req_idx.shape)}, {tuple(b_prefix_len.shape)} and "
+                             f"{tuple(req_to_token.shape)}")  # fmt: skip
+        self.req_to_token, self.b_req_idx, self.b_prefix_len = req_to_token, b_req_idx, b_prefix_len
 
 
 class ContextAttentionPlan:
@@ -108,10 +175,11 @@ class ContextAttentionPlan:
     resolved at the first :meth:`run`; every layer (same shapes and dtype, checked) then runs with them.
 
     Args: ``q_shape`` ``(tokens, q_heads, D)``, ``kv_shape`` ``(tokens, kv_heads, D)`` and the dtype of q, k and v;
-    the rest as :func:`context_attention`.
+    ``prefix`` a :class:`CachedPrefix` or None; the rest as :func:`context_attention`.
     """
 
-    def __init__(self, q_shape, kv_shape, dtype, b_start, b_len, max_q_len, sm_scale=None, run_config=None):
+    def __init__(self, q_shape, kv_shape, dtype, b_start, b_len, max_q_len, sm_scale=None, run_config=None,
+                 prefix: Optional[CachedPrefix] = None):  # fmt: skip
         q_shape, kv_shape = torch.Size(q_shape), torch.Size(kv_shape)
         if (
             len(q_shape) != 3
@@ -126,15 +194,32 @@ class ContextAttentionPlan:
                              f"{kv_shape[1]}")  # fmt: skip
         if b_start.dtype != torch.int32 or b_len.dtype != torch.int32 or b_start.shape != b_len.shape:
             raise ValueError("context_attention: b_start and b_len expected int32 [batch] tensors")
+        if prefix is not None and prefix.b_req_idx.shape != b_len.shape:
+            raise ValueError(f"context_attention: the prefix expected one row per request ({b_len.shape[0]}), got "
+                             f"{prefix.b_req_idx.shape[0]}")  # fmt: skip
         self.b_start, self.b_len, self.max_q_len = b_start, b_len, int(max_q_len)
         self.sm_scale = float(sm_scale if sm_scale is not None else 1.0 / math.sqrt(q_shape[-1]))
+        self.prefix = prefix
+        self.kv_shape, self.dtype = kv_shape, dtype
         self.inputs = PlannedInputs("context_attention", q=(q_shape, dtype), k=(kv_shape, dtype), v=(kv_shape, dtype))
-        self._tuned = _launch_context_attention.plan(run_config=run_config)
+        launcher = _launch_context_attention if prefix is None else _launch_context_attention_prefix
+        self._tuned = launcher.plan(run_config=run_config)
 
-    def run(self, q, k, v, out=None) -> torch.Tensor:
+    def run(self, q, k, v, out=None, k_cache=None, v_cache=None) -> torch.Tensor:
+        """``k_cache``/``v_cache`` ``[pool tokens, kv_heads, D]`` in q's dtype: this layer's cache, with a prefix."""
         self.inputs.check((q.shape, q.dtype), (k.shape, k.dtype), (v.shape, v.dtype))
         out = torch.empty_like(q) if out is None else out
-        return self._tuned.run(q, k, v, out, self.b_start, self.b_len, self.max_q_len, self.sm_scale)
+        args = (q, k, v, out, self.b_start, self.b_len, self.max_q_len, self.sm_scale)
+        p = self.prefix
+        if p is None:
+            return self._tuned.run(*args)
+        if k_cache is None or v_cache is None:
+            raise ValueError("context_attention: a plan with a cached prefix expected k_cache and v_cache")
+        for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if c.dtype != q.dtype or c.dim() != 3 or c.shape[1:] != self.kv_shape[1:]:
+                raise ValueError(f"context_attention: {name} expected [pool tokens, {self.kv_shape[1]}, "
+                                 f"{self.kv_shape[2]}] in {q.dtype}, got {tuple(c.shape)} in {c.dtype}")  # fmt: skip
+        return self._tuned.run(*args, k_cache, v_cache, p.req_to_token, p.b_req_idx, p.b_prefix_len)
 
 
 def context_attention(
@@ -147,30 +232,45 @@ def context_attention(
     out: Optional[torch.Tensor] = None,
     sm_scale: Optional[float] = None,
     run_config: Optional[dict] = None,
+    prefix: Optional[CachedPrefix] = None,
+    k_cache: Optional[torch.Tensor] = None,
+    v_cache: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """Causal attention of packed requests.
+    """Causal attention of packed requests, each over its cached prefix (if any) and its new tokens.
 
     Args:
-        q: ``[tokens, q_heads, D]``; k, v: ``[tokens, kv_heads, D]`` (same dtype; head_dim 64/128/256).
+        q: ``[tokens, q_heads, D]``; k, v: ``[tokens, kv_heads, D]`` (same dtype; head_dim 64/128/256): the new
+            tokens only.
         b_start, b_len: int32 ``[batch]``: first token and token count of each request in the packing.
-        max_q_len: the longest request (sizes the grid).
+        max_q_len: the longest request's new tokens (sizes the grid).
+        prefix, k_cache, v_cache: chunked prefill: new token ``i`` of a request sits at position
+            ``prefix_len + i`` and sees all ``prefix_len`` cached tokens (:class:`CachedPrefix`) of
+            ``k_cache``/``v_cache`` ``[pool tokens, kv_heads, D]`` (q's dtype).
     Every layer of a step: :class:`ContextAttentionPlan` checks and resolves once.
     """
-    plan = ContextAttentionPlan(q.shape, k.shape, q.dtype, b_start, b_len, max_q_len, sm_scale, run_config)
-    return plan.run(q, k, v, out)
+    plan = ContextAttentionPlan(q.shape, k.shape, q.dtype, b_start, b_len, max_q_len, sm_scale, run_config, prefix)
+    return plan.run(q, k, v, out, k_cache, v_cache)
 
 
-def context_attention_ref(q, k, v, b_start, b_len, sm_scale: Optional[float] = None) -> torch.Tensor:
-    """Float64 torch reference of :func:`context_attention`."""
+def context_attention_ref(q, k, v, b_start, b_len, sm_scale: Optional[float] = None, prefix=None, k_cache=None,
+                          v_cache=None) -> torch.Tensor:  # fmt: skip
+    """Float64 torch reference of :func:`context_attention` (same arguments; the cache may be any float dtype)."""
     group = q.shape[1] // k.shape[1]
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     out = torch.zeros(q.shape, dtype=torch.float64, device=q.device)
-    for s, n in zip(b_start.tolist(), b_len.tolist()):
-        qs = q[s : s + n].double()
-        ks = k[s : s + n].double().repeat_interleave(group, dim=1)
-        vs = v[s : s + n].double().repeat_interleave(group, dim=1)
-        scores = torch.einsum("ihd,jhd->hij", qs, ks) * scale
-        causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-        scores = scores.masked_fill(~causal, float("-inf"))
-        out[s : s + n] = torch.einsum("hij,jhd->ihd", scores.softmax(-1), vs)
+    rows = [[]] * len(b_len) if prefix is None else _prefix_rows(prefix)
+    for s, n, tok in zip(b_start.tolist(), b_len.tolist(), rows):
+        ks = torch.cat([k_cache[tok].double(), k[s : s + n].double()]) if tok else k[s : s + n].double()
+        vs = torch.cat([v_cache[tok].double(), v[s : s + n].double()]) if tok else v[s : s + n].double()
+        scores = torch.einsum("ihd,jhd->hij", q[s : s + n].double(), ks.repeat_interleave(group, dim=1)) * scale
+        p = len(tok)
+        visible = torch.ones(n, p + n, dtype=torch.bool, device=q.device).tril(diagonal=p)
+        scores = scores.masked_fill(~visible, float("-inf"))
+        out[s : s + n] = torch.einsum("hij,jhd->ihd", scores.softmax(-1), vs.repeat_interleave(group, dim=1))
     return out
+
+
+def _prefix_rows(prefix: CachedPrefix) -> list:
+    """Each request's cached token indices, as a host list."""
+    table = prefix.req_to_token
+    return [table[r, :p].long().tolist() for r, p in zip(prefix.b_req_idx.tolist(), prefix.b_prefix_len.tolist())]

@@ -1,0 +1,22 @@
+"""chunked_prefill_itl's method on the CPU (tiny model): what it counts, not how fast anything is."""
+
+import importlib.util
+import json
+import os
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_streams_are_measured_between_the_chunks(tmp_path):
+    spec = importlib.util.spec_from_file_location("itl", os.path.join(REPO, "benchmarks", "chunked_prefill_itl.py"))
+    itl = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(itl)
+    out = tmp_path / "itl.json"
+    itl.main(["--tiny", "--streams", "2", "--prompt", "100", "--chunks", "32", "--warmup", "1", "--baseline", "2",
+              "--out", str(out)])  # fmt: skip
+    chunked, off = json.loads(out.read_text())["rows"]
+    assert (chunked["mode"], chunked["prefill_steps"]) == ("chunk 32", 4)  # ceil(100 / 32) chunks
+    # each stream: one gap per decode step between chunks (3), and the one spanning the last chunk
+    assert chunked["loaded_tokens"] == 2 * 4 and len(chunked["loaded_gaps_ms"]) == 8
+    assert (off["mode"], off["prefill_steps"], off["loaded_tokens"]) == ("off", 1, 2)  # the whole prompt: one stall
+    assert len(chunked["unloaded_gaps_ms"]) == 2 * (2 - 1)  # per stream: baseline tokens, one gap fewer
