@@ -1,7 +1,9 @@
 """Attention backends: write the new K/V into the pool, then attend (prefill or decode).
 
-- ``triton`` (GPU): Triton context attention for prefill; Triton GQA flash decode (bf16/fp16, INT8, INT4 KV).
-- ``fa3`` (Hopper GPU): FlashAttention-3 decode (bf16/fp16 KV), Triton context attention for prefill.
+- ``triton`` (GPU): Triton context attention for prefill (over a cached prefix too: chunked prefill); Triton GQA
+  flash decode (bf16/fp16, INT8, INT4 KV) for one query token per request, and the MTP diverse kernel for
+  ``q_len > 1`` (MTP verify; bf16/fp16 KV).
+- ``fa3`` (Hopper GPU): FlashAttention-3 decode (bf16/fp16 KV, any ``q_len``), Triton context attention for prefill.
 - On a CPU device both run the torch references, so the engine runs (slowly) without a GPU.
 - ``auto`` (the flag's value, resolved at start-up by ``pick_decode_backend``): fa3 where it can run, else triton.
 """
