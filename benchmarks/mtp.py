@@ -1,5 +1,8 @@
 """MTP verify-step kernels on the GPU, graph-timed (CUDA-graph replay medians, the tuner's timer), random data.
 
+``--parts recurrent``: the fused recurrent verify kernel (``benchmarks/mtp_recurrent.py``, run here with
+``--mtp-step`` and ``--batches``; its table and JSON under ``"recurrent"``).
+
 ``--parts attention``: MTP diverse attention (``mtp_diverse_decode_attention``: the ``N + 1`` tokens of each request
 in one launch pair, each KV split read once) against
 
@@ -12,6 +15,7 @@ Triton columns are the per-cell best of each kernel's 16 tuning candidates (what
 the launcher default. Launches are sized for a graph serving the largest L, as a captured decode graph is.
 Qwen3.5's full attention: 24 q heads, 4 KV heads, head_dim 256, bf16.
 
+    python benchmarks/mtp.py --out benchmarks/results/mtp_h200.json   # both parts
     python benchmarks/mtp.py --parts attention --out benchmarks/results/mtp_h200.json
     python benchmarks/mtp.py --analyze benchmarks/results/mtp_h200.json
 """
@@ -25,7 +29,7 @@ import sys
 import torch
 import triton
 
-PARTS = ("attention",)
+PARTS = ("attention", "recurrent")
 ATTN_SHAPE = (24, 4, 256)  # q heads, KV heads, head_dim
 FA3_SPLITS = (0, 1, 2, 4, 8, 16, 32)
 
@@ -183,6 +187,16 @@ def parse_args(argv=None):
     return args
 
 
+def _recurrent_module():
+    """``benchmarks/mtp_recurrent.py`` (this script's sibling), importable however this script was loaded."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    import mtp_recurrent
+
+    return mtp_recurrent
+
+
 def main(argv=None):
     args = parse_args(argv)
     if args.analyze:
@@ -194,11 +208,17 @@ def main(argv=None):
         results = {"device": torch.cuda.get_device_name()}
         if "attention" in args.parts:
             results["attention"] = run_attention(args)
+        if "recurrent" in args.parts:
+            mtp_recurrent = _recurrent_module()
+            results["recurrent"] = mtp_recurrent.run(mtp_recurrent.parse_args(
+                ["--steps", str(args.mtp_step), "--batches", *map(str, args.batches)]))  # fmt: skip
         results["versions"] = {"torch": torch.__version__, "triton": triton.__version__}
         _save(results, args.out)
     print(f"\n{results['device']}")
     if "attention" in results:
         print_attention(results["attention"])
+    if "recurrent" in results:
+        _recurrent_module().print_tables(results["recurrent"])
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ def bench():
 
 def test_arguments(bench):
     args = bench.parse_args([])
-    assert args.parts == ["attention"] and args.mtp_step == 3
+    assert args.parts == ["attention", "recurrent"] and args.mtp_step == 3
     assert args.batches == [16, 64, 128] and args.lens == [1024, 8192, 32768]
     for bad in (["--mtp-step", "5"], ["--batches", "0"], ["--lens", "3"], ["--parts", "everything"]):
         with pytest.raises(SystemExit):
