@@ -72,7 +72,8 @@ def prompt_list(prompt) -> Tuple[list, bool]:
 
 
 def chat_messages(body: ChatRequest) -> List[dict]:
-    """The messages as the chat template takes them: text parts joined, ``name`` and tool fields kept."""
+    """The messages as the chat template takes them: text parts joined; ``name``, tool fields and an earlier
+    answer's ``reasoning_content`` kept."""
     out = []
     for i, m in enumerate(body.messages):
         content = m.content
@@ -87,7 +88,7 @@ def chat_messages(body: ChatRequest) -> List[dict]:
                 texts.append(part.text)
             content = "\n".join(texts)
         message = {"role": m.role, "content": content or ""}
-        for key in ("name", "tool_calls", "tool_call_id"):
+        for key in ("name", "tool_calls", "tool_call_id", "reasoning_content"):
             if getattr(m, key) is not None:
                 message[key] = getattr(m, key)
         out.append(message)

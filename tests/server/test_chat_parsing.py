@@ -116,3 +116,20 @@ def test_without_the_flags_the_answer_is_text():
     with TestClient(make_scripted_server().app) as c:
         message = ask(c, "<think>r</think>" + CALL, tools=TOOLS)["choices"][0]["message"]
     assert message == {"role": "assistant", "content": "<think>r</think>" + CALL}
+
+
+def test_an_earlier_answer_goes_back_to_the_template_with_its_reasoning_and_calls():
+    server = make_scripted_server(reasoning_parser="qwen3", tool_call_parser="qwen25")
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    earlier = {"role": "assistant", "content": None, "reasoning_content": "need weather", "tool_calls": [call]}
+    result = {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}
+    with TestClient(server.app) as c:
+        post(c, CHAT, {"messages": [{"role": "user", "content": "weather?"}, earlier, result], "tools": TOOLS})
+    messages, options = server.tokenizer.template_calls[-1]
+    assert messages[1] == {
+        "role": "assistant",
+        "content": "",
+        "reasoning_content": "need weather",
+        "tool_calls": [call],
+    }
+    assert messages[2] == {"role": "tool", "content": "sunny", "tool_call_id": "call_1"} and options["tools"] == TOOLS
