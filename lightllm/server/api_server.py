@@ -416,8 +416,9 @@ class Server:
         if not chat and body.echo:
             echoes = [p if isinstance(p, str) else self.tokenizer.decode(ids) for p, ids in zip(items, prompts)]
         parsing = None
-        if chat:  # the prompt's end tells whether the template opened <think> for the answer
-            tail = self.tokenizer.decode(prompts[0][-_PROMPT_TAIL_TOKENS:])
+        if chat and (self.reasoning_parser or self.tool_call_parser):
+            # the prompt's end tells whether the template opened <think> for the answer
+            tail = self.tokenizer.decode(prompts[0][-_PROMPT_TAIL_TOKENS:]) if self.reasoning_parser else ""
             parsing = chat_parsing(self.reasoning_parser, self.tool_call_parser, body, tail)
         reply = OpenAIReply(self, chat, prompts, n, best_of, echoes, options["logprobs"], parsing)
         if body.stream:
