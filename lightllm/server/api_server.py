@@ -32,6 +32,7 @@ from lightllm.engine.runner import Runner
 from lightllm.engine.sampler import MAX_SEED, SamplingParams
 from lightllm.server.args import ServerArgs, parse_args
 from lightllm.server.bodies import ChatRequest, CompletionRequest, GenerateRequest
+from lightllm.server.chat_output import chat_parsing
 from lightllm.server.engine_loop import EngineLoop
 from lightllm.server.generation_defaults import read_sampling_defaults
 from lightllm.server.http_guards import BadRequest, BodyLimit, ModelNotFound, install_error_handlers
@@ -50,6 +51,7 @@ logger = logging.getLogger(__name__)
 _DISCONNECT_CHECK_S = 0.25  # how often a request checks that its client is still there
 TINY_NAME = "lightllm-tiny-qwen3"  # the model id of the built-in tiny model
 MAX_SEQUENCES = 256  # prompts x samples (n, or best_of) of one OpenAI request: each is an engine request
+_PROMPT_TAIL_TOKENS = 32  # holds a generation prompt's "<think>\n\n</think>\n\n" even spelled in bytes
 
 
 class Metrics:
@@ -102,9 +104,12 @@ class Server:
         max_request_body_bytes: int = ServerArgs.max_request_body_bytes,
         sampling_defaults: Optional[Dict[str, Union[int, float]]] = None,
         extra_eos_ids: Sequence[int] = (),
+        reasoning_parser: Optional[str] = None,
+        tool_call_parser: Optional[str] = None,
     ):
         """``sampling_defaults``: what the OpenAI routes use for a sampling field a request leaves out
-        (``read_sampling_defaults``); ``extra_eos_ids``: ``--eos_id``."""
+        (``read_sampling_defaults``); ``extra_eos_ids``: ``--eos_id``; ``reasoning_parser``, ``tool_call_parser``:
+        the flags of those names (None: chat answers stay plain text)."""
         self.runner = runner
         self.on_shutdown = on_shutdown  # after the engine loop stops: tensor-parallel workers
         self.health_step_timeout_s = health_step_timeout_s
@@ -114,6 +119,7 @@ class Server:
         self.model_name = model_name
         self.created = int(time.time())  # the /v1/models entry's "created": when this server started
         self.sampling_defaults = dict(sampling_defaults or {})
+        self.reasoning_parser, self.tool_call_parser = reasoning_parser, tool_call_parser
         self._special_ids = set(getattr(tokenizer, "all_special_ids", ()))
         self.metrics = Metrics()
         self.mailbox = _Mailbox()
@@ -409,7 +415,12 @@ class Server:
         echoes = None
         if not chat and body.echo:
             echoes = [p if isinstance(p, str) else self.tokenizer.decode(ids) for p, ids in zip(items, prompts)]
-        reply = OpenAIReply(self, chat, prompts, n, best_of, echoes, options["logprobs"])
+        parsing = None
+        if chat and (self.reasoning_parser or self.tool_call_parser):
+            # the prompt's end tells whether the template opened <think> for the answer
+            tail = self.tokenizer.decode(prompts[0][-_PROMPT_TAIL_TOKENS:]) if self.reasoning_parser else ""
+            parsing = chat_parsing(self.reasoning_parser, self.tool_call_parser, body, tail)
+        reply = OpenAIReply(self, chat, prompts, n, best_of, echoes, options["logprobs"], parsing)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(reply.stream(seqs, request, include_usage), media_type="text/event-stream")
@@ -477,7 +488,8 @@ def main(argv=None) -> None:
     server = Server(runner, tokenizer, model_name=model_name, on_shutdown=stop,
                     health_step_timeout_s=server_args.health_step_timeout_s,
                     max_request_body_bytes=server_args.max_request_body_bytes, sampling_defaults=sampling_defaults,
-                    extra_eos_ids=server_args.eos_id)  # fmt: skip
+                    extra_eos_ids=server_args.eos_id, reasoning_parser=server_args.reasoning_parser,
+                    tool_call_parser=server_args.tool_call_parser)  # fmt: skip
     try:
         serve(server.app, sock, read_timeout_s=server_args.request_read_timeout_s,
               drain_s=server_args.shutdown_drain_s, abort_rest=server.engine.abort_all)  # fmt: skip

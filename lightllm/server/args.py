@@ -16,6 +16,8 @@ from lightllm.layers.attention import DECODE_BACKEND_CHOICES, KV_TYPES, PREFILL_
 from lightllm.layers.linear_attention import SSM_DATA_TYPES
 from lightllm.models.hf_config import ModelLoadError, checkpoint_dtype
 from lightllm.models.registry import read_model_config
+from lightllm.server.reasoning import REASONING_PARSERS
+from lightllm.server.tool_calls import TOOL_CALL_PARSERS
 
 logger = logging.getLogger(__name__)
 
@@ -79,13 +81,10 @@ class ServerArgs:
     chat_template: Optional[str] = None  # the template's text once parsed (the flag takes a file or the text)
     nccl_port: Optional[int] = None  # None: a free port
     disable_dynamic_prompt_cache: bool = False
+    reasoning_parser: Optional[str] = None  # None: reasoning stays in the chat answer's content
+    tool_call_parser: Optional[str] = None  # None: tool calls stay in the chat answer's content
 
 
-# LightLLM flags for features this project does not have: giving one is a one-line error saying so.
-NOT_IMPLEMENTED = {
-    "tool_call_parser": "tool-call parsing is not implemented yet (tool calls stay in the text)",
-    "reasoning_parser": "reasoning parsing is not implemented yet (reasoning stays in the text)",
-}
 TOKENIZER_MODES = ("fast", "slow", "auto")
 
 
@@ -97,9 +96,16 @@ _SERVER_HELP = {
     "request_read_timeout_s": "close a connection that has not sent a whole request within this",
     "max_request_body_bytes": "largest HTTP request body; a larger one gets a 413 before it is parsed",
 }
+_REASONING_HELP = (
+    "split <think>...</think> off chat answers into reasoning_content (qwen3: when the answer or the prompt opens "
+    "it; the others: the answer starts inside it)"
+)
+_TOOL_CALL_HELP = "turn Qwen's <tool_call>{json}</tool_call> in chat answers to requests with tools into tool_calls"
 _SERVER_FLAGS = {  # the ServerArgs fields whose flag is not a plain typed value
     "model_name": dict(help="the model id clients send and see (default: the model folder's name)"),
     "tokenizer_mode": dict(choices=TOKENIZER_MODES, help="fast, slow, or auto (fast, else slow)"),
+    "reasoning_parser": dict(choices=list(REASONING_PARSERS), help=_REASONING_HELP),
+    "tool_call_parser": dict(choices=list(TOOL_CALL_PARSERS), help=_TOOL_CALL_HELP),
     "trust_remote_code": dict(action="store_true", help="accepted for LightLLM compatibility; Qwen3 and Qwen3.5 run no "
                               "remote code"),  # fmt: skip
     "eos_id": dict(type=int, nargs="+", help="token ids that end a request, besides the model's own EOS"),
@@ -108,11 +114,6 @@ _SERVER_FLAGS = {  # the ServerArgs fields whose flag is not a plain typed value
     "disable_dynamic_prompt_cache": dict(action="store_true", help="accepted as a no-op: there is no prompt "
                                          "(prefix) cache to disable"),  # fmt: skip
 }
-
-
-class _NotImplemented(argparse.Action):
-    def __call__(self, parser, namespace, values, option_string=None):
-        parser.error(f"{option_string}: {NOT_IMPLEMENTED[self.dest]}")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -129,8 +130,6 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument(f"--{f.name}", default=f.default, **_SERVER_FLAGS[f.name])
         elif f.name not in ("host", "port"):
             p.add_argument(f"--{f.name}", type=type(f.default), default=f.default, help=_SERVER_HELP[f.name])
-    for name, why in NOT_IMPLEMENTED.items():
-        p.add_argument(f"--{name}", action=_NotImplemented, default=argparse.SUPPRESS, help=why)
     for f in dataclasses.fields(EngineArgs):
         flag, default = f"--{f.name}", f.default
         if f.type in (bool, "bool"):

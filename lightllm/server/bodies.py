@@ -121,6 +121,7 @@ class ChatMessage(_Lenient):
     name: Optional[str] = None
     tool_calls: Optional[List[Dict[str, Any]]] = None
     tool_call_id: Optional[str] = None
+    reasoning_content: Optional[str] = None  # an earlier answer's reasoning (Qwen3's template reads it)
 
 
 class ChatRequest(_OpenAI):

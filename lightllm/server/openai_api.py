@@ -11,6 +11,7 @@ from typing import AsyncIterator, Dict, List, Optional, Sequence, Tuple
 
 from lightllm.engine.request import Event
 from lightllm.server.bodies import ChatRequest, CompletionRequest
+from lightllm.server.chat_output import ChatParsing, merge_deltas
 from lightllm.server.http_guards import BadRequest
 
 # chat_template_kwargs may not set what the server itself passes to the template.
@@ -43,8 +44,8 @@ def _check_chat(body: ChatRequest) -> None:
     choice = body.tool_choice
     if choice is not None and choice not in ("auto", "none"):
         shown = choice if isinstance(choice, str) else "a named function"
-        raise BadRequest(f"tool_choice: {shown!r} is not supported (it needs tool-call parsing, which this server "
-                         "does not have yet); use 'auto' or 'none'")  # fmt: skip
+        raise BadRequest(f"tool_choice: {shown!r} is not supported (forcing a call needs constrained decoding, which "
+                         "this server does not have); use 'auto' or 'none'")  # fmt: skip
     for key in sorted(set(body.chat_template_kwargs or {}) & set(RESERVED_TEMPLATE_KWARGS)):
         raise BadRequest(f"chat_template_kwargs: {key!r} is set by the server; it may not be passed")
 
@@ -71,7 +72,8 @@ def prompt_list(prompt) -> Tuple[list, bool]:
 
 
 def chat_messages(body: ChatRequest) -> List[dict]:
-    """The messages as the chat template takes them: text parts joined, ``name`` and tool fields kept."""
+    """The messages as the chat template takes them: text parts joined; ``name``, tool fields and an earlier
+    answer's ``reasoning_content`` kept."""
     out = []
     for i, m in enumerate(body.messages):
         content = m.content
@@ -86,7 +88,7 @@ def chat_messages(body: ChatRequest) -> List[dict]:
                 texts.append(part.text)
             content = "\n".join(texts)
         message = {"role": m.role, "content": content or ""}
-        for key in ("name", "tool_calls", "tool_call_id"):
+        for key in ("name", "tool_calls", "tool_call_id", "reasoning_content"):
             if getattr(m, key) is not None:
                 message[key] = getattr(m, key)
         out.append(message)
@@ -178,9 +180,10 @@ class OpenAIReply:
     api_server's ``Server`` (its tokenizer, model name, and ``merged_streams`` for streams)."""
 
     def __init__(self, server, chat: bool, prompts: List[List[int]], n: int, best_of: int, echoes,
-                 with_logprobs: bool):  # fmt: skip
+                 with_logprobs: bool, parsing: Optional[ChatParsing] = None):  # fmt: skip
         self.server, self.chat, self.prompts, self.n, self.best_of = server, chat, prompts, n, best_of
         self.with_logprobs = with_logprobs
+        self.parsing = parsing  # chat: reasoning and tool calls taken out of the text (None: the text as it is)
         self.echoes = echoes  # per prompt, the text echoed before the completion (completions with echo)
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
@@ -212,8 +215,13 @@ class OpenAIReply:
         if self.chat:
             if self.with_logprobs:
                 lps = self.logprobs.chat(r["token_ids"], r["logprobs"], r["top_logprobs"])
-            message = {"role": "assistant", "content": r["text"]}
-            return {"index": index, "message": message, "logprobs": lps, "finish_reason": r["finish_reason"]}
+            if self.parsing is None:
+                message, reason = {"role": "assistant", "content": r["text"]}, r["finish_reason"]
+            else:
+                out = self.parsing.new_output()
+                message = out.message(r["text"])
+                reason = out.finish_reason(r["finish_reason"])
+            return {"index": index, "message": message, "logprobs": lps, "finish_reason": reason}
         echo = self._echo(prompt_index)
         if self.with_logprobs:
             lps = self.logprobs.completion(r["token_ids"], r["logprobs"], r["top_logprobs"], len(echo))
@@ -233,6 +241,7 @@ class OpenAIReply:
             elif self.echoes:
                 yield self._sse(kind, [{"index": i, "text": self._echo(i // self.n), "logprobs": None,
                                         "finish_reason": None}])  # fmt: skip
+        outputs = [self.parsing.new_output() for _ in seqs] if self.parsing else None
         async for i, (delta, ev, fin) in self.server.merged_streams(seqs, request):
             lps = None
             if ev is not None:
@@ -240,7 +249,15 @@ class OpenAIReply:
                 if self.with_logprobs:
                     lps = self._token_logprobs(ev, offsets[i])
                     offsets[i] += len(self.logprobs.text(ev.token_id))
-            if self.chat:
+            if outputs:
+                fields = outputs[i].add(delta)
+                if fin:
+                    fields = merge_deltas(fields, outputs[i].finish())
+                    fin = outputs[i].finish_reason(fin)
+                elif not fields and lps is None:
+                    continue  # all held back (a tag may be starting): nothing to send yet
+                choice = {"index": i, "delta": fields}
+            elif self.chat:
                 choice = {"index": i, "delta": {"content": delta} if delta or not fin else {}}
             else:
                 choice = {"index": i, "text": delta}

@@ -11,6 +11,6 @@ def tiny_server(tmp_path_factory):
     home = tmp_path_factory.mktemp("server")
     args = ["--data_type", "fp32", "--device", "cpu", "--batch_max_tokens", "128", "--max_req_total_len", str(MAX_LEN),
             "--running_max_req_size", "8", "--max_request_body_bytes", str(MAX_BODY),
-            "--model_name", MODEL]  # fmt: skip
+            "--model_name", MODEL, "--reasoning_parser", "qwen3", "--tool_call_parser", "qwen25"]  # fmt: skip
     with running_server(home, args) as base:
         yield base

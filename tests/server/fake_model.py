@@ -64,6 +64,73 @@ def make_server() -> Server:
     return s
 
 
+class ScriptedRunner(FakeRunner):
+    """A model that answers with the prompt's text up to its first ``SEP``, one character per step, then EOS (id 0):
+    a test writes the model's answer as the user message (``Chars`` renders it before ``SEP``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.args = EngineArgs(batch_max_tokens=1024, max_req_total_len=512, running_max_req_size=32)
+        self.config = SimpleNamespace(eos_token_ids=(0,), vocab_size=128)
+        self._slots = 0
+        self._prompt = {}  # slot -> its prompt ids so far (a prompt may come in chunks)
+        self._step = {}  # slot -> how many answer tokens it has produced
+
+    def add_request(self):
+        self._slots += 1
+        return self._slots
+
+    def prefill(self, slots, prompts):
+        for slot, ids in zip(slots, prompts):
+            self._prompt[slot] = self._prompt.get(slot, []) + list(ids)
+            self._step[slot] = 0
+        return torch.stack([self._next(slot) for slot in slots])
+
+    def decode(self, slots, last_tokens):
+        for slot in slots:
+            self._step[slot] += 1
+        return torch.stack([self._next(slot) for slot in slots])
+
+    def _next(self, slot):
+        prompt = self._prompt[slot]
+        answer = prompt[: prompt.index(Chars.SEP)] if Chars.SEP in prompt else []
+        step = self._step[slot]
+        logits = torch.full((128,), -1e4)
+        logits[answer[step] if step < len(answer) else 0] = 1e4
+        return logits
+
+
+class Chars:
+    """Token i is chr(i) (0: EOS, special). The chat template renders the last message, ``SEP``, and a generation
+    prompt as Qwen3's: ``<think>\n\n</think>\n\n`` with ``enable_thinking`` false; ``<think>\n`` with
+    ``open_think`` true (as Qwen3's thinking-only templates)."""
+
+    SEP = 30
+    eos_token_id = 0
+    all_special_ids = [0]
+
+    def __init__(self):
+        self.template_calls = []
+
+    def encode(self, text):
+        return [ord(c) for c in text]
+
+    def decode(self, ids, skip_special_tokens=False, **kw):
+        return "".join(chr(i) for i in ids if not (skip_special_tokens and i == 0))
+
+    def apply_chat_template(self, messages, enable_thinking=True, open_think=False, **kw):
+        self.template_calls.append((messages, kw))
+        prompt = "<think>\n\n</think>\n\n" if not enable_thinking else "<think>\n" if open_think else ""
+        return messages[-1]["content"] + chr(self.SEP) + "assistant:" + prompt
+
+
+def make_scripted_server(**parsers) -> Server:
+    """A server over ScriptedRunner and Chars; ``parsers``: ``reasoning_parser``, ``tool_call_parser``."""
+    s = Server(ScriptedRunner(), Chars(), "tiny", **parsers)
+    s.prompts.tokenizer = s.tokenizer
+    return s
+
+
 def post(client, path, body):
     r = client.post(path, json=body)
     assert r.status_code == 200, r.text

@@ -34,12 +34,17 @@ def refused(capsys, model, *argv) -> str:
     return err.strip()
 
 
-@pytest.mark.parametrize("argv, expected", [
-    (["--tool_call_parser", "qwen25"], "error: --tool_call_parser: tool-call parsing is not implemented yet"),
-    (["--reasoning_parser", "qwen3"], "error: --reasoning_parser: reasoning parsing is not implemented yet"),
-], ids=["tool_call_parser", "reasoning_parser"])  # fmt: skip
-def test_a_feature_this_server_lacks_is_one_line_saying_so(capsys, model, argv, expected):
-    assert refused(capsys, model, *argv).startswith(expected)
+def test_reasoning_and_tool_call_parsers(capsys, model):
+    """LightLLM's and vLLM's parser names are taken; any other is one line naming the flag and the choices."""
+    server = parse(model, "--reasoning_parser", "qwen3", "--tool_call_parser", "qwen25")[0]
+    assert (server.reasoning_parser, server.tool_call_parser) == ("qwen3", "qwen25")
+    server = parse(model, "--reasoning_parser", "deepseek-r1", "--tool_call_parser", "hermes")[0]
+    assert (server.reasoning_parser, server.tool_call_parser) == ("deepseek-r1", "hermes")
+    assert parse(model)[0].reasoning_parser is None and parse(model)[0].tool_call_parser is None
+    err = refused(capsys, model, "--reasoning_parser", "qwen2")
+    assert "--reasoning_parser" in err and "'qwen2'" in err and "qwen3" in err and "deepseek-r1" in err
+    err = refused(capsys, model, "--tool_call_parser", "llama3")
+    assert "--tool_call_parser" in err and "'llama3'" in err and "qwen25" in err and "hermes" in err
 
 
 def test_chunked_prefill_flags(capsys, model):

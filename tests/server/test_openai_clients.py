@@ -1,8 +1,12 @@
 """Real clients against the served tiny model (issue 18 item 6): the official ``openai`` package and LangChain's
 ``langchain-openai``, offline (no network: the clients only talk to the local server)."""
 
+import json
+
 import openai
 import pytest
+from fake_model import make_scripted_server
+from fastapi.testclient import TestClient
 from langchain_openai import ChatOpenAI, OpenAI
 from server_helpers import MODEL
 
@@ -89,3 +93,63 @@ def test_langchain_completions_with_a_list_of_prompts(tiny_server):
     assert len(result.generations) == 3 and all(len(g) == 1 for g in result.generations)
     assert result.llm_output["token_usage"]["completion_tokens"] >= 3
     assert result.generations[1][0].text == llm.invoke("world")
+
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "the weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
+ANSWER = ('<think>\nThe user asks for the weather.</think>\n\nLet me look.\n<tool_call>\n{"name": "get_weather", '
+          '"arguments": {"city": "Paris"}}\n</tool_call>')  # fmt: skip
+
+
+def test_the_served_parsers_answer_plain_text_as_content(client):
+    """The shared server runs with --reasoning_parser qwen3 --tool_call_parser qwen25: an answer that opens no
+    <think> and writes no <tool_call> is all content, with reasoning_content null."""
+    r = client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=6, temperature=0, tools=TOOLS)
+    message = r.choices[0].message
+    assert message.model_extra["reasoning_content"] is None and message.tool_calls is None
+    assert message.content and r.choices[0].finish_reason in ("length", "stop")
+
+
+@pytest.fixture(scope="module")
+def scripted_client():
+    """The openai client over an in-process server whose model answers with the user message (no process)."""
+    server = make_scripted_server(reasoning_parser="qwen3", tool_call_parser="hermes")
+    with TestClient(server.app) as http:
+        yield openai.OpenAI(base_url="http://testserver/v1", api_key="none", max_retries=0, http_client=http)
+
+
+def test_openai_client_reads_tool_calls_and_reasoning(scripted_client):
+    r = scripted_client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": ANSWER}],
+                                                tools=TOOLS)  # fmt: skip
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me look."
+    assert choice.message.model_extra["reasoning_content"] == "\nThe user asks for the weather."
+    [call] = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+
+
+def test_openai_client_streams_tool_calls_and_reasoning(scripted_client):
+    stream = scripted_client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": ANSWER}],
+                                                     tools=TOOLS, stream=True)  # fmt: skip
+    reasoning = content = ""
+    calls, reasons = {}, []
+    for chunk in stream:
+        delta = chunk.choices[0].delta
+        reasoning += (delta.model_extra or {}).get("reasoning_content") or ""
+        content += delta.content or ""
+        for tc in delta.tool_calls or ():
+            call = calls.setdefault(tc.index, {"id": tc.id, "name": tc.function.name, "arguments": ""})
+            call["arguments"] += tc.function.arguments or ""
+        reasons.append(chunk.choices[0].finish_reason)
+    assert (reasoning, content) == ("\nThe user asks for the weather.", "Let me look.")
+    assert list(calls) == [0] and calls[0]["name"] == "get_weather" and calls[0]["id"].startswith("call_")
+    assert json.loads(calls[0]["arguments"]) == {"city": "Paris"} and reasons[-1] == "tool_calls"

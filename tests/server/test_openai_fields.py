@@ -69,7 +69,7 @@ def test_tool_choice_none_leaves_the_tools_out_of_the_template(server, client):
     (CHAT, {"response_format": {"type": "json_schema", "json_schema": {}}}, "type 'json_schema' is not supported"),
     (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages.0.content.0.type: 'image_url' is not supported; this server takes text parts only"),
-    (CHAT, {"tool_choice": "required"}, "tool_choice: 'required' is not supported (it needs tool-call parsing"),
+    (CHAT, {"tool_choice": "required"}, "tool_choice: 'required' is not supported (forcing a call needs constrained"),
     (CHAT, {"top_logprobs": 3}, "top_logprobs: 3 needs logprobs true"),
     (CHAT, {"logprobs": True, "top_logprobs": 21}, "top_logprobs: Input should be less than or equal to 20"),
     (CHAT, {"stream_options": {"include_usage": True}}, "stream_options: only allowed with stream true"),

@@ -61,7 +61,7 @@ CASES = {
     "int4kv group 16": (["--llm_kv_type", "int4kv", "--llm_kv_quant_group_size", "16"], ["16", "head_dim / 2 = 8"]),
     "group 0, default KV": (["--llm_kv_quant_group_size", "0"], ["--llm_kv_quant_group_size", "got 0"]),
     "negative drain": (["--shutdown_drain_s", "-1"], ["--shutdown_drain_s", "-1"]),
-    "a LightLLM feature not here": (["--tool_call_parser", "qwen25"], ["--tool_call_parser", "not implemented"]),
+    "unknown reasoning parser": (["--reasoning_parser", "qwen2"], ["--reasoning_parser", "'qwen2'", "qwen3"]),
     "chunked_prefill_size 0": (["--chunked_prefill_size", "0"], ["--chunked_prefill_size", "positive integer, got 0"]),
 }
 
