@@ -101,8 +101,9 @@ _SERVER_HELP = {
 _SERVER_FLAGS = {  # the ServerArgs fields whose flag is not a plain typed value
     "model_name": dict(help="the model id clients send and see (default: the model folder's name)"),
     "tokenizer_mode": dict(choices=TOKENIZER_MODES, help="fast, slow, or auto (fast, else slow)"),
-    "trust_remote_code": dict(action="store_true", help="accepted for LightLLM compatibility; Qwen3 and Qwen3.5 run no "
-                              "remote code"),  # fmt: skip
+    "trust_remote_code": dict(
+        action="store_true", help="accepted for LightLLM compatibility; Qwen3 and Qwen3.5 run no remote code"
+    ),
     "eos_id": dict(type=int, nargs="+", help="token ids that end a request, besides the model's own EOS"),
     "chat_template": dict(help="a Jinja chat template, as a file path or inline, replacing the tokenizer's"),
     "nccl_port": dict(type=int, help="with --tp > 1: the port of the ranks' rendezvous (default: a free one)"),
