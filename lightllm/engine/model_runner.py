@@ -165,10 +165,11 @@ class ModelRunner:
         if self.args.disable_dynamic_prompt_cache:
             return False
         why = self.model.prefix_cache_blocker()
+        why = why and f"the model's {why}"
         if why is None and contiguous:
             why = "the FA3 build without paged KV gives each request a fixed row of the pool"
         if why is not None:
-            logger.info("prefix cache (dynamic prompt cache) off for this model: %s", why)
+            logger.info("prefix cache (dynamic prompt cache) off: %s", why)
         return why is None
 
     def _profile_memory(self, memory_api, graph_sizes: Sequence[int]) -> GpuProfile:

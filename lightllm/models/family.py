@@ -30,8 +30,8 @@ class Model(Protocol):
         row, indexed like ``b_req_idx``) before the KV cache is sized; its bytes, 0 for a model without any."""
 
     def prefix_cache_blocker(self) -> Optional[str]:
-        """Why a request can't start from another's cached KV prefix (state beside the KV that the prefix cache
-        does not keep), or None when the KV cache is all the state a request has."""
+        """Why a request can't start from another's cached KV prefix, as the state beside the KV that the prefix
+        cache does not keep (logged after "the model's"), or None when the KV cache is all the state a request has."""
 
     def forward(self, input_ids: torch.Tensor, state: InferState) -> torch.Tensor: ...
 

@@ -16,7 +16,8 @@ import torch
 
 
 class _Node:
-    __slots__ = ("key", "slots", "children", "parent", "refs", "last_used")
+    __slots__ = ("key", "slots", "children", "parent", "refs", "last_used", "serial")
+    _serials = itertools.count()  # ties in LRU order break by creation, the same on every tensor-parallel rank
 
     def __init__(self, key: List[int], slots: torch.Tensor, parent: Optional["_Node"]):
         self.key = key  # its token ids
@@ -25,6 +26,7 @@ class _Node:
         self.parent = parent
         self.refs = 0  # requests whose pinned path runs through it
         self.last_used = 0
+        self.serial = next(_Node._serials)
 
 
 def _common_len(a: Sequence[int], b: Sequence[int]) -> int:
@@ -111,7 +113,7 @@ class RadixCache:
     def evict(self, num_tokens: int) -> int:
         """Free at least ``num_tokens`` slots (or all evictable ones), least recently used unpinned leaves first;
         returns how many were freed."""
-        heap = [(n.last_used, id(n), n) for n in self._nodes() if n.refs == 0 and not n.children]
+        heap = [(n.last_used, n.serial, n) for n in self._nodes() if n.refs == 0 and not n.children]
         heapq.heapify(heap)
         freed = 0
         while freed < num_tokens and heap:
@@ -123,7 +125,7 @@ class RadixCache:
             self.num_tokens -= len(leaf.key)
             self.num_evictable -= len(leaf.key)
             if parent is not self.root and parent.refs == 0 and not parent.children:
-                heapq.heappush(heap, (parent.last_used, id(parent), parent))
+                heapq.heappush(heap, (parent.last_used, parent.serial, parent))
         return freed
 
     def clear(self) -> int:

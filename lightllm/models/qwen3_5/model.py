@@ -96,7 +96,7 @@ class Qwen3_5Model:
         return state.nbytes
 
     def prefix_cache_blocker(self) -> Optional[str]:
-        return ("its linear-attention state would need checkpoints at prefix boundaries (LightLLM's "
+        return ("linear-attention state would need checkpoints at prefix boundaries (LightLLM's "
                 "--linear_att_hash_page_size), which are not implemented")  # fmt: skip
 
     # ---- forward ------------------------------------------------------------------------------------------
