@@ -28,6 +28,7 @@ class RequestOutput:
     logprobs: Optional[List[float]] = None  # of the chosen tokens, when asked for
     top_logprobs: Optional[List[List[Tuple[int, float]]]] = None  # per token, with SamplingParams.top_logprobs
     finish_reason: str = ""
+    num_cached_tokens: int = 0  # prompt tokens read from the prefix cache instead of computed
 
 
 class LLM:
@@ -86,6 +87,7 @@ class LLM:
         text = TextStream(self.tokenizer if params.stop else None, params.stop)
 
         def emit(ev: Event) -> None:
+            out.num_cached_tokens = ev.cached_tokens  # every event carries it
             if out.finish_reason:  # ended by a stop string: nothing after it counts
                 return
             if ev.kind == "finish":

@@ -29,6 +29,7 @@ class EngineArgs:
     batch_max_tokens: int = 4096
     chunked_prefill_size: int = 4096  # LightLLM's default; a longer prompt is prefilled in pieces of at most this
     disable_chunked_prefill: bool = False
+    disable_dynamic_prompt_cache: bool = False  # the prefix cache (radix tree over finished requests' KV) is on
     graph_max_batch_size: int = 64
     graph_split_batch_size: int = 16
     graph_grow_step_size: int = 16

@@ -166,7 +166,7 @@ class Engine:
                 self.observer.on_token(first, now - (req.arrival if first else req.last_token_time))
             req.last_token_time = now
             req.output_ids.append(tok)
-            req.emit(Event("token", tok, lp, top_logprobs=top))
+            req.emit(Event("token", tok, lp, top_logprobs=top, cached_tokens=req.num_cached_tokens or 0))
             reason = self.scheduler.finish_reason(req, tok)
             if reason is None:
                 alive.append(req)
@@ -220,4 +220,4 @@ class Engine:
             self.scheduler.release(req)
         except (ValueError, KVCacheFull):
             logger.exception("freeing request %s", req.id)
-        req.emit(Event("finish", finish_reason=reason))
+        req.emit(Event("finish", finish_reason=reason, cached_tokens=req.num_cached_tokens or 0))

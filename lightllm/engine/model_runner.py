@@ -3,7 +3,8 @@
 Start-up, top to bottom (``ModelRunner.__init__``):
 1. read the model config and fit the options to it (context length, KV group size), load weights, size
    the KV pool: on a GPU from the peak of a profiling prefill and decode over a scratch pool (no tuning
-   there), on the CPU from the available RAM (``common/kv_cache/sizing.py``);
+   there), on the CPU from the available RAM (``common/kv_cache/sizing.py``); the prefix cache over it is on
+   unless ``--disable_dynamic_prompt_cache`` or the model says it can't reuse a prefix;
 2. GENERAL warmup: dummy prefills at a spread of lengths up to the prefill step's tokens (with chunked prefill,
    each also as a second chunk);
 3. decode graphs, largest batch first: per size one eager decode forward in the DECODE_ATTENTION scope
@@ -147,15 +148,29 @@ class ModelRunner:
             raise ValueError(f"the KV cache holds {num_tokens} tokens, fewer than one --max_req_total_len "
                              f"({a.max_req_total_len}) request plus padding: raise --max_total_token_num or "
                              "--mem_fraction, or lower --max_req_total_len")  # fmt: skip
-        self.kv = KVCacheManager(num_tokens, max_reqs, a.max_req_total_len, self.device, contiguous_slots=contiguous)
+        prefix_cache = self._use_prefix_cache(contiguous)
+        self.kv = KVCacheManager(num_tokens, max_reqs, a.max_req_total_len, self.device, contiguous_slots=contiguous,
+                                 prefix_cache=prefix_cache)  # fmt: skip
         pool = make_pool(a.llm_kv_type, num_tokens, c.num_kv_layers, self.model.kv_heads, c.head_dim,
                          a.torch_dtype, self.device, a.llm_kv_quant_group_size)  # fmt: skip
         self.attn = AttentionBackend(pool, a.llm_decode_att_backend, self.device)  # fa3 picks its layout too
         self.model.set_attention(self.attn)
         self.pad_slot = self.kv.add_request()
         self.pad_token = int(self.kv.extend(self.pad_slot, 1)[0])
-        logger.info("KV cache: %d tokens (%s, %s)", num_tokens, a.llm_kv_type, "contiguous slots" if contiguous
-                    else "token pool")  # fmt: skip
+        logger.info("KV cache: %d tokens (%s, %s, prefix cache %s)", num_tokens, a.llm_kv_type, "contiguous slots"
+                    if contiguous else "token pool", "on" if prefix_cache else "off")  # fmt: skip
+
+    def _use_prefix_cache(self, contiguous: bool) -> bool:
+        """The prefix cache is on unless turned off, or the model or KV layout can't reuse a prefix (one log line)."""
+        if self.args.disable_dynamic_prompt_cache:
+            return False
+        why = self.model.prefix_cache_blocker()
+        why = why and f"the model's {why}"
+        if why is None and contiguous:
+            why = "the FA3 build without paged KV gives each request a fixed row of the pool"
+        if why is not None:
+            logger.info("prefix cache (dynamic prompt cache) off: %s", why)
+        return why is None
 
     def _profile_memory(self, memory_api, graph_sizes: Sequence[int]) -> GpuProfile:
         """The worst forwards the server runs (a prefill of ``prefill_step_tokens`` tokens with chunked prefill, else
@@ -237,7 +252,10 @@ class ModelRunner:
             max_prefix_len=max(prefix),
         )
         input_ids = torch.tensor([t for p in prompts for t in p], dtype=torch.int64, device=dev)
-        return self.model.forward(input_ids, state)
+        logits = self.model.forward(input_ids, state)
+        for slot, prompt in zip(slots, prompts):  # after the forward: a failed one leaves no KV to reuse
+            self.kv.computed(slot, prompt)
+        return logits
 
     def decode(self, slots: Sequence[int], last_tokens: Sequence[int]) -> torch.Tensor:
         """One decode step (one new token per request); a captured graph when one fits, else eager."""
@@ -251,7 +269,7 @@ class ModelRunner:
             staging.stage(input_ids=last_tokens, positions=positions, out_token_idx=token_idx, b_req_idx=slots,
                           b_seq_len=seq_lens)  # fmt: skip
             if graph_bs is not None:
-                return self.graphs.replay(graph_bs)[:bs]
+                return self._computed_each(slots, last_tokens, self.graphs.replay(graph_bs)[:bs])
             b = {name: view[:bs] for name, view in self._buf.items()}
         else:
             i32, i64 = torch.int32, torch.int64
@@ -262,10 +280,18 @@ class ModelRunner:
         state = InferState(is_prefill=False, b_req_idx=b["b_req_idx"], req_to_token=self.kv.table,
                            b_seq_len=b["b_seq_len"], out_token_idx=b["out_token_idx"], positions=b["positions"],
                            max_len_in_batch=max_len)  # fmt: skip
-        return self.model.forward(b["input_ids"], state)
+        return self._computed_each(slots, last_tokens, self.model.forward(b["input_ids"], state))
 
-    def add_request(self) -> int:
-        return self.kv.add_request()
+    def _computed_each(self, slots: Sequence[int], last_tokens: Sequence[int], logits: torch.Tensor) -> torch.Tensor:
+        if self.kv.prefix is not None:
+            for slot, token in zip(slots, last_tokens):
+                self.kv.computed(slot, (token,))
+        return logits
+
+    def add_request(self, prefix: Sequence[int] = ()) -> int:
+        """A request slot whose KV row starts with the prefix cache's slots for ``prefix`` (all of it cached: the
+        scheduler asked ``kv.match_prefix`` first)."""
+        return self.kv.add_request(prefix)
 
     def free(self, slot: int) -> None:
         self.kv.free_request(slot)
@@ -296,6 +322,8 @@ class ModelRunner:
             finally:
                 for s in slots:
                     self.kv.free_request(s)
+        if self.kv.prefix is not None:  # random warmup prompts: nothing a live request could reuse
+            self.kv.prefix.clear()
 
     def _init_graph_buffers(self) -> None:
         """The decode graphs' static inputs: device views of one staging buffer, every row the padding request

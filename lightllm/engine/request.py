@@ -16,6 +16,7 @@ class Event:
     logprob: float = 0.0
     finish_reason: str = ""  # "stop" | "length" | "abort" | "error", or the reason an abort gave
     top_logprobs: Optional[List[Tuple[int, float]]] = None  # (token id, logprob), most likely first, when asked
+    cached_tokens: int = 0  # prompt tokens its admission read from the prefix cache instead of computing them
 
 
 @dataclass
@@ -30,6 +31,7 @@ class Request:
     slot: int = -1  # its KV slot while it holds one
     prefilled: int = 0  # tokens of its context in the KV cache (chunked prefill: the chunks done so far)
     chunk_end: int = 0  # how far the prefill step it is scheduled in goes
+    num_cached_tokens: Optional[int] = None  # prompt tokens the prefix cache held at its first admission
     generator: Optional[torch.Generator] = None  # from params.seed, made by the engine on submit
     sampling_row: int = -1  # its row of the logits processor's tables while it holds one
     arrival: float = field(default_factory=time.perf_counter)

@@ -5,7 +5,7 @@ Every call that changes KV or model state is in ``STATE_CHANGING``: a tensor-par
 these to the other ranks, so their KV bookkeeping stays identical. The rest is read-only.
 """
 
-from typing import Protocol, Sequence, runtime_checkable
+from typing import Protocol, Sequence, Tuple, runtime_checkable
 
 import torch
 
@@ -19,6 +19,8 @@ class KVQueries(Protocol):
     def can_allocate(self, num_tokens: int) -> bool: ...
 
     def has_free_slot(self) -> bool: ...
+
+    def match_prefix(self, tokens: Sequence[int]) -> Tuple[int, int]: ...  # (cached, of them evictable now)
 
     def usage(self) -> float: ...
 
@@ -44,6 +46,6 @@ class Runner(Protocol):
 
     def decode(self, slots: Sequence[int], last_tokens: Sequence[int]) -> torch.Tensor: ...
 
-    def add_request(self) -> int: ...
+    def add_request(self, prefix: Sequence[int] = ()) -> int: ...  # its row starts with the cached ``prefix``
 
     def free(self, slot: int) -> None: ...

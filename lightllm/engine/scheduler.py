@@ -4,15 +4,17 @@ changed only through the runner's ``add_request`` and ``free`` (broadcast under 
 
 Prefill first: a prefill step carries at most ``prefill_step_tokens`` prompt tokens: first the next chunk of the
 requests being prefilled, then waiting requests, admitted oldest first while request slots and free KV allow (KV
-for a request's whole remaining context must be free when it is admitted; it is allocated chunk by chunk).
+for a request's whole remaining context must be free when it is admitted; it is allocated chunk by chunk). With
+the prefix cache a request is admitted with the longest cached prefix of its context (all but its last token) in
+its KV row already, and prefills only the rest.
 With chunked prefill (the default) the last request of a step gets what is left of the budget and the rest of its
 context waits for the next prefill step; in between, the running requests decode one step, so a long prompt never
 stalls them for more than one chunk. Its first token is sampled after its last chunk. Without chunking a prompt
 longer than the budget is prefilled whole, alone, over the budget.
 
 Otherwise every running request decodes; when the KV cache can't hold the next token of each, the newest request
-is preempted (a partly prefilled one first): its KV is freed and it waits, first in line, to be re-prefilled from
-the start with what it has generated so far.
+is preempted (a partly prefilled one first): its KV is freed (the prefix cache keeps what it computed, evictable)
+and it waits, first in line, to be re-prefilled with what it has generated so far.
 """
 
 import logging
@@ -124,15 +126,22 @@ class Scheduler:
             batch.append(req)
         holding = len(self.running) + len(self.prefilling)  # request slots in use
         while self.waiting and budget > 0 and holding < self.args.running_max_req_size:
-            need = len(self.waiting[0].context)
-            if (not self.chunked and batch and need > budget) or not kv.can_allocate(planned + need + 1):
+            context = self.waiting[0].context
+            # the prefix cache's longest hit, one token short of the whole context: its logits are needed
+            cached, evictable = kv.match_prefix(context[:-1])
+            need = len(context) - cached
+            # pinning the hit takes its evictable tokens out of the free ones
+            if (not self.chunked and batch and need > budget) or not kv.can_allocate(planned + need + 1 + evictable):
                 break
             if not kv.has_free_slot():
                 break
             req = self.waiting.popleft()
-            req.slot = self.runner.add_request()
-            req.prefilled, req.chunk_end = 0, need if not self.chunked else min(need, budget)
-            budget -= req.chunk_end
+            req.slot = self.runner.add_request(context[:cached])
+            if req.num_cached_tokens is None:  # the first admission's hit is what the client's prompt saved
+                req.num_cached_tokens = min(cached, len(req.prompt_ids))
+            req.prefilled = cached
+            req.chunk_end = cached + (need if not self.chunked else min(need, budget))
+            budget -= req.chunk_end - cached
             planned += need + 1
             batch.append(req)
             holding += 1

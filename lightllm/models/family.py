@@ -1,7 +1,7 @@
 """What the engine and the server start-up may ask of a model family, whatever the architecture."""
 
 from pathlib import Path
-from typing import Any, Protocol, Tuple
+from typing import Any, Optional, Protocol, Tuple
 
 import torch
 
@@ -28,6 +28,10 @@ class Model(Protocol):
     def alloc_request_state(self, num_slots: int, ssm_dtype: torch.dtype) -> int:
         """Allocate per-request state kept beside the KV cache (linear-attention state; one slot per request
         row, indexed like ``b_req_idx``) before the KV cache is sized; its bytes, 0 for a model without any."""
+
+    def prefix_cache_blocker(self) -> Optional[str]:
+        """Why a request can't start from another's cached KV prefix, as the state beside the KV that the prefix
+        cache does not keep (logged after "the model's"), or None when the KV cache is all the state a request has."""
 
     def forward(self, input_ids: torch.Tensor, state: InferState) -> torch.Tensor: ...
 

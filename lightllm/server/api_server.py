@@ -63,6 +63,8 @@ class Metrics:
         self.kv_usage = Gauge("lightllm_kv_usage_ratio", "fraction of KV cache tokens in use", registry=r)
         self.generated_tokens = Counter("lightllm_generated_tokens", "tokens generated", registry=r)
         self.finished = Counter("lightllm_requests_finished", "finished requests", ["finish_reason"], registry=r)
+        self.cached_tokens = Counter("lightllm_prompt_cached_tokens", "prompt tokens read from the prefix cache "
+                                     "instead of computed", registry=r)  # fmt: skip
         self.ttft = Histogram("lightllm_time_to_first_token_seconds", "arrival to first token", registry=r,
                               buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))  # fmt: skip
         self.itl = Histogram("lightllm_inter_token_latency_seconds", "time between tokens", registry=r,
@@ -287,16 +289,18 @@ class Server:
             raise BadRequest(str(e)) from None
         return params
 
-    async def _stream(self, ids, params, request: Request, text: bool = True) -> AsyncIterator[tuple]:
+    async def _stream(self, ids, params, request: Request, text: bool = True,
+                      cached: Optional[list] = None) -> AsyncIterator[tuple]:  # fmt: skip
         """(text delta, token event or None, finish reason or None) per token; aborts on disconnect or stop string.
         ``text=False`` (a caller that decodes once at the end, with no stop strings) leaves every delta ''.
+        ``cached``: gets the request's prompt tokens read from the prefix cache appended, with its first event.
         Counts the request in lightllm_requests_finished_total once, with the reason the client is given
         ("abort" when it left first, whether it was running or still queued)."""
         events: "asyncio.Queue[Event]" = asyncio.Queue()
         req = EngineRequest(uuid.uuid4().hex, ids, params, functools.partial(self.mailbox.post, events))
         self.engine.submit(req)
         out = TextStream(self.tokenizer if text else None, params.stop)
-        finished = False
+        finished, first = False, True
         loop = asyncio.get_running_loop()
         next_check = loop.time() + _DISCONNECT_CHECK_S
         try:
@@ -311,6 +315,11 @@ class Server:
                         return
                 if ev is None:
                     continue
+                if first:  # every event carries the admission's hit: count it once
+                    first = False
+                    self.metrics.cached_tokens.inc(ev.cached_tokens)
+                    if cached is not None:
+                        cached.append(ev.cached_tokens)
                 if ev.kind == "finish":
                     finished = True
                     rest, reason = out.finish(ev.finish_reason)
@@ -332,9 +341,9 @@ class Server:
                 self.metrics.finished.labels("abort").inc()
 
     async def _collect(self, ids, params, request: Request) -> dict:
-        text, token_ids, logprobs, tops, reason = "", [], [], [], ""
+        text, token_ids, logprobs, tops, reason, cached = "", [], [], [], "", []
         incremental = bool(params.stop)  # only stop strings need the text while generating
-        async for delta, ev, fin in self._stream(ids, params, request, text=incremental):
+        async for delta, ev, fin in self._stream(ids, params, request, text=incremental, cached=cached):
             text += delta
             if ev is not None:
                 token_ids.append(ev.token_id)
@@ -345,17 +354,18 @@ class Server:
         if not incremental:
             text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
         return {"text": text, "token_ids": token_ids, "logprobs": logprobs, "top_logprobs": tops,
-                "finish_reason": reason or "abort"}  # fmt: skip
+                "finish_reason": reason or "abort", "cached_tokens": sum(cached)}  # fmt: skip
 
-    async def merged_streams(self, seqs: Sequence[tuple], request: Request) -> AsyncIterator[tuple]:
+    async def merged_streams(self, seqs: Sequence[tuple], request: Request,
+                             cached: Optional[List[list]] = None) -> AsyncIterator[tuple]:  # fmt: skip
         """(index into ``seqs``, what ``_stream`` yields) for every ``(ids, params)`` of ``seqs``, generated side by
         side, in the order they arrive. Leaving early (the client went) cancels every one of them, which aborts
-        them in the engine."""
+        them in the engine. ``cached``: one list per sequence, for ``_stream``'s ``cached``."""
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(i, ids, params):
             try:
-                async for item in self._stream(ids, params, request):
+                async for item in self._stream(ids, params, request, cached=cached[i] if cached else None):
                     queue.put_nowait((i, item))
             except Exception as e:  # noqa: BLE001 - handed to the consumer, which raises it
                 queue.put_nowait((i, e))

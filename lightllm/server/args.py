@@ -32,6 +32,8 @@ _HELP = {
     "chunked_prefill_size": "prefill a longer prompt in chunks of at most this many tokens, a decode step of the "
     "running requests between chunks (LightLLM's default 4096)",
     "disable_chunked_prefill": "prefill every prompt in one piece (a prompt over --batch_max_tokens runs alone)",
+    "disable_dynamic_prompt_cache": "turn off the prefix cache (a radix tree keeping finished requests' KV for "
+    "later prompts that start the same way)",
     "graph_max_batch_size": "largest decode CUDA graph (capped at running_max_req_size)",
     "graph_split_batch_size": "decode graphs for every batch size up to this",
     "graph_grow_step_size": "then one graph every this many",
@@ -80,7 +82,6 @@ class ServerArgs:
     eos_id: Tuple[int, ...] = ()  # extra ids that end a request, beside the model's own
     chat_template: Optional[str] = None  # the template's text once parsed (the flag takes a file or the text)
     nccl_port: Optional[int] = None  # None: a free port
-    disable_dynamic_prompt_cache: bool = False
     reasoning_parser: Optional[str] = None  # None: reasoning stays in the chat answer's content
     tool_call_parser: Optional[str] = None  # None: tool calls stay in the chat answer's content
 
@@ -106,13 +107,12 @@ _SERVER_FLAGS = {  # the ServerArgs fields whose flag is not a plain typed value
     "tokenizer_mode": dict(choices=TOKENIZER_MODES, help="fast, slow, or auto (fast, else slow)"),
     "reasoning_parser": dict(choices=list(REASONING_PARSERS), help=_REASONING_HELP),
     "tool_call_parser": dict(choices=list(TOOL_CALL_PARSERS), help=_TOOL_CALL_HELP),
-    "trust_remote_code": dict(action="store_true", help="accepted for LightLLM compatibility; Qwen3 and Qwen3.5 run no "
-                              "remote code"),  # fmt: skip
+    "trust_remote_code": dict(
+        action="store_true", help="accepted for LightLLM compatibility; Qwen3 and Qwen3.5 run no remote code"
+    ),
     "eos_id": dict(type=int, nargs="+", help="token ids that end a request, besides the model's own EOS"),
     "chat_template": dict(help="a Jinja chat template, as a file path or inline, replacing the tokenizer's"),
     "nccl_port": dict(type=int, help="with --tp > 1: the port of the ranks' rendezvous (default: a free one)"),
-    "disable_dynamic_prompt_cache": dict(action="store_true", help="accepted as a no-op: there is no prompt "
-                                         "(prefix) cache to disable"),  # fmt: skip
 }
 
 
@@ -203,8 +203,6 @@ def _read_chat_template(value: Optional[str]) -> Optional[str]:
 def _note_unused(server: ServerArgs) -> None:
     if server.trust_remote_code:
         logger.info("--trust_remote_code: unused, the supported architectures (Qwen3, Qwen3.5) run no remote code")
-    if server.disable_dynamic_prompt_cache:
-        logger.info("--disable_dynamic_prompt_cache: nothing to disable, this server has no prompt cache")
     if server.nccl_port is not None and server.tp == 1:
         logger.info("--nccl_port %d: unused with --tp 1", server.nccl_port)
 

@@ -193,10 +193,15 @@ class OpenAIReply:
     def _echo(self, prompt_index: int) -> str:
         return self.echoes[prompt_index] if self.echoes else ""
 
-    def _usage(self, completion_tokens: int) -> dict:
+    def _usage(self, completion_tokens: int, cached: List[int]) -> dict:
+        """``cached``: per sequence, its prompt tokens read from the prefix cache. A prompt counts once in
+        ``prompt_tokens``, so its samples' hits count once too (the largest)."""
         prompt_tokens = sum(len(ids) for ids in self.prompts)
+        per = len(cached) // len(self.prompts)
+        hits = sum(max(cached[p * per : (p + 1) * per], default=0) for p in range(len(self.prompts)))
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens}  # fmt: skip
+                "total_tokens": prompt_tokens + completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": hits}}  # fmt: skip
 
     def whole(self, results: List[dict]) -> dict:
         choices = []
@@ -206,7 +211,7 @@ class OpenAIReply:
                 group = sorted(group, key=lambda r: sum(r["logprobs"]), reverse=True)[: self.n]
             for r in group:
                 choices.append(self._choice(len(choices), p, r))
-        usage = self._usage(sum(len(r["token_ids"]) for r in results))
+        usage = self._usage(sum(len(r["token_ids"]) for r in results), [r["cached_tokens"] for r in results])
         return {"id": self.id, "object": self.kind, "created": self.created, "model": self.server.model_name,
                 "choices": choices, "usage": usage}  # fmt: skip
 
@@ -232,7 +237,7 @@ class OpenAIReply:
         chunk per token (with its logprobs when asked), a last one with the finish reason; with
         ``include_usage`` a final chunk with no choices and the usage; then ``[DONE]``. best_of equals n here."""
         kind = self.kind + ".chunk" if self.chat else self.kind
-        produced = [0] * len(seqs)
+        produced, cached = [0] * len(seqs), [[] for _ in seqs]
         offsets = [len(self._echo(i // self.n)) for i in range(len(seqs))]
         for i in range(len(seqs)):
             if self.chat:
@@ -242,7 +247,7 @@ class OpenAIReply:
                 yield self._sse(kind, [{"index": i, "text": self._echo(i // self.n), "logprobs": None,
                                         "finish_reason": None}])  # fmt: skip
         outputs = [self.parsing.new_output() for _ in seqs] if self.parsing else None
-        async for i, (delta, ev, fin) in self.server.merged_streams(seqs, request):
+        async for i, (delta, ev, fin) in self.server.merged_streams(seqs, request, cached):
             lps = None
             if ev is not None:
                 produced[i] += 1
@@ -263,7 +268,7 @@ class OpenAIReply:
                 choice = {"index": i, "text": delta}
             yield self._sse(kind, [{**choice, "logprobs": lps, "finish_reason": fin}])
         if include_usage:
-            yield self._sse(kind, [], usage=self._usage(sum(produced)))
+            yield self._sse(kind, [], usage=self._usage(sum(produced), [sum(c) for c in cached]))
         yield "data: [DONE]\n\n"
 
     def _token_logprobs(self, ev: Event, offset: int) -> dict:

@@ -185,10 +185,10 @@ class TPRunner:
             logger.exception("tensor-parallel rank 0: %s failed", step.__name__)
             self.workers.fail(f"rank 0's {step.__name__} step failed after the workers started it ({e})")
 
-    def add_request(self) -> int:
+    def add_request(self, prefix=()) -> int:
         with self.workers.command("add_request"):
-            self._cast("add_request")
-            return self.runner.add_request()
+            self._cast("add_request", list(prefix))
+            return self.runner.add_request(prefix)
 
     def free(self, slot: int) -> None:
         with self.workers.command("free"):

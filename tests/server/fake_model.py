@@ -19,18 +19,24 @@ class FakeRunner:
         self.args = EngineArgs(batch_max_tokens=256, max_req_total_len=64, running_max_req_size=32)
         self.config = SimpleNamespace(eos_token_ids=(), vocab_size=VOCAB)
         self.device = torch.device("cpu")
-        self.kv = KVCacheManager(4000, 32, 64, "cpu")
+        self.kv = KVCacheManager(4000, 32, 64, "cpu", prefix_cache=True)  # real bookkeeping, prefix cache on
 
-    def add_request(self):
-        return 0
+    def add_request(self, prefix=()):
+        return self.kv.add_request(prefix)
 
     def free(self, slot):
-        pass
+        self.kv.free_request(slot)
 
     def prefill(self, slots, prompts):
+        for slot, prompt in zip(slots, prompts):
+            self.kv.extend(slot, len(prompt))
+            self.kv.computed(slot, prompt)
         return WEIGHTS[[p[-1] for p in prompts]].clone()
 
     def decode(self, slots, last_tokens):
+        self.kv.extend_each(slots)
+        for slot, token in zip(slots, last_tokens):
+            self.kv.computed(slot, (token,))
         return WEIGHTS[list(last_tokens)].clone()
 
 

@@ -67,12 +67,16 @@ def test_chunked_prefill_flags(capsys, model):
 
 def test_flags_accepted_for_compatibility_log_that_they_change_nothing(model, caplog):
     caplog.set_level(logging.INFO)
-    server, _ = parse(model, "--trust_remote_code", "--disable_dynamic_prompt_cache", "--nccl_port", "29500")
-    assert server.trust_remote_code and server.disable_dynamic_prompt_cache and server.nccl_port == 29500
+    server, _ = parse(model, "--trust_remote_code", "--nccl_port", "29500")
+    assert server.trust_remote_code and server.nccl_port == 29500
     messages = [r.message for r in caplog.records]
     assert "--trust_remote_code: unused, the supported architectures (Qwen3, Qwen3.5) run no remote code" in messages
-    assert "--disable_dynamic_prompt_cache: nothing to disable, this server has no prompt cache" in messages
     assert "--nccl_port 29500: unused with --tp 1" in messages
+
+
+def test_disable_dynamic_prompt_cache_is_an_engine_option(model):
+    assert not parse(model)[1].disable_dynamic_prompt_cache  # the prefix cache is on by default
+    assert parse(model, "--disable_dynamic_prompt_cache")[1].disable_dynamic_prompt_cache
 
 
 def test_model_name_and_eos_id(capsys, model):

@@ -31,7 +31,7 @@ class BlockingRunner:
         self.kv = KVCacheManager(1000, 4, 64, "cpu")
         self.entered, self.release = threading.Event(), threading.Event()
 
-    def add_request(self):
+    def add_request(self, prefix=()):
         return 0
 
     def free(self, slot):

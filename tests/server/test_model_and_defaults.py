@@ -28,7 +28,7 @@ class FakeRunner:
         self.device = torch.device("cpu")
         self.kv = KVCacheManager(1000, 4, 64, "cpu")
 
-    def add_request(self):
+    def add_request(self, prefix=()):
         return 0
 
     def free(self, slot):

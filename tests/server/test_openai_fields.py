@@ -113,7 +113,8 @@ def test_stream_usage_only_with_include_usage_and_in_its_own_chunk(client):
         with_usage = events(client, path, {**body, "stream_options": {"include_usage": True}})
         *chunks, last = with_usage
         assert last["choices"] == [] and last["usage"] == {"prompt_tokens": 3, "completion_tokens": 4,
-                                                           "total_tokens": 7}  # fmt: skip
+                                                           "total_tokens": 7,
+                                                           "prompt_tokens_details": {"cached_tokens": 2}}  # fmt: skip
         assert chunks[-1]["choices"][0]["finish_reason"] == "length" and all("usage" not in e for e in chunks)
 
 
@@ -121,7 +122,8 @@ def test_n_and_list_prompts_give_one_choice_per_prompt_and_sample_in_order(serve
     body = {"prompt": ["ab", [3, 4, 5]], "n": 3, "max_tokens": 4, "temperature": 1.0, "seed": 9, "ignore_eos": True}
     r = post(client, COMPLETIONS, body)
     assert [c["index"] for c in r["choices"]] == list(range(6))
-    assert r["usage"] == {"prompt_tokens": 5, "completion_tokens": 24, "total_tokens": 29}
+    assert r["usage"] == {"prompt_tokens": 5, "completion_tokens": 24, "total_tokens": 29,
+                          "prompt_tokens_details": {"cached_tokens": 0}}  # fmt: skip
     # choice p * n + j is prompt p with seed 9 + j: the same text as that request alone
     for p, prompt in enumerate(body["prompt"]):
         for j in range(3):
@@ -201,3 +203,14 @@ def test_penalties_and_bias_reach_the_draw(client):
     assert len(set(fresh)) == len(fresh) == 12 and "a" not in fresh
     forced = post(client, COMPLETIONS, {**body, "logit_bias": {"7": 100}})["choices"][0]["text"]
     assert forced == "h" * 12
+
+
+def test_usage_reports_the_prompt_tokens_read_from_the_prefix_cache(client):
+    """The second identical prompt reuses all but its last token (computed for its logits), whole or streamed, and
+    /metrics counts them."""
+    body = {"prompt": "abcdef", "max_tokens": 2, "ignore_eos": True}
+    assert post(client, COMPLETIONS, body)["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert post(client, COMPLETIONS, body)["usage"]["prompt_tokens_details"] == {"cached_tokens": 5}
+    last = events(client, COMPLETIONS, {**body, "stream": True, "stream_options": {"include_usage": True}})[-1]
+    assert last["usage"]["prompt_tokens_details"] == {"cached_tokens": 5}
+    assert "lightllm_prompt_cached_tokens_total 10.0" in client.get("/metrics").text

@@ -1,14 +1,16 @@
 """KV cache bookkeeping for requests: request slots, their tokens and the req_to_token table.
 
-No policy lives here (no admission, preemption or eviction): callers ask, the manager counts and refuses
-with ``KVCacheFull`` when the pool is short.
+No policy lives here (no admission or preemption): callers ask, the manager counts and refuses with ``KVCacheFull``
+when the pool is short. With the prefix cache, slots the tree holds but no request pins count as free: an
+allocation evicts them (least recently used first) when the free list runs short.
 """
 
-from typing import List, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
 from lightllm.common.kv_cache.allocator import ReqSlotAllocator, TokenAllocator, check_count
+from lightllm.common.kv_cache.radix_cache import RadixCache
 from lightllm.common.kv_cache.req_to_token import MAX_TOKEN_INDEX, ReqToTokenTable
 
 
@@ -22,9 +24,14 @@ class KVCacheManager:
     tokens from the shared pool (``num_tokens`` must be ``max_reqs * max_len``): the layout of KV-cache
     kernels that address a request as one contiguous row (FA3 builds without paged KV, via
     ``cache_batch_idx``). Capacity is then reserved per request.
+
+    ``prefix_cache=True`` keeps finished requests' KV in a ``RadixCache`` (``prefix``): ``add_request(prefix)``
+    starts a row with cached slots, ``computed`` records which token ids a row's KV now holds, and
+    ``free_request`` hands those to the tree instead of the free list.
     """
 
-    def __init__(self, num_tokens: int, max_reqs: int, max_len: int, device="cuda", contiguous_slots: bool = False):
+    def __init__(self, num_tokens: int, max_reqs: int, max_len: int, device="cuda", contiguous_slots: bool = False,
+                 prefix_cache: bool = False):  # fmt: skip
         check_count("KVCacheManager", "num_tokens", num_tokens, 1)
         if num_tokens - 1 > MAX_TOKEN_INDEX:
             raise ValueError(f"KVCacheManager: num_tokens expected <= {MAX_TOKEN_INDEX + 1} (int32), got {num_tokens}")
@@ -38,6 +45,12 @@ class KVCacheManager:
                 f"KVCacheManager: num_tokens expected max_reqs * max_len = {max_reqs * max_len} with "
                 f"contiguous_slots, got {num_tokens}"
             )
+        if contiguous_slots and prefix_cache:
+            raise ValueError("KVCacheManager: prefix_cache expected a shared token pool, got contiguous_slots")
+        self.prefix: Optional[RadixCache] = RadixCache(self.tokens.free) if prefix_cache else None
+        self._ids: List[List[int]] = [[] for _ in range(max_reqs)]  # token ids whose KV each row holds (prefix cache)
+        self._pins: list = [None] * max_reqs  # the tree node each row pinned at add_request
+        self._num_pinned = [0] * max_reqs  # how many tokens it starts with from the tree
         self._seq_lens = [0] * max_reqs
         self._held: List[List[torch.Tensor]] = [[] for _ in range(max_reqs)]
         self._held_decode: List[List[int]] = [[] for _ in range(max_reqs)]  # one token per decode step
@@ -56,7 +69,7 @@ class KVCacheManager:
     def num_free_tokens(self) -> int:
         if self.contiguous_slots:  # capacity left in free slots and behind each request's length
             return self.tokens.num_tokens - sum(self._seq_lens)
-        return self.tokens.num_free
+        return self.tokens.num_free + (self.prefix.num_evictable if self.prefix else 0)
 
     @property
     def num_free_slots(self) -> int:
@@ -73,12 +86,45 @@ class KVCacheManager:
         """Fraction of the pool's tokens in use."""
         return 1 - self.num_free_tokens / self.num_tokens
 
-    def add_request(self) -> int:
-        """A fresh request slot of length 0; ``KVCacheFull`` if every slot is taken."""
+    def match_prefix(self, tokens: Sequence[int]) -> Tuple[int, int]:
+        """(how many leading ``tokens`` the prefix cache holds, how many of those it could evict now); (0, 0)
+        without the cache. Pinning them by ``add_request`` takes the second number out of the free tokens."""
+        return self.prefix.match(tokens) if self.prefix else (0, 0)
+
+    def add_request(self, prefix: Sequence[int] = ()) -> int:
+        """A fresh request slot whose row starts with the cached KV of ``prefix`` (pinned until ``free_request``);
+        ``KVCacheFull`` if every slot is taken, ``ValueError`` if the cache does not hold all of ``prefix``."""
+        if prefix and self.prefix is None:
+            raise ValueError(f"KVCacheManager.add_request: prefix expected empty without the prefix cache, got "
+                             f"{len(prefix)} tokens")  # fmt: skip
+        if len(prefix) > self.max_len:
+            raise ValueError(f"KVCacheManager.add_request: prefix expected <= max_len {self.max_len} tokens, got "
+                             f"{len(prefix)}")  # fmt: skip
         slot = self.slots.alloc()
-        self._seq_lens[slot] = 0
-        self._held[slot], self._held_decode[slot] = [], []
+        self._held[slot], self._held_decode[slot], self._pins[slot] = [], [], None
+        self._ids[slot], self._num_pinned[slot] = list(prefix), len(prefix)
+        self._seq_lens[slot] = len(prefix)
+        if prefix:
+            try:
+                self._pins[slot], token_idx = self.prefix.pin(prefix)
+            except ValueError:
+                self.slots.free(slot)
+                raise
+            self.req_to_token.write(slot, 0, token_idx)
+            self._held[slot].append(token_idx)
         return slot
+
+    def computed(self, slot: int, token_ids: Sequence[int]) -> None:
+        """The KV of ``token_ids``, the next tokens of ``slot``'s row, is written (its forward ran): they may go to
+        the prefix cache when the request ends. A no-op without the cache."""
+        if self.prefix is not None:
+            self._ids[slot].extend(token_ids)
+
+    def _alloc(self, n: int) -> torch.Tensor:
+        short = n - self.tokens.num_free
+        if short > 0 and self.prefix is not None:
+            self.prefix.evict(short)
+        return self.tokens.alloc(n)
 
     def extend(self, slot: int, n: int) -> torch.Tensor:
         """Allocate ``n`` tokens for ``slot`` and append them to its row of the table.
@@ -98,7 +144,7 @@ class KVCacheManager:
         if self.contiguous_slots:  # reserved with the slot: nothing to allocate
             token_idx = torch.arange(cur, cur + n, dtype=torch.int64) + slot * self.max_len
         else:
-            token_idx = self.tokens.alloc(n)
+            token_idx = self._alloc(n)
         if n:
             self.req_to_token.write(slot, cur, token_idx)
             self._held[slot].append(token_idx)
@@ -119,7 +165,7 @@ class KVCacheManager:
         if self.contiguous_slots:
             token_idx = torch.tensor([s * self.max_len + p for s, p in zip(slots, positions)], dtype=torch.int64)
         else:
-            token_idx = self.tokens.alloc(len(slots))
+            token_idx = self._alloc(len(slots))
         if not slots:
             return token_idx
         self.req_to_token.write_points(torch.tensor(slots), torch.tensor(positions), token_idx)
@@ -129,15 +175,29 @@ class KVCacheManager:
         return token_idx
 
     def free_request(self, slot: int) -> None:
-        """Free ``slot`` and every token it holds."""
+        """Free ``slot`` and every token it holds; with the prefix cache the tree keeps the computed ones (those it
+        did not hold already) and the slot's pin is released."""
         self.slots.check_allocated("KVCacheManager.free_request", slot)
         if not self.contiguous_slots:
             held = self._held[slot] + ([torch.tensor(self._held_decode[slot])] if self._held_decode[slot] else [])
-            if held:
-                self.tokens.free(torch.cat(held))
-        self._held[slot], self._held_decode[slot] = [], []
+            token_idx = torch.cat(held) if held else torch.empty(0, dtype=torch.int64)
+            if self.prefix is not None:
+                token_idx = self._release_to_tree(slot, token_idx)
+            if token_idx.numel():
+                self.tokens.free(token_idx)
+        self._held[slot], self._held_decode[slot], self._ids[slot] = [], [], []
         self._seq_lens[slot] = 0
         self.slots.free(slot)
+
+    def _release_to_tree(self, slot: int, token_idx: torch.Tensor) -> torch.Tensor:
+        """Insert the row's computed tokens into the tree and unpin its prefix: the slots left for the free list
+        (those the tree already held under another slot, and any whose KV was never written)."""
+        ids, pinned, cached = self._ids[slot], self._pins[slot], self._num_pinned[slot]
+        already = self.prefix.insert(ids, token_idx[: len(ids)])
+        if pinned is not None:
+            self.prefix.unpin(pinned)
+            self._pins[slot] = None
+        return torch.cat([token_idx[cached:already], token_idx[len(ids) :]])
 
     def seq_len(self, slot: int) -> int:
         self.slots.check_allocated("KVCacheManager.seq_len", slot)

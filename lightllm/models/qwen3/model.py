@@ -99,6 +99,9 @@ class Qwen3Model:
     def alloc_request_state(self, num_slots: int, ssm_dtype: torch.dtype) -> int:
         return 0  # the KV cache is all the state a request has
 
+    def prefix_cache_blocker(self) -> Optional[str]:
+        return None
+
     def forward(self, input_ids: torch.Tensor, state: InferState) -> torch.Tensor:
         """Float32 logits ``[rows, vocab]``: the last token of each request (prefill), every new token (decode)."""
         attn = self.attn

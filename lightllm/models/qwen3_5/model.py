@@ -95,6 +95,10 @@ class Qwen3_5Model:
         self.linear = LinearAttentionBackend(state, self.device)
         return state.nbytes
 
+    def prefix_cache_blocker(self) -> Optional[str]:
+        return ("linear-attention state would need checkpoints at prefix boundaries (LightLLM's "
+                "--linear_att_hash_page_size), which are not implemented")  # fmt: skip
+
     # ---- forward ------------------------------------------------------------------------------------------
 
     def _plan_ops(self, tokens: int, rows_out: int, positions: torch.Tensor) -> LayerOps:

@@ -1,0 +1,166 @@
+"""The prefix cache (LightLLM's dynamic prompt cache): a radix tree over token ids whose nodes own KV pool slots.
+
+A path from the root spells a token sequence; each node holds the pool slots of its own tokens. A request that
+starts with a cached sequence *pins* its path (a reference count on every node of it) and reads those slots instead
+of computing them; an unpinned node is evictable, least recently used leaf first, when the pool runs short.
+Matching is at token granularity: a node is split where a sequence leaves it.
+
+Only bookkeeping: the manager decides when to pin, insert and evict; slots are returned through ``free_slots``.
+"""
+
+import heapq
+import itertools
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+
+class _Node:
+    __slots__ = ("key", "slots", "children", "parent", "refs", "last_used", "serial")
+    _serials = itertools.count()  # ties in LRU order break by creation, the same on every tensor-parallel rank
+
+    def __init__(self, key: List[int], slots: torch.Tensor, parent: Optional["_Node"]):
+        self.key = key  # its token ids
+        self.slots = slots  # CPU int64 [len(key)]: the pool slot of each
+        self.children: Dict[int, "_Node"] = {}  # by first token id
+        self.parent = parent
+        self.refs = 0  # requests whose pinned path runs through it
+        self.last_used = 0
+        self.serial = next(_Node._serials)
+
+
+def _common_len(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:  # the common case (a whole node matches) at list-compare speed
+        return n
+    return next(i for i in range(n) if a[i] != b[i])
+
+
+class RadixCache:
+    """Token-id prefixes and the KV slots that hold them. ``free_slots(indices)`` takes back evicted slots."""
+
+    def __init__(self, free_slots: Callable[[torch.Tensor], None]):
+        self.free_slots = free_slots
+        self.root = _Node([], torch.empty(0, dtype=torch.int64), None)
+        self.root.refs = 1  # never evicted
+        self.num_tokens = 0  # slots the tree owns
+        self.num_evictable = 0  # of them, in unpinned nodes
+        self._clock = itertools.count(1)  # LRU order; a counter, not time, so tensor-parallel ranks agree
+
+    # ---- queries -------------------------------------------------------------------------------------------
+
+    def match(self, tokens: Sequence[int]) -> Tuple[int, int]:
+        """(how many leading ``tokens`` are cached, how many of those sit in unpinned nodes); changes nothing."""
+        node, i, unpinned = self.root, 0, 0
+        while i < len(tokens):
+            child = node.children.get(tokens[i])
+            if child is None:
+                break
+            n = _common_len(child.key, tokens[i : i + len(child.key)])
+            unpinned += n if child.refs == 0 else 0
+            i += n
+            if n < len(child.key):
+                break
+            node = child
+        return i, unpinned
+
+    # ---- changes -------------------------------------------------------------------------------------------
+
+    def pin(self, tokens: Sequence[int]) -> Tuple[_Node, torch.Tensor]:
+        """Pin the path spelling ``tokens`` (all cached: ``ValueError`` otherwise, nothing changed): its last node
+        (for ``unpin``) and the slots of ``tokens``."""
+        cached, _ = self.match(tokens)
+        if cached < len(tokens):
+            raise ValueError(f"RadixCache.pin: tokens expected a cached prefix, got {len(tokens)} tokens of which "
+                             f"{cached} are cached")  # fmt: skip
+        node, parts = self._walk(tokens)
+        now = next(self._clock)
+        up = node
+        while up is not self.root:
+            if up.refs == 0:
+                self.num_evictable -= len(up.key)
+            up.refs += 1
+            up.last_used = now
+            up = up.parent
+        return node, torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+
+    def unpin(self, node: _Node) -> None:
+        """Undo one ``pin`` that returned ``node``."""
+        while node is not self.root:
+            if node.refs <= 0:
+                raise RuntimeError("RadixCache.unpin: a node's reference count would go negative (unpinned twice)")
+            node.refs -= 1
+            if node.refs == 0:
+                self.num_evictable += len(node.key)
+            node = node.parent
+
+    def insert(self, tokens: Sequence[int], slots: torch.Tensor) -> int:
+        """Keep ``slots`` (CPU int64, one per token) as the KV of ``tokens``. Returns how many leading tokens were
+        cached already: the tree keeps its own slots for those, so the caller still owns (and frees) the first that
+        many of ``slots``; the tree owns the rest."""
+        if slots.numel() != len(tokens):
+            raise ValueError(f"RadixCache.insert: slots expected one per token ({len(tokens)}), got {slots.numel()}")
+        cached, _ = self.match(tokens)
+        node, _ = self._walk(tokens[:cached])
+        if cached < len(tokens):
+            leaf = _Node(list(tokens[cached:]), slots[cached:].clone(), node)
+            leaf.last_used = next(self._clock)
+            node.children[leaf.key[0]] = leaf
+            self.num_tokens += len(leaf.key)
+            self.num_evictable += len(leaf.key)
+        return cached
+
+    def evict(self, num_tokens: int) -> int:
+        """Free at least ``num_tokens`` slots (or all evictable ones), least recently used unpinned leaves first;
+        returns how many were freed."""
+        heap = [(n.last_used, n.serial, n) for n in self._nodes() if n.refs == 0 and not n.children]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < num_tokens and heap:
+            _, _, leaf = heapq.heappop(heap)
+            parent = leaf.parent
+            del parent.children[leaf.key[0]]
+            self.free_slots(leaf.slots)
+            freed += len(leaf.key)
+            self.num_tokens -= len(leaf.key)
+            self.num_evictable -= len(leaf.key)
+            if parent is not self.root and parent.refs == 0 and not parent.children:
+                heapq.heappush(heap, (parent.last_used, parent.serial, parent))
+        return freed
+
+    def clear(self) -> int:
+        """Free every slot (``RuntimeError`` if a request still pins a path); how many."""
+        if self.num_evictable != self.num_tokens:
+            raise RuntimeError(f"RadixCache.clear: {self.num_tokens - self.num_evictable} cached tokens are pinned by "
+                               "running requests")  # fmt: skip
+        return self.evict(self.num_tokens)
+
+    # ---- helpers -------------------------------------------------------------------------------------------
+
+    def _walk(self, tokens: Sequence[int]) -> Tuple[_Node, List[torch.Tensor]]:
+        """The node where the cached ``tokens`` end (split there if they end inside one), with the slots along."""
+        node, i, parts = self.root, 0, []
+        while i < len(tokens):
+            child = node.children[tokens[i]]
+            n = _common_len(child.key, tokens[i : i + len(child.key)])
+            if n < len(child.key):
+                child = self._split(child, n)
+            parts.append(child.slots)
+            node, i = child, i + n
+        return node, parts
+
+    def _split(self, node: _Node, n: int) -> _Node:
+        """Cut ``node`` after its first ``n`` tokens; the new upper part (same pins, same age) is returned."""
+        upper = _Node(node.key[:n], node.slots[:n], node.parent)
+        upper.refs, upper.last_used = node.refs, node.last_used
+        upper.children[node.key[n]] = node
+        node.parent.children[node.key[0]] = upper
+        node.key, node.slots, node.parent = node.key[n:], node.slots[n:], upper
+        return upper
+
+    def _nodes(self):
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children.values())
+            yield node

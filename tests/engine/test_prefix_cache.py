@@ -1,0 +1,155 @@
+"""The prefix cache in the engine on the CPU with a tiny Qwen3: greedy output is the same with the cache on and off,
+a hit is prefilled only past the cached prefix (counted through the runner), eviction under a tiny pool loses no
+request, preemption and aborts leave the tree's pins and the pool's free count consistent, and a model with
+per-request state beside the KV (Qwen3.5) keeps the cache off."""
+
+import logging
+
+import pytest
+
+from lightllm.engine.args import EngineArgs
+from lightllm.engine.engine import Engine
+from lightllm.engine.model_runner import ModelRunner
+from lightllm.engine.request import Request
+from lightllm.engine.sampler import SamplingParams
+from lightllm.tools.make_tiny_model import make_tiny_qwen3, make_tiny_qwen3_5
+
+BASE = list(range(3, 40))
+# waves run one after the other, so a later wave can hit what an earlier one left in the tree
+WAVES = [
+    [BASE, [7, 8, 9, 10, 11]],
+    [BASE[:20], BASE + [99, 98], BASE[:30] + [5, 6, 7], [7, 8, 9]],  # contained, longer, diverging, contained
+    [BASE, BASE[:37] + [1], [7, 8, 9, 10, 11]],  # identical prompts
+]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return str(make_tiny_qwen3(tmp_path_factory.mktemp("m"), seed=7))
+
+
+def runner(model_dir, tokens=512, cache=True, **kw):
+    args = EngineArgs(model_dir=model_dir, data_type="fp32", device="cpu", batch_max_tokens=128, max_req_total_len=64,
+                      running_max_req_size=4, max_total_token_num=tokens, disable_dynamic_prompt_cache=not cache,
+                      **kw)  # fmt: skip
+    return ModelRunner(args)
+
+
+def counting(r):
+    """``r`` with every prefill's new tokens counted, per request: a list of lists, one per prefill call."""
+    calls, real = [], r.prefill
+    r.prefill = lambda slots, prompts: (calls.append([len(p) for p in prompts]), real(slots, prompts))[1]
+    return calls
+
+
+def run(engine, prompts, max_new=6, abort_after=None):
+    """Submit ``prompts``, step until all finished: ([token ids], [finish events])."""
+    outs, fins = [[] for _ in prompts], [None] * len(prompts)
+
+    def emitter(i):
+        def emit(ev):
+            if ev.kind == "token":
+                outs[i].append(ev.token_id)
+                if abort_after is not None and i in abort_after and len(outs[i]) == abort_after[i]:
+                    engine.abort(str(i))
+            else:
+                fins[i] = ev
+
+        return emit
+
+    for i, p in enumerate(prompts):
+        engine.submit(Request(str(i), p, SamplingParams(max_new_tokens=max_new, ignore_eos=True), emitter(i)))
+    while None in fins:
+        assert engine.step()
+    return outs, fins
+
+
+def run_waves(r, waves=WAVES):
+    engine = Engine(r, eos_ids=[])
+    return [run(engine, w) for w in waves]
+
+
+def assert_no_leak(r):
+    """Every request finished: the pool holds the padding token and what the tree keeps; clearing it returns all."""
+    kv = r.kv
+    assert kv.num_free_slots == r.args.running_max_req_size
+    assert kv.prefix.num_evictable == kv.prefix.num_tokens  # nothing pinned
+    assert kv.tokens.num_free == kv.num_tokens - 1 - kv.prefix.num_tokens
+    kv.prefix.clear()
+    assert kv.tokens.num_free == kv.num_tokens - 1
+
+
+@pytest.mark.parametrize("kv_type", ["None", "int8kv"])
+def test_greedy_output_is_the_same_with_the_cache_on_and_off(model_dir, kv_type):
+    want = [outs for outs, _ in run_waves(runner(model_dir, cache=False, llm_kv_type=kv_type))]
+    r = runner(model_dir, llm_kv_type=kv_type)
+    calls = counting(r)
+    got = run_waves(r)
+    assert [outs for outs, _ in got] == want
+    cached = [[ev.cached_tokens for ev in fins] for _, fins in got]
+    # a prompt the tree holds whole still computes its last token (its logits are needed)
+    assert cached == [[0, 0], [19, 37, 30, 2], [36, 37, 4]]
+    prompt_tokens = sum(len(p) for w in WAVES for p in w)
+    assert sum(map(sum, calls)) == prompt_tokens - sum(map(sum, cached))
+    assert_no_leak(r)
+
+
+def test_a_second_identical_prompt_computes_one_token(model_dir):
+    r = runner(model_dir)
+    engine, calls = Engine(r, eos_ids=[]), counting(r)
+    first, _ = run(engine, [BASE])
+    assert calls == [[len(BASE)]]
+    second, fins = run(engine, [BASE])
+    assert calls[1:] == [[1]] and fins[0].cached_tokens == len(BASE) - 1 and second == first
+
+
+def test_the_flag_turns_it_off(model_dir):
+    r = runner(model_dir, cache=False)
+    engine, calls = Engine(r, eos_ids=[]), counting(r)
+    run(engine, [BASE])
+    _, fins = run(engine, [BASE])
+    assert r.kv.prefix is None and calls == [[len(BASE)], [len(BASE)]] and fins[0].cached_tokens == 0
+
+
+def test_eviction_under_a_tiny_pool_loses_no_request(model_dir):
+    """A pool of 130 tokens holds about two requests: the tree evicts (and requests are preempted) all along."""
+    prompts = [BASE[: 20 + 3 * i] + [i, i + 1] for i in range(6)] + [[200 + i for i in range(30)], BASE]
+    want, _ = run(Engine(runner(model_dir, cache=False), eos_ids=[]), prompts, max_new=12)
+    r = runner(model_dir, tokens=130)
+    evicted, real = [], r.kv.prefix.evict
+    r.kv.prefix.evict = lambda n: evicted.append(real(n)) or evicted[-1]
+    engine = Engine(r, eos_ids=[])
+    preempted, real_preempt = [], engine.scheduler._preempt
+    engine.scheduler._preempt = lambda req: (preempted.append(req.id), real_preempt(req))
+    got, fins = run(engine, prompts, max_new=12)
+    assert got == want and all(ev.finish_reason == "length" for ev in fins)
+    assert sum(evicted) > 0 and preempted
+    assert_no_leak(r)
+
+
+def test_aborts_release_their_pins(model_dir):
+    r = runner(model_dir)
+    engine = Engine(r, eos_ids=[])
+    run(engine, [BASE])
+    outs, fins = run(engine, [BASE + [1], BASE + [2], BASE[:10]], max_new=8, abort_after={0: 1, 2: 3})
+    assert [ev.finish_reason for ev in fins] == ["abort", "length", "abort"] and len(outs[1]) == 8
+    assert_no_leak(r)
+
+
+def test_a_model_with_request_state_keeps_the_cache_off(tmp_path, caplog):
+    with caplog.at_level(logging.INFO, logger="lightllm.engine.model_runner"):
+        r = runner(str(make_tiny_qwen3_5(tmp_path, seed=1)))
+    assert r.kv.prefix is None
+    lines = [m for m in caplog.messages if m.startswith("prefix cache (dynamic prompt cache) off")]
+    assert len(lines) == 1 and "linear-attention state" in lines[0]
+
+
+def test_offline_outputs_report_the_cached_prompt_tokens(model_dir):
+    from lightllm.llm import LLM
+
+    llm = LLM(model_dir, data_type="fp32", device="cpu", batch_max_tokens=128, max_req_total_len=64,
+              running_max_req_size=4, max_total_token_num=512)  # fmt: skip
+    params = SamplingParams(max_new_tokens=3, ignore_eos=True)
+    first, second = llm.generate(BASE, params)[0], llm.generate(BASE, params)[0]
+    assert (first.num_cached_tokens, second.num_cached_tokens) == (0, len(BASE) - 1)
+    assert second.token_ids == first.token_ids
