@@ -76,13 +76,18 @@ class ScriptedRunner(FakeRunner):
 
     def __init__(self):
         super().__init__()
-        self.args = EngineArgs(batch_max_tokens=1024, max_req_total_len=512, running_max_req_size=32)
+        # its answer reads the whole prompt from its own prefills, so no prefix may come from the cache
+        self.args = EngineArgs(batch_max_tokens=1024, max_req_total_len=512, running_max_req_size=32,
+                               disable_dynamic_prompt_cache=True)  # fmt: skip
+        self.kv = KVCacheManager(4000, 32, 512, "cpu")
         self.config = SimpleNamespace(eos_token_ids=(0,), vocab_size=128)
         self._slots = 0
         self._prompt = {}  # slot -> its prompt ids so far (a prompt may come in chunks)
         self._step = {}  # slot -> how many answer tokens it has produced
 
-    def add_request(self):
+    def add_request(self, prefix=()):
+        if prefix:
+            raise AssertionError(f"ScriptedRunner runs with the prefix cache off, got a prefix of {len(prefix)}")
         self._slots += 1
         return self._slots
 
