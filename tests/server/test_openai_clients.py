@@ -60,8 +60,15 @@ def test_chat_stream_with_logprobs_and_usage(client):
     chunks = list(client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.choices[0].message.content
     streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
-    assert streamed == whole.choices[0].logprobs.content
-    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+    # the stream reuses the whole request's prompt KV from the prefix cache: the same tokens, logprobs to rounding
+    expected = whole.choices[0].logprobs.content
+    assert [t.token for t in streamed] == [t.token for t in expected]
+    assert all(abs(a.logprob - b.logprob) < 1e-4 for a, b in zip(streamed, expected))
+    last = chunks[-1]
+    assert last.choices == [] and (last.usage.prompt_tokens, last.usage.completion_tokens) == (
+        whole.usage.prompt_tokens, whole.usage.completion_tokens)  # fmt: skip
+    # the stream's prompt is the whole request's: the prefix cache holds all but its last token by now
+    assert last.usage.prompt_tokens_details.cached_tokens == whole.usage.prompt_tokens - 1
     without = list(client.chat.completions.create(**kwargs, stream=True))
     assert all(c.usage is None for c in without)
 

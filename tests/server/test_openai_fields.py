@@ -122,8 +122,11 @@ def test_n_and_list_prompts_give_one_choice_per_prompt_and_sample_in_order(serve
     body = {"prompt": ["ab", [3, 4, 5]], "n": 3, "max_tokens": 4, "temperature": 1.0, "seed": 9, "ignore_eos": True}
     r = post(client, COMPLETIONS, body)
     assert [c["index"] for c in r["choices"]] == list(range(6))
-    assert r["usage"] == {"prompt_tokens": 5, "completion_tokens": 24, "total_tokens": 29,
-                          "prompt_tokens_details": {"cached_tokens": 0}}  # fmt: skip
+    usage = dict(r["usage"])
+    cached = usage.pop("prompt_tokens_details")["cached_tokens"]
+    assert usage == {"prompt_tokens": 5, "completion_tokens": 24, "total_tokens": 29}
+    # a prompt's n samples reuse each other's prefix (all but its last token) when admitted in different steps
+    assert 0 <= cached <= (2 - 1) + (3 - 1)
     # choice p * n + j is prompt p with seed 9 + j: the same text as that request alone
     for p, prompt in enumerate(body["prompt"]):
         for j in range(3):
