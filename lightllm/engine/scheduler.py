@@ -135,8 +135,9 @@ class Scheduler:
                 break
             if not kv.has_free_slot():
                 break
-            req = self.waiting.popleft()
+            req = self.waiting[0]
             req.slot = self.runner.add_request(context[:cached])
+            self.waiting.popleft()  # only once it holds a slot: a runner that raises leaves it for fail_all
             if req.num_cached_tokens is None:  # the first admission's hit is what the client's prompt saved
                 req.num_cached_tokens = min(cached, len(req.prompt_ids))
             req.prefilled = cached

@@ -72,3 +72,22 @@ def test_a_failing_delivery_does_not_end_the_engine_thread(model_dir):
     finally:
         assert loop.stop()
     assert [ev.kind for ev in delivered] == ["token"] * 4 + ["finish"]
+
+
+def test_a_request_whose_admission_raises_is_not_lost(model_dir):
+    """The runner raising in ``add_request`` (a bug, inside the step): the loop's ``fail_all`` still ends that request
+    with "error" (it was taken off the queue before its slot existed, so nothing ended it and its client hung)."""
+    r = runner(model_dir, 512)
+    events = []
+    engine = Engine(r, eos_ids=[])
+
+    def broken(prefix=()):
+        raise RuntimeError("runner bug")
+
+    r.add_request = broken
+    engine.submit(Request("x", [3, 4, 5], SamplingParams(max_new_tokens=4, ignore_eos=True), events.append))
+    with pytest.raises(RuntimeError, match="runner bug"):
+        engine.step()
+    engine.fail_all()  # what the server's engine loop does after a step raises
+    assert [(ev.kind, ev.finish_reason) for ev in events] == [("finish", "error")]
+    assert not engine.has_unfinished() and r.kv.num_free_tokens == 512 - 1
