@@ -1,7 +1,8 @@
 """Launch-size arithmetic for host code, in plain Python.
 
 In Triton 3.x ``triton.cdiv`` and ``triton.next_power_of_2`` are constexpr functions: called from host code each
-costs about 2.8 µs (it unwraps its arguments; 0.02-0.08 µs here, 2-core CPU), several per layer on the eager path.
+costs about 1.4 µs (it unwraps its arguments) against 0.04 µs here (``python -m timeit``, idle 2-core CPU), several
+per layer on the eager path.
 """
 
 
