@@ -8,6 +8,7 @@ import shutil
 import httpx
 import pytest
 
+from lightllm.common import proc as procs
 from lightllm.engine.sampler import SamplingParams
 from lightllm.llm import LLM
 from lightllm.tools.make_tiny_model import make_tiny_qwen3
@@ -49,7 +50,7 @@ def both(model_dir, tmp_path_factory):
 
 
 def served(base, prompt, **parameters):
-    r = httpx.post(base + "/generate", json={"inputs": prompt, "parameters": parameters}, timeout=120)
+    r = httpx.post(base + "/generate", json={"inputs": prompt, "parameters": parameters}, timeout=procs.HANG_TIMEOUT_S)
     assert r.status_code == 200, r.text
     body = r.json()
     return body["token_ids"], body["generated_text"][0], body["finish_reason"]

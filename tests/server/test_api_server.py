@@ -52,16 +52,16 @@ def test_chat_stream_matches_non_stream(client):
 
 def test_stream_ends_with_done(server):
     body = {"prompt": "abc", "max_tokens": 3, "temperature": 0, "stream": True}
-    with httpx.stream("POST", server + "/v1/completions", json=body, timeout=60) as r:
+    with httpx.stream("POST", server + "/v1/completions", json=body, timeout=procs.HANG_TIMEOUT_S) as r:
         lines = [line for line in r.iter_lines() if line]
     assert lines[-1] == "data: [DONE]" and all(line.startswith("data: ") for line in lines)
 
 
 def test_native_generate_and_stream(server):
     body = {"inputs": [5, 6, 7, 8], "parameters": {"max_new_tokens": 24, "logprobs": True, "ignore_eos": True}}
-    r = httpx.post(server + "/generate", json=body, timeout=60).json()
+    r = httpx.post(server + "/generate", json=body, timeout=procs.HANG_TIMEOUT_S).json()
     assert len(r["token_ids"]) == 24 and len(r["logprobs"]) == 24 and all(lp <= 0 for lp in r["logprobs"])
-    with httpx.stream("POST", server + "/generate_stream", json=body, timeout=60) as s:
+    with httpx.stream("POST", server + "/generate_stream", json=body, timeout=procs.HANG_TIMEOUT_S) as s:
         events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: ")]
     assert [e["token"]["id"] for e in events if e["token"]["id"] is not None] == r["token_ids"]
     assert events[-1]["finish_reason"] == "length"
@@ -74,7 +74,7 @@ def test_concurrent_requests_match_sequential(server):
 
     def run(p):
         body = {"inputs": p, "parameters": {"max_new_tokens": 6, "ignore_eos": True}}
-        return httpx.post(server + "/generate", json=body, timeout=120).json()["token_ids"]
+        return httpx.post(server + "/generate", json=body, timeout=procs.HANG_TIMEOUT_S).json()["token_ids"]
 
     sequential = [run(p) for p in prompts]
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
@@ -85,15 +85,15 @@ def test_concurrent_requests_match_sequential(server):
 def test_sampling_seed_and_stop_string(server):
     body = {"inputs": [9, 10, 11], "parameters": {"max_new_tokens": 8, "temperature": 1.0, "seed": 5,
                                                   "ignore_eos": True}}  # fmt: skip
-    a = httpx.post(server + "/generate", json=body, timeout=60).json()
-    b = httpx.post(server + "/generate", json=body, timeout=60).json()
+    a = httpx.post(server + "/generate", json=body, timeout=procs.HANG_TIMEOUT_S).json()
+    b = httpx.post(server + "/generate", json=body, timeout=procs.HANG_TIMEOUT_S).json()
     assert a["token_ids"] == b["token_ids"]
     greedy = {"inputs": [9, 10, 11], "parameters": {"max_new_tokens": 8, "ignore_eos": True}}
-    text = httpx.post(server + "/generate", json=greedy, timeout=60).json()["generated_text"][0]
+    text = httpx.post(server + "/generate", json=greedy, timeout=procs.HANG_TIMEOUT_S).json()["generated_text"][0]
     at = next(i for i in range(len(text) // 2, len(text)) if text[i].isalnum())  # a stop string mid-output
     stop = text[at]
     greedy["parameters"]["stop"] = [stop, "never-produced"]
-    r = httpx.post(server + "/generate", json=greedy, timeout=60).json()
+    r = httpx.post(server + "/generate", json=greedy, timeout=procs.HANG_TIMEOUT_S).json()
     assert r["finish_reason"] == "stop" and r["generated_text"] == [text[: text.index(stop)]]
     assert len(r["token_ids"]) < 8
 
@@ -114,7 +114,7 @@ def test_disconnect_mid_stream_frees_kv(server, n):
     baseline = metric(server, "lightllm_kv_usage_ratio")
     aborted = metric(server, "lightllm_requests_finished_total", '{finish_reason="abort"}') or 0.0
     body = {"prompt": [4, 5, 6], "max_tokens": MAX_LEN - 10, "temperature": 0, "stream": True, "n": n}
-    with httpx.stream("POST", server + "/v1/completions", json=body, timeout=60) as r:
+    with httpx.stream("POST", server + "/v1/completions", json=body, timeout=procs.HANG_TIMEOUT_S) as r:
         for i, _ in enumerate(r.iter_lines()):
             if i >= 3:
                 break  # leave mid-stream: the connection closes
@@ -232,7 +232,7 @@ def test_extreme_sampling_parameters_do_not_fail_their_neighbours(server):
     neighbour = {"inputs": [5, 6, 7], "parameters": {"max_new_tokens": 24, "ignore_eos": True}}
     tiny_t = {"inputs": [9, 10, 11], "parameters": {"max_new_tokens": 24, "temperature": 1e-40, "ignore_eos": True}}
     greedy = {**tiny_t, "parameters": {**tiny_t["parameters"], "temperature": 0}}
-    greedy_ids = httpx.post(server + "/generate", json=greedy, timeout=60).json()["token_ids"]
+    greedy_ids = httpx.post(server + "/generate", json=greedy, timeout=procs.HANG_TIMEOUT_S).json()["token_ids"]
     calls = [("/generate", neighbour)] * 6 + [
         ("/generate", tiny_t),
         ("/v1/completions", {"prompt": "hi", "max_tokens": 24, "temperature": 1.0, "top_k": 2**63, "seed": 3}),
@@ -240,7 +240,7 @@ def test_extreme_sampling_parameters_do_not_fail_their_neighbours(server):
                                   "temperature": 1e-40}),
     ]  # fmt: skip
     with concurrent.futures.ThreadPoolExecutor(len(calls)) as pool:
-        results = list(pool.map(lambda c: httpx.post(server + c[0], json=c[1], timeout=120), calls))
+        results = list(pool.map(lambda c: httpx.post(server + c[0], json=c[1], timeout=procs.HANG_TIMEOUT_S), calls))
     assert all(r.status_code == 200 for r in results), [r.text for r in results]
     bodies = [r.json() for r in results]
     assert [b["finish_reason"] for b in bodies[:6]] == ["length"] * 6
@@ -255,14 +255,16 @@ def finished(base):
 
 def test_a_stop_string_finish_is_counted_as_stop(server):
     greedy = {"inputs": [9, 10, 11], "parameters": {"max_new_tokens": 8, "ignore_eos": True}}
-    text = httpx.post(server + "/generate", json=greedy, timeout=60).json()["generated_text"][0]
+    text = httpx.post(server + "/generate", json=greedy, timeout=procs.HANG_TIMEOUT_S).json()["generated_text"][0]
     stop = text[next(i for i in range(len(text) // 2, len(text)) if text[i].isalnum())]
     before = finished(server)
     greedy["parameters"]["stop"] = [stop]
-    assert httpx.post(server + "/generate", json=greedy, timeout=60).json()["finish_reason"] == "stop"
+    assert httpx.post(server + "/generate", json=greedy, timeout=procs.HANG_TIMEOUT_S).json()["finish_reason"] == "stop"
     after_stop = finished(server)
     greedy["parameters"]["stop"] = []  # a whole request after it: the scheduler has long applied its abort
-    assert httpx.post(server + "/generate", json=greedy, timeout=60).json()["finish_reason"] == "length"
+    assert (
+        httpx.post(server + "/generate", json=greedy, timeout=procs.HANG_TIMEOUT_S).json()["finish_reason"] == "length"
+    )
     after = finished(server)
     assert after_stop["stop"] - before["stop"] == 1
     assert {k: after[k] - before[k] for k in after} == {"stop": 1, "length": 1, "abort": 0, "error": 0}
@@ -273,7 +275,7 @@ def test_a_request_dropped_while_queued_is_counted_once_as_abort(server):
     client leaves. Every request is counted exactly once."""
     before = finished(server)
     body = {"inputs": [4, 5, 6], "parameters": {"max_new_tokens": MAX_LEN - 10, "ignore_eos": True}}
-    with httpx.Client(timeout=60) as client, contextlib.ExitStack() as running:
+    with httpx.Client(timeout=procs.HANG_TIMEOUT_S) as client, contextlib.ExitStack() as running:
         streams = [running.enter_context(client.stream("POST", server + "/generate_stream", json=body))
                    for _ in range(8)]  # fmt: skip
         lines = [s.iter_lines() for s in streams]  # kept: a dropped iterator closes its connection

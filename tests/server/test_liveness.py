@@ -84,7 +84,7 @@ def test_a_client_that_never_finishes_its_headers_is_cut_off(tmp_path):
             idle.settimeout(120)
             assert idle.recv(1024) == b""
         body = {"inputs": [5, 6, 7], "parameters": {"max_new_tokens": 4, "ignore_eos": True}}
-        assert len(httpx.post(base + "/generate", json=body, timeout=120).json()["token_ids"]) == 4
+        assert len(httpx.post(base + "/generate", json=body, timeout=procs.HANG_TIMEOUT_S).json()["token_ids"]) == 4
     finally:
         procs.stop(proc)
 
@@ -101,10 +101,10 @@ def test_shutdown_drains_then_aborts_what_is_left(tmp_path):
     proc, base, log = start_server(tmp_path, args)
     try:
         body = {"inputs": [5, 6, 7], "parameters": {"max_new_tokens": 4000, "ignore_eos": True}}
-        with httpx.stream("POST", base + "/generate_stream", json=body, timeout=120) as running:
+        with httpx.stream("POST", base + "/generate_stream", json=body, timeout=procs.HANG_TIMEOUT_S) as running:
             lines = running.iter_lines()
             first = next(line for line in lines if line.startswith("data: "))
-            with httpx.stream("POST", base + "/generate_stream", json=body, timeout=120) as waiting:
+            with httpx.stream("POST", base + "/generate_stream", json=body, timeout=procs.HANG_TIMEOUT_S) as waiting:
                 proc.send_signal(signal.SIGTERM)
                 events = _events([first, *lines])
                 waited = _events(waiting.iter_lines())

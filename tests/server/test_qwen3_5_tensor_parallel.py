@@ -5,6 +5,7 @@ import httpx
 from server_helpers import running_server
 
 from lightllm import LLM, SamplingParams
+from lightllm.common import proc as procs
 from lightllm.tools.make_tiny_model import make_tiny_qwen3_5
 
 
@@ -19,12 +20,12 @@ def test_tp2_matches_one_process(tmp_path):
     with running_server(tmp_path, args) as base:
         for prompt, want in zip(prompts, ref):
             body = {"inputs": prompt, "parameters": {"max_new_tokens": 8, "logprobs": True, "ignore_eos": True}}
-            got = httpx.post(base + "/generate", json=body, timeout=60).json()
+            got = httpx.post(base + "/generate", json=body, timeout=procs.HANG_TIMEOUT_S).json()
             assert got["token_ids"] == want.token_ids
             assert max(abs(a - b) for a, b in zip(got["logprobs"], want.logprobs)) <= 1e-4
         # the chat template comes from the folder's tokenizer
         body = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4, "temperature": 0}
-        chat = httpx.post(base + "/v1/chat/completions", json=body, timeout=60)
+        chat = httpx.post(base + "/v1/chat/completions", json=body, timeout=procs.HANG_TIMEOUT_S)
         assert chat.status_code == 200 and chat.json()["usage"]["completion_tokens"] >= 1
     (log,) = tmp_path.glob("server-*.log")
     assert "Traceback" not in log.read_text()

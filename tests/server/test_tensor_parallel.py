@@ -35,7 +35,7 @@ def test_tp_matches_one_process(tmp_path, tp):
     with running_server(tmp_path, args) as base:
         for prompt, want in zip(prompts, ref):
             body = {"inputs": prompt, "parameters": {"max_new_tokens": 8, "logprobs": True, "ignore_eos": True}}
-            got = httpx.post(base + "/generate", json=body, timeout=60).json()
+            got = httpx.post(base + "/generate", json=body, timeout=procs.HANG_TIMEOUT_S).json()
             assert got["token_ids"] == want.token_ids
             assert max(abs(a - b) for a, b in zip(got["logprobs"], want.logprobs)) <= 1e-4
         # parameters that once crashed rank 0's sampling step: greedy / every token, beside a request that must
@@ -45,7 +45,10 @@ def test_tp_matches_one_process(tmp_path, tp):
         neighbour = {"inputs": prompts[0], "parameters": {"max_new_tokens": 8, "ignore_eos": True}}
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             done = list(
-                pool.map(lambda b: httpx.post(base + "/generate", json=b, timeout=60).json(), [extreme, neighbour])
+                pool.map(
+                    lambda b: httpx.post(base + "/generate", json=b, timeout=procs.HANG_TIMEOUT_S).json(),
+                    [extreme, neighbour],
+                )
             )
         assert [d["token_ids"] for d in done] == [ref[1].token_ids, ref[0].token_ids]
         assert httpx.get(base + "/health").status_code == 200
@@ -198,7 +201,7 @@ def test_a_stopped_worker_turns_health_503_and_then_ends_the_server_naming_it(tm
 
         def send():
             with contextlib.suppress(httpx.HTTPError):  # the server ends while this waits
-                httpx.post(base + "/generate", json=body, timeout=120)
+                httpx.post(base + "/generate", json=body, timeout=procs.HANG_TIMEOUT_S)
 
         threading.Thread(target=send, daemon=True).start()
         statuses, deadline = [], time.monotonic() + procs.HANG_TIMEOUT_S  # the old server: healthy forever
