@@ -13,13 +13,13 @@ import argparse
 import itertools
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import List, Optional
 
+from lightllm.common import proc as procs
 from lightllm.tools.make_tiny_model import BUILTIN_SHAPE
 
 QWEN3_D128 = dict(head_dim=128, num_key_value_heads=8)
@@ -54,8 +54,7 @@ def _start_kwargs(model_dir: str, variant: str, graph_len: int) -> dict:
 def _run_start(kwargs: dict, config_dir: Path) -> float:
     env = {**os.environ, "LIGHTLLM_TRITON_AUTOTUNE_LEVEL": "1", "LIGHTLLM_AUTOTUNE_CONFIG_DIR": str(config_dir)}
     t = time.perf_counter()
-    done = subprocess.run([sys.executable, "-c", _START, json.dumps(kwargs)], env=env, text=True,
-                          capture_output=True)  # fmt: skip
+    done = procs.run([sys.executable, "-c", _START, json.dumps(kwargs)], env=env)  # its tree stopped however we end
     if done.returncode != 0:
         tail = "\n".join(done.stderr.strip().splitlines()[-5:])
         raise RuntimeError(f"start {kwargs} failed (exit {done.returncode}):\n{tail}")
