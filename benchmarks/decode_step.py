@@ -34,12 +34,11 @@ def bandwidths_gbs() -> dict:
 
 
 # Qwen3.5-27B's text widths (its config.json), random weights
-QWEN3_5_27B_SHAPE = dict(vocab_size=512, hidden_size=5120, intermediate_size=17408, num_attention_heads=24,
+QWEN3_5_27B_SHAPE = dict(padded_vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_attention_heads=24,
                          num_key_value_heads=4, head_dim=256, partial_rotary_factor=0.25, linear_num_key_heads=16,
                          linear_num_value_heads=48, linear_key_head_dim=128, linear_value_head_dim=128,
                          linear_conv_kernel_dim=4, max_position_embeddings=40960, dtype="bfloat16",
                          initializer_range=0.02)  # fmt: skip
-QWEN3_5_VOCAB = 248320
 
 
 def build_model(root: str, layers: int, model: str = "qwen3") -> str:
@@ -48,29 +47,7 @@ def build_model(root: str, layers: int, model: str = "qwen3") -> str:
     if model == "qwen3":
         return str(make_tiny_qwen3(os.path.join(root, "qwen3-8b-shaped"), num_hidden_layers=layers, **QWEN3_8B_SHAPE))
     kinds = tuple("full_attention" if i % 4 == 3 else "linear_attention" for i in range(layers))  # 3:1, as 27B
-    path = make_tiny_qwen3_5(os.path.join(root, "qwen3.5-27b-shaped"), layer_types=kinds, **QWEN3_5_27B_SHAPE)
-    _pad_vocab(path, QWEN3_5_VOCAB)
-    return str(path)
-
-
-def _pad_vocab(path, vocab: int) -> None:
-    """Grow the embedding and lm_head to the real vocabulary (the tokenizer stays tiny): a decode step reads the
-    real lm_head."""
-    from safetensors.torch import load_file, save_file
-
-    weights = load_file(os.path.join(path, "model.safetensors"))
-    for name, t in list(weights.items()):
-        if name.endswith(("embed_tokens.weight", "lm_head.weight")):
-            grown = torch.randn(vocab, t.shape[1], dtype=t.dtype) * 0.02
-            grown[: t.shape[0]] = t
-            weights[name] = grown
-    save_file(weights, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-    cfg_path = os.path.join(path, "config.json")
-    with open(cfg_path) as f:
-        cfg = json.load(f)
-    cfg["vocab_size"] = vocab
-    with open(cfg_path, "w") as f:
-        json.dump(cfg, f, indent=1)
+    return str(make_tiny_qwen3_5(os.path.join(root, "qwen3.5-27b-shaped"), layer_types=kinds, **QWEN3_5_27B_SHAPE))
 
 
 def step_times(model_dir, batch_sizes, kv_len, graph_max_len):

@@ -194,10 +194,11 @@ def make_tiny_qwen3_5(
     seed: int = 0,
     dtype: str = "float32",
     initializer_range: float = 0.2,
+    padded_vocab_size: int = 0,
     generation_config: Optional[dict] = None,
 ) -> Path:
     """Write a random-weight Qwen3.5 text checkpoint (``Qwen3_5ForCausalLM``, model_type ``qwen3_5_text``) with
-    the tokenizer of :func:`make_tiny_qwen3` into ``out_dir``; return its path.
+    the tokenizer of :func:`make_tiny_qwen3` into ``out_dir``; return its path. ``padded_vocab_size`` as there.
 
     Hybrid: ``layer_types`` mixes gated DeltaNet and gated attention layers; grouped value heads (Hv > Hk) and
     Dk != Dv by default, mrope sections in the rope parameters as real checkpoints give them. Every parameter is
@@ -213,7 +214,7 @@ def make_tiny_qwen3_5(
     tokenizer = _build_tokenizer(vocab_size, max_position_embeddings)
     rotary_half = int(head_dim * partial_rotary_factor) // 2
     config = Qwen3_5TextConfig(
-        vocab_size=len(tokenizer),
+        vocab_size=max(len(tokenizer), padded_vocab_size),
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
         num_hidden_layers=len(layer_types),
