@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from lightllm.common.autotuner import AutotuneKernelType, PlannedInputs, autotune
+from lightllm.kernels.linear_attention.checks import check_devices, fail, run_output
 
 HEAD_DIMS = (16, 32, 64, 128, 256)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -26,8 +27,7 @@ BLOCK_VS = (8, 16, 32, 64, 128)  # 8 with one warp is fla-core's fixed choice
 NUM_WARPS = (1, 2, 4, 8)
 _WARPS = (1, 2, 4, 8, 16)
 _MAX_TILE_PER_THREAD = 128  # state elements a thread holds; beyond this a config spills registers
-_LAST_DIM_NAMES = ("q", "k", "v", "a", "b", "A_log", "dt_bias")
-_UNIT_STRIDES = (1,) * len(_LAST_DIM_NAMES)
+_KERNEL = "gated delta decode"
 
 
 @triton.jit
@@ -182,20 +182,7 @@ class GatedDeltaDecodePlan:
             (q.shape, q.dtype), (k.shape, k.dtype), (v.shape, v.dtype), (a.shape, a.dtype), (b.shape, b.dtype),
             (A_log.shape,), (dt_bias.shape,), (ssm_state.shape, ssm_state.dtype),
         )  # fmt: skip
-        lasts = (q.stride(-1), k.stride(-1), v.stride(-1), a.stride(-1), b.stride(-1), A_log.stride(-1),
-                 dt_bias.stride(-1))  # fmt: skip
-        if lasts != _UNIT_STRIDES:
-            i = next(i for i, stride in enumerate(lasts) if stride != 1)
-            raise ValueError(f"gated delta decode: {_LAST_DIM_NAMES[i]} expected a contiguous last dim, got last-dim "
-                             f"stride {lasts[i]}")  # fmt: skip
-        if ssm_state.stride()[1:] != self.slot_strides:
-            raise ValueError(f"gated delta decode: ssm_state expected each slot contiguous (strides [..., "
-                             f"{', '.join(map(str, self.slot_strides))}]), got {ssm_state.stride()}")  # fmt: skip
-        if out is None:
-            out = torch.empty(v.shape, dtype=q.dtype, device=q.device)
-        elif out.shape != v.shape or out.dtype != q.dtype or out.stride(-1) != 1:
-            raise ValueError(f"gated delta decode: out expected a {tuple(v.shape)} {q.dtype} tensor with a contiguous "
-                             f"last dim, got {tuple(out.shape)} {out.dtype} strides {out.stride()}")  # fmt: skip
+        out = run_output(_KERNEL, q, k, v, a, b, A_log, dt_bias, ssm_state, self.slot_strides, out)
         return self._tuned.run(q, k, v, a, b, A_log, dt_bias, ssm_state, self.state_idx, out)
 
 
@@ -235,14 +222,11 @@ def gated_delta_decode(
 
 
 def _fail(name, expected, got):
-    raise ValueError(f"gated delta decode: {name} expected {expected}, got {got}")
+    fail(_KERNEL, name, expected, got)
 
 
 def _check_devices(**tensors) -> None:
-    device = tensors["ssm_state"].device
-    for name, t in tensors.items():
-        if t.device != device:
-            _fail(name, f"ssm_state's device {device}", t.device)
+    check_devices(_KERNEL, **tensors)
 
 
 def _check_plan(q_shape, v_shape, dtype, state_shape, state_dtype, state_idx, gate_dtype, run_config) -> None:

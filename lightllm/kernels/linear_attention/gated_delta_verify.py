@@ -21,14 +21,14 @@ import triton.language as tl
 
 from lightllm.common.autotuner import AutotuneKernelType, PlannedInputs, autotune
 from lightllm.kernels.launch_math import cdiv
+from lightllm.kernels.linear_attention.checks import check_devices, fail, run_output
 from lightllm.kernels.linear_attention.gated_delta_decode import BLOCK_VS, DTYPES, HEAD_DIMS, NUM_WARPS, STATE_DTYPES
 
 TOKENS = (2, 3, 4, 5)  # N + 1 for --mtp_step 1-4
 BATCH_BUCKET = 4  # run keys round the batch up to a multiple of this
 _WARPS = (1, 2, 4, 8, 16)
 _MAX_TILE_PER_THREAD = 128  # state elements a thread holds; beyond this a config spills (as gated_delta_decode)
-_LAST_DIM_NAMES = ("q", "k", "v", "a", "b", "A_log", "dt_bias")
-_UNIT_STRIDES = (1,) * len(_LAST_DIM_NAMES)
+_KERNEL = "gated delta verify"
 
 
 @triton.jit
@@ -203,19 +203,7 @@ class GatedDeltaVerifyPlan:
             (q.shape, q.dtype), (k.shape, k.dtype), (v.shape, v.dtype), (a.shape, a.dtype), (b.shape, b.dtype),
             (A_log.shape,), (dt_bias.shape,), (ssm_state.shape, ssm_state.dtype),
         )  # fmt: skip
-        lasts = (q.stride(-1), k.stride(-1), v.stride(-1), a.stride(-1), b.stride(-1), A_log.stride(-1),
-                 dt_bias.stride(-1))  # fmt: skip
-        if lasts != _UNIT_STRIDES:
-            i = next(i for i, stride in enumerate(lasts) if stride != 1)
-            _fail(_LAST_DIM_NAMES[i], "a contiguous last dim", f"last-dim stride {lasts[i]}")
-        if ssm_state.stride()[1:] != self.slot_strides:
-            _fail("ssm_state", f"each slot contiguous (strides [..., {', '.join(map(str, self.slot_strides))}])",
-                  ssm_state.stride())  # fmt: skip
-        if out is None:
-            out = torch.empty(v.shape, dtype=q.dtype, device=q.device)
-        elif out.shape != v.shape or out.dtype != q.dtype or out.stride(-1) != 1:
-            _fail("out", f"a {tuple(v.shape)} {q.dtype} tensor with a contiguous last dim",
-                  f"{tuple(out.shape)} {out.dtype} strides {out.stride()}")  # fmt: skip
+        out = run_output(_KERNEL, q, k, v, a, b, A_log, dt_bias, ssm_state, self.slot_strides, out)
         return self._tuned.run(q, k, v, a, b, A_log, dt_bias, ssm_state, self.src_idx, self.dst_idx, out)
 
 
@@ -260,14 +248,11 @@ def gated_delta_verify(
 
 
 def _fail(name, expected, got):
-    raise ValueError(f"gated delta verify: {name} expected {expected}, got {got}")
+    fail(_KERNEL, name, expected, got)
 
 
 def _check_devices(**tensors) -> None:
-    device = tensors["ssm_state"].device
-    for name, t in tensors.items():
-        if t.device != device:
-            _fail(name, f"ssm_state's device {device}", t.device)
+    check_devices(_KERNEL, **tensors)
 
 
 def _check_plan(q_shape, v_shape, dtype, state_shape, state_dtype, src_idx, dst_idx, gate_dtype, run_config):
