@@ -21,6 +21,7 @@ from lightllm.common.kv_cache.quant import INT4_OFFSET, SCALE_DTYPE
 from lightllm.kernels.attention.decode.tuning import (
     decode_attn_autotune_seq_lens,
     decode_attn_run_key_kv_len,
+    inputs_at_lengths,
     round_up_kv_len,
 )
 from lightllm.kernels.attention.decode.stage1 import decode_stage1_kernel
@@ -142,22 +143,7 @@ def _representative_batches(named: dict) -> list:
     """The caller's batch with every request at each tuning length, over the existing pool (token indices
     wrap modulo its size: no KV is allocated). Launch sizes stay the caller's (``max_len_in_batch`` is the
     graph's maximum when capturing), so timings see the grid the graph will replay."""
-    q, k_cache, launch_len = named["q"], named["k_cache"], named["max_len_in_batch"]
-    batch, pool = q.shape[0], k_cache.shape[0]
-    lens = decode_attn_autotune_seq_lens(launch_len)  # capped at launch_len
-    table = (torch.arange(batch * lens[0], device=q.device, dtype=torch.int64) % pool).to(torch.int32)
-    table = table.view(batch, lens[0])
-    slots = torch.arange(batch, device=q.device, dtype=torch.int32)
-    return [
-        {
-            **named,
-            "req_to_token": table,
-            "b_req_idx": slots,
-            "b_seq_len": torch.full((batch,), n, device=q.device, dtype=torch.int32),
-            "out": torch.empty_like(named["out"]),
-        }
-        for n in lens
-    ]
+    return inputs_at_lengths(named, decode_attn_autotune_seq_lens(named["max_len_in_batch"]))  # capped at it
 
 
 _TUNING = dict(

@@ -23,6 +23,7 @@ from lightllm.kernels.attention.decode.mtp_diverse_stages import mtp_diverse_sta
 from lightllm.kernels.attention.decode.tuning import (
     decode_attn_autotune_seq_lens,
     decode_attn_run_key_kv_len,
+    inputs_at_lengths,
     round_up_kv_len,
 )
 from lightllm.kernels.launch_math import next_power_of_2
@@ -122,8 +123,7 @@ def representative_mtp_groups(named: dict) -> list:
     """The caller's batch with every request (one MTP group of ``q_len`` tokens) at each tuning length ``L``, its
     tokens seeing ``L - N`` .. ``L`` keys, through one token table over the existing pool (indices wrap modulo
     its size: no KV is allocated). Launch sizes stay the caller's, so timings see the grid the graph replays."""
-    q, k_cache, launch_len = named["q"], named["k_cache"], named["max_len_in_batch"]
-    batch, q_len, pool = q.shape[0], q.shape[1], k_cache.shape[0]
+    q_len, launch_len = named["q"].shape[1], named["max_len_in_batch"]
     lens = decode_attn_autotune_seq_lens(launch_len)  # capped at launch_len
     if lens[-1] < q_len:
         raise ValueError(
@@ -131,19 +131,7 @@ def representative_mtp_groups(named: dict) -> list:
             f"{q_len} (every token of a group sees one key or more), got {lens[-1]} (LIGHTLLM_DECODE_ATTN_AUTOTUNE_"
             f"SEQ_LEN capped at max_len_in_batch = {launch_len})"
         )
-    table = (torch.arange(batch * lens[0], device=q.device, dtype=torch.int64) % pool).to(torch.int32)
-    table = table.view(batch, lens[0])
-    slots = torch.arange(batch, device=q.device, dtype=torch.int32)
-    return [
-        {
-            **named,
-            "req_to_token": table,
-            "b_req_idx": slots,
-            "b_seq_len": torch.full((batch,), n, device=q.device, dtype=torch.int32),
-            "out": torch.empty_like(named["out"]),
-        }
-        for n in lens
-    ]
+    return inputs_at_lengths(named, lens)
 
 
 _launch_mtp_diverse_decode = autotune(

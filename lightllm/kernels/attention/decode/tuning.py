@@ -1,7 +1,9 @@
-"""What the decode-attention kernels (Triton GQA decode, FA3) share about tuning: run-key KV lengths and the
-ladder of lengths a search times on."""
+"""What the decode-attention kernels (Triton GQA decode, MTP diverse, FA3) share about tuning: run-key KV lengths,
+the ladder of lengths a search times on, and the representative inputs at those lengths."""
 
 from typing import Optional
+
+import torch
 
 from lightllm.common.autotuner import get_decode_attn_autotune_seq_len
 
@@ -39,3 +41,24 @@ def decode_attn_autotune_seq_lens(launch_max_len: Optional[int] = None) -> list:
         if n < lens[-1]:
             lens.append(n)
     return lens
+
+
+def inputs_at_lengths(named: dict, lens: list) -> list:
+    """A decode launch's named arguments once per KV length in ``lens``: every request of the caller's batch at that
+    length, over the existing pool (one token table whose indices wrap modulo the pool's size: no KV is allocated),
+    with a fresh ``out``. Launch sizes stay the caller's, so timings see the grid a graph will replay."""
+    q, pool = named["q"], named["k_cache"].shape[0]
+    batch = q.shape[0]
+    table = (torch.arange(batch * lens[0], device=q.device, dtype=torch.int64) % pool).to(torch.int32)
+    table = table.view(batch, lens[0])
+    slots = torch.arange(batch, device=q.device, dtype=torch.int32)
+    return [
+        {
+            **named,
+            "req_to_token": table,
+            "b_req_idx": slots,
+            "b_seq_len": torch.full((batch,), n, device=q.device, dtype=torch.int32),
+            "out": torch.empty_like(named["out"]),
+        }
+        for n in lens
+    ]
