@@ -50,7 +50,7 @@ def build_model(root: str, layers: int, model: str = "qwen3") -> str:
     return str(make_tiny_qwen3_5(os.path.join(root, "qwen3.5-27b-shaped"), layer_types=kinds, **QWEN3_5_27B_SHAPE))
 
 
-def step_times(model_dir, batch_sizes, kv_len, graph_max_len):
+def step_times(model_dir, batch_sizes, kv_len, graph_max_len, profile_batch=None):
     from lightllm import LLM
 
     llm = LLM(model_dir, data_type="bf16", running_max_req_size=max(batch_sizes), max_req_total_len=graph_max_len,
@@ -66,9 +66,16 @@ def step_times(model_dir, batch_sizes, kv_len, graph_max_len):
         eager = _time(lambda: runner.decode(slots, tokens), runner)
         runner.graphs = eager_graphs
         graph = _time(lambda: runner.decode(slots, tokens), runner)
+        if bs == profile_batch:
+            from step_profile import kernel_breakdown, print_breakdown
+
+            profile = kernel_breakdown(lambda: runner.decode(slots, tokens))
+            print_breakdown(bs, profile)
         for s in slots:
             runner.free(s)
         rows.append({"batch": bs, "eager_ms": eager, "graph_ms": graph})
+        if bs == profile_batch:
+            rows[-1]["graph_kernels"] = profile
         print(json.dumps(rows[-1]), flush=True)
     return llm, rows
 
@@ -127,6 +134,7 @@ def main():
     p.add_argument("--kv-len", type=int, default=4096)
     p.add_argument("--out", default="benchmarks/results/decode_step.json")
     p.add_argument("--no-startup", action="store_true")
+    p.add_argument("--profile-batch", type=int, help="also record GPU time per kernel of the graph step at this batch")
     p.add_argument("--ttft-prompt", type=int, default=128, help="prompt tokens of the time-to-first-token row")
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -138,7 +146,7 @@ def main():
         # graphs replay the configs tuned at their capture (level 1 from an empty dir, as a first start)
         os.environ["LIGHTLLM_AUTOTUNE_CONFIG_DIR"] = os.path.join(root, "configs")
         os.environ["LIGHTLLM_TRITON_AUTOTUNE_LEVEL"] = "1"
-        llm, rows = step_times(model_dir, args.batches, args.kv_len, 2 * args.kv_len)
+        llm, rows = step_times(model_dir, args.batches, args.kv_len, 2 * args.kv_len, args.profile_batch)
         c = llm.runner.config
         weight_bytes = sum(t.numel() * t.element_size() for t in _step_weights(llm.runner.model.w))
         state_bytes = _state_bytes_per_request(llm.runner.model)

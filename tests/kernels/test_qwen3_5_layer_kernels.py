@@ -261,11 +261,21 @@ def test_each_candidate_compiles_and_passes_the_accuracy_gate(kernel, monkeypatc
 Q27B = dict(hidden=5120, heads=24, kv_heads=4, head_dim=256, rotary_dim=64, value_heads=48, value_dim=128)
 
 
-def _close_bf16(out, oracle, ref64):
-    """Within one bfloat16 step of transformers' bfloat16 module and within bfloat16's error of float64 math."""
+def _close_bf16(out, oracle, ref64, rounds_once=False):
+    """Within one bfloat16 step of transformers' bfloat16 module and within bfloat16's error of float64 math.
+
+    ``rounds_once``: the kernel fuses steps that transformers rounds to bfloat16 one by one (q/k norm, then
+    rotary), so more elements differ from transformers by one step; there it must be no less accurate than
+    transformers against float64 instead of bit-equal to it on 99 % of the elements, and within two steps of it."""
     assert not out.isnan().any(), "some output elements were never written"
-    assert (out != oracle).float().mean().item() <= 0.01
-    torch.testing.assert_close(out.float(), oracle.float(), rtol=1e-2, atol=1e-2)
+    steps = 1
+    if rounds_once:
+        ours, theirs = (out.double() - ref64).abs(), (oracle.double() - ref64).abs()
+        assert ours.mean() <= theirs.mean() and ours.max() <= theirs.max(), (ours.max(), theirs.max())
+        steps = 2  # transformers' two roundings can land two steps from the once-rounded result
+    else:
+        assert (out != oracle).float().mean().item() <= 0.01
+    torch.testing.assert_close(out.float(), oracle.float(), rtol=steps * 2**-7, atol=1e-2)
     torch.testing.assert_close(out.double(), ref64, rtol=3e-2, atol=3e-2)
 
 
@@ -295,8 +305,8 @@ def test_gpu_27b_shapes_match_transformers(tokens):
     c, sn = cos[pos][:, None], sin[pos][:, None]
     hf_q, hf_k = transformers_qwen3_5.apply_rotary_pos_emb(_hf_norm(q_in, wq), _hf_norm(k_in, wk), cos[pos],
                                                            sin[pos])  # fmt: skip
-    _close_bf16(q, hf_q, _rope64(_norm64(q_in, 1 + wq), c.double(), sn.double()))
-    _close_bf16(k, hf_k, _rope64(_norm64(k_in, 1 + wk), c.double(), sn.double()))
+    _close_bf16(q, hf_q, _rope64(_norm64(q_in, 1 + wq), c.double(), sn.double()), rounds_once=True)
+    _close_bf16(k, hf_k, _rope64(_norm64(k_in, 1 + wk), c.double(), sn.double()), rounds_once=True)
     # the output gate, read in place from the qkv output
     gate = qkv[:, : 2 * heads * d].view(tokens, heads, 2 * d)[..., d:]
     o = torch.randn(tokens, heads, d, dtype=bf16, device=dev)
