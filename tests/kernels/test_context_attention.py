@@ -115,3 +115,50 @@ def test_prefix_bad_inputs():
         context_attention(q, kv, kv, start, length, 4, prefix=prefix)
     with pytest.raises(ValueError, match=r"k_cache expected \[pool tokens, 2, 64\]"):
         context_attention(q, kv, kv, start, length, 4, prefix=prefix, k_cache=torch.randn(8, 4, 64), v_cache=kv)
+
+
+@pytest.mark.parametrize("splits", [2, 3, 16], ids=lambda s: f"splits{s}")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_split_prefix_matches_reference(splits, dtype):
+    """The prefix read in ranges by parallel programs and merged: prefixes shorter than the split count (empty
+    ranges), not block multiples, absent (0), and one request with a long prefix; every row written."""
+    lens, prefix_lens = [3, 1, 20, 9], [0, 70, 5, 131]
+    g = torch.Generator().manual_seed(splits)
+    q, k, v, b_start, b_len = _packed(lens, 8, 2, 128, dtype, g)
+    pool = 260
+    k_cache = torch.randn(pool, 2, 128, generator=g).to(dtype).to(DEVICE)
+    v_cache = torch.randn(pool, 2, 128, generator=g).to(dtype).to(DEVICE)
+    prefix = _cached_prefix(prefix_lens, pool, g)
+    out = torch.full_like(q, float("nan"))
+    cfg = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1, "PREFIX_SPLITS": splits}
+    context_attention(q, k, v, b_start, b_len, max(lens), out=out, run_config=cfg, prefix=prefix, k_cache=k_cache,
+                      v_cache=v_cache)  # fmt: skip
+    assert not out.isnan().any(), "unwritten output"
+    want = context_attention_ref(q, k, v, b_start, b_len, prefix=prefix, k_cache=k_cache, v_cache=v_cache)
+    tol = 1e-4 if dtype == torch.float32 else 3e-3
+    torch.testing.assert_close(out.double(), want, rtol=tol, atol=tol)
+
+
+def test_prefix_splits_fill_the_gpu_only_when_the_grid_is_small():
+    from lightllm.kernels.attention.prefill.context_attention import MAX_PREFIX_SPLITS, prefix_splits
+
+    assert prefix_splits(64, 132) == 5  # 128 new tokens x 32 heads at BLOCK_M 64: 2 programs per SM after the split
+    assert prefix_splits(2048, 132) == 1  # a 4096-token chunk fills the GPU alone
+    assert prefix_splits(1, 132) == MAX_PREFIX_SPLITS
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("new, prefix_len", [(1, 8191), (128, 8000), (600, 3000)], ids=["hit", "chunk128", "chunk600"])
+def test_gpu_short_chunk_after_long_prefix(new, prefix_len):
+    """Qwen3-8B's heads (32/8 of 128) in bf16 at the default config, whose split count follows the grid."""
+    g = torch.Generator().manual_seed(new)
+    q, k, v, b_start, b_len = _packed([new], 32, 8, 128, torch.bfloat16, g)
+    pool = prefix_len + 64
+    k_cache = torch.randn(pool, 8, 128, generator=g).to(torch.bfloat16).to(DEVICE)
+    v_cache = torch.randn(pool, 8, 128, generator=g).to(torch.bfloat16).to(DEVICE)
+    prefix = _cached_prefix([prefix_len], pool, g)
+    out = torch.full_like(q, float("nan"))
+    context_attention(q, k, v, b_start, b_len, new, out=out, prefix=prefix, k_cache=k_cache, v_cache=v_cache)
+    assert not out.isnan().any(), "unwritten output"
+    want = context_attention_ref(q, k, v, b_start, b_len, prefix=prefix, k_cache=k_cache, v_cache=v_cache)
+    torch.testing.assert_close(out.double(), want, rtol=2e-2, atol=2e-2)

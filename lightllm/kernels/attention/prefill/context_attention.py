@@ -1,11 +1,18 @@
 """Causal prefill attention over packed requests: each request's new tokens attend to its cached prefix (chunked
 prefill: the tokens already in the KV pool, read through ``req_to_token``) and causally to themselves.
 
-Grid ``(batch, q_heads, ceil(max_q_len / BLOCK_M))``; each program streams its request's prefix keys from the pool,
-then its new keys up to the diagonal, with one online softmax. Tuned as GENERAL kernels by the prefill warmup:
-``context_attention`` (no prefix) and ``context_attention_prefix`` (the same kernel compiled with the prefix loop).
+Grid ``(batch, q_heads, ceil(max_q_len / BLOCK_M) * splits)``; each program streams its request's prefix keys from
+the pool, then its new keys up to the diagonal, with one online softmax. Tuned as GENERAL kernels by the prefill
+warmup: ``context_attention`` (no prefix) and ``context_attention_prefix`` (the same kernel compiled with the prefix
+loop).
+
+A short chunk after a long prefix (chunked prefill's later chunks, a prefix-cache hit) launches few programs, each
+streaming the whole prefix alone: 64 programs on 132 SMs for 128 new tokens of 32 heads. There the prefix is split
+in ``splits`` ranges read in parallel (the last range's programs also take the new tokens); each writes its rows'
+normalized partial output and base-2 log-sum-exp in float32, and a second kernel merges them.
 """
 
+import functools
 import math
 from typing import Optional
 
@@ -14,6 +21,7 @@ import triton
 import triton.language as tl
 
 from lightllm.common.autotuner import AutotuneKernelType, PlannedInputs, autotune
+from lightllm.kernels.launch_math import cdiv, next_power_of_2
 
 
 @triton.jit
@@ -35,12 +43,14 @@ def _context_attention_kernel(
     K_cache, V_cache, req_to_token, b_req_idx, b_prefix_len,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     stride_kct, stride_kch, stride_vct, stride_vch, stride_rt,
+    Part_O, Part_L, stride_pos, stride_pot, stride_poh, stride_pls, stride_plt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr, HAS_PREFIX: tl.constexpr,
+    PRECISION: tl.constexpr, HAS_PREFIX: tl.constexpr, SPLITS: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     h = tl.program_id(1)
-    m_block = tl.program_id(2)
+    m_block = tl.program_id(2) // SPLITS
+    split = tl.program_id(2) % SPLITS
     seq_len = tl.load(b_len + b)
     if m_block * BLOCK_M >= seq_len:
         return
@@ -57,27 +67,57 @@ def _context_attention_kernel(
     if HAS_PREFIX:  # the request's cached tokens, through its row of req_to_token: every new token sees them all
         prefix = tl.load(b_prefix_len + b)
         row = req_to_token + tl.load(b_req_idx + b).to(tl.int64) * stride_rt
-        for n0 in range(0, prefix, BLOCK_N):
+        per_split = tl.cdiv(tl.cdiv(prefix, SPLITS), BLOCK_N) * BLOCK_N
+        lo = split * per_split
+        hi = tl.minimum(lo + per_split, prefix)
+        for n0 in range(lo, hi, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
-            mask_n = offs_n < prefix
+            mask_n = offs_n < hi
             tok = tl.load(row + offs_n, mask=mask_n, other=0).to(tl.int64)[:, None]
             k = tl.load(K_cache + tok * stride_kct + kvh * stride_kch + offs_d[None, :], mask=mask_n[:, None],
                         other=0.0)  # fmt: skip
             v = tl.load(V_cache + tok * stride_vct + kvh * stride_vch + offs_d[None, :], mask=mask_n[:, None],
                         other=0.0)  # fmt: skip
             m_i, l_i, acc = _attend_block(q, k, v, mask_n[None, :], m_i, l_i, acc, qk_scale, PRECISION)
-    end = tl.minimum((m_block + 1) * BLOCK_M, seq_len)
-    for n0 in range(0, end, BLOCK_N):  # the new tokens, causally
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < end
-        rows = (start + offs_n)[:, None]
-        k = tl.load(K + rows * stride_kt + kvh * stride_kh + offs_d[None, :], mask=mask_n[:, None], other=0.0)
-        v = tl.load(V + rows * stride_vt + kvh * stride_vh + offs_d[None, :], mask=mask_n[:, None], other=0.0)
-        causal = (offs_m[:, None] >= offs_n[None, :]) & mask_n[None, :]
-        m_i, l_i, acc = _attend_block(q, k, v, causal, m_i, l_i, acc, qk_scale, PRECISION)
-    out = acc / l_i[:, None]
-    tl.store(Out + (start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
-             out.to(Out.dtype.element_ty), mask=mask_m[:, None])  # fmt: skip
+    if split == SPLITS - 1:  # the new tokens, causally
+        end = tl.minimum((m_block + 1) * BLOCK_M, seq_len)
+        for n0 in range(0, end, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < end
+            rows = (start + offs_n)[:, None]
+            k = tl.load(K + rows * stride_kt + kvh * stride_kh + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+            v = tl.load(V + rows * stride_vt + kvh * stride_vh + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+            causal = (offs_m[:, None] >= offs_n[None, :]) & mask_n[None, :]
+            m_i, l_i, acc = _attend_block(q, k, v, causal, m_i, l_i, acc, qk_scale, PRECISION)
+    if SPLITS == 1:
+        out = acc / l_i[:, None]
+        tl.store(Out + (start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+                 out.to(Out.dtype.element_ty), mask=mask_m[:, None])  # fmt: skip
+    else:  # an empty range (a prefix shorter than the splits) leaves weight 0 for the merge
+        seen = l_i > 0
+        l_safe = tl.where(seen, l_i, 1.0)
+        tl.store(Part_O + split * stride_pos + (start + offs_m)[:, None] * stride_pot + h * stride_poh
+                 + offs_d[None, :], acc / l_safe[:, None], mask=mask_m[:, None])  # fmt: skip
+        tl.store(Part_L + split * stride_pls + (start + offs_m) * stride_plt + h,
+                 tl.where(seen, m_i + tl.log2(l_safe), float("-inf")), mask=mask_m)  # fmt: skip
+
+
+@triton.jit
+def _merge_splits_kernel(
+    Part_O, Part_L, Out, stride_pos, stride_pot, stride_poh, stride_pls, stride_plt, stride_ot, stride_oh,
+    SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, HEAD_DIM: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, SPLITS_P2)
+    offs_d = tl.arange(0, HEAD_DIM)
+    valid = offs_s < SPLITS
+    lse = tl.load(Part_L + offs_s * stride_pls + t * stride_plt + h, mask=valid, other=float("-inf"))
+    weight = tl.exp2(lse - tl.max(lse, 0))  # the last split always saw its own tokens: the max is finite
+    part = tl.load(Part_O + offs_s[:, None] * stride_pos + t * stride_pot + h * stride_poh + offs_d[None, :],
+                   mask=valid[:, None] & (weight[:, None] > 0), other=0.0)  # fmt: skip
+    out = tl.sum(part * weight[:, None], 0) / tl.sum(weight, 0)
+    tl.store(Out + t * stride_ot + h * stride_oh + offs_d, out.to(Out.dtype.element_ty))
 
 
 def _default_config(head_dim: int) -> dict:
@@ -98,23 +138,55 @@ def _static_key(q, k):
 
 
 def _run_key(q):
-    return triton.next_power_of_2(max(q.shape[0], 16))  # total prefill tokens, in power-of-two buckets
+    return next_power_of_2(max(q.shape[0], 16))  # total prefill tokens, in power-of-two buckets
+
+
+MAX_PREFIX_SPLITS = 16
+
+
+def prefix_splits(programs: int, sms: int) -> int:
+    """Ranges to split a cached prefix into: enough for two programs per SM, at most ``MAX_PREFIX_SPLITS``; 1 when
+    the unsplit grid already fills the GPU (a long chunk), so long prefills keep the one-pass kernel."""
+    return max(1, min(MAX_PREFIX_SPLITS, cdiv(2 * sms, programs)))
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 8  # the interpreter: a nominal GPU, so small test shapes split as short chunks do on a real one
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _launch(q, k, v, out, b_start, b_len, max_q_len, sm_scale, cfg, prefix):
     """The grid and the kernel call; ``prefix`` is (k_cache, v_cache, req_to_token, b_req_idx, b_prefix_len) or
-    None (no cached prefix: the cache arguments are placeholders the compiled kernel never reads)."""
+    None (no cached prefix: the cache arguments are placeholders the compiled kernel never reads). With a prefix,
+    ``cfg["PREFIX_SPLITS"]`` fixes the split count (tests); by default :func:`prefix_splits` of the grid."""
     k_cache, v_cache, req_to_token, b_req_idx, b_prefix_len = prefix or (k, v, b_start, b_start, b_start)
-    grid = (b_len.shape[0], q.shape[1], triton.cdiv(max_q_len, cfg["BLOCK_M"]))
+    m_blocks = cdiv(max_q_len, cfg["BLOCK_M"])
+    splits = 1
+    if prefix is not None:
+        splits = cfg.get("PREFIX_SPLITS") or prefix_splits(b_len.shape[0] * q.shape[1] * m_blocks, _sm_count(q.device))
+    part_o = part_l = out  # placeholders a one-pass launch never reads
+    if splits > 1:
+        part_o = torch.empty((splits, *q.shape), dtype=torch.float32, device=q.device)
+        part_l = torch.empty((splits, q.shape[0], q.shape[1]), dtype=torch.float32, device=q.device)
+    grid = (b_len.shape[0], q.shape[1], m_blocks * splits)
     _context_attention_kernel[grid](
         q, k, v, out, b_start, b_len, sm_scale * 1.4426950408889634,
         k_cache, v_cache, req_to_token, b_req_idx, b_prefix_len,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), req_to_token.stride(0),
+        part_o, part_l, part_o.stride(0), part_o.stride(1), part_o.stride(2), part_l.stride(0), part_l.stride(1),
         GROUP=q.shape[1] // k.shape[1], HEAD_DIM=q.shape[-1], BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-        PRECISION="ieee" if q.dtype == torch.float32 else None, HAS_PREFIX=prefix is not None,
+        PRECISION="ieee" if q.dtype == torch.float32 else None, HAS_PREFIX=prefix is not None, SPLITS=splits,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
+    if splits > 1:
+        _merge_splits_kernel[(q.shape[0], q.shape[1])](
+            part_o, part_l, out, part_o.stride(0), part_o.stride(1), part_o.stride(2), part_l.stride(0),
+            part_l.stride(1), out.stride(0), out.stride(1),
+            SPLITS=splits, SPLITS_P2=next_power_of_2(splits), HEAD_DIM=q.shape[-1], num_warps=4,
+        )  # fmt: skip
     return out
 
 
