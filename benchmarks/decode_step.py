@@ -134,6 +134,13 @@ def main():
     p.add_argument("--kv-len", type=int, default=4096)
     p.add_argument("--out", default="benchmarks/results/decode_step.json")
     p.add_argument("--no-startup", action="store_true")
+    p.add_argument(
+        "--tune-level",
+        type=int,
+        default=1,
+        choices=(0, 1),
+        help="1: tune from an empty config dir, as a first start; 0: defaults and shipped configs (quick)",
+    )
     p.add_argument("--profile-batch", type=int, help="also record GPU time per kernel of the graph step at this batch")
     p.add_argument("--ttft-prompt", type=int, default=128, help="prompt tokens of the time-to-first-token row")
     args = p.parse_args()
@@ -145,7 +152,7 @@ def main():
         model_dir = build_model(root, args.layers, args.model)
         # graphs replay the configs tuned at their capture (level 1 from an empty dir, as a first start)
         os.environ["LIGHTLLM_AUTOTUNE_CONFIG_DIR"] = os.path.join(root, "configs")
-        os.environ["LIGHTLLM_TRITON_AUTOTUNE_LEVEL"] = "1"
+        os.environ["LIGHTLLM_TRITON_AUTOTUNE_LEVEL"] = str(args.tune_level)
         llm, rows = step_times(model_dir, args.batches, args.kv_len, 2 * args.kv_len, args.profile_batch)
         c = llm.runner.config
         weight_bytes = sum(t.numel() * t.element_size() for t in _step_weights(llm.runner.model.w))
@@ -156,7 +163,7 @@ def main():
             r["floor_ms"] = (weight_bytes + kv + state) / floor_gbs / 1e6
             r["graph_over_floor"] = r["graph_ms"] / r["floor_ms"]
         result = {"device": torch.cuda.get_device_name(), "model": args.model, "bandwidth_GBs": bw,
-                  "layers": args.layers, "kv_len": args.kv_len, "first_start_s": llm.runner.startup_seconds,
+                  "layers": args.layers, "kv_len": args.kv_len, "tune_level": args.tune_level, "first_start_s": llm.runner.startup_seconds,
                   "rows": rows, "startup_s": {}}  # fmt: skip
         result["ttft"] = {"prompt_tokens": args.ttft_prompt, **ttft_ms(llm, args.ttft_prompt)}
         params, tflops = sum(t.numel() for t in _step_weights(llm.runner.model.w)), matmul_tflops()
