@@ -163,7 +163,8 @@ def main():
             r["floor_ms"] = (weight_bytes + kv + state) / floor_gbs / 1e6
             r["graph_over_floor"] = r["graph_ms"] / r["floor_ms"]
         result = {"device": torch.cuda.get_device_name(), "model": args.model, "bandwidth_GBs": bw,
-                  "layers": args.layers, "kv_len": args.kv_len, "tune_level": args.tune_level, "first_start_s": llm.runner.startup_seconds,
+                  "layers": args.layers, "kv_len": args.kv_len, "tune_level": args.tune_level,
+                  "first_start_s": llm.runner.startup_seconds,
                   "rows": rows, "startup_s": {}}  # fmt: skip
         result["ttft"] = {"prompt_tokens": args.ttft_prompt, **ttft_ms(llm, args.ttft_prompt)}
         params, tflops = sum(t.numel() for t in _step_weights(llm.runner.model.w)), matmul_tflops()
