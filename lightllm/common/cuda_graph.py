@@ -43,8 +43,8 @@ class TorchGraphAPI:
 
 
 class GraphSet:
-    """Graphs of one forward by key (keys sort largest first in reverse), all in one memory pool: ``pool`` when
-    given (another set's), else the first graph's. ``memory_bytes``: what capturing them added to the device."""
+    """Graphs of one forward by key, captured in descending key order (largest first), all in one memory pool:
+    ``pool`` when given (another set's), else the first graph's. ``memory_bytes``: what capturing them added."""
 
     def __init__(self, keys: Iterable[Hashable], api=None, pool=None):
         self.keys = sorted(set(keys))

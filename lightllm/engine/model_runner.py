@@ -248,7 +248,8 @@ class ModelRunner:
     def prefill(self, slots: Sequence[int], prompts: Sequence[Sequence[int]]) -> torch.Tensor:
         """Append each request's new tokens to its KV and run them as one packed prefill; float32 logits of each
         request's last new token. A slot that already holds tokens (the earlier chunks of a chunked prefill) is
-        continued: its new tokens sit after them and attend to them (and Qwen3.5's state slot carries on)."""
+        continued: its new tokens sit after them and attend to them (and Qwen3.5's state slot carries on). One
+        request within a prefill graph's bucket replays that graph (its logits valid until the next replay)."""
         lens = [len(p) for p in prompts]
         prefix = [self.kv.seq_len(s) for s in slots]
         token_idx = torch.cat([self.kv.extend(s, n) for s, n in zip(slots, lens)])
