@@ -9,10 +9,14 @@ per step) / the faster of the measured copy and GEMV read rates.
 
     python benchmarks/decode_step.py --out benchmarks/results/decode_step_h200.json
     python benchmarks/decode_step.py --model qwen3.5 --layers 8 --out benchmarks/results/decode_step_qwen3_5_h200.json
+    python benchmarks/decode_step.py --layers 36 --batches 1 --no-startup --out benchmarks/results/ttft_36l_h200.json
+
+The time-to-first-token row runs one prompt (``--ttft-prompt`` tokens) with the prefill graphs and eagerly.
 """
 
 import argparse
 import gc
+import itertools
 import json
 import os
 import statistics
@@ -82,20 +86,33 @@ def step_times(model_dir, batch_sizes, kv_len, graph_max_len, profile_batch=None
 
 def ttft_ms(llm, prompt_len: int, reps: int = 10) -> dict:
     """Time to the first token of one ``prompt_len``-token prompt through the offline API (prefill, sampling,
-    bookkeeping), and the runner's prefill forward alone; medians of ``reps`` after one warm-up each."""
+    bookkeeping), and the runner's prefill forward alone; medians of ``reps`` after one warm-up each. First with
+    the runner's prefill graphs (``prefill_graph_bucket``: the bucket that served the prompt, None when none did),
+    then with them set aside (``*_eager_ms``). Each call's prompt starts with another token, so the prefix cache
+    never serves it: every call prefills the whole prompt."""
     from lightllm import SamplingParams
 
-    prompt, params = list(range(1, prompt_len + 1)), SamplingParams(max_new_tokens=1, ignore_eos=True)
-    runner = llm.runner
+    params = SamplingParams(max_new_tokens=1, ignore_eos=True)
+    runner, graphs = llm.runner, llm.runner.prefill_graphs
+    key = graphs.pick(prompt_len, 0) if graphs else None
+    calls, vocab = itertools.count(), runner.config.vocab_size
+
+    def prompt():
+        return [1 + next(calls) % (vocab - 1)] + list(range(2, prompt_len + 1))
 
     def prefill_only():
         slot = runner.kv.add_request()
-        runner.prefill([slot], [prompt])
+        runner.prefill([slot], [prompt()])
         runner.free(slot)
 
-    out = {}
-    for name, fn in (("generate_ms", lambda: llm.generate(prompt, params)), ("prefill_ms", prefill_only)):
-        out[name] = _time(fn, runner, reps)
+    out = {"prefill_graph_bucket": key[0] if key else None}
+    try:
+        for suffix, use in (("", graphs), ("_eager", None)):
+            runner.prefill_graphs = use
+            for name, fn in (("generate", lambda: llm.generate(prompt(), params)), ("prefill", prefill_only)):
+                out[f"{name}{suffix}_ms"] = _time(fn, runner, reps)
+    finally:
+        runner.prefill_graphs = graphs
     return out
 
 
@@ -184,9 +201,11 @@ def main():
     print(f"{result['device']}: copy {bw['copy']:.0f} GB/s, GEMV {bw['gemv']:.0f} GB/s (floor at the faster), "
           f"{args.layers} layers, KV {args.kv_len} tokens/request")  # fmt: skip
     t = result["ttft"]
+    graph = f"the {t['prefill_graph_bucket']}-token prefill graph" if t["prefill_graph_bucket"] else "no prefill graph"
     print(
-        f"time to first token, {t['prompt_tokens']}-token prompt: {t['generate_ms']:.2f} ms (prefill forward "
-        f"{t['prefill_ms']:.2f} ms; floor {t['floor_ms']:.2f} ms)"
+        f"time to first token, {t['prompt_tokens']}-token prompt: {t['generate_ms']:.2f} ms with {graph} (prefill "
+        f"forward {t['prefill_ms']:.2f} ms), {t['generate_eager_ms']:.2f} ms eager (prefill forward "
+        f"{t['prefill_eager_ms']:.2f} ms); floor {t['floor_ms']:.2f} ms"
     )
     print(" batch  eager ms  graph ms  floor ms  graph/floor")
     for r in rows:

@@ -14,6 +14,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_REQ_TOTAL_LEN = 16384  # LightLLM's default when --max_req_total_len is not given, capped at the context
 DEFAULT_KV_QUANT_GROUP_SIZE = 8
+DEFAULT_PREFILL_GRAPH_MAX_TOKENS = 512  # prompts up to this skip the eager prefill's host cost; small graphs
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 DATA_TYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "bfloat16": torch.bfloat16,
               "float16": torch.float16, "float32": torch.float32}  # fmt: skip
@@ -35,6 +36,7 @@ class EngineArgs:
     graph_grow_step_size: int = 16
     graph_max_len_in_batch: int = 0  # 0: max_req_total_len (LightLLM's meaning and default)
     disable_cudagraph: bool = False
+    prefill_graph_max_tokens: int = DEFAULT_PREFILL_GRAPH_MAX_TOKENS  # one request's prefill up to this: a graph; 0 off
     llm_kv_type: str = "None"
     llm_kv_quant_group_size: int = DEFAULT_KV_QUANT_GROUP_SIZE
     llm_decode_att_backend: str = "triton"  # "auto" is resolved by normalize, once the device is known
@@ -58,6 +60,10 @@ class EngineArgs:
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 off = " (--disable_chunked_prefill turns chunking off)" if name == "chunked_prefill_size" else ""
                 raise ValueError(f"--{name} expected a positive integer, got {value!r}{off}")
+        value = self.prefill_graph_max_tokens
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"--prefill_graph_max_tokens expected a non-negative integer (0 turns prefill graphs "
+                             f"off), got {value!r}")  # fmt: skip
         if self.llm_kv_type not in KV_TYPES:
             raise ValueError(f"--llm_kv_type expected one of {KV_TYPES}, got {self.llm_kv_type!r}")
         if self.llm_decode_att_backend not in DECODE_BACKEND_CHOICES:

@@ -5,12 +5,14 @@ Start-up, top to bottom (``ModelRunner.__init__``):
    the KV pool: on a GPU from the peak of a profiling prefill and decode over a scratch pool (no tuning
    there), on the CPU from the available RAM (``common/kv_cache/sizing.py``); the prefix cache over it is on
    unless ``--disable_dynamic_prompt_cache`` or the model says it can't reuse a prefix;
-2. GENERAL warmup: dummy prefills at a spread of lengths up to the prefill step's tokens (with chunked prefill,
-   each also as a second chunk);
+2. GENERAL warmup: dummy prefills at a spread of lengths up to the prefill step's tokens, every prefill graph
+   bucket among them (with chunked prefill, each also as a second chunk);
 3. decode graphs, largest batch first: per size one eager decode forward in the DECODE_ATTENTION scope
    (decode-attention kernels tune there), then the capture;
-4. with tensor parallelism, a check that every rank holds the same configs (one log line);
-5. one summary line.
+4. prefill graphs (``engine/prefill_graphs.py``) into the decode graphs' pool, largest bucket first: per bucket
+   one eager forward outside any scope, then the capture (one log line: graphs, memory, seconds);
+5. with tensor parallelism, a check that every rank holds the same configs (one log line);
+6. one summary line.
 """
 
 import itertools
@@ -41,6 +43,7 @@ from lightllm.common.kv_cache.sizing import (
     gpu_pool_tokens,
 )
 from lightllm.engine.args import EngineArgs
+from lightllm.engine.prefill_graphs import PrefillGraphs, PrefillStaging, prefill_buckets
 from lightllm.engine.staging import DecodeStaging
 from lightllm.layers import parallel
 from lightllm.layers.attention import AttentionBackend, check_head_dim, make_pool
@@ -57,6 +60,7 @@ PROFILE_POOL_TOKENS = 256  # the profiling forward's scratch KV pool; its token 
 
 class ModelRunner:
     _staging: Optional[DecodeStaging] = None  # the decode steps' staging buffer, made with the graphs' inputs
+    prefill_graphs: Optional[PrefillGraphs] = None  # set after the decode graphs: the warm-up prefills run eagerly
 
     def __init__(self, args: EngineArgs, graph_api=None, memory_api=None):
         args.normalize()
@@ -79,13 +83,14 @@ class ModelRunner:
 
         t = time.perf_counter()
         use_graphs = not args.disable_cudagraph and (self.device.type == "cuda" or graph_api is not None)
+        buckets = self._prefill_graph_buckets() if use_graphs else []
         self._init_kv_cache(memory_api or default_memory_api(self.device), args.graph_batch_sizes() if use_graphs
-                            else [])  # fmt: skip
+                            else [], buckets)  # fmt: skip
         seconds["kv sizing"] = time.perf_counter() - t
 
         stats0, t = get_autotune_stats(), time.perf_counter()
         with autotune_warmup(AutotuneKernelType.GENERAL):
-            self._warmup_prefill()
+            self._warmup_prefill(buckets)
         seconds["general warmup"] = time.perf_counter() - t
 
         self.graphs: Optional[DecodeGraphs] = None
@@ -97,14 +102,25 @@ class ModelRunner:
             self._init_graph_buffers()
             self.graphs = DecodeGraphs(args.graph_batch_sizes(), graph_api).capture_all(self._graph_decode)
             seconds["decode graphs"] = time.perf_counter() - t
+        if buckets:
+            t = time.perf_counter()
+            self.prefill_graphs = self._capture_prefill_graphs(buckets, graph_api)
+            seconds["prefill graphs"] = time.perf_counter() - t
+            logger.info("prefill graphs: %d captured (buckets %s tokens, %s) in %.1f s, %.1f MiB in the decode "
+                        "graphs' pool", self.prefill_graphs.num_graphs, ", ".join(map(str, buckets)),
+                        "with and without a cached prefix" if self.prefill_graphs.prefixed else "no cached prefix",
+                        seconds["prefill graphs"], self.prefill_graphs.memory_bytes / 2**20)  # fmt: skip
         if self.tp > 1:  # agreement is built into every search; this proves it held end to end
             check_rank_agreement()
         tuned = get_autotune_stats() - stats0
-        graphs = self.graphs
+        graphs, prefill = self.graphs, self.prefill_graphs
         logger.info(
-            "ready: %d decode graphs (%.1f MiB), %d kernels tuned%s, %d configs written; %s",
+            "ready: %d decode graphs (%.1f MiB), %d prefill graphs (%.1f MiB), %d kernels tuned%s, %d configs "
+            "written; %s",
             len(graphs.graphs) if graphs else 0,
             (graphs.memory_bytes if graphs else 0) / 2**20,
+            prefill.num_graphs if prefill else 0,
+            (prefill.memory_bytes if prefill else 0) / 2**20,
             tuned.searches,
             _untuned_device_note(self.device),
             tuned.configs_written,
@@ -114,7 +130,7 @@ class ModelRunner:
 
     # ---- KV cache ------------------------------------------------------------------------------------------
 
-    def _init_kv_cache(self, memory_api, graph_sizes: Sequence[int]) -> None:
+    def _init_kv_cache(self, memory_api, graph_sizes: Sequence[int], prefill_buckets: Sequence[int]) -> None:
         a, c = self.args, self.config
         max_reqs = a.running_max_req_size + 1  # one slot is the padding request of graph batches
         contiguous = False
@@ -132,7 +148,7 @@ class ModelRunner:
         if contiguous:  # fixed per-request rows
             num_tokens = max_reqs * a.max_req_total_len
         elif memory_api.profiles:
-            profile = self._profile_memory(memory_api, graph_sizes)
+            profile = self._profile_memory(memory_api, graph_sizes, prefill_buckets)
             num_tokens = gpu_pool_tokens(profile, a.mem_fraction, per_token, a.max_total_token_num)
             logger.info("%s%s", describe_gpu_sizing(profile, a.mem_fraction, per_token, num_tokens), state_note)
         else:
@@ -172,13 +188,14 @@ class ModelRunner:
             logger.info("prefix cache (dynamic prompt cache) off: %s", why)
         return why is None
 
-    def _profile_memory(self, memory_api, graph_sizes: Sequence[int]) -> GpuProfile:
+    def _profile_memory(self, memory_api, graph_sizes: Sequence[int], prefill_buckets: Sequence[int]) -> GpuProfile:
         """The worst forwards the server runs (a prefill of ``prefill_step_tokens`` tokens with chunked prefill, else
         of ``max(batch_max_tokens, max_req_total_len)``, a
         ``running_max_req_size`` decode at ``max_req_total_len``) over a scratch pool whose token indices wrap,
         outside any autotune scope so no kernel searches on dummy data; their peak allocation above the state before
         them. The decode graphs are estimated to keep the decode peak plus the float32 logits each smaller graph
-        holds as its output."""
+        holds as its output; the prefill graphs the profiled prefill's peak scaled to the largest bucket's tokens
+        (activations grow with tokens) plus the logits row each of up to two graphs per bucket holds."""
         a, c, dev = self.args, self.config, self.device
         scratch = make_pool(a.llm_kv_type, PROFILE_POOL_TOKENS, c.num_kv_layers, self.model.kv_heads, c.head_dim,
                             a.torch_dtype, dev, a.llm_kv_quant_group_size)  # fmt: skip
@@ -221,18 +238,31 @@ class ModelRunner:
         del scratch, table, prefill, decode, state
         used, total = memory_api.used_and_total()
         outputs = sum(sorted(graph_sizes)[:-1]) * c.vocab_size * 4
+        prefill_graphs = _prefill_graphs_estimate(peaks[0], sum(sizes), prefill_buckets, c.vocab_size)
         return GpuProfile(total=total, used=used, torch_allocated=memory_api.allocated(), activation_peak=max(peaks),
-                          graph_estimate=peaks[1] + outputs if graph_sizes else 0)  # fmt: skip
+                          graph_estimate=peaks[1] + outputs if graph_sizes else 0,
+                          prefill_graph_estimate=prefill_graphs)  # fmt: skip
 
     # ---- steps ---------------------------------------------------------------------------------------------
 
     def prefill(self, slots: Sequence[int], prompts: Sequence[Sequence[int]]) -> torch.Tensor:
         """Append each request's new tokens to its KV and run them as one packed prefill; float32 logits of each
         request's last new token. A slot that already holds tokens (the earlier chunks of a chunked prefill) is
-        continued: its new tokens sit after them and attend to them (and Qwen3.5's state slot carries on)."""
+        continued: its new tokens sit after them and attend to them (and Qwen3.5's state slot carries on). One
+        request within a prefill graph's bucket replays that graph (its logits valid until the next replay)."""
         lens = [len(p) for p in prompts]
         prefix = [self.kv.seq_len(s) for s in slots]
         token_idx = torch.cat([self.kv.extend(s, n) for s, n in zip(slots, lens)])
+        logits = None
+        if self.prefill_graphs is not None and len(slots) == 1:  # one request within a bucket: a graph replay
+            logits = self.prefill_graphs.prefill(slots[0], prefix[0], prompts[0], token_idx)
+        if logits is None:
+            logits = self._prefill_eager(slots, prompts, lens, prefix, token_idx)
+        for slot, prompt in zip(slots, prompts):  # after the forward: a failed one leaves no KV to reuse
+            self.kv.computed(slot, prompt)
+        return logits
+
+    def _prefill_eager(self, slots, prompts, lens, prefix, token_idx) -> torch.Tensor:
         starts = [0, *itertools.accumulate(lens[:-1])]
         seq_lens = [p + n for p, n in zip(prefix, lens)]
         dev = self.device
@@ -252,10 +282,7 @@ class ModelRunner:
             max_prefix_len=max(prefix),
         )
         input_ids = torch.tensor([t for p in prompts for t in p], dtype=torch.int64, device=dev)
-        logits = self.model.forward(input_ids, state)
-        for slot, prompt in zip(slots, prompts):  # after the forward: a failed one leaves no KV to reuse
-            self.kv.computed(slot, prompt)
-        return logits
+        return self.model.forward(input_ids, state)
 
     def decode(self, slots: Sequence[int], last_tokens: Sequence[int]) -> torch.Tensor:
         """One decode step (one new token per request); a captured graph when one fits, else eager."""
@@ -298,19 +325,16 @@ class ModelRunner:
 
     # ---- warmup and graphs ---------------------------------------------------------------------------------
 
-    def _warmup_prefill(self) -> None:
+    def _warmup_prefill(self, graph_buckets: Sequence[int]) -> None:
         """Dummy prefills at 16, 32, ... up to the most tokens a prefill step carries (several requests when one
-        request can't hold them), so GENERAL kernels tune and compile before the first live request. With chunked
-        prefill each size also runs as a second chunk, after a first one of the same size (the prefix kernels)."""
+        request can't hold them), and at every prefill graph bucket within that, so GENERAL kernels tune and
+        compile before the first live request and the prefill graphs' capture. With chunked prefill each size also
+        runs as a second chunk, after a first one of the same size (the prefix kernels)."""
         a = self.args
         # the second chunks only where kernels compile and tune: on the CPU the references run either way
         chunked = self.device.type == "cuda" and not a.disable_chunked_prefill and a.max_req_total_len > 1
         most = min(a.prefill_step_tokens, self.kv.num_free_tokens // (2 if chunked else 1))
-        total, lengths = 16, []
-        while total < most:
-            lengths.append(total)
-            total *= 2
-        lengths.append(most)
+        lengths = sorted(set(prefill_buckets(most)) | {b for b in graph_buckets if b <= most})
         gen = torch.Generator().manual_seed(0)
         for total in lengths:
             sizes = _prefill_sizes(total, a.max_req_total_len // (2 if chunked else 1), a.running_max_req_size)
@@ -324,6 +348,30 @@ class ModelRunner:
                     self.kv.free_request(s)
         if self.kv.prefix is not None:  # random warmup prompts: nothing a live request could reuse
             self.kv.prefix.clear()
+
+    def _prefill_graph_buckets(self) -> list:
+        """The prefill graphs' token buckets: up to ``--prefill_graph_max_tokens``, at most a prefill step's tokens
+        and a request's length (longer new tokens never come alone); [] when off or the model can't pad a prefill
+        (logged)."""
+        a = self.args
+        if not a.prefill_graph_max_tokens:
+            return []
+        why = self.model.prefill_graph_blocker()
+        if why is not None:
+            logger.info("prefill graphs off: the model's %s", why)
+            return []
+        return prefill_buckets(min(a.prefill_graph_max_tokens, a.prefill_step_tokens, a.max_req_total_len))
+
+    def _capture_prefill_graphs(self, buckets: Sequence[int], graph_api) -> PrefillGraphs:
+        """Prefill graphs over the decode graphs' pool. Cached-prefix graphs only where a prefill can continue a
+        request (chunked prefill or the prefix cache) and the pool is unquantized: a quantized pool's prefix path
+        sizes its gather by the longest prefix on the host, which a graph would freeze."""
+        a = self.args
+        prefixed = (self.kv.prefix is not None or not a.disable_chunked_prefill) and self.attn.quant == "none"
+        staging = PrefillStaging(max(buckets), self.device, self.pad_slot, self.pad_token)
+        graphs = PrefillGraphs(self.model.forward, buckets, prefixed, self.kv.table, a.max_req_total_len, staging,
+                               graph_api, self.graphs.pool)  # fmt: skip
+        return graphs.capture()
 
     def _init_graph_buffers(self) -> None:
         """The decode graphs' static inputs: device views of one staging buffer, every row the padding request
@@ -359,6 +407,15 @@ def _untuned_device_note(device: torch.device) -> str:
         f" ({envs.AUTOTUNE_LEVEL}={level} asks for tuning, but tuning runs only on a GPU: on {device.type} the "
         "torch references run)"
     )
+
+
+def _prefill_graphs_estimate(prefill_peak: int, prefill_tokens: int, buckets: Sequence[int], vocab: int) -> int:
+    """Bytes the prefill graphs add to the graphs' pool: the profiled prefill's activation peak scaled to the
+    largest bucket (activations grow with tokens), plus the float32 logits row each of up to two graphs per bucket
+    keeps as its output; 0 without buckets."""
+    if not buckets:
+        return 0
+    return -(-prefill_peak * max(buckets) // prefill_tokens) + 2 * len(buckets) * vocab * 4
 
 
 def _prefill_sizes(total: int, max_len: int, max_reqs: int) -> list:

@@ -15,7 +15,8 @@ class InferState:
     the request after this step. A chunked prefill continues requests whose first ``b_prefix_len`` tokens are
     already in the KV pool (and, for linear attention, in the request's state slot): ``b_seq_len`` = prefix + new;
     ``max_prefix_len`` (a host int) is 0 when no request of the batch has a prefix, so layers pick the plain
-    path without reading a device tensor. ``max_len_in_batch`` is the real longest request;
+    path without reading a device tensor (a prefill graph with a prefix sets it, and ``max_len_in_batch``, to the
+    longest it serves). ``max_len_in_batch`` is the real longest request;
     ``graph_max_len`` is set while running a captured decode graph (or capturing one) and sizes kernel
     launches instead, so a graph replays at any real length up to it. Kernels key their configs by the
     launch length (``launch_max_len``): the real one eagerly, the graph's inside a graph.

@@ -33,6 +33,11 @@ class Model(Protocol):
         """Why a request can't start from another's cached KV prefix, as the state beside the KV that the prefix
         cache does not keep (logged after "the model's"), or None when the KV cache is all the state a request has."""
 
+    def prefill_graph_blocker(self) -> Optional[str]:
+        """Why a prefill padded with tokens after the request's own can't be replayed from a CUDA graph, as the
+        state those tokens would change (logged after "the model's"), or None when padding rows change nothing
+        but their own outputs and a scratch KV slot (then a prefill graph serves one request's new tokens)."""
+
     def forward(self, input_ids: torch.Tensor, state: InferState) -> torch.Tensor: ...
 
 

@@ -39,7 +39,9 @@ _HELP = {
     "graph_grow_step_size": "then one graph every this many",
     "graph_max_len_in_batch": "longest request a decode graph serves; longer batches decode eagerly; 0: "
     "max_req_total_len (default)",
-    "disable_cudagraph": "decode eagerly (no graphs, no decode-attention tuning scope)",
+    "disable_cudagraph": "decode and prefill eagerly (no graphs, no decode-attention tuning scope)",
+    "prefill_graph_max_tokens": "a prefill step of one request with at most this many new tokens replays a CUDA "
+    "graph (padded to the next of 16, 32, 64, ... up to this); 0: prefill eagerly (Qwen3.5 always does)",
     "llm_kv_type": "KV cache type",
     "llm_kv_quant_group_size": "INT8/INT4 KV quantization group size along head_dim",
     "llm_decode_att_backend": "decode attention kernels; auto: fa3 on a Hopper GPU with an FA3 provider installed "

@@ -55,9 +55,11 @@ def test_startup_order_phases_and_reuse(tiny_dir, monkeypatch):
     ModelRunner(engine_args(tiny_dir), graph_api=LoggingGraphAPI(log))
     sizes = [e[1] for e in log if e[0] == "forward"][::2]
     assert sizes == [4, 2, 1]
-    for i in range(0, len(log), 3):  # per size: eager forward in the decode scope, capture, captured forward
+    decode, prefill = log[:9], log[9:]
+    for i in range(0, len(decode), 3):  # per size: eager forward in the decode scope, capture, captured forward
         assert log[i][0] == "forward" and log[i][2] is not None and log[i][2].name == "DECODE_ATTENTION"
         assert log[i + 1] == ("capture", None) and log[i + 2][2] is None
+    assert prefill == [("capture", None)] * 10  # then prefill graphs, buckets 16..256 with and without a prefix
     assert searches, "level 1 from an empty config dir must search"
     for name, kind, phase in searches:
         assert kind is phase, f"{name} ({kind.name}) searched in the {phase} scope"

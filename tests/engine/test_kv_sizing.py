@@ -123,7 +123,8 @@ def test_gpu_pool_is_sized_from_the_profiled_peak_before_warmup(tmp_path, forwar
     mem = FakeDeviceMemory(log, total=16 * GIB, used=4 * GIB, torch_allocated=3 * GIB, prefill_peak=7 * GIB - 4 * MIB,
                            decode_peak=1 * GIB)  # fmt: skip
     with caplog.at_level(logging.INFO, logger="lightllm.engine.model_runner"):
-        runner = ModelRunner(_args(tmp_path, mem_fraction=0.75), graph_api=FakeGraphAPI(log), memory_api=mem)
+        args = _args(tmp_path, mem_fraction=0.75, prefill_graph_max_tokens=0)  # prefill graphs: test_prefill_graph.py
+        runner = ModelRunner(args, graph_api=FakeGraphAPI(log), memory_api=mem)
     assert runner.kv.num_tokens == (4 * MIB - 2048) // BYTES_PER_TOKEN == 8188
     assert runner.model.attn is runner.attn and runner.attn.pool.k.shape[1] == 8188  # scratch pool dropped
     # the old formula, mem_fraction x free memory before warm-up, gives a pool that does not fit

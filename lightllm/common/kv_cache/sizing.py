@@ -69,7 +69,8 @@ class GpuProfile:
     ``used``: in use on the device after the weights loaded and the scratch pool was freed (weights, CUDA
     context, NCCL buffers, other processes); ``torch_allocated``: torch's share of it (weights);
     ``activation_peak``: the profile's peak allocation above what was allocated before it; ``graph_estimate``:
-    the decode forward's peak, which the decode graphs' private pool keeps (0 without graphs).
+    the decode forward's peak, which the decode graphs' private pool keeps (0 without graphs);
+    ``prefill_graph_estimate``: what the prefill graphs add to that pool (0 without them).
     """
 
     total: int
@@ -77,11 +78,12 @@ class GpuProfile:
     torch_allocated: int
     activation_peak: int
     graph_estimate: int
+    prefill_graph_estimate: int = 0
 
 
 def gpu_kv_bytes(p: GpuProfile, mem_fraction: float) -> int:
-    """KV bytes = total * mem_fraction - (in use after load + activation peak + decode graphs)."""
-    return int(p.total * mem_fraction) - p.used - p.activation_peak - p.graph_estimate
+    """KV bytes = total * mem_fraction - (in use after load + activation peak + decode and prefill graphs)."""
+    return int(p.total * mem_fraction) - p.used - p.activation_peak - p.graph_estimate - p.prefill_graph_estimate
 
 
 def describe_gpu_sizing(p: GpuProfile, mem_fraction: float, bytes_per_token: int, num_tokens: int) -> str:
@@ -90,11 +92,12 @@ def describe_gpu_sizing(p: GpuProfile, mem_fraction: float, bytes_per_token: int
     def g(n: int) -> str:
         return f"{n / GIB:.2f}"
 
+    prefill = f", prefill graphs (estimate) {g(p.prefill_graph_estimate)} GiB" if p.prefill_graph_estimate else ""
     return (
         f"KV cache sizing: {g(p.total)} GiB total x --mem_fraction {mem_fraction} = {g(int(p.total * mem_fraction))}"
         f" GiB, minus in use after load {g(p.used)} GiB (torch {g(p.torch_allocated)}, other "
         f"{g(p.used - p.torch_allocated)}), activation peak {g(p.activation_peak)} GiB, decode graphs (estimate) "
-        f"{g(p.graph_estimate)} GiB = KV {g(gpu_kv_bytes(p, mem_fraction))} GiB; pool {num_tokens} tokens x "
+        f"{g(p.graph_estimate)} GiB{prefill} = KV {g(gpu_kv_bytes(p, mem_fraction))} GiB; pool {num_tokens} tokens x "
         f"{bytes_per_token} B = {g(num_tokens * bytes_per_token)} GiB"
     )
 

@@ -99,6 +99,9 @@ class Qwen3_5Model:
         return ("linear-attention state would need checkpoints at prefix boundaries (LightLLM's "
                 "--linear_att_hash_page_size), which are not implemented")  # fmt: skip
 
+    def prefill_graph_blocker(self) -> Optional[str]:
+        return "linear-attention state: padding tokens would advance the request's conv and recurrent state"
+
     # ---- forward ------------------------------------------------------------------------------------------
 
     def _plan_ops(self, tokens: int, rows_out: int, positions: torch.Tensor) -> LayerOps:
