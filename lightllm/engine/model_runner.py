@@ -41,6 +41,7 @@ from lightllm.common.kv_cache.sizing import (
     gpu_pool_tokens,
 )
 from lightllm.engine.args import EngineArgs
+from lightllm.engine.mtp_runner import MTPRunner, check_mtp
 from lightllm.engine.staging import DecodeStaging
 from lightllm.layers import parallel
 from lightllm.layers.attention import AttentionBackend, check_head_dim, make_pool
@@ -57,6 +58,7 @@ PROFILE_POOL_TOKENS = 256  # the profiling forward's scratch KV pool; its token 
 
 class ModelRunner:
     _staging: Optional[DecodeStaging] = None  # the decode steps' staging buffer, made with the graphs' inputs
+    mtp: Optional[MTPRunner] = None  # with --mtp_mode: the draft / verify / accept steps (mtp_runner.py)
 
     def __init__(self, args: EngineArgs, graph_api=None, memory_api=None):
         args.normalize()
@@ -73,12 +75,17 @@ class ModelRunner:
         check_head_dim(self.config.head_dim, self.device)
         self.tp_rank, self.tp = parallel.rank(), parallel.world()
         self.family.check_tp(self.config, self.tp)
+        check_mtp(args, self.family, self.config, self.model_dir, self.tp)
+        mtp = {"mtp": True} if args.mtp_mode is not None else {}  # only a family with an MTP head takes it
         self.model = self.family.build(Path(self.model_dir), self.config, args.torch_dtype, self.device, self.tp_rank,
-                                       self.tp)  # fmt: skip
+                                       self.tp, **mtp)  # fmt: skip
         seconds["load"] = time.perf_counter() - t
 
         t = time.perf_counter()
         use_graphs = not args.disable_cudagraph and (self.device.type == "cuda" or graph_api is not None)
+        if use_graphs and args.mtp_mode is not None:
+            logger.info("decode CUDA graphs off with --mtp_mode: the MTP draft and verify steps run eagerly")
+            use_graphs = False
         self._init_kv_cache(memory_api or default_memory_api(self.device), args.graph_batch_sizes() if use_graphs
                             else [])  # fmt: skip
         seconds["kv sizing"] = time.perf_counter() - t
@@ -123,14 +130,21 @@ class ModelRunner:
 
             contiguous = not require_fa3(self.device).paged
         # per-request model state (linear attention) first, so the GPU profile and the RAM reading count it
-        state_bytes = self.model.alloc_request_state(max_reqs, SSM_DATA_TYPES[a.linear_att_ssm_data_type])
+        ssm_dtype = SSM_DATA_TYPES[a.linear_att_ssm_data_type]
+        if a.mtp_mode is None:
+            state_bytes = self.model.alloc_request_state(max_reqs, ssm_dtype)
+        else:  # one state slot per verified token (mtp_runner.py)
+            state_bytes = self.model.alloc_request_state(max_reqs, ssm_dtype, slots_per_request=a.spec_tokens)
+        # MTP: the head's KV is one more pool layer; a row also holds a verify's drafts past max_req_total_len
+        kv_layers = c.num_kv_layers + (a.mtp_mode is not None)
+        row_len = a.max_req_total_len + a.spec_tokens - 1
         state_note = (f"; request state {state_bytes / 2**20:.2f} MiB ({max_reqs} slots x {state_bytes // max_reqs} B, "
                       f"ssm {a.linear_att_ssm_data_type}) allocated before sizing" if state_bytes else "")  # fmt: skip
         # a one-token pool on the meta device: bytes per token of whichever KV type, nothing allocated
-        per_token = make_pool(a.llm_kv_type, 1, c.num_kv_layers, self.model.kv_heads, c.head_dim,
+        per_token = make_pool(a.llm_kv_type, 1, kv_layers, self.model.kv_heads, c.head_dim,
                               a.torch_dtype, "meta", a.llm_kv_quant_group_size).bytes_per_token()  # fmt: skip
         if contiguous:  # fixed per-request rows
-            num_tokens = max_reqs * a.max_req_total_len
+            num_tokens = max_reqs * row_len
         elif memory_api.profiles:
             profile = self._profile_memory(memory_api, graph_sizes)
             num_tokens = gpu_pool_tokens(profile, a.mem_fraction, per_token, a.max_total_token_num)
@@ -149,20 +163,24 @@ class ModelRunner:
                              f"({a.max_req_total_len}) request plus padding: raise --max_total_token_num or "
                              "--mem_fraction, or lower --max_req_total_len")  # fmt: skip
         prefix_cache = self._use_prefix_cache(contiguous)
-        self.kv = KVCacheManager(num_tokens, max_reqs, a.max_req_total_len, self.device, contiguous_slots=contiguous,
+        self.kv = KVCacheManager(num_tokens, max_reqs, row_len, self.device, contiguous_slots=contiguous,
                                  prefix_cache=prefix_cache)  # fmt: skip
-        pool = make_pool(a.llm_kv_type, num_tokens, c.num_kv_layers, self.model.kv_heads, c.head_dim,
+        pool = make_pool(a.llm_kv_type, num_tokens, kv_layers, self.model.kv_heads, c.head_dim,
                          a.torch_dtype, self.device, a.llm_kv_quant_group_size)  # fmt: skip
         self.attn = AttentionBackend(pool, a.llm_decode_att_backend, self.device)  # fa3 picks its layout too
         self.model.set_attention(self.attn)
         self.pad_slot = self.kv.add_request()
         self.pad_token = int(self.kv.extend(self.pad_slot, 1)[0])
+        self.mtp = MTPRunner(self, a.mtp_step, max_reqs) if a.mtp_mode is not None else None
         logger.info("KV cache: %d tokens (%s, %s, prefix cache %s)", num_tokens, a.llm_kv_type, "contiguous slots"
                     if contiguous else "token pool", "on" if prefix_cache else "off")  # fmt: skip
 
     def _use_prefix_cache(self, contiguous: bool) -> bool:
         """The prefix cache is on unless turned off, or the model or KV layout can't reuse a prefix (one log line)."""
         if self.args.disable_dynamic_prompt_cache:
+            return False
+        if self.args.mtp_mode is not None:  # a verify step's KV is not recorded for the tree
+            logger.info("prefix cache (dynamic prompt cache) off: --mtp_mode")
             return False
         why = self.model.prefix_cache_blocker()
         why = why and f"the model's {why}"
@@ -201,10 +219,10 @@ class ModelRunner:
             b_q_len=torch.tensor(sizes, **i32),
             max_q_len=max(sizes),
         )
-        bs = a.running_max_req_size
+        bs = a.running_max_req_size * a.spec_tokens  # MTP: a verify step's tokens, as that many one-token rows
         decode = InferState(
             is_prefill=False,
-            b_req_idx=torch.arange(bs, **i32),
+            b_req_idx=torch.arange(bs, **i32) % max_reqs,
             req_to_token=table,
             b_seq_len=torch.full((bs,), max_len, **i32),
             out_token_idx=torch.arange(bs, device=dev) % PROFILE_POOL_TOKENS,
@@ -252,7 +270,10 @@ class ModelRunner:
             max_prefix_len=max(prefix),
         )
         input_ids = torch.tensor([t for p in prompts for t in p], dtype=torch.int64, device=dev)
-        logits = self.model.forward(input_ids, state)
+        if self.mtp is not None:  # the MTP head's KV follows each chunk
+            logits = self.mtp.prefill(input_ids, state, slots, prompts)
+        else:
+            logits = self.model.forward(input_ids, state)
         for slot, prompt in zip(slots, prompts):  # after the forward: a failed one leaves no KV to reuse
             self.kv.computed(slot, prompt)
         return logits
