@@ -158,9 +158,10 @@ class ModelRunner:
                         a.max_req_total_len, num_tokens, per_token, state_note)  # fmt: skip
         if self.tp > 1:  # ranks share token indices: every pool takes the smallest rank's size
             num_tokens = min(all_gather_object(num_tokens))
-        if num_tokens - 1 < a.max_req_total_len:  # one token is the padding request's
+        if num_tokens - 1 < row_len:  # one token is the padding request's
+            drafts = f" + --mtp_step {a.mtp_step}" if a.mtp_mode is not None else ""
             raise ValueError(f"the KV cache holds {num_tokens} tokens, fewer than one --max_req_total_len "
-                             f"({a.max_req_total_len}) request plus padding: raise --max_total_token_num or "
+                             f"({a.max_req_total_len}){drafts} request plus padding: raise --max_total_token_num or "
                              "--mem_fraction, or lower --max_req_total_len")  # fmt: skip
         prefix_cache = self._use_prefix_cache(contiguous)
         self.kv = KVCacheManager(num_tokens, max_reqs, row_len, self.device, contiguous_slots=contiguous,

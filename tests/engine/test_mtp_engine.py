@@ -168,3 +168,18 @@ def test_accepted_or_resampled_drafts_are_distributed_as_the_target(case):
     freq = torch.bincount(got, minlength=vocab).double() / n
     sigma = (p.double() * (1 - p.double()) / n).sqrt()
     assert torch.all((freq - p.double()).abs() <= 5 * sigma + 1e-9), f"{freq} vs {p}"
+
+
+def test_a_stop_string_inside_an_accepted_run_ends_the_text_there(agree_dir):
+    from lightllm import LLM
+
+    opts = dict(data_type="fp32", device="cpu", max_req_total_len=64, running_max_req_size=2)
+    off = LLM(agree_dir, **opts)
+    tokens = off.generate([[280, 299]], SamplingParams(max_new_tokens=12, ignore_eos=True))[0].token_ids
+    pieces = [off.tokenizer.decode([t]) for t in tokens]
+    at = next(i for i in range(3, len(pieces)) if pieces[i].strip() and pieces[i] not in "".join(pieces[:i]))
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True, stop=[pieces[at]])
+    want = off.generate([[280, 299]], params)[0]
+    got = LLM(agree_dir, mtp_mode="eagle_with_att", mtp_step=3, **opts).generate([[280, 299]], params)[0]
+    assert (got.token_ids, got.text, got.finish_reason) == (want.token_ids, want.text, "stop")
+    assert got.token_ids == tokens[: at + 1] and got.num_accepted_draft_tokens >= 2

@@ -97,3 +97,15 @@ def test_mtp_turns_decode_graphs_off_with_one_log_line(dirs, caplog):
         runner = ModelRunner(args, graph_api=NoGraphs())
     assert runner.graphs is None
     assert "decode CUDA graphs off with --mtp_mode: the MTP draft and verify steps run eagerly" in caplog.text
+
+
+def test_a_cache_without_room_for_one_request_and_its_drafts_is_one_error(dirs):
+    from lightllm.engine.model_runner import ModelRunner
+
+    args = EngineArgs(model_dir=dirs["mtp"], device="cpu", data_type="fp32", max_req_total_len=64,
+                      max_total_token_num=66, running_max_req_size=2, mtp_mode="eagle_with_att",
+                      mtp_step=2)  # fmt: skip
+    with pytest.raises(
+        ValueError, match=r"holds 66 tokens, fewer than one --max_req_total_len \(64\) \+ --mtp_step 2 "
+    ):
+        ModelRunner(args)
