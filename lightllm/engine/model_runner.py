@@ -83,9 +83,6 @@ class ModelRunner:
 
         t = time.perf_counter()
         use_graphs = not args.disable_cudagraph and (self.device.type == "cuda" or graph_api is not None)
-        if use_graphs and args.mtp_mode is not None:
-            logger.info("decode CUDA graphs off with --mtp_mode: the MTP draft and verify steps run eagerly")
-            use_graphs = False
         self._init_kv_cache(memory_api or default_memory_api(self.device), args.graph_batch_sizes() if use_graphs
                             else [])  # fmt: skip
         seconds["kv sizing"] = time.perf_counter() - t
@@ -101,9 +98,13 @@ class ModelRunner:
             logger.info("decode attention tunes at KV lengths up to %d (%s, capped at --graph_max_len_in_batch)",
                         tune_len, envs.DECODE_ATTN_AUTOTUNE_SEQ_LEN)  # fmt: skip
             t = time.perf_counter()
-            self._init_graph_buffers()
-            self.graphs = DecodeGraphs(args.graph_batch_sizes(), graph_api).capture_all(self._graph_decode)
-            seconds["decode graphs"] = time.perf_counter() - t
+            if self.mtp is not None:  # MTP's verify and draft steps are what decodes (mtp_graphs.py)
+                self.mtp.capture_graphs(args.graph_batch_sizes(), args.graph_max_len_in_batch, graph_api)
+                seconds["mtp graphs"] = time.perf_counter() - t
+            else:
+                self._init_graph_buffers()
+                self.graphs = DecodeGraphs(args.graph_batch_sizes(), graph_api).capture_all(self._graph_decode)
+                seconds["decode graphs"] = time.perf_counter() - t
         if self.tp > 1:  # agreement is built into every search; this proves it held end to end
             check_rank_agreement()
         tuned = get_autotune_stats() - stats0
@@ -239,7 +240,8 @@ class ModelRunner:
         self.model.set_attention(None)
         del scratch, table, prefill, decode, state
         used, total = memory_api.used_and_total()
-        outputs = sum(sorted(graph_sizes)[:-1]) * c.vocab_size * 4
+        # MTP: each size's verify graph holds N + 1 rows of logits per request, its draft graph one more
+        outputs = sum(sorted(graph_sizes)[:-1]) * c.vocab_size * 4 * (a.spec_tokens + (a.mtp_mode is not None))
         return GpuProfile(total=total, used=used, torch_allocated=memory_api.allocated(), activation_peak=max(peaks),
                           graph_estimate=peaks[1] + outputs if graph_sizes else 0)  # fmt: skip
 

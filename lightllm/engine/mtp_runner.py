@@ -41,6 +41,12 @@ class MTPRunner:
         self.follow: List[List[int]] = [[] for _ in range(max_reqs)]
         self._drafts: List[List[int]] = []
         self._hidden = None  # the verify's hidden states [B, T, H]
+        self.graphs = None  # MTPGraphs once captured
+
+    def capture_graphs(self, batch_sizes: Sequence[int], graph_max_len: int, api=None) -> None:
+        from lightllm.engine.mtp_graphs import MTPGraphs
+
+        self.graphs = MTPGraphs(self, batch_sizes, graph_max_len, api)
 
     def reset(self, slot: int) -> None:
         """A fresh request in ``slot``: nothing in its KV, state slot 0 current."""
@@ -118,12 +124,19 @@ class MTPRunner:
         b_req_idx = torch.tensor(slots, **i32)
         base = torch.tensor(bases, dtype=torch.int64, device=dev)
         rows = torch.arange(len(slots), device=dev)
+        graph = self.graphs.pick(len(slots), max(bases) + self.tokens) if self.graphs else None
         for k in range(1, n):
             pos = base + (k - 1)
-            state = InferState(is_prefill=False, b_req_idx=b_req_idx, req_to_token=table,
-                               b_seq_len=(pos + 1).to(torch.int32), out_token_idx=table[b_req_idx.long(), pos].long(),
-                               positions=pos.clamp(max=self.max_position), max_len_in_batch=max(bases) + k)  # fmt: skip
-            logits, hidden = self.head.forward(drafts[-1].to(dev), hidden, state, out_rows=rows)
+            live = {"input_ids": drafts[-1].to(dev), "hidden": hidden, "positions": pos.clamp(max=self.max_position),
+                    "out_token_idx": table[b_req_idx.long(), pos].long(), "b_req_idx": b_req_idx,
+                    "b_seq_len": (pos + 1).to(torch.int32)}  # fmt: skip
+            if graph is not None:
+                logits, hidden = self.graphs.run_draft(graph, live)
+            else:
+                state = InferState(is_prefill=False, b_req_idx=b_req_idx, req_to_token=table,
+                                   b_seq_len=live["b_seq_len"], out_token_idx=live["out_token_idx"],
+                                   positions=live["positions"], max_len_in_batch=max(bases) + k)  # fmt: skip
+                logits, hidden = self.head.forward(live["input_ids"], hidden, state, out_rows=rows)
             drafts.append(choose(k, logits))
         self._drafts = torch.stack(drafts, dim=1).tolist()
         return self._drafts
@@ -134,14 +147,21 @@ class MTPRunner:
         bases = [self.kv.seq_len(s) - T for s in slots]
         i32 = dict(dtype=torch.int32, device=dev)
         positions = torch.cat([torch.arange(m, m + T) for m in bases]).to(dev)
-        dst = torch.tensor([[s * T + t for t in range(T)] for s in slots], **i32)
-        state = InferState(is_prefill=False, b_req_idx=torch.tensor(slots, **i32), req_to_token=self.kv.table,
-                           b_seq_len=torch.tensor([m + T for m in bases], **i32),
-                           out_token_idx=torch.cat(self._token_idx).to(dev),
-                           positions=positions.clamp(max=self.max_position), max_len_in_batch=max(bases) + T,
-                           q_len=T, state_idx=self.state_idx(slots, dev), state_dst_idx=dst)  # fmt: skip
         ids = torch.tensor([[t, *d] for t, d in zip(last_tokens, drafts)], dtype=torch.int64, device=dev).flatten()
-        logits, hidden = self.model.forward(ids, state, keep_hidden=True)
+        live = {"input_ids": ids, "positions": positions.clamp(max=self.max_position),
+                "out_token_idx": torch.cat(self._token_idx).to(dev), "b_req_idx": torch.tensor(slots, **i32),
+                "b_seq_len": torch.tensor([m + T for m in bases], **i32), "state_idx": self.state_idx(slots, dev),
+                "state_dst_idx": torch.tensor([[s * T + t for t in range(T)] for s in slots], **i32)}  # fmt: skip
+        graph = self.graphs.pick(len(slots), max(bases) + T) if self.graphs else None
+        if graph is not None:
+            logits, hidden = self.graphs.run_verify(graph, live)
+            hidden = hidden.clone()  # the graph's output: the next replay overwrites it, the next catch-up reads it
+        else:
+            state = InferState(is_prefill=False, b_req_idx=live["b_req_idx"], req_to_token=self.kv.table,
+                               b_seq_len=live["b_seq_len"], out_token_idx=live["out_token_idx"],
+                               positions=live["positions"], max_len_in_batch=max(bases) + T, q_len=T,
+                               state_idx=live["state_idx"], state_dst_idx=live["state_dst_idx"])  # fmt: skip
+            logits, hidden = self.model.forward(ids, state, keep_hidden=True)
         self._hidden = hidden.view(len(slots), T, -1)
         return logits.view(len(slots), T, -1)
 

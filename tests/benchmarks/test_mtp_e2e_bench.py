@@ -56,7 +56,7 @@ def test_noise_gives_the_target_acceptance_of_the_agreeing_heads_choice(target):
 
 def test_analyze_prints_a_saved_e2e_run(bench, tmp_path, capsys):
     rows = [{"head": "~100%", "batch": 16, "mtp_step": 0, "graphs": True, "decode_tok_s": 900.0, "acceptance": None},
-            {"head": "~100%", "batch": 16, "mtp_step": 3, "graphs": False, "decode_tok_s": 2100.0,
+            {"head": "~100%", "batch": 16, "mtp_step": 3, "graphs": True, "decode_tok_s": 2100.0,
              "acceptance": 0.987}]  # fmt: skip
     path = tmp_path / "run.json"
     path.write_text(json.dumps({"device": "H200", "e2e": {"layers": 4, "prompt_len": 64, "new_tokens": 128,

@@ -1,6 +1,8 @@
 """MTP's flags (LightLLM's names): bad values and models that can't serve a mode are one ``error:`` line at start-up;
 the offline ``LLM`` raises the same message; the server's metrics count drafts and accepted tokens."""
 
+import contextlib
+
 import pytest
 
 from lightllm.engine.args import EngineArgs
@@ -81,22 +83,44 @@ def test_metrics_count_draft_and_accepted_tokens():
     assert "lightllm_spec_decode_num_accepted_tokens_total 4.0" in text
 
 
-def test_mtp_turns_decode_graphs_off_with_one_log_line(dirs, caplog):
-    """Graph capture is injectable (a CPU run captures with a fake API): with MTP nothing is captured."""
-    import logging
-
+def test_each_mtp_graph_is_captured_right_after_a_decode_attention_forward(dirs, monkeypatch):
+    """Verify and draft graphs, largest batch first: per size one eager forward inside the DECODE_ATTENTION warm-up
+    scope (where the MTP decode kernels tune), then the capture outside it; no plain decode graph."""
+    from lightllm.common.autotuner import current_warmup_kernel_type
     from lightllm.engine.model_runner import ModelRunner
+    from lightllm.engine.mtp_graphs import MTPGraphs
 
-    class NoGraphs:
-        def capture(self, *a, **k):
-            raise AssertionError("no decode graph is captured with MTP")
+    log = []
+    for kind in ("verify", "draft"):
+        real = getattr(MTPGraphs, f"_{kind}_forward")
+        monkeypatch.setattr(MTPGraphs, f"_{kind}_forward", lambda self, bs, real=real, kind=kind: (
+            log.append((kind, bs, str(current_warmup_kernel_type()))), real(self, bs))[1])  # fmt: skip
+
+    class Capturing:
+        def new_graph(self):
+            return object()
+
+        def capture(self, graph, pool):
+            log.append(("capture", str(current_warmup_kernel_type())))
+            return contextlib.nullcontext()
+
+        def pool(self, graph):
+            return None
+
+        def memory_used(self):
+            return 0
 
     args = EngineArgs(model_dir=dirs["mtp"], device="cpu", data_type="fp32", max_req_total_len=64,
                       running_max_req_size=2, mtp_mode="eagle_with_att", mtp_step=2)  # fmt: skip
-    with caplog.at_level(logging.INFO):
-        runner = ModelRunner(args, graph_api=NoGraphs())
+    runner = ModelRunner(args, graph_api=Capturing())
     assert runner.graphs is None
-    assert "decode CUDA graphs off with --mtp_mode: the MTP draft and verify steps run eagerly" in caplog.text
+    scope = str(current_warmup_kernel_type())  # outside any warm-up
+    tuned = "AutotuneKernelType.DECODE_ATTENTION"
+    want = []
+    for kind in ("verify", "draft"):
+        for bs in (2, 1):
+            want += [(kind, bs, tuned), ("capture", scope), (kind, bs, scope)]
+    assert log == want
 
 
 def test_a_cache_without_room_for_one_request_and_its_drafts_is_one_error(dirs):

@@ -35,7 +35,29 @@ def engine(model_dir, **opts):
 @pytest.mark.parametrize("step", [1, 3])
 def test_greedy_bf16_is_the_same_with_mtp_off_and_on(model_dir, backend, step):
     want, _ = run_all(engine(model_dir, llm_decode_att_backend=backend), PROMPTS, params=PARAMS)
-    on = engine(model_dir, llm_decode_att_backend=backend, mtp_mode="eagle_with_att", mtp_step=step)
-    assert on.runner.graphs is None  # MTP decodes eagerly today
-    got, _ = run_all(on, PROMPTS, params=PARAMS)
-    assert got == want
+    for graphs in (True, False):  # MTP's verify and draft graphs, and eager
+        on = engine(model_dir, llm_decode_att_backend=backend, mtp_mode="eagle_with_att", mtp_step=step,
+                    disable_cudagraph=not graphs)  # fmt: skip
+        assert (on.runner.mtp.graphs is not None) == graphs
+        got, _ = run_all(on, PROMPTS, params=PARAMS)
+        assert got == want, f"graphs {graphs}"
+
+
+def test_graph_replay_equals_the_eager_verify(model_dir):
+    """The verify graph of 4 requests replayed for 3 (one padding row) gives the eager verify's logits."""
+    eng = engine(model_dir, mtp_mode="eagle_with_att", mtp_step=3, graph_split_batch_size=1, graph_grow_step_size=3)
+    runner = eng.runner
+    assert runner.mtp.graphs.verify.batch_sizes == [1, 4]
+    slots = [runner.add_request() for _ in range(3)]
+    lasts = [int(t) for t in runner.prefill(slots, [PROMPTS[1], PROMPTS[3], PROMPTS[0]]).argmax(-1)]
+    drafts = runner.mtp.draft(slots, lasts, lambda k, logits: logits.argmax(-1))
+    state = runner.model.linear.state
+    before = [state.conv.clone(), state.ssm.clone()]  # a verify overwrites its source slot (slot 0 here)
+    graphed = runner.mtp.verify(slots, lasts, drafts).clone()
+    state.conv.copy_(before[0])  # the same verify again, eagerly, from the same states and KV rows
+    state.ssm.copy_(before[1])
+    graphs, runner.mtp.graphs = runner.mtp.graphs, None
+    eager = runner.mtp.verify(slots, lasts, drafts)
+    runner.mtp.graphs = graphs
+    torch.testing.assert_close(graphed, eager, atol=2e-2, rtol=0)
+    assert torch.equal(graphed.argmax(-1), eager.argmax(-1))

@@ -1,6 +1,8 @@
 """The runner's MTP steps keep KV, linear-attention state and the head's own KV exactly as a fresh start would
 have them, whatever number of drafts each step accepts; rejected drafts leave no trace and nothing leaks."""
 
+import contextlib
+
 import pytest
 import torch
 
@@ -18,8 +20,8 @@ def mtp_dir(tmp_path_factory):
 
 
 def cpu_runner(model_dir, **opts):
-    return ModelRunner(EngineArgs(model_dir=model_dir, data_type="fp32", device="cpu", max_req_total_len=96,
-                                  running_max_req_size=3, **opts))  # fmt: skip
+    base = dict(model_dir=model_dir, data_type="fp32", device="cpu", max_req_total_len=96, running_max_req_size=3)
+    return ModelRunner(EngineArgs(**{**base, **opts}))
 
 
 def first_draft_logits(runner, slot, last):
@@ -87,3 +89,58 @@ def test_truncate_frees_the_tail_of_the_last_extend_only():
     with pytest.raises(ValueError, match=r"n expected <= the 0 tokens of slot 0's last extend, got 1"):
         kv.truncate(slot, 1)
     assert kv.seq_len(slot) == 8 and tail.numel() == 4
+
+
+class ReplayingGraphAPI:
+    """A CPU stand-in for CUDA graphs: "replay" reruns the captured forward over the static buffers and copies its
+    outputs into the graph's output tensors, as a real replay writes them."""
+
+    def __init__(self):
+        self.runner, self.replays = None, {"verify": 0, "draft": 0}
+
+    def new_graph(self):
+        return object()
+
+    def capture(self, graph, pool):
+        return contextlib.nullcontext()
+
+    def pool(self, graph):
+        return None
+
+    def memory_used(self):
+        return 0
+
+    def replay(self, graph):
+        graphs = self.runner.mtp.graphs
+        for kind, forward in (("verify", graphs._verify_forward), ("draft", graphs._draft_forward)):
+            captured = getattr(graphs, kind).graphs if getattr(graphs, kind) is not None else {}
+            for bs, (g, outs) in captured.items():
+                if g is graph:
+                    for out, new in zip(outs, forward(bs)):
+                        out.copy_(new)
+                    self.replays[kind] += 1
+                    return
+        raise AssertionError("replay of a graph that was never captured")
+
+
+@pytest.mark.parametrize("step", [1, 3])
+def test_graph_replays_give_the_eager_tokens(mtp_dir, step):
+    """Batches above the largest graph and requests past --graph_max_len_in_batch run eagerly, the rest through the
+    static buffers (a batch of 2 in the graph of 3, with a padding row)."""
+    from lightllm.engine.engine import Engine
+    from lightllm.engine.sampler import SamplingParams
+    from tests.engine.test_scheduler import run_all
+
+    prompts = [PROMPT, PROMPT[:3], [5], PROMPT[2:9]]
+    params = {i: SamplingParams(max_new_tokens=n, ignore_eos=True) for i, n in enumerate((14, 9, 20, 6))}
+    opts = dict(mtp_mode="eagle_with_att", mtp_step=step, running_max_req_size=4)
+    want, _ = run_all(Engine(cpu_runner(mtp_dir, **opts), eos_ids=[]), prompts, params=params)
+    api = ReplayingGraphAPI()
+    runner = ModelRunner(EngineArgs(model_dir=mtp_dir, data_type="fp32", device="cpu", max_req_total_len=96,
+                                    graph_max_batch_size=3, graph_split_batch_size=1, graph_grow_step_size=2,
+                                    graph_max_len_in_batch=24, **opts), graph_api=api)  # fmt: skip
+    api.runner = runner
+    assert runner.graphs is None and runner.mtp.graphs.verify.batch_sizes == [1, 3]
+    got, _ = run_all(Engine(runner, eos_ids=[]), prompts, params=params)
+    assert got == want
+    assert api.replays["verify"] > 0 and (api.replays["draft"] > 0) == (step > 1)
