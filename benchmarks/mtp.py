@@ -3,6 +3,10 @@
 ``--parts recurrent``: the fused recurrent verify kernel (``benchmarks/mtp_recurrent.py``, run here with
 ``--mtp-step`` and ``--batches``; its table and JSON under ``"recurrent"``).
 
+``--parts e2e`` (not in the default parts): end-to-end decode tokens/s with MTP step 1/2/3 vs off at acceptance
+about 0 %, 50 % and 100 % on a Qwen3.5-27B-shaped model with a few layers (``benchmarks/mtp_e2e.py``; its table
+and JSON under ``"e2e"``).
+
 ``--parts attention``: MTP diverse attention (``mtp_diverse_decode_attention``: the ``N + 1`` tokens of each request
 in one launch pair, each KV split read once) against
 
@@ -17,10 +21,12 @@ Qwen3.5's full attention: 24 q heads, 4 KV heads, head_dim 256, bf16.
 
     python benchmarks/mtp.py --out benchmarks/results/mtp_h200.json   # both parts
     python benchmarks/mtp.py --parts attention --out benchmarks/results/mtp_h200.json
+    python benchmarks/mtp.py --parts e2e --out benchmarks/results/mtp_e2e_h200.json
     python benchmarks/mtp.py --analyze benchmarks/results/mtp_h200.json
 """
 
 import argparse
+import importlib
 import json
 import math
 import os
@@ -29,7 +35,8 @@ import sys
 import torch
 import triton
 
-PARTS = ("attention", "recurrent")
+PARTS = ("attention", "recurrent", "e2e")
+DEFAULT_PARTS = ("attention", "recurrent")  # the kernel parts; e2e builds three large models
 ATTN_SHAPE = (24, 4, 256)  # q heads, KV heads, head_dim
 FA3_SPLITS = (0, 1, 2, 4, 8, 16, 32)
 
@@ -170,11 +177,16 @@ def _save(results, path):
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS)
+    p.add_argument("--parts", nargs="+", default=list(DEFAULT_PARTS), choices=PARTS)
     p.add_argument("--mtp-step", type=int, default=3, help="N: draft tokens per request (1-4)")
     p.add_argument("--batches", nargs="+", type=int, default=[16, 64, 128])
     p.add_argument("--lens", nargs="+", type=int, default=[1024, 8192, 32768])
     p.add_argument("--no-fa3", action="store_true")
+    p.add_argument("--e2e-layers", type=int, default=4, help="e2e: decoder layers of the 27B-shaped model")
+    p.add_argument("--e2e-batches", nargs="+", type=int, default=[16, 64], help="e2e: requests decoding at once")
+    p.add_argument("--e2e-steps", nargs="+", type=int, default=[1, 2, 3], help="e2e: --mtp_step values")
+    p.add_argument("--e2e-prompt-len", type=int, default=64)
+    p.add_argument("--e2e-new-tokens", type=int, default=128)
     p.add_argument("--analyze", metavar="JSON", help="print the tables of a saved run (no GPU needed)")
     p.add_argument("--out", default="benchmarks/results/mtp.json")
     args = p.parse_args(argv)
@@ -182,19 +194,29 @@ def parse_args(argv=None):
         p.error(f"--mtp-step expected 1..4, got {args.mtp_step}")
     if any(b < 1 for b in args.batches):
         p.error(f"--batches expected positive integers, got {args.batches}")
+    if any(not 1 <= n <= 4 for n in args.e2e_steps):
+        p.error(f"--e2e-steps expected values in 1..4, got {args.e2e_steps}")
+    for name in ("e2e_layers", "e2e_prompt_len"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} expected a positive integer, got {getattr(args, name)}")
+    if args.e2e_new_tokens < 2 or any(b < 1 for b in args.e2e_batches):
+        p.error(f"--e2e-new-tokens expected >= 2 and --e2e-batches positive integers, got {args.e2e_new_tokens} and "
+                f"{args.e2e_batches}")  # fmt: skip
     if any(n < args.mtp_step + 1 for n in args.lens):
         p.error(f"--lens expected lengths of at least mtp_step + 1 = {args.mtp_step + 1}, got {args.lens}")
     return args
 
 
-def _recurrent_module():
-    """``benchmarks/mtp_recurrent.py`` (this script's sibling), importable however this script was loaded."""
+def _sibling(name: str):
+    """``benchmarks/<name>.py`` (this script's sibling), importable however this script was loaded."""
     here = os.path.dirname(os.path.abspath(__file__))
     if here not in sys.path:
         sys.path.insert(0, here)
-    import mtp_recurrent
+    return importlib.import_module(name)
 
-    return mtp_recurrent
+
+def _recurrent_module():
+    return _sibling("mtp_recurrent")
 
 
 def main(argv=None):
@@ -212,6 +234,8 @@ def main(argv=None):
             mtp_recurrent = _recurrent_module()
             results["recurrent"] = mtp_recurrent.run(mtp_recurrent.parse_args(
                 ["--steps", str(args.mtp_step), "--batches", *map(str, args.batches)]))  # fmt: skip
+        if "e2e" in args.parts:
+            results["e2e"] = _sibling("mtp_e2e").run(args)
         results["versions"] = {"torch": torch.__version__, "triton": triton.__version__}
         _save(results, args.out)
     print(f"\n{results['device']}")
@@ -219,6 +243,8 @@ def main(argv=None):
         print_attention(results["attention"])
     if "recurrent" in results:
         _recurrent_module().print_tables(results["recurrent"])
+    if "e2e" in results:
+        _sibling("mtp_e2e").print_e2e(results["e2e"])
 
 
 if __name__ == "__main__":

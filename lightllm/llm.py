@@ -1,4 +1,5 @@
-"""Offline API: ``LLM(model_dir, **engine options).generate(prompts, SamplingParams(...))``.
+"""Offline API: ``LLM(model_dir, **engine options).generate(prompts, SamplingParams(...))``; MTP speculative
+decoding with ``LLM(model_dir, mtp_mode="eagle_with_att", mtp_step=N)``.
 
 Runs the server's ``Engine`` in the caller's thread, so offline generation batches, admits, preempts and ends
 requests (EOS, stop token ids, stop strings, length) exactly as serving does. Seeds: prompt ``i`` of a list is
@@ -29,6 +30,7 @@ class RequestOutput:
     top_logprobs: Optional[List[List[Tuple[int, float]]]] = None  # per token, with SamplingParams.top_logprobs
     finish_reason: str = ""
     num_cached_tokens: int = 0  # prompt tokens read from the prefix cache instead of computed
+    num_accepted_draft_tokens: int = 0  # MTP: tokens of this output that came from accepted drafts
 
 
 class LLM:
@@ -95,6 +97,7 @@ class LLM:
                 out.text += rest
                 return
             out.token_ids.append(ev.token_id)
+            out.num_accepted_draft_tokens += ev.draft
             if out.logprobs is not None:
                 out.logprobs.append(ev.logprob)
             if out.top_logprobs is not None:

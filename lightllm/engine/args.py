@@ -19,6 +19,8 @@ _DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 DATA_TYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "bfloat16": torch.bfloat16,
               "float16": torch.float16, "float32": torch.float32}  # fmt: skip
 DATA_TYPE_CHOICES = ("auto", *DATA_TYPES)  # auto: the checkpoint's own dtype (config.json), bf16 if it names none
+MTP_MODES = ("vanilla_with_att", "eagle_with_att", "vanilla_no_att", "eagle_no_att")  # LightLLM's --mtp_mode values
+MAX_MTP_STEP = 4
 
 
 @dataclass
@@ -45,6 +47,9 @@ class EngineArgs:
     mem_fraction: float = 0.9
     max_total_token_num: Optional[int] = None  # explicit KV pool size; default: from mem_fraction (GPU)
     device: Optional[str] = None  # default: cuda if available
+    mtp_mode: Optional[str] = None  # MTP speculative decoding (LightLLM's modes); None: off
+    mtp_step: int = 0  # draft tokens per step with --mtp_mode (1-4)
+    mtp_draft_model_dir: Optional[str] = None  # None: --model_dir (its checkpoint's mtp.* head)
 
     def normalize(self) -> "EngineArgs":
         """Validate every option (``ValueError`` naming the flag) and derive what depends on others."""
@@ -88,11 +93,29 @@ class EngineArgs:
             _check_gpu_visible(self.device)
         self.llm_decode_att_backend = pick_decode_backend(self.llm_decode_att_backend, torch.device(self.device),
                                                           self.llm_kv_type)  # fmt: skip
+        self._check_mtp()
         if not self.disable_cudagraph and self.graph_max_batch_size > self.running_max_req_size:
             logger.info("graph_max_batch_size %d -> %d (running_max_req_size): larger graphs can never be used",
                         self.graph_max_batch_size, self.running_max_req_size)  # fmt: skip
             self.graph_max_batch_size = self.running_max_req_size
         return self
+
+    def _check_mtp(self) -> None:
+        if self.mtp_mode is None:
+            if self.mtp_step != 0 or self.mtp_draft_model_dir is not None:
+                given = f"--mtp_step {self.mtp_step}" if self.mtp_step != 0 else "--mtp_draft_model_dir"
+                raise ValueError(f"{given} expected --mtp_mode (one of {MTP_MODES}) to turn MTP on")
+            return
+        if self.mtp_mode not in MTP_MODES:
+            raise ValueError(f"--mtp_mode expected one of {MTP_MODES}, got {self.mtp_mode!r}")
+        step = self.mtp_step
+        if isinstance(step, bool) or not isinstance(step, int) or not 1 <= step <= MAX_MTP_STEP:
+            raise ValueError(f"--mtp_step expected an integer in [1, {MAX_MTP_STEP}] with --mtp_mode, got {step!r}")
+
+    @property
+    def spec_tokens(self) -> int:
+        """KV tokens one request takes per decode step: 1, or ``mtp_step + 1`` with MTP (verify)."""
+        return self.mtp_step + 1 if self.mtp_mode is not None else 1
 
     def fit_to_model(self, context_len: int, head_dim: int, checkpoint_dtype: Optional[str] = None) -> "EngineArgs":
         """Check and derive what depends on the model (its context ``max_position_embeddings``, head_dim and the

@@ -26,6 +26,7 @@ from lightllm.engine.request import Event, Request
 from lightllm.engine.runner import Runner
 from lightllm.engine.sampler import sample, top_logprobs
 from lightllm.engine.scheduler import Scheduler
+from lightllm.engine.spec_decode import SpecDecoder
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +39,9 @@ class StepObserver(Protocol):
     def on_token(self, first: bool, seconds: float) -> None: ...  # since arrival (first) or the previous token
 
     def on_step(self, kind: str, batch_size: int, seconds: float) -> None: ...
+
+    # optional, MTP: draft tokens proposed and accepted (emitted) in one decode step
+    # def on_spec(self, drafts: int, accepted: int) -> None: ...
 
 
 def eos_token_ids(config, tokenizer, extra: Iterable[int] = ()) -> Set[int]:
@@ -55,6 +59,7 @@ class Engine:
         self.scheduler = Scheduler(runner, eos_ids)
         self.processor = LogitsProcessor(runner.config.vocab_size, runner.device, self.scheduler.eos)
         self.observer = observer
+        self.spec = SpecDecoder(self) if getattr(runner, "mtp", None) is not None else None  # fakes may lack it
         self._inbox: "queue.Queue[Request]" = queue.Queue()
         self._aborts: "queue.Queue[Tuple[str, str]]" = queue.Queue()
         self._closing = threading.Event()
@@ -104,6 +109,11 @@ class Engine:
         if kind == "idle":
             return False
         t0 = time.perf_counter()
+        if kind == "decode" and self.spec is not None:  # MTP: draft, verify, accept (spec_decode.py)
+            self.scheduler.update(kind, self.spec.step(batch))
+            if self.observer is not None:
+                self.observer.on_step(kind, len(batch), time.perf_counter() - t0)
+            return True
         try:
             if kind == "prefill":
                 chunks = [r.context[r.prefilled : r.chunk_end] for r in batch]

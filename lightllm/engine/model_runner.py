@@ -43,6 +43,7 @@ from lightllm.common.kv_cache.sizing import (
     gpu_pool_tokens,
 )
 from lightllm.engine.args import EngineArgs
+from lightllm.engine.mtp_runner import MTPRunner, check_mtp
 from lightllm.engine.prefill_graphs import PrefillGraphs, PrefillStaging, prefill_buckets
 from lightllm.engine.staging import DecodeStaging
 from lightllm.layers import parallel
@@ -61,6 +62,7 @@ PROFILE_POOL_TOKENS = 256  # the profiling forward's scratch KV pool; its token 
 class ModelRunner:
     _staging: Optional[DecodeStaging] = None  # the decode steps' staging buffer, made with the graphs' inputs
     prefill_graphs: Optional[PrefillGraphs] = None  # set after the decode graphs: the warm-up prefills run eagerly
+    mtp: Optional[MTPRunner] = None  # with --mtp_mode: the draft / verify / accept steps (mtp_runner.py)
 
     def __init__(self, args: EngineArgs, graph_api=None, memory_api=None):
         args.normalize()
@@ -77,8 +79,10 @@ class ModelRunner:
         check_head_dim(self.config.head_dim, self.device)
         self.tp_rank, self.tp = parallel.rank(), parallel.world()
         self.family.check_tp(self.config, self.tp)
+        check_mtp(args, self.family, self.config, self.model_dir, self.tp)
+        mtp = {"mtp": True} if args.mtp_mode is not None else {}  # only a family with an MTP head takes it
         self.model = self.family.build(Path(self.model_dir), self.config, args.torch_dtype, self.device, self.tp_rank,
-                                       self.tp)  # fmt: skip
+                                       self.tp, **mtp)  # fmt: skip
         seconds["load"] = time.perf_counter() - t
 
         t = time.perf_counter()
@@ -99,9 +103,13 @@ class ModelRunner:
             logger.info("decode attention tunes at KV lengths up to %d (%s, capped at --graph_max_len_in_batch)",
                         tune_len, envs.DECODE_ATTN_AUTOTUNE_SEQ_LEN)  # fmt: skip
             t = time.perf_counter()
-            self._init_graph_buffers()
-            self.graphs = DecodeGraphs(args.graph_batch_sizes(), graph_api).capture_all(self._graph_decode)
-            seconds["decode graphs"] = time.perf_counter() - t
+            if self.mtp is not None:  # MTP's verify and draft steps are what decodes (mtp_graphs.py)
+                self.mtp.capture_graphs(args.graph_batch_sizes(), args.graph_max_len_in_batch, graph_api)
+                seconds["mtp graphs"] = time.perf_counter() - t
+            else:
+                self._init_graph_buffers()
+                self.graphs = DecodeGraphs(args.graph_batch_sizes(), graph_api).capture_all(self._graph_decode)
+                seconds["decode graphs"] = time.perf_counter() - t
         if buckets:
             t = time.perf_counter()
             self.prefill_graphs = self._capture_prefill_graphs(buckets, graph_api)
@@ -139,14 +147,21 @@ class ModelRunner:
 
             contiguous = not require_fa3(self.device).paged
         # per-request model state (linear attention) first, so the GPU profile and the RAM reading count it
-        state_bytes = self.model.alloc_request_state(max_reqs, SSM_DATA_TYPES[a.linear_att_ssm_data_type])
+        ssm_dtype = SSM_DATA_TYPES[a.linear_att_ssm_data_type]
+        if a.mtp_mode is None:
+            state_bytes = self.model.alloc_request_state(max_reqs, ssm_dtype)
+        else:  # one state slot per verified token (mtp_runner.py)
+            state_bytes = self.model.alloc_request_state(max_reqs, ssm_dtype, slots_per_request=a.spec_tokens)
+        # MTP: the head's KV is one more pool layer; a row also holds a verify's drafts past max_req_total_len
+        kv_layers = c.num_kv_layers + (a.mtp_mode is not None)
+        row_len = a.max_req_total_len + a.spec_tokens - 1
         state_note = (f"; request state {state_bytes / 2**20:.2f} MiB ({max_reqs} slots x {state_bytes // max_reqs} B, "
                       f"ssm {a.linear_att_ssm_data_type}) allocated before sizing" if state_bytes else "")  # fmt: skip
         # a one-token pool on the meta device: bytes per token of whichever KV type, nothing allocated
-        per_token = make_pool(a.llm_kv_type, 1, c.num_kv_layers, self.model.kv_heads, c.head_dim,
+        per_token = make_pool(a.llm_kv_type, 1, kv_layers, self.model.kv_heads, c.head_dim,
                               a.torch_dtype, "meta", a.llm_kv_quant_group_size).bytes_per_token()  # fmt: skip
         if contiguous:  # fixed per-request rows
-            num_tokens = max_reqs * a.max_req_total_len
+            num_tokens = max_reqs * row_len
         elif memory_api.profiles:
             profile = self._profile_memory(memory_api, graph_sizes, prefill_buckets)
             num_tokens = gpu_pool_tokens(profile, a.mem_fraction, per_token, a.max_total_token_num)
@@ -160,25 +175,30 @@ class ModelRunner:
                         a.max_req_total_len, num_tokens, per_token, state_note)  # fmt: skip
         if self.tp > 1:  # ranks share token indices: every pool takes the smallest rank's size
             num_tokens = min(all_gather_object(num_tokens))
-        if num_tokens - 1 < a.max_req_total_len:  # one token is the padding request's
+        if num_tokens - 1 < row_len:  # one token is the padding request's
+            drafts = f" + --mtp_step {a.mtp_step}" if a.mtp_mode is not None else ""
             raise ValueError(f"the KV cache holds {num_tokens} tokens, fewer than one --max_req_total_len "
-                             f"({a.max_req_total_len}) request plus padding: raise --max_total_token_num or "
+                             f"({a.max_req_total_len}){drafts} request plus padding: raise --max_total_token_num or "
                              "--mem_fraction, or lower --max_req_total_len")  # fmt: skip
         prefix_cache = self._use_prefix_cache(contiguous)
-        self.kv = KVCacheManager(num_tokens, max_reqs, a.max_req_total_len, self.device, contiguous_slots=contiguous,
+        self.kv = KVCacheManager(num_tokens, max_reqs, row_len, self.device, contiguous_slots=contiguous,
                                  prefix_cache=prefix_cache)  # fmt: skip
-        pool = make_pool(a.llm_kv_type, num_tokens, c.num_kv_layers, self.model.kv_heads, c.head_dim,
+        pool = make_pool(a.llm_kv_type, num_tokens, kv_layers, self.model.kv_heads, c.head_dim,
                          a.torch_dtype, self.device, a.llm_kv_quant_group_size)  # fmt: skip
         self.attn = AttentionBackend(pool, a.llm_decode_att_backend, self.device)  # fa3 picks its layout too
         self.model.set_attention(self.attn)
         self.pad_slot = self.kv.add_request()
         self.pad_token = int(self.kv.extend(self.pad_slot, 1)[0])
+        self.mtp = MTPRunner(self, a.mtp_step, max_reqs) if a.mtp_mode is not None else None
         logger.info("KV cache: %d tokens (%s, %s, prefix cache %s)", num_tokens, a.llm_kv_type, "contiguous slots"
                     if contiguous else "token pool", "on" if prefix_cache else "off")  # fmt: skip
 
     def _use_prefix_cache(self, contiguous: bool) -> bool:
         """The prefix cache is on unless turned off, or the model or KV layout can't reuse a prefix (one log line)."""
         if self.args.disable_dynamic_prompt_cache:
+            return False
+        if self.args.mtp_mode is not None:  # a verify step's KV is not recorded for the tree
+            logger.info("prefix cache (dynamic prompt cache) off: --mtp_mode")
             return False
         why = self.model.prefix_cache_blocker()
         why = why and f"the model's {why}"
@@ -218,10 +238,10 @@ class ModelRunner:
             b_q_len=torch.tensor(sizes, **i32),
             max_q_len=max(sizes),
         )
-        bs = a.running_max_req_size
+        bs = a.running_max_req_size * a.spec_tokens  # MTP: a verify step's tokens, as that many one-token rows
         decode = InferState(
             is_prefill=False,
-            b_req_idx=torch.arange(bs, **i32),
+            b_req_idx=torch.arange(bs, **i32) % max_reqs,
             req_to_token=table,
             b_seq_len=torch.full((bs,), max_len, **i32),
             out_token_idx=torch.arange(bs, device=dev) % PROFILE_POOL_TOKENS,
@@ -237,7 +257,8 @@ class ModelRunner:
         self.model.set_attention(None)
         del scratch, table, prefill, decode, state
         used, total = memory_api.used_and_total()
-        outputs = sum(sorted(graph_sizes)[:-1]) * c.vocab_size * 4
+        # MTP: each size's verify graph holds N + 1 rows of logits per request, its draft graph one more
+        outputs = sum(sorted(graph_sizes)[:-1]) * c.vocab_size * 4 * (a.spec_tokens + (a.mtp_mode is not None))
         prefill_graphs = _prefill_graphs_estimate(peaks[0], sum(sizes), prefill_buckets, c.vocab_size)
         return GpuProfile(total=total, used=used, torch_allocated=memory_api.allocated(), activation_peak=max(peaks),
                           graph_estimate=peaks[1] + outputs if graph_sizes else 0,
@@ -282,6 +303,8 @@ class ModelRunner:
             max_prefix_len=max(prefix),
         )
         input_ids = torch.tensor([t for p in prompts for t in p], dtype=torch.int64, device=dev)
+        if self.mtp is not None:  # the MTP head's KV follows each chunk
+            return self.mtp.prefill(input_ids, state, slots, prompts)
         return self.model.forward(input_ids, state)
 
     def decode(self, slots: Sequence[int], last_tokens: Sequence[int]) -> torch.Tensor:
@@ -357,6 +380,8 @@ class ModelRunner:
         if not a.prefill_graph_max_tokens:
             return []
         why = self.model.prefill_graph_blocker()
+        if why is None and a.mtp_mode is not None:  # a replay would skip the MTP head's prefill (mtp_runner.py)
+            why = "MTP head follows every prefill"
         if why is not None:
             logger.info("prefill graphs off: the model's %s", why)
             return []

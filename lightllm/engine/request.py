@@ -17,6 +17,7 @@ class Event:
     finish_reason: str = ""  # "stop" | "length" | "abort" | "error", or the reason an abort gave
     top_logprobs: Optional[List[Tuple[int, float]]] = None  # (token id, logprob), most likely first, when asked
     cached_tokens: int = 0  # prompt tokens its admission read from the prefix cache instead of computing them
+    draft: bool = False  # MTP: the token is a draft the verify step accepted
 
 
 @dataclass

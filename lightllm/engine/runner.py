@@ -42,6 +42,9 @@ class Runner(Protocol):
     @property
     def kv(self) -> KVQueries: ...
 
+    @property
+    def mtp(self): ...  # with --mtp_mode: its draft / verify / accept steps (engine/mtp_runner.py), else None
+
     def prefill(self, slots: Sequence[int], prompts: Sequence[Sequence[int]]) -> torch.Tensor: ...
 
     def decode(self, slots: Sequence[int], last_tokens: Sequence[int]) -> torch.Tensor: ...

@@ -37,6 +37,7 @@ class Scheduler:
         self.prefilling: List[Request] = []  # admitted, holding a slot, part of their context still to prefill
         self.chunked = not self.args.disable_chunked_prefill
         self.step_tokens = self.args.prefill_step_tokens
+        self.decode_tokens = self.args.spec_tokens  # KV tokens a decode step takes per request (MTP: N + 1)
         self.last_step = "idle"  # the kind of the last step scheduled: a chunk is followed by a decode step
         if not self.chunked and self.args.batch_max_tokens < self.args.max_req_total_len:
             logger.info("batch_max_tokens %d < max_req_total_len %d: with --disable_chunked_prefill a longer prompt "
@@ -71,7 +72,7 @@ class Scheduler:
             if batch:
                 self.last_step = "prefill"
                 return "prefill", batch
-        while self.running and not self.runner.kv.can_allocate(len(self.running)):
+        while self.running and not self.runner.kv.can_allocate(len(self.running) * self.decode_tokens):
             self._preempt(self.prefilling.pop() if self.prefilling else self.running.pop())
         if not self.running and self.prefilling:  # its next chunk does not fit and nothing else will free KV
             self._preempt(self.prefilling.pop())
@@ -114,11 +115,13 @@ class Scheduler:
     def _prefill_batch(self) -> List[Request]:
         batch, budget, kv = [], self.step_tokens, self.runner.kv
         # KV already promised: the running requests' next tokens, the rest of each partly prefilled context
-        planned = len(self.running) + sum(len(r.context) - r.prefilled + 1 for r in self.prefilling)
+        planned = len(self.running) * self.decode_tokens + sum(
+            len(r.context) - r.prefilled + self.decode_tokens for r in self.prefilling
+        )
         chunks = 0
         for req in self.prefilling:  # oldest first; their KV was free at admission, decodes may have taken it
             n = min(len(req.context) - req.prefilled, budget)
-            if n <= 0 or not kv.can_allocate(len(self.running) + chunks + n):
+            if n <= 0 or not kv.can_allocate(len(self.running) * self.decode_tokens + chunks + n):
                 break
             chunks += n
             req.chunk_end = req.prefilled + n
@@ -131,7 +134,9 @@ class Scheduler:
             cached, evictable = kv.match_prefix(context[:-1])
             need = len(context) - cached
             # pinning the hit takes its evictable tokens out of the free ones
-            if (not self.chunked and batch and need > budget) or not kv.can_allocate(planned + need + 1 + evictable):
+            if (not self.chunked and batch and need > budget) or not kv.can_allocate(
+                planned + need + self.decode_tokens + evictable
+            ):
                 break
             if not kv.has_free_slot():
                 break
@@ -143,7 +148,7 @@ class Scheduler:
             req.prefilled = cached
             req.chunk_end = cached + (need if not self.chunked else min(need, budget))
             budget -= req.chunk_end - cached
-            planned += need + 1
+            planned += need + self.decode_tokens
             batch.append(req)
             holding += 1
         return batch

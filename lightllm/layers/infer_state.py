@@ -37,6 +37,11 @@ class InferState:
     b_prefix_len: Optional[torch.Tensor] = None  # int32 [batch], prefill only: tokens cached before this chunk
     max_prefix_len: int = 0
     q_len: int = 1  # decode: new tokens per request
+    # MTP: each request row owns several linear-attention state slots. ``state_idx`` [batch] is the slot a step
+    # starts from (None: ``b_req_idx``); a verify step (q_len > 1) writes the state after its token t to slot
+    # ``state_dst_idx[b, t]`` (int32 [batch, q_len]).
+    state_idx: Optional[torch.Tensor] = None
+    state_dst_idx: Optional[torch.Tensor] = None
     graph_max_len: Optional[int] = None
     attn_plan: Optional[Any] = field(default=None, repr=False)
 

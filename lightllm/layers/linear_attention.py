@@ -27,6 +27,7 @@ from lightllm.kernels.linear_attention.reference import (
     gated_delta_rule_varlen_ref,
     gdn_gates_ref,
 )
+from lightllm.kernels.linear_attention.verify_reference import causal_conv1d_verify_ref, gated_delta_verify_ref
 from lightllm.layers.infer_state import InferState
 
 SSM_DATA_TYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # --linear_att_ssm_data_type
@@ -73,6 +74,7 @@ class LinearAttentionPlan:
     cu_seqlens_cpu: Optional[torch.Tensor] = None
     offsets: Optional[torch.Tensor] = None  # int64 [tokens]: each token's index in its request (GPU prefill)
     continues: Optional[torch.Tensor] = None  # bool [batch]: starts from its slot's states (None: all from zero)
+    dst_idx: Optional[torch.Tensor] = None  # int32 [batch, T]: MTP verify, the slot of the state after each token
 
 
 class LinearAttentionBackend:
@@ -82,8 +84,9 @@ class LinearAttentionBackend:
 
     def plan(self, infer_state: InferState) -> LinearAttentionPlan:
         """Once per forward, before the first layer."""
+        slots = infer_state.b_req_idx if infer_state.state_idx is None else infer_state.state_idx
         if not infer_state.is_prefill:
-            return LinearAttentionPlan(infer_state.b_req_idx)
+            return LinearAttentionPlan(slots, dst_idx=infer_state.state_dst_idx)
         lens = infer_state.b_q_len.to(torch.int64)
         cu = torch.cat([lens.new_zeros(1), lens.cumsum(0)])
         cu_cpu = cu.cpu()
@@ -93,7 +96,7 @@ class LinearAttentionBackend:
             starts = torch.repeat_interleave(cu[:-1], lens, output_size=tokens)  # output_size: no device sync
             offsets = torch.arange(tokens, device=cu.device) - starts
         continues = infer_state.b_prefix_len > 0 if infer_state.max_prefix_len else None
-        return LinearAttentionPlan(infer_state.b_req_idx, cu, cu_cpu, offsets, continues)
+        return LinearAttentionPlan(slots, cu, cu_cpu, offsets, continues)
 
     def _initial(self, pool: torch.Tensor, plan: LinearAttentionPlan) -> torch.Tensor:
         """Each request's state from its slot of ``pool`` (one layer), zeros for a request that starts afresh
@@ -153,6 +156,8 @@ class LinearAttentionBackend:
     # ---- decode: one token per request, its slot updated in place -----------------------------------------
 
     def conv_decode(self, layer: int, x: torch.Tensor, weight: torch.Tensor, plan: LinearAttentionPlan):
+        if plan.dst_idx is not None:
+            return self._conv_verify(layer, x, weight, plan)
         if self.on_gpu:
             from lightllm.kernels.linear_attention.conv1d_update import causal_conv1d_update
 
@@ -160,11 +165,37 @@ class LinearAttentionBackend:
         return causal_conv1d_update_ref(x, self.state.conv[layer], weight, plan.state_idx)
 
     def delta_decode(self, layer: int, q, k, v, a, b, A_log, dt_bias, plan: LinearAttentionPlan) -> torch.Tensor:
+        if plan.dst_idx is not None:
+            return self._delta_verify(layer, q, k, v, a, b, A_log, dt_bias, plan)
         if self.on_gpu:
             from lightllm.kernels.linear_attention.gated_delta_decode import gated_delta_decode
 
             return gated_delta_decode(q, k, v, a, b, A_log, dt_bias, self.state.ssm[layer], plan.state_idx)
         return gated_delta_decode_ref(q, k, v, a, b, A_log, dt_bias, self.state.ssm[layer], plan.state_idx)
+
+    # ---- MTP verify: T tokens per request from its current slot, the state after each token to its own slot ----
+
+    def _conv_verify(self, layer: int, x: torch.Tensor, weight: torch.Tensor, plan: LinearAttentionPlan):
+        batch, T = plan.dst_idx.shape
+        xs = x.view(batch, T, x.shape[-1])
+        if self.on_gpu:
+            from lightllm.kernels.linear_attention.conv1d_verify import causal_conv1d_verify
+
+            out = causal_conv1d_verify(xs, self.state.conv[layer], weight, plan.state_idx, plan.dst_idx)
+        else:
+            out = causal_conv1d_verify_ref(xs, self.state.conv[layer], weight, plan.state_idx, plan.dst_idx)
+        return out.view(x.shape)
+
+    def _delta_verify(self, layer: int, q, k, v, a, b, A_log, dt_bias, plan: LinearAttentionPlan) -> torch.Tensor:
+        batch, T = plan.dst_idx.shape
+        args = [t.view(batch, T, *t.shape[1:]) for t in (q, k, v, a, b)]
+        if self.on_gpu:
+            from lightllm.kernels.linear_attention.gated_delta_verify import gated_delta_verify
+
+            out = gated_delta_verify(*args, A_log, dt_bias, self.state.ssm[layer], plan.state_idx, plan.dst_idx)
+        else:
+            out = gated_delta_verify_ref(*args, A_log, dt_bias, self.state.ssm[layer], plan.state_idx, plan.dst_idx)
+        return out.view(v.shape)
 
 
 def _fla_chunk(q, k, v, g, beta, plan: LinearAttentionPlan, initial_state=None) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -58,5 +58,9 @@ class ModelFamily(Protocol):
         """KV heads one rank holds."""
 
     def build(self, model_dir: Path, config: Any, dtype: torch.dtype, device: torch.device, tp_rank: int,
-              tp: int) -> Model:  # fmt: skip
-        """Load this rank's shard of the weights and build the forward module."""
+              tp: int, mtp: bool = False) -> Model:  # fmt: skip
+        """Load this rank's shard of the weights and build the forward module (``mtp``: with its MTP head as
+        ``model.mtp``; only a family with ``mtp_support`` is asked)."""
+
+    # Optional: ``mtp_support(model_dir, config, mode) -> Optional[str]``, why ``--mtp_mode mode`` can't run (None:
+    # it can). A family without it serves no MTP.

@@ -65,6 +65,10 @@ class Metrics:
         self.finished = Counter("lightllm_requests_finished", "finished requests", ["finish_reason"], registry=r)
         self.cached_tokens = Counter("lightllm_prompt_cached_tokens", "prompt tokens read from the prefix cache "
                                      "instead of computed", registry=r)  # fmt: skip
+        # MTP speculative decoding: draft tokens proposed, and those accepted (emitted as output tokens)
+        self.spec_drafts = Counter("lightllm_spec_decode_num_draft_tokens", "MTP draft tokens proposed", registry=r)
+        self.spec_accepted = Counter("lightllm_spec_decode_num_accepted_tokens", "MTP draft tokens accepted",
+                                     registry=r)  # fmt: skip
         self.ttft = Histogram("lightllm_time_to_first_token_seconds", "arrival to first token", registry=r,
                               buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))  # fmt: skip
         self.itl = Histogram("lightllm_inter_token_latency_seconds", "time between tokens", registry=r,
@@ -90,6 +94,10 @@ class Metrics:
     def on_step(self, kind: str, batch_size: int, seconds: float) -> None:
         self.step_seconds.labels(kind).observe(seconds)
         self.step_batch.labels(kind).observe(batch_size)
+
+    def on_spec(self, drafts: int, accepted: int) -> None:
+        self.spec_drafts.inc(drafts)
+        self.spec_accepted.inc(accepted)
 
 
 # ---- the app -----------------------------------------------------------------------------------------------

@@ -11,7 +11,8 @@ from typing import List, Optional, Tuple
 import torch
 
 from lightllm.common import envs
-from lightllm.engine.args import DATA_TYPE_CHOICES, EngineArgs
+from lightllm.engine.args import DATA_TYPE_CHOICES, MTP_MODES, EngineArgs
+from lightllm.engine.mtp_runner import check_mtp
 from lightllm.layers.attention import DECODE_BACKEND_CHOICES, KV_TYPES, PREFILL_BACKEND_CHOICES, check_head_dim
 from lightllm.layers.linear_attention import SSM_DATA_TYPES
 from lightllm.models.hf_config import ModelLoadError, checkpoint_dtype
@@ -52,12 +53,17 @@ _HELP = {
     "(CPU: fraction of available RAM for the KV cache)",
     "max_total_token_num": "KV cache size in tokens (overrides mem_fraction)",
     "device": "cuda or cpu (default: cuda when available)",
+    "mtp_mode": "MTP speculative decoding (default off); Qwen3.5's in-checkpoint MTP layer, reused for every draft "
+    "step, is eagle_with_att",
+    "mtp_step": "draft tokens per decode step with --mtp_mode, 1-4",
+    "mtp_draft_model_dir": "folder of the MTP head's weights (default: --model_dir, which must hold mtp.* weights)",
 }
 _OPTIONAL_TYPES = {
     "model_dir": str,
     "max_req_total_len": int,
     "max_total_token_num": int,
     "device": str,
+    "mtp_draft_model_dir": str,
 }  # fields defaulting to None
 _CHOICES = {
     "data_type": list(DATA_TYPE_CHOICES),
@@ -65,6 +71,7 @@ _CHOICES = {
     "llm_decode_att_backend": list(DECODE_BACKEND_CHOICES),
     "llm_prefill_att_backend": list(PREFILL_BACKEND_CHOICES),
     "linear_att_ssm_data_type": list(SSM_DATA_TYPES),
+    "mtp_mode": list(MTP_MODES),
 }
 
 
@@ -221,6 +228,7 @@ def _fit_to_model(engine: EngineArgs, server: ServerArgs) -> None:
     engine.fit_to_model(config.max_position_embeddings, config.head_dim, checkpoint_dtype(model_dir))
     check_head_dim(config.head_dim, torch.device(engine.device))
     family.check_tp(config, server.tp)
+    check_mtp(engine, family, config, model_dir, server.tp)
     bad = [i for i in server.eos_id if not 0 <= i < config.vocab_size]
     if bad:
         raise ValueError(f"--eos_id expected token ids in [0, {config.vocab_size}) (the model's vocab_size), "

@@ -159,6 +159,11 @@ class TPRunner:
         return self.runner.model_dir
 
     @property
+    def mtp(self):
+        """None: MTP is refused with --tp > 1 at start-up (engine/mtp_runner.py check_mtp)."""
+        return None
+
+    @property
     def kv(self):
         """Rank 0's KV cache, for the policy's questions; it changes only through the broadcast calls."""
         return self.runner.kv

@@ -21,6 +21,7 @@ import torch
 from filelock import FileLock
 
 from lightllm.common import envs
+from lightllm.tools.tiny_mtp import add_mtp_head, check_mtp_head, make_agreeing, mtp_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -196,6 +197,8 @@ def make_tiny_qwen3_5(
     initializer_range: float = 0.2,
     padded_vocab_size: int = 0,
     generation_config: Optional[dict] = None,
+    mtp: Union[bool, str] = False,
+    mtp_noise: float = 0.0,
 ) -> Path:
     """Write a random-weight Qwen3.5 text checkpoint (``Qwen3_5ForCausalLM``, model_type ``qwen3_5_text``) with
     the tokenizer of :func:`make_tiny_qwen3` into ``out_dir``; return its path. ``padded_vocab_size`` as there.
@@ -204,11 +207,18 @@ def make_tiny_qwen3_5(
     Dk != Dv by default, mrope sections in the rope parameters as real checkpoints give them. Every parameter is
     perturbed away from transformers' init so each convention matters: zero-centred norm weights (``1 + w``)
     around 0, the gated norm's around 1, ``A_log`` and ``dt_bias`` random. The caller's RNG is left untouched.
+
+    ``mtp``: also write an MTP head (``mtp.*``, ``tools/tiny_mtp.py``): True or ``"random"`` (drafts ~never
+    accepted), ``"agree"`` (main model and head built so that drafts are ~always accepted; ``mtp_noise`` lowers
+    that; needs untied embeddings).
     """
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
     if dtype not in _DTYPES:
         raise ValueError(f"expected dtype in {sorted(_DTYPES)}, got {dtype!r}")
+    head = check_mtp_head(mtp) if mtp is not False else None
+    if head == "agree" and tie_word_embeddings:
+        raise ValueError("mtp='agree' expected tie_word_embeddings=False: its lm_head is a shifted embedding")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = _build_tokenizer(vocab_size, max_position_embeddings)
@@ -248,7 +258,13 @@ def make_tiny_qwen3_5(
                     param.copy_(0.1 * torch.randn_like(param))  # zero-centred: the norm scales by 1 + weight
                 elif name.endswith(("A_log", "dt_bias")):
                     param.copy_(0.5 * torch.randn_like(param))
-    return _save(model.to(_DTYPES[dtype]), tokenizer, out, generation_config)
+        if head == "agree":
+            make_agreeing(model, config)
+        extra = mtp_tensors(config, head, mtp_noise, initializer_range) if head else None
+    _save(model.to(_DTYPES[dtype]), tokenizer, out, generation_config)
+    if extra is not None:
+        add_mtp_head(out, extra, _DTYPES[dtype])
+    return out
 
 
 def _is_complete(model_dir: Path) -> bool:

@@ -54,6 +54,7 @@ class KVCacheManager:
         self._seq_lens = [0] * max_reqs
         self._held: List[List[torch.Tensor]] = [[] for _ in range(max_reqs)]
         self._held_decode: List[List[int]] = [[] for _ in range(max_reqs)]  # one token per decode step
+        self._last_extend = [False] * max_reqs  # whether the row's newest tokens came from ``extend`` (truncate)
 
     @property
     def table(self) -> torch.Tensor:
@@ -102,6 +103,7 @@ class KVCacheManager:
                              f"{len(prefix)}")  # fmt: skip
         slot = self.slots.alloc()
         self._held[slot], self._held_decode[slot], self._pins[slot] = [], [], None
+        self._last_extend[slot] = False  # a pinned prefix is never truncated
         self._ids[slot], self._num_pinned[slot] = list(prefix), len(prefix)
         self._seq_lens[slot] = len(prefix)
         if prefix:
@@ -149,6 +151,7 @@ class KVCacheManager:
             self.req_to_token.write(slot, cur, token_idx)
             self._held[slot].append(token_idx)
             self._seq_lens[slot] = cur + n
+            self._last_extend[slot] = True
         return token_idx
 
     def extend_each(self, slots: Sequence[int]) -> torch.Tensor:
@@ -172,7 +175,25 @@ class KVCacheManager:
         for s, p, t in zip(slots, positions, token_idx.tolist()):
             self._held_decode[s].append(t)
             self._seq_lens[s] = p + 1
+            self._last_extend[s] = False
         return token_idx
+
+    def truncate(self, slot: int, n: int) -> None:
+        """Drop the last ``n`` tokens of ``slot``'s row (MTP: the rejected drafts of a verify step), freeing
+        their pool slots for reuse. They must come from the row's last ``extend`` (``ValueError`` otherwise, nothing
+        changed); the prefix cache, if on, must not have been told they were ``computed``."""
+        self.slots.check_allocated("KVCacheManager.truncate", slot)
+        check_count("KVCacheManager.truncate", "n", n, 0)
+        if not n:
+            return
+        last = self._held[slot][-1] if self._held[slot] and self._last_extend[slot] else None
+        if last is None or len(last) < n:
+            raise ValueError(f"KVCacheManager.truncate: n expected <= the {0 if last is None else len(last)} "
+                             f"tokens of slot {slot}'s last extend, got {n}")  # fmt: skip
+        if not self.contiguous_slots:
+            self.tokens.free(last[len(last) - n :])
+        self._held[slot][-1] = last[: len(last) - n]
+        self._seq_lens[slot] -= n
 
     def free_request(self, slot: int) -> None:
         """Free ``slot`` and every token it holds; with the prefix cache the tree keeps the computed ones (those it
@@ -187,6 +208,7 @@ class KVCacheManager:
                 self.tokens.free(token_idx)
         self._held[slot], self._held_decode[slot], self._ids[slot] = [], [], []
         self._seq_lens[slot] = 0
+        self._last_extend[slot] = False
         self.slots.free(slot)
 
     def _release_to_tree(self, slot: int, token_idx: torch.Tensor) -> torch.Tensor:

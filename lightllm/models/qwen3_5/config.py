@@ -61,6 +61,7 @@ class Qwen3_5ModelConfig:
     bos_token_id: Optional[int]
     weight_prefix: str  # "model." (text folders) or "model.language_model." (ConditionalGeneration folders)
     multimodal: bool  # a ConditionalGeneration folder: its vision tower is skipped
+    mtp_num_hidden_layers: int = 0  # decoder layers of the MTP head (``mtp.*`` weights); real checkpoints: 1
 
     @property
     def num_kv_layers(self) -> int:
@@ -163,7 +164,16 @@ def _read(f: _TextFields, model_dir: Path, multimodal: bool, top: ConfigFields) 
         bos_token_id=bos,
         weight_prefix="model.language_model." if multimodal else "model.",
         multimodal=multimodal,
+        mtp_num_hidden_layers=_mtp_layers(f),
     )
+
+
+def _mtp_layers(f: _TextFields) -> int:
+    """``mtp_num_hidden_layers`` (absent: 0), a non-negative integer."""
+    value = f.raw.get("mtp_num_hidden_layers", 0)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise f.error("mtp_num_hidden_layers", f"must be a non-negative integer, got {value!r}")
+    return value
 
 
 def _rope(f: _TextFields, head_dim: int) -> Tuple[float, int]:

@@ -1,13 +1,19 @@
 """Qwen3.5 as a model family of the registry: text folders and the text part of ConditionalGeneration folders."""
 
 from pathlib import Path
+from typing import Optional
 
 import torch
+from safetensors import safe_open
 
 from lightllm.models.qwen3_5.config import ARCHITECTURES, MODEL_TYPES, Qwen3_5ModelConfig
+from lightllm.models.qwen3.weights import safetensors_files
 from lightllm.models.qwen3_5.model import Qwen3_5Model
+from lightllm.models.qwen3_5.mtp import Qwen3_5MTP
 from lightllm.models.qwen3_5.tensor_parallel import check_divisible, shard_spec
-from lightllm.models.qwen3_5.weights import load_qwen3_5_weights
+from lightllm.models.qwen3_5.weights import MTP_PREFIX, load_qwen3_5_weights
+
+MTP_MODES = ("eagle_with_att",)  # Qwen3.5's one in-checkpoint MTP layer, reused for every draft step
 
 
 class Qwen3_5Family:
@@ -24,7 +30,31 @@ class Qwen3_5Family:
     def kv_heads(self, config: Qwen3_5ModelConfig, tp: int) -> int:
         return config.num_key_value_heads // tp
 
+    def mtp_support(self, model_dir: Path, config: Qwen3_5ModelConfig, mode: str) -> Optional[str]:
+        """Why ``--mtp_mode mode`` can't run on this folder, or None when it can."""
+        if mode not in MTP_MODES:
+            return (f"the checkpoint's single MTP layer, reused for every draft step, is --mtp_mode "
+                    f"{MTP_MODES[0]}; {mode} is not served")  # fmt: skip
+        if config.mtp_num_hidden_layers not in (0, 1):
+            return f"mtp_num_hidden_layers is {config.mtp_num_hidden_layers}; only 1 is supported"
+        if not has_mtp_weights(model_dir):
+            return "its safetensors files hold no MTP head (mtp.* weights)"
+        return None
+
     def build(self, model_dir: Path, config: Qwen3_5ModelConfig, dtype: torch.dtype, device: torch.device,
-              tp_rank: int, tp: int) -> Qwen3_5Model:  # fmt: skip
-        weights = load_qwen3_5_weights(model_dir, config, dtype, device, shard=shard_spec(config, tp_rank, tp))
-        return Qwen3_5Model(config, weights, device, tp)
+              tp_rank: int, tp: int, mtp: bool = False) -> Qwen3_5Model:  # fmt: skip
+        weights = load_qwen3_5_weights(model_dir, config, dtype, device, shard=shard_spec(config, tp_rank, tp),
+                                       mtp=mtp)  # fmt: skip
+        model = Qwen3_5Model(config, weights, device, tp)
+        if mtp:
+            model.mtp = Qwen3_5MTP(model, weights.mtp)
+        return model
+
+
+def has_mtp_weights(model_dir: Path) -> bool:
+    """Whether the folder's safetensors files name any ``mtp.*`` tensor (headers only)."""
+    for file in safetensors_files(Path(model_dir)):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            if any(name.startswith(MTP_PREFIX) for name in f.keys()):
+                return True
+    return False

@@ -74,6 +74,7 @@ class Qwen3_5Model:
         self.use_kernels = device.type == "cuda"  # the Triton kernels, else their torch references
         self.attn: Optional[AttentionBackend] = None  # set once the KV cache is sized
         self.linear: Optional[LinearAttentionBackend] = None  # set by alloc_request_state
+        self.mtp = None  # the MTP head (mtp.py), built by the family when --mtp_mode asks for it
         d = config.rotary_dim
         inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float().to(device) / d))
         freqs = torch.outer(torch.arange(config.max_position_embeddings, device=device, dtype=torch.float32), inv_freq)
@@ -87,11 +88,12 @@ class Qwen3_5Model:
         """The backend that owns the KV pool (``config.num_kv_layers`` layers) this model writes and attends over."""
         self.attn = attn
 
-    def alloc_request_state(self, num_slots: int, ssm_dtype: torch.dtype) -> int:
+    def alloc_request_state(self, num_slots: int, ssm_dtype: torch.dtype, slots_per_request: int = 1) -> int:
         """Allocate the linear-attention state slots (conv state in the model dtype, recurrent state in
-        ``ssm_dtype``), one per request row; returns their bytes."""
-        state = LinearAttentionState(len(self.state_layer), num_slots, self.linear_shape, self.dtype, ssm_dtype,
-                                     self.device)  # fmt: skip
+        ``ssm_dtype``), ``slots_per_request`` per request row (MTP: one per verified token, ``InferState.state_idx``
+        says which is current); returns their bytes."""
+        state = LinearAttentionState(len(self.state_layer), num_slots * slots_per_request, self.linear_shape,
+                                     self.dtype, ssm_dtype, self.device)  # fmt: skip
         self.linear = LinearAttentionBackend(state, self.device)
         return state.nbytes
 
@@ -149,8 +151,10 @@ class Qwen3_5Model:
             rows_out = tokens
         return self._plan_ops(tokens, rows_out, state.positions), self.linear.plan(state)
 
-    def forward(self, input_ids: torch.Tensor, state: InferState) -> torch.Tensor:
-        """Float32 logits ``[rows, vocab]``: the last token of each request (prefill), every new token (decode)."""
+    def forward(self, input_ids: torch.Tensor, state: InferState, keep_hidden: bool = False):
+        """Float32 logits ``[rows, vocab]``: the last token of each request (prefill), every new token (decode).
+        ``keep_hidden`` (MTP): also the final-normed hidden state of every token ``[tokens, hidden]``, what the MTP
+        head reads, as ``(logits, hidden)``."""
         if self.attn is None or self.linear is None:
             raise RuntimeError("Qwen3_5Model.forward expected an attention backend and state slots: call "
                                "alloc_request_state(...) and set_attention(...) first")  # fmt: skip
@@ -168,6 +172,10 @@ class Qwen3_5Model:
             mlp = reduce(F.linear(ops.silu_mul(F.linear(x, lw.gate_up_proj)), lw.down_proj))
             if i + 1 < len(layers):
                 x = ops.add_norm(h, mlp, layers[i + 1].input_norm)
+        if keep_hidden:
+            hidden = ops.add_norm(h, mlp, self.w.final_norm)
+            rows = hidden[(state.b_q_start + state.b_q_len - 1).long()] if state.is_prefill else hidden
+            return F.linear(rows, self.w.lm_head).float(), hidden
         if state.is_prefill:  # only each request's last token goes on
             last = (state.b_q_start + state.b_q_len - 1).long()
             h, mlp = h[last], mlp[last]

@@ -7,7 +7,13 @@ GEMM): gated attention's q (with its gate), k and v into ``qkv_proj``; gated Del
 copied straight into its rows; the checkpoint names remain as views. The zero-centred RMSNorm weights (decoder,
 final, q/k norms) are kept as ``1 + weight`` in float32, the scale transformers multiplies by; the gated norm's
 weight is plain. The
-vision tower (``model.visual.*``) and the MTP head (``mtp.*``) are skipped, each with one log line.
+vision tower (``model.visual.*``) is skipped with one log line; so is the MTP head (``mtp.*``) unless it is asked
+for (``mtp=True``: ``--mtp_mode``), when it loads as :class:`MTPWeights`.
+
+The MTP head, in the real checkpoints' names (``mtp_num_hidden_layers`` = 1): ``mtp.fc`` ``[hidden, 2 * hidden]``
+over ``[pre_fc_norm_embedding(embed(token)); pre_fc_norm_hidden(hidden)]``, one full-attention decoder layer
+``mtp.layers.0.*`` (the main layers' names), ``mtp.norm``; the embedding and ``lm_head`` are the main model's.
+Its norms are zero-centred like the main ones.
 """
 
 import logging
@@ -28,8 +34,9 @@ logger = logging.getLogger(__name__)
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _SOURCE_DTYPES = ("F16", "BF16", "F32")
 _ZERO_CENTRED = ("input_norm", "post_norm", "q_norm", "k_norm")
-_SKIPPED = {"model.visual.": "vision tower: text only", "mtp.": "MTP head: multi-token prediction is not "
-            "implemented yet"}  # fmt: skip
+_SKIPPED = {"model.visual.": "vision tower: text only", "mtp.": "MTP head: --mtp_mode is off"}
+MTP_PREFIX = "mtp."
+MTP_LAYER = "mtp"  # the MTP decoder layer's key among the loaded layers
 
 
 # Checkpoint fields read into rows of one fused weight: field -> (fused weight, its place among the parts).
@@ -116,16 +123,29 @@ class LayerWeights:
 
 
 @dataclass
+class MTPWeights:
+    """The MTP head (embedding and ``lm_head`` shared with the main model)."""
+
+    fc: torch.Tensor  # [hidden, 2 * hidden]: columns of the normed embedding, then of the normed hidden state
+    norm_embedding: torch.Tensor  # [hidden], 1 + weight, float32
+    norm_hidden: torch.Tensor  # [hidden], 1 + weight, float32
+    layer: LayerWeights  # one full-attention decoder layer
+    final_norm: torch.Tensor  # [hidden], 1 + weight, float32
+
+
+@dataclass
 class Qwen3_5Weights:
     embed: torch.Tensor  # [vocab, hidden]
     layers: List[LayerWeights]
     final_norm: torch.Tensor  # [hidden], 1 + weight, float32
     lm_head: torch.Tensor  # the same object as ``embed`` when embeddings are tied
+    mtp: Optional[MTPWeights] = None  # loaded only when asked for
 
 
-def _layer_names(c: Qwen3_5ModelConfig, i: int) -> Dict[str, Tuple[str, Tuple[int, ...]]]:
-    """``field -> (HF tensor name, shape)`` of layer ``i``."""
-    p, h = f"{c.weight_prefix}layers.{i}.", c.hidden_size
+def _layer_names(c: Qwen3_5ModelConfig, i) -> Dict[str, Tuple[str, Tuple[int, ...]]]:
+    """``field -> (HF tensor name, shape)`` of layer ``i`` (``MTP_LAYER``: the MTP head's decoder layer)."""
+    mtp = i == MTP_LAYER
+    p, h = f"{MTP_PREFIX}layers.0." if mtp else f"{c.weight_prefix}layers.{i}.", c.hidden_size
     names = {
         "input_norm": ("input_layernorm.weight", (h,)),
         "post_norm": ("post_attention_layernorm.weight", (h,)),
@@ -133,7 +153,7 @@ def _layer_names(c: Qwen3_5ModelConfig, i: int) -> Dict[str, Tuple[str, Tuple[in
         "up_proj": ("mlp.up_proj.weight", (c.intermediate_size, h)),
         "down_proj": ("mlp.down_proj.weight", (h, c.intermediate_size)),
     }
-    if c.layer_types[i] == "full_attention":
+    if mtp or c.layer_types[i] == "full_attention":
         q_out, kv_out = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
         names.update({
             "q_proj": ("self_attn.q_proj.weight", (2 * q_out, h)),
@@ -159,14 +179,29 @@ def _layer_names(c: Qwen3_5ModelConfig, i: int) -> Dict[str, Tuple[str, Tuple[in
     return {field: (p + name, shape) for field, (name, shape) in names.items()}
 
 
-def expected_shapes(c: Qwen3_5ModelConfig) -> Dict[str, Tuple[int, ...]]:
-    """Every HF tensor name the checkpoint must hold, with its shape (``lm_head`` only when untied)."""
+def _mtp_names(c: Qwen3_5ModelConfig) -> Dict[str, Tuple[str, Tuple[int, ...]]]:
+    """``field -> (HF tensor name, shape)`` of the MTP head's own tensors (its layer: ``_layer_names``)."""
+    h = c.hidden_size
+    return {"fc": ("mtp.fc.weight", (h, 2 * h)), "norm_embedding": ("mtp.pre_fc_norm_embedding.weight", (h,)),
+            "norm_hidden": ("mtp.pre_fc_norm_hidden.weight", (h,)),
+            "final_norm": ("mtp.norm.weight", (h,))}  # fmt: skip
+
+
+def _layers(c: Qwen3_5ModelConfig, mtp: bool) -> list:
+    return list(range(c.num_hidden_layers)) + ([MTP_LAYER] if mtp else [])
+
+
+def expected_shapes(c: Qwen3_5ModelConfig, mtp: bool = False) -> Dict[str, Tuple[int, ...]]:
+    """Every HF tensor name the checkpoint must hold, with its shape (``lm_head`` only when untied; ``mtp.*``
+    only with ``mtp``)."""
     shapes = {f"{c.weight_prefix}embed_tokens.weight": (c.vocab_size, c.hidden_size),
               f"{c.weight_prefix}norm.weight": (c.hidden_size,)}  # fmt: skip
     if not c.tie_word_embeddings:
         shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
-    for i in range(c.num_hidden_layers):
+    for i in _layers(c, mtp):
         shapes.update(dict(_layer_names(c, i).values()))
+    if mtp:
+        shapes.update(dict(_mtp_names(c).values()))
     return shapes
 
 
@@ -193,23 +228,20 @@ def load_qwen3_5_weights(
     dtype: torch.dtype = torch.bfloat16,
     device: Union[str, torch.device] = "cpu",
     shard: Optional[ShardSpec] = None,
+    mtp: bool = False,
 ) -> Qwen3_5Weights:
     """Read, check (shape, source dtype), cast and move every tensor the text model uses; ModelLoadError (one
     line) on a missing or misshapen tensor. Unused tensors are skipped: vision and MTP ones with one line each,
     any other with one warning. ``shard(field)`` gives the part of a layer tensor this tensor-parallel rank
     keeps; only that part is read. The parts of a fused weight (``FUSED_PARTS``) are copied straight into its
-    rows as they are read, so no second copy of them is ever held."""
+    rows as they are read, so no second copy of them is ever held. ``mtp``: the MTP head too (``MTPWeights``)."""
     if dtype not in _DTYPES:
         raise ModelLoadError(f"dtype {dtype} is not supported; use torch.float16, torch.bfloat16 or torch.float32")
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise ModelLoadError(f"{model_dir}: model folder not found")
-    shapes = expected_shapes(config)
-    where = {
-        name: (i, field)
-        for i in range(config.num_hidden_layers)
-        for field, (name, _) in _layer_names(config, i).items()
-    }
+    shapes = expected_shapes(config, mtp)
+    where = {name: (i, field) for i in _layers(config, mtp) for field, (name, _) in _layer_names(config, i).items()}
     fused_rows = _fused_rows(config, shard)
     tensors: Dict[str, torch.Tensor] = {}
     fused: Dict[Tuple[int, str], torch.Tensor] = {}
@@ -266,6 +298,9 @@ def load_qwen3_5_weights(
     missing = [name for name in shapes if name not in seen]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        if mtp and missing[0].startswith(MTP_PREFIX):
+            raise ModelLoadError(f"{model_dir}: tensor {missing[0]} is missing from the safetensors files{more}; "
+                                 "--mtp_mode needs the checkpoint's MTP head (mtp.* weights)")  # fmt: skip
         raise ModelLoadError(f"{model_dir}: tensor {missing[0]} is missing from the safetensors files{more}")
     for prefix, count in skipped.items():
         if count:
@@ -274,26 +309,36 @@ def load_qwen3_5_weights(
         more = f" and {len(unexpected) - 5} more" if len(unexpected) > 5 else ""
         logger.warning("%s: ignoring %d tensors Qwen3.5 does not use: %s%s", model_dir, len(unexpected),
                        ", ".join(sorted(unexpected)[:5]), more)  # fmt: skip
-    return _assemble(config, tensors, fused)
+    return _assemble(config, tensors, fused, mtp)
 
 
 def _one_plus(w: torch.Tensor) -> torch.Tensor:
     return 1.0 + w.float()
 
 
-def _assemble(c: Qwen3_5ModelConfig, tensors: Dict[str, torch.Tensor],
-              fused: Dict[Tuple[int, str], torch.Tensor]) -> Qwen3_5Weights:  # fmt: skip
-    layers = []
-    for i in range(c.num_hidden_layers):
-        fields = {field: tensors[name] for field, (name, _) in _layer_names(c, i).items() if field not in FUSED_PARTS}
-        fields.update({target: weight for (layer, target), weight in fused.items() if layer == i})
-        for field in _ZERO_CENTRED:
-            if field in fields:
-                fields[field] = _one_plus(fields[field])
-        if "conv1d" in fields:
-            fields["conv1d"] = fields["conv1d"][:, 0, :].contiguous()
-        layers.append(LayerWeights(kind=c.layer_types[i], **fields))
+def _assemble(c: Qwen3_5ModelConfig, tensors: Dict[str, torch.Tensor], fused: Dict[Tuple[int, str], torch.Tensor],
+              mtp: bool) -> Qwen3_5Weights:  # fmt: skip
+    layers = [_assemble_layer(c, i, tensors, fused) for i in range(c.num_hidden_layers)]
     embed = tensors[f"{c.weight_prefix}embed_tokens.weight"]
     lm_head = embed if c.tie_word_embeddings else tensors["lm_head.weight"]
+    head = None
+    if mtp:
+        own = {field: tensors[name] for field, (name, _) in _mtp_names(c).items()}
+        layer = _assemble_layer(c, MTP_LAYER, tensors, fused)
+        head = MTPWeights(fc=own["fc"], norm_embedding=_one_plus(own["norm_embedding"]),
+                          norm_hidden=_one_plus(own["norm_hidden"]), layer=layer,
+                          final_norm=_one_plus(own["final_norm"]))  # fmt: skip
     return Qwen3_5Weights(embed=embed, layers=layers, final_norm=_one_plus(tensors[f"{c.weight_prefix}norm.weight"]),
-                          lm_head=lm_head)  # fmt: skip
+                          lm_head=lm_head, mtp=head)  # fmt: skip
+
+
+def _assemble_layer(c: Qwen3_5ModelConfig, i, tensors: Dict[str, torch.Tensor],
+                    fused: Dict[Tuple[int, str], torch.Tensor]) -> LayerWeights:  # fmt: skip
+    fields = {field: tensors[name] for field, (name, _) in _layer_names(c, i).items() if field not in FUSED_PARTS}
+    fields.update({target: weight for (layer, target), weight in fused.items() if layer == i})
+    for field in _ZERO_CENTRED:
+        if field in fields:
+            fields[field] = _one_plus(fields[field])
+    if "conv1d" in fields:
+        fields["conv1d"] = fields["conv1d"][:, 0, :].contiguous()
+    return LayerWeights(kind="full_attention" if i == MTP_LAYER else c.layer_types[i], **fields)

@@ -1,0 +1,140 @@
+"""End-to-end decode tokens/s with MTP speculative decoding (``benchmarks/mtp.py --parts e2e``), GPU.
+
+A Qwen3.5-27B-shaped random-weight model with a few layers (``decode_step.QWEN3_5_27B_SHAPE``, 3:1 linear to full
+attention) is built three times with an MTP head whose acceptance the construction sets
+(``make_tiny_qwen3_5(mtp=...)``): ``agree`` (~100 %), ``agree`` with ``mtp_noise`` picked by
+:func:`noise_for_acceptance` (~50 %) and ``random`` (~0 %). For each, ``LLM.generate`` runs a batch of prompts
+with MTP off (decode graphs, and eager) and with ``--mtp_step`` 1/2/3; decode
+tokens/s = tokens after the first / (generate time - the same batch's prefill-only time). The measured acceptance
+(accepted drafts / drafts, the server's two counters) is reported beside each row. MTP rows run with MTP's decode
+graphs (``off eager`` is the plain engine without graphs, for reference).
+
+    python benchmarks/mtp.py --parts e2e --out benchmarks/results/mtp_e2e_h200.json
+"""
+
+import math
+import os
+import tempfile
+import time
+
+import torch
+
+HEADS = (("~100%", "agree", 0.0), ("~50%", "agree", None), ("~0%", "random", 0.0))  # None: noise_for_acceptance
+
+
+def noise_for_acceptance(target: float, hidden: int, vocab: int, samples: int = 20000, seed: int = 0) -> float:
+    """``mtp_noise`` at which the agreeing head's draft is the main model's choice with probability ``target``.
+
+    The head's output is ``e + noise * z`` (``e``: the fed token's normed embedding, ``z``: unit-variance noise);
+    its score for the right token is ``hidden + noise * sqrt(hidden) * g``, every other token's is normal with
+    variance ``hidden * (1 + noise^2)`` (random embeddings), so the right token wins when its score beats the
+    largest of ``vocab - 1`` such normals; bisection on a fixed Monte-Carlo sample."""
+    g = torch.Generator().manual_seed(seed)
+    right = torch.randn(samples, generator=g, dtype=torch.float64)
+    u = torch.rand(samples, generator=g, dtype=torch.float64).clamp_(min=1e-300)
+    # the largest of vocab - 1 standard normals, by the inverse CDF of its distribution
+    largest = math.sqrt(2) * torch.erfinv(2 * u.pow(1.0 / (vocab - 1)) - 1)
+
+    def acceptance(noise: float) -> float:
+        score = (hidden + noise * math.sqrt(hidden) * right) / math.sqrt(hidden * (1 + noise**2))
+        return float((score > largest).double().mean())
+
+    lo, hi = 0.0, 1.0
+    while acceptance(hi) > target:
+        hi *= 2
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if acceptance(mid) > target else (lo, mid)
+    return (lo + hi) / 2
+
+
+class _SpecCounts:
+    """The engine observer's MTP counts (what the server's two metrics count)."""
+
+    def __init__(self):
+        self.drafts = self.accepted = 0
+
+    def on_queues(self, *_): ...
+
+    def on_token(self, *_): ...
+
+    def on_step(self, *_): ...
+
+    def on_spec(self, drafts, accepted):
+        self.drafts += drafts
+        self.accepted += accepted
+
+
+def build(root: str, layers: int, head: str, noise: float) -> str:
+    from decode_step import QWEN3_5_27B_SHAPE
+
+    from lightllm.tools.make_tiny_model import make_tiny_qwen3_5
+
+    kinds = tuple("full_attention" if i % 4 == 3 else "linear_attention" for i in range(layers))
+    out = os.path.join(root, f"qwen3.5-27b-shaped-{head}-{noise:g}")
+    return str(make_tiny_qwen3_5(out, layer_types=kinds, mtp=head, mtp_noise=noise, **QWEN3_5_27B_SHAPE))
+
+
+def decode_row(model_dir: str, batch: int, prompt_len: int, new_tokens: int, mtp_step: int, graphs: bool) -> dict:
+    from lightllm import LLM, SamplingParams
+
+    opts = dict(data_type="bf16", running_max_req_size=batch, max_req_total_len=prompt_len + new_tokens + 8,
+                graph_max_batch_size=batch, disable_cudagraph=not graphs)  # fmt: skip
+    if mtp_step:
+        opts.update(mtp_mode="eagle_with_att", mtp_step=mtp_step)
+    llm = LLM(model_dir, **opts)
+    counts = _SpecCounts()
+    llm.engine.observer = counts
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 400, (prompt_len,), generator=gen).tolist() for _ in range(batch)]
+
+    def timed(n):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        llm.generate(prompts, SamplingParams(max_new_tokens=n, ignore_eos=True))
+        torch.cuda.synchronize()
+        return time.perf_counter() - t
+
+    timed(new_tokens)  # warm-up: compiles and caches every kernel shape
+    counts.drafts = counts.accepted = 0
+    total, prefill = timed(new_tokens), timed(1)
+    row = {"mtp_step": mtp_step, "graphs": graphs, "batch": batch,
+           "decode_tok_s": batch * (new_tokens - 1) / max(total - prefill, 1e-9),
+           "acceptance": counts.accepted / counts.drafts if counts.drafts else None}  # fmt: skip
+    return row
+
+
+def run(args) -> dict:
+    from decode_step import QWEN3_5_27B_SHAPE
+
+    hidden, vocab = QWEN3_5_27B_SHAPE["hidden_size"], QWEN3_5_27B_SHAPE["padded_vocab_size"]
+    results = {"layers": args.e2e_layers, "prompt_len": args.e2e_prompt_len, "new_tokens": args.e2e_new_tokens,
+               "rows": []}  # fmt: skip
+    with tempfile.TemporaryDirectory() as root:
+        for label, head, noise in HEADS:
+            noise = noise_for_acceptance(0.5, hidden, vocab) if noise is None else noise
+            model_dir = build(root, args.e2e_layers, head, noise)
+            for batch in args.e2e_batches:
+                settings = [(0, True), (0, False)] + [(n, True) for n in args.e2e_steps]
+                for step, graphs in settings:
+                    row = decode_row(model_dir, batch, args.e2e_prompt_len, args.e2e_new_tokens, step, graphs)
+                    torch.cuda.empty_cache()  # the row's engine is gone: its KV cache goes back before the next
+                    row.update(head=label, mtp_noise=noise)
+                    results["rows"].append(row)
+                    print(e2e_row(row), flush=True)
+    return results
+
+
+def e2e_row(row: dict) -> str:
+    mode = f"mtp {row['mtp_step']}" if row["mtp_step"] else ("off graphs" if row["graphs"] else "off eager")
+    mode += "" if row["graphs"] or not row["mtp_step"] else " eager"
+    acc = f"{row['acceptance'] * 100:6.1f}%" if row["acceptance"] is not None else f"{'-':>7s}"
+    return f"{row['head']:>6s} {row['batch']:5d} {mode:>10s} {row['decode_tok_s']:12.1f} {acc}"
+
+
+def print_e2e(results: dict) -> None:
+    print(f"\nMTP end to end, Qwen3.5-27B-shaped, {results['layers']} layers, bf16, prompts of "
+          f"{results['prompt_len']} tokens, {results['new_tokens']} new; decode tokens/s")  # fmt: skip
+    print("  head batch       mode   decode tok/s  accept")
+    for row in results["rows"]:
+        print(e2e_row(row))

@@ -1,0 +1,198 @@
+"""The model runner's side of MTP speculative decoding: per-request bookkeeping, draft, verify and accept.
+
+Positions: a request whose KV holds positions ``0 .. m - 1`` and whose last emitted token ``t_m`` is not in the KV
+yet. The MTP head's entry at position ``i`` reads the main model's hidden state ``h_i`` and the token ``t_{i+1}``
+that followed it, so it lags the main model by one token. Each request keeps, since ``mtp_next`` (its first
+position without a correct head entry): the main hidden states of the positions up to ``m - 1`` (``pending``) and
+the tokens from ``t_{mtp_next}`` on (``follow``). A forward of the head over ``pending`` with ``follow[1:]`` as its
+tokens brings the head's KV up to date ("catch-up"); a prefill chunk catches up all but its last position.
+
+A step (the engine's ``spec_decode``):
+1. ``draft``: the KV grows by ``T = N + 1`` tokens (positions ``m .. m + N``); the catch-up over the pending
+   positions, now followed by ``t_m``, gives the first draft's logits; ``N - 1`` more head steps at positions
+   ``m .. m + N - 2``, each fed the previous draft and the head's own output hidden state, give the others. The
+   engine's ``choose`` picks each draft token (argmax, or a draw from the draft distribution).
+2. ``verify``: one main-model forward over ``[t_m, d_1 .. d_N]`` (``q_len = T``); the linear-attention state
+   starts from the request's current slot and the state after token ``t`` goes to the row's slot ``t``.
+3. ``accept``: with ``a`` drafts accepted, the KV keeps positions ``m .. m + a`` and the rest is freed
+   (``KVCacheManager.truncate``); slot ``a`` becomes current; the head's speculative entries past ``m - 1`` are
+   rewritten by the next catch-up, from the verify's hidden states.
+"""
+
+import itertools
+import os
+from pathlib import Path
+from typing import Callable, List, Sequence
+
+import torch
+
+from lightllm.layers.infer_state import InferState
+
+
+class MTPRunner:
+    def __init__(self, runner, step: int, max_reqs: int):
+        self.runner, self.kv, self.model = runner, runner.kv, runner.model
+        self.head = runner.model.mtp
+        self.step, self.tokens = step, step + 1
+        self.max_position = runner.config.max_position_embeddings - 1
+        self.current = [0] * max_reqs  # which of the row's T state slots holds its state
+        self.mtp_next = [0] * max_reqs
+        self.pending: List[List[torch.Tensor]] = [[] for _ in range(max_reqs)]  # hidden [k, H] pieces
+        self.follow: List[List[int]] = [[] for _ in range(max_reqs)]
+        self._drafts: List[List[int]] = []
+        self._hidden = None  # the verify's hidden states [B, T, H]
+        self.graphs = None  # MTPGraphs once captured
+
+    def capture_graphs(self, batch_sizes: Sequence[int], graph_max_len: int, api=None) -> None:
+        from lightllm.engine.mtp_graphs import MTPGraphs
+
+        self.graphs = MTPGraphs(self, batch_sizes, graph_max_len, api)
+
+    def reset(self, slot: int) -> None:
+        """A fresh request in ``slot``: nothing in its KV, state slot 0 current."""
+        self.current[slot], self.mtp_next[slot], self.pending[slot], self.follow[slot] = 0, 0, [], []
+
+    def state_idx(self, slots: Sequence[int], device) -> torch.Tensor:
+        return torch.tensor([s * self.tokens + self.current[s] for s in slots], dtype=torch.int32, device=device)
+
+    # ---- prefill -------------------------------------------------------------------------------------------
+
+    def prefill(self, input_ids: torch.Tensor, state: InferState, slots: Sequence[int],
+                prompts: Sequence[Sequence[int]]) -> torch.Tensor:  # fmt: skip
+        """The main prefill forward (logits of each request's last token), then the head's catch-up over every
+        chunk position whose next token is known."""
+        for slot, prompt in zip(slots, prompts):
+            if self.kv.seq_len(slot) == len(prompt):  # its first chunk: a fresh request in this row
+                self.reset(slot)
+        state.state_idx = self.state_idx(slots, input_ids.device)
+        logits, hidden = self.model.forward(input_ids, state, keep_hidden=True)
+        for slot, part, prompt in zip(slots, hidden.split([len(p) for p in prompts]), prompts):
+            self.pending[slot].append(part)
+            self.follow[slot].extend(prompt)
+        self._catch_up([s for s in slots if len(self.follow[s]) > 1], logits=False)
+        return logits
+
+    def _catch_up(self, slots: Sequence[int], logits: bool):
+        """The head over each slot's pending positions followed by known tokens (all but the last pending one);
+        with ``logits``: the head's logits and output hidden state at each slot's last such position."""
+        if not slots:
+            return None
+        dev, table = self.runner.device, self.kv.table
+        counts = [len(self.follow[s]) - 1 for s in slots]
+        starts = [self.mtp_next[s] for s in slots]
+        hidden = torch.cat([torch.cat(self.pending[s])[:k] for s, k in zip(slots, counts)])
+        ids = [t for s in slots for t in self.follow[s][1:]]
+        positions = torch.cat([torch.arange(p, p + k) for p, k in zip(starts, counts)]).to(dev)
+        rows = torch.tensor([s for s, k in zip(slots, counts) for _ in range(k)], device=dev)
+        i32 = dict(dtype=torch.int32, device=dev)
+        firsts = [0, *itertools.accumulate(counts[:-1])]
+        state = InferState(
+            is_prefill=True,
+            b_req_idx=torch.tensor(slots, **i32),
+            req_to_token=table,
+            b_seq_len=torch.tensor([p + k for p, k in zip(starts, counts)], **i32),
+            out_token_idx=table[rows, positions].long(),
+            positions=positions.clamp(max=self.max_position),
+            max_len_in_batch=max(p + k for p, k in zip(starts, counts)),
+            b_q_start=torch.tensor(firsts, **i32),
+            b_q_len=torch.tensor(counts, **i32),
+            max_q_len=max(counts),
+            b_prefix_len=torch.tensor(starts, **i32),
+            max_prefix_len=max(starts),
+        )
+        last = torch.tensor([f + k - 1 for f, k in zip(firsts, counts)], device=dev) if logits else None
+        out = self.head.forward(torch.tensor(ids, dtype=torch.int64, device=dev), hidden, state, out_rows=last)
+        for s, k in zip(slots, counts):
+            self.mtp_next[s] += k
+            self.pending[s] = [torch.cat(self.pending[s])[k:]]
+            self.follow[s] = self.follow[s][k:]
+        return out
+
+    # ---- one speculative step ------------------------------------------------------------------------------
+
+    def draft(self, slots: Sequence[int], last_tokens: Sequence[int],
+              choose: Callable[[int, torch.Tensor], torch.Tensor]) -> List[List[int]]:  # fmt: skip
+        """``N`` draft tokens per request; ``choose(k, logits [batch, vocab])`` picks the ``k``-th (0-based)."""
+        dev, table, n = self.runner.device, self.kv.table, self.step
+        for slot, token in zip(slots, last_tokens):
+            self.follow[slot].append(token)
+        bases = [self.kv.seq_len(s) for s in slots]  # m: the KV length before this step
+        self._token_idx = [self.kv.extend(s, self.tokens) for s in slots]
+        logits, hidden = self._catch_up(slots, logits=True)
+        drafts = [choose(0, logits)]
+        i32 = dict(dtype=torch.int32, device=dev)
+        b_req_idx = torch.tensor(slots, **i32)
+        base = torch.tensor(bases, dtype=torch.int64, device=dev)
+        rows = torch.arange(len(slots), device=dev)
+        graph = self.graphs.pick(len(slots), max(bases) + self.tokens) if self.graphs else None
+        for k in range(1, n):
+            pos = base + (k - 1)
+            live = {"input_ids": drafts[-1].to(dev), "hidden": hidden, "positions": pos.clamp(max=self.max_position),
+                    "out_token_idx": table[b_req_idx.long(), pos].long(), "b_req_idx": b_req_idx,
+                    "b_seq_len": (pos + 1).to(torch.int32)}  # fmt: skip
+            if graph is not None:
+                logits, hidden = self.graphs.run_draft(graph, live)
+            else:
+                state = InferState(is_prefill=False, b_req_idx=b_req_idx, req_to_token=table,
+                                   b_seq_len=live["b_seq_len"], out_token_idx=live["out_token_idx"],
+                                   positions=live["positions"], max_len_in_batch=max(bases) + k)  # fmt: skip
+                logits, hidden = self.head.forward(live["input_ids"], hidden, state, out_rows=rows)
+            drafts.append(choose(k, logits))
+        self._drafts = torch.stack(drafts, dim=1).tolist()
+        return self._drafts
+
+    def verify(self, slots: Sequence[int], last_tokens: Sequence[int], drafts: Sequence[Sequence[int]]) -> torch.Tensor:
+        """The main model over ``[t_m, d_1 .. d_N]`` of each request: float32 logits ``[batch, T, vocab]``."""
+        dev, T = self.runner.device, self.tokens
+        bases = [self.kv.seq_len(s) - T for s in slots]
+        i32 = dict(dtype=torch.int32, device=dev)
+        positions = torch.cat([torch.arange(m, m + T) for m in bases]).to(dev)
+        ids = torch.tensor([[t, *d] for t, d in zip(last_tokens, drafts)], dtype=torch.int64, device=dev).flatten()
+        live = {"input_ids": ids, "positions": positions.clamp(max=self.max_position),
+                "out_token_idx": torch.cat(self._token_idx).to(dev), "b_req_idx": torch.tensor(slots, **i32),
+                "b_seq_len": torch.tensor([m + T for m in bases], **i32), "state_idx": self.state_idx(slots, dev),
+                "state_dst_idx": torch.tensor([[s * T + t for t in range(T)] for s in slots], **i32)}  # fmt: skip
+        graph = self.graphs.pick(len(slots), max(bases) + T) if self.graphs else None
+        if graph is not None:
+            logits, hidden = self.graphs.run_verify(graph, live)
+            hidden = hidden.clone()  # the graph's output: the next replay overwrites it, the next catch-up reads it
+        else:
+            state = InferState(is_prefill=False, b_req_idx=live["b_req_idx"], req_to_token=self.kv.table,
+                               b_seq_len=live["b_seq_len"], out_token_idx=live["out_token_idx"],
+                               positions=live["positions"], max_len_in_batch=max(bases) + T, q_len=T,
+                               state_idx=live["state_idx"], state_dst_idx=live["state_dst_idx"])  # fmt: skip
+            logits, hidden = self.model.forward(ids, state, keep_hidden=True)
+        self._hidden = hidden.view(len(slots), T, -1)
+        return logits.view(len(slots), T, -1)
+
+    def accept(self, slots: Sequence[int], accepted: Sequence[int]) -> None:
+        """``accepted[i]`` drafts of request ``i`` were accepted: its KV, state slot and head catch-up follow."""
+        for i, (slot, a) in enumerate(zip(slots, accepted)):
+            if not 0 <= a <= self.step:
+                raise ValueError(f"MTP accept: accepted drafts expected in [0, {self.step}], got {a} (slot {slot})")
+            self.kv.truncate(slot, self.step - a)
+            self.current[slot] = a
+            self.mtp_next[slot] = self.kv.seq_len(slot) - a - 1  # m
+            self.pending[slot] = [self._hidden[i, : a + 1]]
+            self.follow[slot] = [self.follow[slot][-1], *self._drafts[i][:a]]
+        self._hidden = None
+
+
+def check_mtp(args, family, config, model_dir: str, tp: int = 1) -> None:
+    """Start-up checks of ``--mtp_mode`` against the model (``ValueError``, one line, naming the flag)."""
+    mode = args.mtp_mode
+    if mode is None:
+        return
+    support = getattr(family, "mtp_support", None)
+    if support is None:
+        raise ValueError(f"--mtp_mode {mode}: {family.name} models have no MTP head; MTP serves Qwen3.5")
+    draft = args.mtp_draft_model_dir
+    if draft is not None and os.path.realpath(draft) != os.path.realpath(model_dir):
+        raise ValueError(f"--mtp_draft_model_dir {draft}: only the MTP head inside --model_dir's checkpoint is "
+                         f"served ({model_dir}); leave it unset or give the same folder")  # fmt: skip
+    why = support(Path(model_dir), config, mode)
+    if why is not None:
+        raise ValueError(f"--mtp_mode {mode} can't run on {model_dir}: {why}")
+    if tp > 1:
+        raise ValueError(f"--mtp_mode {mode} expected --tp 1, got --tp {tp}: MTP with tensor parallelism is not "
+                         "implemented")  # fmt: skip

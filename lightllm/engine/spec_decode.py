@@ -1,0 +1,192 @@
+"""MTP speculative decoding's decode step in the engine: draft, verify, accept, emit.
+
+Each running request gets ``N`` draft tokens from the runner's MTP head, then one main-model forward over its
+last token and the drafts gives the target logits at ``N + 1`` positions. Position ``k`` is decided like a plain
+decode step (penalties and bias applied, the same greedy choice), in order, while the drafts before it hold:
+
+- greedy: the target's choice is emitted; when it equals draft ``k + 1`` the next position is decided too,
+  else the step ends there (the longest agreeing prefix plus one token: output equals MTP off, token for token);
+- sampling: draft ``x`` (drawn from the head's distribution ``q``, filtered by the request's temperature, top-k
+  and top-p) is accepted with probability ``min(1, p(x) / q(x))`` under the target's filtered ``p``; on a reject
+  a token is drawn from ``norm(max(p - q, 0))`` and the step ends; after all ``N`` drafts, one more from ``p``.
+  Every emitted token is thereby distributed as plain sampling would draw it.
+
+Each emitted token is checked for EOS, stop token ids and length at once, so a request never emits past its end
+inside an accepted run (stop strings: the server and ``LLM`` abort at the first one and ignore what follows).
+"""
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+
+from lightllm.engine.request import Event, Request
+from lightllm.engine.sampler import SamplingParams, top_logprobs
+
+logger = logging.getLogger(__name__)
+
+
+def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """The distribution ``sampler.sample_rows`` draws from, per row of ``logits [n, vocab]``: temperature, then
+    exactly ``top_k`` most likely tokens, then the smallest most-likely set reaching ``top_p``, renormalized."""
+    vocab, dev = logits.shape[-1], logits.device
+    temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=dev)
+    scaled = logits / temperature[:, None]
+    top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    if all(k == vocab and p.top_p >= 1 for k, p in zip(top_k, params)):
+        return torch.softmax(scaled, dim=-1)
+    top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=dev)
+    ordered, order = scaled.sort(dim=-1, descending=True)
+    cut = torch.arange(vocab, device=dev)[None, :] >= torch.tensor(top_k, device=dev)[:, None]
+    probs = torch.softmax(ordered.masked_fill(cut, float("-inf")), dim=-1)
+    probs = probs.masked_fill(probs.cumsum(-1) - probs > top_p[:, None], 0.0)
+    probs = probs / probs.sum(dim=-1, keepdim=True)
+    return torch.zeros_like(probs).scatter_(1, order, probs)
+
+
+def accept_or_resample(p: torch.Tensor, q: torch.Tensor, draft: int, generator=None) -> Tuple[int, bool]:
+    """The speculative-sampling rule for one draft token ``draft`` drawn from ``q`` (both ``[vocab]``
+    distributions): ``(draft, True)`` with probability ``min(1, p[draft] / q[draft])``, else ``(a token drawn
+    from norm(max(p - q, 0)), False)``. The result is distributed as ``p``."""
+    u = torch.rand((), generator=generator, device=p.device)
+    if u * q[draft] <= p[draft]:
+        return draft, True
+    residual = (p - q).clamp_(min=0)
+    if not residual.sum() > 0:  # p == q up to rounding: nothing is left to correct
+        residual = p
+    return int(torch.multinomial(residual, 1, generator=generator)), False
+
+
+class DraftChooser:
+    """Picks each draft token for the runner (argmax for greedy requests, a draw from ``q`` otherwise) and keeps
+    the sampled requests' ``q`` for the acceptance rule."""
+
+    def __init__(self, reqs: Sequence[Request]):
+        self.reqs = reqs
+        self.sampled = [i for i, r in enumerate(reqs) if not r.params.greedy]
+        self.q: List[torch.Tensor] = []  # per draft step: [len(sampled), vocab]
+
+    def __call__(self, k: int, logits: torch.Tensor) -> torch.Tensor:
+        tokens = logits.argmax(dim=-1)
+        if self.sampled:
+            probs = filtered_probs(logits[self.sampled], [self.reqs[i].params for i in self.sampled])
+            self.q.append(probs)
+            for row, i in enumerate(self.sampled):
+                gen = self.reqs[i].generator
+                tokens[i] = torch.multinomial(probs[row], 1, generator=gen)[0]
+        return tokens
+
+
+@dataclass
+class _Outcome:
+    events: List[Event] = field(default_factory=list)
+    accepted: int = 0  # drafts whose KV stays (the verify's positions after the first)
+    reason: Optional[str] = None  # why it ends, None when it goes on
+
+
+class SpecDecoder:
+    """The engine's decode step when the runner serves MTP (``runner.mtp``: ``mtp_runner.MTPRunner``)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.mtp = engine.runner.mtp
+        self.step_drafts = self.mtp.step
+
+    def step(self, batch: List[Request]) -> List[Request]:
+        """One speculative decode step of ``batch``: the requests that go on."""
+        eng = self.engine
+        slots, last = [r.slot for r in batch], [r.output_ids[-1] for r in batch]
+        chooser = DraftChooser(batch)
+        try:
+            drafts = self.mtp.draft(slots, last, chooser)
+            logits = self.mtp.verify(slots, last, drafts)
+        except Exception:
+            logger.exception("MTP decode forward of %d requests failed; they end with finish_reason error", len(batch))
+            for req in batch:
+                eng._finish(req, "error")
+            return []
+        outcomes = self._decide(batch, drafts, logits, chooser)
+        self.mtp.accept(slots, [o.accepted for o in outcomes])
+        return self._emit(batch, outcomes)
+
+    def _decide(self, batch, drafts, logits: torch.Tensor, chooser: DraftChooser) -> List[_Outcome]:
+        eng, n = self.engine, self.step_drafts
+        outcomes = [_Outcome() for _ in batch]
+        q_row = {i: row for row, i in enumerate(chooser.sampled)}
+        active = list(range(len(batch)))
+        for k in range(n + 1):
+            if not active:
+                break
+            reqs = [batch[i] for i in active]
+            raw = logits[active, k]
+            try:
+                tokens, going_on = self._position(k, reqs, raw, [drafts[i] for i in active],
+                                                  [chooser.q[k][q_row[i]] if i in q_row and k < n else None
+                                                   for i in active])  # fmt: skip
+            except Exception:
+                logger.exception("MTP acceptance of %d requests failed; they end with finish_reason error", len(reqs))
+                for i in active:
+                    outcomes[i].reason = "error"
+                break
+            lps = torch.log_softmax(raw, dim=-1).gather(1, torch.tensor(tokens, device=raw.device)[:, None])
+            want = max(r.params.top_logprobs for r in reqs)
+            tops = top_logprobs(raw, want) if want else None
+            still = []
+            for j, (i, req, tok, lp) in enumerate(zip(active, reqs, tokens, lps.squeeze(1).tolist())):
+                top = None
+                if tops is not None and req.params.top_logprobs:
+                    top = list(zip(tops[0][j][: req.params.top_logprobs], tops[1][j][: req.params.top_logprobs]))
+                req.output_ids.append(tok)
+                cached = req.num_cached_tokens or 0
+                outcomes[i].events.append(Event("token", tok, lp, top_logprobs=top, cached_tokens=cached,
+                                                draft=going_on[j]))  # fmt: skip
+                outcomes[i].reason = eng.scheduler.finish_reason(req, tok)
+                if outcomes[i].reason is None and going_on[j]:
+                    outcomes[i].accepted += 1
+                    still.append(i)
+            active = still
+        return outcomes
+
+    def _position(self, k: int, reqs: List[Request], raw: torch.Tensor, drafts, qs) -> Tuple[List[int], List[bool]]:
+        """The tokens of verify position ``k`` for ``reqs`` and whether each goes on to position ``k + 1``."""
+        proc, n = self.engine.processor, self.step_drafts
+        changed = proc.apply(raw, reqs)
+        tokens = changed.argmax(dim=-1)
+        sampled = [j for j, r in enumerate(reqs) if not r.params.greedy]
+        going_on = [False] * len(reqs)
+        if sampled:
+            p = filtered_probs(changed[sampled], [reqs[j].params for j in sampled])
+            for row, j in enumerate(sampled):
+                gen = reqs[j].generator
+                if k < n:
+                    tok, going_on[j] = accept_or_resample(p[row], qs[j], drafts[j][k], gen)
+                else:
+                    tok = int(torch.multinomial(p[row], 1, generator=gen))
+                tokens[j] = tok
+        proc.record(reqs, tokens)
+        tokens = tokens.tolist()
+        for j, r in enumerate(reqs):
+            if r.params.greedy and k < n:
+                going_on[j] = tokens[j] == drafts[j][k]
+        return tokens, going_on
+
+    def _emit(self, batch: List[Request], outcomes: List[_Outcome]) -> List[Request]:
+        eng, now = self.engine, time.perf_counter()
+        observer = eng.observer
+        alive = []
+        for req, out in zip(batch, outcomes):
+            for ev in out.events:
+                if observer is not None:
+                    first = req.last_token_time is None
+                    observer.on_token(first, now - (req.arrival if first else req.last_token_time))
+                req.last_token_time = now
+                req.emit(ev)
+            if out.reason is None:
+                alive.append(req)
+            else:
+                eng._finish(req, out.reason)
+        if observer is not None and hasattr(observer, "on_spec"):
+            observer.on_spec(len(batch) * self.step_drafts, sum(sum(ev.draft for ev in o.events) for o in outcomes))
+        return alive

@@ -1,0 +1,52 @@
+"""Qwen3.5's MTP head (multi-token prediction): the draft model of MTP speculative decoding.
+
+For the token ``t`` that follows position ``i`` and the main model's final-normed hidden state ``h_i`` of
+position ``i``, the head computes ``fc([pre_fc_norm_embedding(embed(t)); pre_fc_norm_hidden(h_i)])`` (that order),
+one gated full-attention decoder layer at position ``i`` over the head's own KV (one more layer of the KV pool,
+indexed by the main model's ``req_to_token`` table, so position ``i`` of both lives in the same token slot), its
+final norm and the shared ``lm_head``: logits for the token after ``t``. Its output hidden state (after
+``mtp.norm``, as vLLM chains it) is the ``h`` of the next draft step: one layer reused for every draft step
+(LightLLM's ``eagle_with_att``).
+"""
+
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from lightllm.layers.infer_state import InferState
+from lightllm.models.qwen3_5.weights import MTPWeights
+
+
+class Qwen3_5MTP:
+    def __init__(self, main, weights: MTPWeights):
+        self.main = main  # the Qwen3_5Model: its attention backend, layer code and shared embedding / lm_head
+        self.w = weights
+        self.kv_layer = main.config.num_kv_layers  # the pool layer after the main model's
+
+    def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, state: InferState,
+                out_rows: Optional[torch.Tensor] = None) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:  # fmt: skip
+        """Run the head over ``input_ids [tokens]`` (the next tokens) and ``hidden [tokens, hidden]`` at
+        ``state.positions``, writing its KV there. ``out_rows`` (int64 indices of tokens): return float32 logits
+        ``[rows, vocab]`` and the output hidden states ``[rows, hidden]`` of those tokens; None: the KV writes are
+        all that is wanted (the layer stops after its attention)."""
+        m, w, lw = self.main, self.w, self.w.layer
+        tokens = input_ids.shape[0]
+        if state.is_prefill:
+            m.attn.plan_prefill(state, m.heads, m.dtype)
+        else:
+            m.attn.plan_decode(state, m.heads, m.dtype)
+        rows_out = tokens if out_rows is None else out_rows.shape[0]
+        ops = m._plan_ops(tokens, rows_out, state.positions)
+        embedded = ops.norm(F.embedding(input_ids, m.w.embed), w.norm_embedding)
+        h = F.linear(torch.cat([embedded, ops.norm(hidden.to(m.dtype), w.norm_hidden)], dim=-1), w.fc)
+        x = ops.norm(h, lw.input_norm)
+        out = m._full_attention(self.kv_layer, lw, x, ops, state)  # writes the head's KV
+        if out_rows is None:
+            return None
+        x = ops.add_norm(h, out, lw.post_norm)
+        mlp = F.linear(ops.silu_mul(F.linear(x, lw.gate_up_proj)), lw.down_proj)
+        if rows_out != tokens:
+            h, mlp = h[out_rows], mlp[out_rows]
+        normed = ops.final_add_norm(h, mlp, w.final_norm)
+        return F.linear(normed, m.w.lm_head).float(), normed

@@ -1,0 +1,66 @@
+"""benchmarks/mtp.py, e2e part: its arguments, the noise that sets the agreeing head's acceptance (against a direct
+simulation of the head's choice) and the table of a saved run (the GPU run itself is a benchmark, not a test)."""
+
+import importlib.util
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def load(name):
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    try:
+        spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "benchmarks", f"{name}.py"))
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.pop(0)
+    return module
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return load("mtp")
+
+
+def test_e2e_arguments(bench):
+    args = bench.parse_args(["--parts", "e2e"])
+    assert args.parts == ["e2e"] and (args.e2e_layers, args.e2e_batches, args.e2e_steps) == (4, [16, 64], [1, 2, 3])
+    assert bench.parse_args([]).parts == ["attention", "recurrent"]  # e2e builds large models: asked for only
+    for bad in (["--e2e-steps", "5"], ["--e2e-layers", "0"], ["--e2e-new-tokens", "1"], ["--e2e-batches", "0"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(bad)
+
+
+@pytest.mark.parametrize("target", [0.2, 0.5, 0.8])
+def test_noise_gives_the_target_acceptance_of_the_agreeing_heads_choice(target):
+    """Random unit-variance embeddings, ``lm_head`` row ``j`` = embedding ``j - 1``: how often the argmax of
+    ``lm_head @ (e_t + noise * z)`` is ``t + 1``."""
+    e2e = load("mtp_e2e")
+    hidden, vocab, n = 64, 512, 3000
+    noise = e2e.noise_for_acceptance(target, hidden, vocab)
+    g = torch.Generator().manual_seed(1)
+    embed = torch.randn(vocab, hidden, generator=g, dtype=torch.float64)
+    tokens = torch.randint(0, vocab, (n,), generator=g)
+    e = embed[tokens]
+    y = e / e.pow(2).mean(-1, keepdim=True).sqrt() + noise * torch.randn(n, hidden, generator=g, dtype=torch.float64)
+    chosen = (y @ embed.roll(1, dims=0).T).argmax(-1)
+    rate = float((chosen == (tokens + 1) % vocab).double().mean())
+    assert abs(rate - target) <= 0.05, (noise, rate)
+
+
+def test_analyze_prints_a_saved_e2e_run(bench, tmp_path, capsys):
+    rows = [{"head": "~100%", "batch": 16, "mtp_step": 0, "graphs": True, "decode_tok_s": 900.0, "acceptance": None},
+            {"head": "~100%", "batch": 16, "mtp_step": 3, "graphs": True, "decode_tok_s": 2100.0,
+             "acceptance": 0.987}]  # fmt: skip
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps({"device": "H200", "e2e": {"layers": 4, "prompt_len": 64, "new_tokens": 128,
+                                                          "rows": rows}}))  # fmt: skip
+    bench.main(["--analyze", str(path)])
+    out = capsys.readouterr().out
+    assert "off graphs        900.0" in out and "mtp 3       2100.0   98.7%" in out

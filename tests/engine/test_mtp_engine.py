@@ -1,0 +1,185 @@
+"""MTP speculative decoding through ``Engine.step()`` on the CPU (float32, tiny Qwen3.5 folders with an MTP head):
+greedy output equals MTP off token for token, acceptance follows the head's construction, ends are honoured
+inside an accepted run, and sampled drafts keep the output distribution."""
+
+import importlib.util
+import json
+import os
+
+import pytest
+import torch
+
+from lightllm.engine.args import EngineArgs
+from lightllm.engine.engine import Engine
+from lightllm.engine.model_runner import ModelRunner
+from lightllm.engine.sampler import SamplingParams
+from lightllm.tools.make_tiny_model import make_tiny_qwen3_5
+
+from tests.engine.test_sampler import SETS, expected
+from tests.engine.test_scheduler import run_all
+
+GEN = torch.Generator().manual_seed(4)
+PROMPTS = [torch.randint(3, 400, (n,), generator=GEN).tolist() for n in (1, 6, 40, 13)]
+LENGTHS = {0: 9, 1: 14, 2: 5, 3: 11}  # max_new_tokens per prompt: steps end at different places
+
+
+@pytest.fixture(scope="module")
+def random_dir(tmp_path_factory):
+    return str(make_tiny_qwen3_5(tmp_path_factory.mktemp("mtp-random"), mtp=True, seed=7))
+
+
+@pytest.fixture(scope="module")
+def agree_dir(tmp_path_factory):
+    return str(make_tiny_qwen3_5(tmp_path_factory.mktemp("mtp-agree"), mtp="agree", seed=7))
+
+
+@pytest.fixture(scope="module")
+def half_dir(tmp_path_factory):
+    """The agreeing head with the noise benchmarks/mtp.py picks for a 50 % acceptance at these widths."""
+    bench = load_benchmark("mtp_e2e")
+    out = tmp_path_factory.mktemp("mtp-half")
+    probe = make_tiny_qwen3_5(out / "probe", seed=7)
+    vocab = json.loads((probe / "config.json").read_text())["vocab_size"]
+    noise = bench.noise_for_acceptance(0.5, 64, vocab)
+    return str(make_tiny_qwen3_5(out / "half", mtp="agree", mtp_noise=noise, seed=7))
+
+
+def engine(model_dir, observer=None, **opts):
+    args = dict(model_dir=model_dir, data_type="fp32", device="cpu", batch_max_tokens=16, max_req_total_len=64,
+                running_max_req_size=4)  # fmt: skip
+    return Engine(ModelRunner(EngineArgs(**{**args, **opts})), eos_ids=[], observer=observer)
+
+
+def greedy(lengths=LENGTHS, **extra):
+    return {i: SamplingParams(max_new_tokens=n, ignore_eos=True, **extra) for i, n in lengths.items()}
+
+
+def load_benchmark(name):
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    spec = importlib.util.spec_from_file_location(name, os.path.join(root, "benchmarks", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class SpecCounts:
+    def __init__(self):
+        self.drafts = self.accepted = 0
+
+    def on_queues(self, *a): ...
+
+    def on_token(self, *a): ...
+
+    def on_step(self, *a): ...
+
+    def on_spec(self, drafts, accepted):
+        self.drafts += drafts
+        self.accepted += accepted
+
+
+@pytest.mark.parametrize("head", ["random", "agree"])
+@pytest.mark.parametrize("step", [1, 2, 3])
+def test_greedy_output_is_the_same_with_mtp_off_and_on(random_dir, agree_dir, head, step):
+    model_dir = random_dir if head == "random" else agree_dir
+    want, _ = run_all(engine(model_dir), PROMPTS, params=greedy())  # the 40-token prompt prefills in 3 chunks
+    got, reasons = run_all(engine(model_dir, mtp_mode="eagle_with_att", mtp_step=step), PROMPTS, params=greedy())
+    assert got == want
+    assert set(reasons.values()) == {"length"} and {i: len(t) for i, t in got.items()} == LENGTHS
+
+
+@pytest.mark.parametrize("head", ["random", "agree"])
+def test_preemption_under_a_small_cache_gives_the_same_tokens(random_dir, agree_dir, head):
+    model_dir = random_dir if head == "random" else agree_dir
+    prompts, lengths = PROMPTS[1:] + [PROMPTS[1]], {0: 20, 1: 20, 2: 20, 3: 20}
+    want, _ = run_all(engine(model_dir), prompts, params=greedy(lengths))
+    tight = engine(model_dir, mtp_mode="eagle_with_att", mtp_step=2, max_total_token_num=90)
+    preempted, real = [], tight.scheduler._preempt
+    tight.scheduler._preempt = lambda req: (preempted.append(req.id), real(req))
+    got, _ = run_all(tight, prompts, params=greedy(lengths))
+    assert preempted, "the cache was meant to run out"
+    assert got == want
+    assert tight.runner.kv.num_free_tokens == 90 - 1  # all freed but the padding token
+
+
+@pytest.mark.parametrize("head, low, high", [("agree", 0.9, 1.0), ("half", 0.3, 0.7), ("random", 0.0, 0.1)])
+def test_acceptance_follows_the_heads_construction(random_dir, agree_dir, half_dir, head, low, high):
+    counts, n = SpecCounts(), 2
+    lengths = {i: 1 + 5 * (n + 1) for i in range(3)}  # the first token, then 5 full steps
+    model_dir = {"agree": agree_dir, "half": half_dir, "random": random_dir}[head]
+    eng = engine(model_dir, observer=counts, mtp_mode="eagle_with_att", mtp_step=n)
+    run_all(eng, PROMPTS[1:], params=greedy(lengths))
+    if head == "agree":  # every step emits n + 1 tokens
+        assert counts.drafts == 3 * 5 * n
+    assert low <= counts.accepted / counts.drafts <= high, counts.accepted / counts.drafts
+
+
+def test_stop_token_and_length_end_a_request_inside_an_accepted_run(agree_dir):
+    """The agreeing model continues ``t`` with ``t + 1``: every draft is accepted, 4 tokens per step."""
+    prompts = [[50, 60, 100], [7, 200]]
+    params = {0: SamplingParams(max_new_tokens=30, stop_token_ids=[106]), 1: SamplingParams(max_new_tokens=6)}
+    want, want_reasons = run_all(engine(agree_dir), prompts, params=params)
+    got, reasons = run_all(engine(agree_dir, mtp_mode="eagle_with_att", mtp_step=3), prompts, params=params)
+    assert got == want == {0: [101, 102, 103, 104, 105, 106], 1: [201, 202, 203, 204, 205, 206]}
+    assert reasons == want_reasons == {0: "stop", 1: "length"}
+
+
+def test_offline_llm_counts_the_accepted_draft_tokens(agree_dir):
+    from lightllm import LLM
+
+    llm = LLM(agree_dir, data_type="fp32", device="cpu", max_req_total_len=64, running_max_req_size=2,
+              mtp_mode="eagle_with_att", mtp_step=3)  # fmt: skip
+    out = llm.generate([[30, 31]], SamplingParams(max_new_tokens=9, ignore_eos=True))[0]
+    assert out.token_ids == list(range(32, 41))
+    assert out.num_accepted_draft_tokens == 6  # the first token, then 2 steps of 3 accepted drafts + 1
+
+
+def test_seeded_sampling_with_mtp_gives_the_same_tokens_twice(random_dir):
+    params = {i: SamplingParams(max_new_tokens=8, temperature=0.9, top_k=20, seed=3 + i, ignore_eos=True)
+              for i in range(3)}  # fmt: skip
+    runs = [run_all(engine(random_dir, mtp_mode="eagle_with_att", mtp_step=2), PROMPTS[:3], params=params)[0]
+            for _ in range(2)]  # fmt: skip
+    assert runs[0] == runs[1] and all(len(t) == 8 for t in runs[0].values())
+
+
+# ---- the speculative-sampling rule ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("p", SETS[:4], ids=["t", "topk", "topp", "topk-topp"])
+def test_filtered_probs_is_the_distribution_the_sampler_draws_from(p):
+    from lightllm.engine.spec_decode import filtered_probs
+
+    row = torch.randn(12, generator=torch.Generator().manual_seed(2)) * 1.5
+    torch.testing.assert_close(filtered_probs(row[None], [p])[0].double(), expected(row, p), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("case", ["random", "q lacks a token of p", "q equals p"])
+def test_accepted_or_resampled_drafts_are_distributed_as_the_target(case):
+    from lightllm.engine.spec_decode import accept_or_resample
+
+    g = torch.Generator().manual_seed(0)
+    vocab, n = 6, 6000
+    p = torch.softmax(torch.randn(vocab, generator=g) * 1.5, -1)
+    q = p.clone() if case == "q equals p" else torch.softmax(torch.randn(vocab, generator=g) * 1.5, -1)
+    if case == "q lacks a token of p":
+        q[0] = 0.0
+        q /= q.sum()
+    drafts = torch.multinomial(q, n, replacement=True, generator=g).tolist()
+    got = torch.tensor([accept_or_resample(p, q, x, g)[0] for x in drafts])
+    freq = torch.bincount(got, minlength=vocab).double() / n
+    sigma = (p.double() * (1 - p.double()) / n).sqrt()
+    assert torch.all((freq - p.double()).abs() <= 5 * sigma + 1e-9), f"{freq} vs {p}"
+
+
+def test_a_stop_string_inside_an_accepted_run_ends_the_text_there(agree_dir):
+    from lightllm import LLM
+
+    opts = dict(data_type="fp32", device="cpu", max_req_total_len=64, running_max_req_size=2)
+    off = LLM(agree_dir, **opts)
+    tokens = off.generate([[280, 299]], SamplingParams(max_new_tokens=12, ignore_eos=True))[0].token_ids
+    pieces = [off.tokenizer.decode([t]) for t in tokens]
+    at = next(i for i in range(3, len(pieces)) if pieces[i].strip() and pieces[i] not in "".join(pieces[:i]))
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True, stop=[pieces[at]])
+    want = off.generate([[280, 299]], params)[0]
+    got = LLM(agree_dir, mtp_mode="eagle_with_att", mtp_step=3, **opts).generate([[280, 299]], params)[0]
+    assert (got.token_ids, got.text, got.finish_reason) == (want.token_ids, want.text, "stop")
+    assert got.token_ids == tokens[: at + 1] and got.num_accepted_draft_tokens >= 2

@@ -1,0 +1,63 @@
+"""MTP on the GPU (bf16, the Triton kernels: diverse attention and the linear-attention verify kernels; FA3 where
+it can run): greedy output equals MTP off, token for token, and the agreeing head is accepted."""
+
+import pytest
+import torch
+
+from lightllm.engine.args import EngineArgs
+from lightllm.engine.engine import Engine
+from lightllm.engine.model_runner import ModelRunner
+from lightllm.engine.sampler import SamplingParams
+from lightllm.tools.make_tiny_model import QWEN3_5_GPU_SHAPE, make_tiny_qwen3_5
+
+from tests.engine.test_scheduler import run_all
+
+pytestmark = pytest.mark.gpu
+
+GEN = torch.Generator().manual_seed(4)
+PROMPTS = [torch.randint(3, 400, (n,), generator=GEN).tolist() for n in (1, 6, 300, 13)]
+PARAMS = {i: SamplingParams(max_new_tokens=n, ignore_eos=True) for i, n in enumerate((9, 24, 5, 17))}
+
+
+@pytest.fixture(scope="module", params=["random", "agree"])
+def model_dir(tmp_path_factory, request):
+    out = tmp_path_factory.mktemp(f"mtp-{request.param}")
+    return str(make_tiny_qwen3_5(out, mtp=request.param, seed=7, dtype="bfloat16", **QWEN3_5_GPU_SHAPE))
+
+
+def engine(model_dir, **opts):
+    args = dict(model_dir=model_dir, data_type="bf16", batch_max_tokens=128, max_req_total_len=512,
+                running_max_req_size=4, graph_max_batch_size=4, max_total_token_num=4096)  # fmt: skip
+    return Engine(ModelRunner(EngineArgs(**{**args, **opts})), eos_ids=[])
+
+
+@pytest.mark.parametrize("backend", ["triton", "auto"])  # auto: FA3 on a Hopper GPU with it installed
+@pytest.mark.parametrize("step", [1, 3])
+def test_greedy_bf16_is_the_same_with_mtp_off_and_on(model_dir, backend, step):
+    want, _ = run_all(engine(model_dir, llm_decode_att_backend=backend), PROMPTS, params=PARAMS)
+    for graphs in (True, False):  # MTP's verify and draft graphs, and eager
+        on = engine(model_dir, llm_decode_att_backend=backend, mtp_mode="eagle_with_att", mtp_step=step,
+                    disable_cudagraph=not graphs)  # fmt: skip
+        assert (on.runner.mtp.graphs is not None) == graphs
+        got, _ = run_all(on, PROMPTS, params=PARAMS)
+        assert got == want, f"graphs {graphs}"
+
+
+def test_graph_replay_equals_the_eager_verify(model_dir):
+    """The verify graph of 4 requests replayed for 3 (one padding row) gives the eager verify's logits."""
+    eng = engine(model_dir, mtp_mode="eagle_with_att", mtp_step=3, graph_split_batch_size=1, graph_grow_step_size=3)
+    runner = eng.runner
+    assert runner.mtp.graphs.verify.batch_sizes == [1, 4]
+    slots = [runner.add_request() for _ in range(3)]
+    lasts = [int(t) for t in runner.prefill(slots, [PROMPTS[1], PROMPTS[3], PROMPTS[0]]).argmax(-1)]
+    drafts = runner.mtp.draft(slots, lasts, lambda k, logits: logits.argmax(-1))
+    state = runner.model.linear.state
+    before = [state.conv.clone(), state.ssm.clone()]  # a verify overwrites its source slot (slot 0 here)
+    graphed = runner.mtp.verify(slots, lasts, drafts).clone()
+    state.conv.copy_(before[0])  # the same verify again, eagerly, from the same states and KV rows
+    state.ssm.copy_(before[1])
+    graphs, runner.mtp.graphs = runner.mtp.graphs, None
+    eager = runner.mtp.verify(slots, lasts, drafts)
+    runner.mtp.graphs = graphs
+    torch.testing.assert_close(graphed, eager, atol=2e-2, rtol=0)
+    assert torch.equal(graphed.argmax(-1), eager.argmax(-1))
