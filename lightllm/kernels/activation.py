@@ -15,6 +15,7 @@ import triton.language as tl
 
 from lightllm.common.autotuner import AutotuneKernelType, PlannedInputs, autotune
 from lightllm.kernels.launch_math import cdiv, next_power_of_2
+from lightllm.kernels.direct_launch import DirectLaunch
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -28,6 +29,9 @@ def _silu_mul_kernel(GU, Out, stride_gu, stride_out, N, BLOCK_N: tl.constexpr):
     up = tl.load(GU + row * stride_gu + N + cols, mask=mask, other=0.0)
     act = (gate / (1.0 + tl.exp(-gate))).to(GU.dtype.element_ty)
     tl.store(Out + row * stride_out + cols, (act * up).to(Out.dtype.element_ty), mask=mask)
+
+
+_SILU_MUL = DirectLaunch(_silu_mul_kernel)
 
 
 def _configs(out):
@@ -63,8 +67,8 @@ def _launch_silu_mul(gate_up, out, run_config=None):
     cfg = run_config or _default_config(n)
     if rows > 0:
         grid = (rows, cdiv(n, cfg["BLOCK_N"]))
-        _silu_mul_kernel[grid](gate_up, out, gate_up.stride(0), out.stride(0), n, cfg["BLOCK_N"],
-                               num_warps=cfg["num_warps"])  # fmt: skip
+        _SILU_MUL.launch(grid, gate_up, out, gate_up.stride(0), out.stride(0), n, cfg["BLOCK_N"],
+                         num_warps=cfg["num_warps"])  # fmt: skip
     return out
 
 

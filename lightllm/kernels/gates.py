@@ -15,6 +15,7 @@ import triton.language as tl
 
 from lightllm.common.autotuner import AutotuneKernelType, PlannedInputs, autotune
 from lightllm.kernels.launch_math import cdiv, next_power_of_2
+from lightllm.kernels.direct_launch import DirectLaunch
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -33,6 +34,9 @@ def _sigmoid_gate_mul_kernel(X, G, Out, stride_ot, stride_oh, stride_gt, stride_
     sig = (1.0 / (1.0 + tl.exp(-g))).to(dt)
     y = (o.to(tl.float32) * sig.to(tl.float32)).to(dt)
     tl.store(Out + t * (HEADS * D) + h[:, None] * D + d[None, :], y.to(Out.dtype.element_ty), mask=mask)
+
+
+_SIGMOID_GATE_MUL = DirectLaunch(_sigmoid_gate_mul_kernel)
 
 
 def _configs(out):
@@ -66,8 +70,8 @@ def _launch_sigmoid_gate_mul(o, gate, out, run_config=None):
     cfg = run_config or _default_config(heads)
     if rows > 0:
         grid = (rows, cdiv(heads, cfg["BLOCK_H"]))
-        _sigmoid_gate_mul_kernel[grid](o, gate, out, o.stride(0), o.stride(1), gate.stride(0), gate.stride(1), heads,
-                                       d, cfg["BLOCK_H"], next_power_of_2(d), num_warps=cfg["num_warps"])  # fmt: skip
+        _SIGMOID_GATE_MUL.launch(grid, o, gate, out, o.stride(0), o.stride(1), gate.stride(0), gate.stride(1), heads,
+                                 d, cfg["BLOCK_H"], next_power_of_2(d), num_warps=cfg["num_warps"])  # fmt: skip
     return out
 
 

@@ -23,6 +23,7 @@ from lightllm.common.kv_cache.quant import (
     quantize_int8_ref,
 )
 from lightllm.kernels.launch_math import next_power_of_2
+from lightllm.kernels.direct_launch import DirectLaunch
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -59,6 +60,9 @@ def _write_kv_kernel(
     tl.store(K_cache + dst * stride_kc_t + h * stride_kc_h + offs, k, mask=mask)
     v = tl.load(V_new + t * stride_vn_t + h * stride_vn_h + offs, mask=mask)
     tl.store(V_cache + dst * stride_vc_t + h * stride_vc_h + offs, v, mask=mask)
+
+
+_WRITE_KV = DirectLaunch(_write_kv_kernel)
 
 
 @triton.jit
@@ -144,6 +148,9 @@ def _write_kv_quant_kernel(
         _write_int8_head(v_src, v_dst, v_sc, HEAD_DIM, GROUP, QMAX)
 
 
+_WRITE_KV_QUANT = DirectLaunch(_write_kv_quant_kernel)
+
+
 def _num_warps(head_dim: int) -> int:
     return 1 if head_dim <= 128 else 2
 
@@ -152,7 +159,8 @@ def _launch_quant(k_new, v_new, k_cache, v_cache, k_scale, v_scale, token_idx, g
     n, kv_heads, head_dim = k_new.shape
     if n == 0:
         return
-    _write_kv_quant_kernel[(n, kv_heads)](
+    _WRITE_KV_QUANT.launch(
+        (n, kv_heads),
         k_new,
         v_new,
         k_cache,
@@ -189,7 +197,8 @@ def write_kv(k_new, v_new, k_cache, v_cache, token_idx) -> None:
     n, kv_heads, head_dim = k_new.shape
     if n == 0:
         return
-    _write_kv_kernel[(n, kv_heads)](
+    _WRITE_KV.launch(
+        (n, kv_heads),
         k_new,
         v_new,
         k_cache,

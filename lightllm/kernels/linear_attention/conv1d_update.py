@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from lightllm.common.autotuner import PlannedInputs
+from lightllm.kernels.direct_launch import DirectLaunch
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 DEFAULT_CONFIG = {"BLOCK_C": 512, "num_warps": 4}
@@ -41,11 +42,15 @@ def _conv1d_update_kernel(
     tl.store(Y + i_b * stride_yb + cols, y.to(Y.dtype.element_ty), mask=mask)
 
 
+_CONV1D_UPDATE = DirectLaunch(_conv1d_update_kernel)
+
+
 def _launch(x, conv_state, weight, state_idx, out, run_config=None):
     batch, channels = x.shape
     cfg = run_config or DEFAULT_CONFIG
     if batch > 0:
-        _conv1d_update_kernel[(batch, triton.cdiv(channels, cfg["BLOCK_C"]))](
+        _CONV1D_UPDATE.launch(
+            (batch, triton.cdiv(channels, cfg["BLOCK_C"])),
             x, conv_state, weight, state_idx, out, channels,
             x.stride(0), conv_state.stride(0), conv_state.stride(1), out.stride(0),
             K=weight.shape[1], BLOCK_C=cfg["BLOCK_C"], num_warps=cfg["num_warps"],

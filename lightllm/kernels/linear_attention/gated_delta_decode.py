@@ -19,6 +19,7 @@ import triton.language as tl
 
 from lightllm.common.autotuner import AutotuneKernelType, PlannedInputs, autotune
 from lightllm.kernels.linear_attention.checks import check_devices, fail, run_output
+from lightllm.kernels.direct_launch import DirectLaunch
 
 HEAD_DIMS = (16, 32, 64, 128, 256)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -67,6 +68,9 @@ def _gated_delta_decode_kernel(
     tl.store(OUT + i_b * stride_ob + i_hv * stride_oh + offs_v, o.to(OUT.dtype.element_ty))
 
 
+_GATED_DELTA_DECODE = DirectLaunch(_gated_delta_decode_kernel)
+
+
 def default_config(head_v_dim: int) -> dict:
     return {"BV": min(32, head_v_dim), "num_warps": 4}
 
@@ -76,7 +80,8 @@ def _launch(q, k, v, a, b, A_log, dt_bias, ssm_state, state_idx, out, run_config
     v_heads, head_v_dim = v.shape[1:]
     cfg = run_config or default_config(head_v_dim)
     if batch > 0:
-        _gated_delta_decode_kernel[(batch, v_heads, head_v_dim // cfg["BV"])](
+        _GATED_DELTA_DECODE.launch(
+            (batch, v_heads, head_v_dim // cfg["BV"]),
             q, k, v, a, b, A_log, dt_bias, ssm_state, state_idx, out,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),
             ssm_state.stride(0), out.stride(0), out.stride(1),

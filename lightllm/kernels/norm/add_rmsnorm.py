@@ -16,6 +16,7 @@ import triton.language as tl
 from lightllm.common.autotuner import AutotuneKernelType, PlannedInputs, autotune
 from lightllm.kernels.norm.rmsnorm import scale_normed, rmsnorm_ref
 from lightllm.kernels.launch_math import next_power_of_2
+from lightllm.kernels.direct_launch import DirectLaunch
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -57,6 +58,9 @@ def _add_rmsnorm_kernel(R, X, W, Y, stride_r, stride_x, stride_y, N, eps, BLOCK_
             tl.store(y_row + off + cols, y.to(Y.dtype.element_ty), mask=mask)
 
 
+_ADD_RMSNORM = DirectLaunch(_add_rmsnorm_kernel)
+
+
 def _configs(residual):
     full = next_power_of_2(residual.shape[-1])
     blocks = sorted({min(b, full) for b in (256, 1024, 4096, full) if b <= 16384})
@@ -91,7 +95,8 @@ def _launch_add_rmsnorm(residual, x, weight, eps, out, run_config=None):
     cfg = run_config or _default_config(n)
     block = cfg["BLOCK_N"]
     if residual.shape[0] > 0:
-        _add_rmsnorm_kernel[(residual.shape[0],)](
+        _ADD_RMSNORM.launch(
+            (residual.shape[0],),
             residual, x, weight, out, residual.stride(0), x.stride(0), out.stride(0), n, eps, block, block >= n,
             num_warps=cfg["num_warps"],
         )  # fmt: skip

@@ -16,6 +16,7 @@ import triton.language as tl
 
 from lightllm.common.autotuner import AutotuneKernelType, PlannedInputs, autotune
 from lightllm.kernels.launch_math import cdiv, next_power_of_2
+from lightllm.kernels.direct_launch import DirectLaunch
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -37,6 +38,9 @@ def _gated_rmsnorm_kernel(X, Z, W, Out, stride_xt, stride_xh, stride_zt, stride_
     scaled = (w * (x * rstd).to(dt)).to(tl.float32)  # promoted as in torch: rounded to dt unless w is float32
     y = (scaled * (z / (1.0 + tl.exp(-z)))).to(dt)
     tl.store(Out + t * (HEADS * D) + h[:, None] * D + d[None, :], y.to(Out.dtype.element_ty), mask=mask)
+
+
+_GATED_RMSNORM = DirectLaunch(_gated_rmsnorm_kernel)
 
 
 def _configs(out):
@@ -70,8 +74,8 @@ def _launch_gated_rmsnorm(x, z, weight, eps, out, run_config=None):
     cfg = run_config or _default_config(heads)
     if rows > 0:
         grid = (rows, cdiv(heads, cfg["BLOCK_H"]))
-        _gated_rmsnorm_kernel[grid](x, z, weight, out, x.stride(0), x.stride(1), z.stride(0), z.stride(1), eps, heads,
-                                    d, cfg["BLOCK_H"], next_power_of_2(d), num_warps=cfg["num_warps"])  # fmt: skip
+        _GATED_RMSNORM.launch(grid, x, z, weight, out, x.stride(0), x.stride(1), z.stride(0), z.stride(1), eps, heads,
+                              d, cfg["BLOCK_H"], next_power_of_2(d), num_warps=cfg["num_warps"])  # fmt: skip
     return out
 
 

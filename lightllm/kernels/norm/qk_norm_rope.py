@@ -21,6 +21,7 @@ import triton.language as tl
 from lightllm.common.autotuner import AutotuneKernelType, PlannedInputs, autotune
 from lightllm.kernels.norm.rmsnorm import rmsnorm_ref, scale_normed
 from lightllm.kernels.launch_math import cdiv, next_power_of_2
+from lightllm.kernels.direct_launch import DirectLaunch
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _POSITION_DTYPES = (torch.int32, torch.int64)
@@ -67,6 +68,9 @@ def _qk_norm_rope_kernel(QKV, QW, KW, Cos, Sin, Pos, Q, K, stride_qkv, stride_cs
     tl.store(k_ptr, y.to(K.dtype.element_ty), mask=mask & (h >= Q_HEADS)[:, None])
 
 
+_QK_NORM_ROPE = DirectLaunch(_qk_norm_rope_kernel)
+
+
 def _configs(q_out, k_out):
     heads = next_power_of_2(q_out.shape[1] + k_out.shape[1])
     return [{"BLOCK_H": b, "num_warps": w} for b in (1, 2, 4, 8, 16) if b <= heads for w in (1, 2, 4, 8)]
@@ -105,9 +109,9 @@ def _launch_qk_norm_rope(qkv, q_weight, k_weight, cos, sin, positions, eps, q_ou
     if tokens > 0:
         grid = (tokens, cdiv(heads, cfg["BLOCK_H"]))
         q_width = (qkv.shape[-1] - 2 * kv_heads * d) // q_heads  # d, or 2 * d with the gate beside each q head
-        _qk_norm_rope_kernel[grid](qkv, q_weight, k_weight, cos, sin, positions, q_out, k_out, qkv.stride(0),
-                                   cos.stride(0), eps, q_heads, heads, d, q_width, cos.shape[-1], cfg["BLOCK_H"],
-                                   next_power_of_2(d), num_warps=cfg["num_warps"])  # fmt: skip
+        _QK_NORM_ROPE.launch(grid, qkv, q_weight, k_weight, cos, sin, positions, q_out, k_out, qkv.stride(0),
+                             cos.stride(0), eps, q_heads, heads, d, q_width, cos.shape[-1], cfg["BLOCK_H"],
+                             next_power_of_2(d), num_warps=cfg["num_warps"])  # fmt: skip
     return q_out, k_out
 
 

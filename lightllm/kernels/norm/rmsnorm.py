@@ -17,6 +17,7 @@ import triton.language as tl
 
 from lightllm.common.autotuner import AutotuneKernelType, PlannedInputs, autotune
 from lightllm.kernels.launch_math import next_power_of_2
+from lightllm.kernels.direct_launch import DirectLaunch
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -62,6 +63,9 @@ def _rmsnorm_kernel(X, W, Y, stride_x, stride_y, N, eps, BLOCK_N: tl.constexpr, 
             )
 
 
+_RMSNORM = DirectLaunch(_rmsnorm_kernel)
+
+
 def _configs(x):
     full = next_power_of_2(x.shape[-1])
     blocks = sorted({min(b, full) for b in (256, 1024, 4096, full) if b <= 16384})
@@ -97,8 +101,18 @@ def _launch_rmsnorm(x, weight, eps, out, run_config=None):
     cfg = run_config or _default_config(n)
     block = cfg["BLOCK_N"]
     if x2.shape[0] > 0:
-        _rmsnorm_kernel[(x2.shape[0],)](
-            x2, weight, y2, x2.stride(0), y2.stride(0), n, eps, block, block >= n, num_warps=cfg["num_warps"]
+        _RMSNORM.launch(
+            (x2.shape[0],),
+            x2,
+            weight,
+            y2,
+            x2.stride(0),
+            y2.stride(0),
+            n,
+            eps,
+            block,
+            block >= n,
+            num_warps=cfg["num_warps"],
         )
     return out
 

@@ -26,6 +26,10 @@ from lightllm.kernels.attention.decode.tuning import (
 )
 from lightllm.kernels.attention.decode.stage1 import decode_stage1_kernel
 from lightllm.kernels.attention.decode.stage2 import decode_stage2_kernel
+from lightllm.kernels.direct_launch import DirectLaunch
+
+_STAGE1 = DirectLaunch(decode_stage1_kernel)
+_STAGE2 = DirectLaunch(decode_stage2_kernel)
 
 HEAD_DIMS = (64, 128, 256)
 Q_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -79,7 +83,8 @@ def _launch_split_kv(
     ks = k_scale if k_scale is not None else k_cache
     vs = v_scale if v_scale is not None else v_cache
     if batch > 0:
-        decode_stage1_kernel[(batch, kv_heads, splits)](
+        _STAGE1.launch(
+            (batch, kv_heads, splits),
             q, k_cache, v_cache, ks, vs, req_to_token, b_req_idx, b_seq_len, mid_o, mid_lse,
             sm_scale * 1.4426950408889634,
             q.stride(0), q.stride(1),
@@ -101,7 +106,8 @@ def launch_stage2(mid_o, mid_lse, b_seq_len, out, block_seq: int, num_warps: Opt
     """Merge ``mid_o [batch, q_heads, splits, D]`` / ``mid_lse`` into ``out [batch, q_heads, D]`` (not tuned:
     it takes a few microseconds whatever its warps, docs/decode_attention.md)."""
     batch, q_heads, splits, head_dim = mid_o.shape
-    decode_stage2_kernel[(batch, q_heads)](
+    _STAGE2.launch(
+        (batch, q_heads),
         mid_o, mid_lse, b_seq_len, out,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1), splits,

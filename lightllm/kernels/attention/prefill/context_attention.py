@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from lightllm.common.autotuner import AutotuneKernelType, PlannedInputs, autotune
+from lightllm.kernels.direct_launch import DirectLaunch
 
 
 @triton.jit
@@ -80,6 +81,9 @@ def _context_attention_kernel(
              out.to(Out.dtype.element_ty), mask=mask_m[:, None])  # fmt: skip
 
 
+_CONTEXT_ATTENTION = DirectLaunch(_context_attention_kernel)
+
+
 def _default_config(head_dim: int) -> dict:
     block = 32 if head_dim == 256 else 64
     return {"BLOCK_M": block, "BLOCK_N": block, "num_warps": 4, "num_stages": 1}
@@ -106,7 +110,8 @@ def _launch(q, k, v, out, b_start, b_len, max_q_len, sm_scale, cfg, prefix):
     None (no cached prefix: the cache arguments are placeholders the compiled kernel never reads)."""
     k_cache, v_cache, req_to_token, b_req_idx, b_prefix_len = prefix or (k, v, b_start, b_start, b_start)
     grid = (b_len.shape[0], q.shape[1], triton.cdiv(max_q_len, cfg["BLOCK_M"]))
-    _context_attention_kernel[grid](
+    _CONTEXT_ATTENTION.launch(
+        grid,
         q, k, v, out, b_start, b_len, sm_scale * 1.4426950408889634,
         k_cache, v_cache, req_to_token, b_req_idx, b_prefix_len,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
