@@ -110,9 +110,9 @@ class AttentionBackend:
             shapes = ((tokens, q_heads, p.head_dim), (tokens, p.kv_heads, p.head_dim), q_dtype, state.b_q_start,
                       state.b_q_len, state.max_q_len)  # fmt: skip
             if not state.max_prefix_len:
-                plan = ContextAttentionPlan(*shapes)
+                plan = ContextAttentionPlan(*shapes, reuse_outputs=True)
             elif self.quant == "none":
-                plan = ContextAttentionPlan(*shapes, prefix=_prefix_of(state))
+                plan = ContextAttentionPlan(*shapes, prefix=_prefix_of(state), reuse_outputs=True)
             else:
                 plan = _QuantPrefixPlan(state, p.num_tokens, shapes)
         state.attn_plan = plan
@@ -145,9 +145,9 @@ class AttentionBackend:
 
             return MTPDiverseDecodePlan(q_shape, q_dtype, p.k[0], p.v[0], req_to_token, *args)
         if self.quant == "none":
-            return GQADecodePlan("none", q_shape, q_dtype, p.k[0], p.v[0], req_to_token, *args)
+            return GQADecodePlan("none", q_shape, q_dtype, p.k[0], p.v[0], req_to_token, *args, reuse_outputs=True)
         return GQADecodePlan(self.quant, q_shape, q_dtype, p.k[0], p.v[0], req_to_token, *args, p.k_scale[0],
-                             p.v_scale[0], quant_group=p.group_size)  # fmt: skip
+                             p.v_scale[0], quant_group=p.group_size, reuse_outputs=True)  # fmt: skip
 
     def _plan_of(self, state: InferState, kind: str):
         plan = state.attn_plan
@@ -161,7 +161,8 @@ class AttentionBackend:
     def prefill(self, layer: int, q, k, v, state: InferState) -> torch.Tensor:
         """Causal attention of each request's packed new tokens over its cached prefix (chunked prefill, read from
         the pool; a quantized pool's prefix dequantized) and over themselves. The new tokens' own K/V are used
-        as computed, unquantized."""
+        as computed, unquantized. On a GPU the output is the forward's one buffer: the next layer's call overwrites
+        it."""
         if not state.max_prefix_len:
             if self.on_gpu:
                 return self._plan_of(state, "prefill").run(q, k, v)
@@ -176,7 +177,8 @@ class AttentionBackend:
         return plan.run(q, k, v, p, layer)
 
     def decode(self, layer: int, q: torch.Tensor, state: InferState) -> torch.Tensor:
-        """``q [batch * q_len, q_heads, D]`` against each request's cached KV (new tokens already written)."""
+        """``q [batch * q_len, q_heads, D]`` against each request's cached KV (new tokens already written). With
+        Triton on a GPU the output is the forward's one buffer: the next layer's call overwrites it."""
         batch = state.batch_size
         q_b = q.view(batch, state.q_len, *q.shape[1:]) if state.q_len > 1 else q
         if not self.on_gpu:
@@ -207,7 +209,8 @@ class _QuantPrefixPlan:
         self.token_idx = torch.where(inside, rows, 0).long().flatten().clamp_(0, pool_tokens - 1)
         table = torch.arange(batch * width, dtype=torch.int32, device=dev).view(batch, width)
         own_rows = torch.arange(batch, dtype=torch.int32, device=dev)
-        self.attn = ContextAttentionPlan(*shapes, prefix=CachedPrefix(table, own_rows, state.b_prefix_len))
+        self.attn = ContextAttentionPlan(*shapes, prefix=CachedPrefix(table, own_rows, state.b_prefix_len),
+                                         reuse_outputs=True)  # fmt: skip
 
     def run(self, q, k, v, pool, layer: int) -> torch.Tensor:
         deq = dequantize_int8_ref if isinstance(pool, Int8KVPool) else dequantize_int4_ref

@@ -166,7 +166,7 @@ def test_a_forward_whose_first_layer_is_not_attention_plans_before_it(monkeypatc
         for layer in range(1, LAYERS):
             q = (x @ mix)[:, : Q_HEADS * HEAD_DIM].reshape(2, Q_HEADS, HEAD_DIM).contiguous() * layer
             events.append(f"layer {layer}")
-            outs.append((q, backend.decode(layer, q, state)))
+            outs.append((q, backend.decode(layer, q, state).clone()))  # the next layer's call overwrites it
         return outs
 
     outs = forward()

@@ -27,6 +27,7 @@ from lightllm.kernels.attention.decode.tuning import (
 from lightllm.kernels.attention.decode.stage1 import decode_stage1_kernel
 from lightllm.kernels.attention.decode.stage2 import decode_stage2_kernel
 from lightllm.kernels.direct_launch import DirectLaunch
+from lightllm.kernels.step_buffer import StepBuffer
 
 _STAGE1 = DirectLaunch(decode_stage1_kernel)
 _STAGE2 = DirectLaunch(decode_stage2_kernel)
@@ -71,6 +72,7 @@ def _launch_split_kv(
     block_seq,
     quant,
     quant_group,
+    scratch=None,
     run_config=None,
 ):
     batch, q_heads, head_dim = q.shape
@@ -78,8 +80,7 @@ def _launch_split_kv(
     group = q_heads // kv_heads
     cfg = run_config or default_config(head_dim)
     splits = num_splits(batch, kv_heads, max_len_in_batch, block_seq, cfg["WAVES"], q.device)
-    mid_o = torch.empty((batch, q_heads, splits, head_dim), dtype=torch.float32, device=q.device)
-    mid_lse = torch.empty((batch, q_heads, splits), dtype=torch.float32, device=q.device)
+    mid_o, mid_lse = split_partials(scratch, (batch, q_heads, splits, head_dim), q.device)
     ks = k_scale if k_scale is not None else k_cache
     vs = v_scale if v_scale is not None else v_cache
     if batch > 0:
@@ -100,6 +101,18 @@ def _launch_split_kv(
         )  # fmt: skip
         launch_stage2(mid_o, mid_lse, b_seq_len, out, block_seq)
     return out
+
+
+def split_partials(scratch: Optional[dict], shape: tuple, device) -> tuple:
+    """Stage 1's float32 partial outputs ``shape`` ``[batch, q_heads, splits, D]`` and their log-sum-exps: new, or
+    (``scratch``: a plan's dict, keyed by shape since the split count follows the config) made once per plan."""
+    found = None if scratch is None else scratch.get(shape)
+    if found is None:
+        found = (torch.empty(shape, dtype=torch.float32, device=device),
+                 torch.empty(shape[:3], dtype=torch.float32, device=device))  # fmt: skip
+        if scratch is not None:
+            scratch[shape] = found
+    return found
 
 
 def launch_stage2(mid_o, mid_lse, b_seq_len, out, block_seq: int, num_warps: Optional[int] = None) -> None:
@@ -181,12 +194,14 @@ class GQADecodePlan:
 
     Args: ``kv`` (``"none"``, ``"int8"`` or ``"int4"``), ``q_shape`` ``[batch, q_heads, head_dim]`` and
     ``q_dtype`` for ``q``, any layer's ``k_cache``/``v_cache`` (and, quantized, ``k_scale``/``v_scale`` and
-    ``quant_group``); the rest as :func:`gqa_decode_attention`.
+    ``quant_group``); the rest as :func:`gqa_decode_attention`. ``reuse_outputs``: every run without ``out`` writes
+    the same output, and every run the same split partials (``kernels/step_buffer.py``).
     """
 
     def __init__(
         self, kv, q_shape, q_dtype, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len, max_len_in_batch,
         k_scale=None, v_scale=None, sm_scale=None, block_seq=DEFAULT_BLOCK_SEQ, quant_group=8, run_config=None,
+        reuse_outputs=False,
     ):  # fmt: skip
         if kv not in _LAUNCHERS:
             raise ValueError(f"gqa decode attention: kv expected one of {tuple(_LAUNCHERS)}, got {kv!r}")
@@ -202,6 +217,8 @@ class GQADecodePlan:
             f"gqa decode attention ({kv} KV)", q=(q_shape, q_dtype), k_cache=(k_cache.shape, k_cache.dtype)
         )
         self._tuned = _LAUNCHERS[kv].plan(run_config=run_config)
+        self._out = StepBuffer(q_shape, q_dtype, reuse_outputs)
+        self._scratch = {} if reuse_outputs else None
 
     def run(self, q, k_cache, v_cache, k_scale=None, v_scale=None, out=None) -> torch.Tensor:
         self.inputs.check((q.shape, q.dtype), (k_cache.shape, k_cache.dtype))
@@ -209,13 +226,13 @@ class GQADecodePlan:
             raise ValueError(f"gqa decode attention ({self.kv} KV): q expected a contiguous last dim, got strides "
                              f"{q.stride()}")  # fmt: skip
         if out is None:
-            out = torch.empty_like(q)
+            out = self._out.get(q.device)
         elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
             raise ValueError(f"gqa decode attention ({self.kv} KV): out expected a {tuple(q.shape)} {q.dtype} "
                              f"tensor, got {tuple(out.shape)} {out.dtype}")  # fmt: skip
         return self._tuned.run(q, k_cache, v_cache, k_scale, v_scale, self.req_to_token, self.b_req_idx,
                                self.b_seq_len, self.max_len_in_batch, out, self.sm_scale, self.block_seq, self.kv,
-                               self.quant_group)  # fmt: skip
+                               self.quant_group, self._scratch)  # fmt: skip
 
 
 def gqa_decode_attention(

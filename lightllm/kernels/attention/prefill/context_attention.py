@@ -15,6 +15,7 @@ import triton.language as tl
 
 from lightllm.common.autotuner import AutotuneKernelType, PlannedInputs, autotune
 from lightllm.kernels.direct_launch import DirectLaunch
+from lightllm.kernels.step_buffer import StepBuffer
 
 
 @triton.jit
@@ -180,11 +181,12 @@ class ContextAttentionPlan:
     resolved at the first :meth:`run`; every layer (same shapes and dtype, checked) then runs with them.
 
     Args: ``q_shape`` ``(tokens, q_heads, D)``, ``kv_shape`` ``(tokens, kv_heads, D)`` and the dtype of q, k and v;
-    ``prefix`` a :class:`CachedPrefix` or None; the rest as :func:`context_attention`.
+    ``prefix`` a :class:`CachedPrefix` or None; the rest as :func:`context_attention`. ``reuse_outputs``: every run
+    without ``out`` writes the same output tensor (``kernels/step_buffer.py``).
     """
 
     def __init__(self, q_shape, kv_shape, dtype, b_start, b_len, max_q_len, sm_scale=None, run_config=None,
-                 prefix: Optional[CachedPrefix] = None):  # fmt: skip
+                 prefix: Optional[CachedPrefix] = None, reuse_outputs: bool = False):  # fmt: skip
         q_shape, kv_shape = torch.Size(q_shape), torch.Size(kv_shape)
         if (
             len(q_shape) != 3
@@ -209,11 +211,12 @@ class ContextAttentionPlan:
         self.inputs = PlannedInputs("context_attention", q=(q_shape, dtype), k=(kv_shape, dtype), v=(kv_shape, dtype))
         launcher = _launch_context_attention if prefix is None else _launch_context_attention_prefix
         self._tuned = launcher.plan(run_config=run_config)
+        self._out = StepBuffer(q_shape, dtype, reuse_outputs)
 
     def run(self, q, k, v, out=None, k_cache=None, v_cache=None) -> torch.Tensor:
         """``k_cache``/``v_cache`` ``[pool tokens, kv_heads, D]`` in q's dtype: this layer's cache, with a prefix."""
         self.inputs.check((q.shape, q.dtype), (k.shape, k.dtype), (v.shape, v.dtype))
-        out = torch.empty_like(q) if out is None else out
+        out = self._out.get(q.device) if out is None else out
         args = (q, k, v, out, self.b_start, self.b_len, self.max_q_len, self.sm_scale)
         p = self.prefix
         if p is None:
