@@ -16,13 +16,15 @@ a kernel with ``pre_run_hooks`` always takes ``kernel[grid]``. Not re-checked on
 that the globals a kernel read at compile time still hold their values (module constants, never reassigned).
 """
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from triton import knobs
+from triton.runtime.driver import driver
 from triton.runtime.jit import JITFunction
 
 _enabled = True
+LAUNCHERS: List["DirectLaunch"] = []  # every kernel's, in the order their modules made them (tests, benchmarks)
 _MAX_BINDINGS = 4  # specializations kept per key (one in practice: a plan's shapes and dtypes are fixed)
 
 
@@ -49,35 +51,68 @@ def tensor_class(tensor: torch.Tensor) -> Tuple[torch.dtype, bool]:
     return tensor.dtype, not tensor.data_ptr() & 15
 
 
-def _current_device() -> int:
-    return torch.cuda.current_device()
+def _device_functions() -> Tuple[Callable[[], int], Callable[[int], int]]:
+    """Triton's own current-device and current-stream functions (the compiled kernels it caches are per device;
+    kernel[grid] launches on that stream), looked up once per kernel: ``driver.active`` is a property."""
+    active = driver.active
+    return active.get_current_device, active.get_current_stream
 
 
-def _current_stream(device: int) -> int:
-    return torch._C._cuda_getCurrentRawStream(device)
+_I32_MIN, _I32_MAX, _I64_MIN, _I64_MAX = -(2**31), 2**31 - 1, -(2**63), 2**63 - 1
 
 
 class _Binding:
-    """One compiled kernel and the specialization classes of the arguments it was compiled for."""
+    """One compiled kernel and a guard that is true exactly for arguments of the specialization classes it was
+    compiled for (:func:`tensor_class`, :func:`int_class`; types of floats; values of constexprs and None)."""
 
-    __slots__ = ("device", "tensor_at", "tensor_classes", "int_at", "int_classes", "float_at", "exact_at",
-                 "exact_values", "tail", "launcher", "function", "packed_metadata", "compiled")  # fmt: skip
+    __slots__ = ("device", "guard", "tail", "launcher", "function", "packed_metadata", "compiled")
 
     def matches(self, args: tuple) -> bool:
         try:
-            if self.tensor_classes != tuple([tensor_class(args[i]) for i in self.tensor_at]):
-                return False
-            for i, value in zip(self.exact_at, self.exact_values):
-                arg = args[i]
-                if arg is not value and (type(arg) is not type(value) or arg != value):
-                    return False
-            for i in self.float_at:
-                if type(args[i]) is not float:
-                    return False
-            return self.int_classes == tuple([int_class(args[i]) if type(args[i]) is int else None
-                                              for i in self.int_at])  # fmt: skip
-        except (AttributeError, TypeError):  # an argument of another kind (a tensor turned scalar, ...)
+            return bool(self.guard(*args))
+        except (AttributeError, TypeError):  # an argument of another kind (a tensor where an int was, ...)
             return False
+
+
+def _guard_source(args: tuple, tensor_at, int_at, float_at, exact_at) -> Tuple[str, Dict[str, Any]]:
+    """The guard of these arguments' classes as one generated expression (as Triton generates its binder): it
+    runs per launch, so it makes no list, tuple or call per argument that a comparison can do instead."""
+    names: Dict[str, Any] = {"int": int, "float": float}
+    terms = []
+    for i in tensor_at:
+        names[f"d{i}"] = args[i].dtype
+        terms.append(f"a{i}.dtype is d{i}")
+    aligned = [i for i in tensor_at if tensor_class(args[i])[1]]
+    if aligned:  # the low bits of an OR are the OR of the low bits: one test for every aligned pointer
+        terms.append("not ((" + " | ".join(f"a{i}.data_ptr()" for i in aligned) + ") & 15)")
+    terms += [f"a{i}.data_ptr() & 15" for i in tensor_at if i not in aligned]
+    terms += [f"type(a{i}) is int" for i in int_at]  # a bool is an int to Python, not to Triton
+    small = [i for i in int_at if _I32_MIN <= args[i] <= _I32_MAX and args[i] != 1]
+    divisible = [i for i in small if not args[i] & 15]
+    if divisible:
+        terms.append("not ((" + " | ".join(f"a{i}" for i in divisible) + ") & 15)")
+    terms += [f"a{i} & 15 and a{i} != 1" for i in small if i not in divisible]
+    if small:  # an OR of non-negative ints is below 2**31 iff each is: one test, unless one is negative
+        each = " and ".join(f"{_I32_MIN} <= a{i} <= {_I32_MAX}" for i in small)
+        terms.append("(0 <= (" + " | ".join(f"a{i}" for i in small) + f") <= {_I32_MAX} or {each})")
+    for i in int_at:
+        value = args[i]
+        if value == 1:
+            terms.append(f"a{i} == 1")
+        elif not _I32_MIN <= value <= _I32_MAX:
+            wide = f"{_I64_MIN} <= a{i} <= {_I64_MAX}" if _I64_MIN <= value <= _I64_MAX else f"a{i} > {_I64_MAX}"
+            low = f"a{i} & 15" if value & 15 else f"not (a{i} & 15)"
+            terms.append(f"not {_I32_MIN} <= a{i} <= {_I32_MAX} and {wide} and {low}")
+    terms += [f"type(a{i}) is float" for i in float_at]
+    for i in exact_at:
+        value = args[i]
+        if value is None:
+            terms.append(f"a{i} is None")
+        else:
+            names[f"c{i}"], names[f"t{i}"] = value, type(value)
+            terms.append(f"type(a{i}) is t{i} and a{i} == c{i}")
+    params = ", ".join(f"a{i}" for i in range(len(args)))
+    return f"def guard({params}):\n    return " + (" and ".join(terms) or "True") + "\n", names
 
 
 def bind(kernel: Any, compiled: Any, device: int, args: tuple, kwargs: dict) -> Optional[_Binding]:
@@ -86,7 +121,6 @@ def bind(kernel: Any, compiled: Any, device: int, args: tuple, kwargs: dict) -> 
     params = kernel.params
     if len(args) > len(params):
         return None
-    b = _Binding()
     tensor_at, int_at, float_at, exact_at = [], [], [], []
     for i, (param, arg) in enumerate(zip(params, args)):
         if param.is_constexpr or arg is None or type(arg) in (bool, str):
@@ -107,12 +141,10 @@ def bind(kernel: Any, compiled: Any, device: int, args: tuple, kwargs: dict) -> 
             tail.append(param.default)
         else:
             return None
-    b.device = device
-    b.tensor_at, b.int_at, b.float_at, b.exact_at = tuple(tensor_at), tuple(int_at), tuple(float_at), tuple(exact_at)
-    b.tensor_classes = tuple(tensor_class(args[i]) for i in tensor_at)
-    b.int_classes = tuple(int_class(args[i]) for i in int_at)
-    b.exact_values = tuple(args[i] for i in exact_at)
-    b.tail = tuple(tail)
+    source, names = _guard_source(args, tensor_at, int_at, float_at, exact_at)
+    exec(source, names)
+    b = _Binding()
+    b.device, b.guard, b.tail = device, names["guard"], tuple(tail)
     b.compiled = compiled
     b.launcher, b.function, b.packed_metadata = compiled.run, compiled.function, compiled.packed_metadata
     return b
@@ -130,7 +162,11 @@ class DirectLaunch:
         self.kernel = kernel
         self.direct = isinstance(kernel, JITFunction) if direct is None else direct
         self._bindings: Dict[tuple, List[_Binding]] = {}
+        # Triton's current-device and current-stream functions, looked up at the first bind
+        self._device_of: Optional[Callable[[], int]] = None
+        self._stream_of: Optional[Callable[[int], int]] = None
         self.slow_launches = 0  # launches that took kernel[grid] (tests and benchmarks read it)
+        LAUNCHERS.append(self)
 
     def launch(self, grid: Sequence[int], *args, **kwargs) -> None:
         if _enabled and self.direct and not self.kernel.pre_run_hooks:
@@ -143,7 +179,7 @@ class DirectLaunch:
                 self.kernel[grid](*args, **kwargs)
                 return
             if bindings is not None:
-                device = _current_device()
+                device = self._device_of()
                 for b in bindings:
                     if b.device == device and b.matches(args):
                         return self._run(b, grid, args, device)
@@ -153,7 +189,7 @@ class DirectLaunch:
 
     def _run(self, b: _Binding, grid: Sequence[int], args: tuple, device: int) -> None:
         full = args + b.tail
-        stream = _current_stream(device)
+        stream = self._stream_of(device)
         enter = knobs.runtime.launch_enter_hook
         metadata = None if enter is None else b.compiled.launch_metadata(grid, stream, *full)
         n = len(grid)
@@ -165,7 +201,9 @@ class DirectLaunch:
         compiled = self.kernel[grid](*args, **kwargs)
         if compiled is None:
             return
-        b = bind(self.kernel, compiled, _current_device(), args, kwargs)
+        if self._device_of is None:
+            self._device_of, self._stream_of = _device_functions()
+        b = bind(self.kernel, compiled, self._device_of(), args, kwargs)
         if b is not None:
             kept = self._bindings.setdefault(key, [])
             kept.insert(0, b)

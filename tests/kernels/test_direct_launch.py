@@ -9,6 +9,7 @@ import torch
 import triton.language as tl
 from triton._C.libtriton import native_specialize_impl
 from triton.backends.compiler import BaseBackend
+from triton.runtime.driver import driver
 from triton.runtime.jit import JITFunction
 
 from lightllm.kernels import direct_launch
@@ -78,10 +79,21 @@ class _StandInKernel:
         return run
 
 
+class _StubDriver:
+    """Triton's driver for a GPU that is not there: what kernel[grid] and the direct path ask it."""
+
+    device = 0
+
+    def get_current_device(self):
+        return self.device
+
+    def get_current_stream(self, device):
+        return 1234
+
+
 @pytest.fixture
 def stand_in(monkeypatch):
-    monkeypatch.setattr(direct_launch, "_current_device", lambda: 0)
-    monkeypatch.setattr(direct_launch, "_current_stream", lambda device: 1234)
+    monkeypatch.setattr(driver, "_active", _StubDriver())
     kernel = _StandInKernel()
     return kernel, DirectLaunch(kernel, direct=True)
 
@@ -134,7 +146,7 @@ def test_launches_on_another_device_fall_back(stand_in, monkeypatch):
     kernel, launcher = stand_in
     args = (torch.zeros(8), torch.zeros(8), 16, 16, 0.1, 4, False)
     assert not _launch(kernel, launcher, (1, 2), args, {})
-    monkeypatch.setattr(direct_launch, "_current_device", lambda: 1)
+    monkeypatch.setattr(driver.active, "device", 1)
     assert not _launch(kernel, launcher, (1, 2), args, {})
     assert _launch(kernel, launcher, (1, 2), args, {})
 
@@ -185,3 +197,33 @@ def test_the_interpreter_always_takes_kernel_grid_with_identical_results():
     assert _ADD_RMSNORM.slow_launches == before + 1
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
     assert not torch.isnan(outs[0][1]).any()
+
+
+def test_the_guard_is_true_exactly_when_every_class_matches():
+    """The generated guard against the classes themselves, argument by argument and several at once: pointers of
+    three alignments and two dtypes, ints across every class boundary, a float, positional constexprs."""
+    kernel = _StandInKernel()
+    base = torch.zeros(64)
+    tensors = [base, base[1:], base[4:], torch.zeros(64, dtype=torch.float16)]
+    ints = [0, 1, 2, 16, 17, -16, -17, 2**31 - 16, 2**31, 2**31 + 1, 2**63, -(2**31) - 16]
+    scalars = [0.5, 2.0, 3]  # the eps slot: two floats, an int
+
+    def classes(args):
+        x, y, n, stride, eps, block, one_pass = args
+        return (tensor_class(x), tensor_class(y), int_class(n), int_class(stride), type(eps), (type(block), block),
+                (type(one_pass), one_pass))  # fmt: skip
+
+    rng = torch.Generator().manual_seed(0)
+
+    def pick(options):
+        return options[int(torch.randint(len(options), (1,), generator=rng))]
+
+    for _ in range(60):
+        bound = (pick(tensors), pick(tensors), pick(ints), pick(ints), pick(scalars), pick([64, 128]), pick([True, 1]))
+        b = direct_launch.bind(kernel, _Compiled(None), 0, bound, {})
+        for _ in range(25):
+            other = list(bound)
+            for i in torch.randperm(7, generator=rng)[: int(torch.randint(1, 4, (1,), generator=rng))].tolist():
+                other[i] = pick({0: tensors, 1: tensors, 2: ints, 3: ints, 4: scalars, 5: [64, 128],
+                                 6: [True, 1, False]}[i])  # fmt: skip
+            assert b.matches(tuple(other)) == (classes(other) == classes(bound)), (bound, other)

@@ -14,6 +14,7 @@ import triton.language as tl
 
 from lightllm.common.autotuner import PlannedInputs
 from lightllm.kernels.direct_launch import DirectLaunch
+from lightllm.kernels.launch_math import cdiv
 from lightllm.kernels.step_buffer import StepBuffer
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -51,7 +52,7 @@ def _launch(x, conv_state, weight, state_idx, out, run_config=None):
     cfg = run_config or DEFAULT_CONFIG
     if batch > 0:
         _CONV1D_UPDATE.launch(
-            (batch, triton.cdiv(channels, cfg["BLOCK_C"])),
+            (batch, cdiv(channels, cfg["BLOCK_C"])),
             x, conv_state, weight, state_idx, out, channels,
             x.stride(0), conv_state.stride(0), conv_state.stride(1), out.stride(0),
             K=weight.shape[1], BLOCK_C=cfg["BLOCK_C"], num_warps=cfg["num_warps"],

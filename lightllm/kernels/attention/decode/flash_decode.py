@@ -14,7 +14,6 @@ from functools import lru_cache
 from typing import Optional
 
 import torch
-import triton
 
 from lightllm.common.autotuner import AutotuneKernelType, PlannedInputs, autotune
 from lightllm.common.kv_cache.quant import INT4_OFFSET, SCALE_DTYPE
@@ -27,6 +26,7 @@ from lightllm.kernels.attention.decode.tuning import (
 from lightllm.kernels.attention.decode.stage1 import decode_stage1_kernel
 from lightllm.kernels.attention.decode.stage2 import decode_stage2_kernel
 from lightllm.kernels.direct_launch import DirectLaunch
+from lightllm.kernels.launch_math import cdiv, next_power_of_2
 from lightllm.kernels.step_buffer import StepBuffer
 
 _STAGE1 = DirectLaunch(decode_stage1_kernel)
@@ -48,8 +48,8 @@ def _num_sms(device: torch.device) -> int:
 def num_splits(batch: int, kv_heads: int, max_len_in_batch: int, block_seq: int, waves: int, device) -> int:
     """Split programs per (request, KV head): about ``waves`` programs per SM, never more than the chunks of
     the longest request the launch must serve (the graph's maximum when captured)."""
-    max_chunks = max(1, triton.cdiv(max_len_in_batch, block_seq))
-    want = triton.cdiv(waves * _num_sms(device), batch * kv_heads)
+    max_chunks = max(1, cdiv(max_len_in_batch, block_seq))
+    want = cdiv(waves * _num_sms(device), batch * kv_heads)
     return max(1, min(want, max_chunks))
 
 
@@ -93,7 +93,7 @@ def _launch_split_kv(
             ks.stride(0), ks.stride(1), vs.stride(0), vs.stride(1),
             req_to_token.stride(0),
             mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
-            GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HALF_D=head_dim // 2,
+            GROUP=group, BLOCK_H=max(16, next_power_of_2(group)), HALF_D=head_dim // 2,
             BLOCK_SEQ=block_seq, BLOCK_N=cfg["BLOCK_N"], QUANT=_QUANT_BITS[quant], QGROUP=quant_group,
             INT4_OFFSET=INT4_OFFSET,
             PRECISION="ieee" if q.dtype == torch.float32 else None,

@@ -15,6 +15,7 @@ import triton.language as tl
 
 from lightllm.common.autotuner import AutotuneKernelType, PlannedInputs, autotune
 from lightllm.kernels.direct_launch import DirectLaunch
+from lightllm.kernels.launch_math import cdiv, next_power_of_2
 from lightllm.kernels.step_buffer import StepBuffer
 
 
@@ -103,14 +104,14 @@ def _static_key(q, k):
 
 
 def _run_key(q):
-    return triton.next_power_of_2(max(q.shape[0], 16))  # total prefill tokens, in power-of-two buckets
+    return next_power_of_2(max(q.shape[0], 16))  # total prefill tokens, in power-of-two buckets
 
 
 def _launch(q, k, v, out, b_start, b_len, max_q_len, sm_scale, cfg, prefix):
     """The grid and the kernel call; ``prefix`` is (k_cache, v_cache, req_to_token, b_req_idx, b_prefix_len) or
     None (no cached prefix: the cache arguments are placeholders the compiled kernel never reads)."""
     k_cache, v_cache, req_to_token, b_req_idx, b_prefix_len = prefix or (k, v, b_start, b_start, b_start)
-    grid = (b_len.shape[0], q.shape[1], triton.cdiv(max_q_len, cfg["BLOCK_M"]))
+    grid = (b_len.shape[0], q.shape[1], cdiv(max_q_len, cfg["BLOCK_M"]))
     _CONTEXT_ATTENTION.launch(
         grid,
         q, k, v, out, b_start, b_len, sm_scale * 1.4426950408889634,
