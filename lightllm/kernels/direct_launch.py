@@ -25,7 +25,8 @@ from triton.runtime.jit import JITFunction
 
 _enabled = True
 LAUNCHERS: List["DirectLaunch"] = []  # every kernel's, in the order their modules made them (tests, benchmarks)
-_MAX_BINDINGS = 4  # specializations kept per key (one in practice: a plan's shapes and dtypes are fixed)
+_MAX_BINDINGS = 8  # specializations kept per key (a few in practice: e.g. decode's split count changes a class)
+_GUARD_CODE: Dict[str, Any] = {}  # guard source -> its compiled code: a new binding of a known shape costs no compile
 
 
 def set_enabled(on: bool) -> bool:
@@ -142,7 +143,10 @@ def bind(kernel: Any, compiled: Any, device: int, args: tuple, kwargs: dict) -> 
         else:
             return None
     source, names = _guard_source(args, tensor_at, int_at, float_at, exact_at)
-    exec(source, names)
+    code = _GUARD_CODE.get(source)
+    if code is None:
+        code = _GUARD_CODE[source] = compile(source, f"<guard of {getattr(kernel, '__name__', 'kernel')}>", "exec")
+    exec(code, names)
     b = _Binding()
     b.device, b.guard, b.tail = device, names["guard"], tuple(tail)
     b.compiled = compiled

@@ -75,20 +75,27 @@ class AttentionBackend:
             from lightllm.kernels.attention.decode.fa3 import require_fa3
 
             self.fa3_provider = require_fa3(device)
+        self._kv_write = None  # the KV write plan of the forward whose token_idx it holds (made at its first write)
 
     # ---- KV writes ----------------------------------------------------------------------------------------
 
     def write_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor, token_idx: torch.Tensor) -> None:
+        """On a GPU the first write of a forward (a ``token_idx`` not seen before) checks everything and plans the
+        writes of the later layers, which check only their shapes (``KVWritePlan``)."""
         p = self.pool
-        if self.quant == "none":
-            fn = kvw.write_kv if self.on_gpu else kvw.write_kv_ref
-            fn(k, v, p.k[layer], p.v[layer], token_idx)
-            return
+        scales = () if self.quant == "none" else (p.k_scale[layer], p.v_scale[layer])
         if self.on_gpu:
-            fn = kvw.write_kv_int8 if self.quant == "int8" else kvw.write_kv_int4
+            plan = self._kv_write
+            if plan is None or plan.token_idx is not token_idx:
+                group = 0 if self.quant == "none" else p.group_size
+                plan = self._kv_write = kvw.KVWritePlan(self.quant, k, v, p.k[layer], p.v[layer], token_idx, *scales,
+                                                        group_size=group)  # fmt: skip
+            plan.run(k, v, p.k[layer], p.v[layer], *scales)
+        elif self.quant == "none":
+            kvw.write_kv_ref(k, v, p.k[layer], p.v[layer], token_idx)
         else:
             fn = kvw.write_kv_int8_ref if self.quant == "int8" else kvw.write_kv_int4_ref
-        fn(k, v, p.k[layer], p.v[layer], p.k_scale[layer], p.v_scale[layer], token_idx, p.group_size)
+            fn(k, v, p.k[layer], p.v[layer], *scales, token_idx, p.group_size)
 
     def _dequantized(self, layer: int, dtype: torch.dtype):
         p = self.pool
