@@ -163,9 +163,8 @@ class QKNormRopePlan:
         self.inputs = PlannedInputs("qk_norm_rope", qkv=(torch.Size((tokens, width)), dtype), q_weight=weight,
                                     k_weight=weight)  # fmt: skip
         self._tuned = _launch_qk_norm_rope.plan(run_config=run_config)
-        self._q, self._k = StepBuffer(self.q_shape, dtype, reuse_outputs), StepBuffer(
-            self.k_shape, dtype, reuse_outputs
-        )
+        self._q = StepBuffer(self.q_shape, dtype, reuse_outputs)
+        self._k = StepBuffer(self.k_shape, dtype, reuse_outputs)
 
     def run(self, qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor) -> Tuple[torch.Tensor, ...]:
         """``(q, k)``, contiguous tensors (new, or the plan's own with ``reuse_outputs``); qkv is read only."""
