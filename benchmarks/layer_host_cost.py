@@ -1,11 +1,17 @@
-"""Host time one Qwen3 layer adds to an eager forward, with the device work taken out: every Triton launch and the
-attention backend's calls are no-ops, so what is timed is the Python and torch dispatch of a layer (plans, checks,
-allocations, views) plus its small CPU GEMMs (tiny widths; at batch 1 a few µs each, about a cuBLAS launch's host
-cost; a 128-token prefill also computes its torch elementwise ops on the CPU). Per layer = (time of an 8-layer
-forward - time of a 1-layer forward) / 7; decode at batch 1 and a prefill of 128 tokens; median of ``--repeats``
-timings of ``--number`` forwards.
+"""Host time one Qwen3 layer adds to an eager forward, with the device work taken out, so what is timed is the
+Python and torch dispatch of a layer (plans, checks, allocations, views, Triton's launch path) plus its small CPU
+GEMMs (tiny widths; at batch 1 a few µs each, about a cuBLAS launch's host cost; a 128-token prefill also computes
+its torch elementwise ops on the CPU). Per layer = (time of an 8-layer forward - time of a 1-layer forward) / 7;
+decode at batch 1 and a prefill of 128 tokens; median of ``--repeats`` timings of ``--number`` forwards.
 
-    python benchmarks/layer_host_cost.py --label after --out benchmarks/results/layer_host_cost_cpu.json
+``--launches``: ``driver`` (default) runs Triton's own launch path (``JITFunction.run``: binder, cache key, look-up)
+down to the compiled kernel's launcher, which is a stand-in that does nothing (a stub driver answers for the GPU;
+the first launch of each specialization "compiles" to the stand-in); ``noop`` makes ``kernel[grid]`` itself a
+no-op (the method of the older runs in ``layer_host_cost_cpu.json``). ``--attention kernels`` also runs the
+attention backend's GPU path (plans, checks, the KV write and attention launchers; head_dim 64), ``noop`` (the
+older runs) replaces its calls with no-ops.
+
+    python benchmarks/layer_host_cost.py --label after --out benchmarks/results/layer_host_cost_launch_cpu.json
 
 Runs on older checkouts too (they pick the kernel path by device), to compare before and after; each run is
 appended to ``--out`` with its label, commit and machine.
@@ -23,7 +29,9 @@ import tempfile
 import time
 
 import torch
-from triton.runtime.jit import KernelInterface
+from triton.backends.compiler import GPUTarget
+from triton.runtime.driver import driver
+from triton.runtime.jit import JITFunction, KernelInterface
 
 from lightllm import LLM
 from lightllm.layers.attention import AttentionBackend
@@ -31,14 +39,51 @@ from lightllm.layers.infer_state import InferState
 from lightllm.tools.make_tiny_model import make_tiny_qwen3
 
 
-def _no_device_work() -> None:
-    KernelInterface.__getitem__ = lambda self, grid: (lambda *args, **kwargs: None)
+class _StubDriver:
+    """Answers Triton's launch path for a GPU that is not there (device 0, stream 0, an H100/H200 target)."""
 
-    def attention(name):
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device):
+        return 0
+
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+
+class _StubCompiled:
+    """What a compiled kernel offers a launch; its launcher does nothing."""
+
+    function = packed_metadata = None
+
+    def launch_metadata(self, grid, stream, *args):
+        return None
+
+    def run(self, *args):
+        return None
+
+
+def _stub_compile(self, key, signature, device, constexprs, options, attrs, warmup):
+    kernel = self.device_caches[device][0][key] = _StubCompiled()
+    return kernel
+
+
+def _no_device_work(launches: str, attention: str) -> None:
+    if launches == "noop":
+        KernelInterface.__getitem__ = lambda self, grid: (lambda *args, **kwargs: None)
+    else:
+        driver.set_active(_StubDriver())
+        JITFunction._pack_args = lambda self, backend, kwargs, bound_args, specialization, options: (None,) * 4
+        JITFunction._do_compile = _stub_compile
+    if attention == "kernels":
+        return
+
+    def noop(name):
         return lambda self, layer, *args: None if name == "write_kv" else torch.empty_like(args[0])
 
     for name in ("write_kv", "prefill", "decode"):
-        setattr(AttentionBackend, name, attention(name))
+        setattr(AttentionBackend, name, noop(name))
 
 
 def _states(runner, slot, prompt_len: int):
@@ -75,11 +120,15 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--label", default="current")
+    ap.add_argument("--launches", choices=("driver", "noop"), default="driver")
+    ap.add_argument("--attention", choices=("kernels", "noop"), default="kernels")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--note", default="", help="recorded with the run, e.g. how busy the machine was")
     args = ap.parse_args()
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = make_tiny_qwen3(os.path.join(tmp, "tiny"), num_hidden_layers=8, seed=1)
+        head_dim = 64 if args.attention == "kernels" else 16  # the GPU attention kernels' smallest head_dim
+        model_dir = make_tiny_qwen3(os.path.join(tmp, "tiny"), num_hidden_layers=8, head_dim=head_dim, seed=1)
         llm = LLM(str(model_dir), data_type="fp32", device="cpu", batch_max_tokens=256, max_req_total_len=256,
                   running_max_req_size=2)  # fmt: skip
     model, runner = llm.runner.model, llm.runner
@@ -87,7 +136,9 @@ def main() -> None:
         model.use_kernels = True
     else:
         model.device = torch.device("cuda")  # older checkouts pick the kernel path by device
-    _no_device_work()
+    _no_device_work(args.launches, args.attention)
+    if args.attention == "kernels":
+        runner.attn.on_gpu = True
     slot = runner.add_request()
     weights, rows = model.w, {}
     for phase, (ids, state) in _states(runner, slot, args.prompt_len).items():
@@ -102,7 +153,8 @@ def main() -> None:
     if args.out:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
         run = {"label": args.label, "commit": commit, "machine": platform.processor() or platform.machine(),
-               "cpus": os.cpu_count(), "prompt_len": args.prompt_len, "number": args.number, "repeats": args.repeats,
+               "cpus": os.cpu_count(), "note": args.note, "launches": args.launches, "attention": args.attention,
+               "prompt_len": args.prompt_len, "number": args.number, "repeats": args.repeats,
                "results": rows}  # fmt: skip
         runs = json.load(open(args.out)) if os.path.exists(args.out) else []
         json.dump(runs + [run], open(args.out, "w"), indent=1)

@@ -15,6 +15,7 @@ from typing import Dict, Iterable, List, Optional, Sequence
 import torch
 
 from lightllm.engine.request import Request
+from lightllm.engine.staging import host_to_device
 
 # Columns of the settings table, one row per request.
 _REP, _FREQ, _PRES, _MIN, _GENERATED = range(5)
@@ -43,8 +44,8 @@ class LogitsProcessor:
             if reqs[i].sampling_row < 0:
                 self._start(reqs[i])
         params = [reqs[i].params for i in picked]
-        rows = torch.tensor([reqs[i].sampling_row for i in picked], device=self.device)
-        where = torch.tensor(picked, device=logits.device)
+        rows = host_to_device([reqs[i].sampling_row for i in picked], torch.int64, self.device)
+        where = host_to_device(picked, torch.int64, logits.device)
         x = logits.index_select(0, where)
         settings = self._tables["settings"].index_select(0, rows)
         if any(p.logit_bias for p in params):
@@ -70,8 +71,8 @@ class LogitsProcessor:
         picked = [i for i, r in enumerate(reqs) if r.sampling_row >= 0]
         if not picked:
             return
-        rows = torch.tensor([reqs[i].sampling_row for i in picked], device=self.device)
-        drawn = tokens.index_select(0, torch.tensor(picked, device=tokens.device)).to(self.device)
+        rows = host_to_device([reqs[i].sampling_row for i in picked], torch.int64, self.device)
+        drawn = tokens.index_select(0, host_to_device(picked, torch.int64, tokens.device)).to(self.device)
         self._tables["settings"][rows, _GENERATED] += 1
         if "counts" in self._tables:
             self._tables["counts"].index_put_(

@@ -98,6 +98,8 @@ class ModelRunner:
         seconds["general warmup"] = time.perf_counter() - t
 
         self.graphs: Optional[DecodeGraphs] = None
+        if use_graphs or self.device.type == "cuda":  # eager decode steps stage their inputs too
+            self._init_graph_buffers()
         if use_graphs:
             tune_len = decode_attn_tuning_len(args.graph_max_len_in_batch)
             logger.info("decode attention tunes at KV lengths up to %d (%s, capped at --graph_max_len_in_batch)",
@@ -107,7 +109,6 @@ class ModelRunner:
                 self.mtp.capture_graphs(args.graph_batch_sizes(), args.graph_max_len_in_batch, graph_api)
                 seconds["mtp graphs"] = time.perf_counter() - t
             else:
-                self._init_graph_buffers()
                 self.graphs = DecodeGraphs(args.graph_batch_sizes(), graph_api).capture_all(self._graph_decode)
                 seconds["decode graphs"] = time.perf_counter() - t
         if buckets:
@@ -309,15 +310,18 @@ class ModelRunner:
 
     def decode(self, slots: Sequence[int], last_tokens: Sequence[int]) -> torch.Tensor:
         """One decode step (one new token per request); a captured graph when one fits, else eager."""
-        token_idx = self.kv.extend_each(slots)
+        staging, bs = self._staging, len(slots)
+        staged = staging is not None and bs <= staging.rows
+        token_idx = self.kv.extend_each(slots, write_table=not staged)  # staged: written from the staged columns
         seq_lens = [self.kv.seq_len(s) for s in slots]
-        bs, max_len = len(slots), max(seq_lens)
+        max_len = max(seq_lens)
         graph_bs = self.graphs.pick(bs) if self.graphs and max_len <= self.args.graph_max_len_in_batch else None
         positions = [n - 1 for n in seq_lens]
-        dev, staging = self.device, self._staging
-        if staging is not None and bs <= staging.rows:  # one host-to-device copy for the whole step
+        dev = self.device
+        if staged:  # one host-to-device copy for the whole step
             staging.stage(input_ids=last_tokens, positions=positions, out_token_idx=token_idx, b_req_idx=slots,
                           b_seq_len=seq_lens)  # fmt: skip
+            staging.write_table(self.kv.table, bs)
             if graph_bs is not None:
                 return self._computed_each(slots, last_tokens, self.graphs.replay(graph_bs)[:bs])
             b = {name: view[:bs] for name, view in self._buf.items()}

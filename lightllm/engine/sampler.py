@@ -9,6 +9,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from lightllm.engine.detokenize import check_stop_strings
+from lightllm.engine.staging import host_to_device
 
 # Below this a temperature is greedy: dividing logits by it would overflow float32 (1e-40 gives inf), and
 # well before that the distribution is one-hot anyway.
@@ -128,14 +129,20 @@ def sample(
     temperature, top-k and top-p.
 
     Rows without a seed are sampled together, a fixed number of launches whatever the batch; a seeded row
-    is sampled alone with its own generator, so a seed gives the same tokens whoever shares the batch."""
+    is sampled alone with its own generator, so a seed gives the same tokens whoever shares the batch. Nothing
+    here waits for the device: row indices and per-row settings go over without a sync (``host_to_device``)."""
     logprobs = torch.log_softmax(logits if raw_logits is None else raw_logits, dim=-1)
     tokens = logits.argmax(dim=-1)
     free = [i for i, p in enumerate(params) if not p.greedy and generators[i] is None]
     groups = [(free, None)] if free else []
     groups += [([i], generators[i]) for i, p in enumerate(params) if not p.greedy and generators[i] is not None]
     for rows, generator in groups:
-        tokens[rows] = sample_rows(logits[rows], [params[i] for i in rows], generator)
+        if len(rows) == len(params):  # every row (rows are distinct): no index to send
+            tokens = sample_rows(logits, params, generator)
+            continue
+        where = host_to_device(rows, torch.int64, logits.device)
+        drawn = sample_rows(logits.index_select(0, where), [params[i] for i in rows], generator)
+        tokens.index_copy_(0, where, drawn)
     return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
 
 
@@ -146,14 +153,14 @@ def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams], generato
     A row whose distribution is not finite (non-finite logits, or logits so large that dividing by the
     temperature overflows) takes its most likely token instead of failing the whole batch's draw."""
     dev, vocab = logits.device, logits.shape[-1]
-    temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=dev)
+    temperature = host_to_device([p.temperature for p in params], logits.dtype, dev)
     scaled = logits / temperature[:, None]
     top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]  # clamped: never beyond int64
     if all(k == vocab and p.top_p >= 1 for k, p in zip(top_k, params)):
         return _draw(torch.softmax(scaled, dim=-1), logits, generator)
-    top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=dev)
+    top_p = host_to_device([p.top_p for p in params], logits.dtype, dev)
     ordered, order = scaled.sort(dim=-1, descending=True)
-    cut = torch.arange(vocab, device=dev)[None, :] >= torch.tensor(top_k, device=dev)[:, None]
+    cut = torch.arange(vocab, device=dev)[None, :] >= host_to_device(top_k, torch.int64, dev)[:, None]
     probs = torch.softmax(ordered.masked_fill(cut, float("-inf")), dim=-1)
     probs = probs.masked_fill(probs.cumsum(-1) - probs > top_p[:, None], 0.0)  # mass before a token > top_p
     return order.gather(1, _draw(probs, ordered, generator)[:, None]).squeeze(1)

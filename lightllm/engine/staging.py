@@ -10,6 +10,16 @@ from typing import Dict, Sequence
 
 import torch
 
+
+def host_to_device(values: Sequence, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list as a tensor on ``device`` without stalling the host: on a GPU it is pinned and copied
+    ``non_blocking`` (ordered on the current stream; the pinned block is kept until the copy is done), where
+    ``torch.tensor(values, device=...)`` copies from pageable memory and synchronizes the stream."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
 # int64 columns first so every column's view stays aligned to its element size.
 FIELDS = (
     ("input_ids", torch.int64),
@@ -69,3 +79,10 @@ class DecodeStaging:
         self.device_buffer.copy_(self.host, non_blocking=True)
         if self._copied is not None:
             self._copied.record()
+
+    def write_table(self, req_to_token: torch.Tensor, batch: int) -> None:
+        """``req_to_token[b_req_idx[i], positions[i]] = out_token_idx[i]`` for the first ``batch`` staged rows, on
+        the device from the staged copy: a step's new KV slots enter the table with no transfer of their own."""
+        v = self.device_views
+        rows, cols = v["b_req_idx"][:batch].long(), v["positions"][:batch]
+        req_to_token[rows, cols] = v["out_token_idx"][:batch].to(req_to_token.dtype)

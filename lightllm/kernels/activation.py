@@ -15,6 +15,8 @@ import triton.language as tl
 
 from lightllm.common.autotuner import AutotuneKernelType, PlannedInputs, autotune
 from lightllm.kernels.launch_math import cdiv, next_power_of_2
+from lightllm.kernels.direct_launch import DirectLaunch
+from lightllm.kernels.step_buffer import StepBuffer
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -28,6 +30,9 @@ def _silu_mul_kernel(GU, Out, stride_gu, stride_out, N, BLOCK_N: tl.constexpr):
     up = tl.load(GU + row * stride_gu + N + cols, mask=mask, other=0.0)
     act = (gate / (1.0 + tl.exp(-gate))).to(GU.dtype.element_ty)
     tl.store(Out + row * stride_out + cols, (act * up).to(Out.dtype.element_ty), mask=mask)
+
+
+_SILU_MUL = DirectLaunch(_silu_mul_kernel)
 
 
 def _configs(out):
@@ -63,8 +68,8 @@ def _launch_silu_mul(gate_up, out, run_config=None):
     cfg = run_config or _default_config(n)
     if rows > 0:
         grid = (rows, cdiv(n, cfg["BLOCK_N"]))
-        _silu_mul_kernel[grid](gate_up, out, gate_up.stride(0), out.stride(0), n, cfg["BLOCK_N"],
-                               num_warps=cfg["num_warps"])  # fmt: skip
+        _SILU_MUL.launch(grid, gate_up, out, gate_up.stride(0), out.stride(0), n, cfg["BLOCK_N"],
+                         num_warps=cfg["num_warps"])  # fmt: skip
     return out
 
 
@@ -72,23 +77,26 @@ class SiluMulPlan:
     """``silu(gate) * up`` of one step's ``[rows, 2 * I]`` shape (every layer's MLP): checked once here, the tuned
     config resolved at the first :meth:`run`, which checks only the input's shape, dtype and last-dim stride.
 
-    Args: ``rows``, ``intermediate`` (I), ``dtype`` of gate_up; ``run_config`` bypasses tuning.
+    Args: ``rows``, ``intermediate`` (I), ``dtype`` of gate_up; ``run_config`` bypasses tuning;
+    ``reuse_outputs``: every run without ``out`` writes the same output tensor (``kernels/step_buffer.py``).
     """
 
-    def __init__(self, rows: int, intermediate: int, dtype: torch.dtype, run_config=None):
+    def __init__(self, rows: int, intermediate: int, dtype: torch.dtype, run_config=None,
+                 reuse_outputs: bool = False):  # fmt: skip
         if dtype not in _DTYPES or rows < 0 or intermediate < 1:
             raise ValueError(f"silu_mul plan: gate_up expected a [rows, 2 * I] tensor of {_DTYPES}, got rows {rows}, "
                              f"I {intermediate}, {dtype}")  # fmt: skip
         self.out_shape = (rows, intermediate)
         self.inputs = PlannedInputs("silu_mul", gate_up=(torch.Size((rows, 2 * intermediate)), dtype))
         self._tuned = _launch_silu_mul.plan(run_config=run_config)
+        self._out = StepBuffer(self.out_shape, dtype, reuse_outputs)
 
     def run(self, gate_up: torch.Tensor, out=None) -> torch.Tensor:
         self.inputs.check((gate_up.shape, gate_up.dtype))
         if gate_up.stride(-1) != 1:
             raise ValueError(f"silu_mul: gate_up expected a contiguous last dim, got strides {gate_up.stride()}")
         if out is None:
-            out = torch.empty(self.out_shape, dtype=gate_up.dtype, device=gate_up.device)
+            out = self._out.get(gate_up.device)
         elif out.shape != self.out_shape or out.dtype != gate_up.dtype or out.stride(-1) != 1:
             raise ValueError(f"silu_mul: out expected a {self.out_shape} {gate_up.dtype} tensor with a contiguous "
                              f"last dim, got {tuple(out.shape)} {out.dtype} strides {out.stride()}")  # fmt: skip

@@ -15,6 +15,8 @@ import triton.language as tl
 
 from lightllm.common.autotuner import AutotuneKernelType, PlannedInputs, autotune
 from lightllm.kernels.launch_math import cdiv, next_power_of_2
+from lightllm.kernels.direct_launch import DirectLaunch
+from lightllm.kernels.step_buffer import StepBuffer
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -33,6 +35,9 @@ def _sigmoid_gate_mul_kernel(X, G, Out, stride_ot, stride_oh, stride_gt, stride_
     sig = (1.0 / (1.0 + tl.exp(-g))).to(dt)
     y = (o.to(tl.float32) * sig.to(tl.float32)).to(dt)
     tl.store(Out + t * (HEADS * D) + h[:, None] * D + d[None, :], y.to(Out.dtype.element_ty), mask=mask)
+
+
+_SIGMOID_GATE_MUL = DirectLaunch(_sigmoid_gate_mul_kernel)
 
 
 def _configs(out):
@@ -66,8 +71,8 @@ def _launch_sigmoid_gate_mul(o, gate, out, run_config=None):
     cfg = run_config or _default_config(heads)
     if rows > 0:
         grid = (rows, cdiv(heads, cfg["BLOCK_H"]))
-        _sigmoid_gate_mul_kernel[grid](o, gate, out, o.stride(0), o.stride(1), gate.stride(0), gate.stride(1), heads,
-                                       d, cfg["BLOCK_H"], next_power_of_2(d), num_warps=cfg["num_warps"])  # fmt: skip
+        _SIGMOID_GATE_MUL.launch(grid, o, gate, out, o.stride(0), o.stride(1), gate.stride(0), gate.stride(1), heads,
+                                 d, cfg["BLOCK_H"], next_power_of_2(d), num_warps=cfg["num_warps"])  # fmt: skip
     return out
 
 
@@ -75,25 +80,27 @@ class SigmoidGatePlan:
     """``o * sigmoid(gate)`` of one step's ``[rows, heads, D]`` shape (every gated-attention layer): checked once
     here, the tuned config resolved at the first :meth:`run`, which checks only what a layer can change.
 
-    Args: ``rows``, ``heads``, ``head_dim`` and ``dtype`` of o and gate; ``run_config`` bypasses tuning.
+    Args: ``rows``, ``heads``, ``head_dim`` and ``dtype`` of o and gate; ``run_config`` bypasses tuning;
+    ``reuse_outputs``: every run without ``out`` writes the same output tensor (``kernels/step_buffer.py``).
     """
 
-    def __init__(self, rows: int, heads: int, head_dim: int, dtype: torch.dtype, run_config=None):
+    def __init__(self, rows: int, heads: int, head_dim: int, dtype: torch.dtype, run_config=None,
+                 reuse_outputs: bool = False):  # fmt: skip
         if dtype not in _DTYPES or rows < 0 or min(heads, head_dim) < 1:
             raise ValueError(f"sigmoid_gate_mul plan: expected rows >= 0, heads and head_dim >= 1 and a dtype in "
                              f"{_DTYPES}, got {rows}, {heads}, {head_dim}, {dtype}")  # fmt: skip
         shape = torch.Size((rows, heads, head_dim))
         self.inputs = PlannedInputs("sigmoid_gate_mul", o=(shape, dtype), gate=(shape, dtype))
         self._tuned = _launch_sigmoid_gate_mul.plan(run_config=run_config)
+        self._out = StepBuffer(shape, dtype, reuse_outputs)
 
     def run(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        """A new contiguous ``[rows, heads, D]`` tensor; o and gate are read only."""
+        """A contiguous ``[rows, heads, D]`` tensor (new, or the plan's own with ``reuse_outputs``)."""
         self.inputs.check((o.shape, o.dtype), (gate.shape, gate.dtype))
         if o.stride(-1) != 1 or gate.stride(-1) != 1:
             raise ValueError(f"sigmoid_gate_mul: o and gate expected a contiguous last dim, got strides {o.stride()} "
                              f"and {gate.stride()}")  # fmt: skip
-        out = torch.empty(o.shape, dtype=o.dtype, device=o.device)
-        return self._tuned.run(o, gate, out)
+        return self._tuned.run(o, gate, self._out.get(o.device))
 
 
 def sigmoid_gate_mul(o: torch.Tensor, gate: torch.Tensor, run_config: Optional[dict] = None) -> torch.Tensor:

@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lightllm.common.autotuner import PlannedInputs
 from lightllm.common.kv_cache.quant import (
     INT4_OFFSET,
     INT4_QMAX,
@@ -23,6 +24,7 @@ from lightllm.common.kv_cache.quant import (
     quantize_int8_ref,
 )
 from lightllm.kernels.launch_math import next_power_of_2
+from lightllm.kernels.direct_launch import DirectLaunch
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -59,6 +61,9 @@ def _write_kv_kernel(
     tl.store(K_cache + dst * stride_kc_t + h * stride_kc_h + offs, k, mask=mask)
     v = tl.load(V_new + t * stride_vn_t + h * stride_vn_h + offs, mask=mask)
     tl.store(V_cache + dst * stride_vc_t + h * stride_vc_h + offs, v, mask=mask)
+
+
+_WRITE_KV = DirectLaunch(_write_kv_kernel)
 
 
 @triton.jit
@@ -144,6 +149,9 @@ def _write_kv_quant_kernel(
         _write_int8_head(v_src, v_dst, v_sc, HEAD_DIM, GROUP, QMAX)
 
 
+_WRITE_KV_QUANT = DirectLaunch(_write_kv_quant_kernel)
+
+
 def _num_warps(head_dim: int) -> int:
     return 1 if head_dim <= 128 else 2
 
@@ -152,7 +160,8 @@ def _launch_quant(k_new, v_new, k_cache, v_cache, k_scale, v_scale, token_idx, g
     n, kv_heads, head_dim = k_new.shape
     if n == 0:
         return
-    _write_kv_quant_kernel[(n, kv_heads)](
+    _WRITE_KV_QUANT.launch(
+        (n, kv_heads),
         k_new,
         v_new,
         k_cache,
@@ -186,10 +195,15 @@ def write_kv(k_new, v_new, k_cache, v_cache, token_idx) -> None:
     _check_new("write_kv", k_new, v_new, token_idx)
     _check_cache("write_kv", "k_cache", k_cache, k_new.dtype, k_new.shape[1:], k_new.device)
     _check_cache("write_kv", "v_cache", v_cache, k_new.dtype, k_new.shape[1:], k_new.device)
+    _launch_plain(k_new, v_new, k_cache, v_cache, token_idx)
+
+
+def _launch_plain(k_new, v_new, k_cache, v_cache, token_idx) -> None:
     n, kv_heads, head_dim = k_new.shape
     if n == 0:
         return
-    _write_kv_kernel[(n, kv_heads)](
+    _WRITE_KV.launch(
+        (n, kv_heads),
         k_new,
         v_new,
         k_cache,
@@ -231,6 +245,47 @@ def write_kv_int4(k_new, v_new, k_cache, v_cache, k_scale, v_scale, token_idx, g
     """
     _check_quant("write_kv_int4", k_new, v_new, k_cache, v_cache, k_scale, v_scale, token_idx, group_size, True)
     _launch_quant(k_new, v_new, k_cache, v_cache, k_scale, v_scale, token_idx, group_size, int4=True)
+
+
+class KVWritePlan:
+    """The KV writes of one forward, made at its first layer's write from that layer's tensors: every check of
+    :func:`write_kv` (``quant`` "none"), :func:`write_kv_int8` ("int8") or :func:`write_kv_int4` ("int4") runs once
+    here; :meth:`run` checks only what a later layer can change (shapes, dtypes, last-dim strides; the devices are
+    the first layer's) and launches. ``token_idx`` is fixed for the forward.
+    """
+
+    def __init__(self, quant, k_new, v_new, k_cache, v_cache, token_idx, k_scale=None, v_scale=None, group_size=8):
+        if quant not in ("none", "int8", "int4"):
+            raise ValueError(f"KV write plan: quant expected 'none', 'int8' or 'int4', got {quant!r}")
+        owner = "write_kv" if quant == "none" else f"write_kv_{quant}"
+        if quant == "none":
+            _check_new(owner, k_new, v_new, token_idx)
+            _check_cache(owner, "k_cache", k_cache, k_new.dtype, k_new.shape[1:], k_new.device)
+            _check_cache(owner, "v_cache", v_cache, k_new.dtype, k_new.shape[1:], k_new.device)
+            scales = {}
+        else:
+            _check_quant(
+                owner, k_new, v_new, k_cache, v_cache, k_scale, v_scale, token_idx, group_size, quant == "int4"
+            )
+            scales = dict(k_scale=(k_scale.shape, k_scale.dtype), v_scale=(v_scale.shape, v_scale.dtype))
+        self.quant, self.token_idx, self.group_size = quant, token_idx, group_size
+        self.inputs = PlannedInputs(owner, k_new=(k_new.shape, k_new.dtype), v_new=(v_new.shape, v_new.dtype),
+                                    k_cache=(k_cache.shape, k_cache.dtype), v_cache=(v_cache.shape, v_cache.dtype),
+                                    **scales)  # fmt: skip
+
+    def run(self, k_new, v_new, k_cache, v_cache, k_scale=None, v_scale=None) -> None:
+        tensors = (k_new, v_new, k_cache, v_cache)
+        if self.quant != "none":
+            tensors += (k_scale, v_scale)
+        self.inputs.check(*[(t.shape, t.dtype) for t in tensors])
+        if any(t.stride(-1) != 1 for t in tensors):
+            raise ValueError(f"{self.inputs.kernel}: every tensor expected a contiguous last dim, got strides "
+                             f"{[t.stride() for t in tensors]}")  # fmt: skip
+        if self.quant == "none":
+            _launch_plain(k_new, v_new, k_cache, v_cache, self.token_idx)
+        else:
+            _launch_quant(k_new, v_new, k_cache, v_cache, k_scale, v_scale, self.token_idx, self.group_size,
+                          int4=self.quant == "int4")  # fmt: skip
 
 
 def _check_new(owner: str, k_new, v_new, token_idx) -> None:

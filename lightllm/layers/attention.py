@@ -75,20 +75,27 @@ class AttentionBackend:
             from lightllm.kernels.attention.decode.fa3 import require_fa3
 
             self.fa3_provider = require_fa3(device)
+        self._kv_write = None  # the KV write plan of the forward whose token_idx it holds (made at its first write)
 
     # ---- KV writes ----------------------------------------------------------------------------------------
 
     def write_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor, token_idx: torch.Tensor) -> None:
+        """On a GPU the first write of a forward (a ``token_idx`` not seen before) checks everything and plans the
+        writes of the later layers, which check only their shapes (``KVWritePlan``)."""
         p = self.pool
-        if self.quant == "none":
-            fn = kvw.write_kv if self.on_gpu else kvw.write_kv_ref
-            fn(k, v, p.k[layer], p.v[layer], token_idx)
-            return
+        scales = () if self.quant == "none" else (p.k_scale[layer], p.v_scale[layer])
         if self.on_gpu:
-            fn = kvw.write_kv_int8 if self.quant == "int8" else kvw.write_kv_int4
+            plan = self._kv_write
+            if plan is None or plan.token_idx is not token_idx:
+                group = 0 if self.quant == "none" else p.group_size
+                plan = self._kv_write = kvw.KVWritePlan(self.quant, k, v, p.k[layer], p.v[layer], token_idx, *scales,
+                                                        group_size=group)  # fmt: skip
+            plan.run(k, v, p.k[layer], p.v[layer], *scales)
+        elif self.quant == "none":
+            kvw.write_kv_ref(k, v, p.k[layer], p.v[layer], token_idx)
         else:
             fn = kvw.write_kv_int8_ref if self.quant == "int8" else kvw.write_kv_int4_ref
-        fn(k, v, p.k[layer], p.v[layer], p.k_scale[layer], p.v_scale[layer], token_idx, p.group_size)
+            fn(k, v, p.k[layer], p.v[layer], *scales, token_idx, p.group_size)
 
     def _dequantized(self, layer: int, dtype: torch.dtype):
         p = self.pool
@@ -110,9 +117,9 @@ class AttentionBackend:
             shapes = ((tokens, q_heads, p.head_dim), (tokens, p.kv_heads, p.head_dim), q_dtype, state.b_q_start,
                       state.b_q_len, state.max_q_len)  # fmt: skip
             if not state.max_prefix_len:
-                plan = ContextAttentionPlan(*shapes)
+                plan = ContextAttentionPlan(*shapes, reuse_outputs=True)
             elif self.quant == "none":
-                plan = ContextAttentionPlan(*shapes, prefix=_prefix_of(state))
+                plan = ContextAttentionPlan(*shapes, prefix=_prefix_of(state), reuse_outputs=True)
             else:
                 plan = _QuantPrefixPlan(state, p.num_tokens, shapes)
         state.attn_plan = plan
@@ -145,9 +152,9 @@ class AttentionBackend:
 
             return MTPDiverseDecodePlan(q_shape, q_dtype, p.k[0], p.v[0], req_to_token, *args)
         if self.quant == "none":
-            return GQADecodePlan("none", q_shape, q_dtype, p.k[0], p.v[0], req_to_token, *args)
+            return GQADecodePlan("none", q_shape, q_dtype, p.k[0], p.v[0], req_to_token, *args, reuse_outputs=True)
         return GQADecodePlan(self.quant, q_shape, q_dtype, p.k[0], p.v[0], req_to_token, *args, p.k_scale[0],
-                             p.v_scale[0], quant_group=p.group_size)  # fmt: skip
+                             p.v_scale[0], quant_group=p.group_size, reuse_outputs=True)  # fmt: skip
 
     def _plan_of(self, state: InferState, kind: str):
         plan = state.attn_plan
@@ -161,7 +168,8 @@ class AttentionBackend:
     def prefill(self, layer: int, q, k, v, state: InferState) -> torch.Tensor:
         """Causal attention of each request's packed new tokens over its cached prefix (chunked prefill, read from
         the pool; a quantized pool's prefix dequantized) and over themselves. The new tokens' own K/V are used
-        as computed, unquantized."""
+        as computed, unquantized. On a GPU the output is the forward's one buffer: the next layer's call overwrites
+        it."""
         if not state.max_prefix_len:
             if self.on_gpu:
                 return self._plan_of(state, "prefill").run(q, k, v)
@@ -176,7 +184,8 @@ class AttentionBackend:
         return plan.run(q, k, v, p, layer)
 
     def decode(self, layer: int, q: torch.Tensor, state: InferState) -> torch.Tensor:
-        """``q [batch * q_len, q_heads, D]`` against each request's cached KV (new tokens already written)."""
+        """``q [batch * q_len, q_heads, D]`` against each request's cached KV (new tokens already written). With
+        Triton on a GPU the output is the forward's one buffer: the next layer's call overwrites it."""
         batch = state.batch_size
         q_b = q.view(batch, state.q_len, *q.shape[1:]) if state.q_len > 1 else q
         if not self.on_gpu:
@@ -207,7 +216,8 @@ class _QuantPrefixPlan:
         self.token_idx = torch.where(inside, rows, 0).long().flatten().clamp_(0, pool_tokens - 1)
         table = torch.arange(batch * width, dtype=torch.int32, device=dev).view(batch, width)
         own_rows = torch.arange(batch, dtype=torch.int32, device=dev)
-        self.attn = ContextAttentionPlan(*shapes, prefix=CachedPrefix(table, own_rows, state.b_prefix_len))
+        self.attn = ContextAttentionPlan(*shapes, prefix=CachedPrefix(table, own_rows, state.b_prefix_len),
+                                         reuse_outputs=True)  # fmt: skip
 
     def run(self, q, k, v, pool, layer: int) -> torch.Tensor:
         deq = dequantize_int8_ref if isinstance(pool, Int8KVPool) else dequantize_int4_ref

@@ -16,7 +16,7 @@ indexes the state through the static ``b_req_idx`` buffer.
 """
 
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import torch
 
@@ -75,6 +75,10 @@ class LinearAttentionPlan:
     offsets: Optional[torch.Tensor] = None  # int64 [tokens]: each token's index in its request (GPU prefill)
     continues: Optional[torch.Tensor] = None  # bool [batch]: starts from its slot's states (None: all from zero)
     dst_idx: Optional[torch.Tensor] = None  # int32 [batch, T]: MTP verify, the slot of the state after each token
+    # GPU decode: the conv update's and the delta rule's kernel plans, made at the first layer's call (from its
+    # tensors) and run by every later layer, each writing one output buffer per forward
+    conv_update: Any = None
+    delta_decode: Any = None
 
 
 class LinearAttentionBackend:
@@ -156,21 +160,35 @@ class LinearAttentionBackend:
     # ---- decode: one token per request, its slot updated in place -----------------------------------------
 
     def conv_decode(self, layer: int, x: torch.Tensor, weight: torch.Tensor, plan: LinearAttentionPlan):
+        """On a GPU the output is the forward's one buffer: the next layer's call overwrites it."""
         if plan.dst_idx is not None:
             return self._conv_verify(layer, x, weight, plan)
         if self.on_gpu:
-            from lightllm.kernels.linear_attention.conv1d_update import causal_conv1d_update
+            if plan.conv_update is None:
+                from lightllm.kernels.linear_attention.conv1d_update import CausalConv1dUpdatePlan
 
-            return causal_conv1d_update(x, self.state.conv[layer], weight, plan.state_idx)
+                conv = self.state.conv
+                check_same_device("conv", conv, x=x, weight=weight, state_idx=plan.state_idx)
+                plan.conv_update = CausalConv1dUpdatePlan(x.shape, x.dtype, conv.shape[1:], conv.dtype, weight.dtype,
+                                                          plan.state_idx, reuse_outputs=True)  # fmt: skip
+            return plan.conv_update.run(x, self.state.conv[layer], weight)
         return causal_conv1d_update_ref(x, self.state.conv[layer], weight, plan.state_idx)
 
     def delta_decode(self, layer: int, q, k, v, a, b, A_log, dt_bias, plan: LinearAttentionPlan) -> torch.Tensor:
+        """On a GPU the output is the forward's one buffer: the next layer's call overwrites it."""
         if plan.dst_idx is not None:
             return self._delta_verify(layer, q, k, v, a, b, A_log, dt_bias, plan)
         if self.on_gpu:
-            from lightllm.kernels.linear_attention.gated_delta_decode import gated_delta_decode
+            if plan.delta_decode is None:
+                from lightllm.kernels.linear_attention.gated_delta_decode import GatedDeltaDecodePlan
 
-            return gated_delta_decode(q, k, v, a, b, A_log, dt_bias, self.state.ssm[layer], plan.state_idx)
+                ssm = self.state.ssm
+                check_same_device("ssm", ssm, q=q, k=k, v=v, a=a, b=b, A_log=A_log, dt_bias=dt_bias,
+                                  state_idx=plan.state_idx)  # fmt: skip
+                plan.delta_decode = GatedDeltaDecodePlan(q.shape, v.shape, q.dtype, ssm.shape[1:], ssm.dtype,
+                                                         plan.state_idx, gate_dtype=a.dtype,
+                                                         reuse_outputs=True)  # fmt: skip
+            return plan.delta_decode.run(q, k, v, a, b, A_log, dt_bias, self.state.ssm[layer])
         return gated_delta_decode_ref(q, k, v, a, b, A_log, dt_bias, self.state.ssm[layer], plan.state_idx)
 
     # ---- MTP verify: T tokens per request from its current slot, the state after each token to its own slot ----
@@ -196,6 +214,14 @@ class LinearAttentionBackend:
         else:
             out = gated_delta_verify_ref(*args, A_log, dt_bias, self.state.ssm[layer], plan.state_idx, plan.dst_idx)
         return out.view(v.shape)
+
+
+def check_same_device(state_name: str, state: torch.Tensor, **tensors: torch.Tensor) -> None:
+    """Once per forward, what the kernels' public functions check per call: every input on the state's device."""
+    for name, t in tensors.items():
+        if t.device != state.device:
+            raise ValueError(f"linear attention decode: {name} expected the {state_name} state's device "
+                             f"{state.device}, got {t.device}")  # fmt: skip
 
 
 def _fla_chunk(q, k, v, g, beta, plan: LinearAttentionPlan, initial_state=None) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -34,6 +34,16 @@ def test_stage_writes_the_batch_and_pads_the_rest():
         DecodeStaging(4, torch.device("cpu"), {"input_ids": 0})
 
 
+def test_write_table_puts_the_staged_slots_into_the_table():
+    staging = DecodeStaging(4, torch.device("cpu"), PAD)
+    table = torch.full((8, 6), -1, dtype=torch.int32)
+    staging.stage(input_ids=[5, 6], positions=[3, 0], out_token_idx=[10, 11], b_req_idx=[2, 5], b_seq_len=[4, 1])
+    staging.write_table(table, 2)
+    want = torch.full((8, 6), -1, dtype=torch.int32)
+    want[2, 3], want[5, 0] = 10, 11  # the padding rows (request 7) are not written
+    assert torch.equal(table, want)
+
+
 class ReplayingGraphs:
     """CPU stand-in for CUDA graphs: a graph re-runs the decode forward it captured over the static inputs and
     writes the captured output in place, as a replay does."""

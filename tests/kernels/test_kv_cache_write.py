@@ -240,3 +240,41 @@ def test_unsupported_head_dim_raises_not_implemented():
     t = _bad_arg_tensors()
     with pytest.raises(NotImplementedError, match="head_dim must be a power of two for this kernel, got 96"):
         write_kv_int8(t.k96, t.k96, t.c96, t.c96, t.s96, t.s96, t.idx, 32)
+
+
+@pytest.mark.parametrize("quant", ["none", "int8", "int4"])
+def test_a_forwards_write_plan_writes_every_layer_as_the_public_function(quant, monkeypatch):
+    """KVWritePlan, made at a forward's first layer: later layers (other caches, other inputs) are written as the
+    public function writes them, and checked only for their shapes; a layer of another shape is refused."""
+    from lightllm.kernels import kv_cache_write as kvw
+
+    head_dim, group = 64, 8
+    code_dtype, code_dim = {"none": (torch.float32, head_dim), "int8": (torch.int8, head_dim),
+                            "int4": (torch.uint8, head_dim // 2)}[quant]  # fmt: skip
+    layers = [[_pool((NUM_TOKENS, KV_HEADS, code_dim), code_dtype) for _ in range(2)] for _ in range(3)]
+    scales = [[_pool((NUM_TOKENS, KV_HEADS, head_dim // group), torch.float16) for _ in range(2)] for _ in range(3)]
+    want = [[t.clone() for t in caches] for caches in layers]
+    want_scales = [[t.clone() for t in s] for s in scales]
+    plan, checks = None, []
+    real_check = kvw._check_cache
+    monkeypatch.setattr(kvw, "_check_cache", lambda *a, **k: checks.append(a[1]) or real_check(*a, **k))
+    idx = _inputs(head_dim, torch.float32)[2]  # the forward's token slots, fixed by the plan
+    for layer in range(3):
+        k, v, _ = _inputs(head_dim, torch.float32, seed=layer)
+        extra = () if quant == "none" else tuple(scales[layer])
+        if plan is None:
+            plan = kvw.KVWritePlan(quant, k, v, *layers[layer], idx, *extra, group_size=group)
+        plan.run(k, v, *layers[layer], *extra)
+        if quant == "none":
+            write_kv_ref(k, v, *want[layer], idx)
+        else:
+            ref = write_kv_int8_ref if quant == "int8" else write_kv_int4_ref
+            ref(k, v, *want[layer], *want_scales[layer], idx, group)
+        for got, expected in zip(layers[layer] + (scales[layer] if extra else []),
+                                 want[layer] + (want_scales[layer] if extra else [])):  # fmt: skip
+            _same_bits(got, expected, f"layer {layer}")
+    n_checks = len(checks)
+    assert n_checks in (2, 4)  # the caches (and scales) once, at the plan: never per layer
+    with pytest.raises(ValueError, match=r"k_new expected the planned"):
+        k, v, _ = _inputs(head_dim, torch.float16)
+        plan.run(k, v, *layers[0], *(() if quant == "none" else scales[0]))

@@ -166,7 +166,7 @@ def test_a_forward_whose_first_layer_is_not_attention_plans_before_it(monkeypatc
         for layer in range(1, LAYERS):
             q = (x @ mix)[:, : Q_HEADS * HEAD_DIM].reshape(2, Q_HEADS, HEAD_DIM).contiguous() * layer
             events.append(f"layer {layer}")
-            outs.append((q, backend.decode(layer, q, state)))
+            outs.append((q, backend.decode(layer, q, state).clone()))  # the next layer's call overwrites it
         return outs
 
     outs = forward()
@@ -175,3 +175,30 @@ def test_a_forward_whose_first_layer_is_not_attention_plans_before_it(monkeypatc
         ref = decode_attention_ref(q, backend.pool.k[layer], backend.pool.v[layer], req_to_token, state.b_req_idx,
                                    state.b_seq_len)  # fmt: skip
         torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kv_type", ["None", "int8kv"])
+def test_kv_writes_check_once_per_forward(monkeypatch, kv_type):
+    """The first KV write of a forward (a token_idx not seen before) checks the caches and plans the later layers'
+    writes, which check only their shapes; each layer's KV lands as the reference writes it."""
+    from lightllm.kernels import kv_cache_write as kvw
+
+    pool = make_pool(kv_type, POOL, LAYERS, KV_HEADS, HEAD_DIM, torch.float32, torch.device("cpu"))
+    backend = AttentionBackend(pool, "triton", torch.device("cpu"))
+    backend.on_gpu = True  # the GPU kernels, under the interpreter
+    reference = make_pool(kv_type, POOL, LAYERS, KV_HEADS, HEAD_DIM, torch.float32, torch.device("cpu"))
+    checks = counting(monkeypatch, kvw, "_check_cache")
+    g = torch.Generator().manual_seed(1)
+    for forward in range(2):
+        token_idx = torch.tensor([3 + forward, 9 + forward])
+        for layer in range(LAYERS):
+            k, v = (torch.randn(2, KV_HEADS, HEAD_DIM, generator=g) for _ in range(2))
+            backend.write_kv(layer, k, v, token_idx)
+            if kv_type == "None":
+                kvw.write_kv_ref(k, v, reference.k[layer], reference.v[layer], token_idx)
+            else:
+                kvw.write_kv_int8_ref(k, v, reference.k[layer], reference.v[layer], reference.k_scale[layer],
+                                      reference.v_scale[layer], token_idx, reference.group_size)  # fmt: skip
+        assert len(checks) == (forward + 1) * (2 if kv_type == "None" else 4)  # k/v caches (and scales), once
+    for name in ("k", "v") + (("k_scale", "v_scale") if kv_type != "None" else ()):
+        assert torch.equal(getattr(pool, name), getattr(reference, name)), name

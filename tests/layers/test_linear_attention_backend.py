@@ -220,3 +220,43 @@ def test_gpu_chunked_prefill_continues_the_states(dtype):
     assert torch.allclose(got_conv, want_conv, atol=tol, rtol=tol)
     assert torch.allclose(got_out, want_out, atol=tol, rtol=tol)
     assert torch.allclose(gpu.state.ssm.cpu(), ref.state.ssm, atol=tol, rtol=tol)
+
+
+def test_kernel_decode_plans_once_per_forward_and_matches_the_references(monkeypatch):
+    """The GPU decode path under the interpreter over two layers: the conv update's and the delta rule's plans are
+    made at the first layer (checks once), every layer writes the forward's one output buffer (consumed before the
+    next layer) and the states advance as the references advance them."""
+    from lightllm.kernels.linear_attention import conv1d_update, gated_delta_decode
+    from lightllm.kernels.linear_attention.reference import causal_conv1d_update_ref, gated_delta_decode_ref
+
+    s = LinearAttentionShape(key_heads=2, value_heads=4, key_dim=16, value_dim=16, conv_kernel=4)
+    g = torch.Generator().manual_seed(3)
+    state = LinearAttentionState(2, 4, s, torch.float32, torch.float32, "cpu")
+    kernels = LinearAttentionBackend(state, torch.device("cpu"))
+    kernels.on_gpu = True  # the Triton kernels, under the interpreter
+    kernels.state.conv.copy_(torch.randn(kernels.state.conv.shape, generator=g))
+    kernels.state.ssm.copy_(torch.randn(kernels.state.ssm.shape, generator=g) * 0.1)
+    conv_ref, ssm_ref = kernels.state.conv.clone(), kernels.state.ssm.clone()
+    made = []
+    for module, name in ((conv1d_update, "CausalConv1dUpdatePlan"), (gated_delta_decode, "GatedDeltaDecodePlan")):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _real=real, _name=name, **k: made.append(_name) or _real(*a, **k))
+    plan = kernels.plan(batch(None, [2, 0]))
+    slots, kd = torch.tensor([2, 0], dtype=torch.int32), 2 * 16
+    outs = []
+    for layer in range(2):
+        t = inputs(2, seed=10 + layer, s=s)
+        mixed = kernels.conv_decode(layer, t["x"], t["weight"], plan)
+        want_mixed = causal_conv1d_update_ref(t["x"], conv_ref[layer], t["weight"], slots)
+        torch.testing.assert_close(mixed, want_mixed, rtol=1e-5, atol=1e-5)
+        q, k, v = mixed[:, :kd].view(2, 2, 16), mixed[:, kd : 2 * kd].view(2, 2, 16), mixed[:, 2 * kd :].view(2, 4, 16)
+        out = kernels.delta_decode(layer, q, k, v, t["a"], t["b"], t["A_log"], t["dt_bias"], plan)
+        rq, rk, rv = (want_mixed[:, :kd].view(2, 2, 16), want_mixed[:, kd : 2 * kd].view(2, 2, 16),
+                      want_mixed[:, 2 * kd :].view(2, 4, 16))  # fmt: skip
+        want = gated_delta_decode_ref(rq, rk, rv, t["a"], t["b"], t["A_log"], t["dt_bias"], ssm_ref[layer], slots)
+        torch.testing.assert_close(out, want.to(out.dtype), rtol=1e-4, atol=1e-4)
+        outs.append(out)
+    assert made == ["CausalConv1dUpdatePlan", "GatedDeltaDecodePlan"]
+    assert outs[0] is outs[1]  # one output buffer per forward
+    torch.testing.assert_close(kernels.state.conv, conv_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(kernels.state.ssm, ssm_ref, rtol=1e-4, atol=1e-4)

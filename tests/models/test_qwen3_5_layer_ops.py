@@ -101,11 +101,12 @@ class _Counting(TorchDispatchMode):
 def test_launches_per_layer(tiny_dir, monkeypatch):
     """The kernel path of one layer of each kind, with every Triton kernel, the attention backend and the
     linear-attention backend mocked (counted, not run). Gated attention: 4 GEMMs, 5 Triton launches (q/k norm +
-    rotary, the output gate, two add + norm, SiLU * up), the KV write and attention, 6 output allocations. Gated
-    DeltaNet: 4 GEMMs, 4 Triton launches (the gated norm, two add + norm, SiLU * up), the conv and the delta rule, 4
-    output allocations. Nothing else: no copy, no elementwise torch op. Counted as differences between forwards of
-    1, 2 and 3 layers (L, L F, L F L), in prefill and in decode; a change that adds a launch, a torch op or an
-    allocation per layer fails here."""
+    rotary, the output gate, two add + norm, SiLU * up), the KV write and attention. Gated DeltaNet: 4 GEMMs, 4
+    Triton launches (the gated norm, two add + norm, SiLU * up), the conv and the delta rule. Nothing else: no copy,
+    no elementwise torch op, and no allocation but the first gated-attention layer's 3 (q, k and the gate's output:
+    each op's output is allocated once per forward, by the first layer that runs it). Counted as differences between
+    forwards of 1, 2 and 3 layers (L, L F, L F L), in prefill and in decode; a change that adds a launch, a torch op
+    or an allocation per layer fails here."""
     llm = _llm(tiny_dir)
     model = llm.runner.model
     model.use_kernels = True
@@ -151,7 +152,7 @@ def test_launches_per_layer(tiny_dir, monkeypatch):
     for phase in ("prefill", "decode"):
         mixers["full"][phase] = 1
         mixers["linear"].update({f"conv_{phase}": 1, f"delta_{phase}": 1})
-        for kind, (fewer, more), empties in (("full", (1, 2), 6), ("linear", (2, 3), 4)):
+        for kind, (fewer, more), empties in (("full", (1, 2), 3), ("linear", (2, 3), 0)):
             (ops1, launches1), (ops2, launches2) = per_depth[fewer, phase], per_depth[more, phase]
             assert ops2 - ops1 == Counter(mm=4, empty=empties) and not ops1 - ops2, (kind, phase)
             kernels = {"_add_rmsnorm_kernel": 2, "_silu_mul_kernel": 1, **mixers[kind]}

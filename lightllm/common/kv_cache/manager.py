@@ -154,9 +154,10 @@ class KVCacheManager:
             self._last_extend[slot] = True
         return token_idx
 
-    def extend_each(self, slots: Sequence[int]) -> torch.Tensor:
+    def extend_each(self, slots: Sequence[int], write_table: bool = True) -> torch.Tensor:
         """One new token for each of ``slots`` (a decode step): one allocation and one table write for the
-        whole batch instead of one per request. Same return value and errors as ``extend``."""
+        whole batch instead of one per request. Same return value and errors as ``extend``. ``write_table=False``:
+        the caller writes the device table itself (``table[slot, seq_len - 1] = token``, from its staged copy)."""
         for slot in slots:
             self.slots.check_allocated("KVCacheManager.extend_each", slot)
         if len(set(slots)) != len(slots):
@@ -171,7 +172,8 @@ class KVCacheManager:
             token_idx = self._alloc(len(slots))
         if not slots:
             return token_idx
-        self.req_to_token.write_points(torch.tensor(slots), torch.tensor(positions), token_idx)
+        if write_table:
+            self.req_to_token.write_points(torch.tensor(slots), torch.tensor(positions), token_idx)
         for s, p, t in zip(slots, positions, token_idx.tolist()):
             self._held_decode[s].append(t)
             self._seq_lens[s] = p + 1

@@ -13,6 +13,9 @@ import triton
 import triton.language as tl
 
 from lightllm.common.autotuner import PlannedInputs
+from lightllm.kernels.direct_launch import DirectLaunch
+from lightllm.kernels.launch_math import cdiv
+from lightllm.kernels.step_buffer import StepBuffer
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 DEFAULT_CONFIG = {"BLOCK_C": 512, "num_warps": 4}
@@ -41,11 +44,15 @@ def _conv1d_update_kernel(
     tl.store(Y + i_b * stride_yb + cols, y.to(Y.dtype.element_ty), mask=mask)
 
 
+_CONV1D_UPDATE = DirectLaunch(_conv1d_update_kernel)
+
+
 def _launch(x, conv_state, weight, state_idx, out, run_config=None):
     batch, channels = x.shape
     cfg = run_config or DEFAULT_CONFIG
     if batch > 0:
-        _conv1d_update_kernel[(batch, triton.cdiv(channels, cfg["BLOCK_C"]))](
+        _CONV1D_UPDATE.launch(
+            (batch, cdiv(channels, cfg["BLOCK_C"])),
             x, conv_state, weight, state_idx, out, channels,
             x.stride(0), conv_state.stride(0), conv_state.stride(1), out.stride(0),
             K=weight.shape[1], BLOCK_C=cfg["BLOCK_C"], num_warps=cfg["num_warps"],
@@ -59,10 +66,12 @@ class CausalConv1dUpdatePlan:
 
     Args: ``x_shape`` ``[batch, channels]`` and ``dtype`` of x (and the output), ``state_shape``
     ``[slots, K - 1, channels]`` and ``state_dtype`` of every layer's conv state, ``weight_dtype``, ``state_idx``
-    as :func:`causal_conv1d_update`, ``run_config`` (``BLOCK_C``, ``num_warps``; default ``DEFAULT_CONFIG``).
+    as :func:`causal_conv1d_update`, ``run_config`` (``BLOCK_C``, ``num_warps``; default ``DEFAULT_CONFIG``);
+    ``reuse_outputs``: every run without ``out`` writes the same output tensor (``kernels/step_buffer.py``).
     """
 
-    def __init__(self, x_shape, dtype, state_shape, state_dtype, weight_dtype, state_idx, run_config=None):
+    def __init__(self, x_shape, dtype, state_shape, state_dtype, weight_dtype, state_idx, run_config=None,
+                 reuse_outputs=False):  # fmt: skip
         x_shape, state_shape = torch.Size(x_shape), torch.Size(state_shape)
         _check_plan(x_shape, dtype, state_shape, state_dtype, weight_dtype, state_idx, run_config)
         channels, taps = x_shape[1], state_shape[1] + 1
@@ -73,6 +82,7 @@ class CausalConv1dUpdatePlan:
             conv_state=(state_shape, state_dtype),
             weight=(torch.Size((channels, taps)), weight_dtype),
         )
+        self._out = StepBuffer(x_shape, dtype, reuse_outputs)
 
     def run(self, x, conv_state, weight, out=None) -> torch.Tensor:
         self.inputs.check((x.shape, x.dtype), (conv_state.shape, conv_state.dtype), (weight.shape, weight.dtype))
@@ -83,7 +93,7 @@ class CausalConv1dUpdatePlan:
         if not weight.is_contiguous():
             raise ValueError(f"causal conv1d update: weight expected contiguous, got strides {weight.stride()}")
         if out is None:
-            out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+            out = self._out.get(x.device)
         elif out.shape != x.shape or out.dtype != x.dtype or out.stride(-1) != 1:
             raise ValueError(f"causal conv1d update: out expected a {tuple(x.shape)} {x.dtype} tensor with a "
                              f"contiguous last dim, got {tuple(out.shape)} {out.dtype}")  # fmt: skip

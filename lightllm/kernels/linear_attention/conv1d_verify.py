@@ -18,6 +18,7 @@ from lightllm.common.autotuner import PlannedInputs
 from lightllm.kernels.launch_math import cdiv, next_power_of_2
 from lightllm.kernels.linear_attention.conv1d_update import DEFAULT_CONFIG, DTYPES
 from lightllm.kernels.linear_attention.gated_delta_verify import TOKENS
+from lightllm.kernels.direct_launch import DirectLaunch
 
 _WARPS = (1, 2, 4, 8, 16)
 
@@ -58,12 +59,16 @@ def _conv1d_verify_kernel(
                  mask=keep)  # fmt: skip
 
 
+_CONV1D_VERIFY = DirectLaunch(_conv1d_verify_kernel)
+
+
 def _launch(x, conv_state, weight, src_idx, dst_idx, out, run_config=None):
     batch, tokens, channels = x.shape
     taps = weight.shape[1]
     cfg = run_config or DEFAULT_CONFIG
     if batch > 0:
-        _conv1d_verify_kernel[(batch, cdiv(channels, cfg["BLOCK_C"]))](
+        _CONV1D_VERIFY.launch(
+            (batch, cdiv(channels, cfg["BLOCK_C"])),
             x, conv_state, weight, src_idx, dst_idx, out, channels,
             x.stride(0), x.stride(1), conv_state.stride(0), conv_state.stride(1), dst_idx.stride(0),
             out.stride(0), out.stride(1),

@@ -19,6 +19,8 @@ import triton.language as tl
 
 from lightllm.common.autotuner import AutotuneKernelType, PlannedInputs, autotune
 from lightllm.kernels.linear_attention.checks import check_devices, fail, run_output
+from lightllm.kernels.direct_launch import DirectLaunch
+from lightllm.kernels.step_buffer import StepBuffer
 
 HEAD_DIMS = (16, 32, 64, 128, 256)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -67,6 +69,9 @@ def _gated_delta_decode_kernel(
     tl.store(OUT + i_b * stride_ob + i_hv * stride_oh + offs_v, o.to(OUT.dtype.element_ty))
 
 
+_GATED_DELTA_DECODE = DirectLaunch(_gated_delta_decode_kernel)
+
+
 def default_config(head_v_dim: int) -> dict:
     return {"BV": min(32, head_v_dim), "num_warps": 4}
 
@@ -76,7 +81,8 @@ def _launch(q, k, v, a, b, A_log, dt_bias, ssm_state, state_idx, out, run_config
     v_heads, head_v_dim = v.shape[1:]
     cfg = run_config or default_config(head_v_dim)
     if batch > 0:
-        _gated_delta_decode_kernel[(batch, v_heads, head_v_dim // cfg["BV"])](
+        _GATED_DELTA_DECODE.launch(
+            (batch, v_heads, head_v_dim // cfg["BV"]),
             q, k, v, a, b, A_log, dt_bias, ssm_state, state_idx, out,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),
             ssm_state.stride(0), out.stride(0), out.stride(1),
@@ -153,11 +159,12 @@ class GatedDeltaDecodePlan:
     Args: ``q_shape`` ``[batch, k_heads, head_k_dim]`` (also k's), ``v_shape`` ``[batch, v_heads, head_v_dim]``,
     ``dtype`` of q/k/v (and of the output), ``state_shape`` ``[slots, v_heads, head_k_dim, head_v_dim]`` and
     ``state_dtype`` of every layer's pool, ``state_idx`` as :func:`gated_delta_decode`, ``gate_dtype`` of a/b
-    (default ``dtype``), ``run_config`` to launch one config untuned.
+    (default ``dtype``), ``run_config`` to launch one config untuned; ``reuse_outputs``: every run without ``out``
+    writes the same output tensor (``kernels/step_buffer.py``).
     """
 
     def __init__(self, q_shape, v_shape, dtype, state_shape, state_dtype, state_idx, gate_dtype=None,
-                 run_config=None):  # fmt: skip
+                 run_config=None, reuse_outputs=False):  # fmt: skip
         q_shape, v_shape, state_shape = torch.Size(q_shape), torch.Size(v_shape), torch.Size(state_shape)
         gate_dtype = gate_dtype or dtype
         _check_plan(q_shape, v_shape, dtype, state_shape, state_dtype, state_idx, gate_dtype, run_config)
@@ -176,12 +183,14 @@ class GatedDeltaDecodePlan:
             ssm_state=(state_shape, state_dtype),
         )
         self._tuned = _launch_gated_delta_decode.plan(run_config=run_config)
+        self._out = StepBuffer(v_shape, dtype, reuse_outputs)
 
     def run(self, q, k, v, a, b, A_log, dt_bias, ssm_state, out=None) -> torch.Tensor:
         self.inputs.check(
             (q.shape, q.dtype), (k.shape, k.dtype), (v.shape, v.dtype), (a.shape, a.dtype), (b.shape, b.dtype),
             (A_log.shape,), (dt_bias.shape,), (ssm_state.shape, ssm_state.dtype),
         )  # fmt: skip
+        out = self._out.get(q.device) if out is None else out
         out = run_output(_KERNEL, q, k, v, a, b, A_log, dt_bias, ssm_state, self.slot_strides, out)
         return self._tuned.run(q, k, v, a, b, A_log, dt_bias, ssm_state, self.state_idx, out)
 

@@ -23,6 +23,7 @@ from lightllm.common.autotuner import AutotuneKernelType, PlannedInputs, autotun
 from lightllm.kernels.launch_math import cdiv
 from lightllm.kernels.linear_attention.checks import check_devices, fail, run_output
 from lightllm.kernels.linear_attention.gated_delta_decode import BLOCK_VS, DTYPES, HEAD_DIMS, NUM_WARPS, STATE_DTYPES
+from lightllm.kernels.direct_launch import DirectLaunch
 
 TOKENS = (2, 3, 4, 5)  # N + 1 for --mtp_step 1-4
 BATCH_BUCKET = 4  # run keys round the batch up to a multiple of this
@@ -72,6 +73,9 @@ def _gated_delta_verify_kernel(
         s = stored.to(tl.float32)  # the next token starts from the stored state, as a plain decode step would
 
 
+_GATED_DELTA_VERIFY = DirectLaunch(_gated_delta_verify_kernel)
+
+
 def default_config(head_v_dim: int) -> dict:
     return {"BV": min(32, head_v_dim), "num_warps": 4}
 
@@ -81,7 +85,8 @@ def _launch(q, k, v, a, b, A_log, dt_bias, ssm_state, src_idx, dst_idx, out, run
     v_heads, head_v_dim = v.shape[2:]
     cfg = run_config or default_config(head_v_dim)
     if batch > 0:
-        _gated_delta_verify_kernel[(batch, v_heads, head_v_dim // cfg["BV"])](
+        _GATED_DELTA_VERIFY.launch(
+            (batch, v_heads, head_v_dim // cfg["BV"]),
             q, k, v, a, b, A_log, dt_bias, ssm_state, src_idx, dst_idx, out,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), a.stride(0), a.stride(1), b.stride(0), b.stride(1),

@@ -16,6 +16,8 @@ import triton.language as tl
 from lightllm.common.autotuner import AutotuneKernelType, PlannedInputs, autotune
 from lightllm.kernels.norm.rmsnorm import scale_normed, rmsnorm_ref
 from lightllm.kernels.launch_math import next_power_of_2
+from lightllm.kernels.direct_launch import DirectLaunch
+from lightllm.kernels.step_buffer import StepBuffer
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -57,6 +59,9 @@ def _add_rmsnorm_kernel(R, X, W, Y, stride_r, stride_x, stride_y, N, eps, BLOCK_
             tl.store(y_row + off + cols, y.to(Y.dtype.element_ty), mask=mask)
 
 
+_ADD_RMSNORM = DirectLaunch(_add_rmsnorm_kernel)
+
+
 def _configs(residual):
     full = next_power_of_2(residual.shape[-1])
     blocks = sorted({min(b, full) for b in (256, 1024, 4096, full) if b <= 16384})
@@ -91,7 +96,8 @@ def _launch_add_rmsnorm(residual, x, weight, eps, out, run_config=None):
     cfg = run_config or _default_config(n)
     block = cfg["BLOCK_N"]
     if residual.shape[0] > 0:
-        _add_rmsnorm_kernel[(residual.shape[0],)](
+        _ADD_RMSNORM.launch(
+            (residual.shape[0],),
             residual, x, weight, out, residual.stride(0), x.stride(0), out.stride(0), n, eps, block, block >= n,
             num_warps=cfg["num_warps"],
         )  # fmt: skip
@@ -104,11 +110,12 @@ class AddRMSNormPlan:
     checks only what a layer can change: shapes, dtypes, last-dim strides.
 
     Args: ``shape`` ``(rows, N)`` and ``dtype`` of ``residual`` and ``x``; ``eps``; ``run_config`` bypasses
-    tuning; ``weight_dtype`` (default ``dtype``) is part of the tuning key.
+    tuning; ``weight_dtype`` (default ``dtype``) is part of the tuning key; ``reuse_outputs``: every run without
+    ``out`` writes the same output tensor (``kernels/step_buffer.py``).
     """
 
     def __init__(self, shape: Tuple[int, int], dtype: torch.dtype, eps: float = 1e-6, run_config=None,
-                 weight_dtype: Optional[torch.dtype] = None):  # fmt: skip
+                 weight_dtype: Optional[torch.dtype] = None, reuse_outputs: bool = False):  # fmt: skip
         weight_dtype = weight_dtype or dtype
         if dtype not in _DTYPES or len(shape) != 2:
             raise ValueError(f"add_rmsnorm plan: residual expected a [rows, N] tensor of {_DTYPES}, got "
@@ -119,6 +126,7 @@ class AddRMSNormPlan:
             "add_rmsnorm", residual=(shape, dtype), x=(shape, dtype), weight=(shape[-1:], weight_dtype)
         )
         self._tuned = _launch_add_rmsnorm.plan(run_config=run_config)
+        self._out = StepBuffer(shape, dtype, reuse_outputs)
 
     def run(self, residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, out=None) -> torch.Tensor:
         self.inputs.check((residual.shape, residual.dtype), (x.shape, x.dtype), (weight.shape, weight.dtype))
@@ -126,7 +134,7 @@ class AddRMSNormPlan:
             raise ValueError(f"add_rmsnorm: residual and x expected a contiguous last dim, got strides "
                              f"{residual.stride()} and {x.stride()}")  # fmt: skip
         if out is None:
-            out = torch.empty(residual.shape, dtype=residual.dtype, device=residual.device)
+            out = self._out.get(residual.device)
         elif out.shape != residual.shape or out.dtype != residual.dtype or out.stride(-1) != 1:
             raise ValueError(
                 f"add_rmsnorm: out expected a {tuple(residual.shape)} {residual.dtype} tensor with a "

@@ -16,6 +16,8 @@ import triton.language as tl
 
 from lightllm.common.autotuner import AutotuneKernelType, PlannedInputs, autotune
 from lightllm.kernels.launch_math import cdiv, next_power_of_2
+from lightllm.kernels.direct_launch import DirectLaunch
+from lightllm.kernels.step_buffer import StepBuffer
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -37,6 +39,9 @@ def _gated_rmsnorm_kernel(X, Z, W, Out, stride_xt, stride_xh, stride_zt, stride_
     scaled = (w * (x * rstd).to(dt)).to(tl.float32)  # promoted as in torch: rounded to dt unless w is float32
     y = (scaled * (z / (1.0 + tl.exp(-z)))).to(dt)
     tl.store(Out + t * (HEADS * D) + h[:, None] * D + d[None, :], y.to(Out.dtype.element_ty), mask=mask)
+
+
+_GATED_RMSNORM = DirectLaunch(_gated_rmsnorm_kernel)
 
 
 def _configs(out):
@@ -70,8 +75,8 @@ def _launch_gated_rmsnorm(x, z, weight, eps, out, run_config=None):
     cfg = run_config or _default_config(heads)
     if rows > 0:
         grid = (rows, cdiv(heads, cfg["BLOCK_H"]))
-        _gated_rmsnorm_kernel[grid](x, z, weight, out, x.stride(0), x.stride(1), z.stride(0), z.stride(1), eps, heads,
-                                    d, cfg["BLOCK_H"], next_power_of_2(d), num_warps=cfg["num_warps"])  # fmt: skip
+        _GATED_RMSNORM.launch(grid, x, z, weight, out, x.stride(0), x.stride(1), z.stride(0), z.stride(1), eps, heads,
+                              d, cfg["BLOCK_H"], next_power_of_2(d), num_warps=cfg["num_warps"])  # fmt: skip
     return out
 
 
@@ -80,11 +85,12 @@ class GatedRMSNormPlan:
     the tuned config resolved at the first :meth:`run`, which checks only what a layer can change.
 
     Args: ``rows``, ``heads``, ``head_dim`` and ``dtype`` of x and z; ``eps``; ``run_config`` bypasses tuning;
-    ``weight_dtype`` (default ``dtype``) is part of the tuning key.
+    ``weight_dtype`` (default ``dtype``) is part of the tuning key; ``reuse_outputs``: every run writes the same
+    output tensor (``kernels/step_buffer.py``).
     """
 
     def __init__(self, rows: int, heads: int, head_dim: int, dtype: torch.dtype, eps: float = 1e-6, run_config=None,
-                 weight_dtype: Optional[torch.dtype] = None):  # fmt: skip
+                 weight_dtype: Optional[torch.dtype] = None, reuse_outputs: bool = False):  # fmt: skip
         weight_dtype = weight_dtype or dtype
         if dtype not in _DTYPES or weight_dtype not in _DTYPES or rows < 0 or min(heads, head_dim) < 1:
             raise ValueError(f"gated_rmsnorm plan: expected rows >= 0, heads and head_dim >= 1 and dtypes in "
@@ -94,15 +100,15 @@ class GatedRMSNormPlan:
         self.inputs = PlannedInputs("gated_rmsnorm", x=(shape, dtype), z=(shape, dtype),
                                     weight=(shape[-1:], weight_dtype))  # fmt: skip
         self._tuned = _launch_gated_rmsnorm.plan(run_config=run_config)
+        self._out = StepBuffer(shape, dtype, reuse_outputs)
 
     def run(self, x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """A new contiguous ``[rows, heads, D]`` tensor; x, z and weight are read only."""
+        """A contiguous ``[rows, heads, D]`` tensor (new, or the plan's own with ``reuse_outputs``)."""
         self.inputs.check((x.shape, x.dtype), (z.shape, z.dtype), (weight.shape, weight.dtype))
         if x.stride(-1) != 1 or z.stride(-1) != 1 or weight.stride(0) != 1:
             raise ValueError(f"gated_rmsnorm: x, z and weight expected a contiguous last dim, got strides "
                              f"{x.stride()}, {z.stride()} and {weight.stride()}")  # fmt: skip
-        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        return self._tuned.run(x, z, weight, self.eps, out)
+        return self._tuned.run(x, z, weight, self.eps, self._out.get(x.device))
 
 
 def gated_rmsnorm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,

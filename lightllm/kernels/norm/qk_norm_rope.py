@@ -21,6 +21,8 @@ import triton.language as tl
 from lightllm.common.autotuner import AutotuneKernelType, PlannedInputs, autotune
 from lightllm.kernels.norm.rmsnorm import rmsnorm_ref, scale_normed
 from lightllm.kernels.launch_math import cdiv, next_power_of_2
+from lightllm.kernels.direct_launch import DirectLaunch
+from lightllm.kernels.step_buffer import StepBuffer
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _POSITION_DTYPES = (torch.int32, torch.int64)
@@ -67,6 +69,9 @@ def _qk_norm_rope_kernel(QKV, QW, KW, Cos, Sin, Pos, Q, K, stride_qkv, stride_cs
     tl.store(k_ptr, y.to(K.dtype.element_ty), mask=mask & (h >= Q_HEADS)[:, None])
 
 
+_QK_NORM_ROPE = DirectLaunch(_qk_norm_rope_kernel)
+
+
 def _configs(q_out, k_out):
     heads = next_power_of_2(q_out.shape[1] + k_out.shape[1])
     return [{"BLOCK_H": b, "num_warps": w} for b in (1, 2, 4, 8, 16) if b <= heads for w in (1, 2, 4, 8)]
@@ -105,9 +110,9 @@ def _launch_qk_norm_rope(qkv, q_weight, k_weight, cos, sin, positions, eps, q_ou
     if tokens > 0:
         grid = (tokens, cdiv(heads, cfg["BLOCK_H"]))
         q_width = (qkv.shape[-1] - 2 * kv_heads * d) // q_heads  # d, or 2 * d with the gate beside each q head
-        _qk_norm_rope_kernel[grid](qkv, q_weight, k_weight, cos, sin, positions, q_out, k_out, qkv.stride(0),
-                                   cos.stride(0), eps, q_heads, heads, d, q_width, cos.shape[-1], cfg["BLOCK_H"],
-                                   next_power_of_2(d), num_warps=cfg["num_warps"])  # fmt: skip
+        _QK_NORM_ROPE.launch(grid, qkv, q_weight, k_weight, cos, sin, positions, q_out, k_out, qkv.stride(0),
+                             cos.stride(0), eps, q_heads, heads, d, q_width, cos.shape[-1], cfg["BLOCK_H"],
+                             next_power_of_2(d), num_warps=cfg["num_warps"])  # fmt: skip
     return q_out, k_out
 
 
@@ -126,11 +131,13 @@ class QKNormRopePlan:
         eps: the norm's epsilon; ``run_config`` bypasses tuning.
         gated: each q head of qkv is ``[query | gate]``, ``2 * head_dim`` wide (Qwen3.5's gated attention).
         weight_dtype: the norm weights' dtype (default ``dtype``); float32 scales before the cast (Qwen3.5).
+        reuse_outputs: every run writes the same ``q`` and ``k`` tensors (``kernels/step_buffer.py``).
     """
 
     def __init__(self, tokens: int, q_heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
                  cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, eps: float = 1e-6,
-                 run_config=None, gated: bool = False, weight_dtype: Optional[torch.dtype] = None):  # fmt: skip
+                 run_config=None, gated: bool = False, weight_dtype: Optional[torch.dtype] = None,
+                 reuse_outputs: bool = False):  # fmt: skip
         weight_dtype = weight_dtype or dtype
         if dtype not in _DTYPES or weight_dtype not in _DTYPES:
             raise ValueError(f"qk_norm_rope plan: dtype and weight_dtype expected one of {_DTYPES}, got {dtype} and "
@@ -156,15 +163,16 @@ class QKNormRopePlan:
         self.inputs = PlannedInputs("qk_norm_rope", qkv=(torch.Size((tokens, width)), dtype), q_weight=weight,
                                     k_weight=weight)  # fmt: skip
         self._tuned = _launch_qk_norm_rope.plan(run_config=run_config)
+        self._q = StepBuffer(self.q_shape, dtype, reuse_outputs)
+        self._k = StepBuffer(self.k_shape, dtype, reuse_outputs)
 
     def run(self, qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor) -> Tuple[torch.Tensor, ...]:
-        """``(q, k)``, new contiguous tensors; qkv is read only."""
+        """``(q, k)``, contiguous tensors (new, or the plan's own with ``reuse_outputs``); qkv is read only."""
         self.inputs.check((qkv.shape, qkv.dtype), (q_weight.shape, q_weight.dtype), (k_weight.shape, k_weight.dtype))
         if qkv.stride(-1) != 1 or q_weight.stride(0) != 1 or k_weight.stride(0) != 1:
             raise ValueError(f"qk_norm_rope: qkv and the norm weights expected a contiguous last dim, got strides "
                              f"{qkv.stride()}, {q_weight.stride()}, {k_weight.stride()}")  # fmt: skip
-        q = torch.empty(self.q_shape, dtype=qkv.dtype, device=qkv.device)
-        k = torch.empty(self.k_shape, dtype=qkv.dtype, device=qkv.device)
+        q, k = self._q.get(qkv.device), self._k.get(qkv.device)
         return self._tuned.run(qkv, q_weight, k_weight, self.cos, self.sin, self.positions, self.eps, q, k)
 
 

@@ -17,6 +17,8 @@ import triton.language as tl
 
 from lightllm.common.autotuner import AutotuneKernelType, PlannedInputs, autotune
 from lightllm.kernels.launch_math import next_power_of_2
+from lightllm.kernels.direct_launch import DirectLaunch
+from lightllm.kernels.step_buffer import StepBuffer
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -62,6 +64,9 @@ def _rmsnorm_kernel(X, W, Y, stride_x, stride_y, N, eps, BLOCK_N: tl.constexpr, 
             )
 
 
+_RMSNORM = DirectLaunch(_rmsnorm_kernel)
+
+
 def _configs(x):
     full = next_power_of_2(x.shape[-1])
     blocks = sorted({min(b, full) for b in (256, 1024, 4096, full) if b <= 16384})
@@ -97,8 +102,18 @@ def _launch_rmsnorm(x, weight, eps, out, run_config=None):
     cfg = run_config or _default_config(n)
     block = cfg["BLOCK_N"]
     if x2.shape[0] > 0:
-        _rmsnorm_kernel[(x2.shape[0],)](
-            x2, weight, y2, x2.stride(0), y2.stride(0), n, eps, block, block >= n, num_warps=cfg["num_warps"]
+        _RMSNORM.launch(
+            (x2.shape[0],),
+            x2,
+            weight,
+            y2,
+            x2.stride(0),
+            y2.stride(0),
+            n,
+            eps,
+            block,
+            block >= n,
+            num_warps=cfg["num_warps"],
         )
     return out
 
@@ -109,11 +124,12 @@ class RMSNormPlan:
     runs with them. ``run`` checks only what can change between layers: shape, dtype, last-dim stride, weight.
 
     Args: ``shape`` and ``dtype`` of ``x``; ``eps`` and ``run_config`` as :func:`rmsnorm`; ``weight_dtype``
-    (default ``dtype``): the weights' dtype is part of the tuning key, so a layer with another is refused.
+    (default ``dtype``): the weights' dtype is part of the tuning key, so a layer with another is refused;
+    ``reuse_outputs``: every run without ``out`` writes the same output tensor (``kernels/step_buffer.py``).
     """
 
     def __init__(self, shape: Tuple[int, ...], dtype: torch.dtype, eps: float = 1e-6, run_config=None,
-                 weight_dtype: Optional[torch.dtype] = None):  # fmt: skip
+                 weight_dtype: Optional[torch.dtype] = None, reuse_outputs: bool = False):  # fmt: skip
         weight_dtype = weight_dtype or dtype  # a model's norm weights share its dtype
         if dtype not in _DTYPES or len(shape) < 1:
             raise ValueError(f"rmsnorm plan: x expected a [..., N] tensor of {_DTYPES}, got {tuple(shape)} {dtype}")
@@ -122,13 +138,14 @@ class RMSNormPlan:
             "rmsnorm", x=(torch.Size(shape), dtype), weight=(torch.Size(shape[-1:]), weight_dtype)
         )
         self._tuned = _launch_rmsnorm.plan(run_config=run_config)
+        self._out = StepBuffer(shape, dtype, reuse_outputs)
 
     def run(self, x: torch.Tensor, weight: torch.Tensor, out=None) -> torch.Tensor:
         self.inputs.check((x.shape, x.dtype), (weight.shape, weight.dtype))
         if x.stride(-1) != 1:
             raise ValueError(f"rmsnorm: x expected a contiguous last dim, got strides {x.stride()}")
         if out is None:
-            out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+            out = self._out.get(x.device)
         elif out.shape != x.shape or out.dtype != x.dtype or not out.is_contiguous():
             raise ValueError(f"rmsnorm: out must be a contiguous {tuple(x.shape)} {x.dtype} tensor")
         return self._tuned.run(x, weight, self.eps, out)

@@ -73,13 +73,15 @@ class Qwen3Model:
                 silu_mul=silu_mul_ref,
                 final_add_norm=add_norm,
             )
-        hidden = self.config.hidden_size
-        add_norm = AddRMSNormPlan((tokens, hidden), dtype, eps).run
+        # Each layer consumes an op's outputs before the next layer's run: one output buffer per op and forward.
+        hidden, reuse = self.config.hidden_size, dict(reuse_outputs=True)
+        add_norm = AddRMSNormPlan((tokens, hidden), dtype, eps, **reuse).run
         final = add_norm if rows_out == tokens else AddRMSNormPlan((rows_out, hidden), dtype, eps).run
         qk = QKNormRopePlan(tokens, self.heads, self.kv_heads, self.config.head_dim, dtype, self._cos, self._sin,
-                            positions, eps)  # fmt: skip
+                            positions, eps, **reuse)  # fmt: skip
         return LayerOps(norm=RMSNormPlan((tokens, hidden), dtype, eps).run, qk_norm_rope=qk.run, add_norm=add_norm,
-                        silu_mul=SiluMulPlan(tokens, self.intermediate, dtype).run, final_add_norm=final)  # fmt: skip
+                        silu_mul=SiluMulPlan(tokens, self.intermediate, dtype, **reuse).run,
+                        final_add_norm=final)  # fmt: skip
 
     def plan_step(self, tokens: int, state: InferState) -> LayerOps:
         """Everything one forward plans before its first layer: the attention plan (set on ``state``, from the

@@ -124,20 +124,21 @@ class Qwen3_5Model:
                             final_add_norm=add_norm, qk_norm_rope=qk_norm_rope, attn_gate=sigmoid_gate_mul_ref,
                             gated_norm=lambda o, z, weight: gated_rmsnorm_ref(o, z, weight, eps),
                             silu_mul=silu_mul_ref)  # fmt: skip
-        hidden = (tokens, c.hidden_size)
-        add_norm = AddRMSNormPlan(hidden, dtype, eps, weight_dtype=f32).run
+        # Each layer consumes an op's outputs before the next layer's run: one output buffer per op and forward.
+        hidden, reuse = (tokens, c.hidden_size), dict(reuse_outputs=True)
+        add_norm = AddRMSNormPlan(hidden, dtype, eps, weight_dtype=f32, **reuse).run
         final = add_norm if rows_out == tokens else AddRMSNormPlan((rows_out, c.hidden_size), dtype, eps,
                                                                    weight_dtype=f32).run  # fmt: skip
         qk = QKNormRopePlan(tokens, heads, kv_heads, c.head_dim, dtype, self._cos, self._sin, positions, eps,
-                            gated=True, weight_dtype=f32)  # fmt: skip
+                            gated=True, weight_dtype=f32, **reuse)  # fmt: skip
         return LayerOps(
             norm=RMSNormPlan(hidden, dtype, eps, weight_dtype=f32).run,
             add_norm=add_norm,
             final_add_norm=final,
             qk_norm_rope=qk.run,
-            attn_gate=SigmoidGatePlan(tokens, heads, c.head_dim, dtype).run,
-            gated_norm=GatedRMSNormPlan(tokens, s.value_heads, s.value_dim, dtype, eps).run,
-            silu_mul=SiluMulPlan(tokens, self.intermediate, dtype).run,
+            attn_gate=SigmoidGatePlan(tokens, heads, c.head_dim, dtype, **reuse).run,
+            gated_norm=GatedRMSNormPlan(tokens, s.value_heads, s.value_dim, dtype, eps, **reuse).run,
+            silu_mul=SiluMulPlan(tokens, self.intermediate, dtype, **reuse).run,
         )
 
     def plan_step(self, tokens: int, state: InferState) -> Tuple[LayerOps, LinearAttentionPlan]:

@@ -220,3 +220,15 @@ def test_contiguous_slots_layout():
     assert m.extend(c, 2).tolist() == [c * 16, c * 16 + 1]
     with pytest.raises(ValueError, match="num_tokens expected max_reqs \\* max_len = 64"):
         KVCacheManager(63, max_reqs=4, max_len=16, device="cpu", contiguous_slots=True)
+
+
+def test_extend_each_can_leave_the_table_write_to_the_caller():
+    """A staged decode step writes the new slots into the device table from its staged copy (no transfer of its
+    own): extend_each(write_table=False) does the bookkeeping and leaves the table as it was."""
+    m = KVCacheManager(16, max_reqs=2, max_len=8, device="cpu")
+    a, b = m.add_request(), m.add_request()
+    m.extend(a, 2)
+    before = m.table.clone()
+    new = m.extend_each([a, b], write_table=False)
+    assert [m.seq_len(s) for s in (a, b)] == [3, 1] and new.numel() == 2
+    assert torch.equal(m.table, before)

@@ -14,7 +14,6 @@ from functools import lru_cache
 from typing import Optional
 
 import torch
-import triton
 
 from lightllm.common.autotuner import AutotuneKernelType, PlannedInputs, autotune
 from lightllm.common.kv_cache.quant import INT4_OFFSET, SCALE_DTYPE
@@ -26,6 +25,12 @@ from lightllm.kernels.attention.decode.tuning import (
 )
 from lightllm.kernels.attention.decode.stage1 import decode_stage1_kernel
 from lightllm.kernels.attention.decode.stage2 import decode_stage2_kernel
+from lightllm.kernels.direct_launch import DirectLaunch
+from lightllm.kernels.launch_math import cdiv, next_power_of_2
+from lightllm.kernels.step_buffer import StepBuffer
+
+_STAGE1 = DirectLaunch(decode_stage1_kernel)
+_STAGE2 = DirectLaunch(decode_stage2_kernel)
 
 HEAD_DIMS = (64, 128, 256)
 Q_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -43,8 +48,8 @@ def _num_sms(device: torch.device) -> int:
 def num_splits(batch: int, kv_heads: int, max_len_in_batch: int, block_seq: int, waves: int, device) -> int:
     """Split programs per (request, KV head): about ``waves`` programs per SM, never more than the chunks of
     the longest request the launch must serve (the graph's maximum when captured)."""
-    max_chunks = max(1, triton.cdiv(max_len_in_batch, block_seq))
-    want = triton.cdiv(waves * _num_sms(device), batch * kv_heads)
+    max_chunks = max(1, cdiv(max_len_in_batch, block_seq))
+    want = cdiv(waves * _num_sms(device), batch * kv_heads)
     return max(1, min(want, max_chunks))
 
 
@@ -67,6 +72,7 @@ def _launch_split_kv(
     block_seq,
     quant,
     quant_group,
+    scratch=None,
     run_config=None,
 ):
     batch, q_heads, head_dim = q.shape
@@ -74,12 +80,12 @@ def _launch_split_kv(
     group = q_heads // kv_heads
     cfg = run_config or default_config(head_dim)
     splits = num_splits(batch, kv_heads, max_len_in_batch, block_seq, cfg["WAVES"], q.device)
-    mid_o = torch.empty((batch, q_heads, splits, head_dim), dtype=torch.float32, device=q.device)
-    mid_lse = torch.empty((batch, q_heads, splits), dtype=torch.float32, device=q.device)
+    mid_o, mid_lse = split_partials(scratch, (batch, q_heads, splits, head_dim), q.device)
     ks = k_scale if k_scale is not None else k_cache
     vs = v_scale if v_scale is not None else v_cache
     if batch > 0:
-        decode_stage1_kernel[(batch, kv_heads, splits)](
+        _STAGE1.launch(
+            (batch, kv_heads, splits),
             q, k_cache, v_cache, ks, vs, req_to_token, b_req_idx, b_seq_len, mid_o, mid_lse,
             sm_scale * 1.4426950408889634,
             q.stride(0), q.stride(1),
@@ -87,7 +93,7 @@ def _launch_split_kv(
             ks.stride(0), ks.stride(1), vs.stride(0), vs.stride(1),
             req_to_token.stride(0),
             mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
-            GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HALF_D=head_dim // 2,
+            GROUP=group, BLOCK_H=max(16, next_power_of_2(group)), HALF_D=head_dim // 2,
             BLOCK_SEQ=block_seq, BLOCK_N=cfg["BLOCK_N"], QUANT=_QUANT_BITS[quant], QGROUP=quant_group,
             INT4_OFFSET=INT4_OFFSET,
             PRECISION="ieee" if q.dtype == torch.float32 else None,
@@ -97,11 +103,24 @@ def _launch_split_kv(
     return out
 
 
+def split_partials(scratch: Optional[dict], shape: tuple, device) -> tuple:
+    """Stage 1's float32 partial outputs ``shape`` ``[batch, q_heads, splits, D]`` and their log-sum-exps: new, or
+    (``scratch``: a plan's dict, keyed by shape since the split count follows the config) made once per plan."""
+    found = None if scratch is None else scratch.get(shape)
+    if found is None:
+        found = (torch.empty(shape, dtype=torch.float32, device=device),
+                 torch.empty(shape[:3], dtype=torch.float32, device=device))  # fmt: skip
+        if scratch is not None:
+            scratch[shape] = found
+    return found
+
+
 def launch_stage2(mid_o, mid_lse, b_seq_len, out, block_seq: int, num_warps: Optional[int] = None) -> None:
     """Merge ``mid_o [batch, q_heads, splits, D]`` / ``mid_lse`` into ``out [batch, q_heads, D]`` (not tuned:
     it takes a few microseconds whatever its warps, docs/decode_attention.md)."""
     batch, q_heads, splits, head_dim = mid_o.shape
-    decode_stage2_kernel[(batch, q_heads)](
+    _STAGE2.launch(
+        (batch, q_heads),
         mid_o, mid_lse, b_seq_len, out,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1), splits,
@@ -175,12 +194,14 @@ class GQADecodePlan:
 
     Args: ``kv`` (``"none"``, ``"int8"`` or ``"int4"``), ``q_shape`` ``[batch, q_heads, head_dim]`` and
     ``q_dtype`` for ``q``, any layer's ``k_cache``/``v_cache`` (and, quantized, ``k_scale``/``v_scale`` and
-    ``quant_group``); the rest as :func:`gqa_decode_attention`.
+    ``quant_group``); the rest as :func:`gqa_decode_attention`. ``reuse_outputs``: every run without ``out`` writes
+    the same output, and every run the same split partials (``kernels/step_buffer.py``).
     """
 
     def __init__(
         self, kv, q_shape, q_dtype, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len, max_len_in_batch,
         k_scale=None, v_scale=None, sm_scale=None, block_seq=DEFAULT_BLOCK_SEQ, quant_group=8, run_config=None,
+        reuse_outputs=False,
     ):  # fmt: skip
         if kv not in _LAUNCHERS:
             raise ValueError(f"gqa decode attention: kv expected one of {tuple(_LAUNCHERS)}, got {kv!r}")
@@ -196,6 +217,8 @@ class GQADecodePlan:
             f"gqa decode attention ({kv} KV)", q=(q_shape, q_dtype), k_cache=(k_cache.shape, k_cache.dtype)
         )
         self._tuned = _LAUNCHERS[kv].plan(run_config=run_config)
+        self._out = StepBuffer(q_shape, q_dtype, reuse_outputs)
+        self._scratch = {} if reuse_outputs else None
 
     def run(self, q, k_cache, v_cache, k_scale=None, v_scale=None, out=None) -> torch.Tensor:
         self.inputs.check((q.shape, q.dtype), (k_cache.shape, k_cache.dtype))
@@ -203,13 +226,13 @@ class GQADecodePlan:
             raise ValueError(f"gqa decode attention ({self.kv} KV): q expected a contiguous last dim, got strides "
                              f"{q.stride()}")  # fmt: skip
         if out is None:
-            out = torch.empty_like(q)
+            out = self._out.get(q.device)
         elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
             raise ValueError(f"gqa decode attention ({self.kv} KV): out expected a {tuple(q.shape)} {q.dtype} "
                              f"tensor, got {tuple(out.shape)} {out.dtype}")  # fmt: skip
         return self._tuned.run(q, k_cache, v_cache, k_scale, v_scale, self.req_to_token, self.b_req_idx,
                                self.b_seq_len, self.max_len_in_batch, out, self.sm_scale, self.block_seq, self.kv,
-                               self.quant_group)  # fmt: skip
+                               self.quant_group, self._scratch)  # fmt: skip
 
 
 def gqa_decode_attention(

@@ -27,6 +27,10 @@ from lightllm.kernels.attention.decode.tuning import (
     round_up_kv_len,
 )
 from lightllm.kernels.launch_math import next_power_of_2
+from lightllm.kernels.direct_launch import DirectLaunch
+
+_MTP_STAGE1 = DirectLaunch(mtp_diverse_stage1_kernel)
+_MTP_STAGE2 = DirectLaunch(mtp_diverse_stage2_kernel)
 
 MAX_MTP_STEP = 4  # --mtp_step takes 1..4: q_len is 2..5 (1 is plain decode, accepted too)
 MAX_GROUP = 8  # query heads per KV head: the stage-1 tile holds q_len x group rows (at most 40, padded to 64)
@@ -48,6 +52,7 @@ def _launch_mtp_diverse(
     q, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len, max_len_in_batch, out, sm_scale, block_seq,
     run_config=None,
 ):  # fmt: skip
+
     cfg = run_config or default_config(q.shape[3])
     if q.shape[0] > 0:
         mid_o, mid_lse = _stage1(q, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len, max_len_in_batch, sm_scale,
@@ -65,7 +70,8 @@ def _stage1(q, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len, max_len_in_
     splits = _splits(batch, kv_heads, max_len_in_batch, block_seq, cfg["WAVES"], q.device)
     mid_o = torch.empty((batch, q_len, q_heads, splits, head_dim), dtype=torch.float32, device=q.device)
     mid_lse = torch.empty((batch, q_len, q_heads, splits), dtype=torch.float32, device=q.device)
-    mtp_diverse_stage1_kernel[(batch, kv_heads, splits)](
+    _MTP_STAGE1.launch(
+        (batch, kv_heads, splits),
         q, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len, mid_o, mid_lse, sm_scale * LOG2E,
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), req_to_token.stride(0),
@@ -81,7 +87,8 @@ def _stage1(q, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len, max_len_in_
 def _stage2(mid_o, mid_lse, b_seq_len, out, block_seq):
     """Merge the splits of each (request, token, head) into ``out`` (not tuned: as the plain kernel's stage 2)."""
     batch, q_len, q_heads, splits, head_dim = mid_o.shape
-    mtp_diverse_stage2_kernel[(batch, q_len, q_heads)](
+    _MTP_STAGE2.launch(
+        (batch, q_len, q_heads),
         mid_o, mid_lse, b_seq_len, out,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_o.stride(3),
         mid_lse.stride(0), mid_lse.stride(1), mid_lse.stride(2),

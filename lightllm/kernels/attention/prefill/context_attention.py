@@ -21,7 +21,9 @@ import triton
 import triton.language as tl
 
 from lightllm.common.autotuner import AutotuneKernelType, PlannedInputs, autotune
+from lightllm.kernels.direct_launch import DirectLaunch
 from lightllm.kernels.launch_math import cdiv, next_power_of_2
+from lightllm.kernels.step_buffer import StepBuffer
 
 
 @triton.jit
@@ -120,6 +122,10 @@ def _merge_splits_kernel(
     tl.store(Out + t * stride_ot + h * stride_oh + offs_d, out.to(Out.dtype.element_ty))
 
 
+_CONTEXT_ATTENTION = DirectLaunch(_context_attention_kernel)
+_MERGE_SPLITS = DirectLaunch(_merge_splits_kernel)
+
+
 def _default_config(head_dim: int) -> dict:
     block = 32 if head_dim == 256 else 64
     return {"BLOCK_M": block, "BLOCK_N": block, "num_warps": 4, "num_stages": 1}
@@ -171,7 +177,8 @@ def _launch(q, k, v, out, b_start, b_len, max_q_len, sm_scale, cfg, prefix):
         part_o = torch.empty((splits, *q.shape), dtype=torch.float32, device=q.device)
         part_l = torch.empty((splits, q.shape[0], q.shape[1]), dtype=torch.float32, device=q.device)
     grid = (b_len.shape[0], q.shape[1], m_blocks * splits)
-    _context_attention_kernel[grid](
+    _CONTEXT_ATTENTION.launch(
+        grid,
         q, k, v, out, b_start, b_len, sm_scale * 1.4426950408889634,
         k_cache, v_cache, req_to_token, b_req_idx, b_prefix_len,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
@@ -182,7 +189,8 @@ def _launch(q, k, v, out, b_start, b_len, max_q_len, sm_scale, cfg, prefix):
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     if splits > 1:
-        _merge_splits_kernel[(q.shape[0], q.shape[1])](
+        _MERGE_SPLITS.launch(
+            (q.shape[0], q.shape[1]),
             part_o, part_l, out, part_o.stride(0), part_o.stride(1), part_o.stride(2), part_l.stride(0),
             part_l.stride(1), out.stride(0), out.stride(1),
             SPLITS=splits, SPLITS_P2=next_power_of_2(splits), HEAD_DIM=q.shape[-1], num_warps=4,
@@ -247,11 +255,12 @@ class ContextAttentionPlan:
     resolved at the first :meth:`run`; every layer (same shapes and dtype, checked) then runs with them.
 
     Args: ``q_shape`` ``(tokens, q_heads, D)``, ``kv_shape`` ``(tokens, kv_heads, D)`` and the dtype of q, k and v;
-    ``prefix`` a :class:`CachedPrefix` or None; the rest as :func:`context_attention`.
+    ``prefix`` a :class:`CachedPrefix` or None; the rest as :func:`context_attention`. ``reuse_outputs``: every run
+    without ``out`` writes the same output tensor (``kernels/step_buffer.py``).
     """
 
     def __init__(self, q_shape, kv_shape, dtype, b_start, b_len, max_q_len, sm_scale=None, run_config=None,
-                 prefix: Optional[CachedPrefix] = None):  # fmt: skip
+                 prefix: Optional[CachedPrefix] = None, reuse_outputs: bool = False):  # fmt: skip
         q_shape, kv_shape = torch.Size(q_shape), torch.Size(kv_shape)
         if (
             len(q_shape) != 3
@@ -276,11 +285,12 @@ class ContextAttentionPlan:
         self.inputs = PlannedInputs("context_attention", q=(q_shape, dtype), k=(kv_shape, dtype), v=(kv_shape, dtype))
         launcher = _launch_context_attention if prefix is None else _launch_context_attention_prefix
         self._tuned = launcher.plan(run_config=run_config)
+        self._out = StepBuffer(q_shape, dtype, reuse_outputs)
 
     def run(self, q, k, v, out=None, k_cache=None, v_cache=None) -> torch.Tensor:
         """``k_cache``/``v_cache`` ``[pool tokens, kv_heads, D]`` in q's dtype: this layer's cache, with a prefix."""
         self.inputs.check((q.shape, q.dtype), (k.shape, k.dtype), (v.shape, v.dtype))
-        out = torch.empty_like(q) if out is None else out
+        out = self._out.get(q.device) if out is None else out
         args = (q, k, v, out, self.b_start, self.b_len, self.max_q_len, self.sm_scale)
         p = self.prefix
         if p is None:
