@@ -27,23 +27,31 @@ from serve_load import load  # noqa: E402
 from lightllm.common import proc as procs  # noqa: E402
 from lightllm.common.net import free_port, wait_healthy  # noqa: E402
 
+MAX_LEN = 4096  # max_req_total_len: prompt + output must stay below it
 
-def free_forward_runner(model_dir: str, batch: int):
-    """A ModelRunner whose model forward is free: every other part of a step runs as in production."""
+
+def free_forward_runner(model_dir: str, batch: int, torch_threads: int = 1):
+    """A ModelRunner whose model forward is free: every other part of a step runs as in production. Its process
+    runs torch with ``torch_threads`` intra-op threads (0: torch's default): 1 is what the engine process uses on
+    a GPU, where no math runs on the host."""
     import torch
+
+    if torch_threads:
+        torch.set_num_threads(torch_threads)
 
     from lightllm.engine.args import EngineArgs
     from lightllm.engine.model_runner import ModelRunner
 
     args = EngineArgs(model_dir=model_dir, data_type="fp32", device="cpu", running_max_req_size=batch,
-                      max_req_total_len=1024, batch_max_tokens=8192, max_total_token_num=batch * 1024 + 64)  # fmt: skip
+                      max_req_total_len=MAX_LEN, batch_max_tokens=8192,
+                      max_total_token_num=batch * MAX_LEN + 64)  # fmt: skip
     runner = ModelRunner(args)
     logits = torch.randn(max(batch, 8192), runner.config.vocab_size)
     runner.model.forward = lambda ids, state, *rest: logits[: state.b_seq_len.shape[0]]
     return runner
 
 
-def serve(model_dir: str, port: int, batch: int, layout: str) -> None:
+def serve(model_dir: str, port: int, batch: int, layout: str, torch_threads: int) -> None:
     """The server over ``free_forward_runner``: the engine in its own process (the server's layout) or on a thread
     of the HTTP process (``thread``: the layout before the split, kept for tests)."""
     import functools
@@ -56,9 +64,11 @@ def serve(model_dir: str, port: int, batch: int, layout: str) -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     if layout == "thread":
-        engine = free_forward_runner(model_dir, batch)
+        engine = free_forward_runner(model_dir, batch, torch_threads)
     else:
-        engine = EngineProcess(functools.partial(free_forward_runner, model_dir, batch), tokenizer.eos_token_id)
+        engine = EngineProcess(
+            functools.partial(free_forward_runner, model_dir, batch, torch_threads), tokenizer.eos_token_id
+        )
         engine.wait_ready()
     try:
         server = Server(engine, tokenizer, model_name="host-overhead")
@@ -70,11 +80,22 @@ def serve(model_dir: str, port: int, batch: int, layout: str) -> None:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--concurrency", type=int, nargs="+", default=[16, 64])
-    p.add_argument("--requests", type=int, default=256)
+    p.add_argument(
+        "--concurrency",
+        type=int,
+        nargs="+",
+        default=[16, 64],
+        help="the engine's batch (running_max_req_size); clients keep twice as many requests in flight",
+    )
+    p.add_argument("--requests", type=int, default=None, help="per batch (default 4 x the batch)")
     p.add_argument("--prompt", type=int, default=128)
-    p.add_argument("--output", type=int, default=256)
-    p.add_argument("--repeats", type=int, default=2, help="server starts (medians are reported)")
+    p.add_argument(
+        "--output",
+        type=int,
+        default=3072,
+        help="long enough that the clients' ramp-up is a small part of a request's life",
+    )
+    p.add_argument("--repeats", type=int, default=2, help="server starts per batch (medians are reported)")
     p.add_argument(
         "--layout",
         choices=["process", "thread"],
@@ -82,10 +103,18 @@ def main():
         help="the engine in its own process (the server's), or on a thread of the HTTP process (before)",
     )
     p.add_argument("--out", default="host_overhead.json")
-    p.add_argument("--serve", nargs=4, metavar=("MODEL_DIR", "PORT", "BATCH", "LAYOUT"), help=argparse.SUPPRESS)
+    p.add_argument(
+        "--torch_threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads of the engine's process (0: torch's default, the server's before)",
+    )
+    p.add_argument(
+        "--serve", nargs=5, metavar=("MODEL_DIR", "PORT", "BATCH", "LAYOUT", "THREADS"), help=argparse.SUPPRESS
+    )
     args = p.parse_args()
     if args.serve:
-        return serve(args.serve[0], int(args.serve[1]), int(args.serve[2]), args.serve[3])
+        return serve(args.serve[0], int(args.serve[1]), int(args.serve[2]), args.serve[3], int(args.serve[4]))
     procs.exit_on_sigterm()  # stopped from outside: still stop the server and remove the model folder
     from lightllm.tools.make_tiny_model import make_tiny_qwen3
 
@@ -96,27 +125,18 @@ def main():
             vocab = json.load(f)["vocab_size"]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")])}
         for rep in range(args.repeats):
-            port = free_port()
-            cmd = [sys.executable, __file__, "--serve", model, str(port), str(max(args.concurrency)), args.layout]
-            base = f"http://127.0.0.1:{port}"
-            with procs.running(cmd, env=env) as proc:
-                wait_healthy(proc, base)
-                engine = engine_pid(proc.pid) if args.layout == "process" else proc.pid
-                asyncio.run(load(base, 8, 8, args.prompt, 8, vocab))  # warm the paths once
-                for conc in args.concurrency:
-                    cpu = (cpu_seconds(engine), cpu_seconds(proc.pid))
-                    res = asyncio.run(load(base, args.requests, conc, args.prompt, args.output, vocab))
-                    steps = res["prefill_steps"] + res["decode_steps"]
-                    engine_cpu, http_cpu = (cpu_seconds(engine) - cpu[0], cpu_seconds(proc.pid) - cpu[1])
-                    runs.append({"repeat": rep, "concurrency": conc, "layout": args.layout, **res,
-                                 "engine_cpu_ms_per_step": engine_cpu / steps * 1e3,
-                                 "http_cpu_ms_per_step": http_cpu / steps * 1e3})  # fmt: skip
+            for conc in args.concurrency:
+                res = measure(model, vocab, conc, args, env)
+                runs.append({"repeat": rep, "concurrency": conc, "layout": args.layout,
+                             "torch_threads": args.torch_threads, **res})  # fmt: skip
     keys = ("tokens_per_s", "decode_step_ms", "decode_batch", "engine_cpu_ms_per_step", "http_cpu_ms_per_step")
     median = [{"concurrency": c, **{k: statistics.median(r[k] for r in runs if r["concurrency"] == c) for k in keys}}
               for c in args.concurrency]  # fmt: skip
     print(
-        f"median of {args.repeats} server starts, layout {args.layout}; CPU per step (all steps of the load): the "
-        "engine's process" + (" (= the server's: one process)" if args.layout == "thread" else "") + ", HTTP's"
+        f"median of {args.repeats} server starts, layout {args.layout}, torch threads {args.torch_threads}; CPU per "
+        "step (all steps of the load): the engine's process"
+        + (" (= the server's: one process)" if args.layout == "thread" else "")
+        + ", HTTP's"
     )
     print(f"{'conc':>5} {'tok/s':>8} {'decode step ms':>15} {'decode batch':>13} {'engine CPU ms':>14} "
           f"{'HTTP CPU ms':>12} {'all ok':>7}")  # fmt: skip
@@ -127,8 +147,26 @@ def main():
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"machine": platform.machine(), "cpus": os.cpu_count(), "python": platform.python_version(),
-                   "layout": args.layout, "prompt": args.prompt, "output": args.output, "repeats": args.repeats,
-                   "runs": runs, "median": median}, f, indent=1)  # fmt: skip
+                   "layout": args.layout, "torch_threads": args.torch_threads, "prompt": args.prompt,
+                   "output": args.output, "repeats": args.repeats, "runs": runs, "median": median}, f,
+                  indent=1)  # fmt: skip
+
+
+def measure(model: str, vocab: int, batch: int, args, env) -> dict:
+    """One server whose engine runs at most ``batch`` requests, under twice as many clients: a queue always waits
+    to be admitted, so the engine's batch stays at ``batch`` however fast clients come back with the next request."""
+    port = free_port()
+    cmd = [sys.executable, __file__, "--serve", model, str(port), str(batch), args.layout, str(args.torch_threads)]
+    base = f"http://127.0.0.1:{port}"
+    with procs.running(cmd, env=env) as proc:
+        wait_healthy(proc, base)
+        engine = engine_pid(proc.pid) if args.layout == "process" else proc.pid
+        asyncio.run(load(base, 8, 8, args.prompt, 8, vocab))  # warm the paths once
+        cpu = (cpu_seconds(engine), cpu_seconds(proc.pid))
+        res = asyncio.run(load(base, args.requests or 4 * batch, 2 * batch, args.prompt, args.output, vocab))
+        steps = res["prefill_steps"] + res["decode_steps"]
+        engine_cpu, http_cpu = cpu_seconds(engine) - cpu[0], cpu_seconds(proc.pid) - cpu[1]
+    return {**res, "engine_cpu_ms_per_step": engine_cpu / steps * 1e3, "http_cpu_ms_per_step": http_cpu / steps * 1e3}
 
 
 def cpu_seconds(pid: int) -> float:

@@ -10,6 +10,7 @@ model, sampling) runs in a process of its own (``engine_proc``), and with ``--tp
 """
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -20,7 +21,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import AsyncIterator, Dict, List, Optional, Sequence, Tuple, Union
+from typing import AsyncIterator, Deque, Dict, List, Optional, Sequence, Tuple, Union
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -267,7 +268,7 @@ class Server:
         ``cached``: gets the request's prompt tokens read from the prefix cache appended, with its first event.
         Counts the request in lightllm_requests_finished_total once, with the reason the client is given
         ("abort" when it left first, whether it was running or still queued)."""
-        events: "asyncio.Queue[Event]" = asyncio.Queue()
+        events = _Inbox()
         req = EngineRequest(uuid.uuid4().hex, ids, params, self._emitter(events))
         self.engine.submit(req)
         out = TextStream(self.tokenizer if text else None, params.stop)
@@ -276,10 +277,7 @@ class Server:
         next_check = loop.time() + _DISCONNECT_CHECK_S
         try:
             while True:
-                try:  # a step's events arrive together: take the queued ones without a timer each
-                    ev = events.get_nowait() if not events.empty() else await asyncio.wait_for(events.get(), 1.0)
-                except asyncio.TimeoutError:
-                    ev = None
+                ev = await events.get(1.0)
                 if loop.time() >= next_check:  # also while tokens flow: a gone client must not keep decoding
                     next_check = loop.time() + _DISCONNECT_CHECK_S
                     if await request.is_disconnected():
@@ -408,6 +406,38 @@ class Server:
         return reply.whole(await self._collect_all(seqs, request))
 
 
+class _Inbox:
+    """One request's events on the event loop. ``get`` waits with a timer, not a task (``asyncio.wait_for`` on a
+    queue makes a task per wait, and a streaming request waits once per token)."""
+
+    def __init__(self):
+        self._items: Deque[Event] = collections.deque()
+        self._waiter: Optional[asyncio.Future] = None
+
+    def put_nowait(self, event: Event) -> None:
+        self._items.append(event)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def get(self, timeout: float) -> Optional[Event]:
+        """The next event; None after ``timeout`` seconds without one."""
+        if not self._items:
+            loop = asyncio.get_running_loop()
+            self._waiter = loop.create_future()
+            timer = loop.call_later(timeout, _wake, self._waiter)
+            try:
+                await self._waiter
+            finally:
+                timer.cancel()
+                self._waiter = None
+        return self._items.popleft() if self._items else None
+
+
+def _wake(waiter: asyncio.Future) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
+
 class _Mailbox:
     """Events from the engine thread to the HTTP event loop, handed over once per step: one wake-up of the
     loop (a pipe write and a GIL hand-off) per step, not one per running request."""
@@ -420,7 +450,7 @@ class _Mailbox:
     def bind(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
 
-    def post(self, queue: "asyncio.Queue[Event]", event: Event) -> None:
+    def post(self, queue: _Inbox, event: Event) -> None:
         with self._lock:
             self._items.append((queue, event))
 

@@ -30,6 +30,8 @@ import time
 from types import SimpleNamespace
 from typing import Callable, Dict, List, Optional, Sequence
 
+import torch
+
 from lightllm.engine.engine import Engine, eos_token_ids
 from lightllm.engine.request import Event, Request
 from lightllm.server.engine_loop import EngineLoop
@@ -153,11 +155,19 @@ class EngineProcess:
                 message = self._conn.recv()
             except (EOFError, OSError):
                 break
-            if message[0] == "step":
-                self._loop.call_soon_threadsafe(self._deliver, message[1], message[2])
+            if message[0] == "step" and not self._call_soon(self._deliver, message[1], message[2]):
+                return
         self.process.join()  # its end of the pipe is closed: it has exited or is exiting
         if not self._stopping:
-            self._loop.call_soon_threadsafe(self._gone, f"engine process exited with code {self.process.exitcode}")
+            self._call_soon(self._gone, f"engine process exited with code {self.process.exitcode}")
+
+    def _call_soon(self, fn, *args) -> bool:
+        """``fn(*args)`` on the event loop; False once that loop is closed (the server has shut down)."""
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:
+            return False
+        return True
 
     def _deliver(self, events: list, calls: list) -> None:
         """One step's message, on the event loop: metrics first, then every request's events."""
@@ -232,10 +242,20 @@ class _EngineSide:
     def _mark(self, started: Optional[float]) -> None:
         self._step_started.value = math.nan if started is None else started
 
-    def _post(self, request_id: str, event: Event) -> None:
-        self.events.append((request_id, event))
+    def _emitter(self, request_id: str) -> Callable[[Event], None]:
+        """A request's emit: one call per token on the engine's hot path, so a closure over the list's append."""
+        append = self.events.append
+
+        def emit(event: Event) -> None:
+            append((request_id, event))
+
+        return emit
 
     def _send_step(self) -> None:
+        # The queues as this step left them (the engine reports them as the step starts): a client that gets its
+        # finish from this message then reads metrics that already count its KV as free.
+        sched = self.engine.scheduler
+        self.recorder.on_queues(len(sched.waiting), len(sched.running) + len(sched.prefilling), self.runner.kv.usage())
         events, calls = self.events, self.recorder.take()
         if not events and not calls:
             return
@@ -254,8 +274,7 @@ class _EngineSide:
                 op = item[0]
                 if op == "submit":
                     _, rid, ids, params, arrival = item
-                    emit = lambda ev, rid=rid: self._post(rid, ev)  # noqa: E731 - one small closure per request
-                    self.engine.submit(Request(rid, ids, params, emit, arrival=arrival))
+                    self.engine.submit(Request(rid, ids, params, self._emitter(rid), arrival=arrival))
                 elif op == "abort":
                     self.engine.abort(item[1], item[2])
                 elif op == "abort_all":
@@ -285,6 +304,10 @@ def _engine_main(conn, make_runner, tokenizer_eos, extra_eos, step_started, pare
     logging.basicConfig(level=log_level, format=_LOG_FORMAT)
     _exit_with_parent(parent)
     runner = make_runner()
+    if runner.device.type == "cuda":
+        # The GPU does the math; this process's own torch ops are bookkeeping-sized (staging, KV tables), where
+        # intra-op threads only add a barrier per op (1 ms for a 64 x 512 log_softmax on a busy 2-core host).
+        torch.set_num_threads(1)
     config = {"vocab_size": runner.config.vocab_size, "eos_token_ids": tuple(runner.config.eos_token_ids)}
     conn.send(("ready", {"args": runner.args, "config": config, "model_dir": getattr(runner, "model_dir", None)}))
     eos = eos_token_ids(runner.config, SimpleNamespace(eos_token_id=tokenizer_eos), extra_eos)

@@ -5,8 +5,11 @@ tokens, TTFT and inter-token histograms fed from it, and a dying engine process 
 import concurrent.futures
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import httpx
 from fake_model import CrashingRunner, FakeRunner, Letters
@@ -88,10 +91,10 @@ def test_a_crashed_engine_process_fails_its_requests_and_turns_health_503():
     assert gone == [1]
 
 
-_CRASHING_SERVER = """
+_FAKE_SERVER = """
 import sys
 sys.path.insert(0, {tests!r})
-from fake_model import CrashingRunner, Letters
+from fake_model import {runner}, Letters
 from lightllm.server.api_server import Server, run
 from lightllm.server.args import ServerArgs
 from lightllm.server.engine_proc import EngineProcess
@@ -100,7 +103,7 @@ import logging
 
 if __name__ == "__main__":  # the engine process (spawned) imports this file again
     logging.basicConfig(level=logging.INFO)
-    engine = EngineProcess(CrashingRunner)
+    engine = EngineProcess({runner})
     engine.wait_ready()
     server = Server(engine, Letters(), "tiny")
     server.prompts.tokenizer = server.tokenizer
@@ -108,17 +111,28 @@ if __name__ == "__main__":  # the engine process (spawned) imports this file aga
 """
 
 
-def test_a_crashed_engine_process_ends_the_server_with_one_line(tmp_path):
+def start_fake_server(tmp_path, runner: str):
+    """The real ``api_server.run`` over ``EngineProcess(runner)`` (a class of fake_model) in a subprocess, answering
+    /health: (process, base URL, log path)."""
     port = free_port()
-    script = tmp_path / "crashing_server.py"
-    script.write_text(_CRASHING_SERVER.format(tests=os.path.dirname(__file__), port=port))
+    script = tmp_path / "fake_server.py"
+    script.write_text(_FAKE_SERVER.format(tests=os.path.dirname(__file__), port=port, runner=runner))
     log = tmp_path / "server.log"
     with open(log, "w") as out:
         proc = procs.start([sys.executable, str(script)], env={**os.environ, "PYTHONPATH": REPO}, stdout=out,
                            stderr=subprocess.STDOUT)  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
     try:
-        base = f"http://127.0.0.1:{port}"
         wait_healthy(proc, base, procs.HANG_TIMEOUT_S)
+    except BaseException:
+        procs.stop(proc)
+        raise
+    return proc, base, log
+
+
+def test_a_crashed_engine_process_ends_the_server_with_one_line(tmp_path):
+    proc, base, log = start_fake_server(tmp_path, "CrashingRunner")
+    try:
         body = {"inputs": "abc", "parameters": {"max_new_tokens": 4}}
         reply = httpx.post(base + "/generate", json=body, timeout=procs.HANG_TIMEOUT_S).json()
         assert reply["finish_reason"] == "error"
@@ -129,3 +143,18 @@ def test_a_crashed_engine_process_ends_the_server_with_one_line(tmp_path):
     lines = [line for line in text.splitlines() if "engine process exited with code 1" in line]
     assert len(lines) == 1, text[-3000:]
     assert "1 request(s) in flight end with finish_reason error and the server stops" in lines[0]
+
+
+def test_the_engine_process_does_not_outlive_a_killed_server(tmp_path):
+    """SIGKILL the HTTP process (no shutdown runs): the engine process notices and exits by itself."""
+    proc, base, _ = start_fake_server(tmp_path, "FakeRunner")
+    try:
+        (engine,) = [p for p in procs._tree(proc.pid) if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()]
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        deadline = time.monotonic() + procs.HANG_TIMEOUT_S  # only an engine that never leaves waits this long
+        while procs._alive(engine) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not procs._alive(engine), "the engine process outlived the server"
+    finally:
+        procs.stop(proc)
