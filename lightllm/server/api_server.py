@@ -268,7 +268,7 @@ class Server:
         ``cached``: gets the request's prompt tokens read from the prefix cache appended, with its first event.
         Counts the request in lightllm_requests_finished_total once, with the reason the client is given
         ("abort" when it left first, whether it was running or still queued)."""
-        events = _Inbox()
+        events = _Inbox(each_token=text)
         req = EngineRequest(uuid.uuid4().hex, ids, params, self._emitter(events))
         self.engine.submit(req)
         out = TextStream(self.tokenizer if text else None, params.stop)
@@ -277,7 +277,7 @@ class Server:
         next_check = loop.time() + _DISCONNECT_CHECK_S
         try:
             while True:
-                ev = await events.get(1.0)
+                ev = await events.get(_DISCONNECT_CHECK_S)
                 if loop.time() >= next_check:  # also while tokens flow: a gone client must not keep decoding
                     next_check = loop.time() + _DISCONNECT_CHECK_S
                     if await request.is_disconnected():
@@ -408,19 +408,22 @@ class Server:
 
 class _Inbox:
     """One request's events on the event loop. ``get`` waits with a timer, not a task (``asyncio.wait_for`` on a
-    queue makes a task per wait, and a streaming request waits once per token)."""
+    queue makes a task per wait, and a streaming request waits once per token). ``each_token`` False (a handler
+    that needs no text until the end): only the finish wakes the handler, not every token (its timer still does,
+    for the disconnect check)."""
 
-    def __init__(self):
+    def __init__(self, each_token: bool = True):
         self._items: Deque[Event] = collections.deque()
         self._waiter: Optional[asyncio.Future] = None
+        self._each_token = each_token
 
     def put_nowait(self, event: Event) -> None:
         self._items.append(event)
-        if self._waiter is not None and not self._waiter.done():
+        if self._waiter is not None and not self._waiter.done() and (self._each_token or event.kind == "finish"):
             self._waiter.set_result(None)
 
     async def get(self, timeout: float) -> Optional[Event]:
-        """The next event; None after ``timeout`` seconds without one."""
+        """The next event, waiting at most ``timeout`` seconds to be woken for one; None when there is none."""
         if not self._items:
             loop = asyncio.get_running_loop()
             self._waiter = loop.create_future()
