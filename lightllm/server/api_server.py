@@ -148,7 +148,7 @@ class Server:
                 out["logprobs"] = result["logprobs"]
             if body.parameters.return_details:
                 out["tokens"] = [self._token_details(t, lp) for t, lp in zip(tokens, result["logprobs"])]
-            return out
+            return JSONResponse(out)  # plain JSON types already: skips FastAPI's walk over every token and logprob
 
         @app.post("/generate_stream")
         async def generate_stream(body: GenerateRequest, request: Request):
