@@ -4,6 +4,11 @@ once (a small vocabulary, so sampling is cheap too). What is left is what a GPU 
 GPU work is short: short prompts, small models, large batches.
 
     python benchmarks/host_overhead.py --repeats 2 --out host_overhead.json
+    python benchmarks/host_overhead.py --layout thread   # the engine on a thread of the HTTP process (before)
+
+Besides the engine's own step time (``lightllm_step_seconds``: forward, sampling and emitting the tokens of one
+step) it reports the CPU time each process spent per step over the load (from /proc: every thread, the messages
+between the processes included), which a busy machine does not inflate as it inflates wall-clock time.
 """
 
 import argparse
@@ -22,38 +27,94 @@ from serve_load import load  # noqa: E402
 from lightllm.common import proc as procs  # noqa: E402
 from lightllm.common.net import free_port, wait_healthy  # noqa: E402
 
+MAX_LEN = 4096  # max_req_total_len: prompt + output must stay below it
 
-def serve(model_dir: str, port: int, batch: int) -> None:
-    """A server whose model forward is free: every other part of a step runs as in production."""
+
+def free_forward_runner(model_dir: str, batch: int, torch_threads: int = 1):
+    """A ModelRunner whose model forward is free: every other part of a step runs as in production. Its process
+    runs torch with ``torch_threads`` intra-op threads (0: torch's default): 1 is what the engine process uses on
+    a GPU, where no math runs on the host."""
     import torch
-    import uvicorn
-    from transformers import AutoTokenizer
+
+    if torch_threads:
+        torch.set_num_threads(torch_threads)
 
     from lightllm.engine.args import EngineArgs
     from lightllm.engine.model_runner import ModelRunner
-    from lightllm.server.api_server import Server
 
     args = EngineArgs(model_dir=model_dir, data_type="fp32", device="cpu", running_max_req_size=batch,
-                      max_req_total_len=1024, batch_max_tokens=8192, max_total_token_num=batch * 1024 + 64)  # fmt: skip
+                      max_req_total_len=MAX_LEN, batch_max_tokens=8192,
+                      max_total_token_num=batch * MAX_LEN + 64)  # fmt: skip
     runner = ModelRunner(args)
     logits = torch.randn(max(batch, 8192), runner.config.vocab_size)
     runner.model.forward = lambda ids, state, *rest: logits[: state.b_seq_len.shape[0]]
-    server = Server(runner, AutoTokenizer.from_pretrained(model_dir), model_name="host-overhead")
-    uvicorn.run(server.app, host="127.0.0.1", port=port, log_level="warning")
+    return runner
+
+
+def serve(model_dir: str, port: int, batch: int, layout: str, torch_threads: int) -> None:
+    """The server over ``free_forward_runner``: the engine in its own process (the server's layout) or on a thread
+    of the HTTP process (``thread``: the layout before the split, kept for tests)."""
+    import functools
+
+    import uvicorn
+    from transformers import AutoTokenizer
+
+    from lightllm.server.api_server import Server
+    from lightllm.server.engine_proc import EngineProcess
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    if layout == "thread":
+        engine = free_forward_runner(model_dir, batch, torch_threads)
+    else:
+        engine = EngineProcess(
+            functools.partial(free_forward_runner, model_dir, batch, torch_threads), tokenizer.eos_token_id
+        )
+        engine.wait_ready()
+    try:
+        server = Server(engine, tokenizer, model_name="host-overhead")
+        uvicorn.run(server.app, host="127.0.0.1", port=port, log_level="warning")
+    finally:
+        if layout != "thread":
+            engine.stop()
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--concurrency", type=int, nargs="+", default=[16, 64])
-    p.add_argument("--requests", type=int, default=256)
+    p.add_argument(
+        "--concurrency",
+        type=int,
+        nargs="+",
+        default=[16, 64],
+        help="the engine's batch (running_max_req_size); clients keep twice as many requests in flight",
+    )
+    p.add_argument("--requests", type=int, default=None, help="per batch (default 4 x the batch)")
     p.add_argument("--prompt", type=int, default=128)
-    p.add_argument("--output", type=int, default=256)
-    p.add_argument("--repeats", type=int, default=2, help="server starts (medians are reported)")
+    p.add_argument(
+        "--output",
+        type=int,
+        default=3072,
+        help="long enough that the clients' ramp-up is a small part of a request's life",
+    )
+    p.add_argument("--repeats", type=int, default=2, help="server starts per batch (medians are reported)")
+    p.add_argument(
+        "--layout",
+        choices=["process", "thread"],
+        default="process",
+        help="the engine in its own process (the server's), or on a thread of the HTTP process (before)",
+    )
     p.add_argument("--out", default="host_overhead.json")
-    p.add_argument("--serve", nargs=3, metavar=("MODEL_DIR", "PORT", "BATCH"), help=argparse.SUPPRESS)
+    p.add_argument(
+        "--torch_threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads of the engine's process (0: torch's default, the server's before)",
+    )
+    p.add_argument(
+        "--serve", nargs=5, metavar=("MODEL_DIR", "PORT", "BATCH", "LAYOUT", "THREADS"), help=argparse.SUPPRESS
+    )
     args = p.parse_args()
     if args.serve:
-        return serve(args.serve[0], int(args.serve[1]), int(args.serve[2]))
+        return serve(args.serve[0], int(args.serve[1]), int(args.serve[2]), args.serve[3], int(args.serve[4]))
     procs.exit_on_sigterm()  # stopped from outside: still stop the server and remove the model folder
     from lightllm.tools.make_tiny_model import make_tiny_qwen3
 
@@ -64,29 +125,64 @@ def main():
             vocab = json.load(f)["vocab_size"]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")])}
         for rep in range(args.repeats):
-            port = free_port()
-            cmd = [sys.executable, __file__, "--serve", model, str(port), str(max(args.concurrency))]
-            base = f"http://127.0.0.1:{port}"
-            with procs.running(cmd, env=env) as proc:
-                wait_healthy(proc, base)
-                asyncio.run(load(base, 8, 8, args.prompt, 8, vocab))  # warm the paths once
-                for conc in args.concurrency:
-                    res = asyncio.run(load(base, args.requests, conc, args.prompt, args.output, vocab))
-                    runs.append({"repeat": rep, "concurrency": conc, **res})
-    median = [{"concurrency": c, **{k: statistics.median(r[k] for r in runs if r["concurrency"] == c)
-                                    for k in ("tokens_per_s", "decode_step_ms", "decode_batch")}}
+            for conc in args.concurrency:
+                res = measure(model, vocab, conc, args, env)
+                runs.append({"repeat": rep, "concurrency": conc, "layout": args.layout,
+                             "torch_threads": args.torch_threads, **res})  # fmt: skip
+    keys = ("tokens_per_s", "decode_step_ms", "decode_batch", "engine_cpu_ms_per_step", "http_cpu_ms_per_step")
+    median = [{"concurrency": c, **{k: statistics.median(r[k] for r in runs if r["concurrency"] == c) for k in keys}}
               for c in args.concurrency]  # fmt: skip
-    print(f"median of {args.repeats} server starts")
-    print(f"{'conc':>5} {'tok/s':>8} {'decode step ms':>15} {'decode batch':>13} {'all ok':>7}")
+    print(
+        f"median of {args.repeats} server starts, layout {args.layout}, torch threads {args.torch_threads}; CPU per "
+        "step (all steps of the load): the engine's process"
+        + (" (= the server's: one process)" if args.layout == "thread" else "")
+        + ", HTTP's"
+    )
+    print(f"{'conc':>5} {'tok/s':>8} {'decode step ms':>15} {'decode batch':>13} {'engine CPU ms':>14} "
+          f"{'HTTP CPU ms':>12} {'all ok':>7}")  # fmt: skip
     for m in median:
         ok = all(r["all_complete_finite"] for r in runs if r["concurrency"] == m["concurrency"])
         print(f"{m['concurrency']:5d} {m['tokens_per_s']:8.0f} {m['decode_step_ms']:15.3f} {m['decode_batch']:13.1f} "
-              f"{str(ok):>7}")  # fmt: skip
+              f"{m['engine_cpu_ms_per_step']:14.3f} {m['http_cpu_ms_per_step']:12.3f} {str(ok):>7}")  # fmt: skip
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"machine": platform.machine(), "cpus": os.cpu_count(), "python": platform.python_version(),
-                   "prompt": args.prompt, "output": args.output, "repeats": args.repeats, "runs": runs,
-                   "median": median}, f, indent=1)  # fmt: skip
+                   "layout": args.layout, "torch_threads": args.torch_threads, "prompt": args.prompt,
+                   "output": args.output, "repeats": args.repeats, "runs": runs, "median": median}, f,
+                  indent=1)  # fmt: skip
+
+
+def measure(model: str, vocab: int, batch: int, args, env) -> dict:
+    """One server whose engine runs at most ``batch`` requests, under twice as many clients: a queue always waits
+    to be admitted, so the engine's batch stays at ``batch`` however fast clients come back with the next request."""
+    port = free_port()
+    cmd = [sys.executable, __file__, "--serve", model, str(port), str(batch), args.layout, str(args.torch_threads)]
+    base = f"http://127.0.0.1:{port}"
+    with procs.running(cmd, env=env) as proc:
+        wait_healthy(proc, base)
+        engine = engine_pid(proc.pid) if args.layout == "process" else proc.pid
+        asyncio.run(load(base, 8, 8, args.prompt, 8, vocab))  # warm the paths once
+        cpu = (cpu_seconds(engine), cpu_seconds(proc.pid))
+        res = asyncio.run(load(base, args.requests or 4 * batch, 2 * batch, args.prompt, args.output, vocab))
+        steps = res["prefill_steps"] + res["decode_steps"]
+        engine_cpu, http_cpu = cpu_seconds(engine) - cpu[0], cpu_seconds(proc.pid) - cpu[1]
+    return {**res, "engine_cpu_ms_per_step": engine_cpu / steps * 1e3, "http_cpu_ms_per_step": http_cpu / steps * 1e3}
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process ``pid`` so far (all its threads), from /proc."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def engine_pid(server: int) -> int:
+    """The engine process: the server's spawned child (not multiprocessing's resource tracker)."""
+    for pid in procs._tree(server):
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if b"spawn_main" in f.read():
+                return pid
+    raise RuntimeError(f"no engine process under the server (pid {server})")
 
 
 if __name__ == "__main__":

@@ -3,15 +3,18 @@
 Starts the real server (a Qwen3-shaped random-weight model, 8B widths, fewer layers) per workload, sized
 for the largest concurrency, in turn with decode-attention tuning on (tuned at the first start from an
 empty config dir) and off (the same prefill configs, decode attention at its default), ``--repeats`` times
-each. Against each it sends N requests at every concurrency to /generate with logprobs, checks every
-request completed with finite logprobs, and reports median output tokens/s on vs off with the spread
-between starts, and each start-up (seconds, and the runner's summary: graphs, kernels tuned, seconds per
-phase). Beside each case it prints decode attention's share of a step as the tuner timed it (tuned and
-default), which bounds what tuning can change there; ``--control`` adds an A/A pair (a second "off" server)
-whose difference is the method's own noise.
+each. Against each, at every concurrency, it first sends ``--warmup`` requests (left out of every statistic),
+then a fixed schedule of ``--requests`` requests (seeded prompts and arrival times, the same for every server
+and run) to /generate_stream with logprobs. It checks every request completed with finite logprobs, and
+reports median output tokens/s on vs off with the spread between starts, p50/p99 time to first token and
+inter-token latency as the client sees them, and each start-up (seconds, and the runner's summary: graphs,
+kernels tuned, seconds per phase). Beside each case it prints decode attention's share of a step as the
+tuner timed it (tuned and default), which bounds what tuning can change there; ``--control`` adds an A/A
+pair (a second "off" server) whose difference, reported per point for every number, is the method's own
+noise.
 
     python benchmarks/serve_load.py --tp 1 --out benchmarks/results/serve_load_tp1_h200.json
-    python benchmarks/serve_load.py --tiny --requests 3 --concurrency 2 --control   # the method on a CPU
+    python benchmarks/serve_load.py --tiny --requests 24 --concurrency 2 4 --control   # the method on a CPU
 """
 
 import argparse
@@ -95,28 +98,77 @@ def startup_summary(log_path):
     return lines[0].split("ready:", 1)[1].strip() if lines else ""
 
 
-async def load(base, n, concurrency, prompt_len, out_len, vocab):
-    rng = random.Random(0)
+def request_schedule(seed: int, n: int, prompt_len: int, vocab: int, rate: float = 0.0):
+    """A fixed schedule, the same for every server and run given the seed: ``n`` arrival offsets in seconds
+    (Poisson at ``rate`` requests/s; ``rate`` 0: all at once, the concurrency limit alone paces them) and prompts."""
+    rng = random.Random(seed)
     prompts = [[rng.randrange(vocab // 8, vocab) for _ in range(prompt_len)] for _ in range(n)]
+    arrivals, t = [], 0.0
+    for _ in range(n):
+        arrivals.append(t)
+        t += rng.expovariate(rate) if rate > 0 else 0.0
+    return arrivals, prompts
+
+
+def percentile(values, q):
+    """The nearest-rank ``q``-th percentile (0 < q <= 100) of ``values``; None when empty."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
+
+
+async def _one(client, base, prompt, out_len, stream):
+    """One request: (token ids, logprobs, seconds to its first token, the gaps between its tokens)."""
+    body = {"inputs": prompt, "parameters": {"max_new_tokens": out_len, "ignore_eos": True, "logprobs": True}}
+    t0 = time.perf_counter()
+    if not stream:
+        r = await client.post(base + "/generate", json=body)
+        r.raise_for_status()
+        data = r.json()
+        return data["token_ids"], data["logprobs"], None, []
+    ids, logprobs, times = [], [], []
+    async with client.stream("POST", base + "/generate_stream", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data:"):
+                continue
+            token = json.loads(line[5:])["token"]
+            if token["id"] is not None:
+                times.append(time.perf_counter())
+                ids.append(token["id"])
+                logprobs.append(token["logprob"])
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    return ids, logprobs, (times[0] - t0 if times else None), gaps
+
+
+async def load(base, n, concurrency, prompt_len, out_len, vocab, seed=0, rate=0.0, stream=False):
+    """``n`` requests of ``request_schedule(seed, ...)`` to /generate_stream (``stream``) or /generate, at most
+    ``concurrency`` at a time, each with logprobs: output tokens/s, time to first token and inter-token latency
+    as the client sees them (streaming only), and the server's step statistics over the run."""
+    arrivals, prompts = request_schedule(seed, n, prompt_len, vocab, rate)
     sem = asyncio.Semaphore(concurrency)
-    async with httpx.AsyncClient(timeout=600) as client:
-
-        async def one(p):
-            async with sem:
-                body = {"inputs": p, "parameters": {"max_new_tokens": out_len, "ignore_eos": True, "logprobs": True}}
-                r = await client.post(base + "/generate", json=body)
-                r.raise_for_status()
-                return r.json()
-
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(timeout=procs.HANG_TIMEOUT_S, limits=limits) as client:
         before = await engine_steps(client, base)
         t0 = time.perf_counter()
-        results = await asyncio.gather(*(one(p) for p in prompts))
+
+        async def scheduled(at, prompt):
+            await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
+            async with sem:
+                return await _one(client, base, prompt, out_len, stream)
+
+        results = await asyncio.gather(*(scheduled(at, p) for at, p in zip(arrivals, prompts)))
         seconds = time.perf_counter() - t0
         steps = step_stats(before, await engine_steps(client, base))
-    tokens = sum(len(r["token_ids"]) for r in results)
-    ok = all(len(r["token_ids"]) == out_len and all(math.isfinite(x) for x in r["logprobs"]) for r in results)
+    tokens = sum(len(ids) for ids, *_ in results)
+    ok = all(len(ids) == out_len and all(math.isfinite(x) for x in lps) for ids, lps, *_ in results)
+    ttft = [t for _, _, t, _ in results if t is not None]
+    itl = [g for *_, gaps in results for g in gaps]
+    latency = {f"{name}_p{q}_ms": (None if percentile(xs, q) is None else percentile(xs, q) * 1e3)
+               for name, xs in (("ttft", ttft), ("itl", itl)) for q in (50, 99)}  # fmt: skip
     return {"output_tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "all_complete_finite": ok,
-            **steps}  # fmt: skip
+            **latency, **steps}  # fmt: skip
 
 
 async def engine_steps(client, base):
@@ -145,7 +197,20 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--requests", type=int, default=200)
+    p.add_argument("--requests", type=int, default=512, help="measured requests per concurrency and server")
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=None,
+        help="requests sent before each measured load and left out of its statistics (default 2 x conc)",
+    )
+    p.add_argument(
+        "--rate",
+        type=float,
+        default=0.0,
+        help="Poisson arrivals at this many requests/s (0: all at once, paced by the concurrency alone)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="the request schedule's seed (the same for every server)")
     p.add_argument("--repeats", type=int, default=2, help="server starts per mode (medians are reported)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[16, 32, 64])
     p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
@@ -193,7 +258,12 @@ def main():
                                              "ranks": rank_agreement(log_path)})  # fmt: skip
                             print(json.dumps(startups[-1]), flush=True)
                             for conc in args.concurrency:
-                                res = asyncio.run(load(base, args.requests, conc, prompt_len, out_len, vocab))
+                                warm = conc * 2 if args.warmup is None else args.warmup
+                                if warm:  # its own schedule (another seed); nothing of it is counted
+                                    asyncio.run(load(base, warm, conc, prompt_len, out_len, vocab, seed=args.seed + 1,
+                                                     stream=True))  # fmt: skip
+                                res = asyncio.run(load(base, args.requests, conc, prompt_len, out_len, vocab,
+                                                       seed=args.seed, rate=args.rate, stream=True))  # fmt: skip
                                 results.setdefault((mode, conc), []).append(res)
                                 print(json.dumps({"workload": workload, "mode": mode, "repeat": rep,
                                                   "concurrency": conc, **res}), flush=True)  # fmt: skip
@@ -208,9 +278,10 @@ def main():
                 row = {"workload": workload, "concurrency": conc, "tp": args.tp, "on": on, "off": off,
                        "on_vs_off_pct": (on["tokens_per_s"] / off["tokens_per_s"] - 1) * 100,
                        "decode_attention": per_step_attention(kernels, conc, args.layers)}  # fmt: skip
-                if args.control:
+                if args.control:  # the A/A difference of every reported number at this point
                     off_b = row["off_b"] = summarize(results["off_b", conc])
                     row["off_b_vs_off_pct"] = (off_b["tokens_per_s"] / off["tokens_per_s"] - 1) * 100
+                    row["aa_pct"] = {k: pct(off_b[k], off[k]) for k in REPORTED}
                 rows.append(row)
             save(args, rows, startups)
     save(args, rows, startups)
@@ -229,6 +300,21 @@ def main():
               f"{r['on_vs_off_pct']:+9.1f}% {on['spread_pct']:8.1f}% {off['spread_pct']:10.1f}%  {step_text:>14s}"
               f"  {att_text:>12s}"
               f"{control}  {ok}")  # fmt: skip
+    print("\nlatency as the client sees it (ms, median over starts): time to first token and inter-token, p50 / p99")
+    aa_head = "  A/A (off_b vs off): tok/s ttft50 ttft99 itl50 itl99" if args.control else ""
+    print("workload conc  mode   ttft p50  ttft p99  itl p50  itl p99" + aa_head)
+    for r in rows:
+        for mode in ("on", "off", "off_b"):
+            if mode not in r:
+                continue
+            m = r[mode]
+            cells = " ".join("       -" if m[k] is None else f"{m[k]:8.2f}" for k in REPORTED[1:])
+            aa = ""
+            if mode == "off_b":
+                aa = "  " + " ".join(
+                    "     -" if r["aa_pct"][k] is None else f"{r['aa_pct'][k]:+5.1f}%" for k in REPORTED
+                )
+            print(f"{r['workload']:8s} {r['concurrency']:4d}  {mode:5s} {cells}{aa}")
     for s in startups:
         ranks = s["ranks"]
         agreement = "" if ranks is None else (
@@ -273,21 +359,31 @@ def per_step_attention(kernels, concurrency, layers):
     return {"tuned_ms": tuned * layers, "default_ms": default * layers, "layers": layers}
 
 
+REPORTED = ("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")
+
+
+def pct(a, b):
+    """(a / b - 1) in percent; None when either is missing."""
+    return None if a is None or b is None or b == 0 else (a / b - 1) * 100
+
+
 def summarize(runs):
-    """Median tokens/s over server starts, the spread, and whether every request of every run was whole."""
+    """Per reported number the median over server starts; tokens/s's spread; whether every request was whole."""
     tps = sorted(r["tokens_per_s"] for r in runs)
-    median = statistics.median(tps)
-    step_ms = [r["decode_step_ms"] for r in runs if r.get("decode_step_ms") is not None]
-    return {"tokens_per_s": median, "spread_pct": (tps[-1] - tps[0]) / median * 100, "runs": runs,
-            "decode_step_ms": statistics.median(step_ms) if step_ms else None,
+    out = {}
+    for key in REPORTED + ("decode_step_ms",):
+        values = [r[key] for r in runs if r.get(key) is not None]
+        out[key] = statistics.median(values) if values else None
+    return {**out, "spread_pct": (tps[-1] - tps[0]) / out["tokens_per_s"] * 100, "runs": runs,
             "all_complete_finite": all(r["all_complete_finite"] for r in runs)}  # fmt: skip
 
 
 def save(args, rows, startups):
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"tp": args.tp, "layers": args.layers, "requests": args.requests, "repeats": args.repeats,
-                   "control": args.control, "rows": rows, "startups": startups}, f, indent=1)  # fmt: skip
+        json.dump({"tp": args.tp, "layers": args.layers, "requests": args.requests, "warmup": args.warmup,
+                   "rate": args.rate, "seed": args.seed, "repeats": args.repeats, "control": args.control,
+                   "rows": rows, "startups": startups}, f, indent=1)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -4,9 +4,13 @@ Native ``/generate`` and ``/generate_stream``, OpenAI-compatible ``/v1/completio
 ``/v1/chat/completions`` (server-sent events ending in ``data: [DONE]`` when streaming), ``/v1/models`` and
 ``/v1/models/{id}``, ``/health`` and ``/metrics``. Bad requests get a 400 (413 for a body over the size limit,
 404 for another model) with a message; the server keeps serving.
+
+This process serves HTTP, tokenizes, renders chat templates, detokenizes and streams; the engine (scheduler,
+model, sampling) runs in a process of its own (``engine_proc``), and with ``--tp`` its workers are its children.
 """
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -17,11 +21,11 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import AsyncIterator, Dict, List, Optional, Sequence, Tuple, Union
+from typing import AsyncIterator, Deque, Dict, List, Optional, Sequence, Tuple, Union
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from lightllm.engine.detokenize import TextStream
 from lightllm.engine.engine import Engine, eos_token_ids
@@ -34,7 +38,9 @@ from lightllm.server.args import ServerArgs, parse_args
 from lightllm.server.bodies import ChatRequest, CompletionRequest, GenerateRequest
 from lightllm.server.chat_output import chat_parsing
 from lightllm.server.engine_loop import EngineLoop
+from lightllm.server.engine_proc import EngineExited, EngineProcess
 from lightllm.server.generation_defaults import read_sampling_defaults
+from lightllm.server.metrics import Metrics
 from lightllm.server.http_guards import BadRequest, BodyLimit, ModelNotFound, install_error_handlers
 from lightllm.server.openai_api import (
     OpenAIReply,
@@ -54,62 +60,15 @@ MAX_SEQUENCES = 256  # prompts x samples (n, or best_of) of one OpenAI request: 
 _PROMPT_TAIL_TOKENS = 32  # holds a generation prompt's "<think>\n\n</think>\n\n" even spelled in bytes
 
 
-class Metrics:
-    def __init__(self):
-        self.registry = CollectorRegistry()
-        r = self.registry
-        self.queue_length = Gauge("lightllm_queue_length", "requests waiting for admission", registry=r)
-        self.running = Gauge("lightllm_running_batch", "requests decoding", registry=r)
-        self.kv_usage = Gauge("lightllm_kv_usage_ratio", "fraction of KV cache tokens in use", registry=r)
-        self.generated_tokens = Counter("lightllm_generated_tokens", "tokens generated", registry=r)
-        self.finished = Counter("lightllm_requests_finished", "finished requests", ["finish_reason"], registry=r)
-        self.cached_tokens = Counter("lightllm_prompt_cached_tokens", "prompt tokens read from the prefix cache "
-                                     "instead of computed", registry=r)  # fmt: skip
-        # MTP speculative decoding: draft tokens proposed, and those accepted (emitted as output tokens)
-        self.spec_drafts = Counter("lightllm_spec_decode_num_draft_tokens", "MTP draft tokens proposed", registry=r)
-        self.spec_accepted = Counter("lightllm_spec_decode_num_accepted_tokens", "MTP draft tokens accepted",
-                                     registry=r)  # fmt: skip
-        self.ttft = Histogram("lightllm_time_to_first_token_seconds", "arrival to first token", registry=r,
-                              buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))  # fmt: skip
-        self.itl = Histogram("lightllm_inter_token_latency_seconds", "time between tokens", registry=r,
-                             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1))  # fmt: skip
-        # Per engine step (kind = prefill or decode): what a throughput number is made of. A decode step's
-        # time is the forward, sampling and bookkeeping of one token for every running request.
-        self.step_seconds = Histogram("lightllm_step_seconds", "engine step time", ["kind"], registry=r,
-                                      buckets=(0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128,
-                                               0.256, 0.512, 1.024, 2.048))  # fmt: skip
-        self.step_batch = Histogram("lightllm_step_batch_size", "requests per engine step", ["kind"], registry=r,
-                                    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512))  # fmt: skip
-
-    # the engine's StepObserver
-    def on_queues(self, waiting: int, running: int, kv_usage: float) -> None:
-        self.queue_length.set(waiting)
-        self.running.set(running)
-        self.kv_usage.set(kv_usage)
-
-    def on_token(self, first: bool, seconds: float) -> None:
-        (self.ttft if first else self.itl).observe(seconds)
-        self.generated_tokens.inc()
-
-    def on_step(self, kind: str, batch_size: int, seconds: float) -> None:
-        self.step_seconds.labels(kind).observe(seconds)
-        self.step_batch.labels(kind).observe(batch_size)
-
-    def on_spec(self, drafts: int, accepted: int) -> None:
-        self.spec_drafts.inc(drafts)
-        self.spec_accepted.inc(accepted)
-
-
 # ---- the app -----------------------------------------------------------------------------------------------
 
 
 class Server:
     def __init__(
         self,
-        runner: Runner,
+        runner: Union[Runner, EngineProcess],
         tokenizer,
         model_name: str,
-        on_shutdown=None,
         health_step_timeout_s: float = ServerArgs.health_step_timeout_s,
         max_request_body_bytes: int = ServerArgs.max_request_body_bytes,
         sampling_defaults: Optional[Dict[str, Union[int, float]]] = None,
@@ -117,11 +76,12 @@ class Server:
         reasoning_parser: Optional[str] = None,
         tool_call_parser: Optional[str] = None,
     ):
-        """``sampling_defaults``: what the OpenAI routes use for a sampling field a request leaves out
-        (``read_sampling_defaults``); ``extra_eos_ids``: ``--eos_id``; ``reasoning_parser``, ``tool_call_parser``:
-        the flags of those names (None: chat answers stay plain text)."""
+        """``runner``: an ``EngineProcess`` (the server: the engine in a process of its own, ready), or a runner
+        whose engine then runs on a thread of this process (tests over fake runners). ``sampling_defaults``: what
+        the OpenAI routes use for a sampling field a request leaves out (``read_sampling_defaults``);
+        ``extra_eos_ids``: ``--eos_id`` for the in-process engine (an ``EngineProcess`` is given them itself);
+        ``reasoning_parser``, ``tool_call_parser``: the flags of those names (None: chat answers stay plain text)."""
         self.runner = runner
-        self.on_shutdown = on_shutdown  # after the engine loop stops: tensor-parallel workers
         self.health_step_timeout_s = health_step_timeout_s
         self.tokenizer = tokenizer
         self.prompts = PromptEncoder(tokenizer, runner.args.max_req_total_len)
@@ -132,9 +92,15 @@ class Server:
         self.reasoning_parser, self.tool_call_parser = reasoning_parser, tool_call_parser
         self._special_ids = set(getattr(tokenizer, "all_special_ids", ()))
         self.metrics = Metrics()
-        self.mailbox = _Mailbox()
-        self.engine = Engine(runner, eos_token_ids(runner.config, tokenizer, extra_eos_ids), observer=self.metrics)
-        self.loop = EngineLoop(self.engine, after_step=self.mailbox.flush)
+        if isinstance(runner, EngineProcess):  # the server's layout: the engine in a process of its own
+            runner.observer = self.metrics
+            self.engine = self.loop = self.mailbox = runner
+            self._emitter = lambda events: events.put_nowait  # delivered on the event loop, a step at a time
+        else:  # in-process, on a thread of this process (tests over fake runners)
+            self.mailbox = _Mailbox()
+            self.engine = Engine(runner, eos_token_ids(runner.config, tokenizer, extra_eos_ids), observer=self.metrics)
+            self.loop = EngineLoop(self.engine, after_step=self.mailbox.flush)
+            self._emitter = lambda events: functools.partial(self.mailbox.post, events)
         self.app = self._build_app()
 
     def _build_app(self) -> FastAPI:
@@ -147,8 +113,6 @@ class Server:
             # which ends the process before any code after run() executes.
             if not self.loop.stop():
                 logger.warning("engine loop still inside a step after 60s; exiting without a clean shutdown")
-            elif self.on_shutdown is not None:
-                self.on_shutdown()
 
         app = FastAPI(title="lightllm", lifespan=lifespan)
         app.add_middleware(BodyLimit, limit=self.max_request_body_bytes)
@@ -184,7 +148,7 @@ class Server:
                 out["logprobs"] = result["logprobs"]
             if body.parameters.return_details:
                 out["tokens"] = [self._token_details(t, lp) for t, lp in zip(tokens, result["logprobs"])]
-            return out
+            return JSONResponse(out)  # plain JSON types already: skips FastAPI's walk over every token and logprob
 
         @app.post("/generate_stream")
         async def generate_stream(body: GenerateRequest, request: Request):
@@ -215,8 +179,8 @@ class Server:
     def _liveness_problem(self) -> Optional[str]:
         """Why the engine loop is not making progress (None while it is): a thread that ended, or one step
         running longer than ``health_step_timeout_s`` (a hung kernel, a stopped tensor-parallel rank)."""
-        if not self.loop.thread.is_alive():
-            return "engine loop stopped"
+        if not self.loop.is_alive():
+            return self.loop.exit_reason()
         busy = self.loop.step_in_flight_s()
         if busy is not None and busy > self.health_step_timeout_s:
             return f"engine step running for {busy:.1f}s, over --health_step_timeout_s {self.health_step_timeout_s:g}"
@@ -304,8 +268,8 @@ class Server:
         ``cached``: gets the request's prompt tokens read from the prefix cache appended, with its first event.
         Counts the request in lightllm_requests_finished_total once, with the reason the client is given
         ("abort" when it left first, whether it was running or still queued)."""
-        events: "asyncio.Queue[Event]" = asyncio.Queue()
-        req = EngineRequest(uuid.uuid4().hex, ids, params, functools.partial(self.mailbox.post, events))
+        events = _Inbox(each_token=text)
+        req = EngineRequest(uuid.uuid4().hex, ids, params, self._emitter(events))
         self.engine.submit(req)
         out = TextStream(self.tokenizer if text else None, params.stop)
         finished, first = False, True
@@ -313,10 +277,7 @@ class Server:
         next_check = loop.time() + _DISCONNECT_CHECK_S
         try:
             while True:
-                try:  # a step's events arrive together: take the queued ones without a timer each
-                    ev = events.get_nowait() if not events.empty() else await asyncio.wait_for(events.get(), 1.0)
-                except asyncio.TimeoutError:
-                    ev = None
+                ev = await events.get(_DISCONNECT_CHECK_S)
                 if loop.time() >= next_check:  # also while tokens flow: a gone client must not keep decoding
                     next_check = loop.time() + _DISCONNECT_CHECK_S
                     if await request.is_disconnected():
@@ -445,6 +406,41 @@ class Server:
         return reply.whole(await self._collect_all(seqs, request))
 
 
+class _Inbox:
+    """One request's events on the event loop. ``get`` waits with a timer, not a task (``asyncio.wait_for`` on a
+    queue makes a task per wait, and a streaming request waits once per token). ``each_token`` False (a handler
+    that needs no text until the end): only the finish wakes the handler, not every token (its timer still does,
+    for the disconnect check)."""
+
+    def __init__(self, each_token: bool = True):
+        self._items: Deque[Event] = collections.deque()
+        self._waiter: Optional[asyncio.Future] = None
+        self._each_token = each_token
+
+    def put_nowait(self, event: Event) -> None:
+        self._items.append(event)
+        if self._waiter is not None and not self._waiter.done() and (self._each_token or event.kind == "finish"):
+            self._waiter.set_result(None)
+
+    async def get(self, timeout: float) -> Optional[Event]:
+        """The next event, waiting at most ``timeout`` seconds to be woken for one; None when there is none."""
+        if not self._items:
+            loop = asyncio.get_running_loop()
+            self._waiter = loop.create_future()
+            timer = loop.call_later(timeout, _wake, self._waiter)
+            try:
+                await self._waiter
+            finally:
+                timer.cancel()
+                self._waiter = None
+        return self._items.popleft() if self._items else None
+
+
+def _wake(waiter: asyncio.Future) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
+
 class _Mailbox:
     """Events from the engine thread to the HTTP event loop, handed over once per step: one wake-up of the
     loop (a pipe write and a GIL hand-off) per step, not one per running request."""
@@ -457,7 +453,7 @@ class _Mailbox:
     def bind(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
 
-    def post(self, queue: "asyncio.Queue[Event]", event: Event) -> None:
+    def post(self, queue: _Inbox, event: Event) -> None:
         with self._lock:
             self._items.append((queue, event))
 
@@ -471,6 +467,32 @@ class _Mailbox:
 def _deliver(items) -> None:
     for queue, event in items:
         queue.put_nowait(event)
+
+
+def _make_runner(engine_args, tp: int, tp_step_timeout_s: float, nccl_port: Optional[int]) -> Runner:
+    """The engine process's runner: one process, or rank 0 of ``tp`` (its workers are the engine process's)."""
+    if tp > 1:
+        from lightllm.server.tp import start_tp
+
+        return start_tp(engine_args, tp, step_timeout_s=tp_step_timeout_s, port=nccl_port)
+    return ModelRunner(engine_args)
+
+
+def run(server: Server, sock, server_args: ServerArgs) -> int:
+    """Serve until SIGTERM/SIGINT (which end the process itself once drained) or until the engine process dies
+    (exit code 1: ``EngineProcess`` has logged why)."""
+    engine = server.loop
+
+    def watch(uv) -> None:
+        if isinstance(engine, EngineProcess):
+            engine.on_exit.append(lambda: setattr(uv, "should_exit", True))
+
+    try:
+        serve(server.app, sock, read_timeout_s=server_args.request_read_timeout_s, drain_s=server_args.shutdown_drain_s,
+              abort_rest=server.engine.abort_all, on_start=watch)  # fmt: skip
+    finally:  # uvicorn returned without a shutdown of the app; stop is idempotent
+        server.loop.stop()
+    return 1 if isinstance(engine, EngineProcess) and engine.problem else 0
 
 
 def main(argv=None) -> None:
@@ -491,29 +513,28 @@ def main(argv=None) -> None:
         sock.close()
         sys.stderr.write(f"error: {e}\n")
         sys.exit(2)
-    if server_args.tp > 1:
-        from lightllm.server.tp import start_tp
-
-        runner = start_tp(engine_args, server_args.tp, step_timeout_s=server_args.tp_step_timeout_s,
-                          port=server_args.nccl_port)  # fmt: skip
-    else:
-        runner = ModelRunner(engine_args)
-    stop = runner.stop if server_args.tp > 1 else None
-    model_name = server_args.model_name or (
-        Path(engine_args.model_dir).resolve().name if engine_args.model_dir else TINY_NAME
-    )
-    logger.info("serving model %r", model_name)
-    server = Server(runner, tokenizer, model_name=model_name, on_shutdown=stop,
-                    health_step_timeout_s=server_args.health_step_timeout_s,
-                    max_request_body_bytes=server_args.max_request_body_bytes, sampling_defaults=sampling_defaults,
-                    extra_eos_ids=server_args.eos_id, reasoning_parser=server_args.reasoning_parser,
-                    tool_call_parser=server_args.tool_call_parser)  # fmt: skip
+    make_runner = functools.partial(_make_runner, engine_args, server_args.tp, server_args.tp_step_timeout_s,
+                                    server_args.nccl_port)  # fmt: skip
+    engine = EngineProcess(make_runner, getattr(tokenizer, "eos_token_id", None), server_args.eos_id)
     try:
-        serve(server.app, sock, read_timeout_s=server_args.request_read_timeout_s,
-              drain_s=server_args.shutdown_drain_s, abort_rest=server.engine.abort_all)  # fmt: skip
-    finally:  # uvicorn returned without a shutdown; stop is idempotent
-        if stop is not None and not server.loop.thread.is_alive():  # never while a step may broadcast
-            stop()
+        engine.wait_ready()
+        model_name = server_args.model_name or (
+            Path(engine_args.model_dir).resolve().name if engine_args.model_dir else TINY_NAME
+        )
+        logger.info("serving model %r", model_name)
+        server = Server(engine, tokenizer, model_name=model_name,
+                        health_step_timeout_s=server_args.health_step_timeout_s,
+                        max_request_body_bytes=server_args.max_request_body_bytes,
+                        sampling_defaults=sampling_defaults, reasoning_parser=server_args.reasoning_parser,
+                        tool_call_parser=server_args.tool_call_parser)  # fmt: skip
+        code = run(server, sock, server_args)
+    except EngineExited as e:
+        sock.close()
+        sys.stderr.write(f"error: {e}\n")
+        code = 1
+    finally:
+        engine.stop()
+    sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,7 @@
-"""The server's engine thread: runs ``Engine.step()`` until stopped, times the step in flight (for /health),
-hands each step's events to the HTTP side (``after_step``) and fails the requests of a step that raised."""
+"""The server's engine loop: runs ``Engine.step()`` until stopped, times the step in flight (for /health),
+hands each step's events to the HTTP side (``after_step``) and fails the requests of a step that raised. It runs on
+a thread of its own (``start``, the in-process server of the tests) or on the engine process's main thread
+(``run``, see ``engine_proc``)."""
 
 import logging
 import threading
@@ -18,16 +20,28 @@ class EngineLoop:
         engine: Engine,
         after_step: Optional[Callable[[], None]] = None,
         clock: Callable[[], float] = time.monotonic,
+        on_step_started: Optional[Callable[[Optional[float]], None]] = None,
     ):
         self.engine = engine
         self.after_step = after_step  # called on the loop's thread after every step: deliver its events
         self.clock = clock  # times the step in flight, for /health
+        self.on_step_started = on_step_started  # told each step's start time, None when it ends (another process)
         self._step_started: Optional[float] = None
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="lightllm-engine", daemon=True)
 
     def start(self) -> None:
         self.thread.start()
+
+    def is_alive(self) -> bool:
+        return self.thread.is_alive()
+
+    def exit_reason(self) -> str:
+        return "engine loop stopped"
+
+    def request_stop(self) -> None:
+        """Make ``run`` return after the current step (from any thread)."""
+        self._stop.set()
 
     def stop(self, timeout: float = 60.0) -> bool:
         """Stop after the current step; False when the step is still running after ``timeout`` seconds."""
@@ -41,16 +55,25 @@ class EngineLoop:
         started = self._step_started
         return None if started is None else self.clock() - started
 
+    def _mark(self, started: Optional[float]) -> None:
+        self._step_started = started
+        if self.on_step_started is not None:
+            self.on_step_started(started)
+
+    def run(self) -> None:
+        """The loop, on the calling thread, until ``request_stop``."""
+        self._run()
+
     def _run(self) -> None:
         while not self._stop.is_set():
             busy = True
-            self._step_started = self.clock()
+            self._mark(self.clock())
             try:
                 busy = self.engine.step()
             except Exception:  # a failing step must not kill the server silently
                 logger.exception("engine step failed; failing the requests in it")
                 self.engine.fail_all()
-            self._step_started = None
+            self._mark(None)
             if self.after_step is not None:  # before any wait: an idle step may still have finished aborts
                 try:
                     self.after_step()

@@ -5,7 +5,7 @@ import asyncio
 import functools
 import logging
 import socket
-from typing import Callable
+from typing import Callable, Optional
 
 import h11
 import uvicorn
@@ -94,10 +94,15 @@ class DrainingServer(uvicorn.Server):
         self.abort_rest()
 
 
-def serve(app, sock: socket.socket, read_timeout_s: float, drain_s: float, abort_rest: Callable[[], None]) -> None:
-    """Serve ``app`` on the bound ``sock`` until SIGTERM/SIGINT, then drain (see DrainingServer)."""
+def serve(app, sock: socket.socket, read_timeout_s: float, drain_s: float, abort_rest: Callable[[], None],
+          on_start: Optional[Callable[[uvicorn.Server], None]] = None) -> None:  # fmt: skip
+    """Serve ``app`` on the bound ``sock`` until SIGTERM/SIGINT, then drain (see DrainingServer). ``on_start``
+    gets the uvicorn server first (setting its ``should_exit`` stops serving, with the same drain)."""
     protocol = functools.partial(ReadTimeoutH11, read_timeout_s=read_timeout_s)
     config = uvicorn.Config(app, http=protocol, log_level="info")
     host, port = sock.getsockname()[:2]
     logger.info("serving on http://%s:%d", host, port)
-    DrainingServer(config, drain_s, abort_rest).run(sockets=[sock])
+    server = DrainingServer(config, drain_s, abort_rest)
+    if on_start is not None:
+        on_start(server)
+    server.run(sockets=[sock])

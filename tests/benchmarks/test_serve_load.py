@@ -35,6 +35,24 @@ def test_start_order_tunes_first_then_rotates(serve_load, control):
         assert sorted(o[position] for o in orders) == sorted(modes)
 
 
+def test_the_request_schedule_is_fixed_by_its_seed(serve_load):
+    """Every server of a comparison gets the same prompts at the same arrival offsets; warm-up takes another seed."""
+    a = serve_load.request_schedule(0, 50, 8, 1000, rate=20.0)
+    assert a == serve_load.request_schedule(0, 50, 8, 1000, rate=20.0)
+    assert a != serve_load.request_schedule(1, 50, 8, 1000, rate=20.0)
+    arrivals, prompts = a
+    assert arrivals[0] == 0 and all(x < y for x, y in zip(arrivals, arrivals[1:]))  # Poisson: strictly later
+    assert len(prompts) == 50 and all(len(p) == 8 and all(125 <= t < 1000 for t in p) for p in prompts)
+    closed, _ = serve_load.request_schedule(0, 5, 8, 1000)  # rate 0: all at once, the concurrency paces them
+    assert closed == [0.0] * 5
+
+
+def test_percentile_is_nearest_rank(serve_load):
+    values = list(range(1, 101))
+    assert [serve_load.percentile(values, q) for q in (50, 99, 100)] == [50, 99, 100]
+    assert serve_load.percentile([3.0], 99) == 3.0 and serve_load.percentile([], 50) is None
+
+
 def test_per_step_attention_reads_what_a_search_wrote(serve_load, monkeypatch, isolated_autotune):
     """A real decode-attention search (interpreter, stubbed timer: the default takes 2 ms, every candidate
     1 ms) writes its config file; the benchmark reads tuned and default time per graph batch back from it."""
@@ -97,9 +115,12 @@ def test_runs_end_to_end_on_the_tiny_model(tmp_path):
     assert all(s["ranks"]["agree"] and s["ranks"]["ranks"] == 2 for s in result["startups"])
     (row,) = result["rows"]
     assert row["concurrency"] == 2 and result["control"] is True
+    assert result["warmup"] is None and result["seed"] == 0  # default warm-up: 2 x concurrency requests
     for mode in ("on", "off", "off_b"):
         (run,) = row[mode]["runs"]
+        # the warm-up's 4 requests are left out: only the 3 measured ones are counted, here and in the steps
         assert run["all_complete_finite"] and run["output_tokens"] == 3 * 256
+        assert 0 < run["ttft_p50_ms"] <= run["ttft_p99_ms"] and 0 < run["itl_p50_ms"] <= run["itl_p99_ms"]
         # from the server's step histograms: each request's first token comes from its prefill, the rest
         # from decode steps, and every step of the load is counted once
         assert round(run["prefill_batch"] * run["prefill_steps"]) == 3
@@ -108,6 +129,11 @@ def test_runs_end_to_end_on_the_tiny_model(tmp_path):
     assert sorted(p.name for p in (tmp_path / "logs").glob("*.log")) == [
         "server_tp2_short_off0.log", "server_tp2_short_off_b0.log", "server_tp2_short_on0.log"]  # fmt: skip
     assert "off_b vs off" in done.stdout and row["on"]["decode_step_ms"] > 0
+    # the A/A difference of every reported number at this point
+    assert set(row["aa_pct"]) == {"tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms"}
+    assert row["aa_pct"]["itl_p50_ms"] == pytest.approx(
+        (row["off_b"]["itl_p50_ms"] / row["off"]["itl_p50_ms"] - 1) * 100
+    )
 
 
 def test_stopping_the_benchmark_stops_its_server_and_removes_its_folders(tmp_path):

@@ -156,3 +156,14 @@ def sse(client, path, body, done=True):
     if done:
         assert lines.pop() == "data: [DONE]"
     return [json.loads(line.removeprefix("data:")) for line in lines]
+
+
+class EngineCrash(BaseException):
+    """A failure the engine does not contain (it stands for a CUDA abort or a segfault): it ends the process."""
+
+
+class CrashingRunner(FakeRunner):
+    """FakeRunner whose first decode raises ``EngineCrash``."""
+
+    def decode(self, slots, last_tokens):
+        raise EngineCrash("the model crashed")

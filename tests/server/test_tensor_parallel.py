@@ -114,8 +114,8 @@ def _session(sid: int) -> list:
 
 
 def test_a_failing_test_leaves_no_server_process_behind(tmp_path):
-    """An exception inside running_server: rank 0, its worker and every other process of the server's session
-    are gone when the block is left."""
+    """An exception inside running_server: the server, its engine process (rank 0), rank 0's worker and every
+    other process of the server's session are gone when the block is left."""
     model = str(make_tiny_qwen3(tmp_path / "model", num_attention_heads=4, num_key_value_heads=2))
     args = ["--model_dir", model, "--tp", "2", "--device", "cpu", "--data_type", "fp32", "--batch_max_tokens", "64",
             "--max_req_total_len", "128"]  # fmt: skip
@@ -124,10 +124,12 @@ def test_a_failing_test_leaves_no_server_process_behind(tmp_path):
             (log,) = tmp_path.glob("server-*.log")
             rank1 = int(re.search(r"lightllm-tp1 pid (\d+)", log.read_text()).group(1))
             with open(f"/proc/{rank1}/stat") as f:
-                server = int(f.read().rsplit(")", 1)[1].split()[1])  # rank 1's parent: rank 0, the server
-            assert len(_session(server)) >= 2 and rank1 in _session(server)
+                engine = int(f.read().rsplit(")", 1)[1].split()[1])  # rank 1's parent: rank 0, the engine process
+            with open(f"/proc/{engine}/stat") as f:
+                server = int(f.read().rsplit(")", 1)[1].split()[1])  # the engine process's: the HTTP server
+            assert len(_session(server)) >= 3 and {rank1, engine} <= set(_session(server))
             raise RuntimeError("the test failed")
-    assert _gone(rank1) and _gone(server) and _session(server) == []
+    assert _gone(rank1) and _gone(engine) and _gone(server) and _session(server) == []
 
 
 _ORPHAN = """

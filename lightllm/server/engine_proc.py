@@ -1,0 +1,317 @@
+"""The engine in a process of its own (LightLLM's layout). The HTTP process tokenizes, validates, streams and
+detokenizes; the engine process runs the scheduler, the model and sampling (``Engine.step()`` on its main thread)
+and never waits for HTTP: the two share no GIL.
+
+What crosses, batched both ways, pickled over one ``multiprocessing`` pipe:
+
+- HTTP -> engine, one message per wake-up of the HTTP side's sender thread, holding everything queued since the
+  last: ``("submit", id, prompt ids, SamplingParams, arrival)``, ``("abort", id, reason)``, ``("abort_all",)``,
+  ``("stop",)``. A thread of the engine process receives them and queues them for the next step.
+- engine -> HTTP, one message per step: every request's new token or finish ``(id, kind, token id, logprob,
+  finish reason, top logprobs, cached tokens)`` and the step's observer calls, replayed on the HTTP side's
+  ``Metrics``.
+- shared memory: the start time of the step in flight (``time.monotonic``, one clock per host), for ``/health``.
+
+The engine process dying (a crash, a lost tensor-parallel rank, the OOM killer) ends every request in flight with
+finish_reason "error", turns ``/health`` 503 and stops the server (``on_exit``). The engine process leaves when the
+HTTP process does (its pipe closes, its parent changes) and ignores SIGINT: Ctrl+C reaches the whole process group,
+and the HTTP process stops it after the drain.
+"""
+
+import ctypes
+import logging
+import math
+import multiprocessing as mp
+import os
+import queue
+import signal
+import threading
+import time
+from types import SimpleNamespace
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+
+from lightllm.engine.engine import Engine, eos_token_ids
+from lightllm.engine.request import Event, Request
+from lightllm.server.engine_loop import EngineLoop
+from lightllm.server.tp import _exit_with_parent
+
+logger = logging.getLogger(__name__)
+_LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+class EngineExited(RuntimeError):
+    """The engine process ended before it was ready."""
+
+
+class EngineProcess:
+    """The HTTP process's handle on the engine process: ``submit``, ``abort`` and ``abort_all`` as ``Engine`` has
+    them (called on the HTTP event loop), ``start``/``stop``/``is_alive``/``step_in_flight_s`` as ``EngineLoop``.
+
+    ``make_runner`` (picklable, run in the engine process) builds the runner: a ``ModelRunner``, or rank 0 of
+    tensor parallelism, whose ``stop`` the engine process calls on its way out. ``args`` and ``config`` (vocabulary
+    size, EOS ids) are the runner's, known once ``wait_ready`` returns."""
+
+    def __init__(self, make_runner: Callable, tokenizer_eos: Optional[int] = None, extra_eos_ids: Sequence[int] = ()):
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._step_started = ctx.RawValue(ctypes.c_double, math.nan)
+        self.process = ctx.Process(target=_engine_main, name="lightllm-engine",
+                                   args=(child, make_runner, tokenizer_eos, tuple(extra_eos_ids), self._step_started,
+                                         os.getpid(), logging.getLogger().level or logging.INFO))  # fmt: skip
+        self.process.start()  # not a daemon: it starts tensor-parallel workers of its own
+        child.close()  # ours closed: the engine's end of the pipe is then its only one, so its death is an EOF here
+        self.args = self.config = self.model_dir = None
+        self.observer = None  # the Metrics its step messages are replayed on
+        self.on_exit: List[Callable[[], None]] = []  # called on the event loop when the engine process dies
+        self.problem: Optional[str] = None  # why it is gone, once it is
+        self.step_messages = 0  # per-step messages received (one per step that had something to say)
+        self._emits: Dict[str, Callable[[Event], None]] = {}  # request id -> its emit, on the event loop only
+        self._outbox: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()
+        self._loop = None
+        self._stopping = False
+
+    # ---- start-up, on the main thread ----------------------------------------------------------------------
+
+    def wait_ready(self) -> None:
+        """Until the runner is built (weights, tuning, graphs); ``EngineExited`` if the engine process ends first."""
+        try:
+            _, info = self._conn.recv()
+        except (EOFError, OSError):
+            self.process.join()
+            raise EngineExited(f"engine process exited with code {self.process.exitcode} while starting "
+                               "(its error is above)") from None  # fmt: skip
+        self.args, self.config, self.model_dir = info["args"], SimpleNamespace(**info["config"]), info["model_dir"]
+        threading.Thread(target=self._send_loop, name="lightllm-engine-send", daemon=True).start()
+
+    def bind(self, loop) -> None:
+        """Deliver to ``loop`` (the HTTP event loop) from now on; starts reading the engine's messages."""
+        self._loop = loop
+
+    def start(self) -> None:
+        threading.Thread(target=self._read_loop, name="lightllm-engine-read", daemon=True).start()
+
+    # ---- the Engine's side, on the event loop --------------------------------------------------------------
+
+    def submit(self, req: Request) -> None:
+        if self.problem is not None:
+            req.emit(Event("finish", finish_reason="error"))
+            return
+        self._emits[req.id] = req.emit
+        self._outbox.put(("submit", req.id, req.prompt_ids, req.params, req.arrival))
+
+    def abort(self, request_id: str, reason: str = "abort") -> None:
+        self._outbox.put(("abort", request_id, reason))
+
+    def abort_all(self) -> None:
+        self._outbox.put(("abort_all",))
+
+    # ---- the EngineLoop's side -----------------------------------------------------------------------------
+
+    def is_alive(self) -> bool:
+        return self.problem is None and self.process.is_alive()
+
+    def exit_reason(self) -> str:
+        return self.problem or f"engine process exited with code {self.process.exitcode}"
+
+    def step_in_flight_s(self) -> Optional[float]:
+        started = self._step_started.value
+        return None if math.isnan(started) else time.monotonic() - started
+
+    def stop(self, timeout: float = 60.0) -> bool:
+        """Stop the engine process after its current step and wait for it (it stops its tensor-parallel workers);
+        False when it was still running after ``timeout`` seconds: it is killed then. Idempotent."""
+        self._stopping = True
+        if self.process.is_alive() and self.args is None:  # still starting (Ctrl+C while loading): nothing to drain
+            self.process.terminate()
+        elif self.process.is_alive():
+            self._outbox.put(("stop",))
+        self.process.join(timeout)
+        clean = not self.process.is_alive()
+        if not clean:
+            self.process.kill()  # its workers watch its pid and leave too
+            self.process.join()
+        return clean
+
+    # ---- threads -------------------------------------------------------------------------------------------
+
+    def _send_loop(self) -> None:
+        """Everything queued since the last send goes in one message, so the event loop never waits on the pipe."""
+        while True:
+            items = [self._outbox.get()]
+            while not self._outbox.empty():
+                items.append(self._outbox.get())
+            try:
+                self._conn.send(items)
+            except (OSError, ValueError):  # the engine is gone: the reader reports it
+                return
+            if items[-1][0] == "stop" or any(item[0] == "stop" for item in items):
+                return
+
+    def _read_loop(self) -> None:
+        while True:
+            try:
+                message = self._conn.recv()
+            except (EOFError, OSError):
+                break
+            if message[0] == "step" and not self._call_soon(self._deliver, message[1], message[2]):
+                return
+        self.process.join()  # its end of the pipe is closed: it has exited or is exiting
+        if not self._stopping:
+            self._call_soon(self._gone, f"engine process exited with code {self.process.exitcode}")
+
+    def _call_soon(self, fn, *args) -> bool:
+        """``fn(*args)`` on the event loop; False once that loop is closed (the server has shut down)."""
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:
+            return False
+        return True
+
+    def _deliver(self, events: list, calls: list) -> None:
+        """One step's message, on the event loop: metrics first, then every request's events."""
+        self.step_messages += 1
+        if self.observer is not None:
+            for name, args in calls:
+                getattr(self.observer, name)(*args)
+        emits = self._emits
+        for rid, kind, token_id, logprob, reason, top, cached in events:
+            emit = emits.get(rid) if kind == "token" else emits.pop(rid, None)
+            if emit is not None:
+                emit(Event(kind, token_id, logprob, reason, top_logprobs=top, cached_tokens=cached))
+
+    def _gone(self, problem: str) -> None:
+        if self.problem is not None or self._stopping:
+            return
+        self.problem = problem
+        emits, self._emits = self._emits, {}
+        logger.error("%s; %d request(s) in flight end with finish_reason error and the server stops", problem,
+                     len(emits))  # fmt: skip
+        for emit in emits.values():
+            emit(Event("finish", finish_reason="error"))
+        for callback in self.on_exit:
+            callback()
+
+
+# ---- the engine process ----------------------------------------------------------------------------------------
+
+
+class _Recorder:
+    """The engine's StepObserver in the engine process: each call is recorded, to be replayed on the HTTP side's
+    ``Metrics`` (any ``on_*`` method, so one added to the observer needs nothing here). ``on_queues`` is sent only
+    when it changed, so an idle engine sends nothing."""
+
+    def __init__(self):
+        self.calls: List[tuple] = []
+        self._queues = self._sent_queues = None
+
+    def on_queues(self, *args) -> None:
+        self._queues = args
+
+    def __getattr__(self, name: str):
+        if not name.startswith("on_"):
+            raise AttributeError(name)
+
+        def record(*args):
+            self.calls.append((name, args))
+
+        setattr(self, name, record)  # found directly from now on
+        return record
+
+    def take(self) -> List[tuple]:
+        calls, self.calls = self.calls, []
+        if self._queues != self._sent_queues:
+            calls.append(("on_queues", self._queues))
+            self._sent_queues = self._queues
+        return calls
+
+
+class _EngineSide:
+    """The engine process: the engine loop on its main thread, a thread receiving the HTTP side's messages."""
+
+    def __init__(self, conn, runner, eos_ids, step_started):
+        self.conn = conn
+        self.runner = runner
+        self.recorder = _Recorder()
+        self.engine = Engine(runner, eos_ids, observer=self.recorder)
+        self.events: List[tuple] = []  # (request id, Event) of the step running
+        self._step_started = step_started
+        self.loop = EngineLoop(self.engine, after_step=self._send_step, on_step_started=self._mark)
+
+    def _mark(self, started: Optional[float]) -> None:
+        self._step_started.value = math.nan if started is None else started
+
+    def _emitter(self, request_id: str) -> Callable[[Event], None]:
+        """A request's emit: one call per token on the engine's hot path, so a closure over the list's append."""
+        append = self.events.append
+
+        def emit(event: Event) -> None:
+            append((request_id, event))
+
+        return emit
+
+    def _send_step(self) -> None:
+        # The queues as this step left them (the engine reports them as the step starts): a client that gets its
+        # finish from this message then reads metrics that already count its KV as free.
+        sched = self.engine.scheduler
+        self.recorder.on_queues(len(sched.waiting), len(sched.running) + len(sched.prefilling), self.runner.kv.usage())
+        events, calls = self.events, self.recorder.take()
+        if not events and not calls:
+            return
+        out = [(rid, ev.kind, ev.token_id, ev.logprob, ev.finish_reason, ev.top_logprobs, ev.cached_tokens)
+               for rid, ev in events]  # fmt: skip
+        events.clear()
+        self.conn.send(("step", out, calls))
+
+    def _receive(self) -> None:
+        while True:
+            try:
+                items = self.conn.recv()
+            except (EOFError, OSError):  # the HTTP process is gone
+                items = [("stop",)]
+            for item in items:
+                op = item[0]
+                if op == "submit":
+                    _, rid, ids, params, arrival = item
+                    self.engine.submit(Request(rid, ids, params, self._emitter(rid), arrival=arrival))
+                elif op == "abort":
+                    self.engine.abort(item[1], item[2])
+                elif op == "abort_all":
+                    self.engine.abort_all()
+                elif op == "stop":
+                    self.loop.request_stop()
+                    return
+
+    def run(self) -> None:
+        threading.Thread(target=self._receive, name="lightllm-engine-receive", daemon=True).start()
+        self.loop.run()
+        # Stopped: whatever is left hears "abort" (after the drain it is only what the drain already aborted).
+        self.engine.abort_all()
+        try:
+            self.engine.step()
+        except Exception:
+            logger.exception("aborting the requests left at shutdown")
+            self.engine.fail_all()
+        self._send_step()
+        stop = getattr(self.runner, "stop", None)  # tensor parallelism: the workers, then the process group
+        if stop is not None:
+            stop()
+
+
+def _engine_main(conn, make_runner, tokenizer_eos, extra_eos, step_started, parent: int, log_level: int) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C: the HTTP process drains, then stops us
+    logging.basicConfig(level=log_level, format=_LOG_FORMAT)
+    _exit_with_parent(parent)
+    runner = make_runner()
+    if runner.device.type == "cuda":
+        # The GPU does the math; this process's own torch ops are bookkeeping-sized (staging, KV tables), where
+        # intra-op threads only add a barrier per op (1 ms for a 64 x 512 log_softmax on a busy 2-core host).
+        torch.set_num_threads(1)
+    config = {"vocab_size": runner.config.vocab_size, "eos_token_ids": tuple(runner.config.eos_token_ids)}
+    conn.send(("ready", {"args": runner.args, "config": config, "model_dir": getattr(runner, "model_dir", None)}))
+    eos = eos_token_ids(runner.config, SimpleNamespace(eos_token_id=tokenizer_eos), extra_eos)
+    side = _EngineSide(conn, runner, eos, step_started)
+    side.run()
+    conn.send(("stopped",))
+    conn.close()

@@ -1,0 +1,59 @@
+"""The server's Prometheus metrics, every definition in this one place.
+
+``Metrics`` is the engine's ``StepObserver``. With the engine in its own process (``engine_proc``) the engine calls
+a recorder there, and each step's calls are replayed here, on the HTTP process that serves ``/metrics``: a new
+observer method only needs to be defined on this class.
+"""
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+# 1 ms to 60 s: a decode step of a small model at batch 1 up to a long prompt's prefill behind a full queue
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class Metrics:
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.queue_length = Gauge("lightllm_queue_length", "requests waiting for admission", registry=r)
+        self.running = Gauge("lightllm_running_batch", "requests decoding", registry=r)
+        self.kv_usage = Gauge("lightllm_kv_usage_ratio", "fraction of KV cache tokens in use", registry=r)
+        self.generated_tokens = Counter("lightllm_generated_tokens", "tokens generated", registry=r)
+        self.finished = Counter("lightllm_requests_finished", "finished requests", ["finish_reason"], registry=r)
+        self.cached_tokens = Counter("lightllm_prompt_cached_tokens", "prompt tokens read from the prefix cache "
+                                     "instead of computed", registry=r)  # fmt: skip
+        # MTP speculative decoding: draft tokens proposed, and those accepted (emitted as output tokens)
+        self.spec_drafts = Counter("lightllm_spec_decode_num_draft_tokens", "MTP draft tokens proposed", registry=r)
+        self.spec_accepted = Counter("lightllm_spec_decode_num_accepted_tokens", "MTP draft tokens accepted",
+                                     registry=r)  # fmt: skip
+        # Observed as each token leaves the engine (sampled): the first from the request's arrival at the HTTP
+        # process, the others from the request's previous token.
+        self.ttft = Histogram("lightllm_time_to_first_token_seconds", "request arrival to its first token",
+                              registry=r, buckets=LATENCY_BUCKETS)  # fmt: skip
+        self.itl = Histogram("lightllm_inter_token_latency_seconds", "time between a request's tokens", registry=r,
+                             buckets=LATENCY_BUCKETS)  # fmt: skip
+        # Per engine step (kind = prefill or decode): what a throughput number is made of. A decode step's
+        # time is the forward, sampling and bookkeeping of one token for every running request.
+        self.step_seconds = Histogram("lightllm_step_seconds", "engine step time", ["kind"], registry=r,
+                                      buckets=(0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128,
+                                               0.256, 0.512, 1.024, 2.048))  # fmt: skip
+        self.step_batch = Histogram("lightllm_step_batch_size", "requests per engine step", ["kind"], registry=r,
+                                    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512))  # fmt: skip
+
+    # the engine's StepObserver
+    def on_queues(self, waiting: int, running: int, kv_usage: float) -> None:
+        self.queue_length.set(waiting)
+        self.running.set(running)
+        self.kv_usage.set(kv_usage)
+
+    def on_token(self, first: bool, seconds: float) -> None:
+        (self.ttft if first else self.itl).observe(seconds)
+        self.generated_tokens.inc()
+
+    def on_step(self, kind: str, batch_size: int, seconds: float) -> None:
+        self.step_seconds.labels(kind).observe(seconds)
+        self.step_batch.labels(kind).observe(batch_size)
+
+    def on_spec(self, drafts: int, accepted: int) -> None:
+        self.spec_drafts.inc(drafts)
+        self.spec_accepted.inc(accepted)

@@ -1,0 +1,160 @@
+"""The engine in its own process (``lightllm.server.engine_proc``): one message per step holding every request's
+tokens, TTFT and inter-token histograms fed from it, and a dying engine process failing its requests, turning
+/health 503 and ending the server with one line instead of hanging it."""
+
+import concurrent.futures
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+from fake_model import CrashingRunner, FakeRunner, Letters
+from fastapi.testclient import TestClient
+from server_helpers import REPO
+
+from lightllm.common import proc as procs
+from lightllm.common.net import free_port, wait_healthy
+from lightllm.server.api_server import Server
+from lightllm.server.engine_proc import EngineProcess
+
+
+def started(make_runner) -> Server:
+    engine = EngineProcess(make_runner)
+    try:
+        engine.wait_ready()
+    except BaseException:
+        engine.stop()
+        raise
+    server = Server(engine, Letters(), "tiny")
+    server.prompts.tokenizer = server.tokenizer
+    return server
+
+
+def metric(text, name):
+    m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
+    return float(m.group(1)) if m else None
+
+
+def test_one_message_per_step_holds_every_requests_tokens_and_feeds_the_latency_histograms():
+    server = started(FakeRunner)
+    engine = server.engine
+    messages = []
+    deliver = engine._deliver
+
+    def recording(events, calls):
+        messages.append((events, calls))
+        deliver(events, calls)
+
+    engine._deliver = recording
+    body = {"inputs": "abc", "parameters": {"max_new_tokens": 6, "ignore_eos": True}}
+    try:
+        with TestClient(server.app) as client:
+            with concurrent.futures.ThreadPoolExecutor(8) as pool:
+                replies = list(pool.map(lambda _: client.post("/generate", json=body).json(), range(8)))
+            text = client.get("/metrics").text
+    finally:
+        assert engine.stop()
+    assert [len(r["token_ids"]) for r in replies] == [6] * 8
+    with_tokens = [(events, calls) for events, calls in messages if any(e[1] == "token" for e in events)]
+    assert sum(e[1] == "token" for events, _ in with_tokens for e in events) == 48
+    for events, calls in with_tokens:  # a step's tokens travel together, in the step's one message
+        steps = [args for name, args in calls if name == "on_step"]
+        assert len(steps) == 1 and sum(e[1] == "token" for e in events) == steps[0][1]
+    assert len(with_tokens) == sum(metric(text, f'lightllm_step_seconds_count{{kind="{k}"}}') or 0
+                                   for k in ("prefill", "decode"))  # fmt: skip
+    # observed as the tokens left the engine: one first token per request, every later one an inter-token gap
+    assert metric(text, "lightllm_time_to_first_token_seconds_count") == 8
+    assert metric(text, "lightllm_inter_token_latency_seconds_count") == 8 * 5
+    for name in ("lightllm_time_to_first_token_seconds", "lightllm_inter_token_latency_seconds"):
+        assert f'{name}_bucket{{le="0.001"}}' in text and f'{name}_bucket{{le="60.0"}}' in text
+
+
+def test_a_crashed_engine_process_fails_its_requests_and_turns_health_503():
+    server = started(CrashingRunner)
+    gone = []
+    server.engine.on_exit.append(lambda: gone.append(1))
+    try:
+        with TestClient(server.app) as client:
+            assert client.get("/health").status_code == 200
+            reply = client.post("/generate", json={"inputs": "abc", "parameters": {"max_new_tokens": 4}}).json()
+            assert reply["finish_reason"] == "error"  # its prefill token, then the engine died under its decode
+            health = client.get("/health")
+            assert health.status_code == 503 and health.json()["status"] == "engine process exited with code 1"
+            after = client.post("/generate", json={"inputs": "abc", "parameters": {"max_new_tokens": 4}}).json()
+            assert after["finish_reason"] == "error" and after["token_ids"] == []  # refused at once, not hung
+    finally:
+        server.engine.stop()
+    assert gone == [1]
+
+
+_FAKE_SERVER = """
+import sys
+sys.path.insert(0, {tests!r})
+from fake_model import {runner}, Letters
+from lightllm.server.api_server import Server, run
+from lightllm.server.args import ServerArgs
+from lightllm.server.engine_proc import EngineProcess
+from lightllm.server.serving import bind
+import logging
+
+if __name__ == "__main__":  # the engine process (spawned) imports this file again
+    logging.basicConfig(level=logging.INFO)
+    engine = EngineProcess({runner})
+    engine.wait_ready()
+    server = Server(engine, Letters(), "tiny")
+    server.prompts.tokenizer = server.tokenizer
+    sys.exit(run(server, bind("127.0.0.1", {port}), ServerArgs()))
+"""
+
+
+def start_fake_server(tmp_path, runner: str):
+    """The real ``api_server.run`` over ``EngineProcess(runner)`` (a class of fake_model) in a subprocess, answering
+    /health: (process, base URL, log path)."""
+    port = free_port()
+    script = tmp_path / "fake_server.py"
+    script.write_text(_FAKE_SERVER.format(tests=os.path.dirname(__file__), port=port, runner=runner))
+    log = tmp_path / "server.log"
+    with open(log, "w") as out:
+        proc = procs.start([sys.executable, str(script)], env={**os.environ, "PYTHONPATH": REPO}, stdout=out,
+                           stderr=subprocess.STDOUT)  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(proc, base, procs.HANG_TIMEOUT_S)
+    except BaseException:
+        procs.stop(proc)
+        raise
+    return proc, base, log
+
+
+def test_a_crashed_engine_process_ends_the_server_with_one_line(tmp_path):
+    proc, base, log = start_fake_server(tmp_path, "CrashingRunner")
+    try:
+        body = {"inputs": "abc", "parameters": {"max_new_tokens": 4}}
+        reply = httpx.post(base + "/generate", json=body, timeout=procs.HANG_TIMEOUT_S).json()
+        assert reply["finish_reason"] == "error"
+        assert proc.wait(timeout=procs.HANG_TIMEOUT_S) == 1  # it ends by itself; the old server served on
+    finally:
+        procs.stop(proc)
+    text = log.read_text()
+    lines = [line for line in text.splitlines() if "engine process exited with code 1" in line]
+    assert len(lines) == 1, text[-3000:]
+    assert "1 request(s) in flight end with finish_reason error and the server stops" in lines[0]
+
+
+def test_the_engine_process_does_not_outlive_a_killed_server(tmp_path):
+    """SIGKILL the HTTP process (no shutdown runs): the engine process notices and exits by itself."""
+    proc, base, _ = start_fake_server(tmp_path, "FakeRunner")
+    try:
+        (engine,) = [p for p in procs._tree(proc.pid) if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()]
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        deadline = time.monotonic() + procs.HANG_TIMEOUT_S  # only an engine that never leaves waits this long
+        while procs._alive(engine) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not procs._alive(engine), "the engine process outlived the server"
+    finally:
+        procs.stop(proc)
