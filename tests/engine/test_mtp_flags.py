@@ -73,7 +73,7 @@ def test_offline_llm_raises_the_same_message(dirs):
 def test_metrics_count_draft_and_accepted_tokens():
     from prometheus_client import generate_latest
 
-    from lightllm.server.api_server import Metrics
+    from lightllm.server.metrics import Metrics
 
     metrics = Metrics()
     metrics.on_spec(6, 4)
