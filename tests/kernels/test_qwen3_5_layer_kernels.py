@@ -264,18 +264,19 @@ Q27B = dict(hidden=5120, heads=24, kv_heads=4, head_dim=256, rotary_dim=64, valu
 def _close_bf16(out, oracle, ref64, rounds_once=False):
     """Within one bfloat16 step of transformers' bfloat16 module and within bfloat16's error of float64 math.
 
-    ``rounds_once``: the kernel fuses steps that transformers rounds to bfloat16 one by one (q/k norm, then
-    rotary), so more elements differ from transformers by one step; there it must be no less accurate than
-    transformers against float64 instead of bit-equal to it on 99 % of the elements, and within two steps of it."""
+    ``rounds_once``: the kernel fuses steps that transformers rounds to bfloat16 one by one (q/k norm then rotary,
+    sigmoid then the product, the gated norm's pieces), so more elements differ from transformers by a step; there
+    it must be no less accurate than transformers against float64 instead of bit-equal to it on 99 % of the
+    elements, and within two steps of it."""
     assert not out.isnan().any(), "some output elements were never written"
-    steps = 1
+    rtol = 1e-2
     if rounds_once:
         ours, theirs = (out.double() - ref64).abs(), (oracle.double() - ref64).abs()
         assert ours.mean() <= theirs.mean() and ours.max() <= theirs.max(), (ours.max(), theirs.max())
-        steps = 2  # transformers' two roundings can land two steps from the once-rounded result
+        rtol = 2**-6  # transformers' two roundings can land two bfloat16 steps from the once-rounded result
     else:
         assert (out != oracle).float().mean().item() <= 0.01
-    torch.testing.assert_close(out.float(), oracle.float(), rtol=steps * 2**-7, atol=1e-2)
+    torch.testing.assert_close(out.float(), oracle.float(), rtol=rtol, atol=1e-2)
     torch.testing.assert_close(out.double(), ref64, rtol=3e-2, atol=3e-2)
 
 
@@ -310,7 +311,8 @@ def test_gpu_27b_shapes_match_transformers(tokens):
     # the output gate, read in place from the qkv output
     gate = qkv[:, : 2 * heads * d].view(tokens, heads, 2 * d)[..., d:]
     o = torch.randn(tokens, heads, d, dtype=bf16, device=dev)
-    _close_bf16(sigmoid_gate_mul(o, gate), o * torch.sigmoid(gate), o.double() * torch.sigmoid(gate.double()))
+    _close_bf16(sigmoid_gate_mul(o, gate), o * torch.sigmoid(gate), o.double() * torch.sigmoid(gate.double()),
+                rounds_once=True)  # fmt: skip
     # the gated norm, z read in place from the in_proj output (Hv 48, Dv 128; conv channels 2 * 16 * 128 + 48 * 128)
     hv, dv, channels = s["value_heads"], s["value_dim"], 2 * 16 * 128 + 48 * 128
     proj = torch.randn(tokens, channels + hv * dv + 2 * hv, dtype=bf16, device=dev) * 3
@@ -321,4 +323,4 @@ def test_gpu_27b_shapes_match_transformers(tokens):
     hf.weight.data = gw
     with torch.no_grad():
         oracle = hf(xo, z)
-    _close_bf16(gated_rmsnorm(xo, z, gw, EPS), oracle, _gated64(xo, z, gw))
+    _close_bf16(gated_rmsnorm(xo, z, gw, EPS), oracle, _gated64(xo, z, gw), rounds_once=True)
