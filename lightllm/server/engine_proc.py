@@ -66,7 +66,6 @@ class EngineProcess:
         self.observer = None  # the Metrics its step messages are replayed on
         self.on_exit: List[Callable[[], None]] = []  # called on the event loop when the engine process dies
         self.problem: Optional[str] = None  # why it is gone, once it is
-        self.step_messages = 0  # per-step messages received (one per step that had something to say)
         self._emits: Dict[str, Callable[[Event], None]] = {}  # request id -> its emit, on the event loop only
         self._outbox: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()
         self._loop = None
@@ -86,7 +85,7 @@ class EngineProcess:
         threading.Thread(target=self._send_loop, name="lightllm-engine-send", daemon=True).start()
 
     def bind(self, loop) -> None:
-        """Deliver to ``loop`` (the HTTP event loop) from now on; starts reading the engine's messages."""
+        """Deliver to ``loop`` (the HTTP event loop); ``start`` then starts reading the engine's messages."""
         self._loop = loop
 
     def start(self) -> None:
@@ -146,7 +145,7 @@ class EngineProcess:
                 self._conn.send(items)
             except (OSError, ValueError):  # the engine is gone: the reader reports it
                 return
-            if items[-1][0] == "stop" or any(item[0] == "stop" for item in items):
+            if any(item[0] == "stop" for item in items):
                 return
 
     def _read_loop(self) -> None:
@@ -171,7 +170,6 @@ class EngineProcess:
 
     def _deliver(self, events: list, calls: list) -> None:
         """One step's message, on the event loop: metrics first, then every request's events."""
-        self.step_messages += 1
         if self.observer is not None:
             for name, args in calls:
                 getattr(self.observer, name)(*args)
