@@ -148,6 +148,7 @@ def test_a_crashed_engine_process_ends_the_server_with_one_line(tmp_path):
 def test_the_engine_process_does_not_outlive_a_killed_server(tmp_path):
     """SIGKILL the HTTP process (no shutdown runs): the engine process notices and exits by itself."""
     proc, base, _ = start_fake_server(tmp_path, "FakeRunner")
+    engine = None
     try:
         (engine,) = [p for p in procs._tree(proc.pid) if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()]
         os.kill(proc.pid, signal.SIGKILL)
@@ -158,3 +159,5 @@ def test_the_engine_process_does_not_outlive_a_killed_server(tmp_path):
         assert not procs._alive(engine), "the engine process outlived the server"
     finally:
         procs.stop(proc)
+        if engine is not None and procs._alive(engine):  # orphaned by the failure above: not left behind
+            os.kill(engine, signal.SIGKILL)
