@@ -40,8 +40,7 @@ class StepObserver(Protocol):
 
     def on_step(self, kind: str, batch_size: int, seconds: float) -> None: ...
 
-    # optional, MTP: draft tokens proposed and accepted (emitted) in one decode step
-    # def on_spec(self, drafts: int, accepted: int) -> None: ...
+    def on_spec(self, drafts: int, accepted: int) -> None: ...  # MTP: drafts proposed and accepted in one step
 
 
 def eos_token_ids(config, tokenizer, extra: Iterable[int] = ()) -> Set[int]:

@@ -187,6 +187,6 @@ class SpecDecoder:
                 alive.append(req)
             else:
                 eng._finish(req, out.reason)
-        if observer is not None and hasattr(observer, "on_spec"):
+        if observer is not None:
             observer.on_spec(len(batch) * self.step_drafts, sum(sum(ev.draft for ev in o.events) for o in outcomes))
         return alive
