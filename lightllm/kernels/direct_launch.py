@@ -3,8 +3,9 @@
 ``kernel[grid](...)`` binds every argument, derives Triton's specialization of each (pointer alignment to 16
 bytes, integers equal to 1 or divisible by 16, dtypes), turns it into a cache key and looks the compiled kernel
 up: about 11 µs of host time per launch on the H200's host, against about 5 µs for calling the compiled
-kernel's launcher directly (``benchmarks/launch_cost.py``). A :class:`DirectLaunch` runs the first launch of each specialization through
-``kernel[grid]`` (Triton's own binder, cache and compile) and keeps the compiled kernel it returned; a later
+kernel's launcher directly (``benchmarks/launch_cost.py``). A :class:`DirectLaunch` runs the first launch of each
+specialization through ``kernel[grid]`` (Triton's own binder, cache and compile) and keeps the compiled kernel it
+returned; a later
 launch whose arguments have the same specialization classes (checked for the arguments that can change them:
 tensors' dtype and alignment, ints' class, positional constexprs' values; the keyword constexprs and options are
 the binding's key) calls that kernel's launcher on the current stream. Any difference falls back to
