@@ -165,9 +165,9 @@ _launch_gated_delta_verify = autotune(
 
 
 class GatedDeltaVerifyPlan:
-    """The linear-attention verify of one MTP step, made from shapes before any layer runs: the arguments are
-    checked once here and the tuned config resolved at the first :meth:`run`; every linear-attention layer then
-    runs with them. Each layer's inputs must have the planned shapes and dtypes (``run`` checks).
+    """The linear-attention verify of one MTP step, planned as
+    :class:`~lightllm.kernels.linear_attention.gated_delta_decode.GatedDeltaDecodePlan` plans a decode step: checked
+    once, tuned at the first :meth:`run`, each layer's inputs held to the planned shapes and dtypes.
 
     Args: ``q_shape`` ``[batch, T, k_heads, head_k_dim]`` (also k's), ``v_shape`` ``[batch, T, v_heads,
     head_v_dim]``, ``dtype`` of q/k/v (and of the output), ``state_shape`` ``[slots, v_heads, head_k_dim,
