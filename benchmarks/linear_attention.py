@@ -20,17 +20,19 @@ dims), float32 state and bf16 activations:
 
 import argparse
 import json
-import math
 import os
 import sys
-import tempfile
 
 import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:  # also when loaded from its path (the tests)
+    sys.path.insert(0, HERE)
+from recurrent_bench import Cycle, check_batches, pools_needed, run_or_analyze, save, tuner_pick  # noqa: E402
 
 # (key heads, value heads, head_k_dim, head_v_dim): Qwen3.5-27B's linear attention at tp 1, and Qwen3-Next-80B's.
 SHAPES = {"hk16-hv48-d128": (16, 48, 128, 128), "hk16-hv32-d128": (16, 32, 128, 128)}
 BATCHES = (1, 8, 16, 64, 128)
-COLD_BYTES = 1 << 30  # pools cycled per graph: far beyond the H200's 60 MB of L2
 CONV_TAPS = 4
 CONV_BLOCKS = (256, 512, 1024, 2048)
 
@@ -38,23 +40,6 @@ CONV_BLOCKS = (256, 512, 1024, 2048)
 def state_bytes(batch: int, v_heads: int, head_k_dim: int, head_v_dim: int, elem: int = 4) -> int:
     """Bytes one decode step moves for the recurrent state: every slot read and written once."""
     return 2 * batch * v_heads * head_k_dim * head_v_dim * elem
-
-
-def pools_needed(bytes_per_pool: int, cold_bytes: int = COLD_BYTES) -> int:
-    """Pools to cycle through so that no launch finds the previous launches' state in L2."""
-    return max(2, math.ceil(cold_bytes / max(1, bytes_per_pool)))
-
-
-class Cycle:
-    """A launch that takes the next of several inputs at every call, so each launch captured into a graph reads
-    other memory."""
-
-    def __init__(self, launch, inputs):
-        self.launch, self.inputs, self.i = launch, inputs, 0
-
-    def __call__(self):
-        self.i = (self.i + 1) % len(self.inputs)
-        return self.launch(self.inputs[self.i])
 
 
 def make_decode(shape, batch):
@@ -99,23 +84,12 @@ def time_fla(t, fla):
     return cuda_graph_bench(Cycle(launch, t["pools"]))
 
 
-def tuner_pick(t):
+def decode_tuner_pick(t):
     """The config the autotuner stores for this batch size (its own search, in a fresh config folder)."""
-    from lightllm.common.autotuner import AutotuneKernelType, autotune_warmup
     from lightllm.kernels.linear_attention import gated_delta_decode as gdd
 
-    gdd._launch_gated_delta_decode.clear_cache()
-    with tempfile.TemporaryDirectory() as root:
-        os.environ.update(LIGHTLLM_TRITON_AUTOTUNE_LEVEL="1", LIGHTLLM_AUTOTUNE_CONFIG_DIR=root)
-        try:
-            with autotune_warmup(AutotuneKernelType.DECODE_ATTENTION):
-                gdd.gated_delta_decode(t["q"], t["k"], t["v"], t["a"], t["b"], t["A_log"], t["dt_bias"],
-                                       t["pools"][0], t["idx"])  # fmt: skip
-        finally:
-            for name in ("LIGHTLLM_TRITON_AUTOTUNE_LEVEL", "LIGHTLLM_AUTOTUNE_CONFIG_DIR"):
-                os.environ.pop(name, None)
-            gdd._launch_gated_delta_decode.clear_cache()
-    return gdd._launch_gated_delta_decode.last_search.chosen
+    args = t["q"], t["k"], t["v"], t["a"], t["b"], t["A_log"], t["dt_bias"], t["pools"][0], t["idx"]
+    return tuner_pick(gdd._launch_gated_delta_decode, lambda: gdd.gated_delta_decode(*args))
 
 
 def time_conv(batch, channels, block):
@@ -159,7 +133,7 @@ def run(args):
             t = make_decode(shape, batch)
             default = gdd.default_config(shape[3])
             candidates = {json.dumps(c, sort_keys=True): time_ours(t, c) for c in gdd._configs(t["q"], t["v"])}
-            picked = tuner_pick(t)
+            picked = decode_tuner_pick(t)
             row = {
                 "shape": name,
                 "B": batch,
@@ -175,19 +149,13 @@ def run(args):
             print(json.dumps({k: v for k, v in row.items() if k != "candidates_ms"}), flush=True)
             del t
             torch.cuda.empty_cache()
-            _save(results, args.out)
+            save(results, args.out)
     channels = 2 * 16 * 128 + 48 * 128
     for batch in args.batches:
         times = {str(block): time_conv(batch, channels, block) for block in CONV_BLOCKS}
         results["conv"].append({"B": batch, "C": channels, "default_block": DEFAULT_CONFIG["BLOCK_C"], "ms": times})
-    _save(results, args.out)
+    save(results, args.out)
     return results
-
-
-def _save(results, path):
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(results, f, default=str)
 
 
 def print_tables(results):
@@ -224,21 +192,12 @@ def parse_args(argv=None):
     p.add_argument("--analyze", metavar="JSON", help="print the tables of a saved run (no GPU needed)")
     p.add_argument("--out", default="benchmarks/results/linear_attention.json")
     args = p.parse_args(argv)
-    if any(b < 1 for b in args.batches):
-        p.error(f"--batches expected positive integers, got {args.batches}")
+    check_batches(p, args)
     return args
 
 
 def main(argv=None):
-    args = parse_args(argv)
-    if args.analyze:
-        with open(args.analyze) as f:
-            results = json.load(f)
-    else:
-        if not torch.cuda.is_available():
-            sys.exit("error: this benchmark needs a CUDA GPU (use --analyze JSON to print a saved run)")
-        results = run(args)
-    print_tables(results)
+    run_or_analyze(parse_args(argv), run, print_tables)
 
 
 if __name__ == "__main__":

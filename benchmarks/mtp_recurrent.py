@@ -21,9 +21,13 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 
 import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:  # also when loaded from its path (the tests, benchmarks/mtp.py)
+    sys.path.insert(0, HERE)
+from recurrent_bench import Cycle, check_batches, pools_needed, run_or_analyze, save, tuner_pick  # noqa: E402
 
 SHAPE = (16, 48, 128, 128)  # (key heads, value heads, head_k_dim, head_v_dim): Qwen3.5-27B at tp 1
 BATCHES = (16, 64, 128)
@@ -36,8 +40,6 @@ def verify_state_bytes(batch: int, tokens: int, v_heads: int, head_k_dim: int, h
 
 
 def make_verify(batch, tokens, shape=SHAPE):
-    from linear_attention import pools_needed
-
     hk, hv, dk, dv = shape
     rows = batch * tokens
     conv_out = torch.randn(rows, 2 * hk * dk + hv * dv, device="cuda", dtype=torch.bfloat16)
@@ -55,8 +57,6 @@ def make_verify(batch, tokens, shape=SHAPE):
 
 
 def time_verify(t, cfg):
-    from linear_attention import Cycle
-
     from lightllm.common.autotuner import cuda_graph_bench
     from lightllm.kernels.linear_attention.gated_delta_verify import gated_delta_verify
 
@@ -69,8 +69,6 @@ def time_verify(t, cfg):
 
 def time_sequential(t, cfg):
     """N + 1 single-token decodes in place on each request's source slot."""
-    from linear_attention import Cycle
-
     from lightllm.common.autotuner import cuda_graph_bench
     from lightllm.kernels.linear_attention.gated_delta_decode import gated_delta_decode
 
@@ -85,24 +83,12 @@ def time_sequential(t, cfg):
     return cuda_graph_bench(Cycle(launch, t["pools"]))
 
 
-def tuner_pick(t):
+def verify_tuner_pick(t):
     """The config the autotuner stores for this batch (its own search, in a fresh config folder)."""
-    from lightllm.common.autotuner import AutotuneKernelType, autotune_warmup
     from lightllm.kernels.linear_attention import gated_delta_verify as gdv
 
-    tuned = gdv._launch_gated_delta_verify
-    tuned.clear_cache()
-    with tempfile.TemporaryDirectory() as root:
-        os.environ.update(LIGHTLLM_TRITON_AUTOTUNE_LEVEL="1", LIGHTLLM_AUTOTUNE_CONFIG_DIR=root)
-        try:
-            with autotune_warmup(AutotuneKernelType.DECODE_ATTENTION):
-                gdv.gated_delta_verify(t["q"], t["k"], t["v"], t["a"], t["b"], t["A_log"], t["dt_bias"],
-                                       t["pools"][0], t["src"], t["dst"])  # fmt: skip
-        finally:
-            for name in ("LIGHTLLM_TRITON_AUTOTUNE_LEVEL", "LIGHTLLM_AUTOTUNE_CONFIG_DIR"):
-                os.environ.pop(name, None)
-            tuned.clear_cache()
-    return tuned.last_search.chosen
+    args = t["q"], t["k"], t["v"], t["a"], t["b"], t["A_log"], t["dt_bias"], t["pools"][0], t["src"], t["dst"]
+    return tuner_pick(gdv._launch_gated_delta_verify, lambda: gdv.gated_delta_verify(*args))
 
 
 def run(args):
@@ -125,7 +111,7 @@ def run(args):
         t = make_verify(batch, tokens)
         default = gdv.default_config(SHAPE[3])
         candidates = {json.dumps(c, sort_keys=True): time_verify(t, c) for c in gdv._configs(t["q"], t["v"])}
-        picked = tuner_pick(t)
+        picked = verify_tuner_pick(t)
         q0, v0 = t["q"][:, 0], t["v"][:, 0]
         sequential = {json.dumps(c, sort_keys=True): time_sequential(t, c) for c in gdd._configs(q0, v0)}
         best_seq = min(sequential, key=sequential.get)
@@ -144,14 +130,8 @@ def run(args):
         print(json.dumps({k: v for k, v in row.items() if k != "candidates_ms"}), flush=True)
         del t
         torch.cuda.empty_cache()
-        _save(results, args.out)
+        save(results, args.out)
     return results
-
-
-def _save(results, path):
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(results, f, default=str)
 
 
 def print_tables(results):
@@ -179,23 +159,14 @@ def parse_args(argv=None):
     p.add_argument("--analyze", metavar="JSON", help="print the table of a saved run (no GPU needed)")
     p.add_argument("--out", default="benchmarks/results/mtp_recurrent.json")
     args = p.parse_args(argv)
-    if any(b < 1 for b in args.batches):
-        p.error(f"--batches expected positive integers, got {args.batches}")
+    check_batches(p, args)
     if not 1 <= args.steps <= 4:
         p.error(f"--steps expected 1-4 (--mtp_step), got {args.steps}")
     return args
 
 
 def main(argv=None):
-    args = parse_args(argv)
-    if args.analyze:
-        with open(args.analyze) as f:
-            results = json.load(f)
-    else:
-        if not torch.cuda.is_available():
-            sys.exit("error: this benchmark needs a CUDA GPU (use --analyze JSON to print a saved run)")
-        results = run(args)
-    print_tables(results)
+    run_or_analyze(parse_args(argv), run, print_tables)
 
 
 if __name__ == "__main__":

@@ -10,13 +10,26 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-@pytest.fixture(scope="module")
-def bench():
-    path = os.path.join(REPO, "benchmarks", "linear_attention.py")
-    spec = importlib.util.spec_from_file_location("linear_attention_bench", path)
+def load_benchmark(name):
+    """``benchmarks/<name>.py`` loaded from its path (benchmarks/ is no package); shared with the other recurrent
+    benchmark's tests."""
+    spec = importlib.util.spec_from_file_location(f"{name}_bench", os.path.join(REPO, "benchmarks", f"{name}.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def analyzed_lines(bench, saved, tmp_path, capsys):
+    """What ``--analyze`` prints for the saved run ``saved``, line by line."""
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(saved))
+    bench.main(["--analyze", str(path)])
+    return capsys.readouterr().out.splitlines()
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return load_benchmark("linear_attention")
 
 
 def test_arguments(bench):
@@ -52,10 +65,7 @@ def test_analyze_prints_a_saved_run(bench, tmp_path, capsys):
         "rows": [row, {**row, "B": 1, "fla_ms": None}],
         "conv": [{"B": 64, "C": 10240, "default_block": 512, "ms": {"256": 0.004, "512": 0.003}}],
     }  # fmt: skip
-    path = tmp_path / "run.json"
-    path.write_text(json.dumps(saved))
-    bench.main(["--analyze", str(path)])
-    lines = capsys.readouterr().out.splitlines()
+    lines = analyzed_lines(bench, saved, tmp_path, capsys)
     (b64,) = [line for line in lines if line.startswith("hk16-hv48-d128   64")]
     # 0.1 ms for 402.65 MB is 4.03 TB/s, 100.7 % of the copy; fla 1.20x the tuner's time, 1.50x the best
     assert b64.split() == ["hk16-hv48-d128", "64", "200.0", "100.0", "80.0", "120.0", "1.20", "1.50", "4.03", "100.7",

@@ -1,22 +1,14 @@
 """benchmarks/mtp_recurrent.py: arguments, byte counts and its table from a saved run (the GPU run itself is a
 benchmark, not a test)."""
 
-import importlib.util
-import json
-import os
-
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.benchmarks.test_linear_attention_bench import analyzed_lines, load_benchmark
 
 
 @pytest.fixture(scope="module")
 def bench():
-    path = os.path.join(REPO, "benchmarks", "mtp_recurrent.py")
-    spec = importlib.util.spec_from_file_location("mtp_recurrent_bench", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("mtp_recurrent")
 
 
 def test_arguments(bench):
@@ -45,10 +37,7 @@ def test_analyze_prints_a_saved_run(bench, tmp_path, capsys):
         "device": "NVIDIA H200", "copy_GBs": 4000.0, "shape": [16, 48, 128, 128], "steps": 3,
         "state_dtype": "torch.float32", "dtype": "torch.bfloat16", "rows": [row],
     }  # fmt: skip
-    path = tmp_path / "run.json"
-    path.write_text(json.dumps(saved))
-    bench.main(["--analyze", str(path)])
-    lines = capsys.readouterr().out.splitlines()
+    lines = analyzed_lines(bench, saved, tmp_path, capsys)
     (b64,) = [line for line in lines if line.startswith(" 64")]
     # 1006.6 MB in 0.25 ms is 4.03 TB/s (100.7 % of the copy), in 0.2 ms 5.03; sequential 2.00x the tuner's time
     assert b64.split()[:9] == ["64", "400.0", "250.0", "200.0", "500.0", "2.00", "4.03", "5.03", "100.7"]

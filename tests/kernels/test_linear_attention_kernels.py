@@ -109,6 +109,14 @@ def test_padding_rows_sharing_a_scratch_slot_touch_only_that_slot():
     assert torch.equal(conv_pool[real], ref_conv_pool[real])
 
 
+def assert_refused(call, cases):
+    """``call(**changed)`` raises a ValueError matching ``message`` for every ``(changed, message)`` case (shared
+    with the verify kernels' tests)."""
+    for changed, message in cases:
+        with pytest.raises(ValueError, match=message):
+            call(**changed)
+
+
 def test_gated_delta_decode_empty_batch_launches_nothing():
     q, k, v, a, b, A_log, dt_bias, pool, idx = make_decode(3, 4)
     before = pool.clone()
@@ -144,11 +152,7 @@ def test_gated_delta_decode_bad_arguments_name_the_argument():
         (dict(b=b.t().contiguous().t()), "b expected a contiguous last dim"),
         (dict(state_idx=idx.to("meta")), "state_idx expected ssm_state's device cpu, got meta"),
     ]
-    if DEVICE != "cpu":
-        cases = cases[:-1]
-    for changed, message in cases:
-        with pytest.raises(ValueError, match=message):
-            call(**changed)
+    assert_refused(call, cases if DEVICE == "cpu" else cases[:-1])
     with pytest.raises(ValueError, match=r"run_config expected a dict with BV dividing 32 and num_warps in"):
         gated_delta_decode(q, k, v, a, b, A_log, dt_bias, pool, idx, run_config={"BV": 24, "num_warps": 4})
     with pytest.raises(ValueError, match=r"out expected a \(3, 4, 32\) torch.float32 tensor"):
@@ -226,6 +230,10 @@ def test_conv1d_update_matches_reference(taps, dtype, state_dtype, config):
 
 def test_conv1d_update_bad_arguments_name_the_argument():
     x, pool, weight, idx = make_conv(3, 40, 4, torch.float32, torch.float32)
+
+    def call(**changed):
+        causal_conv1d_update(**{**dict(x=x, conv_state=pool, weight=weight, state_idx=idx), **changed})
+
     cases = [
         (dict(state_idx=idx.long()), r"state_idx expected an int32 \[3\] tensor, got \(3,\) torch.int64"),
         (dict(conv_state=pool[:, :, :32]), r"conv_state expected a \[slots, K - 1 >= 1, 40\] tensor, got \(7, 3, 32\)"),
@@ -236,10 +244,7 @@ def test_conv1d_update_bad_arguments_name_the_argument():
         (dict(x=x.t().contiguous().t()), "x expected a contiguous last dim"),
         (dict(conv_state=pool.to(torch.int8)), "conv_state expected one of .*, got torch.int8"),
     ]
-    for changed, message in cases:
-        args = {**dict(x=x, conv_state=pool, weight=weight, state_idx=idx), **changed}
-        with pytest.raises(ValueError, match=message):
-            causal_conv1d_update(**args)
+    assert_refused(call, cases)
     with pytest.raises(ValueError, match="run_config expected a dict with BLOCK_C a power of two >= 16"):
         causal_conv1d_update(x, pool, weight, idx, run_config={"BLOCK_C": 24, "num_warps": 4})
 
@@ -275,16 +280,16 @@ def test_declared_as_decode_attention_keyed_by_batch():
 
 
 class Recorder:
-    """Records every launch (its pool and slots) and every tensor the tuner clones; a timer that makes one
-    candidate fastest."""
+    """Records every launch of ``tuned`` (its pool, the ``slots`` arguments named, its config) and every tensor the
+    tuner clones; a timer that makes one candidate fastest. Shared with the verify kernel's tuning tests."""
 
-    def __init__(self, monkeypatch, fastest):
+    def __init__(self, monkeypatch, fastest, tuned=TUNED, slots=("state_idx",)):
         self.launches, self.cloned = [], []
-        real_launch, recorder = TUNED.fn, self
+        real_launch, recorder = tuned.fn, self
 
         def spy(*args, run_config=None, **kwargs):
-            named = TUNED.named_arguments(args, kwargs)
-            self.launches.append((named["ssm_state"], named["state_idx"], run_config))
+            named = tuned.named_arguments(args, kwargs)
+            self.launches.append((named["ssm_state"], *(named[name] for name in slots), run_config))
             return real_launch(*args, run_config=run_config, **kwargs)
 
         class RecordingSnapshot(tuner._Snapshot):
@@ -294,9 +299,9 @@ class Recorder:
 
         def bench(run):
             run()
-            return 0.5 if self.launches[-1][2] == fastest else 1.0
+            return 0.5 if self.launches[-1][-1] == fastest else 1.0
 
-        monkeypatch.setattr(TUNED, "fn", spy)
+        monkeypatch.setattr(tuned, "fn", spy)
         monkeypatch.setattr(tuner, "_Snapshot", RecordingSnapshot)
         set_bench_func(bench)
 

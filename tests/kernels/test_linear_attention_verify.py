@@ -10,6 +10,8 @@ from lightllm.kernels.linear_attention import gated_delta_verify as gdv
 from lightllm.kernels.linear_attention.gated_delta_verify import GatedDeltaVerifyPlan, gated_delta_verify
 from lightllm.kernels.linear_attention.verify_reference import causal_conv1d_verify_ref, gated_delta_verify_ref
 
+from tests.kernels.test_linear_attention_kernels import assert_refused
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 HK, DK, DV, BATCH, SPARE = 2, 16, 32, 3, 2  # SPARE: slots no request uses
 NAN_STATE = float("nan")
@@ -192,11 +194,7 @@ def test_gated_delta_verify_bad_arguments_name_the_argument():
         (dict(b=b.transpose(1, 2).contiguous().transpose(1, 2)), "b expected a contiguous last dim"),
         (dict(dst_idx=dst.to("meta")), "dst_idx expected ssm_state's device cpu, got meta"),
     ]
-    if DEVICE != "cpu":
-        cases = cases[:-1]
-    for changed, message in cases:
-        with pytest.raises(ValueError, match=message):
-            call(**changed)
+    assert_refused(call, cases if DEVICE == "cpu" else cases[:-1])
     many = make_verify(6, HK)
     with pytest.raises(ValueError, match=r"q expected T = N \+ 1 tokens per request in \(2, 3, 4, 5\) .*, got 6"):
         gated_delta_verify(*many)
@@ -266,6 +264,10 @@ def test_conv1d_verify_matches_sequential_updates(n, dtype, state_dtype, taps, c
 
 def test_conv1d_verify_bad_arguments_name_the_argument():
     x, pool, weight, src, dst = make_conv(3, 40, 4, torch.float32, torch.float32)
+
+    def call(**changed):
+        causal_conv1d_verify(**{**dict(x=x, conv_state=pool, weight=weight, src_idx=src, dst_idx=dst), **changed})
+
     cases = [
         (dict(src_idx=src.long()), r"src_idx expected a contiguous int32 \[3\] tensor, got \(3,\) torch.int64"),
         (dict(src_idx=dst[:, 1]), r"src_idx expected a contiguous int32 \[3\] tensor, got .* strides \(3,\)"),
@@ -282,12 +284,7 @@ def test_conv1d_verify_bad_arguments_name_the_argument():
         (dict(conv_state=pool.to(torch.int8)), "conv_state expected one of .*, got torch.int8"),
         (dict(src_idx=src.to("meta")), "src_idx expected conv_state's device cpu, got meta"),
     ]
-    if DEVICE != "cpu":
-        cases = cases[:-1]
-    for changed, message in cases:
-        args = {**dict(x=x, conv_state=pool, weight=weight, src_idx=src, dst_idx=dst), **changed}
-        with pytest.raises(ValueError, match=message):
-            causal_conv1d_verify(**args)
+    assert_refused(call, cases if DEVICE == "cpu" else cases[:-1])
     with pytest.raises(ValueError, match="run_config expected a dict with BLOCK_C a power of two >= 16"):
         causal_conv1d_verify(x, pool, weight, src, dst, run_config={"BLOCK_C": 24, "num_warps": 4})
 

@@ -7,14 +7,15 @@ import json
 import pytest
 import torch
 
-from lightllm.common.autotuner import AutotuneKernelType, autotune_warmup, set_bench_func, store, tuner
+from lightllm.common.autotuner import AutotuneKernelType, autotune_warmup, store
 from lightllm.common.autotuner.keys import freeze
 from lightllm.common.autotuner.tuner import kernel_names
 from lightllm.kernels.linear_attention import gated_delta_verify as gdv
 from lightllm.kernels.linear_attention.gated_delta_verify import gated_delta_verify
-from lightllm.kernels.linear_attention.verify_reference import gated_delta_verify_ref
 
+from tests.kernels.test_linear_attention_kernels import Recorder
 from tests.kernels.test_linear_attention_verify import DEVICE, DK, DV, check_verify, make_verify
+from tests.kernels.test_linear_attention_verify import verify_reference as reference
 
 TUNED = gdv._launch_gated_delta_verify
 
@@ -29,11 +30,6 @@ def fresh_tuner_state():
 def bits(t):
     """The tensor's bytes: equal even where it holds NaN (untouched destination slots do)."""
     return t.contiguous().view(torch.uint8)
-
-
-def reference(q, k, v, a, b, A_log, dt_bias, pool, src, dst):
-    ref_pool = pool.clone()
-    return gated_delta_verify_ref(q, k, v, a, b, A_log, dt_bias, ref_pool, src, dst), ref_pool
 
 
 def test_declared_as_decode_attention_keyed_by_rounded_query_tokens():
@@ -73,34 +69,9 @@ def test_dummy_batch_is_the_run_keys_batch_on_a_fresh_pool_apart_from_its_source
     assert torch.equal(TUNED.fn(**dummy), first)
 
 
-class Recorder:
-    """Records every launch (its pool and config) and every tensor the tuner clones; a timer that makes one
-    candidate fastest."""
-
-    def __init__(self, monkeypatch, fastest):
-        self.launches, self.cloned = [], []
-        real_launch, recorder = TUNED.fn, self
-
-        def spy(*args, run_config=None, **kwargs):
-            named = TUNED.named_arguments(args, kwargs)
-            self.launches.append((named["ssm_state"], run_config))
-            return real_launch(*args, run_config=run_config, **kwargs)
-
-        class RecordingSnapshot(tuner._Snapshot):
-            def __init__(self, tensors):
-                recorder.cloned.extend(t for t in tensors.values() if isinstance(t, torch.Tensor))
-                super().__init__(tensors)
-
-        def bench(run):
-            run()
-            return 0.5 if self.launches[-1][1] == fastest else 1.0
-
-        monkeypatch.setattr(TUNED, "fn", spy)
-        monkeypatch.setattr(tuner, "_Snapshot", RecordingSnapshot)
-        set_bench_func(bench)
-
-    def on(self, pool):
-        return [config for launched, config in self.launches if launched.data_ptr() == pool.data_ptr()]
+def recorder(monkeypatch, fastest):
+    """Every launch as (pool, config)."""
+    return Recorder(monkeypatch, fastest, tuned=TUNED, slots=())
 
 
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["state-fp32", "state-bf16"])
@@ -111,7 +82,7 @@ def test_forced_search_leaves_the_real_pool_bit_identical(monkeypatch, isolated_
     monkeypatch.setenv("LIGHTLLM_TRITON_AUTOTUNE_LEVEL", "2")
     fastest = {"BV": 16, "num_warps": 2}
     monkeypatch.setattr(TUNED, "configs_gen_func", lambda q, v: [{"BV": 32, "num_warps": 1}, fastest])
-    rec = Recorder(monkeypatch, fastest)
+    rec = recorder(monkeypatch, fastest)
     inputs = make_verify(4, 4, state_dtype, src_in_dst=True, seed=7)
     q, k, v, a, b, A_log, dt_bias, pool, src, dst = inputs
     before = pool.clone()
@@ -125,7 +96,7 @@ def test_forced_search_leaves_the_real_pool_bit_identical(monkeypatch, isolated_
         assert len(rec.launches) == 3 * 2  # default + 2 candidates, each an eager run and a timed run
         assert all(launched.shape[0] == 4 * 5 for launched, _ in rec.launches)  # 4 requests (3 rounded up), 5 slots
         plan.run(*args)
-    assert rec.on(pool) == [fastest]
+    assert rec.on(pool) == [(pool, fastest)]
     check_verify(out, pool, before, ref_out, ref_pool, dst)
     (path,) = store.iter_config_files(isolated_autotune, "gated_delta_verify")
     assert json.loads(path.read_text())["configs"] == {"16": fastest}
@@ -142,14 +113,14 @@ def test_a_call_in_the_scope_writes_the_real_pool_once(monkeypatch, isolated_aut
     monkeypatch.setenv("LIGHTLLM_TRITON_AUTOTUNE_LEVEL", "1")
     fastest = {"BV": 8, "num_warps": 1}
     monkeypatch.setattr(TUNED, "configs_gen_func", lambda q, v: [fastest])
-    rec = Recorder(monkeypatch, fastest)
+    rec = recorder(monkeypatch, fastest)
     inputs = make_verify(2, 2, seed=9)
     q, k, v, a, b, A_log, dt_bias, pool, src, dst = inputs
     before = pool.clone()
     ref_out, ref_pool = reference(*inputs)
     with autotune_warmup(AutotuneKernelType.DECODE_ATTENTION):
         out = gated_delta_verify(*inputs)
-    assert rec.on(pool) == [fastest] and rec.cloned == []
+    assert rec.on(pool) == [(pool, fastest)] and rec.cloned == []
     check_verify(out, pool, before, ref_out, ref_pool, dst)
 
 
@@ -163,7 +134,7 @@ def test_cached_configs_are_not_warmed_on_the_real_pool(monkeypatch, isolated_au
     cached = {"BV": 16, "num_warps": 1}
     static_key = gdv._static_key(q, v, pool)
     TUNED.store.save(static_key, freeze(static_key), {12: (cached, {}), 24: ({"BV": 32, "num_warps": 2}, {})})
-    rec = Recorder(monkeypatch, cached)
+    rec = recorder(monkeypatch, cached)
     before = pool.clone()
     ref_out, ref_pool = reference(*inputs)
     with autotune_warmup(phase):

@@ -15,11 +15,19 @@ import triton.language as tl
 from lightllm.common.autotuner import PlannedInputs
 from lightllm.kernels.direct_launch import DirectLaunch
 from lightllm.kernels.launch_math import cdiv
+from lightllm.kernels.linear_attention.checks import (
+    DTYPES,
+    check_block_c_config,
+    check_conv_layouts,
+    check_conv_state,
+    check_devices,
+    check_state_idx,
+    fail,
+)
 from lightllm.kernels.step_buffer import StepBuffer
 
-DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 DEFAULT_CONFIG = {"BLOCK_C": 512, "num_warps": 4}
-_WARPS = (1, 2, 4, 8, 16)
+_KERNEL = "causal conv1d update"
 
 
 @triton.jit
@@ -77,7 +85,7 @@ class CausalConv1dUpdatePlan:
         channels, taps = x_shape[1], state_shape[1] + 1
         self.state_idx, self.run_config = state_idx, run_config
         self.inputs = PlannedInputs(
-            "causal conv1d update",
+            _KERNEL,
             x=(x_shape, dtype),
             conv_state=(state_shape, state_dtype),
             weight=(torch.Size((channels, taps)), weight_dtype),
@@ -86,17 +94,12 @@ class CausalConv1dUpdatePlan:
 
     def run(self, x, conv_state, weight, out=None) -> torch.Tensor:
         self.inputs.check((x.shape, x.dtype), (conv_state.shape, conv_state.dtype), (weight.shape, weight.dtype))
-        for name, t in (("x", x), ("conv_state", conv_state)):
-            if t.stride(-1) != 1:
-                raise ValueError(f"causal conv1d update: {name} expected a contiguous last dim, got strides "
-                                 f"{t.stride()}")  # fmt: skip
-        if not weight.is_contiguous():
-            raise ValueError(f"causal conv1d update: weight expected contiguous, got strides {weight.stride()}")
+        check_conv_layouts(_KERNEL, x, conv_state, weight)
         if out is None:
             out = self._out.get(x.device)
         elif out.shape != x.shape or out.dtype != x.dtype or out.stride(-1) != 1:
-            raise ValueError(f"causal conv1d update: out expected a {tuple(x.shape)} {x.dtype} tensor with a "
-                             f"contiguous last dim, got {tuple(out.shape)} {out.dtype}")  # fmt: skip
+            fail(_KERNEL, "out", f"a {tuple(x.shape)} {x.dtype} tensor with a contiguous last dim",
+                 f"{tuple(out.shape)} {out.dtype}")  # fmt: skip
         return _launch(x, conv_state, weight, self.state_idx, out, run_config=self.run_config)
 
 
@@ -121,33 +124,16 @@ def causal_conv1d_update(
         out: optional ``[batch, channels]`` of x's dtype.
     Returns ``out`` (allocated when None). Every layer of a step: :class:`CausalConv1dUpdatePlan` checks once.
     """
-    for name, t in (("x", x), ("weight", weight), ("state_idx", state_idx)):
-        if t.device != conv_state.device:
-            _fail(name, f"conv_state's device {conv_state.device}", t.device)
+    check_devices(_KERNEL, "conv_state", conv_state=conv_state, x=x, weight=weight, state_idx=state_idx)
     plan = CausalConv1dUpdatePlan(x.shape, x.dtype, conv_state.shape, conv_state.dtype, weight.dtype, state_idx,
                                   run_config)  # fmt: skip
     return plan.run(x, conv_state, weight, out=out)
 
 
-def _fail(name, expected, got):
-    raise ValueError(f"causal conv1d update: {name} expected {expected}, got {got}")
-
-
 def _check_plan(x_shape, dtype, state_shape, state_dtype, weight_dtype, state_idx, run_config) -> None:
     if len(x_shape) != 2 or dtype not in DTYPES:
-        _fail("x", f"a [batch, channels] tensor of {DTYPES}", f"{tuple(x_shape)} {dtype}")
+        fail(_KERNEL, "x", f"a [batch, channels] tensor of {DTYPES}", f"{tuple(x_shape)} {dtype}")
     batch, channels = x_shape
-    if len(state_shape) != 3 or state_shape[1] < 1 or state_shape[2] != channels:
-        _fail("conv_state", f"a [slots, K - 1 >= 1, {channels}] tensor", tuple(state_shape))
-    for name, t in (("conv_state", state_dtype), ("weight", weight_dtype)):
-        if t not in DTYPES:
-            _fail(name, f"one of {DTYPES}", t)
-    if state_idx.shape != (batch,) or state_idx.dtype != torch.int32:
-        _fail("state_idx", f"an int32 [{batch}] tensor", f"{tuple(state_idx.shape)} {state_idx.dtype}")
-    if run_config is not None and not _runnable(run_config):
-        _fail("run_config", f"a dict with BLOCK_C a power of two >= 16 and num_warps in {_WARPS}", run_config)
-
-
-def _runnable(cfg) -> bool:
-    block = cfg.get("BLOCK_C") if isinstance(cfg, dict) else None
-    return isinstance(block, int) and block >= 16 and block & (block - 1) == 0 and cfg.get("num_warps") in _WARPS
+    check_conv_state(_KERNEL, channels, state_shape, state_dtype, weight_dtype)
+    check_state_idx(_KERNEL, state_idx, batch)
+    check_block_c_config(_KERNEL, run_config)

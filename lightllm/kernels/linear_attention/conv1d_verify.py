@@ -16,11 +16,20 @@ import triton.language as tl
 
 from lightllm.common.autotuner import PlannedInputs
 from lightllm.kernels.launch_math import cdiv, next_power_of_2
-from lightllm.kernels.linear_attention.conv1d_update import DEFAULT_CONFIG, DTYPES
-from lightllm.kernels.linear_attention.gated_delta_verify import TOKENS
+from lightllm.kernels.linear_attention.checks import (
+    DTYPES,
+    check_block_c_config,
+    check_conv_layouts,
+    check_conv_state,
+    check_devices,
+    check_tokens,
+    check_verify_idx,
+    fail,
+)
+from lightllm.kernels.linear_attention.conv1d_update import DEFAULT_CONFIG
 from lightllm.kernels.direct_launch import DirectLaunch
 
-_WARPS = (1, 2, 4, 8, 16)
+_KERNEL = "causal conv1d verify"
 
 
 @triton.jit
@@ -94,7 +103,7 @@ class CausalConv1dVerifyPlan:
         channels, taps = x_shape[2], state_shape[1] + 1
         self.src_idx, self.dst_idx, self.run_config = src_idx, dst_idx, run_config
         self.inputs = PlannedInputs(
-            "causal conv1d verify",
+            _KERNEL,
             x=(x_shape, dtype),
             conv_state=(state_shape, state_dtype),
             weight=(torch.Size((channels, taps)), weight_dtype),
@@ -102,16 +111,12 @@ class CausalConv1dVerifyPlan:
 
     def run(self, x, conv_state, weight, out=None) -> torch.Tensor:
         self.inputs.check((x.shape, x.dtype), (conv_state.shape, conv_state.dtype), (weight.shape, weight.dtype))
-        for name, t in (("x", x), ("conv_state", conv_state)):
-            if t.stride(-1) != 1:
-                _fail(name, "a contiguous last dim", f"strides {t.stride()}")
-        if not weight.is_contiguous():
-            _fail("weight", "contiguous", f"strides {weight.stride()}")
+        check_conv_layouts(_KERNEL, x, conv_state, weight)
         if out is None:
             out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         elif out.shape != x.shape or out.dtype != x.dtype or out.stride(-1) != 1:
-            _fail("out", f"a {tuple(x.shape)} {x.dtype} tensor with a contiguous last dim",
-                  f"{tuple(out.shape)} {out.dtype} strides {out.stride()}")  # fmt: skip
+            fail(_KERNEL, "out", f"a {tuple(x.shape)} {x.dtype} tensor with a contiguous last dim",
+                 f"{tuple(out.shape)} {out.dtype} strides {out.stride()}")  # fmt: skip
         return _launch(x, conv_state, weight, self.src_idx, self.dst_idx, out, run_config=self.run_config)
 
 
@@ -130,7 +135,7 @@ def causal_conv1d_verify(
     ``causal_conv1d_verify_ref``.
 
     Args:
-        x: ``[batch, T, channels]`` float16/bfloat16/float32, last dim contiguous; ``T`` one of ``TOKENS``.
+        x: ``[batch, T, channels]`` float16/bfloat16/float32, last dim contiguous; ``T`` one of ``checks.TOKENS``.
         conv_state: ``[slots, K - 1, channels]`` float16/bfloat16/float32, last dim contiguous; ``K >= 2``.
         weight: ``[channels, K]`` contiguous, any of those dtypes.
         src_idx: contiguous int32 ``[batch]``: the slot each request starts from (read only).
@@ -139,39 +144,17 @@ def causal_conv1d_verify(
         out: optional ``[batch, T, channels]`` of x's dtype.
     Returns ``out`` (allocated when None). Every layer of a step: :class:`CausalConv1dVerifyPlan` checks once.
     """
-    for name, t in (("x", x), ("weight", weight), ("src_idx", src_idx), ("dst_idx", dst_idx)):
-        if t.device != conv_state.device:
-            _fail(name, f"conv_state's device {conv_state.device}", t.device)
+    check_devices(_KERNEL, "conv_state", conv_state=conv_state, x=x, weight=weight, src_idx=src_idx, dst_idx=dst_idx)
     plan = CausalConv1dVerifyPlan(x.shape, x.dtype, conv_state.shape, conv_state.dtype, weight.dtype, src_idx,
                                   dst_idx, run_config)  # fmt: skip
     return plan.run(x, conv_state, weight, out=out)
 
 
-def _fail(name, expected, got):
-    raise ValueError(f"causal conv1d verify: {name} expected {expected}, got {got}")
-
-
 def _check_plan(x_shape, dtype, state_shape, state_dtype, weight_dtype, src_idx, dst_idx, run_config) -> None:
     if len(x_shape) != 3 or dtype not in DTYPES:
-        _fail("x", f"a [batch, T, channels] tensor of {DTYPES}", f"{tuple(x_shape)} {dtype}")
+        fail(_KERNEL, "x", f"a [batch, T, channels] tensor of {DTYPES}", f"{tuple(x_shape)} {dtype}")
     batch, tokens, channels = x_shape
-    if tokens not in TOKENS:
-        _fail("x", f"T = N + 1 tokens per request in {TOKENS} (mtp_step 1-4)", tokens)
-    if len(state_shape) != 3 or state_shape[1] < 1 or state_shape[2] != channels:
-        _fail("conv_state", f"a [slots, K - 1 >= 1, {channels}] tensor", tuple(state_shape))
-    for name, t in (("conv_state", state_dtype), ("weight", weight_dtype)):
-        if t not in DTYPES:
-            _fail(name, f"one of {DTYPES}", t)
-    if src_idx.shape != (batch,) or src_idx.dtype != torch.int32 or (batch > 1 and src_idx.stride(0) != 1):
-        _fail("src_idx", f"a contiguous int32 [{batch}] tensor",
-              f"{tuple(src_idx.shape)} {src_idx.dtype} strides {src_idx.stride()}")  # fmt: skip
-    if dst_idx.shape != (batch, tokens) or dst_idx.dtype != torch.int32 or (batch and dst_idx.stride(1) != 1):
-        _fail("dst_idx", f"an int32 [{batch}, {tokens}] tensor with a contiguous last dim",
-              f"{tuple(dst_idx.shape)} {dst_idx.dtype} strides {dst_idx.stride()}")  # fmt: skip
-    if run_config is not None and not _runnable(run_config):
-        _fail("run_config", f"a dict with BLOCK_C a power of two >= 16 and num_warps in {_WARPS}", run_config)
-
-
-def _runnable(cfg) -> bool:
-    block = cfg.get("BLOCK_C") if isinstance(cfg, dict) else None
-    return isinstance(block, int) and block >= 16 and block & (block - 1) == 0 and cfg.get("num_warps") in _WARPS
+    check_tokens(_KERNEL, "x", tokens)
+    check_conv_state(_KERNEL, channels, state_shape, state_dtype, weight_dtype)
+    check_verify_idx(_KERNEL, src_idx, dst_idx, batch, tokens)
+    check_block_c_config(_KERNEL, run_config)

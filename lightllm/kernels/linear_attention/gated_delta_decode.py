@@ -17,17 +17,21 @@ import torch
 import triton
 import triton.language as tl
 
-from lightllm.common.autotuner import AutotuneKernelType, PlannedInputs, autotune
-from lightllm.kernels.linear_attention.checks import check_devices, fail, run_output
+from lightllm.common.autotuner import AutotuneKernelType, autotune
+from lightllm.kernels.linear_attention.checks import (
+    DTYPES,
+    GateLayerInputs,
+    check_bv_config,
+    check_devices,
+    check_heads_and_state,
+    check_state_idx,
+    fail,
+)
 from lightllm.kernels.direct_launch import DirectLaunch
 from lightllm.kernels.step_buffer import StepBuffer
 
-HEAD_DIMS = (16, 32, 64, 128, 256)
-DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-STATE_DTYPES = (torch.float32, torch.bfloat16)
 BLOCK_VS = (8, 16, 32, 64, 128)  # 8 with one warp is fla-core's fixed choice
 NUM_WARPS = (1, 2, 4, 8)
-_WARPS = (1, 2, 4, 8, 16)
 _MAX_TILE_PER_THREAD = 128  # state elements a thread holds; beyond this a config spills registers
 _KERNEL = "gated delta decode"
 
@@ -95,10 +99,10 @@ def _launch(q, k, v, a, b, A_log, dt_bias, ssm_state, state_idx, out, run_config
 # ---- tuning declaration ---------------------------------------------------------------------------------
 
 
-def _configs(q, v):
+def candidate_configs(head_k_dim: int, head_v_dim: int) -> list:
     """V tile x warps, without the pairs that would spill (a thread holding over 128 state elements). No
-    num_stages: the kernel has no loop to pipeline, so stages would only add compiles."""
-    head_k_dim, head_v_dim = q.shape[2], v.shape[2]
+    num_stages: the kernel has no loop to pipeline (the verify unrolls its token loop), so stages would only add
+    compiles. Shared with ``gated_delta_verify``, whose programs hold the same state tile."""
     return [
         {"BV": bv, "num_warps": w}
         for bv in BLOCK_VS
@@ -106,6 +110,10 @@ def _configs(q, v):
         for w in NUM_WARPS
         if head_k_dim * bv <= _MAX_TILE_PER_THREAD * 32 * w
     ]
+
+
+def _configs(q, v):
+    return candidate_configs(q.shape[2], v.shape[2])
 
 
 def _static_key(q, v, ssm_state):
@@ -169,29 +177,13 @@ class GatedDeltaDecodePlan:
         gate_dtype = gate_dtype or dtype
         _check_plan(q_shape, v_shape, dtype, state_shape, state_dtype, state_idx, gate_dtype, run_config)
         self.state_idx = state_idx
-        self.slot_strides = (state_shape[2] * state_shape[3], state_shape[3], 1)
-        gate_shape = v_shape[:2]
-        self.inputs = PlannedInputs(
-            "gated delta decode",
-            q=(q_shape, dtype),
-            k=(q_shape, dtype),
-            v=(v_shape, dtype),
-            a=(gate_shape, gate_dtype),
-            b=(gate_shape, gate_dtype),
-            A_log=(gate_shape[1:],),
-            dt_bias=(gate_shape[1:],),
-            ssm_state=(state_shape, state_dtype),
-        )
+        self.inputs = GateLayerInputs(_KERNEL, q_shape, v_shape, dtype, gate_dtype, state_shape, state_dtype)
         self._tuned = _launch_gated_delta_decode.plan(run_config=run_config)
         self._out = StepBuffer(v_shape, dtype, reuse_outputs)
 
     def run(self, q, k, v, a, b, A_log, dt_bias, ssm_state, out=None) -> torch.Tensor:
-        self.inputs.check(
-            (q.shape, q.dtype), (k.shape, k.dtype), (v.shape, v.dtype), (a.shape, a.dtype), (b.shape, b.dtype),
-            (A_log.shape,), (dt_bias.shape,), (ssm_state.shape, ssm_state.dtype),
-        )  # fmt: skip
         out = self._out.get(q.device) if out is None else out
-        out = run_output(_KERNEL, q, k, v, a, b, A_log, dt_bias, ssm_state, self.slot_strides, out)
+        out = self.inputs.output(q, k, v, a, b, A_log, dt_bias, ssm_state, out)
         return self._tuned.run(q, k, v, a, b, A_log, dt_bias, ssm_state, self.state_idx, out)
 
 
@@ -216,7 +208,7 @@ def gated_delta_decode(
         q, k: ``[batch, k_heads, head_k_dim]`` float16/bfloat16/float32, last dim contiguous (may be strided views
             of one conv output).
         v: ``[batch, v_heads, head_v_dim]`` of q's dtype, last dim contiguous; ``v_heads % k_heads == 0`` (value
-            head ``h`` reads q/k head ``h // (v_heads // k_heads)``). Head dims: one of ``HEAD_DIMS``.
+            head ``h`` reads q/k head ``h // (v_heads // k_heads)``). Head dims: one of ``checks.HEAD_DIMS``.
         a, b: ``[batch, v_heads]`` (last dim contiguous); A_log, dt_bias: ``[v_heads]``.
         ssm_state: ``[slots, v_heads, head_k_dim, head_v_dim]`` float32 or bfloat16, each slot contiguous.
         state_idx: int32 ``[batch]``: each request's slot, all different (not checked: that would synchronize).
@@ -224,51 +216,22 @@ def gated_delta_decode(
         out: optional ``[batch, v_heads, head_v_dim]`` of q's dtype.
     Returns ``out`` (allocated when None). Every layer of a step: :class:`GatedDeltaDecodePlan` checks once.
     """
-    _check_devices(q=q, k=k, v=v, a=a, b=b, A_log=A_log, dt_bias=dt_bias, ssm_state=ssm_state, state_idx=state_idx)
+    check_devices(_KERNEL, q=q, k=k, v=v, a=a, b=b, A_log=A_log, dt_bias=dt_bias, ssm_state=ssm_state,
+                  state_idx=state_idx)  # fmt: skip
     plan = GatedDeltaDecodePlan(q.shape, v.shape, q.dtype, ssm_state.shape, ssm_state.dtype, state_idx,
                                 gate_dtype=a.dtype, run_config=run_config)  # fmt: skip
     return plan.run(q, k, v, a, b, A_log, dt_bias, ssm_state, out=out)
 
 
-def _fail(name, expected, got):
-    fail(_KERNEL, name, expected, got)
-
-
-def _check_devices(**tensors) -> None:
-    check_devices(_KERNEL, **tensors)
-
-
 def _check_plan(q_shape, v_shape, dtype, state_shape, state_dtype, state_idx, gate_dtype, run_config) -> None:
     if dtype not in DTYPES:
-        _fail("q", f"one of {DTYPES}", dtype)
+        fail(_KERNEL, "q", f"one of {DTYPES}", dtype)
     if len(q_shape) != 3:
-        _fail("q", "a [batch, k_heads, head_k_dim] tensor", tuple(q_shape))
+        fail(_KERNEL, "q", "a [batch, k_heads, head_k_dim] tensor", tuple(q_shape))
     batch, k_heads, head_k_dim = q_shape
     if len(v_shape) != 3 or v_shape[0] != batch:
-        _fail("v", f"a [{batch}, v_heads, head_v_dim] tensor", tuple(v_shape))
+        fail(_KERNEL, "v", f"a [{batch}, v_heads, head_v_dim] tensor", tuple(v_shape))
     v_heads, head_v_dim = v_shape[1:]
-    if k_heads < 1 or v_heads % k_heads:
-        _fail("v_heads", f"a multiple of k_heads ({k_heads})", v_heads)
-    if head_k_dim not in HEAD_DIMS:
-        _fail("head_k_dim", f"one of {HEAD_DIMS}", head_k_dim)
-    if head_v_dim not in HEAD_DIMS:
-        _fail("head_v_dim", f"one of {HEAD_DIMS}", head_v_dim)
-    if gate_dtype not in DTYPES:
-        _fail("a/b", f"one of {DTYPES}", gate_dtype)
-    want = (v_heads, head_k_dim, head_v_dim)
-    if len(state_shape) != 4 or tuple(state_shape[1:]) != want:
-        _fail("ssm_state", f"a [slots, {v_heads}, {head_k_dim}, {head_v_dim}] tensor", tuple(state_shape))
-    if state_dtype not in STATE_DTYPES:
-        _fail("ssm_state", f"one of {STATE_DTYPES}", state_dtype)
-    if state_idx.shape != (batch,) or state_idx.dtype != torch.int32:
-        _fail("state_idx", f"an int32 [{batch}] tensor", f"{tuple(state_idx.shape)} {state_idx.dtype}")
-    if run_config is not None and not _runnable(run_config, head_v_dim):
-        _fail("run_config", f"a dict with BV dividing {head_v_dim} and num_warps in {_WARPS}", run_config)
-
-
-def _runnable(cfg, head_v_dim: int) -> bool:
-    """Any config the kernel compiles for (the candidates are a subset): head_v_dim is a power of two, so is BV."""
-    if not isinstance(cfg, dict):
-        return False
-    bv = cfg.get("BV")
-    return isinstance(bv, int) and bv > 0 and head_v_dim % bv == 0 and cfg.get("num_warps") in _WARPS
+    check_heads_and_state(_KERNEL, k_heads, head_k_dim, v_heads, head_v_dim, gate_dtype, state_shape, state_dtype)
+    check_state_idx(_KERNEL, state_idx, batch)
+    check_bv_config(_KERNEL, run_config, head_v_dim)

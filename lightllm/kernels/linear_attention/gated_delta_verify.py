@@ -19,16 +19,22 @@ import torch
 import triton
 import triton.language as tl
 
-from lightllm.common.autotuner import AutotuneKernelType, PlannedInputs, autotune
+from lightllm.common.autotuner import AutotuneKernelType, autotune
 from lightllm.kernels.launch_math import cdiv
-from lightllm.kernels.linear_attention.checks import check_devices, fail, run_output
-from lightllm.kernels.linear_attention.gated_delta_decode import BLOCK_VS, DTYPES, HEAD_DIMS, NUM_WARPS, STATE_DTYPES
+from lightllm.kernels.linear_attention.checks import (
+    DTYPES,
+    GateLayerInputs,
+    check_bv_config,
+    check_devices,
+    check_heads_and_state,
+    check_tokens,
+    check_verify_idx,
+    fail,
+)
+from lightllm.kernels.linear_attention.gated_delta_decode import candidate_configs, default_config
 from lightllm.kernels.direct_launch import DirectLaunch
 
-TOKENS = (2, 3, 4, 5)  # N + 1 for --mtp_step 1-4
 BATCH_BUCKET = 4  # run keys round the batch up to a multiple of this
-_WARPS = (1, 2, 4, 8, 16)
-_MAX_TILE_PER_THREAD = 128  # state elements a thread holds; beyond this a config spills (as gated_delta_decode)
 _KERNEL = "gated delta verify"
 
 
@@ -76,10 +82,6 @@ def _gated_delta_verify_kernel(
 _GATED_DELTA_VERIFY = DirectLaunch(_gated_delta_verify_kernel)
 
 
-def default_config(head_v_dim: int) -> dict:
-    return {"BV": min(32, head_v_dim), "num_warps": 4}
-
-
 def _launch(q, k, v, a, b, A_log, dt_bias, ssm_state, src_idx, dst_idx, out, run_config=None):
     batch, tokens, k_heads, head_k_dim = q.shape
     v_heads, head_v_dim = v.shape[2:]
@@ -102,15 +104,7 @@ def _launch(q, k, v, a, b, A_log, dt_bias, ssm_state, src_idx, dst_idx, out, run
 
 
 def _configs(q, v):
-    """V tile x warps, without the pairs that would spill; the token loop is unrolled (no stages to pipeline)."""
-    head_k_dim, head_v_dim = q.shape[3], v.shape[3]
-    return [
-        {"BV": bv, "num_warps": w}
-        for bv in BLOCK_VS
-        if bv <= head_v_dim
-        for w in NUM_WARPS
-        if head_k_dim * bv <= _MAX_TILE_PER_THREAD * 32 * w
-    ]
+    return candidate_configs(q.shape[3], v.shape[3])
 
 
 def _static_key(q, v, ssm_state):
@@ -171,9 +165,9 @@ _launch_gated_delta_verify = autotune(
 
 
 class GatedDeltaVerifyPlan:
-    """The linear-attention verify of one MTP step, made from shapes before any layer runs: the arguments are
-    checked once here and the tuned config resolved at the first :meth:`run`; every linear-attention layer then
-    runs with them. Each layer's inputs must have the planned shapes and dtypes (``run`` checks).
+    """The linear-attention verify of one MTP step, planned as
+    :class:`~lightllm.kernels.linear_attention.gated_delta_decode.GatedDeltaDecodePlan` plans a decode step: checked
+    once, tuned at the first :meth:`run`, each layer's inputs held to the planned shapes and dtypes.
 
     Args: ``q_shape`` ``[batch, T, k_heads, head_k_dim]`` (also k's), ``v_shape`` ``[batch, T, v_heads,
     head_v_dim]``, ``dtype`` of q/k/v (and of the output), ``state_shape`` ``[slots, v_heads, head_k_dim,
@@ -188,27 +182,11 @@ class GatedDeltaVerifyPlan:
         gate_dtype = gate_dtype or dtype
         _check_plan(q_shape, v_shape, dtype, state_shape, state_dtype, src_idx, dst_idx, gate_dtype, run_config)
         self.src_idx, self.dst_idx = src_idx, dst_idx
-        self.slot_strides = (state_shape[2] * state_shape[3], state_shape[3], 1)
-        gate_shape = v_shape[:3]
-        self.inputs = PlannedInputs(
-            "gated delta verify",
-            q=(q_shape, dtype),
-            k=(q_shape, dtype),
-            v=(v_shape, dtype),
-            a=(gate_shape, gate_dtype),
-            b=(gate_shape, gate_dtype),
-            A_log=(gate_shape[2:],),
-            dt_bias=(gate_shape[2:],),
-            ssm_state=(state_shape, state_dtype),
-        )
+        self.inputs = GateLayerInputs(_KERNEL, q_shape, v_shape, dtype, gate_dtype, state_shape, state_dtype)
         self._tuned = _launch_gated_delta_verify.plan(run_config=run_config)
 
     def run(self, q, k, v, a, b, A_log, dt_bias, ssm_state, out=None) -> torch.Tensor:
-        self.inputs.check(
-            (q.shape, q.dtype), (k.shape, k.dtype), (v.shape, v.dtype), (a.shape, a.dtype), (b.shape, b.dtype),
-            (A_log.shape,), (dt_bias.shape,), (ssm_state.shape, ssm_state.dtype),
-        )  # fmt: skip
-        out = run_output(_KERNEL, q, k, v, a, b, A_log, dt_bias, ssm_state, self.slot_strides, out)
+        out = self.inputs.output(q, k, v, a, b, A_log, dt_bias, ssm_state, out)
         return self._tuned.run(q, k, v, a, b, A_log, dt_bias, ssm_state, self.src_idx, self.dst_idx, out)
 
 
@@ -233,9 +211,9 @@ def gated_delta_verify(
 
     Args:
         q, k: ``[batch, T, k_heads, head_k_dim]`` float16/bfloat16/float32, last dim contiguous (may be strided
-            views of one conv output ``[batch * T, channels]``); ``T`` one of ``TOKENS``.
+            views of one conv output ``[batch * T, channels]``); ``T`` one of ``checks.TOKENS``.
         v: ``[batch, T, v_heads, head_v_dim]`` of q's dtype, last dim contiguous; ``v_heads % k_heads == 0``.
-            Head dims: one of ``HEAD_DIMS``.
+            Head dims: one of ``checks.HEAD_DIMS``.
         a, b: ``[batch, T, v_heads]`` (last dim contiguous); A_log, dt_bias: ``[v_heads]``.
         ssm_state: ``[slots, v_heads, head_k_dim, head_v_dim]`` float32 or bfloat16, each slot contiguous.
         src_idx: contiguous int32 ``[batch]``: the slot each request starts from (read only).
@@ -245,58 +223,23 @@ def gated_delta_verify(
         out: optional ``[batch, T, v_heads, head_v_dim]`` of q's dtype.
     Returns ``out`` (allocated when None). Every layer of a step: :class:`GatedDeltaVerifyPlan` checks once.
     """
-    _check_devices(q=q, k=k, v=v, a=a, b=b, A_log=A_log, dt_bias=dt_bias, ssm_state=ssm_state, src_idx=src_idx,
-                   dst_idx=dst_idx)  # fmt: skip
+    check_devices(_KERNEL, q=q, k=k, v=v, a=a, b=b, A_log=A_log, dt_bias=dt_bias, ssm_state=ssm_state,
+                  src_idx=src_idx, dst_idx=dst_idx)  # fmt: skip
     plan = GatedDeltaVerifyPlan(q.shape, v.shape, q.dtype, ssm_state.shape, ssm_state.dtype, src_idx, dst_idx,
                                 gate_dtype=a.dtype, run_config=run_config)  # fmt: skip
     return plan.run(q, k, v, a, b, A_log, dt_bias, ssm_state, out=out)
 
 
-def _fail(name, expected, got):
-    fail(_KERNEL, name, expected, got)
-
-
-def _check_devices(**tensors) -> None:
-    check_devices(_KERNEL, **tensors)
-
-
 def _check_plan(q_shape, v_shape, dtype, state_shape, state_dtype, src_idx, dst_idx, gate_dtype, run_config):
     if dtype not in DTYPES:
-        _fail("q", f"one of {DTYPES}", dtype)
+        fail(_KERNEL, "q", f"one of {DTYPES}", dtype)
     if len(q_shape) != 4:
-        _fail("q", "a [batch, T, k_heads, head_k_dim] tensor", tuple(q_shape))
+        fail(_KERNEL, "q", "a [batch, T, k_heads, head_k_dim] tensor", tuple(q_shape))
     batch, tokens, k_heads, head_k_dim = q_shape
-    if tokens not in TOKENS:
-        _fail("q", f"T = N + 1 tokens per request in {TOKENS} (mtp_step 1-4)", tokens)
+    check_tokens(_KERNEL, "q", tokens)
     if len(v_shape) != 4 or tuple(v_shape[:2]) != (batch, tokens):
-        _fail("v", f"a [{batch}, {tokens}, v_heads, head_v_dim] tensor", tuple(v_shape))
+        fail(_KERNEL, "v", f"a [{batch}, {tokens}, v_heads, head_v_dim] tensor", tuple(v_shape))
     v_heads, head_v_dim = v_shape[2:]
-    if k_heads < 1 or v_heads % k_heads:
-        _fail("v_heads", f"a multiple of k_heads ({k_heads})", v_heads)
-    if head_k_dim not in HEAD_DIMS:
-        _fail("head_k_dim", f"one of {HEAD_DIMS}", head_k_dim)
-    if head_v_dim not in HEAD_DIMS:
-        _fail("head_v_dim", f"one of {HEAD_DIMS}", head_v_dim)
-    if gate_dtype not in DTYPES:
-        _fail("a/b", f"one of {DTYPES}", gate_dtype)
-    want = (v_heads, head_k_dim, head_v_dim)
-    if len(state_shape) != 4 or tuple(state_shape[1:]) != want:
-        _fail("ssm_state", f"a [slots, {v_heads}, {head_k_dim}, {head_v_dim}] tensor", tuple(state_shape))
-    if state_dtype not in STATE_DTYPES:
-        _fail("ssm_state", f"one of {STATE_DTYPES}", state_dtype)
-    if src_idx.shape != (batch,) or src_idx.dtype != torch.int32 or (batch > 1 and src_idx.stride(0) != 1):
-        _fail("src_idx", f"a contiguous int32 [{batch}] tensor",
-              f"{tuple(src_idx.shape)} {src_idx.dtype} strides {src_idx.stride()}")  # fmt: skip
-    if dst_idx.shape != (batch, tokens) or dst_idx.dtype != torch.int32 or (batch and dst_idx.stride(1) != 1):
-        _fail("dst_idx", f"an int32 [{batch}, {tokens}] tensor with a contiguous last dim",
-              f"{tuple(dst_idx.shape)} {dst_idx.dtype} strides {dst_idx.stride()}")  # fmt: skip
-    if run_config is not None and not _runnable(run_config, head_v_dim):
-        _fail("run_config", f"a dict with BV dividing {head_v_dim} and num_warps in {_WARPS}", run_config)
-
-
-def _runnable(cfg, head_v_dim: int) -> bool:
-    """Any config the kernel compiles for (the candidates are a subset): head_v_dim is a power of two, so is BV."""
-    if not isinstance(cfg, dict):
-        return False
-    bv = cfg.get("BV")
-    return isinstance(bv, int) and bv > 0 and head_v_dim % bv == 0 and cfg.get("num_warps") in _WARPS
+    check_heads_and_state(_KERNEL, k_heads, head_k_dim, v_heads, head_v_dim, gate_dtype, state_shape, state_dtype)
+    check_verify_idx(_KERNEL, src_idx, dst_idx, batch, tokens)
+    check_bv_config(_KERNEL, run_config, head_v_dim)
