@@ -128,7 +128,7 @@ def run(args):
             idx = torch.arange(batch, device="cuda", dtype=torch.int32)
             q = torch.randn(batch, hq, d, device="cuda", dtype=torch.bfloat16)
             out = torch.empty_like(q)
-            configs = flash_decode._configs(q, flash_decode.DEFAULT_BLOCK_SEQ)  # what the tuner searches
+            configs = flash_decode.split_kv_configs(q, flash_decode.DEFAULT_BLOCK_SEQ)  # what the tuner searches
             for length in args.lens:
                 seq = torch.full((batch,), length, device="cuda", dtype=torch.int32)
                 cell = {"shape": shape, "B": batch, "L": length, "kind": kind,

@@ -11,9 +11,9 @@ cache on: <= 0.15 at 8K on the H200), and the prompt tokens the second one read 
 """
 
 import argparse
-import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 
@@ -24,6 +24,9 @@ from lightllm.engine.engine import Engine
 from lightllm.engine.model_runner import ModelRunner
 from lightllm.engine.request import Request
 from lightllm.engine.sampler import SamplingParams
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from engine_bench import random_qwen3, write_rows  # noqa: E402
 
 
 def time_to_first_token(engine: Engine, ids) -> tuple:
@@ -65,17 +68,10 @@ def main(argv=None):
     p.add_argument("--out", default="benchmarks/results/prefix_cache_ttft.json")
     p.add_argument("--tiny", action="store_true", help="the built-in tiny model on the CPU (a check of the method)")
     args = p.parse_args(argv)
-    from lightllm.tools.make_tiny_model import QWEN3_8B_SHAPE, make_tiny_qwen3
 
     rows = []
     with tempfile.TemporaryDirectory() as root:
-        if args.tiny:
-            model = str(make_tiny_qwen3(os.path.join(root, "tiny"), max_position_embeddings=max(4096, args.prompt + 8)))
-            common = dict(data_type="fp32", device="cpu", max_total_token_num=4 * (args.prompt + 8))
-        else:
-            model = str(make_tiny_qwen3(os.path.join(root, "qwen3-8b-shaped"), num_hidden_layers=args.layers,
-                                        **QWEN3_8B_SHAPE))  # fmt: skip
-            common = dict(data_type="bf16")
+        model, common = random_qwen3(root, args.tiny, args.layers, args.prompt + 8, tiny_tokens=4 * (args.prompt + 8))
         for cache in (True, False):
             engine_args = EngineArgs(model_dir=model, running_max_req_size=4, graph_max_batch_size=4,
                                      max_req_total_len=args.prompt + 8, disable_dynamic_prompt_cache=not cache,
@@ -91,10 +87,7 @@ def main(argv=None):
             del runner
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() and not args.tiny else "cpu"
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"device": device, "args": vars(args), "rows": rows}, f, indent=1)
+    write_rows(args.out, args, rows)
     return rows
 
 

@@ -6,7 +6,6 @@
 Tuned as a GENERAL kernel: BLOCK_H (heads per program) and num_warps per row count.
 """
 
-import functools
 from typing import Optional
 
 import torch
@@ -14,6 +13,7 @@ import triton
 import triton.language as tl
 
 from lightllm.common.autotuner import AutotuneKernelType, PlannedInputs, autotune
+from lightllm.kernels.block_configs import head_block_configs, head_block_default
 from lightllm.kernels.launch_math import cdiv, next_power_of_2
 from lightllm.kernels.direct_launch import DirectLaunch
 from lightllm.kernels.step_buffer import StepBuffer
@@ -41,8 +41,7 @@ _SIGMOID_GATE_MUL = DirectLaunch(_sigmoid_gate_mul_kernel)
 
 
 def _configs(out):
-    heads = next_power_of_2(out.shape[1])
-    return [{"BLOCK_H": b, "num_warps": w} for b in (1, 2, 4, 8, 16) if b <= heads for w in (1, 2, 4, 8)]
+    return head_block_configs(out.shape[1])
 
 
 def _static_key(o):
@@ -51,11 +50,6 @@ def _static_key(o):
 
 def _run_key(o):
     return o.shape[0]
-
-
-@functools.lru_cache(maxsize=None)  # per launch when no tuned config: computed once per size
-def _default_config(heads: int) -> dict:
-    return {"BLOCK_H": min(4, next_power_of_2(heads)), "num_warps": 4}
 
 
 @autotune(
@@ -68,7 +62,7 @@ def _default_config(heads: int) -> dict:
 )
 def _launch_sigmoid_gate_mul(o, gate, out, run_config=None):
     rows, heads, d = out.shape
-    cfg = run_config or _default_config(heads)
+    cfg = run_config or head_block_default(heads)
     if rows > 0:
         grid = (rows, cdiv(heads, cfg["BLOCK_H"]))
         _SIGMOID_GATE_MUL.launch(grid, o, gate, out, o.stride(0), o.stride(1), gate.stride(0), gate.stride(1), heads,

@@ -13,7 +13,7 @@ from lightllm.engine.model_runner import ModelRunner
 from lightllm.server.args import parse_args
 from lightllm.tools.make_tiny_model import QWEN3_5_GPU_SHAPE, make_tiny_qwen3_5
 
-from tests.engine.test_qwen3_vs_transformers import forced_scores
+from tests.engine.test_qwen3_vs_transformers import check_gpu_bf16_against_cpu_fp32, forced_scores
 from tests.engine.test_scheduler import run_all
 
 GEN = torch.Generator().manual_seed(0)
@@ -211,26 +211,8 @@ def test_gpu_bf16_greedy_close_to_fp32_reference(tiny_gpu_dir, backend, kv_type,
     """GPU bf16 (fla-core prefill, Triton linear-attention decode, graphs on/off) against the CPU fp32 engine
     (the torch references, matching transformers above), teacher-forced on the GPU's tokens; the bound is the
     CPU bf16 engine's own error against the same reference (the Qwen3 tests' bound)."""
-    if backend == "fa3":
-        from lightllm.kernels.attention.decode.fa3 import find_fa3_provider
-
-        if find_fa3_provider() is None:
-            pytest.skip("no FlashAttention-3 provider installed")
-    opts = dict(llm_kv_type=kv_type, batch_max_tokens=512, max_req_total_len=512, running_max_req_size=8)
-    llm = LLM(tiny_gpu_dir, data_type="bf16", llm_decode_att_backend=backend, graph_max_batch_size=8,
-              graph_max_len_in_batch=512, max_total_token_num=8192, disable_cudagraph=not graphs, **opts)  # fmt: skip
-    prompt = torch.randint(3, 500, (300,), generator=torch.Generator().manual_seed(0)).tolist()
-    (out,) = llm.generate([prompt], SamplingParams(max_new_tokens=9, logprobs=True, ignore_eos=True))
-    ref, ref_best = forced_scores(LLM(tiny_gpu_dir, data_type="fp32", device="cpu", **opts).runner, prompt,
-                                  out.token_ids)  # fmt: skip
-    bf16, _ = forced_scores(LLM(tiny_gpu_dir, data_type="bf16", device="cpu", **opts).runner, prompt, out.token_ids)
-    err = max(abs(a - b) for a, b in zip(out.logprobs, ref))
-    bf16_err = max(abs(a - b) for a, b in zip(bf16, ref))
-    bound = 1.5 * bf16_err + 0.02
-    print(f"\nQwen3.5 GPU-vs-fp32 {backend} {kv_type} graphs={graphs}: max logprob error {err:.4f} "
-          f"(CPU bf16 references {bf16_err:.4f})")  # fmt: skip
-    assert err <= bound, f"max logprob error {err:.4f} > {bound:.4f} (CPU bf16 references: {bf16_err:.4f})"
-    assert max(b - a for a, b in zip(ref, ref_best)) <= bound
+    check_gpu_bf16_against_cpu_fp32(tiny_gpu_dir, backend, kv_type, f"Qwen3.5 GPU-vs-fp32 graphs={graphs}",
+                                    disable_cudagraph=not graphs)  # fmt: skip
 
 
 @pytest.mark.gpu

@@ -85,22 +85,28 @@ def test_gpu_bf16_greedy_close_to_fp32_reference(tiny_gpu_dir, backend, kv_type)
     The bound is bf16's own error: the CPU engine in bf16 (torch references, no GPU kernels) against the same
     fp32 reference, on the same tokens. On the H200 the two agree closely (None 0.105 vs 0.105, int8kv 0.108 vs
     0.109, int4kv 0.55 vs 0.59): INT4's group scales turn bf16 rounding of K/V into whole quantization steps."""
+    check_gpu_bf16_against_cpu_fp32(tiny_gpu_dir, backend, kv_type, "GPU-vs-fp32")
+
+
+def check_gpu_bf16_against_cpu_fp32(model_dir, backend, kv_type, label, **gpu_args):
+    """The GPU bf16 engine's logprobs of a 300-token prompt's 9 greedy tokens against the CPU fp32 engine's,
+    teacher-forced on them; bound: 1.5 x the CPU bf16 engine's error against the same reference, plus 0.02."""
     if backend == "fa3":
         from lightllm.kernels.attention.decode.fa3 import find_fa3_provider
 
         if find_fa3_provider() is None:
             pytest.skip("no FlashAttention-3 provider installed")
     opts = dict(llm_kv_type=kv_type, batch_max_tokens=512, max_req_total_len=512, running_max_req_size=8)
-    llm = LLM(tiny_gpu_dir, data_type="bf16", llm_decode_att_backend=backend, graph_max_batch_size=8,
-              graph_max_len_in_batch=512, max_total_token_num=8192, **opts)  # fmt: skip
+    llm = LLM(model_dir, data_type="bf16", llm_decode_att_backend=backend, graph_max_batch_size=8,
+              graph_max_len_in_batch=512, max_total_token_num=8192, **gpu_args, **opts)  # fmt: skip
     prompt = torch.randint(3, 500, (300,), generator=torch.Generator().manual_seed(0)).tolist()  # several KV blocks
     (out,) = llm.generate([prompt], SamplingParams(max_new_tokens=9, logprobs=True, ignore_eos=True))
-    ref, ref_best = forced_scores(LLM(tiny_gpu_dir, data_type="fp32", device="cpu", **opts).runner, prompt,
+    ref, ref_best = forced_scores(LLM(model_dir, data_type="fp32", device="cpu", **opts).runner, prompt,
                                   out.token_ids)  # fmt: skip
-    bf16, _ = forced_scores(LLM(tiny_gpu_dir, data_type="bf16", device="cpu", **opts).runner, prompt, out.token_ids)
+    bf16, _ = forced_scores(LLM(model_dir, data_type="bf16", device="cpu", **opts).runner, prompt, out.token_ids)
     err = max(abs(a - b) for a, b in zip(out.logprobs, ref))
     bf16_err = max(abs(a - b) for a, b in zip(bf16, ref))
     bound = 1.5 * bf16_err + 0.02
-    print(f"\nGPU-vs-fp32 {backend} {kv_type}: max logprob error {err:.4f} (CPU bf16 references {bf16_err:.4f})")
+    print(f"\n{label} {backend} {kv_type}: max logprob error {err:.4f} (CPU bf16 references {bf16_err:.4f})")
     assert err <= bound, f"max logprob error {err:.4f} > {bound:.4f} (CPU bf16 references: {bf16_err:.4f})"
     assert max(b - a for a, b in zip(ref, ref_best)) <= bound  # each token is the argmax or a near-tie

@@ -203,7 +203,7 @@ def test_cached_config_outside_the_candidates_is_a_miss(monkeypatch, caplog, iso
     tuned.clear_cache()
     q, k, v, r2t, idx, seq = make_batch(2, 4, 2, 64, [3, 9], torch.float32, pool=512)
     static_key = freeze(flash_decode._static_key(q, k, 64, "none", 0))
-    run_key = flash_decode._run_key(q, 2048)
+    run_key = flash_decode.split_kv_run_key(q, 2048)
     tuned.store.save(static_key, static_key, {run_key: (bad, {})})
     cfg = {"BLOCK_N": 16, "num_warps": 2, "num_stages": 1, "WAVES": 1}  # one cheap candidate
     monkeypatch.setattr(tuned, "configs_gen_func", lambda q, block_seq: [cfg])

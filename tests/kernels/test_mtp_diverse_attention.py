@@ -187,7 +187,7 @@ def test_search_times_representative_groups_over_the_existing_pool(monkeypatch):
     tuned = mtp_diverse._launch_mtp_diverse_decode
     tuned.clear_cache()
     cfgs = [{"BLOCK_N": 32, "num_warps": 4, "num_stages": 1, "WAVES": w} for w in (1, 8)]
-    monkeypatch.setattr(tuned, "configs_gen_func", lambda block_seq: cfgs)
+    monkeypatch.setattr(tuned, "configs_gen_func", lambda q, block_seq: cfgs)
     timed = []
     set_bench_func(lambda run_fn: timed.append(run_fn()) or 1.0)
     q, k, v, r2t, idx, seq = make_batch(2, 3, 4, 2, 64, [3, 70], torch.float32, pool=600)
@@ -226,7 +226,8 @@ def test_declared_as_a_decode_attention_kernel_keyed_like_plain_decode(monkeypat
     monkeypatch.setenv("LIGHTLLM_DECODE_ATTN_AUTOTUNE_SEQ_LEN", "4096")
     q = torch.empty(16, 4, 24, 256, dtype=torch.bfloat16)
     k = torch.empty(8, 4, 256, dtype=torch.bfloat16)
-    assert mtp_diverse._run_key(q, 32768) == flash_decode._run_key(q[:, 0], 32768) == (16, 4096)
+    tuned = mtp_diverse._launch_mtp_diverse_decode
+    assert tuned.run_key_func(q, 32768) == flash_decode.split_kv_run_key(q[:, 0], 32768) == (16, 4096)
     assert mtp_diverse._static_key(q, k, 256) == {
         "group": 6,
         "head_dim": 256,
@@ -235,7 +236,8 @@ def test_declared_as_a_decode_attention_kernel_keyed_like_plain_decode(monkeypat
         "q_dtype": "torch.bfloat16",
         "kv_dtype": "torch.bfloat16",
     }
-    assert mtp_diverse._configs(256) == flash_decode._configs(None, 256)
+    assert tuned.configs_gen_func(q, 256) == flash_decode.split_kv_configs(None, 256)
+    assert len(tuned.configs_gen_func(q, 256)) == 16
 
 
 # ---- the attention backend routes MTP verify on Triton here ---------------------------------------------

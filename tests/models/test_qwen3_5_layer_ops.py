@@ -1,21 +1,24 @@
 """What one Qwen3.5 layer runs: the fused kernels' plans made once per forward from its shapes, the kernel path
 equal to the torch-reference path over whole forwards, and the launches per layer of each kind counted."""
 
-import dataclasses
 from collections import Counter
 from types import SimpleNamespace
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from triton.runtime.jit import KernelInterface
 
-from lightllm import LLM, SamplingParams
 from lightllm.layers.attention import AttentionBackend
 from lightllm.layers.linear_attention import LinearAttentionBackend
 from lightllm.models.qwen3_5 import model as qwen3_5_model
 from lightllm.models.qwen3_5.model import Qwen3_5Model
 from lightllm.tools.make_tiny_model import make_tiny_qwen3_5
+from tests.models.test_qwen3_layer_ops import (
+    OpCounter,
+    check_kernel_path_matches_reference,
+    counts_per_depth,
+    mock_triton_launches,
+    tiny_llm,
+)
 
 PLANS = ("RMSNormPlan", "AddRMSNormPlan", "QKNormRopePlan", "SigmoidGatePlan", "GatedRMSNormPlan", "SiluMulPlan")
 
@@ -23,11 +26,6 @@ PLANS = ("RMSNormPlan", "AddRMSNormPlan", "QKNormRopePlan", "SigmoidGatePlan", "
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     return make_tiny_qwen3_5(tmp_path_factory.mktemp("qwen3_5-ops") / "tiny", seed=5)  # layers: L F L F
-
-
-def _llm(model_dir, dtype="fp32"):
-    return LLM(str(model_dir), data_type=dtype, device="cpu", batch_max_tokens=64, max_req_total_len=128,
-               running_max_req_size=4)  # fmt: skip
 
 
 def test_layer_ops_are_planned_from_the_step_shapes(monkeypatch):
@@ -72,30 +70,7 @@ def test_layer_ops_are_planned_from_the_step_shapes(monkeypatch):
 
 @pytest.mark.parametrize("dtype, tol", [("fp32", 1e-5), ("fp16", 2e-2)])
 def test_kernel_path_matches_the_reference_path(tiny_dir, dtype, tol):
-    """The Triton kernels (interpreted here; the GPU path's code) against the torch references over whole forwards:
-    a prefill of three prompts, then decode steps teacher-forced on the reference path's greedy tokens."""
-    llm = _llm(tiny_dir, dtype)
-    prompts = [[5, 17, 42, 7, 99, 3], [11, 12, 13], list(range(20, 45))]
-    params = SamplingParams(max_new_tokens=4, logprobs=True, ignore_eos=True)
-    ref = llm.generate(prompts, params)
-    llm.runner.model.use_kernels = True
-    fused = llm.generate(prompts, params)
-    for a, b in zip(ref, fused):
-        assert a.token_ids == b.token_ids
-        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) <= tol
-
-
-class _Counting(TorchDispatchMode):
-    """Counts the aten ops that do work (views excluded) while ``active``."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops, self.active = Counter(), True
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if self.active and not func.is_view:
-            self.ops[func.overloadpacket.__name__] += 1
-        return func(*args, **(kwargs or {}))
+    check_kernel_path_matches_reference(tiny_llm(tiny_dir, dtype), max_new_tokens=4, tol=tol)
 
 
 def test_launches_per_layer(tiny_dir, monkeypatch):
@@ -107,14 +82,10 @@ def test_launches_per_layer(tiny_dir, monkeypatch):
     each op's output is allocated once per forward, by the first layer that runs it). Counted as differences between
     forwards of 1, 2 and 3 layers (L, L F, L F L), in prefill and in decode; a change that adds a launch, a torch op
     or an allocation per layer fails here."""
-    llm = _llm(tiny_dir)
-    model = llm.runner.model
-    model.use_kernels = True
-    counter = _Counting()
+    llm = tiny_llm(tiny_dir)
+    llm.runner.model.use_kernels = True
+    counter = OpCounter()
     launches = Counter()
-
-    def mocked_launch(kernel, grid):
-        return lambda *args, **kwargs: launches.update([kernel.fn.__name__])
 
     def mocked(name, like):
         def run(self, layer, *args):
@@ -126,27 +97,14 @@ def test_launches_per_layer(tiny_dir, monkeypatch):
 
         return run
 
-    monkeypatch.setattr(KernelInterface, "__getitem__", mocked_launch)
+    mock_triton_launches(monkeypatch, launches)
     for name, like in (("write_kv", None), ("prefill", 0), ("decode", 0)):
         monkeypatch.setattr(AttentionBackend, name, mocked(name, like))
     for name, like in (("conv_prefill", 0), ("conv_decode", 0), ("delta_prefill", 2), ("delta_decode", 2)):
         monkeypatch.setattr(LinearAttentionBackend, name, mocked(name, like))
-    real_forward, weights, per_depth = model.forward, model.w, {}
-
-    def counted_forward(input_ids, state):
-        with counter:
-            return real_forward(input_ids, state)
-
-    monkeypatch.setattr(model, "forward", counted_forward)
-    assert [lw.kind for lw in weights.layers[:3]] == ["linear_attention", "full_attention", "linear_attention"]
-    for depth in (1, 2, 3):
-        model.w = dataclasses.replace(weights, layers=weights.layers[:depth])
-        for phase in ("prefill", "decode"):
-            counter.ops.clear(), launches.clear()
-            slot = llm.runner.add_request()
-            llm.runner.prefill([slot], [[5, 17, 42]]) if phase == "prefill" else llm.runner.decode([slot], [7])
-            llm.runner.free(slot)
-            per_depth[depth, phase] = (Counter(counter.ops), Counter(launches))
+    kinds = [lw.kind for lw in llm.runner.model.w.layers[:3]]
+    assert kinds == ["linear_attention", "full_attention", "linear_attention"]
+    per_depth = counts_per_depth(llm, monkeypatch, counter, launches, (1, 2, 3))
     mixers = {"full": {"_qk_norm_rope_kernel": 1, "_sigmoid_gate_mul_kernel": 1, "write_kv": 1},
               "linear": {"_gated_rmsnorm_kernel": 1}}  # fmt: skip
     for phase in ("prefill", "decode"):

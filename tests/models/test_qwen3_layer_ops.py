@@ -24,7 +24,7 @@ def tiny_dir(tmp_path_factory):
     return make_tiny_qwen3(tmp_path_factory.mktemp("qwen3-ops") / "tiny", num_hidden_layers=2, seed=5)
 
 
-def _llm(model_dir, dtype="fp32"):
+def tiny_llm(model_dir, dtype="fp32"):
     return LLM(str(model_dir), data_type=dtype, device="cpu", batch_max_tokens=64, max_req_total_len=128,
                running_max_req_size=4)  # fmt: skip
 
@@ -63,11 +63,14 @@ def test_layer_ops_are_planned_from_the_step_shapes(monkeypatch):
 
 @pytest.mark.parametrize("dtype, tol", [("fp32", 1e-5), ("fp16", 2e-2)])
 def test_kernel_path_matches_the_reference_path(tiny_dir, dtype, tol):
+    check_kernel_path_matches_reference(tiny_llm(tiny_dir, dtype), max_new_tokens=5, tol=tol)
+
+
+def check_kernel_path_matches_reference(llm, max_new_tokens, tol):
     """The Triton kernels (interpreted here; the GPU path's code) against the torch references over whole forwards:
     a prefill of three prompts, then decode steps teacher-forced on the reference path's greedy tokens."""
-    llm = _llm(tiny_dir, dtype)
     prompts = [[5, 17, 42, 7, 99, 3], [11, 12, 13], list(range(20, 45))]
-    params = SamplingParams(max_new_tokens=5, logprobs=True, ignore_eos=True)
+    params = SamplingParams(max_new_tokens=max_new_tokens, logprobs=True, ignore_eos=True)
     ref = llm.generate(prompts, params)
     llm.runner.model.use_kernels = True
     fused = llm.generate(prompts, params)
@@ -76,7 +79,7 @@ def test_kernel_path_matches_the_reference_path(tiny_dir, dtype, tol):
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) <= tol
 
 
-class _Counting(TorchDispatchMode):
+class OpCounter(TorchDispatchMode):
     """Counts the aten ops that do work (views excluded) while ``active``."""
 
     def __init__(self):
@@ -89,20 +92,47 @@ class _Counting(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def mock_triton_launches(monkeypatch, launches: Counter) -> None:
+    """Every Triton launch counted by kernel name in ``launches``, not run."""
+
+    def mocked_launch(kernel, grid):
+        return lambda *args, **kwargs: launches.update([kernel.fn.__name__])
+
+    monkeypatch.setattr(KernelInterface, "__getitem__", mocked_launch)
+
+
+def counts_per_depth(llm, monkeypatch, counter: OpCounter, launches: Counter, depths) -> dict:
+    """``(depth, phase) -> (aten ops, launches)`` of a prefill and a decode of one request through the model's
+    first ``depth`` layers (the model's ``forward`` counted by ``counter``)."""
+    model = llm.runner.model
+    real_forward, weights, per_depth = model.forward, model.w, {}
+
+    def counted_forward(input_ids, state):
+        with counter:
+            return real_forward(input_ids, state)
+
+    monkeypatch.setattr(model, "forward", counted_forward)
+    for depth in depths:
+        model.w = dataclasses.replace(weights, layers=weights.layers[:depth])
+        for phase in ("prefill", "decode"):
+            counter.ops.clear(), launches.clear()
+            slot = llm.runner.add_request()
+            llm.runner.prefill([slot], [[5, 17, 42]]) if phase == "prefill" else llm.runner.decode([slot], [7])
+            llm.runner.free(slot)
+            per_depth[depth, phase] = (Counter(counter.ops), Counter(launches))
+    return per_depth
+
+
 def test_launches_per_layer(tiny_dir, monkeypatch):
     """The kernel path of one layer, with every Triton kernel and the attention backend mocked (counted, not run):
     4 GEMMs, 4 Triton launches (q/k norm + rotary, two add + norm, SiLU * up), the KV write and attention, and no
     allocation (the kernels' outputs are allocated once per forward, by its first layer). Counted as the difference
     between a 2-layer and a 1-layer forward, in prefill and in decode; a change that adds a launch, a torch op or
     an allocation per layer fails here."""
-    llm = _llm(tiny_dir)
-    model = llm.runner.model
-    model.use_kernels = True
-    counter = _Counting()
+    llm = tiny_llm(tiny_dir)
+    llm.runner.model.use_kernels = True
+    counter = OpCounter()
     launches = Counter()
-
-    def mocked_launch(kernel, grid):
-        return lambda *args, **kwargs: launches.update([kernel.fn.__name__])
 
     def mocked_attention(name):
         def run(self, layer, *args):
@@ -114,24 +144,10 @@ def test_launches_per_layer(tiny_dir, monkeypatch):
 
         return run
 
-    monkeypatch.setattr(KernelInterface, "__getitem__", mocked_launch)
+    mock_triton_launches(monkeypatch, launches)
     for name in ("write_kv", "prefill", "decode"):
         monkeypatch.setattr(AttentionBackend, name, mocked_attention(name))
-    real_forward, weights, per_depth = model.forward, model.w, {}
-
-    def counted_forward(input_ids, state):
-        with counter:
-            return real_forward(input_ids, state)
-
-    monkeypatch.setattr(model, "forward", counted_forward)
-    for depth in (1, 2):
-        model.w = dataclasses.replace(weights, layers=weights.layers[:depth])
-        for phase in ("prefill", "decode"):
-            counter.ops.clear(), launches.clear()
-            slot = llm.runner.add_request()
-            llm.runner.prefill([slot], [[5, 17, 42]]) if phase == "prefill" else llm.runner.decode([slot], [7])
-            llm.runner.free(slot)
-            per_depth[depth, phase] = (Counter(counter.ops), Counter(launches))
+    per_depth = counts_per_depth(llm, monkeypatch, counter, launches, (1, 2))
     for phase in ("prefill", "decode"):
         (ops1, launches1), (ops2, launches2) = per_depth[1, phase], per_depth[2, phase]
         assert ops2 - ops1 == Counter(mm=4) and not ops1 - ops2, phase

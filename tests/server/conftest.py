@@ -1,7 +1,10 @@
 """One server on the built-in tiny model for the whole session: the API tests and the real-client tests share
-it (CI is a busy 2-core machine; every start loads the model again)."""
+it (CI is a busy 2-core machine; every start loads the model again). Also the in-process ``server`` over the
+fake model (``fake_model.py``) and its ``client``, which a test file overrides with its own where it needs another."""
 
 import pytest
+from fake_model import make_server
+from fastapi.testclient import TestClient
 from server_helpers import MAX_BODY, MAX_LEN, MODEL, running_server
 
 
@@ -14,3 +17,14 @@ def tiny_server(tmp_path_factory):
             "--model_name", MODEL, "--reasoning_parser", "qwen3", "--tool_call_parser", "qwen25"]  # fmt: skip
     with running_server(home, args) as base:
         yield base
+
+
+@pytest.fixture
+def server():
+    return make_server()
+
+
+@pytest.fixture
+def client(server):
+    with TestClient(server.app) as c:
+        yield c

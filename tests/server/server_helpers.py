@@ -4,6 +4,8 @@ import contextlib
 import os
 import sys
 
+import httpx
+
 from lightllm.common import proc as procs
 from lightllm.common.net import free_port, wait_healthy
 
@@ -44,3 +46,13 @@ def running_server(home, args, timeout=procs.HANG_TIMEOUT_S):
         yield base
     finally:
         procs.stop(proc)
+
+
+def assert_generates_like(base, prompts, ref):
+    """``/generate`` of each prompt (8 greedy tokens, logprobs) gives ``ref``'s tokens (one process's), logprobs to
+    1e-4."""
+    for prompt, want in zip(prompts, ref):
+        body = {"inputs": prompt, "parameters": {"max_new_tokens": 8, "logprobs": True, "ignore_eos": True}}
+        got = httpx.post(base + "/generate", json=body, timeout=procs.HANG_TIMEOUT_S).json()
+        assert got["token_ids"] == want.token_ids
+        assert max(abs(a - b) for a, b in zip(got["logprobs"], want.logprobs)) <= 1e-4

@@ -3,21 +3,9 @@ over the fake model of ``fake_model.py`` (token i is the letter chr(97 + i); tok
 
 import pytest
 import torch
-from fake_model import WEIGHTS, make_server, post, sse
-from fastapi.testclient import TestClient
+from fake_model import WEIGHTS, post, sse
 
 GENERATE, STREAM = "/generate", "/generate_stream"
-
-
-@pytest.fixture
-def server():
-    return make_server()
-
-
-@pytest.fixture
-def client(server):
-    with TestClient(server.app) as c:
-        yield c
 
 
 def test_generate_answers_in_lightllms_shape_with_details(client):

@@ -5,19 +5,7 @@ import logging
 
 import pytest
 import torch
-from fake_model import WEIGHTS, make_server, post, sse
-from fastapi.testclient import TestClient
-
-
-@pytest.fixture
-def server():
-    return make_server()
-
-
-@pytest.fixture
-def client(server):
-    with TestClient(server.app) as c:
-        yield c
+from fake_model import WEIGHTS, post, sse
 
 
 def events(client, path, body):

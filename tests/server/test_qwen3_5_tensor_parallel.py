@@ -2,7 +2,7 @@
 the same greedy tokens and logprobs as one process; chat through the folder's template."""
 
 import httpx
-from server_helpers import running_server
+from server_helpers import assert_generates_like, running_server
 
 from lightllm import LLM, SamplingParams
 from lightllm.common import proc as procs
@@ -18,11 +18,7 @@ def test_tp2_matches_one_process(tmp_path):
               running_max_req_size=4).generate(prompts, SamplingParams(max_new_tokens=8, logprobs=True,
                                                                        ignore_eos=True))  # fmt: skip
     with running_server(tmp_path, args) as base:
-        for prompt, want in zip(prompts, ref):
-            body = {"inputs": prompt, "parameters": {"max_new_tokens": 8, "logprobs": True, "ignore_eos": True}}
-            got = httpx.post(base + "/generate", json=body, timeout=procs.HANG_TIMEOUT_S).json()
-            assert got["token_ids"] == want.token_ids
-            assert max(abs(a - b) for a, b in zip(got["logprobs"], want.logprobs)) <= 1e-4
+        assert_generates_like(base, prompts, ref)
         # the chat template comes from the folder's tokenizer
         body = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4, "temperature": 0}
         chat = httpx.post(base + "/v1/chat/completions", json=body, timeout=procs.HANG_TIMEOUT_S)

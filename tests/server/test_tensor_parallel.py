@@ -13,7 +13,7 @@ import time
 
 import httpx
 import pytest
-from server_helpers import REPO, running_server, start_server
+from server_helpers import REPO, assert_generates_like, running_server, start_server
 
 from lightllm import LLM, SamplingParams
 from lightllm.common import proc as procs
@@ -33,11 +33,7 @@ def test_tp_matches_one_process(tmp_path, tp):
         prompts, SamplingParams(max_new_tokens=8, logprobs=True, ignore_eos=True)
     )
     with running_server(tmp_path, args) as base:
-        for prompt, want in zip(prompts, ref):
-            body = {"inputs": prompt, "parameters": {"max_new_tokens": 8, "logprobs": True, "ignore_eos": True}}
-            got = httpx.post(base + "/generate", json=body, timeout=procs.HANG_TIMEOUT_S).json()
-            assert got["token_ids"] == want.token_ids
-            assert max(abs(a - b) for a, b in zip(got["logprobs"], want.logprobs)) <= 1e-4
+        assert_generates_like(base, prompts, ref)
         # parameters that once crashed rank 0's sampling step: greedy / every token, beside a request that must
         # still get the one-process tokens (the ranks stayed in step)
         extreme = {"inputs": prompts[1], "parameters": {"max_new_tokens": 8, "temperature": 1e-40, "top_k": 2**63,

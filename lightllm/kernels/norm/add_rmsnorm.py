@@ -6,7 +6,6 @@ cast; else cast, then scale). The sum is rounded to the residual's dtype before 
 BLOCK_N (one pass when it covers the row, else two chunked passes) and num_warps per row count.
 """
 
-import functools
 from typing import Optional, Tuple
 
 import torch
@@ -15,7 +14,7 @@ import triton.language as tl
 
 from lightllm.common.autotuner import AutotuneKernelType, PlannedInputs, autotune
 from lightllm.kernels.norm.rmsnorm import scale_normed, rmsnorm_ref
-from lightllm.kernels.launch_math import next_power_of_2
+from lightllm.kernels.block_configs import row_chunk_configs, row_chunk_default
 from lightllm.kernels.direct_launch import DirectLaunch
 from lightllm.kernels.step_buffer import StepBuffer
 
@@ -63,9 +62,7 @@ _ADD_RMSNORM = DirectLaunch(_add_rmsnorm_kernel)
 
 
 def _configs(residual):
-    full = next_power_of_2(residual.shape[-1])
-    blocks = sorted({min(b, full) for b in (256, 1024, 4096, full) if b <= 16384})
-    return [{"BLOCK_N": b, "num_warps": w} for b in blocks for w in (1, 2, 4, 8, 16) if w * 32 <= b]
+    return row_chunk_configs(residual.shape[-1])
 
 
 def _static_key(residual, weight):
@@ -74,12 +71,6 @@ def _static_key(residual, weight):
 
 def _run_key(residual):
     return residual.shape[0]
-
-
-@functools.lru_cache(maxsize=None)  # per launch when no tuned config: computed once per size
-def _default_config(n: int) -> dict:
-    block = min(next_power_of_2(n), 16384)
-    return {"BLOCK_N": block, "num_warps": max(1, min(16, block // 256))}
 
 
 @autotune(
@@ -93,7 +84,7 @@ def _default_config(n: int) -> dict:
 )
 def _launch_add_rmsnorm(residual, x, weight, eps, out, run_config=None):
     n = residual.shape[-1]
-    cfg = run_config or _default_config(n)
+    cfg = run_config or row_chunk_default(n)
     block = cfg["BLOCK_N"]
     if residual.shape[0] > 0:
         _ADD_RMSNORM.launch(

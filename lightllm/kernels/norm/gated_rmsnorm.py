@@ -6,7 +6,6 @@
 ``* silu(z)`` in float32 and cast. Tuned as a GENERAL kernel: BLOCK_H (heads per program) and num_warps.
 """
 
-import functools
 from typing import Optional
 
 import torch
@@ -15,6 +14,7 @@ import triton
 import triton.language as tl
 
 from lightllm.common.autotuner import AutotuneKernelType, PlannedInputs, autotune
+from lightllm.kernels.block_configs import head_block_configs, head_block_default
 from lightllm.kernels.launch_math import cdiv, next_power_of_2
 from lightllm.kernels.direct_launch import DirectLaunch
 from lightllm.kernels.step_buffer import StepBuffer
@@ -45,8 +45,7 @@ _GATED_RMSNORM = DirectLaunch(_gated_rmsnorm_kernel)
 
 
 def _configs(out):
-    heads = next_power_of_2(out.shape[1])
-    return [{"BLOCK_H": b, "num_warps": w} for b in (1, 2, 4, 8, 16) if b <= heads for w in (1, 2, 4, 8)]
+    return head_block_configs(out.shape[1])
 
 
 def _static_key(x, weight):
@@ -55,11 +54,6 @@ def _static_key(x, weight):
 
 def _run_key(x):
     return x.shape[0]
-
-
-@functools.lru_cache(maxsize=None)  # per launch when no tuned config: computed once per size
-def _default_config(heads: int) -> dict:
-    return {"BLOCK_H": min(4, next_power_of_2(heads)), "num_warps": 4}
 
 
 @autotune(
@@ -72,7 +66,7 @@ def _default_config(heads: int) -> dict:
 )
 def _launch_gated_rmsnorm(x, z, weight, eps, out, run_config=None):
     rows, heads, d = out.shape
-    cfg = run_config or _default_config(heads)
+    cfg = run_config or head_block_default(heads)
     if rows > 0:
         grid = (rows, cdiv(heads, cfg["BLOCK_H"]))
         _GATED_RMSNORM.launch(grid, x, z, weight, out, x.stride(0), x.stride(1), z.stride(0), z.stride(1), eps, heads,

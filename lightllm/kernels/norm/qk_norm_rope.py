@@ -11,7 +11,6 @@ rotary in the model dtype (``x * cos`` and ``rotate_half(x) * sin`` each rounded
 Tuned as a GENERAL kernel: BLOCK_H (heads per program) and num_warps per token count.
 """
 
-import functools
 from typing import Optional, Tuple
 
 import torch
@@ -20,6 +19,7 @@ import triton.language as tl
 
 from lightllm.common.autotuner import AutotuneKernelType, PlannedInputs, autotune
 from lightllm.kernels.norm.rmsnorm import rmsnorm_ref, scale_normed
+from lightllm.kernels.block_configs import head_block_configs, head_block_default
 from lightllm.kernels.launch_math import cdiv, next_power_of_2
 from lightllm.kernels.direct_launch import DirectLaunch
 from lightllm.kernels.step_buffer import StepBuffer
@@ -73,8 +73,7 @@ _QK_NORM_ROPE = DirectLaunch(_qk_norm_rope_kernel)
 
 
 def _configs(q_out, k_out):
-    heads = next_power_of_2(q_out.shape[1] + k_out.shape[1])
-    return [{"BLOCK_H": b, "num_warps": w} for b in (1, 2, 4, 8, 16) if b <= heads for w in (1, 2, 4, 8)]
+    return head_block_configs(q_out.shape[1] + k_out.shape[1])
 
 
 def _static_key(qkv, q_weight, cos, q_out, k_out):
@@ -86,11 +85,6 @@ def _static_key(qkv, q_weight, cos, q_out, k_out):
 
 def _run_key(qkv):
     return qkv.shape[0]
-
-
-@functools.lru_cache(maxsize=None)  # per launch when no tuned config: computed once per size
-def _default_config(heads: int) -> dict:
-    return {"BLOCK_H": min(4, next_power_of_2(heads)), "num_warps": 4}
 
 
 @autotune(
@@ -106,7 +100,7 @@ def _launch_qk_norm_rope(qkv, q_weight, k_weight, cos, sin, positions, eps, q_ou
     tokens, q_heads, d = q_out.shape
     kv_heads = k_out.shape[1]
     heads = q_heads + kv_heads
-    cfg = run_config or _default_config(heads)
+    cfg = run_config or head_block_default(heads)
     if tokens > 0:
         grid = (tokens, cdiv(heads, cfg["BLOCK_H"]))
         q_width = (qkv.shape[-1] - 2 * kv_heads * d) // q_heads  # d, or 2 * d with the gate beside each q head

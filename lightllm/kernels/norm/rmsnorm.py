@@ -8,7 +8,6 @@ Tuned as a GENERAL kernel: prefill warmup searches BLOCK_N (one pass when it cov
 chunked passes) and num_warps per row count.
 """
 
-import functools
 from typing import Optional, Tuple
 
 import torch
@@ -16,7 +15,7 @@ import triton
 import triton.language as tl
 
 from lightllm.common.autotuner import AutotuneKernelType, PlannedInputs, autotune
-from lightllm.kernels.launch_math import next_power_of_2
+from lightllm.kernels.block_configs import row_chunk_configs, row_chunk_default
 from lightllm.kernels.direct_launch import DirectLaunch
 from lightllm.kernels.step_buffer import StepBuffer
 
@@ -68,9 +67,7 @@ _RMSNORM = DirectLaunch(_rmsnorm_kernel)
 
 
 def _configs(x):
-    full = next_power_of_2(x.shape[-1])
-    blocks = sorted({min(b, full) for b in (256, 1024, 4096, full) if b <= 16384})
-    return [{"BLOCK_N": b, "num_warps": w} for b in blocks for w in (1, 2, 4, 8, 16) if w * 32 <= b]
+    return row_chunk_configs(x.shape[-1])
 
 
 def _static_key(x, weight):
@@ -79,12 +76,6 @@ def _static_key(x, weight):
 
 def _run_key(x):
     return x.numel() // x.shape[-1]
-
-
-@functools.lru_cache(maxsize=None)  # per launch when no tuned config: computed once per size
-def _default_config(n: int) -> dict:
-    block = min(next_power_of_2(n), 16384)
-    return {"BLOCK_N": block, "num_warps": max(1, min(16, block // 256))}
 
 
 @autotune(
@@ -99,7 +90,7 @@ def _launch_rmsnorm(x, weight, eps, out, run_config=None):
     n = x.shape[-1]
     x2 = x.reshape(-1, n)
     y2 = out.view(-1, n)
-    cfg = run_config or _default_config(n)
+    cfg = run_config or row_chunk_default(n)
     block = cfg["BLOCK_N"]
     if x2.shape[0] > 0:
         _RMSNORM.launch(

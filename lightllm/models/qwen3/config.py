@@ -86,14 +86,7 @@ class Qwen3ModelConfig:
         if not isinstance(tie, bool):
             raise f.error("tie_word_embeddings", f"must be true or false, got {tie!r}")
 
-        eos = f.token_ids("eos_token_id", hf.eos_token_id) if hf.eos_token_id is not None else ()
-        eos += generation_eos(model_dir, exclude=eos)
-        bos = hf.bos_token_id
-        if bos is not None:
-            (bos,) = f.token_ids("bos_token_id", bos)
-        for field, ids in (("eos_token_id", eos), ("bos_token_id", () if bos is None else (bos,))):
-            if any(i >= vocab_size for i in ids):
-                raise f.error(field, f"{list(ids)} out of range for vocab_size {vocab_size}")
+        eos, bos = special_token_ids(f, hf, model_dir, vocab_size)
 
         dtype = raw.get("torch_dtype", raw.get("dtype"))  # the file's name for it; transformers makes a torch.dtype
         if dtype is not None and not isinstance(dtype, str):
@@ -133,6 +126,20 @@ def _rope_theta(f: ConfigFields) -> float:
             "rope_parameters", f"only plain rope (rope_type 'default') is supported, found {json.dumps(found)}"
         )
     return f.positive_float("rope_parameters.rope_theta", value=params.get("rope_theta", 10000.0))
+
+
+def special_token_ids(f: ConfigFields, hf, model_dir: Path, vocab: int) -> Tuple[Tuple[int, ...], Optional[int]]:
+    """The end-of-sequence ids (the config's, then :func:`generation_eos`'s) and the begin id (or None), checked
+    against ``vocab``."""
+    eos = f.token_ids("eos_token_id", hf.eos_token_id) if hf.eos_token_id is not None else ()
+    eos += generation_eos(model_dir, exclude=eos)
+    bos = hf.bos_token_id
+    if bos is not None:
+        (bos,) = f.token_ids("bos_token_id", bos)
+    for field, ids in (("eos_token_id", eos), ("bos_token_id", () if bos is None else (bos,))):
+        if any(i >= vocab for i in ids):
+            raise f.error(field, f"{list(ids)} out of range for vocab_size {vocab}")
+    return eos, bos
 
 
 def generation_eos(model_dir: Path, exclude: Tuple[int, ...]) -> Tuple[int, ...]:

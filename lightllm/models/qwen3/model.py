@@ -9,7 +9,7 @@ and one SiLU(gate) * up kernel. Every kernel is planned once per forward (:meth:
 the CPU each is its torch reference (the same rounding steps).
 """
 
-from typing import Callable, NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -47,13 +47,8 @@ class Qwen3Model:
         self.intermediate = config.intermediate_size // tp
         self.use_kernels = device.type == "cuda"  # the Triton kernels, else their torch references
         self.attn: Optional[AttentionBackend] = None  # set once the KV cache is sized, after the weights load
-        d = config.head_dim
-        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float().to(device) / d))
-        t = torch.arange(config.max_position_embeddings, device=device, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self._cos = emb.cos().to(self.dtype)
-        self._sin = emb.sin().to(self.dtype)
+        self._cos, self._sin = rope_tables(config.head_dim, config.rope_theta, config.max_position_embeddings,
+                                           device, self.dtype)  # fmt: skip
 
     def _plan_ops(self, tokens: int, rows_out: int, positions: torch.Tensor) -> LayerOps:
         """The layer ops of one forward, planned from its shapes before any layer runs. With kernels each is a
@@ -86,12 +81,7 @@ class Qwen3Model:
     def plan_step(self, tokens: int, state: InferState) -> LayerOps:
         """Everything one forward plans before its first layer: the attention plan (set on ``state``, from the
         batch metadata and the pool's shapes) and the layer ops (returned, see :meth:`_plan_ops`)."""
-        if state.is_prefill:
-            self.attn.plan_prefill(state, self.heads, self.dtype)
-            rows_out = state.batch_size
-        else:
-            self.attn.plan_decode(state, self.heads, self.dtype)
-            rows_out = tokens
+        rows_out = plan_attention(self.attn, state, self.heads, self.dtype, tokens)
         return self._plan_ops(tokens, rows_out, state.positions)
 
     def set_attention(self, attn: AttentionBackend) -> None:
@@ -115,7 +105,7 @@ class Qwen3Model:
         tokens, d, layers = input_ids.shape[0], self.config.head_dim, self.w.layers
         v_start = (self.heads + self.kv_heads) * d  # qkv's columns: q heads, k heads, v heads
         ops = self.plan_step(tokens, state)
-        reduce = all_reduce_ if self.tp > 1 else _unchanged  # one rank: no all-reduce, nor its world-size query
+        reduce = all_reduce_ if self.tp > 1 else unchanged  # one rank: no all-reduce, nor its world-size query
         h = F.embedding(input_ids, self.w.embed)  # the residual stream, updated in place by add_norm
         x = ops.norm(h, layers[0].input_norm)
         for i, lw in enumerate(layers):
@@ -135,5 +125,23 @@ class Qwen3Model:
         return F.linear(h, self.w.lm_head).float()
 
 
-def _unchanged(x: torch.Tensor) -> torch.Tensor:
+def unchanged(x: torch.Tensor) -> torch.Tensor:
     return x
+
+
+def rope_tables(rotary_dim: int, theta: float, max_positions: int, device, dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+    """RoPE ``cos``/``sin`` ``[max_positions, rotary_dim]`` in ``dtype`` (each frequency twice: rotate-half)."""
+    d = rotary_dim
+    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64).float().to(device) / d))
+    freqs = torch.outer(torch.arange(max_positions, device=device, dtype=torch.float32), inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def plan_attention(attn: AttentionBackend, state: InferState, heads: int, dtype: torch.dtype, tokens: int) -> int:
+    """Plan the step's attention on ``state``; the rows the forward outputs (one per request in prefill)."""
+    if state.is_prefill:
+        attn.plan_prefill(state, heads, dtype)
+        return state.batch_size
+    attn.plan_decode(state, heads, dtype)
+    return tokens

@@ -10,7 +10,7 @@ so at most one extra tensor is alive beside the result.
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Tuple, Union
+from typing import Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 from safetensors import safe_open
@@ -31,8 +31,22 @@ FUSED_PARTS = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": (
                "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}  # fmt: skip
 
 
+class GateUpViews:
+    """The checkpoint's ``gate_proj``/``up_proj`` as views of the fused ``gate_up_proj`` (gate rows, then up)."""
+
+    gate_up_proj: torch.Tensor
+
+    @property
+    def gate_proj(self) -> torch.Tensor:
+        return self.gate_up_proj.chunk(2)[0]
+
+    @property
+    def up_proj(self) -> torch.Tensor:
+        return self.gate_up_proj.chunk(2)[1]
+
+
 @dataclass
-class LayerWeights:
+class LayerWeights(GateUpViews):
     """One layer's weights (this rank's shard in tensor parallelism; ``heads``/``kv_heads``/``intermediate`` below
     are this rank's)."""
 
@@ -56,14 +70,6 @@ class LayerWeights:
     @property
     def v_proj(self) -> torch.Tensor:
         return self._qkv_parts()[2]
-
-    @property
-    def gate_proj(self) -> torch.Tensor:
-        return self.gate_up_proj.chunk(2)[0]
-
-    @property
-    def up_proj(self) -> torch.Tensor:
-        return self.gate_up_proj.chunk(2)[1]
 
     def _qkv_parts(self) -> Tuple[torch.Tensor, ...]:
         q_rows = self.o_proj.shape[1]
@@ -125,6 +131,45 @@ def expected_shapes(config: Qwen3ModelConfig) -> Dict[str, Tuple[int, ...]]:
 def _is_ignored(name: str, config: Qwen3ModelConfig) -> bool:
     """Tensors skipped without a warning: a duplicate lm_head of tied embeddings, old rotary buffers."""
     return (config.tie_word_embeddings and name == "lm_head.weight") or name.endswith(_IGNORED_SUFFIXES)
+
+
+def checked_tensors(
+    model_dir: Path, shapes: Dict[str, Tuple[int, ...]], unknown: Callable[[str], None],
+    missing_hint: Callable[[str], str] = lambda name: "",
+) -> Iterator[tuple]:  # fmt: skip
+    """``(handle, name, slice view)`` of each tensor named in ``shapes`` across the checkpoint's files, checked
+    first: in one file only, of its expected shape and a supported source dtype. Names not in ``shapes`` go to
+    ``unknown``. At the end, ModelLoadError for the first missing name, ``missing_hint(name)`` appended."""
+    seen = set()
+    for file in safetensors_files(model_dir):
+        try:
+            handle = safe_open(str(file), framework="pt", device="cpu")
+        except Exception as e:  # safetensors raises its own error types for a bad header
+            raise ModelLoadError(f"{file}: cannot read safetensors file: {e}") from None
+        with handle as f:
+            for name in f.keys():
+                if name not in shapes:
+                    unknown(name)
+                    continue
+                if name in seen:
+                    raise ModelLoadError(f"{file}: tensor {name} is also in another safetensors file")
+                seen.add(name)
+                view = f.get_slice(name)
+                found, source_dtype = tuple(view.get_shape()), view.get_dtype()
+                if found != shapes[name]:
+                    raise ModelLoadError(
+                        f"{file}: tensor {name} has shape {list(found)}, expected {list(shapes[name])}"
+                    )
+                if source_dtype not in _SOURCE_DTYPES:
+                    raise ModelLoadError(
+                        f"{file}: tensor {name} has dtype {source_dtype}; only F16, BF16 and F32 are supported"
+                    )
+                yield f, name, view
+    missing = [name for name in shapes if name not in seen]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ModelLoadError(f"{model_dir}: tensor {missing[0]} is missing from the safetensors files{more}"
+                             f"{missing_hint(missing[0])}")  # fmt: skip
 
 
 def safetensors_files(model_dir: Path) -> List[Path]:
@@ -205,53 +250,30 @@ def load_qwen3_weights(
     fused = _FusedLayout(config, shard)
     tensors: Dict[str, torch.Tensor] = {}
     fused_weights: Dict[Tuple[int, str], torch.Tensor] = {}
-    seen = set()
     unexpected: List[str] = []
-    for file in safetensors_files(model_dir):
-        try:
-            handle = safe_open(str(file), framework="pt", device="cpu")
-        except Exception as e:  # safetensors raises its own error types for a bad header
-            raise ModelLoadError(f"{file}: cannot read safetensors file: {e}") from None
-        with handle as f:
-            for name in f.keys():
-                if name not in shapes:
-                    if not _is_ignored(name, config):
-                        unexpected.append(name)
-                    continue
-                if name in seen:
-                    raise ModelLoadError(f"{file}: tensor {name} is also in another safetensors file")
-                seen.add(name)
-                view = f.get_slice(name)
-                found, source_dtype = tuple(view.get_shape()), view.get_dtype()
-                if found != shapes[name]:
-                    raise ModelLoadError(
-                        f"{file}: tensor {name} has shape {list(found)}, expected {list(shapes[name])}"
-                    )
-                if source_dtype not in _SOURCE_DTYPES:
-                    raise ModelLoadError(
-                        f"{file}: tensor {name} has dtype {source_dtype}; only F16, BF16 and F32 are supported"
-                    )
-                layer, field = where.get(name, (None, None))
-                part = shard(field) if shard is not None and field is not None else None
-                if part is None:
-                    tensor = f.get_tensor(name)
-                else:
-                    dim, rows = part
-                    tensor = (view[rows] if dim == 0 else view[:, rows]).contiguous()  # a column slice is strided
-                if field in FUSED_PARTS:
-                    # Straight into its rows of the fused weight: the part is freed here, never held beside it.
-                    target, first, last = fused.rows(field)
-                    if (layer, target) not in fused_weights:
-                        fused_weights[layer, target] = torch.empty(fused.shape(target), dtype=dtype, device=device)
-                    fused_weights[layer, target][first:last].copy_(tensor)
-                else:
-                    tensors[name] = tensor.to(device=device, dtype=dtype)
-                del tensor
 
-    missing = [name for name in shapes if name not in seen]
-    if missing:
-        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise ModelLoadError(f"{model_dir}: tensor {missing[0]} is missing from the safetensors files{more}")
+    def unknown(name: str) -> None:
+        if not _is_ignored(name, config):
+            unexpected.append(name)
+
+    for f, name, view in checked_tensors(model_dir, shapes, unknown):
+        layer, field = where.get(name, (None, None))
+        part = shard(field) if shard is not None and field is not None else None
+        if part is None:
+            tensor = f.get_tensor(name)
+        else:
+            dim, rows = part
+            tensor = (view[rows] if dim == 0 else view[:, rows]).contiguous()  # a column slice is strided
+        if field in FUSED_PARTS:
+            # Straight into its rows of the fused weight: the part is freed here, never held beside it.
+            target, first, last = fused.rows(field)
+            if (layer, target) not in fused_weights:
+                fused_weights[layer, target] = torch.empty(fused.shape(target), dtype=dtype, device=device)
+            fused_weights[layer, target][first:last].copy_(tensor)
+        else:
+            tensors[name] = tensor.to(device=device, dtype=dtype)
+        del tensor
+
     if unexpected:
         more = f" and {len(unexpected) - 5} more" if len(unexpected) > 5 else ""
         logger.warning(

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Dict, Optional, Tuple, Union
 
 from lightllm.models.hf_config import ConfigFields, ModelLoadError, auto_config, read_config_file
-from lightllm.models.qwen3.config import generation_eos
+from lightllm.models.qwen3.config import special_token_ids
 
 TEXT_ARCHITECTURE = "Qwen3_5ForCausalLM"
 MULTIMODAL_ARCHITECTURE = "Qwen3_5ForConditionalGeneration"
@@ -133,14 +133,7 @@ def _read(f: _TextFields, model_dir: Path, multimodal: bool, top: ConfigFields) 
     if not isinstance(tie, bool):
         raise (top if multimodal else f).error("tie_word_embeddings", f"must be true or false, got {tie!r}")
     vocab = f.positive_int("vocab_size")
-    eos = f.token_ids("eos_token_id", hf.eos_token_id) if hf.eos_token_id is not None else ()
-    eos += generation_eos(model_dir, exclude=eos)
-    bos = hf.bos_token_id
-    if bos is not None:
-        (bos,) = f.token_ids("bos_token_id", bos)
-    for field, ids in (("eos_token_id", eos), ("bos_token_id", () if bos is None else (bos,))):
-        if any(i >= vocab for i in ids):
-            raise f.error(field, f"{list(ids)} out of range for vocab_size {vocab}")
+    eos, bos = special_token_ids(f, hf, model_dir, vocab)
     return Qwen3_5ModelConfig(
         vocab_size=vocab,
         hidden_size=hidden,

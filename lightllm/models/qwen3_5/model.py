@@ -34,6 +34,7 @@ from lightllm.layers.linear_attention import (
     LinearAttentionShape,
     LinearAttentionState,
 )
+from lightllm.models.qwen3.model import plan_attention, rope_tables, unchanged
 from lightllm.models.qwen3_5.config import Qwen3_5ModelConfig
 from lightllm.models.qwen3_5.weights import LayerWeights, Qwen3_5Weights
 
@@ -75,12 +76,8 @@ class Qwen3_5Model:
         self.attn: Optional[AttentionBackend] = None  # set once the KV cache is sized
         self.linear: Optional[LinearAttentionBackend] = None  # set by alloc_request_state
         self.mtp = None  # the MTP head (mtp.py), built by the family when --mtp_mode asks for it
-        d = config.rotary_dim
-        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float().to(device) / d))
-        freqs = torch.outer(torch.arange(config.max_position_embeddings, device=device, dtype=torch.float32), inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self._cos = emb.cos().to(self.dtype)
-        self._sin = emb.sin().to(self.dtype)
+        self._cos, self._sin = rope_tables(config.rotary_dim, config.rope_theta, config.max_position_embeddings,
+                                           device, self.dtype)  # fmt: skip
 
     # ---- start-up hooks the runner calls ------------------------------------------------------------------
 
@@ -144,12 +141,7 @@ class Qwen3_5Model:
     def plan_step(self, tokens: int, state: InferState) -> Tuple[LayerOps, LinearAttentionPlan]:
         """Everything one forward plans before its first layer: the attention plan (set on ``state``), the layer
         ops (see :meth:`_plan_ops`) and the linear-attention plan."""
-        if state.is_prefill:
-            self.attn.plan_prefill(state, self.heads, self.dtype)
-            rows_out = state.batch_size
-        else:
-            self.attn.plan_decode(state, self.heads, self.dtype)
-            rows_out = tokens
+        rows_out = plan_attention(self.attn, state, self.heads, self.dtype, tokens)
         return self._plan_ops(tokens, rows_out, state.positions), self.linear.plan(state)
 
     def forward(self, input_ids: torch.Tensor, state: InferState, keep_hidden: bool = False):
@@ -161,7 +153,7 @@ class Qwen3_5Model:
                                "alloc_request_state(...) and set_attention(...) first")  # fmt: skip
         tokens, layers = input_ids.shape[0], self.w.layers
         ops, plan = self.plan_step(tokens, state)
-        reduce = all_reduce_ if self.tp > 1 else _unchanged  # one rank: no all-reduce, nor its world-size query
+        reduce = all_reduce_ if self.tp > 1 else unchanged  # one rank: no all-reduce, nor its world-size query
         h = F.embedding(input_ids, self.w.embed)  # the residual stream, updated in place by add_norm
         x = ops.norm(h, layers[0].input_norm)
         for i, lw in enumerate(layers):
@@ -213,7 +205,3 @@ class Qwen3_5Model:
         rule = lin.delta_prefill if prefill else lin.delta_decode
         o = rule(layer, q, k, v, a, b, lw.A_log, lw.dt_bias, plan)
         return F.linear(ops.gated_norm(o, z, lw.norm).reshape(tokens, -1), lw.out_proj)
-
-
-def _unchanged(x: torch.Tensor) -> torch.Tensor:
-    return x

@@ -22,17 +22,15 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple, Union
 
 import torch
-from safetensors import safe_open
 
 from lightllm.models.hf_config import ModelLoadError
-from lightllm.models.qwen3.weights import safetensors_files
+from lightllm.models.qwen3.weights import GateUpViews, checked_tensors
 from lightllm.models.qwen3_5.config import Qwen3_5ModelConfig
 from lightllm.models.qwen3_5.tensor_parallel import ShardSpec
 
 logger = logging.getLogger(__name__)
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_SOURCE_DTYPES = ("F16", "BF16", "F32")
 _ZERO_CENTRED = ("input_norm", "post_norm", "q_norm", "k_norm")
 _SKIPPED = {"model.visual.": "vision tower: text only", "mtp.": "MTP head: --mtp_mode is off"}
 MTP_PREFIX = "mtp."
@@ -47,7 +45,7 @@ FUSED_PARTS = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": (
 
 
 @dataclass
-class LayerWeights:
+class LayerWeights(GateUpViews):
     """One layer's weights (this rank's shard in tensor parallelism). The projections read from one input are
     fused into one weight each (one GEMM); the checkpoint's names remain as views of their rows."""
 
@@ -97,14 +95,6 @@ class LayerWeights:
     @property
     def in_proj_a(self) -> Optional[torch.Tensor]:
         return self._parts("in_proj")[3]
-
-    @property
-    def gate_proj(self) -> torch.Tensor:
-        return self.gate_up_proj.chunk(2)[0]
-
-    @property
-    def up_proj(self) -> torch.Tensor:
-        return self.gate_up_proj.chunk(2)[1]
 
     def split_sizes(self, fused: str) -> Tuple[int, ...]:
         """Rows of each part of ``qkv_proj`` (q, k, v) or ``in_proj`` (qkv, z, b, a), from the layer's own shapes."""
@@ -245,63 +235,46 @@ def load_qwen3_5_weights(
     fused_rows = _fused_rows(config, shard)
     tensors: Dict[str, torch.Tensor] = {}
     fused: Dict[Tuple[int, str], torch.Tensor] = {}
-    seen = set()
     skipped = {prefix: 0 for prefix in _SKIPPED}
     unexpected: List[str] = []
-    for file in safetensors_files(model_dir):
-        try:
-            handle = safe_open(str(file), framework="pt", device="cpu")
-        except Exception as e:  # safetensors raises its own error types for a bad header
-            raise ModelLoadError(f"{file}: cannot read safetensors file: {e}") from None
-        with handle as f:
-            for name in f.keys():
-                if name not in shapes:
-                    prefix = next((p for p in _SKIPPED if name.startswith(p)), None)
-                    if prefix is not None:
-                        skipped[prefix] += 1
-                    elif not (config.tie_word_embeddings and name == "lm_head.weight"):
-                        unexpected.append(name)
-                    continue
-                if name in seen:
-                    raise ModelLoadError(f"{file}: tensor {name} is also in another safetensors file")
-                seen.add(name)
-                view = f.get_slice(name)
-                found, source_dtype = tuple(view.get_shape()), view.get_dtype()
-                if found != shapes[name]:
-                    raise ModelLoadError(f"{file}: tensor {name} has shape {list(found)}, expected "
-                                         f"{list(shapes[name])}")  # fmt: skip
-                if source_dtype not in _SOURCE_DTYPES:
-                    raise ModelLoadError(f"{file}: tensor {name} has dtype {source_dtype}; only F16, BF16 and F32 "
-                                         "are supported")  # fmt: skip
-                layer, field = where.get(name, (None, None))
-                part = shard(field) if shard is not None and field is not None else None
-                if field in FUSED_PARTS:
-                    target, first, end = fused_rows[field]
-                    if (layer, target) not in fused:
-                        rows = max(e for t, _, e in fused_rows.values() if t == target)
-                        fused[layer, target] = torch.empty(rows, config.hidden_size, dtype=dtype, device=device)
-                    dest = fused[layer, target]
-                    if part is None:
-                        dest[first:end].copy_(f.get_tensor(name))
-                    else:  # row shards only: each slice into the next rows
-                        for s in part[1]:
-                            rows = view[s]
-                            dest[first : first + rows.shape[0]].copy_(rows)
-                            first += rows.shape[0]
-                    continue
-                if part is None:
-                    tensor = f.get_tensor(name)
-                else:
-                    dim, slices = part
-                    tensor = torch.cat([view[s] if dim == 0 else view[:, s] for s in slices], dim=dim)
-                tensors[name] = tensor.to(device=device, dtype=dtype)
-    missing = [name for name in shapes if name not in seen]
-    if missing:
-        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        if mtp and missing[0].startswith(MTP_PREFIX):
-            raise ModelLoadError(f"{model_dir}: tensor {missing[0]} is missing from the safetensors files{more}; "
-                                 "--mtp_mode needs the checkpoint's MTP head (mtp.* weights)")  # fmt: skip
-        raise ModelLoadError(f"{model_dir}: tensor {missing[0]} is missing from the safetensors files{more}")
+
+    def unknown(name: str) -> None:
+        prefix = next((p for p in _SKIPPED if name.startswith(p)), None)
+        if prefix is not None:
+            skipped[prefix] += 1
+        elif not (config.tie_word_embeddings and name == "lm_head.weight"):
+            unexpected.append(name)
+
+    def missing_hint(name: str) -> str:
+        return (
+            "; --mtp_mode needs the checkpoint's MTP head (mtp.* weights)"
+            if mtp and name.startswith(MTP_PREFIX)
+            else ""
+        )
+
+    for f, name, view in checked_tensors(model_dir, shapes, unknown, missing_hint):
+        layer, field = where.get(name, (None, None))
+        part = shard(field) if shard is not None and field is not None else None
+        if field in FUSED_PARTS:
+            target, first, end = fused_rows[field]
+            if (layer, target) not in fused:
+                rows = max(e for t, _, e in fused_rows.values() if t == target)
+                fused[layer, target] = torch.empty(rows, config.hidden_size, dtype=dtype, device=device)
+            dest = fused[layer, target]
+            if part is None:
+                dest[first:end].copy_(f.get_tensor(name))
+            else:  # row shards only: each slice into the next rows
+                for s in part[1]:
+                    rows = view[s]
+                    dest[first : first + rows.shape[0]].copy_(rows)
+                    first += rows.shape[0]
+            continue
+        if part is None:
+            tensor = f.get_tensor(name)
+        else:
+            dim, slices = part
+            tensor = torch.cat([view[s] if dim == 0 else view[:, s] for s in slices], dim=dim)
+        tensors[name] = tensor.to(device=device, dtype=dtype)
     for prefix, count in skipped.items():
         if count:
             logger.info("%s: skipping %d %s* tensors (%s)", model_dir, count, prefix, _SKIPPED[prefix])

@@ -17,6 +17,13 @@ import torch
 
 from lightllm.common.autotuner import AutotuneKernelType, PlannedInputs, autotune
 from lightllm.common.kv_cache.quant import INT4_OFFSET, SCALE_DTYPE
+from lightllm.kernels.attention.decode.checks import (
+    check_head_dim_and_block_seq,
+    check_kv_pair,
+    check_q_device,
+    check_request_rows,
+    check_run_q_out,
+)
 from lightllm.kernels.attention.decode.tuning import (
     decode_attn_autotune_seq_lens,
     decode_attn_run_key_kv_len,
@@ -53,6 +60,7 @@ def num_splits(batch: int, kv_heads: int, max_len_in_batch: int, block_seq: int,
     return max(1, min(want, max_chunks))
 
 
+@lru_cache(maxsize=None)  # per launch when no tuned config: computed once per head_dim
 def default_config(head_dim: int) -> dict:
     return {"BLOCK_N": 32 if head_dim == 256 else 64, "num_warps": 4, "num_stages": 2, "WAVES": 2}
 
@@ -131,7 +139,7 @@ def launch_stage2(mid_o, mid_lse, b_seq_len, out, block_seq: int, num_warps: Opt
 # ---- tuning declaration ---------------------------------------------------------------------------------
 
 
-def _configs(q, block_seq):
+def split_kv_configs(q, block_seq):
     """16 candidates, 4 compiles per shape: WAVES only changes the grid (no recompile), and what was left out
     (BLOCK_N 16/128, 2 warps, 1 stage) only pays for its compile time at start-up."""
     block_ns = [n for n in (32, 64) if n <= block_seq]
@@ -154,7 +162,7 @@ def _static_key(q, k_cache, block_seq, quant, quant_group):
     }
 
 
-def _run_key(q, max_len_in_batch):
+def split_kv_run_key(q, max_len_in_batch):
     return q.shape[0], round_up_kv_len(decode_attn_run_key_kv_len(max_len_in_batch))
 
 
@@ -166,9 +174,9 @@ def _representative_batches(named: dict) -> list:
 
 
 _TUNING = dict(
-    configs_gen_func=_configs,
+    configs_gen_func=split_kv_configs,
     static_key_func=_static_key,
-    run_key_func=_run_key,
+    run_key_func=split_kv_run_key,
     kernel_type=AutotuneKernelType.DECODE_ATTENTION,
     rebuild_input_func=_representative_batches,
     output_args=("out",),
@@ -222,14 +230,9 @@ class GQADecodePlan:
 
     def run(self, q, k_cache, v_cache, k_scale=None, v_scale=None, out=None) -> torch.Tensor:
         self.inputs.check((q.shape, q.dtype), (k_cache.shape, k_cache.dtype))
-        if q.stride(-1) != 1:
-            raise ValueError(f"gqa decode attention ({self.kv} KV): q expected a contiguous last dim, got strides "
-                             f"{q.stride()}")  # fmt: skip
+        check_run_q_out(f"gqa decode attention ({self.kv} KV)", q, out)
         if out is None:
             out = self._out.get(q.device)
-        elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
-            raise ValueError(f"gqa decode attention ({self.kv} KV): out expected a {tuple(q.shape)} {q.dtype} "
-                             f"tensor, got {tuple(out.shape)} {out.dtype}")  # fmt: skip
         return self._tuned.run(q, k_cache, v_cache, k_scale, v_scale, self.req_to_token, self.b_req_idx,
                                self.b_seq_len, self.max_len_in_batch, out, self.sm_scale, self.block_seq, self.kv,
                                self.quant_group, self._scratch)  # fmt: skip
@@ -260,7 +263,7 @@ def gqa_decode_attention(
         out: optional ``[batch, q_heads, head_dim]`` of q's dtype.
     Every layer of a step: :class:`GQADecodePlan` checks and resolves once.
     """
-    _check_q_device(q, k_cache)
+    check_q_device("gqa decode attention", q, k_cache)
     plan = GQADecodePlan("none", q.shape, q.dtype, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len,
                          max_len_in_batch, sm_scale=sm_scale, block_seq=block_seq, run_config=run_config)  # fmt: skip
     return plan.run(q, k_cache, v_cache, out=out)
@@ -273,7 +276,7 @@ def gqa_decode_attention_int8kv(
     """As :func:`gqa_decode_attention` over an INT8 pool: ``k_cache``/``v_cache`` int8
     ``[pool_tokens, kv_heads, head_dim]``, ``k_scale``/``v_scale`` float16 ``[pool_tokens, kv_heads,
     head_dim // quant_group]`` (see ``lightllm.common.kv_cache.quant``)."""
-    _check_q_device(q, k_cache)
+    check_q_device("gqa decode attention", q, k_cache)
     plan = GQADecodePlan("int8", q.shape, q.dtype, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len,
                          max_len_in_batch, k_scale, v_scale, sm_scale, block_seq, quant_group, run_config)  # fmt: skip
     return plan.run(q, k_cache, v_cache, k_scale, v_scale, out=out)
@@ -286,15 +289,10 @@ def gqa_decode_attention_int4kv(
     """As :func:`gqa_decode_attention` over an INT4 pool: ``k_cache``/``v_cache`` uint8
     ``[pool_tokens, kv_heads, head_dim // 2]`` (byte j: element j low nibble, j + head_dim/2 high nibble),
     scales float16 ``[pool_tokens, kv_heads, head_dim // quant_group]``."""
-    _check_q_device(q, k_cache)
+    check_q_device("gqa decode attention", q, k_cache)
     plan = GQADecodePlan("int4", q.shape, q.dtype, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len,
                          max_len_in_batch, k_scale, v_scale, sm_scale, block_seq, quant_group, run_config)  # fmt: skip
     return plan.run(q, k_cache, v_cache, k_scale, v_scale, out=out)
-
-
-def _check_q_device(q, k_cache) -> None:
-    if q.device != k_cache.device:
-        raise ValueError(f"gqa decode attention: q expected k_cache's device {k_cache.device}, got {q.device}")
 
 
 def _check(q_shape, q_dtype, k_cache, v_cache, k_scale, v_scale, req_to_token, b_req_idx, b_seq_len, out, quant,
@@ -306,18 +304,11 @@ def _check(q_shape, q_dtype, k_cache, v_cache, k_scale, v_scale, req_to_token, b
     if len(q_shape) != 3 or q_dtype not in Q_DTYPES:
         fail("q", f"a [batch, q_heads, head_dim] tensor of {Q_DTYPES}", f"{tuple(q_shape)} {q_dtype}")
     batch, q_heads, head_dim = q_shape
-    if head_dim not in HEAD_DIMS:
-        fail("head_dim", f"one of {HEAD_DIMS}", head_dim)
-    if block_seq not in (64, 128, 256, 512, 1024):
-        fail("block_seq", "a power of two in [64, 1024]", block_seq)
+    check_head_dim_and_block_seq(fail, head_dim, HEAD_DIMS, block_seq)
     device = k_cache.device
     packed_dim = head_dim // 2 if quant == "int4" else head_dim
     kv_dtype = {"none": q_dtype, "int8": torch.int8, "int4": torch.uint8}[quant]
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.dim() != 3 or t.shape[2] != packed_dim or t.dtype != kv_dtype or t.stride(-1) != 1:
-            fail(name, f"a [pool_tokens, kv_heads, {packed_dim}] {kv_dtype} tensor", f"{tuple(t.shape)} {t.dtype}")
-        if t.device != device:
-            fail(name, f"device {device}", t.device)
+    check_kv_pair(fail, k_cache, v_cache, packed_dim, kv_dtype)
     kv_heads = k_cache.shape[1]
     if v_cache.shape[:2] != k_cache.shape[:2] or q_heads % kv_heads:
         fail("kv_heads", f"k/v of one shape with q_heads ({q_heads}) a multiple of kv_heads", kv_heads)
@@ -332,8 +323,6 @@ def _check(q_shape, q_dtype, k_cache, v_cache, k_scale, v_scale, req_to_token, b
                 fail(name, f"a {str(SCALE_DTYPE).removeprefix('torch.')} {list(shape)} tensor on {device}", got)
     if req_to_token.dim() != 2 or req_to_token.dtype != torch.int32 or req_to_token.device != device:
         fail("req_to_token", "an int32 [max_reqs, max_len] tensor on the cache's device", f"{req_to_token.dtype}")
-    for name, t in (("b_req_idx", b_req_idx), ("b_seq_len", b_seq_len)):
-        if t.shape != (batch,) or t.dtype != torch.int32 or t.device != device:
-            fail(name, f"an int32 [{batch}] tensor on {device}", f"{tuple(t.shape)} {t.dtype} on {t.device}")
+    check_request_rows(fail, batch, device, b_req_idx, b_seq_len)
     if out is not None and (out.shape != q_shape or out.dtype != q_dtype or out.stride(-1) != 1):
         fail("out", f"a {tuple(q_shape)} {q_dtype} tensor", f"{tuple(out.shape)} {out.dtype}")

@@ -18,14 +18,24 @@ from typing import Optional
 import torch
 
 from lightllm.common.autotuner import AutotuneKernelType, PlannedInputs, autotune
-from lightllm.kernels.attention.decode.flash_decode import DEFAULT_BLOCK_SEQ, HEAD_DIMS, Q_DTYPES, num_splits
-from lightllm.kernels.attention.decode.mtp_diverse_stages import mtp_diverse_stage1_kernel, mtp_diverse_stage2_kernel
-from lightllm.kernels.attention.decode.tuning import (
-    decode_attn_autotune_seq_lens,
-    decode_attn_run_key_kv_len,
-    inputs_at_lengths,
-    round_up_kv_len,
+from lightllm.kernels.attention.decode.checks import (
+    check_head_dim_and_block_seq,
+    check_kv_pair,
+    check_q_device,
+    check_request_rows,
+    check_run_q_out,
 )
+from lightllm.kernels.attention.decode.flash_decode import (
+    DEFAULT_BLOCK_SEQ,
+    HEAD_DIMS,
+    Q_DTYPES,
+    default_config,
+    num_splits,
+    split_kv_configs,
+    split_kv_run_key,
+)
+from lightllm.kernels.attention.decode.mtp_diverse_stages import mtp_diverse_stage1_kernel, mtp_diverse_stage2_kernel
+from lightllm.kernels.attention.decode.tuning import decode_attn_autotune_seq_lens, inputs_at_lengths
 from lightllm.kernels.launch_math import next_power_of_2
 from lightllm.kernels.direct_launch import DirectLaunch
 
@@ -35,11 +45,6 @@ _MTP_STAGE2 = DirectLaunch(mtp_diverse_stage2_kernel)
 MAX_MTP_STEP = 4  # --mtp_step takes 1..4: q_len is 2..5 (1 is plain decode, accepted too)
 MAX_GROUP = 8  # query heads per KV head: the stage-1 tile holds q_len x group rows (at most 40, padded to 64)
 LOG2E = 1.4426950408889634
-
-
-@lru_cache(maxsize=None)
-def default_config(head_dim: int) -> dict:
-    return {"BLOCK_N": 32 if head_dim == 256 else 64, "num_warps": 4, "num_stages": 2, "WAVES": 2}
 
 
 @lru_cache(maxsize=4096)
@@ -100,17 +105,6 @@ def _stage2(mid_o, mid_lse, b_seq_len, out, block_seq):
 # ---- tuning declaration ---------------------------------------------------------------------------------
 
 
-def _configs(block_seq):
-    """The plain decode kernel's 16 candidates (4 compiles per shape: WAVES only changes the grid)."""
-    return [
-        {"BLOCK_N": block_n, "num_warps": num_warps, "num_stages": num_stages, "WAVES": waves}
-        for block_n in (32, 64)
-        if block_n <= block_seq
-        for num_warps, num_stages in ((4, 2), (8, 3))
-        for waves in (1, 2, 4, 8)
-    ]
-
-
 def _static_key(q, k_cache, block_seq):
     return {
         "group": q.shape[2] // k_cache.shape[1],
@@ -120,10 +114,6 @@ def _static_key(q, k_cache, block_seq):
         "q_dtype": str(q.dtype),
         "kv_dtype": str(k_cache.dtype),
     }
-
-
-def _run_key(q, max_len_in_batch):
-    return q.shape[0], round_up_kv_len(decode_attn_run_key_kv_len(max_len_in_batch))
 
 
 def representative_mtp_groups(named: dict) -> list:
@@ -143,9 +133,9 @@ def representative_mtp_groups(named: dict) -> list:
 
 _launch_mtp_diverse_decode = autotune(
     kernel_name="mtp_diverse_decode",
-    configs_gen_func=_configs,
+    configs_gen_func=split_kv_configs,  # the plain decode kernel's candidates and run key
     static_key_func=_static_key,
-    run_key_func=_run_key,
+    run_key_func=split_kv_run_key,
     kernel_type=AutotuneKernelType.DECODE_ATTENTION,
     rebuild_input_func=representative_mtp_groups,
     output_args=("out",),
@@ -179,13 +169,9 @@ class MTPDiverseDecodePlan:
 
     def run(self, q, k_cache, v_cache, out=None) -> torch.Tensor:
         self.inputs.check((q.shape, q.dtype), (k_cache.shape, k_cache.dtype))
-        if q.stride(-1) != 1:
-            raise ValueError(f"mtp diverse attention: q expected a contiguous last dim, got strides {q.stride()}")
+        check_run_q_out("mtp diverse attention", q, out)
         if out is None:
             out = torch.empty_like(q)
-        elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
-            raise ValueError(f"mtp diverse attention: out expected a {tuple(q.shape)} {q.dtype} tensor, got "
-                             f"{tuple(out.shape)} {out.dtype}")  # fmt: skip
         return self._tuned.run(q, k_cache, v_cache, self.req_to_token, self.b_req_idx, self.b_seq_len,
                                self.max_len_in_batch, out, self.sm_scale, self.block_seq)  # fmt: skip
 
@@ -215,8 +201,7 @@ def mtp_diverse_decode_attention(
         out: optional ``[batch, q_len, q_heads, head_dim]`` of q's dtype.
     Every layer of a step: :class:`MTPDiverseDecodePlan` checks and resolves once.
     """
-    if q.device != k_cache.device:
-        raise ValueError(f"mtp diverse attention: q expected k_cache's device {k_cache.device}, got {q.device}")
+    check_q_device("mtp diverse attention", q, k_cache)
     plan = MTPDiverseDecodePlan(q.shape, q.dtype, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len,
                                 max_len_in_batch, sm_scale, block_seq, run_config)  # fmt: skip
     return plan.run(q, k_cache, v_cache, out=out)
@@ -231,24 +216,15 @@ def _check(q_shape, q_dtype, k_cache, v_cache, req_to_token, b_req_idx, b_seq_le
     batch, q_len, q_heads, head_dim = q_shape
     if not 1 <= q_len <= MAX_MTP_STEP + 1:
         fail("q_len", f"1..{MAX_MTP_STEP + 1} (mtp_step + 1)", q_len)
-    if head_dim not in HEAD_DIMS:
-        fail("head_dim", f"one of {HEAD_DIMS}", head_dim)
-    if block_seq not in (64, 128, 256, 512, 1024):
-        fail("block_seq", "a power of two in [64, 1024]", block_seq)
+    check_head_dim_and_block_seq(fail, head_dim, HEAD_DIMS, block_seq)
     device = k_cache.device
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.dim() != 3 or t.shape[2] != head_dim or t.dtype != q_dtype or t.stride(-1) != 1:
-            fail(name, f"a [pool_tokens, kv_heads, {head_dim}] {q_dtype} tensor", f"{tuple(t.shape)} {t.dtype}")
-        if t.device != device:
-            fail(name, f"device {device}", t.device)
+    check_kv_pair(fail, k_cache, v_cache, head_dim, q_dtype)
     kv_heads = k_cache.shape[1]
     if v_cache.shape[:2] != k_cache.shape[:2] or q_heads % kv_heads or not 1 <= q_heads // kv_heads <= MAX_GROUP:
         fail("kv_heads", f"k/v of one shape with q_heads ({q_heads}) = 1..{MAX_GROUP} x kv_heads", kv_heads)
     if req_to_token.dim() != 2 or req_to_token.dtype != torch.int32 or req_to_token.device != device:
         fail("req_to_token", f"an int32 [max_reqs, max_len] tensor on {device}",
              f"{tuple(req_to_token.shape)} {req_to_token.dtype} on {req_to_token.device}")  # fmt: skip
-    for name, t in (("b_req_idx", b_req_idx), ("b_seq_len", b_seq_len)):
-        if t.shape != (batch,) or t.dtype != torch.int32 or t.device != device:
-            fail(name, f"an int32 [{batch}] tensor on {device}", f"{tuple(t.shape)} {t.dtype} on {t.device}")
+    check_request_rows(fail, batch, device, b_req_idx, b_seq_len)
     if int(max_len_in_batch) < 1:
         fail("max_len_in_batch", "a length >= 1", max_len_in_batch)

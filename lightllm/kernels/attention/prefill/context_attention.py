@@ -201,10 +201,8 @@ def _launch(q, k, v, out, b_start, b_len, max_q_len, sm_scale, cfg, prefix):
 # P is rounded to q's dtype against the running row max, which depends on BLOCK_N: in bf16 a few outlier
 # elements of 2^25 differ by ~4 ulps (0.0078 at 0.3, seen on the H200), which the default 2e-2 rejects.
 _ACCURACY_TOL = (4e-2, 2e-2)
-
-
-@autotune(
-    kernel_name="context_attention",
+# Two tuned kernels of one declaration: with a prefix the time grows with it, so each keeps its own configs.
+_TUNING = dict(
     configs_gen_func=_configs,
     static_key_func=_static_key,
     run_key_func=_run_key,
@@ -212,20 +210,15 @@ _ACCURACY_TOL = (4e-2, 2e-2)
     output_args=("out",),
     accuracy_tol=_ACCURACY_TOL,
 )
+
+
+@autotune(kernel_name="context_attention", **_TUNING)
 def _launch_context_attention(q, k, v, out, b_start, b_len, max_q_len, sm_scale, run_config=None):
     return _launch(q, k, v, out, b_start, b_len, max_q_len, sm_scale, run_config or _default_config(q.shape[-1]),
                    None)  # fmt: skip
 
 
-@autotune(
-    kernel_name="context_attention_prefix",
-    configs_gen_func=_configs,
-    static_key_func=_static_key,
-    run_key_func=_run_key,
-    kernel_type=AutotuneKernelType.GENERAL,
-    output_args=("out",),
-    accuracy_tol=_ACCURACY_TOL,
-)
+@autotune(kernel_name="context_attention_prefix", **_TUNING)
 def _launch_context_attention_prefix(q, k, v, out, b_start, b_len, max_q_len, sm_scale, k_cache, v_cache,
                                      req_to_token, b_req_idx, b_prefix_len, run_config=None):  # fmt: skip
     """A sibling of ``context_attention`` tuned apart: its time grows with the prefix, which the other never reads."""
