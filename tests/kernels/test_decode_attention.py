@@ -68,7 +68,9 @@ SHAPES = [(64, 4, 4), (128, 8, 2), (256, 12, 1)]  # (head_dim, q_heads, kv_heads
 
 @pytest.mark.parametrize("kind", ["none", "int8", "int4"])
 @pytest.mark.parametrize("head_dim, q_heads, kv_heads", SHAPES, ids=[f"d{d}-g{hq // hk}" for d, hq, hk in SHAPES])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"]
+)  # quantized KV: fp32 dequantizes in fp32, 16-bit queries through the float16 path (stage1.py; bf16: GPU tests)
 def test_matches_reference(kind, head_dim, q_heads, kv_heads, dtype):
     lens = [1, 77, 300, 129]  # length 1, not multiples of the block, ragged
     q, k, v, r2t, idx, seq = make_batch(4, q_heads, kv_heads, head_dim, lens, dtype)
@@ -81,6 +83,31 @@ def test_matches_reference(kind, head_dim, q_heads, kv_heads, dtype):
     if kind != "none":
         exact = decode_attention_ref(q, k, v, r2t, idx, seq)
         assert rel_err(out, exact) < QUANT_ERROR_BOUND[kind]
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("group", [16, 32])
+def test_quantized_groups_and_wide_tiles(kind, group):
+    """Larger quant groups and a 128-token tile (the quantized kernels' extra candidate), codes over their whole
+    range (KV spread over two orders of magnitude per token), float16 queries."""
+    lens = [130, 1, 257]
+    q, k, v, r2t, idx, seq = make_batch(3, 8, 2, 128, lens, torch.float16, seed=5)
+    g = torch.Generator().manual_seed(6)
+    spread = torch.logspace(-1, 1, k.shape[0])[torch.randperm(k.shape[0], generator=g)].to(k.device)
+    k, v = (k.float() * spread[:, None, None]).half(), (v.float() * spread[:, None, None]).half()
+    cfg = {"BLOCK_N": 128, "num_warps": 4, "num_stages": 1, "WAVES": 1}
+    out, (kd, vd) = run(kind, q, k, v, r2t, idx, seq, max(lens), group=group, block_seq=128, run_config=cfg)
+    assert not out.isnan().any(), "unwritten output"
+    ref = decode_attention_ref(q, kd, vd, r2t, idx, seq)
+    torch.testing.assert_close(out.double(), ref, rtol=3e-3, atol=3e-3 * ref.abs().max().item())
+
+
+def test_quantized_candidates_add_wide_tiles():
+    q = torch.empty(2, 8, 128)
+    plain = flash_decode.split_kv_configs(q, 256)
+    quant = flash_decode.quant_split_kv_configs(q, 256)
+    assert all(c in quant for c in plain) and {c["BLOCK_N"] for c in quant} - {c["BLOCK_N"] for c in plain} == {128}
+    assert flash_decode._launch_gqa_flash_decode_int8kv.configs_gen_func is flash_decode.quant_split_kv_configs
 
 
 @pytest.mark.parametrize("waves, block_n", [(1, 32), (4, 16)])

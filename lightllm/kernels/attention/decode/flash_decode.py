@@ -103,7 +103,7 @@ def _launch_split_kv(
             mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
             GROUP=group, BLOCK_H=max(16, next_power_of_2(group)), HALF_D=head_dim // 2,
             BLOCK_SEQ=block_seq, BLOCK_N=cfg["BLOCK_N"], QUANT=_QUANT_BITS[quant], QGROUP=quant_group,
-            INT4_OFFSET=INT4_OFFSET,
+            INT4_OFFSET=INT4_OFFSET, F16=quant != "none" and q.dtype != torch.float32,
             PRECISION="ieee" if q.dtype == torch.float32 else None,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )  # fmt: skip
@@ -151,6 +151,18 @@ def split_kv_configs(q, block_seq):
     ]
 
 
+def quant_split_kv_configs(q, block_seq):
+    """INT8/INT4 KV: the bf16 space plus 128-token tiles. A quantized token carries 1.6-3.6x fewer bytes, so a tile
+    needs more tokens to keep as many bytes in flight per program."""
+    block_ns = [n for n in (32, 64, 128) if n <= block_seq]
+    return [
+        {"BLOCK_N": block_n, "num_warps": num_warps, "num_stages": num_stages, "WAVES": waves}
+        for block_n in block_ns
+        for num_warps, num_stages in ((4, 2), (8, 3))
+        for waves in (1, 2, 4, 8)
+    ]
+
+
 def _static_key(q, k_cache, block_seq, quant, quant_group):
     return {
         "group": q.shape[1] // k_cache.shape[1],
@@ -182,9 +194,10 @@ _TUNING = dict(
     output_args=("out",),
 )
 # One launcher body, three tuned kernels (each KV type keeps its own config files).
+_QUANT_TUNING = {**_TUNING, "configs_gen_func": quant_split_kv_configs}
 _launch_gqa_flash_decode = autotune(kernel_name="gqa_flash_decode", **_TUNING)(_launch_split_kv)
-_launch_gqa_flash_decode_int8kv = autotune(kernel_name="gqa_flash_decode_int8kv", **_TUNING)(_launch_split_kv)
-_launch_gqa_flash_decode_int4kv = autotune(kernel_name="gqa_flash_decode_int4kv", **_TUNING)(_launch_split_kv)
+_launch_gqa_flash_decode_int8kv = autotune(kernel_name="gqa_flash_decode_int8kv", **_QUANT_TUNING)(_launch_split_kv)
+_launch_gqa_flash_decode_int4kv = autotune(kernel_name="gqa_flash_decode_int4kv", **_QUANT_TUNING)(_launch_split_kv)
 _LAUNCHERS = {
     "none": _launch_gqa_flash_decode,
     "int8": _launch_gqa_flash_decode_int8kv,

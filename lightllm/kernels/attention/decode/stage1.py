@@ -9,7 +9,15 @@ do nothing and stage 2 skips them.
 KV is read in two halves of the head dim (``[0, D/2)`` and ``[D/2, D)``), which is what the INT4 layout
 packs into one byte (low / high nibble); bf16/fp16 and INT8 use the same two-half loop so one kernel body
 serves all three (``QUANT`` = 0, 8 or 4). INT8/INT4 scales are per ``QGROUP`` elements, loaded once per group and
-broadcast over it in registers, applied in float32 before the tensor-core dot.
+broadcast over it in registers.
+
+Quantized KV with 16-bit queries (``F16``) keeps dequantization off the critical path: a code becomes a float16
+with integer ops only (its bits or'ed into the mantissa of 1024.0, then one subtraction: exact, where an
+int-to-float conversion runs at a quarter of the ALU rate), is scaled by its float16 scale in float16 (rounded
+once, to 11 significant bits where the bf16 path rounds to 8), and both dots run in float16 with float32
+accumulation: bf16 queries become float16 once per program (exactly, inside float16's range), the probabilities
+(in [0, 1]) once per tile. So |q|, |K| and |V| must stay below float16's 65504. float32 queries dequantize in
+float32 and keep IEEE dots.
 """
 
 import triton
@@ -17,12 +25,25 @@ import triton.language as tl
 
 
 @triton.jit
+def _int8_to_f16(codes):
+    """int8 codes as exact float16: ``code + 128`` in the low byte of 1024.0's bits is ``1152 + code``."""
+    return (codes.to(tl.uint8, bitcast=True).to(tl.uint16) ^ 0x6480).to(tl.float16, bitcast=True) - 1152.0
+
+
+@triton.jit
+def _nibble_to_f16(nibble, INT4_OFFSET: tl.constexpr):
+    """A nibble (uint8 in [0, 15]) as the exact float16 ``nibble - INT4_OFFSET``."""
+    return (nibble.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - (1024.0 + INT4_OFFSET)
+
+
+@triton.jit
 def _dequant(codes, scale, BLOCK_N: tl.constexpr, HALF_D: tl.constexpr, QGROUP: tl.constexpr):
-    """``codes [BLOCK_N, HALF_D] * scale [BLOCK_N, HALF_D // QGROUP]`` broadcast over each group.
+    """``codes [BLOCK_N, HALF_D] * scale [BLOCK_N, HALF_D // QGROUP]`` broadcast over each group, in the scale's
+    dtype (float32, or float16 on the ``F16`` path where the codes already are float16).
 
     Reshaping the fastest dim keeps the register layout, so this is a broadcast multiply, not a gather:
     the scales are read once per group with wide loads."""
-    grouped = tl.reshape(codes.to(tl.float32), [BLOCK_N, HALF_D // QGROUP, QGROUP])
+    grouped = tl.reshape(codes.to(scale.dtype), [BLOCK_N, HALF_D // QGROUP, QGROUP])
     return tl.reshape(grouped * scale[:, :, None], [BLOCK_N, HALF_D])
 
 
@@ -39,21 +60,32 @@ def _load_kv_halves(
     QUANT: tl.constexpr,
     QGROUP: tl.constexpr,
     INT4_OFFSET: tl.constexpr,
+    F16: tl.constexpr,
     DTYPE,
 ):
     """Both halves ``[BLOCK_N, HALF_D]`` of the K or V rows at element offsets ``row`` (scales at ``srow``)."""
     m = mask_n[:, None]
     if QUANT == 4:
-        packed = tl.load(Base + row[:, None] + d[None, :], mask=m, other=0).to(tl.int32)
-        lo = (packed & 15) - INT4_OFFSET
-        hi = (packed >> 4) - INT4_OFFSET
+        packed = tl.load(Base + row[:, None] + d[None, :], mask=m, other=0)
+        if F16:
+            lo = _nibble_to_f16(packed & 15, INT4_OFFSET)
+            hi = _nibble_to_f16(packed >> 4, INT4_OFFSET)
+        else:
+            lo = (packed.to(tl.int32) & 15) - INT4_OFFSET
+            hi = (packed.to(tl.int32) >> 4) - INT4_OFFSET
     else:
         lo = tl.load(Base + row[:, None] + d[None, :], mask=m, other=0)
         hi = tl.load(Base + row[:, None] + (d + HALF_D)[None, :], mask=m, other=0)
+        if QUANT == 8 and F16:
+            lo = _int8_to_f16(lo)
+            hi = _int8_to_f16(hi)
     if QUANT != 0:
         g = tl.arange(0, HALF_D // QGROUP)
-        s_lo = tl.load(Scale + srow[:, None] + g[None, :], mask=m, other=0).to(tl.float32)
-        s_hi = tl.load(Scale + srow[:, None] + (g + HALF_D // QGROUP)[None, :], mask=m, other=0).to(tl.float32)
+        s_lo = tl.load(Scale + srow[:, None] + g[None, :], mask=m, other=0)
+        s_hi = tl.load(Scale + srow[:, None] + (g + HALF_D // QGROUP)[None, :], mask=m, other=0)
+        if not F16:
+            s_lo = s_lo.to(tl.float32)
+            s_hi = s_hi.to(tl.float32)
         lo = _dequant(lo, s_lo, BLOCK_N, HALF_D, QGROUP)
         hi = _dequant(hi, s_hi, BLOCK_N, HALF_D, QGROUP)
     return lo.to(DTYPE), hi.to(DTYPE)
@@ -96,6 +128,7 @@ def decode_stage1_kernel(
     QUANT: tl.constexpr,
     QGROUP: tl.constexpr,
     INT4_OFFSET: tl.constexpr,  # nibble = code + offset (common/kv_cache/quant.py)
+    F16: tl.constexpr,  # quantized KV with 16-bit queries: dequantize and dot in float16 (module docstring)
     PRECISION: tl.constexpr,  # "ieee" for float32 queries (no tf32 rounding), None (default) for 16-bit
 ):
     b = tl.program_id(0)
@@ -118,6 +151,12 @@ def decode_stage1_kernel(
     q_ptr = Q + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + d[None, :]
     q_lo = tl.load(q_ptr, mask=mask_h[:, None], other=0.0)
     q_hi = tl.load(q_ptr + HALF_D, mask=mask_h[:, None], other=0.0)
+    if F16:  # exact for bf16 queries in float16's normal range (8 significant bits into 11)
+        q_lo = q_lo.to(tl.float16)
+        q_hi = q_hi.to(tl.float16)
+        kv_dtype = tl.float16
+    else:
+        kv_dtype = Q.dtype.element_ty
 
     slot = tl.load(b_req_idx + b).to(tl.int64)
     tokens = req_to_token + slot * stride_rr
@@ -141,7 +180,8 @@ def decode_stage1_kernel(
             QUANT,
             QGROUP,
             INT4_OFFSET,
-            Q.dtype.element_ty,
+            F16,
+            kv_dtype,
         )
         qk = tl.dot(q_lo, tl.trans(k_lo), input_precision=PRECISION) + tl.dot(
             q_hi, tl.trans(k_hi), input_precision=PRECISION
@@ -163,7 +203,8 @@ def decode_stage1_kernel(
             QUANT,
             QGROUP,
             INT4_OFFSET,
-            Q.dtype.element_ty,
+            F16,
+            kv_dtype,
         )
         p = p.to(v_lo.dtype)
         acc_lo = acc_lo * alpha[:, None] + tl.dot(p, v_lo, input_precision=PRECISION)
