@@ -88,8 +88,7 @@ def test_matches_reference(kind, head_dim, q_heads, kv_heads, dtype):
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 @pytest.mark.parametrize("group", [16, 32])
 def test_quantized_groups_and_wide_tiles(kind, group):
-    """Larger quant groups and a 128-token tile (the quantized kernels' extra candidate), codes over their whole
-    range (KV spread over two orders of magnitude per token), float16 queries."""
+    """Larger quant groups and a 128-token tile, codes over their whole range (KV spread over two orders of magnitude per token), float16 queries."""
     lens = [130, 1, 257]
     q, k, v, r2t, idx, seq = make_batch(3, 8, 2, 128, lens, torch.float16, seed=5)
     g = torch.Generator().manual_seed(6)
@@ -102,11 +101,11 @@ def test_quantized_groups_and_wide_tiles(kind, group):
     torch.testing.assert_close(out.double(), ref, rtol=3e-3, atol=3e-3 * ref.abs().max().item())
 
 
-def test_quantized_candidates_add_wide_tiles():
+def test_quantized_candidates_add_two_warp_programs():
     q = torch.empty(2, 8, 128)
     plain = flash_decode.split_kv_configs(q, 256)
     quant = flash_decode.quant_split_kv_configs(q, 256)
-    assert all(c in quant for c in plain) and {c["BLOCK_N"] for c in quant} - {c["BLOCK_N"] for c in plain} == {128}
+    assert all(c in quant for c in plain) and {c["num_warps"] for c in quant} - {c["num_warps"] for c in plain} == {2}
     assert flash_decode._launch_gqa_flash_decode_int8kv.configs_gen_func is flash_decode.quant_split_kv_configs
 
 
