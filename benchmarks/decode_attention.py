@@ -6,8 +6,9 @@ whose maximum length is the largest L (as a captured decode graph is):
 - per cell: the default config, the per-cell best of the candidate configs ("tuned"), the config a graph
   freezes under each choice rule, FA3 (``fa3_fwd_interface``) at each ``num_splits`` and its best, achieved
   bandwidth as % of the device-to-device copy measured in the same run, INT8/INT4 speed-ups over bf16;
-- the frozen-config analysis: per batch, the config each rule picks from the tuner's ladder of lengths
-  (``decode_attn_autotune_seq_lens``), applied at every L, against that L's best;
+- the frozen-config analysis: per batch, the config each choice rule picks from the tuner's ladder of lengths
+  (``decode_attn_autotune_seq_lens``; FA3's own ladder for FA3), applied at every L, against that L's best and
+  against the default (FA3: its own split heuristic), and FA3's geo-mean gain over its heuristic at B >= 16;
 - stage 2's share of the time and whether its num_warps matters.
 
     python benchmarks/decode_attention.py --out benchmarks/results/decode_attention_h200.json
@@ -24,11 +25,13 @@ import triton
 
 from bandwidth import copy_gbs
 from lightllm.common.autotuner import cuda_graph_bench
-from lightllm.common.autotuner.choice import choose, per_scenario_best, worst_case_loss
-from lightllm.kernels.attention.decode.tuning import decode_attn_autotune_seq_lens
+from lightllm.common.autotuner.choice import choose, per_scenario_best
+from lightllm.common.envs import AUTOTUNE_CHOICE_RULES as RULES
+from lightllm.kernels.attention.decode.fa3 import FA3_LADDER_DIVISORS
+from lightllm.kernels.attention.decode.tuning import decode_attn_autotune_seq_lens, seq_len_ladder
 from lightllm.kernels.attention.decode import flash_decode
 
-SHAPES = {"hq32-hk8-d128": (32, 8, 128), "hq24-hk4-d256": (24, 4, 256)}
+SHAPES = {"hq32-hk8-d128": (32, 8, 128), "hq64-hk8-d128": (64, 8, 128), "hq24-hk4-d256": (24, 4, 256)}
 FA3_SPLITS = (0, 1, 2, 4, 8, 16, 32)
 KINDS = ("none", "int8", "int4")
 
@@ -157,6 +160,30 @@ def run(args):
 # ---- analysis -------------------------------------------------------------------------------------------
 
 
+def freeze_by_rules(default, candidates, lens, ladder):
+    """Per choice rule, the candidate it freezes from the ladder's timings, applied at every L.
+
+    ``default``: ms at each of ``lens``; ``candidates``: name -> ms at each of ``lens``. Returns name -> {"pick"
+    (None: the default), "ms", "loss_pct" vs that L's best of all, "vs_default_pct" (negative: faster)}."""
+    order = [lens.index(n) for n in ladder]
+    names = list(candidates)
+    best = per_scenario_best([default, *candidates.values()])
+    on_ladder = {i: [candidates[name][j] for j in order] for i, name in enumerate(names)}
+    out = {}
+    for rule in RULES:
+        w = choose([default[j] for j in order], on_ladder, rule)
+        times = default if w < 0 else candidates[names[w]]
+        out[rule] = {"pick": None if w < 0 else names[w], "ms": times,
+                     "loss_pct": [(t / b - 1) * 100 for t, b in zip(times, best)],
+                     "vs_default_pct": [(t / d - 1) * 100 for t, d in zip(times, default)]}  # fmt: skip
+    return out
+
+
+def geo_mean_gain_pct(base_ms, ms):
+    """Geometric mean of ``base / ms`` over paired cells, as % (positive: ``ms`` is faster)."""
+    return (math.exp(sum(math.log(b / t) for b, t in zip(base_ms, ms)) / len(ms)) - 1) * 100
+
+
 def analyze(results):
     cells = {(c["shape"], c["B"], c["L"], c["kind"]): c for c in results["cells"]}
     ladder = results["ladder"]
@@ -179,52 +206,67 @@ def analyze(results):
         if not all((shape, batch, n, kind) in cells for n in lens):
             continue
         per_len = [cells[(shape, batch, n, kind)] for n in lens]
-        names = [None] + [json.dumps(cfg, sort_keys=True) for cfg, _ in per_len[0]["configs"]]
-        table = {name: [] for name in names}
+        table = {json.dumps(cfg, sort_keys=True): [] for cfg, _ in per_len[0]["configs"]}
         for c in per_len:
-            table[None].append(c["default_ms"])
             for cfg, ms in c["configs"]:
                 table[json.dumps(cfg, sort_keys=True)].append(ms)
-        best = per_scenario_best(table.values())
-        entry = {"shape": shape, "B": batch, "kind": kind, "lens": lens, "best_ms": best, "rules": {}}
-        order = [lens.index(n) for n in ladder]
-        candidates = {i: [table[names[i + 1]][j] for j in order] for i in range(len(names) - 1)}
-        default = [table[None][j] for j in order]
-        for rule in ("tuning_len", "minimax_loss"):
-            w = choose(default, candidates, rule)
-            times = table[names[w + 1]]
-            entry["rules"][rule] = {"config": names[w + 1], "ms": times,
-                                    "loss_pct": [(t / b - 1) * 100 for t, b in zip(times, best)],
-                                    "worst_loss_pct": (worst_case_loss(times, best) - 1) * 100}  # fmt: skip
+        rules = freeze_by_rules([c["default_ms"] for c in per_len], table, lens, ladder)
+        entry = {"shape": shape, "B": batch, "kind": kind, "lens": lens, "rules": {}}
+        for rule, v in rules.items():
+            entry["rules"][rule] = {"config": v.pop("pick"), **v, "worst_loss_pct": max(v["loss_pct"])}
         frozen.append(entry)
     return rows, frozen
 
 
 def analyze_fa3(results):
-    """FA3's split count frozen by each rule (heuristic 0, fastest at the tuning length, least worst-case
-    loss over the ladder), applied at every L, against that L's best fixed split."""
+    """FA3's split count frozen by each rule (or FA3's own heuristic, 0), applied at every L, against that L's best
+    fixed split and against the heuristic."""
     cells = {(c["shape"], c["B"], c["L"]): c["fa3_ms"] for c in results["cells"] if c.get("fa3_ms")}
-    ladder, out = results["ladder"], []
+    out = []
     for shape, batch in sorted({(k[0], k[1]) for k in cells}):
         lens = sorted(k[2] for k in cells if k[:2] == (shape, batch))
-        if not all(n in lens for n in ladder):
+        # FA3's own ladder (it times 1/4 of the tuning length too), at the lengths this run measured
+        ladder = [n for n in seq_len_ladder(results["ladder"][0], FA3_LADDER_DIVISORS) if n in lens]
+        if not ladder:
             continue
         splits = sorted({int(sp) for n in lens for sp in cells[(shape, batch, n)]})
         times = {sp: [cells[(shape, batch, n)].get(str(sp), cells[(shape, batch, n)].get(sp, math.inf)) for n in lens]
                  for sp in splits}  # fmt: skip
         best = per_scenario_best(times.values())
-        order = [lens.index(n) for n in ladder]
-        rest = [sp for sp in splits if sp != 0]
-        candidates = {i: [times[sp][j] for j in order] for i, sp in enumerate(rest)}
-        picks = {"heuristic": 0}
-        for rule in ("tuning_len", "minimax_loss"):
-            w = choose([times[0][j] for j in order], candidates, rule)
-            picks[rule] = 0 if w < 0 else rest[w]
-        entry = {"shape": shape, "B": batch, "lens": lens, "splits": {str(k): v for k, v in times.items()}, "rules": {}}
-        for rule, sp in picks.items():
-            entry["rules"][rule] = {"num_splits": sp, "loss_pct": [(t / b - 1) * 100 for t, b in zip(times[sp], best)]}
+        rules = freeze_by_rules(times[0], {sp: times[sp] for sp in splits if sp != 0}, lens, ladder)
+        entry = {"shape": shape, "B": batch, "lens": lens, "splits": {str(k): v for k, v in times.items()},
+                 "best_ms": best, "rules": {}}  # fmt: skip
+        heuristic = {"pick": 0, "ms": times[0], "loss_pct": [(t / b - 1) * 100 for t, b in zip(times[0], best)],
+                     "vs_default_pct": [0.0] * len(lens)}  # fmt: skip
+        for rule, v in {"heuristic": heuristic, **rules}.items():
+            entry["rules"][rule] = {"num_splits": v.pop("pick") or 0, **v}
         out.append(entry)
     return out
+
+
+def fa3_gains(fa3_frozen, min_batch=16):
+    """Geo-mean % gain over FA3's heuristic of every cell at B >= ``min_batch`` (every L), per shape and over
+    all: of the per-cell best split ("best") and of each rule's frozen split."""
+    picked = [f for f in fa3_frozen if f["B"] >= min_batch]
+    if not picked:
+        return {}
+    out = {}
+    for shape in sorted({f["shape"] for f in picked}) + ["all"]:
+        mine = [f for f in picked if shape in ("all", f["shape"])]
+        heuristic = [t for f in mine for t in f["splits"]["0"]]
+        gains = {"best": geo_mean_gain_pct(heuristic, [t for f in mine for t in f["best_ms"]])}
+        for rule in RULES:
+            gains[rule] = geo_mean_gain_pct(heuristic, [t for f in mine for t in f["rules"][rule]["ms"]])
+        out[shape] = gains
+    return out
+
+
+def _rule_line(label, lens, v):
+    """``label``, worst % vs best / vs default, then both per L."""
+    per_len = " ".join(
+        f"{n // 1024:3d}K:{a:5.1f}/{b:+5.1f}" for n, a, b in zip(lens, v["loss_pct"], v["vs_default_pct"])
+    )
+    return f"{label} worst {max(v['loss_pct']):5.1f}/{max(v['vs_default_pct']):+5.1f}  {per_len}"
 
 
 def print_tables(results, rows, frozen):
@@ -242,19 +284,29 @@ def print_tables(results, rows, frozen):
             + (f"{fa3 * 1e3:9.1f} {r['fa3_heuristic_ms'] * 1e3:9.1f} {r['tuned_ms'] / fa3:9.2f}" if fa3 else " " * 29)
             + (f" {r['speedup_vs_bf16']:7.2f}" if "speedup_vs_bf16" in r else "")
         )
-    print("\nfrozen config (chosen from the ladder, applied at every L): loss % vs that L's best")
+    print(
+        "\nfrozen config (chosen from the ladder, applied at every L): % slower than that L's best / than the default"
+    )
     for f in frozen:
         for rule, v in f["rules"].items():
-            losses = " ".join(f"{n // 1024:3d}K:{x:5.1f}" for n, x in zip(f["lens"], v["loss_pct"]))
-            print(
-                f"{f['shape']:13s} B={f['B']:3d} {f['kind']:4s} {rule:12s} worst {v['worst_loss_pct']:5.1f}  {losses}"
-            )
-    print("\nFA3 num_splits frozen by each rule, applied at every L: loss % vs that L's best fixed split")
-    for f in results.get("fa3_frozen", []):
+            print(_rule_line(f"{f['shape']:13s} B={f['B']:3d} {f['kind']:4s} {rule:25s}", f["lens"], v))
+    print("\nper rule, over the (shape, B, kind) rows: worst % slower than the default at some L, rows > 2 % slower;")
+    print("worst % slower than some L's best")
+    for rule in RULES:
+        vs_default = [max(f["rules"][rule]["vs_default_pct"]) for f in frozen]
+        worst = [f["rules"][rule]["worst_loss_pct"] for f in frozen]
+        print(f"  {rule:25s} vs default {max(vs_default):+5.1f} ({sum(x > 2 for x in vs_default)} of "
+              f"{len(frozen)} rows > 2 %), vs best {max(worst):5.1f}")  # fmt: skip
+    fa3_frozen = results.get("fa3_frozen", [])
+    print("\nFA3 num_splits frozen by each rule from FA3's ladder, applied at every L: % slower than that L's best")
+    print("fixed split / than FA3's heuristic (num_splits=0; negative: faster)")
+    for f in fa3_frozen:
         for rule, v in f["rules"].items():
-            losses = " ".join(f"{n // 1024:3d}K:{x:5.1f}" for n, x in zip(f["lens"], v["loss_pct"]))
-            worst = max(v["loss_pct"])
-            print(f"{f['shape']:13s} B={f['B']:3d} {rule:12s} splits={v['num_splits']:2d} worst {worst:5.1f}  {losses}")
+            print(_rule_line(f"{f['shape']:13s} B={f['B']:3d} {rule:25s} splits={v['num_splits']:2d}", f["lens"], v))
+    if fa3_frozen:
+        print("\nFA3 geo-mean gain over its heuristic at B >= 16 (every L): per-cell best split, then each rule")
+        for shape, gains in fa3_gains(fa3_frozen).items():
+            print(f"  {shape:13s} " + "  ".join(f"{k} {v:+.2f} %" for k, v in gains.items()))
     for s in results["stage2"]:
         st = " ".join(f"w{w}:{ms * 1e3:.1f}" for w, ms in s["stage2_ms"].items())
         print(f"stage2 {s['shape']} B={s['B']} L={s['L']} splits={s['splits']}: {st} us")

@@ -14,7 +14,7 @@ AUTOTUNE_CONFIG_DIR = "LIGHTLLM_AUTOTUNE_CONFIG_DIR"
 AUTOTUNE_MAX_SECONDS_PER_SEARCH = "LIGHTLLM_AUTOTUNE_MAX_SECONDS_PER_SEARCH"
 DECODE_ATTN_AUTOTUNE_SEQ_LEN = "LIGHTLLM_DECODE_ATTN_AUTOTUNE_SEQ_LEN"
 AUTOTUNE_CHOICE_RULE = "LIGHTLLM_AUTOTUNE_CHOICE_RULE"
-AUTOTUNE_CHOICE_RULES = ("minimax_loss", "tuning_len")  # see autotuner/choice.py
+AUTOTUNE_CHOICE_RULES = ("minimax_loss", "tuning_len", "never_slower_than_default")  # see autotuner/choice.py
 TINY_MODEL_DIR = "LIGHTLLM_TINY_MODEL_DIR"
 # Every variable above; tests clear them all so the caller's environment cannot change a result.
 ALL = (
@@ -78,11 +78,12 @@ def get_autotune_max_seconds_per_search() -> float:
     return seconds
 
 
-def get_autotune_choice_rule() -> str:
-    """How a search timed on several inputs picks its winner: ``minimax_loss`` (default) or ``tuning_len``."""
+def get_autotune_choice_rule(default: str = "minimax_loss") -> str:
+    """How a search timed on several inputs picks its winner, for every kernel when set; else ``default`` (the
+    kernel's declared rule). One of ``AUTOTUNE_CHOICE_RULES``."""
     raw = os.environ.get(AUTOTUNE_CHOICE_RULE)
     if raw is None or raw.strip() == "":
-        return "minimax_loss"
+        return default
     rule = raw.strip()
     if rule not in AUTOTUNE_CHOICE_RULES:
         raise ValueError(

@@ -1,21 +1,27 @@
 """Tune this GPU's configs for common model shapes and write them in the shipped layout.
 
-Each shape is a one-layer random model with the widths of a real one (the tuned kernels are keyed by widths,
-heads and dtypes, never by depth), started once per KV type, decode backend and graph length at
-``LIGHTLLM_TRITON_AUTOTUNE_LEVEL=1`` in a fresh process: its start-up tunes exactly what a server of that shape
-tunes (GENERAL prefill kernels, then every decode graph size in the DECODE_ATTENTION warm-up). The configs land in
-a scratch config folder and are exported into ``--out`` (merged with what is there):
+Each shape is a random model with the widths of a real one and the fewest layers that hold every layer kind (the
+tuned kernels are keyed by widths, heads and dtypes, never by depth): one layer for Qwen3, one linear-attention and
+one full-attention layer for Qwen3.5, plus its MTP head when MTP starts are planned. Each start (shape, decode
+variant, graph length, MTP step) runs at ``LIGHTLLM_TRITON_AUTOTUNE_LEVEL=1`` in a fresh process: its start-up
+tunes exactly what a server of that shape tunes (GENERAL prefill kernels, then every decode graph size in the
+DECODE_ATTENTION warm-up). The configs land in a scratch config folder and are exported into ``--out`` (merged with
+what is there), also when some starts failed or ran out of ``--per-start-timeout`` (each search is written as it
+ends, so a stopped start keeps what it finished):
 
     python -m lightllm.tools.tune_shipped --out lightllm/common/autotuner/configs --shapes qwen3-8b
+    python -m lightllm.tools.tune_shipped --out DIR --shapes qwen3.5-27b --dry-run   # list the starts only
 """
 
 import argparse
 import itertools
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional
 
@@ -23,16 +29,26 @@ from lightllm.common import proc as procs
 from lightllm.tools.make_tiny_model import BUILTIN_SHAPE
 
 QWEN3_D128 = dict(head_dim=128, num_key_value_heads=8)
-SHAPES = {
+# intermediate_size is the checkpoint's: the fused SiLU-and-mul kernel is keyed by it
+QWEN3_SHAPES = {
     "builtin": dict(BUILTIN_SHAPE),
-    "qwen3-0.6b": dict(hidden_size=1024, num_attention_heads=16, **QWEN3_D128),
-    "qwen3-1.7b": dict(hidden_size=2048, num_attention_heads=16, **QWEN3_D128),
-    "qwen3-4b": dict(hidden_size=2560, num_attention_heads=32, **QWEN3_D128),
-    "qwen3-8b": dict(hidden_size=4096, num_attention_heads=32, **QWEN3_D128),
-    "qwen3-14b": dict(hidden_size=5120, num_attention_heads=40, **QWEN3_D128),
-    "qwen3-32b": dict(hidden_size=5120, num_attention_heads=64, **QWEN3_D128),
+    "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_attention_heads=16, **QWEN3_D128),
+    "qwen3-1.7b": dict(hidden_size=2048, intermediate_size=6144, num_attention_heads=16, **QWEN3_D128),
+    "qwen3-4b": dict(hidden_size=2560, intermediate_size=9728, num_attention_heads=32, **QWEN3_D128),
+    "qwen3-8b": dict(hidden_size=4096, intermediate_size=12288, num_attention_heads=32, **QWEN3_D128),
+    "qwen3-14b": dict(hidden_size=5120, intermediate_size=17408, num_attention_heads=40, **QWEN3_D128),
+    "qwen3-32b": dict(hidden_size=5120, intermediate_size=25600, num_attention_heads=64, **QWEN3_D128),
 }
+# Hybrid Qwen3.5 (gated DeltaNet + gated attention, 3:1 in the checkpoint), widths of its text config
+QWEN3_5_SHAPES = {
+    "qwen3.5-27b": dict(hidden_size=5120, intermediate_size=17408, num_attention_heads=24, num_key_value_heads=4,
+                        head_dim=256, partial_rotary_factor=0.25, linear_num_key_heads=16, linear_num_value_heads=48,
+                        linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4),  # fmt: skip
+}
+SHAPES = {**QWEN3_SHAPES, **QWEN3_5_SHAPES}
 VARIANTS = ("triton", "fa3", "int8kv", "int4kv")  # decode backend or quantized KV type (Triton decode)
+MTP_VARIANTS = ("triton", "fa3")  # MTP verify reads unquantized KV
+HYBRID_LAYERS = ("linear_attention", "full_attention")  # one of each kind
 
 # One start in a child process: the GPU memory of each start is returned before the next.
 _START = """
@@ -44,24 +60,69 @@ print("STARTUP " + json.dumps(llm.runner.startup_seconds))
 """
 
 
-def _start_kwargs(model_dir: str, variant: str, graph_len: int) -> dict:
+@dataclass(frozen=True)
+class Start:
+    """One start-up to tune: a shape's model, a decode variant, a graph length and an MTP step (0: no MTP)."""
+
+    shape: str
+    variant: str
+    graph_len: int
+    mtp_step: int = 0
+
+    def describe(self) -> str:
+        mtp = f"  mtp_step {self.mtp_step}" if self.mtp_step else ""
+        return f"{self.shape:12} {self.variant:7} graph len {self.graph_len:6d}{mtp}"
+
+
+def plan_starts(shapes: List[str], variants: List[str], graph_lens: List[int], mtp_step: int) -> List[Start]:
+    """Every start, in order: per shape, variant and graph length a plain start, then (Qwen3.5 shapes, Triton and
+    FA3 decode, ``mtp_step`` > 0) the same with MTP, whose verify and draft graphs tune their own kernels."""
+    starts = []
+    for shape, variant, graph_len in itertools.product(shapes, variants, graph_lens):
+        starts.append(Start(shape, variant, graph_len))
+        if mtp_step and shape in QWEN3_5_SHAPES and variant in MTP_VARIANTS:
+            starts.append(Start(shape, variant, graph_len, mtp_step))
+    return starts
+
+
+def build_model(out_dir: Path, widths: dict, max_len: int, mtp: bool = False) -> Path:
+    """A bf16 random model folder with ``widths`` and one layer of each kind: Qwen3.5 (one linear-attention and
+    one full-attention layer, with its MTP head when ``mtp``) when ``widths`` name linear-attention heads, else
+    Qwen3 (one layer; ``mtp`` must be False)."""
+    from lightllm.tools.make_tiny_model import make_tiny_qwen3, make_tiny_qwen3_5
+
+    common = dict(vocab_size=512, dtype="bfloat16", max_position_embeddings=max_len)
+    if "linear_num_key_heads" in widths:
+        return make_tiny_qwen3_5(out_dir, layer_types=HYBRID_LAYERS, mtp=mtp, **common, **widths)
+    if mtp:
+        raise ValueError(f"mtp=True expected a Qwen3.5 shape (with linear-attention heads), got widths {widths}")
+    return make_tiny_qwen3(out_dir, num_hidden_layers=1, **common, **widths)
+
+
+def _start_kwargs(model_dir: str, variant: str, graph_len: int, mtp_step: int = 0) -> dict:
     kv_type = variant if variant.endswith("kv") else "None"
     backend = variant if not variant.endswith("kv") else "triton"
+    mtp = dict(mtp_mode="eagle_with_att", mtp_step=mtp_step) if mtp_step else {}
     return dict(model_dir=model_dir, data_type="bf16", llm_kv_type=kv_type, llm_decode_att_backend=backend,
-                max_req_total_len=graph_len, graph_max_len_in_batch=graph_len, batch_max_tokens=8192)  # fmt: skip
+                max_req_total_len=graph_len, graph_max_len_in_batch=graph_len, batch_max_tokens=8192,
+                **mtp)  # fmt: skip
 
 
-def _run_start(kwargs: dict, config_dir: Path) -> float:
+def _run_start(kwargs: dict, config_dir: Path, timeout: Optional[float]) -> float:
+    """Seconds the start took; RuntimeError naming the start when it fails or runs out of ``timeout``."""
     env = {**os.environ, "LIGHTLLM_TRITON_AUTOTUNE_LEVEL": "1", "LIGHTLLM_AUTOTUNE_CONFIG_DIR": str(config_dir)}
     t = time.perf_counter()
-    done = procs.run([sys.executable, "-c", _START, json.dumps(kwargs)], env=env)  # its tree stopped however we end
+    try:  # its tree is stopped however we end, a timeout included
+        done = procs.run([sys.executable, "-c", _START, json.dumps(kwargs)], timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"start {kwargs} ran out of --per-start-timeout {timeout:g} s and was stopped") from None
     if done.returncode != 0:
         tail = "\n".join(done.stderr.strip().splitlines()[-5:])
         raise RuntimeError(f"start {kwargs} failed (exit {done.returncode}):\n{tail}")
     return time.perf_counter() - t
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m lightllm.tools.tune_shipped", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--out", required=True, help="folder to export into (the shipped one to ship them)")
@@ -75,30 +136,63 @@ def main(argv: Optional[List[str]] = None) -> int:
     )
     p.add_argument("--graph-lens", nargs="+", type=int, default=[4096, 32768],
                    help="graph_max_len_in_batch values (each a run key of decode attention)")  # fmt: skip
+    p.add_argument("--mtp-step", type=int, default=3,
+                   help="Qwen3.5 shapes: also start with --mtp_mode eagle_with_att --mtp_step N (triton and fa3 "
+                   "variants; 1-4), 0 for no MTP starts")  # fmt: skip
+    p.add_argument("--per-start-timeout", type=float, default=None, metavar="SECONDS",
+                   help="stop a start that runs longer (its finished searches are kept); default none")  # fmt: skip
+    p.add_argument("--dry-run", action="store_true", help="print the starts it would run, and run nothing")
     args = p.parse_args(argv)
     bad = [n for n in args.graph_lens if n < 1]
     if bad:
         p.error(f"--graph-lens expected positive lengths, got {bad}")
+    if not 0 <= args.mtp_step <= 4:
+        p.error(f"--mtp-step expected 0 (no MTP starts) or a draft count in [1, 4], got {args.mtp_step}")
+    if args.per_start_timeout is not None and not 0 < args.per_start_timeout < float("inf"):
+        p.error(f"--per-start-timeout expected a positive number of seconds, got {args.per_start_timeout:g}")
+    return args
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = _parse(argv)
+    starts = plan_starts(args.shapes, args.variants, args.graph_lens, args.mtp_step)
+    if args.dry_run:
+        for start in starts:
+            print(start.describe())
+        print(f"{len(starts)} starts")
+        return 0
     import torch
 
     if not torch.cuda.is_available():
         print("error: tuning needs a CUDA GPU (the CPU device runs the torch references)", file=sys.stderr)
         return 2
     from lightllm.common.autotuner.__main__ import main as autotuner_cli
-    from lightllm.tools.make_tiny_model import make_tiny_qwen3
 
+    failed = []
     with tempfile.TemporaryDirectory(prefix="lightllm-tune-") as tmp:
         config_dir = Path(tmp) / "configs"
         for shape in args.shapes:
-            widths = SHAPES[shape]
-            widths = {"intermediate_size": 2 * widths["hidden_size"], **widths}  # GEMMs are not tuned: any size
-            model_dir = make_tiny_qwen3(Path(tmp) / shape, num_hidden_layers=1, vocab_size=512, dtype="bfloat16",
-                                        max_position_embeddings=max(args.graph_lens), **widths)  # fmt: skip
-            for variant, graph_len in itertools.product(args.variants, args.graph_lens):
-                seconds = _run_start(_start_kwargs(str(model_dir), variant, graph_len), config_dir)
-                print(f"{shape:12} {variant:8} graph len {graph_len:6d}: {seconds:6.1f} s", flush=True)
+            mine = [s for s in starts if s.shape == shape]
+            mtp = any(s.mtp_step for s in mine)
+            model_dir = build_model(Path(tmp) / shape, SHAPES[shape], max(args.graph_lens), mtp=mtp)
+            for start in mine:
+                kwargs = _start_kwargs(str(model_dir), start.variant, start.graph_len, start.mtp_step)
+                try:
+                    seconds = _run_start(kwargs, config_dir, args.per_start_timeout)
+                except RuntimeError as e:
+                    failed.append(start)
+                    print(f"{start.describe()}: FAILED, {e}", file=sys.stderr, flush=True)
+                    continue
+                print(f"{start.describe()}: {seconds:6.1f} s", flush=True)
         os.environ["LIGHTLLM_AUTOTUNE_CONFIG_DIR"] = str(config_dir)
-        return autotuner_cli(["export", args.out])
+        status = autotuner_cli(["export", args.out])
+    if failed:
+        print(f"{len(failed)} of {len(starts)} starts failed (what they tuned before failing was exported):",
+              file=sys.stderr)  # fmt: skip
+        for start in failed:
+            print(f"  {start.describe()}", file=sys.stderr)
+        return 1
+    return status
 
 
 if __name__ == "__main__":

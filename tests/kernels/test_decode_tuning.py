@@ -10,6 +10,7 @@ from lightllm.kernels.attention.decode.tuning import (
     decode_attn_run_key_kv_len,
     decode_attn_tuning_len,
     round_up_kv_len,
+    seq_len_ladder,
 )
 
 GENERAL = AutotuneKernelType.GENERAL
@@ -40,6 +41,13 @@ def test_decode_tuning_capped_at_launch_max_len(monkeypatch):
     assert decode_attn_autotune_seq_lens(8384) == [8384, 4192, 1048, 512]
     assert decode_attn_autotune_seq_lens(448) == [448]
     assert decode_attn_autotune_seq_lens(10**6) == decode_attn_autotune_seq_lens() == [32768, 16384, 4096, 1024]
+
+
+def test_a_kernel_may_time_its_own_ladder(monkeypatch):
+    monkeypatch.setenv("LIGHTLLM_DECODE_ATTN_AUTOTUNE_SEQ_LEN", "32768")
+    assert seq_len_ladder(32768, (2, 4, 8, 32)) == [32768, 16384, 8192, 4096, 1024]
+    assert decode_attn_autotune_seq_lens(8192, (2, 4, 8, 32)) == [8192, 4096, 2048, 1024, 512]
+    assert seq_len_ladder(1024, (2, 4)) == [1024, 512]  # never below 512, never a length twice
 
 
 @pytest.mark.parametrize("env, expected", [(None, [32768, 16384, 4096, 1024]), ("1024", [1024, 512]), ("512", [512])])

@@ -57,7 +57,8 @@ def test_tuning_stores_and_restart_reuses(provider, monkeypatch, isolated_autotu
     with autotune_warmup(AutotuneKernelType.DECODE_ATTENTION):
         fa3.fa3_decode_attention(q, k, v, table, idx, seq, 8192, provider=provider)
     record = fa3._launch_fa3_decode.last_search
-    assert record is not None and record.run_key == (16, 1, 8192) and len(record.default_ms) == 4  # capped at 8192
+    assert record is not None and record.run_key == (16, 1, 8192)  # capped at 8192
+    assert len(record.default_ms) == 5 and record.rule == "never_slower_than_default"  # 8K, 4K, 2K, 1K, 512
     (path,) = store.iter_config_files(isolated_autotune, "fa3_decode")
     chosen = json.loads(path.read_text())["configs"]["[16,1,8192]"]
     fa3._launch_fa3_decode.clear_cache()  # a restart: level 0 reads the file, no search

@@ -1,4 +1,7 @@
+import json
+
 import pytest
+import torch
 
 from lightllm.tools import tune_shipped
 
@@ -8,6 +11,9 @@ def test_variants_map_to_backend_and_kv_type():
     assert (kw["llm_kv_type"], kw["llm_decode_att_backend"], kw["graph_max_len_in_batch"]) == ("int4kv", "triton", 4096)
     kw = tune_shipped._start_kwargs("m", "fa3", 32768)
     assert (kw["llm_kv_type"], kw["llm_decode_att_backend"], kw["max_req_total_len"]) == ("None", "fa3", 32768)
+    assert "mtp_mode" not in kw
+    kw = tune_shipped._start_kwargs("m", "triton", 4096, mtp_step=3)
+    assert (kw["mtp_mode"], kw["mtp_step"], kw["llm_kv_type"]) == ("eagle_with_att", 3, "None")
 
 
 def test_bad_arguments_and_no_gpu(capsys, monkeypatch):
@@ -16,6 +22,127 @@ def test_bad_arguments_and_no_gpu(capsys, monkeypatch):
     assert "--graph-lens expected positive lengths, got [0]" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         tune_shipped.main(["--out", "x", "--shapes", "qwen9"])
+    with pytest.raises(SystemExit):
+        tune_shipped.main(["--out", "x", "--mtp-step", "5"])
+    assert "--mtp-step expected 0 (no MTP starts) or a draft count in [1, 4], got 5" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        tune_shipped.main(["--out", "x", "--per-start-timeout", "0"])
+    assert "--per-start-timeout expected a positive number of seconds, got 0" in capsys.readouterr().err
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     assert tune_shipped.main(["--out", "x"]) == 2
     assert "tuning needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_every_shape_names_its_intermediate_size():
+    """The fused SiLU-and-mul kernel is keyed by it: a made-up size would tune a key the real model never uses."""
+    assert [shape for shape, widths in tune_shipped.SHAPES.items() if "intermediate_size" not in widths] == []
+
+
+def test_mtp_starts_only_for_qwen3_5_on_unquantized_kv():
+    starts = tune_shipped.plan_starts(["qwen3-8b", "qwen3.5-27b"], ["triton", "int8kv", "fa3"], [4096], 3)
+    assert [(s.shape, s.variant, s.mtp_step) for s in starts] == [
+        ("qwen3-8b", "triton", 0),
+        ("qwen3-8b", "int8kv", 0),
+        ("qwen3-8b", "fa3", 0),
+        ("qwen3.5-27b", "triton", 0),
+        ("qwen3.5-27b", "triton", 3),
+        ("qwen3.5-27b", "int8kv", 0),
+        ("qwen3.5-27b", "fa3", 0),
+        ("qwen3.5-27b", "fa3", 3),
+    ]
+    assert all(s.mtp_step == 0 for s in tune_shipped.plan_starts(["qwen3.5-27b"], ["triton"], [4096], 0))
+
+
+def test_dry_run_lists_the_starts_without_a_gpu(capsys, monkeypatch):
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    argv = [
+        "--out",
+        "x",
+        "--shapes",
+        "qwen3.5-27b",
+        "--variants",
+        "triton",
+        "int4kv",
+        "--graph-lens",
+        "4096",
+        "--dry-run",
+    ]
+    assert tune_shipped.main(argv) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "qwen3.5-27b  triton  graph len   4096",
+        "qwen3.5-27b  triton  graph len   4096  mtp_step 3",
+        "qwen3.5-27b  int4kv  graph len   4096",
+        "3 starts",
+    ]
+
+
+def test_a_start_over_its_timeout_is_stopped_and_named(monkeypatch, tmp_path):
+    monkeypatch.setattr(tune_shipped, "_START", "import time\ntime.sleep(600)")
+    with pytest.raises(RuntimeError, match=r"ran out of --per-start-timeout 0.5 s and was stopped"):
+        tune_shipped._run_start({"model_dir": "m"}, tmp_path, timeout=0.5)
+
+
+def test_a_failed_start_loses_nothing_the_others_tuned(monkeypatch, tmp_path, capsys):
+    """Every planned start runs, what was tuned is exported, the failure is named and the status is 1."""
+    ran, exported = [], []
+
+    def run_start(kwargs, config_dir, timeout):
+        ran.append((kwargs["llm_decode_att_backend"], kwargs["graph_max_len_in_batch"], timeout))
+        if kwargs["graph_max_len_in_batch"] == 4096 and kwargs["llm_decode_att_backend"] == "fa3":
+            raise RuntimeError("start failed (exit 1)")
+        return 1.0
+
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr(tune_shipped, "build_model", lambda out, widths, max_len, mtp=False: out)
+    monkeypatch.setattr(tune_shipped, "_run_start", run_start)
+    monkeypatch.setattr("lightllm.common.autotuner.__main__.main", lambda argv: exported.append(argv) or 0)
+    argv = ["--out", str(tmp_path / "out"), "--shapes", "builtin", "--variants", "fa3", "triton", "--graph-lens",
+            "4096", "8192", "--per-start-timeout", "900"]  # fmt: skip
+    assert tune_shipped.main(argv) == 1
+    assert ran == [("fa3", 4096, 900.0), ("fa3", 8192, 900.0), ("triton", 4096, 900.0), ("triton", 8192, 900.0)]
+    assert exported == [["export", str(tmp_path / "out")]]
+    err = capsys.readouterr().err
+    assert "builtin      fa3     graph len   4096: FAILED, start failed (exit 1)" in err
+    assert "1 of 4 starts failed" in err
+
+
+# The Qwen3.5-27B entry scaled down (a quarter of every head count and head width, hidden / 40) for a CPU build
+SMALL_QWEN3_5 = dict(hidden_size=128, intermediate_size=256, num_attention_heads=6, num_key_value_heads=1, head_dim=64,
+                     partial_rotary_factor=0.25, linear_num_key_heads=4, linear_num_value_heads=12,
+                     linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel_dim=4)  # fmt: skip
+
+
+def test_qwen3_5_model_folder_has_one_layer_of_each_kind_and_its_mtp_head_and_loads(tmp_path):
+    from lightllm.models.qwen3_5.config import Qwen3_5ModelConfig
+    from lightllm.models.qwen3_5.family import has_mtp_weights
+    from lightllm.models.qwen3_5.weights import load_qwen3_5_weights
+
+    assert set(SMALL_QWEN3_5) == set(tune_shipped.SHAPES["qwen3.5-27b"])  # the same fields as the real entry
+    model_dir = tune_shipped.build_model(tmp_path / "m", SMALL_QWEN3_5, 4096, mtp=True)
+    config = Qwen3_5ModelConfig.from_model_dir(model_dir)
+    assert config.layer_types == ("linear_attention", "full_attention") and config.num_kv_layers == 1
+    assert (config.linear_num_value_heads, config.head_dim, config.rotary_dim) == (12, 64, 16)
+    assert json.loads((model_dir / "config.json").read_text())["dtype"] == "bfloat16"
+    assert has_mtp_weights(model_dir)
+    weights = load_qwen3_5_weights(model_dir, config, torch.float32, mtp=True)
+    assert weights.mtp is not None
+    with pytest.raises(ValueError, match="mtp=True expected a Qwen3.5 shape"):
+        tune_shipped.build_model(tmp_path / "q3", tune_shipped.SHAPES["builtin"], 4096, mtp=True)
+
+
+def test_qwen3_5_27b_widths_pass_the_models_config_checks(tmp_path):
+    """The real widths in one linear and one full layer, through the config reader the server uses (no weights)."""
+    from transformers import Qwen3_5TextConfig
+
+    from lightllm.models.qwen3_5.config import Qwen3_5ModelConfig
+
+    widths = dict(tune_shipped.SHAPES["qwen3.5-27b"])
+    factor = widths.pop("partial_rotary_factor")
+    hf = Qwen3_5TextConfig(num_hidden_layers=2, layer_types=list(tune_shipped.HYBRID_LAYERS), vocab_size=512,
+                           rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": factor},
+                           **widths)  # fmt: skip
+    hf.architectures = ["Qwen3_5ForCausalLM"]
+    hf.save_pretrained(tmp_path)
+    c = Qwen3_5ModelConfig.from_model_dir(tmp_path)
+    assert (c.num_attention_heads // c.num_key_value_heads, c.head_dim, c.rotary_dim) == (6, 256, 64)
+    assert (c.linear_num_value_heads // c.linear_num_key_heads, c.linear_conv_dim) == (3, 2 * 16 * 128 + 48 * 128)

@@ -18,7 +18,7 @@ from lightllm.common import envs
 from lightllm.common.autotuner import dist
 from lightllm.common.autotuner.accuracy import collect_tensors, mismatch
 from lightllm.common.autotuner.bench import get_bench_func
-from lightllm.common.autotuner.choice import choose, per_scenario_best, worst_case_loss
+from lightllm.common.autotuner.choice import check_rule, choose, per_scenario_best, worst_case_loss
 from lightllm.common.autotuner.keys import (
     ParamPicker,
     default_run_key_distance,
@@ -145,9 +145,11 @@ class Autotuner:
         warmup_all_exist_config: bool,
         output_args: Sequence[str],
         accuracy_tol: Optional[Tuple[float, float]],
+        choice_rule: str,
     ):
         if not isinstance(kernel_type, AutotuneKernelType):
             raise TypeError(f"autotune kernel {kernel_name!r}: kernel_type must be an AutotuneKernelType")
+        check_rule(choice_rule, f"autotune kernel {kernel_name!r}: choice_rule")
         signature = inspect.signature(fn)
         if "run_config" not in signature.parameters:
             raise TypeError(
@@ -170,6 +172,7 @@ class Autotuner:
         self.rebuild_input_func = rebuild_input_func
         self.warmup_all_exist_config = warmup_all_exist_config
         self.accuracy_tol = accuracy_tol
+        self.choice_rule = choice_rule
         self.store = ConfigStore(kernel_name)
         pick = functools.partial(ParamPicker, kernel_name, fn)
         self._static_picker = pick(param_names(static_key_func))
@@ -423,7 +426,7 @@ class Autotuner:
             )
         start = search_clock()
         budget = envs.get_autotune_max_seconds_per_search()
-        rule = envs.get_autotune_choice_rule()
+        rule = envs.get_autotune_choice_rule(self.choice_rule)
         candidates = self._space(args, kwargs).candidates
         scenarios = self._rebuild(args, kwargs) if self.rebuild_input_func else [(args, kwargs)]
         rank, world = (dist.rank(), dist.world()) if split else (0, 1)
@@ -637,6 +640,7 @@ def autotune(
     warmup_all_exist_config: bool = True,
     output_args: Sequence[str] = (),
     accuracy_tol: Optional[Tuple[float, float]] = None,
+    choice_rule: str = "minimax_loss",
 ) -> Callable[[Callable], Autotuner]:
     """Declare how a launcher ``fn(..., run_config=None)`` is tuned.
 
@@ -654,6 +658,8 @@ def autotune(
         warmup_all_exist_config: during any warmup, run each cached config once so Triton compiles it.
         output_args: out-parameters the kernel overwrites; compared by the accuracy gate, never cloned.
         accuracy_tol: ``(rtol, atol)`` for the gate, atol in units of the reference output's RMS.
+        choice_rule: how a search over several inputs picks its winner (``choice.py``);
+            ``LIGHTLLM_AUTOTUNE_CHOICE_RULE``, when set, overrides it for every kernel.
     """
 
     def decorator(fn: Callable) -> Autotuner:
@@ -670,6 +676,7 @@ def autotune(
             warmup_all_exist_config,
             output_args,
             accuracy_tol,
+            choice_rule,
         )
 
     return decorator

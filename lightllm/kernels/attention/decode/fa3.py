@@ -38,6 +38,11 @@ from lightllm.kernels.attention.decode.tuning import (
 logger = logging.getLogger(__name__)
 
 SPLIT_CANDIDATES = (1, 2, 4, 8, 16, 32)  # 0, FA3's own heuristic, is the launcher default: always timed
+# FA3's heuristic is within a few % of the best fixed split almost everywhere, and `minimax_loss` froze a split 10 %
+# slower than it (docs/decode_attention.md): a split must never lose to it. Such small margins don't interpolate
+# between ladder lengths 4x apart, so 1/4 of the tuning length is timed too (8K at 32K).
+FA3_CHOICE_RULE = "never_slower_than_default"
+FA3_LADDER_DIVISORS = (2, 4, 8, 32)
 INSTALL_HINT = (
     "install FlashAttention-3 for Hopper: `pip install fa3-fwd` (forward-only wheel), FlashAttention's "
     "hopper build (`flash_attn_interface`), or `sgl-kernel`"
@@ -168,7 +173,7 @@ def _representative_batches(named: dict) -> list:
     Slots: each request's own row, at most its capacity."""
     q, k_cache, width = named["q"], named["k_cache"], named["max_len_in_batch"]
     batch = q.shape[0]
-    lens = decode_attn_autotune_seq_lens(width)  # capped at the launch's max length
+    lens = decode_attn_autotune_seq_lens(width, FA3_LADDER_DIVISORS)  # capped at the launch's max length
     if named["page_table"] is not None:
         pool = k_cache.shape[0]
         table = (torch.arange(batch * width, device=q.device, dtype=torch.int64) % pool).to(torch.int32)
@@ -191,6 +196,7 @@ def _representative_batches(named: dict) -> list:
     run_key_func=_run_key,
     kernel_type=AutotuneKernelType.DECODE_ATTENTION,
     rebuild_input_func=_representative_batches,
+    choice_rule=FA3_CHOICE_RULE,
 )
 def _launch_fa3_decode(
     q, k_cache, v_cache, page_table, cache_batch_idx, cache_seqlens, max_len_in_batch, sm_scale, causal,

@@ -30,17 +30,25 @@ def decode_attn_run_key_kv_len(launch_max_len: int) -> int:
     return decode_attn_tuning_len(launch_max_len)
 
 
-def decode_attn_autotune_seq_lens(launch_max_len: Optional[int] = None) -> list:
-    """KV lengths a decode-attention search times on: the tuning length first (capped at ``launch_max_len``
-    when given), then 1/2, 1/8 and 1/32 of it (at least 512), so the config a CUDA graph freezes is checked
-    against the shorter lengths it will also serve (see the ``minimax_loss`` choice rule)."""
-    seq_len = get_decode_attn_autotune_seq_len() if launch_max_len is None else decode_attn_tuning_len(launch_max_len)
+LADDER_DIVISORS = (2, 8, 32)  # the tuning length, then 1/2, 1/8 and 1/32 of it
+
+
+def seq_len_ladder(seq_len: int, divisors=LADDER_DIVISORS) -> list:
+    """``seq_len``, then ``seq_len // d`` for each divisor (at least 512, each shorter than the one before)."""
     lens = [seq_len]
-    for div in (2, 8, 32):
+    for div in divisors:
         n = max(KV_LEN_BUCKET, seq_len // div)
         if n < lens[-1]:
             lens.append(n)
     return lens
+
+
+def decode_attn_autotune_seq_lens(launch_max_len: Optional[int] = None, divisors=LADDER_DIVISORS) -> list:
+    """KV lengths a decode-attention search times on: the tuning length first (capped at ``launch_max_len``
+    when given), then 1/2, 1/8 and 1/32 of it (or ``divisors``), so the config a CUDA graph freezes is checked
+    against the shorter lengths it will also serve (see the choice rules in the autotuner's ``choice.py``)."""
+    seq_len = get_decode_attn_autotune_seq_len() if launch_max_len is None else decode_attn_tuning_len(launch_max_len)
+    return seq_len_ladder(seq_len, divisors)
 
 
 def inputs_at_lengths(named: dict, lens: list) -> list:

@@ -1,0 +1,78 @@
+"""benchmarks/decode_attention.py, analysis part: what each choice rule freezes from a saved run, its loss against
+each length's best and against the default (FA3: its own split heuristic), and the geo-mean gain over it."""
+
+import importlib.util
+import math
+import os
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+LENS = [1024, 4096, 8192, 16384, 32768]
+
+
+@pytest.fixture(scope="module")
+def bench():
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))  # it imports its sibling bandwidth.py
+    try:
+        path = os.path.join(REPO, "benchmarks", "decode_attention.py")
+        spec = importlib.util.spec_from_file_location("decode_attention_bench", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.pop(0)
+    return module
+
+
+def saved_run():
+    """One shape at B=16. FA3: split 1 is 10 % faster than the heuristic except 2 % slower at 8K (a length only
+    FA3's ladder times); split 2 is 3 % faster everywhere. Triton: config "fast" beats the default except at 1K."""
+    fa3 = {0: [1.0] * 5, 1: [0.9, 0.9, 1.02, 0.9, 0.9], 2: [0.97] * 5}
+    triton = {"default": [1.0] * 5, "fast": [1.05, 0.5, 0.5, 0.5, 0.5]}
+    cells = []
+    for j, n in enumerate(LENS):
+        cells.append({"shape": "hq32-hk8-d128", "B": 16, "L": n, "kind": "none", "bytes": 1e6,
+                      "default_ms": triton["default"][j], "configs": [[{"name": "fast"}, triton["fast"][j]]],
+                      "fa3_ms": {str(sp): ms[j] for sp, ms in fa3.items()}})  # fmt: skip
+    return {"device": "test", "copy_GBs": 3000.0, "graph_max_len": 32768, "ladder": [32768, 16384, 4096, 1024],
+            "quant_group": 8, "cells": cells, "stage2": []}  # fmt: skip
+
+
+def test_fa3_rules_against_the_heuristic(bench):
+    (entry,) = bench.analyze_fa3(saved_run())
+    rules = entry["rules"]
+    assert {rule: v["num_splits"] for rule, v in rules.items()} == {
+        "heuristic": 0,
+        "minimax_loss": 1,  # least worst-case loss (1.02 / 0.97), though 2 % slower than the heuristic at 8K
+        "tuning_len": 1,
+        "never_slower_than_default": 2,
+    }
+    assert rules["minimax_loss"]["vs_default_pct"] == pytest.approx([-10, -10, 2, -10, -10])
+    assert rules["never_slower_than_default"]["vs_default_pct"] == pytest.approx([-3] * 5)
+    assert rules["heuristic"]["loss_pct"] == pytest.approx([100 / 9, 100 / 9, 100 / 97 * 3, 100 / 9, 100 / 9])
+    gains = bench.fa3_gains([entry])
+    best = math.exp((4 * math.log(1 / 0.9) + math.log(1 / 0.97)) / 5)
+    assert gains["all"]["best"] == pytest.approx((best - 1) * 100)
+    assert gains["all"]["never_slower_than_default"] == pytest.approx((1 / 0.97 - 1) * 100)
+    assert bench.fa3_gains([entry], min_batch=32) == {}  # no cell at B >= 32
+
+
+def test_triton_rules_report_the_loss_against_the_default(bench):
+    _, (entry,) = bench.analyze(saved_run())
+    assert entry["rules"]["minimax_loss"]["config"] == '{"name": "fast"}'
+    assert entry["rules"]["minimax_loss"]["vs_default_pct"] == pytest.approx([5, -50, -50, -50, -50])
+    assert entry["rules"]["never_slower_than_default"]["config"] is None
+    assert entry["rules"]["never_slower_than_default"]["worst_loss_pct"] == pytest.approx(100)
+
+
+def test_tables_print_every_rule_and_the_gain(bench, capsys):
+    results = saved_run()
+    rows, frozen = bench.analyze(results)
+    results["fa3_frozen"] = bench.analyze_fa3(results)
+    bench.print_tables(results, rows, frozen)
+    out = capsys.readouterr().out
+    assert "never_slower_than_default vs default  +0.0 (0 of 1 rows > 2 %), vs best 100.0" in out
+    assert "minimax_loss              vs default  +5.0 (1 of 1 rows > 2 %)" in out
+    assert "B= 16 never_slower_than_default splits= 2 worst   7.8/ -3.0" in out
+    assert "all           best +9.46 %" in out and "never_slower_than_default +3.09 %" in out
