@@ -47,9 +47,9 @@ def test_startup_order_phases_and_reuse(tiny_dir, monkeypatch):
     monkeypatch.setattr(tuner.Autotuner, "_search", spy)
     real_graph_decode = ModelRunner._graph_decode
 
-    def graph_decode(self, bs):
+    def graph_decode(self, bs, graph_len):
         log.append(("forward", bs, current_warmup_kernel_type()))
-        return real_graph_decode(self, bs)
+        return real_graph_decode(self, bs, graph_len)
 
     monkeypatch.setattr(ModelRunner, "_graph_decode", graph_decode)
     ModelRunner(engine_args(tiny_dir), graph_api=LoggingGraphAPI(log))
@@ -78,7 +78,7 @@ def test_graph_replay_equals_eager_decode(tiny_dir):
     slots = [runner.kv.add_request() for _ in range(3)]
     runner.prefill(slots, [[5, 6, 7], list(range(40)), [9] * 300])
     replayed = runner.decode(slots, [11, 12, 13]).clone()  # pads to the size-4 graph
-    assert runner.graphs.pick(3) == 4
-    eager = runner._graph_decode(4)[:3]  # the captured function, run eagerly on the same buffers
+    assert runner.graphs.pick(3, 301) == (1024, 4)  # one KV length bucket (4096 is past the graphs' 1024)
+    eager = runner._graph_decode(4, 1024)[:3]  # the captured function, run eagerly on the same buffers
     assert torch.equal(replayed, eager)
     assert replayed.isfinite().all()
