@@ -147,7 +147,7 @@ class EngineArgs:
         self.graph_max_len_in_batch = min(self.graph_max_len_in_batch or self.max_req_total_len, self.max_req_total_len)
         longest = self.graph_max_len_in_batch
         dropped = [b for b in self.graph_len_buckets if b >= longest]
-        if dropped and not self.disable_cudagraph:
+        if dropped and not self.disable_cudagraph and self.graph_len_buckets != DEFAULT_GRAPH_LEN_BUCKETS:
             logger.info("graph_len_buckets: %s dropped, not below --graph_max_len_in_batch %d (its own bucket)",
                         ", ".join(map(str, dropped)), longest)  # fmt: skip
         self.graph_len_buckets = tuple(b for b in self.graph_len_buckets if b < longest)

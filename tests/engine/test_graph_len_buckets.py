@@ -93,6 +93,10 @@ def test_buckets_not_below_the_graph_maximum_are_dropped_with_one_line(caplog):
     assert args.graph_lens() == [1024, 4096]
     notes = [r.getMessage() for r in caplog.records if "graph_len_buckets" in r.getMessage()]
     assert notes == ["graph_len_buckets: 4096, 8192 dropped, not below --graph_max_len_in_batch 4096 (its own bucket)"]
+    caplog.clear()  # the default past a short graph maximum is simply one bucket, quietly
+    with caplog.at_level(logging.INFO, logger="lightllm.engine.args"):
+        short = EngineArgs(max_req_total_len=2048, device="cpu").normalize().fit_to_model(8192, 128)
+    assert short.graph_lens() == [2048] and not [r for r in caplog.records if "graph_len_buckets" in r.getMessage()]
 
 
 def test_mtp_buckets_hold_a_verify_step():
