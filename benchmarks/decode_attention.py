@@ -12,6 +12,15 @@ whose maximum length is the largest L (as a captured decode graph is):
 - stage 2's share of the time and whether its num_warps matters.
 
     python benchmarks/decode_attention.py --out benchmarks/results/decode_attention_h200.json
+
+``--buckets 4096 ...`` instead measures decode graphs per KV length bucket (the engine's ``--graph_len_buckets``,
+``decode_attention_buckets.py``): per cell the graph of the smallest bucket >= L replays the config each rule picks
+from that bucket's ladder, launched for the bucket; its loss vs the cell's best and default eager launches, beside
+one bucket (today). Triton only (no FA3, no stage-2 study); only the (length, launch length) points the analysis
+needs are timed, each for every candidate:
+
+    python benchmarks/decode_attention.py --buckets 4096 --batches 1 8 16 --lens 1024 8192 32768 --kinds none \
+        --no-fa3 --out benchmarks/results/decode_attention_buckets_h200.json
 """
 
 import argparse
@@ -19,11 +28,13 @@ import json
 import math
 import os
 import sys
+import time
 
 import torch
 import triton
 
 from bandwidth import copy_gbs
+from decode_attention_buckets import analyze_buckets, graph_lens, print_bucket_table, timing_points
 from lightllm.common.autotuner import cuda_graph_bench
 from lightllm.common.autotuner.choice import choose, per_scenario_best
 from lightllm.common.envs import AUTOTUNE_CHOICE_RULES as RULES
@@ -119,7 +130,39 @@ def run(args):
         for batch in (1, 16, 64):
             if batch in args.batches:
                 results["stage2"].append(stage2_study(shape, batch, max(args.lens), args.group))
-    for kind in args.kinds:  # bf16 (and FA3) first: partial results stay useful under a time limit
+    for kind, shape, batch, (pool, r2t, idx, q, out) in _setups(args):
+        hk, d = SHAPES[shape][1:]
+        configs = flash_decode.split_kv_configs(q, flash_decode.DEFAULT_BLOCK_SEQ)  # what the tuner searches
+        for length in args.lens:
+            seq = torch.full((batch,), length, device="cuda", dtype=torch.int32)
+            cell = {"shape": shape, "B": batch, "L": length, "kind": kind,
+                    "bytes": kv_bytes(kind, batch, length, hk, d, args.group)}  # fmt: skip
+            cell["default_ms"] = cuda_graph_bench(decode_fn(kind, q, pool, r2t, idx, seq, graph_max, out,
+                                                            args.group, None))  # fmt: skip
+            cell["configs"] = []
+            for cfg in configs:
+                try:
+                    ms = cuda_graph_bench(decode_fn(kind, q, pool, r2t, idx, seq, graph_max, out, args.group, cfg))
+                except Exception as e:  # out of resources at some shapes
+                    ms = math.inf
+                    print(f"  {cfg}: {type(e).__name__}", file=sys.stderr)
+                cell["configs"].append([cfg, ms])
+            if kind == "none" and fa3 is not None:
+                cell["fa3_ms"] = fa3_times(fa3, q, pool, batch, graph_max, seq)
+            results["cells"].append(cell)
+            print(f"{shape} B={batch:3d} L={length:6d} {kind:4s} default {cell['default_ms'] * 1e3:8.1f} us, "
+                  f"best {min(ms for _, ms in cell['configs']) * 1e3:8.1f} us", flush=True)  # fmt: skip
+        del pool, r2t  # before the next setup allocates its own
+        _save(results, args.out)  # partial results survive a time limit
+    return results
+
+
+def _setups(args):
+    """Per KV type (bf16 first: partial results stay useful under a time limit), shape and batch within
+    ``--max-gb``: random KV for every request at the longest L, its token table, slots, q and out. Freed after
+    (the caller drops its references first)."""
+    graph_max = max(args.lens)
+    for kind in args.kinds:
         for shape, batch in [(s, b) for s in args.shapes for b in args.batches]:
             hq, hk, d = SHAPES[shape]
             tokens = batch * graph_max
@@ -130,30 +173,45 @@ def run(args):
             r2t = torch.arange(tokens, device="cuda", dtype=torch.int32).view(batch, graph_max)
             idx = torch.arange(batch, device="cuda", dtype=torch.int32)
             q = torch.randn(batch, hq, d, device="cuda", dtype=torch.bfloat16)
-            out = torch.empty_like(q)
-            configs = flash_decode.split_kv_configs(q, flash_decode.DEFAULT_BLOCK_SEQ)  # what the tuner searches
-            for length in args.lens:
-                seq = torch.full((batch,), length, device="cuda", dtype=torch.int32)
-                cell = {"shape": shape, "B": batch, "L": length, "kind": kind,
-                        "bytes": kv_bytes(kind, batch, length, hk, d, args.group)}  # fmt: skip
-                cell["default_ms"] = cuda_graph_bench(decode_fn(kind, q, pool, r2t, idx, seq, graph_max, out,
-                                                                args.group, None))  # fmt: skip
-                cell["configs"] = []
-                for cfg in configs:
-                    try:
-                        ms = cuda_graph_bench(decode_fn(kind, q, pool, r2t, idx, seq, graph_max, out, args.group, cfg))
-                    except Exception as e:  # out of resources at some shapes
-                        ms = math.inf
-                        print(f"  {cfg}: {type(e).__name__}", file=sys.stderr)
-                    cell["configs"].append([cfg, ms])
-                if kind == "none" and fa3 is not None:
-                    cell["fa3_ms"] = fa3_times(fa3, q, pool, batch, graph_max, seq)
-                results["cells"].append(cell)
-                print(f"{shape} B={batch:3d} L={length:6d} {kind:4s} default {cell['default_ms'] * 1e3:8.1f} us, "
-                      f"best {min(ms for _, ms in cell['configs']) * 1e3:8.1f} us", flush=True)  # fmt: skip
+            yield kind, shape, batch, (pool, r2t, idx, q, torch.empty_like(q))
             del pool, r2t
             torch.cuda.empty_cache()
-            _save(results, args.out)  # partial results survive a time limit
+
+
+def run_buckets(args):
+    """Every candidate and the default at the (KV length, launch length) points the bucket analysis needs."""
+    lens = sorted(args.lens)
+    buckets = graph_lens(args.buckets, lens)
+    sets = [buckets, [max(lens)]]
+    ladders = {b: decode_attn_autotune_seq_lens(b) for s in sets for b in s}
+    points = timing_points(lens, sets, ladders)
+    results = {"device": torch.cuda.get_device_name(), "mode": "buckets", "buckets": buckets, "lens": lens,
+               "ladders": {str(b): ladder for b, ladder in sorted(ladders.items())}, "quant_group": args.group,
+               "points": []}  # fmt: skip
+    print(
+        f"buckets {buckets}: {len(points)} (length, launch) points per shape, batch and KV type: {points}", flush=True
+    )
+    start, launches = time.perf_counter(), 0
+    for kind, shape, batch, (pool, r2t, idx, q, out) in _setups(args):
+        configs = flash_decode.split_kv_configs(q, flash_decode.DEFAULT_BLOCK_SEQ)
+        for length, launch in points:
+            seq = torch.full((batch,), length, device="cuda", dtype=torch.int32)
+            point = {"shape": shape, "B": batch, "kind": kind, "L": length, "launch": launch, "configs": []}
+            point["default_ms"] = cuda_graph_bench(decode_fn(kind, q, pool, r2t, idx, seq, launch, out, args.group,
+                                                             None))  # fmt: skip
+            for cfg in configs:
+                try:
+                    ms = cuda_graph_bench(decode_fn(kind, q, pool, r2t, idx, seq, launch, out, args.group, cfg))
+                except Exception as e:  # out of resources at some shapes
+                    ms = math.inf
+                    print(f"  {cfg}: {type(e).__name__}", file=sys.stderr)
+                point["configs"].append([cfg, ms])
+            results["points"].append(point)
+            launches += 1 + len(configs)
+        del pool, r2t  # before the next setup allocates its own
+        print(f"{shape} B={batch:3d} {kind:4s}: {launches} timings, {time.perf_counter() - start:.0f} s", flush=True)
+        _save(results, args.out)  # partial results survive a time limit
+    results["seconds"] = time.perf_counter() - start
     return results
 
 
@@ -322,15 +380,29 @@ def main():
     p.add_argument("--group", type=int, default=8, help="INT8/INT4 quant group size")
     p.add_argument("--max-gb", type=float, default=60.0, help="skip cells whose KV pool is larger")
     p.add_argument("--no-fa3", action="store_true")
+    p.add_argument("--buckets", nargs="+", type=int, default=None, metavar="LEN",
+                   help="decode graphs per KV length bucket (these, below the longest --lens, and the longest): the "
+                   "bucket analysis instead of the frozen-config one")  # fmt: skip
     p.add_argument("--out", default="benchmarks/results/decode_attention.json")
     args = p.parse_args()
+    if args.buckets is not None and any(b <= 0 for b in args.buckets):
+        p.error(f"--buckets expected positive KV lengths, got {args.buckets}")
     if args.analyze:
         with open(args.analyze) as f:
             results = json.load(f)
     elif not torch.cuda.is_available():
         sys.exit("decode_attention.py needs a CUDA GPU")
+    elif args.buckets is not None:
+        results = run_buckets(args)
     else:
         results = run(args)
+    if results.get("mode") == "buckets":
+        results["analysis"] = analyze_buckets(results)
+        if not args.analyze:
+            _save(results, args.out)
+        print_bucket_table(results, results["analysis"])
+        print(f"triton {triton.__version__}, torch {torch.__version__}")
+        return
     rows, frozen = analyze(results)
     results["rows"], results["frozen"], results["fa3_frozen"] = rows, frozen, analyze_fa3(results)
     if not args.analyze:

@@ -12,6 +12,12 @@ per step) / the faster of the measured copy and GEMV read rates.
     python benchmarks/decode_step.py --layers 36 --batches 1 --no-startup --out benchmarks/results/ttft_36l_h200.json
 
 The time-to-first-token row runs one prompt (``--ttft-prompt`` tokens) with the prefill graphs and eagerly.
+
+Decode graphs per KV length bucket (``--graph_len_buckets``, the server flag; default the engine's, 4096): each start
+records per bucket the graphs, capture seconds (warm-up tuning included) and MiB. The cost of the buckets is a run
+with them against one with ``--graph_len_buckets`` alone (one bucket):
+
+    python benchmarks/decode_step.py --batches 1 --graph_len_buckets --out /tmp/one_bucket.json
 """
 
 import argparse
@@ -54,12 +60,12 @@ def build_model(root: str, layers: int, model: str = "qwen3") -> str:
     return str(make_tiny_qwen3_5(os.path.join(root, "qwen3.5-27b-shaped"), layer_types=kinds, **QWEN3_5_27B_SHAPE))
 
 
-def step_times(model_dir, batch_sizes, kv_len, graph_max_len, profile_batch=None):
+def step_times(model_dir, batch_sizes, kv_len, graph_max_len, profile_batch=None, buckets=None):
     from lightllm import LLM
 
     llm = LLM(model_dir, data_type="bf16", running_max_req_size=max(batch_sizes), max_req_total_len=graph_max_len,
-              graph_max_batch_size=max(batch_sizes), graph_max_len_in_batch=graph_max_len,
-              batch_max_tokens=8192)  # fmt: skip
+              graph_max_batch_size=max(batch_sizes), graph_max_len_in_batch=graph_max_len, batch_max_tokens=8192,
+              **_bucket_option(buckets))  # fmt: skip
     runner, rows = llm.runner, []
     for bs in batch_sizes:
         slots = [runner.kv.add_request() for _ in range(bs)]
@@ -128,19 +134,37 @@ def _time(step, runner, reps=10):
     return statistics.median(times)
 
 
-def startup_seconds(model_dir, mode, config_dir):
+def _bucket_option(buckets) -> dict:
+    return {} if buckets is None else {"graph_len_buckets": list(buckets)}
+
+
+def graph_costs(runner) -> dict:
+    """Per decode-graph KV length bucket: graphs, capture seconds (warm-up tuning included) and MiB."""
+    return {str(n): {"graphs": g, "seconds": sec, "MiB": b / 2**20} for n, (g, sec, b) in
+            sorted(runner.decode_graph_costs.items())}  # fmt: skip
+
+
+def startup_seconds(model_dir, mode, config_dir, buckets=None):
     """A fresh process: tuning cold (empty config dir, level 1), warm (same dir again, level 1), off (level 3).
-    Returns the whole start-up and the runner's seconds per phase."""
+    Returns the whole start-up, the runner's seconds per phase and its decode graphs' cost per KV length bucket
+    (``decode_graph_buckets``)."""
     env = {**os.environ, "LIGHTLLM_AUTOTUNE_CONFIG_DIR": config_dir,
            "LIGHTLLM_TRITON_AUTOTUNE_LEVEL": "3" if mode == "off" else "1"}  # fmt: skip
     code = ("import json, time; t=time.perf_counter(); from lightllm import LLM; "
             f"llm = LLM({model_dir!r}, data_type='bf16', running_max_req_size=64, graph_max_batch_size=64, "
-            "max_req_total_len=32768, graph_max_len_in_batch=32768, batch_max_tokens=8192); "
-            "print('STARTUP', json.dumps({'total': time.perf_counter()-t, **llm.runner.startup_seconds}))")  # fmt: skip
+            "max_req_total_len=32768, graph_max_len_in_batch=32768, batch_max_tokens=8192, "
+            f"**{_bucket_option(buckets)!r}); "
+            "print('STARTUP', json.dumps({'total': time.perf_counter()-t, **llm.runner.startup_seconds, "
+            "'decode_graph_buckets': {str(n): {'graphs': g, 'seconds': s, 'MiB': b / 2**20} for n, (g, s, b) in "
+            "sorted(llm.runner.decode_graph_costs.items())}}))")  # fmt: skip
     done = procs.run([sys.executable, "-c", code], env=env)
     if done.returncode != 0:
         raise RuntimeError(f"start-up ({mode}) exited with {done.returncode}:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.split("STARTUP")[-1])
+
+
+def describe_graph_costs(costs: dict) -> str:
+    return "; ".join(f"<={n}: {c['graphs']} in {c['seconds']:.1f} s, {c['MiB']:.1f} MiB" for n, c in costs.items())
 
 
 def main():
@@ -160,6 +184,14 @@ def main():
     )
     p.add_argument("--profile-batch", type=int, help="also record GPU time per kernel of the graph step at this batch")
     p.add_argument("--ttft-prompt", type=int, default=128, help="prompt tokens of the time-to-first-token row")
+    p.add_argument(
+        "--graph_len_buckets",
+        "--graph-len-buckets",
+        type=int,
+        nargs="*",
+        default=None,
+        help="the server flag's KV length buckets (default: the engine's); the flag alone: one bucket",
+    )
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("decode_step.py needs a CUDA GPU")
@@ -170,7 +202,8 @@ def main():
         # graphs replay the configs tuned at their capture (level 1 from an empty dir, as a first start)
         os.environ["LIGHTLLM_AUTOTUNE_CONFIG_DIR"] = os.path.join(root, "configs")
         os.environ["LIGHTLLM_TRITON_AUTOTUNE_LEVEL"] = str(args.tune_level)
-        llm, rows = step_times(model_dir, args.batches, args.kv_len, 2 * args.kv_len, args.profile_batch)
+        llm, rows = step_times(model_dir, args.batches, args.kv_len, 2 * args.kv_len, args.profile_batch,
+                               args.graph_len_buckets)  # fmt: skip
         c = llm.runner.config
         weight_bytes = sum(t.numel() * t.element_size() for t in _step_weights(llm.runner.model.w))
         state_bytes = _state_bytes_per_request(llm.runner.model)
@@ -181,8 +214,9 @@ def main():
             r["graph_over_floor"] = r["graph_ms"] / r["floor_ms"]
         result = {"device": torch.cuda.get_device_name(), "model": args.model, "bandwidth_GBs": bw,
                   "layers": args.layers, "kv_len": args.kv_len, "tune_level": args.tune_level,
-                  "first_start_s": llm.runner.startup_seconds,
-                  "rows": rows, "startup_s": {}}  # fmt: skip
+                  "first_start_s": llm.runner.startup_seconds, "graph_len_buckets": llm.runner.args.graph_lens(),
+                  "first_start_decode_graph_buckets": graph_costs(llm.runner), "rows": rows,
+                  "startup_s": {}}  # fmt: skip
         result["ttft"] = {"prompt_tokens": args.ttft_prompt, **ttft_ms(llm, args.ttft_prompt)}
         params, tflops = sum(t.numel() for t in _step_weights(llm.runner.model.w)), matmul_tflops()
         # a bound, not a target: read the weights once, plus the prompt's matmul FLOPs at the measured bf16 rate
@@ -195,7 +229,7 @@ def main():
             torch.cuda.empty_cache()
             with tempfile.TemporaryDirectory() as cfg:
                 for mode in ("cold", "warm", "off"):
-                    result["startup_s"][mode] = startup_seconds(model_dir, mode, cfg)
+                    result["startup_s"][mode] = startup_seconds(model_dir, mode, cfg, args.graph_len_buckets)
                     print(mode, json.dumps(result["startup_s"][mode]), flush=True)
                     save(args.out, result)
     print(f"{result['device']}: copy {bw['copy']:.0f} GB/s, GEMV {bw['gemv']:.0f} GB/s (floor at the faster), "
@@ -211,8 +245,11 @@ def main():
     for r in rows:
         ratio = r["graph_over_floor"]
         print(f"{r['batch']:6d} {r['eager_ms']:9.3f} {r['graph_ms']:9.3f} {r['floor_ms']:9.3f} {ratio:11.2f}")
+    first = describe_graph_costs(result["first_start_decode_graph_buckets"])
+    print(f"decode graphs per KV length bucket {result['graph_len_buckets']}, first start: {first}")
     for mode, phases in result["startup_s"].items():
-        print(f"start-up {mode}: " + ", ".join(f"{k} {v:.1f}s" for k, v in phases.items()))
+        seconds = ", ".join(f"{k} {v:.1f}s" for k, v in phases.items() if k != "decode_graph_buckets")
+        print(f"start-up {mode}: {seconds}; decode graphs {describe_graph_costs(phases['decode_graph_buckets'])}")
 
 
 def save(path, result):

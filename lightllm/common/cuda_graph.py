@@ -1,15 +1,17 @@
 """CUDA graphs of the engine's forwards, captured largest first into one memory pool shared by every set.
 
-Decode graphs (one per batch size) are each captured right after one eager decode forward inside
-``autotune_warmup(DECODE_ATTENTION)``: decode-attention kernels search there (on the representative inputs they
-rebuild themselves) and the capture that follows, with the outer phase restored, freezes the configs they chose.
+Decode graphs (one per KV length bucket and batch size) are each captured right after one eager decode forward
+inside ``autotune_warmup(DECODE_ATTENTION)``, launched for the bucket: decode-attention kernels search there (on the
+representative inputs they rebuild themselves, at lengths up to the bucket) and the capture that follows, with the
+outer phase restored, freezes the configs they chose and the split grid sized for the bucket.
 Prefill graphs (``engine/prefill_graphs.py``) follow into the same pool, each after one eager forward outside any
 scope: the GENERAL warm-up has already tuned their keys, so the capture uses the configs an eager prefill of that
 size would. The graph API is injectable so the ordering can be tested without a GPU.
 """
 
 import logging
-from typing import Callable, Dict, Hashable, Iterable, Optional, Tuple
+import time
+from typing import Callable, Dict, Hashable, Iterable, Optional, Sequence, Tuple
 
 import torch
 from tqdm import tqdm
@@ -55,13 +57,21 @@ class GraphSet:
         self.graphs: Dict[Hashable, Tuple[object, object]] = {}
         self.memory_bytes = 0
 
-    def capture_each(self, run: Callable[[Hashable], object], warmup_scope: Callable, kind: str,
-                     name: Callable[[Hashable], str], remedy: str) -> "GraphSet":  # fmt: skip
-        """Per key, largest first: ``run(key)`` eagerly inside ``warmup_scope()``, then ``run(key)`` captured.
-        ``kind`` (decode, prefill), ``name(key)`` and ``remedy`` (the flag that turns the graphs off) word the
-        error of a failed warmup forward."""
+    def capture_each(
+        self,
+        run: Callable[[Hashable], object],
+        warmup_scope: Callable,
+        kind: str,
+        name: Callable[[Hashable], str],
+        remedy: str,
+        keys: Optional[Sequence] = None,
+    ) -> "GraphSet":
+        """Per key of ``keys`` (default: all), largest first: ``run(key)`` eagerly inside ``warmup_scope()``, then
+        ``run(key)`` captured; ``memory_bytes`` grows by what they added. ``kind`` (decode, prefill), ``name(key)``
+        and ``remedy`` (the flag that turns the graphs off) word the error of a failed warmup forward."""
         before = self.api.memory_used()
-        for key in tqdm(self.keys[::-1], desc=f"{kind} graphs", leave=False):
+        keys = sorted(self.keys if keys is None else keys, reverse=True)
+        for key in tqdm(keys, desc=f"{kind} graphs", leave=False):
             try:
                 with warmup_scope():
                     run(key)
@@ -75,7 +85,7 @@ class GraphSet:
             if self.pool is None:
                 self.pool = self.api.pool(graph)
             self.graphs[key] = (graph, out)
-        self.memory_bytes = self.api.memory_used() - before
+        self.memory_bytes += self.api.memory_used() - before
         return self
 
     def replay(self, key: Hashable):
@@ -85,22 +95,42 @@ class GraphSet:
 
 
 class DecodeGraphs(GraphSet):
-    """Captured decode steps by batch size; :meth:`pick` maps a live batch to the graph that serves it."""
+    """Captured decode steps keyed ``(graph_len, batch_size)``: one graph per KV length bucket and batch size, each
+    launched for its bucket (``graph_len``: the most KV tokens it serves). :meth:`pick` maps a live batch to the
+    graph that serves it. ``costs[graph_len]``: ``(graphs, seconds, bytes)`` its bucket's capture took."""
 
-    def __init__(self, batch_sizes, api=None):
+    def __init__(self, batch_sizes: Sequence[int], graph_lens: Sequence[int], api=None):
         if not batch_sizes:
             raise ValueError("DecodeGraphs: batch_sizes expected at least one size")
-        super().__init__(batch_sizes, api)
-        self.batch_sizes = self.keys
+        if not graph_lens:
+            raise ValueError("DecodeGraphs: graph_lens expected at least one KV length")
+        super().__init__([(n, bs) for n in graph_lens for bs in batch_sizes], api)
+        self.batch_sizes = sorted(set(batch_sizes))
+        self.graph_lens = sorted(set(graph_lens))
+        self.costs: Dict[int, Tuple[int, float, int]] = {}
 
-    def capture_all(self, run_decode: Callable[[int], object]) -> "DecodeGraphs":
-        """``run_decode(bs)`` runs one decode forward over the first ``bs`` rows of static buffers."""
-        return self.capture_each(run_decode, lambda: autotune_warmup(AutotuneKernelType.DECODE_ATTENTION),
-                                 "decode", lambda bs: f"batch-size-{bs}", "--disable_cudagraph")  # fmt: skip
+    def capture_all(self, run_decode: Callable[[int, int], object], clock=time.perf_counter) -> "DecodeGraphs":
+        """``run_decode(bs, graph_len)`` runs one decode forward over the first ``bs`` rows of static buffers,
+        launched for ``graph_len``. Longest bucket first (its largest batch opens the shared pool), each bucket's
+        sizes largest first."""
+        for n in self.graph_lens[::-1]:
+            start, before = clock(), self.memory_bytes
+            self.capture_each(lambda key: run_decode(key[1], key[0]),
+                              lambda: autotune_warmup(AutotuneKernelType.DECODE_ATTENTION), "decode",
+                              lambda key: f"KV-length-{key[0]} batch-size-{key[1]}", "--disable_cudagraph",
+                              keys=[k for k in self.keys if k[0] == n])  # fmt: skip
+            self.costs[n] = (len(self.batch_sizes), clock() - start, self.memory_bytes - before)
+        return self
 
-    def pick(self, batch_size: int) -> Optional[int]:
-        """The smallest captured size that holds ``batch_size`` rows, or None (run eagerly)."""
-        for bs in self.batch_sizes:
-            if bs >= batch_size and bs in self.graphs:
-                return bs
-        return None
+    def pick(self, batch_size: int, max_len: int) -> Optional[Tuple[int, int]]:
+        """The key of the graph serving ``batch_size`` rows whose longest holds ``max_len`` KV tokens: the smallest
+        bucket that holds ``max_len``, then its smallest captured size that holds the rows; None (run eagerly) past
+        the longest bucket or the largest size."""
+        n = next((n for n in self.graph_lens if n >= max_len), None)
+        bs = next((bs for bs in self.batch_sizes if bs >= batch_size and (n, bs) in self.graphs), None)
+        return None if n is None or bs is None else (n, bs)
+
+
+def describe_costs(costs: Dict[int, Tuple[int, float, int]]) -> str:
+    """Per bucket, what capturing its decode graphs took: ``<=4096: 17 in 1.2 s, 5.0 MiB; ...``."""
+    return "; ".join(f"<={n}: {g} in {s:.1f} s, {b / 2**20:.1f} MiB" for n, (g, s, b) in sorted(costs.items()))

@@ -3,7 +3,7 @@
 import logging
 import re
 from dataclasses import dataclass, fields
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 import torch
 
@@ -15,6 +15,8 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_REQ_TOTAL_LEN = 16384  # LightLLM's default when --max_req_total_len is not given, capped at the context
 DEFAULT_KV_QUANT_GROUP_SIZE = 8
 DEFAULT_PREFILL_GRAPH_MAX_TOKENS = 512  # prompts up to this skip the eager prefill's host cost; small graphs
+# short batches get decode graphs of their own: at B=1 one graph up to 32K loses up to 11-19 % (decode_attention.md)
+DEFAULT_GRAPH_LEN_BUCKETS = (4096,)
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 DATA_TYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "bfloat16": torch.bfloat16,
               "float16": torch.float16, "float32": torch.float32}  # fmt: skip
@@ -37,6 +39,7 @@ class EngineArgs:
     graph_split_batch_size: int = 16
     graph_grow_step_size: int = 16
     graph_max_len_in_batch: int = 0  # 0: max_req_total_len (LightLLM's meaning and default)
+    graph_len_buckets: Sequence[int] = DEFAULT_GRAPH_LEN_BUCKETS  # decode graphs per KV length bucket; () or 0: one
     disable_cudagraph: bool = False
     prefill_graph_max_tokens: int = DEFAULT_PREFILL_GRAPH_MAX_TOKENS  # one request's prefill up to this: a graph; 0 off
     llm_kv_type: str = "None"
@@ -65,6 +68,7 @@ class EngineArgs:
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 off = " (--disable_chunked_prefill turns chunking off)" if name == "chunked_prefill_size" else ""
                 raise ValueError(f"--{name} expected a positive integer, got {value!r}{off}")
+        self.graph_len_buckets = _check_len_buckets(self.graph_len_buckets)
         value = self.prefill_graph_max_tokens
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"--prefill_graph_max_tokens expected a non-negative integer (0 turns prefill graphs "
@@ -94,6 +98,9 @@ class EngineArgs:
         self.llm_decode_att_backend = pick_decode_backend(self.llm_decode_att_backend, torch.device(self.device),
                                                           self.llm_kv_type)  # fmt: skip
         self._check_mtp()
+        if self.mtp_mode is not None and self.graph_len_buckets and self.graph_len_buckets[0] < self.spec_tokens:
+            raise ValueError(f"--graph_len_buckets expected lengths of at least {self.spec_tokens} with --mtp_step "
+                             f"{self.mtp_step} (a verify step's tokens), got {self.graph_len_buckets[0]}")  # fmt: skip
         if not self.disable_cudagraph and self.graph_max_batch_size > self.running_max_req_size:
             logger.info("graph_max_batch_size %d -> %d (running_max_req_size): larger graphs can never be used",
                         self.graph_max_batch_size, self.running_max_req_size)  # fmt: skip
@@ -138,6 +145,12 @@ class EngineArgs:
             raise ValueError(f"--max_req_total_len {self.max_req_total_len} expected at most the model's context, "
                              f"max_position_embeddings {context_len}")  # fmt: skip
         self.graph_max_len_in_batch = min(self.graph_max_len_in_batch or self.max_req_total_len, self.max_req_total_len)
+        longest = self.graph_max_len_in_batch
+        dropped = [b for b in self.graph_len_buckets if b >= longest]
+        if dropped and not self.disable_cudagraph and self.graph_len_buckets != DEFAULT_GRAPH_LEN_BUCKETS:
+            logger.info("graph_len_buckets: %s dropped, not below --graph_max_len_in_batch %d (its own bucket)",
+                        ", ".join(map(str, dropped)), longest)  # fmt: skip
+        self.graph_len_buckets = tuple(b for b in self.graph_len_buckets if b < longest)
         if self.max_total_token_num is not None and self.max_total_token_num - 1 < self.max_req_total_len:
             raise ValueError(f"--max_total_token_num {self.max_total_token_num} expected at least "
                              f"{self.max_req_total_len + 1}: one --max_req_total_len ({self.max_req_total_len}) "
@@ -180,8 +193,29 @@ class EngineArgs:
             sizes.append(cap)
         return sizes
 
+    def graph_lens(self) -> List[int]:
+        """The KV length buckets decode graphs are captured for (ascending): ``graph_len_buckets`` below
+        ``graph_max_len_in_batch``, then ``graph_max_len_in_batch`` itself. After :meth:`fit_to_model`."""
+        return [*self.graph_len_buckets, self.graph_max_len_in_batch]
+
     def summary(self) -> str:
         return " ".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self))
+
+
+def _check_len_buckets(value) -> tuple:
+    """``--graph_len_buckets`` as a sorted tuple of distinct positive ints; empty, or a lone 0, is one bucket."""
+    allowed = "distinct positive integers (KV lengths), or none / a lone 0 for one bucket per batch size"
+    values = [value] if isinstance(value, int) else value
+    if isinstance(values, (str, bytes)) or not isinstance(values, (list, tuple)):
+        raise ValueError(f"--graph_len_buckets expected {allowed}, got {value!r}")
+    values = list(values)
+    if values == [0]:
+        return ()
+    bad = [v for v in values if isinstance(v, bool) or not isinstance(v, int) or v <= 0]
+    if bad or len(set(values)) != len(values):
+        why = f"{bad[0]!r} in {values}" if bad else f"duplicates in {values}"
+        raise ValueError(f"--graph_len_buckets expected {allowed}, got {why}")
+    return tuple(sorted(values))
 
 
 def _check_gpu_visible(device: str) -> None:

@@ -7,8 +7,9 @@ Start-up, top to bottom (``ModelRunner.__init__``):
    unless ``--disable_dynamic_prompt_cache`` or the model says it can't reuse a prefix;
 2. GENERAL warmup: dummy prefills at a spread of lengths up to the prefill step's tokens, every prefill graph
    bucket among them (with chunked prefill, each also as a second chunk);
-3. decode graphs, largest batch first: per size one eager decode forward in the DECODE_ATTENTION scope
-   (decode-attention kernels tune there), then the capture;
+3. decode graphs per KV length bucket (``--graph_len_buckets``, then ``--graph_max_len_in_batch``), longest
+   bucket first, each bucket's largest batch first: per graph one eager decode forward launched for its bucket in
+   the DECODE_ATTENTION scope (decode-attention kernels tune there, at lengths up to the bucket), then the capture;
 4. prefill graphs (``engine/prefill_graphs.py``) into the decode graphs' pool, largest bucket first: per bucket
    one eager forward outside any scope, then the capture (one log line: graphs, memory, seconds);
 5. with tensor parallelism, a check that every rank holds the same configs (one log line);
@@ -32,7 +33,7 @@ from lightllm.common.autotuner import (
     get_autotune_stats,
 )
 from lightllm.common.autotuner.dist import all_gather_object
-from lightllm.common.cuda_graph import DecodeGraphs
+from lightllm.common.cuda_graph import DecodeGraphs, describe_costs
 from lightllm.common.kv_cache import KVCacheManager
 from lightllm.common.kv_cache.sizing import (
     GIB,
@@ -88,8 +89,9 @@ class ModelRunner:
         t = time.perf_counter()
         use_graphs = not args.disable_cudagraph and (self.device.type == "cuda" or graph_api is not None)
         buckets = self._prefill_graph_buckets() if use_graphs else []
-        self._init_kv_cache(memory_api or default_memory_api(self.device), args.graph_batch_sizes() if use_graphs
-                            else [], buckets)  # fmt: skip
+        # the batch size of every decode graph: each but the largest keeps its logits as extra graph memory
+        graph_sizes = args.graph_batch_sizes() * len(args.graph_lens()) if use_graphs else []
+        self._init_kv_cache(memory_api or default_memory_api(self.device), graph_sizes, buckets)
         seconds["kv sizing"] = time.perf_counter() - t
 
         stats0, t = get_autotune_stats(), time.perf_counter()
@@ -98,18 +100,23 @@ class ModelRunner:
         seconds["general warmup"] = time.perf_counter() - t
 
         self.graphs: Optional[DecodeGraphs] = None
+        self.decode_graph_costs = {}  # per KV length bucket: (graphs, seconds, bytes) its capture took
         if use_graphs or self.device.type == "cuda":  # eager decode steps stage their inputs too
             self._init_graph_buffers()
         if use_graphs:
-            tune_len = decode_attn_tuning_len(args.graph_max_len_in_batch)
-            logger.info("decode attention tunes at KV lengths up to %d (%s, capped at --graph_max_len_in_batch)",
-                        tune_len, envs.DECODE_ATTN_AUTOTUNE_SEQ_LEN)  # fmt: skip
+            lens = args.graph_lens()
+            tune_lens = ", ".join(str(decode_attn_tuning_len(n)) for n in lens)
+            logger.info("decode graphs per KV length bucket up to %s; decode attention tunes at %s (%s, capped at "
+                        "each bucket)", ", ".join(map(str, lens)), tune_lens,
+                        envs.DECODE_ATTN_AUTOTUNE_SEQ_LEN)  # fmt: skip
             t = time.perf_counter()
             if self.mtp is not None:  # MTP's verify and draft steps are what decodes (mtp_graphs.py)
-                self.mtp.capture_graphs(args.graph_batch_sizes(), args.graph_max_len_in_batch, graph_api)
+                self.mtp.capture_graphs(args.graph_batch_sizes(), lens, graph_api)
+                self.decode_graph_costs = self.mtp.graphs.costs
                 seconds["mtp graphs"] = time.perf_counter() - t
             else:
-                self.graphs = DecodeGraphs(args.graph_batch_sizes(), graph_api).capture_all(self._graph_decode)
+                self.graphs = DecodeGraphs(args.graph_batch_sizes(), lens, graph_api).capture_all(self._graph_decode)
+                self.decode_graph_costs = self.graphs.costs
                 seconds["decode graphs"] = time.perf_counter() - t
         if buckets:
             t = time.perf_counter()
@@ -122,12 +129,14 @@ class ModelRunner:
         if self.tp > 1:  # agreement is built into every search; this proves it held end to end
             check_rank_agreement()
         tuned = get_autotune_stats() - stats0
-        graphs, prefill = self.graphs, self.prefill_graphs
+        prefill = self.prefill_graphs
+        costs = self.decode_graph_costs
         logger.info(
-            "ready: %d decode graphs (%.1f MiB), %d prefill graphs (%.1f MiB), %d kernels tuned%s, %d configs "
+            "ready: %d decode graphs (%.1f MiB%s), %d prefill graphs (%.1f MiB), %d kernels tuned%s, %d configs "
             "written; %s",
-            len(graphs.graphs) if graphs else 0,
-            (graphs.memory_bytes if graphs else 0) / 2**20,
+            sum(g for g, _, _ in costs.values()),
+            sum(b for _, _, b in costs.values()) / 2**20,
+            f"; per KV length bucket {describe_costs(costs)}" if len(costs) > 1 else "",
             prefill.num_graphs if prefill else 0,
             (prefill.memory_bytes if prefill else 0) / 2**20,
             tuned.searches,
@@ -315,15 +324,15 @@ class ModelRunner:
         token_idx = self.kv.extend_each(slots, write_table=not staged)  # staged: written from the staged columns
         seq_lens = [self.kv.seq_len(s) for s in slots]
         max_len = max(seq_lens)
-        graph_bs = self.graphs.pick(bs) if self.graphs and max_len <= self.args.graph_max_len_in_batch else None
+        graph = self.graphs.pick(bs, max_len) if self.graphs else None
         positions = [n - 1 for n in seq_lens]
         dev = self.device
         if staged:  # one host-to-device copy for the whole step
             staging.stage(input_ids=last_tokens, positions=positions, out_token_idx=token_idx, b_req_idx=slots,
                           b_seq_len=seq_lens)  # fmt: skip
             staging.write_table(self.kv.table, bs)
-            if graph_bs is not None:
-                return self._computed_each(slots, last_tokens, self.graphs.replay(graph_bs)[:bs])
+            if graph is not None:
+                return self._computed_each(slots, last_tokens, self.graphs.replay(graph)[:bs])
             b = {name: view[:bs] for name, view in self._buf.items()}
         else:
             i32, i64 = torch.int32, torch.int64
@@ -410,9 +419,9 @@ class ModelRunner:
         self._staging = DecodeStaging(self.args.graph_max_batch_size, self.device, pad)
         self._buf = self._staging.device_views
 
-    def _graph_decode(self, bs: int) -> torch.Tensor:
+    def _graph_decode(self, bs: int, graph_len: int) -> torch.Tensor:
         """The decode forward a graph captures: the first ``bs`` rows of the static buffers, kernels launched
-        for ``graph_max_len_in_batch`` so the graph serves any length up to it."""
+        for ``graph_len`` (its KV length bucket) so the graph serves any length up to it."""
         b = self._buf
         state = InferState(
             is_prefill=False,
@@ -422,7 +431,7 @@ class ModelRunner:
             out_token_idx=b["out_token_idx"][:bs],
             positions=b["positions"][:bs],
             max_len_in_batch=1,
-            graph_max_len=self.args.graph_max_len_in_batch,
+            graph_max_len=graph_len,
         )
         return self.model.forward(b["input_ids"][:bs], state)
 

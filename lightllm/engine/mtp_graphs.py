@@ -1,14 +1,16 @@
 """Decode CUDA graphs of MTP's fixed-shape steps: the verify step (``batch x (N + 1)`` tokens) and the draft steps
-after the first (one head token per request), one graph of each per batch size; ``--graph_max_batch_size`` counts
-requests. The first draft step (the head's catch-up over a variable number of positions) stays eager.
+after the first (one head token per request), one graph of each per KV length bucket and batch size, as the plain
+decode graphs (``--graph_len_buckets``); ``--graph_max_batch_size`` counts requests. The first draft step (the head's
+catch-up over a variable number of positions) stays eager.
 
 Each graph set is captured as the plain decode graphs are (``common/cuda_graph.DecodeGraphs``): largest batch
 first, each right after one eager forward inside the ``DECODE_ATTENTION`` warm-up scope, where the MTP diverse
 attention (or FA3's ``num_splits``) and the verify gated delta rule tune. The graphs read static device buffers
 allocated once at the largest batch; a step copies its live rows into the leading rows and resets the rows past it
 to the padding request (its slot holds ``N + 1`` KV tokens and ``N + 1`` state slots of its own: harmless to
-compute), so a graph captured for more requests serves a smaller batch. Launches are sized for
-``--graph_max_len_in_batch``; a longer batch runs eagerly.
+compute), so a graph captured for more requests serves a smaller batch. Launches are sized for the graph's bucket; a
+step picks the smallest bucket holding its longest request after the verify, and one draft and verify step use the
+same bucket and size. Past ``--graph_max_len_in_batch`` a step runs eagerly.
 """
 
 import logging
@@ -21,12 +23,13 @@ from lightllm.layers.infer_state import InferState
 
 logger = logging.getLogger(__name__)
 
+GraphKey = Tuple[int, int]  # (KV length bucket, batch size)
+
 
 class MTPGraphs:
-    def __init__(self, mtp, batch_sizes: Sequence[int], graph_max_len: int, api=None):
+    def __init__(self, mtp, batch_sizes: Sequence[int], graph_lens: Sequence[int], api=None):
         runner = mtp.runner
         self.mtp, self.kv, self.model, self.head = mtp, runner.kv, runner.model, mtp.head
-        self.graph_max_len = graph_max_len
         self.rows, T, dev = max(batch_sizes), mtp.tokens, runner.device
         pad = runner.pad_slot
         pad_tokens = torch.cat([torch.tensor([runner.pad_token]), self.kv.extend(pad, T - 1)]).to(dev)
@@ -53,48 +56,52 @@ class MTPGraphs:
         self.verify_in = {name: t.clone() for name, t in self._verify_pad.items()}
         self.draft_in = {name: t.clone() for name, t in self._draft_pad.items()}
         self._rows = torch.arange(g, device=dev)
-        self.verify = DecodeGraphs(list(batch_sizes), api).capture_all(self._verify_forward)
-        self.draft = DecodeGraphs(list(batch_sizes), api).capture_all(self._draft_forward) if mtp.step > 1 else None
-        logger.info("MTP decode graphs: verify%s at batch sizes %s (%.1f MiB)", " and draft" if self.draft else "",
-                    self.verify.batch_sizes, (self.verify.memory_bytes + (self.draft.memory_bytes if self.draft
-                                                                          else 0)) / 2**20)  # fmt: skip
+        self.verify = DecodeGraphs(batch_sizes, graph_lens, api).capture_all(self._verify_forward)
+        self.draft = None
+        if mtp.step > 1:
+            self.draft = DecodeGraphs(batch_sizes, graph_lens, api).capture_all(self._draft_forward)
+        # per bucket, verify and draft together: what the runner reports
+        self.costs = {n: tuple(map(sum, zip(*(s.costs[n] for s in (self.verify, self.draft) if s))))
+                      for n in self.verify.graph_lens}  # fmt: skip
+        logger.info("MTP decode graphs: verify%s at batch sizes %s, KV length buckets %s (%.1f MiB)",
+                    " and draft" if self.draft else "", self.verify.batch_sizes, self.verify.graph_lens,
+                    sum(b for _, _, b in self.costs.values()) / 2**20)  # fmt: skip
 
     # ---- what the graphs capture ----------------------------------------------------------------------------
 
-    def _verify_forward(self, bs: int):
+    def _verify_forward(self, bs: int, graph_len: int):
         b, T = self.verify_in, self.mtp.tokens
         state = InferState(is_prefill=False, b_req_idx=b["b_req_idx"][:bs], req_to_token=self.kv.table,
                            b_seq_len=b["b_seq_len"][:bs], out_token_idx=b["out_token_idx"][: bs * T],
-                           positions=b["positions"][: bs * T], max_len_in_batch=T, graph_max_len=self.graph_max_len,
+                           positions=b["positions"][: bs * T], max_len_in_batch=T, graph_max_len=graph_len,
                            q_len=T, state_idx=b["state_idx"][:bs], state_dst_idx=b["state_dst_idx"][:bs])  # fmt: skip
         return self.model.forward(b["input_ids"][: bs * T], state, keep_hidden=True)
 
-    def _draft_forward(self, bs: int):
+    def _draft_forward(self, bs: int, graph_len: int):
         b = self.draft_in
         state = InferState(is_prefill=False, b_req_idx=b["b_req_idx"][:bs], req_to_token=self.kv.table,
                            b_seq_len=b["b_seq_len"][:bs], out_token_idx=b["out_token_idx"][:bs],
-                           positions=b["positions"][:bs], max_len_in_batch=1,
-                           graph_max_len=self.graph_max_len)  # fmt: skip
+                           positions=b["positions"][:bs], max_len_in_batch=1, graph_max_len=graph_len)  # fmt: skip
         return self.head.forward(b["input_ids"][:bs], b["hidden"][:bs], state, out_rows=self._rows[:bs])
 
     # ---- replay ---------------------------------------------------------------------------------------------
 
-    def pick(self, batch: int, max_len: int) -> Optional[int]:
-        """The verify/draft graph size serving ``batch`` requests whose longest holds ``max_len`` KV tokens after
-        the verify, or None (eager)."""
-        return self.verify.pick(batch) if max_len <= self.graph_max_len else None
+    def pick(self, batch: int, max_len: int) -> Optional[GraphKey]:
+        """The key of the verify/draft graphs serving ``batch`` requests whose longest holds ``max_len`` KV tokens
+        after the verify, or None (eager)."""
+        return self.verify.pick(batch, max_len)
 
-    def run_verify(self, gbs: int, live: Dict[str, torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Replay the verify graph of ``gbs`` requests over ``live`` (each column's live rows); the graph's own
-        outputs, cut to the live rows (read before the next replay)."""
-        bs = _stage(self.verify_in, self._verify_pad, live, gbs, self.mtp.tokens)
-        logits, hidden = self.verify.replay(gbs)
+    def run_verify(self, key: GraphKey, live: Dict[str, torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Replay the verify graph ``key`` over ``live`` (each column's live rows); the graph's own outputs, cut to
+        the live rows (read before the next replay)."""
+        bs = _stage(self.verify_in, self._verify_pad, live, key[1], self.mtp.tokens)
+        logits, hidden = self.verify.replay(key)
         T = self.mtp.tokens
         return logits[: bs * T], hidden[: bs * T]
 
-    def run_draft(self, gbs: int, live: Dict[str, torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
-        bs = _stage(self.draft_in, self._draft_pad, live, gbs, 1)
-        logits, hidden = self.draft.replay(gbs)
+    def run_draft(self, key: GraphKey, live: Dict[str, torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+        bs = _stage(self.draft_in, self._draft_pad, live, key[1], 1)
+        logits, hidden = self.draft.replay(key)
         return logits[:bs], hidden[:bs]
 
 

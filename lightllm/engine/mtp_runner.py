@@ -43,10 +43,10 @@ class MTPRunner:
         self._hidden = None  # the verify's hidden states [B, T, H]
         self.graphs = None  # MTPGraphs once captured
 
-    def capture_graphs(self, batch_sizes: Sequence[int], graph_max_len: int, api=None) -> None:
+    def capture_graphs(self, batch_sizes: Sequence[int], graph_lens: Sequence[int], api=None) -> None:
         from lightllm.engine.mtp_graphs import MTPGraphs
 
-        self.graphs = MTPGraphs(self, batch_sizes, graph_max_len, api)
+        self.graphs = MTPGraphs(self, batch_sizes, graph_lens, api)
 
     def reset(self, slot: int) -> None:
         """A fresh request in ``slot``: nothing in its KV, state slot 0 current."""

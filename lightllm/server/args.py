@@ -40,6 +40,9 @@ _HELP = {
     "graph_grow_step_size": "then one graph every this many",
     "graph_max_len_in_batch": "longest request a decode graph serves; longer batches decode eagerly; 0: "
     "max_req_total_len (default)",
+    "graph_len_buckets": "KV lengths below --graph_max_len_in_batch that get decode graphs of their own (each tuned "
+    "and sized for its bucket; a batch replays the smallest bucket holding its longest request); default 4096; "
+    "the flag alone or 0: one bucket",
     "disable_cudagraph": "decode and prefill eagerly (no graphs, no decode-attention tuning scope)",
     "prefill_graph_max_tokens": "a prefill step of one request with at most this many new tokens replays a CUDA "
     "graph (padded to the next of 16, 32, 64, ... up to this); 0: prefill eagerly (Qwen3.5 always does)",
@@ -145,6 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument(flag, action="store_true", help=_HELP.get(f.name))
         elif f.name in _CHOICES:
             p.add_argument(flag, default=default, choices=_CHOICES[f.name], help=_HELP.get(f.name))
+        elif f.name == "graph_len_buckets":  # a list: the flag alone gives [] (one bucket)
+            p.add_argument(flag, type=int, nargs="*", default=list(default), help=_HELP[f.name])
         else:
             kind = _OPTIONAL_TYPES.get(f.name) or type(default)
             p.add_argument(flag, type=kind, default=default, help=_HELP.get(f.name))

@@ -47,9 +47,9 @@ def test_startup_order_phases_and_reuse(tiny_dir, monkeypatch):
     monkeypatch.setattr(tuner.Autotuner, "_search", spy)
     real_graph_decode = ModelRunner._graph_decode
 
-    def graph_decode(self, bs):
+    def graph_decode(self, bs, graph_len):
         log.append(("forward", bs, current_warmup_kernel_type()))
-        return real_graph_decode(self, bs)
+        return real_graph_decode(self, bs, graph_len)
 
     monkeypatch.setattr(ModelRunner, "_graph_decode", graph_decode)
     ModelRunner(engine_args(tiny_dir), graph_api=LoggingGraphAPI(log))
@@ -78,7 +78,24 @@ def test_graph_replay_equals_eager_decode(tiny_dir):
     slots = [runner.kv.add_request() for _ in range(3)]
     runner.prefill(slots, [[5, 6, 7], list(range(40)), [9] * 300])
     replayed = runner.decode(slots, [11, 12, 13]).clone()  # pads to the size-4 graph
-    assert runner.graphs.pick(3) == 4
-    eager = runner._graph_decode(4)[:3]  # the captured function, run eagerly on the same buffers
+    assert runner.graphs.pick(3, 301) == (1024, 4)  # one KV length bucket (4096 is past the graphs' 1024)
+    eager = runner._graph_decode(4, 1024)[:3]  # the captured function, run eagerly on the same buffers
     assert torch.equal(replayed, eager)
     assert replayed.isfinite().all()
+
+
+def test_each_length_bucket_replays_what_its_captured_forward_computes(tiny_dir):
+    """Graphs up to 64 and up to 1024 KV tokens (--graph_len_buckets 64): a short batch replays the 64 bucket, one
+    with a 301-token request the 1024 one, each equal to its captured function run eagerly on the same buffers."""
+    runner = ModelRunner(engine_args(tiny_dir, graph_len_buckets=[64]))
+    assert sorted(runner.decode_graph_costs) == [64, 1024]
+    for longest, key in ((40, (64, 4)), (300, (1024, 4))):
+        prompts = [[5, 6, 7], [9] * longest, [8] * 10]
+        slots = [runner.add_request() for _ in prompts]
+        runner.prefill(slots, prompts)
+        replayed = runner.decode(slots, [11, 12, 13]).clone()
+        assert runner.graphs.pick(3, longest + 1) == key
+        eager = runner._graph_decode(key[1], key[0])[:3]
+        assert torch.equal(replayed, eager) and replayed.isfinite().all()
+        for slot in slots:
+            runner.free(slot)

@@ -84,8 +84,9 @@ def test_metrics_count_draft_and_accepted_tokens():
 
 
 def test_each_mtp_graph_is_captured_right_after_a_decode_attention_forward(dirs, monkeypatch):
-    """Verify and draft graphs, largest batch first: per size one eager forward inside the DECODE_ATTENTION warm-up
-    scope (where the MTP decode kernels tune), then the capture outside it; no plain decode graph."""
+    """Verify and draft graphs, longest KV length bucket first, then largest batch first: per graph one eager forward
+    launched for its bucket inside the DECODE_ATTENTION warm-up scope (where the MTP decode kernels tune), then the
+    capture outside it; no plain decode graph."""
     from lightllm.common.autotuner import current_warmup_kernel_type
     from lightllm.engine.model_runner import ModelRunner
     from lightllm.engine.mtp_graphs import MTPGraphs
@@ -93,8 +94,8 @@ def test_each_mtp_graph_is_captured_right_after_a_decode_attention_forward(dirs,
     log = []
     for kind in ("verify", "draft"):
         real = getattr(MTPGraphs, f"_{kind}_forward")
-        monkeypatch.setattr(MTPGraphs, f"_{kind}_forward", lambda self, bs, real=real, kind=kind: (
-            log.append((kind, bs, str(current_warmup_kernel_type()))), real(self, bs))[1])  # fmt: skip
+        monkeypatch.setattr(MTPGraphs, f"_{kind}_forward", lambda self, bs, n, real=real, kind=kind: (
+            log.append((kind, n, bs, str(current_warmup_kernel_type()))), real(self, bs, n))[1])  # fmt: skip
 
     class Capturing:
         def new_graph(self):
@@ -111,15 +112,17 @@ def test_each_mtp_graph_is_captured_right_after_a_decode_attention_forward(dirs,
             return 0
 
     args = EngineArgs(model_dir=dirs["mtp"], device="cpu", data_type="fp32", max_req_total_len=64,
-                      running_max_req_size=2, mtp_mode="eagle_with_att", mtp_step=2)  # fmt: skip
+                      running_max_req_size=2, mtp_mode="eagle_with_att", mtp_step=2,
+                      graph_len_buckets=[16])  # fmt: skip
     runner = ModelRunner(args, graph_api=Capturing())
     assert runner.graphs is None
     scope = str(current_warmup_kernel_type())  # outside any warm-up
     tuned = "AutotuneKernelType.DECODE_ATTENTION"
     want = []
     for kind in ("verify", "draft"):
-        for bs in (2, 1):
-            want += [(kind, bs, tuned), ("capture", scope), (kind, bs, scope)]
+        for n in (64, 16):
+            for bs in (2, 1):
+                want += [(kind, n, bs, tuned), ("capture", scope), (kind, n, bs, scope)]
     assert log == want
 
 

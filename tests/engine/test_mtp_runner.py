@@ -93,10 +93,11 @@ def test_truncate_frees_the_tail_of_the_last_extend_only():
 
 class ReplayingGraphAPI:
     """A CPU stand-in for CUDA graphs: "replay" reruns the captured forward over the static buffers and copies its
-    outputs into the graph's output tensors, as a real replay writes them."""
+    outputs into the graph's output tensors, as a real replay writes them. A replay whose batch holds a request
+    longer than the graph's KV length bucket fails (a real graph's kernels would skip the keys past it)."""
 
     def __init__(self):
-        self.runner, self.replays = None, {"verify": 0, "draft": 0}
+        self.runner, self.replays, self.buckets = None, {"verify": 0, "draft": 0}, set()
 
     def new_graph(self):
         return object()
@@ -114,9 +115,12 @@ class ReplayingGraphAPI:
         graphs = self.runner.mtp.graphs
         for kind, forward in (("verify", graphs._verify_forward), ("draft", graphs._draft_forward)):
             captured = getattr(graphs, kind).graphs if getattr(graphs, kind) is not None else {}
-            for bs, (g, outs) in captured.items():
+            for (graph_len, bs), (g, outs) in captured.items():
                 if g is graph:
-                    for out, new in zip(outs, forward(bs)):
+                    longest = int(getattr(graphs, f"{kind}_in")["b_seq_len"][:bs].max())
+                    assert longest <= graph_len, f"a {longest}-token request replayed the <= {graph_len} {kind} graph"
+                    self.buckets.add(graph_len)
+                    for out, new in zip(outs, forward(bs, graph_len)):
                         out.copy_(new)
                     self.replays[kind] += 1
                     return
@@ -126,7 +130,8 @@ class ReplayingGraphAPI:
 @pytest.mark.parametrize("step", [1, 3])
 def test_graph_replays_give_the_eager_tokens(mtp_dir, step):
     """Batches above the largest graph and requests past --graph_max_len_in_batch run eagerly, the rest through the
-    static buffers (a batch of 2 in the graph of 3, with a padding row)."""
+    static buffers (a batch of 2 in the graph of 3, with a padding row) of the KV length bucket up to 20 tokens, then
+    of the one up to 24."""
     from lightllm.engine.engine import Engine
     from lightllm.engine.sampler import SamplingParams
     from tests.engine.test_scheduler import run_all
@@ -138,9 +143,11 @@ def test_graph_replays_give_the_eager_tokens(mtp_dir, step):
     api = ReplayingGraphAPI()
     runner = ModelRunner(EngineArgs(model_dir=mtp_dir, data_type="fp32", device="cpu", max_req_total_len=96,
                                     graph_max_batch_size=3, graph_split_batch_size=1, graph_grow_step_size=2,
-                                    graph_max_len_in_batch=24, **opts), graph_api=api)  # fmt: skip
+                                    graph_max_len_in_batch=24, graph_len_buckets=[20], **opts),
+                         graph_api=api)  # fmt: skip
     api.runner = runner
     assert runner.graphs is None and runner.mtp.graphs.verify.batch_sizes == [1, 3]
     got, _ = run_all(Engine(runner, eos_ids=[]), prompts, params=params)
     assert got == want
     assert api.replays["verify"] > 0 and (api.replays["draft"] > 0) == (step > 1)
+    assert api.buckets == {20, 24} and sorted(runner.decode_graph_costs) == [20, 24]

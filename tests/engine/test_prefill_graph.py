@@ -125,8 +125,8 @@ class EagerReplayAPI:
                 self.replayed.append(key)
                 out.copy_(r.prefill_graphs.run_key(key))
                 return
-        bs = next(b for b, (g, _) in r.graphs.graphs.items() if g is graph)
-        r.graphs.graphs[bs][1].copy_(r._graph_decode(bs))
+        (graph_len, bs), (_, out) = next((k, v) for k, v in r.graphs.graphs.items() if v[0] is graph)
+        out.copy_(r._graph_decode(bs, graph_len))
 
     def memory_used(self):
         return 0

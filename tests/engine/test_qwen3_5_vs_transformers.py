@@ -139,8 +139,8 @@ class ReplayingGraphAPI:
         return "pool"
 
     def replay(self, graph):
-        bs = next(b for b, (g, _) in self.runner.graphs.graphs.items() if g is graph)
-        self.runner.graphs.graphs[bs][1].copy_(self.runner._graph_decode(bs))
+        (graph_len, bs), (_, out) = next((k, v) for k, v in self.runner.graphs.graphs.items() if v[0] is graph)
+        out.copy_(self.runner._graph_decode(bs, graph_len))
         self.replays += 1
 
     def memory_used(self):
@@ -262,11 +262,11 @@ def test_gpu_graph_replay_equals_eager_bit_for_bit(tiny_gpu_dir):
     runner.prefill(slots, [PROMPTS[1], PROMPTS[3], PROMPTS[0]])
     before = (state.conv.clone(), state.ssm.clone())
     replayed = runner.decode(slots, [11, 12, 13]).clone()  # pads to the size-4 graph
-    assert runner.graphs.pick(3) == 4
+    assert runner.graphs.pick(3, 256) == (256, 4)  # one KV length bucket: 256 is --graph_max_len_in_batch
     after = (state.conv.clone(), state.ssm.clone())
     state.conv.copy_(before[0])
     state.ssm.copy_(before[1])
-    eager = runner._graph_decode(4)[:3]
+    eager = runner._graph_decode(4, 256)[:3]
     assert torch.equal(replayed, eager) and replayed.isfinite().all()
     assert torch.equal(after[0], state.conv) and torch.equal(after[1], state.ssm)
     assert not torch.equal(before[1][:, slots], after[1][:, slots])  # the step did advance the live slots

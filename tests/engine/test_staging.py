@@ -105,10 +105,10 @@ def test_decode_steps_send_one_copy_and_match_eager(tmp_path, monkeypatch):
     graphs = ReplayingGraphs()
     real_graph_decode = ModelRunner._graph_decode
 
-    def graph_decode(self, bs):
-        out = real_graph_decode(self, bs)
+    def graph_decode(self, bs, graph_len):
+        out = real_graph_decode(self, bs, graph_len)
         if graphs.capturing is not None:
-            graphs.capturing.update(out=out, run=lambda: real_graph_decode(self, bs))
+            graphs.capturing.update(out=out, run=lambda: real_graph_decode(self, bs, graph_len))
         return out
 
     monkeypatch.setattr(ModelRunner, "_graph_decode", graph_decode)

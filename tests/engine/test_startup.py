@@ -52,35 +52,37 @@ def test_each_capture_follows_a_decode_forward_in_the_decode_attention_scope():
     log = []
     api = FakeGraphAPI(log)
 
-    def run_decode(bs):
+    def run_decode(bs, graph_len):
         log.append(("forward", bs, current_warmup_kernel_type(), api.capturing))
         return torch.full((bs,), float(bs))
 
-    graphs = DecodeGraphs([1, 2, 3, 8], api).capture_all(run_decode)
+    graphs = DecodeGraphs([1, 2, 3, 8], [64], api).capture_all(run_decode)
     forwards = [e for e in log if e[0] == "forward"]
     assert [e[1] for e in forwards] == [8, 8, 3, 3, 2, 2, 1, 1]  # largest first, warmup then capture
     for warm, cap in zip(forwards[::2], forwards[1::2]):
         assert warm[2] is AutotuneKernelType.DECODE_ATTENTION and not warm[3]
         assert cap[2] is None and cap[3]  # outer phase restored for the capture
     assert api.pools == [None, "shared-pool", "shared-pool", "shared-pool"]  # one pool, from the first graph
-    assert graphs.pick(1) == 1 and graphs.pick(4) == 8 and graphs.pick(9) is None
-    assert torch.equal(graphs.replay(3), torch.full((3,), 3.0))
+    assert graphs.pick(1, 64) == (64, 1) and graphs.pick(4, 1) == (64, 8) and graphs.pick(9, 1) is None
+    assert torch.equal(graphs.replay((64, 3)), torch.full((3,), 3.0))
 
 
 def test_failed_warmup_forward_stops_with_phase_restored_and_nothing_captured():
     log = []
     api = FakeGraphAPI(log)
 
-    def run_decode(bs):
+    def run_decode(bs, graph_len):
         if bs == 2:
             raise RuntimeError("out of memory")
         return torch.zeros(bs)
 
-    graphs = DecodeGraphs([1, 2, 4], api)
-    with pytest.raises(RuntimeError, match="batch-size-2 graph failed .*out of memory.*--disable_cudagraph"):
+    graphs = DecodeGraphs([1, 2, 4], [64], api)
+    with pytest.raises(
+        RuntimeError, match="KV-length-64 batch-size-2 graph failed .*out of memory.*--disable_cudagraph"
+    ):
         graphs.capture_all(run_decode)
     assert current_warmup_kernel_type() is None
-    assert sorted(graphs.graphs) == [4] and ("capture-begin", None) in log
+    assert sorted(graphs.graphs) == [(64, 4)] and ("capture-begin", None) in log
 
 
 def test_graph_sizes_and_cap():

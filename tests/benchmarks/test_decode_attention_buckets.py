@@ -1,0 +1,91 @@
+"""benchmarks/decode_attention.py --buckets: the graphs' buckets, the points timed, and the analysis of a saved run
+(which config each bucket's graph replays and its loss vs the cell's best and default eager launches). The GPU run
+itself is a benchmark, not a test."""
+
+import importlib
+import json
+import os
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture
+def bench(monkeypatch):
+    monkeypatch.syspath_prepend(os.path.join(REPO, "benchmarks"))  # the scripts import their siblings
+    return importlib.import_module("decode_attention_buckets")
+
+
+def test_buckets_below_the_longest_length_then_the_longest(bench):
+    lens = [1024, 8192, 32768]
+    assert bench.graph_lens([4096], lens) == [4096, 32768]
+    assert bench.graph_lens([65536, 32768, 4096], lens) == [4096, 32768] and bench.graph_lens([], lens) == [32768]
+    assert [bench.serving_bucket([4096, 32768], n) for n in (1, 4096, 4097, 32768)] == [4096, 4096, 32768, 32768]
+
+
+def test_only_the_points_the_analysis_reads_are_timed(bench):
+    """Each L eagerly and in its graph, each serving bucket's ladder launched for the bucket: 11 points, where timing
+    every ladder length and every L for every bucket would be 21; one bucket (today) adds none here."""
+    lens, ladders = [1024, 8192, 32768], {4096: [4096, 2048, 512], 32768: [32768, 16384, 4096, 1024]}
+    points = bench.timing_points(lens, [[4096, 32768], [32768]], ladders)
+    assert points == [(512, 4096), (1024, 1024), (1024, 4096), (1024, 32768), (2048, 4096), (4096, 4096),
+                      (4096, 32768), (8192, 8192), (8192, 32768), (16384, 32768), (32768, 32768)]  # fmt: skip
+    assert bench.timing_points(lens, [[4096, 32768]], ladders) == points
+
+
+A, B = {"WAVES": 1}, {"WAVES": 8}
+# ms of (default, A, B) per (KV length, launch length)
+TIMES = {
+    (4096, 4096): (10, 8, 9), (2048, 4096): (6, 5, 7),  # bucket 4096's ladder: A wins under either rule
+    (8192, 8192): (20, 22, 18), (4096, 8192): (11, 12, 10),  # bucket 8192's ladder: B wins
+    (1024, 4096): (4, 3.0, 3.5), (1024, 8192): (5, 4, 4.4),  # L = 1K replayed in the 4K and in the 8K graph
+    (1024, 1024): (3.0, 2.95, 3.3),  # L = 1K eagerly: best 2.95 (A), default 3.0
+}  # fmt: skip
+
+
+def saved_run():
+    points = [{"shape": "hq32-hk8-d128", "B": 1, "kind": "none", "L": n, "launch": launch, "default_ms": t[0],
+               "configs": [[A, t[1]], [B, t[2]]]} for (n, launch), t in TIMES.items()]  # fmt: skip
+    return {"device": "test", "mode": "buckets", "buckets": [4096, 8192], "lens": [1024, 8192],
+            "ladders": {"4096": [4096, 2048], "8192": [8192, 4096]}, "points": points}  # fmt: skip
+
+
+def test_a_cell_replays_its_bucket_s_pick_against_its_own_eager_best_and_default(bench):
+    entries = {(tuple(e["buckets"]), e["rule"]): e for e in bench.analyze_buckets(saved_run())}
+    assert set(entries) == {((4096, 8192), "tuning_len"), ((4096, 8192), "minimax_loss"), ((8192,), "tuning_len"),
+                            ((8192,), "minimax_loss")}  # fmt: skip
+    two = entries[((4096, 8192), "minimax_loss")]
+    assert two["configs"] == {"4096": json.dumps(A), "8192": json.dumps(B)}
+    assert two["vs_best_pct"] == pytest.approx([(3.0 / 2.95 - 1) * 100, 0.0])  # 1K: A in the 4K graph; 8K: B
+    assert two["vs_default_pct"] == pytest.approx([0.0, -10.0])
+    one = entries[((8192,), "minimax_loss")]  # today: 1K replays B launched for 8K
+    assert one["configs"] == {"8192": json.dumps(B)}
+    assert one["vs_best_pct"] == pytest.approx([(4.4 / 2.95 - 1) * 100, 0.0])
+    assert one["worst_vs_default_pct"] == pytest.approx((4.4 / 3.0 - 1) * 100)
+
+
+def test_a_run_cut_short_leaves_out_what_it_lacks(bench):
+    run = saved_run()
+    run["points"] = [p for p in run["points"] if (p["L"], p["launch"]) != (1024, 4096)]
+    assert {tuple(e["buckets"]) for e in bench.analyze_buckets(run)} == {(8192,)}
+
+
+def test_analyze_prints_a_saved_bucket_run_and_still_an_old_one(bench, monkeypatch, tmp_path, capsys):
+    path = tmp_path / "buckets.json"
+    path.write_text(json.dumps(saved_run()))
+    main = importlib.import_module("decode_attention")
+    monkeypatch.setattr(sys, "argv", ["decode_attention.py", "--analyze", str(path)])
+    main.main()
+    lines = capsys.readouterr().out.splitlines()
+    rows = [ln.split() for ln in lines if ln.startswith("hq32-hk8-d128")]
+    assert [(r[3], r[4], r[-1]) for r in rows] == [("<=4096,8192", "tuning_len", "ok"),
+                                                   ("<=4096,8192", "minimax_loss", "ok"),
+                                                   ("<=8192", "tuning_len", "MISS"),
+                                                   ("<=8192", "minimax_loss", "MISS")]  # fmt: skip
+    assert rows[1][5:9] == ["1.7/", "0.0", "0.0/", "-10.0"] and rows[1][-3:-1] == ["1.7/", "0.0"]  # 1K, 8K, worst
+    old = os.path.join(REPO, "benchmarks", "results", "decode_attention_h200.json")
+    monkeypatch.setattr(sys, "argv", ["decode_attention.py", "--analyze", old])
+    main.main()
+    assert "frozen config (chosen from the ladder, applied at every L)" in capsys.readouterr().out
