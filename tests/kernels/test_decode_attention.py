@@ -88,7 +88,8 @@ def test_matches_reference(kind, head_dim, q_heads, kv_heads, dtype):
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 @pytest.mark.parametrize("group", [16, 32])
 def test_quantized_groups_and_wide_tiles(kind, group):
-    """Larger quant groups and a 128-token tile, codes over their whole range (KV spread over two orders of magnitude per token), float16 queries."""
+    """Larger quant groups and a 128-token tile, codes over their whole range (KV spread over two orders of magnitude
+    per token), float16 queries."""
     lens = [130, 1, 257]
     q, k, v, r2t, idx, seq = make_batch(3, 8, 2, 128, lens, torch.float16, seed=5)
     g = torch.Generator().manual_seed(6)
