@@ -13,11 +13,11 @@ per step) / the faster of the measured copy and GEMV read rates.
 
 The time-to-first-token row runs one prompt (``--ttft-prompt`` tokens) with the prefill graphs and eagerly.
 
-Decode graphs per KV length bucket (``--graph_len_buckets``, the server flag; default the engine's, 4096): each start
-records per bucket the graphs, capture seconds (warm-up tuning included) and MiB. The cost of the buckets is a run
-with them against one with ``--graph_len_buckets`` alone (one bucket):
+Decode graphs per KV length bucket (``--graph_len_buckets``, the server flag; default the engine's, one bucket): each
+start records per bucket the graphs, capture seconds (warm-up tuning included) and MiB. The cost of the buckets is a
+run with them against one without:
 
-    python benchmarks/decode_step.py --batches 1 --graph_len_buckets --out /tmp/one_bucket.json
+    python benchmarks/decode_step.py --batches 1 --graph_len_buckets 4096 --out /tmp/buckets.json
 """
 
 import argparse

@@ -16,7 +16,7 @@ DEFAULT_MAX_REQ_TOTAL_LEN = 16384  # LightLLM's default when --max_req_total_len
 DEFAULT_KV_QUANT_GROUP_SIZE = 8
 DEFAULT_PREFILL_GRAPH_MAX_TOKENS = 512  # prompts up to this skip the eager prefill's host cost; small graphs
 # short batches get decode graphs of their own: at B=1 one graph up to 32K loses up to 11-19 % (decode_attention.md)
-DEFAULT_GRAPH_LEN_BUCKETS = (4096,)
+DEFAULT_GRAPH_LEN_BUCKETS = ()  # one bucket: a 4096 bucket closed no frozen-config loss on the H200
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 DATA_TYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "bfloat16": torch.bfloat16,
               "float16": torch.float16, "float32": torch.float32}  # fmt: skip
@@ -147,7 +147,7 @@ class EngineArgs:
         self.graph_max_len_in_batch = min(self.graph_max_len_in_batch or self.max_req_total_len, self.max_req_total_len)
         longest = self.graph_max_len_in_batch
         dropped = [b for b in self.graph_len_buckets if b >= longest]
-        if dropped and not self.disable_cudagraph and self.graph_len_buckets != DEFAULT_GRAPH_LEN_BUCKETS:
+        if dropped and not self.disable_cudagraph:
             logger.info("graph_len_buckets: %s dropped, not below --graph_max_len_in_batch %d (its own bucket)",
                         ", ".join(map(str, dropped)), longest)  # fmt: skip
         self.graph_len_buckets = tuple(b for b in self.graph_len_buckets if b < longest)

@@ -41,8 +41,8 @@ _HELP = {
     "graph_max_len_in_batch": "longest request a decode graph serves; longer batches decode eagerly; 0: "
     "max_req_total_len (default)",
     "graph_len_buckets": "KV lengths below --graph_max_len_in_batch that get decode graphs of their own (each tuned "
-    "and sized for its bucket; a batch replays the smallest bucket holding its longest request); default 4096; "
-    "the flag alone or 0: one bucket",
+    "and sized for its bucket; a batch replays the smallest bucket holding its longest request); default: none "
+    "(one bucket, graph_max_len_in_batch)",
     "disable_cudagraph": "decode and prefill eagerly (no graphs, no decode-attention tuning scope)",
     "prefill_graph_max_tokens": "a prefill step of one request with at most this many new tokens replays a CUDA "
     "graph (padded to the next of 16, 32, 64, ... up to this); 0: prefill eagerly (Qwen3.5 always does)",

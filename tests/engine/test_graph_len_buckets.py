@@ -86,7 +86,7 @@ def test_buckets_not_below_the_graph_maximum_are_dropped_with_one_line(caplog):
     args = EngineArgs(graph_len_buckets=[8192, 1024, 4096], graph_max_len_in_batch=4096, max_req_total_len=8192,
                       device="cpu").normalize()  # fmt: skip
     assert args.graph_len_buckets == (1024, 4096, 8192)
-    assert EngineArgs(device="cpu").normalize().graph_len_buckets == (4096,)  # the default
+    assert EngineArgs(device="cpu").normalize().graph_len_buckets == ()  # the default: one bucket
     with caplog.at_level(logging.INFO, logger="lightllm.engine.args"):
         args.fit_to_model(8192, 128)
         args.fit_to_model(8192, 128)  # the runner fits again after the server: nothing more to drop
@@ -114,7 +114,7 @@ def test_server_flag_takes_a_list_and_alone_means_one_bucket(tiny_dir, capsys):
     base = ["--model_dir", tiny_dir, "--device", "cpu", "--max_req_total_len", "128"]
     assert parse_args(base + ["--graph_len_buckets", "64", "16"])[1].graph_lens() == [16, 64, 128]
     assert parse_args(base + ["--graph_len_buckets"])[1].graph_lens() == [128]
-    assert parse_args(base)[1].graph_len_buckets == ()  # the default 4096 is past these graphs' 128
+    assert parse_args(base)[1].graph_len_buckets == ()  # the default: one bucket
     for bad, says in ((["4k"], "argument --graph_len_buckets: invalid int value: '4k'"),
                       (["16", "0"], "--graph_len_buckets expected distinct positive integers")):  # fmt: skip
         capsys.readouterr()
