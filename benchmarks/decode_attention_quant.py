@@ -1,0 +1,103 @@
+"""Quantized KV decode against bf16 at long lengths: per cell, the fastest of the tuner's own candidates for each KV
+type (``split_kv_configs`` for bf16, ``quant_split_kv_configs`` for INT8/INT4), graph-timed, launched for a graph whose
+maximum is the longest L (as a captured decode graph is), at quant groups 8 and 32. Reports the speed-up over bf16
+and the rate at which each kernel reads its bytes (codes + scales) relative to bf16's rate (issue 17's goal: >= 0.85).
+
+    python benchmarks/decode_attention_quant.py --out benchmarks/results/decode_attention_quant_h200.json
+"""
+
+import argparse
+import json
+import math
+import os
+import time
+
+import torch
+
+from decode_attention import SHAPES, decode_fn, kv_bytes, make_pool
+from lightllm.common.autotuner import cuda_graph_bench
+from lightllm.kernels.attention.decode import flash_decode
+
+DEFAULT_CELLS = ["hq32-hk8-d128:64", "hq24-hk4-d256:16", "hq32-hk8-d128:16", "hq24-hk4-d256:64"]
+
+
+def best_of_space(kind, q, pool, r2t, idx, seq, graph_max, out, group):
+    space = flash_decode.quant_split_kv_configs if kind != "none" else flash_decode.split_kv_configs
+    best = (math.inf, "")
+    for cfg in space(q, flash_decode.DEFAULT_BLOCK_SEQ):
+        try:
+            ms = cuda_graph_bench(decode_fn(kind, q, pool, r2t, idx, seq, graph_max, out, group, cfg))
+        except Exception as e:  # out of resources at some shapes
+            print(f"  {cfg}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            continue
+        best = min(best, (ms, json.dumps(cfg)))
+    return best
+
+
+def run(args):
+    t0, rows = time.time(), []
+    graph_max = max(args.lens)
+    kinds = [("none", 8)] + [(k, g) for k in ("int8", "int4") for g in args.groups]
+    for cell in args.cells:
+        shape, batch = cell.split(":")
+        batch = int(batch)
+        hq, hk, d = SHAPES[shape]
+        tokens = batch * graph_max
+        r2t = torch.arange(tokens, device="cuda", dtype=torch.int32).view(batch, graph_max)
+        idx = torch.arange(batch, device="cuda", dtype=torch.int32)
+        q = torch.randn(batch, hq, d, device="cuda", dtype=torch.bfloat16)
+        out = torch.empty_like(q)
+        for kind, group in kinds:
+            if time.time() - t0 > args.budget_s:
+                print(f"time budget {args.budget_s} s spent: stopping", flush=True)
+                return rows
+            pool = make_pool(kind, tokens, hk, d, group)
+            for length in args.lens:
+                seq = torch.full((batch,), length, device="cuda", dtype=torch.int32)
+                ms, cfg = best_of_space(kind, q, pool, r2t, idx, seq, graph_max, out, group)
+                rows.append({"shape": shape, "B": batch, "L": length, "kind": kind,
+                             "group": group if kind != "none" else 0, "ms": ms, "cfg": cfg,
+                             "bytes": kv_bytes(kind, batch, length, hk, d, group)})  # fmt: skip
+                print(f"{shape} B={batch} L={length} {kind} g{rows[-1]['group']}: {ms * 1e3:.1f} us {cfg}", flush=True)
+            del pool
+            torch.cuda.empty_cache()
+    return rows
+
+
+def print_table(rows):
+    base = {(r["shape"], r["B"], r["L"]): r for r in rows if r["kind"] == "none"}
+    print(f"\n{'shape':14s} {'B':>3s} {'L':>6s} kind group {'us':>8s} {'x bf16':>7s} {'rate/bf16':>9s}")
+    for r in rows:
+        b = base.get((r["shape"], r["B"], r["L"]))
+        if r["kind"] == "none" or b is None:
+            continue
+        rate = (r["bytes"] / r["ms"]) / (b["bytes"] / b["ms"])
+        print(f"{r['shape']:14s} {r['B']:3d} {r['L']:6d} {r['kind']:4s} {r['group']:5d} {r['ms'] * 1e3:8.1f} "
+              f"{b['ms'] / r['ms']:7.2f} {rate:9.2f}")  # fmt: skip
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cells", nargs="+", default=DEFAULT_CELLS, help="SHAPE:BATCH, shapes of decode_attention.py")
+    p.add_argument("--lens", nargs="+", type=int, default=[32768])
+    p.add_argument("--groups", nargs="+", type=int, default=[8, 32], help="INT8/INT4 quant group sizes")
+    p.add_argument("--budget-s", type=float, default=600.0, help="stop starting new KV types after this long")
+    p.add_argument("--analyze", metavar="JSON", help="print the table of a saved run (no GPU needed)")
+    p.add_argument("--out", default="benchmarks/results/decode_attention_quant.json")
+    args = p.parse_args()
+    if args.analyze:
+        with open(args.analyze) as f:
+            print_table(json.load(f)["rows"])
+        return
+    bad = [c for c in args.cells if c.split(":")[0] not in SHAPES or not c.partition(":")[2].isdigit()]
+    if bad:
+        p.error(f"--cells expected SHAPE:BATCH with SHAPE one of {list(SHAPES)}, got {bad}")
+    rows = run(args)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), "graph_max_len": max(args.lens), "rows": rows}, f)
+    print_table(rows)
+
+
+if __name__ == "__main__":
+    main()
