@@ -1,0 +1,40 @@
+"""benchmarks/decode_attention_quant.py, table part: speed-up over bf16 and the byte-rate ratio from a saved run."""
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCRIPT = os.path.join(REPO, "benchmarks", "decode_attention_quant.py")
+
+
+def load():
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))  # it imports its sibling decode_attention.py
+    try:
+        spec = importlib.util.spec_from_file_location("decode_attention_quant_bench", SCRIPT)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.pop(0)
+    return module
+
+
+def test_table_gives_speedup_and_byte_rate_against_bf16(capsys):
+    bench = load()
+    b, L = 16, 32768
+    bf16_bytes = bench.kv_bytes("none", b, L, 8, 128, 8)
+    int8_bytes = bench.kv_bytes("int8", b, L, 8, 128, 8)  # 1.25 bytes per element against bf16's 2
+    rows = [
+        {"shape": "hq32-hk8-d128", "B": b, "L": L, "kind": "none", "group": 0, "ms": 0.5, "bytes": bf16_bytes},
+        {"shape": "hq32-hk8-d128", "B": b, "L": L, "kind": "int8", "group": 8, "ms": 0.4, "bytes": int8_bytes},
+    ]
+    bench.print_table(rows)
+    line = [ln for ln in capsys.readouterr().out.splitlines() if " int8 " in ln][0].split()
+    assert line[-2:] == ["1.25", f"{(int8_bytes / 0.4) / (bf16_bytes / 0.5):.2f}"] and line[-1] == "0.78"
+
+
+def test_bad_cells_name_the_flag():
+    done = subprocess.run([sys.executable, SCRIPT, "--cells", "hq32-hk8-d128:x"], capture_output=True, text=True,
+                          cwd=os.path.join(REPO, "benchmarks"))  # fmt: skip
+    assert done.returncode == 2 and "--cells expected SHAPE:BATCH" in done.stderr
