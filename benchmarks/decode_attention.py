@@ -74,6 +74,20 @@ def decode_fn(kind, q, pool, r2t, idx, seq, graph_max, out, group, cfg):
     return lambda: fn(q, k, v, ks, vs, r2t, idx, seq, graph_max, out=out, quant_group=group, run_config=cfg)
 
 
+def time_configs(kind, q, pool, r2t, idx, seq, launch_len, out, group, configs):
+    """``(default ms, [[config, ms], ...])``: graph-timed launches for ``launch_len`` (inf where a config fails)."""
+    default = cuda_graph_bench(decode_fn(kind, q, pool, r2t, idx, seq, launch_len, out, group, None))
+    timed = []
+    for cfg in configs:
+        try:
+            ms = cuda_graph_bench(decode_fn(kind, q, pool, r2t, idx, seq, launch_len, out, group, cfg))
+        except Exception as e:  # out of resources at some shapes
+            ms = math.inf
+            print(f"  {cfg}: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
+        timed.append([cfg, ms])
+    return default, timed
+
+
 def fa3_times(fa3, q, pool, batch, max_len, seq):
     k, v = pool[0].view(batch, max_len, *pool[0].shape[1:]), pool[1].view(batch, max_len, *pool[1].shape[1:])
     q4 = q.unsqueeze(1)
@@ -137,16 +151,8 @@ def run(args):
             seq = torch.full((batch,), length, device="cuda", dtype=torch.int32)
             cell = {"shape": shape, "B": batch, "L": length, "kind": kind,
                     "bytes": kv_bytes(kind, batch, length, hk, d, args.group)}  # fmt: skip
-            cell["default_ms"] = cuda_graph_bench(decode_fn(kind, q, pool, r2t, idx, seq, graph_max, out,
-                                                            args.group, None))  # fmt: skip
-            cell["configs"] = []
-            for cfg in configs:
-                try:
-                    ms = cuda_graph_bench(decode_fn(kind, q, pool, r2t, idx, seq, graph_max, out, args.group, cfg))
-                except Exception as e:  # out of resources at some shapes
-                    ms = math.inf
-                    print(f"  {cfg}: {type(e).__name__}", file=sys.stderr)
-                cell["configs"].append([cfg, ms])
+            cell["default_ms"], cell["configs"] = time_configs(kind, q, pool, r2t, idx, seq, graph_max, out,
+                                                               args.group, configs)  # fmt: skip
             if kind == "none" and fa3 is not None:
                 cell["fa3_ms"] = fa3_times(fa3, q, pool, batch, graph_max, seq)
             results["cells"].append(cell)
@@ -197,15 +203,8 @@ def run_buckets(args):
         for length, launch in points:
             seq = torch.full((batch,), length, device="cuda", dtype=torch.int32)
             point = {"shape": shape, "B": batch, "kind": kind, "L": length, "launch": launch, "configs": []}
-            point["default_ms"] = cuda_graph_bench(decode_fn(kind, q, pool, r2t, idx, seq, launch, out, args.group,
-                                                             None))  # fmt: skip
-            for cfg in configs:
-                try:
-                    ms = cuda_graph_bench(decode_fn(kind, q, pool, r2t, idx, seq, launch, out, args.group, cfg))
-                except Exception as e:  # out of resources at some shapes
-                    ms = math.inf
-                    print(f"  {cfg}: {type(e).__name__}", file=sys.stderr)
-                point["configs"].append([cfg, ms])
+            point["default_ms"], point["configs"] = time_configs(kind, q, pool, r2t, idx, seq, launch, out,
+                                                                 args.group, configs)  # fmt: skip
             results["points"].append(point)
             launches += 1 + len(configs)
         del pool, r2t  # before the next setup allocates its own

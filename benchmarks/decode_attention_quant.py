@@ -8,30 +8,23 @@ and the rate at which each kernel reads its bytes (codes + scales) relative to b
 
 import argparse
 import json
-import math
 import os
 import time
 
 import torch
 
-from decode_attention import SHAPES, decode_fn, kv_bytes, make_pool
-from lightllm.common.autotuner import cuda_graph_bench
+from decode_attention import SHAPES, kv_bytes, make_pool, time_configs
 from lightllm.kernels.attention.decode import flash_decode
 
 DEFAULT_CELLS = ["hq32-hk8-d128:64", "hq24-hk4-d256:16", "hq32-hk8-d128:16", "hq24-hk4-d256:64"]
 
 
 def best_of_space(kind, q, pool, r2t, idx, seq, graph_max, out, group):
+    """The fastest of the kernel's own candidates: ``(ms, config as JSON)``."""
     space = flash_decode.quant_split_kv_configs if kind != "none" else flash_decode.split_kv_configs
-    best = (math.inf, "")
-    for cfg in space(q, flash_decode.DEFAULT_BLOCK_SEQ):
-        try:
-            ms = cuda_graph_bench(decode_fn(kind, q, pool, r2t, idx, seq, graph_max, out, group, cfg))
-        except Exception as e:  # out of resources at some shapes
-            print(f"  {cfg}: {type(e).__name__}: {str(e)[:200]}", flush=True)
-            continue
-        best = min(best, (ms, json.dumps(cfg)))
-    return best
+    configs = space(q, flash_decode.DEFAULT_BLOCK_SEQ)
+    _, timed = time_configs(kind, q, pool, r2t, idx, seq, graph_max, out, group, configs)
+    return min((ms, json.dumps(cfg)) for cfg, ms in timed)
 
 
 def run(args):

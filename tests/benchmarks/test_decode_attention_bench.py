@@ -1,28 +1,18 @@
 """benchmarks/decode_attention.py, analysis part: what each choice rule freezes from a saved run, its loss against
 each length's best and against the default (FA3: its own split heuristic), and the geo-mean gain over it."""
 
-import importlib.util
 import math
-import os
-import sys
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.benchmarks.test_linear_attention_bench import load_benchmark
+
 LENS = [1024, 4096, 8192, 16384, 32768]
 
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, os.path.join(REPO, "benchmarks"))  # it imports its sibling bandwidth.py
-    try:
-        path = os.path.join(REPO, "benchmarks", "decode_attention.py")
-        spec = importlib.util.spec_from_file_location("decode_attention_bench", path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.pop(0)
-    return module
+    return load_benchmark("decode_attention")
 
 
 def saved_run():

@@ -1,27 +1,16 @@
 """benchmarks/decode_attention_quant.py, table part: speed-up over bf16 and the byte-rate ratio from a saved run."""
 
-import importlib.util
 import os
 import subprocess
 import sys
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.benchmarks.test_linear_attention_bench import REPO, load_benchmark
+
 SCRIPT = os.path.join(REPO, "benchmarks", "decode_attention_quant.py")
 
 
-def load():
-    sys.path.insert(0, os.path.join(REPO, "benchmarks"))  # it imports its sibling decode_attention.py
-    try:
-        spec = importlib.util.spec_from_file_location("decode_attention_quant_bench", SCRIPT)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.pop(0)
-    return module
-
-
 def test_table_gives_speedup_and_byte_rate_against_bf16(capsys):
-    bench = load()
+    bench = load_benchmark("decode_attention_quant")
     b, L = 16, 32768
     bf16_bytes = bench.kv_bytes("none", b, L, 8, 128, 8)
     int8_bytes = bench.kv_bytes("int8", b, L, 8, 128, 8)  # 1.25 bytes per element against bf16's 2

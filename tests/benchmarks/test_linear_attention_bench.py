@@ -4,6 +4,7 @@ itself is a benchmark, not a test)."""
 import importlib.util
 import json
 import os
+import sys
 
 import pytest
 
@@ -11,11 +12,15 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def load_benchmark(name):
-    """``benchmarks/<name>.py`` loaded from its path (benchmarks/ is no package); shared with the other recurrent
-    benchmark's tests."""
+    """``benchmarks/<name>.py`` loaded from its path (benchmarks/ is no package, so it goes on sys.path while the
+    script imports its siblings); shared with the other benchmarks' tests."""
     spec = importlib.util.spec_from_file_location(f"{name}_bench", os.path.join(REPO, "benchmarks", f"{name}.py"))
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.pop(0)
     return module
 
 
