@@ -22,7 +22,7 @@ A step (the engine's ``spec_decode``):
 import itertools
 import os
 from pathlib import Path
-from typing import Callable, List, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import torch
 
@@ -178,21 +178,34 @@ class MTPRunner:
         self._hidden = None
 
 
+def draft_dir(args, model_dir: str) -> Optional[str]:
+    """The folder of the MTP head when it is not ``model_dir`` (``--mtp_draft_model_dir``), else None."""
+    draft = args.mtp_draft_model_dir
+    if draft is None or os.path.realpath(draft) == os.path.realpath(model_dir):
+        return None
+    return draft
+
+
 def check_mtp(args, family, config, model_dir: str, tp: int = 1) -> None:
-    """Start-up checks of ``--mtp_mode`` against the model (``ValueError``, one line, naming the flag)."""
+    """Start-up checks of ``--mtp_mode`` and ``--mtp_draft_model_dir`` against the model (``ValueError``, one line,
+    naming the flag)."""
     mode = args.mtp_mode
     if mode is None:
         return
     support = getattr(family, "mtp_support", None)
     if support is None:
         raise ValueError(f"--mtp_mode {mode}: {family.name} models have no MTP head; MTP serves Qwen3.5")
-    draft = args.mtp_draft_model_dir
-    if draft is not None and os.path.realpath(draft) != os.path.realpath(model_dir):
-        raise ValueError(f"--mtp_draft_model_dir {draft}: only the MTP head inside --model_dir's checkpoint is "
-                         f"served ({model_dir}); leave it unset or give the same folder")  # fmt: skip
-    why = support(Path(model_dir), config, mode)
+    draft = draft_dir(args, model_dir)
+    if draft is not None:
+        if not os.path.isdir(draft):
+            raise ValueError(f"--mtp_draft_model_dir {draft}: expected a folder holding the MTP head (mtp.* weights "
+                             "and a config.json), found no such folder")  # fmt: skip
+        why = family.mtp_draft_support(Path(draft), config)
+        if why is not None:
+            raise ValueError(f"--mtp_draft_model_dir {draft}: {why}")
+    why = support(Path(draft or model_dir), config, mode)  # the mode, and mtp.* weights in the head's folder
     if why is not None:
-        raise ValueError(f"--mtp_mode {mode} can't run on {model_dir}: {why}")
+        raise ValueError(f"--mtp_mode {mode} can't run on {draft or model_dir}: {why}")
     if tp > 1:
         raise ValueError(f"--mtp_mode {mode} expected --tp 1, got --tp {tp}: MTP with tensor parallelism is not "
                          "implemented")  # fmt: skip

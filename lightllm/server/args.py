@@ -59,7 +59,8 @@ _HELP = {
     "mtp_mode": "MTP speculative decoding (default off); Qwen3.5's in-checkpoint MTP layer, reused for every draft "
     "step, is eagle_with_att",
     "mtp_step": "draft tokens per decode step with --mtp_mode, 1-4",
-    "mtp_draft_model_dir": "folder of the MTP head's weights (default: --model_dir, which must hold mtp.* weights)",
+    "mtp_draft_model_dir": "folder of the MTP head: its mtp.* weights and a config.json matching --model_dir's "
+    "(default: --model_dir, which must then hold mtp.* weights)",
 }
 _OPTIONAL_TYPES = {
     "model_dir": str,
