@@ -80,7 +80,7 @@ class ModelRunner:
         check_head_dim(self.config.head_dim, self.device)
         self.tp_rank, self.tp = parallel.rank(), parallel.world()
         self.family.check_tp(self.config, self.tp)
-        check_mtp(args, self.family, self.config, self.model_dir, self.tp)
+        check_mtp(args, self.family, self.config, self.model_dir)
         mtp = {}  # only a family with an MTP head takes these
         if args.mtp_mode is not None:
             mtp = {"mtp": True, "mtp_dir": draft_dir(args, self.model_dir)}

@@ -234,7 +234,7 @@ def _fit_to_model(engine: EngineArgs, server: ServerArgs) -> None:
     engine.fit_to_model(config.max_position_embeddings, config.head_dim, checkpoint_dtype(model_dir))
     check_head_dim(config.head_dim, torch.device(engine.device))
     family.check_tp(config, server.tp)
-    check_mtp(engine, family, config, model_dir, server.tp)
+    check_mtp(engine, family, config, model_dir)
     bad = [i for i in server.eos_id if not 0 <= i < config.vocab_size]
     if bad:
         raise ValueError(f"--eos_id expected token ids in [0, {config.vocab_size}) (the model's vocab_size), "
