@@ -7,6 +7,7 @@ import os
 import sys
 
 import pytest
+import torch
 
 from lightllm.common import proc as procs
 from lightllm.engine.args import EngineArgs
@@ -107,3 +108,25 @@ def test_the_tp_runner_broadcasts_every_mtp_step(folders):
     assert set(names) <= set(STATE_CHANGING) and names[-1] == "free"
     draft = cast[2]
     assert draft == ("mtp.draft", [draft[1][0]], [draft[2][0]])  # slots and last tokens only: no callable
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_tp2_mtp_on_two_gpus(tmp_path):
+    """NCCL, bf16, the MTP verify and draft graphs (their all-reduces captured) and the eager first draft step:
+    greedy tokens at --tp 2 equal --tp 2 without MTP, and the agreeing head's drafts are accepted (~100 %)."""
+    from lightllm.tools.make_tiny_model import QWEN3_5_GPU_SHAPE
+
+    gpu = dict(data_type="bf16", device="cuda", batch_max_tokens=128, max_req_total_len=512, running_max_req_size=4,
+               graph_max_batch_size=4, max_total_token_num=4096)  # fmt: skip
+    model = str(make_tiny_qwen3_5(tmp_path / "agree", mtp="agree", seed=7, dtype="bfloat16", **QWEN3_5_GPU_SHAPE))
+    runs = [{"args": {**gpu, "model_dir": model}},
+            {"args": {**gpu, "model_dir": model, "mtp_mode": "eagle_with_att", "mtp_step": 3}}]  # fmt: skip
+    spec = {"runs": runs, "prompts": PROMPTS, "max_new_tokens": 25}
+    env = {"PYTHONPATH": REPO, "LIGHTLLM_AUTOTUNE_CONFIG_DIR": str(tmp_path / "autotune"), "HF_HUB_OFFLINE": "1"}
+    done = procs.run([sys.executable, "-m", "tests.engine.mtp_tp_probe", json.dumps(spec)], cwd=REPO,
+                     timeout=procs.HANG_TIMEOUT_S, env={**os.environ, **env})  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    off, on = json.loads(done.stdout.strip().splitlines()[-1])
+    assert on["tokens"] == off["tokens"]
+    assert on["accepted"] >= 0.9 * on["drafts"] > 0
