@@ -65,7 +65,7 @@ def test_the_head_loads_from_a_folder_of_its_own(mtp_dir, tmp_path, caplog):
     want = load_qwen3_5_weights(mtp_dir, config, torch.float32, mtp=True)
     with caplog.at_level(logging.INFO):
         got = load_qwen3_5_weights(tmp_path / "main", config, torch.float32, mtp=True, mtp_dir=tmp_path / "head")
-    assert f"{tmp_path / 'head'}: skipping 1 tensors (not the MTP head's (mtp.*))" in caplog.text
+    assert f"{tmp_path / 'head'}: skipping 1 tensors (not mtp.*: only the MTP head is read from here)" in caplog.text
     for field in ("fc", "norm_embedding", "norm_hidden", "final_norm"):
         torch.testing.assert_close(getattr(got.mtp, field), getattr(want.mtp, field), rtol=0, atol=0)
     for field in ("qkv_proj", "o_proj", "q_norm", "k_norm", "gate_up_proj", "down_proj", "input_norm", "post_norm"):

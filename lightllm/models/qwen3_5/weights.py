@@ -243,7 +243,7 @@ def load_qwen3_5_weights(
     read.folder(model_dir, main, skipped, warn_unexpected=True)
     if apart:
         head = {name: shape for name, shape in expected_shapes(config, True).items() if name not in main}
-        read.folder(head_dir, head, {"": "not the MTP head's (mtp.*)"}, warn_unexpected=False)
+        read.folder(head_dir, head, {"": "not mtp.*: only the MTP head is read from here"}, warn_unexpected=False)
     return _assemble(config, read.tensors, read.fused, mtp)
 
 
