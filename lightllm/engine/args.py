@@ -52,7 +52,7 @@ class EngineArgs:
     device: Optional[str] = None  # default: cuda if available
     mtp_mode: Optional[str] = None  # MTP speculative decoding (LightLLM's modes); None: off
     mtp_step: int = 0  # draft tokens per step with --mtp_mode (1-4)
-    mtp_draft_model_dir: Optional[str] = None  # None: --model_dir (its checkpoint's mtp.* head)
+    mtp_draft_model_dir: Optional[str] = None  # the MTP head's folder; None: --model_dir (its mtp.* head)
 
     def normalize(self) -> "EngineArgs":
         """Validate every option (``ValueError`` naming the flag) and derive what depends on others."""

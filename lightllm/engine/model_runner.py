@@ -44,7 +44,7 @@ from lightllm.common.kv_cache.sizing import (
     gpu_pool_tokens,
 )
 from lightllm.engine.args import EngineArgs
-from lightllm.engine.mtp_runner import MTPRunner, check_mtp
+from lightllm.engine.mtp_runner import MTPRunner, check_mtp, draft_dir
 from lightllm.engine.prefill_graphs import PrefillGraphs, PrefillStaging, prefill_buckets
 from lightllm.engine.staging import DecodeStaging
 from lightllm.layers import parallel
@@ -80,8 +80,10 @@ class ModelRunner:
         check_head_dim(self.config.head_dim, self.device)
         self.tp_rank, self.tp = parallel.rank(), parallel.world()
         self.family.check_tp(self.config, self.tp)
-        check_mtp(args, self.family, self.config, self.model_dir, self.tp)
-        mtp = {"mtp": True} if args.mtp_mode is not None else {}  # only a family with an MTP head takes it
+        check_mtp(args, self.family, self.config, self.model_dir)
+        mtp = {}  # only a family with an MTP head takes these
+        if args.mtp_mode is not None:
+            mtp = {"mtp": True, "mtp_dir": draft_dir(args, self.model_dir)}
         self.model = self.family.build(Path(self.model_dir), self.config, args.torch_dtype, self.device, self.tp_rank,
                                        self.tp, **mtp)  # fmt: skip
         seconds["load"] = time.perf_counter() - t

@@ -22,16 +22,18 @@ A step (the engine's ``spec_decode``):
 import itertools
 import os
 from pathlib import Path
-from typing import Callable, List, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import torch
 
+from lightllm.layers import parallel
 from lightllm.layers.infer_state import InferState
 
 
 class MTPRunner:
     def __init__(self, runner, step: int, max_reqs: int):
         self.runner, self.kv, self.model = runner, runner.kv, runner.model
+        self.tp = runner.tp
         self.head = runner.model.mtp
         self.step, self.tokens = step, step + 1
         self.max_position = runner.config.max_position_embeddings - 1
@@ -111,15 +113,16 @@ class MTPRunner:
     # ---- one speculative step ------------------------------------------------------------------------------
 
     def draft(self, slots: Sequence[int], last_tokens: Sequence[int],
-              choose: Callable[[int, torch.Tensor], torch.Tensor]) -> List[List[int]]:  # fmt: skip
-        """``N`` draft tokens per request; ``choose(k, logits [batch, vocab])`` picks the ``k``-th (0-based)."""
+              choose: Optional[Callable[[int, torch.Tensor], torch.Tensor]] = None) -> List[List[int]]:  # fmt: skip
+        """``N`` draft tokens per request; ``choose(k, logits [batch, vocab])`` picks the ``k``-th (0-based) on
+        rank 0. With tensor parallelism rank 0's picks are broadcast: the workers pass no ``choose``."""
         dev, table, n = self.runner.device, self.kv.table, self.step
         for slot, token in zip(slots, last_tokens):
             self.follow[slot].append(token)
         bases = [self.kv.seq_len(s) for s in slots]  # m: the KV length before this step
         self._token_idx = [self.kv.extend(s, self.tokens) for s in slots]
         logits, hidden = self._catch_up(slots, logits=True)
-        drafts = [choose(0, logits)]
+        drafts = [self._pick(choose, 0, logits)]
         i32 = dict(dtype=torch.int32, device=dev)
         b_req_idx = torch.tensor(slots, **i32)
         base = torch.tensor(bases, dtype=torch.int64, device=dev)
@@ -137,9 +140,20 @@ class MTPRunner:
                                    b_seq_len=live["b_seq_len"], out_token_idx=live["out_token_idx"],
                                    positions=live["positions"], max_len_in_batch=max(bases) + k)  # fmt: skip
                 logits, hidden = self.head.forward(live["input_ids"], hidden, state, out_rows=rows)
-            drafts.append(choose(k, logits))
+            drafts.append(self._pick(choose, k, logits))
         self._drafts = torch.stack(drafts, dim=1).tolist()
         return self._drafts
+
+    def _pick(self, choose, k: int, logits: torch.Tensor) -> torch.Tensor:
+        """Draft ``k`` of each request ``[batch]`` (int64): ``choose``'s on rank 0, which every other rank receives,
+        so all ranks feed the head, verify and accept the same tokens (only rank 0 samples, as in plain decode)."""
+        if choose is None and self.tp == 1:
+            raise ValueError("MTP draft: expected a choose function on rank 0, got None")
+        if choose is None:
+            tokens = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
+        else:
+            tokens = choose(k, logits).to(torch.int64).contiguous()
+        return parallel.broadcast_(tokens) if self.tp > 1 else tokens
 
     def verify(self, slots: Sequence[int], last_tokens: Sequence[int], drafts: Sequence[Sequence[int]]) -> torch.Tensor:
         """The main model over ``[t_m, d_1 .. d_N]`` of each request: float32 logits ``[batch, T, vocab]``."""
@@ -178,21 +192,31 @@ class MTPRunner:
         self._hidden = None
 
 
-def check_mtp(args, family, config, model_dir: str, tp: int = 1) -> None:
-    """Start-up checks of ``--mtp_mode`` against the model (``ValueError``, one line, naming the flag)."""
+def draft_dir(args, model_dir: str) -> Optional[str]:
+    """The folder of the MTP head when it is not ``model_dir`` (``--mtp_draft_model_dir``), else None."""
+    draft = args.mtp_draft_model_dir
+    if draft is None or os.path.realpath(draft) == os.path.realpath(model_dir):
+        return None
+    return draft
+
+
+def check_mtp(args, family, config, model_dir: str) -> None:
+    """Start-up checks of ``--mtp_mode`` and ``--mtp_draft_model_dir`` against the model (``ValueError``, one line,
+    naming the flag)."""
     mode = args.mtp_mode
     if mode is None:
         return
     support = getattr(family, "mtp_support", None)
     if support is None:
         raise ValueError(f"--mtp_mode {mode}: {family.name} models have no MTP head; MTP serves Qwen3.5")
-    draft = args.mtp_draft_model_dir
-    if draft is not None and os.path.realpath(draft) != os.path.realpath(model_dir):
-        raise ValueError(f"--mtp_draft_model_dir {draft}: only the MTP head inside --model_dir's checkpoint is "
-                         f"served ({model_dir}); leave it unset or give the same folder")  # fmt: skip
-    why = support(Path(model_dir), config, mode)
+    draft = draft_dir(args, model_dir)
+    if draft is not None:
+        if not os.path.isdir(draft):
+            raise ValueError(f"--mtp_draft_model_dir {draft}: expected a folder holding the MTP head (mtp.* weights "
+                             "and a config.json), found no such folder")  # fmt: skip
+        why = family.mtp_draft_support(Path(draft), config)
+        if why is not None:
+            raise ValueError(f"--mtp_draft_model_dir {draft}: {why}")
+    why = support(Path(draft or model_dir), config, mode)  # the mode, and mtp.* weights in the head's folder
     if why is not None:
-        raise ValueError(f"--mtp_mode {mode} can't run on {model_dir}: {why}")
-    if tp > 1:
-        raise ValueError(f"--mtp_mode {mode} expected --tp 1, got --tp {tp}: MTP with tensor parallelism is not "
-                         "implemented")  # fmt: skip
+        raise ValueError(f"--mtp_mode {mode} can't run on {draft or model_dir}: {why}")

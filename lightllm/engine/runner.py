@@ -1,15 +1,16 @@
 """The runner interface the engine drives: ``ModelRunner`` (one process) and ``server.tp.TPRunner`` (rank 0 of
 tensor parallelism) implement it.
 
-Every call that changes KV or model state is in ``STATE_CHANGING``: a tensor-parallel runner broadcasts exactly
-these to the other ranks, so their KV bookkeeping stays identical. The rest is read-only.
+Every call that changes KV or model state is in ``STATE_CHANGING`` (``mtp.*``: a call on ``runner.mtp``): a
+tensor-parallel runner broadcasts exactly these to the other ranks, so their KV bookkeeping stays identical. The
+rest is read-only.
 """
 
-from typing import Protocol, Sequence, Tuple, runtime_checkable
+from typing import List, Optional, Protocol, Sequence, Tuple, runtime_checkable
 
 import torch
 
-STATE_CHANGING = ("prefill", "decode", "add_request", "free")
+STATE_CHANGING = ("prefill", "decode", "add_request", "free", "mtp.draft", "mtp.verify", "mtp.accept")
 
 
 @runtime_checkable
@@ -23,6 +24,20 @@ class KVQueries(Protocol):
     def match_prefix(self, tokens: Sequence[int]) -> Tuple[int, int]: ...  # (cached, of them evictable now)
 
     def usage(self) -> float: ...
+
+
+@runtime_checkable
+class MTPSteps(Protocol):
+    """MTP speculative decoding's steps the engine drives (``engine/mtp_runner.py``, ``engine/spec_decode.py``)."""
+
+    @property
+    def step(self) -> int: ...  # draft tokens per request per step (--mtp_step)
+
+    def draft(self, slots: Sequence[int], last_tokens: Sequence[int], choose) -> List[List[int]]: ...
+
+    def verify(self, slots: Sequence[int], last_tokens: Sequence[int], drafts) -> torch.Tensor: ...
+
+    def accept(self, slots: Sequence[int], accepted: Sequence[int]) -> None: ...
 
 
 @runtime_checkable
@@ -43,7 +58,7 @@ class Runner(Protocol):
     def kv(self) -> KVQueries: ...
 
     @property
-    def mtp(self): ...  # with --mtp_mode: its draft / verify / accept steps (engine/mtp_runner.py), else None
+    def mtp(self) -> Optional[MTPSteps]: ...  # with --mtp_mode: its draft / verify / accept steps, else None
 
     def prefill(self, slots: Sequence[int], prompts: Sequence[Sequence[int]]) -> torch.Tensor: ...
 

@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 from lightllm.common.autotuner.dist import rank, world
 
-__all__ = ["all_reduce_", "init_tp", "rank", "world"]
+__all__ = ["all_reduce_", "broadcast_", "init_tp", "rank", "world"]
 
 
 def init_tp(rank_: int, world_: int, init_method: str, device: torch.device) -> None:
@@ -21,4 +21,11 @@ def init_tp(rank_: int, world_: int, init_method: str, device: torch.device) -> 
 def all_reduce_(x: torch.Tensor) -> torch.Tensor:
     if world() > 1:
         dist.all_reduce(x)
+    return x
+
+
+def broadcast_(x: torch.Tensor, src: int = 0) -> torch.Tensor:
+    """Every rank's ``x`` becomes rank ``src``'s (over the default group: NCCL on GPUs, no host round trip)."""
+    if world() > 1:
+        dist.broadcast(x, src)
     return x

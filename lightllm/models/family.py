@@ -58,9 +58,11 @@ class ModelFamily(Protocol):
         """KV heads one rank holds."""
 
     def build(self, model_dir: Path, config: Any, dtype: torch.dtype, device: torch.device, tp_rank: int,
-              tp: int, mtp: bool = False) -> Model:  # fmt: skip
+              tp: int, mtp: bool = False, mtp_dir: Optional[Path] = None) -> Model:  # fmt: skip
         """Load this rank's shard of the weights and build the forward module (``mtp``: with its MTP head as
-        ``model.mtp``; only a family with ``mtp_support`` is asked)."""
+        ``model.mtp``, read from ``mtp_dir`` when given, else from ``model_dir``; only a family with
+        ``mtp_support`` is asked)."""
 
     # Optional: ``mtp_support(model_dir, config, mode) -> Optional[str]``, why ``--mtp_mode mode`` can't run (None:
-    # it can). A family without it serves no MTP.
+    # it can), and ``mtp_draft_support(draft_dir, config) -> Optional[str]``, why another folder can't give the head.
+    # A family without them serves no MTP.

@@ -59,7 +59,8 @@ _HELP = {
     "mtp_mode": "MTP speculative decoding (default off); Qwen3.5's in-checkpoint MTP layer, reused for every draft "
     "step, is eagle_with_att",
     "mtp_step": "draft tokens per decode step with --mtp_mode, 1-4",
-    "mtp_draft_model_dir": "folder of the MTP head's weights (default: --model_dir, which must hold mtp.* weights)",
+    "mtp_draft_model_dir": "folder of the MTP head: its mtp.* weights and a config.json matching --model_dir's "
+    "(default: --model_dir, which must then hold mtp.* weights)",
 }
 _OPTIONAL_TYPES = {
     "model_dir": str,
@@ -233,7 +234,7 @@ def _fit_to_model(engine: EngineArgs, server: ServerArgs) -> None:
     engine.fit_to_model(config.max_position_embeddings, config.head_dim, checkpoint_dtype(model_dir))
     check_head_dim(config.head_dim, torch.device(engine.device))
     family.check_tp(config, server.tp)
-    check_mtp(engine, family, config, model_dir, server.tp)
+    check_mtp(engine, family, config, model_dir)
     bad = [i for i in server.eos_id if not 0 <= i < config.vocab_size]
     if bad:
         raise ValueError(f"--eos_id expected token ids in [0, {config.vocab_size}) (the model's vocab_size), "

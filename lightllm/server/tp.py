@@ -141,6 +141,7 @@ class TPRunner:
         self.group = group
         self.workers = workers
         self._stopped = False
+        self._mtp = TPMTPSteps(self) if runner.mtp is not None else None
 
     @property
     def args(self):
@@ -159,9 +160,9 @@ class TPRunner:
         return self.runner.model_dir
 
     @property
-    def mtp(self):
-        """None: MTP is refused with --tp > 1 at start-up (engine/mtp_runner.py check_mtp)."""
-        return None
+    def mtp(self) -> Optional["TPMTPSteps"]:
+        """With --mtp_mode: the MTP steps, broadcast as the runner's own state-changing calls are."""
+        return self._mtp
 
     @property
     def kv(self):
@@ -172,14 +173,16 @@ class TPRunner:
         dist.broadcast_object_list([cmd], src=0, group=self.group)
 
     def prefill(self, slots, prompts):
-        with self.workers.command("prefill"):
-            self._cast("prefill", list(slots), [list(p) for p in prompts])
-            return self._run(self.runner.prefill, slots, prompts)
+        return self._step("prefill", self.runner.prefill, (list(slots), [list(p) for p in prompts]))
 
     def decode(self, slots, last_tokens):
-        with self.workers.command("decode"):
-            self._cast("decode", list(slots), list(last_tokens))
-            return self._run(self.runner.decode, slots, last_tokens)
+        return self._step("decode", self.runner.decode, (list(slots), list(last_tokens)))
+
+    def _step(self, name: str, step, args: tuple, *rank0_only):
+        """Broadcast ``name`` with ``args``, then run ``step(*args, *rank0_only)`` here."""
+        with self.workers.command(name):
+            self._cast(name, *args)
+            return self._run(step, *args, *rank0_only)
 
     def _run(self, step, *args):
         """Rank 0's half of a step the workers have started: if it fails, they are left inside its collectives
@@ -213,6 +216,37 @@ class TPRunner:
         logger.info("tensor-parallel workers stopped (%d ranks)", len(self.workers.procs) + 1)
 
 
+class TPMTPSteps:
+    """Rank 0's MTP steps (``engine.runner.MTPSteps``): each is broadcast to the workers, which run it with rank 0's
+    arguments. Only rank 0 picks the draft tokens and decides acceptance: ``draft`` broadcasts each pick inside the
+    step (``MTPRunner._pick``) and ``accept`` carries rank 0's counts, so every rank keeps the same KV, state slots
+    and head entries."""
+
+    def __init__(self, tp: TPRunner):
+        self._tp, self._mtp = tp, tp.runner.mtp
+
+    @property
+    def step(self) -> int:
+        return self._mtp.step
+
+    def draft(self, slots, last_tokens, choose):
+        return self._tp._step("mtp.draft", self._mtp.draft, (list(slots), list(last_tokens)), choose)
+
+    def verify(self, slots, last_tokens, drafts):
+        args = (list(slots), list(last_tokens), [list(d) for d in drafts])
+        return self._tp._step("mtp.verify", self._mtp.verify, args)
+
+    def accept(self, slots, accepted):
+        return self._tp._step("mtp.accept", self._mtp.accept, (list(slots), list(accepted)))
+
+
+def _command_target(runner: ModelRunner, name: str):
+    """The call a command names: ``runner.<name>``, or ``runner.mtp.<step>`` for ``mtp.<step>``."""
+    if name.startswith("mtp."):
+        return getattr(runner.mtp, name[len("mtp.") :])
+    return getattr(runner, name)
+
+
 def worker_loop(runner: ModelRunner, group, progress: Optional[RankProgress] = None, rank: int = 0) -> None:
     """Run rank 0's commands until it says stop, counting them in ``progress``."""
     done = 0
@@ -226,7 +260,7 @@ def worker_loop(runner: ModelRunner, group, progress: Optional[RankProgress] = N
             raise RuntimeError(f"tensor-parallel worker: unknown command {name!r}")
         if progress is not None:
             progress.set(rank, progress.RECEIVED, done + 1)
-        getattr(runner, name)(*args)
+        _command_target(runner, name)(*args)
         done += 1
         if progress is not None:
             progress.set(rank, progress.FINISHED, done)

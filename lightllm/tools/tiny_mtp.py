@@ -11,11 +11,14 @@ Heads (``mtp``):
   the normed embedding through, its layer near the identity), so every draft is accepted (~100 %).
   ``mtp_noise`` > 0 adds ``mtp_noise`` times a random map of the hidden state to the head's ``fc``, so fewer
   drafts agree (benchmarks pick it for a target acceptance).
+
+``split_mtp_head`` moves a folder's head into a folder of its own (``--mtp_draft_model_dir``).
 """
 
 import json
+import shutil
 from pathlib import Path
-from typing import Dict
+from typing import Dict, Optional
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -91,3 +94,30 @@ def add_mtp_head(out: Path, tensors: Dict[str, torch.Tensor], dtype: torch.dtype
     config = json.loads(config_path.read_text())
     config["mtp_num_hidden_layers"] = 1
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def split_mtp_head(model_dir: Path, main_dir: Path, head_dir: Path, shards: int = 2,
+                   extra: Optional[Dict[str, torch.Tensor]] = None) -> None:  # fmt: skip
+    """Split a folder with an MTP head into ``main_dir`` (everything but the ``mtp.*`` tensors) and ``head_dir``
+    (``config.json`` and the ``mtp.*`` tensors in ``shards`` safetensors files with an index, plus ``extra``
+    tensors a head folder may carry and the loader ignores): a ``--mtp_draft_model_dir`` layout."""
+    weights = load_file(str(Path(model_dir) / "model.safetensors"))
+    head = {name: t for name, t in weights.items() if name.startswith("mtp.")}
+    for folder in (main_dir, head_dir):
+        Path(folder).mkdir(parents=True, exist_ok=True)
+    for file in Path(model_dir).iterdir():
+        if file.is_file() and file.suffix != ".safetensors":
+            shutil.copy(file, Path(main_dir) / file.name)
+    shutil.copy(Path(model_dir) / "config.json", Path(head_dir) / "config.json")
+    save_file({n: t for n, t in weights.items() if n not in head}, str(Path(main_dir) / "model.safetensors"),
+              metadata={"format": "pt"})  # fmt: skip
+    tensors = {**head, **(extra or {})}
+    names = sorted(tensors)
+    weight_map = {}
+    for i in range(shards):
+        file = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        part = {n: tensors[n].contiguous() for n in names[i::shards]}
+        save_file(part, str(Path(head_dir) / file), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(part, file))
+    index = {"metadata": {}, "weight_map": weight_map}
+    (Path(head_dir) / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")

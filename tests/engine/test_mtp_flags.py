@@ -42,9 +42,10 @@ def test_the_flags_parse_into_the_engine_args(dirs):
         (["--mtp_mode", "vanilla_with_att", "--mtp_step", "1"], "the checkpoint's single MTP layer, reused for every "
          "draft step, is --mtp_mode eagle_with_att; vanilla_with_att is not served"),
         (["--mtp_mode", "eagle_with_att", "--mtp_step", "1", "--mtp_draft_model_dir", "/elsewhere"],
-         "--mtp_draft_model_dir /elsewhere: only the MTP head inside --model_dir's checkpoint is served"),
+         "--mtp_draft_model_dir /elsewhere: expected a folder holding the MTP head (mtp.* weights and a config.json), "
+         "found no such folder"),
     ],
-    ids=["mode", "no step", "step 5", "step without mode", "vanilla", "draft dir"],
+    ids=["mode", "no step", "step 5", "step without mode", "vanilla", "no draft dir"],
 )  # fmt: skip
 def test_bad_values_are_one_line(capsys, dirs, argv, message):
     assert message in refused(capsys, dirs["mtp"], *argv)
@@ -58,6 +59,44 @@ def test_bad_values_are_one_line(capsys, dirs, argv, message):
 def test_a_model_that_cannot_serve_mtp_is_one_line(capsys, dirs, model, message):
     got = refused(capsys, dirs[model], "--mtp_mode", "eagle_with_att", "--mtp_step", "2")
     assert message.format(dir=dirs[model]) in got
+
+
+@pytest.fixture(scope="module")
+def head_dirs(tmp_path_factory, dirs):
+    """The "mtp" folder split into a main folder without ``mtp.*`` weights and a head folder; a head folder whose
+    config.json disagrees with the main model (hidden size); a folder without a config.json."""
+    from pathlib import Path
+
+    from lightllm.tools.tiny_mtp import split_mtp_head
+
+    out = tmp_path_factory.mktemp("heads")
+    split_mtp_head(Path(dirs["mtp"]), out / "main", out / "head")
+    wide = make_tiny_qwen3_5(out / "wide-model", mtp=True, hidden_size=96)
+    split_mtp_head(wide, out / "wide-main", out / "wide")
+    (out / "bare").mkdir()
+    return {name: str(out / name) for name in ("main", "head", "wide", "bare")}
+
+
+def test_a_head_folder_of_its_own_is_accepted(dirs, head_dirs):
+    argv = ["--device", "cpu", "--mtp_mode", "eagle_with_att", "--mtp_step", "2"]
+    engine = parse_args(["--model_dir", head_dirs["main"], *argv, "--mtp_draft_model_dir", head_dirs["head"]])[1]
+    assert engine.mtp_draft_model_dir == head_dirs["head"]
+
+
+@pytest.mark.parametrize(
+    "draft, message",
+    [("wide", "--mtp_draft_model_dir {wide}: its config.json hidden_size is 96, --model_dir's is 64; the MTP head "
+      "must match the main model"),
+     ("plain", "--mtp_mode eagle_with_att can't run on {plain}: its safetensors files hold no MTP head (mtp.* "
+      "weights)"),
+     ("bare", "--mtp_draft_model_dir {bare}: expected a Qwen3.5 folder with a config.json: ")],
+    ids=["config mismatch", "no head weights", "no config"],
+)  # fmt: skip
+def test_a_head_folder_that_cannot_serve_is_one_line(capsys, dirs, head_dirs, draft, message):
+    folders = {**dirs, **head_dirs}
+    got = refused(capsys, head_dirs["main"], "--mtp_mode", "eagle_with_att", "--mtp_step", "2",
+                  "--mtp_draft_model_dir", folders[draft])  # fmt: skip
+    assert message.format(**folders) in got
 
 
 def test_offline_llm_raises_the_same_message(dirs):

@@ -52,6 +52,29 @@ def test_loader_skips_the_head_unless_asked_and_reads_it_when_asked(mtp_dir, cap
         torch.testing.assert_close(head.layer.k_proj, f.get_tensor("mtp.layers.0.self_attn.k_proj.weight"))
 
 
+def test_the_head_loads_from_a_folder_of_its_own(mtp_dir, tmp_path, caplog):
+    """--mtp_draft_model_dir: the main folder without ``mtp.*`` weights, the head in two shards beside a tensor it
+    does not use (ignored, one line): the same weights as from the folder that holds both."""
+    from lightllm.tools.tiny_mtp import split_mtp_head
+
+    split_mtp_head(mtp_dir, tmp_path / "main", tmp_path / "head", extra={"model.norm.weight": torch.ones(4)})
+    assert len(list((tmp_path / "head").glob("*.safetensors"))) == 2 and not any(
+        n.startswith("mtp.") for n in tensor_names(tmp_path / "main")
+    )
+    config = Qwen3_5ModelConfig.from_model_dir(mtp_dir)
+    want = load_qwen3_5_weights(mtp_dir, config, torch.float32, mtp=True)
+    with caplog.at_level(logging.INFO):
+        got = load_qwen3_5_weights(tmp_path / "main", config, torch.float32, mtp=True, mtp_dir=tmp_path / "head")
+    assert f"{tmp_path / 'head'}: skipping 1 tensors (not mtp.*: only the MTP head is read from here)" in caplog.text
+    for field in ("fc", "norm_embedding", "norm_hidden", "final_norm"):
+        torch.testing.assert_close(getattr(got.mtp, field), getattr(want.mtp, field), rtol=0, atol=0)
+    for field in ("qkv_proj", "o_proj", "q_norm", "k_norm", "gate_up_proj", "down_proj", "input_norm", "post_norm"):
+        torch.testing.assert_close(getattr(got.mtp.layer, field), getattr(want.mtp.layer, field), rtol=0, atol=0)
+    torch.testing.assert_close(got.final_norm, want.final_norm, rtol=0, atol=0)  # not the head folder's stray one
+    with pytest.raises(ModelLoadError, match=r"main: tensor mtp\.\S+ is missing .*--mtp_mode needs"):
+        load_qwen3_5_weights(mtp_dir, config, torch.float32, mtp=True, mtp_dir=tmp_path / "main")
+
+
 def test_a_folder_without_the_head_is_a_one_line_error_naming_the_tensor(tmp_path):
     plain = make_tiny_qwen3_5(tmp_path, seed=5)
     with pytest.raises(

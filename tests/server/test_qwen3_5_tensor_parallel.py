@@ -1,6 +1,8 @@
 """Qwen3.5 served from its folder with --tp 2 on the CPU (gloo): linear-attention heads and state split by heads,
 the same greedy tokens and logprobs as one process; chat through the folder's template."""
 
+import re
+
 import httpx
 from server_helpers import assert_generates_like, running_server
 
@@ -25,3 +27,24 @@ def test_tp2_matches_one_process(tmp_path):
         assert chat.status_code == 200 and chat.json()["usage"]["completion_tokens"] >= 1
     (log,) = tmp_path.glob("server-*.log")
     assert "Traceback" not in log.read_text()
+
+
+def test_tp2_serves_mtp(tmp_path, monkeypatch):
+    """--tp 2 with MTP (the head sharded like the main model, rank 0's drafts and acceptance broadcast): /generate
+    gives one process's tokens and logprobs without MTP, and the drafts are accepted (the agreeing head)."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # two ranks on two cores: spinning OpenMP threads starve gloo
+    model = str(make_tiny_qwen3_5(tmp_path / "model", mtp="agree", seed=4))
+    opts = dict(data_type="fp32", device="cpu", batch_max_tokens=64, max_req_total_len=128, running_max_req_size=4)
+    args = ["--model_dir", model, "--tp", "2", "--data_type", "fp32", "--device", "cpu", "--batch_max_tokens", "64",
+            "--max_req_total_len", "128", "--running_max_req_size", "4", "--mtp_mode", "eagle_with_att",
+            "--mtp_step", "2"]  # fmt: skip
+    prompts = [[5, 6, 7, 8, 9], list(range(30, 50))]
+    ref = LLM(model, **opts).generate(prompts, SamplingParams(max_new_tokens=8, logprobs=True, ignore_eos=True))
+    with running_server(tmp_path, args) as base:
+        assert_generates_like(base, prompts, ref)
+        metrics = httpx.get(base + "/metrics", timeout=procs.HANG_TIMEOUT_S).text
+    accepted = re.search(r"^lightllm_spec_decode_num_accepted_tokens_total (\S+)", metrics, re.M)
+    assert accepted and float(accepted.group(1)) > 0, metrics[-2000:]
+    (log,) = tmp_path.glob("server-*.log")
+    text = log.read_text()
+    assert "tensor-parallel workers stopped (2 ranks)" in text and "Traceback" not in text

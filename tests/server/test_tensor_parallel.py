@@ -171,6 +171,8 @@ def test_a_failed_rank_0_step_ends_every_rank():
     from lightllm.server.tp import TPRunner
 
     class FakeRunner:
+        mtp = None  # no --mtp_mode
+
         def decode(self, slots, tokens):
             raise RuntimeError("CUDA error: an illegal memory access")
 

@@ -7,6 +7,12 @@ indexed by the main model's ``req_to_token`` table, so position ``i`` of both li
 final norm and the shared ``lm_head``: logits for the token after ``t``. Its output hidden state (after
 ``mtp.norm``, as vLLM chains it) is the ``h`` of the next draft step: one layer reused for every draft step
 (LightLLM's ``eagle_with_att``).
+
+Tensor parallelism: the layer is sharded as the main model's full-attention layers are (heads, its KV and
+``gate_up_proj`` by rank; ``o_proj`` and ``down_proj`` row-parallel, their outputs all-reduced), so every rank holds
+the same hidden state after it. ``fc`` is replicated: it is one ``[hidden, 2 * hidden]`` GEMM per draft step over a
+handful of tokens, so splitting it would save half a small GEMM and add a collective (an all-gather of its output)
+that costs as much at decode batch sizes. Embedding, norms and ``lm_head`` are the main model's (replicated).
 """
 
 from typing import Optional, Tuple
@@ -15,6 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from lightllm.layers.infer_state import InferState
+from lightllm.layers.parallel import all_reduce_
+from lightllm.models.qwen3.model import unchanged
 from lightllm.models.qwen3_5.weights import MTPWeights
 
 
@@ -23,6 +31,7 @@ class Qwen3_5MTP:
         self.main = main  # the Qwen3_5Model: its attention backend, layer code and shared embedding / lm_head
         self.w = weights
         self.kv_layer = main.config.num_kv_layers  # the pool layer after the main model's
+        self._reduce = all_reduce_ if main.tp > 1 else unchanged  # row-parallel o_proj / down_proj outputs
 
     def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, state: InferState,
                 out_rows: Optional[torch.Tensor] = None) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:  # fmt: skip
@@ -44,8 +53,8 @@ class Qwen3_5MTP:
         out = m._full_attention(self.kv_layer, lw, x, ops, state)  # writes the head's KV
         if out_rows is None:
             return None
-        x = ops.add_norm(h, out, lw.post_norm)
-        mlp = F.linear(ops.silu_mul(F.linear(x, lw.gate_up_proj)), lw.down_proj)
+        x = ops.add_norm(h, self._reduce(out), lw.post_norm)
+        mlp = self._reduce(F.linear(ops.silu_mul(F.linear(x, lw.gate_up_proj)), lw.down_proj))
         if rows_out != tokens:
             h, mlp = h[out_rows], mlp[out_rows]
         normed = ops.final_add_norm(h, mlp, w.final_norm)

@@ -8,7 +8,8 @@ copied straight into its rows; the checkpoint names remain as views. The zero-ce
 final, q/k norms) are kept as ``1 + weight`` in float32, the scale transformers multiplies by; the gated norm's
 weight is plain. The
 vision tower (``model.visual.*``) is skipped with one log line; so is the MTP head (``mtp.*``) unless it is asked
-for (``mtp=True``: ``--mtp_mode``), when it loads as :class:`MTPWeights`.
+for (``mtp=True``: ``--mtp_mode``), when it loads as :class:`MTPWeights`, from the model's folder or from another
+one (``--mtp_draft_model_dir``) whose other tensors are skipped with one line.
 
 The MTP head, in the real checkpoints' names (``mtp_num_hidden_layers`` = 1): ``mtp.fc`` ``[hidden, 2 * hidden]``
 over ``[pre_fc_norm_embedding(embed(token)); pre_fc_norm_hidden(hidden)]``, one full-attention decoder layer
@@ -219,70 +220,103 @@ def load_qwen3_5_weights(
     device: Union[str, torch.device] = "cpu",
     shard: Optional[ShardSpec] = None,
     mtp: bool = False,
+    mtp_dir: Optional[Union[str, Path]] = None,
 ) -> Qwen3_5Weights:
     """Read, check (shape, source dtype), cast and move every tensor the text model uses; ModelLoadError (one
     line) on a missing or misshapen tensor. Unused tensors are skipped: vision and MTP ones with one line each,
     any other with one warning. ``shard(field)`` gives the part of a layer tensor this tensor-parallel rank
     keeps; only that part is read. The parts of a fused weight (``FUSED_PARTS``) are copied straight into its
-    rows as they are read, so no second copy of them is ever held. ``mtp``: the MTP head too (``MTPWeights``)."""
+    rows as they are read, so no second copy of them is ever held. ``mtp``: the MTP head too (``MTPWeights``),
+    from ``mtp_dir`` when given (``--mtp_draft_model_dir``: its other tensors are skipped with one line), else
+    from ``model_dir``."""
     if dtype not in _DTYPES:
         raise ModelLoadError(f"dtype {dtype} is not supported; use torch.float16, torch.bfloat16 or torch.float32")
     model_dir = Path(model_dir)
-    if not model_dir.is_dir():
-        raise ModelLoadError(f"{model_dir}: model folder not found")
-    shapes = expected_shapes(config, mtp)
-    where = {name: (i, field) for i in _layers(config, mtp) for field, (name, _) in _layer_names(config, i).items()}
-    fused_rows = _fused_rows(config, shard)
-    tensors: Dict[str, torch.Tensor] = {}
-    fused: Dict[Tuple[int, str], torch.Tensor] = {}
-    skipped = {prefix: 0 for prefix in _SKIPPED}
-    unexpected: List[str] = []
+    head_dir = Path(mtp_dir) if mtp and mtp_dir is not None else model_dir
+    for folder in (model_dir, head_dir):
+        if not folder.is_dir():
+            raise ModelLoadError(f"{folder}: model folder not found")
+    apart = head_dir.resolve() != model_dir.resolve()
+    read = _Reader(config, dtype, device, shard, mtp)
+    main = expected_shapes(config, mtp and not apart)
+    skipped = {**_SKIPPED, MTP_PREFIX: f"MTP head: read from {head_dir}"} if apart else _SKIPPED
+    read.folder(model_dir, main, skipped, warn_unexpected=True)
+    if apart:
+        head = {name: shape for name, shape in expected_shapes(config, True).items() if name not in main}
+        read.folder(head_dir, head, {"": "not mtp.*: only the MTP head is read from here"}, warn_unexpected=False)
+    return _assemble(config, read.tensors, read.fused, mtp)
 
-    def unknown(name: str) -> None:
-        prefix = next((p for p in _SKIPPED if name.startswith(p)), None)
-        if prefix is not None:
-            skipped[prefix] += 1
-        elif not (config.tie_word_embeddings and name == "lm_head.weight"):
-            unexpected.append(name)
 
-    def missing_hint(name: str) -> str:
-        return (
-            "; --mtp_mode needs the checkpoint's MTP head (mtp.* weights)"
-            if mtp and name.startswith(MTP_PREFIX)
-            else ""
-        )
+class _Reader:
+    """Reads the checkpoint's tensors into ``tensors`` (by HF name) and ``fused`` (by layer and fused weight)."""
 
-    for f, name, view in checked_tensors(model_dir, shapes, unknown, missing_hint):
-        layer, field = where.get(name, (None, None))
-        part = shard(field) if shard is not None and field is not None else None
-        if field in FUSED_PARTS:
-            target, first, end = fused_rows[field]
-            if (layer, target) not in fused:
-                rows = max(e for t, _, e in fused_rows.values() if t == target)
-                fused[layer, target] = torch.empty(rows, config.hidden_size, dtype=dtype, device=device)
-            dest = fused[layer, target]
+    def __init__(self, config: Qwen3_5ModelConfig, dtype: torch.dtype, device, shard: Optional[ShardSpec],
+                 mtp: bool):  # fmt: skip
+        self.config, self.dtype, self.device, self.shard, self.mtp = config, dtype, device, shard, mtp
+        self.where = {
+            name: (i, field) for i in _layers(config, True) for field, (name, _) in _layer_names(config, i).items()
+        }
+        self.fused_rows = _fused_rows(config, shard)
+        self.tensors: Dict[str, torch.Tensor] = {}
+        self.fused: Dict[Tuple[int, str], torch.Tensor] = {}
+
+    def folder(self, folder: Path, shapes: Dict[str, Tuple[int, ...]], skipped_reasons: Dict[str, str],
+               warn_unexpected: bool) -> None:  # fmt: skip
+        """Every tensor of ``shapes`` from ``folder``; the others are counted per prefix of ``skipped_reasons``
+        (one line each) or, past those, warned about (``warn_unexpected``) or ignored."""
+        c, shard = self.config, self.shard
+        skipped = {prefix: 0 for prefix in skipped_reasons}
+        unexpected: List[str] = []
+
+        def unknown(name: str) -> None:
+            prefix = next((p for p in skipped_reasons if name.startswith(p)), None)
+            if prefix is not None:
+                skipped[prefix] += 1
+            elif not (c.tie_word_embeddings and name == "lm_head.weight"):
+                unexpected.append(name)
+
+        def missing_hint(name: str) -> str:
+            return (
+                "; --mtp_mode needs the checkpoint's MTP head (mtp.* weights)"
+                if self.mtp and name.startswith(MTP_PREFIX)
+                else ""
+            )
+
+        for f, name, view in checked_tensors(folder, shapes, unknown, missing_hint):
+            layer, field = self.where.get(name, (None, None))
+            part = shard(field) if shard is not None and field is not None else None
+            if field in FUSED_PARTS:
+                self._into_fused(f, name, view, layer, field, part)
+                continue
             if part is None:
-                dest[first:end].copy_(f.get_tensor(name))
-            else:  # row shards only: each slice into the next rows
-                for s in part[1]:
-                    rows = view[s]
-                    dest[first : first + rows.shape[0]].copy_(rows)
-                    first += rows.shape[0]
-            continue
+                tensor = f.get_tensor(name)
+            else:
+                dim, slices = part
+                tensor = torch.cat([view[s] if dim == 0 else view[:, s] for s in slices], dim=dim)
+            self.tensors[name] = tensor.to(device=self.device, dtype=self.dtype)
+        for prefix, count in skipped.items():
+            if count:
+                what = f"{prefix}* tensors" if prefix else "tensors"
+                logger.info("%s: skipping %d %s (%s)", folder, count, what, skipped_reasons[prefix])
+        if unexpected and warn_unexpected:
+            more = f" and {len(unexpected) - 5} more" if len(unexpected) > 5 else ""
+            logger.warning("%s: ignoring %d tensors Qwen3.5 does not use: %s%s", folder, len(unexpected),
+                           ", ".join(sorted(unexpected)[:5]), more)  # fmt: skip
+
+    def _into_fused(self, f, name: str, view, layer, field: str, part) -> None:
+        target, first, end = self.fused_rows[field]
+        if (layer, target) not in self.fused:
+            rows = max(e for t, _, e in self.fused_rows.values() if t == target)
+            self.fused[layer, target] = torch.empty(rows, self.config.hidden_size, dtype=self.dtype,
+                                                    device=self.device)  # fmt: skip
+        dest = self.fused[layer, target]
         if part is None:
-            tensor = f.get_tensor(name)
-        else:
-            dim, slices = part
-            tensor = torch.cat([view[s] if dim == 0 else view[:, s] for s in slices], dim=dim)
-        tensors[name] = tensor.to(device=device, dtype=dtype)
-    for prefix, count in skipped.items():
-        if count:
-            logger.info("%s: skipping %d %s* tensors (%s)", model_dir, count, prefix, _SKIPPED[prefix])
-    if unexpected:
-        more = f" and {len(unexpected) - 5} more" if len(unexpected) > 5 else ""
-        logger.warning("%s: ignoring %d tensors Qwen3.5 does not use: %s%s", model_dir, len(unexpected),
-                       ", ".join(sorted(unexpected)[:5]), more)  # fmt: skip
-    return _assemble(config, tensors, fused, mtp)
+            dest[first:end].copy_(f.get_tensor(name))
+        else:  # row shards only: each slice into the next rows
+            for s in part[1]:
+                rows = view[s]
+                dest[first : first + rows.shape[0]].copy_(rows)
+                first += rows.shape[0]
 
 
 def _one_plus(w: torch.Tensor) -> torch.Tensor:
