@@ -187,14 +187,14 @@ class Engine:
             reqs, tokens, logprobs, tops = ([x[i] for i in keep] for x in (reqs, tokens, logprobs, tops))
         if self.observer is not None:
             self._observe_tokens(reqs, now)
+        finish_reason, reasons = self.scheduler.finish_reason, []
         for req, tok in zip(reqs, tokens):
             req.last_token_time = now
             req.output_ids.append(tok)
-        self._emit_tokens(reqs, tokens, logprobs, tops)
+            reasons.append(finish_reason(req, tok))
+        self._emit_tokens(reqs, tokens, logprobs, tops)  # before any finish: a request's token comes first
         alive = []
-        finish_reason = self.scheduler.finish_reason
-        for req, tok in zip(reqs, tokens):
-            reason = finish_reason(req, tok)
+        for req, reason in zip(reqs, reasons):
             if reason is None:
                 alive.append(req)
             else:

@@ -168,9 +168,10 @@ class KVCacheManager:
         self.slots.check_allocated_each("KVCacheManager.extend_each", slots)
         if len(set(slots)) != len(slots):
             raise ValueError(f"KVCacheManager.extend_each: slots expected distinct, got {list(slots)}")
-        positions = [self._seq_lens[s] for s in slots]
-        full = [s for s, p in zip(slots, positions) if p + 1 > self.max_len]
-        if full:
+        seq_lens = self._seq_lens
+        positions = [seq_lens[s] for s in slots]
+        if positions and max(positions) >= self.max_len:
+            full = [s for s, p in zip(slots, positions) if p >= self.max_len]
             raise ValueError(f"KVCacheManager.extend_each: slots {full} already hold max_len {self.max_len} tokens")
         if self.contiguous_slots:
             token_idx = torch.tensor([s * self.max_len + p for s, p in zip(slots, positions)], dtype=torch.int64)
@@ -180,7 +181,7 @@ class KVCacheManager:
             return token_idx
         if write_table:
             self.req_to_token.write_points(slots, positions, token_idx)
-        held, seq_lens, last_extend = self._held_decode, self._seq_lens, self._last_extend
+        held, last_extend = self._held_decode, self._last_extend
         for s, p, t in zip(slots, positions, token_idx.tolist()):
             held[s].append(t)
             seq_lens[s] = p + 1
