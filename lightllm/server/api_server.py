@@ -111,7 +111,7 @@ class Server:
             self.mailbox.bind(asyncio.get_running_loop())
             self.loop.start()
             # What start-up built (modules, the app, the tokenizer: ~250 K objects) is never garbage: kept out of
-            # the collector's full passes, which cost this process 0.1 ms a decode step at batch 64 otherwise.
+            # the collector's passes (its time in this process at batch 64: 0.10 -> 0.02 ms a decode step).
             gc.freeze()
             yield
             gc.unfreeze()
@@ -417,7 +417,8 @@ class _Inbox:
     queue makes a task per wait, and a streaming request waits once per token). ``each_token`` False (a handler
     that needs no text until the end): the finish wakes the handler, and otherwise only every ``_DRAIN_EVENTS``
     tokens (its timer still does, for the disconnect check), so that a long generation's events do not pile up
-    as objects every garbage collection walks (64 requests x 3072 tokens cost the HTTP process 0.2 ms a step)."""
+    as objects every garbage collection walks (at batch 64, 3072 tokens each, the collector's time in this process
+    fell from 0.18 to 0.10 ms a step)."""
 
     def __init__(self, each_token: bool = True):
         self._items: Deque[Event] = collections.deque()
