@@ -64,8 +64,8 @@ class Engine:
     def __init__(self, runner: Runner, eos_ids: Iterable[int], observer: Optional[StepObserver] = None,
                  emit_tokens: Optional[TokenSink] = None):  # fmt: skip
         """``emit_tokens``: takes each step's sampled tokens in one call instead of one ``emit`` per request (the
-        engine process packs them into its step message); finishes still go through each request's ``emit``,
-        after the step's tokens."""
+        engine process packs them into its step message); finishes still go through each request's ``emit``, a
+        request's after its last token."""
         self.runner = runner
         self.scheduler = Scheduler(runner, eos_ids)
         self.processor = LogitsProcessor(runner.config.vocab_size, runner.device, self.scheduler.eos)
@@ -192,7 +192,8 @@ class Engine:
             req.last_token_time = now
             req.output_ids.append(tok)
             reasons.append(finish_reason(req, tok))
-        self._emit_tokens(reqs, tokens, logprobs, tops)  # before any finish: a request's token comes first
+        if reqs:  # before any finish: a request's token comes first
+            self._emit_tokens(reqs, tokens, logprobs, tops)
         alive = []
         for req, reason in zip(reqs, reasons):
             if reason is None:

@@ -280,8 +280,9 @@ class _EngineSide:
         records, calls = self.records, self.recorder.take()
         if not records and not calls:
             return
-        self.conn.send(("step", list(records), calls))
+        out = list(records)
         records.clear()  # the same list: every emitter appends to it
+        self.conn.send(("step", out, calls))
 
     def _receive(self) -> None:
         while True:
