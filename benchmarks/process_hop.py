@@ -28,10 +28,12 @@ def _echo(conn) -> None:
 
 
 def step_message(batch: int, rng: random.Random) -> tuple:
-    """What the engine process sends per decode step (engine_proc._EngineSide._send_step)."""
-    events = [(f"{i:032x}", "token", rng.randrange(50000), -rng.random(), "", None, 0) for i in range(batch)]
-    calls = [("on_token", (False, 0.01))] * batch + [("on_step", ("decode", batch, 0.001))]
-    return ("step", events, calls)
+    """What the engine process sends per decode step (engine_proc._EngineSide._send_step): the step's tokens as one
+    record of columns, its token latencies in one ``on_tokens`` call."""
+    tokens = ("tokens", [f"{i:032x}" for i in range(batch)], [rng.randrange(50000) for _ in range(batch)],
+              [-rng.random() for _ in range(batch)], None, [0] * batch)  # fmt: skip
+    calls = [("on_tokens", ([], [0.01] * batch)), ("on_step", ("decode", batch, 0.001))]
+    return ("step", [tokens], calls)
 
 
 def hop_us(batch: int, steps: int) -> dict:

@@ -16,7 +16,7 @@ import logging
 import queue
 import threading
 import time
-from typing import Iterable, List, Optional, Protocol, Set, Tuple
+from typing import Callable, Iterable, List, Optional, Protocol, Sequence, Set, Tuple
 
 import torch
 
@@ -38,6 +38,10 @@ class StepObserver(Protocol):
 
     def on_token(self, first: bool, seconds: float) -> None: ...  # since arrival (first) or the previous token
 
+    # Optional: a step's tokens in one call, seconds since arrival for first tokens and since the previous token for
+    # the others; an observer without it gets ``on_token`` per token.
+    def on_tokens(self, first: Sequence[float], later: Sequence[float]) -> None: ...
+
     def on_step(self, kind: str, batch_size: int, seconds: float) -> None: ...
 
     def on_spec(self, drafts: int, accepted: int) -> None: ...  # MTP: drafts proposed and accepted in one step
@@ -52,12 +56,22 @@ def eos_token_ids(config, tokenizer, extra: Iterable[int] = ()) -> Set[int]:
     return eos
 
 
+# A step's sampled tokens in one call: (requests, token ids, logprobs, top logprobs or None per request).
+TokenSink = Callable[[List[Request], List[int], List[float], List[Optional[list]]], None]
+
+
 class Engine:
-    def __init__(self, runner: Runner, eos_ids: Iterable[int], observer: Optional[StepObserver] = None):
+    def __init__(self, runner: Runner, eos_ids: Iterable[int], observer: Optional[StepObserver] = None,
+                 emit_tokens: Optional[TokenSink] = None):  # fmt: skip
+        """``emit_tokens``: takes each step's sampled tokens in one call instead of one ``emit`` per request (the
+        engine process packs them into its step message); finishes still go through each request's ``emit``, a
+        request's after its last token."""
         self.runner = runner
         self.scheduler = Scheduler(runner, eos_ids)
         self.processor = LogitsProcessor(runner.config.vocab_size, runner.device, self.scheduler.eos)
         self.observer = observer
+        self._on_tokens = getattr(observer, "on_tokens", None)
+        self._emit_tokens = emit_tokens or _emit_each
         self.spec = SpecDecoder(self) if getattr(runner, "mtp", None) is not None else None  # fakes may lack it
         self._inbox: "queue.Queue[Request]" = queue.Queue()
         self._aborts: "queue.Queue[Tuple[str, str]]" = queue.Queue()
@@ -162,33 +176,51 @@ class Engine:
             reasons.setdefault(request_id, reason)
 
     def _postprocess(self, reqs: List[Request], logits: torch.Tensor) -> List[Request]:
-        """Append each request's sampled token, emit it, finish the requests that end: those that go on."""
+        """Append each request's sampled token, emit the step's tokens, finish the requests that end: those that go
+        on. Per-request work is plain Python over lists: one host transfer per step, none per request."""
         now = time.perf_counter()
-        alive = []
-        for req, drawn in zip(reqs, self._sample(reqs, logits)):
-            if drawn is None:
-                self._finish(req, "error")
-                continue
-            tok, lp, top = drawn
-            if self.observer is not None:
-                first = req.last_token_time is None
-                self.observer.on_token(first, now - (req.arrival if first else req.last_token_time))
+        tokens, logprobs, tops = self._sample(reqs, logits)
+        failed = []
+        if None in tokens:  # some request's own draw failed: it ends with "error", the others go on
+            failed = [r for r, t in zip(reqs, tokens) if t is None]
+            keep = [i for i, t in enumerate(tokens) if t is not None]
+            reqs, tokens, logprobs, tops = ([x[i] for i in keep] for x in (reqs, tokens, logprobs, tops))
+        if self.observer is not None:
+            self._observe_tokens(reqs, now)
+        finish_reason, reasons = self.scheduler.finish_reason, []
+        for req, tok in zip(reqs, tokens):
             req.last_token_time = now
             req.output_ids.append(tok)
-            req.emit(Event("token", tok, lp, top_logprobs=top, cached_tokens=req.num_cached_tokens or 0))
-            reason = self.scheduler.finish_reason(req, tok)
+            reasons.append(finish_reason(req, tok))
+        if reqs:  # before any finish: a request's token comes first
+            self._emit_tokens(reqs, tokens, logprobs, tops)
+        alive = []
+        for req, reason in zip(reqs, reasons):
             if reason is None:
                 alive.append(req)
             else:
                 self._finish(req, reason)
+        for req in failed:
+            self._finish(req, "error")
         return alive
 
-    def _sample(self, reqs: List[Request], logits: torch.Tensor) -> List[Optional[tuple]]:
-        """(token, logprob, top logprobs or None) per request, None for one whose own draw fails. The batch is
-        drawn at once; if that raises, each request is drawn alone, so only the requests that cause the failure
-        lose their draw; seeded
-        generators are first put back where the failed batch draw found them, so a seed's tokens do not depend on
-        a neighbour's failure."""
+    def _observe_tokens(self, reqs: List[Request], now: float) -> None:
+        """Time to first token or since the previous token, for each request's new token (before ``now`` is
+        recorded as its last token time)."""
+        if self._on_tokens is None:
+            for req in reqs:
+                first = req.last_token_time is None
+                self.observer.on_token(first, now - (req.arrival if first else req.last_token_time))
+            return
+        first = [now - r.arrival for r in reqs if r.last_token_time is None]
+        later = [now - r.last_token_time for r in reqs if r.last_token_time is not None]
+        self._on_tokens(first, later)
+
+    def _sample(self, reqs: List[Request], logits: torch.Tensor) -> Tuple[list, List[float], List[Optional[list]]]:
+        """(tokens, logprobs, top logprobs or None) per request; a request whose own draw fails gets token None.
+        The batch is drawn at once; if that raises, each request is drawn alone, so only the requests that cause
+        the failure lose their draw; seeded generators are first put back where the failed batch draw found them,
+        so a seed's tokens do not depend on a neighbour's failure."""
         seeded = [(r.generator, r.generator.get_state()) for r in reqs if r.generator is not None]
         try:
             return self._draw(reqs, logits)
@@ -196,32 +228,36 @@ class Engine:
             logger.exception("sampling a batch of %d requests failed; sampling them one by one", len(reqs))
         for generator, state in seeded:
             generator.set_state(state)
-        drawn = []
+        tokens, logprobs, tops = [], [], []
         for i, req in enumerate(reqs):
             try:
-                drawn += self._draw([req], logits[i : i + 1])
+                tok, lp, top = self._draw([req], logits[i : i + 1])
             except Exception:
                 logger.exception("sampling request %s failed; it ends with finish_reason error", req.id)
-                drawn.append(None)
-        return drawn
+                tok, lp, top = [None], [0.0], [None]
+            tokens += tok
+            logprobs += lp
+            tops += top
+        return tokens, logprobs, tops
 
-    def _draw(self, reqs: List[Request], logits: torch.Tensor) -> List[tuple]:
+    def _draw(self, reqs: List[Request], logits: torch.Tensor) -> Tuple[List[int], List[float], List[Optional[list]]]:
         """Penalties and bias (only for the requests that ask), the draw, and the top logprobs (only when asked):
-        (token, logprob, top logprobs or None) per request."""
+        tokens, logprobs and top logprobs (or None) per request."""
         params = [r.params for r in reqs]
         changed = self.processor.apply(logits, reqs)
+        generators = [r.generator for r in reqs]
         if changed is logits:
-            tokens, logprobs = sample(logits, params, [r.generator for r in reqs])
+            tokens, logprobs = sample(logits, params, generators)
         else:
-            tokens, logprobs = sample(changed, params, [r.generator for r in reqs], raw_logits=logits)
-        k = max(p.top_logprobs for p in params)
+            tokens, logprobs = sample(changed, params, generators, raw_logits=logits)
+        k = max([p.top_logprobs for p in params])
         tops = [None] * len(reqs)
         if k:
             ids, values = top_logprobs(logits, k)
             tops = [list(zip(i[: p.top_logprobs], v[: p.top_logprobs])) if p.top_logprobs else None
                     for i, v, p in zip(ids, values, params)]  # fmt: skip
         self.processor.record(reqs, tokens)
-        return list(zip(tokens.tolist(), logprobs.tolist(), tops))
+        return tokens.tolist(), logprobs.tolist(), tops
 
     def _finish(self, req: Request, reason: str) -> None:
         self.processor.release(req)
@@ -230,3 +266,9 @@ class Engine:
         except (ValueError, KVCacheFull):
             logger.exception("freeing request %s", req.id)
         req.emit(Event("finish", finish_reason=reason, cached_tokens=req.num_cached_tokens or 0))
+
+
+def _emit_each(reqs: List[Request], tokens: List[int], logprobs: List[float], tops: List[Optional[list]]) -> None:
+    """The default ``TokenSink``: a token event through each request's own ``emit``."""
+    for req, tok, lp, top in zip(reqs, tokens, logprobs, tops):
+        req.emit(Event("token", tok, lp, top_logprobs=top, cached_tokens=req.num_cached_tokens or 0))

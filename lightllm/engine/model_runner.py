@@ -46,7 +46,7 @@ from lightllm.common.kv_cache.sizing import (
 from lightllm.engine.args import EngineArgs
 from lightllm.engine.mtp_runner import MTPRunner, check_mtp, draft_dir
 from lightllm.engine.prefill_graphs import PrefillGraphs, PrefillStaging, prefill_buckets
-from lightllm.engine.staging import DecodeStaging
+from lightllm.engine.staging import DecodeStaging, host_to_device
 from lightllm.layers import parallel
 from lightllm.layers.attention import AttentionBackend, check_head_dim, make_pool
 from lightllm.layers.infer_state import InferState
@@ -324,7 +324,7 @@ class ModelRunner:
         staging, bs = self._staging, len(slots)
         staged = staging is not None and bs <= staging.rows
         token_idx = self.kv.extend_each(slots, write_table=not staged)  # staged: written from the staged columns
-        seq_lens = [self.kv.seq_len(s) for s in slots]
+        seq_lens = self.kv.seq_lens(slots)
         max_len = max(seq_lens)
         graph = self.graphs.pick(bs, max_len) if self.graphs else None
         positions = [n - 1 for n in seq_lens]
@@ -338,19 +338,17 @@ class ModelRunner:
             b = {name: view[:bs] for name, view in self._buf.items()}
         else:
             i32, i64 = torch.int32, torch.int64
-            b = {"input_ids": torch.tensor(list(last_tokens), dtype=i64, device=dev),
-                 "positions": torch.tensor(positions, dtype=i64, device=dev), "out_token_idx": token_idx.to(dev),
-                 "b_req_idx": torch.tensor(slots, dtype=i32, device=dev),
-                 "b_seq_len": torch.tensor(seq_lens, dtype=i32, device=dev)}  # fmt: skip
+            b = {"input_ids": host_to_device(list(last_tokens), i64, dev),
+                 "positions": host_to_device(positions, i64, dev), "out_token_idx": token_idx.to(dev),
+                 "b_req_idx": host_to_device(slots, i32, dev),
+                 "b_seq_len": host_to_device(seq_lens, i32, dev)}  # fmt: skip
         state = InferState(is_prefill=False, b_req_idx=b["b_req_idx"], req_to_token=self.kv.table,
                            b_seq_len=b["b_seq_len"], out_token_idx=b["out_token_idx"], positions=b["positions"],
                            max_len_in_batch=max_len)  # fmt: skip
         return self._computed_each(slots, last_tokens, self.model.forward(b["input_ids"], state))
 
     def _computed_each(self, slots: Sequence[int], last_tokens: Sequence[int], logits: torch.Tensor) -> torch.Tensor:
-        if self.kv.prefix is not None:
-            for slot, token in zip(slots, last_tokens):
-                self.kv.computed(slot, (token,))
+        self.kv.computed_each(slots, last_tokens)
         return logits
 
     def add_request(self, prefix: Sequence[int] = ()) -> int:

@@ -7,9 +7,11 @@ What crosses, batched both ways, pickled over one ``multiprocessing`` pipe:
 - HTTP -> engine, one message per wake-up of the HTTP side's sender thread, holding everything queued since the
   last: ``("submit", id, prompt ids, SamplingParams, arrival)``, ``("abort", id, reason)``, ``("abort_all",)``,
   ``("stop",)``. A thread of the engine process receives them and queues them for the next step.
-- engine -> HTTP, one message per step: every request's new token or finish ``(id, kind, token id, logprob,
-  finish reason, top logprobs, cached tokens)`` and the step's observer calls, replayed on the HTTP side's
-  ``Metrics``.
+- engine -> HTTP, one message per step, ``("step", records, calls)``: the step's events in order, and its observer
+  calls (the step's token latencies in one ``on_tokens``), replayed on the HTTP side's ``Metrics``. A record is
+  either the step's sampled tokens as columns, ``("tokens", ids, token ids, logprobs, top logprobs or None,
+  cached tokens)``, or one event, ``("event", id, kind, token id, logprob, finish reason, top logprobs, cached
+  tokens)`` (finishes; MTP's tokens). ``replay`` turns them back into each request's ``Event``s.
 - shared memory: the start time of the step in flight (``time.monotonic``, one clock per host), for ``/health``.
 
 The engine process dying (a crash, a lost tensor-parallel rank, the OOM killer) ends every request in flight with
@@ -19,6 +21,7 @@ and the HTTP process stops it after the drain.
 """
 
 import ctypes
+import itertools
 import logging
 import math
 import multiprocessing as mp
@@ -168,16 +171,12 @@ class EngineProcess:
             return False
         return True
 
-    def _deliver(self, events: list, calls: list) -> None:
+    def _deliver(self, records: list, calls: list) -> None:
         """One step's message, on the event loop: metrics first, then every request's events."""
         if self.observer is not None:
             for name, args in calls:
                 getattr(self.observer, name)(*args)
-        emits = self._emits
-        for rid, kind, token_id, logprob, reason, top, cached in events:
-            emit = emits.get(rid) if kind == "token" else emits.pop(rid, None)
-            if emit is not None:
-                emit(Event(kind, token_id, logprob, reason, top_logprobs=top, cached_tokens=cached))
+        replay(records, self._emits)
 
     def _gone(self, problem: str) -> None:
         if self.problem is not None or self._stopping:
@@ -192,13 +191,30 @@ class EngineProcess:
             callback()
 
 
+def replay(records: list, emits: Dict[str, Callable[[Event], None]]) -> None:
+    """A step message's records as ``Event``s, each to its request's emit in ``emits`` (request id -> emit); a
+    finish removes the request from ``emits``. Requests not in ``emits`` (already gone) are skipped."""
+    for record in records:
+        if record[0] == "tokens":
+            _, rids, token_ids, logprobs, tops, cached = record
+            for rid, tok, lp, top, hits in zip(rids, token_ids, logprobs, tops or itertools.repeat(None), cached):
+                emit = emits.get(rid)
+                if emit is not None:
+                    emit(Event("token", tok, lp, top_logprobs=top, cached_tokens=hits))
+            continue
+        _, rid, kind, token_id, logprob, reason, top, hits = record
+        emit = emits.get(rid) if kind == "token" else emits.pop(rid, None)
+        if emit is not None:
+            emit(Event(kind, token_id, logprob, reason, top_logprobs=top, cached_tokens=hits))
+
+
 # ---- the engine process ----------------------------------------------------------------------------------------
 
 
 class _Recorder:
     """The engine's StepObserver in the engine process: each call is recorded, to be replayed on the HTTP side's
-    ``Metrics`` (any ``on_*`` method, so one added to the observer needs nothing here). ``on_queues`` is sent only
-    when it changed, so an idle engine sends nothing."""
+    ``Metrics`` (any ``on_*`` method, ``on_tokens`` included, so one added to the observer needs nothing here).
+    ``on_queues`` is sent only when it changed, so an idle engine sends nothing."""
 
     def __init__(self):
         self.calls: List[tuple] = []
@@ -232,8 +248,8 @@ class _EngineSide:
         self.conn = conn
         self.runner = runner
         self.recorder = _Recorder()
-        self.engine = Engine(runner, eos_ids, observer=self.recorder)
-        self.events: List[tuple] = []  # (request id, Event) of the step running
+        self.engine = Engine(runner, eos_ids, observer=self.recorder, emit_tokens=self._emit_tokens)
+        self.records: List[tuple] = []  # the step's events so far, as ``replay`` reads them
         self._step_started = step_started
         self.loop = EngineLoop(self.engine, after_step=self._send_step, on_step_started=self._mark)
 
@@ -241,25 +257,31 @@ class _EngineSide:
         self._step_started.value = math.nan if started is None else started
 
     def _emitter(self, request_id: str) -> Callable[[Event], None]:
-        """A request's emit: one call per token on the engine's hot path, so a closure over the list's append."""
-        append = self.events.append
+        """A request's emit (its finish; MTP's tokens): one record per event."""
+        append = self.records.append
 
-        def emit(event: Event) -> None:
-            append((request_id, event))
+        def emit(ev: Event) -> None:
+            append(("event", request_id, ev.kind, ev.token_id, ev.logprob, ev.finish_reason, ev.top_logprobs,
+                    ev.cached_tokens))  # fmt: skip
 
         return emit
+
+    def _emit_tokens(self, reqs: List[Request], tokens: List[int], logprobs: List[float], tops: list) -> None:
+        """The engine's token sink: a step's sampled tokens as one record of columns."""
+        ids = [r.id for r in reqs]
+        cached = [r.num_cached_tokens or 0 for r in reqs]
+        self.records.append(("tokens", ids, tokens, logprobs, tops if any(tops) else None, cached))
 
     def _send_step(self) -> None:
         # The queues as this step left them (the engine reports them as the step starts): a client that gets its
         # finish from this message then reads metrics that already count its KV as free.
         sched = self.engine.scheduler
         self.recorder.on_queues(len(sched.waiting), len(sched.running) + len(sched.prefilling), self.runner.kv.usage())
-        events, calls = self.events, self.recorder.take()
-        if not events and not calls:
+        records, calls = self.records, self.recorder.take()
+        if not records and not calls:
             return
-        out = [(rid, ev.kind, ev.token_id, ev.logprob, ev.finish_reason, ev.top_logprobs, ev.cached_tokens)
-               for rid, ev in events]  # fmt: skip
-        events.clear()
+        out = list(records)
+        records.clear()  # the same list: every emitter appends to it
         self.conn.send(("step", out, calls))
 
     def _receive(self) -> None:

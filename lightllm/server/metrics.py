@@ -5,6 +5,8 @@ a recorder there, and each step's calls are replayed here, on the HTTP process t
 observer method only needs to be defined on this class.
 """
 
+from typing import Sequence
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 # 1 ms to 60 s: a decode step of a small model at batch 1 up to a long prompt's prefill behind a full queue
@@ -49,6 +51,15 @@ class Metrics:
     def on_token(self, first: bool, seconds: float) -> None:
         (self.ttft if first else self.itl).observe(seconds)
         self.generated_tokens.inc()
+
+    def on_tokens(self, first: Sequence[float], later: Sequence[float]) -> None:
+        """A step's tokens at once: ``first`` the first tokens' seconds since arrival, ``later`` the others' since
+        their request's previous token."""
+        for seconds in first:
+            self.ttft.observe(seconds)
+        for seconds in later:
+            self.itl.observe(seconds)
+        self.generated_tokens.inc(len(first) + len(later))
 
     def on_step(self, kind: str, batch_size: int, seconds: float) -> None:
         self.step_seconds.labels(kind).observe(seconds)

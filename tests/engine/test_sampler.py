@@ -134,3 +134,18 @@ def test_a_row_without_a_finite_distribution_takes_its_argmax_and_spares_the_oth
 def test_a_seed_outside_int64_is_refused(seed):
     with pytest.raises(ValueError, match=r"seed expected an integer in \[0, 2\*\*63\)"):
         SamplingParams(seed=seed)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
+def test_argmax_rows_is_torch_argmax_with_its_ties_and_nans(dtype):
+    from lightllm.engine.sampler import argmax_rows
+
+    nan, inf = float("nan"), float("inf")
+    x = torch.randn(64, 50, generator=torch.Generator().manual_seed(0)).to(dtype)
+    x[1, [3, 9]] = 10.0  # a tie: the first
+    x[2, 7], x[3] = nan, -inf  # a NaN is the maximum; a row of -inf
+    x[4, [2, 5]] = torch.tensor([inf, nan], dtype=dtype)
+    got = argmax_rows(x)
+    assert got.dtype == torch.int64 and torch.equal(got, x.argmax(dim=-1))
+    assert got[:5].tolist() == [int(x[0].argmax()), 3, 7, 0, 5]
+    assert torch.equal(argmax_rows(x[::2, 1:]), x[::2, 1:].argmax(dim=-1))  # a strided view

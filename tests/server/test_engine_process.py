@@ -45,9 +45,9 @@ def test_one_message_per_step_holds_every_requests_tokens_and_feeds_the_latency_
     messages = []
     deliver = engine._deliver
 
-    def recording(events, calls):
-        messages.append((events, calls))
-        deliver(events, calls)
+    def recording(records, calls):
+        messages.append((records, calls))
+        deliver(records, calls)
 
     engine._deliver = recording
     body = {"inputs": "abc", "parameters": {"max_new_tokens": 6, "ignore_eos": True}}
@@ -59,11 +59,13 @@ def test_one_message_per_step_holds_every_requests_tokens_and_feeds_the_latency_
     finally:
         assert engine.stop()
     assert [len(r["token_ids"]) for r in replies] == [6] * 8
-    with_tokens = [(events, calls) for events, calls in messages if any(e[1] == "token" for e in events)]
-    assert sum(e[1] == "token" for events, _ in with_tokens for e in events) == 48
-    for events, calls in with_tokens:  # a step's tokens travel together, in the step's one message
+    with_tokens = [(records, calls) for records, calls in messages if any(r[0] == "tokens" for r in records)]
+    assert sum(len(r[1]) for records, _ in with_tokens for r in records if r[0] == "tokens") == 48
+    for records, calls in with_tokens:  # a step's tokens travel together: one record of columns, one message
         steps = [args for name, args in calls if name == "on_step"]
-        assert len(steps) == 1 and sum(e[1] == "token" for e in events) == steps[0][1]
+        tokens = [r for r in records if r[0] == "tokens"]
+        assert len(steps) == 1 and len(tokens) == 1 and len(tokens[0][1]) == steps[0][1]
+        assert [name for name, _ in calls].count("on_tokens") == 1 and "on_token" not in dict(calls)
     assert len(with_tokens) == sum(metric(text, f'lightllm_step_seconds_count{{kind="{k}"}}') or 0
                                    for k in ("prefill", "decode"))  # fmt: skip
     # observed as the tokens left the engine: one first token per request, every later one an inter-token gap

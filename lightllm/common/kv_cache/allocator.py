@@ -122,6 +122,16 @@ class ReqSlotAllocator:
         self._in_use[slot] = False
         self._free.append(slot)
 
+    def check_allocated_each(self, owner: str, slots: Sequence[int]) -> None:
+        """``check_allocated`` for every slot, with one pass over a batch of valid ones (a decode step's); the first
+        bad slot gets the same error."""
+        if slots and set(map(type, slots)) == {int} and min(slots) >= 0 and max(slots) < self.max_reqs:
+            in_use = self._in_use
+            if all([in_use[s] for s in slots]):
+                return
+        for slot in slots:
+            self.check_allocated(owner, slot)
+
     def check_allocated(self, owner: str, slot: int) -> None:
         check_count(owner, "slot", slot, 0)
         if slot >= self.max_reqs:

@@ -116,6 +116,13 @@ class KVCacheManager:
             self._held[slot].append(token_idx)
         return slot
 
+    def computed_each(self, slots: Sequence[int], token_ids: Sequence[int]) -> None:
+        """``computed(slots[i], (token_ids[i],))`` for each ``i``: a decode step's one token per request."""
+        if self.prefix is not None:
+            ids = self._ids
+            for slot, token in zip(slots, token_ids):
+                ids[slot].append(token)
+
     def computed(self, slot: int, token_ids: Sequence[int]) -> None:
         """The KV of ``token_ids``, the next tokens of ``slot``'s row, is written (its forward ran): they may go to
         the prefix cache when the request ends. A no-op without the cache."""
@@ -158,13 +165,13 @@ class KVCacheManager:
         """One new token for each of ``slots`` (a decode step): one allocation and one table write for the
         whole batch instead of one per request. Same return value and errors as ``extend``. ``write_table=False``:
         the caller writes the device table itself (``table[slot, seq_len - 1] = token``, from its staged copy)."""
-        for slot in slots:
-            self.slots.check_allocated("KVCacheManager.extend_each", slot)
+        self.slots.check_allocated_each("KVCacheManager.extend_each", slots)
         if len(set(slots)) != len(slots):
             raise ValueError(f"KVCacheManager.extend_each: slots expected distinct, got {list(slots)}")
-        positions = [self._seq_lens[s] for s in slots]
-        full = [s for s, p in zip(slots, positions) if p + 1 > self.max_len]
-        if full:
+        seq_lens = self._seq_lens
+        positions = [seq_lens[s] for s in slots]
+        if positions and max(positions) >= self.max_len:
+            full = [s for s, p in zip(slots, positions) if p >= self.max_len]
             raise ValueError(f"KVCacheManager.extend_each: slots {full} already hold max_len {self.max_len} tokens")
         if self.contiguous_slots:
             token_idx = torch.tensor([s * self.max_len + p for s, p in zip(slots, positions)], dtype=torch.int64)
@@ -173,11 +180,12 @@ class KVCacheManager:
         if not slots:
             return token_idx
         if write_table:
-            self.req_to_token.write_points(torch.tensor(slots), torch.tensor(positions), token_idx)
+            self.req_to_token.write_points(slots, positions, token_idx)
+        held, last_extend = self._held_decode, self._last_extend
         for s, p, t in zip(slots, positions, token_idx.tolist()):
-            self._held_decode[s].append(t)
-            self._seq_lens[s] = p + 1
-            self._last_extend[s] = False
+            held[s].append(t)
+            seq_lens[s] = p + 1
+            last_extend[s] = False
         return token_idx
 
     def truncate(self, slot: int, n: int) -> None:
@@ -226,3 +234,9 @@ class KVCacheManager:
     def seq_len(self, slot: int) -> int:
         self.slots.check_allocated("KVCacheManager.seq_len", slot)
         return self._seq_lens[slot]
+
+    def seq_lens(self, slots: Sequence[int]) -> List[int]:
+        """``seq_len`` of each of ``slots``, checked in one pass."""
+        self.slots.check_allocated_each("KVCacheManager.seq_lens", slots)
+        lens = self._seq_lens
+        return [lens[s] for s in slots]

@@ -1,5 +1,8 @@
 """The req_to_token table: (request slot, position) -> token index in the KV pool."""
 
+from typing import Sequence
+
+import numpy as np
 import torch
 
 from lightllm.common.kv_cache.allocator import check_count
@@ -29,8 +32,10 @@ class ReqToTokenTable:
         """``table[slot, start:start+len(token_idx)] = token_idx`` (bounds checked by the caller)."""
         self.table[slot, start : start + token_idx.numel()] = token_idx.to(device=self.table.device, dtype=torch.int32)
 
-    def write_points(self, slots: torch.Tensor, positions: torch.Tensor, token_idx: torch.Tensor) -> None:
-        """``table[slots[i], positions[i]] = token_idx[i]`` for every ``i`` in one indexed write (a decode step's
-        new tokens), bounds checked by the caller."""
+    def write_points(self, slots: Sequence[int], positions: Sequence[int], token_idx: torch.Tensor) -> None:
+        """``table[slots[i], positions[i]] = token_idx[i]`` for every ``i`` in one indexed write into the flattened
+        table (a decode step's new tokens), bounds checked by the caller. The flat indices are built in numpy: one
+        small host tensor per step instead of two from ``torch.tensor``."""
+        flat = np.asarray(slots, dtype=np.int64) * self.max_len + np.asarray(positions, dtype=np.int64)
         dev = self.table.device
-        self.table[slots.to(dev), positions.to(dev)] = token_idx.to(device=dev, dtype=torch.int32)
+        self.table.view(-1)[torch.from_numpy(flat).to(dev)] = token_idx.to(device=dev, dtype=torch.int32)

@@ -232,3 +232,33 @@ def test_extend_each_can_leave_the_table_write_to_the_caller():
     new = m.extend_each([a, b], write_table=False)
     assert [m.seq_len(s) for s in (a, b)] == [3, 1] and new.numel() == 2
     assert torch.equal(m.table, before)
+
+
+@pytest.mark.parametrize("bad", [3, -1, 9, True, 1.0], ids=["free", "negative", "out-of-range", "bool", "float"])
+def test_batch_slot_checks_name_the_first_bad_slot_as_the_single_checks_do(bad):
+    m = KVCacheManager(32, max_reqs=4, max_len=8, device="cpu", prefix_cache=True)
+    a, b = m.add_request(), m.add_request()
+    m.extend(a, 2)
+    with pytest.raises(ValueError) as single:
+        m.seq_len(bad)
+    for call in (m.seq_lens, m.extend_each):
+        with pytest.raises(ValueError) as batch:
+            call([a, bad, b])
+        assert str(batch.value).split(": ", 1)[1] == str(single.value).split(": ", 1)[1]
+    assert m.seq_lens([b, a]) == [0, 2] and m.seq_lens([]) == []  # the refused extend_each changed nothing
+
+
+def test_computed_each_is_computed_one_token_per_slot():
+    """What ``computed_each`` records goes to the prefix cache at free_request, as ``computed`` of each token."""
+    batch, single = (KVCacheManager(32, max_reqs=4, max_len=8, device="cpu", prefix_cache=True) for _ in range(2))
+    for m in (batch, single):
+        a, b = m.add_request(), m.add_request()
+        m.extend(a, 2), m.extend(b, 1)
+        m.computed(a, [5, 6]), m.computed(b, [7])
+        m.extend_each([a, b])
+    batch.computed_each([a, b], [8, 9])
+    single.computed(a, (8,)), single.computed(b, (9,))
+    for m in (batch, single):
+        m.free_request(a), m.free_request(b)
+    assert [batch.match_prefix(ids) for ids in ([5, 6, 8], [7, 9], [5, 6, 9])] == [(3, 3), (2, 2), (2, 2)]
+    assert [single.match_prefix(ids) for ids in ([5, 6, 8], [7, 9], [5, 6, 9])] == [(3, 3), (2, 2), (2, 2)]

@@ -1,0 +1,155 @@
+"""The engine process's step message (``engine_proc``): a step's tokens packed as columns, finishes as single
+events, pickled as over the pipe, and ``replay``ed on the HTTP side give every request exactly the events the
+engine gives it in-process (tokens, logprobs, top logprobs, cached tokens, EOS, stop ids, length, abort)."""
+
+import math
+import pickle
+
+from fake_model import FakeRunner
+
+from lightllm.engine.engine import Engine
+from lightllm.engine.request import Request
+from lightllm.engine.sampler import SamplingParams
+from lightllm.server.engine_proc import _EngineSide, replay
+
+PROMPTS = {"a": [1, 2, 3], "b": [4, 5], "c": [6, 7, 8, 9], "d": [10], "e": [11, 12]}
+
+
+class PipeEnd:
+    """The engine's end of the pipe: keeps each message as the HTTP side unpickles it."""
+
+    def __init__(self):
+        self.messages = []
+
+    def send(self, message):
+        self.messages.append(pickle.loads(pickle.dumps(message)))
+
+
+class StepStart:
+    value = math.nan
+
+
+def greedy_run(eos):
+    """Each prompt's greedy tokens alone (no stop), to pick stop ids that really come up."""
+    engine, out = Engine(FakeRunner(), eos), {}
+    for rid, prompt in PROMPTS.items():
+        out[rid] = []
+        params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+        engine.submit(Request(rid, prompt, params, lambda ev, o=out[rid]: o.append(ev.token_id)))
+    while engine.step():
+        pass
+    return out
+
+
+def scenario():
+    greedy = greedy_run(())
+    eos = {greedy["b"][2]}  # "b" ends on EOS at its third token; the others ignore EOS
+    params = {
+        "a": SamplingParams(max_new_tokens=6, ignore_eos=True, logprobs=True, top_logprobs=3),
+        "b": SamplingParams(max_new_tokens=6),
+        "c": SamplingParams(max_new_tokens=6, ignore_eos=True, stop_token_ids=[greedy["c"][1]]),
+        "d": SamplingParams(max_new_tokens=12, ignore_eos=True, temperature=1.0, seed=5),
+        "e": SamplingParams(max_new_tokens=12, ignore_eos=True),
+    }
+    return eos, params
+
+
+def run(engine, emitter, submit_later, step_done=lambda: None):
+    """Every request of ``scenario``; "e" aborted after its third step; "a" again once the first "a" is done (its
+    prompt then comes from the prefix cache)."""
+    eos, params = scenario()
+    for rid, prompt in PROMPTS.items():
+        engine.submit(Request(rid, prompt, params[rid], emitter(rid)))
+    steps = 0
+    while engine.step() or engine.has_unfinished():
+        step_done()
+        steps += 1
+        if steps == 3:
+            engine.abort("e")
+        if steps == 8:
+            submit_later(Request("a2", PROMPTS["a"] + [0], params["a"], emitter("a2")))
+    step_done()
+
+
+def test_replayed_step_messages_give_each_request_the_events_of_the_in_process_engine():
+    eos, _ = scenario()
+    want = {}
+    direct = Engine(FakeRunner(), eos)
+    run(direct, lambda rid: want.setdefault(rid, []).append, direct.submit)
+
+    pipe = PipeEnd()
+    side = _EngineSide(pipe, FakeRunner(), eos, StepStart())
+    got, emits = {}, {}
+
+    def emitter(rid):
+        emits[rid] = got.setdefault(rid, []).append
+        return side._emitter(rid)
+
+    run(side.engine, emitter, side.engine.submit, side._send_step)
+    for _, records, _ in pipe.messages:
+        replay(records, emits)
+
+    assert got == want
+    reasons = {rid: evs[-1].finish_reason for rid, evs in want.items()}
+    assert reasons == {"a": "length", "b": "stop", "c": "stop", "d": "length", "e": "abort", "a2": "length"}
+    assert [len(evs) - 1 for evs in (want["b"], want["c"])] == [3, 2]  # EOS and the stop id are their last tokens
+    assert want["a2"][0].cached_tokens > 0 and all(ev.top_logprobs for ev in want["a"][:-1])
+    assert emits == {}  # every finish took its request out
+
+
+def test_on_tokens_feeds_the_metrics_as_one_on_token_per_token():
+    from prometheus_client import generate_latest
+
+    from lightllm.server.metrics import Metrics
+
+    first, later = [0.004, 0.2], [0.0003, 0.0003, 0.03, 7.0]
+    one_by_one, batched = Metrics(), Metrics()
+    for seconds in first:
+        one_by_one.on_token(True, seconds)
+    for seconds in later:
+        one_by_one.on_token(False, seconds)
+    batched.on_tokens(first, later)
+
+    def exposition(m):  # without the creation timestamps
+        return [line for line in generate_latest(m.registry).decode().splitlines() if "_created" not in line]
+
+    text = "\n".join(exposition(batched))
+    assert exposition(batched) == exposition(one_by_one)
+    assert "lightllm_generated_tokens_total 6.0" in text and "lightllm_inter_token_latency_seconds_count 4.0" in text
+
+
+def test_a_handler_waiting_for_its_finish_still_takes_its_events_every_few_tokens():
+    """Events left in an inbox until the finish (``/generate``: 64 requests x 3072 tokens) are hundreds of
+    thousands of objects every garbage collection walks: the handler is woken to take them every
+    ``_DRAIN_EVENTS`` tokens, and at once for its finish."""
+    import asyncio
+
+    from lightllm.engine.request import Event
+    from lightllm.server.api_server import _DRAIN_EVENTS, _Inbox
+
+    async def woken_after(events):
+        inbox = _Inbox(each_token=False)
+        waiting = asyncio.ensure_future(inbox.get(timeout=3600))
+        await asyncio.sleep(0)  # it waits now
+        for n, ev in enumerate(events, 1):
+            inbox.put_nowait(ev)
+            await asyncio.sleep(0)
+            if waiting.done():
+                return n
+        waiting.cancel()
+        return None
+
+    tokens = [Event("token", 1)] * (2 * _DRAIN_EVENTS)
+    assert asyncio.run(woken_after(tokens)) == _DRAIN_EVENTS
+    assert asyncio.run(woken_after(tokens[:3] + [Event("finish", finish_reason="stop")])) == 4
+
+
+def test_the_server_keeps_its_start_up_objects_out_of_garbage_collection_while_it_serves(server):
+    import gc
+
+    from fastapi.testclient import TestClient
+
+    assert gc.get_freeze_count() == 0
+    with TestClient(server.app):
+        assert gc.get_freeze_count() > 10000
+    assert gc.get_freeze_count() == 0
