@@ -11,13 +11,13 @@ packs into one byte (low / high nibble); bf16/fp16 and INT8 use the same two-hal
 serves all three (``QUANT`` = 0, 8 or 4). INT8/INT4 scales are per ``QGROUP`` elements, loaded once per group and
 broadcast over it in registers.
 
-Quantized KV with 16-bit queries (``F16``) keeps dequantization off the critical path: a code becomes a float16
-with integer ops only (its bits or'ed into the mantissa of 1024.0, then one subtraction: exact, where an
-int-to-float conversion runs at a quarter of the ALU rate), is scaled by its float16 scale in float16 (rounded
-once, to 11 significant bits where the bf16 path rounds to 8), and both dots run in float16 with float32
-accumulation: bf16 queries become float16 once per program (exactly, inside float16's range), the probabilities
-(in [0, 1]) once per tile. So |q|, |K| and |V| must stay below float16's 65504. float32 queries dequantize in
-float32 and keep IEEE dots.
+Quantized KV with 16-bit queries (``F16``) dequantizes more cheaply (docs/decode_attention.md has what it gains
+and what still bounds it): a code becomes a float16 with integer ops only (its bits or'ed into the mantissa of
+1024.0, then one subtraction: exact, where an int-to-float conversion runs at a quarter of the ALU rate), is scaled
+by its float16 scale in float16 (rounded once, to 11 significant bits where the bf16 path rounds to 8), and both
+dots run in float16 with float32 accumulation: bf16 queries become float16 once per program (exactly, inside
+float16's range), the probabilities (in [0, 1]) once per tile. So |q|, |K| and |V| must stay below float16's
+65504. float32 queries dequantize in float32 and keep IEEE dots.
 """
 
 import triton
