@@ -15,22 +15,8 @@ from lightllm.engine.args import EngineArgs
 from lightllm.engine.engine import Engine
 from lightllm.engine.sampler import SamplingParams
 from lightllm.server.tp import start_tp
+from tests.engine.test_mtp_engine import SpecCounts
 from tests.engine.test_scheduler import run_all
-
-
-class SpecCounts:
-    def __init__(self):
-        self.drafts = self.accepted = 0
-
-    def on_queues(self, *a): ...
-
-    def on_token(self, *a): ...
-
-    def on_step(self, *a): ...
-
-    def on_spec(self, drafts, accepted):
-        self.drafts += drafts
-        self.accepted += accepted
 
 
 class DraftLog:
