@@ -3,7 +3,8 @@
 A plan made with ``reuse_outputs=True`` hands every run the tensors its first run allocated, so the layers of a
 forward write their outputs into the same memory. Only for callers that consume a layer's outputs before the next
 run of the plan overwrites them (a model's forward: each layer's norm output feeds its GEMM at once). A plan is
-made per forward, so what a forward returns is never overwritten by a later one.
+made per forward, so what a forward returns is never overwritten by a later one. Split kernels' float32 partials
+(``split_partials``) are kept the same way, in a plan's scratch dict.
 """
 
 from typing import Optional, Tuple
@@ -28,3 +29,16 @@ class StepBuffer:
             if self.reuse:
                 self.tensor = tensor
         return tensor
+
+
+def split_partials(scratch: Optional[dict], shape: tuple, device) -> tuple:
+    """Float32 partial outputs ``shape`` (e.g. stage 1's ``[batch, q_heads, splits, D]``) and their log-sum-exps
+    ``shape[:-1]``: new, or (``scratch``: a plan's dict, keyed by shape since the split count follows the config)
+    made once per plan, so every layer of a step reuses them."""
+    found = None if scratch is None else scratch.get(shape)
+    if found is None:
+        found = (torch.empty(shape, dtype=torch.float32, device=device),
+                 torch.empty(shape[:-1], dtype=torch.float32, device=device))  # fmt: skip
+        if scratch is not None:
+            scratch[shape] = found
+    return found

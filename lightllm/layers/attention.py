@@ -150,7 +150,7 @@ class AttentionBackend:
                                           "None")  # fmt: skip
             from lightllm.kernels.attention.decode.mtp_diverse import MTPDiverseDecodePlan
 
-            return MTPDiverseDecodePlan(q_shape, q_dtype, p.k[0], p.v[0], req_to_token, *args)
+            return MTPDiverseDecodePlan(q_shape, q_dtype, p.k[0], p.v[0], req_to_token, *args, reuse_outputs=True)
         if self.quant == "none":
             return GQADecodePlan("none", q_shape, q_dtype, p.k[0], p.v[0], req_to_token, *args, reuse_outputs=True)
         return GQADecodePlan(self.quant, q_shape, q_dtype, p.k[0], p.v[0], req_to_token, *args, p.k_scale[0],

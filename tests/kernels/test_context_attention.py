@@ -132,6 +132,30 @@ def test_split_prefix_matches_reference(splits, dtype):
     _check_prefix([3, 1, 20, 9], [0, 70, 5, 131], 128, dtype, cfg, seed=splits)
 
 
+def test_plan_reusing_outputs_shares_the_split_partials_across_layers():
+    """A step's plan (reuse_outputs, as the attention backend makes it) makes the split partials once: two layers
+    with fresh data each match the reference, through the same output and partial tensors."""
+    from lightllm.kernels.attention.prefill.context_attention import ContextAttentionPlan
+
+    g = torch.Generator().manual_seed(11)
+    lens, prefix_lens = [3, 9], [70, 131]
+    cfg = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1, "PREFIX_SPLITS": 3}
+    q, k, v, b_start, b_len = _packed(lens, 8, 2, 64, torch.float32, g)
+    pool = sum(prefix_lens) + 60
+    prefix = _cached_prefix(prefix_lens, pool, g)
+    plan = ContextAttentionPlan(q.shape, k.shape, q.dtype, b_start, b_len, max(lens), None, cfg, prefix,
+                                reuse_outputs=True)  # fmt: skip
+    outs, partials = [], []
+    for _ in range(2):  # two layers
+        q, k, v = (torch.randn(t.shape, generator=g).to(DEVICE) for t in (q, k, v))
+        k_cache, v_cache = (torch.randn(pool, 2, 64, generator=g).to(DEVICE) for _ in range(2))
+        outs.append(plan.run(q, k, v, k_cache=k_cache, v_cache=v_cache))
+        want = context_attention_ref(q, k, v, b_start, b_len, prefix=prefix, k_cache=k_cache, v_cache=v_cache)
+        torch.testing.assert_close(outs[-1].double(), want, rtol=1e-4, atol=1e-4)
+        partials.append({shape: tuple(t.data_ptr() for t in ts) for shape, ts in plan._scratch.items()})
+    assert outs[0] is outs[1] and len(partials[0]) == 1 and partials[0] == partials[1]
+
+
 def test_prefix_splits_fill_the_gpu_only_when_the_grid_is_small():
     from lightllm.kernels.attention.prefill.context_attention import MAX_PREFIX_SPLITS, prefix_splits
 

@@ -143,6 +143,19 @@ def test_plan_checks_once_and_refuses_other_shapes():
         plan.run(q, k, v, out=torch.empty(2, 3, 4, 32))
 
 
+def test_plan_reusing_outputs_shares_one_output_and_one_set_of_partials_across_layers():
+    q, k, v, r2t, idx, seq = make_batch(2, 3, 4, 2, 64, [3, 90], torch.float32, pool=512)
+    plan = MTPDiverseDecodePlan(q.shape, q.dtype, k, v, r2t, idx, seq, 128, block_seq=BLOCK_SEQ, reuse_outputs=True)
+    first = plan.run(q, k, v)
+    torch.testing.assert_close(first.double(), decode_attention_ref(q, k, v, r2t, idx, seq), rtol=1e-4, atol=1e-4)
+    partials = {shape: tuple(t.data_ptr() for t in ts) for shape, ts in plan._scratch.items()}
+    q2, k2, v2 = (torch.randn_like(t) for t in (q, k, v))  # the next layer: fresh data, same shapes
+    second = plan.run(q2, k2, v2)
+    assert second is first and len(partials) == 1
+    assert {shape: tuple(t.data_ptr() for t in ts) for shape, ts in plan._scratch.items()} == partials
+    torch.testing.assert_close(second.double(), decode_attention_ref(q2, k2, v2, r2t, idx, seq), rtol=1e-4, atol=1e-4)
+
+
 # ---- tuning ---------------------------------------------------------------------------------------------
 
 

@@ -34,7 +34,7 @@ from lightllm.kernels.attention.decode.stage1 import decode_stage1_kernel
 from lightllm.kernels.attention.decode.stage2 import decode_stage2_kernel
 from lightllm.kernels.direct_launch import DirectLaunch
 from lightllm.kernels.launch_math import cdiv, next_power_of_2
-from lightllm.kernels.step_buffer import StepBuffer
+from lightllm.kernels.step_buffer import StepBuffer, split_partials
 
 _STAGE1 = DirectLaunch(decode_stage1_kernel)
 _STAGE2 = DirectLaunch(decode_stage2_kernel)
@@ -109,18 +109,6 @@ def _launch_split_kv(
         )  # fmt: skip
         launch_stage2(mid_o, mid_lse, b_seq_len, out, block_seq)
     return out
-
-
-def split_partials(scratch: Optional[dict], shape: tuple, device) -> tuple:
-    """Stage 1's float32 partial outputs ``shape`` ``[batch, q_heads, splits, D]`` and their log-sum-exps: new, or
-    (``scratch``: a plan's dict, keyed by shape since the split count follows the config) made once per plan."""
-    found = None if scratch is None else scratch.get(shape)
-    if found is None:
-        found = (torch.empty(shape, dtype=torch.float32, device=device),
-                 torch.empty(shape[:3], dtype=torch.float32, device=device))  # fmt: skip
-        if scratch is not None:
-            scratch[shape] = found
-    return found
 
 
 def launch_stage2(mid_o, mid_lse, b_seq_len, out, block_seq: int, num_warps: Optional[int] = None) -> None:

@@ -38,6 +38,7 @@ from lightllm.kernels.attention.decode.mtp_diverse_stages import mtp_diverse_sta
 from lightllm.kernels.attention.decode.tuning import decode_attn_autotune_seq_lens, inputs_at_lengths
 from lightllm.kernels.launch_math import next_power_of_2
 from lightllm.kernels.direct_launch import DirectLaunch
+from lightllm.kernels.step_buffer import StepBuffer, split_partials
 
 _MTP_STAGE1 = DirectLaunch(mtp_diverse_stage1_kernel)
 _MTP_STAGE2 = DirectLaunch(mtp_diverse_stage2_kernel)
@@ -55,26 +56,28 @@ def _splits(batch: int, kv_heads: int, max_len_in_batch: int, block_seq: int, wa
 
 def _launch_mtp_diverse(
     q, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len, max_len_in_batch, out, sm_scale, block_seq,
-    run_config=None,
+    scratch=None, run_config=None,
 ):  # fmt: skip
 
     cfg = run_config or default_config(q.shape[3])
     if q.shape[0] > 0:
         mid_o, mid_lse = _stage1(q, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len, max_len_in_batch, sm_scale,
-                                 block_seq, cfg)  # fmt: skip
+                                 block_seq, cfg, scratch)  # fmt: skip
         _stage2(mid_o, mid_lse, b_seq_len, out, block_seq)
     return out
 
 
-def _stage1(q, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len, max_len_in_batch, sm_scale, block_seq, cfg):
+def _stage1(
+    q, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len, max_len_in_batch, sm_scale, block_seq, cfg, scratch=None
+):
     """Partial outputs ``[batch, q_len, q_heads, splits, D]`` and log-sum-exps (base 2) per split; a split past a
-    request's chunks is not written, one that a token does not see holds 0 and -inf."""
+    request's chunks is not written, one that a token does not see holds 0 and -inf. ``scratch``: a plan's dict
+    (``split_partials``), so the layers of one step share the partials."""
     batch, q_len, q_heads, head_dim = q.shape
     kv_heads = k_cache.shape[1]
     group = q_heads // kv_heads
     splits = _splits(batch, kv_heads, max_len_in_batch, block_seq, cfg["WAVES"], q.device)
-    mid_o = torch.empty((batch, q_len, q_heads, splits, head_dim), dtype=torch.float32, device=q.device)
-    mid_lse = torch.empty((batch, q_len, q_heads, splits), dtype=torch.float32, device=q.device)
+    mid_o, mid_lse = split_partials(scratch, (batch, q_len, q_heads, splits, head_dim), q.device)
     _MTP_STAGE1.launch(
         (batch, kv_heads, splits),
         q, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len, mid_o, mid_lse, sm_scale * LOG2E,
@@ -150,12 +153,13 @@ class MTPDiverseDecodePlan:
     checked once here and the tuned config resolved at the first :meth:`run`; every layer then runs with them.
 
     Args: ``q_shape`` ``[batch, q_len, q_heads, head_dim]`` and ``q_dtype`` for ``q``, any layer's
-    ``k_cache``/``v_cache``; the rest as :func:`mtp_diverse_decode_attention`.
+    ``k_cache``/``v_cache``; the rest as :func:`mtp_diverse_decode_attention`. ``reuse_outputs``: every run without
+    ``out`` writes the same output, and every run the same split partials (``kernels/step_buffer.py``).
     """
 
     def __init__(
         self, q_shape, q_dtype, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len, max_len_in_batch,
-        sm_scale=None, block_seq=DEFAULT_BLOCK_SEQ, run_config=None,
+        sm_scale=None, block_seq=DEFAULT_BLOCK_SEQ, run_config=None, reuse_outputs=False,
     ):  # fmt: skip
         q_shape = torch.Size(q_shape)
         _check(q_shape, q_dtype, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len, max_len_in_batch, block_seq)
@@ -166,14 +170,16 @@ class MTPDiverseDecodePlan:
             "mtp diverse attention", q=(q_shape, q_dtype), k_cache=(k_cache.shape, k_cache.dtype)
         )
         self._tuned = _launch_mtp_diverse_decode.plan(run_config=run_config)
+        self._out = StepBuffer(q_shape, q_dtype, reuse_outputs)
+        self._scratch = {} if reuse_outputs else None
 
     def run(self, q, k_cache, v_cache, out=None) -> torch.Tensor:
         self.inputs.check((q.shape, q.dtype), (k_cache.shape, k_cache.dtype))
         check_run_q_out("mtp diverse attention", q, out)
         if out is None:
-            out = torch.empty_like(q)
+            out = self._out.get(q.device)
         return self._tuned.run(q, k_cache, v_cache, self.req_to_token, self.b_req_idx, self.b_seq_len,
-                               self.max_len_in_batch, out, self.sm_scale, self.block_seq)  # fmt: skip
+                               self.max_len_in_batch, out, self.sm_scale, self.block_seq, self._scratch)  # fmt: skip
 
 
 def mtp_diverse_decode_attention(

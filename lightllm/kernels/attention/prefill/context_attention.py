@@ -23,7 +23,7 @@ import triton.language as tl
 from lightllm.common.autotuner import AutotuneKernelType, PlannedInputs, autotune
 from lightllm.kernels.direct_launch import DirectLaunch
 from lightllm.kernels.launch_math import cdiv, next_power_of_2
-from lightllm.kernels.step_buffer import StepBuffer
+from lightllm.kernels.step_buffer import StepBuffer, split_partials
 
 
 @triton.jit
@@ -163,10 +163,11 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _launch(q, k, v, out, b_start, b_len, max_q_len, sm_scale, cfg, prefix):
+def _launch(q, k, v, out, b_start, b_len, max_q_len, sm_scale, cfg, prefix, scratch=None):
     """The grid and the kernel call; ``prefix`` is (k_cache, v_cache, req_to_token, b_req_idx, b_prefix_len) or
     None (no cached prefix: the cache arguments are placeholders the compiled kernel never reads). With a prefix,
-    ``cfg["PREFIX_SPLITS"]`` fixes the split count (tests); by default :func:`prefix_splits` of the grid."""
+    ``cfg["PREFIX_SPLITS"]`` fixes the split count (tests); by default :func:`prefix_splits` of the grid.
+    ``scratch``: a plan's dict, so the split partials are made once per step (``split_partials``)."""
     k_cache, v_cache, req_to_token, b_req_idx, b_prefix_len = prefix or (k, v, b_start, b_start, b_start)
     m_blocks = cdiv(max_q_len, cfg["BLOCK_M"])
     splits = 1
@@ -174,8 +175,7 @@ def _launch(q, k, v, out, b_start, b_len, max_q_len, sm_scale, cfg, prefix):
         splits = cfg.get("PREFIX_SPLITS") or prefix_splits(b_len.shape[0] * q.shape[1] * m_blocks, _sm_count(q.device))
     part_o = part_l = out  # placeholders a one-pass launch never reads
     if splits > 1:
-        part_o = torch.empty((splits, *q.shape), dtype=torch.float32, device=q.device)
-        part_l = torch.empty((splits, q.shape[0], q.shape[1]), dtype=torch.float32, device=q.device)
+        part_o, part_l = split_partials(scratch, (splits, *q.shape), q.device)
     grid = (b_len.shape[0], q.shape[1], m_blocks * splits)
     _CONTEXT_ATTENTION.launch(
         grid,
@@ -220,11 +220,11 @@ def _launch_context_attention(q, k, v, out, b_start, b_len, max_q_len, sm_scale,
 
 @autotune(kernel_name="context_attention_prefix", **_TUNING)
 def _launch_context_attention_prefix(q, k, v, out, b_start, b_len, max_q_len, sm_scale, k_cache, v_cache,
-                                     req_to_token, b_req_idx, b_prefix_len, run_config=None):  # fmt: skip
+                                     req_to_token, b_req_idx, b_prefix_len, scratch=None, run_config=None):  # fmt: skip
     """A sibling of ``context_attention`` tuned apart: its time grows with the prefix, which the other never reads."""
     prefix = (k_cache, v_cache, req_to_token, b_req_idx, b_prefix_len)
     return _launch(q, k, v, out, b_start, b_len, max_q_len, sm_scale, run_config or _default_config(q.shape[-1]),
-                   prefix)  # fmt: skip
+                   prefix, scratch)  # fmt: skip
 
 
 class CachedPrefix:
@@ -279,6 +279,7 @@ class ContextAttentionPlan:
         launcher = _launch_context_attention if prefix is None else _launch_context_attention_prefix
         self._tuned = launcher.plan(run_config=run_config)
         self._out = StepBuffer(q_shape, dtype, reuse_outputs)
+        self._scratch = {} if reuse_outputs else None
 
     def run(self, q, k, v, out=None, k_cache=None, v_cache=None) -> torch.Tensor:
         """``k_cache``/``v_cache`` ``[pool tokens, kv_heads, D]`` in q's dtype: this layer's cache, with a prefix."""
@@ -294,7 +295,7 @@ class ContextAttentionPlan:
             if c.dtype != q.dtype or c.dim() != 3 or c.shape[1:] != self.kv_shape[1:]:
                 raise ValueError(f"context_attention: {name} expected [pool tokens, {self.kv_shape[1]}, "
                                  f"{self.kv_shape[2]}] in {q.dtype}, got {tuple(c.shape)} in {c.dtype}")  # fmt: skip
-        return self._tuned.run(*args, k_cache, v_cache, p.req_to_token, p.b_req_idx, p.b_prefix_len)
+        return self._tuned.run(*args, k_cache, v_cache, p.req_to_token, p.b_req_idx, p.b_prefix_len, self._scratch)
 
 
 def context_attention(
