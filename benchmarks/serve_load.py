@@ -364,10 +364,10 @@ def main():
                         configs_before = config_snapshot(cfg[mode])
                         proc, base, seconds = start_server(model, args.tp, level, cfg[mode], max(args.concurrency),
                                                            prompt_len + out_len + 64, log_path, flags)  # fmt: skip
-                        start = {"workload": workload, "mode": mode, "repeat": rep, "startup_s": seconds,
-                                 "summary": startup_summary(log_path), "ranks": rank_agreement(log_path)}  # fmt: skip
+                        start = {"workload": workload, "mode": mode, "repeat": rep, "startup_s": seconds}
                         startups.append(start)
                         try:
+                            start.update(summary=startup_summary(log_path), ranks=rank_agreement(log_path))
                             print(json.dumps(start), flush=True)
                             for conc in args.concurrency:
                                 warm = conc * 2 if args.warmup is None else args.warmup
