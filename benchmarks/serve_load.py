@@ -1,6 +1,8 @@
 """Serving load: output tokens/s with decode-attention tuning on vs off, per concurrency and prompt length.
 
-Starts the real server (a Qwen3-shaped random-weight model, 8B widths, fewer layers) per workload, sized
+Starts the real server (``--model qwen3``: a Qwen3-shaped random-weight model, 8B widths, fewer layers;
+``--model qwen3.5``: Qwen3.5-27B widths, ``--layers`` layers 3:1 linear to full attention, bf16 weights, fp32
+linear-attention state, with an MTP head that ``--mtp-step`` turns on) per workload, sized
 for the largest concurrency, in turn with decode-attention tuning on (tuned at the first start from an
 empty config dir) and off (the same prefill configs, decode attention at its default), ``--repeats`` times
 each. Against each, at every concurrency, it first sends ``--warmup`` requests (left out of every statistic),
@@ -11,14 +13,24 @@ inter-token latency as the client sees them, and each start-up (seconds, and the
 kernels tuned, seconds per phase). Beside each case it prints decode attention's share of a step as the
 tuner timed it (tuned and default), which bounds what tuning can change there; ``--control`` adds an A/A
 pair (a second "off" server) whose difference, reported per point for every number, is the method's own
-noise.
+noise. Every start records the config files it wrote under its config dir: an "off" start must write none (a
+failure is printed loudly and kept in the JSON, the run goes on); the tuning start's list is the expected set.
+With MTP on, each point also reports the draft acceptance (the server's spec-decode counters over the window).
 
     python benchmarks/serve_load.py --tp 1 --out benchmarks/results/serve_load_tp1_h200.json
     python benchmarks/serve_load.py --tiny --requests 24 --concurrency 2 4 --control   # the method on a CPU
+    # the MTP service matrix (FA3 decode where fa3_fwd_interface imports, else Triton); tp 2 on two GPUs
+    python benchmarks/serve_load.py --model qwen3.5 --mtp-step 3 --tp 1 --control \
+        --out benchmarks/results/serve_load_qwen35_mtp3_tp1_h200.json
+    python benchmarks/serve_load.py --model qwen3.5 --mtp-step 3 --tp 2 --control \
+        --out benchmarks/results/serve_load_qwen35_mtp3_tp2_h200.json
+    python benchmarks/serve_load.py --tiny --model qwen3.5 --mtp-step 2 --concurrency 2   # the same on a CPU
 """
 
 import argparse
 import asyncio
+import hashlib
+import importlib
 import json
 import math
 import os
@@ -30,6 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import httpx
 
@@ -37,16 +50,87 @@ from lightllm.common import proc as procs
 from lightllm.common.net import free_port, wait_healthy
 
 WORKLOADS = {"short": (128, 256), "long": (8192, 128)}  # prompt tokens, output tokens
+MODELS = ("qwen3", "qwen3.5")
+MTP_HEADS = ("agree", "random")  # make_tiny_qwen3_5's heads: drafts ~always / ~never accepted
+SPEC_COUNTERS = {"lightllm_spec_decode_num_draft_tokens": "draft_tokens",
+                 "lightllm_spec_decode_num_accepted_tokens": "accepted_tokens"}  # fmt: skip
 
 
-def start_server(model_dir, tp, level, config_dir, max_batch, max_len, log_path):
+def hybrid_layer_types(layers):
+    """Qwen3.5's 3:1 pattern: every fourth layer full attention, the others linear attention."""
+    if layers <= 0 or layers % 4:
+        raise ValueError(f"--layers expected a positive multiple of 4 for --model qwen3.5 (3 linear-attention "
+                         f"layers per full-attention layer), got {layers}")  # fmt: skip
+    return tuple("full_attention" if i % 4 == 3 else "linear_attention" for i in range(layers))
+
+
+def build_model(out_dir, model, layers, tiny, mtp_head):
+    """The random-weight model folder: tiny (a CPU check) or at Qwen3-8B / Qwen3.5-27B widths with ``layers``."""
+    from lightllm.tools.make_tiny_model import QWEN3_8B_SHAPE, make_tiny_qwen3, make_tiny_qwen3_5
+
+    if model == "qwen3":
+        if tiny:
+            return str(make_tiny_qwen3(out_dir))
+        return str(make_tiny_qwen3(out_dir, num_hidden_layers=layers, **QWEN3_8B_SHAPE))
+    if tiny:
+        return str(make_tiny_qwen3_5(out_dir, mtp=mtp_head))
+    from decode_step import QWEN3_5_27B_SHAPE  # benchmarks/ is the script's folder
+
+    return str(make_tiny_qwen3_5(out_dir, layer_types=hybrid_layer_types(layers), mtp=mtp_head, **QWEN3_5_27B_SHAPE))
+
+
+def resolve_decode_backend(requested, model):
+    """The decode backend every server gets: default triton for qwen3 (as before) and auto for qwen3.5; auto is fa3
+    when ``fa3_fwd_interface`` imports, else triton (resolved here so the JSON names what ran)."""
+    requested = requested or ("auto" if model == "qwen3.5" else "triton")
+    if requested != "auto":
+        return requested
+    try:
+        importlib.import_module("fa3_fwd_interface")
+    except ImportError:
+        return "triton"
+    return "fa3"
+
+
+def server_flags(decode_backend, model, mtp_step):
+    """The flags every server of a run gets beside the sizing ones."""
+    flags = ["--llm_decode_att_backend", decode_backend]
+    if model == "qwen3.5":
+        flags += ["--linear_att_ssm_data_type", "float32"]
+    if mtp_step:
+        flags += ["--mtp_mode", "eagle_with_att", "--mtp_step", str(mtp_step)]
+    return flags
+
+
+def config_snapshot(config_dir):
+    """``{relative path: content digest}`` of every autotune config file under ``config_dir``."""
+    from lightllm.common.autotuner import store
+
+    root = Path(config_dir)
+    return {str(path.relative_to(root)): hashlib.sha256(path.read_bytes()).hexdigest()
+            for path in store.iter_config_files(root)}  # fmt: skip
+
+
+def written_configs(before, config_dir):
+    """The config files (relative paths, sorted) that are new or changed since the snapshot ``before``."""
+    return sorted(rel for rel, digest in config_snapshot(config_dir).items() if before.get(rel) != digest)
+
+
+def config_check(mode, written):
+    """None when a start wrote what its mode allows (tuning off: no config file), else what went wrong."""
+    if mode != "on" and written:
+        return f"tuning off ({mode}) wrote {len(written)} config files: {', '.join(written)}"
+    return None
+
+
+def start_server(model_dir, tp, level, config_dir, max_batch, max_len, log_path, flags=()):
     """One server sized for the largest concurrency; its stderr (the start-up summary) goes to ``log_path``."""
     port = free_port()
     env = {**os.environ, "LIGHTLLM_TRITON_AUTOTUNE_LEVEL": str(level), "LIGHTLLM_AUTOTUNE_CONFIG_DIR": config_dir}
     cmd = [sys.executable, "-m", "lightllm.server.api_server", "--model_dir", model_dir, "--port", str(port),
            "--tp", str(tp), "--running_max_req_size", str(max_batch), "--graph_max_batch_size", str(max_batch),
            "--max_req_total_len", str(max_len), "--graph_max_len_in_batch", str(max_len),
-           "--batch_max_tokens", "16384"]  # fmt: skip
+           "--batch_max_tokens", "16384", *flags]  # fmt: skip
     t0 = time.perf_counter()
     with open(log_path, "w") as log:
         proc = procs.start(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -63,6 +147,9 @@ def decode_attention_kernels() -> set:
     """Names of the DECODE_ATTENTION kernels (their modules imported, so they are declared)."""
     import lightllm.kernels.attention.decode.fa3  # noqa: F401
     import lightllm.kernels.attention.decode.flash_decode  # noqa: F401
+    import lightllm.kernels.attention.decode.mtp_diverse  # noqa: F401
+    import lightllm.kernels.linear_attention.gated_delta_decode  # noqa: F401
+    import lightllm.kernels.linear_attention.gated_delta_verify  # noqa: F401
     from lightllm.common.autotuner import AutotuneKernelType, tuner
 
     return tuner.kernel_names(AutotuneKernelType.DECODE_ATTENTION)
@@ -172,17 +259,24 @@ async def load(base, n, concurrency, prompt_len, out_len, vocab, seed=0, rate=0.
 
 
 async def engine_steps(client, base):
-    """The server's cumulative step histograms: ``{(sample, kind): value}`` for their _count and _sum."""
+    """The server's cumulative step histograms, ``{(sample, kind): value}`` for their _count and _sum, and MTP's
+    draft counters, ``{(family, None): value}``."""
     from prometheus_client.parser import text_string_to_metric_families
 
     text = (await client.get(base + "/metrics")).text
-    return {(s.name, s.labels["kind"]): s.value for family in text_string_to_metric_families(text)
-            if family.name in ("lightllm_step_seconds", "lightllm_step_batch_size")
-            for s in family.samples if s.name.endswith(("_count", "_sum"))}  # fmt: skip
+    out = {}
+    for family in text_string_to_metric_families(text):
+        if family.name in ("lightllm_step_seconds", "lightllm_step_batch_size"):
+            out.update({(s.name, s.labels["kind"]): s.value for s in family.samples
+                        if s.name.endswith(("_count", "_sum"))})  # fmt: skip
+        elif family.name in SPEC_COUNTERS:
+            out.update({(family.name, None): s.value for s in family.samples if s.name.endswith("_total")})
+    return out
 
 
 def step_stats(before, after):
-    """What one load was made of: steps per kind, their mean time (ms) and mean batch (requests)."""
+    """What one load was made of: steps per kind, their mean time (ms) and mean batch (requests); MTP's drafts
+    proposed and accepted and their ratio, the acceptance (None without drafts)."""
     delta = {k: v - before.get(k, 0.0) for k, v in after.items()}
     out = {}
     for kind in ("prefill", "decode"):
@@ -190,6 +284,9 @@ def step_stats(before, after):
         out[f"{kind}_steps"] = int(n)
         out[f"{kind}_step_ms"] = delta[("lightllm_step_seconds_sum", kind)] / n * 1e3 if n else None
         out[f"{kind}_batch"] = delta[("lightllm_step_batch_size_sum", kind)] / n if n else None
+    for family, name in SPEC_COUNTERS.items():
+        out[name] = int(delta.get((family, None), 0.0))
+    out["acceptance"] = out["accepted_tokens"] / out["draft_tokens"] if out["draft_tokens"] else None
     return out
 
 
@@ -218,17 +315,31 @@ def main():
     p.add_argument("--log-dir", default="serve_load_logs", help="server logs (one per start) and the tuned configs")
     p.add_argument("--control", action="store_true", help="also start a second 'off' server per repeat (off_b)")
     p.add_argument("--tiny", action="store_true", help="the built-in tiny model instead (a CPU check of the method)")
+    p.add_argument("--model", default="qwen3", choices=MODELS, help="qwen3: Qwen3-8B widths; qwen3.5: Qwen3.5-27B "
+                   "widths, --layers a multiple of 4 (3 linear + 1 full attention each), with an MTP head")  # fmt: skip
+    p.add_argument("--mtp-step", type=int, default=0, choices=range(5), help="MTP draft tokens per step (qwen3.5; "
+                   "0: off): every server gets --mtp_mode eagle_with_att --mtp_step N")  # fmt: skip
+    p.add_argument("--mtp-head", default="agree", choices=MTP_HEADS, help="qwen3.5's MTP head: agree (drafts ~always "
+                   "accepted) or random (~never); the measured acceptance is reported either way")  # fmt: skip
+    p.add_argument("--decode-backend", default=None, choices=("fa3", "triton", "auto"), help="--llm_decode_att_backend "
+                   "of every server; auto: fa3 when fa3_fwd_interface imports, else triton (default: auto for "
+                   "qwen3.5, triton for qwen3)")  # fmt: skip
     args = p.parse_args()
+    if args.mtp_step and args.model != "qwen3.5":
+        p.error(f"--mtp-step {args.mtp_step} expected --model qwen3.5 (the model with an MTP head), got {args.model}")
+    if args.model == "qwen3.5" and not args.tiny:
+        try:
+            hybrid_layer_types(args.layers)
+        except ValueError as e:
+            p.error(str(e))
+    args.decode_backend = resolve_decode_backend(args.decode_backend, args.model)
+    flags = server_flags(args.decode_backend, args.model, args.mtp_step)
     procs.exit_on_sigterm()  # stopped from outside: still stop the servers and remove the temporary folders
-    from lightllm.tools.make_tiny_model import QWEN3_8B_SHAPE, make_tiny_qwen3
 
     os.makedirs(args.log_dir, exist_ok=True)
     rows, startups = [], []
     with tempfile.TemporaryDirectory() as root:
-        if args.tiny:
-            model = str(make_tiny_qwen3(os.path.join(root, "model")))
-        else:
-            model = str(make_tiny_qwen3(os.path.join(root, "model"), num_hidden_layers=args.layers, **QWEN3_8B_SHAPE))
+        model = build_model(os.path.join(root, "model"), args.model, args.layers, args.tiny, args.mtp_head)
         with open(os.path.join(model, "config.json")) as f:
             vocab = json.load(f)["vocab_size"]
         for workload in args.workloads:
@@ -250,13 +361,14 @@ def main():
                         if (mode, rep) == ("off", 0):
                             copy_without_decode_attention(cfg_on, cfg_off)
                         log_path = os.path.join(args.log_dir, f"server_tp{args.tp}_{workload}_{mode}{rep}.log")
+                        configs_before = config_snapshot(cfg[mode])
                         proc, base, seconds = start_server(model, args.tp, level, cfg[mode], max(args.concurrency),
-                                                           prompt_len + out_len + 64, log_path)  # fmt: skip
+                                                           prompt_len + out_len + 64, log_path, flags)  # fmt: skip
+                        start = {"workload": workload, "mode": mode, "repeat": rep, "startup_s": seconds}
+                        startups.append(start)
                         try:
-                            startups.append({"workload": workload, "mode": mode, "repeat": rep, "startup_s": seconds,
-                                             "summary": startup_summary(log_path),
-                                             "ranks": rank_agreement(log_path)})  # fmt: skip
-                            print(json.dumps(startups[-1]), flush=True)
+                            start.update(summary=startup_summary(log_path), ranks=rank_agreement(log_path))
+                            print(json.dumps(start), flush=True)
                             for conc in args.concurrency:
                                 warm = conc * 2 if args.warmup is None else args.warmup
                                 if warm:  # its own schedule (another seed); nothing of it is counted
@@ -269,6 +381,9 @@ def main():
                                                   "concurrency": conc, **res}), flush=True)  # fmt: skip
                         finally:
                             procs.stop(proc)
+                            # read once the server is gone: nothing it writes at exit is missed
+                            start["config_files_written"] = written_configs(configs_before, cfg[mode])
+                            start["config_check"] = config_check(mode, start["config_files_written"])
                 # the tuned files keep each run key's tuned and default time: why "on" chose what it chose
                 shutil.copytree(cfg_on, os.path.join(args.log_dir, f"configs_tp{args.tp}_{workload}"),
                                 dirs_exist_ok=True)  # fmt: skip
@@ -277,7 +392,9 @@ def main():
                 on, off = summarize(results["on", conc]), summarize(results["off", conc])
                 row = {"workload": workload, "concurrency": conc, "tp": args.tp, "on": on, "off": off,
                        "on_vs_off_pct": (on["tokens_per_s"] / off["tokens_per_s"] - 1) * 100,
-                       "decode_attention": per_step_attention(kernels, conc, args.layers)}  # fmt: skip
+                       # the Qwen3 graph's one kernel per layer; Qwen3.5 mixes kernels per step (left out)
+                       "decode_attention": per_step_attention(kernels, conc, args.layers)
+                       if args.model == "qwen3" else None}  # fmt: skip
                 if args.control:  # the A/A difference of every reported number at this point
                     off_b = row["off_b"] = summarize(results["off_b", conc])
                     row["off_b_vs_off_pct"] = (off_b["tokens_per_s"] / off["tokens_per_s"] - 1) * 100
@@ -315,12 +432,27 @@ def main():
                     "     -" if r["aa_pct"][k] is None else f"{r['aa_pct'][k]:+5.1f}%" for k in REPORTED
                 )
             print(f"{r['workload']:8s} {r['concurrency']:4d}  {mode:5s} {cells}{aa}")
+    if args.mtp_step:
+        print(f"\nMTP step {args.mtp_step}: draft acceptance (accepted / proposed drafts over the measured window, "
+              "median over starts)")  # fmt: skip
+        print("workload conc  " + "  ".join(f"{m:>6s}" for m in ("on", "off", "off_b") if m in rows[0]))
+        for r in rows:
+            cells = "  ".join("     -" if r[m]["acceptance"] is None else f"{r[m]['acceptance']:6.3f}"
+                              for m in ("on", "off", "off_b") if m in r)  # fmt: skip
+            print(f"{r['workload']:8s} {r['concurrency']:4d}  {cells}")
     for s in startups:
         ranks = s["ranks"]
         agreement = "" if ranks is None else (
             f"; {ranks['ranks']} ranks, identical configs, digest {ranks['digest']}" if ranks["agree"]
             else f"; RANKS DISAGREE on {ranks['differing_keys']} keys")  # fmt: skip
-        print(f"start-up {s['workload']} {s['mode']}{s['repeat']}: {s['startup_s']:.1f}s ({s['summary']}){agreement}")
+        print(f"start-up {s['workload']} {s['mode']}{s['repeat']}: {s['startup_s']:.1f}s ({s['summary']}){agreement}; "
+              f"wrote {len(s['config_files_written'])} config files")  # fmt: skip
+    for workload, files in tuned_config_files(startups).items():
+        print(f"\nconfig files the tuning start wrote ({workload}, {len(files)}):")
+        print("\n".join(f"  {f}" for f in files) or "  (none)")
+    for s in startups:
+        if s["config_check"]:
+            print(f"CONFIG CHECK FAILED, start-up {s['workload']} {s['mode']}{s['repeat']}: {s['config_check']}")
 
 
 def start_order(rep, control):
@@ -371,19 +503,30 @@ def summarize(runs):
     """Per reported number the median over server starts; tokens/s's spread; whether every request was whole."""
     tps = sorted(r["tokens_per_s"] for r in runs)
     out = {}
-    for key in REPORTED + ("decode_step_ms",):
+    for key in REPORTED + ("decode_step_ms", "acceptance"):
         values = [r[key] for r in runs if r.get(key) is not None]
         out[key] = statistics.median(values) if values else None
     return {**out, "spread_pct": (tps[-1] - tps[0]) / out["tokens_per_s"] * 100, "runs": runs,
             "all_complete_finite": all(r["all_complete_finite"] for r in runs)}  # fmt: skip
 
 
+def tuned_config_files(startups):
+    """Per workload, the config files its tuning start (on, repeat 0) wrote: the set "tuning on" is expected to
+    write."""
+    return {s["workload"]: s["config_files_written"] for s in startups
+            if (s["mode"], s["repeat"]) == ("on", 0) and "config_files_written" in s}  # fmt: skip
+
+
 def save(args, rows, startups):
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"tp": args.tp, "layers": args.layers, "requests": args.requests, "warmup": args.warmup,
+        json.dump({"tp": args.tp, "model": args.model, "tiny": args.tiny, "layers": args.layers,
+                   "mtp_step": args.mtp_step, "mtp_head": args.mtp_head if args.model == "qwen3.5" else None,
+                   "decode_backend": args.decode_backend, "requests": args.requests, "warmup": args.warmup,
                    "rate": args.rate, "seed": args.seed, "repeats": args.repeats, "control": args.control,
-                   "rows": rows, "startups": startups}, f, indent=1)  # fmt: skip
+                   "config_checks_ok": not any(s.get("config_check") for s in startups),
+                   "tuned_config_files": tuned_config_files(startups), "rows": rows, "startups": startups},
+                  f, indent=1)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -150,3 +150,104 @@ def test_stopping_the_benchmark_stops_its_server_and_removes_its_folders(tmp_pat
     assert bench.returncode == 128 + signal.SIGTERM  # it ended itself: no SIGKILL was needed
     assert [p for p, started in server_tree.items() if procs._alive(p, started)] == []
     assert _left_behind(tmp_path) == []
+
+
+def test_tuning_off_drops_every_decode_attention_kernel_mtp_and_linear_ones_included(serve_load):
+    """ "off" copies the tuned files minus decode attention's: MTP verify and linear-attention decode included."""
+    names = serve_load.decode_attention_kernels()
+    assert {"gqa_flash_decode", "fa3_decode", "mtp_diverse_decode", "gated_delta_decode",
+            "gated_delta_verify"} <= names  # fmt: skip
+
+
+def test_qwen3_5_layers_keep_the_3_to_1_pattern(serve_load):
+    assert serve_load.hybrid_layer_types(8) == ("linear_attention",) * 3 + ("full_attention",) + (
+        "linear_attention",
+    ) * 3 + ("full_attention",)
+    with pytest.raises(ValueError, match=r"--layers expected a positive multiple of 4 .* got 6"):
+        serve_load.hybrid_layer_types(6)
+
+
+def test_server_flags_per_model_and_mtp_step(serve_load):
+    assert serve_load.server_flags("triton", "qwen3", 0) == ["--llm_decode_att_backend", "triton"]
+    assert serve_load.server_flags("fa3", "qwen3.5", 3) == [
+        "--llm_decode_att_backend", "fa3", "--linear_att_ssm_data_type", "float32",
+        "--mtp_mode", "eagle_with_att", "--mtp_step", "3"]  # fmt: skip
+    assert serve_load.resolve_decode_backend(None, "qwen3") == "triton"  # Qwen3 runs as before
+    assert serve_load.resolve_decode_backend("fa3", "qwen3.5") == "fa3"
+    expected = "fa3" if importlib.util.find_spec("fa3_fwd_interface") else "triton"
+    assert (
+        serve_load.resolve_decode_backend(None, "qwen3.5")
+        == serve_load.resolve_decode_backend("auto", "qwen3")
+        == (expected)
+    )
+
+
+def test_written_config_files_are_the_new_or_changed_ones(serve_load, tmp_path):
+    """A start's config files: new and rewritten ones count, untouched ones and lock files do not; a tuning-off
+    start that wrote any fails its check with the files named (the run goes on: the check is a value)."""
+    kernel_dir = tmp_path / "triton_3.6.0" / "NVIDIA_H200" / "gqa_flash_decode"
+    kernel_dir.mkdir(parents=True)
+    (kernel_dir / "kept.json").write_text('{"a": 1}')
+    (kernel_dir / "changed.json").write_text('{"a": 1}')
+    before = serve_load.config_snapshot(tmp_path)
+    (kernel_dir / "changed.json").write_text('{"a": 2}')
+    (kernel_dir / "new.json").write_text("{}")
+    (kernel_dir / "new.json.lock").write_text("")
+    written = serve_load.written_configs(before, tmp_path)
+    prefix = "triton_3.6.0/NVIDIA_H200/gqa_flash_decode/"
+    assert written == [prefix + "changed.json", prefix + "new.json"]
+    assert serve_load.config_check("on", written) is None
+    assert serve_load.config_check("off", []) is None and serve_load.config_check("off_b", []) is None
+    assert serve_load.config_check("off_b", written) == (
+        f"tuning off (off_b) wrote 2 config files: {prefix}changed.json, {prefix}new.json"
+    )
+
+
+def test_acceptance_is_the_delta_of_the_spec_counters(serve_load):
+    steps = {("lightllm_step_seconds_count", k): 0.0 for k in ("prefill", "decode")}
+    before = {**steps, ("lightllm_spec_decode_num_draft_tokens", None): 100.0,
+              ("lightllm_spec_decode_num_accepted_tokens", None): 90.0}  # fmt: skip
+    after = {**steps, ("lightllm_spec_decode_num_draft_tokens", None): 140.0,
+             ("lightllm_spec_decode_num_accepted_tokens", None): 100.0}  # fmt: skip
+    stats = serve_load.step_stats(before, after)
+    assert (stats["draft_tokens"], stats["accepted_tokens"], stats["acceptance"]) == (40, 10, 0.25)
+    assert serve_load.step_stats(steps, steps)["acceptance"] is None  # no drafts (MTP off): no acceptance
+
+
+def test_mtp_step_needs_qwen3_5(tmp_path):
+    cmd, env = _benchmark(tmp_path, "--model", "qwen3", "--mtp-step", "2")
+    done = procs.run(cmd, env=env, timeout=procs.HANG_TIMEOUT_S)
+    assert done.returncode == 2
+    assert "--mtp-step 2 expected --model qwen3.5 (the model with an MTP head), got qwen3" in done.stderr
+
+
+def test_mtp_matrix_runs_end_to_end_on_the_tiny_qwen3_5(tmp_path):
+    """The service matrix's method on the CPU: tiny Qwen3.5 with its agreeing MTP head at step 2, tuning on and
+    off. Every request whole with finite logprobs, the drafts counted over the measured window, each start's
+    written config files recorded (on a CPU nothing is tuned, so none), and the off start wrote none."""
+    cmd, env = _benchmark(tmp_path, "--model", "qwen3.5", "--mtp-step", "2", "--requests", "2", "--concurrency", "2",
+                          "--repeats", "1", "--workloads", "short")  # fmt: skip
+    done = procs.run(cmd, env=env, timeout=procs.HANG_TIMEOUT_S)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert _left_behind(tmp_path) == []
+    result = json.loads((tmp_path / "out.json").read_text())
+    assert (result["model"], result["mtp_step"], result["mtp_head"]) == ("qwen3.5", 2, "agree")
+    assert result["decode_backend"] == "triton"  # auto without fa3_fwd_interface (CPU)
+    (row,) = result["rows"]
+    for mode in ("on", "off"):
+        (run,) = row[mode]["runs"]
+        assert run["all_complete_finite"] and run["output_tokens"] == 2 * 256
+        # the agreeing head: 2 drafts per request per decode step, (almost) all accepted
+        assert run["draft_tokens"] == 2 * round(run["decode_batch"] * run["decode_steps"]) > 0
+        assert 0.9 <= run["acceptance"] == run["accepted_tokens"] / run["draft_tokens"] <= 1.0
+        assert row[mode]["acceptance"] == run["acceptance"]
+    assert [(s["mode"], s["config_files_written"], s["config_check"]) for s in result["startups"]] == [
+        ("on", [], None), ("off", [], None)]  # fmt: skip
+    assert result["config_checks_ok"] is True and result["tuned_config_files"] == {"short": []}
+    assert "draft acceptance" in done.stdout and "config files the tuning start wrote (short, 0)" in done.stdout
+    assert "CONFIG CHECK FAILED" not in done.stdout
+    for name in ("on0", "off0"):  # every server got the matrix's flags (its args line)
+        log = (tmp_path / "logs" / f"server_tp1_short_{name}.log").read_text()
+        for arg in ("llm_decode_att_backend=triton", "linear_att_ssm_data_type=float32", "mtp_mode=eagle_with_att",
+                    "mtp_step=2"):  # fmt: skip
+            assert f" {arg} " in log, arg
