@@ -16,7 +16,6 @@ Start-up, top to bottom (``ModelRunner.__init__``):
 6. one summary line.
 """
 
-import itertools
 import logging
 import time
 from pathlib import Path
@@ -237,19 +236,9 @@ class ModelRunner:
         # without chunking a prompt longer than batch_max_tokens still prefills, alone (as does a re-prefill)
         most = a.prefill_step_tokens if not a.disable_chunked_prefill else max(a.batch_max_tokens, max_len)
         sizes = _prefill_sizes(most, max_len, a.running_max_req_size)
+        prefill = InferState.packed_prefill(range(len(sizes)), table, [0] * len(sizes), sizes,
+                                            torch.arange(sum(sizes)) % PROFILE_POOL_TOKENS, dev)  # fmt: skip
         i32 = dict(dtype=torch.int32, device=dev)
-        prefill = InferState(
-            is_prefill=True,
-            b_req_idx=torch.arange(len(sizes), **i32),
-            req_to_token=table,
-            b_seq_len=torch.tensor(sizes, **i32),
-            out_token_idx=torch.arange(sum(sizes), device=dev) % PROFILE_POOL_TOKENS,
-            positions=torch.cat([torch.arange(n) for n in sizes]).to(dev),
-            max_len_in_batch=max(sizes),
-            b_q_start=torch.tensor([0, *itertools.accumulate(sizes[:-1])], **i32),
-            b_q_len=torch.tensor(sizes, **i32),
-            max_q_len=max(sizes),
-        )
         bs = a.running_max_req_size * a.spec_tokens  # MTP: a verify step's tokens, as that many one-token rows
         decode = InferState(
             is_prefill=False,
@@ -296,24 +285,8 @@ class ModelRunner:
         return logits
 
     def _prefill_eager(self, slots, prompts, lens, prefix, token_idx) -> torch.Tensor:
-        starts = [0, *itertools.accumulate(lens[:-1])]
-        seq_lens = [p + n for p, n in zip(prefix, lens)]
         dev = self.device
-        i32 = dict(dtype=torch.int32, device=dev)
-        state = InferState(
-            is_prefill=True,
-            b_req_idx=torch.tensor(slots, **i32),
-            req_to_token=self.kv.table,
-            b_seq_len=torch.tensor(seq_lens, **i32),
-            out_token_idx=token_idx.to(dev),
-            positions=torch.cat([torch.arange(p, p + n) for p, n in zip(prefix, lens)]).to(dev),
-            max_len_in_batch=max(seq_lens),
-            b_q_start=torch.tensor(starts, **i32),
-            b_q_len=torch.tensor(lens, **i32),
-            max_q_len=max(lens),
-            b_prefix_len=torch.tensor(prefix, **i32),
-            max_prefix_len=max(prefix),
-        )
+        state = InferState.packed_prefill(slots, self.kv.table, prefix, lens, token_idx, dev)
         input_ids = torch.tensor([t for p in prompts for t in p], dtype=torch.int64, device=dev)
         if self.mtp is not None:  # the MTP head's KV follows each chunk
             return self.mtp.prefill(input_ids, state, slots, prompts)

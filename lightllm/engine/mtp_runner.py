@@ -86,22 +86,9 @@ class MTPRunner:
         ids = [t for s in slots for t in self.follow[s][1:]]
         positions = torch.cat([torch.arange(p, p + k) for p, k in zip(starts, counts)]).to(dev)
         rows = torch.tensor([s for s, k in zip(slots, counts) for _ in range(k)], device=dev)
-        i32 = dict(dtype=torch.int32, device=dev)
+        state = InferState.packed_prefill(slots, table, starts, counts, table[rows, positions].long(), dev,
+                                          max_position=self.max_position)  # fmt: skip
         firsts = [0, *itertools.accumulate(counts[:-1])]
-        state = InferState(
-            is_prefill=True,
-            b_req_idx=torch.tensor(slots, **i32),
-            req_to_token=table,
-            b_seq_len=torch.tensor([p + k for p, k in zip(starts, counts)], **i32),
-            out_token_idx=table[rows, positions].long(),
-            positions=positions.clamp(max=self.max_position),
-            max_len_in_batch=max(p + k for p, k in zip(starts, counts)),
-            b_q_start=torch.tensor(firsts, **i32),
-            b_q_len=torch.tensor(counts, **i32),
-            max_q_len=max(counts),
-            b_prefix_len=torch.tensor(starts, **i32),
-            max_prefix_len=max(starts),
-        )
         last = torch.tensor([f + k - 1 for f, k in zip(firsts, counts)], device=dev) if logits else None
         out = self.head.forward(torch.tensor(ids, dtype=torch.int64, device=dev), hidden, state, out_rows=last)
         for s, k in zip(slots, counts):

@@ -1,7 +1,8 @@
 """Batch metadata of one forward, built once per step and read by every layer."""
 
+import itertools
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -53,3 +54,28 @@ class InferState:
     def launch_max_len(self) -> int:
         """Length kernel launches are sized for: the graph's maximum inside a graph, else the real one."""
         return self.graph_max_len if self.graph_max_len is not None else self.max_len_in_batch
+
+    @classmethod
+    def packed_prefill(cls, slots: Sequence[int], req_to_token: torch.Tensor, prefix_lens: Sequence[int],
+                       new_lens: Sequence[int], out_token_idx: torch.Tensor, device: torch.device,
+                       max_position: Optional[int] = None) -> "InferState":  # fmt: skip
+        """A prefill of request slots ``slots``, each with ``new_lens[i]`` new tokens packed one request after another
+        and placed after its ``prefix_lens[i]`` tokens already in the KV (0: a fresh request); ``out_token_idx`` the
+        pool slots the new tokens' K/V go to; rotary positions capped at ``max_position`` when given."""
+        i32 = dict(dtype=torch.int32, device=device)
+        seq_lens = [p + n for p, n in zip(prefix_lens, new_lens)]
+        positions = torch.cat([torch.arange(p, p + n) for p, n in zip(prefix_lens, new_lens)])
+        return cls(
+            is_prefill=True,
+            b_req_idx=torch.tensor(list(slots), **i32),
+            req_to_token=req_to_token,
+            b_seq_len=torch.tensor(seq_lens, **i32),
+            out_token_idx=out_token_idx.to(device),
+            positions=positions.to(device) if max_position is None else positions.clamp(max=max_position).to(device),
+            max_len_in_batch=max(seq_lens),
+            b_q_start=torch.tensor([0, *itertools.accumulate(new_lens[:-1])], **i32),
+            b_q_len=torch.tensor(list(new_lens), **i32),
+            max_q_len=max(new_lens),
+            b_prefix_len=torch.tensor(list(prefix_lens), **i32),
+            max_prefix_len=max(prefix_lens),
+        )

@@ -13,22 +13,8 @@ KV_HEADS, Q_HEADS, HEAD_DIM, POOL = 2, 4, 64, 128
 
 
 def _state(prefix_lens, new_lens, table, slots):
-    i32 = dict(dtype=torch.int32)
-    starts = [sum(new_lens[:i]) for i in range(len(new_lens))]
-    return InferState(
-        is_prefill=True,
-        b_req_idx=torch.tensor(slots, **i32),
-        req_to_token=table,
-        b_seq_len=torch.tensor([p + n for p, n in zip(prefix_lens, new_lens)], **i32),
-        out_token_idx=torch.cat([table[s, p : p + n].long() for s, p, n in zip(slots, prefix_lens, new_lens)]),
-        positions=torch.cat([torch.arange(p, p + n) for p, n in zip(prefix_lens, new_lens)]),
-        max_len_in_batch=max(p + n for p, n in zip(prefix_lens, new_lens)),
-        b_q_start=torch.tensor(starts, **i32),
-        b_q_len=torch.tensor(new_lens, **i32),
-        max_q_len=max(new_lens),
-        b_prefix_len=torch.tensor(prefix_lens, **i32),
-        max_prefix_len=max(prefix_lens),
-    )
+    out_token_idx = torch.cat([table[s, p : p + n].long() for s, p, n in zip(slots, prefix_lens, new_lens)])
+    return InferState.packed_prefill(slots, table, prefix_lens, new_lens, out_token_idx, table.device)
 
 
 @pytest.mark.parametrize("kv_type", ["None", "int8kv", "int4kv"])
