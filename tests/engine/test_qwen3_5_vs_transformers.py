@@ -13,6 +13,7 @@ from lightllm.engine.model_runner import ModelRunner
 from lightllm.server.args import parse_args
 from lightllm.tools.make_tiny_model import QWEN3_5_GPU_SHAPE, make_tiny_qwen3_5
 
+from tests.engine.test_graph_len_buckets import BucketReplayAPI
 from tests.engine.test_qwen3_vs_transformers import check_gpu_bf16_against_cpu_fp32, forced_scores
 from tests.engine.test_scheduler import run_all
 
@@ -120,44 +121,17 @@ def test_preemption_re_prefills_and_keeps_greedy_tokens(tiny_dir):
     assert got == want and set(reasons.values()) == {"length"}
 
 
-class ReplayingGraphAPI:
-    """A CPU stand-in for CUDA graphs: 'replay' re-runs the captured decode forward over the runner's static
-    buffers (padding rows included) and writes the captured output, as a real replay would."""
-
-    def __init__(self):
-        self.runner, self.replays = None, 0
-
-    def new_graph(self):
-        return {}
-
-    def capture(self, graph, pool):
-        import contextlib
-
-        return contextlib.nullcontext()
-
-    def pool(self, graph):
-        return "pool"
-
-    def replay(self, graph):
-        (graph_len, bs), (_, out) = next((k, v) for k, v in self.runner.graphs.graphs.items() if v[0] is graph)
-        out.copy_(self.runner._graph_decode(bs, graph_len))
-        self.replays += 1
-
-    def memory_used(self):
-        return 0
-
-
 def test_decode_through_the_graph_buffers_gives_the_eager_tokens(tiny_dir):
     """State slots are read through the static ``b_req_idx`` buffer; padding rows use the padding slot."""
     prompts = [PROMPTS[1], PROMPTS[3], PROMPTS[0]]
     want, _ = run_all(Engine(cpu_runner(tiny_dir, disable_cudagraph=True), eos_ids=[]), prompts)
-    api = ReplayingGraphAPI()
+    api = BucketReplayAPI()
     runner = ModelRunner(EngineArgs(model_dir=tiny_dir, data_type="fp32", device="cpu", batch_max_tokens=256,
                                     max_req_total_len=256, running_max_req_size=4, graph_max_batch_size=4,
                                     graph_split_batch_size=2, graph_grow_step_size=2), graph_api=api)  # fmt: skip
     api.runner = runner
     got, _ = run_all(Engine(runner, eos_ids=[]), prompts)
-    assert api.replays > 0 and got == want
+    assert api.replayed and got == want
 
 
 def test_int8_kv_and_bf16_state_run_on_the_cpu(tiny_dir):
