@@ -108,10 +108,19 @@ def wait_for_abort(server, aborted_before):
     return done
 
 
+def idle_kv_usage(server):
+    """KV in use once the engine holds no request: a request an earlier test ended by a stop string answers before
+    the engine frees it (the abort follows), and the gauges are set at the start of each step."""
+    deadline = time.monotonic() + procs.HANG_TIMEOUT_S
+    while metric(server, "lightllm_running_batch") != 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return metric(server, "lightllm_kv_usage_ratio")
+
+
 @pytest.mark.parametrize("n", [1, 3])
 def test_disconnect_mid_stream_frees_kv(server, n):
     """With n > 1 every sample of the stream is aborted, not only the one whose chunk was being sent."""
-    baseline = metric(server, "lightllm_kv_usage_ratio")
+    baseline = idle_kv_usage(server)
     aborted = metric(server, "lightllm_requests_finished_total", '{finish_reason="abort"}') or 0.0
     body = {"prompt": [4, 5, 6], "max_tokens": MAX_LEN - 10, "temperature": 0, "stream": True, "n": n}
     with httpx.stream("POST", server + "/v1/completions", json=body, timeout=procs.HANG_TIMEOUT_S) as r:
@@ -124,7 +133,7 @@ def test_disconnect_mid_stream_frees_kv(server, n):
 
 def test_disconnect_while_generating_frees_kv(server):
     """Non-streaming: tokens keep arriving for the request, yet the client's departure is still noticed."""
-    baseline = metric(server, "lightllm_kv_usage_ratio")
+    baseline = idle_kv_usage(server)
     aborted = metric(server, "lightllm_requests_finished_total", '{finish_reason="abort"}') or 0.0
     generated = metric(server, "lightllm_generated_tokens_total")
     body = {"inputs": [4, 5, 6], "parameters": {"max_new_tokens": MAX_LEN - 10, "ignore_eos": True}}
