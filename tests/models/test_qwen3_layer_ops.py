@@ -11,6 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from triton.runtime.jit import KernelInterface
 
 from lightllm import LLM, SamplingParams
+from lightllm.kernels.kv_cache_write import KVLayers
 from lightllm.layers.attention import AttentionBackend
 from lightllm.models.qwen3 import model as qwen3_model
 from lightllm.models.qwen3.model import Qwen3Model
@@ -31,8 +32,9 @@ def tiny_llm(model_dir, dtype="fp32"):
 
 def test_layer_ops_are_planned_from_the_step_shapes(monkeypatch):
     """With kernels, one plan per op and forward: hidden-state norms over the step's tokens (the final one over a
-    prefill's output rows), q/k norm + rotary over the fused qkv output, SiLU * up over this rank's columns."""
-    made = []
+    prefill's output rows), q/k norm + rotary over the fused qkv output (writing a float cache's K/V at the step's
+    slots), SiLU * up over this rank's columns."""
+    made, qk_kwargs = [], []
 
     def counting(name):
         real = getattr(qwen3_model, name)
@@ -40,6 +42,8 @@ def test_layer_ops_are_planned_from_the_step_shapes(monkeypatch):
         class Counting(real):
             def __init__(self, *args, **kwargs):
                 made.append((name, args[:4] if name == "QKNormRopePlan" else args[:2]))
+                if name == "QKNormRopePlan":
+                    qk_kwargs.append(kwargs)
                 super().__init__(*args, **kwargs)
 
         return Counting
@@ -48,17 +52,24 @@ def test_layer_ops_are_planned_from_the_step_shapes(monkeypatch):
         monkeypatch.setattr(qwen3_model, name, counting(name))
     d, f32 = 16, torch.float32
     config = SimpleNamespace(rms_norm_eps=1e-6, hidden_size=64, head_dim=d)
+    kv_layers = KVLayers(torch.zeros(2, 16, 2, d), torch.zeros(2, 16, 2, d))
     model = SimpleNamespace(use_kernels=True, config=config, dtype=f32, heads=4, kv_heads=2, intermediate=48,
-                            _cos=torch.ones(32, d), _sin=torch.zeros(32, d))  # fmt: skip
-    ops = Qwen3Model._plan_ops(model, 3, 3, torch.arange(3))
+                            _cos=torch.ones(32, d), _sin=torch.zeros(32, d),
+                            attn=SimpleNamespace(kv_layers=kv_layers))  # fmt: skip
+    state = SimpleNamespace(positions=torch.arange(3), out_token_idx=torch.arange(3) + 5)
+    ops = Qwen3Model._plan_ops(model, 3, 3, state)
     assert sorted(made) == [("AddRMSNormPlan", ((3, 64), f32)), ("QKNormRopePlan", (3, 4, 2, d)),
                             ("RMSNormPlan", ((3, 64), f32)), ("SiluMulPlan", (3, 48))]  # fmt: skip
+    assert qk_kwargs[0]["kv_layers"] is kv_layers and qk_kwargs[0]["token_idx"] is state.out_token_idx
     assert ops.final_add_norm == ops.add_norm  # decode: one output row per token
     made.clear()
-    ops = Qwen3Model._plan_ops(model, 7, 2, torch.arange(7))  # a prefill of two requests: the final norm, two rows
+    model.attn.kv_layers = None  # a quantized cache: the backend's write_kv after the q/k kernel
+    state = SimpleNamespace(positions=torch.arange(7), out_token_idx=torch.arange(7))
+    ops = Qwen3Model._plan_ops(model, 7, 2, state)  # a prefill of two requests: the final norm, two rows
     assert [args for name, args in made if name == "AddRMSNormPlan"] == [((7, 64), f32), ((2, 64), f32)]
     with pytest.raises(ValueError, match=r"qk_norm_rope plan: qkv expected the planned \(7, 128\)"):
-        ops.qk_norm_rope(torch.zeros(7, 96), torch.ones(d), torch.ones(d))
+        ops.qk_norm_rope_kv(torch.zeros(7, 96), torch.ones(d), torch.ones(d), 0)
+    assert "kv_layers" not in qk_kwargs[-1]
 
 
 @pytest.mark.parametrize("dtype, tol", [("fp32", 1e-5), ("fp16", 2e-2)])
@@ -125,10 +136,10 @@ def counts_per_depth(llm, monkeypatch, counter: OpCounter, launches: Counter, de
 
 def test_launches_per_layer(tiny_dir, monkeypatch):
     """The kernel path of one layer, with every Triton kernel and the attention backend mocked (counted, not run):
-    4 GEMMs, 4 Triton launches (q/k norm + rotary, two add + norm, SiLU * up), the KV write and attention, and no
-    allocation (the kernels' outputs are allocated once per forward, by its first layer). Counted as the difference
-    between a 2-layer and a 1-layer forward, in prefill and in decode; a change that adds a launch, a torch op or
-    an allocation per layer fails here."""
+    4 GEMMs, 4 Triton launches (q/k norm + rotary writing the float KV cache too, two add + norm, SiLU * up) and
+    attention, and no allocation (the kernels' outputs are allocated once per forward, by its first layer).
+    Counted as the difference between a 2-layer and a 1-layer forward, in prefill and in decode; a change that adds
+    a launch, a torch op or an allocation per layer fails here."""
     llm = tiny_llm(tiny_dir)
     llm.runner.model.use_kernels = True
     counter = OpCounter()
@@ -151,5 +162,5 @@ def test_launches_per_layer(tiny_dir, monkeypatch):
     for phase in ("prefill", "decode"):
         (ops1, launches1), (ops2, launches2) = per_depth[1, phase], per_depth[2, phase]
         assert ops2 - ops1 == Counter(mm=4) and not ops1 - ops2, phase
-        kernels = {"_qk_norm_rope_kernel": 1, "_add_rmsnorm_kernel": 2, "_silu_mul_kernel": 1, "write_kv": 1, phase: 1}
+        kernels = {"_qk_norm_rope_kernel": 1, "_add_rmsnorm_kernel": 2, "_silu_mul_kernel": 1, phase: 1}
         assert launches2 - launches1 == Counter(kernels) and not launches1 - launches2, phase
