@@ -91,15 +91,15 @@ def check_kernel_path_matches_reference(llm, max_new_tokens, tol):
 
 
 class OpCounter(TorchDispatchMode):
-    """Counts the aten ops that do work (views excluded) while ``active``."""
+    """Counts the aten ops that do work, and apart the views, while ``active``."""
 
     def __init__(self):
         super().__init__()
-        self.ops, self.active = Counter(), True
+        self.ops, self.views, self.active = Counter(), Counter(), True
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if self.active and not func.is_view:
-            self.ops[func.overloadpacket.__name__] += 1
+        if self.active:
+            (self.views if func.is_view else self.ops)[func.overloadpacket.__name__] += 1
         return func(*args, **(kwargs or {}))
 
 
@@ -112,9 +112,9 @@ def mock_triton_launches(monkeypatch, launches: Counter) -> None:
     monkeypatch.setattr(KernelInterface, "__getitem__", mocked_launch)
 
 
-def counts_per_depth(llm, monkeypatch, counter: OpCounter, launches: Counter, depths) -> dict:
+def counts_per_depth(llm, monkeypatch, counter: OpCounter, launches: Counter, depths, views=None) -> dict:
     """``(depth, phase) -> (aten ops, launches)`` of a prefill and a decode of one request through the model's
-    first ``depth`` layers (the model's ``forward`` counted by ``counter``)."""
+    first ``depth`` layers (the model's ``forward`` counted by ``counter``); the view ops in ``views`` when given."""
     model = llm.runner.model
     real_forward, weights, per_depth = model.forward, model.w, {}
 
@@ -126,20 +126,23 @@ def counts_per_depth(llm, monkeypatch, counter: OpCounter, launches: Counter, de
     for depth in depths:
         model.w = dataclasses.replace(weights, layers=weights.layers[:depth])
         for phase in ("prefill", "decode"):
-            counter.ops.clear(), launches.clear()
+            counter.ops.clear(), counter.views.clear(), launches.clear()
             slot = llm.runner.add_request()
             llm.runner.prefill([slot], [[5, 17, 42]]) if phase == "prefill" else llm.runner.decode([slot], [7])
             llm.runner.free(slot)
             per_depth[depth, phase] = (Counter(counter.ops), Counter(launches))
+            if views is not None:
+                views[depth, phase] = Counter(counter.views)
     return per_depth
 
 
 def test_launches_per_layer(tiny_dir, monkeypatch):
     """The kernel path of one layer, with every Triton kernel and the attention backend mocked (counted, not run):
     4 GEMMs, 4 Triton launches (q/k norm + rotary writing the float KV cache too, two add + norm, SiLU * up) and
-    attention, and no allocation (the kernels' outputs are allocated once per forward, by its first layer).
-    Counted as the difference between a 2-layer and a 1-layer forward, in prefill and in decode; a change that adds
-    a launch, a torch op or an allocation per layer fails here."""
+    attention, and no allocation (the kernels' outputs are allocated once per forward, by its first layer). The
+    views are the GEMMs' inputs: attention's output flattened, and in prefill v's columns of qkv (the weights'
+    transposes are made once, at load). Counted as the difference between a 2-layer and a 1-layer forward, in
+    prefill and in decode; a change that adds a launch, a torch op, a view or an allocation per layer fails here."""
     llm = tiny_llm(tiny_dir)
     llm.runner.model.use_kernels = True
     counter = OpCounter()
@@ -158,9 +161,12 @@ def test_launches_per_layer(tiny_dir, monkeypatch):
     mock_triton_launches(monkeypatch, launches)
     for name in ("write_kv", "prefill", "decode"):
         monkeypatch.setattr(AttentionBackend, name, mocked_attention(name))
-    per_depth = counts_per_depth(llm, monkeypatch, counter, launches, (1, 2))
+    views = {}
+    per_depth = counts_per_depth(llm, monkeypatch, counter, launches, (1, 2), views)
     for phase in ("prefill", "decode"):
         (ops1, launches1), (ops2, launches2) = per_depth[1, phase], per_depth[2, phase]
         assert ops2 - ops1 == Counter(mm=4) and not ops1 - ops2, phase
+        layer_views = Counter(view=2, slice=1) if phase == "prefill" else Counter(view=1)
+        assert views[2, phase] - views[1, phase] == layer_views and not views[1, phase] - views[2, phase], phase
         kernels = {"_qk_norm_rope_kernel": 1, "_add_rmsnorm_kernel": 2, "_silu_mul_kernel": 1, phase: 1}
         assert launches2 - launches1 == Counter(kernels) and not launches1 - launches2, phase

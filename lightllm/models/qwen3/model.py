@@ -116,15 +116,16 @@ class Qwen3Model:
         reduce = all_reduce_ if self.tp > 1 else unchanged  # one rank: no all-reduce, nor its world-size query
         h = F.embedding(input_ids, self.w.embed)  # the residual stream, updated in place by add_norm
         x = ops.norm(h, layers[0].input_norm)
+        mm = torch.mm  # with the weights' [in, out] views: F.linear's own mm, bit for bit
         for i, lw in enumerate(layers):
-            qkv = F.linear(x, lw.qkv_proj)
+            qkv = mm(x, lw.qkv_t)
             q, k = ops.qk_norm_rope_kv(qkv, lw.q_norm, lw.k_norm, i)
             if prefill:
                 o = attn.prefill(i, q, k, qkv[:, v_start:].view(tokens, self.kv_heads, d), state)
             else:
                 o = attn.decode(i, q, state)
-            x = ops.add_norm(h, reduce(F.linear(o.reshape(tokens, -1), lw.o_proj)), lw.post_norm)
-            mlp = reduce(F.linear(ops.silu_mul(F.linear(x, lw.gate_up_proj)), lw.down_proj))
+            x = ops.add_norm(h, reduce(mm(o.reshape(tokens, -1), lw.o_t)), lw.post_norm)
+            mlp = reduce(mm(ops.silu_mul(mm(x, lw.gate_up_t)), lw.down_t))
             if i + 1 < len(layers):
                 x = ops.add_norm(h, mlp, layers[i + 1].input_norm)
         if prefill:  # only each request's last token goes on
