@@ -1,5 +1,6 @@
 """What one eager Qwen3 layer launches on a GPU, counted on the CPU: every Triton launch (by kernel) and every torch
-op that would run device work (GEMMs, copies, fills, elementwise ops; views and ``torch.empty`` are free).
+op that would run device work (GEMMs, copies, fills, elementwise ops; ``torch.empty`` is free). Views launch
+nothing but cost host time: listed apart (``view ...``), not in the total.
 
 The model runs its GPU code path with Triton's launcher stubbed out as in ``layer_host_cost.py`` (``--launches
 driver``), the attention backend's GPU path included (``triton`` decode; FA3 needs a GPU: it replaces the Triton
@@ -7,7 +8,7 @@ decode attention's launches with one FA3 call). A layer's launches = those of a 
 forward, so the forward's own work (embedding, first norm, lm_head, plans) cancels out. Decode at batch 1 and a
 ``--prompt-len`` prefill. Runs on older checkouts too (to count before and after a change).
 
-    python benchmarks/layer_launches.py
+    python benchmarks/layer_launches.py --label after --out benchmarks/results/layer_launches_cpu.json
 """
 
 import argparse
@@ -15,6 +16,7 @@ import collections
 import dataclasses
 import json
 import os
+import subprocess
 import tempfile
 
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -44,8 +46,7 @@ class _CountOps(TorchDispatchMode):
         self.counts = counts
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if _launches_device_work(func):
-            self.counts[f"torch {func.__name__}"] += 1
+        self.counts[f"torch {func.__name__}" if _launches_device_work(func) else f"view {func.__name__}"] += 1
         return func(*args, **(kwargs or {}))
 
 
@@ -80,7 +81,8 @@ def count(model, ids, state, counts) -> collections.Counter:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--prompt-len", type=int, default=16)
-    ap.add_argument("--json", action="store_true", help="print the counts as one JSON object")
+    ap.add_argument("--label", default="current")
+    ap.add_argument("--out", default=None, help="append the counts, with the label and commit, to this JSON list")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_tiny_qwen3(os.path.join(tmp, "tiny"), num_hidden_layers=2, head_dim=64, seed=1)
@@ -101,15 +103,18 @@ def main() -> None:
             model.w = dataclasses.replace(weights, layers=weights.layers[:depth])
             by_depth[depth] = count(model, ids, state, counts)
         layer = by_depth[2] - by_depth[1]
-        per_layer[phase] = {"total": sum(layer.values()), **dict(sorted(layer.items()))}
-    if args.json:
-        print(json.dumps(per_layer))
-        return
+        launches = sum(n for name, n in layer.items() if not name.startswith("view "))
+        per_layer[phase] = {"total": launches, **dict(sorted(layer.items()))}
     for phase, row in per_layer.items():
-        print(f"{phase}: {row['total']} launches per layer")
+        print(f"{phase}: {row['total']} launches per layer (and the views: no launch, some host time)")
         for name, n in row.items():
             if name != "total":
                 print(f"  {n:3d}  {name}")
+    if args.out:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        runs = json.load(open(args.out)) if os.path.exists(args.out) else []
+        run = {"label": args.label, "commit": commit, "attention": "triton", "per_layer": per_layer}
+        json.dump(runs + [run], open(args.out, "w"), indent=1)
 
 
 if __name__ == "__main__":
