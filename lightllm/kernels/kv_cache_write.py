@@ -247,6 +247,31 @@ def write_kv_int4(k_new, v_new, k_cache, v_cache, k_scale, v_scale, token_idx, g
     _launch_quant(k_new, v_new, k_cache, v_cache, k_scale, v_scale, token_idx, group_size, int4=True)
 
 
+class KVLayers:
+    """A float pool's per-layer K and V views, made once per pool, for a kernel that writes a layer's new K/V in its
+    own launch (``QKNormRopePlan(kv_layers=...)``): ``k[layer]`` and ``v[layer]`` are contiguous ``[num_tokens,
+    kv_heads, head_dim]`` tensors of one dtype and device, checked here once, so a step's plan checks the summary
+    and its layers only index a tuple.
+
+    Args: ``k_pool``, ``v_pool``: ``[num_layers, num_tokens, kv_heads, head_dim]`` float16/bfloat16/float32,
+    contiguous (a ``KVPool``'s ``k`` and ``v``).
+    """
+
+    def __init__(self, k_pool: torch.Tensor, v_pool: torch.Tensor):
+        for name, pool in (("k_pool", k_pool), ("v_pool", v_pool)):
+            if pool.dim() != 4 or pool.dtype not in _DTYPES or not pool.is_contiguous():
+                raise ValueError(f"KV layers: {name} expected a contiguous [num_layers, num_tokens, kv_heads, "
+                                 f"head_dim] tensor of {_DTYPES}, got {pool.dtype} {tuple(pool.shape)} strides "
+                                 f"{pool.stride()}")  # fmt: skip
+        if v_pool.shape != k_pool.shape or v_pool.dtype != k_pool.dtype or v_pool.device != k_pool.device:
+            raise ValueError(f"KV layers: v_pool expected k_pool's {k_pool.dtype} {tuple(k_pool.shape)} on "
+                             f"{k_pool.device}, got {v_pool.dtype} {tuple(v_pool.shape)} on "
+                             f"{v_pool.device}")  # fmt: skip
+        self.k, self.v = tuple(k_pool.unbind(0)), tuple(v_pool.unbind(0))
+        self.num_tokens, self.kv_heads, self.head_dim = k_pool.shape[1:]
+        self.dtype, self.device = k_pool.dtype, k_pool.device
+
+
 class KVWritePlan:
     """The KV writes of one forward, made at its first layer's write from that layer's tensors: every check of
     :func:`write_kv` (``quant`` "none"), :func:`write_kv_int8` ("int8") or :func:`write_kv_int4` ("int4") runs once

@@ -76,6 +76,9 @@ class AttentionBackend:
 
             self.fa3_provider = require_fa3(device)
         self._kv_write = None  # the KV write plan of the forward whose token_idx it holds (made at its first write)
+        # A float pool's per-layer views, made once: a model's q/k kernel writes the new K/V through them, and
+        # decode reads them (no per-layer indexing op). None for a quantized pool (``write_kv`` quantizes).
+        self.kv_layers = kvw.KVLayers(pool.k, pool.v) if self.quant == "none" else None
 
     # ---- KV writes ----------------------------------------------------------------------------------------
 
@@ -186,18 +189,19 @@ class AttentionBackend:
     def decode(self, layer: int, q: torch.Tensor, state: InferState) -> torch.Tensor:
         """``q [batch * q_len, q_heads, D]`` against each request's cached KV (new tokens already written). With
         Triton on a GPU the output is the forward's one buffer: the next layer's call overwrites it."""
-        batch = state.batch_size
-        q_b = q.view(batch, state.q_len, *q.shape[1:]) if state.q_len > 1 else q
+        q_len = state.q_len
+        q_b = q.view(state.batch_size, q_len, *q.shape[1:]) if q_len > 1 else q
         if not self.on_gpu:
             k, v = self._dequantized(layer, q.dtype)
             out = decode_attention_ref(q_b, k, v, state.req_to_token, state.b_req_idx, state.b_seq_len)
             return out.to(q.dtype).reshape(q.shape)
-        p, plan = self.pool, self._plan_of(state, "decode")
-        if self.decode_backend == "fa3" or state.q_len > 1:  # FA3, or Triton's MTP diverse kernel
-            return plan.run(q_b, p.k[layer], p.v[layer]).reshape(q.shape)
-        if self.quant == "none":
-            return plan.run(q, p.k[layer], p.v[layer])
-        return plan.run(q, p.k[layer], p.v[layer], p.k_scale[layer], p.v_scale[layer])
+        plan, kv = self._plan_of(state, "decode"), self.kv_layers
+        if kv is None:  # quantized: Triton only, one query token per request (the plan refuses more)
+            p = self.pool
+            return plan.run(q, p.k[layer], p.v[layer], p.k_scale[layer], p.v_scale[layer])
+        if q_len > 1:  # FA3, or Triton's MTP diverse kernel
+            return plan.run(q_b, kv.k[layer], kv.v[layer]).reshape(q.shape)
+        return plan.run(q, kv.k[layer], kv.v[layer])  # FA3's output of one token per request is q's shape too
 
 
 def _prefix_of(state: InferState) -> CachedPrefix:

@@ -9,12 +9,14 @@ float16 ulp) and with float64 (loosely).
 import pytest
 import torch
 
+from lightllm.kernels.kv_cache_write import KVLayers
 from lightllm.kernels.activation import SiluMulPlan, _launch_silu_mul, silu_mul, silu_mul_ref
 from lightllm.kernels.norm.add_rmsnorm import AddRMSNormPlan, _launch_add_rmsnorm, add_rmsnorm, add_rmsnorm_ref
 from lightllm.kernels.norm.qk_norm_rope import (
     QKNormRopePlan,
     _launch_qk_norm_rope,
     qk_norm_rope,
+    qk_norm_rope_kv_ref,
     qk_norm_rope_ref,
 )
 
@@ -161,6 +163,78 @@ def test_qk_norm_rope_bad_inputs():
         plan.run(torch.zeros(3, 128, device=DEVICE), w, torch.ones(8, device=DEVICE))
     with pytest.raises(ValueError, match="contiguous last dim"):
         plan.run(torch.zeros(128, 3, device=DEVICE).t(), w, w)
+
+
+@DTYPES
+@pytest.mark.parametrize(
+    "tokens, q_heads, kv_heads, d, gated, config",
+    [
+        (1, 4, 2, 16, False, None),
+        (5, 6, 2, 16, False, {"BLOCK_H": 4, "num_warps": 1}),  # blocks straddle q and k heads
+        (3, 2, 1, 24, False, {"BLOCK_H": 1, "num_warps": 1}),  # head_dim not a power of two
+        (4, 4, 2, 16, True, {"BLOCK_H": 2, "num_warps": 1}),  # gated q heads: v starts after the wider q
+        (0, 4, 2, 16, False, None),
+    ],
+    ids=["tok1", "straddle", "d24", "gated", "empty"],
+)
+def test_qk_norm_rope_writes_the_kv_cache_in_the_same_launch(dtype, tokens, q_heads, kv_heads, d, gated, config):
+    """With ``kv_layers``, each token's k (as returned) and v go to its slot of the run's layer, bit for bit what
+    the separate KV write stores; q and k as without; every other slot and layer untouched."""
+    torch.manual_seed(7 * tokens + d + gated)
+    layers, slots = 3, 20
+    qkv = torch.randn(tokens, ((2 if gated else 1) * q_heads + 2 * kv_heads) * d, dtype=dtype, device=DEVICE) * 3
+    qw, kw = (torch.rand(d, dtype=dtype, device=DEVICE) + 0.5 for _ in range(2))
+    cos, sin = _tables(64, d, dtype)
+    positions = torch.randint(0, 64, (tokens,), device=DEVICE)
+    token_idx = torch.randperm(slots, device=DEVICE)[:tokens].to(torch.int32)
+    k_pool = torch.full((layers, slots, kv_heads, d), float("nan"), dtype=dtype, device=DEVICE)
+    v_pool = torch.full_like(k_pool, float("nan"))
+    plan = QKNormRopePlan(tokens, q_heads, kv_heads, d, dtype, cos, sin, positions, run_config=config, gated=gated,
+                          kv_layers=KVLayers(k_pool, v_pool), token_idx=token_idx)  # fmt: skip
+    q, k = plan.run(qkv, qw, kw, layer=1)
+    gathered = lambda table: table[positions][:, None, :]  # noqa: E731
+    k_ref, v_ref = torch.full_like(k_pool[1], float("nan")), torch.full_like(v_pool[1], float("nan"))
+    q_same, k_same = qk_norm_rope_kv_ref(qkv, qw, kw, gathered(cos), gathered(sin), q_heads, kv_heads, k_ref, v_ref,
+                                         token_idx, gated=gated)  # fmt: skip
+    q64, k64 = qk_norm_rope_ref(qkv.double(), qw.double(), kw.double(), gathered(cos).double(),
+                                gathered(sin).double(), q_heads, kv_heads, gated=gated)  # fmt: skip
+    _close(q, q64, q_same)
+    _close(k, k64, k_same)
+    written = token_idx.long()
+    assert torch.equal(k_pool[1][written], k) and torch.equal(v_pool[1][written], v_ref[written])
+    assert torch.equal(v_pool[1][written], qkv[:, qkv.shape[1] - kv_heads * d :].reshape(tokens, kv_heads, d))
+    others = torch.ones(slots, dtype=torch.bool, device=DEVICE)
+    others[written] = False
+    assert k_pool[1][others].isnan().all() and v_pool[1][others].isnan().all()
+    assert k_pool[[0, 2]].isnan().all() and v_pool[[0, 2]].isnan().all()
+
+
+def test_qk_norm_rope_kv_write_checks():
+    cos, sin = _tables(16, 16, torch.float32)
+    pos, idx = torch.zeros(3, dtype=torch.int32, device=DEVICE), torch.arange(3, device=DEVICE)
+    pool = torch.zeros(2, 8, 2, 16, device=DEVICE)
+    layers = KVLayers(pool, pool.clone())
+    with pytest.raises(ValueError, match="kv_layers and token_idx expected together, got only kv_layers"):
+        QKNormRopePlan(3, 4, 2, 16, torch.float32, cos, sin, pos, kv_layers=layers)
+    with pytest.raises(ValueError, match=r"kv_layers expected kv_heads, head_dim, dtype \(4, 16, torch.float32\), got "
+                                         r"\(2, 16, torch.float32\)"):  # fmt: skip
+        QKNormRopePlan(3, 4, 4, 16, torch.float32, cos, sin, pos, kv_layers=layers, token_idx=idx)
+    with pytest.raises(ValueError, match=r"token_idx expected a contiguous int32/int64 \[3\] tensor on \S+, got \(2,\) "
+                                         r"torch.int64"):  # fmt: skip
+        QKNormRopePlan(3, 4, 2, 16, torch.float32, cos, sin, pos, kv_layers=layers, token_idx=idx[:2])
+    plan = QKNormRopePlan(3, 4, 2, 16, torch.float32, cos, sin, pos, kv_layers=layers, token_idx=idx)
+    qkv, w = torch.zeros(3, 128, device=DEVICE), torch.ones(16, device=DEVICE)
+    with pytest.raises(ValueError, match="layer expected with kv_layers .and only then., got layer None with "
+                                         "kv_layers set"):  # fmt: skip
+        plan.run(qkv, w, w)
+    with pytest.raises(ValueError, match="got layer 0 with kv_layers None"):
+        QKNormRopePlan(3, 4, 2, 16, torch.float32, cos, sin, pos).run(qkv, w, w, 0)
+    with pytest.raises(ValueError, match=r"k_pool expected a contiguous \[num_layers, num_tokens, kv_heads, head_dim\] "
+                                         r"tensor of .*, got torch.float32 \(8, 2, 16\)"):  # fmt: skip
+        KVLayers(pool[0], pool[0])
+    with pytest.raises(ValueError, match=r"v_pool expected k_pool's torch.float32 \(2, 8, 2, 16\) on \S+, got "
+                                         r"torch.float16"):  # fmt: skip
+        KVLayers(pool, pool.half())
 
 
 # ---- SiLU(gate) * up over the fused gate/up output ----

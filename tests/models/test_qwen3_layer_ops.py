@@ -11,6 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from triton.runtime.jit import KernelInterface
 
 from lightllm import LLM, SamplingParams
+from lightllm.kernels.kv_cache_write import KVLayers
 from lightllm.layers.attention import AttentionBackend
 from lightllm.models.qwen3 import model as qwen3_model
 from lightllm.models.qwen3.model import Qwen3Model
@@ -31,8 +32,9 @@ def tiny_llm(model_dir, dtype="fp32"):
 
 def test_layer_ops_are_planned_from_the_step_shapes(monkeypatch):
     """With kernels, one plan per op and forward: hidden-state norms over the step's tokens (the final one over a
-    prefill's output rows), q/k norm + rotary over the fused qkv output, SiLU * up over this rank's columns."""
-    made = []
+    prefill's output rows), q/k norm + rotary over the fused qkv output (writing a float cache's K/V at the step's
+    slots), SiLU * up over this rank's columns."""
+    made, qk_kwargs = [], []
 
     def counting(name):
         real = getattr(qwen3_model, name)
@@ -40,6 +42,8 @@ def test_layer_ops_are_planned_from_the_step_shapes(monkeypatch):
         class Counting(real):
             def __init__(self, *args, **kwargs):
                 made.append((name, args[:4] if name == "QKNormRopePlan" else args[:2]))
+                if name == "QKNormRopePlan":
+                    qk_kwargs.append(kwargs)
                 super().__init__(*args, **kwargs)
 
         return Counting
@@ -48,17 +52,24 @@ def test_layer_ops_are_planned_from_the_step_shapes(monkeypatch):
         monkeypatch.setattr(qwen3_model, name, counting(name))
     d, f32 = 16, torch.float32
     config = SimpleNamespace(rms_norm_eps=1e-6, hidden_size=64, head_dim=d)
+    kv_layers = KVLayers(torch.zeros(2, 16, 2, d), torch.zeros(2, 16, 2, d))
     model = SimpleNamespace(use_kernels=True, config=config, dtype=f32, heads=4, kv_heads=2, intermediate=48,
-                            _cos=torch.ones(32, d), _sin=torch.zeros(32, d))  # fmt: skip
-    ops = Qwen3Model._plan_ops(model, 3, 3, torch.arange(3))
+                            _cos=torch.ones(32, d), _sin=torch.zeros(32, d),
+                            attn=SimpleNamespace(kv_layers=kv_layers))  # fmt: skip
+    state = SimpleNamespace(positions=torch.arange(3), out_token_idx=torch.arange(3) + 5)
+    ops = Qwen3Model._plan_ops(model, 3, 3, state)
     assert sorted(made) == [("AddRMSNormPlan", ((3, 64), f32)), ("QKNormRopePlan", (3, 4, 2, d)),
                             ("RMSNormPlan", ((3, 64), f32)), ("SiluMulPlan", (3, 48))]  # fmt: skip
+    assert qk_kwargs[0]["kv_layers"] is kv_layers and qk_kwargs[0]["token_idx"] is state.out_token_idx
     assert ops.final_add_norm == ops.add_norm  # decode: one output row per token
     made.clear()
-    ops = Qwen3Model._plan_ops(model, 7, 2, torch.arange(7))  # a prefill of two requests: the final norm, two rows
+    model.attn.kv_layers = None  # a quantized cache: the backend's write_kv after the q/k kernel
+    state = SimpleNamespace(positions=torch.arange(7), out_token_idx=torch.arange(7))
+    ops = Qwen3Model._plan_ops(model, 7, 2, state)  # a prefill of two requests: the final norm, two rows
     assert [args for name, args in made if name == "AddRMSNormPlan"] == [((7, 64), f32), ((2, 64), f32)]
     with pytest.raises(ValueError, match=r"qk_norm_rope plan: qkv expected the planned \(7, 128\)"):
-        ops.qk_norm_rope(torch.zeros(7, 96), torch.ones(d), torch.ones(d))
+        ops.qk_norm_rope_kv(torch.zeros(7, 96), torch.ones(d), torch.ones(d), 0)
+    assert "kv_layers" not in qk_kwargs[-1]
 
 
 @pytest.mark.parametrize("dtype, tol", [("fp32", 1e-5), ("fp16", 2e-2)])
@@ -80,15 +91,15 @@ def check_kernel_path_matches_reference(llm, max_new_tokens, tol):
 
 
 class OpCounter(TorchDispatchMode):
-    """Counts the aten ops that do work (views excluded) while ``active``."""
+    """Counts the aten ops that do work, and apart the views, while ``active``."""
 
     def __init__(self):
         super().__init__()
-        self.ops, self.active = Counter(), True
+        self.ops, self.views, self.active = Counter(), Counter(), True
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if self.active and not func.is_view:
-            self.ops[func.overloadpacket.__name__] += 1
+        if self.active:
+            (self.views if func.is_view else self.ops)[func.overloadpacket.__name__] += 1
         return func(*args, **(kwargs or {}))
 
 
@@ -101,9 +112,9 @@ def mock_triton_launches(monkeypatch, launches: Counter) -> None:
     monkeypatch.setattr(KernelInterface, "__getitem__", mocked_launch)
 
 
-def counts_per_depth(llm, monkeypatch, counter: OpCounter, launches: Counter, depths) -> dict:
+def counts_per_depth(llm, monkeypatch, counter: OpCounter, launches: Counter, depths, views=None) -> dict:
     """``(depth, phase) -> (aten ops, launches)`` of a prefill and a decode of one request through the model's
-    first ``depth`` layers (the model's ``forward`` counted by ``counter``)."""
+    first ``depth`` layers (the model's ``forward`` counted by ``counter``); the view ops in ``views`` when given."""
     model = llm.runner.model
     real_forward, weights, per_depth = model.forward, model.w, {}
 
@@ -115,20 +126,23 @@ def counts_per_depth(llm, monkeypatch, counter: OpCounter, launches: Counter, de
     for depth in depths:
         model.w = dataclasses.replace(weights, layers=weights.layers[:depth])
         for phase in ("prefill", "decode"):
-            counter.ops.clear(), launches.clear()
+            counter.ops.clear(), counter.views.clear(), launches.clear()
             slot = llm.runner.add_request()
             llm.runner.prefill([slot], [[5, 17, 42]]) if phase == "prefill" else llm.runner.decode([slot], [7])
             llm.runner.free(slot)
             per_depth[depth, phase] = (Counter(counter.ops), Counter(launches))
+            if views is not None:
+                views[depth, phase] = Counter(counter.views)
     return per_depth
 
 
 def test_launches_per_layer(tiny_dir, monkeypatch):
     """The kernel path of one layer, with every Triton kernel and the attention backend mocked (counted, not run):
-    4 GEMMs, 4 Triton launches (q/k norm + rotary, two add + norm, SiLU * up), the KV write and attention, and no
-    allocation (the kernels' outputs are allocated once per forward, by its first layer). Counted as the difference
-    between a 2-layer and a 1-layer forward, in prefill and in decode; a change that adds a launch, a torch op or
-    an allocation per layer fails here."""
+    4 GEMMs, 4 Triton launches (q/k norm + rotary writing the float KV cache too, two add + norm, SiLU * up) and
+    attention, and no allocation (the kernels' outputs are allocated once per forward, by its first layer). The
+    views are the GEMMs' inputs: attention's output flattened, and in prefill v's columns of qkv (the weights'
+    transposes are made once, at load). Counted as the difference between a 2-layer and a 1-layer forward, in
+    prefill and in decode; a change that adds a launch, a torch op, a view or an allocation per layer fails here."""
     llm = tiny_llm(tiny_dir)
     llm.runner.model.use_kernels = True
     counter = OpCounter()
@@ -147,9 +161,12 @@ def test_launches_per_layer(tiny_dir, monkeypatch):
     mock_triton_launches(monkeypatch, launches)
     for name in ("write_kv", "prefill", "decode"):
         monkeypatch.setattr(AttentionBackend, name, mocked_attention(name))
-    per_depth = counts_per_depth(llm, monkeypatch, counter, launches, (1, 2))
+    views = {}
+    per_depth = counts_per_depth(llm, monkeypatch, counter, launches, (1, 2), views)
     for phase in ("prefill", "decode"):
         (ops1, launches1), (ops2, launches2) = per_depth[1, phase], per_depth[2, phase]
         assert ops2 - ops1 == Counter(mm=4) and not ops1 - ops2, phase
-        kernels = {"_qk_norm_rope_kernel": 1, "_add_rmsnorm_kernel": 2, "_silu_mul_kernel": 1, "write_kv": 1, phase: 1}
+        layer_views = Counter(view=2, slice=1) if phase == "prefill" else Counter(view=1)
+        assert views[2, phase] - views[1, phase] == layer_views and not views[1, phase] - views[2, phase], phase
+        kernels = {"_qk_norm_rope_kernel": 1, "_add_rmsnorm_kernel": 2, "_silu_mul_kernel": 1, phase: 1}
         assert launches2 - launches1 == Counter(kernels) and not launches1 - launches2, phase

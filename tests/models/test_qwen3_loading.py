@@ -145,7 +145,11 @@ def test_qkv_and_gate_up_are_fused_at_load(tiny_dir):
         for part, fused in (("q_proj", "qkv_proj"), ("v_proj", "qkv_proj"), ("up_proj", "gate_up_proj")):
             assert getattr(layer, part).untyped_storage().data_ptr() == getattr(layer, fused).data_ptr(), part
         assert sorted(vars(layer)) == sorted(["input_norm", "qkv_proj", "o_proj", "q_norm", "k_norm", "post_norm",
-                                              "gate_up_proj", "down_proj"])  # fmt: skip
+                                              "gate_up_proj", "down_proj", "qkv_t", "o_t", "gate_up_t",
+                                              "down_t"])  # fmt: skip
+        for name in ("qkv", "o", "gate_up", "down"):  # the [in, out] views for torch.mm: no copies either
+            weight, transposed = getattr(layer, f"{name}_proj"), getattr(layer, f"{name}_t")
+            assert transposed.data_ptr() == weight.data_ptr() and torch.equal(transposed, weight.t()), name
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
@@ -337,6 +341,6 @@ def test_tensor_parallel_rank_reads_only_its_part(tiny_dir):
             assert torch.equal(lp.down_proj, lf.down_proj[:, rank * mlp : (rank + 1) * mlp])
             for name in ("input_norm", "q_norm", "k_norm", "post_norm"):  # replicated
                 assert torch.equal(getattr(lp, name), getattr(lf, name))
-            assert all(t.is_contiguous() for t in vars(lp).values())
+            assert all(t.is_contiguous() for name, t in vars(lp).items() if not name.endswith("_t"))  # _t: views
         assert torch.equal(part.embed, full.embed) and torch.equal(part.lm_head, full.lm_head)
     assert shard_spec(cfg, 0, 1) is None

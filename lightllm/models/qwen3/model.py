@@ -3,10 +3,11 @@
 Follows transformers' Qwen3 rounding steps (norms in float32 then cast, rotary tables cast to the model
 dtype, softmax in float32) so the CPU float32 path matches it to float rounding.
 
-Per layer, on a GPU: four GEMMs (fused qkv, o, fused gate/up, down), one q/k norm + rotary kernel, the KV write,
-attention, two residual add + norm kernels (post-attention, and the next layer's input norm or the final norm)
-and one SiLU(gate) * up kernel. Every kernel is planned once per forward (:meth:`Qwen3Model.plan_step`); on
-the CPU each is its torch reference (the same rounding steps).
+Per layer, on a GPU: four GEMMs (fused qkv, o, fused gate/up, down), one q/k norm + rotary kernel that also writes
+the layer's new K/V into a float KV cache (a quantized cache: a KV write kernel after it), attention, two residual
+add + norm kernels (post-attention, and the next layer's input norm or the final norm) and one SiLU(gate) * up
+kernel. Every kernel is planned once per forward (:meth:`Qwen3Model.plan_step`); on the CPU each is its torch
+reference (the same rounding steps). ``benchmarks/layer_launches.py`` counts a layer's launches.
 """
 
 from typing import Callable, NamedTuple, Optional, Tuple
@@ -30,7 +31,8 @@ class LayerOps(NamedTuple):
     """What the layers of one forward run besides GEMMs and attention, planned before the first layer."""
 
     norm: Callable  # (x, weight) -> y: the first layer's input norm
-    qk_norm_rope: Callable  # (qkv, q_weight, k_weight) -> (q, k): q/k heads normed and rotated
+    qk_norm_rope_kv: Callable  # (qkv, q_weight, k_weight, layer) -> (q, k): q/k heads normed and rotated; the
+    # tokens' k and v written to the layer's KV cache
     add_norm: Callable  # (residual, x, weight) -> y: residual += x, y = norm(residual); [tokens, hidden]
     silu_mul: Callable  # (gate_up) -> silu(gate) * up
     final_add_norm: Callable  # add_norm over the output rows (one per request in prefill)
@@ -50,20 +52,23 @@ class Qwen3Model:
         self._cos, self._sin = rope_tables(config.head_dim, config.rope_theta, config.max_position_embeddings,
                                            device, self.dtype)  # fmt: skip
 
-    def _plan_ops(self, tokens: int, rows_out: int, positions: torch.Tensor) -> LayerOps:
+    def _plan_ops(self, tokens: int, rows_out: int, state: InferState) -> LayerOps:
         """The layer ops of one forward, planned from its shapes before any layer runs. With kernels each is a
         plan run by every layer (checks and the tuned config once per forward); else the torch references."""
-        eps, dtype = self.config.rms_norm_eps, self.dtype
+        eps, dtype, positions, kv_layers = self.config.rms_norm_eps, self.dtype, state.positions, self.attn.kv_layers
         if not self.use_kernels:
             cos, sin = self._cos[positions][:, None, :], self._sin[positions][:, None, :]  # once per step
             heads, kv_heads = self.heads, self.kv_heads
+
+            def qk_norm_rope(qkv, qw, kw):
+                return qk_norm_rope_ref(qkv, qw, kw, cos, sin, heads, kv_heads, eps)
 
             def add_norm(residual, x, weight):
                 return add_rmsnorm_ref(residual, x, weight, eps)
 
             return LayerOps(
                 norm=lambda x, weight: rmsnorm_ref(x, weight, eps),
-                qk_norm_rope=lambda qkv, qw, kw: qk_norm_rope_ref(qkv, qw, kw, cos, sin, heads, kv_heads, eps),
+                qk_norm_rope_kv=then_write_kv(qk_norm_rope, self, state.out_token_idx),
                 add_norm=add_norm,
                 silu_mul=silu_mul_ref,
                 final_add_norm=add_norm,
@@ -72,17 +77,20 @@ class Qwen3Model:
         hidden, reuse = self.config.hidden_size, dict(reuse_outputs=True)
         add_norm = AddRMSNormPlan((tokens, hidden), dtype, eps, **reuse).run
         final = add_norm if rows_out == tokens else AddRMSNormPlan((rows_out, hidden), dtype, eps).run
+        # A float cache is written by the q/k norm + rotary launch itself; a quantized one by its own kernel after it
+        kv_write = {} if kv_layers is None else dict(kv_layers=kv_layers, token_idx=state.out_token_idx)
         qk = QKNormRopePlan(tokens, self.heads, self.kv_heads, self.config.head_dim, dtype, self._cos, self._sin,
-                            positions, eps, **reuse)  # fmt: skip
-        return LayerOps(norm=RMSNormPlan((tokens, hidden), dtype, eps).run, qk_norm_rope=qk.run, add_norm=add_norm,
-                        silu_mul=SiluMulPlan(tokens, self.intermediate, dtype, **reuse).run,
+                            positions, eps, **reuse, **kv_write)  # fmt: skip
+        qk_norm_rope_kv = qk.run if kv_write else then_write_kv(qk.run, self, state.out_token_idx)
+        return LayerOps(norm=RMSNormPlan((tokens, hidden), dtype, eps).run, qk_norm_rope_kv=qk_norm_rope_kv,
+                        add_norm=add_norm, silu_mul=SiluMulPlan(tokens, self.intermediate, dtype, **reuse).run,
                         final_add_norm=final)  # fmt: skip
 
     def plan_step(self, tokens: int, state: InferState) -> LayerOps:
         """Everything one forward plans before its first layer: the attention plan (set on ``state``, from the
         batch metadata and the pool's shapes) and the layer ops (returned, see :meth:`_plan_ops`)."""
         rows_out = plan_attention(self.attn, state, self.heads, self.dtype, tokens)
-        return self._plan_ops(tokens, rows_out, state.positions)
+        return self._plan_ops(tokens, rows_out, state)
 
     def set_attention(self, attn: AttentionBackend) -> None:
         """The backend that owns the KV pool this model writes and attends over."""
@@ -102,27 +110,43 @@ class Qwen3Model:
         attn = self.attn
         if attn is None:
             raise RuntimeError("Qwen3Model.forward expected an attention backend: call set_attention(...) first")
-        tokens, d, layers = input_ids.shape[0], self.config.head_dim, self.w.layers
+        tokens, d, layers, prefill = input_ids.shape[0], self.config.head_dim, self.w.layers, state.is_prefill
         v_start = (self.heads + self.kv_heads) * d  # qkv's columns: q heads, k heads, v heads
         ops = self.plan_step(tokens, state)
         reduce = all_reduce_ if self.tp > 1 else unchanged  # one rank: no all-reduce, nor its world-size query
         h = F.embedding(input_ids, self.w.embed)  # the residual stream, updated in place by add_norm
         x = ops.norm(h, layers[0].input_norm)
+        mm = torch.mm  # with the weights' [in, out] views: F.linear's own mm, bit for bit
         for i, lw in enumerate(layers):
-            qkv = F.linear(x, lw.qkv_proj)
-            q, k = ops.qk_norm_rope(qkv, lw.q_norm, lw.k_norm)
-            v = qkv[:, v_start:].view(tokens, self.kv_heads, d)
-            attn.write_kv(i, k, v, state.out_token_idx)
-            o = attn.prefill(i, q, k, v, state) if state.is_prefill else attn.decode(i, q, state)
-            x = ops.add_norm(h, reduce(F.linear(o.reshape(tokens, -1), lw.o_proj)), lw.post_norm)
-            mlp = reduce(F.linear(ops.silu_mul(F.linear(x, lw.gate_up_proj)), lw.down_proj))
+            qkv = mm(x, lw.qkv_t)
+            q, k = ops.qk_norm_rope_kv(qkv, lw.q_norm, lw.k_norm, i)
+            if prefill:
+                o = attn.prefill(i, q, k, qkv[:, v_start:].view(tokens, self.kv_heads, d), state)
+            else:
+                o = attn.decode(i, q, state)
+            x = ops.add_norm(h, reduce(mm(o.reshape(tokens, -1), lw.o_t)), lw.post_norm)
+            mlp = reduce(mm(ops.silu_mul(mm(x, lw.gate_up_t)), lw.down_t))
             if i + 1 < len(layers):
                 x = ops.add_norm(h, mlp, layers[i + 1].input_norm)
-        if state.is_prefill:  # only each request's last token goes on
+        if prefill:  # only each request's last token goes on
             last = (state.b_q_start + state.b_q_len - 1).long()
             h, mlp = h[last], mlp[last]
         h = ops.final_add_norm(h, mlp, self.w.final_norm)
         return F.linear(h, self.w.lm_head).float()
+
+
+def then_write_kv(qk_norm_rope: Callable, model, token_idx: torch.Tensor) -> Callable:
+    """``qk_norm_rope`` followed by the attention backend's own KV write (a quantized cache, or the CPU references):
+    ``(qkv, q_weight, k_weight, layer) -> (q, k)``."""
+    attn, kv_heads, d = model.attn, model.kv_heads, model.config.head_dim
+    v_start = (model.heads + kv_heads) * d
+
+    def qk_norm_rope_kv(qkv, q_weight, k_weight, layer):
+        q, k = qk_norm_rope(qkv, q_weight, k_weight)
+        attn.write_kv(layer, k, qkv[:, v_start:].view(qkv.shape[0], kv_heads, d), token_idx)
+        return q, k
+
+    return qk_norm_rope_kv
 
 
 def unchanged(x: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """Qwen3 weights from a Hugging Face folder's ``*.safetensors`` files, in HF layout.
 
-Linears stay ``[out_features, in_features]`` (use them with ``F.linear``). q/k/v and gate/up are fused at load
+Linears stay ``[out_features, in_features]`` (use them with ``F.linear``; a layer's also as ``[in, out]`` views,
+``qkv_t`` ..., for ``torch.mm``). q/k/v and gate/up are fused at load
 into one weight each (``qkv_proj`` = [q; k; v] rows, ``gate_up_proj`` = [gate; up] rows; one GEMM each), and
 the per-projection names remain as views of them. Tensors are read one at a time with ``safe_open``, checked
 against the shape the config implies, cast and moved (a fused part straight into its rows of the fused weight),
@@ -58,6 +59,12 @@ class LayerWeights(GateUpViews):
     post_norm: torch.Tensor  # [hidden]
     gate_up_proj: torch.Tensor  # [2 * intermediate, hidden]: gate rows, then up
     down_proj: torch.Tensor  # [hidden, intermediate]
+
+    def __post_init__(self):
+        # The four linears as [in, out] views, made once: a layer's GEMM is then one ``torch.mm(x, w_t)``, the very
+        # call ``F.linear(x, w)`` makes (a transpose view, then mm) without its two extra dispatches per call.
+        self.qkv_t, self.o_t = self.qkv_proj.t(), self.o_proj.t()
+        self.gate_up_t, self.down_t = self.gate_up_proj.t(), self.down_proj.t()
 
     @property
     def q_proj(self) -> torch.Tensor:
