@@ -3,7 +3,8 @@
 Matrix B x L for two shapes, every time a CUDA-graph replay median on random data, launched for a graph
 whose maximum length is the largest L (as a captured decode graph is):
 
-- per cell: the default config, the per-cell best of the candidate configs ("tuned"), the config a graph
+- per cell: the default config, the per-cell best of the configs the tuner searches for that KV type ("tuned"), the
+  config a graph
   freezes under each choice rule, FA3 (``fa3_fwd_interface``) at each ``num_splits`` and its best, achieved
   bandwidth as % of the device-to-device copy measured in the same run, INT8/INT4 speed-ups over bf16;
 - the frozen-config analysis: per batch, the config each choice rule picks from the tuner's ladder of lengths
@@ -66,6 +67,11 @@ def kv_bytes(kind, batch, length, kv_heads, head_dim, group):
     return 2 * batch * length * kv_heads * head_dim * per_elem
 
 
+def candidate_configs(kind, q):
+    """What the tuner searches for this KV type (INT8/INT4 add two-warp programs)."""
+    return (flash_decode.split_kv_configs if kind == "none" else flash_decode.quant_split_kv_configs)(q)
+
+
 def decode_fn(kind, q, pool, r2t, idx, seq, graph_max, out, group, cfg):
     k, v, ks, vs = pool
     if kind == "none":
@@ -106,9 +112,7 @@ def stage2_study(shape, batch, length, group):
     """Stage-2 time alone at num_warps 1..8 vs the whole decode (default config)."""
     hq, hk, d = SHAPES[shape]
     cfg = flash_decode.default_config(d)
-    splits = flash_decode.num_splits(
-        batch, hk, length, flash_decode.DEFAULT_BLOCK_SEQ, cfg["WAVES"], torch.device("cuda")
-    )
+    splits = flash_decode.num_splits(batch, hk, length, cfg["BLOCK_N"], cfg["WAVES"], torch.device("cuda"))
     mid_o = torch.randn(batch, hq, splits, d, device="cuda")
     mid_lse = torch.randn(batch, hq, splits, device="cuda")
     seq = torch.full((batch,), length, device="cuda", dtype=torch.int32)
@@ -116,7 +120,7 @@ def stage2_study(shape, batch, length, group):
     res = {"shape": shape, "B": batch, "L": length, "splits": splits, "stage2_ms": {}}
     for warps in (1, 2, 4, 8):
         res["stage2_ms"][warps] = cuda_graph_bench(
-            lambda: flash_decode.launch_stage2(mid_o, mid_lse, seq, out, flash_decode.DEFAULT_BLOCK_SEQ, warps)
+            lambda: flash_decode.launch_stage2(mid_o, mid_lse, seq, out, cfg["BLOCK_N"], warps)
         )
     return res
 
@@ -146,7 +150,7 @@ def run(args):
                 results["stage2"].append(stage2_study(shape, batch, max(args.lens), args.group))
     for kind, shape, batch, (pool, r2t, idx, q, out) in _setups(args):
         hk, d = SHAPES[shape][1:]
-        configs = flash_decode.split_kv_configs(q, flash_decode.DEFAULT_BLOCK_SEQ)  # what the tuner searches
+        configs = candidate_configs(kind, q)
         for length in args.lens:
             seq = torch.full((batch,), length, device="cuda", dtype=torch.int32)
             cell = {"shape": shape, "B": batch, "L": length, "kind": kind,
@@ -199,7 +203,7 @@ def run_buckets(args):
     )
     start, launches = time.perf_counter(), 0
     for kind, shape, batch, (pool, r2t, idx, q, out) in _setups(args):
-        configs = flash_decode.split_kv_configs(q, flash_decode.DEFAULT_BLOCK_SEQ)
+        configs = candidate_configs(kind, q)
         for length, launch in points:
             seq = torch.full((batch,), length, device="cuda", dtype=torch.int32)
             point = {"shape": shape, "B": batch, "kind": kind, "L": length, "launch": launch, "configs": []}

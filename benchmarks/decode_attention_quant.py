@@ -22,7 +22,7 @@ DEFAULT_CELLS = ["hq32-hk8-d128:64", "hq24-hk4-d256:16", "hq32-hk8-d128:16", "hq
 def best_of_space(kind, q, pool, r2t, idx, seq, graph_max, out, group):
     """The fastest of the kernel's own candidates: ``(ms, config as JSON)``."""
     space = flash_decode.quant_split_kv_configs if kind != "none" else flash_decode.split_kv_configs
-    configs = space(q, flash_decode.DEFAULT_BLOCK_SEQ)
+    configs = space(q)
     _, timed = time_configs(kind, q, pool, r2t, idx, seq, graph_max, out, group, configs)
     return min((ms, json.dumps(cfg)) for cfg, ms in timed)
 

@@ -68,7 +68,7 @@ def _check_only(check, x, weight, eps=1e-6, out=None, run_config=None):
 
 def _noop_decode(
     q, k_cache, v_cache, k_scale, v_scale, req_to_token, b_req_idx, b_seq_len, max_len_in_batch, out, sm_scale,
-    block_seq, quant, quant_group, scratch=None, run_config=None,
+    quant, quant_group, scratch=None, run_config=None,
 ):  # fmt: skip
     _last_config[0] = run_config
     return out

@@ -86,7 +86,7 @@ def attention_cell(batch, length, n, graph_max, fa3):
     seq = torch.full((batch,), length, device="cuda", dtype=torch.int32)
     q = torch.randn(batch, n + 1, hq, d, device="cuda", dtype=torch.bfloat16)
     out = torch.empty_like(q)
-    configs = flash_decode.split_kv_configs(None, flash_decode.DEFAULT_BLOCK_SEQ)
+    configs = flash_decode.split_kv_configs(None)
     cell = {"B": batch, "L": length, "N": n, "kv_bytes": kv_bytes(batch, length, hk, d)}
 
     cell["diverse_ms"] = _time_configs(

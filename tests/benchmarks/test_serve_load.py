@@ -60,8 +60,8 @@ def test_per_step_attention_reads_what_a_search_wrote(serve_load, monkeypatch, i
     monkeypatch.setenv("LIGHTLLM_DECODE_ATTN_AUTOTUNE_SEQ_LEN", "1024")
     tuned = flash_decode._launch_gqa_flash_decode
     tuned.clear_cache()
-    monkeypatch.setattr(tuned, "configs_gen_func", lambda q, block_seq: [{"BLOCK_N": 16, "num_warps": 2,
-                                                                          "num_stages": 1, "WAVES": 1}])  # fmt: skip
+    monkeypatch.setattr(tuned, "configs_gen_func", lambda q: [{"BLOCK_N": 16, "num_warps": 2, "num_stages": 1,
+                                                               "WAVES": 1}])  # fmt: skip
     calls = []
 
     def bench(run_fn):
@@ -76,7 +76,7 @@ def test_per_step_attention_reads_what_a_search_wrote(serve_load, monkeypatch, i
     r2t = torch.arange(3 * 8, dtype=torch.int32).view(3, 8)
     with autotune_warmup(AutotuneKernelType.DECODE_ATTENTION):
         gqa_decode_attention(q, k, v, r2t, torch.tensor([0, 2], dtype=torch.int32),
-                             torch.tensor([3, 8], dtype=torch.int32), 2048, block_seq=64)  # fmt: skip
+                             torch.tensor([3, 8], dtype=torch.int32), 2048)  # fmt: skip
     tuned.clear_cache()
     assert len(calls) == 4
     timings = serve_load.decode_attention_timings(isolated_autotune)

@@ -1,4 +1,5 @@
 import logging
+import math
 
 import pytest
 import torch
@@ -16,8 +17,9 @@ from lightllm.kernels.attention.decode import (
     gqa_decode_attention_int4kv,
     gqa_decode_attention_int8kv,
 )
-from lightllm.kernels.attention.decode import flash_decode
+from lightllm.kernels.attention.decode import flash_decode, splits
 from lightllm.kernels.attention.decode.reference import decode_attention_ref
+from lightllm.kernels.attention.decode.splits import split_token_ranges
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Relative (Frobenius) error of the quantized-KV output against attention over the unquantized KV, for
@@ -75,7 +77,7 @@ def test_matches_reference(kind, head_dim, q_heads, kv_heads, dtype):
     lens = [1, 77, 300, 129]  # length 1, not multiples of the block, ragged
     q, k, v, r2t, idx, seq = make_batch(4, q_heads, kv_heads, head_dim, lens, dtype)
     cfg = {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1, "WAVES": 2}
-    out, (kd, vd) = run(kind, q, k, v, r2t, idx, seq, max(lens), block_seq=64, run_config=cfg)
+    out, (kd, vd) = run(kind, q, k, v, r2t, idx, seq, max(lens), run_config=cfg)
     assert not out.isnan().any(), "unwritten output"
     ref = decode_attention_ref(q, kd, vd, r2t, idx, seq)
     tol = 1e-4 if dtype == torch.float32 else 3e-3
@@ -96,7 +98,7 @@ def test_quantized_groups_and_wide_tiles(kind, group):
     spread = torch.logspace(-1, 1, k.shape[0])[torch.randperm(k.shape[0], generator=g)].to(k.device)
     k, v = (k.float() * spread[:, None, None]).half(), (v.float() * spread[:, None, None]).half()
     cfg = {"BLOCK_N": 128, "num_warps": 4, "num_stages": 1, "WAVES": 1}
-    out, (kd, vd) = run(kind, q, k, v, r2t, idx, seq, max(lens), group=group, block_seq=128, run_config=cfg)
+    out, (kd, vd) = run(kind, q, k, v, r2t, idx, seq, max(lens), group=group, run_config=cfg)
     assert not out.isnan().any(), "unwritten output"
     ref = decode_attention_ref(q, kd, vd, r2t, idx, seq)
     torch.testing.assert_close(out.double(), ref, rtol=3e-3, atol=3e-3 * ref.abs().max().item())
@@ -104,8 +106,8 @@ def test_quantized_groups_and_wide_tiles(kind, group):
 
 def test_quantized_candidates_add_two_warp_programs():
     q = torch.empty(2, 8, 128)
-    plain = flash_decode.split_kv_configs(q, 256)
-    quant = flash_decode.quant_split_kv_configs(q, 256)
+    plain = flash_decode.split_kv_configs(q)
+    quant = flash_decode.quant_split_kv_configs(q)
     assert all(c in quant for c in plain) and {c["num_warps"] for c in quant} - {c["num_warps"] for c in plain} == {2}
     assert flash_decode._launch_gqa_flash_decode_int8kv.configs_gen_func is flash_decode.quant_split_kv_configs
 
@@ -116,10 +118,109 @@ def test_split_counts_and_empty_request(waves, block_n):
     lens = [0, 5, 600]
     q, k, v, r2t, idx, seq = make_batch(3, 4, 2, 64, lens, torch.float32, seed=3)
     cfg = {"BLOCK_N": block_n, "num_warps": 2, "num_stages": 1, "WAVES": waves}
-    out, _ = run("none", q, k, v, r2t, idx, seq, 2048, block_seq=64, run_config=cfg)  # graph max > real
+    out, _ = run("none", q, k, v, r2t, idx, seq, 2048, run_config=cfg)  # graph max > real
     ref = decode_attention_ref(q, k, v, r2t, idx, seq)
     torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-4)
     assert torch.equal(out[0], torch.zeros_like(out[0]))
+
+
+def test_split_token_ranges_cover_every_token_once():
+    """Each split takes whole BLOCK_N blocks, in order; the splits with work come first; a request with no more
+    blocks than splits gives each block its own split."""
+    for seq_len in (0, 1, 15, 16, 17, 100, 1024, 5000):
+        for n_splits in (1, 3, 17, 64):
+            for block_n in (16, 32, 64):
+                ranges = split_token_ranges(seq_len, n_splits, block_n)
+                assert len(ranges) == n_splits
+                assert [t for a, b in ranges for t in range(a, b)] == list(range(seq_len))
+                used = [a < b for a, b in ranges]
+                assert used == sorted(used, reverse=True), ranges
+                assert all(a % block_n == 0 for a, b in ranges if a < b)
+                blocks = -(-seq_len // block_n)
+                if blocks <= n_splits:
+                    assert sum(used) == blocks
+    # The frozen-graph case of issue 17: 17 splits (B=8, WAVES 8 on 132 SMs) at L = 1K with BLOCK_N 32. Whole
+    # 256-token chunks kept 4 of them busy with 256 tokens each; blocks keep 16 busy with 64.
+    ranges = split_token_ranges(1024, 17, 32)
+    assert sum(a < b for a, b in ranges) == 16 and max(b - a for a, b in ranges) == 64
+
+
+def test_num_splits_gives_every_split_work_at_the_launch_maximum(monkeypatch):
+    """The split count follows the waves and SMs, and is cut to what the longest request the launch serves can keep
+    busy: no split of a graph is empty for every length it replays."""
+    monkeypatch.setattr(splits, "_num_sms", lambda device: 132)  # an H200
+    for batch, kv_heads in ((1, 8), (8, 8), (16, 4), (64, 8), (128, 4)):
+        for max_len in (1, 100, 1024, 32768):
+            for block_n in (32, 64):
+                for waves in (1, 2, 4, 8):
+                    n = splits.num_splits(batch, kv_heads, max_len, block_n, waves, "cuda")
+                    assert 1 <= n <= max(1, -(-waves * 132 // (batch * kv_heads)))
+                    assert all(a < b for a, b in split_token_ranges(max_len, n, block_n)), (batch, max_len, n)
+    # 132 wanted at B=1, 8 KV heads, WAVES 8; 32K has 1024 blocks of 32, 8 per split: 128 splits hold them all
+    assert splits.num_splits(1, 8, 32768, 32, 8, "cuda") == 128
+
+
+def _split_partials_ref(q, k, v, tokens, sm_scale, group):
+    """float64 output ``[q_heads, D]`` and base-2 log-sum-exp ``[q_heads]`` of ``q [q_heads, D]`` over ``tokens``."""
+    kk = k[tokens].double().repeat_interleave(group, dim=1)
+    vv = v[tokens].double().repeat_interleave(group, dim=1)
+    scores = torch.einsum("hd,nhd->hn", q.double(), kk) * sm_scale
+    return torch.einsum("hn,nhd->hd", scores.softmax(-1), vv), scores.logsumexp(-1) / math.log(2)
+
+
+@pytest.mark.parametrize("kind", ["none", "int8", "int4"])
+def test_stage1_partials_are_exactly_the_split_ranges(kind):
+    """Every split with work holds attention over exactly its ``split_token_ranges`` tokens; the others are never
+    written (the NaN stays) and never merged (the output has none), in a grid sized for a graph of 4096 tokens."""
+    lens = [1, 37, 200]  # 1, 3 and 13 blocks of 16 over 11 splits
+    q, k, v, r2t, idx, seq = make_batch(3, 4, 1, 64, lens, torch.float32, seed=7)
+    kq, vq, ks, vs, kd, vd = (k, v, None, None, k, v) if kind == "none" else quantize(k, v, kind)
+    cfg = {"BLOCK_N": 16, "num_warps": 2, "num_stages": 1, "WAVES": 8}
+    n_splits = splits.num_splits(3, 1, 4096, 16, 8, q.device)
+    assert n_splits == 11
+    shape = (3, 4, n_splits, 64)
+    nan = float("nan")
+    scratch = {shape: (torch.full(shape, nan, device=DEVICE), torch.full(shape[:-1], nan, device=DEVICE))}
+    out = torch.full_like(q, float("nan"))
+    flash_decode._launch_split_kv(q, kq, vq, ks, vs, r2t, idx, seq, 4096, out, 0.125, kind, 8 if kind != "none" else 0,
+                                  scratch, cfg)  # fmt: skip
+    mid_o, mid_lse = scratch[shape]
+    ranges = [split_token_ranges(n, n_splits, 16) for n in lens]
+    assert [sum(lo < hi for lo, hi in r) for r in ranges] == [1, 3, 7]  # 200: 2 blocks per split
+    for b in range(len(lens)):
+        tokens = r2t[int(idx[b])].long()
+        for s, (lo, hi) in enumerate(ranges[b]):
+            if lo == hi:
+                assert mid_o[b, :, s].isnan().all() and mid_lse[b, :, s].isnan().all(), (b, s)
+                continue
+            o_ref, lse_ref = _split_partials_ref(q[b], kd, vd, tokens[lo:hi], 0.125, 4)
+            torch.testing.assert_close(mid_o[b, :, s].double(), o_ref, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(mid_lse[b, :, s].double(), lse_ref, rtol=1e-5, atol=1e-5)
+    assert not out.isnan().any(), "stage 2 read an empty split"
+    torch.testing.assert_close(
+        out.double(), decode_attention_ref(q, kd, vd, r2t, idx, seq, 0.125), rtol=1e-4, atol=1e-4
+    )
+
+
+GRIDS = {"many-splits": {"BLOCK_N": 16, "num_warps": 2, "num_stages": 1, "WAVES": 8},
+         "one-split": {"BLOCK_N": 32, "num_warps": 2, "num_stages": 1, "WAVES": 1}}  # fmt: skip
+
+
+@pytest.mark.parametrize("grid", list(GRIDS))
+@pytest.mark.parametrize("kind", ["none", "int8", "int4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_graph_grid_serves_short_and_mixed_lengths(grid, kind, dtype):
+    """A grid sized for a 32K graph over requests of 1, one block, one block + 1, a ragged length and a few blocks:
+    every output written and right, with more splits than a request has blocks, or one split."""
+    lens = [1, 16, 17, 45, 130]
+    q, k, v, r2t, idx, seq = make_batch(5, 4, 2, 64, lens, dtype, seed=11)
+    cfg = GRIDS[grid]
+    n_splits = splits.num_splits(5, 2, 32768, cfg["BLOCK_N"], cfg["WAVES"], q.device)
+    assert n_splits == (4 if grid == "many-splits" else 1)  # many: more splits than the short requests' blocks
+    out, (kd, vd) = run(kind, q, k, v, r2t, idx, seq, 32768, run_config=cfg)
+    assert not out.isnan().any(), "unwritten output"
+    tol = 1e-4 if dtype == torch.float32 else 3e-3
+    torch.testing.assert_close(out.double(), decode_attention_ref(q, kd, vd, r2t, idx, seq), rtol=tol, atol=tol)
 
 
 def test_bad_inputs_name_the_argument():
@@ -158,7 +259,7 @@ def test_step_plan_checks_once_and_refuses_other_shapes():
         flash_decode.GQADecodePlan("none", q.shape, q.dtype, k, v, r2t, idx, seq.long(), 16)
     with pytest.raises(ValueError, match="head_dim expected one of"):
         flash_decode.GQADecodePlan("none", (2, 4, 48), q.dtype, k, v, r2t, idx, seq, 16)
-    plan = flash_decode.GQADecodePlan("none", q.shape, q.dtype, k, v, r2t, idx, seq, 16, block_seq=64)
+    plan = flash_decode.GQADecodePlan("none", q.shape, q.dtype, k, v, r2t, idx, seq, 16)
     ref = decode_attention_ref(q, k, v, r2t, idx, seq)
     for _ in range(2):  # two layers
         torch.testing.assert_close(plan.run(q, k, v).double(), ref, rtol=1e-4, atol=1e-4)
@@ -183,7 +284,7 @@ def test_search_uses_representative_batch_over_existing_pool(monkeypatch):
     tuned = flash_decode._launch_gqa_flash_decode
     tuned.clear_cache()
     cfgs = [{"BLOCK_N": 16, "num_warps": 2, "num_stages": 1, "WAVES": w} for w in (1, 4)]
-    monkeypatch.setattr(tuned, "configs_gen_func", lambda q, block_seq: cfgs)
+    monkeypatch.setattr(tuned, "configs_gen_func", lambda q: cfgs)
     seen = []
 
     def bench(run_fn):
@@ -205,8 +306,8 @@ def test_search_uses_representative_batch_over_existing_pool(monkeypatch):
     monkeypatch.setattr(tuned, "fn", spy)
     with autotune_warmup(AutotuneKernelType.DECODE_ATTENTION):
         # a launch that serves up to 2048 tokens (a graph's maximum) on a dummy batch of tiny real lengths
-        out1, _ = run("none", q, k, v, r2t, idx, seq, 2048, block_seq=64)
-        out2, _ = run("none", q, k, v, r2t, idx, seq, 2048, block_seq=64)  # same key: no second search
+        out1, _ = run("none", q, k, v, r2t, idx, seq, 2048)
+        out2, _ = run("none", q, k, v, r2t, idx, seq, 2048)  # same key: no second search
     tuned.clear_cache()
     timed = [c for c in calls if c[1] is not r2t]
     assert len(seen) == 3 * 2  # (default + 2 configs) x lengths [1024, 512]
@@ -229,11 +330,11 @@ def test_cached_config_outside_the_candidates_is_a_miss(monkeypatch, caplog, iso
     tuned = flash_decode._launch_gqa_flash_decode
     tuned.clear_cache()
     q, k, v, r2t, idx, seq = make_batch(2, 4, 2, 64, [3, 9], torch.float32, pool=512)
-    static_key = freeze(flash_decode._static_key(q, k, 64, "none", 0))
+    static_key = freeze(flash_decode._static_key(q, k, "none", 0))
     run_key = flash_decode.split_kv_run_key(q, 2048)
     tuned.store.save(static_key, static_key, {run_key: (bad, {})})
     cfg = {"BLOCK_N": 16, "num_warps": 2, "num_stages": 1, "WAVES": 1}  # one cheap candidate
-    monkeypatch.setattr(tuned, "configs_gen_func", lambda q, block_seq: [cfg])
+    monkeypatch.setattr(tuned, "configs_gen_func", lambda q: [cfg])
     launched = []
     real_launch = tuned.fn
 
@@ -249,7 +350,7 @@ def test_cached_config_outside_the_candidates_is_a_miss(monkeypatch, caplog, iso
     set_bench_func(bench)
     with caplog.at_level(logging.WARNING, logger="lightllm.common.autotuner"):
         with autotune_warmup(AutotuneKernelType.DECODE_ATTENTION):
-            out, _ = run("none", q, k, v, r2t, idx, seq, 2048, block_seq=64)
+            out, _ = run("none", q, k, v, r2t, idx, seq, 2048)
     tuned.clear_cache()
     (warning,) = [r.getMessage() for r in caplog.records if "gqa_flash_decode" in r.getMessage()]
     assert "not among the kernel's candidates" in warning and key_to_json(bad) in warning

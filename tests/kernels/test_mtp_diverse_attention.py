@@ -9,12 +9,13 @@ from lightllm.common.autotuner import AutotuneKernelType, autotune_warmup, set_b
 from lightllm.kernels.attention.decode import flash_decode, mtp_diverse
 from lightllm.kernels.attention.decode.mtp_diverse import MTPDiverseDecodePlan, mtp_diverse_decode_attention
 from lightllm.kernels.attention.decode.reference import decode_attention_ref
+from lightllm.kernels.attention.decode.splits import num_splits, split_token_ranges
 from lightllm.layers.attention import AttentionBackend, make_pool
 from lightllm.layers.infer_state import InferState
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-BLOCK_SEQ = 64  # small chunks so that tiny lengths cross split boundaries
-# WAVES 8 on the interpreter's 4 "SMs" gives one chunk per split for these batches: every boundary is crossed.
+# BLOCK_N 16 and WAVES 8 on the interpreter's 4 "SMs": short requests get one 16-key block per split, so tiny lengths
+# cross split boundaries.
 MANY_SPLITS = {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1, "WAVES": 8}
 ONE_SPLIT = {"BLOCK_N": 32, "num_warps": 4, "num_stages": 1, "WAVES": 1}
 
@@ -42,9 +43,10 @@ def rel_err(a, b):
 
 
 def lens_for(n):
-    """0 (padded row), L = N + 1 exactly, and lengths whose first visible length L - N falls before a split
-    boundary (64, 128) while the last token's L falls after it: some tokens see a split, the others none."""
-    return [0, n + 1, 64 + 1, 128 + max(1, n // 2), 257]
+    """0 (padded row), L = N + 1 exactly, lengths whose first visible length L - N falls at or before a split
+    boundary (16, 32: one 16-key block per split under ``MANY_SPLITS``) while the last token's L falls after it (some
+    tokens see a split, the others none), and a length of several blocks per split."""
+    return [0, n + 1, 16 + 1, 32 + max(1, n // 2), 257]
 
 
 SHAPES = [(64, 2, 2), (128, 6, 2), (256, 8, 1)]  # (head_dim, q_heads, kv_heads): groups 1, 3, 8
@@ -55,7 +57,10 @@ SHAPES = [(64, 2, 2), (128, 6, 2), (256, 8, 1)]  # (head_dim, q_heads, kv_heads)
 def test_matches_reference(n, head_dim, q_heads, kv_heads):
     lens = lens_for(n)
     q, k, v, r2t, idx, seq = make_batch(len(lens), n + 1, q_heads, kv_heads, head_dim, lens, torch.float32, seed=n)
-    out = run(q, k, v, r2t, idx, seq, 300, block_seq=BLOCK_SEQ, run_config=MANY_SPLITS)
+    out = run(q, k, v, r2t, idx, seq, 300, run_config=MANY_SPLITS)
+    n_splits = num_splits(len(lens), kv_heads, 300, MANY_SPLITS["BLOCK_N"], MANY_SPLITS["WAVES"], q.device)
+    for length in lens[2:4]:  # the boundary the test relies on: a split starts in [L - N, L)
+        assert any(length - n <= lo < length for lo, hi in split_token_ranges(length, n_splits, 16) if lo < hi)
     ref = decode_attention_ref(q, k, v, r2t, idx, seq)
     assert not out.isnan().any(), "unwritten output"
     torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-4)
@@ -66,7 +71,7 @@ def test_matches_reference(n, head_dim, q_heads, kv_heads):
 def test_fp16_and_a_graph_maximum_above_the_real_lengths(cfg):
     lens = [4, 200, 65]
     q, k, v, r2t, idx, seq = make_batch(3, 4, 6, 2, 128, lens, torch.float16, seed=7)
-    out = run(q, k, v, r2t, idx, seq, 1024, block_seq=BLOCK_SEQ, run_config=cfg)
+    out = run(q, k, v, r2t, idx, seq, 1024, run_config=cfg)
     torch.testing.assert_close(out.double(), decode_attention_ref(q, k, v, r2t, idx, seq), rtol=3e-3, atol=3e-3)
 
 
@@ -74,7 +79,7 @@ def test_tokens_that_see_no_key_get_zero():
     """A graph's padded rows hold length 1 (q_len 3): only the last token sees a key, so its output is that key's
     V; the tokens that see none get 0 (the reference has no softmax there). At length 2 only token 0 sees none."""
     q, k, v, r2t, idx, seq = make_batch(2, 3, 4, 2, 64, [1, 2], torch.float32, seed=5)
-    out = run(q, k, v, r2t, idx, seq, 128, block_seq=BLOCK_SEQ, run_config=MANY_SPLITS)
+    out = run(q, k, v, r2t, idx, seq, 128, run_config=MANY_SPLITS)
     first_key = r2t[idx[0].long(), 0].long()
     torch.testing.assert_close(out[0, 2], v[first_key].repeat_interleave(2, dim=0))  # group 2: heads share V
     ref = decode_attention_ref(q, k, v, r2t, idx, seq)
@@ -83,21 +88,20 @@ def test_tokens_that_see_no_key_get_zero():
 
 
 def test_stage1_writes_zero_and_minus_inf_where_a_token_sees_none_of_a_split():
-    """L = 65, N = 3, one 64-key chunk per split: split 1 holds key 64 alone, which only the last token sees."""
+    """L = 65, N = 3, one 16-key block per split: split 4 holds key 64 alone, which only the last token sees."""
     q, k, v, r2t, idx, seq = make_batch(1, 4, 4, 2, 64, [65], torch.float32, seed=9)
-    mid_o, mid_lse = mtp_diverse._stage1(q, k, v, r2t, idx, seq, 300, 0.125, BLOCK_SEQ, MANY_SPLITS)
-    assert mid_lse.shape[-1] >= 2  # the split count the test relies on
-    assert torch.equal(mid_lse[0, :3, :, 1], torch.full((3, 4), float("-inf")))
-    assert torch.equal(mid_o[0, :3, :, 1], torch.zeros(3, 4, 64))
-    assert mid_lse[0, 3, :, 1].isfinite().all() and mid_lse[0, :, :, 0].isfinite().all()
+    mid_o, mid_lse = mtp_diverse._stage1(q, k, v, r2t, idx, seq, 300, 0.125, MANY_SPLITS)
+    assert split_token_ranges(65, mid_lse.shape[-1], 16)[:5] == [(0, 16), (16, 32), (32, 48), (48, 64), (64, 65)]
+    assert torch.equal(mid_lse[0, :3, :, 4], torch.full((3, 4), float("-inf")))
+    assert torch.equal(mid_o[0, :3, :, 4], torch.zeros(3, 4, 64))
+    assert mid_lse[0, 3, :, 4].isfinite().all() and mid_lse[0, :, :, :4].isfinite().all()
 
 
 def test_q_len_one_is_plain_decode():
     lens = [70, 3]
     q, k, v, r2t, idx, seq = make_batch(2, 1, 4, 2, 64, lens, torch.float32, seed=2)
-    out = run(q, k, v, r2t, idx, seq, 128, block_seq=BLOCK_SEQ, run_config=MANY_SPLITS)
-    plain = flash_decode.gqa_decode_attention(q[:, 0], k, v, r2t, idx, seq, 128, block_seq=BLOCK_SEQ,
-                                              run_config=MANY_SPLITS)  # fmt: skip
+    out = run(q, k, v, r2t, idx, seq, 128, run_config=MANY_SPLITS)
+    plain = flash_decode.gqa_decode_attention(q[:, 0], k, v, r2t, idx, seq, 128, run_config=MANY_SPLITS)
     torch.testing.assert_close(out[:, 0], plain, rtol=1e-5, atol=1e-5)
 
 
@@ -118,18 +122,16 @@ def test_bad_inputs_name_the_argument_and_the_allowed_values():
         (dict(seq=seq.long()), r"b_seq_len expected an int32 \[2\] tensor"),
         (dict(idx=idx[:1]), r"b_req_idx expected an int32 \[2\] tensor on cpu, got \(1,\)"),
         (dict(max_len=0), "max_len_in_batch expected a length >= 1, got 0"),
-        (dict(block_seq=100), "block_seq expected a power of two in"),
     ]
     for override, message in cases:
-        a = {**dict(q=q, k=k, v=v, r2t=r2t, idx=idx, seq=seq, max_len=8, block_seq=64), **override}
+        a = {**dict(q=q, k=k, v=v, r2t=r2t, idx=idx, seq=seq, max_len=8), **override}
         with pytest.raises(ValueError, match="mtp diverse attention: " + message):
-            mtp_diverse_decode_attention(a["q"], a["k"], a["v"], a["r2t"], a["idx"], a["seq"], a["max_len"],
-                                         block_seq=a["block_seq"])  # fmt: skip
+            mtp_diverse_decode_attention(a["q"], a["k"], a["v"], a["r2t"], a["idx"], a["seq"], a["max_len"])
 
 
 def test_plan_checks_once_and_refuses_other_shapes():
     q, k, v, r2t, idx, seq = make_batch(2, 3, 4, 2, 64, [3, 90], torch.float32, pool=512)
-    plan = MTPDiverseDecodePlan(q.shape, q.dtype, k, v, r2t, idx, seq, 128, block_seq=BLOCK_SEQ)
+    plan = MTPDiverseDecodePlan(q.shape, q.dtype, k, v, r2t, idx, seq, 128)
     ref = decode_attention_ref(q, k, v, r2t, idx, seq)
     for _ in range(2):  # two layers
         torch.testing.assert_close(plan.run(q, k, v).double(), ref, rtol=1e-4, atol=1e-4)
@@ -145,7 +147,7 @@ def test_plan_checks_once_and_refuses_other_shapes():
 
 def test_plan_reusing_outputs_shares_one_output_and_one_set_of_partials_across_layers():
     q, k, v, r2t, idx, seq = make_batch(2, 3, 4, 2, 64, [3, 90], torch.float32, pool=512)
-    plan = MTPDiverseDecodePlan(q.shape, q.dtype, k, v, r2t, idx, seq, 128, block_seq=BLOCK_SEQ, reuse_outputs=True)
+    plan = MTPDiverseDecodePlan(q.shape, q.dtype, k, v, r2t, idx, seq, 128, reuse_outputs=True)
     first = plan.run(q, k, v)
     torch.testing.assert_close(first.double(), decode_attention_ref(q, k, v, r2t, idx, seq), rtol=1e-4, atol=1e-4)
     partials = {shape: tuple(t.data_ptr() for t in ts) for shape, ts in plan._scratch.items()}
@@ -162,7 +164,7 @@ def test_plan_reusing_outputs_shares_one_output_and_one_set_of_partials_across_l
 def named_args(q, k, v, r2t, idx, seq, max_len):
     out = torch.empty_like(q)
     return dict(q=q, k_cache=k, v_cache=v, req_to_token=r2t, b_req_idx=idx, b_seq_len=seq, max_len_in_batch=max_len,
-                out=out, sm_scale=0.125, block_seq=BLOCK_SEQ)  # fmt: skip
+                out=out, sm_scale=0.125)  # fmt: skip
 
 
 def test_rebuild_is_every_group_at_the_tuning_lengths_over_the_same_pool(monkeypatch):
@@ -200,7 +202,7 @@ def test_search_times_representative_groups_over_the_existing_pool(monkeypatch):
     tuned = mtp_diverse._launch_mtp_diverse_decode
     tuned.clear_cache()
     cfgs = [{"BLOCK_N": 32, "num_warps": 4, "num_stages": 1, "WAVES": w} for w in (1, 8)]
-    monkeypatch.setattr(tuned, "configs_gen_func", lambda q, block_seq: cfgs)
+    monkeypatch.setattr(tuned, "configs_gen_func", lambda q: cfgs)
     timed = []
     set_bench_func(lambda run_fn: timed.append(run_fn()) or 1.0)
     q, k, v, r2t, idx, seq = make_batch(2, 3, 4, 2, 64, [3, 70], torch.float32, pool=600)
@@ -216,7 +218,7 @@ def test_search_times_representative_groups_over_the_existing_pool(monkeypatch):
     monkeypatch.setattr(tuned, "fn", spy)
     try:
         with autotune_warmup(AutotuneKernelType.DECODE_ATTENTION):
-            outs = [run(q, k, v, r2t, idx, seq, 1024, block_seq=BLOCK_SEQ) for _ in range(2)]  # 2 layers, 1 key
+            outs = [run(q, k, v, r2t, idx, seq, 1024) for _ in range(2)]  # 2 layers, 1 key
         record = tuned.last_search
     finally:
         tuned.clear_cache()
@@ -241,16 +243,15 @@ def test_declared_as_a_decode_attention_kernel_keyed_like_plain_decode(monkeypat
     k = torch.empty(8, 4, 256, dtype=torch.bfloat16)
     tuned = mtp_diverse._launch_mtp_diverse_decode
     assert tuned.run_key_func(q, 32768) == flash_decode.split_kv_run_key(q[:, 0], 32768) == (16, 4096)
-    assert mtp_diverse._static_key(q, k, 256) == {
+    assert mtp_diverse._static_key(q, k) == {
         "group": 6,
         "head_dim": 256,
         "q_len": 4,
-        "block_seq": 256,
         "q_dtype": "torch.bfloat16",
         "kv_dtype": "torch.bfloat16",
     }
-    assert tuned.configs_gen_func(q, 256) == flash_decode.split_kv_configs(None, 256)
-    assert len(tuned.configs_gen_func(q, 256)) == 16
+    assert tuned.configs_gen_func(q) == flash_decode.split_kv_configs(None)
+    assert len(tuned.configs_gen_func(q)) == 16
 
 
 # ---- the attention backend routes MTP verify on Triton here ---------------------------------------------

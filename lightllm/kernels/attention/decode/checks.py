@@ -3,19 +3,15 @@
 
 import torch
 
-BLOCK_SEQS = (64, 128, 256, 512, 1024)
-
 
 def check_q_device(label: str, q, k_cache) -> None:
     if q.device != k_cache.device:
         raise ValueError(f"{label}: q expected k_cache's device {k_cache.device}, got {q.device}")
 
 
-def check_head_dim_and_block_seq(fail, head_dim: int, head_dims: tuple, block_seq: int) -> None:
+def check_head_dim(fail, head_dim: int, head_dims: tuple) -> None:
     if head_dim not in head_dims:
         fail("head_dim", f"one of {head_dims}", head_dim)
-    if block_seq not in BLOCK_SEQS:
-        fail("block_seq", "a power of two in [64, 1024]", block_seq)
 
 
 def check_kv_pair(fail, k_cache, v_cache, last_dim: int, kv_dtype) -> None:

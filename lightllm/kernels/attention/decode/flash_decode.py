@@ -1,7 +1,7 @@
 """GQA flash decode over the token-level KV cache: bf16/fp16, INT8 and INT4 KV.
 
-One query token per request. ``stage1`` splits each request's KV into ``block_seq`` chunks shared out to a
-fixed number of split programs per (request, KV head); ``stage2`` merges the splits. Each KV type has its
+One query token per request. ``stage1`` shares each request's KV, in ``BLOCK_N``-token blocks, among a fixed number
+of split programs per (request, KV head) (``splits.py``); ``stage2`` merges the splits. Each KV type has its
 own tuned kernel (``gqa_flash_decode``, ``gqa_flash_decode_int8kv``, ``gqa_flash_decode_int4kv``), tuned in
 the DECODE_ATTENTION phase on a representative batch rebuilt over the existing pool: every request at
 ``LIGHTLLM_DECODE_ATTN_AUTOTUNE_SEQ_LEN`` tokens, timed also at shorter lengths so that the config a CUDA
@@ -18,12 +18,13 @@ import torch
 from lightllm.common.autotuner import AutotuneKernelType, PlannedInputs, autotune
 from lightllm.common.kv_cache.quant import INT4_OFFSET, SCALE_DTYPE
 from lightllm.kernels.attention.decode.checks import (
-    check_head_dim_and_block_seq,
+    check_head_dim,
     check_kv_pair,
     check_q_device,
     check_request_rows,
     check_run_q_out,
 )
+from lightllm.kernels.attention.decode.splits import num_splits
 from lightllm.kernels.attention.decode.tuning import (
     decode_attn_autotune_seq_lens,
     decode_attn_run_key_kv_len,
@@ -33,7 +34,7 @@ from lightllm.kernels.attention.decode.tuning import (
 from lightllm.kernels.attention.decode.stage1 import decode_stage1_kernel
 from lightllm.kernels.attention.decode.stage2 import decode_stage2_kernel
 from lightllm.kernels.direct_launch import DirectLaunch
-from lightllm.kernels.launch_math import cdiv, next_power_of_2
+from lightllm.kernels.launch_math import next_power_of_2
 from lightllm.kernels.step_buffer import StepBuffer, split_partials
 
 _STAGE1 = DirectLaunch(decode_stage1_kernel)
@@ -41,23 +42,7 @@ _STAGE2 = DirectLaunch(decode_stage2_kernel)
 
 HEAD_DIMS = (64, 128, 256)
 Q_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-DEFAULT_BLOCK_SEQ = 256
 _QUANT_BITS = {"none": 0, "int8": 8, "int4": 4}
-
-
-@lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4  # interpreter: keep grids small
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def num_splits(batch: int, kv_heads: int, max_len_in_batch: int, block_seq: int, waves: int, device) -> int:
-    """Split programs per (request, KV head): about ``waves`` programs per SM, never more than the chunks of
-    the longest request the launch must serve (the graph's maximum when captured)."""
-    max_chunks = max(1, cdiv(max_len_in_batch, block_seq))
-    want = cdiv(waves * _num_sms(device), batch * kv_heads)
-    return max(1, min(want, max_chunks))
 
 
 @lru_cache(maxsize=None)  # per launch when no tuned config: computed once per head_dim
@@ -77,7 +62,6 @@ def _launch_split_kv(
     max_len_in_batch,
     out,
     sm_scale,
-    block_seq,
     quant,
     quant_group,
     scratch=None,
@@ -87,7 +71,7 @@ def _launch_split_kv(
     kv_heads = k_cache.shape[1]
     group = q_heads // kv_heads
     cfg = run_config or default_config(head_dim)
-    splits = num_splits(batch, kv_heads, max_len_in_batch, block_seq, cfg["WAVES"], q.device)
+    splits = num_splits(batch, kv_heads, max_len_in_batch, cfg["BLOCK_N"], cfg["WAVES"], q.device)
     mid_o, mid_lse = split_partials(scratch, (batch, q_heads, splits, head_dim), q.device)
     ks = k_scale if k_scale is not None else k_cache
     vs = v_scale if v_scale is not None else v_cache
@@ -102,61 +86,59 @@ def _launch_split_kv(
             req_to_token.stride(0),
             mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
             GROUP=group, BLOCK_H=max(16, next_power_of_2(group)), HALF_D=head_dim // 2,
-            BLOCK_SEQ=block_seq, BLOCK_N=cfg["BLOCK_N"], QUANT=_QUANT_BITS[quant], QGROUP=quant_group,
+            BLOCK_N=cfg["BLOCK_N"], QUANT=_QUANT_BITS[quant], QGROUP=quant_group,
             INT4_OFFSET=INT4_OFFSET, F16=quant != "none" and q.dtype != torch.float32,
             PRECISION="ieee" if q.dtype == torch.float32 else None,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )  # fmt: skip
-        launch_stage2(mid_o, mid_lse, b_seq_len, out, block_seq)
+        launch_stage2(mid_o, mid_lse, b_seq_len, out, cfg["BLOCK_N"])
     return out
 
 
-def launch_stage2(mid_o, mid_lse, b_seq_len, out, block_seq: int, num_warps: Optional[int] = None) -> None:
-    """Merge ``mid_o [batch, q_heads, splits, D]`` / ``mid_lse`` into ``out [batch, q_heads, D]`` (not tuned:
-    it takes a few microseconds whatever its warps, docs/decode_attention.md)."""
+def launch_stage2(mid_o, mid_lse, b_seq_len, out, block_n: int, num_warps: Optional[int] = None) -> None:
+    """Merge ``mid_o [batch, q_heads, splits, D]`` / ``mid_lse`` into ``out [batch, q_heads, D]``; ``block_n`` is
+    stage 1's ``BLOCK_N``, which cut the splits (not tuned: it takes a few microseconds whatever its warps,
+    docs/decode_attention.md)."""
     batch, q_heads, splits, head_dim = mid_o.shape
     _STAGE2.launch(
         (batch, q_heads),
         mid_o, mid_lse, b_seq_len, out,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
-        out.stride(0), out.stride(1), splits,
-        BLOCK_SEQ=block_seq, HEAD_DIM=head_dim, num_warps=num_warps or (4 if head_dim <= 128 else 8),
+        out.stride(0), out.stride(1), splits, block_n,
+        HEAD_DIM=head_dim, num_warps=num_warps or (4 if head_dim <= 128 else 8),
     )  # fmt: skip
 
 
 # ---- tuning declaration ---------------------------------------------------------------------------------
 
 
-def split_kv_configs(q, block_seq):
+def split_kv_configs(q):
     """16 candidates, 4 compiles per shape: WAVES only changes the grid (no recompile), and what was left out
     (BLOCK_N 16/128, 2 warps, 1 stage) only pays for its compile time at start-up."""
-    block_ns = [n for n in (32, 64) if n <= block_seq]
     return [
         {"BLOCK_N": block_n, "num_warps": num_warps, "num_stages": num_stages, "WAVES": waves}
-        for block_n in block_ns
+        for block_n in (32, 64)
         for num_warps, num_stages in ((4, 2), (8, 3))
         for waves in (1, 2, 4, 8)
     ]
 
 
-def quant_split_kv_configs(q, block_seq):
+def quant_split_kv_configs(q):
     """INT8/INT4 KV: the bf16 space plus two-warp programs. Their dequantization makes a program ALU-heavy, so more
     resident programs per SM keep more loads in flight: on the H200 a two-warp config is the fastest candidate in 11 of
     15 quantized cells (benchmarks/results/decode_attention_quant_h200.json)."""
-    block_ns = [n for n in (32, 64) if n <= block_seq]
     return [
         {"BLOCK_N": block_n, "num_warps": num_warps, "num_stages": num_stages, "WAVES": waves}
-        for block_n in block_ns
+        for block_n in (32, 64)
         for num_warps, num_stages in ((2, 2), (4, 2), (8, 3))
         for waves in (1, 2, 4, 8)
     ]
 
 
-def _static_key(q, k_cache, block_seq, quant, quant_group):
+def _static_key(q, k_cache, quant, quant_group):
     return {
         "group": q.shape[1] // k_cache.shape[1],
         "head_dim": q.shape[2],
-        "block_seq": block_seq,
         "q_dtype": str(q.dtype),
         "kv": quant if quant != "none" else str(k_cache.dtype),
         "quant_group": quant_group if quant != "none" else 0,
@@ -210,16 +192,15 @@ class GQADecodePlan:
 
     def __init__(
         self, kv, q_shape, q_dtype, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len, max_len_in_batch,
-        k_scale=None, v_scale=None, sm_scale=None, block_seq=DEFAULT_BLOCK_SEQ, quant_group=8, run_config=None,
-        reuse_outputs=False,
+        k_scale=None, v_scale=None, sm_scale=None, quant_group=8, run_config=None, reuse_outputs=False,
     ):  # fmt: skip
         if kv not in _LAUNCHERS:
             raise ValueError(f"gqa decode attention: kv expected one of {tuple(_LAUNCHERS)}, got {kv!r}")
         quant_group = quant_group if kv != "none" else 0
         q_shape = torch.Size(q_shape)
         _check(q_shape, q_dtype, k_cache, v_cache, k_scale, v_scale, req_to_token, b_req_idx, b_seq_len, None, kv,
-               quant_group, block_seq)  # fmt: skip
-        self.kv, self.quant_group, self.block_seq = kv, quant_group, block_seq
+               quant_group)  # fmt: skip
+        self.kv, self.quant_group = kv, quant_group
         self.req_to_token, self.b_req_idx, self.b_seq_len = req_to_token, b_req_idx, b_seq_len
         self.max_len_in_batch = int(max_len_in_batch)
         self.sm_scale = float(sm_scale if sm_scale is not None else 1.0 / math.sqrt(q_shape[-1]))
@@ -236,8 +217,8 @@ class GQADecodePlan:
         if out is None:
             out = self._out.get(q.device)
         return self._tuned.run(q, k_cache, v_cache, k_scale, v_scale, self.req_to_token, self.b_req_idx,
-                               self.b_seq_len, self.max_len_in_batch, out, self.sm_scale, self.block_seq, self.kv,
-                               self.quant_group, self._scratch)  # fmt: skip
+                               self.b_seq_len, self.max_len_in_batch, out, self.sm_scale, self.kv, self.quant_group,
+                               self._scratch)  # fmt: skip
 
 
 def gqa_decode_attention(
@@ -250,7 +231,6 @@ def gqa_decode_attention(
     max_len_in_batch: int,
     out: Optional[torch.Tensor] = None,
     sm_scale: Optional[float] = None,
-    block_seq: int = DEFAULT_BLOCK_SEQ,
     run_config: Optional[dict] = None,
 ) -> torch.Tensor:
     """Decode attention of one query token per request over a bf16/fp16/fp32 token pool.
@@ -267,38 +247,38 @@ def gqa_decode_attention(
     """
     check_q_device("gqa decode attention", q, k_cache)
     plan = GQADecodePlan("none", q.shape, q.dtype, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len,
-                         max_len_in_batch, sm_scale=sm_scale, block_seq=block_seq, run_config=run_config)  # fmt: skip
+                         max_len_in_batch, sm_scale=sm_scale, run_config=run_config)  # fmt: skip
     return plan.run(q, k_cache, v_cache, out=out)
 
 
 def gqa_decode_attention_int8kv(
     q, k_cache, v_cache, k_scale, v_scale, req_to_token, b_req_idx, b_seq_len, max_len_in_batch,
-    out=None, sm_scale=None, block_seq=DEFAULT_BLOCK_SEQ, quant_group=8, run_config=None,
+    out=None, sm_scale=None, quant_group=8, run_config=None,
 ) -> torch.Tensor:  # fmt: skip
     """As :func:`gqa_decode_attention` over an INT8 pool: ``k_cache``/``v_cache`` int8
     ``[pool_tokens, kv_heads, head_dim]``, ``k_scale``/``v_scale`` float16 ``[pool_tokens, kv_heads,
     head_dim // quant_group]`` (see ``lightllm.common.kv_cache.quant``)."""
     check_q_device("gqa decode attention", q, k_cache)
     plan = GQADecodePlan("int8", q.shape, q.dtype, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len,
-                         max_len_in_batch, k_scale, v_scale, sm_scale, block_seq, quant_group, run_config)  # fmt: skip
+                         max_len_in_batch, k_scale, v_scale, sm_scale, quant_group, run_config)  # fmt: skip
     return plan.run(q, k_cache, v_cache, k_scale, v_scale, out=out)
 
 
 def gqa_decode_attention_int4kv(
     q, k_cache, v_cache, k_scale, v_scale, req_to_token, b_req_idx, b_seq_len, max_len_in_batch,
-    out=None, sm_scale=None, block_seq=DEFAULT_BLOCK_SEQ, quant_group=8, run_config=None,
+    out=None, sm_scale=None, quant_group=8, run_config=None,
 ) -> torch.Tensor:  # fmt: skip
     """As :func:`gqa_decode_attention` over an INT4 pool: ``k_cache``/``v_cache`` uint8
     ``[pool_tokens, kv_heads, head_dim // 2]`` (byte j: element j low nibble, j + head_dim/2 high nibble),
     scales float16 ``[pool_tokens, kv_heads, head_dim // quant_group]``."""
     check_q_device("gqa decode attention", q, k_cache)
     plan = GQADecodePlan("int4", q.shape, q.dtype, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len,
-                         max_len_in_batch, k_scale, v_scale, sm_scale, block_seq, quant_group, run_config)  # fmt: skip
+                         max_len_in_batch, k_scale, v_scale, sm_scale, quant_group, run_config)  # fmt: skip
     return plan.run(q, k_cache, v_cache, k_scale, v_scale, out=out)
 
 
 def _check(q_shape, q_dtype, k_cache, v_cache, k_scale, v_scale, req_to_token, b_req_idx, b_seq_len, out, quant,
-           quant_group, block_seq):  # fmt: skip
+           quant_group):  # fmt: skip
 
     def fail(name, expected, got):
         raise ValueError(f"gqa decode attention ({quant} KV): {name} expected {expected}, got {got}")
@@ -306,7 +286,7 @@ def _check(q_shape, q_dtype, k_cache, v_cache, k_scale, v_scale, req_to_token, b
     if len(q_shape) != 3 or q_dtype not in Q_DTYPES:
         fail("q", f"a [batch, q_heads, head_dim] tensor of {Q_DTYPES}", f"{tuple(q_shape)} {q_dtype}")
     batch, q_heads, head_dim = q_shape
-    check_head_dim_and_block_seq(fail, head_dim, HEAD_DIMS, block_seq)
+    check_head_dim(fail, head_dim, HEAD_DIMS)
     device = k_cache.device
     packed_dim = head_dim // 2 if quant == "int4" else head_dim
     kv_dtype = {"none": q_dtype, "int8": torch.int8, "int4": torch.uint8}[quant]

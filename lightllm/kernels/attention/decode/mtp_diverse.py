@@ -19,22 +19,21 @@ import torch
 
 from lightllm.common.autotuner import AutotuneKernelType, PlannedInputs, autotune
 from lightllm.kernels.attention.decode.checks import (
-    check_head_dim_and_block_seq,
+    check_head_dim,
     check_kv_pair,
     check_q_device,
     check_request_rows,
     check_run_q_out,
 )
 from lightllm.kernels.attention.decode.flash_decode import (
-    DEFAULT_BLOCK_SEQ,
     HEAD_DIMS,
     Q_DTYPES,
     default_config,
-    num_splits,
     split_kv_configs,
     split_kv_run_key,
 )
 from lightllm.kernels.attention.decode.mtp_diverse_stages import mtp_diverse_stage1_kernel, mtp_diverse_stage2_kernel
+from lightllm.kernels.attention.decode.splits import num_splits
 from lightllm.kernels.attention.decode.tuning import decode_attn_autotune_seq_lens, inputs_at_lengths
 from lightllm.kernels.launch_math import next_power_of_2
 from lightllm.kernels.direct_launch import DirectLaunch
@@ -49,34 +48,32 @@ LOG2E = 1.4426950408889634
 
 
 @lru_cache(maxsize=4096)
-def _splits(batch: int, kv_heads: int, max_len_in_batch: int, block_seq: int, waves: int, device) -> int:
-    # Memoized: every layer of a step asks with the same sizes (num_splits costs a few µs of triton.cdiv).
-    return num_splits(batch, kv_heads, max_len_in_batch, block_seq, waves, device)
+def _splits(batch: int, kv_heads: int, max_len_in_batch: int, block_n: int, waves: int, device) -> int:
+    # Memoized: every layer of a step asks with the same sizes.
+    return num_splits(batch, kv_heads, max_len_in_batch, block_n, waves, device)
 
 
 def _launch_mtp_diverse(
-    q, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len, max_len_in_batch, out, sm_scale, block_seq,
-    scratch=None, run_config=None,
+    q, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len, max_len_in_batch, out, sm_scale, scratch=None,
+    run_config=None,
 ):  # fmt: skip
 
     cfg = run_config or default_config(q.shape[3])
     if q.shape[0] > 0:
         mid_o, mid_lse = _stage1(q, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len, max_len_in_batch, sm_scale,
-                                 block_seq, cfg, scratch)  # fmt: skip
-        _stage2(mid_o, mid_lse, b_seq_len, out, block_seq)
+                                 cfg, scratch)  # fmt: skip
+        _stage2(mid_o, mid_lse, b_seq_len, out, cfg["BLOCK_N"])
     return out
 
 
-def _stage1(
-    q, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len, max_len_in_batch, sm_scale, block_seq, cfg, scratch=None
-):
+def _stage1(q, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len, max_len_in_batch, sm_scale, cfg, scratch=None):
     """Partial outputs ``[batch, q_len, q_heads, splits, D]`` and log-sum-exps (base 2) per split; a split past a
-    request's chunks is not written, one that a token does not see holds 0 and -inf. ``scratch``: a plan's dict
+    request's blocks is not written, one that a token does not see holds 0 and -inf. ``scratch``: a plan's dict
     (``split_partials``), so the layers of one step share the partials."""
     batch, q_len, q_heads, head_dim = q.shape
     kv_heads = k_cache.shape[1]
     group = q_heads // kv_heads
-    splits = _splits(batch, kv_heads, max_len_in_batch, block_seq, cfg["WAVES"], q.device)
+    splits = _splits(batch, kv_heads, max_len_in_batch, cfg["BLOCK_N"], cfg["WAVES"], q.device)
     mid_o, mid_lse = split_partials(scratch, (batch, q_len, q_heads, splits, head_dim), q.device)
     _MTP_STAGE1.launch(
         (batch, kv_heads, splits),
@@ -86,34 +83,34 @@ def _stage1(
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_o.stride(3),
         mid_lse.stride(0), mid_lse.stride(1), mid_lse.stride(2),
         GROUP=group, Q_LEN=q_len, BLOCK_M=max(16, next_power_of_2(q_len * group)), HEAD_DIM=head_dim,
-        BLOCK_SEQ=block_seq, BLOCK_N=cfg["BLOCK_N"], PRECISION="ieee" if q.dtype == torch.float32 else None,
+        BLOCK_N=cfg["BLOCK_N"], PRECISION="ieee" if q.dtype == torch.float32 else None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     return mid_o, mid_lse
 
 
-def _stage2(mid_o, mid_lse, b_seq_len, out, block_seq):
-    """Merge the splits of each (request, token, head) into ``out`` (not tuned: as the plain kernel's stage 2)."""
+def _stage2(mid_o, mid_lse, b_seq_len, out, block_n):
+    """Merge the splits of each (request, token, head) into ``out``; ``block_n``: stage 1's ``BLOCK_N`` (not tuned:
+    as the plain kernel's stage 2)."""
     batch, q_len, q_heads, splits, head_dim = mid_o.shape
     _MTP_STAGE2.launch(
         (batch, q_len, q_heads),
         mid_o, mid_lse, b_seq_len, out,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_o.stride(3),
         mid_lse.stride(0), mid_lse.stride(1), mid_lse.stride(2),
-        out.stride(0), out.stride(1), out.stride(2), splits,
-        Q_LEN=q_len, BLOCK_SEQ=block_seq, HEAD_DIM=head_dim, num_warps=4 if head_dim <= 128 else 8,
+        out.stride(0), out.stride(1), out.stride(2), splits, block_n,
+        Q_LEN=q_len, HEAD_DIM=head_dim, num_warps=4 if head_dim <= 128 else 8,
     )  # fmt: skip
 
 
 # ---- tuning declaration ---------------------------------------------------------------------------------
 
 
-def _static_key(q, k_cache, block_seq):
+def _static_key(q, k_cache):
     return {
         "group": q.shape[2] // k_cache.shape[1],
         "head_dim": q.shape[3],
         "q_len": q.shape[1],
-        "block_seq": block_seq,
         "q_dtype": str(q.dtype),
         "kv_dtype": str(k_cache.dtype),
     }
@@ -159,12 +156,12 @@ class MTPDiverseDecodePlan:
 
     def __init__(
         self, q_shape, q_dtype, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len, max_len_in_batch,
-        sm_scale=None, block_seq=DEFAULT_BLOCK_SEQ, run_config=None, reuse_outputs=False,
+        sm_scale=None, run_config=None, reuse_outputs=False,
     ):  # fmt: skip
         q_shape = torch.Size(q_shape)
-        _check(q_shape, q_dtype, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len, max_len_in_batch, block_seq)
+        _check(q_shape, q_dtype, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len, max_len_in_batch)
         self.req_to_token, self.b_req_idx, self.b_seq_len = req_to_token, b_req_idx, b_seq_len
-        self.max_len_in_batch, self.block_seq = int(max_len_in_batch), block_seq
+        self.max_len_in_batch = int(max_len_in_batch)
         self.sm_scale = float(sm_scale if sm_scale is not None else 1.0 / math.sqrt(q_shape[-1]))
         self.inputs = PlannedInputs(
             "mtp diverse attention", q=(q_shape, q_dtype), k_cache=(k_cache.shape, k_cache.dtype)
@@ -179,7 +176,7 @@ class MTPDiverseDecodePlan:
         if out is None:
             out = self._out.get(q.device)
         return self._tuned.run(q, k_cache, v_cache, self.req_to_token, self.b_req_idx, self.b_seq_len,
-                               self.max_len_in_batch, out, self.sm_scale, self.block_seq, self._scratch)  # fmt: skip
+                               self.max_len_in_batch, out, self.sm_scale, self._scratch)  # fmt: skip
 
 
 def mtp_diverse_decode_attention(
@@ -192,7 +189,6 @@ def mtp_diverse_decode_attention(
     max_len_in_batch: int,
     out: Optional[torch.Tensor] = None,
     sm_scale: Optional[float] = None,
-    block_seq: int = DEFAULT_BLOCK_SEQ,
     run_config: Optional[dict] = None,
 ) -> torch.Tensor:
     """Decode attention of the ``q_len = N + 1`` tokens of each request of an MTP verify step.
@@ -209,11 +205,11 @@ def mtp_diverse_decode_attention(
     """
     check_q_device("mtp diverse attention", q, k_cache)
     plan = MTPDiverseDecodePlan(q.shape, q.dtype, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len,
-                                max_len_in_batch, sm_scale, block_seq, run_config)  # fmt: skip
+                                max_len_in_batch, sm_scale, run_config)  # fmt: skip
     return plan.run(q, k_cache, v_cache, out=out)
 
 
-def _check(q_shape, q_dtype, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len, max_len_in_batch, block_seq):
+def _check(q_shape, q_dtype, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len, max_len_in_batch):
     def fail(name, expected, got):
         raise ValueError(f"mtp diverse attention: {name} expected {expected}, got {got}")
 
@@ -222,7 +218,7 @@ def _check(q_shape, q_dtype, k_cache, v_cache, req_to_token, b_req_idx, b_seq_le
     batch, q_len, q_heads, head_dim = q_shape
     if not 1 <= q_len <= MAX_MTP_STEP + 1:
         fail("q_len", f"1..{MAX_MTP_STEP + 1} (mtp_step + 1)", q_len)
-    check_head_dim_and_block_seq(fail, head_dim, HEAD_DIMS, block_seq)
+    check_head_dim(fail, head_dim, HEAD_DIMS)
     device = k_cache.device
     check_kv_pair(fail, k_cache, v_cache, head_dim, q_dtype)
     kv_heads = k_cache.shape[1]

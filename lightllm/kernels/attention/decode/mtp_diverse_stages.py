@@ -3,13 +3,15 @@
 An MTP verify step has ``Q_LEN = N + 1`` query tokens per request; token ``t`` of a request with KV length ``L``
 sees keys ``[0, L - N + t)``. Stage 1 gives each (request, KV head, split) program all ``Q_LEN x GROUP`` query
 rows that share the KV head, so the split's K/V tiles are read once for every row; each row masks the keys it
-does not see. Splits cut the request's ``L`` keys exactly as the plain decode kernel does (``stage1.py``), on a
+does not see. Splits cut the request's ``L`` keys exactly as the plain decode kernel does (``splits.py``), on a
 grid sized by the launch's maximum length, never the real one. A row that sees no key of a split writes a zero
 output and a log-sum-exp of ``-inf``; stage 2 merges, per row, only the splits that hold a key the row sees.
 """
 
 import triton
 import triton.language as tl
+
+from lightllm.kernels.attention.decode.splits import split_tokens
 
 
 @triton.jit
@@ -42,8 +44,7 @@ def mtp_diverse_stage1_kernel(
     Q_LEN: tl.constexpr,  # query tokens per request (mtp_step + 1)
     BLOCK_M: tl.constexpr,  # Q_LEN * GROUP rows padded to a tensor-core tile (>= 16)
     HEAD_DIM: tl.constexpr,
-    BLOCK_SEQ: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # the tile, and the unit splits share a request's keys in
     PRECISION: tl.constexpr,  # "ieee" for float32 queries (no tf32 rounding), None (default) for 16-bit
 ):
     b = tl.program_id(0)
@@ -52,10 +53,9 @@ def mtp_diverse_stage1_kernel(
     splits = tl.num_programs(2)
 
     seq_len = tl.load(b_seq_len + b)
-    chunks = tl.cdiv(seq_len, BLOCK_SEQ)
-    per_split = tl.cdiv(chunks, splits)
-    start = split * per_split * BLOCK_SEQ
-    end = tl.minimum(start + per_split * BLOCK_SEQ, seq_len)
+    per_split = split_tokens(seq_len, splits, BLOCK_N)
+    start = split * per_split
+    end = tl.minimum(start + per_split, seq_len)
     if start >= end:
         return
 
@@ -117,18 +117,17 @@ def mtp_diverse_stage2_kernel(
     stride_ot,
     stride_oh,
     SPLITS,
+    block_n,  # stage 1's BLOCK_N: a plain int, so stage 2 compiles once for every stage-1 config
     Q_LEN: tl.constexpr,
-    BLOCK_SEQ: tl.constexpr,
     HEAD_DIM: tl.constexpr,
 ):
     b = tl.program_id(0)
     t = tl.program_id(1)
     h = tl.program_id(2)
     seq_len = tl.load(b_seq_len + b)
-    chunks = tl.cdiv(seq_len, BLOCK_SEQ)
-    per_split = tl.maximum(tl.cdiv(chunks, SPLITS), 1)  # stage 1's split ranges, cut by the request's length
+    per_split = tl.maximum(split_tokens(seq_len, SPLITS, block_n), 1)  # stage 1's ranges, cut by the request's length
     visible = tl.maximum(seq_len - (Q_LEN - 1) + t, 0)
-    used = tl.cdiv(visible, per_split * BLOCK_SEQ)  # splits holding a key this row sees; 0 for a padded row
+    used = tl.cdiv(visible, per_split)  # splits holding a key this row sees; 0 for a padded row
 
     d = tl.arange(0, HEAD_DIM)
     o_ptr = mid_o + b.to(tl.int64) * stride_mob + t * stride_mot + h * stride_moh + d

@@ -1,10 +1,10 @@
 """Split-KV decode attention, stage 1: each program attends one KV head's query group over a range of
-``BLOCK_SEQ`` chunks of one request and writes a partial output and its log-sum-exp (base 2).
+``BLOCK_N``-token blocks of one request and writes a partial output and its log-sum-exp (base 2).
 
 The grid is ``(batch, kv_heads, splits)``: it depends on the batch and the graph's maximum length, never on
 the real lengths, so a captured graph replays at any length up to that maximum. Split ``s`` of a request
-with ``c`` chunks takes chunks ``[s * ceil(c / splits), (s + 1) * ceil(c / splits))``; splits past the end
-do nothing and stage 2 skips them.
+with ``c`` blocks takes blocks ``[s * ceil(c / splits), (s + 1) * ceil(c / splits))`` (``splits.py``); splits
+past the end do nothing and stage 2 skips them.
 
 KV is read in two halves of the head dim (``[0, D/2)`` and ``[D/2, D)``), which is what the INT4 layout
 packs into one byte (low / high nibble); bf16/fp16 and INT8 use the same two-half loop so one kernel body
@@ -22,6 +22,8 @@ float16's range), the probabilities (in [0, 1]) once per tile. So |q|, |K| and |
 
 import triton
 import triton.language as tl
+
+from lightllm.kernels.attention.decode.splits import split_tokens
 
 
 @triton.jit
@@ -123,8 +125,7 @@ def decode_stage1_kernel(
     GROUP: tl.constexpr,  # query heads per KV head
     BLOCK_H: tl.constexpr,  # GROUP padded to a tensor-core tile (>= 16)
     HALF_D: tl.constexpr,
-    BLOCK_SEQ: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # the tile, and the unit splits share a request's tokens in
     QUANT: tl.constexpr,
     QGROUP: tl.constexpr,
     INT4_OFFSET: tl.constexpr,  # nibble = code + offset (common/kv_cache/quant.py)
@@ -137,10 +138,9 @@ def decode_stage1_kernel(
     splits = tl.num_programs(2)
 
     seq_len = tl.load(b_seq_len + b)
-    chunks = tl.cdiv(seq_len, BLOCK_SEQ)
-    per_split = tl.cdiv(chunks, splits)
-    start = split * per_split * BLOCK_SEQ
-    end = tl.minimum(start + per_split * BLOCK_SEQ, seq_len)
+    per_split = split_tokens(seq_len, splits, BLOCK_N)
+    start = split * per_split
+    end = tl.minimum(start + per_split, seq_len)
     if start >= end:
         return
 

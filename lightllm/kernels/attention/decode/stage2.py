@@ -3,6 +3,8 @@
 import triton
 import triton.language as tl
 
+from lightllm.kernels.attention.decode.splits import split_tokens
+
 
 @triton.jit
 def decode_stage2_kernel(
@@ -18,15 +20,14 @@ def decode_stage2_kernel(
     stride_ob,
     stride_oh,
     SPLITS,
-    BLOCK_SEQ: tl.constexpr,
+    block_n,  # stage 1's BLOCK_N: a plain int, so stage 2 compiles once for every stage-1 config
     HEAD_DIM: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
     seq_len = tl.load(b_seq_len + b)
-    chunks = tl.cdiv(seq_len, BLOCK_SEQ)
-    per_split = tl.maximum(tl.cdiv(chunks, SPLITS), 1)
-    used = tl.cdiv(chunks, per_split)  # same split ranges as stage 1; 0 for an empty request
+    per_split = tl.maximum(split_tokens(seq_len, SPLITS, block_n), 1)
+    used = tl.cdiv(seq_len, per_split)  # stage 1's splits with work (splits.py); 0 for an empty request
 
     d = tl.arange(0, HEAD_DIM)
     o_ptr = mid_o + b.to(tl.int64) * stride_mob + h * stride_moh + d
