@@ -21,6 +21,7 @@ from lightllm.kernels.norm.qk_norm_rope import QKNormRopePlan, qk_norm_rope_ref
 from lightllm.kernels.norm.rmsnorm import RMSNormPlan, rmsnorm_ref
 from lightllm.layers.attention import AttentionBackend
 from lightllm.layers.infer_state import InferState
+from lightllm.layers.logits import logits_fp32
 from lightllm.layers.parallel import all_reduce_
 from lightllm.models.qwen3.config import Qwen3ModelConfig
 from lightllm.models.qwen3.tensor_parallel import local_heads
@@ -132,7 +133,7 @@ class Qwen3Model:
             last = (state.b_q_start + state.b_q_len - 1).long()
             h, mlp = h[last], mlp[last]
         h = ops.final_add_norm(h, mlp, self.w.final_norm)
-        return F.linear(h, self.w.lm_head).float()
+        return logits_fp32(h, self.w.lm_head)
 
 
 def then_write_kv(qk_norm_rope: Callable, model, token_idx: torch.Tensor) -> Callable:

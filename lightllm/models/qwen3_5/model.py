@@ -27,6 +27,7 @@ from lightllm.kernels.norm.qk_norm_rope import QKNormRopePlan, qk_norm_rope_ref
 from lightllm.kernels.norm.rmsnorm import RMSNormPlan, rmsnorm_ref
 from lightllm.layers.attention import AttentionBackend
 from lightllm.layers.infer_state import InferState
+from lightllm.layers.logits import logits_fp32
 from lightllm.layers.parallel import all_reduce_
 from lightllm.layers.linear_attention import (
     LinearAttentionBackend,
@@ -168,11 +169,11 @@ class Qwen3_5Model:
         if keep_hidden:
             hidden = ops.add_norm(h, mlp, self.w.final_norm)
             rows = hidden[(state.b_q_start + state.b_q_len - 1).long()] if state.is_prefill else hidden
-            return F.linear(rows, self.w.lm_head).float(), hidden
+            return logits_fp32(rows, self.w.lm_head), hidden
         if state.is_prefill:  # only each request's last token goes on
             last = (state.b_q_start + state.b_q_len - 1).long()
             h, mlp = h[last], mlp[last]
-        return F.linear(ops.final_add_norm(h, mlp, self.w.final_norm), self.w.lm_head).float()
+        return logits_fp32(ops.final_add_norm(h, mlp, self.w.final_norm), self.w.lm_head)
 
     def _full_attention(self, layer: int, lw: LayerWeights, x, ops: LayerOps, state: InferState) -> torch.Tensor:
         """Gated attention: one GEMM gives q (per head ``[query | gate]``), k and v; q/k norms and partial rotary,

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from lightllm.layers.infer_state import InferState
+from lightllm.layers.logits import logits_fp32
 from lightllm.layers.parallel import all_reduce_
 from lightllm.models.qwen3.model import unchanged
 from lightllm.models.qwen3_5.weights import MTPWeights
@@ -58,4 +59,4 @@ class Qwen3_5MTP:
         if rows_out != tokens:
             h, mlp = h[out_rows], mlp[out_rows]
         normed = ops.final_add_norm(h, mlp, w.final_norm)
-        return F.linear(normed, m.w.lm_head).float(), normed
+        return logits_fp32(normed, m.w.lm_head), normed
