@@ -177,11 +177,16 @@ def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams], generato
 
 
 def _draw(probs: torch.Tensor, scores: torch.Tensor, generator) -> torch.Tensor:
-    """One index per row of ``probs`` (renormalized by multinomial); a row that is not a distribution takes
-    the argmax of ``scores`` (the same order as ``probs``) instead of making multinomial raise for all rows."""
+    """One index per row of ``probs`` (unnormalized weights), drawn as ``argmax(probs / E)`` with ``E`` i.i.d.
+    Exp(1): index i wins with probability ``probs[i] / sum(probs)`` (the first of independent exponential clocks
+    with rates ``probs`` rings at i with that probability). Unlike ``torch.multinomial``, whose input check reads
+    the device, nothing here waits for it. A row that is not a distribution takes the argmax of ``scores`` (the
+    same order as ``probs``)."""
     bad = ~torch.isfinite(probs).all(dim=-1) | (probs.sum(dim=-1) <= 0)
-    safe = probs.masked_fill(bad[:, None], 1.0)  # any valid row: it is overridden below
-    picked = torch.multinomial(safe, 1, generator=generator).squeeze(1)
+    clocks = torch.empty_like(probs).exponential_(generator=generator)
+    # a zero clock (an underflowed draw) would pick its token whatever its weight: the smallest normal float instead
+    clocks.clamp_(min=torch.finfo(probs.dtype).tiny)
+    picked = (probs / clocks).argmax(dim=-1)
     return torch.where(bad, scores.argmax(dim=-1), picked)
 
 
