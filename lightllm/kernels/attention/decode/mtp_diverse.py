@@ -12,7 +12,6 @@ stage 2 timed together.
 """
 
 import math
-from functools import lru_cache
 from typing import Optional
 
 import torch
@@ -47,12 +46,6 @@ MAX_GROUP = 8  # query heads per KV head: the stage-1 tile holds q_len x group r
 LOG2E = 1.4426950408889634
 
 
-@lru_cache(maxsize=4096)
-def _splits(batch: int, kv_heads: int, max_len_in_batch: int, block_n: int, waves: int, device) -> int:
-    # Memoized: every layer of a step asks with the same sizes.
-    return num_splits(batch, kv_heads, max_len_in_batch, block_n, waves, device)
-
-
 def _launch_mtp_diverse(
     q, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len, max_len_in_batch, out, sm_scale, scratch=None,
     run_config=None,
@@ -73,7 +66,7 @@ def _stage1(q, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len, max_len_in_
     batch, q_len, q_heads, head_dim = q.shape
     kv_heads = k_cache.shape[1]
     group = q_heads // kv_heads
-    splits = _splits(batch, kv_heads, max_len_in_batch, cfg["BLOCK_N"], cfg["WAVES"], q.device)
+    splits = num_splits(batch, kv_heads, max_len_in_batch, cfg["BLOCK_N"], cfg["WAVES"], q.device)
     mid_o, mid_lse = split_partials(scratch, (batch, q_len, q_heads, splits, head_dim), q.device)
     _MTP_STAGE1.launch(
         (batch, kv_heads, splits),
