@@ -120,7 +120,7 @@ def stage2_study(shape, batch, length, group):
     res = {"shape": shape, "B": batch, "L": length, "splits": splits, "stage2_ms": {}}
     for warps in (1, 2, 4, 8):
         res["stage2_ms"][warps] = cuda_graph_bench(
-            lambda: flash_decode.launch_stage2(mid_o, mid_lse, seq, out, cfg["BLOCK_N"], warps)
+            lambda: flash_decode.launch_stage2(mid_o, mid_lse, seq, out, cfg["BLOCK_N"], num_warps=warps)
         )
     return res
 

@@ -145,6 +145,37 @@ def test_split_token_ranges_cover_every_token_once():
     assert sum(a < b for a, b in ranges) == 16 and max(b - a for a, b in ranges) == 64
 
 
+def test_min_blocks_gives_every_split_with_work_that_many_blocks():
+    """With ``min_blocks`` each split with work but the last takes at least that many blocks; every token is still
+    covered once, in order, and a request with enough blocks per split is cut as without it."""
+    for seq_len in (0, 1, 16, 17, 100, 1024, 5000):
+        for n_splits in (1, 3, 17, 64):
+            for least in (1, 2, 4):
+                ranges = split_token_ranges(seq_len, n_splits, 16, least)
+                assert [t for a, b in ranges for t in range(a, b)] == list(range(seq_len))
+                work = [(a, b) for a, b in ranges if a < b]
+                assert ranges[: len(work)] == work and all(b - a >= least * 16 for a, b in work[:-1])
+                if -(-seq_len // 16) >= least * n_splits:
+                    assert ranges == split_token_ranges(seq_len, n_splits, 16)
+    # the H200 case of the grid sized for 32K (d256, B=1, WAVES 2: 64 splits of BLOCK_N 64) at 4K: 64 one-block
+    # splits, or 32 of two blocks
+    assert sum(a < b for a, b in split_token_ranges(4096, 64, 64)) == 64
+    assert sum(a < b for a, b in split_token_ranges(4096, 64, 64, 2)) == 32
+
+
+def test_min_blocks_config_key():
+    """Absent means 1 (configs stored before the key); anything but an int >= 1 is refused by name; the candidates
+    carry it only with 2 and 4 waves, every one besides a twin without it."""
+    assert splits.min_blocks({"BLOCK_N": 32}) == 1 and splits.min_blocks({"MIN_BLOCKS": 2}) == 2
+    for bad in (0, -1, 2.0, "2", True):
+        with pytest.raises(ValueError, match=f"MIN_BLOCKS expected an int >= 1, got {bad!r}"):
+            splits.min_blocks({"MIN_BLOCKS": bad})
+    for configs in (flash_decode.split_kv_configs(None), flash_decode.quant_split_kv_configs(None)):
+        twos = [c for c in configs if "MIN_BLOCKS" in c]
+        assert twos and all(c["MIN_BLOCKS"] == 2 and c["WAVES"] in (2, 4) for c in twos)
+        assert all({k: v for k, v in c.items() if k != "MIN_BLOCKS"} in configs for c in twos)
+
+
 def test_num_splits_gives_every_split_work_at_the_launch_maximum(monkeypatch):
     """The split count follows the waves and SMs, and is cut to what the longest request the launch serves can keep
     busy: no split of a graph is empty for every length it replays."""
@@ -168,14 +199,16 @@ def _split_partials_ref(q, k, v, tokens, sm_scale, group):
     return torch.einsum("hn,nhd->hd", scores.softmax(-1), vv), scores.logsumexp(-1) / math.log(2)
 
 
+@pytest.mark.parametrize("least", [1, 2], ids=["min1", "min2"])
 @pytest.mark.parametrize("kind", ["none", "int8", "int4"])
-def test_stage1_partials_are_exactly_the_split_ranges(kind):
+def test_stage1_partials_are_exactly_the_split_ranges(kind, least):
     """Every split with work holds attention over exactly its ``split_token_ranges`` tokens; the others are never
-    written (the NaN stays) and never merged (the output has none), in a grid sized for a graph of 4096 tokens."""
+    written (the NaN stays) and never merged (the output has none), in a grid sized for a graph of 4096 tokens.
+    With ``MIN_BLOCKS`` 2 the 3-block request takes 2 splits instead of 3, and stage 2 merges exactly those."""
     lens = [1, 37, 200]  # 1, 3 and 13 blocks of 16 over 11 splits
     q, k, v, r2t, idx, seq = make_batch(3, 4, 1, 64, lens, torch.float32, seed=7)
     kq, vq, ks, vs, kd, vd = (k, v, None, None, k, v) if kind == "none" else quantize(k, v, kind)
-    cfg = {"BLOCK_N": 16, "num_warps": 2, "num_stages": 1, "WAVES": 8}
+    cfg = {"BLOCK_N": 16, "num_warps": 2, "num_stages": 1, "WAVES": 8, **({"MIN_BLOCKS": 2} if least == 2 else {})}
     n_splits = splits.num_splits(3, 1, 4096, 16, 8, q.device)
     assert n_splits == 11
     shape = (3, 4, n_splits, 64)
@@ -185,8 +218,8 @@ def test_stage1_partials_are_exactly_the_split_ranges(kind):
     flash_decode._launch_split_kv(q, kq, vq, ks, vs, r2t, idx, seq, 4096, out, 0.125, kind, 8 if kind != "none" else 0,
                                   scratch, cfg)  # fmt: skip
     mid_o, mid_lse = scratch[shape]
-    ranges = [split_token_ranges(n, n_splits, 16) for n in lens]
-    assert [sum(lo < hi for lo, hi in r) for r in ranges] == [1, 3, 7]  # 200: 2 blocks per split
+    ranges = [split_token_ranges(n, n_splits, 16, least) for n in lens]
+    assert [sum(lo < hi for lo, hi in r) for r in ranges] == [1, 3 if least == 1 else 2, 7]  # 200: 2 blocks a split
     for b in range(len(lens)):
         tokens = r2t[int(idx[b])].long()
         for s, (lo, hi) in enumerate(ranges[b]):
@@ -383,7 +416,8 @@ def test_gpu_search_runs_once_per_key_at_representative_length(monkeypatch, isol
         for _ in range(3):  # three layers of a graph serving up to 32K tokens, one key
             out, _ = run("none", q, k, v, r2t, idx, seq, 32768)
     record = tuned.last_search
-    assert record.run_key == (16, 32768) and len(record.default_ms) == 4 and len(record.timings) == 16
+    assert record.run_key == (16, 32768) and len(record.default_ms) == 4
+    assert len(record.timings) == len(flash_decode.split_kv_configs(q))
     assert tuned.last_search is record and len(list(isolated_autotune.rglob("*.json"))) == 1
     for t, b in zip((q, k, v, r2t, idx, seq), before):
         assert torch.equal(t, b)

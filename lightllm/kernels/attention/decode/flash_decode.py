@@ -24,7 +24,7 @@ from lightllm.kernels.attention.decode.checks import (
     check_request_rows,
     check_run_q_out,
 )
-from lightllm.kernels.attention.decode.splits import num_splits
+from lightllm.kernels.attention.decode.splits import min_blocks, num_splits
 from lightllm.kernels.attention.decode.tuning import (
     decode_attn_autotune_seq_lens,
     decode_attn_run_key_kv_len,
@@ -72,6 +72,7 @@ def _launch_split_kv(
     group = q_heads // kv_heads
     cfg = run_config or default_config(head_dim)
     splits = num_splits(batch, kv_heads, max_len_in_batch, cfg["BLOCK_N"], cfg["WAVES"], q.device)
+    least = min_blocks(cfg)
     mid_o, mid_lse = split_partials(scratch, (batch, q_heads, splits, head_dim), q.device)
     ks = k_scale if k_scale is not None else k_cache
     vs = v_scale if v_scale is not None else v_cache
@@ -86,25 +87,25 @@ def _launch_split_kv(
             req_to_token.stride(0),
             mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
             GROUP=group, BLOCK_H=max(16, next_power_of_2(group)), HALF_D=head_dim // 2,
-            BLOCK_N=cfg["BLOCK_N"], QUANT=_QUANT_BITS[quant], QGROUP=quant_group,
+            BLOCK_N=cfg["BLOCK_N"], MIN_BLOCKS=least, QUANT=_QUANT_BITS[quant], QGROUP=quant_group,
             INT4_OFFSET=INT4_OFFSET, F16=quant != "none" and q.dtype != torch.float32,
             PRECISION="ieee" if q.dtype == torch.float32 else None,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )  # fmt: skip
-        launch_stage2(mid_o, mid_lse, b_seq_len, out, cfg["BLOCK_N"])
+        launch_stage2(mid_o, mid_lse, b_seq_len, out, cfg["BLOCK_N"], least)
     return out
 
 
-def launch_stage2(mid_o, mid_lse, b_seq_len, out, block_n: int, num_warps: Optional[int] = None) -> None:
-    """Merge ``mid_o [batch, q_heads, splits, D]`` / ``mid_lse`` into ``out [batch, q_heads, D]``; ``block_n`` is
-    stage 1's ``BLOCK_N``, which cut the splits (not tuned: it takes a few microseconds whatever its warps,
-    docs/decode_attention.md)."""
+def launch_stage2(mid_o, mid_lse, b_seq_len, out, block_n: int, least: int = 1, num_warps: Optional[int] = None):
+    """Merge ``mid_o [batch, q_heads, splits, D]`` / ``mid_lse`` into ``out [batch, q_heads, D]``; ``block_n`` and
+    ``least`` are stage 1's ``BLOCK_N`` and ``MIN_BLOCKS``, which cut the splits (not tuned: it takes a few
+    microseconds whatever its warps, docs/decode_attention.md)."""
     batch, q_heads, splits, head_dim = mid_o.shape
     _STAGE2.launch(
         (batch, q_heads),
         mid_o, mid_lse, b_seq_len, out,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
-        out.stride(0), out.stride(1), splits, block_n,
+        out.stride(0), out.stride(1), splits, block_n, least,
         HEAD_DIM=head_dim, num_warps=num_warps or (4 if head_dim <= 128 else 8),
     )  # fmt: skip
 
@@ -112,27 +113,33 @@ def launch_stage2(mid_o, mid_lse, b_seq_len, out, block_n: int, num_warps: Optio
 # ---- tuning declaration ---------------------------------------------------------------------------------
 
 
-def split_kv_configs(q):
-    """16 candidates, 4 compiles per shape: WAVES only changes the grid (no recompile), and what was left out
-    (BLOCK_N 16/128, 2 warps, 1 stage) only pays for its compile time at start-up."""
+# (WAVES, MIN_BLOCKS) of the candidates. MIN_BLOCKS 2 (splits.py) only with 2 and 4 waves: there a grid sized for
+# 32K gives a 4K request one-block splits, where the H200 loses 12-14 % against half as many two-block splits (d256,
+# B=1, benchmarks/results/decode_attention_split_h200.json); a config without the key takes 1 (files stored before).
+_SPLIT_SHAPES = ((1, 1), (2, 1), (4, 1), (8, 1), (2, 2), (4, 2))
+
+
+def _split_candidates(block_ns, warps_stages) -> list:
     return [
-        {"BLOCK_N": block_n, "num_warps": num_warps, "num_stages": num_stages, "WAVES": waves}
-        for block_n in (32, 64)
-        for num_warps, num_stages in ((4, 2), (8, 3))
-        for waves in (1, 2, 4, 8)
+        {"BLOCK_N": block_n, "num_warps": num_warps, "num_stages": num_stages, "WAVES": waves,
+         **({"MIN_BLOCKS": least} if least > 1 else {})}  # fmt: skip
+        for block_n in block_ns
+        for num_warps, num_stages in warps_stages
+        for waves, least in _SPLIT_SHAPES
     ]
+
+
+def split_kv_configs(q):
+    """24 candidates, 8 compiles per shape: WAVES only changes the grid (no recompile), MIN_BLOCKS is a constexpr;
+    what was left out (BLOCK_N 16/128, 2 warps, 1 stage) only pays for its compile time at start-up."""
+    return _split_candidates((32, 64), ((4, 2), (8, 3)))
 
 
 def quant_split_kv_configs(q):
     """INT8/INT4 KV: the bf16 space plus two-warp programs. Their dequantization makes a program ALU-heavy, so more
     resident programs per SM keep more loads in flight: on the H200 a two-warp config is the fastest candidate in 11 of
     15 quantized cells (benchmarks/results/decode_attention_quant_h200.json)."""
-    return [
-        {"BLOCK_N": block_n, "num_warps": num_warps, "num_stages": num_stages, "WAVES": waves}
-        for block_n in (32, 64)
-        for num_warps, num_stages in ((2, 2), (4, 2), (8, 3))
-        for waves in (1, 2, 4, 8)
-    ]
+    return _split_candidates((32, 64), ((2, 2), (4, 2), (8, 3)))
 
 
 def _static_key(q, k_cache, quant, quant_group):

@@ -32,7 +32,7 @@ from lightllm.kernels.attention.decode.flash_decode import (
     split_kv_run_key,
 )
 from lightllm.kernels.attention.decode.mtp_diverse_stages import mtp_diverse_stage1_kernel, mtp_diverse_stage2_kernel
-from lightllm.kernels.attention.decode.splits import num_splits
+from lightllm.kernels.attention.decode.splits import min_blocks, num_splits
 from lightllm.kernels.attention.decode.tuning import decode_attn_autotune_seq_lens, inputs_at_lengths
 from lightllm.kernels.launch_math import next_power_of_2
 from lightllm.kernels.direct_launch import DirectLaunch
@@ -55,7 +55,7 @@ def _launch_mtp_diverse(
     if q.shape[0] > 0:
         mid_o, mid_lse = _stage1(q, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len, max_len_in_batch, sm_scale,
                                  cfg, scratch)  # fmt: skip
-        _stage2(mid_o, mid_lse, b_seq_len, out, cfg["BLOCK_N"])
+        _stage2(mid_o, mid_lse, b_seq_len, out, cfg["BLOCK_N"], min_blocks(cfg))
     return out
 
 
@@ -76,22 +76,22 @@ def _stage1(q, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len, max_len_in_
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_o.stride(3),
         mid_lse.stride(0), mid_lse.stride(1), mid_lse.stride(2),
         GROUP=group, Q_LEN=q_len, BLOCK_M=max(16, next_power_of_2(q_len * group)), HEAD_DIM=head_dim,
-        BLOCK_N=cfg["BLOCK_N"], PRECISION="ieee" if q.dtype == torch.float32 else None,
+        BLOCK_N=cfg["BLOCK_N"], MIN_BLOCKS=min_blocks(cfg), PRECISION="ieee" if q.dtype == torch.float32 else None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     return mid_o, mid_lse
 
 
-def _stage2(mid_o, mid_lse, b_seq_len, out, block_n):
-    """Merge the splits of each (request, token, head) into ``out``; ``block_n``: stage 1's ``BLOCK_N`` (not tuned:
-    as the plain kernel's stage 2)."""
+def _stage2(mid_o, mid_lse, b_seq_len, out, block_n, least):
+    """Merge the splits of each (request, token, head) into ``out``; ``block_n``, ``least``: stage 1's ``BLOCK_N``
+    and ``MIN_BLOCKS`` (not tuned: as the plain kernel's stage 2)."""
     batch, q_len, q_heads, splits, head_dim = mid_o.shape
     _MTP_STAGE2.launch(
         (batch, q_len, q_heads),
         mid_o, mid_lse, b_seq_len, out,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_o.stride(3),
         mid_lse.stride(0), mid_lse.stride(1), mid_lse.stride(2),
-        out.stride(0), out.stride(1), out.stride(2), splits, block_n,
+        out.stride(0), out.stride(1), out.stride(2), splits, block_n, least,
         Q_LEN=q_len, HEAD_DIM=head_dim, num_warps=4 if head_dim <= 128 else 8,
     )  # fmt: skip
 

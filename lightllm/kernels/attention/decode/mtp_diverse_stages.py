@@ -45,6 +45,7 @@ def mtp_diverse_stage1_kernel(
     BLOCK_M: tl.constexpr,  # Q_LEN * GROUP rows padded to a tensor-core tile (>= 16)
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,  # the tile, and the unit splits share a request's keys in
+    MIN_BLOCKS: tl.constexpr,  # the fewest blocks a split takes (splits.py)
     PRECISION: tl.constexpr,  # "ieee" for float32 queries (no tf32 rounding), None (default) for 16-bit
 ):
     b = tl.program_id(0)
@@ -53,7 +54,7 @@ def mtp_diverse_stage1_kernel(
     splits = tl.num_programs(2)
 
     seq_len = tl.load(b_seq_len + b)
-    per_split = split_tokens(seq_len, splits, BLOCK_N)
+    per_split = split_tokens(seq_len, splits, BLOCK_N, MIN_BLOCKS)
     start = split * per_split
     end = tl.minimum(start + per_split, seq_len)
     if start >= end:
@@ -118,6 +119,7 @@ def mtp_diverse_stage2_kernel(
     stride_oh,
     SPLITS,
     block_n,  # stage 1's BLOCK_N: a plain int, so stage 2 compiles once for every stage-1 config
+    min_blocks,  # stage 1's MIN_BLOCKS
     Q_LEN: tl.constexpr,
     HEAD_DIM: tl.constexpr,
 ):
@@ -125,7 +127,7 @@ def mtp_diverse_stage2_kernel(
     t = tl.program_id(1)
     h = tl.program_id(2)
     seq_len = tl.load(b_seq_len + b)
-    per_split = tl.maximum(split_tokens(seq_len, SPLITS, block_n), 1)  # stage 1's ranges, cut by the request's length
+    per_split = split_tokens(seq_len, SPLITS, block_n, min_blocks)  # stage 1's ranges, cut by the request's length
     visible = tl.maximum(seq_len - (Q_LEN - 1) + t, 0)
     used = tl.cdiv(visible, per_split)  # splits holding a key this row sees; 0 for a padded row
 

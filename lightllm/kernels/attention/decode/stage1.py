@@ -126,6 +126,7 @@ def decode_stage1_kernel(
     BLOCK_H: tl.constexpr,  # GROUP padded to a tensor-core tile (>= 16)
     HALF_D: tl.constexpr,
     BLOCK_N: tl.constexpr,  # the tile, and the unit splits share a request's tokens in
+    MIN_BLOCKS: tl.constexpr,  # the fewest blocks a split takes (splits.py)
     QUANT: tl.constexpr,
     QGROUP: tl.constexpr,
     INT4_OFFSET: tl.constexpr,  # nibble = code + offset (common/kv_cache/quant.py)
@@ -138,7 +139,7 @@ def decode_stage1_kernel(
     splits = tl.num_programs(2)
 
     seq_len = tl.load(b_seq_len + b)
-    per_split = split_tokens(seq_len, splits, BLOCK_N)
+    per_split = split_tokens(seq_len, splits, BLOCK_N, MIN_BLOCKS)
     start = split * per_split
     end = tl.minimum(start + per_split, seq_len)
     if start >= end:

@@ -21,12 +21,13 @@ def decode_stage2_kernel(
     stride_oh,
     SPLITS,
     block_n,  # stage 1's BLOCK_N: a plain int, so stage 2 compiles once for every stage-1 config
+    min_blocks,  # stage 1's MIN_BLOCKS
     HEAD_DIM: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
     seq_len = tl.load(b_seq_len + b)
-    per_split = tl.maximum(split_tokens(seq_len, SPLITS, block_n), 1)
+    per_split = split_tokens(seq_len, SPLITS, block_n, min_blocks)
     used = tl.cdiv(seq_len, per_split)  # stage 1's splits with work (splits.py); 0 for an empty request
 
     d = tl.arange(0, HEAD_DIM)
