@@ -4,6 +4,10 @@ maximum is the longest L (as a captured decode graph is), at quant groups 8 and 
 and the rate at which each kernel reads its bytes (codes + scales) relative to bf16's rate (issue 17's goal: >= 0.85).
 
     python benchmarks/decode_attention_quant.py --out benchmarks/results/decode_attention_quant_h200.json
+
+``--prefetch`` also times every INT8/INT4 candidate with ``PREFETCH`` (stage1.py: the next tile's bytes loaded before
+this tile's arithmetic), ``--block-n-128`` with ``BLOCK_N`` 128 (twice the bytes a tile loads); each row then records
+the best of the plain space and of each extra variant apart (``variants``), and ``ms`` is the best of all.
 """
 
 import argparse
@@ -19,12 +23,25 @@ from lightllm.kernels.attention.decode import flash_decode
 DEFAULT_CELLS = ["hq32-hk8-d128:64", "hq24-hk4-d256:16", "hq32-hk8-d128:16", "hq24-hk4-d256:64"]
 
 
-def best_of_space(kind, q, pool, r2t, idx, seq, graph_max, out, group):
-    """The fastest of the kernel's own candidates: ``(ms, config as JSON)``."""
-    space = flash_decode.quant_split_kv_configs if kind != "none" else flash_decode.split_kv_configs
-    configs = space(q)
-    _, timed = time_configs(kind, q, pool, r2t, idx, seq, graph_max, out, group, configs)
-    return min((ms, json.dumps(cfg)) for cfg, ms in timed)
+def variant_spaces(kind, q, extras=()) -> dict:
+    """The kernel's own candidates (``"tuned space"``) and, for INT8/INT4, each extra variant of them."""
+    space = flash_decode.quant_split_kv_configs(q) if kind != "none" else flash_decode.split_kv_configs(q)
+    spaces = {"tuned space": space}
+    if kind != "none":
+        if "prefetch" in extras:
+            spaces["prefetch"] = [{**c, "PREFETCH": True} for c in space]
+        if "block_n_128" in extras:
+            spaces["block_n_128"] = [{**c, "BLOCK_N": 128} for c in space if c["BLOCK_N"] == 64]
+    return spaces
+
+
+def best_of_space(kind, q, pool, r2t, idx, seq, graph_max, out, group, extras=()):
+    """The fastest candidate of each variant space: ``{variant: (ms, config as JSON)}``."""
+    best = {}
+    for name, configs in variant_spaces(kind, q, extras).items():
+        _, timed = time_configs(kind, q, pool, r2t, idx, seq, graph_max, out, group, configs)
+        best[name] = min((ms, json.dumps(cfg)) for cfg, ms in timed)
+    return best
 
 
 def run(args):
@@ -47,10 +64,12 @@ def run(args):
             pool = make_pool(kind, tokens, hk, d, group)
             for length in args.lens:
                 seq = torch.full((batch,), length, device="cuda", dtype=torch.int32)
-                ms, cfg = best_of_space(kind, q, pool, r2t, idx, seq, graph_max, out, group)
+                variants = best_of_space(kind, q, pool, r2t, idx, seq, graph_max, out, group, args.extras)
+                ms, cfg = min(variants.values())
                 rows.append({"shape": shape, "B": batch, "L": length, "kind": kind,
                              "group": group if kind != "none" else 0, "ms": ms, "cfg": cfg,
-                             "bytes": kv_bytes(kind, batch, length, hk, d, group)})  # fmt: skip
+                             "bytes": kv_bytes(kind, batch, length, hk, d, group),
+                             "variants": {name: {"ms": t, "cfg": c} for name, (t, c) in variants.items()}})  # fmt: skip
                 print(f"{shape} B={batch} L={length} {kind} g{rows[-1]['group']}: {ms * 1e3:.1f} us {cfg}", flush=True)
             del pool
             torch.cuda.empty_cache()
@@ -66,7 +85,9 @@ def print_table(rows):
             continue
         rate = (r["bytes"] / r["ms"]) / (b["bytes"] / b["ms"])
         print(f"{r['shape']:14s} {r['B']:3d} {r['L']:6d} {r['kind']:4s} {r['group']:5d} {r['ms'] * 1e3:8.1f} "
-              f"{b['ms'] / r['ms']:7.2f} {rate:9.2f}")  # fmt: skip
+              f"{b['ms'] / r['ms']:7.2f} {rate:9.2f}", end="")  # fmt: skip
+        variants = r.get("variants", {})
+        print("".join(f"  {name} {v['ms'] * 1e3:.1f}" for name, v in variants.items() if len(variants) > 1))
 
 
 def main():
@@ -75,9 +96,24 @@ def main():
     p.add_argument("--lens", nargs="+", type=int, default=[32768])
     p.add_argument("--groups", nargs="+", type=int, default=[8, 32], help="INT8/INT4 quant group sizes")
     p.add_argument("--budget-s", type=float, default=600.0, help="stop starting new KV types after this long")
+    p.add_argument(
+        "--prefetch",
+        dest="extras",
+        action="append_const",
+        const="prefetch",
+        help="also time the INT8/INT4 candidates with PREFETCH",
+    )
+    p.add_argument(
+        "--block-n-128",
+        dest="extras",
+        action="append_const",
+        const="block_n_128",
+        help="also time the INT8/INT4 candidates of BLOCK_N 64 at 128",
+    )
     p.add_argument("--analyze", metavar="JSON", help="print the table of a saved run (no GPU needed)")
     p.add_argument("--out", default="benchmarks/results/decode_attention_quant.json")
     args = p.parse_args()
+    args.extras = tuple(args.extras or ())
     if args.analyze:
         with open(args.analyze) as f:
             print_table(json.load(f)["rows"])
