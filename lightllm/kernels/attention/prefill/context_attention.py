@@ -73,7 +73,7 @@ def _context_attention_kernel(
         kvh = h // GROUP
         n_rows = seq_len
         offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
-        heads = tl.full([BLOCK_M], h, dtype=tl.int32)
+        heads = h + tl.zeros([BLOCK_M], dtype=tl.int32)
         mask_m = offs_m < seq_len
         end = tl.minimum((m_block + 1) * BLOCK_M, seq_len)
     if m_block * BLOCK_M >= n_rows:
