@@ -57,27 +57,28 @@ def _context_attention_kernel(
     PRECISION: tl.constexpr, HAS_PREFIX: tl.constexpr, SPLITS: tl.constexpr, PACK_GQA: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
+    h = tl.program_id(1)  # a KV head when packed, else a query head
     m_block = tl.program_id(2) // SPLITS
     split = tl.program_id(2) % SPLITS
     seq_len = tl.load(b_len + b)
-    if PACK_GQA:  # program axis 1 is a KV head; its rows are (token, head of the group) pairs, token-major
-        kvh = tl.program_id(1)
-        pairs = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    if PACK_GQA:
         n_rows = seq_len * GROUP
+    else:
+        n_rows = seq_len
+    # the exit before the row indices: it keeps the unpacked kernel's PTX as it was before packing
+    if m_block * BLOCK_M >= n_rows:
+        return
+    if PACK_GQA:  # rows are (token, query head of the group) pairs, token-major
+        kvh = h
+        pairs = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_m = pairs // GROUP  # each row's own token: its causal limit
         heads = kvh * GROUP + pairs % GROUP
         mask_m = pairs < n_rows
-        end = (tl.minimum((m_block + 1) * BLOCK_M, n_rows) - 1) // GROUP + 1  # past the block's last token
     else:
-        h = tl.program_id(1)
         kvh = h // GROUP
-        n_rows = seq_len
         offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
         heads = h + tl.zeros([BLOCK_M], dtype=tl.int32)
         mask_m = offs_m < seq_len
-        end = tl.minimum((m_block + 1) * BLOCK_M, seq_len)
-    if m_block * BLOCK_M >= n_rows:
-        return
     start = tl.load(b_start + b).to(tl.int64)
     offs_d = tl.arange(0, HEAD_DIM)
     q = tl.load(Q + (start + offs_m)[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
@@ -100,7 +101,11 @@ def _context_attention_kernel(
             v = tl.load(V_cache + tok * stride_vct + kvh * stride_vch + offs_d[None, :], mask=mask_n[:, None],
                         other=0.0)  # fmt: skip
             m_i, l_i, acc = _attend_block(q, k, v, mask_n[None, :], m_i, l_i, acc, qk_scale, PRECISION)
-    if split == SPLITS - 1:  # the new tokens, causally
+    if split == SPLITS - 1:  # the new tokens, causally: up to the block's last token
+        if PACK_GQA:
+            end = (tl.minimum((m_block + 1) * BLOCK_M, n_rows) - 1) // GROUP + 1
+        else:
+            end = tl.minimum((m_block + 1) * BLOCK_M, seq_len)
         for n0 in range(0, end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             mask_n = offs_n < end
