@@ -3,13 +3,14 @@ GQA-packed, against the default and FlashAttention-3.
 
 Per shape, chunk (new tokens) and prefix (cached tokens), one request: the kernel the engine runs there
 (``context_attention_prefix``; with prefix 0 ``context_attention``, timed with the prefix kernel's candidates too,
-to show whether packing should be offered to it), timed at the default config and at every candidate of
-``context_attention_prefix`` (``PACK_GQA`` marks the packed ones), each a CUDA-graph replay median through a step
-plan (split partials made once, as in the engine). FA3 (``flash_attn_interface``'s ``flash_attn_with_kvcache``,
-paged with page size 1 over the same pool and token table, causal; else ``fa3_fwd_interface`` over a contiguous
-cache; skipped when neither imports) is the anchor. Reports per cell ms and achieved TFLOP/s of the best unpacked
-and best packed candidate, the default and FA3; FLOPs count the visible (query, key) pairs only:
-``4 * D * q_heads * chunk * (prefix + (chunk + 1) / 2)``.
+to show whether packing should be offered to it), timed at the default config, at every candidate of
+``context_attention_prefix`` (``PACK_GQA`` marks the packed ones) and at each packed candidate's unpacked twin
+(same tiles, warps and stages; not a candidate), each a CUDA-graph replay median through a step plan (split
+partials made once, as in the engine). FA3 (``flash_attn_interface``'s ``flash_attn_with_kvcache``, paged with
+page size 1 over the same pool and token table, causal; else ``fa3_fwd_interface`` over a contiguous cache;
+skipped when neither imports) is the anchor. Reports per cell ms and achieved TFLOP/s of the best unpacked and
+best packed candidate, the default and FA3, and the best packed one against its twin; FLOPs count the visible
+(query, key) pairs only: ``4 * D * q_heads * chunk * (prefix + (chunk + 1) / 2)``.
 
     python benchmarks/context_attention.py --out benchmarks/results/context_attention_h200.json
     python benchmarks/context_attention.py --analyze benchmarks/results/context_attention_h200.json
@@ -118,6 +119,7 @@ def run(args) -> dict:
     for name, shape in shapes.items():
         hq, hk, d = shape
         configs = ca._prefix_configs(torch.empty(1, hq, d))
+        twins = unpacked_twins(configs)
         for chunk in args.chunks:
             for prefix in args.prefixes:
                 cell = Cell(shape, chunk, prefix, dtype, device)
@@ -125,7 +127,8 @@ def run(args) -> dict:
                        "kernel": "context_attention_prefix" if prefix else "context_attention",
                        "flops": attention_flops(hq, d, chunk, prefix),
                        "default": ca._default_config(d), "default_ms": _time(cell.plan(ca._default_config(d)), bench),
-                       "configs": [[cfg, _time(cell.plan(cfg), bench)] for cfg in configs]}  # fmt: skip
+                       "configs": [[cfg, _time(cell.plan(cfg), bench)] for cfg in configs],
+                       "twins": [[cfg, _time(cell.plan(cfg), bench)] for cfg in twins]}  # fmt: skip
                 if fa3 is not None:
                     row["fa3_ms"] = _time(cell.fa3(*fa3), bench)
                 results["cells"].append(row)
@@ -134,6 +137,25 @@ def run(args) -> dict:
                 del cell
         _save(results, args.out)  # partial results survive a time limit
     return results
+
+
+def unpacked_twins(configs) -> list:
+    """Each packed candidate's tiles, warps and stages without packing, where no unpacked candidate has them: timed
+    beside the candidates (never tuned) so a packed win can be told apart from a win of its tiles or stages."""
+    unpacked = [c for c in configs if not c.get("PACK_GQA")]
+    twins = []
+    for c in configs:
+        twin = {k: v for k, v in c.items() if k != "PACK_GQA"}
+        if c.get("PACK_GQA") and twin not in unpacked and twin not in twins:
+            twins.append(twin)
+    return twins
+
+
+def _twin_ms(cell, packed_cfg):
+    """ms of ``packed_cfg`` without packing (a candidate or a twin), or None."""
+    twin = {k: v for k, v in packed_cfg.items() if k != "PACK_GQA"}
+    ms = [t for cfg, t in cell["configs"] + cell.get("twins", []) if cfg == twin]
+    return ms[0] if ms and math.isfinite(ms[0]) else None
 
 
 def _best(timed):
@@ -158,6 +180,7 @@ def analyze(results) -> list:
             row[f"{label}_tflops"] = None if ms is None else c["flops"] / (ms * 1e-3) / 1e12
             if label in ("unpacked", "packed"):
                 row[f"{label}_cfg"] = None if pick is None else pick[1]
+        row["packed_twin_ms"] = None if picks["packed"] is None else _twin_ms(c, picks["packed"][1])
         rows.append(row)
     return rows
 
@@ -168,18 +191,20 @@ def _cfg_text(cfg):
 
 def print_table(results, rows):
     print(f"\n{results['device']}, {results['dtype']}; FA3: {results['fa3'] or 'absent'}")
-    print("ms and TFLOP/s (visible pairs) per kernel; packed/unpacked < 1: packing is faster")
+    print("ms and TFLOP/s (visible pairs) per kernel; pk/unpk: best packed / best unpacked candidate; pk/twin: best")
+    print("packed / the same config unpacked (< 1: packing itself is faster)")
     print(f"{'shape':14s} {'chunk':>5s} {'prefix':>6s}  {'unpacked':>16s}  {'packed':>16s}  {'default':>16s}  "
-          f"{'fa3':>16s}  {'pk/unpk':>7s}  best unpacked     best packed")  # fmt: skip
+          f"{'fa3':>16s}  {'pk/unpk':>7s}  {'pk/twin':>7s}  best unpacked     best packed")  # fmt: skip
     for r in rows:
         cols = []
         for label in ("unpacked", "packed", "default", "fa3"):
             ms = r[f"{label}_ms"]
             cols.append(f"{'-':>16s}" if ms is None else f"{ms:8.3f} {r[f'{label}_tflops']:7.1f}")
-        ratio = r["packed_ms"] / r["unpacked_ms"] if r["packed_ms"] and r["unpacked_ms"] else None
+        ratios = [r["packed_ms"] / r[key] if r["packed_ms"] and r[key] else None
+                  for key in ("unpacked_ms", "packed_twin_ms")]  # fmt: skip
+        ratios = "  ".join(f"{'-' if x is None else f'{x:.2f}':>7s}" for x in ratios)
         print(f"{r['shape']:14s} {r['chunk']:5d} {r['prefix']:6d}  " + "  ".join(cols)
-              + f"  {'-' if ratio is None else f'{ratio:.2f}':>7s}  {_cfg_text(r['unpacked_cfg']):16s}  "
-              + _cfg_text(r["packed_cfg"]))  # fmt: skip
+              + f"  {ratios}  {_cfg_text(r['unpacked_cfg']):16s}  " + _cfg_text(r["packed_cfg"]))  # fmt: skip
 
 
 def _save(results, path):
