@@ -13,8 +13,9 @@ normalized partial output and base-2 log-sum-exp in float32, and a second kernel
 
 GQA packing (config ``PACK_GQA``, a tuned candidate of ``context_attention_prefix`` only; the default stays
 unpacked): a program takes one KV head and BLOCK_M rows that are (token, query head of the group) pairs, token-major,
-so each K/V tile it loads serves all the group's heads, and a short chunk still fills the MMA's M dimension (a group
-of 6 packs 6 rows per token, no padding to a power of two). Grid ``(batch, kv_heads, ceil(max_q_len * group /
+so each K/V tile it loads serves all the group's heads (the bytes per row are those of an unpacked BLOCK_M), a chunk
+shorter than BLOCK_M still fills the MMA's M dimension, and a block spans fewer tokens of the causal diagonal (a
+group of 6 packs 6 rows per token, no padding to a power of two). Grid ``(batch, kv_heads, ceil(max_q_len * group /
 BLOCK_M) * splits)``; each row's causal limit is its own token; split partials are written per (token, head), so
 the merge is the same.
 """
