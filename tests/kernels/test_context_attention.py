@@ -1,3 +1,5 @@
+import importlib
+
 import pytest
 import torch
 
@@ -179,3 +181,131 @@ def test_gpu_short_chunk_after_long_prefix(new, prefix_len):
     assert not out.isnan().any(), "unwritten output"
     want = context_attention_ref(q, k, v, b_start, b_len, prefix=prefix, k_cache=k_cache, v_cache=v_cache)
     torch.testing.assert_close(out.double(), want, rtol=2e-2, atol=2e-2)
+
+
+# ---- GQA packing: one program per KV head, its rows (token, head of the group) pairs ----------------------------
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """The attention kernel's launches as (grid, keyword arguments), still run."""
+    module = importlib.import_module("lightllm.kernels.attention.prefill.context_attention")  # not the function
+    seen = []
+    launch = module._CONTEXT_ATTENTION.launch
+
+    def spy(grid, *args, **kwargs):
+        seen.append((tuple(grid), kwargs))
+        return launch(grid, *args, **kwargs)
+
+    monkeypatch.setattr(module._CONTEXT_ATTENTION, "launch", spy)
+    return seen
+
+
+def _check_packed(launches, lens, prefix_lens, q_heads, kv_heads, head_dim, dtype, cfg, seed):
+    """A packed run (prefix_lens None: the no-prefix kernel) writes every row within the dtype's error of the
+    float64 reference, from a grid of one program per KV head."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, v, b_start, b_len = _packed(lens, q_heads, kv_heads, head_dim, dtype, g)
+    cache = dict(prefix=None)
+    if prefix_lens is not None:
+        pool = sum(prefix_lens) + 60
+        cache = dict(prefix=_cached_prefix(prefix_lens, pool, g),
+                     k_cache=torch.randn(pool, kv_heads, head_dim, generator=g).to(dtype).to(DEVICE),
+                     v_cache=torch.randn(pool, kv_heads, head_dim, generator=g).to(dtype).to(DEVICE))  # fmt: skip
+    out = torch.full_like(q, float("nan"))
+    context_attention(q, k, v, b_start, b_len, max(lens), out=out, run_config={**cfg, "PACK_GQA": True}, **cache)
+    ((grid, kwargs),) = launches
+    group = q_heads // kv_heads
+    assert kwargs["PACK_GQA"] and grid[:2] == (len(lens), kv_heads)
+    assert grid[2] == -(-max(lens) * group // cfg["BLOCK_M"]) * kwargs["SPLITS"]
+    assert not out.isnan().any(), "unwritten output"
+    want = context_attention_ref(q, k, v, b_start, b_len, **cache)
+    tol = 1e-4 if dtype == torch.float32 else 3e-3
+    torch.testing.assert_close(out.double(), want, rtol=tol, atol=tol)
+
+
+PACKED_CASES = {
+    # id: lens, prefix lens, q heads, KV heads, head_dim, BLOCK_M, BLOCK_N
+    "g1-d64-prefix0": ([5, 19], [0, 0], 2, 2, 64, 16, 16),
+    "g4-d128-short-prefix": ([16], [37], 8, 2, 128, 32, 16),
+    "g6-d64-several-requests": ([1, 33, 7, 16], [3, 0, 50, 17], 12, 2, 64, 32, 16),  # blocks cut tokens' groups
+    "g6-d128-chunk-not-tile-multiple": ([23], [70], 6, 1, 128, 64, 32),
+    "g4-d256": ([9, 3], [20, 0], 4, 1, 256, 16, 16),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("case", list(PACKED_CASES))
+def test_packed_prefix_matches_reference(launches, case, dtype):
+    lens, prefix_lens, hq, hk, d, block_m, block_n = PACKED_CASES[case]
+    cfg = {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": 4, "num_stages": 1, "PREFIX_SPLITS": 1}
+    _check_packed(launches, lens, prefix_lens, hq, hk, d, dtype, cfg, seed=len(case))
+
+
+@pytest.mark.parametrize("q_heads", [4, 6], ids=["g4", "g6"])
+def test_packed_without_prefix_matches_reference(launches, q_heads):
+    cfg = {"BLOCK_M": 32, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
+    _check_packed(launches, [1, 37, 20], None, q_heads, 1, 64, torch.float16, cfg, seed=q_heads)
+
+
+@pytest.mark.parametrize("splits", [3, 16], ids=lambda s: f"splits{s}")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_packed_split_prefix_matches_reference(launches, splits, dtype):
+    """Split prefix ranges with packed rows: the partials are written per (token, head), as the merge reads them;
+    prefixes shorter than the split count, absent and long, group 6."""
+    cfg = {"BLOCK_M": 32, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1, "PREFIX_SPLITS": splits}
+    _check_packed(launches, [3, 1, 20, 9], [0, 70, 5, 131], 12, 2, 64, dtype, cfg, seed=splits)
+    assert launches[0][1]["SPLITS"] == splits
+
+
+def test_packed_split_count_follows_the_packed_grid(launches):
+    """A 16-token chunk of 8 q heads over 2 KV heads at BLOCK_M 64 packs into 2 programs (not 8 per-head ones), so
+    the prefix splits 8 ways to give the interpreter's nominal 8 SMs two programs each."""
+    cfg = {"BLOCK_M": 64, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
+    _check_packed(launches, [16], [40], 8, 2, 64, torch.float32, cfg, seed=3)
+    assert launches[0][0] == (1, 2, 8)
+
+
+def test_packed_candidates_only_for_the_prefix_kernel():
+    """The prefix kernel's tuner times packed configs beside every unpacked one; the no-prefix kernel and the untuned
+    default stay unpacked."""
+    from lightllm.kernels.attention.prefill.context_attention import _configs, _default_config, _prefix_configs
+
+    for d, n_packed in ((128, 6), (256, 4)):
+        q = torch.empty(1, 8, d)
+        packed = [c for c in _prefix_configs(q) if c.get("PACK_GQA")]
+        assert len(packed) == n_packed and [c for c in _prefix_configs(q) if not c.get("PACK_GQA")] == _configs(q)
+        assert not any(c.get("PACK_GQA") for c in _configs(q)) and "PACK_GQA" not in _default_config(d)
+
+
+@pytest.mark.parametrize("head_dim", [128, 256], ids=["d128", "d256"])
+def test_every_packed_candidate_matches_reference(launches, head_dim):
+    """What the tuner may pick: each packed candidate at its real block sizes (fp16, group 6, a ragged chunk)."""
+    from lightllm.kernels.attention.prefill.context_attention import _prefix_configs
+
+    for cfg in [c for c in _prefix_configs(torch.empty(1, 6, head_dim)) if c.get("PACK_GQA")]:
+        launches.clear()
+        _check_packed(launches, [21], [45], 6, 1, head_dim, torch.float16, cfg, seed=head_dim)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hq, hk, d", [(32, 8, 128), (24, 4, 256)], ids=["qwen3-8b", "qwen3.5-27b"])
+@pytest.mark.parametrize("new, prefix_len", [(40, 5000), (300, 5000)], ids=["hit", "chunk300"])
+def test_gpu_every_packed_candidate(launches, hq, hk, d, new, prefix_len):
+    """Each packed candidate compiles and matches in bf16 at the models' heads, with the split count its grid
+    gives."""
+    from lightllm.kernels.attention.prefill.context_attention import _prefix_configs
+
+    g = torch.Generator().manual_seed(new + d)
+    q, k, v, b_start, b_len = _packed([new], hq, hk, d, torch.bfloat16, g)
+    pool = prefix_len + 64
+    k_cache, v_cache = (torch.randn(pool, hk, d, generator=g).to(torch.bfloat16).to(DEVICE) for _ in range(2))
+    prefix = _cached_prefix([prefix_len], pool, g)
+    want = context_attention_ref(q, k, v, b_start, b_len, prefix=prefix, k_cache=k_cache, v_cache=v_cache)
+    for cfg in [c for c in _prefix_configs(q) if c.get("PACK_GQA")]:
+        out = torch.full_like(q, float("nan"))
+        context_attention(q, k, v, b_start, b_len, new, out=out, run_config=cfg, prefix=prefix, k_cache=k_cache,
+                          v_cache=v_cache)  # fmt: skip
+        assert launches[-1][1]["PACK_GQA"] and launches[-1][0][1] == hk, cfg
+        assert not out.isnan().any(), f"unwritten output at {cfg}"
+        torch.testing.assert_close(out.double(), want, rtol=2e-2, atol=2e-2, msg=lambda m: f"{cfg}: {m}")

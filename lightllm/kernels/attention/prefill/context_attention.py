@@ -10,6 +10,14 @@ A short chunk after a long prefix (chunked prefill's later chunks, a prefix-cach
 streaming the whole prefix alone: 64 programs on 132 SMs for 128 new tokens of 32 heads. There the prefix is split
 in ``splits`` ranges read in parallel (the last range's programs also take the new tokens); each writes its rows'
 normalized partial output and base-2 log-sum-exp in float32, and a second kernel merges them.
+
+GQA packing (config ``PACK_GQA``, a tuned candidate of ``context_attention_prefix`` only; the default stays
+unpacked): a program takes one KV head and BLOCK_M rows that are (token, query head of the group) pairs, token-major,
+so each K/V tile it loads serves all the group's heads (the bytes per row are those of an unpacked BLOCK_M), a chunk
+shorter than BLOCK_M still fills the MMA's M dimension, and a block spans fewer tokens of the causal diagonal (a
+group of 6 packs 6 rows per token, no padding to a power of two). Grid ``(batch, kv_heads, ceil(max_q_len * group /
+BLOCK_M) * splits)``; each row's causal limit is its own token; split partials are written per (token, head), so
+the merge is the same.
 """
 
 import functools
@@ -47,22 +55,35 @@ def _context_attention_kernel(
     stride_kct, stride_kch, stride_vct, stride_vch, stride_rt,
     Part_O, Part_L, stride_pos, stride_pot, stride_poh, stride_pls, stride_plt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr, HAS_PREFIX: tl.constexpr, SPLITS: tl.constexpr,
+    PRECISION: tl.constexpr, HAS_PREFIX: tl.constexpr, SPLITS: tl.constexpr, PACK_GQA: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
-    h = tl.program_id(1)
+    h = tl.program_id(1)  # a KV head when packed, else a query head
     m_block = tl.program_id(2) // SPLITS
     split = tl.program_id(2) % SPLITS
     seq_len = tl.load(b_len + b)
-    if m_block * BLOCK_M >= seq_len:
+    if PACK_GQA:
+        n_rows = seq_len * GROUP
+    else:
+        n_rows = seq_len
+    # the exit before the row indices: it keeps the unpacked kernel's PTX as it was before packing
+    if m_block * BLOCK_M >= n_rows:
         return
+    if PACK_GQA:  # rows are (token, query head of the group) pairs, token-major
+        kvh = h
+        pairs = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_m = pairs // GROUP  # each row's own token: its causal limit
+        heads = kvh * GROUP + pairs % GROUP
+        mask_m = pairs < n_rows
+    else:
+        kvh = h // GROUP
+        offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+        heads = h + tl.zeros([BLOCK_M], dtype=tl.int32)
+        mask_m = offs_m < seq_len
     start = tl.load(b_start + b).to(tl.int64)
-    kvh = h // GROUP
-    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
-    mask_m = offs_m < seq_len
-    q = tl.load(Q + (start + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask=mask_m[:, None],
-                other=0.0)  # fmt: skip
+    q = tl.load(Q + (start + offs_m)[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=mask_m[:, None], other=0.0)  # fmt: skip
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
@@ -81,8 +102,11 @@ def _context_attention_kernel(
             v = tl.load(V_cache + tok * stride_vct + kvh * stride_vch + offs_d[None, :], mask=mask_n[:, None],
                         other=0.0)  # fmt: skip
             m_i, l_i, acc = _attend_block(q, k, v, mask_n[None, :], m_i, l_i, acc, qk_scale, PRECISION)
-    if split == SPLITS - 1:  # the new tokens, causally
-        end = tl.minimum((m_block + 1) * BLOCK_M, seq_len)
+    if split == SPLITS - 1:  # the new tokens, causally: up to the block's last token
+        if PACK_GQA:
+            end = (tl.minimum((m_block + 1) * BLOCK_M, n_rows) - 1) // GROUP + 1
+        else:
+            end = tl.minimum((m_block + 1) * BLOCK_M, seq_len)
         for n0 in range(0, end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             mask_n = offs_n < end
@@ -93,14 +117,14 @@ def _context_attention_kernel(
             m_i, l_i, acc = _attend_block(q, k, v, causal, m_i, l_i, acc, qk_scale, PRECISION)
     if SPLITS == 1:
         out = acc / l_i[:, None]
-        tl.store(Out + (start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+        tl.store(Out + (start + offs_m)[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
                  out.to(Out.dtype.element_ty), mask=mask_m[:, None])  # fmt: skip
     else:  # an empty range (a prefix shorter than the splits) leaves weight 0 for the merge
         seen = l_i > 0
         l_safe = tl.where(seen, l_i, 1.0)
-        tl.store(Part_O + split * stride_pos + (start + offs_m)[:, None] * stride_pot + h * stride_poh
+        tl.store(Part_O + split * stride_pos + (start + offs_m)[:, None] * stride_pot + heads[:, None] * stride_poh
                  + offs_d[None, :], acc / l_safe[:, None], mask=mask_m[:, None])  # fmt: skip
-        tl.store(Part_L + split * stride_pls + (start + offs_m) * stride_plt + h,
+        tl.store(Part_L + split * stride_pls + (start + offs_m) * stride_plt + heads,
                  tl.where(seen, m_i + tl.log2(l_safe), float("-inf")), mask=mask_m)  # fmt: skip
 
 
@@ -139,6 +163,18 @@ def _configs(q):
     ]
 
 
+def _prefix_configs(q):
+    """The unpacked candidates and GQA-packed ones (``PACK_GQA``: a program's rows are a KV head's query heads, so
+    each prefix tile it loads serves the whole group). Kept few: every candidate is timed at start-up."""
+    pairs = [(64, 32), (64, 64)] if q.shape[-1] == 256 else [(64, 64), (128, 64), (128, 32)]
+    packed = [
+        {"BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": 2, "PACK_GQA": True}
+        for m, n in pairs
+        for w in (4, 8)
+    ]
+    return _configs(q) + packed
+
+
 def _static_key(q, k):
     return {"head_dim": q.shape[-1], "group": q.shape[1] // k.shape[1], "dtype": str(q.dtype)}
 
@@ -169,14 +205,18 @@ def _launch(q, k, v, out, b_start, b_len, max_q_len, sm_scale, cfg, prefix, scra
     ``cfg["PREFIX_SPLITS"]`` fixes the split count (tests); by default :func:`prefix_splits` of the grid.
     ``scratch``: a plan's dict, so the split partials are made once per step (``split_partials``)."""
     k_cache, v_cache, req_to_token, b_req_idx, b_prefix_len = prefix or (k, v, b_start, b_start, b_start)
-    m_blocks = cdiv(max_q_len, cfg["BLOCK_M"])
+    group = q.shape[1] // k.shape[1]
+    pack = cfg.get("PACK_GQA", False)
+    # packed: one program per KV head and BLOCK_M (token, head) rows, BLOCK_M / group tokens
+    heads, rows = (k.shape[1], max_q_len * group) if pack else (q.shape[1], max_q_len)
+    m_blocks = cdiv(rows, cfg["BLOCK_M"])
     splits = 1
     if prefix is not None:
-        splits = cfg.get("PREFIX_SPLITS") or prefix_splits(b_len.shape[0] * q.shape[1] * m_blocks, _sm_count(q.device))
+        splits = cfg.get("PREFIX_SPLITS") or prefix_splits(b_len.shape[0] * heads * m_blocks, _sm_count(q.device))
     part_o = part_l = out  # placeholders a one-pass launch never reads
     if splits > 1:
         part_o, part_l = split_partials(scratch, (splits, *q.shape), q.device)
-    grid = (b_len.shape[0], q.shape[1], m_blocks * splits)
+    grid = (b_len.shape[0], heads, m_blocks * splits)
     _CONTEXT_ATTENTION.launch(
         grid,
         q, k, v, out, b_start, b_len, sm_scale * 1.4426950408889634,
@@ -184,8 +224,9 @@ def _launch(q, k, v, out, b_start, b_len, max_q_len, sm_scale, cfg, prefix, scra
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), req_to_token.stride(0),
         part_o, part_l, part_o.stride(0), part_o.stride(1), part_o.stride(2), part_l.stride(0), part_l.stride(1),
-        GROUP=q.shape[1] // k.shape[1], HEAD_DIM=q.shape[-1], BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+        GROUP=group, HEAD_DIM=q.shape[-1], BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
         PRECISION="ieee" if q.dtype == torch.float32 else None, HAS_PREFIX=prefix is not None, SPLITS=splits,
+        PACK_GQA=pack,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     if splits > 1:
@@ -218,7 +259,7 @@ def _launch_context_attention(q, k, v, out, b_start, b_len, max_q_len, sm_scale,
                    None)  # fmt: skip
 
 
-@autotune(kernel_name="context_attention_prefix", **_TUNING)
+@autotune(kernel_name="context_attention_prefix", **{**_TUNING, "configs_gen_func": _prefix_configs})
 def _launch_context_attention_prefix(q, k, v, out, b_start, b_len, max_q_len, sm_scale, k_cache, v_cache,
                                      req_to_token, b_req_idx, b_prefix_len, scratch=None, run_config=None):  # fmt: skip
     """A sibling of ``context_attention`` tuned apart: its time grows with the prefix, which the other never reads."""
