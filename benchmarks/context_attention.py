@@ -15,6 +15,9 @@ best packed candidate, the default and FA3, and the best packed one against its 
     python benchmarks/context_attention.py --out benchmarks/results/context_attention_h200.json
     python benchmarks/context_attention.py --analyze benchmarks/results/context_attention_h200.json
     python benchmarks/context_attention.py --dry-run --out /tmp/ctx.json   # the method on a CPU (interpreter)
+
+``--explore`` also times unpacked configs outside the tuned space (bigger tiles, deeper pipelines: ``EXPLORE``),
+never tuned, to show whether the space is what limits a cell; the table adds their best.
 """
 
 import argparse
@@ -30,6 +33,18 @@ from lightllm.common.autotuner import cuda_graph_bench, wall_clock_bench
 
 SHAPES = {"hq32-hk8-d128": (32, 8, 128), "hq24-hk4-d256": (24, 4, 256)}  # Qwen3-8B; Qwen3.5-27B full attention
 DRY_SHAPE = {"hq6-hk1-d64": (6, 1, 64)}  # a group of 6, tiny, for the interpreter
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) per head_dim class: what FA2-style Triton kernels reach their best with on
+# Hopper, outside the tuned space (its deepest pipeline is 2 stages, its widest key tile 64)
+EXPLORE = {
+    "small": [(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2), (128, 128, 8, 3), (64, 128, 4, 3), (64, 64, 4, 3),
+              (128, 32, 4, 3)],
+    "d256": [(64, 64, 8, 3), (128, 64, 8, 2), (64, 32, 4, 3), (128, 32, 8, 3)],
+}  # fmt: skip
+
+
+def explore_configs(head_dim: int) -> list:
+    tiles = EXPLORE["d256" if head_dim == 256 else "small"]
+    return [{"BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": s} for m, n, w, s in tiles]
 
 
 def attention_flops(q_heads: int, head_dim: int, chunk: int, prefix: int) -> float:
@@ -129,6 +144,8 @@ def run(args) -> dict:
                        "default": ca._default_config(d), "default_ms": _time(cell.plan(ca._default_config(d)), bench),
                        "configs": [[cfg, _time(cell.plan(cfg), bench)] for cfg in configs],
                        "twins": [[cfg, _time(cell.plan(cfg), bench)] for cfg in twins]}  # fmt: skip
+                if args.explore:
+                    row["explore"] = [[cfg, _time(cell.plan(cfg), bench)] for cfg in explore_configs(d)]
                 if fa3 is not None:
                     row["fa3_ms"] = _time(cell.fa3(*fa3), bench)
                 results["cells"].append(row)
@@ -173,12 +190,13 @@ def analyze(results) -> list:
             "packed": _best(cfg_ms for cfg_ms in c["configs"] if cfg_ms[0].get("PACK_GQA")),
             "default": [c["default_ms"], c["default"]],
             "fa3": [c["fa3_ms"], None] if "fa3_ms" in c else None,
+            "explore": _best(c["explore"]) if c.get("explore") else None,
         }
         for label, pick in picks.items():
             ms = None if pick is None or not math.isfinite(pick[0]) else pick[0]
             row[f"{label}_ms"] = ms
             row[f"{label}_tflops"] = None if ms is None else c["flops"] / (ms * 1e-3) / 1e12
-            if label in ("unpacked", "packed"):
+            if label in ("unpacked", "packed", "explore"):
                 row[f"{label}_cfg"] = None if pick is None else pick[1]
         row["packed_twin_ms"] = None if picks["packed"] is None else _twin_ms(c, picks["packed"][1])
         rows.append(row)
@@ -194,17 +212,19 @@ def print_table(results, rows):
     print("ms and TFLOP/s (visible pairs) per kernel; pk/unpk: best packed / best unpacked candidate; pk/twin: best")
     print("packed / the same config unpacked (< 1: packing itself is faster)")
     print(f"{'shape':14s} {'chunk':>5s} {'prefix':>6s}  {'unpacked':>16s}  {'packed':>16s}  {'default':>16s}  "
-          f"{'fa3':>16s}  {'pk/unpk':>7s}  {'pk/twin':>7s}  best unpacked     best packed")  # fmt: skip
+          f"{'fa3':>16s}  {'explore':>16s}  {'pk/unpk':>7s}  {'pk/twin':>7s}  best unpacked     best packed     "
+          "best explored")  # fmt: skip
     for r in rows:
         cols = []
-        for label in ("unpacked", "packed", "default", "fa3"):
+        for label in ("unpacked", "packed", "default", "fa3", "explore"):
             ms = r[f"{label}_ms"]
             cols.append(f"{'-':>16s}" if ms is None else f"{ms:8.3f} {r[f'{label}_tflops']:7.1f}")
         ratios = [r["packed_ms"] / r[key] if r["packed_ms"] and r[key] else None
                   for key in ("unpacked_ms", "packed_twin_ms")]  # fmt: skip
         ratios = "  ".join(f"{'-' if x is None else f'{x:.2f}':>7s}" for x in ratios)
         print(f"{r['shape']:14s} {r['chunk']:5d} {r['prefix']:6d}  " + "  ".join(cols)
-              + f"  {ratios}  {_cfg_text(r['unpacked_cfg']):16s}  " + _cfg_text(r["packed_cfg"]))  # fmt: skip
+              + f"  {ratios}  {_cfg_text(r['unpacked_cfg']):16s}  {_cfg_text(r['packed_cfg']):16s}"
+              + _cfg_text(r["explore_cfg"]))  # fmt: skip
 
 
 def _save(results, path):
@@ -219,6 +239,7 @@ def parse_args(argv=None):
     p.add_argument("--chunks", nargs="+", type=int, default=None, help="new tokens (default 256 512 2048)")
     p.add_argument("--prefixes", nargs="+", type=int, default=None, help="cached tokens (default 0 8192 32768)")
     p.add_argument("--no-fa3", action="store_true")
+    p.add_argument("--explore", action="store_true", help="also time the unpacked configs of EXPLORE (never tuned)")
     p.add_argument("--dry-run", action="store_true",
                    help="a tiny shape (6 q heads over 1 KV head, D 64), chunk 8 after 0 and 20 cached tokens, "
                    "through Triton's interpreter on a CPU: the method, not a speed")  # fmt: skip

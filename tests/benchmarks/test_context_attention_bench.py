@@ -59,7 +59,19 @@ def test_analyze_prints_a_saved_run(bench, tmp_path, capsys):
     # 2e11 FLOP: 125 TFLOP/s at 1.6 ms, 250 at 0.8 ms, 100 at 2 ms, 400 at 0.5 ms; the best packed (0.8 ms) over the
     # best unpacked candidate (1.6: twins are no candidates) 0.5, over its own twin (1.0) 0.8
     assert row.split() == ["hq32-hk8-d128", "512", "32768", "1.600", "125.0", "0.800", "250.0", "2.000", "100.0",
-                           "0.500", "400.0", "0.50", "0.80", "64x64", "w8", "s1", "128x32", "w4", "s2"]  # fmt: skip
+                           "0.500", "400.0", "-", "0.50", "0.80", "64x64", "w8", "s1", "128x32", "w4", "s2",
+                           "-"]  # fmt: skip
+    # --explore's configs (never candidates) get a column of their own: the best of them, 320 TFLOP/s at 0.625 ms
+    deep = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
+    cell["explore"] = [[deep, 0.625], [{**deep, "num_stages": 4}, math.inf]]
+    path.write_text(json.dumps({"device": "NVIDIA H200", "dtype": "torch.bfloat16", "fa3": "x", "cells": [cell]}))
+    bench.main(["--analyze", str(path)])
+    (row,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("hq32-hk8-d128")]
+    assert row.split()[11:13] == ["0.625", "320.0"] and row.split()[-3:] == ["128x64", "w8", "s3"]
+    from lightllm.kernels.attention.prefill.context_attention import _prefix_configs
+
+    for heads, d in ((32, 128), (24, 256)):  # outside the tuned space, or the column would repeat a candidate's
+        assert not [c for c in bench.explore_configs(d) if c in _prefix_configs(torch.empty(1, heads, d))]
 
 
 def test_bad_arguments(bench):
