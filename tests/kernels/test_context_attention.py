@@ -309,3 +309,77 @@ def test_gpu_every_packed_candidate(launches, hq, hk, d, new, prefix_len):
         assert launches[-1][1]["PACK_GQA"] and launches[-1][0][1] == hk, cfg
         assert not out.isnan().any(), f"unwritten output at {cfg}"
         torch.testing.assert_close(out.double(), want, rtol=2e-2, atol=2e-2, msg=lambda m: f"{cfg}: {m}")
+
+
+def _prefix_call(lens, prefix_lens, pool, table_width, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v, b_start, b_len = _packed(lens, 8, 2, 64, torch.float32, g)
+    k_cache = torch.randn(pool, 2, 64, generator=g).to(DEVICE)
+    v_cache = torch.randn(pool, 2, 64, generator=g).to(DEVICE)
+    prefix = _cached_prefix(prefix_lens, pool, g)
+    table = torch.full((prefix.req_to_token.shape[0], table_width), -1, dtype=torch.int32, device=DEVICE)
+    table[:, : prefix.req_to_token.shape[1]] = prefix.req_to_token
+    named = dict(q=q, k=k, v=v, out=torch.empty_like(q), b_start=b_start, b_len=b_len, max_q_len=max(lens),
+                 sm_scale=0.125, k_cache=k_cache, v_cache=v_cache, req_to_token=table, b_req_idx=prefix.b_req_idx,
+                 b_prefix_len=prefix.b_prefix_len, scratch=None)  # fmt: skip
+    return named, CachedPrefix(table, prefix.b_req_idx, prefix.b_prefix_len)
+
+
+def test_prefix_tuning_times_the_chunk_after_a_long_prefix_too(monkeypatch):
+    """The search's scenarios: the caller's own chunk, then the same chunk after the representative prefix over the
+    existing pool (a wrapping token table, no KV made), capped by the request table's room and the pair budget;
+    only the caller's when the cap is no longer than its prefixes. The caller's tensors are left as they were."""
+    ca = importlib.import_module("lightllm.kernels.attention.prefill.context_attention")
+    monkeypatch.setenv("LIGHTLLM_DECODE_ATTN_AUTOTUNE_SEQ_LEN", "1024")
+    named, _ = _prefix_call([4, 6], [3, 5], pool=40, table_width=2048)
+    before = {name: t.clone() for name, t in named.items() if isinstance(t, torch.Tensor) and name != "out"}
+    own, long = ca.prefix_tuning_scenarios(named)
+    assert own["out"] is not named["out"] and own["req_to_token"] is named["req_to_token"]
+    assert long["out"] is not own["out"] and long["k_cache"] is named["k_cache"]  # the pool itself
+    assert long["req_to_token"].shape == (2, 1024) and long["b_prefix_len"].tolist() == [1024, 1024]
+    assert long["b_req_idx"].tolist() == [0, 1] and int(long["req_to_token"].max()) == 39
+    assert all(torch.equal(t, named[name]) for name, t in before.items())
+    monkeypatch.setattr(ca, "PREFIX_TUNING_PAIRS", 10 * 100)  # 10 new tokens: at most 100 cached ones
+    assert ca.prefix_tuning_scenarios(named)[1]["b_prefix_len"].tolist() == [100, 100]
+    narrow, _ = _prefix_call([4, 6], [3, 5], pool=40, table_width=10)  # room 4 <= the caller's prefix of 5
+    assert len(ca.prefix_tuning_scenarios(narrow)) == 1
+    monkeypatch.setenv("LIGHTLLM_DECODE_ATTN_AUTOTUNE_SEQ_LEN", "5")
+    assert len(ca.prefix_tuning_scenarios(named)) == 1
+
+
+def test_prefix_search_times_both_scenarios_and_answers_the_caller(monkeypatch):
+    """Level 1 in the GENERAL warm-up: the default and each candidate are timed at the caller's prefix and at the
+    long one; the call itself still attends over the caller's prefix (checked against the reference)."""
+    from lightllm.common.autotuner import AutotuneKernelType, autotune_warmup, set_bench_func
+
+    ca = importlib.import_module("lightllm.kernels.attention.prefill.context_attention")
+    monkeypatch.setenv("LIGHTLLM_TRITON_AUTOTUNE_LEVEL", "1")
+    monkeypatch.setenv("LIGHTLLM_DECODE_ATTN_AUTOTUNE_SEQ_LEN", "96")
+    tuned = ca._launch_context_attention_prefix
+    tuned.clear_cache()
+    monkeypatch.setattr(tuned, "configs_gen_func", lambda q: [{"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4,
+                                                               "num_stages": 1}])  # fmt: skip
+    prefixes = []
+    real = tuned.fn
+
+    def spy(*args, **kwargs):
+        prefixes.append(tuned.named_arguments(args, kwargs)["b_prefix_len"].tolist())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(tuned, "fn", spy)
+    set_bench_func(lambda run: (run(), 1.0)[1])
+    named, prefix = _prefix_call([4, 6], [3, 5], pool=40, table_width=256, seed=5)
+    q, k, v, b_start, b_len = (named[n] for n in ("q", "k", "v", "b_start", "b_len"))
+    try:
+        with autotune_warmup(AutotuneKernelType.GENERAL):
+            out = context_attention(q, k, v, b_start, b_len, 6, prefix=prefix, k_cache=named["k_cache"],
+                                    v_cache=named["v_cache"])  # fmt: skip
+        record = tuned.last_search
+    finally:
+        tuned.clear_cache()
+    # default and candidate, each run once and timed once at the caller's prefix and at the long one; then the call
+    assert prefixes == ([[3, 5]] * 2 + [[96, 96]] * 2) * 2 + [[3, 5]]
+    assert len(record.default_ms) == 2 and [len(ms) for _, ms in record.timings] == [2]
+    want = context_attention_ref(q, k, v, b_start, b_len, prefix=prefix, k_cache=named["k_cache"],
+                                 v_cache=named["v_cache"])  # fmt: skip
+    torch.testing.assert_close(out.double(), want, rtol=1e-4, atol=1e-4)

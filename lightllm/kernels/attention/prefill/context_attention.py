@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from lightllm.common.autotuner import AutotuneKernelType, PlannedInputs, autotune
+from lightllm.common.envs import get_decode_attn_autotune_seq_len
 from lightllm.kernels.direct_launch import DirectLaunch
 from lightllm.kernels.launch_math import cdiv, next_power_of_2
 from lightllm.kernels.step_buffer import StepBuffer, split_partials
@@ -239,6 +240,35 @@ def _launch(q, k, v, out, b_start, b_len, max_q_len, sm_scale, cfg, prefix, scra
     return out
 
 
+# (new token, cached token) pairs the long-prefix timing may hold: ~1 TFLOP at 32 heads of 128, a few ms a launch
+PREFIX_TUNING_PAIRS = 1 << 26
+
+
+def prefix_tuning_scenarios(named: dict) -> list:
+    """What a ``context_attention_prefix`` search times on: the caller's chunk after its own prefix (the start-up
+    warm-up's second chunk, whose prefix is as short as the chunk), then the same chunk after a long prefix, over
+    the existing pool (one token table wrapping modulo the pool: no KV is allocated). Chunked prefill's later chunks
+    and prefix-cache hits read prefixes of many thousand tokens, where the kernel is bound by its throughput, not by
+    filling the grid, and a config chosen at the short prefix alone may not suit them; the search takes the config
+    with the least worst loss over both (``minimax_loss``).
+
+    The long prefix is ``LIGHTLLM_DECODE_ATTN_AUTOTUNE_SEQ_LEN`` (the representative KV length), capped by the
+    longest prefix the request table allows after this chunk and by :data:`PREFIX_TUNING_PAIRS` over the chunk's
+    tokens; none when that is no longer than the caller's prefixes."""
+    q, batch = named["q"], named["b_len"].shape[0]
+    room = named["req_to_token"].shape[1] - int(named["max_q_len"])
+    prefix = min(get_decode_attn_autotune_seq_len(), room, PREFIX_TUNING_PAIRS // max(1, q.shape[0]))
+    own = {**named, "out": torch.empty_like(named["out"]), "scratch": {}}
+    if batch == 0 or prefix <= int(named["b_prefix_len"].max()):
+        return [own]
+    i32 = dict(dtype=torch.int32, device=q.device)
+    table = torch.arange(batch * prefix, device=q.device, dtype=torch.int64) % named["k_cache"].shape[0]
+    long = {**own, "req_to_token": table.to(torch.int32).view(batch, prefix), "b_req_idx": torch.arange(batch, **i32),
+            "b_prefix_len": torch.full((batch,), prefix, **i32), "out": torch.empty_like(named["out"]),
+            "scratch": {}}  # fmt: skip
+    return [own, long]
+
+
 # P is rounded to q's dtype against the running row max, which depends on BLOCK_N: in bf16 a few outlier
 # elements of 2^25 differ by ~4 ulps (0.0078 at 0.3, seen on the H200), which the default 2e-2 rejects.
 _ACCURACY_TOL = (4e-2, 2e-2)
@@ -252,6 +282,8 @@ _TUNING = dict(
     accuracy_tol=_ACCURACY_TOL,
 )
 
+_PREFIX_TUNING = {**_TUNING, "configs_gen_func": _prefix_configs, "rebuild_input_func": prefix_tuning_scenarios}
+
 
 @autotune(kernel_name="context_attention", **_TUNING)
 def _launch_context_attention(q, k, v, out, b_start, b_len, max_q_len, sm_scale, run_config=None):
@@ -259,7 +291,7 @@ def _launch_context_attention(q, k, v, out, b_start, b_len, max_q_len, sm_scale,
                    None)  # fmt: skip
 
 
-@autotune(kernel_name="context_attention_prefix", **{**_TUNING, "configs_gen_func": _prefix_configs})
+@autotune(kernel_name="context_attention_prefix", **_PREFIX_TUNING)
 def _launch_context_attention_prefix(q, k, v, out, b_start, b_len, max_q_len, sm_scale, k_cache, v_cache,
                                      req_to_token, b_req_idx, b_prefix_len, scratch=None, run_config=None):  # fmt: skip
     """A sibling of ``context_attention`` tuned apart: its time grows with the prefix, which the other never reads."""
