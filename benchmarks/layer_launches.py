@@ -27,14 +27,12 @@ import os
 import subprocess
 import tempfile
 
-import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from layer_host_cost import _no_device_work, _states
+from layer_host_cost import _no_device_work, _states, stub_fla_chunk
 
 from lightllm import LLM
 from lightllm.kernels import direct_launch
-from lightllm.layers import linear_attention
 from lightllm.tools.make_tiny_model import QWEN3_5_GPU_SHAPE, make_tiny_qwen3, make_tiny_qwen3_5
 from triton.runtime.jit import JITFunction
 
@@ -97,17 +95,6 @@ _MODELS = {
 }  # fmt: skip
 
 
-def _stub_fla_chunk(counts):
-    """fla-core's chunked gated delta rule (prefill) as one counted call that returns outputs of its shapes."""
-
-    def chunk(q, k, v, g, beta, plan, initial_state=None):
-        counts["fla chunk_gated_delta_rule"] += 1
-        finals = v.new_empty(plan.cu_seqlens.shape[0] - 1, v.shape[1], k.shape[-1], v.shape[-1], dtype=torch.float32)
-        return torch.empty_like(v), finals
-
-    linear_attention._fla_chunk = chunk
-
-
 def _layer_row(layer: collections.Counter) -> dict:
     launches = sum(n for name, n in layer.items() if not name.startswith("view "))
     return {"total": launches, **dict(sorted(layer.items()))}
@@ -133,7 +120,7 @@ def main() -> None:
     _count_triton(counts)
     if getattr(model, "linear", None) is not None:
         model.linear.on_gpu = True
-        _stub_fla_chunk(counts)
+        stub_fla_chunk(counts)
     slot = runner.add_request()
     weights, per_layer = model.w, {}
     depths = sorted({depth for pair in kinds.values() for depth in pair})
