@@ -15,6 +15,7 @@ from lightllm.models.qwen3_5.config import Qwen3_5ModelConfig
 from lightllm.models.qwen3_5.weights import load_qwen3_5_weights
 from lightllm.tools.make_tiny_model import make_tiny_qwen3_5
 from tests.models.test_qwen3_5_loading import check_transposed_views
+from tests.models.test_qwen3_layer_ops import OpCounter
 
 HEAD = {"mtp.fc.weight", "mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight", "mtp.norm.weight"}
 MTP_NAMES = HEAD | {
@@ -137,16 +138,26 @@ def test_first_draft_logits_match_the_transformers_head(mtp_dir, mtp_step):
     assert (seen[0] - want).abs().max() <= 1e-4
 
 
-def test_the_head_on_the_kernel_path_matches_the_reference_path(mtp_dir):
-    """The head's gated attention layer on the kernel path (interpreted here: its q/k norm + rotary launch also writes
-    the head's K/V into its pool layer, after the main model's) drafts what the torch references draft, and leaves the
-    same K/V in every pool layer."""
+def test_the_head_on_the_kernel_path_matches_the_reference_path(mtp_dir, monkeypatch):
+    """The head on the kernel path (interpreted here: the two input norms write the halves of fc's input, no
+    concatenation; the q/k norm + rotary launch also writes the head's K/V into its pool layer, after the main
+    model's) drafts what the torch references draft, and leaves the same K/V in every pool layer."""
     prompt = [7, 91, 3, 250, 18, 44, 120, 9, 61]
-    runs = []
+    runs, head_ops = [], OpCounter()
     for kernels in (False, True):
         runner = ModelRunner(EngineArgs(model_dir=str(mtp_dir), data_type="fp32", device="cpu", max_req_total_len=64,
                                         running_max_req_size=2, mtp_mode="eagle_with_att", mtp_step=2))  # fmt: skip
         runner.model.use_kernels = kernels
+        if kernels:
+            head_forward = runner.model.mtp.forward
+
+            def counted(*args, **kwargs):
+                with head_ops:
+                    return head_forward(*args, **kwargs)
+
+            monkeypatch.setattr(runner.model.mtp, "forward", counted)
+            for name in ("prefill", "decode"):  # attention's CPU reference is not the head's own work
+                monkeypatch.setattr(runner.attn, name, uncounted(head_ops, getattr(runner.attn, name)))
         slot = runner.add_request()
         first = int(runner.prefill([slot], [prompt]).argmax())
         seen = []
@@ -159,9 +170,21 @@ def test_the_head_on_the_kernel_path_matches_the_reference_path(mtp_dir):
         runs.append((first, seen, runner.attn.pool))
     (first_ref, seen_ref, pool_ref), (first, seen, pool) = runs
     assert first == first_ref and len(seen) == len(seen_ref) == 2
+    assert head_ops.ops["mm"] > 0 and "cat" not in head_ops.ops, head_ops.ops
     for got, want in zip(seen, seen_ref):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     head = pool.k.shape[0] - 1  # the head's layer, after the main model's
     assert pool_ref.k[head].abs().sum() > 0  # the head wrote its K there
     torch.testing.assert_close(pool.k, pool_ref.k, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(pool.v, pool_ref.v, rtol=1e-5, atol=1e-5)
+
+
+def uncounted(counter, fn):
+    def run(*args, **kwargs):
+        counter.active = False
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            counter.active = True
+
+    return run

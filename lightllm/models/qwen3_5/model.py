@@ -47,7 +47,8 @@ class LayerOps(NamedTuple):
     """What the layers of one forward run besides GEMMs, attention and the delta rule, planned before the first
     layer."""
 
-    norm: Callable  # (x, weight) -> y: the first layer's input norm (zero-centred: weight is 1 + w, float32)
+    norm: Callable  # (x, weight, out=None) -> y: the first layer's input norm (zero-centred: weight is 1 + w,
+    # float32); ``out`` may be a column block of a wider 2-D buffer (the MTP head's fc input)
     add_norm: Callable  # (residual, x, weight) -> y: residual += x, y = norm(residual); [tokens, hidden]
     final_add_norm: Callable  # add_norm over the output rows (one per request in prefill)
     qk_norm_rope_kv: Callable  # (qkv, q_weight, k_weight, layer) -> (q, k): q/k heads normed, partial rotary; the
@@ -116,13 +117,17 @@ class Qwen3_5Model:
         if not self.use_kernels:
             cos, sin = self._cos[positions][:, None, :], self._sin[positions][:, None, :]  # once per step
 
+            def norm(x, weight, out=None):
+                y = rmsnorm_ref(x, weight, eps)
+                return y if out is None else out.copy_(y)
+
             def add_norm(residual, x, weight):
                 return add_rmsnorm_ref(residual, x, weight, eps)
 
             def qk_norm_rope(qkv, qw, kw):
                 return qk_norm_rope_ref(qkv, qw, kw, cos, sin, heads, kv_heads, eps, gated=True)
 
-            return LayerOps(norm=lambda x, weight: rmsnorm_ref(x, weight, eps), add_norm=add_norm,
+            return LayerOps(norm=norm, add_norm=add_norm,
                             final_add_norm=add_norm,
                             qk_norm_rope_kv=then_write_kv(qk_norm_rope, self, state.out_token_idx),
                             attn_gate=sigmoid_gate_mul_ref,

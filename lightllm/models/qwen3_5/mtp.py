@@ -48,8 +48,12 @@ class Qwen3_5MTP:
             m.attn.plan_decode(state, m.heads, m.dtype)
         rows_out = tokens if out_rows is None else out_rows.shape[0]
         ops = m._plan_ops(tokens, rows_out, state)
-        embedded = ops.norm(F.embedding(input_ids, m.w.embed), w.norm_embedding)
-        h = torch.mm(torch.cat([embedded, ops.norm(hidden.to(m.dtype), w.norm_hidden)], dim=-1), w.fc_t)
+        # fc's input [normed embedding | normed hidden]: each norm writes its half (no concatenation copy)
+        width = hidden.shape[-1]
+        fc_in = torch.empty(tokens, 2 * width, dtype=m.dtype, device=hidden.device)
+        ops.norm(F.embedding(input_ids, m.w.embed), w.norm_embedding, out=fc_in[:, :width])
+        ops.norm(hidden.to(m.dtype), w.norm_hidden, out=fc_in[:, width:])
+        h = torch.mm(fc_in, w.fc_t)
         x = ops.norm(h, lw.input_norm)
         out = m._full_attention(self.kv_layer, lw, x, ops, state)  # writes the head's KV (float: in the q/k kernel)
         if out_rows is None:
