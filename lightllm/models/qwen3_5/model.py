@@ -10,11 +10,10 @@ Per layer, on a GPU: four GEMMs (the fused input projection: ``qkv_proj`` or ``i
 the fused gate/up; down; each one ``torch.mm`` on the weight's ``[in, out]`` view made at load), the mixer's own
 launches (gated attention: one q/k norm + partial rotary kernel that also writes the new K/V into a float KV cache
 (a quantized cache: a KV write kernel after it), attention, one output-gate kernel; gated DeltaNet: the conv, the
-delta rule, one gated-norm kernel),
-two residual add + norm kernels (post-mixer, and the next layer's input norm or the final norm) and one
-SiLU(gate) * up kernel. Every kernel is planned once per forward (:meth:`Qwen3_5Model.plan_step`); on the CPU
-each is its torch reference (the same rounding steps). ``benchmarks/layer_launches.py --model qwen3.5`` counts
-each kind's launches.
+delta rule, one gated-norm kernel), two residual add + norm kernels (post-mixer, and the next layer's input norm or
+the final norm) and one SiLU(gate) * up kernel. Every kernel is planned once per forward
+(:meth:`Qwen3_5Model.plan_step`); on the CPU each is its torch reference (the same rounding steps).
+``benchmarks/layer_launches.py --model qwen3.5`` counts each kind's launches.
 """
 
 from typing import Callable, Dict, NamedTuple, Optional, Tuple
