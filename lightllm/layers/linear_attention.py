@@ -58,6 +58,8 @@ class LinearAttentionState:
                                 device=device)  # fmt: skip
         self.ssm = torch.zeros(num_layers, num_slots, s.value_heads, s.key_dim, s.value_dim, dtype=ssm_dtype,
                                device=device)  # fmt: skip
+        # Each layer's views, made once: a layer's call indexes a tuple instead of dispatching a select
+        self.conv_layers, self.ssm_layers = tuple(self.conv.unbind(0)), tuple(self.ssm.unbind(0))
 
     @property
     def nbytes(self) -> int:
@@ -114,24 +116,24 @@ class LinearAttentionBackend:
     def conv_prefill(self, layer: int, x: torch.Tensor, weight: torch.Tensor, plan: LinearAttentionPlan):
         """Depthwise causal conv + SiLU of the packed ``x`` ``[T, C]`` (``weight`` ``[C, K]``)."""
         if plan.continues is not None:
-            out, states = self._conv_continued(x, weight, self._initial(self.state.conv[layer], plan), plan)
+            out, states = self._conv_continued(x, weight, self._initial(self.state.conv_layers[layer], plan), plan)
         elif self.on_gpu:
             out, states = causal_conv1d_packed(x, weight, plan.cu_seqlens, plan.offsets)
         else:
             out, states = causal_conv1d_prefill_ref(x, weight, plan.cu_seqlens_cpu)
-        self.state.conv[layer][plan.state_idx.long()] = states.to(self.state.conv.dtype)
+        self.state.conv_layers[layer][plan.state_idx.long()] = states.to(self.state.conv.dtype)
         return out
 
     def delta_prefill(self, layer: int, q, k, v, a, b, A_log, dt_bias, plan: LinearAttentionPlan) -> torch.Tensor:
         """The gated delta rule over packed sequences: q/k ``[T, Hk, Dk]`` (not normalized), v ``[T, Hv, Dv]``,
         a/b ``[T, Hv]``. Returns ``[T, Hv, Dv]`` in v's dtype."""
         g, beta = gdn_gates_ref(a, b, A_log, dt_bias)
-        init = None if plan.continues is None else self._initial(self.state.ssm[layer], plan).float()
+        init = None if plan.continues is None else self._initial(self.state.ssm_layers[layer], plan).float()
         if self.on_gpu:
             out, finals = _fla_chunk(q, k, v, g, beta.to(v.dtype), plan, init)
         else:
             out, finals = gated_delta_rule_varlen_ref(q, k, v, g, beta, plan.cu_seqlens_cpu, initial_states=init)
-        self.state.ssm[layer][plan.state_idx.long()] = finals.to(self.state.ssm.dtype)
+        self.state.ssm_layers[layer][plan.state_idx.long()] = finals.to(self.state.ssm.dtype)
         return out.to(v.dtype)
 
     def _conv_continued(self, x, weight, init, plan: LinearAttentionPlan):
@@ -171,8 +173,8 @@ class LinearAttentionBackend:
                 check_same_device("conv", conv, x=x, weight=weight, state_idx=plan.state_idx)
                 plan.conv_update = CausalConv1dUpdatePlan(x.shape, x.dtype, conv.shape[1:], conv.dtype, weight.dtype,
                                                           plan.state_idx, reuse_outputs=True)  # fmt: skip
-            return plan.conv_update.run(x, self.state.conv[layer], weight)
-        return causal_conv1d_update_ref(x, self.state.conv[layer], weight, plan.state_idx)
+            return plan.conv_update.run(x, self.state.conv_layers[layer], weight)
+        return causal_conv1d_update_ref(x, self.state.conv_layers[layer], weight, plan.state_idx)
 
     def delta_decode(self, layer: int, q, k, v, a, b, A_log, dt_bias, plan: LinearAttentionPlan) -> torch.Tensor:
         """On a GPU the output is the forward's one buffer: the next layer's call overwrites it."""
@@ -188,8 +190,8 @@ class LinearAttentionBackend:
                 plan.delta_decode = GatedDeltaDecodePlan(q.shape, v.shape, q.dtype, ssm.shape[1:], ssm.dtype,
                                                          plan.state_idx, gate_dtype=a.dtype,
                                                          reuse_outputs=True)  # fmt: skip
-            return plan.delta_decode.run(q, k, v, a, b, A_log, dt_bias, self.state.ssm[layer])
-        return gated_delta_decode_ref(q, k, v, a, b, A_log, dt_bias, self.state.ssm[layer], plan.state_idx)
+            return plan.delta_decode.run(q, k, v, a, b, A_log, dt_bias, self.state.ssm_layers[layer])
+        return gated_delta_decode_ref(q, k, v, a, b, A_log, dt_bias, self.state.ssm_layers[layer], plan.state_idx)
 
     # ---- MTP verify: T tokens per request from its current slot, the state after each token to its own slot ----
 
@@ -199,9 +201,9 @@ class LinearAttentionBackend:
         if self.on_gpu:
             from lightllm.kernels.linear_attention.conv1d_verify import causal_conv1d_verify
 
-            out = causal_conv1d_verify(xs, self.state.conv[layer], weight, plan.state_idx, plan.dst_idx)
+            out = causal_conv1d_verify(xs, self.state.conv_layers[layer], weight, plan.state_idx, plan.dst_idx)
         else:
-            out = causal_conv1d_verify_ref(xs, self.state.conv[layer], weight, plan.state_idx, plan.dst_idx)
+            out = causal_conv1d_verify_ref(xs, self.state.conv_layers[layer], weight, plan.state_idx, plan.dst_idx)
         return out.view(x.shape)
 
     def _delta_verify(self, layer: int, q, k, v, a, b, A_log, dt_bias, plan: LinearAttentionPlan) -> torch.Tensor:
@@ -210,9 +212,11 @@ class LinearAttentionBackend:
         if self.on_gpu:
             from lightllm.kernels.linear_attention.gated_delta_verify import gated_delta_verify
 
-            out = gated_delta_verify(*args, A_log, dt_bias, self.state.ssm[layer], plan.state_idx, plan.dst_idx)
+            out = gated_delta_verify(*args, A_log, dt_bias, self.state.ssm_layers[layer], plan.state_idx, plan.dst_idx)
         else:
-            out = gated_delta_verify_ref(*args, A_log, dt_bias, self.state.ssm[layer], plan.state_idx, plan.dst_idx)
+            out = gated_delta_verify_ref(
+                *args, A_log, dt_bias, self.state.ssm_layers[layer], plan.state_idx, plan.dst_idx
+            )
         return out.view(v.shape)
 
 

@@ -14,6 +14,8 @@ from lightllm.models.hf_config import ModelLoadError
 from lightllm.models.qwen3_5.config import Qwen3_5ModelConfig
 from lightllm.models.qwen3_5.weights import load_qwen3_5_weights
 from lightllm.tools.make_tiny_model import make_tiny_qwen3_5
+from tests.models.test_qwen3_5_loading import check_transposed_views
+from tests.models.test_qwen3_layer_ops import OpCounter
 
 HEAD = {"mtp.fc.weight", "mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight", "mtp.norm.weight"}
 MTP_NAMES = HEAD | {
@@ -50,6 +52,9 @@ def test_loader_skips_the_head_unless_asked_and_reads_it_when_asked(mtp_dir, cap
         torch.testing.assert_close(head.fc, f.get_tensor("mtp.fc.weight"))
         torch.testing.assert_close(head.final_norm, 1 + f.get_tensor("mtp.norm.weight"))  # zero-centred
         torch.testing.assert_close(head.layer.k_proj, f.get_tensor("mtp.layers.0.self_attn.k_proj.weight"))
+    # the [in, out] views the head's GEMMs take (torch.mm), made at load, not copies
+    assert head.fc_t.data_ptr() == head.fc.data_ptr() and torch.equal(head.fc_t, head.fc.t())
+    check_transposed_views(head.layer)
 
 
 def test_the_head_loads_from_a_folder_of_its_own(mtp_dir, tmp_path, caplog):
@@ -131,3 +136,55 @@ def test_first_draft_logits_match_the_transformers_head(mtp_dir, mtp_step):
     want = transformers_head_logits(mtp_dir, prompt + [first])
     assert len(seen) == mtp_step
     assert (seen[0] - want).abs().max() <= 1e-4
+
+
+def test_the_head_on_the_kernel_path_matches_the_reference_path(mtp_dir, monkeypatch):
+    """The head on the kernel path (interpreted here: the two input norms write the halves of fc's input, no
+    concatenation; the q/k norm + rotary launch also writes the head's K/V into its pool layer, after the main
+    model's) drafts what the torch references draft, and leaves the same K/V in every pool layer."""
+    prompt = [7, 91, 3, 250, 18, 44, 120, 9, 61]
+    runs, head_ops = [], OpCounter()
+    for kernels in (False, True):
+        runner = ModelRunner(EngineArgs(model_dir=str(mtp_dir), data_type="fp32", device="cpu", max_req_total_len=64,
+                                        running_max_req_size=2, mtp_mode="eagle_with_att", mtp_step=2))  # fmt: skip
+        runner.model.use_kernels = kernels
+        if kernels:
+            head_forward = runner.model.mtp.forward
+
+            def counted(*args, **kwargs):
+                with head_ops:
+                    return head_forward(*args, **kwargs)
+
+            monkeypatch.setattr(runner.model.mtp, "forward", counted)
+            for name in ("prefill", "decode"):  # attention's CPU reference is not the head's own work
+                monkeypatch.setattr(runner.attn, name, uncounted(head_ops, getattr(runner.attn, name)))
+        slot = runner.add_request()
+        first = int(runner.prefill([slot], [prompt]).argmax())
+        seen = []
+
+        def choose(k, logits):
+            seen.append(logits[0].clone())
+            return logits.argmax(-1)
+
+        runner.mtp.draft([slot], [first], choose)
+        runs.append((first, seen, runner.attn.pool))
+    (first_ref, seen_ref, pool_ref), (first, seen, pool) = runs
+    assert first == first_ref and len(seen) == len(seen_ref) == 2
+    assert head_ops.ops["mm"] > 0 and "cat" not in head_ops.ops, head_ops.ops
+    for got, want in zip(seen, seen_ref):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    head = pool.k.shape[0] - 1  # the head's layer, after the main model's
+    assert pool_ref.k[head].abs().sum() > 0  # the head wrote its K there
+    torch.testing.assert_close(pool.k, pool_ref.k, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(pool.v, pool_ref.v, rtol=1e-5, atol=1e-5)
+
+
+def uncounted(counter, fn):
+    def run(*args, **kwargs):
+        counter.active = False
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            counter.active = True
+
+    return run

@@ -1,6 +1,6 @@
 """The fused per-layer kernels of the Qwen3.5 forward against transformers' own modules and float64 math:
-zero-centred RMSNorm (with and without the residual add), q/k norm + partial rotary over the gated qkv output, the
-attention output gate, the gated RMSNorm of the DeltaNet output.
+zero-centred RMSNorm (with and without the residual add), q/k norm + partial rotary over the gated qkv output (and
+the KV cache write in the same launch), the attention output gate, the gated RMSNorm of the DeltaNet output.
 
 Fresh random data per case, outputs NaN-filled so an unwritten element fails. float16 inputs are compared with
 transformers' modules run in float16: the kernels take the same float32 steps and roundings, so nearly every element
@@ -19,7 +19,14 @@ from lightllm.kernels.norm.gated_rmsnorm import (
     gated_rmsnorm,
     gated_rmsnorm_ref,
 )
-from lightllm.kernels.norm.qk_norm_rope import QKNormRopePlan, _launch_qk_norm_rope, qk_norm_rope, qk_norm_rope_ref
+from lightllm.kernels.kv_cache_write import KVLayers
+from lightllm.kernels.norm.qk_norm_rope import (
+    QKNormRopePlan,
+    _launch_qk_norm_rope,
+    qk_norm_rope,
+    qk_norm_rope_kv_ref,
+    qk_norm_rope_ref,
+)
 from lightllm.kernels.norm.rmsnorm import _launch_rmsnorm, rmsnorm
 
 transformers_qwen3_5 = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
@@ -144,6 +151,85 @@ def test_gated_qk_norm_partial_rope_matches_transformers(dtype, tokens, heads, k
     ref_q, ref_k = qk_norm_rope_ref(qkv, 1 + wq, 1 + wk, c, s, heads, kv_heads, EPS, gated=True)
     _matches(q, ref_q, _rope64(_norm64(q_in, 1 + wq), c64, s64))  # the CPU path's reference agrees too
     _matches(k, ref_k, _rope64(_norm64(k_in, 1 + wk), c64, s64))
+
+
+def _kv_write_case(dtype, tokens, heads, kv_heads, d, rot, device, positions_max=64, theta=10000.0):
+    """Fresh random gated qkv, float32 ``1 + w`` norm weights, partial tables, distinct slots and NaN-filled caches of
+    3 layers x 20 slots (at least ``tokens``)."""
+    qkv = torch.randn(tokens, (2 * heads + 2 * kv_heads) * d, dtype=dtype, device=device) * 3
+    wq, wk = 1 + torch.randn(d, device=device) * 0.3, 1 + torch.randn(d, device=device) * 0.3
+    cos, sin = _tables(positions_max, rot, dtype, theta)
+    positions = torch.randint(0, positions_max, (tokens,), device=device)
+    slots = max(20, 2 * tokens)
+    token_idx = torch.randperm(slots, device=device)[:tokens].to(torch.int32)
+    k_pool = torch.full((3, slots, kv_heads, d), float("nan"), dtype=dtype, device=device)
+    return (
+        qkv,
+        wq,
+        wk,
+        cos.to(device),
+        sin.to(device),
+        positions,
+        token_idx,
+        k_pool,
+        torch.full_like(k_pool, float("nan")),
+    )
+
+
+def _check_kv_written(q, k, k_pool, v_pool, layer, qkv, token_idx, plain_q, plain_k, kv_heads):
+    """q and k bit for bit those of the launch without the write; the run's layer holds at each token's slot that k
+    (normed, partially rotated) and qkv's raw v heads (after the wider gated q heads and the k heads); every other
+    slot and layer still NaN."""
+    tokens, d = q.shape[0], q.shape[-1]
+    assert torch.equal(q, plain_q) and torch.equal(k, plain_k)
+    written = token_idx.long()
+    raw_v = qkv[:, qkv.shape[1] - kv_heads * d :].reshape(tokens, kv_heads, d)
+    assert torch.equal(k_pool[layer][written], k) and torch.equal(v_pool[layer][written], raw_v)
+    others = torch.ones(k_pool.shape[1], dtype=torch.bool, device=k_pool.device)
+    others[written] = False
+    assert k_pool[layer][others].isnan().all() and v_pool[layer][others].isnan().all()
+    rest = [i for i in range(k_pool.shape[0]) if i != layer]
+    assert k_pool[rest].isnan().all() and v_pool[rest].isnan().all()
+
+
+@DTYPES
+@pytest.mark.parametrize(
+    "tokens, heads, kv_heads, d, rot, config",
+    [
+        (1, 4, 2, 16, 4, None),  # Qwen3.5's partial_rotary_factor 0.25
+        (5, 6, 2, 16, 8, {"BLOCK_H": 4, "num_warps": 1}),  # blocks straddle q and k heads
+        (4, 6, 1, 32, 8, {"BLOCK_H": 1, "num_warps": 1}),  # 27B's 6 q heads per KV head, one head per program
+    ],
+    ids=["quarter", "straddle", "gqa6"],
+)
+def test_gated_partial_rope_writes_the_kv_cache_in_the_same_launch(dtype, tokens, heads, kv_heads, d, rot, config):
+    """Qwen3.5's gated attention with a float KV cache: the q/k norm + partial rotary launch also writes each token's
+    K (as it returns it) and V (raw) into its slot of the run's layer; equal to ``qk_norm_rope_kv_ref`` (transformers'
+    rounding steps) and to float64 math."""
+    torch.manual_seed(tokens * 100 + heads * 10 + d)
+    case = _kv_write_case(dtype, tokens, heads, kv_heads, d, rot, DEVICE)
+    qkv, wq, wk, cos, sin, positions, token_idx, k_pool, v_pool = case
+    before = qkv.clone()
+    plan = QKNormRopePlan(tokens, heads, kv_heads, d, dtype, cos, sin, positions, EPS, run_config=config, gated=True,
+                          weight_dtype=torch.float32, kv_layers=KVLayers(k_pool, v_pool),
+                          token_idx=token_idx)  # fmt: skip
+    q, k = plan.run(qkv, wq, wk, layer=1)
+    assert torch.equal(qkv, before)  # read only
+    plain_q, plain_k = qk_norm_rope(qkv, wq, wk, cos, sin, positions, heads, kv_heads, EPS, config, gated=True)
+    _check_kv_written(q, k, k_pool, v_pool, 1, qkv, token_idx, plain_q, plain_k, kv_heads)
+
+    c, s = cos[positions][:, None], sin[positions][:, None]
+    k_ref, v_ref = (torch.full_like(k_pool[1], float("nan")) for _ in range(2))
+    ref_q, ref_k = qk_norm_rope_kv_ref(qkv, wq, wk, c, s, heads, kv_heads, k_ref, v_ref, token_idx, EPS, gated=True)
+    q_in = qkv[:, : 2 * heads * d].view(tokens, heads, 2 * d)[..., :d]
+    k_in = qkv[:, 2 * heads * d : (2 * heads + kv_heads) * d].view(tokens, kv_heads, d)
+    c64, s64 = c.double(), s.double()
+    k64 = _rope64(_norm64(k_in, wk), c64, s64)
+    _matches(q, ref_q, _rope64(_norm64(q_in, wq), c64, s64))
+    _matches(k, ref_k, k64)
+    written = token_idx.long()
+    _matches(k_pool[1][written], k_ref[written], k64)  # the reference's cache holds what the kernel's does
+    assert torch.equal(v_pool[1][written], v_ref[written])
 
 
 def test_gated_qk_norm_rope_plan_checks():
@@ -308,6 +394,14 @@ def test_gpu_27b_shapes_match_transformers(tokens):
                                                            sin[pos])  # fmt: skip
     _close_bf16(q, hf_q, _rope64(_norm64(q_in, 1 + wq), c.double(), sn.double()), rounds_once=True)
     _close_bf16(k, hf_k, _rope64(_norm64(k_in, 1 + wk), c.double(), sn.double()), rounds_once=True)
+    # the same launch writing a bf16 KV cache (the fused path of a float pool): q/k unchanged, k and the raw v stored
+    case = _kv_write_case(bf16, tokens, heads, kvh, d, rot, dev, positions_max=262144, theta=1e7)
+    qkv_kv, wq, wk, cos, sin, pos, token_idx, k_pool, v_pool = case
+    plan = QKNormRopePlan(tokens, heads, kvh, d, bf16, cos, sin, pos, EPS, gated=True, weight_dtype=torch.float32,
+                          kv_layers=KVLayers(k_pool, v_pool), token_idx=token_idx)  # fmt: skip
+    q_kv, k_kv = plan.run(qkv_kv, wq, wk, layer=2)
+    plain_q, plain_k = qk_norm_rope(qkv_kv, wq, wk, cos, sin, pos, heads, kvh, EPS, gated=True)
+    _check_kv_written(q_kv, k_kv, k_pool, v_pool, 2, qkv_kv, token_idx, plain_q, plain_k, kvh)
     # the output gate, read in place from the qkv output
     gate = qkv[:, : 2 * heads * d].view(tokens, heads, 2 * d)[..., d:]
     o = torch.randn(tokens, heads, d, dtype=bf16, device=dev)

@@ -100,6 +100,27 @@ def test_real_triton_kernel_through_the_tuner(monkeypatch, isolated_autotune):
     assert launched == [fastest]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_plan_writes_a_column_block_of_a_wider_buffer(dtype):
+    """A 2-D ``out`` with strided rows (Qwen3.5's MTP head: each norm into its half of the fc input): the block holds
+    the norm, bit for bit a contiguous run's, and the buffer's other columns are untouched (still NaN)."""
+    from lightllm.kernels.norm.rmsnorm import RMSNormPlan
+
+    torch.manual_seed(3)
+    x, h = torch.randn(5, 48, dtype=dtype, device=DEVICE) * 2, torch.randn(5, 48, dtype=dtype, device=DEVICE)
+    w = 1 + torch.randn(48, device=DEVICE) * 0.3  # a zero-centred norm's float32 scale
+    plan = RMSNormPlan(x.shape, dtype, weight_dtype=torch.float32)
+    buf = torch.full((5, 96), float("nan"), dtype=dtype, device=DEVICE)
+    plan.run(x, w, out=buf[:, :48])
+    assert buf[:, 48:].isnan().all()
+    plan.run(h, w, out=buf[:, 48:])
+    assert torch.equal(buf[:, :48], plan.run(x, w)) and torch.equal(buf[:, 48:], plan.run(h, w))
+    torch.testing.assert_close(buf, torch.cat([rmsnorm_ref(x, w), rmsnorm_ref(h, w)], dim=-1), rtol=2e-3, atol=2e-3)
+    with pytest.raises(ValueError, match=r"rmsnorm: out expected a \(5, 1, 48\) .* got \(5, 1, 48\) .* strides "
+                                         r"\(96, 96, 1\)"):  # fmt: skip
+        RMSNormPlan((5, 1, 48), dtype, weight_dtype=torch.float32).run(x[:, None], w, out=buf[:, None, :48])
+
+
 def test_plan_checks_and_resolves_once_for_every_call_of_its_shape(monkeypatch):
     from lightllm.kernels.norm import rmsnorm as module
     from lightllm.kernels.norm.rmsnorm import RMSNormPlan
@@ -119,7 +140,11 @@ def test_plan_checks_and_resolves_once_for_every_call_of_its_shape(monkeypatch):
         plan.run(torch.randn(5, 64, device=DEVICE), w)
     with pytest.raises(ValueError, match="contiguous last dim"):
         plan.run(torch.randn(64, 4, device=DEVICE).t(), w)
-    with pytest.raises(ValueError, match=r"rmsnorm: out must be a contiguous \(4, 64\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"rmsnorm: out expected a \(4, 64\) torch.float32 tensor, contiguous \(2-D: "
+        r"its last dim only\), got \(4, 64\) torch.float32 strides \(1, 4\)",
+    ):
         plan.run(x, w, out=torch.empty(64, 4, device=DEVICE).t())
     with pytest.raises(
         ValueError, match=r"rmsnorm plan: weight expected the planned \(64,\) torch.float32, got \(9,\)"

@@ -7,6 +7,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from lightllm import LLM
+from lightllm.kernels.kv_cache_write import KVLayers
 from lightllm.layers.attention import AttentionBackend
 from lightllm.layers.linear_attention import LinearAttentionBackend
 from lightllm.models.qwen3_5 import model as qwen3_5_model
@@ -30,9 +32,10 @@ def tiny_dir(tmp_path_factory):
 
 def test_layer_ops_are_planned_from_the_step_shapes(monkeypatch):
     """With kernels, one plan per op and forward: the zero-centred norms (float32 ``1 + w``) over the step's tokens
-    (the final one over a prefill's output rows), the gated q/k norm + partial rotary over the qkv output, the
-    output gate over the attention heads, the gated norm over the value heads, SiLU * up over this rank's columns."""
-    made = []
+    (the final one over a prefill's output rows), the gated q/k norm + partial rotary over the qkv output (writing a
+    float cache's K/V at the step's slots), the output gate over the attention heads, the gated norm over the value
+    heads, SiLU * up over this rank's columns."""
+    made, qk_kwargs = [], []
 
     def counting(name):
         real = getattr(qwen3_5_model, name)
@@ -40,6 +43,8 @@ def test_layer_ops_are_planned_from_the_step_shapes(monkeypatch):
         class Counting(real):
             def __init__(self, *args, **kwargs):
                 made.append((name, args[:4], kwargs.get("gated"), kwargs.get("weight_dtype")))
+                if name == "QKNormRopePlan":
+                    qk_kwargs.append(kwargs)
                 super().__init__(*args, **kwargs)
 
         return Counting
@@ -48,10 +53,12 @@ def test_layer_ops_are_planned_from_the_step_shapes(monkeypatch):
         monkeypatch.setattr(qwen3_5_model, name, counting(name))
     d, f16, f32 = 16, torch.float16, torch.float32
     config = SimpleNamespace(rms_norm_eps=1e-6, hidden_size=64, head_dim=d)
+    kv_layers = KVLayers(torch.zeros(2, 16, 2, d, dtype=f16), torch.zeros(2, 16, 2, d, dtype=f16))
     model = SimpleNamespace(use_kernels=True, config=config, dtype=f16, heads=4, kv_heads=2, intermediate=48,
                             linear_shape=SimpleNamespace(value_heads=6, value_dim=8), _cos=torch.ones(32, 4, dtype=f16),
-                            _sin=torch.zeros(32, 4, dtype=f16))  # fmt: skip
-    ops = Qwen3_5Model._plan_ops(model, 3, 3, torch.arange(3))
+                            _sin=torch.zeros(32, 4, dtype=f16), attn=SimpleNamespace(kv_layers=kv_layers))  # fmt: skip
+    state = SimpleNamespace(positions=torch.arange(3), out_token_idx=torch.arange(3) + 5)
+    ops = Qwen3_5Model._plan_ops(model, 3, 3, state)
     assert sorted(made, key=lambda m: m[0]) == [
         ("AddRMSNormPlan", ((3, 64), f16, 1e-6), None, f32),
         ("GatedRMSNormPlan", (3, 6, 8, f16), None, None),
@@ -60,12 +67,16 @@ def test_layer_ops_are_planned_from_the_step_shapes(monkeypatch):
         ("SigmoidGatePlan", (3, 4, d, f16), None, None),
         ("SiluMulPlan", (3, 48, f16), None, None),
     ]
+    assert qk_kwargs[0]["kv_layers"] is kv_layers and qk_kwargs[0]["token_idx"] is state.out_token_idx
     assert ops.final_add_norm == ops.add_norm  # decode: one output row per token
     made.clear()
-    ops = Qwen3_5Model._plan_ops(model, 7, 2, torch.arange(7))  # a prefill of two requests: the final norm, two rows
+    model.attn.kv_layers = None  # a quantized cache: the backend's write_kv after the q/k kernel
+    state = SimpleNamespace(positions=torch.arange(7), out_token_idx=torch.arange(7))
+    ops = Qwen3_5Model._plan_ops(model, 7, 2, state)  # a prefill of two requests: the final norm, two rows
     assert [args[0] for name, args, _, _ in made if name == "AddRMSNormPlan"] == [(7, 64), (2, 64)]
+    assert "kv_layers" not in qk_kwargs[-1]
     with pytest.raises(ValueError, match=r"qk_norm_rope plan: qkv expected the planned \(7, 192\)"):
-        ops.qk_norm_rope(torch.zeros(7, 128, dtype=f16), torch.ones(d), torch.ones(d))  # an ungated width
+        ops.qk_norm_rope_kv(torch.zeros(7, 128, dtype=f16), torch.ones(d), torch.ones(d), 0)  # an ungated width
 
 
 @pytest.mark.parametrize("dtype, tol", [("fp32", 1e-5), ("fp16", 2e-2)])
@@ -73,16 +84,19 @@ def test_kernel_path_matches_the_reference_path(tiny_dir, dtype, tol):
     check_kernel_path_matches_reference(tiny_llm(tiny_dir, dtype), max_new_tokens=4, tol=tol)
 
 
-def test_launches_per_layer(tiny_dir, monkeypatch):
+@pytest.mark.parametrize("kv_type", ["None", "int8kv"], ids=["float-kv", "int8-kv"])
+def test_launches_per_layer(tiny_dir, monkeypatch, kv_type):
     """The kernel path of one layer of each kind, with every Triton kernel, the attention backend and the
     linear-attention backend mocked (counted, not run). Gated attention: 4 GEMMs, 5 Triton launches (q/k norm +
-    rotary, the output gate, two add + norm, SiLU * up), the KV write and attention. Gated DeltaNet: 4 GEMMs, 4
-    Triton launches (the gated norm, two add + norm, SiLU * up), the conv and the delta rule. Nothing else: no copy,
-    no elementwise torch op, and no allocation but the first gated-attention layer's 3 (q, k and the gate's output:
-    each op's output is allocated once per forward, by the first layer that runs it). Counted as differences between
-    forwards of 1, 2 and 3 layers (L, L F, L F L), in prefill and in decode; a change that adds a launch, a torch op
-    or an allocation per layer fails here."""
-    llm = tiny_llm(tiny_dir)
+    partial rotary, which also writes a float cache's K/V; the output gate; two add + norm; SiLU * up) and attention;
+    a quantized cache adds its KV write. Gated DeltaNet: 4 GEMMs, 4 Triton launches (the gated norm, two add + norm,
+    SiLU * up), the conv and the delta rule. Nothing else: no copy, no elementwise torch op, no transposed weight
+    (each linear's ``[in, out]`` view is made at load), and no allocation but the first gated-attention layer's 3
+    (q, k and the gate's output: each op's output is allocated once per forward, by the first layer that runs it).
+    Counted as differences between forwards of 1, 2 and 3 layers (L, L F, L F L), in prefill and in decode; a change
+    that adds a launch, a torch op, a view or an allocation per layer fails here."""
+    llm = LLM(str(tiny_dir), data_type="fp32", device="cpu", batch_max_tokens=64, max_req_total_len=128,
+              running_max_req_size=4, llm_kv_type=kv_type)  # fmt: skip
     llm.runner.model.use_kernels = True
     counter = OpCounter()
     launches = Counter()
@@ -104,15 +118,24 @@ def test_launches_per_layer(tiny_dir, monkeypatch):
         monkeypatch.setattr(LinearAttentionBackend, name, mocked(name, like))
     kinds = [lw.kind for lw in llm.runner.model.w.layers[:3]]
     assert kinds == ["linear_attention", "full_attention", "linear_attention"]
-    per_depth = counts_per_depth(llm, monkeypatch, counter, launches, (1, 2, 3))
-    mixers = {"full": {"_qk_norm_rope_kernel": 1, "_sigmoid_gate_mul_kernel": 1, "write_kv": 1},
-              "linear": {"_gated_rmsnorm_kernel": 1}}  # fmt: skip
+    views = {}
+    per_depth = counts_per_depth(llm, monkeypatch, counter, launches, (1, 2, 3), views)
+    full = {"_qk_norm_rope_kernel": 1, "_sigmoid_gate_mul_kernel": 1, **({"write_kv": 1} if kv_type != "None" else {})}
+    # the GEMMs' inputs and the mixers' views of their fused projections (gate; prefill's v; a quantized cache's v)
+    separate_write = Counter(slice=1, view=1) if kv_type != "None" else Counter()
+    full_views = {
+        "prefill": Counter(slice=3, view=4) + separate_write,
+        "decode": Counter(slice=2, view=3) + separate_write,
+    }
+    linear_views = Counter(slice=7, view=5)
     for phase in ("prefill", "decode"):
-        mixers["full"][phase] = 1
-        mixers["linear"].update({f"conv_{phase}": 1, f"delta_{phase}": 1})
+        mixers = {"full": {**full, phase: 1}, "linear": {"_gated_rmsnorm_kernel": 1, f"conv_{phase}": 1,
+                                                         f"delta_{phase}": 1}}  # fmt: skip
+        layer_views = {"full": full_views[phase], "linear": linear_views}
         for kind, (fewer, more), empties in (("full", (1, 2), 3), ("linear", (2, 3), 0)):
             (ops1, launches1), (ops2, launches2) = per_depth[fewer, phase], per_depth[more, phase]
             assert ops2 - ops1 == Counter(mm=4, empty=empties) and not ops1 - ops2, (kind, phase)
             kernels = {"_add_rmsnorm_kernel": 2, "_silu_mul_kernel": 1, **mixers[kind]}
             assert launches2 - launches1 == Counter(kernels) and not launches1 - launches2, (kind, phase)
-        del mixers["full"][phase], mixers["linear"][f"conv_{phase}"], mixers["linear"][f"delta_{phase}"]
+            views1, views2 = views[fewer, phase], views[more, phase]
+            assert views2 - views1 == layer_views[kind] and not views1 - views2, (kind, phase, views2 - views1)

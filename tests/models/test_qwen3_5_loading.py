@@ -115,6 +115,17 @@ def test_projections_are_fused_at_load(tiny_dir):
         unfused = {"q_proj", "k_proj", "v_proj", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "gate_proj",
                    "up_proj"}  # fmt: skip
         assert not unfused & set(vars(layer)), i
+        check_transposed_views(layer)
+
+
+def check_transposed_views(layer):
+    """The layer's linears also as ``[in, out]`` views (for ``torch.mm``), not copies; None for the other kind's."""
+    mixer = ("qkv", "o") if layer.kind == "full_attention" else ("in", "out")
+    other = ("in", "out") if layer.kind == "full_attention" else ("qkv", "o")
+    for name in (*mixer, "gate_up", "down"):
+        weight, transposed = getattr(layer, f"{name}_proj"), getattr(layer, f"{name}_t")
+        assert transposed.data_ptr() == weight.data_ptr() and torch.equal(transposed, weight.t()), name
+    assert all(getattr(layer, f"{name}_t") is None for name in other)
 
 
 def test_conditional_generation_folder_loads_its_text_model(tiny_dir, tmp_path, caplog):
@@ -227,6 +238,8 @@ def test_tensor_parallel_rank_reads_its_heads(tiny_dir):
                                                full.layers[0].in_proj_a[2:]]))  # fmt: skip
     assert torch.equal(lin.gate_up_proj, torch.cat([full.layers[0].gate_proj[64:], full.layers[0].up_proj[64:]]))
     assert torch.equal(att.o_proj, full.layers[1].o_proj[:, 32:]) and torch.equal(lin.norm, full.layers[0].norm)
+    for layer in (lin, att):  # the rank's [in, out] views are of its own shards
+        check_transposed_views(layer)
 
 
 def test_tensor_parallel_must_divide_the_heads(tiny_dir):

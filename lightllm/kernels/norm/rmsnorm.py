@@ -117,6 +117,8 @@ class RMSNormPlan:
     Args: ``shape`` and ``dtype`` of ``x``; ``eps`` and ``run_config`` as :func:`rmsnorm`; ``weight_dtype``
     (default ``dtype``): the weights' dtype is part of the tuning key, so a layer with another is refused;
     ``reuse_outputs``: every run without ``out`` writes the same output tensor (``kernels/step_buffer.py``).
+    :meth:`run`'s ``out`` of a 2-D shape may have strided rows: a column block of a wider buffer (Qwen3.5's MTP head
+    norms its two inputs into the halves of its ``fc`` input, so no concatenation copies them).
     """
 
     def __init__(self, shape: Tuple[int, ...], dtype: torch.dtype, eps: float = 1e-6, run_config=None,
@@ -137,9 +139,15 @@ class RMSNormPlan:
             raise ValueError(f"rmsnorm: x expected a contiguous last dim, got strides {x.stride()}")
         if out is None:
             out = self._out.get(x.device)
-        elif out.shape != x.shape or out.dtype != x.dtype or not out.is_contiguous():
-            raise ValueError(f"rmsnorm: out must be a contiguous {tuple(x.shape)} {x.dtype} tensor")
+        elif out.shape != x.shape or out.dtype != x.dtype or not _rows_of(out):
+            raise ValueError(f"rmsnorm: out expected a {tuple(x.shape)} {x.dtype} tensor, contiguous (2-D: its last "
+                             f"dim only), got {tuple(out.shape)} {out.dtype} strides {out.stride()}")  # fmt: skip
         return self._tuned.run(x, weight, self.eps, out)
+
+
+def _rows_of(out: torch.Tensor) -> bool:
+    """Whether the kernel can write ``out`` row by row: contiguous, or 2-D with a contiguous last dim."""
+    return out.is_contiguous() or (out.dim() == 2 and out.stride(-1) == 1)
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, out=None, run_config=None) -> torch.Tensor:

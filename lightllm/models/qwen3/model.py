@@ -138,13 +138,14 @@ class Qwen3Model:
 
 def then_write_kv(qk_norm_rope: Callable, model, token_idx: torch.Tensor) -> Callable:
     """``qk_norm_rope`` followed by the attention backend's own KV write (a quantized cache, or the CPU references):
-    ``(qkv, q_weight, k_weight, layer) -> (q, k)``."""
+    ``(qkv, q_weight, k_weight, layer) -> (q, k)``. v is qkv's last ``kv_heads`` heads (Qwen3.5's wider gated q heads
+    come before them as plain ones do)."""
     attn, kv_heads, d = model.attn, model.kv_heads, model.config.head_dim
-    v_start = (model.heads + kv_heads) * d
+    v_width = kv_heads * d
 
     def qk_norm_rope_kv(qkv, q_weight, k_weight, layer):
         q, k = qk_norm_rope(qkv, q_weight, k_weight)
-        attn.write_kv(layer, k, qkv[:, v_start:].view(qkv.shape[0], kv_heads, d), token_idx)
+        attn.write_kv(layer, k, qkv[:, -v_width:].view(qkv.shape[0], kv_heads, d), token_idx)
         return q, k
 
     return qk_norm_rope_kv

@@ -7,11 +7,13 @@ float32 before the cast, the gated norm casts the normalized value, multiplies b
 allocated by :meth:`Qwen3_5Model.alloc_request_state`.
 
 Per layer, on a GPU: four GEMMs (the fused input projection: ``qkv_proj`` or ``in_proj``; o_proj or out_proj;
-the fused gate/up; down), the mixer's own launches (gated attention: one q/k norm + partial rotary kernel, the
-KV write, attention, one output-gate kernel; gated DeltaNet: the conv, the delta rule, one gated-norm kernel),
-two residual add + norm kernels (post-mixer, and the next layer's input norm or the final norm) and one
-SiLU(gate) * up kernel. Every kernel is planned once per forward (:meth:`Qwen3_5Model.plan_step`); on the CPU
-each is its torch reference (the same rounding steps).
+the fused gate/up; down; each one ``torch.mm`` on the weight's ``[in, out]`` view made at load), the mixer's own
+launches (gated attention: one q/k norm + partial rotary kernel that also writes the new K/V into a float KV cache
+(a quantized cache: a KV write kernel after it), attention, one output-gate kernel; gated DeltaNet: the conv, the
+delta rule, one gated-norm kernel), two residual add + norm kernels (post-mixer, and the next layer's input norm or
+the final norm) and one SiLU(gate) * up kernel. Every kernel is planned once per forward
+(:meth:`Qwen3_5Model.plan_step`); on the CPU each is its torch reference (the same rounding steps).
+``benchmarks/layer_launches.py --model qwen3.5`` counts each kind's launches.
 """
 
 from typing import Callable, Dict, NamedTuple, Optional, Tuple
@@ -35,7 +37,7 @@ from lightllm.layers.linear_attention import (
     LinearAttentionShape,
     LinearAttentionState,
 )
-from lightllm.models.qwen3.model import plan_attention, rope_tables, unchanged
+from lightllm.models.qwen3.model import plan_attention, rope_tables, then_write_kv, unchanged
 from lightllm.models.qwen3_5.config import Qwen3_5ModelConfig
 from lightllm.models.qwen3_5.weights import LayerWeights, Qwen3_5Weights
 
@@ -44,10 +46,12 @@ class LayerOps(NamedTuple):
     """What the layers of one forward run besides GEMMs, attention and the delta rule, planned before the first
     layer."""
 
-    norm: Callable  # (x, weight) -> y: the first layer's input norm (zero-centred: weight is 1 + w, float32)
+    norm: Callable  # (x, weight, out=None) -> y: the first layer's input norm (zero-centred: weight is 1 + w,
+    # float32); ``out`` may be a column block of a wider 2-D buffer (the MTP head's fc input)
     add_norm: Callable  # (residual, x, weight) -> y: residual += x, y = norm(residual); [tokens, hidden]
     final_add_norm: Callable  # add_norm over the output rows (one per request in prefill)
-    qk_norm_rope: Callable  # (qkv, q_weight, k_weight) -> (q, k): q/k heads normed, partial rotary
+    qk_norm_rope_kv: Callable  # (qkv, q_weight, k_weight, layer) -> (q, k): q/k heads normed, partial rotary; the
+    # tokens' k and v written to the pool layer's KV cache
     attn_gate: Callable  # (o, gate) -> o * sigmoid(gate): [tokens, heads, head_dim]
     gated_norm: Callable  # (o, z, weight) -> weight * norm(o) * silu(z): [tokens, value_heads, value_dim]
     silu_mul: Callable  # (gate_up) -> silu(gate) * up
@@ -104,13 +108,17 @@ class Qwen3_5Model:
 
     # ---- forward ------------------------------------------------------------------------------------------
 
-    def _plan_ops(self, tokens: int, rows_out: int, positions: torch.Tensor) -> LayerOps:
+    def _plan_ops(self, tokens: int, rows_out: int, state: InferState) -> LayerOps:
         """The layer ops of one forward, planned from its shapes before any layer runs. With kernels each is a
         plan run by every layer (checks and the tuned config once per forward); else the torch references."""
         c, eps, dtype, f32 = self.config, self.config.rms_norm_eps, self.dtype, torch.float32
-        heads, kv_heads, s = self.heads, self.kv_heads, self.linear_shape
+        heads, kv_heads, s, positions = self.heads, self.kv_heads, self.linear_shape, state.positions
         if not self.use_kernels:
             cos, sin = self._cos[positions][:, None, :], self._sin[positions][:, None, :]  # once per step
+
+            def norm(x, weight, out=None):
+                y = rmsnorm_ref(x, weight, eps)
+                return y if out is None else out.copy_(y)
 
             def add_norm(residual, x, weight):
                 return add_rmsnorm_ref(residual, x, weight, eps)
@@ -118,8 +126,10 @@ class Qwen3_5Model:
             def qk_norm_rope(qkv, qw, kw):
                 return qk_norm_rope_ref(qkv, qw, kw, cos, sin, heads, kv_heads, eps, gated=True)
 
-            return LayerOps(norm=lambda x, weight: rmsnorm_ref(x, weight, eps), add_norm=add_norm,
-                            final_add_norm=add_norm, qk_norm_rope=qk_norm_rope, attn_gate=sigmoid_gate_mul_ref,
+            return LayerOps(norm=norm, add_norm=add_norm,
+                            final_add_norm=add_norm,
+                            qk_norm_rope_kv=then_write_kv(qk_norm_rope, self, state.out_token_idx),
+                            attn_gate=sigmoid_gate_mul_ref,
                             gated_norm=lambda o, z, weight: gated_rmsnorm_ref(o, z, weight, eps),
                             silu_mul=silu_mul_ref)  # fmt: skip
         # Each layer consumes an op's outputs before the next layer's run: one output buffer per op and forward.
@@ -127,13 +137,16 @@ class Qwen3_5Model:
         add_norm = AddRMSNormPlan(hidden, dtype, eps, weight_dtype=f32, **reuse).run
         final = add_norm if rows_out == tokens else AddRMSNormPlan((rows_out, c.hidden_size), dtype, eps,
                                                                    weight_dtype=f32).run  # fmt: skip
+        # A float cache is written by the q/k norm + rotary launch itself; a quantized one by its own kernel after it
+        kv_layers = self.attn.kv_layers
+        kv_write = {} if kv_layers is None else dict(kv_layers=kv_layers, token_idx=state.out_token_idx)
         qk = QKNormRopePlan(tokens, heads, kv_heads, c.head_dim, dtype, self._cos, self._sin, positions, eps,
-                            gated=True, weight_dtype=f32, **reuse)  # fmt: skip
+                            gated=True, weight_dtype=f32, **reuse, **kv_write)  # fmt: skip
         return LayerOps(
             norm=RMSNormPlan(hidden, dtype, eps, weight_dtype=f32).run,
             add_norm=add_norm,
             final_add_norm=final,
-            qk_norm_rope=qk.run,
+            qk_norm_rope_kv=qk.run if kv_write else then_write_kv(qk.run, self, state.out_token_idx),
             attn_gate=SigmoidGatePlan(tokens, heads, c.head_dim, dtype, **reuse).run,
             gated_norm=GatedRMSNormPlan(tokens, s.value_heads, s.value_dim, dtype, eps, **reuse).run,
             silu_mul=SiluMulPlan(tokens, self.intermediate, dtype, **reuse).run,
@@ -143,7 +156,7 @@ class Qwen3_5Model:
         """Everything one forward plans before its first layer: the attention plan (set on ``state``), the layer
         ops (see :meth:`_plan_ops`) and the linear-attention plan."""
         rows_out = plan_attention(self.attn, state, self.heads, self.dtype, tokens)
-        return self._plan_ops(tokens, rows_out, state.positions), self.linear.plan(state)
+        return self._plan_ops(tokens, rows_out, state), self.linear.plan(state)
 
     def forward(self, input_ids: torch.Tensor, state: InferState, keep_hidden: bool = False):
         """Float32 logits ``[rows, vocab]``: the last token of each request (prefill), every new token (decode).
@@ -157,13 +170,14 @@ class Qwen3_5Model:
         reduce = all_reduce_ if self.tp > 1 else unchanged  # one rank: no all-reduce, nor its world-size query
         h = F.embedding(input_ids, self.w.embed)  # the residual stream, updated in place by add_norm
         x = ops.norm(h, layers[0].input_norm)
+        mm = torch.mm  # with the weights' [in, out] views: F.linear's own mm, bit for bit
         for i, lw in enumerate(layers):
             if lw.kind == "full_attention":
                 out = self._full_attention(self.kv_layer[i], lw, x, ops, state)
             else:
                 out = self._linear_attention(self.state_layer[i], lw, x, ops, plan, state.is_prefill)
             x = ops.add_norm(h, reduce(out), lw.post_norm)
-            mlp = reduce(F.linear(ops.silu_mul(F.linear(x, lw.gate_up_proj)), lw.down_proj))
+            mlp = reduce(mm(ops.silu_mul(mm(x, lw.gate_up_t)), lw.down_t))
             if i + 1 < len(layers):
                 x = ops.add_norm(h, mlp, layers[i + 1].input_norm)
         if keep_hidden:
@@ -176,17 +190,20 @@ class Qwen3_5Model:
         return logits_fp32(ops.final_add_norm(h, mlp, self.w.final_norm), self.w.lm_head)
 
     def _full_attention(self, layer: int, lw: LayerWeights, x, ops: LayerOps, state: InferState) -> torch.Tensor:
-        """Gated attention: one GEMM gives q (per head ``[query | gate]``), k and v; q/k norms and partial rotary,
-        GQA over the KV pool, the output ``* sigmoid(gate)`` (the gate read in place), o_proj."""
+        """Gated attention: one GEMM gives q (per head ``[query | gate]``), k and v; q/k norms and partial rotary
+        (writing the tokens' K/V into pool layer ``layer``), GQA over the KV pool, the output ``* sigmoid(gate)`` (the
+        gate read in place), o_proj."""
         d, tokens, heads = self.config.head_dim, x.shape[0], self.heads
-        qkv = F.linear(x, lw.qkv_proj)
-        q, k = ops.qk_norm_rope(qkv, lw.q_norm, lw.k_norm)
+        qkv = torch.mm(x, lw.qkv_t)
+        q, k = ops.qk_norm_rope_kv(qkv, lw.q_norm, lw.k_norm, layer)
         gate = qkv[:, : heads * 2 * d].view(tokens, heads, 2 * d)[..., d:]
-        v = qkv[:, (2 * heads + self.kv_heads) * d :].view(tokens, self.kv_heads, d)
-        self.attn.write_kv(layer, k, v, state.out_token_idx)
-        o = self.attn.prefill(layer, q, k, v, state) if state.is_prefill else self.attn.decode(layer, q, state)
+        if state.is_prefill:
+            v = qkv[:, (2 * heads + self.kv_heads) * d :].view(tokens, self.kv_heads, d)
+            o = self.attn.prefill(layer, q, k, v, state)
+        else:
+            o = self.attn.decode(layer, q, state)
         o = ops.attn_gate(o.reshape(tokens, heads, d), gate)
-        return F.linear(o.reshape(tokens, -1), lw.o_proj)
+        return torch.mm(o.reshape(tokens, -1), lw.o_t)
 
     def _linear_attention(self, layer: int, lw: LayerWeights, x, ops: LayerOps, plan: LinearAttentionPlan,
                           prefill: bool) -> torch.Tensor:  # fmt: skip
@@ -194,7 +211,7 @@ class Qwen3_5Model:
         delta rule over the request's state slot, the gated RMSNorm (z read in place), out_proj."""
         s, tokens, lin = self.linear_shape, x.shape[0], self.linear
         channels, vd, hv = s.conv_channels, s.value_heads * s.value_dim, s.value_heads
-        proj = F.linear(x, lw.in_proj)
+        proj = torch.mm(x, lw.in_t)
         z = proj[:, channels : channels + vd].view(tokens, hv, s.value_dim)
         b, a = proj[:, channels + vd : channels + vd + hv], proj[:, channels + vd + hv :]
         conv = lin.conv_prefill if prefill else lin.conv_decode
@@ -205,4 +222,4 @@ class Qwen3_5Model:
         v = mixed[:, 2 * kd :].view(tokens, s.value_heads, s.value_dim)
         rule = lin.delta_prefill if prefill else lin.delta_decode
         o = rule(layer, q, k, v, a, b, lw.A_log, lw.dt_bias, plan)
-        return F.linear(ops.gated_norm(o, z, lw.norm).reshape(tokens, -1), lw.out_proj)
+        return torch.mm(ops.gated_norm(o, z, lw.norm).reshape(tokens, -1), lw.out_t)

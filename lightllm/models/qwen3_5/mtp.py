@@ -47,15 +47,19 @@ class Qwen3_5MTP:
         else:
             m.attn.plan_decode(state, m.heads, m.dtype)
         rows_out = tokens if out_rows is None else out_rows.shape[0]
-        ops = m._plan_ops(tokens, rows_out, state.positions)
-        embedded = ops.norm(F.embedding(input_ids, m.w.embed), w.norm_embedding)
-        h = F.linear(torch.cat([embedded, ops.norm(hidden.to(m.dtype), w.norm_hidden)], dim=-1), w.fc)
+        ops = m._plan_ops(tokens, rows_out, state)
+        # fc's input [normed embedding | normed hidden]: each norm writes its half (no concatenation copy)
+        width = hidden.shape[-1]
+        fc_in = torch.empty(tokens, 2 * width, dtype=m.dtype, device=hidden.device)
+        ops.norm(F.embedding(input_ids, m.w.embed), w.norm_embedding, out=fc_in[:, :width])
+        ops.norm(hidden.to(m.dtype), w.norm_hidden, out=fc_in[:, width:])
+        h = torch.mm(fc_in, w.fc_t)
         x = ops.norm(h, lw.input_norm)
-        out = m._full_attention(self.kv_layer, lw, x, ops, state)  # writes the head's KV
+        out = m._full_attention(self.kv_layer, lw, x, ops, state)  # writes the head's KV (float: in the q/k kernel)
         if out_rows is None:
             return None
         x = ops.add_norm(h, self._reduce(out), lw.post_norm)
-        mlp = self._reduce(F.linear(ops.silu_mul(F.linear(x, lw.gate_up_proj)), lw.down_proj))
+        mlp = self._reduce(torch.mm(ops.silu_mul(torch.mm(x, lw.gate_up_t)), lw.down_t))
         if rows_out != tokens:
             h, mlp = h[out_rows], mlp[out_rows]
         normed = ops.final_add_norm(h, mlp, w.final_norm)

@@ -1,7 +1,8 @@
 """Qwen3.5 weights from a Hugging Face folder's ``*.safetensors`` files (text folders and the text part of
 ConditionalGeneration folders).
 
-Linears stay ``[out_features, in_features]``. Projections of one input are fused at load into one weight each (one
+Linears stay ``[out_features, in_features]`` (each also as an ``[in, out]`` view, ``qkv_t``, ``in_t`` ..., made at
+load for ``torch.mm``). Projections of one input are fused at load into one weight each (one
 GEMM): gated attention's q (with its gate), k and v into ``qkv_proj``; gated DeltaNet's qkv, z, b and a into
 ``in_proj``; the MLP's gate and up into ``gate_up_proj``. Each part is read (this rank's shard of it only) and
 copied straight into its rows; the checkpoint names remain as views. The zero-centred RMSNorm weights (decoder,
@@ -68,6 +69,13 @@ class LayerWeights(GateUpViews):
     norm: Optional[torch.Tensor] = None  # [Dv], the gated norm's plain weight
     out_proj: Optional[torch.Tensor] = None  # [hidden, Hv * Dv]
 
+    def __post_init__(self):
+        # The linears as [in, out] views, made once (those of the layer's kind; None for the other's): a GEMM is then
+        # one ``torch.mm(x, w_t)``, the very call ``F.linear(x, w)`` makes, without its two extra dispatches.
+        self.gate_up_t, self.down_t = self.gate_up_proj.t(), self.down_proj.t()
+        self.qkv_t, self.o_t = _transposed(self.qkv_proj), _transposed(self.o_proj)
+        self.in_t, self.out_t = _transposed(self.in_proj), _transposed(self.out_proj)
+
     @property
     def q_proj(self) -> Optional[torch.Tensor]:
         """``[heads * 2 * head_dim, hidden]``: per head ``[query | gate]`` rows."""
@@ -122,6 +130,13 @@ class MTPWeights:
     norm_hidden: torch.Tensor  # [hidden], 1 + weight, float32
     layer: LayerWeights  # one full-attention decoder layer
     final_norm: torch.Tensor  # [hidden], 1 + weight, float32
+
+    def __post_init__(self):
+        self.fc_t = self.fc.t()  # [2 * hidden, hidden]: one ``torch.mm`` per draft step, as the layers' linears
+
+
+def _transposed(weight: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    return None if weight is None else weight.t()
 
 
 @dataclass
