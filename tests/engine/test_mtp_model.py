@@ -119,11 +119,8 @@ def transformers_head_logits(model_dir, tokens):
         return hf.lm_head(norm("mtp.norm.weight", x))[0, -1]
 
 
-@pytest.mark.parametrize("mtp_step", [1, 3])
-def test_first_draft_logits_match_the_transformers_head(mtp_dir, mtp_step):
-    prompt = [7, 91, 3, 250, 18, 44, 120, 9, 61]
-    runner = ModelRunner(EngineArgs(model_dir=str(mtp_dir), data_type="fp32", device="cpu", max_req_total_len=64,
-                                    running_max_req_size=2, mtp_mode="eagle_with_att", mtp_step=mtp_step))  # fmt: skip
+def _greedy_draft_logits(runner, prompt):
+    """Prefill ``prompt`` in a new slot, draft greedily from its first token: (first token, each draft's logits)."""
     slot = runner.add_request()
     first = int(runner.prefill([slot], [prompt]).argmax())
     seen = []
@@ -133,6 +130,15 @@ def test_first_draft_logits_match_the_transformers_head(mtp_dir, mtp_step):
         return logits.argmax(-1)
 
     runner.mtp.draft([slot], [first], choose)
+    return first, seen
+
+
+@pytest.mark.parametrize("mtp_step", [1, 3])
+def test_first_draft_logits_match_the_transformers_head(mtp_dir, mtp_step):
+    prompt = [7, 91, 3, 250, 18, 44, 120, 9, 61]
+    runner = ModelRunner(EngineArgs(model_dir=str(mtp_dir), data_type="fp32", device="cpu", max_req_total_len=64,
+                                    running_max_req_size=2, mtp_mode="eagle_with_att", mtp_step=mtp_step))  # fmt: skip
+    first, seen = _greedy_draft_logits(runner, prompt)
     want = transformers_head_logits(mtp_dir, prompt + [first])
     assert len(seen) == mtp_step
     assert (seen[0] - want).abs().max() <= 1e-4
@@ -158,16 +164,7 @@ def test_the_head_on_the_kernel_path_matches_the_reference_path(mtp_dir, monkeyp
             monkeypatch.setattr(runner.model.mtp, "forward", counted)
             for name in ("prefill", "decode"):  # attention's CPU reference is not the head's own work
                 monkeypatch.setattr(runner.attn, name, uncounted(head_ops, getattr(runner.attn, name)))
-        slot = runner.add_request()
-        first = int(runner.prefill([slot], [prompt]).argmax())
-        seen = []
-
-        def choose(k, logits):
-            seen.append(logits[0].clone())
-            return logits.argmax(-1)
-
-        runner.mtp.draft([slot], [first], choose)
-        runs.append((first, seen, runner.attn.pool))
+        runs.append((*_greedy_draft_logits(runner, prompt), runner.attn.pool))
     (first_ref, seen_ref, pool_ref), (first, seen, pool) = runs
     assert first == first_ref and len(seen) == len(seen_ref) == 2
     assert head_ops.ops["mm"] > 0 and "cat" not in head_ops.ops, head_ops.ops
