@@ -34,6 +34,7 @@ class EngineArgs:
     batch_max_tokens: int = 4096
     chunked_prefill_size: int = 4096  # LightLLM's default; a longer prompt is prefilled in pieces of at most this
     disable_chunked_prefill: bool = False
+    enable_mixed_chunk: bool = False  # a chunk step also carries the running requests' decode tokens (one forward)
     disable_dynamic_prompt_cache: bool = False  # the prefix cache (radix tree over finished requests' KV) is on
     graph_max_batch_size: int = 64
     graph_split_batch_size: int = 16
@@ -98,6 +99,10 @@ class EngineArgs:
         self.llm_decode_att_backend = pick_decode_backend(self.llm_decode_att_backend, torch.device(self.device),
                                                           self.llm_kv_type)  # fmt: skip
         self._check_mtp()
+        if self.enable_mixed_chunk and (self.disable_chunked_prefill or self.mtp_mode is not None):
+            other = "--disable_chunked_prefill" if self.disable_chunked_prefill else "--mtp_mode"
+            raise ValueError(f"--enable_mixed_chunk expected chunked prefill without MTP (mixed steps carry one decode "
+                             f"token per request), got it with {other}")  # fmt: skip
         if self.mtp_mode is not None and self.graph_len_buckets and self.graph_len_buckets[0] < self.spec_tokens:
             raise ValueError(f"--graph_len_buckets expected lengths of at least {self.spec_tokens} with --mtp_step "
                              f"{self.mtp_step} (a verify step's tokens), got {self.graph_len_buckets[0]}")  # fmt: skip

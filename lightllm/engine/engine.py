@@ -128,19 +128,27 @@ class Engine:
                 self.observer.on_step(kind, len(batch), time.perf_counter() - t0)
             return True
         try:
-            if kind == "prefill":
-                chunks = [r.context[r.prefilled : r.chunk_end] for r in batch]
-                logits = self.runner.prefill([r.slot for r in batch], chunks)
-            else:
+            if kind == "decode":
                 logits = self.runner.decode([r.slot for r in batch], [r.output_ids[-1] for r in batch])
+            else:  # prefill, or mixed: a running request's chunk is its last token
+                chunks = [r.context_slice(r.prefilled, r.chunk_end) for r in batch]
+                logits = self.runner.prefill([r.slot for r in batch], chunks)
         except Exception:  # e.g. out of memory on one long prompt: only the requests of this forward fail
-            logger.exception("%s forward of %d requests failed; they end with finish_reason error", kind, len(batch))
-            for req in batch:
+            failed = self.scheduler.mixed_step_failed(batch) if kind == "mixed" else batch
+            logger.exception(
+                "%s forward of %d requests failed; %d end with finish_reason error%s",
+                kind,
+                len(batch),
+                len(failed),
+                ", the running ones wait to be re-prefilled" if kind == "mixed" else "",
+            )
+            for req in failed:
                 self._finish(req, "error")
-            self.scheduler.update(kind, [])
+            if kind != "mixed":
+                self.scheduler.update(kind, [])
             return True
         sampled = batch
-        if kind == "prefill":  # only the requests whose whole prompt is in now draw their first token
+        if kind != "decode":  # only the requests whose whole context is in now draw a token
             sampled = self.scheduler.prefilled(batch)
             if len(sampled) < len(batch):
                 done = {id(r) for r in sampled}

@@ -42,3 +42,17 @@ class Request:
     def context(self) -> List[int]:
         """What a (re-)prefill must process: the prompt and everything generated so far."""
         return self.prompt_ids + self.output_ids
+
+    @property
+    def context_len(self) -> int:
+        """``len(context)``, without building it."""
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def context_slice(self, start: int, end: int) -> List[int]:
+        """``context[start:end]``, without building the whole context (a running request's is as long as it got)."""
+        n = len(self.prompt_ids)
+        if end <= n:
+            return self.prompt_ids[start:end]
+        if start >= n:
+            return self.output_ids[start - n : end - n]
+        return self.prompt_ids[start:] + self.output_ids[: end - n]

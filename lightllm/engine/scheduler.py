@@ -12,6 +12,11 @@ context waits for the next prefill step; in between, the running requests decode
 stalls them for more than one chunk. Its first token is sampled after its last chunk. Without chunking a prompt
 longer than the budget is prefilled whole, alone, over the budget.
 
+With ``enable_mixed_chunk`` a prefill step that finds requests running carries their decode tokens too (a
+"mixed" step: one forward, each running request a one-token chunk of its own context), so a chunk no longer costs
+them a chunk step and a decode step; its prefill part gets the budget less one token per running request, and when
+that is under half the budget the steps alternate as without it.
+
 Otherwise every running request decodes; when the KV cache can't hold the next token of each, the newest request
 is preempted (a partly prefilled one first): its KV is freed (the prefix cache keeps what it computed, evictable)
 and it waits, first in line, to be re-prefilled with what it has generated so far.
@@ -36,6 +41,7 @@ class Scheduler:
         self.running: List[Request] = []
         self.prefilling: List[Request] = []  # admitted, holding a slot, part of their context still to prefill
         self.chunked = not self.args.disable_chunked_prefill
+        self.mixed = self.args.enable_mixed_chunk  # normalize refused it without chunking or with MTP
         self.step_tokens = self.args.prefill_step_tokens
         self.decode_tokens = self.args.spec_tokens  # KV tokens a decode step takes per request (MTP: N + 1)
         self.last_step = "idle"  # the kind of the last step scheduled: a chunk is followed by a decode step
@@ -65,10 +71,19 @@ class Scheduler:
         return gone
 
     def schedule(self) -> Tuple[str, List[Request]]:
-        """("prefill", the requests of this prefill step, each with a slot and its ``chunk_end``), ("decode", the
-        running requests) or ("idle", []). The prefill batch joins ``running`` at ``update``, once sampled."""
-        if not (self.prefilling and self.running and self.last_step == "prefill"):  # else: decode between two chunks
-            batch = self._prefill_batch()
+        """("prefill", the requests of this prefill step, each with a slot and its ``chunk_end``), ("mixed", the
+        running requests, each with a one-token chunk, then such a prefill batch), ("decode", the running requests)
+        or ("idle", []). The prefill batch joins ``running`` at ``update``, once sampled."""
+        if self.mixed and self.running and 2 * len(self.running) <= self.step_tokens:
+            batch = self._prefill_batch(self.step_tokens - len(self.running))
+            if batch:
+                for req in self.running:  # the last token's KV is what the step adds
+                    req.chunk_end = req.context_len
+                    req.prefilled = req.chunk_end - 1
+                self.last_step = "mixed"
+                return "mixed", self.running + batch
+        elif not (self.prefilling and self.running and self.last_step == "prefill"):  # else: decode between chunks
+            batch = self._prefill_batch(self.step_tokens)
             if batch:
                 self.last_step = "prefill"
                 return "prefill", batch
@@ -87,12 +102,23 @@ class Scheduler:
             req.prefilled = req.chunk_end
         partial = {id(r) for r in self.prefilling}
         self.prefilling += [r for r in batch if id(r) not in partial]
-        self.prefilling = [r for r in self.prefilling if r.prefilled < len(r.context)]
-        return [r for r in batch if r.prefilled == len(r.context)]
+        self.prefilling = [r for r in self.prefilling if r.prefilled < r.context_len]
+        return [r for r in batch if r.prefilled == r.context_len]
 
     def update(self, kind: str, alive: List[Request]) -> None:
-        """After a step of ``kind``: ``alive`` are its sampled requests that go on."""
+        """After a step of ``kind``: ``alive`` are its sampled requests that go on (a mixed step's hold every
+        running request's)."""
         self.running = self.running + alive if kind == "prefill" else alive
+
+    def mixed_step_failed(self, batch: List[Request]) -> List[Request]:
+        """A mixed step's forward raised: its running requests are preempted (their next token's KV slot is freed
+        with the rest; the prefix cache keeps what earlier steps computed) and wait, first in line, to be
+        re-prefilled; its prefill requests are returned, to fail."""
+        running = {id(r) for r in self.running}
+        for req in reversed(self.running):  # appendleft: the oldest ends up first
+            self._preempt(req)
+        self.running = []
+        return [r for r in batch if id(r) not in running]
 
     def finish_reason(self, req: Request, token_id: int) -> Optional[str]:
         """Why ``req`` ends with ``token_id`` just appended, or None when it goes on."""
@@ -112,15 +138,15 @@ class Scheduler:
             slot, req.slot = req.slot, -1
             self.runner.free(slot)
 
-    def _prefill_batch(self) -> List[Request]:
-        batch, budget, kv = [], self.step_tokens, self.runner.kv
+    def _prefill_batch(self, budget: int) -> List[Request]:
+        batch, kv = [], self.runner.kv
         # KV already promised: the running requests' next tokens, the rest of each partly prefilled context
         planned = len(self.running) * self.decode_tokens + sum(
-            len(r.context) - r.prefilled + self.decode_tokens for r in self.prefilling
+            r.context_len - r.prefilled + self.decode_tokens for r in self.prefilling
         )
         chunks = 0
         for req in self.prefilling:  # oldest first; their KV was free at admission, decodes may have taken it
-            n = min(len(req.context) - req.prefilled, budget)
+            n = min(req.context_len - req.prefilled, budget)
             if n <= 0 or not kv.can_allocate(len(self.running) * self.decode_tokens + chunks + n):
                 break
             chunks += n
@@ -155,6 +181,6 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         logger.info("KV cache full: preempting request %s (%d tokens), it will be re-prefilled", req.id,
-                    len(req.context))  # fmt: skip
+                    req.context_len)  # fmt: skip
         self.release(req)
         self.waiting.appendleft(req)

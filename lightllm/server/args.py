@@ -33,6 +33,8 @@ _HELP = {
     "chunked_prefill_size": "prefill a longer prompt in chunks of at most this many tokens, a decode step of the "
     "running requests between chunks (LightLLM's default 4096)",
     "disable_chunked_prefill": "prefill every prompt in one piece (a prompt over --batch_max_tokens runs alone)",
+    "enable_mixed_chunk": "a chunk's prefill step also carries the running requests' decode tokens, one forward "
+    "instead of a chunk step and a decode step (needs chunked prefill; not with --mtp_mode); default off",
     "disable_dynamic_prompt_cache": "turn off the prefix cache (a radix tree keeping finished requests' KV for "
     "later prompts that start the same way)",
     "graph_max_batch_size": "largest decode CUDA graph (capped at running_max_req_size)",

@@ -34,7 +34,7 @@ class Metrics:
                               registry=r, buckets=LATENCY_BUCKETS)  # fmt: skip
         self.itl = Histogram("lightllm_inter_token_latency_seconds", "time between a request's tokens", registry=r,
                              buckets=LATENCY_BUCKETS)  # fmt: skip
-        # Per engine step (kind = prefill or decode): what a throughput number is made of. A decode step's
+        # Per engine step (kind = prefill, decode or mixed): what a throughput number is made of. A decode step's
         # time is the forward, sampling and bookkeeping of one token for every running request.
         self.step_seconds = Histogram("lightllm_step_seconds", "engine step time", ["kind"], registry=r,
                                       buckets=(0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128,

@@ -20,3 +20,18 @@ def test_streams_are_measured_between_the_chunks(tmp_path):
     assert chunked["loaded_tokens"] == 2 * 4 and len(chunked["loaded_gaps_ms"]) == 8
     assert (off["mode"], off["prefill_steps"], off["loaded_tokens"]) == ("off", 1, 2)  # the whole prompt: one stall
     assert len(chunked["unloaded_gaps_ms"]) == 2 * (2 - 1)  # per stream: baseline tokens, one gap fewer
+
+
+def test_mixed_runs_carry_the_streams_in_the_chunk_steps(tmp_path):
+    """--mixed: the chunk size again with the streams' tokens in each chunk's forward. The budget of 32 less the two
+    streams leaves chunks of 30: ceil(100 / 30) = 4 mixed steps, each a token per stream (the last also the long
+    request's first), then the decode step that ends the window: 5 gaps per stream."""
+    spec = importlib.util.spec_from_file_location("itl", os.path.join(REPO, "benchmarks", "chunked_prefill_itl.py"))
+    itl = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(itl)
+    out = tmp_path / "itl.json"
+    itl.main(["--tiny", "--streams", "2", "--prompt", "100", "--chunks", "32", "--warmup", "1", "--baseline", "2",
+              "--mixed", "--no-off", "--out", str(out)])  # fmt: skip
+    chunked, mixed = json.loads(out.read_text())["rows"]
+    assert (chunked["mode"], mixed["mode"], mixed["mixed"]) == ("chunk 32", "chunk 32 mixed", True)
+    assert mixed["prefill_steps"] == 4 and mixed["loaded_tokens"] == 2 * 5

@@ -136,3 +136,102 @@ def test_abort_during_a_chunked_prefill_frees_its_kv(model_dir):
     assert not engine.step()  # nothing left to run
     assert [e.kind for e in events] == ["finish"] and events[0].finish_reason == "abort"
     assert r.kv.num_free_tokens == 511 and not engine.scheduler.prefilling and not engine.has_unfinished()
+
+
+@pytest.mark.parametrize("chunk", [7, 16])
+def test_mixed_steps_give_the_same_greedy_output(model_dir, chunk):
+    """--enable_mixed_chunk: chunk steps carry the running requests' tokens (Qwen3.5's state slots carried through
+    the prefill path), and greedy output is what unmixed, unchunked prefill gives, preemption included."""
+    want = run_all(Engine(runner(model_dir), eos_ids=[]), PROMPTS, max_new=16)
+    trace = []
+    assert run_all(Engine(runner(model_dir, chunk, enable_mixed_chunk=True), eos_ids=[]), PROMPTS, 16, trace) == want
+    assert any(kind == "mixed" for kind, _ in trace)
+    tight = Engine(runner(model_dir, chunk, tokens=42, enable_mixed_chunk=True), eos_ids=[])
+    preempted = []
+    real = tight.scheduler._preempt
+    tight.scheduler._preempt = lambda req: (preempted.append(req.id), real(req))
+    assert run_all(tight, PROMPTS, max_new=16) == want
+    assert preempted and tight.runner.kv.num_free_tokens == 42 - 1
+
+
+def test_mixed_step_carries_the_running_requests_with_each_chunk(model_dir):
+    """Counted in engine steps: with mixing, each of the 33-token prompt's chunks of 4 is one forward that also
+    emits a token for both running requests (9 mixed steps, no decode step between them); each mixed forward holds
+    the chunk and one token per running request, and the long request's first token comes with its last chunk."""
+    r = runner(model_dir, chunk=6, enable_mixed_chunk=True)  # a budget of 6: 4 prompt tokens beside 2 running
+    forwards, real = [], r.prefill
+    r.prefill = lambda slots, prompts: (forwards.append([len(p) for p in prompts]), real(slots, prompts))[1]
+    engine = Engine(r, eos_ids=[])
+    outs = {}
+    for i, p in enumerate(PROMPTS[3:] + PROMPTS[1:2]):
+        outs[i] = []
+        engine.submit(Request(f"short{i}", p, SamplingParams(max_new_tokens=30, ignore_eos=True),
+                              lambda ev, i=i: ev.kind == "token" and outs[i].append(ev.token_id)))  # fmt: skip
+    while min(len(o) for o in outs.values()) < 1:
+        engine.step()
+    long_tokens, kinds = [], []
+    engine.submit(Request("long", list(range(100, 133)), SamplingParams(max_new_tokens=2, ignore_eos=True),
+                          lambda ev: ev.kind == "token" and long_tokens.append(ev.token_id)))  # fmt: skip
+    forwards.clear()
+    while not long_tokens:
+        before = [len(o) for o in outs.values()]
+        assert engine.step()
+        kinds.append(engine.scheduler.last_step)
+        assert [len(o) for o in outs.values()] == [n + 1 for n in before], "a running request missed a step"
+    assert kinds == ["mixed"] * 9
+    assert forwards == [[1, 1, 4]] * 8 + [[1, 1, 1]]  # the running requests' tokens, then the chunk
+
+
+def test_mixed_steps_alternate_when_the_running_requests_take_half_the_budget(model_dir):
+    """A budget of 5: beside three running requests a chunk would get 2 tokens, under half the budget, so chunk and
+    decode steps alternate as without mixing; beside one or two the chunk step is mixed."""
+    engine = Engine(runner(model_dir, chunk=5, enable_mixed_chunk=True), eos_ids=[])
+    steps, real = [], engine.scheduler.schedule
+
+    def spy():
+        running = len(engine.scheduler.running)
+        kind, batch = real()
+        steps.append((kind, running))
+        return kind, batch
+
+    engine.scheduler.schedule = spy
+    run_all(engine, PROMPTS, max_new=12)
+    assert {n for kind, n in steps if kind == "mixed"} == {1, 2}
+    assert ("prefill", 3) in steps and ("decode", 3) in steps
+
+
+def test_a_failed_mixed_step_fails_its_chunk_and_re_prefills_the_running_requests(model_dir):
+    """A mixed forward that raises: the long prompt it carried ends with an error; the running requests are
+    preempted, re-prefilled from what they generated, and finish with the tokens an undisturbed run gives."""
+    short = PROMPTS[3:] + PROMPTS[1:2]
+    want = run_all(Engine(runner(model_dir), eos_ids=[]), short, max_new=6)
+    r = runner(model_dir, chunk=6, enable_mixed_chunk=True)
+    engine = Engine(r, eos_ids=[])
+    outs, finished = {i: [] for i in range(2)}, {}
+
+    def emitter(key):
+        def emit(ev):
+            if ev.kind == "token":
+                outs.setdefault(key, []).append(ev.token_id)
+            else:
+                finished[key] = ev.finish_reason
+
+        return emit
+
+    for i, p in enumerate(short):
+        engine.submit(Request(f"short{i}", p, SamplingParams(max_new_tokens=6, ignore_eos=True), emitter(i)))
+    while min(len(o) for o in outs.values()) < 2:
+        engine.step()
+    real = r.prefill
+
+    def fail_once(slots, prompts):
+        r.prefill = real
+        raise RuntimeError("out of memory (injected)")
+
+    r.prefill = fail_once
+    engine.submit(Request("long", list(range(100, 133)), SamplingParams(max_new_tokens=2), emitter("long")))
+    while engine.has_unfinished():
+        engine.step()
+    assert finished == {"long": "error", 0: "length", 1: "length"}
+    assert {i: outs[i] for i in range(2)} == want
+    assert r.kv.can_allocate(511) and not engine.scheduler.requests()  # every token free or evictable again

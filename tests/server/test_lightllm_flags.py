@@ -65,6 +65,18 @@ def test_chunked_prefill_flags(capsys, model):
         )
 
 
+def test_mixed_chunk_flag(capsys, model):
+    """Off by default; on only with chunked prefill and without MTP (one line naming the flag that conflicts)."""
+    assert parse(model)[1].enable_mixed_chunk is False
+    assert parse(model, "--enable_mixed_chunk")[1].enable_mixed_chunk is True
+    assert refused(capsys, model, "--enable_mixed_chunk", "--disable_chunked_prefill") == (
+        "error: --enable_mixed_chunk expected chunked prefill without MTP (mixed steps carry one decode token per "
+        "request), got it with --disable_chunked_prefill"
+    )
+    with pytest.raises(ValueError, match="--enable_mixed_chunk expected chunked prefill .* got it with --mtp_mode"):
+        EngineArgs(device="cpu", enable_mixed_chunk=True, mtp_mode="eagle_with_att", mtp_step=1).normalize()
+
+
 def test_flags_accepted_for_compatibility_log_that_they_change_nothing(model, caplog):
     caplog.set_level(logging.INFO)
     server, _ = parse(model, "--trust_remote_code", "--nccl_port", "29500")
