@@ -20,6 +20,12 @@ def cublas_linear(x: torch.Tensor, w_t: torch.Tensor, out_dtype: torch.dtype, ou
     return y if out is None else out.copy_(y)
 
 
+def mm_on_view(x: torch.Tensor, w: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
+    """A model projection ``(x, w, w_t) -> x @ w^T`` as ``torch.mm(x, w_t)`` on the load-time ``[in, out]`` view:
+    the CPU path, and the GPU's above 16 rows (nothing keyed or checked per layer)."""
+    return torch.mm(x, w_t)
+
+
 def linear_ref(x: torch.Tensor, w: torch.Tensor, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """``x [M, K] @ w [N, K]^T`` computed in float64, cast to ``out_dtype`` (default x's dtype)."""
     return (x.double() @ w.double().t()).to(out_dtype or x.dtype)

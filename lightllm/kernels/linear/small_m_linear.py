@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 
 from lightllm.common.autotuner import AutotuneKernelType, PlannedInputs, autotune
-from lightllm.kernels.linear.reference import cublas_linear
+from lightllm.kernels.linear.reference import cublas_linear, mm_on_view
 from lightllm.kernels.linear.small_m_kernel import MAX_ROWS, launch_small_m_linear
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -120,13 +120,9 @@ def small_m_linear(x: torch.Tensor, w: torch.Tensor, out_dtype: Optional[torch.d
     return SmallMLinearPlan(m, w.shape[0], k, x.dtype, out_dtype, run_config).run(x, w, out=out)
 
 
-def _mm(x: torch.Tensor, w: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
-    return torch.mm(x, w_t)
-
-
 def linear_op(m: int, n: int, k: int, dtype: torch.dtype):
     """A model's projection of one forward, ``(x, w, w_t) -> x @ w^T``: the plan's run at m <= 16, else the very
     ``torch.mm(x, w_t)`` the models called before this kernel (nothing keyed or checked per layer)."""
     if m > MAX_ROWS:
-        return _mm
+        return mm_on_view
     return SmallMLinearPlan(m, n, k, dtype).run
