@@ -76,7 +76,7 @@ class SmallMLinearPlan:
             raise ValueError(f"small_m_linear plan: run_config needs 1 <= m <= {MAX_ROWS} (the kernel's row tile), "
                              f"got m {m}")  # fmt: skip
         self.out_dtype = out_dtype
-        self.out_shape = (m, n)
+        self.out_shape, self.w_t_shape = (m, n), (k, n)
         self.inputs = PlannedInputs("small_m_linear", x=(torch.Size((m, k)), dtype), w=(torch.Size((n, k)), dtype))
         self._tuned = _launch_small_m_linear.plan(run_config=run_config) if 0 < m <= MAX_ROWS else None
         self._scratch = {}  # split partials, made once for every layer's run
@@ -90,9 +90,9 @@ class SmallMLinearPlan:
                              f"{x.stride()} on {x.device}, w strides {w.stride()} on {w.device}")  # fmt: skip
         if w_t is None:
             w_t = w.t()
-        elif w_t.data_ptr() != w.data_ptr() or w_t.stride() != w.stride()[::-1] or w_t.shape != w.shape[::-1]:
-            raise ValueError(f"small_m_linear: w_t expected w's transposed view {tuple(w.shape[::-1])} strides "
-                             f"{w.stride()[::-1]}, got {tuple(w_t.shape)} strides {w_t.stride()}")  # fmt: skip
+        elif w_t.data_ptr() != w.data_ptr() or w_t.shape != self.w_t_shape:  # cuBLAS must read the same weight
+            raise ValueError(f"small_m_linear: w_t expected w's transposed view {self.w_t_shape}, got "
+                             f"{tuple(w_t.shape)} at another address or of another shape")  # fmt: skip
         if out is not None and (out.shape != self.out_shape or out.dtype != self.out_dtype or out.stride(-1) != 1):
             raise ValueError(f"small_m_linear: out expected a {self.out_shape} {self.out_dtype} tensor with a "
                              f"contiguous last dim, got {tuple(out.shape)} {out.dtype} "
