@@ -3,9 +3,10 @@
 Per shape, projection and M (rows: decode tokens): cuBLAS as the models call it (``torch.mm`` on the weight's
 transposed view; ``out_dtype=torch.float32`` for the lm_head) and every candidate config of the Triton kernel, each
 a CUDA-graph replay median (``cuda_graph_bench``). Weight bytes / time gives TB/s; a decode step streams every weight
-once, so by default each launch of a timed graph reads the next of several weight copies (together over 512 MB, far
-beyond L2): "cold", as in a step. ``--warm`` also times everything on one weight, as the tuner's search does (weights
-of qkv/o fit the H200's L2 there), and reports what that ranking would pick and its cold loss against the cold best.
+once, so each launch of a timed graph reads the next of several weight copies (together over 512 MB, far beyond L2):
+"cold", as in a step (the tuner's search does the same over 256 MB, ``kernels/linear/cold_weights.py``). ``--warm``
+(default on) also times everything on one weight (Qwen3-8B's qkv and o_proj fit the H200's L2 there) and reports
+what that ranking would pick and its cold loss against the cold best: what timing without the copies would cost.
 
     python benchmarks/gemv.py --out benchmarks/results/gemv_h200.json
     python benchmarks/gemv.py --analyze benchmarks/results/gemv_h200.json
@@ -49,44 +50,43 @@ def _kernels():
             importlib.import_module("lightllm.kernels.linear.reference"))  # fmt: skip
 
 
-def weight_copies(n: int, k: int, dtype: torch.dtype, device, cold: bool) -> list:
-    """Copies of one random weight whose bytes together pass ``COLD_BYTES`` (one when warm)."""
+def weight_ring(n: int, k: int, dtype: torch.dtype, device, cold: bool):
+    """A random weight and, when cold, copies of it whose bytes together pass ``COLD_BYTES``: each ``next()`` of the
+    ring gives the next copy and its transposed view."""
+    from lightllm.kernels.linear.cold_weights import WeightRing
+
     w = torch.randn(n, k, dtype=dtype, device=device) / k**0.5
-    count = max(2, math.ceil(COLD_BYTES / (w.numel() * w.element_size()))) if cold else 1
-    return [w] + [w.clone() for _ in range(count - 1)]
+    return WeightRing(w, max(2, math.ceil(COLD_BYTES / (w.numel() * w.element_size()))) if cold else 1)
 
 
-def rotating(fn, weights: list):
-    """``run()`` calling ``fn(w)`` on the next weight each time: the launches a graph captures read them in turn."""
-    state = {"i": 0}
+def time_cell(bench, x, ring, out_dtype, configs) -> dict:
+    _, kernel, reference = _kernels()
+    out = torch.empty(x.shape[0], ring.weights[0].shape[0], dtype=out_dtype, device=x.device)
 
-    def run():
-        w = weights[state["i"] % len(weights)]
-        state["i"] += 1
-        return fn(w)
+    def cublas():
+        _, w_t = ring.next()
+        return reference.cublas_linear(x, w_t, out_dtype)
 
-    return run
+    def triton(cfg, scratch):
+        w, _ = ring.next()
+        return kernel.launch_small_m_linear(x, w, out, cfg, scratch)
 
-
-def time_cell(bench, x, weights, out_dtype, configs) -> dict:
-    tuned, kernel, reference = _kernels()
-    transposed = [w.t() for w in weights]
-    views = dict(zip(map(id, weights), transposed))
-    cublas = bench(rotating(lambda w: reference.cublas_linear(x, views[id(w)], out_dtype), weights))
-    out = torch.empty(x.shape[0], weights[0].shape[0], dtype=out_dtype, device=x.device)
+    cublas_ms = bench(cublas)
     timed = []
     for cfg in configs:
         scratch = {}
         try:
-            ms = bench(rotating(lambda w: kernel.launch_small_m_linear(x, w, out, cfg, scratch), weights))
+            ms = bench(lambda: triton(cfg, scratch))
         except Exception as e:  # out of resources on a smaller GPU
             ms = math.inf
             print(f"  {cfg}: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
         timed.append([cfg, ms])
-    return {"cublas_ms": cublas, "configs": timed}
+    return {"cublas_ms": cublas_ms, "configs": timed}
 
 
 def run(args) -> dict:
+    from lightllm.kernels.linear.cold_weights import WeightRing
+
     tuned, _, _ = _kernels()
     dry = args.dry_run
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -104,14 +104,14 @@ def run(args) -> dict:
         for proj, (n, k, out_name) in projections.items():
             out_dtype = torch.float32 if out_name == F32 else dtype
             configs = tuned._configs(torch.empty(1, k, device="meta"), torch.empty(n, k, device="meta"))
-            cold = weight_copies(n, k, dtype, device, cold=not dry)
+            cold = weight_ring(n, k, dtype, device, cold=not dry)
             for m in args.rows:
                 x = torch.randn(m, k, generator=gen, device=device).to(dtype)
                 cell = {"shape": shape, "proj": proj, "N": n, "K": k, "M": m, "out_dtype": str(out_dtype),
-                        "weight_bytes": n * k * cold[0].element_size(), "copies": len(cold),
+                        "weight_bytes": n * k * cold.weights[0].element_size(), "copies": len(cold.weights),
                         **time_cell(bench, x, cold, out_dtype, configs)}  # fmt: skip
                 if args.warm:
-                    cell["warm"] = time_cell(bench, x, cold[:1], out_dtype, configs)
+                    cell["warm"] = time_cell(bench, x, WeightRing(cold.weights[0], 1), out_dtype, configs)
                 results["cells"].append(cell)
                 print(f"{shape} {proj} M={m}: cuBLAS {cell['cublas_ms']:.4f} ms", file=sys.stderr)
             del cold

@@ -154,6 +154,47 @@ def test_search_adopts_a_triton_config_only_when_it_is_faster(monkeypatch, isola
         _assert_matches(out1, x1, w1, torch.float32)
 
 
+def test_a_search_times_every_launch_on_the_next_copy_of_the_weight(monkeypatch, caplog):
+    """Level 1: the default and every candidate are timed on a ring of the weight's copies (COLD_BYTES over 4 weights
+    here: 4), each launch reading the next one, as a decode step reads weights from HBM; the call itself computes on
+    the caller's weight. A weight of half COLD_BYTES or more, or a ring without memory, is timed alone."""
+    from lightllm.kernels.linear import cold_weights
+
+    x, w = _inputs(2, torch.float32, seed=9)
+    size = w.numel() * w.element_size()
+    monkeypatch.setattr(cold_weights, "COLD_BYTES", 4 * size)
+    monkeypatch.setenv("LIGHTLLM_TRITON_AUTOTUNE_LEVEL", "1")
+    read = []
+    next_copy = cold_weights.WeightRing.next
+    monkeypatch.setattr(cold_weights.WeightRing, "next", lambda self: read.append(next_copy(self)) or read[-1])
+
+    def timer(run):
+        before = len(read)
+        for _ in range(3):
+            run()
+        assert len(read) == before + 3  # each launch took the next copy
+        return 1.0
+
+    set_bench_func(timer)
+    with autotune_warmup(AutotuneKernelType.GENERAL):
+        out = SmallMLinearPlan(2, N, K, torch.float32).run(x, w)
+    _assert_matches(out, x, w, torch.float32)
+    assert len({copy.data_ptr() for copy, _ in read}) == 4 and all(torch.equal(copy, w) for copy, _ in read)
+    assert all(view.data_ptr() == copy.data_ptr() and view.shape == (K, N) for copy, view in read)
+    named = {"w": w, "x": x}
+    monkeypatch.setattr(cold_weights, "COLD_BYTES", 2 * size)
+    assert cold_weights.cold_weight_inputs(named) is named
+
+    def no_memory(*args):
+        raise torch.OutOfMemoryError("out of memory")
+
+    monkeypatch.setattr(cold_weights, "COLD_BYTES", 4 * size)
+    monkeypatch.setattr(cold_weights, "WeightRing", no_memory)
+    with caplog.at_level("INFO", logger=cold_weights.__name__):
+        assert cold_weights.cold_weight_inputs(named) is named
+    assert "no memory for 4 copies of a (100, 300) weight" in caplog.text
+
+
 def test_bad_inputs_are_value_errors():
     x, w = _inputs(2, torch.float32)
     with pytest.raises(ValueError, match=r"dtype expected one of .* got torch.int32"):

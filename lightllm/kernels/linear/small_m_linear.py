@@ -4,7 +4,8 @@ A GENERAL kernel (``small_m_linear``): the launcher default (``run_config=None``
 ``[in, out]`` view, exactly what the models call without it, so with nothing tuned nothing changes; a search adopts
 a Triton config (``small_m_kernel.py``) only where it measures one faster than cuBLAS. Static key: N, K, dtype, out
 dtype and whether M <= 16 (no candidates above: cuBLAS always); run key: one bucket for every M <= 16 (the kernel
-pads x to 16 rows, so its time barely depends on M), tuned by the GENERAL warm-up's 16-token prefill.
+pads x to 16 rows, so its time barely depends on M), tuned by the GENERAL warm-up's 16-token prefill, each launch
+of the search reading the next of several copies of the weight (``cold_weights.py``: from HBM, as in a decode step).
 """
 
 from typing import Optional
@@ -12,6 +13,7 @@ from typing import Optional
 import torch
 
 from lightllm.common.autotuner import AutotuneKernelType, PlannedInputs, autotune
+from lightllm.kernels.linear.cold_weights import cold_weight_inputs
 from lightllm.kernels.linear.reference import cublas_linear, mm_on_view
 from lightllm.kernels.linear.small_m_kernel import MAX_ROWS, launch_small_m_linear
 
@@ -45,8 +47,11 @@ def _run_key(x):
     static_key_func=_static_key,
     run_key_func=_run_key,
     kernel_type=AutotuneKernelType.GENERAL,
+    rebuild_input_func=cold_weight_inputs,
 )
-def _launch_small_m_linear(x, w, w_t, out_dtype, out, scratch, run_config=None):
+def _launch_small_m_linear(x, w, w_t, out_dtype, out, scratch, w_ring=None, run_config=None):
+    if w_ring is not None:  # a search's timing inputs: the next copy of the weight
+        w, w_t = w_ring.next()
     if run_config is None:
         return cublas_linear(x, w_t, out_dtype, out)
     if out is None:
