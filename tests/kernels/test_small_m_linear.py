@@ -214,6 +214,8 @@ def test_bad_inputs_are_value_errors():
         plan.run(x, w.half())
     with pytest.raises(ValueError, match=r"contiguous last dims .* x strides \(1, 2\)"):
         plan.run(torch.randn(K, 2).t(), w)
+    with pytest.raises(ValueError, match=r"on one device, got x strides \(300, 1\) on meta, w strides \(300, 1\) on"):
+        plan.run(x.to("meta"), w)
     with pytest.raises(ValueError, match=r"w_t expected w.s transposed view \(300, 100\), got \(300, 100\) at another"):
         plan.run(x, w, w.clone().t())
     with pytest.raises(ValueError, match=r"out expected a \(2, 100\) torch.float32 tensor .* got \(2, 100\) "
