@@ -1,7 +1,12 @@
 """The logits GEMM: ``h @ lm_head.T`` as float32, what the logits processor and sampler take."""
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
+
+from lightllm.kernels.linear.small_m_kernel import MAX_ROWS
+from lightllm.kernels.linear.small_m_linear import SmallMLinearPlan
 
 
 def logits_fp32(h: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:
@@ -14,3 +19,13 @@ def logits_fp32(h: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:
     if h.is_cuda:
         return torch.mm(h, lm_head.t(), out_dtype=torch.float32)
     return F.linear(h, lm_head).float()
+
+
+def plan_logits(rows: int, lm_head: torch.Tensor, use_kernels: bool) -> Callable[[torch.Tensor], torch.Tensor]:
+    """One forward's logits, ``h [rows, hidden] -> float32 [rows, vocab]``. With kernels and at most 16 rows: the
+    tuned small-M linear writing float32 from its accumulators (cuBLAS, as :func:`logits_fp32`, until a search finds
+    a faster config); else :func:`logits_fp32`."""
+    if not use_kernels or rows > MAX_ROWS:
+        return lambda h: logits_fp32(h, lm_head)
+    run, lm_head_t = SmallMLinearPlan(rows, *lm_head.shape, lm_head.dtype, torch.float32).run, lm_head.t()
+    return lambda h: run(h, lm_head, lm_head_t)

@@ -9,6 +9,7 @@ import torch
 
 from lightllm import LLM
 from lightllm.kernels.kv_cache_write import KVLayers
+from lightllm.kernels.linear.reference import mm_on_view
 from lightllm.layers.attention import AttentionBackend
 from lightllm.layers.linear_attention import LinearAttentionBackend
 from lightllm.models.qwen3_5 import model as qwen3_5_model
@@ -17,6 +18,7 @@ from lightllm.tools.make_tiny_model import make_tiny_qwen3_5
 from tests.models.test_qwen3_layer_ops import (
     OpCounter,
     check_kernel_path_matches_reference,
+    check_with_triton_gemv,
     counts_per_depth,
     mock_triton_launches,
     tiny_llm,
@@ -56,7 +58,13 @@ def test_layer_ops_are_planned_from_the_step_shapes(monkeypatch):
     kv_layers = KVLayers(torch.zeros(2, 16, 2, d, dtype=f16), torch.zeros(2, 16, 2, d, dtype=f16))
     model = SimpleNamespace(use_kernels=True, config=config, dtype=f16, heads=4, kv_heads=2, intermediate=48,
                             linear_shape=SimpleNamespace(value_heads=6, value_dim=8), _cos=torch.ones(32, 4, dtype=f16),
-                            _sin=torch.zeros(32, 4, dtype=f16), attn=SimpleNamespace(kv_layers=kv_layers))  # fmt: skip
+                            _sin=torch.zeros(32, 4, dtype=f16), attn=SimpleNamespace(kv_layers=kv_layers),
+                            _projection_weights=dict(qkv=torch.empty(192, 64, dtype=f16), in_proj=None,
+                                                     o=torch.empty(64, 64, dtype=f16),
+                                                     out_proj=torch.empty(64, 48, dtype=f16),
+                                                     gate_up=torch.empty(96, 64, dtype=f16),
+                                                     down=torch.empty(64, 48, dtype=f16)),
+                            w=SimpleNamespace(lm_head=torch.zeros(100, 64, dtype=f16)))  # fmt: skip
     state = SimpleNamespace(positions=torch.arange(3), out_token_idx=torch.arange(3) + 5)
     ops = Qwen3_5Model._plan_ops(model, 3, 3, state)
     assert sorted(made, key=lambda m: m[0]) == [
@@ -69,6 +77,12 @@ def test_layer_ops_are_planned_from_the_step_shapes(monkeypatch):
     ]
     assert qk_kwargs[0]["kv_layers"] is kv_layers and qk_kwargs[0]["token_idx"] is state.out_token_idx
     assert ops.final_add_norm == ops.add_norm  # decode: one output row per token
+    # each projection a small-M plan of its weight's shape; one no layer holds (None here) runs torch.mm on the view
+    assert ops.qkv.__self__.inputs.planned == ((torch.Size((3, 64)), f16), (torch.Size((192, 64)), f16))
+    assert ops.out_proj.__self__.inputs.planned == ((torch.Size((3, 48)), f16), (torch.Size((64, 48)), f16))
+    assert ops.in_proj is mm_on_view
+    logits = ops.logits(torch.ones(3, 64, dtype=f16))  # float32 logits of the 3 output rows
+    assert logits.shape == (3, 100) and logits.dtype == f32
     made.clear()
     model.attn.kv_layers = None  # a quantized cache: the backend's write_kv after the q/k kernel
     state = SimpleNamespace(positions=torch.arange(7), out_token_idx=torch.arange(7))
@@ -82,6 +96,12 @@ def test_layer_ops_are_planned_from_the_step_shapes(monkeypatch):
 @pytest.mark.parametrize("dtype, tol", [("fp32", 1e-5), ("fp16", 2e-2)])
 def test_kernel_path_matches_the_reference_path(tiny_dir, dtype, tol):
     check_kernel_path_matches_reference(tiny_llm(tiny_dir, dtype), max_new_tokens=4, tol=tol)
+
+
+@pytest.mark.parametrize("dtype, tol", [("fp32", 1e-5), ("fp16", 2e-2)])
+def test_kernel_path_with_the_triton_gemv_matches_the_reference_path(tiny_dir, monkeypatch, dtype, tol):
+    """Every small-M linear on a Triton config: decode's six projections (both layer kinds) and the logits."""
+    check_with_triton_gemv(monkeypatch, tiny_llm(tiny_dir, dtype), tol)
 
 
 @pytest.mark.parametrize("kv_type", ["None", "int8kv"], ids=["float-kv", "int8-kv"])

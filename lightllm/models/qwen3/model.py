@@ -3,11 +3,13 @@
 Follows transformers' Qwen3 rounding steps (norms in float32 then cast, rotary tables cast to the model
 dtype, softmax in float32) so the CPU float32 path matches it to float rounding.
 
-Per layer, on a GPU: four GEMMs (fused qkv, o, fused gate/up, down), one q/k norm + rotary kernel that also writes
-the layer's new K/V into a float KV cache (a quantized cache: a KV write kernel after it), attention, two residual
-add + norm kernels (post-attention, and the next layer's input norm or the final norm) and one SiLU(gate) * up
-kernel. Every kernel is planned once per forward (:meth:`Qwen3Model.plan_step`); on the CPU each is its torch
-reference (the same rounding steps). ``benchmarks/layer_launches.py`` counts a layer's launches.
+Per layer, on a GPU: four GEMMs (fused qkv, o, fused gate/up, down: cuBLAS on the weights' ``[in, out]`` views; at
+most 16 tokens the tuned small-M linear, ``kernels/linear/``, whose untuned default is that same cuBLAS call), one
+q/k norm + rotary kernel that also writes the layer's new K/V into a float KV cache (a quantized cache: a KV write
+kernel after it), attention, two residual add + norm kernels (post-attention, and the next layer's input norm or the
+final norm) and one SiLU(gate) * up kernel. Every kernel is planned once per forward (:meth:`Qwen3Model.plan_step`);
+on the CPU each is its torch reference (the same rounding steps). ``benchmarks/layer_launches.py`` counts a layer's
+launches.
 """
 
 from typing import Callable, NamedTuple, Optional, Tuple
@@ -16,12 +18,14 @@ import torch
 import torch.nn.functional as F
 
 from lightllm.kernels.activation import SiluMulPlan, silu_mul_ref
+from lightllm.kernels.linear.reference import mm_on_view
+from lightllm.kernels.linear.small_m_linear import linear_op
 from lightllm.kernels.norm.add_rmsnorm import AddRMSNormPlan, add_rmsnorm_ref
 from lightllm.kernels.norm.qk_norm_rope import QKNormRopePlan, qk_norm_rope_ref
 from lightllm.kernels.norm.rmsnorm import RMSNormPlan, rmsnorm_ref
 from lightllm.layers.attention import AttentionBackend
 from lightllm.layers.infer_state import InferState
-from lightllm.layers.logits import logits_fp32
+from lightllm.layers.logits import plan_logits
 from lightllm.layers.parallel import all_reduce_
 from lightllm.models.qwen3.config import Qwen3ModelConfig
 from lightllm.models.qwen3.tensor_parallel import local_heads
@@ -29,7 +33,7 @@ from lightllm.models.qwen3.weights import Qwen3Weights
 
 
 class LayerOps(NamedTuple):
-    """What the layers of one forward run besides GEMMs and attention, planned before the first layer."""
+    """What the layers of one forward run besides attention, planned before the first layer."""
 
     norm: Callable  # (x, weight) -> y: the first layer's input norm
     qk_norm_rope_kv: Callable  # (qkv, q_weight, k_weight, layer) -> (q, k): q/k heads normed and rotated; the
@@ -37,6 +41,11 @@ class LayerOps(NamedTuple):
     add_norm: Callable  # (residual, x, weight) -> y: residual += x, y = norm(residual); [tokens, hidden]
     silu_mul: Callable  # (gate_up) -> silu(gate) * up
     final_add_norm: Callable  # add_norm over the output rows (one per request in prefill)
+    qkv: Callable  # (x, w, w_t) -> x @ w^T, the fused q/k/v projection (w [out, in], w_t its [in, out] view)
+    o: Callable  # o_proj, as qkv
+    gate_up: Callable  # the fused gate/up projection, as qkv
+    down: Callable  # down_proj, as qkv
+    logits: Callable  # (h) -> float32 logits [output rows, vocab]
 
 
 class Qwen3Model:
@@ -73,6 +82,8 @@ class Qwen3Model:
                 add_norm=add_norm,
                 silu_mul=silu_mul_ref,
                 final_add_norm=add_norm,
+                **projections(False, tokens, dtype, **layer_projections(self.w.layers[0])),
+                logits=plan_logits(rows_out, self.w.lm_head, use_kernels=False),
             )
         # Each layer consumes an op's outputs before the next layer's run: one output buffer per op and forward.
         hidden, reuse = self.config.hidden_size, dict(reuse_outputs=True)
@@ -85,7 +96,8 @@ class Qwen3Model:
         qk_norm_rope_kv = qk.run if kv_write else then_write_kv(qk.run, self, state.out_token_idx)
         return LayerOps(norm=RMSNormPlan((tokens, hidden), dtype, eps).run, qk_norm_rope_kv=qk_norm_rope_kv,
                         add_norm=add_norm, silu_mul=SiluMulPlan(tokens, self.intermediate, dtype, **reuse).run,
-                        final_add_norm=final)  # fmt: skip
+                        final_add_norm=final, **projections(True, tokens, dtype, **layer_projections(self.w.layers[0])),
+                        logits=plan_logits(rows_out, self.w.lm_head, use_kernels=True))  # fmt: skip
 
     def plan_step(self, tokens: int, state: InferState) -> LayerOps:
         """Everything one forward plans before its first layer: the attention plan (set on ``state``, from the
@@ -117,23 +129,21 @@ class Qwen3Model:
         reduce = all_reduce_ if self.tp > 1 else unchanged  # one rank: no all-reduce, nor its world-size query
         h = F.embedding(input_ids, self.w.embed)  # the residual stream, updated in place by add_norm
         x = ops.norm(h, layers[0].input_norm)
-        mm = torch.mm  # with the weights' [in, out] views: F.linear's own mm, bit for bit
         for i, lw in enumerate(layers):
-            qkv = mm(x, lw.qkv_t)
+            qkv = ops.qkv(x, lw.qkv_proj, lw.qkv_t)
             q, k = ops.qk_norm_rope_kv(qkv, lw.q_norm, lw.k_norm, i)
             if prefill:
                 o = attn.prefill(i, q, k, qkv[:, v_start:].view(tokens, self.kv_heads, d), state)
             else:
                 o = attn.decode(i, q, state)
-            x = ops.add_norm(h, reduce(mm(o.reshape(tokens, -1), lw.o_t)), lw.post_norm)
-            mlp = reduce(mm(ops.silu_mul(mm(x, lw.gate_up_t)), lw.down_t))
+            x = ops.add_norm(h, reduce(ops.o(o.reshape(tokens, -1), lw.o_proj, lw.o_t)), lw.post_norm)
+            mlp = reduce(ops.down(ops.silu_mul(ops.gate_up(x, lw.gate_up_proj, lw.gate_up_t)), lw.down_proj, lw.down_t))
             if i + 1 < len(layers):
                 x = ops.add_norm(h, mlp, layers[i + 1].input_norm)
         if prefill:  # only each request's last token goes on
             last = (state.b_q_start + state.b_q_len - 1).long()
             h, mlp = h[last], mlp[last]
-        h = ops.final_add_norm(h, mlp, self.w.final_norm)
-        return logits_fp32(h, self.w.lm_head)
+        return ops.logits(ops.final_add_norm(h, mlp, self.w.final_norm))
 
 
 def then_write_kv(qk_norm_rope: Callable, model, token_idx: torch.Tensor) -> Callable:
@@ -149,6 +159,19 @@ def then_write_kv(qk_norm_rope: Callable, model, token_idx: torch.Tensor) -> Cal
         return q, k
 
     return qk_norm_rope_kv
+
+
+def projections(use_kernels: bool, tokens: int, dtype: torch.dtype, **weights: Optional[torch.Tensor]) -> dict:
+    """One forward's projections by LayerOps field, ``(x, w, w_t) -> x @ w^T``, planned from each field's weight
+    ``[out, in]`` (every layer's has that shape): ``linear_op`` with kernels (the tuned small-M linear at most 16
+    tokens, else ``torch.mm`` on the view), else (or for a weight no layer has: None) ``torch.mm`` on the view."""
+    return {field: linear_op(tokens, *w.shape, dtype) if use_kernels and w is not None else mm_on_view
+            for field, w in weights.items()}  # fmt: skip
+
+
+def layer_projections(lw) -> dict:
+    """A Qwen3 layer's four projection weights by LayerOps field."""
+    return dict(qkv=lw.qkv_proj, o=lw.o_proj, gate_up=lw.gate_up_proj, down=lw.down_proj)
 
 
 def unchanged(x: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,8 @@ float32 before the cast, the gated norm casts the normalized value, multiplies b
 allocated by :meth:`Qwen3_5Model.alloc_request_state`.
 
 Per layer, on a GPU: four GEMMs (the fused input projection: ``qkv_proj`` or ``in_proj``; o_proj or out_proj;
-the fused gate/up; down; each one ``torch.mm`` on the weight's ``[in, out]`` view made at load), the mixer's own
+the fused gate/up; down; each one ``torch.mm`` on the weight's ``[in, out]`` view made at load, or at most 16 tokens
+the tuned small-M linear whose untuned default is that same call: ``Qwen3Model``'s), the mixer's own
 launches (gated attention: one q/k norm + partial rotary kernel that also writes the new K/V into a float KV cache
 (a quantized cache: a KV write kernel after it), attention, one output-gate kernel; gated DeltaNet: the conv, the
 delta rule, one gated-norm kernel), two residual add + norm kernels (post-mixer, and the next layer's input norm or
@@ -29,7 +30,7 @@ from lightllm.kernels.norm.qk_norm_rope import QKNormRopePlan, qk_norm_rope_ref
 from lightllm.kernels.norm.rmsnorm import RMSNormPlan, rmsnorm_ref
 from lightllm.layers.attention import AttentionBackend
 from lightllm.layers.infer_state import InferState
-from lightllm.layers.logits import logits_fp32
+from lightllm.layers.logits import plan_logits
 from lightllm.layers.parallel import all_reduce_
 from lightllm.layers.linear_attention import (
     LinearAttentionBackend,
@@ -37,14 +38,13 @@ from lightllm.layers.linear_attention import (
     LinearAttentionShape,
     LinearAttentionState,
 )
-from lightllm.models.qwen3.model import plan_attention, rope_tables, then_write_kv, unchanged
+from lightllm.models.qwen3.model import plan_attention, projections, rope_tables, then_write_kv, unchanged
 from lightllm.models.qwen3_5.config import Qwen3_5ModelConfig
 from lightllm.models.qwen3_5.weights import LayerWeights, Qwen3_5Weights
 
 
 class LayerOps(NamedTuple):
-    """What the layers of one forward run besides GEMMs, attention and the delta rule, planned before the first
-    layer."""
+    """What the layers of one forward run besides attention and the delta rule, planned before the first layer."""
 
     norm: Callable  # (x, weight, out=None) -> y: the first layer's input norm (zero-centred: weight is 1 + w,
     # float32); ``out`` may be a column block of a wider 2-D buffer (the MTP head's fc input)
@@ -55,6 +55,13 @@ class LayerOps(NamedTuple):
     attn_gate: Callable  # (o, gate) -> o * sigmoid(gate): [tokens, heads, head_dim]
     gated_norm: Callable  # (o, z, weight) -> weight * norm(o) * silu(z): [tokens, value_heads, value_dim]
     silu_mul: Callable  # (gate_up) -> silu(gate) * up
+    qkv: Callable  # (x, w, w_t) -> x @ w^T (w [out, in], w_t its [in, out] view): full attention's fused q/k/v
+    o: Callable  # full attention's o_proj, as qkv
+    in_proj: Callable  # gated DeltaNet's fused input projection, as qkv
+    out_proj: Callable  # gated DeltaNet's out_proj, as qkv
+    gate_up: Callable  # the fused gate/up projection, as qkv
+    down: Callable  # down_proj, as qkv
+    logits: Callable  # (h) -> float32 logits [output rows, vocab]
 
 
 class Qwen3_5Model:
@@ -83,6 +90,7 @@ class Qwen3_5Model:
         self.mtp = None  # the MTP head (mtp.py), built by the family when --mtp_mode asks for it
         self._cos, self._sin = rope_tables(config.rotary_dim, config.rope_theta, config.max_position_embeddings,
                                            device, self.dtype)  # fmt: skip
+        self._projection_weights = projection_weights(weights)
 
     # ---- start-up hooks the runner calls ------------------------------------------------------------------
 
@@ -131,7 +139,8 @@ class Qwen3_5Model:
                             qk_norm_rope_kv=then_write_kv(qk_norm_rope, self, state.out_token_idx),
                             attn_gate=sigmoid_gate_mul_ref,
                             gated_norm=lambda o, z, weight: gated_rmsnorm_ref(o, z, weight, eps),
-                            silu_mul=silu_mul_ref)  # fmt: skip
+                            silu_mul=silu_mul_ref, **projections(False, tokens, dtype, **self._projection_weights),
+                            logits=plan_logits(rows_out, self.w.lm_head, use_kernels=False))  # fmt: skip
         # Each layer consumes an op's outputs before the next layer's run: one output buffer per op and forward.
         hidden, reuse = (tokens, c.hidden_size), dict(reuse_outputs=True)
         add_norm = AddRMSNormPlan(hidden, dtype, eps, weight_dtype=f32, **reuse).run
@@ -150,6 +159,8 @@ class Qwen3_5Model:
             attn_gate=SigmoidGatePlan(tokens, heads, c.head_dim, dtype, **reuse).run,
             gated_norm=GatedRMSNormPlan(tokens, s.value_heads, s.value_dim, dtype, eps, **reuse).run,
             silu_mul=SiluMulPlan(tokens, self.intermediate, dtype, **reuse).run,
+            **projections(True, tokens, dtype, **self._projection_weights),
+            logits=plan_logits(rows_out, self.w.lm_head, use_kernels=True),
         )
 
     def plan_step(self, tokens: int, state: InferState) -> Tuple[LayerOps, LinearAttentionPlan]:
@@ -170,31 +181,30 @@ class Qwen3_5Model:
         reduce = all_reduce_ if self.tp > 1 else unchanged  # one rank: no all-reduce, nor its world-size query
         h = F.embedding(input_ids, self.w.embed)  # the residual stream, updated in place by add_norm
         x = ops.norm(h, layers[0].input_norm)
-        mm = torch.mm  # with the weights' [in, out] views: F.linear's own mm, bit for bit
         for i, lw in enumerate(layers):
             if lw.kind == "full_attention":
                 out = self._full_attention(self.kv_layer[i], lw, x, ops, state)
             else:
                 out = self._linear_attention(self.state_layer[i], lw, x, ops, plan, state.is_prefill)
             x = ops.add_norm(h, reduce(out), lw.post_norm)
-            mlp = reduce(mm(ops.silu_mul(mm(x, lw.gate_up_t)), lw.down_t))
+            mlp = reduce(ops.down(ops.silu_mul(ops.gate_up(x, lw.gate_up_proj, lw.gate_up_t)), lw.down_proj, lw.down_t))
             if i + 1 < len(layers):
                 x = ops.add_norm(h, mlp, layers[i + 1].input_norm)
         if keep_hidden:
             hidden = ops.add_norm(h, mlp, self.w.final_norm)
             rows = hidden[(state.b_q_start + state.b_q_len - 1).long()] if state.is_prefill else hidden
-            return logits_fp32(rows, self.w.lm_head), hidden
+            return ops.logits(rows), hidden
         if state.is_prefill:  # only each request's last token goes on
             last = (state.b_q_start + state.b_q_len - 1).long()
             h, mlp = h[last], mlp[last]
-        return logits_fp32(ops.final_add_norm(h, mlp, self.w.final_norm), self.w.lm_head)
+        return ops.logits(ops.final_add_norm(h, mlp, self.w.final_norm))
 
     def _full_attention(self, layer: int, lw: LayerWeights, x, ops: LayerOps, state: InferState) -> torch.Tensor:
         """Gated attention: one GEMM gives q (per head ``[query | gate]``), k and v; q/k norms and partial rotary
         (writing the tokens' K/V into pool layer ``layer``), GQA over the KV pool, the output ``* sigmoid(gate)`` (the
         gate read in place), o_proj."""
         d, tokens, heads = self.config.head_dim, x.shape[0], self.heads
-        qkv = torch.mm(x, lw.qkv_t)
+        qkv = ops.qkv(x, lw.qkv_proj, lw.qkv_t)
         q, k = ops.qk_norm_rope_kv(qkv, lw.q_norm, lw.k_norm, layer)
         gate = qkv[:, : heads * 2 * d].view(tokens, heads, 2 * d)[..., d:]
         if state.is_prefill:
@@ -203,7 +213,7 @@ class Qwen3_5Model:
         else:
             o = self.attn.decode(layer, q, state)
         o = ops.attn_gate(o.reshape(tokens, heads, d), gate)
-        return torch.mm(o.reshape(tokens, -1), lw.o_t)
+        return ops.o(o.reshape(tokens, -1), lw.o_proj, lw.o_t)
 
     def _linear_attention(self, layer: int, lw: LayerWeights, x, ops: LayerOps, plan: LinearAttentionPlan,
                           prefill: bool) -> torch.Tensor:  # fmt: skip
@@ -211,7 +221,7 @@ class Qwen3_5Model:
         delta rule over the request's state slot, the gated RMSNorm (z read in place), out_proj."""
         s, tokens, lin = self.linear_shape, x.shape[0], self.linear
         channels, vd, hv = s.conv_channels, s.value_heads * s.value_dim, s.value_heads
-        proj = torch.mm(x, lw.in_t)
+        proj = ops.in_proj(x, lw.in_proj, lw.in_t)
         z = proj[:, channels : channels + vd].view(tokens, hv, s.value_dim)
         b, a = proj[:, channels + vd : channels + vd + hv], proj[:, channels + vd + hv :]
         conv = lin.conv_prefill if prefill else lin.conv_decode
@@ -222,4 +232,14 @@ class Qwen3_5Model:
         v = mixed[:, 2 * kd :].view(tokens, s.value_heads, s.value_dim)
         rule = lin.delta_prefill if prefill else lin.delta_decode
         o = rule(layer, q, k, v, a, b, lw.A_log, lw.dt_bias, plan)
-        return torch.mm(ops.gated_norm(o, z, lw.norm).reshape(tokens, -1), lw.out_t)
+        return ops.out_proj(ops.gated_norm(o, z, lw.norm).reshape(tokens, -1), lw.out_proj, lw.out_t)
+
+
+def projection_weights(weights: Qwen3_5Weights) -> Dict[str, Optional[torch.Tensor]]:
+    """One weight of each projection by LayerOps field (every layer's has its shape): the first layer that holds it,
+    the MTP head's layer included (a full-attention layer); None where no layer does."""
+    layers = list(weights.layers) + ([weights.mtp.layer] if weights.mtp is not None else [])
+    fields = dict(qkv="qkv_proj", o="o_proj", in_proj="in_proj", out_proj="out_proj", gate_up="gate_up_proj",
+                  down="down_proj")  # fmt: skip
+    return {field: next((getattr(lw, a) for lw in layers if getattr(lw, a) is not None), None)
+            for field, a in fields.items()}  # fmt: skip

@@ -21,9 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from lightllm.layers.infer_state import InferState
-from lightllm.layers.logits import logits_fp32
 from lightllm.layers.parallel import all_reduce_
-from lightllm.models.qwen3.model import unchanged
+from lightllm.models.qwen3.model import projections, unchanged
 from lightllm.models.qwen3_5.weights import MTPWeights
 
 
@@ -53,14 +52,16 @@ class Qwen3_5MTP:
         fc_in = torch.empty(tokens, 2 * width, dtype=m.dtype, device=hidden.device)
         ops.norm(F.embedding(input_ids, m.w.embed), w.norm_embedding, out=fc_in[:, :width])
         ops.norm(hidden.to(m.dtype), w.norm_hidden, out=fc_in[:, width:])
-        h = torch.mm(fc_in, w.fc_t)
+        h = projections(m.use_kernels, tokens, m.dtype, fc=w.fc)["fc"](fc_in, w.fc, w.fc_t)
         x = ops.norm(h, lw.input_norm)
         out = m._full_attention(self.kv_layer, lw, x, ops, state)  # writes the head's KV (float: in the q/k kernel)
         if out_rows is None:
             return None
         x = ops.add_norm(h, self._reduce(out), lw.post_norm)
-        mlp = self._reduce(torch.mm(ops.silu_mul(torch.mm(x, lw.gate_up_t)), lw.down_t))
+        mlp = self._reduce(
+            ops.down(ops.silu_mul(ops.gate_up(x, lw.gate_up_proj, lw.gate_up_t)), lw.down_proj, lw.down_t)
+        )
         if rows_out != tokens:
             h, mlp = h[out_rows], mlp[out_rows]
         normed = ops.final_add_norm(h, mlp, w.final_norm)
-        return logits_fp32(normed, m.w.lm_head), normed
+        return ops.logits(normed), normed
