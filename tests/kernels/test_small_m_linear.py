@@ -224,3 +224,25 @@ def test_bad_inputs_are_value_errors():
     with pytest.raises(ValueError, match=r"expected x \[M, K\] and w \[N, K\], got x \(2, 300\), w \(100, 299\)"):
         small_m_linear(x, w[:, :299])
     assert module.MAX_ROWS == 16
+
+
+def test_a_plan_settled_on_cublas_skips_its_checks_after_the_first_run():
+    """Nothing tuned: the first run checks and settles on cuBLAS; the layers after it call torch.mm directly (no
+    input check), with the same bits; a plan whose config is a Triton one keeps checking every run."""
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(3, 300, generator=g), torch.randn(100, 300, generator=g)
+    plan = SmallMLinearPlan(3, 100, 300, torch.float32)
+    checks, real = [], plan.inputs
+
+    class Counted:
+        def check(self, *given):
+            checks.append(given)
+            return real.check(*given)
+
+    plan.inputs = Counted()
+    first, second = plan.run(x, w), plan.run(x, w)
+    assert len(checks) == 1 and torch.equal(first, torch.mm(x, w.t())) and torch.equal(second, first)
+    fixed = SmallMLinearPlan(3, 100, 300, torch.float32, run_config=dict(CANDIDATES[0]))
+    fixed.run(x, w)
+    with pytest.raises(ValueError, match=r"small_m_linear plan: x expected the planned \(3, 300\)"):
+        fixed.run(x[:, :200].contiguous(), w[:, :200].contiguous())
