@@ -235,3 +235,35 @@ def test_a_failed_mixed_step_fails_its_chunk_and_re_prefills_the_running_request
     assert finished == {"long": "error", 0: "length", 1: "length"}
     assert {i: outs[i] for i in range(2)} == want
     assert r.kv.can_allocate(511) and not engine.scheduler.requests()  # every token free or evictable again
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory):
+    return str(make_tiny_qwen3(tmp_path_factory.mktemp("qwen3_cache"), seed=5))  # Qwen3.5 runs without the cache
+
+
+@pytest.mark.parametrize("shared", [1, 9], ids=["first-decode-token", "all-output-with-kv"])
+def test_a_prefix_cached_after_mixed_steps_gives_the_uncached_output(qwen3_dir, shared):
+    """A request whose row mixes decode steps and mixed-step chunks ends; a later prompt sharing its prompt and
+    ``shared`` of its tokens reuses that KV from the prefix cache and decodes exactly as without the cache: the
+    tree maps each token id to its own position's KV (attention over a whole row would not notice a permuted one;
+    a prefix cut inside it does)."""
+    first = PROMPTS[3]
+    engine = Engine(runner(qwen3_dir, chunk=6, enable_mixed_chunk=True), eos_ids=[])
+    outs = {"a": [], "b": []}
+    engine.submit(Request("a", first, SamplingParams(max_new_tokens=10, ignore_eos=True),
+                          lambda ev: ev.kind == "token" and outs["a"].append(ev.token_id)))  # fmt: skip
+    while len(outs["a"]) < 2:
+        engine.step()
+    engine.submit(Request("b", list(range(100, 133)), SamplingParams(max_new_tokens=2, ignore_eos=True),
+                          lambda ev: ev.kind == "token" and outs["b"].append(ev.token_id)))  # fmt: skip
+    kinds = []
+    while engine.has_unfinished():
+        engine.step()
+        kinds.append(engine.scheduler.last_step)
+    assert "mixed" in kinds and "decode" in kinds
+    follow = first + outs["a"][:shared] + [77]
+    assert engine.runner.kv.match_prefix(follow[:-1])[0] == len(follow) - 1
+    cached = run_all(engine, [follow], max_new=6)
+    uncached = run_all(Engine(runner(qwen3_dir, disable_dynamic_prompt_cache=True), eos_ids=[]), [follow], max_new=6)
+    assert cached == uncached

@@ -52,8 +52,10 @@ class KVCacheManager:
         self._pins: list = [None] * max_reqs  # the tree node each row pinned at add_request
         self._num_pinned = [0] * max_reqs  # how many tokens it starts with from the tree
         self._seq_lens = [0] * max_reqs
+        # A row's tokens in row order: ``_held`` (chunks, and decode tokens a later chunk came after), then
+        # ``_held_decode`` (the decode steps' tokens since the last chunk, one int each)
         self._held: List[List[torch.Tensor]] = [[] for _ in range(max_reqs)]
-        self._held_decode: List[List[int]] = [[] for _ in range(max_reqs)]  # one token per decode step
+        self._held_decode: List[List[int]] = [[] for _ in range(max_reqs)]
         self._last_extend = [False] * max_reqs  # whether the row's newest tokens came from ``extend`` (truncate)
 
     @property
@@ -156,6 +158,9 @@ class KVCacheManager:
             token_idx = self._alloc(n)
         if n:
             self.req_to_token.write(slot, cur, token_idx)
+            if self._held_decode[slot]:  # a chunk after decode steps (a mixed step): keep the row's order
+                self._held[slot].append(torch.tensor(self._held_decode[slot], dtype=torch.int64))
+                self._held_decode[slot] = []
             self._held[slot].append(token_idx)
             self._seq_lens[slot] = cur + n
             self._last_extend[slot] = True

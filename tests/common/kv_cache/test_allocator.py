@@ -262,3 +262,21 @@ def test_computed_each_is_computed_one_token_per_slot():
         m.free_request(a), m.free_request(b)
     assert [batch.match_prefix(ids) for ids in ([5, 6, 8], [7, 9], [5, 6, 9])] == [(3, 3), (2, 2), (2, 2)]
     assert [single.match_prefix(ids) for ids in ([5, 6, 8], [7, 9], [5, 6, 9])] == [(3, 3), (2, 2), (2, 2)]
+
+
+def test_a_chunk_after_decode_steps_keeps_the_row_order_in_the_prefix_cache():
+    """A mixed step extends a decoding request by a one-token chunk (``extend``) after its decode steps
+    (``extend_each``): the tree must map each token id to the KV slot at its own position of the row, so a later
+    request that reuses the prefix reads the right KV."""
+    m = KVCacheManager(64, max_reqs=4, max_len=16, device="cpu", prefix_cache=True)
+    a = m.add_request()
+    m.extend(a, 3), m.computed(a, [1, 2, 3])  # prefill
+    for tok in (4, 5):  # two decode steps
+        m.extend_each([a]), m.computed_each([a], [tok])
+    m.extend(a, 1), m.computed(a, [6])  # a mixed step's one-token chunk
+    m.extend_each([a]), m.computed_each([a], [7])  # a decode step after it
+    row = m.table[a, :7].tolist()
+    m.free_request(a)
+    assert m.match_prefix([1, 2, 3, 4, 5, 6, 7])[0] == 7
+    b = m.add_request([1, 2, 3, 4, 5, 6, 7])
+    assert m.table[b, :7].tolist() == row
