@@ -274,7 +274,7 @@ class ModelRunner:
         request within a prefill graph's bucket replays that graph (its logits valid until the next replay)."""
         lens = [len(p) for p in prompts]
         prefix = [self.kv.seq_len(s) for s in slots]
-        token_idx = torch.cat([self.kv.extend(s, n) for s, n in zip(slots, lens)])
+        token_idx = self.kv.extend_many(slots, lens)  # one allocation and one table write for the step
         logits = None
         if self.prefill_graphs is not None and len(slots) == 1:  # one request within a bucket: a graph replay
             logits = self.prefill_graphs.prefill(slots[0], prefix[0], prompts[0], token_idx)

@@ -7,6 +7,7 @@ allocation evicts them (least recently used first) when the free list runs short
 
 from typing import List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 
 from lightllm.common.kv_cache.allocator import ReqSlotAllocator, TokenAllocator, check_count
@@ -158,12 +159,44 @@ class KVCacheManager:
             token_idx = self._alloc(n)
         if n:
             self.req_to_token.write(slot, cur, token_idx)
-            if self._held_decode[slot]:  # a chunk after decode steps (a mixed step): keep the row's order
-                self._held[slot].append(torch.tensor(self._held_decode[slot], dtype=torch.int64))
-                self._held_decode[slot] = []
-            self._held[slot].append(token_idx)
-            self._seq_lens[slot] = cur + n
-            self._last_extend[slot] = True
+            self._append_chunk(slot, token_idx)
+        return token_idx
+
+    def _append_chunk(self, slot: int, token_idx: torch.Tensor) -> None:
+        """Book ``token_idx`` (already in the table) as the row's next tokens, from an ``extend``."""
+        if self._held_decode[slot]:  # a chunk after decode steps (a mixed step): keep the row's order
+            self._held[slot].append(torch.tensor(self._held_decode[slot], dtype=torch.int64))
+            self._held_decode[slot] = []
+        self._held[slot].append(token_idx)
+        self._seq_lens[slot] += token_idx.numel()
+        self._last_extend[slot] = True
+
+    def extend_many(self, slots: Sequence[int], counts: Sequence[int]) -> torch.Tensor:
+        """``extend(slots[i], counts[i])`` for every ``i`` (a prefill step's requests): one allocation and one table
+        write for the batch instead of one each. Returns the new token indices in that order (CPU int64). The same
+        errors as ``extend``, checked for the whole batch before anything changes."""
+        owner = "KVCacheManager.extend_many"
+        self.slots.check_allocated_each(owner, slots)
+        if len(counts) != len(slots) or len(set(slots)) != len(slots):
+            raise ValueError(f"{owner}: distinct slots and one count each expected, got slots {list(slots)} and "
+                             f"counts {list(counts)}")  # fmt: skip
+        starts = [self._seq_lens[slot] for slot in slots]
+        for slot, cur, n in zip(slots, starts, counts):
+            check_count(owner, "n", n, 0)
+            if cur + n > self.max_len:
+                raise ValueError(f"{owner}: n expected <= {self.max_len - cur} (max_len {self.max_len}, slot {slot} "
+                                 f"holds {cur}), got {n}")  # fmt: skip
+        positions = np.concatenate([np.arange(cur, cur + n) for cur, n in zip(starts, counts)] or [np.empty(0)])
+        rows = np.repeat(np.asarray(slots, dtype=np.int64), counts)
+        if self.contiguous_slots:  # reserved with the slot: nothing to allocate
+            token_idx = torch.from_numpy(rows * self.max_len + positions.astype(np.int64))
+        else:
+            token_idx = self._alloc(int(sum(counts)))
+        if token_idx.numel():
+            self.req_to_token.write_points(rows, positions, token_idx)
+        for slot, n, part in zip(slots, counts, torch.split(token_idx, list(counts))):
+            if n:
+                self._append_chunk(slot, part)
         return token_idx
 
     def extend_each(self, slots: Sequence[int], write_table: bool = True) -> torch.Tensor:

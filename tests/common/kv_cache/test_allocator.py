@@ -280,3 +280,31 @@ def test_a_chunk_after_decode_steps_keeps_the_row_order_in_the_prefix_cache():
     assert m.match_prefix([1, 2, 3, 4, 5, 6, 7])[0] == 7
     b = m.add_request([1, 2, 3, 4, 5, 6, 7])
     assert m.table[b, :7].tolist() == row
+
+
+@pytest.mark.parametrize("contiguous", [False, True], ids=["pool", "contiguous"])
+def test_extend_many_is_extend_of_each_in_one_write(contiguous):
+    """A prefill step's extends at once: the same rows, token order, lengths and (freed) pool as one ``extend`` per
+    request, after decode steps too; a bad batch is refused naming the problem with nothing changed."""
+    kw = dict(max_reqs=4, max_len=8, device="cpu", contiguous_slots=contiguous, prefix_cache=not contiguous)
+    many, each = (KVCacheManager(32, **kw) for _ in range(2))
+    for m in (many, each):
+        a, b, c = m.add_request(), m.add_request(), m.add_request()
+        m.extend_each([a, b])
+    got = many.extend_many([c, a, b], [3, 0, 2])
+    want = torch.cat([each.extend(c, 3), each.extend(a, 0), each.extend(b, 2)])
+    assert torch.equal(got, want) and torch.equal(many.table, each.table)
+    assert many.seq_lens([a, b, c]) == each.seq_lens([a, b, c]) == [1, 3, 3]
+    before = (many.table.clone(), many.seq_lens([a, b, c]), many.num_free_tokens)
+    for slots, counts, match in (([a, a], [1, 1], "distinct slots and one count each"),
+                                 ([a, b], [1], "distinct slots and one count each"),
+                                 ([a, b], [1, 6], r"n expected <= 5 \(max_len 8, slot 1 holds 3\), got 6"),
+                                 ([a, b], [1, -1], "n expected an int >= 0"),
+                                 ([a, 3], [1, 1], "slot")):  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            many.extend_many(slots, counts)
+        assert torch.equal(many.table, before[0]) and (many.seq_lens([a, b, c]), many.num_free_tokens) == before[1:]
+    for m in (many, each):
+        for slot in (a, b, c):
+            m.free_request(slot)
+    assert many.num_free_tokens == each.num_free_tokens
