@@ -107,7 +107,8 @@ class MTPRunner:
         for slot, token in zip(slots, last_tokens):
             self.follow[slot].append(token)
         bases = [self.kv.seq_len(s) for s in slots]  # m: the KV length before this step
-        self._token_idx = [self.kv.extend(s, self.tokens) for s in slots]
+        # the verify step's N + 1 slots of every request, in one allocation and one table write
+        self._token_idx = self.kv.extend_many(slots, [self.tokens] * len(slots))
         logits, hidden = self._catch_up(slots, logits=True)
         drafts = [self._pick(choose, 0, logits)]
         i32 = dict(dtype=torch.int32, device=dev)
@@ -150,7 +151,7 @@ class MTPRunner:
         positions = torch.cat([torch.arange(m, m + T) for m in bases]).to(dev)
         ids = torch.tensor([[t, *d] for t, d in zip(last_tokens, drafts)], dtype=torch.int64, device=dev).flatten()
         live = {"input_ids": ids, "positions": positions.clamp(max=self.max_position),
-                "out_token_idx": torch.cat(self._token_idx).to(dev), "b_req_idx": torch.tensor(slots, **i32),
+                "out_token_idx": self._token_idx.to(dev), "b_req_idx": torch.tensor(slots, **i32),
                 "b_seq_len": torch.tensor([m + T for m in bases], **i32), "state_idx": self.state_idx(slots, dev),
                 "state_dst_idx": torch.tensor([[s * T + t for t in range(T)] for s in slots], **i32)}  # fmt: skip
         graph = self.graphs.pick(len(slots), max(bases) + T) if self.graphs else None
