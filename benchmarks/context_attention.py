@@ -22,13 +22,12 @@ never tuned, to show whether the space is what limits a cell; the table adds the
 
 import argparse
 import importlib
-import json
 import math
-import os
 import sys
 
 import torch
 
+from bench_io import measure_or_analyze, save_json
 from lightllm.common.autotuner import cuda_graph_bench, wall_clock_bench
 
 SHAPES = {"hq32-hk8-d128": (32, 8, 128), "hq24-hk4-d256": (24, 4, 256)}  # Qwen3-8B; Qwen3.5-27B full attention
@@ -152,7 +151,7 @@ def run(args) -> dict:
                 print(f"{name} chunk {chunk:5d} prefix {prefix:6d}: default {row['default_ms']:.3f} ms, best "
                       f"{min(ms for _, ms in row['configs']):.3f} ms", flush=True)  # fmt: skip
                 del cell
-        _save(results, args.out)  # partial results survive a time limit
+        save_json(results, args.out)  # partial results survive a time limit
     return results
 
 
@@ -227,12 +226,6 @@ def print_table(results, rows):
               + _cfg_text(r["explore_cfg"]))  # fmt: skip
 
 
-def _save(results, path):
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(results, f)
-
-
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
@@ -255,21 +248,7 @@ def parse_args(argv=None):
 
 
 def main(argv=None):
-    args = parse_args(argv)
-    if args.analyze:
-        with open(args.analyze) as f:
-            results = json.load(f)
-    else:
-        if args.dry_run and not torch.cuda.is_available():
-            os.environ["TRITON_INTERPRET"] = "1"  # before the kernel module defines its kernels
-        elif not torch.cuda.is_available():
-            sys.exit("context_attention.py needs a CUDA GPU (or --dry-run)")
-        results = run(args)
-    rows = analyze(results)
-    results["rows"] = rows
-    if not args.analyze:
-        _save(results, args.out)
-    print_table(results, rows)
+    measure_or_analyze(parse_args(argv), "context_attention.py", run, analyze, print_table)
 
 
 if __name__ == "__main__":

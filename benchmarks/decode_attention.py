@@ -27,7 +27,6 @@ needs are timed, each for every candidate:
 import argparse
 import json
 import math
-import os
 import sys
 import time
 
@@ -35,6 +34,7 @@ import torch
 import triton
 
 from bandwidth import copy_gbs
+from bench_io import save_json
 from decode_attention_buckets import analyze_buckets, graph_lens, print_bucket_table, timing_points
 from lightllm.common.autotuner import cuda_graph_bench
 from lightllm.common.autotuner.choice import choose, per_scenario_best
@@ -125,12 +125,6 @@ def stage2_study(shape, batch, length, group):
     return res
 
 
-def _save(results, path):
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(results, f, default=str)
-
-
 def run(args):
     fa3 = None
     if not args.no_fa3:
@@ -163,7 +157,7 @@ def run(args):
             print(f"{shape} B={batch:3d} L={length:6d} {kind:4s} default {cell['default_ms'] * 1e3:8.1f} us, "
                   f"best {min(ms for _, ms in cell['configs']) * 1e3:8.1f} us", flush=True)  # fmt: skip
         del pool, r2t  # before the next setup allocates its own
-        _save(results, args.out)  # partial results survive a time limit
+        save_json(results, args.out)  # partial results survive a time limit
     return results
 
 
@@ -213,7 +207,7 @@ def run_buckets(args):
             launches += 1 + len(configs)
         del pool, r2t  # before the next setup allocates its own
         print(f"{shape} B={batch:3d} {kind:4s}: {launches} timings, {time.perf_counter() - start:.0f} s", flush=True)
-        _save(results, args.out)  # partial results survive a time limit
+        save_json(results, args.out)  # partial results survive a time limit
     results["seconds"] = time.perf_counter() - start
     return results
 
@@ -402,14 +396,14 @@ def main():
     if results.get("mode") == "buckets":
         results["analysis"] = analyze_buckets(results)
         if not args.analyze:
-            _save(results, args.out)
+            save_json(results, args.out)
         print_bucket_table(results, results["analysis"])
         print(f"triton {triton.__version__}, torch {torch.__version__}")
         return
     rows, frozen = analyze(results)
     results["rows"], results["frozen"], results["fa3_frozen"] = rows, frozen, analyze_fa3(results)
     if not args.analyze:
-        _save(results, args.out)
+        save_json(results, args.out)
     print_tables(results, rows, frozen)
     print(f"triton {triton.__version__}, torch {torch.__version__}")
 

@@ -18,13 +18,12 @@ cuBLAS and the candidates per projection, what a tuned start would reach at best
 
 import argparse
 import importlib
-import json
 import math
-import os
 import sys
 
 import torch
 
+from bench_io import measure_or_analyze
 from lightllm.common.autotuner import cuda_graph_bench, wall_clock_bench
 
 F32 = "float32"
@@ -193,12 +192,6 @@ def print_table(results: dict, rows: list) -> None:
               f"{s['cublas_ms'] / s['best_ms']:>8.2f}")  # fmt: skip
 
 
-def _save(results, path):
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(results, f)
-
-
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
@@ -220,21 +213,7 @@ def parse_args(argv=None):
 
 
 def main(argv=None):
-    args = parse_args(argv)
-    if args.analyze:
-        with open(args.analyze) as f:
-            results = json.load(f)
-    else:
-        if args.dry_run and not torch.cuda.is_available():
-            os.environ["TRITON_INTERPRET"] = "1"  # before the kernel module defines its kernels
-        elif not torch.cuda.is_available():
-            sys.exit("gemv.py needs a CUDA GPU (or --dry-run)")
-        results = run(args)
-    rows = analyze(results)
-    results["rows"] = rows
-    if not args.analyze:
-        _save(results, args.out)
-    print_table(results, rows)
+    measure_or_analyze(parse_args(argv), "gemv.py", run, analyze, print_table)
 
 
 if __name__ == "__main__":

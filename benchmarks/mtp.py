@@ -35,6 +35,8 @@ import sys
 import torch
 import triton
 
+from bench_io import save_json
+
 PARTS = ("attention", "recurrent", "e2e")
 DEFAULT_PARTS = ("attention", "recurrent")  # the kernel parts; e2e builds three large models
 ATTN_SHAPE = (24, 4, 256)  # q heads, KV heads, head_dim
@@ -140,7 +142,7 @@ def run_attention(args) -> dict:
             results["cells"].append(attention_cell(batch, length, args.mtp_step, graph_max, fa3))
             print(attention_row(results["cells"][-1]), flush=True)
             torch.cuda.empty_cache()
-            _save({"device": torch.cuda.get_device_name(), "attention": results}, args.out)  # partial results
+            save_json({"device": torch.cuda.get_device_name(), "attention": results}, args.out)  # partial results
     return results
 
 
@@ -167,12 +169,6 @@ def print_attention(results: dict) -> None:
 
 
 # ---- driver ------------------------------------------------------------------------------------------------
-
-
-def _save(results, path):
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(results, f, default=str)
 
 
 def parse_args(argv=None):
@@ -237,7 +233,7 @@ def main(argv=None):
         if "e2e" in args.parts:
             results["e2e"] = _sibling("mtp_e2e").run(args)
         results["versions"] = {"torch": torch.__version__, "triton": triton.__version__}
-        _save(results, args.out)
+        save_json(results, args.out)
     print(f"\n{results['device']}")
     if "attention" in results:
         print_attention(results["attention"])
