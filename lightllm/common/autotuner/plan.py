@@ -31,8 +31,12 @@ class Plan:
         self.generation = -1
         self.scope_ticks = -1
 
+    def settled(self) -> bool:
+        """Whether the next ``run`` launches ``config`` as it is: resolved, launched, and nothing changed since."""
+        return self.confirmed and self.generation == self.tuner.generation and self.scope_ticks == SCOPE_CLOCK.ticks
+
     def run(self, *args, **kwargs):
-        if self.confirmed and self.generation == self.tuner.generation and self.scope_ticks == SCOPE_CLOCK.ticks:
+        if self.settled():
             return self.tuner.fn(*args, run_config=self.config, **kwargs)
         return self.tuner._run_unsettled(self, args, kwargs)
 
@@ -49,6 +53,9 @@ class FixedPlan:
 
     def __init__(self, tuner: Any, config: dict):
         self.tuner, self.config = tuner, config
+
+    def settled(self) -> bool:
+        return True
 
     def run(self, *args, **kwargs):
         return self.tuner.fn(*args, run_config=self.config, **kwargs)

@@ -13,7 +13,6 @@ from typing import Optional
 import torch
 
 from lightllm.common.autotuner import AutotuneKernelType, PlannedInputs, autotune
-from lightllm.common.autotuner.phase import SCOPE_CLOCK
 from lightllm.kernels.linear.cold_weights import cold_weight_inputs
 from lightllm.kernels.linear.reference import cublas_linear, mm_on_view
 from lightllm.kernels.linear.small_m_kernel import MAX_ROWS, launch_small_m_linear
@@ -95,9 +94,8 @@ class SmallMLinearPlan:
         straight to ``torch.mm``, which checks its own arguments: the other layers of the step pay no more host time
         than the plain call the models made before this kernel."""
         t = self._tuned
-        if t is not None and t.config is None and t.confirmed and t.generation == t.tuner.generation:
-            if t.scope_ticks == SCOPE_CLOCK.ticks:
-                return cublas_linear(x, w.t() if w_t is None else w_t, self.out_dtype, out)
+        if t is not None and t.config is None and t.settled():
+            return cublas_linear(x, w.t() if w_t is None else w_t, self.out_dtype, out)
         self.inputs.check((x.shape, x.dtype), (w.shape, w.dtype))
         if x.stride(-1) != 1 or w.stride(-1) != 1 or x.device != w.device:
             raise ValueError(f"small_m_linear: x and w expected contiguous last dims on one device, got x strides "
