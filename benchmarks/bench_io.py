@@ -7,6 +7,8 @@ import os
 import sys
 from typing import Callable
 
+import torch
+
 
 def save_json(results, path: str) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -16,8 +18,6 @@ def save_json(results, path: str) -> None:
 
 def measure_or_analyze(args, name: str, run: Callable, analyze: Callable, print_table: Callable) -> None:
     """``run(args)`` (or the saved run of ``--analyze``), then its ``analyze`` rows saved beside it and printed."""
-    import torch
-
     if args.analyze:
         with open(args.analyze) as f:
             results = json.load(f)
