@@ -63,11 +63,15 @@ def _load_raw(Base, Scale, row, srow, mask_n, d, HALF_D: tl.constexpr, QUANT: tl
     m = mask_n[:, None]
     a = tl.load(Base + row[:, None] + d[None, :], mask=m, other=0)
     b = a if QUANT == 4 else tl.load(Base + row[:, None] + (d + HALF_D)[None, :], mask=m, other=0)
+    # One return after a constexpr if/else: compiled Triton keeps generating the statements after an early
+    # ``return`` inside a constexpr branch (the interpreter does not), so the bf16 case would build scale loads.
     if QUANT == 0:
-        return a, b, a, b
-    g = tl.arange(0, HALF_D // QGROUP)
-    s_lo = tl.load(Scale + srow[:, None] + g[None, :], mask=m, other=0)
-    s_hi = tl.load(Scale + srow[:, None] + (g + HALF_D // QGROUP)[None, :], mask=m, other=0)
+        s_lo = a
+        s_hi = b
+    else:
+        g = tl.arange(0, HALF_D // QGROUP)
+        s_lo = tl.load(Scale + srow[:, None] + g[None, :], mask=m, other=0)
+        s_hi = tl.load(Scale + srow[:, None] + (g + HALF_D // QGROUP)[None, :], mask=m, other=0)
     return a, b, s_lo, s_hi
 
 
@@ -87,25 +91,27 @@ def _to_halves(
 ):
     """Both halves ``[BLOCK_N, HALF_D]`` in ``DTYPE`` from :func:`_load_raw`'s bytes (dequantized)."""
     if QUANT == 0:
-        return a.to(DTYPE), b.to(DTYPE)
-    if QUANT == 4:
-        if F16:
-            lo = _nibble_to_f16(a & 15, INT4_OFFSET)
-            hi = _nibble_to_f16(a >> 4, INT4_OFFSET)
-        else:
-            lo = (a.to(tl.int32) & 15) - INT4_OFFSET
-            hi = (a.to(tl.int32) >> 4) - INT4_OFFSET
-    elif F16:
-        lo = _int8_to_f16(a)
-        hi = _int8_to_f16(b)
-    else:
         lo = a
         hi = b
-    if not F16:
-        s_lo = s_lo.to(tl.float32)
-        s_hi = s_hi.to(tl.float32)
-    lo = _dequant(lo, s_lo, BLOCK_N, HALF_D, QGROUP)
-    hi = _dequant(hi, s_hi, BLOCK_N, HALF_D, QGROUP)
+    else:
+        if QUANT == 4:
+            if F16:
+                lo = _nibble_to_f16(a & 15, INT4_OFFSET)
+                hi = _nibble_to_f16(a >> 4, INT4_OFFSET)
+            else:
+                lo = (a.to(tl.int32) & 15) - INT4_OFFSET
+                hi = (a.to(tl.int32) >> 4) - INT4_OFFSET
+        elif F16:
+            lo = _int8_to_f16(a)
+            hi = _int8_to_f16(b)
+        else:
+            lo = a
+            hi = b
+        if not F16:
+            s_lo = s_lo.to(tl.float32)
+            s_hi = s_hi.to(tl.float32)
+        lo = _dequant(lo, s_lo, BLOCK_N, HALF_D, QGROUP)
+        hi = _dequant(hi, s_hi, BLOCK_N, HALF_D, QGROUP)
     return lo.to(DTYPE), hi.to(DTYPE)
 
 
