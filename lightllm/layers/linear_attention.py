@@ -10,8 +10,9 @@ writes its final states into the slot. Decode reads and updates the slot in plac
 indexes the state through the static ``b_req_idx`` buffer.
 
 - CPU: the torch references.
-- GPU prefill: fla-core's chunked gated delta rule (packed varlen); the conv as K shifted multiply-adds over
-  the whole packed batch (:func:`causal_conv1d_packed`: no per-request loop on the host).
+- GPU prefill: fla-core's chunked gated delta rule (packed varlen; float32 models: the torch reference); the conv
+  as K shifted multiply-adds over the whole packed batch (:func:`causal_conv1d_packed`: no per-request loop on the
+  host).
 - GPU decode: the Triton recurrent update and conv update (``kernels/linear_attention``).
 """
 
@@ -129,7 +130,9 @@ class LinearAttentionBackend:
         a/b ``[T, Hv]``. Returns ``[T, Hv, Dv]`` in v's dtype."""
         g, beta = gdn_gates_ref(a, b, A_log, dt_bias)
         init = None if plan.continues is None else self._initial(self.state.ssm_layers[layer], plan).float()
-        if self.on_gpu:
+        # fla-core 0.6.0's chunk kernels fail to compile for float32 inputs with Triton 3.6 on the H200 (chunk_o:
+        # "PassManager::run failed"), so float32 models take the torch reference on the GPU too: slow, but exact
+        if self.on_gpu and v.dtype != torch.float32:
             out, finals = _fla_chunk(q, k, v, g, beta.to(v.dtype), plan, init)
         else:
             out, finals = gated_delta_rule_varlen_ref(q, k, v, g, beta, plan.cu_seqlens_cpu, initial_states=init)

@@ -351,7 +351,7 @@ def _close_bf16(out, oracle, ref64, rounds_once=False):
     """Within one bfloat16 step of transformers' bfloat16 module and within bfloat16's error of float64 math.
 
     ``rounds_once``: the kernel fuses steps that transformers rounds to bfloat16 one by one (q/k norm then rotary,
-    sigmoid then the product, the gated norm's pieces), so more elements differ from transformers by a step; there
+    sigmoid then the product), so more elements differ from transformers by a step; there
     it must be no less accurate than transformers against float64 instead of bit-equal to it on 99 % of the
     elements, and within two steps of it."""
     assert not out.isnan().any(), "some output elements were never written"
@@ -417,4 +417,6 @@ def test_gpu_27b_shapes_match_transformers(tokens):
     hf.weight.data = gw
     with torch.no_grad():
         oracle = hf(xo, z)
-    _close_bf16(gated_rmsnorm(xo, z, gw, EPS), oracle, _gated64(xo, z, gw), rounds_once=True)
+    # the kernel rounds where transformers does (the norm, then the weight), so only the float32 silu can flip an
+    # element by a step: the bit-equality bound, not the rounds-once accuracy bound (a coin flip on equal roundings)
+    _close_bf16(gated_rmsnorm(xo, z, gw, EPS), oracle, _gated64(xo, z, gw))

@@ -260,3 +260,29 @@ def test_kernel_decode_plans_once_per_forward_and_matches_the_references(monkeyp
     assert outs[0] is outs[1]  # one output buffer per forward
     torch.testing.assert_close(kernels.state.conv, conv_ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(kernels.state.ssm, ssm_ref, rtol=1e-4, atol=1e-4)
+
+
+def test_float32_prefill_on_the_gpu_path_takes_the_reference(monkeypatch):
+    """fla-core's chunk kernels do not compile for float32 inputs (Triton 3.6, H200), so the GPU path hands float32
+    models to the torch reference; 16-bit inputs still go to fla-core."""
+    import lightllm.layers.linear_attention as la
+
+    calls = []
+
+    def fake_fla(q, k, v, g, beta, plan, init=None):
+        calls.append(v.dtype)
+        return v.float(), torch.zeros(len(plan.cu_seqlens_cpu) - 1, v.shape[1], q.shape[-1], v.shape[-1])
+
+    monkeypatch.setattr(la, "_fla_chunk", fake_fla)
+    lens, slots, t = [1, 9], [3, 0], inputs(10)
+    ref = backend()
+    want = run_prefill(ref, t, lens, slots)
+    gpu_path = backend()
+    gpu_path.on_gpu = True
+    got = run_prefill(gpu_path, t, lens, slots)
+    assert calls == [] and all(torch.allclose(g, w, atol=1e-6) for g, w in zip(got, want))
+    assert torch.allclose(gpu_path.state.ssm, ref.state.ssm, atol=1e-6)
+    half = backend(dtype=torch.bfloat16)
+    half.on_gpu = True
+    run_prefill(half, {n: v.to(torch.bfloat16) for n, v in t.items()}, lens, slots)
+    assert calls == [torch.bfloat16]
