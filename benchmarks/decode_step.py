@@ -205,7 +205,7 @@ def main():
         llm, rows = step_times(model_dir, args.batches, args.kv_len, 2 * args.kv_len, args.profile_batch,
                                args.graph_len_buckets)  # fmt: skip
         c = llm.runner.config
-        weight_bytes = sum(t.numel() * t.element_size() for t in _step_weights(llm.runner.model.w))
+        weight_bytes = step_weight_bytes(llm.runner.model.w)
         state_bytes = _state_bytes_per_request(llm.runner.model)
         for r in rows:
             kv = 2 * c.num_kv_layers * r["batch"] * args.kv_len * c.num_key_value_heads * c.head_dim * 2
@@ -218,7 +218,7 @@ def main():
                   "first_start_decode_graph_buckets": graph_costs(llm.runner), "rows": rows,
                   "startup_s": {}}  # fmt: skip
         result["ttft"] = {"prompt_tokens": args.ttft_prompt, **ttft_ms(llm, args.ttft_prompt)}
-        params, tflops = sum(t.numel() for t in _step_weights(llm.runner.model.w)), matmul_tflops()
+        params, tflops = step_weight_params(llm.runner.model.w), matmul_tflops()
         # a bound, not a target: read the weights once, plus the prompt's matmul FLOPs at the measured bf16 rate
         flops_ms = 2 * params * args.ttft_prompt / tflops / 1e9
         result["ttft"].update(floor_ms=weight_bytes / floor_gbs / 1e6 + flops_ms, matmul_tflops=tflops)
@@ -264,6 +264,24 @@ def _step_weights(w):
     yield w.final_norm
     for lw in w.layers:
         yield from (t for t in vars(lw).values() if isinstance(t, torch.Tensor))
+
+
+def _unique_step_weights(w):
+    """:func:`_step_weights`, each storage once: the layers keep ``[in, out]`` views of their linears beside the
+    weights (one ``torch.mm`` per GEMM), which counted per tensor doubled every linear's bytes and FLOPs."""
+    seen = set()
+    for t in _step_weights(w):
+        if t.untyped_storage().data_ptr() not in seen:
+            seen.add(t.untyped_storage().data_ptr())
+            yield t
+
+
+def step_weight_bytes(w) -> int:
+    return sum(t.numel() * t.element_size() for t in _unique_step_weights(w))
+
+
+def step_weight_params(w) -> int:
+    return sum(t.numel() for t in _unique_step_weights(w))
 
 
 def _state_bytes_per_request(model) -> int:
