@@ -278,6 +278,20 @@ def test_packed_candidates_only_for_the_prefix_kernel():
         assert not any(c.get("PACK_GQA") for c in _configs(q)) and "PACK_GQA" not in _default_config(d)
 
 
+def test_untuned_default_takes_the_deep_pipeline_only_where_it_fits():
+    """The 3-stage 64x64 default needs a GPU with room for it (A100, H100/H200); elsewhere, and for head_dim 256, the
+    1-stage tile. Either way the default is a tuned candidate, so a search can only do better."""
+    from lightllm.kernels.attention.prefill.context_attention import DEEP_PIPELINE_SMEM, _configs, _default_config
+
+    deep = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
+    assert _default_config(128, 227 << 10) == _default_config(64, DEEP_PIPELINE_SMEM) == deep
+    assert _default_config(128, 99 << 10) == {**deep, "num_stages": 1} == _default_config(128)
+    assert _default_config(256, 227 << 10) == {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1}
+    for d in (64, 128, 256):
+        for smem in (0, 99 << 10, 227 << 10):
+            assert _default_config(d, smem) in _configs(torch.empty(1, 8, d))
+
+
 @pytest.mark.parametrize("head_dim", [128, 256], ids=["d128", "d256"])
 def test_every_packed_candidate_matches_reference(launches, head_dim):
     """What the tuner may pick: each packed candidate at its real block sizes (fp16, group 6, a ragged chunk)."""
