@@ -305,10 +305,10 @@ def test_every_packed_candidate_matches_reference(launches, head_dim):
 @pytest.mark.gpu
 @pytest.mark.parametrize("hq, hk, d", [(32, 8, 128), (24, 4, 256)], ids=["qwen3-8b", "qwen3.5-27b"])
 @pytest.mark.parametrize("new, prefix_len", [(40, 5000), (300, 5000)], ids=["hit", "chunk300"])
-def test_gpu_every_packed_candidate(launches, hq, hk, d, new, prefix_len):
-    """Each packed candidate compiles and matches in bf16 at the models' heads, with the split count its grid
-    gives."""
-    from lightllm.kernels.attention.prefill.context_attention import _prefix_configs
+def test_gpu_every_candidate_and_the_default(launches, hq, hk, d, new, prefix_len):
+    """Each candidate (packed or not) and the device's untuned default (3 stages on the H200) compiles and matches
+    in bf16 at the models' heads, with the split count its grid gives."""
+    from lightllm.kernels.attention.prefill.context_attention import _prefix_configs, default_config
 
     g = torch.Generator().manual_seed(new + d)
     q, k, v, b_start, b_len = _packed([new], hq, hk, d, torch.bfloat16, g)
@@ -316,11 +316,12 @@ def test_gpu_every_packed_candidate(launches, hq, hk, d, new, prefix_len):
     k_cache, v_cache = (torch.randn(pool, hk, d, generator=g).to(torch.bfloat16).to(DEVICE) for _ in range(2))
     prefix = _cached_prefix([prefix_len], pool, g)
     want = context_attention_ref(q, k, v, b_start, b_len, prefix=prefix, k_cache=k_cache, v_cache=v_cache)
-    for cfg in [c for c in _prefix_configs(q) if c.get("PACK_GQA")]:
+    for cfg in _prefix_configs(q) + [default_config(q)]:
         out = torch.full_like(q, float("nan"))
         context_attention(q, k, v, b_start, b_len, new, out=out, run_config=cfg, prefix=prefix, k_cache=k_cache,
                           v_cache=v_cache)  # fmt: skip
-        assert launches[-1][1]["PACK_GQA"] and launches[-1][0][1] == hk, cfg
+        packed = cfg.get("PACK_GQA", False)
+        assert launches[-1][1]["PACK_GQA"] == packed and launches[-1][0][1] == (hk if packed else hq), cfg
         assert not out.isnan().any(), f"unwritten output at {cfg}"
         torch.testing.assert_close(out.double(), want, rtol=2e-2, atol=2e-2, msg=lambda m: f"{cfg}: {m}")
 
