@@ -191,10 +191,11 @@ def test_gpu_bf16_greedy_close_to_fp32_reference(tiny_gpu_dir, backend, kv_type,
 
 @pytest.mark.gpu
 def test_gpu_fp32_follows_transformers(tiny_gpu_dir):
-    """The GPU engine in fp32 (fla-core prefill, Triton decode, graphs), teacher-forced on its greedy tokens, against
-    the CPU fp32 engine (transformers' numbers to 1e-5, above): its logprob error stays within that of transformers
-    itself in fp32 on the GPU (which, with fla-core installed, runs the delta rule through fla's kernels, whose dots
-    round fp32 to TF32), and each token is the reference's argmax unless its top two are that close."""
+    """The GPU engine in fp32 (the torch reference's prefill, as fla-core's chunk kernels failed to compile for fp32
+    on the H200; Triton decode, graphs), teacher-forced on its greedy tokens, against the CPU fp32 engine
+    (transformers' numbers to 1e-5, above): its logprob error stays within that of transformers itself in fp32 on
+    the GPU (which, with fla-core installed, runs the delta rule through fla's kernels, whose dots round fp32 to
+    TF32), and each token is the reference's argmax unless its top two are that close."""
     from transformers import Qwen3_5ForCausalLM
 
     opts = dict(batch_max_tokens=256, max_req_total_len=256, running_max_req_size=4, max_total_token_num=4096)
