@@ -1,0 +1,196 @@
+"""Registers, spilled bytes and shared memory of decode attention's stage-1 kernel for each tuned candidate, compiled
+for a GPU architecture on any machine: Triton compiles to a cubin without a GPU, and its bundled ``cuobjdump`` reads
+the cubin's resources. Nothing is timed; it shows what a GPU table cannot: a candidate that spills, or one whose
+registers leave few warps resident per SM (fewer loads in flight for a memory-bound kernel).
+
+    python benchmarks/decode_stage1_resources.py --out benchmarks/results/decode_stage1_resources_sm90.json
+    python benchmarks/decode_stage1_resources.py --analyze benchmarks/results/decode_stage1_resources_sm90.json
+
+One row per (shape, KV type, quant group, BLOCK_N, num_warps, num_stages, MIN_BLOCKS, PREFETCH): WAVES only sizes
+the grid, so candidates that differ in it share a compile. ``--prefetch`` adds each config with ``PREFETCH`` on.
+"""
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+from bench_io import save_json
+
+# the models' decode shapes: q heads, kv heads, head_dim (benchmarks/decode_attention.py's names)
+SHAPES = {"hq32-hk8-d128": (32, 8, 128), "hq24-hk4-d256": (24, 4, 256)}
+KINDS = ("none", "int8", "int4")
+REGS_PER_SM = 65536  # sm_80 / sm_90 register file (32-bit registers)
+MAX_WARPS_PER_SM = 64
+_RESOURCE = re.compile(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
+
+
+def _kernels():
+    """Imported late so ``--analyze`` needs no Triton."""
+    from lightllm.common.kv_cache.quant import INT4_OFFSET
+    from lightllm.kernels.attention.decode import flash_decode
+    from lightllm.kernels.attention.decode.stage1 import decode_stage1_kernel
+    from lightllm.kernels.launch_math import next_power_of_2
+
+    return flash_decode, decode_stage1_kernel, INT4_OFFSET, next_power_of_2
+
+
+def distinct_configs(configs: list, with_prefetch: bool) -> list:
+    """The candidates' compile-relevant keys, once each (in the candidates' order), each also with PREFETCH."""
+    seen, out = set(), []
+    for cfg in configs:
+        key = {k: cfg[k] for k in ("BLOCK_N", "num_warps", "num_stages")}
+        key["MIN_BLOCKS"] = cfg.get("MIN_BLOCKS", 1)
+        for prefetch in (False, True) if with_prefetch else (False,):
+            item = {**key, "PREFETCH": prefetch}
+            if json.dumps(item, sort_keys=True) not in seen:
+                seen.add(json.dumps(item, sort_keys=True))
+                out.append(item)
+    return out
+
+
+def signature(arg_names, constexprs: dict, kind: str) -> dict:
+    """Triton's type string per argument: bf16 queries and partial outputs, the KV codes' dtype, float16 scales."""
+    codes = {"none": "*bf16", "int8": "*i8", "int4": "*u8"}[kind]
+    types = {
+        "Q": "*bf16",
+        "K": codes,
+        "V": codes,
+        "K_scale": "*fp16",
+        "V_scale": "*fp16",
+        "mid_o": "*fp32",
+        "mid_lse": "*fp32",
+        "qk_scale": "fp32",
+        **{n: "*i32" for n in ("req_to_token", "b_req_idx", "b_seq_len")},
+    }
+    return {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in arg_names}
+
+
+def int_args(shape, kind: str, group: int, splits: int = 32, table_width: int = 32768) -> dict:
+    """The integer arguments as a batch of the model's tensors gives them (q ``[B, hq, D]``, the pool ``[T, hk, D]``,
+    half as wide for INT4, scales ``[T, hk, D / group]``, partials ``[B, hq, splits, D]``)."""
+    hq, hk, d = shape
+    width = d // 2 if kind == "int4" else d
+    groups = d // group if kind != "none" else width  # bf16: the scale arguments are the pool itself
+    return dict(stride_qb=hq * d, stride_qh=d, stride_kt=hk * width, stride_kh=width, stride_vt=hk * width,
+                stride_vh=width, stride_kst=hk * groups, stride_ksh=groups, stride_vst=hk * groups, stride_vsh=groups,
+                stride_rr=table_width, stride_mob=hq * splits * d, stride_moh=splits * d, stride_mos=d,
+                stride_mlb=hq * splits, stride_mlh=splits)  # fmt: skip
+
+
+def divisibility(arg_names, types: dict, ints: dict) -> dict:
+    """Triton's launch-time specialization: 16-byte-aligned pointers and integers that are multiples of 16 carry
+    ``tt.divisibility`` (what lets the compiler vectorize loads); without it a CPU compile would overstate
+    registers."""
+    return {(i,): [["tt.divisibility", 16]] for i, n in enumerate(arg_names)
+            if types[n].startswith("*") or ints.get(n, 1) % 16 == 0}  # fmt: skip
+
+
+def parse_resources(text: str) -> dict:
+    """``cuobjdump --dump-resource-usage``'s first kernel line as numbers."""
+    m = _RESOURCE.search(text)
+    if m is None:
+        raise ValueError(f"cuobjdump printed no resource line: {text[-300:]!r}")
+    return dict(zip(("regs", "stack_bytes", "shared_static", "local_bytes"), map(int, m.groups())))
+
+
+def warps_per_sm(regs: int, num_warps: int) -> int:
+    """Resident warps per SM that the registers allow (allocated per warp in units of 256; whole blocks only)."""
+    per_warp = -(-regs * 32 // 256) * 256
+    blocks = REGS_PER_SM // (per_warp * num_warps)
+    return min(blocks * num_warps, MAX_WARPS_PER_SM)
+
+
+def compile_one(kernel, arch: int, shape, kind: str, group: int, cfg: dict, int4_offset: int, p2) -> dict:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    hq, hk, d = shape
+    bits = {"none": 0, "int8": 8, "int4": 4}[kind]
+    constexprs = dict(GROUP=hq // hk, BLOCK_H=max(16, p2(hq // hk)), HALF_D=d // 2, BLOCK_N=cfg["BLOCK_N"],
+                      MIN_BLOCKS=cfg["MIN_BLOCKS"], PREFETCH=cfg["PREFETCH"], QUANT=bits, QGROUP=group if bits else 0,
+                      INT4_OFFSET=int4_offset, F16=bits > 0, PRECISION=None)  # fmt: skip
+    types = signature(kernel.arg_names, constexprs, kind)
+    attrs = divisibility(kernel.arg_names, types, int_args(shape, kind, group))
+    src = ASTSource(kernel, types, constexprs, attrs)
+    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                              options={"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})  # fmt: skip
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        text = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True,
+                              check=True).stdout  # fmt: skip
+    res = parse_resources(text)
+    res["shared_bytes"] = compiled.metadata.shared
+    return res
+
+
+def run(args) -> dict:
+    flash_decode, kernel, int4_offset, p2 = _kernels()
+    import torch
+
+    results = {"arch": f"sm_{args.arch}", "cells": []}
+    for name in args.shapes:
+        hq, hk, d = SHAPES[name]
+        q = torch.empty(1, hq, d)
+        for kind in args.kinds:
+            space = flash_decode.split_kv_configs(q) if kind == "none" else flash_decode.quant_split_kv_configs(q)
+            for group in [0] if kind == "none" else args.groups:
+                for cfg in distinct_configs(space, args.prefetch)[: args.max_configs]:
+                    res = compile_one(kernel, args.arch, SHAPES[name], kind, group, cfg, int4_offset, p2)
+                    results["cells"].append({"shape": name, "kind": kind, "group": group, **cfg, **res})
+                    print(name, kind, group, cfg, res, flush=True)
+                    save_json(results, args.out)  # a cut-short run keeps what compiled
+    return results
+
+
+def print_table(results: dict) -> None:
+    print(f"# decode stage 1 compiled for {results['arch']}: registers per thread, spilled bytes (stack), shared "
+          "memory, and the warps per SM the registers allow")  # fmt: skip
+    print(f"{'shape':14s} {'kv':5s} {'grp':>3s} {'BN':>4s} {'w':>2s} {'st':>2s} {'minb':>4s} {'pf':>3s} "
+          f"{'regs':>4s} {'spill B':>7s} {'smem KiB':>8s} {'warps/SM':>8s}")  # fmt: skip
+    for c in results["cells"]:
+        warps = warps_per_sm(c["regs"], c["num_warps"])
+        print(f"{c['shape']:14s} {c['kind']:5s} {c['group']:3d} {c['BLOCK_N']:4d} {c['num_warps']:2d} "
+              f"{c['num_stages']:2d} {c['MIN_BLOCKS']:4d} {'on' if c['PREFETCH'] else '-':>3s} {c['regs']:4d} "
+              f"{c['stack_bytes']:7d} {c['shared_bytes'] / 1024:8.1f} {warps:8d}")  # fmt: skip
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--arch", type=int, default=90, help="compute capability as an integer (90: H100/H200)")
+    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--kinds", nargs="+", default=list(KINDS), choices=list(KINDS))
+    p.add_argument("--groups", nargs="+", type=int, default=[8, 32], help="INT8/INT4 quant group sizes")
+    p.add_argument("--prefetch", action="store_true", help="also each config with PREFETCH on")
+    p.add_argument("--max-configs", type=int, default=None, help="compile only the first N configs of each space")
+    p.add_argument("--analyze", metavar="JSON", help="print the table of a saved run")
+    p.add_argument("--out", default="benchmarks/results/decode_stage1_resources.json")
+    args = p.parse_args(argv)
+    if args.max_configs is not None and args.max_configs < 1:
+        p.error(f"--max-configs expected a positive count, got {args.max_configs}")
+    if args.arch < 80:
+        p.error(f"--arch expected a compute capability of at least 80 (bf16 dots), got {args.arch}")
+    if any(g < 1 or g & (g - 1) for g in args.groups):
+        p.error(f"--groups expected powers of two, got {args.groups}")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.analyze:
+        with open(args.analyze) as f:
+            results = json.load(f)
+    else:
+        os.environ.pop("TRITON_INTERPRET", None)  # a real compile, not the interpreter
+        results = run(args)
+    print_table(results)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

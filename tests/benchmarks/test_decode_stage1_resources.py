@@ -1,0 +1,76 @@
+"""benchmarks/decode_stage1_resources.py: stage 1 compiled for sm_90 on the CPU (a real compile to a cubin, not the
+interpreter) and its resources read back; the table from a saved run; the pieces' arithmetic."""
+
+import json
+import os
+import sys
+
+import pytest
+
+from lightllm.common import proc
+from tests.benchmarks.test_linear_attention_bench import REPO, load_benchmark
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return load_benchmark("decode_stage1_resources")
+
+
+def test_one_candidate_compiles_for_sm90_and_reports_its_resources(tmp_path):
+    out = tmp_path / "res.json"
+    cmd = [sys.executable, os.path.join(REPO, "benchmarks", "decode_stage1_resources.py"), "--shapes", "hq32-hk8-d128",
+           "--kinds", "int8", "--groups", "32", "--max-configs", "1", "--out", str(out)]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env.pop("TRITON_INTERPRET", None)
+    done = proc.run(cmd, timeout=proc.HANG_TIMEOUT_S, cwd=REPO, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (cell,) = json.loads(out.read_text())["cells"]
+    assert (cell["shape"], cell["kind"], cell["group"], cell["PREFETCH"]) == ("hq32-hk8-d128", "int8", 32, False)
+    assert 16 <= cell["regs"] <= 255 and cell["shared_bytes"] > 0 and cell["stack_bytes"] >= 0
+    assert "warps/SM" in done.stdout and "hq32-hk8-d128 int8" in done.stdout
+
+
+def test_candidates_differing_only_in_waves_share_a_compile(bench):
+    space = [{"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "WAVES": w} for w in (1, 2, 4)]
+    space.append({"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "WAVES": 2, "MIN_BLOCKS": 2})
+    plain = {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "MIN_BLOCKS": 1, "PREFETCH": False}
+    assert bench.distinct_configs(space, False) == [plain, {**plain, "MIN_BLOCKS": 2}]
+    assert bench.distinct_configs(space, True)[:2] == [plain, {**plain, "PREFETCH": True}]
+    assert len(bench.distinct_configs(space, True)) == 4
+
+
+def test_resident_warps_follow_the_register_file(bench):
+    assert bench.warps_per_sm(255, 4) == 8  # 256 registers a thread: 2 blocks of 4 warps
+    assert bench.warps_per_sm(128, 4) == 16
+    assert bench.warps_per_sm(32, 8) == 64  # capped by the SM's warp slots
+    assert bench.warps_per_sm(151, 2) == 12  # 152 a thread (a warp takes registers in units of 256): 6 blocks
+
+
+def test_resource_line_parsing_and_bad_arguments(bench):
+    line = "Function decode_stage1_kernel:\n REG:235 STACK:24 SHARED:1024 LOCAL:0 CONSTANT[0]:696 TEXTURE:0"
+    assert bench.parse_resources(line) == {"regs": 235, "stack_bytes": 24, "shared_static": 1024, "local_bytes": 0}
+    with pytest.raises(ValueError, match="no resource line"):
+        bench.parse_resources("cuobjdump: nothing")
+    for bad in (["--arch", "75"], ["--groups", "6"], ["--max-configs", "0"], ["--kinds", "fp8"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(bad)
+
+
+def test_table_from_a_saved_run(bench, tmp_path, capsys):
+    cell = {"shape": "hq32-hk8-d128", "kind": "int4", "group": 8, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2,
+            "MIN_BLOCKS": 1, "PREFETCH": True, "regs": 255, "stack_bytes": 728, "shared_static": 1024,
+            "local_bytes": 0, "shared_bytes": 22528}  # fmt: skip
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({"arch": "sm_90", "cells": [cell]}))
+    bench.main(["--analyze", str(path)])
+    (row,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("hq32")]
+    assert row.split() == ["hq32-hk8-d128", "int4", "8", "64", "4", "2", "1", "on", "255", "728", "22.0", "8"]
+
+
+def test_launch_specialization_marks_aligned_pointers_and_multiples_of_16(bench):
+    """Without Triton's divisibility hints a CPU compile cannot vectorize the KV loads and overstates registers."""
+    ints = bench.int_args((32, 8, 128), "int4", 32)
+    assert (ints["stride_kt"], ints["stride_kh"], ints["stride_kst"], ints["stride_ksh"]) == (512, 64, 32, 4)
+    names = ["Q", "qk_scale", "stride_kt", "stride_ksh", "GROUP"]
+    types = {"Q": "*bf16", "qk_scale": "fp32", "stride_kt": "i32", "stride_ksh": "i32", "GROUP": "constexpr"}
+    assert bench.divisibility(names, types, ints) == {(0,): [["tt.divisibility", 16]], (2,): [["tt.divisibility", 16]]}
