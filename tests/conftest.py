@@ -1,5 +1,6 @@
 import os
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -59,10 +60,13 @@ def session_launches():
 
 @pytest.fixture(scope="session")
 def whole_suite(request) -> bool:
-    """Whether this session runs every test under ``testpaths`` (no path given on the command line, none
-    deselected by ``-k``, ``-m``, ``--lf``, ...)."""
+    """Whether this session runs every test under tests/ (``pytest`` or ``pytest tests``, none deselected by
+    ``-k``, ``-m``, ``--lf``, ... or left out by ``--ignore``)."""
     config = request.config
-    return config.args_source == pytest.Config.ArgsSource.TESTPATHS and not config.stash.get(_DESELECTED, False)
+    base = config.rootpath if config.args_source == pytest.Config.ArgsSource.TESTPATHS else config.invocation_params.dir
+    paths = {(base / arg).resolve() for arg in config.args}
+    skipped = config.stash.get(_DESELECTED, False) or config.getoption("ignore") or config.getoption("ignore_glob")
+    return paths == {Path(__file__).resolve().parent} and not skipped
 
 
 @pytest.fixture(scope="session")

@@ -223,6 +223,15 @@ def _is_jit(decorator: ast.expr) -> bool:
     )
 
 
+def _resolve(node: ast.expr, names: dict) -> Any:
+    """What a called name (``helper`` or ``module.helper``) is in a module's globals; None if neither."""
+    if isinstance(node, ast.Name):
+        return names.get(node.id)
+    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+        return getattr(names.get(node.value.id), node.attr, None)
+    return None
+
+
 def jit_functions(package: str = "lightllm") -> Dict[Tuple[str, str], Set[Tuple[str, str]]]:
     """Every ``@triton.jit`` function under ``package`` as (module, name) -> the jit functions it calls (by
     module and name), found from the source and resolved through the module's globals."""
@@ -237,8 +246,8 @@ def jit_functions(package: str = "lightllm") -> Dict[Tuple[str, str], Set[Tuple[
         for function in functions:
             callees = set()
             for node in ast.walk(function):
-                if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
-                    fn = getattr(module.__dict__.get(node.func.id), "fn", None)
+                if isinstance(node, ast.Call):
+                    fn = getattr(_resolve(node.func, module.__dict__), "fn", None)
                     if fn is not None and fn is not getattr(module.__dict__[function.name], "fn", None):
                         callees.add((fn.__module__, fn.__qualname__))
             found[(module_name, function.name)] = callees
