@@ -24,7 +24,7 @@ from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
 
 ROOT = Path(__file__).resolve().parent.parent
 ARCH = 90  # the H200's compute capability, the GPU the project ships for
-_OPTION_NAMES = ("num_warps", "num_stages", "num_ctas", "maxnreg", "enable_fp_fusion", "launch_pdl")
+_ADDED_BY_RUN = ("debug", "instrumentation_mode")  # options JITFunction.run sets itself on every launch
 
 
 @dataclass(frozen=True)
@@ -67,6 +67,7 @@ class LaunchRecorder:
         self.failures: List[str] = []
         self._binders: Dict[Any, Any] = {}
         self._backend = None
+        self._option_names: Set[str] = set()
 
     def record(self, kernel: Any, args: tuple, kwargs: dict) -> None:
         try:
@@ -80,7 +81,10 @@ class LaunchRecorder:
         from triton.runtime.jit import JITFunction, create_function_from_signature
 
         if self._backend is None:
+            from triton.backends.nvidia.compiler import CUDAOptions
+
             self._backend = _cuda_backend()
+            self._option_names = set(CUDAOptions.__dataclass_fields__)
         entry = self._binders.get(kernel)
         if entry is None:
             jit = JITFunction(kernel.fn, **kernel.kwargs)
@@ -97,7 +101,7 @@ class LaunchRecorder:
             signature=tuple(signature.items()),
             constexprs=tuple((names[path[0]], value) for path, value in sorted(constexprs.items())),
             attrs=tuple((names[path[0]], tuple(map(tuple, a))) for path, a in sorted(attrs.items())),
-            options=tuple((k, kwargs[k]) for k in _OPTION_NAMES if kwargs.get(k) is not None),
+            options=tuple((k, v) for k, v in kwargs.items() if k in self._option_names and k not in _ADDED_BY_RUN),
         )
 
 
