@@ -1,10 +1,12 @@
 import os
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from lightllm.common import envs
+from tests import ttir_lowering
 
 # On a CPU-only machine Triton kernels run through the interpreter; set it before any kernel is defined.
 if not torch.cuda.is_available():
@@ -19,6 +21,10 @@ if not torch.cuda.is_available():
         pass
     finally:
         del sys.modules["fla"]
+# Every interpreted kernel launch of the session is recorded; tests/test_ttir_lowering.py lowers them for sm90 last.
+SESSION_LAUNCHES = ttir_lowering.LaunchRecorder()
+if ttir_lowering.interpreting():
+    ttir_lowering.push(SESSION_LAUNCHES)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # models in tests are made locally; never reach for a hub
 
 # Tests start from a clean environment. Cleared here too, not only per test, so that module- and session-scoped
@@ -28,12 +34,39 @@ for _name in envs.ALL:
 
 
 def pytest_collection_modifyitems(config, items):
+    # stable sort: the checks of the whole session's work go last
+    items.sort(key=lambda item: item.get_closest_marker("last") is not None)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+_DESELECTED = pytest.StashKey[bool]()
+
+
+def pytest_deselected(items):
+    if items:
+        items[0].config.stash[_DESELECTED] = True
+
+
+@pytest.fixture(scope="session")
+def session_launches():
+    """The recorder of every interpreted kernel launch in this session (empty without the interpreter)."""
+    return SESSION_LAUNCHES
+
+
+@pytest.fixture(scope="session")
+def whole_suite(request) -> bool:
+    """Whether this session runs every test under tests/ (``pytest`` or ``pytest tests``, none deselected by
+    ``-k``, ``-m``, ``--lf``, ... or left out by ``--ignore``)."""
+    config = request.config
+    base = config.rootpath if config.args_source == pytest.Config.ArgsSource.TESTPATHS else config.invocation_params.dir
+    paths = {(base / arg).resolve() for arg in config.args}
+    skipped = config.stash.get(_DESELECTED, False) or config.getoption("ignore") or config.getoption("ignore_glob")
+    return paths == {Path(__file__).resolve().parent} and not skipped
 
 
 @pytest.fixture(scope="session")

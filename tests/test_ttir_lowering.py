@@ -1,0 +1,102 @@
+"""Every Triton kernel the CPU tests launch must also compile (AST -> TTIR for sm90), not only run in the
+interpreter: see tests/ttir_lowering.py for how launches are recorded and lowered, docs/testing.md for what the
+check catches and what it does not."""
+
+import time
+from typing import Dict, Tuple
+
+import pytest
+import torch
+
+from tests import ttir_lowering, ttir_lowering_samples as samples
+
+pytestmark = pytest.mark.skipif(
+    not ttir_lowering.interpreting(), reason="without the interpreter every launch compiles for the GPU anyway"
+)
+
+# Entry kernels no CPU test launches, (module, kernel) -> why. Empty today: every one is launched. The check fails
+# when a kernel listed here starts being launched or disappears, so the list cannot go stale.
+NOT_LAUNCHED_ON_CPU: Dict[Tuple[str, str], str] = {}
+
+
+def _launch_sample(kernel, quant, group):
+    x, s = torch.arange(16, dtype=torch.float32), torch.full((8,), 2.0)
+    out = torch.full_like(x, float("nan"))
+    kernel[(1,)](x, s, out, BLOCK=16, GROUP=group, QUANT=quant)
+    return x, out
+
+
+def test_lowering_catches_an_error_the_interpreter_hides():
+    with ttir_lowering.recording() as recorder:
+        x, out = _launch_sample(samples.early_return_kernel, quant=0, group=0)
+        _launch_sample(samples.early_return_kernel, quant=8, group=4)
+    assert torch.equal(out, x)  # the interpreter ran QUANT=0 fine
+
+    results = {r.launch.constexprs: r for r in ttir_lowering.lower(list(recorder.launches))}
+    bad = results[(("BLOCK", 16), ("GROUP", 0), ("QUANT", 0))]
+    assert bad.error is not None and bad.error.startswith("ZeroDivisionError")
+    assert "early_return_kernel(BLOCK=16, GROUP=0, QUANT=0)" in bad.launch.describe()
+    assert results[(("BLOCK", 16), ("GROUP", 4), ("QUANT", 8))].error is None
+
+
+def test_one_return_after_the_constexpr_branch_lowers():
+    with ttir_lowering.recording() as recorder:
+        x, out = _launch_sample(samples.one_return_kernel, quant=0, group=0)
+    assert torch.equal(out, x)
+    [result] = ttir_lowering.lower(list(recorder.launches))
+    assert result.error is None
+
+
+def test_arguments_are_typed_as_triton_specializes_them():
+    x = torch.zeros(32, dtype=torch.float16)
+    with ttir_lowering.recording() as recorder:
+        for _ in range(2):  # the same specialization twice: one launch, counted twice
+            samples.typed_args_kernel[(1,)](x, x, 32, 2**40 + 3, 1, 0.5, None, BLOCK=32, num_warps=2)
+        samples.typed_args_kernel[(1,)](x[1:], x, 5, 7, 1, 0.5, None, BLOCK=32)
+    (first, count), (second, _) = recorder.launches.items()
+    assert count == 2 and not recorder.failures
+    assert dict(first.signature) == {"X": "*fp16", "Out": "*fp16", "n": "i32", "big": "i64", "one": "constexpr",
+                                     "scale": "fp32", "Absent": "constexpr", "BLOCK": "constexpr"}  # fmt: skip
+    assert first.constexprs == (("one", 1), ("Absent", None), ("BLOCK", 32))
+    aligned = (("tt.divisibility", 16),)
+    assert dict(first.attrs) == {"X": aligned, "Out": aligned, "n": aligned, "big": ()}  # 2**40 + 3 is odd
+    assert first.options == (("num_warps", 2),)
+    assert dict(second.attrs) == {"X": (), "Out": aligned, "n": (), "big": ()}  # x[1:] is 2-byte aligned
+    assert [r.error for r in ttir_lowering.lower([first, second])] == [None, None]
+
+
+def test_kernel_enumeration_tells_entry_kernels_from_helpers():
+    functions = ttir_lowering.jit_functions()
+    entries = ttir_lowering.entry_kernels(functions)
+    stage1 = ("lightllm.kernels.attention.decode.stage1", "decode_stage1_kernel")
+    assert stage1 in entries
+    assert ("lightllm.kernels.attention.decode.stage1", "_load_raw") in functions[stage1]
+    assert ("lightllm.kernels.attention.decode.splits", "split_tokens") in functions[stage1]
+    assert ("lightllm.kernels.attention.decode.stage1", "_load_raw") not in entries
+
+
+@pytest.mark.last
+def test_every_kernel_launch_of_the_session_lowers_for_sm90(session_launches):
+    launches = [launch for launch in session_launches.launches if launch.module.startswith("lightllm.")]
+    start = time.perf_counter()
+    results = ttir_lowering.lower(launches)
+    print(f"lowered {len(results)} distinct launches to TTIR (sm90) in {time.perf_counter() - start:.1f} s")
+    failed = [f"{r.launch.describe()}:\n{r.error}" for r in results if r.error is not None]
+    failed += [f"Triton's binder rejected {message}" for message in session_launches.failures]
+    assert not failed, f"{len(failed)} kernel launch(es) run in the interpreter but do not compile:\n\n" + (
+        "\n\n".join(failed)
+    )
+
+
+@pytest.mark.last
+def test_every_entry_kernel_is_launched_by_some_test(session_launches, whole_suite):
+    if not whole_suite:
+        pytest.skip("only a run of the whole suite launches every kernel")
+    entries = ttir_lowering.entry_kernels(ttir_lowering.jit_functions())
+    launched = {(launch.module, launch.name) for launch in session_launches.launches}
+    missing = sorted(entries - launched - set(NOT_LAUNCHED_ON_CPU))
+    assert not missing, f"no test launched these kernels, so nothing checks that they compile: {missing}"
+    stale = sorted(set(NOT_LAUNCHED_ON_CPU) & launched)
+    assert not stale, f"launched now, take them off NOT_LAUNCHED_ON_CPU: {stale}"
+    unknown = sorted(set(NOT_LAUNCHED_ON_CPU) - entries)
+    assert not unknown, f"not entry kernels in lightllm, take them off NOT_LAUNCHED_ON_CPU: {unknown}"
