@@ -98,17 +98,22 @@ def test_cubin_stage_reports_what_ptxas_rejects():
     assert built.shared_bytes is None
 
 
-def test_one_cubin_per_kernel_constexprs_and_options():
-    x = torch.zeros(32, dtype=torch.float16)
+def test_one_cubin_per_kernel_options_and_code_path_at_its_biggest_tiles():
+    x, s = torch.zeros(32), torch.ones(8)
     recorder = ttir_lowering.LaunchRecorder()
-    for args, kwargs in [((x, x, 32, 7, 1, 0.5, None), {"BLOCK": 32}),
-                         ((x[1:], x.int(), 5, 7, 1, 0.5, None), {"BLOCK": 32}),  # other attrs and dtype: same code
-                         ((x, x, 32, 7, 1, 0.5, None), {"BLOCK": 16}),
-                         ((x, x, 32, 7, 1, 0.5, None), {"BLOCK": 32, "num_warps": 2})]:  # fmt: skip
-        recorder.record(samples.typed_args_kernel, args, kwargs)
-    first, _, other_block, other_warps = launches = list(recorder.launches)
-    assert len(set(launches)) == 4
-    assert ttir_lowering.representatives(launches) == [first, other_block, other_warps]
+
+    def record(block, group, quant, x=x, **options):
+        recorder.record(samples.early_return_kernel, (x, s, x), dict(BLOCK=block, GROUP=group, QUANT=quant, **options))
+        return list(recorder.launches)[-1]
+
+    off = record(16, 0, 0)  # integers equal to zero switch a path off
+    record(16, 4, 8)
+    biggest = record(32, 4, 8)
+    record(32, 4, 8, x=x.half())  # another dtype at the same tiles: the first of equals is built
+    record(16, 2, 4)
+    warps = record(16, 4, 8, num_warps=2)
+    assert len(recorder.launches) == 6
+    assert ttir_lowering.representatives(list(recorder.launches)) == [off, biggest, warps]
 
 
 def test_kernel_enumeration_tells_entry_kernels_from_helpers():
@@ -140,7 +145,7 @@ def test_every_kernel_of_the_session_builds_an_sm90_cubin_that_fits_in_shared_me
     lowered = [r.launch for r in ttir_lowering.lower(launches) if r.error is None]  # cached; failures reported above
     start = time.perf_counter()
     results = ttir_lowering.build_cubins(ttir_lowering.representatives(lowered))
-    print(f"built {len(results)} sm_90 cubins (one per kernel, constexprs and options) in "
+    print(f"built {len(results)} sm_90 cubins (one per kernel, options and code path) in "
           f"{time.perf_counter() - start:.1f} s")  # fmt: skip
     failed = [f"{r.launch.describe()}:\n{r.error}" for r in results if r.error is not None]
     assert not failed, f"{len(failed)} kernel launch(es) lower to TTIR but do not build for sm_90:\n\n" + (

@@ -21,7 +21,6 @@ import contextlib
 import importlib
 import os
 import pickle
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,6 +33,7 @@ ARCH = 90  # the H200's compute capability, the GPU the project ships for
 _ADDED_BY_RUN = ("debug", "instrumentation_mode")  # options JITFunction.run sets itself on every launch
 MAX_SHARED_BYTES = 232448  # 227 KiB: the most dynamic shared memory one block may opt into on an H100 / H200
 _TTIR, _CUBIN = "ttir", "cubin"
+MAX_CHILDREN = 4  # lowering processes side by side (one per core); each holds torch and Triton in memory
 
 
 @dataclass(frozen=True)
@@ -181,29 +181,73 @@ def build_cubins(launches: List[Launch]) -> List[Lowered]:
 
 
 def representatives(launches: List[Launch]) -> List[Launch]:
-    """The first launch of each (kernel, constexprs, options): what sets the generated code and the shared memory.
-    Launches that differ only in argument dtypes or divisibility share one full compile (their TTIR is checked)."""
-    first: Dict[tuple, Launch] = {}
+    """The launches worth a full build: one per kernel, launch options and code path, at its biggest tiles.
+
+    Integer constexprs are tile sizes or switches that kernels test against zero (``QUANT == 0``, ``QGROUP``), so
+    a code path is the constexprs with each integer reduced to whether it is zero; flags, strings and ``None``
+    arguments count as they are. Within a path the launch with the largest product of its integers is built (shared
+    memory grows with the tiles), the first of equals. Launches that differ only in argument dtypes, alignment, other
+    tile sizes or switch values share one build; every launch is still lowered to TTIR."""
+    best: Dict[tuple, Launch] = {}
     for launch in launches:
-        first.setdefault((launch.module, launch.name, launch.constexprs, launch.options), launch)
-    return list(first.values())
+        key = (launch.module, launch.name, launch.options, tuple((n, _path_value(v)) for n, v in launch.constexprs))
+        if key not in best or _tile_product(launch) > _tile_product(best[key]):
+            best[key] = launch
+    return list(best.values())
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _path_value(value: Any) -> Any:
+    return ("int", value == 0) if _is_int(value) else value
+
+
+def _tile_product(launch: Launch) -> int:
+    product = 1
+    for _, value in launch.constexprs:
+        if _is_int(value) and value > 0:
+            product *= value
+    return product
 
 
 def _in_child(stage: str, launches: List[Launch]) -> List[Lowered]:
     todo = [launch for launch in dict.fromkeys(launches) if (stage, launch) not in _cache]
     if todo:
-        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
-        with tempfile.TemporaryDirectory(prefix="triton-cache-") as cache:
-            env["TRITON_CACHE_DIR"] = cache  # every run compiles afresh, and nothing lands in ~/.triton
-            # no timeout: a busy machine must not fail the check; subprocess.run kills the child if this one stops
-            done = subprocess.run([sys.executable, "-m", "tests.ttir_lowering"], input=pickle.dumps((stage, todo)),
-                                  capture_output=True, cwd=ROOT, env=env)  # fmt: skip
-        if done.returncode != 0:
-            raise RuntimeError(f"the {stage} lowering process exited with {done.returncode}:\n{done.stderr.decode()}")
-        for result in pickle.loads(done.stdout):
+        for result in _run_children(stage, todo):
             _cache[(stage, result.launch)] = result
     return [_cache[(stage, launch)] for launch in launches]
+
+
+def _run_children(stage: str, todo: List[Launch]) -> List[Lowered]:
+    """``todo`` split over one child per core (at most :data:`MAX_CHILDREN`), every child stopped with its own
+    children (``ptxas``) however this returns. No timeout: a busy machine must not fail the check."""
+    from lightllm.common import proc
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
+    count = max(1, min(len(os.sched_getaffinity(0)), MAX_CHILDREN, len(todo)))
+    results: List[Lowered] = []
+    with contextlib.ExitStack() as stack:
+        env["TRITON_CACHE_DIR"] = stack.enter_context(tempfile.TemporaryDirectory(prefix="triton-cache-"))  # afresh
+        children = []
+        for part in (todo[i::count] for i in range(count)):
+            stdin, stdout, stderr = (stack.enter_context(tempfile.TemporaryFile()) for _ in range(3))
+            stdin.write(pickle.dumps((stage, part)))
+            stdin.seek(0)
+            child = stack.enter_context(proc.running([sys.executable, "-m", "tests.ttir_lowering"], stdin=stdin,
+                                                     stdout=stdout, stderr=stderr, cwd=ROOT, env=env))  # fmt: skip
+            children.append((child, stdout, stderr))
+        for child, stdout, stderr in children:
+            child.wait()
+            stdout.seek(0)
+            stderr.seek(0)
+            if child.returncode != 0:
+                raise RuntimeError(f"the {stage} lowering process exited with {child.returncode}:\n"
+                                   f"{stderr.read().decode(errors='replace')}")  # fmt: skip
+            results += pickle.load(stdout)
+    return results
 
 
 # -- lowering (child side) -------------------------------------------------------------------------------------
