@@ -5,12 +5,12 @@ statements after an early ``return`` in a constexpr branch run in the interprete
 compiler keeps generating them (it failed on a ``// QGROUP`` with ``QGROUP=0``). A :class:`LaunchRecorder` notes each
 interpreted launch as Triton's own binder would specialize it for an sm90 GPU (argument types, divisibility
 attributes, constexpr values, launch options); :func:`lower` runs Triton's frontend (AST -> TTIR) on each distinct
-specialization in a child process without the interpreter, where ``@triton.jit`` makes real ``JITFunction``s.
+specialization in child processes without the interpreter, where ``@triton.jit`` makes real ``JITFunction``s.
 
 The frontend misses what fails later (TTGIR passes, LLVM lowering, ``ptxas``) and a kernel that needs more shared
-memory than an sm90 block may have (it fails only at launch on the GPU), so :func:`build_cubins` also compiles one
-launch per (kernel, constexprs, options) all the way to an sm_90 cubin (Triton bundles ``ptxas``) and checks its
-shared memory against :data:`MAX_SHARED_BYTES`.
+memory than an sm90 block may have (it fails only at launch on the GPU), so :func:`build_cubins` also compiles
+the :func:`representatives` (one launch per kernel, options and code path) all the way to an sm_90 cubin (Triton
+bundles ``ptxas``) and checks its shared memory against :data:`MAX_SHARED_BYTES`.
 
 Run as ``python -m tests.ttir_lowering`` it is that child: the stage and pickled launches on stdin, pickled results on
 stdout.
@@ -168,15 +168,15 @@ _cache: Dict[Tuple[str, Launch], Lowered] = {}
 
 
 def lower(launches: List[Launch]) -> List[Lowered]:
-    """Each launch lowered to TTIR for sm90 in one child process without the interpreter; cached per launch for
+    """Each launch lowered to TTIR for sm90 in child processes without the interpreter; cached per launch for
     the life of this process."""
     return _in_child(_TTIR, launches)
 
 
 def build_cubins(launches: List[Launch]) -> List[Lowered]:
-    """Each launch compiled to an sm_90 cubin in one child process, failed when it needs more shared memory than
+    """Each launch compiled to an sm_90 cubin in child processes, failed when it needs more shared memory than
     :data:`MAX_SHARED_BYTES`; cached per launch like :func:`lower`. Pass :func:`representatives`: a full compile
-    costs tens of times more than TTIR."""
+    costs about ten times a TTIR lowering."""
     return _in_child(_CUBIN, launches)
 
 
