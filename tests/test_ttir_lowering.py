@@ -1,4 +1,5 @@
-"""Every Triton kernel the CPU tests launch must also compile (AST -> TTIR for sm90), not only run in the
+"""Every Triton kernel the CPU tests launch must also compile (AST -> TTIR for sm90, and one launch per kernel,
+constexprs and options to an sm_90 cubin that fits in an H200 block's shared memory), not only run in the
 interpreter: see tests/ttir_lowering.py for how launches are recorded and lowered, docs/testing.md for what the
 check catches and what it does not."""
 
@@ -65,6 +66,56 @@ def test_arguments_are_typed_as_triton_specializes_them():
     assert [r.error for r in ttir_lowering.lower([first, second])] == [None, None]
 
 
+def _tiled_dot(block_k, num_stages):
+    a, b = torch.randn(64, 256, dtype=torch.float16), torch.randn(256, 64, dtype=torch.float16)
+    c = torch.full((64, 64), float("nan"))
+    samples.tiled_dot_kernel[(1,)](a, b, c, 256, BLOCK=64, BLOCK_K=block_k, num_stages=num_stages)
+    torch.testing.assert_close(c.double(), a.double() @ b.double(), rtol=1e-3, atol=1e-3)
+
+
+def test_cubin_stage_reports_a_kernel_that_needs_more_shared_memory_than_an_sm90_block():
+    with ttir_lowering.recording() as recorder:
+        _tiled_dot(block_k=32, num_stages=2)
+        _tiled_dot(block_k=256, num_stages=4)  # 4 stages x (64x256 + 256x64) fp16 tiles = 256 KiB
+    small, big = recorder.launches
+    assert [r.error for r in ttir_lowering.lower([small, big])] == [None, None]  # the frontend sees no problem
+
+    fits, too_big = ttir_lowering.build_cubins([small, big])
+    assert fits.error is None and 0 < fits.shared_bytes <= ttir_lowering.MAX_SHARED_BYTES
+    assert too_big.shared_bytes > ttir_lowering.MAX_SHARED_BYTES
+    assert too_big.error.startswith(f"needs {too_big.shared_bytes} bytes of shared memory per block, more than the "
+                                    f"{ttir_lowering.MAX_SHARED_BYTES} (227 KiB)")  # fmt: skip
+    assert "tiled_dot_kernel(BLOCK=64, BLOCK_K=256) [num_stages=4]" in too_big.launch.describe()
+
+
+def test_cubin_stage_reports_what_ptxas_rejects():
+    recorder = ttir_lowering.LaunchRecorder()  # recorded, not run: the interpreter has no PTX to execute
+    recorder.record(samples.bad_ptx_kernel, (torch.zeros(128, dtype=torch.int32),), {"BLOCK": 128})
+    [launch] = recorder.launches
+    assert ttir_lowering.lower([launch])[0].error is None
+    [built] = ttir_lowering.build_cubins([launch])
+    assert built.error.startswith("PTXASError") and "Unknown modifier '.such'" in built.error, built.error
+    assert built.shared_bytes is None
+
+
+def test_one_cubin_per_kernel_options_and_code_path_at_its_biggest_tiles():
+    x, s = torch.zeros(32), torch.ones(8)
+    recorder = ttir_lowering.LaunchRecorder()
+
+    def record(block, group, quant, x=x, **options):
+        recorder.record(samples.early_return_kernel, (x, s, x), dict(BLOCK=block, GROUP=group, QUANT=quant, **options))
+        return list(recorder.launches)[-1]
+
+    off = record(16, 0, 0)  # integers equal to zero switch a path off
+    record(16, 4, 8)
+    biggest = record(32, 4, 8)
+    record(32, 4, 8, x=x.half())  # another dtype at the same tiles: the first of equals is built
+    record(16, 2, 4)
+    warps = record(16, 4, 8, num_warps=2)
+    assert len(recorder.launches) == 6
+    assert ttir_lowering.representatives(list(recorder.launches)) == [off, biggest, warps]
+
+
 def test_kernel_enumeration_tells_entry_kernels_from_helpers():
     functions = ttir_lowering.jit_functions()
     entries = ttir_lowering.entry_kernels(functions)
@@ -84,6 +135,20 @@ def test_every_kernel_launch_of_the_session_lowers_for_sm90(session_launches):
     failed = [f"{r.launch.describe()}:\n{r.error}" for r in results if r.error is not None]
     failed += [f"Triton's binder rejected {message}" for message in session_launches.failures]
     assert not failed, f"{len(failed)} kernel launch(es) run in the interpreter but do not compile:\n\n" + (
+        "\n\n".join(failed)
+    )
+
+
+@pytest.mark.last
+def test_every_kernel_of_the_session_builds_an_sm90_cubin_that_fits_in_shared_memory(session_launches):
+    launches = [launch for launch in session_launches.launches if launch.module.startswith("lightllm.")]
+    lowered = [r.launch for r in ttir_lowering.lower(launches) if r.error is None]  # cached; failures reported above
+    start = time.perf_counter()
+    results = ttir_lowering.build_cubins(ttir_lowering.representatives(lowered))
+    print(f"built {len(results)} sm_90 cubins (one per kernel, options and code path) in "
+          f"{time.perf_counter() - start:.1f} s")  # fmt: skip
+    failed = [f"{r.launch.describe()}:\n{r.error}" for r in results if r.error is not None]
+    assert not failed, f"{len(failed)} kernel launch(es) lower to TTIR but do not build for sm_90:\n\n" + (
         "\n\n".join(failed)
     )
 

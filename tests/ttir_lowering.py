@@ -5,9 +5,15 @@ statements after an early ``return`` in a constexpr branch run in the interprete
 compiler keeps generating them (it failed on a ``// QGROUP`` with ``QGROUP=0``). A :class:`LaunchRecorder` notes each
 interpreted launch as Triton's own binder would specialize it for an sm90 GPU (argument types, divisibility
 attributes, constexpr values, launch options); :func:`lower` runs Triton's frontend (AST -> TTIR) on each distinct
-specialization in a child process without the interpreter, where ``@triton.jit`` makes real ``JITFunction``s.
+specialization in child processes without the interpreter, where ``@triton.jit`` makes real ``JITFunction``s.
 
-Run as ``python -m tests.ttir_lowering`` it is that child: pickled launches on stdin, pickled results on stdout.
+The frontend misses what fails later (TTGIR passes, LLVM lowering, ``ptxas``) and a kernel that needs more shared
+memory than an sm90 block may have (it fails only at launch on the GPU), so :func:`build_cubins` also compiles
+the :func:`representatives` (one launch per kernel, options and code path) all the way to an sm_90 cubin (Triton
+bundles ``ptxas``) and checks its shared memory against :data:`MAX_SHARED_BYTES`.
+
+Run as ``python -m tests.ttir_lowering`` it is that child: the stage and pickled launches on stdin, pickled results on
+stdout.
 """
 
 import ast
@@ -15,8 +21,8 @@ import contextlib
 import importlib
 import os
 import pickle
-import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +31,9 @@ from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
 ROOT = Path(__file__).resolve().parent.parent
 ARCH = 90  # the H200's compute capability, the GPU the project ships for
 _ADDED_BY_RUN = ("debug", "instrumentation_mode")  # options JITFunction.run sets itself on every launch
+MAX_SHARED_BYTES = 232448  # 227 KiB: the most dynamic shared memory one block may opt into on an H100 / H200
+_TTIR, _CUBIN = "ttir", "cubin"
+MAX_CHILDREN = 4  # lowering processes side by side (one per core); each holds torch and Triton in memory
 
 
 @dataclass(frozen=True)
@@ -150,52 +159,171 @@ def push(recorder: LaunchRecorder) -> None:
 @dataclass(frozen=True)
 class Lowered:
     launch: Launch
-    error: Optional[str]  # the compiler's message, None when it lowered
+    error: Optional[str]  # the compiler's message, None when it lowered (and, for a cubin, fits in shared memory)
     seconds: float
+    shared_bytes: Optional[int] = None  # the cubin's dynamic shared memory; None for TTIR or when it did not compile
 
 
-_lowered_cache: Dict[Launch, Lowered] = {}
+_cache: Dict[Tuple[str, Launch], Lowered] = {}
 
 
 def lower(launches: List[Launch]) -> List[Lowered]:
-    """Each launch lowered to TTIR for sm90 in one child process without the interpreter; cached per launch for
+    """Each launch lowered to TTIR for sm90 in child processes without the interpreter; cached per launch for
     the life of this process."""
-    todo = [launch for launch in dict.fromkeys(launches) if launch not in _lowered_cache]
+    return _in_child(_TTIR, launches)
+
+
+def build_cubins(launches: List[Launch]) -> List[Lowered]:
+    """Each launch compiled to an sm_90 cubin in child processes, failed when it needs more shared memory than
+    :data:`MAX_SHARED_BYTES`; cached per launch like :func:`lower`. Pass :func:`representatives`: a full compile
+    costs about ten times a TTIR lowering."""
+    return _in_child(_CUBIN, launches)
+
+
+def representatives(launches: List[Launch]) -> List[Launch]:
+    """The launches worth a full build: one per kernel, launch options and code path, at its biggest tiles.
+
+    Integer constexprs are tile sizes or switches that kernels test against zero (``QUANT == 0``, ``QGROUP``), so
+    a code path is the constexprs with each integer reduced to whether it is zero; flags, strings and ``None``
+    arguments count as they are. Within a path the launch with the largest product of its integers is built (shared
+    memory grows with the tiles), the first of equals. Launches that differ only in argument dtypes, alignment, other
+    tile sizes or switch values share one build; every launch is still lowered to TTIR."""
+    best: Dict[tuple, Launch] = {}
+    for launch in launches:
+        key = (launch.module, launch.name, launch.options, tuple((n, _path_value(v)) for n, v in launch.constexprs))
+        if key not in best or _tile_product(launch) > _tile_product(best[key]):
+            best[key] = launch
+    return list(best.values())
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _path_value(value: Any) -> Any:
+    return ("int", value == 0) if _is_int(value) else value
+
+
+def _tile_product(launch: Launch) -> int:
+    product = 1
+    for _, value in launch.constexprs:
+        if _is_int(value) and value > 0:
+            product *= value
+    return product
+
+
+def _in_child(stage: str, launches: List[Launch]) -> List[Lowered]:
+    todo = [launch for launch in dict.fromkeys(launches) if (stage, launch) not in _cache]
     if todo:
-        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
-        # no timeout: a busy machine must not fail the check; subprocess.run kills the child if this one is stopped
-        done = subprocess.run([sys.executable, "-m", "tests.ttir_lowering"], input=pickle.dumps(todo),
-                              capture_output=True, cwd=ROOT, env=env)  # fmt: skip
-        if done.returncode != 0:
-            raise RuntimeError(f"the TTIR lowering process exited with {done.returncode}:\n{done.stderr.decode()}")
-        for result in pickle.loads(done.stdout):
-            _lowered_cache[result.launch] = result
-    return [_lowered_cache[launch] for launch in launches]
+        for result in _run_children(stage, todo):
+            _cache[(stage, result.launch)] = result
+    return [_cache[(stage, launch)] for launch in launches]
+
+
+def _run_children(stage: str, todo: List[Launch]) -> List[Lowered]:
+    """``todo`` split over one child per core (at most :data:`MAX_CHILDREN`), every child stopped with its own
+    children (``ptxas``) however this returns. No timeout: a busy machine must not fail the check."""
+    from lightllm.common import proc
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
+    count = max(1, min(len(os.sched_getaffinity(0)), MAX_CHILDREN, len(todo)))
+    results: List[Lowered] = []
+    with contextlib.ExitStack() as stack:
+        env["TRITON_CACHE_DIR"] = stack.enter_context(tempfile.TemporaryDirectory(prefix="triton-cache-"))  # afresh
+        children = []
+        for part in (todo[i::count] for i in range(count)):
+            stdin, stdout, stderr = (stack.enter_context(tempfile.TemporaryFile()) for _ in range(3))
+            stdin.write(pickle.dumps((stage, part)))
+            stdin.seek(0)
+            child = stack.enter_context(proc.running([sys.executable, "-m", "tests.ttir_lowering"], stdin=stdin,
+                                                     stdout=stdout, stderr=stderr, cwd=ROOT, env=env))  # fmt: skip
+            children.append((child, stdout, stderr))
+        for child, stdout, stderr in children:
+            child.wait()
+            stdout.seek(0)
+            stderr.seek(0)
+            if child.returncode != 0:
+                raise RuntimeError(f"the {stage} lowering process exited with {child.returncode}:\n"
+                                   f"{stderr.read().decode(errors='replace')}")  # fmt: skip
+            results += pickle.load(stdout)
+    return results
 
 
 # -- lowering (child side) -------------------------------------------------------------------------------------
 
 
-def _lower_one(launch: Launch, backend, context_of) -> Optional[str]:
+def _source(launch: Launch):
     from triton.compiler import ASTSource
     from triton.runtime.jit import JITFunction
 
     kernel = getattr(importlib.import_module(launch.module), launch.name)
     if not isinstance(kernel, JITFunction):
-        return f"{launch.module}.{launch.name} is a {type(kernel).__name__}, not a JITFunction"
-    options = backend.parse_options(dict(launch.options))
+        raise TypeError(f"{launch.module}.{launch.name} is a {type(kernel).__name__}, not a JITFunction")
     attrs = {(kernel.arg_names.index(name),): [list(a) for a in attr] for name, attr in launch.attrs}
-    source = ASTSource(kernel, dict(launch.signature), dict(launch.constexprs), attrs)
-    try:
-        source.make_ir(backend.target, options, backend.get_codegen_implementation(options),
-                       backend.get_module_map(), context_of())  # fmt: skip
-    except Exception as e:
-        message, cause = f"{type(e).__name__}: {e}", e
-        while cause.__cause__ is not None:  # Triton wraps the error (a ZeroDivisionError, ...) in a CompilationError
-            cause = cause.__cause__
-        return message if cause is e else f"{type(cause).__name__}: {cause}\n{message}"
-    return None
+    return ASTSource(kernel, dict(launch.signature), dict(launch.constexprs), attrs)
+
+
+def _message(e: Exception, diagnostics: str) -> str:
+    message, cause = f"{type(e).__name__}: {e}", e
+    while cause.__cause__ is not None:  # Triton wraps the error (a ZeroDivisionError, ...) in a CompilationError
+        cause = cause.__cause__
+    if cause is not e:
+        message = f"{type(cause).__name__}: {cause}\n{message}"
+    # MLIR passes report why they failed on stderr, not in the exception ("PassManager::run failed")
+    return f"{message}\n{diagnostics[-4000:]}" if diagnostics else message
+
+
+@contextlib.contextmanager
+def _stderr_captured() -> Iterator[List[str]]:
+    """What the compiler (C++ included) writes to stderr inside the block, appended to the yielded list."""
+    text: List[str] = []
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as log:
+        os.dup2(log.fileno(), 2)
+        try:
+            yield text
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            log.seek(0)
+            text.append(log.read().decode(errors="replace").strip())
+
+
+def _lower_one(launch: Launch, backend, context_of) -> Lowered:
+    start = time.perf_counter()
+    with _stderr_captured() as diagnostics:
+        try:
+            options = backend.parse_options(dict(launch.options))
+            _source(launch).make_ir(backend.target, options, backend.get_codegen_implementation(options),
+                                    backend.get_module_map(), context_of())  # fmt: skip
+            error = None
+        except Exception as e:
+            error = e
+    seconds = time.perf_counter() - start
+    return Lowered(launch, None if error is None else _message(error, diagnostics[0]), seconds)
+
+
+def _build_one(launch: Launch, backend) -> Lowered:
+    import triton
+
+    start = time.perf_counter()
+    with _stderr_captured() as diagnostics:
+        try:
+            compiled = triton.compile(_source(launch), target=backend.target, options=dict(launch.options))
+            shared, error = compiled.metadata.shared, None
+        except Exception as e:
+            shared, error = None, e
+    seconds = time.perf_counter() - start
+    if error is not None:
+        return Lowered(launch, _message(error, diagnostics[0]), seconds)
+    if shared > MAX_SHARED_BYTES:
+        message = (f"needs {shared} bytes of shared memory per block, more than the {MAX_SHARED_BYTES} (227 KiB) "
+                   "an H100 / H200 allows, so it would fail at launch: use smaller tiles or fewer stages")  # fmt: skip
+        return Lowered(launch, message, seconds, shared)
+    return Lowered(launch, None, seconds, shared)
 
 
 def _child_main() -> None:
@@ -209,12 +337,16 @@ def _child_main() -> None:
         backend.load_dialects(context)
         return context
 
-    results = []
-    for launch in pickle.load(sys.stdin.buffer):
-        start = time.perf_counter()
-        error = _lower_one(launch, backend, context_of)
-        results.append(Lowered(launch, error, time.perf_counter() - start))
-    sys.stdout.buffer.write(pickle.dumps(results))
+    results_out = os.fdopen(os.dup(1), "wb")
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # Triton prints a failed kernel's whole PTX to stdout
+    stage, launches = pickle.load(sys.stdin.buffer)
+    if stage == _TTIR:
+        results = [_lower_one(launch, backend, context_of) for launch in launches]
+    else:
+        results = [_build_one(launch, backend) for launch in launches]
+    sys.stdout.flush()
+    results_out.write(pickle.dumps(results))
+    results_out.close()
 
 
 # -- which kernels exist ---------------------------------------------------------------------------------------

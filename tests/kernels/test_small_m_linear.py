@@ -11,10 +11,12 @@ from lightllm.kernels.linear import small_m_linear as module
 from lightllm.kernels.linear.reference import linear_ref
 from lightllm.kernels.linear.small_m_linear import (
     CANDIDATES,
+    SM90_MAX_SHARED_BYTES,
     SmallMLinearPlan,
     _configs,
     _launch_small_m_linear,
     linear_op,
+    pipeline_shared_bytes,
     small_m_linear,
 )
 
@@ -52,7 +54,7 @@ def _assert_matches(out, x, w, out_dtype):
 def test_every_candidate_matches_float64(dtype, m, out_dtype):
     x, w = _inputs(m, dtype, seed=m)
     assert any(c["SPLIT_K"] > 1 for c in CANDIDATES) and len(CANDIDATES) == 24
-    for config in CANDIDATES:
+    for config in _configs(x, torch.empty(N, 4096, dtype=dtype)):  # every block size and split, if it fits sm_90
         out = torch.full((m, N), float("nan"), dtype=out_dtype or dtype, device=DEVICE)
         returned = small_m_linear(x, w, out_dtype, out=out, run_config=config)
         assert returned is out
@@ -89,9 +91,26 @@ def test_untuned_default_is_torch_mm_bit_for_bit(m, out_dtype):
     assert torch.equal(linear_op(m, N, K, torch.float16)(x, w, w_t), torch.mm(x, w_t))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_candidates_fit_in_an_sm90_blocks_shared_memory(dtype):
+    """A config whose pipelined tiles exceed 227 KiB compiles but fails at launch on an H100 / H200 (the session's
+    sm_90 cubin check measured float32 BLOCK_N=64, BLOCK_K=256 at 4 stages: 245760 bytes)."""
+    x, w = torch.empty(16, 4096, dtype=dtype), torch.empty(4096, 4096, dtype=dtype)
+    configs = _configs(x, w)
+    assert all(pipeline_shared_bytes(c, x.element_size()) <= SM90_MAX_SHARED_BYTES for c in configs)
+    too_big = {"BLOCK_N": 64, "BLOCK_K": 256, "num_stages": 4}
+    left_out = [c for c in CANDIDATES if c not in configs]
+    if dtype == torch.float32:
+        assert pipeline_shared_bytes(too_big, 4) == 245760
+        assert left_out and all(c.items() >= too_big.items() and c["num_warps"] == 4 for c in left_out)
+        assert len(configs) == 20
+    else:
+        assert left_out == []
+
+
 def test_more_than_16_rows_has_no_candidates_and_never_searches(monkeypatch):
     x16, w = torch.empty(16, 4096), torch.empty(4096, 4096)
-    assert len(_configs(x16, w)) == 24
+    assert len(_configs(x16, w)) == 20  # float32: 4 of the 24 need more shared memory than an sm_90 block has
     assert _configs(torch.empty(17, 4096), w) == []
     monkeypatch.setenv("LIGHTLLM_TRITON_AUTOTUNE_LEVEL", "1")
     set_bench_func(lambda run: pytest.fail("nothing is timed above 16 rows"))

@@ -15,7 +15,12 @@ import torch
 from lightllm.common.autotuner import AutotuneKernelType, PlannedInputs, autotune
 from lightllm.kernels.linear.cold_weights import cold_weight_inputs
 from lightllm.kernels.linear.reference import cublas_linear, mm_on_view
-from lightllm.kernels.linear.small_m_kernel import MAX_ROWS, launch_small_m_linear
+from lightllm.kernels.linear.small_m_kernel import (
+    MAX_ROWS,
+    SM90_MAX_SHARED_BYTES,
+    launch_small_m_linear,
+    pipeline_shared_bytes,
+)
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _TILES = ((32, 256), (64, 128), (64, 256))  # (BLOCK_N, BLOCK_K): rows of W per program x K per step
@@ -28,8 +33,14 @@ CANDIDATES = tuple({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": s, "num_warps": w, 
 def _configs(x, w):
     if x.shape[0] > MAX_ROWS:
         return []  # cuBLAS, never searched: the kernel serves M <= 16 only
-    k = w.shape[1]
-    return [dict(c) for c in CANDIDATES if k >= c["SPLIT_K"] * c["BLOCK_K"] or c["SPLIT_K"] == 1]
+    return [dict(c) for c in CANDIDATES if _fits(c, w.shape[1], x.element_size())]
+
+
+def _fits(config: dict, k: int, itemsize: int) -> bool:
+    """No split slice shorter than a K block, and tiles that fit an sm_90 block's shared memory (float32 at
+    BLOCK_N=64, BLOCK_K=256 and 4 stages needs 240 KiB)."""
+    whole_slices = config["SPLIT_K"] == 1 or k >= config["SPLIT_K"] * config["BLOCK_K"]
+    return whole_slices and pipeline_shared_bytes(config, itemsize) <= SM90_MAX_SHARED_BYTES
 
 
 def _static_key(x, w, out_dtype):
