@@ -28,10 +28,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
 
+from lightllm.kernels.launch_math import SM90_MAX_SHARED_BYTES
+
 ROOT = Path(__file__).resolve().parent.parent
 ARCH = 90  # the H200's compute capability, the GPU the project ships for
 _ADDED_BY_RUN = ("debug", "instrumentation_mode")  # options JITFunction.run sets itself on every launch
-MAX_SHARED_BYTES = 232448  # 227 KiB: the most dynamic shared memory one block may opt into on an H100 / H200
+MAX_SHARED_BYTES = SM90_MAX_SHARED_BYTES
 _TTIR, _CUBIN = "ttir", "cubin"
 MAX_CHILDREN = 4  # lowering processes side by side (one per core); each holds torch and Triton in memory
 

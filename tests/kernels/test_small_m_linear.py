@@ -9,9 +9,9 @@ import torch
 from lightllm.common.autotuner import AutotuneKernelType, autotune_warmup, get_autotune_stats, set_bench_func, store
 from lightllm.kernels.linear import small_m_linear as module
 from lightllm.kernels.linear.reference import linear_ref
+from lightllm.kernels.launch_math import SM90_MAX_SHARED_BYTES
 from lightllm.kernels.linear.small_m_linear import (
     CANDIDATES,
-    SM90_MAX_SHARED_BYTES,
     SmallMLinearPlan,
     _configs,
     _launch_small_m_linear,

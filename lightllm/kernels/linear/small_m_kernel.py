@@ -19,13 +19,12 @@ from lightllm.kernels.launch_math import cdiv
 
 MAX_ROWS = 16  # x's rows are padded to this tile: the kernel serves M <= 16
 _SUM_BLOCK = 1024
-SM90_MAX_SHARED_BYTES = 232448  # 227 KiB: the most shared memory one block may opt into on an H100 / H200
 
 
 def pipeline_shared_bytes(config: dict, itemsize: int) -> int:
     """Shared memory the K loop needs at ``config`` for elements of ``itemsize`` bytes: Triton's pipeline keeps
     ``num_stages - 1`` copies of the x tile and the W tile (what an sm_90 build reports). A config above
-    :data:`SM90_MAX_SHARED_BYTES` compiles but fails at launch."""
+    :data:`~lightllm.kernels.launch_math.SM90_MAX_SHARED_BYTES` compiles but fails at launch."""
     return (config["num_stages"] - 1) * (MAX_ROWS + config["BLOCK_N"]) * config["BLOCK_K"] * itemsize
 
 

@@ -15,12 +15,8 @@ import torch
 from lightllm.common.autotuner import AutotuneKernelType, PlannedInputs, autotune
 from lightllm.kernels.linear.cold_weights import cold_weight_inputs
 from lightllm.kernels.linear.reference import cublas_linear, mm_on_view
-from lightllm.kernels.linear.small_m_kernel import (
-    MAX_ROWS,
-    SM90_MAX_SHARED_BYTES,
-    launch_small_m_linear,
-    pipeline_shared_bytes,
-)
+from lightllm.kernels.launch_math import SM90_MAX_SHARED_BYTES
+from lightllm.kernels.linear.small_m_kernel import MAX_ROWS, launch_small_m_linear, pipeline_shared_bytes
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _TILES = ((32, 256), (64, 128), (64, 256))  # (BLOCK_N, BLOCK_K): rows of W per program x K per step
