@@ -5,9 +5,9 @@ and the rate at which each kernel reads its bytes (codes + scales) relative to b
 
     python benchmarks/decode_attention_quant.py --out benchmarks/results/decode_attention_quant_h200.json
 
-``--prefetch`` also times every INT8/INT4 candidate with ``PREFETCH`` (stage1.py: the next tile's bytes loaded before
-this tile's arithmetic), ``--block-n-128`` with ``BLOCK_N`` 128 (twice the bytes a tile loads); each row then records
-the best of the plain space and of each extra variant apart (``variants``), and ``ms`` is the best of all.
+``--block-n-128`` also times every INT8/INT4 candidate of ``BLOCK_N`` 64 at 128 (twice the bytes a tile loads); each
+row then records the best of the plain space and of that variant apart (``variants``), and ``ms`` is the best of
+both.
 """
 
 import argparse
@@ -28,8 +28,6 @@ def variant_spaces(kind, q, extras=()) -> dict:
     space = flash_decode.quant_split_kv_configs(q) if kind != "none" else flash_decode.split_kv_configs(q)
     spaces = {"tuned space": space}
     if kind != "none":
-        if "prefetch" in extras:
-            spaces["prefetch"] = [{**c, "PREFETCH": True} for c in space]
         if "block_n_128" in extras:
             spaces["block_n_128"] = [{**c, "BLOCK_N": 128} for c in space if c["BLOCK_N"] == 64]
     return spaces
@@ -96,13 +94,6 @@ def main():
     p.add_argument("--lens", nargs="+", type=int, default=[32768])
     p.add_argument("--groups", nargs="+", type=int, default=[8, 32], help="INT8/INT4 quant group sizes")
     p.add_argument("--budget-s", type=float, default=600.0, help="stop starting new KV types after this long")
-    p.add_argument(
-        "--prefetch",
-        dest="extras",
-        action="append_const",
-        const="prefetch",
-        help="also time the INT8/INT4 candidates with PREFETCH",
-    )
     p.add_argument(
         "--block-n-128",
         dest="extras",

@@ -6,8 +6,8 @@ registers leave few warps resident per SM (fewer loads in flight for a memory-bo
     python benchmarks/decode_stage1_resources.py --out benchmarks/results/decode_stage1_resources_sm90.json
     python benchmarks/decode_stage1_resources.py --analyze benchmarks/results/decode_stage1_resources_sm90.json
 
-One row per (shape, KV type, quant group, BLOCK_N, num_warps, num_stages, MIN_BLOCKS, PREFETCH): WAVES only sizes
-the grid, so candidates that differ in it share a compile. ``--prefetch`` adds each config with ``PREFETCH`` on.
+One row per (shape, KV type, quant group, BLOCK_N, num_warps, num_stages, MIN_BLOCKS): WAVES only sizes the grid,
+so candidates that differ in it share a compile.
 """
 
 import argparse
@@ -38,17 +38,14 @@ def _kernels():
     return flash_decode, decode_stage1_kernel, INT4_OFFSET, next_power_of_2
 
 
-def distinct_configs(configs: list, with_prefetch: bool) -> list:
-    """The candidates' compile-relevant keys, once each (in the candidates' order), each also with PREFETCH."""
-    seen, out = set(), []
+def distinct_configs(configs: list) -> list:
+    """The candidates' compile-relevant keys, once each, in the candidates' order."""
+    out = []
     for cfg in configs:
         key = {k: cfg[k] for k in ("BLOCK_N", "num_warps", "num_stages")}
         key["MIN_BLOCKS"] = cfg.get("MIN_BLOCKS", 1)
-        for prefetch in (False, True) if with_prefetch else (False,):
-            item = {**key, "PREFETCH": prefetch}
-            if json.dumps(item, sort_keys=True) not in seen:
-                seen.add(json.dumps(item, sort_keys=True))
-                out.append(item)
+        if key not in out:
+            out.append(key)
     return out
 
 
@@ -112,7 +109,7 @@ def compile_one(kernel, arch: int, shape, kind: str, group: int, cfg: dict, int4
     hq, hk, d = shape
     bits = {"none": 0, "int8": 8, "int4": 4}[kind]
     constexprs = dict(GROUP=hq // hk, BLOCK_H=max(16, p2(hq // hk)), HALF_D=d // 2, BLOCK_N=cfg["BLOCK_N"],
-                      MIN_BLOCKS=cfg["MIN_BLOCKS"], PREFETCH=cfg["PREFETCH"], QUANT=bits, QGROUP=group if bits else 0,
+                      MIN_BLOCKS=cfg["MIN_BLOCKS"], QUANT=bits, QGROUP=group if bits else 0,
                       INT4_OFFSET=int4_offset, F16=bits > 0, PRECISION=None)  # fmt: skip
     types = signature(kernel.arg_names, constexprs, kind)
     attrs = divisibility(kernel.arg_names, types, int_args(shape, kind, group))
@@ -141,7 +138,7 @@ def run(args) -> dict:
         for kind in args.kinds:
             space = flash_decode.split_kv_configs(q) if kind == "none" else flash_decode.quant_split_kv_configs(q)
             for group in [0] if kind == "none" else args.groups:
-                for cfg in distinct_configs(space, args.prefetch)[: args.max_configs]:
+                for cfg in distinct_configs(space)[: args.max_configs]:
                     res = compile_one(kernel, args.arch, SHAPES[name], kind, group, cfg, int4_offset, p2)
                     results["cells"].append({"shape": name, "kind": kind, "group": group, **cfg, **res})
                     print(name, kind, group, cfg, res, flush=True)
@@ -152,12 +149,12 @@ def run(args) -> dict:
 def print_table(results: dict) -> None:
     print(f"# decode stage 1 compiled for {results['arch']}: registers per thread, spilled bytes (stack), shared "
           "memory, and the warps per SM the registers allow")  # fmt: skip
-    print(f"{'shape':14s} {'kv':5s} {'grp':>3s} {'BN':>4s} {'w':>2s} {'st':>2s} {'minb':>4s} {'pf':>3s} "
+    print(f"{'shape':14s} {'kv':5s} {'grp':>3s} {'BN':>4s} {'w':>2s} {'st':>2s} {'minb':>4s} "
           f"{'regs':>4s} {'spill B':>7s} {'smem KiB':>8s} {'warps/SM':>8s}")  # fmt: skip
     for c in results["cells"]:
         warps = warps_per_sm(c["regs"], c["num_warps"])
         print(f"{c['shape']:14s} {c['kind']:5s} {c['group']:3d} {c['BLOCK_N']:4d} {c['num_warps']:2d} "
-              f"{c['num_stages']:2d} {c['MIN_BLOCKS']:4d} {'on' if c['PREFETCH'] else '-':>3s} {c['regs']:4d} "
+              f"{c['num_stages']:2d} {c['MIN_BLOCKS']:4d} {c['regs']:4d} "
               f"{c['stack_bytes']:7d} {c['shared_bytes'] / 1024:8.1f} {warps:8d}")  # fmt: skip
 
 
@@ -167,7 +164,6 @@ def parse_args(argv=None):
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     p.add_argument("--kinds", nargs="+", default=list(KINDS), choices=list(KINDS))
     p.add_argument("--groups", nargs="+", type=int, default=[8, 32], help="INT8/INT4 quant group sizes")
-    p.add_argument("--prefetch", action="store_true", help="also each config with PREFETCH on")
     p.add_argument("--max-configs", type=int, default=None, help="compile only the first N configs of each space")
     p.add_argument("--analyze", metavar="JSON", help="print the table of a saved run")
     p.add_argument("--out", default="benchmarks/results/decode_stage1_resources.json")

@@ -30,20 +30,20 @@ def test_bad_cells_name_the_flag():
 
 
 def test_variant_spaces_twin_every_quantized_candidate():
-    """--prefetch twins every INT8/INT4 candidate with PREFETCH on, --block-n-128 every BLOCK_N 64 one at 128; bf16
-    keeps its own space only; the table prints each variant's best beside the row."""
+    """--block-n-128 twins every INT8/INT4 candidate of BLOCK_N 64 at 128; bf16 keeps its own space only; the table
+    prints each variant's best beside the row."""
     bench = load_benchmark("decode_attention_quant")
     space = bench.flash_decode.quant_split_kv_configs(None)
-    spaces = bench.variant_spaces("int8", None, ("prefetch", "block_n_128"))
-    assert spaces["tuned space"] == space and spaces["prefetch"] == [{**c, "PREFETCH": True} for c in space]
+    spaces = bench.variant_spaces("int8", None, ("block_n_128",))
+    assert spaces["tuned space"] == space
     assert len(spaces["block_n_128"]) == len(space) // 2 and {c["BLOCK_N"] for c in spaces["block_n_128"]} == {128}
-    assert list(bench.variant_spaces("none", None, ("prefetch",))) == ["tuned space"]
+    assert list(bench.variant_spaces("none", None, ("block_n_128",))) == ["tuned space"]
 
 
 def test_table_prints_the_variants(capsys):
     bench = load_benchmark("decode_attention_quant")
     base = {"shape": "hq32-hk8-d128", "B": 16, "L": 32768, "group": 8, "bytes": 1.0}
-    variants = {"tuned space": {"ms": 0.5, "cfg": "{}"}, "prefetch": {"ms": 0.4, "cfg": "{}"}}
+    variants = {"tuned space": {"ms": 0.5, "cfg": "{}"}, "block_n_128": {"ms": 0.4, "cfg": "{}"}}
     bench.print_table([{**base, "kind": "none", "ms": 0.5}, {**base, "kind": "int8", "ms": 0.4, "variants": variants}])
     line = [ln for ln in capsys.readouterr().out.splitlines() if " int8 " in ln][0]
-    assert line.endswith("tuned space 500.0  prefetch 400.0")
+    assert line.endswith("tuned space 500.0  block_n_128 400.0")

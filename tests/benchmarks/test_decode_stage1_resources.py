@@ -25,7 +25,7 @@ def test_one_candidate_compiles_for_sm90_and_reports_its_resources(tmp_path):
     done = proc.run(cmd, timeout=proc.HANG_TIMEOUT_S, cwd=REPO, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     (cell,) = json.loads(out.read_text())["cells"]
-    assert (cell["shape"], cell["kind"], cell["group"], cell["PREFETCH"]) == ("hq32-hk8-d128", "int8", 32, False)
+    assert (cell["shape"], cell["kind"], cell["group"]) == ("hq32-hk8-d128", "int8", 32)
     assert 16 <= cell["regs"] <= 255 and cell["shared_bytes"] > 0 and cell["stack_bytes"] >= 0
     assert "warps/SM" in done.stdout and "hq32-hk8-d128 int8" in done.stdout
 
@@ -33,10 +33,8 @@ def test_one_candidate_compiles_for_sm90_and_reports_its_resources(tmp_path):
 def test_candidates_differing_only_in_waves_share_a_compile(bench):
     space = [{"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "WAVES": w} for w in (1, 2, 4)]
     space.append({"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "WAVES": 2, "MIN_BLOCKS": 2})
-    plain = {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "MIN_BLOCKS": 1, "PREFETCH": False}
-    assert bench.distinct_configs(space, False) == [plain, {**plain, "MIN_BLOCKS": 2}]
-    assert bench.distinct_configs(space, True)[:2] == [plain, {**plain, "PREFETCH": True}]
-    assert len(bench.distinct_configs(space, True)) == 4
+    plain = {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "MIN_BLOCKS": 1}
+    assert bench.distinct_configs(space) == [plain, {**plain, "MIN_BLOCKS": 2}]
 
 
 def test_resident_warps_follow_the_register_file(bench):
@@ -58,13 +56,13 @@ def test_resource_line_parsing_and_bad_arguments(bench):
 
 def test_table_from_a_saved_run(bench, tmp_path, capsys):
     cell = {"shape": "hq32-hk8-d128", "kind": "int4", "group": 8, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2,
-            "MIN_BLOCKS": 1, "PREFETCH": True, "regs": 255, "stack_bytes": 728, "shared_static": 1024,
+            "MIN_BLOCKS": 1, "regs": 255, "stack_bytes": 728, "shared_static": 1024,
             "local_bytes": 0, "shared_bytes": 22528}  # fmt: skip
     path = tmp_path / "r.json"
     path.write_text(json.dumps({"arch": "sm_90", "cells": [cell]}))
     bench.main(["--analyze", str(path)])
     (row,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("hq32")]
-    assert row.split() == ["hq32-hk8-d128", "int4", "8", "64", "4", "2", "1", "on", "255", "728", "22.0", "8"]
+    assert row.split() == ["hq32-hk8-d128", "int4", "8", "64", "4", "2", "1", "255", "728", "22.0", "8"]
 
 
 def test_launch_specialization_marks_aligned_pointers_and_multiples_of_16(bench):

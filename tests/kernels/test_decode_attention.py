@@ -256,25 +256,6 @@ def test_graph_grid_serves_short_and_mixed_lengths(grid, kind, dtype):
     torch.testing.assert_close(out.double(), decode_attention_ref(q, kd, vd, r2t, idx, seq), rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("kind", ["none", "int8", "int4"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-def test_prefetch_loop_matches_the_reference(kind, dtype):
-    """``PREFETCH``: the next tile is loaded before the current one is used; requests of one partial tile, exact
-    tiles, a ragged tail and an empty row, in a grid of several splits (the prefetch past a split's end reads
-    nothing, so the last split's neighbour is never counted twice)."""
-    lens = [0, 7, 32, 45, 130]
-    q, k, v, r2t, idx, seq = make_batch(5, 4, 2, 64, lens, dtype, seed=17)
-    cfg = {"BLOCK_N": 16, "num_warps": 2, "num_stages": 1, "WAVES": 4, "PREFETCH": True}
-    out, (kd, vd) = run(kind, q, k, v, r2t, idx, seq, 4096, run_config=cfg)
-    assert not out.isnan().any(), "unwritten output"
-    tol = 1e-4 if dtype == torch.float32 else 3e-3
-    torch.testing.assert_close(out.double(), decode_attention_ref(q, kd, vd, r2t, idx, seq), rtol=tol, atol=tol)
-    for bad in (1, "yes", None):
-        with pytest.raises(ValueError, match=f"PREFETCH expected true or false, got {bad!r}"):
-            flash_decode.prefetch({"PREFETCH": bad})
-    assert flash_decode.prefetch({}) is False
-
-
 def test_bad_inputs_name_the_argument():
     q, k, v, r2t, idx, seq = make_batch(2, 4, 2, 64, [3, 4], torch.float32)
     cases = [

@@ -87,22 +87,13 @@ def _launch_split_kv(
             req_to_token.stride(0),
             mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
             GROUP=group, BLOCK_H=max(16, next_power_of_2(group)), HALF_D=head_dim // 2,
-            BLOCK_N=cfg["BLOCK_N"], MIN_BLOCKS=least, PREFETCH=prefetch(cfg), QUANT=_QUANT_BITS[quant],
-            QGROUP=quant_group,
+            BLOCK_N=cfg["BLOCK_N"], MIN_BLOCKS=least, QUANT=_QUANT_BITS[quant], QGROUP=quant_group,
             INT4_OFFSET=INT4_OFFSET, F16=quant != "none" and q.dtype != torch.float32,
             PRECISION="ieee" if q.dtype == torch.float32 else None,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )  # fmt: skip
         launch_stage2(mid_o, mid_lse, b_seq_len, out, cfg["BLOCK_N"], least)
     return out
-
-
-def prefetch(cfg: dict) -> bool:
-    """A config's ``PREFETCH`` (stage1.py; off when absent)."""
-    on = cfg.get("PREFETCH", False)
-    if type(on) is not bool:
-        raise ValueError(f"decode attention config: PREFETCH expected true or false, got {on!r}")
-    return on
 
 
 def launch_stage2(mid_o, mid_lse, b_seq_len, out, block_n: int, least: int = 1, num_warps: Optional[int] = None):

@@ -18,13 +18,6 @@ by its float16 scale in float16 (rounded once, to 11 significant bits where the 
 dots run in float16 with float32 accumulation: bf16 queries become float16 once per program (exactly, inside
 float16's range), the probabilities (in [0, 1]) once per tile. So |q|, |K| and |V| must stay below float16's
 65504. float32 queries dequantize in float32 and keep IEEE dots.
-
-``PREFETCH`` (config key, off unless given): the loop loads the next tile's bytes (codes and scales) into registers
-before it dequantizes and multiplies the current one, so each program keeps a tile of loads in flight through its
-arithmetic. bf16 tiles go straight to the dots and Triton's pipeliner streams them ahead; a quantized tile feeds
-integer and float16 arithmetic first, which (our reading, not profiled) leaves each program waiting on one tile at
-a time. Not among the tuned candidates until a GPU run shows where it wins (``benchmarks/decode_attention_quant.py
---prefetch``).
 """
 
 import triton
@@ -57,30 +50,13 @@ def _dequant(codes, scale, BLOCK_N: tl.constexpr, HALF_D: tl.constexpr, QGROUP: 
 
 
 @triton.jit
-def _load_raw(Base, Scale, row, srow, mask_n, d, HALF_D: tl.constexpr, QUANT: tl.constexpr, QGROUP: tl.constexpr):
-    """The stored bytes of the K or V rows at element offsets ``row``: ``(a, b, s_lo, s_hi)``, the two halves (INT4:
-    the packed byte twice) and, quantized, the two halves' scales (at ``srow``); bf16 returns its halves twice."""
-    m = mask_n[:, None]
-    a = tl.load(Base + row[:, None] + d[None, :], mask=m, other=0)
-    b = a if QUANT == 4 else tl.load(Base + row[:, None] + (d + HALF_D)[None, :], mask=m, other=0)
-    # One return after a constexpr if/else: compiled Triton keeps generating the statements after an early
-    # ``return`` inside a constexpr branch (the interpreter does not), so the bf16 case would build scale loads.
-    if QUANT == 0:
-        s_lo = a
-        s_hi = b
-    else:
-        g = tl.arange(0, HALF_D // QGROUP)
-        s_lo = tl.load(Scale + srow[:, None] + g[None, :], mask=m, other=0)
-        s_hi = tl.load(Scale + srow[:, None] + (g + HALF_D // QGROUP)[None, :], mask=m, other=0)
-    return a, b, s_lo, s_hi
-
-
-@triton.jit
-def _to_halves(
-    a,
-    b,
-    s_lo,
-    s_hi,
+def _load_kv_halves(
+    Base,
+    Scale,
+    row,
+    srow,
+    mask_n,
+    d,
     BLOCK_N: tl.constexpr,
     HALF_D: tl.constexpr,
     QUANT: tl.constexpr,
@@ -89,51 +65,32 @@ def _to_halves(
     F16: tl.constexpr,
     DTYPE,
 ):
-    """Both halves ``[BLOCK_N, HALF_D]`` in ``DTYPE`` from :func:`_load_raw`'s bytes (dequantized)."""
-    if QUANT == 0:
-        lo = a
-        hi = b
-    else:
-        if QUANT == 4:
-            if F16:
-                lo = _nibble_to_f16(a & 15, INT4_OFFSET)
-                hi = _nibble_to_f16(a >> 4, INT4_OFFSET)
-            else:
-                lo = (a.to(tl.int32) & 15) - INT4_OFFSET
-                hi = (a.to(tl.int32) >> 4) - INT4_OFFSET
-        elif F16:
-            lo = _int8_to_f16(a)
-            hi = _int8_to_f16(b)
+    """Both halves ``[BLOCK_N, HALF_D]`` of the K or V rows at element offsets ``row`` (scales at ``srow``)."""
+    m = mask_n[:, None]
+    if QUANT == 4:
+        packed = tl.load(Base + row[:, None] + d[None, :], mask=m, other=0)
+        if F16:
+            lo = _nibble_to_f16(packed & 15, INT4_OFFSET)
+            hi = _nibble_to_f16(packed >> 4, INT4_OFFSET)
         else:
-            lo = a
-            hi = b
+            lo = (packed.to(tl.int32) & 15) - INT4_OFFSET
+            hi = (packed.to(tl.int32) >> 4) - INT4_OFFSET
+    else:
+        lo = tl.load(Base + row[:, None] + d[None, :], mask=m, other=0)
+        hi = tl.load(Base + row[:, None] + (d + HALF_D)[None, :], mask=m, other=0)
+        if QUANT == 8 and F16:
+            lo = _int8_to_f16(lo)
+            hi = _int8_to_f16(hi)
+    if QUANT != 0:
+        g = tl.arange(0, HALF_D // QGROUP)
+        s_lo = tl.load(Scale + srow[:, None] + g[None, :], mask=m, other=0)
+        s_hi = tl.load(Scale + srow[:, None] + (g + HALF_D // QGROUP)[None, :], mask=m, other=0)
         if not F16:
             s_lo = s_lo.to(tl.float32)
             s_hi = s_hi.to(tl.float32)
         lo = _dequant(lo, s_lo, BLOCK_N, HALF_D, QGROUP)
         hi = _dequant(hi, s_hi, BLOCK_N, HALF_D, QGROUP)
     return lo.to(DTYPE), hi.to(DTYPE)
-
-
-@triton.jit
-def _softmax_step(q_lo, q_hi, k_lo, k_hi, mask_n, m_i, l_i, qk_scale, PRECISION):
-    """The query group's scores over one tile and the online-softmax update (base-2 logits): ``(p, alpha, m, l)``."""
-    qk = tl.dot(q_lo, tl.trans(k_lo), input_precision=PRECISION) + tl.dot(
-        q_hi, tl.trans(k_hi), input_precision=PRECISION
-    )
-    qk = tl.where(mask_n[None, :], qk * qk_scale, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(qk - m_new[:, None])
-    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
-
-
-@triton.jit
-def _accumulate(p, alpha, v_lo, v_hi, acc_lo, acc_hi, PRECISION):
-    p = p.to(v_lo.dtype)
-    acc_lo = acc_lo * alpha[:, None] + tl.dot(p, v_lo, input_precision=PRECISION)
-    acc_hi = acc_hi * alpha[:, None] + tl.dot(p, v_hi, input_precision=PRECISION)
-    return acc_lo, acc_hi
 
 
 @triton.jit
@@ -170,7 +127,6 @@ def decode_stage1_kernel(
     HALF_D: tl.constexpr,
     BLOCK_N: tl.constexpr,  # the tile, and the unit splits share a request's tokens in
     MIN_BLOCKS: tl.constexpr,  # the fewest blocks a split takes (splits.py)
-    PREFETCH: tl.constexpr,  # load the next tile before computing this one (module docstring)
     QUANT: tl.constexpr,
     QGROUP: tl.constexpr,
     INT4_OFFSET: tl.constexpr,  # nibble = code + offset (common/kv_cache/quant.py)
@@ -209,45 +165,52 @@ def decode_stage1_kernel(
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc_lo = tl.zeros([BLOCK_H, HALF_D], dtype=tl.float32)
     acc_hi = tl.zeros([BLOCK_H, HALF_D], dtype=tl.float32)
-    k_row, v_row = kvh * stride_kh, kvh * stride_vh
-    ks_row, vs_row = kvh * stride_ksh, kvh * stride_vsh
-    if PREFETCH:  # the next tile's bytes are loaded before this tile's dequantization and dots (module docstring)
-        offs_n = start + tl.arange(0, BLOCK_N)
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
         tok = tl.load(tokens + offs_n, mask=mask_n, other=0).to(tl.int64)
-        ka, kb, ks_lo, ks_hi = _load_raw(K, K_scale, tok * stride_kt + k_row, tok * stride_kst + ks_row, mask_n, d,
-                                         HALF_D, QUANT, QGROUP)  # fmt: skip
-        va, vb, vs_lo, vs_hi = _load_raw(V, V_scale, tok * stride_vt + v_row, tok * stride_vst + vs_row, mask_n, d,
-                                         HALF_D, QUANT, QGROUP)  # fmt: skip
-        for n0 in range(start, end, BLOCK_N):
-            cur_mask, cka, ckb, cks_lo, cks_hi = mask_n, ka, kb, ks_lo, ks_hi
-            cva, cvb, cvs_lo, cvs_hi = va, vb, vs_lo, vs_hi
-            offs_n = n0 + BLOCK_N + tl.arange(0, BLOCK_N)
-            mask_n = offs_n < end  # past the last tile: all masked, nothing read
-            tok = tl.load(tokens + offs_n, mask=mask_n, other=0).to(tl.int64)
-            ka, kb, ks_lo, ks_hi = _load_raw(K, K_scale, tok * stride_kt + k_row, tok * stride_kst + ks_row, mask_n,
-                                             d, HALF_D, QUANT, QGROUP)  # fmt: skip
-            va, vb, vs_lo, vs_hi = _load_raw(V, V_scale, tok * stride_vt + v_row, tok * stride_vst + vs_row, mask_n,
-                                             d, HALF_D, QUANT, QGROUP)  # fmt: skip
-            k_lo, k_hi = _to_halves(cka, ckb, cks_lo, cks_hi, BLOCK_N, HALF_D, QUANT, QGROUP, INT4_OFFSET, F16,
-                                    kv_dtype)  # fmt: skip
-            p, alpha, m_i, l_i = _softmax_step(q_lo, q_hi, k_lo, k_hi, cur_mask, m_i, l_i, qk_scale, PRECISION)
-            v_lo, v_hi = _to_halves(cva, cvb, cvs_lo, cvs_hi, BLOCK_N, HALF_D, QUANT, QGROUP, INT4_OFFSET, F16,
-                                    kv_dtype)  # fmt: skip
-            acc_lo, acc_hi = _accumulate(p, alpha, v_lo, v_hi, acc_lo, acc_hi, PRECISION)
-    else:
-        for n0 in range(start, end, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            mask_n = offs_n < end
-            tok = tl.load(tokens + offs_n, mask=mask_n, other=0).to(tl.int64)
-            ka, kb, ks_lo, ks_hi = _load_raw(K, K_scale, tok * stride_kt + k_row, tok * stride_kst + ks_row, mask_n,
-                                             d, HALF_D, QUANT, QGROUP)  # fmt: skip
-            k_lo, k_hi = _to_halves(ka, kb, ks_lo, ks_hi, BLOCK_N, HALF_D, QUANT, QGROUP, INT4_OFFSET, F16, kv_dtype)
-            p, alpha, m_i, l_i = _softmax_step(q_lo, q_hi, k_lo, k_hi, mask_n, m_i, l_i, qk_scale, PRECISION)
-            va, vb, vs_lo, vs_hi = _load_raw(V, V_scale, tok * stride_vt + v_row, tok * stride_vst + vs_row, mask_n,
-                                             d, HALF_D, QUANT, QGROUP)  # fmt: skip
-            v_lo, v_hi = _to_halves(va, vb, vs_lo, vs_hi, BLOCK_N, HALF_D, QUANT, QGROUP, INT4_OFFSET, F16, kv_dtype)
-            acc_lo, acc_hi = _accumulate(p, alpha, v_lo, v_hi, acc_lo, acc_hi, PRECISION)
+        k_lo, k_hi = _load_kv_halves(
+            K,
+            K_scale,
+            tok * stride_kt + kvh * stride_kh,
+            tok * stride_kst + kvh * stride_ksh,
+            mask_n,
+            d,
+            BLOCK_N,
+            HALF_D,
+            QUANT,
+            QGROUP,
+            INT4_OFFSET,
+            F16,
+            kv_dtype,
+        )
+        qk = tl.dot(q_lo, tl.trans(k_lo), input_precision=PRECISION) + tl.dot(
+            q_hi, tl.trans(k_hi), input_precision=PRECISION
+        )
+        qk = tl.where(mask_n[None, :], qk * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v_lo, v_hi = _load_kv_halves(
+            V,
+            V_scale,
+            tok * stride_vt + kvh * stride_vh,
+            tok * stride_vst + kvh * stride_vsh,
+            mask_n,
+            d,
+            BLOCK_N,
+            HALF_D,
+            QUANT,
+            QGROUP,
+            INT4_OFFSET,
+            F16,
+            kv_dtype,
+        )
+        p = p.to(v_lo.dtype)
+        acc_lo = acc_lo * alpha[:, None] + tl.dot(p, v_lo, input_precision=PRECISION)
+        acc_hi = acc_hi * alpha[:, None] + tl.dot(p, v_hi, input_precision=PRECISION)
+        m_i = m_new
 
     o_ptr = mid_o + b.to(tl.int64) * stride_mob + heads[:, None] * stride_moh + split * stride_mos + d[None, :]
     tl.store(o_ptr, acc_lo / l_i[:, None], mask=mask_h[:, None])
