@@ -278,14 +278,45 @@ def test_packed_candidates_only_for_the_prefix_kernel():
         assert not any(c.get("PACK_GQA") for c in _configs(q)) and "PACK_GQA" not in _default_config(d)
 
 
-def test_untuned_default_is_a_candidate():
-    """The untuned default (3 stages up to head_dim 128, what the H200 run favoured) is one of the tuned candidates,
-    so a search can only do better."""
-    from lightllm.kernels.attention.prefill.context_attention import _configs, _default_config
+def test_untuned_default_takes_the_deep_pipeline_only_where_it_fits():
+    """The 3-stage 64x64 default needs a GPU with room for it (A100, H100/H200); elsewhere, and for head_dim 256, the
+    1-stage tile. Either way the default is a tuned candidate, so a search can only do better."""
+    from lightllm.kernels.attention.prefill.context_attention import DEEP_PIPELINE_SMEM, _configs, _default_config
 
-    assert _default_config(128) == {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
+    deep = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
+    assert _default_config(128, 227 << 10) == _default_config(64, DEEP_PIPELINE_SMEM) == deep
+    assert _default_config(128, 99 << 10) == {**deep, "num_stages": 1} == _default_config(128)
+    assert _default_config(256, 227 << 10) == {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1}
     for d in (64, 128, 256):
-        assert _default_config(d) in _configs(torch.empty(1, 8, d))
+        for smem in (0, 99 << 10, 227 << 10):
+            assert _default_config(d, smem) in _configs(torch.empty(1, 8, d))
+
+
+SMALLEST_GPU_SHARED_BYTES = 99 * 1024  # the least shared memory one block may opt into on a supported GPU (sm_86/89)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="records the interpreter's launches: a CPU run's check")
+@pytest.mark.parametrize("head_dim", [128, 256], ids=["d128", "d256"])
+def test_untuned_defaults_fit_the_gpus_that_take_them(head_dim):
+    """Each default's launches (with and without a cached prefix) built to sm_90 cubins: the small one needs less
+    shared memory than any supported GPU lets a block have, the deep one less than ``DEEP_PIPELINE_SMEM``, the least
+    a GPU must have to be given it; so the untuned default never fails to launch."""
+    from lightllm.kernels.attention.prefill.context_attention import DEEP_PIPELINE_SMEM, _default_config
+    from tests import ttir_lowering
+
+    g = torch.Generator().manual_seed(head_dim)
+    q, k, v, b_start, b_len = _packed([5], 4, 2, head_dim, torch.float16, g)
+    k_cache, v_cache = (torch.randn(16, 2, head_dim, generator=g).half() for _ in range(2))
+    prefix = _cached_prefix([6], 16, g)
+    for smem, limit in ((0, SMALLEST_GPU_SHARED_BYTES), (227 << 10, DEEP_PIPELINE_SMEM)):
+        cfg = _default_config(head_dim, smem)
+        with ttir_lowering.recording() as recorder:
+            context_attention(q, k, v, b_start, b_len, 5, run_config=cfg)
+            context_attention(q, k, v, b_start, b_len, 5, run_config=cfg, prefix=prefix, k_cache=k_cache,
+                              v_cache=v_cache)  # fmt: skip
+        built = ttir_lowering.build_cubins([x for x in recorder.launches if x.name == "_context_attention_kernel"])
+        assert len(built) == 2 and all(b.error is None for b in built), [b.error for b in built]
+        assert all(0 < b.shared_bytes <= limit for b in built), (cfg, [b.shared_bytes for b in built])
 
 
 @pytest.mark.parametrize("head_dim", [128, 256], ids=["d128", "d256"])
@@ -302,9 +333,9 @@ def test_every_packed_candidate_matches_reference(launches, head_dim):
 @pytest.mark.parametrize("hq, hk, d", [(32, 8, 128), (24, 4, 256)], ids=["qwen3-8b", "qwen3.5-27b"])
 @pytest.mark.parametrize("new, prefix_len", [(40, 5000), (300, 5000)], ids=["hit", "chunk300"])
 def test_gpu_every_candidate_and_the_default(launches, hq, hk, d, new, prefix_len):
-    """Each candidate (packed or not) and the untuned default compiles and matches
+    """Each candidate (packed or not) and the device's untuned default compiles and matches
     in bf16 at the models' heads, with the split count its grid gives."""
-    from lightllm.kernels.attention.prefill.context_attention import _default_config, _prefix_configs
+    from lightllm.kernels.attention.prefill.context_attention import _prefix_configs, default_config
 
     g = torch.Generator().manual_seed(new + d)
     q, k, v, b_start, b_len = _packed([new], hq, hk, d, torch.bfloat16, g)
@@ -312,7 +343,7 @@ def test_gpu_every_candidate_and_the_default(launches, hq, hk, d, new, prefix_le
     k_cache, v_cache = (torch.randn(pool, hk, d, generator=g).to(torch.bfloat16).to(DEVICE) for _ in range(2))
     prefix = _cached_prefix([prefix_len], pool, g)
     want = context_attention_ref(q, k, v, b_start, b_len, prefix=prefix, k_cache=k_cache, v_cache=v_cache)
-    for cfg in _prefix_configs(q) + [_default_config(d)]:
+    for cfg in _prefix_configs(q) + [default_config(q)]:
         out = torch.full_like(q, float("nan"))
         context_attention(q, k, v, b_start, b_len, new, out=out, run_config=cfg, prefix=prefix, k_cache=k_cache,
                           v_cache=v_cache)  # fmt: skip

@@ -151,14 +151,34 @@ _CONTEXT_ATTENTION = DirectLaunch(_context_attention_kernel)
 _MERGE_SPLITS = DirectLaunch(_merge_splits_kernel)
 
 
-def _default_config(head_dim: int) -> dict:
-    """The untuned config. Head dims up to 128: 64x64 at 4 warps and 3 stages, the least worst loss of every
-    measured config on the H200 (within 18 % of the best at chunks 256-2048 and prefixes 0-32K; the 1-stage tile
-    lost up to 2.2x at long prefixes: ``benchmarks/results/context_attention_h200.json``). It takes 48 KiB of shared
-    memory at head_dim 128 (Triton 3.6's compile for sm_90; 40 KiB for sm_89), within every supported GPU's."""
-    if head_dim <= 128:
+# Shared memory per block the 3-stage default needs: 112 KiB at head_dim 128 (its sm_90 build, tests/kernels/
+# test_context_attention.py): A100 and H100/H200 have 163-227 KiB; Ada and consumer parts have 99 KiB and keep the
+# 1-stage tile.
+DEEP_PIPELINE_SMEM = 160 << 10
+
+
+def _default_config(head_dim: int, shared_mem: int = 0) -> dict:
+    """The untuned config. Head dims up to 128 with room for it: 64x64 at 4 warps and 3 stages, the least worst loss
+    of every candidate and explored config on the H200 (within 18 % of their best at chunks 256-2048 and prefixes
+    0-32K; the 1-stage tile lost up to 2.2x to the best candidate at long prefixes:
+    ``benchmarks/results/context_attention_h200.json``)."""
+    if head_dim <= 128 and shared_mem >= DEEP_PIPELINE_SMEM:
         return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
-    return {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1}
+    block = 32 if head_dim == 256 else 64
+    return {"BLOCK_M": block, "BLOCK_N": block, "num_warps": 4, "num_stages": 1}
+
+
+@functools.lru_cache(maxsize=None)
+def _shared_mem(device: torch.device) -> int:
+    """Shared memory a block may opt into; 0 off the GPU (the interpreter takes the small default)."""
+    if device.type != "cuda":
+        return 0
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"]
+
+
+def default_config(q: torch.Tensor) -> dict:
+    return _default_config(q.shape[-1], _shared_mem(q.device))
 
 
 def _configs(q):
@@ -167,7 +187,7 @@ def _configs(q):
     configs = [
         {"BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": s} for m, n in pairs for w, s in ((4, 1), (8, 2))
     ]
-    if not big:  # deeper pipelines: the best at most measured H200 cells
+    if not big:  # deeper pipelines, the best at most measured H200 cells (a GPU without the room: a failed candidate)
         configs += [{"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3},
                     {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3}]  # fmt: skip
     return configs
@@ -296,7 +316,7 @@ _PREFIX_TUNING = {**_TUNING, "configs_gen_func": _prefix_configs, "rebuild_input
 
 @autotune(kernel_name="context_attention", **_TUNING)
 def _launch_context_attention(q, k, v, out, b_start, b_len, max_q_len, sm_scale, run_config=None):
-    return _launch(q, k, v, out, b_start, b_len, max_q_len, sm_scale, run_config or _default_config(q.shape[-1]),
+    return _launch(q, k, v, out, b_start, b_len, max_q_len, sm_scale, run_config or default_config(q),
                    None)  # fmt: skip
 
 
@@ -305,7 +325,7 @@ def _launch_context_attention_prefix(q, k, v, out, b_start, b_len, max_q_len, sm
                                      req_to_token, b_req_idx, b_prefix_len, scratch=None, run_config=None):  # fmt: skip
     """A sibling of ``context_attention`` tuned apart: its time grows with the prefix, which the other never reads."""
     prefix = (k_cache, v_cache, req_to_token, b_req_idx, b_prefix_len)
-    return _launch(q, k, v, out, b_start, b_len, max_q_len, sm_scale, run_config or _default_config(q.shape[-1]),
+    return _launch(q, k, v, out, b_start, b_len, max_q_len, sm_scale, run_config or default_config(q),
                    prefix, scratch)  # fmt: skip
 
 
