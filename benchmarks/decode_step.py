@@ -266,22 +266,19 @@ def _step_weights(w):
         yield from (t for t in vars(lw).values() if isinstance(t, torch.Tensor))
 
 
-def _unique_step_weights(w):
-    """:func:`_step_weights`, each storage once: the layers keep ``[in, out]`` views of their linears beside the
-    weights (one ``torch.mm`` per GEMM), which counted per tensor doubled every linear's bytes and FLOPs."""
-    seen = set()
-    for t in _step_weights(w):
-        if t.untyped_storage().data_ptr() not in seen:
-            seen.add(t.untyped_storage().data_ptr())
-            yield t
+def _step_storages(w) -> dict:
+    """``{storage address: (bytes, element size)}`` of :func:`_step_weights`, each storage whole and once: the layers
+    keep ``[in, out]`` views of their linears beside the weights (one ``torch.mm`` per GEMM), which counted per tensor
+    doubled every linear's bytes and FLOPs."""
+    return {t.untyped_storage().data_ptr(): (t.untyped_storage().nbytes(), t.element_size()) for t in _step_weights(w)}
 
 
 def step_weight_bytes(w) -> int:
-    return sum(t.numel() * t.element_size() for t in _unique_step_weights(w))
+    return sum(nbytes for nbytes, _ in _step_storages(w).values())
 
 
 def step_weight_params(w) -> int:
-    return sum(t.numel() for t in _unique_step_weights(w))
+    return sum(nbytes // size for nbytes, size in _step_storages(w).values())
 
 
 def _state_bytes_per_request(model) -> int:

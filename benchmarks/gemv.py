@@ -23,7 +23,7 @@ import sys
 
 import torch
 
-from bench_io import measure_or_analyze
+from bench_io import measure_or_analyze, save_json
 from lightllm.common.autotuner import cuda_graph_bench, wall_clock_bench
 
 F32 = "float32"
@@ -102,7 +102,9 @@ def run(args) -> dict:
     for shape, projections in shapes.items():
         for proj, (n, k, out_name) in projections.items():
             out_dtype = torch.float32 if out_name == F32 else dtype
-            configs = tuned._configs(torch.empty(1, k, device="meta"), torch.empty(n, k, device="meta"))
+            configs = tuned._configs(
+                torch.empty(1, k, dtype=dtype, device="meta"), torch.empty(n, k, dtype=dtype, device="meta")
+            )
             cold = weight_ring(n, k, dtype, device, cold=not dry)
             for m in args.rows:
                 x = torch.randn(m, k, generator=gen, device=device).to(dtype)
@@ -112,6 +114,7 @@ def run(args) -> dict:
                 if args.warm:
                     cell["warm"] = time_cell(bench, x, WeightRing(cold.weights[0], 1), out_dtype, configs)
                 results["cells"].append(cell)
+                save_json(results, args.out)  # a run cut short keeps what finished
                 print(f"{shape} {proj} M={m}: cuBLAS {cell['cublas_ms']:.4f} ms", file=sys.stderr)
             del cold
     return results
@@ -197,7 +200,7 @@ def parse_args(argv=None):
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     p.add_argument("--rows", nargs="+", type=int, default=None, help="M, decode tokens (default 1 4 8 16)")
     p.add_argument("--warm", action=argparse.BooleanOptionalAction, default=True,
-                   help="also time on one weight, as the tuner does, and report its pick's cold loss")  # fmt: skip
+                   help="also time on one weight (no ring: warm in L2) and report its pick's cold loss")  # fmt: skip
     p.add_argument(
         "--dry-run",
         action="store_true",

@@ -9,6 +9,7 @@ from typing import Dict, Tuple
 import pytest
 import torch
 
+from lightllm.kernels.launch_math import SM90_MAX_SHARED_BYTES
 from tests import ttir_lowering, ttir_lowering_samples as samples
 
 pytestmark = pytest.mark.skipif(
@@ -81,10 +82,10 @@ def test_cubin_stage_reports_a_kernel_that_needs_more_shared_memory_than_an_sm90
     assert [r.error for r in ttir_lowering.lower([small, big])] == [None, None]  # the frontend sees no problem
 
     fits, too_big = ttir_lowering.build_cubins([small, big])
-    assert fits.error is None and 0 < fits.shared_bytes <= ttir_lowering.MAX_SHARED_BYTES
-    assert too_big.shared_bytes > ttir_lowering.MAX_SHARED_BYTES
+    assert fits.error is None and 0 < fits.shared_bytes <= SM90_MAX_SHARED_BYTES
+    assert too_big.shared_bytes > SM90_MAX_SHARED_BYTES
     assert too_big.error.startswith(f"needs {too_big.shared_bytes} bytes of shared memory per block, more than the "
-                                    f"{ttir_lowering.MAX_SHARED_BYTES} (227 KiB)")  # fmt: skip
+                                    f"{SM90_MAX_SHARED_BYTES} (227 KiB)")  # fmt: skip
     assert "tiled_dot_kernel(BLOCK=64, BLOCK_K=256) [num_stages=4]" in too_big.launch.describe()
 
 
@@ -121,9 +122,9 @@ def test_kernel_enumeration_tells_entry_kernels_from_helpers():
     entries = ttir_lowering.entry_kernels(functions)
     stage1 = ("lightllm.kernels.attention.decode.stage1", "decode_stage1_kernel")
     assert stage1 in entries
-    assert ("lightllm.kernels.attention.decode.stage1", "_load_raw") in functions[stage1]
+    assert ("lightllm.kernels.attention.decode.stage1", "_load_kv_halves") in functions[stage1]
     assert ("lightllm.kernels.attention.decode.splits", "split_tokens") in functions[stage1]
-    assert ("lightllm.kernels.attention.decode.stage1", "_load_raw") not in entries
+    assert ("lightllm.kernels.attention.decode.stage1", "_load_kv_halves") not in entries
 
 
 @pytest.mark.last

@@ -10,7 +10,7 @@ specialization in child processes without the interpreter, where ``@triton.jit``
 The frontend misses what fails later (TTGIR passes, LLVM lowering, ``ptxas``) and a kernel that needs more shared
 memory than an sm90 block may have (it fails only at launch on the GPU), so :func:`build_cubins` also compiles
 the :func:`representatives` (one launch per kernel, options and code path) all the way to an sm_90 cubin (Triton
-bundles ``ptxas``) and checks its shared memory against :data:`MAX_SHARED_BYTES`.
+bundles ``ptxas``) and checks its shared memory against ``SM90_MAX_SHARED_BYTES``.
 
 Run as ``python -m tests.ttir_lowering`` it is that child: the stage and pickled launches on stdin, pickled results on
 stdout.
@@ -33,7 +33,6 @@ from lightllm.kernels.launch_math import SM90_MAX_SHARED_BYTES
 ROOT = Path(__file__).resolve().parent.parent
 ARCH = 90  # the H200's compute capability, the GPU the project ships for
 _ADDED_BY_RUN = ("debug", "instrumentation_mode")  # options JITFunction.run sets itself on every launch
-MAX_SHARED_BYTES = SM90_MAX_SHARED_BYTES
 _TTIR, _CUBIN = "ttir", "cubin"
 MAX_CHILDREN = 4  # lowering processes side by side (one per core); each holds torch and Triton in memory
 
@@ -177,8 +176,8 @@ def lower(launches: List[Launch]) -> List[Lowered]:
 
 def build_cubins(launches: List[Launch]) -> List[Lowered]:
     """Each launch compiled to an sm_90 cubin in child processes, failed when it needs more shared memory than
-    :data:`MAX_SHARED_BYTES`; cached per launch like :func:`lower`. Pass :func:`representatives`: a full compile
-    costs about ten times a TTIR lowering."""
+    ``SM90_MAX_SHARED_BYTES``; cached per launch like :func:`lower`. Pass :func:`representatives`: a full compile costs
+    about ten times a TTIR lowering."""
     return _in_child(_CUBIN, launches)
 
 
@@ -224,7 +223,8 @@ def _in_child(stage: str, launches: List[Launch]) -> List[Lowered]:
 
 def _run_children(stage: str, todo: List[Launch]) -> List[Lowered]:
     """``todo`` split over one child per core (at most :data:`MAX_CHILDREN`), every child stopped with its own
-    children (``ptxas``) however this returns. No timeout: a busy machine must not fail the check."""
+    children (``ptxas``) however this returns. Only a hang reaches the wait's limit (``proc.HANG_TIMEOUT_S``): a busy
+    machine must not fail the check."""
     from lightllm.common import proc
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -242,7 +242,7 @@ def _run_children(stage: str, todo: List[Launch]) -> List[Lowered]:
                                                      stdout=stdout, stderr=stderr, cwd=ROOT, env=env))  # fmt: skip
             children.append((child, stdout, stderr))
         for child, stdout, stderr in children:
-            child.wait()
+            child.wait(timeout=proc.HANG_TIMEOUT_S)
             stdout.seek(0)
             stderr.seek(0)
             if child.returncode != 0:
@@ -321,8 +321,8 @@ def _build_one(launch: Launch, backend) -> Lowered:
     seconds = time.perf_counter() - start
     if error is not None:
         return Lowered(launch, _message(error, diagnostics[0]), seconds)
-    if shared > MAX_SHARED_BYTES:
-        message = (f"needs {shared} bytes of shared memory per block, more than the {MAX_SHARED_BYTES} (227 KiB) "
+    if shared > SM90_MAX_SHARED_BYTES:
+        message = (f"needs {shared} bytes of shared memory per block, more than the {SM90_MAX_SHARED_BYTES} (227 KiB) "
                    "an H100 / H200 allows, so it would fail at launch: use smaller tiles or fewer stages")  # fmt: skip
         return Lowered(launch, message, seconds, shared)
     return Lowered(launch, None, seconds, shared)

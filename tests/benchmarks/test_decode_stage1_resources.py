@@ -22,6 +22,7 @@ def test_one_candidate_compiles_for_sm90_and_reports_its_resources(tmp_path):
            "--kinds", "int8", "--groups", "32", "--max-configs", "1", "--out", str(out)]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
     env.pop("TRITON_INTERPRET", None)
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")  # a real compile: nothing left in the user's cache
     done = proc.run(cmd, timeout=proc.HANG_TIMEOUT_S, cwd=REPO, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     (cell,) = json.loads(out.read_text())["cells"]

@@ -25,7 +25,7 @@ def test_dry_run_times_cublas_and_every_candidate(bench, tmp_path, capsys):
     assert [(c["proj"], c["M"]) for c in cells] == [(p, m) for p in ("qkv", "down", "lm_head") for m in (1, 3)]
     for cell in cells:
         n, k, out_name = bench.DRY_SHAPES["tiny"][cell["proj"]]
-        expected = _configs(torch.empty(1, k), torch.empty(n, k))
+        expected = _configs(torch.empty(1, k, dtype=torch.float16), torch.empty(n, k, dtype=torch.float16))
         assert cell["out_dtype"] == ("torch.float32" if out_name else "torch.float16")
         for timing in (cell, cell["warm"]):
             assert [cfg for cfg, _ in timing["configs"]] == expected and timing["cublas_ms"] > 0
