@@ -144,8 +144,7 @@ class Engine:
             )
             for req in failed:
                 self._finish(req, "error")
-            if kind != "mixed":
-                self.scheduler.update(kind, [])
+            self.scheduler.update(kind, [])
             return True
         sampled = batch
         if kind != "decode":  # only the requests whose whole context is in now draw a token

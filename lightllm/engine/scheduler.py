@@ -116,7 +116,7 @@ class Scheduler:
         re-prefilled; its prefill requests are returned, to fail."""
         running = {id(r) for r in self.running}
         for req in reversed(self.running):  # appendleft: the oldest ends up first
-            self._preempt(req)
+            self._preempt(req, "a mixed step failed")
         self.running = []
         return [r for r in batch if id(r) not in running]
 
@@ -179,8 +179,8 @@ class Scheduler:
             holding += 1
         return batch
 
-    def _preempt(self, req: Request) -> None:
-        logger.info("KV cache full: preempting request %s (%d tokens), it will be re-prefilled", req.id,
+    def _preempt(self, req: Request, why: str = "KV cache full") -> None:
+        logger.info("%s: preempting request %s (%d tokens), it will be re-prefilled", why, req.id,
                     req.context_len)  # fmt: skip
         self.release(req)
         self.waiting.appendleft(req)

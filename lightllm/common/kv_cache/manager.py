@@ -145,22 +145,7 @@ class KVCacheManager:
         or the request would exceed ``max_len``, ``KVCacheFull`` if the pool has fewer than ``n`` free tokens;
         nothing changes in either case.
         """
-        self.slots.check_allocated("KVCacheManager.extend", slot)
-        check_count("KVCacheManager.extend", "n", n, 0)
-        cur = self._seq_lens[slot]
-        if cur + n > self.max_len:
-            raise ValueError(
-                f"KVCacheManager.extend: n expected <= {self.max_len - cur} (max_len {self.max_len}, "
-                f"slot {slot} holds {cur}), got {n}"
-            )
-        if self.contiguous_slots:  # reserved with the slot: nothing to allocate
-            token_idx = torch.arange(cur, cur + n, dtype=torch.int64) + slot * self.max_len
-        else:
-            token_idx = self._alloc(n)
-        if n:
-            self.req_to_token.write(slot, cur, token_idx)
-            self._append_chunk(slot, token_idx)
-        return token_idx
+        return self._extend_rows("KVCacheManager.extend", [slot], [n])
 
     def _append_chunk(self, slot: int, token_idx: torch.Tensor) -> None:
         """Book ``token_idx`` (already in the table) as the row's next tokens, from an ``extend``."""
@@ -175,7 +160,9 @@ class KVCacheManager:
         """``extend(slots[i], counts[i])`` for every ``i`` (a prefill step's requests): one allocation and one table
         write for the batch instead of one each. Returns the new token indices in that order (CPU int64). The same
         errors as ``extend``, checked for the whole batch before anything changes."""
-        owner = "KVCacheManager.extend_many"
+        return self._extend_rows("KVCacheManager.extend_many", slots, counts)
+
+    def _extend_rows(self, owner: str, slots: Sequence[int], counts: Sequence[int]) -> torch.Tensor:
         self.slots.check_allocated_each(owner, slots)
         if len(counts) != len(slots) or len(set(slots)) != len(slots):
             raise ValueError(f"{owner}: distinct slots and one count each expected, got slots {list(slots)} and "
