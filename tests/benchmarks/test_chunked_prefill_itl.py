@@ -1,16 +1,18 @@
 """chunked_prefill_itl's method on the CPU (tiny model): what it counts, not how fast anything is."""
 
-import importlib.util
 import json
-import os
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import pytest
+
+from tests.benchmarks.test_linear_attention_bench import load_benchmark
 
 
-def test_streams_are_measured_between_the_chunks(tmp_path):
-    spec = importlib.util.spec_from_file_location("itl", os.path.join(REPO, "benchmarks", "chunked_prefill_itl.py"))
-    itl = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(itl)
+@pytest.fixture(scope="module")
+def itl():
+    return load_benchmark("chunked_prefill_itl")
+
+
+def test_streams_are_measured_between_the_chunks(itl, tmp_path):
     out = tmp_path / "itl.json"
     itl.main(["--tiny", "--streams", "2", "--prompt", "100", "--chunks", "32", "--warmup", "1", "--baseline", "2",
               "--out", str(out)])  # fmt: skip
@@ -22,13 +24,10 @@ def test_streams_are_measured_between_the_chunks(tmp_path):
     assert len(chunked["unloaded_gaps_ms"]) == 2 * (2 - 1)  # per stream: baseline tokens, one gap fewer
 
 
-def test_mixed_runs_carry_the_streams_in_the_chunk_steps(tmp_path):
+def test_mixed_runs_carry_the_streams_in_the_chunk_steps(itl, tmp_path):
     """--mixed: the chunk size again with the streams' tokens in each chunk's forward. The budget of 32 less the two
     streams leaves chunks of 30: ceil(100 / 30) = 4 mixed steps, each a token per stream (the last also the long
     request's first), then the decode step that ends the window: 5 gaps per stream."""
-    spec = importlib.util.spec_from_file_location("itl", os.path.join(REPO, "benchmarks", "chunked_prefill_itl.py"))
-    itl = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(itl)
     out = tmp_path / "itl.json"
     itl.main(["--tiny", "--streams", "2", "--prompt", "100", "--chunks", "32", "--warmup", "1", "--baseline", "2",
               "--mixed", "--no-off", "--out", str(out)])  # fmt: skip

@@ -52,8 +52,16 @@ def test_bad_inputs_are_value_errors():
         rmsnorm(x, torch.ones(9, device=DEVICE))
     with pytest.raises(ValueError, match="contiguous last dim"):
         rmsnorm(torch.randn(8, 2, device=DEVICE).t(), torch.ones(8, device=DEVICE))
-    with pytest.raises(ValueError, match="out must be"):
+    with pytest.raises(
+        ValueError, match=r"out expected a \(2, 8\) torch.float32 tensor, .* got \(2, 8\) torch.float16"
+    ):
         rmsnorm(x, torch.ones(8, device=DEVICE), out=torch.empty(2, 8, dtype=torch.float16, device=DEVICE))
+    # the function takes what a plan's run takes: 2-D rows with a contiguous last dim, here half of wider rows
+    wide = torch.full((2, 16), float("nan"), device=DEVICE)
+    w = torch.rand(8, device=DEVICE) + 0.5
+    rmsnorm(x, w, out=wide[:, 8:])
+    torch.testing.assert_close(wide[:, 8:], rmsnorm_ref(x, w))
+    assert wide[:, :8].isnan().all()  # the other half untouched
 
 
 def test_real_triton_kernel_through_the_tuner(monkeypatch, isolated_autotune):

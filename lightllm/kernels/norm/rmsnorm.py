@@ -139,15 +139,18 @@ class RMSNormPlan:
             raise ValueError(f"rmsnorm: x expected a contiguous last dim, got strides {x.stride()}")
         if out is None:
             out = self._out.get(x.device)
-        elif out.shape != x.shape or out.dtype != x.dtype or not _rows_of(out):
-            raise ValueError(f"rmsnorm: out expected a {tuple(x.shape)} {x.dtype} tensor, contiguous (2-D: its last "
-                             f"dim only), got {tuple(out.shape)} {out.dtype} strides {out.stride()}")  # fmt: skip
+        else:
+            _check_out(x, out)
         return self._tuned.run(x, weight, self.eps, out)
 
 
-def _rows_of(out: torch.Tensor) -> bool:
-    """Whether the kernel can write ``out`` row by row: contiguous, or 2-D with a contiguous last dim."""
-    return out.is_contiguous() or (out.dim() == 2 and out.stride(-1) == 1)
+def _check_out(x: torch.Tensor, out: torch.Tensor) -> None:
+    """``out`` must have x's shape and dtype and be writable row by row: contiguous, or 2-D with a contiguous last
+    dim (the halves of a wider row, as the MTP head's fc input)."""
+    rows = out.is_contiguous() or (out.dim() == 2 and out.stride(-1) == 1)
+    if out.shape != x.shape or out.dtype != x.dtype or not rows:
+        raise ValueError(f"rmsnorm: out expected a {tuple(x.shape)} {x.dtype} tensor, contiguous (2-D: its last "
+                         f"dim only), got {tuple(out.shape)} {out.dtype} strides {out.stride()}")  # fmt: skip
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, out=None, run_config=None) -> torch.Tensor:
@@ -173,8 +176,8 @@ def _check(x: torch.Tensor, weight: torch.Tensor, out) -> None:
         raise ValueError(f"rmsnorm: x must have a contiguous last dim, got shape {tuple(x.shape)}")
     if weight.shape != (x.shape[-1],) or weight.device != x.device:
         raise ValueError(f"rmsnorm: weight must be [{x.shape[-1]}] on {x.device}, got {tuple(weight.shape)}")
-    if out is not None and (out.shape != x.shape or out.dtype != x.dtype or not out.is_contiguous()):
-        raise ValueError(f"rmsnorm: out must be a contiguous {tuple(x.shape)} {x.dtype} tensor")
+    if out is not None:
+        _check_out(x, out)
 
 
 def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
