@@ -114,7 +114,7 @@ def launch_stage2(mid_o, mid_lse, b_seq_len, out, block_n: int, least: int = 1, 
 
 
 # (WAVES, MIN_BLOCKS) of the candidates. MIN_BLOCKS 2 (splits.py) only with 2 and 4 waves: there a grid sized for
-# 32K gives a 4K request one-block splits, where the H200 loses 12-14 % against half as many two-block splits (d256,
+# 32K gives a 4K request one-block splits, where the H200 loses 12-18 % against half as many two-block splits (d256,
 # B=1, benchmarks/results/decode_attention_split_h200.json); a config without the key takes 1 (files stored before).
 _SPLIT_SHAPES = ((1, 1), (2, 1), (4, 1), (8, 1), (2, 2), (4, 2))
 
