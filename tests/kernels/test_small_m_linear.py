@@ -158,8 +158,7 @@ def test_search_adopts_a_triton_config_only_when_it_is_faster(monkeypatch, isola
     assert done.searches == 1 and done.candidates_timed == candidates + 1 and done.candidates_rejected == 0
     (path,) = store.iter_config_files(isolated_autotune, "small_m_linear")
     data = json.loads(path.read_text())
-    assert data["static_key"] == {"N": N, "K": K, "dtype": "torch.float32", "out_dtype": "torch.float32",
-                                  "small_m": True}  # fmt: skip
+    assert data["static_key"] == {"N": N, "K": K, "dtype": "torch.float32", "out_dtype": "torch.float32"}
     assert data["configs"] == {"16": fastest}
     _launch_small_m_linear.clear_cache()
     monkeypatch.setenv("LIGHTLLM_TRITON_AUTOTUNE_LEVEL", "0")

@@ -3,8 +3,11 @@
 A step streams every layer's weights once, so each GEMM's weight comes from HBM. The tuner's timer replays one
 launch on the same inputs, and a weight smaller than the L2 cache (Qwen3-8B's o_proj: 32 MB against the H200's
 50 MB) would be timed L2-warm, where the ranking of configs can differ. So a search times on a ring of copies of
-the weight: each launch it captures reads the next copy, the copies together far beyond L2. A weight of at least half
-``COLD_BYTES`` is timed alone (it cannot stay in L2 either), and so is one whose ring does not fit in memory (logged).
+the weight: each launch it captures reads the next copy, the copies together ``COLD_BYTES``, far beyond L2. The ring
+has at most ``MAX_COPIES`` copies, so a weight under about 0.8 MB (a small model's, or a wide tensor-parallel shard)
+still fits the H200's 50 MB L2 with all its copies and is timed warm. A weight of at
+least half ``COLD_BYTES`` is timed alone (it cannot stay in L2 either), and so is one whose ring does not fit in
+memory (logged).
 """
 
 import logging

@@ -40,12 +40,11 @@ def _fits(config: dict, k: int, itemsize: int) -> bool:
 
 
 def _static_key(x, w, out_dtype):
-    return {"N": w.shape[0], "K": w.shape[1], "dtype": str(x.dtype), "out_dtype": str(out_dtype),
-            "small_m": x.shape[0] <= MAX_ROWS}  # fmt: skip
+    return {"N": w.shape[0], "K": w.shape[1], "dtype": str(x.dtype), "out_dtype": str(out_dtype)}
 
 
 def _run_key(x):
-    return max(x.shape[0], MAX_ROWS)  # every M <= 16 shares one entry
+    return MAX_ROWS  # only plans of at most 16 rows reach the tuner, and they share one entry
 
 
 @autotune(
