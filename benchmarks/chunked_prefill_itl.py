@@ -11,10 +11,12 @@ first token and how many prefill steps it took. Writes JSON with every gap.
     python benchmarks/chunked_prefill_itl.py --tiny --out /tmp/itl.json   # the method on a CPU
 
 ``--mixed`` runs every chunk size a second time with ``enable_mixed_chunk`` (the chunk and the streams' tokens in one
-forward); ``--no-off`` leaves out the unchunked run.
+forward); ``--no-off`` leaves out the unchunked run; ``--prefill-backends triton fa3`` runs every mode per prefill
+attention backend (``--llm_prefill_att_backend``; FA3 without paged KV takes the slots layout).
 """
 
 import argparse
+import itertools
 import os
 import statistics
 import sys
@@ -93,6 +95,8 @@ def main(argv=None):
     p.add_argument("--tiny", action="store_true", help="the built-in tiny model on the CPU (a check of the method)")
     p.add_argument("--mixed", action="store_true", help="also run each chunk size with --enable_mixed_chunk")
     p.add_argument("--no-off", action="store_true", help="leave out the unchunked run")
+    p.add_argument("--prefill-backends", nargs="+", default=["triton"], choices=["triton", "fa3"],
+                   help="run every mode with each --llm_prefill_att_backend")  # fmt: skip
     args = p.parse_args(argv)
 
     rows = []
@@ -100,19 +104,21 @@ def main(argv=None):
         model, common = random_qwen3(root, args.tiny, args.layers, args.prompt + 64,
                                      tiny_tokens=args.prompt + 64 * (args.streams + 2))  # fmt: skip
         modes = [(c, False) for c in args.chunks] + [(c, True) for c in args.chunks if args.mixed]
-        for chunk, mixed in modes + ([] if args.no_off else [(None, False)]):
+        modes += [] if args.no_off else [(None, False)]
+        for backend, (chunk, mixed) in itertools.product(args.prefill_backends, modes):
             engine_args = EngineArgs(model_dir=model, running_max_req_size=args.streams + 1,
                                      graph_max_batch_size=args.streams, max_req_total_len=args.prompt + 64,
                                      chunked_prefill_size=chunk or 4096, disable_chunked_prefill=chunk is None,
-                                     enable_mixed_chunk=mixed, **common)  # fmt: skip
+                                     enable_mixed_chunk=mixed, llm_prefill_att_backend=backend, **common)  # fmt: skip
             runner = ModelRunner(engine_args)
             vocab = runner.config.vocab_size if args.tiny else 512  # the tokenizer's ids; the lm_head is padded
             mode = (f"chunk {chunk}" + (" mixed" if mixed else "")) if chunk else "off"
-            row = {"mode": mode, "chunked_prefill_size": chunk, "mixed": mixed}
+            mode += f" {backend}" if len(args.prefill_backends) > 1 else ""
+            row = {"mode": mode, "chunked_prefill_size": chunk, "mixed": mixed, "prefill_backend": backend}
             row.update(measure(Engine(runner, eos_ids=[]), args.streams, args.prompt, args.warmup, args.baseline,
                                vocab, seed=0))  # fmt: skip
             rows.append(row)
-            print(f"{row['mode']:>17}: unloaded median {row['unloaded_median_ms']:.2f} ms, loaded p50 "
+            print(f"{row['mode']:>24}: unloaded median {row['unloaded_median_ms']:.2f} ms, loaded p50 "
                   f"{row['loaded_p50_ms']:.2f} p99 {row['loaded_p99_ms']:.2f} max {row['loaded_max_ms']:.2f} ms "
                   f"(p99 / unloaded median {row['p99_over_unloaded_median']:.1f}), long TTFT "
                   f"{row['long_ttft_s']:.2f} s in {row['prefill_steps']} prefill steps", flush=True)  # fmt: skip

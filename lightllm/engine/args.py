@@ -7,7 +7,13 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from lightllm.layers.attention import DECODE_BACKEND_CHOICES, KV_TYPES, PREFILL_BACKEND_CHOICES, pick_decode_backend
+from lightllm.layers.attention import (
+    DECODE_BACKEND_CHOICES,
+    KV_TYPES,
+    PREFILL_BACKEND_CHOICES,
+    pick_decode_backend,
+    pick_prefill_backend,
+)
 from lightllm.layers.linear_attention import SSM_DATA_TYPES
 
 logger = logging.getLogger(__name__)
@@ -46,7 +52,7 @@ class EngineArgs:
     llm_kv_type: str = "None"
     llm_kv_quant_group_size: int = DEFAULT_KV_QUANT_GROUP_SIZE
     llm_decode_att_backend: str = "triton"  # "auto" is resolved by normalize, once the device is known
-    llm_prefill_att_backend: str = "triton"
+    llm_prefill_att_backend: str = "auto"  # resolved by normalize, after the decode backend
     linear_att_ssm_data_type: str = "float32"  # linear-attention recurrent state (Qwen3.5); unused by Qwen3
     mem_fraction: float = 0.9
     max_total_token_num: Optional[int] = None  # explicit KV pool size; default: from mem_fraction (GPU)
@@ -80,10 +86,8 @@ class EngineArgs:
             raise ValueError(f"--llm_decode_att_backend expected one of {DECODE_BACKEND_CHOICES}, "
                              f"got {self.llm_decode_att_backend!r}")  # fmt: skip
         if self.llm_prefill_att_backend not in PREFILL_BACKEND_CHOICES:
-            raise ValueError(f"--llm_prefill_att_backend expected one of {PREFILL_BACKEND_CHOICES} (Triton "
-                             "context attention is the only prefill kernel), "
+            raise ValueError(f"--llm_prefill_att_backend expected one of {PREFILL_BACKEND_CHOICES}, "
                              f"got {self.llm_prefill_att_backend!r}")  # fmt: skip
-        self.llm_prefill_att_backend = "triton"
         if self.linear_att_ssm_data_type not in SSM_DATA_TYPES:
             raise ValueError(f"--linear_att_ssm_data_type expected one of {tuple(SSM_DATA_TYPES)}, "
                              f"got {self.linear_att_ssm_data_type!r}")  # fmt: skip
@@ -96,8 +100,13 @@ class EngineArgs:
         self.device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
         if self.device.startswith("cuda"):
             _check_gpu_visible(self.device)
-        self.llm_decode_att_backend = pick_decode_backend(self.llm_decode_att_backend, torch.device(self.device),
-                                                          self.llm_kv_type)  # fmt: skip
+        device = torch.device(self.device)
+        self.llm_decode_att_backend = pick_decode_backend(self.llm_decode_att_backend, device, self.llm_kv_type)
+        self.llm_prefill_att_backend = pick_prefill_backend(self.llm_prefill_att_backend, device, self.llm_kv_type,
+                                                            self.llm_decode_att_backend)  # fmt: skip
+        if self.llm_prefill_att_backend == "fa3" and self.llm_kv_type != "None":
+            raise ValueError(f"--llm_prefill_att_backend fa3 expected --llm_kv_type None (FA3 reads no quantized KV "
+                             f"cache), got {self.llm_kv_type}")  # fmt: skip
         self._check_mtp()
         if self.enable_mixed_chunk and (self.disable_chunked_prefill or self.mtp_mode is not None):
             other = "--disable_chunked_prefill" if self.disable_chunked_prefill else "--mtp_mode"

@@ -152,11 +152,16 @@ class ModelRunner:
     def _init_kv_cache(self, memory_api, graph_sizes: Sequence[int], prefill_buckets: Sequence[int]) -> None:
         a, c = self.args, self.config
         max_reqs = a.running_max_req_size + 1  # one slot is the padding request of graph batches
-        contiguous = False
-        if a.llm_decode_att_backend == "fa3" and self.device.type == "cuda":
+        contiguous = False  # FA3 (decode or prefill) without paged KV reads each request's fixed row of the pool
+        backends = {
+            "--llm_decode_att_backend": a.llm_decode_att_backend,
+            "--llm_prefill_att_backend": a.llm_prefill_att_backend,
+        }
+        fa3_flags = [flag for flag, backend in backends.items() if backend == "fa3"]
+        if fa3_flags and self.device.type == "cuda":
             from lightllm.kernels.attention.decode.fa3 import require_fa3
 
-            contiguous = not require_fa3(self.device).paged
+            contiguous = not require_fa3(self.device, fa3_flags[0]).paged
         # per-request model state (linear attention) first, so the GPU profile and the RAM reading count it
         ssm_dtype = SSM_DATA_TYPES[a.linear_att_ssm_data_type]
         if a.mtp_mode is None:
@@ -196,7 +201,8 @@ class ModelRunner:
                                  prefix_cache=prefix_cache)  # fmt: skip
         pool = make_pool(a.llm_kv_type, num_tokens, kv_layers, self.model.kv_heads, c.head_dim,
                          a.torch_dtype, self.device, a.llm_kv_quant_group_size)  # fmt: skip
-        self.attn = AttentionBackend(pool, a.llm_decode_att_backend, self.device)  # fa3 picks its layout too
+        # fa3 picks its layout too
+        self.attn = AttentionBackend(pool, a.llm_decode_att_backend, self.device, a.llm_prefill_att_backend)
         self.model.set_attention(self.attn)
         self.pad_slot = self.kv.add_request()
         self.pad_token = int(self.kv.extend(self.pad_slot, 1)[0])

@@ -3,12 +3,19 @@
 - ``triton`` (GPU): Triton context attention for prefill (over a cached prefix too: chunked prefill); Triton GQA
   flash decode (bf16/fp16, INT8, INT4 KV) for one query token per request, and the MTP diverse kernel for
   ``q_len > 1`` (MTP verify; bf16/fp16 KV).
-- ``fa3`` (Hopper GPU): FlashAttention-3 decode (bf16/fp16 KV, any ``q_len``), Triton context attention for prefill.
-- On a CPU device both run the torch references, so the engine runs (slowly) without a GPU.
-- ``auto`` (the flag's value, resolved at start-up by ``pick_decode_backend``): fa3 where it can run, else triton.
+- ``fa3`` (Hopper GPU): FlashAttention-3 decode (bf16/fp16 KV, any ``q_len``).
+
+Prefill (``--llm_prefill_att_backend``): ``triton`` (Triton context attention) or ``fa3`` (FlashAttention-3 over the
+pool, ``prefill/fa3_prefill.py``: unquantized KV; with a provider without paged KV the pool takes the slots layout,
+which turns the prefix cache off).
+
+- On a CPU device every backend runs the torch references, so the engine runs (slowly) without a GPU.
+- ``auto`` (the flags' value, resolved at start-up by ``pick_decode_backend`` and ``pick_prefill_backend``): fa3
+  where it can run (prefill: only where it keeps the KV layout decode picked), else triton.
 """
 
 import logging
+from typing import Optional
 
 import torch
 
@@ -27,7 +34,8 @@ logger = logging.getLogger(__name__)
 
 DECODE_BACKENDS = ("triton", "fa3")
 DECODE_BACKEND_CHOICES = ("auto", *DECODE_BACKENDS)  # what --llm_decode_att_backend takes
-PREFILL_BACKEND_CHOICES = ("auto", "triton")  # --llm_prefill_att_backend: Triton context attention is the only one
+PREFILL_BACKENDS = ("triton", "fa3")
+PREFILL_BACKEND_CHOICES = ("auto", *PREFILL_BACKENDS)  # what --llm_prefill_att_backend takes
 KV_TYPES = ("None", "int8kv", "int4kv")
 GPU_HEAD_DIMS = (64, 128, 256)  # what the Triton prefill and decode kernels compile for
 
@@ -39,32 +47,62 @@ def check_head_dim(head_dim: int, device: torch.device) -> None:
                          "(the CPU device runs any head_dim through the torch references)")  # fmt: skip
 
 
+def _fa3_unusable(device: torch.device, kv_type: str) -> Optional[str]:
+    """Why FA3 can't run here, or None when it can."""
+    from lightllm.kernels.attention.decode.fa3 import find_fa3_provider, is_hopper
+
+    if device.type != "cuda":
+        return "no GPU: the torch references run either way"
+    if kv_type != "None":
+        return f"FA3 reads no quantized KV cache (--llm_kv_type {kv_type})"
+    if not is_hopper(device):
+        return f"FA3 needs a Hopper GPU, found {torch.cuda.get_device_name(device)}"
+    if find_fa3_provider() is None:
+        return "no FlashAttention-3 provider imports"
+    return None
+
+
 def pick_decode_backend(requested: str, device: torch.device, kv_type: str) -> str:
     """``requested`` itself, or for ``auto``: fa3 on a Hopper GPU with an FA3 provider installed and an
     unquantized KV cache (the only one FA3 reads), else triton. The choice is logged with its reason."""
     if requested != "auto":
         return requested
-    from lightllm.kernels.attention.decode.fa3 import find_fa3_provider, is_hopper
+    why = _fa3_unusable(device, kv_type)
+    if why is None:
+        from lightllm.kernels.attention.decode.fa3 import find_fa3_provider
 
-    if device.type != "cuda":
-        why = "no GPU: the torch references run either way"
-    elif kv_type != "None":
-        why = f"FA3 reads no quantized KV cache (--llm_kv_type {kv_type})"
-    elif not is_hopper(device):
-        why = f"FA3 needs a Hopper GPU, found {torch.cuda.get_device_name(device)}"
-    elif (provider := find_fa3_provider()) is None:
-        why = "no FlashAttention-3 provider imports"
-    else:
-        logger.info("--llm_decode_att_backend auto -> fa3 (Hopper GPU, %s)", provider.name)
+        logger.info("--llm_decode_att_backend auto -> fa3 (Hopper GPU, %s)", find_fa3_provider().name)
         return "fa3"
     logger.info("--llm_decode_att_backend auto -> triton (%s)", why)
     return "triton"
 
 
+def pick_prefill_backend(requested: str, device: torch.device, kv_type: str, decode_backend: str) -> str:
+    """``requested`` itself, or for ``auto``: fa3 where FA3 can run (as for decode) and the pool keeps decode's
+    layout: FA3 decode already chose it, or the provider reads pages (one without paged KV needs the slots layout,
+    which turns the prefix cache off). Else triton. The choice is logged with its reason."""
+    if requested != "auto":
+        return requested
+    why = _fa3_unusable(device, kv_type)
+    if why is None:
+        from lightllm.kernels.attention.decode.fa3 import find_fa3_provider
+
+        provider = find_fa3_provider()
+        if decode_backend == "fa3" or provider.paged:
+            logger.info("--llm_prefill_att_backend auto -> fa3 (Hopper GPU, %s)", provider.name)
+            return "fa3"
+        why = (f"{provider.name} has no paged KV: FA3 prefill would need the slots layout, which turns the prefix "
+               "cache off; --llm_prefill_att_backend fa3 takes it")  # fmt: skip
+    logger.info("--llm_prefill_att_backend auto -> triton (%s)", why)
+    return "triton"
+
+
 class AttentionBackend:
-    def __init__(self, pool, decode_backend: str, device: torch.device):
+    def __init__(self, pool, decode_backend: str, device: torch.device, prefill_backend: str = "triton"):
         if decode_backend not in DECODE_BACKENDS:
             raise ValueError(f"--llm_decode_att_backend expected one of {DECODE_BACKENDS}, got {decode_backend!r}")
+        if prefill_backend not in PREFILL_BACKENDS:
+            raise ValueError(f"--llm_prefill_att_backend expected one of {PREFILL_BACKENDS}, got {prefill_backend!r}")
         self.pool = pool
         self.quant = "int8" if isinstance(pool, Int8KVPool) else "int4" if isinstance(pool, Int4KVPool) else "none"
         self.decode_backend = decode_backend
@@ -75,6 +113,13 @@ class AttentionBackend:
             from lightllm.kernels.attention.decode.fa3 import require_fa3
 
             self.fa3_provider = require_fa3(device)
+        self.prefill_backend = prefill_backend
+        if prefill_backend == "fa3":
+            if self.quant != "none":
+                raise ValueError("--llm_prefill_att_backend fa3 expected --llm_kv_type None, got a quantized KV cache")
+            from lightllm.kernels.attention.decode.fa3 import require_fa3
+
+            self.fa3_provider = require_fa3(device, "--llm_prefill_att_backend")
         self._kv_write = None  # the KV write plan of the forward whose token_idx it holds (made at its first write)
         # A float pool's per-layer views, made once: a model's q/k kernel writes the new K/V through them, and
         # decode reads them (no per-layer indexing op). None for a quantized pool (``write_kv`` quantizes).
@@ -119,7 +164,13 @@ class AttentionBackend:
             tokens, p = state.out_token_idx.shape[0], self.pool
             shapes = ((tokens, q_heads, p.head_dim), (tokens, p.kv_heads, p.head_dim), q_dtype, state.b_q_start,
                       state.b_q_len, state.max_q_len)  # fmt: skip
-            if not state.max_prefix_len:
+            if self.prefill_backend == "fa3":
+                from lightllm.kernels.attention.prefill.fa3_prefill import FA3PrefillPlan
+
+                plan = FA3PrefillPlan(shapes[0], q_dtype, p.k[0], p.v[0], state.req_to_token, state.b_req_idx,
+                                      state.b_seq_len, state.b_q_start, state.b_q_len, state.max_q_len,
+                                      state.max_len_in_batch, provider=self.fa3_provider)  # fmt: skip
+            elif not state.max_prefix_len:
                 plan = ContextAttentionPlan(*shapes, reuse_outputs=True)
             elif self.quant == "none":
                 plan = ContextAttentionPlan(*shapes, prefix=_prefix_of(state), reuse_outputs=True)
@@ -171,8 +222,10 @@ class AttentionBackend:
     def prefill(self, layer: int, q, k, v, state: InferState) -> torch.Tensor:
         """Causal attention of each request's packed new tokens over its cached prefix (chunked prefill, read from
         the pool; a quantized pool's prefix dequantized) and over themselves. The new tokens' own K/V are used
-        as computed, unquantized. On a GPU the output is the forward's one buffer: the next layer's call overwrites
-        it."""
+        as computed, unquantized (FA3: read back from the pool, where the layer wrote them). On a GPU with Triton
+        the output is the forward's one buffer: the next layer's call overwrites it."""
+        if self.on_gpu and self.prefill_backend == "fa3":
+            return self._plan_of(state, "prefill").run(q, self.pool.k[layer], self.pool.v[layer])
         if not state.max_prefix_len:
             if self.on_gpu:
                 return self._plan_of(state, "prefill").run(q, k, v)

@@ -88,6 +88,23 @@ def test_gpu_bf16_greedy_close_to_fp32_reference(tiny_gpu_dir, backend, kv_type)
     check_gpu_bf16_against_cpu_fp32(tiny_gpu_dir, backend, kv_type, "GPU-vs-fp32")
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("decode_backend", ["triton", "fa3"])
+def test_gpu_fa3_prefill_close_to_fp32_reference(tiny_gpu_dir, decode_backend):
+    """--llm_prefill_att_backend fa3 with the prompt in 128-token chunks: the first chunk plain, the later ones over
+    their cached prefix (from prefill graphs), then decode; the same bound as the Triton prefill's test above."""
+    check_gpu_fa3_prefill(tiny_gpu_dir, decode_backend, "GPU-vs-fp32 FA3 prefill")
+
+
+def check_gpu_fa3_prefill(model_dir, decode_backend, label):
+    from lightllm.kernels.attention.decode.fa3 import find_fa3_provider
+
+    if find_fa3_provider() is None:
+        pytest.skip("no FlashAttention-3 provider installed")
+    check_gpu_bf16_against_cpu_fp32(model_dir, decode_backend, "None", label, llm_prefill_att_backend="fa3",
+                                    chunked_prefill_size=128)  # fmt: skip
+
+
 def check_gpu_bf16_against_cpu_fp32(model_dir, backend, kv_type, label, **gpu_args):
     """The GPU bf16 engine's logprobs of a 300-token prompt's 9 greedy tokens against the CPU fp32 engine's,
     teacher-forced on them; bound: 1.5 x the CPU bf16 engine's error against the same reference, plus 0.02."""

@@ -9,7 +9,11 @@ from lightllm.layers.attention import AttentionBackend, make_pool
 from lightllm.layers.infer_state import InferState
 from lightllm.kernels.attention.decode import fa3, flash_decode
 from lightllm.kernels.attention.decode.reference import decode_attention_ref
-from lightllm.kernels.attention.prefill.context_attention import _launch_context_attention, context_attention_ref
+from lightllm.kernels.attention.prefill.context_attention import (
+    CachedPrefix,
+    _launch_context_attention,
+    context_attention_ref,
+)
 
 LAYERS, KV_HEADS, Q_HEADS, HEAD_DIM, POOL = 3, 2, 4, 64, 64
 
@@ -141,6 +145,52 @@ def test_prefill_checks_and_resolves_once_per_step(monkeypatch, isolated_autotun
         torch.testing.assert_close(out.double(), context_attention_ref(q, k, v, state.b_q_start, state.b_q_len),
                                    rtol=1e-4, atol=1e-4)  # fmt: skip
     assert len(plans) == 1
+
+
+@pytest.mark.parametrize("paged", [True, False])
+def test_fa3_prefill_reads_prefix_and_new_tokens_from_the_pool(monkeypatch, paged):
+    """--llm_prefill_att_backend fa3: planned once per forward; every layer's new K/V, written to the pool first (as
+    the models do), and its cached prefix are attended through the provider; the same as the reference."""
+    from tests.kernels.test_fa3_prefill import FakeVarlenFA3
+
+    fake = FakeVarlenFA3()
+    provider = fa3.FA3Provider("fake_fa3", "0", paged, True, fake)
+    monkeypatch.setattr(fa3, "require_fa3", lambda device, flag=None: provider)
+    rows, row_len = 3, 16  # the slots layout: row r owns tokens r * row_len + [0, row_len)
+    pool = make_pool("None", rows * row_len, LAYERS, KV_HEADS, HEAD_DIM, torch.float16, torch.device("cpu"))
+    backend = AttentionBackend(pool, "triton", torch.device("cpu"), prefill_backend="fa3")
+    backend.on_gpu = True
+    g = torch.Generator().manual_seed(3)
+    for layer in range(LAYERS):  # the requests' cached prefixes (and everything else) random
+        pool.k[layer].copy_(torch.randn(pool.k[layer].shape, generator=g).half())
+        pool.v[layer].copy_(torch.randn(pool.v[layer].shape, generator=g).half())
+    req_to_token = torch.arange(rows * row_len, dtype=torch.int32).view(rows, row_len)
+    prefix, new = [6, 0], [3, 5]
+    out_token_idx = torch.cat([req_to_token[r, p : p + n].long() for r, p, n in zip((2, 1), prefix, new)])
+    state = InferState.packed_prefill([2, 1], req_to_token, prefix, new, out_token_idx, torch.device("cpu"))
+    from lightllm.kernels.attention.prefill import fa3_prefill
+
+    checks = counting(monkeypatch, fa3_prefill, "check_pool")
+    backend.plan_prefill(state, Q_HEADS, torch.float16)
+    for layer in range(LAYERS):
+        q = torch.randn(8, Q_HEADS, HEAD_DIM, generator=g).half()
+        k, v = (torch.randn(8, KV_HEADS, HEAD_DIM, generator=g).half() for _ in range(2))
+        backend.write_kv(layer, k, v, state.out_token_idx)
+        out = backend.prefill(layer, q, k, v, state)
+        ref = context_attention_ref(q, k, v, state.b_q_start, state.b_q_len,
+                                    prefix=CachedPrefix(req_to_token, state.b_req_idx, state.b_prefix_len),
+                                    k_cache=pool.k[layer], v_cache=pool.v[layer])  # fmt: skip
+        torch.testing.assert_close(out.double(), ref, rtol=2e-3, atol=2e-3)
+    assert len(fake.calls) == LAYERS and len(checks) == 1
+
+
+def test_fa3_prefill_refuses_a_quantized_pool(monkeypatch):
+    monkeypatch.setattr(fa3, "require_fa3", lambda device, flag=None: None)
+    pool = make_pool("int8kv", POOL, LAYERS, KV_HEADS, HEAD_DIM, torch.float16, torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"--llm_prefill_att_backend fa3 expected --llm_kv_type None"):
+        AttentionBackend(pool, "triton", torch.device("cpu"), prefill_backend="fa3")
+    with pytest.raises(ValueError, match=r"--llm_prefill_att_backend expected one of \('triton', 'fa3'\)"):
+        AttentionBackend(pool, "triton", torch.device("cpu"), prefill_backend="auto")
 
 
 def test_a_forward_whose_first_layer_is_not_attention_plans_before_it(monkeypatch, isolated_autotune):

@@ -9,7 +9,7 @@ import torch
 
 from lightllm.engine.args import EngineArgs
 from lightllm.kernels.attention.decode import fa3
-from lightllm.layers.attention import pick_decode_backend
+from lightllm.layers.attention import pick_decode_backend, pick_prefill_backend
 from lightllm.server.args import parse_args
 from lightllm.server.prompts import load_tokenizer
 from lightllm.server.tp import rendezvous_address
@@ -120,13 +120,43 @@ def test_graph_max_len_in_batch_0_is_max_req_total_len(capsys, model):
     assert "got -1" in refused(capsys, model, "--graph_max_len_in_batch", "-1")
 
 
-def test_prefill_backend(capsys, model):
+def test_prefill_backend(capsys, model, caplog):
+    caplog.set_level(logging.INFO)
     assert parse(model, "--llm_prefill_att_backend", "auto")[1].llm_prefill_att_backend == "triton"
+    assert "--llm_prefill_att_backend auto -> triton (no GPU: the torch references run either way)" in [
+        r.message for r in caplog.records
+    ]
     assert parse(model, "--llm_prefill_att_backend", "triton")[1].llm_prefill_att_backend == "triton"
-    err = refused(capsys, model, "--llm_prefill_att_backend", "fa3")
-    assert "--llm_prefill_att_backend" in err and "'fa3'" in err and "'auto', 'triton'" in err
-    with pytest.raises(ValueError, match=r"--llm_prefill_att_backend expected one of \('auto', 'triton'\)"):
+    assert parse(model, "--llm_prefill_att_backend", "fa3")[1].llm_prefill_att_backend == "fa3"
+    err = refused(capsys, model, "--llm_prefill_att_backend", "flashinfer")
+    assert "--llm_prefill_att_backend" in err and "'flashinfer'" in err and "'auto', 'triton', 'fa3'" in err
+    with pytest.raises(ValueError, match=r"--llm_prefill_att_backend expected one of \('auto', 'triton', 'fa3'\)"):
         EngineArgs(device="cpu", llm_prefill_att_backend="flashinfer").normalize()
+    with pytest.raises(ValueError, match=r"--llm_prefill_att_backend fa3 expected --llm_kv_type None \(FA3 reads no "
+                                         r"quantized KV cache\), got int8kv"):  # fmt: skip
+        EngineArgs(device="cpu", llm_prefill_att_backend="fa3", llm_kv_type="int8kv").normalize()
+
+
+def test_prefill_backend_auto_picks_fa3_only_where_it_keeps_the_kv_layout(fake_gpu, caplog):
+    caplog.set_level(logging.INFO)
+    gpu = torch.device("cuda")
+    fake_gpu.provider = SimpleNamespace(name="fa3_fwd_interface", paged=False)
+    assert pick_prefill_backend("auto", gpu, "None", "fa3") == "fa3"  # FA3 decode chose the slots layout already
+    assert pick_prefill_backend("auto", gpu, "None", "triton") == "triton"  # would turn the prefix cache off
+    fake_gpu.provider = SimpleNamespace(name="flash_attn_3", paged=True)
+    assert pick_prefill_backend("auto", gpu, "None", "triton") == "fa3"
+    assert pick_prefill_backend("auto", gpu, "int4kv", "triton") == "triton"
+    fake_gpu.hopper = False
+    assert pick_prefill_backend("auto", gpu, "None", "triton") == "triton"
+    assert pick_prefill_backend("fa3", gpu, "None", "triton") == "fa3"  # asked for: start-up fails if it can't run
+    assert [r.message for r in caplog.records if "auto ->" in r.message] == [
+        "--llm_prefill_att_backend auto -> fa3 (Hopper GPU, fa3_fwd_interface)",
+        "--llm_prefill_att_backend auto -> triton (fa3_fwd_interface has no paged KV: FA3 prefill would need the "
+        "slots layout, which turns the prefix cache off; --llm_prefill_att_backend fa3 takes it)",
+        "--llm_prefill_att_backend auto -> fa3 (Hopper GPU, flash_attn_3)",
+        "--llm_prefill_att_backend auto -> triton (FA3 reads no quantized KV cache (--llm_kv_type int4kv))",
+        "--llm_prefill_att_backend auto -> triton (FA3 needs a Hopper GPU, found NVIDIA A100)",
+    ]
 
 
 # ---- --llm_decode_att_backend auto ------------------------------------------------------------------------

@@ -123,17 +123,17 @@ def is_hopper(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
 
 
-def require_fa3(device=None) -> FA3Provider:
-    """The provider to use on ``device``; ``RuntimeError`` saying what to install or why it can't run."""
+def require_fa3(device=None, flag: str = "--llm_decode_att_backend") -> FA3Provider:
+    """The provider to use on ``device``; ``RuntimeError`` naming ``flag`` and saying what to install or why it
+    can't run."""
     provider = find_fa3_provider()
     if provider is None:
-        raise RuntimeError(f"--llm_decode_att_backend fa3: no FlashAttention-3 provider found; {INSTALL_HINT}")
+        raise RuntimeError(f"{flag} fa3: no FlashAttention-3 provider found; {INSTALL_HINT}")
     device = torch.device(device if device is not None else "cuda")
     if device.type != "cuda" or not torch.cuda.is_available() or not is_hopper(device):
         name = torch.cuda.get_device_name(device) if device.type == "cuda" and torch.cuda.is_available() else "no GPU"
         raise RuntimeError(
-            f"--llm_decode_att_backend fa3: {provider.name} needs a Hopper GPU (sm90, H100/H200), found {name}; "
-            "use --llm_decode_att_backend triton"
+            f"{flag} fa3: {provider.name} needs a Hopper GPU (sm90, H100/H200), found {name}; use {flag} triton"
         )
     return provider
 
@@ -249,11 +249,7 @@ class FA3DecodePlan:
     def run(self, q, k_cache, v_cache) -> torch.Tensor:
         self.inputs.check((q.shape, q.dtype), (k_cache.shape, k_cache.dtype))
         q4 = q.unsqueeze(1) if q.dim() == 3 else q
-        if self.slot_shape is None:
-            k4, v4 = k_cache.unsqueeze(1), v_cache.unsqueeze(1)
-        else:
-            k4 = k_cache.view(*self.slot_shape, *k_cache.shape[1:])
-            v4 = v_cache.view(*self.slot_shape, *v_cache.shape[1:])
+        k4, v4 = pool_views(k_cache, v_cache, self.slot_shape)
         out = self._tuned.run(q4, k4, v4, self.page_table, self.batch_idx, self.b_seq_len, self.max_len_in_batch,
                               self.sm_scale, self.causal, self.window, self.softcap, self.provider)  # fmt: skip
         return out.squeeze(1) if q.dim() == 3 else out
@@ -297,17 +293,31 @@ def fa3_decode_attention(
 
 def _check(q4_shape, q_dtype, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len, max_len_in_batch, layout,
            provider):  # fmt: skip
+    owner = "fa3 decode attention"
+    if len(q4_shape) != 4 or q_dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"{owner}: q expected a [batch, (q_len,) q_heads, head_dim] float16/bfloat16 tensor, got "
+                         f"{tuple(q4_shape)} {q_dtype}")  # fmt: skip
+    batch, _, q_heads, head_dim = q4_shape
+    check_pool(owner, q_heads, head_dim, q_dtype, k_cache, v_cache, req_to_token, layout, provider)
+    for name, t in (("b_req_idx", b_req_idx), ("b_seq_len", b_seq_len)):
+        if t.shape != (batch,) or t.dtype != torch.int32:
+            raise ValueError(f"{owner}: {name} expected an int32 [{batch}] tensor, got {tuple(t.shape)} {t.dtype}")
+    if layout == "paged" and not 0 < max_len_in_batch <= req_to_token.shape[1]:
+        raise ValueError(f"{owner}: max_len_in_batch expected a length in [1, {req_to_token.shape[1]}], got "
+                         f"{max_len_in_batch}")  # fmt: skip
+
+
+def check_pool(owner, q_heads, head_dim, q_dtype, k_cache, v_cache, req_to_token, layout, provider) -> None:
+    """What every FA3 call over the engine's pool needs (decode and prefill): the layout the provider can read,
+    caches of q's dtype and head dim, whole KV groups, an int32 token table the slots layout covers exactly."""
 
     def fail(name, expected, got):
-        raise ValueError(f"fa3 decode attention: {name} expected {expected}, got {got}")
+        raise ValueError(f"{owner}: {name} expected {expected}, got {got}")
 
     if layout not in ("paged", "slots"):
         fail("layout", "'paged' or 'slots'", repr(layout))
     if layout == "paged" and not provider.paged:
         fail("layout", f"'slots' ({provider.name} {provider.version} has no paged KV)", "'paged'")
-    if len(q4_shape) != 4 or q_dtype not in (torch.float16, torch.bfloat16):
-        fail("q", "a [batch, (q_len,) q_heads, head_dim] float16/bfloat16 tensor", f"{tuple(q4_shape)} {q_dtype}")
-    batch, _, q_heads, head_dim = q4_shape
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         if t.dim() != 3 or t.dtype != q_dtype or t.shape[2] != head_dim or t.device != k_cache.device:
             fail(name, f"a [tokens, kv_heads, {head_dim}] {q_dtype} tensor on {k_cache.device}", f"{tuple(t.shape)}")
@@ -315,10 +325,13 @@ def _check(q4_shape, q_dtype, k_cache, v_cache, req_to_token, b_req_idx, b_seq_l
         fail("kv_heads", f"a divisor of q_heads ({q_heads})", k_cache.shape[1])
     if req_to_token.dtype != torch.int32 or req_to_token.dim() != 2:
         fail("req_to_token", "an int32 [max_reqs, max_len] tensor", f"{req_to_token.dtype} {tuple(req_to_token.shape)}")
-    for name, t in (("b_req_idx", b_req_idx), ("b_seq_len", b_seq_len)):
-        if t.shape != (batch,) or t.dtype != torch.int32:
-            fail(name, f"an int32 [{batch}] tensor", f"{tuple(t.shape)} {t.dtype}")
-    if layout == "paged" and not 0 < max_len_in_batch <= req_to_token.shape[1]:
-        fail("max_len_in_batch", f"a length in [1, {req_to_token.shape[1]}]", max_len_in_batch)
     if layout == "slots" and k_cache.shape[0] != req_to_token.numel():
         fail("k_cache", f"{req_to_token.numel()} tokens (max_reqs * max_len) for the slots layout", k_cache.shape[0])
+
+
+def pool_views(k_cache, v_cache, slot_shape) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The caches as FA3 reads them: ``[tokens, 1, kv_heads, D]`` pages of one token (``slot_shape`` None: paged),
+    else ``[max_reqs, max_len, kv_heads, D]`` rows of request slots."""
+    if slot_shape is None:
+        return k_cache.unsqueeze(1), v_cache.unsqueeze(1)
+    return k_cache.view(*slot_shape, *k_cache.shape[1:]), v_cache.view(*slot_shape, *v_cache.shape[1:])
