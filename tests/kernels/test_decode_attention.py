@@ -159,7 +159,7 @@ def test_quarter_slices_match_reference(monkeypatch, kind, group, head_dim, q_he
     q, k, v, r2t, idx, seq = make_batch(3, q_heads, kv_heads, head_dim, lens, dtype, seed=11)
     cfg = {**_QUARTER_CFG, "BLOCK_N": block_n}
     out, (kd, vd) = run(kind, q, k, v, r2t, idx, seq, max(lens), group=group, run_config=cfg)
-    assert [kw["D_SPLIT"] for kw in launches] == [4]
+    assert [kw["QUARTERS"] for kw in launches] == [True]
     assert not out.isnan().any(), "unwritten output"
     ref = decode_attention_ref(q, kd, vd, r2t, idx, seq)
     tol = 1e-4 if dtype == torch.float32 else 3e-3

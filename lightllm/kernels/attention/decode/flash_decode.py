@@ -90,7 +90,7 @@ def _launch_split_kv(
             GROUP=group, BLOCK_H=max(16, next_power_of_2(group)), HALF_D=head_dim // 2,
             BLOCK_N=cfg["BLOCK_N"], MIN_BLOCKS=least, QUANT=_QUANT_BITS[quant], QGROUP=quant_group,
             INT4_OFFSET=INT4_OFFSET, F16=quant != "none" and q.dtype != torch.float32,
-            PRECISION="ieee" if q.dtype == torch.float32 else None, D_SPLIT=d_split,
+            PRECISION="ieee" if q.dtype == torch.float32 else None, QUARTERS=d_split == 4,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )  # fmt: skip
         launch_stage2(mid_o, mid_lse, b_seq_len, out, cfg["BLOCK_N"], least)

@@ -9,10 +9,10 @@ past the end do nothing and stage 2 skips them.
 KV is read in two halves of the head dim (``[0, D/2)`` and ``[D/2, D)``), which is what the INT4 layout
 packs into one byte (low / high nibble); bf16/fp16 and INT8 use the same two-half loop so one kernel body
 serves all three (``QUANT`` = 0, 8 or 4). INT8/INT4 scales are per ``QGROUP`` elements, loaded once per group and
-broadcast over it in registers. ``D_SPLIT`` 4 (a config key) cuts each half in two again, so a program holds a
-quarter of the head dim's dequantized tile at a time and each quarter's tiles are dead before the next is loaded:
-fewer registers a thread, more resident warps to keep loads in flight (docs/decode_attention.md). An INT4 byte column
-of the first quarter gives the first and third quarters, as one of the first half gives both halves.
+broadcast over it in registers. ``QUARTERS`` (config key ``D_SPLIT`` 4) cuts each half in two again and dequantizes
+each quarter right before its dot, so a program holds half as many dequantized elements at once: fewer registers a
+thread, more resident warps to keep loads in flight (docs/decode_attention.md). An INT4 byte column of the first
+quarter gives the first and third quarters, as one of the first half gives both halves.
 
 Quantized KV with 16-bit queries (``F16``) dequantizes more cheaply (docs/decode_attention.md has what it gains
 and what still bounds it): a code becomes a float16 with integer ops only (its bits or'ed into the mantissa of
@@ -53,7 +53,7 @@ def _dequant(codes, scale, BLOCK_N: tl.constexpr, WIDTH: tl.constexpr, QGROUP: t
 
 
 @triton.jit
-def _load_kv_pair(
+def _load_kv_halves(
     Base,
     Scale,
     row,
@@ -138,7 +138,7 @@ def decode_stage1_kernel(
     INT4_OFFSET: tl.constexpr,  # nibble = code + offset (common/kv_cache/quant.py)
     F16: tl.constexpr,  # quantized KV with 16-bit queries: dequantize and dot in float16 (module docstring)
     PRECISION: tl.constexpr,  # "ieee" for float32 queries (no tf32 rounding), None (default) for 16-bit
-    D_SPLIT: tl.constexpr = 2,  # the head dim in 2 or 4 slices: 4 holds half as many dequantized elements at once
+    QUARTERS: tl.constexpr = False,  # config D_SPLIT 4: the head dim in quarters (half the dequantized tile live)
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -152,8 +152,8 @@ def decode_stage1_kernel(
     if start >= end:
         return
 
-    # Slice i (< D_SPLIT / 2) of each half: columns [i * PIECE, (i + 1) * PIECE), and HALF_D further for "hi".
-    PIECE: tl.constexpr = 2 * HALF_D // D_SPLIT
+    # Slice i (0; 0 and 1 in quarters) of each half: columns [i * PIECE, (i + 1) * PIECE), and HALF_D further ("hi").
+    PIECE: tl.constexpr = HALF_D // 2 if QUARTERS else HALF_D
     h = tl.arange(0, BLOCK_H)
     mask_h = h < GROUP
     heads = kvh * GROUP + h
@@ -161,7 +161,7 @@ def decode_stage1_kernel(
     q_ptr = Q + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + d[None, :]
     q_lo = tl.load(q_ptr, mask=mask_h[:, None], other=0.0)
     q_hi = tl.load(q_ptr + HALF_D, mask=mask_h[:, None], other=0.0)
-    if D_SPLIT == 4:
+    if QUARTERS:
         q_lo1 = tl.load(q_ptr + PIECE, mask=mask_h[:, None], other=0.0)
         q_hi1 = tl.load(q_ptr + HALF_D + PIECE, mask=mask_h[:, None], other=0.0)
     else:  # unused
@@ -182,7 +182,7 @@ def decode_stage1_kernel(
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc_lo = tl.zeros([BLOCK_H, PIECE], dtype=tl.float32)
     acc_hi = tl.zeros([BLOCK_H, PIECE], dtype=tl.float32)
-    acc_lo1 = tl.zeros([BLOCK_H, PIECE], dtype=tl.float32)  # slice 1: stays zero (and unused) at D_SPLIT 2
+    acc_lo1 = tl.zeros([BLOCK_H, PIECE], dtype=tl.float32)  # slice 1: stays zero (and unused) in halves
     acc_hi1 = tl.zeros([BLOCK_H, PIECE], dtype=tl.float32)
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -190,14 +190,14 @@ def decode_stage1_kernel(
         tok = tl.load(tokens + offs_n, mask=mask_n, other=0).to(tl.int64)
         k_row = tok * stride_kt + kvh * stride_kh
         k_srow = tok * stride_kst + kvh * stride_ksh
-        k_lo, k_hi = _load_kv_pair(
+        k_lo, k_hi = _load_kv_halves(
             K, K_scale, k_row, k_srow, mask_n, 0, BLOCK_N, PIECE, HALF_D, QUANT, QGROUP, INT4_OFFSET, F16, kv_dtype
         )
         qk = tl.dot(q_lo, tl.trans(k_lo), input_precision=PRECISION) + tl.dot(
             q_hi, tl.trans(k_hi), input_precision=PRECISION
         )
-        if D_SPLIT == 4:  # slice 0's K tiles are dead before slice 1's are dequantized
-            k_lo, k_hi = _load_kv_pair(
+        if QUARTERS:  # dequantized after slice 0's dots: its K tiles are dead by then
+            k_lo, k_hi = _load_kv_halves(
                 K, K_scale, k_row, k_srow, mask_n, PIECE, BLOCK_N, PIECE, HALF_D, QUANT, QGROUP, INT4_OFFSET, F16,
                 kv_dtype,
             )  # fmt: skip
@@ -210,14 +210,14 @@ def decode_stage1_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         v_row = tok * stride_vt + kvh * stride_vh
         v_srow = tok * stride_vst + kvh * stride_vsh
-        v_lo, v_hi = _load_kv_pair(
+        v_lo, v_hi = _load_kv_halves(
             V, V_scale, v_row, v_srow, mask_n, 0, BLOCK_N, PIECE, HALF_D, QUANT, QGROUP, INT4_OFFSET, F16, kv_dtype
         )
         p = p.to(v_lo.dtype)
         acc_lo = acc_lo * alpha[:, None] + tl.dot(p, v_lo, input_precision=PRECISION)
         acc_hi = acc_hi * alpha[:, None] + tl.dot(p, v_hi, input_precision=PRECISION)
-        if D_SPLIT == 4:
-            v_lo, v_hi = _load_kv_pair(
+        if QUARTERS:
+            v_lo, v_hi = _load_kv_halves(
                 V, V_scale, v_row, v_srow, mask_n, PIECE, BLOCK_N, PIECE, HALF_D, QUANT, QGROUP, INT4_OFFSET, F16,
                 kv_dtype,
             )  # fmt: skip
@@ -228,7 +228,7 @@ def decode_stage1_kernel(
     o_ptr = mid_o + b.to(tl.int64) * stride_mob + heads[:, None] * stride_moh + split * stride_mos + d[None, :]
     tl.store(o_ptr, acc_lo / l_i[:, None], mask=mask_h[:, None])
     tl.store(o_ptr + HALF_D, acc_hi / l_i[:, None], mask=mask_h[:, None])
-    if D_SPLIT == 4:
+    if QUARTERS:
         tl.store(o_ptr + PIECE, acc_lo1 / l_i[:, None], mask=mask_h[:, None])
         tl.store(o_ptr + HALF_D + PIECE, acc_hi1 / l_i[:, None], mask=mask_h[:, None])
     tl.store(mid_lse + b * stride_mlb + heads * stride_mlh + split, m_i + tl.log2(l_i), mask=mask_h)
