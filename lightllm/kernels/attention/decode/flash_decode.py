@@ -73,6 +73,7 @@ def _launch_split_kv(
     cfg = run_config or default_config(head_dim)
     splits = num_splits(batch, kv_heads, max_len_in_batch, cfg["BLOCK_N"], cfg["WAVES"], q.device)
     least = min_blocks(cfg)
+    d_split = head_dim_split(cfg, head_dim, quant_group if quant != "none" else 1)
     mid_o, mid_lse = split_partials(scratch, (batch, q_heads, splits, head_dim), q.device)
     ks = k_scale if k_scale is not None else k_cache
     vs = v_scale if v_scale is not None else v_cache
@@ -89,11 +90,28 @@ def _launch_split_kv(
             GROUP=group, BLOCK_H=max(16, next_power_of_2(group)), HALF_D=head_dim // 2,
             BLOCK_N=cfg["BLOCK_N"], MIN_BLOCKS=least, QUANT=_QUANT_BITS[quant], QGROUP=quant_group,
             INT4_OFFSET=INT4_OFFSET, F16=quant != "none" and q.dtype != torch.float32,
-            PRECISION="ieee" if q.dtype == torch.float32 else None,
+            PRECISION="ieee" if q.dtype == torch.float32 else None, QUARTERS=d_split == 4,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )  # fmt: skip
         launch_stage2(mid_o, mid_lse, b_seq_len, out, cfg["BLOCK_N"], least)
     return out
+
+
+def quarters_fit(head_dim: int, quant_group: int) -> bool:
+    """Whether ``D_SPLIT`` 4 fits: each quarter a dot at least 16 wide and a whole number of quant groups."""
+    return head_dim // 4 >= max(16, quant_group)
+
+
+def head_dim_split(cfg: dict, head_dim: int, quant_group: int) -> int:
+    """A config's ``D_SPLIT`` (2 when absent): stage 1 takes the head dim in 2 or 4 slices, each at least a 16-wide
+    dot and a whole number of quant groups."""
+    n = cfg.get("D_SPLIT", 2)
+    if n not in (2, 4) or (n == 4 and not quarters_fit(head_dim, quant_group)):
+        raise ValueError(
+            f"decode attention config: D_SPLIT expected 2, or 4 when head_dim / 4 ({head_dim // 4}) is at least 16 and "
+            f"the quant group ({quant_group}), got {n!r}"
+        )
+    return n
 
 
 def launch_stage2(mid_o, mid_lse, b_seq_len, out, block_n: int, least: int = 1, num_warps: Optional[int] = None):
@@ -135,11 +153,25 @@ def split_kv_configs(q):
     return _split_candidates((32, 64), ((4, 2), (8, 3)))
 
 
-def quant_split_kv_configs(q):
-    """INT8/INT4 KV: the bf16 space plus two-warp programs. Their dequantization makes a program ALU-heavy, so more
-    resident programs per SM keep more loads in flight: on the H200 a two-warp config is the fastest candidate in 11 of
-    15 quantized cells (benchmarks/results/decode_attention_quant_h200.json)."""
-    return _split_candidates((32, 64), ((2, 2), (4, 2), (8, 3)))
+# (BLOCK_N, num_warps, num_stages) of the quantized candidates that take the head dim in quarters (D_SPLIT 4): those
+# whose registers it cuts most on sm_90, by head dim (benchmarks/results/decode_stage1_resources_sm90.json; not timed
+# on a GPU yet). At d256 two-warp programs keep 216-251 registers even in quarters; eight-warp ones drop to 99-111.
+def _quarter_tiles(head_dim: int) -> tuple:
+    return ((16, 4, 2), (32, 4, 2), (32, 8, 3) if head_dim >= 256 else (32, 2, 2))
+
+
+def quant_split_kv_configs(q, quant_group=8):
+    """INT8/INT4 KV: the bf16 space plus two-warp programs, and programs that dequantize a quarter of the head dim at
+    a time. Their dequantization makes a program ALU-heavy and register-heavy, so more resident programs per SM keep
+    more loads in flight: on the H200 a two-warp config is the fastest candidate in 11 of 15 quantized cells
+    (benchmarks/results/decode_attention_quant_h200.json). Quarters only where each is a whole number of groups and a
+    16-wide dot (``head_dim_split``); ``q`` None: those of head dim 128."""
+    configs = _split_candidates((32, 64), ((2, 2), (4, 2), (8, 3)))
+    if q is None or quarters_fit(q.shape[-1], quant_group):
+        for block_n, num_warps, num_stages in _quarter_tiles(q.shape[-1] if q is not None else 128):
+            quarters = _split_candidates((block_n,), ((num_warps, num_stages),))
+            configs += [{**cfg, "D_SPLIT": 4} for cfg in quarters]
+    return configs
 
 
 def _static_key(q, k_cache, quant, quant_group):
