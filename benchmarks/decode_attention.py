@@ -67,9 +67,9 @@ def kv_bytes(kind, batch, length, kv_heads, head_dim, group):
     return 2 * batch * length * kv_heads * head_dim * per_elem
 
 
-def candidate_configs(kind, q, group):
-    """What the tuner searches for this KV type (INT8/INT4 add two-warp and quarter-head-dim programs)."""
-    return flash_decode.split_kv_configs(q) if kind == "none" else flash_decode.quant_split_kv_configs(q, group)
+def candidate_configs(kind, q):
+    """What the tuner searches for this KV type (INT8/INT4 add two-warp programs)."""
+    return (flash_decode.split_kv_configs if kind == "none" else flash_decode.quant_split_kv_configs)(q)
 
 
 def decode_fn(kind, q, pool, r2t, idx, seq, graph_max, out, group, cfg):
@@ -144,7 +144,7 @@ def run(args):
                 results["stage2"].append(stage2_study(shape, batch, max(args.lens), args.group))
     for kind, shape, batch, (pool, r2t, idx, q, out) in _setups(args):
         hk, d = SHAPES[shape][1:]
-        configs = candidate_configs(kind, q, args.group)
+        configs = candidate_configs(kind, q)
         for length in args.lens:
             seq = torch.full((batch,), length, device="cuda", dtype=torch.int32)
             cell = {"shape": shape, "B": batch, "L": length, "kind": kind,
@@ -197,7 +197,7 @@ def run_buckets(args):
     )
     start, launches = time.perf_counter(), 0
     for kind, shape, batch, (pool, r2t, idx, q, out) in _setups(args):
-        configs = candidate_configs(kind, q, args.group)
+        configs = candidate_configs(kind, q)
         for length, launch in points:
             seq = torch.full((batch,), length, device="cuda", dtype=torch.int32)
             point = {"shape": shape, "B": batch, "kind": kind, "L": length, "launch": launch, "configs": []}

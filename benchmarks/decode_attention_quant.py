@@ -28,7 +28,7 @@ DEFAULT_CELLS = ["hq32-hk8-d128:64", "hq24-hk4-d256:16", "hq32-hk8-d128:16", "hq
 def variant_spaces(kind, q, extras=(), group=8) -> dict:
     """The kernel's own candidates (``"tuned space"``) and, for INT8/INT4, each extra variant of them (none already
     in the space)."""
-    space = flash_decode.quant_split_kv_configs(q, group) if kind != "none" else flash_decode.split_kv_configs(q)
+    space = flash_decode.quant_split_kv_configs(q) if kind != "none" else flash_decode.split_kv_configs(q)
     spaces = {"tuned space": space}
     if kind != "none":
         quarters = q is None or flash_decode.quarters_fit(q.shape[-1], group)

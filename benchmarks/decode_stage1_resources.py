@@ -135,7 +135,7 @@ def stage1_space(flash_decode, kind: str, q, group: int, extras=()) -> list:
     """The tuned candidates of a KV type, then (INT8/INT4) those of each extra variant, marked ``"variant"``."""
     if kind == "none":
         return flash_decode.split_kv_configs(q)
-    space = flash_decode.quant_split_kv_configs(q, group)
+    space = flash_decode.quant_split_kv_configs(q)
     if extras:
         from decode_attention_quant import variant_spaces  # imports torch and the GPU benchmark's helpers
 

@@ -48,7 +48,7 @@ def test_extra_variants_join_the_quantized_space_marked(bench, monkeypatch):
 
     monkeypatch.syspath_prepend(os.path.join(REPO, "benchmarks"))  # as when run as a script
     q = torch.empty(1, 32, 128)
-    tuned = flash_decode.quant_split_kv_configs(q, 8)
+    tuned = flash_decode.quant_split_kv_configs(q)
     space = bench.stage1_space(flash_decode, "int8", q, 8, ("quarters", "block_n_16"))
     assert space[: len(tuned)] == tuned
     extra = space[len(tuned) :]

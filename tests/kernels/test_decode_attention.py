@@ -112,22 +112,6 @@ def test_quantized_candidates_add_two_warp_programs():
     assert flash_decode._launch_gqa_flash_decode_int8kv.configs_gen_func is flash_decode.quant_split_kv_configs
 
 
-@pytest.mark.parametrize(
-    "head_dim, group, quarters", [(128, 8, True), (128, 32, True), (64, 16, True), (64, 32, False)]
-)
-def test_quantized_candidates_add_quarters_where_they_fit(head_dim, group, quarters):
-    """Quarter-head-dim programs join the space (within 1.5x its size) only where each quarter is a 16-wide dot of
-    whole quant groups; every other candidate stays."""
-    q = torch.empty(2, 8, head_dim)
-    space = flash_decode.quant_split_kv_configs(q, group)
-    halves = [c for c in space if "D_SPLIT" not in c]
-    assert halves == flash_decode._split_candidates((32, 64), ((2, 2), (4, 2), (8, 3)))
-    fours = [c for c in space if c.get("D_SPLIT") == 4]
-    assert len(space) == len(halves) + len(fours) and len(space) <= 1.5 * len(halves)
-    assert bool(fours) == quarters
-    assert flash_decode.quant_split_kv_configs(None) == flash_decode.quant_split_kv_configs(torch.empty(1, 8, 128))
-
-
 def test_d_split_config_key_refuses_what_does_not_fit():
     assert flash_decode.head_dim_split({"BLOCK_N": 32}, 128, 8) == 2  # absent: configs stored before the key
     assert flash_decode.head_dim_split({"D_SPLIT": 4}, 64, 16) == 4
@@ -464,15 +448,16 @@ def test_gpu_large_bf16(kind, head_dim, q_heads, kv_heads):
 @pytest.mark.parametrize("group", [8, 32])
 @pytest.mark.parametrize("head_dim, q_heads, kv_heads", [(128, 32, 8), (256, 24, 4)])
 def test_gpu_quarter_candidates_bf16(kind, group, head_dim, q_heads, kv_heads):
-    """Every D_SPLIT 4 candidate's compile (WAVES only sizes the grid: one each), bf16 queries, long ragged lengths."""
+    """Every tile of the quantized space in quarters (D_SPLIT 4: what ``decode_attention_quant.py --quarters`` times;
+    WAVES only sizes the grid: one each), bf16 queries, long ragged lengths."""
     lens = [1, 4097, 777, 9000]
-    q, k, v, r2t, idx, seq = make_batch(4, q_heads, kv_heads, head_dim, lens, torch.bfloat16, pool=20000)
+    q, k, v, r2t, idx, seq = make_batch(4, q_heads, kv_heads, head_dim, lens, torch.bfloat16, pool=50000)
     compiles = {}
-    for c in flash_decode.quant_split_kv_configs(q, group):
-        if c.get("D_SPLIT") == 4:
-            compiles.setdefault((c["BLOCK_N"], c["num_warps"], c["num_stages"], c.get("MIN_BLOCKS", 1)), c)
-    assert len(compiles) == 6
+    for c in flash_decode.quant_split_kv_configs(q):
+        compiles.setdefault((c["BLOCK_N"], c["num_warps"], c["num_stages"], c.get("MIN_BLOCKS", 1)), c)
+    assert len(compiles) == 12
     for cfg in compiles.values():
+        cfg = {**cfg, "D_SPLIT": 4}
         out, (kd, vd) = run(kind, q, k, v, r2t, idx, seq, 16384, group=group, run_config=cfg)
         assert not out.isnan().any(), cfg
         ref = decode_attention_ref(q, kd.to(torch.bfloat16), vd.to(torch.bfloat16), r2t, idx, seq)

@@ -153,25 +153,13 @@ def split_kv_configs(q):
     return _split_candidates((32, 64), ((4, 2), (8, 3)))
 
 
-# (BLOCK_N, num_warps, num_stages) of the quantized candidates that take the head dim in quarters (D_SPLIT 4): those
-# whose registers it cuts most on sm_90, by head dim (benchmarks/results/decode_stage1_resources_sm90.json; not timed
-# on a GPU yet). At d256 two-warp programs keep 216-251 registers even in quarters; eight-warp ones drop to 99-111.
-def _quarter_tiles(head_dim: int) -> tuple:
-    return ((16, 4, 2), (32, 4, 2), (32, 8, 3) if head_dim >= 256 else (32, 2, 2))
-
-
-def quant_split_kv_configs(q, quant_group=8):
-    """INT8/INT4 KV: the bf16 space plus two-warp programs, and programs that dequantize a quarter of the head dim at
-    a time. Their dequantization makes a program ALU-heavy and register-heavy, so more resident programs per SM keep
-    more loads in flight: on the H200 a two-warp config is the fastest candidate in 11 of 15 quantized cells
-    (benchmarks/results/decode_attention_quant_h200.json). Quarters only where each is a whole number of groups and a
-    16-wide dot (``head_dim_split``); ``q`` None: those of head dim 128."""
-    configs = _split_candidates((32, 64), ((2, 2), (4, 2), (8, 3)))
-    if q is None or quarters_fit(q.shape[-1], quant_group):
-        for block_n, num_warps, num_stages in _quarter_tiles(q.shape[-1] if q is not None else 128):
-            quarters = _split_candidates((block_n,), ((num_warps, num_stages),))
-            configs += [{**cfg, "D_SPLIT": 4} for cfg in quarters]
-    return configs
+def quant_split_kv_configs(q):
+    """INT8/INT4 KV: the bf16 space plus two-warp programs. Their dequantization makes a program ALU-heavy, so more
+    resident programs per SM keep more loads in flight: on the H200 a two-warp config is the fastest candidate in 11 of
+    15 quantized cells (benchmarks/results/decode_attention_quant_h200.json). Programs in quarters of the head dim
+    (``D_SPLIT`` 4) are left out: they cut registers by a quarter but were no faster on the H200 (within 4 %, in one of
+    eight cells; docs/decode_attention.md), and would add half again to the start-up search."""
+    return _split_candidates((32, 64), ((2, 2), (4, 2), (8, 3)))
 
 
 def _static_key(q, k_cache, quant, quant_group):
