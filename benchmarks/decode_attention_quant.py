@@ -5,11 +5,9 @@ and the rate at which each kernel reads its bytes (codes + scales) relative to b
 
     python benchmarks/decode_attention_quant.py --out benchmarks/results/decode_attention_quant_h200.json
 
-``--block-n-128`` also times every INT8/INT4 candidate of ``BLOCK_N`` 64 at 128 (twice the bytes a tile loads);
-``--quarters`` every INT8/INT4 candidate that takes the head dim in halves (``D_SPLIT`` 2) in quarters too (the tuned
-space has quarters only at the tiles whose registers they cut most); ``--block-n-16`` every candidate of ``BLOCK_N``
-32 at 16. Each row then records the best of the plain space and of each variant apart (``variants``), and ``ms`` is
-the best of all.
+``--block-n-128`` also times every INT8/INT4 candidate of ``BLOCK_N`` 64 at 128 (twice the bytes a tile loads); each
+row then records the best of the plain space and of that variant apart (``variants``), and ``ms`` is the best of
+both.
 """
 
 import argparse
@@ -25,29 +23,20 @@ from lightllm.kernels.attention.decode import flash_decode
 DEFAULT_CELLS = ["hq32-hk8-d128:64", "hq24-hk4-d256:16", "hq32-hk8-d128:16", "hq24-hk4-d256:64"]
 
 
-def variant_spaces(kind, q, extras=(), group=8) -> dict:
-    """The kernel's own candidates (``"tuned space"``) and, for INT8/INT4, each extra variant of them (none already
-    in the space)."""
+def variant_spaces(kind, q, extras=()) -> dict:
+    """The kernel's own candidates (``"tuned space"``) and, for INT8/INT4, each extra variant of them."""
     space = flash_decode.quant_split_kv_configs(q) if kind != "none" else flash_decode.split_kv_configs(q)
     spaces = {"tuned space": space}
     if kind != "none":
-        quarters = q is None or flash_decode.quarters_fit(q.shape[-1], group)
-        variants = {
-            "block_n_128": [{**c, "BLOCK_N": 128} for c in space if c["BLOCK_N"] == 64],
-            "quarters": [{**c, "D_SPLIT": 4} for c in space if "D_SPLIT" not in c] if quarters else [],
-            "block_n_16": [{**c, "BLOCK_N": 16} for c in space if c["BLOCK_N"] == 32],
-        }
-        for name in extras:
-            spaces[name] = [c for c in variants[name] if c not in space]
+        if "block_n_128" in extras:
+            spaces["block_n_128"] = [{**c, "BLOCK_N": 128} for c in space if c["BLOCK_N"] == 64]
     return spaces
 
 
 def best_of_space(kind, q, pool, r2t, idx, seq, graph_max, out, group, extras=()):
     """The fastest candidate of each variant space: ``{variant: (ms, config as JSON)}``."""
     best = {}
-    for name, configs in variant_spaces(kind, q, extras, group).items():
-        if not configs:  # e.g. quarters of a head dim too narrow for them
-            continue
+    for name, configs in variant_spaces(kind, q, extras).items():
         _, timed = time_configs(kind, q, pool, r2t, idx, seq, graph_max, out, group, configs)
         best[name] = min((ms, json.dumps(cfg)) for cfg, ms in timed)
     return best
@@ -111,20 +100,6 @@ def main():
         action="append_const",
         const="block_n_128",
         help="also time the INT8/INT4 candidates of BLOCK_N 64 at 128",
-    )
-    p.add_argument(
-        "--quarters",
-        dest="extras",
-        action="append_const",
-        const="quarters",
-        help="also time the INT8/INT4 candidates of D_SPLIT 2 (halves of the head dim) at D_SPLIT 4 (quarters)",
-    )
-    p.add_argument(
-        "--block-n-16",
-        dest="extras",
-        action="append_const",
-        const="block_n_16",
-        help="also time the INT8/INT4 candidates of BLOCK_N 32 at 16",
     )
     p.add_argument("--analyze", metavar="JSON", help="print the table of a saved run (no GPU needed)")
     p.add_argument("--out", default="benchmarks/results/decode_attention_quant.json")

@@ -6,9 +6,8 @@ registers leave few warps resident per SM (fewer loads in flight for a memory-bo
     python benchmarks/decode_stage1_resources.py --out benchmarks/results/decode_stage1_resources_sm90.json
     python benchmarks/decode_stage1_resources.py --analyze benchmarks/results/decode_stage1_resources_sm90.json
 
-One row per (shape, KV type, quant group, BLOCK_N, num_warps, num_stages, MIN_BLOCKS, D_SPLIT): WAVES only sizes the
-grid, so candidates that differ in it share a compile. ``--quarters`` / ``--block-n-16`` add the INT8/INT4 variants
-``decode_attention_quant.py`` times beside the tuned space under the same flags (rows marked ``variant``).
+One row per (shape, KV type, quant group, BLOCK_N, num_warps, num_stages, MIN_BLOCKS): WAVES only sizes the grid,
+so candidates that differ in it share a compile.
 """
 
 import argparse
@@ -45,9 +44,6 @@ def distinct_configs(configs: list) -> list:
     for cfg in configs:
         key = {k: cfg[k] for k in ("BLOCK_N", "num_warps", "num_stages")}
         key["MIN_BLOCKS"] = cfg.get("MIN_BLOCKS", 1)
-        key["D_SPLIT"] = cfg.get("D_SPLIT", 2)
-        if "variant" in cfg:
-            key["variant"] = cfg["variant"]
         if key not in out:
             out.append(key)
     return out
@@ -114,7 +110,7 @@ def compile_one(kernel, arch: int, shape, kind: str, group: int, cfg: dict, int4
     bits = {"none": 0, "int8": 8, "int4": 4}[kind]
     constexprs = dict(GROUP=hq // hk, BLOCK_H=max(16, p2(hq // hk)), HALF_D=d // 2, BLOCK_N=cfg["BLOCK_N"],
                       MIN_BLOCKS=cfg["MIN_BLOCKS"], QUANT=bits, QGROUP=group if bits else 0,
-                      INT4_OFFSET=int4_offset, F16=bits > 0, PRECISION=None, QUARTERS=cfg["D_SPLIT"] == 4)  # fmt: skip
+                      INT4_OFFSET=int4_offset, F16=bits > 0, PRECISION=None)  # fmt: skip
     types = signature(kernel.arg_names, constexprs, kind)
     attrs = divisibility(kernel.arg_names, types, int_args(shape, kind, group))
     src = ASTSource(kernel, types, constexprs, attrs)
@@ -131,19 +127,6 @@ def compile_one(kernel, arch: int, shape, kind: str, group: int, cfg: dict, int4
     return res
 
 
-def stage1_space(flash_decode, kind: str, q, group: int, extras=()) -> list:
-    """The tuned candidates of a KV type, then (INT8/INT4) those of each extra variant, marked ``"variant"``."""
-    if kind == "none":
-        return flash_decode.split_kv_configs(q)
-    space = flash_decode.quant_split_kv_configs(q)
-    if extras:
-        from decode_attention_quant import variant_spaces  # imports torch and the GPU benchmark's helpers
-
-        for name, configs in list(variant_spaces(kind, q, extras, group).items())[1:]:
-            space += [{**c, "variant": name} for c in configs]
-    return space
-
-
 def run(args) -> dict:
     flash_decode, kernel, int4_offset, p2 = _kernels()
     import torch
@@ -153,8 +136,8 @@ def run(args) -> dict:
         hq, hk, d = SHAPES[name]
         q = torch.empty(1, hq, d)
         for kind in args.kinds:
+            space = flash_decode.split_kv_configs(q) if kind == "none" else flash_decode.quant_split_kv_configs(q)
             for group in [0] if kind == "none" else args.groups:
-                space = stage1_space(flash_decode, kind, q, group, args.extras)
                 for cfg in distinct_configs(space)[: args.max_configs]:
                     res = compile_one(kernel, args.arch, SHAPES[name], kind, group, cfg, int4_offset, p2)
                     results["cells"].append({"shape": name, "kind": kind, "group": group, **cfg, **res})
@@ -166,13 +149,13 @@ def run(args) -> dict:
 def print_table(results: dict) -> None:
     print(f"# decode stage 1 compiled for {results['arch']}: registers per thread, spilled bytes (stack), shared "
           "memory, and the warps per SM the registers allow")  # fmt: skip
-    print(f"{'shape':14s} {'kv':5s} {'grp':>3s} {'BN':>4s} {'w':>2s} {'st':>2s} {'minb':>4s} {'dspl':>4s} "
+    print(f"{'shape':14s} {'kv':5s} {'grp':>3s} {'BN':>4s} {'w':>2s} {'st':>2s} {'minb':>4s} "
           f"{'regs':>4s} {'spill B':>7s} {'smem KiB':>8s} {'warps/SM':>8s}")  # fmt: skip
     for c in results["cells"]:
         warps = warps_per_sm(c["regs"], c["num_warps"])
         print(f"{c['shape']:14s} {c['kind']:5s} {c['group']:3d} {c['BLOCK_N']:4d} {c['num_warps']:2d} "
-              f"{c['num_stages']:2d} {c['MIN_BLOCKS']:4d} {c.get('D_SPLIT', 2):4d} {c['regs']:4d} "
-              f"{c['stack_bytes']:7d} {c['shared_bytes'] / 1024:8.1f} {warps:8d} {c.get('variant', '')}")  # fmt: skip
+              f"{c['num_stages']:2d} {c['MIN_BLOCKS']:4d} {c['regs']:4d} "
+              f"{c['stack_bytes']:7d} {c['shared_bytes'] / 1024:8.1f} {warps:8d}")  # fmt: skip
 
 
 def parse_args(argv=None):
@@ -182,13 +165,9 @@ def parse_args(argv=None):
     p.add_argument("--kinds", nargs="+", default=list(KINDS), choices=list(KINDS))
     p.add_argument("--groups", nargs="+", type=int, default=[8, 32], help="INT8/INT4 quant group sizes")
     p.add_argument("--max-configs", type=int, default=None, help="compile only the first N configs of each space")
-    for flag, const in (("--quarters", "quarters"), ("--block-n-16", "block_n_16")):
-        p.add_argument(flag, dest="extras", action="append_const", const=const,
-                       help=f"also compile decode_attention_quant.py's {flag} variants")  # fmt: skip
     p.add_argument("--analyze", metavar="JSON", help="print the table of a saved run")
     p.add_argument("--out", default="benchmarks/results/decode_stage1_resources.json")
     args = p.parse_args(argv)
-    args.extras = tuple(args.extras or ())
     if args.max_configs is not None and args.max_configs < 1:
         p.error(f"--max-configs expected a positive count, got {args.max_configs}")
     if args.arch < 80:

@@ -11,6 +11,7 @@ from lightllm.layers.attention import (
     DECODE_BACKEND_CHOICES,
     KV_TYPES,
     PREFILL_BACKEND_CHOICES,
+    check_fa3_flags,
     pick_decode_backend,
     pick_prefill_backend,
 )
@@ -51,8 +52,8 @@ class EngineArgs:
     prefill_graph_max_tokens: int = DEFAULT_PREFILL_GRAPH_MAX_TOKENS  # one request's prefill up to this: a graph; 0 off
     llm_kv_type: str = "None"
     llm_kv_quant_group_size: int = DEFAULT_KV_QUANT_GROUP_SIZE
-    llm_decode_att_backend: str = "triton"  # "auto" is resolved by normalize, once the device is known
-    llm_prefill_att_backend: str = "auto"  # resolved by normalize, after the decode backend
+    llm_decode_att_backend: str = "triton"  # "auto" is resolved by fit_to_model, once the device and dtype are known
+    llm_prefill_att_backend: str = "auto"  # resolved by fit_to_model, after the decode backend
     linear_att_ssm_data_type: str = "float32"  # linear-attention recurrent state (Qwen3.5); unused by Qwen3
     mem_fraction: float = 0.9
     max_total_token_num: Optional[int] = None  # explicit KV pool size; default: from mem_fraction (GPU)
@@ -100,13 +101,7 @@ class EngineArgs:
         self.device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
         if self.device.startswith("cuda"):
             _check_gpu_visible(self.device)
-        device = torch.device(self.device)
-        self.llm_decode_att_backend = pick_decode_backend(self.llm_decode_att_backend, device, self.llm_kv_type)
-        self.llm_prefill_att_backend = pick_prefill_backend(self.llm_prefill_att_backend, device, self.llm_kv_type,
-                                                            self.llm_decode_att_backend)  # fmt: skip
-        if self.llm_prefill_att_backend == "fa3" and self.llm_kv_type != "None":
-            raise ValueError(f"--llm_prefill_att_backend fa3 expected --llm_kv_type None (FA3 reads no quantized KV "
-                             f"cache), got {self.llm_kv_type}")  # fmt: skip
+        check_fa3_flags(self._attention_backends(), torch.device(self.device), self.llm_kv_type, None)
         self._check_mtp()
         if self.enable_mixed_chunk and (self.disable_chunked_prefill or self.mtp_mode is not None):
             other = "--disable_chunked_prefill" if self.disable_chunked_prefill else "--mtp_mode"
@@ -133,6 +128,10 @@ class EngineArgs:
         if isinstance(step, bool) or not isinstance(step, int) or not 1 <= step <= MAX_MTP_STEP:
             raise ValueError(f"--mtp_step expected an integer in [1, {MAX_MTP_STEP}] with --mtp_mode, got {step!r}")
 
+    def _attention_backends(self) -> dict:
+        return {"--llm_decode_att_backend": self.llm_decode_att_backend,
+                "--llm_prefill_att_backend": self.llm_prefill_att_backend}  # fmt: skip
+
     @property
     def spec_tokens(self) -> int:
         """KV tokens one request takes per decode step: 1, or ``mtp_step + 1`` with MTP (verify)."""
@@ -150,6 +149,11 @@ class EngineArgs:
                 else (f"config.json names {'no dtype' if checkpoint_dtype is None else repr(checkpoint_dtype)}")
             )
             logger.info("data_type auto -> %s (%s)", self.data_type, why)
+        # the attention backends' "auto" once the dtype is known: FA3 runs 16-bit models only
+        device, dtype = torch.device(self.device), self.torch_dtype
+        self.llm_decode_att_backend = pick_decode_backend(self.llm_decode_att_backend, device, self.llm_kv_type, dtype)
+        self.llm_prefill_att_backend = pick_prefill_backend(self.llm_prefill_att_backend, self.llm_decode_att_backend)
+        check_fa3_flags(self._attention_backends(), device, self.llm_kv_type, dtype)
         if self.max_req_total_len is None:
             self.max_req_total_len = min(DEFAULT_MAX_REQ_TOTAL_LEN, context_len)
             if context_len < DEFAULT_MAX_REQ_TOTAL_LEN:

@@ -236,7 +236,7 @@ class ModelRunner:
         a, c, dev = self.args, self.config, self.device
         scratch = make_pool(a.llm_kv_type, PROFILE_POOL_TOKENS, c.num_kv_layers, self.model.kv_heads, c.head_dim,
                             a.torch_dtype, dev, a.llm_kv_quant_group_size)  # fmt: skip
-        self.model.set_attention(AttentionBackend(scratch, a.llm_decode_att_backend, dev))
+        self.model.set_attention(AttentionBackend(scratch, a.llm_decode_att_backend, dev, a.llm_prefill_att_backend))
         max_reqs, max_len = a.running_max_req_size + 1, a.max_req_total_len
         table = (torch.arange(max_len, device=dev) % PROFILE_POOL_TOKENS).to(torch.int32).repeat(max_reqs, 1)
         # without chunking a prompt longer than batch_max_tokens still prefills, alone (as does a re-prefill)

@@ -10,8 +10,8 @@ pool, ``prefill/fa3_prefill.py``: unquantized KV; with a provider without paged 
 which turns the prefix cache off).
 
 - On a CPU device every backend runs the torch references, so the engine runs (slowly) without a GPU.
-- ``auto`` (the flags' value, resolved at start-up by ``pick_decode_backend`` and ``pick_prefill_backend``): fa3
-  where it can run (prefill: only where it keeps the KV layout decode picked), else triton.
+- ``auto`` (the flags' value, resolved at start-up by ``pick_decode_backend`` and ``pick_prefill_backend``, once the
+  model's dtype is known): decode fa3 where it can run, prefill fa3 where decode runs it; else triton.
 """
 
 import logging
@@ -47,7 +47,7 @@ def check_head_dim(head_dim: int, device: torch.device) -> None:
                          "(the CPU device runs any head_dim through the torch references)")  # fmt: skip
 
 
-def _fa3_unusable(device: torch.device, kv_type: str) -> Optional[str]:
+def _fa3_unusable(device: torch.device, kv_type: str, dtype: torch.dtype) -> Optional[str]:
     """Why FA3 can't run here, or None when it can."""
     from lightllm.kernels.attention.decode.fa3 import find_fa3_provider, is_hopper
 
@@ -57,17 +57,19 @@ def _fa3_unusable(device: torch.device, kv_type: str) -> Optional[str]:
         return f"FA3 reads no quantized KV cache (--llm_kv_type {kv_type})"
     if not is_hopper(device):
         return f"FA3 needs a Hopper GPU, found {torch.cuda.get_device_name(device)}"
-    if find_fa3_provider() is None:
+    provider = find_fa3_provider()
+    if provider is None:
         return "no FlashAttention-3 provider imports"
-    return None
+    return provider.dtype_problem(dtype)
 
 
-def pick_decode_backend(requested: str, device: torch.device, kv_type: str) -> str:
-    """``requested`` itself, or for ``auto``: fa3 on a Hopper GPU with an FA3 provider installed and an
-    unquantized KV cache (the only one FA3 reads), else triton. The choice is logged with its reason."""
+def pick_decode_backend(requested: str, device: torch.device, kv_type: str, dtype: torch.dtype) -> str:
+    """``requested`` itself, or for ``auto``: fa3 on a Hopper GPU with an FA3 provider installed that runs the
+    model's dtype and an unquantized KV cache (the only one FA3 reads), else triton. The choice is logged with its
+    reason."""
     if requested != "auto":
         return requested
-    why = _fa3_unusable(device, kv_type)
+    why = _fa3_unusable(device, kv_type, dtype)
     if why is None:
         from lightllm.kernels.attention.decode.fa3 import find_fa3_provider
 
@@ -77,24 +79,35 @@ def pick_decode_backend(requested: str, device: torch.device, kv_type: str) -> s
     return "triton"
 
 
-def pick_prefill_backend(requested: str, device: torch.device, kv_type: str, decode_backend: str) -> str:
-    """``requested`` itself, or for ``auto``: fa3 where FA3 can run (as for decode) and the pool keeps decode's
-    layout: FA3 decode already chose it, or the provider reads pages (one without paged KV needs the slots layout,
-    which turns the prefix cache off). Else triton. The choice is logged with its reason."""
+def pick_prefill_backend(requested: str, decode_backend: str) -> str:
+    """``requested`` itself, or for ``auto``: fa3 where decode runs FA3 (the same provider, dtype and KV layout;
+    on its own, FA3 prefill with a provider without paged KV would change the layout to fixed request rows, which
+    turns the prefix cache off), else triton. The choice is logged with its reason."""
     if requested != "auto":
         return requested
-    why = _fa3_unusable(device, kv_type)
-    if why is None:
-        from lightllm.kernels.attention.decode.fa3 import find_fa3_provider
-
-        provider = find_fa3_provider()
-        if decode_backend == "fa3" or provider.paged:
-            logger.info("--llm_prefill_att_backend auto -> fa3 (Hopper GPU, %s)", provider.name)
-            return "fa3"
-        why = (f"{provider.name} has no paged KV: FA3 prefill would need the slots layout, which turns the prefix "
-               "cache off; --llm_prefill_att_backend fa3 takes it")  # fmt: skip
-    logger.info("--llm_prefill_att_backend auto -> triton (%s)", why)
+    if decode_backend == "fa3":
+        logger.info("--llm_prefill_att_backend auto -> fa3 (FA3 decode: the same provider and KV layout)")
+        return "fa3"
+    logger.info("--llm_prefill_att_backend auto -> triton (FA3 decode is off; --llm_prefill_att_backend fa3 asks for "
+                "FA3 prefill alone)")  # fmt: skip
     return "triton"
+
+
+def check_fa3_flags(backends: dict, device: torch.device, kv_type: str, dtype: Optional[torch.dtype]) -> None:
+    """One start-up error for a backend flag set to fa3 that can't run: a quantized KV cache, or a model dtype the
+    installed FA3 build doesn't run (``dtype`` None: not known yet). No provider, or no Hopper GPU, fails when the
+    backend is built (``require_fa3``)."""
+    from lightllm.kernels.attention.decode.fa3 import find_fa3_provider
+
+    for flag, backend in backends.items():
+        if backend != "fa3":
+            continue
+        if kv_type != "None":
+            raise ValueError(f"{flag} fa3 expected --llm_kv_type None (FA3 reads no quantized KV cache), got {kv_type}")
+        provider = find_fa3_provider() if device.type == "cuda" else None
+        why = provider.dtype_problem(dtype) if provider is not None and dtype is not None else None
+        if why is not None:
+            raise ValueError(f"{flag} fa3: {why}; use {flag} triton")
 
 
 class AttentionBackend:
@@ -107,19 +120,15 @@ class AttentionBackend:
         self.quant = "int8" if isinstance(pool, Int8KVPool) else "int4" if isinstance(pool, Int4KVPool) else "none"
         self.decode_backend = decode_backend
         self.on_gpu = device.type == "cuda"
-        if decode_backend == "fa3":
-            if self.quant != "none":
-                raise ValueError("--llm_decode_att_backend fa3 expected --llm_kv_type None, got a quantized KV cache")
-            from lightllm.kernels.attention.decode.fa3 import require_fa3
-
-            self.fa3_provider = require_fa3(device)
         self.prefill_backend = prefill_backend
-        if prefill_backend == "fa3":
+        backends = (("--llm_decode_att_backend", decode_backend), ("--llm_prefill_att_backend", prefill_backend))
+        fa3_flags = [flag for flag, backend in backends if backend == "fa3"]
+        if fa3_flags:
             if self.quant != "none":
-                raise ValueError("--llm_prefill_att_backend fa3 expected --llm_kv_type None, got a quantized KV cache")
+                raise ValueError(f"{fa3_flags[0]} fa3 expected --llm_kv_type None, got a quantized KV cache")
             from lightllm.kernels.attention.decode.fa3 import require_fa3
 
-            self.fa3_provider = require_fa3(device, "--llm_prefill_att_backend")
+            self.fa3_provider = require_fa3(device, fa3_flags[0])
         self._kv_write = None  # the KV write plan of the forward whose token_idx it holds (made at its first write)
         # A float pool's per-layer views, made once: a model's q/k kernel writes the new K/V through them, and
         # decode reads them (no per-layer indexing op). None for a quantized pool (``write_kv`` quantizes).

@@ -51,11 +51,10 @@ _HELP = {
     "llm_kv_type": "KV cache type",
     "llm_kv_quant_group_size": "INT8/INT4 KV quantization group size along head_dim",
     "llm_decode_att_backend": "decode attention kernels; auto: fa3 on a Hopper GPU with an FA3 provider installed "
-    "and an unquantized KV cache, else triton",
+    "that runs the model's dtype and an unquantized KV cache, else triton",
     "llm_prefill_att_backend": "prefill attention kernels: triton (Triton context attention) or fa3 (FlashAttention-3 "
     "over the KV pool; a build without paged KV gives each request a fixed row, which turns the prefix cache off); "
-    "auto: fa3 where FA3 runs and keeps decode's KV layout (with --llm_decode_att_backend fa3, or an FA3 build with "
-    "paged KV), else triton",
+    "auto: fa3 with --llm_decode_att_backend fa3 (the same provider and KV layout), else triton",
     "linear_att_ssm_data_type": "dtype of the linear-attention recurrent state (Qwen3.5); float32 or bfloat16",
     "mem_fraction": "fraction of GPU memory the server may use, KV cache sized after a profiling forward "
     "(CPU: fraction of available RAM for the KV cache)",

@@ -34,27 +34,8 @@ def test_one_candidate_compiles_for_sm90_and_reports_its_resources(tmp_path):
 def test_candidates_differing_only_in_waves_share_a_compile(bench):
     space = [{"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "WAVES": w} for w in (1, 2, 4)]
     space.append({"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "WAVES": 2, "MIN_BLOCKS": 2})
-    space.append({"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "WAVES": 1, "D_SPLIT": 4})
-    plain = {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "MIN_BLOCKS": 1, "D_SPLIT": 2}
-    assert bench.distinct_configs(space) == [plain, {**plain, "MIN_BLOCKS": 2}, {**plain, "D_SPLIT": 4}]
-
-
-def test_extra_variants_join_the_quantized_space_marked(bench, monkeypatch):
-    """--quarters / --block-n-16 compile the variants decode_attention_quant.py times under the same flags, each row
-    marked with its variant; bf16 keeps its own space."""
-    import torch
-
-    from lightllm.kernels.attention.decode import flash_decode
-
-    monkeypatch.syspath_prepend(os.path.join(REPO, "benchmarks"))  # as when run as a script
-    q = torch.empty(1, 32, 128)
-    tuned = flash_decode.quant_split_kv_configs(q)
-    space = bench.stage1_space(flash_decode, "int8", q, 8, ("quarters", "block_n_16"))
-    assert space[: len(tuned)] == tuned
-    extra = space[len(tuned) :]
-    assert extra and {c["variant"] for c in extra} == {"quarters", "block_n_16"}
-    assert all({k: v for k, v in c.items() if k != "variant"} not in tuned for c in extra)
-    assert bench.stage1_space(flash_decode, "none", q, 0, ("quarters",)) == flash_decode.split_kv_configs(q)
+    plain = {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "MIN_BLOCKS": 1}
+    assert bench.distinct_configs(space) == [plain, {**plain, "MIN_BLOCKS": 2}]
 
 
 def test_resident_warps_follow_the_register_file(bench):
@@ -82,7 +63,7 @@ def test_table_from_a_saved_run(bench, tmp_path, capsys):
     path.write_text(json.dumps({"arch": "sm_90", "cells": [cell]}))
     bench.main(["--analyze", str(path)])
     (row,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("hq32")]
-    assert row.split() == ["hq32-hk8-d128", "int4", "8", "64", "4", "2", "1", "2", "255", "728", "22.0", "8"]
+    assert row.split() == ["hq32-hk8-d128", "int4", "8", "64", "4", "2", "1", "255", "728", "22.0", "8"]
 
 
 def test_launch_specialization_marks_aligned_pointers_and_multiples_of_16(bench):

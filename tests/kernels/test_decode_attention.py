@@ -112,44 +112,6 @@ def test_quantized_candidates_add_two_warp_programs():
     assert flash_decode._launch_gqa_flash_decode_int8kv.configs_gen_func is flash_decode.quant_split_kv_configs
 
 
-def test_d_split_config_key_refuses_what_does_not_fit():
-    assert flash_decode.head_dim_split({"BLOCK_N": 32}, 128, 8) == 2  # absent: configs stored before the key
-    assert flash_decode.head_dim_split({"D_SPLIT": 4}, 64, 16) == 4
-    for cfg, head_dim, group in (({"D_SPLIT": 3}, 128, 8), ({"D_SPLIT": 8}, 256, 8), ({"D_SPLIT": 4}, 64, 32),
-                                 ({"D_SPLIT": "4"}, 128, 8), ({"D_SPLIT": 4}, 32, 1)):  # fmt: skip
-        with pytest.raises(ValueError, match=f"D_SPLIT expected 2, or 4 when .* got {cfg['D_SPLIT']!r}"):
-            flash_decode.head_dim_split(cfg, head_dim, group)
-    q, k, v, r2t, idx, seq = make_batch(1, 4, 2, 64, [5], torch.float32)
-    with pytest.raises(ValueError, match=r"D_SPLIT expected 2, or 4 when head_dim / 4 \(16\) is at least 16 and the "
-                       r"quant group \(32\), got 4"):  # fmt: skip
-        run("int8", q, k, v, r2t, idx, seq, 5, group=32, run_config={**_QUARTER_CFG, "BLOCK_N": 16})
-
-
-_QUARTER_CFG = {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1, "WAVES": 2, "D_SPLIT": 4}
-QUARTER_SHAPES = [(128, 8, 2, 16), (256, 12, 2, 32)]  # (head_dim, q_heads, kv_heads, BLOCK_N): GQA groups 4 and 6
-
-
-@pytest.mark.parametrize("kind", ["int8", "int4"])
-@pytest.mark.parametrize("group", [8, 32])
-@pytest.mark.parametrize("head_dim, q_heads, kv_heads, block_n", QUARTER_SHAPES, ids=["d128-g4", "d256-g6"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-def test_quarter_slices_match_reference(monkeypatch, kind, group, head_dim, q_heads, kv_heads, block_n, dtype):
-    """D_SPLIT 4 (the head dim in quarters; INT4 bytes give quarter i and i + 2) against the float64 reference over
-    the dequantized KV: lengths 1 and not multiples of the tile, several splits, every output written."""
-    launches = []
-    real = flash_decode._STAGE1.launch
-    monkeypatch.setattr(flash_decode._STAGE1, "launch", lambda *a, **kw: launches.append(kw) or real(*a, **kw))
-    lens = [1, 45, 150]
-    q, k, v, r2t, idx, seq = make_batch(3, q_heads, kv_heads, head_dim, lens, dtype, seed=11)
-    cfg = {**_QUARTER_CFG, "BLOCK_N": block_n}
-    out, (kd, vd) = run(kind, q, k, v, r2t, idx, seq, max(lens), group=group, run_config=cfg)
-    assert [kw["QUARTERS"] for kw in launches] == [True]
-    assert not out.isnan().any(), "unwritten output"
-    ref = decode_attention_ref(q, kd, vd, r2t, idx, seq)
-    tol = 1e-4 if dtype == torch.float32 else 3e-3
-    torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
-
-
 @pytest.mark.parametrize("waves, block_n", [(1, 32), (4, 16)])
 def test_split_counts_and_empty_request(waves, block_n):
     """Many splits with few chunks (most splits empty), a padded request of length 0 (output 0)."""
@@ -441,27 +403,6 @@ def test_gpu_large_bf16(kind, head_dim, q_heads, kv_heads):
     assert rel_err(out, ref) < 1e-2
     if kind != "none":
         assert rel_err(out, decode_attention_ref(q, k, v, r2t, idx, seq)) < QUANT_ERROR_BOUND[kind]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["int8", "int4"])
-@pytest.mark.parametrize("group", [8, 32])
-@pytest.mark.parametrize("head_dim, q_heads, kv_heads", [(128, 32, 8), (256, 24, 4)])
-def test_gpu_quarter_candidates_bf16(kind, group, head_dim, q_heads, kv_heads):
-    """Every tile of the quantized space in quarters (D_SPLIT 4: what ``decode_attention_quant.py --quarters`` times;
-    WAVES only sizes the grid: one each), bf16 queries, long ragged lengths."""
-    lens = [1, 4097, 777, 9000]
-    q, k, v, r2t, idx, seq = make_batch(4, q_heads, kv_heads, head_dim, lens, torch.bfloat16, pool=50000)
-    compiles = {}
-    for c in flash_decode.quant_split_kv_configs(q):
-        compiles.setdefault((c["BLOCK_N"], c["num_warps"], c["num_stages"], c.get("MIN_BLOCKS", 1)), c)
-    assert len(compiles) == 12
-    for cfg in compiles.values():
-        cfg = {**cfg, "D_SPLIT": 4}
-        out, (kd, vd) = run(kind, q, k, v, r2t, idx, seq, 16384, group=group, run_config=cfg)
-        assert not out.isnan().any(), cfg
-        ref = decode_attention_ref(q, kd.to(torch.bfloat16), vd.to(torch.bfloat16), r2t, idx, seq)
-        assert rel_err(out, ref) < 1e-2, cfg
 
 
 @pytest.mark.gpu

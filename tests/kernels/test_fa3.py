@@ -42,7 +42,7 @@ class FakeFA3:
         return out
 
 
-def install(monkeypatch, name, paged=True, split=True):
+def install(monkeypatch, name, paged=True, split=True, fp16=True):
     fake = FakeFA3()
     mod = types.ModuleType(name)
     mod.flash_attn_with_kvcache = fake
@@ -50,7 +50,8 @@ def install(monkeypatch, name, paged=True, split=True):
     if name == "fa3_fwd_interface":
         cfg = types.ModuleType("fa3_fwd_config")
         cfg.CONFIG = {"build_flags": {"FLASHATTENTION_DISABLE_PAGEDKV": not paged,
-                                      "FLASHATTENTION_DISABLE_SPLIT": not split}}  # fmt: skip
+                                      "FLASHATTENTION_DISABLE_SPLIT": not split,
+                                      "FLASHATTENTION_DISABLE_FP16": not fp16}}  # fmt: skip
         monkeypatch.setitem(sys.modules, "fa3_fwd_config", cfg)
     fa3.find_fa3_provider.cache_clear()
     return fake
@@ -74,10 +75,12 @@ def test_no_provider_is_one_clear_error():
 
 
 def test_detects_fa3_fwd_capabilities_and_needs_hopper(monkeypatch):
-    install(monkeypatch, "fa3_fwd_interface", paged=False)
+    install(monkeypatch, "fa3_fwd_interface", paged=False, fp16=False)  # the fa3-fwd 0.0.3 wheel's build flags
     p = fa3.find_fa3_provider()
-    assert (p.name, p.paged, p.split) == ("fa3_fwd_interface", False, True)
-    assert "paged=no" in p.describe() and "split=yes" in p.describe()
+    assert (p.name, p.paged, p.split, p.fp16) == ("fa3_fwd_interface", False, True, False)
+    assert "paged=no" in p.describe() and "split=yes" in p.describe() and "fp16=no" in p.describe()
+    assert p.dtype_problem(torch.bfloat16) is None and "built without float16" in p.dtype_problem(torch.float16)
+    assert p.dtype_problem(torch.float32) == "FA3 runs bfloat16/float16 models, got torch.float32"
     with pytest.raises(RuntimeError, match="needs a Hopper GPU .*use --llm_decode_att_backend triton"):
         fa3.require_fa3("cpu")
 

@@ -25,7 +25,7 @@ def gpu_path_backend(decode_backend="triton", monkeypatch=None, provider=None):
         pool.k[layer].copy_(torch.randn(pool.k[layer].shape, generator=g))
         pool.v[layer].copy_(torch.randn(pool.v[layer].shape, generator=g))
     if decode_backend == "fa3":
-        monkeypatch.setattr(fa3, "require_fa3", lambda device: provider)
+        monkeypatch.setattr(fa3, "require_fa3", lambda device, flag=None: provider)
     backend = AttentionBackend(pool, decode_backend, torch.device("cpu"))
     backend.on_gpu = True  # the GPU kernels, under the interpreter
     return backend
@@ -105,7 +105,7 @@ def test_fa3_page_table_gathered_once_per_step(monkeypatch, isolated_autotune):
     for layer in range(LAYERS):
         pool.k[layer].copy_(torch.randn(pool.k[layer].shape).half())
         pool.v[layer].copy_(torch.randn(pool.v[layer].shape).half())
-    monkeypatch.setattr(fa3, "require_fa3", lambda device: provider)
+    monkeypatch.setattr(fa3, "require_fa3", lambda device, flag=None: provider)
     backend = AttentionBackend(pool, "fa3", torch.device("cpu"))
     backend.on_gpu = True
     req_to_token = torch.randperm(POOL)[:64].int().view(2, 32)

@@ -9,7 +9,7 @@ import torch
 
 from lightllm.engine.args import EngineArgs
 from lightllm.kernels.attention.decode import fa3
-from lightllm.layers.attention import pick_decode_backend, pick_prefill_backend
+from lightllm.layers.attention import check_fa3_flags, pick_decode_backend, pick_prefill_backend
 from lightllm.server.args import parse_args
 from lightllm.server.prompts import load_tokenizer
 from lightllm.server.tp import rendezvous_address
@@ -123,39 +123,31 @@ def test_graph_max_len_in_batch_0_is_max_req_total_len(capsys, model):
 def test_prefill_backend(capsys, model, caplog):
     caplog.set_level(logging.INFO)
     assert parse(model, "--llm_prefill_att_backend", "auto")[1].llm_prefill_att_backend == "triton"
-    assert "--llm_prefill_att_backend auto -> triton (no GPU: the torch references run either way)" in [
-        r.message for r in caplog.records
-    ]
+    assert (
+        "--llm_prefill_att_backend auto -> triton (FA3 decode is off; --llm_prefill_att_backend fa3 asks for FA3 "
+        "prefill alone)" in [r.message for r in caplog.records]
+    )
     assert parse(model, "--llm_prefill_att_backend", "triton")[1].llm_prefill_att_backend == "triton"
     assert parse(model, "--llm_prefill_att_backend", "fa3")[1].llm_prefill_att_backend == "fa3"
     err = refused(capsys, model, "--llm_prefill_att_backend", "flashinfer")
     assert "--llm_prefill_att_backend" in err and "'flashinfer'" in err and "'auto', 'triton', 'fa3'" in err
     with pytest.raises(ValueError, match=r"--llm_prefill_att_backend expected one of \('auto', 'triton', 'fa3'\)"):
         EngineArgs(device="cpu", llm_prefill_att_backend="flashinfer").normalize()
-    with pytest.raises(ValueError, match=r"--llm_prefill_att_backend fa3 expected --llm_kv_type None \(FA3 reads no "
-                                         r"quantized KV cache\), got int8kv"):  # fmt: skip
-        EngineArgs(device="cpu", llm_prefill_att_backend="fa3", llm_kv_type="int8kv").normalize()
+    for flag in ("llm_prefill_att_backend", "llm_decode_att_backend"):
+        err = refused(capsys, model, f"--{flag}", "fa3", "--llm_kv_type", "int8kv")
+        assert f"--{flag} fa3 expected --llm_kv_type None (FA3 reads no quantized KV cache), got int8kv" in err
 
 
-def test_prefill_backend_auto_picks_fa3_only_where_it_keeps_the_kv_layout(fake_gpu, caplog):
+def test_prefill_backend_auto_follows_fa3_decode(caplog):
+    """FA3 prefill by itself, with a provider without paged KV, would give each request a fixed row of the pool
+    (the prefix cache off): auto takes it only with FA3 decode, which already chose the provider and the layout."""
     caplog.set_level(logging.INFO)
-    gpu = torch.device("cuda")
-    fake_gpu.provider = SimpleNamespace(name="fa3_fwd_interface", paged=False)
-    assert pick_prefill_backend("auto", gpu, "None", "fa3") == "fa3"  # FA3 decode chose the slots layout already
-    assert pick_prefill_backend("auto", gpu, "None", "triton") == "triton"  # would turn the prefix cache off
-    fake_gpu.provider = SimpleNamespace(name="flash_attn_3", paged=True)
-    assert pick_prefill_backend("auto", gpu, "None", "triton") == "fa3"
-    assert pick_prefill_backend("auto", gpu, "int4kv", "triton") == "triton"
-    fake_gpu.hopper = False
-    assert pick_prefill_backend("auto", gpu, "None", "triton") == "triton"
-    assert pick_prefill_backend("fa3", gpu, "None", "triton") == "fa3"  # asked for: start-up fails if it can't run
+    assert pick_prefill_backend("auto", "fa3") == "fa3" and pick_prefill_backend("auto", "triton") == "triton"
+    assert pick_prefill_backend("fa3", "triton") == "fa3" and pick_prefill_backend("triton", "fa3") == "triton"
     assert [r.message for r in caplog.records if "auto ->" in r.message] == [
-        "--llm_prefill_att_backend auto -> fa3 (Hopper GPU, fa3_fwd_interface)",
-        "--llm_prefill_att_backend auto -> triton (fa3_fwd_interface has no paged KV: FA3 prefill would need the "
-        "slots layout, which turns the prefix cache off; --llm_prefill_att_backend fa3 takes it)",
-        "--llm_prefill_att_backend auto -> fa3 (Hopper GPU, flash_attn_3)",
-        "--llm_prefill_att_backend auto -> triton (FA3 reads no quantized KV cache (--llm_kv_type int4kv))",
-        "--llm_prefill_att_backend auto -> triton (FA3 needs a Hopper GPU, found NVIDIA A100)",
+        "--llm_prefill_att_backend auto -> fa3 (FA3 decode: the same provider and KV layout)",
+        "--llm_prefill_att_backend auto -> triton (FA3 decode is off; --llm_prefill_att_backend fa3 asks for FA3 "
+        "prefill alone)",
     ]
 
 
@@ -173,7 +165,7 @@ def test_decode_backend_auto_on_cpu_is_triton_and_logged(model, caplog):
 @pytest.fixture
 def fake_gpu(monkeypatch):
     """A CUDA device whose Hopper-ness and FA3 provider the test sets."""
-    state = SimpleNamespace(hopper=True, provider=SimpleNamespace(name="flash_attn_3"))
+    state = SimpleNamespace(hopper=True, provider=fa3.FA3Provider("flash_attn_3", "3", True, True, None))
     monkeypatch.setattr(fa3, "is_hopper", lambda device: state.hopper)
     monkeypatch.setattr(fa3, "find_fa3_provider", lambda: state.provider)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
@@ -182,23 +174,39 @@ def fake_gpu(monkeypatch):
 
 def test_decode_backend_auto_picks_fa3_only_where_it_runs(fake_gpu, caplog):
     caplog.set_level(logging.INFO)
-    gpu = torch.device("cuda")
-    assert pick_decode_backend("auto", gpu, "None") == "fa3"
-    assert pick_decode_backend("auto", gpu, "int8kv") == "triton"
+    gpu, bf16, fp16 = torch.device("cuda"), torch.bfloat16, torch.float16
+    assert pick_decode_backend("auto", gpu, "None", bf16) == "fa3"
+    assert pick_decode_backend("auto", gpu, "int8kv", bf16) == "triton"
+    assert pick_decode_backend("auto", gpu, "None", torch.float32) == "triton"
+    fake_gpu.provider = fa3.FA3Provider("fa3_fwd_interface", "0.0.3", False, True, None, fp16=False)
+    assert pick_decode_backend("auto", gpu, "None", fp16) == "triton"
     fake_gpu.provider = None
-    assert pick_decode_backend("auto", gpu, "None") == "triton"
+    assert pick_decode_backend("auto", gpu, "None", bf16) == "triton"
     fake_gpu.hopper = False
-    assert pick_decode_backend("auto", gpu, "None") == "triton"
-    assert pick_decode_backend("triton", gpu, "None") == "triton" and pick_decode_backend("fa3", gpu, "None") == "fa3"
+    assert pick_decode_backend("auto", gpu, "None", bf16) == "triton"
+    assert pick_decode_backend("triton", gpu, "None", bf16) == "triton"
+    assert pick_decode_backend("fa3", gpu, "None", bf16) == "fa3"
     assert [r.message for r in caplog.records if "auto ->" in r.message] == [
         "--llm_decode_att_backend auto -> fa3 (Hopper GPU, flash_attn_3)",
         "--llm_decode_att_backend auto -> triton (FA3 reads no quantized KV cache (--llm_kv_type int8kv))",
+        "--llm_decode_att_backend auto -> triton (FA3 runs bfloat16/float16 models, got torch.float32)",
+        "--llm_decode_att_backend auto -> triton (fa3_fwd_interface 0.0.3 was built without float16)",
         "--llm_decode_att_backend auto -> triton (no FlashAttention-3 provider imports)",
         "--llm_decode_att_backend auto -> triton (FA3 needs a Hopper GPU, found NVIDIA A100)",
     ]
 
 
-# ---- tokenizer: --tokenizer_mode, --chat_template ---------------------------------------------------------
+def test_explicit_fa3_with_a_dtype_the_build_does_not_run_stops_start_up(fake_gpu):
+    fake_gpu.provider = fa3.FA3Provider("fa3_fwd_interface", "0.0.3", False, True, None, fp16=False)
+    gpu = torch.device("cuda")
+    for flag in ("--llm_decode_att_backend", "--llm_prefill_att_backend"):
+        with pytest.raises(ValueError, match=f"{flag} fa3: FA3 runs bfloat16/float16 models, got torch.float32; "
+                                             f"use {flag} triton"):  # fmt: skip
+            check_fa3_flags({flag: "fa3"}, gpu, "None", torch.float32)
+        with pytest.raises(ValueError, match=f"{flag} fa3: fa3_fwd_interface 0.0.3 was built without float16"):
+            check_fa3_flags({flag: "fa3"}, gpu, "None", torch.float16)
+        check_fa3_flags({flag: "fa3"}, gpu, "None", torch.bfloat16)  # runs
+        check_fa3_flags({flag: "triton"}, gpu, "None", torch.float32)  # not asked for
 
 
 def test_tokenizer_modes(model, capsys):

@@ -56,10 +56,19 @@ class FA3Provider:
     paged: bool  # accepts page_table
     split: bool  # honours num_splits > 1
     fn: Callable
+    fp16: bool = True  # runs float16 (every build runs bfloat16)
 
     def describe(self) -> str:
-        caps = ", ".join(f"{k}={'yes' if getattr(self, k) else 'no'}" for k in ("paged", "split"))
+        caps = ", ".join(f"{k}={'yes' if getattr(self, k) else 'no'}" for k in ("paged", "split", "fp16"))
         return f"{self.name} {self.version} ({caps})"
+
+    def dtype_problem(self, dtype: torch.dtype) -> Optional[str]:
+        """Why this build can't run a model of ``dtype``, or None when it can."""
+        if dtype not in (torch.bfloat16, torch.float16):
+            return f"FA3 runs bfloat16/float16 models, got {dtype}"
+        if dtype == torch.float16 and not self.fp16:
+            return f"{self.name} {self.version} was built without float16"
+        return None
 
 
 def _version(*dists: str) -> str:
@@ -102,7 +111,9 @@ def _probe_fa3_fwd() -> Optional[FA3Provider]:
     flags = getattr(config, "CONFIG", {}).get("build_flags", {}) if config is not None else {}
     paged = not flags.get("FLASHATTENTION_DISABLE_PAGEDKV", True)
     split = not flags.get("FLASHATTENTION_DISABLE_SPLIT", False)
-    return FA3Provider("fa3_fwd_interface", _version("fa3-fwd", "fa3_fwd"), paged, split, mod.flash_attn_with_kvcache)
+    fp16 = not flags.get("FLASHATTENTION_DISABLE_FP16", False)
+    return FA3Provider("fa3_fwd_interface", _version("fa3-fwd", "fa3_fwd"), paged, split, mod.flash_attn_with_kvcache,
+                       fp16)  # fmt: skip
 
 
 _PROBES = (_probe_flash_attn_interface, _probe_sgl_kernel, _probe_fa3_fwd)

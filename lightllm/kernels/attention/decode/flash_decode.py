@@ -73,7 +73,6 @@ def _launch_split_kv(
     cfg = run_config or default_config(head_dim)
     splits = num_splits(batch, kv_heads, max_len_in_batch, cfg["BLOCK_N"], cfg["WAVES"], q.device)
     least = min_blocks(cfg)
-    d_split = head_dim_split(cfg, head_dim, quant_group if quant != "none" else 1)
     mid_o, mid_lse = split_partials(scratch, (batch, q_heads, splits, head_dim), q.device)
     ks = k_scale if k_scale is not None else k_cache
     vs = v_scale if v_scale is not None else v_cache
@@ -90,28 +89,11 @@ def _launch_split_kv(
             GROUP=group, BLOCK_H=max(16, next_power_of_2(group)), HALF_D=head_dim // 2,
             BLOCK_N=cfg["BLOCK_N"], MIN_BLOCKS=least, QUANT=_QUANT_BITS[quant], QGROUP=quant_group,
             INT4_OFFSET=INT4_OFFSET, F16=quant != "none" and q.dtype != torch.float32,
-            PRECISION="ieee" if q.dtype == torch.float32 else None, QUARTERS=d_split == 4,
+            PRECISION="ieee" if q.dtype == torch.float32 else None,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )  # fmt: skip
         launch_stage2(mid_o, mid_lse, b_seq_len, out, cfg["BLOCK_N"], least)
     return out
-
-
-def quarters_fit(head_dim: int, quant_group: int) -> bool:
-    """Whether ``D_SPLIT`` 4 fits: each quarter a dot at least 16 wide and a whole number of quant groups."""
-    return head_dim // 4 >= max(16, quant_group)
-
-
-def head_dim_split(cfg: dict, head_dim: int, quant_group: int) -> int:
-    """A config's ``D_SPLIT`` (2 when absent): stage 1 takes the head dim in 2 or 4 slices, each at least a 16-wide
-    dot and a whole number of quant groups."""
-    n = cfg.get("D_SPLIT", 2)
-    if n not in (2, 4) or (n == 4 and not quarters_fit(head_dim, quant_group)):
-        raise ValueError(
-            f"decode attention config: D_SPLIT expected 2, or 4 when head_dim / 4 ({head_dim // 4}) is at least 16 and "
-            f"the quant group ({quant_group}), got {n!r}"
-        )
-    return n
 
 
 def launch_stage2(mid_o, mid_lse, b_seq_len, out, block_n: int, least: int = 1, num_warps: Optional[int] = None):
@@ -156,9 +138,7 @@ def split_kv_configs(q):
 def quant_split_kv_configs(q):
     """INT8/INT4 KV: the bf16 space plus two-warp programs. Their dequantization makes a program ALU-heavy, so more
     resident programs per SM keep more loads in flight: on the H200 a two-warp config is the fastest candidate in 11 of
-    15 quantized cells (benchmarks/results/decode_attention_quant_h200.json). Programs in quarters of the head dim
-    (``D_SPLIT`` 4) are left out: they cut registers by a quarter but were no faster on the H200 (within 4 %, in one of
-    eight cells; docs/decode_attention.md), and would add half again to the start-up search."""
+    15 quantized cells (benchmarks/results/decode_attention_quant_h200.json)."""
     return _split_candidates((32, 64), ((2, 2), (4, 2), (8, 3)))
 
 

@@ -9,10 +9,7 @@ past the end do nothing and stage 2 skips them.
 KV is read in two halves of the head dim (``[0, D/2)`` and ``[D/2, D)``), which is what the INT4 layout
 packs into one byte (low / high nibble); bf16/fp16 and INT8 use the same two-half loop so one kernel body
 serves all three (``QUANT`` = 0, 8 or 4). INT8/INT4 scales are per ``QGROUP`` elements, loaded once per group and
-broadcast over it in registers. ``QUARTERS`` (config key ``D_SPLIT`` 4) cuts each half in two again and dequantizes
-each quarter right before its dot, so a program holds half as many dequantized elements at once: fewer registers a
-thread, more resident warps to keep loads in flight (docs/decode_attention.md). An INT4 byte column of the first
-quarter gives the first and third quarters, as one of the first half gives both halves.
+broadcast over it in registers.
 
 Quantized KV with 16-bit queries (``F16``) dequantizes more cheaply (docs/decode_attention.md has what it gains
 and what still bounds it): a code becomes a float16 with integer ops only (its bits or'ed into the mantissa of
@@ -42,14 +39,14 @@ def _nibble_to_f16(nibble, INT4_OFFSET: tl.constexpr):
 
 
 @triton.jit
-def _dequant(codes, scale, BLOCK_N: tl.constexpr, WIDTH: tl.constexpr, QGROUP: tl.constexpr):
-    """``codes [BLOCK_N, WIDTH] * scale [BLOCK_N, WIDTH // QGROUP]`` broadcast over each group, in the scale's
+def _dequant(codes, scale, BLOCK_N: tl.constexpr, HALF_D: tl.constexpr, QGROUP: tl.constexpr):
+    """``codes [BLOCK_N, HALF_D] * scale [BLOCK_N, HALF_D // QGROUP]`` broadcast over each group, in the scale's
     dtype (float32, or float16 on the ``F16`` path where the codes already are float16).
 
     Reshaping the fastest dim keeps the register layout, so this is a broadcast multiply, not a gather:
     the scales are read once per group with wide loads."""
-    grouped = tl.reshape(codes.to(scale.dtype), [BLOCK_N, WIDTH // QGROUP, QGROUP])
-    return tl.reshape(grouped * scale[:, :, None], [BLOCK_N, WIDTH])
+    grouped = tl.reshape(codes.to(scale.dtype), [BLOCK_N, HALF_D // QGROUP, QGROUP])
+    return tl.reshape(grouped * scale[:, :, None], [BLOCK_N, HALF_D])
 
 
 @triton.jit
@@ -59,9 +56,8 @@ def _load_kv_halves(
     row,
     srow,
     mask_n,
-    FIRST: tl.constexpr,
+    d,
     BLOCK_N: tl.constexpr,
-    WIDTH: tl.constexpr,
     HALF_D: tl.constexpr,
     QUANT: tl.constexpr,
     QGROUP: tl.constexpr,
@@ -69,10 +65,8 @@ def _load_kv_halves(
     F16: tl.constexpr,
     DTYPE,
 ):
-    """The K or V columns ``[FIRST, FIRST + WIDTH)`` and ``HALF_D`` further, each ``[BLOCK_N, WIDTH]``, of the rows at
-    element offsets ``row`` (scales at ``srow``): one packed INT4 byte column holds both."""
+    """Both halves ``[BLOCK_N, HALF_D]`` of the K or V rows at element offsets ``row`` (scales at ``srow``)."""
     m = mask_n[:, None]
-    d = FIRST + tl.arange(0, WIDTH)
     if QUANT == 4:
         packed = tl.load(Base + row[:, None] + d[None, :], mask=m, other=0)
         if F16:
@@ -88,14 +82,14 @@ def _load_kv_halves(
             lo = _int8_to_f16(lo)
             hi = _int8_to_f16(hi)
     if QUANT != 0:
-        g = FIRST // QGROUP + tl.arange(0, WIDTH // QGROUP)
+        g = tl.arange(0, HALF_D // QGROUP)
         s_lo = tl.load(Scale + srow[:, None] + g[None, :], mask=m, other=0)
         s_hi = tl.load(Scale + srow[:, None] + (g + HALF_D // QGROUP)[None, :], mask=m, other=0)
         if not F16:
             s_lo = s_lo.to(tl.float32)
             s_hi = s_hi.to(tl.float32)
-        lo = _dequant(lo, s_lo, BLOCK_N, WIDTH, QGROUP)
-        hi = _dequant(hi, s_hi, BLOCK_N, WIDTH, QGROUP)
+        lo = _dequant(lo, s_lo, BLOCK_N, HALF_D, QGROUP)
+        hi = _dequant(hi, s_hi, BLOCK_N, HALF_D, QGROUP)
     return lo.to(DTYPE), hi.to(DTYPE)
 
 
@@ -138,7 +132,6 @@ def decode_stage1_kernel(
     INT4_OFFSET: tl.constexpr,  # nibble = code + offset (common/kv_cache/quant.py)
     F16: tl.constexpr,  # quantized KV with 16-bit queries: dequantize and dot in float16 (module docstring)
     PRECISION: tl.constexpr,  # "ieee" for float32 queries (no tf32 rounding), None (default) for 16-bit
-    QUARTERS: tl.constexpr = False,  # config D_SPLIT 4: the head dim in quarters (half the dequantized tile live)
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -152,26 +145,16 @@ def decode_stage1_kernel(
     if start >= end:
         return
 
-    # Slice i (0; 0 and 1 in quarters) of each half: columns [i * PIECE, (i + 1) * PIECE), and HALF_D further ("hi").
-    PIECE: tl.constexpr = HALF_D // 2 if QUARTERS else HALF_D
     h = tl.arange(0, BLOCK_H)
     mask_h = h < GROUP
     heads = kvh * GROUP + h
-    d = tl.arange(0, PIECE)
+    d = tl.arange(0, HALF_D)
     q_ptr = Q + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + d[None, :]
     q_lo = tl.load(q_ptr, mask=mask_h[:, None], other=0.0)
     q_hi = tl.load(q_ptr + HALF_D, mask=mask_h[:, None], other=0.0)
-    if QUARTERS:
-        q_lo1 = tl.load(q_ptr + PIECE, mask=mask_h[:, None], other=0.0)
-        q_hi1 = tl.load(q_ptr + HALF_D + PIECE, mask=mask_h[:, None], other=0.0)
-    else:  # unused
-        q_lo1 = q_lo
-        q_hi1 = q_hi
     if F16:  # exact for bf16 queries in float16's normal range (8 significant bits into 11)
         q_lo = q_lo.to(tl.float16)
         q_hi = q_hi.to(tl.float16)
-        q_lo1 = q_lo1.to(tl.float16)
-        q_hi1 = q_hi1.to(tl.float16)
         kv_dtype = tl.float16
     else:
         kv_dtype = Q.dtype.element_ty
@@ -180,55 +163,56 @@ def decode_stage1_kernel(
     tokens = req_to_token + slot * stride_rr
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc_lo = tl.zeros([BLOCK_H, PIECE], dtype=tl.float32)
-    acc_hi = tl.zeros([BLOCK_H, PIECE], dtype=tl.float32)
-    acc_lo1 = tl.zeros([BLOCK_H, PIECE], dtype=tl.float32)  # slice 1: stays zero (and unused) in halves
-    acc_hi1 = tl.zeros([BLOCK_H, PIECE], dtype=tl.float32)
+    acc_lo = tl.zeros([BLOCK_H, HALF_D], dtype=tl.float32)
+    acc_hi = tl.zeros([BLOCK_H, HALF_D], dtype=tl.float32)
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
         tok = tl.load(tokens + offs_n, mask=mask_n, other=0).to(tl.int64)
-        k_row = tok * stride_kt + kvh * stride_kh
-        k_srow = tok * stride_kst + kvh * stride_ksh
         k_lo, k_hi = _load_kv_halves(
-            K, K_scale, k_row, k_srow, mask_n, 0, BLOCK_N, PIECE, HALF_D, QUANT, QGROUP, INT4_OFFSET, F16, kv_dtype
+            K,
+            K_scale,
+            tok * stride_kt + kvh * stride_kh,
+            tok * stride_kst + kvh * stride_ksh,
+            mask_n,
+            d,
+            BLOCK_N,
+            HALF_D,
+            QUANT,
+            QGROUP,
+            INT4_OFFSET,
+            F16,
+            kv_dtype,
         )
         qk = tl.dot(q_lo, tl.trans(k_lo), input_precision=PRECISION) + tl.dot(
             q_hi, tl.trans(k_hi), input_precision=PRECISION
         )
-        if QUARTERS:  # dequantized after slice 0's dots: its K tiles are dead by then
-            k_lo, k_hi = _load_kv_halves(
-                K, K_scale, k_row, k_srow, mask_n, PIECE, BLOCK_N, PIECE, HALF_D, QUANT, QGROUP, INT4_OFFSET, F16,
-                kv_dtype,
-            )  # fmt: skip
-            qk = tl.dot(q_lo1, tl.trans(k_lo), qk, input_precision=PRECISION)
-            qk = tl.dot(q_hi1, tl.trans(k_hi), qk, input_precision=PRECISION)
         qk = tl.where(mask_n[None, :], qk * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v_row = tok * stride_vt + kvh * stride_vh
-        v_srow = tok * stride_vst + kvh * stride_vsh
         v_lo, v_hi = _load_kv_halves(
-            V, V_scale, v_row, v_srow, mask_n, 0, BLOCK_N, PIECE, HALF_D, QUANT, QGROUP, INT4_OFFSET, F16, kv_dtype
+            V,
+            V_scale,
+            tok * stride_vt + kvh * stride_vh,
+            tok * stride_vst + kvh * stride_vsh,
+            mask_n,
+            d,
+            BLOCK_N,
+            HALF_D,
+            QUANT,
+            QGROUP,
+            INT4_OFFSET,
+            F16,
+            kv_dtype,
         )
         p = p.to(v_lo.dtype)
         acc_lo = acc_lo * alpha[:, None] + tl.dot(p, v_lo, input_precision=PRECISION)
         acc_hi = acc_hi * alpha[:, None] + tl.dot(p, v_hi, input_precision=PRECISION)
-        if QUARTERS:
-            v_lo, v_hi = _load_kv_halves(
-                V, V_scale, v_row, v_srow, mask_n, PIECE, BLOCK_N, PIECE, HALF_D, QUANT, QGROUP, INT4_OFFSET, F16,
-                kv_dtype,
-            )  # fmt: skip
-            acc_lo1 = tl.dot(p, v_lo, acc_lo1 * alpha[:, None], input_precision=PRECISION)
-            acc_hi1 = tl.dot(p, v_hi, acc_hi1 * alpha[:, None], input_precision=PRECISION)
         m_i = m_new
 
     o_ptr = mid_o + b.to(tl.int64) * stride_mob + heads[:, None] * stride_moh + split * stride_mos + d[None, :]
     tl.store(o_ptr, acc_lo / l_i[:, None], mask=mask_h[:, None])
     tl.store(o_ptr + HALF_D, acc_hi / l_i[:, None], mask=mask_h[:, None])
-    if QUARTERS:
-        tl.store(o_ptr + PIECE, acc_lo1 / l_i[:, None], mask=mask_h[:, None])
-        tl.store(o_ptr + HALF_D + PIECE, acc_hi1 / l_i[:, None], mask=mask_h[:, None])
     tl.store(mid_lse + b * stride_mlb + heads * stride_mlh + split, m_i + tl.log2(l_i), mask=mask_h)
