@@ -169,21 +169,8 @@ def decode_stage1_kernel(
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
         tok = tl.load(tokens + offs_n, mask=mask_n, other=0).to(tl.int64)
-        k_lo, k_hi = _load_kv_halves(
-            K,
-            K_scale,
-            tok * stride_kt + kvh * stride_kh,
-            tok * stride_kst + kvh * stride_ksh,
-            mask_n,
-            d,
-            BLOCK_N,
-            HALF_D,
-            QUANT,
-            QGROUP,
-            INT4_OFFSET,
-            F16,
-            kv_dtype,
-        )
+        k_lo, k_hi = _load_kv_halves(K, K_scale, tok * stride_kt + kvh * stride_kh, tok * stride_kst + kvh * stride_ksh,
+                                     mask_n, d, BLOCK_N, HALF_D, QUANT, QGROUP, INT4_OFFSET, F16, kv_dtype)  # fmt: skip
         qk = tl.dot(q_lo, tl.trans(k_lo), input_precision=PRECISION) + tl.dot(
             q_hi, tl.trans(k_hi), input_precision=PRECISION
         )
@@ -192,21 +179,8 @@ def decode_stage1_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v_lo, v_hi = _load_kv_halves(
-            V,
-            V_scale,
-            tok * stride_vt + kvh * stride_vh,
-            tok * stride_vst + kvh * stride_vsh,
-            mask_n,
-            d,
-            BLOCK_N,
-            HALF_D,
-            QUANT,
-            QGROUP,
-            INT4_OFFSET,
-            F16,
-            kv_dtype,
-        )
+        v_lo, v_hi = _load_kv_halves(V, V_scale, tok * stride_vt + kvh * stride_vh, tok * stride_vst + kvh * stride_vsh,
+                                     mask_n, d, BLOCK_N, HALF_D, QUANT, QGROUP, INT4_OFFSET, F16, kv_dtype)  # fmt: skip
         p = p.to(v_lo.dtype)
         acc_lo = acc_lo * alpha[:, None] + tl.dot(p, v_lo, input_precision=PRECISION)
         acc_hi = acc_hi * alpha[:, None] + tl.dot(p, v_hi, input_precision=PRECISION)
