@@ -7,7 +7,8 @@ and the rate at which each kernel reads its bytes (codes + scales) relative to b
 
 ``--block-n-128`` also times every INT8/INT4 candidate of ``BLOCK_N`` 64 at 128 (twice the bytes a tile loads); each
 row then records the best of the plain space and of that variant apart (``variants``), and ``ms`` is the best of
-both.
+both. ``--element-path`` likewise times every INT8/INT4 candidate with the per-element dequantization that the
+PTX word helpers replaced (stage1.py), in the same run.
 """
 
 import argparse
@@ -30,6 +31,8 @@ def variant_spaces(kind, q, extras=()) -> dict:
     if kind != "none":
         if "block_n_128" in extras:
             spaces["block_n_128"] = [{**c, "BLOCK_N": 128} for c in space if c["BLOCK_N"] == 64]
+        if "element_path" in extras:
+            spaces["element_path"] = space
     return spaces
 
 
@@ -37,7 +40,11 @@ def best_of_space(kind, q, pool, r2t, idx, seq, graph_max, out, group, extras=()
     """The fastest candidate of each variant space: ``{variant: (ms, config as JSON)}``."""
     best = {}
     for name, configs in variant_spaces(kind, q, extras).items():
-        _, timed = time_configs(kind, q, pool, r2t, idx, seq, graph_max, out, group, configs)
+        previous = flash_decode.set_ptx_dequant(name != "element_path")
+        try:
+            _, timed = time_configs(kind, q, pool, r2t, idx, seq, graph_max, out, group, configs)
+        finally:
+            flash_decode.set_ptx_dequant(previous)
         best[name] = min((ms, json.dumps(cfg)) for cfg, ms in timed)
     return best
 
@@ -100,6 +107,13 @@ def main():
         action="append_const",
         const="block_n_128",
         help="also time the INT8/INT4 candidates of BLOCK_N 64 at 128",
+    )
+    p.add_argument(
+        "--element-path",
+        dest="extras",
+        action="append_const",
+        const="element_path",
+        help="also time the INT8/INT4 candidates with per-element dequantization (set_ptx_dequant(False))",
     )
     p.add_argument("--analyze", metavar="JSON", help="print the table of a saved run (no GPU needed)")
     p.add_argument("--out", default="benchmarks/results/decode_attention_quant.json")

@@ -406,6 +406,35 @@ def test_gpu_large_bf16(kind, head_dim, q_heads, kv_heads):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("group", [8, 32])
+@pytest.mark.parametrize("head_dim, q_heads, kv_heads", [(128, 32, 8), (256, 24, 4), (64, 8, 8)])
+@pytest.mark.parametrize("cfg", [{"BLOCK_N": 64, "num_warps": 2, "num_stages": 2, "WAVES": 8},
+                                 {"BLOCK_N": 32, "num_warps": 8, "num_stages": 3, "WAVES": 2}])  # fmt: skip
+def test_gpu_ptx_dequant_matches_element_path(kind, group, head_dim, q_heads, kv_heads, cfg):
+    """The PTX word helpers (stage1.py) against per-element dequantization, codes over their whole range: the same
+    float16 values (exact codes, one rounding by the scale) feed the same dots."""
+    if group > head_dim // 2:
+        pytest.skip("group wider than half the head dim")
+    lens = [1, 300, 4097, 63, 2049]
+    q, k, v, r2t, idx, seq = make_batch(5, q_heads, kv_heads, head_dim, lens, torch.bfloat16, pool=32768, seed=3)
+    spread = torch.logspace(-1, 1, k.shape[0], device=k.device)[torch.randperm(k.shape[0], device=k.device)]
+    k, v = (k.float() * spread[:, None, None]).bfloat16(), (v.float() * spread[:, None, None]).bfloat16()
+    outs = []
+    for ptx in (True, False):
+        previous = flash_decode.set_ptx_dequant(ptx)
+        try:
+            outs.append(run(kind, q, k, v, r2t, idx, seq, 8192, group=group, run_config=cfg))
+        finally:
+            flash_decode.set_ptx_dequant(previous)
+    (ptx_out, (kd, vd)), (element_out, _) = outs
+    assert not ptx_out.isnan().any(), "unwritten output"
+    torch.testing.assert_close(ptx_out.float(), element_out.float(), rtol=2e-3, atol=2e-3)
+    ref = decode_attention_ref(q, kd, vd, r2t, idx, seq)
+    assert rel_err(ptx_out, ref) < 1e-2
+
+
+@pytest.mark.gpu
 def test_gpu_search_runs_once_per_key_at_representative_length(monkeypatch, isolated_autotune):
     monkeypatch.setenv("LIGHTLLM_TRITON_AUTOTUNE_LEVEL", "1")
     tuned = flash_decode._launch_gqa_flash_decode

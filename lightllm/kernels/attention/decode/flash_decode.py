@@ -14,6 +14,7 @@ from functools import lru_cache
 from typing import Optional
 
 import torch
+from triton import knobs
 
 from lightllm.common.autotuner import AutotuneKernelType, PlannedInputs, autotune
 from lightllm.common.kv_cache.quant import INT4_OFFSET, SCALE_DTYPE
@@ -41,6 +42,7 @@ _STAGE1 = DirectLaunch(decode_stage1_kernel)
 _STAGE2 = DirectLaunch(decode_stage2_kernel)
 
 HEAD_DIMS = (64, 128, 256)
+_ptx_dequant = True  # set_ptx_dequant
 Q_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _QUANT_BITS = {"none": 0, "int8": 8, "int4": 4}
 
@@ -75,6 +77,9 @@ def _launch_split_kv(
     least = min_blocks(cfg)
     mid_o, mid_lse = split_partials(scratch, (batch, q_heads, splits, head_dim), q.device)
     ks = k_scale if k_scale is not None else k_cache
+    f16 = quant != "none" and q.dtype != torch.float32
+    ptx = f16 and _ptx_dequant and quant_group % 4 == 0 and q.is_cuda and not knobs.runtime.interpret
+    ptx = ptx and not (k_cache.data_ptr() | v_cache.data_ptr()) & 3  # codes read as 32-bit words
     vs = v_scale if v_scale is not None else v_cache
     if batch > 0:
         _STAGE1.launch(
@@ -88,12 +93,21 @@ def _launch_split_kv(
             mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
             GROUP=group, BLOCK_H=max(16, next_power_of_2(group)), HALF_D=head_dim // 2,
             BLOCK_N=cfg["BLOCK_N"], MIN_BLOCKS=least, QUANT=_QUANT_BITS[quant], QGROUP=quant_group,
-            INT4_OFFSET=INT4_OFFSET, F16=quant != "none" and q.dtype != torch.float32,
+            INT4_OFFSET=INT4_OFFSET, F16=f16, ASM=ptx,
             PRECISION="ieee" if q.dtype == torch.float32 else None,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )  # fmt: skip
         launch_stage2(mid_o, mid_lse, b_seq_len, out, cfg["BLOCK_N"], least)
     return out
+
+
+def set_ptx_dequant(on: bool) -> bool:
+    """Dequantize INT8/INT4 codes with stage 1's PTX word helpers (the default on a GPU, for quant groups that are
+    multiples of 4) or per element as under the interpreter; returns the previous setting. For benchmarks and tests
+    that compare the two."""
+    global _ptx_dequant
+    previous, _ptx_dequant = _ptx_dequant, bool(on)
+    return previous
 
 
 def launch_stage2(mid_o, mid_lse, b_seq_len, out, block_n: int, least: int = 1, num_warps: Optional[int] = None):
