@@ -8,7 +8,8 @@ and the rate at which each kernel reads its bytes (codes + scales) relative to b
 ``--block-n-128`` also times every INT8/INT4 candidate of ``BLOCK_N`` 64 at 128 (twice the bytes a tile loads); each
 row then records the best of the plain space and of that variant apart (``variants``), and ``ms`` is the best of
 both. ``--element-path`` likewise times every INT8/INT4 candidate with the per-element dequantization that the
-PTX word helpers replaced (stage1.py), in the same run.
+PTX word helpers replaced (stage1.py), in the same run, and ``--more-stages`` the candidates of 2 and 4 warps with
+one more pipeline stage (one tile more in flight per program).
 """
 
 import argparse
@@ -31,6 +32,8 @@ def variant_spaces(kind, q, extras=()) -> dict:
     if kind != "none":
         if "block_n_128" in extras:
             spaces["block_n_128"] = [{**c, "BLOCK_N": 128} for c in space if c["BLOCK_N"] == 64]
+        if "more_stages" in extras:
+            spaces["more_stages"] = [{**c, "num_stages": c["num_stages"] + 1} for c in space if c["num_warps"] < 8]
         if "element_path" in extras:
             spaces["element_path"] = space
     return spaces
@@ -107,6 +110,13 @@ def main():
         action="append_const",
         const="block_n_128",
         help="also time the INT8/INT4 candidates of BLOCK_N 64 at 128",
+    )
+    p.add_argument(
+        "--more-stages",
+        dest="extras",
+        action="append_const",
+        const="more_stages",
+        help="also time the INT8/INT4 candidates of 2 and 4 warps with one more pipeline stage",
     )
     p.add_argument(
         "--element-path",

@@ -40,6 +40,17 @@ def test_variant_spaces_twin_every_quantized_candidate():
     assert list(bench.variant_spaces("none", None, ("block_n_128",))) == ["tuned space"]
 
 
+def test_more_stages_and_element_path_spaces():
+    """--more-stages adds a stage to every 2- and 4-warp candidate; --element-path times the tuned space again with
+    the PTX dequantization off (and restores it)."""
+    bench = load_benchmark("decode_attention_quant")
+    space = bench.flash_decode.quant_split_kv_configs(None)
+    spaces = bench.variant_spaces("int4", None, ("more_stages", "element_path"))
+    assert spaces["element_path"] == space
+    assert spaces["more_stages"] == [{**c, "num_stages": c["num_stages"] + 1} for c in space if c["num_warps"] < 8]
+    assert list(bench.variant_spaces("none", None, ("more_stages", "element_path"))) == ["tuned space"]
+
+
 def test_table_prints_the_variants(capsys):
     bench = load_benchmark("decode_attention_quant")
     base = {"shape": "hq32-hk8-d128", "B": 16, "L": 32768, "group": 8, "bytes": 1.0}

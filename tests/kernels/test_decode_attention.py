@@ -109,6 +109,7 @@ def test_quantized_candidates_add_two_warp_programs():
     plain = flash_decode.split_kv_configs(q)
     quant = flash_decode.quant_split_kv_configs(q)
     assert all(c in quant for c in plain) and {c["num_warps"] for c in quant} - {c["num_warps"] for c in plain} == {2}
+    assert {c["num_stages"] for c in quant if c["num_warps"] == 2} == {2, 3}
     assert flash_decode._launch_gqa_flash_decode_int8kv.configs_gen_func is flash_decode.quant_split_kv_configs
 
 

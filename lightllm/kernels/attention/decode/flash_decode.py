@@ -150,10 +150,12 @@ def split_kv_configs(q):
 
 
 def quant_split_kv_configs(q):
-    """INT8/INT4 KV: the bf16 space plus two-warp programs. Their dequantization makes a program ALU-heavy, so more
-    resident programs per SM keep more loads in flight: on the H200 a two-warp config is the fastest candidate in 11 of
-    15 quantized cells (benchmarks/results/decode_attention_quant_h200.json)."""
-    return _split_candidates((32, 64), ((2, 2), (4, 2), (8, 3)))
+    """INT8/INT4 KV: the bf16 space plus two-warp programs at two and three stages. Their dequantization makes a
+    program ALU-heavy, so more resident programs per SM keep more loads in flight: on the H200 a two-warp config is
+    the fastest candidate in 11 of 15 quantized cells (benchmarks/results/decode_attention_quant_h200.json). With the
+    PTX dequantization a two-warp program mostly waits at the barrier for its next tile (Nsight Compute, docs); a third
+    stage, one more tile in flight, won 7 of 12 cells by up to 6 % (decode_attention_quant_ptx_h200.json)."""
+    return _split_candidates((32, 64), ((2, 2), (2, 3), (4, 2), (8, 3)))
 
 
 def _static_key(q, k_cache, quant, quant_group):

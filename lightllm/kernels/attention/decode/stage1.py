@@ -18,6 +18,11 @@ by its float16 scale in float16 (rounded once, to 11 significant bits where the 
 dots run in float16 with float32 accumulation: bf16 queries become float16 once per program (exactly, inside
 float16's range), the probabilities (in [0, 1]) once per tile. So |q|, |K| and |V| must stay below float16's
 65504. float32 queries dequantize in float32 and keep IEEE dots.
+
+On a GPU (``ASM``) the same float16 values come from PTX: the codes are read as 32-bit words of four, and per word
+two PRMTs place the four codes under float16 exponent bytes, then one packed subtraction and one packed scale
+multiply per pair (INT4: one LOP3 per pair picks a nibble). Written per element, Triton keeps one code per register
+and spends a PRMT per byte to extract and re-pack it (docs/decode_attention.md has the profile).
 """
 
 import triton
