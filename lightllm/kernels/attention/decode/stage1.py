@@ -164,28 +164,10 @@ def _dequant(codes, scale, BLOCK_N: tl.constexpr, HALF_D: tl.constexpr, QGROUP: 
 
 
 @triton.jit
-def _load_kv_halves(
-    Base,
-    Scale,
-    row,
-    srow,
-    mask_n,
-    d,
-    BLOCK_N: tl.constexpr,
-    HALF_D: tl.constexpr,
-    QUANT: tl.constexpr,
-    QGROUP: tl.constexpr,
-    INT4_OFFSET: tl.constexpr,
-    F16: tl.constexpr,
-    ASM: tl.constexpr,
-    DTYPE,
-):
-    """Both halves ``[BLOCK_N, HALF_D]`` of the K or V rows at element offsets ``row`` (scales at ``srow``)."""
-    m = mask_n[:, None]
-    if ASM:
-        tl.static_assert(QUANT == 8 or INT4_OFFSET == 8, "the PTX nibble conversion is written for INT4_OFFSET 8")
-        tl.static_assert(QGROUP % 4 == 0, "the PTX path scales whole words")
-        return _load_dequant_words(Base, Scale, row, srow, m, BLOCK_N, HALF_D, QUANT, QGROUP)
+def _load_dequant_elements(Base, Scale, row, srow, m, d, BLOCK_N: tl.constexpr, HALF_D: tl.constexpr,
+                           QUANT: tl.constexpr, QGROUP: tl.constexpr, INT4_OFFSET: tl.constexpr,
+                           F16: tl.constexpr):  # fmt: skip
+    """``_load_kv_halves`` per element: bf16/fp16 KV, float32 queries, and the interpreter."""
     if QUANT == 4:
         packed = tl.load(Base + row[:, None] + d[None, :], mask=m, other=0)
         if F16:
@@ -209,6 +191,34 @@ def _load_kv_halves(
             s_hi = s_hi.to(tl.float32)
         lo = _dequant(lo, s_lo, BLOCK_N, HALF_D, QGROUP)
         hi = _dequant(hi, s_hi, BLOCK_N, HALF_D, QGROUP)
+    return lo, hi
+
+
+@triton.jit
+def _load_kv_halves(
+    Base,
+    Scale,
+    row,
+    srow,
+    mask_n,
+    d,
+    BLOCK_N: tl.constexpr,
+    HALF_D: tl.constexpr,
+    QUANT: tl.constexpr,
+    QGROUP: tl.constexpr,
+    INT4_OFFSET: tl.constexpr,
+    F16: tl.constexpr,
+    ASM: tl.constexpr,
+    DTYPE,
+):
+    """Both halves ``[BLOCK_N, HALF_D]`` of the K or V rows at element offsets ``row`` (scales at ``srow``)."""
+    m = mask_n[:, None]
+    if ASM:
+        tl.static_assert(QUANT == 8 or INT4_OFFSET == 8, "the PTX nibble conversion is written for INT4_OFFSET 8")
+        tl.static_assert(QGROUP % 4 == 0, "the PTX path scales whole words")
+        lo, hi = _load_dequant_words(Base, Scale, row, srow, m, BLOCK_N, HALF_D, QUANT, QGROUP)
+    else:
+        lo, hi = _load_dequant_elements(Base, Scale, row, srow, m, d, BLOCK_N, HALF_D, QUANT, QGROUP, INT4_OFFSET, F16)
     return lo.to(DTYPE), hi.to(DTYPE)
 
 
