@@ -11,12 +11,16 @@ ends, so a stopped start keeps what it finished):
 
     python -m lightllm.tools.tune_shipped --out lightllm/common/autotuner/configs --shapes qwen3-8b
     python -m lightllm.tools.tune_shipped --out DIR --shapes qwen3.5-27b --dry-run   # list the starts only
+
+Each start's line names the searches its log reports per kernel and their seconds (where a first start's time goes);
+``--log-dir`` keeps the logs themselves.
 """
 
 import argparse
 import itertools
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -52,7 +56,8 @@ HYBRID_LAYERS = ("linear_attention", "full_attention")  # one of each kind
 
 # One start in a child process: the GPU memory of each start is returned before the next.
 _START = """
-import json, sys
+import json, logging, sys
+logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 from lightllm import LLM
 kw = json.loads(sys.argv[1])
 llm = LLM(kw.pop("model_dir"), **kw)
@@ -108,17 +113,36 @@ def _start_kwargs(model_dir: str, variant: str, graph_len: int, mtp_step: int = 
                 **mtp)  # fmt: skip
 
 
-def _run_start(kwargs: dict, config_dir: Path, timeout: Optional[float]) -> float:
-    """Seconds the start took; RuntimeError naming the start when it fails or runs out of ``timeout``."""
+_SEARCH = re.compile(r"autotune (\S+) .* (\d+) candidates in ([0-9.]+)s")
+
+
+def search_summary(log_text: str) -> str:
+    """Per tuned kernel, the searches a start's log reports and their seconds (the tuner logs one line per search):
+    where a start's time went, e.g. ``gqa_flash_decode 19 searches 143.2 s; rmsnorm 2 searches 0.4 s``."""
+    per: dict = {}
+    for kernel, _, seconds in _SEARCH.findall(log_text):
+        count, total = per.get(kernel, (0, 0.0))
+        per[kernel] = (count + 1, total + float(seconds))
+    ranked = sorted(per.items(), key=lambda item: -item[1][1])
+    return "; ".join(f"{k} {n} searches {t:.1f} s" for k, (n, t) in ranked) or "no searches"
+
+
+def _run_start(kwargs: dict, config_dir: Path, timeout: Optional[float], log_path: Path) -> float:
+    """Seconds the start took; RuntimeError naming the start when it fails or runs out of ``timeout``. Its output
+    goes to ``log_path`` (kept for a stopped start too)."""
     env = {**os.environ, "LIGHTLLM_TRITON_AUTOTUNE_LEVEL": "1", "LIGHTLLM_AUTOTUNE_CONFIG_DIR": str(config_dir)}
     t = time.perf_counter()
-    try:  # its tree is stopped however we end, a timeout included
-        done = procs.run([sys.executable, "-c", _START, json.dumps(kwargs)], timeout=timeout, env=env)
-    except subprocess.TimeoutExpired:
-        raise RuntimeError(f"start {kwargs} ran out of --per-start-timeout {timeout:g} s and was stopped") from None
-    if done.returncode != 0:
-        tail = "\n".join(done.stderr.strip().splitlines()[-5:])
-        raise RuntimeError(f"start {kwargs} failed (exit {done.returncode}):\n{tail}")
+    with open(log_path, "w") as log:
+        try:  # its tree is stopped however we end, a timeout included
+            cmd = [sys.executable, "-c", _START, json.dumps(kwargs)]
+            with procs.running(cmd, stdout=log, stderr=subprocess.STDOUT, env=env) as proc:
+                code = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"start {kwargs} ran out of --per-start-timeout {timeout:g} s and was stopped "
+                               f"({search_summary(log_path.read_text())})") from None  # fmt: skip
+    if code != 0:
+        tail = "\n".join(log_path.read_text().strip().splitlines()[-5:])
+        raise RuntimeError(f"start {kwargs} failed (exit {code}):\n{tail}")
     return time.perf_counter() - t
 
 
@@ -141,6 +165,8 @@ def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
                    "variants; 1-4), 0 for no MTP starts")  # fmt: skip
     p.add_argument("--per-start-timeout", type=float, default=None, metavar="SECONDS",
                    help="stop a start that runs longer (its finished searches are kept); default none")  # fmt: skip
+    p.add_argument("--log-dir", type=Path, default=None,
+                   help="keep each start's output there (default: a temporary folder, removed at the end)")  # fmt: skip
     p.add_argument("--dry-run", action="store_true", help="print the starts it would run, and run nothing")
     args = p.parse_args(argv)
     bad = [n for n in args.graph_lens if n < 1]
@@ -171,19 +197,22 @@ def main(argv: Optional[List[str]] = None) -> int:
     failed = []
     with tempfile.TemporaryDirectory(prefix="lightllm-tune-") as tmp:
         config_dir = Path(tmp) / "configs"
+        log_dir = args.log_dir or Path(tmp) / "logs"
+        log_dir.mkdir(parents=True, exist_ok=True)
         for shape in args.shapes:
             mine = [s for s in starts if s.shape == shape]
             mtp = any(s.mtp_step for s in mine)
             model_dir = build_model(Path(tmp) / shape, SHAPES[shape], max(args.graph_lens), mtp=mtp)
             for start in mine:
                 kwargs = _start_kwargs(str(model_dir), start.variant, start.graph_len, start.mtp_step)
+                log_path = log_dir / f"{shape}-{start.variant}-{start.graph_len}-mtp{start.mtp_step}.log"
                 try:
-                    seconds = _run_start(kwargs, config_dir, args.per_start_timeout)
+                    seconds = _run_start(kwargs, config_dir, args.per_start_timeout, log_path)
                 except RuntimeError as e:
                     failed.append(start)
                     print(f"{start.describe()}: FAILED, {e}", file=sys.stderr, flush=True)
                     continue
-                print(f"{start.describe()}: {seconds:6.1f} s", flush=True)
+                print(f"{start.describe()}: {seconds:6.1f} s ({search_summary(log_path.read_text())})", flush=True)
         os.environ["LIGHTLLM_AUTOTUNE_CONFIG_DIR"] = str(config_dir)
         status = autotuner_cli(["export", args.out])
     if failed:

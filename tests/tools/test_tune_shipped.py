@@ -1,4 +1,5 @@
 import json
+import logging
 
 import pytest
 import torch
@@ -77,16 +78,19 @@ def test_dry_run_lists_the_starts_without_a_gpu(capsys, monkeypatch):
 
 
 def test_a_start_over_its_timeout_is_stopped_and_named(monkeypatch, tmp_path):
-    monkeypatch.setattr(tune_shipped, "_START", "import time\ntime.sleep(600)")
-    with pytest.raises(RuntimeError, match=r"ran out of --per-start-timeout 0.5 s and was stopped"):
-        tune_shipped._run_start({"model_dir": "m"}, tmp_path, timeout=0.5)
+    monkeypatch.setattr(tune_shipped, "_START", "print('started', flush=True)\nimport time\ntime.sleep(600)")
+    log = tmp_path / "start.log"
+    with pytest.raises(RuntimeError, match=r"ran out of --per-start-timeout 0.5 s and was stopped \(no searches\)"):
+        tune_shipped._run_start({"model_dir": "m"}, tmp_path, timeout=0.5, log_path=log)
+    assert log.read_text() == "started\n"  # a stopped start's log is kept
 
 
 def test_a_failed_start_loses_nothing_the_others_tuned(monkeypatch, tmp_path, capsys):
     """Every planned start runs, what was tuned is exported, the failure is named and the status is 1."""
     ran, exported = [], []
 
-    def run_start(kwargs, config_dir, timeout):
+    def run_start(kwargs, config_dir, timeout, log_path):
+        log_path.write_text("")
         ran.append((kwargs["llm_decode_att_backend"], kwargs["graph_max_len_in_batch"], timeout))
         if kwargs["graph_max_len_in_batch"] == 4096 and kwargs["llm_decode_att_backend"] == "fa3":
             raise RuntimeError("start failed (exit 1)")
@@ -146,3 +150,23 @@ def test_qwen3_5_27b_widths_pass_the_models_config_checks(tmp_path):
     c = Qwen3_5ModelConfig.from_model_dir(tmp_path)
     assert (c.num_attention_heads // c.num_key_value_heads, c.head_dim, c.rotary_dim) == (6, 256, 64)
     assert (c.linear_num_value_heads // c.linear_num_key_heads, c.linear_conv_dim) == (3, 2 * 16 * 128 + 48 * 128)
+
+
+def test_search_summary_reads_the_tuners_own_log_lines(caplog, monkeypatch, isolated_autotune):
+    """Where a start's time went, from the log lines a real search writes (not a hand-made copy of their format)."""
+    from lightllm.common.autotuner import AutotuneKernelType, autotune, autotune_warmup, set_bench_func
+
+    monkeypatch.setenv("LIGHTLLM_TRITON_AUTOTUNE_LEVEL", "1")
+
+    @autotune("summary_probe", configs_gen_func=lambda: [{"x": 1}, {"x": 2}], static_key_func=lambda a: a.shape[1],
+              run_key_func=lambda a: a.shape[0])  # fmt: skip
+    def probe(a, run_config=None):
+        return a + 1
+
+    set_bench_func(lambda run: (run(), 1.0)[1])
+    with caplog.at_level(logging.INFO), autotune_warmup(AutotuneKernelType.GENERAL):
+        probe(torch.zeros(2, 3))
+        probe(torch.zeros(4, 3))
+    summary = tune_shipped.search_summary(caplog.text)
+    assert summary.startswith("summary_probe 2 searches ") and summary.endswith(" s")
+    assert tune_shipped.search_summary("nothing tuned") == "no searches"
