@@ -113,6 +113,32 @@ def test_quantized_candidates_add_two_warp_programs():
     assert flash_decode._launch_gqa_flash_decode_int8kv.configs_gen_func is flash_decode.quant_split_kv_configs
 
 
+def test_ptx_path_only_on_a_gpu_for_whole_words_and_aligned_rows(monkeypatch):
+    """The PTX dequantization runs where it can: a GPU outside the interpreter, quant groups of whole 32-bit words,
+    4-byte aligned K/V rows; anything else takes the per-element path (the GPU tests check both give one result)."""
+    from types import SimpleNamespace
+
+    from triton import knobs
+
+    monkeypatch.setattr(knobs.runtime, "interpret", False)
+    gpu_q, cpu_q = SimpleNamespace(is_cuda=True), SimpleNamespace(is_cuda=False)
+    k = torch.zeros(16, 2, 64, dtype=torch.int8)
+    assert flash_decode._ptx_path(gpu_q, k, k, 8)
+    assert not flash_decode._ptx_path(cpu_q, k, k, 8)
+    assert not flash_decode._ptx_path(gpu_q, k, k, 2)  # a group is not whole words
+    shifted = torch.zeros(16 * 2 * 64 + 1, dtype=torch.int8)[1:].view(16, 2, 64)  # rows off 4-byte alignment
+    assert not flash_decode._ptx_path(gpu_q, shifted, k, 8) and not flash_decode._ptx_path(gpu_q, k, shifted, 8)
+    narrow = torch.zeros(16, 2, 66, dtype=torch.int8)[:, :, :64]  # aligned start, 66-byte row stride
+    assert not flash_decode._ptx_path(gpu_q, narrow, k, 8)
+    previous = flash_decode.set_ptx_dequant(False)
+    try:
+        assert not flash_decode._ptx_path(gpu_q, k, k, 8)
+    finally:
+        assert flash_decode.set_ptx_dequant(previous) is False
+    monkeypatch.setattr(knobs.runtime, "interpret", True)
+    assert not flash_decode._ptx_path(gpu_q, k, k, 8)
+
+
 @pytest.mark.parametrize("waves, block_n", [(1, 32), (4, 16)])
 def test_split_counts_and_empty_request(waves, block_n):
     """Many splits with few chunks (most splits empty), a padded request of length 0 (output 0)."""

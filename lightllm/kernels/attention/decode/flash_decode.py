@@ -42,9 +42,9 @@ _STAGE1 = DirectLaunch(decode_stage1_kernel)
 _STAGE2 = DirectLaunch(decode_stage2_kernel)
 
 HEAD_DIMS = (64, 128, 256)
-_ptx_dequant = True  # set_ptx_dequant
 Q_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _QUANT_BITS = {"none": 0, "int8": 8, "int4": 4}
+_ptx_dequant = True  # set_ptx_dequant
 
 
 @lru_cache(maxsize=None)  # per launch when no tuned config: computed once per head_dim
@@ -77,10 +77,8 @@ def _launch_split_kv(
     least = min_blocks(cfg)
     mid_o, mid_lse = split_partials(scratch, (batch, q_heads, splits, head_dim), q.device)
     ks = k_scale if k_scale is not None else k_cache
-    f16 = quant != "none" and q.dtype != torch.float32
-    ptx = f16 and _ptx_dequant and quant_group % 4 == 0 and q.is_cuda and not knobs.runtime.interpret
-    ptx = ptx and not (k_cache.data_ptr() | v_cache.data_ptr()) & 3  # codes read as 32-bit words
     vs = v_scale if v_scale is not None else v_cache
+    f16 = quant != "none" and q.dtype != torch.float32
     if batch > 0:
         _STAGE1.launch(
             (batch, kv_heads, splits),
@@ -93,12 +91,21 @@ def _launch_split_kv(
             mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
             GROUP=group, BLOCK_H=max(16, next_power_of_2(group)), HALF_D=head_dim // 2,
             BLOCK_N=cfg["BLOCK_N"], MIN_BLOCKS=least, QUANT=_QUANT_BITS[quant], QGROUP=quant_group,
-            INT4_OFFSET=INT4_OFFSET, F16=f16, ASM=ptx,
+            INT4_OFFSET=INT4_OFFSET, F16=f16, ASM=f16 and _ptx_path(q, k_cache, v_cache, quant_group),
             PRECISION="ieee" if q.dtype == torch.float32 else None,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )  # fmt: skip
         launch_stage2(mid_o, mid_lse, b_seq_len, out, cfg["BLOCK_N"], least)
     return out
+
+
+def _ptx_path(q, k_cache, v_cache, quant_group: int) -> bool:
+    """Whether stage 1 dequantizes with its PTX word helpers: on a GPU (not the interpreter), for quant groups of
+    whole words, with every K/V row 4-byte aligned (codes are read as 32-bit words)."""
+    if not (_ptx_dequant and quant_group % 4 == 0 and q.is_cuda and not knobs.runtime.interpret):
+        return False
+    low_bits = k_cache.data_ptr() | v_cache.data_ptr() | k_cache.stride(0) | k_cache.stride(1)
+    return not (low_bits | v_cache.stride(0) | v_cache.stride(1)) & 3
 
 
 def set_ptx_dequant(on: bool) -> bool:
