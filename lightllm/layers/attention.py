@@ -22,6 +22,7 @@ import torch
 from lightllm.common.kv_cache import Int4KVPool, Int8KVPool, KVPool, dequantize_int4_ref, dequantize_int8_ref
 from lightllm.layers.infer_state import InferState
 from lightllm.kernels import kv_cache_write as kvw
+from lightllm.kernels.kv_cache_read import gather_dequant_kv
 from lightllm.kernels.attention.decode.flash_decode import GQADecodePlan
 from lightllm.kernels.attention.decode.reference import decode_attention_ref
 from lightllm.kernels.attention.prefill.context_attention import (
@@ -272,8 +273,9 @@ def _prefix_of(state: InferState) -> CachedPrefix:
 
 class _QuantPrefixPlan:
     """Prefill over a quantized pool's prefix on the GPU: per layer, each request's cached tokens (``batch x
-    max_prefix_len``, found once per forward) are gathered and dequantized into a scratch buffer, which the
-    prefix kernel reads through a table of its own (row ``i`` = request ``i``)."""
+    max_prefix_len``, found once per forward) are gathered and dequantized into a scratch buffer
+    (``kernels/kv_cache_read.py``, one launch for K and V), which the prefix kernel reads through a table of its own
+    (row ``i`` = request ``i``)."""
 
     def __init__(self, state: InferState, pool_tokens: int, shapes: tuple):
         batch, width, dev = state.batch_size, state.max_prefix_len, state.b_req_idx.device
@@ -284,12 +286,14 @@ class _QuantPrefixPlan:
         own_rows = torch.arange(batch, dtype=torch.int32, device=dev)
         self.attn = ContextAttentionPlan(*shapes, prefix=CachedPrefix(table, own_rows, state.b_prefix_len),
                                          reuse_outputs=True)  # fmt: skip
+        self._prefix = None  # the dequantized prefix (K, V), made by the first layer
 
     def run(self, q, k, v, pool, layer: int) -> torch.Tensor:
-        deq = dequantize_int8_ref if isinstance(pool, Int8KVPool) else dequantize_int4_ref
-        idx, group = self.token_idx, pool.group_size
-        k_cache = deq(pool.k[layer][idx], pool.k_scale[layer][idx], group).to(q.dtype)
-        v_cache = deq(pool.v[layer][idx], pool.v_scale[layer][idx], group).to(q.dtype)
+        quant = "int8" if isinstance(pool, Int8KVPool) else "int4"
+        # one gather-and-dequantize launch; its two buffers serve every layer of the forward (read before the next)
+        self._prefix = gather_dequant_kv(pool.k[layer], pool.k_scale[layer], pool.v[layer], pool.v_scale[layer],
+                                         self.token_idx, quant, pool.group_size, q.dtype, out=self._prefix)  # fmt: skip
+        k_cache, v_cache = self._prefix
         return self.attn.run(q, k, v, k_cache=k_cache, v_cache=v_cache)
 
 
