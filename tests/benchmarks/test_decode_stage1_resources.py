@@ -16,18 +16,19 @@ def bench():
     return load_benchmark("decode_stage1_resources")
 
 
-def test_one_candidate_compiles_for_sm90_and_reports_its_resources(tmp_path):
+def test_one_candidate_per_quantized_kind_compiles_for_sm90_and_reports_its_resources(tmp_path):
     out = tmp_path / "res.json"
     cmd = [sys.executable, os.path.join(REPO, "benchmarks", "decode_stage1_resources.py"), "--shapes", "hq32-hk8-d128",
-           "--kinds", "int8", "--groups", "32", "--max-configs", "1", "--out", str(out)]  # fmt: skip
+           "--kinds", "int8", "int4", "--groups", "32", "--max-configs", "1", "--out", str(out)]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
     env.pop("TRITON_INTERPRET", None)
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")  # a real compile: nothing left in the user's cache
     done = proc.run(cmd, timeout=proc.HANG_TIMEOUT_S, cwd=REPO, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
-    (cell,) = json.loads(out.read_text())["cells"]
-    assert (cell["shape"], cell["kind"], cell["group"]) == ("hq32-hk8-d128", "int8", 32)
-    assert 16 <= cell["regs"] <= 255 and cell["shared_bytes"] > 0 and cell["stack_bytes"] >= 0
+    cells = json.loads(out.read_text())["cells"]  # both PTX dequantization helpers through ptxas
+    assert [(c["shape"], c["kind"], c["group"]) for c in cells] == [("hq32-hk8-d128", k, 32) for k in ("int8", "int4")]
+    for cell in cells:
+        assert 16 <= cell["regs"] <= 255 and cell["shared_bytes"] > 0 and cell["stack_bytes"] >= 0
     assert "warps/SM" in done.stdout and "hq32-hk8-d128 int8" in done.stdout
 
 
