@@ -55,6 +55,7 @@ class EngineArgs:
     llm_decode_att_backend: str = "triton"  # "auto" is resolved by fit_to_model, once the device and dtype are known
     llm_prefill_att_backend: str = "auto"  # resolved by fit_to_model, after the decode backend
     linear_att_ssm_data_type: str = "float32"  # linear-attention recurrent state (Qwen3.5); unused by Qwen3
+    linear_att_cache_size: Optional[int] = None  # prefix cache state checkpoints (Qwen3.5); None: running_max_req_size
     mem_fraction: float = 0.9
     max_total_token_num: Optional[int] = None  # explicit KV pool size; default: from mem_fraction (GPU)
     device: Optional[str] = None  # default: cuda if available
@@ -92,6 +93,12 @@ class EngineArgs:
         if self.linear_att_ssm_data_type not in SSM_DATA_TYPES:
             raise ValueError(f"--linear_att_ssm_data_type expected one of {tuple(SSM_DATA_TYPES)}, "
                              f"got {self.linear_att_ssm_data_type!r}")  # fmt: skip
+        if self.linear_att_cache_size is None:
+            self.linear_att_cache_size = self.running_max_req_size
+        value = self.linear_att_cache_size
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"--linear_att_cache_size expected a non-negative integer (0: no state checkpoints, the "
+                             f"prefix cache then off for Qwen3.5), got {value!r}")  # fmt: skip
         if not 0 < self.mem_fraction <= 1:
             raise ValueError(f"--mem_fraction expected a value in (0, 1], got {self.mem_fraction!r}")
         if self.max_total_token_num is not None and self.max_total_token_num <= 0:

@@ -164,14 +164,20 @@ class ModelRunner:
             contiguous = not require_fa3(self.device, fa3_flags[0]).paged
         # per-request model state (linear attention) first, so the GPU profile and the RAM reading count it
         ssm_dtype = SSM_DATA_TYPES[a.linear_att_ssm_data_type]
+        # prefix-cache checkpoints of that state, where the prefix cache can be on at all (decided below)
+        checkpoints = 0 if a.disable_dynamic_prompt_cache or a.mtp_mode is not None or contiguous else (
+            a.linear_att_cache_size)  # fmt: skip
         if a.mtp_mode is None:
-            state_bytes = self.model.alloc_request_state(max_reqs, ssm_dtype)
+            state_bytes = self.model.alloc_request_state(max_reqs, ssm_dtype, checkpoints=checkpoints)
         else:  # one state slot per verified token (mtp_runner.py)
             state_bytes = self.model.alloc_request_state(max_reqs, ssm_dtype, slots_per_request=a.spec_tokens)
+        checkpoints = checkpoints if state_bytes else 0  # a model without state keeps none
         # MTP: the head's KV is one more pool layer; a row also holds a verify's drafts past max_req_total_len
         kv_layers = c.num_kv_layers + (a.mtp_mode is not None)
         row_len = a.max_req_total_len + a.spec_tokens - 1
-        state_note = (f"; request state {state_bytes / 2**20:.2f} MiB ({max_reqs} slots x {state_bytes // max_reqs} B, "
+        rows = max_reqs * (a.spec_tokens if a.mtp_mode is not None else 1) + checkpoints
+        held = f"{max_reqs} slots" + (f" + {checkpoints} prefix-cache checkpoints" if checkpoints else "")
+        state_note = (f"; request state {state_bytes / 2**20:.2f} MiB ({held} x {state_bytes // rows} B, "
                       f"ssm {a.linear_att_ssm_data_type}) allocated before sizing" if state_bytes else "")  # fmt: skip
         # a one-token pool on the meta device: bytes per token of whichever KV type, nothing allocated
         per_token = make_pool(a.llm_kv_type, 1, kv_layers, self.model.kv_heads, c.head_dim,
@@ -198,12 +204,14 @@ class ModelRunner:
                              "--mem_fraction, or lower --max_req_total_len")  # fmt: skip
         prefix_cache = self._use_prefix_cache(contiguous)
         self.kv = KVCacheManager(num_tokens, max_reqs, row_len, self.device, contiguous_slots=contiguous,
-                                 prefix_cache=prefix_cache)  # fmt: skip
+                                 prefix_cache=prefix_cache,
+                                 state_checkpoints=checkpoints if prefix_cache else 0)  # fmt: skip
         pool = make_pool(a.llm_kv_type, num_tokens, kv_layers, self.model.kv_heads, c.head_dim,
                          a.torch_dtype, self.device, a.llm_kv_quant_group_size)  # fmt: skip
         # fa3 picks its layout too
         self.attn = AttentionBackend(pool, a.llm_decode_att_backend, self.device, a.llm_prefill_att_backend)
         self.model.set_attention(self.attn)
+        self._unsettled: set = set()  # slots whose last forward did not return (their state may be half-advanced)
         self.pad_slot = self.kv.add_request()
         self.pad_token = int(self.kv.extend(self.pad_slot, 1)[0])
         self.mtp = MTPRunner(self, a.mtp_step, max_reqs) if a.mtp_mode is not None else None
@@ -281,6 +289,7 @@ class ModelRunner:
         lens = [len(p) for p in prompts]
         prefix = [self.kv.seq_len(s) for s in slots]
         token_idx = self.kv.extend_many(slots, lens)  # one allocation and one table write for the step
+        self._unsettled.update(slots)
         logits = None
         if self.prefill_graphs is not None and len(slots) == 1:  # one request within a bucket: a graph replay
             logits = self.prefill_graphs.prefill(slots[0], prefix[0], prompts[0], token_idx)
@@ -288,6 +297,7 @@ class ModelRunner:
             logits = self._prefill_eager(slots, prompts, lens, prefix, token_idx)
         for slot, prompt in zip(slots, prompts):  # after the forward: a failed one leaves no KV to reuse
             self.kv.computed(slot, prompt)
+        self._unsettled.difference_update(slots)
         return logits
 
     def _prefill_eager(self, slots, prompts, lens, prefix, token_idx) -> torch.Tensor:
@@ -303,6 +313,7 @@ class ModelRunner:
         staging, bs = self._staging, len(slots)
         staged = staging is not None and bs <= staging.rows
         token_idx = self.kv.extend_each(slots, write_table=not staged)  # staged: written from the staged columns
+        self._unsettled.update(slots)
         seq_lens = self.kv.seq_lens(slots)
         max_len = max(seq_lens)
         graph = self.graphs.pick(bs, max_len) if self.graphs else None
@@ -328,15 +339,26 @@ class ModelRunner:
 
     def _computed_each(self, slots: Sequence[int], last_tokens: Sequence[int], logits: torch.Tensor) -> torch.Tensor:
         self.kv.computed_each(slots, last_tokens)
+        self._unsettled.difference_update(slots)
         return logits
 
     def add_request(self, prefix: Sequence[int] = ()) -> int:
         """A request slot whose KV row starts with the prefix cache's slots for ``prefix`` (all of it cached: the
-        scheduler asked ``kv.match_prefix`` first)."""
-        return self.kv.add_request(prefix)
+        scheduler asked ``kv.match_prefix`` first), and its state (Qwen3.5) with the prefix's checkpoint."""
+        slot = self.kv.add_request(prefix)
+        checkpoint = self.kv.prefix_state(slot)
+        if checkpoint is not None:
+            self.model.load_state(checkpoint, slot)
+        return slot
 
     def free(self, slot: int) -> None:
-        self.kv.free_request(slot)
+        """Free the request's slot; its computed KV goes to the prefix cache, and its state (Qwen3.5) to the
+        checkpoint the cache recorded after those tokens."""
+        # a forward that raised may have advanced some layers' state: nothing of that row is checkpointed
+        checkpoint = self.kv.free_request(slot, keep_state=slot not in self._unsettled)
+        self._unsettled.discard(slot)
+        if checkpoint is not None:
+            self.model.save_state(slot, checkpoint)
 
     # ---- warmup and graphs ---------------------------------------------------------------------------------
 
@@ -360,7 +382,7 @@ class ModelRunner:
                     self.prefill(slots, prompts)
             finally:
                 for s in slots:
-                    self.kv.free_request(s)
+                    self.free(s)
         if self.kv.prefix is not None:  # random warmup prompts: nothing a live request could reuse
             self.kv.prefix.clear()
 

@@ -25,13 +25,22 @@ class Model(Protocol):
 
     def set_attention(self, attn: AttentionBackend) -> None: ...
 
-    def alloc_request_state(self, num_slots: int, ssm_dtype: torch.dtype) -> int:
+    def alloc_request_state(self, num_slots: int, ssm_dtype: torch.dtype, checkpoints: int = 0) -> int:
         """Allocate per-request state kept beside the KV cache (linear-attention state; one slot per request
-        row, indexed like ``b_req_idx``) before the KV cache is sized; its bytes, 0 for a model without any."""
+        row, indexed like ``b_req_idx``, and ``checkpoints`` more for the prefix cache) before the KV cache is sized;
+        its bytes, 0 for a model without any."""
+
+    def save_state(self, slot: int, checkpoint: int) -> None:
+        """Copy request row ``slot``'s state into prefix-cache checkpoint ``checkpoint`` (on the device's stream: the
+        row may run again right after). Only for a model with state."""
+
+    def load_state(self, checkpoint: int, slot: int) -> None:
+        """Copy checkpoint ``checkpoint`` into request row ``slot``'s state, which its prefill then continues."""
 
     def prefix_cache_blocker(self) -> Optional[str]:
         """Why a request can't start from another's cached KV prefix, as the state beside the KV that the prefix
-        cache does not keep (logged after "the model's"), or None when the KV cache is all the state a request has."""
+        cache does not keep (logged after "the model's"), or None when it can (the KV cache is all the state a
+        request has, or the state has checkpoints)."""
 
     def prefill_graph_blocker(self) -> Optional[str]:
         """Why a prefill padded with tokens after the request's own can't be replayed from a CUDA graph, as the

@@ -56,6 +56,10 @@ _HELP = {
     "over the KV pool; a build without paged KV gives each request a fixed row, which turns the prefix cache off); "
     "auto: fa3 with --llm_decode_att_backend fa3 (the same provider and KV layout), else triton",
     "linear_att_ssm_data_type": "dtype of the linear-attention recurrent state (Qwen3.5); float32 or bfloat16",
+    "linear_att_cache_size": "linear-attention state checkpoints the prefix cache keeps (Qwen3.5; each one request's "
+    "state, counted before the KV cache is sized): a finished request leaves one after its tokens, and a cached "
+    "prefix is reused up to the deepest checkpoint on it; default running_max_req_size; 0: none (the prefix cache is "
+    "then off for Qwen3.5)",
     "mem_fraction": "fraction of GPU memory the server may use, KV cache sized after a profiling forward "
     "(CPU: fraction of available RAM for the KV cache)",
     "max_total_token_num": "KV cache size in tokens (overrides mem_fraction)",

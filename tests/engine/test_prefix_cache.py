@@ -1,9 +1,7 @@
 """The prefix cache in the engine on the CPU with a tiny Qwen3: greedy output is the same with the cache on and off,
 a hit is prefilled only past the cached prefix (counted through the runner), eviction under a tiny pool loses no
-request, preemption and aborts leave the tree's pins and the pool's free count consistent, and a model with
-per-request state beside the KV (Qwen3.5) keeps the cache off."""
-
-import logging
+request, preemption and aborts leave the tree's pins and the pool's free count consistent. Qwen3.5 (state checkpoints
+beside the KV): test_prefix_cache_hybrid.py."""
 
 import pytest
 
@@ -12,7 +10,7 @@ from lightllm.engine.engine import Engine
 from lightllm.engine.model_runner import ModelRunner
 from lightllm.engine.request import Request
 from lightllm.engine.sampler import SamplingParams
-from lightllm.tools.make_tiny_model import make_tiny_qwen3, make_tiny_qwen3_5
+from lightllm.tools.make_tiny_model import make_tiny_qwen3
 
 BASE = list(range(3, 40))
 # waves run one after the other, so a later wave can hit what an earlier one left in the tree
@@ -134,14 +132,6 @@ def test_aborts_release_their_pins(model_dir):
     outs, fins = run(engine, [BASE + [1], BASE + [2], BASE[:10]], max_new=8, abort_after={0: 1, 2: 3})
     assert [ev.finish_reason for ev in fins] == ["abort", "length", "abort"] and len(outs[1]) == 8
     assert_no_leak(r)
-
-
-def test_a_model_with_request_state_keeps_the_cache_off(tmp_path, caplog):
-    with caplog.at_level(logging.INFO, logger="lightllm.engine.model_runner"):
-        r = runner(str(make_tiny_qwen3_5(tmp_path, seed=1)))
-    assert r.kv.prefix is None
-    lines = [m for m in caplog.messages if m.startswith("prefix cache (dynamic prompt cache) off")]
-    assert len(lines) == 1 and "linear-attention state" in lines[0]
 
 
 def test_offline_outputs_report_the_cached_prompt_tokens(model_dir):

@@ -157,10 +157,12 @@ def test_kv_pool_holds_only_full_attention_layers_and_sizing_counts_the_state(ti
         runner = cpu_runner(tiny_dir)
     assert len(runner.attn.pool.k) == 2  # layers 1 and 3 of 4
     state = runner.model.linear.state
-    slots = runner.args.running_max_req_size + 1
-    assert state.conv.shape == (2, slots, 3, 2 * 2 * 16 + 4 * 8) and state.ssm.shape == (2, slots, 4, 16, 8)
+    slots, checkpoints = runner.args.running_max_req_size + 1, runner.args.linear_att_cache_size
+    rows = slots + checkpoints  # the request slots, then the prefix cache's state checkpoints
+    assert state.conv.shape == (2, rows, 3, 2 * 2 * 16 + 4 * 8) and state.ssm.shape == (2, rows, 4, 16, 8)
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("KV cache sizing"))
-    assert f"request state {state.nbytes / 2**20:.2f} MiB ({slots} slots x {state.nbytes // slots} B" in line
+    held = f"{slots} slots + {checkpoints} prefix-cache checkpoints x {state.nbytes // rows} B"
+    assert f"request state {state.nbytes / 2**20:.2f} MiB ({held}" in line
 
 
 def test_bad_ssm_data_type_is_one_line_naming_the_flag(tiny_dir, capsys):

@@ -29,10 +29,16 @@ class KVCacheManager:
     ``prefix_cache=True`` keeps finished requests' KV in a ``RadixCache`` (``prefix``): ``add_request(prefix)``
     starts a row with cached slots, ``computed`` records which token ids a row's KV now holds, and
     ``free_request`` hands those to the tree instead of the free list.
+
+    ``state_checkpoints=C`` (with the prefix cache) is for a model with per-request state beside the KV (Qwen3.5's
+    linear attention): a finished request leaves a checkpoint of its state after its computed tokens (one of ``C``
+    ids, the least recently used given up when all are taken), and a prefix is cached only up to the deepest
+    checkpoint on its path. The manager only counts: ``free_request`` returns the checkpoint id the caller must copy
+    the row's state into, ``prefix_state`` the one ``add_request``'s prefix starts from.
     """
 
     def __init__(self, num_tokens: int, max_reqs: int, max_len: int, device="cuda", contiguous_slots: bool = False,
-                 prefix_cache: bool = False):  # fmt: skip
+                 prefix_cache: bool = False, state_checkpoints: int = 0):  # fmt: skip
         check_count("KVCacheManager", "num_tokens", num_tokens, 1)
         if num_tokens - 1 > MAX_TOKEN_INDEX:
             raise ValueError(f"KVCacheManager: num_tokens expected <= {MAX_TOKEN_INDEX + 1} (int32), got {num_tokens}")
@@ -48,7 +54,16 @@ class KVCacheManager:
             )
         if contiguous_slots and prefix_cache:
             raise ValueError("KVCacheManager: prefix_cache expected a shared token pool, got contiguous_slots")
-        self.prefix: Optional[RadixCache] = RadixCache(self.tokens.free) if prefix_cache else None
+        check_count("KVCacheManager", "state_checkpoints", state_checkpoints, 0)
+        if state_checkpoints and not prefix_cache:
+            raise ValueError(f"KVCacheManager: state_checkpoints expected 0 without the prefix cache, got "
+                             f"{state_checkpoints}")  # fmt: skip
+        self._free_states = list(range(state_checkpoints))[::-1]  # checkpoint ids no node holds (pop: lowest first)
+        self.stateful = state_checkpoints > 0
+        self.prefix: Optional[RadixCache] = (
+            RadixCache(self.tokens.free, self._free_states.append) if prefix_cache else None
+        )
+        self._prefix_state: List[Optional[int]] = [None] * max_reqs  # the checkpoint a row's prefix starts from
         self._ids: List[List[int]] = [[] for _ in range(max_reqs)]  # token ids whose KV each row holds (prefix cache)
         self._pins: list = [None] * max_reqs  # the tree node each row pinned at add_request
         self._num_pinned = [0] * max_reqs  # how many tokens it starts with from the tree
@@ -93,7 +108,7 @@ class KVCacheManager:
     def match_prefix(self, tokens: Sequence[int]) -> Tuple[int, int]:
         """(how many leading ``tokens`` the prefix cache holds, how many of those it could evict now); (0, 0)
         without the cache. Pinning them by ``add_request`` takes the second number out of the free tokens."""
-        return self.prefix.match(tokens) if self.prefix else (0, 0)
+        return self.prefix.match(tokens, self.stateful) if self.prefix else (0, 0)
 
     def add_request(self, prefix: Sequence[int] = ()) -> int:
         """A fresh request slot whose row starts with the cached KV of ``prefix`` (pinned until ``free_request``);
@@ -109,15 +124,26 @@ class KVCacheManager:
         self._last_extend[slot] = False  # a pinned prefix is never truncated
         self._ids[slot], self._num_pinned[slot] = list(prefix), len(prefix)
         self._seq_lens[slot] = len(prefix)
+        self._prefix_state[slot] = None
         if prefix:
             try:
+                if self.stateful and self.prefix.match(prefix, stateful=True)[0] != len(prefix):
+                    raise ValueError(f"KVCacheManager.add_request: prefix expected to end at a state checkpoint "
+                                     f"(match_prefix), got {len(prefix)} tokens")  # fmt: skip
                 self._pins[slot], token_idx = self.prefix.pin(prefix)
             except ValueError:
                 self.slots.free(slot)
                 raise
             self.req_to_token.write(slot, 0, token_idx)
             self._held[slot].append(token_idx)
+            self._prefix_state[slot] = self._pins[slot].state
         return slot
+
+    def prefix_state(self, slot: int) -> Optional[int]:
+        """The state checkpoint ``slot``'s cached prefix ends at (the caller copies it into the row's state before
+        the row's first forward); None without a prefix or without state checkpoints."""
+        self.slots.check_allocated("KVCacheManager.prefix_state", slot)
+        return self._prefix_state[slot] if self.stateful else None
 
     def computed_each(self, slots: Sequence[int], token_ids: Sequence[int]) -> None:
         """``computed(slots[i], (token_ids[i],))`` for each ``i``: a decode step's one token per request."""
@@ -230,21 +256,41 @@ class KVCacheManager:
         self._held[slot][-1] = last[: len(last) - n]
         self._seq_lens[slot] -= n
 
-    def free_request(self, slot: int) -> None:
+    def free_request(self, slot: int, keep_state: bool = True) -> Optional[int]:
         """Free ``slot`` and every token it holds; with the prefix cache the tree keeps the computed ones (those it
-        did not hold already) and the slot's pin is released."""
+        did not hold already) and the slot's pin is released. With state checkpoints: the id of the checkpoint now
+        recorded after the row's computed tokens, which the caller must fill with the row's state before the row
+        runs again (None when nothing was computed, the tree has a checkpoint there already, or ``keep_state`` is
+        False: the row's state is not the state after its computed tokens)."""
         self.slots.check_allocated("KVCacheManager.free_request", slot)
+        state = None
         if not self.contiguous_slots:
             held = self._held[slot] + ([torch.tensor(self._held_decode[slot])] if self._held_decode[slot] else [])
             token_idx = torch.cat(held) if held else torch.empty(0, dtype=torch.int64)
             if self.prefix is not None:
                 token_idx = self._release_to_tree(slot, token_idx)
+                state = self._checkpoint(self._ids[slot]) if self.stateful and keep_state else None
             if token_idx.numel():
                 self.tokens.free(token_idx)
         self._held[slot], self._held_decode[slot], self._ids[slot] = [], [], []
         self._seq_lens[slot] = 0
         self._last_extend[slot] = False
+        self._prefix_state[slot] = None
         self.slots.free(slot)
+        return state
+
+    def _checkpoint(self, ids: Sequence[int]) -> Optional[int]:
+        """A checkpoint id recorded after ``ids`` (in the tree), taken from the free ones or, all taken, from the
+        least recently used node; None when the tree has one there or no id can be had."""
+        if not ids or self.prefix.match(ids, stateful=True)[0] == len(ids):  # none to take, or one there already
+            return None
+        state = self._free_states.pop() if self._free_states else self.prefix.evict_state()
+        if state is None:
+            return None
+        if not self.prefix.attach_state(ids, state):
+            self._free_states.append(state)
+            return None
+        return state
 
     def _release_to_tree(self, slot: int, token_idx: torch.Tensor) -> torch.Tensor:
         """Insert the row's computed tokens into the tree and unpin its prefix: the slots left for the free list

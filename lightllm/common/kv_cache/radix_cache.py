@@ -5,6 +5,12 @@ starts with a cached sequence *pins* its path (a reference count on every node o
 of computing them; an unpinned node is evictable, least recently used leaf first, when the pool runs short.
 Matching is at token granularity: a node is split where a sequence leaves it.
 
+A node may also hold a *state checkpoint* (an id the caller owns the contents of): the state a model with
+per-request state beside its KV (Qwen3.5's linear attention) had after the node's last token. For such a model a
+cached prefix is usable only up to the deepest checkpoint on its path (``match(..., stateful=True)``). A checkpoint
+belongs to the end of its node, so a split leaves it on the lower part; an evicted node frees its checkpoint through
+``free_state``, and ``evict_state`` gives up the least recently used one when the caller runs out.
+
 Only bookkeeping: the manager decides when to pin, insert and evict; slots are returned through ``free_slots``.
 """
 
@@ -16,7 +22,7 @@ import torch
 
 
 class _Node:
-    __slots__ = ("key", "slots", "children", "parent", "refs", "last_used", "serial")
+    __slots__ = ("key", "slots", "children", "parent", "refs", "last_used", "serial", "state")
     _serials = itertools.count()  # ties in LRU order break by creation, the same on every tensor-parallel rank
 
     def __init__(self, key: List[int], slots: torch.Tensor, parent: Optional["_Node"]):
@@ -27,6 +33,7 @@ class _Node:
         self.refs = 0  # requests whose pinned path runs through it
         self.last_used = 0
         self.serial = next(_Node._serials)
+        self.state: Optional[int] = None  # checkpoint id: the state after this node's last token
 
 
 def _common_len(a: Sequence[int], b: Sequence[int]) -> int:
@@ -39,8 +46,10 @@ def _common_len(a: Sequence[int], b: Sequence[int]) -> int:
 class RadixCache:
     """Token-id prefixes and the KV slots that hold them. ``free_slots(indices)`` takes back evicted slots."""
 
-    def __init__(self, free_slots: Callable[[torch.Tensor], None]):
+    def __init__(self, free_slots: Callable[[torch.Tensor], None], free_state: Callable[[int], None] = lambda i: None):
         self.free_slots = free_slots
+        self.free_state = free_state
+        self._stateful: Dict[int, _Node] = {}  # checkpoint id -> the node holding it
         self.root = _Node([], torch.empty(0, dtype=torch.int64), None)
         self.root.refs = 1  # never evicted
         self.num_tokens = 0  # slots the tree owns
@@ -49,9 +58,10 @@ class RadixCache:
 
     # ---- queries -------------------------------------------------------------------------------------------
 
-    def match(self, tokens: Sequence[int]) -> Tuple[int, int]:
-        """(how many leading ``tokens`` are cached, how many of those sit in unpinned nodes); changes nothing."""
-        node, i, unpinned = self.root, 0, 0
+    def match(self, tokens: Sequence[int], stateful: bool = False) -> Tuple[int, int]:
+        """(how many leading ``tokens`` are cached, how many of those sit in unpinned nodes); changes nothing.
+        ``stateful``: cached up to the deepest state checkpoint on their path (0 without one)."""
+        node, i, unpinned, usable = self.root, 0, 0, (0, 0)
         while i < len(tokens):
             child = node.children.get(tokens[i])
             if child is None:
@@ -62,7 +72,14 @@ class RadixCache:
             if n < len(child.key):
                 break
             node = child
-        return i, unpinned
+            if node.state is not None:
+                usable = (i, unpinned)
+        return usable if stateful else (i, unpinned)
+
+    @property
+    def num_states(self) -> int:
+        """State checkpoints the tree holds."""
+        return len(self._stateful)
 
     # ---- changes -------------------------------------------------------------------------------------------
 
@@ -110,6 +127,32 @@ class RadixCache:
             self.num_evictable += len(leaf.key)
         return cached
 
+    def attach_state(self, tokens: Sequence[int], state: int) -> bool:
+        """Record checkpoint ``state`` as the state after the cached ``tokens`` (``ValueError`` if they are not all
+        cached); False, nothing recorded, when a checkpoint is there already (the caller keeps ``state``) or
+        ``tokens`` is empty."""
+        cached, _ = self.match(tokens)
+        if cached < len(tokens):
+            raise ValueError(f"RadixCache.attach_state: tokens expected a cached prefix, got {len(tokens)} tokens of "
+                             f"which {cached} are cached")  # fmt: skip
+        node, _ = self._walk(tokens)
+        if node is self.root or node.state is not None:
+            return False
+        node.state = state
+        node.last_used = next(self._clock)
+        self._stateful[state] = node
+        return True
+
+    def evict_state(self) -> Optional[int]:
+        """Give up the least recently used state checkpoint (its node's KV stays); its id, None when there is none.
+        A pinned path's checkpoint may go too: whoever pinned it has read it already."""
+        if not self._stateful:
+            return None
+        node = min(self._stateful.values(), key=lambda n: (n.last_used, n.serial))
+        del self._stateful[node.state]
+        state, node.state = node.state, None
+        return state
+
     def evict(self, num_tokens: int) -> int:
         """Free at least ``num_tokens`` slots (or all evictable ones), least recently used unpinned leaves first;
         returns how many were freed."""
@@ -121,6 +164,9 @@ class RadixCache:
             parent = leaf.parent
             del parent.children[leaf.key[0]]
             self.free_slots(leaf.slots)
+            if leaf.state is not None:
+                del self._stateful[leaf.state]
+                self.free_state(leaf.state)
             freed += len(leaf.key)
             self.num_tokens -= len(leaf.key)
             self.num_evictable -= len(leaf.key)
@@ -150,7 +196,8 @@ class RadixCache:
         return node, parts
 
     def _split(self, node: _Node, n: int) -> _Node:
-        """Cut ``node`` after its first ``n`` tokens; the new upper part (same pins, same age) is returned."""
+        """Cut ``node`` after its first ``n`` tokens; the new upper part (same pins, same age, no checkpoint: the
+        node's belongs to its end) is returned."""
         upper = _Node(node.key[:n], node.slots[:n], node.parent)
         upper.refs, upper.last_used = node.refs, node.last_used
         upper.children[node.key[n]] = node

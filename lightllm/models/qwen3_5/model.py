@@ -87,6 +87,7 @@ class Qwen3_5Model:
         self.use_kernels = device.type == "cuda"  # the Triton kernels, else their torch references
         self.attn: Optional[AttentionBackend] = None  # set once the KV cache is sized
         self.linear: Optional[LinearAttentionBackend] = None  # set by alloc_request_state
+        self._checkpoint_base, self._checkpoints = 0, 0  # prefix-cache state checkpoints (alloc_request_state)
         self.mtp = None  # the MTP head (mtp.py), built by the family when --mtp_mode asks for it
         self._cos, self._sin = rope_tables(config.rotary_dim, config.rope_theta, config.max_position_embeddings,
                                            device, self.dtype)  # fmt: skip
@@ -98,18 +99,41 @@ class Qwen3_5Model:
         """The backend that owns the KV pool (``config.num_kv_layers`` layers) this model writes and attends over."""
         self.attn = attn
 
-    def alloc_request_state(self, num_slots: int, ssm_dtype: torch.dtype, slots_per_request: int = 1) -> int:
+    def alloc_request_state(self, num_slots: int, ssm_dtype: torch.dtype, checkpoints: int = 0,
+                            slots_per_request: int = 1) -> int:  # fmt: skip
         """Allocate the linear-attention state slots (conv state in the model dtype, recurrent state in
         ``ssm_dtype``), ``slots_per_request`` per request row (MTP: one per verified token, ``InferState.state_idx``
-        says which is current); returns their bytes."""
-        state = LinearAttentionState(len(self.state_layer), num_slots * slots_per_request, self.linear_shape,
+        says which is current), then ``checkpoints`` for the prefix cache; returns their bytes."""
+        if checkpoints and slots_per_request != 1:
+            raise ValueError("Qwen3.5: prefix-cache checkpoints expected one state slot per request (no MTP), got "
+                             f"{slots_per_request}")  # fmt: skip
+        self._checkpoint_base, self._checkpoints = num_slots * slots_per_request, checkpoints
+        state = LinearAttentionState(len(self.state_layer), self._checkpoint_base + checkpoints, self.linear_shape,
                                      self.dtype, ssm_dtype, self.device)  # fmt: skip
         self.linear = LinearAttentionBackend(state, self.device)
         return state.nbytes
 
+    def save_state(self, slot: int, checkpoint: int) -> None:
+        self._copy_state(slot, self._checkpoint_row(checkpoint))
+
+    def load_state(self, checkpoint: int, slot: int) -> None:
+        self._copy_state(self._checkpoint_row(checkpoint), slot)
+
+    def _checkpoint_row(self, checkpoint: int) -> int:
+        if not 0 <= checkpoint < self._checkpoints:
+            raise ValueError(f"Qwen3.5: checkpoint expected in [0, {self._checkpoints}), got {checkpoint}")
+        return self._checkpoint_base + checkpoint
+
+    def _copy_state(self, src: int, dst: int) -> None:
+        """Every linear layer's conv window and recurrent state of row ``src`` into row ``dst`` (two copies)."""
+        state = self.linear.state
+        state.conv[:, dst].copy_(state.conv[:, src])
+        state.ssm[:, dst].copy_(state.ssm[:, src])
+
     def prefix_cache_blocker(self) -> Optional[str]:
-        return ("linear-attention state would need checkpoints at prefix boundaries (LightLLM's "
-                "--linear_att_hash_page_size), which are not implemented")  # fmt: skip
+        if self._checkpoints:
+            return None
+        return "linear-attention state: the prefix cache keeps it in checkpoints, and --linear_att_cache_size is 0"
 
     def prefill_graph_blocker(self) -> Optional[str]:
         return "linear-attention state: padding tokens would advance the request's conv and recurrent state"

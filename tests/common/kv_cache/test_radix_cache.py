@@ -66,12 +66,63 @@ def test_eviction_takes_the_least_recently_used_unpinned_leaves():
         tree.clear()
 
 
+def test_state_checkpoints_sit_at_node_ends_and_bound_a_stateful_match():
+    freed_states = []
+    tree = RadixCache(lambda idx: None, freed_states.append)
+    tree.insert([1, 2, 3, 4, 5], torch.arange(5))
+    assert tree.match([1, 2, 3, 4, 5, 6], stateful=True) == (0, 0)  # no checkpoint: nothing usable
+    assert tree.attach_state([1, 2, 3], 7) and not tree.attach_state([1, 2, 3], 8)  # one per position
+    assert not tree.attach_state([], 9)
+    with pytest.raises(ValueError, match="tokens expected a cached prefix, got 6 tokens of which 5 are cached"):
+        tree.attach_state([1, 2, 3, 4, 5, 6], 9)
+    assert tree.match([1, 2, 3, 4, 5, 6], stateful=True) == (3, 3) and tree.match([1, 2, 3, 4, 5, 6]) == (5, 5)
+    assert tree.match([1, 2], stateful=True) == (0, 0)  # the checkpoint lies past the tokens
+    tree.pin([1, 2])  # splits [1, 2] off: the checkpoint stays at the end of [1, 2, 3]
+    assert tree.match([1, 2, 3, 9], stateful=True) == (3, 1)
+    assert tree.attach_state([1, 2, 3, 4, 5], 8) and tree.num_states == 2
+    assert tree.evict(100) == 3 and freed_states == [8, 7]  # evicted nodes give their checkpoints back
+    assert tree.num_states == 0
+
+
+def test_the_least_recently_used_checkpoint_is_given_up_first():
+    tree = RadixCache(lambda idx: None)
+    tree.insert([1, 2], torch.arange(2))
+    tree.insert([5, 6], torch.arange(2, 4))
+    assert tree.attach_state([5, 6], 0) and tree.attach_state([1, 2], 1)
+    tree.pin([5, 6])  # used again after [1, 2]'s checkpoint was made
+    assert tree.evict_state() == 1 and tree.match([1, 2, 3], stateful=True) == (0, 0)
+    assert tree.evict_state() == 0 and tree.evict_state() is None
+    assert tree.num_tokens == 4  # the KV stays
+
+
 def test_manager_refuses_a_prefix_without_the_cache():
     kv = KVCacheManager(16, 2, 8, "cpu")
     with pytest.raises(ValueError, match="prefix expected empty without the prefix cache, got 2 tokens"):
         kv.add_request([1, 2])
     with pytest.raises(ValueError, match="prefix_cache expected a shared token pool"):
         KVCacheManager(16, 2, 8, "cpu", contiguous_slots=True, prefix_cache=True)
+    with pytest.raises(ValueError, match="state_checkpoints expected 0 without the prefix cache, got 2"):
+        KVCacheManager(16, 2, 8, "cpu", state_checkpoints=2)
+
+
+def test_manager_with_state_checkpoints_reuses_a_prefix_only_up_to_one():
+    kv = KVCacheManager(32, 3, 16, "cpu", prefix_cache=True, state_checkpoints=1)
+    slot = kv.add_request()
+    kv.extend(slot, 5)
+    kv.computed(slot, [1, 2, 3, 4, 5])
+    assert kv.prefix_state(slot) is None and kv.free_request(slot) == 0  # fill checkpoint 0 with its state
+    assert kv.match_prefix([1, 2, 3, 4, 5, 6]) == (5, 5) and kv.match_prefix([1, 2, 3, 4]) == (0, 0)
+    with pytest.raises(ValueError, match="prefix expected to end at a state checkpoint"):
+        kv.add_request([1, 2, 3])
+    assert kv.num_free_slots == 3  # the refused request took no slot
+    slot = kv.add_request([1, 2, 3, 4, 5])
+    assert kv.prefix_state(slot) == 0
+    kv.extend(slot, 2)
+    kv.computed(slot, [6, 7])
+    assert kv.free_request(slot) == 0  # the only checkpoint, taken back from [1..5] for [1..7]
+    assert kv.match_prefix([1, 2, 3, 4, 5, 6]) == (0, 0) and kv.match_prefix([1, 2, 3, 4, 5, 6, 7, 8]) == (7, 7)
+    slot = kv.add_request()
+    assert kv.free_request(slot) is None  # nothing computed: no checkpoint
 
 
 def _path_refs(tree):
@@ -85,24 +136,31 @@ def _path_refs(tree):
     return out
 
 
+@pytest.mark.parametrize("checkpoints", [0, 3], ids=["kv only", "state checkpoints"])
 @pytest.mark.parametrize("seed", range(4))
-def test_random_admissions_and_finishes_keep_the_tree_consistent(seed):
+def test_random_admissions_and_finishes_keep_the_tree_consistent(seed, checkpoints):
     """Requests share prefixes of a few base prompts; they are admitted as the scheduler does (a hit counts its
     evictable tokens as taken) and finish in random order, under a pool small enough to evict. A model of every
     slot's content (the token ids its KV was computed from) proves that a reused prefix holds exactly the
-    request's tokens; after every operation pins match the live requests and no count goes negative."""
+    request's tokens; after every operation pins match the live requests and no count goes negative. With state
+    checkpoints (three, fewer than the finishes: they are reused) a model of each checkpoint's content (the token
+    ids of the request whose state was saved into it) proves that a hit starts from the state of exactly its
+    prefix, and that every node's checkpoint holds its path's state."""
     rng = random.Random(seed)
     total, max_len = 64, 24
-    kv = KVCacheManager(total, 6, max_len, "cpu", prefix_cache=True)
+    kv = KVCacheManager(total, 6, max_len, "cpu", prefix_cache=True, state_checkpoints=checkpoints)
     content = {}  # slot -> the token ids (from position 0) whose last one's KV the slot holds
+    saved = {}  # checkpoint id -> the token ids whose state it holds
     bases = [[rng.randrange(5) for _ in range(max_len)] for _ in range(3)]
     live = {}  # request slot -> (its token ids, tokens pinned at admission)
     evictions = hits = 0
     for _ in range(300):
         if live and (rng.random() < 0.4 or not kv.has_free_slot()):
             slot = rng.choice(list(live))
-            del live[slot]
-            kv.free_request(slot)
+            ids, _ = live.pop(slot)
+            state = kv.free_request(slot)
+            if state is not None:  # the runner copies the row's state (after all of ids) into it
+                saved[state] = tuple(ids)
         else:
             base = rng.choice(bases)
             ids = base[: rng.randrange(2, max_len)] + [rng.randrange(5) for _ in range(rng.randrange(3))]
@@ -114,6 +172,8 @@ def test_random_admissions_and_finishes_keep_the_tree_consistent(seed):
             slot = kv.add_request(ids[:cached])
             row = kv.table[slot, :cached].tolist()
             assert [content[s] for s in row] == [tuple(ids[: i + 1]) for i in range(cached)]
+            if checkpoints and cached:
+                assert saved[kv.prefix_state(slot)] == tuple(ids[:cached])
             new = kv.extend(slot, len(ids) - cached)
             evictions += before > kv.prefix.num_tokens
             for i, s in enumerate(new.tolist(), start=cached):
@@ -127,13 +187,21 @@ def test_random_admissions_and_finishes_keep_the_tree_consistent(seed):
             assert refs == want >= 0
             assert [content[s] for s in node.slots.tolist()] == [tuple(path[: len(path) - len(node.key) + i + 1])
                                                                  for i in range(len(node.key))]  # fmt: skip
+            if node.state is not None:
+                assert saved[node.state] == tuple(path)
+        states = [n.state for n in nodes if n.state is not None]
+        assert len(set(states)) == len(states) == kv.prefix.num_states
+        assert sorted(states + kv._free_states) == list(range(checkpoints))
         assert kv.prefix.num_tokens == sum(len(n.key) for n in nodes)
         assert kv.prefix.num_evictable == sum(len(n.key) for n in nodes if n.refs == 0)
         held = sum(kv.seq_len(s) - pinned for s, (_, pinned) in live.items())
         assert kv.tokens.num_free + kv.prefix.num_tokens + held == total  # no slot leaked or counted twice
     assert evictions > 0 and hits > 0
+    if checkpoints:
+        assert len(saved) == checkpoints  # every id used, some several times
     for slot in list(live):
         kv.free_request(slot)
     assert kv.tokens.num_free == total - kv.prefix.num_tokens
     kv.prefix.clear()
     assert kv.tokens.num_free == total and kv.num_free_tokens == total
+    assert sorted(kv._free_states) == list(range(checkpoints)) and kv.prefix.num_states == 0

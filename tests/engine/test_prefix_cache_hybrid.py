@@ -1,0 +1,141 @@
+"""The prefix cache with Qwen3.5 (linear-attention state beside the KV) on the CPU, float32: a finished request leaves
+a checkpoint of its state after its computed tokens, and a later request reuses a cached prefix up to the deepest
+checkpoint on it. Greedy output is the same with the cache on and off (and with one checkpoint for many requests,
+under a pool small enough to preempt); a follow-up turn prefills only past the previous request's tokens; what no
+checkpoint covers is recomputed; the flag turns the checkpoints, and with them the cache, off."""
+
+import logging
+
+import pytest
+
+from lightllm.engine.args import EngineArgs
+from lightllm.engine.engine import Engine
+from lightllm.tools.make_tiny_model import make_tiny_qwen3_5
+from tests.engine.test_prefix_cache import BASE, WAVES, assert_no_leak, counting, run, run_waves, runner
+
+OTHER = [90 + i for i in range(12)]  # shares nothing with BASE
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return str(make_tiny_qwen3_5(tmp_path_factory.mktemp("hybrid"), seed=3))
+
+
+def assert_no_state_leak(r):
+    kv = r.kv
+    assert_no_leak(r)  # clears the tree
+    assert kv.prefix.num_states == 0 and sorted(kv._free_states) == list(range(r.args.linear_att_cache_size))
+
+
+def test_a_follow_up_turn_prefills_only_past_the_previous_request(model_dir):
+    """Turn two's prompt is turn one's prompt and answer and more: only the answer's last token (its KV never
+    computed) and the new tokens are prefilled, and the output is the cache-off run's."""
+    first, more = BASE[:20], [50, 51, 52]
+    off = Engine(runner(model_dir, cache=False), eos_ids=[])
+    answer, _ = run(off, [first])
+    want, _ = run(off, [first + answer[0] + more])
+    r = runner(model_dir)
+    engine, calls = Engine(r, eos_ids=[]), counting(r)
+    got, _ = run(engine, [first])
+    assert got == answer and r.kv.prefix.num_states == 1
+    run(engine, [OTHER])  # takes the freed slot: its state row no longer holds turn one's
+    got, fins = run(engine, [first + answer[0] + more])
+    computed = len(first) + len(answer[0]) - 1
+    assert got == want and fins[0].cached_tokens == computed
+    assert calls == [[len(first)], [len(OTHER)], [1 + len(more)]]
+    assert_no_state_leak(r)
+
+
+def test_what_no_checkpoint_covers_is_recomputed(model_dir):
+    """An identical prompt's checkpoint lies past its last-but-one token (the request's answer was computed too),
+    and a prompt inside a cached one has none: both prefill whole, as without the cache."""
+    r = runner(model_dir)
+    engine, calls = Engine(r, eos_ids=[]), counting(r)
+    first, _ = run(engine, [BASE])
+    second, fins = run(engine, [BASE])
+    inner, inner_fins = run(engine, [BASE[:25]])
+    assert second == first and fins[0].cached_tokens == inner_fins[0].cached_tokens == 0
+    assert calls == [[len(BASE)], [len(BASE)], [25]]
+    want, _ = run(Engine(runner(model_dir, cache=False), eos_ids=[]), [BASE[:25]])
+    assert inner == want
+
+
+def test_greedy_output_is_the_same_with_the_cache_on_and_off(model_dir):
+    want = [outs for outs, _ in run_waves(runner(model_dir, cache=False))]
+    r = runner(model_dir)
+    assert [outs for outs, _ in run_waves(r)] == want
+    assert_no_state_leak(r)
+
+
+def test_one_checkpoint_and_a_tiny_pool_lose_no_request(model_dir):
+    """Follow-up turns of several conversations through one checkpoint (each finish takes it from the last) and a
+    130-token pool that evicts and preempts (a preempted request is re-admitted from its own checkpoint)."""
+    starts = [BASE[: 10 + 4 * i] + [i] for i in range(4)]
+    off = Engine(runner(model_dir, cache=False), eos_ids=[])
+    answers, _ = run(off, starts, max_new=10)
+    follow = [s + a + [60 + i] for i, (s, a) in enumerate(zip(starts, answers))]
+    want, _ = run(off, follow, max_new=10)
+    r = runner(model_dir, tokens=130, linear_att_cache_size=1)
+    engine = Engine(r, eos_ids=[])
+    preempted, real_preempt = [], engine.scheduler._preempt
+    engine.scheduler._preempt = lambda req: (preempted.append(req.id), real_preempt(req))
+    assert run(engine, starts, max_new=10)[0] == answers
+    got, fins = run(engine, follow, max_new=10)
+    assert got == want and all(ev.finish_reason == "length" for ev in fins)
+    assert preempted and r.kv.prefix.num_states <= 1
+    assert_no_state_leak(r)
+
+
+def test_chunked_prefill_continues_from_a_restored_checkpoint(model_dir):
+    """Two-token chunks: turn one in twelve, turn two's four new tokens in two after the restored state (few tokens
+    after it, so a wrong state would show in the output: this tiny model's gates forget within tens of tokens)."""
+    first, more = BASE[:24], [50, 51, 52]
+    off = Engine(runner(model_dir, cache=False, chunked_prefill_size=2), eos_ids=[])
+    answer, _ = run(off, [first])
+    want, _ = run(off, [first + answer[0] + more])
+    r = runner(model_dir, chunked_prefill_size=2)
+    engine, calls = Engine(r, eos_ids=[]), counting(r)
+    run(engine, [first])
+    run(engine, [OTHER])
+    got, fins = run(engine, [first + answer[0] + more])
+    assert got == want and fins[0].cached_tokens == len(first) + len(answer[0]) - 1
+    assert calls[-2:] == [[2], [2]]
+
+
+def test_the_flag_sizes_the_checkpoints_and_zero_turns_the_cache_off(model_dir, caplog):
+    r = runner(model_dir)
+    assert r.kv.stateful and r.args.linear_att_cache_size == r.args.running_max_req_size  # the default
+    assert r.model.linear.state.ssm.shape[1] == r.args.running_max_req_size + 1 + r.args.linear_att_cache_size
+    with caplog.at_level(logging.INFO, logger="lightllm.engine.model_runner"):
+        off = runner(model_dir, linear_att_cache_size=0)
+    assert off.kv.prefix is None and off.model.linear.state.ssm.shape[1] == off.args.running_max_req_size + 1
+    (line,) = [m for m in caplog.messages if m.startswith("prefix cache (dynamic prompt cache) off")]
+    assert "--linear_att_cache_size is 0" in line
+    with pytest.raises(ValueError, match="--linear_att_cache_size expected a non-negative integer"):
+        EngineArgs(model_dir=model_dir, device="cpu", linear_att_cache_size=-1).normalize()
+    assert len(WAVES) == 3  # the waves test above runs the Qwen3 module's mixes
+
+
+def test_a_failed_forward_leaves_no_checkpoint_of_its_half_advanced_state(model_dir):
+    """A chunk's forward that raises after the first layers advanced the state: the request ends with "error", and
+    its first chunk's KV stays in the tree but without a checkpoint, so the same prompt again is computed afresh."""
+    prompt = BASE[:20]
+    want, _ = run(Engine(runner(model_dir, cache=False, chunked_prefill_size=8), eos_ids=[]), [prompt])
+    r = runner(model_dir, chunked_prefill_size=8)
+    real, calls = r.model.forward, []
+
+    def forward(input_ids, state):
+        calls.append(1)
+        if len(calls) == 2:  # the second chunk: the state rows moved, then the forward fails
+            r.model.linear.state.ssm.add_(1.0)
+            raise RuntimeError("injected failure")
+        return real(input_ids, state)
+
+    r.model.forward = forward
+    engine = Engine(r, eos_ids=[])
+    _, fins = run(engine, [prompt])
+    assert fins[0].finish_reason == "error"
+    assert r.kv.prefix.num_tokens == 8 and r.kv.prefix.num_states == 0
+    r.model.linear.state.ssm.zero_()  # every request starts afresh: only a checkpoint could carry the damage
+    got, fins = run(engine, [prompt])
+    assert got == want and fins[0].cached_tokens == 0
