@@ -164,9 +164,8 @@ class ModelRunner:
             contiguous = not require_fa3(self.device, fa3_flags[0]).paged
         # per-request model state (linear attention) first, so the GPU profile and the RAM reading count it
         ssm_dtype = SSM_DATA_TYPES[a.linear_att_ssm_data_type]
-        # prefix-cache checkpoints of that state, where the prefix cache can be on at all (decided below)
-        checkpoints = 0 if a.disable_dynamic_prompt_cache or a.mtp_mode is not None or contiguous else (
-            a.linear_att_cache_size)  # fmt: skip
+        # prefix-cache checkpoints of that state, where the prefix cache can be on at all
+        checkpoints = a.linear_att_cache_size if self._prefix_cache_off(contiguous) is None else 0
         if a.mtp_mode is None:
             state_bytes = self.model.alloc_request_state(max_reqs, ssm_dtype, checkpoints=checkpoints)
         else:  # one state slot per verified token (mtp_runner.py)
@@ -211,25 +210,30 @@ class ModelRunner:
         # fa3 picks its layout too
         self.attn = AttentionBackend(pool, a.llm_decode_att_backend, self.device, a.llm_prefill_att_backend)
         self.model.set_attention(self.attn)
-        self._unsettled: set = set()  # slots whose last forward did not return (their state may be half-advanced)
         self.pad_slot = self.kv.add_request()
         self.pad_token = int(self.kv.extend(self.pad_slot, 1)[0])
         self.mtp = MTPRunner(self, a.mtp_step, max_reqs) if a.mtp_mode is not None else None
         logger.info("KV cache: %d tokens (%s, %s, prefix cache %s)", num_tokens, a.llm_kv_type, "contiguous slots"
                     if contiguous else "token pool", "on" if prefix_cache else "off")  # fmt: skip
 
-    def _use_prefix_cache(self, contiguous: bool) -> bool:
-        """The prefix cache is on unless turned off, or the model or KV layout can't reuse a prefix (one log line)."""
+    def _prefix_cache_off(self, contiguous: bool) -> Optional[str]:
+        """Why the prefix cache is off whatever the model ("" when turned off by its flag), None when it can be on."""
         if self.args.disable_dynamic_prompt_cache:
-            return False
+            return ""
         if self.args.mtp_mode is not None:  # a verify step's KV is not recorded for the tree
-            logger.info("prefix cache (dynamic prompt cache) off: --mtp_mode")
-            return False
-        why = self.model.prefix_cache_blocker()
-        why = why and f"the model's {why}"
-        if why is None and contiguous:
-            why = "the FA3 build without paged KV gives each request a fixed row of the pool"
-        if why is not None:
+            return "--mtp_mode"
+        if contiguous:
+            return "the FA3 build without paged KV gives each request a fixed row of the pool"
+        return None
+
+    def _use_prefix_cache(self, contiguous: bool) -> bool:
+        """The prefix cache is on unless turned off, or the KV layout or the model can't reuse a prefix (one log
+        line)."""
+        why = self._prefix_cache_off(contiguous)
+        if why is None:
+            why = self.model.prefix_cache_blocker()
+            why = why and f"the model's {why}"
+        if why:
             logger.info("prefix cache (dynamic prompt cache) off: %s", why)
         return why is None
 
@@ -289,7 +293,6 @@ class ModelRunner:
         lens = [len(p) for p in prompts]
         prefix = [self.kv.seq_len(s) for s in slots]
         token_idx = self.kv.extend_many(slots, lens)  # one allocation and one table write for the step
-        self._unsettled.update(slots)
         logits = None
         if self.prefill_graphs is not None and len(slots) == 1:  # one request within a bucket: a graph replay
             logits = self.prefill_graphs.prefill(slots[0], prefix[0], prompts[0], token_idx)
@@ -297,7 +300,6 @@ class ModelRunner:
             logits = self._prefill_eager(slots, prompts, lens, prefix, token_idx)
         for slot, prompt in zip(slots, prompts):  # after the forward: a failed one leaves no KV to reuse
             self.kv.computed(slot, prompt)
-        self._unsettled.difference_update(slots)
         return logits
 
     def _prefill_eager(self, slots, prompts, lens, prefix, token_idx) -> torch.Tensor:
@@ -313,7 +315,6 @@ class ModelRunner:
         staging, bs = self._staging, len(slots)
         staged = staging is not None and bs <= staging.rows
         token_idx = self.kv.extend_each(slots, write_table=not staged)  # staged: written from the staged columns
-        self._unsettled.update(slots)
         seq_lens = self.kv.seq_lens(slots)
         max_len = max(seq_lens)
         graph = self.graphs.pick(bs, max_len) if self.graphs else None
@@ -339,7 +340,6 @@ class ModelRunner:
 
     def _computed_each(self, slots: Sequence[int], last_tokens: Sequence[int], logits: torch.Tensor) -> torch.Tensor:
         self.kv.computed_each(slots, last_tokens)
-        self._unsettled.difference_update(slots)
         return logits
 
     def add_request(self, prefix: Sequence[int] = ()) -> int:
@@ -354,9 +354,7 @@ class ModelRunner:
     def free(self, slot: int) -> None:
         """Free the request's slot; its computed KV goes to the prefix cache, and its state (Qwen3.5) to the
         checkpoint the cache recorded after those tokens."""
-        # a forward that raised may have advanced some layers' state: nothing of that row is checkpointed
-        checkpoint = self.kv.free_request(slot, keep_state=slot not in self._unsettled)
-        self._unsettled.discard(slot)
+        checkpoint = self.kv.free_request(slot)
         if checkpoint is not None:
             self.model.save_state(slot, checkpoint)
 

@@ -96,23 +96,29 @@ def gather_dequant_kv(k_codes, k_scale, v_codes, v_scale, token_idx, quant: str,
     of new tensors (the same shape and dtype). Bad input is a ``ValueError`` naming the argument."""
     _check(quant, k_codes, k_scale, v_codes, v_scale, token_idx, group_size, out_dtype)
     n, (heads, width) = token_idx.numel(), k_codes.shape[1:]
-    head_dim = 2 * width if quant == "int4" else width
-    shape = (n, heads, head_dim)
+    shape = (n, heads, 2 * width if quant == "int4" else width)
     if out is None:
         out = (torch.empty(shape, dtype=out_dtype, device=k_codes.device),
                torch.empty(shape, dtype=out_dtype, device=k_codes.device))  # fmt: skip
     elif any(o.shape != shape or o.dtype != out_dtype or not o.is_contiguous() for o in out):
         raise ValueError(f"gather_dequant_kv: out expected two contiguous {out_dtype} tensors of shape {shape}, got "
                          f"{[(o.dtype, tuple(o.shape)) for o in out]}")  # fmt: skip
+    return launch_gather_dequant(k_codes, k_scale, v_codes, v_scale, token_idx, quant, group_size, out)
+
+
+def launch_gather_dequant(k_codes, k_scale, v_codes, v_scale, token_idx, quant: str, group_size: int, out):
+    """``gather_dequant_kv`` without its checks, into ``out``: for a caller that checked one layer's tensors and
+    reads every layer of a pool alike (one shape, dtype and strides)."""
     k_out, v_out = out
+    n, heads = token_idx.numel(), k_codes.shape[1]
     if n:
         _GATHER_DEQUANT.launch(
             (triton.cdiv(n, _BLOCK_T), heads),
             k_codes, k_scale, v_codes, v_scale, token_idx, k_out, v_out, n,
             k_codes.stride(0), k_codes.stride(1), k_scale.stride(0), k_scale.stride(1),
             k_out.stride(0), k_out.stride(1),
-            BLOCK_T=_BLOCK_T, HEAD_D=head_dim, QGROUP=group_size, INT4=quant == "int4",
-            INT4_OFFSET=INT4_OFFSET, num_warps=4 if head_dim <= 128 else 8,
+            BLOCK_T=_BLOCK_T, HEAD_D=k_out.shape[2], QGROUP=group_size, INT4=quant == "int4",
+            INT4_OFFSET=INT4_OFFSET, num_warps=4 if k_out.shape[2] <= 128 else 8,
         )  # fmt: skip
     return k_out, v_out
 

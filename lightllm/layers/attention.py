@@ -22,7 +22,7 @@ import torch
 from lightllm.common.kv_cache import Int4KVPool, Int8KVPool, KVPool, dequantize_int4_ref, dequantize_int8_ref
 from lightllm.layers.infer_state import InferState
 from lightllm.kernels import kv_cache_write as kvw
-from lightllm.kernels.kv_cache_read import gather_dequant_kv
+from lightllm.kernels.kv_cache_read import gather_dequant_kv, launch_gather_dequant
 from lightllm.kernels.attention.decode.flash_decode import GQADecodePlan
 from lightllm.kernels.attention.decode.reference import decode_attention_ref
 from lightllm.kernels.attention.prefill.context_attention import (
@@ -290,9 +290,14 @@ class _QuantPrefixPlan:
 
     def run(self, q, k, v, pool, layer: int) -> torch.Tensor:
         quant = "int8" if isinstance(pool, Int8KVPool) else "int4"
-        # one gather-and-dequantize launch; its two buffers serve every layer of the forward (read before the next)
-        self._prefix = gather_dequant_kv(pool.k[layer], pool.k_scale[layer], pool.v[layer], pool.v_scale[layer],
-                                         self.token_idx, quant, pool.group_size, q.dtype, out=self._prefix)  # fmt: skip
+        layer_kv = (pool.k[layer], pool.k_scale[layer], pool.v[layer], pool.v_scale[layer], self.token_idx, quant,
+                    pool.group_size)  # fmt: skip
+        # one gather-and-dequantize launch; its two buffers serve every layer of the forward (read before the next),
+        # checked at the first layer (every layer of a pool has one shape, dtype and strides)
+        if self._prefix is None:
+            self._prefix = gather_dequant_kv(*layer_kv, q.dtype)
+        else:
+            launch_gather_dequant(*layer_kv, self._prefix)
         k_cache, v_cache = self._prefix
         return self.attn.run(q, k, v, k_cache=k_cache, v_cache=v_cache)
 

@@ -60,10 +60,30 @@ def test_what_no_checkpoint_covers_is_recomputed(model_dir):
     assert inner == want
 
 
-def test_greedy_output_is_the_same_with_the_cache_on_and_off(model_dir):
-    want = [outs for outs, _ in run_waves(runner(model_dir, cache=False))]
+@pytest.mark.parametrize("mixed", [False, True], ids=["alternating", "mixed chunks"])
+def test_greedy_output_is_the_same_with_the_cache_on_and_off(model_dir, mixed):
+    """The Qwen3 module's waves (contained, longer, diverging and identical prompts) and one more built on them; with
+    mixed steps a running request's decode token rides in a chunk step, continuing its state there."""
+    waves = WAVES + [[BASE + [5], BASE[:30], [7, 8, 9, 10, 11, 12]]]
+    want = [outs for outs, _ in run_waves(runner(model_dir, cache=False, enable_mixed_chunk=mixed), waves)]
+    r = runner(model_dir, enable_mixed_chunk=mixed)
+    assert [outs for outs, _ in run_waves(r, waves)] == want
+    assert_no_state_leak(r)
+
+
+def test_aborts_leave_consistent_checkpoints(model_dir):
+    """Aborted requests (one before its first token, one mid-answer) still leave checkpoints of what they computed,
+    and a follow-up turn built on the mid-answer one restores it."""
+    off = Engine(runner(model_dir, cache=False), eos_ids=[])
     r = runner(model_dir)
-    assert [outs for outs, _ in run_waves(r)] == want
+    engine = Engine(r, eos_ids=[])
+    prompts = [BASE[:15] + [1], BASE[:15] + [2], OTHER]
+    outs, fins = run(engine, prompts, max_new=8, abort_after={0: 1, 1: 4})
+    assert [ev.finish_reason for ev in fins] == ["abort", "abort", "length"]
+    follow = prompts[1] + outs[1] + [77]
+    want, _ = run(off, [follow])
+    got, fins = run(engine, [follow])
+    assert got == want and fins[0].cached_tokens == len(prompts[1]) + len(outs[1]) - 1
     assert_no_state_leak(r)
 
 
@@ -113,7 +133,6 @@ def test_the_flag_sizes_the_checkpoints_and_zero_turns_the_cache_off(model_dir, 
     assert "--linear_att_cache_size is 0" in line
     with pytest.raises(ValueError, match="--linear_att_cache_size expected a non-negative integer"):
         EngineArgs(model_dir=model_dir, device="cpu", linear_att_cache_size=-1).normalize()
-    assert len(WAVES) == 3  # the waves test above runs the Qwen3 module's mixes
 
 
 def test_a_failed_forward_leaves_no_checkpoint_of_its_half_advanced_state(model_dir):
@@ -139,3 +158,22 @@ def test_a_failed_forward_leaves_no_checkpoint_of_its_half_advanced_state(model_
     r.model.linear.state.ssm.zero_()  # every request starts afresh: only a checkpoint could carry the damage
     got, fins = run(engine, [prompt])
     assert got == want and fins[0].cached_tokens == 0
+
+
+def test_a_failed_decode_step_leaves_no_checkpoint(model_dir):
+    """The same for a decode forward: the running requests end with "error" and leave their prompts' KV in the
+    tree, but no checkpoint."""
+    r = runner(model_dir)
+    real = r.model.forward
+
+    def forward(input_ids, state):
+        if not state.is_prefill:
+            r.model.linear.state.ssm.add_(1.0)
+            raise RuntimeError("injected decode failure")
+        return real(input_ids, state)
+
+    r.model.forward = forward
+    _, fins = run(Engine(r, eos_ids=[]), [BASE[:12], OTHER])
+    assert [ev.finish_reason for ev in fins] == ["error", "error"]
+    assert r.kv.prefix.num_tokens == 12 + len(OTHER) and r.kv.prefix.num_states == 0
+    assert_no_state_leak(r)

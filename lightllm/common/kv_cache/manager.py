@@ -63,7 +63,6 @@ class KVCacheManager:
         self.prefix: Optional[RadixCache] = (
             RadixCache(self.tokens.free, self._free_states.append) if prefix_cache else None
         )
-        self._prefix_state: List[Optional[int]] = [None] * max_reqs  # the checkpoint a row's prefix starts from
         self._ids: List[List[int]] = [[] for _ in range(max_reqs)]  # token ids whose KV each row holds (prefix cache)
         self._pins: list = [None] * max_reqs  # the tree node each row pinned at add_request
         self._num_pinned = [0] * max_reqs  # how many tokens it starts with from the tree
@@ -124,7 +123,6 @@ class KVCacheManager:
         self._last_extend[slot] = False  # a pinned prefix is never truncated
         self._ids[slot], self._num_pinned[slot] = list(prefix), len(prefix)
         self._seq_lens[slot] = len(prefix)
-        self._prefix_state[slot] = None
         if prefix:
             try:
                 if self.stateful and self.prefix.match(prefix, stateful=True)[0] != len(prefix):
@@ -136,14 +134,15 @@ class KVCacheManager:
                 raise
             self.req_to_token.write(slot, 0, token_idx)
             self._held[slot].append(token_idx)
-            self._prefix_state[slot] = self._pins[slot].state
         return slot
 
     def prefix_state(self, slot: int) -> Optional[int]:
-        """The state checkpoint ``slot``'s cached prefix ends at (the caller copies it into the row's state before
-        the row's first forward); None without a prefix or without state checkpoints."""
+        """The state checkpoint ``slot``'s cached prefix ends at; None without a prefix or without checkpoints.
+        Read it right after ``add_request`` and copy it into the row's state then: the tree may give the id to
+        another position at the next ``free_request`` (``RadixCache.evict_state``)."""
         self.slots.check_allocated("KVCacheManager.prefix_state", slot)
-        return self._prefix_state[slot] if self.stateful else None
+        pinned = self._pins[slot]
+        return pinned.state if self.stateful and pinned is not None else None
 
     def computed_each(self, slots: Sequence[int], token_ids: Sequence[int]) -> None:
         """``computed(slots[i], (token_ids[i],))`` for each ``i``: a decode step's one token per request."""
@@ -256,12 +255,12 @@ class KVCacheManager:
         self._held[slot][-1] = last[: len(last) - n]
         self._seq_lens[slot] -= n
 
-    def free_request(self, slot: int, keep_state: bool = True) -> Optional[int]:
+    def free_request(self, slot: int) -> Optional[int]:
         """Free ``slot`` and every token it holds; with the prefix cache the tree keeps the computed ones (those it
         did not hold already) and the slot's pin is released. With state checkpoints: the id of the checkpoint now
         recorded after the row's computed tokens, which the caller must fill with the row's state before the row
-        runs again (None when nothing was computed, the tree has a checkpoint there already, or ``keep_state`` is
-        False: the row's state is not the state after its computed tokens)."""
+        runs again (None when nothing was computed, the tree has a checkpoint there already, or the row's last
+        forward did not return: it may have advanced some layers' state past its computed tokens)."""
         self.slots.check_allocated("KVCacheManager.free_request", slot)
         state = None
         if not self.contiguous_slots:
@@ -269,28 +268,24 @@ class KVCacheManager:
             token_idx = torch.cat(held) if held else torch.empty(0, dtype=torch.int64)
             if self.prefix is not None:
                 token_idx = self._release_to_tree(slot, token_idx)
-                state = self._checkpoint(self._ids[slot]) if self.stateful and keep_state else None
+                settled = len(self._ids[slot]) == self._seq_lens[slot]  # else a forward raised after extend
+                state = self._checkpoint(self._ids[slot]) if self.stateful and settled else None
             if token_idx.numel():
                 self.tokens.free(token_idx)
         self._held[slot], self._held_decode[slot], self._ids[slot] = [], [], []
         self._seq_lens[slot] = 0
         self._last_extend[slot] = False
-        self._prefix_state[slot] = None
         self.slots.free(slot)
         return state
 
     def _checkpoint(self, ids: Sequence[int]) -> Optional[int]:
-        """A checkpoint id recorded after ``ids`` (in the tree), taken from the free ones or, all taken, from the
-        least recently used node; None when the tree has one there or no id can be had."""
-        if not ids or self.prefix.match(ids, stateful=True)[0] == len(ids):  # none to take, or one there already
-            return None
-        state = self._free_states.pop() if self._free_states else self.prefix.evict_state()
-        if state is None:
-            return None
-        if not self.prefix.attach_state(ids, state):
-            self._free_states.append(state)
-            return None
-        return state
+        """A checkpoint id recorded after ``ids`` (in the tree); None when the tree has one there or no id can be
+        had."""
+        return self.prefix.attach_state(ids, self._take_state)
+
+    def _take_state(self) -> Optional[int]:
+        """A free checkpoint id or, all taken, the least recently used node's."""
+        return self._free_states.pop() if self._free_states else self.prefix.evict_state()
 
     def _release_to_tree(self, slot: int, token_idx: torch.Tensor) -> torch.Tensor:
         """Insert the row's computed tokens into the tree and unpin its prefix: the slots left for the free list

@@ -127,21 +127,24 @@ class RadixCache:
             self.num_evictable += len(leaf.key)
         return cached
 
-    def attach_state(self, tokens: Sequence[int], state: int) -> bool:
-        """Record checkpoint ``state`` as the state after the cached ``tokens`` (``ValueError`` if they are not all
-        cached); False, nothing recorded, when a checkpoint is there already (the caller keeps ``state``) or
-        ``tokens`` is empty."""
+    def attach_state(self, tokens: Sequence[int], take: Callable[[], Optional[int]]) -> Optional[int]:
+        """Record a checkpoint after the cached ``tokens`` (``ValueError`` if they are not all cached), its id from
+        ``take()``, which is called only when there is none there yet; the id, or None when ``tokens`` is empty, a
+        checkpoint is there already or ``take()`` gave none. ``take`` may call ``evict_state``."""
         cached, _ = self.match(tokens)
         if cached < len(tokens):
             raise ValueError(f"RadixCache.attach_state: tokens expected a cached prefix, got {len(tokens)} tokens of "
                              f"which {cached} are cached")  # fmt: skip
         node, _ = self._walk(tokens)
         if node is self.root or node.state is not None:
-            return False
+            return None
+        state = take()  # never this node's (it has none): evict_state picks among nodes that have one
+        if state is None:
+            return None
         node.state = state
         node.last_used = next(self._clock)
         self._stateful[state] = node
-        return True
+        return state
 
     def evict_state(self) -> Optional[int]:
         """Give up the least recently used state checkpoint (its node's KV stays); its id, None when there is none.

@@ -71,15 +71,18 @@ def test_state_checkpoints_sit_at_node_ends_and_bound_a_stateful_match():
     tree = RadixCache(lambda idx: None, freed_states.append)
     tree.insert([1, 2, 3, 4, 5], torch.arange(5))
     assert tree.match([1, 2, 3, 4, 5, 6], stateful=True) == (0, 0)  # no checkpoint: nothing usable
-    assert tree.attach_state([1, 2, 3], 7) and not tree.attach_state([1, 2, 3], 8)  # one per position
-    assert not tree.attach_state([], 9)
+    taken = []
+    take = lambda n: lambda: taken.append(n) or n  # noqa: E731
+    assert tree.attach_state([1, 2, 3], take(7)) == 7 and tree.attach_state([1, 2, 3], take(8)) is None
+    assert taken == [7]  # no id is taken where a checkpoint is already
+    assert tree.attach_state([], take(9)) is None and tree.attach_state([1, 2], lambda: None) is None
     with pytest.raises(ValueError, match="tokens expected a cached prefix, got 6 tokens of which 5 are cached"):
-        tree.attach_state([1, 2, 3, 4, 5, 6], 9)
+        tree.attach_state([1, 2, 3, 4, 5, 6], take(9))
     assert tree.match([1, 2, 3, 4, 5, 6], stateful=True) == (3, 3) and tree.match([1, 2, 3, 4, 5, 6]) == (5, 5)
     assert tree.match([1, 2], stateful=True) == (0, 0)  # the checkpoint lies past the tokens
     tree.pin([1, 2])  # splits [1, 2] off: the checkpoint stays at the end of [1, 2, 3]
     assert tree.match([1, 2, 3, 9], stateful=True) == (3, 1)
-    assert tree.attach_state([1, 2, 3, 4, 5], 8) and tree.num_states == 2
+    assert tree.attach_state([1, 2, 3, 4, 5], take(8)) == 8 and tree.num_states == 2
     assert tree.evict(100) == 3 and freed_states == [8, 7]  # evicted nodes give their checkpoints back
     assert tree.num_states == 0
 
@@ -88,7 +91,7 @@ def test_the_least_recently_used_checkpoint_is_given_up_first():
     tree = RadixCache(lambda idx: None)
     tree.insert([1, 2], torch.arange(2))
     tree.insert([5, 6], torch.arange(2, 4))
-    assert tree.attach_state([5, 6], 0) and tree.attach_state([1, 2], 1)
+    assert tree.attach_state([5, 6], lambda: 0) == 0 and tree.attach_state([1, 2], lambda: 1) == 1
     tree.pin([5, 6])  # used again after [1, 2]'s checkpoint was made
     assert tree.evict_state() == 1 and tree.match([1, 2, 3], stateful=True) == (0, 0)
     assert tree.evict_state() == 0 and tree.evict_state() is None

@@ -161,7 +161,7 @@ def quant_split_kv_configs(q):
     program ALU-heavy, so more resident programs per SM keep more loads in flight: on the H200 a two-warp config is
     the fastest candidate in 11 of 15 quantized cells (benchmarks/results/decode_attention_quant_h200.json). With the
     PTX dequantization a two-warp program mostly waits at the barrier for its next tile (Nsight Compute, docs); a third
-    stage, one more tile in flight, won 7 of 12 cells by up to 6 % (decode_attention_quant_ptx_h200.json)."""
+    stage, one more tile in flight, won 7 of 12 cells by up to 7 % (decode_attention_quant_ptx_h200.json)."""
     return _split_candidates((32, 64), ((2, 2), (2, 3), (4, 2), (8, 3)))
 
 
