@@ -62,12 +62,18 @@ def test_what_no_checkpoint_covers_is_recomputed(model_dir):
 
 @pytest.mark.parametrize("mixed", [False, True], ids=["alternating", "mixed chunks"])
 def test_greedy_output_is_the_same_with_the_cache_on_and_off(model_dir, mixed):
-    """The Qwen3 module's waves (contained, longer, diverging and identical prompts) and one more built on them; with
-    mixed steps a running request's decode token rides in a chunk step, continuing its state there."""
+    """The Qwen3 module's waves (contained, longer, diverging and identical prompts) and one more built on them. With
+    mixed steps and 8-token chunks, running requests' decode tokens ride in the chunk steps of the longer prompts,
+    each continuing its state there (the run checks that such steps happened)."""
     waves = WAVES + [[BASE + [5], BASE[:30], [7, 8, 9, 10, 11, 12]]]
-    want = [outs for outs, _ in run_waves(runner(model_dir, cache=False, enable_mixed_chunk=mixed), waves)]
-    r = runner(model_dir, enable_mixed_chunk=mixed)
-    assert [outs for outs, _ in run_waves(r, waves)] == want
+    opts = dict(enable_mixed_chunk=True, chunked_prefill_size=8) if mixed else {}
+    want = [outs for outs, _ in run_waves(runner(model_dir, cache=False, **opts), waves)]
+    r = runner(model_dir, **opts)
+    engine, kinds = Engine(r, eos_ids=[]), []
+    schedule = engine.scheduler.schedule
+    engine.scheduler.schedule = lambda: (lambda kb: kinds.append(kb[0]) or kb)(schedule())
+    assert [run(engine, w)[0] for w in waves] == want
+    assert ("mixed" in kinds) == mixed
     assert_no_state_leak(r)
 
 
