@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from lightllm.common.kv_cache.quant import INT4_OFFSET, SCALE_DTYPE, dequantize_int4_ref, dequantize_int8_ref
+from lightllm.kernels.attention.decode.stage1 import _dequant
 from lightllm.kernels.direct_launch import DirectLaunch
 
 _OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -23,9 +24,10 @@ _BLOCK_T = 16
 
 @triton.jit
 def _times_group_scales(x, srow, m, g0, BLOCK_T: tl.constexpr, WIDTH: tl.constexpr, QGROUP: tl.constexpr):
-    """``x [BLOCK_T, WIDTH]`` (float32) times the scales of its groups (``g0``: the first group's index)."""
+    """``x [BLOCK_T, WIDTH]`` (float32) times the scales of its groups (``g0``: the first group's index), by decode
+    stage 1's register-local group broadcast."""
     s = tl.load(srow + (g0 + tl.arange(0, WIDTH // QGROUP))[None, :], mask=m, other=0).to(tl.float32)
-    return tl.reshape(tl.reshape(x, [BLOCK_T, WIDTH // QGROUP, QGROUP]) * s[:, :, None], [BLOCK_T, WIDTH])
+    return _dequant(x, s, BLOCK_T, WIDTH, QGROUP)
 
 
 @triton.jit
