@@ -1,0 +1,136 @@
+"""Decode stage 1 under Nsight Compute: the profiled target, and a summary of ncu's CSV exports as JSON.
+
+The target launches stage 1 at d128 32/8, B=64, L=32K for bf16 / INT8 group 8 / INT4 group 8, each with the config
+given below (the fastest of the quantized table before the PTX dequantization), three warm launches then the
+profiled one:
+
+    ncu --clock-control none --kernel-name regex:decode_stage1 --launch-skip 3 --launch-count 1 \\
+        --section SpeedOfLight --section SourceCounters --section WarpStateStats --section LaunchStats \\
+        -o /tmp/int8 python benchmarks/decode_stage1_ncu.py int8
+    ncu --import /tmp/int8.ncu-rep --page raw --csv > int8_raw.csv
+    ncu --import /tmp/int8.ncu-rep --page source --print-source sass --csv > int8_sass.csv
+    python benchmarks/decode_stage1_ncu.py --summarize before:int8=int8_raw.csv,int8_sass.csv ... --out FILE
+
+(the run before the PTX dequantization exported ``--page details`` instead of ``--page raw``; both are read). The
+summary keeps, per kernel: duration, registers, warps active per SM, warp instructions issued, and each SASS
+opcode's share of the executed instructions and of the warp-stall samples.
+"""
+
+import argparse
+import collections
+import csv
+import json
+import sys
+
+# (BLOCK_N, num_warps, num_stages, WAVES) per KV type, from benchmarks/results/decode_attention_quant_h200.json
+CONFIGS = {"none": (64, 8, 3, 4), "int8": (64, 2, 2, 8), "int4": (64, 2, 2, 8)}
+BATCH, LENGTH, Q_HEADS, KV_HEADS, HEAD_DIM, GROUP = 64, 32768, 32, 8, 128, 8
+
+
+def profile_target(kinds) -> None:
+    import torch
+
+    from decode_attention import decode_fn, make_pool
+
+    r2t = torch.arange(BATCH * LENGTH, device="cuda", dtype=torch.int32).view(BATCH, LENGTH)
+    idx = torch.arange(BATCH, device="cuda", dtype=torch.int32)
+    seq = torch.full((BATCH,), LENGTH, device="cuda", dtype=torch.int32)
+    q = torch.randn(BATCH, Q_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    for kind in kinds:
+        block_n, warps, stages, waves = CONFIGS[kind]
+        cfg = {"BLOCK_N": block_n, "num_warps": warps, "num_stages": stages, "WAVES": waves}
+        pool = make_pool(kind, BATCH * LENGTH, KV_HEADS, HEAD_DIM, GROUP)
+        fn = decode_fn(kind, q, pool, r2t, idx, seq, LENGTH, out, GROUP, cfg)
+        for _ in range(4):
+            fn()
+        torch.cuda.synchronize()
+        del pool
+        torch.cuda.empty_cache()
+
+
+def _rows(path: str) -> list:
+    return list(csv.reader(line for line in open(path) if line.startswith('"')))
+
+
+def _number(text: str) -> float:
+    return float(text.replace(",", ""))
+
+
+def metrics(path: str) -> dict:
+    """Duration (µs), registers, warps active per SM, warp instructions, from a ``--page raw`` or ``details`` CSV."""
+    rows = _rows(path)
+    head = rows[0]
+    if "Metric Name" in head:  # --page details: one metric per row
+        name, unit, value = (head.index(k) for k in ("Metric Name", "Metric Unit", "Metric Value"))
+        got = {r[name]: (r[unit], r[value]) for r in rows[1:]}
+        scale = {"ns": 1e-3, "us": 1.0, "ms": 1e3}[got["Duration"][0]]
+        return {"duration_us": _number(got["Duration"][1]) * scale,
+                "registers": _number(got["Registers Per Thread"][1]),
+                "warps_active_per_sm": _number(got["Achieved Active Warps Per SM"][1]),
+                "warp_instructions": _number(got["Executed Instructions"][1]),
+                "dram_throughput_pct": _number(got["DRAM Throughput"][1])}  # fmt: skip
+    units, values = rows[1], rows[2]  # --page raw: one column per metric
+    col = {k: i for i, k in enumerate(head)}
+    scale = {"ns": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}[units[col["gpu__time_duration.sum"]]]
+    return {"duration_us": _number(values[col["gpu__time_duration.sum"]]) * scale,
+            "registers": _number(values[col["launch__registers_per_thread"]]),
+            "warps_active_per_sm": _number(values[col["sm__warps_active.avg.per_cycle_active"]]),
+            "warp_instructions": _number(values[col["smsp__inst_executed.sum"]])}  # fmt: skip
+
+
+def opcodes(path: str, top: int = 20) -> dict:
+    """Each SASS opcode's share (%) of executed warp instructions and of warp-stall samples, the ``top`` most
+    executed, from a ``--page source --print-source sass`` CSV."""
+    rows = _rows(path)
+    start = next(i for i, r in enumerate(rows) if "Source" in r)  # after a "Kernel Name" line
+    head, rows = rows[start], rows[start + 1 :]
+    src, stalls, executed = (head.index(k) for k in ("Source", "Warp Stall Sampling (All Samples)",
+                                                     "Instructions Executed"))  # fmt: skip
+    ex, st = collections.Counter(), collections.Counter()
+    for r in rows:
+        words = r[src].split()
+        if not words:
+            continue
+        op = (words[1] if words[0].startswith("@") else words[0]).split(".")[0]
+        ex[op] += int(r[executed])
+        st[op] += int(r[stalls])
+    total_ex, total_st = sum(ex.values()), sum(st.values())
+    return {op: {"executed_pct": round(100 * n / total_ex, 1), "stall_samples_pct": round(100 * st[op] / total_st, 1)}
+            for op, n in ex.most_common(top)}  # fmt: skip
+
+
+def summarize(specs) -> dict:
+    """``specs``: ``RUN:KIND=METRICS_CSV[,SASS_CSV]`` each."""
+    out = {}
+    for spec in specs:
+        run, _, rest = spec.partition(":")
+        kind, _, files = rest.partition("=")
+        paths = files.split(",")
+        entry = metrics(paths[0])
+        if len(paths) > 1:
+            entry["opcodes"] = opcodes(paths[1])
+        out.setdefault(run, {})[kind] = entry
+    return out
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("kinds", nargs="*", help=f"KV types to launch, of {list(CONFIGS)} (default all)")
+    p.add_argument("--summarize", nargs="+", metavar="RUN:KIND=CSV[,SASS_CSV]", help="summarize ncu exports")
+    p.add_argument("--out", default="benchmarks/results/decode_stage1_ncu.json")
+    args = p.parse_args(argv)
+    if args.summarize:
+        results = summarize(args.summarize)
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+        json.dump(results, sys.stdout, indent=1)
+        return
+    bad = [k for k in args.kinds if k not in CONFIGS]
+    if bad:
+        p.error(f"kinds expected some of {list(CONFIGS)}, got {bad}")
+    profile_target(args.kinds or list(CONFIGS))
+
+
+if __name__ == "__main__":
+    main()

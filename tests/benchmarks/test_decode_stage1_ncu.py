@@ -1,0 +1,42 @@
+"""benchmarks/decode_stage1_ncu.py: its summary of ncu's CSV exports (details or raw page, SASS source page), on
+small exports in ncu's layouts; the profile itself is the GPU's."""
+
+from tests.benchmarks.test_linear_attention_bench import load_benchmark
+
+DETAILS = """==PROF== Connected
+"ID","Kernel Name","Section Name","Metric Name","Metric Unit","Metric Value"
+"0","decode_stage1_kernel","GPU Speed Of Light Throughput","DRAM Throughput","%","58.21"
+"0","decode_stage1_kernel","GPU Speed Of Light Throughput","Duration","ns","2,002,336"
+"0","decode_stage1_kernel","Launch Statistics","Registers Per Thread","register/thread","213"
+"0","decode_stage1_kernel","Occupancy","Achieved Active Warps Per SM","warp","7.59"
+"0","decode_stage1_kernel","Instruction Statistics","Executed Instructions","inst","833,095,680"
+"""
+RAW = """"ID","Kernel Name","gpu__time_duration.sum","launch__registers_per_thread","sm__warps_active.avg.per_cycle_active","smsp__inst_executed.sum"
+"","","msecond","register/thread","warp","inst"
+"0","decode_stage1_kernel","1.917440","168","8.49","647,435,264.000000"
+"""  # noqa: E501
+SASS = """"Kernel Name","decode_stage1_kernel",
+"Address","Source","Warp Stall Sampling (All Samples)","Instructions Executed"
+"0x10","      PRMT R1, R2, 0x4140, R3","10","300"
+"0x20","  @!P0 PRMT R4, R5, 0x4342, R3","0","100"
+"0x30","      BAR.SYNC.DEFER_BLOCKING 0x0","30","100"
+"0x40","","0","0"
+"""
+
+
+def test_summary_reads_both_metric_pages_and_the_sass_page(tmp_path):
+    bench = load_benchmark("decode_stage1_ncu")
+    for name, text in (("details.csv", DETAILS), ("raw.csv", RAW), ("sass.csv", SASS)):
+        (tmp_path / name).write_text(text)
+    out = tmp_path / "summary.json"
+    specs = [f"before:int8={tmp_path / 'details.csv'},{tmp_path / 'sass.csv'}", f"ptx:int8={tmp_path / 'raw.csv'}"]
+    bench.main(["--summarize", *specs, "--out", str(out)])
+    got = bench.json.loads(out.read_text())
+    assert got["before"]["int8"] == {
+        "duration_us": 2002.336, "registers": 213.0, "warps_active_per_sm": 7.59, "warp_instructions": 833095680.0,
+        "dram_throughput_pct": 58.21,
+        "opcodes": {"PRMT": {"executed_pct": 80.0, "stall_samples_pct": 25.0},
+                    "BAR": {"executed_pct": 20.0, "stall_samples_pct": 75.0}},
+    }  # fmt: skip
+    assert got["ptx"]["int8"] == {"duration_us": 1917.44, "registers": 168.0, "warps_active_per_sm": 8.49,
+                                  "warp_instructions": 647435264.0}  # fmt: skip
