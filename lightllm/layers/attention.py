@@ -9,9 +9,11 @@ Prefill (``--llm_prefill_att_backend``): ``triton`` (Triton context attention) o
 pool, ``prefill/fa3_prefill.py``: unquantized KV; with a provider without paged KV the pool takes the slots layout,
 which turns the prefix cache off).
 
-- On a CPU device every backend runs the torch references, so the engine runs (slowly) without a GPU.
+- On a CPU device the triton backend runs the torch references, so the engine runs (slowly) without a GPU; an
+  explicit fa3 needs its provider and a Hopper GPU (``require_fa3`` says so when the backend is built).
 - ``auto`` (the flags' value, resolved at start-up by ``pick_decode_backend`` and ``pick_prefill_backend``, once the
-  model's dtype is known): decode fa3 where it can run, prefill fa3 where decode runs it; else triton.
+  model's dtype is known): decode fa3 where it can run, prefill fa3 where decode runs it with a provider without
+  paged KV (the path measured on the H200); else triton.
 """
 
 import logging
@@ -81,14 +83,26 @@ def pick_decode_backend(requested: str, device: torch.device, kv_type: str, dtyp
 
 
 def pick_prefill_backend(requested: str, decode_backend: str) -> str:
-    """``requested`` itself, or for ``auto``: fa3 where decode runs FA3 (the same provider, dtype and KV layout;
-    on its own, FA3 prefill with a provider without paged KV would change the layout to fixed request rows, which
-    turns the prefix cache off), else triton. The choice is logged with its reason."""
+    """``requested`` itself, or for ``auto``: fa3 where decode runs FA3 with a provider without paged KV (the same
+    provider, dtype and KV layout; on its own, FA3 prefill with such a provider would change the layout to fixed
+    request rows, which turns the prefix cache off; a paged provider's prefill path has not run on a GPU yet), else
+    triton. The choice is logged with its reason."""
     if requested != "auto":
         return requested
     if decode_backend == "fa3":
-        logger.info("--llm_prefill_att_backend auto -> fa3 (FA3 decode: the same provider and KV layout)")
-        return "fa3"
+        from lightllm.kernels.attention.decode.fa3 import find_fa3_provider
+
+        provider = find_fa3_provider()
+        if provider is not None and not provider.paged:
+            logger.info("--llm_prefill_att_backend auto -> fa3 (FA3 decode: the same provider and KV layout)")
+            return "fa3"
+        # the paged-KV prefill path has run only on a CPU stand-in: a GPU must pick it explicitly until it is checked
+        logger.info(
+            "--llm_prefill_att_backend auto -> triton (%s has paged KV, whose FA3 prefill path has not run on "
+            "a GPU yet; --llm_prefill_att_backend fa3 asks for it)",
+            provider.name if provider else "no FA3",
+        )
+        return "triton"
     logger.info("--llm_prefill_att_backend auto -> triton (FA3 decode is off; --llm_prefill_att_backend fa3 asks for "
                 "FA3 prefill alone)")  # fmt: skip
     return "triton"

@@ -54,7 +54,8 @@ _HELP = {
     "that runs the model's dtype and an unquantized KV cache, else triton",
     "llm_prefill_att_backend": "prefill attention kernels: triton (Triton context attention) or fa3 (FlashAttention-3 "
     "over the KV pool; a build without paged KV gives each request a fixed row, which turns the prefix cache off); "
-    "auto: fa3 with --llm_decode_att_backend fa3 (the same provider and KV layout), else triton",
+    "auto: fa3 with --llm_decode_att_backend fa3 and a provider without paged KV (the same provider and KV "
+    "layout), else triton",
     "linear_att_ssm_data_type": "dtype of the linear-attention recurrent state (Qwen3.5); float32 or bfloat16",
     "linear_att_cache_size": "linear-attention state checkpoints the prefix cache keeps (Qwen3.5; each one request's "
     "state, counted before the KV cache is sized): a finished request leaves one after its tokens, and a cached "

@@ -138,16 +138,25 @@ def test_prefill_backend(capsys, model, caplog):
         assert f"--{flag} fa3 expected --llm_kv_type None (FA3 reads no quantized KV cache), got int8kv" in err
 
 
-def test_prefill_backend_auto_follows_fa3_decode(caplog):
+def test_prefill_backend_auto_follows_fa3_decode(caplog, monkeypatch):
     """FA3 prefill by itself, with a provider without paged KV, would give each request a fixed row of the pool
-    (the prefix cache off): auto takes it only with FA3 decode, which already chose the provider and the layout."""
+    (the prefix cache off): auto takes it only with FA3 decode, which already chose the provider and the layout, and
+    only from a provider without paged KV (the paged path has not run on a GPU)."""
+    from lightllm.kernels.attention.decode import fa3
+
     caplog.set_level(logging.INFO)
+    slots = fa3.FA3Provider("fa3_fwd_interface", "0.0.3", paged=False, split=True, fn=None, fp16=False)
+    monkeypatch.setattr(fa3, "find_fa3_provider", lambda: slots)
     assert pick_prefill_backend("auto", "fa3") == "fa3" and pick_prefill_backend("auto", "triton") == "triton"
     assert pick_prefill_backend("fa3", "triton") == "fa3" and pick_prefill_backend("triton", "fa3") == "triton"
+    monkeypatch.setattr(fa3, "find_fa3_provider", lambda: fa3.FA3Provider("sgl_kernel", "1", True, True, None))
+    assert pick_prefill_backend("auto", "fa3") == "triton" and pick_prefill_backend("fa3", "fa3") == "fa3"
     assert [r.message for r in caplog.records if "auto ->" in r.message] == [
         "--llm_prefill_att_backend auto -> fa3 (FA3 decode: the same provider and KV layout)",
         "--llm_prefill_att_backend auto -> triton (FA3 decode is off; --llm_prefill_att_backend fa3 asks for FA3 "
         "prefill alone)",
+        "--llm_prefill_att_backend auto -> triton (sgl_kernel has paged KV, whose FA3 prefill path has not run on a "
+        "GPU yet; --llm_prefill_att_backend fa3 asks for it)",
     ]
 
 
