@@ -108,7 +108,7 @@ class EngineArgs:
         self.device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
         if self.device.startswith("cuda"):
             _check_gpu_visible(self.device)
-        check_fa3_flags(self._attention_backends(), torch.device(self.device), self.llm_kv_type, None)
+        check_fa3_flags(self.attention_backends(), torch.device(self.device), self.llm_kv_type, None)
         self._check_mtp()
         if self.enable_mixed_chunk and (self.disable_chunked_prefill or self.mtp_mode is not None):
             other = "--disable_chunked_prefill" if self.disable_chunked_prefill else "--mtp_mode"
@@ -135,7 +135,8 @@ class EngineArgs:
         if isinstance(step, bool) or not isinstance(step, int) or not 1 <= step <= MAX_MTP_STEP:
             raise ValueError(f"--mtp_step expected an integer in [1, {MAX_MTP_STEP}] with --mtp_mode, got {step!r}")
 
-    def _attention_backends(self) -> dict:
+    def attention_backends(self) -> dict:
+        """{flag: backend} of the two attention backend flags."""
         return {"--llm_decode_att_backend": self.llm_decode_att_backend,
                 "--llm_prefill_att_backend": self.llm_prefill_att_backend}  # fmt: skip
 
@@ -160,7 +161,7 @@ class EngineArgs:
         device, dtype = torch.device(self.device), self.torch_dtype
         self.llm_decode_att_backend = pick_decode_backend(self.llm_decode_att_backend, device, self.llm_kv_type, dtype)
         self.llm_prefill_att_backend = pick_prefill_backend(self.llm_prefill_att_backend, self.llm_decode_att_backend)
-        check_fa3_flags(self._attention_backends(), device, self.llm_kv_type, dtype)
+        check_fa3_flags(self.attention_backends(), device, self.llm_kv_type, dtype)
         if self.max_req_total_len is None:
             self.max_req_total_len = min(DEFAULT_MAX_REQ_TOTAL_LEN, context_len)
             if context_len < DEFAULT_MAX_REQ_TOTAL_LEN:

@@ -153,11 +153,7 @@ class ModelRunner:
         a, c = self.args, self.config
         max_reqs = a.running_max_req_size + 1  # one slot is the padding request of graph batches
         contiguous = False  # FA3 (decode or prefill) without paged KV reads each request's fixed row of the pool
-        backends = {
-            "--llm_decode_att_backend": a.llm_decode_att_backend,
-            "--llm_prefill_att_backend": a.llm_prefill_att_backend,
-        }
-        fa3_flags = [flag for flag, backend in backends.items() if backend == "fa3"]
+        fa3_flags = [flag for flag, backend in a.attention_backends().items() if backend == "fa3"]
         if fa3_flags and self.device.type == "cuda":
             from lightllm.kernels.attention.decode.fa3 import require_fa3
 

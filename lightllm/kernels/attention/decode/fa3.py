@@ -243,12 +243,7 @@ class FA3DecodePlan:
         q4_shape = q_shape[:1] + (1,) + q_shape[1:] if len(q_shape) == 3 else q_shape
         _check(q4_shape, q_dtype, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len, max_len_in_batch, layout,
                provider)  # fmt: skip
-        if layout == "paged":
-            self.page_table, self.batch_idx = req_to_token[b_req_idx.long(), :max_len_in_batch], None
-            self.slot_shape = None
-        else:
-            self.page_table, self.batch_idx = None, b_req_idx
-            self.slot_shape = req_to_token.shape  # each slot's row of the pool
+        self.page_table, self.batch_idx, self.slot_shape = pool_rows(layout, req_to_token, b_req_idx, max_len_in_batch)
         self.inputs = PlannedInputs(
             "fa3 decode attention", q=(q_shape, q_dtype), k_cache=(k_cache.shape, k_cache.dtype)
         )
@@ -338,6 +333,15 @@ def check_pool(owner, q_heads, head_dim, q_dtype, k_cache, v_cache, req_to_token
         fail("req_to_token", "an int32 [max_reqs, max_len] tensor", f"{req_to_token.dtype} {tuple(req_to_token.shape)}")
     if layout == "slots" and k_cache.shape[0] != req_to_token.numel():
         fail("k_cache", f"{req_to_token.numel()} tokens (max_reqs * max_len) for the slots layout", k_cache.shape[0])
+
+
+def pool_rows(layout: str, req_to_token, b_req_idx, max_len_in_batch: int):
+    """How FA3 finds each request's KV, gathered once per step: ``(page_table, cache_batch_idx, slot_shape)``; paged,
+    the requests' ``req_to_token`` rows up to ``max_len_in_batch`` (page size 1); slots, each request's fixed row of
+    the pool (``slot_shape`` for ``pool_views``)."""
+    if layout == "paged":
+        return req_to_token[b_req_idx.long(), :max_len_in_batch], None, None
+    return None, b_req_idx, req_to_token.shape
 
 
 def pool_views(k_cache, v_cache, slot_shape) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 
 from lightllm.common.autotuner import PlannedInputs
-from lightllm.kernels.attention.decode.fa3 import FA3Provider, check_pool, pool_views, require_fa3
+from lightllm.kernels.attention.decode.fa3 import FA3Provider, check_pool, pool_rows, pool_views, require_fa3
 
 OWNER = "fa3 prefill attention"
 
@@ -61,14 +61,7 @@ class FA3PrefillPlan:
         if layout == "paged" and not 0 < max_len_in_batch <= req_to_token.shape[1]:
             raise ValueError(f"{OWNER}: max_len_in_batch expected a length in [1, {req_to_token.shape[1]}], got "
                              f"{max_len_in_batch}")  # fmt: skip
-        if layout == "paged":
-            self.page_table, self.batch_idx, self.slot_shape = (
-                req_to_token[b_req_idx.long(), :max_len_in_batch],
-                None,
-                None,
-            )
-        else:
-            self.page_table, self.batch_idx, self.slot_shape = None, b_req_idx, req_to_token.shape
+        self.page_table, self.batch_idx, self.slot_shape = pool_rows(layout, req_to_token, b_req_idx, max_len_in_batch)
         self.cu_seqlens_q = torch.cat([b_q_start, b_q_start[-1:] + b_q_len[-1:]])
         self.inputs = PlannedInputs(OWNER, q=(q_shape, q_dtype), k_cache=(k_cache.shape, k_cache.dtype))
         self.b_seq_len, self.max_q_len, self.provider = b_seq_len, int(max_q_len), provider
