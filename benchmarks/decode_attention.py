@@ -35,7 +35,14 @@ import triton
 
 from bandwidth import copy_gbs
 from bench_io import save_json
-from decode_attention_buckets import analyze_buckets, graph_lens, print_bucket_table, timing_points
+from decode_attention_buckets import (
+    analyze_buckets,
+    bucket_ladders,
+    graph_lens,
+    print_bucket_table,
+    set_name,
+    timing_points,
+)
 from lightllm.common.autotuner import cuda_graph_bench
 from lightllm.common.autotuner.choice import choose, per_scenario_best
 from lightllm.common.envs import AUTOTUNE_CHOICE_RULES as RULES
@@ -187,11 +194,11 @@ def run_buckets(args):
     lens = sorted(args.lens)
     buckets = graph_lens(args.buckets, lens)
     sets = [buckets, [max(lens)]]
-    ladders = {b: decode_attn_autotune_seq_lens(b) for s in sets for b in s}
+    ladders = {set_name(s): bucket_ladders(s) for s in sets}
     points = timing_points(lens, sets, ladders)
     results = {"device": torch.cuda.get_device_name(), "mode": "buckets", "buckets": buckets, "lens": lens,
-               "ladders": {str(b): ladder for b, ladder in sorted(ladders.items())}, "quant_group": args.group,
-               "points": []}  # fmt: skip
+               "ladders": {k: {str(b): ladder for b, ladder in v.items()} for k, v in ladders.items()},
+               "quant_group": args.group, "points": []}  # fmt: skip
     print(
         f"buckets {buckets}: {len(points)} (length, launch) points per shape, batch and KV type: {points}", flush=True
     )

@@ -1,10 +1,11 @@
 """The length-bucket analysis of ``benchmarks/decode_attention.py --buckets`` (the engine's ``--graph_len_buckets``).
 
-A decode graph is captured per KV length bucket, each launched for its bucket and tuned on the ladder of lengths
-``decode_attn_autotune_seq_lens(bucket)``. A cell (B, L) replays the graph of the smallest bucket >= L: the config
-each choice rule picks from that bucket's ladder timings, launched for the bucket, at L. Its loss is measured against
-the cell's best eager launch (every candidate and the default launched for L itself) and against the default eager
-launch. The same is reported for one bucket (today's single graph up to the largest L) to show what the buckets buy.
+A decode graph is captured per KV length bucket, each launched for its bucket and tuned, as the engine does, on the
+ladder of lengths it serves: ``decode_attn_autotune_seq_lens(bucket, floor=the bucket below)``. A cell (B, L)
+replays the graph of the smallest bucket >= L: the config each choice rule picks from that bucket's ladder timings,
+launched for the bucket, at L. Its loss is measured against the cell's best eager launch (every candidate and the
+default launched for L itself) and against the default eager launch. The same is reported for one bucket (the
+default: one graph up to the largest L) to show what the buckets buy.
 """
 
 import json
@@ -12,8 +13,10 @@ import math
 from typing import Dict, List, Sequence
 
 from lightllm.common.autotuner.choice import choose
+from lightllm.common.envs import AUTOTUNE_CHOICE_RULES
+from lightllm.kernels.attention.decode.tuning import decode_attn_autotune_seq_lens
 
-RULES = ("tuning_len", "minimax_loss")
+RULES = ("tuning_len", *(r for r in AUTOTUNE_CHOICE_RULES if r != "tuning_len"))
 GOAL_VS_BEST_PCT, GOAL_VS_DEFAULT_PCT = 3.0, 2.0  # issue 17: within 3 % of the best, never 2 % slower than default
 
 
@@ -28,15 +31,34 @@ def serving_bucket(buckets: Sequence[int], length: int) -> int:
     return min(b for b in buckets if b >= length)
 
 
-def timing_points(lens: Sequence[int], bucket_sets: Sequence[Sequence[int]], ladders: Dict[int, List[int]]) -> list:
+def set_name(buckets: Sequence[int]) -> str:
+    return ",".join(map(str, buckets))
+
+
+def bucket_ladders(buckets: Sequence[int]) -> Dict[int, List[int]]:
+    """Each bucket's tuning ladder as the engine times it with these buckets: down to the bucket below."""
+    return {b: decode_attn_autotune_seq_lens(b, floor=max([0, *(x for x in buckets if x < b)])) for b in buckets}
+
+
+def set_ladders(results: dict, buckets: Sequence[int]) -> Dict[int, List[int]]:
+    """A saved run's ladders for one bucket set. Runs before per-set ladders kept one ladder per bucket."""
+    saved = results["ladders"]
+    per_set = saved.get(set_name(buckets))
+    if isinstance(per_set, dict):
+        return {int(b): lens for b, lens in per_set.items()}
+    return {int(b): lens for b, lens in saved.items()}
+
+
+def timing_points(lens: Sequence[int], bucket_sets: Sequence[Sequence[int]], ladders) -> list:
     """The (KV length, launch length) pairs the analysis needs, each timed once for every candidate: every L eagerly
     (launched for L), every L in the graph that serves it and every serving bucket's ladder (launched for the
-    bucket), for each set of buckets."""
+    bucket), for each set of buckets. ``ladders``: per set name, bucket -> ladder (or one bucket -> ladder map)."""
     points = {(n, n) for n in lens}
     for buckets in bucket_sets:
+        ladder = ladders.get(set_name(buckets), ladders)
         for n in lens:
             b = serving_bucket(buckets, n)
-            points |= {(n, b)} | {(m, b) for m in ladders[b]}
+            points |= {(n, b)} | {(m, b) for m in ladder[b]}
     return sorted(points)
 
 
@@ -53,7 +75,6 @@ def analyze_buckets(results: dict) -> list:
     """Per (shape, B, KV type), bucket set and rule: the config each serving bucket's graph replays and its loss % at
     every L against L's best and default eager launches (``vs_best_pct``, ``vs_default_pct``), and the worst of each."""
     points = {(p["shape"], p["B"], p["kind"], p["L"], p["launch"]): p for p in results["points"]}
-    ladders = {int(b): lens for b, lens in results["ladders"].items()}
     lens = results["lens"]
     sets = [results["buckets"]] + ([[max(lens)]] if results["buckets"] != [max(lens)] else [])
     out = []
@@ -62,6 +83,7 @@ def analyze_buckets(results: dict) -> list:
         names = [None] + [json.dumps(c, sort_keys=True) for c, _ in points[(shape, batch, kind, lens[0], lens[0])]
                           ["configs"]]  # fmt: skip
         for buckets in sets:
+            ladders = set_ladders(results, buckets)
             needed = timing_points(lens, [buckets], ladders)
             if any(pt not in at for pt in needed):  # a run cut short
                 continue
@@ -95,11 +117,11 @@ def print_bucket_table(results: dict, entries: list) -> None:
           f"bucket) vs L's best eager launch / vs L's default eager launch; goal <= {GOAL_VS_BEST_PCT:g} / <= "
           f"{GOAL_VS_DEFAULT_PCT:g}")  # fmt: skip
     head = "".join(f"{_len_name(n):>14s}" for n in lens)
-    print(f"{'shape':13s} {'B':>4s} kind {'graphs':16s} {'rule':12s}{head}{'worst':>14s}  goal")
+    print(f"{'shape':13s} {'B':>4s} kind {'graphs':16s} {'rule':25s}{head}{'worst':>14s}  goal")
     for e in entries:
         cells = "".join(f"{b:7.1f}/{d:6.1f}" for b, d in zip(e["vs_best_pct"], e["vs_default_pct"]))
         wb, wd = e["worst_vs_best_pct"], e["worst_vs_default_pct"]
         ok = "ok" if wb <= GOAL_VS_BEST_PCT and wd <= GOAL_VS_DEFAULT_PCT else "MISS"
         graphs = "<=" + ",".join(map(str, e["buckets"]))
-        print(f"{e['shape']:13s} {e['B']:4d} {e['kind']:4s} {graphs:16s} {e['rule']:12s}{cells}{wb:7.1f}/{wd:6.1f}"
+        print(f"{e['shape']:13s} {e['B']:4d} {e['kind']:4s} {graphs:16s} {e['rule']:25s}{cells}{wb:7.1f}/{wd:6.1f}"
               f"  {ok}")  # fmt: skip

@@ -78,8 +78,10 @@ def tiny_model_home(tmp_path_factory):
 @pytest.fixture(autouse=True)
 def isolated_autotune(tmp_path, monkeypatch, tiny_model_home):
     """Each test gets empty config roots, every LIGHTLLM_* variable at its default, the default timer, a search
-    clock that never spends a budget (a busy machine must not cut a search short) and no open warmup scope."""
+    clock that never spends a budget (a busy machine must not cut a search short), no decode graph length buckets
+    declared and no open warmup scope."""
     from lightllm.common.autotuner import bench, phase, store, tuner
+    from lightllm.kernels.attention.decode import tuning as decode_tuning
 
     for name in envs.ALL:
         monkeypatch.delenv(name, raising=False)
@@ -89,6 +91,7 @@ def isolated_autotune(tmp_path, monkeypatch, tiny_model_home):
     monkeypatch.setattr(store, "SHIPPED_ROOT", tmp_path / "shipped")
     monkeypatch.setattr(store, "_warned_paths", set())
     bench.set_bench_func(None)
+    monkeypatch.setattr(decode_tuning, "_graph_lens", ())  # a runner with length buckets declares them process-wide
     yield tmp_path / "autotune"
     bench.set_bench_func(None)
     assert not phase._phase_stack, "a test left a warmup scope open"

@@ -50,7 +50,7 @@ from lightllm.layers import parallel
 from lightllm.layers.attention import AttentionBackend, check_head_dim, make_pool
 from lightllm.layers.infer_state import InferState
 from lightllm.layers.linear_attention import SSM_DATA_TYPES
-from lightllm.kernels.attention.decode.tuning import decode_attn_tuning_len
+from lightllm.kernels.attention.decode.tuning import decode_attn_autotune_seq_lens, set_decode_graph_lens
 from lightllm.models.hf_config import checkpoint_dtype
 from lightllm.models.registry import read_model_config
 
@@ -92,6 +92,8 @@ class ModelRunner:
         buckets = self._prefill_graph_buckets() if use_graphs else []
         # the batch size of every decode graph: each but the largest keeps its logits as extra graph memory
         graph_sizes = args.graph_batch_sizes() * len(args.graph_lens()) if use_graphs else []
+        # each bucket's decode attention tunes on (and keys by) the lengths its own graph serves; eager steps key alike
+        set_decode_graph_lens(args.graph_lens() if use_graphs else ())
         self._init_kv_cache(memory_api or default_memory_api(self.device), graph_sizes, buckets)
         seconds["kv sizing"] = time.perf_counter() - t
 
@@ -106,9 +108,9 @@ class ModelRunner:
             self._init_graph_buffers()
         if use_graphs:
             lens = args.graph_lens()
-            tune_lens = ", ".join(str(decode_attn_tuning_len(n)) for n in lens)
-            logger.info("decode graphs per KV length bucket up to %s; decode attention tunes at %s (%s, capped at "
-                        "each bucket)", ", ".join(map(str, lens)), tune_lens,
+            ladders = "; ".join("/".join(map(str, decode_attn_autotune_seq_lens(n))) for n in lens)
+            logger.info("decode graphs per KV length bucket up to %s; decode attention tunes at %s (from %s, capped at "
+                        "each bucket, down to the bucket below)", ", ".join(map(str, lens)), ladders,
                         envs.DECODE_ATTN_AUTOTUNE_SEQ_LEN)  # fmt: skip
             t = time.perf_counter()
             if self.mtp is not None:  # MTP's verify and draft steps are what decodes (mtp_graphs.py)

@@ -35,6 +35,26 @@ def test_only_the_points_the_analysis_reads_are_timed(bench):
     assert bench.timing_points(lens, [[4096, 32768]], ladders) == points
 
 
+def test_each_set_s_ladders_are_the_engine_s_down_to_the_bucket_below(bench):
+    """With a 4K graph below it, the 32K graph tunes on 32K..4K (the lengths it serves); alone, on 32K..1K. The
+    points timed follow each set's own ladders, and an old run's one ladder per bucket still reads."""
+    assert bench.bucket_ladders([4096, 32768]) == {4096: [4096, 2048, 512], 32768: [32768, 16384, 8192, 4096]}
+    assert bench.bucket_ladders([32768]) == {32768: [32768, 16384, 4096, 1024]}
+    lens, sets = [1024, 8192, 32768], [[4096, 32768], [32768]]
+    ladders = {bench.set_name(s): bench.bucket_ladders(s) for s in sets}
+    assert bench.timing_points(lens, sets, ladders) == [
+        (512, 4096), (1024, 1024), (1024, 4096), (1024, 32768), (2048, 4096), (4096, 4096), (4096, 32768),
+        (8192, 8192), (8192, 32768), (16384, 32768), (32768, 32768)]  # fmt: skip
+    saved = {"ladders": {k: {str(b): v for b, v in m.items()} for k, m in ladders.items()}}
+    assert bench.set_ladders(saved, [32768]) == {32768: [32768, 16384, 4096, 1024]}
+    old = {"ladders": {"4096": [4096, 2048], "8192": [8192, 4096]}}
+    assert (
+        bench.set_ladders(old, [8192])
+        == bench.set_ladders(old, [4096, 8192])
+        == {4096: [4096, 2048], 8192: [8192, 4096]}
+    )
+
+
 A, B = {"WAVES": 1}, {"WAVES": 8}
 # ms of (default, A, B) per (KV length, launch length)
 TIMES = {
@@ -54,8 +74,8 @@ def saved_run():
 
 def test_a_cell_replays_its_bucket_s_pick_against_its_own_eager_best_and_default(bench):
     entries = {(tuple(e["buckets"]), e["rule"]): e for e in bench.analyze_buckets(saved_run())}
-    assert set(entries) == {((4096, 8192), "tuning_len"), ((4096, 8192), "minimax_loss"), ((8192,), "tuning_len"),
-                            ((8192,), "minimax_loss")}  # fmt: skip
+    rules = ("tuning_len", "minimax_loss", "never_slower_than_default")
+    assert set(entries) == {(b, r) for b in ((4096, 8192), (8192,)) for r in rules}
     two = entries[((4096, 8192), "minimax_loss")]
     assert two["configs"] == {"4096": json.dumps(A), "8192": json.dumps(B)}
     assert two["vs_best_pct"] == pytest.approx([(3.0 / 2.95 - 1) * 100, 0.0])  # 1K: A in the 4K graph; 8K: B
@@ -82,8 +102,10 @@ def test_analyze_prints_a_saved_bucket_run_and_still_an_old_one(bench, monkeypat
     rows = [ln.split() for ln in lines if ln.startswith("hq32-hk8-d128")]
     assert [(r[3], r[4], r[-1]) for r in rows] == [("<=4096,8192", "tuning_len", "ok"),
                                                    ("<=4096,8192", "minimax_loss", "ok"),
+                                                   ("<=4096,8192", "never_slower_than_default", "ok"),
                                                    ("<=8192", "tuning_len", "MISS"),
-                                                   ("<=8192", "minimax_loss", "MISS")]  # fmt: skip
+                                                   ("<=8192", "minimax_loss", "MISS"),
+                                                   ("<=8192", "never_slower_than_default", "MISS")]  # fmt: skip
     assert rows[1][5:9] == ["1.7/", "0.0", "0.0/", "-10.0"] and rows[1][-3:-1] == ["1.7/", "0.0"]  # 1K, 8K, worst
     old = os.path.join(REPO, "benchmarks", "results", "decode_attention_h200.json")
     monkeypatch.setattr(sys, "argv", ["decode_attention.py", "--analyze", old])

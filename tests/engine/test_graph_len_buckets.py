@@ -14,6 +14,7 @@ from lightllm.engine.args import EngineArgs
 from lightllm.engine.engine import Engine
 from lightllm.engine.model_runner import ModelRunner
 from lightllm.engine.sampler import SamplingParams
+from lightllm.kernels.attention.decode.tuning import decode_attn_autotune_seq_lens, decode_attn_run_key_lens
 from lightllm.models.qwen3.model import Qwen3Model
 from lightllm.server.args import parse_args
 from lightllm.tools.make_tiny_model import make_tiny_qwen3
@@ -160,12 +161,14 @@ def test_bucketed_graphs_give_the_eager_tokens(tiny_dir, monkeypatch, caplog):
     """Graphs of 1, 2, 4 rows for KV lengths up to 16 and up to 40: each warm-up forward launched for its bucket in
     the decode-attention scope; steps cross from the short bucket into the long one and then run eagerly (past 40),
     and the tokens are those of a runner without graphs."""
-    launches = []
+    launches, ladders = [], {}
     real = Qwen3Model.forward
 
     def forward(self, input_ids, state):
         if not state.is_prefill and current_warmup_kernel_type() is DA:
-            launches.append((state.batch_size, state.launch_max_len))
+            n = state.launch_max_len
+            launches.append((state.batch_size, n))
+            ladders[n] = (decode_attn_autotune_seq_lens(n), decode_attn_run_key_lens(n))
         return real(self, input_ids, state)
 
     monkeypatch.setattr(Qwen3Model, "forward", forward)
@@ -189,6 +192,9 @@ def test_bucketed_graphs_give_the_eager_tokens(tiny_dir, monkeypatch, caplog):
         runner = ModelRunner(EngineArgs(**opts, graph_max_len_in_batch=40, graph_len_buckets=[16]), graph_api=api)
     api.runner = runner
     assert launches == [(4, 40), (2, 40), (1, 40), (4, 16), (2, 16), (1, 16)]
+    # the <= 40 graph tunes on, and keys by, the lengths it serves (above 16); the <= 16 one on its own ladder
+    assert ladders == {40: ([40, 25, 16], (512, 16)), 16: ([16], (512,))}
+    assert "decode attention tunes at 16; 40/25/16 (from" in caplog.text
     got, _ = run_all(Engine(runner, eos_ids=[]), prompts, params=params)
     assert got == want
     assert {n for n, _ in api.replayed} == {16, 40} and {bs for _, bs in api.replayed} >= {1, 4}

@@ -3,14 +3,20 @@
 import contextlib
 
 import pytest
+import torch
 
 from lightllm.common.autotuner import AutotuneKernelType, autotune_warmup
+from lightllm.kernels.attention.decode import fa3, flash_decode
 from lightllm.kernels.attention.decode.tuning import (
     decode_attn_autotune_seq_lens,
     decode_attn_run_key_kv_len,
+    decode_attn_run_key_lens,
     decode_attn_tuning_len,
     round_up_kv_len,
     seq_len_ladder,
+    served_floor,
+    served_ladder,
+    set_decode_graph_lens,
 )
 
 GENERAL = AutotuneKernelType.GENERAL
@@ -55,6 +61,51 @@ def test_decode_autotune_seq_lens(monkeypatch, env, expected):
     if env:
         monkeypatch.setenv("LIGHTLLM_DECODE_ATTN_AUTOTUNE_SEQ_LEN", env)
     assert decode_attn_autotune_seq_lens() == expected
+
+
+def test_served_ladder_spans_the_range_a_graph_serves_at_most_a_factor_of_two_apart():
+    assert served_ladder(32768, 4096) == [32768, 16384, 8192, 4096]
+    assert served_ladder(32768, 8192) == [32768, 16384, 8192]
+    assert served_ladder(32768, 16384) == [32768, 16384]
+    assert served_ladder(40, 16) == [40, 25, 16]
+    assert served_ladder(32768, 1024) == [32768, 10321, 3251, 1024]  # four points: wider than 2x apart
+
+
+def test_with_length_buckets_each_launch_tunes_and_keys_on_the_lengths_its_graph_serves(monkeypatch):
+    """Graphs up to 4K and up to 32K: the 32K graph serves 4K..32K, so its ladder stops at 4K and its run key
+    carries that floor (a config chosen over 1K..32K by a one-graph start is not reused for it); the 4K graph and
+    every length without buckets keep today's ladder and run key."""
+    monkeypatch.setenv("LIGHTLLM_DECODE_ATTN_AUTOTUNE_SEQ_LEN", "32768")
+    q = torch.empty(8, 32, 128)
+    assert set_decode_graph_lens([4096, 32768]) == ()
+    # an eager 64K launch (past the graphs) tunes at 32K, which no smaller graph serves: no floor
+    assert [served_floor(n) for n in (1024, 4096, 4097, 32768, 65536)] == [0, 0, 4096, 4096, 0]
+    assert decode_attn_autotune_seq_lens(32768) == [32768, 16384, 8192, 4096]
+    assert decode_attn_autotune_seq_lens(4096) == [4096, 2048, 512]
+    assert decode_attn_autotune_seq_lens(32768, floor=0) == [32768, 16384, 4096, 1024]  # an explicit floor wins
+    assert decode_attn_run_key_lens(32768) == (32768, 4096) and decode_attn_run_key_lens(20000) == (20480, 4096)
+    assert decode_attn_run_key_lens(4096) == (4096,)
+    assert flash_decode.split_kv_run_key(q, 32768) == (8, 32768, 4096)
+    assert fa3._run_key(q.unsqueeze(1), 32768) == (8, 1, 32768, 4096)
+    assert set_decode_graph_lens(()) == (4096, 32768)
+    assert decode_attn_autotune_seq_lens(32768) == [32768, 16384, 4096, 1024]
+    assert flash_decode.split_kv_run_key(q, 32768) == (8, 32768)
+
+
+def test_a_floor_at_or_past_the_tuning_length_is_no_floor(monkeypatch):
+    """LIGHTLLM_DECODE_ATTN_AUTOTUNE_SEQ_LEN 4096 with graphs up to 8K and 32K: both tune at 4096 (the variable
+    caps the tuning length), so no range is left to serve above 8K: today's ladder and key."""
+    monkeypatch.setenv("LIGHTLLM_DECODE_ATTN_AUTOTUNE_SEQ_LEN", "4096")
+    set_decode_graph_lens([8192, 32768])
+    assert served_floor(32768) == 0 and decode_attn_autotune_seq_lens(32768) == [4096, 2048, 512]
+    assert decode_attn_run_key_lens(32768) == (4096,)
+
+
+@pytest.mark.parametrize("lens", [[0, 4096], [4096, 1024], [1024, 1024], [-1]])
+def test_bad_graph_lens_are_refused(lens):
+    with pytest.raises(ValueError, match=r"^decode graph KV length buckets expected ascending positive lengths"):
+        set_decode_graph_lens(lens)
+    assert served_floor(10**6) == 0  # nothing was set
 
 
 def test_decode_attention_kernels_are_declared_as_such():

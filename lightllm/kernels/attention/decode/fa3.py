@@ -31,8 +31,7 @@ import torch
 from lightllm.common.autotuner import AutotuneKernelType, PlannedInputs, autotune
 from lightllm.kernels.attention.decode.tuning import (
     decode_attn_autotune_seq_lens,
-    decode_attn_run_key_kv_len,
-    round_up_kv_len,
+    decode_attn_run_key_lens,
 )
 
 logger = logging.getLogger(__name__)
@@ -174,7 +173,7 @@ def _static_key(q, k_cache, page_table, causal, window, softcap, provider):
 
 
 def _run_key(q, max_len_in_batch):
-    return q.shape[0], q.shape[1], round_up_kv_len(decode_attn_run_key_kv_len(max_len_in_batch))
+    return (q.shape[0], q.shape[1], *decode_attn_run_key_lens(max_len_in_batch))
 
 
 def _representative_batches(named: dict) -> list:

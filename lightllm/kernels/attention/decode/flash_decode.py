@@ -28,9 +28,8 @@ from lightllm.kernels.attention.decode.checks import (
 from lightllm.kernels.attention.decode.splits import min_blocks, num_splits
 from lightllm.kernels.attention.decode.tuning import (
     decode_attn_autotune_seq_lens,
-    decode_attn_run_key_kv_len,
+    decode_attn_run_key_lens,
     inputs_at_lengths,
-    round_up_kv_len,
 )
 from lightllm.kernels.attention.decode.stage1 import decode_stage1_kernel
 from lightllm.kernels.attention.decode.stage2 import decode_stage2_kernel
@@ -176,7 +175,7 @@ def _static_key(q, k_cache, quant, quant_group):
 
 
 def split_kv_run_key(q, max_len_in_batch):
-    return q.shape[0], round_up_kv_len(decode_attn_run_key_kv_len(max_len_in_batch))
+    return (q.shape[0], *decode_attn_run_key_lens(max_len_in_batch))
 
 
 def _representative_batches(named: dict) -> list:

@@ -1,7 +1,8 @@
 """What the decode-attention kernels (Triton GQA decode, MTP diverse, FA3) share about tuning: run-key KV lengths,
 the ladder of lengths a search times on, and the representative inputs at those lengths."""
 
-from typing import Optional
+import math
+from typing import Optional, Sequence, Tuple
 
 import torch
 
@@ -32,6 +33,36 @@ def decode_attn_run_key_kv_len(launch_max_len: int) -> int:
 
 LADDER_DIVISORS = (2, 8, 32)  # the tuning length, then 1/2, 1/8 and 1/32 of it
 
+# The KV length buckets decode graphs are captured for, ascending (``EngineArgs.graph_lens()``), set by the engine
+# before its captures: () for one graph per batch size (or none). Process-wide like the tuner's caches it keys.
+_graph_lens: Tuple[int, ...] = ()
+
+
+def set_decode_graph_lens(lens: Sequence[int]) -> Tuple[int, ...]:
+    """Declare the decode graphs' KV length buckets (ascending; () for one bucket). A launch for a bucket then tunes
+    on the lengths its graph serves, above the next smaller bucket, and keys on that floor (``served_floor``), so
+    each bucket's graph replays a config chosen for its own range. Returns the previous buckets."""
+    global _graph_lens
+    lens = tuple(int(n) for n in lens)
+    if any(n <= 0 for n in lens) or list(lens) != sorted(set(lens)):
+        raise ValueError(f"decode graph KV length buckets expected ascending positive lengths, got {list(lens)}")
+    previous, _graph_lens = _graph_lens, lens
+    return previous
+
+
+def served_floor(launch_max_len: int) -> int:
+    """The longest KV length a smaller decode graph serves, below a launch for ``launch_max_len``: the next smaller
+    bucket, when it lies below the launch's tuning length; else 0 (the launch serves every length up to its own)."""
+    floor = max((n for n in _graph_lens if n < launch_max_len), default=0)
+    return floor if floor < decode_attn_tuning_len(launch_max_len) else 0
+
+
+def decode_attn_run_key_lens(launch_max_len: int) -> tuple:
+    """The KV-length part of a decode-attention run key: the rounded tuning length, and the served floor where a
+    smaller bucket's graph serves the lengths below it (so a config chosen for 8K-32K is not reused for 0-32K)."""
+    floor = served_floor(launch_max_len)
+    return (round_up_kv_len(decode_attn_run_key_kv_len(launch_max_len)),) + ((floor,) if floor else ())
+
 
 def seq_len_ladder(seq_len: int, divisors=LADDER_DIVISORS) -> list:
     """``seq_len``, then ``seq_len // d`` for each divisor (at least 512, each shorter than the one before)."""
@@ -43,11 +74,27 @@ def seq_len_ladder(seq_len: int, divisors=LADDER_DIVISORS) -> list:
     return lens
 
 
-def decode_attn_autotune_seq_lens(launch_max_len: Optional[int] = None, divisors=LADDER_DIVISORS) -> list:
+def served_ladder(seq_len: int, floor: int, points: int = 4) -> list:
+    """Lengths from ``seq_len`` down to ``floor`` (its stand-in: the shortest a graph above it serves is
+    ``floor + 1``), geometric, at most ``points`` and at most a factor of 2 apart where that fits."""
+    steps = min(points - 1, max(1, math.ceil(math.log2(seq_len / floor))))
+    lens = [round(seq_len * (floor / seq_len) ** (i / steps)) for i in range(steps + 1)]
+    return sorted(set(lens), reverse=True)
+
+
+def decode_attn_autotune_seq_lens(
+    launch_max_len: Optional[int] = None, divisors=LADDER_DIVISORS, floor: Optional[int] = None
+) -> list:
     """KV lengths a decode-attention search times on: the tuning length first (capped at ``launch_max_len``
     when given), then 1/2, 1/8 and 1/32 of it (or ``divisors``), so the config a CUDA graph freezes is checked
-    against the shorter lengths it will also serve (see the choice rules in the autotuner's ``choice.py``)."""
+    against the shorter lengths it will also serve (see the choice rules in the autotuner's ``choice.py``). Where a
+    smaller decode graph serves the lengths up to ``floor`` (``served_floor`` when None), the ladder spans only the
+    lengths this launch serves: ``served_ladder`` from the tuning length down to ``floor``."""
     seq_len = get_decode_attn_autotune_seq_len() if launch_max_len is None else decode_attn_tuning_len(launch_max_len)
+    if floor is None:
+        floor = 0 if launch_max_len is None else served_floor(launch_max_len)
+    if 0 < floor < seq_len:
+        return served_ladder(seq_len, floor)
     return seq_len_ladder(seq_len, divisors)
 
 
