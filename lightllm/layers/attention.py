@@ -9,8 +9,10 @@ Prefill (``--llm_prefill_att_backend``): ``triton`` (Triton context attention) o
 pool, ``prefill/fa3_prefill.py``: unquantized KV; with a provider without paged KV the pool takes the slots layout,
 which turns the prefix cache off).
 
-- On a CPU device the triton backend runs the torch references, so the engine runs (slowly) without a GPU; an
-  explicit fa3 needs its provider and a Hopper GPU (``require_fa3`` says so when the backend is built).
+- On a CPU device the triton backend runs the torch references, so the engine runs (slowly) without a GPU. An
+  explicit fa3 needs a Hopper GPU, a provider, ``--llm_kv_type None`` and a dtype the provider runs: start-up stops
+  otherwise, before any weight loads (``check_fa3_flags``; ``fa3_unusable`` is the one rule, ``require_fa3`` the
+  backend's last guard). CPU tests run the fa3 backend's GPU path with a stand-in provider (``require_fa3`` patched).
 - ``auto`` (the flags' value, resolved at start-up by ``pick_decode_backend`` and ``pick_prefill_backend``, once the
   model's dtype is known): decode fa3 where it can run, prefill fa3 where decode runs it with a provider without
   paged KV (the path measured on the H200); else triton.
@@ -50,35 +52,19 @@ def check_head_dim(head_dim: int, device: torch.device) -> None:
                          "(the CPU device runs any head_dim through the torch references)")  # fmt: skip
 
 
-def _fa3_unusable(device: torch.device, kv_type: str, dtype: torch.dtype) -> Optional[str]:
-    """Why FA3 can't run here, or None when it can."""
-    from lightllm.kernels.attention.decode.fa3 import find_fa3_provider, is_hopper
-
-    if device.type != "cuda":
-        return "no GPU: the torch references run either way"
-    if kv_type != "None":
-        return f"FA3 reads no quantized KV cache (--llm_kv_type {kv_type})"
-    if not is_hopper(device):
-        return f"FA3 needs a Hopper GPU, found {torch.cuda.get_device_name(device)}"
-    provider = find_fa3_provider()
-    if provider is None:
-        return "no FlashAttention-3 provider imports"
-    return provider.dtype_problem(dtype)
-
-
 def pick_decode_backend(requested: str, device: torch.device, kv_type: str, dtype: torch.dtype) -> str:
     """``requested`` itself, or for ``auto``: fa3 on a Hopper GPU with an FA3 provider installed that runs the
     model's dtype and an unquantized KV cache (the only one FA3 reads), else triton. The choice is logged with its
     reason."""
     if requested != "auto":
         return requested
-    why = _fa3_unusable(device, kv_type, dtype)
-    if why is None:
-        from lightllm.kernels.attention.decode.fa3 import find_fa3_provider
+    from lightllm.kernels.attention.decode.fa3 import fa3_unusable, find_fa3_provider
 
+    problem = fa3_unusable(device, kv_type, dtype)
+    if problem is None:
         logger.info("--llm_decode_att_backend auto -> fa3 (Hopper GPU, %s)", find_fa3_provider().name)
         return "fa3"
-    logger.info("--llm_decode_att_backend auto -> triton (%s)", why)
+    logger.info("--llm_decode_att_backend auto -> triton (%s)", problem.reason)
     return "triton"
 
 
@@ -109,20 +95,14 @@ def pick_prefill_backend(requested: str, decode_backend: str) -> str:
 
 
 def check_fa3_flags(backends: dict, device: torch.device, kv_type: str, dtype: Optional[torch.dtype]) -> None:
-    """One start-up error for a backend flag set to fa3 that can't run: a quantized KV cache, or a model dtype the
-    installed FA3 build doesn't run (``dtype`` None: not known yet). No provider, or no Hopper GPU, fails when the
-    backend is built (``require_fa3``)."""
-    from lightllm.kernels.attention.decode.fa3 import find_fa3_provider
+    """One start-up error, before any weight loads, for a backend flag set to fa3 that can't run here: the line
+    ``require_fa3`` would raise once the backend is built (``fa3_unusable``; ``dtype`` None: not known yet)."""
+    from lightllm.kernels.attention.decode.fa3 import fa3_unusable
 
-    for flag, backend in backends.items():
-        if backend != "fa3":
-            continue
-        if kv_type != "None":
-            raise ValueError(f"{flag} fa3 expected --llm_kv_type None (FA3 reads no quantized KV cache), got {kv_type}")
-        provider = find_fa3_provider() if device.type == "cuda" else None
-        why = provider.dtype_problem(dtype) if provider is not None and dtype is not None else None
-        if why is not None:
-            raise ValueError(f"{flag} fa3: {why}; use {flag} triton")
+    flags = [flag for flag, backend in backends.items() if backend == "fa3"]
+    problem = fa3_unusable(device, kv_type, dtype) if flags else None
+    if problem is not None:
+        raise ValueError(problem.error(flags[0]))
 
 
 class AttentionBackend:

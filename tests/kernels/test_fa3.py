@@ -68,10 +68,14 @@ def no_real_providers(monkeypatch):
     fa3._launch_fa3_decode.clear_cache()
 
 
-def test_no_provider_is_one_clear_error():
+def test_no_provider_is_one_clear_error(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(fa3, "is_hopper", lambda device: True)
     assert fa3.find_fa3_provider() is None
     with pytest.raises(RuntimeError, match="no FlashAttention-3 provider found; install .*fa3-fwd"):
-        fa3.require_fa3("cpu")
+        fa3.require_fa3("cuda")
+    with pytest.raises(RuntimeError, match=r"needs a Hopper GPU \(sm90, H100/H200\), found no GPU; use --llm_decode"):
+        fa3.require_fa3("cpu")  # the device first: no install makes it run FA3
 
 
 def test_detects_fa3_fwd_capabilities_and_needs_hopper(monkeypatch):

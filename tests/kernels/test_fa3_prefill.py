@@ -165,10 +165,11 @@ def test_bad_inputs_name_the_argument():
     assert not fake.calls
 
 
-def test_no_provider_names_the_prefill_flag(monkeypatch):
+def test_without_fa3_the_plan_names_the_prefill_flag(monkeypatch):
     monkeypatch.setattr(fa3, "find_fa3_provider", lambda: None)
     c = prefill_case([3], [4])
-    with pytest.raises(RuntimeError, match=r"--llm_prefill_att_backend fa3: no FlashAttention-3 provider found"):
+    with pytest.raises(RuntimeError, match=r"--llm_prefill_att_backend fa3: FA3 needs a Hopper GPU .*, found no GPU; "
+                                           r"use --llm_prefill_att_backend triton"):  # fmt: skip
         plan_of(c)
 
 

@@ -2,6 +2,7 @@
 with one ``error:`` line saying so, never argparse's "unrecognized arguments"."""
 
 import logging
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -128,14 +129,17 @@ def test_prefill_backend(capsys, model, caplog):
         "prefill alone)" in [r.message for r in caplog.records]
     )
     assert parse(model, "--llm_prefill_att_backend", "triton")[1].llm_prefill_att_backend == "triton"
-    assert parse(model, "--llm_prefill_att_backend", "fa3")[1].llm_prefill_att_backend == "fa3"
+    err = refused(capsys, model, "--llm_prefill_att_backend", "fa3")  # on the CPU device: before any weight loads
+    assert err == ("error: --llm_prefill_att_backend fa3: FA3 needs a Hopper GPU (sm90, H100/H200), found no GPU; use "
+                   "--llm_prefill_att_backend triton")  # fmt: skip
     err = refused(capsys, model, "--llm_prefill_att_backend", "flashinfer")
     assert "--llm_prefill_att_backend" in err and "'flashinfer'" in err and "'auto', 'triton', 'fa3'" in err
     with pytest.raises(ValueError, match=r"--llm_prefill_att_backend expected one of \('auto', 'triton', 'fa3'\)"):
         EngineArgs(device="cpu", llm_prefill_att_backend="flashinfer").normalize()
     for flag in ("llm_prefill_att_backend", "llm_decode_att_backend"):
         err = refused(capsys, model, f"--{flag}", "fa3", "--llm_kv_type", "int8kv")
-        assert f"--{flag} fa3 expected --llm_kv_type None (FA3 reads no quantized KV cache), got int8kv" in err
+        assert err == (f"error: --{flag} fa3: FA3 reads no quantized KV cache (--llm_kv_type int8kv); use "
+                       f"--llm_kv_type None or --{flag} triton")  # fmt: skip
 
 
 def test_prefill_backend_auto_follows_fa3_decode(caplog, monkeypatch):
@@ -166,15 +170,17 @@ def test_prefill_backend_auto_follows_fa3_decode(caplog, monkeypatch):
 def test_decode_backend_auto_on_cpu_is_triton_and_logged(model, caplog):
     caplog.set_level(logging.INFO)
     assert parse(model, "--llm_decode_att_backend", "auto")[1].llm_decode_att_backend == "triton"
-    assert "--llm_decode_att_backend auto -> triton (no GPU: the torch references run either way)" in [
+    assert "--llm_decode_att_backend auto -> triton (FA3 needs a Hopper GPU (sm90, H100/H200), found no GPU)" in [
         r.message for r in caplog.records
     ]
 
 
 @pytest.fixture
 def fake_gpu(monkeypatch):
-    """A CUDA device whose Hopper-ness and FA3 provider the test sets."""
+    """A visible CUDA device whose Hopper-ness and FA3 provider the test sets."""
     state = SimpleNamespace(hopper=True, provider=fa3.FA3Provider("flash_attn_3", "3", True, True, None))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(fa3, "is_hopper", lambda device: state.hopper)
     monkeypatch.setattr(fa3, "find_fa3_provider", lambda: state.provider)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
@@ -200,8 +206,8 @@ def test_decode_backend_auto_picks_fa3_only_where_it_runs(fake_gpu, caplog):
         "--llm_decode_att_backend auto -> triton (FA3 reads no quantized KV cache (--llm_kv_type int8kv))",
         "--llm_decode_att_backend auto -> triton (FA3 runs bfloat16/float16 models, got torch.float32)",
         "--llm_decode_att_backend auto -> triton (fa3_fwd_interface 0.0.3 was built without float16)",
-        "--llm_decode_att_backend auto -> triton (no FlashAttention-3 provider imports)",
-        "--llm_decode_att_backend auto -> triton (FA3 needs a Hopper GPU, found NVIDIA A100)",
+        "--llm_decode_att_backend auto -> triton (no FlashAttention-3 provider found)",
+        "--llm_decode_att_backend auto -> triton (FA3 needs a Hopper GPU (sm90, H100/H200), found NVIDIA A100)",
     ]
 
 
@@ -216,6 +222,35 @@ def test_explicit_fa3_with_a_dtype_the_build_does_not_run_stops_start_up(fake_gp
             check_fa3_flags({flag: "fa3"}, gpu, "None", torch.float16)
         check_fa3_flags({flag: "fa3"}, gpu, "None", torch.bfloat16)  # runs
         check_fa3_flags({flag: "triton"}, gpu, "None", torch.float32)  # not asked for
+
+
+@pytest.mark.parametrize("flag", ["--llm_decode_att_backend", "--llm_prefill_att_backend"])
+def test_explicit_fa3_that_cannot_run_on_the_gpu_stops_start_up_before_any_load(fake_gpu, capsys, model, flag):
+    """No FA3 provider, or a GPU that is not Hopper: one line when the flags are parsed (no weight loaded yet), the
+    same line the backend's require_fa3 raises."""
+
+    def refused_and_required(want):
+        assert refused(capsys, model, "--device", "cuda", flag, "fa3") == f"error: {want}"
+        with pytest.raises(ValueError, match=re.escape(want)):
+            EngineArgs(device="cuda", data_type="bf16", **{flag[2:]: "fa3"}).normalize()
+        with pytest.raises(RuntimeError) as built:
+            fa3.require_fa3(torch.device("cuda"), flag)
+        assert str(built.value) == want
+
+    fake_gpu.provider = None
+    refused_and_required(f"{flag} fa3: no FlashAttention-3 provider found; {fa3.INSTALL_HINT}")
+    fake_gpu.hopper = False  # no install helps: the GPU is named first
+    refused_and_required(f"{flag} fa3: FA3 needs a Hopper GPU (sm90, H100/H200), found NVIDIA A100; use {flag} triton")
+    with pytest.raises(ValueError, match=re.escape(f"{flag} fa3: FA3 reads no quantized KV cache (--llm_kv_type "
+                                                   f"int4kv); use --llm_kv_type None or {flag} triton")):  # fmt: skip
+        EngineArgs(device="cuda", llm_kv_type="int4kv", **{flag[2:]: "fa3"}).normalize()
+
+
+def test_explicit_fa3_where_it_runs_is_kept(fake_gpu):
+    args = EngineArgs(device="cuda", data_type="bf16", llm_decode_att_backend="fa3", llm_prefill_att_backend="fa3")
+    args.normalize().fit_to_model(4096, 128)
+    assert (args.llm_decode_att_backend, args.llm_prefill_att_backend) == ("fa3", "fa3")
+    assert fa3.require_fa3(torch.device("cuda")) is fake_gpu.provider
 
 
 def test_tokenizer_modes(model, capsys):

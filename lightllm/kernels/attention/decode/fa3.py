@@ -15,7 +15,8 @@ KV layouts over the engine's cache:
   contiguous_slots=True)``); the pool is seen as ``[max_reqs, max_len, kv_heads, D]`` and ``b_req_idx`` is
   ``cache_batch_idx``. For providers without paged KV.
 
-Importing this module never fails; :func:`require_fa3` raises one clear error when FA3 can't be used.
+Importing this module never fails; :func:`fa3_unusable` says why FA3 can't run (start-up refuses an explicit fa3
+with its line, before any weight loads), and :func:`require_fa3` raises the same line when FA3 can't be used.
 """
 
 import importlib
@@ -133,19 +134,46 @@ def is_hopper(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
 
 
-def require_fa3(device=None, flag: str = "--llm_decode_att_backend") -> FA3Provider:
-    """The provider to use on ``device``; ``RuntimeError`` naming ``flag`` and saying what to install or why it
-    can't run."""
+@dataclass(frozen=True)
+class FA3Unusable:
+    """Why FA3 can't run: ``reason`` (what ``auto`` logs) and ``fix``, what the user can do (``{flag}``: the flag
+    set to fa3)."""
+
+    reason: str
+    fix: str = "use {flag} triton"
+
+    def error(self, flag: str) -> str:
+        """The one line that stops start-up for ``flag`` set to fa3."""
+        return f"{flag} fa3: {self.reason}; {self.fix.format(flag=flag)}"
+
+
+def fa3_unusable(device, kv_type: str = "None", dtype: Optional[torch.dtype] = None) -> Optional[FA3Unusable]:
+    """Why FA3 can't run on ``device`` with ``--llm_kv_type kv_type`` for a model of ``dtype`` (None: not known yet,
+    not checked), or None when it can. The one rule behind ``auto``'s choice, the start-up check of an explicit fa3
+    and :func:`require_fa3`. The user's own flags come first, then the GPU (no install makes another GPU run FA3),
+    then the provider and the dtypes it runs."""
+    device = torch.device(device)
+    if kv_type != "None":
+        return FA3Unusable(f"FA3 reads no quantized KV cache (--llm_kv_type {kv_type})",
+                           "use --llm_kv_type None or {flag} triton")  # fmt: skip
+    on_gpu = device.type == "cuda" and torch.cuda.is_available()
+    if not on_gpu or not is_hopper(device):
+        found = torch.cuda.get_device_name(device) if on_gpu else "no GPU"
+        return FA3Unusable(f"FA3 needs a Hopper GPU (sm90, H100/H200), found {found}")
     provider = find_fa3_provider()
     if provider is None:
-        raise RuntimeError(f"{flag} fa3: no FlashAttention-3 provider found; {INSTALL_HINT}")
-    device = torch.device(device if device is not None else "cuda")
-    if device.type != "cuda" or not torch.cuda.is_available() or not is_hopper(device):
-        name = torch.cuda.get_device_name(device) if device.type == "cuda" and torch.cuda.is_available() else "no GPU"
-        raise RuntimeError(
-            f"{flag} fa3: {provider.name} needs a Hopper GPU (sm90, H100/H200), found {name}; use {flag} triton"
-        )
-    return provider
+        return FA3Unusable("no FlashAttention-3 provider found", INSTALL_HINT)
+    why = provider.dtype_problem(dtype) if dtype is not None else None
+    return FA3Unusable(why) if why is not None else None
+
+
+def require_fa3(device=None, flag: str = "--llm_decode_att_backend") -> FA3Provider:
+    """The provider to use on ``device`` (default cuda); ``RuntimeError`` with :func:`fa3_unusable`'s line for
+    ``flag`` when FA3 can't run there. The backend's last guard: start-up refuses the same (``check_fa3_flags``)."""
+    problem = fa3_unusable(device if device is not None else "cuda")
+    if problem is not None:
+        raise RuntimeError(problem.error(flag))
+    return find_fa3_provider()
 
 
 # ---- tuned launcher ---------------------------------------------------------------------------------------
