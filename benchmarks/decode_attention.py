@@ -38,7 +38,9 @@ from bench_io import save_json
 from decode_attention_buckets import (
     analyze_buckets,
     bucket_ladders,
+    bucket_sets,
     graph_lens,
+    parse_set,
     print_bucket_table,
     set_name,
     timing_points,
@@ -193,11 +195,11 @@ def run_buckets(args):
     """Every candidate and the default at the (KV length, launch length) points the bucket analysis needs."""
     lens = sorted(args.lens)
     buckets = graph_lens(args.buckets, lens)
-    sets = [buckets, [max(lens)]]
+    sets = bucket_sets(buckets, args.also_buckets, lens)
     ladders = {set_name(s): bucket_ladders(s) for s in sets}
     points = timing_points(lens, sets, ladders)
     results = {"device": torch.cuda.get_device_name(), "mode": "buckets", "buckets": buckets, "lens": lens,
-               "ladders": {k: {str(b): ladder for b, ladder in v.items()} for k, v in ladders.items()},
+               "sets": sets, "ladders": {k: {str(b): ladder for b, ladder in v.items()} for k, v in ladders.items()},
                "quant_group": args.group, "points": []}  # fmt: skip
     print(
         f"buckets {buckets}: {len(points)} (length, launch) points per shape, batch and KV type: {points}", flush=True
@@ -387,10 +389,15 @@ def main():
     p.add_argument("--buckets", nargs="+", type=int, default=None, metavar="LEN",
                    help="decode graphs per KV length bucket (these, below the longest --lens, and the longest): the "
                    "bucket analysis instead of the frozen-config one")  # fmt: skip
+    p.add_argument("--also-buckets", nargs="+", default=[], metavar="SET", type=parse_set,
+                   help="more bucket sets to compare, each comma-separated (e.g. 2048,8192); the points they need "
+                   "are timed in the same run")  # fmt: skip
     p.add_argument("--out", default="benchmarks/results/decode_attention.json")
     args = p.parse_args()
     if args.buckets is not None and any(b <= 0 for b in args.buckets):
         p.error(f"--buckets expected positive KV lengths, got {args.buckets}")
+    if args.also_buckets and args.buckets is None:
+        p.error("--also-buckets expected --buckets too")
     if args.analyze:
         with open(args.analyze) as f:
             results = json.load(f)

@@ -8,6 +8,7 @@ default launched for L itself) and against the default eager launch. The same is
 default: one graph up to the largest L) to show what the buckets buy.
 """
 
+import argparse
 import json
 import math
 from typing import Dict, List, Sequence
@@ -29,6 +30,27 @@ def graph_lens(buckets: Sequence[int], lens: Sequence[int]) -> List[int]:
 def serving_bucket(buckets: Sequence[int], length: int) -> int:
     """The bucket whose graph serves a batch of KV length ``length``: the smallest that holds it."""
     return min(b for b in buckets if b >= length)
+
+
+def parse_set(text: str) -> List[int]:
+    """``--also-buckets`` item: comma-separated positive KV lengths."""
+    try:
+        lens = [int(x) for x in text.split(",")]
+    except ValueError:
+        lens = []
+    if not lens or any(n <= 0 for n in lens):
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive KV lengths, got {text!r}")
+    return lens
+
+
+def bucket_sets(buckets: Sequence[int], also: Sequence[Sequence[int]], lens: Sequence[int]) -> List[List[int]]:
+    """The bucket sets a run compares: ``buckets``, each of ``also`` (as graph lengths), then one bucket (the
+    default: one graph up to the longest L); each once, in that order."""
+    sets = []
+    for s in [list(buckets), *(graph_lens(a, lens) for a in also), [max(lens)]]:
+        if s not in sets:
+            sets.append(s)
+    return sets
 
 
 def set_name(buckets: Sequence[int]) -> str:
@@ -76,7 +98,7 @@ def analyze_buckets(results: dict) -> list:
     every L against L's best and default eager launches (``vs_best_pct``, ``vs_default_pct``), and the worst of each."""
     points = {(p["shape"], p["B"], p["kind"], p["L"], p["launch"]): p for p in results["points"]}
     lens = results["lens"]
-    sets = [results["buckets"]] + ([[max(lens)]] if results["buckets"] != [max(lens)] else [])
+    sets = results.get("sets") or bucket_sets(results["buckets"], [], lens)
     out = []
     for shape, batch, kind in sorted({k[:3] for k in points}):
         at = {k[3:]: _times(p) for k, p in points.items() if k[:3] == (shape, batch, kind)}
