@@ -143,7 +143,30 @@ def print_bucket_table(results: dict, entries: list) -> None:
     for e in entries:
         cells = "".join(f"{b:7.1f}/{d:6.1f}" for b, d in zip(e["vs_best_pct"], e["vs_default_pct"]))
         wb, wd = e["worst_vs_best_pct"], e["worst_vs_default_pct"]
-        ok = "ok" if wb <= GOAL_VS_BEST_PCT and wd <= GOAL_VS_DEFAULT_PCT else "MISS"
+        ok = "ok" if meets_goal(e) else "MISS"
         graphs = "<=" + ",".join(map(str, e["buckets"]))
         print(f"{e['shape']:13s} {e['B']:4d} {e['kind']:4s} {graphs:16s} {e['rule']:25s}{cells}{wb:7.1f}/{wd:6.1f}"
               f"  {ok}")  # fmt: skip
+    print(
+        "\nper bucket set and rule, over the (shape, B, kind) rows: rows meeting the goal, worst % vs best / vs default"
+    )
+    for (buckets, rule), s in summarize(entries).items():
+        print(f"  <={buckets:24s} {rule:25s} {s['rows_ok']:3d} of {s['rows']:3d}   {s['worst_vs_best_pct']:5.1f} / "
+              f"{s['worst_vs_default_pct']:5.1f}")  # fmt: skip
+
+
+def meets_goal(entry: dict) -> bool:
+    return entry["worst_vs_best_pct"] <= GOAL_VS_BEST_PCT and entry["worst_vs_default_pct"] <= GOAL_VS_DEFAULT_PCT
+
+
+def summarize(entries: list) -> dict:
+    """Per (bucket set name, rule): how many (shape, B, kind) rows meet the goal, and the worst losses over them."""
+    out = {}
+    for e in entries:
+        empty = {"rows": 0, "rows_ok": 0, "worst_vs_best_pct": -math.inf, "worst_vs_default_pct": -math.inf}
+        s = out.setdefault((set_name(e["buckets"]), e["rule"]), empty)
+        s["rows"] += 1
+        s["rows_ok"] += meets_goal(e)
+        s["worst_vs_best_pct"] = max(s["worst_vs_best_pct"], e["worst_vs_best_pct"])
+        s["worst_vs_default_pct"] = max(s["worst_vs_default_pct"], e["worst_vs_default_pct"])
+    return out

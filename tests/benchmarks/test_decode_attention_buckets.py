@@ -2,6 +2,7 @@
 (which config each bucket's graph replays and its loss vs the cell's best and default eager launches). The GPU run
 itself is a benchmark, not a test."""
 
+import argparse
 import importlib
 import json
 import os
@@ -111,3 +112,27 @@ def test_analyze_prints_a_saved_bucket_run_and_still_an_old_one(bench, monkeypat
     monkeypatch.setattr(sys, "argv", ["decode_attention.py", "--analyze", old])
     main.main()
     assert "frozen config (chosen from the ladder, applied at every L)" in capsys.readouterr().out
+
+
+def test_more_sets_in_one_run_and_their_summary(bench):
+    """``--also-buckets 2048,8192 8192``: each set as graph lengths (capped by the longest L), each once, then one
+    bucket; the summary counts the rows meeting the goal per set and rule."""
+    lens = [1024, 8192, 32768]
+    also = [bench.parse_set("2048,8192"), bench.parse_set("8192"), bench.parse_set("65536,4096")]
+    assert bench.bucket_sets([4096, 32768], also, lens) == [[4096, 32768], [2048, 8192, 32768], [8192, 32768],
+                                                            [32768]]  # fmt: skip
+    for bad in ("", "4k", "0,4096", "4096,-1"):
+        with pytest.raises(argparse.ArgumentTypeError, match="expected comma-separated positive KV lengths"):
+            bench.parse_set(bad)
+    summary = bench.summarize(bench.analyze_buckets(saved_run()))
+    assert summary[("4096,8192", "minimax_loss")] == {"rows": 1, "rows_ok": 1, "worst_vs_best_pct": pytest.approx(
+        (3.0 / 2.95 - 1) * 100), "worst_vs_default_pct": pytest.approx(0.0)}  # fmt: skip
+    assert summary[("8192", "minimax_loss")]["rows_ok"] == 0
+
+
+def test_also_buckets_needs_buckets(bench, monkeypatch, capsys):
+    main = importlib.import_module("decode_attention")
+    monkeypatch.setattr(sys, "argv", ["decode_attention.py", "--also-buckets", "2048"])
+    with pytest.raises(SystemExit):
+        main.main()
+    assert "--also-buckets expected --buckets too" in capsys.readouterr().err
