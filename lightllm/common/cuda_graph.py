@@ -111,15 +111,29 @@ class DecodeGraphs(GraphSet):
 
     def capture_all(self, run_decode: Callable[[int, int], object], clock=time.perf_counter) -> "DecodeGraphs":
         """``run_decode(bs, graph_len)`` runs one decode forward over the first ``bs`` rows of static buffers,
-        launched for ``graph_len``. Longest bucket first (its largest batch opens the shared pool), each bucket's
-        sizes largest first."""
+        launched for ``graph_len``, and returns its outputs (a tensor, or a tuple of them). Longest bucket first (its
+        largest batch opens the shared pool), each bucket's sizes largest first.
+
+        One output per batch size: the longest bucket's graph keeps its own, and the graphs of the shorter buckets
+        copy theirs into it as their last step, so their outputs are freed after capture and the pool reuses the
+        memory (the float32 logits are most of what a bucket's graphs keep: about 166 MiB at batch sizes up to 64
+        and a 152K vocabulary). The copy costs one pass over the outputs per replay of a shorter bucket."""
+        shared = {}
+
+        def run(key):
+            n, bs = key
+            out = run_decode(bs, n)
+            return out if n == self.graph_lens[-1] else _copy_into(shared[bs], out)
+
         for n in self.graph_lens[::-1]:
             start, before = clock(), self.memory_bytes
-            self.capture_each(lambda key: run_decode(key[1], key[0]),
+            self.capture_each(run,
                               lambda: autotune_warmup(AutotuneKernelType.DECODE_ATTENTION), "decode",
                               lambda key: f"KV-length-{key[0]} batch-size-{key[1]}", "--disable_cudagraph",
                               keys=[k for k in self.keys if k[0] == n])  # fmt: skip
             self.costs[n] = (len(self.batch_sizes), clock() - start, self.memory_bytes - before)
+            if n == self.graph_lens[-1]:
+                shared = {bs: out for (_, bs), (_, out) in self.graphs.items()}
         return self
 
     def pick(self, batch_size: int, max_len: int) -> Optional[Tuple[int, int]]:
@@ -129,6 +143,18 @@ class DecodeGraphs(GraphSet):
         n = next((n for n in self.graph_lens if n >= max_len), None)
         bs = next((bs for bs in self.batch_sizes if bs >= batch_size and (n, bs) in self.graphs), None)
         return None if n is None or bs is None else (n, bs)
+
+
+def _copy_into(dst, src):
+    """``src`` (a tensor or a tuple/list of them) copied into ``dst`` of the same structure; returns ``dst``."""
+    if isinstance(dst, torch.Tensor) and isinstance(src, torch.Tensor):
+        return dst.copy_(src)
+    if isinstance(dst, (tuple, list)) and isinstance(src, (tuple, list)) and len(dst) == len(src):
+        for d, s in zip(dst, src):
+            _copy_into(d, s)
+        return dst
+    raise TypeError(f"decode graph outputs expected a tensor or a tuple of tensors, like the longest bucket's "
+                    f"{type(dst).__name__}, got {type(src).__name__}")  # fmt: skip
 
 
 def describe_costs(costs: Dict[int, Tuple[int, float, int]]) -> str:

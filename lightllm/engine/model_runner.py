@@ -90,8 +90,9 @@ class ModelRunner:
         t = time.perf_counter()
         use_graphs = not args.disable_cudagraph and (self.device.type == "cuda" or graph_api is not None)
         buckets = self._prefill_graph_buckets() if use_graphs else []
-        # the batch size of every decode graph: each but the largest keeps its logits as extra graph memory
-        graph_sizes = args.graph_batch_sizes() * len(args.graph_lens()) if use_graphs else []
+        # the decode graphs' batch sizes: each but the largest keeps its logits as extra graph memory (once: the
+        # graphs of every KV length bucket share one output per size, common/cuda_graph.py)
+        graph_sizes = args.graph_batch_sizes() if use_graphs else []
         # each bucket's decode attention tunes on (and keys by) the lengths its own graph serves; eager steps key alike
         set_decode_graph_lens(args.graph_lens() if use_graphs else ())
         self._init_kv_cache(memory_api or default_memory_api(self.device), graph_sizes, buckets)
@@ -240,7 +241,7 @@ class ModelRunner:
         of ``max(batch_max_tokens, max_req_total_len)``, a
         ``running_max_req_size`` decode at ``max_req_total_len``) over a scratch pool whose token indices wrap,
         outside any autotune scope so no kernel searches on dummy data; their peak allocation above the state before
-        them. The decode graphs are estimated to keep the decode peak plus the float32 logits each smaller graph
+        them. The decode graphs are estimated to keep the decode peak plus the float32 logits each smaller size's graph
         holds as its output; the prefill graphs the profiled prefill's peak scaled to the largest bucket's tokens
         (activations grow with tokens) plus the logits row each of up to two graphs per bucket holds."""
         a, c, dev = self.args, self.config, self.device

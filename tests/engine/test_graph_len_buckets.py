@@ -55,6 +55,30 @@ def test_buckets_are_captured_longest_first_each_after_a_warmup_launched_for_it(
     assert torch.equal(graphs.replay((16, 1)), torch.full((1,), 16.0))
 
 
+def test_every_bucket_s_graph_of_a_batch_size_returns_one_shared_output():
+    """The shorter buckets' graphs copy their outputs (here a tensor and a tuple, as MTP's graphs return) into the
+    longest bucket's as their last step: one output per batch size whatever the buckets, each written by the graph
+    that replays."""
+    for tupled in (False, True):
+
+        def run_decode(bs, graph_len):
+            out = torch.full((bs, 3), float(graph_len))
+            return (out, out[:, :1] + 1) if tupled else out
+
+        graphs = DecodeGraphs([1, 2], [16, 64, 256], FakeGraphAPI([])).capture_all(run_decode)
+        for bs in (1, 2):
+            outs = [graphs.graphs[(n, bs)][1] for n in (16, 64, 256)]
+            top = outs[-1][0] if tupled else outs[-1]
+            assert all((o[0] if tupled else o) is top for o in outs)  # the very tensor, not an equal one
+            assert torch.equal(top, torch.full((bs, 3), 16.0))  # the last capture (the 16 bucket) wrote it
+    says = "TypeError: decode graph outputs expected a tensor or a tuple of tensors, like the longest bucket's " \
+           "Tensor, got list"  # fmt: skip
+    with pytest.raises(RuntimeError, match=re.escape(says)):
+        DecodeGraphs([1], [16, 64], FakeGraphAPI([])).capture_all(
+            lambda bs, n: torch.zeros(bs) if n == 64 else [torch.zeros(bs)]
+        )
+
+
 def test_pick_takes_the_smallest_bucket_then_the_smallest_batch_and_falls_back_to_eager():
     graphs = DecodeGraphs([1, 4], [16, 64], FakeGraphAPI([])).capture_all(lambda bs, n: torch.zeros(bs))
     picks = {(b, n): graphs.pick(b, n) for b, n in [(1, 1), (2, 16), (4, 17), (1, 64), (3, 40)]}
