@@ -134,6 +134,29 @@ def test_split_prefix_matches_reference(splits, dtype):
     _check_prefix([3, 1, 20, 9], [0, 70, 5, 131], 128, dtype, cfg, seed=splits)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="records the interpreter's launches: a CPU run's check")
+def test_a_split_count_compiles_no_kernel_of_its_own():
+    """The split count follows the chunk's token count, so a search per token bucket would compile every candidate
+    again for each count if it were a constexpr (18 candidates, seven buckets on a first start). Split counts 2 to 15
+    share one specialization (one with 16: Triton's divisibility class), the unsplit launch another; both build to
+    sm_90 cubins."""
+    from tests import ttir_lowering
+
+    g = torch.Generator().manual_seed(5)
+    q, k, v, b_start, b_len = _packed([3, 9], 8, 2, 64, torch.float16, g)
+    k_cache, v_cache = (torch.randn(300, 2, 64, generator=g).half() for _ in range(2))
+    prefix = _cached_prefix([70, 131], 300, g)
+    with ttir_lowering.recording() as recorder:
+        for splits in (1, 2, 3, 5, 9, 15):
+            cfg = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1, "PREFIX_SPLITS": splits}
+            context_attention(q, k, v, b_start, b_len, 9, run_config=cfg, prefix=prefix, k_cache=k_cache,
+                              v_cache=v_cache)  # fmt: skip
+    attention = {x: n for x, n in recorder.launches.items() if x.name == "_context_attention_kernel"}  # distinct
+    assert sorted((dict(x.constexprs)["SPLIT"], n) for x, n in attention.items()) == [(False, 1), (True, 5)]
+    built = ttir_lowering.build_cubins(list(attention))
+    assert all(b.error is None for b in built), [b.error for b in built]
+
+
 def test_plan_reusing_outputs_shares_the_split_partials_across_layers():
     """A step's plan (reuse_outputs, as the attention backend makes it) makes the split partials once: two layers
     with fresh data each match the reference, through the same output and partial tensors."""
@@ -188,13 +211,15 @@ def test_gpu_short_chunk_after_long_prefix(new, prefix_len):
 
 @pytest.fixture
 def launches(monkeypatch):
-    """The attention kernel's launches as (grid, keyword arguments), still run."""
+    """The attention kernel's launches as (grid, keyword arguments and the runtime split count ``splits``), still
+    run."""
     module = importlib.import_module("lightllm.kernels.attention.prefill.context_attention")  # not the function
     seen = []
     launch = module._CONTEXT_ATTENTION.launch
+    at = module._context_attention_kernel.arg_names.index("splits")
 
     def spy(grid, *args, **kwargs):
-        seen.append((tuple(grid), kwargs))
+        seen.append((tuple(grid), {**kwargs, "splits": args[at]}))
         return launch(grid, *args, **kwargs)
 
     monkeypatch.setattr(module._CONTEXT_ATTENTION, "launch", spy)
@@ -217,7 +242,8 @@ def _check_packed(launches, lens, prefix_lens, q_heads, kv_heads, head_dim, dtyp
     ((grid, kwargs),) = launches
     group = q_heads // kv_heads
     assert kwargs["PACK_GQA"] and grid[:2] == (len(lens), kv_heads)
-    assert grid[2] == -(-max(lens) * group // cfg["BLOCK_M"]) * kwargs["SPLITS"]
+    assert grid[2] == -(-max(lens) * group // cfg["BLOCK_M"]) * kwargs["splits"]
+    assert kwargs["SPLIT"] == (kwargs["splits"] > 1)
     assert not out.isnan().any(), "unwritten output"
     want = context_attention_ref(q, k, v, b_start, b_len, **cache)
     tol = 1e-4 if dtype == torch.float32 else 3e-3
@@ -255,7 +281,7 @@ def test_packed_split_prefix_matches_reference(launches, splits, dtype):
     prefixes shorter than the split count, absent and long, group 6."""
     cfg = {"BLOCK_M": 32, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1, "PREFIX_SPLITS": splits}
     _check_packed(launches, [3, 1, 20, 9], [0, 70, 5, 131], 12, 2, 64, dtype, cfg, seed=splits)
-    assert launches[0][1]["SPLITS"] == splits
+    assert launches[0][1]["splits"] == splits
 
 
 def test_packed_split_count_follows_the_packed_grid(launches):

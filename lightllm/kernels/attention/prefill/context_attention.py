@@ -54,14 +54,20 @@ def _context_attention_kernel(
     K_cache, V_cache, req_to_token, b_req_idx, b_prefix_len,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     stride_kct, stride_kch, stride_vct, stride_vch, stride_rt,
-    Part_O, Part_L, stride_pos, stride_pot, stride_poh, stride_pls, stride_plt,
+    Part_O, Part_L, stride_pos, stride_pot, stride_poh, stride_pls, stride_plt, splits,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr, HAS_PREFIX: tl.constexpr, SPLITS: tl.constexpr, PACK_GQA: tl.constexpr,
+    PRECISION: tl.constexpr, HAS_PREFIX: tl.constexpr, SPLIT: tl.constexpr, PACK_GQA: tl.constexpr,
 ):  # fmt: skip
+    # ``splits`` (the prefix ranges, > 1 exactly when SPLIT) is a runtime value: a constexpr would compile every
+    # candidate again for each split count, which the chunk's token count changes
     b = tl.program_id(0)
     h = tl.program_id(1)  # a KV head when packed, else a query head
-    m_block = tl.program_id(2) // SPLITS
-    split = tl.program_id(2) % SPLITS
+    if SPLIT:
+        m_block = tl.program_id(2) // splits
+        split = tl.program_id(2) % splits
+    else:
+        m_block = tl.program_id(2)
+        split = 0
     seq_len = tl.load(b_len + b)
     if PACK_GQA:
         n_rows = seq_len * GROUP
@@ -91,7 +97,7 @@ def _context_attention_kernel(
     if HAS_PREFIX:  # the request's cached tokens, through its row of req_to_token: every new token sees them all
         prefix = tl.load(b_prefix_len + b)
         row = req_to_token + tl.load(b_req_idx + b).to(tl.int64) * stride_rt
-        per_split = tl.cdiv(tl.cdiv(prefix, SPLITS), BLOCK_N) * BLOCK_N
+        per_split = tl.cdiv(tl.cdiv(prefix, splits), BLOCK_N) * BLOCK_N
         lo = split * per_split
         hi = tl.minimum(lo + per_split, prefix)
         for n0 in range(lo, hi, BLOCK_N):
@@ -103,7 +109,7 @@ def _context_attention_kernel(
             v = tl.load(V_cache + tok * stride_vct + kvh * stride_vch + offs_d[None, :], mask=mask_n[:, None],
                         other=0.0)  # fmt: skip
             m_i, l_i, acc = _attend_block(q, k, v, mask_n[None, :], m_i, l_i, acc, qk_scale, PRECISION)
-    if split == SPLITS - 1:  # the new tokens, causally: up to the block's last token
+    if split == splits - 1:  # the new tokens, causally: up to the block's last token
         if PACK_GQA:
             end = (tl.minimum((m_block + 1) * BLOCK_M, n_rows) - 1) // GROUP + 1
         else:
@@ -116,7 +122,7 @@ def _context_attention_kernel(
             v = tl.load(V + rows * stride_vt + kvh * stride_vh + offs_d[None, :], mask=mask_n[:, None], other=0.0)
             causal = (offs_m[:, None] >= offs_n[None, :]) & mask_n[None, :]
             m_i, l_i, acc = _attend_block(q, k, v, causal, m_i, l_i, acc, qk_scale, PRECISION)
-    if SPLITS == 1:
+    if not SPLIT:
         out = acc / l_i[:, None]
         tl.store(Out + (start + offs_m)[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
                  out.to(Out.dtype.element_ty), mask=mask_m[:, None])  # fmt: skip
@@ -131,14 +137,14 @@ def _context_attention_kernel(
 
 @triton.jit
 def _merge_splits_kernel(
-    Part_O, Part_L, Out, stride_pos, stride_pot, stride_poh, stride_pls, stride_plt, stride_ot, stride_oh,
-    SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, HEAD_DIM: tl.constexpr,
+    Part_O, Part_L, Out, stride_pos, stride_pot, stride_poh, stride_pls, stride_plt, stride_ot, stride_oh, splits,
+    SPLITS_P2: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs_s = tl.arange(0, SPLITS_P2)
     offs_d = tl.arange(0, HEAD_DIM)
-    valid = offs_s < SPLITS
+    valid = offs_s < splits
     lse = tl.load(Part_L + offs_s * stride_pls + t * stride_plt + h, mask=valid, other=float("-inf"))
     weight = tl.exp2(lse - tl.max(lse, 0))  # the last split always saw its own tokens: the max is finite
     part = tl.load(Part_O + offs_s[:, None] * stride_pos + t * stride_pot + h * stride_poh + offs_d[None, :],
@@ -254,8 +260,9 @@ def _launch(q, k, v, out, b_start, b_len, max_q_len, sm_scale, cfg, prefix, scra
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), req_to_token.stride(0),
         part_o, part_l, part_o.stride(0), part_o.stride(1), part_o.stride(2), part_l.stride(0), part_l.stride(1),
+        splits,
         GROUP=group, HEAD_DIM=q.shape[-1], BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-        PRECISION="ieee" if q.dtype == torch.float32 else None, HAS_PREFIX=prefix is not None, SPLITS=splits,
+        PRECISION="ieee" if q.dtype == torch.float32 else None, HAS_PREFIX=prefix is not None, SPLIT=splits > 1,
         PACK_GQA=pack,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
@@ -263,8 +270,8 @@ def _launch(q, k, v, out, b_start, b_len, max_q_len, sm_scale, cfg, prefix, scra
         _MERGE_SPLITS.launch(
             (q.shape[0], q.shape[1]),
             part_o, part_l, out, part_o.stride(0), part_o.stride(1), part_o.stride(2), part_l.stride(0),
-            part_l.stride(1), out.stride(0), out.stride(1),
-            SPLITS=splits, SPLITS_P2=next_power_of_2(splits), HEAD_DIM=q.shape[-1], num_warps=4,
+            part_l.stride(1), out.stride(0), out.stride(1), splits,
+            SPLITS_P2=next_power_of_2(splits), HEAD_DIM=q.shape[-1], num_warps=4,
         )  # fmt: skip
     return out
 
