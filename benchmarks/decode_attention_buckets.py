@@ -74,10 +74,10 @@ def set_ladders(results: dict, buckets: Sequence[int]) -> Dict[int, List[int]]:
 def timing_points(lens: Sequence[int], bucket_sets: Sequence[Sequence[int]], ladders) -> list:
     """The (KV length, launch length) pairs the analysis needs, each timed once for every candidate: every L eagerly
     (launched for L), every L in the graph that serves it and every serving bucket's ladder (launched for the
-    bucket), for each set of buckets. ``ladders``: per set name, bucket -> ladder (or one bucket -> ladder map)."""
+    bucket), for each set of buckets. ``ladders``: per set name, bucket -> ladder."""
     points = {(n, n) for n in lens}
     for buckets in bucket_sets:
-        ladder = ladders.get(set_name(buckets), ladders)
+        ladder = ladders[set_name(buckets)]
         for n in lens:
             b = serving_bucket(buckets, n)
             points |= {(n, b)} | {(m, b) for m in ladder[b]}
@@ -106,7 +106,7 @@ def analyze_buckets(results: dict) -> list:
                           ["configs"]]  # fmt: skip
         for buckets in sets:
             ladders = set_ladders(results, buckets)
-            needed = timing_points(lens, [buckets], ladders)
+            needed = timing_points(lens, [buckets], {set_name(buckets): ladders})
             if any(pt not in at for pt in needed):  # a run cut short
                 continue
             for rule in RULES:

@@ -91,8 +91,10 @@ class ModelRunner:
         use_graphs = not args.disable_cudagraph and (self.device.type == "cuda" or graph_api is not None)
         buckets = self._prefill_graph_buckets() if use_graphs else []
         # the decode graphs' batch sizes: each but the largest keeps its logits as extra graph memory (once: the
-        # graphs of every KV length bucket share one output per size, common/cuda_graph.py)
-        graph_sizes = args.graph_batch_sizes() if use_graphs else []
+        # graphs of every KV length bucket share one output per size, common/cuda_graph.py); with more than one
+        # bucket, a shorter bucket's largest capture holds its own logits beside the shared ones, once more
+        sizes = args.graph_batch_sizes()
+        graph_sizes = (sizes + sizes[-1:] * (len(args.graph_lens()) > 1)) if use_graphs else []
         # each bucket's decode attention tunes on (and keys by) the lengths its own graph serves; eager steps key alike
         set_decode_graph_lens(args.graph_lens() if use_graphs else ())
         self._init_kv_cache(memory_api or default_memory_api(self.device), graph_sizes, buckets)

@@ -29,7 +29,8 @@ def test_buckets_below_the_longest_length_then_the_longest(bench):
 def test_only_the_points_the_analysis_reads_are_timed(bench):
     """Each L eagerly and in its graph, each serving bucket's ladder launched for the bucket: 11 points, where timing
     every ladder length and every L for every bucket would be 21; one bucket (today) adds none here."""
-    lens, ladders = [1024, 8192, 32768], {4096: [4096, 2048, 512], 32768: [32768, 16384, 4096, 1024]}
+    lens, ladder = [1024, 8192, 32768], {4096: [4096, 2048, 512], 32768: [32768, 16384, 4096, 1024]}
+    ladders = {"4096,32768": ladder, "32768": ladder}
     points = bench.timing_points(lens, [[4096, 32768], [32768]], ladders)
     assert points == [(512, 4096), (1024, 1024), (1024, 4096), (1024, 32768), (2048, 4096), (4096, 4096),
                       (4096, 32768), (8192, 8192), (8192, 32768), (16384, 32768), (32768, 32768)]  # fmt: skip

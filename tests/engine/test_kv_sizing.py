@@ -155,12 +155,13 @@ def test_gpu_pool_is_sized_from_the_profiled_peak_before_warmup(tmp_path, forwar
 def test_gpu_pool_keeps_one_set_of_logits_whatever_the_buckets(tmp_path, forwards):
     """Graphs of 1 and 2 rows for KV lengths up to 16 and up to 32: the buckets share one output per batch size
     (common/cuda_graph.py), so every size but the largest keeps its float32 logits (512 vocab x 4 B a row) in the
-    pool once: 1 row, as with one bucket (each bucket's own logits would be 1 + 1 + 2 rows)."""
+    pool once, and the shorter bucket's 2-row capture holds its own 2 rows beside the shared ones while it is
+    captured: 1 + 2 rows (each bucket's own logits would be 1 + 1 + 2 rows)."""
     mem = FakeDeviceMemory(forwards, total=16 * GIB, used=4 * GIB, torch_allocated=3 * GIB,
                            prefill_peak=7 * GIB - 4 * MIB, decode_peak=1 * GIB)  # fmt: skip
     args = _args(tmp_path, mem_fraction=0.75, prefill_graph_max_tokens=0, graph_len_buckets=[16])
     runner = ModelRunner(args, graph_api=FakeGraphAPI(forwards), memory_api=mem)
-    assert runner.kv.num_tokens == (4 * MIB - 1 * 2048) // BYTES_PER_TOKEN and sorted(runner.graphs.graphs) == [
+    assert runner.kv.num_tokens == (4 * MIB - 3 * 2048) // BYTES_PER_TOKEN and sorted(runner.graphs.graphs) == [
         (16, 1), (16, 2), (32, 1), (32, 2)]  # fmt: skip
 
 

@@ -479,3 +479,33 @@ def test_gpu_search_runs_once_per_key_at_representative_length(monkeypatch, isol
         assert torch.equal(t, b)
     assert rel_err(out, decode_attention_ref(q, k, v, r2t, idx, seq)) < 1e-2
     tuned.clear_cache()
+
+
+def test_a_bucketed_graph_at_level_0_uses_a_config_cached_without_buckets(monkeypatch, isolated_autotune):
+    """A graph above a smaller bucket keys on its served floor ((2, 2048, 1024) here). At level 0, with only a
+    config cached by a one-graph start (or shipped) under (2, 2048), it takes that config as the nearest key, not
+    the launcher default."""
+    from lightllm.kernels.attention.decode.tuning import set_decode_graph_lens
+
+    monkeypatch.setenv("LIGHTLLM_TRITON_AUTOTUNE_LEVEL", "0")
+    monkeypatch.setenv("LIGHTLLM_DECODE_ATTN_AUTOTUNE_SEQ_LEN", "2048")
+    tuned = flash_decode._launch_gqa_flash_decode
+    tuned.clear_cache()
+    q, k, v, r2t, idx, seq = make_batch(2, 4, 2, 64, [3, 9], torch.float32, pool=512)
+    static_key = freeze(flash_decode._static_key(q, k, "none", 0))
+    cached = {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "WAVES": 2}
+    tuned.store.save(static_key, static_key, {flash_decode.split_kv_run_key(q, 2048): (cached, {})})  # no floor
+    set_decode_graph_lens([1024, 2048])
+    assert flash_decode.split_kv_run_key(q, 2048) == (2, 2048, 1024)
+    launched = []
+    real_launch = tuned.fn
+
+    def spy(*args, run_config=None, **kwargs):
+        launched.append(run_config)
+        return real_launch(*args, run_config=run_config, **kwargs)
+
+    monkeypatch.setattr(tuned, "fn", spy)
+    out, _ = run("none", q, k, v, r2t, idx, seq, 2048)
+    tuned.clear_cache()
+    assert launched == [cached]
+    torch.testing.assert_close(out.double(), decode_attention_ref(q, k, v, r2t, idx, seq), rtol=1e-4, atol=1e-4)

@@ -101,6 +101,17 @@ def test_a_floor_at_or_past_the_tuning_length_is_no_floor(monkeypatch):
     assert decode_attn_run_key_lens(32768) == (4096,)
 
 
+def test_a_floored_key_is_near_its_unfloored_one():
+    """An absent floor counts as 0: the same range first, then the nearest other range, a one-graph key included
+    (keys of different lengths would otherwise never be near, and a bucketed graph would run the default)."""
+    from lightllm.kernels.attention.decode.tuning import decode_attn_run_key_distance as d
+
+    assert d((8, 32768, 4096), (8, 32768, 4096)) == 0 and d((8, 32768, 4096), (8, 32768)) == 4096
+    assert d((8, 32768), (8, 32768, 16384)) == 16384 and d((8, 1, 32768, 4096), (8, 1, 32768)) == 4096
+    cached = [(8, 32768), (8, 32768, 16384), (16, 32768, 4096)]
+    assert min(cached, key=lambda c: d((8, 32768, 4096), c)) == (16, 32768, 4096)
+
+
 @pytest.mark.parametrize("lens", [[0, 4096], [4096, 1024], [1024, 1024], [-1]])
 def test_bad_graph_lens_are_refused(lens):
     with pytest.raises(ValueError, match=r"^decode graph KV length buckets expected ascending positive lengths"):

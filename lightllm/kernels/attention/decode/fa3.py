@@ -32,6 +32,7 @@ import torch
 from lightllm.common.autotuner import AutotuneKernelType, PlannedInputs, autotune
 from lightllm.kernels.attention.decode.tuning import (
     decode_attn_autotune_seq_lens,
+    decode_attn_run_key_distance,
     decode_attn_run_key_lens,
 )
 
@@ -232,6 +233,7 @@ def _representative_batches(named: dict) -> list:
     configs_gen_func=_configs,
     static_key_func=_static_key,
     run_key_func=_run_key,
+    run_key_distance_func=decode_attn_run_key_distance,
     kernel_type=AutotuneKernelType.DECODE_ATTENTION,
     rebuild_input_func=_representative_batches,
     choice_rule=FA3_CHOICE_RULE,

@@ -28,6 +28,7 @@ from lightllm.kernels.attention.decode.checks import (
 from lightllm.kernels.attention.decode.splits import min_blocks, num_splits
 from lightllm.kernels.attention.decode.tuning import (
     decode_attn_autotune_seq_lens,
+    decode_attn_run_key_distance,
     decode_attn_run_key_lens,
     inputs_at_lengths,
 )
@@ -189,6 +190,7 @@ _TUNING = dict(
     configs_gen_func=split_kv_configs,
     static_key_func=_static_key,
     run_key_func=split_kv_run_key,
+    run_key_distance_func=decode_attn_run_key_distance,
     kernel_type=AutotuneKernelType.DECODE_ATTENTION,
     rebuild_input_func=_representative_batches,
     output_args=("out",),

@@ -33,7 +33,11 @@ from lightllm.kernels.attention.decode.flash_decode import (
 )
 from lightllm.kernels.attention.decode.mtp_diverse_stages import mtp_diverse_stage1_kernel, mtp_diverse_stage2_kernel
 from lightllm.kernels.attention.decode.splits import min_blocks, num_splits
-from lightllm.kernels.attention.decode.tuning import decode_attn_autotune_seq_lens, inputs_at_lengths
+from lightllm.kernels.attention.decode.tuning import (
+    decode_attn_autotune_seq_lens,
+    decode_attn_run_key_distance,
+    inputs_at_lengths,
+)
 from lightllm.kernels.launch_math import next_power_of_2
 from lightllm.kernels.direct_launch import DirectLaunch
 from lightllm.kernels.step_buffer import StepBuffer, split_partials
@@ -129,6 +133,7 @@ _launch_mtp_diverse_decode = autotune(
     configs_gen_func=split_kv_configs,  # the plain decode kernel's candidates and run key
     static_key_func=_static_key,
     run_key_func=split_kv_run_key,
+    run_key_distance_func=decode_attn_run_key_distance,
     kernel_type=AutotuneKernelType.DECODE_ATTENTION,
     rebuild_input_func=representative_mtp_groups,
     output_args=("out",),

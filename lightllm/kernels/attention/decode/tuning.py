@@ -7,6 +7,7 @@ from typing import Optional, Sequence, Tuple
 import torch
 
 from lightllm.common.autotuner import get_decode_attn_autotune_seq_len
+from lightllm.common.autotuner.keys import default_run_key_distance
 
 KV_LEN_BUCKET = 512
 
@@ -62,6 +63,18 @@ def decode_attn_run_key_lens(launch_max_len: int) -> tuple:
     smaller bucket's graph serves the lengths below it (so a config chosen for 8K-32K is not reused for 0-32K)."""
     floor = served_floor(launch_max_len)
     return (round_up_kv_len(decode_attn_run_key_kv_len(launch_max_len)),) + ((floor,) if floor else ())
+
+
+def decode_attn_run_key_distance(run_key: tuple, cached_key: tuple) -> float:
+    """The tuner's nearest-key distance for decode-attention run keys: L1 with an absent served floor counted as 0,
+    so a bucketed graph finds its own range's config first, then the nearest other range's (a one-graph start's,
+    a shipped file's), never nothing: keys with and without a floor would otherwise never be near."""
+    width = max(len(run_key), len(cached_key))
+    return default_run_key_distance(_padded(run_key, width), _padded(cached_key, width))
+
+
+def _padded(key: tuple, width: int) -> tuple:
+    return tuple(key) + (0,) * (width - len(key))
 
 
 def seq_len_ladder(seq_len: int, divisors=LADDER_DIVISORS) -> list:
