@@ -83,6 +83,9 @@ def test_with_length_buckets_each_launch_tunes_and_keys_on_the_lengths_its_graph
     assert decode_attn_autotune_seq_lens(32768) == [32768, 16384, 8192, 4096]
     assert decode_attn_autotune_seq_lens(4096) == [4096, 2048, 512]
     assert decode_attn_autotune_seq_lens(32768, floor=0) == [32768, 16384, 4096, 1024]  # an explicit floor wins
+    # FA3's own ladder has five lengths, so its served ladder may too: 2.4x apart over 32x, not 3.2x
+    assert decode_attn_autotune_seq_lens(32768, (2, 4, 8, 32), floor=1024) == [32768, 13777, 5793, 2435, 1024]
+    assert decode_attn_autotune_seq_lens(32768, (2, 4, 8, 32)) == [32768, 16384, 8192, 4096]  # 2x apart already
     assert decode_attn_run_key_lens(32768) == (32768, 4096) and decode_attn_run_key_lens(20000) == (20480, 4096)
     assert decode_attn_run_key_lens(4096) == (4096,)
     assert flash_decode.split_kv_run_key(q, 32768) == (8, 32768, 4096)

@@ -106,8 +106,8 @@ def decode_attn_autotune_seq_lens(
     seq_len = get_decode_attn_autotune_seq_len() if launch_max_len is None else decode_attn_tuning_len(launch_max_len)
     if floor is None:
         floor = 0 if launch_max_len is None else served_floor(launch_max_len)
-    if 0 < floor < seq_len:
-        return served_ladder(seq_len, floor)
+    if 0 < floor < seq_len:  # as many lengths as the kernel's own ladder (FA3 asks for one more)
+        return served_ladder(seq_len, floor, points=len(divisors) + 1)
     return seq_len_ladder(seq_len, divisors)
 
 
