@@ -104,13 +104,16 @@ def build_model(out_dir: Path, widths: dict, max_len: int, mtp: bool = False) ->
     return make_tiny_qwen3(out_dir, num_hidden_layers=1, **common, **widths)
 
 
-def _start_kwargs(model_dir: str, variant: str, graph_len: int, mtp_step: int = 0) -> dict:
+def _start_kwargs(model_dir: str, variant: str, graph_len: int, mtp_step: int = 0, buckets=()) -> dict:
+    """The ``LLM`` arguments of one start. ``buckets``: decode graphs per KV length bucket below ``graph_len`` (the
+    engine's ``graph_len_buckets``), each tuned on the lengths it serves and stored under its served range."""
     kv_type = variant if variant.endswith("kv") else "None"
     backend = variant if not variant.endswith("kv") else "triton"
     mtp = dict(mtp_mode="eagle_with_att", mtp_step=mtp_step) if mtp_step else {}
+    below = [b for b in buckets if b < graph_len]
     return dict(model_dir=model_dir, data_type="bf16", llm_kv_type=kv_type, llm_decode_att_backend=backend,
                 max_req_total_len=graph_len, graph_max_len_in_batch=graph_len, batch_max_tokens=8192,
-                **mtp)  # fmt: skip
+                **({"graph_len_buckets": below} if below else {}), **mtp)  # fmt: skip
 
 
 _SEARCH = re.compile(r"autotune (\S+) .* (\d+) candidates in ([0-9.]+)s")
@@ -160,6 +163,10 @@ def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
     )
     p.add_argument("--graph-lens", nargs="+", type=int, default=[4096, 32768],
                    help="graph_max_len_in_batch values (each a run key of decode attention)")  # fmt: skip
+    p.add_argument("--graph-len-buckets", nargs="+", type=int, default=[], metavar="LEN",
+                   help="also capture decode graphs per KV length bucket in each start (the server's "
+                   "--graph_len_buckets; those below the start's graph length), so each bucket's configs are "
+                   "tuned for the lengths it serves; default none")  # fmt: skip
     p.add_argument("--mtp-step", type=int, default=3,
                    help="Qwen3.5 shapes: also start with --mtp_mode eagle_with_att --mtp_step N (triton and fa3 "
                    "variants; 1-4), 0 for no MTP starts")  # fmt: skip
@@ -169,9 +176,11 @@ def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
                    help="keep each start's output there (default: a temporary folder, removed at the end)")  # fmt: skip
     p.add_argument("--dry-run", action="store_true", help="print the starts it would run, and run nothing")
     args = p.parse_args(argv)
-    bad = [n for n in args.graph_lens if n < 1]
-    if bad:
-        p.error(f"--graph-lens expected positive lengths, got {bad}")
+    for flag, lens in (("--graph-lens", args.graph_lens), ("--graph-len-buckets", args.graph_len_buckets)):
+        bad = [n for n in lens if n < 1]
+        if bad:
+            p.error(f"{flag} expected positive lengths, got {bad}")
+    args.graph_len_buckets = sorted(set(args.graph_len_buckets))
     if not 0 <= args.mtp_step <= 4:
         p.error(f"--mtp-step expected 0 (no MTP starts) or a draft count in [1, 4], got {args.mtp_step}")
     if args.per_start_timeout is not None and not 0 < args.per_start_timeout < float("inf"):
@@ -204,7 +213,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             mtp = any(s.mtp_step for s in mine)
             model_dir = build_model(Path(tmp) / shape, SHAPES[shape], max(args.graph_lens), mtp=mtp)
             for start in mine:
-                kwargs = _start_kwargs(str(model_dir), start.variant, start.graph_len, start.mtp_step)
+                kwargs = _start_kwargs(str(model_dir), start.variant, start.graph_len, start.mtp_step,
+                                       args.graph_len_buckets)  # fmt: skip
                 log_path = log_dir / f"{shape}-{start.variant}-{start.graph_len}-mtp{start.mtp_step}.log"
                 try:
                     seconds = _run_start(kwargs, config_dir, args.per_start_timeout, log_path)

@@ -15,12 +15,30 @@ def test_variants_map_to_backend_and_kv_type():
     assert "mtp_mode" not in kw
     kw = tune_shipped._start_kwargs("m", "triton", 4096, mtp_step=3)
     assert (kw["mtp_mode"], kw["mtp_step"], kw["llm_kv_type"]) == ("eagle_with_att", 3, "None")
+    assert "graph_len_buckets" not in kw
+
+
+def test_buckets_below_each_start_s_graph_length_reach_the_engine():
+    """``--graph-len-buckets 1024 4096 16384``: a 32K start captures its graphs per bucket (tuned per served range);
+    a 4096 start keeps the 1024 bucket only; a 1024 start none."""
+    from lightllm.engine.args import EngineArgs
+
+    buckets = [1024, 4096, 16384]
+    kw = tune_shipped._start_kwargs("m", "triton", 32768, buckets=buckets)
+    assert kw["graph_len_buckets"] == buckets
+    assert tune_shipped._start_kwargs("m", "triton", 4096, buckets=buckets)["graph_len_buckets"] == [1024]
+    assert "graph_len_buckets" not in tune_shipped._start_kwargs("m", "triton", 1024, buckets=buckets)
+    args = EngineArgs(**{k: v for k, v in kw.items() if k != "model_dir"}, device="cpu")
+    assert args.normalize().fit_to_model(32768, 128, "bfloat16").graph_lens() == [1024, 4096, 16384, 32768]
 
 
 def test_bad_arguments_and_no_gpu(capsys, monkeypatch):
     with pytest.raises(SystemExit):
         tune_shipped.main(["--out", "x", "--graph-lens", "0"])
     assert "--graph-lens expected positive lengths, got [0]" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        tune_shipped.main(["--out", "x", "--graph-len-buckets", "4096", "-1"])
+    assert "--graph-len-buckets expected positive lengths, got [-1]" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         tune_shipped.main(["--out", "x", "--shapes", "qwen9"])
     with pytest.raises(SystemExit):
