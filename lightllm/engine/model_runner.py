@@ -50,7 +50,12 @@ from lightllm.layers import parallel
 from lightllm.layers.attention import AttentionBackend, check_head_dim, make_pool
 from lightllm.layers.infer_state import InferState
 from lightllm.layers.linear_attention import SSM_DATA_TYPES
-from lightllm.kernels.attention.decode.tuning import decode_attn_autotune_seq_lens, set_decode_graph_lens
+from lightllm.kernels.attention.decode.fa3 import FA3_LADDER_DIVISORS
+from lightllm.kernels.attention.decode.tuning import (
+    LADDER_DIVISORS,
+    decode_attn_autotune_seq_lens,
+    set_decode_graph_lens,
+)
 from lightllm.models.hf_config import checkpoint_dtype
 from lightllm.models.registry import read_model_config
 
@@ -111,7 +116,9 @@ class ModelRunner:
             self._init_graph_buffers()
         if use_graphs:
             lens = args.graph_lens()
-            ladders = "; ".join("/".join(map(str, decode_attn_autotune_seq_lens(n))) for n in lens)
+            fa3 = args.llm_decode_att_backend == "fa3"  # FA3 times its own ladder (one length more)
+            divisors = FA3_LADDER_DIVISORS if fa3 else LADDER_DIVISORS
+            ladders = "; ".join("/".join(map(str, decode_attn_autotune_seq_lens(n, divisors))) for n in lens)
             logger.info("decode graphs per KV length bucket up to %s; decode attention tunes at %s (from %s, capped at "
                         "each bucket, down to the bucket below)", ", ".join(map(str, lens)), ladders,
                         envs.DECODE_ATTN_AUTOTUNE_SEQ_LEN)  # fmt: skip
