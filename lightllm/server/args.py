@@ -77,6 +77,7 @@ _OPTIONAL_TYPES = {
     "max_total_token_num": int,
     "device": str,
     "mtp_draft_model_dir": str,
+    "linear_att_cache_size": int,
 }  # fields defaulting to None
 _CHOICES = {
     "data_type": list(DATA_TYPE_CHOICES),

@@ -35,6 +35,18 @@ def refused(capsys, model, *argv) -> str:
     return err.strip()
 
 
+def test_linear_att_cache_size_from_the_command_line(capsys, model):
+    """Qwen3.5's state checkpoints: a count (0 turns its prefix cache off), by default running_max_req_size; a
+    negative one is one line naming the flag."""
+    assert parse(model, "--linear_att_cache_size", "0")[1].linear_att_cache_size == 0
+    assert parse(model, "--linear_att_cache_size", "3")[1].linear_att_cache_size == 3
+    engine = parse(model, "--running_max_req_size", "5")[1]
+    assert engine.linear_att_cache_size == 5
+    assert "--linear_att_cache_size expected a non-negative integer" in refused(
+        capsys, model, "--linear_att_cache_size", "-1"
+    )
+
+
 def test_reasoning_and_tool_call_parsers(capsys, model):
     """LightLLM's and vLLM's parser names are taken; any other is one line naming the flag and the choices."""
     server = parse(model, "--reasoning_parser", "qwen3", "--tool_call_parser", "qwen25")[0]
