@@ -50,12 +50,7 @@ from lightllm.layers import parallel
 from lightllm.layers.attention import AttentionBackend, check_head_dim, make_pool
 from lightllm.layers.infer_state import InferState
 from lightllm.layers.linear_attention import SSM_DATA_TYPES
-from lightllm.kernels.attention.decode.fa3 import FA3_LADDER_DIVISORS
-from lightllm.kernels.attention.decode.tuning import (
-    LADDER_DIVISORS,
-    decode_attn_autotune_seq_lens,
-    set_decode_graph_lens,
-)
+from lightllm.kernels.attention.decode.tuning import decode_attn_tuning_len, served_floor, set_decode_graph_lens
 from lightllm.models.hf_config import checkpoint_dtype
 from lightllm.models.registry import read_model_config
 
@@ -116,11 +111,13 @@ class ModelRunner:
             self._init_graph_buffers()
         if use_graphs:
             lens = args.graph_lens()
-            fa3 = args.llm_decode_att_backend == "fa3"  # FA3 times its own ladder (one length more)
-            divisors = FA3_LADDER_DIVISORS if fa3 else LADDER_DIVISORS
-            ladders = "; ".join("/".join(map(str, decode_attn_autotune_seq_lens(n, divisors))) for n in lens)
+            # each kernel times its own ladder between these (tuning.py)
+            floors = [served_floor(n) for n in lens]
+            ranges = "; ".join(
+                f"{decode_attn_tuning_len(n)}" + (f" down to {f}" if f else "") for n, f in zip(lens, floors)
+            )
             logger.info("decode graphs per KV length bucket up to %s; decode attention tunes at %s (from %s, capped at "
-                        "each bucket, down to the bucket below)", ", ".join(map(str, lens)), ladders,
+                        "each bucket, down to the bucket below)", ", ".join(map(str, lens)), ranges,
                         envs.DECODE_ATTN_AUTOTUNE_SEQ_LEN)  # fmt: skip
             t = time.perf_counter()
             if self.mtp is not None:  # MTP's verify and draft steps are what decodes (mtp_graphs.py)
@@ -173,7 +170,8 @@ class ModelRunner:
         # per-request model state (linear attention) first, so the GPU profile and the RAM reading count it
         ssm_dtype = SSM_DATA_TYPES[a.linear_att_ssm_data_type]
         # prefix-cache checkpoints of that state, where the prefix cache can be on at all
-        checkpoints = a.linear_att_cache_size if self._prefix_cache_off(contiguous) is None else 0
+        cache_off = self._prefix_cache_off(contiguous)
+        checkpoints = a.linear_att_cache_size if cache_off is None else 0
         if a.mtp_mode is None:
             state_bytes = self.model.alloc_request_state(max_reqs, ssm_dtype, checkpoints=checkpoints)
         else:  # one state slot per verified token (mtp_runner.py)
@@ -182,7 +180,7 @@ class ModelRunner:
         # MTP: the head's KV is one more pool layer; a row also holds a verify's drafts past max_req_total_len
         kv_layers = c.num_kv_layers + (a.mtp_mode is not None)
         row_len = a.max_req_total_len + a.spec_tokens - 1
-        rows = max_reqs * (a.spec_tokens if a.mtp_mode is not None else 1) + checkpoints
+        rows = max_reqs * a.spec_tokens + checkpoints  # MTP: a state slot per verified token
         held = f"{max_reqs} slots" + (f" + {checkpoints} prefix-cache checkpoints" if checkpoints else "")
         state_note = (f"; request state {state_bytes / 2**20:.2f} MiB ({held} x {state_bytes // rows} B, "
                       f"ssm {a.linear_att_ssm_data_type}) allocated before sizing" if state_bytes else "")  # fmt: skip
@@ -209,10 +207,9 @@ class ModelRunner:
             raise ValueError(f"the KV cache holds {num_tokens} tokens, fewer than one --max_req_total_len "
                              f"({a.max_req_total_len}){drafts} request plus padding: raise --max_total_token_num or "
                              "--mem_fraction, or lower --max_req_total_len")  # fmt: skip
-        prefix_cache = self._use_prefix_cache(contiguous)
+        prefix_cache = self._use_prefix_cache(cache_off)  # a model with checkpoints has no blocker: they stay
         self.kv = KVCacheManager(num_tokens, max_reqs, row_len, self.device, contiguous_slots=contiguous,
-                                 prefix_cache=prefix_cache,
-                                 state_checkpoints=checkpoints if prefix_cache else 0)  # fmt: skip
+                                 prefix_cache=prefix_cache, state_checkpoints=checkpoints)  # fmt: skip
         pool = make_pool(a.llm_kv_type, num_tokens, kv_layers, self.model.kv_heads, c.head_dim,
                          a.torch_dtype, self.device, a.llm_kv_quant_group_size)  # fmt: skip
         # fa3 picks its layout too
@@ -234,10 +231,9 @@ class ModelRunner:
             return "the FA3 build without paged KV gives each request a fixed row of the pool"
         return None
 
-    def _use_prefix_cache(self, contiguous: bool) -> bool:
-        """The prefix cache is on unless turned off, or the KV layout or the model can't reuse a prefix (one log
-        line)."""
-        why = self._prefix_cache_off(contiguous)
+    def _use_prefix_cache(self, why: Optional[str]) -> bool:
+        """The prefix cache is on unless turned off, or the KV layout (``why``, from :meth:`_prefix_cache_off`) or
+        the model can't reuse a prefix (one log line)."""
         if why is None:
             why = self.model.prefix_cache_blocker()
             why = why and f"the model's {why}"

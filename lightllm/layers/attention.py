@@ -79,14 +79,16 @@ def pick_prefill_backend(requested: str, decode_backend: str) -> str:
         from lightllm.kernels.attention.decode.fa3 import find_fa3_provider
 
         provider = find_fa3_provider()
-        if provider is not None and not provider.paged:
+        if provider is None:  # an explicit decode fa3 with no provider: check_fa3_flags stops start-up next
+            return "triton"
+        if not provider.paged:
             logger.info("--llm_prefill_att_backend auto -> fa3 (FA3 decode: the same provider and KV layout)")
             return "fa3"
         # the paged-KV prefill path has run only on a CPU stand-in: a GPU must pick it explicitly until it is checked
         logger.info(
             "--llm_prefill_att_backend auto -> triton (%s has paged KV, whose FA3 prefill path has not run on "
             "a GPU yet; --llm_prefill_att_backend fa3 asks for it)",
-            provider.name if provider else "no FA3",
+            provider.name,
         )
         return "triton"
     logger.info("--llm_prefill_att_backend auto -> triton (FA3 decode is off; --llm_prefill_att_backend fa3 asks for "
