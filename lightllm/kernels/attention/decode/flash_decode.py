@@ -160,8 +160,9 @@ def quant_split_kv_configs(q):
     """INT8/INT4 KV: the bf16 space plus two-warp programs at two and three stages. Their dequantization makes a
     program ALU-heavy, so more resident programs per SM keep more loads in flight: on the H200 a two-warp config is
     the fastest candidate in 11 of 15 quantized cells (benchmarks/results/decode_attention_quant_h200.json). With the
-    PTX dequantization a two-warp program mostly waits at the barrier for its next tile (Nsight Compute, docs); a third
-    stage, one more tile in flight, won 7 of 12 cells by up to 7 % (decode_attention_quant_ptx_h200.json)."""
+    PTX dequantization 22 % of a two-warp program's stall samples sit at the barrier before its next tile (Nsight
+    Compute, docs); a third stage, one more tile in flight, won 7 of 12 cells by up to 7 %
+    (decode_attention_quant_ptx_h200.json)."""
     return _split_candidates((32, 64), ((2, 2), (2, 3), (4, 2), (8, 3)))
 
 

@@ -45,7 +45,7 @@ def _nibble_to_f16(nibble, INT4_OFFSET: tl.constexpr):
 
 # Dequantization as PTX on 32-bit words of four codes (GPU only: the interpreter runs the helpers above). Codes
 # loaded as int8 live one per register and Triton extracts and re-packs each with PRMTs (the H200's profile: PRMT 24 %
-# and IMAD moves 18 % of the quantized stage 1's instructions, 213 registers); a word load keeps four per register and
+# and IMAD 18 % of the quantized stage 1's instructions, 213 registers); a word load keeps four per register and
 # two PRMTs place them under float16 exponent bytes, one packed subtraction and one packed scale multiply per pair.
 @triton.jit
 def _int8_word_to_f16(words, scale):
