@@ -186,11 +186,10 @@ class EngineArgs:
             if group != DEFAULT_KV_QUANT_GROUP_SIZE:
                 logger.warning("--llm_kv_quant_group_size %d is unused with --llm_kv_type None", group)
         else:
-            span = head_dim // 2 if self.llm_kv_type == "int4kv" else head_dim  # INT4 packs the two halves
+            span = head_dim // 2  # decode reads each row as two halves (INT4 packs them): a group lies in one
             if span % group:
-                what = f"head_dim / 2 = {span}" if self.llm_kv_type == "int4kv" else f"head_dim {span}"
-                raise ValueError(f"--llm_kv_quant_group_size {group} expected a divisor of the model's {what} "
-                                 f"(--llm_kv_type {self.llm_kv_type})")  # fmt: skip
+                raise ValueError(f"--llm_kv_quant_group_size {group} expected a divisor of the model's head_dim / 2 "
+                                 f"= {span} (--llm_kv_type {self.llm_kv_type})")  # fmt: skip
         return self
 
     @property

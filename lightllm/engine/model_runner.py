@@ -96,7 +96,7 @@ class ModelRunner:
         sizes = args.graph_batch_sizes()
         graph_sizes = (sizes + sizes[-1:] * (len(args.graph_lens()) > 1)) if use_graphs else []
         # each bucket's decode attention tunes on (and keys by) the lengths its own graph serves; eager steps key alike
-        set_decode_graph_lens(args.graph_lens() if use_graphs else ())
+        set_decode_graph_lens(args.graph_lens() if use_graphs and args.graph_len_buckets else ())  # one bucket: none
         self._init_kv_cache(memory_api or default_memory_api(self.device), graph_sizes, buckets)
         seconds["kv sizing"] = time.perf_counter() - t
 

@@ -302,8 +302,11 @@ def test_bad_inputs_name_the_argument():
         with pytest.raises(ValueError, match=message):
             gqa_decode_attention(a["q"], a["k"], a["v"], a["r2t"], a["idx"], a["seq"], 8)
     kq, vq, ks, vs, _, _ = quantize(k, v, "int8")
-    with pytest.raises(ValueError, match="quant_group expected a power of two dividing 64"):
+    with pytest.raises(ValueError, match="quant_group expected a power of two dividing 32"):
         gqa_decode_attention_int8kv(q, kq, vq, ks, vs, r2t, idx, seq, 8, quant_group=3)
+    kq64, vq64, ks64, vs64, _, _ = quantize(k, v, "int8", 64)  # one group per row: stage 1 reads halves
+    with pytest.raises(ValueError, match="quant_group expected a power of two dividing 32, got 64"):
+        gqa_decode_attention_int8kv(q, kq64, vq64, ks64, vs64, r2t, idx, seq, 8, quant_group=64)
     with pytest.raises(ValueError, match="k_scale expected a float16"):
         gqa_decode_attention_int8kv(q, kq, vq, ks.float(), vs, r2t, idx, seq, 8)
     with pytest.raises(ValueError, match="k_cache expected .* torch.uint8"):

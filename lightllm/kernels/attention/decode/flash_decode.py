@@ -327,7 +327,7 @@ def _check(q_shape, q_dtype, k_cache, v_cache, k_scale, v_scale, req_to_token, b
     if v_cache.shape[:2] != k_cache.shape[:2] or q_heads % kv_heads:
         fail("kv_heads", f"k/v of one shape with q_heads ({q_heads}) a multiple of kv_heads", kv_heads)
     if quant != "none":
-        half = head_dim // 2 if quant == "int4" else head_dim
+        half = head_dim // 2  # stage 1 reads each row as two halves (INT4 packs them; INT8 too has groups per half)
         if quant_group <= 0 or half % quant_group or quant_group & (quant_group - 1):
             fail("quant_group", f"a power of two dividing {half}", quant_group)
         for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
