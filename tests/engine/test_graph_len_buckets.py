@@ -14,7 +14,11 @@ from lightllm.engine.args import EngineArgs
 from lightllm.engine.engine import Engine
 from lightllm.engine.model_runner import ModelRunner
 from lightllm.engine.sampler import SamplingParams
-from lightllm.kernels.attention.decode.tuning import decode_attn_autotune_seq_lens, decode_attn_run_key_lens
+from lightllm.kernels.attention.decode.tuning import (
+    decode_attn_autotune_seq_lens,
+    decode_attn_run_key_lens,
+    served_floor,
+)
 from lightllm.models.qwen3.model import Qwen3Model
 from lightllm.server.args import parse_args
 from lightllm.tools.make_tiny_model import make_tiny_qwen3
@@ -219,6 +223,9 @@ def test_bucketed_graphs_give_the_eager_tokens(tiny_dir, monkeypatch, caplog):
     # the <= 40 graph tunes on, and keys by, the lengths it serves (above 16); the <= 16 one on its own ladder
     assert ladders == {40: ([40, 25, 16], (512, 16)), 16: ([16], (512,))}
     assert "decode attention tunes at 16; 40 down to 16 (from" in caplog.text
+    assert served_floor(64) == 40  # an eager launch past the graphs: the longest graph below it
+    ModelRunner(EngineArgs(**opts, graph_max_len_in_batch=40), graph_api=BucketReplayAPI())  # one bucket
+    assert served_floor(64) == 0  # declares none: ladders and run keys as without graphs
     got, _ = run_all(Engine(runner, eos_ids=[]), prompts, params=params)
     assert got == want
     assert {n for n, _ in api.replayed} == {16, 40} and {bs for _, bs in api.replayed} >= {1, 4}
