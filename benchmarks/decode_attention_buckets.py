@@ -1,7 +1,7 @@
 """The length-bucket analysis of ``benchmarks/decode_attention.py --buckets`` (the engine's ``--graph_len_buckets``).
 
 A decode graph is captured per KV length bucket, each launched for its bucket and tuned, as the engine does, on the
-ladder of lengths it serves: ``decode_attn_autotune_seq_lens(bucket, floor=the bucket below)``. A cell (B, L)
+ladder of lengths it serves (``set_decode_graph_lens``, then ``decode_attn_autotune_seq_lens(bucket)``). A cell (B, L)
 replays the graph of the smallest bucket >= L: the config each choice rule picks from that bucket's ladder timings,
 launched for the bucket, at L. Its loss is measured against the cell's best eager launch (every candidate and the
 default launched for L itself) and against the default eager launch. The same is reported for one bucket (the
@@ -15,7 +15,7 @@ from typing import Dict, List, Sequence
 
 from lightllm.common.autotuner.choice import choose
 from lightllm.common.envs import AUTOTUNE_CHOICE_RULES
-from lightllm.kernels.attention.decode.tuning import decode_attn_autotune_seq_lens
+from lightllm.kernels.attention.decode.tuning import decode_attn_autotune_seq_lens, set_decode_graph_lens
 
 RULES = ("tuning_len", *(r for r in AUTOTUNE_CHOICE_RULES if r != "tuning_len"))
 GOAL_VS_BEST_PCT, GOAL_VS_DEFAULT_PCT = 3.0, 2.0  # issue 17: within 3 % of the best, never 2 % slower than default
@@ -59,7 +59,11 @@ def set_name(buckets: Sequence[int]) -> str:
 
 def bucket_ladders(buckets: Sequence[int]) -> Dict[int, List[int]]:
     """Each bucket's tuning ladder as the engine times it with these buckets: down to the bucket below."""
-    return {b: decode_attn_autotune_seq_lens(b, floor=max([0, *(x for x in buckets if x < b)])) for b in buckets}
+    previous = set_decode_graph_lens(buckets)
+    try:
+        return {b: decode_attn_autotune_seq_lens(b) for b in buckets}
+    finally:
+        set_decode_graph_lens(previous)
 
 
 def set_ladders(results: dict, buckets: Sequence[int]) -> Dict[int, List[int]]:

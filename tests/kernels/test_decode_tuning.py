@@ -82,9 +82,10 @@ def test_with_length_buckets_each_launch_tunes_and_keys_on_the_lengths_its_graph
     assert [served_floor(n) for n in (1024, 4096, 4097, 32768, 65536)] == [0, 0, 4096, 4096, 0]
     assert decode_attn_autotune_seq_lens(32768) == [32768, 16384, 8192, 4096]
     assert decode_attn_autotune_seq_lens(4096) == [4096, 2048, 512]
-    assert decode_attn_autotune_seq_lens(32768, floor=0) == [32768, 16384, 4096, 1024]  # an explicit floor wins
     # FA3's own ladder has five lengths, so its served ladder may too: 2.4x apart over 32x, not 3.2x
-    assert decode_attn_autotune_seq_lens(32768, (2, 4, 8, 32), floor=1024) == [32768, 13777, 5793, 2435, 1024]
+    set_decode_graph_lens([1024, 32768])
+    assert decode_attn_autotune_seq_lens(32768, (2, 4, 8, 32)) == [32768, 13777, 5793, 2435, 1024]
+    set_decode_graph_lens([4096, 32768])
     assert decode_attn_autotune_seq_lens(32768, (2, 4, 8, 32)) == [32768, 16384, 8192, 4096]  # 2x apart already
     assert decode_attn_run_key_lens(32768) == (32768, 4096) and decode_attn_run_key_lens(20000) == (20480, 4096)
     assert decode_attn_run_key_lens(4096) == (4096,)

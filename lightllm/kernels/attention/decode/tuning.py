@@ -95,18 +95,15 @@ def served_ladder(seq_len: int, floor: int, points: int = 4) -> list:
     return sorted(set(lens), reverse=True)
 
 
-def decode_attn_autotune_seq_lens(
-    launch_max_len: Optional[int] = None, divisors=LADDER_DIVISORS, floor: Optional[int] = None
-) -> list:
+def decode_attn_autotune_seq_lens(launch_max_len: Optional[int] = None, divisors=LADDER_DIVISORS) -> list:
     """KV lengths a decode-attention search times on: the tuning length first (capped at ``launch_max_len``
     when given), then 1/2, 1/8 and 1/32 of it (or ``divisors``), so the config a CUDA graph freezes is checked
     against the shorter lengths it will also serve (see the choice rules in the autotuner's ``choice.py``). Where a
-    smaller decode graph serves the lengths up to ``floor`` (``served_floor`` when None), the ladder spans only the
-    lengths this launch serves: ``served_ladder`` from the tuning length down to ``floor``."""
+    smaller decode graph serves the lengths up to its bucket (``served_floor``), the ladder spans only the lengths
+    this launch serves: ``served_ladder`` from the tuning length down to that bucket."""
     seq_len = get_decode_attn_autotune_seq_len() if launch_max_len is None else decode_attn_tuning_len(launch_max_len)
-    if floor is None:
-        floor = 0 if launch_max_len is None else served_floor(launch_max_len)
-    if 0 < floor < seq_len:  # as many lengths as the kernel's own ladder (FA3 asks for one more)
+    floor = 0 if launch_max_len is None else served_floor(launch_max_len)
+    if floor:  # as many lengths as the kernel's own ladder (FA3 asks for one more)
         return served_ladder(seq_len, floor, points=len(divisors) + 1)
     return seq_len_ladder(seq_len, divisors)
 
