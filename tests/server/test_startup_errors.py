@@ -57,7 +57,7 @@ CASES = {
     "absurd max_req_total_len": (["--max_req_total_len", "99999999999"], ["99999999999", "4096"]),
     "cache smaller than a request": (["--max_total_token_num", "10"], ["--max_total_token_num 10", "4097"]),
     "int8kv group 0": (["--llm_kv_type", "int8kv", "--llm_kv_quant_group_size", "0"], ["--llm_kv_quant_group_size"]),
-    "int8kv group 7": (["--llm_kv_type", "int8kv", "--llm_kv_quant_group_size", "7"], ["7", "head_dim 16"]),
+    "int8kv group 7": (["--llm_kv_type", "int8kv", "--llm_kv_quant_group_size", "7"], ["7", "head_dim / 2 = 8"]),
     "int4kv group 16": (["--llm_kv_type", "int4kv", "--llm_kv_quant_group_size", "16"], ["16", "head_dim / 2 = 8"]),
     "group 0, default KV": (["--llm_kv_quant_group_size", "0"], ["--llm_kv_quant_group_size", "got 0"]),
     "negative drain": (["--shutdown_drain_s", "-1"], ["--shutdown_drain_s", "-1"]),
