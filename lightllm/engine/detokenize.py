@@ -16,17 +16,30 @@ text lacks the final one or two U+FFFD).
 end a request the same way offline and served.
 """
 
-from typing import List, Sequence, Tuple
+import functools
+from typing import Callable, List, Sequence, Tuple
 
 # Per request: their cost per token is O(count x length), paid on the HTTP event loop.
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
+# transformers' modules whose ``_decode`` is the Rust backend's decode plus an optional space clean-up (v5, v4)
+_GENERIC_DECODE = ("transformers.tokenization_utils_tokenizers", "transformers.tokenization_utils_fast")
+
+
+def decoder(tokenizer, skip_special_tokens: bool) -> Callable[[List[int]], str]:
+    """``tokenizer.decode`` for lists of ids, called on the Rust backend directly when that is all it does (a
+    fast tokenizer whose class keeps transformers' own ``_decode``, no space clean-up): the same text for a
+    tenth of the cost (0.24 against 1.8 us a call here), and a stream decodes twice per token."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    impl = getattr(type(tokenizer), "_decode", None)
+    direct = (backend is not None and getattr(impl, "__module__", None) in _GENERIC_DECODE
+              and not getattr(tokenizer, "clean_up_tokenization_spaces", False))  # fmt: skip
+    return functools.partial((backend if direct else tokenizer).decode, skip_special_tokens=skip_special_tokens)
 
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, skip_special_tokens: bool = True):
-        self._tokenizer = tokenizer
-        self._skip_special = skip_special_tokens
+        self._decode = decoder(tokenizer, skip_special_tokens)
         self.ids: List[int] = []
         self._start = 0  # the window starts here: context for the ids after _emitted
         self._emitted = 0  # ids before this have had their text emitted
@@ -39,9 +52,6 @@ class IncrementalDetokenizer:
     def finish(self) -> str:
         """Whatever is still held back, incomplete characters included."""
         return self._advance(final=True)
-
-    def _decode(self, ids: List[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special)
 
     def _advance(self, final: bool) -> str:
         if self._emitted == len(self.ids):

@@ -10,7 +10,6 @@ model, sampling) runs in a process of its own (``engine_proc``), and with ``--tp
 """
 
 import asyncio
-import collections
 import contextlib
 import dataclasses
 import functools
@@ -22,7 +21,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import AsyncIterator, Deque, Dict, List, Optional, Sequence, Tuple, Union
+from typing import AsyncIterator, Dict, List, Optional, Sequence, Tuple, Union
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -216,21 +215,25 @@ class Server:
     async def _native_events(self, ids, params, p, request: Request) -> AsyncIterator[str]:
         """``/generate_stream`` in LightLLM's shape: one event per token, ``finished`` false; then one with
         ``token.id`` null, the held-back text, ``finished`` true, the finish reason and the whole
-        ``generated_text`` (and ``details`` with ``return_details``)."""
+        ``generated_text`` (and ``details`` with ``return_details``). The events of the tokens that are ready
+        together go out as one chunk (see ``_stream``)."""
         text, count = "", 0
-        async for delta, ev, reason in self._stream(ids, params, request):
-            text += delta
-            count += ev is not None
-            token = {"id": None, "text": delta, "logprob": None, "special": False}
-            if ev is not None:
-                token.update(id=ev.token_id, logprob=ev.logprob, special=ev.token_id in self._special_ids)
-            token.update(count_output_tokens=count, prompt_tokens=len(ids))
-            details = None
-            if reason is not None and p.return_details:
-                details = {"finish_reason": reason, "count_output_tokens": count, "prompt_tokens": len(ids)}
-            event = {"token": token, "generated_text": text if reason is not None else None,
-                     "finished": reason is not None, "finish_reason": reason, "details": details}  # fmt: skip
-            yield f"data: {json.dumps(event)}\n\n"
+        async for ready in self._stream(ids, params, request):
+            chunk = []
+            for delta, ev, reason in ready:
+                text += delta
+                count += ev is not None
+                token = {"id": None, "text": delta, "logprob": None, "special": False}
+                if ev is not None:
+                    token.update(id=ev.token_id, logprob=ev.logprob, special=ev.token_id in self._special_ids)
+                token.update(count_output_tokens=count, prompt_tokens=len(ids))
+                details = None
+                if reason is not None and p.return_details:
+                    details = {"finish_reason": reason, "count_output_tokens": count, "prompt_tokens": len(ids)}
+                event = {"token": token, "generated_text": text if reason is not None else None,
+                         "finished": reason is not None, "finish_reason": reason, "details": details}  # fmt: skip
+                chunk.append(f"data: {json.dumps(event)}\n\n")
+            yield "".join(chunk)
 
     async def _encode(self, field: str, prompt, template_options: Optional[dict] = None) -> List[int]:
         """Token ids of a prompt (text, token ids, or chat messages rendered with ``template_options``), checked
@@ -268,8 +271,12 @@ class Server:
         return params
 
     async def _stream(self, ids, params, request: Request, text: bool = True,
-                      cached: Optional[list] = None) -> AsyncIterator[tuple]:  # fmt: skip
-        """(text delta, token event or None, finish reason or None) per token; aborts on disconnect or stop string.
+                      cached: Optional[list] = None) -> AsyncIterator[List[tuple]]:  # fmt: skip
+        """Per wake-up, the tokens that are ready: a non-empty list of (text delta, token event or None, finish
+        reason or None), one per token, the finish last; aborts on disconnect or stop string. Handing over what is
+        ready together (a step's MTP tokens, or several steps' when this process falls behind under load) lets a
+        stream write it in one chunk: one send per wake-up, not per token, so a busy process catches up instead of
+        starving the engine of requests.
         ``text=False`` (a caller that decodes once at the end, with no stop strings) leaves every delta ''.
         ``cached``: gets the request's prompt tokens read from the prefix cache appended, with its first event.
         Counts the request in lightllm_requests_finished_total once, with the reason the client is given
@@ -283,33 +290,37 @@ class Server:
         next_check = loop.time() + _DISCONNECT_CHECK_S
         try:
             while True:
-                ev = await events.get(_DISCONNECT_CHECK_S)
+                evs = await events.get_all(_DISCONNECT_CHECK_S)
                 if loop.time() >= next_check:  # also while tokens flow: a gone client must not keep decoding
                     next_check = loop.time() + _DISCONNECT_CHECK_S
                     if await request.is_disconnected():
                         return
-                if ev is None:
+                if not evs:
                     continue
                 if first:  # every event carries the admission's hit: count it once
                     first = False
-                    self.metrics.cached_tokens.inc(ev.cached_tokens)
+                    self.metrics.cached_tokens.inc(evs[0].cached_tokens)
                     if cached is not None:
-                        cached.append(ev.cached_tokens)
-                if ev.kind == "finish":
-                    finished = True
-                    rest, reason = out.finish(ev.finish_reason)
-                    self.metrics.finished.labels(reason).inc()
-                    yield rest, None, reason
-                    return
-                delta, hit = out.add(ev.token_id)
-                if hit:
-                    self.engine.abort(req.id, reason="stop")
-                    finished = True
-                    self.metrics.finished.labels("stop").inc()
-                    yield delta, ev, None
-                    yield "", None, "stop"
-                    return
-                yield delta, ev, None
+                        cached.append(evs[0].cached_tokens)
+                ready = []
+                for ev in evs:
+                    if ev.kind == "finish":
+                        finished = True
+                        rest, reason = out.finish(ev.finish_reason)
+                        self.metrics.finished.labels(reason).inc()
+                        ready.append((rest, None, reason))
+                        yield ready
+                        return
+                    delta, hit = out.add(ev.token_id)
+                    ready.append((delta, ev, None))
+                    if hit:
+                        self.engine.abort(req.id, reason="stop")
+                        finished = True
+                        self.metrics.finished.labels("stop").inc()
+                        ready.append(("", None, "stop"))
+                        yield ready
+                        return
+                yield ready
         finally:
             if not finished:  # client gone (or the handler was cancelled): free its KV now
                 self.engine.abort(req.id)
@@ -318,30 +329,32 @@ class Server:
     async def _collect(self, ids, params, request: Request) -> dict:
         text, token_ids, logprobs, tops, reason, cached = "", [], [], [], "", []
         incremental = bool(params.stop)  # only stop strings need the text while generating
-        async for delta, ev, fin in self._stream(ids, params, request, text=incremental, cached=cached):
-            text += delta
-            if ev is not None:
-                token_ids.append(ev.token_id)
-                logprobs.append(ev.logprob)
-                tops.append(ev.top_logprobs)
-            if fin:
-                reason = fin
+        async for ready in self._stream(ids, params, request, text=incremental, cached=cached):
+            for delta, ev, fin in ready:
+                text += delta
+                if ev is not None:
+                    token_ids.append(ev.token_id)
+                    logprobs.append(ev.logprob)
+                    tops.append(ev.top_logprobs)
+                if fin:
+                    reason = fin
         if not incremental:
             text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
         return {"text": text, "token_ids": token_ids, "logprobs": logprobs, "top_logprobs": tops,
                 "finish_reason": reason or "abort", "cached_tokens": sum(cached)}  # fmt: skip
 
     async def merged_streams(self, seqs: Sequence[tuple], request: Request,
-                             cached: Optional[List[list]] = None) -> AsyncIterator[tuple]:  # fmt: skip
-        """(index into ``seqs``, what ``_stream`` yields) for every ``(ids, params)`` of ``seqs``, generated side by
-        side, in the order they arrive. Leaving early (the client went) cancels every one of them, which aborts
-        them in the engine. ``cached``: one list per sequence, for ``_stream``'s ``cached``."""
+                             cached: Optional[List[list]] = None) -> AsyncIterator[List[tuple]]:  # fmt: skip
+        """For every ``(ids, params)`` of ``seqs``, generated side by side: per wake-up, a non-empty list of (index
+        into ``seqs``, one of the tuples ``_stream`` yields), everything that is ready, in the order it arrived.
+        Leaving early (the client went) cancels every one of them, which aborts them in the engine. ``cached``:
+        one list per sequence, for ``_stream``'s ``cached``."""
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(i, ids, params):
             try:
-                async for item in self._stream(ids, params, request, cached=cached[i] if cached else None):
-                    queue.put_nowait((i, item))
+                async for ready in self._stream(ids, params, request, cached=cached[i] if cached else None):
+                    queue.put_nowait((i, ready))
             except Exception as e:  # noqa: BLE001 - handed to the consumer, which raises it
                 queue.put_nowait((i, e))
             finally:
@@ -351,13 +364,19 @@ class Server:
         try:
             running = len(tasks)
             while running:
-                i, item = await queue.get()
-                if isinstance(item, Exception):
-                    raise item
-                if item is None:
-                    running -= 1
-                    continue
-                yield i, item
+                got = [await queue.get()]
+                while not queue.empty():
+                    got.append(queue.get_nowait())
+                out = []
+                for i, ready in got:
+                    if isinstance(ready, Exception):
+                        raise ready
+                    if ready is None:
+                        running -= 1
+                    else:
+                        out.extend((i, item) for item in ready)
+                if out:
+                    yield out
         finally:
             for task in tasks:
                 task.cancel()
@@ -413,15 +432,15 @@ class Server:
 
 
 class _Inbox:
-    """One request's events on the event loop. ``get`` waits with a timer, not a task (``asyncio.wait_for`` on a
-    queue makes a task per wait, and a streaming request waits once per token). ``each_token`` False (a handler
+    """One request's events on the event loop. ``get_all`` waits with a timer, not a task (``asyncio.wait_for`` on
+    a queue makes a task per wait, and a streaming request waits once per step). ``each_token`` False (a handler
     that needs no text until the end): the finish wakes the handler, and otherwise only every ``_DRAIN_EVENTS``
     tokens (its timer still does, for the disconnect check), so that a long generation's events do not pile up
     as objects every garbage collection walks (at batch 64, 3072 tokens each, the collector's time in this process
     fell from 0.18 to 0.10 ms a step)."""
 
     def __init__(self, each_token: bool = True):
-        self._items: Deque[Event] = collections.deque()
+        self._items: List[Event] = []
         self._waiter: Optional[asyncio.Future] = None
         self._each_token = each_token
 
@@ -434,8 +453,8 @@ class _Inbox:
         if self._each_token or len(items) >= _DRAIN_EVENTS or event.kind == "finish":
             waiter.set_result(None)
 
-    async def get(self, timeout: float) -> Optional[Event]:
-        """The next event, waiting at most ``timeout`` seconds to be woken for one; None when there is none."""
+    async def get_all(self, timeout: float) -> List[Event]:
+        """Every event there is, waiting at most ``timeout`` seconds to be woken for one; [] when there is none."""
         if not self._items:
             loop = asyncio.get_running_loop()
             self._waiter = loop.create_future()
@@ -445,7 +464,8 @@ class _Inbox:
             finally:
                 timer.cancel()
                 self._waiter = None
-        return self._items.popleft() if self._items else None
+        items, self._items = self._items, []
+        return items
 
 
 def _wake(waiter: asyncio.Future) -> None:

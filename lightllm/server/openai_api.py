@@ -235,7 +235,8 @@ class OpenAIReply:
     async def stream(self, seqs: List[tuple], request, include_usage: bool) -> AsyncIterator[str]:
         """Server-sent events: per choice, a first chunk (chat: the role; completions with echo: the prompt), one
         chunk per token (with its logprobs when asked), a last one with the finish reason; with
-        ``include_usage`` a final chunk with no choices and the usage; then ``[DONE]``. best_of equals n here."""
+        ``include_usage`` a final chunk with no choices and the usage; then ``[DONE]``. best_of equals n here.
+        ("Chunk" is OpenAI's name for one event; the events of tokens ready together share one write.)"""
         kind = self.kind + ".chunk" if self.chat else self.kind
         produced, cached = [0] * len(seqs), [[] for _ in seqs]
         offsets = [len(self._echo(i // self.n)) for i in range(len(seqs))]
@@ -247,26 +248,30 @@ class OpenAIReply:
                 yield self._sse(kind, [{"index": i, "text": self._echo(i // self.n), "logprobs": None,
                                         "finish_reason": None}])  # fmt: skip
         outputs = [self.parsing.new_output() for _ in seqs] if self.parsing else None
-        async for i, (delta, ev, fin) in self.server.merged_streams(seqs, request, cached):
-            lps = None
-            if ev is not None:
-                produced[i] += 1
-                if self.with_logprobs:
-                    lps = self._token_logprobs(ev, offsets[i])
-                    offsets[i] += len(self.logprobs.text(ev.token_id))
-            if outputs:
-                fields = outputs[i].add(delta)
-                if fin:
-                    fields = merge_deltas(fields, outputs[i].finish())
-                    fin = outputs[i].finish_reason(fin)
-                elif not fields and lps is None:
-                    continue  # all held back (a tag may be starting): nothing to send yet
-                choice = {"index": i, "delta": fields}
-            elif self.chat:
-                choice = {"index": i, "delta": {"content": delta} if delta or not fin else {}}
-            else:
-                choice = {"index": i, "text": delta}
-            yield self._sse(kind, [{**choice, "logprobs": lps, "finish_reason": fin}])
+        async for ready in self.server.merged_streams(seqs, request, cached):
+            chunk = []  # what is ready together goes out in one write (see Server._stream)
+            for i, (delta, ev, fin) in ready:
+                lps = None
+                if ev is not None:
+                    produced[i] += 1
+                    if self.with_logprobs:
+                        lps = self._token_logprobs(ev, offsets[i])
+                        offsets[i] += len(self.logprobs.text(ev.token_id))
+                if outputs:
+                    fields = outputs[i].add(delta)
+                    if fin:
+                        fields = merge_deltas(fields, outputs[i].finish())
+                        fin = outputs[i].finish_reason(fin)
+                    elif not fields and lps is None:
+                        continue  # all held back (a tag may be starting): nothing to send yet
+                    choice = {"index": i, "delta": fields}
+                elif self.chat:
+                    choice = {"index": i, "delta": {"content": delta} if delta or not fin else {}}
+                else:
+                    choice = {"index": i, "text": delta}
+                chunk.append(self._sse(kind, [{**choice, "logprobs": lps, "finish_reason": fin}]))
+            if chunk:
+                yield "".join(chunk)
         if include_usage:
             yield self._sse(kind, [], usage=self._usage(sum(produced), [sum(c) for c in cached]))
         yield "data: [DONE]\n\n"

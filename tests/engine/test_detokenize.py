@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from lightllm.engine.detokenize import IncrementalDetokenizer, StopStrings
+from lightllm.engine.detokenize import IncrementalDetokenizer, StopStrings, decoder
 from lightllm.tools.make_tiny_model import make_tiny_qwen3
 
 
@@ -37,6 +37,30 @@ def test_random_ids_special_tokens_included(tokenizer, seed):
     ids = [rng.randrange(len(tokenizer)) for _ in range(rng.randrange(1, 200))]
     deltas, rest = stream(tokenizer, ids)
     assert "".join(deltas) + rest == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("skip_special", [True, False])
+def test_the_direct_decoder_is_the_tokenizers_own_decode(tokenizer, skip_special):
+    """The fast tokenizer's decode is taken from its Rust backend directly; the text is the same, special
+    tokens (kept or skipped) and byte pieces that split a character included."""
+    fast = decoder(tokenizer, skip_special)
+    assert fast.func.__self__ is tokenizer.backend_tokenizer
+    rng = random.Random(0)
+    for _ in range(300):
+        ids = [rng.randrange(len(tokenizer)) for _ in range(rng.randrange(0, 12))]
+        assert fast(ids) == tokenizer.decode(ids, skip_special_tokens=skip_special)
+
+
+def test_a_tokenizer_with_its_own_decode_or_space_clean_up_keeps_it(tokenizer, monkeypatch):
+    class Custom(type(tokenizer)):
+        def _decode(self, token_ids, **kwargs):
+            return "custom"
+
+    monkeypatch.setattr(tokenizer, "__class__", Custom)
+    assert decoder(tokenizer, True)([1, 2]) == "custom"
+    monkeypatch.setattr(tokenizer, "__class__", Custom.__mro__[1])
+    monkeypatch.setattr(tokenizer, "clean_up_tokenization_spaces", True)
+    assert decoder(tokenizer, True).func.__self__ is tokenizer
 
 
 def test_nothing_to_finish(tokenizer):

@@ -129,7 +129,7 @@ def test_a_handler_waiting_for_its_finish_still_takes_its_events_every_few_token
 
     async def woken_after(events):
         inbox = _Inbox(each_token=False)
-        waiting = asyncio.ensure_future(inbox.get(timeout=3600))
+        waiting = asyncio.ensure_future(inbox.get_all(timeout=3600))
         await asyncio.sleep(0)  # it waits now
         for n, ev in enumerate(events, 1):
             inbox.put_nowait(ev)

@@ -1,0 +1,114 @@
+"""Streams write what is ready together in one chunk: the tokens of one step (MTP) or of several steps the HTTP
+process fell behind on go out in one send, not one send per token; tokens that arrive apart still go out apart."""
+
+import asyncio
+import json
+
+from fake_model import make_server
+
+from lightllm.engine.request import Event
+from lightllm.engine.sampler import SamplingParams
+from lightllm.server.openai_api import OpenAIReply
+
+
+class Connected:
+    async def is_disconnected(self):
+        return False
+
+
+def scripted(server, bursts):
+    """``server.engine.submit`` replaced: each request's events arrive in ``bursts`` (lists of events), a burst
+    handed over at once (one mailbox flush, as after one engine step), the next only once the stream has taken
+    the previous one."""
+    loop = asyncio.get_running_loop()
+    server.mailbox.bind(loop)
+    gates = []
+
+    def submit(req):
+        async def feed():
+            for burst in bursts:
+                for ev in burst:
+                    req.emit(ev)
+                server.mailbox.flush()
+                gate = loop.create_future()
+                gates.append(gate)
+                await gate
+
+        loop.create_task(feed())
+
+    server.engine.submit = submit
+    return gates
+
+
+async def chunks_of(stream, gates):
+    out = []
+    async for chunk in stream:
+        out.append(chunk)
+        for gate in gates:
+            if not gate.done():
+                gate.set_result(None)
+    return out
+
+
+def events(chunk):
+    assert chunk.endswith("\n\n")
+    return [json.loads(e[len("data: ") :]) for e in chunk[:-2].split("\n\n")]
+
+
+BURSTS = [
+    [Event("token", 1, -0.5)],  # a step's one token
+    [Event("token", 2, -0.25), Event("token", 3, -0.125), Event("token", 4, -1.0)],  # an MTP step's three
+    [Event("token", 5, -2.0), Event("finish", finish_reason="length")],
+]
+
+
+def test_native_stream_writes_each_burst_as_one_chunk():
+    async def main():
+        server = make_server()
+        gates = scripted(server, BURSTS)
+        params = SamplingParams(max_new_tokens=5)
+        body = type("P", (), {"return_details": False})()
+        return await chunks_of(server._native_events([0, 1], params, body, Connected()), gates)
+
+    chunks = asyncio.run(main())
+    assert [len(events(c)) for c in chunks] == [1, 3, 2]
+    flat = [e for c in chunks for e in events(c)]
+    assert [e["token"]["id"] for e in flat] == [1, 2, 3, 4, 5, None]
+    assert [e["token"]["logprob"] for e in flat[:5]] == [-0.5, -0.25, -0.125, -1.0, -2.0]
+    assert [e["token"]["count_output_tokens"] for e in flat] == [1, 2, 3, 4, 5, 5]
+    assert [e["finished"] for e in flat] == [False] * 5 + [True]
+    assert flat[-1]["generated_text"] == "bcdef" and flat[-1]["finish_reason"] == "length"
+
+
+def test_openai_stream_writes_each_burst_as_one_chunk():
+    async def main():
+        server = make_server()
+        gates = scripted(server, BURSTS)
+        reply = OpenAIReply(server, False, [[0, 1]], 1, 1, None, False)
+        seqs = [([0, 1], SamplingParams(max_new_tokens=5))]
+        return await chunks_of(reply.stream(seqs, Connected(), include_usage=True), gates)
+
+    chunks = asyncio.run(main())
+    assert chunks[-1] == "data: [DONE]\n\n"
+    assert [len(events(c)) for c in chunks[:-2]] == [1, 3, 2]
+    flat = [e for c in chunks[:-2] for e in events(c)]
+    assert "".join(e["choices"][0]["text"] for e in flat) == "bcdef"
+    assert [e["choices"][0]["finish_reason"] for e in flat] == [None] * 5 + ["length"]
+    assert events(chunks[-2])[0]["usage"]["completion_tokens"] == 5
+
+
+def test_collect_takes_every_token_of_a_burst():
+    async def main():
+        server = make_server()
+        gates = scripted(server, BURSTS)
+        task = asyncio.ensure_future(server._collect([0, 1], SamplingParams(max_new_tokens=5), Connected()))
+        while not task.done():
+            for gate in gates:
+                if not gate.done():
+                    gate.set_result(None)
+            await asyncio.sleep(0)
+        return task.result()
+
+    out = asyncio.run(main())
+    assert out["token_ids"] == [1, 2, 3, 4, 5] and out["text"] == "bcdef" and out["finish_reason"] == "length"
+    assert out["logprobs"] == [-0.5, -0.25, -0.125, -1.0, -2.0]
