@@ -22,7 +22,7 @@ import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from serve_load import load  # noqa: E402
+from load_client import load  # noqa: E402
 
 from lightllm.common import proc as procs  # noqa: E402
 from lightllm.common.net import free_port, wait_healthy  # noqa: E402
@@ -104,6 +104,11 @@ def main():
     )
     p.add_argument("--out", default="host_overhead.json")
     p.add_argument(
+        "--stream",
+        action="store_true",
+        help="/generate_stream (an event per token, as serve_load sends) instead of /generate (one answer each)",
+    )
+    p.add_argument(
         "--torch_threads",
         type=int,
         default=1,
@@ -128,7 +133,7 @@ def main():
             for conc in args.concurrency:
                 res = measure(model, vocab, conc, args, env)
                 runs.append({"repeat": rep, "concurrency": conc, "layout": args.layout,
-                             "torch_threads": args.torch_threads, **res})  # fmt: skip
+                             "torch_threads": args.torch_threads, "stream": args.stream, **res})  # fmt: skip
     keys = ("tokens_per_s", "decode_step_ms", "decode_batch", "engine_cpu_ms_per_step", "http_cpu_ms_per_step")
     median = [{"concurrency": c, **{k: statistics.median(r[k] for r in runs if r["concurrency"] == c) for k in keys}}
               for c in args.concurrency]  # fmt: skip
@@ -147,7 +152,8 @@ def main():
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"machine": platform.machine(), "cpus": os.cpu_count(), "python": platform.python_version(),
-                   "layout": args.layout, "torch_threads": args.torch_threads, "prompt": args.prompt,
+                   "layout": args.layout, "torch_threads": args.torch_threads, "stream": args.stream,
+                   "prompt": args.prompt,
                    "output": args.output, "repeats": args.repeats, "runs": runs, "median": median}, f,
                   indent=1)  # fmt: skip
 
@@ -163,7 +169,9 @@ def measure(model: str, vocab: int, batch: int, args, env) -> dict:
         engine = engine_pid(proc.pid) if args.layout == "process" else proc.pid
         asyncio.run(load(base, 8, 8, args.prompt, 8, vocab))  # warm the paths once
         cpu = (cpu_seconds(engine), cpu_seconds(proc.pid))
-        res = asyncio.run(load(base, args.requests or 4 * batch, 2 * batch, args.prompt, args.output, vocab))
+        res = asyncio.run(
+            load(base, args.requests or 4 * batch, 2 * batch, args.prompt, args.output, vocab, stream=args.stream)
+        )
         steps = res["prefill_steps"] + res["decode_steps"]
         engine_cpu, http_cpu = cpu_seconds(engine) - cpu[0], cpu_seconds(proc.pid) - cpu[1]
     return {**res, "engine_cpu_ms_per_step": engine_cpu / steps * 1e3, "http_cpu_ms_per_step": http_cpu / steps * 1e3}

@@ -32,9 +32,7 @@ import asyncio
 import hashlib
 import importlib
 import json
-import math
 import os
-import random
 import re
 import shutil
 import statistics
@@ -44,16 +42,15 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # its sibling modules, however it is loaded
+from load_client import auto_client_procs, load  # noqa: E402
 
-from lightllm.common import proc as procs
-from lightllm.common.net import free_port, wait_healthy
+from lightllm.common import proc as procs  # noqa: E402
+from lightllm.common.net import free_port, wait_healthy  # noqa: E402
 
 WORKLOADS = {"short": (128, 256), "long": (8192, 128)}  # prompt tokens, output tokens
 MODELS = ("qwen3", "qwen3.5")
 MTP_HEADS = ("agree", "random")  # make_tiny_qwen3_5's heads: drafts ~always / ~never accepted
-SPEC_COUNTERS = {"lightllm_spec_decode_num_draft_tokens": "draft_tokens",
-                 "lightllm_spec_decode_num_accepted_tokens": "accepted_tokens"}  # fmt: skip
 
 
 def hybrid_layer_types(layers):
@@ -185,111 +182,6 @@ def startup_summary(log_path):
     return lines[0].split("ready:", 1)[1].strip() if lines else ""
 
 
-def request_schedule(seed: int, n: int, prompt_len: int, vocab: int, rate: float = 0.0):
-    """A fixed schedule, the same for every server and run given the seed: ``n`` arrival offsets in seconds
-    (Poisson at ``rate`` requests/s; ``rate`` 0: all at once, the concurrency limit alone paces them) and prompts."""
-    rng = random.Random(seed)
-    prompts = [[rng.randrange(vocab // 8, vocab) for _ in range(prompt_len)] for _ in range(n)]
-    arrivals, t = [], 0.0
-    for _ in range(n):
-        arrivals.append(t)
-        t += rng.expovariate(rate) if rate > 0 else 0.0
-    return arrivals, prompts
-
-
-def percentile(values, q):
-    """The nearest-rank ``q``-th percentile (0 < q <= 100) of ``values``; None when empty."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
-
-
-async def _one(client, base, prompt, out_len, stream):
-    """One request: (token ids, logprobs, seconds to its first token, the gaps between its tokens)."""
-    body = {"inputs": prompt, "parameters": {"max_new_tokens": out_len, "ignore_eos": True, "logprobs": True}}
-    t0 = time.perf_counter()
-    if not stream:
-        r = await client.post(base + "/generate", json=body)
-        r.raise_for_status()
-        data = r.json()
-        return data["token_ids"], data["logprobs"], None, []
-    ids, logprobs, times = [], [], []
-    async with client.stream("POST", base + "/generate_stream", json=body) as r:
-        r.raise_for_status()
-        async for line in r.aiter_lines():
-            if not line.startswith("data:"):
-                continue
-            token = json.loads(line[5:])["token"]
-            if token["id"] is not None:
-                times.append(time.perf_counter())
-                ids.append(token["id"])
-                logprobs.append(token["logprob"])
-    gaps = [b - a for a, b in zip(times, times[1:])]
-    return ids, logprobs, (times[0] - t0 if times else None), gaps
-
-
-async def load(base, n, concurrency, prompt_len, out_len, vocab, seed=0, rate=0.0, stream=False):
-    """``n`` requests of ``request_schedule(seed, ...)`` to /generate_stream (``stream``) or /generate, at most
-    ``concurrency`` at a time, each with logprobs: output tokens/s, time to first token and inter-token latency
-    as the client sees them (streaming only), and the server's step statistics over the run."""
-    arrivals, prompts = request_schedule(seed, n, prompt_len, vocab, rate)
-    sem = asyncio.Semaphore(concurrency)
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(timeout=procs.HANG_TIMEOUT_S, limits=limits) as client:
-        before = await engine_steps(client, base)
-        t0 = time.perf_counter()
-
-        async def scheduled(at, prompt):
-            await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
-            async with sem:
-                return await _one(client, base, prompt, out_len, stream)
-
-        results = await asyncio.gather(*(scheduled(at, p) for at, p in zip(arrivals, prompts)))
-        seconds = time.perf_counter() - t0
-        steps = step_stats(before, await engine_steps(client, base))
-    tokens = sum(len(ids) for ids, *_ in results)
-    ok = all(len(ids) == out_len and all(math.isfinite(x) for x in lps) for ids, lps, *_ in results)
-    ttft = [t for _, _, t, _ in results if t is not None]
-    itl = [g for *_, gaps in results for g in gaps]
-    latency = {f"{name}_p{q}_ms": (None if percentile(xs, q) is None else percentile(xs, q) * 1e3)
-               for name, xs in (("ttft", ttft), ("itl", itl)) for q in (50, 99)}  # fmt: skip
-    return {"output_tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "all_complete_finite": ok,
-            **latency, **steps}  # fmt: skip
-
-
-async def engine_steps(client, base):
-    """The server's cumulative step histograms, ``{(sample, kind): value}`` for their _count and _sum, and MTP's
-    draft counters, ``{(family, None): value}``."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = (await client.get(base + "/metrics")).text
-    out = {}
-    for family in text_string_to_metric_families(text):
-        if family.name in ("lightllm_step_seconds", "lightllm_step_batch_size"):
-            out.update({(s.name, s.labels["kind"]): s.value for s in family.samples
-                        if s.name.endswith(("_count", "_sum"))})  # fmt: skip
-        elif family.name in SPEC_COUNTERS:
-            out.update({(family.name, None): s.value for s in family.samples if s.name.endswith("_total")})
-    return out
-
-
-def step_stats(before, after):
-    """What one load was made of: steps per kind, their mean time (ms) and mean batch (requests); MTP's drafts
-    proposed and accepted and their ratio, the acceptance (None without drafts)."""
-    delta = {k: v - before.get(k, 0.0) for k, v in after.items()}
-    out = {}
-    for kind in ("prefill", "decode"):
-        n = delta.get(("lightllm_step_seconds_count", kind), 0.0)
-        out[f"{kind}_steps"] = int(n)
-        out[f"{kind}_step_ms"] = delta[("lightllm_step_seconds_sum", kind)] / n * 1e3 if n else None
-        out[f"{kind}_batch"] = delta[("lightllm_step_batch_size_sum", kind)] / n if n else None
-    for family, name in SPEC_COUNTERS.items():
-        out[name] = int(delta.get((family, None), 0.0))
-    out["acceptance"] = out["accepted_tokens"] / out["draft_tokens"] if out["draft_tokens"] else None
-    return out
-
-
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tp", type=int, default=1)
@@ -308,6 +200,12 @@ def main():
         help="Poisson arrivals at this many requests/s (0: all at once, paced by the concurrency alone)",
     )
     p.add_argument("--seed", type=int, default=0, help="the request schedule's seed (the same for every server)")
+    p.add_argument(
+        "--client-procs",
+        type=int,
+        default=None,
+        help="client processes per load (default: one per 16 streams, at most 8; see load_client.py)",
+    )
     p.add_argument("--repeats", type=int, default=2, help="server starts per mode (medians are reported)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[16, 32, 64])
     p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
@@ -332,6 +230,8 @@ def main():
             hybrid_layer_types(args.layers)
         except ValueError as e:
             p.error(str(e))
+    if args.client_procs is not None and args.client_procs < 1:
+        p.error(f"--client-procs expected a positive count, got {args.client_procs}")
     args.decode_backend = resolve_decode_backend(args.decode_backend, args.model)
     flags = server_flags(args.decode_backend, args.model, args.mtp_step)
     procs.exit_on_sigterm()  # stopped from outside: still stop the servers and remove the temporary folders
@@ -371,11 +271,13 @@ def main():
                             print(json.dumps(start), flush=True)
                             for conc in args.concurrency:
                                 warm = conc * 2 if args.warmup is None else args.warmup
+                                clients = args.client_procs or auto_client_procs(conc)
                                 if warm:  # its own schedule (another seed); nothing of it is counted
                                     asyncio.run(load(base, warm, conc, prompt_len, out_len, vocab, seed=args.seed + 1,
-                                                     stream=True))  # fmt: skip
+                                                     stream=True, client_procs=clients))  # fmt: skip
                                 res = asyncio.run(load(base, args.requests, conc, prompt_len, out_len, vocab,
-                                                       seed=args.seed, rate=args.rate, stream=True))  # fmt: skip
+                                                       seed=args.seed, rate=args.rate, stream=True,
+                                                       client_procs=clients))  # fmt: skip
                                 results.setdefault((mode, conc), []).append(res)
                                 print(json.dumps({"workload": workload, "mode": mode, "repeat": rep,
                                                   "concurrency": conc, **res}), flush=True)  # fmt: skip
@@ -432,6 +334,21 @@ def main():
                     "     -" if r["aa_pct"][k] is None else f"{r['aa_pct'][k]:+5.1f}%" for k in REPORTED
                 )
             print(f"{r['workload']:8s} {r['concurrency']:4d}  {mode:5s} {cells}{aa}")
+    print("\nwho kept up (median over starts): the engine's mean decode batch, its busy share of the wall time (steps"
+          " / seconds), and the busiest client process's CPU share")  # fmt: skip
+    print("workload conc  mode   decode batch  engine busy  client CPU")
+    bound = []
+    for r in rows:
+        for mode in ("on", "off", "off_b"):
+            if mode in r:
+                m = r[mode]
+                cells = ["-" if m[k] is None else f"{m[k]:.1f}" for k in HOST_CHECK]
+                print(f"{r['workload']:8s} {r['concurrency']:4d}  {mode:5s} {cells[0]:>12s} {cells[1]:>11s}% "
+                      f"{cells[2]:>9s}%")  # fmt: skip
+                if m["client_cpu_pct"] > CLIENT_BOUND_PCT:
+                    bound.append(f"{r['workload']} {r['concurrency']} {mode}")
+    if bound:
+        print(f"CLIENT-BOUND (a client process over {CLIENT_BOUND_PCT}% CPU; raise --client-procs): {', '.join(bound)}")
     if args.mtp_step:
         print(f"\nMTP step {args.mtp_step}: draft acceptance (accepted / proposed drafts over the measured window, "
               "median over starts)")  # fmt: skip
@@ -492,6 +409,8 @@ def per_step_attention(kernels, concurrency, layers):
 
 
 REPORTED = ("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")
+HOST_CHECK = ("decode_batch", "engine_busy_pct", "client_cpu_pct")
+CLIENT_BOUND_PCT = 80  # a client process busier than this may be what is measured
 
 
 def pct(a, b):
@@ -503,7 +422,7 @@ def summarize(runs):
     """Per reported number the median over server starts; tokens/s's spread; whether every request was whole."""
     tps = sorted(r["tokens_per_s"] for r in runs)
     out = {}
-    for key in REPORTED + ("decode_step_ms", "acceptance"):
+    for key in REPORTED + ("decode_step_ms", "acceptance") + HOST_CHECK:
         values = [r[key] for r in runs if r.get(key) is not None]
         out[key] = statistics.median(values) if values else None
     return {**out, "spread_pct": (tps[-1] - tps[0]) / out["tokens_per_s"] * 100, "runs": runs,
@@ -524,6 +443,7 @@ def save(args, rows, startups):
                    "mtp_step": args.mtp_step, "mtp_head": args.mtp_head if args.model == "qwen3.5" else None,
                    "decode_backend": args.decode_backend, "requests": args.requests, "warmup": args.warmup,
                    "rate": args.rate, "seed": args.seed, "repeats": args.repeats, "control": args.control,
+                   "client_procs": args.client_procs,
                    "config_checks_ok": not any(s.get("config_check") for s in startups),
                    "tuned_config_files": tuned_config_files(startups), "rows": rows, "startups": startups},
                   f, indent=1)  # fmt: skip

@@ -25,6 +25,13 @@ def serve_load():
     return module
 
 
+@pytest.fixture(scope="module")
+def load_client(serve_load):
+    import load_client  # serve_load put benchmarks/ on sys.path
+
+    return load_client
+
+
 @pytest.mark.parametrize("control", [False, True])
 def test_start_order_tunes_first_then_rotates(serve_load, control):
     modes = ["on", "off"] + (["off_b"] if control else [])
@@ -35,22 +42,51 @@ def test_start_order_tunes_first_then_rotates(serve_load, control):
         assert sorted(o[position] for o in orders) == sorted(modes)
 
 
-def test_the_request_schedule_is_fixed_by_its_seed(serve_load):
+def test_the_request_schedule_is_fixed_by_its_seed(load_client):
     """Every server of a comparison gets the same prompts at the same arrival offsets; warm-up takes another seed."""
-    a = serve_load.request_schedule(0, 50, 8, 1000, rate=20.0)
-    assert a == serve_load.request_schedule(0, 50, 8, 1000, rate=20.0)
-    assert a != serve_load.request_schedule(1, 50, 8, 1000, rate=20.0)
+    a = load_client.request_schedule(0, 50, 8, 1000, rate=20.0)
+    assert a == load_client.request_schedule(0, 50, 8, 1000, rate=20.0)
+    assert a != load_client.request_schedule(1, 50, 8, 1000, rate=20.0)
     arrivals, prompts = a
     assert arrivals[0] == 0 and all(x < y for x, y in zip(arrivals, arrivals[1:]))  # Poisson: strictly later
     assert len(prompts) == 50 and all(len(p) == 8 and all(125 <= t < 1000 for t in p) for p in prompts)
-    closed, _ = serve_load.request_schedule(0, 5, 8, 1000)  # rate 0: all at once, the concurrency paces them
+    closed, _ = load_client.request_schedule(0, 5, 8, 1000)  # rate 0: all at once, the concurrency paces them
     assert closed == [0.0] * 5
 
 
-def test_percentile_is_nearest_rank(serve_load):
+def test_percentile_is_nearest_rank(load_client):
     values = list(range(1, 101))
-    assert [serve_load.percentile(values, q) for q in (50, 99, 100)] == [50, 99, 100]
-    assert serve_load.percentile([3.0], 99) == 3.0 and serve_load.percentile([], 50) is None
+    assert [load_client.percentile(values, q) for q in (50, 99, 100)] == [50, 99, 100]
+    assert load_client.percentile([3.0], 99) == 3.0 and load_client.percentile([], 50) is None
+
+
+def test_server_sent_events_are_parsed_across_and_within_network_reads(load_client):
+    """Events split over reads, several in one read, and the OpenAI end marker: each event once, stamped with the
+    read that completed it."""
+    import asyncio
+
+    events = [{"token": {"id": i, "logprob": -0.5 * i}} for i in range(5)]
+    wire = "".join(f"data: {json.dumps(e)}\n\n" for e in events).encode() + b"data: [DONE]\n\n"
+    cuts = [0, 7, 8, 60, 61, len(wire) - 3, len(wire)]  # mid-field, one byte, mid-separator, several events
+
+    class Response:
+        async def aiter_bytes(self):
+            for a, b in zip(cuts, cuts[1:]):
+                yield wire[a:b]
+
+    async def read():
+        return [e async for _, e in load_client.sse_events(Response())]
+
+    assert asyncio.run(read()) == events
+
+
+def test_a_load_split_over_client_processes_keeps_every_request_and_stream(load_client):
+    assert [load_client._split(64, 4), load_client._split(10, 3), load_client._split(2, 2)] == [
+        [16] * 4, [4, 3, 3], [1, 1]]  # fmt: skip
+    assert [load_client.auto_client_procs(c) for c in (1, 16, 17, 64, 256)] == [1, 1, 2, 4, 8]
+    arrivals, _ = load_client.request_schedule(0, 10, 4, 100, rate=5.0)
+    shards = [arrivals[i::3] for i in range(3)]  # as load() deals them: each keeps its offsets, in order
+    assert sorted(x for s in shards for x in s) == arrivals and all(s == sorted(s) for s in shards)
 
 
 def test_per_step_attention_reads_what_a_search_wrote(serve_load, monkeypatch, isolated_autotune):
@@ -105,7 +141,7 @@ def test_runs_end_to_end_on_the_tiny_model(tmp_path):
     """The whole method on the CPU at tp 2: servers started in order, every request whole, an A/A pair, the
     ranks' config agreement read from each start's log, JSON written, no temporary folder left."""
     cmd, env = _benchmark(tmp_path, "--tp", "2", "--requests", "3", "--concurrency", "2", "--repeats", "1",
-                          "--control", "--workloads", "short")  # fmt: skip
+                          "--control", "--workloads", "short", "--client-procs", "2")  # fmt: skip
     out = tmp_path / "out.json"
     done = procs.run(cmd, env=env, timeout=procs.HANG_TIMEOUT_S)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -120,6 +156,7 @@ def test_runs_end_to_end_on_the_tiny_model(tmp_path):
         (run,) = row[mode]["runs"]
         # the warm-up's 4 requests are left out: only the 3 measured ones are counted, here and in the steps
         assert run["all_complete_finite"] and run["output_tokens"] == 3 * 256
+        assert run["client_procs"] == 2 and 0 < run["client_cpu_pct"] and 0 < run["engine_busy_pct"] <= 100
         assert 0 < run["ttft_p50_ms"] <= run["ttft_p99_ms"] and 0 < run["itl_p50_ms"] <= run["itl_p99_ms"]
         # from the server's step histograms: each request's first token comes from its prefill, the rest
         # from decode steps, and every step of the load is counted once
@@ -203,15 +240,15 @@ def test_written_config_files_are_the_new_or_changed_ones(serve_load, tmp_path):
     )
 
 
-def test_acceptance_is_the_delta_of_the_spec_counters(serve_load):
+def test_acceptance_is_the_delta_of_the_spec_counters(load_client):
     steps = {("lightllm_step_seconds_count", k): 0.0 for k in ("prefill", "decode")}
     before = {**steps, ("lightllm_spec_decode_num_draft_tokens", None): 100.0,
               ("lightllm_spec_decode_num_accepted_tokens", None): 90.0}  # fmt: skip
     after = {**steps, ("lightllm_spec_decode_num_draft_tokens", None): 140.0,
              ("lightllm_spec_decode_num_accepted_tokens", None): 100.0}  # fmt: skip
-    stats = serve_load.step_stats(before, after)
+    stats = load_client.step_stats(before, after)
     assert (stats["draft_tokens"], stats["accepted_tokens"], stats["acceptance"]) == (40, 10, 0.25)
-    assert serve_load.step_stats(steps, steps)["acceptance"] is None  # no drafts (MTP off): no acceptance
+    assert load_client.step_stats(steps, steps)["acceptance"] is None  # no drafts (MTP off): no acceptance
 
 
 def test_mtp_step_needs_qwen3_5(tmp_path):

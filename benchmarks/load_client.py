@@ -1,0 +1,189 @@
+"""The load generator of ``serve_load.py`` and ``host_overhead.py``: a fixed request schedule sent to a running
+server, at most ``concurrency`` requests in flight, with what the client saw (tokens/s, time to first token,
+inter-token latency) and what the server did (its step histograms from /metrics).
+
+A client that cannot keep up measures itself: a stream it reads late shows its tokens late (inter-token
+latency shrinks to the gaps between reads of a backlog) and its next request goes out late (the engine's batch
+falls below the concurrency). One Python process reads about 30-50 K events a second, which a 64-stream load
+of a fast model exceeds, so ``client_procs`` splits the schedule over that many processes (request i goes to
+process i mod ``client_procs``, each with its share of the concurrency) and every load reports the busiest
+client process's CPU share (``client_cpu_pct``) and the engine's busy share of the wall time
+(``engine_busy_pct``); a client near 100 % flags a measurement of the client.
+"""
+
+import asyncio
+import json
+import math
+import multiprocessing
+import random
+import time
+
+import httpx
+
+from lightllm.common import proc as procs
+
+SPEC_COUNTERS = {"lightllm_spec_decode_num_draft_tokens": "draft_tokens",
+                 "lightllm_spec_decode_num_accepted_tokens": "accepted_tokens"}  # fmt: skip
+_START_MARGIN_S = 0.2  # client processes are told to start this far ahead, so they start together
+
+
+def request_schedule(seed: int, n: int, prompt_len: int, vocab: int, rate: float = 0.0):
+    """A fixed schedule, the same for every server and run given the seed: ``n`` arrival offsets in seconds
+    (Poisson at ``rate`` requests/s; ``rate`` 0: all at once, the concurrency limit alone paces them) and prompts."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(vocab // 8, vocab) for _ in range(prompt_len)] for _ in range(n)]
+    arrivals, t = [], 0.0
+    for _ in range(n):
+        arrivals.append(t)
+        t += rng.expovariate(rate) if rate > 0 else 0.0
+    return arrivals, prompts
+
+
+def percentile(values, q):
+    """The nearest-rank ``q``-th percentile (0 < q <= 100) of ``values``; None when empty."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
+
+
+def auto_client_procs(concurrency: int) -> int:
+    """Client processes for a load: one per 16 streams, at most 8."""
+    return max(1, min(8, math.ceil(concurrency / 16)))
+
+
+async def sse_events(response):
+    """(arrival time, event) for each server-sent ``data:`` event of ``response``, parsed from the raw bytes: the
+    events of one network read share its arrival time, which is when this client could have shown them."""
+    buf = b""
+    async for data in response.aiter_bytes():
+        now = time.perf_counter()
+        buf += data
+        *events, buf = buf.split(b"\n\n")
+        for event in events:
+            if event.startswith(b"data:") and event[5:].strip() != b"[DONE]":
+                yield now, json.loads(event[5:])
+
+
+async def _one(client, base, prompt, out_len, stream):
+    """One request: (tokens, all logprobs finite, seconds to its first token, the gaps between its tokens)."""
+    body = {"inputs": prompt, "parameters": {"max_new_tokens": out_len, "ignore_eos": True, "logprobs": True}}
+    t0 = time.perf_counter()
+    if not stream:
+        r = await client.post(base + "/generate", json=body)
+        r.raise_for_status()
+        data = r.json()
+        return len(data["token_ids"]), all(math.isfinite(x) for x in data["logprobs"]), None, []
+    times, finite = [], True
+    async with client.stream("POST", base + "/generate_stream", json=body) as r:
+        r.raise_for_status()
+        async for now, event in sse_events(r):
+            token = event["token"]
+            if token["id"] is not None:
+                times.append(now)
+                finite = finite and math.isfinite(token["logprob"])
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    return len(times), finite, (times[0] - t0 if times else None), gaps
+
+
+async def _shard(base, arrivals, prompts, concurrency, out_len, stream, start_at):
+    """This process's share of a load: its requests at their offsets from the wall-clock time ``start_at``.
+    Returns the per-request results, its CPU seconds and when (wall clock) its last request ended."""
+    sem = asyncio.Semaphore(concurrency)
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(timeout=procs.HANG_TIMEOUT_S, limits=limits) as client:
+        await asyncio.sleep(max(0.0, start_at - time.time()))
+        t0, cpu0 = time.perf_counter(), time.process_time()
+
+        async def scheduled(at, prompt):
+            await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
+            async with sem:
+                return await _one(client, base, prompt, out_len, stream)
+
+        results = await asyncio.gather(*(scheduled(at, p) for at, p in zip(arrivals, prompts)))
+        cpu, seconds = time.process_time() - cpu0, time.perf_counter() - t0
+    return {"results": results, "cpu_s": cpu, "busy_s": seconds, "end": time.time()}
+
+
+def _shard_main(args):
+    return asyncio.run(_shard(*args))
+
+
+def _ready(barrier):
+    """A client process's initializer: it has imported this module (and httpx) once every process passes."""
+    barrier.wait()
+
+
+def _split(concurrency: int, parts: int):
+    return [concurrency // parts + (i < concurrency % parts) for i in range(parts)]
+
+
+async def load(base, n, concurrency, prompt_len, out_len, vocab, seed=0, rate=0.0, stream=False, client_procs=1):
+    """``n`` requests of ``request_schedule(seed, ...)`` to /generate_stream (``stream``) or /generate, at most
+    ``concurrency`` at a time, each with logprobs, from ``client_procs`` processes: output tokens/s, time to first
+    token and inter-token latency as the client sees them (streaming only), the client's and the engine's busy
+    shares, and the server's step statistics over the run."""
+    arrivals, prompts = request_schedule(seed, n, prompt_len, vocab, rate)
+    client_procs = max(1, min(client_procs, concurrency, n))
+    async with httpx.AsyncClient(timeout=procs.HANG_TIMEOUT_S) as client:
+        before = await engine_steps(client, base)
+        if client_procs == 1:
+            start = time.time()
+            shards = [await _shard(base, arrivals, prompts, concurrency, out_len, stream, start)]
+        else:
+            work = [(base, arrivals[i::client_procs], prompts[i::client_procs], share, out_len, stream)
+                    for i, share in enumerate(_split(concurrency, client_procs))]  # fmt: skip
+            ctx = multiprocessing.get_context("spawn")  # no fork of a process that holds an event loop
+            barrier = ctx.Barrier(client_procs + 1)
+            with ctx.Pool(client_procs, initializer=_ready, initargs=(barrier,)) as pool:
+                await asyncio.get_running_loop().run_in_executor(None, barrier.wait)  # all up before the clock
+                start = time.time() + _START_MARGIN_S
+                shards = await asyncio.get_running_loop().run_in_executor(
+                    None, lambda: pool.map(_shard_main, [(*w, start) for w in work], chunksize=1)
+                )
+        seconds = max(s["end"] for s in shards) - start
+        steps = step_stats(before, await engine_steps(client, base))
+    results = [r for s in shards for r in s["results"]]
+    tokens = sum(r[0] for r in results)
+    ok = all(count == out_len and finite for count, finite, *_ in results)
+    ttft = [t for _, _, t, _ in results if t is not None]
+    itl = [g for *_, gaps in results for g in gaps]
+    latency = {f"{name}_p{q}_ms": (None if percentile(xs, q) is None else percentile(xs, q) * 1e3)
+               for name, xs in (("ttft", ttft), ("itl", itl)) for q in (50, 99)}  # fmt: skip
+    busy = sum((steps[f"{k}_step_ms"] or 0.0) * steps[f"{k}_steps"] for k in ("prefill", "decode")) / 1e3
+    return {"output_tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "all_complete_finite": ok,
+            **latency, "client_procs": client_procs,
+            "client_cpu_pct": max(s["cpu_s"] / s["busy_s"] for s in shards) * 100,
+            "engine_busy_pct": busy / seconds * 100, **steps}  # fmt: skip
+
+
+async def engine_steps(client, base):
+    """The server's cumulative step histograms, ``{(sample, kind): value}`` for their _count and _sum, and MTP's
+    draft counters, ``{(family, None): value}``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = (await client.get(base + "/metrics")).text
+    out = {}
+    for family in text_string_to_metric_families(text):
+        if family.name in ("lightllm_step_seconds", "lightllm_step_batch_size"):
+            out.update({(s.name, s.labels["kind"]): s.value for s in family.samples
+                        if s.name.endswith(("_count", "_sum"))})  # fmt: skip
+        elif family.name in SPEC_COUNTERS:
+            out.update({(family.name, None): s.value for s in family.samples if s.name.endswith("_total")})
+    return out
+
+
+def step_stats(before, after):
+    """What one load was made of: steps per kind, their mean time (ms) and mean batch (requests); MTP's drafts
+    proposed and accepted and their ratio, the acceptance (None without drafts)."""
+    delta = {k: v - before.get(k, 0.0) for k, v in after.items()}
+    out = {}
+    for kind in ("prefill", "decode"):
+        n = delta.get(("lightllm_step_seconds_count", kind), 0.0)
+        out[f"{kind}_steps"] = int(n)
+        out[f"{kind}_step_ms"] = delta[("lightllm_step_seconds_sum", kind)] / n * 1e3 if n else None
+        out[f"{kind}_batch"] = delta[("lightllm_step_batch_size_sum", kind)] / n if n else None
+    for family, name in SPEC_COUNTERS.items():
+        out[name] = int(delta.get((family, None), 0.0))
+    out["acceptance"] = out["accepted_tokens"] / out["draft_tokens"] if out["draft_tokens"] else None
+    return out
