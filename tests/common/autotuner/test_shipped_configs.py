@@ -11,6 +11,10 @@ def test_every_shipped_file_reads_and_names_a_declared_kernel():
     import lightllm.kernels.attention.decode.fa3  # noqa: F401  (declares the tuned kernels)
     import lightllm.kernels.attention.decode.flash_decode  # noqa: F401
     import lightllm.kernels.attention.prefill.context_attention  # noqa: F401
+    import lightllm.kernels.activation  # noqa: F401
+    import lightllm.kernels.linear.small_m_linear  # noqa: F401
+    import lightllm.kernels.norm.add_rmsnorm  # noqa: F401
+    import lightllm.kernels.norm.qk_norm_rope  # noqa: F401
     import lightllm.kernels.norm.rmsnorm  # noqa: F401
 
     declared = set().union(*(tuner.kernel_names(t) for t in AutotuneKernelType))
