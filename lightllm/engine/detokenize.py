@@ -5,7 +5,8 @@ Decoding every id so far at every step costs O(n) per token, O(n^2) per request,
 serves HTTP. Each step here decodes a short window instead: the ids emitted last time (kept as context, since
 a token's text can depend on its neighbours) plus the new ones, and emits what the window adds beyond the
 text of its already-emitted part. Text ending in an incomplete UTF-8 sequence (U+FFFD) is held back until a
-later id completes it; :meth:`IncrementalDetokenizer.finish` emits whatever is left.
+later id completes it, for up to ``MAX_HELD_TOKENS`` ids (then the text before the last few is emitted, so a
+stream of stray bytes keeps its window short); :meth:`IncrementalDetokenizer.finish` emits whatever is left.
 
 ``tokenizers.decoders.DecodeStream`` (tokenizers 0.23) was tried behind this interface and not adopted: it
 has no way to flush, so text ending in an incomplete UTF-8 sequence is never emitted. A full decode ends such
@@ -22,6 +23,8 @@ from typing import Callable, List, Sequence, Tuple
 # Per request: their cost per token is O(count x length), paid on the HTTP event loop.
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
+MAX_HELD_TOKENS = 8  # tokens held back for an incomplete character before the text before them is emitted
+_UTF8_TAIL_TOKENS = 3  # an incomplete UTF-8 character at the end: at most 3 bytes, so at most 3 tokens
 # transformers' modules whose ``_decode`` is the Rust backend's decode plus an optional space clean-up (v5, v4)
 _GENERIC_DECODE = ("transformers.tokenization_utils_tokenizers", "transformers.tokenization_utils_fast")
 
@@ -58,10 +61,21 @@ class IncrementalDetokenizer:
             return ""
         done = self._decode(self.ids[self._start : self._emitted])
         window = self._decode(self.ids[self._start :])
-        if not final and (len(window) <= len(done) or window.endswith("\ufffd")):
+        if final or (len(window) > len(done) and not window.endswith("\ufffd")):
+            self._start, self._emitted = self._emitted, len(self.ids)
+            return window[len(done) :]
+        if len(self.ids) - self._emitted <= MAX_HELD_TOKENS:
             return ""
-        self._start, self._emitted = self._emitted, len(self.ids)
-        return window[len(done) :]
+        # Held back for long: a model emitting stray bytes (text that keeps ending in U+FFFD) or tokens with no text
+        # (skipped special tokens). Waiting on would grow the window, and the decoding per token, without bound. Only
+        # an incomplete character at the end can still change, and it lies in the last 3 tokens (4 bytes at most,
+        # 1 per token at least): the text up to a cut before them is final where it is a prefix of the window's.
+        for cut in range(len(self.ids) - _UTF8_TAIL_TOKENS, self._emitted, -1):
+            text = self._decode(self.ids[self._start : cut])
+            if text.startswith(done) and window.startswith(text):
+                self._start, self._emitted = self._emitted, cut
+                return text[len(done) :]
+        return ""
 
 
 def check_stop_strings(stops: List[str]) -> None:

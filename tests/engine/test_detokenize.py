@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from lightllm.engine.detokenize import IncrementalDetokenizer, StopStrings, decoder
+from lightllm.engine.detokenize import MAX_HELD_TOKENS, IncrementalDetokenizer, StopStrings, decoder
 from lightllm.tools.make_tiny_model import make_tiny_qwen3
 
 
@@ -61,6 +61,46 @@ def test_a_tokenizer_with_its_own_decode_or_space_clean_up_keeps_it(tokenizer, m
     monkeypatch.setattr(tokenizer, "__class__", Custom.__mro__[1])
     monkeypatch.setattr(tokenizer, "clean_up_tokenization_spaces", True)
     assert decoder(tokenizer, True).func.__self__ is tokenizer
+
+
+def _stray_bytes(tokenizer):
+    """Ids whose text alone is one U+FFFD: single bytes that are no UTF-8 character on their own."""
+    return [i for i in range(len(tokenizer)) if tokenizer.decode([i]) == "\ufffd"]
+
+
+@pytest.mark.parametrize("kind", ["stray bytes", "skipped special tokens", "mixed"])
+def test_a_stream_that_never_completes_a_character_keeps_its_window_short(tokenizer, kind):
+    """A model emitting stray bytes (its text always ends in an incomplete character) or only tokens that add no
+    text: the window decoded per token stays a few ids long (before: every id since the last emission, O(n^2)
+    per request on the HTTP loop), and the text streamed is still the full decode's."""
+    stray, special = _stray_bytes(tokenizer), list(tokenizer.all_special_ids)
+    assert len(stray) > 16 and special
+    rng = random.Random(0)
+    pool = {"stray bytes": stray, "skipped special tokens": special, "mixed": stray + special + [65, 66]}[kind]
+    ids = [rng.choice(pool) for _ in range(600)]
+    detok = IncrementalDetokenizer(tokenizer)
+    sizes = []
+    decode = detok._decode
+    detok._decode = lambda window: (sizes.append(len(window)), decode(window))[1]
+    deltas = [detok.add(t) for t in ids]
+    assert "".join(deltas) + detok.finish() == tokenizer.decode(ids, skip_special_tokens=True)
+    assert max(sizes) <= 24  # ids per decode: the held-back ids and their context, not the 600 of the stream
+    if kind == "stray bytes":
+        assert sum(1 for d in deltas if d) > len(ids) // 24  # it still streams
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_valid_characters_across_a_forced_cut_stay_whole(tokenizer, seed):
+    """Stray bytes long enough to force a cut, then multi-byte characters: no character is split at the cut."""
+    rng = random.Random(seed)
+    stray = _stray_bytes(tokenizer)
+    text = "".join(rng.choice("你好🙂éü—x ") for _ in range(30))
+    ids = []
+    for piece in text:
+        ids += [rng.choice(stray) for _ in range(rng.randrange(0, 2 * MAX_HELD_TOKENS))]
+        ids += tokenizer.encode(piece)
+    deltas, rest = stream(tokenizer, ids)
+    assert "".join(deltas) + rest == tokenizer.decode(ids, skip_special_tokens=True)
 
 
 def test_nothing_to_finish(tokenizer):
