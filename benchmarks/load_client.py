@@ -25,6 +25,7 @@ from lightllm.common import proc as procs
 SPEC_COUNTERS = {"lightllm_spec_decode_num_draft_tokens": "draft_tokens",
                  "lightllm_spec_decode_num_accepted_tokens": "accepted_tokens"}  # fmt: skip
 _START_MARGIN_S = 0.2  # client processes are told to start this far ahead, so they start together
+_START_TIMEOUT_S = 120.0  # for every client process to import this module (a busy CI machine included)
 
 
 def request_schedule(seed: int, n: int, prompt_len: int, vocab: int, rate: float = 0.0):
@@ -111,7 +112,7 @@ def _shard_main(args):
 
 def _ready(barrier):
     """A client process's initializer: it has imported this module (and httpx) once every process passes."""
-    barrier.wait()
+    barrier.wait(_START_TIMEOUT_S)
 
 
 def _split(concurrency: int, parts: int):
@@ -125,24 +126,24 @@ async def load(base, n, concurrency, prompt_len, out_len, vocab, seed=0, rate=0.
     shares, and the server's step statistics over the run."""
     arrivals, prompts = request_schedule(seed, n, prompt_len, vocab, rate)
     client_procs = max(1, min(client_procs, concurrency, n))
-    async with httpx.AsyncClient(timeout=procs.HANG_TIMEOUT_S) as client:
-        before = await engine_steps(client, base)
-        if client_procs == 1:
-            start = time.time()
-            shards = [await _shard(base, arrivals, prompts, concurrency, out_len, stream, start)]
-        else:
-            work = [(base, arrivals[i::client_procs], prompts[i::client_procs], share, out_len, stream)
-                    for i, share in enumerate(_split(concurrency, client_procs))]  # fmt: skip
-            ctx = multiprocessing.get_context("spawn")  # no fork of a process that holds an event loop
-            barrier = ctx.Barrier(client_procs + 1)
-            with ctx.Pool(client_procs, initializer=_ready, initargs=(barrier,)) as pool:
-                await asyncio.get_running_loop().run_in_executor(None, barrier.wait)  # all up before the clock
-                start = time.time() + _START_MARGIN_S
-                shards = await asyncio.get_running_loop().run_in_executor(
-                    None, lambda: pool.map(_shard_main, [(*w, start) for w in work], chunksize=1)
-                )
-        seconds = max(s["end"] for s in shards) - start
-        steps = step_stats(before, await engine_steps(client, base))
+    before = await engine_steps(base)
+    if client_procs == 1:
+        start = time.time()
+        shards = [await _shard(base, arrivals, prompts, concurrency, out_len, stream, start)]
+    else:
+        work = [(base, arrivals[i::client_procs], prompts[i::client_procs], share, out_len, stream)
+                for i, share in enumerate(_split(concurrency, client_procs))]  # fmt: skip
+        ctx = multiprocessing.get_context("spawn")  # no fork of a process that holds an event loop
+        barrier = ctx.Barrier(client_procs + 1)
+        with ctx.Pool(client_procs, initializer=_ready, initargs=(barrier,)) as pool:
+            # all up before the clock starts; a process that cannot start breaks the barrier instead of hanging
+            await asyncio.get_running_loop().run_in_executor(None, barrier.wait, _START_TIMEOUT_S)
+            start = time.time() + _START_MARGIN_S
+            shards = await asyncio.get_running_loop().run_in_executor(
+                None, lambda: pool.map(_shard_main, [(*w, start) for w in work], chunksize=1)
+            )
+    seconds = max(s["end"] for s in shards) - start
+    steps = step_stats(before, await engine_steps(base))
     results = [r for s in shards for r in s["results"]]
     tokens = sum(r[0] for r in results)
     ok = all(count == out_len and finite for count, finite, *_ in results)
@@ -157,12 +158,14 @@ async def load(base, n, concurrency, prompt_len, out_len, vocab, seed=0, rate=0.
             "engine_busy_pct": busy / seconds * 100, **steps}  # fmt: skip
 
 
-async def engine_steps(client, base):
+async def engine_steps(base):
     """The server's cumulative step histograms, ``{(sample, kind): value}`` for their _count and _sum, and MTP's
-    draft counters, ``{(family, None): value}``."""
+    draft counters, ``{(family, None): value}``. A client of its own: a connection left idle through a load outlives
+    the server's keep-alive, and reusing it as the server closes it fails the read."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = (await client.get(base + "/metrics")).text
+    async with httpx.AsyncClient(timeout=procs.HANG_TIMEOUT_S) as client:
+        text = (await client.get(base + "/metrics")).text
     out = {}
     for family in text_string_to_metric_families(text):
         if family.name in ("lightllm_step_seconds", "lightllm_step_batch_size"):
