@@ -16,6 +16,7 @@ import functools
 import gc
 import json
 import logging
+import math
 import sys
 import threading
 import time
@@ -54,6 +55,7 @@ from lightllm.server.prompts import PromptEncoder, load_tokenizer
 from lightllm.server.serving import bind, serve
 
 logger = logging.getLogger(__name__)
+_json_str = json.encoder.encode_basestring_ascii  # json.dumps of a str (ensure_ascii), in C
 _DISCONNECT_CHECK_S = 0.25  # how often a request checks that its client is still there
 _DRAIN_EVENTS = 128  # a handler that waits for its finish still takes its events this often (see _Inbox)
 TINY_NAME = "lightllm-tiny-qwen3"  # the model id of the built-in tiny model
@@ -223,15 +225,18 @@ class Server:
             for delta, ev, reason in ready:
                 text += delta
                 count += ev is not None
-                token = {"id": None, "text": delta, "logprob": None, "special": False}
-                if ev is not None:
-                    token.update(id=ev.token_id, logprob=ev.logprob, special=ev.token_id in self._special_ids)
-                token.update(count_output_tokens=count, prompt_tokens=len(ids))
+                if reason is None:  # a token's event: the hot path, one per token
+                    special = ev.token_id in self._special_ids
+                    chunk.append(_token_event(ev.token_id, delta, ev.logprob, special, count, len(ids)))
+                    continue
+                # the finish: no token, the held-back text, the whole text and the reason
+                token = {"id": None, "text": delta, "logprob": None, "special": False, "count_output_tokens": count,
+                         "prompt_tokens": len(ids)}  # fmt: skip
                 details = None
-                if reason is not None and p.return_details:
+                if p.return_details:
                     details = {"finish_reason": reason, "count_output_tokens": count, "prompt_tokens": len(ids)}
-                event = {"token": token, "generated_text": text if reason is not None else None,
-                         "finished": reason is not None, "finish_reason": reason, "details": details}  # fmt: skip
+                event = {"token": token, "generated_text": text, "finished": True, "finish_reason": reason,
+                         "details": details}  # fmt: skip
                 chunk.append(f"data: {json.dumps(event)}\n\n")
             yield "".join(chunk)
 
@@ -429,6 +434,20 @@ class Server:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(reply.stream(seqs, request, include_usage), media_type="text/event-stream")
         return reply.whole(await self._collect_all(seqs, request))
+
+
+def _json_float(x: float) -> str:
+    x = float(x)
+    return repr(x) if math.isfinite(x) else json.dumps(x)  # json.dumps writes NaN and Infinity its own way
+
+
+def _token_event(token_id: int, text: str, logprob: float, special: bool, count: int, prompt_tokens: int) -> str:
+    """``data: json.dumps(event)`` of a ``/generate_stream`` token event (not the last), character for character,
+    formatted directly: ``json.dumps`` walking the nested dicts was a quarter of the HTTP process's time under load."""
+    return (f'data: {{"token": {{"id": {int(token_id)}, "text": {_json_str(text)}, "logprob": {_json_float(logprob)}, '
+            f'"special": {"true" if special else "false"}, "count_output_tokens": {int(count)}, "prompt_tokens": '
+            f'{int(prompt_tokens)}}}, "generated_text": null, "finished": false, "finish_reason": null, '
+            f'"details": null}}\n\n')  # fmt: skip
 
 
 class _Inbox:

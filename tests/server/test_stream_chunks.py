@@ -112,3 +112,25 @@ def test_collect_takes_every_token_of_a_burst():
     out = asyncio.run(main())
     assert out["token_ids"] == [1, 2, 3, 4, 5] and out["text"] == "bcdef" and out["finish_reason"] == "length"
     assert out["logprobs"] == [-0.5, -0.25, -0.125, -1.0, -2.0]
+
+
+def test_token_events_are_the_json_of_the_event_they_stand_for():
+    """The hot path formats a token's event directly; it is ``json.dumps`` of the event dict, character for
+    character: text with quotes, backslashes, control and non-ASCII characters; logprobs finite, tiny, huge and
+    not finite; booleans and counts."""
+    import math
+    import random
+
+    from lightllm.server.api_server import _token_event
+
+    rng = random.Random(0)
+    alphabet = 'ab "\\\n\t\r\x00\x1f\x7f/é你🙂\u2028\ufffd'
+    floats = [0.0, -0.0, -1e-300, -1e300, -math.inf, math.inf, math.nan, -0.1, -1 / 3]
+    for i in range(500):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randrange(0, 6)))
+        logprob = floats[i] if i < len(floats) else -rng.expovariate(0.5)
+        token_id, special, count, prompt = rng.randrange(200000), rng.random() < 0.5, rng.randrange(1, 5000), 128
+        event = {"token": {"id": token_id, "text": text, "logprob": logprob, "special": special,
+                           "count_output_tokens": count, "prompt_tokens": prompt},
+                 "generated_text": None, "finished": False, "finish_reason": None, "details": None}  # fmt: skip
+        assert _token_event(token_id, text, logprob, special, count, prompt) == f"data: {json.dumps(event)}\n\n"
