@@ -4,8 +4,8 @@ inter-token latency) and what the server did (its step histograms from /metrics)
 
 A client that cannot keep up measures itself: a stream it reads late shows its tokens late (inter-token
 latency shrinks to the gaps between reads of a backlog) and its next request goes out late (the engine's batch
-falls below the concurrency). One Python process reads about 30-50 K events a second, which a 64-stream load
-of a fast model exceeds, so ``client_procs`` splits the schedule over that many processes (request i goes to
+falls below the concurrency). One Python process can fall behind a 64-stream load of a fast model, so
+``client_procs`` splits the schedule over that many processes (request i goes to
 process i mod ``client_procs``, each with its share of the concurrency) and every load reports the busiest
 client process's CPU share (``client_cpu_pct``) and the engine's busy share of the wall time
 (``engine_busy_pct``); a client near 100 % flags a measurement of the client.
@@ -115,8 +115,12 @@ def _ready(barrier):
     barrier.wait(_START_TIMEOUT_S)
 
 
-def _split(concurrency: int, parts: int):
-    return [concurrency // parts + (i < concurrency % parts) for i in range(parts)]
+def deal(arrivals, prompts, concurrency: int, parts: int):
+    """The schedule split over ``parts`` client processes: request i to process i mod ``parts`` (each keeps its
+    arrival offsets, in order), the concurrency shared as evenly as it divides. (arrivals, prompts, concurrency)
+    per process."""
+    shares = [concurrency // parts + (i < concurrency % parts) for i in range(parts)]
+    return [(arrivals[i::parts], prompts[i::parts], share) for i, share in enumerate(shares)]
 
 
 async def load(base, n, concurrency, prompt_len, out_len, vocab, seed=0, rate=0.0, stream=False, client_procs=1):
@@ -131,8 +135,7 @@ async def load(base, n, concurrency, prompt_len, out_len, vocab, seed=0, rate=0.
         start = time.time()
         shards = [await _shard(base, arrivals, prompts, concurrency, out_len, stream, start)]
     else:
-        work = [(base, arrivals[i::client_procs], prompts[i::client_procs], share, out_len, stream)
-                for i, share in enumerate(_split(concurrency, client_procs))]  # fmt: skip
+        work = [(base, *shard, out_len, stream) for shard in deal(arrivals, prompts, concurrency, client_procs)]
         ctx = multiprocessing.get_context("spawn")  # no fork of a process that holds an event loop
         barrier = ctx.Barrier(client_procs + 1)
         with ctx.Pool(client_procs, initializer=_ready, initargs=(barrier,)) as pool:

@@ -24,18 +24,21 @@ from typing import Callable, List, Sequence, Tuple
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_HELD_TOKENS = 8  # tokens held back for an incomplete character before the text before them is emitted
-_UTF8_TAIL_TOKENS = 3  # an incomplete UTF-8 character at the end: at most 3 bytes, so at most 3 tokens
+_UTF8_TAIL_BYTES = 3  # an incomplete UTF-8 character at the end: at most 3 bytes
+_MAX_CUT_TRIES = 8  # cut positions tried per token, from the latest one back
 # transformers' modules whose ``_decode`` is the Rust backend's decode plus an optional space clean-up (v5, v4)
 _GENERIC_DECODE = ("transformers.tokenization_utils_tokenizers", "transformers.tokenization_utils_fast")
 
 
 def decoder(tokenizer, skip_special_tokens: bool) -> Callable[[List[int]], str]:
     """``tokenizer.decode`` for lists of ids, called on the Rust backend directly when that is all it does (a
-    fast tokenizer whose class keeps transformers' own ``_decode``, no space clean-up): the same text for a
-    tenth of the cost (0.24 against 1.8 us a call here), and a stream decodes twice per token."""
+    fast tokenizer whose class keeps transformers' own ``decode`` and ``_decode``, no space clean-up): the same
+    text for a third of the cost (benchmarks/stream_host_cost.py), and a stream decodes twice per token."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     impl = getattr(type(tokenizer), "_decode", None)
+    outer = getattr(type(tokenizer), "decode", None)
     direct = (backend is not None and getattr(impl, "__module__", None) in _GENERIC_DECODE
+              and getattr(outer, "__module__", None) in _GENERIC_DECODE + ("transformers.tokenization_utils_base",)
               and not getattr(tokenizer, "clean_up_tokenization_spaces", False))  # fmt: skip
     return functools.partial((backend if direct else tokenizer).decode, skip_special_tokens=skip_special_tokens)
 
@@ -43,6 +46,7 @@ def decoder(tokenizer, skip_special_tokens: bool) -> Callable[[List[int]], str]:
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, skip_special_tokens: bool = True):
         self._decode = decoder(tokenizer, skip_special_tokens)
+        self._text_ids = {}  # token id -> whether its own text is non-empty (asked only of long held-back windows)
         self.ids: List[int] = []
         self._start = 0  # the window starts here: context for the ids after _emitted
         self._emitted = 0  # ids before this have had their text emitted
@@ -67,15 +71,27 @@ class IncrementalDetokenizer:
         if len(self.ids) - self._emitted <= MAX_HELD_TOKENS:
             return ""
         # Held back for long: a model emitting stray bytes (text that keeps ending in U+FFFD) or tokens with no text
-        # (skipped special tokens). Waiting on would grow the window, and the decoding per token, without bound. Only
-        # an incomplete character at the end can still change, and it lies in the last 3 tokens (4 bytes at most,
-        # 1 per token at least): the text up to a cut before them is final where it is a prefix of the window's.
-        for cut in range(len(self.ids) - _UTF8_TAIL_TOKENS, self._emitted, -1):
+        # (skipped special tokens, ids past the vocabulary). Waiting on would grow the window, and the decoding per
+        # token, without bound. Only an incomplete character at the end can still change: at most 3 bytes, so in the
+        # last 3 ids that carry text (ids with none can sit between its bytes). The text up to a cut before them is
+        # final where it is a prefix of the window's; a character straddling the cut moves it a few ids back.
+        cut, carrying = len(self.ids), 0  # before the 3rd last id with text (the first one, if fewer; all, if none)
+        for i in range(len(self.ids) - 1, self._emitted - 1, -1):
+            if self._carries_text(self.ids[i]):
+                cut, carrying = i, carrying + 1
+                if carrying == _UTF8_TAIL_BYTES:
+                    break
+        for cut in range(cut, max(self._emitted, cut - _MAX_CUT_TRIES), -1):
             text = self._decode(self.ids[self._start : cut])
             if text.startswith(done) and window.startswith(text):
                 self._start, self._emitted = self._emitted, cut
                 return text[len(done) :]
         return ""
+
+    def _carries_text(self, token_id: int) -> bool:
+        if token_id not in self._text_ids:
+            self._text_ids[token_id] = self._decode([token_id]) != ""
+        return self._text_ids[token_id]
 
 
 def check_stop_strings(stops: List[str]) -> None:

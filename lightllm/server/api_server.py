@@ -372,16 +372,18 @@ class Server:
                 got = [await queue.get()]
                 while not queue.empty():
                     got.append(queue.get_nowait())
-                out = []
+                out, error = [], None
                 for i, ready in got:
                     if isinstance(ready, Exception):
-                        raise ready
-                    if ready is None:
+                        error = error or ready
+                    elif ready is None:
                         running -= 1
-                    else:
+                    elif error is None:
                         out.extend((i, item) for item in ready)
                 if out:
-                    yield out
+                    yield out  # what arrived before a failure still goes out first
+                if error is not None:
+                    raise error
         finally:
             for task in tasks:
                 task.cancel()

@@ -81,12 +81,14 @@ def test_server_sent_events_are_parsed_across_and_within_network_reads(load_clie
 
 
 def test_a_load_split_over_client_processes_keeps_every_request_and_stream(load_client):
-    assert [load_client._split(64, 4), load_client._split(10, 3), load_client._split(2, 2)] == [
-        [16] * 4, [4, 3, 3], [1, 1]]  # fmt: skip
     assert [load_client.auto_client_procs(c) for c in (1, 16, 17, 64, 256)] == [1, 1, 2, 4, 8]
-    arrivals, _ = load_client.request_schedule(0, 10, 4, 100, rate=5.0)
-    shards = [arrivals[i::3] for i in range(3)]  # as load() deals them: each keeps its offsets, in order
-    assert sorted(x for s in shards for x in s) == arrivals and all(s == sorted(s) for s in shards)
+    arrivals, prompts = load_client.request_schedule(0, 10, 4, 100, rate=5.0)
+    for concurrency, parts, shares in ((64, 4, [16] * 4), (10, 3, [4, 3, 3]), (2, 2, [1, 1])):
+        dealt = load_client.deal(arrivals, prompts, concurrency, parts)
+        assert [share for *_, share in dealt] == shares
+        got = sorted((a, p) for arr, prm, _ in dealt for a, p in zip(arr, prm))
+        assert got == sorted(zip(arrivals, prompts))  # every request once, with its own arrival
+        assert all(arr == sorted(arr) for arr, _, _ in dealt)  # each process sends in schedule order
 
 
 def test_per_step_attention_reads_what_a_search_wrote(serve_load, monkeypatch, isolated_autotune):

@@ -89,6 +89,33 @@ def test_a_stream_that_never_completes_a_character_keeps_its_window_short(tokeni
         assert sum(1 for d in deltas if d) > len(ids) // 24  # it still streams
 
 
+@pytest.mark.parametrize("skip_special", [True, False])
+def test_characters_whose_bytes_have_textless_tokens_between_them_stay_whole(tokenizer, skip_special):
+    """A character's bytes with skipped special tokens between them (ids that add no text, so the bytes of one
+    character span more than 3 ids), in streams long enough to force cuts: the streamed text is the full decode's."""
+    pieces = [tokenizer.encode(c) for c in "中🙂é"]
+    assert all(len(p) > 1 for p in pieces)  # each character is several byte tokens here
+    special = list(tokenizer.all_special_ids)
+    for seed in range(200):
+        rng = random.Random(seed)
+        ids = []
+        for _ in range(rng.randrange(1, 12)):
+            for byte in rng.choice(pieces):
+                ids += [rng.choice(special) for _ in range(rng.choice([0, 0, 1, 12]))] + [byte]
+        detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip_special)
+        deltas = [detok.add(t) for t in ids]
+        assert "".join(deltas) + detok.finish() == tokenizer.decode(ids, skip_special_tokens=skip_special), seed
+
+
+def test_the_direct_decoder_is_not_taken_past_a_decode_of_its_own(tokenizer, monkeypatch):
+    class OwnDecode(type(tokenizer)):
+        def decode(self, token_ids, **kwargs):
+            return "own"
+
+    monkeypatch.setattr(tokenizer, "__class__", OwnDecode)
+    assert decoder(tokenizer, True)([1, 2]) == "own"
+
+
 @pytest.mark.parametrize("seed", range(10))
 def test_valid_characters_across_a_forced_cut_stay_whole(tokenizer, seed):
     """Stray bytes long enough to force a cut, then multi-byte characters: no character is split at the cut."""
