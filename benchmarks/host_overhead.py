@@ -153,9 +153,8 @@ def main():
     with open(args.out, "w") as f:
         json.dump({"machine": platform.machine(), "cpus": os.cpu_count(), "python": platform.python_version(),
                    "layout": args.layout, "torch_threads": args.torch_threads, "stream": args.stream,
-                   "prompt": args.prompt,
-                   "output": args.output, "repeats": args.repeats, "runs": runs, "median": median}, f,
-                  indent=1)  # fmt: skip
+                   "prompt": args.prompt, "output": args.output, "repeats": args.repeats, "runs": runs,
+                   "median": median}, f, indent=1)  # fmt: skip
 
 
 def measure(model: str, vocab: int, batch: int, args, env) -> dict:

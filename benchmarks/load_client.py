@@ -2,13 +2,12 @@
 server, at most ``concurrency`` requests in flight, with what the client saw (tokens/s, time to first token,
 inter-token latency) and what the server did (its step histograms from /metrics).
 
-A client that cannot keep up measures itself: a stream it reads late shows its tokens late (inter-token
-latency shrinks to the gaps between reads of a backlog) and its next request goes out late (the engine's batch
-falls below the concurrency). One Python process can fall behind a 64-stream load of a fast model, so
-``client_procs`` splits the schedule over that many processes (request i goes to
-process i mod ``client_procs``, each with its share of the concurrency) and every load reports the busiest
-client process's CPU share (``client_cpu_pct``) and the engine's busy share of the wall time
-(``engine_busy_pct``); a client near 100 % flags a measurement of the client.
+A client that cannot keep up measures itself: a stream it reads late shows its tokens late (inter-token latency
+shrinks to the gaps between reads of a backlog) and its next request goes out late (the engine's batch falls below
+the concurrency). One Python process can fall behind a 64-stream load of a fast model, so ``client_procs`` splits the
+schedule over that many processes (request i goes to process i mod ``client_procs``, each with its share of the
+concurrency) and every load reports the busiest client process's CPU share (``client_cpu_pct``) and the engine's busy
+share of the wall time (``engine_busy_pct``); a client near 100 % flags a measurement of the client.
 """
 
 import asyncio
