@@ -12,8 +12,11 @@ def test_every_shipped_file_reads_and_names_a_declared_kernel():
     import lightllm.kernels.attention.decode.flash_decode  # noqa: F401
     import lightllm.kernels.attention.prefill.context_attention  # noqa: F401
     import lightllm.kernels.activation  # noqa: F401
+    import lightllm.kernels.gates  # noqa: F401
+    import lightllm.kernels.linear_attention.gated_delta_decode  # noqa: F401
     import lightllm.kernels.linear.small_m_linear  # noqa: F401
     import lightllm.kernels.norm.add_rmsnorm  # noqa: F401
+    import lightllm.kernels.norm.gated_rmsnorm  # noqa: F401
     import lightllm.kernels.norm.qk_norm_rope  # noqa: F401
     import lightllm.kernels.norm.rmsnorm  # noqa: F401
 
