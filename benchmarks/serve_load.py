@@ -16,9 +16,15 @@ pair (a second "off" server) whose difference, reported per point for every numb
 noise. Every start records the config files it wrote under its config dir: an "off" start must write none (a
 failure is printed loudly and kept in the JSON, the run goes on); the tuning start's list is the expected set.
 With MTP on, each point also reports the draft acceptance (the server's spec-decode counters over the window).
+With ``--rounds K`` the servers of a repeat run side by side (each with a KV pool of its own, twice what the
+largest concurrency can fill) and each point is K rounds, every server getting ``--requests`` requests per round
+in a rotating order, on a fresh schedule per round: a drift of the machine over minutes then reaches every server
+alike instead of whichever one ran during it.
 
     python benchmarks/serve_load.py --tp 1 --out benchmarks/results/serve_load_tp1_h200.json
     python benchmarks/serve_load.py --tiny --requests 24 --concurrency 2 4 --control   # the method on a CPU
+    # an A/A check with the servers side by side: 4 rounds of 256 requests per server and point
+    python benchmarks/serve_load.py --workloads short --repeats 1 --rounds 4 --requests 256 --control
     # the MTP service matrix (FA3 decode where fa3_fwd_interface imports, else Triton); tp 2 on two GPUs
     python benchmarks/serve_load.py --model qwen3.5 --mtp-step 3 --tp 1 --control \
         --out benchmarks/results/serve_load_qwen35_mtp3_tp1_h200.json
@@ -182,6 +188,107 @@ def startup_summary(log_path):
     return lines[0].split("ready:", 1)[1].strip() if lines else ""
 
 
+def launch(args, model, workload, cfg, mode, rep, flags):
+    """Start one server of ``mode``; ``(proc, base, start record, its config dir's snapshot)``. The first "on"
+    start tunes (level 1, empty config dir) and "off" starts from its files minus decode attention's."""
+    prompt_len, out_len = WORKLOADS[workload]
+    level = 1 if (mode, rep) == ("on", 0) else 0
+    if (mode, rep) == ("off", 0):
+        copy_without_decode_attention(cfg["on"], cfg["off"])
+    log_path = os.path.join(args.log_dir, f"server_tp{args.tp}_{workload}_{mode}{rep}.log")
+    before = config_snapshot(cfg[mode])
+    sizing = list(flags)
+    if args.rounds:  # side by side on one GPU: each server a KV pool of its own, not 90 % of the device
+        sizing += ["--max_total_token_num", str(2 * max(args.concurrency) * (prompt_len + out_len + 64))]
+    proc, base, seconds = start_server(model, args.tp, level, cfg[mode], max(args.concurrency),
+                                       prompt_len + out_len + 64, log_path, sizing)  # fmt: skip
+    start = {"workload": workload, "mode": mode, "repeat": rep, "startup_s": seconds}
+    try:
+        start.update(summary=startup_summary(log_path), ranks=rank_agreement(log_path))
+    except BaseException:
+        procs.stop(proc)
+        raise
+    print(json.dumps(start), flush=True)
+    return proc, base, start, before
+
+
+def stop_and_check(proc, start, before, config_dir):
+    procs.stop(proc)
+    # read once the server is gone: nothing it writes at exit is missed
+    start["config_files_written"] = written_configs(before, config_dir)
+    start["config_check"] = config_check(start["mode"], start["config_files_written"])
+
+
+def measure(args, base, workload, vocab, conc, mode, rep, seed, results, rnd=None):
+    """One measured load of ``args.requests`` requests (schedule ``seed``) against ``base``, kept in ``results``."""
+    prompt_len, out_len = WORKLOADS[workload]
+    clients = args.client_procs or auto_client_procs(conc)
+    res = asyncio.run(load(base, args.requests, conc, prompt_len, out_len, vocab, seed=seed, rate=args.rate,
+                           stream=True, client_procs=clients))  # fmt: skip
+    results.setdefault((mode, conc), []).append(res)
+    where = {"workload": workload, "mode": mode, "repeat": rep, "concurrency": conc}
+    print(json.dumps({**where, **({} if rnd is None else {"round": rnd}), **res}), flush=True)
+
+
+def warm_up(args, base, workload, vocab, conc):
+    """``--warmup`` requests (default twice the concurrency) on their own schedule; nothing of them is counted."""
+    prompt_len, out_len = WORKLOADS[workload]
+    warm = conc * 2 if args.warmup is None else args.warmup
+    if warm:
+        asyncio.run(load(base, warm, conc, prompt_len, out_len, vocab, seed=args.seed + 1, stream=True,
+                         client_procs=args.client_procs or auto_client_procs(conc)))  # fmt: skip
+
+
+def run_repeat(args, model, workload, vocab, cfg, rep, flags, results, startups):
+    """One repeat: every mode's server, one after another (default), or with ``--rounds`` all of them side by side
+    and each point measured in rounds that visit every server in turn."""
+    order = start_order(rep, args.control)
+    if not args.rounds:
+        for mode in order:
+            proc, base, start, before = launch(args, model, workload, cfg, mode, rep, flags)
+            startups.append(start)
+            try:
+                for conc in args.concurrency:
+                    warm_up(args, base, workload, vocab, conc)
+                    measure(args, base, workload, vocab, conc, mode, rep, args.seed, results)
+            finally:
+                stop_and_check(proc, start, before, cfg[mode])
+        return
+    # Side by side: a drift of the machine over minutes (clocks, the host's other load) reaches every server of a
+    # round within seconds of each other, instead of whichever server happened to run during it. Only one server
+    # is under load at a time; the others wait idle.
+    alive = []
+    try:
+        for mode in order:
+            proc, base, start, before = launch(args, model, workload, cfg, mode, rep, flags)
+            startups.append(start)
+            alive.append((mode, proc, base, start, before))
+        bases = {mode: base for mode, _, base, _, _ in alive}
+        for conc in args.concurrency:
+            for mode in order:
+                warm_up(args, bases[mode], workload, vocab, conc)
+            for rnd in range(args.rounds):
+                for mode in round_order(order, rnd):
+                    measure(args, bases[mode], workload, vocab, conc, mode, rep, round_seed(args.seed, rnd),
+                            results, rnd)  # fmt: skip
+    finally:
+        # off and off_b share a config dir: a file either wrote shows in both starts' checks
+        for mode, proc, _, start, before in alive:
+            stop_and_check(proc, start, before, cfg[mode])
+
+
+def round_order(modes, rnd):
+    """The servers' order in round ``rnd``: rotated, so over len(modes) rounds each goes at every position."""
+    shift = rnd % len(modes)
+    return modes[shift:] + modes[:shift]
+
+
+def round_seed(seed, rnd):
+    """Round ``rnd``'s schedule: the same for every server of the round, a fresh one per round (a repeated schedule
+    would hit each server's prefix cache), never the warm-up's (``seed + 1``)."""
+    return seed if rnd == 0 else seed + 1000 * rnd
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tp", type=int, default=1)
@@ -204,9 +311,12 @@ def main():
         "--client-procs",
         type=int,
         default=None,
-        help="client processes per load (default: one per 16 streams, at most 8; see load_client.py)",
+        help="client processes per load (default: one per 8 streams, at most 8; see load_client.py)",
     )
     p.add_argument("--repeats", type=int, default=2, help="server starts per mode (medians are reported)")
+    p.add_argument("--rounds", type=int, default=0, help="0: one server at a time, one load per point (default); "
+                   "K: the servers of a repeat run side by side and each point is K rounds, every server getting "
+                   "--requests requests per round in a rotating order (a fresh schedule per round)")  # fmt: skip
     p.add_argument("--concurrency", type=int, nargs="+", default=[16, 32, 64])
     p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     p.add_argument("--out", default="benchmarks/results/serve_load.json")
@@ -230,6 +340,8 @@ def main():
             hybrid_layer_types(args.layers)
         except ValueError as e:
             p.error(str(e))
+    if args.rounds < 0:
+        p.error(f"--rounds expected 0 (one server at a time) or a positive count, got {args.rounds}")
     if args.client_procs is not None and args.client_procs < 1:
         p.error(f"--client-procs expected a positive count, got {args.client_procs}")
     args.decode_backend = resolve_decode_backend(args.decode_backend, args.model)
@@ -243,7 +355,6 @@ def main():
         with open(os.path.join(model, "config.json")) as f:
             vocab = json.load(f)["vocab_size"]
         for workload in args.workloads:
-            prompt_len, out_len = WORKLOADS[workload]
             results = {}
             # Servers sized for the largest concurrency, as an operator would run them, --repeats starts per
             # mode in a rotating order (start_order).
@@ -256,36 +367,7 @@ def main():
             with tempfile.TemporaryDirectory() as cfg_on, tempfile.TemporaryDirectory() as cfg_off:
                 cfg = {"on": cfg_on, "off": cfg_off, "off_b": cfg_off}
                 for rep in range(args.repeats):
-                    for mode in start_order(rep, args.control):
-                        level = 1 if (mode, rep) == ("on", 0) else 0
-                        if (mode, rep) == ("off", 0):
-                            copy_without_decode_attention(cfg_on, cfg_off)
-                        log_path = os.path.join(args.log_dir, f"server_tp{args.tp}_{workload}_{mode}{rep}.log")
-                        configs_before = config_snapshot(cfg[mode])
-                        proc, base, seconds = start_server(model, args.tp, level, cfg[mode], max(args.concurrency),
-                                                           prompt_len + out_len + 64, log_path, flags)  # fmt: skip
-                        start = {"workload": workload, "mode": mode, "repeat": rep, "startup_s": seconds}
-                        startups.append(start)
-                        try:
-                            start.update(summary=startup_summary(log_path), ranks=rank_agreement(log_path))
-                            print(json.dumps(start), flush=True)
-                            for conc in args.concurrency:
-                                warm = conc * 2 if args.warmup is None else args.warmup
-                                clients = args.client_procs or auto_client_procs(conc)
-                                if warm:  # its own schedule (another seed); nothing of it is counted
-                                    asyncio.run(load(base, warm, conc, prompt_len, out_len, vocab, seed=args.seed + 1,
-                                                     stream=True, client_procs=clients))  # fmt: skip
-                                res = asyncio.run(load(base, args.requests, conc, prompt_len, out_len, vocab,
-                                                       seed=args.seed, rate=args.rate, stream=True,
-                                                       client_procs=clients))  # fmt: skip
-                                results.setdefault((mode, conc), []).append(res)
-                                print(json.dumps({"workload": workload, "mode": mode, "repeat": rep,
-                                                  "concurrency": conc, **res}), flush=True)  # fmt: skip
-                        finally:
-                            procs.stop(proc)
-                            # read once the server is gone: nothing it writes at exit is missed
-                            start["config_files_written"] = written_configs(configs_before, cfg[mode])
-                            start["config_check"] = config_check(mode, start["config_files_written"])
+                    run_repeat(args, model, workload, vocab, cfg, rep, flags, results, startups)
                 # the tuned files keep each run key's tuned and default time: why "on" chose what it chose
                 shutil.copytree(cfg_on, os.path.join(args.log_dir, f"configs_tp{args.tp}_{workload}"),
                                 dirs_exist_ok=True)  # fmt: skip
@@ -300,12 +382,13 @@ def main():
                 if args.control:  # the A/A difference of every reported number at this point
                     off_b = row["off_b"] = summarize(results["off_b", conc])
                     row["off_b_vs_off_pct"] = (off_b["tokens_per_s"] / off["tokens_per_s"] - 1) * 100
-                    row["aa_pct"] = {k: pct(off_b[k], off[k]) for k in REPORTED}
+                    row["aa_pct"] = {k: pct(off_b[k], off[k]) for k in AA_REPORTED}
                 rows.append(row)
             save(args, rows, startups)
     save(args, rows, startups)
-    print(f"\nmedian of {args.repeats} server starts per mode; spread = (max - min) / median")
-    print("step ms = the server's mean decode step (forward, sampling, bookkeeping; median over starts): on / off")
+    runs = f"{args.repeats} server starts" + (f" x {args.rounds} rounds (servers side by side)" if args.rounds else "")
+    print(f"\nmedian of {runs} per mode; spread = (max - min) / median")
+    print("step ms = the server's mean decode step (forward, sampling, bookkeeping; median over runs): on / off")
     print("attention = decode attention per step (layers x the graph's kernel) as timed by the tuner: tuned / default")
     head = "workload conc  on tok/s  off tok/s  on vs off  on spread  off spread  step ms on/off  attention ms"
     print(head + ("  off_b vs off" if args.control else "") + "  all ok")
@@ -319,8 +402,8 @@ def main():
               f"{r['on_vs_off_pct']:+9.1f}% {on['spread_pct']:8.1f}% {off['spread_pct']:10.1f}%  {step_text:>14s}"
               f"  {att_text:>12s}"
               f"{control}  {ok}")  # fmt: skip
-    print("\nlatency as the client sees it (ms, median over starts): time to first token and inter-token, p50 / p99")
-    aa_head = "  A/A (off_b vs off): tok/s ttft50 ttft99 itl50 itl99" if args.control else ""
+    print("\nlatency as the client sees it (ms, median over runs): time to first token and inter-token, p50 / p99")
+    aa_head = "  A/A (off_b vs off): tok/s ttft50 ttft99 itl50 itl99  step" if args.control else ""
     print("workload conc  mode   ttft p50  ttft p99  itl p50  itl p99" + aa_head)
     for r in rows:
         for mode in ("on", "off", "off_b"):
@@ -331,10 +414,10 @@ def main():
             aa = ""
             if mode == "off_b":
                 aa = "  " + " ".join(
-                    "     -" if r["aa_pct"][k] is None else f"{r['aa_pct'][k]:+5.1f}%" for k in REPORTED
+                    "     -" if r["aa_pct"][k] is None else f"{r['aa_pct'][k]:+5.1f}%" for k in AA_REPORTED
                 )
             print(f"{r['workload']:8s} {r['concurrency']:4d}  {mode:5s} {cells}{aa}")
-    print("\nwho kept up (median over starts): the engine's mean decode batch, its busy share of the wall time (steps"
+    print("\nwho kept up (median over runs): the engine's mean decode batch, its busy share of the wall time (steps"
           " / seconds), and the busiest client process's CPU share")  # fmt: skip
     print("workload conc  mode   decode batch  engine busy  client CPU")
     bound = []
@@ -351,7 +434,7 @@ def main():
         print(f"CLIENT-BOUND (a client process over {CLIENT_BOUND_PCT}% CPU; raise --client-procs): {', '.join(bound)}")
     if args.mtp_step:
         print(f"\nMTP step {args.mtp_step}: draft acceptance (accepted / proposed drafts over the measured window, "
-              "median over starts)")  # fmt: skip
+              "median over runs)")  # fmt: skip
         print("workload conc  " + "  ".join(f"{m:>6s}" for m in ("on", "off", "off_b") if m in rows[0]))
         for r in rows:
             cells = "  ".join("     -" if r[m]["acceptance"] is None else f"{r[m]['acceptance']:6.3f}"
@@ -409,6 +492,7 @@ def per_step_attention(kernels, concurrency, layers):
 
 
 REPORTED = ("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")
+AA_REPORTED = REPORTED + ("decode_step_ms",)  # the served step: tokens/s is mostly decode batch over it
 HOST_CHECK = ("decode_batch", "engine_busy_pct", "client_cpu_pct")
 CLIENT_BOUND_PCT = 80  # a client process busier than this may be what is measured
 
@@ -419,7 +503,8 @@ def pct(a, b):
 
 
 def summarize(runs):
-    """Per reported number the median over server starts; tokens/s's spread; whether every request was whole."""
+    """Per reported number the median over runs (server starts, times rounds with ``--rounds``); tokens/s's spread;
+    whether every request was whole."""
     tps = sorted(r["tokens_per_s"] for r in runs)
     out = {}
     for key in REPORTED + ("decode_step_ms", "acceptance") + HOST_CHECK:
@@ -442,8 +527,8 @@ def save(args, rows, startups):
         json.dump({"tp": args.tp, "model": args.model, "tiny": args.tiny, "layers": args.layers,
                    "mtp_step": args.mtp_step, "mtp_head": args.mtp_head if args.model == "qwen3.5" else None,
                    "decode_backend": args.decode_backend, "requests": args.requests, "warmup": args.warmup,
-                   "rate": args.rate, "seed": args.seed, "repeats": args.repeats, "control": args.control,
-                   "client_procs": args.client_procs,
+                   "rate": args.rate, "seed": args.seed, "repeats": args.repeats, "rounds": args.rounds,
+                   "control": args.control, "client_procs": args.client_procs,
                    "config_checks_ok": not any(s.get("config_check") for s in startups),
                    "tuned_config_files": tuned_config_files(startups), "rows": rows, "startups": startups},
                   f, indent=1)  # fmt: skip

@@ -81,7 +81,7 @@ def test_server_sent_events_are_parsed_across_and_within_network_reads(load_clie
 
 
 def test_a_load_split_over_client_processes_keeps_every_request_and_stream(load_client):
-    assert [load_client.auto_client_procs(c) for c in (1, 16, 17, 64, 256)] == [1, 1, 2, 4, 8]
+    assert [load_client.auto_client_procs(c) for c in (1, 8, 9, 16, 64, 256)] == [1, 1, 2, 2, 8, 8]
     arrivals, prompts = load_client.request_schedule(0, 10, 4, 100, rate=5.0)
     for concurrency, parts, shares in ((64, 4, [16] * 4), (10, 3, [4, 3, 3]), (2, 2, [1, 1])):
         dealt = load_client.deal(arrivals, prompts, concurrency, parts)
@@ -169,10 +169,44 @@ def test_runs_end_to_end_on_the_tiny_model(tmp_path):
         "server_tp2_short_off0.log", "server_tp2_short_off_b0.log", "server_tp2_short_on0.log"]  # fmt: skip
     assert "off_b vs off" in done.stdout and row["on"]["decode_step_ms"] > 0
     # the A/A difference of every reported number at this point
-    assert set(row["aa_pct"]) == {"tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms"}
+    assert set(row["aa_pct"]) == {"tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
+                                  "decode_step_ms"}  # fmt: skip
     assert row["aa_pct"]["itl_p50_ms"] == pytest.approx(
         (row["off_b"]["itl_p50_ms"] / row["off"]["itl_p50_ms"] - 1) * 100
     )
+
+
+def test_rounds_run_the_servers_side_by_side_in_rotating_order(tmp_path):
+    """--rounds: every server of the repeat is up before the first load; each point is measured in rounds that visit
+    every server once, in a rotating order, on a fresh schedule per round (the same within a round)."""
+    cmd, env = _benchmark(tmp_path, "--requests", "2", "--concurrency", "2", "--repeats", "1", "--rounds", "3",
+                          "--control", "--workloads", "short", "--warmup", "0")  # fmt: skip
+    done = procs.run(cmd, env=env, timeout=procs.HANG_TIMEOUT_S)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert _left_behind(tmp_path) == []
+    lines = [json.loads(ln) for ln in done.stdout.splitlines() if ln.startswith("{")]
+    starts = [(ln["mode"], ln["repeat"]) for ln in lines if "startup_s" in ln]
+    loads = [(ln["round"], ln["mode"]) for ln in lines if "concurrency" in ln]
+    assert starts == [("on", 0), ("off", 0), ("off_b", 0)]
+    assert [ln for ln in lines if "startup_s" in ln] == lines[:3]  # all three up before any load
+    assert loads == [(0, "on"), (0, "off"), (0, "off_b"), (1, "off"), (1, "off_b"), (1, "on"),
+                     (2, "off_b"), (2, "on"), (2, "off")]  # fmt: skip
+    result = json.loads((tmp_path / "out.json").read_text())
+    assert result["rounds"] == 3 and result["config_checks_ok"]
+    (row,) = result["rows"]
+    for mode in ("on", "off", "off_b"):
+        runs = row[mode]["runs"]
+        assert len(runs) == 3 and all(r["all_complete_finite"] and r["output_tokens"] == 2 * 256 for r in runs)
+    assert "3 rounds (servers side by side)" in done.stdout
+    # each server got its own KV pool, sized for the load (not a fraction of the machine)
+    log = (tmp_path / "logs" / "server_tp1_short_off_b0.log").read_text()
+    assert "-> 1792 tokens x" in log  # 2 x concurrency 2 x (128 + 256 + 64) tokens
+
+
+def test_round_seeds_are_fresh_per_round_and_never_the_warm_up_schedule(serve_load):
+    seeds = [serve_load.round_seed(7, r) for r in range(5)]
+    assert seeds[0] == 7 and len(set(seeds)) == 5 and 7 + 1 not in seeds  # seed + 1 is the warm-up's
+    assert serve_load.round_order(["on", "off", "off_b"], 4) == ["off", "off_b", "on"]
 
 
 def test_stopping_the_benchmark_stops_its_server_and_removes_its_folders(tmp_path):
