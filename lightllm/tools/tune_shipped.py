@@ -1,13 +1,13 @@
 """Tune this GPU's configs for common model shapes and write them in the shipped layout.
 
-Each shape is a random model with the widths of a real one and the fewest layers that hold every layer kind (the
-tuned kernels are keyed by widths, heads and dtypes, never by depth): one layer for Qwen3, one linear-attention and
-one full-attention layer for Qwen3.5, plus its MTP head when MTP starts are planned. Each start (shape, decode
-variant, graph length, MTP step) runs at ``LIGHTLLM_TRITON_AUTOTUNE_LEVEL=1`` in a fresh process: its start-up
-tunes exactly what a server of that shape tunes (GENERAL prefill kernels, then every decode graph size in the
-DECODE_ATTENTION warm-up). The configs land in a scratch config folder and are exported into ``--out`` (merged with
-what is there), also when some starts failed or ran out of ``--per-start-timeout`` (each search is written as it
-ends, so a stopped start keeps what it finished):
+Each shape is a random model with the widths and vocabulary of a real one and the fewest layers that hold every
+layer kind (the tuned kernels are keyed by widths, heads and dtypes, never by depth): one layer for Qwen3, one
+linear-attention and one full-attention layer for Qwen3.5, plus its MTP head when MTP starts are planned. Each
+start (shape, decode variant, graph length, MTP step) runs at ``LIGHTLLM_TRITON_AUTOTUNE_LEVEL=1`` in a fresh
+process: its start-up tunes exactly what a server of that shape tunes (GENERAL prefill kernels, then every decode
+graph size in the DECODE_ATTENTION warm-up). The configs land in a scratch config folder and are exported into
+``--out`` (merged with what is there), also when some starts failed or ran out of ``--per-start-timeout`` (each
+search is written as it ends, so a stopped start keeps what it finished):
 
     python -m lightllm.tools.tune_shipped --out lightllm/common/autotuner/configs --shapes qwen3-8b
     python -m lightllm.tools.tune_shipped --out DIR --shapes qwen3.5-27b --dry-run   # list the starts only
@@ -50,6 +50,8 @@ QWEN3_5_SHAPES = {
                         linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4),  # fmt: skip
 }
 SHAPES = {**QWEN3_SHAPES, **QWEN3_5_SHAPES}
+# The checkpoints' vocabularies: the lm_head GEMM is a tuned kernel keyed by it (N = vocabulary rows)
+VOCABS = {**{name: 151936 for name in QWEN3_SHAPES if name != "builtin"}, "qwen3.5-27b": 248320}
 VARIANTS = ("triton", "fa3", "int8kv", "int4kv")  # decode backend or quantized KV type (Triton decode)
 MTP_VARIANTS = ("triton", "fa3")  # MTP verify reads unquantized KV
 HYBRID_LAYERS = ("linear_attention", "full_attention")  # one of each kind
@@ -90,13 +92,14 @@ def plan_starts(shapes: List[str], variants: List[str], graph_lens: List[int], m
     return starts
 
 
-def build_model(out_dir: Path, widths: dict, max_len: int, mtp: bool = False) -> Path:
+def build_model(out_dir: Path, widths: dict, max_len: int, mtp: bool = False, vocab: int = 0) -> Path:
     """A bf16 random model folder with ``widths`` and one layer of each kind: Qwen3.5 (one linear-attention and
     one full-attention layer, with its MTP head when ``mtp``) when ``widths`` name linear-attention heads, else
-    Qwen3 (one layer; ``mtp`` must be False)."""
+    Qwen3 (one layer; ``mtp`` must be False). ``vocab``: embedding and lm_head rows (0: the small tokenizer's own),
+    so the lm_head GEMM is tuned at the checkpoint's width."""
     from lightllm.tools.make_tiny_model import make_tiny_qwen3, make_tiny_qwen3_5
 
-    common = dict(vocab_size=512, dtype="bfloat16", max_position_embeddings=max_len)
+    common = dict(vocab_size=512, padded_vocab_size=vocab, dtype="bfloat16", max_position_embeddings=max_len)
     if "linear_num_key_heads" in widths:
         return make_tiny_qwen3_5(out_dir, layer_types=HYBRID_LAYERS, mtp=mtp, **common, **widths)
     if mtp:
@@ -211,7 +214,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         for shape in args.shapes:
             mine = [s for s in starts if s.shape == shape]
             mtp = any(s.mtp_step for s in mine)
-            model_dir = build_model(Path(tmp) / shape, SHAPES[shape], max(args.graph_lens), mtp=mtp)
+            model_dir = build_model(
+                Path(tmp) / shape, SHAPES[shape], max(args.graph_lens), mtp=mtp, vocab=VOCABS.get(shape, 0)
+            )
             for start in mine:
                 kwargs = _start_kwargs(str(model_dir), start.variant, start.graph_len, start.mtp_step,
                                        args.graph_len_buckets)  # fmt: skip

@@ -124,7 +124,7 @@ def test_a_failed_start_loses_nothing_the_others_tuned(monkeypatch, tmp_path, ca
         return 1.0
 
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)
-    monkeypatch.setattr(tune_shipped, "build_model", lambda out, widths, max_len, mtp=False: out)
+    monkeypatch.setattr(tune_shipped, "build_model", lambda out, widths, max_len, mtp=False, vocab=0: out)
     monkeypatch.setattr(tune_shipped, "_run_start", run_start)
     monkeypatch.setattr("lightllm.common.autotuner.__main__.main", lambda argv: exported.append(argv) or 0)
     argv = ["--out", str(tmp_path / "out"), "--shapes", "builtin", "--variants", "fa3", "triton", "--graph-lens",
@@ -157,6 +157,11 @@ def test_qwen3_5_model_folder_has_one_layer_of_each_kind_and_its_mtp_head_and_lo
     assert has_mtp_weights(model_dir)
     weights = load_qwen3_5_weights(model_dir, config, torch.float32, mtp=True)
     assert weights.mtp is not None
+    # the checkpoint's vocabulary rows (the lm_head GEMM's tuned width), over the small tokenizer's own
+    padded = tune_shipped.build_model(tmp_path / "v", SMALL_QWEN3_5, 4096, vocab=1000)
+    assert json.loads((padded / "config.json").read_text())["vocab_size"] == 1000
+    assert tune_shipped.VOCABS["qwen3.5-27b"] == 248320 and tune_shipped.VOCABS["qwen3-8b"] == 151936
+    assert set(tune_shipped.VOCABS) == set(tune_shipped.SHAPES) - {"builtin"}
     with pytest.raises(ValueError, match="mtp=True expected a Qwen3.5 shape"):
         tune_shipped.build_model(tmp_path / "q3", tune_shipped.SHAPES["builtin"], 4096, mtp=True)
 
