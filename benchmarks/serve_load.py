@@ -16,15 +16,16 @@ pair (a second "off" server) whose difference, reported per point for every numb
 noise. Every start records the config files it wrote under its config dir: an "off" start must write none (a
 failure is printed loudly and kept in the JSON, the run goes on); the tuning start's list is the expected set.
 With MTP on, each point also reports the draft acceptance (the server's spec-decode counters over the window).
-With ``--rounds K`` the servers of a repeat run side by side (each with a KV pool of its own, twice what the
-largest concurrency can fill) and each point is K rounds, every server getting ``--requests`` requests per round
-in a rotating order, on a fresh schedule per round: a drift of the machine over minutes then reaches every server
-alike instead of whichever one ran during it.
+With ``--rounds K`` (a multiple of the server count) the servers of a repeat run side by side (each with a KV pool
+of its own, a quarter over what the largest concurrency fills) and each point is K rounds, every server getting
+``--requests`` requests per round in a rotating order, on a fresh schedule per round: a drift of the machine over
+minutes then reaches every server alike instead of whichever one ran during it. Every point and round has its own
+schedule (seeded), so no load meets its prompts in a server's prefix cache.
 
     python benchmarks/serve_load.py --tp 1 --out benchmarks/results/serve_load_tp1_h200.json
     python benchmarks/serve_load.py --tiny --requests 24 --concurrency 2 4 --control   # the method on a CPU
-    # an A/A check with the servers side by side: 4 rounds of 256 requests per server and point
-    python benchmarks/serve_load.py --workloads short --repeats 1 --rounds 4 --requests 256 --control
+    # an A/A check with the servers side by side: 3 rounds of 256 requests per server and point
+    python benchmarks/serve_load.py --workloads short --repeats 1 --rounds 3 --requests 256 --control
     # the MTP service matrix (FA3 decode where fa3_fwd_interface imports, else Triton); tp 2 on two GPUs
     python benchmarks/serve_load.py --model qwen3.5 --mtp-step 3 --tp 1 --control \
         --out benchmarks/results/serve_load_qwen35_mtp3_tp1_h200.json
@@ -199,7 +200,8 @@ def launch(args, model, workload, cfg, mode, rep, flags):
     before = config_snapshot(cfg[mode])
     sizing = list(flags)
     if args.rounds:  # side by side on one GPU: each server a KV pool of its own, not 90 % of the device
-        sizing += ["--max_total_token_num", str(2 * max(args.concurrency) * (prompt_len + out_len + 64))]
+        sizing += ["--max_total_token_num", str(side_by_side_pool(max(args.concurrency), prompt_len + out_len + 64,
+                                                                  args.mtp_step))]  # fmt: skip
     proc, base, seconds = start_server(model, args.tp, level, cfg[mode], max(args.concurrency),
                                        prompt_len + out_len + 64, log_path, sizing)  # fmt: skip
     start = {"workload": workload, "mode": mode, "repeat": rep, "startup_s": seconds}
@@ -210,13 +212,6 @@ def launch(args, model, workload, cfg, mode, rep, flags):
         raise
     print(json.dumps(start), flush=True)
     return proc, base, start, before
-
-
-def stop_and_check(proc, start, before, config_dir):
-    procs.stop(proc)
-    # read once the server is gone: nothing it writes at exit is missed
-    start["config_files_written"] = written_configs(before, config_dir)
-    start["config_check"] = config_check(start["mode"], start["config_files_written"])
 
 
 def measure(args, base, workload, vocab, conc, mode, rep, seed, results, rnd=None):
@@ -230,12 +225,13 @@ def measure(args, base, workload, vocab, conc, mode, rep, seed, results, rnd=Non
     print(json.dumps({**where, **({} if rnd is None else {"round": rnd}), **res}), flush=True)
 
 
-def warm_up(args, base, workload, vocab, conc):
+def warm_up(args, base, workload, vocab, conc, ci):
     """``--warmup`` requests (default twice the concurrency) on their own schedule; nothing of them is counted."""
     prompt_len, out_len = WORKLOADS[workload]
     warm = conc * 2 if args.warmup is None else args.warmup
     if warm:
-        asyncio.run(load(base, warm, conc, prompt_len, out_len, vocab, seed=args.seed + 1, stream=True,
+        seed = point_seed(args.seed, ci, 0) + 1
+        asyncio.run(load(base, warm, conc, prompt_len, out_len, vocab, seed=seed, stream=True,
                          client_procs=args.client_procs or auto_client_procs(conc)))  # fmt: skip
 
 
@@ -248,11 +244,11 @@ def run_repeat(args, model, workload, vocab, cfg, rep, flags, results, startups)
             proc, base, start, before = launch(args, model, workload, cfg, mode, rep, flags)
             startups.append(start)
             try:
-                for conc in args.concurrency:
-                    warm_up(args, base, workload, vocab, conc)
-                    measure(args, base, workload, vocab, conc, mode, rep, args.seed, results)
+                for ci, conc in enumerate(args.concurrency):
+                    warm_up(args, base, workload, vocab, conc, ci)
+                    measure(args, base, workload, vocab, conc, mode, rep, point_seed(args.seed, ci, 0), results)
             finally:
-                stop_and_check(proc, start, before, cfg[mode])
+                stop_all([(mode, proc, base, start, before)], cfg)
         return
     # Side by side: a drift of the machine over minutes (clocks, the host's other load) reaches every server of a
     # round within seconds of each other, instead of whichever server happened to run during it. Only one server
@@ -264,17 +260,31 @@ def run_repeat(args, model, workload, vocab, cfg, rep, flags, results, startups)
             startups.append(start)
             alive.append((mode, proc, base, start, before))
         bases = {mode: base for mode, _, base, _, _ in alive}
-        for conc in args.concurrency:
+        for ci, conc in enumerate(args.concurrency):
             for mode in order:
-                warm_up(args, bases[mode], workload, vocab, conc)
+                warm_up(args, bases[mode], workload, vocab, conc, ci)
             for rnd in range(args.rounds):
                 for mode in round_order(order, rnd):
-                    measure(args, bases[mode], workload, vocab, conc, mode, rep, round_seed(args.seed, rnd),
+                    measure(args, bases[mode], workload, vocab, conc, mode, rep, point_seed(args.seed, ci, rnd),
                             results, rnd)  # fmt: skip
     finally:
-        # off and off_b share a config dir: a file either wrote shows in both starts' checks
-        for mode, proc, _, start, before in alive:
-            stop_and_check(proc, start, before, cfg[mode])
+        stop_all(alive, cfg)
+
+
+def stop_all(alive, cfg):
+    """Stop every server (a failure or a second SIGTERM while stopping one still stops the others), then read each
+    start's config check. off and off_b share a config dir: a file written after both started shows in both."""
+    problem = None
+    for _, proc, _, _, _ in alive:
+        try:
+            procs.stop(proc)
+        except BaseException as e:  # re-raised below, once every server is stopped
+            problem = problem or e
+    for mode, _, _, start, before in alive:  # read once the servers are gone: nothing written at exit is missed
+        start["config_files_written"] = written_configs(before, cfg[mode])
+        start["config_check"] = config_check(mode, start["config_files_written"])
+    if problem is not None:
+        raise problem
 
 
 def round_order(modes, rnd):
@@ -283,10 +293,17 @@ def round_order(modes, rnd):
     return modes[shift:] + modes[:shift]
 
 
-def round_seed(seed, rnd):
-    """Round ``rnd``'s schedule: the same for every server of the round, a fresh one per round (a repeated schedule
-    would hit each server's prefix cache), never the warm-up's (``seed + 1``)."""
-    return seed if rnd == 0 else seed + 1000 * rnd
+def point_seed(seed, conc_index, rnd):
+    """The measured schedule of one point (the ``conc_index``-th concurrency) and round: the same for every server,
+    a fresh one per point and round, since a server's prefix cache would serve a schedule it saw before from cache;
+    its warm-up takes this plus one, which no other schedule takes (steps of 1000 and 100000)."""
+    return seed + 100_000 * conc_index + 1000 * rnd
+
+
+def side_by_side_pool(max_conc, max_len, mtp_step):
+    """KV tokens of one server side by side with others: every slot of the largest concurrency full (MTP's draft
+    tokens included) and a quarter more, plus the pool's reserved token."""
+    return max_conc * (max_len + mtp_step) * 5 // 4 + 1
 
 
 def main():
@@ -315,8 +332,9 @@ def main():
     )
     p.add_argument("--repeats", type=int, default=2, help="server starts per mode (medians are reported)")
     p.add_argument("--rounds", type=int, default=0, help="0: one server at a time, one load per point (default); "
-                   "K: the servers of a repeat run side by side and each point is K rounds, every server getting "
-                   "--requests requests per round in a rotating order (a fresh schedule per round)")  # fmt: skip
+                   "K (a multiple of the server count): the servers of a repeat run side by side and each point is "
+                   "K rounds, every server getting --requests requests per round in a rotating order (a fresh "
+                   "schedule per round)")  # fmt: skip
     p.add_argument("--concurrency", type=int, nargs="+", default=[16, 32, 64])
     p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     p.add_argument("--out", default="benchmarks/results/serve_load.json")
@@ -340,8 +358,10 @@ def main():
             hybrid_layer_types(args.layers)
         except ValueError as e:
             p.error(str(e))
-    if args.rounds < 0:
-        p.error(f"--rounds expected 0 (one server at a time) or a positive count, got {args.rounds}")
+    servers = 3 if args.control else 2
+    if args.rounds < 0 or args.rounds % servers:
+        p.error(f"--rounds expected 0 (one server at a time) or a multiple of the {servers} servers (each goes at "
+                f"every position equally often), got {args.rounds}")  # fmt: skip
     if args.client_procs is not None and args.client_procs < 1:
         p.error(f"--client-procs expected a positive count, got {args.client_procs}")
     args.decode_backend = resolve_decode_backend(args.decode_backend, args.model)

@@ -200,13 +200,24 @@ def test_rounds_run_the_servers_side_by_side_in_rotating_order(tmp_path):
     assert "3 rounds (servers side by side)" in done.stdout
     # each server got its own KV pool, sized for the load (not a fraction of the machine)
     log = (tmp_path / "logs" / "server_tp1_short_off_b0.log").read_text()
-    assert "-> 1792 tokens x" in log  # 2 x concurrency 2 x (128 + 256 + 64) tokens
+    assert "-> 1121 tokens x" in log  # concurrency 2 x (128 + 256 + 64) tokens x 5 / 4, + 1
 
 
-def test_round_seeds_are_fresh_per_round_and_never_the_warm_up_schedule(serve_load):
-    seeds = [serve_load.round_seed(7, r) for r in range(5)]
-    assert seeds[0] == 7 and len(set(seeds)) == 5 and 7 + 1 not in seeds  # seed + 1 is the warm-up's
+def test_every_point_and_round_has_its_own_schedule_and_warm_up(serve_load):
+    """A server's prefix cache must never serve a measured schedule it saw before (another round or concurrency, or
+    a warm-up)."""
+    measured = [serve_load.point_seed(7, ci, r) for ci in range(3) for r in range(6)]
+    warm_ups = [serve_load.point_seed(7, ci, 0) + 1 for ci in range(3)]
+    assert measured[0] == 7 and len(set(measured + warm_ups)) == len(measured) + len(warm_ups)
     assert serve_load.round_order(["on", "off", "off_b"], 4) == ["off", "off_b", "on"]
+
+
+def test_rounds_must_give_every_server_every_position(tmp_path):
+    cmd, env = _benchmark(tmp_path, "--rounds", "4", "--control")
+    done = procs.run(cmd, env=env, timeout=procs.HANG_TIMEOUT_S)
+    assert done.returncode == 2
+    assert "--rounds expected 0 (one server at a time) or a multiple of the 3 servers" in done.stderr
+    assert "got 4" in done.stderr
 
 
 def test_stopping_the_benchmark_stops_its_server_and_removes_its_folders(tmp_path):
