@@ -193,6 +193,7 @@ def launch(args, model, workload, cfg, mode, rep, flags):
     """Start one server of ``mode``; ``(proc, base, start record, its config dir's snapshot)``. The first "on"
     start tunes (level 1, empty config dir) and "off" starts from its files minus decode attention's."""
     prompt_len, out_len = WORKLOADS[workload]
+    max_len = prompt_len + out_len + 64
     level = 1 if (mode, rep) == ("on", 0) else 0
     if (mode, rep) == ("off", 0):
         copy_without_decode_attention(cfg["on"], cfg["off"])
@@ -200,10 +201,9 @@ def launch(args, model, workload, cfg, mode, rep, flags):
     before = config_snapshot(cfg[mode])
     sizing = list(flags)
     if args.rounds:  # side by side on one GPU: each server a KV pool of its own, not 90 % of the device
-        sizing += ["--max_total_token_num", str(side_by_side_pool(max(args.concurrency), prompt_len + out_len + 64,
-                                                                  args.mtp_step))]  # fmt: skip
-    proc, base, seconds = start_server(model, args.tp, level, cfg[mode], max(args.concurrency),
-                                       prompt_len + out_len + 64, log_path, sizing)  # fmt: skip
+        sizing += ["--max_total_token_num", str(side_by_side_pool(max(args.concurrency), max_len, args.mtp_step))]
+    proc, base, seconds = start_server(model, args.tp, level, cfg[mode], max(args.concurrency), max_len, log_path,
+                                       sizing)  # fmt: skip
     start = {"workload": workload, "mode": mode, "repeat": rep, "startup_s": seconds}
     try:
         start.update(summary=startup_summary(log_path), ranks=rank_agreement(log_path))

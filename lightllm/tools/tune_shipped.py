@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import List, Optional
 
 from lightllm.common import proc as procs
-from lightllm.tools.make_tiny_model import BUILTIN_SHAPE
+from lightllm.tools.make_tiny_model import BUILTIN_SHAPE, QWEN3_8B_SHAPE
 
 QWEN3_D128 = dict(head_dim=128, num_key_value_heads=8)
 # intermediate_size is the checkpoint's: the fused SiLU-and-mul kernel is keyed by it
@@ -51,7 +51,8 @@ QWEN3_5_SHAPES = {
 }
 SHAPES = {**QWEN3_SHAPES, **QWEN3_5_SHAPES}
 # The checkpoints' vocabularies: the lm_head GEMM is a tuned kernel keyed by it (N = vocabulary rows)
-VOCABS = {**{name: 151936 for name in QWEN3_SHAPES if name != "builtin"}, "qwen3.5-27b": 248320}
+VOCABS = {**{name: QWEN3_8B_SHAPE["padded_vocab_size"] for name in QWEN3_SHAPES if name != "builtin"},
+          "qwen3.5-27b": 248320}  # fmt: skip
 VARIANTS = ("triton", "fa3", "int8kv", "int4kv")  # decode backend or quantized KV type (Triton decode)
 MTP_VARIANTS = ("triton", "fa3")  # MTP verify reads unquantized KV
 HYBRID_LAYERS = ("linear_attention", "full_attention")  # one of each kind

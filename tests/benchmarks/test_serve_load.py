@@ -208,7 +208,12 @@ def test_every_point_and_round_has_its_own_schedule_and_warm_up(serve_load):
     measured = [serve_load.point_seed(7, ci, r) for ci in range(3) for r in range(6)]
     warm_ups = [serve_load.point_seed(7, ci, 0) + 1 for ci in range(3)]
     assert measured[0] == 7 and len(set(measured + warm_ups)) == len(measured) + len(warm_ups)
-    assert serve_load.round_order(["on", "off", "off_b"], 4) == ["off", "off_b", "on"]
+
+
+def test_three_rounds_put_each_of_three_servers_at_every_position(serve_load):
+    orders = [serve_load.round_order(["on", "off", "off_b"], r) for r in range(3)]
+    assert orders == [["on", "off", "off_b"], ["off", "off_b", "on"], ["off_b", "on", "off"]]
+    assert serve_load.round_order(["on", "off", "off_b"], 3) == orders[0]  # then it starts over
 
 
 def test_rounds_must_give_every_server_every_position(tmp_path):
