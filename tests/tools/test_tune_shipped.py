@@ -137,6 +137,24 @@ def test_a_failed_start_loses_nothing_the_others_tuned(monkeypatch, tmp_path, ca
     assert "1 of 4 starts failed" in err
 
 
+def test_a_run_with_every_key_already_tuned_succeeds_and_exports_nothing(monkeypatch, tmp_path, capsys):
+    """A second pass whose starts all find their configs shipped writes no config: exit 0, ``--out`` untouched."""
+    exported = []
+
+    def run_start(kwargs, config_dir, timeout, log_path):  # a start that searched nothing: no config written
+        log_path.write_text("")
+        return 1.0
+
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr(tune_shipped, "build_model", lambda out, widths, max_len, mtp=False, vocab=0: out)
+    monkeypatch.setattr(tune_shipped, "_run_start", run_start)
+    monkeypatch.setattr("lightllm.common.autotuner.__main__.main", lambda argv: exported.append(argv) or 1)
+    argv = ["--out", str(tmp_path / "out"), "--shapes", "builtin", "--variants", "triton", "--graph-lens", "4096"]
+    assert tune_shipped.main(argv) == 0
+    assert exported == []
+    assert "nothing new to export" in capsys.readouterr().out
+    assert not (tmp_path / "out").exists()
+
 # The Qwen3.5-27B entry scaled down (a quarter of every head count and head width, hidden / 40) for a CPU build
 SMALL_QWEN3_5 = dict(hidden_size=128, intermediate_size=256, num_attention_heads=6, num_key_value_heads=1, head_dim=64,
                      partial_rotary_factor=0.25, linear_num_key_heads=4, linear_num_value_heads=12,
