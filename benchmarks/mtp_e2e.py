@@ -3,9 +3,10 @@
 A Qwen3.5-27B-shaped random-weight model with a few layers (``decode_step.QWEN3_5_27B_SHAPE``, 3:1 linear to full
 attention) is built three times with an MTP head whose acceptance the construction sets
 (``make_tiny_qwen3_5(mtp=...)``): ``agree`` (~100 %), ``agree`` with ``mtp_noise`` picked by
-:func:`noise_for_acceptance` (~50 %) and ``random`` (~0 %). For each, ``LLM.generate`` runs a batch of prompts
-with MTP off (decode graphs, and eager) and with ``--mtp_step`` 1/2/3; decode
-tokens/s = tokens after the first / (generate time - the same batch's prefill-only time). The measured acceptance
+:func:`noise_for_acceptance` (~50 %) and ``random`` (~0 %). For each, ``LLM.generate`` runs batches of prompts
+with ``--mtp_step`` 1/2/3, and once (head "any") with MTP off (decode graphs, and eager): 11 engine starts, each
+serving every batch size; decode tokens/s = tokens after the first / (generate time - the same batch's
+prefill-only time). The measured acceptance
 (accepted drafts / drafts, the server's two counters) is reported beside each row. MTP rows run with MTP's decode
 graphs (``off eager`` is the plain engine without graphs, for reference).
 
@@ -16,6 +17,7 @@ import math
 import os
 import tempfile
 import time
+from typing import Optional
 
 import torch
 
@@ -65,61 +67,80 @@ class _SpecCounts:
         self.accepted += accepted
 
 
-def build(root: str, layers: int, head: str, noise: float) -> str:
-    from decode_step import QWEN3_5_27B_SHAPE
-
+def build(root: str, layers: int, head: str, noise: float, shape: dict) -> str:
     from lightllm.tools.make_tiny_model import make_tiny_qwen3_5
 
     kinds = tuple("full_attention" if i % 4 == 3 else "linear_attention" for i in range(layers))
-    out = os.path.join(root, f"qwen3.5-27b-shaped-{head}-{noise:g}")
-    return str(make_tiny_qwen3_5(out, layer_types=kinds, mtp=head, mtp_noise=noise, **QWEN3_5_27B_SHAPE))
+    out = os.path.join(root, f"qwen3.5-shaped-{head}-{noise:g}")
+    return str(make_tiny_qwen3_5(out, layer_types=kinds, mtp=head, mtp_noise=noise, **shape))
 
 
-def decode_row(model_dir: str, batch: int, prompt_len: int, new_tokens: int, mtp_step: int, graphs: bool) -> dict:
+def decode_rows(model_dir: str, batches, prompt_len: int, new_tokens: int, mtp_step: int, graphs: bool,
+                **engine) -> list:  # fmt: skip
+    """One engine (MTP step ``mtp_step``, 0: off; decode graphs or eager) serving each batch size in turn: its
+    graphs are captured up to the largest, so one start measures them all. Per batch: a warm-up generate (every
+    kernel shape compiled and cached), then the timed generate and the same batch's prefill-only generate."""
     from lightllm import LLM, SamplingParams
 
-    opts = dict(data_type="bf16", running_max_req_size=batch, max_req_total_len=prompt_len + new_tokens + 8,
-                graph_max_batch_size=batch, disable_cudagraph=not graphs)  # fmt: skip
+    opts = dict(running_max_req_size=max(batches), max_req_total_len=prompt_len + new_tokens + 8,
+                graph_max_batch_size=max(batches), disable_cudagraph=not graphs, **engine)  # fmt: skip
     if mtp_step:
         opts.update(mtp_mode="eagle_with_att", mtp_step=mtp_step)
     llm = LLM(model_dir, **opts)
     counts = _SpecCounts()
     llm.engine.observer = counts
-    gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 400, (prompt_len,), generator=gen).tolist() for _ in range(batch)]
+    sync = torch.cuda.synchronize if llm.runner.device.type == "cuda" else (lambda: None)
+    rows = []
+    for batch in batches:
+        gen = torch.Generator().manual_seed(batch)
+        prompts = [torch.randint(3, 400, (prompt_len,), generator=gen).tolist() for _ in range(batch)]
 
-    def timed(n):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        llm.generate(prompts, SamplingParams(max_new_tokens=n, ignore_eos=True))
-        torch.cuda.synchronize()
-        return time.perf_counter() - t
+        def timed(n):
+            sync()
+            t = time.perf_counter()
+            llm.generate(prompts, SamplingParams(max_new_tokens=n, ignore_eos=True))
+            sync()
+            return time.perf_counter() - t
 
-    timed(new_tokens)  # warm-up: compiles and caches every kernel shape
-    counts.drafts = counts.accepted = 0
-    total, prefill = timed(new_tokens), timed(1)
-    row = {"mtp_step": mtp_step, "graphs": graphs, "batch": batch,
-           "decode_tok_s": batch * (new_tokens - 1) / max(total - prefill, 1e-9),
-           "acceptance": counts.accepted / counts.drafts if counts.drafts else None}  # fmt: skip
-    return row
+        timed(new_tokens)  # warm-up
+        counts.drafts = counts.accepted = 0
+        total = timed(new_tokens)
+        drafts, accepted = counts.drafts, counts.accepted
+        prefill = timed(1)
+        rows.append({"mtp_step": mtp_step, "graphs": graphs, "batch": batch,
+                     "decode_tok_s": batch * (new_tokens - 1) / max(total - prefill, 1e-9),
+                     "acceptance": accepted / drafts if drafts else None})  # fmt: skip
+    return rows
 
 
-def run(args) -> dict:
-    from decode_step import QWEN3_5_27B_SHAPE
+def run(args, shape: Optional[dict] = None, **engine) -> dict:
+    """Every row: MTP off (graphs, then eager) once, on the first head's folder (MTP off never reads the head, and
+    the folders' main models differ only in weight values), then per head each ``--e2e-steps`` value with MTP's
+    graphs: 2 + 3 x len(steps) engine starts, each serving every batch. ``shape``: the model's widths (default
+    Qwen3.5-27B's, bf16); ``engine``: more ``LLM`` options (the CPU test's device and dtype)."""
+    model = "Qwen3.5-27B-shaped, bf16"
+    if shape is None:
+        from decode_step import QWEN3_5_27B_SHAPE
 
-    hidden, vocab = QWEN3_5_27B_SHAPE["hidden_size"], QWEN3_5_27B_SHAPE["padded_vocab_size"]
-    results = {"layers": args.e2e_layers, "prompt_len": args.e2e_prompt_len, "new_tokens": args.e2e_new_tokens,
-               "rows": []}  # fmt: skip
+        shape, engine = QWEN3_5_27B_SHAPE, {"data_type": "bf16", **engine}
+    else:
+        model = f"widths {shape}, {engine.get('data_type', 'default dtype')}"
+    hidden = shape["hidden_size"]
+    vocab = shape.get("padded_vocab_size") or shape.get("vocab_size", 512)
+    results = {"model": model, "layers": args.e2e_layers, "prompt_len": args.e2e_prompt_len,
+               "new_tokens": args.e2e_new_tokens, "rows": []}  # fmt: skip
     with tempfile.TemporaryDirectory() as root:
-        for label, head, noise in HEADS:
+        for i, (label, head, noise) in enumerate(HEADS):
             noise = noise_for_acceptance(0.5, hidden, vocab) if noise is None else noise
-            model_dir = build(root, args.e2e_layers, head, noise)
-            for batch in args.e2e_batches:
-                settings = [(0, True), (0, False)] + [(n, True) for n in args.e2e_steps]
-                for step, graphs in settings:
-                    row = decode_row(model_dir, batch, args.e2e_prompt_len, args.e2e_new_tokens, step, graphs)
-                    torch.cuda.empty_cache()  # the row's engine is gone: its KV cache goes back before the next
-                    row.update(head=label, mtp_noise=noise)
+            model_dir = build(root, args.e2e_layers, head, noise, shape)
+            settings = ([(0, True), (0, False)] if i == 0 else []) + [(n, True) for n in args.e2e_steps]
+            for step, graphs in settings:
+                rows = decode_rows(model_dir, args.e2e_batches, args.e2e_prompt_len, args.e2e_new_tokens, step,
+                                   graphs, **engine)  # fmt: skip
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()  # the engine is gone: its KV cache goes back before the next
+                for row in rows:
+                    row.update(head=label if step else "any", mtp_noise=noise if step else None)
                     results["rows"].append(row)
                     print(e2e_row(row), flush=True)
     return results
@@ -133,7 +154,8 @@ def e2e_row(row: dict) -> str:
 
 
 def print_e2e(results: dict) -> None:
-    print(f"\nMTP end to end, Qwen3.5-27B-shaped, {results['layers']} layers, bf16, prompts of "
+    model = results.get("model", "Qwen3.5-27B-shaped, bf16")
+    print(f"\nMTP end to end, {model}, {results['layers']} layers, prompts of "
           f"{results['prompt_len']} tokens, {results['new_tokens']} new; decode tokens/s")  # fmt: skip
     print("  head batch       mode   decode tok/s  accept")
     for row in results["rows"]:

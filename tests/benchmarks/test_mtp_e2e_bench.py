@@ -3,6 +3,7 @@ simulation of the head's choice) and the table of a saved run (the GPU run itsel
 
 import importlib.util
 import json
+import math
 import os
 import sys
 
@@ -64,3 +65,23 @@ def test_analyze_prints_a_saved_e2e_run(bench, tmp_path, capsys):
     bench.main(["--analyze", str(path)])
     out = capsys.readouterr().out
     assert "off graphs        900.0" in out and "mtp 3       2100.0   98.7%" in out
+
+
+def test_e2e_runs_every_engine_start_on_a_tiny_model(bench, capsys):
+    """The whole e2e part on the CPU at tiny widths: MTP off once (graphs and eager rows), each head with MTP, each
+    start serving every batch; the agreeing head's drafts are accepted, the random head's are not."""
+    e2e = load("mtp_e2e")
+    args = bench.parse_args(["--parts", "e2e", "--e2e-batches", "1", "3", "--e2e-steps", "2", "--e2e-prompt-len", "8",
+                             "--e2e-new-tokens", "6"])  # fmt: skip
+    results = e2e.run(args, shape={"hidden_size": 64}, data_type="fp32", device="cpu")
+    rows = results["rows"]
+    got = [(r["head"], r["mtp_step"], r["graphs"], r["batch"]) for r in rows]
+    assert got == [("any", 0, True, 1), ("any", 0, True, 3), ("any", 0, False, 1), ("any", 0, False, 3),
+                   ("~100%", 2, True, 1), ("~100%", 2, True, 3), ("~50%", 2, True, 1), ("~50%", 2, True, 3),
+                   ("~0%", 2, True, 1), ("~0%", 2, True, 3)]  # fmt: skip
+    assert all(math.isfinite(r["decode_tok_s"]) and r["decode_tok_s"] > 0 for r in rows)
+    assert all(r["acceptance"] is None for r in rows[:4])
+    assert all(r["acceptance"] >= 0.9 for r in rows[4:6]), rows[4:6]
+    assert all(r["acceptance"] <= 0.3 for r in rows[8:]), rows[8:]
+    assert 0 < rows[6]["mtp_noise"] and rows[4]["mtp_noise"] == 0.0
+    assert len(capsys.readouterr().out.strip().splitlines()) == len(rows)  # a line per row as it lands

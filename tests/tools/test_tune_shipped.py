@@ -155,6 +155,7 @@ def test_a_run_with_every_key_already_tuned_succeeds_and_exports_nothing(monkeyp
     assert "nothing new to export" in capsys.readouterr().out
     assert not (tmp_path / "out").exists()
 
+
 # The Qwen3.5-27B entry scaled down (a quarter of every head count and head width, hidden / 40) for a CPU build
 SMALL_QWEN3_5 = dict(hidden_size=128, intermediate_size=256, num_attention_heads=6, num_key_value_heads=1, head_dim=64,
                      partial_rotary_factor=0.25, linear_num_key_heads=4, linear_num_value_heads=12,
