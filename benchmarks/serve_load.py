@@ -127,8 +127,9 @@ def config_check(mode, written):
     return None
 
 
-def start_server(model_dir, tp, level, config_dir, max_batch, max_len, log_path, flags=()):
-    """One server sized for the largest concurrency; its stderr (the start-up summary) goes to ``log_path``."""
+def start_server(model_dir, tp, level, config_dir, max_batch, max_len, log_path, flags=(), cores=None):
+    """One server sized for the largest concurrency; its stderr (the start-up summary) goes to ``log_path``.
+    ``cores``: the CPU cores it and every process it starts may run on (inherited by its children)."""
     port = free_port()
     env = {**os.environ, "LIGHTLLM_TRITON_AUTOTUNE_LEVEL": str(level), "LIGHTLLM_AUTOTUNE_CONFIG_DIR": config_dir}
     cmd = [sys.executable, "-m", "lightllm.server.api_server", "--model_dir", model_dir, "--port", str(port),
@@ -137,7 +138,7 @@ def start_server(model_dir, tp, level, config_dir, max_batch, max_len, log_path,
            "--batch_max_tokens", "16384", *flags]  # fmt: skip
     t0 = time.perf_counter()
     with open(log_path, "w") as log:
-        proc = procs.start(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+        proc = procs.start(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, **pin_kwargs(cores))
     base = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(proc, base, hint=f"see {log_path}")
@@ -189,9 +190,10 @@ def startup_summary(log_path):
     return lines[0].split("ready:", 1)[1].strip() if lines else ""
 
 
-def launch(args, model, workload, cfg, mode, rep, flags):
-    """Start one server of ``mode``; ``(proc, base, start record, its config dir's snapshot)``. The first "on"
-    start tunes (level 1, empty config dir) and "off" starts from its files minus decode attention's."""
+def launch(args, model, workload, cfg, mode, rep, flags, position=0):
+    """Start one server of ``mode``, the ``position``-th of its repeat (``--pin-cores``: its cores); ``(proc, base,
+    start record, its config dir's snapshot)``. The first "on" start tunes (level 1, empty config dir) and "off"
+    starts from its files minus decode attention's."""
     prompt_len, out_len = WORKLOADS[workload]
     max_len = prompt_len + out_len + 64
     level = 1 if (mode, rep) == ("on", 0) else 0
@@ -202,9 +204,11 @@ def launch(args, model, workload, cfg, mode, rep, flags):
     sizing = list(flags)
     if args.rounds:  # side by side on one GPU: each server a KV pool of its own, not 90 % of the device
         sizing += ["--max_total_token_num", str(side_by_side_pool(max(args.concurrency), max_len, args.mtp_step))]
+    cores = args.server_cores[position] if args.server_cores else None
     proc, base, seconds = start_server(model, args.tp, level, cfg[mode], max(args.concurrency), max_len, log_path,
-                                       sizing)  # fmt: skip
-    start = {"workload": workload, "mode": mode, "repeat": rep, "startup_s": seconds}
+                                       sizing, cores)  # fmt: skip
+    start = {"workload": workload, "mode": mode, "repeat": rep, "startup_s": seconds,
+             "cores": None if cores is None else sorted(cores)}  # fmt: skip
     try:
         start.update(summary=startup_summary(log_path), ranks=rank_agreement(log_path))
     except BaseException:
@@ -240,8 +244,8 @@ def run_repeat(args, model, workload, vocab, cfg, rep, flags, results, startups)
     and each point measured in rounds that visit every server in turn."""
     order = start_order(rep, args.control)
     if not args.rounds:
-        for mode in order:
-            proc, base, start, before = launch(args, model, workload, cfg, mode, rep, flags)
+        for position, mode in enumerate(order):
+            proc, base, start, before = launch(args, model, workload, cfg, mode, rep, flags, position)
             startups.append(start)
             try:
                 for ci, conc in enumerate(args.concurrency):
@@ -255,8 +259,8 @@ def run_repeat(args, model, workload, vocab, cfg, rep, flags, results, startups)
     # is under load at a time; the others wait idle.
     alive = []
     try:
-        for mode in order:
-            proc, base, start, before = launch(args, model, workload, cfg, mode, rep, flags)
+        for position, mode in enumerate(order):
+            proc, base, start, before = launch(args, model, workload, cfg, mode, rep, flags, position)
             startups.append(start)
             alive.append((mode, proc, base, start, before))
         bases = {mode: base for mode, _, base, _, _ in alive}
@@ -306,6 +310,24 @@ def side_by_side_pool(max_conc, max_len, mtp_step):
     return max_conc * (max_len + mtp_step) * 5 // 4 + 1
 
 
+def pin_kwargs(cores):
+    """``Popen`` arguments that start a process on ``cores`` only (None: anywhere); what it starts inherits them."""
+    return {} if cores is None else {"preexec_fn": lambda: os.sched_setaffinity(0, cores)}
+
+
+def core_plan(cores, servers, tp):
+    """``--pin-cores``: ``(per-server core sets, the clients' cores)``. Each server gets ``tp + 1`` cores of its own
+    (its HTTP process and each engine rank), in launch order, so a server's engine never waits behind another
+    server's or a client's process; the load clients and this script share the rest. ValueError when that leaves
+    the clients fewer than two cores."""
+    cores, per = sorted(cores), tp + 1
+    need = servers * per + 2
+    if len(cores) < need:
+        raise ValueError(f"--pin-cores expected at least {need} CPU cores ({servers} servers x {per} + 2 for the "
+                         f"load clients), this process may run on {len(cores)}")  # fmt: skip
+    return [set(cores[i * per : (i + 1) * per]) for i in range(servers)], set(cores[servers * per :])
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tp", type=int, default=1)
@@ -335,6 +357,9 @@ def main():
                    "K (a multiple of the server count): the servers of a repeat run side by side and each point is "
                    "K rounds, every server getting --requests requests per round in a rotating order (a fresh "
                    "schedule per round)")  # fmt: skip
+    p.add_argument("--pin-cores", action="store_true", help="give each server tp + 1 CPU cores of its own (in "
+                   "launch order) and the load clients the rest, so no server's engine shares a core with another "
+                   "process of the run")  # fmt: skip
     p.add_argument("--concurrency", type=int, nargs="+", default=[16, 32, 64])
     p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     p.add_argument("--out", default="benchmarks/results/serve_load.json")
@@ -364,6 +389,13 @@ def main():
                 f"every position equally often), got {args.rounds}")  # fmt: skip
     if args.client_procs is not None and args.client_procs < 1:
         p.error(f"--client-procs expected a positive count, got {args.client_procs}")
+    args.server_cores = None
+    if args.pin_cores:
+        try:
+            args.server_cores, client_cores = core_plan(os.sched_getaffinity(0), servers, args.tp)
+        except ValueError as e:
+            p.error(str(e))
+        os.sched_setaffinity(0, client_cores)  # this script, and the client processes it spawns
     args.decode_backend = resolve_decode_backend(args.decode_backend, args.model)
     flags = server_flags(args.decode_backend, args.model, args.mtp_step)
     procs.exit_on_sigterm()  # stopped from outside: still stop the servers and remove the temporary folders
@@ -548,7 +580,7 @@ def save(args, rows, startups):
                    "mtp_step": args.mtp_step, "mtp_head": args.mtp_head if args.model == "qwen3.5" else None,
                    "decode_backend": args.decode_backend, "requests": args.requests, "warmup": args.warmup,
                    "rate": args.rate, "seed": args.seed, "repeats": args.repeats, "rounds": args.rounds,
-                   "control": args.control, "client_procs": args.client_procs,
+                   "control": args.control, "client_procs": args.client_procs, "pin_cores": args.pin_cores,
                    "config_checks_ok": not any(s.get("config_check") for s in startups),
                    "tuned_config_files": tuned_config_files(startups), "rows": rows, "startups": startups},
                   f, indent=1)  # fmt: skip

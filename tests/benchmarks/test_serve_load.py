@@ -224,6 +224,38 @@ def test_rounds_must_give_every_server_every_position(tmp_path):
     assert "got 4" in done.stderr
 
 
+def test_pinned_cores_give_each_server_its_own_and_the_clients_the_rest(serve_load):
+    servers, clients = serve_load.core_plan(range(15, -1, -1), servers=3, tp=1)
+    assert servers == [{0, 1}, {2, 3}, {4, 5}] and clients == set(range(6, 16))
+    servers, clients = serve_load.core_plan(range(8), servers=2, tp=2)  # an HTTP process and two engine ranks
+    assert servers == [{0, 1, 2}, {3, 4, 5}] and clients == {6, 7}
+    with pytest.raises(ValueError, match=r"--pin-cores expected at least 8 CPU cores \(3 servers x 2 \+ 2 for the "
+                       r"load clients\), this process may run on 7"):  # fmt: skip
+        serve_load.core_plan(range(7), servers=3, tp=1)
+
+
+def test_a_pinned_process_and_its_children_run_on_their_cores_only(serve_load):
+    core = min(os.sched_getaffinity(0))
+    child = "import os, subprocess, sys; print(sorted(os.sched_getaffinity(0))); sys.stdout.flush(); " + (
+        "subprocess.run([sys.executable, '-c', 'import os; print(sorted(os.sched_getaffinity(0)))'])"
+    )
+    with procs.running([sys.executable, "-c", child], stdout=subprocess.PIPE, text=True,
+                       **serve_load.pin_kwargs({core})) as proc:  # fmt: skip
+        out, _ = proc.communicate(timeout=procs.HANG_TIMEOUT_S)
+    assert out.split() == [f"[{core}]", f"[{core}]"]
+    assert serve_load.pin_kwargs(None) == {}
+
+
+def test_pin_cores_on_too_few_cores_is_a_one_line_error(serve_load, tmp_path):
+    cmd, env = _benchmark(tmp_path, "--pin-cores", "--control")
+    one_core = serve_load.pin_kwargs({min(os.sched_getaffinity(0))})  # whatever this machine has
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=procs.HANG_TIMEOUT_S, **one_core)
+    assert done.returncode == 2
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.endswith("--pin-cores expected at least 8 CPU cores (3 servers x 2 + 2 for the load clients), this "
+                         "process may run on 1"), last  # fmt: skip
+
+
 def test_stopping_the_benchmark_stops_its_server_and_removes_its_folders(tmp_path):
     """SIGTERM (what procs.stop, a timeout or a CI runner sends) while a server is under load: the benchmark
     stops its server and removes its temporary model and config folders before it exits."""
