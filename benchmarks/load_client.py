@@ -172,7 +172,7 @@ async def engine_steps(base):
         text = (await client.get(base + "/metrics")).text
     out = {}
     for family in text_string_to_metric_families(text):
-        if family.name in ("lightllm_step_seconds", "lightllm_step_batch_size"):
+        if family.name in ("lightllm_step_seconds", "lightllm_step_gpu_seconds", "lightllm_step_batch_size"):
             out.update({(s.name, s.labels["kind"]): s.value for s in family.samples
                         if s.name.endswith(("_count", "_sum"))})  # fmt: skip
         elif family.name in SPEC_COUNTERS:
@@ -181,14 +181,17 @@ async def engine_steps(base):
 
 
 def step_stats(before, after):
-    """What one load was made of: steps per kind, their mean time (ms) and mean batch (requests); MTP's drafts
-    proposed and accepted and their ratio, the acceptance (None without drafts)."""
+    """What one load was made of: steps per kind, their mean time (ms), the GPU's part of it (ms, from the steps the
+    server timed on the GPU; None on a CPU or for MTP) and mean batch (requests); MTP's drafts proposed and
+    accepted and their ratio, the acceptance (None without drafts)."""
     delta = {k: v - before.get(k, 0.0) for k, v in after.items()}
     out = {}
     for kind in ("prefill", "decode"):
         n = delta.get(("lightllm_step_seconds_count", kind), 0.0)
         out[f"{kind}_steps"] = int(n)
         out[f"{kind}_step_ms"] = delta[("lightllm_step_seconds_sum", kind)] / n * 1e3 if n else None
+        timed = delta.get(("lightllm_step_gpu_seconds_count", kind), 0.0)
+        out[f"{kind}_gpu_ms"] = delta[("lightllm_step_gpu_seconds_sum", kind)] / timed * 1e3 if timed else None
         out[f"{kind}_batch"] = delta[("lightllm_step_batch_size_sum", kind)] / n if n else None
     for family, name in SPEC_COUNTERS.items():
         out[name] = int(delta.get((family, None), 0.0))

@@ -455,7 +455,7 @@ def main():
               f"  {att_text:>12s}"
               f"{control}  {ok}")  # fmt: skip
     print("\nlatency as the client sees it (ms, median over runs): time to first token and inter-token, p50 / p99")
-    aa_head = "  A/A (off_b vs off): tok/s ttft50 ttft99 itl50 itl99  step" if args.control else ""
+    aa_head = "  A/A (off_b vs off): tok/s ttft50 ttft99 itl50 itl99  step   gpu" if args.control else ""
     print("workload conc  mode   ttft p50  ttft p99  itl p50  itl p99" + aa_head)
     for r in rows:
         for mode in ("on", "off", "off_b"):
@@ -470,16 +470,18 @@ def main():
                 )
             print(f"{r['workload']:8s} {r['concurrency']:4d}  {mode:5s} {cells}{aa}")
     print("\nwho kept up (median over runs): the engine's mean decode batch, its busy share of the wall time (steps"
-          " / seconds), and the busiest client process's CPU share")  # fmt: skip
-    print("workload conc  mode   decode batch  engine busy  client CPU")
+          " / seconds), the busiest client process's CPU share, and the decode step (ms) with its GPU part (CUDA"
+          " events: forward and sampling; the rest is the host's)")  # fmt: skip
+    print("workload conc  mode   decode batch  engine busy  client CPU   step ms   gpu ms")
     bound = []
     for r in rows:
         for mode in ("on", "off", "off_b"):
             if mode in r:
                 m = r[mode]
                 cells = ["-" if m[k] is None else f"{m[k]:.1f}" for k in HOST_CHECK]
+                step = ["-" if m[k] is None else f"{m[k]:.3f}" for k in ("decode_step_ms", "decode_gpu_ms")]
                 print(f"{r['workload']:8s} {r['concurrency']:4d}  {mode:5s} {cells[0]:>12s} {cells[1]:>11s}% "
-                      f"{cells[2]:>9s}%")  # fmt: skip
+                      f"{cells[2]:>9s}% {step[0]:>9s} {step[1]:>8s}")  # fmt: skip
                 if m["client_cpu_pct"] > CLIENT_BOUND_PCT:
                     bound.append(f"{r['workload']} {r['concurrency']} {mode}")
     if bound:
@@ -544,7 +546,8 @@ def per_step_attention(kernels, concurrency, layers):
 
 
 REPORTED = ("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")
-AA_REPORTED = REPORTED + ("decode_step_ms",)  # the served step: tokens/s is mostly decode batch over it
+# the served step (tokens/s is mostly decode batch over it) and its GPU part (the rest is the host's)
+AA_REPORTED = REPORTED + ("decode_step_ms", "decode_gpu_ms")
 HOST_CHECK = ("decode_batch", "engine_busy_pct", "client_cpu_pct")
 CLIENT_BOUND_PCT = 80  # a client process busier than this may be what is measured
 
@@ -559,7 +562,7 @@ def summarize(runs):
     whether every request was whole."""
     tps = sorted(r["tokens_per_s"] for r in runs)
     out = {}
-    for key in REPORTED + ("decode_step_ms", "acceptance") + HOST_CHECK:
+    for key in REPORTED + ("decode_step_ms", "decode_gpu_ms", "acceptance") + HOST_CHECK:
         values = [r[key] for r in runs if r.get(key) is not None]
         out[key] = statistics.median(values) if values else None
     return {**out, "spread_pct": (tps[-1] - tps[0]) / out["tokens_per_s"] * 100, "runs": runs,

@@ -21,6 +21,7 @@ from typing import Callable, Iterable, List, Optional, Protocol, Sequence, Set, 
 import torch
 
 from lightllm.common.kv_cache import KVCacheFull
+from lightllm.engine.gpu_timer import step_gpu_timer
 from lightllm.engine.logits_processor import LogitsProcessor
 from lightllm.engine.request import Event, Request
 from lightllm.engine.runner import Runner
@@ -45,6 +46,10 @@ class StepObserver(Protocol):
     def on_step(self, kind: str, batch_size: int, seconds: float) -> None: ...
 
     def on_spec(self, drafts: int, accepted: int) -> None: ...  # MTP: drafts proposed and accepted in one step
+
+    # Optional, CUDA only: the GPU seconds of a step that sampled tokens (forward and sampling, ``gpu_timer.py``);
+    # not for MTP's steps, which wait for the GPU several times.
+    def on_step_gpu(self, kind: str, seconds: float) -> None: ...
 
 
 def eos_token_ids(config, tokenizer, extra: Iterable[int] = ()) -> Set[int]:
@@ -71,6 +76,8 @@ class Engine:
         self.processor = LogitsProcessor(runner.config.vocab_size, runner.device, self.scheduler.eos)
         self.observer = observer
         self._on_tokens = getattr(observer, "on_tokens", None)
+        self._on_step_gpu = getattr(observer, "on_step_gpu", None)
+        self._gpu_timer = step_gpu_timer(runner.device) if self._on_step_gpu is not None else None
         self._emit_tokens = emit_tokens or _emit_each
         self.spec = SpecDecoder(self) if getattr(runner, "mtp", None) is not None else None  # fakes may lack it
         self._inbox: "queue.Queue[Request]" = queue.Queue()
@@ -127,6 +134,8 @@ class Engine:
             if self.observer is not None:
                 self.observer.on_step(kind, len(batch), time.perf_counter() - t0)
             return True
+        if self._gpu_timer is not None:
+            self._gpu_timer.start()
         try:
             if kind == "decode":
                 logits = self.runner.decode([r.slot for r in batch], [r.output_ids[-1] for r in batch])
@@ -156,6 +165,10 @@ class Engine:
         self.scheduler.update(kind, alive)
         if self.observer is not None:  # _postprocess synchronized on the sampled tokens: t0..now covers the GPU work
             self.observer.on_step(kind, len(batch), time.perf_counter() - t0)
+        if self._gpu_timer is not None:
+            gpu_seconds = self._gpu_timer.seconds()  # None for a chunk that sampled nothing
+            if gpu_seconds is not None:
+                self._on_step_gpu(kind, gpu_seconds)
         return True
 
     def has_unfinished(self) -> bool:
@@ -257,6 +270,8 @@ class Engine:
             tokens, logprobs = sample(logits, params, generators)
         else:
             tokens, logprobs = sample(changed, params, generators, raw_logits=logits)
+        if self._gpu_timer is not None:  # the step's last launch before the host waits (top logprobs read them)
+            self._gpu_timer.stop()
         k = max([p.top_logprobs for p in params])
         tops = [None] * len(reqs)
         if k:

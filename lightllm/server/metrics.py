@@ -12,6 +12,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 # 1 ms to 60 s: a decode step of a small model at batch 1 up to a long prompt's prefill behind a full queue
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
+# 0.5 ms to 2 s, doubling: engine steps (and their GPU share)
+STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.256, 0.512, 1.024, 2.048)
+
 
 class Metrics:
     def __init__(self):
@@ -37,8 +40,11 @@ class Metrics:
         # Per engine step (kind = prefill, decode or mixed): what a throughput number is made of. A decode step's
         # time is the forward, sampling and bookkeeping of one token for every running request.
         self.step_seconds = Histogram("lightllm_step_seconds", "engine step time", ["kind"], registry=r,
-                                      buckets=(0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128,
-                                               0.256, 0.512, 1.024, 2.048))  # fmt: skip
+                                      buckets=STEP_BUCKETS)  # fmt: skip
+        # CUDA only: the GPU's share of a step that sampled tokens (its forward and sampling, from CUDA events); the
+        # rest of lightllm_step_seconds is the host's. Not observed for MTP's steps.
+        self.step_gpu_seconds = Histogram("lightllm_step_gpu_seconds", "GPU time of an engine step (forward and "
+                                          "sampling)", ["kind"], registry=r, buckets=STEP_BUCKETS)  # fmt: skip
         self.step_batch = Histogram("lightllm_step_batch_size", "requests per engine step", ["kind"], registry=r,
                                     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512))  # fmt: skip
 
@@ -64,6 +70,9 @@ class Metrics:
     def on_step(self, kind: str, batch_size: int, seconds: float) -> None:
         self.step_seconds.labels(kind).observe(seconds)
         self.step_batch.labels(kind).observe(batch_size)
+
+    def on_step_gpu(self, kind: str, seconds: float) -> None:
+        self.step_gpu_seconds.labels(kind).observe(seconds)
 
     def on_spec(self, drafts: int, accepted: int) -> None:
         self.spec_drafts.inc(drafts)

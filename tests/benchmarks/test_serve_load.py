@@ -165,12 +165,14 @@ def test_runs_end_to_end_on_the_tiny_model(tmp_path):
         assert round(run["prefill_batch"] * run["prefill_steps"]) == 3
         assert round(run["decode_batch"] * run["decode_steps"]) == 3 * 255
         assert run["decode_step_ms"] > 0 and 1 <= run["decode_batch"] <= 2
+        assert run["decode_gpu_ms"] is None  # CUDA events only: a CPU step is all host time
     assert sorted(p.name for p in (tmp_path / "logs").glob("*.log")) == [
         "server_tp2_short_off0.log", "server_tp2_short_off_b0.log", "server_tp2_short_on0.log"]  # fmt: skip
     assert "off_b vs off" in done.stdout and row["on"]["decode_step_ms"] > 0
     # the A/A difference of every reported number at this point
     assert set(row["aa_pct"]) == {"tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
-                                  "decode_step_ms"}  # fmt: skip
+                                  "decode_step_ms", "decode_gpu_ms"}  # fmt: skip
+    assert row["aa_pct"]["decode_gpu_ms"] is None
     assert row["aa_pct"]["itl_p50_ms"] == pytest.approx(
         (row["off_b"]["itl_p50_ms"] / row["off"]["itl_p50_ms"] - 1) * 100
     )
@@ -332,6 +334,22 @@ def test_acceptance_is_the_delta_of_the_spec_counters(load_client):
     stats = load_client.step_stats(before, after)
     assert (stats["draft_tokens"], stats["accepted_tokens"], stats["acceptance"]) == (40, 10, 0.25)
     assert load_client.step_stats(steps, steps)["acceptance"] is None  # no drafts (MTP off): no acceptance
+
+
+def test_the_gpu_part_of_a_step_is_the_delta_of_its_own_histogram(load_client):
+    """Mean GPU ms over the steps the server timed (steps that sampled), beside the mean step ms over every step."""
+    before = {("lightllm_step_seconds_count", "decode"): 10.0, ("lightllm_step_seconds_sum", "decode"): 0.02,
+              ("lightllm_step_batch_size_sum", "decode"): 40.0, ("lightllm_step_gpu_seconds_count", "decode"): 10.0,
+              ("lightllm_step_gpu_seconds_sum", "decode"): 0.015}  # fmt: skip
+    after = {("lightllm_step_seconds_count", "decode"): 110.0, ("lightllm_step_seconds_sum", "decode"): 0.145,
+             ("lightllm_step_batch_size_sum", "decode"): 440.0, ("lightllm_step_gpu_seconds_count", "decode"): 110.0,
+             ("lightllm_step_gpu_seconds_sum", "decode"): 0.115}  # fmt: skip
+    stats = load_client.step_stats(before, after)
+    assert stats["decode_steps"] == 100 and stats["decode_batch"] == pytest.approx(4.0)
+    assert stats["decode_step_ms"] == pytest.approx(1.25) and stats["decode_gpu_ms"] == pytest.approx(1.0)
+    assert stats["prefill_gpu_ms"] is None  # no prefill step in the window
+    cpu = {k: v for k, v in after.items() if not k[0].startswith("lightllm_step_gpu")}
+    assert load_client.step_stats({}, cpu)["decode_gpu_ms"] is None  # a CPU server never observes the histogram
 
 
 def test_mtp_step_needs_qwen3_5(tmp_path):
