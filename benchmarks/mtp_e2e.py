@@ -4,11 +4,11 @@ A Qwen3.5-27B-shaped random-weight model with a few layers (``decode_step.QWEN3_
 attention) is built three times with an MTP head whose acceptance the construction sets
 (``make_tiny_qwen3_5(mtp=...)``): ``agree`` (~100 %), ``agree`` with ``mtp_noise`` picked by
 :func:`noise_for_acceptance` (~50 %) and ``random`` (~0 %). For each, ``LLM.generate`` runs batches of prompts
-with ``--mtp_step`` 1/2/3, and once (head "any") with MTP off (decode graphs, and eager): 11 engine starts, each
-serving every batch size; decode tokens/s = tokens after the first / (generate time - the same batch's
-prefill-only time). The measured acceptance (accepted drafts / drafts, the server's two counters) is reported
-beside each row. MTP rows run with MTP's decode graphs (``off eager`` is the plain engine without graphs, for
-reference).
+with ``--mtp_step`` 1/2/3, and once (head "any") with MTP off (decode graphs, and eager): 11 engine starts
+(2 + 3 per step value), each serving every batch size; decode tokens/s = tokens after the first / (generate time -
+the same batch's prefill-only time). The measured acceptance (accepted drafts / drafts, the server's two counters)
+is reported beside each row. MTP rows run with MTP's decode graphs (``off eager`` is the plain engine without graphs,
+for reference).
 
     python benchmarks/mtp.py --parts e2e --out benchmarks/results/mtp_e2e_h200.json
 """

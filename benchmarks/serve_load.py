@@ -358,8 +358,8 @@ def main():
                    "K rounds, every server getting --requests requests per round in a rotating order (a fresh "
                    "schedule per round)")  # fmt: skip
     p.add_argument("--pin-cores", action="store_true", help="give each server tp + 1 CPU cores of its own (in "
-                   "launch order) and the load clients the rest, so no server's engine shares a core with another "
-                   "process of the run")  # fmt: skip
+                   "launch order; its processes share them) and the load clients the rest, so no server shares a "
+                   "core with another server or a client")  # fmt: skip
     p.add_argument("--concurrency", type=int, nargs="+", default=[16, 32, 64])
     p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     p.add_argument("--out", default="benchmarks/results/serve_load.json")

@@ -12,6 +12,7 @@ waiting, and the running ones during a failed prefill, go on. Anything else that
 caller then ends every request with ``fail_all``.
 """
 
+import itertools
 import logging
 import queue
 import threading
@@ -25,7 +26,7 @@ from lightllm.engine.gpu_timer import step_gpu_timer
 from lightllm.engine.logits_processor import LogitsProcessor
 from lightllm.engine.request import Event, Request
 from lightllm.engine.runner import Runner
-from lightllm.engine.sampler import sample, top_logprobs
+from lightllm.engine.sampler import sample, top_logprobs_launch, top_logprobs_read
 from lightllm.engine.scheduler import Scheduler
 from lightllm.engine.spec_decode import SpecDecoder
 
@@ -47,8 +48,8 @@ class StepObserver(Protocol):
 
     def on_spec(self, drafts: int, accepted: int) -> None: ...  # MTP: drafts proposed and accepted in one step
 
-    # Optional, CUDA only: the GPU seconds of a step that sampled tokens (forward and sampling, ``gpu_timer.py``);
-    # not for MTP's steps, which wait for the GPU several times.
+    # Optional, CUDA only: the GPU seconds of every ``GPU_TIME_EVERY``-th step that sampled tokens (forward and
+    # sampling, ``gpu_timer.py``); not for MTP's steps, which wait for the GPU several times.
     def on_step_gpu(self, kind: str, seconds: float) -> None: ...
 
 
@@ -60,6 +61,9 @@ def eos_token_ids(config, tokenizer, extra: Iterable[int] = ()) -> Set[int]:
         eos.add(tokenizer.eos_token_id)
     return eos
 
+
+# Steps per GPU-timed step: a timed step pays two event records and a read (a few microseconds)
+GPU_TIME_EVERY = 8
 
 # A step's sampled tokens in one call: (requests, token ids, logprobs, top logprobs or None per request).
 TokenSink = Callable[[List[Request], List[int], List[float], List[Optional[list]]], None]
@@ -77,7 +81,13 @@ class Engine:
         self.observer = observer
         self._on_tokens = getattr(observer, "on_tokens", None)
         self._on_step_gpu = getattr(observer, "on_step_gpu", None)
-        self._gpu_timer = step_gpu_timer(runner.device) if self._on_step_gpu is not None else None
+        self._gpu_timer = None  # with an observer that takes it and a runner that marks its launches, on a GPU
+        if self._on_step_gpu is not None and getattr(runner, "set_launch_hook", None) is not None:  # fakes lack it
+            self._gpu_timer = step_gpu_timer(runner.device)
+            if self._gpu_timer is not None:
+                runner.set_launch_hook(self._mark_launch)
+        self._gpu_steps = itertools.count()
+        self._timing = False  # this step is GPU-timed
         self._emit_tokens = emit_tokens or _emit_each
         self.spec = SpecDecoder(self) if getattr(runner, "mtp", None) is not None else None  # fakes may lack it
         self._inbox: "queue.Queue[Request]" = queue.Queue()
@@ -129,13 +139,13 @@ class Engine:
         if kind == "idle":
             return False
         t0 = time.perf_counter()
-        if kind == "decode" and self.spec is not None:  # MTP: draft, verify, accept (spec_decode.py)
+        spec = kind == "decode" and self.spec is not None
+        self._timing = self._gpu_timer is not None and not spec and next(self._gpu_steps) % GPU_TIME_EVERY == 0
+        if spec:  # MTP: draft, verify, accept (spec_decode.py)
             self.scheduler.update(kind, self.spec.step(batch))
             if self.observer is not None:
                 self.observer.on_step(kind, len(batch), time.perf_counter() - t0)
             return True
-        if self._gpu_timer is not None:
-            self._gpu_timer.start()
         try:
             if kind == "decode":
                 logits = self.runner.decode([r.slot for r in batch], [r.output_ids[-1] for r in batch])
@@ -165,11 +175,16 @@ class Engine:
         self.scheduler.update(kind, alive)
         if self.observer is not None:  # _postprocess synchronized on the sampled tokens: t0..now covers the GPU work
             self.observer.on_step(kind, len(batch), time.perf_counter() - t0)
-        if self._gpu_timer is not None:
+        if self._timing:
             gpu_seconds = self._gpu_timer.seconds()  # None for a chunk that sampled nothing
             if gpu_seconds is not None:
                 self._on_step_gpu(kind, gpu_seconds)
         return True
+
+    def _mark_launch(self) -> None:
+        """The runner's launch hook: a timed step's GPU timer starts as its forward is launched."""
+        if self._timing:
+            self._gpu_timer.start()
 
     def has_unfinished(self) -> bool:
         return bool(self.scheduler.requests() or not self._inbox.empty())
@@ -270,15 +285,16 @@ class Engine:
             tokens, logprobs = sample(logits, params, generators)
         else:
             tokens, logprobs = sample(changed, params, generators, raw_logits=logits)
-        if self._gpu_timer is not None:  # the step's last launch before the host waits (top logprobs read them)
-            self._gpu_timer.stop()
         k = max([p.top_logprobs for p in params])
+        top = top_logprobs_launch(logits, k) if k else None
+        self.processor.record(reqs, tokens)
+        if self._timing:  # the step's last launch: the host reads its results next
+            self._gpu_timer.stop()
         tops = [None] * len(reqs)
-        if k:
-            ids, values = top_logprobs(logits, k)
+        if top is not None:
+            ids, values = top_logprobs_read(top)
             tops = [list(zip(i[: p.top_logprobs], v[: p.top_logprobs])) if p.top_logprobs else None
                     for i, v, p in zip(ids, values, params)]  # fmt: skip
-        self.processor.record(reqs, tokens)
         return tokens.tolist(), logprobs.tolist(), tops
 
     def _finish(self, req: Request, reason: str) -> None:

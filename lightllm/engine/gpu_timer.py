@@ -1,30 +1,33 @@
 """GPU time of an engine step, from two CUDA events: what the served step's wall time is made of, GPU and host.
 
-``start`` is recorded before the step's first launch and ``stop`` after its last (the sampling, before the host
-waits for the tokens); once the host has waited, ``seconds`` is the GPU timeline between the two markers: the
-forward and sampling, gaps between launches included (none within a replayed graph). The rest of the step's wall
-time is the host's: scheduling, input staging, launching, and the bookkeeping after the tokens arrive.
+``start`` is recorded by the runner right before it launches the step's forward (its inputs staged) and ``stop``
+by the engine after the step's last launch (sampling, top logprobs, penalty counts), before the host reads the
+tokens; once it has, ``seconds`` is the GPU timeline between the two markers. Within a replayed graph that is GPU
+work alone; on an eager path it also holds the gaps where the GPU waited for the host's next launch. The rest of
+the step's wall time is the host's: scheduling, staging the inputs, and the bookkeeping after the tokens arrive.
 """
 
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
 
 class StepGpuTimer:
-    def __init__(self):
+    def __init__(self, device: torch.device):
+        self._device = device
         self._start = torch.cuda.Event(enable_timing=True)
         self._end = torch.cuda.Event(enable_timing=True)
         self._state = "idle"  # -> "started" -> "stopped" -> read by seconds(), back to "idle"
 
     def start(self) -> None:
-        self._start.record()
+        """Again before a later launch of the same step (the last one counts)."""
+        self._start.record(torch.cuda.current_stream(self._device))
         self._state = "started"
 
     def stop(self) -> None:
         """After the step's last launch; again after a later launch of the same step (the last one counts)."""
         if self._state != "idle":
-            self._end.record()
+            self._end.record(torch.cuda.current_stream(self._device))
             self._state = "stopped"
 
     def seconds(self) -> Optional[float]:
@@ -36,6 +39,7 @@ class StepGpuTimer:
         return self._start.elapsed_time(self._end) / 1e3
 
 
-def step_gpu_timer(device: torch.device) -> Optional[StepGpuTimer]:
+def step_gpu_timer(device: Union[str, torch.device]) -> Optional[StepGpuTimer]:
     """A timer on a CUDA device, None elsewhere (the CPU's steps are all host time)."""
-    return StepGpuTimer() if device.type == "cuda" else None
+    device = torch.device(device)
+    return StepGpuTimer(device) if device.type == "cuda" else None

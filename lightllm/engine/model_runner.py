@@ -19,7 +19,7 @@ Start-up, top to bottom (``ModelRunner.__init__``):
 import logging
 import time
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -63,6 +63,16 @@ class ModelRunner:
     _staging: Optional[DecodeStaging] = None  # the decode steps' staging buffer, made with the graphs' inputs
     prefill_graphs: Optional[PrefillGraphs] = None  # set after the decode graphs: the warm-up prefills run eagerly
     mtp: Optional[MTPRunner] = None  # with --mtp_mode: the draft / verify / accept steps (mtp_runner.py)
+    _launch_hook: Optional[Callable[[], None]] = None  # called right before a step's forward is launched
+
+    def set_launch_hook(self, hook: Optional[Callable[[], None]]) -> None:
+        """``hook()`` runs right before each prefill or decode forward is launched, once the host has staged its
+        inputs: where the engine's step GPU timer starts (``engine/gpu_timer.py``)."""
+        self._launch_hook = hook
+
+    def _launching(self) -> None:
+        if self._launch_hook is not None:
+            self._launch_hook()
 
     def __init__(self, args: EngineArgs, graph_api=None, memory_api=None):
         args.normalize()
@@ -299,6 +309,7 @@ class ModelRunner:
         token_idx = self.kv.extend_many(slots, lens)  # one allocation and one table write for the step
         logits = None
         if self.prefill_graphs is not None and len(slots) == 1:  # one request within a bucket: a graph replay
+            self._launching()  # its small staging copy included
             logits = self.prefill_graphs.prefill(slots[0], prefix[0], prompts[0], token_idx)
         if logits is None:
             logits = self._prefill_eager(slots, prompts, lens, prefix, token_idx)
@@ -310,6 +321,7 @@ class ModelRunner:
         dev = self.device
         state = InferState.packed_prefill(slots, self.kv.table, prefix, lens, token_idx, dev)
         input_ids = torch.tensor([t for p in prompts for t in p], dtype=torch.int64, device=dev)
+        self._launching()
         if self.mtp is not None:  # the MTP head's KV follows each chunk
             return self.mtp.prefill(input_ids, state, slots, prompts)
         return self.model.forward(input_ids, state)
@@ -329,6 +341,7 @@ class ModelRunner:
                           b_seq_len=seq_lens)  # fmt: skip
             staging.write_table(self.kv.table, bs)
             if graph is not None:
+                self._launching()
                 return self._computed_each(slots, last_tokens, self.graphs.replay(graph)[:bs])
             b = {name: view[:bs] for name, view in self._buf.items()}
         else:
@@ -340,6 +353,7 @@ class ModelRunner:
         state = InferState(is_prefill=False, b_req_idx=b["b_req_idx"], req_to_token=self.kv.table,
                            b_seq_len=b["b_seq_len"], out_token_idx=b["out_token_idx"], positions=b["positions"],
                            max_len_in_batch=max_len)  # fmt: skip
+        self._launching()
         return self._computed_each(slots, last_tokens, self.model.forward(b["input_ids"], state))
 
     def _computed_each(self, slots: Sequence[int], last_tokens: Sequence[int], logits: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,7 @@ tensor-parallel runner broadcasts exactly these to the other ranks, so their KV 
 rest is read-only.
 """
 
-from typing import List, Optional, Protocol, Sequence, Tuple, runtime_checkable
+from typing import Callable, List, Optional, Protocol, Sequence, Tuple, runtime_checkable
 
 import torch
 
@@ -67,3 +67,6 @@ class Runner(Protocol):
     def add_request(self, prefix: Sequence[int] = ()) -> int: ...  # its row starts with the cached ``prefix``
 
     def free(self, slot: int) -> None: ...
+
+    # Rank 0 only, not broadcast: ``hook()`` right before each forward is launched (the engine's step GPU timer)
+    def set_launch_hook(self, hook: Optional[Callable[[], None]]) -> None: ...

@@ -193,5 +193,14 @@ def _draw(probs: torch.Tensor, scores: torch.Tensor, generator) -> torch.Tensor:
 def top_logprobs(raw_logits: torch.Tensor, k: int) -> Tuple[List[List[int]], List[List[float]]]:
     """The ``k`` most likely token ids of each row and their logprobs, under the model's own distribution (the
     one ``sample``'s logprobs are of): two host transfers for the batch."""
-    values, ids = torch.log_softmax(raw_logits, dim=-1).topk(k, dim=-1)
+    return top_logprobs_read(top_logprobs_launch(raw_logits, k))
+
+
+def top_logprobs_launch(raw_logits: torch.Tensor, k: int):
+    """:func:`top_logprobs`'s device work, launched without waiting for it (``top_logprobs_read`` waits)."""
+    return torch.log_softmax(raw_logits, dim=-1).topk(k, dim=-1)
+
+
+def top_logprobs_read(top) -> Tuple[List[List[int]], List[List[float]]]:
+    values, ids = top
     return ids.tolist(), values.tolist()

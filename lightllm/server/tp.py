@@ -169,6 +169,10 @@ class TPRunner:
         """Rank 0's KV cache, for the policy's questions; it changes only through the broadcast calls."""
         return self.runner.kv
 
+    def set_launch_hook(self, hook) -> None:
+        """Rank 0's own launches (after the command's broadcast): ``ModelRunner.set_launch_hook``."""
+        self.runner.set_launch_hook(hook)
+
     def _cast(self, *cmd) -> None:
         dist.broadcast_object_list([cmd], src=0, group=self.group)
 

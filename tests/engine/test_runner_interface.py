@@ -56,6 +56,9 @@ def test_the_interface_lists_exactly_what_the_engine_uses(model_dir):
         def on_spec(self, drafts, accepted):
             pass
 
+        def on_step_gpu(self, kind, seconds):  # asked for the runner's launch hook (a timer only on a GPU)
+            pass
+
     # built as the server and LLM build it: the EOS ids come from the runner's config
     engine = Engine(runner, eos_token_ids(runner.config, None), observer=Observer())
     preempted = []
