@@ -29,6 +29,7 @@ from lightllm.engine.runner import Runner
 from lightllm.engine.sampler import sample, top_logprobs_launch, top_logprobs_read
 from lightllm.engine.scheduler import Scheduler
 from lightllm.engine.spec_decode import SpecDecoder
+from lightllm.engine.staging import host_to_device
 
 logger = logging.getLogger(__name__)
 
@@ -48,8 +49,8 @@ class StepObserver(Protocol):
 
     def on_spec(self, drafts: int, accepted: int) -> None: ...  # MTP: drafts proposed and accepted in one step
 
-    # Optional, CUDA only: the GPU seconds of every ``GPU_TIME_EVERY``-th step that sampled tokens (forward and
-    # sampling, ``gpu_timer.py``); not for MTP's steps, which wait for the GPU several times.
+    # Optional, CUDA only: the GPU seconds of every ``GPU_TIME_EVERY``-th step (of those, the ones that sampled
+    # tokens: forward and sampling, ``gpu_timer.py``); not with MTP, whose steps wait for the GPU several times.
     def on_step_gpu(self, kind: str, seconds: float) -> None: ...
 
 
@@ -80,16 +81,18 @@ class Engine:
         self.processor = LogitsProcessor(runner.config.vocab_size, runner.device, self.scheduler.eos)
         self.observer = observer
         self._on_tokens = getattr(observer, "on_tokens", None)
+        self._emit_tokens = emit_tokens or _emit_each
+        self.spec = SpecDecoder(self) if getattr(runner, "mtp", None) is not None else None  # fakes may lack it
         self._on_step_gpu = getattr(observer, "on_step_gpu", None)
-        self._gpu_timer = None  # with an observer that takes it and a runner that marks its launches, on a GPU
-        if self._on_step_gpu is not None and getattr(runner, "set_launch_hook", None) is not None:  # fakes lack it
+        # A step GPU timer with an observer that takes it and a runner that marks its launches (fakes may not), on a
+        # GPU, without MTP (its head's prefill and its decode steps wait for the GPU several times)
+        self._gpu_timer = None
+        if self._on_step_gpu is not None and self.spec is None and getattr(runner, "set_launch_hook", None):
             self._gpu_timer = step_gpu_timer(runner.device)
             if self._gpu_timer is not None:
                 runner.set_launch_hook(self._mark_launch)
         self._gpu_steps = itertools.count()
         self._timing = False  # this step is GPU-timed
-        self._emit_tokens = emit_tokens or _emit_each
-        self.spec = SpecDecoder(self) if getattr(runner, "mtp", None) is not None else None  # fakes may lack it
         self._inbox: "queue.Queue[Request]" = queue.Queue()
         self._aborts: "queue.Queue[Tuple[str, str]]" = queue.Queue()
         self._closing = threading.Event()
@@ -139,9 +142,8 @@ class Engine:
         if kind == "idle":
             return False
         t0 = time.perf_counter()
-        spec = kind == "decode" and self.spec is not None
-        self._timing = self._gpu_timer is not None and not spec and next(self._gpu_steps) % GPU_TIME_EVERY == 0
-        if spec:  # MTP: draft, verify, accept (spec_decode.py)
+        self._timing = self._gpu_timer is not None and next(self._gpu_steps) % GPU_TIME_EVERY == 0
+        if kind == "decode" and self.spec is not None:  # MTP: draft, verify, accept (spec_decode.py)
             self.scheduler.update(kind, self.spec.step(batch))
             if self.observer is not None:
                 self.observer.on_step(kind, len(batch), time.perf_counter() - t0)
@@ -170,7 +172,8 @@ class Engine:
             sampled = self.scheduler.prefilled(batch)
             if len(sampled) < len(batch):
                 done = {id(r) for r in sampled}
-                logits = logits[[i for i, r in enumerate(batch) if id(r) in done]]
+                keep = [i for i, r in enumerate(batch) if id(r) in done]  # no sync: list indexing would wait
+                logits = logits.index_select(0, host_to_device(keep, torch.int64, logits.device))
         alive = self._postprocess(sampled, logits) if sampled else []
         self.scheduler.update(kind, alive)
         if self.observer is not None:  # _postprocess synchronized on the sampled tokens: t0..now covers the GPU work

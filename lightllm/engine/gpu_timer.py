@@ -2,9 +2,11 @@
 
 ``start`` is recorded by the runner right before it launches the step's forward (its inputs staged) and ``stop``
 by the engine after the step's last launch (sampling, top logprobs, penalty counts), before the host reads the
-tokens; once it has, ``seconds`` is the GPU timeline between the two markers. Within a replayed graph that is GPU
-work alone; on an eager path it also holds the gaps where the GPU waited for the host's next launch. The rest of
-the step's wall time is the host's: scheduling, staging the inputs, and the bookkeeping after the tokens arrive.
+tokens; once it has, ``seconds`` is the GPU timeline between the two markers: the GPU's work and any wait for the
+host's next launch (between a replayed graph and the sampling's launches, between an eager forward's kernels, and
+under tensor parallelism for the other ranks, whose all-reduces it waits for). Nothing in between waits for the
+GPU. The rest of the step's wall time is the host's: scheduling, staging the inputs, and the bookkeeping after the
+tokens arrive.
 """
 
 from typing import Optional, Union

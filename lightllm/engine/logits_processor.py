@@ -95,7 +95,7 @@ class LogitsProcessor:
         for table in self._tables.values():
             table[row] = 0
         settings = [p.repetition_penalty, p.frequency_penalty, p.presence_penalty, p.min_tokens, len(req.output_ids)]
-        self._table("settings", torch.float32, 5)[row] = torch.tensor(settings, dtype=torch.float32, device=self.device)
+        self._table("settings", torch.float32, 5)[row] = host_to_device(settings, torch.float32, self.device)
         if p.repetition_penalty != 1 or p.frequency_penalty or p.presence_penalty:
             counts = self._table("counts", torch.float32)  # float: used as is by the penalties; exact to 2**24
             in_prompt = self._table("in_prompt", torch.bool)
@@ -104,13 +104,13 @@ class LogitsProcessor:
                 counts[row] = torch.bincount(self._ids(req.output_ids), minlength=self.vocab_size).float()
         if p.logit_bias:
             bias = self._table("bias", torch.float32)
-            values = torch.tensor(list(p.logit_bias.values()), dtype=torch.float32, device=self.device)  # ints too
+            values = host_to_device([float(v) for v in p.logit_bias.values()], torch.float32, self.device)
             bias[row, self._ids(list(p.logit_bias))] = values
         if p.min_tokens:
             self._table("blocked", torch.bool)[row, self._ids(self.eos_ids + list(p.stop_token_ids))] = True
 
-    def _ids(self, ids: List[int]) -> torch.Tensor:
-        return torch.tensor(ids, dtype=torch.int64, device=self.device)
+    def _ids(self, ids: List[int]) -> torch.Tensor:  # without a sync: a step's GPU timer may be running
+        return host_to_device(list(ids), torch.int64, self.device)
 
     def _table(self, name: str, dtype: torch.dtype, width: Optional[int] = None) -> torch.Tensor:
         if name not in self._tables:

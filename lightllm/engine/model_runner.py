@@ -309,8 +309,7 @@ class ModelRunner:
         token_idx = self.kv.extend_many(slots, lens)  # one allocation and one table write for the step
         logits = None
         if self.prefill_graphs is not None and len(slots) == 1:  # one request within a bucket: a graph replay
-            self._launching()  # its small staging copy included
-            logits = self.prefill_graphs.prefill(slots[0], prefix[0], prompts[0], token_idx)
+            logits = self.prefill_graphs.prefill(slots[0], prefix[0], prompts[0], token_idx, self._launching)
         if logits is None:
             logits = self._prefill_eager(slots, prompts, lens, prefix, token_idx)
         for slot, prompt in zip(slots, prompts):  # after the forward: a failed one leaves no KV to reuse

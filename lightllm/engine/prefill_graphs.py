@@ -164,15 +164,17 @@ class PrefillGraphs:
         key = (bucket_for(self.buckets, new_tokens), prefix_len > 0)
         return key if key in self.graphs.graphs else None
 
-    def prefill(self, slot: int, prefix_len: int, token_ids: Sequence[int],
-                token_idx: torch.Tensor) -> Optional[torch.Tensor]:  # fmt: skip
+    def prefill(self, slot: int, prefix_len: int, token_ids: Sequence[int], token_idx: torch.Tensor,
+                on_launch: Optional[Callable[[], None]] = None) -> Optional[torch.Tensor]:  # fmt: skip
         """Float32 logits ``[1, vocab]`` of the request's last new token from a graph replay (the graph's output
         tensor: valid until the next replay), or None when no graph serves it. ``token_idx``: its new tokens' KV
-        slots, already in its row of ``req_to_token``."""
+        slots, already in its row of ``req_to_token``. ``on_launch``: called between the staging and the replay."""
         key = self.pick(len(token_ids), prefix_len)
         if key is None:
             return None
         self.staging.stage(slot, prefix_len, token_ids, token_idx)
+        if on_launch is not None:
+            on_launch()
         return self.graphs.replay(key)
 
     @property

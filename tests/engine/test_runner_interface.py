@@ -94,8 +94,11 @@ def test_the_tensor_parallel_runner_forwards_nothing_implicitly(model_dir):
     assert set(tp._COMMANDS) == set(STATE_CHANGING)
     with pytest.raises(AttributeError):
         rank0.extend  # a ModelRunner-only call does not silently run on rank 0 alone
+    marks = []
+    rank0.set_launch_hook(lambda: marks.append(len(cast)))  # rank 0's own launches, each after its broadcast
     slot = rank0.add_request()
     rank0.prefill([slot], [[3, 4, 5]])
     rank0.decode([slot], [6])
     rank0.free(slot)
     assert [c[0] for c in cast] == ["add_request", "prefill", "decode", "free"]
+    assert marks == [2, 3]

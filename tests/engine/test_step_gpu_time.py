@@ -12,12 +12,14 @@ import lightllm.engine.engine as engine_module
 from lightllm.engine.args import EngineArgs
 from lightllm.engine.engine import Engine
 from lightllm.engine.gpu_timer import StepGpuTimer, step_gpu_timer
+from lightllm.engine.logits_processor import LogitsProcessor
 from lightllm.engine.model_runner import ModelRunner
 from lightllm.engine.request import Request
 from lightllm.engine.runner import Runner
 from lightllm.engine.sampler import SamplingParams
 from lightllm.server.metrics import Metrics
 from lightllm.tools.make_tiny_model import make_tiny_qwen3
+from tests.engine.test_prefill_graph import graph_runner
 
 PROMPTS = [[3, 4, 5, 6], [20, 21, 22], list(range(40, 80))]  # the last one (40 tokens) is prefilled in chunks
 
@@ -113,18 +115,51 @@ def test_one_step_in_gpu_time_every_is_timed_and_the_others_record_nothing(model
 
 
 def test_the_runner_marks_each_forward_once_its_inputs_are_staged(model_dir):
-    """The hook runs once per forward, after the step's KV rows were extended (host work before the launch)."""
-    args = EngineArgs(
-        model_dir=model_dir, data_type="fp32", device="cpu", max_req_total_len=64, max_total_token_num=512
-    )
-    r = ModelRunner(args)
-    seen = []
-    r.set_launch_hook(lambda: seen.append(list(r.kv.seq_lens([slot]))))
-    slot = r.add_request()
-    r.prefill([slot], [[3, 4, 5]])
-    r.decode([slot], [6])
-    r.decode([slot], [7])
-    assert seen == [[3], [4], [5]]
+    """The hook runs once per forward, after the host staged its inputs and before the launch: decode and prefill
+    graph replays (CPU stand-ins replaying the captured forward), an eager prefill, and a prefill no graph serves."""
+    r, api = graph_runner(model_dir, batch_max_tokens=64)  # prefill graphs up to 64 tokens
+    log = []
+    for name, obj in (("stage", r._staging), ("stage", r.prefill_graphs.staging), ("replay", api)):
+        method = getattr(obj, name)
+        setattr(obj, name, lambda *a, _m=method, _n=name, **k: (log.append(_n), _m(*a, **k))[1])
+    r.set_launch_hook(lambda: log.append("hook"))
+    a, b, c = r.add_request(), r.add_request(), r.add_request()
+    r.prefill([a], [[3, 4, 5]])  # one request within a bucket: a prefill graph
+    assert log == ["stage", "hook", "replay"]
+    log.clear()
+    r.prefill([b, c], [[9, 10], [11]])  # two requests: eager, its inputs built before the hook
+    assert log == ["hook"]
+    log.clear()
+    r.prefill([c], [list(range(20, 120))])  # one request over the largest bucket: no graph, eager, one hook
+    assert log == ["hook"]
+    log.clear()
+    r.decode([a], [6])  # a decode graph
+    assert log == ["stage", "hook", "replay"]
+    log.clear()
+    r.decode([a, b], [7, 8])  # batch 2 (graphs to 2): staged, replayed
+    assert log == ["stage", "hook", "replay"]
+
+
+def test_the_timer_stops_after_the_steps_last_launch_and_before_any_read(model_dir, monkeypatch):
+    """Top logprobs and penalty counts are launched before the stop; reading them (``tolist``) comes after it."""
+    timers = fake_timers(monkeypatch)
+    launch, record, read = (engine_module.top_logprobs_launch, LogitsProcessor.record,
+                            engine_module.top_logprobs_read)  # fmt: skip
+
+    def logged(name, fn):
+        def call(*a, **k):
+            timers[0].calls.append(name)
+            return fn(*a, **k)
+
+        return call
+
+    monkeypatch.setattr(engine_module, "top_logprobs_launch", logged("top_launch", launch))
+    monkeypatch.setattr(LogitsProcessor, "record", logged("record", record))
+    monkeypatch.setattr(engine_module, "top_logprobs_read", logged("top_read", read))
+    observer = Observer()
+    run(model_dir, observer, top_logprobs=2)
+    sampled = [c for c in " ".join(timers[0].calls).split("seconds") if "stop" in c]
+    assert sampled and all(c.split() == ["start", "top_launch", "record", "stop", "top_read"] for c in sampled)
 
 
 def test_no_timer_without_an_observer_that_takes_gpu_time(model_dir, monkeypatch):
