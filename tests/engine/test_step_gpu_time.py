@@ -227,7 +227,10 @@ def test_cuda_events_time_the_gpu_work_between_start_and_stop():
 
 
 @pytest.mark.gpu
-def test_an_engine_step_on_the_gpu_takes_less_gpu_time_than_wall_time(tmp_path, monkeypatch):
+def test_an_engine_step_on_the_gpu_takes_less_gpu_time_than_wall_time_and_nothing_waits_inside(tmp_path, monkeypatch):
+    """Host work before the launch (a slowed staging) is wall time, never GPU time; and nothing between the timer's
+    start and stop waits for the GPU (CUDA's sync debug mode raises on any wait), with a penalised request that
+    asks for top logprobs beside a plain one."""
     monkeypatch.setattr(engine_module, "GPU_TIME_EVERY", 1)
     model = str(make_tiny_qwen3(tmp_path / "m", seed=2))
     r = ModelRunner(EngineArgs(model_dir=model, data_type="bf16", max_req_total_len=64, running_max_req_size=4))
@@ -248,9 +251,29 @@ def test_an_engine_step_on_the_gpu_takes_less_gpu_time_than_wall_time(tmp_path, 
     r.kv.seq_lens = slow_staging
     observer = Timed()
     engine = Engine(r, eos_ids=[], observer=observer)
-    engine.submit(Request("0", [3, 4, 5], SamplingParams(max_new_tokens=8, ignore_eos=True), lambda ev: None))
-    while engine.step():
-        pass
+    timer, start, stop = engine._gpu_timer, engine._gpu_timer.start, engine._gpu_timer.stop
+
+    def strict_start():
+        start()
+        torch.cuda.set_sync_debug_mode("error")
+
+    def strict_stop():
+        torch.cuda.set_sync_debug_mode("default")
+        stop()
+
+    timer.start, timer.stop = strict_start, strict_stop
+    finished = {}
+    plain = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    penalised = SamplingParams(max_new_tokens=8, ignore_eos=True, repetition_penalty=1.3, top_logprobs=2)
+    try:
+        for rid, params in (("0", plain), ("1", penalised)):
+            engine.submit(Request(rid, [3, 4, 5], params, lambda ev, rid=rid: finished.update({rid: ev.finish_reason})
+                                  if ev.kind == "finish" else None))  # fmt: skip
+            while engine.step():
+                pass
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert finished == {"0": "length", "1": "length"}  # a wait inside the window would have failed a step
     decode = [s for k, s in observer.gpu if k == "decode"]
-    assert len(decode) == len(walls["decode"]) == 7
+    assert len(decode) == len(walls["decode"]) == 14
     assert all(0 < g < 0.02 <= w for g, w in zip(decode, walls["decode"])), (decode, walls["decode"])
