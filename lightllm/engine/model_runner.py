@@ -65,15 +65,6 @@ class ModelRunner:
     mtp: Optional[MTPRunner] = None  # with --mtp_mode: the draft / verify / accept steps (mtp_runner.py)
     _launch_hook: Optional[Callable[[], None]] = None  # called right before a step's forward is launched
 
-    def set_launch_hook(self, hook: Optional[Callable[[], None]]) -> None:
-        """``hook()`` runs right before each prefill or decode forward is launched, once the host has staged its
-        inputs: where the engine's step GPU timer starts (``engine/gpu_timer.py``)."""
-        self._launch_hook = hook
-
-    def _launching(self) -> None:
-        if self._launch_hook is not None:
-            self._launch_hook()
-
     def __init__(self, args: EngineArgs, graph_api=None, memory_api=None):
         args.normalize()
         envs.validate_all()
@@ -298,6 +289,15 @@ class ModelRunner:
                           prefill_graph_estimate=prefill_graphs)  # fmt: skip
 
     # ---- steps ---------------------------------------------------------------------------------------------
+
+    def set_launch_hook(self, hook: Optional[Callable[[], None]]) -> None:
+        """``hook()`` runs right before each prefill or decode forward is launched, once the host has staged its
+        inputs: where the engine's step GPU timer starts (``engine/gpu_timer.py``)."""
+        self._launch_hook = hook
+
+    def _launching(self) -> None:
+        if self._launch_hook is not None:
+            self._launch_hook()
 
     def prefill(self, slots: Sequence[int], prompts: Sequence[Sequence[int]]) -> torch.Tensor:
         """Append each request's new tokens to its KV and run them as one packed prefill; float32 logits of each

@@ -230,7 +230,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                     continue
                 print(f"{start.describe()}: {seconds:6.1f} s ({search_summary(log_path.read_text())})", flush=True)
         if not failed and not any(config_dir.rglob("*.json")):
-            # every key was already in the shipped or cached configs: done, not an export failure
+            # every key was already shipped (the scratch cache starts empty): done, not an export failure
             print(f"nothing new to export: every start found its configs already shipped, "
                   f"{args.out} is unchanged")  # fmt: skip
             return 0
