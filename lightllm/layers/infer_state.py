@@ -37,6 +37,7 @@ class InferState:
     max_q_len: int = 1
     b_prefix_len: Optional[torch.Tensor] = None  # int32 [batch], prefill only: tokens cached before this chunk
     max_prefix_len: int = 0
+    q_lens_host: Optional[Sequence[int]] = None  # prefill: ``b_q_len`` on the host, when the builder had it
     q_len: int = 1  # decode: new tokens per request
     # MTP: each request row owns several linear-attention state slots. ``state_idx`` [batch] is the slot a step
     # starts from (None: ``b_req_idx``); a verify step (q_len > 1) writes the state after its token t to slot
@@ -75,6 +76,7 @@ class InferState:
             max_len_in_batch=max(seq_lens),
             b_q_start=torch.tensor([0, *itertools.accumulate(new_lens[:-1])], **i32),
             b_q_len=torch.tensor(list(new_lens), **i32),
+            q_lens_host=tuple(new_lens),
             max_q_len=max(new_lens),
             b_prefix_len=torch.tensor(list(prefix_lens), **i32),
             max_prefix_len=max(prefix_lens),

@@ -16,6 +16,7 @@ indexes the state through the static ``b_req_idx`` buffer.
 - GPU decode: the Triton recurrent update and conv update (``kernels/linear_attention``).
 """
 
+import itertools
 from dataclasses import dataclass
 from typing import Any, Optional, Tuple
 
@@ -95,8 +96,12 @@ class LinearAttentionBackend:
         if not infer_state.is_prefill:
             return LinearAttentionPlan(slots, dst_idx=infer_state.state_dst_idx)
         lens = infer_state.b_q_len.to(torch.int64)
-        cu = torch.cat([lens.new_zeros(1), lens.cumsum(0)])
-        cu_cpu = cu.cpu()
+        if infer_state.q_lens_host is not None:  # the bounds from the host: nothing here waits for the device
+            cu_cpu = torch.tensor([0, *itertools.accumulate(infer_state.q_lens_host)], dtype=torch.int64)
+            cu = cu_cpu.pin_memory().to(lens.device, non_blocking=True) if self.on_gpu else cu_cpu
+        else:
+            cu = torch.cat([lens.new_zeros(1), lens.cumsum(0)])
+            cu_cpu = cu.cpu()
         offsets = None
         if self.on_gpu:
             tokens = int(cu_cpu[-1])

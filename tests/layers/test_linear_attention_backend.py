@@ -58,6 +58,26 @@ def run_prefill(be, t, lens, slots):
     return conv, out
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_prefill_bounds_from_the_hosts_lengths_equal_the_devices(device):
+    """An InferState built with the host's lengths (``packed_prefill``) gives the plan its bounds without reading
+    the device; the same bounds as from ``b_q_len``, on the host for the references and on the device for fla."""
+    lens, slots = [5, 1, 7], [2, 0, 1]
+    be = backend(device=device)
+    from_device = be.plan(batch(lens, slots, device))
+    state = batch(lens, slots, device)
+    state.q_lens_host = tuple(lens)
+    from_host = be.plan(state)
+    assert from_host.cu_seqlens_cpu.tolist() == from_device.cu_seqlens_cpu.tolist() == [0, 5, 6, 13]
+    assert from_host.cu_seqlens.device == from_device.cu_seqlens.device
+    assert from_host.cu_seqlens.tolist() == [0, 5, 6, 13] and from_host.cu_seqlens.dtype == torch.int64
+    if device == "cuda":
+        assert torch.equal(from_host.offsets, from_device.offsets)
+    packed = InferState.packed_prefill(slots, torch.zeros(3, 16, dtype=torch.int32), [0, 0, 0], lens,
+                                       torch.arange(13), torch.device(device))  # fmt: skip
+    assert packed.q_lens_host == (5, 1, 7)
+
+
 def test_prefill_writes_each_final_state_into_its_own_slot():
     be, t, lens = backend(), inputs(12), [5, 7]
     be.state.conv[0, 0] = 7.0  # slots no request of the batch owns keep what they hold
