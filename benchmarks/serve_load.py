@@ -218,59 +218,49 @@ def launch(args, model, workload, cfg, mode, rep, flags, position=0):
     return proc, base, start, before
 
 
-def measure(args, base, workload, vocab, conc, mode, rep, seed, results, rnd=None):
-    """One measured load of ``args.requests`` requests (schedule ``seed``) against ``base``, kept in ``results``."""
+def run_load(args, base, workload, vocab, conc, n, seed, rate=0.0):
+    """``n`` streamed requests of schedule ``seed`` at concurrency ``conc`` against ``base``: the load's record."""
     prompt_len, out_len = WORKLOADS[workload]
-    clients = args.client_procs or auto_client_procs(conc)
-    res = asyncio.run(load(base, args.requests, conc, prompt_len, out_len, vocab, seed=seed, rate=args.rate,
-                           stream=True, client_procs=clients))  # fmt: skip
-    results.setdefault((mode, conc), []).append(res)
-    where = {"workload": workload, "mode": mode, "repeat": rep, "concurrency": conc}
-    print(json.dumps({**where, **({} if rnd is None else {"round": rnd}), **res}), flush=True)
-
-
-def warm_up(args, base, workload, vocab, conc, ci):
-    """``--warmup`` requests (default twice the concurrency) on their own schedule; nothing of them is counted."""
-    prompt_len, out_len = WORKLOADS[workload]
-    warm = conc * 2 if args.warmup is None else args.warmup
-    if warm:
-        seed = point_seed(args.seed, ci, 0) + 1
-        asyncio.run(load(base, warm, conc, prompt_len, out_len, vocab, seed=seed, stream=True,
-                         client_procs=args.client_procs or auto_client_procs(conc)))  # fmt: skip
+    return asyncio.run(load(base, n, conc, prompt_len, out_len, vocab, seed=seed, rate=rate, stream=True,
+                            client_procs=args.client_procs or auto_client_procs(conc)))  # fmt: skip
 
 
 def run_repeat(args, model, workload, vocab, cfg, rep, flags, results, startups):
     """One repeat: every mode's server, one after another (default), or with ``--rounds`` all of them side by side
     and each point measured in rounds that visit every server in turn."""
     order = start_order(rep, args.control)
-    if not args.rounds:
+    if args.rounds:
+        run_servers(args, model, workload, vocab, cfg, rep, flags, results, startups, order, range(len(order)))
+    else:  # one server at a time, one round (the same schedules)
         for position, mode in enumerate(order):
-            proc, base, start, before = launch(args, model, workload, cfg, mode, rep, flags, position)
-            startups.append(start)
-            try:
-                for ci, conc in enumerate(args.concurrency):
-                    warm_up(args, base, workload, vocab, conc, ci)
-                    measure(args, base, workload, vocab, conc, mode, rep, point_seed(args.seed, ci, 0), results)
-            finally:
-                stop_all([(mode, proc, base, start, before)], cfg)
-        return
-    # Side by side: a drift of the machine over minutes (clocks, the host's other load) reaches every server of a
-    # round within seconds of each other, instead of whichever server happened to run during it. Only one server
-    # is under load at a time; the others wait idle.
+            run_servers(args, model, workload, vocab, cfg, rep, flags, results, startups, [mode], [position])
+
+
+def run_servers(args, model, workload, vocab, cfg, rep, flags, results, startups, modes, positions):
+    """Start the servers of ``modes`` (the ``positions``-th of the repeat) side by side and measure every point on
+    each: a warm-up each, then ``--rounds`` rounds (1 without) that visit them in a rotating order. Side by side, a
+    drift of the machine over minutes (clocks, the host's other load) reaches every server of a round within
+    seconds of each other, instead of whichever server happened to run during it. Only one server is under load at
+    a time; the others wait idle."""
     alive = []
     try:
-        for position, mode in enumerate(order):
+        for position, mode in zip(positions, modes):
             proc, base, start, before = launch(args, model, workload, cfg, mode, rep, flags, position)
             startups.append(start)
             alive.append((mode, proc, base, start, before))
         bases = {mode: base for mode, _, base, _, _ in alive}
         for ci, conc in enumerate(args.concurrency):
-            for mode in order:
-                warm_up(args, bases[mode], workload, vocab, conc, ci)
-            for rnd in range(args.rounds):
-                for mode in round_order(order, rnd):
-                    measure(args, bases[mode], workload, vocab, conc, mode, rep, point_seed(args.seed, ci, rnd),
-                            results, rnd)  # fmt: skip
+            warm = conc * 2 if args.warmup is None else args.warmup  # on its own schedule, nothing of it counted
+            for mode in modes:
+                if warm:
+                    run_load(args, bases[mode], workload, vocab, conc, warm, point_seed(args.seed, ci, 0) + 1)
+            for rnd in range(args.rounds or 1):
+                for mode in round_order(modes, rnd):
+                    res = run_load(args, bases[mode], workload, vocab, conc, args.requests,
+                                   point_seed(args.seed, ci, rnd), args.rate)  # fmt: skip
+                    results.setdefault((mode, conc), []).append(res)
+                    where = {"workload": workload, "mode": mode, "repeat": rep, "concurrency": conc}
+                    print(json.dumps({**where, **({"round": rnd} if args.rounds else {}), **res}), flush=True)
     finally:
         stop_all(alive, cfg)
 

@@ -63,7 +63,7 @@ def eos_token_ids(config, tokenizer, extra: Iterable[int] = ()) -> Set[int]:
     return eos
 
 
-# Steps per GPU-timed step: a timed step pays two event records and a read (a few microseconds)
+# Steps per GPU-timed step: a timed step pays two event records and a read of their time, kept off most steps
 GPU_TIME_EVERY = 8
 
 # A step's sampled tokens in one call: (requests, token ids, logprobs, top logprobs or None per request).

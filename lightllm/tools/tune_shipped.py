@@ -205,6 +205,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not torch.cuda.is_available():
         print("error: tuning needs a CUDA GPU (the CPU device runs the torch references)", file=sys.stderr)
         return 2
+    from lightllm.common.autotuner import store
     from lightllm.common.autotuner.__main__ import main as autotuner_cli
 
     failed = []
@@ -229,7 +230,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                     print(f"{start.describe()}: FAILED, {e}", file=sys.stderr, flush=True)
                     continue
                 print(f"{start.describe()}: {seconds:6.1f} s ({search_summary(log_path.read_text())})", flush=True)
-        if not failed and not any(config_dir.rglob("*.json")):
+        if not failed and not any(store.iter_config_files(config_dir)):
             # every key was already shipped (the scratch cache starts empty): done, not an export failure
             print(f"nothing new to export: every start found its configs already shipped, "
                   f"{args.out} is unchanged")  # fmt: skip
