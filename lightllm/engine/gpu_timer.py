@@ -4,9 +4,9 @@
 by the engine after the step's last launch (sampling, top logprobs, penalty counts), before the host reads the
 tokens; once it has, ``seconds`` is the GPU timeline between the two markers: the GPU's work and any wait for the
 host's next launch (between a replayed graph and the sampling's launches, between an eager forward's kernels, and
-under tensor parallelism for the other ranks, whose all-reduces it waits for). Nothing in between waits for the
-GPU. The rest of the step's wall time is the host's: scheduling, staging the inputs, and the bookkeeping after the
-tokens arrive.
+under tensor parallelism for the other ranks, whose all-reduces it waits for). Nothing in between is meant to wait
+for the GPU (a re-admitted penalised request's first draw does, in ``torch.bincount``). The rest of the step's
+wall time is the host's: scheduling, staging the inputs, and the bookkeeping after the tokens arrive.
 """
 
 from typing import Optional, Union
