@@ -73,6 +73,10 @@ class EngineProcess:
         self._outbox: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()
         self._loop = None
         self._stopping = False
+        # Once the reader runs it is the only thread that waits for the engine process: two waits race, and the
+        # loser's waitpid fails, so it would take a cleanly exited engine for a live one (and SIGKILL its pid)
+        self._reader: Optional[threading.Thread] = None
+        self._reaped = threading.Event()  # the reader has waited for the engine process's exit
 
     # ---- start-up, on the main thread ----------------------------------------------------------------------
 
@@ -92,7 +96,8 @@ class EngineProcess:
         self._loop = loop
 
     def start(self) -> None:
-        threading.Thread(target=self._read_loop, name="lightllm-engine-read", daemon=True).start()
+        self._reader = threading.Thread(target=self._read_loop, name="lightllm-engine-read", daemon=True)
+        self._reader.start()
 
     # ---- the Engine's side, on the event loop --------------------------------------------------------------
 
@@ -112,7 +117,12 @@ class EngineProcess:
     # ---- the EngineLoop's side -----------------------------------------------------------------------------
 
     def is_alive(self) -> bool:
-        return self.problem is None and self.process.is_alive()
+        return self.problem is None and self._process_alive()
+
+    def _process_alive(self) -> bool:
+        if self._reader is not None:  # the reader waits for the process: asking it here would race with that
+            return not self._reaped.is_set()
+        return self.process.is_alive()
 
     def exit_reason(self) -> str:
         return self.problem or f"engine process exited with code {self.process.exitcode}"
@@ -125,15 +135,21 @@ class EngineProcess:
         """Stop the engine process after its current step and wait for it (it stops its tensor-parallel workers);
         False when it was still running after ``timeout`` seconds: it is killed then. Idempotent."""
         self._stopping = True
-        if self.process.is_alive() and self.args is None:  # still starting (Ctrl+C while loading): nothing to drain
+        if self._process_alive() and self.args is None:  # still starting (Ctrl+C while loading): nothing to drain
             self.process.terminate()
-        elif self.process.is_alive():
+        elif self._process_alive():
             self._outbox.put(("stop",))
-        self.process.join(timeout)
-        clean = not self.process.is_alive()
+        if self._reader is None:
+            self.process.join(timeout)
+            clean = not self.process.is_alive()
+        else:
+            clean = self._reaped.wait(timeout)
         if not clean:
             self.process.kill()  # its workers watch its pid and leave too
-            self.process.join()
+            if self._reader is None:
+                self.process.join()
+            else:
+                self._reaped.wait()
         return clean
 
     # ---- threads -------------------------------------------------------------------------------------------
@@ -152,14 +168,16 @@ class EngineProcess:
                 return
 
     def _read_loop(self) -> None:
+        deliver = True  # until the event loop is closed; the pipe is still drained then, so the engine never blocks
         while True:
             try:
                 message = self._conn.recv()
             except (EOFError, OSError):
                 break
-            if message[0] == "step" and not self._call_soon(self._deliver, message[1], message[2]):
-                return
+            if deliver and message[0] == "step":
+                deliver = self._call_soon(self._deliver, message[1], message[2])
         self.process.join()  # its end of the pipe is closed: it has exited or is exiting
+        self._reaped.set()
         if not self._stopping:
             self._call_soon(self._gone, f"engine process exited with code {self.process.exitcode}")
 

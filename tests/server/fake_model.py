@@ -1,7 +1,9 @@
 """A fake model and tokenizer for in-process server tests: the next-token distribution depends on the last
 token (so sampling, penalties and logprobs mean something), and each token is one letter."""
 
+import atexit
 import json
+import time
 from types import SimpleNamespace
 
 import torch
@@ -167,3 +169,12 @@ class CrashingRunner(FakeRunner):
 
     def decode(self, slots, last_tokens):
         raise EngineCrash("the model crashed")
+
+
+class SlowExitRunner(FakeRunner):
+    """FakeRunner whose process takes a second to exit after the engine has closed its pipe (as a GPU process takes
+    to tear its CUDA context down): the HTTP process's reader sees the end of the pipe while the engine still runs."""
+
+    def __init__(self):
+        super().__init__()
+        atexit.register(time.sleep, 1.0)

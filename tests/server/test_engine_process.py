@@ -2,17 +2,19 @@
 tokens, TTFT and inter-token histograms fed from it, and a dying engine process failing its requests, turning
 /health 503 and ending the server with one line instead of hanging it."""
 
+import asyncio
 import concurrent.futures
 import os
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import httpx
-from fake_model import CrashingRunner, FakeRunner, Letters
+from fake_model import CrashingRunner, FakeRunner, Letters, SlowExitRunner
 from fastapi.testclient import TestClient
 from server_helpers import REPO
 
@@ -73,6 +75,30 @@ def test_one_message_per_step_holds_every_requests_tokens_and_feeds_the_latency_
     assert metric(text, "lightllm_inter_token_latency_seconds_count") == 8 * 5
     for name in ("lightllm_time_to_first_token_seconds", "lightllm_inter_token_latency_seconds"):
         assert f'{name}_bucket{{le="0.001"}}' in text and f'{name}_bucket{{le="60.0"}}' in text
+
+
+def test_only_the_reader_waits_for_the_engine_process_and_stop_sees_its_clean_exit():
+    """Once serving, one thread (the reader of the engine's pipe) waits for the engine process: a second wait would
+    race it for the exit status, lose, take the exited engine for a live one and SIGKILL its pid. The engine here
+    needs a second to exit after closing its pipe (as a GPU process tearing its CUDA context down), so the reader and
+    ``stop`` both wait across the exit."""
+    server = started(SlowExitRunner)
+    engine = server.engine
+    waits = []
+    for name in ("join", "is_alive"):
+        real = getattr(engine.process, name)
+        setattr(engine.process, name, lambda *a, _real=real, _name=name: (waits.append(
+            (_name, threading.current_thread().name)), _real(*a))[1])  # fmt: skip
+    loop = asyncio.new_event_loop()
+    try:
+        engine.bind(loop)
+        engine.start()
+        assert engine.is_alive()
+        assert engine.stop(timeout=30)
+    finally:
+        loop.close()
+    assert engine.process.exitcode == 0 and not engine.is_alive()
+    assert waits == [("join", "lightllm-engine-read")]
 
 
 def test_a_crashed_engine_process_fails_its_requests_and_turns_health_503():
