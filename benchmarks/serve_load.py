@@ -351,7 +351,13 @@ def main():
                    "launch order; its processes share them) and the load clients the rest, so no server shares a "
                    "core with another server or a client")  # fmt: skip
     p.add_argument("--concurrency", type=int, nargs="+", default=[16, 32, 64])
-    p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    p.add_argument(
+        "--workloads",
+        nargs="+",
+        default=None,
+        choices=list(WORKLOADS),
+        help="default: all (--tiny: short, the only one within the tiny model's 4096-token context)",
+    )
     p.add_argument("--out", default="benchmarks/results/serve_load.json")
     p.add_argument("--log-dir", default="serve_load_logs", help="server logs (one per start) and the tuned configs")
     p.add_argument("--control", action="store_true", help="also start a second 'off' server per repeat (off_b)")
@@ -373,6 +379,11 @@ def main():
             hybrid_layer_types(args.layers)
         except ValueError as e:
             p.error(str(e))
+    if args.workloads is None:
+        args.workloads = ["short"] if args.tiny else list(WORKLOADS)
+    if args.tiny and "long" in args.workloads:
+        p.error(f"--workloads long expected a model with an {sum(WORKLOADS['long']) + 64}-token context; --tiny's has "
+                "4096 (use --workloads short)")  # fmt: skip
     servers = 3 if args.control else 2
     if args.rounds < 0 or args.rounds % servers:
         p.error(f"--rounds expected 0 (one server at a time) or a multiple of the {servers} servers (each goes at "

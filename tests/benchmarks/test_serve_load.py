@@ -226,6 +226,21 @@ def test_rounds_must_give_every_server_every_position(tmp_path):
     assert "got 4" in done.stderr
 
 
+def test_the_tiny_model_takes_the_short_workload_only(tmp_path):
+    """The long workload's 8K prompts do not fit the tiny model's 4096-token context: one line at once, not a server
+    that fails to start after the short workload has run."""
+    cmd, env = _benchmark(tmp_path, "--workloads", "short", "long")
+    done = procs.run(cmd, env=env, timeout=procs.HANG_TIMEOUT_S)
+    assert done.returncode == 2
+    assert (
+        done.stderr.strip()
+        .splitlines()[-1]
+        .endswith(
+            "--workloads long expected a model with an 8384-token context; --tiny's has 4096 (use --workloads short)"
+        )
+    )
+
+
 def test_pinned_cores_give_each_server_its_own_and_the_clients_the_rest(serve_load):
     servers, clients = serve_load.core_plan(range(15, -1, -1), servers=3, tp=1)
     assert servers == [{0, 1}, {2, 3}, {4, 5}] and clients == set(range(6, 16))
