@@ -22,6 +22,9 @@ Qwen3.5's full attention: 24 q heads, 4 KV heads, head_dim 256, bf16.
     python benchmarks/mtp.py --out benchmarks/results/mtp_h200.json   # both parts
     python benchmarks/mtp.py --parts attention --out benchmarks/results/mtp_h200.json
     python benchmarks/mtp.py --parts e2e --out benchmarks/results/mtp_e2e_h200.json
+    # the same in two shorter runs (11 engine starts take ~14 min on the H200)
+    python benchmarks/mtp.py --parts e2e --e2e-heads agree --out /tmp/e2e_off_agree.json
+    python benchmarks/mtp.py --parts e2e --e2e-heads half random --e2e-no-off --out /tmp/e2e_half_random.json
     python benchmarks/mtp.py --analyze benchmarks/results/mtp_h200.json
 """
 
@@ -181,6 +184,9 @@ def parse_args(argv=None):
     p.add_argument("--e2e-layers", type=int, default=4, help="e2e: decoder layers of the 27B-shaped model")
     p.add_argument("--e2e-batches", nargs="+", type=int, default=[16, 64], help="e2e: requests decoding at once")
     p.add_argument("--e2e-steps", nargs="+", type=int, default=[1, 2, 3], help="e2e: --mtp_step values")
+    p.add_argument("--e2e-heads", nargs="+", default=["agree", "half", "random"], choices=["agree", "half", "random"],
+                   help="e2e: MTP heads, drafts accepted ~100 / ~50 / ~0 %% of the time")  # fmt: skip
+    p.add_argument("--e2e-no-off", action="store_true", help="e2e: leave out the MTP-off rows (run them elsewhere)")
     p.add_argument("--e2e-prompt-len", type=int, default=64)
     p.add_argument("--e2e-new-tokens", type=int, default=128)
     p.add_argument("--analyze", metavar="JSON", help="print the tables of a saved run (no GPU needed)")

@@ -13,6 +13,7 @@ for reference).
     python benchmarks/mtp.py --parts e2e --out benchmarks/results/mtp_e2e_h200.json
 """
 
+import gc
 import math
 import os
 import tempfile
@@ -21,7 +22,8 @@ from typing import Optional
 
 import torch
 
-HEADS = (("~100%", "agree", 0.0), ("~50%", "agree", None), ("~0%", "random", 0.0))  # None: noise_for_acceptance
+# name: (label, make_tiny_qwen3_5's head, its noise; None: noise_for_acceptance)
+HEADS = {"agree": ("~100%", "agree", 0.0), "half": ("~50%", "agree", None), "random": ("~0%", "random", 0.0)}
 
 
 def noise_for_acceptance(target: float, hidden: int, vocab: int, samples: int = 20000, seed: int = 0) -> float:
@@ -130,13 +132,16 @@ def run(args, shape: Optional[dict] = None, **engine) -> dict:
     results = {"model": model, "layers": args.e2e_layers, "prompt_len": args.e2e_prompt_len,
                "new_tokens": args.e2e_new_tokens, "rows": []}  # fmt: skip
     with tempfile.TemporaryDirectory() as root:
-        for i, (label, head, noise) in enumerate(HEADS):
+        for i, name in enumerate(args.e2e_heads):
+            label, head, noise = HEADS[name]
             noise = noise_for_acceptance(0.5, hidden, vocab) if noise is None else noise
             model_dir = build(root, args.e2e_layers, head, noise, shape)
-            settings = ([(0, True), (0, False)] if i == 0 else []) + [(n, True) for n in args.e2e_steps]
+            off = [(0, True), (0, False)] if i == 0 and not args.e2e_no_off else []
+            settings = off + [(n, True) for n in args.e2e_steps]
             for step, graphs in settings:
                 rows = decode_rows(model_dir, args.e2e_batches, args.e2e_prompt_len, args.e2e_new_tokens, step,
                                    graphs, **engine)  # fmt: skip
+                gc.collect()  # what a cycle still holds of the engine goes now: the next sizes its KV from free memory
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()  # the engine is gone: its KV cache goes back before the next
                 for row in rows:

@@ -29,7 +29,7 @@ from lightllm.engine.runner import Runner
 from lightllm.engine.sampler import sample, top_logprobs_launch, top_logprobs_read
 from lightllm.engine.scheduler import Scheduler
 from lightllm.engine.spec_decode import SpecDecoder
-from lightllm.engine.staging import host_to_device
+from lightllm.common.transfer import host_to_device
 
 logger = logging.getLogger(__name__)
 

@@ -45,7 +45,8 @@ from lightllm.common.kv_cache.sizing import (
 from lightllm.engine.args import EngineArgs
 from lightllm.engine.mtp_runner import MTPRunner, check_mtp, draft_dir
 from lightllm.engine.prefill_graphs import PrefillGraphs, PrefillStaging, prefill_buckets
-from lightllm.engine.staging import DecodeStaging, host_to_device
+from lightllm.common.transfer import host_to_device
+from lightllm.engine.staging import DecodeStaging
 from lightllm.layers import parallel
 from lightllm.layers.attention import AttentionBackend, check_head_dim, make_pool
 from lightllm.layers.infer_state import InferState

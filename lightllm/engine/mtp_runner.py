@@ -21,18 +21,23 @@ A step (the engine's ``spec_decode``):
 
 import itertools
 import os
+import weakref
 from pathlib import Path
 from typing import Callable, List, Optional, Sequence
 
+import numpy as np
 import torch
 
+from lightllm.common.transfer import host_to_device, tensor_to_device
 from lightllm.layers import parallel
 from lightllm.layers.infer_state import InferState
 
 
 class MTPRunner:
     def __init__(self, runner, step: int, max_reqs: int):
-        self.runner, self.kv, self.model = runner, runner.kv, runner.model
+        # A proxy, not a reference: the runner holds this object, and a cycle would keep the runner's GPU memory
+        # (weights, KV, graphs) until the next garbage collection after ``del llm``, not at once
+        self.runner, self.kv, self.model = weakref.proxy(runner), runner.kv, runner.model
         self.tp = runner.tp
         self.head = runner.model.mtp
         self.step, self.tokens = step, step + 1
@@ -41,7 +46,8 @@ class MTPRunner:
         self.mtp_next = [0] * max_reqs
         self.pending: List[List[torch.Tensor]] = [[] for _ in range(max_reqs)]  # hidden [k, H] pieces
         self.follow: List[List[int]] = [[] for _ in range(max_reqs)]
-        self._drafts: List[List[int]] = []
+        self._drafts: Optional[List[List[int]]] = None  # this step's drafts on the host, once read
+        self._draft_dev: Optional[torch.Tensor] = None  # this step's drafts [B, N] on the device
         self._hidden = None  # the verify's hidden states [B, T, H]
         self.graphs = None  # MTPGraphs once captured
 
@@ -55,7 +61,7 @@ class MTPRunner:
         self.current[slot], self.mtp_next[slot], self.pending[slot], self.follow[slot] = 0, 0, [], []
 
     def state_idx(self, slots: Sequence[int], device) -> torch.Tensor:
-        return torch.tensor([s * self.tokens + self.current[s] for s in slots], dtype=torch.int32, device=device)
+        return host_to_device([s * self.tokens + self.current[s] for s in slots], torch.int32, torch.device(device))
 
     # ---- prefill -------------------------------------------------------------------------------------------
 
@@ -79,30 +85,42 @@ class MTPRunner:
         with ``logits``: the head's logits and output hidden state at each slot's last such position."""
         if not slots:
             return None
-        dev, table = self.runner.device, self.kv.table
+        dev, table, i64 = self.runner.device, self.kv.table, torch.int64
         counts = [len(self.follow[s]) - 1 for s in slots]
         starts = [self.mtp_next[s] for s in slots]
-        hidden = torch.cat([torch.cat(self.pending[s])[:k] for s, k in zip(slots, counts)])
+        parts = []
+        for s, k in zip(slots, counts):
+            pending = self.pending[s]
+            if len(pending) == 1 and pending[0].shape[0] == k:  # a decode step's: exactly the accepted positions
+                parts.append(pending[0])
+                self.pending[s] = []
+            else:
+                whole = torch.cat(pending) if len(pending) > 1 else pending[0]
+                parts.append(whole[:k])
+                self.pending[s] = [whole[k:]]
+        hidden = torch.cat(parts) if len(parts) > 1 else parts[0]
         ids = [t for s in slots for t in self.follow[s][1:]]
-        positions = torch.cat([torch.arange(p, p + k) for p, k in zip(starts, counts)]).to(dev)
-        rows = torch.tensor([s for s, k in zip(slots, counts) for _ in range(k)], device=dev)
+        # every small input through pinned memory (host_to_device): a pageable copy would make the host wait
+        positions = host_to_device(np.concatenate([np.arange(p, p + k) for p, k in zip(starts, counts)]), i64, dev)
+        rows = host_to_device(np.repeat(np.asarray(slots, dtype=np.int64), counts), i64, dev)
         state = InferState.packed_prefill(slots, table, starts, counts, table[rows, positions].long(), dev,
                                           max_position=self.max_position)  # fmt: skip
         firsts = [0, *itertools.accumulate(counts[:-1])]
-        last = torch.tensor([f + k - 1 for f, k in zip(firsts, counts)], device=dev) if logits else None
-        out = self.head.forward(torch.tensor(ids, dtype=torch.int64, device=dev), hidden, state, out_rows=last)
+        last = host_to_device([f + k - 1 for f, k in zip(firsts, counts)], i64, dev) if logits else None
+        out = self.head.forward(host_to_device(ids, i64, dev), hidden, state, out_rows=last)
         for s, k in zip(slots, counts):
             self.mtp_next[s] += k
-            self.pending[s] = [torch.cat(self.pending[s])[k:]]
             self.follow[s] = self.follow[s][k:]
         return out
 
     # ---- one speculative step ------------------------------------------------------------------------------
 
     def draft(self, slots: Sequence[int], last_tokens: Sequence[int],
-              choose: Optional[Callable[[int, torch.Tensor], torch.Tensor]] = None) -> List[List[int]]:  # fmt: skip
-        """``N`` draft tokens per request; ``choose(k, logits [batch, vocab])`` picks the ``k``-th (0-based) on
-        rank 0. With tensor parallelism rank 0's picks are broadcast: the workers pass no ``choose``."""
+              choose: Optional[Callable[[int, torch.Tensor], torch.Tensor]] = None) -> torch.Tensor:  # fmt: skip
+        """``N`` draft tokens per request, ``[batch, N]`` int64 on the device (not read back: the verify takes them
+        from there, and the host reads them once with the verify's tokens); ``choose(k, logits [batch, vocab])``
+        picks the ``k``-th (0-based) on rank 0. With tensor parallelism rank 0's picks are broadcast: the workers
+        pass no ``choose``."""
         dev, table, n = self.runner.device, self.kv.table, self.step
         for slot, token in zip(slots, last_tokens):
             self.follow[slot].append(token)
@@ -112,8 +130,8 @@ class MTPRunner:
         logits, hidden = self._catch_up(slots, logits=True)
         drafts = [self._pick(choose, 0, logits)]
         i32 = dict(dtype=torch.int32, device=dev)
-        b_req_idx = torch.tensor(slots, **i32)
-        base = torch.tensor(bases, dtype=torch.int64, device=dev)
+        b_req_idx = host_to_device(slots, **i32)
+        base = host_to_device(bases, torch.int64, dev)
         rows = torch.arange(len(slots), device=dev)
         graph = self.graphs.pick(len(slots), max(bases) + self.tokens) if self.graphs else None
         for k in range(1, n):
@@ -129,8 +147,8 @@ class MTPRunner:
                                    positions=live["positions"], max_len_in_batch=max(bases) + k)  # fmt: skip
                 logits, hidden = self.head.forward(live["input_ids"], hidden, state, out_rows=rows)
             drafts.append(self._pick(choose, k, logits))
-        self._drafts = torch.stack(drafts, dim=1).tolist()
-        return self._drafts
+        self._draft_dev, self._drafts = torch.stack(drafts, dim=1), None
+        return self._draft_dev
 
     def _pick(self, choose, k: int, logits: torch.Tensor) -> torch.Tensor:
         """Draft ``k`` of each request ``[batch]`` (int64): ``choose``'s on rank 0, which every other rank receives,
@@ -143,17 +161,24 @@ class MTPRunner:
             tokens = choose(k, logits).to(torch.int64).contiguous()
         return parallel.broadcast_(tokens) if self.tp > 1 else tokens
 
-    def verify(self, slots: Sequence[int], last_tokens: Sequence[int], drafts: Sequence[Sequence[int]]) -> torch.Tensor:
-        """The main model over ``[t_m, d_1 .. d_N]`` of each request: float32 logits ``[batch, T, vocab]``."""
+    def verify(self, slots: Sequence[int], last_tokens: Sequence[int], drafts=None) -> torch.Tensor:
+        """The main model over ``[t_m, d_1 .. d_N]`` of each request: float32 logits ``[batch, T, vocab]``.
+        ``drafts``: this step's ``draft`` output (None: the same), or host lists of other tokens (tests)."""
         dev, T = self.runner.device, self.tokens
         bases = [self.kv.seq_len(s) - T for s in slots]
         i32 = dict(dtype=torch.int32, device=dev)
-        positions = torch.cat([torch.arange(m, m + T) for m in bases]).to(dev)
-        ids = torch.tensor([[t, *d] for t, d in zip(last_tokens, drafts)], dtype=torch.int64, device=dev).flatten()
-        live = {"input_ids": ids, "positions": positions.clamp(max=self.max_position),
-                "out_token_idx": self._token_idx.to(dev), "b_req_idx": torch.tensor(slots, **i32),
-                "b_seq_len": torch.tensor([m + T for m in bases], **i32), "state_idx": self.state_idx(slots, dev),
-                "state_dst_idx": torch.tensor([[s * T + t for t in range(T)] for s in slots], **i32)}  # fmt: skip
+        positions = host_to_device(np.minimum(np.arange(T) + np.asarray(bases, dtype=np.int64)[:, None],
+                                              self.max_position).ravel(), torch.int64, dev)  # fmt: skip
+        if drafts is None or isinstance(drafts, torch.Tensor):
+            drafts = self._draft_dev if drafts is None else drafts
+            ids = torch.cat([host_to_device(last_tokens, torch.int64, dev)[:, None], drafts], dim=1).flatten()
+        else:
+            self._drafts = [list(d) for d in drafts]
+            ids = host_to_device([[t, *d] for t, d in zip(last_tokens, self._drafts)], torch.int64, dev).flatten()
+        live = {"input_ids": ids, "positions": positions,
+                "out_token_idx": tensor_to_device(self._token_idx, dev), "b_req_idx": host_to_device(slots, **i32),
+                "b_seq_len": host_to_device([m + T for m in bases], **i32), "state_idx": self.state_idx(slots, dev),
+                "state_dst_idx": host_to_device([[s * T + t for t in range(T)] for s in slots], **i32)}  # fmt: skip
         graph = self.graphs.pick(len(slots), max(bases) + T) if self.graphs else None
         if graph is not None:
             logits, hidden = self.graphs.run_verify(graph, live)
@@ -169,6 +194,8 @@ class MTPRunner:
 
     def accept(self, slots: Sequence[int], accepted: Sequence[int]) -> None:
         """``accepted[i]`` drafts of request ``i`` were accepted: its KV, state slot and head catch-up follow."""
+        if self._drafts is None:  # read once the engine has read the verify's tokens: the GPU is idle by then
+            self._drafts = self._draft_dev.tolist()
         for i, (slot, a) in enumerate(zip(slots, accepted)):
             if not 0 <= a <= self.step:
                 raise ValueError(f"MTP accept: accepted drafts expected in [0, {self.step}], got {a} (slot {slot})")
@@ -177,7 +204,7 @@ class MTPRunner:
             self.mtp_next[slot] = self.kv.seq_len(slot) - a - 1  # m
             self.pending[slot] = [self._hidden[i, : a + 1]]
             self.follow[slot] = [self.follow[slot][-1], *self._drafts[i][:a]]
-        self._hidden = None
+        self._hidden = self._draft_dev = self._drafts = None
 
 
 def draft_dir(args, model_dir: str) -> Optional[str]:

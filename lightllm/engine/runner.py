@@ -6,7 +6,7 @@ tensor-parallel runner broadcasts exactly these to the other ranks, so their KV 
 rest is read-only.
 """
 
-from typing import Callable, List, Optional, Protocol, Sequence, Tuple, runtime_checkable
+from typing import Callable, Optional, Protocol, Sequence, Tuple, runtime_checkable
 
 import torch
 
@@ -33,9 +33,9 @@ class MTPSteps(Protocol):
     @property
     def step(self) -> int: ...  # draft tokens per request per step (--mtp_step)
 
-    def draft(self, slots: Sequence[int], last_tokens: Sequence[int], choose) -> List[List[int]]: ...
+    def draft(self, slots: Sequence[int], last_tokens: Sequence[int], choose) -> torch.Tensor: ...  # [B, N] on device
 
-    def verify(self, slots: Sequence[int], last_tokens: Sequence[int], drafts) -> torch.Tensor: ...
+    def verify(self, slots: Sequence[int], last_tokens: Sequence[int], drafts=None) -> torch.Tensor: ...
 
     def accept(self, slots: Sequence[int], accepted: Sequence[int]) -> None: ...
 

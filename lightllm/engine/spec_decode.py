@@ -17,11 +17,13 @@ inside an accepted run (stop strings: the server and ``LLM`` abort at the first 
 
 import logging
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Tuple
 
 import torch
 
+from lightllm.common.transfer import host_to_device
 from lightllm.engine.request import Event, Request
 from lightllm.engine.sampler import SamplingParams, top_logprobs
 
@@ -79,6 +81,12 @@ class DraftChooser:
         return tokens
 
 
+def _plain_greedy(req: Request) -> bool:
+    """Greedy, with nothing that changes its logits or asks for more than the chosen token's logprob."""
+    p = req.params
+    return p.greedy and not p.processes_logits and not p.top_logprobs and req.sampling_row < 0
+
+
 @dataclass
 class _Outcome:
     events: List[Event] = field(default_factory=list)
@@ -90,7 +98,7 @@ class SpecDecoder:
     """The engine's decode step when the runner serves MTP (``runner.mtp``: ``mtp_runner.MTPRunner``)."""
 
     def __init__(self, engine):
-        self.engine = engine
+        self.engine = weakref.proxy(engine)  # the engine holds this object: no cycle to keep its runner alive
         self.mtp = engine.runner.mtp
         self.step_drafts = self.mtp.step
 
@@ -111,16 +119,64 @@ class SpecDecoder:
         self.mtp.accept(slots, [o.accepted for o in outcomes])
         return self._emit(batch, outcomes)
 
-    def _decide(self, batch, drafts, logits: torch.Tensor, chooser: DraftChooser) -> List[_Outcome]:
-        eng, n = self.engine, self.step_drafts
+    def _decide(self, batch, drafts: torch.Tensor, logits: torch.Tensor, chooser: DraftChooser) -> List[_Outcome]:
+        """Each request's tokens, events and accepted drafts from the verify's ``logits [B, N + 1, vocab]`` and the
+        drafts ``[B, N]`` (on the device). Plain greedy requests (no penalty, bias, min_tokens or top logprobs) are
+        decided from one read of the device (all positions' tokens and logprobs at once); the others position by
+        position (penalties count the tokens accepted before, the sampling rule draws)."""
         outcomes = [_Outcome() for _ in batch]
+        plain = [i for i, r in enumerate(batch) if _plain_greedy(r)]
+        rest = [i for i, r in enumerate(batch) if not _plain_greedy(r)]
+        if plain:
+            self._decide_greedy(batch, plain, drafts, logits, outcomes)
+        if rest:
+            self._decide_each(batch, rest, drafts.tolist(), logits, chooser, outcomes)
+        return outcomes
+
+    def _decide_greedy(self, batch, rows: List[int], drafts: torch.Tensor, logits: torch.Tensor,
+                       outcomes: List[_Outcome]) -> None:  # fmt: skip
+        """The plain greedy ``rows``: argmax at every position and its logprob (of the model's own distribution),
+        with the drafts, in one device-to-host read; then accept while the argmax equals the next draft."""
+        eng, n, T = self.engine, self.step_drafts, self.step_drafts + 1
+        try:
+            if len(rows) < len(batch):
+                where = host_to_device(rows, torch.int64, logits.device)
+                logits, drafts = logits.index_select(0, where), drafts.index_select(0, where)
+            tokens = logits.argmax(dim=-1)  # [R, T]
+            # log_softmax at the chosen token without a [R, T, vocab] log-softmax: its logit minus the logsumexp
+            lps = logits.gather(-1, tokens[..., None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+            # one read: token ids (< 2**53) and drafts are exact in float64
+            got = torch.cat([tokens.double(), lps.double(), drafts.double()], dim=1).tolist()
+        except Exception:
+            logger.exception("MTP acceptance of %d requests failed; they end with finish_reason error", len(rows))
+            for i in rows:
+                outcomes[i].reason = "error"
+            return
+        finish_reason = eng.scheduler.finish_reason
+        for i, row in zip(rows, got):
+            req, out = batch[i], outcomes[i]
+            cached = req.num_cached_tokens or 0
+            for k in range(T):
+                tok = int(row[k])
+                going_on = k < n and tok == int(row[2 * T + k])
+                req.output_ids.append(tok)
+                out.events.append(Event("token", tok, row[T + k], cached_tokens=cached, draft=going_on))
+                out.reason = finish_reason(req, tok)
+                if out.reason is not None or not going_on:
+                    break
+                out.accepted += 1
+
+    def _decide_each(self, batch, rows: List[int], drafts: List[List[int]], logits: torch.Tensor,
+                     chooser: DraftChooser, outcomes: List[_Outcome]) -> None:  # fmt: skip
+        """``rows`` position by position: penalties and bias over what was accepted before, the sampling rule."""
+        eng, n = self.engine, self.step_drafts
         q_row = {i: row for row, i in enumerate(chooser.sampled)}
-        active = list(range(len(batch)))
+        active = list(rows)
         for k in range(n + 1):
             if not active:
                 break
             reqs = [batch[i] for i in active]
-            raw = logits[active, k]
+            raw = logits[:, k].index_select(0, host_to_device(active, torch.int64, logits.device))
             try:
                 tokens, going_on = self._position(k, reqs, raw, [drafts[i] for i in active],
                                                   [chooser.q[k][q_row[i]] if i in q_row and k < n else None
@@ -130,7 +186,7 @@ class SpecDecoder:
                 for i in active:
                     outcomes[i].reason = "error"
                 break
-            lps = torch.log_softmax(raw, dim=-1).gather(1, torch.tensor(tokens, device=raw.device)[:, None])
+            lps = torch.log_softmax(raw, dim=-1).gather(1, host_to_device(tokens, torch.int64, raw.device)[:, None])
             want = max(r.params.top_logprobs for r in reqs)
             tops = top_logprobs(raw, want) if want else None
             still = []
@@ -147,7 +203,6 @@ class SpecDecoder:
                     outcomes[i].accepted += 1
                     still.append(i)
             active = still
-        return outcomes
 
     def _position(self, k: int, reqs: List[Request], raw: torch.Tensor, drafts, qs) -> Tuple[List[int], List[bool]]:
         """The tokens of verify position ``k`` for ``reqs`` and whether each goes on to position ``k + 1``."""

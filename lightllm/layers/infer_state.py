@@ -4,7 +4,10 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
+import numpy as np
 import torch
+
+from lightllm.common.transfer import host_to_device, tensor_to_device
 
 
 @dataclass
@@ -63,21 +66,25 @@ class InferState:
         """A prefill of request slots ``slots``, each with ``new_lens[i]`` new tokens packed one request after another
         and placed after its ``prefix_lens[i]`` tokens already in the KV (0: a fresh request); ``out_token_idx`` the
         pool slots the new tokens' K/V go to; rotary positions capped at ``max_position`` when given."""
-        i32 = dict(dtype=torch.int32, device=device)
+        # Every small host value goes through pinned memory, non_blocking: a pageable copy would wait for the GPU
+        # (this runs for every eager prefill and every MTP catch-up)
+        i32, dev = torch.int32, torch.device(device)
         seq_lens = [p + n for p, n in zip(prefix_lens, new_lens)]
-        positions = torch.cat([torch.arange(p, p + n) for p, n in zip(prefix_lens, new_lens)])
+        positions = np.concatenate([np.arange(p, p + n, dtype=np.int64) for p, n in zip(prefix_lens, new_lens)])
+        if max_position is not None:
+            positions = np.minimum(positions, max_position)
         return cls(
             is_prefill=True,
-            b_req_idx=torch.tensor(list(slots), **i32),
+            b_req_idx=host_to_device(list(slots), i32, dev),
             req_to_token=req_to_token,
-            b_seq_len=torch.tensor(seq_lens, **i32),
-            out_token_idx=out_token_idx.to(device),
-            positions=positions.to(device) if max_position is None else positions.clamp(max=max_position).to(device),
+            b_seq_len=host_to_device(seq_lens, i32, dev),
+            out_token_idx=tensor_to_device(out_token_idx, dev),
+            positions=host_to_device(positions, torch.int64, dev),
             max_len_in_batch=max(seq_lens),
-            b_q_start=torch.tensor([0, *itertools.accumulate(new_lens[:-1])], **i32),
-            b_q_len=torch.tensor(list(new_lens), **i32),
+            b_q_start=host_to_device([0, *itertools.accumulate(new_lens[:-1])], i32, dev),
+            b_q_len=host_to_device(list(new_lens), i32, dev),
             q_lens_host=tuple(new_lens),
             max_q_len=max(new_lens),
-            b_prefix_len=torch.tensor(list(prefix_lens), **i32),
+            b_prefix_len=host_to_device(list(prefix_lens), i32, dev),
             max_prefix_len=max(prefix_lens),
         )

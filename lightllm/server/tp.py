@@ -15,6 +15,7 @@ import threading
 import time
 from typing import Optional
 
+import torch
 import torch.distributed as dist
 
 from lightllm.common.net import free_port
@@ -236,8 +237,11 @@ class TPMTPSteps:
     def draft(self, slots, last_tokens, choose):
         return self._tp._step("mtp.draft", self._mtp.draft, (list(slots), list(last_tokens)), choose)
 
-    def verify(self, slots, last_tokens, drafts):
-        args = (list(slots), list(last_tokens), [list(d) for d in drafts])
+    def verify(self, slots, last_tokens, drafts=None):
+        # this step's drafts (None or draft's tensor) are on every rank's device already: only host lists travel
+        args = (list(slots), list(last_tokens))
+        if drafts is not None and not isinstance(drafts, torch.Tensor):
+            args += ([list(d) for d in drafts],)
         return self._tp._step("mtp.verify", self._mtp.verify, args)
 
     def accept(self, slots, accepted):

@@ -85,3 +85,14 @@ def test_e2e_runs_every_engine_start_on_a_tiny_model(bench, capsys):
     assert all(r["acceptance"] <= 0.3 for r in rows[8:]), rows[8:]
     assert 0 < rows[6]["mtp_noise"] and rows[4]["mtp_noise"] == 0.0
     assert len(capsys.readouterr().out.strip().splitlines()) == len(rows)  # a line per row as it lands
+
+
+def test_e2e_runs_a_subset_of_heads_without_the_off_rows(bench):
+    """``--e2e-heads half random --e2e-no-off``: the second half of a run split in two (shorter device calls)."""
+    e2e = load("mtp_e2e")
+    args = bench.parse_args(["--parts", "e2e", "--e2e-batches", "2", "--e2e-steps", "1", "--e2e-prompt-len", "8",
+                             "--e2e-new-tokens", "4", "--e2e-heads", "half", "random", "--e2e-no-off"])  # fmt: skip
+    rows = e2e.run(args, shape={"hidden_size": 64}, data_type="fp32", device="cpu")["rows"]
+    assert [(r["head"], r["mtp_step"], r["batch"]) for r in rows] == [("~50%", 1, 2), ("~0%", 1, 2)]
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--parts", "e2e", "--e2e-heads", "most"])

@@ -31,7 +31,7 @@ class DraftLog:
 
     def draft(self, slots, last_tokens, choose):
         drafts = self._mtp.draft(slots, last_tokens, choose)
-        self.proposed.append([list(d) for d in drafts])
+        self.proposed.append(drafts.tolist())  # [B, N] on the device
         return drafts
 
     def verify(self, slots, last_tokens, drafts):

@@ -2,9 +2,11 @@
 greedy output equals MTP off token for token, acceptance follows the head's construction, ends are honoured
 inside an accepted run, and sampled drafts keep the output distribution."""
 
+import gc
 import importlib.util
 import json
 import os
+import weakref
 
 import pytest
 import torch
@@ -12,6 +14,7 @@ import torch
 from lightllm.engine.args import EngineArgs
 from lightllm.engine.engine import Engine
 from lightllm.engine.model_runner import ModelRunner
+from lightllm.engine.request import Request
 from lightllm.engine.sampler import SamplingParams
 from lightllm.tools.make_tiny_model import make_tiny_qwen3_5
 
@@ -87,6 +90,52 @@ def test_greedy_output_is_the_same_with_mtp_off_and_on(random_dir, agree_dir, he
     assert set(reasons.values()) == {"length"} and {i: len(t) for i, t in got.items()} == LENGTHS
 
 
+def token_events(eng, prompts, params):
+    """Every request's token events ``{i: [(token id, logprob, top logprobs)]}``, stepping until all finished."""
+    outs, done = {i: [] for i in range(len(prompts))}, set()
+
+    def emitter(i):
+        def emit(ev):
+            if ev.kind == "token":
+                outs[i].append((ev.token_id, ev.logprob, ev.top_logprobs))
+            else:
+                done.add(i)
+
+        return emit
+
+    for i, p in enumerate(prompts):
+        eng.submit(Request(str(i), p, params[i], emitter(i)))
+    while len(done) < len(prompts):
+        assert eng.step()
+    return outs
+
+
+@pytest.mark.parametrize("head", ["random", "agree"])
+def test_a_batch_mixing_plain_and_processed_greedy_requests_matches_mtp_off(random_dir, agree_dir, head):
+    """Plain greedy requests are decided from one read of all verify positions, those with a penalty, a bias or top
+    logprobs position by position: with MTP on, one batch of both gives MTP off's tokens, logprobs (of the model's
+    own distribution) and top logprobs."""
+    model_dir = random_dir if head == "random" else agree_dir
+    params = [SamplingParams(max_new_tokens=9, ignore_eos=True),
+              SamplingParams(max_new_tokens=12, ignore_eos=True, repetition_penalty=1.5, frequency_penalty=0.5),
+              SamplingParams(max_new_tokens=7, ignore_eos=True, top_logprobs=3),
+              SamplingParams(max_new_tokens=10, ignore_eos=True, logit_bias={PROMPTS[3][0]: 5.0}),
+              SamplingParams(max_new_tokens=11, ignore_eos=True)]  # fmt: skip
+    prompts = PROMPTS + [PROMPTS[1][::-1]]
+    want = token_events(engine(model_dir, running_max_req_size=5), prompts, params)
+    got = token_events(
+        engine(model_dir, running_max_req_size=5, mtp_mode="eagle_with_att", mtp_step=3), prompts, params
+    )
+    for i in want:
+        assert [t for t, _, _ in got[i]] == [t for t, _, _ in want[i]], i
+        torch.testing.assert_close([lp for _, lp, _ in got[i]], [lp for _, lp, _ in want[i]], atol=1e-4, rtol=0)
+        for (_, _, top_got), (_, _, top_want) in zip(got[i], want[i]):
+            assert (top_got is None) == (top_want is None)
+            if top_want is not None:
+                assert [t for t, _ in top_got] == [t for t, _ in top_want]
+                torch.testing.assert_close([v for _, v in top_got], [v for _, v in top_want], atol=1e-4, rtol=0)
+
+
 @pytest.mark.parametrize("head", ["random", "agree"])
 def test_preemption_under_a_small_cache_gives_the_same_tokens(random_dir, agree_dir, head):
     model_dir = random_dir if head == "random" else agree_dir
@@ -131,6 +180,30 @@ def test_offline_llm_counts_the_accepted_draft_tokens(agree_dir):
     out = llm.generate([[30, 31]], SamplingParams(max_new_tokens=9, ignore_eos=True))[0]
     assert out.token_ids == list(range(32, 41))
     assert out.num_accepted_draft_tokens == 6  # the first token, then 2 steps of 3 accepted drafts + 1
+
+
+def test_a_dropped_llm_with_mtp_frees_its_runner_at_once(agree_dir):
+    """No reference cycle through the MTP objects: ``del llm`` frees the runner (on a GPU its weights, KV and graphs)
+    without waiting for a garbage collection, so a next engine sizes its KV pool from that memory."""
+    from lightllm import LLM
+
+    llm = LLM(agree_dir, data_type="fp32", device="cpu", max_req_total_len=64, running_max_req_size=2,
+              mtp_mode="eagle_with_att", mtp_step=2)  # fmt: skip
+    assert llm.generate([[30, 31]], SamplingParams(max_new_tokens=5, ignore_eos=True))[0].token_ids == [
+        32,
+        33,
+        34,
+        35,
+        36,
+    ]
+    runner, engine = weakref.ref(llm.runner), weakref.ref(llm.engine)
+    gc.collect()
+    gc.disable()
+    try:
+        del llm
+        assert runner() is None and engine() is None
+    finally:
+        gc.enable()
 
 
 def test_seeded_sampling_with_mtp_gives_the_same_tokens_twice(random_dir):
@@ -183,3 +256,29 @@ def test_a_stop_string_inside_an_accepted_run_ends_the_text_there(agree_dir):
     got = LLM(agree_dir, mtp_mode="eagle_with_att", mtp_step=3, **opts).generate([[280, 299]], params)[0]
     assert (got.token_ids, got.text, got.finish_reason) == (want.token_ids, want.text, "stop")
     assert got.token_ids == tokens[: at + 1] and got.num_accepted_draft_tokens >= 2
+
+
+def test_a_failed_greedy_acceptance_ends_only_its_requests(agree_dir, monkeypatch):
+    """The one-read acceptance of plain greedy requests fails (here: its logsumexp): those requests end with
+    "error"; a penalised request of the same step, decided position by position, goes on to its length."""
+    eng = engine(agree_dir, mtp_mode="eagle_with_att", mtp_step=2)
+    reasons = {}
+    plain = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    penalised = SamplingParams(max_new_tokens=8, ignore_eos=True, repetition_penalty=1.2)
+    for rid, params in (("plain", plain), ("penalised", penalised)):
+        eng.submit(Request(rid, PROMPTS[1], params, lambda ev, rid=rid: ev.kind == "finish" and reasons.update(
+            {rid: ev.finish_reason})))  # fmt: skip
+    assert eng.step()
+    while eng.scheduler.waiting or eng.scheduler.prefilling:
+        assert eng.step()
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("out of memory")
+
+    with monkeypatch.context() as m:
+        m.setattr(torch, "logsumexp", broken)
+        assert eng.step()
+    assert reasons == {"plain": "error"}
+    while eng.step():
+        pass
+    assert reasons == {"plain": "error", "penalised": "length"}

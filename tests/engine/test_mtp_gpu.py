@@ -7,6 +7,7 @@ import torch
 from lightllm.engine.args import EngineArgs
 from lightllm.engine.engine import Engine
 from lightllm.engine.model_runner import ModelRunner
+from lightllm.engine.request import Request
 from lightllm.engine.sampler import SamplingParams
 from lightllm.tools.make_tiny_model import QWEN3_5_GPU_SHAPE, make_tiny_qwen3_5
 
@@ -61,3 +62,28 @@ def test_graph_replay_equals_the_eager_verify(model_dir):
     runner.mtp.graphs = graphs
     torch.testing.assert_close(graphed, eager, atol=2e-2, rtol=0)
     assert torch.equal(graphed.argmax(-1), eager.argmax(-1))
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+def test_an_mtp_step_of_plain_greedy_requests_waits_for_the_gpu_twice(model_dir, graphs):
+    """Draft, verify and acceptance of plain greedy requests stage every input through pinned memory, so the host
+    waits for the GPU only where it reads: the verify's tokens, logprobs and drafts (one copy), and the drafts
+    again in ``accept`` (the GPU is idle by then). CUDA's sync debug mode warns at each wait."""
+    import warnings
+
+    eng = engine(model_dir, mtp_mode="eagle_with_att", mtp_step=3, disable_cudagraph=not graphs)
+    for i, p in enumerate(PROMPTS[:3]):
+        eng.submit(Request(str(i), p, SamplingParams(max_new_tokens=40, ignore_eos=True), lambda ev: None))
+    assert eng.step()
+    while eng.scheduler.waiting or eng.scheduler.prefilling:  # every request prefilled: the next steps decode
+        assert eng.step()
+    for _ in range(3):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                assert eng.step()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        waits = [str(w.message) for w in caught if "synchroniz" in str(w.message).lower()]
+        assert len(waits) == 2, waits

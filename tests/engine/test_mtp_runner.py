@@ -32,7 +32,7 @@ def first_draft_logits(runner, slot, last):
         return logits.argmax(-1)
 
     drafts = runner.mtp.draft([slot], [last], choose)
-    return drafts[0], seen[0]
+    return drafts[0].tolist(), seen[0]
 
 
 def test_forced_acceptance_counts_leave_the_state_of_a_fresh_start(mtp_dir):

@@ -18,7 +18,7 @@ from lightllm.engine.request import Request
 from lightllm.engine.runner import Runner
 from lightllm.engine.sampler import SamplingParams
 from lightllm.server.metrics import Metrics
-from lightllm.tools.make_tiny_model import make_tiny_qwen3
+from lightllm.tools.make_tiny_model import BUILTIN_SHAPE, make_tiny_qwen3
 from tests.engine.test_prefill_graph import graph_runner
 
 PROMPTS = [[3, 4, 5, 6], [20, 21, 22], list(range(40, 80))]  # the last one (40 tokens) is prefilled in chunks
@@ -232,7 +232,8 @@ def test_an_engine_step_on_the_gpu_takes_less_gpu_time_than_wall_time_and_nothin
     start and stop waits for the GPU (CUDA's sync debug mode raises on any wait), with a penalised request that
     asks for top logprobs beside a plain one."""
     monkeypatch.setattr(engine_module, "GPU_TIME_EVERY", 1)
-    model = str(make_tiny_qwen3(tmp_path / "m", seed=2))
+    # the built-in model's shape: head_dim 64, the smallest the GPU kernels take
+    model = str(make_tiny_qwen3(tmp_path / "m", seed=2, **BUILTIN_SHAPE))
     r = ModelRunner(EngineArgs(model_dir=model, data_type="bf16", max_req_total_len=64, running_max_req_size=4))
     assert isinstance(r, Runner)
     walls = {}

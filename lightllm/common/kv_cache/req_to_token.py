@@ -6,6 +6,7 @@ import numpy as np
 import torch
 
 from lightllm.common.kv_cache.allocator import check_count
+from lightllm.common.transfer import tensor_to_device
 
 # Token indices are stored as int32, which is what the attention kernels read.
 MAX_TOKEN_INDEX = torch.iinfo(torch.int32).max
@@ -38,4 +39,6 @@ class ReqToTokenTable:
         small host tensor per step instead of two from ``torch.tensor``."""
         flat = np.asarray(slots, dtype=np.int64) * self.max_len + np.asarray(positions, dtype=np.int64)
         dev = self.table.device
-        self.table.view(-1)[torch.from_numpy(flat).to(dev)] = token_idx.to(device=dev, dtype=torch.int32)
+        # pinned, non_blocking copies: from pageable memory each would wait for the GPU (a prefill's, an MTP draft's)
+        where = tensor_to_device(torch.from_numpy(flat), dev)
+        self.table.view(-1)[where] = tensor_to_device(token_idx, dev, torch.int32)

@@ -1,0 +1,44 @@
+"""Small host values onto a device without stalling the host.
+
+A copy from pageable host memory to a GPU waits for the stream's earlier work before it starts, so every
+``torch.tensor(values, device="cuda")`` or ``cpu_tensor.to("cuda")`` in a step is a sync: the host stops queueing
+kernels until the GPU has caught up. These helpers stage through pinned memory and copy ``non_blocking`` (ordered on
+the current stream; PyTorch's pinned-memory cache keeps each block until its copy is done).
+"""
+
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+# numpy twins of the dtypes a step's small host lists take (numpy builds them ~3x faster than torch.tensor)
+_NUMPY_DTYPES = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32, torch.float64: np.float64,
+                 torch.bool: np.bool_}  # fmt: skip
+
+
+def host_tensor(values: Sequence, dtype: torch.dtype) -> torch.Tensor:
+    """``torch.tensor(values, dtype=dtype)`` on the CPU, built through numpy when it has the dtype: 1.7 instead of
+    4.5 us for a step's 64 values, a few of which every step makes."""
+    np_dtype = _NUMPY_DTYPES.get(dtype)
+    if np_dtype is None:
+        return torch.tensor(values, dtype=dtype)
+    return torch.from_numpy(np.array(values, dtype=np_dtype))
+
+
+def host_to_device(values: Sequence, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list as a tensor on ``device`` without stalling the host: on a GPU it is pinned and copied
+    ``non_blocking`` (ordered on the current stream; the pinned block is kept until the copy is done), where
+    ``torch.tensor(values, device=...)`` copies from pageable memory and synchronizes the stream."""
+    if device.type == "cpu":
+        return host_tensor(values, dtype)
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
+def tensor_to_device(tensor: torch.Tensor, device: torch.device, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """``tensor.to(device, dtype)`` without stalling the host: a CPU tensor bound for a GPU goes through pinned
+    memory, ``non_blocking`` (``.to`` from pageable memory waits for the stream, as ``host_to_device`` explains)."""
+    if tensor.device.type == "cpu" and torch.device(device).type == "cuda":
+        return tensor.to(dtype or tensor.dtype).pin_memory().to(device, non_blocking=True)
+    return tensor.to(device=device, dtype=dtype or tensor.dtype)
