@@ -16,6 +16,7 @@ for reference).
 import gc
 import math
 import os
+import statistics
 import tempfile
 import time
 from typing import Optional
@@ -53,16 +54,28 @@ def noise_for_acceptance(target: float, hidden: int, vocab: int, samples: int = 
 
 
 class _SpecCounts:
-    """The engine observer's MTP counts (what the server's two metrics count)."""
+    """The engine observer's MTP counts (what the server's two metrics count), and its decode steps' wall seconds and
+    GPU seconds (the engine's step GPU timer, every ``GPU_TIME_EVERY``-th step; an MTP step only when its requests
+    are all plain greedy, as here)."""
 
     def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
         self.drafts = self.accepted = 0
+        self.step_s, self.gpu_s = [], []
 
     def on_queues(self, *_): ...
 
     def on_token(self, *_): ...
 
-    def on_step(self, *_): ...
+    def on_step(self, kind, batch_size, seconds):
+        if kind == "decode":
+            self.step_s.append(seconds)
+
+    def on_step_gpu(self, kind, seconds):
+        if kind == "decode":
+            self.gpu_s.append(seconds)
 
     def on_spec(self, drafts, accepted):
         self.drafts += drafts
@@ -90,7 +103,7 @@ def decode_rows(model_dir: str, batches, prompt_len: int, new_tokens: int, mtp_s
         opts.update(mtp_mode="eagle_with_att", mtp_step=mtp_step)
     llm = LLM(model_dir, **opts)
     counts = _SpecCounts()
-    llm.engine.observer = counts
+    llm.engine.set_observer(counts)
     sync = torch.cuda.synchronize if llm.runner.device.type == "cuda" else (lambda: None)
     rows = []
     for batch in batches:
@@ -105,13 +118,15 @@ def decode_rows(model_dir: str, batches, prompt_len: int, new_tokens: int, mtp_s
             return time.perf_counter() - t
 
         timed(new_tokens)  # warm-up
-        counts.drafts = counts.accepted = 0
+        counts.reset()
         total = timed(new_tokens)
         drafts, accepted = counts.drafts, counts.accepted
+        step_ms, gpu_ms = (statistics.median(x) * 1e3 if x else None for x in (counts.step_s, counts.gpu_s))
         prefill = timed(1)
         rows.append({"mtp_step": mtp_step, "graphs": graphs, "batch": batch,
                      "decode_tok_s": batch * (new_tokens - 1) / max(total - prefill, 1e-9),
-                     "acceptance": accepted / drafts if drafts else None})  # fmt: skip
+                     "acceptance": accepted / drafts if drafts else None,
+                     "decode_step_ms": step_ms, "decode_gpu_ms": gpu_ms})  # fmt: skip
     return rows
 
 
@@ -155,13 +170,14 @@ def e2e_row(row: dict) -> str:
     mode = f"mtp {row['mtp_step']}" if row["mtp_step"] else ("off graphs" if row["graphs"] else "off eager")
     mode += "" if row["graphs"] or not row["mtp_step"] else " eager"
     acc = f"{row['acceptance'] * 100:6.1f}%" if row["acceptance"] is not None else f"{'-':>7s}"
-    return f"{row['head']:>6s} {row['batch']:5d} {mode:>10s} {row['decode_tok_s']:12.1f} {acc}"
+    ms = [f"{row[k]:8.3f}" if row.get(k) is not None else f"{'-':>8s}" for k in ("decode_step_ms", "decode_gpu_ms")]
+    return f"{row['head']:>6s} {row['batch']:5d} {mode:>10s} {row['decode_tok_s']:12.1f} {acc} {ms[0]} {ms[1]}"
 
 
 def print_e2e(results: dict) -> None:
     model = results.get("model", "Qwen3.5-27B-shaped, bf16")
     print(f"\nMTP end to end, {model}, {results['layers']} layers, prompts of "
           f"{results['prompt_len']} tokens, {results['new_tokens']} new; decode tokens/s")  # fmt: skip
-    print("  head batch       mode   decode tok/s  accept")
+    print("  head batch       mode   decode tok/s  accept  step ms   gpu ms")
     for row in results["rows"]:
         print(e2e_row(row))

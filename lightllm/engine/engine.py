@@ -17,6 +17,7 @@ import logging
 import queue
 import threading
 import time
+import weakref
 from typing import Callable, Iterable, List, Optional, Protocol, Sequence, Set, Tuple
 
 import torch
@@ -50,7 +51,8 @@ class StepObserver(Protocol):
     def on_spec(self, drafts: int, accepted: int) -> None: ...  # MTP: drafts proposed and accepted in one step
 
     # Optional, CUDA only: the GPU seconds of every ``GPU_TIME_EVERY``-th step (of those, the ones that sampled
-    # tokens: forward and sampling, ``gpu_timer.py``); not with MTP, whose steps wait for the GPU several times.
+    # tokens: forward and sampling, ``gpu_timer.py``); with MTP, of its decode steps those whose requests are all
+    # plain greedy (the others wait for the GPU per verify position).
     def on_step_gpu(self, kind: str, seconds: float) -> None: ...
 
 
@@ -79,23 +81,28 @@ class Engine:
         self.runner = runner
         self.scheduler = Scheduler(runner, eos_ids)
         self.processor = LogitsProcessor(runner.config.vocab_size, runner.device, self.scheduler.eos)
-        self.observer = observer
-        self._on_tokens = getattr(observer, "on_tokens", None)
         self._emit_tokens = emit_tokens or _emit_each
         self.spec = SpecDecoder(self) if getattr(runner, "mtp", None) is not None else None  # fakes may lack it
-        self._on_step_gpu = getattr(observer, "on_step_gpu", None)
-        # A step GPU timer with an observer that takes it and a runner that marks its launches (fakes may not), on a
-        # GPU, without MTP (its head's prefill and its decode steps wait for the GPU several times)
-        self._gpu_timer = None
-        if self._on_step_gpu is not None and self.spec is None and getattr(runner, "set_launch_hook", None):
-            self._gpu_timer = step_gpu_timer(runner.device)
-            if self._gpu_timer is not None:
-                runner.set_launch_hook(self._mark_launch)
+        self.set_observer(observer)
         self._gpu_steps = itertools.count()
         self._timing = False  # this step is GPU-timed
         self._inbox: "queue.Queue[Request]" = queue.Queue()
         self._aborts: "queue.Queue[Tuple[str, str]]" = queue.Queue()
         self._closing = threading.Event()
+
+    def set_observer(self, observer: Optional[StepObserver]) -> None:
+        """Report to ``observer`` from the next step on (None: to nobody); between steps, on the stepping thread.
+        With ``on_step_gpu``, on a GPU, and a runner that marks its launches (fakes may not), a step GPU timer comes
+        with it; an MTP decode step marks its own launches (spec_decode.py)."""
+        self.observer = observer
+        self._on_tokens = getattr(observer, "on_tokens", None)
+        self._on_step_gpu = getattr(observer, "on_step_gpu", None)
+        self._gpu_timer = None
+        set_hook = getattr(self.runner, "set_launch_hook", None)
+        if self._on_step_gpu is not None and set_hook is not None:
+            self._gpu_timer = step_gpu_timer(self.runner.device)
+        if set_hook is not None:
+            set_hook(None if self._gpu_timer is None else _weak_hook(self))
 
     # ---- any thread ----------------------------------------------------------------------------------------
 
@@ -147,6 +154,7 @@ class Engine:
             self.scheduler.update(kind, self.spec.step(batch))
             if self.observer is not None:
                 self.observer.on_step(kind, len(batch), time.perf_counter() - t0)
+            self._report_gpu(kind)
             return True
         try:
             if kind == "decode":
@@ -178,11 +186,16 @@ class Engine:
         self.scheduler.update(kind, alive)
         if self.observer is not None:  # _postprocess synchronized on the sampled tokens: t0..now covers the GPU work
             self.observer.on_step(kind, len(batch), time.perf_counter() - t0)
+        self._report_gpu(kind)
+        return True
+
+    def _report_gpu(self, kind: str) -> None:
+        """A timed step's GPU seconds to the observer, once its tokens are read (none for a chunk that sampled
+        nothing, or an MTP step that did not mark its launches)."""
         if self._timing:
-            gpu_seconds = self._gpu_timer.seconds()  # None for a chunk that sampled nothing
+            gpu_seconds = self._gpu_timer.seconds()
             if gpu_seconds is not None:
                 self._on_step_gpu(kind, gpu_seconds)
-        return True
 
     def _mark_launch(self) -> None:
         """The runner's launch hook: a timed step's GPU timer starts as its forward is launched."""
@@ -307,6 +320,19 @@ class Engine:
         except (ValueError, KVCacheFull):
             logger.exception("freeing request %s", req.id)
         req.emit(Event("finish", finish_reason=reason, cached_tokens=req.num_cached_tokens or 0))
+
+
+def _weak_hook(engine: Engine) -> Callable[[], None]:
+    """``engine``'s launch hook for its runner, holding the engine weakly: the runner keeps the hook, and a cycle
+    back to the engine would keep both (and the GPU memory) alive after the last reference to the engine goes."""
+    ref = weakref.ref(engine)
+
+    def hook() -> None:
+        live = ref()
+        if live is not None:
+            live._mark_launch()
+
+    return hook
 
 
 def _emit_each(reqs: List[Request], tokens: List[int], logprobs: List[float], tops: List[Optional[list]]) -> None:

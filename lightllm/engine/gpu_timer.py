@@ -6,7 +6,9 @@ tokens; once it has, ``seconds`` is the GPU timeline between the two markers: th
 host's next launch (between a replayed graph and the sampling's launches, between an eager forward's kernels, and
 under tensor parallelism for the other ranks, whose all-reduces it waits for). Nothing in between is meant to wait
 for the GPU (a re-admitted penalised request's first draw does, in ``torch.bincount``). The rest of the step's
-wall time is the host's: scheduling, staging the inputs, and the bookkeeping after the tokens arrive.
+wall time is the host's: scheduling, staging the inputs, and the bookkeeping after the tokens arrive. An MTP decode
+step (``spec_decode.py``) starts the timer before its draft and stops it before the acceptance's one read, when its
+requests are all plain greedy (others read the device at each verify position, so their steps are not timed).
 """
 
 from typing import Optional, Union

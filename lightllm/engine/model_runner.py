@@ -320,7 +320,7 @@ class ModelRunner:
     def _prefill_eager(self, slots, prompts, lens, prefix, token_idx) -> torch.Tensor:
         dev = self.device
         state = InferState.packed_prefill(slots, self.kv.table, prefix, lens, token_idx, dev)
-        input_ids = torch.tensor([t for p in prompts for t in p], dtype=torch.int64, device=dev)
+        input_ids = host_to_device([t for p in prompts for t in p], torch.int64, dev)
         self._launching()
         if self.mtp is not None:  # the MTP head's KV follows each chunk
             return self.mtp.prefill(input_ids, state, slots, prompts)

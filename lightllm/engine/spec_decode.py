@@ -107,6 +107,10 @@ class SpecDecoder:
         eng = self.engine
         slots, last = [r.slot for r in batch], [r.output_ids[-1] for r in batch]
         chooser = DraftChooser(batch)
+        # GPU-timed (gpu_timer.py) only when nothing waits for the GPU before the acceptance's one read
+        timing = eng._timing and all(_plain_greedy(r) for r in batch)
+        if timing:
+            eng._gpu_timer.start()
         try:
             drafts = self.mtp.draft(slots, last, chooser)
             logits = self.mtp.verify(slots, last, drafts)
@@ -145,8 +149,10 @@ class SpecDecoder:
             tokens = logits.argmax(dim=-1)  # [R, T]
             # log_softmax at the chosen token without a [R, T, vocab] log-softmax: its logit minus the logsumexp
             lps = logits.gather(-1, tokens[..., None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
-            # one read: token ids (< 2**53) and drafts are exact in float64
-            got = torch.cat([tokens.double(), lps.double(), drafts.double()], dim=1).tolist()
+            packed = torch.cat([tokens.double(), lps.double(), drafts.double()], dim=1)
+            if self.engine._timing:  # the step's last launch (a no-op unless this step started the timer)
+                self.engine._gpu_timer.stop()
+            got = packed.tolist()  # one read: token ids (< 2**53) and drafts are exact in float64
         except Exception:
             logger.exception("MTP acceptance of %d requests failed; they end with finish_reason error", len(rows))
             for i in rows:

@@ -80,6 +80,8 @@ def test_e2e_runs_every_engine_start_on_a_tiny_model(bench, capsys):
                    ("~100%", 2, True, 1), ("~100%", 2, True, 3), ("~50%", 2, True, 1), ("~50%", 2, True, 3),
                    ("~0%", 2, True, 1), ("~0%", 2, True, 3)]  # fmt: skip
     assert all(math.isfinite(r["decode_tok_s"]) and r["decode_tok_s"] > 0 for r in rows)
+    # each decode step's wall time from the engine's observer; GPU time only on a GPU
+    assert all(r["decode_step_ms"] > 0 and r["decode_gpu_ms"] is None for r in rows)
     assert all(r["acceptance"] is None for r in rows[:4])
     assert all(r["acceptance"] >= 0.9 for r in rows[4:6]), rows[4:6]
     assert all(r["acceptance"] <= 0.3 for r in rows[8:]), rows[8:]

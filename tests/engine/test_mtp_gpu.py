@@ -87,3 +87,36 @@ def test_an_mtp_step_of_plain_greedy_requests_waits_for_the_gpu_twice(model_dir,
                 torch.cuda.set_sync_debug_mode("default")
         waits = [str(w.message) for w in caught if "synchroniz" in str(w.message).lower()]
         assert len(waits) == 2, waits
+
+
+def test_mtp_decode_steps_of_plain_greedy_requests_report_their_gpu_time(model_dir, monkeypatch):
+    """With an observer that takes GPU time, every MTP decode step of plain greedy requests reports it (here every
+    step is timed): more than nothing, and no more than the step's wall time."""
+    import lightllm.engine.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "GPU_TIME_EVERY", 1)
+
+    class Observer:
+        def __init__(self):
+            self.wall, self.gpu = [], []
+
+        def on_queues(self, *a): ...
+
+        def on_token(self, *a): ...
+
+        def on_spec(self, *a): ...
+
+        def on_step(self, kind, batch_size, seconds):
+            self.wall.append((kind, seconds))
+
+        def on_step_gpu(self, kind, seconds):
+            self.gpu.append((kind, seconds))
+
+    eng = engine(model_dir, mtp_mode="eagle_with_att", mtp_step=3)
+    observer = Observer()
+    eng.set_observer(observer)
+    got, _ = run_all(eng, PROMPTS, params=PARAMS)
+    decode_wall = [s for k, s in observer.wall if k == "decode"]
+    decode_gpu = [s for k, s in observer.gpu if k == "decode"]
+    assert len(decode_gpu) == len(decode_wall) > 0
+    assert all(0 < g <= w for g, w in zip(decode_gpu, decode_wall)), (decode_gpu, decode_wall)

@@ -64,6 +64,8 @@ class Observer:
     def on_step_gpu(self, kind, seconds):
         self.gpu.append((kind, seconds))
 
+    def on_spec(self, *a): ...
+
 
 def run(model_dir, observer, top_logprobs=0):
     args = EngineArgs(model_dir=model_dir, data_type="fp32", device="cpu", batch_max_tokens=64, max_req_total_len=64,
@@ -162,6 +164,44 @@ def test_the_timer_stops_after_the_steps_last_launch_and_before_any_read(model_d
     assert sampled and all(c.split() == ["start", "top_launch", "record", "stop", "top_read"] for c in sampled)
 
 
+@pytest.mark.parametrize("penalised", [False, True])
+def test_an_mtp_step_of_plain_greedy_requests_is_timed_from_its_draft_to_its_one_read(tmp_path, monkeypatch, penalised):
+    """MTP: a decode step whose requests are all plain greedy starts the timer before its draft and stops it after the
+    acceptance's last launch, before its one read; a step with a penalised request (decided position by position,
+    reading the device at each) is not timed. Prefill steps are timed as without MTP."""
+    from lightllm.engine import spec_decode
+    from lightllm.tools.make_tiny_model import make_tiny_qwen3_5
+
+    timers = fake_timers(monkeypatch)
+    real_cat = torch.cat
+
+    def logged_cat(tensors, *a, **k):  # the acceptance packs its one read with a cat of three float64 tensors
+        if len(tensors) == 3 and all(t.dtype == torch.float64 for t in tensors):
+            timers[0].calls.append("pack")
+        return real_cat(tensors, *a, **k)
+
+    monkeypatch.setattr(spec_decode.torch, "cat", logged_cat)
+    model = str(make_tiny_qwen3_5(tmp_path / "m", mtp="agree", seed=7))
+    args = EngineArgs(model_dir=model, data_type="fp32", device="cpu", max_req_total_len=64, running_max_req_size=2,
+                      mtp_mode="eagle_with_att", mtp_step=2)  # fmt: skip
+    observer = Observer()
+    engine = Engine(ModelRunner(args), eos_ids=[], observer=observer)
+    extra = {"repetition_penalty": 1.2} if penalised else {}
+    for i, p in enumerate(PROMPTS[:2]):
+        params = SamplingParams(max_new_tokens=9, ignore_eos=True, **(extra if i else {}))
+        engine.submit(Request(str(i), p, params, lambda ev: None, arrival=0.0))
+    while engine.step():
+        pass
+    steps = " ".join(timers[0].calls).split("seconds")[:-1]
+    assert len(steps) == len(observer.steps)
+    decode = [c.split() for c, kind in zip(steps, observer.steps) if kind == "decode"]
+    # with the penalised request the timer is never started: the plain request's stop leaves it idle (no time)
+    want = ["pack", "stop"] if penalised else ["start", "pack", "stop"]
+    assert decode and all(c == want for c in decode), timers[0].calls
+    assert [k for k, _ in observer.gpu].count("decode") == (0 if penalised else len(decode))
+    assert "prefill" in [k for k, _ in observer.gpu]
+
+
 def test_no_timer_without_an_observer_that_takes_gpu_time(model_dir, monkeypatch):
     asked = []
     monkeypatch.setattr(engine_module, "step_gpu_timer", lambda device: asked.append(device))
@@ -192,6 +232,31 @@ def test_no_timer_without_an_observer_that_takes_gpu_time(model_dir, monkeypatch
     assert asked == []
     Engine(ModelRunner(args), eos_ids=[], observer=Observer())
     assert asked == [torch.device("cpu")]  # the check itself: asked once hook and observer are both there
+
+
+def test_the_runners_launch_hook_does_not_keep_the_engine_alive(model_dir, monkeypatch):
+    """The runner holds the engine's launch hook; the hook holds the engine weakly, so dropping the engine frees it
+    (and what only it holds) at once, and ``set_observer(None)`` takes the hook off the runner."""
+    import gc
+    import weakref
+
+    fake_timers(monkeypatch)
+    runner = ModelRunner(EngineArgs(model_dir=model_dir, data_type="fp32", device="cpu", max_req_total_len=64,
+                                    max_total_token_num=512))  # fmt: skip
+    engine = Engine(runner, eos_ids=[], observer=Observer())
+    assert runner._launch_hook is not None
+    ref = weakref.ref(engine)
+    gc.collect()
+    gc.disable()
+    try:
+        del engine
+        assert ref() is None
+    finally:
+        gc.enable()
+    runner._launch_hook()  # a hook that outlives its engine does nothing
+    engine = Engine(runner, eos_ids=[], observer=Observer())
+    engine.set_observer(None)
+    assert runner._launch_hook is None and engine._gpu_timer is None
 
 
 def test_the_cpu_has_no_gpu_timer():
