@@ -23,6 +23,7 @@ from typing import Callable, Iterable, List, Optional, Protocol, Sequence, Set, 
 import torch
 
 from lightllm.common.kv_cache import KVCacheFull
+from lightllm.common.transfer import host_to_device
 from lightllm.engine.gpu_timer import step_gpu_timer
 from lightllm.engine.logits_processor import LogitsProcessor
 from lightllm.engine.request import Event, Request
@@ -30,7 +31,6 @@ from lightllm.engine.runner import Runner
 from lightllm.engine.sampler import sample, top_logprobs_launch, top_logprobs_read
 from lightllm.engine.scheduler import Scheduler
 from lightllm.engine.spec_decode import SpecDecoder
-from lightllm.common.transfer import host_to_device
 
 logger = logging.getLogger(__name__)
 

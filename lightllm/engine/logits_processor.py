@@ -14,8 +14,8 @@ from typing import Dict, Iterable, List, Optional, Sequence
 
 import torch
 
-from lightllm.engine.request import Request
 from lightllm.common.transfer import host_to_device
+from lightllm.engine.request import Request
 
 # Columns of the settings table, one row per request.
 _REP, _FREQ, _PRES, _MIN, _GENERATED = range(5)

@@ -42,10 +42,10 @@ from lightllm.common.kv_cache.sizing import (
     describe_gpu_sizing,
     gpu_pool_tokens,
 )
+from lightllm.common.transfer import host_to_device
 from lightllm.engine.args import EngineArgs
 from lightllm.engine.mtp_runner import MTPRunner, check_mtp, draft_dir
 from lightllm.engine.prefill_graphs import PrefillGraphs, PrefillStaging, prefill_buckets
-from lightllm.common.transfer import host_to_device
 from lightllm.engine.staging import DecodeStaging
 from lightllm.layers import parallel
 from lightllm.layers.attention import AttentionBackend, check_head_dim, make_pool

@@ -8,8 +8,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from lightllm.engine.detokenize import check_stop_strings
 from lightllm.common.transfer import host_to_device
+from lightllm.engine.detokenize import check_stop_strings
 
 # Below this a temperature is greedy: dividing logits by it would overflow float32 (1e-40 gives inf), and
 # well before that the distribution is one-hot anyway.
