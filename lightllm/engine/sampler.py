@@ -167,16 +167,16 @@ def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams], generato
     scaled = logits / temperature[:, None]
     top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]  # clamped: never beyond int64
     if all(k == vocab and p.top_p >= 1 for k, p in zip(top_k, params)):
-        return _draw(torch.softmax(scaled, dim=-1), logits, generator)
+        return draw_weighted(torch.softmax(scaled, dim=-1), logits, generator)
     top_p = host_to_device([p.top_p for p in params], logits.dtype, dev)
     ordered, order = scaled.sort(dim=-1, descending=True)
     cut = torch.arange(vocab, device=dev)[None, :] >= host_to_device(top_k, torch.int64, dev)[:, None]
     probs = torch.softmax(ordered.masked_fill(cut, float("-inf")), dim=-1)
     probs = probs.masked_fill(probs.cumsum(-1) - probs > top_p[:, None], 0.0)  # mass before a token > top_p
-    return order.gather(1, _draw(probs, ordered, generator)[:, None]).squeeze(1)
+    return order.gather(1, draw_weighted(probs, ordered, generator)[:, None]).squeeze(1)
 
 
-def _draw(probs: torch.Tensor, scores: torch.Tensor, generator) -> torch.Tensor:
+def draw_weighted(probs: torch.Tensor, scores: torch.Tensor, generator) -> torch.Tensor:
     """One index per row of ``probs`` (unnormalized weights), drawn as ``argmax(probs / E)`` with ``E`` i.i.d.
     Exp(1): index i wins with probability ``probs[i] / sum(probs)`` (the first of independent exponential clocks
     with rates ``probs`` rings at i with that probability). Unlike ``torch.multinomial``, whose input check reads

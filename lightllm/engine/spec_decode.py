@@ -25,7 +25,7 @@ import torch
 
 from lightllm.common.transfer import host_to_device
 from lightllm.engine.request import Event, Request
-from lightllm.engine.sampler import SamplingParams, top_logprobs
+from lightllm.engine.sampler import SamplingParams, draw_weighted, top_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -34,31 +34,58 @@ def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> to
     """The distribution ``sampler.sample_rows`` draws from, per row of ``logits [n, vocab]``: temperature, then
     exactly ``top_k`` most likely tokens, then the smallest most-likely set reaching ``top_p``, renormalized."""
     vocab, dev = logits.shape[-1], logits.device
-    temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=dev)
+    temperature = host_to_device([p.temperature for p in params], logits.dtype, dev)
     scaled = logits / temperature[:, None]
     top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
     if all(k == vocab and p.top_p >= 1 for k, p in zip(top_k, params)):
         return torch.softmax(scaled, dim=-1)
-    top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=dev)
+    top_p = host_to_device([p.top_p for p in params], logits.dtype, dev)
     ordered, order = scaled.sort(dim=-1, descending=True)
-    cut = torch.arange(vocab, device=dev)[None, :] >= torch.tensor(top_k, device=dev)[:, None]
+    cut = torch.arange(vocab, device=dev)[None, :] >= host_to_device(top_k, torch.int64, dev)[:, None]
     probs = torch.softmax(ordered.masked_fill(cut, float("-inf")), dim=-1)
     probs = probs.masked_fill(probs.cumsum(-1) - probs > top_p[:, None], 0.0)
     probs = probs / probs.sum(dim=-1, keepdim=True)
     return torch.zeros_like(probs).scatter_(1, order, probs)
 
 
-def accept_or_resample(p: torch.Tensor, q: torch.Tensor, draft: int, generator=None) -> Tuple[int, bool]:
-    """The speculative-sampling rule for one draft token ``draft`` drawn from ``q`` (both ``[vocab]``
-    distributions): ``(draft, True)`` with probability ``min(1, p[draft] / q[draft])``, else ``(a token drawn
-    from norm(max(p - q, 0)), False)``. The result is distributed as ``p``."""
-    u = torch.rand((), generator=generator, device=p.device)
-    if u * q[draft] <= p[draft]:
-        return draft, True
+def draw_rows(probs: torch.Tensor, generators: Sequence[Optional[torch.Generator]]) -> torch.Tensor:
+    """One token per row of ``probs [R, vocab]`` (weights; ``sampler``'s exponential-clock draw, which never waits
+    for the device, unlike ``torch.multinomial``): rows without a generator together, each seeded row with its own
+    generator (a seed's draws do not depend on its neighbours)."""
+    free = [i for i, g in enumerate(generators) if g is None]
+    if len(free) == len(generators):
+        return draw_weighted(probs, probs, None)
+    out = torch.empty(probs.shape[0], dtype=torch.int64, device=probs.device)
+    groups = ([(free, None)] if free else []) + [([i], g) for i, g in enumerate(generators) if g is not None]
+    for rows, generator in groups:
+        where = host_to_device(rows, torch.int64, probs.device)
+        picked = probs.index_select(0, where)
+        out.index_copy_(0, where, draw_weighted(picked, picked, generator))
+    return out
+
+
+def uniform_rows(n: int, generators: Sequence[Optional[torch.Generator]], device) -> torch.Tensor:
+    """``n`` uniforms in [0, 1) on ``device``: one launch for the rows without a generator, one per seeded row."""
+    u = torch.rand(n, device=device)
+    for i, g in enumerate(generators):
+        if g is not None:
+            u[i : i + 1] = torch.rand(1, generator=g, device=device)
+    return u
+
+
+def accept_or_resample(
+    p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, generators: Sequence[Optional[torch.Generator]]
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The speculative-sampling rule, row by row on the device (no read): row ``i``'s draft ``drafts[i]`` was drawn
+    from ``q[i]``; it is accepted with probability ``min(1, p[i, d] / q[i, d])``, else replaced by a draw from
+    ``norm(max(p[i] - q[i], 0))`` (from ``p[i]`` where nothing is left, ``p == q`` up to rounding). Returns
+    ``(tokens [R], accepted [R] bool)``; each row's token is distributed as ``p[i]``."""
+    at = drafts[:, None]
+    u = uniform_rows(p.shape[0], generators, p.device)
+    accepted = u * q.gather(1, at).squeeze(1) <= p.gather(1, at).squeeze(1)
     residual = (p - q).clamp_(min=0)
-    if not residual.sum() > 0:  # p == q up to rounding: nothing is left to correct
-        residual = p
-    return int(torch.multinomial(residual, 1, generator=generator)), False
+    residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, p)
+    return torch.where(accepted, drafts, draw_rows(residual, generators)), accepted
 
 
 class DraftChooser:
@@ -73,11 +100,10 @@ class DraftChooser:
     def __call__(self, k: int, logits: torch.Tensor) -> torch.Tensor:
         tokens = logits.argmax(dim=-1)
         if self.sampled:
-            probs = filtered_probs(logits[self.sampled], [self.reqs[i].params for i in self.sampled])
+            where = host_to_device(self.sampled, torch.int64, logits.device)
+            probs = filtered_probs(logits.index_select(0, where), [self.reqs[i].params for i in self.sampled])
             self.q.append(probs)
-            for row, i in enumerate(self.sampled):
-                gen = self.reqs[i].generator
-                tokens[i] = torch.multinomial(probs[row], 1, generator=gen)[0]
+            tokens.index_copy_(0, where, draw_rows(probs, [self.reqs[i].generator for i in self.sampled]))
         return tokens
 
 
@@ -216,18 +242,21 @@ class SpecDecoder:
         changed = proc.apply(raw, reqs)
         tokens = changed.argmax(dim=-1)
         sampled = [j for j, r in enumerate(reqs) if not r.params.greedy]
-        going_on = [False] * len(reqs)
-        if sampled:
-            p = filtered_probs(changed[sampled], [reqs[j].params for j in sampled])
-            for row, j in enumerate(sampled):
-                gen = reqs[j].generator
-                if k < n:
-                    tok, going_on[j] = accept_or_resample(p[row], qs[j], drafts[j][k], gen)
-                else:
-                    tok = int(torch.multinomial(p[row], 1, generator=gen))
-                tokens[j] = tok
+        accepted = torch.zeros(len(reqs), dtype=torch.int64, device=tokens.device)
+        if sampled:  # every sampled row at once, on the device: the one read below brings tokens and acceptance
+            where = host_to_device(sampled, torch.int64, tokens.device)
+            p = filtered_probs(changed.index_select(0, where), [reqs[j].params for j in sampled])
+            generators = [reqs[j].generator for j in sampled]
+            if k < n:
+                at = host_to_device([drafts[j][k] for j in sampled], torch.int64, tokens.device)
+                drawn, took = accept_or_resample(p, torch.stack([qs[j] for j in sampled]), at, generators)
+                accepted.index_copy_(0, where, took.long())
+            else:
+                drawn = draw_rows(p, generators)
+            tokens.index_copy_(0, where, drawn)
         proc.record(reqs, tokens)
-        tokens = tokens.tolist()
+        tokens, flags = torch.stack([tokens, accepted]).tolist()
+        going_on = [bool(f) for f in flags]
         for j, r in enumerate(reqs):
             if r.params.greedy and k < n:
                 going_on[j] = tokens[j] == drafts[j][k]

@@ -236,11 +236,39 @@ def test_accepted_or_resampled_drafts_are_distributed_as_the_target(case):
     if case == "q lacks a token of p":
         q[0] = 0.0
         q /= q.sum()
-    drafts = torch.multinomial(q, n, replacement=True, generator=g).tolist()
-    got = torch.tensor([accept_or_resample(p, q, x, g)[0] for x in drafts])
+    drafts = torch.multinomial(q, n, replacement=True, generator=g)
+    # every row at once (no read of the device inside): most rows draw from the global generator, every 10th is
+    # seeded with a generator of its own, as a seeded request's row is
+    torch.manual_seed(1)
+    generators = [torch.Generator().manual_seed(i) if i % 10 == 0 else None for i in range(n)]
+    got, accepted = accept_or_resample(p.expand(n, vocab), q.expand(n, vocab), drafts, generators)
+    assert torch.equal(got[accepted], drafts[accepted])  # an accepted row keeps its draft
+    if case == "q equals p":
+        assert bool(accepted.all())  # u * q <= p always
     freq = torch.bincount(got, minlength=vocab).double() / n
     sigma = (p.double() * (1 - p.double()) / n).sqrt()
     assert torch.all((freq - p.double()).abs() <= 5 * sigma + 1e-9), f"{freq} vs {p}"
+
+
+def test_a_seeded_rows_draws_do_not_depend_on_its_neighbours():
+    """``draw_rows`` and ``accept_or_resample`` draw a seeded row with its own generator: the same seed gives the same
+    token and acceptance alone or among other rows, seeded or not."""
+    from lightllm.engine.spec_decode import accept_or_resample, draw_rows
+
+    g = torch.Generator().manual_seed(3)
+    p = torch.softmax(torch.randn(5, 50, generator=g) * 2, -1)
+    q = torch.softmax(torch.randn(5, 50, generator=g) * 2, -1)
+    drafts = torch.multinomial(q, 1, generator=g).squeeze(1)
+
+    def seeded():
+        return [None, torch.Generator().manual_seed(7), None, torch.Generator().manual_seed(8), None]
+
+    many = draw_rows(p, seeded())
+    alone = draw_rows(p[1:2], [torch.Generator().manual_seed(7)])
+    assert many[1] == alone[0] and many[3] == draw_rows(p[3:4], [torch.Generator().manual_seed(8)])[0]
+    tokens, accepted = accept_or_resample(p, q, drafts, seeded())
+    one, took = accept_or_resample(p[3:4], q[3:4], drafts[3:4], [torch.Generator().manual_seed(8)])
+    assert (tokens[3], accepted[3]) == (one[0], took[0])
 
 
 def test_a_stop_string_inside_an_accepted_run_ends_the_text_there(agree_dir):
