@@ -30,7 +30,7 @@ import torch
 
 from lightllm.common.transfer import host_to_device, tensor_to_device
 from lightllm.layers import parallel
-from lightllm.layers.infer_state import InferState
+from lightllm.layers.infer_state import InferState, packed_positions
 
 
 class MTPRunner:
@@ -101,7 +101,7 @@ class MTPRunner:
         hidden = torch.cat(parts) if len(parts) > 1 else parts[0]
         ids = [t for s in slots for t in self.follow[s][1:]]
         # every small input through pinned memory (host_to_device): a pageable copy would make the host wait
-        positions = host_to_device(np.concatenate([np.arange(p, p + k) for p, k in zip(starts, counts)]), i64, dev)
+        positions = host_to_device(packed_positions(starts, counts), i64, dev)
         rows = host_to_device(np.repeat(np.asarray(slots, dtype=np.int64), counts), i64, dev)
         state = InferState.packed_prefill(slots, table, starts, counts, table[rows, positions].long(), dev,
                                           max_position=self.max_position)  # fmt: skip

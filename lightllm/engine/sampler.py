@@ -134,10 +134,7 @@ def sample(
     logprobs = torch.log_softmax(logits if raw_logits is None else raw_logits, dim=-1)
     tokens = argmax_rows(logits)
     drawn = [i for i, p in enumerate(params) if not p.greedy]  # most often none: greedy needs only the argmax
-    free = [i for i in drawn if generators[i] is None]
-    groups = [(free, None)] if free else []
-    groups += [([i], generators[i]) for i in drawn if generators[i] is not None]
-    for rows, generator in groups:
+    for rows, generator in rows_by_generator(drawn, generators):
         if len(rows) == len(params):  # every row (rows are distinct): no index to send
             tokens = sample_rows(logits, params, generator)
             continue
@@ -145,6 +142,15 @@ def sample(
         drawn = sample_rows(logits.index_select(0, where), [params[i] for i in rows], generator)
         tokens.index_copy_(0, where, drawn)
     return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
+
+
+def rows_by_generator(
+    rows: Sequence[int], generators: Sequence[Optional[torch.Generator]]
+) -> List[Tuple[List[int], Optional[torch.Generator]]]:
+    """``rows`` grouped for drawing: those without a generator together (one set of launches), each seeded row alone
+    with its own generator, so a seed's draws do not depend on its neighbours."""
+    free = [i for i in rows if generators[i] is None]
+    return ([(free, None)] if free else []) + [([i], generators[i]) for i in rows if generators[i] is not None]
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:

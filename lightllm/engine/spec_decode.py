@@ -25,7 +25,7 @@ import torch
 
 from lightllm.common.transfer import host_to_device
 from lightllm.engine.request import Event, Request
-from lightllm.engine.sampler import SamplingParams, draw_weighted, top_logprobs
+from lightllm.engine.sampler import SamplingParams, draw_weighted, rows_by_generator, top_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -52,12 +52,10 @@ def draw_rows(probs: torch.Tensor, generators: Sequence[Optional[torch.Generator
     """One token per row of ``probs [R, vocab]`` (weights; ``sampler``'s exponential-clock draw, which never waits
     for the device, unlike ``torch.multinomial``): rows without a generator together, each seeded row with its own
     generator (a seed's draws do not depend on its neighbours)."""
-    free = [i for i, g in enumerate(generators) if g is None]
-    if len(free) == len(generators):
+    if all(g is None for g in generators):
         return draw_weighted(probs, probs, None)
     out = torch.empty(probs.shape[0], dtype=torch.int64, device=probs.device)
-    groups = ([(free, None)] if free else []) + [([i], g) for i, g in enumerate(generators) if g is not None]
-    for rows, generator in groups:
+    for rows, generator in rows_by_generator(range(len(generators)), generators):
         where = host_to_device(rows, torch.int64, probs.device)
         picked = probs.index_select(0, where)
         out.index_copy_(0, where, draw_weighted(picked, picked, generator))

@@ -10,6 +10,11 @@ import torch
 from lightllm.common.transfer import host_to_device, tensor_to_device
 
 
+def packed_positions(starts: Sequence[int], counts: Sequence[int]) -> np.ndarray:
+    """``starts[i] .. starts[i] + counts[i] - 1`` for every ``i``, one run after another (int64)."""
+    return np.concatenate([np.arange(p, p + n, dtype=np.int64) for p, n in zip(starts, counts)])
+
+
 @dataclass
 class InferState:
     """What attention needs to know about the batch, so a model's forward takes only ``(input_ids, state)``.
@@ -70,7 +75,7 @@ class InferState:
         # (this runs for every eager prefill and every MTP catch-up)
         i32, dev = torch.int32, torch.device(device)
         seq_lens = [p + n for p, n in zip(prefix_lens, new_lens)]
-        positions = np.concatenate([np.arange(p, p + n, dtype=np.int64) for p, n in zip(prefix_lens, new_lens)])
+        positions = packed_positions(prefix_lens, new_lens)
         if max_position is not None:
             positions = np.minimum(positions, max_position)
         return cls(

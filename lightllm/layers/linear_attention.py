@@ -22,6 +22,7 @@ from typing import Any, Optional, Tuple
 
 import torch
 
+from lightllm.common.transfer import tensor_to_device
 from lightllm.kernels.linear_attention.reference import (
     causal_conv1d_prefill_ref,
     causal_conv1d_update_ref,
@@ -98,7 +99,7 @@ class LinearAttentionBackend:
         lens = infer_state.b_q_len.to(torch.int64)
         if infer_state.q_lens_host is not None:  # the bounds from the host: nothing here waits for the device
             cu_cpu = torch.tensor([0, *itertools.accumulate(infer_state.q_lens_host)], dtype=torch.int64)
-            cu = cu_cpu.pin_memory().to(lens.device, non_blocking=True) if self.on_gpu else cu_cpu
+            cu = tensor_to_device(cu_cpu, lens.device)
         else:
             cu = torch.cat([lens.new_zeros(1), lens.cumsum(0)])
             cu_cpu = cu.cpu()

@@ -96,6 +96,7 @@ def test_only_the_reader_waits_for_the_engine_process_and_stop_sees_its_clean_ex
         assert engine.is_alive()
         assert engine.stop(timeout=30)
     finally:
+        engine.stop()  # idempotent: a failed assertion above leaves no engine process behind
         loop.close()
     assert engine.process.exitcode == 0 and not engine.is_alive()
     assert waits == [("join", "lightllm-engine-read")]
