@@ -33,7 +33,8 @@ def host_to_device(values: Sequence, dtype: torch.dtype, device: torch.device) -
         return host_tensor(values, dtype)
     if device.type != "cuda":
         return torch.tensor(values, dtype=dtype, device=device)
-    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+    # via host_tensor: torch.tensor(..., pin_memory=True) refuses a numpy array, which some callers pass
+    return host_tensor(values, dtype).pin_memory().to(device, non_blocking=True)
 
 
 def tensor_to_device(tensor: torch.Tensor, device: torch.device, dtype: Optional[torch.dtype] = None) -> torch.Tensor:

@@ -1,7 +1,7 @@
-"""Decode CUDA graphs of MTP's fixed-shape steps: the verify step (``batch x (N + 1)`` tokens) and the draft steps
-after the first (one head token per request), one graph of each per KV length bucket and batch size, as the plain
-decode graphs (``--graph_len_buckets``); ``--graph_max_batch_size`` counts requests. The first draft step (the head's
-catch-up over a variable number of positions) stays eager.
+"""Decode CUDA graphs of MTP's steps: the verify (``batch x (N + 1)`` tokens), the first draft (the head's catch-up
+over a window of ``N + 1`` rows per request, ``MTPRunner.first_draft``) and the draft steps after it (one head token
+per request), one graph of each per KV length bucket and batch size, as the plain decode graphs
+(``--graph_len_buckets``); ``--graph_max_batch_size`` counts requests.
 
 Each graph set is captured as the plain decode graphs are (``common/cuda_graph.DecodeGraphs``): largest batch
 first, each right after one eager forward inside the ``DECODE_ATTENTION`` warm-up scope, where the MTP diverse
@@ -53,17 +53,27 @@ class MTPGraphs:
             "b_req_idx": torch.full((g,), pad, **i32),
             "b_seq_len": torch.ones(g, **i32),
         }
+        # the first draft's window: the padding request's T rows at positions 0 .. T - 1, its last one the output
+        self._first_pad = {
+            "input_ids": torch.zeros(g * T, **i64),
+            "hidden": torch.zeros(g * T, runner.config.hidden_size, dtype=self.model.dtype, device=dev),
+            "start": torch.zeros(g, **i64),
+            "last": torch.full((g,), T - 1, **i64),
+            "b_req_idx": torch.full((g,), pad, **i32),
+        }
         self.verify_in = {name: t.clone() for name, t in self._verify_pad.items()}
         self.draft_in = {name: t.clone() for name, t in self._draft_pad.items()}
+        self.first_in = {name: t.clone() for name, t in self._first_pad.items()}
         self._rows = torch.arange(g, device=dev)
         self.verify = DecodeGraphs(batch_sizes, graph_lens, api).capture_all(self._verify_forward)
+        self.first = DecodeGraphs(batch_sizes, graph_lens, api).capture_all(self._first_draft_forward)
         self.draft = None
         if mtp.step > 1:
             self.draft = DecodeGraphs(batch_sizes, graph_lens, api).capture_all(self._draft_forward)
-        # per bucket, verify and draft together: what the runner reports
-        self.costs = {n: tuple(map(sum, zip(*(s.costs[n] for s in (self.verify, self.draft) if s))))
-                      for n in self.verify.graph_lens}  # fmt: skip
-        logger.info("MTP decode graphs: verify%s at batch sizes %s, KV length buckets %s (%.1f MiB)",
+        # per bucket, all three together: what the runner reports
+        sets = [s for s in (self.verify, self.first, self.draft) if s]
+        self.costs = {n: tuple(map(sum, zip(*(s.costs[n] for s in sets)))) for n in self.verify.graph_lens}
+        logger.info("MTP decode graphs: verify, first draft%s at batch sizes %s, KV length buckets %s (%.1f MiB)",
                     " and draft" if self.draft else "", self.verify.batch_sizes, self.verify.graph_lens,
                     sum(b for _, _, b in self.costs.values()) / 2**20)  # fmt: skip
 
@@ -76,6 +86,9 @@ class MTPGraphs:
                            positions=b["positions"][: bs * T], max_len_in_batch=T, graph_max_len=graph_len,
                            q_len=T, state_idx=b["state_idx"][:bs], state_dst_idx=b["state_dst_idx"][:bs])  # fmt: skip
         return self.model.forward(b["input_ids"][: bs * T], state, keep_hidden=True)
+
+    def _first_draft_forward(self, bs: int, graph_len: int):
+        return self.mtp.first_draft(self.first_in, bs, self.mtp.tokens, graph_len)
 
     def _draft_forward(self, bs: int, graph_len: int):
         b = self.draft_in
@@ -98,6 +111,11 @@ class MTPGraphs:
         logits, hidden = self.verify.replay(key)
         T = self.mtp.tokens
         return logits[: bs * T], hidden[: bs * T]
+
+    def run_first_draft(self, key: GraphKey, live: Dict[str, torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+        bs = _stage(self.first_in, self._first_pad, live, key[1], self.mtp.tokens)
+        logits, hidden = self.first.replay(key)
+        return logits[:bs], hidden[:bs]
 
     def run_draft(self, key: GraphKey, live: Dict[str, torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
         bs = _stage(self.draft_in, self._draft_pad, live, key[1], 1)

@@ -9,9 +9,12 @@ tokens brings the head's KV up to date ("catch-up"); a prefill chunk catches up 
 
 A step (the engine's ``spec_decode``):
 1. ``draft``: the KV grows by ``T = N + 1`` tokens (positions ``m .. m + N``); the catch-up over the pending
-   positions, now followed by ``t_m``, gives the first draft's logits; ``N - 1`` more head steps at positions
-   ``m .. m + N - 2``, each fed the previous draft and the head's own output hidden state, give the others. The
-   engine's ``choose`` picks each draft token (argmax, or a draw from the draft distribution).
+   positions (``k``, 1 .. T of them), now followed by ``t_m``, gives the first draft's logits; ``N - 1`` more head
+   steps at positions ``m .. m + N - 2``, each fed the previous draft and the head's own output hidden state, give
+   the others. The engine's ``choose`` picks each draft token (argmax, or a draw from the draft distribution).
+   A step's catch-up runs over a fixed window of ``T`` rows per request (``first_draft``: one shape, so one CUDA
+   graph), its ``k`` real rows first; the rows past them sit at positions ``m ..``, which the draft steps (and the
+   next catch-up) rewrite before anything reads them, so they are harmless to compute.
 2. ``verify``: one main-model forward over ``[t_m, d_1 .. d_N]`` (``q_len = T``); the linear-attention state
    starts from the request's current slot and the state after token ``t`` goes to the row's slot ``t``.
 3. ``accept``: with ``a`` drafts accepted, the KV keeps positions ``m .. m + a`` and the rest is freed
@@ -19,7 +22,6 @@ A step (the engine's ``spec_decode``):
    rewritten by the next catch-up, from the verify's hidden states.
 """
 
-import itertools
 import os
 import weakref
 from pathlib import Path
@@ -77,14 +79,14 @@ class MTPRunner:
         for slot, part, prompt in zip(slots, hidden.split([len(p) for p in prompts]), prompts):
             self.pending[slot].append(part)
             self.follow[slot].extend(prompt)
-        self._catch_up([s for s in slots if len(self.follow[s]) > 1], logits=False)
+        self._catch_up([s for s in slots if len(self.follow[s]) > 1])
         return logits
 
-    def _catch_up(self, slots: Sequence[int], logits: bool):
-        """The head over each slot's pending positions followed by known tokens (all but the last pending one);
-        with ``logits``: the head's logits and output hidden state at each slot's last such position."""
+    def _catch_up(self, slots: Sequence[int]) -> None:
+        """The head over each slot's pending prompt positions followed by known tokens (all but the last pending
+        one): its KV writes, as one packed prefill."""
         if not slots:
-            return None
+            return
         dev, table, i64 = self.runner.device, self.kv.table, torch.int64
         counts = [len(self.follow[s]) - 1 for s in slots]
         starts = [self.mtp_next[s] for s in slots]
@@ -105,13 +107,53 @@ class MTPRunner:
         rows = host_to_device(np.repeat(np.asarray(slots, dtype=np.int64), counts), i64, dev)
         state = InferState.packed_prefill(slots, table, starts, counts, table[rows, positions].long(), dev,
                                           max_position=self.max_position)  # fmt: skip
-        firsts = [0, *itertools.accumulate(counts[:-1])]
-        last = host_to_device([f + k - 1 for f, k in zip(firsts, counts)], i64, dev) if logits else None
-        out = self.head.forward(host_to_device(ids, i64, dev), hidden, state, out_rows=last)
+        self.head.forward(host_to_device(ids, i64, dev), hidden, state)
         for s, k in zip(slots, counts):
             self.mtp_next[s] += k
             self.follow[s] = self.follow[s][k:]
-        return out
+
+    def _first_draft_inputs(self, slots: Sequence[int]) -> dict:
+        """The step's catch-up as ``first_draft`` takes it: ``T`` rows per request, the ``k`` pending ones first
+        (tokens ``follow[1:]``, the pending hidden states), then filler (token 0, the rest of the verify's hidden
+        window or zeros)."""
+        T, dev = self.tokens, self.runner.device
+        windows, ids, starts, lasts = [], [], [], []
+        for s in slots:
+            k = len(self.follow[s]) - 1
+            pending = self.pending[s]
+            if k > T:  # pending holds one decode step's positions at most (a prefill catches up all but its last)
+                raise RuntimeError(f"MTP draft: slot {s} has {k} positions to catch up, expected at most {T}")
+            if len(pending) == 1 and pending[0].shape[0] == T:  # the last verify's window, its k rows first
+                windows.append(pending[0])
+            else:  # a request's first decode step: its prefill's last position
+                rows = torch.cat(pending) if len(pending) > 1 else pending[0]
+                windows.append(torch.cat([rows[:k], rows.new_zeros(T - k, rows.shape[1])]))
+            ids.extend(self.follow[s][1:])
+            ids.extend([0] * (T - k))
+            starts.append(self.mtp_next[s])
+            lasts.append(k - 1)
+            self.pending[s] = []
+            self.mtp_next[s] += k
+            self.follow[s] = self.follow[s][k:]
+        i64 = dict(dtype=torch.int64, device=dev)
+        return {"input_ids": host_to_device(ids, **i64), "hidden": torch.stack(windows).flatten(0, 1),
+                "start": host_to_device(starts, **i64), "last": host_to_device(lasts, **i64),
+                "b_req_idx": host_to_device(slots, torch.int32, dev)}  # fmt: skip
+
+    def first_draft(self, b: dict, bs: int, max_len: int, graph_len: Optional[int] = None):
+        """The head over the catch-up window of ``bs`` requests (``b``: ``_first_draft_inputs``' columns, or a
+        graph's static buffers): its KV writes at positions ``start .. start + T - 1``, and the logits and output
+        hidden state of each request's last real row (``last``). One shape for any ``k``: the CUDA graph's."""
+        T = self.tokens
+        start, b_req_idx = b["start"][:bs], b["b_req_idx"][:bs]
+        at = start[:, None] + torch.arange(T, device=start.device)
+        state = InferState(is_prefill=False, b_req_idx=b_req_idx, req_to_token=self.kv.table,
+                           b_seq_len=(start + T).to(torch.int32),
+                           out_token_idx=self.kv.table[b_req_idx.long()[:, None], at].long().flatten(),
+                           positions=at.clamp(max=self.max_position).flatten(), max_len_in_batch=max_len,
+                           graph_max_len=graph_len, q_len=T)  # fmt: skip
+        out_rows = torch.arange(bs, device=start.device) * T + b["last"][:bs]
+        return self.head.forward(b["input_ids"][: bs * T], b["hidden"][: bs * T], state, out_rows=out_rows)
 
     # ---- one speculative step ------------------------------------------------------------------------------
 
@@ -127,13 +169,16 @@ class MTPRunner:
         bases = [self.kv.seq_len(s) for s in slots]  # m: the KV length before this step
         # the verify step's N + 1 slots of every request, in one allocation and one table write
         self._token_idx = self.kv.extend_many(slots, [self.tokens] * len(slots))
-        logits, hidden = self._catch_up(slots, logits=True)
+        first = self._first_draft_inputs(slots)
+        graph = self.graphs.pick(len(slots), max(bases) + self.tokens) if self.graphs else None
+        if graph is not None:
+            logits, hidden = self.graphs.run_first_draft(graph, first)
+        else:
+            logits, hidden = self.first_draft(first, len(slots), max(bases) + self.tokens)
         drafts = [self._pick(choose, 0, logits)]
-        i32 = dict(dtype=torch.int32, device=dev)
-        b_req_idx = host_to_device(slots, **i32)
+        b_req_idx = first["b_req_idx"]
         base = host_to_device(bases, torch.int64, dev)
         rows = torch.arange(len(slots), device=dev)
-        graph = self.graphs.pick(len(slots), max(bases) + self.tokens) if self.graphs else None
         for k in range(1, n):
             pos = base + (k - 1)
             live = {"input_ids": drafts[-1].to(dev), "hidden": hidden, "positions": pos.clamp(max=self.max_position),
@@ -202,7 +247,7 @@ class MTPRunner:
             self.kv.truncate(slot, self.step - a)
             self.current[slot] = a
             self.mtp_next[slot] = self.kv.seq_len(slot) - a - 1  # m
-            self.pending[slot] = [self._hidden[i, : a + 1]]
+            self.pending[slot] = [self._hidden[i]]  # the whole window: the next catch-up reads its a + 1 rows
             self.follow[slot] = [self.follow[slot][-1], *self._drafts[i][:a]]
         self._hidden = self._draft_dev = self._drafts = None
 

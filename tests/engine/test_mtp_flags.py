@@ -123,15 +123,15 @@ def test_metrics_count_draft_and_accepted_tokens():
 
 
 def test_each_mtp_graph_is_captured_right_after_a_decode_attention_forward(dirs, monkeypatch):
-    """Verify and draft graphs, longest KV length bucket first, then largest batch first: per graph one eager forward
-    launched for its bucket inside the DECODE_ATTENTION warm-up scope (where the MTP decode kernels tune), then the
-    capture outside it; no plain decode graph."""
+    """Verify, first draft and draft graphs, longest KV length bucket first, then largest batch first: per graph one
+    eager forward launched for its bucket inside the DECODE_ATTENTION warm-up scope (where the MTP decode kernels
+    tune), then the capture outside it; no plain decode graph."""
     from lightllm.common.autotuner import current_warmup_kernel_type
     from lightllm.engine.model_runner import ModelRunner
     from lightllm.engine.mtp_graphs import MTPGraphs
 
     log = []
-    for kind in ("verify", "draft"):
+    for kind in ("verify", "first_draft", "draft"):
         real = getattr(MTPGraphs, f"_{kind}_forward")
         monkeypatch.setattr(MTPGraphs, f"_{kind}_forward", lambda self, bs, n, real=real, kind=kind: (
             log.append((kind, n, bs, str(current_warmup_kernel_type()))), real(self, bs, n))[1])  # fmt: skip
@@ -158,7 +158,7 @@ def test_each_mtp_graph_is_captured_right_after_a_decode_attention_forward(dirs,
     scope = str(current_warmup_kernel_type())  # outside any warm-up
     tuned = "AutotuneKernelType.DECODE_ATTENTION"
     want = []
-    for kind in ("verify", "draft"):
+    for kind in ("verify", "first_draft", "draft"):
         for n in (64, 16):
             for bs in (2, 1):
                 want += [(kind, n, bs, tuned), ("capture", scope), (kind, n, bs, scope)]

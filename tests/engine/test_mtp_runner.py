@@ -62,6 +62,39 @@ def test_forced_acceptance_counts_leave_the_state_of_a_fresh_start(mtp_dir):
         assert runner.kv.seq_len(slot) == len(context)
 
 
+def test_the_windowed_first_draft_equals_a_packed_catch_up_of_its_real_rows(mtp_dir):
+    """A step's catch-up runs over N + 1 rows per request whatever it accepted: its logits and hidden states are a
+    packed prefill's over the real rows alone (the filler rows after them change nothing)."""
+    from lightllm.layers.infer_state import InferState
+
+    runner = cpu_runner(mtp_dir, mtp_mode="eagle_with_att", mtp_step=3)
+    mtp, kv, T = runner.mtp, runner.kv, 4
+    slots = [runner.add_request() for _ in range(3)]
+    lasts = [int(t) for t in runner.prefill(slots, [PROMPT, PROMPT[:4], PROMPT[3:]]).argmax(-1)]
+    argmax = lambda k, logits: logits.argmax(-1)  # noqa: E731
+    for step, accepted in enumerate([[0, 2, 3], [3, 0, 1]]):
+        runner.mtp.verify(slots, lasts, runner.mtp.draft(slots, lasts, argmax))
+        mtp.accept(slots, accepted)
+        lasts = [(step * 31 + 7 * i) % 400 for i in range(3)]  # any bonus tokens
+    for s, t in zip(slots, lasts):
+        mtp.follow[s].append(t)
+    bases = [kv.seq_len(s) for s in slots]
+    kv.extend_many(slots, [T] * 3)
+    counts, starts = [len(mtp.follow[s]) - 1 for s in slots], [mtp.mtp_next[s] for s in slots]
+    assert counts == [4, 1, 2]
+    rows = torch.tensor([s for s, k in zip(slots, counts) for _ in range(k)])
+    at = torch.tensor([p for b, k in zip(starts, counts) for p in range(b, b + k)])
+    state = InferState.packed_prefill(slots, kv.table, starts, counts, kv.table[rows, at].long(), "cpu",
+                                      max_position=mtp.max_position)  # fmt: skip
+    ids = torch.tensor([t for s in slots for t in mtp.follow[s][1:]])
+    hidden = torch.cat([mtp.pending[s][0][:k] for s, k in zip(slots, counts)])
+    want = mtp.head.forward(ids, hidden, state, out_rows=torch.tensor([3, 4, 6]))
+    got = mtp.first_draft(mtp._first_draft_inputs(slots), 3, max(bases) + T)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=0)
+    assert [mtp.mtp_next[s] for s in slots] == [b + k for b, k in zip(starts, counts)] == bases
+
+
 def test_requests_in_and_out_free_every_kv_token_and_slot(mtp_dir):
     from lightllm import LLM, SamplingParams
 
@@ -97,7 +130,7 @@ class ReplayingGraphAPI:
     longer than the graph's KV length bucket fails (a real graph's kernels would skip the keys past it)."""
 
     def __init__(self):
-        self.runner, self.replays, self.buckets = None, {"verify": 0, "draft": 0}, set()
+        self.runner, self.replays, self.buckets = None, {"verify": 0, "first_draft": 0, "draft": 0}, set()
 
     def new_graph(self):
         return object()
@@ -113,11 +146,15 @@ class ReplayingGraphAPI:
 
     def replay(self, graph):
         graphs = self.runner.mtp.graphs
-        for kind, forward in (("verify", graphs._verify_forward), ("draft", graphs._draft_forward)):
-            captured = getattr(graphs, kind).graphs if getattr(graphs, kind) is not None else {}
-            for (graph_len, bs), (g, outs) in captured.items():
+        kinds = {"verify": graphs.verify, "first_draft": graphs.first, "draft": graphs.draft}
+        for kind, captured in kinds.items():
+            for (graph_len, bs), (g, outs) in captured.graphs.items() if captured is not None else ():
                 if g is graph:
-                    longest = int(getattr(graphs, f"{kind}_in")["b_seq_len"][:bs].max())
+                    forward = getattr(graphs, f"_{kind}_forward")
+                    if kind == "first_draft":  # its window's last row sees start + N + 1 tokens
+                        longest = int(graphs.first_in["start"][:bs].max()) + self.runner.mtp.tokens
+                    else:
+                        longest = int(getattr(graphs, f"{kind}_in")["b_seq_len"][:bs].max())
                     assert longest <= graph_len, f"a {longest}-token request replayed the <= {graph_len} {kind} graph"
                     self.buckets.add(graph_len)
                     for out, new in zip(outs, forward(bs, graph_len)):
@@ -149,5 +186,5 @@ def test_graph_replays_give_the_eager_tokens(mtp_dir, step):
     assert runner.graphs is None and runner.mtp.graphs.verify.batch_sizes == [1, 3]
     got, _ = run_all(Engine(runner, eos_ids=[]), prompts, params=params)
     assert got == want
-    assert api.replays["verify"] > 0 and (api.replays["draft"] > 0) == (step > 1)
+    assert api.replays["verify"] == api.replays["first_draft"] > 0 and (api.replays["draft"] > 0) == (step > 1)
     assert api.buckets == {20, 24} and sorted(runner.decode_graph_costs) == [20, 24]

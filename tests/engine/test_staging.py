@@ -144,13 +144,3 @@ def test_gpu_staging_buffer_is_pinned_and_each_step_arrives():
             assert staging.device_views[name].tolist() == [step * 10 + i for i in range(batch)] + [PAD[name]] * (
                 8 - batch
             ), (step, name)
-
-
-@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.float32, torch.float64, torch.bool, torch.bfloat16])
-def test_host_tensor_is_torch_tensor(dtype):
-    from lightllm.common.transfer import host_tensor
-
-    for values in ([3, 0, 7, 1], [], [1.5, -2.0, 0.0]):
-        want = torch.tensor(values, dtype=dtype)
-        got = host_tensor(values, dtype)
-        assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)
