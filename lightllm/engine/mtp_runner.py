@@ -241,10 +241,11 @@ class MTPRunner:
         """``accepted[i]`` drafts of request ``i`` were accepted: its KV, state slot and head catch-up follow."""
         if self._drafts is None:  # read once the engine has read the verify's tokens: the GPU is idle by then
             self._drafts = self._draft_dev.tolist()
-        for i, (slot, a) in enumerate(zip(slots, accepted)):
+        for slot, a in zip(slots, accepted):
             if not 0 <= a <= self.step:
                 raise ValueError(f"MTP accept: accepted drafts expected in [0, {self.step}], got {a} (slot {slot})")
-            self.kv.truncate(slot, self.step - a)
+        self.kv.truncate_many(slots, [self.step - a for a in accepted])  # one free of the pool for the batch
+        for i, (slot, a) in enumerate(zip(slots, accepted)):
             self.current[slot] = a
             self.mtp_next[slot] = self.kv.seq_len(slot) - a - 1  # m
             self.pending[slot] = [self._hidden[i]]  # the whole window: the next catch-up reads its a + 1 rows

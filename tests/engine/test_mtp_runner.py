@@ -109,6 +109,32 @@ def test_requests_in_and_out_free_every_kv_token_and_slot(mtp_dir):
     assert (kv.num_free_tokens, kv.num_free_slots) == start
 
 
+def test_truncate_many_is_truncate_of_each_and_a_bad_count_changes_nothing():
+    def rows():
+        kv = KVCacheManager(64, 4, 16, "cpu")
+        slots = [kv.add_request() for _ in range(3)]
+        kv.extend_many(slots, [2, 5, 3])
+        kv.extend_many(slots, [4, 4, 4])
+        return kv, slots
+
+    one, slots = rows()
+    for slot, n in zip(slots, [3, 0, 4]):
+        one.truncate(slot, n)
+    many, _ = rows()
+    many.truncate_many(slots, [3, 0, 4])
+    assert [many.seq_len(s) for s in slots] == [one.seq_len(s) for s in slots] == [3, 9, 3]
+    assert many.num_free_tokens == one.num_free_tokens == 64 - 15
+    # the freed slots are handed out again (in another order: one free of the batch, not one per request)
+    assert sorted(many.extend(slots[0], 7).tolist()) == sorted(one.extend(slots[0], 7).tolist())
+    kv, _ = rows()
+    before = (kv.num_free_tokens, [kv.seq_len(s) for s in slots])
+    with pytest.raises(ValueError, match=r"truncate_many: n expected <= the 4 tokens of slot 2's last extend, got 5"):
+        kv.truncate_many(slots, [1, 1, 5])
+    with pytest.raises(ValueError, match=r"truncate_many: distinct slots and one count each expected"):
+        kv.truncate_many(slots, [1, 1])
+    assert (kv.num_free_tokens, [kv.seq_len(s) for s in slots]) == before
+
+
 def test_truncate_frees_the_tail_of_the_last_extend_only():
     kv = KVCacheManager(32, 2, 16, "cpu")
     slot = kv.add_request()
