@@ -52,7 +52,7 @@ class StepObserver(Protocol):
 
     # Optional, CUDA only: the GPU seconds of every ``GPU_TIME_EVERY``-th step (of those, the ones that sampled
     # tokens: forward and sampling, ``gpu_timer.py``); with MTP, of its decode steps those whose requests are all
-    # plain greedy (the others wait for the GPU per verify position).
+    # plain (no penalty, bias, min_tokens or top logprobs: the others wait for the GPU per verify position).
     def on_step_gpu(self, kind: str, seconds: float) -> None: ...
 
 

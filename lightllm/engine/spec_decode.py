@@ -105,10 +105,12 @@ class DraftChooser:
         return tokens
 
 
-def _plain_greedy(req: Request) -> bool:
-    """Greedy, with nothing that changes its logits or asks for more than the chosen token's logprob."""
+def _plain(req: Request) -> bool:
+    """Nothing changes its logits (penalties, bias, min_tokens) or asks for more than the chosen token's logprob:
+    greedy, or sampled with temperature, top-k and top-p only. Its positions do not depend on each other's tokens
+    (no penalty counts what was accepted before), so all of them are decided on the device at once."""
     p = req.params
-    return p.greedy and not p.processes_logits and not p.top_logprobs and req.sampling_row < 0
+    return not p.processes_logits and not p.top_logprobs and req.sampling_row < 0
 
 
 @dataclass
@@ -132,7 +134,7 @@ class SpecDecoder:
         slots, last = [r.slot for r in batch], [r.output_ids[-1] for r in batch]
         chooser = DraftChooser(batch)
         # GPU-timed (gpu_timer.py) only when nothing waits for the GPU before the acceptance's one read
-        timing = eng._timing and all(_plain_greedy(r) for r in batch)
+        timing = eng._timing and all(_plain(r) for r in batch)
         if timing:
             eng._gpu_timer.start()
         try:
@@ -149,34 +151,41 @@ class SpecDecoder:
 
     def _decide(self, batch, drafts: torch.Tensor, logits: torch.Tensor, chooser: DraftChooser) -> List[_Outcome]:
         """Each request's tokens, events and accepted drafts from the verify's ``logits [B, N + 1, vocab]`` and the
-        drafts ``[B, N]`` (on the device). Plain greedy requests (no penalty, bias, min_tokens or top logprobs) are
-        decided from one read of the device (all positions' tokens and logprobs at once); the others position by
-        position (penalties count the tokens accepted before, the sampling rule draws)."""
+        drafts ``[B, N]`` (on the device). Plain requests (``_plain``: no penalty, bias, min_tokens or top logprobs)
+        are decided from one read of the device (all positions' tokens, logprobs and acceptances at once); the others
+        position by position (penalties count the tokens accepted before)."""
         outcomes = [_Outcome() for _ in batch]
-        plain = [i for i, r in enumerate(batch) if _plain_greedy(r)]
-        rest = [i for i, r in enumerate(batch) if not _plain_greedy(r)]
+        plain = [i for i, r in enumerate(batch) if _plain(r)]
+        rest = [i for i, r in enumerate(batch) if not _plain(r)]
         if plain:
-            self._decide_greedy(batch, plain, drafts, logits, outcomes)
+            self._decide_plain(batch, plain, drafts, logits, chooser, outcomes)
         if rest:
             self._decide_each(batch, rest, drafts.tolist(), logits, chooser, outcomes)
         return outcomes
 
-    def _decide_greedy(self, batch, rows: List[int], drafts: torch.Tensor, logits: torch.Tensor,
-                       outcomes: List[_Outcome]) -> None:  # fmt: skip
-        """The plain greedy ``rows``: argmax at every position and its logprob (of the model's own distribution),
-        with the drafts, in one device-to-host read; then accept while the argmax equals the next draft."""
+    def _decide_plain(self, batch, rows: List[int], drafts: torch.Tensor, logits: torch.Tensor,
+                      chooser: DraftChooser, outcomes: List[_Outcome]) -> None:  # fmt: skip
+        """The plain ``rows``: every position's token (greedy: the argmax, accepted while it equals the next draft;
+        sampled: the acceptance rule, and the bonus draw, at every position at once), its logprob (of the model's
+        own distribution) and whether it goes on, in one device-to-host read. A sampled position past a rejection
+        draws for nothing, which changes no emitted token's distribution."""
         eng, n, T = self.engine, self.step_drafts, self.step_drafts + 1
         try:
             if len(rows) < len(batch):
                 where = host_to_device(rows, torch.int64, logits.device)
                 logits, drafts = logits.index_select(0, where), drafts.index_select(0, where)
             tokens = logits.argmax(dim=-1)  # [R, T]
+            going_on = tokens[:, :n] == drafts  # [R, N]
+            sampled = [j for j, i in enumerate(rows) if not batch[i].params.greedy]
+            if sampled:
+                self._sample_positions(batch, [rows[j] for j in sampled], sampled, drafts, logits, chooser,
+                                       tokens, going_on)  # fmt: skip
             # log_softmax at the chosen token without a [R, T, vocab] log-softmax: its logit minus the logsumexp
             lps = logits.gather(-1, tokens[..., None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
-            packed = torch.cat([tokens.double(), lps.double(), drafts.double()], dim=1)
+            packed = torch.cat([tokens.double(), lps.double(), going_on.double()], dim=1)
             if self.engine._timing:  # the step's last launch (a no-op unless this step started the timer)
                 self.engine._gpu_timer.stop()
-            got = packed.tolist()  # one read: token ids (< 2**53) and drafts are exact in float64
+            got = packed.tolist()  # one read: token ids (< 2**53) are exact in float64
         except Exception:
             logger.exception("MTP acceptance of %d requests failed; they end with finish_reason error", len(rows))
             for i in rows:
@@ -188,13 +197,40 @@ class SpecDecoder:
             cached = req.num_cached_tokens or 0
             for k in range(T):
                 tok = int(row[k])
-                going_on = k < n and tok == int(row[2 * T + k])
+                going_on = k < n and row[2 * T + k] > 0
                 req.output_ids.append(tok)
                 out.events.append(Event("token", tok, row[T + k], cached_tokens=cached, draft=going_on))
                 out.reason = finish_reason(req, tok)
                 if out.reason is not None or not going_on:
                     break
                 out.accepted += 1
+
+    @staticmethod
+    def _sample_positions(batch, reqs: List[int], at: List[int], drafts: torch.Tensor, logits: torch.Tensor,
+                          chooser: DraftChooser, tokens: torch.Tensor, going_on: torch.Tensor) -> None:  # fmt: skip
+        """The sampled plain requests ``batch[reqs[j]]`` (rows ``at[j]`` of ``logits``, ``drafts``, ``tokens`` and
+        ``going_on``): at each draft position the acceptance rule (accepted, or the residual's draw), after the last
+        the bonus draw from ``p``; into ``tokens`` and ``going_on`` on the device. Position by position, as the
+        per-position path draws (one ``[S, vocab]`` distribution live at a time, each seeded request's generator
+        drawn in the same order)."""
+        dev, n = logits.device, drafts.shape[1]
+        where = host_to_device(at, torch.int64, dev)
+        params = [batch[i].params for i in reqs]
+        generators = [batch[i].generator for i in reqs]
+        q_row = {i: row for row, i in enumerate(chooser.sampled)}
+        q_where = host_to_device([q_row[i] for i in reqs], torch.int64, dev)
+        picked = drafts.index_select(0, where)
+        drawn, took = [], []
+        for k in range(n + 1):
+            p = filtered_probs(logits[:, k].index_select(0, where), params)
+            if k < n:
+                token, accepted = accept_or_resample(p, chooser.q[k].index_select(0, q_where), picked[:, k], generators)
+                drawn.append(token)
+                took.append(accepted)
+            else:
+                drawn.append(draw_rows(p, generators))
+        tokens.index_copy_(0, where, torch.stack(drawn, dim=1))
+        going_on.index_copy_(0, where, torch.stack(took, dim=1))
 
     def _decide_each(self, batch, rows: List[int], drafts: List[List[int]], logits: torch.Tensor,
                      chooser: DraftChooser, outcomes: List[_Outcome]) -> None:  # fmt: skip

@@ -41,7 +41,7 @@ class Metrics:
         # time is the forward, sampling and bookkeeping of one token for every running request.
         self.step_seconds = Histogram("lightllm_step_seconds", "engine step time", ["kind"], registry=r,
                                       buckets=STEP_BUCKETS)  # fmt: skip
-        # CUDA only, every 8th step (those that sample tokens; MTP decode steps of plain greedy requests only): the
+        # CUDA only, every 8th step (those that sample tokens; MTP decode steps of plain requests only): the
         # GPU timeline from the forward's launch to the last launch before the tokens are read
         # (engine/gpu_timer.py); the rest of lightllm_step_seconds is the host's.
         self.step_gpu_seconds = Histogram("lightllm_step_gpu_seconds", "GPU time of an engine step (forward and "

@@ -214,6 +214,38 @@ def test_seeded_sampling_with_mtp_gives_the_same_tokens_twice(random_dir):
     assert runs[0] == runs[1] and all(len(t) == 8 for t in runs[0].values())
 
 
+def first_mtp_step(model_dir, params):
+    """Prefill ``PROMPTS`` with MTP step 3, then one decode step: the tokens each request emitted in that step."""
+    eng = engine(model_dir, mtp_mode="eagle_with_att", mtp_step=3, batch_max_tokens=128)
+    got = {i: [] for i in params}
+    for i, p in params.items():
+        eng.submit(Request(str(i), PROMPTS[i], p, lambda ev, i=i: got[i].append(ev.token_id)))
+    while not all(got.values()):  # every prompt prefilled (its first token out): the next step decodes them all
+        assert eng.step()
+    before = {i: len(t) for i, t in got.items()}
+    assert eng.step()
+    return {i: t[before[i] :] for i, t in got.items()}
+
+
+def test_sampled_plain_requests_decided_at_once_draw_what_the_per_position_path_draws(half_dir, monkeypatch):
+    """Seeded sampled requests without logits processing are decided from one read, every position on the device
+    at once; a step of them emits the tokens the position-by-position path (the one penalised requests take) emits
+    from the same generator states: the same rule, each generator drawn in the same order up to the first
+    rejection."""
+    import lightllm.engine.spec_decode as spec_decode
+
+    extras = [dict(temperature=0.7), dict(temperature=1.0, top_k=30), dict(temperature=0.8, top_p=0.9),
+              dict(temperature=1.2, top_k=50, top_p=0.8)]  # fmt: skip
+    params = {i: SamplingParams(max_new_tokens=12, seed=10 + i, ignore_eos=True, **e) for i, e in enumerate(extras)}
+    plain = first_mtp_step(half_dir, params)
+    monkeypatch.setattr(spec_decode, "_plain", lambda req: False)
+    each = first_mtp_step(half_dir, params)
+    assert plain == each
+    # these seeds cover a rejection at the first draft, one after accepted drafts, and a fully accepted step
+    emitted = sorted(len(t) for t in plain.values())
+    assert emitted[0] == 1 and emitted[-1] == 4 and any(1 < e < 4 for e in emitted), plain
+
+
 # ---- the speculative-sampling rule ------------------------------------------------------------------------
 
 

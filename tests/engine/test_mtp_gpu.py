@@ -64,16 +64,20 @@ def test_graph_replay_equals_the_eager_verify(model_dir):
     assert torch.equal(graphed.argmax(-1), eager.argmax(-1))
 
 
+@pytest.mark.parametrize("sampled", [False, True])
 @pytest.mark.parametrize("graphs", [True, False])
-def test_an_mtp_step_of_plain_greedy_requests_waits_for_the_gpu_twice(model_dir, graphs):
-    """Draft, verify and acceptance of plain greedy requests stage every input through pinned memory, so the host
-    waits for the GPU only where it reads: the verify's tokens, logprobs and drafts (one copy), and the drafts
-    again in ``accept`` (the GPU is idle by then). CUDA's sync debug mode warns at each wait."""
+def test_an_mtp_step_of_plain_requests_waits_for_the_gpu_twice(model_dir, graphs, sampled):
+    """Draft, verify and acceptance of plain requests (greedy; or sampled with temperature, top-k, top-p, one of
+    them seeded) stage every input through pinned memory and draw on the device, so the host waits for the GPU only
+    where it reads: every position's tokens, logprobs and acceptances (one copy), and the drafts again in
+    ``accept`` (the GPU is idle by then). CUDA's sync debug mode warns at each wait."""
     import warnings
 
     eng = engine(model_dir, mtp_mode="eagle_with_att", mtp_step=3, disable_cudagraph=not graphs)
+    extra = [dict(temperature=0.8, top_p=0.9), dict(temperature=1.0, top_k=20, seed=5), {}] if sampled else [{}] * 3
     for i, p in enumerate(PROMPTS[:3]):
-        eng.submit(Request(str(i), p, SamplingParams(max_new_tokens=40, ignore_eos=True), lambda ev: None))
+        params = SamplingParams(max_new_tokens=40, ignore_eos=True, **extra[i])
+        eng.submit(Request(str(i), p, params, lambda ev: None))
     assert eng.step()
     while eng.scheduler.waiting or eng.scheduler.prefilling:  # every request prefilled: the next steps decode
         assert eng.step()

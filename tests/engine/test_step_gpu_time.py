@@ -164,11 +164,12 @@ def test_the_timer_stops_after_the_steps_last_launch_and_before_any_read(model_d
     assert sampled and all(c.split() == ["start", "top_launch", "record", "stop", "top_read"] for c in sampled)
 
 
-@pytest.mark.parametrize("penalised", [False, True])
-def test_an_mtp_step_of_plain_greedy_requests_is_timed_from_its_draft_to_its_one_read(tmp_path, monkeypatch, penalised):
-    """MTP: a decode step whose requests are all plain greedy starts the timer before its draft and stops it after the
-    acceptance's last launch, before its one read; a step with a penalised request (decided position by position,
-    reading the device at each) is not timed. Prefill steps are timed as without MTP."""
+@pytest.mark.parametrize("second", ["greedy", "sampled", "penalised"])
+def test_an_mtp_step_of_plain_requests_is_timed_from_its_draft_to_its_one_read(tmp_path, monkeypatch, second):
+    """MTP: a decode step whose requests are all plain (greedy, or sampled with temperature/top-k/top-p only) starts
+    the timer before its draft and stops it after the acceptance's last launch, before its one read; a step with a
+    penalised request (decided position by position, reading the device at each) is not timed. Prefill steps are
+    timed as without MTP."""
     from lightllm.engine import spec_decode
     from lightllm.tools.make_tiny_model import make_tiny_qwen3_5
 
@@ -186,7 +187,9 @@ def test_an_mtp_step_of_plain_greedy_requests_is_timed_from_its_draft_to_its_one
                       mtp_mode="eagle_with_att", mtp_step=2)  # fmt: skip
     observer = Observer()
     engine = Engine(ModelRunner(args), eos_ids=[], observer=observer)
-    extra = {"repetition_penalty": 1.2} if penalised else {}
+    extra = {"greedy": {}, "sampled": {"temperature": 0.8, "top_k": 40, "seed": 3},
+             "penalised": {"repetition_penalty": 1.2}}[second]  # fmt: skip
+    penalised = second == "penalised"
     for i, p in enumerate(PROMPTS[:2]):
         params = SamplingParams(max_new_tokens=9, ignore_eos=True, **(extra if i else {}))
         engine.submit(Request(str(i), p, params, lambda ev: None, arrival=0.0))

@@ -204,6 +204,7 @@ def test_models_and_metrics(server, client):
     with pytest.raises(openai.NotFoundError) as e:
         client.completions.create(model="lightllm-tiny-qwen3", prompt="hi", max_tokens=1)
     assert e.value.code == "model_not_found"
+    client.completions.create(model=MODEL, prompt="hi", max_tokens=3)  # a decode step of its own (run alone too)
     text = httpx.get(server + "/metrics").text
     for name in ("lightllm_queue_length", "lightllm_running_batch", "lightllm_generated_tokens_total",
                  "lightllm_time_to_first_token_seconds_bucket", "lightllm_inter_token_latency_seconds_bucket",
