@@ -282,10 +282,11 @@ class ModelRunner:
         self.model.set_attention(None)
         del scratch, table, prefill, decode, state
         used, total = memory_api.used_and_total()
-        # MTP: each size's verify graph holds N + 1 rows of logits per request, its first-draft graph one more and
-        # (N > 1) its draft-step graph one more
-        rows = a.spec_tokens + (a.mtp_mode is not None) + (a.mtp_mode is not None and a.mtp_step > 1)
-        outputs = sum(sorted(graph_sizes)[:-1]) * c.vocab_size * 4 * rows
+        # MTP: each size's verify graph holds N + 1 rows of logits per request (the profiled decode has the largest
+        # size's), its first-draft graph one more and (N > 1) its draft-step graph one more, each set in its own pool
+        heads = (a.mtp_mode is not None) + (a.mtp_mode is not None and a.mtp_step > 1)
+        largest = max(graph_sizes, default=0)
+        outputs = (sum(sorted(graph_sizes)[:-1]) * (a.spec_tokens + heads) + largest * heads) * c.vocab_size * 4
         prefill_graphs = _prefill_graphs_estimate(peaks[0], sum(sizes), prefill_buckets, c.vocab_size)
         return GpuProfile(total=total, used=used, torch_allocated=memory_api.allocated(), activation_peak=max(peaks),
                           graph_estimate=peaks[1] + outputs if graph_sizes else 0,
