@@ -199,10 +199,17 @@ def test_graph_replays_give_the_eager_tokens(mtp_dir, step):
     from lightllm.engine.sampler import SamplingParams
     from tests.engine.test_scheduler import run_all
 
+    def drafts_of(runner):  # every draft step's tokens: the head's graphs must draft what it drafts eagerly
+        seen, draft = [], runner.mtp.draft
+        runner.mtp.draft = lambda *a: seen.append(draft(*a).tolist()) or torch.tensor(seen[-1])
+        return seen
+
     prompts = [PROMPT, PROMPT[:3], [5], PROMPT[2:9]]
     params = {i: SamplingParams(max_new_tokens=n, ignore_eos=True) for i, n in enumerate((14, 9, 20, 6))}
     opts = dict(mtp_mode="eagle_with_att", mtp_step=step, running_max_req_size=4)
-    want, _ = run_all(Engine(cpu_runner(mtp_dir, **opts), eos_ids=[]), prompts, params=params)
+    eager = cpu_runner(mtp_dir, **opts)
+    eager_drafts = drafts_of(eager)
+    want, _ = run_all(Engine(eager, eos_ids=[]), prompts, params=params)
     api = ReplayingGraphAPI()
     runner = ModelRunner(EngineArgs(model_dir=mtp_dir, data_type="fp32", device="cpu", max_req_total_len=96,
                                     graph_max_batch_size=3, graph_split_batch_size=1, graph_grow_step_size=2,
@@ -210,7 +217,8 @@ def test_graph_replays_give_the_eager_tokens(mtp_dir, step):
                          graph_api=api)  # fmt: skip
     api.runner = runner
     assert runner.graphs is None and runner.mtp.graphs.verify.batch_sizes == [1, 3]
+    graph_drafts = drafts_of(runner)
     got, _ = run_all(Engine(runner, eos_ids=[]), prompts, params=params)
-    assert got == want
+    assert got == want and graph_drafts == eager_drafts
     assert api.replays["verify"] == api.replays["first_draft"] > 0 and (api.replays["draft"] > 0) == (step > 1)
     assert api.buckets == {20, 24} and sorted(runner.decode_graph_costs) == [20, 24]
