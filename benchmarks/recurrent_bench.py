@@ -6,6 +6,7 @@ import math
 import os
 import sys
 import tempfile
+from pathlib import Path
 
 import torch
 
@@ -31,19 +32,26 @@ class Cycle:
 
 def tuner_pick(tuned, call):
     """The config ``tuned`` stores when ``call()`` runs it once at level 1 in the DECODE_ATTENTION scope, searched
-    in a fresh config folder (None: the default won). The tuner's caches and the environment are left as found."""
-    from lightllm.common.autotuner import AutotuneKernelType, autotune_warmup
+    in a fresh config folder with the package's shipped configs hidden, so it searches even where a shipped file
+    holds this key (None: the default won). The tuner's caches, the shipped root and the environment are left as
+    found."""
+    from lightllm.common.autotuner import AutotuneKernelType, autotune_warmup, store
 
     tuned.clear_cache()
+    shipped = store.SHIPPED_ROOT
     with tempfile.TemporaryDirectory() as root:
         os.environ.update(LIGHTLLM_TRITON_AUTOTUNE_LEVEL="1", LIGHTLLM_AUTOTUNE_CONFIG_DIR=root)
+        store.SHIPPED_ROOT = Path(root) / "no_shipped_configs"
         try:
             with autotune_warmup(AutotuneKernelType.DECODE_ATTENTION):
                 call()
         finally:
+            store.SHIPPED_ROOT = shipped
             for name in ("LIGHTLLM_TRITON_AUTOTUNE_LEVEL", "LIGHTLLM_AUTOTUNE_CONFIG_DIR"):
                 os.environ.pop(name, None)
             tuned.clear_cache()
+    if tuned.last_search is None:
+        raise RuntimeError(f"{tuned.kernel_name}: the tuner did not search (a config was found for this key)")
     return tuned.last_search.chosen
 
 
