@@ -55,8 +55,7 @@ def noise_for_acceptance(target: float, hidden: int, vocab: int, samples: int = 
 
 class _SpecCounts:
     """The engine observer's MTP counts (what the server's two metrics count), and its decode steps' wall seconds and
-    GPU seconds (the engine's step GPU timer, every ``GPU_TIME_EVERY``-th step; an MTP step only when its requests
-    are all plain, as here)."""
+    GPU seconds (the engine's step GPU timer, every ``GPU_TIME_EVERY``-th step)."""
 
     def __init__(self):
         self.reset()

@@ -7,9 +7,7 @@ host's next launch (between a replayed graph and the sampling's launches, betwee
 under tensor parallelism for the other ranks, whose all-reduces it waits for). Nothing in between is meant to wait
 for the GPU (a re-admitted penalised request's first draw does, in ``torch.bincount``). The rest of the step's
 wall time is the host's: scheduling, staging the inputs, and the bookkeeping after the tokens arrive. An MTP decode
-step (``spec_decode.py``) starts the timer before its draft and stops it before the acceptance's one read, when its
-requests are all plain (greedy or sampled with temperature, top-k and top-p only; requests with penalties, bias,
-min_tokens or top logprobs read the device at each verify position, so their steps are not timed).
+step (``spec_decode.py``) starts the timer before its draft and stops it before the acceptance's one read.
 """
 
 from typing import Optional, Union

@@ -34,9 +34,13 @@ class LogitsProcessor:
     def rows_in_use(self) -> int:
         return self.capacity - len(self._free)
 
-    def apply(self, logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
+    def apply(
+        self, logits: torch.Tensor, reqs: Sequence[Request], pending: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
         """``logits [len(reqs), vocab]`` changed for the requests that ask for it: a new tensor, or ``logits``
-        itself when none does."""
+        itself when none does. ``pending [len(reqs), k]`` (optional): token ids each request is taken to have
+        generated after what was recorded (MTP: the drafts before a verify position), counted by the penalties and
+        ``min_tokens`` as recorded ones are; the tables are not changed."""
         picked = [i for i, r in enumerate(reqs) if r.params.processes_logits]
         if not picked:
             return logits
@@ -48,15 +52,19 @@ class LogitsProcessor:
         where = host_to_device(picked, torch.int64, logits.device)
         x = logits.index_select(0, where)
         settings = self._tables["settings"].index_select(0, rows)
+        ahead = 0 if pending is None else pending.shape[1]
         if any(p.logit_bias for p in params):
             x += self._tables["bias"].index_select(0, rows)
         if any(p.min_tokens for p in params):
-            early = settings[:, _GENERATED] < settings[:, _MIN]
+            early = settings[:, _GENERATED] + ahead < settings[:, _MIN]
             x.masked_fill_(self._tables["blocked"].index_select(0, rows) & early[:, None], float("-inf"))
         repetition = any(p.repetition_penalty != 1 for p in params)
         additive = any(p.frequency_penalty or p.presence_penalty for p in params)
         if repetition or additive:
             counts = self._tables["counts"].index_select(0, rows)
+            if ahead:
+                ids = pending.index_select(0, where).to(self.device)
+                counts.scatter_add_(1, ids, torch.ones(ids.shape, dtype=counts.dtype, device=self.device))
             seen = counts > 0
             if repetition:  # positive logits divided by the penalty, negative ones multiplied
                 rep = settings[:, _REP, None]
@@ -72,12 +80,24 @@ class LogitsProcessor:
         if not picked:
             return
         rows = host_to_device([reqs[i].sampling_row for i in picked], torch.int64, self.device)
-        drawn = tokens.index_select(0, host_to_device(picked, torch.int64, tokens.device)).to(self.device)
-        self._tables["settings"][rows, _GENERATED] += 1
+        self._count(rows, tokens.index_select(0, host_to_device(picked, torch.int64, tokens.device)).to(self.device))
+
+    def record_many(self, reqs: Sequence[Request], emitted: Sequence[Sequence[int]]) -> None:
+        """After a step that can emit several tokens per request (MTP): ``emitted[i]`` were generated for
+        ``reqs[i]``, in order."""
+        picked = [i for i, r in enumerate(reqs) if r.sampling_row >= 0 and emitted[i]]
+        if not picked:
+            return
+        rows = [reqs[i].sampling_row for i in picked for _ in emitted[i]]
+        tokens = [t for i in picked for t in emitted[i]]
+        self._count(host_to_device(rows, torch.int64, self.device), host_to_device(tokens, torch.int64, self.device))
+
+    def _count(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
+        """One generated token per entry: ``tokens[j]`` for table row ``rows[j]`` (rows may repeat)."""
+        ones = torch.ones(rows.shape, dtype=torch.float32, device=self.device)
+        self._tables["settings"].index_put_((rows, torch.full_like(rows, _GENERATED)), ones, accumulate=True)
         if "counts" in self._tables:
-            self._tables["counts"].index_put_(
-                (rows, drawn), torch.ones_like(drawn, dtype=torch.float32), accumulate=True
-            )
+            self._tables["counts"].index_put_((rows, tokens), ones, accumulate=True)
 
     def release(self, req: Request) -> None:
         """``req`` has ended: its row is free for another request."""

@@ -2,7 +2,8 @@
 
 Each running request gets ``N`` draft tokens from the runner's MTP head, then one main-model forward over its
 last token and the drafts gives the target logits at ``N + 1`` positions. Position ``k`` is decided like a plain
-decode step (penalties and bias applied, the same greedy choice), in order, while the drafts before it hold:
+decode step (penalties and bias applied over the tokens before it, the same greedy choice), in order, while the
+drafts before it hold (all positions on the device at once, then one read):
 
 - greedy: the target's choice is emitted; when it equals draft ``k + 1`` the next position is decided too,
   else the step ends there (the longest agreeing prefix plus one token: output equals MTP off, token for token);
@@ -25,7 +26,7 @@ import torch
 
 from lightllm.common.transfer import host_to_device
 from lightllm.engine.request import Event, Request
-from lightllm.engine.sampler import SamplingParams, draw_weighted, rows_by_generator, top_logprobs
+from lightllm.engine.sampler import SamplingParams, draw_weighted, rows_by_generator, top_logprobs_launch
 
 logger = logging.getLogger(__name__)
 
@@ -105,14 +106,6 @@ class DraftChooser:
         return tokens
 
 
-def _plain(req: Request) -> bool:
-    """Nothing changes its logits (penalties, bias, min_tokens) or asks for more than the chosen token's logprob:
-    greedy, or sampled with temperature, top-k and top-p only. Its positions do not depend on each other's tokens
-    (no penalty counts what was accepted before), so all of them are decided on the device at once."""
-    p = req.params
-    return not p.processes_logits and not p.top_logprobs and req.sampling_row < 0
-
-
 @dataclass
 class _Outcome:
     events: List[Event] = field(default_factory=list)
@@ -133,9 +126,7 @@ class SpecDecoder:
         eng = self.engine
         slots, last = [r.slot for r in batch], [r.output_ids[-1] for r in batch]
         chooser = DraftChooser(batch)
-        # GPU-timed (gpu_timer.py) only when nothing waits for the GPU before the acceptance's one read
-        timing = eng._timing and all(_plain(r) for r in batch)
-        if timing:
+        if eng._timing:  # nothing waits for the GPU before the acceptance's one read (gpu_timer.py)
             eng._gpu_timer.start()
         try:
             drafts = self.mtp.draft(slots, last, chooser)
@@ -151,74 +142,100 @@ class SpecDecoder:
 
     def _decide(self, batch, drafts: torch.Tensor, logits: torch.Tensor, chooser: DraftChooser) -> List[_Outcome]:
         """Each request's tokens, events and accepted drafts from the verify's ``logits [B, N + 1, vocab]`` and the
-        drafts ``[B, N]`` (on the device). Plain requests (``_plain``: no penalty, bias, min_tokens or top logprobs)
-        are decided from one read of the device (all positions' tokens, logprobs and acceptances at once); the others
-        position by position (penalties count the tokens accepted before)."""
-        outcomes = [_Outcome() for _ in batch]
-        plain = [i for i, r in enumerate(batch) if _plain(r)]
-        rest = [i for i, r in enumerate(batch) if not _plain(r)]
-        if plain:
-            self._decide_plain(batch, plain, drafts, logits, chooser, outcomes)
-        if rest:
-            self._decide_each(batch, rest, drafts.tolist(), logits, chooser, outcomes)
-        return outcomes
-
-    def _decide_plain(self, batch, rows: List[int], drafts: torch.Tensor, logits: torch.Tensor,
-                      chooser: DraftChooser, outcomes: List[_Outcome]) -> None:  # fmt: skip
-        """The plain ``rows``: every position's token (greedy: the argmax, accepted while it equals the next draft;
-        sampled: the acceptance rule, and the bonus draw, at every position at once), its logprob (of the model's
-        own distribution) and whether it goes on, in one device-to-host read. A sampled position past a rejection
-        draws for nothing, which changes no emitted token's distribution."""
+        drafts ``[B, N]`` (on the device), in one device-to-host read. A request reaches verify position ``k`` only
+        when drafts ``1..k`` were accepted, so position ``k`` is decided on the device as if they were: penalties
+        count them and ``min_tokens`` counts ``k`` more tokens; a position past a rejection is decided for nothing
+        (a sampled one draws for nothing, which changes no emitted token's distribution). Greedy: the argmax,
+        going on while it equals the next draft; sampled: the acceptance rule, and the bonus draw. Logprobs and top
+        logprobs are of the model's own distribution. The processor then records what was emitted."""
         eng, n, T = self.engine, self.step_drafts, self.step_drafts + 1
+        outcomes = [_Outcome() for _ in batch]
+        want = max(r.params.top_logprobs for r in batch)
         try:
-            if len(rows) < len(batch):
-                where = host_to_device(rows, torch.int64, logits.device)
-                logits, drafts = logits.index_select(0, where), drafts.index_select(0, where)
-            tokens = logits.argmax(dim=-1)  # [R, T]
-            going_on = tokens[:, :n] == drafts  # [R, N]
-            sampled = [j for j, i in enumerate(rows) if not batch[i].params.greedy]
+            changed = self._processed(batch, drafts, logits)
+            tokens = changed.argmax(dim=-1)  # [B, T]
+            going_on = tokens[:, :n] == drafts  # [B, N]
+            sampled = [i for i, r in enumerate(batch) if not r.params.greedy]
             if sampled:
-                self._sample_positions(batch, [rows[j] for j in sampled], sampled, drafts, logits, chooser,
-                                       tokens, going_on)  # fmt: skip
-            # log_softmax at the chosen token without a [R, T, vocab] log-softmax: its logit minus the logsumexp
+                self._sample_positions(batch, sampled, drafts, changed, chooser, tokens, going_on)
+            # log_softmax at the chosen token without a [B, T, vocab] log-softmax: its logit minus the logsumexp
             lps = logits.gather(-1, tokens[..., None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
-            packed = torch.cat([tokens.double(), lps.double(), going_on.double()], dim=1)
-            if self.engine._timing:  # the step's last launch (a no-op unless this step started the timer)
-                self.engine._gpu_timer.stop()
+            parts = [tokens.double(), lps.double(), going_on.double()]
+            if want:
+                parts += self._top_logprobs(batch, logits, want)
+            packed = torch.cat(parts, dim=1)
+            if eng._timing:  # the step's last launch
+                eng._gpu_timer.stop()
             got = packed.tolist()  # one read: token ids (< 2**53) are exact in float64
         except Exception:
-            logger.exception("MTP acceptance of %d requests failed; they end with finish_reason error", len(rows))
-            for i in rows:
-                outcomes[i].reason = "error"
-            return
-        finish_reason = eng.scheduler.finish_reason
-        for i, row in zip(rows, got):
-            req, out = batch[i], outcomes[i]
-            cached = req.num_cached_tokens or 0
+            logger.exception("MTP acceptance of %d requests failed; they end with finish_reason error", len(batch))
+            for out in outcomes:
+                out.reason = "error"
+            return outcomes
+        finish_reason, top_at = eng.scheduler.finish_reason, 2 * T + n
+        emitted = []
+        for req, out, row in zip(batch, outcomes, got):
+            cached, top = req.num_cached_tokens or 0, None
             for k in range(T):
                 tok = int(row[k])
-                going_on = k < n and row[2 * T + k] > 0
+                going = k < n and row[2 * T + k] > 0
+                if req.params.top_logprobs:
+                    ids = row[top_at + k * want : top_at + k * want + req.params.top_logprobs]
+                    values = row[top_at + (T + k) * want : top_at + (T + k) * want + req.params.top_logprobs]
+                    top = [(int(t), v) for t, v in zip(ids, values)]
                 req.output_ids.append(tok)
-                out.events.append(Event("token", tok, row[T + k], cached_tokens=cached, draft=going_on))
+                out.events.append(Event("token", tok, row[T + k], top_logprobs=top, cached_tokens=cached, draft=going))
                 out.reason = finish_reason(req, tok)
-                if out.reason is not None or not going_on:
+                if out.reason is not None or not going:
                     break
                 out.accepted += 1
+            emitted.append([ev.token_id for ev in out.events])
+        eng.processor.record_many(batch, emitted)
+        return outcomes
+
+    def _processed(self, batch, drafts: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """``logits`` with each request's penalties, bias and ``min_tokens`` applied at every verify position,
+        position ``k`` as if the ``k`` drafts before it were generated (``logits`` itself when no request asks; else
+        one copy, changed in the rows that ask)."""
+        rows = [i for i, r in enumerate(batch) if r.params.processes_logits]
+        if not rows:
+            return logits
+        proc, reqs = self.engine.processor, [batch[i] for i in rows]
+        where = host_to_device(rows, torch.int64, logits.device)
+        picked, pending = logits.index_select(0, where), drafts.index_select(0, where)
+        changed = logits.clone()
+        for k in range(logits.shape[1]):
+            changed[:, k].index_copy_(0, where, proc.apply(picked[:, k], reqs, pending=pending[:, :k]))
+        return changed
 
     @staticmethod
-    def _sample_positions(batch, reqs: List[int], at: List[int], drafts: torch.Tensor, logits: torch.Tensor,
-                          chooser: DraftChooser, tokens: torch.Tensor, going_on: torch.Tensor) -> None:  # fmt: skip
-        """The sampled plain requests ``batch[reqs[j]]`` (rows ``at[j]`` of ``logits``, ``drafts``, ``tokens`` and
-        ``going_on``): at each draft position the acceptance rule (accepted, or the residual's draw), after the last
-        the bonus draw from ``p``; into ``tokens`` and ``going_on`` on the device. Position by position, as the
-        per-position path draws (one ``[S, vocab]`` distribution live at a time, each seeded request's generator
-        drawn in the same order)."""
+    def _top_logprobs(batch, logits: torch.Tensor, want: int) -> List[torch.Tensor]:
+        """``[ids, values]``, each ``[B, T * want]`` float64: every position's ``want`` most likely tokens for the
+        requests that ask (zeros for the others; the log-softmax runs over their rows only)."""
+        rows = [i for i, r in enumerate(batch) if r.params.top_logprobs]
+        where = host_to_device(rows, torch.int64, logits.device)
+        values, ids = top_logprobs_launch(logits.index_select(0, where), want)  # [W, T, want]
+        shape = (logits.shape[0], logits.shape[1] * want)
+        out_ids = torch.zeros(shape, dtype=torch.float64, device=logits.device)
+        out_values = torch.zeros(shape, dtype=torch.float64, device=logits.device)
+        out_ids.index_copy_(0, where, ids.flatten(1).double())
+        out_values.index_copy_(0, where, values.flatten(1).double())
+        return [out_ids, out_values]
+
+    @staticmethod
+    def _sample_positions(batch, rows: List[int], drafts: torch.Tensor, logits: torch.Tensor, chooser: DraftChooser,
+                          tokens: torch.Tensor, going_on: torch.Tensor) -> None:  # fmt: skip
+        """The sampled requests ``batch[i]`` for ``i`` in ``rows`` (their rows of ``logits`` (processed), ``drafts``,
+        ``tokens`` and ``going_on``): at each draft position the acceptance rule (accepted, or the residual's draw),
+        after the last the bonus draw from ``p``; into ``tokens`` and ``going_on`` on the device. Position by
+        position (one ``[S, vocab]`` distribution live at a time, each seeded request's generator drawn in position
+        order)."""
         dev, n = logits.device, drafts.shape[1]
-        where = host_to_device(at, torch.int64, dev)
-        params = [batch[i].params for i in reqs]
-        generators = [batch[i].generator for i in reqs]
+        where = host_to_device(rows, torch.int64, dev)
+        params = [batch[i].params for i in rows]
+        generators = [batch[i].generator for i in rows]
         q_row = {i: row for row, i in enumerate(chooser.sampled)}
-        q_where = host_to_device([q_row[i] for i in reqs], torch.int64, dev)
+        q_where = host_to_device([q_row[i] for i in rows], torch.int64, dev)
         picked = drafts.index_select(0, where)
         drawn, took = [], []
         for k in range(n + 1):
@@ -231,70 +248,6 @@ class SpecDecoder:
                 drawn.append(draw_rows(p, generators))
         tokens.index_copy_(0, where, torch.stack(drawn, dim=1))
         going_on.index_copy_(0, where, torch.stack(took, dim=1))
-
-    def _decide_each(self, batch, rows: List[int], drafts: List[List[int]], logits: torch.Tensor,
-                     chooser: DraftChooser, outcomes: List[_Outcome]) -> None:  # fmt: skip
-        """``rows`` position by position: penalties and bias over what was accepted before, the sampling rule."""
-        eng, n = self.engine, self.step_drafts
-        q_row = {i: row for row, i in enumerate(chooser.sampled)}
-        active = list(rows)
-        for k in range(n + 1):
-            if not active:
-                break
-            reqs = [batch[i] for i in active]
-            raw = logits[:, k].index_select(0, host_to_device(active, torch.int64, logits.device))
-            try:
-                tokens, going_on = self._position(k, reqs, raw, [drafts[i] for i in active],
-                                                  [chooser.q[k][q_row[i]] if i in q_row and k < n else None
-                                                   for i in active])  # fmt: skip
-            except Exception:
-                logger.exception("MTP acceptance of %d requests failed; they end with finish_reason error", len(reqs))
-                for i in active:
-                    outcomes[i].reason = "error"
-                break
-            lps = torch.log_softmax(raw, dim=-1).gather(1, host_to_device(tokens, torch.int64, raw.device)[:, None])
-            want = max(r.params.top_logprobs for r in reqs)
-            tops = top_logprobs(raw, want) if want else None
-            still = []
-            for j, (i, req, tok, lp) in enumerate(zip(active, reqs, tokens, lps.squeeze(1).tolist())):
-                top = None
-                if tops is not None and req.params.top_logprobs:
-                    top = list(zip(tops[0][j][: req.params.top_logprobs], tops[1][j][: req.params.top_logprobs]))
-                req.output_ids.append(tok)
-                cached = req.num_cached_tokens or 0
-                outcomes[i].events.append(Event("token", tok, lp, top_logprobs=top, cached_tokens=cached,
-                                                draft=going_on[j]))  # fmt: skip
-                outcomes[i].reason = eng.scheduler.finish_reason(req, tok)
-                if outcomes[i].reason is None and going_on[j]:
-                    outcomes[i].accepted += 1
-                    still.append(i)
-            active = still
-
-    def _position(self, k: int, reqs: List[Request], raw: torch.Tensor, drafts, qs) -> Tuple[List[int], List[bool]]:
-        """The tokens of verify position ``k`` for ``reqs`` and whether each goes on to position ``k + 1``."""
-        proc, n = self.engine.processor, self.step_drafts
-        changed = proc.apply(raw, reqs)
-        tokens = changed.argmax(dim=-1)
-        sampled = [j for j, r in enumerate(reqs) if not r.params.greedy]
-        accepted = torch.zeros(len(reqs), dtype=torch.int64, device=tokens.device)
-        if sampled:  # every sampled row at once, on the device: the one read below brings tokens and acceptance
-            where = host_to_device(sampled, torch.int64, tokens.device)
-            p = filtered_probs(changed.index_select(0, where), [reqs[j].params for j in sampled])
-            generators = [reqs[j].generator for j in sampled]
-            if k < n:
-                at = host_to_device([drafts[j][k] for j in sampled], torch.int64, tokens.device)
-                drawn, took = accept_or_resample(p, torch.stack([qs[j] for j in sampled]), at, generators)
-                accepted.index_copy_(0, where, took.long())
-            else:
-                drawn = draw_rows(p, generators)
-            tokens.index_copy_(0, where, drawn)
-        proc.record(reqs, tokens)
-        tokens, flags = torch.stack([tokens, accepted]).tolist()
-        going_on = [bool(f) for f in flags]
-        for j, r in enumerate(reqs):
-            if r.params.greedy and k < n:
-                going_on[j] = tokens[j] == drafts[j][k]
-        return tokens, going_on
 
     def _emit(self, batch: List[Request], outcomes: List[_Outcome]) -> List[Request]:
         eng, now = self.engine, time.perf_counter()

@@ -112,20 +112,25 @@ def token_events(eng, prompts, params):
 
 @pytest.mark.parametrize("head", ["random", "agree"])
 def test_a_batch_mixing_plain_and_processed_greedy_requests_matches_mtp_off(random_dir, agree_dir, head):
-    """Plain greedy requests are decided from one read of all verify positions, those with a penalty, a bias or top
-    logprobs position by position: with MTP on, one batch of both gives MTP off's tokens, logprobs (of the model's
-    own distribution) and top logprobs."""
+    """Every verify position of every request is decided from one read, those with a penalty, a bias or min_tokens
+    as if the drafts before the position were accepted: with MTP on, one batch of plain and processed requests gives
+    MTP off's tokens, logprobs (of the model's own distribution) and top logprobs. (The agreeing model continues
+    token t with t + 1: the min_tokens request's stop token is the target at the first position it is allowed.)"""
     model_dir = random_dir if head == "random" else agree_dir
     params = [SamplingParams(max_new_tokens=9, ignore_eos=True),
               SamplingParams(max_new_tokens=12, ignore_eos=True, repetition_penalty=1.5, frequency_penalty=0.5),
               SamplingParams(max_new_tokens=7, ignore_eos=True, top_logprobs=3),
               SamplingParams(max_new_tokens=10, ignore_eos=True, logit_bias={PROMPTS[3][0]: 5.0}),
-              SamplingParams(max_new_tokens=11, ignore_eos=True)]  # fmt: skip
-    prompts = PROMPTS + [PROMPTS[1][::-1]]
-    want = token_events(engine(model_dir, running_max_req_size=5), prompts, params)
+              SamplingParams(max_new_tokens=11, ignore_eos=True),
+              SamplingParams(max_new_tokens=10, ignore_eos=True, min_tokens=3, top_logprobs=2,
+                             stop_token_ids=[PROMPTS[2][4] + 4])]  # fmt: skip
+    prompts = PROMPTS + [PROMPTS[1][::-1], PROMPTS[2][:5]]
+    want = token_events(engine(model_dir, running_max_req_size=6), prompts, params)
     got = token_events(
-        engine(model_dir, running_max_req_size=5, mtp_mode="eagle_with_att", mtp_step=3), prompts, params
+        engine(model_dir, running_max_req_size=6, mtp_mode="eagle_with_att", mtp_step=3), prompts, params
     )
+    if head == "agree":  # the stop token ends it at the first position min_tokens lets it through
+        assert [t for t, _, _ in want[5]] == [PROMPTS[2][4] + i for i in (1, 2, 3, 4)]
     for i in want:
         assert [t for t, _, _ in got[i]] == [t for t, _, _ in want[i]], i
         torch.testing.assert_close([lp for _, lp, _ in got[i]], [lp for _, lp, _ in want[i]], atol=1e-4, rtol=0)
@@ -227,23 +232,77 @@ def first_mtp_step(model_dir, params):
     return {i: t[before[i] :] for i, t in got.items()}
 
 
-def test_sampled_plain_requests_decided_at_once_draw_what_the_per_position_path_draws(half_dir, monkeypatch):
-    """Seeded sampled requests without logits processing are decided from one read, every position on the device
-    at once; a step of them emits the tokens the position-by-position path (the one penalised requests take) emits
-    from the same generator states: the same rule, each generator drawn in the same order up to the first
-    rejection."""
-    import lightllm.engine.spec_decode as spec_decode
+def per_position_decide(self, batch, drafts, logits, chooser):
+    """The reference for ``SpecDecoder._decide``: verify position by position for the requests still going, the
+    logits processor applied over the tokens recorded at the positions before (a device read at every position),
+    the sampling rule drawn for those requests only. Token ids only (logprobs are not compared here)."""
+    from lightllm.engine.request import Event
+    from lightllm.engine.spec_decode import _Outcome, accept_or_resample, draw_rows, filtered_probs
 
-    extras = [dict(temperature=0.7), dict(temperature=1.0, top_k=30), dict(temperature=0.8, top_p=0.9),
-              dict(temperature=1.2, top_k=50, top_p=0.8)]  # fmt: skip
-    params = {i: SamplingParams(max_new_tokens=12, seed=10 + i, ignore_eos=True, **e) for i, e in enumerate(extras)}
-    plain = first_mtp_step(half_dir, params)
-    monkeypatch.setattr(spec_decode, "_plain", lambda req: False)
+    proc, n, drafts = self.engine.processor, self.step_drafts, drafts.tolist()
+    q_row = {i: j for j, i in enumerate(chooser.sampled)}
+    outcomes, active = [_Outcome() for _ in batch], list(range(len(batch)))
+    for k in range(n + 1):
+        reqs = [batch[i] for i in active]
+        changed = proc.apply(logits[active, k], reqs)
+        tokens = changed.argmax(dim=-1)
+        going = [k < n and t == drafts[i][k] for t, i in zip(tokens.tolist(), active)]
+        sampled = [j for j, r in enumerate(reqs) if not r.params.greedy]
+        if sampled:
+            p = filtered_probs(changed[sampled], [reqs[j].params for j in sampled])
+            generators = [reqs[j].generator for j in sampled]
+            if k < n:
+                q = torch.stack([chooser.q[k][q_row[active[j]]] for j in sampled])
+                at = torch.tensor([drafts[active[j]][k] for j in sampled], device=logits.device)
+                drawn, took = accept_or_resample(p, q, at, generators)
+                for j, t in zip(sampled, took.tolist()):
+                    going[j] = t
+            else:
+                drawn = draw_rows(p, generators)
+            tokens[sampled] = drawn
+        proc.record(reqs, tokens)
+        still = []
+        for j, (i, tok) in enumerate(zip(active, tokens.tolist())):
+            batch[i].output_ids.append(tok)
+            outcomes[i].events.append(Event("token", tok, 0.0, draft=going[j]))
+            outcomes[i].reason = self.engine.scheduler.finish_reason(batch[i], tok)
+            if outcomes[i].reason is None and going[j]:
+                outcomes[i].accepted += 1
+                still.append(i)
+        active = still
+        if not active:
+            break
+    return outcomes
+
+
+SAMPLED_PLAIN = [dict(temperature=0.7), dict(temperature=1.0, top_k=30), dict(temperature=0.8, top_p=0.9),
+                 dict(temperature=1.2, top_k=50, top_p=0.8)]  # fmt: skip
+# the agreeing main model continues token t with t + 1, so a stop token id k + 2 past a prompt's last token is
+# the target at verify position k: min_tokens lets it through there only when the drafts before it count
+SAMPLED_PROCESSED = [dict(temperature=0.9, repetition_penalty=1.8, min_tokens=3, stop_token_ids=[PROMPTS[0][-1] + 4]),
+                     dict(temperature=1.0, frequency_penalty=2.0, presence_penalty=1.0, top_k=40, min_tokens=2,
+                          stop_token_ids=[PROMPTS[1][-1] + 3]),
+                     dict(temperature=0.8, top_p=0.95, logit_bias={PROMPTS[2][-1]: 4.0}),
+                     dict(repetition_penalty=1.3, presence_penalty=2.0)]  # fmt: skip
+
+
+@pytest.mark.parametrize("extras, seed", [(SAMPLED_PLAIN, 10), (SAMPLED_PROCESSED, 28)], ids=["plain", "processed"])
+def test_one_read_acceptance_draws_what_the_per_position_reference_draws(half_dir, monkeypatch, extras, seed):
+    """Every verify position of a step is decided on the device at once (position ``k`` as if the drafts before it
+    were accepted: penalties count them) and read once; a step of seeded sampled requests, with or without
+    penalties and bias (and a greedy penalised one), emits the tokens of the position-by-position reference from
+    the same generator states: the same rule, each generator drawn in the same order up to its first rejection."""
+    from lightllm.engine.spec_decode import SpecDecoder
+
+    params = {i: SamplingParams(max_new_tokens=12, seed=seed + i, ignore_eos=True, **e) for i, e in enumerate(extras)}
+    at_once = first_mtp_step(half_dir, params)
+    monkeypatch.setattr(SpecDecoder, "_decide", per_position_decide)
     each = first_mtp_step(half_dir, params)
-    assert plain == each
-    # these seeds cover a rejection at the first draft, one after accepted drafts, and a fully accepted step
-    emitted = sorted(len(t) for t in plain.values())
-    assert emitted[0] == 1 and emitted[-1] == 4 and any(1 < e < 4 for e in emitted), plain
+    assert at_once == each
+    # these seeds cover a rejection at the first draft and steps past accepted drafts (plain: one fully accepted;
+    # processed: two stop tokens that min_tokens let through only because the drafts before them counted)
+    emitted = sorted(len(t) for t in at_once.values())
+    assert emitted[0] == 1 and emitted[-1] == 4 and any(1 < e < 4 for e in emitted), at_once
 
 
 # ---- the speculative-sampling rule ------------------------------------------------------------------------
@@ -318,16 +377,19 @@ def test_a_stop_string_inside_an_accepted_run_ends_the_text_there(agree_dir):
     assert got.token_ids == tokens[: at + 1] and got.num_accepted_draft_tokens >= 2
 
 
-def test_a_failed_greedy_acceptance_ends_only_its_requests(agree_dir, monkeypatch):
-    """The one-read acceptance of plain greedy requests fails (here: its logsumexp): those requests end with
-    "error"; a penalised request of the same step, decided position by position, goes on to its length."""
+def test_a_failed_acceptance_ends_its_steps_requests_and_the_engine_serves_on(agree_dir, monkeypatch):
+    """The one-read acceptance fails (here: its logsumexp): the step's requests, plain and penalised, end with
+    "error" and give their KV back; a request submitted afterwards is served to its length."""
     eng = engine(agree_dir, mtp_mode="eagle_with_att", mtp_step=2)
+    free = eng.runner.kv.num_free_tokens
     reasons = {}
-    plain = SamplingParams(max_new_tokens=8, ignore_eos=True)
-    penalised = SamplingParams(max_new_tokens=8, ignore_eos=True, repetition_penalty=1.2)
-    for rid, params in (("plain", plain), ("penalised", penalised)):
-        eng.submit(Request(rid, PROMPTS[1], params, lambda ev, rid=rid: ev.kind == "finish" and reasons.update(
+
+    def submit(rid, params):
+        eng.submit(Request(rid, PROMPTS[1], params, lambda ev: ev.kind == "finish" and reasons.update(
             {rid: ev.finish_reason})))  # fmt: skip
+
+    submit("plain", SamplingParams(max_new_tokens=8, ignore_eos=True))
+    submit("penalised", SamplingParams(max_new_tokens=8, ignore_eos=True, repetition_penalty=1.2))
     assert eng.step()
     while eng.scheduler.waiting or eng.scheduler.prefilling:
         assert eng.step()
@@ -338,7 +400,8 @@ def test_a_failed_greedy_acceptance_ends_only_its_requests(agree_dir, monkeypatc
     with monkeypatch.context() as m:
         m.setattr(torch, "logsumexp", broken)
         assert eng.step()
-    assert reasons == {"plain": "error"}
+    assert reasons == {"plain": "error", "penalised": "error"}
+    submit("later", SamplingParams(max_new_tokens=8, ignore_eos=True, repetition_penalty=1.2))
     while eng.step():
         pass
-    assert reasons == {"plain": "error", "penalised": "length"}
+    assert reasons["later"] == "length" and eng.runner.kv.num_free_tokens == free

@@ -64,17 +64,26 @@ def test_graph_replay_equals_the_eager_verify(model_dir):
     assert torch.equal(graphed.argmax(-1), eager.argmax(-1))
 
 
-@pytest.mark.parametrize("sampled", [False, True])
+EXTRAS = {
+    "greedy": [{}] * 3,
+    "sampled": [dict(temperature=0.8, top_p=0.9), dict(temperature=1.0, top_k=20, seed=5), {}],
+    "processed": [dict(repetition_penalty=1.2, top_logprobs=2), dict(temperature=0.8, frequency_penalty=0.5, seed=5),
+                  dict(min_tokens=4, stop_token_ids=[7], logit_bias={5: 1.0})],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", list(EXTRAS))
 @pytest.mark.parametrize("graphs", [True, False])
-def test_an_mtp_step_of_plain_requests_waits_for_the_gpu_twice(model_dir, graphs, sampled):
-    """Draft, verify and acceptance of plain requests (greedy; or sampled with temperature, top-k, top-p, one of
-    them seeded) stage every input through pinned memory and draw on the device, so the host waits for the GPU only
-    where it reads: every position's tokens, logprobs and acceptances (one copy), and the drafts again in
-    ``accept`` (the GPU is idle by then). CUDA's sync debug mode warns at each wait."""
+def test_an_mtp_step_waits_for_the_gpu_twice(model_dir, graphs, kind):
+    """Draft, verify and acceptance (greedy; sampled with temperature, top-k, top-p, one of them seeded; or with
+    penalties, bias, min_tokens and top logprobs) stage every input through pinned memory and decide every verify
+    position on the device, so the host waits for the GPU only where it reads: every position's tokens, logprobs,
+    acceptances and top logprobs (one copy), and the drafts again in ``accept`` (the GPU is idle by then). CUDA's
+    sync debug mode warns at each wait."""
     import warnings
 
     eng = engine(model_dir, mtp_mode="eagle_with_att", mtp_step=3, disable_cudagraph=not graphs)
-    extra = [dict(temperature=0.8, top_p=0.9), dict(temperature=1.0, top_k=20, seed=5), {}] if sampled else [{}] * 3
+    extra = EXTRAS[kind]
     for i, p in enumerate(PROMPTS[:3]):
         params = SamplingParams(max_new_tokens=40, ignore_eos=True, **extra[i])
         eng.submit(Request(str(i), p, params, lambda ev: None))

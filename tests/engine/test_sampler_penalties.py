@@ -61,6 +61,35 @@ def test_a_mixed_batch_matches_the_reference_step_after_step(device):
     assert late.sampling_row == freed, "a released row is handed out again, cleared"
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_pending_tokens_count_as_generated_and_record_many_keeps_them(device):
+    """MTP decides verify position ``k`` as if the ``k`` drafts before it were generated: ``apply(pending=...)``
+    equals the reference over the token lists with them appended, changes no table, and ``record_many`` then
+    records each request's emitted tokens (repeats included)."""
+    torch.manual_seed(1)
+    proc = LogitsProcessor(VOCAB, torch.device(device), [EOS])
+    reqs = [Request(str(i), [1, 2, 2, 5 + i], p, lambda ev: None) for i, p in enumerate(PARAMS)]
+    proc.apply(torch.randn(len(reqs), VOCAB).to(device), reqs)  # hand out the rows
+    for step in range(3):
+        drafts = torch.randint(0, VOCAB, (len(reqs), 3))
+        drafts[:, 1] = drafts[:, 0]  # a draft repeating the one before it counts twice
+        for k in range(drafts.shape[1] + 1):
+            logits = torch.randn(len(reqs), VOCAB) * 3
+            got = proc.apply(logits.to(device), reqs, pending=drafts[:, :k].to(device)).cpu()
+            want = []
+            for row, r, d in zip(logits, reqs, drafts[:, :k].tolist()):
+                ahead = Request(r.id, r.prompt_ids, r.params, lambda ev: None, output_ids=r.output_ids + d)
+                want.append(reference(row, ahead))
+            torch.testing.assert_close(got.double(), torch.stack(want), rtol=1e-6, atol=1e-5)
+        emitted = [drafts[i, : (i + step) % 4].tolist() for i in range(len(reqs))]  # 0 to 3 tokens each
+        proc.record_many(reqs, emitted)
+        for r, e in zip(reqs, emitted):
+            r.output_ids += e
+    logits = torch.randn(len(reqs), VOCAB) * 3
+    want = torch.stack([reference(row, r) for row, r in zip(logits, reqs)])
+    torch.testing.assert_close(proc.apply(logits.to(device), reqs).cpu().double(), want, rtol=1e-6, atol=1e-5)
+
+
 def test_min_tokens_holds_eos_and_stop_token_ids_back_then_lets_them_through():
     proc = LogitsProcessor(VOCAB, torch.device("cpu"), [EOS])
     req = Request("r", [1], SamplingParams(max_new_tokens=8, min_tokens=2, stop_token_ids=[9]), lambda ev: None)
