@@ -182,8 +182,8 @@ async def engine_steps(base):
 
 def step_stats(before, after):
     """What one load was made of: steps per kind, their mean time (ms), the GPU's part of it (ms, from the steps the
-    server timed on the GPU; None on a CPU) and mean
-    batch (requests); MTP's drafts proposed and accepted and their ratio, the acceptance (None without drafts)."""
+    server timed on the GPU; None on a CPU) and mean batch (requests); MTP's drafts proposed and accepted and their
+    ratio, the acceptance (None without drafts)."""
     delta = {k: v - before.get(k, 0.0) for k, v in after.items()}
     out = {}
     for kind in ("prefill", "decode"):

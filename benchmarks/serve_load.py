@@ -190,11 +190,17 @@ def startup_summary(log_path):
     return lines[0].split("ready:", 1)[1].strip() if lines else ""
 
 
+def workload_shape(args, workload):
+    """``(prompt tokens, output tokens)`` per request of ``workload``; ``--output-tokens`` replaces its output."""
+    prompt_len, out_len = WORKLOADS[workload]
+    return prompt_len, args.output_tokens or out_len
+
+
 def launch(args, model, workload, cfg, mode, rep, flags, position=0):
     """Start one server of ``mode``, the ``position``-th of its repeat (``--pin-cores``: its cores); ``(proc, base,
     start record, its config dir's snapshot)``. The first "on" start tunes (level 1, empty config dir) and "off"
     starts from its files minus decode attention's."""
-    prompt_len, out_len = WORKLOADS[workload]
+    prompt_len, out_len = workload_shape(args, workload)
     max_len = prompt_len + out_len + 64
     level = 1 if (mode, rep) == ("on", 0) else 0
     if (mode, rep) == ("off", 0):
@@ -220,7 +226,7 @@ def launch(args, model, workload, cfg, mode, rep, flags, position=0):
 
 def run_load(args, base, workload, vocab, conc, n, seed, rate=0.0):
     """``n`` streamed requests of schedule ``seed`` at concurrency ``conc`` against ``base``: the load's record."""
-    prompt_len, out_len = WORKLOADS[workload]
+    prompt_len, out_len = workload_shape(args, workload)
     return asyncio.run(load(base, n, conc, prompt_len, out_len, vocab, seed=seed, rate=rate, stream=True,
                             client_procs=args.client_procs or auto_client_procs(conc)))  # fmt: skip
 
@@ -336,6 +342,8 @@ def main():
         help="Poisson arrivals at this many requests/s (0: all at once, paced by the concurrency alone)",
     )
     p.add_argument("--seed", type=int, default=0, help="the request schedule's seed (the same for every server)")
+    p.add_argument("--output-tokens", type=int, default=None, help="output tokens per request instead of the "
+                   "workload's (short: 256, long: 128), e.g. a quick CPU check of the method with --tiny")  # fmt: skip
     p.add_argument(
         "--client-procs",
         type=int,
@@ -388,6 +396,8 @@ def main():
     if args.rounds < 0 or args.rounds % servers:
         p.error(f"--rounds expected 0 (one server at a time) or a multiple of the {servers} servers (each goes at "
                 f"every position equally often), got {args.rounds}")  # fmt: skip
+    if args.output_tokens is not None and args.output_tokens < 2:
+        p.error(f"--output-tokens expected at least 2 (a prefill token and a decode step), got {args.output_tokens}")
     if args.client_procs is not None and args.client_procs < 1:
         p.error(f"--client-procs expected a positive count, got {args.client_procs}")
     args.server_cores = None
@@ -582,8 +592,9 @@ def save(args, rows, startups):
     with open(args.out, "w") as f:
         json.dump({"tp": args.tp, "model": args.model, "tiny": args.tiny, "layers": args.layers,
                    "mtp_step": args.mtp_step, "mtp_head": args.mtp_head if args.model == "qwen3.5" else None,
-                   "decode_backend": args.decode_backend, "requests": args.requests, "warmup": args.warmup,
-                   "rate": args.rate, "seed": args.seed, "repeats": args.repeats, "rounds": args.rounds,
+                   "decode_backend": args.decode_backend, "requests": args.requests,
+                   "output_tokens": args.output_tokens, "warmup": args.warmup, "rate": args.rate, "seed": args.seed,
+                   "repeats": args.repeats, "rounds": args.rounds,
                    "control": args.control, "client_procs": args.client_procs, "pin_cores": args.pin_cores,
                    "config_checks_ok": not any(s.get("config_check") for s in startups),
                    "tuned_config_files": tuned_config_files(startups), "rows": rows, "startups": startups},

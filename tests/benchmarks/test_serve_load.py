@@ -142,8 +142,8 @@ def _left_behind(tmp_path):
 def test_runs_end_to_end_on_the_tiny_model(tmp_path):
     """The whole method on the CPU at tp 2: servers started in order, every request whole, an A/A pair, the
     ranks' config agreement read from each start's log, JSON written, no temporary folder left."""
-    cmd, env = _benchmark(tmp_path, "--tp", "2", "--requests", "3", "--concurrency", "2", "--repeats", "1",
-                          "--control", "--workloads", "short", "--client-procs", "2")  # fmt: skip
+    cmd, env = _benchmark(tmp_path, "--tp", "2", "--requests", "3", "--concurrency", "2", "--repeats", "1", "--control",
+                          "--workloads", "short", "--client-procs", "2", "--output-tokens", "32")  # fmt: skip
     out = tmp_path / "out.json"
     done = procs.run(cmd, env=env, timeout=procs.HANG_TIMEOUT_S)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -154,16 +154,17 @@ def test_runs_end_to_end_on_the_tiny_model(tmp_path):
     (row,) = result["rows"]
     assert row["concurrency"] == 2 and result["control"] is True
     assert result["warmup"] is None and result["seed"] == 0  # default warm-up: 2 x concurrency requests
+    assert result["output_tokens"] == 32  # the short workload's prompts, shorter outputs
     for mode in ("on", "off", "off_b"):
         (run,) = row[mode]["runs"]
         # the warm-up's 4 requests are left out: only the 3 measured ones are counted, here and in the steps
-        assert run["all_complete_finite"] and run["output_tokens"] == 3 * 256
+        assert run["all_complete_finite"] and run["output_tokens"] == 3 * 32
         assert run["client_procs"] == 2 and 0 < run["client_cpu_pct"] and 0 < run["engine_busy_pct"] <= 100
         assert 0 < run["ttft_p50_ms"] <= run["ttft_p99_ms"] and 0 < run["itl_p50_ms"] <= run["itl_p99_ms"]
         # from the server's step histograms: each request's first token comes from its prefill, the rest
         # from decode steps, and every step of the load is counted once
         assert round(run["prefill_batch"] * run["prefill_steps"]) == 3
-        assert round(run["decode_batch"] * run["decode_steps"]) == 3 * 255
+        assert round(run["decode_batch"] * run["decode_steps"]) == 3 * 31
         assert run["decode_step_ms"] > 0 and 1 <= run["decode_batch"] <= 2
         assert run["decode_gpu_ms"] is None  # CUDA events only: a CPU step is all host time
     assert sorted(p.name for p in (tmp_path / "logs").glob("*.log")) == [
@@ -182,7 +183,7 @@ def test_rounds_run_the_servers_side_by_side_in_rotating_order(tmp_path):
     """--rounds: every server of the repeat is up before the first load; each point is measured in rounds that visit
     every server once, in a rotating order (two servers here, to keep the CPU run short; --control adds a third)."""
     cmd, env = _benchmark(tmp_path, "--requests", "2", "--concurrency", "2", "--repeats", "1", "--rounds", "2",
-                          "--workloads", "short", "--warmup", "0")  # fmt: skip
+                          "--workloads", "short", "--warmup", "0", "--output-tokens", "32")  # fmt: skip
     done = procs.run(cmd, env=env, timeout=procs.HANG_TIMEOUT_S)
     assert done.returncode == 0, done.stderr[-3000:]
     assert _left_behind(tmp_path) == []
@@ -197,11 +198,11 @@ def test_rounds_run_the_servers_side_by_side_in_rotating_order(tmp_path):
     (row,) = result["rows"]
     for mode in ("on", "off"):
         runs = row[mode]["runs"]
-        assert len(runs) == 2 and all(r["all_complete_finite"] and r["output_tokens"] == 2 * 256 for r in runs)
+        assert len(runs) == 2 and all(r["all_complete_finite"] and r["output_tokens"] == 2 * 32 for r in runs)
     assert "2 rounds (servers side by side)" in done.stdout
     # each server got its own KV pool, sized for the load (not a fraction of the machine)
     log = (tmp_path / "logs" / "server_tp1_short_off0.log").read_text()
-    assert "-> 1121 tokens x" in log  # concurrency 2 x (128 + 256 + 64) tokens x 5 / 4, + 1
+    assert "-> 561 tokens x" in log  # concurrency 2 x (128 + 32 + 64) tokens x 5 / 4, + 1
 
 
 def test_every_point_and_round_has_its_own_schedule_and_warm_up(serve_load):
@@ -216,6 +217,13 @@ def test_three_rounds_put_each_of_three_servers_at_every_position(serve_load):
     orders = [serve_load.round_order(["on", "off", "off_b"], r) for r in range(3)]
     assert orders == [["on", "off", "off_b"], ["off", "off_b", "on"], ["off_b", "on", "off"]]
     assert serve_load.round_order(["on", "off", "off_b"], 3) == orders[0]  # then it starts over
+
+
+def test_output_tokens_below_two_is_a_one_line_error(tmp_path):
+    cmd, env = _benchmark(tmp_path, "--output-tokens", "1")
+    done = procs.run(cmd, env=env, timeout=procs.HANG_TIMEOUT_S)
+    assert done.returncode == 2
+    assert "--output-tokens expected at least 2 (a prefill token and a decode step), got 1" in done.stderr
 
 
 def test_rounds_must_give_every_server_every_position(tmp_path):
@@ -379,7 +387,7 @@ def test_mtp_matrix_runs_end_to_end_on_the_tiny_qwen3_5(tmp_path):
     off. Every request whole with finite logprobs, the drafts counted over the measured window, each start's
     written config files recorded (on a CPU nothing is tuned, so none), and the off start wrote none."""
     cmd, env = _benchmark(tmp_path, "--model", "qwen3.5", "--mtp-step", "2", "--requests", "2", "--concurrency", "2",
-                          "--repeats", "1", "--workloads", "short")  # fmt: skip
+                          "--repeats", "1", "--workloads", "short", "--output-tokens", "32")  # fmt: skip
     done = procs.run(cmd, env=env, timeout=procs.HANG_TIMEOUT_S)
     assert done.returncode == 0, done.stderr[-3000:]
     assert _left_behind(tmp_path) == []
@@ -389,7 +397,7 @@ def test_mtp_matrix_runs_end_to_end_on_the_tiny_qwen3_5(tmp_path):
     (row,) = result["rows"]
     for mode in ("on", "off"):
         (run,) = row[mode]["runs"]
-        assert run["all_complete_finite"] and run["output_tokens"] == 2 * 256
+        assert run["all_complete_finite"] and run["output_tokens"] == 2 * 32
         # the agreeing head: 2 drafts per request per decode step, (almost) all accepted
         assert run["draft_tokens"] == 2 * round(run["decode_batch"] * run["decode_steps"]) > 0
         assert 0.9 <= run["acceptance"] == run["accepted_tokens"] / run["draft_tokens"] <= 1.0
