@@ -106,6 +106,34 @@ class DraftChooser:
         return tokens
 
 
+class ProcessedLogits:
+    """The verify's ``logits [B, T, vocab]`` as the requests choose from them: ``logits`` itself, except the rows of
+    requests with penalties, bias or ``min_tokens`` (``rows``), whose every position is ``changed [P, T, vocab]``.
+    Only those rows are copied: a batch with one penalised request does not pay a copy of the whole batch's logits."""
+
+    def __init__(self, logits: torch.Tensor, rows: Sequence[int] = (), changed: Optional[torch.Tensor] = None):
+        self.logits, self.rows, self.changed = logits, list(rows), changed
+        self._where = host_to_device(self.rows, torch.int64, logits.device) if self.rows else None
+
+    def argmax(self) -> torch.Tensor:
+        """``[B, T]``: each position's most likely token after processing."""
+        tokens = self.logits.argmax(dim=-1)
+        if self.rows:
+            tokens.index_copy_(0, self._where, self.changed.argmax(dim=-1))
+        return tokens
+
+    def at(self, k: int, rows: Sequence[int]) -> torch.Tensor:
+        """``[len(rows), vocab]``: position ``k`` of batch rows ``rows``, processed."""
+        dev = self.logits.device
+        out = self.logits[:, k].index_select(0, host_to_device(list(rows), torch.int64, dev))
+        mine = {r: j for j, r in enumerate(self.rows)}
+        both = [(i, mine[r]) for i, r in enumerate(rows) if r in mine]
+        if both:
+            at, src = host_to_device([i for i, _ in both], torch.int64, dev), [j for _, j in both]
+            out.index_copy_(0, at, self.changed[:, k].index_select(0, host_to_device(src, torch.int64, dev)))
+        return out
+
+
 @dataclass
 class _Outcome:
     events: List[Event] = field(default_factory=list)
@@ -153,7 +181,7 @@ class SpecDecoder:
         want = max(r.params.top_logprobs for r in batch)
         try:
             changed = self._processed(batch, drafts, logits)
-            tokens = changed.argmax(dim=-1)  # [B, T]
+            tokens = changed.argmax()  # [B, T]
             going_on = tokens[:, :n] == drafts  # [B, N]
             sampled = [i for i, r in enumerate(batch) if not r.params.greedy]
             if sampled:
@@ -193,20 +221,17 @@ class SpecDecoder:
         eng.processor.record_many(batch, emitted)
         return outcomes
 
-    def _processed(self, batch, drafts: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    def _processed(self, batch, drafts: torch.Tensor, logits: torch.Tensor) -> ProcessedLogits:
         """``logits`` with each request's penalties, bias and ``min_tokens`` applied at every verify position,
-        position ``k`` as if the ``k`` drafts before it were generated (``logits`` itself when no request asks; else
-        one copy, changed in the rows that ask)."""
+        position ``k`` as if the ``k`` drafts before it were generated."""
         rows = [i for i, r in enumerate(batch) if r.params.processes_logits]
         if not rows:
-            return logits
+            return ProcessedLogits(logits)
         proc, reqs = self.engine.processor, [batch[i] for i in rows]
         where = host_to_device(rows, torch.int64, logits.device)
         picked, pending = logits.index_select(0, where), drafts.index_select(0, where)
-        changed = logits.clone()
-        for k in range(logits.shape[1]):
-            changed[:, k].index_copy_(0, where, proc.apply(picked[:, k], reqs, pending=pending[:, :k]))
-        return changed
+        changed = [proc.apply(picked[:, k], reqs, pending=pending[:, :k]) for k in range(logits.shape[1])]
+        return ProcessedLogits(logits, rows, torch.stack(changed, dim=1))
 
     @staticmethod
     def _top_logprobs(batch, logits: torch.Tensor, want: int) -> List[torch.Tensor]:
@@ -223,14 +248,14 @@ class SpecDecoder:
         return [out_ids, out_values]
 
     @staticmethod
-    def _sample_positions(batch, rows: List[int], drafts: torch.Tensor, logits: torch.Tensor, chooser: DraftChooser,
-                          tokens: torch.Tensor, going_on: torch.Tensor) -> None:  # fmt: skip
-        """The sampled requests ``batch[i]`` for ``i`` in ``rows`` (their rows of ``logits`` (processed), ``drafts``,
-        ``tokens`` and ``going_on``): at each draft position the acceptance rule (accepted, or the residual's draw),
+    def _sample_positions(batch, rows: List[int], drafts: torch.Tensor, logits: ProcessedLogits,
+                          chooser: DraftChooser, tokens: torch.Tensor, going_on: torch.Tensor) -> None:  # fmt: skip
+        """The sampled requests ``batch[i]`` for ``i`` in ``rows`` (their rows of ``logits``, ``drafts``, ``tokens``
+        and ``going_on``): at each draft position the acceptance rule (accepted, or the residual's draw),
         after the last the bonus draw from ``p``; into ``tokens`` and ``going_on`` on the device. Position by
         position (one ``[S, vocab]`` distribution live at a time, each seeded request's generator drawn in position
         order)."""
-        dev, n = logits.device, drafts.shape[1]
+        dev, n = drafts.device, drafts.shape[1]
         where = host_to_device(rows, torch.int64, dev)
         params = [batch[i].params for i in rows]
         generators = [batch[i].generator for i in rows]
@@ -239,7 +264,7 @@ class SpecDecoder:
         picked = drafts.index_select(0, where)
         drawn, took = [], []
         for k in range(n + 1):
-            p = filtered_probs(logits[:, k].index_select(0, where), params)
+            p = filtered_probs(logits.at(k, rows), params)
             if k < n:
                 token, accepted = accept_or_resample(p, chooser.q[k].index_select(0, q_where), picked[:, k], generators)
                 drawn.append(token)
