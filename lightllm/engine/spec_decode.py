@@ -111,9 +111,12 @@ class ProcessedLogits:
     requests with penalties, bias or ``min_tokens`` (``rows``), whose every position is ``changed [P, T, vocab]``.
     Only those rows are copied: a batch with one penalised request does not pay a copy of the whole batch's logits."""
 
-    def __init__(self, logits: torch.Tensor, rows: Sequence[int] = (), changed: Optional[torch.Tensor] = None):
+    def __init__(self, logits: torch.Tensor, rows: Sequence[int] = (), changed: Optional[torch.Tensor] = None,
+                 where: Optional[torch.Tensor] = None):  # fmt: skip
         self.logits, self.rows, self.changed = logits, list(rows), changed
-        self._where = host_to_device(self.rows, torch.int64, logits.device) if self.rows else None
+        if where is None and self.rows:  # ``rows`` on the device (the caller may have staged them already)
+            where = host_to_device(self.rows, torch.int64, logits.device)
+        self._where = where
 
     def argmax(self) -> torch.Tensor:
         """``[B, T]``: each position's most likely token after processing."""
@@ -180,12 +183,12 @@ class SpecDecoder:
         outcomes = [_Outcome() for _ in batch]
         want = max(r.params.top_logprobs for r in batch)
         try:
-            changed = self._processed(batch, drafts, logits)
-            tokens = changed.argmax()  # [B, T]
+            processed = self._processed(batch, drafts, logits)
+            tokens = processed.argmax()  # [B, T]
             going_on = tokens[:, :n] == drafts  # [B, N]
             sampled = [i for i, r in enumerate(batch) if not r.params.greedy]
             if sampled:
-                self._sample_positions(batch, sampled, drafts, changed, chooser, tokens, going_on)
+                self._sample_positions(batch, sampled, drafts, processed, chooser, tokens, going_on)
             # log_softmax at the chosen token without a [B, T, vocab] log-softmax: its logit minus the logsumexp
             lps = logits.gather(-1, tokens[..., None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
             parts = [tokens.double(), lps.double(), going_on.double()]
@@ -231,7 +234,7 @@ class SpecDecoder:
         where = host_to_device(rows, torch.int64, logits.device)
         picked, pending = logits.index_select(0, where), drafts.index_select(0, where)
         changed = [proc.apply(picked[:, k], reqs, pending=pending[:, :k]) for k in range(logits.shape[1])]
-        return ProcessedLogits(logits, rows, torch.stack(changed, dim=1))
+        return ProcessedLogits(logits, rows, torch.stack(changed, dim=1), where)
 
     @staticmethod
     def _top_logprobs(batch, logits: torch.Tensor, want: int) -> List[torch.Tensor]:
