@@ -118,9 +118,11 @@ def run(args):
     except ImportError as e:
         fla = None
         print(f"fla-core not available ({e}); fla columns left empty", file=sys.stderr)
+    copy, copy_ways = copy_gbs(detail=True)
     results = {
         "device": torch.cuda.get_device_name(),
-        "copy_GBs": copy_gbs(),
+        "copy_GBs": copy,
+        "copy_ways_GBs": copy_ways,  # memcpy and kernel copy: which one sets the reference
         "state_dtype": "torch.float32",
         "dtype": "torch.bfloat16",
         "rows": [],

@@ -97,9 +97,11 @@ def run(args):
     from lightllm.kernels.linear_attention import gated_delta_verify as gdv
 
     tokens = args.steps + 1
+    copy, copy_ways = copy_gbs(detail=True)
     results = {
         "device": torch.cuda.get_device_name(),
-        "copy_GBs": copy_gbs(),
+        "copy_GBs": copy,
+        "copy_ways_GBs": copy_ways,  # memcpy and kernel copy: which one sets the reference
         "shape": list(SHAPE),
         "steps": args.steps,
         "state_dtype": "torch.float32",
