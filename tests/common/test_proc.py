@@ -8,7 +8,8 @@ import pytest
 from lightllm.common import proc
 
 # A leader with two children that ignore SIGTERM: one in its process group, one in a session of its own (as a
-# benchmark's server is). It prints their pids once both run. argv: mode, marker (in every process's argv).
+# benchmark's server is). It prints their pids once both run, and then creates the file argv[3] if given.
+# argv: mode, marker (in every process's argv)[, ready file].
 _TREE = """
 import signal, subprocess, sys, time
 mode, marker = sys.argv[1], sys.argv[2]
@@ -20,6 +21,8 @@ child = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); tim
 kids = [subprocess.Popen([sys.executable, "-c", child, marker]),
         subprocess.Popen([sys.executable, "-c", child, marker], start_new_session=True)]
 print(*[k.pid for k in kids], flush=True)
+if len(sys.argv) > 3:
+    open(sys.argv[3], "w").close()
 time.sleep(600)
 """
 
@@ -42,8 +45,8 @@ def _running_with(marker: str) -> list:
 def tree_cmd(tmp_path):
     marker = f"proc-test-{tmp_path.name}"
 
-    def cmd(mode):
-        return [sys.executable, "-c", _TREE, mode, marker]
+    def cmd(mode, *ready):
+        return [sys.executable, "-c", _TREE, mode, marker, *ready]
 
     yield cmd, marker
     assert _running_with(marker) == []
@@ -100,11 +103,14 @@ def test_stop_after_the_leader_exited_still_stops_its_group(tree_cmd):
             proc.time.sleep(0.01)
 
 
-def test_run_all_stops_the_others_as_soon_as_one_fails(tree_cmd):
-    """Ranks that wait for each other: one failing must not leave the rest (here: 600 s sleepers) running."""
+def test_run_all_stops_the_others_as_soon_as_one_fails(tree_cmd, tmp_path):
+    """Ranks that wait for each other: one failing must not leave the rest (here: 600 s sleepers) running. The
+    failing rank waits until the stubborn one ignores SIGTERM (its ready file), however slow the machine."""
     cmd, marker = tree_cmd
-    fail = [sys.executable, "-c", "import sys; print('rank failed'); sys.exit(3)"]
-    (code_a, _), (code_b, out_b) = proc.run_all([cmd("stubborn"), fail], grace_s=0.1)
+    ready = str(tmp_path / "ready")
+    fail = [sys.executable, "-c", "import os, sys, time\nwhile not os.path.exists(sys.argv[1]): time.sleep(0.01)\n"
+            "print('rank failed'); sys.exit(3)", ready]  # fmt: skip
+    (code_a, _), (code_b, out_b) = proc.run_all([cmd("stubborn", ready), fail], grace_s=0.1)
     assert code_a == -9 and (code_b, out_b) == (3, "rank failed\n")
     assert _running_with(marker) == []
 
