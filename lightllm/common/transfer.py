@@ -43,3 +43,24 @@ def tensor_to_device(tensor: torch.Tensor, device: torch.device, dtype: Optional
     if tensor.device.type == "cpu" and torch.device(device).type == "cuda":
         return tensor.to(dtype or tensor.dtype).pin_memory().to(device, non_blocking=True)
     return tensor.to(device=device, dtype=dtype or tensor.dtype)
+
+
+class HostCopy:
+    """Device tensors on their way to the host, read later: the copies are queued ``non_blocking`` into pinned
+    memory behind the work that produces them, so the host can queue more work before it waits (:meth:`lists`).
+    On the CPU the tensors are already host ones and nothing is copied."""
+
+    def __init__(self, *tensors: torch.Tensor):
+        self._event = None
+        if tensors and tensors[0].device.type == "cuda":
+            # a non_blocking copy from a GPU to the CPU lands in pinned memory, so it does not wait for the stream
+            tensors = tuple(t.to("cpu", non_blocking=True) for t in tensors)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        self._tensors = tensors
+
+    def lists(self) -> list:
+        """Each tensor as a (nested) list, once its copy is done (waits for the work queued before it)."""
+        if self._event is not None:
+            self._event.synchronize()
+        return [t.tolist() for t in self._tensors]

@@ -43,6 +43,7 @@ class EngineArgs:
     disable_chunked_prefill: bool = False
     enable_mixed_chunk: bool = False  # a chunk step also carries the running requests' decode tokens (one forward)
     disable_dynamic_prompt_cache: bool = False  # the prefix cache (radix tree over finished requests' KV) is on
+    disable_overlap_schedule: bool = False  # decode steps overlap: the next launches before the last is read
     graph_max_batch_size: int = 64
     graph_split_batch_size: int = 16
     graph_grow_step_size: int = 16

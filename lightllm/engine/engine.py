@@ -5,6 +5,14 @@ its engine-loop thread. ``submit``, ``abort`` and ``abort_all`` may be called fr
 A prefill step may carry only a chunk of a long prompt (chunked prefill): the request's first token is sampled after
 its last chunk; until then it holds its KV slot and emits nothing.
 
+Decode steps overlap (unless ``disable_overlap_schedule``): a plain decode step's draws are launched and copied
+to the host without waiting, and the next ``step()`` launches the following decode step from those draws still on
+the device before it reads them, so the host's share of a step (reading, emitting, finishing, scheduling, staging)
+runs while the GPU computes the next one. A request that ends on the token just read (a stop token) had one more
+token computed that is dropped; one that ends by length is left out of the next step. Anything else (new or
+aborted requests, a prefill chunk, a full KV cache, MTP, tensor parallelism) reads the step first and goes on as
+without overlap.
+
 Every submitted request gets exactly one "finish" event. A failure that belongs to one request (its sampling)
 ends only that request with "error"; its neighbours in the step go on. A failed model forward ends the requests
 of that step with "error" (a prefill's new batch, or the decoding batch) and nothing else: requests still
@@ -18,17 +26,18 @@ import queue
 import threading
 import time
 import weakref
-from typing import Callable, Iterable, List, Optional, Protocol, Sequence, Set, Tuple
+from dataclasses import dataclass
+from typing import Callable, Collection, Iterable, List, Optional, Protocol, Sequence, Set, Tuple
 
 import torch
 
 from lightllm.common.kv_cache import KVCacheFull
-from lightllm.common.transfer import host_to_device
+from lightllm.common.transfer import HostCopy, host_to_device
 from lightllm.engine.gpu_timer import step_gpu_timer
 from lightllm.engine.logits_processor import LogitsProcessor
 from lightllm.engine.request import Event, Request
-from lightllm.engine.runner import Runner
-from lightllm.engine.sampler import sample, top_logprobs_launch, top_logprobs_read
+from lightllm.engine.runner import AheadDecoder, Runner
+from lightllm.engine.sampler import sample, top_logprobs_launch
 from lightllm.engine.scheduler import Scheduler
 from lightllm.engine.spec_decode import SpecDecoder
 
@@ -72,6 +81,33 @@ GPU_TIME_EVERY = 8
 TokenSink = Callable[[List[Request], List[int], List[float], List[Optional[list]]], None]
 
 
+@dataclass
+class _Draw:
+    """A step's draws, launched: device tensors, and their copy to the host once ``read`` starts it."""
+
+    reqs: List[Request]
+    tokens: torch.Tensor  # [len(reqs)] on the device: also the next overlapped step's input tokens
+    logprobs: torch.Tensor
+    top: Optional[tuple]  # (values, ids) of the top logprobs, when some request asks
+    copy: Optional[HostCopy] = None
+
+    def start_copy(self) -> "_Draw":
+        """Queue the copy of what the host reads (behind the draw's kernels); once only."""
+        if self.copy is None:
+            top = () if self.top is None else (self.top[1], self.top[0])  # ids, values
+            self.copy = HostCopy(self.tokens, self.logprobs, *top)
+        return self
+
+
+@dataclass
+class _Ahead:
+    """An overlapped decode step in flight: launched, its draws on their way to the host, not yet read."""
+
+    draw: _Draw
+    t0: float  # when its step began
+    timed: bool  # its GPU time is measured (read with its draws)
+
+
 class Engine:
     def __init__(self, runner: Runner, eos_ids: Iterable[int], observer: Optional[StepObserver] = None,
                  emit_tokens: Optional[TokenSink] = None):  # fmt: skip
@@ -89,6 +125,11 @@ class Engine:
         self._inbox: "queue.Queue[Request]" = queue.Queue()
         self._aborts: "queue.Queue[Tuple[str, str]]" = queue.Queue()
         self._closing = threading.Event()
+        # Overlapped decode needs a runner that decodes from device tokens (not tensor parallelism's, not fakes)
+        self.overlap = (self.spec is None and isinstance(runner, AheadDecoder)
+                        and not getattr(runner.args, "disable_overlap_schedule", False))  # fmt: skip
+        self._ahead: Optional[_Ahead] = None
+        self._last_read = 0.0  # when the last overlapped step was read: the next one's step time starts there
 
     def set_observer(self, observer: Optional[StepObserver]) -> None:
         """Report to ``observer`` from the next step on (None: to nobody); between steps, on the stepping thread.
@@ -135,26 +176,27 @@ class Engine:
         """One prefill or decode step; False when there was nothing to do."""
         aborts = self._take_aborts()  # before the inbox: a request's submit is always seen with its abort
         self._take_new()
+        read = self._ahead is not None  # a step in flight is work done, even when nothing follows it
+        if read:
+            follow = self._follow_up(aborts)
+            if follow is not None:
+                self._decode_ahead(*follow)
+                return True
+            self._read_ahead(aborted=aborts)
         if self._closing.is_set():  # shutdown: every request left, running or still waiting, hears why
             for req in self.scheduler.requests():
                 aborts.setdefault(req.id, "abort")
         for req, reason in self.scheduler.remove(aborts):
             self._finish(req, reason)
-        if self.observer is not None:
-            sched = self.scheduler
-            self.observer.on_queues(
-                len(sched.waiting), len(sched.running) + len(sched.prefilling), self.runner.kv.usage()
-            )
+        self._observe_queues()
         kind, batch = self.scheduler.schedule()
         if kind == "idle":
-            return False
+            return read
         t0 = time.perf_counter()
-        self._timing = self._gpu_timer is not None and next(self._gpu_steps) % GPU_TIME_EVERY == 0
+        self._timing = self._next_timed()
         if kind == "decode" and self.spec is not None:  # MTP: draft, verify, accept (spec_decode.py)
             self.scheduler.update(kind, self.spec.step(batch))
-            if self.observer is not None:
-                self.observer.on_step(kind, len(batch), time.perf_counter() - t0)
-            self._report_gpu(kind)
+            self._report_step(kind, len(batch), t0, self._timing)
             return True
         try:
             if kind == "decode":
@@ -175,6 +217,11 @@ class Engine:
                 self._finish(req, "error")
             self.scheduler.update(kind, [])
             return True
+        if kind == "decode" and self.overlap:
+            draw = self._launch_draw(batch, logits)
+            if draw is not None:  # read at the next step, after the next decode step is launched
+                self._ahead = _Ahead(draw, t0, self._timing)
+                return True
         sampled = batch
         if kind != "decode":  # only the requests whose whole context is in now draw a token
             sampled = self.scheduler.prefilled(batch)
@@ -184,15 +231,103 @@ class Engine:
                 logits = logits.index_select(0, host_to_device(keep, torch.int64, logits.device))
         alive = self._postprocess(sampled, logits) if sampled else []
         self.scheduler.update(kind, alive)
-        if self.observer is not None:  # _postprocess synchronized on the sampled tokens: t0..now covers the GPU work
-            self.observer.on_step(kind, len(batch), time.perf_counter() - t0)
-        self._report_gpu(kind)
+        self._report_step(kind, len(batch), t0, self._timing)  # _postprocess read the draws: t0..now holds the GPU work
         return True
 
-    def _report_gpu(self, kind: str) -> None:
-        """A timed step's GPU seconds to the observer, once its tokens are read (none for a chunk that sampled
+    # ---- overlapped decode --------------------------------------------------------------------------------
+
+    def _follow_up(self, aborts: dict) -> Optional[Tuple[List[Request], List[int]]]:
+        """The next decode step of the step in flight, when it may be launched before that step is read: (its
+        requests, each one's row in the step in flight); None when that step must be read first."""
+        sched = self.scheduler
+        if aborts or self._closing.is_set() or sched.prefilling:
+            return None
+        if sched.waiting and len(sched.running) < self.runner.args.running_max_req_size:
+            return None  # a waiting request may be admitted: its prefill needs the step read
+        batch, rows, max_total = [], [], self.runner.args.max_req_total_len
+        for i, req in enumerate(self._ahead.draw.reqs):
+            n = len(req.output_ids) + 1  # with the token in flight
+            if req.slot >= 0 and n < req.params.max_new_tokens and len(req.prompt_ids) + n < max_total:
+                batch.append(req)
+                rows.append(i)
+        if not batch or not self.runner.kv.can_allocate(len(batch)):
+            return None  # nothing goes on (every request ends by length), or the scheduler must preempt
+        return batch, rows
+
+    def _decode_ahead(self, batch: List[Request], rows: List[int]) -> None:
+        """Launch ``batch``'s decode step from the draws of the step in flight, then read that step: its host work
+        runs while the GPU computes this one."""
+        self._observe_queues()
+        t0 = time.perf_counter()
+        self._timing = self._next_timed()
+        slots = [r.slot for r in batch]
+        try:
+            logits = self.runner.decode_ahead(slots, self._ahead.draw.tokens, rows)
+        except Exception:
+            logger.exception("decode forward of %d requests failed; they end with finish_reason error", len(batch))
+            self._read_ahead()
+            for req in batch:
+                if req.slot >= 0:  # not ended by the step just read
+                    self._finish(req, "error")
+            self.scheduler.update("decode", [])
+            return
+        draw = self._launch_draw(batch, logits)
+        self._read_ahead(inputs=(slots, rows))
+        if draw is None:  # the batch draw raised: drawn synchronously, one by one where need be
+            alive = [r for r in batch if r.slot >= 0]
+            keep = [i for i, r in enumerate(batch) if r.slot >= 0]
+            if len(keep) < len(batch):
+                logits = logits.index_select(0, host_to_device(keep, torch.int64, logits.device))
+            self.scheduler.update("decode", self._postprocess(alive, logits) if alive else [])
+            self._report_step("decode", len(batch), t0, self._timing)
+            return
+        self._ahead = _Ahead(draw, t0, self._timing)
+
+    def _read_ahead(self, inputs: Optional[Tuple[List[int], List[int]]] = None, aborted: Collection[str] = ()) -> None:
+        """Read the step in flight and go on as a synchronous step would after its draw: emit, finish, update the
+        scheduler. ``inputs``: (slots, rows) of the decode step launched from its draws, whose input tokens are
+        now known (booked before any request ends, so an ended request's KV row holds them). The tokens of the
+        requests named in ``aborted`` are dropped (a synchronous step would not have computed them); they stay
+        running for the abort to end."""
+        ahead, self._ahead = self._ahead, None
+        tokens, logprobs, tops = self._read_draw(ahead.draw)
+        if inputs is not None:
+            slots, rows = inputs
+            self.runner.inputs_known(slots, [tokens[i] for i in rows])
+        reqs = ahead.draw.reqs
+        # requests that ended at the step before (their slot freed) or are being aborted: their tokens are dropped
+        live = [i for i, r in enumerate(reqs) if r.slot >= 0 and r.id not in aborted]
+        if len(live) < len(reqs):
+            reqs, tokens, logprobs, tops = ([x[i] for i in live] for x in (reqs, tokens, logprobs, tops))
+        alive = self._consume(reqs, tokens, logprobs, tops, [], time.perf_counter())
+        if aborted:
+            alive += [r for r in ahead.draw.reqs if r.slot >= 0 and r.id in aborted]
+        self.scheduler.update("decode", alive)
+        self._report_step("decode", len(ahead.draw.reqs), max(ahead.t0, self._last_read), ahead.timed)
+        self._last_read = time.perf_counter()
+
+    # ---- observing -----------------------------------------------------------------------------------------
+
+    def _observe_queues(self) -> None:
+        if self.observer is not None:
+            sched = self.scheduler
+            self.observer.on_queues(
+                len(sched.waiting), len(sched.running) + len(sched.prefilling), self.runner.kv.usage()
+            )
+
+    def _next_timed(self) -> bool:
+        """Whether the step about to launch is GPU-timed: every ``GPU_TIME_EVERY``-th, with a timer, but not one
+        launched while a timed step is in flight (the timer times one step at a time)."""
+        if self._gpu_timer is None or next(self._gpu_steps) % GPU_TIME_EVERY:
+            return False
+        return self._ahead is None or not self._ahead.timed
+
+    def _report_step(self, kind: str, batch_size: int, t0: float, timed: bool) -> None:
+        """A read step's seconds since ``t0`` and, when it was timed, its GPU seconds (none for a chunk that sampled
         nothing, or an MTP step that did not mark its launches)."""
-        if self._timing:
+        if self.observer is not None:
+            self.observer.on_step(kind, batch_size, time.perf_counter() - t0)
+        if timed:
             gpu_seconds = self._gpu_timer.seconds()
             if gpu_seconds is not None:
                 self._on_step_gpu(kind, gpu_seconds)
@@ -206,7 +341,8 @@ class Engine:
         return bool(self.scheduler.requests() or not self._inbox.empty())
 
     def fail_all(self) -> None:
-        """After a failed step: every request it holds ends with "error"."""
+        """After a failed step: every request it holds ends with "error" (a step in flight is dropped)."""
+        self._ahead = None
         for req in self.scheduler.remove_all():
             self._finish(req, "error")
 
@@ -236,6 +372,12 @@ class Engine:
             failed = [r for r, t in zip(reqs, tokens) if t is None]
             keep = [i for i, t in enumerate(tokens) if t is not None]
             reqs, tokens, logprobs, tops = ([x[i] for i in keep] for x in (reqs, tokens, logprobs, tops))
+        return self._consume(reqs, tokens, logprobs, tops, failed, now)
+
+    def _consume(self, reqs: List[Request], tokens: List[int], logprobs: List[float], tops: List[Optional[list]],
+                 failed: List[Request], now: float) -> List[Request]:  # fmt: skip
+        """Append each request's read token, emit them, finish the requests that end (and ``failed``, whose draw
+        failed, with "error"): those that go on."""
         if self.observer is not None:
             self._observe_tokens(reqs, now)
         finish_reason, reasons = self.scheduler.finish_reason, []
@@ -294,6 +436,10 @@ class Engine:
     def _draw(self, reqs: List[Request], logits: torch.Tensor) -> Tuple[List[int], List[float], List[Optional[list]]]:
         """Penalties and bias (only for the requests that ask), the draw, and the top logprobs (only when asked):
         tokens, logprobs and top logprobs (or None) per request."""
+        return self._read_draw(self._launch(reqs, logits))
+
+    def _launch(self, reqs: List[Request], logits: torch.Tensor) -> _Draw:
+        """``_draw``'s device work, queued: nothing waits for the device."""
         params = [r.params for r in reqs]
         changed = self.processor.apply(logits, reqs)
         generators = [r.generator for r in reqs]
@@ -306,12 +452,29 @@ class Engine:
         self.processor.record(reqs, tokens)
         if self._timing:  # the step's last launch: the host reads its results next
             self._gpu_timer.stop()
-        tops = [None] * len(reqs)
-        if top is not None:
-            ids, values = top_logprobs_read(top)
+        return _Draw(reqs, tokens, logprobs, top)
+
+    def _launch_draw(self, reqs: List[Request], logits: torch.Tensor) -> Optional[_Draw]:
+        """An overlapped step's draw, launched and its copy to the host started; None when the batch draw raised
+        (seeded generators put back where it found them, for ``_sample``'s one-by-one draws)."""
+        seeded = [(r.generator, r.generator.get_state()) for r in reqs if r.generator is not None]
+        try:
+            draw = self._launch(reqs, logits)
+        except Exception:
+            for generator, state in seeded:
+                generator.set_state(state)
+            return None
+        return draw.start_copy()
+
+    def _read_draw(self, draw: _Draw) -> Tuple[List[int], List[float], List[Optional[list]]]:
+        """Tokens, logprobs and top logprobs (or None) per request of a launched draw (waits for the device)."""
+        tokens, logprobs, *top = draw.start_copy().copy.lists()
+        tops = [None] * len(draw.reqs)
+        if top:
+            ids, values = top
             tops = [list(zip(i[: p.top_logprobs], v[: p.top_logprobs])) if p.top_logprobs else None
-                    for i, v, p in zip(ids, values, params)]  # fmt: skip
-        return tokens.tolist(), logprobs.tolist(), tops
+                    for i, v, p in zip(ids, values, (r.params for r in draw.reqs))]  # fmt: skip
+        return tokens, logprobs, tops
 
     def _finish(self, req: Request, reason: str) -> None:
         self.processor.release(req)

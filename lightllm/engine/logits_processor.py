@@ -119,15 +119,18 @@ class LogitsProcessor:
         if p.repetition_penalty != 1 or p.frequency_penalty or p.presence_penalty:
             counts = self._table("counts", torch.float32)  # float: used as is by the penalties; exact to 2**24
             in_prompt = self._table("in_prompt", torch.bool)
-            in_prompt[row, self._ids(req.prompt_ids)] = True
-            if req.output_ids:
-                counts[row] = torch.bincount(self._ids(req.output_ids), minlength=self.vocab_size).float()
+            in_prompt[row].index_fill_(0, self._ids(req.prompt_ids), True)  # `[row, ids] = True` copies a CPU True
+            if req.output_ids:  # re-admitted after preemption; not bincount, whose size reads the device
+                ones = torch.ones(len(req.output_ids), dtype=torch.float32, device=self.device)
+                counts[row].index_put_((self._ids(req.output_ids),), ones, accumulate=True)
         if p.logit_bias:
             bias = self._table("bias", torch.float32)
             values = host_to_device([float(v) for v in p.logit_bias.values()], torch.float32, self.device)
             bias[row, self._ids(list(p.logit_bias))] = values
         if p.min_tokens:
-            self._table("blocked", torch.bool)[row, self._ids(self.eos_ids + list(p.stop_token_ids))] = True
+            self._table("blocked", torch.bool)[row].index_fill_(
+                0, self._ids(self.eos_ids + list(p.stop_token_ids)), True
+            )
 
     def _ids(self, ids: List[int]) -> torch.Tensor:  # without a sync: a step's GPU timer may be running
         return host_to_device(list(ids), torch.int64, self.device)

@@ -42,7 +42,7 @@ from lightllm.common.kv_cache.sizing import (
     describe_gpu_sizing,
     gpu_pool_tokens,
 )
-from lightllm.common.transfer import host_to_device
+from lightllm.common.transfer import host_to_device, tensor_to_device
 from lightllm.engine.args import EngineArgs
 from lightllm.engine.mtp_runner import MTPRunner, check_mtp, draft_dir
 from lightllm.engine.prefill_graphs import PrefillGraphs, PrefillStaging, prefill_buckets
@@ -331,6 +331,19 @@ class ModelRunner:
 
     def decode(self, slots: Sequence[int], last_tokens: Sequence[int]) -> torch.Tensor:
         """One decode step (one new token per request); a captured graph when one fits, else eager."""
+        return self._decode(slots, last_tokens, None)
+
+    def decode_ahead(self, slots: Sequence[int], drawn: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
+        """A decode step launched before the host has read its input tokens: request ``i``'s is ``drawn[rows[i]]``,
+        the previous step's draws still on the device (the engine's overlapped decode). Once the host reads them it
+        books them with :meth:`inputs_known`, as ``decode`` books its host tokens."""
+        return self._decode(slots, None, (drawn, rows))
+
+    def inputs_known(self, slots: Sequence[int], tokens: Sequence[int]) -> None:
+        """The input tokens of a ``decode_ahead`` step, read: the prefix cache keeps them with their KV."""
+        self.kv.computed_each(slots, tokens)
+
+    def _decode(self, slots: Sequence[int], last_tokens: Optional[Sequence[int]], ahead) -> torch.Tensor:
         staging, bs = self._staging, len(slots)
         staged = staging is not None and bs <= staging.rows
         token_idx = self.kv.extend_each(slots, write_table=not staged)  # staged: written from the staged columns
@@ -339,19 +352,22 @@ class ModelRunner:
         graph = self.graphs.pick(bs, max_len) if self.graphs else None
         positions = [n - 1 for n in seq_lens]
         dev = self.device
+        host_ids = last_tokens if ahead is None else [0] * bs  # ahead: filled from the draws on the device
         if staged:  # one host-to-device copy for the whole step
-            staging.stage(input_ids=last_tokens, positions=positions, out_token_idx=token_idx, b_req_idx=slots,
+            staging.stage(input_ids=host_ids, positions=positions, out_token_idx=token_idx, b_req_idx=slots,
                           b_seq_len=seq_lens)  # fmt: skip
             staging.write_table(self.kv.table, bs)
+            if ahead is not None:
+                self._buf["input_ids"][:bs].copy_(_drawn_rows(*ahead, dev))
             if graph is not None:
                 self._launching()
                 return self._computed_each(slots, last_tokens, self.graphs.replay(graph)[:bs])
             b = {name: view[:bs] for name, view in self._buf.items()}
         else:
             i32, i64 = torch.int32, torch.int64
-            b = {"input_ids": host_to_device(list(last_tokens), i64, dev),
-                 "positions": host_to_device(positions, i64, dev), "out_token_idx": token_idx.to(dev),
-                 "b_req_idx": host_to_device(slots, i32, dev),
+            ids = host_to_device(list(host_ids), i64, dev) if ahead is None else _drawn_rows(*ahead, dev)
+            b = {"input_ids": ids, "positions": host_to_device(positions, i64, dev),
+                 "out_token_idx": tensor_to_device(token_idx, dev), "b_req_idx": host_to_device(slots, i32, dev),
                  "b_seq_len": host_to_device(seq_lens, i32, dev)}  # fmt: skip
         state = InferState(is_prefill=False, b_req_idx=b["b_req_idx"], req_to_token=self.kv.table,
                            b_seq_len=b["b_seq_len"], out_token_idx=b["out_token_idx"], positions=b["positions"],
@@ -359,8 +375,9 @@ class ModelRunner:
         self._launching()
         return self._computed_each(slots, last_tokens, self.model.forward(b["input_ids"], state))
 
-    def _computed_each(self, slots: Sequence[int], last_tokens: Sequence[int], logits: torch.Tensor) -> torch.Tensor:
-        self.kv.computed_each(slots, last_tokens)
+    def _computed_each(self, slots: Sequence[int], last_tokens, logits: torch.Tensor) -> torch.Tensor:
+        if last_tokens is not None:  # decode_ahead: booked by inputs_known once read
+            self.kv.computed_each(slots, last_tokens)
         return logits
 
     def add_request(self, prefix: Sequence[int] = ()) -> int:
@@ -454,6 +471,17 @@ class ModelRunner:
             graph_max_len=graph_len,
         )
         return self.model.forward(b["input_ids"][:bs], state)
+
+
+def _drawn_rows(drawn: torch.Tensor, rows: Sequence[int], device: torch.device) -> torch.Tensor:
+    """``drawn[rows]`` as int64 on ``device``, without a host read: a plain slice when ``rows`` are 0..n-1 (the
+    batch kept every request of the step that drew them, the common case)."""
+    n = len(rows)
+    if all(r == i for i, r in enumerate(rows)):
+        picked = drawn[:n]
+    else:
+        picked = drawn.index_select(0, host_to_device(rows, torch.int64, drawn.device))
+    return picked.to(device=device, dtype=torch.int64)
 
 
 def _untuned_device_note(device: torch.device) -> str:

@@ -70,3 +70,14 @@ class Runner(Protocol):
 
     # Rank 0 only, not broadcast: ``hook()`` right before each forward is launched (the engine's step GPU timer)
     def set_launch_hook(self, hook: Optional[Callable[[], None]]) -> None: ...
+
+
+@runtime_checkable
+class AheadDecoder(Protocol):
+    """Optional, for overlapped decode: a runner that launches a decode step from the previous step's draws while
+    they are still on the device, and books them once the host has read them (``ModelRunner``; not the
+    tensor-parallel runner, whose other ranks would need the draws, nor MTP's verify)."""
+
+    def decode_ahead(self, slots: Sequence[int], drawn: torch.Tensor, rows: Sequence[int]) -> torch.Tensor: ...
+
+    def inputs_known(self, slots: Sequence[int], tokens: Sequence[int]) -> None: ...

@@ -37,6 +37,9 @@ _HELP = {
     "instead of a chunk step and a decode step (needs chunked prefill; not with --mtp_mode); default off",
     "disable_dynamic_prompt_cache": "turn off the prefix cache (a radix tree keeping finished requests' KV for "
     "later prompts that start the same way)",
+    "disable_overlap_schedule": "read each decode step's tokens before the next step is launched (default: the "
+    "next decode step is launched from the tokens still on the GPU, so the host's work for a step runs while the "
+    "GPU computes the next)",
     "graph_max_batch_size": "largest decode CUDA graph (capped at running_max_req_size)",
     "graph_split_batch_size": "decode graphs for every batch size up to this",
     "graph_grow_step_size": "then one graph every this many",

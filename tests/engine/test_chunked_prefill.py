@@ -99,7 +99,8 @@ def test_running_requests_decode_between_the_chunks_of_a_long_prompt(model_dir):
     """Counted in engine steps: while a 33-token prompt is prefilled in chunks of 4 (9 prefill steps), the two
     running requests emit a token in a decode step after every chunk but the last, and the long request's first
     token comes only with its last chunk."""
-    engine = Engine(runner(model_dir, chunk=4), eos_ids=[])
+    # counted in emissions per step() call: overlapped decode would emit a step's tokens in the next call
+    engine = Engine(runner(model_dir, chunk=4, disable_overlap_schedule=True), eos_ids=[])
     outs, events = {}, []
     for i, p in enumerate(PROMPTS[3:] + PROMPTS[1:2]):  # two short requests, running first
         outs[i] = []
@@ -185,7 +186,8 @@ def test_mixed_step_carries_the_running_requests_with_each_chunk(model_dir):
 def test_mixed_steps_alternate_when_the_running_requests_take_half_the_budget(model_dir):
     """A budget of 5: beside three running requests a chunk would get 2 tokens, under half the budget, so chunk and
     decode steps alternate as without mixing; beside one or two the chunk step is mixed."""
-    engine = Engine(runner(model_dir, chunk=5, enable_mixed_chunk=True), eos_ids=[])
+    # every step through the scheduler: an overlapped decode step follows the last one without asking it
+    engine = Engine(runner(model_dir, chunk=5, enable_mixed_chunk=True, disable_overlap_schedule=True), eos_ids=[])
     steps, real = [], engine.scheduler.schedule
 
     def spy():

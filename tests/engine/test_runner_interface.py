@@ -7,7 +7,7 @@ import pytest
 
 from lightllm.engine.engine import Engine, eos_token_ids
 from lightllm.engine.request import Request
-from lightllm.engine.runner import STATE_CHANGING, KVQueries, Runner
+from lightllm.engine.runner import STATE_CHANGING, AheadDecoder, KVQueries, Runner
 from lightllm.engine.sampler import SamplingParams
 from lightllm.server import tp
 from lightllm.tools.make_tiny_model import make_tiny_qwen3
@@ -76,7 +76,7 @@ def test_the_interface_lists_exactly_what_the_engine_uses(model_dir):
         engine.step()
     assert finished == {0: "length", 1: "length", 2: "length", 3: "abort"}
     assert preempted and {"prefill", "decode"} <= set(steps)
-    assert used | {"model_dir"} == members(Runner)
+    assert used | {"model_dir"} == members(Runner) | members(AheadDecoder)  # the model runner decodes ahead
     assert kv_used == members(KVQueries)
 
 
@@ -90,6 +90,7 @@ def test_the_tensor_parallel_runner_forwards_nothing_implicitly(model_dir):
     rank0._cast = lambda *cmd: cast.append(cmd)
     assert "__getattr__" not in vars(tp.TPRunner)
     assert isinstance(rank0, Runner) and isinstance(rank0.kv, KVQueries)
+    assert not isinstance(rank0, AheadDecoder)  # its other ranks never see rank 0's draws: it decodes synchronously
     assert members(Runner) <= set(vars(tp.TPRunner))  # each one written out, none inherited or forwarded
     assert set(tp._COMMANDS) == set(STATE_CHANGING)
     with pytest.raises(AttributeError):

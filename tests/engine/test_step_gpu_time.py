@@ -67,9 +67,12 @@ class Observer:
     def on_spec(self, *a): ...
 
 
-def run(model_dir, observer, top_logprobs=0):
+def run(model_dir, observer, top_logprobs=0, overlap=False):
+    """The prompts to 4 new tokens each; decode steps synchronous unless ``overlap`` (the timer's calls per step
+    are then interleaved with the next step's launches)."""
     args = EngineArgs(model_dir=model_dir, data_type="fp32", device="cpu", batch_max_tokens=64, max_req_total_len=64,
-                      chunked_prefill_size=16, running_max_req_size=4, max_total_token_num=512)  # fmt: skip
+                      chunked_prefill_size=16, running_max_req_size=4, max_total_token_num=512,
+                      disable_overlap_schedule=not overlap)  # fmt: skip
     engine = Engine(ModelRunner(args), eos_ids=[], observer=observer)
     for i, p in enumerate(PROMPTS):
         params = SamplingParams(max_new_tokens=4, ignore_eos=True, top_logprobs=top_logprobs)
@@ -116,6 +119,19 @@ def test_one_step_in_gpu_time_every_is_timed_and_the_others_record_nothing(model
     assert len(observer.gpu) == timed.count("S") > 0
 
 
+def test_with_overlapped_decode_a_step_launched_while_a_timed_one_is_in_flight_is_not_timed(model_dir, monkeypatch):
+    """One timer, one step at a time: with every step due (``GPU_TIME_EVERY`` 1) each timed step is started, stopped
+    and read before the next timed one starts; the decode steps launched while one is in flight are not timed."""
+    timers = fake_timers(monkeypatch)
+    observer = Observer()
+    run(model_dir, observer, overlap=True)
+    (timer,) = timers
+    steps = " ".join(timer.calls).replace("start stop seconds", "S").replace("start seconds", "C").split()
+    assert set(steps) == {"S", "C"}  # never a start before the step in flight was read
+    assert len(observer.gpu) == steps.count("S") and len(steps) < len(observer.steps)
+    assert {k for k, _ in observer.gpu} == {"prefill", "decode"}
+
+
 def test_the_runner_marks_each_forward_once_its_inputs_are_staged(model_dir):
     """The hook runs once per forward, after the host staged its inputs and before the launch: decode and prefill
     graph replays (CPU stand-ins replaying the captured forward), an eager prefill, and a prefill no graph serves."""
@@ -145,8 +161,7 @@ def test_the_runner_marks_each_forward_once_its_inputs_are_staged(model_dir):
 def test_the_timer_stops_after_the_steps_last_launch_and_before_any_read(model_dir, monkeypatch):
     """Top logprobs and penalty counts are launched before the stop; reading them (``tolist``) comes after it."""
     timers = fake_timers(monkeypatch)
-    launch, record, read = (engine_module.top_logprobs_launch, LogitsProcessor.record,
-                            engine_module.top_logprobs_read)  # fmt: skip
+    launch, record, read = engine_module.top_logprobs_launch, LogitsProcessor.record, engine_module.HostCopy.lists
 
     def logged(name, fn):
         def call(*a, **k):
@@ -157,11 +172,11 @@ def test_the_timer_stops_after_the_steps_last_launch_and_before_any_read(model_d
 
     monkeypatch.setattr(engine_module, "top_logprobs_launch", logged("top_launch", launch))
     monkeypatch.setattr(LogitsProcessor, "record", logged("record", record))
-    monkeypatch.setattr(engine_module, "top_logprobs_read", logged("top_read", read))
+    monkeypatch.setattr(engine_module.HostCopy, "lists", logged("read", read))
     observer = Observer()
     run(model_dir, observer, top_logprobs=2)
     sampled = [c for c in " ".join(timers[0].calls).split("seconds") if "stop" in c]
-    assert sampled and all(c.split() == ["start", "top_launch", "record", "stop", "top_read"] for c in sampled)
+    assert sampled and all(c.split() == ["start", "top_launch", "record", "stop", "read"] for c in sampled)
 
 
 @pytest.mark.parametrize("second", ["greedy", "sampled", "penalised"])
@@ -291,14 +306,19 @@ def test_cuda_events_time_the_gpu_work_between_start_and_stop():
 
 
 @pytest.mark.gpu
-def test_an_engine_step_on_the_gpu_takes_less_gpu_time_than_wall_time_and_nothing_waits_inside(tmp_path, monkeypatch):
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_an_engine_step_on_the_gpu_takes_less_gpu_time_than_wall_time_and_nothing_waits_inside(
+    tmp_path, monkeypatch, overlap
+):
     """Host work before the launch (a slowed staging) is wall time, never GPU time; and nothing between the timer's
     start and stop waits for the GPU (CUDA's sync debug mode raises on any wait), with a penalised request that
-    asks for top logprobs beside a plain one."""
+    asks for top logprobs beside a plain one. With overlapped decode every other decode step is timed (one launched
+    while a timed one is in flight is not)."""
     monkeypatch.setattr(engine_module, "GPU_TIME_EVERY", 1)
-    # the built-in model's shape: head_dim 64, the smallest the GPU kernels take
+    # the built-in model's shape: head_dim 64, the smallest the GPU kernels take; a small pool leaves the GPU free
     model = str(make_tiny_qwen3(tmp_path / "m", seed=2, **BUILTIN_SHAPE))
-    r = ModelRunner(EngineArgs(model_dir=model, data_type="bf16", max_req_total_len=64, running_max_req_size=4))
+    r = ModelRunner(EngineArgs(model_dir=model, data_type="bf16", max_req_total_len=64, running_max_req_size=4,
+                               max_total_token_num=1024, disable_overlap_schedule=not overlap))  # fmt: skip
     assert isinstance(r, Runner)
     walls = {}
 
@@ -340,5 +360,10 @@ def test_an_engine_step_on_the_gpu_takes_less_gpu_time_than_wall_time_and_nothin
         torch.cuda.set_sync_debug_mode("default")
     assert finished == {"0": "length", "1": "length"}  # a wait inside the window would have failed a step
     decode = [s for k, s in observer.gpu if k == "decode"]
-    assert len(decode) == len(walls["decode"]) == 14
-    assert all(0 < g < 0.02 <= w for g, w in zip(decode, walls["decode"])), (decode, walls["decode"])
+    # 7 decode steps per request: with overlap the 1st, 3rd, 5th and 7th of each are timed
+    assert len(walls["decode"]) == 14 and len(decode) == (8 if overlap else 14)
+    assert all(0 < g < 0.02 for g in decode), decode
+    # with overlap a step's wall time runs from the read before it to its own read, so it holds the slowed staging
+    # of the step launched in between; each request's last step has none launched after it
+    short = [w for w in walls["decode"] if w < 0.02]
+    assert len(short) == (2 if overlap else 0), walls["decode"]

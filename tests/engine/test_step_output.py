@@ -22,11 +22,12 @@ def model_dir(tmp_path_factory):
 
 class PerToken:
     def __init__(self):
-        self.tokens = []
+        self.tokens, self.steps = [], 0
 
     def on_queues(self, *a): ...
 
-    def on_step(self, *a): ...
+    def on_step(self, *a):  # once per step read (an overlapped decode step is read in the next step() call)
+        self.steps += 1
 
     def on_token(self, first, seconds):
         self.tokens.append((first, seconds))
@@ -43,16 +44,16 @@ class Batched(PerToken):
 
 
 def run(model_dir, observer=None, sink=None, events=None):
-    """PROMPTS to the end (12 tokens, the second stops at 6): (each request's events, steps that sampled)."""
+    """PROMPTS to the end (12 tokens, the second stops at 6): (each request's events, steps read)."""
+    observer = observer or PerToken()
     engine = Engine(runner(model_dir, 512), eos_ids=[], observer=observer, emit_tokens=sink)
     events = {} if events is None else events
     for i, p in enumerate(PROMPTS):
         params = SamplingParams(max_new_tokens=6 if i == 1 else 12, ignore_eos=True, logprobs=True)
         engine.submit(Request(str(i), p, params, events.setdefault(str(i), []).append, arrival=0.0))
-    steps = 0
     while engine.step():
-        steps += 1
-    return events, steps
+        pass
+    return events, observer.steps
 
 
 def tick_clock(monkeypatch):

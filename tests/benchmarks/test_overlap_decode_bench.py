@@ -1,0 +1,36 @@
+"""overlap_decode's method on the CPU (tiny model): what it measures and compares, not how fast anything is."""
+
+import json
+
+import pytest
+
+from tests.benchmarks.test_linear_attention_bench import load_benchmark
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return load_benchmark("overlap_decode")
+
+
+def test_each_batch_gets_a_row_per_mode_from_the_same_rounds_and_equal_outputs(bench, tmp_path, monkeypatch):
+    out = tmp_path / "overlap.json"
+    modes = []
+    real = bench.one_round
+    monkeypatch.setattr(bench, "one_round", lambda engine, *a: (modes.append(engine.overlap), real(engine, *a))[1])
+    assert bench.main(["--tiny", "--batches", "1", "3", "--prompt", "4", "--output", "6", "--rounds", "2",
+                       "--out", str(out)]) == 0  # fmt: skip
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["batch"], r["overlap"]) for r in rows] == [(1, True), (1, False), (3, True), (3, False)]
+    # per batch: a warm-up round per mode, then the modes alternate their order round by round
+    assert modes == [True, False, True, False, False, True] * 2
+    for on, off in zip(rows[::2], rows[1::2]):
+        assert on["outputs_equal"] and off["outputs_equal"]
+        assert len(on["decode_tok_s_rounds"]) == len(off["decode_tok_s_rounds"]) == 2
+        assert on["speedup"] == pytest.approx(on["decode_tok_s"] / off["decode_tok_s"])
+        assert on["step_ms"] > 0 and off["step_ms"] > 0 and on["gpu_step_ms"] is None  # no GPU timer on the CPU
+
+
+def test_bad_arguments_stop_it_with_one_line(bench, capsys):
+    with pytest.raises(SystemExit):
+        bench.main(["--tiny", "--output", "1"])
+    assert "expected --prompt, --rounds and --batches >= 1 and --output >= 2" in capsys.readouterr().err
