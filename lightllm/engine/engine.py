@@ -10,8 +10,7 @@ to the host without waiting, and the next ``step()`` launches the following deco
 the device before it reads them, so the host's share of a step (reading, emitting, finishing, scheduling, staging)
 runs while the GPU computes the next one. A request that ends on the token just read (a stop token) had one more
 token computed that is dropped; one that ends by length is left out of the next step. Anything else (new or
-aborted requests, a prefill chunk, a full KV cache, MTP, tensor parallelism) reads the step first and goes on as
-without overlap.
+aborted requests, a prefill chunk, a full KV cache, MTP) reads the step first and goes on as without overlap.
 
 Every submitted request gets exactly one "finish" event. A failure that belongs to one request (its sampling)
 ends only that request with "error"; its neighbours in the step go on. A failed model forward ends the requests
@@ -125,7 +124,7 @@ class Engine:
         self._inbox: "queue.Queue[Request]" = queue.Queue()
         self._aborts: "queue.Queue[Tuple[str, str]]" = queue.Queue()
         self._closing = threading.Event()
-        # Overlapped decode needs a runner that decodes from device tokens (not tensor parallelism's, not fakes)
+        # Overlapped decode needs a runner that decodes from device tokens (not fakes) and no MTP
         self.overlap = (self.spec is None and isinstance(runner, AheadDecoder)
                         and not getattr(runner.args, "disable_overlap_schedule", False))  # fmt: skip
         self._ahead: Optional[_Ahead] = None
@@ -262,7 +261,7 @@ class Engine:
         self._timing = self._next_timed()
         slots = [r.slot for r in batch]
         try:
-            logits = self.runner.decode_ahead(slots, self._ahead.draw.tokens, rows)
+            logits = self.runner.decode_ahead(slots, rows, self._ahead.draw.tokens)
         except Exception:
             logger.exception("decode forward of %d requests failed; they end with finish_reason error", len(batch))
             self._read_ahead()

@@ -333,11 +333,15 @@ class ModelRunner:
         """One decode step (one new token per request); a captured graph when one fits, else eager."""
         return self._decode(slots, last_tokens, None)
 
-    def decode_ahead(self, slots: Sequence[int], drawn: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
+    def decode_ahead(self, slots: Sequence[int], rows: Sequence[int], drawn: Optional[torch.Tensor] = None):
         """A decode step launched before the host has read its input tokens: request ``i``'s is ``drawn[rows[i]]``,
-        the previous step's draws still on the device (the engine's overlapped decode). Once the host reads them it
-        books them with :meth:`inputs_known`, as ``decode`` books its host tokens."""
-        return self._decode(slots, None, (drawn, rows))
+        the previous step's draws still on the device (the engine's overlapped decode). With tensor parallelism
+        only rank 0 has ``drawn`` (it samples); the other ranks pass None and receive its tokens by a broadcast on
+        the device. Once the host reads them it books them with :meth:`inputs_known`, as ``decode`` books its host
+        tokens."""
+        if drawn is None and self.tp == 1:
+            raise ValueError("decode_ahead: expected the previous step's draws on rank 0, got None")
+        return self._decode(slots, None, (rows, drawn))
 
     def inputs_known(self, slots: Sequence[int], tokens: Sequence[int]) -> None:
         """The input tokens of a ``decode_ahead`` step, read: the prefix cache keeps them with their KV."""
@@ -358,14 +362,14 @@ class ModelRunner:
                           b_seq_len=seq_lens)  # fmt: skip
             staging.write_table(self.kv.table, bs)
             if ahead is not None:
-                self._buf["input_ids"][:bs].copy_(_drawn_rows(*ahead, dev))
+                self._buf["input_ids"][:bs].copy_(self._ahead_ids(*ahead))
             if graph is not None:
                 self._launching()
                 return self._computed_each(slots, last_tokens, self.graphs.replay(graph)[:bs])
             b = {name: view[:bs] for name, view in self._buf.items()}
         else:
             i32, i64 = torch.int32, torch.int64
-            ids = host_to_device(list(host_ids), i64, dev) if ahead is None else _drawn_rows(*ahead, dev)
+            ids = host_to_device(list(host_ids), i64, dev) if ahead is None else self._ahead_ids(*ahead)
             b = {"input_ids": ids, "positions": host_to_device(positions, i64, dev),
                  "out_token_idx": tensor_to_device(token_idx, dev), "b_req_idx": host_to_device(slots, i32, dev),
                  "b_seq_len": host_to_device(seq_lens, i32, dev)}  # fmt: skip
@@ -374,6 +378,15 @@ class ModelRunner:
                            max_len_in_batch=max_len)  # fmt: skip
         self._launching()
         return self._computed_each(slots, last_tokens, self.model.forward(b["input_ids"], state))
+
+    def _ahead_ids(self, rows: Sequence[int], drawn: Optional[torch.Tensor]) -> torch.Tensor:
+        """A ``decode_ahead`` step's input ids on this rank's device: ``drawn[rows]`` on rank 0, and broadcast from
+        it to the other ranks with tensor parallelism (on the device, no host round trip)."""
+        if drawn is None:  # a worker: rank 0's arrive by the broadcast
+            ids = torch.empty(len(rows), dtype=torch.int64, device=self.device)
+        else:
+            ids = _drawn_rows(drawn, rows, self.device)
+        return parallel.broadcast_(ids) if self.tp > 1 else ids
 
     def _computed_each(self, slots: Sequence[int], last_tokens, logits: torch.Tensor) -> torch.Tensor:
         if last_tokens is not None:  # decode_ahead: booked by inputs_known once read
@@ -481,7 +494,7 @@ def _drawn_rows(drawn: torch.Tensor, rows: Sequence[int], device: torch.device) 
         picked = drawn[:n]
     else:
         picked = drawn.index_select(0, host_to_device(rows, torch.int64, drawn.device))
-    return picked.to(device=device, dtype=torch.int64)
+    return picked.to(device=device, dtype=torch.int64).contiguous()
 
 
 def _untuned_device_note(device: torch.device) -> str:

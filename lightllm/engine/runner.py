@@ -10,7 +10,8 @@ from typing import Callable, Optional, Protocol, Sequence, Tuple, runtime_checka
 
 import torch
 
-STATE_CHANGING = ("prefill", "decode", "add_request", "free", "mtp.draft", "mtp.verify", "mtp.accept")
+STATE_CHANGING = ("prefill", "decode", "decode_ahead", "inputs_known", "add_request", "free", "mtp.draft", "mtp.verify",
+                  "mtp.accept")  # fmt: skip
 
 
 @runtime_checkable
@@ -75,9 +76,9 @@ class Runner(Protocol):
 @runtime_checkable
 class AheadDecoder(Protocol):
     """Optional, for overlapped decode: a runner that launches a decode step from the previous step's draws while
-    they are still on the device, and books them once the host has read them (``ModelRunner``; not the
-    tensor-parallel runner, whose other ranks would need the draws, nor MTP's verify)."""
+    they are still on the device, and books them once the host has read them (``ModelRunner``, and the
+    tensor-parallel runner, which broadcasts rank 0's draws to the other ranks on the device)."""
 
-    def decode_ahead(self, slots: Sequence[int], drawn: torch.Tensor, rows: Sequence[int]) -> torch.Tensor: ...
+    def decode_ahead(self, slots: Sequence[int], rows: Sequence[int], drawn: torch.Tensor) -> torch.Tensor: ...
 
     def inputs_known(self, slots: Sequence[int], tokens: Sequence[int]) -> None: ...

@@ -183,6 +183,13 @@ class TPRunner:
     def decode(self, slots, last_tokens):
         return self._step("decode", self.runner.decode, (list(slots), list(last_tokens)))
 
+    def decode_ahead(self, slots, rows, drawn):
+        # the draws are rank 0's alone (it samples): the workers receive them on the device, inside the step
+        return self._step("decode_ahead", self.runner.decode_ahead, (list(slots), list(rows)), drawn)
+
+    def inputs_known(self, slots, tokens):
+        return self._step("inputs_known", self.runner.inputs_known, (list(slots), list(tokens)))
+
     def _step(self, name: str, step, args: tuple, *rank0_only):
         """Broadcast ``name`` with ``args``, then run ``step(*args, *rank0_only)`` here."""
         with self.workers.command(name):

@@ -4,6 +4,7 @@ no call reaches rank 0's runner without being either broadcast or read-only."""
 import contextlib
 
 import pytest
+import torch
 
 from lightllm.engine.engine import Engine, eos_token_ids
 from lightllm.engine.request import Request
@@ -90,7 +91,7 @@ def test_the_tensor_parallel_runner_forwards_nothing_implicitly(model_dir):
     rank0._cast = lambda *cmd: cast.append(cmd)
     assert "__getattr__" not in vars(tp.TPRunner)
     assert isinstance(rank0, Runner) and isinstance(rank0.kv, KVQueries)
-    assert not isinstance(rank0, AheadDecoder)  # its other ranks never see rank 0's draws: it decodes synchronously
+    assert isinstance(rank0, AheadDecoder)  # overlapped decode: rank 0's draws reach the others on the device
     assert members(Runner) <= set(vars(tp.TPRunner))  # each one written out, none inherited or forwarded
     assert set(tp._COMMANDS) == set(STATE_CHANGING)
     with pytest.raises(AttributeError):
@@ -100,6 +101,8 @@ def test_the_tensor_parallel_runner_forwards_nothing_implicitly(model_dir):
     slot = rank0.add_request()
     rank0.prefill([slot], [[3, 4, 5]])
     rank0.decode([slot], [6])
+    rank0.decode_ahead([slot], [0], torch.tensor([7]))  # the draws stay on rank 0: the cast carries slots and rows
+    rank0.inputs_known([slot], [7])
     rank0.free(slot)
-    assert [c[0] for c in cast] == ["add_request", "prefill", "decode", "free"]
-    assert marks == [2, 3]
+    assert [c[0] for c in cast] == ["add_request", "prefill", "decode", "decode_ahead", "inputs_known", "free"]
+    assert cast[3] == ("decode_ahead", [slot], [0]) and marks == [2, 3, 4]

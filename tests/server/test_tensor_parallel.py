@@ -270,8 +270,10 @@ def test_a_request_failing_alone_keeps_the_ranks_in_step(tmp_path, monkeypatch):
             return contextlib.nullcontext()
 
     rank0 = TPRunner(ModelRunner(EngineArgs(**args)), group=None, workers=Workers())
-    worker, commands = ModelRunner(EngineArgs(**args)), []
+    worker, commands, drawn = ModelRunner(EngineArgs(**args)), [], []
     rank0._cast = lambda *cmd: commands.append(cmd)
+    ahead = rank0.runner.decode_ahead  # overlapped decode: rank 0's draws, which a worker receives on the device
+    rank0.runner.decode_ahead = lambda slots, rows, d: (drawn.append(d), ahead(slots, rows, d))[1]
     poisoned = SamplingParams(max_new_tokens=6, ignore_eos=True, top_p=0.5)  # greedy: top_p only marks it
     real = engine_module.sample
 
@@ -289,7 +291,9 @@ def test_a_request_failing_alone_keeps_the_ranks_in_step(tmp_path, monkeypatch):
         sched.step()
     assert reasons == {0: "error", 1: "length", 2: "error", 3: "length"}
     assert [c[0] for c in commands[:8]] == ["add_request"] * 4 + ["prefill", "free", "free", "decode"]
+    draws = iter(drawn)
     for name, *cmd_args in commands:
-        getattr(worker, name)(*cmd_args)
+        getattr(worker, name)(*cmd_args, *([next(draws)] if name == "decode_ahead" else []))
+    assert "decode_ahead" in {c[0] for c in commands}
     assert worker.kv.num_free_tokens == rank0.kv.num_free_tokens == 256 - 1
     assert worker.kv.num_free_slots == rank0.kv.num_free_slots
