@@ -82,7 +82,7 @@ TokenSink = Callable[[List[Request], List[int], List[float], List[Optional[list]
 
 @dataclass
 class _Draw:
-    """A step's draws, launched: device tensors, and their copy to the host once ``read`` starts it."""
+    """A step's draws, launched: device tensors, and their copy to the host once ``start_copy`` queues it."""
 
     reqs: List[Request]
     tokens: torch.Tensor  # [len(reqs)] on the device: also the next overlapped step's input tokens
