@@ -239,7 +239,7 @@ class Engine:
         """The next decode step of the step in flight, when it may be launched before that step is read: (its
         requests, each one's row in the step in flight); None when that step must be read first."""
         sched = self.scheduler
-        if aborts or self._closing.is_set() or sched.prefilling:
+        if not self.overlap or aborts or self._closing.is_set() or sched.prefilling:  # overlap may be switched off
             return None
         if sched.waiting and len(sched.running) < self.runner.args.running_max_req_size:
             return None  # a waiting request may be admitted: its prefill needs the step read
