@@ -241,8 +241,8 @@ class Engine:
         sched = self.scheduler
         if not self.overlap or aborts or self._closing.is_set() or sched.prefilling:  # overlap may be switched off
             return None
-        if sched.waiting and len(sched.running) < self.runner.args.running_max_req_size:
-            return None  # a waiting request may be admitted: its prefill needs the step read
+        if sched.can_admit():
+            return None  # a waiting request would be admitted: its prefill needs the step read
         batch, rows, max_total = [], [], self.runner.args.max_req_total_len
         for i, req in enumerate(self._ahead.draw.reqs):
             n = len(req.output_ids) + 1  # with the token in flight

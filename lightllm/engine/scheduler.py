@@ -138,12 +138,36 @@ class Scheduler:
             slot, req.slot = req.slot, -1
             self.runner.free(slot)
 
-    def _prefill_batch(self, budget: int) -> List[Request]:
-        batch, kv = [], self.runner.kv
-        # KV already promised: the running requests' next tokens, the rest of each partly prefilled context
-        planned = len(self.running) * self.decode_tokens + sum(
+    def can_admit(self) -> bool:
+        """Whether a prefill step would admit the first waiting request now (a request slot and the KV for its
+        context are free), without admitting it: overlapped decode reads the step in flight first only then."""
+        holding = len(self.running) + len(self.prefilling)
+        if not self.waiting or holding >= self.args.running_max_req_size:
+            return False
+        return self._fits(self.waiting[0], self._planned()) is not None
+
+    def _planned(self) -> int:
+        """KV already promised: the running requests' next tokens, the rest of each partly prefilled context."""
+        return len(self.running) * self.decode_tokens + sum(
             r.context_len - r.prefilled + self.decode_tokens for r in self.prefilling
         )
+
+    def _fits(self, req: Request, planned: int) -> Optional[Tuple[int, int]]:
+        """(prompt tokens the prefix cache holds for ``req``, tokens it needs computed) when a request slot and the KV
+        for its whole context are free beside ``planned``; else None."""
+        kv = self.runner.kv
+        context = req.context
+        # the prefix cache's longest hit, one token short of the whole context: its logits are needed
+        cached, evictable = kv.match_prefix(context[:-1])
+        need = len(context) - cached
+        # pinning the hit takes its evictable tokens out of the free ones
+        if not kv.can_allocate(planned + need + self.decode_tokens + evictable) or not kv.has_free_slot():
+            return None
+        return cached, need
+
+    def _prefill_batch(self, budget: int) -> List[Request]:
+        batch, kv = [], self.runner.kv
+        planned = self._planned()
         chunks = 0
         for req in self.prefilling:  # oldest first; their KV was free at admission, decodes may have taken it
             n = min(req.context_len - req.prefilled, budget)
@@ -155,19 +179,14 @@ class Scheduler:
             batch.append(req)
         holding = len(self.running) + len(self.prefilling)  # request slots in use
         while self.waiting and budget > 0 and holding < self.args.running_max_req_size:
-            context = self.waiting[0].context
-            # the prefix cache's longest hit, one token short of the whole context: its logits are needed
-            cached, evictable = kv.match_prefix(context[:-1])
-            need = len(context) - cached
-            # pinning the hit takes its evictable tokens out of the free ones
-            if (not self.chunked and batch and need > budget) or not kv.can_allocate(
-                planned + need + self.decode_tokens + evictable
-            ):
+            fit = self._fits(self.waiting[0], planned)
+            if fit is None:
                 break
-            if not kv.has_free_slot():
+            cached, need = fit
+            if not self.chunked and batch and need > budget:
                 break
             req = self.waiting[0]
-            req.slot = self.runner.add_request(context[:cached])
+            req.slot = self.runner.add_request(req.context_slice(0, cached))
             self.waiting.popleft()  # only once it holds a slot: a runner that raises leaves it for fail_all
             if req.num_cached_tokens is None:  # the first admission's hit is what the client's prompt saved
                 req.num_cached_tokens = min(cached, len(req.prompt_ids))

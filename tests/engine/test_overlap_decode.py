@@ -160,6 +160,20 @@ def test_the_kv_cache_ends_as_with_synchronous_decode(model_dir):
             assert runner.kv.match_prefix(context)[0] == len(context) - (0 if ahead else 1), (overlap, i)
 
 
+def test_a_request_waiting_for_kv_does_not_stop_the_overlap(model_dir):
+    """A 70-token pool: three 16-token prompts run and a 30-token one waits, a request slot free but not the KV for
+    its context, until they end. Steps go on being launched ahead while it waits (the scheduler's admission check,
+    not just a free slot, decides), and the outputs are synchronous decode's."""
+    prompts = [list(range(10 + i, 26 + i)) for i in range(3)] + [list(range(100, 130))]
+    params = [SamplingParams(max_new_tokens=6, ignore_eos=True)] * 3 + [SamplingParams(max_new_tokens=4)]
+    want = run(Engine(eager_runner(model_dir, False, tokens=70), eos_ids=[]), prompts, params)
+    engine = Engine(eager_runner(model_dir, True, tokens=70), eos_ids=[])
+    waiting, real = [], engine.runner.decode_ahead
+    engine.runner.decode_ahead = lambda *a: (waiting.append(len(engine.scheduler.waiting)), real(*a))[1]
+    same(run(engine, prompts, params), want)
+    assert waiting.count(1) >= 3 and engine.scheduler.requests() == []
+
+
 def test_an_abort_while_a_step_is_in_flight_ends_only_that_request(model_dir):
     params = [SamplingParams(max_new_tokens=10, ignore_eos=True)] * 3
     want = run(Engine(eager_runner(model_dir, False), eos_ids=[]), PROMPTS[:3], params, abort_after=("1", 3))
