@@ -16,6 +16,8 @@ pair (a second "off" server) whose difference, reported per point for every numb
 noise. Every start records the config files it wrote under its config dir: an "off" start must write none (a
 failure is printed loudly and kept in the JSON, the run goes on); the tuning start's list is the expected set.
 With MTP on, each point also reports the draft acceptance (the server's spec-decode counters over the window).
+``--compare overlap`` makes "on" and "off" differ in overlapped decode instead: every server runs the configs the
+first "on" start tuned, and "off" (and "off_b") start with ``--disable_overlap_schedule``.
 With ``--rounds K`` (a multiple of the server count) the servers of a repeat run side by side (each with a KV pool
 of its own, a quarter over what the largest concurrency fills) and each point is K rounds, every server getting
 ``--requests`` requests per round in a rotating order, on a fresh schedule per round: a drift of the machine over
@@ -32,6 +34,8 @@ schedule (seeded), so no load meets its prompts in a server's prefix cache.
     python benchmarks/serve_load.py --model qwen3.5 --mtp-step 3 --tp 2 --control \
         --out benchmarks/results/serve_load_qwen35_mtp3_tp2_h200.json
     python benchmarks/serve_load.py --tiny --model qwen3.5 --mtp-step 2 --concurrency 2   # the same on a CPU
+    # overlapped decode on vs off, side by side, with an A/A pair
+    python benchmarks/serve_load.py --compare overlap --workloads short --repeats 1 --rounds 6 --control --pin-cores
 """
 
 import argparse
@@ -203,11 +207,11 @@ def launch(args, model, workload, cfg, mode, rep, flags, position=0):
     prompt_len, out_len = workload_shape(args, workload)
     max_len = prompt_len + out_len + 64
     level = 1 if (mode, rep) == ("on", 0) else 0
-    if (mode, rep) == ("off", 0):
+    if (mode, rep) == ("off", 0) and args.compare == "tuning":
         copy_without_decode_attention(cfg["on"], cfg["off"])
     log_path = os.path.join(args.log_dir, f"server_tp{args.tp}_{workload}_{mode}{rep}.log")
     before = config_snapshot(cfg[mode])
-    sizing = list(flags)
+    sizing = list(flags) + (["--disable_overlap_schedule"] if args.compare == "overlap" and mode != "on" else [])
     if args.rounds:  # side by side on one GPU: each server a KV pool of its own, not 90 % of the device
         sizing += ["--max_total_token_num", str(side_by_side_pool(max(args.concurrency), max_len, args.mtp_step))]
     cores = args.server_cores[position] if args.server_cores else None
@@ -369,6 +373,9 @@ def main():
     p.add_argument("--out", default="benchmarks/results/serve_load.json")
     p.add_argument("--log-dir", default="serve_load_logs", help="server logs (one per start) and the tuned configs")
     p.add_argument("--control", action="store_true", help="also start a second 'off' server per repeat (off_b)")
+    p.add_argument("--compare", default="tuning", choices=("tuning", "overlap"), help="what 'on' and 'off' differ "
+                   "in: decode-attention tuning (default), or overlapped decode ('off' starts with "
+                   "--disable_overlap_schedule; all run the configs the first 'on' start tuned)")  # fmt: skip
     p.add_argument("--tiny", action="store_true", help="the built-in tiny model instead (a CPU check of the method)")
     p.add_argument("--model", default="qwen3", choices=MODELS, help="qwen3: Qwen3-8B widths; qwen3.5: Qwen3.5-27B "
                    "widths, --layers a multiple of 4 (3 linear + 1 full attention each), with an MTP head")  # fmt: skip
@@ -429,6 +436,8 @@ def main():
             # noise floor an on-vs-off difference must clear before decode attention can be blamed for it.
             with tempfile.TemporaryDirectory() as cfg_on, tempfile.TemporaryDirectory() as cfg_off:
                 cfg = {"on": cfg_on, "off": cfg_off, "off_b": cfg_off}
+                if args.compare == "overlap":  # the same configs for all: only overlapped decode differs
+                    cfg = {"on": cfg_on, "off": cfg_on, "off_b": cfg_on}
                 for rep in range(args.repeats):
                     run_repeat(args, model, workload, vocab, cfg, rep, flags, results, startups)
                 # the tuned files keep each run key's tuned and default time: why "on" chose what it chose
@@ -595,7 +604,8 @@ def save(args, rows, startups):
                    "decode_backend": args.decode_backend, "requests": args.requests,
                    "output_tokens": args.output_tokens, "warmup": args.warmup, "rate": args.rate, "seed": args.seed,
                    "repeats": args.repeats, "rounds": args.rounds,
-                   "control": args.control, "client_procs": args.client_procs, "pin_cores": args.pin_cores,
+                   "control": args.control, "compare": args.compare, "client_procs": args.client_procs,
+                   "pin_cores": args.pin_cores,
                    "config_checks_ok": not any(s.get("config_check") for s in startups),
                    "tuned_config_files": tuned_config_files(startups), "rows": rows, "startups": startups},
                   f, indent=1)  # fmt: skip

@@ -412,3 +412,29 @@ def test_mtp_matrix_runs_end_to_end_on_the_tiny_qwen3_5(tmp_path):
         for arg in ("llm_decode_att_backend=triton", "linear_att_ssm_data_type=float32", "mtp_mode=eagle_with_att",
                     "mtp_step=2"):  # fmt: skip
             assert f" {arg} " in log, arg
+
+
+@pytest.mark.parametrize("compare", ["tuning", "overlap"])
+def test_on_and_off_differ_in_what_compare_names(serve_load, monkeypatch, tmp_path, compare):
+    """tuning: "off" runs the tuned configs less decode attention's, from a config dir of its own; overlap: every
+    server runs the "on" start's configs and "off" / "off_b" decode synchronously (--disable_overlap_schedule)."""
+    started, copied = [], []
+    monkeypatch.setattr(serve_load, "start_server", lambda model, tp, level, cfg_dir, mb, ml, log, flags, cores:
+                        started.append((level, cfg_dir, list(flags))) or (None, "http://x", 1.0))  # fmt: skip
+    monkeypatch.setattr(serve_load, "copy_without_decode_attention", lambda src, dst: copied.append((src, dst)))
+    monkeypatch.setattr(serve_load, "startup_summary", lambda log: {})
+    monkeypatch.setattr(serve_load, "rank_agreement", lambda log: {})
+    args = type("Args", (), dict(log_dir=str(tmp_path), tp=1, rounds=0, server_cores=None, concurrency=[2],
+                                 mtp_step=0, output_tokens=None, compare=compare))()  # fmt: skip
+    on_dir, off_dir = str(tmp_path / "on"), str(tmp_path / "off")
+    cfg = {"on": on_dir, "off": off_dir, "off_b": off_dir}
+    if compare == "overlap":
+        cfg = {"on": on_dir, "off": on_dir, "off_b": on_dir}
+    for mode in ("on", "off", "off_b"):
+        serve_load.launch(args, "model", "short", cfg, mode, 0, ["--x"])
+    on, off, off_b = started
+    assert on == (1, on_dir, ["--x"])  # the first "on" start tunes
+    if compare == "tuning":
+        assert off == off_b == (0, off_dir, ["--x"]) and copied == [(on_dir, off_dir)]
+    else:
+        assert off == off_b == (0, on_dir, ["--x", "--disable_overlap_schedule"]) and copied == []
