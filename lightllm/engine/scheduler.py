@@ -153,8 +153,8 @@ class Scheduler:
         )
 
     def _fits(self, req: Request, planned: int) -> Optional[Tuple[int, int]]:
-        """(prompt tokens the prefix cache holds for ``req``, tokens it needs computed) when a request slot and the KV
-        for its whole context are free beside ``planned``; else None."""
+        """(tokens of ``req``'s context the prefix cache holds, tokens left to compute) when a request slot and the KV
+        for its whole context are free beside the ``planned`` tokens; else None."""
         kv = self.runner.kv
         context = req.context
         # the prefix cache's longest hit, one token short of the whole context: its logits are needed
