@@ -243,10 +243,9 @@ class Engine:
             return None
         if sched.can_admit():
             return None  # a waiting request would be admitted: its prefill needs the step read
-        batch, rows, max_total = [], [], self.runner.args.max_req_total_len
-        for i, req in enumerate(self._ahead.draw.reqs):
-            n = len(req.output_ids) + 1  # with the token in flight
-            if req.slot >= 0 and n < req.params.max_new_tokens and len(req.prompt_ids) + n < max_total:
+        batch, rows = [], []
+        for i, req in enumerate(self._ahead.draw.reqs):  # ended at the last read, or ending with the token in flight
+            if req.slot >= 0 and not sched.ends_by_length(req, len(req.output_ids) + 1):
                 batch.append(req)
                 rows.append(i)
         if not batch or not self.runner.kv.can_allocate(len(batch)):
@@ -273,10 +272,10 @@ class Engine:
         draw = self._launch_draw(batch, logits)
         self._read_ahead(inputs=(slots, rows))
         if draw is None:  # the batch draw raised: drawn synchronously, one by one where need be
-            alive = [r for r in batch if r.slot >= 0]
-            keep = [i for i, r in enumerate(batch) if r.slot >= 0]
+            keep = [i for i, r in enumerate(batch) if r.slot >= 0]  # not ended by the step just read
             if len(keep) < len(batch):
                 logits = logits.index_select(0, host_to_device(keep, torch.int64, logits.device))
+            alive = [batch[i] for i in keep]
             self.scheduler.update("decode", self._postprocess(alive, logits) if alive else [])
             self._report_step("decode", len(batch), t0, self._timing)
             return

@@ -125,10 +125,12 @@ class Scheduler:
         p = req.params
         if (token_id in self.eos and not p.ignore_eos) or token_id in p.stop_token_ids:
             return "stop"
-        n = len(req.output_ids)  # not len(req.context): that builds the whole list, every token
-        if n >= p.max_new_tokens or len(req.prompt_ids) + n >= self.args.max_req_total_len:
-            return "length"
-        return None
+        return "length" if self.ends_by_length(req, len(req.output_ids)) else None
+
+    def ends_by_length(self, req: Request, generated: int) -> bool:
+        """Whether ``req`` ends once it has ``generated`` tokens: its ``max_new_tokens``, or ``max_req_total_len``
+        (counted, not ``len(req.context)``: that builds the whole list, every token)."""
+        return generated >= req.params.max_new_tokens or len(req.prompt_ids) + generated >= self.args.max_req_total_len
 
     def release(self, req: Request) -> None:
         """Free ``req``'s KV slot, if it holds one (its prefill starts over if it is admitted again)."""
