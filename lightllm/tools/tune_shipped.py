@@ -6,11 +6,12 @@ linear-attention and one full-attention layer for Qwen3.5, plus its MTP head whe
 start (shape, decode variant, graph length, MTP step) runs at ``LIGHTLLM_TRITON_AUTOTUNE_LEVEL=1`` in a fresh
 process: its start-up tunes exactly what a server of that shape tunes (GENERAL prefill kernels, then every decode
 graph size in the DECODE_ATTENTION warm-up). The configs land in a scratch config folder and are exported into
-``--out`` (merged with what is there), also when some starts failed or ran out of ``--per-start-timeout`` (each
-search is written as it ends, so a stopped start keeps what it finished):
+``--out`` (merged with what is there) after every start, also one that failed, ran out of ``--per-start-timeout`` or
+was stopped by SIGTERM (each search is written as it ends, so a stopped start keeps what it finished):
 
     python -m lightllm.tools.tune_shipped --out lightllm/common/autotuner/configs --shapes qwen3-8b
     python -m lightllm.tools.tune_shipped --out DIR --shapes qwen3.5-27b --dry-run   # list the starts only
+    python -m lightllm.tools.tune_shipped --out DIR --shapes qwen3.5-27b --variants triton --mtp-only
 
 Each start's line names the searches its log reports per kernel and their seconds (where a first start's time goes);
 ``--log-dir`` keeps the logs themselves.
@@ -21,6 +22,7 @@ import itertools
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -82,12 +84,16 @@ class Start:
         return f"{self.shape:12} {self.variant:7} graph len {self.graph_len:6d}{mtp}"
 
 
-def plan_starts(shapes: List[str], variants: List[str], graph_lens: List[int], mtp_step: int) -> List[Start]:
+def plan_starts(
+    shapes: List[str], variants: List[str], graph_lens: List[int], mtp_step: int, mtp_only: bool = False
+) -> List[Start]:
     """Every start, in order: per shape, variant and graph length a plain start, then (Qwen3.5 shapes, Triton and
-    FA3 decode, ``mtp_step`` > 0) the same with MTP, whose verify and draft graphs tune their own kernels."""
+    FA3 decode, ``mtp_step`` > 0) the same with MTP, whose verify and draft graphs tune their own kernels.
+    ``mtp_only``: the MTP starts alone (their plain starts' kernels already tuned)."""
     starts = []
     for shape, variant, graph_len in itertools.product(shapes, variants, graph_lens):
-        starts.append(Start(shape, variant, graph_len))
+        if not mtp_only:
+            starts.append(Start(shape, variant, graph_len))
         if mtp_step and shape in QWEN3_5_SHAPES and variant in MTP_VARIANTS:
             starts.append(Start(shape, variant, graph_len, mtp_step))
     return starts
@@ -174,6 +180,11 @@ def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
     p.add_argument("--mtp-step", type=int, default=3,
                    help="Qwen3.5 shapes: also start with --mtp_mode eagle_with_att --mtp_step N (triton and fa3 "
                    "variants; 1-4), 0 for no MTP starts")  # fmt: skip
+    p.add_argument(
+        "--mtp-only",
+        action="store_true",
+        help="run the MTP starts alone (Qwen3.5 shapes, triton and fa3 variants), not the plain ones",
+    )
     p.add_argument("--per-start-timeout", type=float, default=None, metavar="SECONDS",
                    help="stop a start that runs longer (its finished searches are kept); default none")  # fmt: skip
     p.add_argument("--log-dir", type=Path, default=None,
@@ -187,14 +198,20 @@ def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
     args.graph_len_buckets = sorted(set(args.graph_len_buckets))
     if not 0 <= args.mtp_step <= 4:
         p.error(f"--mtp-step expected 0 (no MTP starts) or a draft count in [1, 4], got {args.mtp_step}")
+    if args.mtp_only and not args.mtp_step:
+        p.error("--mtp-only expected --mtp-step in [1, 4], got 0 (no MTP starts: nothing would run)")
     if args.per_start_timeout is not None and not 0 < args.per_start_timeout < float("inf"):
         p.error(f"--per-start-timeout expected a positive number of seconds, got {args.per_start_timeout:g}")
     return args
 
 
+def _stop_on_sigterm(signum, frame):
+    raise SystemExit(128 + signum)  # unwinds like Ctrl-C: the running start is stopped, what was tuned exported
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     args = _parse(argv)
-    starts = plan_starts(args.shapes, args.variants, args.graph_lens, args.mtp_step)
+    starts = plan_starts(args.shapes, args.variants, args.graph_lens, args.mtp_step, args.mtp_only)
     if args.dry_run:
         for start in starts:
             print(start.describe())
@@ -205,44 +222,61 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not torch.cuda.is_available():
         print("error: tuning needs a CUDA GPU (the CPU device runs the torch references)", file=sys.stderr)
         return 2
+    if not starts:
+        print("error: no start to run (--mtp-only with no Qwen3.5 shape or no triton/fa3 variant)", file=sys.stderr)
+        return 2
     from lightllm.common.autotuner import store
     from lightllm.common.autotuner.__main__ import main as autotuner_cli
 
-    failed = []
+    failed, status, exported = [], 0, False
+    sigterm = signal.signal(signal.SIGTERM, _stop_on_sigterm)
     with tempfile.TemporaryDirectory(prefix="lightllm-tune-") as tmp:
         config_dir = Path(tmp) / "configs"
         log_dir = args.log_dir or Path(tmp) / "logs"
         log_dir.mkdir(parents=True, exist_ok=True)
-        for shape in args.shapes:
-            mine = [s for s in starts if s.shape == shape]
-            mtp = any(s.mtp_step for s in mine)
-            model_dir = build_model(
-                Path(tmp) / shape, SHAPES[shape], max(args.graph_lens), mtp=mtp, vocab=VOCABS.get(shape, 0)
-            )
-            for start in mine:
-                kwargs = _start_kwargs(str(model_dir), start.variant, start.graph_len, start.mtp_step,
-                                       args.graph_len_buckets)  # fmt: skip
-                log_path = log_dir / f"{shape}-{start.variant}-{start.graph_len}-mtp{start.mtp_step}.log"
-                try:
-                    seconds = _run_start(kwargs, config_dir, args.per_start_timeout, log_path)
-                except RuntimeError as e:
-                    failed.append(start)
-                    print(f"{start.describe()}: FAILED, {e}", file=sys.stderr, flush=True)
-                    continue
-                print(f"{start.describe()}: {seconds:6.1f} s ({search_summary(log_path.read_text())})", flush=True)
-        if not failed and not any(store.iter_config_files(config_dir)):
-            # every key was already shipped (the scratch cache starts empty): done, not an export failure
-            print(f"nothing new to export: every start found its configs already shipped, "
-                  f"{args.out} is unchanged")  # fmt: skip
-            return 0
         os.environ["LIGHTLLM_AUTOTUNE_CONFIG_DIR"] = str(config_dir)
-        status = autotuner_cli(["export", args.out])
+
+        def export() -> None:
+            # after every start, also one stopped by SIGTERM (a job's time limit): a run cut short keeps its tuning
+            nonlocal status, exported
+            if any(store.iter_config_files(config_dir)):
+                status = autotuner_cli(["export", args.out]) or status
+                exported = True
+
+        try:
+            for shape in args.shapes:
+                mine = [s for s in starts if s.shape == shape]
+                if not mine:
+                    continue
+                mtp = any(s.mtp_step for s in mine)
+                model_dir = build_model(
+                    Path(tmp) / shape, SHAPES[shape], max(args.graph_lens), mtp=mtp, vocab=VOCABS.get(shape, 0)
+                )
+                for start in mine:
+                    kwargs = _start_kwargs(str(model_dir), start.variant, start.graph_len, start.mtp_step,
+                                           args.graph_len_buckets)  # fmt: skip
+                    log_path = log_dir / f"{shape}-{start.variant}-{start.graph_len}-mtp{start.mtp_step}.log"
+                    try:
+                        seconds = _run_start(kwargs, config_dir, args.per_start_timeout, log_path)
+                    except RuntimeError as e:
+                        failed.append(start)
+                        print(f"{start.describe()}: FAILED, {e}", file=sys.stderr, flush=True)
+                        continue
+                    finally:
+                        export()
+                    print(f"{start.describe()}: {seconds:6.1f} s ({search_summary(log_path.read_text())})",
+                          flush=True)  # fmt: skip
+        finally:
+            signal.signal(signal.SIGTERM, sigterm)
     if failed:
         print(f"{len(failed)} of {len(starts)} starts failed (what they tuned before failing was exported):",
               file=sys.stderr)  # fmt: skip
         for start in failed:
             print(f"  {start.describe()}", file=sys.stderr)
         return 1
+    if not exported:
+        # every key was already shipped (the scratch cache starts empty): done, not an export failure
+        print(f"nothing new to export: every start found its configs already shipped, {args.out} is unchanged")
     return status
 
 

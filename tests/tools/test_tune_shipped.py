@@ -45,6 +45,9 @@ def test_bad_arguments_and_no_gpu(capsys, monkeypatch):
         tune_shipped.main(["--out", "x", "--mtp-step", "5"])
     assert "--mtp-step expected 0 (no MTP starts) or a draft count in [1, 4], got 5" in capsys.readouterr().err
     with pytest.raises(SystemExit):
+        tune_shipped.main(["--out", "x", "--mtp-step", "0", "--mtp-only"])
+    assert "--mtp-only expected --mtp-step in [1, 4], got 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
         tune_shipped.main(["--out", "x", "--per-start-timeout", "0"])
     assert "--per-start-timeout expected a positive number of seconds, got 0" in capsys.readouterr().err
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
@@ -70,6 +73,8 @@ def test_mtp_starts_only_for_qwen3_5_on_unquantized_kv():
         ("qwen3.5-27b", "fa3", 3),
     ]
     assert all(s.mtp_step == 0 for s in tune_shipped.plan_starts(["qwen3.5-27b"], ["triton"], [4096], 0))
+    only = tune_shipped.plan_starts(["qwen3-8b", "qwen3.5-27b"], ["triton", "int8kv", "fa3"], [4096], 3, mtp_only=True)
+    assert [(s.shape, s.variant, s.mtp_step) for s in only] == [("qwen3.5-27b", "triton", 3), ("qwen3.5-27b", "fa3", 3)]
 
 
 def test_dry_run_lists_the_starts_without_a_gpu(capsys, monkeypatch):
@@ -112,47 +117,103 @@ def test_a_failed_start_names_itself_and_keeps_its_log(monkeypatch, tmp_path):
     assert log.read_text() == "started\n"
 
 
-def test_a_failed_start_loses_nothing_the_others_tuned(monkeypatch, tmp_path, capsys):
-    """Every planned start runs, what was tuned is exported, the failure is named and the status is 1."""
-    ran, exported = [], []
+def _fake_starts(monkeypatch, run_start):
+    """main() with ``run_start`` as each start and the export recorded: (argv, what each export saw)."""
+    exported = []
 
-    def run_start(kwargs, config_dir, timeout, log_path):
-        log_path.write_text("")
-        ran.append((kwargs["llm_decode_att_backend"], kwargs["graph_max_len_in_batch"], timeout))
-        if kwargs["graph_max_len_in_batch"] == 4096 and kwargs["llm_decode_att_backend"] == "fa3":
-            raise RuntimeError("start failed (exit 1)")
-        return 1.0
+    def export(argv):
+        from lightllm.common import envs
+
+        exported.append((argv, sorted(p.name for p in envs.get_autotune_config_dir().rglob("*.json"))))
+        return 0
 
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)
     monkeypatch.setattr(tune_shipped, "build_model", lambda out, widths, max_len, mtp=False, vocab=0: out)
     monkeypatch.setattr(tune_shipped, "_run_start", run_start)
-    monkeypatch.setattr("lightllm.common.autotuner.__main__.main", lambda argv: exported.append(argv) or 0)
+    monkeypatch.setattr("lightllm.common.autotuner.__main__.main", export)
+    monkeypatch.setenv("LIGHTLLM_AUTOTUNE_CONFIG_DIR", "unused")  # main points it at its scratch folder
+    return exported
+
+
+def _tune(config_dir, name):
+    """What a start's search leaves in the scratch folder: one config file of kernel ``name``."""
+    kernel_dir = config_dir / "triton_3.6.0" / "NVIDIA_H200" / name
+    kernel_dir.mkdir(parents=True, exist_ok=True)
+    (kernel_dir / "k=1.json").write_text(json.dumps({"configs": {}}))
+
+
+def test_a_failed_start_loses_nothing_the_others_tuned(monkeypatch, tmp_path, capsys):
+    """Every planned start runs; what each tuned is exported as it ends, the failed one's included; the failure is
+    named and the status is 1."""
+    ran = []
+
+    def run_start(kwargs, config_dir, timeout, log_path):
+        log_path.write_text("")
+        backend, graph_len = kwargs["llm_decode_att_backend"], kwargs["graph_max_len_in_batch"]
+        ran.append((backend, graph_len, timeout))
+        _tune(config_dir, f"{backend}{graph_len}")
+        if graph_len == 4096 and backend == "fa3":
+            raise RuntimeError("start failed (exit 1)")
+        return 1.0
+
+    exported = _fake_starts(monkeypatch, run_start)
     argv = ["--out", str(tmp_path / "out"), "--shapes", "builtin", "--variants", "fa3", "triton", "--graph-lens",
             "4096", "8192", "--per-start-timeout", "900"]  # fmt: skip
     assert tune_shipped.main(argv) == 1
     assert ran == [("fa3", 4096, 900.0), ("fa3", 8192, 900.0), ("triton", 4096, 900.0), ("triton", 8192, 900.0)]
-    assert exported == [["export", str(tmp_path / "out")]]
+    assert [argv for argv, _ in exported] == [["export", str(tmp_path / "out")]] * 4
+    assert [len(files) for _, files in exported] == [1, 2, 3, 4]  # the scratch folder grows start by start
     err = capsys.readouterr().err
     assert "builtin      fa3     graph len   4096: FAILED, start failed (exit 1)" in err
     assert "1 of 4 starts failed" in err
 
 
+def test_a_run_stopped_by_sigterm_exports_what_it_tuned_and_ends(monkeypatch, tmp_path):
+    """``timeout`` or a batch job's time limit sends SIGTERM: the running start is unwound (its process tree stopped by
+    ``_run_start``), what it and the starts before it tuned is exported, no later start runs."""
+    import os
+    import signal
+
+    ran = []
+
+    def run_start(kwargs, config_dir, timeout, log_path):
+        log_path.write_text("")
+        ran.append(kwargs["graph_max_len_in_batch"])
+        _tune(config_dir, f"k{len(ran)}")
+        if len(ran) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)  # delivered to main()'s handler, as from outside
+        return 1.0
+
+    before = signal.getsignal(signal.SIGTERM)
+    exported = _fake_starts(monkeypatch, run_start)
+    argv = ["--out", str(tmp_path / "out"), "--shapes", "builtin", "--variants", "triton", "--graph-lens", "1024",
+            "2048", "4096"]  # fmt: skip
+    with pytest.raises(SystemExit) as stop:
+        tune_shipped.main(argv)
+    assert stop.value.code == 128 + signal.SIGTERM
+    assert ran == [1024, 2048]
+    assert [len(files) for _, files in exported] == [1, 2]
+    assert signal.getsignal(signal.SIGTERM) == before
+
+
 def test_a_run_with_every_key_already_tuned_succeeds_and_exports_nothing(monkeypatch, tmp_path, capsys):
     """A second pass whose starts all find their configs shipped writes no config: exit 0, ``--out`` untouched."""
-    exported = []
 
     def run_start(kwargs, config_dir, timeout, log_path):  # a start that searched nothing: no config written
         log_path.write_text("")
         return 1.0
 
-    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
-    monkeypatch.setattr(tune_shipped, "build_model", lambda out, widths, max_len, mtp=False, vocab=0: out)
-    monkeypatch.setattr(tune_shipped, "_run_start", run_start)
-    monkeypatch.setattr("lightllm.common.autotuner.__main__.main", lambda argv: exported.append(argv) or 1)
+    exported = _fake_starts(monkeypatch, run_start)
     argv = ["--out", str(tmp_path / "out"), "--shapes", "builtin", "--variants", "triton", "--graph-lens", "4096"]
     assert tune_shipped.main(argv) == 0
     assert exported == []
     assert "nothing new to export" in capsys.readouterr().out
+
+
+def test_mtp_only_without_a_start_to_run_is_an_error(monkeypatch, capsys):
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    assert tune_shipped.main(["--out", "x", "--shapes", "qwen3-8b", "--mtp-only"]) == 2
+    assert "no start to run" in capsys.readouterr().err
 
 
 # The Qwen3.5-27B entry scaled down (a quarter of every head count and head width, hidden / 40) for a CPU build
