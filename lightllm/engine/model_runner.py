@@ -104,7 +104,7 @@ class ModelRunner:
 
         stats0, t = get_autotune_stats(), time.perf_counter()
         with autotune_warmup(AutotuneKernelType.GENERAL):
-            self._warmup_prefill(buckets)
+            self._warmup_prefill(buckets, every_size=self.device.type == "cuda" or use_graphs)
         seconds["general warmup"] = time.perf_counter() - t
 
         self.graphs: Optional[DecodeGraphs] = None
@@ -411,16 +411,20 @@ class ModelRunner:
 
     # ---- warmup and graphs ---------------------------------------------------------------------------------
 
-    def _warmup_prefill(self, graph_buckets: Sequence[int]) -> None:
+    def _warmup_prefill(self, graph_buckets: Sequence[int], every_size: bool = True) -> None:
         """Dummy prefills at 16, 32, ... up to the most tokens a prefill step carries (several requests when one
         request can't hold them), and at every prefill graph bucket within that, so GENERAL kernels tune and
         compile before the first live request and the prefill graphs' capture. With chunked prefill each size also
-        runs as a second chunk, after a first one of the same size (the prefix kernels)."""
+        runs as a second chunk, after a first one of the same size (the prefix kernels). ``every_size`` False (the
+        CPU, no graphs: the torch references run, nothing compiles or tunes): the smallest size alone, which proves
+        the forward runs before the first request (the whole ladder cost a CPU server start 4 s)."""
         a = self.args
         # the second chunks only where kernels compile and tune: on the CPU the references run either way
         chunked = self.device.type == "cuda" and not a.disable_chunked_prefill and a.max_req_total_len > 1
         most = min(a.prefill_step_tokens, self.kv.num_free_tokens // (2 if chunked else 1))
         lengths = sorted(set(prefill_buckets(most)) | {b for b in graph_buckets if b <= most})
+        if not every_size:
+            lengths = lengths[:1]
         gen = torch.Generator().manual_seed(0)
         for total in lengths:
             sizes = _prefill_sizes(total, a.max_req_total_len // (2 if chunked else 1), a.running_max_req_size)

@@ -251,6 +251,21 @@ def test_quantized_pool_graphs_only_prefix_free_prefills(tiny_dir):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+def test_a_cpu_start_without_graphs_warms_up_with_one_small_prefill(tiny_dir, monkeypatch):
+    """On the CPU the torch references run: nothing compiles or tunes, so the GENERAL warm-up is one prefill at the
+    smallest size (the forward runs before the first request), not the ladder up to a step's tokens."""
+    log = []
+    real = Qwen3Model.forward
+
+    def forward(self, input_ids, state):
+        log.append((state.is_prefill, input_ids.shape[0], current_warmup_kernel_type()))
+        return real(self, input_ids, state)
+
+    monkeypatch.setattr(Qwen3Model, "forward", forward)
+    ModelRunner(cpu_args(tiny_dir, disable_cudagraph=True, batch_max_tokens=64))
+    assert [n for prefill, n, kind in log if prefill and kind is AutotuneKernelType.GENERAL] == [16]
+
+
 def test_startup_captures_after_the_decode_graphs_each_after_an_eager_forward(tiny_dir, caplog, monkeypatch):
     log = []
     real = Qwen3Model.forward
