@@ -67,6 +67,20 @@ async def sse_events(response):
                 yield now, json.loads(event[5:])
 
 
+def token_gaps(arrivals):
+    """Inter-token gaps from the tokens' arrival times. The tokens of one network read share the interval since the
+    read before: each gets an equal part of it (as SGLang's bench_serving does), so a stream read in bursts (a client
+    behind a backlog, or several steps' tokens in one server write) reports its mean gap over the burst, not zeros.
+    The first read's further tokens have no interval before them: no gap."""
+    reads = []  # [arrival time, tokens]
+    for t in arrivals:
+        if reads and reads[-1][0] == t:
+            reads[-1][1] += 1
+        else:
+            reads.append([t, 1])
+    return [(b - a) / n for (a, _), (b, n) in zip(reads, reads[1:]) for _ in range(n)]
+
+
 async def _one(client, base, prompt, out_len, stream):
     """One request: (tokens, all logprobs finite, seconds to its first token, the gaps between its tokens)."""
     body = {"inputs": prompt, "parameters": {"max_new_tokens": out_len, "ignore_eos": True, "logprobs": True}}
@@ -84,8 +98,7 @@ async def _one(client, base, prompt, out_len, stream):
             if token["id"] is not None:
                 times.append(now)
                 finite = finite and math.isfinite(token["logprob"])
-    gaps = [b - a for a, b in zip(times, times[1:])]
-    return len(times), finite, (times[0] - t0 if times else None), gaps
+    return len(times), finite, (times[0] - t0 if times else None), token_gaps(times)
 
 
 async def _shard(base, arrivals, prompts, concurrency, out_len, stream, start_at):

@@ -80,6 +80,15 @@ def test_server_sent_events_are_parsed_across_and_within_network_reads(load_clie
     assert asyncio.run(read()) == events
 
 
+def test_tokens_of_one_read_share_the_interval_since_the_read_before(load_client):
+    """Two tokens with the first read, three in the next read a second later, one more 0.6 s after: the three
+    each get a third of that second (not 1 s and two zeros), the last its 0.6 s."""
+    gaps = load_client.token_gaps([1.0, 1.0, 2.0, 2.0, 2.0, 2.6])
+    assert gaps == pytest.approx([1 / 3] * 3 + [0.6])
+    assert load_client.token_gaps([0.5, 0.7, 1.0]) == pytest.approx([0.2, 0.3])  # one token per read: plain gaps
+    assert load_client.token_gaps([]) == [] and load_client.token_gaps([1.0, 1.0]) == []
+
+
 def test_a_load_split_over_client_processes_keeps_every_request_and_stream(load_client):
     assert [load_client.auto_client_procs(c) for c in (1, 8, 9, 16, 64, 256)] == [1, 1, 2, 2, 8, 8]
     arrivals, prompts = load_client.request_schedule(0, 10, 4, 100, rate=5.0)
