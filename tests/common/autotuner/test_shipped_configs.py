@@ -1,5 +1,7 @@
 """The configs shipped in the package: every file reads with the store's own checks, under a declared kernel."""
 
+import importlib
+import pkgutil
 from pathlib import Path
 
 from lightllm.common.autotuner import AutotuneKernelType, store, tuner
@@ -8,17 +10,10 @@ SHIPPED = Path(store.__file__).resolve().parent / "configs"  # the package's own
 
 
 def test_every_shipped_file_reads_and_names_a_declared_kernel():
-    import lightllm.kernels.attention.decode.fa3  # noqa: F401  (declares the tuned kernels)
-    import lightllm.kernels.attention.decode.flash_decode  # noqa: F401
-    import lightllm.kernels.attention.prefill.context_attention  # noqa: F401
-    import lightllm.kernels.activation  # noqa: F401
-    import lightllm.kernels.gates  # noqa: F401
-    import lightllm.kernels.linear_attention.gated_delta_decode  # noqa: F401
-    import lightllm.kernels.linear.small_m_linear  # noqa: F401
-    import lightllm.kernels.norm.add_rmsnorm  # noqa: F401
-    import lightllm.kernels.norm.gated_rmsnorm  # noqa: F401
-    import lightllm.kernels.norm.qk_norm_rope  # noqa: F401
-    import lightllm.kernels.norm.rmsnorm  # noqa: F401
+    import lightllm.kernels
+
+    for module in pkgutil.walk_packages(lightllm.kernels.__path__, "lightllm.kernels."):
+        importlib.import_module(module.name)  # each declares its tuned kernels as it is imported
 
     declared = set().union(*(tuner.kernel_names(t) for t in AutotuneKernelType))
     files = list(store.iter_config_files(SHIPPED))
