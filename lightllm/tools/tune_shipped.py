@@ -263,6 +263,11 @@ def main(argv: Optional[List[str]] = None) -> int:
                         failed.append(start)
                         print(f"{start.describe()}: FAILED, {e}", file=sys.stderr, flush=True)
                         continue
+                    except SystemExit:
+                        summary = search_summary(log_path.read_text()) if log_path.exists() else "no searches"
+                        print(f"{start.describe()}: stopped by SIGTERM ({summary}); later starts not run",
+                              file=sys.stderr, flush=True)  # fmt: skip
+                        raise
                     finally:
                         export()
                     print(f"{start.describe()}: {seconds:6.1f} s ({search_summary(log_path.read_text())})",

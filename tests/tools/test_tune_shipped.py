@@ -168,7 +168,7 @@ def test_a_failed_start_loses_nothing_the_others_tuned(monkeypatch, tmp_path, ca
     assert "1 of 4 starts failed" in err
 
 
-def test_a_run_stopped_by_sigterm_exports_what_it_tuned_and_ends(monkeypatch, tmp_path):
+def test_a_run_stopped_by_sigterm_exports_what_it_tuned_and_ends(monkeypatch, tmp_path, capsys):
     """``timeout`` or a batch job's time limit sends SIGTERM: the running start is unwound (its process tree stopped by
     ``_run_start``), what it and the starts before it tuned is exported, no later start runs."""
     import os
@@ -194,6 +194,9 @@ def test_a_run_stopped_by_sigterm_exports_what_it_tuned_and_ends(monkeypatch, tm
     assert ran == [1024, 2048]
     assert [len(files) for _, files in exported] == [1, 2]
     assert signal.getsignal(signal.SIGTERM) == before
+    assert "builtin      triton  graph len   2048: stopped by SIGTERM (no searches); later starts not run" in (
+        capsys.readouterr().err
+    )
 
 
 def test_a_run_with_every_key_already_tuned_succeeds_and_exports_nothing(monkeypatch, tmp_path, capsys):
