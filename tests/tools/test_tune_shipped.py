@@ -184,16 +184,25 @@ def test_a_run_stopped_by_sigterm_exports_what_it_tuned_and_ends(monkeypatch, tm
             os.kill(os.getpid(), signal.SIGTERM)  # delivered to main()'s handler, as from outside
         return 1.0
 
-    before = signal.getsignal(signal.SIGTERM)
+    class Unhandled(Exception):
+        pass
+
+    def guard(signum, frame):  # a SIGTERM main() does not take fails this test, never the whole pytest process
+        raise Unhandled
+
     exported = _fake_starts(monkeypatch, run_start)
     argv = ["--out", str(tmp_path / "out"), "--shapes", "builtin", "--variants", "triton", "--graph-lens", "1024",
             "2048", "4096"]  # fmt: skip
-    with pytest.raises(SystemExit) as stop:
-        tune_shipped.main(argv)
+    previous = signal.signal(signal.SIGTERM, guard)
+    try:
+        with pytest.raises(SystemExit) as stop:
+            tune_shipped.main(argv)
+        assert signal.getsignal(signal.SIGTERM) is guard  # main() put back the handler it found
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     assert stop.value.code == 128 + signal.SIGTERM
     assert ran == [1024, 2048]
     assert [len(files) for _, files in exported] == [1, 2]
-    assert signal.getsignal(signal.SIGTERM) == before
     assert "builtin      triton  graph len   2048: stopped by SIGTERM (no searches); later starts not run" in (
         capsys.readouterr().err
     )
