@@ -417,7 +417,7 @@ class ModelRunner:
         compile before the first live request and the prefill graphs' capture. With chunked prefill each size also
         runs as a second chunk, after a first one of the same size (the prefix kernels). ``every_size`` False (the
         CPU, no graphs: the torch references run, nothing compiles or tunes): the smallest size alone, which proves
-        the forward runs before the first request (the whole ladder cost a CPU server start 4 s)."""
+        the forward runs before the first request (the whole ladder took 4 s of a CPU server start, docs/engine.md)."""
         a = self.args
         # the second chunks only where kernels compile and tune: on the CPU the references run either way
         chunked = self.device.type == "cuda" and not a.disable_chunked_prefill and a.max_req_total_len > 1
