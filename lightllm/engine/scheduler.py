@@ -158,12 +158,14 @@ class Scheduler:
         """(tokens of ``req``'s context the prefix cache holds, tokens left to compute) when a request slot and the KV
         for its whole context are free beside the ``planned`` tokens; else None."""
         kv = self.runner.kv
+        if not kv.has_free_slot():  # first: the match below walks the whole context
+            return None
         context = req.context
         # the prefix cache's longest hit, one token short of the whole context: its logits are needed
         cached, evictable = kv.match_prefix(context[:-1])
         need = len(context) - cached
         # pinning the hit takes its evictable tokens out of the free ones
-        if not kv.can_allocate(planned + need + self.decode_tokens + evictable) or not kv.has_free_slot():
+        if not kv.can_allocate(planned + need + self.decode_tokens + evictable):
             return None
         return cached, need
 
