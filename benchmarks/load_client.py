@@ -48,10 +48,11 @@ def percentile(values, q):
 
 
 def auto_client_procs(concurrency: int) -> int:
-    """Client processes for a load: one per 8 streams, at most 8. On the H200 (4-layer 8B-shaped model, about
-    800 decode steps/s) one process reading 16 streams was 86-99 % busy at concurrency 16 and 32
-    (serve_load_aa_short_conc3_h200.json)."""
-    return max(1, min(8, math.ceil(concurrency / 8)))
+    """Client processes for a load: one per 4 streams, at most 8. On the H200 (4-layer 8B-shaped model) one process
+    reading 16 streams was 86-99 % busy at concurrency 16 and 32 at about 800 decode steps/s
+    (serve_load_aa_short_conc3_h200.json), and one reading 8 streams 85-88 % busy at the overlapped engine's 1100
+    (serve_load_aa_overlap_short_h200.json)."""
+    return max(1, min(8, math.ceil(concurrency / 4)))
 
 
 async def sse_events(response):

@@ -352,7 +352,7 @@ def main():
         "--client-procs",
         type=int,
         default=None,
-        help="client processes per load (default: one per 8 streams, at most 8; see load_client.py)",
+        help="client processes per load (default: one per 4 streams, at most 8; see load_client.py)",
     )
     p.add_argument("--repeats", type=int, default=2, help="server starts per mode (medians are reported)")
     p.add_argument("--rounds", type=int, default=0, help="0: one server at a time, one load per point (default); "
