@@ -181,7 +181,14 @@ class Engine:
             if follow is not None:
                 self._decode_ahead(*follow)
                 return True
+            if self._closing.is_set():  # shutdown: the tokens in flight were computed past it, as an abort's are
+                aborts.update({r.id: "abort" for r in self.scheduler.requests() if r.id not in aborts})
             self._read_ahead(aborted=aborts)
+            # an abort (and a submit) made while the step was read, from an emit callback, is seen before the next
+            # forward, as a synchronous step sees one made in its emits before the next step() call
+            for request_id, reason in self._take_aborts().items():
+                aborts.setdefault(request_id, reason)
+            self._take_new()
         if self._closing.is_set():  # shutdown: every request left, running or still waiting, hears why
             for req in self.scheduler.requests():
                 aborts.setdefault(req.id, "abort")

@@ -24,9 +24,9 @@ def model_dir(tmp_path_factory):
 
 
 def eager_runner(model_dir, overlap, tokens=512, **kw):
-    args = EngineArgs(model_dir=model_dir, data_type="fp32", device="cpu", batch_max_tokens=64, max_req_total_len=48,
-                      running_max_req_size=4, max_total_token_num=tokens, disable_overlap_schedule=not overlap,
-                      **kw)  # fmt: skip
+    kw = {"batch_max_tokens": 64, "running_max_req_size": 4, **kw}
+    args = EngineArgs(model_dir=model_dir, data_type="fp32", device="cpu", max_req_total_len=48,
+                      max_total_token_num=tokens, disable_overlap_schedule=not overlap, **kw)  # fmt: skip
     return ModelRunner(args)
 
 
@@ -179,6 +179,74 @@ def test_an_abort_while_a_step_is_in_flight_ends_only_that_request(model_dir):
     got = run(Engine(eager_runner(model_dir, True), eos_ids=[]), PROMPTS[:3], params, abort_after=("1", 3))
     assert got["1"][3] == ["abort"] and len(got["1"][0]) == 3  # its token in flight is dropped
     same(got, want)
+
+
+def served(engine, requests, on_token):
+    """Serve ``requests`` ((id, prompt, params)) to their end; ``on_token(engine, id, n)`` runs in the emit of each
+    request's n-th token (a callback's aborts and submits). {id: (tokens, finish reasons)}."""
+    out = {}
+
+    def emitter(rid):
+        def emit(ev):
+            toks, reasons = out.setdefault(rid, ([], []))
+            if ev.kind == "token":
+                toks.append(ev.token_id)
+                on_token(engine, rid, len(toks))
+            else:
+                reasons.append(ev.finish_reason)
+
+        return emit
+
+    for rid, prompt, params in requests:
+        engine.submit(Request(rid, prompt, params, emitter(rid)))
+    while engine.has_unfinished():
+        engine.step()
+    while engine.step():
+        pass
+    return out
+
+
+def test_an_abort_made_while_the_step_in_flight_is_read_comes_before_the_next_forward(model_dir):
+    """Aborts from emit callbacks while the step in flight is read, when that read is followed by a prefill or mixed
+    step in the same ``step()`` (not a decode launched ahead): the aborted running request gets no further token
+    and ends "abort", and a waiting request aborted there is never admitted, as with synchronous decode."""
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    late = [("0", [3, 4, 5, 6], params), ("1", list(range(10, 40)), SamplingParams(max_new_tokens=3, ignore_eos=True))]
+
+    def abort_own_third_and_submit_the_long_prompt(engine, rid, n):  # the prompt's chunk comes with the next step
+        if rid == "0" and n == 2:
+            engine.submit(Request(*late[1], lambda ev: None))
+        if rid == "0" and n == 3:
+            engine.abort("0")
+
+    def abort_waiting(engine, rid, n):  # one request slot: "1" waits until "0" ends with its 4th token
+        if rid == "0" and n == 4:
+            engine.abort("1")
+
+    waiting = [("0", [3, 4, 5, 6], SamplingParams(max_new_tokens=4, ignore_eos=True)),
+               ("1", [20, 21, 22], SamplingParams(max_new_tokens=1, ignore_eos=True))]  # fmt: skip
+    for overlap in (False, True):
+        mixed = Engine(eager_runner(model_dir, overlap, enable_mixed_chunk=True, batch_max_tokens=16), eos_ids=[])
+        got = served(mixed, late[:1], abort_own_third_and_submit_the_long_prompt)
+        assert (len(got["0"][0]), got["0"][1]) == (3, ["abort"]), overlap
+        one_slot = Engine(eager_runner(model_dir, overlap, running_max_req_size=1), eos_ids=[])
+        got = served(one_slot, waiting, abort_waiting)
+        assert got["1"] == ([], ["abort"]) and (len(got["0"][0]), got["0"][1]) == (4, ["length"]), overlap
+
+
+def test_abort_all_from_an_emit_ends_every_request_with_what_it_emitted_so_far(model_dir):
+    """Shutdown from a callback: the tokens in flight are dropped, as synchronous decode would not have computed
+    them, and every request ends "abort", none by length on a token computed past the shutdown."""
+    requests = [("0", [3, 4, 5, 6], SamplingParams(max_new_tokens=10, ignore_eos=True)),
+                ("1", [20, 21, 22], SamplingParams(max_new_tokens=4, ignore_eos=True))]  # fmt: skip
+
+    def shut_down(engine, rid, n):
+        if rid == "0" and n == 3:
+            engine.abort_all()
+
+    for overlap in (False, True):
+        got = served(Engine(eager_runner(model_dir, overlap), eos_ids=[]), requests, shut_down)
+        assert {rid: (len(t), r) for rid, (t, r) in got.items()} == {"0": (3, ["abort"]), "1": (3, ["abort"])}
 
 
 def test_preemption_gives_the_same_tokens(model_dir):
