@@ -110,7 +110,7 @@ def compile_one(kernel, arch: int, shape, kind: str, group: int, cfg: dict, int4
     bits = {"none": 0, "int8": 8, "int4": 4}[kind]
     constexprs = dict(GROUP=hq // hk, BLOCK_H=max(16, p2(hq // hk)), HALF_D=d // 2, BLOCK_N=cfg["BLOCK_N"],
                       MIN_BLOCKS=cfg["MIN_BLOCKS"], QUANT=bits, QGROUP=group if bits else 0,
-                      INT4_OFFSET=int4_offset, F16=bits > 0, ASM=bits > 0, PRECISION=None)  # fmt: skip
+                      INT4_OFFSET=int4_offset, F16=bits > 0, ASM=bits > 0, PRECISION=None, USE_PDL=False)  # fmt: skip
     types = signature(kernel.arg_names, constexprs, kind)
     attrs = divisibility(kernel.arg_names, types, int_args(shape, kind, group))
     src = ASTSource(kernel, types, constexprs, attrs)

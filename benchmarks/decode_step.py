@@ -18,6 +18,11 @@ start records per bucket the graphs, capture seconds (warm-up tuning included) a
 run with them against one without:
 
     python benchmarks/decode_step.py --batches 1 --graph_len_buckets 4096 --out /tmp/buckets.json
+
+``--pdl`` launches the kernels that support it with programmatic dependent launch (``lightllm/kernels/pdl.py``); run it
+beside a run without, with ``--profile-batch`` to see the kernels' sum against the step:
+
+    python benchmarks/decode_step.py --layers 8 --batches 1 32 64 --no-startup --tune-level 0 --profile-batch 1 --pdl
 """
 
 import argparse
@@ -35,6 +40,7 @@ import torch
 from bandwidth import copy_gbs, gemv_gbs, matmul_tflops
 
 from lightllm.common import proc as procs
+from lightllm.kernels import direct_launch
 
 
 def bandwidths_gbs() -> dict:
@@ -192,9 +198,13 @@ def main():
         default=None,
         help="the server flag's KV length buckets (default: the engine's); the flag alone: one bucket",
     )
+    p.add_argument("--pdl", action="store_true", help="launch the kernels that support it with programmatic dependent "
+                   "launch (kernels/pdl.py; not the engine's default): compare against a run without")  # fmt: skip
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("decode_step.py needs a CUDA GPU")
+    if args.pdl:
+        direct_launch.set_pdl(True)  # before the engine captures its graphs; a ValueError names what is missing
     bw = bandwidths_gbs()
     floor_gbs = max(bw.values())
     with tempfile.TemporaryDirectory() as root:
@@ -212,7 +222,7 @@ def main():
             state = 2 * r["batch"] * state_bytes  # read and written once per step
             r["floor_ms"] = (weight_bytes + kv + state) / floor_gbs / 1e6
             r["graph_over_floor"] = r["graph_ms"] / r["floor_ms"]
-        result = {"device": torch.cuda.get_device_name(), "model": args.model, "bandwidth_GBs": bw,
+        result = {"device": torch.cuda.get_device_name(), "model": args.model, "pdl": args.pdl, "bandwidth_GBs": bw,
                   "layers": args.layers, "kv_len": args.kv_len, "tune_level": args.tune_level,
                   "first_start_s": llm.runner.startup_seconds, "graph_len_buckets": llm.runner.args.graph_lens(),
                   "first_start_decode_graph_buckets": graph_costs(llm.runner), "rows": rows,

@@ -3,6 +3,7 @@ constexprs and options to an sm_90 cubin that fits in an H200 block's shared mem
 interpreter: see tests/ttir_lowering.py for how launches are recorded and lowered, docs/testing.md for what the
 check catches and what it does not."""
 
+import dataclasses
 import time
 from typing import Dict, Tuple
 
@@ -166,3 +167,40 @@ def test_every_entry_kernel_is_launched_by_some_test(session_launches, whole_sui
     assert not stale, f"launched now, take them off NOT_LAUNCHED_ON_CPU: {stale}"
     unknown = sorted(set(NOT_LAUNCHED_ON_CPU) - entries)
     assert not unknown, f"not entry kernels in lightllm, take them off NOT_LAUNCHED_ON_CPU: {unknown}"
+
+
+# The kernels that take programmatic dependent launch (kernels/pdl.py): a decode layer's chain of short kernels
+PDL_KERNELS = {
+    ("lightllm.kernels.linear.small_m_kernel", "_small_m_linear_kernel"),
+    ("lightllm.kernels.linear.small_m_kernel", "_sum_splits_kernel"),
+    ("lightllm.kernels.norm.add_rmsnorm", "_add_rmsnorm_kernel"),
+    ("lightllm.kernels.norm.rmsnorm", "_rmsnorm_kernel"),
+    ("lightllm.kernels.norm.qk_norm_rope", "_qk_norm_rope_kernel"),
+    ("lightllm.kernels.activation", "_silu_mul_kernel"),
+    ("lightllm.kernels.attention.decode.stage1", "decode_stage1_kernel"),
+    ("lightllm.kernels.attention.decode.stage2", "decode_stage2_kernel"),
+}
+
+
+def _with_pdl(launch):
+    """``launch`` as ``DirectLaunch`` makes it with PDL on: ``USE_PDL=True`` and Triton's ``launch_pdl`` option."""
+    constexprs = tuple((name, True if name == "USE_PDL" else value) for name, value in launch.constexprs)
+    return dataclasses.replace(launch, constexprs=constexprs, options=launch.options + (("launch_pdl", True),))
+
+
+@pytest.mark.last
+def test_every_pdl_kernel_builds_for_sm90_with_pdl_and_waits_for_the_grid_before(session_launches, whole_suite):
+    """One launch per PDL kernel the session made, at its biggest tiles, built with PDL on: it compiles, and its PTX
+    has the wait (without PDL, ``test_every_kernel_of_the_session_builds...`` builds it; the wait is compiled out)."""
+    picks = {}
+    for launch in ttir_lowering.representatives(list(session_launches.launches)):
+        if ("USE_PDL", False) in launch.constexprs:
+            picks.setdefault((launch.module, launch.name), launch)
+    if whole_suite:
+        assert set(picks) == PDL_KERNELS, f"PDL kernels launched by the suite: {sorted(picks)}"
+    results = ttir_lowering.build_cubins([_with_pdl(launch) for launch in picks.values()])
+    failed = [f"{r.launch.describe()}:\n{r.error}" for r in results if r.error is not None]
+    assert not failed, "PDL builds failed:\n\n" + "\n\n".join(failed)
+    assert all(r.pdl_wait for r in results), [r.launch.describe() for r in results if not r.pdl_wait]
+    off = ttir_lowering.build_cubins(list(picks.values())[:1])  # the same launch without PDL: no wait
+    assert [r.pdl_wait for r in off] == [False] * len(off)

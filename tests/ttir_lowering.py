@@ -163,6 +163,7 @@ class Lowered:
     error: Optional[str]  # the compiler's message, None when it lowered (and, for a cubin, fits in shared memory)
     seconds: float
     shared_bytes: Optional[int] = None  # the cubin's dynamic shared memory; None for TTIR or when it did not compile
+    pdl_wait: Optional[bool] = None  # whether the cubin's PTX waits on the previous grid (kernels/pdl.py); None: TTIR
 
 
 _cache: Dict[Tuple[str, Launch], Lowered] = {}
@@ -316,6 +317,7 @@ def _build_one(launch: Launch, backend) -> Lowered:
         try:
             compiled = triton.compile(_source(launch), target=backend.target, options=dict(launch.options))
             shared, error = compiled.metadata.shared, None
+            waits = "griddepcontrol.wait" in compiled.asm["ptx"]
         except Exception as e:
             shared, error = None, e
     seconds = time.perf_counter() - start
@@ -324,8 +326,8 @@ def _build_one(launch: Launch, backend) -> Lowered:
     if shared > SM90_MAX_SHARED_BYTES:
         message = (f"needs {shared} bytes of shared memory per block, more than the {SM90_MAX_SHARED_BYTES} (227 KiB) "
                    "an H100 / H200 allows, so it would fail at launch: use smaller tiles or fewer stages")  # fmt: skip
-        return Lowered(launch, message, seconds, shared)
-    return Lowered(launch, None, seconds, shared)
+        return Lowered(launch, message, seconds, shared, waits)
+    return Lowered(launch, None, seconds, shared, waits)
 
 
 def _child_main() -> None:

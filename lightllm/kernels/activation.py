@@ -17,12 +17,14 @@ from lightllm.common.autotuner import AutotuneKernelType, PlannedInputs, autotun
 from lightllm.kernels.launch_math import cdiv, next_power_of_2
 from lightllm.kernels.direct_launch import DirectLaunch
 from lightllm.kernels.step_buffer import StepBuffer
+from lightllm.kernels.pdl import pdl_enter
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @triton.jit
-def _silu_mul_kernel(GU, Out, stride_gu, stride_out, N, BLOCK_N: tl.constexpr):
+def _silu_mul_kernel(GU, Out, stride_gu, stride_out, N, BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr = False):
+    pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = cols < N

@@ -25,6 +25,7 @@ from triton.runtime.driver import driver
 from triton.runtime.jit import JITFunction
 
 _enabled = True
+_pdl = False  # programmatic dependent launch for the kernels that declare USE_PDL (kernels/pdl.py)
 LAUNCHERS: List["DirectLaunch"] = []  # every kernel's, in the order their modules made them (tests, benchmarks)
 _MAX_BINDINGS = 8  # specializations kept per key (a few in practice: e.g. decode's split count changes a class)
 _GUARD_CODE: Dict[str, Any] = {}  # guard source -> its compiled code: a new binding of a known shape costs no compile
@@ -35,6 +36,23 @@ def set_enabled(on: bool) -> bool:
     previous setting. For tests and benchmarks that compare the two paths."""
     global _enabled
     previous, _enabled = _enabled, bool(on)
+    return previous
+
+
+def set_pdl(on: bool) -> bool:
+    """Launch every kernel that declares a ``USE_PDL`` constexpr with programmatic dependent launch (``kernels/pdl.py``)
+    or not (the default); returns the previous setting. Needs a CUDA GPU of compute capability 9.0 or later and no
+    interpreter: ``ValueError`` otherwise, nothing changed. Set it before a CUDA graph is captured: a captured launch
+    keeps what it was."""
+    global _pdl
+    if on:
+        if knobs.runtime.interpret or not torch.cuda.is_available():
+            raise ValueError("set_pdl(True): programmatic dependent launch expected a CUDA GPU without "
+                             "TRITON_INTERPRET, got none")  # fmt: skip
+        if torch.cuda.get_device_capability() < (9, 0):
+            raise ValueError(f"set_pdl(True): programmatic dependent launch expected compute capability 9.0 or later, "
+                             f"got {torch.cuda.get_device_capability()}")  # fmt: skip
+    previous, _pdl = _pdl, bool(on)
     return previous
 
 
@@ -171,9 +189,12 @@ class DirectLaunch:
         self._device_of: Optional[Callable[[], int]] = None
         self._stream_of: Optional[Callable[[int], int]] = None
         self.slow_launches = 0  # launches that took kernel[grid] (tests and benchmarks read it)
+        self.pdl_ready = "USE_PDL" in getattr(kernel, "arg_names", ())  # see kernels/pdl.py
         LAUNCHERS.append(self)
 
     def launch(self, grid: Sequence[int], *args, **kwargs) -> None:
+        if _pdl and self.pdl_ready:  # a keyword constexpr and option: part of the binding's key
+            kwargs["USE_PDL"] = kwargs["launch_pdl"] = True
         if _enabled and self.direct and not self.kernel.pre_run_hooks:
             key = (len(args), tuple(kwargs), tuple(kwargs.values()), knobs.runtime.debug,
                    knobs.compilation.instrumentation_mode)  # fmt: skip

@@ -99,3 +99,28 @@ def test_each_length_bucket_replays_what_its_captured_forward_computes(tiny_dir)
         assert torch.equal(replayed, eager) and replayed.isfinite().all()
         for slot in slots:
             runner.free(slot)
+
+
+def test_pdl_launches_replay_what_they_capture_and_compute_what_plain_launches_do(tiny_dir):
+    """Programmatic dependent launch (kernels/pdl.py) through start-up, capture and replay: the graph replays its
+    captured function bit for bit, and the logits equal those of an engine without PDL (the same kernels, waiting
+    for each other in the kernel instead of on the launch)."""
+    from lightllm.kernels import direct_launch
+
+    prompts, last = [[5, 6, 7], list(range(40)), [9] * 300], [11, 12, 13]
+    plain = ModelRunner(engine_args(tiny_dir))
+    slots = [plain.kv.add_request() for _ in prompts]
+    plain.prefill(slots, prompts)
+    expected = plain.decode(slots, last).clone()
+    del plain
+    previous = direct_launch.set_pdl(True)
+    try:
+        runner = ModelRunner(engine_args(tiny_dir))
+        slots = [runner.kv.add_request() for _ in prompts]
+        runner.prefill(slots, prompts)
+        replayed = runner.decode(slots, last).clone()
+        eager = runner._graph_decode(4, 1024)[:3]
+    finally:
+        direct_launch.set_pdl(previous)
+    assert torch.equal(replayed, eager) and torch.equal(replayed, expected)
+    assert replayed.isfinite().all()

@@ -53,13 +53,17 @@ class _Compiled:
         return ("metadata", grid)
 
 
+def _pdl_kernel(X, n, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
+    pass
+
+
 class _StandInKernel:
     """A JITFunction's parameters with ``kernel[grid]`` replaced: it 'compiles' one kernel per Triton specialization
     (its own binder's key: ``native_specialize_impl`` per argument, constexpr values, options) and records the call."""
 
-    def __init__(self):
-        self.jit = JITFunction(_kernel)
-        self.params, self.pre_run_hooks = self.jit.params, []
+    def __init__(self, fn=_kernel):
+        self.jit = JITFunction(fn)
+        self.params, self.arg_names, self.pre_run_hooks = self.jit.params, self.jit.arg_names, []
         self.compiled, self.slow_calls = {}, []
 
     def key(self, args, kwargs):
@@ -227,3 +231,45 @@ def test_the_guard_is_true_exactly_when_every_class_matches():
                 other[i] = pick({0: tensors, 1: tensors, 2: ints, 3: ints, 4: scalars, 5: [64, 128],
                                  6: [True, 1, False]}[i])  # fmt: skip
             assert b.matches(tuple(other)) == (classes(other) == classes(bound)), (bound, other)
+
+
+def test_pdl_gives_its_constexpr_and_launch_option_only_to_kernels_that_declare_it(monkeypatch):
+    monkeypatch.setattr(driver, "_active", _StubDriver())
+    plain, pdl = _StandInKernel(), _StandInKernel(_pdl_kernel)
+    plain_launcher, pdl_launcher = DirectLaunch(plain, direct=True), DirectLaunch(pdl, direct=True)
+    assert pdl_launcher.pdl_ready and not plain_launcher.pdl_ready
+    plain_args, pdl_args = (torch.zeros(8), torch.zeros(8), 16, 16, 0.1, 4, False), (torch.zeros(8), 16, 32)
+    monkeypatch.setattr(direct_launch, "_pdl", True)
+    assert not _launch(plain, plain_launcher, (1,), plain_args, {"num_warps": 4})
+    assert plain.slow_calls[-1][2] == {"num_warps": 4}  # nothing added to a kernel without USE_PDL
+    pdl_launcher.launch((2,), *pdl_args, num_warps=4)
+    assert pdl.slow_calls[-1][2] == {"num_warps": 4, "USE_PDL": True, "launch_pdl": True}
+    assert _launch(pdl, pdl_launcher, (2,), pdl_args, {"num_warps": 4, "USE_PDL": True, "launch_pdl": True})
+    monkeypatch.setattr(direct_launch, "_pdl", False)  # off again: its own binding, compiled without either
+    assert not _launch(pdl, pdl_launcher, (2,), pdl_args, {"num_warps": 4})
+    assert pdl.slow_calls[-1][2] == {"num_warps": 4} and len(pdl.compiled) == 2
+
+
+def test_pdl_is_refused_without_a_gpu_that_has_it():
+    from triton import knobs
+
+    assert not direct_launch._pdl
+    if knobs.runtime.interpret or not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
+        with pytest.raises(ValueError, match=r"set_pdl\(True\): programmatic dependent launch expected (a CUDA GPU|"
+                                             r"compute capability 9.0)"):  # fmt: skip
+            direct_launch.set_pdl(True)
+        assert direct_launch.set_pdl(False) is False  # nothing was changed
+    else:
+        assert direct_launch.set_pdl(True) is False
+        assert direct_launch.set_pdl(False) is True
+
+
+def test_the_kernels_of_a_decode_layer_declare_pdl():
+    from lightllm.kernels import activation
+    from lightllm.kernels.attention.decode import flash_decode
+    from lightllm.kernels.linear import small_m_kernel
+    from lightllm.kernels.norm import add_rmsnorm, qk_norm_rope, rmsnorm
+
+    launchers = [small_m_kernel._LINEAR, small_m_kernel._SUM_SPLITS, add_rmsnorm._ADD_RMSNORM, rmsnorm._RMSNORM]
+    launchers += [qk_norm_rope._QK_NORM_ROPE, activation._SILU_MUL, flash_decode._STAGE1, flash_decode._STAGE2]
+    assert all(launcher.pdl_ready for launcher in launchers)

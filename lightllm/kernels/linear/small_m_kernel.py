@@ -16,6 +16,7 @@ import triton.language as tl
 
 from lightllm.kernels.direct_launch import DirectLaunch
 from lightllm.kernels.launch_math import cdiv
+from lightllm.kernels.pdl import pdl_enter
 
 MAX_ROWS = 16  # x's rows are padded to this tile: the kernel serves M <= 16
 _SUM_BLOCK = 1024
@@ -30,7 +31,9 @@ def pipeline_shared_bytes(config: dict, itemsize: int) -> int:
 
 @triton.jit
 def _small_m_linear_kernel(X, W, Out, M, N, K, stride_xm, stride_wn, stride_om, stride_split, k_per_split,
-                           ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+                           ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           USE_PDL: tl.constexpr = False):  # fmt: skip
+    pdl_enter(USE_PDL)
     split = tl.program_id(1)
     rows = tl.arange(0, ROWS)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -55,7 +58,9 @@ def _small_m_linear_kernel(X, W, Out, M, N, K, stride_xm, stride_wn, stride_om, 
 
 
 @triton.jit
-def _sum_splits_kernel(P, Out, N, numel, stride_om, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+def _sum_splits_kernel(P, Out, N, numel, stride_om, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr,
+                       USE_PDL: tl.constexpr = False):  # fmt: skip
+    pdl_enter(USE_PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < numel
     acc = tl.load(P + offs, mask=ok, other=0.0)

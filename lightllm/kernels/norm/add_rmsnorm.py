@@ -17,13 +17,15 @@ from lightllm.kernels.norm.rmsnorm import scale_normed, rmsnorm_ref
 from lightllm.kernels.block_configs import row_chunk_configs, row_chunk_default
 from lightllm.kernels.direct_launch import DirectLaunch
 from lightllm.kernels.step_buffer import StepBuffer
+from lightllm.kernels.pdl import pdl_enter
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @triton.jit
 def _add_rmsnorm_kernel(R, X, W, Y, stride_r, stride_x, stride_y, N, eps, BLOCK_N: tl.constexpr,
-                        ONE_PASS: tl.constexpr):  # fmt: skip
+                        ONE_PASS: tl.constexpr, USE_PDL: tl.constexpr = False):  # fmt: skip
+    pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     r_row = R + row * stride_r
     x_row = X + row * stride_x

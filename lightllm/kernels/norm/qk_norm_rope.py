@@ -28,6 +28,7 @@ from lightllm.kernels.launch_math import cdiv, next_power_of_2
 from lightllm.kernels.direct_launch import DirectLaunch
 from lightllm.kernels.kv_cache_write import KVLayers, write_kv_ref
 from lightllm.kernels.step_buffer import StepBuffer
+from lightllm.kernels.pdl import pdl_enter
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _POSITION_DTYPES = (torch.int32, torch.int64)
@@ -37,7 +38,8 @@ _POSITION_DTYPES = (torch.int32, torch.int64)
 def _qk_norm_rope_kernel(QKV, QW, KW, Cos, Sin, Pos, Q, K, K_cache, V_cache, Token_idx, stride_qkv, stride_cs, eps,
                          Q_HEADS: tl.constexpr, HEADS: tl.constexpr, D: tl.constexpr, Q_WIDTH: tl.constexpr,
                          ROT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-                         WRITE_KV: tl.constexpr):  # fmt: skip
+                         WRITE_KV: tl.constexpr, USE_PDL: tl.constexpr = False):  # fmt: skip
+    pdl_enter(USE_PDL)
     # q [tokens, Q_HEADS, D], k [tokens, HEADS - Q_HEADS, D] and the caches [slots, HEADS - Q_HEADS, D] are
     # contiguous: their strides need no arguments.
     t = tl.program_id(0).to(tl.int64)

@@ -18,6 +18,7 @@ from lightllm.common.autotuner import AutotuneKernelType, PlannedInputs, autotun
 from lightllm.kernels.block_configs import row_chunk_configs, row_chunk_default
 from lightllm.kernels.direct_launch import DirectLaunch
 from lightllm.kernels.step_buffer import StepBuffer
+from lightllm.kernels.pdl import pdl_enter
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -33,7 +34,9 @@ def scale_normed(normed, w, dtype: tl.constexpr):
 
 
 @triton.jit
-def _rmsnorm_kernel(X, W, Y, stride_x, stride_y, N, eps, BLOCK_N: tl.constexpr, ONE_PASS: tl.constexpr):
+def _rmsnorm_kernel(X, W, Y, stride_x, stride_y, N, eps, BLOCK_N: tl.constexpr, ONE_PASS: tl.constexpr,
+                    USE_PDL: tl.constexpr = False):  # fmt: skip
+    pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     x_row = X + row * stride_x
     y_row = Y + row * stride_y

@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from lightllm.kernels.attention.decode.splits import split_tokens
+from lightllm.kernels.pdl import pdl_enter
 
 
 @triton.jit
@@ -262,7 +263,9 @@ def decode_stage1_kernel(
     F16: tl.constexpr,  # quantized KV with 16-bit queries: dequantize and dot in float16 (module docstring)
     ASM: tl.constexpr,  # F16 on a GPU: codes to float16 by the PTX helpers, four per register
     PRECISION: tl.constexpr,  # "ieee" for float32 queries (no tf32 rounding), None (default) for 16-bit
+    USE_PDL: tl.constexpr = False,  # kernels/pdl.py
 ):
+    pdl_enter(USE_PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)

@@ -4,6 +4,7 @@ import triton
 import triton.language as tl
 
 from lightllm.kernels.attention.decode.splits import split_tokens
+from lightllm.kernels.pdl import pdl_enter
 
 
 @triton.jit
@@ -23,7 +24,9 @@ def decode_stage2_kernel(
     block_n,  # stage 1's BLOCK_N: a plain int, so stage 2 compiles once for every stage-1 config
     min_blocks,  # stage 1's MIN_BLOCKS
     HEAD_DIM: tl.constexpr,
+    USE_PDL: tl.constexpr = False,  # kernels/pdl.py
 ):
+    pdl_enter(USE_PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     seq_len = tl.load(b_seq_len + b)
