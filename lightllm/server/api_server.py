@@ -17,6 +17,7 @@ import gc
 import json
 import logging
 import math
+import re
 import sys
 import threading
 import time
@@ -60,6 +61,10 @@ _DISCONNECT_CHECK_S = 0.25  # how often a request checks that its client is stil
 _DRAIN_EVENTS = 128  # a handler that waits for its finish still takes its events this often (see _Inbox)
 TINY_NAME = "lightllm-tiny-qwen3"  # the model id of the built-in tiny model
 MAX_SEQUENCES = 256  # prompts x samples (n, or best_of) of one OpenAI request: each is an engine request
+# /generate's names of the engine fields it sets, so a 400 names what the client sent
+_NATIVE_FIELDS = {"max_tokens": "parameters.max_new_tokens", "min_tokens": "parameters.min_new_tokens",
+                  **{f: f"parameters.{f}" for f in ("temperature", "top_p", "top_k", "seed", "presence_penalty",
+                                                    "frequency_penalty", "repetition_penalty")}}  # fmt: skip
 _PROMPT_TAIL_TOKENS = 32  # holds a generation prompt's "<think>\n\n</think>\n\n" even spelled in bytes
 
 
@@ -207,7 +212,7 @@ class Server:
                        logprobs=p.logprobs or p.return_details, presence_penalty=p.presence_penalty,
                        frequency_penalty=p.frequency_penalty, repetition_penalty=p.repetition_penalty,
                        min_tokens=p.min_new_tokens)  # fmt: skip
-        return ids, self._params(ids, p.max_new_tokens, stops, p.seed, options)
+        return ids, self._params(ids, p.max_new_tokens, stops, p.seed, options, _NATIVE_FIELDS)
 
     def _token_details(self, token_id: int, logprob: float) -> dict:
         """LightLLM's per-token details: id, its text alone, logprob, and whether it is a special token."""
@@ -257,22 +262,28 @@ class Server:
             raise BadRequest(f"{field}: token ids expected in [0, {vocab})")
         return ids
 
-    def _params(self, ids: List[int], max_tokens: Optional[int], stop, seed, options: dict) -> SamplingParams:
+    def _params(self, ids: List[int], max_tokens: Optional[int], stop, seed, options: dict,
+                fields: Optional[Dict[str, str]] = None) -> SamplingParams:  # fmt: skip
         """The engine's sampling parameters for a prompt of ``ids``, or a 400 naming the field. ``max_tokens``
-        None: the rest of max_req_total_len."""
+        None: the rest of max_req_total_len. ``fields``: the body's name of an engine field where it differs
+        (``max_tokens`` -> ``parameters.max_new_tokens``), so the 400 names what the client sent."""
+        fields = fields or {}
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         limit = self.runner.args.max_req_total_len
         if max_tokens is None:
             max_tokens = limit - len(ids)
         if max_tokens > limit - len(ids):
-            raise BadRequest(
-                f"max_tokens: {max_tokens} with a {len(ids)}-token prompt exceeds max_req_total_len {limit}"
-            )
+            raise BadRequest(f"{fields.get('max_tokens', 'max_tokens')}: {max_tokens} with a {len(ids)}-token prompt "
+                             f"exceeds max_req_total_len {limit}")  # fmt: skip
         try:  # the bodies already hold most fields to the engine's ranges; this keeps the two from drifting apart
             params = SamplingParams(max_new_tokens=max_tokens, stop=stops, seed=seed, **options)
             params.check_token_ids(self.runner.config.vocab_size)
         except ValueError as e:
-            raise BadRequest(str(e)) from None
+            message = str(e)
+            name = re.match(r"[a-z_]+", message)  # SamplingParams' messages start with the field's name
+            if name and name.group() in fields:
+                message = fields[name.group()] + message[name.end() :]
+            raise BadRequest(message) from None
         return params
 
     async def _stream(self, ids, params, request: Request, text: bool = True,
@@ -414,12 +425,13 @@ class Server:
         if chat:
             prompts = [await self._encode("messages", chat_messages(body), template_options(body))]
             max_tokens = body.max_completion_tokens or body.max_tokens
+            fields = {"max_tokens": "max_completion_tokens"} if body.max_completion_tokens else None
         else:
             prompts = [await self._encode(f"prompt.{i}" if many else "prompt", p) for i, p in enumerate(items)]
-            max_tokens = body.max_tokens  # null: the rest of max_req_total_len
+            max_tokens, fields = body.max_tokens, None  # null: the rest of max_req_total_len
         seqs = []
         for ids in prompts:
-            params = self._params(ids, max_tokens, body.stop, body.seed, options)
+            params = self._params(ids, max_tokens, body.stop, body.seed, options, fields)
             for j in range(best_of):  # each sample its own seed, as LLM.generate gives each prompt its own
                 seed = None if body.seed is None else (body.seed + j) % MAX_SEED
                 seqs.append((ids, dataclasses.replace(params, seed=seed)))

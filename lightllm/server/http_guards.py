@@ -68,11 +68,17 @@ class BodyLimit:
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
-    async def invalid(_request, exc: RequestValidationError):
+    async def invalid(request, exc: RequestValidationError):
         parts = []
         for e in exc.errors():
             if e["type"] == "json_invalid":
                 parts.append(f"body: invalid JSON ({e.get('ctx', {}).get('error', e['msg'])})")
+                continue
+            if tuple(e["loc"]) == ("body",) and isinstance(e.get("input"), (bytes, str)):
+                # FastAPI parses JSON only under a JSON Content-Type (curl -d sends a form's): say which was sent
+                sent = request.headers.get("content-type")
+                parts.append(f"body: expected a JSON object with Content-Type: application/json, got Content-Type "
+                             f"{sent!r}")  # fmt: skip
                 continue
             where = ".".join(str(x) for x in e["loc"][1:]) or "body"
             parts.append(f"{where}: {e['msg'].removeprefix('Value error, ')}")

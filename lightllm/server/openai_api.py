@@ -14,6 +14,9 @@ from lightllm.server.bodies import ChatRequest, CompletionRequest
 from lightllm.server.chat_output import ChatParsing, merge_deltas
 from lightllm.server.http_guards import BadRequest
 
+# Message roles OpenAI clients send; "developer" (OpenAI's newer name for system) reaches the template as "system",
+# which is the role chat templates know (Qwen3's renders no other role in the system slot, and skips unknown ones).
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 # chat_template_kwargs may not set what the server itself passes to the template.
 RESERVED_TEMPLATE_KWARGS = ("conversation", "messages", "tools", "tokenize", "add_generation_prompt", "chat_template")
 PROMPT_LOGPROBS_REFUSED = (
@@ -76,6 +79,8 @@ def chat_messages(body: ChatRequest) -> List[dict]:
     answer's ``reasoning_content`` kept."""
     out = []
     for i, m in enumerate(body.messages):
+        if m.role not in CHAT_ROLES:
+            raise BadRequest(f"messages.{i}.role: {m.role!r} is not one of {', '.join(CHAT_ROLES)}")
         content = m.content
         if isinstance(content, list):
             texts = []
@@ -87,7 +92,7 @@ def chat_messages(body: ChatRequest) -> List[dict]:
                     raise BadRequest(f"messages.{i}.content.{j}.text: expected a string in a text part")
                 texts.append(part.text)
             content = "\n".join(texts)
-        message = {"role": m.role, "content": content or ""}
+        message = {"role": "system" if m.role == "developer" else m.role, "content": content or ""}
         for key in ("name", "tool_calls", "tool_call_id", "reasoning_content"):
             if getattr(m, key) is not None:
                 message[key] = getattr(m, key)
@@ -137,6 +142,23 @@ def _logit_bias(bias: Optional[Dict[str, float]]) -> Dict[int, float]:
     return out
 
 
+def _byte_level_chars() -> Dict[str, int]:
+    """Byte-level BPE's vocabulary alphabet (GPT-2's ``bytes_to_unicode``): printable Latin-1 bytes stand for
+    themselves, the other 68 bytes for the characters from U+0100 up, in byte order. Character -> byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            chars[chr(byte)] = byte
+        else:
+            chars[chr(256 + extra)] = byte
+            extra += 1
+    return chars
+
+
+_BYTE_OF_CHAR = _byte_level_chars()
+
+
 class LogprobFormatter:
     """OpenAI's logprobs objects from the engine's (token id, logprob, top logprobs) per generated token."""
 
@@ -145,6 +167,24 @@ class LogprobFormatter:
 
     def text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
+
+    def raw_bytes(self, token_id: int, text: str) -> List[int]:
+        """The token's own bytes (OpenAI's ``bytes``: a client joins a character split over tokens from them). Its
+        decoded ``text`` when that is whole; a token holding part of a UTF-8 character decodes to U+FFFD, so its
+        bytes come from its vocabulary entry: byte-level BPE's characters (GPT-2's byte map, Qwen's tokenizers) or
+        SentencePiece's ``<0xAB>`` byte fallback."""
+        if "\ufffd" in text:
+            piece = self.tokenizer.convert_ids_to_tokens(token_id)
+            if isinstance(piece, str):
+                if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+                    try:
+                        return [int(piece[3:5], 16)]
+                    except ValueError:
+                        pass
+                raw = [_BYTE_OF_CHAR.get(ch) for ch in piece]
+                if raw and None not in raw:
+                    return raw
+        return list(text.encode("utf-8"))
 
     def chat(self, tokens: Sequence[int], logprobs: Sequence[float], tops: Sequence[Optional[list]]) -> dict:
         """``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
@@ -157,7 +197,7 @@ class LogprobFormatter:
 
     def _chat_entry(self, token_id: int, logprob: float) -> dict:
         text = self.text(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        return {"token": text, "logprob": logprob, "bytes": self.raw_bytes(token_id, text)}
 
     def completion(self, tokens: Sequence[int], logprobs: Sequence[float], tops: Sequence[Optional[list]],
                    offset: int) -> dict:  # fmt: skip

@@ -46,6 +46,23 @@ def test_what_real_clients_send_is_accepted(server, client, caplog):
     assert ignored == ["ChatRequest: field 'some_future_field' is not used by this server; ignored"]
 
 
+def test_a_developer_message_reaches_the_template_as_the_system_message(server, client):
+    """OpenAI's newer name for the system role: chat templates (Qwen3's) know "system" and skip a role they do not."""
+    post(client, CHAT, {"messages": [{"role": "developer", "content": "be brief"}, *MSGS], "max_tokens": 1})
+    messages, _ = server.tokenizer.template_calls[-1]
+    assert messages == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "abc"}]
+
+
+def test_a_body_sent_without_a_json_content_type_is_a_400_that_names_the_header(server, client):
+    """curl -d sends a form's Content-Type: FastAPI does not parse that as JSON, so the 400 says which was sent."""
+    r = client.post(CHAT, content=b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}',
+                    headers={"content-type": "application/x-www-form-urlencoded"})  # fmt: skip
+    assert r.status_code == 400
+    assert r.json()["error"]["message"] == ("body: expected a JSON object with Content-Type: application/json, got "
+                                            "Content-Type 'application/x-www-form-urlencoded'")  # fmt: skip
+    assert server.submitted == []
+
+
 def test_tool_choice_none_leaves_the_tools_out_of_the_template(server, client):
     post(client, CHAT, {"messages": MSGS, "max_tokens": 1, "tools": [{"type": "function"}], "tool_choice": "none"})
     assert "tools" not in server.tokenizer.template_calls[-1][1]
@@ -70,6 +87,9 @@ def test_tool_choice_none_leaves_the_tools_out_of_the_template(server, client):
     (CHAT, {"logit_bias": {"3": 101}}, "logit_bias[3] expected a number in [-100, 100], got 101"),
     (CHAT, {"stop_token_ids": [16]}, "stop_token_ids: token ids expected in [0, 16), got [16]"),
     (CHAT, {"min_tokens": 9, "max_tokens": 4}, "min_tokens expected an integer in [0, max_new_tokens 4], got 9"),
+    (CHAT, {"max_completion_tokens": 500}, "max_completion_tokens: 500 with a 3-token prompt exceeds max_req_total"),
+    (CHAT, {"messages": [{"role": "bogus", "content": "x"}]},
+     "messages.0.role: 'bogus' is not one of system, developer, user, assistant, tool, function"),
     (CHAT, {"n": 0}, "n: Input should be greater than or equal to 1"),
     (CHAT, {"temperature": "1"}, "temperature: Input should be a valid number"),
     (COMPLETIONS, {"suffix": "tail"}, "suffix: not supported (no fill-in-the-middle)"),
@@ -83,8 +103,9 @@ def test_tool_choice_none_leaves_the_tools_out_of_the_template(server, client):
     (COMPLETIONS, {"prompt": ["a"] * 3, "n": 100}, "prompt: 3 prompt(s) x 100 samples (n or best_of) is more than"),
 ], ids=["json_object", "json_schema", "image-part", "tool-required", "top-without-logprobs", "top-21",
         "stream-options", "template-kwargs", "presence", "frequency", "repetition", "bias-id", "bias-key",
-        "bias-value", "stop-id", "min-tokens", "n-0", "temperature-str", "suffix", "best-of-lt-n", "best-of-stream",
-        "echo-logprobs", "logprobs-21", "no-prompts", "long-prompt", "bad-id", "too-many"])  # fmt: skip
+        "bias-value", "stop-id", "min-tokens", "max-completion-tokens", "role", "n-0", "temperature-str", "suffix",
+        "best-of-lt-n", "best-of-stream", "echo-logprobs", "logprobs-21", "no-prompts", "long-prompt", "bad-id",
+        "too-many"])  # fmt: skip
 def test_what_this_server_cannot_do_is_a_400_that_says_so(server, client, path, body, message):
     base = {"messages": MSGS, "max_tokens": 2} if path == CHAT else {"prompt": "abc", "max_tokens": 2}
     r = client.post(path, json={**base, **body})
