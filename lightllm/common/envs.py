@@ -47,11 +47,10 @@ def get_triton_autotune_level() -> int:
 @functools.lru_cache(maxsize=16)
 def _autotune_level(raw: Optional[str]) -> int:
     """Parsed once per distinct value: every tuned kernel call reads the level."""
-    level = _parse_int(AUTOTUNE_LEVEL, 0, raw)
-    if level not in _AUTOTUNE_LEVELS:
-        allowed = ", ".join(f"{k} ({v})" for k, v in _AUTOTUNE_LEVELS.items())
+    allowed = ", ".join(f"{k} ({v})" for k, v in _AUTOTUNE_LEVELS.items())
+    if raw is not None and raw.strip() not in ("", *map(str, _AUTOTUNE_LEVELS)):  # not int(): "1.0", "٢", " +1"
         raise ValueError(f"{AUTOTUNE_LEVEL}={raw!r} is not allowed; use one of {allowed}")
-    return level
+    return _parse_int(AUTOTUNE_LEVEL, 0, raw)
 
 
 def get_decode_attn_autotune_seq_len() -> int:
@@ -97,7 +96,7 @@ def get_autotune_config_dir() -> Path:
     raw = os.environ.get(AUTOTUNE_CONFIG_DIR)
     if raw is None or raw.strip() == "":
         return Path("~/.cache/lightllm/autotune").expanduser()
-    path = Path(raw).expanduser()
+    path = Path(raw.strip()).expanduser()  # as the other variables: " /data/x" is /data/x, not a folder " "
     if path.exists() and not path.is_dir():
         raise ValueError(f"{AUTOTUNE_CONFIG_DIR}={raw!r} exists and is not a directory")
     return path

@@ -18,11 +18,23 @@ def test_default_config_dir(monkeypatch):
     assert envs.get_autotune_config_dir() == Path.home() / ".cache" / "lightllm" / "autotune"
 
 
+def test_the_config_dir_and_the_level_are_read_without_surrounding_spaces(monkeypatch, tmp_path):
+    monkeypatch.setenv("LIGHTLLM_AUTOTUNE_CONFIG_DIR", f"  {tmp_path} ")
+    monkeypatch.setenv("LIGHTLLM_TRITON_AUTOTUNE_LEVEL", " 1 ")
+    assert envs.get_autotune_config_dir() == tmp_path and envs.get_triton_autotune_level() == 1
+
+
 @pytest.mark.parametrize(
     "name, value, message",
     [
         ("LIGHTLLM_TRITON_AUTOTUNE_LEVEL", "4", r"LIGHTLLM_TRITON_AUTOTUNE_LEVEL='4' is not allowed; use one of 0"),
-        ("LIGHTLLM_TRITON_AUTOTUNE_LEVEL", "fast", r"LIGHTLLM_TRITON_AUTOTUNE_LEVEL='fast' is not an integer"),
+        (
+            "LIGHTLLM_TRITON_AUTOTUNE_LEVEL",
+            "fast",
+            r"LIGHTLLM_TRITON_AUTOTUNE_LEVEL='fast' is not allowed; use one of 0",
+        ),
+        ("LIGHTLLM_TRITON_AUTOTUNE_LEVEL", "1.0", r"LIGHTLLM_TRITON_AUTOTUNE_LEVEL='1.0' is not allowed; use one of 0"),
+        ("LIGHTLLM_TRITON_AUTOTUNE_LEVEL", "\u0662", r"LIGHTLLM_TRITON_AUTOTUNE_LEVEL='\u0662' is not allowed"),
         ("LIGHTLLM_DECODE_ATTN_AUTOTUNE_SEQ_LEN", "0", r"LIGHTLLM_DECODE_ATTN_AUTOTUNE_SEQ_LEN='0' must be a positive"),
         (
             "LIGHTLLM_DECODE_ATTN_AUTOTUNE_SEQ_LEN",

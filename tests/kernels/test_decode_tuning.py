@@ -1,6 +1,7 @@
 """The decode-attention kernels' shared tuning lengths: run-key KV lengths and the timing ladder."""
 
 import contextlib
+import math
 
 import pytest
 import torch
@@ -114,6 +115,8 @@ def test_a_floored_key_is_near_its_unfloored_one():
     assert d((8, 32768), (8, 32768, 16384)) == 16384 and d((8, 1, 32768, 4096), (8, 1, 32768)) == 4096
     cached = [(8, 32768), (8, 32768, 16384), (16, 32768, 4096)]
     assert min(cached, key=lambda c: d((8, 32768, 4096), c)) == (16, 32768, 4096)
+    # a hand-edited file's run key that is not a tuple is never near (it raised TypeError: no len() of an int)
+    assert d((8, 32768), 5) == d((8, 32768), None) == d(5, (8, 32768)) == math.inf
 
 
 @pytest.mark.parametrize("lens", [[0, 4096], [4096, 1024], [1024, 1024], [-1]])

@@ -9,6 +9,7 @@ from typing import List, Optional, Tuple
 
 from lightllm.common import envs
 from lightllm.common.autotuner import store
+from lightllm.common.autotuner.keys import key_from_json
 
 
 def _roots() -> List[Tuple[str, Path]]:
@@ -76,9 +77,12 @@ def cmd_clear(args) -> int:
         print(f"error: {envs.AUTOTUNE_CONFIG_DIR}={str(root)!r} {why}", file=sys.stderr)
         return 2
     removed = 0
+    real_root = root.resolve()
     for kernel_dir in store.iter_kernel_dirs(root, args.kernel):
-        if kernel_dir.is_symlink():  # removing through it would delete files outside the config root
-            print(f"skipped {kernel_dir}: a link, not a folder of the config root; remove it yourself")
+        real = kernel_dir.resolve()
+        # a link (the kernel folder's or a triton_*/GPU folder's above it) would delete files outside the root
+        if kernel_dir.is_symlink() or real_root not in real.parents or real == shipped or shipped in real.parents:
+            print(f"skipped {kernel_dir}: reached through a link, not a folder of the config root; remove it yourself")
             continue
         files = len(store.config_files(kernel_dir))
         try:
@@ -93,12 +97,20 @@ def cmd_clear(args) -> int:
     return 0
 
 
-def _merged(dest: Path, src: dict) -> dict:
-    """``src``'s payload over the readable file at ``dest`` (its other run keys kept; src's win)."""
-    old = store.read_config_file(dest) or {"configs": {}, "timings": {}}
+def _merged(dest: Path, src: dict) -> Optional[dict]:
+    """``src``'s payload over the file at ``dest`` (its other run keys kept; src's win, whatever their spelling:
+    "4.0" and 4 are one key); None when ``dest`` exists and cannot be read (it is not to be overwritten)."""
+    old = store.read_config_file(dest)
+    if old is None:
+        if dest.exists():
+            return None
+        old = {"configs": {}, "timings": {}}
+    new = {key_from_json(rk) for rk in src["configs"]}
+    kept = {rk: c for rk, c in old["configs"].items() if key_from_json(rk) not in new}
     out = {k: v for k, v in src.items() if k not in ("configs", "timings")}
-    out["configs"] = dict(sorted({**old["configs"], **src["configs"]}.items()))
-    out["timings"] = dict(sorted({**old["timings"], **src["timings"]}.items()))
+    out["configs"] = dict(sorted({**kept, **src["configs"]}.items()))
+    timings = {rk: t for rk, t in old["timings"].items() if rk in kept}
+    out["timings"] = dict(sorted({**timings, **src["timings"]}.items()))
     return out
 
 
@@ -109,7 +121,7 @@ def cmd_export(args) -> int:
         print(f"error: export DIR {str(dest_root)!r} is the writable root itself ({envs.AUTOTUNE_CONFIG_DIR})",
               file=sys.stderr)  # fmt: skip
         return 2
-    files = keys = 0
+    files = keys = refused = 0
     for path in store.iter_config_files(root, args.kernel):
         data = store.read_config_file(path)
         if data is None:
@@ -117,6 +129,11 @@ def cmd_export(args) -> int:
             continue
         dest = dest_root / path.relative_to(root)
         payload = _merged(dest, data)
+        if payload is None:
+            print(f"error: {dest} exists and cannot be read (see warning above); left as it is, not exported into: "
+                  "fix or remove it, then export again", file=sys.stderr)  # fmt: skip
+            refused += 1
+            continue
         try:
             dest.parent.mkdir(parents=True, exist_ok=True)
             store.atomic_write_json(dest, payload)
@@ -124,12 +141,12 @@ def cmd_export(args) -> int:
             print(f"error: could not write {dest}: {e}", file=sys.stderr)
             return 1
         files, keys = files + 1, keys + len(data["configs"])
-    if not files:
+    if not files and not refused:
         print(f"nothing to export: no configs{'' if args.kernel is None else f' of kernel {args.kernel!r}'} under "
               f"{root}")  # fmt: skip
         return 1
     print(f"exported {files} config files ({keys} run keys) from {root} to {dest_root}")
-    return 0
+    return 1 if refused else 0
 
 
 def main(argv: Optional[List[str]] = None) -> int:

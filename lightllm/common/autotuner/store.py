@@ -109,7 +109,7 @@ def read_config_file(path: Path) -> Optional[dict]:
             data = json.load(f)
     except FileNotFoundError:
         return None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (OSError, ValueError, RecursionError) as e:  # ValueError: bad JSON or UTF-8, an int of > 4300 digits
         _warn_once(path, f"{type(e).__name__}: {e}")
         return None
     if not isinstance(data, dict) or data.get("version") != SCHEMA_VERSION:
@@ -122,7 +122,7 @@ def read_config_file(path: Path) -> Optional[dict]:
     try:
         for rk in configs:
             key_from_json(rk)
-    except (json.JSONDecodeError, TypeError) as e:
+    except (ValueError, TypeError, RecursionError) as e:
         _warn_once(path, f"bad run key: {e}")
         return None
     if not isinstance(data.get("timings"), dict):
@@ -163,8 +163,10 @@ class ConfigStore:
             path.parent.mkdir(parents=True, exist_ok=True)
             with FileLock(str(path) + ".lock", timeout=_LOCK_TIMEOUT_S):
                 data = read_config_file(path) or {}
-                configs = dict(data.get("configs", {}))
-                timings = dict(data.get("timings", {}))
+                new = set(entries)
+                # an entry of a new key spelled otherwise in the file ("4.0" for 4) goes: the new one must win
+                configs = {rk: c for rk, c in data.get("configs", {}).items() if key_from_json(rk) not in new}
+                timings = {rk: t for rk, t in data.get("timings", {}).items() if rk in configs}
                 now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
                 for run_key, (config, timing) in entries.items():
                     rk = key_to_json(run_key)

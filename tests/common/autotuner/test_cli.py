@@ -126,10 +126,27 @@ def test_clear_removes_every_folder_of_the_kernel_and_nothing_else(isolated_auto
     assert out == [
         f"removed {root / 'triton_1.0.0' / 'gpu_b' / 'k'} (1 config files)",
         f"removed {root / 'triton_9.9.9' / 'gpu_a' / 'k'} (2 config files)",
-        f"skipped {root / 'triton_9.9.9' / 'gpu_d' / 'k'}: a link, not a folder of the config root; remove it yourself",
+        f"skipped {root / 'triton_9.9.9' / 'gpu_d' / 'k'}: reached through a link, not a folder of the config root; "
+        "remove it yourself",
     ]
     assert all(path.read_text() == "{}" for path in keep)
     assert not (root / "triton_9.9.9" / "gpu_a" / "k").exists() and not (root / "triton_1.0.0" / "gpu_b" / "k").exists()
+
+
+def test_clear_never_removes_through_a_linked_folder_above_the_kernel(isolated_autotune, capsys, tmp_path):
+    """A triton_* or GPU folder that is a link (to elsewhere, or into the shipped configs): its kernel folders are
+    outside the config root."""
+    root = isolated_autotune
+    elsewhere = _write(tmp_path / "elsewhere", "k", "a.json", "{}")
+    shipped = _write(store.SHIPPED_ROOT, "k", "a.json", "{}", gpu="gpu_s")
+    root.mkdir()
+    (root / "triton_9.9.9").symlink_to(tmp_path / "elsewhere" / "triton_9.9.9")
+    (root / "triton_1.0.0").mkdir()
+    (root / "triton_1.0.0" / "gpu_s").symlink_to(shipped.parent.parent)
+    assert cli.main(["clear", "k"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("skipped") == 2 and "removed" not in out
+    assert elsewhere.read_text() == "{}" and shipped.read_text() == "{}"
 
 
 def test_clear_refuses_a_user_root_inside_the_shipped_configs(monkeypatch, capsys):
@@ -188,6 +205,30 @@ def test_export_writes_the_shipped_layout_and_merges(two_kernels, tmp_path, caps
     monkeypatch.setattr(store, "SHIPPED_ROOT", dest)
     config, path = store.ConfigStore("decode_a").load_entries(freeze({"d": 256}))[8]
     assert config is None and dest in path.parents
+
+
+def test_export_leaves_a_destination_file_it_cannot_read_as_it_is(two_kernels, tmp_path, capsys):
+    """Merging into a file the store cannot read would drop its keys: that file is left alone, the others are
+    exported, and the exit status is 1."""
+    dest = tmp_path / "ship"
+    rel = store.ConfigStore("decode_a").path(two_kernels, freeze({"d": 128})).relative_to(two_kernels)
+    (dest / rel).parent.mkdir(parents=True)
+    bad = json.dumps({"version": 1, "configs": {"1": {"BLOCK_N": 16}, "7": {"BLOCK_N": [1]}}})
+    (dest / rel).write_text(bad)
+    assert cli.main(["export", str(dest), "--kernel", "decode_a"]) == 1
+    captured = capsys.readouterr()
+    assert f"error: {dest / rel} exists and cannot be read" in captured.err
+    assert "exported 1 config files (1 run keys)" in captured.out
+    assert (dest / rel).read_text() == bad
+
+
+def test_export_replaces_a_key_the_destination_spelled_otherwise(two_kernels, tmp_path, capsys):
+    dest = tmp_path / "ship"
+    rel = store.ConfigStore("decode_a").path(two_kernels, freeze({"d": 128})).relative_to(two_kernels)
+    (dest / rel).parent.mkdir(parents=True)
+    (dest / rel).write_text(json.dumps({"version": 1, "configs": {"8.0": {"BLOCK_N": 16}, "2": {"BLOCK_N": 16}}}))
+    assert cli.main(["export", str(dest), "--kernel", "decode_a"]) == 0
+    assert store.read_config_file(dest / rel)["configs"] == {"2": {"BLOCK_N": 16}, "8": {"BLOCK_N": 64}}
 
 
 def test_export_refuses_the_writable_root_and_an_empty_export(isolated_autotune, capsys):

@@ -94,7 +94,12 @@ def test_many_processes_writing_one_kernel_lose_nothing(isolated_autotune):
         '{"version": 1, "configs": {"8": [1, 2]}}',
         '{"version": 1, "configs": {"not json": {}}}',
         '{"version": 1, "configs": {"8": {"BLOCK": {"nested": 1}}}}',
+        '{"version": 1, "configs": {}, "timings": ' + "[" * 100000 + "]" * 100000 + "}",  # RecursionError
+        '{"version": 1, "configs": {"' + "9" * 5000 + '": null}}',  # an int past Python's 4300-digit limit
+        '{"version": 1, "configs": {"8": {"ms": ' + "1" * 5000 + "}}}",
     ],
+    ids=["not-json", "not-utf8", "a-list", "version", "configs-list", "config-list", "key-not-json", "nested",
+         "deep", "huge-key", "huge-value"],  # fmt: skip
 )
 def test_corrupt_file_is_a_warning_and_a_miss(toy, monkeypatch, caplog, isolated_autotune, content):
     monkeypatch.setenv("LIGHTLLM_TRITON_AUTOTUNE_LEVEL", "1")
@@ -110,6 +115,21 @@ def test_corrupt_file_is_a_warning_and_a_miss(toy, monkeypatch, caplog, isolated
     warnings = [r for r in caplog.records if "ignored" in r.getMessage() and str(path) in r.getMessage()]
     assert len(warnings) == 1
     assert json.loads(path.read_text())["configs"] == {"8": {"ms": 0.2}}
+
+
+def test_a_new_search_replaces_its_key_however_the_file_spelled_it(isolated_autotune):
+    """A hand-written "4.0" is run key 4: the search's "4" replaces it (both in the file, the sorted-later "4.0"
+    would win at load)."""
+    s = store.ConfigStore("k")
+    frozen = (("d", 1),)
+    path = s.path(isolated_autotune, frozen)
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"version": 1, "configs": {"4.0": {"B": 1}, "8": {"B": 1}},
+                                "timings": {"4.0": {"best_ms": 1.0}, "8": {"best_ms": 1.0}}}))  # fmt: skip
+    s.save({"d": 1}, frozen, {4: ({"B": 2}, {"best_ms": 0.5})})
+    data = json.loads(path.read_text())
+    assert data["configs"] == {"4": {"B": 2}, "8": {"B": 1}} and set(data["timings"]) == {"4", "8"}
+    assert s.load(frozen) == {4: {"B": 2}, 8: {"B": 1}}
 
 
 def test_shipped_configs_are_read_and_user_root_wins(toy, isolated_autotune, tmp_path):

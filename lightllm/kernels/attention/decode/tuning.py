@@ -69,6 +69,8 @@ def decode_attn_run_key_distance(run_key: tuple, cached_key: tuple) -> float:
     """The tuner's nearest-key distance for decode-attention run keys: L1 with an absent served floor counted as 0,
     so a bucketed graph finds its own range's config first, then the nearest other range's (a one-graph start's,
     a shipped file's), never nothing: keys with and without a floor would otherwise never be near."""
+    if not (isinstance(run_key, tuple) and isinstance(cached_key, tuple)):  # a hand-edited file's key: never near
+        return default_run_key_distance(run_key, cached_key)
     width = max(len(run_key), len(cached_key))
     return default_run_key_distance(_padded(run_key, width), _padded(cached_key, width))
 
