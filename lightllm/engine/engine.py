@@ -181,17 +181,14 @@ class Engine:
             if follow is not None:
                 self._decode_ahead(*follow)
                 return True
-            if self._closing.is_set():  # shutdown: the tokens in flight were computed past it, as an abort's are
-                aborts.update({r.id: "abort" for r in self.scheduler.requests() if r.id not in aborts})
+            self._abort_all_at_shutdown(aborts)  # the tokens in flight were computed past it, as an abort's are
             self._read_ahead(aborted=aborts)
             # an abort (and a submit) made while the step was read, from an emit callback, is seen before the next
             # forward, as a synchronous step sees one made in its emits before the next step() call
             for request_id, reason in self._take_aborts().items():
                 aborts.setdefault(request_id, reason)
             self._take_new()
-        if self._closing.is_set():  # shutdown: every request left, running or still waiting, hears why
-            for req in self.scheduler.requests():
-                aborts.setdefault(req.id, "abort")
+        self._abort_all_at_shutdown(aborts)
         for req, reason in self.scheduler.remove(aborts):
             self._finish(req, reason)
         self._observe_queues()
@@ -357,6 +354,12 @@ class Engine:
                 self.scheduler.add(self._inbox.get_nowait())
             except queue.Empty:
                 return
+
+    def _abort_all_at_shutdown(self, aborts: dict) -> None:
+        """After ``abort_all``: every request left, running or still waiting, is in ``aborts`` (its own reason kept)."""
+        if self._closing.is_set():
+            for req in self.scheduler.requests():
+                aborts.setdefault(req.id, "abort")
 
     def _take_aborts(self) -> dict:
         reasons = {}

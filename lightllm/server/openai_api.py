@@ -4,7 +4,9 @@ What a body asks that this server cannot do is a 400 that says so (``BadRequest`
 parameters (``sampling_options``), chat template input (``chat_messages``, ``template_options``) and, on the way
 back, OpenAI's responses and stream chunks (``OpenAIReply``) with their logprobs objects (``LogprobFormatter``)."""
 
+import functools
 import json
+import re
 import time
 import uuid
 from typing import AsyncIterator, Dict, List, Optional, Sequence, Tuple
@@ -142,21 +144,16 @@ def _logit_bias(bias: Optional[Dict[str, float]]) -> Dict[int, float]:
     return out
 
 
-def _byte_level_chars() -> Dict[str, int]:
-    """Byte-level BPE's vocabulary alphabet (GPT-2's ``bytes_to_unicode``): printable Latin-1 bytes stand for
-    themselves, the other 68 bytes for the characters from U+0100 up, in byte order. Character -> byte."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars, extra = {}, 0
-    for byte in range(256):
-        if byte in printable:
-            chars[chr(byte)] = byte
-        else:
-            chars[chr(256 + extra)] = byte
-            extra += 1
-    return chars
+@functools.lru_cache(maxsize=None)
+def _byte_of_char() -> Dict[str, int]:
+    """Byte-level BPE's vocabulary alphabet (GPT-2's byte map, the one transformers converts tokenizers with):
+    character -> the byte it stands for."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    return {char: byte for byte, char in bytes_to_unicode().items()}
 
 
-_BYTE_OF_CHAR = _byte_level_chars()
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte tokens
 
 
 class LogprobFormatter:
@@ -173,18 +170,14 @@ class LogprobFormatter:
         decoded ``text`` when that is whole; a token holding part of a UTF-8 character decodes to U+FFFD, so its
         bytes come from its vocabulary entry: byte-level BPE's characters (GPT-2's byte map, Qwen's tokenizers) or
         SentencePiece's ``<0xAB>`` byte fallback."""
-        if "\ufffd" in text:
-            piece = self.tokenizer.convert_ids_to_tokens(token_id)
-            if isinstance(piece, str):
-                if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
-                    try:
-                        return [int(piece[3:5], 16)]
-                    except ValueError:
-                        pass
-                raw = [_BYTE_OF_CHAR.get(ch) for ch in piece]
-                if raw and None not in raw:
-                    return raw
-        return list(text.encode("utf-8"))
+        piece = self.tokenizer.convert_ids_to_tokens(token_id) if "\ufffd" in text else None
+        if not isinstance(piece, str):
+            return list(text.encode("utf-8"))
+        byte = _BYTE_FALLBACK.fullmatch(piece)
+        if byte:
+            return [int(byte.group(1), 16)]
+        raw = [_byte_of_char().get(char) for char in piece]
+        return raw if raw and None not in raw else list(text.encode("utf-8"))
 
     def chat(self, tokens: Sequence[int], logprobs: Sequence[float], tops: Sequence[Optional[list]]) -> dict:
         """``{"content": [{token, logprob, bytes, top_logprobs}]}``."""

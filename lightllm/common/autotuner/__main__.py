@@ -105,11 +105,9 @@ def _merged(dest: Path, src: dict) -> Optional[dict]:
         if dest.exists():
             return None
         old = {"configs": {}, "timings": {}}
-    new = {key_from_json(rk) for rk in src["configs"]}
-    kept = {rk: c for rk, c in old["configs"].items() if key_from_json(rk) not in new}
+    configs, timings = store.without_run_keys(old, {key_from_json(rk) for rk in src["configs"]})
     out = {k: v for k, v in src.items() if k not in ("configs", "timings")}
-    out["configs"] = dict(sorted({**kept, **src["configs"]}.items()))
-    timings = {rk: t for rk, t in old["timings"].items() if rk in kept}
+    out["configs"] = dict(sorted({**configs, **src["configs"]}.items()))
     out["timings"] = dict(sorted({**timings, **src["timings"]}.items()))
     return out
 

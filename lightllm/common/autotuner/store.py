@@ -18,7 +18,7 @@ import re
 import tempfile
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
 
 from filelock import FileLock, Timeout
 
@@ -130,6 +130,14 @@ def read_config_file(path: Path) -> Optional[dict]:
     return data
 
 
+def without_run_keys(data: dict, run_keys: Set[Any]) -> Tuple[dict, dict]:
+    """A config file's configs and timings less the entries of ``run_keys`` (frozen), however the file spells them
+    ("4.0" is run key 4): what a merge keeps before it writes those keys anew, so the new entries win."""
+    configs = {rk: c for rk, c in data.get("configs", {}).items() if key_from_json(rk) not in run_keys}
+    timings = {rk: t for rk, t in data.get("timings", {}).items() if rk in configs}
+    return configs, timings
+
+
 class ConfigStore:
     """Reads and writes the config files of one kernel."""
 
@@ -162,11 +170,7 @@ class ConfigStore:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             with FileLock(str(path) + ".lock", timeout=_LOCK_TIMEOUT_S):
-                data = read_config_file(path) or {}
-                new = set(entries)
-                # an entry of a new key spelled otherwise in the file ("4.0" for 4) goes: the new one must win
-                configs = {rk: c for rk, c in data.get("configs", {}).items() if key_from_json(rk) not in new}
-                timings = {rk: t for rk, t in data.get("timings", {}).items() if rk in configs}
+                configs, timings = without_run_keys(read_config_file(path) or {}, set(entries))
                 now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
                 for run_key, (config, timing) in entries.items():
                     rk = key_to_json(run_key)
