@@ -189,9 +189,10 @@ def _with_pdl(launch):
 
 
 @pytest.mark.last
-def test_every_pdl_kernel_builds_for_sm90_with_pdl_and_waits_for_the_grid_before(session_launches, whole_suite):
+def test_every_pdl_kernel_builds_for_sm90_with_pdl_waits_and_then_releases_the_next_grid(session_launches, whole_suite):
     """One launch per PDL kernel the session made, at its biggest tiles, built with PDL on: it compiles, and its PTX
-    has the wait (without PDL, ``test_every_kernel_of_the_session_builds...`` builds it; the wait is compiled out)."""
+    has the wait and, after it, the release of the next grid (without PDL,
+    ``test_every_kernel_of_the_session_builds...`` builds it; both are compiled out)."""
     picks = {}
     for launch in ttir_lowering.representatives(list(session_launches.launches)):
         if ("USE_PDL", False) in launch.constexprs:
@@ -202,5 +203,6 @@ def test_every_pdl_kernel_builds_for_sm90_with_pdl_and_waits_for_the_grid_before
     failed = [f"{r.launch.describe()}:\n{r.error}" for r in results if r.error is not None]
     assert not failed, "PDL builds failed:\n\n" + "\n\n".join(failed)
     assert all(r.pdl_wait for r in results), [r.launch.describe() for r in results if not r.pdl_wait]
-    off = ttir_lowering.build_cubins(list(picks.values())[:1])  # the same launch without PDL: no wait
-    assert [r.pdl_wait for r in off] == [False] * len(off)
+    assert all(r.pdl_release for r in results), [r.launch.describe() for r in results if not r.pdl_release]
+    off = ttir_lowering.build_cubins(list(picks.values())[:1])  # the same launch without PDL: neither
+    assert [(r.pdl_wait, r.pdl_release) for r in off] == [(False, False)] * len(off)

@@ -164,6 +164,7 @@ class Lowered:
     seconds: float
     shared_bytes: Optional[int] = None  # the cubin's dynamic shared memory; None for TTIR or when it did not compile
     pdl_wait: Optional[bool] = None  # whether the cubin's PTX waits on the previous grid (kernels/pdl.py); None: TTIR
+    pdl_release: Optional[bool] = None  # whether it releases the next grid, after the wait
 
 
 _cache: Dict[Tuple[str, Launch], Lowered] = {}
@@ -317,7 +318,9 @@ def _build_one(launch: Launch, backend) -> Lowered:
         try:
             compiled = triton.compile(_source(launch), target=backend.target, options=dict(launch.options))
             shared, error = compiled.metadata.shared, None
-            waits = "griddepcontrol.wait" in compiled.asm["ptx"]
+            ptx = compiled.asm["ptx"]
+            waits = "griddepcontrol.wait" in ptx
+            releases = waits and "griddepcontrol.launch_dependents" in ptx[ptx.index("griddepcontrol.wait"):]
         except Exception as e:
             shared, error = None, e
     seconds = time.perf_counter() - start
@@ -326,8 +329,8 @@ def _build_one(launch: Launch, backend) -> Lowered:
     if shared > SM90_MAX_SHARED_BYTES:
         message = (f"needs {shared} bytes of shared memory per block, more than the {SM90_MAX_SHARED_BYTES} (227 KiB) "
                    "an H100 / H200 allows, so it would fail at launch: use smaller tiles or fewer stages")  # fmt: skip
-        return Lowered(launch, message, seconds, shared, waits)
-    return Lowered(launch, None, seconds, shared, waits)
+        return Lowered(launch, message, seconds, shared, waits, releases)
+    return Lowered(launch, None, seconds, shared, waits, releases)
 
 
 def _child_main() -> None:

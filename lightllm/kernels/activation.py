@@ -17,20 +17,21 @@ from lightllm.common.autotuner import AutotuneKernelType, PlannedInputs, autotun
 from lightllm.kernels.launch_math import cdiv, next_power_of_2
 from lightllm.kernels.direct_launch import DirectLaunch
 from lightllm.kernels.step_buffer import StepBuffer
-from lightllm.kernels.pdl import pdl_enter
+from lightllm.kernels.pdl import pdl_release, pdl_wait
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @triton.jit
 def _silu_mul_kernel(GU, Out, stride_gu, stride_out, N, BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr = False):
-    pdl_enter(USE_PDL)
+    pdl_wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = cols < N
     gate = tl.load(GU + row * stride_gu + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(GU + row * stride_gu + N + cols, mask=mask, other=0.0)
     act = (gate / (1.0 + tl.exp(-gate))).to(GU.dtype.element_ty)
+    pdl_release(USE_PDL)
     tl.store(Out + row * stride_out + cols, (act * up).to(Out.dtype.element_ty), mask=mask)
 
 

@@ -16,7 +16,7 @@ import triton.language as tl
 
 from lightllm.kernels.direct_launch import DirectLaunch
 from lightllm.kernels.launch_math import cdiv
-from lightllm.kernels.pdl import pdl_enter
+from lightllm.kernels.pdl import pdl_release, pdl_wait
 
 MAX_ROWS = 16  # x's rows are padded to this tile: the kernel serves M <= 16
 _SUM_BLOCK = 1024
@@ -33,7 +33,7 @@ def pipeline_shared_bytes(config: dict, itemsize: int) -> int:
 def _small_m_linear_kernel(X, W, Out, M, N, K, stride_xm, stride_wn, stride_om, stride_split, k_per_split,
                            ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                            USE_PDL: tl.constexpr = False):  # fmt: skip
-    pdl_enter(USE_PDL)
+    pdl_wait(USE_PDL)
     split = tl.program_id(1)
     rows = tl.arange(0, ROWS)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -53,6 +53,7 @@ def _small_m_linear_kernel(X, W, Out, M, N, K, stride_xm, stride_wn, stride_om, 
             acc = tl.dot(x, w, acc, input_precision="ieee")
         else:
             acc = tl.dot(x, w, acc)
+    pdl_release(USE_PDL)
     out_ptrs = Out + split * stride_split + rows[:, None] * stride_om + cols[None, :]
     tl.store(out_ptrs, acc.to(Out.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
@@ -60,12 +61,13 @@ def _small_m_linear_kernel(X, W, Out, M, N, K, stride_xm, stride_wn, stride_om, 
 @triton.jit
 def _sum_splits_kernel(P, Out, N, numel, stride_om, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr,
                        USE_PDL: tl.constexpr = False):  # fmt: skip
-    pdl_enter(USE_PDL)
+    pdl_wait(USE_PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < numel
     acc = tl.load(P + offs, mask=ok, other=0.0)
     for s in tl.static_range(1, SPLIT_K):  # always in slice order: the same sum every run
         acc += tl.load(P + s * numel + offs, mask=ok, other=0.0)
+    pdl_release(USE_PDL)
     tl.store(Out + (offs // N) * stride_om + offs % N, acc.to(Out.dtype.element_ty), mask=ok)
 
 

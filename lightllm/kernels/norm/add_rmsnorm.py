@@ -17,7 +17,7 @@ from lightllm.kernels.norm.rmsnorm import scale_normed, rmsnorm_ref
 from lightllm.kernels.block_configs import row_chunk_configs, row_chunk_default
 from lightllm.kernels.direct_launch import DirectLaunch
 from lightllm.kernels.step_buffer import StepBuffer
-from lightllm.kernels.pdl import pdl_enter
+from lightllm.kernels.pdl import pdl_release, pdl_wait
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -25,7 +25,7 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 @triton.jit
 def _add_rmsnorm_kernel(R, X, W, Y, stride_r, stride_x, stride_y, N, eps, BLOCK_N: tl.constexpr,
                         ONE_PASS: tl.constexpr, USE_PDL: tl.constexpr = False):  # fmt: skip
-    pdl_enter(USE_PDL)
+    pdl_wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     r_row = R + row * stride_r
     x_row = X + row * stride_x
@@ -34,6 +34,7 @@ def _add_rmsnorm_kernel(R, X, W, Y, stride_r, stride_x, stride_y, N, eps, BLOCK_
     if ONE_PASS:
         mask = cols < N
         h = tl.load(r_row + cols, mask=mask, other=0.0) + tl.load(x_row + cols, mask=mask, other=0.0)
+        pdl_release(USE_PDL)
         tl.store(r_row + cols, h, mask=mask)
         hf = h.to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(hf * hf, axis=0) / N + eps)
@@ -50,6 +51,7 @@ def _add_rmsnorm_kernel(R, X, W, Y, stride_r, stride_x, stride_y, N, eps, BLOCK_
             hf = h.to(tl.float32)
             acc += hf * hf
         rstd = 1.0 / tl.sqrt(tl.sum(acc, axis=0) / N + eps)
+        pdl_release(USE_PDL)
         for i in range(num_chunks):
             off = i * BLOCK_N
             mask = off + cols < N

@@ -28,7 +28,7 @@ from lightllm.kernels.launch_math import cdiv, next_power_of_2
 from lightllm.kernels.direct_launch import DirectLaunch
 from lightllm.kernels.kv_cache_write import KVLayers, write_kv_ref
 from lightllm.kernels.step_buffer import StepBuffer
-from lightllm.kernels.pdl import pdl_enter
+from lightllm.kernels.pdl import pdl_release, pdl_wait
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _POSITION_DTYPES = (torch.int32, torch.int64)
@@ -39,7 +39,7 @@ def _qk_norm_rope_kernel(QKV, QW, KW, Cos, Sin, Pos, Q, K, K_cache, V_cache, Tok
                          Q_HEADS: tl.constexpr, HEADS: tl.constexpr, D: tl.constexpr, Q_WIDTH: tl.constexpr,
                          ROT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
                          WRITE_KV: tl.constexpr, USE_PDL: tl.constexpr = False):  # fmt: skip
-    pdl_enter(USE_PDL)
+    pdl_wait(USE_PDL)
     # q [tokens, Q_HEADS, D], k [tokens, HEADS - Q_HEADS, D] and the caches [slots, HEADS - Q_HEADS, D] are
     # contiguous: their strides need no arguments.
     t = tl.program_id(0).to(tl.int64)
@@ -72,6 +72,7 @@ def _qk_norm_rope_kernel(QKV, QW, KW, Cos, Sin, Pos, Q, K, K_cache, V_cache, Tok
     rotated = (normed * cos).to(dt).to(tl.float32) + (sign[None, :] * normed_partner * sin).to(dt).to(tl.float32)
     y = tl.where(rot_mask[None, :], rotated, normed).to(dt)
 
+    pdl_release(USE_PDL)
     q_ptr = Q + t * (Q_HEADS * D) + h[:, None] * D + d[None, :]
     tl.store(q_ptr, y.to(Q.dtype.element_ty), mask=mask & is_q)
     k_ptr = K + t * ((HEADS - Q_HEADS) * D) + (h - Q_HEADS)[:, None] * D + d[None, :]

@@ -18,7 +18,7 @@ from lightllm.common.autotuner import AutotuneKernelType, PlannedInputs, autotun
 from lightllm.kernels.block_configs import row_chunk_configs, row_chunk_default
 from lightllm.kernels.direct_launch import DirectLaunch
 from lightllm.kernels.step_buffer import StepBuffer
-from lightllm.kernels.pdl import pdl_enter
+from lightllm.kernels.pdl import pdl_release, pdl_wait
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -36,7 +36,7 @@ def scale_normed(normed, w, dtype: tl.constexpr):
 @triton.jit
 def _rmsnorm_kernel(X, W, Y, stride_x, stride_y, N, eps, BLOCK_N: tl.constexpr, ONE_PASS: tl.constexpr,
                     USE_PDL: tl.constexpr = False):  # fmt: skip
-    pdl_enter(USE_PDL)
+    pdl_wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     x_row = X + row * stride_x
     y_row = Y + row * stride_y
@@ -46,6 +46,7 @@ def _rmsnorm_kernel(X, W, Y, stride_x, stride_y, N, eps, BLOCK_N: tl.constexpr, 
         x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / N + eps)
         w = tl.load(W + cols, mask=mask, other=0.0)
+        pdl_release(USE_PDL)
         tl.store(y_row + cols, scale_normed(x * rstd, w, X.dtype.element_ty).to(Y.dtype.element_ty), mask=mask)
     else:
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -56,6 +57,7 @@ def _rmsnorm_kernel(X, W, Y, stride_x, stride_y, N, eps, BLOCK_N: tl.constexpr, 
             x = tl.load(x_row + off + cols, mask=mask, other=0.0).to(tl.float32)
             acc += x * x
         rstd = 1.0 / tl.sqrt(tl.sum(acc, axis=0) / N + eps)
+        pdl_release(USE_PDL)
         for i in range(num_chunks):
             off = i * BLOCK_N
             mask = off + cols < N

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from lightllm.kernels.attention.decode.splits import split_tokens
-from lightllm.kernels.pdl import pdl_enter
+from lightllm.kernels.pdl import pdl_release, pdl_wait
 
 
 @triton.jit
@@ -265,7 +265,7 @@ def decode_stage1_kernel(
     PRECISION: tl.constexpr,  # "ieee" for float32 queries (no tf32 rounding), None (default) for 16-bit
     USE_PDL: tl.constexpr = False,  # kernels/pdl.py
 ):
-    pdl_enter(USE_PDL)
+    pdl_wait(USE_PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -321,6 +321,7 @@ def decode_stage1_kernel(
         acc_hi = acc_hi * alpha[:, None] + tl.dot(p, v_hi, input_precision=PRECISION)
         m_i = m_new
 
+    pdl_release(USE_PDL)
     o_ptr = mid_o + b.to(tl.int64) * stride_mob + heads[:, None] * stride_moh + split * stride_mos + d[None, :]
     tl.store(o_ptr, acc_lo / l_i[:, None], mask=mask_h[:, None])
     tl.store(o_ptr + HALF_D, acc_hi / l_i[:, None], mask=mask_h[:, None])

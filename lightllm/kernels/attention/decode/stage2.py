@@ -4,7 +4,7 @@ import triton
 import triton.language as tl
 
 from lightllm.kernels.attention.decode.splits import split_tokens
-from lightllm.kernels.pdl import pdl_enter
+from lightllm.kernels.pdl import pdl_release, pdl_wait
 
 
 @triton.jit
@@ -26,7 +26,7 @@ def decode_stage2_kernel(
     HEAD_DIM: tl.constexpr,
     USE_PDL: tl.constexpr = False,  # kernels/pdl.py
 ):
-    pdl_enter(USE_PDL)
+    pdl_wait(USE_PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     seq_len = tl.load(b_seq_len + b)
@@ -48,5 +48,6 @@ def decode_stage2_kernel(
         acc = acc * alpha + o * w
         l_i = l_i * alpha + w
         m_i = m_new
+    pdl_release(USE_PDL)
     out = tl.where(used > 0, acc / tl.maximum(l_i, 1e-30), 0.0)
     tl.store(Out + b.to(tl.int64) * stride_ob + h * stride_oh + d, out.to(Out.dtype.element_ty))
