@@ -99,8 +99,9 @@ def cmd_clear(args) -> int:
 
 def _merged(dest: Path, src: dict) -> Optional[dict]:
     """``src``'s payload over the file at ``dest`` (its other run keys kept; src's win, whatever their spelling:
-    "4.0" and 4 are one key); None when ``dest`` exists and cannot be read (it is not to be overwritten)."""
-    old = store.read_config_file(dest)
+    "4.0" and 4 are one key); None when ``dest`` exists and cannot be read whole (it is not to be overwritten: a
+    shipped folder's file is not a cache, and a malformed entry there is for a person to fix, not to drop)."""
+    old = store.read_config_file(dest, strict=True)
     if old is None:
         if dest.exists():
             return None

@@ -5,7 +5,8 @@ Two roots are read: configs shipped inside the package and the writable root
 writable root only, merged under a file lock with whatever another process wrote, then renamed into
 place so readers never see a half-written file. Temp files are made only under that lock, so one found
 there was left by a writer that died (killed with -9, say): the next writer of that file removes it.
-A file that cannot be read or has the wrong schema gives one warning and counts as a miss.
+A file that cannot be read or has the wrong schema gives one warning and counts as a miss; a malformed entry
+is left out with one warning, the file's other entries kept.
 """
 
 import datetime
@@ -102,8 +103,11 @@ def _valid_config(cfg: Any) -> bool:
     )
 
 
-def read_config_file(path: Path) -> Optional[dict]:
-    """The parsed file, or None (with one warning) when it is unreadable, corrupt or of the wrong schema."""
+def read_config_file(path: Path, strict: bool = False) -> Optional[dict]:
+    """The parsed file, or None (with one warning) when it is unreadable, corrupt or of the wrong schema. An entry
+    whose run key or config is malformed is left out, with one warning per file that names it: the others are kept,
+    and the next save of the file writes them back without it. ``strict``: such a file is None too (a file that is
+    not a cache, which a write must not shorten)."""
     try:
         with open(path, "r", encoding="utf-8") as f:
             data = json.load(f)
@@ -116,18 +120,38 @@ def read_config_file(path: Path) -> Optional[dict]:
         _warn_once(path, f"expected a JSON object with version {SCHEMA_VERSION}")
         return None
     configs = data.get("configs")
-    if not isinstance(configs, dict) or not all(_valid_config(c) for c in configs.values()):
-        _warn_once(path, "'configs' must map run keys to objects of JSON scalars or null")
+    if not isinstance(configs, dict):
+        _warn_once(path, "'configs' must be an object mapping run keys to configs")
         return None
-    try:
-        for rk in configs:
+    bad = {}
+    for rk, cfg in configs.items():
+        if not _valid_config(cfg):
+            bad[rk] = "not an object of JSON scalars or null"
+            continue
+        try:
             key_from_json(rk)
-    except (ValueError, TypeError, RecursionError) as e:
-        _warn_once(path, f"bad run key: {e}")
-        return None
+        except (ValueError, TypeError, RecursionError) as e:
+            bad[rk] = f"bad run key: {e}"
+    if bad:
+        named = "; ".join(f"{_shorten(rk)}: {_shorten(why)}" for rk, why in list(bad.items())[:3])
+        named += f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+        if strict:
+            _warn_once(path, f"{len(bad)} malformed entries: {named}")
+            return None
+        if path not in _warned_paths:
+            _warned_paths.add(path)
+            logger.warning("autotune config %s: %d of its %d entries ignored (%s); their run keys are cache misses",
+                           path, len(bad), len(configs), named)  # fmt: skip
+        data["configs"] = {rk: cfg for rk, cfg in configs.items() if rk not in bad}
     if not isinstance(data.get("timings"), dict):
         data["timings"] = {}  # optional: hand-written and shipped files may carry configs alone
     return data
+
+
+def _shorten(text: str, limit: int = 80) -> str:
+    """A run key or reason as a warning quotes it: a 5000-digit key must not flood the log."""
+    text = str(text)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 def without_run_keys(data: dict, run_keys: Set[Any]) -> Tuple[dict, dict]:

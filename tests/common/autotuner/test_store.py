@@ -117,6 +117,35 @@ def test_corrupt_file_is_a_warning_and_a_miss(toy, monkeypatch, caplog, isolated
     assert json.loads(path.read_text())["configs"] == {"8": {"ms": 0.2}}
 
 
+def test_a_malformed_entry_is_left_out_and_the_files_other_entries_kept(caplog, isolated_autotune):
+    """One bad entry (a hand edit, a truncated key) costs only its own run key: the other entries load, one warning
+    names the bad one (shortened), and the next save writes the good ones back without it."""
+    s = store.ConfigStore("k")
+    frozen = (("d", 1),)
+    path = s.path(isolated_autotune, frozen)
+    path.parent.mkdir(parents=True)
+    huge = "9" * 5000
+    path.write_text(
+        json.dumps(
+            {
+                "version": 1,
+                "configs": {"4": {"B": 1}, "8": [1, 2], "16": {"B": 2}, "x": None},
+                "timings": {"4": {"best_ms": 1.0}, "8": {"best_ms": 1.0}},
+            }
+        ).replace('"x"', f'"{huge}"')
+    )
+    with caplog.at_level(logging.WARNING, logger="lightllm.common.autotuner"):
+        assert s.load(frozen) == {4: {"B": 1}, 16: {"B": 2}}
+        assert s.load(frozen) == {4: {"B": 1}, 16: {"B": 2}}
+    warnings = [r.getMessage() for r in caplog.records if str(path) in r.getMessage()]
+    assert len(warnings) == 1 and "2 of its 4 entries ignored" in warnings[0], warnings
+    assert "8: not an object" in warnings[0] and "(5000 characters)" in warnings[0] and huge not in warnings[0]
+    s.save({"d": 1}, frozen, {32: ({"B": 3}, {"best_ms": 0.5})})
+    data = json.loads(path.read_text())
+    assert data["configs"] == {"16": {"B": 2}, "32": {"B": 3}, "4": {"B": 1}}
+    assert set(data["timings"]) == {"4", "32"}
+
+
 def test_a_new_search_replaces_its_key_however_the_file_spelled_it(isolated_autotune):
     """A hand-written "4.0" is run key 4: the search's "4" replaces it (both in the file, the sorted-later "4.0"
     would win at load)."""
