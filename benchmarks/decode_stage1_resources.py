@@ -1,7 +1,10 @@
 """Registers, spilled bytes and shared memory of decode attention's stage-1 kernel for each tuned candidate, compiled
 for a GPU architecture on any machine: Triton compiles to a cubin without a GPU, and its bundled ``cuobjdump`` reads
-the cubin's resources. Nothing is timed; it shows what a GPU table cannot: a candidate that spills, or one whose
-registers leave few warps resident per SM (fewer loads in flight for a memory-bound kernel).
+the cubin's resources. Nothing is timed; it shows what a GPU table cannot: a candidate that spills, one whose
+registers or shared memory leave few warps resident per SM (fewer loads in flight for a memory-bound kernel), and
+how many dequantized K/V tiles the compiler stages through shared memory (from its TTGIR: a 16-bit
+``[BLOCK_N, D/2]`` register tensor written to shared memory, then read back in the dot's operand layout, behind a
+barrier, each loop iteration).
 
     python benchmarks/decode_stage1_resources.py --out benchmarks/results/decode_stage1_resources_sm90.json
     python benchmarks/decode_stage1_resources.py --analyze benchmarks/results/decode_stage1_resources_sm90.json
@@ -25,6 +28,9 @@ SHAPES = {"hq32-hk8-d128": (32, 8, 128), "hq24-hk4-d256": (24, 4, 256)}
 KINDS = ("none", "int8", "int4")
 REGS_PER_SM = 65536  # sm_80 / sm_90 register file (32-bit registers)
 MAX_WARPS_PER_SM = 64
+MAX_BLOCKS_PER_SM = 32
+SHARED_KIB_PER_SM = {80: 164, 86: 100, 87: 164, 89: 100, 90: 228}  # the CUDA guide's shared memory per SM
+RESERVED_SHARED_PER_BLOCK = 1024  # the driver's per-block reservation (sm_80 and later)
 _RESOURCE = re.compile(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
 
 
@@ -94,11 +100,29 @@ def parse_resources(text: str) -> dict:
     return dict(zip(("regs", "stack_bytes", "shared_static", "local_bytes"), map(int, m.groups())))
 
 
-def warps_per_sm(regs: int, num_warps: int) -> int:
-    """Resident warps per SM that the registers allow (allocated per warp in units of 256; whole blocks only)."""
+def warps_per_sm(regs: int, num_warps: int, shared_bytes: int = 0, arch: int = 90) -> int:
+    """Resident warps per SM that the registers (allocated per warp in units of 256) and the shared memory (with the
+    per-block reservation; not counted for an arch this table does not know) allow, whole blocks only."""
+    return resident(regs, num_warps, shared_bytes, arch)[0]
+
+
+def resident(regs: int, num_warps: int, shared_bytes: int = 0, arch: int = 90) -> tuple:
+    """(warps per SM, what limits them: "regs", "smem" or "slots")."""
     per_warp = -(-regs * 32 // 256) * 256
-    blocks = REGS_PER_SM // (per_warp * num_warps)
-    return min(blocks * num_warps, MAX_WARPS_PER_SM)
+    limits = {
+        "regs": REGS_PER_SM // (per_warp * num_warps),
+        "slots": min(MAX_WARPS_PER_SM // num_warps, MAX_BLOCKS_PER_SM),
+    }
+    if shared_bytes and arch in SHARED_KIB_PER_SM:
+        limits["smem"] = SHARED_KIB_PER_SM[arch] * 1024 // (shared_bytes + RESERVED_SHARED_PER_BLOCK)
+    why = min(limits, key=limits.get)
+    return limits[why] * num_warps, why
+
+
+def staged_tiles(ttgir: str, block_n: int, half_d: int) -> int:
+    """Register tensors of a KV tile's shape in a 16-bit float type that the kernel writes to shared memory: the
+    dequantized tiles the dot cannot take from registers (async copies of the codes allocate without a source)."""
+    return len(re.findall(rf"ttg\.local_alloc %\S+ : \(tensor<{block_n}x{half_d}x(?:f16|bf16),", ttgir))
 
 
 def compile_one(kernel, arch: int, shape, kind: str, group: int, cfg: dict, int4_offset: int, p2) -> dict:
@@ -124,6 +148,7 @@ def compile_one(kernel, arch: int, shape, kind: str, group: int, cfg: dict, int4
                               check=True).stdout  # fmt: skip
     res = parse_resources(text)
     res["shared_bytes"] = compiled.metadata.shared
+    res["staged_tiles"] = staged_tiles(compiled.asm["ttgir"], cfg["BLOCK_N"], d // 2)
     return res
 
 
@@ -147,15 +172,20 @@ def run(args) -> dict:
 
 
 def print_table(results: dict) -> None:
-    print(f"# decode stage 1 compiled for {results['arch']}: registers per thread, spilled bytes (stack), shared "
-          "memory, and the warps per SM the registers allow")  # fmt: skip
+    arch = int(results["arch"].removeprefix("sm_"))
+    print(
+        f"# decode stage 1 compiled for {results['arch']}: registers per thread, spilled bytes (stack), shared "
+        "memory, the warps per SM that registers and shared memory allow (and which limits them), and the "
+        "dequantized K/V tiles staged through shared memory per iteration ('-': a run before that was counted)"
+    )
     print(f"{'shape':14s} {'kv':5s} {'grp':>3s} {'BN':>4s} {'w':>2s} {'st':>2s} {'minb':>4s} "
-          f"{'regs':>4s} {'spill B':>7s} {'smem KiB':>8s} {'warps/SM':>8s}")  # fmt: skip
+          f"{'regs':>4s} {'spill B':>7s} {'smem KiB':>8s} {'warps/SM':>8s} {'limit':>5s} {'staged':>6s}")  # fmt: skip
     for c in results["cells"]:
-        warps = warps_per_sm(c["regs"], c["num_warps"])
+        warps, why = resident(c["regs"], c["num_warps"], c["shared_bytes"], arch)
+        staged = c.get("staged_tiles", "-")
         print(f"{c['shape']:14s} {c['kind']:5s} {c['group']:3d} {c['BLOCK_N']:4d} {c['num_warps']:2d} "
               f"{c['num_stages']:2d} {c['MIN_BLOCKS']:4d} {c['regs']:4d} "
-              f"{c['stack_bytes']:7d} {c['shared_bytes'] / 1024:8.1f} {warps:8d}")  # fmt: skip
+              f"{c['stack_bytes']:7d} {c['shared_bytes'] / 1024:8.1f} {warps:8d} {why:>5s} {staged:>6}")  # fmt: skip
 
 
 def parse_args(argv=None):

@@ -30,6 +30,7 @@ def test_one_candidate_per_quantized_kind_compiles_for_sm90_and_reports_its_reso
     assert got == sorted(("hq32-hk8-d128", k, g) for k in ("int8", "int4") for g in (8, 32))
     for cell in cells:
         assert 16 <= cell["regs"] <= 255 and cell["shared_bytes"] > 0 and cell["stack_bytes"] >= 0
+        assert 0 <= cell["staged_tiles"] <= 4  # K and V, two halves each
     assert "warps/SM" in done.stdout and "hq32-hk8-d128 int8" in done.stdout
 
 
@@ -40,11 +41,27 @@ def test_candidates_differing_only_in_waves_share_a_compile(bench):
     assert bench.distinct_configs(space) == [plain, {**plain, "MIN_BLOCKS": 2}]
 
 
-def test_resident_warps_follow_the_register_file(bench):
+def test_resident_warps_follow_the_register_file_and_shared_memory(bench):
     assert bench.warps_per_sm(255, 4) == 8  # 256 registers a thread: 2 blocks of 4 warps
     assert bench.warps_per_sm(128, 4) == 16
     assert bench.warps_per_sm(32, 8) == 64  # capped by the SM's warp slots
     assert bench.warps_per_sm(151, 2) == 12  # 152 a thread (a warp takes registers in units of 256): 6 blocks
+    # the INT8 config the H200 chose (BLOCK_N 64, 2 warps, 3 stages): 7 blocks by registers, 5 by 43 KiB of shared
+    assert bench.resident(144, 2, 43264, 90) == (10, "smem")
+    assert bench.resident(144, 2, 43264, 75) == (14, "regs")  # an arch the table does not know: registers only
+    assert bench.resident(16, 1, 0, 90) == (32, "slots")  # 32 blocks at most
+
+
+def test_staged_tiles_count_16_bit_kv_tiles_written_from_registers(bench):
+    ttgir = """
+    %lo_86 = ttg.local_alloc : () -> !ttg.memdesc<1x64x64xi8, #shared2, #smem, mutable>
+    %84 = ttg.local_alloc %83 : (tensor<64x64xf16, #blocked8>) -> !ttg.memdesc<64x64xf16, #shared5, #smem>
+    %89 = ttg.local_alloc %88 : (tensor<64x64xbf16, #blocked8>) -> !ttg.memdesc<64x64xbf16, #shared5, #smem>
+    %p_216 = ttg.local_alloc %p_215 : (tensor<16x64xf16, #mma>) -> !ttg.memdesc<16x64xf16, #shared, #smem>
+    %q = ttg.local_alloc %q0 : (tensor<64x64xi32, #blocked>) -> !ttg.memdesc<64x64xi32, #shared, #smem>
+    """
+    assert bench.staged_tiles(ttgir, 64, 64) == 2  # not the codes' async buffer, the probabilities or int words
+    assert bench.staged_tiles(ttgir, 32, 64) == 0
 
 
 def test_resource_line_parsing_and_bad_arguments(bench):
@@ -65,7 +82,7 @@ def test_table_from_a_saved_run(bench, tmp_path, capsys):
     path.write_text(json.dumps({"arch": "sm_90", "cells": [cell]}))
     bench.main(["--analyze", str(path)])
     (row,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("hq32")]
-    assert row.split() == ["hq32-hk8-d128", "int4", "8", "64", "4", "2", "1", "255", "728", "22.0", "8"]
+    assert row.split() == ["hq32-hk8-d128", "int4", "8", "64", "4", "2", "1", "255", "728", "22.0", "8", "regs", "-"]
 
 
 def test_launch_specialization_marks_aligned_pointers_and_multiples_of_16(bench):
