@@ -26,7 +26,7 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Callable, Collection, Iterable, List, Optional, Protocol, Sequence, Set, Tuple
+from typing import Callable, Collection, Dict, Iterable, List, Optional, Protocol, Sequence, Set, Tuple
 
 import torch
 
@@ -123,6 +123,7 @@ class Engine:
         self._timing = False  # this step is GPU-timed
         self._inbox: "queue.Queue[Request]" = queue.Queue()
         self._aborts: "queue.Queue[Tuple[str, str]]" = queue.Queue()
+        self._held_aborts: Dict[str, str] = {}  # taken from the queue mid-step (take_abort): the next step's
         self._closing = threading.Event()
         # Overlapped decode needs a runner that decodes from device tokens (not fakes) and no MTP
         self.overlap = (self.spec is None and isinstance(runner, AheadDecoder)
@@ -361,8 +362,14 @@ class Engine:
             for req in self.scheduler.requests():
                 aborts.setdefault(req.id, "abort")
 
+    def take_abort(self, request_id: str) -> Optional[str]:
+        """Take an abort of ``request_id`` made since this step took its aborts (from an emit callback, say): its
+        reason, or None. The other aborts it finds are applied at the next step boundary."""
+        self._held_aborts = self._take_aborts()
+        return self._held_aborts.pop(request_id, None)
+
     def _take_aborts(self) -> dict:
-        reasons = {}
+        reasons, self._held_aborts = self._held_aborts, {}
         while True:
             try:
                 request_id, reason = self._aborts.get_nowait()

@@ -13,7 +13,8 @@ drafts before it hold (all positions on the device at once, then one read):
   Every emitted token is thereby distributed as plain sampling would draw it.
 
 Each emitted token is checked for EOS, stop token ids and length at once, so a request never emits past its end
-inside an accepted run (stop strings: the server and ``LLM`` abort at the first one and ignore what follows).
+inside an accepted run; an abort made from a token's emit callback (the server's and ``LLM``'s stop strings) ends
+the request there, as it would after a one-token step: none of the run's later tokens is emitted.
 """
 
 import logging
@@ -282,16 +283,21 @@ class SpecDecoder:
         observer = eng.observer
         alive = []
         for req, out in zip(batch, outcomes):
+            reason = out.reason
             for ev in out.events:
                 if observer is not None:
                     first = req.last_token_time is None
                     observer.on_token(first, now - (req.arrival if first else req.last_token_time))
                 req.last_token_time = now
                 req.emit(ev)
-            if out.reason is None:
+                aborted = eng.take_abort(req.id) if ev is not out.events[-1] else None
+                if aborted is not None:
+                    reason = aborted
+                    break
+            if reason is None:
                 alive.append(req)
             else:
-                eng._finish(req, out.reason)
+                eng._finish(req, reason)
         if observer is not None:
             observer.on_spec(len(batch) * self.step_drafts, sum(sum(ev.draft for ev in o.events) for o in outcomes))
         return alive

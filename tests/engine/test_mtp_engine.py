@@ -431,3 +431,38 @@ def test_a_failed_acceptance_ends_its_steps_requests_and_the_engine_serves_on(ag
     while eng.step():
         pass
     assert reasons["later"] == "length" and eng.runner.kv.num_free_tokens == free
+
+
+def test_an_abort_from_a_token_callback_ends_the_request_there_as_without_mtp(agree_dir):
+    """Every draft of the agreeing head is accepted (4 tokens a step): an abort made in the second token's callback
+    emits none of the run's later tokens and ends the request with the abort's reason, as a one-token step would,
+    also for a request whose run reaches its length in that step; the other request is untouched."""
+
+    def run(eng):
+        outs, reasons = {0: [], 1: [], 2: []}, {}
+        kv = eng.runner.kv
+        free = (kv.num_free_slots, kv.num_free_tokens)
+
+        def emitter(i):
+            def emit(ev):
+                if ev.kind != "token":
+                    reasons[i] = ev.finish_reason
+                    return
+                outs[i].append(ev.token_id)
+                if i < 2 and len(outs[i]) == 2:
+                    eng.abort(str(i), "stop")
+
+            return emit
+
+        params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (4, 30, 6)]
+        for i, p in enumerate(params):
+            eng.submit(Request(str(i), [50, 60, 100], p, emitter(i)))
+        while len(reasons) < 3:
+            assert eng.step()
+        assert (kv.num_free_slots, kv.num_free_tokens) == free  # every slot and token back
+        return outs, reasons
+
+    want = run(engine(agree_dir))
+    got = run(engine(agree_dir, mtp_mode="eagle_with_att", mtp_step=3))
+    assert got == want == ({0: [101, 102], 1: [101, 102], 2: [101, 102, 103, 104, 105, 106]},
+                           {0: "stop", 1: "stop", 2: "length"})  # fmt: skip
