@@ -74,7 +74,9 @@ class IncrementalDetokenizer:
         # (skipped special tokens, ids past the vocabulary). Waiting on would grow the window, and the decoding per
         # token, without bound. Only an incomplete character at the end can still change: at most 3 bytes, so in the
         # last 3 ids that carry text (ids with none can sit between its bytes). The text up to a cut before them is
-        # final where it is a prefix of the window's; a character straddling the cut moves it a few ids back.
+        # final where it is a prefix of the window's and the ids after the cut decode to the rest of it: a cut inside an
+        # invalid byte run (a lead byte's U+FFFD alone looks like the whole run's) would decode the run's continuation
+        # bytes apart later, one U+FFFD each. A character straddling the cut moves it a few ids back.
         cut, carrying = len(self.ids), 0  # before the 3rd last id with text (the first one, if fewer; all, if none)
         for i in range(len(self.ids) - 1, self._emitted - 1, -1):
             if self._carries_text(self.ids[i]):
@@ -83,7 +85,7 @@ class IncrementalDetokenizer:
                     break
         for cut in range(cut, max(self._emitted, cut - _MAX_CUT_TRIES), -1):
             text = self._decode(self.ids[self._start : cut])
-            if text.startswith(done) and window.startswith(text):
+            if text.startswith(done) and window.startswith(text) and text + self._decode(self.ids[cut:]) == window:
                 self._start, self._emitted = self._emitted, cut
                 return text[len(done) :]
         return ""

@@ -11,6 +11,7 @@ import time
 import uuid
 from typing import AsyncIterator, Dict, List, Optional, Sequence, Tuple
 
+from lightllm.engine.detokenize import IncrementalDetokenizer
 from lightllm.engine.request import Event
 from lightllm.server.bodies import ChatRequest, CompletionRequest
 from lightllm.server.chat_output import ChatParsing, merge_deltas
@@ -156,6 +157,24 @@ def _byte_of_char() -> Dict[str, int]:
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte tokens
 
 
+class TextOffsets:
+    """OpenAI's completions ``text_offset``: where each generated token starts in the returned text, in characters
+    from ``start`` (an echoed prompt's length), with the text as the stream gives it: a token inside a character split
+    over tokens starts where that character does, and one with no text (a skipped special token) where the next text
+    does. Adding up each token's own decode instead drifts by the split characters' extra U+FFFDs and the special
+    tokens' names."""
+
+    def __init__(self, tokenizer, start: int):
+        self._detok = IncrementalDetokenizer(tokenizer)
+        self._at = start
+
+    def next(self, token_id: int) -> int:
+        """The offset of ``token_id``, the next generated token."""
+        at = self._at
+        self._at += len(self._detok.add(token_id))
+        return at
+
+
 class LogprobFormatter:
     """OpenAI's logprobs objects from the engine's (token id, logprob, top logprobs) per generated token."""
 
@@ -197,10 +216,10 @@ class LogprobFormatter:
         """``{tokens, token_logprobs, top_logprobs, text_offset}``; ``top_logprobs`` maps text to logprob for the
         chosen token and the asked-for alternatives; ``text_offset`` counts from ``offset`` (an echoed prompt)."""
         texts, offsets, top_maps = [], [], []
+        positions = TextOffsets(self.tokenizer, offset)
         for tok, lp, top in zip(tokens, logprobs, tops):
             text = self.text(tok)
-            offsets.append(offset)
-            offset += len(text)
+            offsets.append(positions.next(tok))
             texts.append(text)
             top_map = {self.text(t): v for t, v in top or ()}
             top_map.setdefault(text, lp)
@@ -272,7 +291,8 @@ class OpenAIReply:
         ("Chunk" is OpenAI's name for one event; the events of tokens ready together share one write.)"""
         kind = self.kind + ".chunk" if self.chat else self.kind
         produced, cached = [0] * len(seqs), [[] for _ in seqs]
-        offsets = [len(self._echo(i // self.n)) for i in range(len(seqs))]
+        positions = [TextOffsets(self.logprobs.tokenizer, len(self._echo(i // self.n)))
+                     for i in range(len(seqs))] if self.with_logprobs and not self.chat else []  # fmt: skip
         for i in range(len(seqs)):
             if self.chat:
                 yield self._sse(kind, [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -288,8 +308,7 @@ class OpenAIReply:
                 if ev is not None:
                     produced[i] += 1
                     if self.with_logprobs:
-                        lps = self._token_logprobs(ev, offsets[i])
-                        offsets[i] += len(self.logprobs.text(ev.token_id))
+                        lps = self._token_logprobs(ev, 0 if self.chat else positions[i].next(ev.token_id))
                 if outputs:
                     fields = outputs[i].add(delta)
                     if fin:

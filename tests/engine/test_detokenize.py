@@ -119,6 +119,19 @@ def test_valid_characters_across_a_forced_cut_stay_whole(tokenizer, seed):
     assert "".join(deltas) + rest == tokenizer.decode(ids, skip_special_tokens=True)
 
 
+def test_a_forced_cut_never_splits_an_invalid_byte_run(tokenizer):
+    """A 4-byte lead with two continuation bytes, then textless ids past the hold-back: a cut after the lead alone
+    decodes to the same U+FFFD as the whole run, but the continuation bytes decoded apart later give one each."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    byte = {b: tokenizer.convert_tokens_to_ids(c) for b, c in bytes_to_unicode().items()}
+    eot = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    ids = [byte[0xF3], byte[0xB2], byte[0xB2], eot, eot, byte[0xE6], eot, eot, eot, byte[0x9B]]
+    assert len(ids) > MAX_HELD_TOKENS  # the forced cut runs
+    deltas, rest = stream(tokenizer, ids)
+    assert "".join(deltas) + rest == tokenizer.decode(ids, skip_special_tokens=True) == "\ufffd\ufffd"
+
+
 def test_nothing_to_finish(tokenizer):
     assert IncrementalDetokenizer(tokenizer).finish() == ""
 

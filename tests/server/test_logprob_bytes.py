@@ -1,4 +1,5 @@
-"""OpenAI's logprobs ``bytes``: each token's own bytes, so a client can join a character split over tokens."""
+"""OpenAI's logprobs ``bytes``: each token's own bytes, so a client can join a character split over tokens; and the
+completions ``text_offset``: where each token starts in the returned text."""
 
 import pytest
 
@@ -23,6 +24,22 @@ def test_a_character_split_over_byte_level_tokens_is_rebuilt_from_their_bytes(to
     whole = tokenizer.encode("hello world", add_special_tokens=False)
     for tok in whole:  # a token that decodes whole: its text's bytes
         assert fmt.raw_bytes(tok, fmt.text(tok)) == list(fmt.text(tok).encode("utf-8"))
+
+
+def test_text_offsets_index_the_returned_text_across_split_characters_and_special_tokens(tokenizer):
+    """Each offset is where its token's text starts in the text the stream returns (a byte of a split character: where
+    the character does; a skipped special token: where the next text does), from the echoed prompt's length."""
+    fmt = LogprobFormatter(tokenizer)
+    split = tokenizer.encode("中", add_special_tokens=False)  # one character, three byte-level tokens here
+    assert len(split) == 3
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    a, b, c = (tokenizer.encode(x, add_special_tokens=False) for x in "abc")
+    ids = a + split + b + [end] + c
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    assert text == "a中bc"
+    offsets = fmt.completion(ids, [-1.0] * len(ids), [None] * len(ids), 5)["text_offset"]
+    assert offsets == [5, 6, 6, 6, 7, 8, 8]
+    assert [text[o - 5] for o in (offsets[0], offsets[1], offsets[4], offsets[6])] == ["a", "中", "b", "c"]
 
 
 class _ByteFallbackTokenizer:
