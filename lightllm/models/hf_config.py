@@ -51,6 +51,14 @@ def auto_config(model_dir: Path) -> Any:
         ) from None
 
 
+def check_model_type(path: Path, hf: Any, expected: str, architecture: str) -> None:
+    """``architecture`` reads only a config of ``model_type`` ``expected``: another (a Qwen3 config renamed
+    Qwen3.5) gives transformers' config class of that type, without this architecture's fields."""
+    model_type = getattr(hf, "model_type", None)
+    if model_type != expected:
+        raise ModelLoadError(f"{path}: field 'model_type' is {model_type!r}, expected {expected!r} for {architecture}")
+
+
 class ConfigFields:
     """Typed, checked access to a config's fields; every error names the file and the field.
 

@@ -16,7 +16,7 @@ from lightllm.models.hf_config import ModelLoadError
 from lightllm.models.qwen3_5.config import Qwen3_5ModelConfig
 from lightllm.models.qwen3_5.weights import load_qwen3_5_weights
 from lightllm.models.registry import read_model_config
-from lightllm.tools.make_tiny_model import make_tiny_qwen3_5
+from lightllm.tools.make_tiny_model import make_tiny_qwen3, make_tiny_qwen3_5
 
 
 @pytest.fixture(scope="module")
@@ -198,6 +198,28 @@ def test_nested_config_errors_name_the_text_config_field(tiny_dir, tmp_path):
     with pytest.raises(ModelLoadError, match=r"field 'text_config.layer_types' has 'sliding_attention'; supported: "
                                              r"linear_attention, full_attention$"):  # fmt: skip
         read_model_config(cg)
+
+
+@pytest.mark.parametrize("archs, model_type, expected", [
+    (["Qwen3_5ForCausalLM"], "qwen3", "'qwen3', expected 'qwen3_5_text' for Qwen3_5ForCausalLM"),
+    (["Qwen3_5ForCausalLM"], "qwen3_5", "'qwen3_5', expected 'qwen3_5_text' for Qwen3_5ForCausalLM"),
+    (["Qwen3_5ForConditionalGeneration"], "qwen3_5_text",
+     "'qwen3_5_text', expected 'qwen3_5' for Qwen3_5ForConditionalGeneration"),
+], ids=["qwen3", "multimodal type", "text type"])  # fmt: skip
+def test_model_type_must_be_the_architectures(model_copy, archs, model_type, expected):
+    """Another model_type gives transformers' config class of that type, without the Qwen3.5 fields."""
+    edit_config(model_copy, architectures=archs, model_type=model_type)
+    with pytest.raises(ModelLoadError) as err:
+        read_model_config(model_copy)
+    assert str(err.value) == f"{model_copy / 'config.json'}: field 'model_type' is {expected}"
+
+
+def test_a_qwen3_config_named_qwen3_5_is_refused(tmp_path):
+    model_dir = make_tiny_qwen3(tmp_path / "qwen3")
+    edit_config(model_dir, architectures=["Qwen3_5ForCausalLM"])
+    with pytest.raises(ModelLoadError, match=r"config.json: field 'model_type' is 'qwen3', expected 'qwen3_5_text' "
+                                             r"for Qwen3_5ForCausalLM$"):  # fmt: skip
+        read_model_config(model_dir)
 
 
 def test_missing_and_misshapen_tensors(model_copy):

@@ -256,6 +256,16 @@ def test_wrong_architecture_says_what_is_supported(model_copy):
         Qwen3ModelConfig.from_model_dir(model_copy)
 
 
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "llama"])
+def test_model_type_must_be_qwen3(model_copy, model_type):
+    """A Qwen3.5 (or any other) config named Qwen3ForCausalLM is refused naming model_type, not a later field."""
+    edit_config(model_copy, model_type=model_type)
+    with pytest.raises(ModelLoadError) as err:
+        Qwen3ModelConfig.from_model_dir(model_copy)
+    assert str(err.value) == (f"{model_copy / 'config.json'}: field 'model_type' is {model_type!r}, expected 'qwen3' "
+                              "for Qwen3ForCausalLM")  # fmt: skip
+
+
 def test_bad_json_and_missing_files(model_copy, tmp_path):
     with pytest.raises(ModelLoadError, match="model folder not found"):
         Qwen3ModelConfig.from_model_dir(tmp_path / "nowhere")

@@ -10,7 +10,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Tuple, Union
 
-from lightllm.models.hf_config import ConfigFields, ModelLoadError, auto_config, read_config_file, read_json
+from lightllm.models.hf_config import (
+    ConfigFields,
+    ModelLoadError,
+    auto_config,
+    check_model_type,
+    read_config_file,
+    read_json,
+)
 
 ARCHITECTURES = ("Qwen3ForCausalLM",)
 MODEL_TYPE = "qwen3"
@@ -54,6 +61,7 @@ class Qwen3ModelConfig:
                                  f"supported: {', '.join(ARCHITECTURES)}")  # fmt: skip
         f = ConfigFields(path, raw, auto_config(model_dir))
         hf = f.hf
+        check_model_type(path, hf, MODEL_TYPE, ARCHITECTURES[0])
 
         hidden_size = f.positive_int("hidden_size")
         num_heads = f.positive_int("num_attention_heads")

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple, Union
 
-from lightllm.models.hf_config import ConfigFields, ModelLoadError, auto_config, read_config_file
+from lightllm.models.hf_config import ConfigFields, ModelLoadError, auto_config, check_model_type, read_config_file
 from lightllm.models.qwen3.config import special_token_ids
 
 TEXT_ARCHITECTURE = "Qwen3_5ForCausalLM"
@@ -90,6 +90,8 @@ class Qwen3_5ModelConfig:
                                  f"supported: {', '.join(ARCHITECTURES)}")  # fmt: skip
         multimodal = MULTIMODAL_ARCHITECTURE in archs and TEXT_ARCHITECTURE not in archs
         hf = auto_config(model_dir)
+        arch = MULTIMODAL_ARCHITECTURE if multimodal else TEXT_ARCHITECTURE
+        check_model_type(path, hf, MODEL_TYPES[ARCHITECTURES.index(arch)], arch)
         if multimodal:
             text_raw = raw.get("text_config")
             if not isinstance(text_raw, dict):
