@@ -3,6 +3,7 @@ short context caps the default --max_req_total_len instead of crashing in the wa
 
 import logging
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -16,7 +17,7 @@ from lightllm.common import proc as procs
 from lightllm.engine.model_runner import ModelRunner
 from lightllm.server.args import parse_args
 from lightllm.engine.engine import Engine
-from lightllm.tools.make_tiny_model import make_tiny_qwen3
+from lightllm.tools.make_tiny_model import make_tiny_qwen3, make_tiny_qwen3_5
 
 
 @pytest.fixture(scope="module")
@@ -99,6 +100,21 @@ def test_a_bad_generation_config_is_one_line_before_loading(tmp_path):
     model = make_tiny_qwen3(tmp_path / "m", generation_config={"do_sample": True, "top_p": 0})
     code, out = run_server(tmp_path, ["--model_dir", str(model), "--device", "cpu"])
     assert_one_error_line(code, out, "generation_config.json: top_p expected a number in (0, 1], got 0")
+
+
+def test_a_corrupt_safetensors_file_under_mtp_is_one_line(tmp_path, capsys):
+    """The MTP check reads the safetensors headers (of --model_dir or --mtp_draft_model_dir): a corrupt file is
+    one line naming it, not safetensors' traceback."""
+    model = make_tiny_qwen3_5(tmp_path / "m", mtp=True)
+    bad = shutil.copytree(model, tmp_path / "bad")
+    (bad / "model.safetensors").write_bytes(b"\xff" * 64)
+    capsys.readouterr()  # the writer's progress bar
+    for argv in (["--model_dir", str(bad)], ["--model_dir", str(model), "--mtp_draft_model_dir", str(bad)]):
+        with pytest.raises(SystemExit) as e:
+            parse_args([*argv, "--device", "cpu", "--mtp_mode", "eagle_with_att", "--mtp_step", "1"])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and len(err.splitlines()) == 1, err
+        assert err.startswith(f"error: {bad / 'model.safetensors'}: cannot read safetensors file: "), err
 
 
 def test_short_context_caps_the_default_and_everything_derived(short_model, caplog):

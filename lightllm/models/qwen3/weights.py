@@ -149,11 +149,7 @@ def checked_tensors(
     ``unknown``. At the end, ModelLoadError for the first missing name, ``missing_hint(name)`` appended."""
     seen = set()
     for file in safetensors_files(model_dir):
-        try:
-            handle = safe_open(str(file), framework="pt", device="cpu")
-        except Exception as e:  # safetensors raises its own error types for a bad header
-            raise ModelLoadError(f"{file}: cannot read safetensors file: {e}") from None
-        with handle as f:
+        with open_safetensors(file) as f:
             for name in f.keys():
                 if name not in shapes:
                     unknown(name)
@@ -177,6 +173,14 @@ def checked_tensors(
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise ModelLoadError(f"{model_dir}: tensor {missing[0]} is missing from the safetensors files{more}"
                              f"{missing_hint(missing[0])}")  # fmt: skip
+
+
+def open_safetensors(file: Path):
+    """``safe_open`` of ``file`` (a context manager); a bad header is ModelLoadError naming the file."""
+    try:
+        return safe_open(str(file), framework="pt", device="cpu")
+    except Exception as e:  # safetensors raises its own error types for a bad header
+        raise ModelLoadError(f"{file}: cannot read safetensors file: {e}") from None
 
 
 def safetensors_files(model_dir: Path) -> List[Path]:

@@ -4,11 +4,10 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-from safetensors import safe_open
 
 from lightllm.models.hf_config import ModelLoadError
 from lightllm.models.qwen3_5.config import ARCHITECTURES, MODEL_TYPES, Qwen3_5ModelConfig
-from lightllm.models.qwen3.weights import safetensors_files
+from lightllm.models.qwen3.weights import open_safetensors, safetensors_files
 from lightllm.models.qwen3_5.model import Qwen3_5Model
 from lightllm.models.qwen3_5.mtp import Qwen3_5MTP
 from lightllm.models.qwen3_5.tensor_parallel import check_divisible, shard_spec
@@ -74,9 +73,10 @@ class Qwen3_5Family:
 
 
 def has_mtp_weights(model_dir: Path) -> bool:
-    """Whether the folder's safetensors files name any ``mtp.*`` tensor (headers only)."""
+    """Whether the folder's safetensors files name any ``mtp.*`` tensor (headers only); ModelLoadError naming a file
+    that is not one."""
     for file in safetensors_files(Path(model_dir)):
-        with safe_open(str(file), framework="pt", device="cpu") as f:
+        with open_safetensors(file) as f:
             if any(name.startswith(MTP_PREFIX) for name in f.keys()):
                 return True
     return False
