@@ -222,6 +222,14 @@ def test_a_qwen3_config_named_qwen3_5_is_refused(tmp_path):
         read_model_config(model_dir)
 
 
+def test_an_out_of_range_generation_eos_id_names_generation_config(model_copy):
+    (model_copy / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 512]}))
+    with pytest.raises(ModelLoadError) as err:
+        read_model_config(model_copy)
+    assert str(err.value) == (f"{model_copy / 'generation_config.json'}: field 'eos_token_id' [2, 512] out of range "
+                              "for config.json's vocab_size 512")  # fmt: skip
+
+
 def test_missing_and_misshapen_tensors(model_copy):
     path = model_copy / "model.safetensors"
     tensors = load_file(path)

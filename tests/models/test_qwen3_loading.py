@@ -115,6 +115,14 @@ def test_generation_config_adds_eos_ids(model_copy):
     assert Qwen3ModelConfig.from_model_dir(model_copy).eos_token_ids == (2, 7, 9)
 
 
+def test_an_out_of_range_generation_eos_id_names_generation_config(model_copy):
+    (model_copy / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 99999]}))
+    with pytest.raises(ModelLoadError) as err:
+        Qwen3ModelConfig.from_model_dir(model_copy)
+    assert str(err.value) == (f"{model_copy / 'generation_config.json'}: field 'eos_token_id' [2, 99999] out of range "
+                              "for config.json's vocab_size 512")  # fmt: skip
+
+
 def test_weights_equal_transformers_state_dict(tiny_dir):
     cfg = Qwen3ModelConfig.from_model_dir(tiny_dir)
     weights = load_qwen3_weights(tiny_dir, cfg, dtype=torch.float32)

@@ -140,19 +140,18 @@ def special_token_ids(f: ConfigFields, hf, model_dir: Path, vocab: int) -> Tuple
     """The end-of-sequence ids (the config's, then :func:`generation_eos`'s) and the begin id (or None), checked
     against ``vocab``."""
     eos = f.token_ids("eos_token_id", hf.eos_token_id) if hf.eos_token_id is not None else ()
-    eos += generation_eos(model_dir, exclude=eos)
     bos = hf.bos_token_id
     if bos is not None:
         (bos,) = f.token_ids("bos_token_id", bos)
     for field, ids in (("eos_token_id", eos), ("bos_token_id", () if bos is None else (bos,))):
         if any(i >= vocab for i in ids):
             raise f.error(field, f"{list(ids)} out of range for vocab_size {vocab}")
-    return eos, bos
+    return eos + generation_eos(model_dir, exclude=eos, vocab=vocab), bos
 
 
-def generation_eos(model_dir: Path, exclude: Tuple[int, ...]) -> Tuple[int, ...]:
+def generation_eos(model_dir: Path, exclude: Tuple[int, ...], vocab: int) -> Tuple[int, ...]:
     """``generation_config.json``'s ``eos_token_id`` ids not in ``exclude`` (Qwen instruct checkpoints list their
-    chat end token there), in order; () without the file."""
+    chat end token there), in order, checked against config.json's ``vocab``; () without the file."""
     path = model_dir / "generation_config.json"
     if not path.is_file():
         return ()
@@ -161,4 +160,6 @@ def generation_eos(model_dir: Path, exclude: Tuple[int, ...]) -> Tuple[int, ...]
     if value is None:
         return ()
     ids = f.token_ids("eos_token_id", value)
+    if any(i >= vocab for i in ids):
+        raise f.error("eos_token_id", f"{list(ids)} out of range for config.json's vocab_size {vocab}")
     return tuple(dict.fromkeys(i for i in ids if i not in exclude))
