@@ -200,6 +200,28 @@ def test_sharded_checkpoint(model_copy, tiny_dir):
         load_qwen3_weights(model_copy, cfg)
 
 
+@pytest.mark.parametrize("name", [3, None, "..", "../model.safetensors", "sub/model.safetensors",
+                                  "sub\\model.safetensors"])  # fmt: skip
+def test_weight_map_entries_must_be_shard_file_names(model_copy, name):
+    cfg = Qwen3ModelConfig.from_model_dir(model_copy)
+    index = model_copy / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"model.embed_tokens.weight": "model.safetensors",
+                                                "model.norm.weight": name}}))  # fmt: skip
+    with pytest.raises(ModelLoadError) as err:
+        load_qwen3_weights(model_copy, cfg)
+    assert str(err.value) == (f"{index}: field 'weight_map' entry 'model.norm.weight' is {name!r}, expected the file "
+                              "name of a shard in the model folder")  # fmt: skip
+
+
+def test_a_missing_shard_is_named_as_the_index_writes_it(model_copy):
+    cfg = Qwen3ModelConfig.from_model_dir(model_copy)
+    index = model_copy / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"model.norm.weight": "model-1.safetensors "}}))
+    with pytest.raises(ModelLoadError) as err:
+        load_qwen3_weights(model_copy, cfg)
+    assert str(err.value) == f"{index}: shard 'model-1.safetensors ' is listed but not found in {model_copy}"
+
+
 def test_extra_tensors_warn(model_copy, caplog):
     def add_biases(tensors):
         for i in range(2):

@@ -191,11 +191,15 @@ def safetensors_files(model_dir: Path) -> List[Path]:
         weight_map = read_json(index).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise ModelLoadError(f"{index}: field 'weight_map' is missing or empty")
-        files = [model_dir / name for name in sorted(set(weight_map.values()))]
-        for file in files:
-            if not file.is_file():
-                raise ModelLoadError(f"{index}: shard {file.name} is listed but not found in {model_dir}")
-        return files
+        for tensor, name in weight_map.items():
+            if not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\\" in name:
+                raise ModelLoadError(f"{index}: field 'weight_map' entry {tensor!r} is {name!r}, expected the file "
+                                     "name of a shard in the model folder")  # fmt: skip
+        names = sorted(set(weight_map.values()))
+        for name in names:
+            if not (model_dir / name).is_file():
+                raise ModelLoadError(f"{index}: shard {name!r} is listed but not found in {model_dir}")
+        return [model_dir / name for name in names]
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{model_dir}: no *.safetensors files found")
