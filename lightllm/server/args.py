@@ -237,13 +237,18 @@ def _note_unused(server: ServerArgs) -> None:
 
 def _fit_to_model(engine: EngineArgs, server: ServerArgs) -> None:
     """The checks that need the model's config.json (read here, before any weight loads)."""
+    from lightllm.models.registry import model_family
     from lightllm.tools.make_tiny_model import default_model_dir
 
     model_dir = engine.model_dir or str(default_model_dir())
     try:
-        family, config = read_model_config(model_dir)
+        model_family(model_dir)  # the folder, its config.json and an architecture served here
     except ModelLoadError as e:
         raise ValueError(f"--model_dir expected a Hugging Face model folder of a supported architecture: {e}") from None
+    try:
+        family, config = read_model_config(model_dir)
+    except ModelLoadError as e:  # a supported architecture's config.json or generation_config.json
+        raise ValueError(f"--model_dir {model_dir}: {e}") from None
     engine.fit_to_model(config.max_position_embeddings, config.head_dim, checkpoint_dtype(model_dir))
     check_head_dim(config.head_dim, torch.device(engine.device))
     family.check_tp(config, server.tp)

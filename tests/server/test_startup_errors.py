@@ -1,6 +1,7 @@
 """Bad start-up input stops the server with one ``error:`` line (exit 2) before any weight loads; a model with a
 short context caps the default --max_req_total_len instead of crashing in the warm-up."""
 
+import json
 import logging
 import os
 import shutil
@@ -115,6 +116,25 @@ def test_a_corrupt_safetensors_file_under_mtp_is_one_line(tmp_path, capsys):
         err = capsys.readouterr().err
         assert e.value.code == 2 and len(err.splitlines()) == 1, err
         assert err.startswith(f"error: {bad / 'model.safetensors'}: cannot read safetensors file: "), err
+
+
+def test_a_bad_config_of_a_supported_architecture_names_the_folder_not_the_architecture(tmp_path, model, capsys):
+    """Only a folder whose architecture is not served is told it needs "a supported architecture"."""
+    bad_json = shutil.copytree(model, tmp_path / "bad_json")
+    (bad_json / "generation_config.json").write_text("{")
+    mtp = make_tiny_qwen3_5(tmp_path / "mtp")
+    config = json.loads((mtp / "config.json").read_text())
+    (mtp / "config.json").write_text(json.dumps({**config, "mtp_num_hidden_layers": -1}))
+    capsys.readouterr()  # the writer's progress bar
+    for model_dir, expected in [
+        (bad_json, f"{bad_json / 'generation_config.json'}: invalid JSON: "),
+        (mtp, f"{mtp / 'config.json'}: field 'mtp_num_hidden_layers' must be a non-negative integer, got -1"),
+    ]:
+        with pytest.raises(SystemExit) as e:
+            parse_args(["--model_dir", str(model_dir), "--device", "cpu"])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and len(err.splitlines()) == 1, err
+        assert err.startswith(f"error: --model_dir {model_dir}: {expected}"), err
 
 
 def test_short_context_caps_the_default_and_everything_derived(short_model, caplog):
