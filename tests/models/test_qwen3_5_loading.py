@@ -230,6 +230,16 @@ def test_an_out_of_range_generation_eos_id_names_generation_config(model_copy):
                               "for config.json's vocab_size 512")  # fmt: skip
 
 
+def test_missing_sizes_as_docs_engine_md_says(model_copy):
+    """A missing head_dim is transformers' default (256), not hidden_size / heads as for Qwen3; the KV heads must
+    be given."""
+    edit_config(model_copy, head_dim=None)
+    assert Qwen3_5ModelConfig.from_model_dir(model_copy).head_dim == 256
+    edit_config(model_copy, num_key_value_heads=None)
+    with pytest.raises(ModelLoadError, match=r"field 'num_key_value_heads' is missing$"):
+        Qwen3_5ModelConfig.from_model_dir(model_copy)
+
+
 def test_missing_and_misshapen_tensors(model_copy):
     path = model_copy / "model.safetensors"
     tensors = load_file(path)
