@@ -17,6 +17,7 @@ from lightllm.engine.engine import Engine, eos_token_ids
 from lightllm.engine.model_runner import ModelRunner
 from lightllm.engine.request import Event, Request
 from lightllm.engine.sampler import MAX_SEED, SamplingParams
+from lightllm.engine.tokenizer import load_tokenizer
 
 Prompt = Union[str, Sequence[int]]
 
@@ -42,9 +43,7 @@ class LLM:
         if unknown:
             raise TypeError(f"LLM: unknown engine option(s) {unknown}; allowed: {sorted(names - {'model_dir'})}")
         self.runner = ModelRunner(EngineArgs(model_dir=model_dir, **engine_options))
-        from transformers import AutoTokenizer
-
-        self.tokenizer = AutoTokenizer.from_pretrained(self.runner.model_dir)
+        self.tokenizer = load_tokenizer(self.runner.model_dir)  # the server's loader: a folder without one is refused
         self.engine = Engine(self.runner, eos_token_ids(self.runner.config, self.tokenizer))
         self._requests = itertools.count()  # ids unique across calls: a stop string's abort may outlive its call
 

@@ -7,6 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 import logging
 from typing import List, Optional
 
+from lightllm.engine.tokenizer import load_tokenizer as _load_tokenizer
 from lightllm.server.http_guards import BadRequest
 
 logger = logging.getLogger(__name__)
@@ -17,25 +18,12 @@ CHARS_PER_TOKEN = 32
 
 
 def load_tokenizer(model_dir: str, mode: str = "fast", chat_template: Optional[str] = None):
-    """The model folder's tokenizer: ``mode`` fast, slow, or auto (fast, else slow); ``chat_template`` replaces
-    the folder's template. ``ValueError`` naming ``--tokenizer_mode`` when that kind cannot load."""
-    from transformers import AutoTokenizer
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(model_dir, use_fast=mode != "slow")
-    except Exception as e:  # noqa: BLE001 - auto falls back to slow; fast and slow name what failed
-        if mode != "auto":
-            raise ValueError(
-                f"--tokenizer_mode {mode}: the {mode} tokenizer of {model_dir} could not load "
-                f"({type(e).__name__}: {e}); --tokenizer_mode takes fast, slow or auto"
-            ) from None
-        logger.info("--tokenizer_mode auto: no fast tokenizer (%s); loading the slow one", e)
-        return load_tokenizer(model_dir, "slow", chat_template)
-    if mode == "slow" and tokenizer.is_fast:  # transformers gives the fast one where no slow class exists
-        raise ValueError(f"--tokenizer_mode slow: {model_dir} has no slow tokenizer; use fast or auto")
-    if chat_template is not None:
-        tokenizer.chat_template = chat_template
-        logger.info("chat template: from --chat_template")
+    """The engine's :func:`~lightllm.engine.tokenizer.load_tokenizer`, with a start-up warning when the tokenizer
+    has no chat template (chat requests then get a 400)."""
+    tokenizer = _load_tokenizer(model_dir, mode, chat_template)
+    if not getattr(tokenizer, "chat_template", None):
+        logger.warning("the tokenizer of %s has no chat template: /v1/chat/completions requests get a 400 "
+                       "(--chat_template gives one)", model_dir)  # fmt: skip
     return tokenizer
 
 

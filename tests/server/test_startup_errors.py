@@ -17,6 +17,7 @@ from lightllm import LLM, SamplingParams
 from lightllm.common import proc as procs
 from lightllm.engine.model_runner import ModelRunner
 from lightllm.server.args import parse_args
+from lightllm.server.prompts import load_tokenizer
 from lightllm.engine.engine import Engine
 from lightllm.tools.make_tiny_model import make_tiny_qwen3, make_tiny_qwen3_5
 
@@ -135,6 +136,45 @@ def test_a_bad_config_of_a_supported_architecture_names_the_folder_not_the_archi
         err = capsys.readouterr().err
         assert e.value.code == 2 and len(err.splitlines()) == 1, err
         assert err.startswith(f"error: --model_dir {model_dir}: {expected}"), err
+
+
+def _without_tokenizer(model, dest):
+    """A copy of ``model`` without its tokenizer files: transformers then builds an empty tokenizer."""
+    shutil.copytree(model, dest)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (dest / name).unlink()
+    return str(dest)
+
+
+def test_a_folder_without_a_tokenizer_is_one_line_before_loading(tmp_path, model):
+    folder = _without_tokenizer(model, tmp_path / "no_tokenizer")
+    code, out = run_server(tmp_path, ["--model_dir", folder, "--device", "cpu"])
+    assert_one_error_line(code, out, f"--model_dir {folder}: no usable tokenizer (tokenizer.json, or vocab.json + "
+                          "merges.txt): it encodes text to no tokens")  # fmt: skip
+
+
+def test_llm_refuses_a_folder_without_a_tokenizer(tmp_path, model):
+    folder = _without_tokenizer(model, tmp_path / "no_tokenizer")
+    with pytest.raises(ValueError, match="--model_dir .*: no usable tokenizer"):
+        LLM(folder, device="cpu", max_total_token_num=8192)
+
+
+def test_a_tokenizer_without_a_chat_template_is_a_start_up_warning(tmp_path, model, caplog):
+    folder = tmp_path / "no_template"
+    shutil.copytree(model, folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    caplog.set_level(logging.WARNING)
+    assert load_tokenizer(str(folder)).chat_template is None
+    assert [r.message for r in caplog.records if r.levelno == logging.WARNING] == [
+        f"the tokenizer of {folder} has no chat template: /v1/chat/completions requests get a 400 (--chat_template "
+        "gives one)"
+    ]
+    caplog.clear()
+    load_tokenizer(model)
+    assert not [r for r in caplog.records if "chat template" in r.message]
 
 
 def test_short_context_caps_the_default_and_everything_derived(short_model, caplog):
