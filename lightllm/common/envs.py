@@ -93,19 +93,30 @@ def get_autotune_choice_rule(default: str = "minimax_loss") -> str:
 
 def get_autotune_config_dir() -> Path:
     """Writable root of tuned configs (default ``~/.cache/lightllm/autotune``)."""
-    raw = os.environ.get(AUTOTUNE_CONFIG_DIR)
-    if raw is None or raw.strip() == "":
-        return Path("~/.cache/lightllm/autotune").expanduser()
-    path = Path(raw.strip()).expanduser()  # as the other variables: " /data/x" is /data/x, not a folder " "
-    if path.exists() and not path.is_dir():
-        raise ValueError(f"{AUTOTUNE_CONFIG_DIR}={raw!r} exists and is not a directory")
-    return path
+    return _folder(AUTOTUNE_CONFIG_DIR, "~/.cache/lightllm/autotune")
 
 
 def get_tiny_model_dir() -> Path:
     """Where the built-in tiny model is generated on first use (default ``~/.cache/lightllm/tiny-qwen3-d64``)."""
-    raw = os.environ.get(TINY_MODEL_DIR, "").strip()
-    return Path(raw or "~/.cache/lightllm/tiny-qwen3-d64").expanduser()
+    return _folder(TINY_MODEL_DIR, "~/.cache/lightllm/tiny-qwen3-d64")
+
+
+def _folder(name: str, default: str) -> Path:
+    """The folder a path variable names, ``~`` expanded; ``ValueError`` when it cannot be a folder (a file, under
+    a file, an unknown user's home)."""
+    raw = os.environ.get(name)
+    text = default if raw is None or raw.strip() == "" else raw.strip()  # " /data/x" is /data/x, not a folder " "
+    shown = f"{name}={raw!r}" if raw is not None and raw.strip() else f"{name} (unset: {default})"
+    try:
+        path = Path(text).expanduser()
+        if path.exists() and not path.is_dir():
+            raise ValueError(f"{shown} exists and is not a directory")
+        above = next(p for p in path.parents if p.exists())  # "." or "/" at the latest
+    except (OSError, RuntimeError) as e:  # "~nouser/x": no such user; a parent that cannot be read
+        raise ValueError(f"{shown} must be a folder that can be created and written: {e}") from None
+    if not above.is_dir():
+        raise ValueError(f"{shown} must be a folder that can be created and written: {above} is a file")
+    return path
 
 
 def validate_all() -> None:
@@ -115,3 +126,4 @@ def validate_all() -> None:
     get_autotune_max_seconds_per_search()
     get_autotune_choice_rule()
     get_autotune_config_dir()
+    get_tiny_model_dir()

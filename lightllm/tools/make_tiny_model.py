@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Optional, Union
 
 import torch
-from filelock import FileLock
+from filelock import FileLock, Timeout
 
 from lightllm.common import envs
 from lightllm.tools.tiny_mtp import add_mtp_head, check_mtp_head, make_agreeing, mtp_tensors
@@ -286,21 +286,43 @@ QWEN3_5_GPU_SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_h
                          linear_value_head_dim=64)  # fmt: skip
 
 
+# Another process building the built-in model takes seconds; a lock held longer than this is stuck, not busy.
+BUILD_LOCK_TIMEOUT_S = 600.0
+
+
 def default_model_dir() -> Path:
     """The built-in tiny model (``~/.cache/lightllm/tiny-qwen3-d64`` or ``$LIGHTLLM_TINY_MODEL_DIR``).
 
     Built on first use in a temporary folder beside the target and renamed into place, so a reader never sees
-    a half-written folder; when another process wins the race its folder is used.
+    a half-written folder; when another process wins the race its folder is used. ``ValueError`` naming the
+    variable when the folder cannot be created or written.
     """
     target = envs.get_tiny_model_dir()
     if _is_complete(target):
         return target
+    must = f"{envs.TINY_MODEL_DIR}: {target} must be a folder that can be created and written"
+    try:
+        return _build_default(target)
+    except Timeout:
+        raise ValueError(f"{must} (its build lock {target.parent / _lock_name(target)} is held by another process "
+                         f"after {BUILD_LOCK_TIMEOUT_S:g} s)") from None  # fmt: skip
+    except OSError as e:
+        raise ValueError(f"{must} ({type(e).__name__}: {e})") from None
+
+
+def _lock_name(target: Path) -> str:
+    return f".{target.name}.lock"
+
+
+def _build_default(target: Path) -> Path:
     if target.exists() and (not target.is_dir() or any(target.iterdir())):
         raise ValueError(f"{envs.TINY_MODEL_DIR}: {target} exists but is not a tiny model folder; remove it")
 
     target.parent.mkdir(parents=True, exist_ok=True)
+    lock = target.parent / _lock_name(target)
+    lock.touch()  # an unwritable folder fails here, at once; FileLock would retry it until its timeout
     # One builder at a time (tensor-parallel ranks, several servers): the others wait and use its folder.
-    with FileLock(str(target.parent / f".{target.name}.lock")):
+    with FileLock(str(lock), timeout=BUILD_LOCK_TIMEOUT_S):
         if _is_complete(target):
             return target
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))

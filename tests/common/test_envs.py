@@ -1,4 +1,5 @@
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -68,6 +69,28 @@ def test_config_dir_must_not_be_a_file(monkeypatch, tmp_path):
     monkeypatch.setenv("LIGHTLLM_AUTOTUNE_CONFIG_DIR", str(f))
     with pytest.raises(ValueError, match="LIGHTLLM_AUTOTUNE_CONFIG_DIR=.* is not a directory"):
         envs.validate_all()
+
+
+@pytest.mark.parametrize("name", ["LIGHTLLM_AUTOTUNE_CONFIG_DIR", "LIGHTLLM_TINY_MODEL_DIR"])
+@pytest.mark.parametrize("where", ["under a file", "an unknown user's home", "a file"])
+def test_path_variables_must_name_a_folder_that_can_be_created(monkeypatch, tmp_path, name, where):
+    f = tmp_path / "file"
+    f.write_text("x")
+    value, why = {
+        "under a file": (f"{f}/sub", f"{f} is a file"),
+        "an unknown user's home": ("~lightllm-no-such-user/x", "Could not determine home directory"),
+        "a file": (str(f), None),
+    }[where]
+    monkeypatch.setenv(name, value)
+    problem = f"must be a folder that can be created and written: {why}" if why else "exists and is not a directory"
+    message = f"{name}={value!r} {problem}"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        envs.validate_all()
+
+
+def test_tiny_model_dir_is_read_without_surrounding_spaces(monkeypatch, tmp_path):
+    monkeypatch.setenv("LIGHTLLM_TINY_MODEL_DIR", f"  {tmp_path / 'new' / 'tiny'} ")
+    assert envs.get_tiny_model_dir() == tmp_path / "new" / "tiny"
 
 
 def test_valid_values_parse(monkeypatch):

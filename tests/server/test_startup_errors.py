@@ -32,10 +32,11 @@ def short_model(tmp_path_factory):
     return str(make_tiny_qwen3(tmp_path_factory.mktemp("short"), max_position_embeddings=64))
 
 
-def run_server(tmp_path, args):
+def run_server(tmp_path, args, **env_vars):
     """``python -m lightllm.server.api_server *args`` to its end: (exit code, stdout + stderr). A server that
     wrongly gets as far as loading weights is stopped there (its output says so), not left to serve."""
-    env = {**os.environ, "PYTHONPATH": REPO, "LIGHTLLM_TINY_MODEL_DIR": str(tmp_path / "tiny"), "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "PYTHONPATH": REPO, "LIGHTLLM_TINY_MODEL_DIR": str(tmp_path / "tiny"), "HF_HUB_OFFLINE": "1",
+           **env_vars}  # fmt: skip
     cmd = [sys.executable, "-m", "lightllm.server.api_server", *args]
     lines = []
     with procs.running(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
@@ -136,6 +137,18 @@ def test_a_bad_config_of_a_supported_architecture_names_the_folder_not_the_archi
         err = capsys.readouterr().err
         assert e.value.code == 2 and len(err.splitlines()) == 1, err
         assert err.startswith(f"error: --model_dir {model_dir}: {expected}"), err
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc")
+@pytest.mark.parametrize("name, value, expected", [
+    ("LIGHTLLM_TINY_MODEL_DIR", "/proc/nope", "LIGHTLLM_TINY_MODEL_DIR: /proc/nope must be a folder that can be "
+     "created and written"),
+    ("LIGHTLLM_TINY_MODEL_DIR", "~lightllm-no-such-user/x", "LIGHTLLM_TINY_MODEL_DIR='~lightllm-no-such-user/x' must "
+     "be a folder that can be created and written"),
+    ("LIGHTLLM_AUTOTUNE_CONFIG_DIR", "~lightllm-no-such-user/x", "LIGHTLLM_AUTOTUNE_CONFIG_DIR="),
+], ids=["unwritable tiny model dir", "unknown user's tiny model dir", "unknown user's autotune dir"])  # fmt: skip
+def test_a_bad_path_variable_is_one_line(tmp_path, name, value, expected):
+    assert_one_error_line(*run_server(tmp_path, ["--device", "cpu"], **{name: value}), expected)
 
 
 def _without_tokenizer(model, dest):

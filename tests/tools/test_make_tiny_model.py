@@ -1,8 +1,11 @@
 import json
+import os
 import shutil
+import time
 
 import pytest
 import torch
+from filelock import FileLock
 from transformers import AutoTokenizer, Qwen3ForCausalLM
 
 from lightllm.tools import make_tiny_model
@@ -144,6 +147,27 @@ def test_default_model_dir_refuses_a_foreign_folder(tmp_path, monkeypatch):
     monkeypatch.setenv(TINY_MODEL_DIR, str(target))
     with pytest.raises(ValueError, match=TINY_MODEL_DIR):
         default_model_dir()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc")
+def test_default_model_dir_in_an_unwritable_place_names_the_variable_at_once(monkeypatch):
+    monkeypatch.setenv(TINY_MODEL_DIR, "/proc/nope")  # /proc takes no new files, not even root's
+    monkeypatch.setattr(make_tiny_model, "BUILD_LOCK_TIMEOUT_S", HANG_TIMEOUT_S)
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=f"^{TINY_MODEL_DIR}: /proc/nope must be a folder that can be created and "
+                       "written \\(FileNotFoundError: "):  # fmt: skip
+        default_model_dir()
+    assert time.monotonic() - start < 5  # not after the lock's timeout
+
+
+def test_default_model_dir_lock_held_too_long_names_the_variable(tmp_path, monkeypatch):
+    target = tmp_path / "tiny"
+    monkeypatch.setenv(TINY_MODEL_DIR, str(target))
+    monkeypatch.setattr(make_tiny_model, "BUILD_LOCK_TIMEOUT_S", 0.2)
+    with FileLock(str(tmp_path / ".tiny.lock")):  # a stuck builder
+        with pytest.raises(ValueError, match=f"{TINY_MODEL_DIR}: {target} must be a folder .* held by another "
+                           "process after 0.2 s"):  # fmt: skip
+            default_model_dir()
 
 
 def _resolve_default(queue):
