@@ -212,8 +212,11 @@ def _read_chat_template(value: Optional[str]) -> Optional[str]:
     if value is None:
         return None
     if os.path.isfile(value):
-        with open(value, encoding="utf-8") as f:
-            text = f.read()
+        try:
+            with open(value, encoding="utf-8") as f:
+                text = f.read()
+        except (OSError, UnicodeDecodeError) as e:  # permission denied, /proc/self/mem, not UTF-8
+            raise ValueError(f"--chat_template {value!r}: cannot read: {e}") from None
     elif "{{" in value or "{%" in value:
         text = value
     else:

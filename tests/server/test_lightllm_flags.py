@@ -2,6 +2,7 @@
 with one ``error:`` line saying so, never argparse's "unrecognized arguments"."""
 
 import logging
+import os
 import re
 from types import SimpleNamespace
 
@@ -297,3 +298,13 @@ def test_a_bad_chat_template_is_one_line(capsys, model, tmp_path):
     err = refused(capsys, model, "--chat_template", "{% for m in messages %}")
     assert err.startswith("error: --chat_template '{% for m in messages %}': invalid Jinja at line 1: ")
     assert "'endfor'" in err
+
+
+def test_an_unreadable_chat_template_file_is_one_line(capsys, model, tmp_path):
+    latin1 = tmp_path / "latin1.jinja"
+    latin1.write_bytes(b"\xff{{ messages }}")
+    err = refused(capsys, model, "--chat_template", str(latin1))
+    assert err.startswith(f"error: --chat_template {str(latin1)!r}: cannot read: 'utf-8' codec can't decode byte 0xff")
+    if os.path.exists("/proc/self/mem"):  # a file whose read fails (EIO at offset 0)
+        err = refused(capsys, model, "--chat_template", "/proc/self/mem")
+        assert err.startswith("error: --chat_template '/proc/self/mem': cannot read: [Errno")
