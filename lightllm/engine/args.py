@@ -1,9 +1,10 @@
 """Engine options, named like the server flags, validated and normalized in one place."""
 
 import logging
+import os
 import re
 from dataclasses import dataclass, fields
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Union, get_args, get_origin
 
 import torch
 
@@ -24,6 +25,7 @@ DEFAULT_KV_QUANT_GROUP_SIZE = 8
 DEFAULT_PREFILL_GRAPH_MAX_TOKENS = 512  # prompts up to this skip the eager prefill's host cost; small graphs
 # short batches get decode graphs of their own: at B=1 one graph up to 32K loses up to 11-19 % (decode_attention.md)
 DEFAULT_GRAPH_LEN_BUCKETS = ()  # one bucket: a 4096 bucket closed no frozen-config loss on the H200
+_PATH_FIELDS = ("model_dir", "mtp_draft_model_dir")  # a str or os.PathLike, made a str
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 DATA_TYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "bfloat16": torch.bfloat16,
               "float16": torch.float16, "float32": torch.float32}  # fmt: skip
@@ -66,6 +68,7 @@ class EngineArgs:
 
     def normalize(self) -> "EngineArgs":
         """Validate every option (``ValueError`` naming the flag) and derive what depends on others."""
+        self._check_types()
         if self.data_type not in DATA_TYPE_CHOICES:
             raise ValueError(f"--data_type expected one of {DATA_TYPE_CHOICES}, got {self.data_type!r}")
         for name in ("running_max_req_size", "max_req_total_len", "batch_max_tokens", "chunked_prefill_size",
@@ -123,6 +126,35 @@ class EngineArgs:
                         self.graph_max_batch_size, self.running_max_req_size)  # fmt: skip
             self.graph_max_batch_size = self.running_max_req_size
         return self
+
+    def _check_types(self) -> None:
+        """Each option's type, from its annotation (the offline API takes any value): a bool for a switch, an
+        integer (not a bool) for a count, a number for a fraction, a string (a path too for a folder)."""
+        for f in fields(self):
+            value, kind = getattr(self, f.name), f.type
+            optional = get_origin(kind) is Union and type(None) in get_args(kind)
+            if optional:
+                if value is None:
+                    continue
+                kind = next(a for a in get_args(kind) if a is not type(None))
+            if kind is bool:
+                ok, allowed = isinstance(value, bool), "a bool (True or False)"
+            elif kind is int:
+                ok, allowed = isinstance(value, int) and not isinstance(value, bool), "an integer"
+            elif kind is float:
+                ok, allowed = isinstance(value, (int, float)) and not isinstance(value, bool), "a number"
+            elif kind is str and f.name in _PATH_FIELDS:  # a Path is taken, and kept as its str
+                path = os.fspath(value) if isinstance(value, os.PathLike) else value
+                ok, allowed = isinstance(path, str), "a folder path (str or os.PathLike)"
+                if ok:
+                    setattr(self, f.name, path)
+            elif kind is str:
+                ok, allowed = isinstance(value, str), "a string"
+            else:  # graph_len_buckets: _check_len_buckets
+                continue
+            if not ok:
+                none = " or None" if optional else ""
+                raise ValueError(f"--{f.name} expected {allowed}{none}, got {value!r} ({type(value).__name__})")
 
     def _check_mtp(self) -> None:
         if self.mtp_mode is None:

@@ -1,6 +1,7 @@
 """Start-up ordering, graph sizes and argument checks, on the CPU with a fake graph API."""
 
 import logging
+import re
 
 import pytest
 import torch
@@ -108,6 +109,35 @@ def test_graph_sizes_and_cap():
 def test_bad_engine_args(field, value, message):
     with pytest.raises(ValueError, match=message):
         EngineArgs(**{field: value, "device": "cpu"}).normalize()
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("mem_fraction", "0.5", "--mem_fraction expected a number, got '0.5' (str)"),
+        ("mem_fraction", True, "--mem_fraction expected a number, got True (bool)"),
+        ("max_total_token_num", "5000", "--max_total_token_num expected an integer or None, got '5000' (str)"),
+        ("max_total_token_num", 5000.5, "--max_total_token_num expected an integer or None, got 5000.5 (float)"),
+        ("max_total_token_num", True, "--max_total_token_num expected an integer or None, got True (bool)"),
+        ("running_max_req_size", 8.0, "--running_max_req_size expected an integer, got 8.0 (float)"),
+        ("mtp_step", "0", "--mtp_step expected an integer, got '0' (str)"),
+        ("device", 0, "--device expected a string or None, got 0 (int)"),
+        ("disable_cudagraph", "no", "--disable_cudagraph expected a bool (True or False), got 'no' (str)"),
+        ("enable_mixed_chunk", 1, "--enable_mixed_chunk expected a bool (True or False), got 1 (int)"),
+        ("model_dir", 123, "--model_dir expected a folder path (str or os.PathLike) or None, got 123 (int)"),
+        ("mtp_draft_model_dir", 5, "--mtp_draft_model_dir expected a folder path (str or os.PathLike) or None, got 5"),
+        ("llm_kv_type", None, "--llm_kv_type expected a string, got None (NoneType)"),
+    ],
+)
+def test_engine_args_of_the_wrong_type_name_the_option_and_the_type(field, value, message):
+    """The offline API takes any value: each option's type is checked as the server's flags are parsed."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        EngineArgs(**{"device": "cpu", field: value}).normalize()
+
+
+def test_engine_args_take_a_path_for_a_folder_and_an_int_for_a_number(tmp_path):
+    args = EngineArgs(device="cpu", model_dir=tmp_path, mem_fraction=1).normalize()
+    assert args.model_dir == str(tmp_path) and args.mem_fraction == 1
 
 
 def test_device_names_the_allowed_values():
