@@ -40,7 +40,7 @@ from lightllm.server.args import ServerArgs, parse_args
 from lightllm.server.bodies import ChatRequest, CompletionRequest, GenerateRequest
 from lightllm.server.chat_output import chat_parsing
 from lightllm.server.engine_loop import EngineLoop
-from lightllm.server.engine_proc import EngineExited, EngineProcess
+from lightllm.server.engine_proc import EngineExited, EngineProcess, EngineStartError
 from lightllm.server.generation_defaults import read_sampling_defaults
 from lightllm.server.metrics import Metrics
 from lightllm.server.http_guards import BadRequest, BodyLimit, ModelNotFound, install_error_handlers
@@ -593,6 +593,10 @@ def main(argv=None) -> None:
                         sampling_defaults=sampling_defaults, reasoning_parser=server_args.reasoning_parser,
                         tool_call_parser=server_args.tool_call_parser)  # fmt: skip
         code = run(server, sock, server_args)
+    except EngineStartError as e:  # a malformed checkpoint or a size too big: bad input, as a bad flag is
+        sock.close()
+        sys.stderr.write(f"error: {e}\n")
+        code = 2
     except EngineExited as e:
         sock.close()
         sys.stderr.write(f"error: {e}\n")

@@ -38,6 +38,7 @@ import torch
 from lightllm.engine.engine import Engine, eos_token_ids
 from lightllm.engine.request import Event, Request
 from lightllm.server.engine_loop import EngineLoop
+from lightllm.server import tp
 from lightllm.server.tp import _exit_with_parent
 
 logger = logging.getLogger(__name__)
@@ -46,6 +47,11 @@ _LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 class EngineExited(RuntimeError):
     """The engine process ended before it was ready."""
+
+
+class EngineStartError(ValueError):
+    """The engine process rejected its input while building the runner (a malformed checkpoint, a size the memory
+    can't take): its one-line message, reported like a bad flag."""
 
 
 class EngineProcess:
@@ -81,13 +87,17 @@ class EngineProcess:
     # ---- start-up, on the main thread ----------------------------------------------------------------------
 
     def wait_ready(self) -> None:
-        """Until the runner is built (weights, tuning, graphs); ``EngineExited`` if the engine process ends first."""
+        """Until the runner is built (weights, tuning, graphs); ``EngineStartError`` (one line) if building it raised
+        a ValueError (a malformed checkpoint), ``EngineExited`` if the engine process ends first otherwise."""
         try:
-            _, info = self._conn.recv()
+            kind, info = self._conn.recv()
         except (EOFError, OSError):
             self.process.join()
             raise EngineExited(f"engine process exited with code {self.process.exitcode} while starting "
                                "(its error is above)") from None  # fmt: skip
+        if kind == "error":  # it leaves right after sending: wait, so nothing of it outlives this
+            self.process.join(10)
+            raise EngineStartError(info)
         self.args, self.config, self.model_dir = info["args"], SimpleNamespace(**info["config"]), info["model_dir"]
         threading.Thread(target=self._send_loop, name="lightllm-engine-send", daemon=True).start()
 
@@ -341,7 +351,19 @@ def _engine_main(conn, make_runner, tokenizer_eos, extra_eos, step_started, pare
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C: the HTTP process drains, then stops us
     logging.basicConfig(level=log_level, format=_LOG_FORMAT)
     _exit_with_parent(parent)
-    runner = make_runner()
+    lock = threading.Lock()  # a tensor-parallel worker's error comes from the watchdog thread
+
+    def report(message: str) -> None:
+        with lock:
+            conn.send(("error", message))
+
+    tp.start_error_sink = report
+    try:
+        runner = make_runner()
+    except ValueError as e:  # bad input (ModelLoadError, a size): one line from the HTTP process, no traceback
+        report(str(e))
+        return
+    tp.start_error_sink = None
     if runner.device.type == "cuda":
         # The GPU does the math; this process's own torch ops are bookkeeping-sized (staging, KV tables), where
         # intra-op threads only add a barrier per op (1 ms for a 64 x 512 log_softmax on a busy 2-core host).

@@ -13,7 +13,7 @@ import multiprocessing as mp
 import os
 import threading
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -28,6 +28,9 @@ logger = logging.getLogger(__name__)
 _COMMANDS = STATE_CHANGING
 _HEARTBEAT_S = 0.5  # how often a worker marks itself alive
 _FROZEN_S = 5.0  # a worker silent this long is stopped (SIGSTOP, a debugger) or frozen
+# Where a rank's start-up error (a ValueError building its runner: a malformed checkpoint) goes instead of the log:
+# the engine process sets it to its pipe, so the HTTP process prints it as one line.
+start_error_sink: Optional[Callable[[str], None]] = None
 
 
 class RankProgress:
@@ -53,8 +56,9 @@ class Workers:
     It does the same when a step is still running after ``step_timeout_s``, naming the rank(s) holding it up."""
 
     def __init__(self, procs, progress: Optional[RankProgress] = None, step_timeout_s: Optional[float] = None,
-                 interval_s: float = 0.5):  # fmt: skip
+                 interval_s: float = 0.5, errors=None):  # fmt: skip
         self.procs = list(procs)
+        self.errors = errors  # a SimpleQueue: a worker's start-up error, put there just before it exits
         self.progress = progress
         self.step_timeout_s = step_timeout_s
         self.stopping = False  # set before a clean stop: workers exiting then is expected
@@ -79,8 +83,11 @@ class Workers:
             dead = [p for p in self.procs if not p.is_alive()]
             if dead and not self.stopping:
                 p = dead[0]
-                self.fail(f"tensor-parallel worker {p.name} (pid {p.pid}) exited with code {p.exitcode}; the other "
-                          "ranks cannot go on without it")  # fmt: skip
+                if self.errors is not None and not self.errors.empty():  # a start-up error: its own one-line reason
+                    self.fail(self.errors.get(), start_error=True)
+                else:
+                    self.fail(f"tensor-parallel worker {p.name} (pid {p.pid}) exited with code {p.exitcode}; the "
+                              "other ranks cannot go on without it")  # fmt: skip
             in_flight = self._in_flight
             if in_flight and self.step_timeout_s is not None and not self.stopping:
                 name, number, t0 = in_flight
@@ -111,9 +118,14 @@ class Workers:
         ranks = ", ".join(str(r) for r in unfinished)
         return f"ranks {ranks} are alive inside the step: a kernel or collective hangs on rank 0 or one of them"
 
-    def fail(self, why: str) -> None:
-        """The ranks can no longer run in step: end every one of them and this process, saying why."""
-        logger.error("%s, so the server exits", why)
+    def fail(self, why: str, start_error: bool = False) -> None:
+        """The ranks can no longer run in step: end every one of them and this process, saying why. A rank's
+        ``start_error`` goes to ``start_error_sink`` when one is set (the server's one error line), else to the log."""
+        sink = start_error_sink if start_error else None
+        if sink is not None:
+            sink(why)
+        else:
+            logger.error("%s, so the server exits", why)
         for proc in self.procs:
             if proc.is_alive():
                 proc.kill()
@@ -312,7 +324,8 @@ def _heartbeat(progress: RankProgress, rank: int) -> None:
     threading.Thread(target=beat, name="lightllm-tp-heartbeat", daemon=True).start()
 
 
-def _worker(rank: int, world: int, init_method: str, args: EngineArgs, parent: int, progress: RankProgress) -> None:
+def _worker(rank: int, world: int, init_method: str, args: EngineArgs, parent: int, progress: RankProgress,
+            errors) -> None:  # fmt: skip
     _exit_with_parent(parent)
     _heartbeat(progress, rank)
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
@@ -321,7 +334,12 @@ def _worker(rank: int, world: int, init_method: str, args: EngineArgs, parent: i
 
     init_tp(rank, world, init_method, torch.device(args.device))
     group = dist.new_group(backend="gloo")
-    worker_loop(ModelRunner(args), group, progress, rank)
+    try:
+        runner = ModelRunner(args)
+    except ValueError as e:  # bad input (a malformed checkpoint): rank 0's watchdog reports it, no traceback here
+        errors.put(f"tensor-parallel rank {rank}: {e}")
+        os._exit(1)
+    worker_loop(runner, group, progress, rank)
     dist.destroy_process_group()
 
 
@@ -341,16 +359,17 @@ def start_tp(args: EngineArgs, tp: int, step_timeout_s: Optional[float] = None, 
     logger.info("tensor-parallel rendezvous at %s", init_method)
     ctx = mp.get_context("spawn")
     progress = RankProgress(ctx, tp)
+    errors = ctx.SimpleQueue()
     procs = []
     for rank in range(1, tp):
-        proc = ctx.Process(target=_worker, args=(rank, tp, init_method, args, os.getpid(), progress), daemon=True,
-                           name=f"lightllm-tp{rank}")  # fmt: skip
+        proc = ctx.Process(target=_worker, args=(rank, tp, init_method, args, os.getpid(), progress, errors),
+                           daemon=True, name=f"lightllm-tp{rank}")  # fmt: skip
         proc.start()
         procs.append(proc)
     logger.info("tensor-parallel workers started: %s", ", ".join(f"{p.name} pid {p.pid}" for p in procs))
     # Watched from here on: a rank dying at start-up must not hang rank 0 either. Start-up itself (loading,
     # compiles, tuning, graph capture) is not timed: only the commands of serving are.
-    workers = Workers(procs, progress, step_timeout_s)
+    workers = Workers(procs, progress, step_timeout_s, errors=errors)
     args = _for_rank(args, 0)
     import torch
 

@@ -253,6 +253,11 @@ def test_missing_and_misshapen_tensors(model_copy):
     save_file(tensors, path, metadata={"format": "pt"})
     with pytest.raises(ModelLoadError, match=r"tensor model.layers.2.linear_attn.dt_bias is missing"):
         load_qwen3_5_weights(model_copy, c)
+    tensors["model.layers.2.linear_attn.dtbias"] = torch.zeros(1)  # a misnamed one: shown with the missing one
+    save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match=r"dt_bias is missing .*; the files have unknown tensors: "
+                       r"model\.layers\.2\.linear_attn\.dtbias$"):  # fmt: skip
+        load_qwen3_5_weights(model_copy, c)
 
 
 def test_tensor_parallel_rank_reads_its_heads(tiny_dir):

@@ -317,6 +317,24 @@ def test_missing_tensor(model_copy):
         load_qwen3_weights(model_copy, cfg)
 
 
+def test_missing_tensor_names_the_unknown_ones(model_copy):
+    """A misnamed tensor is the likely cause of a missing one: the error shows the names the model did not use."""
+    cfg = Qwen3ModelConfig.from_model_dir(model_copy)
+
+    def misname(tensors):
+        for i in range(4):
+            tensors[f"z.{i}"] = torch.zeros(1)
+        tensors["model.layers.0.self_attn.qproj.weight"] = tensors.pop("model.layers.0.self_attn.q_proj.weight")
+
+    edit_tensors(model_copy, misname)
+    with pytest.raises(ModelLoadError) as err:
+        load_qwen3_weights(model_copy, cfg)
+    assert str(err.value) == (
+        f"{model_copy}: tensor model.layers.0.self_attn.q_proj.weight is missing from the safetensors files; the "
+        "files have unknown tensors: model.layers.0.self_attn.qproj.weight, z.0, z.1 (and 2 more)"
+    )
+
+
 def test_missing_lm_head_when_untied(model_copy):
     cfg = Qwen3ModelConfig.from_model_dir(model_copy)
     edit_tensors(model_copy, lambda t: t.pop("lm_head.weight"))

@@ -1,5 +1,6 @@
-"""Bad start-up input stops the server with one ``error:`` line (exit 2) before any weight loads; a model with a
-short context caps the default --max_req_total_len instead of crashing in the warm-up."""
+"""Bad start-up input stops the server with one ``error:`` line (exit 2) before any weight loads (a malformed
+checkpoint: as it loads); a model with a short context caps the default --max_req_total_len instead of crashing in
+the warm-up."""
 
 import json
 import logging
@@ -11,6 +12,7 @@ import sys
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from server_helpers import REPO
 
 from lightllm import LLM, SamplingParams
@@ -188,6 +190,46 @@ def test_a_tokenizer_without_a_chat_template_is_a_start_up_warning(tmp_path, mod
     caplog.clear()
     load_tokenizer(model)
     assert not [r for r in caplog.records if "chat template" in r.message]
+
+
+def _f64_norm(tensors):
+    tensors["model.norm.weight"] = tensors["model.norm.weight"].double()
+
+
+def _misname_q_proj(tensors):
+    tensors["model.layers.0.self_attn.qproj.weight"] = tensors.pop("model.layers.0.self_attn.q_proj.weight")
+
+
+def break_weights(folder, edit=None, truncate=False):
+    """``folder``'s model.safetensors with ``edit(tensors)`` applied, or cut in half."""
+    path = folder / "model.safetensors"
+    if truncate:
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+        return
+    tensors = load_file(path)
+    edit(tensors)
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("edit, truncate, expected", [
+    (_f64_norm, False, ["model.safetensors: tensor model.norm.weight has dtype F64; only F16, BF16 and F32"]),
+    (_misname_q_proj, False, ["tensor model.layers.0.self_attn.q_proj.weight is missing",
+                              "the files have unknown tensors: model.layers.0.self_attn.qproj.weight"]),
+    (None, True, ["model.safetensors: cannot read safetensors file"]),
+], ids=["float64", "misnamed", "truncated"])  # fmt: skip
+def test_malformed_weights_are_one_line(tmp_path, edit, truncate, expected):
+    """Found by the engine process while loading: it sends the message, the HTTP process prints it (exit 2)."""
+    model = make_tiny_qwen3(tmp_path / "m")
+    break_weights(model, edit, truncate)
+    assert_one_error_line(*run_server(tmp_path, ["--model_dir", str(model), "--device", "cpu"]), *expected)
+
+
+def test_malformed_weights_are_one_line_with_tensor_parallelism(tmp_path):
+    """--tp 2: rank 0 or the worker (through rank 0's watchdog), whichever finds it first, gives the one line."""
+    model = make_tiny_qwen3(tmp_path / "m", num_attention_heads=4, num_key_value_heads=2)
+    break_weights(model, _f64_norm)
+    code, out = run_server(tmp_path, ["--model_dir", str(model), "--device", "cpu", "--tp", "2"])
+    assert_one_error_line(code, out, "tensor model.norm.weight has dtype F64")
 
 
 def test_short_context_caps_the_default_and_everything_derived(short_model, caplog):

@@ -251,6 +251,35 @@ def test_the_rank_holding_up_a_step_is_named_not_the_ones_waiting_for_it():
     assert workers._holding_up(7) == "rank 0 (every other rank finished it)"
 
 
+def test_a_workers_start_up_error_is_reported_not_logged(monkeypatch):
+    """A worker's ValueError building its runner (a malformed checkpoint) reaches the engine process's pipe as its
+    own message, not as "worker exited with code 1" with a traceback above it."""
+    from lightllm.server import tp
+
+    class Dead:
+        name, pid, exitcode = "lightllm-tp1", 1234, 1
+
+        def is_alive(self):
+            return False
+
+    class Exited(Exception):
+        pass
+
+    def exit_(code):
+        raise Exited(code)
+
+    sent = []
+    monkeypatch.setattr(tp, "start_error_sink", sent.append)
+    monkeypatch.setattr(tp.os, "_exit", exit_)
+    errors = multiprocessing.get_context("spawn").SimpleQueue()
+    errors.put("tensor-parallel rank 1: m/model.safetensors: tensor model.norm.weight has dtype F64")
+    workers = tp.Workers([], errors=errors, interval_s=3600)  # its own watchdog sees no worker, then sleeps
+    workers.procs = [Dead()]
+    with pytest.raises(Exited):
+        workers._watch()
+    assert sent == ["tensor-parallel rank 1: m/model.safetensors: tensor model.norm.weight has dtype F64"]
+
+
 def test_a_request_failing_alone_keeps_the_ranks_in_step(tmp_path, monkeypatch):
     """Rank 0 samples. A request whose own draw fails ends there, and its slot is freed through the same
     broadcast as any finish: a worker replaying rank 0's commands ends with rank 0's KV bookkeeping."""

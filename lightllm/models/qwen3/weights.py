@@ -183,6 +183,15 @@ def open_safetensors(file: Path):
         raise ModelLoadError(f"{file}: cannot read safetensors file: {e}") from None
 
 
+def unknown_tensors_note(unknown: List[str], shown: int = 3) -> str:
+    """For a missing-tensor error: the tensors the files have that the model does not use, where a misnamed one
+    (``qproj`` for ``q_proj``) shows; "" when there are none."""
+    if not unknown:
+        return ""
+    more = f" (and {len(unknown) - shown} more)" if len(unknown) > shown else ""
+    return f"; the files have unknown tensors: {', '.join(sorted(unknown)[:shown])}{more}"
+
+
 def safetensors_files(model_dir: Path) -> List[Path]:
     """The checkpoint's files: those named by ``model.safetensors.index.json`` if present, else every
     ``*.safetensors`` in the folder, sorted."""
@@ -271,7 +280,7 @@ def load_qwen3_weights(
         if not _is_ignored(name, config):
             unexpected.append(name)
 
-    for f, name, view in checked_tensors(model_dir, shapes, unknown):
+    for f, name, view in checked_tensors(model_dir, shapes, unknown, lambda name: unknown_tensors_note(unexpected)):
         layer, field = where.get(name, (None, None))
         part = shard(field) if shard is not None and field is not None else None
         if part is None:

@@ -26,7 +26,7 @@ from typing import Dict, List, Optional, Tuple, Union
 import torch
 
 from lightllm.models.hf_config import ModelLoadError
-from lightllm.models.qwen3.weights import GateUpViews, checked_tensors
+from lightllm.models.qwen3.weights import GateUpViews, checked_tensors, unknown_tensors_note
 from lightllm.models.qwen3_5.config import Qwen3_5ModelConfig
 from lightllm.models.qwen3_5.tensor_parallel import ShardSpec
 
@@ -291,11 +291,9 @@ class _Reader:
                 unexpected.append(name)
 
         def missing_hint(name: str) -> str:
-            return (
-                "; --mtp_mode needs the checkpoint's MTP head (mtp.* weights)"
-                if self.mtp and name.startswith(MTP_PREFIX)
-                else ""
-            )
+            if self.mtp and name.startswith(MTP_PREFIX):
+                return "; --mtp_mode needs the checkpoint's MTP head (mtp.* weights)"
+            return unknown_tensors_note(unexpected)
 
         for f, name, view in checked_tensors(folder, shapes, unknown, missing_hint):
             layer, field = self.where.get(name, (None, None))
