@@ -8,6 +8,7 @@ from typing import List, Optional, Sequence, Union, get_args, get_origin
 
 import torch
 
+from lightllm.common.kv_cache.req_to_token import MAX_TOKEN_INDEX
 from lightllm.layers.attention import (
     DECODE_BACKEND_CHOICES,
     KV_TYPES,
@@ -107,6 +108,9 @@ class EngineArgs:
             raise ValueError(f"--mem_fraction expected a value in (0, 1], got {self.mem_fraction!r}")
         if self.max_total_token_num is not None and self.max_total_token_num <= 0:
             raise ValueError(f"--max_total_token_num expected a positive integer, got {self.max_total_token_num!r}")
+        if self.max_total_token_num is not None and self.max_total_token_num > MAX_TOKEN_INDEX + 1:
+            raise ValueError(f"--max_total_token_num expected at most {MAX_TOKEN_INDEX + 1} (the KV cache's token "
+                             f"indices are int32), got {self.max_total_token_num}")  # fmt: skip
         if self.device is not None and not _DEVICE.fullmatch(self.device):
             raise ValueError(f"--device expected cpu, cuda or cuda:N, got {self.device!r}")
         self.device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")

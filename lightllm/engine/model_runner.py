@@ -37,6 +37,7 @@ from lightllm.common.kv_cache import KVCacheManager
 from lightllm.common.kv_cache.sizing import (
     GIB,
     GpuProfile,
+    check_table_fits,
     cpu_pool_tokens,
     default_memory_api,
     describe_gpu_sizing,
@@ -169,6 +170,9 @@ class ModelRunner:
             from lightllm.kernels.attention.decode.fa3 import require_fa3
 
             contiguous = not require_fa3(self.device, fa3_flags[0]).paged
+        row_len = a.max_req_total_len + a.spec_tokens - 1
+        if not memory_api.profiles:  # the CPU: a table too big for the RAM is refused before anything is allocated
+            check_table_fits(memory_api.available(), max_reqs, row_len)
         # per-request model state (linear attention) first, so the GPU profile and the RAM reading count it
         ssm_dtype = SSM_DATA_TYPES[a.linear_att_ssm_data_type]
         # prefix-cache checkpoints of that state, where the prefix cache can be on at all
@@ -181,7 +185,6 @@ class ModelRunner:
         checkpoints = checkpoints if state_bytes else 0  # a model without state keeps none
         # MTP: the head's KV is one more pool layer; a row also holds a verify's drafts past max_req_total_len
         kv_layers = c.num_kv_layers + (a.mtp_mode is not None)
-        row_len = a.max_req_total_len + a.spec_tokens - 1
         rows = max_reqs * a.spec_tokens + checkpoints  # MTP: a state slot per verified token
         held = f"{max_reqs} slots" + (f" + {checkpoints} prefix-cache checkpoints" if checkpoints else "")
         state_note = (f"; request state {state_bytes / 2**20:.2f} MiB ({held} x {state_bytes // rows} B, "
@@ -198,7 +201,7 @@ class ModelRunner:
         else:
             available = memory_api.available()
             num_tokens = cpu_pool_tokens(available, a.mem_fraction, per_token, max_reqs * a.max_req_total_len,
-                                         a.max_total_token_num)  # fmt: skip
+                                         a.max_total_token_num, table_bytes=max_reqs * row_len * 4)  # fmt: skip
             logger.info("KV cache sizing: %.2f GiB RAM available x --mem_fraction %s, at most %d requests of %d "
                         "tokens -> %d tokens x %d B%s", available / GIB, a.mem_fraction, max_reqs,
                         a.max_req_total_len, num_tokens, per_token, state_note)  # fmt: skip

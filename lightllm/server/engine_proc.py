@@ -93,8 +93,12 @@ class EngineProcess:
             kind, info = self._conn.recv()
         except (EOFError, OSError):
             self.process.join()
-            raise EngineExited(f"engine process exited with code {self.process.exitcode} while starting "
-                               "(its error is above)") from None  # fmt: skip
+            code = self.process.exitcode
+            if code is not None and code < 0:  # a signal leaves no error of its own: the OOM killer's SIGKILL, mostly
+                hint = (" (out of memory? check --running_max_req_size / --max_total_token_num)"
+                        if -code == signal.SIGKILL else "")  # fmt: skip
+                raise EngineExited(f"engine process was killed by signal {-code} while starting{hint}") from None
+            raise EngineExited(f"engine process exited with code {code} while starting (its error is above)") from None
         if kind == "error":  # it leaves right after sending: wait, so nothing of it outlives this
             self.process.join(10)
             raise EngineStartError(info)

@@ -216,6 +216,23 @@ def test_cpu_with_too_little_ram_for_one_request_is_the_existing_error(tmp_path)
         ModelRunner(args, memory_api=FakeHostMemory(128 * 1024))
 
 
+@pytest.mark.parametrize("extra, expected", [
+    ({"running_max_req_size": 10**6}, "--running_max_req_size 1000000 does not fit in RAM: its req_to_token table, "
+                                      "1000001 slots x 256 tokens x 4 B = 0.95 GiB, is more than the 0.00 GiB "
+                                      "available; lower --running_max_req_size or --max_req_total_len"),
+    ({"max_total_token_num": 10**6}, "--max_total_token_num 1000000 does not fit in RAM: at most 2038 tokens of 512 B "
+                                     "fit in the 0.00 GiB available after the weights and the req_to_token table; "
+                                     "lower --max_total_token_num"),
+], ids=["running_max_req_size", "max_total_token_num"])  # fmt: skip
+def test_cpu_sizes_beyond_the_ram_name_the_flag(tmp_path, extra, expected):
+    """Refused before allocating: a MemoryError or the OOM killer otherwise. 1 MiB available less the table of
+    5 slots x 256 tokens x 4 B leaves 2038 tokens of 512 B."""
+    args = _args(tmp_path, max_req_total_len=256, batch_max_tokens=16, **extra)
+    with pytest.raises(ValueError) as e:
+        ModelRunner(args, memory_api=FakeHostMemory(1 * MIB))
+    assert str(e.value) == expected
+
+
 def test_host_memory_reads_memavailable_else_sysconf(tmp_path, monkeypatch):
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal:       8000000 kB\nMemFree:         100000 kB\nMemAvailable:    2048 kB\n")

@@ -3,6 +3,8 @@ token (so sampling, penalties and logprobs mean something), and each token is on
 
 import atexit
 import json
+import os
+import signal
 import time
 from types import SimpleNamespace
 
@@ -169,6 +171,13 @@ class CrashingRunner(FakeRunner):
 
     def decode(self, slots, last_tokens):
         raise EngineCrash("the model crashed")
+
+
+class KilledRunner(FakeRunner):
+    """FakeRunner whose process is SIGKILLed while it builds (as the OOM killer does): no error of its own."""
+
+    def __init__(self):
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 class SlowExitRunner(FakeRunner):

@@ -14,14 +14,15 @@ import time
 from pathlib import Path
 
 import httpx
-from fake_model import CrashingRunner, FakeRunner, Letters, SlowExitRunner
+import pytest
+from fake_model import CrashingRunner, FakeRunner, KilledRunner, Letters, SlowExitRunner
 from fastapi.testclient import TestClient
 from server_helpers import REPO
 
 from lightllm.common import proc as procs
 from lightllm.common.net import free_port, wait_healthy
 from lightllm.server.api_server import Server
-from lightllm.server.engine_proc import EngineProcess
+from lightllm.server.engine_proc import EngineExited, EngineProcess
 
 
 def started(make_runner) -> Server:
@@ -190,3 +191,15 @@ def test_the_engine_process_does_not_outlive_a_killed_server(tmp_path):
         procs.stop(proc)
         if engine is not None and procs._alive(engine):  # orphaned by the failure above: not left behind
             os.kill(engine, signal.SIGKILL)
+
+
+def test_an_engine_killed_while_starting_says_so_and_names_the_sizes():
+    """SIGKILL (the OOM killer) leaves no error of its own: not "its error is above" over nothing."""
+    engine = EngineProcess(KilledRunner)
+    try:
+        with pytest.raises(EngineExited) as e:
+            engine.wait_ready()
+    finally:
+        engine.stop()
+    assert str(e.value) == ("engine process was killed by signal 9 while starting (out of memory? check "
+                            "--running_max_req_size / --max_total_token_num)")  # fmt: skip

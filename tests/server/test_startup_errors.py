@@ -62,6 +62,7 @@ def assert_one_error_line(code, out, *expected):
 CASES = {
     "absurd max_req_total_len": (["--max_req_total_len", "99999999999"], ["99999999999", "4096"]),
     "cache smaller than a request": (["--max_total_token_num", "10"], ["--max_total_token_num 10", "4097"]),
+    "cache past int32": (["--max_total_token_num", "100000000000"], ["--max_total_token_num", "at most 2147483648"]),
     "int8kv group 0": (["--llm_kv_type", "int8kv", "--llm_kv_quant_group_size", "0"], ["--llm_kv_quant_group_size"]),
     "int8kv group 7": (["--llm_kv_type", "int8kv", "--llm_kv_quant_group_size", "7"], ["7", "head_dim / 2 = 8"]),
     "int4kv group 16": (["--llm_kv_type", "int4kv", "--llm_kv_quant_group_size", "16"], ["16", "head_dim / 2 = 8"]),
@@ -230,6 +231,15 @@ def test_malformed_weights_are_one_line_with_tensor_parallelism(tmp_path):
     break_weights(model, _f64_norm)
     code, out = run_server(tmp_path, ["--model_dir", str(model), "--device", "cpu", "--tp", "2"])
     assert_one_error_line(code, out, "tensor model.norm.weight has dtype F64")
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--running_max_req_size", "1000000000"], ["--running_max_req_size 1000000000 does not fit in RAM"]),
+    (["--max_total_token_num", "2147483648"], ["--max_total_token_num 2147483648 does not fit in RAM"]),
+], ids=["running_max_req_size", "max_total_token_num"])  # fmt: skip
+def test_sizes_beyond_the_ram_are_one_line(tmp_path, model, args, expected):
+    """On the CPU (16 TB of req_to_token table, 1 TiB of KV): one line, not the OOM killer or an allocator error."""
+    assert_one_error_line(*run_server(tmp_path, ["--model_dir", model, "--device", "cpu", *args]), *expected)
 
 
 def test_short_context_caps_the_default_and_everything_derived(short_model, caplog):

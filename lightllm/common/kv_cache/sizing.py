@@ -115,11 +115,28 @@ def gpu_pool_tokens(p: GpuProfile, mem_fraction: float, bytes_per_token: int, re
     return requested
 
 
+def check_table_fits(available: int, max_reqs: int, row_len: int) -> None:
+    """On the CPU, before anything per request is allocated: the int32 ``[max_reqs, row_len]`` req_to_token table
+    fits in the available RAM. Past it, a --running_max_req_size ends in a MemoryError or the OOM killer."""
+    table = max_reqs * row_len * 4
+    if table > available:
+        raise ValueError(f"--running_max_req_size {max_reqs - 1} does not fit in RAM: its req_to_token table, "
+                         f"{max_reqs} slots x {row_len} tokens x 4 B = {table / GIB:.2f} GiB, is more than the "
+                         f"{available / GIB:.2f} GiB available; lower --running_max_req_size or "
+                         "--max_req_total_len")  # fmt: skip
+
+
 def cpu_pool_tokens(available: int, mem_fraction: float, bytes_per_token: int, cap: int,
-                    requested: Optional[int]) -> int:  # fmt: skip
-    """The CPU pool size: ``requested`` when given, else ``mem_fraction`` of the available RAM, at most
-    ``cap`` tokens (every request slot full: more could never be used)."""
+                    requested: Optional[int], table_bytes: int = 0) -> int:  # fmt: skip
+    """The CPU pool size: ``requested`` when given, checked against the available RAM less the req_to_token table
+    (``table_bytes``, allocated beside it), else ``mem_fraction`` of the available RAM, at most ``cap`` tokens
+    (every request slot full: more could never be used)."""
     if requested is not None:
+        fits = max(available - table_bytes, 0) // bytes_per_token
+        if requested > fits:  # allocating it would be a MemoryError, or the OOM killer as the pages are touched
+            raise ValueError(f"--max_total_token_num {requested} does not fit in RAM: at most {fits} tokens of "
+                             f"{bytes_per_token} B fit in the {available / GIB:.2f} GiB available after the weights "
+                             "and the req_to_token table; lower --max_total_token_num")  # fmt: skip
         return requested
     return min(int(available * mem_fraction) // bytes_per_token, cap)
 
