@@ -320,7 +320,7 @@ def _build_one(launch: Launch, backend) -> Lowered:
             shared, error = compiled.metadata.shared, None
             ptx = compiled.asm["ptx"]
             waits = "griddepcontrol.wait" in ptx
-            releases = waits and "griddepcontrol.launch_dependents" in ptx[ptx.index("griddepcontrol.wait"):]
+            releases = waits and "griddepcontrol.launch_dependents" in ptx[ptx.index("griddepcontrol.wait") :]
         except Exception as e:
             shared, error = None, e
     seconds = time.perf_counter() - start
