@@ -40,10 +40,16 @@ def test_bucket_for_is_the_smallest_that_holds_the_tokens():
         prefill_buckets(-1)
 
 
-@pytest.mark.parametrize("value", [-1, 1.5, True])
-def test_bad_prefill_graph_max_tokens_names_the_flag(value):
-    with pytest.raises(ValueError, match=rf"^--prefill_graph_max_tokens expected a non-negative integer \(0 turns "
-                       rf"prefill graphs off\), got {value!r}$"):  # fmt: skip
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        (-1, r"a non-negative integer \(0 turns prefill graphs off\), got -1"),
+        (1.5, r"an integer, got 1.5 \(float\)"),  # the type check of every option comes first
+        (True, r"an integer, got True \(bool\)"),
+    ],
+)
+def test_bad_prefill_graph_max_tokens_names_the_flag(value, message):
+    with pytest.raises(ValueError, match=rf"^--prefill_graph_max_tokens expected {message}$"):
         EngineArgs(prefill_graph_max_tokens=value, device="cpu").normalize()
 
 
