@@ -6,6 +6,7 @@ import logging
 import math
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import List, Optional, Tuple
 
 import torch
@@ -16,7 +17,7 @@ from lightllm.engine.mtp_runner import check_mtp
 from lightllm.layers.attention import DECODE_BACKEND_CHOICES, KV_TYPES, PREFILL_BACKEND_CHOICES, check_head_dim
 from lightllm.layers.linear_attention import SSM_DATA_TYPES
 from lightllm.models.hf_config import ModelLoadError, checkpoint_dtype
-from lightllm.models.registry import read_model_config
+from lightllm.models.registry import model_family
 from lightllm.server.reasoning import REASONING_PARSERS
 from lightllm.server.tool_calls import TOOL_CALL_PARSERS
 
@@ -240,16 +241,15 @@ def _note_unused(server: ServerArgs) -> None:
 
 def _fit_to_model(engine: EngineArgs, server: ServerArgs) -> None:
     """The checks that need the model's config.json (read here, before any weight loads)."""
-    from lightllm.models.registry import model_family
     from lightllm.tools.make_tiny_model import default_model_dir
 
     model_dir = engine.model_dir or str(default_model_dir())
     try:
-        model_family(model_dir)  # the folder, its config.json and an architecture served here
+        family = model_family(model_dir)  # the folder, its config.json and an architecture served here
     except ModelLoadError as e:
         raise ValueError(f"--model_dir expected a Hugging Face model folder of a supported architecture: {e}") from None
     try:
-        family, config = read_model_config(model_dir)
+        config = family.read_config(Path(model_dir))
     except ModelLoadError as e:  # a supported architecture's config.json or generation_config.json
         raise ValueError(f"--model_dir {model_dir}: {e}") from None
     engine.fit_to_model(config.max_position_embeddings, config.head_dim, checkpoint_dtype(model_dir))
