@@ -1,7 +1,6 @@
 import json
 import os
 import shutil
-import time
 
 import pytest
 import torch
@@ -152,12 +151,11 @@ def test_default_model_dir_refuses_a_foreign_folder(tmp_path, monkeypatch):
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc")
 def test_default_model_dir_in_an_unwritable_place_names_the_variable_at_once(monkeypatch):
     monkeypatch.setenv(TINY_MODEL_DIR, "/proc/nope")  # /proc takes no new files, not even root's
+    # a hang on the lock would end in its timeout's message, not the file error's
     monkeypatch.setattr(make_tiny_model, "BUILD_LOCK_TIMEOUT_S", HANG_TIMEOUT_S)
-    start = time.monotonic()
     with pytest.raises(ValueError, match=f"^{TINY_MODEL_DIR}: /proc/nope must be a folder that can be created and "
                        "written \\(FileNotFoundError: "):  # fmt: skip
         default_model_dir()
-    assert time.monotonic() - start < 5  # not after the lock's timeout
 
 
 def test_default_model_dir_lock_held_too_long_names_the_variable(tmp_path, monkeypatch):
