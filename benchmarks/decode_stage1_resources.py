@@ -100,14 +100,10 @@ def parse_resources(text: str) -> dict:
     return dict(zip(("regs", "stack_bytes", "shared_static", "local_bytes"), map(int, m.groups())))
 
 
-def warps_per_sm(regs: int, num_warps: int, shared_bytes: int = 0, arch: int = 90) -> int:
-    """Resident warps per SM that the registers (allocated per warp in units of 256) and the shared memory (with the
-    per-block reservation; not counted for an arch this table does not know) allow, whole blocks only."""
-    return resident(regs, num_warps, shared_bytes, arch)[0]
-
-
 def resident(regs: int, num_warps: int, shared_bytes: int = 0, arch: int = 90) -> tuple:
-    """(warps per SM, what limits them: "regs", "smem" or "slots")."""
+    """(resident warps per SM, what limits them: "regs", "smem" or "slots"): the registers are allocated per warp in
+    units of 256, the shared memory with the per-block reservation (not counted for an arch this table does not know),
+    whole blocks only."""
     per_warp = -(-regs * 32 // 256) * 256
     limits = {
         "regs": REGS_PER_SM // (per_warp * num_warps),

@@ -42,10 +42,10 @@ def test_candidates_differing_only_in_waves_share_a_compile(bench):
 
 
 def test_resident_warps_follow_the_register_file_and_shared_memory(bench):
-    assert bench.warps_per_sm(255, 4) == 8  # 256 registers a thread: 2 blocks of 4 warps
-    assert bench.warps_per_sm(128, 4) == 16
-    assert bench.warps_per_sm(32, 8) == 64  # capped by the SM's warp slots
-    assert bench.warps_per_sm(151, 2) == 12  # 152 a thread (a warp takes registers in units of 256): 6 blocks
+    assert bench.resident(255, 4) == (8, "regs")  # 256 registers a thread: 2 blocks of 4 warps
+    assert bench.resident(128, 4) == (16, "regs")
+    assert bench.resident(16, 4) == (64, "slots")  # capped by the SM's warp slots (registers would allow 128)
+    assert bench.resident(151, 2) == (12, "regs")  # 152 a thread (a warp takes registers in units of 256): 6 blocks
     # the INT8 config the H200 chose (BLOCK_N 64, 2 warps, 3 stages): 7 blocks by registers, 5 by 43 KiB of shared
     assert bench.resident(144, 2, 43264, 90) == (10, "smem")
     assert bench.resident(144, 2, 43264, 75) == (14, "regs")  # an arch the table does not know: registers only
