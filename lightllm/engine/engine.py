@@ -365,7 +365,7 @@ class Engine:
     def take_abort(self, request_id: str) -> Optional[str]:
         """Take an abort of ``request_id`` made since this step took its aborts (from an emit callback, say): its
         reason, or None. The other aborts it finds are applied at the next step boundary. Called per emitted token
-        of an MTP run: an unlocked look at the queue skips the drain (1.4 us) when none was made; one landing just
+        of an MTP run: an unlocked look at the queue skips the locked drain when none was made; one landing just
         after it is taken at the next step boundary, as any abort is."""
         if self._aborts.queue:
             self._held_aborts = self._take_aborts()
