@@ -23,9 +23,17 @@ run with them against one without:
 beside a run without, with ``--profile-batch`` to see the kernels' sum against the step:
 
     python benchmarks/decode_step.py --layers 8 --batches 1 32 64 --no-startup --tune-level 0 --profile-batch 1 --pdl
+
+Two processes' graph steps differ by up to 8 % on the H200 (host preparation is part of ``graph ms``), more than PDL
+changes. ``--pdl-ab ROUNDS`` resolves it in one process: each batch's step is also captured with PDL, and the two
+graphs' replays (``replay ms``: back-to-back replays between CUDA events, the GPU's time alone) alternate round by
+round on the same buffers:
+
+    python benchmarks/decode_step.py --layers 8 --batches 1 32 64 --no-startup --tune-level 0 --pdl-ab 8
 """
 
 import argparse
+import functools
 import gc
 import itertools
 import json
@@ -66,13 +74,18 @@ def build_model(root: str, layers: int, model: str = "qwen3") -> str:
     return str(make_tiny_qwen3_5(os.path.join(root, "qwen3.5-27b-shaped"), layer_types=kinds, **QWEN3_5_27B_SHAPE))
 
 
-def step_times(model_dir, batch_sizes, kv_len, graph_max_len, profile_batch=None, buckets=None):
+def step_times(model_dir, batch_sizes, kv_len, graph_max_len, profile_batch=None, buckets=None, pdl_ab=0):
+    """Per batch size: the eager and the graph step through ``runner.decode`` (host preparation included), and the
+    graph's replay alone (``replay_ms``: back-to-back replays between CUDA events, the GPU's time per step). With
+    ``pdl_ab`` rounds, also the same step captured a second time with programmatic dependent launch
+    (``pdl_graphs``), its replays alternating with the plain graph's round by round (see :func:`replay_ab`)."""
     from lightllm import LLM
 
     llm = LLM(model_dir, data_type="bf16", running_max_req_size=max(batch_sizes), max_req_total_len=graph_max_len,
               graph_max_batch_size=max(batch_sizes), graph_max_len_in_batch=graph_max_len, batch_max_tokens=8192,
               **_bucket_option(buckets))  # fmt: skip
     runner, rows = llm.runner, []
+    pdl_graphs = capture_pdl_graphs(runner, batch_sizes) if pdl_ab else None
     for bs in batch_sizes:
         slots = [runner.kv.add_request() for _ in range(bs)]
         for s in slots:  # KV of kv_len tokens per request (contents random: timing only)
@@ -82,6 +95,14 @@ def step_times(model_dir, batch_sizes, kv_len, graph_max_len, profile_batch=None
         eager = _time(lambda: runner.decode(slots, tokens), runner)
         runner.graphs = eager_graphs
         graph = _time(lambda: runner.decode(slots, tokens), runner)
+        # the static buffers now hold this batch's step: replays recompute it (KV rewritten in place, linear
+        # attention state advanced: timing only)
+        longest = max(runner.kv.seq_lens(slots))
+        plain = functools.partial(runner.graphs.replay, runner.graphs.pick(bs, longest))
+        if pdl_graphs is None:
+            ab = {"replay_ms": statistics.median(_replay_rounds(plain))}
+        else:
+            ab = replay_ab(plain, functools.partial(pdl_graphs.replay, pdl_graphs.pick(bs, longest)), pdl_ab)
         if bs == profile_batch:
             from step_profile import kernel_breakdown, print_breakdown
 
@@ -89,11 +110,58 @@ def step_times(model_dir, batch_sizes, kv_len, graph_max_len, profile_batch=None
             print_breakdown(bs, profile)
         for s in slots:
             runner.free(s)
-        rows.append({"batch": bs, "eager_ms": eager, "graph_ms": graph})
+        rows.append({"batch": bs, "eager_ms": eager, "graph_ms": graph, **ab})
         if bs == profile_batch:
             rows[-1]["graph_kernels"] = profile
         print(json.dumps(rows[-1]), flush=True)
     return llm, rows
+
+
+def capture_pdl_graphs(runner, batch_sizes):
+    """The runner's decode step captured again for ``batch_sizes`` at its KV length buckets, every kernel that
+    supports it launched with programmatic dependent launch, in a memory pool of its own (the plain graphs stay)."""
+    from lightllm.common.cuda_graph import DecodeGraphs
+
+    previous = direct_launch.set_pdl(True)  # a ValueError names what is missing
+    try:
+        return DecodeGraphs(sorted(set(batch_sizes)), runner.graphs.graph_lens).capture_all(runner._graph_decode)
+    finally:
+        direct_launch.set_pdl(previous)
+
+
+def _replay_rounds(replay, rounds=5, reps=20) -> list:
+    """ms per step of ``reps`` back-to-back ``replay()`` calls between CUDA events, one value per round."""
+    replay()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(rounds):
+        out.append(_replay_once(replay, reps))
+    return out
+
+
+def _replay_once(replay, reps=20) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def replay_ab(plain, pdl, rounds: int) -> dict:
+    """The plain and the PDL graph of one step, timed in ``rounds`` rounds that each time both (which goes first
+    alternates), in one process on the same buffers: a drift of clocks or of the host reaches both sides of a round
+    alike. ``pdl_over_plain``: the median of the rounds' ratios."""
+    plain(), pdl()
+    torch.cuda.synchronize()
+    times = {"plain": [], "pdl": []}
+    for r in range(rounds):
+        for name, replay in (("plain", plain), ("pdl", pdl))[:: 1 if r % 2 == 0 else -1]:
+            times[name].append(_replay_once(replay))
+    ratios = [b / a for a, b in zip(times["plain"], times["pdl"])]
+    return {"replay_ms": statistics.median(times["plain"]), "replay_pdl_ms": statistics.median(times["pdl"]),
+            "pdl_over_plain": statistics.median(ratios), "pdl_rounds": times}  # fmt: skip
 
 
 def ttft_ms(llm, prompt_len: int, reps: int = 10) -> dict:
@@ -200,9 +268,14 @@ def main():
     )
     p.add_argument("--pdl", action="store_true", help="launch the kernels that support it with programmatic dependent "
                    "launch (kernels/pdl.py; not the engine's default): compare against a run without")  # fmt: skip
+    p.add_argument("--pdl-ab", type=int, default=0, metavar="ROUNDS", help="also capture each batch's step with "
+                   "programmatic dependent launch and time its replays against the plain graph's in ROUNDS "
+                   "alternating rounds, in this process (resolves what the spread of processes hides)")  # fmt: skip
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("decode_step.py needs a CUDA GPU")
+    if args.pdl_ab < 0 or (args.pdl_ab and args.pdl):
+        sys.exit("--pdl-ab: expected a round count >= 1 and no --pdl (it times both sides itself)")
     if args.pdl:
         direct_launch.set_pdl(True)  # before the engine captures its graphs; a ValueError names what is missing
     bw = bandwidths_gbs()
@@ -213,7 +286,7 @@ def main():
         os.environ["LIGHTLLM_AUTOTUNE_CONFIG_DIR"] = os.path.join(root, "configs")
         os.environ["LIGHTLLM_TRITON_AUTOTUNE_LEVEL"] = str(args.tune_level)
         llm, rows = step_times(model_dir, args.batches, args.kv_len, 2 * args.kv_len, args.profile_batch,
-                               args.graph_len_buckets)  # fmt: skip
+                               args.graph_len_buckets, args.pdl_ab)  # fmt: skip
         c = llm.runner.config
         weight_bytes = step_weight_bytes(llm.runner.model.w)
         state_bytes = _state_bytes_per_request(llm.runner.model)
@@ -222,7 +295,11 @@ def main():
             state = 2 * r["batch"] * state_bytes  # read and written once per step
             r["floor_ms"] = (weight_bytes + kv + state) / floor_gbs / 1e6
             r["graph_over_floor"] = r["graph_ms"] / r["floor_ms"]
-        result = {"device": torch.cuda.get_device_name(), "model": args.model, "pdl": args.pdl, "bandwidth_GBs": bw,
+            r["replay_over_floor"] = r["replay_ms"] / r["floor_ms"]
+            if "replay_pdl_ms" in r:
+                r["replay_pdl_over_floor"] = r["replay_pdl_ms"] / r["floor_ms"]
+        result = {"device": torch.cuda.get_device_name(), "model": args.model, "pdl": args.pdl, "pdl_ab": args.pdl_ab,
+                  "bandwidth_GBs": bw,
                   "layers": args.layers, "kv_len": args.kv_len, "tune_level": args.tune_level,
                   "first_start_s": llm.runner.startup_seconds, "graph_len_buckets": llm.runner.args.graph_lens(),
                   "first_start_decode_graph_buckets": graph_costs(llm.runner), "rows": rows,
@@ -251,10 +328,15 @@ def main():
         f"forward {t['prefill_ms']:.2f} ms), {t['generate_eager_ms']:.2f} ms eager (prefill forward "
         f"{t['prefill_eager_ms']:.2f} ms); floor {t['floor_ms']:.2f} ms"
     )
-    print(" batch  eager ms  graph ms  floor ms  graph/floor")
+    print("graph ms: runner.decode with a graph (host preparation included); replay ms: the graph's replays alone")
+    pdl = " replay ms PDL  PDL/plain  replay PDL/floor" if args.pdl_ab else ""
+    print(" batch  eager ms  graph ms  replay ms  floor ms  graph/floor  replay/floor" + pdl)
     for r in rows:
-        ratio = r["graph_over_floor"]
-        print(f"{r['batch']:6d} {r['eager_ms']:9.3f} {r['graph_ms']:9.3f} {r['floor_ms']:9.3f} {ratio:11.2f}")
+        print(f"{r['batch']:6d} {r['eager_ms']:9.3f} {r['graph_ms']:9.3f} {r['replay_ms']:10.3f} {r['floor_ms']:9.3f} "
+              f"{r['graph_over_floor']:12.3f} {r['replay_over_floor']:13.3f}", end="")  # fmt: skip
+        if args.pdl_ab:
+            print(f" {r['replay_pdl_ms']:13.3f} {r['pdl_over_plain']:10.3f} {r['replay_pdl_over_floor']:17.3f}", end="")
+        print()
     first = describe_graph_costs(result["first_start_decode_graph_buckets"])
     print(f"decode graphs per KV length bucket {result['graph_len_buckets']}, first start: {first}")
     for mode, phases in result["startup_s"].items():

@@ -169,7 +169,8 @@ def test_every_entry_kernel_is_launched_by_some_test(session_launches, whole_sui
     assert not unknown, f"not entry kernels in lightllm, take them off NOT_LAUNCHED_ON_CPU: {unknown}"
 
 
-# The kernels that take programmatic dependent launch (kernels/pdl.py): a decode layer's chain of short kernels
+# The kernels that take programmatic dependent launch (kernels/pdl.py): the short kernels of a Qwen3 or Qwen3.5
+# decode layer
 PDL_KERNELS = {
     ("lightllm.kernels.linear.small_m_kernel", "_small_m_linear_kernel"),
     ("lightllm.kernels.linear.small_m_kernel", "_sum_splits_kernel"),
@@ -179,6 +180,10 @@ PDL_KERNELS = {
     ("lightllm.kernels.activation", "_silu_mul_kernel"),
     ("lightllm.kernels.attention.decode.stage1", "decode_stage1_kernel"),
     ("lightllm.kernels.attention.decode.stage2", "decode_stage2_kernel"),
+    ("lightllm.kernels.gates", "_sigmoid_gate_mul_kernel"),
+    ("lightllm.kernels.norm.gated_rmsnorm", "_gated_rmsnorm_kernel"),
+    ("lightllm.kernels.linear_attention.conv1d_update", "_conv1d_update_kernel"),
+    ("lightllm.kernels.linear_attention.gated_delta_decode", "_gated_delta_decode_kernel"),
 }
 
 

@@ -33,3 +33,28 @@ def test_floor_counts_each_weight_once(tmp_path, make):
     want_bytes, want_params = _checkpoint_sizes(model_dir)
     assert decode_step.step_weight_bytes(w) == want_bytes and decode_step.step_weight_params(w) == want_params > 0
     assert torch.is_tensor(w.lm_head)
+
+
+def test_pdl_ab_alternates_which_graph_goes_first_and_pairs_each_round(monkeypatch):
+    """``replay_ab`` times both graphs in every round, the first of a round alternating, and reports the median of
+    the rounds' own ratios (a drift between rounds cancels in each pair)."""
+    order, clock = [], iter([1.0, 1.1, 2.0, 2.1, 3.0, 2.7, 1.0, 1.2])  # plain, pdl per round (pdl first in odd ones)
+
+    def once(replay, reps=20):
+        order.append(replay.__name__)
+        return next(clock)
+
+    def plain():
+        pass
+
+    def pdl():
+        pass
+
+    monkeypatch.setattr(decode_step, "_replay_once", once)
+    monkeypatch.setattr(decode_step.torch.cuda, "synchronize", lambda: None)
+    got = decode_step.replay_ab(plain, pdl, rounds=4)
+    assert order == ["plain", "pdl", "pdl", "plain", "plain", "pdl", "pdl", "plain"]
+    assert got["pdl_rounds"] == {"plain": [1.0, 2.1, 3.0, 1.2], "pdl": [1.1, 2.0, 2.7, 1.0]}
+    ratios = sorted([1.1 / 1.0, 2.0 / 2.1, 2.7 / 3.0, 1.0 / 1.2])
+    assert got["pdl_over_plain"] == pytest.approx((ratios[1] + ratios[2]) / 2)
+    assert got["replay_ms"] == pytest.approx(1.65) and got["replay_pdl_ms"] == pytest.approx(1.55)

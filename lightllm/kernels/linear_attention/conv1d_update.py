@@ -14,6 +14,7 @@ import triton.language as tl
 
 from lightllm.common.autotuner import PlannedInputs
 from lightllm.kernels.direct_launch import DirectLaunch
+from lightllm.kernels.pdl import pdl_release, pdl_wait
 from lightllm.kernels.launch_math import cdiv
 from lightllm.kernels.linear_attention.checks import (
     DTYPES,
@@ -31,9 +32,9 @@ _KERNEL = "causal conv1d update"
 
 
 @triton.jit
-def _conv1d_update_kernel(
-    X, STATE, W, STATE_IDX, Y, C, stride_xb, stride_sn, stride_sk, stride_yb, K: tl.constexpr, BLOCK_C: tl.constexpr
-):
+def _conv1d_update_kernel(X, STATE, W, STATE_IDX, Y, C, stride_xb, stride_sn, stride_sk, stride_yb, K: tl.constexpr,
+                          BLOCK_C: tl.constexpr, USE_PDL: tl.constexpr = False):  # fmt: skip
+    pdl_wait(USE_PDL)
     i_b = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     mask = cols < C
@@ -49,6 +50,7 @@ def _conv1d_update_kernel(
             tl.store(state + (j - 1) * stride_sk, s, mask=mask)
     tl.store(state + (K - 2) * stride_sk, x, mask=mask)
     y = acc * tl.sigmoid(acc)
+    pdl_release(USE_PDL)
     tl.store(Y + i_b * stride_yb + cols, y.to(Y.dtype.element_ty), mask=mask)
 
 

@@ -28,6 +28,7 @@ from lightllm.kernels.linear_attention.checks import (
     fail,
 )
 from lightllm.kernels.direct_launch import DirectLaunch
+from lightllm.kernels.pdl import pdl_release, pdl_wait
 from lightllm.kernels.step_buffer import StepBuffer
 
 BLOCK_VS = (8, 16, 32, 64, 128)  # 8 with one warp is fla-core's fixed choice
@@ -43,7 +44,9 @@ def _gated_delta_decode_kernel(
     stride_sn, stride_ob, stride_oh,
     scale,
     GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
+    USE_PDL: tl.constexpr = False,  # kernels/pdl.py
 ):  # fmt: skip
+    pdl_wait(USE_PDL)
     i_b = tl.program_id(0).to(tl.int64)
     i_hv = tl.program_id(1)
     i_hk = i_hv // GROUP
@@ -69,6 +72,7 @@ def _gated_delta_decode_kernel(
     delta = (v - tl.sum(s * k[:, None], axis=0)) * beta
     s = s + k[:, None] * delta[None, :]
     o = tl.sum(s * q[:, None], axis=0)
+    pdl_release(USE_PDL)
     tl.store(s_ptr, s.to(STATE.dtype.element_ty))
     tl.store(OUT + i_b * stride_ob + i_hv * stride_oh + offs_v, o.to(OUT.dtype.element_ty))
 

@@ -17,6 +17,7 @@ from lightllm.common.autotuner import AutotuneKernelType, PlannedInputs, autotun
 from lightllm.kernels.block_configs import head_block_configs, head_block_default
 from lightllm.kernels.launch_math import cdiv, next_power_of_2
 from lightllm.kernels.direct_launch import DirectLaunch
+from lightllm.kernels.pdl import pdl_release, pdl_wait
 from lightllm.kernels.step_buffer import StepBuffer
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -24,8 +25,10 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 @triton.jit
 def _gated_rmsnorm_kernel(X, Z, W, Out, stride_xt, stride_xh, stride_zt, stride_zh, eps, HEADS: tl.constexpr,
-                          D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
+                          D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+                          USE_PDL: tl.constexpr = False):  # fmt: skip
     # out [rows, HEADS, D] is contiguous: its strides need no arguments.
+    pdl_wait(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
@@ -38,6 +41,7 @@ def _gated_rmsnorm_kernel(X, Z, W, Out, stride_xt, stride_xh, stride_zt, stride_
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)[:, None]
     scaled = (w * (x * rstd).to(dt)).to(tl.float32)  # promoted as in torch: rounded to dt unless w is float32
     y = (scaled * (z / (1.0 + tl.exp(-z)))).to(dt)
+    pdl_release(USE_PDL)
     tl.store(Out + t * (HEADS * D) + h[:, None] * D + d[None, :], y.to(Out.dtype.element_ty), mask=mask)
 
 
