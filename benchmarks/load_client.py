@@ -102,12 +102,24 @@ async def _one(client, base, prompt, out_len, stream):
     return len(times), finite, (times[0] - t0 if times else None), token_gaps(times)
 
 
+async def open_connections(client, base, n):
+    """``n`` concurrent ``/health`` requests before the clock starts: the HTTP stack's first request in a process
+    imports its lazily loaded modules (about 20-30 ms on an idle CPU, far more with eight client processes starting
+    at once), and each new connection adds its set-up, both counted as time to first token of whichever request
+    came first. A client in service keeps its connections open; so does this one (``n`` is the pool's keep-alive
+    size)."""
+    responses = await asyncio.gather(*(client.get(base + "/health") for _ in range(n)))
+    for r in responses:
+        r.raise_for_status()
+
+
 async def _shard(base, arrivals, prompts, concurrency, out_len, stream, start_at):
     """This process's share of a load: its requests at their offsets from the wall-clock time ``start_at``.
     Returns the per-request results, its CPU seconds and when (wall clock) its last request ended."""
     sem = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(timeout=procs.HANG_TIMEOUT_S, limits=limits) as client:
+        await open_connections(client, base, concurrency)
         await asyncio.sleep(max(0.0, start_at - time.time()))
         t0, cpu0 = time.perf_counter(), time.process_time()
 
@@ -125,8 +137,15 @@ def _shard_main(args):
     return asyncio.run(_shard(*args))
 
 
-def _ready(barrier):
-    """A client process's initializer: it has imported this module (and httpx) once every process passes."""
+def _ready(barrier, base):
+    """A client process's initializer: it has imported this module (and httpx) and made one request (what the HTTP
+    stack imports at its first, see :func:`open_connections`) once every process passes."""
+
+    async def first_request():
+        async with httpx.AsyncClient(timeout=procs.HANG_TIMEOUT_S) as client:
+            await open_connections(client, base, 1)
+
+    asyncio.run(first_request())
     barrier.wait(_START_TIMEOUT_S)
 
 
@@ -153,7 +172,7 @@ async def load(base, n, concurrency, prompt_len, out_len, vocab, seed=0, rate=0.
         work = [(base, *shard, out_len, stream) for shard in deal(arrivals, prompts, concurrency, client_procs)]
         ctx = multiprocessing.get_context("spawn")  # no fork of a process that holds an event loop
         barrier = ctx.Barrier(client_procs + 1)
-        with ctx.Pool(client_procs, initializer=_ready, initargs=(barrier,)) as pool:
+        with ctx.Pool(client_procs, initializer=_ready, initargs=(barrier, base)) as pool:
             # all up before the clock starts; a process that cannot start breaks the barrier instead of hanging
             await asyncio.get_running_loop().run_in_executor(None, barrier.wait, _START_TIMEOUT_S)
             start = time.time() + _START_MARGIN_S
