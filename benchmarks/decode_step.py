@@ -299,8 +299,7 @@ def main():
             if "replay_pdl_ms" in r:
                 r["replay_pdl_over_floor"] = r["replay_pdl_ms"] / r["floor_ms"]
         result = {"device": torch.cuda.get_device_name(), "model": args.model, "pdl": args.pdl, "pdl_ab": args.pdl_ab,
-                  "bandwidth_GBs": bw,
-                  "layers": args.layers, "kv_len": args.kv_len, "tune_level": args.tune_level,
+                  "bandwidth_GBs": bw, "layers": args.layers, "kv_len": args.kv_len, "tune_level": args.tune_level,
                   "first_start_s": llm.runner.startup_seconds, "graph_len_buckets": llm.runner.args.graph_lens(),
                   "first_start_decode_graph_buckets": graph_costs(llm.runner), "rows": rows,
                   "startup_s": {}}  # fmt: skip
