@@ -214,15 +214,19 @@ class LogprobFormatter:
     def completion(self, tokens: Sequence[int], logprobs: Sequence[float], tops: Sequence[Optional[list]],
                    offset: int) -> dict:  # fmt: skip
         """``{tokens, token_logprobs, top_logprobs, text_offset}``; ``top_logprobs`` maps text to logprob for the
-        chosen token and the asked-for alternatives; ``text_offset`` counts from ``offset`` (an echoed prompt)."""
+        chosen token and the asked-for alternatives (``top_logprobs[i][tokens[i]] == token_logprobs[i]``; another
+        text shared by several tokens has the likeliest one's); ``text_offset`` counts from ``offset`` (an echoed
+        prompt)."""
         texts, offsets, top_maps = [], [], []
         positions = TextOffsets(self.tokenizer, offset)
         for tok, lp, top in zip(tokens, logprobs, tops):
             text = self.text(tok)
             offsets.append(positions.next(tok))
             texts.append(text)
-            top_map = {self.text(t): v for t, v in top or ()}
-            top_map.setdefault(text, lp)
+            top_map = {}
+            for t, v in top or ():  # most likely first: a text shared by several tokens keeps the likeliest's
+                top_map.setdefault(self.text(t), v)
+            top_map[text] = lp  # the chosen token's own logprob, whatever alternative shares its text
             top_maps.append(top_map)
         return {"tokens": texts, "token_logprobs": list(logprobs), "top_logprobs": top_maps, "text_offset": offsets}
 

@@ -58,3 +58,15 @@ def test_sentencepiece_byte_fallback_tokens_give_their_byte():
     assert fmt.raw_bytes(3, "\ufffd") == list(
         "\ufffd".encode("utf-8")
     )  # neither a byte token nor byte-level: its text's bytes
+
+
+def test_completion_top_logprobs_give_the_chosen_token_its_own_logprob_when_tokens_share_a_text(tokenizer):
+    """Byte pieces of different characters all decode to U+FFFD: the chosen token's key holds its own logprob (not a
+    less likely alternative's that overwrote it), and another shared text the likeliest's."""
+    fmt = LogprobFormatter(tokenizer)
+    a, b = tokenizer.encode("é", add_special_tokens=False)[:1] + tokenizer.encode("中", add_special_tokens=False)[:1]
+    word = tokenizer.encode("hello", add_special_tokens=False)[0]
+    assert fmt.text(a) == fmt.text(b) == "\ufffd" and a != b
+    out = fmt.completion([a, word], [-0.1, -2.0], [[(a, -0.1), (b, -3.0)], [(a, -0.5), (b, -0.7)]], 0)
+    assert [top[tok] for tok, top in zip(out["tokens"], out["top_logprobs"])] == out["token_logprobs"]
+    assert out["top_logprobs"] == [{"\ufffd": -0.1}, {"\ufffd": -0.5, fmt.text(word): -2.0}]
