@@ -57,9 +57,9 @@ class SamplingParams:
         self.stop = tuple(stop)
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens expected a positive integer, got {self.max_new_tokens!r}")
-        if not isinstance(self.temperature, (int, float)) or not 0 <= self.temperature <= 100:
+        if not _number(self.temperature) or not 0 <= self.temperature <= 100:
             raise ValueError(f"temperature expected a number in [0, 100], got {self.temperature!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+        if not _number(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p expected a number in (0, 1], got {self.top_p!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k expected a non-negative integer (0 = off), got {self.top_k!r}")
@@ -78,9 +78,12 @@ class SamplingParams:
                              f"got {self.min_tokens!r}")  # fmt: skip
         if not _integer(self.top_logprobs) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"top_logprobs expected an integer in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}")
-        ids = list(self.stop_token_ids)
-        if not all(_integer(t) and t >= 0 for t in ids):
-            raise ValueError(f"stop_token_ids expected non-negative integers, got {ids!r}")
+        for name in ("logprobs", "ignore_eos"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} expected a bool, got {getattr(self, name)!r}")
+        ids = self.stop_token_ids
+        if not isinstance(ids, (list, tuple)) or not all(_integer(t) and t >= 0 for t in ids):
+            raise ValueError(f"stop_token_ids expected a list of non-negative integers, got {ids!r}")
         self.stop_token_ids = tuple(ids)
 
     def _check_logit_bias(self) -> None:

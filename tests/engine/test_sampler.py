@@ -77,6 +77,12 @@ def test_a_seed_gives_the_same_tokens_whoever_shares_the_batch(p):
         (dict(stop=["ok", 7]), r"stop expected a string or a list of strings, got \['ok', 7\]"),
         (dict(stop=7), "stop expected a string or a list of strings, got 7"),
         (dict(stop=["x"] * 17), "stop: at most 16 strings, got 17"),
+        (dict(temperature=True), r"temperature expected a number in \[0, 100\], got True"),
+        (dict(top_p=True), r"top_p expected a number in \(0, 1\], got True"),
+        (dict(logprobs=5), "logprobs expected a bool, got 5"),  # vLLM's count of top logprobs: top_logprobs here
+        (dict(ignore_eos="false"), "ignore_eos expected a bool, got 'false'"),
+        (dict(stop_token_ids=7), "stop_token_ids expected a list of non-negative integers, got 7"),
+        (dict(stop_token_ids="ab"), "stop_token_ids expected a list of non-negative integers, got 'ab'"),
     ],
 )
 def test_bad_sampling_params(kwargs, message):

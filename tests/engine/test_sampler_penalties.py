@@ -130,7 +130,7 @@ def test_logprobs_are_of_the_model_distribution_not_the_biased_one():
     (dict(logit_bias={5: 101}), r"logit_bias\[5\] expected a number in \[-100, 100\], got 101"),
     (dict(min_tokens=20), r"min_tokens expected an integer in \[0, max_new_tokens 16\], got 20"),
     (dict(top_logprobs=21), r"top_logprobs expected an integer in \[0, 20\], got 21"),
-    (dict(stop_token_ids=[-1]), r"stop_token_ids expected non-negative integers, got \[-1\]"),
+    (dict(stop_token_ids=[-1]), r"stop_token_ids expected a list of non-negative integers, got \[-1\]"),
 ], ids=["presence", "frequency-nan", "repetition", "bias-key", "bias-value", "min-tokens", "top-logprobs",
         "stop-ids"])  # fmt: skip
 def test_bad_values_name_the_field(kwargs, message):
