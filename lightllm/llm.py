@@ -54,12 +54,15 @@ class LLM:
             prompts = [prompts]
         params = sampling_params or SamplingParams()
         params.check_token_ids(self.runner.config.vocab_size)
-        limit = self.runner.args.max_req_total_len
+        limit, vocab = self.runner.args.max_req_total_len, self.runner.config.vocab_size
         requests, outputs = [], []
         for i, p in enumerate(prompts):
             ids = self.tokenizer.encode(p) if isinstance(p, str) else [int(t) for t in p]
             if not ids:
                 raise ValueError(f"prompt {i} is empty")
+            bad = [t for t in ids if not 0 <= t < vocab]  # the server's 400: an embedding lookup outside it fails
+            if bad:
+                raise ValueError(f"prompt {i}: token ids expected in [0, {vocab}), got {bad[:8]}")
             if len(ids) + params.max_new_tokens > limit:
                 raise ValueError(f"prompt {i}: {len(ids)} tokens + max_new_tokens {params.max_new_tokens} exceed "
                                  f"max_req_total_len {limit}")  # fmt: skip

@@ -56,6 +56,10 @@ def test_text_prompts_and_unknown_option(tiny_dir):
     assert len(out.token_ids) == 4 and isinstance(out.text, str)
     with pytest.raises(ValueError, match="exceed max_req_total_len 64"):
         llm.generate([list(range(70))], SamplingParams(max_new_tokens=4))
+    vocab = llm.runner.config.vocab_size
+    with pytest.raises(ValueError, match=rf"prompt 1: token ids expected in \[0, {vocab}\), got \[{vocab}, -1\]"):
+        llm.generate([[5], [3, vocab, -1]], SamplingParams(max_new_tokens=4))
+    assert llm.generate([5, 6], SamplingParams(max_new_tokens=2, ignore_eos=True))[0].finish_reason == "length"
     with pytest.raises(TypeError, match="unknown engine option"):
         LLM(tiny_dir, graph_size=3)
 
