@@ -181,12 +181,19 @@ class ConfigStore:
     def load_entries(self, frozen_static_key: Any) -> Dict[Any, Tuple[Config, Path]]:
         """As :meth:`load`, with the file each config comes from."""
         entries: Dict[Any, Tuple[Config, Path]] = {}
+        for layer in self.load_layers(frozen_static_key):
+            entries.update(layer)
+        return entries
+
+    def load_layers(self, frozen_static_key: Any) -> List[Dict[Any, Tuple[Config, Path]]]:
+        """Run key (frozen) -> (config, file) of each root, the shipped configs first, then the writable root's."""
+        layers = []
         for root in (SHIPPED_ROOT, envs.get_autotune_config_dir()):
             path = self.path(root, frozen_static_key)
             data = read_config_file(path)
-            if data is not None:
-                entries.update({key_from_json(rk): (cfg, path) for rk, cfg in data["configs"].items()})
-        return entries
+            configs = {} if data is None else data["configs"]
+            layers.append({key_from_json(rk): (cfg, path) for rk, cfg in configs.items()})
+        return layers
 
     def save(self, static_key: Any, frozen_static_key: Any, entries: Dict[Any, Tuple[Config, dict]]) -> Optional[Path]:
         """Merge ``{run_key: (config, timing)}`` into the writable root's file; None if it could not be written."""

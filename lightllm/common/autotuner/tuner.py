@@ -279,11 +279,9 @@ class Autotuner:
         frozen = freeze(static_key)
         state = self._states.get(frozen)
         if state is None:
-            entries = self.store.load_entries(frozen)
+            entries = self._candidate_entries(self.store.load_layers(frozen), args, kwargs)
             configs = {run_key: config for run_key, (config, _) in entries.items()}
             state = _StaticKeyState(static_key, configs, {run_key: path for run_key, (_, path) in entries.items()})
-            if configs:
-                self._drop_non_candidates(state, args, kwargs)
             self._states[frozen] = state
         return state
 
@@ -291,26 +289,31 @@ class Autotuner:
         """Asked once per static key at load, and again by each (rare) search."""
         return CandidateSpace(self.kernel_name, self.configs_gen_func(**self._configs_picker.pick(args, kwargs)))
 
-    def _drop_non_candidates(self, state: _StaticKeyState, args: tuple, kwargs: dict) -> None:
-        """Once per static key, at load: a stored config the kernel would never offer is a miss (one warning)."""
+    def _candidate_entries(self, layers: List[Dict[Any, Tuple[Config, Any]]], args: tuple, kwargs: dict) -> dict:
+        """Once per static key, at load: the roots' entries (shipped first, the writable root's over them) less the
+        configs the kernel would never offer (one warning). A writable root's entry that is not a candidate leaves
+        the shipped config of its run key in place; a run key with no usable config is a miss."""
+        entries: Dict[Any, Tuple[Config, Any]] = {}
+        if not any(layers):
+            return entries
         space = self._space(args, kwargs)
-        bad = {}
-        for run_key, config in state.configs.items():
-            why = space.why_not(config)
-            if why is not None:
-                bad[run_key] = (
-                    f"{key_to_json(config)} for run key {key_to_json(run_key)} in {state.sources[run_key]}: {why}"
-                )
-        for run_key in bad:
-            del state.configs[run_key]
+        bad = []
+        for layer in layers:
+            for run_key, (config, path) in layer.items():
+                why = space.why_not(config)
+                if why is None:
+                    entries[run_key] = (config, path)
+                else:
+                    bad.append(f"{key_to_json(config)} for run key {key_to_json(run_key)} in {path}: {why}")
         if bad:
             logger.warning(
                 "autotune %s: ignoring %d cached config(s) that are not among the kernel's candidates, their run "
-                "keys count as misses: %s",
+                "keys count as misses (or take the shipped config of the key, where it is one): %s",
                 self.kernel_name,
                 len(bad),
-                "; ".join(bad.values()),
+                "; ".join(bad),
             )
+        return entries
 
     def _lookup(self, state: _StaticKeyState, run_key: Any) -> Config:
         """The run key's cached config, else the nearest cached run key's, else None (launcher default)."""

@@ -64,6 +64,25 @@ def test_valid_entries_beside_a_bad_one_stay_and_candidates_are_asked_once(toy, 
     assert len(warnings_of(caplog, t.name)) == 1 and asked == [1]  # checked once, at load
 
 
+@pytest.mark.parametrize("level", [0, 1])
+def test_a_stale_user_config_leaves_the_shipped_config_of_its_key_in_place(toy, monkeypatch, caplog,
+                                                                           isolated_autotune, level):  # fmt: skip
+    """The user's cache holds a config the kernel no longer offers (an upgrade changed its candidates) for a run key
+    the package ships: the shipped config is used, as when the cache had no entry, not the default."""
+    monkeypatch.setenv("LIGHTLLM_TRITON_AUTOTUNE_LEVEL", str(level))
+    t = toy(configs=GOOD)
+    write_configs(t, store.SHIPPED_ROOT, {"8": GOOD[0]})
+    path = write_configs(t, isolated_autotune, {"8": BAD["wrong value"][0]})
+    with caplog.at_level(logging.WARNING, logger="lightllm.common.autotuner"):
+        with autotune_warmup(GENERAL):
+            t(n=8)
+        t(n=8)
+    (warning,) = warnings_of(caplog, t.name)
+    assert str(path) in warning and "BLOCK_N=100 is not one of [32, 64]" in warning
+    assert t.configs_used() == [GOOD[0]] * 3  # the warm-up's compile run, then both calls; no search
+    assert t.bench.timed == []
+
+
 def test_no_file_asks_no_candidates(toy):
     t = toy(configs=GOOD)
     t.kernel.configs_gen_func = lambda: pytest.fail("configs_gen_func called without configs to check")
