@@ -113,9 +113,27 @@ def _merged(dest: Path, src: dict) -> Optional[dict]:
     return out
 
 
+def _export_dir_problem(text: str) -> Optional[str]:
+    """Why ``export`` cannot write into the folder ``text``, or None: an empty name (an unset shell variable) is not
+    the current folder, and a file, or a path under one, is no folder."""
+    if not text.strip():
+        return "is empty"
+    path = Path(text)
+    if path.exists() and not path.is_dir():
+        return "is a file"
+    above = next((p for p in path.parents if p.exists()), None)
+    if above is not None and not above.is_dir():
+        return f"is under a file ({above})"
+    return None
+
+
 def cmd_export(args) -> int:
     """Copy the writable root's configs into ``DIR`` in the shipped layout, merged with files already there."""
     root, dest_root = envs.get_autotune_config_dir(), Path(args.dir)
+    problem = _export_dir_problem(args.dir)
+    if problem is not None:
+        print(f"error: export DIR {args.dir!r} {problem}; expected a folder to create or export into", file=sys.stderr)
+        return 2
     if dest_root.resolve() == root.resolve():
         print(f"error: export DIR {str(dest_root)!r} is the writable root itself ({envs.AUTOTUNE_CONFIG_DIR})",
               file=sys.stderr)  # fmt: skip

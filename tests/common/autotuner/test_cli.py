@@ -236,3 +236,18 @@ def test_export_refuses_the_writable_root_and_an_empty_export(isolated_autotune,
     assert "is the writable root itself" in capsys.readouterr().err
     assert cli.main(["export", str(isolated_autotune.parent / "x")]) == 1
     assert "nothing to export" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("where", ["empty", "a file", "under a file"])
+def test_export_refuses_a_dir_that_is_no_folder(two_kernels, tmp_path, capsys, monkeypatch, where):
+    """An empty DIR (an unset shell variable) would export into the current folder; a file, or a path under one,
+    cannot hold the layout. Each is one error line naming DIR, status 2, nothing written."""
+    f = tmp_path / "f"
+    f.write_text("x")
+    monkeypatch.chdir(tmp_path)
+    arg = {"empty": "", "a file": str(f), "under a file": str(f / "sub")}[where]
+    assert cli.main(["export", arg]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith(f"error: export DIR {arg!r} ") and len(captured.err.splitlines()) == 1
+    assert "expected a folder" in captured.err and captured.out == ""
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["autotune", "f", "shipped"] and f.read_text() == "x"
