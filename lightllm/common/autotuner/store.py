@@ -257,10 +257,28 @@ def _sweep_stale_temp_files(written: Path) -> None:
             continue
 
 
+def _umask() -> int:
+    """The process's umask, read without changing it where Linux tells it (else set and put back at once; the
+    moment between narrows what another thread creates, never widens it)."""
+    try:
+        with open("/proc/self/status", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o077)
+    os.umask(mask)
+    return mask
+
+
 def atomic_write_json(path: Path, payload: dict) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
+            # mkstemp makes the file 0600: give it the mode open(path, "w") would, so that the other users of a
+            # shared config root can read it (and their writes merge its entries, not replace a file they can't read)
+            os.fchmod(f.fileno(), 0o666 & ~_umask())
             json.dump(payload, f, indent=1, default=str)
             f.write("\n")
             f.flush()

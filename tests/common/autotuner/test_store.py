@@ -239,3 +239,21 @@ def test_save_removes_stale_temp_files_of_its_own_file_only(isolated_autotune):
         assert s.save(static, freeze(static), {8: ({"BLOCK_N": 64}, {"best_ms": 0.01})}) == path
     assert sorted(p.name for p in path.parent.iterdir() if p.name.endswith(".tmp")) == [live_other.name]
     assert json.loads(path.read_text())["configs"] == {"8": {"BLOCK_N": 64}}
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o002, 0o077], ids=["022", "002", "077"])
+def test_config_files_get_the_mode_of_a_plain_write(isolated_autotune, tmp_path, umask):
+    """Written through a temp file, a config file still gets what ``open(path, "w")`` gives (0666 less the umask),
+    not mkstemp's 0600: another user sharing the config root can read it, rather than find it unreadable (a miss)
+    and replace it, losing its entries; an exported (shipped) file is readable by every user of the package."""
+    from lightllm.common.autotuner import __main__ as cli
+    from lightllm.common.autotuner.keys import freeze
+
+    old = os.umask(umask)
+    try:
+        path = store.ConfigStore("mode_test").save({"d": 1}, freeze({"d": 1}), {8: ({"BLOCK_N": 64}, {})})
+        assert cli.main(["export", str(tmp_path / "ship")]) == 0
+    finally:
+        os.umask(old)
+    exported = tmp_path / "ship" / path.relative_to(isolated_autotune)
+    assert [oct(p.stat().st_mode & 0o777) for p in (path, exported)] == [oct(0o666 & ~umask)] * 2
