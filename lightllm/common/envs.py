@@ -29,14 +29,14 @@ ALL = (
 _AUTOTUNE_LEVELS = {0: "use cached configs", 1: "adaptive", 2: "force", 3: "off"}
 
 
-def _parse_int(name: str, default: int, raw: Optional[str] = None) -> int:
+def _parse_int(name: str, default: int, raw: Optional[str] = None, allowed: str = "an integer") -> int:
     raw = os.environ.get(name) if raw is None else raw
     if raw is None or raw.strip() == "":
         return default
     try:
         return int(raw.strip())
     except ValueError:
-        raise ValueError(f"{name}={raw!r} is not an integer") from None
+        raise ValueError(f"{name}={raw!r} is not an integer; use {allowed}") from None
 
 
 def get_triton_autotune_level() -> int:
@@ -55,7 +55,7 @@ def _autotune_level(raw: Optional[str]) -> int:
 
 def get_decode_attn_autotune_seq_len() -> int:
     """KV length of the representative batch that decode-attention kernels tune on (default 32768)."""
-    seq_len = _parse_int(DECODE_ATTN_AUTOTUNE_SEQ_LEN, 32768)
+    seq_len = _parse_int(DECODE_ATTN_AUTOTUNE_SEQ_LEN, 32768, allowed="a positive integer (a KV length in tokens)")
     if seq_len <= 0:
         raise ValueError(
             f"{DECODE_ATTN_AUTOTUNE_SEQ_LEN}={os.environ[DECODE_ATTN_AUTOTUNE_SEQ_LEN]!r} must be a positive integer"
@@ -71,7 +71,9 @@ def get_autotune_max_seconds_per_search() -> float:
     try:
         seconds = float(raw)
     except ValueError:
-        raise ValueError(f"{AUTOTUNE_MAX_SECONDS_PER_SEARCH}={raw!r} is not a number") from None
+        raise ValueError(
+            f"{AUTOTUNE_MAX_SECONDS_PER_SEARCH}={raw!r} is not a number; use a positive, finite number of seconds"
+        ) from None
     if not seconds > 0 or seconds == float("inf"):
         raise ValueError(f"{AUTOTUNE_MAX_SECONDS_PER_SEARCH}={raw!r} must be a positive, finite number of seconds")
     return seconds

@@ -63,6 +63,20 @@ def test_bad_values_name_variable_and_value(monkeypatch, name, value, message):
         envs.validate_all()
 
 
+@pytest.mark.parametrize(
+    "name, value, allowed",
+    [
+        ("LIGHTLLM_DECODE_ATTN_AUTOTUNE_SEQ_LEN", "32k", "use a positive integer"),
+        ("LIGHTLLM_AUTOTUNE_MAX_SECONDS_PER_SEARCH", "30s", "use a positive, finite number of seconds"),
+    ],
+)
+def test_a_value_that_does_not_parse_says_what_is_allowed(monkeypatch, name, value, allowed):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError) as e:
+        envs.validate_all()
+    assert str(e.value).startswith(f"{name}={value!r} ") and allowed in str(e.value) and "\n" not in str(e.value)
+
+
 def test_config_dir_must_not_be_a_file(monkeypatch, tmp_path):
     f = tmp_path / "file"
     f.write_text("x")
