@@ -125,14 +125,15 @@ def test_logprobs_are_of_the_model_distribution_not_the_biased_one():
 @pytest.mark.parametrize("kwargs, message", [
     (dict(presence_penalty=2.5), r"presence_penalty expected a number in \[-2, 2\], got 2.5"),
     (dict(frequency_penalty=float("nan")), "frequency_penalty expected a number in"),
-    (dict(repetition_penalty=0), r"repetition_penalty expected a number > 0 \(1 = off\), got 0"),
+    (dict(repetition_penalty=0), r"repetition_penalty expected a finite number > 0 \(1 = off\), got 0"),
+    (dict(repetition_penalty=float("inf")), r"repetition_penalty expected a finite number > 0 \(1 = off\), got inf"),
     (dict(logit_bias={"5": 1.0}), "logit_bias expected non-negative integer token ids as keys, got '5'"),
     (dict(logit_bias={5: 101}), r"logit_bias\[5\] expected a number in \[-100, 100\], got 101"),
     (dict(min_tokens=20), r"min_tokens expected an integer in \[0, max_new_tokens 16\], got 20"),
     (dict(top_logprobs=21), r"top_logprobs expected an integer in \[0, 20\], got 21"),
     (dict(stop_token_ids=[-1]), r"stop_token_ids expected a list of non-negative integers, got \[-1\]"),
-], ids=["presence", "frequency-nan", "repetition", "bias-key", "bias-value", "min-tokens", "top-logprobs",
-        "stop-ids"])  # fmt: skip
+], ids=["presence", "frequency-nan", "repetition", "repetition-inf", "bias-key", "bias-value", "min-tokens",
+        "top-logprobs", "stop-ids"])  # fmt: skip
 def test_bad_values_name_the_field(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)
