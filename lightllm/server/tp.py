@@ -13,7 +13,7 @@ import multiprocessing as mp
 import os
 import threading
 import time
-from typing import Callable, Optional
+from typing import Callable, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -28,6 +28,9 @@ logger = logging.getLogger(__name__)
 _COMMANDS = STATE_CHANGING
 _HEARTBEAT_S = 0.5  # how often a worker marks itself alive
 _FROZEN_S = 5.0  # a worker silent this long is stopped (SIGSTOP, a debugger) or frozen
+# A worker killed inside a collective fails rank 0's side of it at once (its connection is reset) while its own
+# process may still be exiting: rank 0 waits this long for that exit before blaming its own step.
+_EXIT_WAIT_S = 5.0
 # Where a rank's start-up error (a ValueError building its runner: a malformed checkpoint) goes instead of the log:
 # the engine process sets it to its pipe, so the HTTP process prints it as one line.
 start_error_sink: Optional[Callable[[str], None]] = None
@@ -80,14 +83,9 @@ class Workers:
 
     def _watch(self) -> None:
         while not self.stopping:
-            dead = [p for p in self.procs if not p.is_alive()]
-            if dead and not self.stopping:
-                p = dead[0]
-                if self.errors is not None and not self.errors.empty():  # a start-up error: its own one-line reason
-                    self.fail(self.errors.get(), start_error=True)
-                else:
-                    self.fail(f"tensor-parallel worker {p.name} (pid {p.pid}) exited with code {p.exitcode}; the "
-                              "other ranks cannot go on without it")  # fmt: skip
+            exited = self._exited()
+            if exited is not None and not self.stopping:
+                self.fail(*exited)
             in_flight = self._in_flight
             if in_flight and self.step_timeout_s is not None and not self.stopping:
                 name, number, t0 = in_flight
@@ -95,6 +93,28 @@ class Workers:
                     self.fail(f"tensor-parallel command '{name}' not finished after --tp_step_timeout_s "
                               f"{self.step_timeout_s:g}: {self._holding_up(number)}")  # fmt: skip
             time.sleep(self._interval_s)
+
+    def _exited(self, wait_s: float = 0.0) -> Optional[Tuple[str, bool]]:
+        """``fail``'s arguments for a worker that has exited (or exits within ``wait_s``), None while all run."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            dead = [p for p in self.procs if not p.is_alive()]
+            if dead or time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
+        if not dead:
+            return None
+        if self.errors is not None and not self.errors.empty():  # a start-up error: its own one-line reason
+            return self.errors.get(), True
+        p = dead[0]
+        why = f"tensor-parallel worker {p.name} (pid {p.pid}) exited with code {p.exitcode}; the other ranks cannot"
+        return f"{why} go on without it", False
+
+    def fail_if_one_exited(self, wait_s: float) -> None:
+        """``fail``, naming the worker, when one has exited or exits within ``wait_s``; else return."""
+        exited = self._exited(wait_s)
+        if exited is not None:
+            self.fail(*exited)
 
     def _holding_up(self, number: int) -> str:
         """Which rank(s) hold up command ``number``: a worker that did not receive it or is frozen; when every
@@ -187,7 +207,11 @@ class TPRunner:
         self.runner.set_launch_hook(hook)
 
     def _cast(self, *cmd) -> None:
-        dist.broadcast_object_list([cmd], src=0, group=self.group)
+        try:
+            dist.broadcast_object_list([cmd], src=0, group=self.group)
+        except Exception:  # a worker gone before the watchdog saw it: name it, not the broken connection
+            self.workers.fail_if_one_exited(_EXIT_WAIT_S)
+            raise
 
     def prefill(self, slots, prompts):
         return self._step("prefill", self.runner.prefill, (list(slots), [list(p) for p in prompts]))
@@ -214,6 +238,8 @@ class TPRunner:
         try:
             return step(*args)
         except Exception as e:
+            # a worker that died inside the step fails it here first (a collective's lost connection): name it
+            self.workers.fail_if_one_exited(_EXIT_WAIT_S)
             logger.exception("tensor-parallel rank 0: %s failed", step.__name__)
             self.workers.fail(f"rank 0's {step.__name__} step failed after the workers started it ({e})")
 

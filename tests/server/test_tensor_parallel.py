@@ -180,6 +180,9 @@ def test_a_failed_rank_0_step_ends_every_rank():
         def command(self, name):
             return contextlib.nullcontext()
 
+        def fail_if_one_exited(self, wait_s):
+            pass  # every worker runs
+
         def fail(self, why):
             raise SystemExit(why)
 
@@ -189,6 +192,76 @@ def test_a_failed_rank_0_step_ends_every_rank():
     with pytest.raises(SystemExit, match="rank 0's decode step failed after the workers started it .*illegal"):
         runner.decode([0], [5])
     assert cast == [("decode", [0], [5])]
+
+
+def test_a_worker_dying_inside_a_step_is_named_not_rank_0s_step(monkeypatch):
+    """SIGKILL rank 1 inside a decode: rank 0's side of the step's collective fails at once (connection reset),
+    before the watchdog looks. The line must name the dead worker, as it does when the watchdog sees it first."""
+    from lightllm.server import tp
+
+    class Dead:
+        name, pid, exitcode = "lightllm-tp1", 1234, -9
+
+        def is_alive(self):
+            return False
+
+    class FakeRunner:
+        mtp = None
+
+        def decode(self, slots, tokens):
+            raise RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:1: Connection reset by peer")
+
+    class Exited(Exception):
+        pass
+
+    def exit_(code):
+        raise Exited(code)
+
+    monkeypatch.setattr(tp.os, "_exit", exit_)
+    logged = []
+    monkeypatch.setattr(tp.logger, "error", lambda msg, *a: logged.append(msg % a))
+    monkeypatch.setattr(tp.logger, "exception", lambda msg, *a: logged.append("traceback: " + msg % a))
+    workers = tp.Workers([], interval_s=3600)  # its own watchdog sees no worker, then sleeps
+    workers.procs = [Dead()]
+    runner = tp.TPRunner(FakeRunner(), group=None, workers=workers)
+    runner._cast = lambda *cmd: None
+    with pytest.raises(Exited):
+        runner.decode([0], [5])
+    assert logged == ["tensor-parallel worker lightllm-tp1 (pid 1234) exited with code -9; the other ranks cannot go "
+                      "on without it, so the server exits"]  # fmt: skip
+
+
+def test_a_worker_killed_while_streaming_is_named(tmp_path):
+    """The same with real processes: rank 1 killed while three requests decode."""
+    proc, log_path, pid, base = _start_tp2(tmp_path, "--max_req_total_len", "1024")
+    received = [[], [], []]  # each stream's events
+
+    def stream(i):
+        body = {"inputs": [5, 6, 7 + i], "parameters": {"max_new_tokens": 1000, "ignore_eos": True}}
+        with contextlib.suppress(httpx.HTTPError):
+            with httpx.stream("POST", base + "/generate_stream", json=body, timeout=procs.HANG_TIMEOUT_S) as r:
+                for line in r.iter_lines():
+                    if line:
+                        received[i].append(line)
+
+    threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(3)]
+    try:
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + procs.HANG_TIMEOUT_S
+        while min(map(len, received)) < 4:  # all three decode
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        os.kill(pid, signal.SIGKILL)
+        assert proc.wait(timeout=procs.HANG_TIMEOUT_S) == 1
+        for t in threads:
+            t.join(procs.HANG_TIMEOUT_S)
+    finally:
+        procs.stop(proc)
+    text = log_path.read_text()
+    assert f"tensor-parallel worker lightllm-tp1 (pid {pid}) exited with code -9" in text, text[-3000:]
+    assert "Traceback" not in text and "Connection reset" not in text, text[-3000:]
+    assert all('"finish_reason": "error"' in events[-1] for events in received), [e[-1:] for e in received]
 
 
 def test_a_stopped_worker_turns_health_503_and_then_ends_the_server_naming_it(tmp_path):
