@@ -59,9 +59,12 @@ class Workers:
     It does the same when a step is still running after ``step_timeout_s``, naming the rank(s) holding it up."""
 
     def __init__(self, procs, progress: Optional[RankProgress] = None, step_timeout_s: Optional[float] = None,
-                 interval_s: float = 0.5, errors=None):  # fmt: skip
+                 interval_s: float = 0.5, errors=()):  # fmt: skip
         self.procs = list(procs)
-        self.errors = errors  # a SimpleQueue: a worker's start-up error, put there just before it exits
+        # per worker, the read end of a pipe its start-up error is sent on just before it exits (a pipe, not a
+        # multiprocessing queue: a queue's named semaphores outlive a rank 0 that leaves by os._exit, and
+        # multiprocessing's resource tracker then warns about them below the server's one error line)
+        self.errors = errors
         self.progress = progress
         self.step_timeout_s = step_timeout_s
         self.stopping = False  # set before a clean stop: workers exiting then is expected
@@ -104,8 +107,10 @@ class Workers:
             time.sleep(0.05)
         if not dead:
             return None
-        if self.errors is not None and not self.errors.empty():  # a start-up error: its own one-line reason
-            return self.errors.get(), True
+        for conn in self.errors:
+            with contextlib.suppress(EOFError, OSError):  # EOF: that worker exited without one
+                if conn.poll():  # a start-up error: its own one-line reason
+                    return conn.recv(), True
         p = dead[0]
         why = f"tensor-parallel worker {p.name} (pid {p.pid}) exited with code {p.exitcode}; the other ranks cannot"
         return f"{why} go on without it", False
@@ -363,7 +368,7 @@ def _worker(rank: int, world: int, init_method: str, args: EngineArgs, parent: i
     try:
         runner = ModelRunner(args)
     except ValueError as e:  # bad input (a malformed checkpoint): rank 0's watchdog reports it, no traceback here
-        errors.put(f"tensor-parallel rank {rank}: {e}")
+        errors.send(f"tensor-parallel rank {rank}: {e}")
         os._exit(1)
     worker_loop(runner, group, progress, rank)
     dist.destroy_process_group()
@@ -385,12 +390,14 @@ def start_tp(args: EngineArgs, tp: int, step_timeout_s: Optional[float] = None, 
     logger.info("tensor-parallel rendezvous at %s", init_method)
     ctx = mp.get_context("spawn")
     progress = RankProgress(ctx, tp)
-    errors = ctx.SimpleQueue()
-    procs = []
+    procs, errors = [], []
     for rank in range(1, tp):
-        proc = ctx.Process(target=_worker, args=(rank, tp, init_method, args, os.getpid(), progress, errors),
+        error_in, error_out = ctx.Pipe(duplex=False)
+        errors.append(error_in)
+        proc = ctx.Process(target=_worker, args=(rank, tp, init_method, args, os.getpid(), progress, error_out),
                            daemon=True, name=f"lightllm-tp{rank}")  # fmt: skip
         proc.start()
+        error_out.close()  # the worker's alone from here: its exit is an EOF
         procs.append(proc)
     logger.info("tensor-parallel workers started: %s", ", ".join(f"{p.name} pid {p.pid}" for p in procs))
     # Watched from here on: a rank dying at start-up must not hang rank 0 either. Start-up itself (loading,

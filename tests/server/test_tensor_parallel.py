@@ -344,13 +344,49 @@ def test_a_workers_start_up_error_is_reported_not_logged(monkeypatch):
     sent = []
     monkeypatch.setattr(tp, "start_error_sink", sent.append)
     monkeypatch.setattr(tp.os, "_exit", exit_)
-    errors = multiprocessing.get_context("spawn").SimpleQueue()
-    errors.put("tensor-parallel rank 1: m/model.safetensors: tensor model.norm.weight has dtype F64")
-    workers = tp.Workers([], errors=errors, interval_s=3600)  # its own watchdog sees no worker, then sleeps
+    error_in, error_out = multiprocessing.get_context("spawn").Pipe(duplex=False)
+    error_out.send("tensor-parallel rank 1: m/model.safetensors: tensor model.norm.weight has dtype F64")
+    workers = tp.Workers([], errors=[error_in], interval_s=3600)  # its own watchdog sees no worker, then sleeps
     workers.procs = [Dead()]
     with pytest.raises(Exited):
         workers._watch()
     assert sent == ["tensor-parallel rank 1: m/model.safetensors: tensor model.norm.weight has dtype F64"]
+    error_out.close()  # a worker killed at start-up sends nothing: its pipe is at its end
+    assert workers._exited() == ("tensor-parallel worker lightllm-tp1 (pid 1234) exited with code 1; the other ranks "
+                                 "cannot go on without it", False)  # fmt: skip
+
+
+_RANK_1_FAILS = """
+import sys, time
+from lightllm.engine.args import EngineArgs
+from lightllm.server import tp
+
+
+def refuse(args):
+    raise ValueError("model.safetensors: tensor model.norm.weight has dtype F64")
+
+
+if __name__ == "__mp_main__":  # rank 1 (spawned): a malformed checkpoint
+    tp.ModelRunner = refuse
+if __name__ == "__main__":  # rank 0 is still loading when rank 1 gives up
+    tp.ModelRunner = lambda args: time.sleep(600)
+    tp.start_tp(EngineArgs(model_dir=sys.argv[1], device="cpu"), 2)
+"""
+
+
+def test_a_workers_start_up_error_is_the_only_output(tmp_path):
+    """Rank 0 leaves by os._exit once the watchdog has a worker's start-up error: nothing it leaves behind may add
+    lines below the server's one error line (a multiprocessing queue's semaphores did: resource_tracker warned of
+    leaked semaphore objects)."""
+    model = make_tiny_qwen3(tmp_path / "model")
+    script = tmp_path / "rank_1_fails.py"
+    script.write_text(_RANK_1_FAILS)
+    with procs.running([sys.executable, str(script), str(model)], env={**os.environ, "PYTHONPATH": REPO},
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:  # fmt: skip
+        out = proc.stdout.read()  # to its end: the resource tracker, rank 0's child, writes here as it exits
+        assert proc.wait() == 1
+    assert "tensor-parallel rank 1: model.safetensors: tensor model.norm.weight has dtype F64" in out, out
+    assert "leaked" not in out and "Traceback" not in out, out
 
 
 def test_a_request_failing_alone_keeps_the_ranks_in_step(tmp_path, monkeypatch):
