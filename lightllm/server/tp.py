@@ -331,6 +331,16 @@ def _for_rank(args: EngineArgs, rank: int) -> EngineArgs:
     return args
 
 
+def _parent_gone(parent: int, wait_s: float) -> bool:
+    """Whether ``parent`` (rank 0 as it spawned us) has exited, or exits within ``wait_s``."""
+    deadline = time.monotonic() + wait_s
+    while os.getppid() == parent:
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
 def _exit_with_parent(parent: int, interval_s: float = 0.5) -> None:
     """A worker outliving rank 0 (killed, crashed) would hold its GPU inside a collective that never ends.
     ``parent`` is rank 0's pid as it spawned us: it may already be gone by the time this runs."""
@@ -370,7 +380,14 @@ def _worker(rank: int, world: int, init_method: str, args: EngineArgs, parent: i
     except ValueError as e:  # bad input (a malformed checkpoint): rank 0's watchdog reports it, no traceback here
         errors.send(f"tensor-parallel rank {rank}: {e}")
         os._exit(1)
-    worker_loop(runner, group, progress, rank)
+    try:
+        worker_loop(runner, group, progress, rank)
+    except Exception:
+        # rank 0 gone (killed, crashed): the collective this waited in fails with a reset connection, but the server
+        # has reported the engine process's end already; a traceback from here would only add a misleading one
+        if _parent_gone(parent, _EXIT_WAIT_S):
+            os._exit(1)
+        raise
     dist.destroy_process_group()
 
 

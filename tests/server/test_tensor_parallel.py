@@ -95,6 +95,26 @@ def test_a_dead_worker_ends_the_server_instead_of_hanging_it(tmp_path):
     assert f"tensor-parallel worker lightllm-tp1 (pid {pid}) exited with code -9" in log_path.read_text()
 
 
+def test_a_dead_rank_0_ends_the_server_with_its_line_alone(tmp_path):
+    """SIGKILL the engine process (rank 0): the server says so in one line, and rank 1, whose collective then fails
+    on a reset connection, exits without a traceback (it would only name that connection)."""
+    proc, log_path, pid, _ = _start_tp2(tmp_path)
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            engine = int(f.read().rsplit(")", 1)[1].split()[1])  # rank 1's parent: rank 0, the engine process
+        os.kill(engine, signal.SIGKILL)
+        assert proc.wait(timeout=procs.HANG_TIMEOUT_S) == 1
+        deadline = time.monotonic() + procs.HANG_TIMEOUT_S
+        while not _gone(pid):  # rank 1 writes to the same log until it exits
+            assert time.monotonic() < deadline, "rank 1 outlived rank 0"
+            time.sleep(0.05)
+    finally:
+        procs.stop(proc)
+    text = log_path.read_text()
+    assert "engine process exited with code -9; 0 request(s) in flight end with finish_reason error" in text
+    assert "Traceback" not in text and "Connection reset" not in text, text[-3000:]
+
+
 def _session(sid: int) -> list:
     """Live (not zombie) processes of session ``sid``."""
     out = []
