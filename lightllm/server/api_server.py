@@ -17,7 +17,9 @@ import gc
 import json
 import logging
 import math
+import os
 import re
+import signal
 import sys
 import threading
 import time
@@ -601,9 +603,23 @@ def main(argv=None) -> None:
         sock.close()
         sys.stderr.write(f"error: {e}\n")
         code = 1
+    except KeyboardInterrupt:  # Ctrl+C while starting, or uvicorn re-raising it once serving has drained
+        code = None
     finally:
         engine.stop()
+    if code is None:
+        _exit_interrupted()
     sys.exit(code)
+
+
+def _exit_interrupted() -> None:
+    """End as an uncaught KeyboardInterrupt ends Python (killed by SIGINT, which a calling shell looks for), without
+    its traceback: the server and its engine process have stopped, and a Ctrl+C is no error."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGINT)
 
 
 if __name__ == "__main__":

@@ -2,8 +2,11 @@
 time and then aborts them."""
 
 import json
+import os
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from types import SimpleNamespace
@@ -11,10 +14,11 @@ from types import SimpleNamespace
 import httpx
 import torch
 from fastapi.testclient import TestClient
-from server_helpers import start_server
+from server_helpers import REPO, start_server
 
 from lightllm.engine.args import EngineArgs
 from lightllm.common import proc as procs
+from lightllm.common.net import free_port
 from lightllm.common.kv_cache import KVCacheManager
 from lightllm.engine.request import Request
 from lightllm.engine.sampler import SamplingParams
@@ -115,3 +119,40 @@ def test_shutdown_drains_then_aborts_what_is_left(tmp_path):
     finally:
         procs.stop(proc)
     assert "still running after 0.5s (--shutdown_drain_s); aborting them" in log.read_text()
+
+
+def test_ctrl_c_while_streaming_ends_the_server_without_a_traceback(tmp_path):
+    """Ctrl+C (SIGINT to the whole process group) drains and aborts as SIGTERM does; the server then ends as Ctrl+C
+    ends a program (killed by SIGINT), not with uvicorn's re-raised KeyboardInterrupt as a traceback."""
+    proc, base, log = start_server(tmp_path, ["--device", "cpu", "--shutdown_drain_s", "0"])
+    try:
+        body = {"inputs": [5, 6, 7], "parameters": {"max_new_tokens": 4000, "ignore_eos": True}}
+        with httpx.stream("POST", base + "/generate_stream", json=body, timeout=procs.HANG_TIMEOUT_S) as running:
+            lines = running.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            os.killpg(proc.pid, signal.SIGINT)
+            events = _events([first, *lines])
+        assert events[-1]["finish_reason"] == "abort"
+        assert proc.wait(timeout=procs.HANG_TIMEOUT_S) == -signal.SIGINT
+    finally:
+        procs.stop(proc)
+    text = log.read_text()
+    assert "Traceback" not in text and "KeyboardInterrupt" not in text, text[-3000:]
+
+
+def test_ctrl_c_while_starting_ends_the_server_without_a_traceback(tmp_path):
+    """Ctrl+C while the engine process loads the model: the HTTP process stops it and ends, without a traceback."""
+    env = {**os.environ, "PYTHONPATH": REPO, "LIGHTLLM_TINY_MODEL_DIR": str(tmp_path / "tiny"),
+           "LIGHTLLM_AUTOTUNE_CONFIG_DIR": str(tmp_path / "autotune"), "HF_HUB_OFFLINE": "1"}  # fmt: skip
+    cmd = [sys.executable, "-m", "lightllm.server.api_server", "--device", "cpu", "--port", str(free_port())]
+    with procs.running(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+        lines = []
+        for line in proc.stdout:  # the engine process's first line: the HTTP process waits for it to be ready
+            lines.append(line)
+            if "KV cache sizing" in line:
+                break
+        os.killpg(proc.pid, signal.SIGINT)
+        lines += proc.stdout.readlines()
+        assert proc.wait() == -signal.SIGINT
+    text = "".join(lines)
+    assert "Traceback" not in text and "KeyboardInterrupt" not in text, text[-3000:]
