@@ -17,6 +17,7 @@ from server_helpers import REPO
 
 from lightllm import LLM, SamplingParams
 from lightllm.common import proc as procs
+from lightllm.common.net import free_port
 from lightllm.engine.model_runner import ModelRunner
 from lightllm.server.args import parse_args
 from lightllm.server.prompts import load_tokenizer
@@ -231,6 +232,18 @@ def test_malformed_weights_are_one_line_with_tensor_parallelism(tmp_path):
     break_weights(model, _f64_norm)
     code, out = run_server(tmp_path, ["--model_dir", str(model), "--device", "cpu", "--tp", "2"])
     assert_one_error_line(code, out, "tensor model.norm.weight has dtype F64")
+
+
+def test_nccl_port_in_use_is_one_line(tmp_path):
+    """--tp 2 with --nccl_port taken by another process: rank 0 cannot listen there to host the rendezvous."""
+    model = make_tiny_qwen3(tmp_path / "m", num_attention_heads=4, num_key_value_heads=2)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        args = ["--model_dir", str(model), "--device", "cpu", "--tp", "2", "--nccl_port", str(port)]
+        code, out = run_server(tmp_path, [*args, "--port", str(free_port())])
+    assert_one_error_line(code, out, f"--nccl_port {port}: the ranks cannot meet", "address already in use")
 
 
 @pytest.mark.parametrize("args, expected", [
