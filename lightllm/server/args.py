@@ -192,6 +192,8 @@ def parse_args(argv: Optional[List[str]] = None) -> Tuple[ServerArgs, EngineArgs
             )
         if server.nccl_port is not None and not 0 < server.nccl_port < 65536:
             raise ValueError(f"--nccl_port expected a value in [1, 65535], got {server.nccl_port}")
+        if server.tp > 1 and server.nccl_port == server.port:  # rank 0 would listen there before HTTP does
+            raise ValueError(f"--nccl_port expected a port other than --port, got {server.nccl_port} for both")
         if server.model_name is not None and not server.model_name.strip():
             raise ValueError("--model_name expected a non-empty name")
         server.eos_id = tuple(server.eos_id)

@@ -71,6 +71,7 @@ CASES = {
     "negative drain": (["--shutdown_drain_s", "-1"], ["--shutdown_drain_s", "-1"]),
     "unknown reasoning parser": (["--reasoning_parser", "qwen2"], ["--reasoning_parser", "'qwen2'", "qwen3"]),
     "chunked_prefill_size 0": (["--chunked_prefill_size", "0"], ["--chunked_prefill_size", "positive integer, got 0"]),
+    "nccl_port is port": (["--tp", "2", "--port", "18", "--nccl_port", "18"], ["--nccl_port", "other than --port"]),
 }
 
 
