@@ -429,4 +429,11 @@ def start_tp(args: EngineArgs, tp: int, step_timeout_s: Optional[float] = None, 
         flag = f"--nccl_port {port}" if port is not None else "tensor-parallel rendezvous"
         raise ValueError(f"{flag}: the ranks cannot meet at {init_method} ({e}); pass a free port") from None
     group = dist.new_group(backend="gloo")
-    return TPRunner(ModelRunner(args), group, workers)
+    try:
+        runner = ModelRunner(args)
+    except ValueError:  # bad input rank 0 found itself (a malformed checkpoint): its own line, at once
+        raise
+    except Exception:  # a worker that failed or died while building its own runner fails our collectives: name it
+        workers.fail_if_one_exited(_EXIT_WAIT_S)
+        raise
+    return TPRunner(runner, group, workers)

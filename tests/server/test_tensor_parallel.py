@@ -409,6 +409,40 @@ def test_a_workers_start_up_error_is_the_only_output(tmp_path):
     assert "leaked" not in out and "Traceback" not in out, out
 
 
+_RANK_1_CRASHES = """
+import sys
+import torch.distributed as dist
+from lightllm.engine.args import EngineArgs
+from lightllm.server import tp
+
+
+def crash(args):
+    raise RuntimeError("rank 1 ran out of memory")
+
+
+if __name__ == "__mp_main__":  # rank 1 (spawned): fails building its runner
+    tp.ModelRunner = crash
+if __name__ == "__main__":  # rank 0 builds its own in step, inside a collective that rank 1's exit then breaks
+    tp.ModelRunner = lambda args: dist.barrier()
+    tp.start_tp(EngineArgs(model_dir=sys.argv[1], device="cpu"), 2)
+"""
+
+
+def test_a_worker_crashing_at_start_up_is_named_not_rank_0s_collective(tmp_path):
+    """A worker's runner fails to build (not bad input: out of memory, a bug): rank 0's own build fails in its next
+    collective on the closed connection; the line must name the worker, whose own error is above it."""
+    model = make_tiny_qwen3(tmp_path / "model")
+    script = tmp_path / "rank_1_crashes.py"
+    script.write_text(_RANK_1_CRASHES)
+    with procs.running([sys.executable, str(script), str(model)], env={**os.environ, "PYTHONPATH": REPO},
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:  # fmt: skip
+        out = proc.stdout.read()
+        assert proc.wait() == 1
+    assert "RuntimeError: rank 1 ran out of memory" in out, out
+    assert re.search(r"tensor-parallel worker lightllm-tp1 \(pid \d+\) exited with code 1; the other ranks", out), out
+    assert "Connection closed" not in out and "Connection reset" not in out, out
+
+
 def test_a_request_failing_alone_keeps_the_ranks_in_step(tmp_path, monkeypatch):
     """Rank 0 samples. A request whose own draw fails ends there, and its slot is freed through the same
     broadcast as any finish: a worker replaying rank 0's commands ends with rank 0's KV bookkeeping."""
