@@ -71,7 +71,9 @@ class SamplingParams:
             if not _number(getattr(self, name)) or not -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY:
                 raise ValueError(f"{name} expected a number in [-2, 2], got {getattr(self, name)!r}")
         if not _number(self.repetition_penalty) or self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty expected a finite number > 0 (1 = off), got {self.repetition_penalty!r}")
+            raise ValueError(
+                f"repetition_penalty expected a finite number > 0 (1 = off), got {self.repetition_penalty!r}"
+            )
         self._check_logit_bias()
         if not _integer(self.min_tokens) or not 0 <= self.min_tokens <= self.max_new_tokens:
             raise ValueError(f"min_tokens expected an integer in [0, max_new_tokens {self.max_new_tokens}], "
