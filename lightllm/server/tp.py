@@ -161,12 +161,30 @@ class Workers:
         self.stopping = True
 
     def join(self, timeout: float) -> None:
-        for proc in self.procs:
-            proc.join(timeout)
+        """Wait up to ``timeout`` for the workers to stop; one still running then is terminated, and one that does
+        not end on SIGTERM either is killed. A worker without a heartbeat for ``_FROZEN_S`` (stopped by SIGSTOP, or
+        frozen) is not waited for: it would hold the stop to the end of ``timeout`` (the HTTP side's own limit) and
+        then stay behind, since a stopped process does not act on SIGTERM."""
+        deadline = time.monotonic() + timeout
+        for rank, proc in enumerate(self.procs, start=1):
+            while proc.is_alive() and time.monotonic() < deadline and not self._frozen(rank):
+                proc.join(0.1)
+            if not proc.is_alive():
+                continue
+            why = "has no heartbeat" if self._frozen(rank) else f"did not stop in {timeout:g}s"
+            logger.warning("tensor-parallel worker %s %s; terminating it", proc.name, why)
+            proc.terminate()
+            proc.join(2)
             if proc.is_alive():
-                logger.warning("tensor-parallel worker %s did not stop in %gs; terminating it", proc.name, timeout)
-                proc.terminate()
+                proc.kill()
                 proc.join(5)
+
+    def _frozen(self, rank: int) -> bool:
+        """No heartbeat from ``rank`` for ``_FROZEN_S`` (it beats from the start, loading included)."""
+        if self.progress is None:
+            return False
+        beat = self.progress.get(rank, self.progress.BEAT)
+        return beat > 0 and time.monotonic() - beat > _FROZEN_S
 
 
 class TPRunner:

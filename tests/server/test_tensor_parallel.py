@@ -489,3 +489,27 @@ def test_a_request_failing_alone_keeps_the_ranks_in_step(tmp_path, monkeypatch):
     assert "decode_ahead" in {c[0] for c in commands}
     assert worker.kv.num_free_tokens == rank0.kv.num_free_tokens == 256 - 1
     assert worker.kv.num_free_slots == rank0.kv.num_free_slots
+
+
+def test_stopping_does_not_wait_for_a_stopped_worker_and_leaves_none_behind():
+    """A worker stopped by SIGSTOP (no heartbeat) neither holds the stop to its whole timeout (the HTTP side's own
+    60 s, after which the server logged a step that was not running) nor stays behind: SIGTERM does not reach a
+    stopped process, SIGKILL does."""
+    from lightllm.server.tp import RankProgress, Workers
+
+    ctx = multiprocessing.get_context("spawn")
+    proc = ctx.Process(target=time.sleep, args=(600,), daemon=True)
+    proc.start()
+    try:
+        os.kill(proc.pid, signal.SIGSTOP)
+        progress = RankProgress(ctx, 2)
+        progress.set(1, progress.BEAT, time.monotonic() - 60)  # its last heartbeat, a minute ago
+        workers = Workers([proc], progress, interval_s=3600)
+        workers.stopping = True  # a clean stop: the watchdog does not fail the process
+        t0 = time.monotonic()
+        workers.join(600)
+        assert not proc.is_alive() and time.monotonic() - t0 < 300  # not the join's 600 s
+        assert proc.exitcode == -signal.SIGKILL
+    finally:
+        if proc.is_alive():
+            proc.kill()
