@@ -114,14 +114,15 @@ async def open_connections(client, base, n):
 
 
 async def _shard(base, arrivals, prompts, concurrency, out_len, stream, start_at):
-    """This process's share of a load: its requests at their offsets from the wall-clock time ``start_at``.
-    Returns the per-request results, its CPU seconds and when (wall clock) its last request ended."""
+    """This process's share of a load: its requests at their offsets from the wall-clock time ``start_at`` (or from
+    when its connections are open, if later). Returns the per-request results, its CPU seconds and when (wall clock)
+    its clock started and its last request ended."""
     sem = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(timeout=procs.HANG_TIMEOUT_S, limits=limits) as client:
         await open_connections(client, base, concurrency)
         await asyncio.sleep(max(0.0, start_at - time.time()))
-        t0, cpu0 = time.perf_counter(), time.process_time()
+        t0, cpu0, started = time.perf_counter(), time.process_time(), time.time()
 
         async def scheduled(at, prompt):
             await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
@@ -130,7 +131,7 @@ async def _shard(base, arrivals, prompts, concurrency, out_len, stream, start_at
 
         results = await asyncio.gather(*(scheduled(at, p) for at, p in zip(arrivals, prompts)))
         cpu, seconds = time.process_time() - cpu0, time.perf_counter() - t0
-    return {"results": results, "cpu_s": cpu, "busy_s": seconds, "end": time.time()}
+    return {"results": results, "cpu_s": cpu, "busy_s": seconds, "start": started, "end": time.time()}
 
 
 def _shard_main(args):
@@ -179,7 +180,8 @@ async def load(base, n, concurrency, prompt_len, out_len, vocab, seed=0, rate=0.
             shards = await asyncio.get_running_loop().run_in_executor(
                 None, lambda: pool.map(_shard_main, [(*w, start) for w in work], chunksize=1)
             )
-    seconds = max(s["end"] for s in shards) - start
+    # from the first clock's start: the connections opened before it are not part of the load
+    seconds = max(s["end"] for s in shards) - min(s["start"] for s in shards)
     steps = step_stats(before, await engine_steps(base))
     results = [r for s in shards for r in s["results"]]
     tokens = sum(r[0] for r in results)

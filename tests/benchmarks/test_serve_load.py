@@ -143,6 +143,28 @@ def test_every_request_of_a_load_goes_out_on_a_connection_opened_before_the_cloc
     assert set(ports[4:]) <= set(opened), "a request of the load opened a connection of its own"
 
 
+def test_a_loads_seconds_leave_out_the_connections_opened_before_its_clock(load_client, monkeypatch):
+    """Throughput is over the load's own time: a warm-up that opens the pool's connections (slow here: 1 s) comes
+    before the clock starts, so it must not be in ``seconds`` (the load itself: three 0.1 s requests at once)."""
+    import asyncio
+
+    async def slow_open(client, base, n):
+        await asyncio.sleep(1.0)
+
+    async def one(client, base, prompt, out_len, stream):
+        await asyncio.sleep(0.1)
+        return out_len, True, 0.01, []
+
+    async def steps(base):
+        return {}
+
+    monkeypatch.setattr(load_client, "open_connections", slow_open)
+    monkeypatch.setattr(load_client, "_one", one)
+    monkeypatch.setattr(load_client, "engine_steps", steps)
+    out = asyncio.run(load_client.load("http://127.0.0.1:9", 3, 3, 2, 4, 100))
+    assert out["output_tokens"] == 12 and 0.1 <= out["seconds"] < 1.0, out["seconds"]
+
+
 def test_per_step_attention_reads_what_a_search_wrote(serve_load, monkeypatch, isolated_autotune):
     """A real decode-attention search (interpreter, stubbed timer: the default takes 2 ms, every candidate
     1 ms) writes its config file; the benchmark reads tuned and default time per graph batch back from it."""
