@@ -165,6 +165,26 @@ def test_a_loads_seconds_leave_out_the_connections_opened_before_its_clock(load_
     assert out["output_tokens"] == 12 and 0.1 <= out["seconds"] < 1.0, out["seconds"]
 
 
+def test_a_server_that_does_not_answer_fails_a_split_load_with_its_own_error(load_client, monkeypatch):
+    """Nothing listens at ``base``: each client process's first request fails. The load raises that error, not a
+    broken start barrier after ``_START_TIMEOUT_S`` (the pool replacing every client process that failed)."""
+    import asyncio
+    import socket
+
+    import httpx
+
+    async def steps(base):
+        return {}
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        base = f"http://127.0.0.1:{s.getsockname()[1]}"
+    monkeypatch.setattr(load_client, "engine_steps", steps)
+    monkeypatch.setattr(load_client, "_START_TIMEOUT_S", 60.0)  # this process's wait at the barrier
+    with pytest.raises(httpx.ConnectError):
+        asyncio.run(load_client.load(base, 4, 4, 3, 5, 100, client_procs=2))
+
+
 def test_per_step_attention_reads_what_a_search_wrote(serve_load, monkeypatch, isolated_autotune):
     """A real decode-attention search (interpreter, stubbed timer: the default takes 2 ms, every candidate
     1 ms) writes its config file; the benchmark reads tuned and default time per graph batch back from it."""
