@@ -8,6 +8,7 @@ so their allocators stay identical. Commands travel over a gloo group (never the
 import atexit
 import contextlib
 import ctypes
+import datetime
 import logging
 import multiprocessing as mp
 import os
@@ -31,6 +32,10 @@ _FROZEN_S = 5.0  # a worker silent this long is stopped (SIGSTOP, a debugger) or
 # A worker killed inside a collective fails rank 0's side of it at once (its connection is reset) while its own
 # process may still be exiting: rank 0 waits this long for that exit before blaming its own step.
 _EXIT_WAIT_S = 5.0
+# The command group's collectives: a worker waits in one for rank 0's next command for as long as the server is idle,
+# and gloo's default (30 minutes) would end it, and with it the server, after half an hour without a request. A hang
+# inside a step is the watchdog's (--tp_step_timeout_s, heartbeats), a dead rank 0 _exit_with_parent's.
+_COMMAND_TIMEOUT = datetime.timedelta(days=365)
 # Where a rank's start-up error (a ValueError building its runner: a malformed checkpoint) goes instead of the log:
 # the engine process sets it to its pipe, so the HTTP process prints it as one line.
 start_error_sink: Optional[Callable[[str], None]] = None
@@ -392,7 +397,7 @@ def _worker(rank: int, world: int, init_method: str, args: EngineArgs, parent: i
     import torch
 
     init_tp(rank, world, init_method, torch.device(args.device))
-    group = dist.new_group(backend="gloo")
+    group = dist.new_group(backend="gloo", timeout=_COMMAND_TIMEOUT)
     try:
         runner = ModelRunner(args)
     except ValueError as e:  # bad input (a malformed checkpoint): rank 0's watchdog reports it, no traceback here
@@ -446,7 +451,7 @@ def start_tp(args: EngineArgs, tp: int, step_timeout_s: Optional[float] = None, 
     except dist.DistNetworkError as e:  # the port is taken by another process: bad input, one line
         flag = f"--nccl_port {port}" if port is not None else "tensor-parallel rendezvous"
         raise ValueError(f"{flag}: the ranks cannot meet at {init_method} ({e}); pass a free port") from None
-    group = dist.new_group(backend="gloo")
+    group = dist.new_group(backend="gloo", timeout=_COMMAND_TIMEOUT)
     try:
         runner = ModelRunner(args)
     except ValueError:  # bad input rank 0 found itself (a malformed checkpoint): its own line, at once

@@ -443,6 +443,43 @@ def test_a_worker_crashing_at_start_up_is_named_not_rank_0s_collective(tmp_path)
     assert "Connection closed" not in out and "Connection reset" not in out, out
 
 
+_IDLE = """
+import datetime, sys, time
+from types import SimpleNamespace
+import torch.distributed.distributed_c10d as c10d
+from lightllm.engine.args import EngineArgs
+from lightllm.server import tp
+
+real_init = tp.init_tp
+
+
+def init_then_short_default(*args):  # the default timeout of the groups made after the rendezvous: 2 s, not 30 min
+    real_init(*args)
+    c10d.default_pg_timeout = datetime.timedelta(seconds=2)
+
+
+tp.init_tp = init_then_short_default
+tp.ModelRunner = lambda args: SimpleNamespace(mtp=None)
+if __name__ == "__main__":
+    runner = tp.start_tp(EngineArgs(model_dir=sys.argv[1], device="cpu"), 2)
+    time.sleep(6)  # idle: no command, the worker waits for the next one
+    runner.stop()
+    print("worker exit code", runner.workers.procs[0].exitcode)
+"""
+
+
+def test_an_idle_server_keeps_its_workers_past_the_groups_default_timeout(tmp_path):
+    """Idle, a worker waits for rank 0's next command in a gloo collective: the group's default timeout (30 minutes,
+    2 s here) must not end it, and with it the server, after that long without a request."""
+    script = tmp_path / "idle.py"
+    script.write_text(_IDLE)
+    with procs.running([sys.executable, str(script), str(tmp_path)], env={**os.environ, "PYTHONPATH": REPO},
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:  # fmt: skip
+        out = proc.stdout.read()
+        assert proc.wait() == 0, out
+    assert "worker exit code 0" in out and "Traceback" not in out, out
+
+
 def test_a_request_failing_alone_keeps_the_ranks_in_step(tmp_path, monkeypatch):
     """Rank 0 samples. A request whose own draw fails ends there, and its slot is freed through the same
     broadcast as any finish: a worker replaying rank 0's commands ends with rank 0's KV bookkeeping."""
