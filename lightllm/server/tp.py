@@ -14,7 +14,7 @@ import multiprocessing as mp
 import os
 import threading
 import time
-from typing import Callable, Optional, Tuple
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -73,6 +73,9 @@ class Workers:
         self.progress = progress
         self.step_timeout_s = step_timeout_s
         self.stopping = False  # set before a clean stop: workers exiting then is expected
+        # one report: the watchdog and rank 0's own failure paths may fail at once, and a worker's start-up error is
+        # read from its pipe under this lock, so the thread that read it is the one that reports it
+        self._fail_lock = threading.RLock()
         self._interval_s = interval_s
         self._sent = 0  # commands broadcast so far
         self._in_flight = None  # (command, its number, start time) while rank 0 runs one
@@ -91,9 +94,8 @@ class Workers:
 
     def _watch(self) -> None:
         while not self.stopping:
-            exited = self._exited()
-            if exited is not None and not self.stopping:
-                self.fail(*exited)
+            if not self.stopping:
+                self.fail_if_one_exited(0.0)
             in_flight = self._in_flight
             if in_flight and self.step_timeout_s is not None and not self.stopping:
                 name, number, t0 = in_flight
@@ -102,8 +104,9 @@ class Workers:
                               f"{self.step_timeout_s:g}: {self._holding_up(number)}")  # fmt: skip
             time.sleep(self._interval_s)
 
-    def _exited(self, wait_s: float = 0.0) -> Optional[Tuple[str, bool]]:
-        """``fail``'s arguments for a worker that has exited (or exits within ``wait_s``), None while all run."""
+    def fail_if_one_exited(self, wait_s: float) -> None:
+        """``fail``, naming the worker (or with its start-up error), when one has exited or exits within ``wait_s``;
+        else return."""
         deadline = time.monotonic() + wait_s
         while True:
             dead = [p for p in self.procs if not p.is_alive()]
@@ -111,20 +114,15 @@ class Workers:
                 break
             time.sleep(0.05)
         if not dead:
-            return None
-        for conn in self.errors:
-            with contextlib.suppress(EOFError, OSError):  # EOF: that worker exited without one
-                if conn.poll():  # a start-up error: its own one-line reason
-                    return conn.recv(), True
-        p = dead[0]
-        why = f"tensor-parallel worker {p.name} (pid {p.pid}) exited with code {p.exitcode}; the other ranks cannot"
-        return f"{why} go on without it", False
-
-    def fail_if_one_exited(self, wait_s: float) -> None:
-        """``fail``, naming the worker, when one has exited or exits within ``wait_s``; else return."""
-        exited = self._exited(wait_s)
-        if exited is not None:
-            self.fail(*exited)
+            return
+        with self._fail_lock:
+            for conn in self.errors:
+                with contextlib.suppress(EOFError, OSError):  # EOF: that worker exited without one
+                    if conn.poll():  # a start-up error: its own one-line reason
+                        self.fail(conn.recv(), start_error=True)
+            p = dead[0]
+            self.fail(f"tensor-parallel worker {p.name} (pid {p.pid}) exited with code {p.exitcode}; the other "
+                      "ranks cannot go on without it")  # fmt: skip
 
     def _holding_up(self, number: int) -> str:
         """Which rank(s) hold up command ``number``: a worker that did not receive it or is frozen; when every
@@ -151,6 +149,7 @@ class Workers:
     def fail(self, why: str, start_error: bool = False) -> None:
         """The ranks can no longer run in step: end every one of them and this process, saying why. A rank's
         ``start_error`` goes to ``start_error_sink`` when one is set (the server's one error line), else to the log."""
+        self._fail_lock.acquire()  # never released: this process exits below
         sink = start_error_sink if start_error else None
         if sink is not None:
             sink(why)

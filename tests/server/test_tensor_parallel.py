@@ -2,6 +2,7 @@
 
 import concurrent.futures
 import contextlib
+import logging
 import multiprocessing
 import os
 import re
@@ -344,7 +345,7 @@ def test_the_rank_holding_up_a_step_is_named_not_the_ones_waiting_for_it():
     assert workers._holding_up(7) == "rank 0 (every other rank finished it)"
 
 
-def test_a_workers_start_up_error_is_reported_not_logged(monkeypatch):
+def test_a_workers_start_up_error_is_reported_not_logged(monkeypatch, caplog):
     """A worker's ValueError building its runner (a malformed checkpoint) reaches the engine process's pipe as its
     own message, not as "worker exited with code 1" with a traceback above it."""
     from lightllm.server import tp
@@ -372,8 +373,12 @@ def test_a_workers_start_up_error_is_reported_not_logged(monkeypatch):
         workers._watch()
     assert sent == ["tensor-parallel rank 1: m/model.safetensors: tensor model.norm.weight has dtype F64"]
     error_out.close()  # a worker killed at start-up sends nothing: its pipe is at its end
-    assert workers._exited() == ("tensor-parallel worker lightllm-tp1 (pid 1234) exited with code 1; the other ranks "
-                                 "cannot go on without it", False)  # fmt: skip
+    with caplog.at_level(logging.ERROR, logger="lightllm.server.tp"), pytest.raises(Exited):
+        workers.fail_if_one_exited(0.0)
+    assert len(sent) == 1 and caplog.messages == [
+        "tensor-parallel worker lightllm-tp1 (pid 1234) exited with code 1; the other ranks cannot go on without it, "
+        "so the server exits"
+    ]
 
 
 _RANK_1_FAILS = """
@@ -550,3 +555,27 @@ def test_stopping_does_not_wait_for_a_stopped_worker_and_leaves_none_behind():
     finally:
         if proc.is_alive():
             proc.kill()
+
+
+def test_a_failure_is_reported_once_when_two_threads_fail_at_once(monkeypatch, caplog):
+    """The watchdog and rank 0's own failure path can fail together (a worker dies inside a step): the first owns
+    the report and the exit, the second waits for that exit instead of adding a second, misleading line."""
+    from lightllm.server import tp
+
+    release = threading.Event()
+    monkeypatch.setattr(tp.os, "_exit", lambda code: release.wait(30))  # the first "exits" when released
+    workers = tp.Workers([], interval_s=3600)
+    workers.stopping = True
+    caplog.set_level(logging.ERROR, logger="lightllm.server.tp")
+    first = threading.Thread(target=workers.fail, args=("first",))
+    first.start()
+    deadline = time.monotonic() + 30
+    while not caplog.messages and time.monotonic() < deadline:
+        time.sleep(0.01)
+    second = threading.Thread(target=workers.fail, args=("second",), daemon=True)
+    second.start()
+    second.join(0.5)
+    release.set()
+    first.join()
+    second.join(1.0)
+    assert caplog.messages == ["first, so the server exits"]
