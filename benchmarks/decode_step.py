@@ -118,13 +118,15 @@ def step_times(model_dir, batch_sizes, kv_len, graph_max_len, profile_batch=None
 
 
 def capture_pdl_graphs(runner, batch_sizes):
-    """The runner's decode step captured again for ``batch_sizes`` at its KV length buckets, every kernel that
-    supports it launched with programmatic dependent launch, in a memory pool of its own (the plain graphs stay)."""
+    """The runner's decode step captured again at the graph sizes serving ``batch_sizes`` and its KV length buckets,
+    every kernel that supports it launched with programmatic dependent launch, in a memory pool of its own (the plain
+    graphs stay)."""
     from lightllm.common.cuda_graph import DecodeGraphs
 
     previous = direct_launch.set_pdl(True)  # a ValueError names what is missing
     try:
-        return DecodeGraphs(sorted(set(batch_sizes)), runner.graphs.graph_lens).capture_all(runner._graph_decode)
+        sizes = sorted({runner.graphs.pick(bs, 1)[1] for bs in batch_sizes})  # the sizes the plain graphs replay
+        return DecodeGraphs(sizes, runner.graphs.graph_lens).capture_all(runner._graph_decode)
     finally:
         direct_launch.set_pdl(previous)
 

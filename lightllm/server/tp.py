@@ -449,7 +449,7 @@ def start_tp(args: EngineArgs, tp: int, step_timeout_s: Optional[float] = None, 
         init_tp(0, tp, init_method, torch.device(args.device))
     except dist.DistNetworkError as e:  # the port is taken by another process: bad input, one line
         flag = f"--nccl_port {port}" if port is not None else "tensor-parallel rendezvous"
-        raise ValueError(f"{flag}: the ranks cannot meet at {init_method} ({e}); pass a free port") from None
+        raise ValueError(f"{flag}: the ranks cannot meet at {init_method} ({e}); pass a free --nccl_port") from None
     group = dist.new_group(backend="gloo", timeout=_COMMAND_TIMEOUT)
     try:
         runner = ModelRunner(args)
