@@ -47,6 +47,7 @@ def check_unsupported(body, chat: bool) -> None:
 def _check_chat(body: ChatRequest) -> None:
     if body.top_logprobs and not body.logprobs:
         raise BadRequest(f"top_logprobs: {body.top_logprobs} needs logprobs true")
+    _check_tools(body.tools or [])
     choice = body.tool_choice
     if choice is not None and choice not in ("auto", "none"):
         shown = choice if isinstance(choice, str) else "a named function"
@@ -54,6 +55,23 @@ def _check_chat(body: ChatRequest) -> None:
                          "this server does not have); use 'auto' or 'none'")  # fmt: skip
     for key in sorted(set(body.chat_template_kwargs or {}) & set(RESERVED_TEMPLATE_KWARGS)):
         raise BadRequest(f"chat_template_kwargs: {key!r} is set by the server; it may not be passed")
+
+
+def _check_tools(tools: List[dict]) -> None:
+    """OpenAI's function tool shape, ``{"type": "function", "function": {"name", "description", "parameters"}}``: a
+    tool the template would render without a name (or a call the parser could not match to one) is a 400 naming the
+    field, as OpenAI answers it."""
+    for i, tool in enumerate(tools):
+        if tool.get("type") != "function":
+            raise BadRequest(f"tools.{i}.type: expected 'function', got {tool.get('type')!r}")
+        fn = tool.get("function")
+        if not isinstance(fn, dict):
+            raise BadRequest(f"tools.{i}.function: expected an object with a name, got {fn!r}")
+        if not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise BadRequest(f"tools.{i}.function.name: expected a non-empty string, got {fn.get('name')!r}")
+        for key, kind, what in (("description", str, "a string"), ("parameters", dict, "a JSON Schema object")):
+            if fn.get(key) is not None and not isinstance(fn[key], kind):
+                raise BadRequest(f"tools.{i}.function.{key}: expected {what}, got {fn[key]!r}")
 
 
 def _check_completion(body: CompletionRequest) -> None:

@@ -64,7 +64,8 @@ def test_a_body_sent_without_a_json_content_type_is_a_400_that_names_the_header(
 
 
 def test_tool_choice_none_leaves_the_tools_out_of_the_template(server, client):
-    post(client, CHAT, {"messages": MSGS, "max_tokens": 1, "tools": [{"type": "function"}], "tool_choice": "none"})
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    post(client, CHAT, {"messages": MSGS, "max_tokens": 1, "tools": tools, "tool_choice": "none"})
     assert "tools" not in server.tokenizer.template_calls[-1][1]
 
 
@@ -75,6 +76,12 @@ def test_tool_choice_none_leaves_the_tools_out_of_the_template(server, client):
     (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages.0.content.0.type: 'image_url' is not supported; this server takes text parts only"),
     (CHAT, {"tool_choice": "required"}, "tool_choice: 'required' is not supported (forcing a call needs constrained"),
+    (CHAT, {"tools": [{"type": "function"}]}, "tools.0.function: expected an object with a name, got None"),
+    (CHAT, {"tools": [{"type": "function", "function": {"name": "f"}}, {"type": "function", "function": {}}]},
+     "tools.1.function.name: expected a non-empty string, got None"),
+    (CHAT, {"tools": [{"function": {"name": "f"}}]}, "tools.0.type: expected 'function', got None"),
+    (CHAT, {"tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]},
+     "tools.0.function.parameters: expected a JSON Schema object, got 'x'"),
     (CHAT, {"top_logprobs": 3}, "top_logprobs: 3 needs logprobs true"),
     (CHAT, {"logprobs": True, "top_logprobs": 21}, "top_logprobs: Input should be less than or equal to 20"),
     (CHAT, {"stream_options": {"include_usage": True}}, "stream_options: only allowed with stream true"),
@@ -101,7 +108,8 @@ def test_tool_choice_none_leaves_the_tools_out_of_the_template(server, client):
     (COMPLETIONS, {"prompt": ["ab", "c" * 70]}, "prompt.1: 70 tokens, max_req_total_len is 64"),
     (COMPLETIONS, {"prompt": [[1, 2], [99]]}, "prompt.1: token ids expected in [0, 16)"),
     (COMPLETIONS, {"prompt": ["a"] * 3, "n": 100}, "prompt: 3 prompt(s) x 100 samples (n or best_of) is more than"),
-], ids=["json_object", "json_schema", "image-part", "tool-required", "top-without-logprobs", "top-21",
+], ids=["json_object", "json_schema", "image-part", "tool-required", "tool-no-function",
+        "tool-no-name", "tool-no-type", "tool-parameters", "top-without-logprobs", "top-21",
         "stream-options", "template-kwargs", "presence", "frequency", "repetition", "bias-id", "bias-key",
         "bias-value", "stop-id", "min-tokens", "max-completion-tokens", "role", "n-0", "temperature-str", "suffix",
         "best-of-lt-n", "best-of-stream", "echo-logprobs", "logprobs-21", "no-prompts", "long-prompt", "bad-id",
