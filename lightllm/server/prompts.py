@@ -47,6 +47,11 @@ class PromptEncoder:
             for key in ("role", "content", "name"):
                 if key in m:
                     self._check(f"messages.{i}.{key}", m[key])
+            for key in ("tool_calls", "tool_call_id", "reasoning_content"):  # the template renders them too
+                if key in m:
+                    self._check_unicode(f"messages.{i}.{key}", m[key])
+        for key, value in (options or {}).items():
+            self._check_unicode(key if key == "tools" else f"chat_template_kwargs.{key}", value)
         self._check_length("messages", sum(len(m["role"]) + len(m["content"]) for m in messages))
         return await self._off_loop(self._render, messages, options or {})
 
@@ -62,11 +67,23 @@ class PromptEncoder:
 
     def _check(self, field: str, text: str) -> None:
         self._check_length(field, len(text))
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as e:  # JSON can carry one ("\ud800"); no tokenizer can encode it
-            raise BadRequest(f"{field}: expected valid Unicode text, got a lone surrogate "
-                             f"U+{ord(text[e.start]):04X} at character {e.start}") from None  # fmt: skip
+        self._check_unicode(field, text)
+
+    def _check_unicode(self, field: str, value) -> None:
+        """400 for a lone surrogate in ``value``: a string, or the strings (keys too) of JSON lists and objects."""
+        if isinstance(value, dict):
+            for key, item in value.items():
+                self._check_unicode(field, key)
+                self._check_unicode(f"{field}.{key}", item)
+        elif isinstance(value, list):
+            for i, item in enumerate(value):
+                self._check_unicode(f"{field}.{i}", item)
+        elif isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as e:  # JSON can carry one ("\ud800"); no tokenizer can encode it
+                raise BadRequest(f"{field}: expected valid Unicode text, got a lone surrogate "
+                                 f"U+{ord(value[e.start]):04X} at character {e.start}") from None  # fmt: skip
 
     def _check_length(self, field: str, chars: int) -> None:
         if chars > self.max_chars:

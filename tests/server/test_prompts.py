@@ -2,6 +2,7 @@
 running while a long prompt is tokenized."""
 
 import asyncio
+import json
 import threading
 
 import pytest
@@ -62,3 +63,42 @@ def test_text_is_checked_before_the_tokenizer_sees_it():
     with pytest.raises(BadRequest, match="messages.1.role: expected valid Unicode text, got a lone surrogate U"):
         asyncio.run(prompts.encode_chat([{"role": "user", "content": "a"}, {"role": "\ud83d", "content": "b"}]))
     assert not tok.threads  # refused without tokenizing
+
+
+CALL = {"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"x": "\ud800"}'}}
+TOOL = {"type": "function", "function": {"name": "f", "description": "a\ud800"}}
+USER = {"role": "user", "content": "a"}
+
+
+class RenderingTokenizer:
+    """Renders every field of the messages and every template option (as Qwen3's template renders tools, tool calls
+    and reasoning), and encodes as Hugging Face's fast tokenizers do: a lone surrogate is a TypeError."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def apply_chat_template(self, messages, tokenize, add_generation_prompt, **options):
+        self.calls += 1
+        return json.dumps([messages, options], ensure_ascii=False)
+
+    def encode(self, text):
+        self.calls += 1
+        text.encode("utf-8")  # raises on a lone surrogate, as the real encoders fail on it
+        return [1] * len(text)
+
+
+@pytest.mark.parametrize("message, options, field", [
+    ({"role": "assistant", "content": "", "tool_calls": [CALL]}, {}, "messages.0.tool_calls.0.function.arguments"),
+    ({"role": "tool", "content": "r", "tool_call_id": "c\udfff"}, {}, "messages.0.tool_call_id"),
+    ({"role": "assistant", "content": "a", "reasoning_content": "\ud800"}, {}, "messages.0.reasoning_content"),
+    (USER, {"tools": [TOOL]}, "tools.0.function.description"),
+    (USER, {"mode": "\ud800"}, "chat_template_kwargs.mode"),
+], ids=["tool-call-arguments", "tool-call-id", "reasoning", "tool-description", "template-kwargs"])  # fmt: skip
+def test_a_lone_surrogate_anywhere_the_template_renders_is_a_400_naming_it(message, options, field):
+    """The template renders tools, tool calls and an earlier answer's reasoning into the prompt text, which the
+    tokenizer then cannot encode (a TypeError, a 500): refused before, naming the field."""
+    tok = RenderingTokenizer()
+    prompts = PromptEncoder(tok, max_req_total_len=4096)
+    with pytest.raises(BadRequest, match=f"^{field}: expected valid Unicode text, got a lone surrogate U"):
+        asyncio.run(prompts.encode_chat([message], options))
+    assert tok.calls == 0  # refused without rendering or tokenizing
