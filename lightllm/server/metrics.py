@@ -31,9 +31,9 @@ class Metrics:
         self.spec_drafts = Counter("lightllm_spec_decode_num_draft_tokens", "MTP draft tokens proposed", registry=r)
         self.spec_accepted = Counter("lightllm_spec_decode_num_accepted_tokens", "MTP draft tokens accepted",
                                      registry=r)  # fmt: skip
-        # Observed as each token leaves the engine (sampled): the first from the request's arrival at the HTTP
-        # process, the others from the request's previous token.
-        self.ttft = Histogram("lightllm_time_to_first_token_seconds", "request arrival to its first token",
+        # Observed as each token leaves the engine (sampled): the first from the request's submission by the HTTP
+        # process (its prompt rendered and tokenized: that time is not counted), the others from its previous token.
+        self.ttft = Histogram("lightllm_time_to_first_token_seconds", "request submission to its first token",
                               registry=r, buckets=LATENCY_BUCKETS)  # fmt: skip
         self.itl = Histogram("lightllm_inter_token_latency_seconds", "time between a request's tokens", registry=r,
                              buckets=LATENCY_BUCKETS)  # fmt: skip
