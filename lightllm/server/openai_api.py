@@ -74,6 +74,22 @@ def _check_tools(tools: List[dict]) -> None:
                 raise BadRequest(f"tools.{i}.function.{key}: expected {what}, got {fn[key]!r}")
 
 
+def _check_tool_calls(where: str, calls: List[dict]) -> None:
+    """An earlier answer's ``tool_calls`` as OpenAI returns them, ``{"id", "type": "function", "function": {"name",
+    "arguments"}}``: the template renders each call's name and arguments, so a call without them is a 400 naming it."""
+    for j, call in enumerate(calls):
+        if call.get("type", "function") != "function":
+            raise BadRequest(f"{where}.{j}.type: expected 'function', got {call.get('type')!r}")
+        fn = call.get("function")
+        if not isinstance(fn, dict):
+            raise BadRequest(f"{where}.{j}.function: expected an object with a name and arguments, got {fn!r}")
+        if not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise BadRequest(f"{where}.{j}.function.name: expected a non-empty string, got {fn.get('name')!r}")
+        if fn.get("arguments") is not None and not isinstance(fn["arguments"], (str, dict)):
+            raise BadRequest(f"{where}.{j}.function.arguments: expected a JSON string or an object, got "
+                             f"{fn['arguments']!r}")  # fmt: skip
+
+
 def _check_completion(body: CompletionRequest) -> None:
     if body.suffix:
         raise BadRequest("suffix: not supported (no fill-in-the-middle); leave it out or send null")
@@ -113,6 +129,7 @@ def chat_messages(body: ChatRequest) -> List[dict]:
                     raise BadRequest(f"messages.{i}.content.{j}.text: expected a string in a text part")
                 texts.append(part.text)
             content = "\n".join(texts)
+        _check_tool_calls(f"messages.{i}.tool_calls", m.tool_calls or [])
         message = {"role": "system" if m.role == "developer" else m.role, "content": content or ""}
         for key in ("name", "tool_calls", "tool_call_id", "reasoning_content"):
             if getattr(m, key) is not None:

@@ -97,6 +97,12 @@ def test_tool_choice_none_leaves_the_tools_out_of_the_template(server, client):
     (CHAT, {"max_completion_tokens": 500}, "max_completion_tokens: 500 with a 3-token prompt exceeds max_req_total"),
     (CHAT, {"messages": [{"role": "bogus", "content": "x"}]},
      "messages.0.role: 'bogus' is not one of system, developer, user, assistant, tool, function"),
+    (CHAT, {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [{"id": "c"}]}]},
+     "messages.1.tool_calls.0.function: expected an object with a name and arguments, got None"),
+    (CHAT, {"messages": [{"role": "assistant", "tool_calls": [{"function": {"arguments": "{}"}}]}]},
+     "messages.0.tool_calls.0.function.name: expected a non-empty string, got None"),
+    (CHAT, {"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": 3}}]}]},
+     "messages.0.tool_calls.0.function.arguments: expected a JSON string or an object, got 3"),
     (CHAT, {"n": 0}, "n: Input should be greater than or equal to 1"),
     (CHAT, {"temperature": "1"}, "temperature: Input should be a valid number"),
     (COMPLETIONS, {"suffix": "tail"}, "suffix: not supported (no fill-in-the-middle)"),
@@ -111,7 +117,8 @@ def test_tool_choice_none_leaves_the_tools_out_of_the_template(server, client):
 ], ids=["json_object", "json_schema", "image-part", "tool-required", "tool-no-function",
         "tool-no-name", "tool-no-type", "tool-parameters", "top-without-logprobs", "top-21",
         "stream-options", "template-kwargs", "presence", "frequency", "repetition", "bias-id", "bias-key",
-        "bias-value", "stop-id", "min-tokens", "max-completion-tokens", "role", "n-0", "temperature-str", "suffix",
+        "bias-value", "stop-id", "min-tokens", "max-completion-tokens", "role", "call-no-function", "call-no-name",
+        "call-arguments", "n-0", "temperature-str", "suffix",
         "best-of-lt-n", "best-of-stream", "echo-logprobs", "logprobs-21", "no-prompts", "long-prompt", "bad-id",
         "too-many"])  # fmt: skip
 def test_what_this_server_cannot_do_is_a_400_that_says_so(server, client, path, body, message):
