@@ -47,7 +47,7 @@ def check_unsupported(body, chat: bool) -> None:
 def _check_chat(body: ChatRequest) -> None:
     if body.top_logprobs and not body.logprobs:
         raise BadRequest(f"top_logprobs: {body.top_logprobs} needs logprobs true")
-    _check_tools(body.tools or [])
+    _check_functions("tools", body.tools or [], _TOOL_FIELDS, type_required=True)
     choice = body.tool_choice
     if choice is not None and choice not in ("auto", "none"):
         shown = choice if isinstance(choice, str) else "a named function"
@@ -57,37 +57,27 @@ def _check_chat(body: ChatRequest) -> None:
         raise BadRequest(f"chat_template_kwargs: {key!r} is set by the server; it may not be passed")
 
 
-def _check_tools(tools: List[dict]) -> None:
-    """OpenAI's function tool shape, ``{"type": "function", "function": {"name", "description", "parameters"}}``: a
-    tool the template would render without a name (or a call the parser could not match to one) is a 400 naming the
-    field, as OpenAI answers it."""
-    for i, tool in enumerate(tools):
-        if tool.get("type") != "function":
-            raise BadRequest(f"tools.{i}.type: expected 'function', got {tool.get('type')!r}")
-        fn = tool.get("function")
-        if not isinstance(fn, dict):
-            raise BadRequest(f"tools.{i}.function: expected an object with a name, got {fn!r}")
-        if not isinstance(fn.get("name"), str) or not fn["name"]:
-            raise BadRequest(f"tools.{i}.function.name: expected a non-empty string, got {fn.get('name')!r}")
-        for key, kind, what in (("description", str, "a string"), ("parameters", dict, "a JSON Schema object")):
-            if fn.get(key) is not None and not isinstance(fn[key], kind):
-                raise BadRequest(f"tools.{i}.function.{key}: expected {what}, got {fn[key]!r}")
+# The optional fields of a function entry's "function" object: (key, allowed types, what the message says)
+_TOOL_FIELDS = (("description", str, "a string"), ("parameters", dict, "a JSON Schema object"))
+_CALL_FIELDS = (("arguments", (str, dict), "a JSON string or an object"),)
 
 
-def _check_tool_calls(where: str, calls: List[dict]) -> None:
-    """An earlier answer's ``tool_calls`` as OpenAI returns them, ``{"id", "type": "function", "function": {"name",
-    "arguments"}}``: the template renders each call's name and arguments, so a call without them is a 400 naming it."""
-    for j, call in enumerate(calls):
-        if call.get("type", "function") != "function":
-            raise BadRequest(f"{where}.{j}.type: expected 'function', got {call.get('type')!r}")
-        fn = call.get("function")
+def _check_functions(where: str, entries: List[dict], fields: tuple, type_required: bool) -> None:
+    """OpenAI's function entries, ``{"type": "function", "function": {"name", ...}}``: the request's ``tools`` and an
+    earlier answer's ``tool_calls`` (whose ``type`` may be left out). The template renders each one's name and
+    ``fields``, so an entry without a name, or with a field of another type, is a 400 naming it, as OpenAI answers."""
+    for j, entry in enumerate(entries):
+        kind = entry.get("type") if type_required else entry.get("type", "function")
+        if kind != "function":
+            raise BadRequest(f"{where}.{j}.type: expected 'function', got {kind!r}")
+        fn = entry.get("function")
         if not isinstance(fn, dict):
-            raise BadRequest(f"{where}.{j}.function: expected an object with a name and arguments, got {fn!r}")
+            raise BadRequest(f"{where}.{j}.function: expected an object with a name, got {fn!r}")
         if not isinstance(fn.get("name"), str) or not fn["name"]:
             raise BadRequest(f"{where}.{j}.function.name: expected a non-empty string, got {fn.get('name')!r}")
-        if fn.get("arguments") is not None and not isinstance(fn["arguments"], (str, dict)):
-            raise BadRequest(f"{where}.{j}.function.arguments: expected a JSON string or an object, got "
-                             f"{fn['arguments']!r}")  # fmt: skip
+        for key, types, what in fields:
+            if fn.get(key) is not None and not isinstance(fn[key], types):
+                raise BadRequest(f"{where}.{j}.function.{key}: expected {what}, got {fn[key]!r}")
 
 
 def _check_completion(body: CompletionRequest) -> None:
@@ -129,7 +119,7 @@ def chat_messages(body: ChatRequest) -> List[dict]:
                     raise BadRequest(f"messages.{i}.content.{j}.text: expected a string in a text part")
                 texts.append(part.text)
             content = "\n".join(texts)
-        _check_tool_calls(f"messages.{i}.tool_calls", m.tool_calls or [])
+        _check_functions(f"messages.{i}.tool_calls", m.tool_calls or [], _CALL_FIELDS, type_required=False)
         message = {"role": "system" if m.role == "developer" else m.role, "content": content or ""}
         for key in ("name", "tool_calls", "tool_call_id", "reasoning_content"):
             if getattr(m, key) is not None:

@@ -98,7 +98,7 @@ def test_tool_choice_none_leaves_the_tools_out_of_the_template(server, client):
     (CHAT, {"messages": [{"role": "bogus", "content": "x"}]},
      "messages.0.role: 'bogus' is not one of system, developer, user, assistant, tool, function"),
     (CHAT, {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [{"id": "c"}]}]},
-     "messages.1.tool_calls.0.function: expected an object with a name and arguments, got None"),
+     "messages.1.tool_calls.0.function: expected an object with a name, got None"),
     (CHAT, {"messages": [{"role": "assistant", "tool_calls": [{"function": {"arguments": "{}"}}]}]},
      "messages.0.tool_calls.0.function.name: expected a non-empty string, got None"),
     (CHAT, {"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": 3}}]}]},
