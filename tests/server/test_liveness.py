@@ -146,13 +146,18 @@ def test_ctrl_c_while_starting_ends_the_server_without_a_traceback(tmp_path):
            "LIGHTLLM_AUTOTUNE_CONFIG_DIR": str(tmp_path / "autotune"), "HF_HUB_OFFLINE": "1"}  # fmt: skip
     cmd = [sys.executable, "-m", "lightllm.server.api_server", "--device", "cpu", "--port", str(free_port())]
     with procs.running(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+        hung = threading.Timer(procs.HANG_TIMEOUT_S, proc.kill)  # a start that never prints ends the read: a failure
+        hung.start()
         lines = []
-        for line in proc.stdout:  # the engine process's first line: the HTTP process waits for it to be ready
-            lines.append(line)
-            if "KV cache sizing" in line:
-                break
-        os.killpg(proc.pid, signal.SIGINT)
-        lines += proc.stdout.readlines()
-        assert proc.wait() == -signal.SIGINT
+        try:
+            for line in proc.stdout:  # the engine process's first line: the HTTP process waits for it to be ready
+                lines.append(line)
+                if "KV cache sizing" in line:
+                    break
+            os.killpg(proc.pid, signal.SIGINT)
+            lines += proc.stdout.readlines()
+        finally:
+            hung.cancel()
+        assert proc.wait(timeout=procs.HANG_TIMEOUT_S) == -signal.SIGINT
     text = "".join(lines)
     assert "Traceback" not in text and "KeyboardInterrupt" not in text, text[-3000:]
