@@ -406,10 +406,11 @@ def test_a_workers_start_up_error_is_the_only_output(tmp_path):
     model = make_tiny_qwen3(tmp_path / "model")
     script = tmp_path / "rank_1_fails.py"
     script.write_text(_RANK_1_FAILS)
-    with procs.running([sys.executable, str(script), str(model)], env={**os.environ, "PYTHONPATH": REPO},
-                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:  # fmt: skip
-        out = proc.stdout.read()  # to its end: the resource tracker, rank 0's child, writes here as it exits
-        assert proc.wait() == 1
+    # read to the end: the resource tracker, rank 0's child, writes to the same stderr as it exits
+    done = procs.run([sys.executable, str(script), str(model)], timeout=procs.HANG_TIMEOUT_S,
+                     env={**os.environ, "PYTHONPATH": REPO})  # fmt: skip
+    out = done.stdout + done.stderr
+    assert done.returncode == 1, out
     assert "tensor-parallel rank 1: model.safetensors: tensor model.norm.weight has dtype F64" in out, out
     assert "leaked" not in out and "Traceback" not in out, out
 
@@ -439,10 +440,10 @@ def test_a_worker_crashing_at_start_up_is_named_not_rank_0s_collective(tmp_path)
     model = make_tiny_qwen3(tmp_path / "model")
     script = tmp_path / "rank_1_crashes.py"
     script.write_text(_RANK_1_CRASHES)
-    with procs.running([sys.executable, str(script), str(model)], env={**os.environ, "PYTHONPATH": REPO},
-                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:  # fmt: skip
-        out = proc.stdout.read()
-        assert proc.wait() == 1
+    done = procs.run([sys.executable, str(script), str(model)], timeout=procs.HANG_TIMEOUT_S,
+                     env={**os.environ, "PYTHONPATH": REPO})  # fmt: skip
+    out = done.stdout + done.stderr
+    assert done.returncode == 1, out
     assert "RuntimeError: rank 1 ran out of memory" in out, out
     assert re.search(r"tensor-parallel worker lightllm-tp1 \(pid \d+\) exited with code 1; the other ranks", out), out
     assert "Connection closed" not in out and "Connection reset" not in out, out
@@ -478,10 +479,10 @@ def test_an_idle_server_keeps_its_workers_past_the_groups_default_timeout(tmp_pa
     2 s here) must not end it, and with it the server, after that long without a request."""
     script = tmp_path / "idle.py"
     script.write_text(_IDLE)
-    with procs.running([sys.executable, str(script), str(tmp_path)], env={**os.environ, "PYTHONPATH": REPO},
-                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:  # fmt: skip
-        out = proc.stdout.read()
-        assert proc.wait() == 0, out
+    done = procs.run([sys.executable, str(script), str(tmp_path)], timeout=procs.HANG_TIMEOUT_S,
+                     env={**os.environ, "PYTHONPATH": REPO})  # fmt: skip
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out
     assert "worker exit code 0" in out and "Traceback" not in out, out
 
 
