@@ -106,8 +106,8 @@ async def _one(client, base, prompt, out_len, stream):
 async def open_connections(client, base, n):
     """``n`` concurrent ``/health`` requests before the clock starts: the HTTP stack's first request in a process
     imports its lazily loaded modules (its async backend), and each new connection adds its set-up, both counted as
-    time to first token of whichever request came first. A client in service keeps its connections open; so does this one (``n`` is the pool's keep-alive
-    size)."""
+    time to first token of whichever request came first. A client in service keeps its connections open; so does
+    this one (``n`` is the pool's keep-alive size)."""
     responses = await asyncio.gather(*(client.get(base + "/health") for _ in range(n)))
     for r in responses:
         r.raise_for_status()
