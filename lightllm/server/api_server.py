@@ -619,7 +619,10 @@ def _exit_interrupted() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     signal.signal(signal.SIGINT, signal.SIG_DFL)
-    os.kill(os.getpid(), signal.SIGINT)
+    # To this thread, so the process is dead before the call returns: os.kill(getpid()) may hand the signal to
+    # another thread and return, and the sys.exit(None) after it then raced the signal to an exit code of 0.
+    signal.raise_signal(signal.SIGINT)
+    os._exit(128 + signal.SIGINT)  # not reached: SIGINT's default action ends the process
 
 
 if __name__ == "__main__":
