@@ -173,6 +173,7 @@ def test_every_entry_kernel_is_launched_by_some_test(session_launches, whole_sui
 # decode layer
 PDL_KERNELS = {
     ("lightllm.kernels.linear.small_m_kernel", "_small_m_linear_kernel"),
+    ("lightllm.kernels.linear.small_m_kernel", "_sum_splits_kernel"),
     ("lightllm.kernels.norm.add_rmsnorm", "_add_rmsnorm_kernel"),
     ("lightllm.kernels.norm.rmsnorm", "_rmsnorm_kernel"),
     ("lightllm.kernels.norm.qk_norm_rope", "_qk_norm_rope_kernel"),

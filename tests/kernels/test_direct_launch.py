@@ -270,6 +270,6 @@ def test_the_kernels_of_a_decode_layer_declare_pdl():
     from lightllm.kernels.linear import small_m_kernel
     from lightllm.kernels.norm import add_rmsnorm, qk_norm_rope, rmsnorm
 
-    launchers = [small_m_kernel._LINEAR, add_rmsnorm._ADD_RMSNORM, rmsnorm._RMSNORM]
+    launchers = [small_m_kernel._LINEAR, small_m_kernel._SUM_SPLITS, add_rmsnorm._ADD_RMSNORM, rmsnorm._RMSNORM]
     launchers += [qk_norm_rope._QK_NORM_ROPE, activation._SILU_MUL, flash_decode._STAGE1, flash_decode._STAGE2]
     assert all(launcher.pdl_ready for launcher in launchers)

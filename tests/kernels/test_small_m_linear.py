@@ -7,10 +7,9 @@ import pytest
 import torch
 
 from lightllm.common.autotuner import AutotuneKernelType, autotune_warmup, get_autotune_stats, set_bench_func, store
-from lightllm.kernels.activation import silu_mul, silu_mul_ref
 from lightllm.kernels.linear import small_m_linear as module
-from lightllm.kernels.linear.reference import linear_ref, swiglu_mm_on_view
-from lightllm.kernels.launch_math import SM90_MAX_SHARED_BYTES, cdiv
+from lightllm.kernels.linear.reference import linear_ref
+from lightllm.kernels.launch_math import SM90_MAX_SHARED_BYTES
 from lightllm.kernels.linear.small_m_linear import (
     CANDIDATES,
     SmallMLinearPlan,
@@ -19,7 +18,6 @@ from lightllm.kernels.linear.small_m_linear import (
     linear_op,
     pipeline_shared_bytes,
     small_m_linear,
-    swiglu_linear_op,
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -77,80 +75,6 @@ def test_split_partials_are_reused_and_runs_agree_bit_for_bit():
     assert torch.equal(plan.run(x1, w1), first)
 
 
-def _slice_config(splits):
-    return {"BLOCK_N": 32, "BLOCK_K": 64, "SPLIT_K": splits, "num_warps": 4, "num_stages": 2}
-
-
-@pytest.mark.parametrize("splits", [2, 3, 8])
-def test_the_last_slice_sums_the_partials_in_slice_order_and_resets_its_counters(splits):
-    """SPLIT_K > 1: the slice that counts last on its column block sums every slice's float32 partial in slice order,
-    the bits of the slices run one by one (SPLIT_K 1 over each K range, float32 out) and added in that order; each
-    column block's counter is back at 0 after every launch, so the next launch (the next layer) starts clean."""
-    x, w = _inputs(5, torch.float32, seed=11)
-    config = _slice_config(splits)
-    plan = SmallMLinearPlan(5, N, K, torch.float32, run_config=config)
-    per_split = cdiv(cdiv(K, splits), config["BLOCK_K"]) * config["BLOCK_K"]  # whole K blocks, as the launcher
-    one = _slice_config(1)
-    expected = torch.zeros(5, N, dtype=torch.float32, device=DEVICE)
-    for start in range(0, K, per_split):  # trailing empty slices add 0.0
-        end = min(start + per_split, K)
-        expected += small_m_linear(x[:, start:end].contiguous(), w[:, start:end].contiguous(), run_config=one)
-    for _ in range(3):
-        out = torch.full((5, N), float("nan"), device=DEVICE)
-        plan.run(x, w, out=out)
-        assert torch.equal(out, expected)
-        ((partials, done),) = plan._scratch.values()
-        assert partials.shape == (splits, 5, N) and done.shape == (cdiv(N, 32),)
-        assert not done.any()
-
-
-def test_a_counter_left_set_would_be_seen():
-    """The counters are what make the sum happen: a column block whose counter is not 0 at launch finds itself
-    never last, so its output is never written (NaN stays) -- the check above can fail."""
-    x, w = _inputs(2, torch.float32, seed=12)
-    plan = SmallMLinearPlan(2, N, K, torch.float32, run_config=_slice_config(2))
-    plan.run(x, w)
-    ((_, done),) = plan._scratch.values()
-    done[0] = 5
-    out = torch.full((2, N), float("nan"), device=DEVICE)
-    plan.run(x, w, out=out)
-    assert out[:, :32].isnan().all() and not out[:, 32:].isnan().any()
-
-
-@pytest.mark.parametrize("config", [_slice_config(1), _slice_config(3), dict(CANDIDATES[0])], ids=str)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)  # bf16: the GPU test (no numpy bf16 dot)
-def test_swiglu_prologue_is_the_activation_kernel_then_the_linear_bit_for_bit(dtype, config):
-    """``swiglu``: x is ``[M, 2K]`` gate/up and the kernel multiplies ``silu(gate) * up`` as it loads it: the bits of
-    the activation kernel's output fed to the plain kernel (same rounding), and the float64 reference's values."""
-    gen = torch.Generator().manual_seed(13)
-    gate_up = (2 * torch.randn(4, 2 * K, generator=gen)).to(dtype).to(DEVICE)
-    w = (torch.randn(N, K, generator=gen) / K**0.5).to(dtype).to(DEVICE)
-    out = torch.full((4, N), float("nan"), dtype=dtype, device=DEVICE)
-    small_m_linear(gate_up, w, out=out, run_config=config, swiglu=True)
-    assert torch.equal(out, small_m_linear(silu_mul(gate_up), w, run_config=config))
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(out.double(), linear_ref(silu_mul_ref(gate_up), w, torch.float64), rtol=tol, atol=tol)
-
-
-@pytest.mark.parametrize("m", [1, 16, 40])
-def test_swiglu_untuned_default_is_the_activation_then_torch_mm(m):
-    """Nothing tuned: the activation kernel, then ``torch.mm`` on the view (what the models ran before); above 16
-    rows ``swiglu_linear_op`` is the same two calls without a plan; the CPU op is the references."""
-    gen = torch.Generator().manual_seed(14)
-    gate_up = torch.randn(m, 2 * K, generator=gen).half().to(DEVICE)
-    w = (torch.randn(N, K, generator=gen) / K**0.5).half().to(DEVICE)
-    expected = torch.mm(silu_mul(gate_up), w.t())
-    plan = SmallMLinearPlan(m, N, K, torch.float16, swiglu=True)
-    assert torch.equal(plan.run(gate_up, w, w.t()), expected)
-    assert torch.equal(plan.run(gate_up, w), expected)  # settled on cuBLAS: the shortcut
-    assert torch.equal(swiglu_linear_op(m, N, K, torch.float16)(gate_up, w, w.t()), expected)
-    assert torch.equal(swiglu_mm_on_view(gate_up, w, w.t()), torch.mm(silu_mul_ref(gate_up), w.t()))
-    with pytest.raises(ValueError, match=rf"x expected the planned \({m}, 600\) torch.float16, got \({m}, 300\)"):
-        SmallMLinearPlan(m, N, K, torch.float16, swiglu=True).run(gate_up[:, :K].contiguous(), w)
-    with pytest.raises(ValueError, match=r"expected x \[M, 2K\] \(gate, up\) and w \[N, K\], got x \(.*, 300\)"):
-        small_m_linear(gate_up[:, :K].contiguous(), w, swiglu=True)
-
-
 @pytest.mark.parametrize("out_dtype", [None, torch.float32], ids=["out-x-dtype", "out-fp32"])
 @pytest.mark.parametrize("m", [1, 16, 40])
 def test_untuned_default_is_torch_mm_bit_for_bit(m, out_dtype):
@@ -204,14 +128,12 @@ def test_candidates_with_slices_shorter_than_a_block_are_left_out():
     assert {c["SPLIT_K"] for c in small} == {1, 2}
 
 
-@pytest.mark.parametrize("swiglu", [False, True], ids=["plain", "swiglu"])
 @pytest.mark.parametrize("fastest", [{"BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 2, "num_warps": 8,
                                       "num_stages": 3}, None], ids=["triton-faster", "cublas-faster"])  # fmt: skip
-def test_search_adopts_a_triton_config_only_when_it_is_faster(monkeypatch, isolated_autotune, fastest, swiglu):
+def test_search_adopts_a_triton_config_only_when_it_is_faster(monkeypatch, isolated_autotune, fastest):
     """Level 1, GENERAL warm-up at 3 rows: every candidate runs through the real kernel (accuracy gate against
     cuBLAS) and the timer decides. The winner is stored under the one run key of every M <= 16, and a later
-    1-row plan at level 0 launches it; when cuBLAS is fastest the entry is null and cuBLAS keeps running. A SwiGLU
-    down projection searches the same way, on its gate/up input, under the weight's key."""
+    1-row plan at level 0 launches it; when cuBLAS is fastest the entry is null and cuBLAS keeps running."""
     monkeypatch.setenv("LIGHTLLM_TRITON_AUTOTUNE_LEVEL", "1")
     launched = []
     launcher = _launch_small_m_linear.fn
@@ -222,20 +144,16 @@ def test_search_adopts_a_triton_config_only_when_it_is_faster(monkeypatch, isola
 
     def timer(run):
         run()
-        return 0.5 if launched and launched[-1] == fastest else 1.0
+        return 0.5 if launched[-1] == fastest else 1.0
 
     monkeypatch.setattr(_launch_small_m_linear, "fn", recording_launcher)
     set_bench_func(timer)
     x, w = _inputs(3, torch.float32, seed=7)
-    x_in = torch.cat([x, 2 * x], dim=1) if swiglu else x  # gate, up
-    act = silu_mul_ref if swiglu else (lambda t: t)
+    before = get_autotune_stats()
     with autotune_warmup(AutotuneKernelType.GENERAL):
-        if swiglu:
-            silu_mul(x_in)  # the activation's own search (the default runs it): not counted below
-        before = get_autotune_stats()
-        out = SmallMLinearPlan(3, N, K, torch.float32, swiglu=swiglu).run(x_in, w)
+        out = SmallMLinearPlan(3, N, K, torch.float32).run(x, w)
     done = get_autotune_stats() - before
-    _assert_matches(out, act(x_in), w, torch.float32)
+    _assert_matches(out, x, w, torch.float32)
     candidates = len(_configs(x, w))
     assert done.searches == 1 and done.candidates_timed == candidates + 1 and done.candidates_rejected == 0
     (path,) = store.iter_config_files(isolated_autotune, "small_m_linear")
@@ -246,13 +164,12 @@ def test_search_adopts_a_triton_config_only_when_it_is_faster(monkeypatch, isola
     monkeypatch.setenv("LIGHTLLM_TRITON_AUTOTUNE_LEVEL", "0")
     launched.clear()
     x1, w1 = _inputs(1, torch.float32, seed=8)
-    x1_in = torch.cat([x1, x1 - 1], dim=1) if swiglu else x1
-    out1 = SmallMLinearPlan(1, N, K, torch.float32, swiglu=swiglu).run(x1_in, w1)
+    out1 = SmallMLinearPlan(1, N, K, torch.float32).run(x1, w1)
     assert launched == [fastest]
     if fastest is None:
-        assert torch.equal(out1, torch.mm(silu_mul(x1_in) if swiglu else x1_in, w1.t()))  # the kernel's silu
+        assert torch.equal(out1, torch.mm(x1, w1.t()))
     else:
-        _assert_matches(out1, act(x1_in), w1, torch.float32)
+        _assert_matches(out1, x1, w1, torch.float32)
 
 
 def test_a_search_times_every_launch_on_the_next_copy_of_the_weight(monkeypatch, caplog):

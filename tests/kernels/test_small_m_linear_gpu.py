@@ -5,7 +5,6 @@ import pytest
 import torch
 
 from lightllm.common.autotuner import AutotuneKernelType, autotune_warmup
-from lightllm.kernels.launch_math import cdiv
 from lightllm.kernels.linear.reference import linear_ref
 from lightllm.kernels.linear.small_m_linear import SmallMLinearPlan, _configs, _launch_small_m_linear
 
@@ -78,58 +77,3 @@ def test_a_real_search_never_picks_slower_than_cublas(monkeypatch):
     assert record is not None and record.run_key == 16
     assert record.chosen_ms[0] <= record.default_ms[0]
     torch.testing.assert_close(out.double(), linear_ref(x, w, torch.float64), rtol=1e-2, atol=1e-2)
-
-
-@pytest.mark.parametrize("splits", [2, 4, 8])
-def test_split_k_sums_in_the_last_slice_bit_for_bit_over_graph_replays(splits):
-    """Qwen3-8B's down projection at SPLIT_K 2-8 with float32 out: the last slice of each column block sums the
-    slices' partials in slice order, the bits of the slices run alone (SPLIT_K 1 over each K range) added in that
-    order. Fifty replays of one captured launch on new inputs each time: every one exact, the counters back at 0."""
-    n, k, _ = QWEN3_8B["down"]
-    config = {"BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": splits, "num_warps": 4, "num_stages": 4}
-    one = dict(config, SPLIT_K=1)
-    per_split = cdiv(cdiv(k, splits), 128) * 128  # whole K blocks per slice, as the launcher cuts them
-    x, w = _inputs(4, n, k, seed=splits)
-    plan = SmallMLinearPlan(4, n, k, BF16, F32, run_config=config)
-    out = torch.empty(4, n, dtype=F32, device="cuda")
-    plan.run(x, w, out=out)  # eager: makes the plan's partials and counters
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        plan.run(x, w, out=out)
-    ((_, done),) = plan._scratch.values()
-    for i in range(50):
-        x.copy_(_inputs(4, n, k, seed=100 + i)[0])
-        out.fill_(float("nan"))
-        graph.replay()
-        expected = torch.zeros(4, n, dtype=F32, device="cuda")
-        for start in range(0, k, per_split):
-            xs, ws = x[:, start : start + per_split].contiguous(), w[:, start : start + per_split].contiguous()
-            expected += SmallMLinearPlan(4, n, xs.shape[1], BF16, F32, run_config=one).run(xs, ws)
-        torch.cuda.synchronize()
-        assert torch.equal(out, expected), i
-        assert not done.any(), i
-
-
-@pytest.mark.parametrize("m", [1, 16])
-def test_swiglu_prologue_equals_the_activation_kernel_then_the_linear(m):
-    """Every candidate on Qwen3-8B's down projection with the SwiGLU prologue, bf16: the bits of the activation
-    kernel's output fed to the same config (eager and a graph replay), within bf16 of the float64 reference."""
-    from lightllm.kernels.activation import silu_mul, silu_mul_ref
-
-    n, k, _ = QWEN3_8B["down"]
-    gen = torch.Generator(device="cuda").manual_seed(m)
-    gate_up = (2 * torch.randn(m, 2 * k, generator=gen, device="cuda")).to(BF16)
-    w = (torch.randn(n, k, generator=gen, device="cuda") / k**0.5).to(BF16)
-    act = silu_mul(gate_up)
-    ref = linear_ref(silu_mul_ref(gate_up), w, torch.float64)
-    for config in _configs(gate_up, w):
-        fused = SmallMLinearPlan(m, n, k, BF16, run_config=config, swiglu=True)
-        out = fused.run(gate_up, w).clone()
-        assert torch.equal(out, SmallMLinearPlan(m, n, k, BF16, run_config=config).run(act, w)), config
-        torch.testing.assert_close(out.double(), ref, rtol=2e-2, atol=2e-2, msg=lambda e: f"{config}: {e}")
-        graph, replayed = torch.cuda.CUDAGraph(), torch.full_like(out, float("nan"))
-        with torch.cuda.graph(graph):
-            fused.run(gate_up, w, out=replayed)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(replayed, out), config

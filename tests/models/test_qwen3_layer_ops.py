@@ -14,13 +14,12 @@ from lightllm import LLM, SamplingParams
 from lightllm.kernels.kv_cache_write import KVLayers
 from lightllm.layers.attention import AttentionBackend
 from lightllm.models.qwen3 import model as qwen3_model
-from lightllm.kernels.activation import silu_mul
 from lightllm.kernels.linear.reference import mm_on_view
 from lightllm.kernels.linear.small_m_linear import SmallMLinearPlan
 from lightllm.models.qwen3.model import Qwen3Model
 from lightllm.tools.make_tiny_model import make_tiny_qwen3
 
-PLANS = ("RMSNormPlan", "AddRMSNormPlan", "QKNormRopePlan")
+PLANS = ("RMSNormPlan", "AddRMSNormPlan", "QKNormRopePlan", "SiluMulPlan")
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +35,7 @@ def tiny_llm(model_dir, dtype="fp32"):
 def test_layer_ops_are_planned_from_the_step_shapes(monkeypatch):
     """With kernels, one plan per op and forward: hidden-state norms over the step's tokens (the final one over a
     prefill's output rows), q/k norm + rotary over the fused qkv output (writing a float cache's K/V at the step's
-    slots); SiLU * up is the down projection's (its x is the gate/up output, this rank's columns)."""
+    slots), SiLU * up over this rank's columns."""
     made, qk_kwargs = [], []
 
     def counting(name):
@@ -69,22 +68,18 @@ def test_layer_ops_are_planned_from_the_step_shapes(monkeypatch):
     state = SimpleNamespace(positions=torch.arange(3), out_token_idx=torch.arange(3) + 5)
     ops = Qwen3Model._plan_ops(model, 3, 3, state)
     assert sorted(made) == [("AddRMSNormPlan", ((3, 64), f32)), ("QKNormRopePlan", (3, 4, 2, d)),
-                            ("RMSNormPlan", ((3, 64), f32))]  # fmt: skip
+                            ("RMSNormPlan", ((3, 64), f32)), ("SiluMulPlan", (3, 48))]  # fmt: skip
     assert qk_kwargs[0]["kv_layers"] is kv_layers and qk_kwargs[0]["token_idx"] is state.out_token_idx
     assert ops.final_add_norm == ops.add_norm  # decode: one output row per token
     # the four projections and the logits: small-M plans of the step's tokens and each weight's shape (at most 16)
-    for op, n, k, x_cols in ((ops.qkv, 128, 64, 64), (ops.o, 64, 64, 64), (ops.gate_up, 96, 64, 64),
-                             (ops.down, 64, 48, 96)):  # fmt: skip
-        assert isinstance(op.__self__, SmallMLinearPlan) and op.__self__.swiglu == (op == ops.down)
-        assert op.__self__.inputs.planned == ((torch.Size((3, x_cols)), f32), (torch.Size((n, k)), f32))
+    for op, n, k in ((ops.qkv, 128, 64), (ops.o, 64, 64), (ops.gate_up, 96, 64), (ops.down, 64, 48)):
+        assert isinstance(op.__self__, SmallMLinearPlan)
+        assert op.__self__.inputs.planned == ((torch.Size((3, k)), f32), (torch.Size((n, k)), f32))
     with pytest.raises(ValueError, match=r"x expected the planned \(3, 64\) torch.float32, got \(3, 100\)"):
         ops.logits(torch.zeros(3, 100))
     assert ops.logits(torch.ones(3, 64)).shape == (3, 100)
     long = SimpleNamespace(positions=torch.arange(17), out_token_idx=torch.arange(17))
-    long_ops = Qwen3Model._plan_ops(model, 17, 17, long)
-    assert long_ops.qkv is mm_on_view  # above 16 tokens: torch.mm, no plan
-    gate_up, w = torch.randn(17, 96), torch.randn(64, 48)
-    assert torch.equal(long_ops.down(gate_up, w, w.t()), torch.mm(silu_mul(gate_up), w.t()))  # the activation kernel
+    assert Qwen3Model._plan_ops(model, 17, 17, long).qkv is mm_on_view  # above 16 tokens: torch.mm, no plan
     made.clear()
     model.attn.kv_layers = None  # a quantized cache: the backend's write_kv after the q/k kernel
     state = SimpleNamespace(positions=torch.arange(7), out_token_idx=torch.arange(7))
@@ -102,9 +97,8 @@ def test_kernel_path_matches_the_reference_path(tiny_dir, dtype, tol):
 
 @pytest.mark.parametrize("dtype, tol", [("fp32", 1e-5), ("fp16", 2e-2)])
 def test_kernel_path_with_the_triton_gemv_matches_the_reference_path(tiny_dir, monkeypatch, dtype, tol):
-    """As above with every small-M linear on a Triton config (split K: partials summed by the last slice): the
-    decode steps' four projections per layer (down with the SwiGLU prologue) and the logits (float32 from the
-    accumulators) run the kernel."""
+    """As above with every small-M linear on a Triton config (split K: partials summed by the second kernel): the
+    decode steps' four projections per layer and the logits (float32 from the accumulators) run the kernel."""
     check_with_triton_gemv(monkeypatch, tiny_llm(tiny_dir, dtype), tol)
 
 
@@ -115,15 +109,14 @@ def check_with_triton_gemv(monkeypatch, llm, tol, max_new_tokens=3):
     config = {"BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 2, "num_warps": 4, "num_stages": 4}
     tuner, launch, launched = small_m_linear._launch_small_m_linear, small_m_linear.launch_small_m_linear, Counter()
 
-    def counting(x, w, out, cfg, scratch=None, swiglu=False):
-        launched.update([out.dtype, "swiglu" if swiglu else "plain"])
-        return launch(x, w, out, cfg, scratch, swiglu)
+    def counting(x, w, out, cfg, scratch=None):
+        launched.update([out.dtype])
+        return launch(x, w, out, cfg, scratch)
 
     monkeypatch.setattr(tuner, "plan", lambda run_config=None: FixedPlan(tuner, run_config or config))
     monkeypatch.setattr(small_m_linear, "launch_small_m_linear", counting)
     check_kernel_path_matches_reference(llm, max_new_tokens=max_new_tokens, tol=tol)
     assert launched[torch.float32] > 0 and launched[llm.runner.model.dtype] > 0
-    assert launched["swiglu"] > 0 and launched["plain"] > launched["swiglu"]
 
 
 def check_kernel_path_matches_reference(llm, max_new_tokens, tol):

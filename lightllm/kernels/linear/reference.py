@@ -5,8 +5,6 @@ from typing import Optional
 
 import torch
 
-from lightllm.kernels.activation import silu_mul_ref
-
 
 def cublas_linear(x: torch.Tensor, w_t: torch.Tensor, out_dtype: torch.dtype, out: Optional[torch.Tensor] = None):
     """``x @ w_t`` as the models compute it with no tuned config: ``torch.mm`` on the weight's ``[in, out]`` view
@@ -26,12 +24,6 @@ def mm_on_view(x: torch.Tensor, w: torch.Tensor, w_t: torch.Tensor) -> torch.Ten
     """A model projection ``(x, w, w_t) -> x @ w^T`` as ``torch.mm(x, w_t)`` on the load-time ``[in, out]`` view:
     the CPU path, and the GPU's above 16 rows (nothing keyed or checked per layer)."""
     return torch.mm(x, w_t)
-
-
-def swiglu_mm_on_view(gate_up: torch.Tensor, w: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
-    """A SwiGLU MLP's down projection ``(gate_up, w, w_t) -> (silu(gate) * up) @ w^T`` as the CPU runs it: the
-    activation's torch reference, then :func:`mm_on_view`."""
-    return torch.mm(silu_mul_ref(gate_up), w_t)
 
 
 def linear_ref(x: torch.Tensor, w: torch.Tensor, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:

@@ -3,14 +3,9 @@
 A GENERAL kernel (``small_m_linear``): the launcher default (``run_config=None``) is ``torch.mm`` on the weight's
 ``[in, out]`` view, exactly what the models call without it, so with nothing tuned nothing changes; a search adopts
 a Triton config (``small_m_kernel.py``) only where it measures one faster than cuBLAS. Static key: N, K, dtype, out
-dtype (M > 16 gets no candidates: cuBLAS always); run key: one bucket for every M <= 16 (the kernel pads x to 16
-rows, so its time barely depends on M), tuned by the GENERAL warm-up's 16-token prefill, each launch of the search
-reading the next of several copies of the weight (``cold_weights.py``: from HBM, as in a decode step).
-
-A SwiGLU MLP's down projection (a plan with ``swiglu=True``) takes the gate/up output: a Triton config applies
-``silu(gate) * up`` as it loads x, the default runs the activation kernel's plan, then cuBLAS; a search there times
-the two as the models run them. The key is the weight's, as for a plain call: the W tile a config streams is the
-same either way, and the candidates are (``_fits`` counts two x tiles for both).
+dtype and whether M <= 16 (no candidates above: cuBLAS always); run key: one bucket for every M <= 16 (the kernel
+pads x to 16 rows, so its time barely depends on M), tuned by the GENERAL warm-up's 16-token prefill, each launch
+of the search reading the next of several copies of the weight (``cold_weights.py``: from HBM, as in a decode step).
 """
 
 from typing import Optional
@@ -18,7 +13,6 @@ from typing import Optional
 import torch
 
 from lightllm.common.autotuner import AutotuneKernelType, PlannedInputs, autotune
-from lightllm.kernels.activation import SiluMulPlan
 from lightllm.kernels.linear.cold_weights import cold_weight_inputs
 from lightllm.kernels.linear.reference import cublas_linear, mm_on_view
 from lightllm.kernels.launch_math import SM90_MAX_SHARED_BYTES
@@ -39,11 +33,10 @@ def _configs(x, w):
 
 
 def _fits(config: dict, k: int, itemsize: int) -> bool:
-    """No split slice shorter than a K block, and tiles that fit an sm_90 block's shared memory with SWIGLU's two x
-    tiles (so a down projection has the same candidates either way; float32 at BLOCK_N=64, BLOCK_K=256 and 4 stages
-    needs 240 KiB even with one)."""
+    """No split slice shorter than a K block, and tiles that fit an sm_90 block's shared memory (float32 at
+    BLOCK_N=64, BLOCK_K=256 and 4 stages needs 240 KiB)."""
     whole_slices = config["SPLIT_K"] == 1 or k >= config["SPLIT_K"] * config["BLOCK_K"]
-    return whole_slices and pipeline_shared_bytes(config, itemsize, x_tiles=2) <= SM90_MAX_SHARED_BYTES
+    return whole_slices and pipeline_shared_bytes(config, itemsize) <= SM90_MAX_SHARED_BYTES
 
 
 def _static_key(x, w, out_dtype):
@@ -62,16 +55,14 @@ def _run_key(x):
     kernel_type=AutotuneKernelType.GENERAL,
     rebuild_input_func=cold_weight_inputs,
 )
-def _launch_small_m_linear(x, w, w_t, out_dtype, out, scratch, w_ring=None, act=None, run_config=None):
-    """``act``: a SwiGLU down projection's activation (x is then the ``[M, 2K]`` gate/up output): the default runs
-    it (the activation kernel's plan) before cuBLAS, a Triton config in its prologue."""
+def _launch_small_m_linear(x, w, w_t, out_dtype, out, scratch, w_ring=None, run_config=None):
     if w_ring is not None:  # a search's timing inputs: the next copy of the weight
         w, w_t = w_ring.next()
     if run_config is None:
-        return cublas_linear(x if act is None else act(x), w_t, out_dtype, out)
+        return cublas_linear(x, w_t, out_dtype, out)
     if out is None:
         out = torch.empty((x.shape[0], w.shape[0]), dtype=out_dtype, device=x.device)
-    return launch_small_m_linear(x, w, out, run_config, scratch, act is not None)
+    return launch_small_m_linear(x, w, out, run_config, scratch)
 
 
 class SmallMLinearPlan:
@@ -79,14 +70,12 @@ class SmallMLinearPlan:
     config (or cuBLAS) resolved at the first :meth:`run`.
 
     Args: ``m`` rows (tokens), ``n`` outputs, ``k`` inputs, ``dtype`` of x and w; ``out_dtype``: x's dtype (None) or
-    float32 (the lm_head's logits, written from the float32 accumulators); ``run_config`` bypasses tuning (m <= 16);
-    ``swiglu``: a SwiGLU MLP's down projection, whose x is the ``[m, 2k]`` gate/up output and which multiplies
-    ``silu(gate) * up`` first (in the Triton kernel's prologue; before cuBLAS, the activation kernel).
+    float32 (the lm_head's logits, written from the float32 accumulators); ``run_config`` bypasses tuning (m <= 16).
     Above 16 rows every run is cuBLAS, without keys or a search.
     """
 
     def __init__(self, m: int, n: int, k: int, dtype: torch.dtype, out_dtype: Optional[torch.dtype] = None,
-                 run_config: Optional[dict] = None, swiglu: bool = False):  # fmt: skip
+                 run_config: Optional[dict] = None):  # fmt: skip
         out_dtype = out_dtype or dtype
         if dtype not in _DTYPES:
             raise ValueError(f"small_m_linear plan: dtype expected one of {_DTYPES}, got {dtype}")
@@ -97,13 +86,11 @@ class SmallMLinearPlan:
         if run_config is not None and not 0 < m <= MAX_ROWS:
             raise ValueError(f"small_m_linear plan: run_config needs 1 <= m <= {MAX_ROWS} (the kernel's row tile), "
                              f"got m {m}")  # fmt: skip
-        self.out_dtype, self.swiglu = out_dtype, bool(swiglu)
+        self.out_dtype = out_dtype
         self.out_shape, self.w_t_shape = (m, n), (k, n)
-        x_cols = 2 * k if swiglu else k
-        self.inputs = PlannedInputs("small_m_linear", x=(torch.Size((m, x_cols)), dtype), w=(torch.Size((n, k)), dtype))
+        self.inputs = PlannedInputs("small_m_linear", x=(torch.Size((m, k)), dtype), w=(torch.Size((n, k)), dtype))
         self._tuned = _launch_small_m_linear.plan(run_config=run_config) if 0 < m <= MAX_ROWS else None
-        self._scratch = {}  # split partials and counters, made once for every layer's run
-        self._act = SiluMulPlan(m, k, dtype, reuse_outputs=True) if swiglu else None  # before cuBLAS
+        self._scratch = {}  # split partials, made once for every layer's run
 
     def run(self, x: torch.Tensor, w: torch.Tensor, w_t: Optional[torch.Tensor] = None, out=None) -> torch.Tensor:
         """``x @ w^T``. ``w_t``: w's ``[k, n]`` transposed view, made once at load (cuBLAS runs on it; default
@@ -114,8 +101,6 @@ class SmallMLinearPlan:
         than the plain call the models made before this kernel."""
         t = self._tuned
         if t is not None and t.config is None and t.settled():
-            if self._act is not None:
-                x = self._act.run(x)
             return cublas_linear(x, w.t() if w_t is None else w_t, self.out_dtype, out)
         self.inputs.check((x.shape, x.dtype), (w.shape, w.dtype))
         if x.stride(-1) != 1 or w.stride(-1) != 1 or x.device != w.device:
@@ -131,29 +116,26 @@ class SmallMLinearPlan:
                              f"contiguous last dim, got {tuple(out.shape)} {out.dtype} "
                              f"strides {out.stride()}")  # fmt: skip
         if self._tuned is None:
-            return cublas_linear(x if self._act is None else self._act.run(x), w_t, self.out_dtype, out)
-        act = None if self._act is None else self._act.run
-        return self._tuned.run(x, w, w_t, self.out_dtype, out, self._scratch, None, act)
+            return cublas_linear(x, w_t, self.out_dtype, out)
+        return self._tuned.run(x, w, w_t, self.out_dtype, out, self._scratch)
 
 
 def small_m_linear(x: torch.Tensor, w: torch.Tensor, out_dtype: Optional[torch.dtype] = None, out=None,
-                   run_config: Optional[dict] = None, swiglu: bool = False) -> torch.Tensor:  # fmt: skip
-    """``x @ w^T`` (``swiglu``: ``(silu(x[:, :K]) * x[:, K:]) @ w^T``), tuned for M <= 16 (cuBLAS above, and wherever
-    no Triton config measured faster).
+                   run_config: Optional[dict] = None) -> torch.Tensor:  # fmt: skip
+    """``x @ w^T``, tuned for M <= 16 (cuBLAS above, and wherever no Triton config measured faster).
 
     Args:
-        x: ``[M, K]`` (``swiglu``: ``[M, 2K]``, gate then up) float16/bfloat16/float32, last dim contiguous.
+        x: ``[M, K]`` float16/bfloat16/float32, last dim contiguous.
         w: ``[N, K]`` of x's dtype and device (``nn.Linear`` layout), last dim contiguous.
         out_dtype: x's dtype (None) or float32.
         out: optional ``[M, N]`` tensor of ``out_dtype``.
     Returns:
         ``out`` or a new tensor. Every layer of a step: :class:`SmallMLinearPlan` checks and resolves once.
     """
-    k = w.shape[1] if w.dim() == 2 else -1
-    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != (2 * k if swiglu else k):
-        want = "[M, 2K] (gate, up)" if swiglu else "[M, K]"
-        raise ValueError(f"small_m_linear: expected x {want} and w [N, K], got x {tuple(x.shape)}, w {tuple(w.shape)}")
-    return SmallMLinearPlan(x.shape[0], w.shape[0], k, x.dtype, out_dtype, run_config, swiglu).run(x, w, out=out)
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"small_m_linear: expected x [M, K] and w [N, K], got x {tuple(x.shape)}, w {tuple(w.shape)}")
+    m, k = x.shape
+    return SmallMLinearPlan(m, w.shape[0], k, x.dtype, out_dtype, run_config).run(x, w, out=out)
 
 
 def linear_op(m: int, n: int, k: int, dtype: torch.dtype):
@@ -162,17 +144,3 @@ def linear_op(m: int, n: int, k: int, dtype: torch.dtype):
     if m > MAX_ROWS:
         return mm_on_view
     return SmallMLinearPlan(m, n, k, dtype).run
-
-
-def swiglu_linear_op(m: int, n: int, k: int, dtype: torch.dtype):
-    """A SwiGLU MLP's activation and down projection of one forward, ``(gate_up, w, w_t) -> (silu(gate) * up) @
-    w^T``: the plan's run at m <= 16 (one kernel where a Triton config is tuned), else the activation kernel and
-    ``torch.mm`` on the view."""
-    if m <= MAX_ROWS:
-        return SmallMLinearPlan(m, n, k, dtype, swiglu=True).run
-    act = SiluMulPlan(m, k, dtype, reuse_outputs=True).run
-
-    def act_mm(gate_up, w, w_t):
-        return mm_on_view(act(gate_up), w, w_t)
-
-    return act_mm

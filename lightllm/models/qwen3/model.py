@@ -7,10 +7,9 @@ Per layer, on a GPU: four GEMMs (fused qkv, o, fused gate/up, down: cuBLAS on th
 most 16 tokens the tuned small-M linear, ``kernels/linear/``, whose untuned default is that same cuBLAS call), one
 q/k norm + rotary kernel that also writes the layer's new K/V into a float KV cache (a quantized cache: a KV write
 kernel after it), attention, two residual add + norm kernels (post-attention, and the next layer's input norm or the
-final norm) and SiLU(gate) * up: in the down projection's prologue where its small-M config is a Triton one (its
-split-K sum is done by the kernel's last slice too), else one kernel of its own. Every kernel is planned once per
-forward (:meth:`Qwen3Model.plan_step`); on the CPU each is its torch reference (the same rounding steps).
-``benchmarks/layer_launches.py`` counts a layer's launches.
+final norm) and one SiLU(gate) * up kernel. Every kernel is planned once per forward (:meth:`Qwen3Model.plan_step`);
+on the CPU each is its torch reference (the same rounding steps). ``benchmarks/layer_launches.py`` counts a layer's
+launches.
 """
 
 from typing import Callable, NamedTuple, Optional, Tuple
@@ -18,8 +17,9 @@ from typing import Callable, NamedTuple, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from lightllm.kernels.linear.reference import mm_on_view, swiglu_mm_on_view
-from lightllm.kernels.linear.small_m_linear import linear_op, swiglu_linear_op
+from lightllm.kernels.activation import SiluMulPlan, silu_mul_ref
+from lightllm.kernels.linear.reference import mm_on_view
+from lightllm.kernels.linear.small_m_linear import linear_op
 from lightllm.kernels.norm.add_rmsnorm import AddRMSNormPlan, add_rmsnorm_ref
 from lightllm.kernels.norm.qk_norm_rope import QKNormRopePlan, qk_norm_rope_ref
 from lightllm.kernels.norm.rmsnorm import RMSNormPlan, rmsnorm_ref
@@ -39,11 +39,12 @@ class LayerOps(NamedTuple):
     qk_norm_rope_kv: Callable  # (qkv, q_weight, k_weight, layer) -> (q, k): q/k heads normed and rotated; the
     # tokens' k and v written to the layer's KV cache
     add_norm: Callable  # (residual, x, weight) -> y: residual += x, y = norm(residual); [tokens, hidden]
+    silu_mul: Callable  # (gate_up) -> silu(gate) * up
     final_add_norm: Callable  # add_norm over the output rows (one per request in prefill)
     qkv: Callable  # (x, w, w_t) -> x @ w^T, the fused q/k/v projection (w [out, in], w_t its [in, out] view)
     o: Callable  # o_proj, as qkv
     gate_up: Callable  # the fused gate/up projection, as qkv
-    down: Callable  # (gate_up, w, w_t) -> (silu(gate) * up) @ w^T: the MLP's activation and down_proj
+    down: Callable  # down_proj, as qkv
     logits: Callable  # (h) -> float32 logits [output rows, vocab]
 
 
@@ -79,6 +80,7 @@ class Qwen3Model:
                 norm=lambda x, weight: rmsnorm_ref(x, weight, eps),
                 qk_norm_rope_kv=then_write_kv(qk_norm_rope, self, state.out_token_idx),
                 add_norm=add_norm,
+                silu_mul=silu_mul_ref,
                 final_add_norm=add_norm,
                 **projections(False, tokens, dtype, **layer_projections(self.w.layers[0])),
                 logits=plan_logits(rows_out, self.w.lm_head, use_kernels=False),
@@ -93,7 +95,7 @@ class Qwen3Model:
                             positions, eps, **reuse, **kv_write)  # fmt: skip
         qk_norm_rope_kv = qk.run if kv_write else then_write_kv(qk.run, self, state.out_token_idx)
         return LayerOps(norm=RMSNormPlan((tokens, hidden), dtype, eps).run, qk_norm_rope_kv=qk_norm_rope_kv,
-                        add_norm=add_norm,
+                        add_norm=add_norm, silu_mul=SiluMulPlan(tokens, self.intermediate, dtype, **reuse).run,
                         final_add_norm=final, **projections(True, tokens, dtype, **layer_projections(self.w.layers[0])),
                         logits=plan_logits(rows_out, self.w.lm_head, use_kernels=True))  # fmt: skip
 
@@ -140,7 +142,7 @@ class Qwen3Model:
             else:
                 o = attn.decode(i, q, state)
             x = ops.add_norm(h, reduce(ops.o(o.reshape(tokens, -1), lw.o_proj, lw.o_t)), lw.post_norm)
-            mlp = reduce(ops.down(ops.gate_up(x, lw.gate_up_proj, lw.gate_up_t), lw.down_proj, lw.down_t))
+            mlp = reduce(ops.down(ops.silu_mul(ops.gate_up(x, lw.gate_up_proj, lw.gate_up_t)), lw.down_proj, lw.down_t))
             if i + 1 < len(layers):
                 x = ops.add_norm(h, mlp, layers[i + 1].input_norm)
         if prefill:  # only each request's last token goes on
@@ -167,17 +169,9 @@ def then_write_kv(qk_norm_rope: Callable, model, token_idx: torch.Tensor) -> Cal
 def projections(use_kernels: bool, tokens: int, dtype: torch.dtype, **weights: Optional[torch.Tensor]) -> dict:
     """One forward's projections by LayerOps field, ``(x, w, w_t) -> x @ w^T``, planned from each field's weight
     ``[out, in]`` (every layer's has that shape): ``linear_op`` with kernels (the tuned small-M linear at most 16
-    tokens, else ``torch.mm`` on the view), else (or for a weight no layer has: None) ``torch.mm`` on the view.
-    ``down`` is a SwiGLU MLP's: its x is the gate/up output and the op multiplies ``silu(gate) * up`` first
-    (``swiglu_linear_op``: in the small-M kernel's prologue where one is tuned)."""
-    ops = {}
-    for field, w in weights.items():
-        swiglu = field == "down"
-        if not use_kernels or w is None:
-            ops[field] = swiglu_mm_on_view if swiglu else mm_on_view
-        else:
-            ops[field] = (swiglu_linear_op if swiglu else linear_op)(tokens, *w.shape, dtype)
-    return ops
+    tokens, else ``torch.mm`` on the view), else (or for a weight no layer has: None) ``torch.mm`` on the view."""
+    return {field: linear_op(tokens, *w.shape, dtype) if use_kernels and w is not None else mm_on_view
+            for field, w in weights.items()}  # fmt: skip
 
 
 def layer_projections(lw) -> dict:

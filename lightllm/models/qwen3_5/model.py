@@ -12,8 +12,7 @@ the tuned small-M linear whose untuned default is that same call: ``Qwen3Model``
 launches (gated attention: one q/k norm + partial rotary kernel that also writes the new K/V into a float KV cache
 (a quantized cache: a KV write kernel after it), attention, one output-gate kernel; gated DeltaNet: the conv, the
 delta rule, one gated-norm kernel), two residual add + norm kernels (post-mixer, and the next layer's input norm or
-the final norm) and SiLU(gate) * up: in the down projection's prologue where its small-M config is a Triton one,
-else one kernel of its own. Every kernel is planned once per forward
+the final norm) and one SiLU(gate) * up kernel. Every kernel is planned once per forward
 (:meth:`Qwen3_5Model.plan_step`); on the CPU each is its torch reference (the same rounding steps).
 ``benchmarks/layer_launches.py --model qwen3.5`` counts each kind's launches.
 """
@@ -23,6 +22,7 @@ from typing import Callable, Dict, NamedTuple, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from lightllm.kernels.activation import SiluMulPlan, silu_mul_ref
 from lightllm.kernels.gates import SigmoidGatePlan, sigmoid_gate_mul_ref
 from lightllm.kernels.norm.add_rmsnorm import AddRMSNormPlan, add_rmsnorm_ref
 from lightllm.kernels.norm.gated_rmsnorm import GatedRMSNormPlan, gated_rmsnorm_ref
@@ -54,12 +54,13 @@ class LayerOps(NamedTuple):
     # tokens' k and v written to the pool layer's KV cache
     attn_gate: Callable  # (o, gate) -> o * sigmoid(gate): [tokens, heads, head_dim]
     gated_norm: Callable  # (o, z, weight) -> weight * norm(o) * silu(z): [tokens, value_heads, value_dim]
+    silu_mul: Callable  # (gate_up) -> silu(gate) * up
     qkv: Callable  # (x, w, w_t) -> x @ w^T (w [out, in], w_t its [in, out] view): full attention's fused q/k/v
     o: Callable  # full attention's o_proj, as qkv
     in_proj: Callable  # gated DeltaNet's fused input projection, as qkv
     out_proj: Callable  # gated DeltaNet's out_proj, as qkv
     gate_up: Callable  # the fused gate/up projection, as qkv
-    down: Callable  # (gate_up, w, w_t) -> (silu(gate) * up) @ w^T: the MLP's activation and down_proj
+    down: Callable  # down_proj, as qkv
     logits: Callable  # (h) -> float32 logits [output rows, vocab]
 
 
@@ -162,7 +163,7 @@ class Qwen3_5Model:
                             qk_norm_rope_kv=then_write_kv(qk_norm_rope, self, state.out_token_idx),
                             attn_gate=sigmoid_gate_mul_ref,
                             gated_norm=lambda o, z, weight: gated_rmsnorm_ref(o, z, weight, eps),
-                            **projections(False, tokens, dtype, **self._projection_weights),
+                            silu_mul=silu_mul_ref, **projections(False, tokens, dtype, **self._projection_weights),
                             logits=plan_logits(rows_out, self.w.lm_head, use_kernels=False))  # fmt: skip
         # Each layer consumes an op's outputs before the next layer's run: one output buffer per op and forward.
         hidden, reuse = (tokens, c.hidden_size), dict(reuse_outputs=True)
@@ -181,6 +182,7 @@ class Qwen3_5Model:
             qk_norm_rope_kv=qk.run if kv_write else then_write_kv(qk.run, self, state.out_token_idx),
             attn_gate=SigmoidGatePlan(tokens, heads, c.head_dim, dtype, **reuse).run,
             gated_norm=GatedRMSNormPlan(tokens, s.value_heads, s.value_dim, dtype, eps, **reuse).run,
+            silu_mul=SiluMulPlan(tokens, self.intermediate, dtype, **reuse).run,
             **projections(True, tokens, dtype, **self._projection_weights),
             logits=plan_logits(rows_out, self.w.lm_head, use_kernels=True),
         )
@@ -209,7 +211,7 @@ class Qwen3_5Model:
             else:
                 out = self._linear_attention(self.state_layer[i], lw, x, ops, plan, state.is_prefill)
             x = ops.add_norm(h, reduce(out), lw.post_norm)
-            mlp = reduce(ops.down(ops.gate_up(x, lw.gate_up_proj, lw.gate_up_t), lw.down_proj, lw.down_t))
+            mlp = reduce(ops.down(ops.silu_mul(ops.gate_up(x, lw.gate_up_proj, lw.gate_up_t)), lw.down_proj, lw.down_t))
             if i + 1 < len(layers):
                 x = ops.add_norm(h, mlp, layers[i + 1].input_norm)
         if keep_hidden:

@@ -58,7 +58,9 @@ class Qwen3_5MTP:
         if out_rows is None:
             return None
         x = ops.add_norm(h, self._reduce(out), lw.post_norm)
-        mlp = self._reduce(ops.down(ops.gate_up(x, lw.gate_up_proj, lw.gate_up_t), lw.down_proj, lw.down_t))
+        mlp = self._reduce(
+            ops.down(ops.silu_mul(ops.gate_up(x, lw.gate_up_proj, lw.gate_up_t)), lw.down_proj, lw.down_t)
+        )
         if rows_out != tokens:
             h, mlp = h[out_rows], mlp[out_rows]
         normed = ops.final_add_norm(h, mlp, w.final_norm)
