@@ -1,4 +1,4 @@
-"""Sampling parameters and the sampler (greedy, temperature, top-k, top-p; logprobs of the chosen token and the
+"""Sampling parameters and the sampler (greedy, temperature, top-k, top-p, min-p; logprobs of the chosen token and the
 most likely alternatives). Penalties, logit bias and min_tokens change the logits before the draw:
 ``logits_processor.py``."""
 
@@ -23,7 +23,8 @@ MAX_LOGIT_BIAS = 100.0  # a bias is in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS], as Ope
 @dataclass
 class SamplingParams:
     """Per-request sampling; ``temperature`` below ``GREEDY_TEMPERATURE`` (0 included) is greedy; a ``top_k``
-    of 0 or at least the vocabulary keeps every token. ``stop``: strings that end the generated text (cut
+    of 0 or at least the vocabulary keeps every token; ``min_p`` (0: off) drops the tokens whose probability is below
+    ``min_p`` times the most likely one's (after temperature). ``stop``: strings that end the generated text (cut
     before the first one found, finish_reason "stop"). Bad values raise ``ValueError`` naming the field.
 
     ``presence_penalty`` / ``frequency_penalty`` (OpenAI): subtracted from a token's logit once if the request has
@@ -37,6 +38,7 @@ class SamplingParams:
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0  # 0: off
+    min_p: float = 0.0  # 0: off
     logprobs: bool = False
     seed: Optional[int] = None
     ignore_eos: bool = False
@@ -63,6 +65,8 @@ class SamplingParams:
             raise ValueError(f"top_p expected a number in (0, 1], got {self.top_p!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k expected a non-negative integer (0 = off), got {self.top_k!r}")
+        if not _number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p expected a number in [0, 1] (0 = off), got {self.min_p!r}")
         if self.seed is not None and (
             isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < MAX_SEED
         ):
@@ -168,23 +172,40 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams], generator=None) -> torch.Tensor:
-    """One draw per row of ``logits [n, vocab]`` at its temperature, kept to its ``top_k`` most likely tokens
-    (exactly k), then to the smallest most-likely set whose probability reaches ``top_p``.
+    """One draw per row of ``logits [n, vocab]`` from :func:`filtered_sorted` 's distribution (temperature, top-k,
+    top-p, min-p).
 
     A row whose distribution is not finite (non-finite logits, or logits so large that dividing by the
     temperature overflows) takes its most likely token instead of failing the whole batch's draw."""
+    scaled, probs, order = filtered_sorted(logits, params)
+    if probs is None:
+        return draw_weighted(torch.softmax(scaled, dim=-1), logits, generator)
+    return order.gather(1, draw_weighted(probs, scaled, generator)[:, None]).squeeze(1)
+
+
+def filtered_sorted(logits: torch.Tensor, params: Sequence[SamplingParams]):
+    """``(scaled, probs, order)`` of each row of ``logits [n, vocab]``: ``scaled`` the logits over the row's
+    temperature; ``probs`` (unnormalized) its probabilities in descending order, kept to the ``top_k`` most likely
+    tokens (exactly k), then to the smallest most-likely set whose probability reaches ``top_p``, then to the tokens
+    of at least ``min_p`` times the most likely one's probability (zero elsewhere), ``order`` their token ids; both
+    None when no row filters (``softmax(scaled)`` is the distribution, no sort needed). With ``probs``, ``scaled``
+    is sorted too (the order of ``probs``)."""
     dev, vocab = logits.device, logits.shape[-1]
     temperature = host_to_device([p.temperature for p in params], logits.dtype, dev)
     scaled = logits / temperature[:, None]
     top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]  # clamped: never beyond int64
-    if all(k == vocab and p.top_p >= 1 for k, p in zip(top_k, params)):
-        return draw_weighted(torch.softmax(scaled, dim=-1), logits, generator)
-    top_p = host_to_device([p.top_p for p in params], logits.dtype, dev)
+    if all(k == vocab and p.top_p >= 1 and not p.min_p for k, p in zip(top_k, params)):
+        return scaled, None, None
     ordered, order = scaled.sort(dim=-1, descending=True)
     cut = torch.arange(vocab, device=dev)[None, :] >= host_to_device(top_k, torch.int64, dev)[:, None]
     probs = torch.softmax(ordered.masked_fill(cut, float("-inf")), dim=-1)
-    probs = probs.masked_fill(probs.cumsum(-1) - probs > top_p[:, None], 0.0)  # mass before a token > top_p
-    return order.gather(1, draw_weighted(probs, ordered, generator)[:, None]).squeeze(1)
+    if any(p.top_p < 1 for p in params):
+        top_p = host_to_device([p.top_p for p in params], logits.dtype, dev)
+        probs = probs.masked_fill(probs.cumsum(-1) - probs > top_p[:, None], 0.0)  # mass before a token > top_p
+    if any(p.min_p for p in params):  # relative to the most likely token: the same set before or after top-k/p
+        min_p = host_to_device([p.min_p for p in params], logits.dtype, dev)
+        probs = probs.masked_fill(probs < min_p[:, None] * probs[:, :1], 0.0)
+    return ordered, probs, order
 
 
 def draw_weighted(probs: torch.Tensor, scores: torch.Tensor, generator) -> torch.Tensor:

@@ -7,8 +7,8 @@ drafts before it hold (all positions on the device at once, then one read):
 
 - greedy: the target's choice is emitted; when it equals draft ``k + 1`` the next position is decided too,
   else the step ends there (the longest agreeing prefix plus one token: output equals MTP off, token for token);
-- sampling: draft ``x`` (drawn from the head's distribution ``q``, filtered by the request's temperature, top-k
-  and top-p) is accepted with probability ``min(1, p(x) / q(x))`` under the target's filtered ``p``; on a reject
+- sampling: draft ``x`` (drawn from the head's distribution ``q``, filtered by the request's temperature, top-k,
+  top-p and min-p) is accepted with probability ``min(1, p(x) / q(x))`` under the target's filtered ``p``; on a reject
   a token is drawn from ``norm(max(p - q, 0))`` and the step ends; after all ``N`` drafts, one more from ``p``.
   Every emitted token is thereby distributed as plain sampling would draw it.
 
@@ -27,25 +27,23 @@ import torch
 
 from lightllm.common.transfer import host_to_device
 from lightllm.engine.request import Event, Request
-from lightllm.engine.sampler import SamplingParams, draw_weighted, rows_by_generator, top_logprobs_launch
+from lightllm.engine.sampler import (
+    SamplingParams,
+    draw_weighted,
+    filtered_sorted,
+    rows_by_generator,
+    top_logprobs_launch,
+)
 
 logger = logging.getLogger(__name__)
 
 
 def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """The distribution ``sampler.sample_rows`` draws from, per row of ``logits [n, vocab]``: temperature, then
-    exactly ``top_k`` most likely tokens, then the smallest most-likely set reaching ``top_p``, renormalized."""
-    vocab, dev = logits.shape[-1], logits.device
-    temperature = host_to_device([p.temperature for p in params], logits.dtype, dev)
-    scaled = logits / temperature[:, None]
-    top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
-    if all(k == vocab and p.top_p >= 1 for k, p in zip(top_k, params)):
+    top-k, top-p and min-p (``sampler.filtered_sorted``), renormalized, in token order."""
+    scaled, probs, order = filtered_sorted(logits, params)
+    if probs is None:
         return torch.softmax(scaled, dim=-1)
-    top_p = host_to_device([p.top_p for p in params], logits.dtype, dev)
-    ordered, order = scaled.sort(dim=-1, descending=True)
-    cut = torch.arange(vocab, device=dev)[None, :] >= host_to_device(top_k, torch.int64, dev)[:, None]
-    probs = torch.softmax(ordered.masked_fill(cut, float("-inf")), dim=-1)
-    probs = probs.masked_fill(probs.cumsum(-1) - probs > top_p[:, None], 0.0)
     probs = probs / probs.sum(dim=-1, keepdim=True)
     return torch.zeros_like(probs).scatter_(1, order, probs)
 

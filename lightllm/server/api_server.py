@@ -65,8 +65,9 @@ TINY_NAME = "lightllm-tiny-qwen3"  # the model id of the built-in tiny model
 MAX_SEQUENCES = 256  # prompts x samples (n, or best_of) of one OpenAI request: each is an engine request
 # /generate's names of the engine fields it sets, so a 400 names what the client sent
 _NATIVE_FIELDS = {"max_tokens": "parameters.max_new_tokens", "min_tokens": "parameters.min_new_tokens",
-                  **{f: f"parameters.{f}" for f in ("temperature", "top_p", "top_k", "seed", "presence_penalty",
-                                                    "frequency_penalty", "repetition_penalty")}}  # fmt: skip
+                  **{f: f"parameters.{f}" for f in ("temperature", "top_p", "top_k", "min_p", "seed",
+                                                    "presence_penalty", "frequency_penalty",
+                                                    "repetition_penalty")}}  # fmt: skip
 _PROMPT_TAIL_TOKENS = 32  # holds a generation prompt's "<think>\n\n</think>\n\n" even spelled in bytes
 
 
@@ -210,8 +211,9 @@ class Server:
         else:
             temperature = p.temperature if p.temperature is not None else (1.0 if p.do_sample else 0.0)
         stops = [x for s in (p.stop, p.stop_sequences) for x in ([s] if isinstance(s, str) else s or [])]
-        options = dict(temperature=temperature, top_p=p.top_p, top_k=max(p.top_k, 0), ignore_eos=p.ignore_eos,
-                       logprobs=p.logprobs or p.return_details, presence_penalty=p.presence_penalty,
+        options = dict(temperature=temperature, top_p=p.top_p, top_k=max(p.top_k, 0), min_p=p.min_p,
+                       ignore_eos=p.ignore_eos, logprobs=p.logprobs or p.return_details,
+                       presence_penalty=p.presence_penalty,
                        frequency_penalty=p.frequency_penalty, repetition_penalty=p.repetition_penalty,
                        min_tokens=p.min_new_tokens)  # fmt: skip
         return ids, self._params(ids, p.max_new_tokens, stops, p.seed, options, _NATIVE_FIELDS)

@@ -43,6 +43,7 @@ class _Sampling(_Body):
     temperature: float = Field(1.0, ge=0, le=100)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0)
+    min_p: float = Field(0.0, ge=0, le=1)
     seed: Optional[int] = Field(None, ge=0, lt=MAX_SEED)
     stop: Union[str, List[str], None] = None
 
@@ -88,6 +89,7 @@ class _OpenAI(_Lenient):
     temperature: Optional[float] = Field(None, ge=0, le=100)
     top_p: Optional[float] = Field(None, gt=0, le=1)
     top_k: Optional[int] = Field(None, ge=-1)  # -1 or 0: off (vLLM's and SGLang's -1 too)
+    min_p: Optional[float] = Field(None, ge=0, le=1)  # vLLM's and SGLang's extension; 0: off
     seed: Optional[int] = Field(None, ge=0, lt=MAX_SEED)
     stop: Union[str, List[str], None] = None
     stop_token_ids: Optional[List[int]] = None

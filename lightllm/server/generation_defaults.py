@@ -1,5 +1,5 @@
 """Sampling defaults of the OpenAI routes from the model folder's ``generation_config.json``: what a request
-gets for ``temperature``, ``top_p``, ``top_k`` and ``repetition_penalty`` when it leaves them out."""
+gets for ``temperature``, ``top_p``, ``top_k``, ``min_p`` and ``repetition_penalty`` when it leaves them out."""
 
 import json
 import logging
@@ -15,6 +15,7 @@ _RANGES = {
     "temperature": ("a number in [0, 100]", lambda v: _number(v) and 0 <= v <= 100),
     "top_p": ("a number in (0, 1]", lambda v: _number(v) and 0 < v <= 1),
     "top_k": ("an integer >= 0", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0),
+    "min_p": ("a number in [0, 1]", lambda v: _number(v) and 0 <= v <= 1),
     "repetition_penalty": ("a number > 0", lambda v: _number(v) and v > 0),
 }
 
@@ -47,7 +48,7 @@ def read_sampling_defaults(model_dir: Union[str, Path]) -> Dict[str, Union[int, 
         if not ok(value):
             raise ValueError(f"{path}: {key} expected {allowed}, got {value!r}")
         defaults[key] = value
-    if config.get("do_sample") is False:  # greedy: top_p and top_k change nothing; a penalty still does
+    if config.get("do_sample") is False:  # greedy: top_p, top_k and min_p change nothing; a penalty still does
         defaults = {"temperature": 0.0, **{k: v for k, v in defaults.items() if k == "repetition_penalty"}}
     logger.info("sampling defaults of the OpenAI routes from %s: %s", path, defaults or "none set")
     return defaults

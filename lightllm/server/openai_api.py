@@ -141,7 +141,7 @@ def sampling_options(body, chat: bool, defaults: Dict[str, float]) -> dict:
     """``SamplingParams`` keyword arguments from an OpenAI body (max_new_tokens, stop and seed aside). A field the
     body leaves out or sends as null takes ``defaults`` (generation_config.json), else the engine's default."""
     chosen = {}
-    for key, fallback in (("temperature", 1.0), ("top_p", 1.0), ("top_k", 0)):
+    for key, fallback in (("temperature", 1.0), ("top_p", 1.0), ("top_k", 0), ("min_p", 0.0)):
         value = getattr(body, key)
         chosen[key] = defaults.get(key, fallback) if value is None else value
     chosen["top_k"] = max(chosen["top_k"], 0)  # -1: off

@@ -315,7 +315,7 @@ def test_one_read_acceptance_draws_what_the_per_position_reference_draws(half_di
 # ---- the speculative-sampling rule ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("p", SETS[:4], ids=["t", "topk", "topp", "topk-topp"])
+@pytest.mark.parametrize("p", SETS[:6], ids=["t", "topk", "topp", "topk-topp", "minp", "all"])
 def test_filtered_probs_is_the_distribution_the_sampler_draws_from(p):
     from lightllm.engine.spec_decode import filtered_probs
 

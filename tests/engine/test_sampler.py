@@ -10,12 +10,15 @@ SETS = [
     SamplingParams(temperature=1.3, top_k=4),
     SamplingParams(temperature=1.0, top_p=0.8),
     SamplingParams(temperature=0.9, top_k=6, top_p=0.7),
+    SamplingParams(temperature=1.1, min_p=0.035),
+    SamplingParams(temperature=0.8, top_k=8, top_p=0.9, min_p=0.2),
     SamplingParams(),  # greedy
 ]
 
 
 def expected(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """float64 reference: temperature, then exactly top_k, then the smallest set reaching top_p."""
+    """float64 reference: temperature, then exactly top_k, then the smallest set reaching top_p, then the tokens of
+    at least min_p times the most likely one's probability."""
     probs = torch.softmax(row.double() / p.temperature, -1)
     order = probs.argsort(descending=True)
     keep = torch.zeros_like(probs, dtype=torch.bool)
@@ -26,6 +29,10 @@ def expected(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         mass_before = q.cumsum(0) - q
         assert (mass_before - p.top_p).abs().min() > 1e-3, "a boundary this close would test float rounding"
         q = torch.where(mass_before > p.top_p, 0.0, q)
+    if p.min_p:
+        ratio = q / q[0]
+        assert (ratio - p.min_p).abs().min() > 1e-3, "a boundary this close would test float rounding"
+        q = torch.where(ratio < p.min_p, 0.0, q)
     out = torch.zeros_like(probs)
     out[order] = q / q.sum()
     return out
@@ -46,12 +53,14 @@ def test_draws_follow_each_rows_distribution_in_one_mixed_batch():
             continue
         freq = torch.bincount(got, minlength=vocab).double() / n
         want = expected(base[s], p)
-        assert torch.all(freq[want == 0] == 0), f"set {s}: drew a token its top_k/top_p excludes"
+        assert torch.all(freq[want == 0] == 0), f"set {s}: drew a token its top_k/top_p/min_p excludes"
+        if p.min_p:  # min_p keeps more than one token here, and drops some that top_k/top_p keep
+            assert 1 < (want > 0).sum() < (expected(base[s], SamplingParams(**{**vars(p), "min_p": 0.0})) > 0).sum()
         sigma = (want * (1 - want) / n).sqrt()
         assert torch.all((freq - want).abs() <= 5 * sigma + 1e-9), f"set {s}: {freq} vs {want}"
 
 
-@pytest.mark.parametrize("p", SETS[:4], ids=["t", "topk", "topp", "topk-topp"])
+@pytest.mark.parametrize("p", SETS[:6], ids=["t", "topk", "topp", "topk-topp", "minp", "all"])
 def test_a_seed_gives_the_same_tokens_whoever_shares_the_batch(p):
     g = torch.Generator().manual_seed(1)
     logits = torch.randn(3, 50, generator=g)
@@ -73,6 +82,9 @@ def test_a_seed_gives_the_same_tokens_whoever_shares_the_batch(p):
         (dict(temperature=-1), "temperature expected"),
         (dict(top_p=0), "top_p expected"),
         (dict(top_k=-2), "top_k expected"),
+        (dict(min_p=1.5), r"min_p expected a number in \[0, 1\] \(0 = off\), got 1.5"),
+        (dict(min_p=-0.1), "min_p expected"),
+        (dict(min_p=float("nan")), "min_p expected"),
         (dict(seed="x"), "seed expected"),
         (dict(stop=["ok", 7]), r"stop expected a string or a list of strings, got \['ok', 7\]"),
         (dict(stop=7), "stop expected a string or a list of strings, got 7"),

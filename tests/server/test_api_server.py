@@ -156,6 +156,9 @@ def test_disconnect_while_generating_frees_kv(server):
         ("/v1/completions", {"prompt": [10**7], "max_tokens": 1}, "token ids expected"),
         ("/v1/chat/completions", {"messages": [], "max_tokens": 2}, "messages"),
         ("/generate", {"inputs": "a", "parameters": {"top_p": 0}}, "top_p"),
+        ("/generate", {"inputs": "a", "parameters": {"min_p": 1.5}}, "parameters.min_p: Input should be less than"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "min_p": -0.5},
+         "min_p: Input should be greater than or equal to 0"),
         # strict types: nothing is coerced
         ("/generate", {"inputs": "a", "parameters": {"max_new_tokens": "8"}}, "parameters.max_new_tokens: Input"),
         ("/generate", {"inputs": "a", "parameters": {"max_new_tokens": 8.0}}, "parameters.max_new_tokens: Input"),
@@ -180,6 +183,7 @@ def test_disconnect_while_generating_frees_kv(server):
         ("/v1/completions", {"prompt": "a", "stop": "x" * 257}, "stop: at most 256 characters per string"),
     ],
     ids=["bad-json", "unknown-field", "wrong-type", "negative", "absurd", "too-long", "bad-token", "no-msgs", "top_p",
+         "min_p", "chat-min_p",
          "str-int", "float-int", "bool-int", "float-id", "bool-id", "str-id", "int-bool", "big-seed", "negative-seed",
          "surrogate", "chat-surrogate", "bad-utf8", "deep-json", "long-text", "many-stops", "long-stop"],  # fmt: skip
 )

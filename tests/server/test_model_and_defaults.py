@@ -105,25 +105,29 @@ def test_a_request_with_the_served_model_or_none_runs_and_answers_with_the_id():
 
 
 def sampling(p):
-    return p.temperature, p.top_p, p.top_k, p.repetition_penalty
+    return p.temperature, p.top_p, p.top_k, p.min_p, p.repetition_penalty
 
 
 def test_openai_routes_default_to_the_generation_config_and_a_given_value_wins():
-    server = make_server(sampling_defaults={"temperature": 0.6, "top_p": 0.95, "top_k": 20, "repetition_penalty": 1.05})
+    server = make_server(sampling_defaults={"temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.05,
+                                            "repetition_penalty": 1.05})  # fmt: skip
     with TestClient(server.app) as client:
-        for body in ({}, {"temperature": 1.0, "repetition_penalty": 1.0}, {"top_k": 0, "top_p": 1.0}):
+        for body in ({}, {"temperature": 1.0, "repetition_penalty": 1.0}, {"top_k": 0, "top_p": 1.0, "min_p": 0.0}):
             assert client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 1, **body}).status_code == 200
         msgs = [{"role": "user", "content": "hi"}]
         # chat renders its messages through the prompt encoder's tokenizer: a stand-in with a chat template
         server.prompts.tokenizer = SimpleNamespace(apply_chat_template=lambda m, **kw: "hi", encode=lambda t: [1, 2])
         assert client.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 1}).status_code == 200
         assert client.post("/generate", json={"inputs": [1, 2], "parameters": {"max_new_tokens": 1}}).status_code == 200
+        native = {"max_new_tokens": 1, "do_sample": True, "min_p": 0.1}
+        assert client.post("/generate", json={"inputs": [1, 2], "parameters": native}).status_code == 200
     assert [sampling(p) for p in server.submitted] == [
-        (0.6, 0.95, 20, 1.05),  # nothing given: the file's values
-        (1.0, 0.95, 20, 1.0),
-        (0.6, 1.0, 0, 1.05),
-        (0.6, 0.95, 20, 1.05),  # chat too
-        (0.0, 1.0, 0, 1.0),  # the native route keeps its greedy default
+        (0.6, 0.95, 20, 0.05, 1.05),  # nothing given: the file's values
+        (1.0, 0.95, 20, 0.05, 1.0),
+        (0.6, 1.0, 0, 0.0, 1.05),
+        (0.6, 0.95, 20, 0.05, 1.05),  # chat too
+        (0.0, 1.0, 0, 0.0, 1.0),  # the native route keeps its greedy default
+        (1.0, 1.0, 0, 0.1, 1.0),
     ]
 
 
@@ -144,12 +148,19 @@ def test_extra_eos_ids_end_a_request():
 @pytest.fixture(scope="module")
 def qwen3_like(tmp_path_factory):
     """A tiny model whose generation_config.json holds Qwen3's published sampling values."""
-    config = {"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20, "repetition_penalty": 1.05}
+    config = {
+        "do_sample": True,
+        "temperature": 0.6,
+        "top_p": 0.95,
+        "top_k": 20,
+        "min_p": 0.0,
+        "repetition_penalty": 1.05,
+    }
     return make_tiny_qwen3(tmp_path_factory.mktemp("q"), generation_config=config)
 
 
 def test_the_model_folder_sampling_values_are_read(qwen3_like):
-    assert read_sampling_defaults(qwen3_like) == {"temperature": 0.6, "top_p": 0.95, "top_k": 20,
+    assert read_sampling_defaults(qwen3_like) == {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.0,
                                                   "repetition_penalty": 1.05}  # fmt: skip
 
 
@@ -181,8 +192,9 @@ def test_do_sample_false_means_greedy(tmp_path):
     ({"top_p": 0}, "top_p expected a number in (0, 1], got 0"),
     ({"top_k": 2.5}, "top_k expected an integer >= 0, got 2.5"),
     ({"top_k": True}, "top_k expected an integer >= 0, got True"),
+    ({"min_p": 1.5}, "min_p expected a number in [0, 1], got 1.5"),
     ({"repetition_penalty": 0}, "repetition_penalty expected a number > 0, got 0"),
-], ids=["temperature", "top_p", "top_k float", "top_k bool", "repetition_penalty"])  # fmt: skip
+], ids=["temperature", "top_p", "top_k float", "top_k bool", "min_p", "repetition_penalty"])  # fmt: skip
 def test_a_value_no_request_could_send_names_the_file_and_key(tmp_path, config, expected):
     path = write(tmp_path, config)
     with pytest.raises(ValueError) as e:
