@@ -9,6 +9,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -43,11 +44,16 @@ def run_server(tmp_path, args, **env_vars):
     cmd = [sys.executable, "-m", "lightllm.server.api_server", *args]
     lines = []
     with procs.running(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
-        for line in proc.stdout:
-            lines.append(line)
-            if "KV cache:" in line:  # the runner's first line after loading: too late for a start-up error
-                return None, "".join(lines)
-        code = proc.wait()
+        hung = threading.Timer(procs.HANG_TIMEOUT_S, proc.kill)  # a server that hangs silently ends the read: a failure
+        hung.start()
+        try:
+            for line in proc.stdout:
+                lines.append(line)
+                if "KV cache:" in line:  # the runner's first line after loading: too late for a start-up error
+                    return None, "".join(lines)
+            code = proc.wait(timeout=procs.HANG_TIMEOUT_S)
+        finally:
+            hung.cancel()
     return code, "".join(lines)
 
 
