@@ -127,10 +127,9 @@ class LogitsProcessor:
             bias = self._table("bias", torch.float32)
             values = host_to_device([float(v) for v in p.logit_bias.values()], torch.float32, self.device)
             bias[row, self._ids(list(p.logit_bias))] = values
-        if p.min_tokens:
-            self._table("blocked", torch.bool)[row].index_fill_(
-                0, self._ids(self.eos_ids + list(p.stop_token_ids)), True
-            )
+        stops = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_ids)  # with ignore_eos, EOS ends nothing
+        if p.min_tokens and stops:
+            self._table("blocked", torch.bool)[row].index_fill_(0, self._ids(stops), True)
 
     def _ids(self, ids: List[int]) -> torch.Tensor:  # without a sync: a step's GPU timer may be running
         return host_to_device(list(ids), torch.int64, self.device)

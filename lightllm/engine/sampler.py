@@ -30,7 +30,8 @@ class SamplingParams:
     ``presence_penalty`` / ``frequency_penalty`` (OpenAI): subtracted from a token's logit once if the request has
     generated it / once per time it has. ``repetition_penalty`` (Hugging Face): a token in the prompt or generated
     has its logit divided by it when positive, multiplied when negative. ``logit_bias``: token id -> value added
-    to its logit. ``min_tokens``: EOS and ``stop_token_ids`` cannot be drawn before this many tokens.
+    to its logit. ``min_tokens``: EOS (unless ``ignore_eos``) and ``stop_token_ids`` cannot be drawn before this many
+    tokens.
     ``top_logprobs``: how many most likely tokens (with logprobs) to return per generated token. Token ids are
     checked against a vocabulary by ``check_token_ids``."""
 

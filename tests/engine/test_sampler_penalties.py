@@ -103,6 +103,18 @@ def test_min_tokens_holds_eos_and_stop_token_ids_back_then_lets_them_through():
     assert drawn[0] not in (EOS, 9) and drawn[1] not in (EOS, 9) and drawn[2] in (EOS, 9)
 
 
+def test_min_tokens_leaves_eos_alone_under_ignore_eos():
+    """With ignore_eos, EOS ends nothing, so min_tokens holds back only the stop token ids (vLLM's rule too): EOS
+    keeps the model's probability from the first token on."""
+    proc = LogitsProcessor(VOCAB, torch.device("cpu"), [EOS])
+    params = SamplingParams(max_new_tokens=8, min_tokens=4, stop_token_ids=[9], ignore_eos=True)
+    req = Request("r", [1], params, lambda ev: None)
+    logits = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(0))
+    changed = proc.apply(logits, [req])
+    assert changed[0, 9] == float("-inf") and changed[0, EOS] == logits[0, EOS]
+    assert torch.equal(changed[0, [t for t in range(VOCAB) if t != 9]], logits[0, [t for t in range(VOCAB) if t != 9]])
+
+
 def test_requests_without_any_pay_nothing():
     proc = LogitsProcessor(VOCAB, torch.device("cpu"), [EOS])
     reqs = [Request(str(i), [1, 2], SamplingParams(temperature=1.0, top_k=4), lambda ev: None) for i in range(3)]
