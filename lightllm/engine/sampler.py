@@ -173,8 +173,8 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams], generator=None) -> torch.Tensor:
-    """One draw per row of ``logits [n, vocab]`` from :func:`filtered_sorted` 's distribution (temperature, top-k,
-    top-p, min-p).
+    """One draw per row of ``logits [n, vocab]`` from the distribution :func:`filtered_sorted` gives (temperature,
+    top-k, top-p, min-p).
 
     A row whose distribution is not finite (non-finite logits, or logits so large that dividing by the
     temperature overflows) takes its most likely token instead of failing the whole batch's draw."""
