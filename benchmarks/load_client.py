@@ -24,6 +24,7 @@ from lightllm.common import proc as procs
 
 SPEC_COUNTERS = {"lightllm_spec_decode_num_draft_tokens": "draft_tokens",
                  "lightllm_spec_decode_num_accepted_tokens": "accepted_tokens"}  # fmt: skip
+TTFT_FAMILY = "lightllm_time_to_first_token_seconds"
 _START_MARGIN_S = 0.2  # client processes are told to start this far ahead, so they start together
 _START_TIMEOUT_S = 120.0  # for every client process to import this module (a busy CI machine included)
 
@@ -193,6 +194,7 @@ async def load(base, n, concurrency, prompt_len, out_len, vocab, seed=0, rate=0.
     itl = [g for *_, gaps in results for g in gaps]
     latency = {f"{name}_p{q}_ms": (None if percentile(xs, q) is None else percentile(xs, q) * 1e3)
                for name, xs in (("ttft", ttft), ("itl", itl)) for q in (50, 99)}  # fmt: skip
+    latency["ttft_mean_ms"] = sum(ttft) / len(ttft) * 1e3 if ttft else None  # beside the server's server_ttft_mean_ms
     busy = sum((steps[f"{k}_step_ms"] or 0.0) * steps[f"{k}_steps"] for k in ("prefill", "decode")) / 1e3
     return {"output_tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "all_complete_finite": ok,
             **latency, "client_procs": client_procs,
@@ -213,6 +215,8 @@ async def engine_steps(base):
         if family.name in ("lightllm_step_seconds", "lightllm_step_gpu_seconds", "lightllm_step_batch_size"):
             out.update({(s.name, s.labels["kind"]): s.value for s in family.samples
                         if s.name.endswith(("_count", "_sum"))})  # fmt: skip
+        elif family.name == TTFT_FAMILY:
+            out.update({(s.name, None): s.value for s in family.samples if s.name.endswith(("_count", "_sum"))})
         elif family.name in SPEC_COUNTERS:
             out.update({(family.name, None): s.value for s in family.samples if s.name.endswith("_total")})
     return out
@@ -233,5 +237,9 @@ def step_stats(before, after):
         out[f"{kind}_batch"] = delta[("lightllm_step_batch_size_sum", kind)] / n if n else None
     for family, name in SPEC_COUNTERS.items():
         out[name] = int(delta.get((family, None), 0.0))
+    # the server's own mean time to first token (from submission; the HTTP hop, rendering and the client are not in
+    # it): the client's mean minus this is their share
+    first = delta.get((TTFT_FAMILY + "_count", None), 0.0)
+    out["server_ttft_mean_ms"] = delta[(TTFT_FAMILY + "_sum", None)] / first * 1e3 if first else None
     out["acceptance"] = out["accepted_tokens"] / out["draft_tokens"] if out["draft_tokens"] else None
     return out

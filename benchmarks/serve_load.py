@@ -492,7 +492,8 @@ def main():
     print("\nwho kept up (median over runs): the engine's mean decode batch, its busy share of the wall time (steps"
           " / seconds), the busiest client process's CPU share, and the decode step (ms) with its GPU part (CUDA"
           " events: forward and sampling; the rest is the host's)")  # fmt: skip
-    print("workload conc  mode   decode batch  engine busy  client CPU   step ms   gpu ms")
+    print("; mean time to first token (ms) as the client saw it and as the server timed it (from submission)")
+    print("workload conc  mode   decode batch  engine busy  client CPU   step ms   gpu ms  ttft client  server")
     bound = []
     for r in rows:
         for mode in ("on", "off", "off_b"):
@@ -500,8 +501,9 @@ def main():
                 m = r[mode]
                 cells = ["-" if m[k] is None else f"{m[k]:.1f}" for k in HOST_CHECK]
                 step = ["-" if m[k] is None else f"{m[k]:.3f}" for k in ("decode_step_ms", "decode_gpu_ms")]
+                first = ["-" if m.get(k) is None else f"{m[k]:.2f}" for k in TTFT_MEANS]
                 print(f"{r['workload']:8s} {r['concurrency']:4d}  {mode:5s} {cells[0]:>12s} {cells[1]:>11s}% "
-                      f"{cells[2]:>9s}% {step[0]:>9s} {step[1]:>8s}")  # fmt: skip
+                      f"{cells[2]:>9s}% {step[0]:>9s} {step[1]:>8s} {first[0]:>12s} {first[1]:>7s}")  # fmt: skip
                 if m["client_cpu_pct"] > CLIENT_BOUND_PCT:
                     bound.append(f"{r['workload']} {r['concurrency']} {mode}")
     if bound:
@@ -569,6 +571,7 @@ REPORTED = ("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99
 # the served step (tokens/s is mostly decode batch over it) and its GPU part (the rest is the host's)
 AA_REPORTED = REPORTED + ("decode_step_ms", "decode_gpu_ms")
 HOST_CHECK = ("decode_batch", "engine_busy_pct", "client_cpu_pct")
+TTFT_MEANS = ("ttft_mean_ms", "server_ttft_mean_ms")  # the client's, and the server's own (its /metrics histogram)
 CLIENT_BOUND_PCT = 80  # a client process busier than this may be what is measured
 
 
@@ -582,7 +585,7 @@ def summarize(runs):
     whether every request was whole."""
     tps = sorted(r["tokens_per_s"] for r in runs)
     out = {}
-    for key in REPORTED + ("decode_step_ms", "decode_gpu_ms", "acceptance") + HOST_CHECK:
+    for key in REPORTED + ("decode_step_ms", "decode_gpu_ms", "acceptance") + HOST_CHECK + TTFT_MEANS:
         values = [r[key] for r in runs if r.get(key) is not None]
         out[key] = statistics.median(values) if values else None
     return {**out, "spread_pct": (tps[-1] - tps[0]) / out["tokens_per_s"] * 100, "runs": runs,

@@ -32,7 +32,7 @@ def read_sampling_defaults(model_dir: Union[str, Path]) -> Dict[str, Union[int, 
     ``ValueError`` naming the file, key and value for one outside what a request may send."""
     path = Path(model_dir) / FILE
     if not path.is_file():
-        logger.info("sampling defaults: no %s; OpenAI routes default to temperature 1, top_p 1, top_k 0", FILE)
+        logger.info("sampling defaults: no %s; OpenAI routes default to temperature 1, top_p 1, top_k 0, min_p 0", FILE)
         return {}
     try:
         config = json.loads(path.read_text(encoding="utf-8"))

@@ -453,6 +453,17 @@ def test_acceptance_is_the_delta_of_the_spec_counters(load_client):
     assert load_client.step_stats(steps, steps)["acceptance"] is None  # no drafts (MTP off): no acceptance
 
 
+def test_the_servers_mean_time_to_first_token_is_the_delta_of_its_histogram(load_client):
+    """The server's own mean TTFT over the load (ms): the delta of its histogram's sum over the delta of its count;
+    None when no request got its first token in the window (or the server has no such histogram)."""
+    name = load_client.TTFT_FAMILY
+    before = {(name + "_count", None): 5.0, (name + "_sum", None): 0.5}
+    after = {(name + "_count", None): 25.0, (name + "_sum", None): 0.62}
+    assert load_client.step_stats(before, after)["server_ttft_mean_ms"] == pytest.approx(6.0)
+    assert load_client.step_stats(after, after)["server_ttft_mean_ms"] is None
+    assert load_client.step_stats({}, {})["server_ttft_mean_ms"] is None
+
+
 def test_the_gpu_part_of_a_step_is_the_delta_of_its_own_histogram(load_client):
     """Mean GPU ms over the steps the server timed (steps that sampled), beside the mean step ms over every step."""
     before = {("lightllm_step_seconds_count", "decode"): 10.0, ("lightllm_step_seconds_sum", "decode"): 0.02,
