@@ -447,7 +447,9 @@ class Server:
             # the prompt's end tells whether the template opened <think> for the answer
             tail = self.tokenizer.decode(prompts[0][-_PROMPT_TAIL_TOKENS:]) if self.reasoning_parser else ""
             parsing = chat_parsing(self.reasoning_parser, self.tool_call_parser, body, tail)
-        reply = OpenAIReply(self, chat, prompts, n, best_of, echoes, options["logprobs"], parsing)
+        reply = OpenAIReply(
+            self, chat, prompts, n, best_of, echoes, options["logprobs"], parsing, stops=bool(seqs[0][1].stop)
+        )
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(reply.stream(seqs, request, include_usage), media_type="text/event-stream")

@@ -4,6 +4,7 @@ What a body asks that this server cannot do is a 400 that says so (``BadRequest`
 parameters (``sampling_options``), chat template input (``chat_messages``, ``template_options``) and, on the way
 back, OpenAI's responses and stream chunks (``OpenAIReply``) with their logprobs objects (``LogprobFormatter``)."""
 
+import bisect
 import functools
 import json
 import re
@@ -12,7 +13,6 @@ import uuid
 from typing import AsyncIterator, Dict, List, Optional, Sequence, Tuple
 
 from lightllm.engine.detokenize import IncrementalDetokenizer
-from lightllm.engine.request import Event
 from lightllm.server.bodies import ChatRequest, CompletionRequest
 from lightllm.server.chat_output import ChatParsing, merge_deltas
 from lightllm.server.http_guards import BadRequest
@@ -199,6 +199,11 @@ class TextOffsets:
         self._at += len(self._detok.add(token_id))
         return at
 
+    @property
+    def end(self) -> int:
+        """Where the text of the tokens so far ends, uncut by stop strings (a character still incomplete left out)."""
+        return self._at
+
 
 class LogprobFormatter:
     """OpenAI's logprobs objects from the engine's (token id, logprob, top logprobs) per generated token."""
@@ -261,9 +266,10 @@ class OpenAIReply:
     api_server's ``Server`` (its tokenizer, model name, and ``merged_streams`` for streams)."""
 
     def __init__(self, server, chat: bool, prompts: List[List[int]], n: int, best_of: int, echoes,
-                 with_logprobs: bool, parsing: Optional[ChatParsing] = None):  # fmt: skip
+                 with_logprobs: bool, parsing: Optional[ChatParsing] = None, stops: bool = False):  # fmt: skip
         self.server, self.chat, self.prompts, self.n, self.best_of = server, chat, prompts, n, best_of
         self.with_logprobs = with_logprobs
+        self.stops = stops  # the request has stop strings, which may cut the text (see _reported)
         self.parsing = parsing  # chat: reasoning and tool calls taken out of the text (None: the text as it is)
         self.echoes = echoes  # per prompt, the text echoed before the completion (completions with echo)
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
@@ -296,8 +302,23 @@ class OpenAIReply:
         return {"id": self.id, "object": self.kind, "created": self.created, "model": self.server.model_name,
                 "choices": choices, "usage": usage}  # fmt: skip
 
+    def _reported(self, r: dict) -> int:
+        """How many of ``r``'s tokens its logprobs report: all, unless a stop string cut the text; then those that
+        start before the cut (the stop string's own tokens are not in the text)."""
+        if not self.stops or r["finish_reason"] != "stop":
+            return len(r["token_ids"])
+        positions = TextOffsets(self.logprobs.tokenizer, 0)
+        starts = [positions.next(t) for t in r["token_ids"]]
+        if len(r["text"]) >= positions.end:  # ended otherwise (EOS): nothing was cut
+            return len(starts)
+        return bisect.bisect_left(starts, len(r["text"]))
+
     def _choice(self, index: int, prompt_index: int, r: dict) -> dict:
         lps = None
+        if self.with_logprobs:
+            k = self._reported(r)
+            r = {**r, "token_ids": r["token_ids"][:k], "logprobs": r["logprobs"][:k],
+                 "top_logprobs": r["top_logprobs"][:k]}  # fmt: skip
         if self.chat:
             if self.with_logprobs:
                 lps = self.logprobs.chat(r["token_ids"], r["logprobs"], r["top_logprobs"])
@@ -315,13 +336,19 @@ class OpenAIReply:
 
     async def stream(self, seqs: List[tuple], request, include_usage: bool) -> AsyncIterator[str]:
         """Server-sent events: per choice, a first chunk (chat: the role; completions with echo: the prompt), one
-        chunk per token (with its logprobs when asked), a last one with the finish reason; with
-        ``include_usage`` a final chunk with no choices and the usage; then ``[DONE]``. best_of equals n here.
+        chunk per token (with its logprobs when asked; with stop strings a token's come once some of its text is sent,
+        never for the tokens a stop string cut off), a last one with the finish reason; with ``include_usage`` a
+        final chunk with no choices and the usage; then ``[DONE]``. best_of equals n here.
         ("Chunk" is OpenAI's name for one event; the events of tokens ready together share one write.)"""
         kind = self.kind + ".chunk" if self.chat else self.kind
         produced, cached = [0] * len(seqs), [[] for _ in seqs]
-        positions = [TextOffsets(self.logprobs.tokenizer, len(self._echo(i // self.n)))
-                     for i in range(len(seqs))] if self.with_logprobs and not self.chat else []  # fmt: skip
+        # With stop strings a token's logprobs wait until some of its text is sent: text held back as the possible
+        # start of a stop string may turn out to be one, and then its tokens are cut off with it, not reported.
+        waits = self.with_logprobs and any(params.stop for _, params in seqs)
+        sent = [len(self._echo(i // self.n)) for i in range(len(seqs))]  # where the text sent so far ends
+        waiting: List[List[tuple]] = [[] for _ in seqs]  # (offset, event) of the tokens whose logprobs wait
+        positions = [TextOffsets(self.logprobs.tokenizer, sent[i])
+                     for i in range(len(seqs))] if self.with_logprobs and (waits or not self.chat) else []  # fmt: skip
         for i in range(len(seqs)):
             if self.chat:
                 yield self._sse(kind, [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -337,7 +364,14 @@ class OpenAIReply:
                 if ev is not None:
                     produced[i] += 1
                     if self.with_logprobs:
-                        lps = self._token_logprobs(ev, 0 if self.chat else positions[i].next(ev.token_id))
+                        waiting[i].append((positions[i].next(ev.token_id) if positions else 0, ev))
+                sent[i] += len(delta)
+                if waiting[i]:
+                    due = len(waiting[i])
+                    if waits and (not fin or sent[i] < positions[i].end):  # a finish sending less: a stop string cut
+                        due = bisect.bisect_left([at for at, _ in waiting[i]], sent[i])
+                    lps = self._token_logprobs(waiting[i][:due]) if due else None
+                    waiting[i] = [] if fin else waiting[i][due:]
                 if outputs:
                     fields = outputs[i].add(delta)
                     if fin:
@@ -357,10 +391,15 @@ class OpenAIReply:
             yield self._sse(kind, [], usage=self._usage(sum(produced), [sum(c) for c in cached]))
         yield "data: [DONE]\n\n"
 
-    def _token_logprobs(self, ev: Event, offset: int) -> dict:
+    def _token_logprobs(self, tokens: List[tuple]) -> dict:
+        """The logprobs object of ``tokens``, (offset, event) each."""
+        ids = [ev.token_id for _, ev in tokens]
+        lps = [ev.logprob for _, ev in tokens]
+        tops = [ev.top_logprobs for _, ev in tokens]
         if self.chat:
-            return self.logprobs.chat([ev.token_id], [ev.logprob], [ev.top_logprobs])
-        return self.logprobs.completion([ev.token_id], [ev.logprob], [ev.top_logprobs], offset)
+            return self.logprobs.chat(ids, lps, tops)
+        parts = [self.logprobs.completion([t], [lp], [top], at) for t, lp, top, (at, _) in zip(ids, lps, tops, tokens)]
+        return {key: [x for p in parts for x in p[key]] for key in parts[0]}
 
     def _sse(self, kind: str, choices: list, usage: Optional[dict] = None) -> str:
         body = {"id": self.id, "object": kind, "created": self.created, "model": self.server.model_name,
