@@ -40,6 +40,9 @@ class Scheduler:
         self.waiting: Deque[Request] = deque()
         self.running: List[Request] = []
         self.prefilling: List[Request] = []  # admitted, holding a slot, part of their context still to prefill
+        # admitted by the prefill step under way and in neither list yet (until ``update``): a step that raises
+        # before then must still leave them to ``fail_all``, or their slots and prefix pins are never released
+        self.admitted: List[Request] = []
         self.chunked = not self.args.disable_chunked_prefill
         self.mixed = self.args.enable_mixed_chunk  # normalize refused it without chunking or with MTP
         self.step_tokens = self.args.prefill_step_tokens
@@ -54,20 +57,21 @@ class Scheduler:
         self.waiting.append(req)
 
     def requests(self) -> List[Request]:
-        """Every request it holds: running, being prefilled, waiting."""
-        return self.running + self.prefilling + list(self.waiting)
+        """Every request it holds: running, admitted by the step under way, being prefilled, waiting."""
+        return self.running + self.admitted + self.prefilling + list(self.waiting)
 
     def remove(self, reasons: Dict[str, str]) -> List[Tuple[Request, str]]:
         """Take the requests named in ``reasons`` out, running ones first: (request, reason) for each found."""
         gone = [r for r in self.requests() if r.id in reasons]
         self.running = [r for r in self.running if r.id not in reasons]
+        self.admitted = [r for r in self.admitted if r.id not in reasons]
         self.prefilling = [r for r in self.prefilling if r.id not in reasons]
         self.waiting = deque(r for r in self.waiting if r.id not in reasons)
         return [(r, reasons[r.id]) for r in gone]
 
     def remove_all(self) -> List[Request]:
         gone = self.requests()
-        self.running, self.prefilling, self.waiting = [], [], deque()
+        self.running, self.admitted, self.prefilling, self.waiting = [], [], [], deque()
         return gone
 
     def schedule(self) -> Tuple[str, List[Request]]:
@@ -103,12 +107,14 @@ class Scheduler:
         partial = {id(r) for r in self.prefilling}
         self.prefilling += [r for r in batch if id(r) not in partial]
         self.prefilling = [r for r in self.prefilling if r.prefilled < r.context_len]
+        self.admitted = [r for r in self.admitted if r.prefilled == r.context_len]  # the rest are in prefilling
         return [r for r in batch if r.prefilled == r.context_len]
 
     def update(self, kind: str, alive: List[Request]) -> None:
         """After a step of ``kind``: ``alive`` are its sampled requests that go on (a mixed step's hold every
         running request's)."""
         self.running = self.running + alive if kind == "prefill" else alive
+        self.admitted = []
 
     def mixed_step_failed(self, batch: List[Request]) -> List[Request]:
         """A mixed step's forward raised: its running requests are preempted (their next token's KV slot is freed
@@ -135,6 +141,7 @@ class Scheduler:
     def release(self, req: Request) -> None:
         """Free ``req``'s KV slot, if it holds one (its prefill starts over if it is admitted again)."""
         self.prefilling = [r for r in self.prefilling if r is not req]
+        self.admitted = [r for r in self.admitted if r is not req]
         req.prefilled = req.chunk_end = 0
         if req.slot >= 0:
             slot, req.slot = req.slot, -1
@@ -192,6 +199,7 @@ class Scheduler:
             req = self.waiting[0]
             req.slot = self.runner.add_request(req.context_slice(0, cached))
             self.waiting.popleft()  # only once it holds a slot: a runner that raises leaves it for fail_all
+            self.admitted.append(req)
             if req.num_cached_tokens is None:  # the first admission's hit is what the client's prompt saved
                 req.num_cached_tokens = min(cached, len(req.prompt_ids))
             req.prefilled = cached

@@ -143,3 +143,25 @@ def test_offline_outputs_report_the_cached_prompt_tokens(model_dir):
     first, second = llm.generate(BASE, params)[0], llm.generate(BASE, params)[0]
     assert (first.num_cached_tokens, second.num_cached_tokens) == (0, len(BASE) - 1)
     assert second.token_ids == first.token_ids
+
+
+def test_fail_all_after_a_step_raised_past_its_prefill_frees_the_prefilled_requests(model_dir):
+    """A prefill step's sampled requests are out of the prefilling list and not yet running while their tokens are
+    emitted: a step that raises there (a bug in an emit callback) must still leave them to ``fail_all``, which ends
+    each once and releases its slot and its pinned prefix (else the slot leaks and the prefix is never evictable)."""
+    r = runner(model_dir)
+    engine = Engine(r, eos_ids=[])
+    run(engine, [BASE])
+    events = []
+
+    def emit(ev):
+        events.append((ev.kind, ev.finish_reason))
+        if ev.kind == "token":
+            raise RuntimeError("emit callback bug")
+
+    engine.submit(Request("x", BASE + [1], SamplingParams(max_new_tokens=4, ignore_eos=True), emit))
+    with pytest.raises(RuntimeError, match="emit callback bug"):
+        engine.step()
+    engine.fail_all()
+    assert events == [("token", ""), ("finish", "error")] and not engine.has_unfinished()
+    assert_no_leak(r)
