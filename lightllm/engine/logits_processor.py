@@ -107,11 +107,20 @@ class LogitsProcessor:
 
     def _start(self, req: Request) -> None:
         """Give ``req`` a row and fill it: its settings, prompt tokens, bias and held-back tokens."""
-        p = req.params
         if not self._free:
             self._grow(max(8, 2 * self.capacity))
         row = self._free.pop()
+        try:
+            self._fill(row, req)
+        except BaseException:
+            # Not the request's until filled: a half-set row would let its one-by-one retry skip the setup and go
+            # on without its bias or penalties; this way the retry raises again and the request ends "error".
+            self._free.append(row)
+            raise
         req.sampling_row = row
+
+    def _fill(self, row: int, req: Request) -> None:
+        p = req.params
         for table in self._tables.values():
             table[row] = 0
         settings = [p.repetition_penalty, p.frequency_penalty, p.presence_penalty, p.min_tokens, len(req.output_ids)]

@@ -228,3 +228,19 @@ def test_an_abort_ends_a_waiting_request_too_and_keeps_its_reason(model_dir):
     assert [(e.kind, e.finish_reason) for e in events["4"]] == [("finish", "abort")]
     assert (events["0"][-1].kind, events["0"][-1].finish_reason) == ("finish", "stop")
     assert not sched.scheduler.waiting and [r.id for r in sched.scheduler.running] == ["1", "2", "3"]
+
+
+def test_a_request_whose_logits_processor_setup_fails_ends_alone_with_error(model_dir):
+    """A logit bias outside the vocabulary (past the entry points' checks) makes its first draw's table setup raise:
+    that request ends "error" and frees its row; it did not go on, its bias silently dropped, with a row taken but
+    never filled (the one-by-one retry found the row and skipped the setup)."""
+    prompts = [[3, 4, 5, 6], [20, 21, 22], [30, 31, 32, 33, 34]]
+    want, _ = run_all(Engine(runner(model_dir, 512), eos_ids=[]), prompts[::2])
+    bad = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    bad.logit_bias = {10**6: 1.0}  # set after the constructor's checks
+    r = runner(model_dir, 512)
+    engine = Engine(r, eos_ids=[])
+    got, reasons = run_all(engine, prompts, params={1: bad})
+    assert reasons == {0: "length", 1: "error", 2: "length"} and got[1] == []
+    assert [got[0], got[2]] == [want[0], want[1]]
+    assert engine.processor.rows_in_use == 0 and r.kv.num_free_tokens == 512 - 1
