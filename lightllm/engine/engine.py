@@ -495,6 +495,9 @@ class Engine:
         return tokens, logprobs, tops
 
     def _finish(self, req: Request, reason: str) -> None:
+        if req.finished:  # a step that raised after finishing it leaves it to fail_all too: one finish per request
+            return
+        req.finished = True
         self.processor.release(req)
         try:
             self.scheduler.release(req)

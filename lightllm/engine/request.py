@@ -37,6 +37,7 @@ class Request:
     sampling_row: int = -1  # its row of the logits processor's tables while it holds one
     arrival: float = field(default_factory=time.perf_counter)
     last_token_time: Optional[float] = None
+    finished: bool = False  # its finish event was emitted (set first: a callback that raises does not undo it)
 
     @property
     def context(self) -> List[int]:

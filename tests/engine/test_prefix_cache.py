@@ -145,6 +145,34 @@ def test_offline_outputs_report_the_cached_prompt_tokens(model_dir):
     assert second.token_ids == first.token_ids
 
 
+@pytest.mark.parametrize("steps", [1, 2], ids=["prefill", "decode"])
+def test_fail_all_does_not_finish_again_a_request_the_failed_step_finished(model_dir, steps):
+    """A step that raises after its requests finished (their finish emitted, their slots freed; here a bug in one's
+    finish callback): ``fail_all`` ends them no second time: every request gets exactly one finish event."""
+    r = runner(model_dir)
+    engine = Engine(r, eos_ids=[])
+    events = {"done": [], "bad": []}
+
+    def recorder(name, raise_on=None):
+        def emit(ev):
+            events[name].append((ev.kind, ev.finish_reason))
+            if ev.kind == raise_on:
+                raise RuntimeError("emit callback bug")
+
+        return emit
+
+    engine.submit(Request("done", BASE, SamplingParams(max_new_tokens=steps), recorder("done")))
+    engine.submit(Request("bad", BASE[:-1], SamplingParams(max_new_tokens=steps), recorder("bad", "finish")))
+    with pytest.raises(RuntimeError, match="emit callback bug"):
+        while engine.has_unfinished():  # an overlapped step emits what the one before it launched
+            engine.step()
+    engine.fail_all()
+    for name in events:
+        assert events[name] == [("token", "")] * steps + [("finish", "length")], events
+    assert not engine.has_unfinished()
+    assert_no_leak(r)
+
+
 def test_fail_all_after_a_step_raised_past_its_prefill_frees_the_prefilled_requests(model_dir):
     """A prefill step's sampled requests are out of the prefilling list and not yet running while their tokens are
     emitted: a step that raises there (a bug in an emit callback) must still leave them to ``fail_all``, which ends
