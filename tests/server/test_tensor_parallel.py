@@ -381,6 +381,16 @@ def test_a_workers_start_up_error_is_reported_not_logged(monkeypatch, caplog):
     ]
 
 
+def _run_script(tmp_path, source: str, argument) -> tuple:
+    """``source`` run as a script with ``argument`` (a model folder) to its end, its process tree stopped if it hangs:
+    (exit code, stdout + stderr)."""
+    script = tmp_path / "script.py"
+    script.write_text(source)
+    done = procs.run([sys.executable, str(script), str(argument)], timeout=procs.HANG_TIMEOUT_S,
+                     env={**os.environ, "PYTHONPATH": REPO})  # fmt: skip
+    return done.returncode, done.stdout + done.stderr
+
+
 _RANK_1_FAILS = """
 import sys, time
 from lightllm.engine.args import EngineArgs
@@ -403,14 +413,9 @@ def test_a_workers_start_up_error_is_the_only_output(tmp_path):
     """Rank 0 leaves by os._exit once the watchdog has a worker's start-up error: nothing it leaves behind may add
     lines below the server's one error line (a multiprocessing queue's semaphores did: resource_tracker warned of
     leaked semaphore objects)."""
-    model = make_tiny_qwen3(tmp_path / "model")
-    script = tmp_path / "rank_1_fails.py"
-    script.write_text(_RANK_1_FAILS)
     # read to the end: the resource tracker, rank 0's child, writes to the same stderr as it exits
-    done = procs.run([sys.executable, str(script), str(model)], timeout=procs.HANG_TIMEOUT_S,
-                     env={**os.environ, "PYTHONPATH": REPO})  # fmt: skip
-    out = done.stdout + done.stderr
-    assert done.returncode == 1, out
+    code, out = _run_script(tmp_path, _RANK_1_FAILS, make_tiny_qwen3(tmp_path / "model"))
+    assert code == 1, out
     assert "tensor-parallel rank 1: model.safetensors: tensor model.norm.weight has dtype F64" in out, out
     assert "leaked" not in out and "Traceback" not in out, out
 
@@ -437,13 +442,8 @@ if __name__ == "__main__":  # rank 0 builds its own in step, inside a collective
 def test_a_worker_crashing_at_start_up_is_named_not_rank_0s_collective(tmp_path):
     """A worker's runner fails to build (not bad input: out of memory, a bug): rank 0's own build fails in its next
     collective on the closed connection; the line must name the worker, whose own error is above it."""
-    model = make_tiny_qwen3(tmp_path / "model")
-    script = tmp_path / "rank_1_crashes.py"
-    script.write_text(_RANK_1_CRASHES)
-    done = procs.run([sys.executable, str(script), str(model)], timeout=procs.HANG_TIMEOUT_S,
-                     env={**os.environ, "PYTHONPATH": REPO})  # fmt: skip
-    out = done.stdout + done.stderr
-    assert done.returncode == 1, out
+    code, out = _run_script(tmp_path, _RANK_1_CRASHES, make_tiny_qwen3(tmp_path / "model"))
+    assert code == 1, out
     assert "RuntimeError: rank 1 ran out of memory" in out, out
     assert re.search(r"tensor-parallel worker lightllm-tp1 \(pid \d+\) exited with code 1; the other ranks", out), out
     assert "Connection closed" not in out and "Connection reset" not in out, out
@@ -477,12 +477,8 @@ if __name__ == "__main__":
 def test_an_idle_server_keeps_its_workers_past_the_groups_default_timeout(tmp_path):
     """Idle, a worker waits for rank 0's next command in a gloo collective: the group's default timeout (30 minutes,
     2 s here) must not end it, and with it the server, after that long without a request."""
-    script = tmp_path / "idle.py"
-    script.write_text(_IDLE)
-    done = procs.run([sys.executable, str(script), str(tmp_path)], timeout=procs.HANG_TIMEOUT_S,
-                     env={**os.environ, "PYTHONPATH": REPO})  # fmt: skip
-    out = done.stdout + done.stderr
-    assert done.returncode == 0, out
+    code, out = _run_script(tmp_path, _IDLE, tmp_path)
+    assert code == 0, out
     assert "worker exit code 0" in out and "Traceback" not in out, out
 
 
