@@ -94,8 +94,7 @@ class Workers:
 
     def _watch(self) -> None:
         while not self.stopping:
-            if not self.stopping:
-                self.fail_if_one_exited(0.0)
+            self.fail_if_one_exited(0.0)
             in_flight = self._in_flight
             if in_flight and self.step_timeout_s is not None and not self.stopping:
                 name, number, t0 = in_flight
@@ -105,15 +104,15 @@ class Workers:
             time.sleep(self._interval_s)
 
     def fail_if_one_exited(self, wait_s: float) -> None:
-        """``fail``, naming the worker (or with its start-up error), when one has exited or exits within ``wait_s``;
-        else return."""
+        """``fail``, naming the worker (or with its start-up error), when one has exited or exits within ``wait_s``
+        and no clean stop has begun; else return."""
         deadline = time.monotonic() + wait_s
         while True:
             dead = [p for p in self.procs if not p.is_alive()]
             if dead or time.monotonic() >= deadline:
                 break
             time.sleep(0.05)
-        if not dead:
+        if not dead or self.stopping:  # a clean stop's workers exit as expected
             return
         with self._fail_lock:
             for conn in self.errors:
