@@ -344,7 +344,7 @@ class OpenAIReply:
         produced, cached = [0] * len(seqs), [[] for _ in seqs]
         # With stop strings a token's logprobs wait until some of its text is sent: text held back as the possible
         # start of a stop string may turn out to be one, and then its tokens are cut off with it, not reported.
-        waits = self.with_logprobs and any(params.stop for _, params in seqs)
+        waits = self.with_logprobs and self.stops
         sent = [len(self._echo(i // self.n)) for i in range(len(seqs))]  # where the text sent so far ends
         waiting: List[List[tuple]] = [[] for _ in seqs]  # (offset, event) of the tokens whose logprobs wait
         positions = [TextOffsets(self.logprobs.tokenizer, sent[i])
