@@ -25,6 +25,7 @@ from lightllm.common import proc as procs
 SPEC_COUNTERS = {"lightllm_spec_decode_num_draft_tokens": "draft_tokens",
                  "lightllm_spec_decode_num_accepted_tokens": "accepted_tokens"}  # fmt: skip
 TTFT_FAMILY = "lightllm_time_to_first_token_seconds"
+MESSAGE_FAMILY = "lightllm_engine_message_delay_seconds"  # the engine process -> HTTP process hop of each step
 _START_MARGIN_S = 0.2  # client processes are told to start this far ahead, so they start together
 _START_TIMEOUT_S = 120.0  # for every client process to import this module (a busy CI machine included)
 
@@ -85,23 +86,25 @@ def token_gaps(arrivals):
 
 
 async def _one(client, base, prompt, out_len, stream):
-    """One request: (tokens, all logprobs finite, seconds to its first token, the gaps between its tokens)."""
+    """One request: (tokens, all logprobs finite, seconds to its first token, the gaps between its tokens, seconds to
+    its response headers: a stream's handler submits it to the engine right after sending them)."""
     body = {"inputs": prompt, "parameters": {"max_new_tokens": out_len, "ignore_eos": True, "logprobs": True}}
     t0 = time.perf_counter()
     if not stream:
         r = await client.post(base + "/generate", json=body)
         r.raise_for_status()
         data = r.json()
-        return len(data["token_ids"]), all(math.isfinite(x) for x in data["logprobs"]), None, []
+        return len(data["token_ids"]), all(math.isfinite(x) for x in data["logprobs"]), None, [], None
     times, finite = [], True
     async with client.stream("POST", base + "/generate_stream", json=body) as r:
+        headers = time.perf_counter() - t0
         r.raise_for_status()
         async for now, event in sse_events(r):
             token = event["token"]
             if token["id"] is not None:
                 times.append(now)
                 finite = finite and math.isfinite(token["logprob"])
-    return len(times), finite, (times[0] - t0 if times else None), token_gaps(times)
+    return len(times), finite, (times[0] - t0 if times else None), token_gaps(times), headers
 
 
 async def open_connections(client, base, n):
@@ -190,11 +193,13 @@ async def load(base, n, concurrency, prompt_len, out_len, vocab, seed=0, rate=0.
     results = [r for s in shards for r in s["results"]]
     tokens = sum(r[0] for r in results)
     ok = all(count == out_len and finite for count, finite, *_ in results)
-    ttft = [t for _, _, t, _ in results if t is not None]
-    itl = [g for *_, gaps in results for g in gaps]
+    ttft = [r[2] for r in results if r[2] is not None]
+    itl = [g for r in results for g in r[3]]
+    headers = [r[4] for r in results if r[4] is not None]
     latency = {f"{name}_p{q}_ms": (None if percentile(xs, q) is None else percentile(xs, q) * 1e3)
                for name, xs in (("ttft", ttft), ("itl", itl)) for q in (50, 99)}  # fmt: skip
     latency["ttft_mean_ms"] = sum(ttft) / len(ttft) * 1e3 if ttft else None  # beside the server's server_ttft_mean_ms
+    latency["headers_mean_ms"] = sum(headers) / len(headers) * 1e3 if headers else None  # the part before submission
     busy = sum((steps[f"{k}_step_ms"] or 0.0) * steps[f"{k}_steps"] for k in ("prefill", "decode")) / 1e3
     return {"output_tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "all_complete_finite": ok,
             **latency, "client_procs": client_procs,
@@ -215,7 +220,7 @@ async def engine_steps(base):
         if family.name in ("lightllm_step_seconds", "lightllm_step_gpu_seconds", "lightllm_step_batch_size"):
             out.update({(s.name, s.labels["kind"]): s.value for s in family.samples
                         if s.name.endswith(("_count", "_sum"))})  # fmt: skip
-        elif family.name == TTFT_FAMILY:
+        elif family.name in (TTFT_FAMILY, MESSAGE_FAMILY):
             out.update({(s.name, None): s.value for s in family.samples if s.name.endswith(("_count", "_sum"))})
         elif family.name in SPEC_COUNTERS:
             out.update({(family.name, None): s.value for s in family.samples if s.name.endswith("_total")})
@@ -241,5 +246,8 @@ def step_stats(before, after):
     # it): the client's mean minus this is their share
     first = delta.get((TTFT_FAMILY + "_count", None), 0.0)
     out["server_ttft_mean_ms"] = delta[(TTFT_FAMILY + "_sum", None)] / first * 1e3 if first else None
+    # and the hop each step's tokens take to the HTTP process after the engine has them (not in the server's TTFT)
+    sent = delta.get((MESSAGE_FAMILY + "_count", None), 0.0)
+    out["engine_message_mean_ms"] = delta[(MESSAGE_FAMILY + "_sum", None)] / sent * 1e3 if sent else None
     out["acceptance"] = out["accepted_tokens"] / out["draft_tokens"] if out["draft_tokens"] else None
     return out

@@ -315,12 +315,12 @@ def pin_kwargs(cores):
     return {} if cores is None else {"preexec_fn": lambda: os.sched_setaffinity(0, cores)}
 
 
-def core_plan(cores, servers, tp):
-    """``--pin-cores``: ``(per-server core sets, the clients' cores)``. Each server gets ``tp + 1`` cores of its own
-    (its HTTP process and each engine rank), in launch order, so a server's engine never waits behind another
-    server's or a client's process; the load clients and this script share the rest. ValueError when that leaves
-    the clients fewer than two cores."""
-    cores, per = sorted(cores), tp + 1
+def core_plan(cores, servers, tp, per=None):
+    """``--pin-cores``: ``(per-server core sets, the clients' cores)``. Each server gets ``per`` cores of its own
+    (default ``tp + 1``: its HTTP process and each engine rank), in launch order, so a server's engine never waits
+    behind another server's or a client's process; the load clients and this script share the rest. ValueError when
+    that leaves the clients fewer than two cores."""
+    cores, per = sorted(cores), per or tp + 1
     need = servers * per + 2
     if len(cores) < need:
         raise ValueError(f"--pin-cores expected at least {need} CPU cores ({servers} servers x {per} + 2 for the "
@@ -359,9 +359,11 @@ def main():
                    "K (a multiple of the server count): the servers of a repeat run side by side and each point is "
                    "K rounds, every server getting --requests requests per round in a rotating order (a fresh "
                    "schedule per round)")  # fmt: skip
-    p.add_argument("--pin-cores", action="store_true", help="give each server tp + 1 CPU cores of its own (in "
-                   "launch order; its processes share them) and the load clients the rest, so no server shares a "
-                   "core with another server or a client")  # fmt: skip
+    p.add_argument("--pin-cores", action="store_true", help="give each server tp + 1 CPU cores of its own (or "
+                   "--cores-per-server; in launch order; its processes share them) and the load clients the rest, "
+                   "so no server shares a core with another server or a client")  # fmt: skip
+    p.add_argument("--cores-per-server", type=int, default=None, help="with --pin-cores: each server's cores "
+                   "(default tp + 1: its HTTP process and each engine rank)")  # fmt: skip
     p.add_argument("--concurrency", type=int, nargs="+", default=[16, 32, 64])
     p.add_argument(
         "--workloads",
@@ -407,10 +409,15 @@ def main():
         p.error(f"--output-tokens expected at least 2 (a prefill token and a decode step), got {args.output_tokens}")
     if args.client_procs is not None and args.client_procs < 1:
         p.error(f"--client-procs expected a positive count, got {args.client_procs}")
+    if args.cores_per_server is not None and (args.cores_per_server < 1 or not args.pin_cores):
+        p.error(f"--cores-per-server expected a positive count with --pin-cores, got {args.cores_per_server}"
+                + ("" if args.pin_cores else " without --pin-cores"))  # fmt: skip
     args.server_cores = None
     if args.pin_cores:
         try:
-            args.server_cores, client_cores = core_plan(os.sched_getaffinity(0), servers, args.tp)
+            args.server_cores, client_cores = core_plan(
+                os.sched_getaffinity(0), servers, args.tp, args.cores_per_server
+            )
         except ValueError as e:
             p.error(str(e))
         os.sched_setaffinity(0, client_cores)  # this script, and the client processes it spawns
@@ -492,8 +499,13 @@ def main():
     print("\nwho kept up (median over runs): the engine's mean decode batch, its busy share of the wall time (steps"
           " / seconds), the busiest client process's CPU share, and the decode step (ms) with its GPU part (CUDA"
           " events: forward and sampling; the rest is the host's)")  # fmt: skip
-    print("; mean time to first token (ms) as the client saw it and as the server timed it (from submission)")
-    print("workload conc  mode   decode batch  engine busy  client CPU   step ms   gpu ms  ttft client  server")
+    print("; mean time to first token (ms) as the client saw it and as the server timed it (from submission to the"
+          " token sampled), the client's wait for the response headers (submission follows them), and each step's"
+          " message hop from the engine process to the HTTP event loop (ms)")  # fmt: skip
+    print(
+        "workload conc  mode   decode batch  engine busy  client CPU   step ms   gpu ms  ttft client  server  "
+        "headers  engine->http"
+    )
     bound = []
     for r in rows:
         for mode in ("on", "off", "off_b"):
@@ -503,7 +515,8 @@ def main():
                 step = ["-" if m[k] is None else f"{m[k]:.3f}" for k in ("decode_step_ms", "decode_gpu_ms")]
                 first = ["-" if m.get(k) is None else f"{m[k]:.2f}" for k in TTFT_MEANS]
                 print(f"{r['workload']:8s} {r['concurrency']:4d}  {mode:5s} {cells[0]:>12s} {cells[1]:>11s}% "
-                      f"{cells[2]:>9s}% {step[0]:>9s} {step[1]:>8s} {first[0]:>12s} {first[1]:>7s}")  # fmt: skip
+                      f"{cells[2]:>9s}% {step[0]:>9s} {step[1]:>8s} {first[0]:>12s} {first[1]:>7s} {first[2]:>8s} "
+                      f"{first[3]:>13s}")  # fmt: skip
                 if m["client_cpu_pct"] > CLIENT_BOUND_PCT:
                     bound.append(f"{r['workload']} {r['concurrency']} {mode}")
     if bound:
@@ -571,7 +584,8 @@ REPORTED = ("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99
 # the served step (tokens/s is mostly decode batch over it) and its GPU part (the rest is the host's)
 AA_REPORTED = REPORTED + ("decode_step_ms", "decode_gpu_ms")
 HOST_CHECK = ("decode_batch", "engine_busy_pct", "client_cpu_pct")
-TTFT_MEANS = ("ttft_mean_ms", "server_ttft_mean_ms")  # the client's, and the server's own (its /metrics histogram)
+# the client's TTFT and the server's own (its /metrics histogram), the client's wait for the headers, the hop back
+TTFT_MEANS = ("ttft_mean_ms", "server_ttft_mean_ms", "headers_mean_ms", "engine_message_mean_ms")
 CLIENT_BOUND_PCT = 80  # a client process busier than this may be what is measured
 
 
@@ -608,7 +622,7 @@ def save(args, rows, startups):
                    "output_tokens": args.output_tokens, "warmup": args.warmup, "rate": args.rate, "seed": args.seed,
                    "repeats": args.repeats, "rounds": args.rounds,
                    "control": args.control, "compare": args.compare, "client_procs": args.client_procs,
-                   "pin_cores": args.pin_cores,
+                   "pin_cores": args.pin_cores, "cores_per_server": args.cores_per_server,
                    "config_checks_ok": not any(s.get("config_check") for s in startups),
                    "tuned_config_files": tuned_config_files(startups), "rows": rows, "startups": startups},
                   f, indent=1)  # fmt: skip

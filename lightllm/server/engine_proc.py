@@ -8,10 +8,11 @@ What crosses, batched both ways, pickled over one ``multiprocessing`` pipe:
   last: ``("submit", id, prompt ids, SamplingParams, arrival)``, ``("abort", id, reason)``, ``("abort_all",)``,
   ``("stop",)``. A thread of the engine process receives them and queues them for the next step.
 - engine -> HTTP, one message per step, ``("step", records, calls)``: the step's events in order, and its observer
-  calls (the step's token latencies in one ``on_tokens``), replayed on the HTTP side's ``Metrics``. A record is
-  either the step's sampled tokens as columns, ``("tokens", ids, token ids, logprobs, top logprobs or None,
-  cached tokens)``, or one event, ``("event", id, kind, token id, logprob, finish reason, top logprobs, cached
-  tokens)`` (finishes; MTP's tokens). ``replay`` turns them back into each request's ``Event``s.
+  calls (the step's token latencies in one ``on_tokens``; last, ``on_engine_message`` with the send time),
+  replayed on the HTTP side's ``Metrics``. A record is either the step's sampled tokens as columns, ``("tokens",
+  ids, token ids, logprobs, top logprobs or None, cached tokens)``, or one event, ``("event", id, kind, token id,
+  logprob, finish reason, top logprobs, cached tokens)`` (finishes; MTP's tokens). ``replay`` turns them back into
+  each request's ``Event``s.
 - shared memory: the start time of the step in flight (``time.monotonic``, one clock per host), for ``/health``.
 
 The engine process dying (a crash, a lost tensor-parallel rank, the OOM killer) ends every request in flight with
@@ -314,6 +315,7 @@ class _EngineSide:
             return
         out = list(records)
         records.clear()  # the same list: every emitter appends to it
+        calls.append(("on_engine_message", (time.perf_counter(),)))  # last: the HTTP side times the hop
         self.conn.send(("step", out, calls))
 
     def _receive(self) -> None:

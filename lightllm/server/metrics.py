@@ -5,12 +5,16 @@ a recorder there, and each step's calls are replayed here, on the HTTP process t
 observer method only needs to be defined on this class.
 """
 
+import time
 from typing import Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 # 1 ms to 60 s: a decode step of a small model at batch 1 up to a long prompt's prefill behind a full queue
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+# 50 us to 100 ms: a hop between processes, from a free core's wake-up to a starved one's time slices
+HOP_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
 
 # 0.5 ms to 2 s, doubling: engine steps (and their GPU share)
 STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.256, 0.512, 1.024, 2.048)
@@ -37,6 +41,11 @@ class Metrics:
                               registry=r, buckets=LATENCY_BUCKETS)  # fmt: skip
         self.itl = Histogram("lightllm_inter_token_latency_seconds", "time between a request's tokens", registry=r,
                              buckets=LATENCY_BUCKETS)  # fmt: skip
+        # The hop a token takes from the engine process to the HTTP process (engine_proc): the pipe, the reader
+        # thread and the event loop's turn. Time to first token ends before it; a client sees both.
+        self.engine_message = Histogram("lightllm_engine_message_delay_seconds", "an engine step's message, from "
+                                        "its send by the engine process to its handling on the HTTP event loop",
+                                        registry=r, buckets=HOP_BUCKETS)  # fmt: skip
         # Per engine step (kind = prefill, decode or mixed): what a throughput number is made of. A decode step's
         # time is the forward, sampling and bookkeeping of one token for every running request.
         self.step_seconds = Histogram("lightllm_step_seconds", "engine step time", ["kind"], registry=r,
@@ -67,6 +76,11 @@ class Metrics:
         for seconds in later:
             self.itl.observe(seconds)
         self.generated_tokens.inc(len(first) + len(later))
+
+    def on_engine_message(self, sent: float) -> None:
+        """A step's message from the engine process, handled now; ``sent`` is its ``time.perf_counter()`` at the
+        send (CLOCK_MONOTONIC on Linux: one clock for every process of the host)."""
+        self.engine_message.observe(max(0.0, time.perf_counter() - sent))
 
     def on_step(self, kind: str, batch_size: int, seconds: float) -> None:
         self.step_seconds.labels(kind).observe(seconds)

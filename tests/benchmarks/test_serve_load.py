@@ -132,7 +132,7 @@ def test_every_request_of_a_load_goes_out_on_a_connection_opened_before_the_cloc
             opened.extend(ports)  # what the warm-up opened, before the first request of the load
         await asyncio.sleep(0.01)  # in flight together, as streams are
         (await client.get(base + "/health")).raise_for_status()
-        return out_len, True, 0.0, []
+        return out_len, True, 0.0, [], 0.0
 
     monkeypatch.setattr(load_client, "_one", one)
     try:
@@ -153,7 +153,7 @@ def test_a_loads_seconds_leave_out_the_connections_opened_before_its_clock(load_
 
     async def one(client, base, prompt, out_len, stream):
         await asyncio.sleep(0.1)
-        return out_len, True, 0.01, []
+        return out_len, True, 0.01, [], 0.005
 
     async def steps(base):
         return {}
@@ -163,6 +163,7 @@ def test_a_loads_seconds_leave_out_the_connections_opened_before_its_clock(load_
     monkeypatch.setattr(load_client, "engine_steps", steps)
     out = asyncio.run(load_client.load("http://127.0.0.1:9", 3, 3, 2, 4, 100))
     assert out["output_tokens"] == 12 and 0.1 <= out["seconds"] < 1.0, out["seconds"]
+    assert out["ttft_mean_ms"] == pytest.approx(10.0) and out["headers_mean_ms"] == pytest.approx(5.0)
 
 
 def test_a_server_that_does_not_answer_fails_a_split_load_with_its_own_error(load_client, monkeypatch):
@@ -348,6 +349,8 @@ def test_pinned_cores_give_each_server_its_own_and_the_clients_the_rest(serve_lo
     assert servers == [{0, 1}, {2, 3}, {4, 5}] and clients == set(range(6, 16))
     servers, clients = serve_load.core_plan(range(8), servers=2, tp=2)  # an HTTP process and two engine ranks
     assert servers == [{0, 1, 2}, {3, 4, 5}] and clients == {6, 7}
+    servers, clients = serve_load.core_plan(range(16), servers=3, tp=1, per=3)  # --cores-per-server 3
+    assert servers == [{0, 1, 2}, {3, 4, 5}, {6, 7, 8}] and clients == set(range(9, 16))
     with pytest.raises(ValueError, match=r"--pin-cores expected at least 8 CPU cores \(3 servers x 2 \+ 2 for the "
                        r"load clients\), this process may run on 7"):  # fmt: skip
         serve_load.core_plan(range(7), servers=3, tp=1)
@@ -462,6 +465,16 @@ def test_the_servers_mean_time_to_first_token_is_the_delta_of_its_histogram(load
     assert load_client.step_stats(before, after)["server_ttft_mean_ms"] == pytest.approx(6.0)
     assert load_client.step_stats(after, after)["server_ttft_mean_ms"] is None
     assert load_client.step_stats({}, {})["server_ttft_mean_ms"] is None
+
+
+def test_the_engine_message_hop_is_the_delta_of_its_histogram(load_client):
+    """The mean delay of a step's message from the engine process to the HTTP event loop (ms), as the TTFT's."""
+    name = load_client.MESSAGE_FAMILY
+    before = {(name + "_count", None): 100.0, (name + "_sum", None): 0.05}
+    after = {(name + "_count", None): 300.0, (name + "_sum", None): 0.15}
+    assert load_client.step_stats(before, after)["engine_message_mean_ms"] == pytest.approx(0.5)
+    assert load_client.step_stats(after, after)["engine_message_mean_ms"] is None
+    assert load_client.step_stats({}, {})["engine_message_mean_ms"] is None
 
 
 def test_the_gpu_part_of_a_step_is_the_delta_of_its_own_histogram(load_client):

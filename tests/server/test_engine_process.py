@@ -76,6 +76,15 @@ def test_one_message_per_step_holds_every_requests_tokens_and_feeds_the_latency_
     assert metric(text, "lightllm_inter_token_latency_seconds_count") == 8 * 5
     for name in ("lightllm_time_to_first_token_seconds", "lightllm_inter_token_latency_seconds"):
         assert f'{name}_bucket{{le="0.001"}}' in text and f'{name}_bucket{{le="60.0"}}' in text
+    # every message carries its send time, last, and the HTTP side times the hop once per message it handles
+    assert all(calls[-1][0] == "on_engine_message" for _, calls in messages)
+    sent = [calls[-1][1][0] for _, calls in messages]
+    assert sent == sorted(sent) and metric(text, "lightllm_engine_message_delay_seconds_count") >= len(with_tokens)
+    assert (
+        0
+        < metric(text, "lightllm_engine_message_delay_seconds_sum")
+        < metric(text, "lightllm_engine_message_delay_seconds_count")
+    )  # a mean under a second: the send time is on the HTTP side's clock
 
 
 def test_only_the_reader_waits_for_the_engine_process_and_stop_sees_its_clean_exit():
