@@ -168,8 +168,8 @@ class Server:
         @app.post("/generate_stream")
         async def generate_stream(body: GenerateRequest, request: Request):
             ids, params = await self._native(body)
-            return StreamingResponse(self._native_events(ids, params, body.parameters, request),
-                                     media_type="text/event-stream")  # fmt: skip
+            sub = self._submit(ids, params)
+            return _SubmittedStream(self._native_events(ids, params, body.parameters, request, sub), [sub])
 
         @app.post("/v1/completions")
         async def completions(body: CompletionRequest, request: Request):
@@ -223,13 +223,14 @@ class Server:
         special = token_id in self._special_ids
         return {"id": token_id, "text": self.tokenizer.decode([token_id]), "logprob": logprob, "special": special}
 
-    async def _native_events(self, ids, params, p, request: Request) -> AsyncIterator[str]:
+    async def _native_events(self, ids, params, p, request: Request,
+                             submitted: Optional["_Submitted"] = None) -> AsyncIterator[str]:  # fmt: skip
         """``/generate_stream`` in LightLLM's shape: one event per token, ``finished`` false; then one with
         ``token.id`` null, the held-back text, ``finished`` true, the finish reason and the whole
         ``generated_text`` (and ``details`` with ``return_details``). The events of the tokens that are ready
         together go out as one chunk (see ``_stream``)."""
         text, count = "", 0
-        async for ready in self._stream(ids, params, request):
+        async for ready in self._stream(ids, params, request, submitted=submitted):
             chunk = []
             for delta, ev, reason in ready:
                 text += delta
@@ -290,8 +291,17 @@ class Server:
             raise BadRequest(message) from None
         return params
 
-    async def _stream(self, ids, params, request: Request, text: bool = True,
-                      cached: Optional[list] = None) -> AsyncIterator[List[tuple]]:  # fmt: skip
+    def _submit(self, ids, params, each_token: bool = True) -> "_Submitted":
+        """Submit one engine request now; ``_stream`` then follows it. A streamed response submits its requests in
+        its handler, before the response object is returned: Starlette starts the body in a task of its own after
+        the headers, one or more turns of a busy event loop later, all of them in the time to first token."""
+        events = _Inbox(each_token=each_token)
+        req = EngineRequest(uuid.uuid4().hex, ids, params, self._emitter(events))
+        self.engine.submit(req)
+        return _Submitted(self, req.id, events)
+
+    async def _stream(self, ids, params, request: Request, text: bool = True, cached: Optional[list] = None,
+                      submitted: Optional["_Submitted"] = None) -> AsyncIterator[List[tuple]]:  # fmt: skip
         """Per wake-up, the tokens that are ready: a non-empty list of (text delta, token event or None, finish
         reason or None), one per token, the finish last; aborts on disconnect or stop string. Handing over what is
         ready together (a step's MTP tokens, or several steps' when this process falls behind under load) lets a
@@ -299,13 +309,13 @@ class Server:
         starving the engine of requests.
         ``text=False`` (a caller that decodes once at the end, with no stop strings) leaves every delta ''.
         ``cached``: gets the request's prompt tokens read from the prefix cache appended, with its first event.
+        ``submitted``: the request ``_submit`` already sent (else it is submitted here).
         Counts the request in lightllm_requests_finished_total once, with the reason the client is given
         ("abort" when it left first, whether it was running or still queued)."""
-        events = _Inbox(each_token=text)
-        req = EngineRequest(uuid.uuid4().hex, ids, params, self._emitter(events))
-        self.engine.submit(req)
+        submitted = submitted or self._submit(ids, params, each_token=text)
+        events = submitted.events
         out = TextStream(self.tokenizer if text else None, params.stop)
-        finished, first = False, True
+        first = True
         loop = asyncio.get_running_loop()
         next_check = loop.time() + _DISCONNECT_CHECK_S
         try:
@@ -325,26 +335,21 @@ class Server:
                 ready = []
                 for ev in evs:
                     if ev.kind == "finish":
-                        finished = True
                         rest, reason = out.finish(ev.finish_reason)
-                        self.metrics.finished.labels(reason).inc()
+                        submitted.end(reason)
                         ready.append((rest, None, reason))
                         yield ready
                         return
                     delta, hit = out.add(ev.token_id)
                     ready.append((delta, ev, None))
                     if hit:
-                        self.engine.abort(req.id, reason="stop")
-                        finished = True
-                        self.metrics.finished.labels("stop").inc()
+                        submitted.abort("stop")
                         ready.append(("", None, "stop"))
                         yield ready
                         return
                 yield ready
         finally:
-            if not finished:  # client gone (or the handler was cancelled): free its KV now
-                self.engine.abort(req.id)
-                self.metrics.finished.labels("abort").inc()
+            submitted.abort()  # client gone (or the handler was cancelled): free its KV now; nothing once it ended
 
     async def _collect(self, ids, params, request: Request) -> dict:
         text, token_ids, logprobs, tops, reason, cached = "", [], [], [], "", []
@@ -363,17 +368,24 @@ class Server:
         return {"text": text, "token_ids": token_ids, "logprobs": logprobs, "top_logprobs": tops,
                 "finish_reason": reason or "abort", "cached_tokens": sum(cached)}  # fmt: skip
 
-    async def merged_streams(self, seqs: Sequence[tuple], request: Request,
-                             cached: Optional[List[list]] = None) -> AsyncIterator[List[tuple]]:  # fmt: skip
+    async def merged_streams(
+        self,
+        seqs: Sequence[tuple],
+        request: Request,
+        cached: Optional[List[list]] = None,
+        submitted: Optional[Sequence["_Submitted"]] = None,
+    ) -> AsyncIterator[List[tuple]]:
         """For every ``(ids, params)`` of ``seqs``, generated side by side: per wake-up, a non-empty list of (index
         into ``seqs``, one of the tuples ``_stream`` yields), everything that is ready, in the order it arrived.
         Leaving early (the client went) cancels every one of them, which aborts them in the engine. ``cached``:
-        one list per sequence, for ``_stream``'s ``cached``."""
+        one list per sequence, for ``_stream``'s ``cached``; ``submitted``: the requests ``_submit`` already sent,
+        one per sequence."""
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(i, ids, params):
             try:
-                async for ready in self._stream(ids, params, request, cached=cached[i] if cached else None):
+                async for ready in self._stream(ids, params, request, cached=cached[i] if cached else None,
+                                                submitted=submitted[i] if submitted else None):  # fmt: skip
                     queue.put_nowait((i, ready))
             except Exception as e:  # noqa: BLE001 - handed to the consumer, which raises it
                 queue.put_nowait((i, e))
@@ -452,7 +464,8 @@ class Server:
         )
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(reply.stream(seqs, request, include_usage), media_type="text/event-stream")
+            subs = [self._submit(ids, params) for ids, params in seqs]
+            return _SubmittedStream(reply.stream(seqs, request, include_usage, subs), subs)
         return reply.whole(await self._collect_all(seqs, request))
 
 
@@ -468,6 +481,43 @@ def _token_event(token_id: int, text: str, logprob: float, special: bool, count:
             f'"special": {"true" if special else "false"}, "count_output_tokens": {int(count)}, "prompt_tokens": '
             f'{int(prompt_tokens)}}}, "generated_text": null, "finished": false, "finish_reason": null, '
             f'"details": null}}\n\n')  # fmt: skip
+
+
+class _Submitted:
+    """An engine request that is submitted and not yet followed to its end: counted in
+    lightllm_requests_finished_total exactly once, by ``end`` (its finish), or by ``abort`` (the client left, a stop
+    string, or a streamed response that ended before its body ever read the request)."""
+
+    def __init__(self, server: "Server", request_id: str, events: "_Inbox"):
+        self.server, self.request_id, self.events = server, request_id, events
+        self.ended = False
+
+    def end(self, reason: str) -> None:
+        if not self.ended:
+            self.ended = True
+            self.server.metrics.finished.labels(reason).inc()
+
+    def abort(self, reason: str = "abort") -> None:
+        """Abort it in the engine and count it with ``reason``, unless it has ended already."""
+        if not self.ended:
+            self.server.engine.abort(self.request_id, reason=reason)
+            self.end(reason)
+
+
+class _SubmittedStream(StreamingResponse):
+    """A streamed response over requests its handler submitted: whatever way the response ends (its body done,
+    the client gone before the body started, a failed send), no request of it is left running."""
+
+    def __init__(self, body, submitted: Sequence[_Submitted]):
+        super().__init__(body, media_type="text/event-stream")
+        self.submitted = submitted
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            for sub in self.submitted:
+                sub.abort()
 
 
 class _Inbox:

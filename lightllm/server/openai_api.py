@@ -334,7 +334,7 @@ class OpenAIReply:
             lps = self.logprobs.completion(r["token_ids"], r["logprobs"], r["top_logprobs"], len(echo))
         return {"index": index, "text": echo + r["text"], "logprobs": lps, "finish_reason": r["finish_reason"]}
 
-    async def stream(self, seqs: List[tuple], request, include_usage: bool) -> AsyncIterator[str]:
+    async def stream(self, seqs: List[tuple], request, include_usage: bool, submitted=None) -> AsyncIterator[str]:
         """Server-sent events: per choice, a first chunk (chat: the role; completions with echo: the prompt), one
         chunk per token (with its logprobs when asked; with stop strings a token's come once some of its text is sent,
         never for the tokens a stop string cut off), a last one with the finish reason; with ``include_usage`` a
@@ -357,7 +357,7 @@ class OpenAIReply:
                 yield self._sse(kind, [{"index": i, "text": self._echo(i // self.n), "logprobs": None,
                                         "finish_reason": None}])  # fmt: skip
         outputs = [self.parsing.new_output() for _ in seqs] if self.parsing else None
-        async for ready in self.server.merged_streams(seqs, request, cached):
+        async for ready in self.server.merged_streams(seqs, request, cached, submitted):
             chunk = []  # what is ready together goes out in one write (see Server._stream)
             for i, (delta, ev, fin) in ready:
                 lps = None

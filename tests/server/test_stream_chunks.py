@@ -134,3 +134,65 @@ def test_token_events_are_the_json_of_the_event_they_stand_for():
                            "count_output_tokens": count, "prompt_tokens": prompt},
                  "generated_text": None, "finished": False, "finish_reason": None, "details": None}  # fmt: skip
         assert _token_event(token_id, text, logprob, special, count, prompt) == f"data: {json.dumps(event)}\n\n"
+
+
+def finished_counts(server):
+    return {s.labels["finish_reason"]: s.value for m in server.metrics.registry.collect()
+            if m.name == "lightllm_requests_finished" for s in m.samples if s.name.endswith("_total")}  # fmt: skip
+
+
+def test_a_streamed_request_is_submitted_before_its_response_starts(monkeypatch):
+    """The handler submits (every sample of an OpenAI stream too): Starlette starts a streamed body in a task of its
+    own after the headers, turns of a busy event loop later, which would all count in the time to first token. Each
+    request is still counted once, with its own finish reason."""
+    from fastapi.testclient import TestClient
+
+    from lightllm.server import api_server
+
+    server = make_server()
+    seen = []
+    call = api_server._SubmittedStream.__call__
+
+    async def recording(self, scope, receive, send):
+        seen.append(len(server.submitted))  # requests in the engine as the response starts
+        await call(self, scope, receive, send)
+
+    monkeypatch.setattr(api_server._SubmittedStream, "__call__", recording)
+    native = {"inputs": "ab", "parameters": {"max_new_tokens": 3, "ignore_eos": True}}
+    openai = {"prompt": "ab", "max_tokens": 3, "n": 2, "stream": True, "ignore_eos": True}
+    with TestClient(server.app) as client:
+        native_events = client.post("/generate_stream", json=native).text.count("data:")
+        openai_events = client.post("/v1/completions", json=openai).text
+    assert seen == [1, 3] and native_events == 4 and openai_events.endswith("data: [DONE]\n\n")
+    assert finished_counts(server).get("length") == 3 and not finished_counts(server).get("abort")
+
+
+def test_a_stream_whose_body_never_starts_aborts_what_its_handler_submitted():
+    """The client leaves before the body's task runs (the ASGI server reports the disconnect at once): the body
+    never reads its requests, and the response still aborts each of them, counted once as "abort"."""
+    from lightllm.server.api_server import _SubmittedStream
+
+    async def main():
+        server = make_server()
+        aborted = []
+        server.engine.abort = lambda rid, reason="abort": aborted.append((rid, reason))
+        subs = [server._submit([0, 1], SamplingParams(max_new_tokens=4)) for _ in range(2)]
+        started = []
+
+        async def body():
+            started.append(True)
+            yield "data: x\n\n"
+
+        async def receive():
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            await asyncio.sleep(3600)  # never returns: the disconnect ends the response first
+
+        scope = {"type": "http", "asgi": {"spec_version": "2.3"}}
+        await _SubmittedStream(body(), subs)(scope, receive, send)
+        return server, subs, aborted, started
+
+    server, subs, aborted, started = asyncio.run(main())
+    assert not started and aborted == [(sub.request_id, "abort") for sub in subs]
+    assert finished_counts(server) == {"abort": 2.0}

@@ -1,0 +1,40 @@
+"""benchmarks/stream_first_token.py runs on the CPU, times every probe it sends and writes what it prints; bad counts
+are one line."""
+
+import json
+import os
+import subprocess
+import sys
+
+from lightllm.common import proc as procs
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCRIPT = os.path.join(REPO, "benchmarks", "stream_first_token.py")
+
+
+def run(*args):
+    return subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": REPO}, timeout=procs.HANG_TIMEOUT_S)  # fmt: skip
+
+
+def test_every_probe_gets_its_headers_and_its_first_token(tmp_path):
+    out = tmp_path / "out.json"
+    done = run("--background", "2", "--probes", "6", "--settle-s", "0.2", "--out", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    (only,) = result["runs"]
+    assert only["probes"] == only["with_first_token"] == 6
+    for key in ("headers_ms", "first_token_ms"):
+        assert 0 < only[key]["p50"] <= only[key]["p99"] and result["median"][key] == {
+            q: only[key][q] for q in ("p50", "mean", "p99")
+        }
+    # a request's headers come before its first token
+    assert only["headers_ms"]["p50"] <= only["first_token_ms"]["p50"]
+    assert f"{result['median']['first_token_ms']['p50']:7.2f}" in done.stdout
+
+
+def test_bad_counts_are_one_line():
+    done = run("--probes", "0")
+    assert done.returncode == 2 and done.stderr.strip().splitlines()[-1].endswith(
+        "--probes expected a positive count, got 0"
+    )
