@@ -28,6 +28,7 @@ TTFT_FAMILY = "lightllm_time_to_first_token_seconds"
 MESSAGE_FAMILY = "lightllm_engine_message_delay_seconds"  # the engine process -> HTTP process hop of each step
 _START_MARGIN_S = 0.2  # client processes are told to start this far ahead, so they start together
 _START_TIMEOUT_S = 120.0  # for every client process to import this module (a busy CI machine included)
+_POLL_S = 0.05  # how often a split load looks whether its client processes are done
 
 
 def request_schedule(seed: int, n: int, prompt_len: int, vocab: int, rate: float = 0.0):
@@ -182,11 +183,18 @@ async def load(base, n, concurrency, prompt_len, out_len, vocab, seed=0, rate=0.
         barrier = ctx.Barrier(client_procs + 1)
         with ctx.Pool(client_procs, initializer=_ready, initargs=(barrier, base)) as pool:
             # all up before the clock starts; a process that cannot start breaks the barrier instead of hanging
-            await asyncio.get_running_loop().run_in_executor(None, barrier.wait, _START_TIMEOUT_S)
+            try:
+                await asyncio.get_running_loop().run_in_executor(None, barrier.wait, _START_TIMEOUT_S)
+            except BaseException:  # cancelled (SIGTERM): free the waiting thread, or asyncio.run waits for it
+                barrier.abort()
+                raise
             start = time.time() + _START_MARGIN_S
-            shards = await asyncio.get_running_loop().run_in_executor(
-                None, lambda: pool.map(_shard_main, [(*w, start) for w in work], chunksize=1)
-            )
+            # polled, not pool.map on a thread: leaving the pool terminates it, and a map waiting on a terminated
+            # pool never returns, so asyncio.run's wait for that thread would hang a stopped benchmark for good
+            result = pool.map_async(_shard_main, [(*w, start) for w in work], chunksize=1)
+            while not result.ready():
+                await asyncio.sleep(_POLL_S)
+            shards = result.get()
     # from the first clock's start: the connections opened before it are not part of the load
     seconds = max(s["end"] for s in shards) - min(s["start"] for s in shards)
     steps = step_stats(before, await engine_steps(base))

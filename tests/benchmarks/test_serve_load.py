@@ -186,6 +186,58 @@ def test_a_server_that_does_not_answer_fails_a_split_load_with_its_own_error(loa
         asyncio.run(load_client.load(base, 4, 4, 3, 5, 100, client_procs=2))
 
 
+def test_a_split_load_cancelled_while_its_requests_wait_ends_and_stops_its_client_processes(load_client, monkeypatch):
+    """SIGTERM (a device call's ``timeout``) cancels the load while its client processes wait on a server that never
+    answers. Leaving the pool terminates them; the load must then end: a ``pool.map`` on an executor thread never
+    returned from a terminated pool, and ``asyncio.run`` waited for that thread forever (a stopped serve_load kept
+    its device call busy until the call's own limit)."""
+    import asyncio
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    posted = threading.Semaphore(0)
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_GET(self):  # /health: the warm-up and the opened connections
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def do_POST(self):  # a load's request: never answered
+            posted.release()
+            threading.Event().wait()
+
+        def log_message(self, *args):
+            pass
+
+    async def steps(base):
+        return {}
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{server.server_address[1]}"
+    monkeypatch.setattr(load_client, "engine_steps", steps)
+
+    async def main():
+        task = asyncio.ensure_future(load_client.load(base, 4, 4, 3, 5, 100, stream=True, client_procs=2))
+        while not posted.acquire(blocking=False):  # both client processes have sent a request of the load
+            await asyncio.sleep(0.05)
+        while not posted.acquire(blocking=False):
+            await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    done = threading.Thread(target=lambda: asyncio.run(main()), daemon=True)
+    done.start()
+    done.join(procs.HANG_TIMEOUT_S / 10)  # minutes for what ends at once; before, it never ended
+    server.shutdown()
+    assert not done.is_alive(), "the cancelled load did not end"
+
+
 def test_per_step_attention_reads_what_a_search_wrote(serve_load, monkeypatch, isolated_autotune):
     """A real decode-attention search (interpreter, stubbed timer: the default takes 2 ms, every candidate
     1 ms) writes its config file; the benchmark reads tuned and default time per graph batch back from it."""
