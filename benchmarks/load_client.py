@@ -88,7 +88,7 @@ def token_gaps(arrivals):
 
 async def _one(client, base, prompt, out_len, stream):
     """One request: (tokens, all logprobs finite, seconds to its first token, the gaps between its tokens, seconds to
-    its response headers: a stream's handler submits it to the engine right after sending them)."""
+    its response headers: a stream's handler submits it to the engine just before it sends them)."""
     body = {"inputs": prompt, "parameters": {"max_new_tokens": out_len, "ignore_eos": True, "logprobs": True}}
     t0 = time.perf_counter()
     if not stream:
@@ -207,7 +207,7 @@ async def load(base, n, concurrency, prompt_len, out_len, vocab, seed=0, rate=0.
     latency = {f"{name}_p{q}_ms": (None if percentile(xs, q) is None else percentile(xs, q) * 1e3)
                for name, xs in (("ttft", ttft), ("itl", itl)) for q in (50, 99)}  # fmt: skip
     latency["ttft_mean_ms"] = sum(ttft) / len(ttft) * 1e3 if ttft else None  # beside the server's server_ttft_mean_ms
-    latency["headers_mean_ms"] = sum(headers) / len(headers) * 1e3 if headers else None  # the part before submission
+    latency["headers_mean_ms"] = sum(headers) / len(headers) * 1e3 if headers else None  # up to the submission
     busy = sum((steps[f"{k}_step_ms"] or 0.0) * steps[f"{k}_steps"] for k in ("prefill", "decode")) / 1e3
     return {"output_tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "all_complete_finite": ok,
             **latency, "client_procs": client_procs,

@@ -500,8 +500,8 @@ def main():
           " / seconds), the busiest client process's CPU share, and the decode step (ms) with its GPU part (CUDA"
           " events: forward and sampling; the rest is the host's)")  # fmt: skip
     print("; mean time to first token (ms) as the client saw it and as the server timed it (from submission to the"
-          " token sampled), the client's wait for the response headers (submission follows them), and each step's"
-          " message hop from the engine process to the HTTP event loop (ms)")  # fmt: skip
+          " token sampled), the client's wait for the response headers (the request is submitted as they go out),"
+          " and each step's message hop from the engine process to the HTTP event loop (ms)")  # fmt: skip
     print(
         "workload conc  mode   decode batch  engine busy  client CPU   step ms   gpu ms  ttft client  server  "
         "headers  engine->http"
