@@ -121,14 +121,10 @@ def main():
     if args.serve:
         return serve(args.serve[0], int(args.serve[1]), int(args.serve[2]), args.serve[3], int(args.serve[4]))
     procs.exit_on_sigterm()  # stopped from outside: still stop the server and remove the model folder
-    from lightllm.tools.make_tiny_model import make_tiny_qwen3
-
     runs = []
     with tempfile.TemporaryDirectory() as root:
-        model = str(make_tiny_qwen3(os.path.join(root, "m")))
-        with open(os.path.join(model, "config.json")) as f:
-            vocab = json.load(f)["vocab_size"]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")])}
+        model, vocab = tiny_model(root)
+        env = server_env()
         for rep in range(args.repeats):
             for conc in args.concurrency:
                 res = measure(model, vocab, conc, args, env)
@@ -155,6 +151,20 @@ def main():
                    "layout": args.layout, "torch_threads": args.torch_threads, "stream": args.stream,
                    "prompt": args.prompt, "output": args.output, "repeats": args.repeats, "runs": runs,
                    "median": median}, f, indent=1)  # fmt: skip
+
+
+def tiny_model(root: str):
+    """(folder, vocabulary size) of the built-in tiny Qwen3 model, made under ``root``."""
+    from lightllm.tools.make_tiny_model import make_tiny_qwen3
+
+    model = str(make_tiny_qwen3(os.path.join(root, "m")))
+    with open(os.path.join(model, "config.json")) as f:
+        return model, json.load(f)["vocab_size"]
+
+
+def server_env() -> dict:
+    """This environment with the repository first on PYTHONPATH: the server runs the checkout these scripts are in."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")])}
 
 
 def measure(model: str, vocab: int, batch: int, args, env) -> dict:

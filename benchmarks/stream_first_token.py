@@ -23,6 +23,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+from host_overhead import server_env, tiny_model  # noqa: E402
 from load_client import percentile, sse_events  # noqa: E402
 
 from lightllm.common import proc as procs  # noqa: E402
@@ -122,15 +123,10 @@ def main():
             p.error(f"--{name} expected a {'non-negative' if name == 'background' else 'positive'} count, got "
                     f"{getattr(args, name)}")  # fmt: skip
     procs.exit_on_sigterm()  # stopped from outside: still stop the server and remove the model folder
-    from lightllm.tools.make_tiny_model import make_tiny_qwen3
-
     runs = []
     with tempfile.TemporaryDirectory() as root:
-        model = str(make_tiny_qwen3(os.path.join(root, "m")))
-        with open(os.path.join(model, "config.json")) as f:
-            vocab = json.load(f)["vocab_size"]
-        repo = os.path.dirname(HERE)
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])}
+        model, vocab = tiny_model(root)
+        env = server_env()
         for rep in range(args.repeats):
             runs.append({"repeat": rep, **measure(model, vocab, args, env)})
             r = runs[-1]
