@@ -95,6 +95,14 @@ class DraftChooser:
         self.sampled = [i for i, r in enumerate(reqs) if not r.params.greedy]
         self.q: List[torch.Tensor] = []  # per draft step: [len(sampled), vocab]
 
+    def row(self, i: int) -> "DraftChooser":
+        """The chooser of request ``i`` alone, with the ``q`` it drew its drafts from."""
+        one = DraftChooser([self.reqs[i]])
+        if one.sampled:
+            at = self.sampled.index(i)
+            one.q = [q[at : at + 1] for q in self.q]
+        return one
+
     def __call__(self, k: int, logits: torch.Tensor) -> torch.Tensor:
         tokens = logits.argmax(dim=-1)
         if self.sampled:
@@ -177,34 +185,33 @@ class SpecDecoder:
         count them and ``min_tokens`` counts ``k`` more tokens; a position past a rejection is decided for nothing
         (a sampled one draws for nothing, which changes no emitted token's distribution). Greedy: the argmax,
         going on while it equals the next draft; sampled: the acceptance rule, and the bonus draw. Logprobs and top
-        logprobs are of the model's own distribution. The processor then records what was emitted."""
+        logprobs are of the model's own distribution. The processor then records what was emitted. If the batch's
+        read raises, each request is decided alone (seeded generators put back first): only a request whose own
+        read fails ends with "error"."""
         eng, n, T = self.engine, self.step_drafts, self.step_drafts + 1
         outcomes = [_Outcome() for _ in batch]
         want = max(r.params.top_logprobs for r in batch)
+        seeded = [(r.generator, r.generator.get_state()) for r in batch if r.generator is not None]
         try:
-            processed = self._processed(batch, drafts, logits)
-            tokens = processed.argmax()  # [B, T]
-            going_on = tokens[:, :n] == drafts  # [B, N]
-            sampled = [i for i, r in enumerate(batch) if not r.params.greedy]
-            if sampled:
-                self._sample_positions(batch, sampled, drafts, processed, chooser, tokens, going_on)
-            # log_softmax at the chosen token without a [B, T, vocab] log-softmax: its logit minus the logsumexp
-            lps = logits.gather(-1, tokens[..., None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
-            parts = [tokens.double(), lps.double(), going_on.double()]
-            if want:
-                parts += self._top_logprobs(batch, logits, want)
-            packed = torch.cat(parts, dim=1)
-            if eng._timing:  # the step's last launch
-                eng._gpu_timer.stop()
-            got = packed.tolist()  # one read: token ids (< 2**53) are exact in float64
+            got = self._read(batch, drafts, logits, chooser, want)
         except Exception:
-            logger.exception("MTP acceptance of %d requests failed; they end with finish_reason error", len(batch))
-            for out in outcomes:
-                out.reason = "error"
-            return outcomes
+            if len(batch) == 1:
+                logger.exception("MTP acceptance of request %s failed; it ends with finish_reason error", batch[0].id)
+                got = [None]
+            else:
+                logger.exception("MTP acceptance of %d requests failed; deciding them one by one", len(batch))
+                # as the plain sampler does: only the requests that cause the failure lose their step, and a seeded
+                # request draws from where the failed batch found its generator
+                for generator, state in seeded:
+                    generator.set_state(state)
+                got = [self._read_one(batch, i, drafts, logits, chooser, want) for i in range(len(batch))]
         finish_reason, top_at = eng.scheduler.finish_reason, 2 * T + n
         emitted = []
         for req, out, row in zip(batch, outcomes, got):
+            if row is None:  # its own acceptance failed: it ends, its neighbours go on
+                out.reason = "error"
+                emitted.append([])
+                continue
             cached, top = req.num_cached_tokens or 0, None
             for k in range(T):
                 tok = int(row[k])
@@ -222,6 +229,35 @@ class SpecDecoder:
             emitted.append([ev.token_id for ev in out.events])
         eng.processor.record_many(batch, emitted)
         return outcomes
+
+    def _read(self, batch, drafts: torch.Tensor, logits: torch.Tensor, chooser: DraftChooser, want: int) -> list:
+        """The device part of ``_decide``, one read: per request a row of floats, its ``T`` tokens, their ``T``
+        logprobs, the ``N`` going-on flags, then (when a request of ``batch`` asks) ``T * want`` top ids and
+        ``T * want`` top values."""
+        eng, n = self.engine, self.step_drafts
+        processed = self._processed(batch, drafts, logits)
+        tokens = processed.argmax()  # [B, T]
+        going_on = tokens[:, :n] == drafts  # [B, N]
+        sampled = [i for i, r in enumerate(batch) if not r.params.greedy]
+        if sampled:
+            self._sample_positions(batch, sampled, drafts, processed, chooser, tokens, going_on)
+        # log_softmax at the chosen token without a [B, T, vocab] log-softmax: its logit minus the logsumexp
+        lps = logits.gather(-1, tokens[..., None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+        parts = [tokens.double(), lps.double(), going_on.double()]
+        if want and any(r.params.top_logprobs for r in batch):
+            parts += self._top_logprobs(batch, logits, want)
+        packed = torch.cat(parts, dim=1)
+        if eng._timing:  # the step's last launch
+            eng._gpu_timer.stop()
+        return packed.tolist()  # one read: token ids (< 2**53) are exact in float64
+
+    def _read_one(self, batch, i: int, drafts, logits, chooser: DraftChooser, want: int) -> Optional[list]:
+        """``_read`` of ``batch[i]`` alone (its row, with the batch's ``want``), None when it fails."""
+        try:
+            return self._read([batch[i]], drafts[i : i + 1], logits[i : i + 1], chooser.row(i), want)[0]
+        except Exception:
+            logger.exception("MTP acceptance of request %s failed; it ends with finish_reason error", batch[i].id)
+            return None
 
     def _processed(self, batch, drafts: torch.Tensor, logits: torch.Tensor) -> ProcessedLogits:
         """``logits`` with each request's penalties, bias and ``min_tokens`` applied at every verify position,

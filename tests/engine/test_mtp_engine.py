@@ -433,6 +433,53 @@ def test_a_failed_acceptance_ends_its_steps_requests_and_the_engine_serves_on(ag
     assert reasons["later"] == "length" and eng.runner.kv.num_free_tokens == free
 
 
+def test_one_requests_failed_acceptance_ends_it_alone(agree_dir, monkeypatch):
+    """One request's acceptance raises (here: whenever its rows are processed, as an out-of-vocabulary bias that got
+    past validation would): the batch is decided again request by request, that request ends with "error", and its
+    neighbours (greedy, sampled with a seed, with top logprobs) emit what they emit in a batch without it."""
+    from lightllm.engine.spec_decode import SpecDecoder
+
+    params = {"greedy": SamplingParams(max_new_tokens=8, ignore_eos=True, top_logprobs=2),
+              "seeded": SamplingParams(max_new_tokens=8, ignore_eos=True, temperature=0.8, seed=5),
+              "bad": SamplingParams(max_new_tokens=8, ignore_eos=True, repetition_penalty=1.3)}  # fmt: skip
+    processed = SpecDecoder._processed
+
+    def failing(self, batch, drafts, logits):
+        if any(r.id == "bad" for r in batch):
+            raise RuntimeError("index out of range")
+        return processed(self, batch, drafts, logits)
+
+    monkeypatch.setattr(SpecDecoder, "_processed", failing)
+
+    def run(ids):
+        eng = engine(agree_dir, mtp_mode="eagle_with_att", mtp_step=2)
+        free = eng.runner.kv.num_free_tokens
+        events, reasons = {rid: [] for rid in ids}, {}
+
+        def emit(rid):
+            return lambda ev: (events[rid].append((ev.token_id, ev.logprob, ev.top_logprobs)) if ev.kind == "token"
+                               else reasons.update({rid: ev.finish_reason}))  # fmt: skip
+
+        for i, rid in enumerate(ids):
+            eng.submit(Request(rid, PROMPTS[i], params[rid], emit(rid)))
+        while eng.step():
+            pass
+        return events, reasons, eng.runner.kv.num_free_tokens == free
+
+    with_bad, reasons, freed = run(["greedy", "seeded", "bad"])
+    alone, alone_reasons, _ = run(["greedy", "seeded"])
+    assert reasons == {"greedy": "length", "seeded": "length", "bad": "error"} and freed
+    for rid, want in alone.items():  # the same tokens; logprobs to float32 rounding (another batch, another matmul)
+        got = with_bad[rid]
+        assert [t for t, _, _ in got] == [t for t, _, _ in want] and len(want) == 8
+        assert [lp for _, lp, _ in got] == pytest.approx([lp for _, lp, _ in want], abs=1e-4)
+        for (_, _, top_got), (_, _, top_want) in zip(got, want):
+            assert (top_got is None) == (top_want is None) == (rid != "greedy")
+            if top_want is not None:
+                assert [t for t, _ in top_got] == [t for t, _ in top_want] and len(top_want) == 2
+                assert [v for _, v in top_got] == pytest.approx([v for _, v in top_want], abs=1e-4)
+
+
 def test_an_abort_from_a_token_callback_ends_the_request_there_as_without_mtp(agree_dir):
     """Every draft of the agreeing head is accepted (4 tokens a step): an abort made in the second token's callback
     emits none of the run's later tokens and ends the request with the abort's reason, as a one-token step would,
