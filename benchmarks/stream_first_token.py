@@ -93,8 +93,9 @@ def measure(model: str, vocab: int, args, env) -> dict:
         load = ctx.Process(target=_background, args=(base, args.background, vocab, ready), daemon=True)
         load.start()
         try:
-            if not ready.wait(procs.HANG_TIMEOUT_S):
-                raise RuntimeError("the background client did not start")
+            while not ready.wait(0.1):  # a background client that died before it started is an error, not a wait
+                if not load.is_alive():
+                    raise RuntimeError(f"the background client exited with code {load.exitcode} before it started")
             time.sleep(args.settle_s)  # every background stream admitted and streaming
             timings = asyncio.run(_probes(base, args.probes, vocab, args.gap_s))
         finally:
