@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+from http.server import BaseHTTPRequestHandler
 
 import pytest
 import torch
@@ -100,27 +101,34 @@ def test_a_load_split_over_client_processes_keeps_every_request_and_stream(load_
         assert all(arr == sorted(arr) for arr, _, _ in dealt)  # each process sends in schedule order
 
 
+class HealthHandler(BaseHTTPRequestHandler):
+    """A stand-in server's handler: every GET an empty 200 on a kept-alive connection, as the real server's /health."""
+
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self):
+        self.send_response(200)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
 def test_every_request_of_a_load_goes_out_on_a_connection_opened_before_the_clock(load_client, monkeypatch):
     """A process's first request imports the rest of the HTTP stack and a new connection is set up on the way: both
     were counted as time to first token (the H200's TTFT p99 read 160-190 ms at 60 requests/s, p50 8-12 ms). So each
     client opens its pool's connections before its clock starts, and the load's requests find them open."""
     import asyncio
     import threading
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from http.server import ThreadingHTTPServer
 
     ports = []  # the client port of every request, in the order they came
 
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"  # keep-alive, as the real server
-
+    class Handler(HealthHandler):
         def do_GET(self):
             ports.append(self.client_address[1])
-            self.send_response(200)
-            self.send_header("Content-Length", "0")
-            self.end_headers()
-
-        def log_message(self, *args):
-            pass
+            super().do_GET()
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -193,24 +201,14 @@ def test_a_split_load_cancelled_while_its_requests_wait_ends_and_stops_its_clien
     its device call busy until the call's own limit)."""
     import asyncio
     import threading
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from http.server import ThreadingHTTPServer
 
     posted = threading.Semaphore(0)
 
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
-        def do_GET(self):  # /health: the warm-up and the opened connections
-            self.send_response(200)
-            self.send_header("Content-Length", "0")
-            self.end_headers()
-
+    class Handler(HealthHandler):  # GET (the warm-up, the opened connections) answered
         def do_POST(self):  # a load's request: never answered
             posted.release()
             threading.Event().wait()
-
-        def log_message(self, *args):
-            pass
 
     async def steps(base):
         return {}
@@ -508,25 +506,18 @@ def test_acceptance_is_the_delta_of_the_spec_counters(load_client):
     assert load_client.step_stats(steps, steps)["acceptance"] is None  # no drafts (MTP off): no acceptance
 
 
-def test_the_servers_mean_time_to_first_token_is_the_delta_of_its_histogram(load_client):
-    """The server's own mean TTFT over the load (ms): the delta of its histogram's sum over the delta of its count;
-    None when no request got its first token in the window (or the server has no such histogram)."""
-    name = load_client.TTFT_FAMILY
+@pytest.mark.parametrize("family, key", [("TTFT_FAMILY", "server_ttft_mean_ms"),
+                                         ("MESSAGE_FAMILY", "engine_message_mean_ms")])  # fmt: skip
+def test_a_servers_mean_latency_is_the_delta_of_its_histogram(load_client, family, key):
+    """The server's own mean TTFT, and the mean hop of a step's message from the engine process to the HTTP event
+    loop, over the load (ms): the delta of the histogram's sum over the delta of its count; None when nothing was
+    observed in the window (or the server has no such histogram)."""
+    name = getattr(load_client, family)
     before = {(name + "_count", None): 5.0, (name + "_sum", None): 0.5}
     after = {(name + "_count", None): 25.0, (name + "_sum", None): 0.62}
-    assert load_client.step_stats(before, after)["server_ttft_mean_ms"] == pytest.approx(6.0)
-    assert load_client.step_stats(after, after)["server_ttft_mean_ms"] is None
-    assert load_client.step_stats({}, {})["server_ttft_mean_ms"] is None
-
-
-def test_the_engine_message_hop_is_the_delta_of_its_histogram(load_client):
-    """The mean delay of a step's message from the engine process to the HTTP event loop (ms), as the TTFT's."""
-    name = load_client.MESSAGE_FAMILY
-    before = {(name + "_count", None): 100.0, (name + "_sum", None): 0.05}
-    after = {(name + "_count", None): 300.0, (name + "_sum", None): 0.15}
-    assert load_client.step_stats(before, after)["engine_message_mean_ms"] == pytest.approx(0.5)
-    assert load_client.step_stats(after, after)["engine_message_mean_ms"] is None
-    assert load_client.step_stats({}, {})["engine_message_mean_ms"] is None
+    assert load_client.step_stats(before, after)[key] == pytest.approx(6.0)
+    assert load_client.step_stats(after, after)[key] is None
+    assert load_client.step_stats({}, {})[key] is None
 
 
 def test_the_gpu_part_of_a_step_is_the_delta_of_its_own_histogram(load_client):
