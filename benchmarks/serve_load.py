@@ -9,10 +9,11 @@ each. Against each, at every concurrency, it first sends ``--warmup`` requests (
 then a fixed schedule of ``--requests`` requests (seeded prompts and arrival times, the same for every server
 and run) to /generate_stream with logprobs. It checks every request completed with finite logprobs, and
 reports median output tokens/s on vs off with the spread between starts, p50/p99 time to first token and
-inter-token latency as the client sees them, and each start-up (seconds, and the runner's summary: graphs,
-kernels tuned, seconds per phase). Beside each case it prints decode attention's share of a step as the
-tuner timed it (tuned and default), which bounds what tuning can change there; ``--control`` adds an A/A
-pair (a second "off" server) whose difference, reported per point for every number, is the method's own
+inter-token latency as the client sees them, where a first token's time went (the client's wait for the headers, the
+server's own part, the hop of each step's tokens from the engine process), and each start-up (seconds, and the
+runner's summary: graphs, kernels tuned, seconds per phase). Beside each case it prints decode attention's share
+of a step as the tuner timed it (tuned and default), which bounds what tuning can change there; ``--control`` adds
+an A/A pair (a second "off" server) whose difference, reported per point for every number, is the method's own
 noise. Every start records the config files it wrote under its config dir: an "off" start must write none (a
 failure is printed loudly and kept in the JSON, the run goes on); the tuning start's list is the expected set.
 With MTP on, each point also reports the draft acceptance (the server's spec-decode counters over the window).
