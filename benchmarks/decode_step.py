@@ -33,7 +33,6 @@ round on the same buffers:
 """
 
 import argparse
-import contextlib
 import functools
 import gc
 import itertools
@@ -49,7 +48,7 @@ import torch
 from bandwidth import copy_gbs, gemv_gbs, matmul_tflops
 
 from lightllm.common import proc as procs
-from lightllm.kernels import direct_launch, l2_prefetch
+from lightllm.kernels import direct_launch
 
 
 def bandwidths_gbs() -> dict:
@@ -75,19 +74,18 @@ def build_model(root: str, layers: int, model: str = "qwen3") -> str:
     return str(make_tiny_qwen3_5(os.path.join(root, "qwen3.5-27b-shaped"), layer_types=kinds, **QWEN3_5_27B_SHAPE))
 
 
-def step_times(model_dir, batch_sizes, kv_len, graph_max_len, profile_batch=None, buckets=None, ab=None, ab_rounds=0):
+def step_times(model_dir, batch_sizes, kv_len, graph_max_len, profile_batch=None, buckets=None, pdl_ab=0):
     """Per batch size: the eager and the graph step through ``runner.decode`` (host preparation included), and the
-    graph's replay alone (``replay_ms``: back-to-back replays between CUDA events, the GPU's time per step). ``ab``:
-    ``{name: switch}``, each the same step captured a second time inside ``switch()`` (a context manager: PDL on, an
-    L2 prefetch on), its replays alternating with the plain graph's round by round, ``ab_rounds`` rounds (see
-    :func:`replay_ab`)."""
+    graph's replay alone (``replay_ms``: back-to-back replays between CUDA events, the GPU's time per step). With
+    ``pdl_ab`` rounds, also the same step captured a second time with programmatic dependent launch
+    (``pdl_graphs``), its replays alternating with the plain graph's round by round (see :func:`replay_ab`)."""
     from lightllm import LLM
 
     llm = LLM(model_dir, data_type="bf16", running_max_req_size=max(batch_sizes), max_req_total_len=graph_max_len,
               graph_max_batch_size=max(batch_sizes), graph_max_len_in_batch=graph_max_len, batch_max_tokens=8192,
               **_bucket_option(buckets))  # fmt: skip
     runner, rows = llm.runner, []
-    variants = {name: capture_variant_graphs(runner, batch_sizes, switch) for name, switch in (ab or {}).items()}
+    pdl_graphs = capture_pdl_graphs(runner, batch_sizes) if pdl_ab else None
     for bs in batch_sizes:
         slots = [runner.kv.add_request() for _ in range(bs)]
         for s in slots:  # KV of kv_len tokens per request (contents random: timing only)
@@ -101,10 +99,10 @@ def step_times(model_dir, batch_sizes, kv_len, graph_max_len, profile_batch=None
         # attention state advanced: timing only)
         longest = max(runner.kv.seq_lens(slots))
         plain = functools.partial(runner.graphs.replay, runner.graphs.pick(bs, longest))
-        ab_times = {"replay_ms": statistics.median(_replay_rounds(plain))}
-        for name, graphs in variants.items():
-            got = replay_ab(plain, functools.partial(graphs.replay, graphs.pick(bs, longest)), ab_rounds, name)
-            ab_times.update({k: v for k, v in got.items() if k != "replay_ms"})
+        if pdl_graphs is None:
+            ab = {"replay_ms": statistics.median(_replay_rounds(plain))}
+        else:
+            ab = replay_ab(plain, functools.partial(pdl_graphs.replay, pdl_graphs.pick(bs, longest)), pdl_ab)
         if bs == profile_batch:
             from step_profile import kernel_breakdown, print_breakdown
 
@@ -112,45 +110,25 @@ def step_times(model_dir, batch_sizes, kv_len, graph_max_len, profile_batch=None
             print_breakdown(bs, profile)
         for s in slots:
             runner.free(s)
-        rows.append({"batch": bs, "eager_ms": eager, "graph_ms": graph, **ab_times})
+        rows.append({"batch": bs, "eager_ms": eager, "graph_ms": graph, **ab})
         if bs == profile_batch:
             rows[-1]["graph_kernels"] = profile
         print(json.dumps(rows[-1]), flush=True)
     return llm, rows
 
 
-def capture_variant_graphs(runner, batch_sizes, switch):
+def capture_pdl_graphs(runner, batch_sizes):
     """The runner's decode step captured again at the graph sizes serving ``batch_sizes`` and its KV length buckets,
-    inside ``switch()``, in a memory pool of its own (the plain graphs stay)."""
+    every kernel that supports it launched with programmatic dependent launch, in a memory pool of its own (the plain
+    graphs stay)."""
     from lightllm.common.cuda_graph import DecodeGraphs
 
-    with switch():
-        sizes = sorted({runner.graphs.pick(bs, 1)[1] for bs in batch_sizes})  # the sizes the plain graphs replay
-        return DecodeGraphs(sizes, runner.graphs.graph_lens).capture_all(runner._graph_decode)
-
-
-@contextlib.contextmanager
-def pdl_on():
-    """Every kernel that supports it launched with programmatic dependent launch."""
     previous = direct_launch.set_pdl(True)  # a ValueError names what is missing
     try:
-        yield
+        sizes = sorted({runner.graphs.pick(bs, 1)[1] for bs in batch_sizes})  # the sizes the plain graphs replay
+        return DecodeGraphs(sizes, runner.graphs.graph_lens).capture_all(runner._graph_decode)
     finally:
         direct_launch.set_pdl(previous)
-
-
-def prefetch_on(mib: int, evict_last: bool):
-    """Each decode layer's o_proj weight (up to ``mib`` MiB) prefetched into L2 ahead of its attention."""
-
-    @contextlib.contextmanager
-    def switch():
-        previous = l2_prefetch.set_decode_prefetch(mib << 20, evict_last)
-        try:
-            yield
-        finally:
-            l2_prefetch.set_decode_prefetch(*previous)
-
-    return switch
 
 
 def _replay_rounds(replay, rounds=5, reps=20) -> list:
@@ -173,19 +151,19 @@ def _replay_once(replay, reps=20) -> float:
     return start.elapsed_time(end) / reps
 
 
-def replay_ab(plain, variant, rounds: int, name: str = "pdl") -> dict:
-    """The plain graph of one step and a variant's (``name``), timed in ``rounds`` rounds that each time both (which
-    goes first alternates), in one process on the same buffers: a drift of clocks or of the host reaches both sides of
-    a round alike. ``{name}_over_plain``: the median of the rounds' ratios."""
-    plain(), variant()
+def replay_ab(plain, pdl, rounds: int) -> dict:
+    """The plain and the PDL graph of one step, timed in ``rounds`` rounds that each time both (which goes first
+    alternates), in one process on the same buffers: a drift of clocks or of the host reaches both sides of a round
+    alike. ``pdl_over_plain``: the median of the rounds' ratios."""
+    plain(), pdl()
     torch.cuda.synchronize()
-    times = {"plain": [], name: []}
+    times = {"plain": [], "pdl": []}
     for r in range(rounds):
-        for side, replay in (("plain", plain), (name, variant))[:: 1 if r % 2 == 0 else -1]:
-            times[side].append(_replay_once(replay))
-    ratios = [b / a for a, b in zip(times["plain"], times[name])]
-    return {"replay_ms": statistics.median(times["plain"]), f"replay_{name}_ms": statistics.median(times[name]),
-            f"{name}_over_plain": statistics.median(ratios), f"{name}_rounds": times}  # fmt: skip
+        for name, replay in (("plain", plain), ("pdl", pdl))[:: 1 if r % 2 == 0 else -1]:
+            times[name].append(_replay_once(replay))
+    ratios = [b / a for a, b in zip(times["plain"], times["pdl"])]
+    return {"replay_ms": statistics.median(times["plain"]), "replay_pdl_ms": statistics.median(times["pdl"]),
+            "pdl_over_plain": statistics.median(ratios), "pdl_rounds": times}  # fmt: skip
 
 
 def ttft_ms(llm, prompt_len: int, reps: int = 10) -> dict:
@@ -295,23 +273,11 @@ def main():
     p.add_argument("--pdl-ab", type=int, default=0, metavar="ROUNDS", help="also capture each batch's step with "
                    "programmatic dependent launch and time its replays against the plain graph's in ROUNDS "
                    "alternating rounds, in this process (resolves what the spread of processes hides)")  # fmt: skip
-    p.add_argument("--prefetch-ab", type=int, default=0, metavar="ROUNDS", help="as --pdl-ab, for each decode "
-                   "layer's o_proj weight prefetched into L2 ahead of its attention (kernels/l2_prefetch.py), one "
-                   "variant per --prefetch-mib value and --prefetch-evict-last choice")  # fmt: skip
-    p.add_argument("--prefetch-mib", type=int, nargs="+", default=[32], help="prefetch budgets of --prefetch-ab, MiB")
-    p.add_argument("--prefetch-evict-last", choices=("no", "yes", "both"), default="no",
-                   help="prefetch with L2 evict-last priority (--prefetch-ab's variants)")  # fmt: skip
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("decode_step.py needs a CUDA GPU")
     if args.pdl_ab < 0 or (args.pdl_ab and args.pdl):
         sys.exit("--pdl-ab: expected a round count >= 1 and no --pdl (it times both sides itself)")
-    if args.prefetch_ab < 0 or any(m <= 0 for m in args.prefetch_mib):
-        sys.exit("--prefetch-ab: expected a round count >= 1; --prefetch-mib: sizes >= 1")
-    ab = {"pdl": pdl_on} if args.pdl_ab else {}
-    if args.prefetch_ab:
-        evict = {"no": (False,), "yes": (True,), "both": (False, True)}[args.prefetch_evict_last]
-        ab.update({f"pf{m}{'el' if e else ''}": prefetch_on(m, e) for m in args.prefetch_mib for e in evict})
     if args.pdl:
         direct_launch.set_pdl(True)  # before the engine captures its graphs; a ValueError names what is missing
     bw = bandwidths_gbs()
@@ -322,7 +288,7 @@ def main():
         os.environ["LIGHTLLM_AUTOTUNE_CONFIG_DIR"] = os.path.join(root, "configs")
         os.environ["LIGHTLLM_TRITON_AUTOTUNE_LEVEL"] = str(args.tune_level)
         llm, rows = step_times(model_dir, args.batches, args.kv_len, 2 * args.kv_len, args.profile_batch,
-                               args.graph_len_buckets, ab, max(args.pdl_ab, args.prefetch_ab))  # fmt: skip
+                               args.graph_len_buckets, args.pdl_ab)  # fmt: skip
         c = llm.runner.config
         weight_bytes = step_weight_bytes(llm.runner.model.w)
         state_bytes = _state_bytes_per_request(llm.runner.model)
@@ -332,10 +298,9 @@ def main():
             r["floor_ms"] = (weight_bytes + kv + state) / floor_gbs / 1e6
             r["graph_over_floor"] = r["graph_ms"] / r["floor_ms"]
             r["replay_over_floor"] = r["replay_ms"] / r["floor_ms"]
-            for name in ab:
-                r[f"replay_{name}_over_floor"] = r[f"replay_{name}_ms"] / r["floor_ms"]
+            if "replay_pdl_ms" in r:
+                r["replay_pdl_over_floor"] = r["replay_pdl_ms"] / r["floor_ms"]
         result = {"device": torch.cuda.get_device_name(), "model": args.model, "pdl": args.pdl, "pdl_ab": args.pdl_ab,
-                  "prefetch_ab": args.prefetch_ab, "ab_variants": list(ab),
                   "bandwidth_GBs": bw, "layers": args.layers, "kv_len": args.kv_len, "tune_level": args.tune_level,
                   "first_start_s": llm.runner.startup_seconds, "graph_len_buckets": llm.runner.args.graph_lens(),
                   "first_start_decode_graph_buckets": graph_costs(llm.runner), "rows": rows,
@@ -365,14 +330,13 @@ def main():
         f"{t['prefill_eager_ms']:.2f} ms); floor {t['floor_ms']:.2f} ms"
     )
     print("graph ms: runner.decode with a graph (host preparation included); replay ms: the graph's replays alone")
-    heads = "".join(f" {'replay ' + n:>13} {n + '/plain':>10} {'replay ' + n + '/floor':>17}" for n in ab)
-    print(" batch  eager ms  graph ms  replay ms  floor ms  graph/floor  replay/floor" + heads)
+    pdl = " replay ms PDL  PDL/plain  replay PDL/floor" if args.pdl_ab else ""
+    print(" batch  eager ms  graph ms  replay ms  floor ms  graph/floor  replay/floor" + pdl)
     for r in rows:
         print(f"{r['batch']:6d} {r['eager_ms']:9.3f} {r['graph_ms']:9.3f} {r['replay_ms']:10.3f} {r['floor_ms']:9.3f} "
               f"{r['graph_over_floor']:12.3f} {r['replay_over_floor']:13.3f}", end="")  # fmt: skip
-        for n in ab:
-            print(f" {r[f'replay_{n}_ms']:13.3f} {r[f'{n}_over_plain']:10.3f} {r[f'replay_{n}_over_floor']:17.3f}",
-                  end="")  # fmt: skip
+        if args.pdl_ab:
+            print(f" {r['replay_pdl_ms']:13.3f} {r['pdl_over_plain']:10.3f} {r['replay_pdl_over_floor']:17.3f}", end="")
         print()
     first = describe_graph_costs(result["first_start_decode_graph_buckets"])
     print(f"decode graphs per KV length bucket {result['graph_len_buckets']}, first start: {first}")

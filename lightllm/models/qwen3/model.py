@@ -12,14 +12,12 @@ on the CPU each is its torch reference (the same rounding steps). ``benchmarks/l
 launches.
 """
 
-import functools
 from typing import Callable, NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
 from lightllm.kernels.activation import SiluMulPlan, silu_mul_ref
-from lightllm.kernels.l2_prefetch import can_prefetch, decode_prefetch, l2_prefetch
 from lightllm.kernels.linear.reference import mm_on_view
 from lightllm.kernels.linear.small_m_linear import linear_op
 from lightllm.kernels.norm.add_rmsnorm import AddRMSNormPlan, add_rmsnorm_ref
@@ -32,10 +30,6 @@ from lightllm.layers.parallel import all_reduce_
 from lightllm.models.qwen3.config import Qwen3ModelConfig
 from lightllm.models.qwen3.tensor_parallel import local_heads
 from lightllm.models.qwen3.weights import Qwen3Weights
-
-
-def no_prefetch(w: torch.Tensor) -> None:
-    return None
 
 
 class LayerOps(NamedTuple):
@@ -52,7 +46,6 @@ class LayerOps(NamedTuple):
     gate_up: Callable  # the fused gate/up projection, as qkv
     down: Callable  # down_proj, as qkv
     logits: Callable  # (h) -> float32 logits [output rows, vocab]
-    prefetch_o: Callable = no_prefetch  # (o_proj weight) -> None: ask L2 for it ahead of a decode layer's attention
 
 
 class Qwen3Model:
@@ -104,8 +97,7 @@ class Qwen3Model:
         return LayerOps(norm=RMSNormPlan((tokens, hidden), dtype, eps).run, qk_norm_rope_kv=qk_norm_rope_kv,
                         add_norm=add_norm, silu_mul=SiluMulPlan(tokens, self.intermediate, dtype, **reuse).run,
                         final_add_norm=final, **projections(True, tokens, dtype, **layer_projections(self.w.layers[0])),
-                        logits=plan_logits(rows_out, self.w.lm_head, use_kernels=True),
-                        prefetch_o=plan_prefetch_o(state, self.device))  # fmt: skip
+                        logits=plan_logits(rows_out, self.w.lm_head, use_kernels=True))  # fmt: skip
 
     def plan_step(self, tokens: int, state: InferState) -> LayerOps:
         """Everything one forward plans before its first layer: the attention plan (set on ``state``, from the
@@ -145,7 +137,6 @@ class Qwen3Model:
         for i, lw in enumerate(layers):
             qkv = ops.qkv(x, lw.qkv_proj, lw.qkv_t)
             q, k = ops.qk_norm_rope_kv(qkv, lw.q_norm, lw.k_norm, i)
-            ops.prefetch_o(lw.o_proj)
             if prefill:
                 o = attn.prefill(i, q, k, qkv[:, v_start:].view(tokens, self.kv_heads, d), state)
             else:
@@ -158,15 +149,6 @@ class Qwen3Model:
             last = (state.b_q_start + state.b_q_len - 1).long()
             h, mlp = h[last], mlp[last]
         return ops.logits(ops.final_add_norm(h, mlp, self.w.final_norm))
-
-
-def plan_prefetch_o(state: InferState, device: torch.device) -> Callable:
-    """A decode forward's ``prefetch_o`` (``kernels/l2_prefetch.py``): the layer's o_proj weight asked of L2 while its
-    attention runs, where prefetching is on and the GPU has it; else nothing."""
-    budget, evict_last = decode_prefetch()
-    if state.is_prefill or not budget or not can_prefetch(device):
-        return no_prefetch
-    return functools.partial(l2_prefetch, budget=budget, evict_last=evict_last)
 
 
 def then_write_kv(qk_norm_rope: Callable, model, token_idx: torch.Tensor) -> Callable:
