@@ -1,7 +1,9 @@
 """The decode-attention kernels' shared tuning lengths: run-key KV lengths and the timing ladder."""
 
 import contextlib
+import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -112,11 +114,62 @@ def test_a_floored_key_is_near_its_unfloored_one():
     from lightllm.kernels.attention.decode.tuning import decode_attn_run_key_distance as d
 
     assert d((8, 32768, 4096), (8, 32768, 4096)) == 0 and d((8, 32768, 4096), (8, 32768)) == 4096
-    assert d((8, 32768), (8, 32768, 16384)) == 16384 and d((8, 1, 32768, 4096), (8, 1, 32768)) == 4096
+    assert d((8, 32768), (8, 32768, 16384)) == 16384 and d((8, 1, 32768, 4096), (8, 1, 32768), prefix=2) == 4096
     cached = [(8, 32768), (8, 32768, 16384), (16, 32768, 4096)]
     assert min(cached, key=lambda c: d((8, 32768, 4096), c)) == (16, 32768, 4096)
     # a hand-edited file's run key that is not a tuple is never near (it raised TypeError: no len() of an int)
     assert d((8, 32768), 5) == d((8, 32768), None) == d(5, (8, 32768)) == math.inf
+    assert d((8, 32768), (8, "x")) == d((8, 32768), (8, True)) == math.inf and d((8, 32768), ()) == 8 + 32768
+
+
+@pytest.mark.parametrize(
+    "launch, nearest",
+    [
+        (16384, 32768),  # the default server's graph: 32K's config was timed at 16K on its ladder, 4K's never past 4K
+        (8192, 32768),
+        (32768, 32768),
+        (4096, 4096),
+        (2048, 4096),
+        (512, 1024),  # a 1K graph tuned (a bucket), nearest above 512
+        (65536, 32768),  # nothing tuned at or above it: the nearest below
+    ],
+)
+def test_the_nearest_tuning_length_is_the_nearest_at_or_above_the_launch(launch, nearest):
+    from lightllm.kernels.attention.decode.tuning import decode_attn_run_key_distance as d
+
+    cached = [(b, n) for n in (4096, 32768) for b in (1, 8, 16)] + [(8, 1024)]
+    assert min(cached, key=lambda c: d((8, launch), c)) == (8, nearest)
+    fa3_cached = [(b, 1, n) for b, n in cached]
+    assert min(fa3_cached, key=lambda c: d((8, 1, launch), c, prefix=2)) == (8, 1, nearest)
+    # a batch size that was not tuned takes the nearest tuned one at the chosen length
+    assert min(cached, key=lambda c: d((10, launch), c)) == (8, nearest)
+
+
+def test_shipped_decode_attention_configs_resolve_to_the_tuning_length_that_covers_the_graph():
+    """At level 0, the shipped H200 files (graph lengths 4096 and 32768) give a 16K graph (the default
+    ``max_req_total_len``) the 32K-tuned config of its batch size, and a 4K or 2K graph the 4K one."""
+    from lightllm.common.autotuner import store
+    from lightllm.kernels.attention.decode.tuning import decode_attn_run_key_distance
+
+    shipped = Path(store.__file__).resolve().parent / "configs"  # the package's own (the fixtures isolate the root)
+    files = [*shipped.glob("triton_*/*/fa3_decode/*.json"), *shipped.glob("triton_*/*/gqa_flash_decode*/*.json")]
+    assert files
+    checked = 0
+    for path in files:
+        prefix = 2 if path.parent.name == "fa3_decode" else 1
+        keys = [tuple(json.loads(k)) for k in json.loads(path.read_text())["configs"]]
+        lens = {k[prefix] for k in keys}
+        if not {4096, 32768} <= lens:
+            continue
+        for key in keys:
+            if key[prefix] != 32768:
+                continue
+            for launch, want in ((16384, 32768), (32768, 32768), (4096, 4096), (2048, 4096)):
+                run = key[:prefix] + (launch,)
+                got = min(keys, key=lambda c: decode_attn_run_key_distance(run, c, prefix=prefix))
+                assert got == key[:prefix] + (want,), (path.name, run, got)
+                checked += 1
+    assert checked >= 4 * 19 * 10  # bf16, FA3 and quantized files of at least ten shapes ship both lengths
 
 
 @pytest.mark.parametrize("lens", [[0, 4096], [4096, 1024], [1024, 1024], [-1]])

@@ -24,7 +24,7 @@ import importlib.metadata
 import logging
 import math
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import lru_cache, partial
 from typing import Callable, Optional, Tuple
 
 import torch
@@ -233,7 +233,7 @@ def _representative_batches(named: dict) -> list:
     configs_gen_func=_configs,
     static_key_func=_static_key,
     run_key_func=_run_key,
-    run_key_distance_func=decode_attn_run_key_distance,
+    run_key_distance_func=partial(decode_attn_run_key_distance, prefix=2),  # (batch, q_len, length[, floor])
     kernel_type=AutotuneKernelType.DECODE_ATTENTION,
     rebuild_input_func=_representative_batches,
     choice_rule=FA3_CHOICE_RULE,

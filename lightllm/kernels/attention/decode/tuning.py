@@ -65,14 +65,30 @@ def decode_attn_run_key_lens(launch_max_len: int) -> tuple:
     return (round_up_kv_len(decode_attn_run_key_kv_len(launch_max_len)),) + ((floor,) if floor else ())
 
 
-def decode_attn_run_key_distance(run_key: tuple, cached_key: tuple) -> float:
-    """The tuner's nearest-key distance for decode-attention run keys: L1 with an absent served floor counted as 0,
-    so a bucketed graph finds its own range's config first, then the nearest other range's (a one-graph start's,
-    a shipped file's), never nothing: keys with and without a floor would otherwise never be near."""
+# A config tuned for a shorter graph never timed the longest lengths a longer graph replays (and a ladder stops at
+# its tuning length), so any cached key tuned at or above a launch's length is nearer than every key tuned below it.
+_BELOW_PENALTY_OCTAVES = 100.0
+_TOKENS_PER_OCTAVE = 1e9  # one octave of tuning length outweighs any served-floor or batch difference
+
+
+def decode_attn_run_key_distance(run_key: tuple, cached_key: tuple, prefix: int = 1) -> float:
+    """The tuner's nearest-key distance for decode-attention run keys ``(*leading parts, tuning length[, floor])``,
+    ``prefix`` leading parts (batch; FA3: batch and q_len). The tuning length first: the nearest at or above the
+    launch's, in octaves, then the nearest below; then L1 over the served floor (an absent one counts as 0) and the
+    leading parts. So a bucketed graph finds its own range's config first, then the nearest other range's (a
+    one-graph start's, a shipped file's), never nothing; and a 16K graph takes configs tuned for 32K (timed at 16K
+    on their ladder) over ones tuned for 4K (never timed past 4K)."""
     if not (isinstance(run_key, tuple) and isinstance(cached_key, tuple)):  # a hand-edited file's key: never near
         return default_run_key_distance(run_key, cached_key)
-    width = max(len(run_key), len(cached_key))
-    return default_run_key_distance(_padded(run_key, width), _padded(cached_key, width))
+    width = max(len(run_key), len(cached_key), prefix + 1)
+    run, cached = _padded(run_key, width), _padded(cached_key, width)
+    l1 = default_run_key_distance(run, cached)  # inf unless every part is a number
+    length, tuned = run[prefix], cached[prefix]
+    if not math.isfinite(l1) or length <= 0 or tuned <= 0:
+        return l1
+    octaves = math.log2(tuned / length)
+    length_cost = octaves if octaves >= 0 else _BELOW_PENALTY_OCTAVES - octaves
+    return _TOKENS_PER_OCTAVE * length_cost + l1 - abs(tuned - length)
 
 
 def _padded(key: tuple, width: int) -> tuple:
