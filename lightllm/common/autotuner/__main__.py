@@ -7,6 +7,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import List, Optional, Tuple
 
+from filelock import FileLock, Timeout
+
 from lightllm.common import envs
 from lightllm.common.autotuner import store
 from lightllm.common.autotuner.keys import key_from_json
@@ -113,6 +115,19 @@ def _merged(dest: Path, src: dict) -> Optional[dict]:
     return out
 
 
+def _merge_into(dest: Path, src: dict) -> bool:
+    """Merge ``src`` into the file at ``dest`` (``_merged``) under the lock the store's writers take, so that two
+    exports into one folder, or an export into a folder that is a server's config root, merge rather than drop each
+    other's keys (and no writer takes this one's temp file for a stale one). False when ``dest`` cannot be read."""
+    with FileLock(str(dest) + ".lock", timeout=store.LOCK_TIMEOUT_S):
+        payload = _merged(dest, src)
+        if payload is None:
+            return False
+        store.remove_stale_temp_files(dest)
+        store.atomic_write_json(dest, payload)
+    return True
+
+
 def _export_dir_problem(text: str) -> Optional[str]:
     """Why ``export`` cannot write into the folder ``text``, or None: an empty name (an unset shell variable) is not
     the current folder, and a file, or a path under one, is no folder."""
@@ -145,18 +160,22 @@ def cmd_export(args) -> int:
             print(f"skipped {path}: unreadable (see warning above)")
             continue
         dest = dest_root / path.relative_to(root)
-        payload = _merged(dest, data)
-        if payload is None:
+        try:
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            written = _merge_into(dest, data)
+        except Timeout:
+            print(f"error: {dest} stayed locked for {store.LOCK_TIMEOUT_S:g} s (another export, or a server whose "
+                  "config root this is, writing it); not exported into: export again", file=sys.stderr)  # fmt: skip
+            refused += 1
+            continue
+        except OSError as e:
+            print(f"error: could not write {dest}: {e}", file=sys.stderr)
+            return 1
+        if not written:
             print(f"error: {dest} exists and cannot be read (see warning above); left as it is, not exported into: "
                   "fix or remove it, then export again", file=sys.stderr)  # fmt: skip
             refused += 1
             continue
-        try:
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            store.atomic_write_json(dest, payload)
-        except OSError as e:
-            print(f"error: could not write {dest}: {e}", file=sys.stderr)
-            return 1
         files, keys = files + 1, keys + len(data["configs"])
     if not files and not refused:
         print(f"nothing to export: no configs{'' if args.kernel is None else f' of kernel {args.kernel!r}'} under "

@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
 SHIPPED_ROOT = Path(__file__).resolve().parent / "configs"
-_LOCK_TIMEOUT_S = 60.0
+LOCK_TIMEOUT_S = 60.0
 _MAX_NAME_LEN = 160
 _warned_paths = set()
 
@@ -200,7 +200,7 @@ class ConfigStore:
         path = self.path(envs.get_autotune_config_dir(), frozen_static_key)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            with FileLock(str(path) + ".lock", timeout=_LOCK_TIMEOUT_S):
+            with FileLock(str(path) + ".lock", timeout=LOCK_TIMEOUT_S):
                 configs, timings = without_run_keys(read_config_file(path) or {}, set(entries))
                 now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
                 for run_key, (config, timing) in entries.items():
@@ -214,7 +214,7 @@ class ConfigStore:
                     "configs": dict(sorted(configs.items())),
                     "timings": dict(sorted(timings.items())),
                 }
-                _remove_stale_temp_files(path)
+                remove_stale_temp_files(path)
                 atomic_write_json(path, payload)
             _sweep_stale_temp_files(path)
         except (OSError, Timeout, TypeError, ValueError) as e:
@@ -228,7 +228,7 @@ def _temp_file_pattern(path: Path) -> "re.Pattern":
     return re.compile(rf"\.{re.escape(path.name)}\.[A-Za-z0-9_]+\.tmp")
 
 
-def _remove_stale_temp_files(path: Path) -> None:
+def remove_stale_temp_files(path: Path) -> None:
     """Call with ``path``'s lock held: its writers make temp files only under that lock, so any left is stale."""
     pattern = _temp_file_pattern(path)
     for entry in os.scandir(path.parent):
@@ -252,7 +252,7 @@ def _sweep_stale_temp_files(written: Path) -> None:
         path = written.parent / match["name"]
         try:
             with FileLock(str(path) + ".lock", timeout=0):
-                _remove_stale_temp_files(path)
+                remove_stale_temp_files(path)
         except (Timeout, OSError):
             continue
 

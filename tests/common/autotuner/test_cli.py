@@ -2,6 +2,7 @@ import json
 import shutil
 
 import pytest
+from filelock import FileLock, Timeout
 
 from lightllm.common.autotuner import __main__ as cli
 from lightllm.common.autotuner import store
@@ -251,3 +252,35 @@ def test_export_refuses_a_dir_that_is_no_folder(two_kernels, tmp_path, capsys, m
     assert captured.err.startswith(f"error: export DIR {arg!r} ") and len(captured.err.splitlines()) == 1
     assert "expected a folder" in captured.err and captured.out == ""
     assert sorted(p.name for p in tmp_path.iterdir()) == ["autotune", "f", "shipped"] and f.read_text() == "x"
+
+
+def test_export_merges_under_the_lock_the_store_writers_take(two_kernels, tmp_path, capsys, monkeypatch):
+    """Two exports into one folder, or one into a folder that is a server's config root, must not drop each other's
+    keys: the read-merge-write of each file holds ``FILE.lock``, as the store's own writers do."""
+    dest = tmp_path / "ship"
+    seen = []
+    merged = cli._merged
+
+    def merged_and_checked(path, src):
+        try:
+            with FileLock(str(path) + ".lock", timeout=0):  # another open of the lock file: refused while held
+                seen.append("free")
+        except Timeout:
+            seen.append("held")
+        return merged(path, src)
+
+    monkeypatch.setattr(cli, "_merged", merged_and_checked)
+    assert cli.main(["export", str(dest), "--kernel", "decode_a"]) == 0
+    assert seen == ["held", "held"]
+
+
+def test_export_skips_a_file_another_writer_keeps_locked(two_kernels, tmp_path, capsys, monkeypatch):
+    dest = tmp_path / "ship"
+    rel = store.ConfigStore("decode_a").path(two_kernels, freeze({"d": 128})).relative_to(two_kernels)
+    (dest / rel).parent.mkdir(parents=True)
+    monkeypatch.setattr(store, "LOCK_TIMEOUT_S", 0.0)
+    with FileLock(str(dest / rel) + ".lock"):
+        assert cli.main(["export", str(dest), "--kernel", "decode_a"]) == 1
+    captured = capsys.readouterr()
+    assert captured.err.startswith(f"error: {dest / rel} stayed locked for 0 s") and len(captured.err.splitlines()) == 1
+    assert "exported 1 config files (1 run keys)" in captured.out and not (dest / rel).exists()
