@@ -22,6 +22,14 @@ needs are timed, each for every candidate:
 
     python benchmarks/decode_attention.py --buckets 4096 --batches 1 8 16 --lens 1024 8192 32768 --kinds none \
         --no-fa3 --out benchmarks/results/decode_attention_buckets_h200.json
+
+``--analyze RUN --nearest 8192 16384`` reads a saved bucket run instead: a graph of each of those lengths, never
+tuned itself, replays the config tuned for a graph of each ``--nearest-tuned`` length (default 4096 32768, what
+ships), and the table says which one the tuner's nearest-key rule takes (no GPU; the run must have timed those
+graphs, as ``--also-buckets`` does):
+
+    python benchmarks/decode_attention.py --analyze benchmarks/results/decode_attention_bucket_sets_h200.json \
+        --nearest 8192 16384 --out benchmarks/results/decode_attention_nearest_tuned_len_h200.json
 """
 
 import argparse
@@ -37,11 +45,13 @@ from bandwidth import copy_gbs
 from bench_io import save_json
 from decode_attention_buckets import (
     analyze_buckets,
+    analyze_nearest,
     bucket_ladders,
     bucket_sets,
     graph_lens,
     parse_set,
     print_bucket_table,
+    print_nearest_table,
     set_name,
     timing_points,
 )
@@ -392,12 +402,33 @@ def main():
     p.add_argument("--also-buckets", nargs="+", default=[], metavar="SET", type=parse_set,
                    help="more bucket sets to compare, each comma-separated (e.g. 2048,8192); the points they need "
                    "are timed in the same run")  # fmt: skip
+    p.add_argument(
+        "--nearest",
+        nargs="+",
+        type=int,
+        default=None,
+        metavar="LEN",
+        help="with --analyze of a bucket run: graphs of these lengths replaying configs tuned for others",
+    )
+    p.add_argument(
+        "--nearest-tuned",
+        nargs="+",
+        type=int,
+        default=[4096, 32768],
+        metavar="LEN",
+        help="the graph lengths tuned configs exist for (default: what ships)",
+    )
     p.add_argument("--out", default="benchmarks/results/decode_attention.json")
     args = p.parse_args()
     if args.buckets is not None and any(b <= 0 for b in args.buckets):
         p.error(f"--buckets expected positive KV lengths, got {args.buckets}")
     if args.also_buckets and args.buckets is None:
         p.error("--also-buckets expected --buckets too")
+    if args.nearest is not None and not args.analyze:
+        p.error("--nearest expected --analyze too (a saved bucket run)")
+    for flag, lens in (("--nearest", args.nearest or []), ("--nearest-tuned", args.nearest_tuned)):
+        if any(n <= 0 for n in lens):
+            p.error(f"{flag} expected positive KV lengths, got {lens}")
     if args.analyze:
         with open(args.analyze) as f:
             results = json.load(f)
@@ -407,6 +438,18 @@ def main():
         results = run_buckets(args)
     else:
         results = run(args)
+    if args.nearest is not None:
+        if results.get("mode") != "buckets":
+            sys.exit(f"--nearest expected a bucket run (--buckets), and {args.analyze} is not one")
+        entries = analyze_nearest(results, args.nearest, args.nearest_tuned)
+        if not entries:
+            sys.exit(
+                f"--nearest: {args.analyze} timed no graph of {args.nearest} with configs for {args.nearest_tuned}"
+            )
+        save_json({"device": results.get("device"), "source": args.analyze, "graphs": args.nearest,
+                   "tuned": args.nearest_tuned, "analysis": entries}, args.out)  # fmt: skip
+        print_nearest_table(results, entries)
+        return
     if results.get("mode") == "buckets":
         results["analysis"] = analyze_buckets(results)
         if not args.analyze:

@@ -6,6 +6,9 @@ replays the graph of the smallest bucket >= L: the config each choice rule picks
 launched for the bucket, at L. Its loss is measured against the cell's best eager launch (every candidate and the
 default launched for L itself) and against the default eager launch. The same is reported for one bucket (the
 default: one graph up to the largest L) to show what the buckets buy.
+
+``analyze_nearest`` reads the same run for a graph whose own length was never tuned (level 0 with configs shipped
+for other graph lengths): the config each tuned length's one-graph search picks, replayed in that graph.
 """
 
 import argparse
@@ -15,7 +18,11 @@ from typing import Dict, List, Sequence
 
 from lightllm.common.autotuner.choice import choose
 from lightllm.common.envs import AUTOTUNE_CHOICE_RULES
-from lightllm.kernels.attention.decode.tuning import decode_attn_autotune_seq_lens, set_decode_graph_lens
+from lightllm.kernels.attention.decode.tuning import (
+    decode_attn_autotune_seq_lens,
+    decode_attn_run_key_distance,
+    set_decode_graph_lens,
+)
 
 RULES = ("tuning_len", *(r for r in AUTOTUNE_CHOICE_RULES if r != "tuning_len"))
 GOAL_VS_BEST_PCT, GOAL_VS_DEFAULT_PCT = 3.0, 2.0  # issue 17: within 3 % of the best, never 2 % slower than default
@@ -174,3 +181,62 @@ def summarize(entries: list) -> dict:
         s["worst_vs_best_pct"] = max(s["worst_vs_best_pct"], e["worst_vs_best_pct"])
         s["worst_vs_default_pct"] = max(s["worst_vs_default_pct"], e["worst_vs_default_pct"])
     return out
+
+
+def analyze_nearest(results: dict, graphs: Sequence[int], tuned: Sequence[int], rule: str = "minimax_loss") -> list:
+    """A graph whose own length was never tuned (level 0, with configs shipped for other graph lengths) replays the
+    config of the nearest tuned run key. Per (shape, B, KV type), graph length G and tuned length T: the config T's
+    one-graph search picks by ``rule`` (T's ladder, launched for T), replayed in G's graph at every L <= G of the run,
+    and its loss % vs L's best and default eager launches; ``nearest`` marks the T the tuner's nearest-key rule
+    (``decode_attn_run_key_distance``) takes for G, ``l1`` the one plain L1 distance would take."""
+    points = {(p["shape"], p["B"], p["kind"], p["L"], p["launch"]): p for p in results["points"]}
+    out = []
+    for shape, batch, kind in sorted({k[:3] for k in points}):
+        at = {k[3:]: _times(p) for k, p in points.items() if k[:3] == (shape, batch, kind)}
+        names = [None] + [json.dumps(c, sort_keys=True) for c, _ in next(iter(
+            p for k, p in points.items() if k[:3] == (shape, batch, kind)))["configs"]]  # fmt: skip
+        for graph in graphs:
+            lens = [n for n in results["lens"] if n <= graph]
+            if any((n, graph) not in at or (n, n) not in at for n in lens):
+                continue  # the run did not time this graph
+            nearest = min(tuned, key=lambda t: decode_attn_run_key_distance((batch, graph), (batch, t)))
+            l1 = min(tuned, key=lambda t: abs(t - graph))
+            for t in tuned:
+                ladder_lens = bucket_ladders([t])[t]
+                if any((m, t) not in at for m in ladder_lens):
+                    continue
+                ladder = [at[(m, t)] for m in ladder_lens]
+                candidates = {i: [x[i + 1] for x in ladder] for i in range(len(names) - 1)}
+                pick = choose([x[0] for x in ladder], candidates, rule) + 1  # index into _times
+                vs_best = [_loss_pct(at[(n, graph)][pick], min(at[(n, n)])) for n in lens]
+                vs_default = [_loss_pct(at[(n, graph)][pick], at[(n, n)][0]) for n in lens]
+                out.append({"shape": shape, "B": batch, "kind": kind, "graph": graph, "tuned_at": t, "rule": rule,
+                            "ladder": ladder_lens, "lens": lens, "config": names[pick], "vs_best_pct": vs_best,
+                            "vs_default_pct": vs_default, "worst_vs_best_pct": max(vs_best),
+                            "worst_vs_default_pct": max(vs_default), "nearest": t == nearest,
+                            "l1": t == l1})  # fmt: skip
+    return out
+
+
+def print_nearest_table(results: dict, entries: list) -> None:
+    print(f"\n{results.get('device', '')}: a decode graph replaying the config tuned for another graph length (its "
+          "own never tuned), rule " + (entries[0]["rule"] if entries else "-"))  # fmt: skip
+    print("loss % at L vs L's best eager launch / vs its default eager launch; N: the tuned length the nearest-key "
+          "rule takes, L1: the one plain L1 distance would")  # fmt: skip
+    print(f"{'shape':13s} {'B':>4s} kind {'graph':>6s} {'tuned':>6s}  pick  {'worst':>14s}  {'mean vs best':>12s}")
+    for e in entries:
+        mark = ("N" if e["nearest"] else "-") + ("/L1" if e["l1"] else "   ")
+        mean = sum(e["vs_best_pct"]) / len(e["vs_best_pct"])
+        print(f"{e['shape']:13s} {e['B']:4d} {e['kind']:4s} {e['graph']:6d} {e['tuned_at']:6d}  {mark:4s}  "
+              f"{e['worst_vs_best_pct']:6.1f}/{e['worst_vs_default_pct']:6.1f}  {mean:12.2f}")  # fmt: skip
+    print("\nper graph length and choice (nearest-key rule / plain L1), over the rows: worst % vs best, worst % vs "
+          "default, mean % vs best")  # fmt: skip
+    for graph in sorted({e["graph"] for e in entries}):
+        for flag in ("nearest", "l1"):
+            sel = [e for e in entries if e["graph"] == graph and e[flag]]
+            if sel:
+                mean = sum(sum(e["vs_best_pct"]) / len(e["vs_best_pct"]) for e in sel) / len(sel)
+                worst_best = max(e["worst_vs_best_pct"] for e in sel)
+                worst_default = max(e["worst_vs_default_pct"] for e in sel)
+                print(f"  graph {graph:6d} {flag:8s} {len(sel):3d} rows   {worst_best:6.1f} / {worst_default:6.1f} / "
+                      f"{mean:5.2f}")  # fmt: skip

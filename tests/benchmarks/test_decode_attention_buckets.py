@@ -137,3 +137,59 @@ def test_also_buckets_needs_buckets(bench, monkeypatch, capsys):
     with pytest.raises(SystemExit):
         main.main()
     assert "--also-buckets expected --buckets too" in capsys.readouterr().err
+
+
+# ms of (default, A, B) per (KV length, launch length): graphs tuned at 1024 (A wins its ladder) and at 8192 (B wins),
+# and a 2048 graph (L = 1K and 2K) that was never tuned
+NEAREST_TIMES = {
+    (1024, 1024): (3.0, 2.0, 2.5), (512, 1024): (2.0, 1.5, 1.8),  # 1024's ladder: A
+    (8192, 8192): (20, 25, 18), (4096, 8192): (11, 13, 10), (1024, 8192): (5, 4.5, 4.4),
+    (512, 8192): (3, 2.9, 2.8),  # 8192's ladder: B
+    (1024, 2048): (4.0, 3.2, 3.0), (2048, 2048): (6.0, 7.5, 5.0),  # the 2048 graph (2K is also its eager launch)
+}  # fmt: skip
+
+
+def nearest_run():
+    points = [{"shape": "hq32-hk8-d128", "B": 8, "kind": "none", "L": n, "launch": launch, "default_ms": t[0],
+               "configs": [[A, t[1]], [B, t[2]]]} for (n, launch), t in NEAREST_TIMES.items()]  # fmt: skip
+    return {"device": "test", "mode": "buckets", "buckets": [2048], "lens": [1024, 2048], "points": points}
+
+
+def test_a_graph_never_tuned_replays_each_tuned_length_s_pick(bench):
+    """The 2048 graph with configs tuned only at 1024 and 8192: the nearest-key rule takes 8192 (at or above the
+    graph's length), plain L1 1024; each pick's loss at 1K and 2K against their eager best and default."""
+    entries = {e["tuned_at"]: e for e in bench.analyze_nearest(nearest_run(), [2048], [1024, 8192])}
+    assert set(entries) == {1024, 8192}
+    short, long = entries[1024], entries[8192]
+    assert (short["config"], long["config"]) == (json.dumps(A), json.dumps(B))
+    assert (short["nearest"], short["l1"], long["nearest"], long["l1"]) == (False, True, True, False)
+    assert short["ladder"] == [1024, 512] and long["ladder"] == [8192, 4096, 1024, 512]
+    assert short["vs_best_pct"] == pytest.approx([60.0, 50.0]) and short["vs_default_pct"] == pytest.approx(
+        [(3.2 / 3.0 - 1) * 100, 25.0])  # fmt: skip
+    assert long["vs_best_pct"] == pytest.approx([50.0, 0.0]) and long["worst_vs_default_pct"] == pytest.approx(0.0)
+    assert bench.analyze_nearest(nearest_run(), [4096], [1024, 8192]) == []  # no 4096 graph timed
+
+
+def test_nearest_analysis_from_the_command_line(bench, monkeypatch, tmp_path, capsys):
+    run, out = tmp_path / "run.json", tmp_path / "nearest.json"
+    run.write_text(json.dumps(nearest_run()))
+    main = importlib.import_module("decode_attention")
+    argv = ["decode_attention.py", "--analyze", str(run), "--nearest", "2048", "--nearest-tuned", "1024", "8192"]
+    monkeypatch.setattr(sys, "argv", argv + ["--out", str(out)])
+    main.main()
+    rows = [ln.split() for ln in capsys.readouterr().out.splitlines() if ln.startswith("hq32-hk8-d128")]
+    assert [(r[4], r[5]) for r in rows] == [("1024", "-/L1"), ("8192", "N")]
+    saved = json.loads(out.read_text())
+    assert saved["graphs"] == [2048] and [e["tuned_at"] for e in saved["analysis"]] == [1024, 8192]
+    for extra, why in (
+        (["--nearest", "2048"], "--nearest expected --analyze too"),
+        (["--analyze", str(run), "--nearest", "0"], "--nearest expected positive KV lengths"),
+    ):
+        monkeypatch.setattr(sys, "argv", ["decode_attention.py", *extra])
+        with pytest.raises(SystemExit):
+            main.main()
+        assert why in capsys.readouterr().err
+    old = os.path.join(REPO, "benchmarks", "results", "decode_attention_h200.json")
+    monkeypatch.setattr(sys, "argv", ["decode_attention.py", "--analyze", old, "--nearest", "2048"])
+    with pytest.raises(SystemExit, match="expected a bucket run"):
+        main.main()
