@@ -402,22 +402,11 @@ def main():
     p.add_argument("--also-buckets", nargs="+", default=[], metavar="SET", type=parse_set,
                    help="more bucket sets to compare, each comma-separated (e.g. 2048,8192); the points they need "
                    "are timed in the same run")  # fmt: skip
-    p.add_argument(
-        "--nearest",
-        nargs="+",
-        type=int,
-        default=None,
-        metavar="LEN",
-        help="with --analyze of a bucket run: graphs of these lengths replaying configs tuned for others",
-    )
-    p.add_argument(
-        "--nearest-tuned",
-        nargs="+",
-        type=int,
-        default=[4096, 32768],
-        metavar="LEN",
-        help="the graph lengths tuned configs exist for (default: what ships)",
-    )
+    p.add_argument("--nearest", nargs="+", type=int, default=None, metavar="LEN",
+                   help="with --analyze of a bucket run: graphs of these lengths replaying configs tuned for "
+                   "others")  # fmt: skip
+    p.add_argument("--nearest-tuned", nargs="+", type=int, default=[4096, 32768], metavar="LEN",
+                   help="the graph lengths tuned configs exist for (default: what ships)")  # fmt: skip
     p.add_argument("--out", default="benchmarks/results/decode_attention.json")
     args = p.parse_args()
     if args.buckets is not None and any(b <= 0 for b in args.buckets):
@@ -443,9 +432,7 @@ def main():
             sys.exit(f"--nearest expected a bucket run (--buckets), and {args.analyze} is not one")
         entries = analyze_nearest(results, args.nearest, args.nearest_tuned)
         if not entries:
-            sys.exit(
-                f"--nearest: {args.analyze} timed no graph of {args.nearest} with configs for {args.nearest_tuned}"
-            )
+            sys.exit(f"--nearest: {args.analyze} timed no graph of {args.nearest} tuned at {args.nearest_tuned}")
         save_json({"device": results.get("device"), "source": args.analyze, "graphs": args.nearest,
                    "tuned": args.nearest_tuned, "analysis": entries}, args.out)  # fmt: skip
         print_nearest_table(results, entries)
