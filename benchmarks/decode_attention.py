@@ -24,9 +24,10 @@ needs are timed, each for every candidate:
         --no-fa3 --out benchmarks/results/decode_attention_buckets_h200.json
 
 ``--analyze RUN --nearest 8192 16384`` reads a saved bucket run instead: a graph of each of those lengths, never
-tuned itself, replays the config tuned for a graph of each ``--nearest-tuned`` length (default 4096 32768, what
-ships), and the table says which one the tuner's nearest-key rule takes (no GPU; the run must have timed those
-graphs, as ``--also-buckets`` does):
+tuned itself, replays the config tuned for a graph of each ``--tuned-lens`` length (default 4096 32768, what ships),
+and the table says which one the tuner's nearest-key rule takes. ``--analyze RUN --level0 16384 4096,16384`` gives
+those bucket sets at level 0 with configs tuned only at ``--tuned-lens``: each bucket's graph replays what the rule
+takes for it. No GPU; the run must have timed those graphs (as ``--also-buckets`` does):
 
     python benchmarks/decode_attention.py --analyze benchmarks/results/decode_attention_bucket_sets_h200.json \
         --nearest 8192 16384 --out benchmarks/results/decode_attention_nearest_tuned_len_h200.json
@@ -45,12 +46,14 @@ from bandwidth import copy_gbs
 from bench_io import save_json
 from decode_attention_buckets import (
     analyze_buckets,
+    analyze_level0,
     analyze_nearest,
     bucket_ladders,
     bucket_sets,
     graph_lens,
     parse_set,
     print_bucket_table,
+    print_level0_table,
     print_nearest_table,
     set_name,
     timing_points,
@@ -386,6 +389,23 @@ def print_tables(results, rows, frozen):
         print(f"stage2 {s['shape']} B={s['B']} L={s['L']} splits={s['splits']}: {st} us")
 
 
+def analyze_tuned_lens(args, results: dict) -> None:
+    """``--nearest`` / ``--level0`` on a saved bucket run: the table printed, the entries saved to ``--out``."""
+    nearest = args.nearest is not None
+    flag, wanted = ("--nearest", args.nearest) if nearest else ("--level0", args.level0)
+    if results.get("mode") != "buckets":
+        sys.exit(f"{flag} expected a bucket run (--buckets), and {args.analyze} is not one")
+    entries = (analyze_nearest if nearest else analyze_level0)(results, wanted, args.tuned_lens)
+    if not entries:
+        sys.exit(f"{flag}: {args.analyze} timed no graphs of {wanted} with configs tuned at {args.tuned_lens}")
+    save_json({"device": results.get("device"), "source": args.analyze, "graphs" if nearest else "sets": wanted,
+               "tuned": args.tuned_lens, "analysis": entries}, args.out)  # fmt: skip
+    if nearest:
+        print_nearest_table(results, entries)
+    else:
+        print_level0_table(results, entries, args.tuned_lens)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
@@ -405,17 +425,29 @@ def main():
     p.add_argument("--nearest", nargs="+", type=int, default=None, metavar="LEN",
                    help="with --analyze of a bucket run: graphs of these lengths replaying configs tuned for "
                    "others")  # fmt: skip
-    p.add_argument("--nearest-tuned", nargs="+", type=int, default=[4096, 32768], metavar="LEN",
-                   help="the graph lengths tuned configs exist for (default: what ships)")  # fmt: skip
+    p.add_argument("--level0", nargs="+", default=None, metavar="SET", type=parse_set,
+                   help="with --analyze of a bucket run: these bucket sets (comma-separated, the largest the graph "
+                   "maximum) at level 0 with configs tuned only at --tuned-lens")  # fmt: skip
+    p.add_argument(
+        "--tuned-lens",
+        nargs="+",
+        type=int,
+        default=[4096, 32768],
+        metavar="LEN",
+        help="--nearest / --level0: the graph lengths tuned configs exist for (default: what ships)",
+    )
     p.add_argument("--out", default="benchmarks/results/decode_attention.json")
     args = p.parse_args()
     if args.buckets is not None and any(b <= 0 for b in args.buckets):
         p.error(f"--buckets expected positive KV lengths, got {args.buckets}")
     if args.also_buckets and args.buckets is None:
         p.error("--also-buckets expected --buckets too")
-    if args.nearest is not None and not args.analyze:
-        p.error("--nearest expected --analyze too (a saved bucket run)")
-    for flag, lens in (("--nearest", args.nearest or []), ("--nearest-tuned", args.nearest_tuned)):
+    for flag in ("nearest", "level0"):
+        if getattr(args, flag) is not None and not args.analyze:
+            p.error(f"--{flag} expected --analyze too (a saved bucket run)")
+    if args.nearest is not None and args.level0 is not None:
+        p.error("--nearest and --level0 expected one at a time")
+    for flag, lens in (("--nearest", args.nearest or []), ("--tuned-lens", args.tuned_lens)):
         if any(n <= 0 for n in lens):
             p.error(f"{flag} expected positive KV lengths, got {lens}")
     if args.analyze:
@@ -427,15 +459,8 @@ def main():
         results = run_buckets(args)
     else:
         results = run(args)
-    if args.nearest is not None:
-        if results.get("mode") != "buckets":
-            sys.exit(f"--nearest expected a bucket run (--buckets), and {args.analyze} is not one")
-        entries = analyze_nearest(results, args.nearest, args.nearest_tuned)
-        if not entries:
-            sys.exit(f"--nearest: {args.analyze} timed no graph of {args.nearest} tuned at {args.nearest_tuned}")
-        save_json({"device": results.get("device"), "source": args.analyze, "graphs": args.nearest,
-                   "tuned": args.nearest_tuned, "analysis": entries}, args.out)  # fmt: skip
-        print_nearest_table(results, entries)
+    if args.nearest is not None or args.level0 is not None:
+        analyze_tuned_lens(args, results)
         return
     if results.get("mode") == "buckets":
         results["analysis"] = analyze_buckets(results)

@@ -183,6 +183,55 @@ def summarize(entries: list) -> dict:
     return out
 
 
+def nearest_tuned_len(batch: int, bucket: int, floor: int, tuned: Sequence[int]) -> int:
+    """The graph length whose one-graph configs the tuner's nearest-key rule (``decode_attn_run_key_distance``) takes
+    at level 0 for a graph of ``bucket`` above a smaller bucket ``floor`` (0: none), where only ``tuned`` lengths were
+    tuned (the shipped configs, say)."""
+    run_key = (batch, bucket) + ((floor,) if floor else ())
+    return min(tuned, key=lambda t: decode_attn_run_key_distance(run_key, (batch, t)))
+
+
+def _one_graph_pick(at: dict, candidates_count: int, tuned: int, rule: str) -> int:
+    """Index into ``_times`` of the config a one-graph search at ``tuned`` picks (its ladder, launched for it)."""
+    ladder = [at[(m, tuned)] for m in bucket_ladders([tuned])[tuned]]
+    candidates = {i: [x[i + 1] for x in ladder] for i in range(candidates_count)}
+    return choose([x[0] for x in ladder], candidates, rule) + 1
+
+
+def _has_ladder(at: dict, tuned: int) -> bool:
+    return all((m, tuned) in at for m in bucket_ladders([tuned])[tuned])
+
+
+def analyze_level0(results: dict, sets: Sequence[Sequence[int]], tuned: Sequence[int], rule: str = "minimax_loss"):
+    """Bucket sets at level 0 with configs tuned only at the ``tuned`` graph lengths: each bucket's graph replays the
+    config of the tuned length the nearest-key rule takes for its run key (``nearest_tuned_len``). Per (shape, B, KV
+    type) and set (its largest bucket is the graph maximum; the run's L up to it): the loss % at every L against L's
+    best and default eager launches, as ``analyze_buckets`` reports them."""
+    points = {(p["shape"], p["B"], p["kind"], p["L"], p["launch"]): p for p in results["points"]}
+    out = []
+    for shape, batch, kind in sorted({k[:3] for k in points}):
+        at = {k[3:]: _times(p) for k, p in points.items() if k[:3] == (shape, batch, kind)}
+        count = len(next(p for k, p in points.items() if k[:3] == (shape, batch, kind))["configs"])
+        for buckets in sets:
+            buckets = sorted(buckets)
+            lens = [n for n in results["lens"] if n <= buckets[-1]]
+            floors = dict(zip(buckets, [0] + buckets[:-1]))
+            from_len = {b: nearest_tuned_len(batch, b, floors[b], tuned) for b in buckets}
+            serving = {n: serving_bucket(buckets, n) for n in lens}
+            if any((n, serving[n]) not in at or (n, n) not in at for n in lens) or not all(
+                _has_ladder(at, t) for t in from_len.values()
+            ):
+                continue  # the run did not time what this set needs
+            picks = {b: _one_graph_pick(at, count, t, rule) for b, t in from_len.items()}
+            vs_best = [_loss_pct(at[(n, serving[n])][picks[serving[n]]], min(at[(n, n)])) for n in lens]
+            vs_default = [_loss_pct(at[(n, serving[n])][picks[serving[n]]], at[(n, n)][0]) for n in lens]
+            out.append({"shape": shape, "B": batch, "kind": kind, "buckets": buckets, "rule": rule, "lens": lens,
+                        "tuned_at": {str(b): t for b, t in from_len.items()}, "vs_best_pct": vs_best,
+                        "vs_default_pct": vs_default, "worst_vs_best_pct": max(vs_best),
+                        "worst_vs_default_pct": max(vs_default)})  # fmt: skip
+    return out
+
+
 def analyze_nearest(results: dict, graphs: Sequence[int], tuned: Sequence[int], rule: str = "minimax_loss") -> list:
     """A graph whose own length was never tuned (level 0, with configs shipped for other graph lengths) replays the
     config of the nearest tuned run key. Per (shape, B, KV type), graph length G and tuned length T: the config T's
@@ -199,15 +248,13 @@ def analyze_nearest(results: dict, graphs: Sequence[int], tuned: Sequence[int], 
             lens = [n for n in results["lens"] if n <= graph]
             if any((n, graph) not in at or (n, n) not in at for n in lens):
                 continue  # the run did not time this graph
-            nearest = min(tuned, key=lambda t: decode_attn_run_key_distance((batch, graph), (batch, t)))
+            nearest = nearest_tuned_len(batch, graph, 0, tuned)
             l1 = min(tuned, key=lambda t: abs(t - graph))
             for t in tuned:
-                ladder_lens = bucket_ladders([t])[t]
-                if any((m, t) not in at for m in ladder_lens):
+                if not _has_ladder(at, t):
                     continue
-                ladder = [at[(m, t)] for m in ladder_lens]
-                candidates = {i: [x[i + 1] for x in ladder] for i in range(len(names) - 1)}
-                pick = choose([x[0] for x in ladder], candidates, rule) + 1  # index into _times
+                ladder_lens = bucket_ladders([t])[t]
+                pick = _one_graph_pick(at, len(names) - 1, t, rule)
                 vs_best = [_loss_pct(at[(n, graph)][pick], min(at[(n, n)])) for n in lens]
                 vs_default = [_loss_pct(at[(n, graph)][pick], at[(n, n)][0]) for n in lens]
                 out.append({"shape": shape, "B": batch, "kind": kind, "graph": graph, "tuned_at": t, "rule": rule,
@@ -240,3 +287,24 @@ def print_nearest_table(results: dict, entries: list) -> None:
                 worst_default = max(e["worst_vs_default_pct"] for e in sel)
                 print(f"  graph {graph:6d} {flag:8s} {len(sel):3d} rows   {worst_best:6.1f} / {worst_default:6.1f} / "
                       f"{mean:5.2f}")  # fmt: skip
+
+
+def print_level0_table(results: dict, entries: list, tuned: Sequence[int]) -> None:
+    print(f"\n{results.get('device', '')}: decode graphs per KV length bucket at level 0, with configs tuned only for "
+          f"graphs of {list(tuned)} (each bucket replays the one the nearest-key rule takes)")  # fmt: skip
+    print(f"loss % at L vs L's best eager launch / vs L's default eager launch; goal <= {GOAL_VS_BEST_PCT:g} / <= "
+          f"{GOAL_VS_DEFAULT_PCT:g}")  # fmt: skip
+    for buckets in sorted({tuple(e["buckets"]) for e in entries}, key=lambda b: (b[-1], len(b), b)):
+        sel = [e for e in entries if tuple(e["buckets"]) == buckets]
+        head = "".join(f"{_len_name(n):>14s}" for n in sel[0]["lens"])
+        tuned_at = ", ".join(f"{_len_name(int(b))}<-{_len_name(t)}" for b, t in sel[0]["tuned_at"].items())
+        print(f"\ngraphs <={set_name(buckets)} (configs {tuned_at})")
+        print(f"{'shape':13s} {'B':>4s} kind{head}{'worst':>14s}  goal")
+        for e in sel:
+            cells = "".join(f"{b:7.1f}/{d:6.1f}" for b, d in zip(e["vs_best_pct"], e["vs_default_pct"]))
+            print(f"{e['shape']:13s} {e['B']:4d} {e['kind']:4s}{cells}{e['worst_vs_best_pct']:7.1f}/"
+                  f"{e['worst_vs_default_pct']:6.1f}  {'ok' if meets_goal(e) else 'MISS'}")  # fmt: skip
+    print("\nper bucket set, over the (shape, B, kind) rows: rows meeting the goal, worst % vs best / vs default")
+    for (name, _), s in summarize(entries).items():
+        print(f"  <={name:24s} {s['rows_ok']:3d} of {s['rows']:3d}   {s['worst_vs_best_pct']:5.1f} / "
+              f"{s['worst_vs_default_pct']:5.1f}")  # fmt: skip

@@ -174,7 +174,7 @@ def test_nearest_analysis_from_the_command_line(bench, monkeypatch, tmp_path, ca
     run, out = tmp_path / "run.json", tmp_path / "nearest.json"
     run.write_text(json.dumps(nearest_run()))
     main = importlib.import_module("decode_attention")
-    argv = ["decode_attention.py", "--analyze", str(run), "--nearest", "2048", "--nearest-tuned", "1024", "8192"]
+    argv = ["decode_attention.py", "--analyze", str(run), "--nearest", "2048", "--tuned-lens", "1024", "8192"]
     monkeypatch.setattr(sys, "argv", argv + ["--out", str(out)])
     main.main()
     rows = [ln.split() for ln in capsys.readouterr().out.splitlines() if ln.startswith("hq32-hk8-d128")]
@@ -193,3 +193,37 @@ def test_nearest_analysis_from_the_command_line(bench, monkeypatch, tmp_path, ca
     monkeypatch.setattr(sys, "argv", ["decode_attention.py", "--analyze", old, "--nearest", "2048"])
     with pytest.raises(SystemExit, match="expected a bucket run"):
         main.main()
+
+
+def test_bucket_sets_at_level_0_replay_what_the_nearest_key_rule_takes(bench):
+    """With configs tuned only for graphs of 1024 and 8192: a 2048 graph alone takes 8192's pick (B), and a 1024
+    bucket under it takes 1024's (A) for L = 1K; the 2048 bucket above it still takes 8192's."""
+    assert bench.nearest_tuned_len(8, 2048, 0, [1024, 8192]) == 8192
+    assert (
+        bench.nearest_tuned_len(8, 1024, 0, [1024, 8192]) == 1024 and bench.nearest_tuned_len(8, 512, 0, [1024]) == 1024
+    )
+    run = nearest_run()
+    entries = {tuple(e["buckets"]): e for e in bench.analyze_level0(run, [[2048], [1024, 2048]], [1024, 8192])}
+    one, two = entries[(2048,)], entries[(1024, 2048)]
+    assert one["tuned_at"] == {"2048": 8192} and two["tuned_at"] == {"1024": 1024, "2048": 8192}
+    assert one["vs_best_pct"] == pytest.approx([50.0, 0.0])  # B in the 2048 graph: 3.0 at 1K (best 2.0), 5.0 at 2K
+    assert two["vs_best_pct"] == pytest.approx([0.0, 0.0])  # A in the 1K graph at 1K: 2.0, the best
+    assert two["vs_default_pct"] == pytest.approx([(2.0 / 3.0 - 1) * 100, (5.0 / 6.0 - 1) * 100])
+    assert bench.analyze_level0(run, [[4096]], [1024, 8192]) == []  # no 4096 graph timed
+
+
+def test_level0_from_the_command_line(bench, monkeypatch, tmp_path, capsys):
+    run, out = tmp_path / "run.json", tmp_path / "level0.json"
+    run.write_text(json.dumps(nearest_run()))
+    main = importlib.import_module("decode_attention")
+    argv = ["decode_attention.py", "--analyze", str(run), "--level0", "2048", "--tuned-lens", "1024", "8192"]
+    monkeypatch.setattr(sys, "argv", argv + ["--out", str(out)])
+    main.main()
+    printed = capsys.readouterr().out
+    assert "graphs <=2048 (configs 2K<-8K)" in printed and "<=2048                       0 of   1" in printed
+    saved = json.loads(out.read_text())
+    assert saved["sets"] == [[2048]] and saved["analysis"][0]["worst_vs_best_pct"] == pytest.approx(50.0)
+    monkeypatch.setattr(sys, "argv", argv + ["--nearest", "2048"])
+    with pytest.raises(SystemExit):
+        main.main()
+    assert "--nearest and --level0 expected one at a time" in capsys.readouterr().err
