@@ -9,6 +9,7 @@ default: one graph up to the largest L) to show what the buckets buy.
 
 ``analyze_nearest`` reads the same run for a graph whose own length was never tuned (level 0 with configs shipped
 for other graph lengths): the config each tuned length's one-graph search picks, replayed in that graph.
+``analyze_level0`` does so for bucket sets: each bucket replays what the tuner's nearest-key rule takes for it.
 """
 
 import argparse
@@ -198,6 +199,12 @@ def _one_graph_pick(at: dict, candidates_count: int, tuned: int, rule: str) -> i
     return choose([x[0] for x in ladder], candidates, rule) + 1
 
 
+def _config_names(points: dict, cell: tuple) -> list:
+    """``_times`` order's config names of one (shape, B, kind): None (the default), then each candidate's JSON."""
+    first = next(p for k, p in points.items() if k[:3] == cell)
+    return [None] + [json.dumps(c, sort_keys=True) for c, _ in first["configs"]]
+
+
 def _has_ladder(at: dict, tuned: int) -> bool:
     return all((m, tuned) in at for m in bucket_ladders([tuned])[tuned])
 
@@ -211,7 +218,7 @@ def analyze_level0(results: dict, sets: Sequence[Sequence[int]], tuned: Sequence
     out = []
     for shape, batch, kind in sorted({k[:3] for k in points}):
         at = {k[3:]: _times(p) for k, p in points.items() if k[:3] == (shape, batch, kind)}
-        count = len(next(p for k, p in points.items() if k[:3] == (shape, batch, kind))["configs"])
+        names = _config_names(points, (shape, batch, kind))
         for buckets in sets:
             buckets = sorted(buckets)
             lens = [n for n in results["lens"] if n <= buckets[-1]]
@@ -222,11 +229,12 @@ def analyze_level0(results: dict, sets: Sequence[Sequence[int]], tuned: Sequence
                 _has_ladder(at, t) for t in from_len.values()
             ):
                 continue  # the run did not time what this set needs
-            picks = {b: _one_graph_pick(at, count, t, rule) for b, t in from_len.items()}
+            picks = {b: _one_graph_pick(at, len(names) - 1, t, rule) for b, t in from_len.items()}
             vs_best = [_loss_pct(at[(n, serving[n])][picks[serving[n]]], min(at[(n, n)])) for n in lens]
             vs_default = [_loss_pct(at[(n, serving[n])][picks[serving[n]]], at[(n, n)][0]) for n in lens]
             out.append({"shape": shape, "B": batch, "kind": kind, "buckets": buckets, "rule": rule, "lens": lens,
-                        "tuned_at": {str(b): t for b, t in from_len.items()}, "vs_best_pct": vs_best,
+                        "tuned_at": {str(b): t for b, t in from_len.items()},
+                        "configs": {str(b): names[i] for b, i in picks.items()}, "vs_best_pct": vs_best,
                         "vs_default_pct": vs_default, "worst_vs_best_pct": max(vs_best),
                         "worst_vs_default_pct": max(vs_default)})  # fmt: skip
     return out
@@ -242,8 +250,7 @@ def analyze_nearest(results: dict, graphs: Sequence[int], tuned: Sequence[int], 
     out = []
     for shape, batch, kind in sorted({k[:3] for k in points}):
         at = {k[3:]: _times(p) for k, p in points.items() if k[:3] == (shape, batch, kind)}
-        names = [None] + [json.dumps(c, sort_keys=True) for c, _ in next(iter(
-            p for k, p in points.items() if k[:3] == (shape, batch, kind)))["configs"]]  # fmt: skip
+        names = _config_names(points, (shape, batch, kind))
         for graph in graphs:
             lens = [n for n in results["lens"] if n <= graph]
             if any((n, graph) not in at or (n, n) not in at for n in lens):
