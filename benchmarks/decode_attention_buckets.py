@@ -199,10 +199,14 @@ def _one_graph_pick(at: dict, candidates_count: int, tuned: int, rule: str) -> i
     return choose([x[0] for x in ladder], candidates, rule) + 1
 
 
-def _config_names(points: dict, cell: tuple) -> list:
-    """``_times`` order's config names of one (shape, B, kind): None (the default), then each candidate's JSON."""
-    first = next(p for k, p in points.items() if k[:3] == cell)
-    return [None] + [json.dumps(c, sort_keys=True) for c, _ in first["configs"]]
+def _cells(results: dict):
+    """Per (shape, B, KV type) of a saved run: ``(shape, B, kind, at, names)``, ``at`` each timed (L, launch) point's
+    ``_times`` and ``names`` their config names in that order (None: the default, then each candidate's JSON)."""
+    points = {(p["shape"], p["B"], p["kind"], p["L"], p["launch"]): p for p in results["points"]}
+    for cell in sorted({k[:3] for k in points}):
+        at = {k[3:]: _times(p) for k, p in points.items() if k[:3] == cell}
+        first = next(p for k, p in points.items() if k[:3] == cell)
+        yield (*cell, at, [None] + [json.dumps(c, sort_keys=True) for c, _ in first["configs"]])
 
 
 def _has_ladder(at: dict, tuned: int) -> bool:
@@ -214,11 +218,8 @@ def analyze_level0(results: dict, sets: Sequence[Sequence[int]], tuned: Sequence
     config of the tuned length the nearest-key rule takes for its run key (``nearest_tuned_len``). Per (shape, B, KV
     type) and set (its largest bucket is the graph maximum; the run's L up to it): the loss % at every L against L's
     best and default eager launches, as ``analyze_buckets`` reports them."""
-    points = {(p["shape"], p["B"], p["kind"], p["L"], p["launch"]): p for p in results["points"]}
     out = []
-    for shape, batch, kind in sorted({k[:3] for k in points}):
-        at = {k[3:]: _times(p) for k, p in points.items() if k[:3] == (shape, batch, kind)}
-        names = _config_names(points, (shape, batch, kind))
+    for shape, batch, kind, at, names in _cells(results):
         for buckets in sets:
             buckets = sorted(buckets)
             lens = [n for n in results["lens"] if n <= buckets[-1]]
@@ -246,11 +247,8 @@ def analyze_nearest(results: dict, graphs: Sequence[int], tuned: Sequence[int], 
     one-graph search picks by ``rule`` (T's ladder, launched for T), replayed in G's graph at every L <= G of the run,
     and its loss % vs L's best and default eager launches; ``nearest`` marks the T the tuner's nearest-key rule
     (``decode_attn_run_key_distance``) takes for G, ``l1`` the one plain L1 distance would take."""
-    points = {(p["shape"], p["B"], p["kind"], p["L"], p["launch"]): p for p in results["points"]}
     out = []
-    for shape, batch, kind in sorted({k[:3] for k in points}):
-        at = {k[3:]: _times(p) for k, p in points.items() if k[:3] == (shape, batch, kind)}
-        names = _config_names(points, (shape, batch, kind))
+    for shape, batch, kind, at, names in _cells(results):
         for graph in graphs:
             lens = [n for n in results["lens"] if n <= graph]
             if any((n, graph) not in at or (n, n) not in at for n in lens):

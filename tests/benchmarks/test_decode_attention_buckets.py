@@ -170,13 +170,21 @@ def test_a_graph_never_tuned_replays_each_tuned_length_s_pick(bench):
     assert bench.analyze_nearest(nearest_run(), [4096], [1024, 8192]) == []  # no 4096 graph timed
 
 
-def test_nearest_analysis_from_the_command_line(bench, monkeypatch, tmp_path, capsys):
-    run, out = tmp_path / "run.json", tmp_path / "nearest.json"
+def run_cli(monkeypatch, tmp_path, flag):
+    """``decode_attention.py --analyze RUN FLAG 2048 --tuned-lens 1024 8192`` on ``nearest_run``: (the module, its
+    argv without ``--out``, the saved JSON's path)."""
+    run, out = tmp_path / "run.json", tmp_path / "out.json"
     run.write_text(json.dumps(nearest_run()))
     main = importlib.import_module("decode_attention")
-    argv = ["decode_attention.py", "--analyze", str(run), "--nearest", "2048", "--tuned-lens", "1024", "8192"]
+    argv = ["decode_attention.py", "--analyze", str(run), flag, "2048", "--tuned-lens", "1024", "8192"]
     monkeypatch.setattr(sys, "argv", argv + ["--out", str(out)])
     main.main()
+    return main, argv, out
+
+
+def test_nearest_analysis_from_the_command_line(bench, monkeypatch, tmp_path, capsys):
+    main, _, out = run_cli(monkeypatch, tmp_path, "--nearest")
+    run = tmp_path / "run.json"
     rows = [ln.split() for ln in capsys.readouterr().out.splitlines() if ln.startswith("hq32-hk8-d128")]
     assert [(r[4], r[5]) for r in rows] == [("1024", "-/L1"), ("8192", "N")]
     saved = json.loads(out.read_text())
@@ -213,12 +221,7 @@ def test_bucket_sets_at_level_0_replay_what_the_nearest_key_rule_takes(bench):
 
 
 def test_level0_from_the_command_line(bench, monkeypatch, tmp_path, capsys):
-    run, out = tmp_path / "run.json", tmp_path / "level0.json"
-    run.write_text(json.dumps(nearest_run()))
-    main = importlib.import_module("decode_attention")
-    argv = ["decode_attention.py", "--analyze", str(run), "--level0", "2048", "--tuned-lens", "1024", "8192"]
-    monkeypatch.setattr(sys, "argv", argv + ["--out", str(out)])
-    main.main()
+    main, argv, out = run_cli(monkeypatch, tmp_path, "--level0")
     printed = capsys.readouterr().out
     assert "graphs <=2048 (configs 2K<-8K)" in printed and "<=2048                       0 of   1" in printed
     saved = json.loads(out.read_text())
