@@ -22,6 +22,7 @@ from lightllm.common.envs import AUTOTUNE_CHOICE_RULES
 from lightllm.kernels.attention.decode.tuning import (
     decode_attn_autotune_seq_lens,
     decode_attn_run_key_distance,
+    decode_attn_run_key_lens,
     set_decode_graph_lens,
 )
 
@@ -184,11 +185,15 @@ def summarize(entries: list) -> dict:
     return out
 
 
-def nearest_tuned_len(batch: int, bucket: int, floor: int, tuned: Sequence[int]) -> int:
+def nearest_tuned_len(batch: int, bucket: int, buckets: Sequence[int], tuned: Sequence[int]) -> int:
     """The graph length whose one-graph configs the tuner's nearest-key rule (``decode_attn_run_key_distance``) takes
-    at level 0 for a graph of ``bucket`` above a smaller bucket ``floor`` (0: none), where only ``tuned`` lengths were
-    tuned (the shipped configs, say)."""
-    run_key = (batch, bucket) + ((floor,) if floor else ())
+    at level 0 for the graph of ``bucket`` among ``buckets`` (its run key as the engine makes it, served floor
+    included), where only ``tuned`` lengths were tuned (the shipped configs, say)."""
+    previous = set_decode_graph_lens(buckets)
+    try:
+        run_key = (batch, *decode_attn_run_key_lens(bucket))
+    finally:
+        set_decode_graph_lens(previous)
     return min(tuned, key=lambda t: decode_attn_run_key_distance(run_key, (batch, t)))
 
 
@@ -223,8 +228,7 @@ def analyze_level0(results: dict, sets: Sequence[Sequence[int]], tuned: Sequence
         for buckets in sets:
             buckets = sorted(buckets)
             lens = [n for n in results["lens"] if n <= buckets[-1]]
-            floors = dict(zip(buckets, [0] + buckets[:-1]))
-            from_len = {b: nearest_tuned_len(batch, b, floors[b], tuned) for b in buckets}
+            from_len = {b: nearest_tuned_len(batch, b, buckets, tuned) for b in buckets}
             serving = {n: serving_bucket(buckets, n) for n in lens}
             if any((n, serving[n]) not in at or (n, n) not in at for n in lens) or not all(
                 _has_ladder(at, t) for t in from_len.values()
@@ -253,7 +257,7 @@ def analyze_nearest(results: dict, graphs: Sequence[int], tuned: Sequence[int], 
             lens = [n for n in results["lens"] if n <= graph]
             if any((n, graph) not in at or (n, n) not in at for n in lens):
                 continue  # the run did not time this graph
-            nearest = nearest_tuned_len(batch, graph, 0, tuned)
+            nearest = nearest_tuned_len(batch, graph, [graph], tuned)
             l1 = min(tuned, key=lambda t: abs(t - graph))
             for t in tuned:
                 if not _has_ladder(at, t):

@@ -206,10 +206,10 @@ def test_nearest_analysis_from_the_command_line(bench, monkeypatch, tmp_path, ca
 def test_bucket_sets_at_level_0_replay_what_the_nearest_key_rule_takes(bench):
     """With configs tuned only for graphs of 1024 and 8192: a 2048 graph alone takes 8192's pick (B), and a 1024
     bucket under it takes 1024's (A) for L = 1K; the 2048 bucket above it still takes 8192's."""
-    assert bench.nearest_tuned_len(8, 2048, 0, [1024, 8192]) == 8192
-    assert (
-        bench.nearest_tuned_len(8, 1024, 0, [1024, 8192]) == 1024 and bench.nearest_tuned_len(8, 512, 0, [1024]) == 1024
-    )
+    assert bench.nearest_tuned_len(8, 2048, [2048], [1024, 8192]) == 8192
+    assert bench.nearest_tuned_len(8, 1024, [1024, 2048], [1024, 8192]) == 1024
+    assert bench.nearest_tuned_len(8, 2048, [1024, 2048], [1024, 8192]) == 8192  # its key carries the floor 1024
+    assert bench.nearest_tuned_len(8, 512, [512], [1024]) == 1024
     run = nearest_run()
     entries = {tuple(e["buckets"]): e for e in bench.analyze_level0(run, [[2048], [1024, 2048]], [1024, 8192])}
     one, two = entries[(2048,)], entries[(1024, 2048)]

@@ -1,7 +1,6 @@
 """The decode-attention kernels' shared tuning lengths: run-key KV lengths and the timing ladder."""
 
 import contextlib
-import json
 import math
 from pathlib import Path
 
@@ -147,28 +146,31 @@ def test_the_nearest_tuning_length_is_the_nearest_at_or_above_the_launch(launch,
 
 def test_shipped_decode_attention_configs_resolve_to_the_tuning_length_that_covers_the_graph():
     """At level 0, the shipped H200 files (graph lengths 4096 and 32768) give a 16K graph (the default
-    ``max_req_total_len``) the 32K-tuned config of its batch size, and a 4K or 2K graph the 4K one."""
+    ``max_req_total_len``) the 32K-tuned config of its batch size, and a 4K or 2K graph the 4K one, under each
+    kernel's own declared distance (FA3's keys carry q_len after the batch)."""
     from lightllm.common.autotuner import store
-    from lightllm.kernels.attention.decode.tuning import decode_attn_run_key_distance
+    from lightllm.common.autotuner.keys import key_from_json
 
     shipped = Path(store.__file__).resolve().parent / "configs"  # the package's own (the fixtures isolate the root)
-    files = [*shipped.glob("triton_*/*/fa3_decode/*.json"), *shipped.glob("triton_*/*/gqa_flash_decode*/*.json")]
-    assert files
+    kernels = {
+        "fa3_decode": fa3._launch_fa3_decode,
+        "gqa_flash_decode": flash_decode._launch_gqa_flash_decode,
+        "gqa_flash_decode_int8kv": flash_decode._launch_gqa_flash_decode_int8kv,
+        "gqa_flash_decode_int4kv": flash_decode._launch_gqa_flash_decode_int4kv,
+    }
     checked = 0
-    for path in files:
-        prefix = 2 if path.parent.name == "fa3_decode" else 1
-        keys = [tuple(json.loads(k)) for k in json.loads(path.read_text())["configs"]]
-        lens = {k[prefix] for k in keys}
-        if not {4096, 32768} <= lens:
-            continue
-        for key in keys:
-            if key[prefix] != 32768:
+    for name, kernel in kernels.items():
+        distance, at = kernel.run_key_distance_func, 2 if name == "fa3_decode" else 1  # the length's place in a key
+        for path in store.iter_config_files(shipped, name):
+            keys = [key_from_json(k) for k in store.read_config_file(path, strict=True)["configs"]]
+            if not {4096, 32768} <= {k[at] for k in keys}:
                 continue
-            for launch, want in ((16384, 32768), (32768, 32768), (4096, 4096), (2048, 4096)):
-                run = key[:prefix] + (launch,)
-                got = min(keys, key=lambda c: decode_attn_run_key_distance(run, c, prefix=prefix))
-                assert got == key[:prefix] + (want,), (path.name, run, got)
-                checked += 1
+            for key in (k for k in keys if k[at] == 32768):
+                for launch, want in ((16384, 32768), (32768, 32768), (4096, 4096), (2048, 4096)):
+                    run = key[:at] + (launch,)
+                    got = min(keys, key=lambda c: distance(run, c))
+                    assert got == key[:at] + (want,), (path.name, run, got)
+                    checked += 1
     assert checked >= 4 * 19 * 10  # bf16, FA3 and quantized files of at least ten shapes ship both lengths
 
 
