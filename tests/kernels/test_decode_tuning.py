@@ -174,6 +174,31 @@ def test_shipped_decode_attention_configs_resolve_to_the_tuning_length_that_cove
     assert checked >= 4 * 19 * 10  # bf16, FA3 and quantized files of at least ten shapes ship both lengths
 
 
+def test_shipped_decode_attention_files_cover_every_default_graph_size_at_both_lengths():
+    """What README promises for the H200: every shipped decode-attention file (and each q_len of FA3's: its MTP
+    verify is q_len 4) holds a config for each batch size a default server captures, at graph lengths 4096 and
+    32768, so a first start there searches nothing at either length."""
+    from lightllm.common.autotuner import store
+    from lightllm.common.autotuner.keys import key_from_json
+    from lightllm.engine.args import EngineArgs
+
+    shipped = Path(store.__file__).resolve().parent / "configs"
+    sizes = set(EngineArgs().graph_batch_sizes())
+    files = 0
+    for name in ("fa3_decode", "gqa_flash_decode", "gqa_flash_decode_int8kv", "gqa_flash_decode_int4kv",
+                 "mtp_diverse_decode"):  # fmt: skip
+        for path in store.iter_config_files(shipped, name):
+            batches = {}  # (the key's middle, e.g. FA3's q_len; its length) -> batch sizes
+            for key in map(key_from_json, store.read_config_file(path, strict=True)["configs"]):
+                batches.setdefault((key[1:-1], key[-1]), set()).add(key[0])
+            for middle in {m for m, _ in batches}:
+                for length in (4096, 32768):
+                    missing = sizes - batches.get((middle, length), set())
+                    assert not missing, f"{path.name}: no config for batch sizes {sorted(missing)} at {middle, length}"
+            files += 1
+    assert files >= 25  # 6 Triton bf16, 6 + 6 quantized, 6 FA3, 1 MTP diverse
+
+
 @pytest.mark.parametrize("lens", [[0, 4096], [4096, 1024], [1024, 1024], [-1]])
 def test_bad_graph_lens_are_refused(lens):
     with pytest.raises(ValueError, match=r"^decode graph KV length buckets expected ascending positive lengths"):
