@@ -208,6 +208,9 @@ async def load(base, n, concurrency, prompt_len, out_len, vocab, seed=0, rate=0.
                for name, xs in (("ttft", ttft), ("itl", itl)) for q in (50, 99)}  # fmt: skip
     latency["ttft_mean_ms"] = sum(ttft) / len(ttft) * 1e3 if ttft else None  # beside the server's server_ttft_mean_ms
     latency["headers_mean_ms"] = sum(headers) / len(headers) * 1e3 if headers else None  # up to the submission
+    # every measured request's: pooled over a point's rounds, their percentiles resolve more than a median of each
+    # round's (serve_load.py's pooled A/A)
+    latency["ttft_samples_ms"] = [round(r[2] * 1e3, 4) for r in results if r[2] is not None]
     busy = sum((steps[f"{k}_step_ms"] or 0.0) * steps[f"{k}_steps"] for k in ("prefill", "decode")) / 1e3
     return {"output_tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "all_complete_finite": ok,
             **latency, "client_procs": client_procs,

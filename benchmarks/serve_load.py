@@ -45,6 +45,7 @@ import hashlib
 import importlib
 import json
 import os
+import random
 import re
 import shutil
 import statistics
@@ -55,7 +56,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # its sibling modules, however it is loaded
-from load_client import auto_client_procs, load  # noqa: E402
+from load_client import auto_client_procs, load, percentile  # noqa: E402
 
 from lightllm.common import proc as procs  # noqa: E402
 from lightllm.common.net import free_port, wait_healthy  # noqa: E402
@@ -463,6 +464,7 @@ def main():
                     off_b = row["off_b"] = summarize(results["off_b", conc])
                     row["off_b_vs_off_pct"] = (off_b["tokens_per_s"] / off["tokens_per_s"] - 1) * 100
                     row["aa_pct"] = {k: pct(off_b[k], off[k]) for k in AA_REPORTED}
+                    row["aa_ttft_pooled"] = aa_ttft_interval(results["off", conc], results["off_b", conc])
                 rows.append(row)
             save(args, rows, startups)
     save(args, rows, startups)
@@ -497,6 +499,16 @@ def main():
                     "     -" if r["aa_pct"][k] is None else f"{r['aa_pct'][k]:+5.1f}%" for k in AA_REPORTED
                 )
             print(f"{r['workload']:8s} {r['concurrency']:4d}  {mode:5s} {cells}{aa}")
+    if args.control:
+        print("\nA/A time to first token with every measured request of a point pooled (its runs' requests together):"
+              " off_b vs off, and the 95 % bootstrap interval (requests resampled within each run)")  # fmt: skip
+        print("workload conc  requests  p50                       p99                       mean")
+        for r in rows:
+            aa, n = r["aa_ttft_pooled"], (r["off"]["ttft_pooled"] or {}).get("requests", 0)
+            cells = "  ".join("-".ljust(24) if aa is None else
+                              f"{aa[k]['pct']:+5.1f}% [{aa[k]['ci95'][0]:+5.1f}, {aa[k]['ci95'][1]:+5.1f}]".ljust(24)
+                              for k in POOLED_TTFT)  # fmt: skip
+            print(f"{r['workload']:8s} {r['concurrency']:4d}  {n:8d}  {cells}")
     print("\nwho kept up (median over runs): the engine's mean decode batch, its busy share of the wall time (steps"
           " / seconds), the busiest client process's CPU share, and the decode step (ms) with its GPU part (CUDA"
           " events: forward and sampling; the rest is the host's)")  # fmt: skip
@@ -597,14 +609,58 @@ def pct(a, b):
 
 def summarize(runs):
     """Per reported number the median over runs (server starts, times rounds with ``--rounds``); tokens/s's spread;
-    whether every request was whole."""
+    time to first token over every measured request of the runs together; whether every request was whole."""
     tps = sorted(r["tokens_per_s"] for r in runs)
     out = {}
     for key in REPORTED + ("decode_step_ms", "decode_gpu_ms", "acceptance") + HOST_CHECK + TTFT_MEANS:
         values = [r[key] for r in runs if r.get(key) is not None]
         out[key] = statistics.median(values) if values else None
-    return {**out, "spread_pct": (tps[-1] - tps[0]) / out["tokens_per_s"] * 100, "runs": runs,
-            "all_complete_finite": all(r["all_complete_finite"] for r in runs)}  # fmt: skip
+    return {**out, "spread_pct": (tps[-1] - tps[0]) / out["tokens_per_s"] * 100, "ttft_pooled": pooled_ttft(runs),
+            "runs": runs, "all_complete_finite": all(r["all_complete_finite"] for r in runs)}  # fmt: skip
+
+
+# Time to first token pooled over a point's runs. A round's p99 of 128 requests is its second slowest, and a median
+# of three such is one request of one round; every request of every round together gives the percentiles their
+# whole sample, and the bootstrap says how far apart two identical servers can read by chance.
+POOLED_TTFT = {"p50": lambda xs: percentile(xs, 50), "p99": lambda xs: percentile(xs, 99), "mean": statistics.fmean}
+BOOTSTRAP_RESAMPLES = 1000
+
+
+def _samples(runs):
+    return [r["ttft_samples_ms"] for r in runs if r.get("ttft_samples_ms")]
+
+
+def pooled_ttft(runs):
+    """Time to first token (ms) over every measured request of ``runs`` together: their count, p50, p99 and mean;
+    None without samples (a load that did not stream)."""
+    xs = [x for run in _samples(runs) for x in run]
+    return {"requests": len(xs), **{f"{k}_ms": f(xs) for k, f in POOLED_TTFT.items()}} if xs else None
+
+
+def aa_ttft_interval(a_runs, b_runs, resamples=BOOTSTRAP_RESAMPLES, seed=0):
+    """``b`` vs ``a`` in percent for each pooled time-to-first-token statistic, with its 95 % bootstrap interval:
+    ``{stat: {"pct", "ci95": [low, high]}}``, None without samples. Each run's requests are resampled with
+    replacement within that run (a round's schedule and its server's state stay in its round), the two servers
+    independently; seeded, so a saved run's interval can be recomputed."""
+    a, b = _samples(a_runs), _samples(b_runs)
+    if not a or not b:
+        return None
+    rng = random.Random(seed)
+
+    def draw(runs):
+        return [x for run in runs for x in rng.choices(run, k=len(run))]
+
+    diffs = {k: [] for k in POOLED_TTFT}
+    for _ in range(resamples):
+        da, db = draw(a), draw(b)
+        for k, f in POOLED_TTFT.items():
+            diffs[k].append(pct(f(db), f(da)))
+    out = {}
+    for k, f in POOLED_TTFT.items():
+        d = sorted(diffs[k])
+        low, high = d[int(0.025 * resamples)], d[max(0, int(0.975 * resamples) - 1)]
+        out[k] = {"pct": pct(f([x for run in b for x in run]), f([x for run in a for x in run])), "ci95": [low, high]}
+    return out
 
 
 def tuned_config_files(startups):

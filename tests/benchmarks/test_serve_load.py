@@ -3,6 +3,7 @@
 import importlib.util
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -319,6 +320,9 @@ def test_runs_end_to_end_on_the_tiny_model(tmp_path):
     assert set(row["aa_pct"]) == {"tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
                                   "decode_step_ms", "decode_gpu_ms"}  # fmt: skip
     assert row["aa_pct"]["decode_gpu_ms"] is None
+    # time to first token over every measured request, and the A/A's bootstrap interval, printed too
+    assert all(row[m]["ttft_pooled"]["requests"] == 3 for m in ("on", "off", "off_b"))
+    assert set(row["aa_ttft_pooled"]) == {"p50", "p99", "mean"} and "bootstrap interval" in done.stdout
     assert row["aa_pct"]["itl_p50_ms"] == pytest.approx(
         (row["off_b"]["itl_p50_ms"] / row["off"]["itl_p50_ms"] - 1) * 100
     )
@@ -356,6 +360,36 @@ def test_every_point_and_round_has_its_own_schedule_and_warm_up(serve_load):
     measured = [serve_load.point_seed(7, ci, r) for ci in range(3) for r in range(6)]
     warm_ups = [serve_load.point_seed(7, ci, 0) + 1 for ci in range(3)]
     assert measured[0] == 7 and len(set(measured + warm_ups)) == len(measured) + len(warm_ups)
+
+
+def test_pooled_time_to_first_token_takes_every_request_of_every_run(serve_load):
+    runs = [{"ttft_samples_ms": [4.0, 1.0, 3.0]}, {"ttft_samples_ms": [2.0]}, {"ttft_samples_ms": []}, {}]
+    assert serve_load.pooled_ttft(runs) == {"requests": 4, "p50_ms": 2.0, "p99_ms": 4.0, "mean_ms": 2.5}
+    assert serve_load.pooled_ttft([{}, {"ttft_samples_ms": []}]) is None  # a load that did not stream
+
+
+def test_the_pooled_a_a_interval_brackets_a_known_shift_and_is_seeded(serve_load):
+    rng = random.Random(1)
+    a = [{"ttft_samples_ms": [rng.uniform(3.0, 9.0) for _ in range(400)]} for _ in range(3)]
+    b = [{"ttft_samples_ms": [x * 1.1 for x in run["ttft_samples_ms"]]} for run in a]  # every request 10 % later
+    got = serve_load.aa_ttft_interval(a, b, resamples=200)
+    for stat in ("p50", "p99", "mean"):
+        assert got[stat]["pct"] == pytest.approx(10.0)
+        low, high = got[stat]["ci95"]
+        assert low < 10.0 < high and high - low < 10.0
+    assert serve_load.aa_ttft_interval(a, b, resamples=200) == got  # the same seed, the same interval
+    same = serve_load.aa_ttft_interval(a, a, resamples=200)
+    assert all(same[s]["pct"] == 0.0 and same[s]["ci95"][0] < 0.0 < same[s]["ci95"][1] for s in same)
+    assert serve_load.aa_ttft_interval(a, [{}]) is None
+
+
+def test_the_pooled_a_a_interval_resamples_within_each_run(serve_load):
+    """Two rounds that differ in level (a round's schedule and its server's state) keep their shares in every
+    resample: identical servers then read identical means in every draw, where a resample over the pooled requests
+    would move each server's mean on its own."""
+    runs = [{"ttft_samples_ms": [1.0] * 20}, {"ttft_samples_ms": [3.0] * 20}]
+    got = serve_load.aa_ttft_interval(runs, runs, resamples=200)
+    assert got["mean"] == {"pct": 0.0, "ci95": [0.0, 0.0]}
 
 
 def test_three_rounds_put_each_of_three_servers_at_every_position(serve_load):
