@@ -1,0 +1,222 @@
+"""INT8 KV decode stage 1 in Gluon (Triton's layout-explicit language): the dequantized K and V tiles go from the
+loaded 32-bit code words straight into the tensor-core operand registers, with no trip through shared memory.
+
+Why (docs/decode_attention.md, "V without the shared-memory round trip"): in ``stage1.py`` Triton stages the
+dequantized V tile (and the probabilities) through shared memory to reach the ``p @ V`` operand layout, with a barrier
+per tile, because for that dot a thread holds consecutive *tokens* of one head-dim column while a code word holds four
+consecutive head-dim columns of one token. Here the layouts are written out instead:
+
+- The codes are loaded as int32 words in the mma operand layout itself (``DotOperandLayout``, ``k_width`` 2: each
+  thread holds pairs of consecutive reduction indices). One PTX block per pair of words (``pack=2``) gives four packed
+  float16 pairs, byte ``j`` of both words: for V the pair is tokens ``(t, t + 1)`` of column ``4 w + j``, for K head-dim
+  columns ``4 w + j`` and ``4 w + 4 + j`` of one token. So each dot is split in four, one per byte ``j``:
+  ``S = sum_j Q_j K_j`` with ``Q_j[h, w] = q[h, 4 w + j]``, and ``O_j = P V_j`` holds output column ``4 w + j``.
+- The values are ``stage1.py``'s PTX path's exactly: ``code ^ 0x80`` under 1024.0's exponent byte, minus 1152, times
+  its float16 scale (one rounding), float16 dots with float32 accumulation.
+- One warp per program, so the probabilities go from the QK accumulator to the PV operand in registers.
+
+GPU only (Gluon has no interpreter): ``stage1.py`` stays the kernel the engine and the CPU tests run. Scope: INT8
+codes, 16-bit queries, quant groups of whole pairs of words (a multiple of 8), query groups up to 16, head_dim 128
+or 256. The next tile's loads are not issued ahead yet.
+"""
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+# Two int32 words (the pair along the reduction axis) and their two float16 scales (one register) -> the four float16
+# pairs of bytes 0..3: XOR turns a code into code + 128 unsigned; PRMT interleaves the two words' bytes and puts each
+# under 0x64 (1024.0's high byte), so 1024 + code + 128 minus 1152 is the code, exactly; one scale multiply per pair.
+_WORD_PAIR_TO_F16 = gl.constexpr("""{
+.reg .b32 a, b, m, c, x01, x23;
+xor.b32 a, $4, 0x80808080;
+xor.b32 b, $5, 0x80808080;
+prmt.b32 x01, a, b, 0x5140;
+prmt.b32 x23, a, b, 0x7362;
+mov.b32 m, 0x64646464;
+prmt.b32 $0, x01, m, 0x4140;
+prmt.b32 $1, x01, m, 0x4342;
+prmt.b32 $2, x23, m, 0x4140;
+prmt.b32 $3, x23, m, 0x4342;
+mov.b32 c, 0x64806480;
+sub.rn.f16x2 $0, $0, c;
+sub.rn.f16x2 $1, $1, c;
+sub.rn.f16x2 $2, $2, c;
+sub.rn.f16x2 $3, $3, c;
+mul.rn.f16x2 $0, $0, $6;
+mul.rn.f16x2 $1, $1, $6;
+mul.rn.f16x2 $2, $2, $6;
+mul.rn.f16x2 $3, $3, $6;
+}""")
+
+
+@gluon.jit
+def _dequant_pairs(words, scales):
+    return gl.inline_asm_elementwise(_WORD_PAIR_TO_F16, "=r,=r,=r,=r,r,r,r", [words, scales],
+                                     dtype=(gl.float16,) * 4, is_pure=True, pack=2)  # fmt: skip
+
+
+@gluon.jit
+def decode_stage1_int8_gluon_kernel(
+    Q, K, V, K_scale, V_scale, req_to_token, b_req_idx, b_seq_len, mid_o, mid_lse,
+    qk_scale,  # softmax scale * log2(e)
+    stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_kst, stride_ksh, stride_vst, stride_vsh, stride_rr,
+    stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
+    GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, MIN_BLOCKS: gl.constexpr,
+    QGROUP: gl.constexpr,
+):  # fmt: skip
+    W: gl.constexpr = HEAD_DIM // 4  # code words per token and KV head
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
+    a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    b_op: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+
+    b = gl.program_id(0)
+    kvh = gl.program_id(1)
+    split = gl.program_id(2)
+    splits = gl.num_programs(2)
+    seq_len = gl.load(b_seq_len + b)
+    blocks = (seq_len + BLOCK_N - 1) // BLOCK_N
+    per_split = gl.maximum((blocks + splits - 1) // splits, MIN_BLOCKS) * BLOCK_N  # splits.py's split_tokens
+    start = split * per_split
+    end = gl.minimum(start + per_split, seq_len)
+    if start < end:
+        # queries, columns 4 w + j as Q_j [16, W] (16 rows: one mma tile; rows past GROUP are zero)
+        qh = gl.arange(0, 16, layout=gl.SliceLayout(1, a_op))
+        qw = gl.arange(0, W, layout=gl.SliceLayout(0, a_op))
+        q_ptr = Q + b.to(gl.int64) * stride_qb + (kvh * GROUP + qh)[:, None] * stride_qh + 4 * qw[None, :]
+        q_mask = (qh < GROUP)[:, None]
+        q0 = gl.load(q_ptr, mask=q_mask, other=0.0).to(gl.float16)
+        q1 = gl.load(q_ptr + 1, mask=q_mask, other=0.0).to(gl.float16)
+        q2 = gl.load(q_ptr + 2, mask=q_mask, other=0.0).to(gl.float16)
+        q3 = gl.load(q_ptr + 3, mask=q_mask, other=0.0).to(gl.float16)
+
+        slot = gl.load(b_req_idx + b).to(gl.int64)
+        tokens = req_to_token + slot * stride_rr
+        # K^T words [W, BLOCK_N] (the reduction axis, words, first), V words [BLOCK_N, W] (tokens first)
+        kw = gl.arange(0, W, layout=gl.SliceLayout(1, b_op))
+        kn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, b_op))
+        vn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, b_op))
+        vw = gl.arange(0, W, layout=gl.SliceLayout(0, b_op))
+        sn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
+        K32 = K.to(gl.pointer_type(gl.int32))
+        V32 = V.to(gl.pointer_type(gl.int32))
+
+        m_i = gl.full([16], float("-inf"), gl.float32, layout=gl.SliceLayout(1, mma))
+        l_i = gl.zeros([16], gl.float32, layout=gl.SliceLayout(1, mma))
+        acc0 = gl.zeros([16, W], gl.float32, layout=mma)
+        acc1 = gl.zeros([16, W], gl.float32, layout=mma)
+        acc2 = gl.zeros([16, W], gl.float32, layout=mma)
+        acc3 = gl.zeros([16, W], gl.float32, layout=mma)
+        for n0 in range(start, end, BLOCK_N):
+            k_n = n0 + kn
+            k_ok = k_n < end
+            k_tok = gl.load(tokens + k_n, mask=k_ok, other=0).to(gl.int64)
+            k_words = gl.load(K32 + ((k_tok * stride_kt + kvh * stride_kh) >> 2)[None, :] + kw[:, None],
+                              mask=k_ok[None, :], other=0)  # fmt: skip
+            k_scales = gl.load(K_scale + (k_tok * stride_kst + kvh * stride_ksh)[None, :] + (4 * kw // QGROUP)[:, None],
+                               mask=k_ok[None, :], other=0.0)  # fmt: skip
+            k0, k1, k2, k3 = _dequant_pairs(k_words, k_scales)
+            s = mma_v2(q0, k0, gl.zeros([16, BLOCK_N], gl.float32, layout=mma))
+            s = mma_v2(q1, k1, s)
+            s = mma_v2(q2, k2, s)
+            s = mma_v2(q3, k3, s)
+            s = gl.where(((n0 + sn) < end)[None, :], s * qk_scale, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(s, 1))
+            alpha = gl.exp2(m_i - m_new)
+            p = gl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + gl.sum(p, 1)
+            p16 = gl.convert_layout(p.to(gl.float16), a_op)
+
+            v_n = n0 + vn
+            v_ok = v_n < end
+            v_tok = gl.load(tokens + v_n, mask=v_ok, other=0).to(gl.int64)
+            v_words = gl.load(V32 + ((v_tok * stride_vt + kvh * stride_vh) >> 2)[:, None] + vw[None, :],
+                              mask=v_ok[:, None], other=0)  # fmt: skip
+            v_scales = gl.load(V_scale + (v_tok * stride_vst + kvh * stride_vsh)[:, None] + (4 * vw // QGROUP)[None, :],
+                               mask=v_ok[:, None], other=0.0)  # fmt: skip
+            v0, v1, v2, v3 = _dequant_pairs(v_words, v_scales)
+            acc0 = mma_v2(p16, v0, acc0 * alpha[:, None])
+            acc1 = mma_v2(p16, v1, acc1 * alpha[:, None])
+            acc2 = mma_v2(p16, v2, acc2 * alpha[:, None])
+            acc3 = mma_v2(p16, v3, acc3 * alpha[:, None])
+            m_i = m_new
+
+        oh = gl.arange(0, 16, layout=gl.SliceLayout(1, mma))
+        ow = gl.arange(0, W, layout=gl.SliceLayout(0, mma))
+        heads = kvh * GROUP + oh
+        o_mask = (oh < GROUP)[:, None]
+        o_ptr = mid_o + b.to(gl.int64) * stride_mob + heads[:, None] * stride_moh + split * stride_mos + 4 * ow[None, :]
+        inv = 1.0 / l_i
+        gl.store(o_ptr, acc0 * inv[:, None], mask=o_mask)
+        gl.store(o_ptr + 1, acc1 * inv[:, None], mask=o_mask)
+        gl.store(o_ptr + 2, acc2 * inv[:, None], mask=o_mask)
+        gl.store(o_ptr + 3, acc3 * inv[:, None], mask=o_mask)
+        gl.store(mid_lse + b * stride_mlb + heads * stride_mlh + split, m_i + gl.log2(l_i), mask=oh < GROUP)
+
+
+def check_supported(q, k_cache, quant_group: int) -> None:
+    """``ValueError`` naming what this kernel does not take (the Triton stage 1 takes the rest)."""
+    group = q.shape[1] // k_cache.shape[1]
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"q: expected float16 or bfloat16 for the Gluon INT8 stage 1, got {q.dtype}")
+    if k_cache.dtype != torch.int8:
+        raise ValueError(f"k_cache: expected int8 codes for the Gluon INT8 stage 1, got {k_cache.dtype}")
+    if q.shape[2] not in (128, 256):
+        raise ValueError(f"head_dim: expected 128 or 256 for the Gluon INT8 stage 1, got {q.shape[2]}")
+    if not 1 <= group <= 16:
+        raise ValueError(f"query heads per KV head: expected 1-16 for the Gluon INT8 stage 1, got {group}")
+    if quant_group % 8:
+        raise ValueError(f"quant_group: expected a multiple of 8 for the Gluon INT8 stage 1, got {quant_group}")
+
+
+def check_word_aligned(k_cache, v_cache) -> None:
+    """Codes are read as 32-bit words: every K/V row must start on a multiple of 4 bytes."""
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if (t.data_ptr() | t.stride(0) | t.stride(1)) & 3:
+            raise ValueError(f"{name}: expected 4-byte aligned rows (data pointer and strides multiples of 4) for "
+                             f"the Gluon INT8 stage 1, got strides {tuple(t.stride())}")  # fmt: skip
+
+
+def launch_stage1_int8_gluon(
+    q, k_cache, v_cache, k_scale, v_scale, req_to_token, b_req_idx, b_seq_len, mid_o, mid_lse,
+    sm_scale: float, block_n: int, min_blocks: int = 1, quant_group: int = 8,
+):  # fmt: skip
+    """Stage 1 over the grid ``(batch, kv_heads, splits)`` with ``splits = mid_o.shape[2]``, writing what
+    ``stage1.py`` writes (stage 2 merges either)."""
+    check_supported(q, k_cache, quant_group)
+    check_word_aligned(k_cache, v_cache)
+    batch, q_heads, head_dim = q.shape
+    kv_heads = k_cache.shape[1]
+    decode_stage1_int8_gluon_kernel[(batch, kv_heads, mid_o.shape[2])](
+        q, k_cache, v_cache, k_scale, v_scale, req_to_token, b_req_idx, b_seq_len, mid_o, mid_lse,
+        sm_scale * 1.4426950408889634,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        k_scale.stride(0), k_scale.stride(1), v_scale.stride(0), v_scale.stride(1), req_to_token.stride(0),
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        GROUP=q_heads // kv_heads, HEAD_DIM=head_dim, BLOCK_N=block_n, MIN_BLOCKS=min_blocks, QGROUP=quant_group,
+        num_warps=1,
+    )  # fmt: skip
+
+
+_POINTER_TYPES = {"Q": "*bf16", "K": "*i8", "V": "*i8", "K_scale": "*fp16", "V_scale": "*fp16",
+                  "req_to_token": "*i32", "b_req_idx": "*i32", "b_seq_len": "*i32", "mid_o": "*fp32",
+                  "mid_lse": "*fp32"}  # fmt: skip
+
+
+def compile_for(arch: int, head_dim: int, group: int, block_n: int, quant_group: int = 8):
+    """The kernel compiled for ``sm_<arch>`` without a GPU (bf16 queries, 16-byte aligned pointers): Triton's
+    ``CompiledKernel``, whose ``asm`` has the TTGIR, PTX and cubin. Not under the interpreter (its reductions would
+    be interpreted functions): the tests call it in a child process."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    kernel = decode_stage1_int8_gluon_kernel
+    constexprs = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_N=block_n, MIN_BLOCKS=1, QGROUP=quant_group)
+    signature = {n: _POINTER_TYPES.get(n, "fp32" if n == "qk_scale" else "constexpr" if n in constexprs else "i32")
+                 for n in kernel.arg_names}  # fmt: skip
+    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names) if n in _POINTER_TYPES}
+    src = GluonASTSource(kernel, signature, constexprs, aligned)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": 1})
