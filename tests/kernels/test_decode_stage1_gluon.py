@@ -56,6 +56,7 @@ def test_compiles_for_sm90_with_nothing_through_shared_memory(compiled_sm90, hea
     "change, match",
     [
         (dict(q_dtype=torch.float32), r"^q: expected float16 or bfloat16"),
+        (dict(q_layout="strided"), r"^q: expected a contiguous last dim"),
         (dict(head_dim=64), r"^head_dim: expected 128 or 256"),
         (dict(q_heads=34, kv_heads=2), r"^query heads per KV head: expected 1-16"),
         (dict(quant_group=4), r"^quant_group: expected a multiple of 8"),
@@ -66,6 +67,8 @@ def test_what_it_does_not_take_is_a_value_error_naming_it(change, match):
     shape = dict(q_heads=32, kv_heads=8, head_dim=128, q_dtype=torch.bfloat16, quant_group=8, k_dtype=torch.int8)
     shape.update(change)
     q = torch.zeros(2, shape["q_heads"], shape["head_dim"], dtype=shape["q_dtype"])
+    if shape.get("q_layout") == "strided":
+        q = torch.zeros(2, shape["q_heads"], 2 * shape["head_dim"], dtype=shape["q_dtype"])[..., ::2]
     k = torch.zeros(16, shape["kv_heads"], shape["head_dim"], dtype=shape["k_dtype"])
     with pytest.raises(ValueError, match=match):
         stage1_gluon.check_supported(q, k, shape["quant_group"])

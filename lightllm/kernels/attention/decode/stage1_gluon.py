@@ -161,6 +161,8 @@ def check_supported(q, k_cache, quant_group: int) -> None:
     group = q.shape[1] // k_cache.shape[1]
     if q.dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"q: expected float16 or bfloat16 for the Gluon INT8 stage 1, got {q.dtype}")
+    if q.stride(2) != 1:
+        raise ValueError(f"q: expected a contiguous last dim for the Gluon INT8 stage 1, got strides {q.stride()}")
     if k_cache.dtype != torch.int8:
         raise ValueError(f"k_cache: expected int8 codes for the Gluon INT8 stage 1, got {k_cache.dtype}")
     if q.shape[2] not in (128, 256):
