@@ -41,7 +41,8 @@ def compiled_sm90():
 @pytest.mark.parametrize("head_dim, group, block_n", _SHAPES)
 def test_compiles_for_sm90_with_nothing_through_shared_memory(compiled_sm90, head_dim, group, block_n):
     """The dequantized K and V go from the code words to the mma operands in registers: no shared memory, no
-    barrier, and every dot a register mma (four per tile and side, one per byte of a word)."""
+    barrier, every dot a register mma (four per tile and side, one per byte of a word), and the codes loaded 16
+    bytes at a time."""
     compiled = compiled_sm90[head_dim, group, block_n]
     ptx = compiled["ptx"]
     assert compiled["shared"] == 0
@@ -50,6 +51,8 @@ def test_compiles_for_sm90_with_nothing_through_shared_memory(compiled_sm90, hea
     # per tile: S = sum_j Q_j K_j (16 x BLOCK_N over D/4 each) and O_j = P V_j (16 x D/4 over BLOCK_N)
     per_tile = 4 * (block_n // 8) * (head_dim // 4 // 16) + 4 * (head_dim // 4 // 8) * (block_n // 16)
     assert ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32") == per_tile
+    # the codes arrive four words (16 bytes) of a token per load, K and V alike
+    assert ptx.count("ld.global.v4.b32") == 2 * (head_dim // 4) * block_n // 4 // 32
 
 
 @pytest.mark.parametrize(
@@ -59,7 +62,7 @@ def test_compiles_for_sm90_with_nothing_through_shared_memory(compiled_sm90, hea
         (dict(q_layout="strided"), r"^q: expected a contiguous last dim"),
         (dict(head_dim=64), r"^head_dim: expected 128 or 256"),
         (dict(q_heads=34, kv_heads=2), r"^query heads per KV head: expected 1-16"),
-        (dict(quant_group=4), r"^quant_group: expected a multiple of 8"),
+        (dict(quant_group=32), r"^quant_group: expected 8"),
         (dict(k_dtype=torch.uint8), r"^k_cache: expected int8 codes"),
     ],
 )

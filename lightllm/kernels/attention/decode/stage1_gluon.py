@@ -6,22 +6,28 @@ dequantized V tile (and the probabilities) through shared memory to reach the ``
 per tile, because for that dot a thread holds consecutive *tokens* of one head-dim column while a code word holds four
 consecutive head-dim columns of one token. Here the layouts are written out instead:
 
-- The codes are loaded as int32 words in the mma operand layout itself (``DotOperandLayout``, ``k_width`` 2: each
-  thread holds pairs of consecutive reduction indices). One PTX block per pair of words (``pack=2``) gives four packed
-  float16 pairs, byte ``j`` of both words: for V the pair is tokens ``(t, t + 1)`` of column ``4 w + j``, for K head-dim
-  columns ``4 w + j`` and ``4 w + 4 + j`` of one token. So each dot is split in four, one per byte ``j``:
-  ``S = sum_j Q_j K_j`` with ``Q_j[h, w] = q[h, 4 w + j]``, and ``O_j = P V_j`` holds output column ``4 w + j``.
+- Each thread loads four consecutive code words (16 bytes) of a token per load, and one 4-byte load brings the two
+  group scales they need (quant group 8). One PTX block per pair of words (``inline_asm_elementwise``, ``pack=2``)
+  gives four packed float16 pairs, byte ``j`` of both words, times their scales: for V the pair is tokens
+  ``(t, t + 1)`` of one word column, for K two words of one token. Each dot runs as four, one per byte ``j``:
+  ``S = sum_j Q_j K_j`` and ``O_j = P V_j``.
+- Which head-dim column a tensor-core row or column holds is chosen so that the loaded registers already are the
+  operands: the loads use linear layouts by physical word, and a reshape and permute relabels them into the mma
+  operand layout without moving data (``convert_layout(..., assert_trivial=True)`` checks it at compile time). The
+  queries are loaded in the same column order, and the output columns are put back at the store.
 - The values are ``stage1.py``'s PTX path's exactly: ``code ^ 0x80`` under 1024.0's exponent byte, minus 1152, times
   its float16 scale (one rounding), float16 dots with float32 accumulation.
-- One warp per program, so the probabilities go from the QK accumulator to the PV operand in registers.
+- One warp per program, so the probabilities go from the QK accumulator to the PV operand in registers. Each tile's
+  K and V loads are issued before its K is dequantized, so V's bytes are in flight during the QK dot.
 
 GPU only (Gluon has no interpreter): ``stage1.py`` stays the kernel the engine and the CPU tests run. Scope: INT8
-codes, 16-bit queries, quant groups of whole pairs of words (a multiple of 8), query groups up to 16, head_dim 128
-or 256. The next tile's loads are not issued ahead yet.
+codes, 16-bit queries, quant group 8, query groups up to 16, head_dim 128 or 256. The next tile's loads are not
+issued ahead yet.
 """
 
 import torch
 from triton.experimental import gluon
+from triton.experimental.gluon import constexpr_function
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
@@ -57,6 +63,83 @@ def _dequant_pairs(words, scales):
                                      dtype=(gl.float16,) * 4, is_pure=True, pack=2)  # fmt: skip
 
 
+@constexpr_function
+def _steps(lo, hi):
+    """The powers of two from ``lo`` up to below ``hi``: a dimension's strides past what the lanes cover."""
+    return [x for x in (1 << i for i in range(max(hi, 1).bit_length())) if lo <= x < hi]
+
+
+@constexpr_function
+def _v_words_layout(block_n, w, tokens_first):
+    """V words ``[BLOCK_N, W]`` by physical word: lane ``L`` holds tokens ``2 (L % 4) + {0, 1} + 8 r`` and the four
+    consecutive words ``4 (L // 4) + {0..3}`` (+ 32 e): one 16-byte load per token. ``tokens_first``: the token pair in
+    consecutive registers (what the PTX pairs), else the four words (what a vector load wants)."""
+    words = [[0, 1], [0, 2]]
+    pair = [[1, 0]]
+    rest = [[t, 0] for t in _steps(8, block_n)] + [
+        [0, x] for x in [1 << i for i in range((w - 1).bit_length())] if x >= 32
+    ]
+    regs = pair + words + rest if tokens_first else words + pair + rest
+    lanes = [[2, 0], [4, 0], [0, 4], [0, 8], [0, 16]]
+    return gl.DistributedLinearLayout(regs, lanes, [], [], [block_n, w])
+
+
+@constexpr_function
+def _v_scales_layout(block_n, w):
+    """V scales ``[BLOCK_N, W // 2]`` (quant group 8: word ``w``'s group is ``w // 2``), matching ``_v_words_layout``:
+    a lane's two groups of one token in consecutive registers (one 4-byte load)."""
+    regs = [[0, 1], [1, 0]] + [[t, 0] for t in _steps(8, block_n)] + [[0, x // 2] for x in _steps(32, w)]
+    lanes = [[2, 0], [4, 0], [0, 2], [0, 4], [0, 8]]
+    return gl.DistributedLinearLayout(regs, lanes, [], [], [block_n, w // 2])
+
+
+@constexpr_function
+def _k_words_layout(block_n, w):
+    """K^T words ``[W, BLOCK_N]`` by physical word: lane ``L`` holds token ``L // 4`` (+ 8 r) and the four consecutive
+    words ``4 (L % 4) + {0..3}`` of every 16: one 16-byte load per token and 16 words; consecutive registers are the
+    word pairs the PTX takes."""
+    regs = [[1, 0], [2, 0]] + [[x, 0] for x in _steps(16, w)] + [[0, t] for t in _steps(8, block_n)]
+    lanes = [[4, 0], [8, 0], [0, 1], [0, 2], [0, 4]]
+    return gl.DistributedLinearLayout(regs, lanes, [], [], [w, block_n])
+
+
+@constexpr_function
+def _k_scales_layout(block_n, w):
+    """K scales ``[W // 2, BLOCK_N]`` matching ``_k_words_layout``: a lane's two groups of one token, one 4-byte
+    load."""
+    regs = [[1, 0]] + [[x // 2, 0] for x in _steps(16, w)] + [[0, t] for t in _steps(8, block_n)]
+    lanes = [[2, 0], [4, 0], [0, 1], [0, 2], [0, 4]]
+    return gl.DistributedLinearLayout(regs, lanes, [], [], [w // 2, block_n])
+
+
+@gluon.jit
+def _pair_rows(scales, ROWS: gl.constexpr, COLS: gl.constexpr):
+    """``[ROWS // 2, COLS]`` group scales as ``[ROWS, COLS]``, each repeated for its two words (rows 2 g, 2 g + 1)."""
+    return gl.reshape(gl.permute(gl.join(scales, scales), [0, 2, 1]), [ROWS, COLS])
+
+
+@gluon.jit
+def _pair_cols(scales, ROWS: gl.constexpr, COLS: gl.constexpr):
+    """``[ROWS, COLS // 2]`` group scales as ``[ROWS, COLS]``, each repeated for its two words (columns 2 g and
+    2 g + 1)."""
+    return gl.reshape(gl.join(scales, scales), [ROWS, COLS])
+
+
+@gluon.jit
+def _v_logical(x, BLOCK_N: gl.constexpr, W: gl.constexpr):
+    """Physical word ``w = 4 m + a`` to mma column ``n = (W / 4) a + m``: a lane's four consecutive words land in
+    the same column of four n-tiles."""
+    return gl.reshape(gl.permute(gl.reshape(x, [BLOCK_N, W // 4, 4]), [0, 2, 1]), [BLOCK_N, W])
+
+
+@gluon.jit
+def _k_logical(x, BLOCK_N: gl.constexpr, W: gl.constexpr):
+    """Physical word ``w = 16 t + 4 q + 2 h + i`` to mma reduction index ``16 t + 8 h + 2 q + i``: a lane's four
+    consecutive words are its ``k_width`` 2 pairs of one k-tile."""
+    x = gl.reshape(x, [W // 16, 4, 2, 2, BLOCK_N])
+    return gl.reshape(gl.permute(x, [0, 2, 1, 3, 4]), [W, BLOCK_N])
+
+
 @gluon.jit
 def decode_stage1_int8_gluon_kernel(
     Q, K, V, K_scale, V_scale, req_to_token, b_req_idx, b_seq_len, mid_o, mid_lse,
@@ -67,10 +150,17 @@ def decode_stage1_int8_gluon_kernel(
     GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, MIN_BLOCKS: gl.constexpr,
     QGROUP: gl.constexpr,
 ):  # fmt: skip
+    gl.static_assert(QGROUP == 8, "the vector-load layouts take quant group 8")
+    gl.static_assert(BLOCK_N >= 16, "a tile is the reduction of the PV dot: at least one 16-deep mma")
     W: gl.constexpr = HEAD_DIM // 4  # code words per token and KV head
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     b_op: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+    kl: gl.constexpr = _k_words_layout(BLOCK_N, W)
+    ksl: gl.constexpr = _k_scales_layout(BLOCK_N, W)
+    vl: gl.constexpr = _v_words_layout(BLOCK_N, W, False)
+    vpl: gl.constexpr = _v_words_layout(BLOCK_N, W, True)
+    vsl: gl.constexpr = _v_scales_layout(BLOCK_N, W)
 
     b = gl.program_id(0)
     kvh = gl.program_id(1)
@@ -82,9 +172,11 @@ def decode_stage1_int8_gluon_kernel(
     start = split * per_split
     end = gl.minimum(start + per_split, seq_len)
     if start < end:
-        # queries, columns 4 w + j as Q_j [16, W] (16 rows: one mma tile; rows past GROUP are zero)
+        # queries as Q_j [16, W]: reduction index k holds column 4 w(k) + j, w(k) the physical word _k_logical maps
+        # to k (rows past GROUP are zero)
         qh = gl.arange(0, 16, layout=gl.SliceLayout(1, a_op))
-        qw = gl.arange(0, W, layout=gl.SliceLayout(0, a_op))
+        qk = gl.arange(0, W, layout=gl.SliceLayout(0, a_op))
+        qw = (qk // 16) * 16 + ((qk % 8) // 2) * 4 + ((qk % 16) // 8) * 2 + qk % 2
         q_ptr = Q + b.to(gl.int64) * stride_qb + (kvh * GROUP + qh)[:, None] * stride_qh + 4 * qw[None, :]
         q_mask = (qh < GROUP)[:, None]
         q0 = gl.load(q_ptr, mask=q_mask, other=0.0).to(gl.float16)
@@ -94,11 +186,14 @@ def decode_stage1_int8_gluon_kernel(
 
         slot = gl.load(b_req_idx + b).to(gl.int64)
         tokens = req_to_token + slot * stride_rr
-        # K^T words [W, BLOCK_N] (the reduction axis, words, first), V words [BLOCK_N, W] (tokens first)
-        kw = gl.arange(0, W, layout=gl.SliceLayout(1, b_op))
-        kn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, b_op))
-        vn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, b_op))
-        vw = gl.arange(0, W, layout=gl.SliceLayout(0, b_op))
+        kw = gl.arange(0, W, layout=gl.SliceLayout(1, kl))
+        kn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, kl))
+        kg = gl.arange(0, W // 2, layout=gl.SliceLayout(1, ksl))
+        ksn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, ksl))
+        vn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, vl))
+        vw = gl.arange(0, W, layout=gl.SliceLayout(0, vl))
+        vsn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, vsl))
+        vg = gl.arange(0, W // 2, layout=gl.SliceLayout(0, vsl))
         sn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
         K32 = K.to(gl.pointer_type(gl.int32))
         V32 = V.to(gl.pointer_type(gl.int32))
@@ -110,14 +205,30 @@ def decode_stage1_int8_gluon_kernel(
         acc2 = gl.zeros([16, W], gl.float32, layout=mma)
         acc3 = gl.zeros([16, W], gl.float32, layout=mma)
         for n0 in range(start, end, BLOCK_N):
-            k_n = n0 + kn
-            k_ok = k_n < end
-            k_tok = gl.load(tokens + k_n, mask=k_ok, other=0).to(gl.int64)
+            # every load of the tile first: V's bytes are in flight while K's are dequantized and dotted
+            k_ok = n0 + kn < end
+            k_tok = gl.load(tokens + n0 + kn, mask=k_ok, other=0).to(gl.int64)
             k_words = gl.load(K32 + ((k_tok * stride_kt + kvh * stride_kh) >> 2)[None, :] + kw[:, None],
                               mask=k_ok[None, :], other=0)  # fmt: skip
-            k_scales = gl.load(K_scale + (k_tok * stride_kst + kvh * stride_ksh)[None, :] + (4 * kw // QGROUP)[:, None],
-                               mask=k_ok[None, :], other=0.0)  # fmt: skip
+            ks_ok = n0 + ksn < end
+            ks_tok = gl.load(tokens + n0 + ksn, mask=ks_ok, other=0).to(gl.int64)
+            k_sc = gl.load(K_scale + (ks_tok * stride_kst + kvh * stride_ksh)[None, :] + kg[:, None],
+                           mask=ks_ok[None, :], other=0.0)  # fmt: skip
+            v_ok = n0 + vn < end
+            v_tok = gl.load(tokens + n0 + vn, mask=v_ok, other=0).to(gl.int64)
+            v_words = gl.load(V32 + ((v_tok * stride_vt + kvh * stride_vh) >> 2)[:, None] + vw[None, :],
+                              mask=v_ok[:, None], other=0)  # fmt: skip
+            vs_ok = n0 + vsn < end
+            vs_tok = gl.load(tokens + n0 + vsn, mask=vs_ok, other=0).to(gl.int64)
+            v_sc = gl.load(V_scale + (vs_tok * stride_vst + kvh * stride_vsh)[:, None] + vg[None, :],
+                           mask=vs_ok[:, None], other=0.0)  # fmt: skip
+
+            k_scales = gl.convert_layout(_pair_rows(k_sc, W, BLOCK_N), kl, assert_trivial=True)
             k0, k1, k2, k3 = _dequant_pairs(k_words, k_scales)
+            k0 = gl.convert_layout(_k_logical(k0, BLOCK_N, W), b_op, assert_trivial=True)
+            k1 = gl.convert_layout(_k_logical(k1, BLOCK_N, W), b_op, assert_trivial=True)
+            k2 = gl.convert_layout(_k_logical(k2, BLOCK_N, W), b_op, assert_trivial=True)
+            k3 = gl.convert_layout(_k_logical(k3, BLOCK_N, W), b_op, assert_trivial=True)
             s = mma_v2(q0, k0, gl.zeros([16, BLOCK_N], gl.float32, layout=mma))
             s = mma_v2(q1, k1, s)
             s = mma_v2(q2, k2, s)
@@ -129,22 +240,22 @@ def decode_stage1_int8_gluon_kernel(
             l_i = l_i * alpha + gl.sum(p, 1)
             p16 = gl.convert_layout(p.to(gl.float16), a_op)
 
-            v_n = n0 + vn
-            v_ok = v_n < end
-            v_tok = gl.load(tokens + v_n, mask=v_ok, other=0).to(gl.int64)
-            v_words = gl.load(V32 + ((v_tok * stride_vt + kvh * stride_vh) >> 2)[:, None] + vw[None, :],
-                              mask=v_ok[:, None], other=0)  # fmt: skip
-            v_scales = gl.load(V_scale + (v_tok * stride_vst + kvh * stride_vsh)[:, None] + (4 * vw // QGROUP)[None, :],
-                               mask=v_ok[:, None], other=0.0)  # fmt: skip
-            v0, v1, v2, v3 = _dequant_pairs(v_words, v_scales)
+            v_scales = gl.convert_layout(_pair_cols(v_sc, BLOCK_N, W), vpl)
+            v0, v1, v2, v3 = _dequant_pairs(gl.convert_layout(v_words, vpl, assert_trivial=True), v_scales)
+            v0 = gl.convert_layout(_v_logical(v0, BLOCK_N, W), b_op, assert_trivial=True)
+            v1 = gl.convert_layout(_v_logical(v1, BLOCK_N, W), b_op, assert_trivial=True)
+            v2 = gl.convert_layout(_v_logical(v2, BLOCK_N, W), b_op, assert_trivial=True)
+            v3 = gl.convert_layout(_v_logical(v3, BLOCK_N, W), b_op, assert_trivial=True)
             acc0 = mma_v2(p16, v0, acc0 * alpha[:, None])
             acc1 = mma_v2(p16, v1, acc1 * alpha[:, None])
             acc2 = mma_v2(p16, v2, acc2 * alpha[:, None])
             acc3 = mma_v2(p16, v3, acc3 * alpha[:, None])
             m_i = m_new
 
+        # output column n of O_j is head-dim column 4 w(n) + j, w(n) the physical word _v_logical maps to n
         oh = gl.arange(0, 16, layout=gl.SliceLayout(1, mma))
-        ow = gl.arange(0, W, layout=gl.SliceLayout(0, mma))
+        on = gl.arange(0, W, layout=gl.SliceLayout(0, mma))
+        ow = 4 * (on % (W // 4)) + on // (W // 4)
         heads = kvh * GROUP + oh
         o_mask = (oh < GROUP)[:, None]
         o_ptr = mid_o + b.to(gl.int64) * stride_mob + heads[:, None] * stride_moh + split * stride_mos + 4 * ow[None, :]
@@ -169,8 +280,8 @@ def check_supported(q, k_cache, quant_group: int) -> None:
         raise ValueError(f"head_dim: expected 128 or 256 for the Gluon INT8 stage 1, got {q.shape[2]}")
     if not 1 <= group <= 16:
         raise ValueError(f"query heads per KV head: expected 1-16 for the Gluon INT8 stage 1, got {group}")
-    if quant_group % 8:
-        raise ValueError(f"quant_group: expected a multiple of 8 for the Gluon INT8 stage 1, got {quant_group}")
+    if quant_group != 8:
+        raise ValueError(f"quant_group: expected 8 for the Gluon INT8 stage 1, got {quant_group}")
 
 
 def check_word_aligned(k_cache, v_cache) -> None:
@@ -208,9 +319,9 @@ _POINTER_TYPES = {"Q": "*bf16", "K": "*i8", "V": "*i8", "K_scale": "*fp16", "V_s
 
 
 def compile_for(arch: int, head_dim: int, group: int, block_n: int, quant_group: int = 8):
-    """The kernel compiled for ``sm_<arch>`` without a GPU (bf16 queries, 16-byte aligned pointers): Triton's
-    ``CompiledKernel``, whose ``asm`` has the TTGIR, PTX and cubin. Not under the interpreter (its reductions would
-    be interpreted functions): the tests call it in a child process."""
+    """The kernel compiled for ``sm_<arch>`` without a GPU (bf16 queries; pointers and strides multiples of 16):
+    Triton's ``CompiledKernel``, whose ``asm`` has the TTGIR, PTX and cubin. Not under the interpreter (its reductions
+    would be interpreted functions): the tests call it in a child process."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -219,6 +330,8 @@ def compile_for(arch: int, head_dim: int, group: int, block_n: int, quant_group:
     constexprs = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_N=block_n, MIN_BLOCKS=1, QGROUP=quant_group)
     signature = {n: _POINTER_TYPES.get(n, "fp32" if n == "qk_scale" else "constexpr" if n in constexprs else "i32")
                  for n in kernel.arg_names}  # fmt: skip
-    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names) if n in _POINTER_TYPES}
+    # what a launch specializes: pointers and the strides, multiples of 16 at the supported shapes (the vector loads)
+    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names)
+               if n in _POINTER_TYPES or n.startswith("stride")}  # fmt: skip
     src = GluonASTSource(kernel, signature, constexprs, aligned)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": 1})
