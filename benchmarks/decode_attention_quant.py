@@ -10,8 +10,8 @@ row then records the best of the plain space and of that variant apart (``varian
 both. ``--element-path`` likewise times every INT8/INT4 candidate with the per-element dequantization that the
 PTX word helpers replaced (stage1.py), in the same run, and ``--more-stages`` the candidates of 2 and 4 warps with
 one more pipeline stage (one tile more in flight per program). ``--gluon`` times the Gluon INT8 stage 1
-(``stage1_gluon.py``: one-warp programs, no shared memory) with stage 2 at ``BLOCK_N`` 16/32 and 2-16 waves, at
-quant group 8, after checking its output against the Triton kernel's on the same pool.
+(``stage1_gluon.py``: one-warp programs, no shared memory) with stage 2 at ``BLOCK_N`` 16/32, 2-16 waves, with and
+without ``PREFETCH``, at quant group 8, after checking its output against the Triton kernel's on the same pool.
 """
 
 import argparse
@@ -43,7 +43,8 @@ def variant_spaces(kind, q, extras=()) -> dict:
     return spaces
 
 
-GLUON_CONFIGS = [{"BLOCK_N": block_n, "WAVES": waves} for block_n in (16, 32) for waves in (2, 4, 8, 16)]
+GLUON_CONFIGS = [{"BLOCK_N": block_n, "WAVES": waves, "PREFETCH": prefetch}
+                 for block_n in (16, 32) for waves in (2, 4, 8, 16) for prefetch in (False, True)]  # fmt: skip
 
 
 def gluon_fn(q, pool, r2t, idx, seq, graph_max, out, group, cfg):
@@ -59,7 +60,7 @@ def gluon_fn(q, pool, r2t, idx, seq, graph_max, out, group, cfg):
 
     def run():
         stage1_gluon.launch_stage1_int8_gluon(q, k, v, ks, vs, r2t, idx, seq, mid_o, mid_lse, head_dim**-0.5,
-                                              cfg["BLOCK_N"], quant_group=group)  # fmt: skip
+                                              cfg["BLOCK_N"], quant_group=group, prefetch=cfg["PREFETCH"])  # fmt: skip
         flash_decode.launch_stage2(mid_o, mid_lse, seq, out, cfg["BLOCK_N"])
 
     return run

@@ -20,12 +20,12 @@ _CHILD = """
 import json, sys
 from lightllm.kernels.attention.decode.stage1_gluon import compile_for
 out = []
-for head_dim, group, block_n in json.loads(sys.argv[1]):
-    c = compile_for(90, head_dim, group, block_n)
+for head_dim, group, block_n, prefetch in json.loads(sys.argv[1]):
+    c = compile_for(90, head_dim, group, block_n, prefetch=prefetch)
     out.append({"shared": c.metadata.shared, "ttgir": c.asm["ttgir"], "ptx": c.asm["ptx"]})
 print(json.dumps(out))
 """
-_SHAPES = [(128, 4, 16), (128, 8, 32), (256, 6, 16)]
+_SHAPES = [(128, 4, 16, False), (128, 8, 32, False), (256, 6, 16, False), (128, 4, 16, True)]
 
 
 @pytest.fixture(scope="module")
@@ -38,12 +38,12 @@ def compiled_sm90():
     return dict(zip(_SHAPES, json.loads(done.stdout)))
 
 
-@pytest.mark.parametrize("head_dim, group, block_n", _SHAPES)
-def test_compiles_for_sm90_with_nothing_through_shared_memory(compiled_sm90, head_dim, group, block_n):
+@pytest.mark.parametrize("head_dim, group, block_n, prefetch", _SHAPES)
+def test_compiles_for_sm90_with_nothing_through_shared_memory(compiled_sm90, head_dim, group, block_n, prefetch):
     """The dequantized K and V go from the code words to the mma operands in registers: no shared memory, no
     barrier, every dot a register mma (four per tile and side, one per byte of a word), and the codes loaded 16
     bytes at a time."""
-    compiled = compiled_sm90[head_dim, group, block_n]
+    compiled = compiled_sm90[head_dim, group, block_n, prefetch]
     ptx = compiled["ptx"]
     assert compiled["shared"] == 0
     assert "local_alloc" not in compiled["ttgir"]
@@ -51,8 +51,9 @@ def test_compiles_for_sm90_with_nothing_through_shared_memory(compiled_sm90, hea
     # per tile: S = sum_j Q_j K_j (16 x BLOCK_N over D/4 each) and O_j = P V_j (16 x D/4 over BLOCK_N)
     per_tile = 4 * (block_n // 8) * (head_dim // 4 // 16) + 4 * (head_dim // 4 // 8) * (block_n // 16)
     assert ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32") == per_tile
-    # the codes arrive four words (16 bytes) of a token per load, K and V alike
-    assert ptx.count("ld.global.v4.b32") == 2 * (head_dim // 4) * block_n // 4 // 32
+    # the codes arrive four words (16 bytes) of a token per load, K and V alike (the first tile's also before the
+    # loop with PREFETCH)
+    assert ptx.count("ld.global.v4.b32") == 2 * (head_dim // 4) * block_n // 4 // 32 * (2 if prefetch else 1)
 
 
 @pytest.mark.parametrize(
@@ -85,8 +86,8 @@ def test_rows_off_a_word_boundary_are_refused():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("head_dim, q_heads, kv_heads", [(128, 32, 8), (128, 64, 8), (128, 16, 8), (256, 24, 4)])
-@pytest.mark.parametrize("block_n, splits", [(16, 7), (32, 3), (32, 40)])
-def test_gpu_matches_the_reference_through_stage2(head_dim, q_heads, kv_heads, block_n, splits):
+@pytest.mark.parametrize("block_n, splits, prefetch", [(16, 7, False), (32, 3, False), (32, 40, False), (16, 7, True)])
+def test_gpu_matches_the_reference_through_stage2(head_dim, q_heads, kv_heads, block_n, splits, prefetch):
     """Ragged lengths (a tail in every last tile, one empty request, one of a single token) and more splits than
     some requests have blocks; bf16 queries; every output element written."""
     lens = [1, 300, 4097, 0, 63, 2049]
@@ -96,7 +97,8 @@ def test_gpu_matches_the_reference_through_stage2(head_dim, q_heads, kv_heads, b
     mid_o = torch.full((len(lens), q_heads, splits, head_dim), float("nan"), device=q.device)
     mid_lse = torch.full((len(lens), q_heads, splits), float("nan"), device=q.device)
     out = torch.full_like(q, float("nan"))
-    stage1_gluon.launch_stage1_int8_gluon(q, kq, vq, ks, vs, r2t, idx, seq, mid_o, mid_lse, head_dim**-0.5, block_n)
+    stage1_gluon.launch_stage1_int8_gluon(q, kq, vq, ks, vs, r2t, idx, seq, mid_o, mid_lse, head_dim**-0.5, block_n,
+                                          prefetch=prefetch)  # fmt: skip
     launch_stage2(mid_o, mid_lse, seq, out, block_n)
     assert not out.isnan().any(), "unwritten output"
     ref = decode_attention_ref(q, kd, vd, r2t, idx, seq)

@@ -21,8 +21,9 @@ consecutive head-dim columns of one token. Here the layouts are written out inst
   K and V loads are issued before its K is dequantized, so V's bytes are in flight during the QK dot.
 
 GPU only (Gluon has no interpreter): ``stage1.py`` stays the kernel the engine and the CPU tests run. Scope: INT8
-codes, 16-bit queries, quant group 8, query groups up to 16, head_dim 128 or 256. The next tile's loads are not
-issued ahead yet.
+codes, 16-bit queries, quant group 8, query groups up to 16, head_dim 128 or 256. The next tile's loads are
+issued ahead only with ``PREFETCH`` (the next tile's codes and scales loaded while this one's are used: more bytes in
+flight per warp, about 40 more registers).
 """
 
 import torch
@@ -141,6 +142,30 @@ def _k_logical(x, BLOCK_N: gl.constexpr, W: gl.constexpr):
 
 
 @gluon.jit
+def _load_tile(tokens, K32, V32, K_scale, V_scale, n0, end, kvh, stride_kt, stride_kh, stride_vt, stride_vh,
+               stride_kst, stride_ksh, stride_vst, stride_vsh, kn, kw, ksn, kg, vn, vw, vsn, vg):  # fmt: skip
+    """Tokens ``[n0, n0 + BLOCK_N)`` (those from ``end`` on masked off): K^T words, K group scales, V words, V group
+    scales, each in the layout of its index vectors."""
+    k_ok = n0 + kn < end
+    k_tok = gl.load(tokens + n0 + kn, mask=k_ok, other=0).to(gl.int64)
+    k_words = gl.load(K32 + ((k_tok * stride_kt + kvh * stride_kh) >> 2)[None, :] + kw[:, None],
+                      mask=k_ok[None, :], other=0)  # fmt: skip
+    ks_ok = n0 + ksn < end
+    ks_tok = gl.load(tokens + n0 + ksn, mask=ks_ok, other=0).to(gl.int64)
+    k_sc = gl.load(K_scale + (ks_tok * stride_kst + kvh * stride_ksh)[None, :] + kg[:, None],
+                   mask=ks_ok[None, :], other=0.0)  # fmt: skip
+    v_ok = n0 + vn < end
+    v_tok = gl.load(tokens + n0 + vn, mask=v_ok, other=0).to(gl.int64)
+    v_words = gl.load(V32 + ((v_tok * stride_vt + kvh * stride_vh) >> 2)[:, None] + vw[None, :],
+                      mask=v_ok[:, None], other=0)  # fmt: skip
+    vs_ok = n0 + vsn < end
+    vs_tok = gl.load(tokens + n0 + vsn, mask=vs_ok, other=0).to(gl.int64)
+    v_sc = gl.load(V_scale + (vs_tok * stride_vst + kvh * stride_vsh)[:, None] + vg[None, :],
+                   mask=vs_ok[:, None], other=0.0)  # fmt: skip
+    return k_words, k_sc, v_words, v_sc
+
+
+@gluon.jit
 def decode_stage1_int8_gluon_kernel(
     Q, K, V, K_scale, V_scale, req_to_token, b_req_idx, b_seq_len, mid_o, mid_lse,
     qk_scale,  # softmax scale * log2(e)
@@ -148,7 +173,7 @@ def decode_stage1_int8_gluon_kernel(
     stride_kst, stride_ksh, stride_vst, stride_vsh, stride_rr,
     stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
     GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, MIN_BLOCKS: gl.constexpr,
-    QGROUP: gl.constexpr,
+    QGROUP: gl.constexpr, PREFETCH: gl.constexpr,
 ):  # fmt: skip
     gl.static_assert(QGROUP == 8, "the vector-load layouts take quant group 8")
     gl.static_assert(BLOCK_N >= 16, "a tile is the reduction of the PV dot: at least one 16-deep mma")
@@ -204,24 +229,20 @@ def decode_stage1_int8_gluon_kernel(
         acc1 = gl.zeros([16, W], gl.float32, layout=mma)
         acc2 = gl.zeros([16, W], gl.float32, layout=mma)
         acc3 = gl.zeros([16, W], gl.float32, layout=mma)
+        if PREFETCH:
+            k_words, k_sc, v_words, v_sc = _load_tile(
+                tokens, K32, V32, K_scale, V_scale, start, end, kvh, stride_kt, stride_kh, stride_vt, stride_vh,
+                stride_kst, stride_ksh, stride_vst, stride_vsh, kn, kw, ksn, kg, vn, vw, vsn, vg)  # fmt: skip
         for n0 in range(start, end, BLOCK_N):
-            # every load of the tile first: V's bytes are in flight while K's are dequantized and dotted
-            k_ok = n0 + kn < end
-            k_tok = gl.load(tokens + n0 + kn, mask=k_ok, other=0).to(gl.int64)
-            k_words = gl.load(K32 + ((k_tok * stride_kt + kvh * stride_kh) >> 2)[None, :] + kw[:, None],
-                              mask=k_ok[None, :], other=0)  # fmt: skip
-            ks_ok = n0 + ksn < end
-            ks_tok = gl.load(tokens + n0 + ksn, mask=ks_ok, other=0).to(gl.int64)
-            k_sc = gl.load(K_scale + (ks_tok * stride_kst + kvh * stride_ksh)[None, :] + kg[:, None],
-                           mask=ks_ok[None, :], other=0.0)  # fmt: skip
-            v_ok = n0 + vn < end
-            v_tok = gl.load(tokens + n0 + vn, mask=v_ok, other=0).to(gl.int64)
-            v_words = gl.load(V32 + ((v_tok * stride_vt + kvh * stride_vh) >> 2)[:, None] + vw[None, :],
-                              mask=v_ok[:, None], other=0)  # fmt: skip
-            vs_ok = n0 + vsn < end
-            vs_tok = gl.load(tokens + n0 + vsn, mask=vs_ok, other=0).to(gl.int64)
-            v_sc = gl.load(V_scale + (vs_tok * stride_vst + kvh * stride_vsh)[:, None] + vg[None, :],
-                           mask=vs_ok[:, None], other=0.0)  # fmt: skip
+            if PREFETCH:  # the next tile's codes and scales in flight through this one's arithmetic
+                nk_words, nk_sc, nv_words, nv_sc = _load_tile(
+                    tokens, K32, V32, K_scale, V_scale, n0 + BLOCK_N, end, kvh, stride_kt, stride_kh, stride_vt,
+                    stride_vh, stride_kst, stride_ksh, stride_vst, stride_vsh, kn, kw, ksn, kg, vn, vw, vsn,
+                    vg)  # fmt: skip
+            else:  # this tile's, all before any arithmetic: V's bytes are in flight while K's are dotted
+                k_words, k_sc, v_words, v_sc = _load_tile(
+                    tokens, K32, V32, K_scale, V_scale, n0, end, kvh, stride_kt, stride_kh, stride_vt, stride_vh,
+                    stride_kst, stride_ksh, stride_vst, stride_vsh, kn, kw, ksn, kg, vn, vw, vsn, vg)  # fmt: skip
 
             k_scales = gl.convert_layout(_pair_rows(k_sc, W, BLOCK_N), kl, assert_trivial=True)
             k0, k1, k2, k3 = _dequant_pairs(k_words, k_scales)
@@ -251,6 +272,8 @@ def decode_stage1_int8_gluon_kernel(
             acc2 = mma_v2(p16, v2, acc2 * alpha[:, None])
             acc3 = mma_v2(p16, v3, acc3 * alpha[:, None])
             m_i = m_new
+            if PREFETCH:
+                k_words, k_sc, v_words, v_sc = nk_words, nk_sc, nv_words, nv_sc
 
         # output column n of O_j is head-dim column 4 w(n) + j, w(n) the physical word _v_logical maps to n
         oh = gl.arange(0, 16, layout=gl.SliceLayout(1, mma))
@@ -294,7 +317,7 @@ def check_word_aligned(k_cache, v_cache) -> None:
 
 def launch_stage1_int8_gluon(
     q, k_cache, v_cache, k_scale, v_scale, req_to_token, b_req_idx, b_seq_len, mid_o, mid_lse,
-    sm_scale: float, block_n: int, min_blocks: int = 1, quant_group: int = 8,
+    sm_scale: float, block_n: int, min_blocks: int = 1, quant_group: int = 8, prefetch: bool = False,
 ):  # fmt: skip
     """Stage 1 over the grid ``(batch, kv_heads, splits)`` with ``splits = mid_o.shape[2]``, writing what
     ``stage1.py`` writes (stage 2 merges either)."""
@@ -309,7 +332,7 @@ def launch_stage1_int8_gluon(
         k_scale.stride(0), k_scale.stride(1), v_scale.stride(0), v_scale.stride(1), req_to_token.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         GROUP=q_heads // kv_heads, HEAD_DIM=head_dim, BLOCK_N=block_n, MIN_BLOCKS=min_blocks, QGROUP=quant_group,
-        num_warps=1,
+        PREFETCH=prefetch, num_warps=1,
     )  # fmt: skip
 
 
@@ -318,7 +341,7 @@ _POINTER_TYPES = {"Q": "*bf16", "K": "*i8", "V": "*i8", "K_scale": "*fp16", "V_s
                   "mid_lse": "*fp32"}  # fmt: skip
 
 
-def compile_for(arch: int, head_dim: int, group: int, block_n: int, quant_group: int = 8):
+def compile_for(arch: int, head_dim: int, group: int, block_n: int, quant_group: int = 8, prefetch: bool = False):
     """The kernel compiled for ``sm_<arch>`` without a GPU (bf16 queries; pointers and strides multiples of 16):
     Triton's ``CompiledKernel``, whose ``asm`` has the TTGIR, PTX and cubin. Not under the interpreter (its reductions
     would be interpreted functions): the tests call it in a child process."""
@@ -327,7 +350,8 @@ def compile_for(arch: int, head_dim: int, group: int, block_n: int, quant_group:
     from triton.experimental.gluon._runtime import GluonASTSource
 
     kernel = decode_stage1_int8_gluon_kernel
-    constexprs = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_N=block_n, MIN_BLOCKS=1, QGROUP=quant_group)
+    constexprs = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_N=block_n, MIN_BLOCKS=1, QGROUP=quant_group,
+                      PREFETCH=prefetch)  # fmt: skip
     signature = {n: _POINTER_TYPES.get(n, "fp32" if n == "qk_scale" else "constexpr" if n in constexprs else "i32")
                  for n in kernel.arg_names}  # fmt: skip
     # what a launch specializes: pointers and the strides, multiples of 16 at the supported shapes (the vector loads)
