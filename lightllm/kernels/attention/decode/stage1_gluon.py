@@ -60,6 +60,7 @@ mul.rn.f16x2 $3, $3, $6;
 
 @gluon.jit
 def _dequant_pairs(words, scales):
+    """Bytes 0..3 of each pair of consecutive words (in the layout's register order) times their scale pair."""
     return gl.inline_asm_elementwise(_WORD_PAIR_TO_F16, "=r,=r,=r,=r,r,r,r", [words, scales],
                                      dtype=(gl.float16,) * 4, is_pure=True, pack=2)  # fmt: skip
 
