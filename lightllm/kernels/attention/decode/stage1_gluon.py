@@ -23,7 +23,7 @@ consecutive head-dim columns of one token. Here the layouts are written out inst
 GPU only (Gluon has no interpreter): ``stage1.py`` stays the kernel the engine and the CPU tests run. Scope: INT8
 codes, 16-bit queries, quant group 8, query groups up to 16, head_dim 128 or 256. The next tile's loads are
 issued ahead only with ``PREFETCH`` (the next tile's codes and scales loaded while this one's are used: more bytes in
-flight per warp, about 40 more registers).
+flight per warp, about 50 more registers).
 """
 
 import torch
