@@ -1,6 +1,6 @@
 """Prompt text to token ids for the HTTP server: checked and bounded before the tokenizer sees it, and
 tokenized (chat template included) on a thread of its own, so a long prompt never stalls the event loop
-that serves ``/health`` and every running stream."""
+that serves ``/health`` and every running stream; a short one on the loop, where it costs less than the trip."""
 
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
@@ -15,6 +15,11 @@ logger = logging.getLogger(__name__)
 # A text prompt longer than this many characters per token of max_req_total_len is refused before it is
 # tokenized. No tokenizer's tokens average that long, so no prompt that would fit is refused.
 CHARS_PER_TOKEN = 32
+# Prompts up to this many characters (chat: all messages' text, without tools) are tokenized on the event loop. The
+# trip to the tokenizer thread and back costs a busy loop one to two of its turns, and every turn is in that
+# request's time to first token: benchmarks/prompt_encode_latency.py (docs/server.md) times the trip at several loop
+# loads against encoding on the loop.
+INLINE_CHARS = 1024
 
 
 def load_tokenizer(model_dir: str, mode: str = "fast", chat_template: Optional[str] = None):
@@ -38,6 +43,8 @@ class PromptEncoder:
     async def encode(self, text: str, field: str) -> List[int]:
         """Token ids of a text prompt; ``field`` names it in a 400."""
         self._check(field, text)
+        if len(text) <= INLINE_CHARS:
+            return self.tokenizer.encode(text)
         return await self._off_loop(self.tokenizer.encode, text)
 
     async def encode_chat(self, messages: List[dict], options: Optional[dict] = None) -> List[int]:
@@ -52,7 +59,12 @@ class PromptEncoder:
                     self._check_unicode(f"messages.{i}.{key}", m[key])
         for key, value in (options or {}).items():
             self._check_unicode(key if key == "tools" else f"chat_template_kwargs.{key}", value)
-        self._check_length("messages", sum(len(m["role"]) + len(m["content"]) for m in messages))
+        chars = sum(len(m["role"]) + len(m["content"]) for m in messages)
+        self._check_length("messages", chars)
+        # tools, tool calls and reasoning render at lengths the messages' text does not show
+        plain = not (options or {}).get("tools") and all(set(m) <= {"role", "content", "name"} for m in messages)
+        if plain and chars <= INLINE_CHARS:
+            return self._render(messages, options or {})
         return await self._off_loop(self._render, messages, options or {})
 
     def _render(self, messages: List[dict], options: dict) -> List[int]:

@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from lightllm.server.http_guards import BadRequest
-from lightllm.server.prompts import CHARS_PER_TOKEN, PromptEncoder
+from lightllm.server.prompts import CHARS_PER_TOKEN, INLINE_CHARS, PromptEncoder
 
 
 class BlockingTokenizer:
@@ -41,14 +41,58 @@ def test_tokenization_runs_beside_the_event_loop(chat):
             await asyncio.sleep(0.01)
         tok.release.set()
 
+    text = "a" * (INLINE_CHARS + 1)  # past what is tokenized on the loop
+
     async def main():
-        work = prompts.encode_chat([{"role": "user", "content": "abc"}]) if chat else prompts.encode("abc", "prompt")
+        work = prompts.encode_chat([{"role": "user", "content": text}]) if chat else prompts.encode(text, "prompt")
         ids, _ = await asyncio.gather(work, other_work())
         return ids, threading.current_thread()
 
     ids, loop_thread = asyncio.run(main())
-    assert ids == [1, 1, 1]
+    assert ids == [1] * len(text)
     assert tok.threads and all(t is not loop_thread and t.name.startswith("lightllm-tokenize") for t in tok.threads)
+
+
+class RecordingTokenizer:
+    """Encodes one id per character and records the thread each call ran on."""
+
+    def __init__(self):
+        self.threads = []
+
+    def encode(self, text):
+        self.threads.append(threading.current_thread())
+        return [1] * len(text)
+
+    def apply_chat_template(self, messages, tokenize, add_generation_prompt, **options):
+        self.threads.append(threading.current_thread())
+        return "".join(m["content"] for m in messages) + "".join(map(str, options.values()))
+
+
+@pytest.mark.parametrize(
+    "call, on_loop",
+    [
+        (lambda p: p.encode("a" * INLINE_CHARS, "prompt"), True),
+        (lambda p: p.encode("a" * (INLINE_CHARS + 1), "prompt"), False),
+        (lambda p: p.encode_chat([{"role": "user", "content": "hi"}]), True),
+        (lambda p: p.encode_chat([{"role": "user", "content": "a" * INLINE_CHARS}]), False),  # role counts too
+        (lambda p: p.encode_chat([{"role": "user", "content": "hi"}], {"tools": [TOOL_PLAIN]}), False),
+        (lambda p: p.encode_chat([{"role": "assistant", "content": "", "tool_calls": [CALL_PLAIN]}]), False),
+    ],
+    ids=["short-text", "long-text", "short-chat", "long-chat", "chat-with-tools", "chat-with-tool-calls"],
+)
+def test_a_short_prompt_is_tokenized_on_the_event_loop_and_a_long_one_beside_it(call, on_loop):
+    """Up to INLINE_CHARS of plain text the trip to the tokenizer thread and back (one to two turns of a busy loop,
+    all in the request's time to first token) costs more than tokenizing; past it, or with tools, tool calls or
+    reasoning (rendered at lengths the messages' text does not show), the tokenizer thread takes it."""
+    tok = RecordingTokenizer()
+    prompts = PromptEncoder(tok, max_req_total_len=4096)
+
+    async def main():
+        await call(prompts)
+        return threading.current_thread()
+
+    loop_thread = asyncio.run(main())
+    assert tok.threads and all((t is loop_thread) == on_loop for t in tok.threads)
 
 
 def test_text_is_checked_before_the_tokenizer_sees_it():
@@ -66,6 +110,8 @@ def test_text_is_checked_before_the_tokenizer_sees_it():
 
 
 CALL = {"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"x": "\ud800"}'}}
+CALL_PLAIN = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+TOOL_PLAIN = {"type": "function", "function": {"name": "f", "description": "d"}}
 TOOL = {"type": "function", "function": {"name": "f", "description": "a\ud800"}}
 USER = {"role": "user", "content": "a"}
 
