@@ -78,9 +78,7 @@ def _v_words_layout(block_n, w, tokens_first):
     consecutive registers (what the PTX pairs), else the four words (what a vector load wants)."""
     words = [[0, 1], [0, 2]]
     pair = [[1, 0]]
-    rest = [[t, 0] for t in _steps(8, block_n)] + [
-        [0, x] for x in [1 << i for i in range((w - 1).bit_length())] if x >= 32
-    ]
+    rest = [[t, 0] for t in _steps(8, block_n)] + [[0, x] for x in _steps(32, w)]
     regs = pair + words + rest if tokens_first else words + pair + rest
     lanes = [[2, 0], [4, 0], [0, 4], [0, 8], [0, 16]]
     return gl.DistributedLinearLayout(regs, lanes, [], [], [block_n, w])
