@@ -15,10 +15,10 @@ logger = logging.getLogger(__name__)
 # A text prompt longer than this many characters per token of max_req_total_len is refused before it is
 # tokenized. No tokenizer's tokens average that long, so no prompt that would fit is refused.
 CHARS_PER_TOKEN = 32
-# Prompts up to this many characters (chat: all messages' text, without tools) are tokenized on the event loop. The
-# trip to the tokenizer thread and back costs a busy loop one to two of its turns, and every turn is in that
-# request's time to first token: benchmarks/prompt_encode_latency.py (docs/server.md) times the trip at several loop
-# loads against encoding on the loop.
+# Prompts up to this many characters (chat: plain messages' roles and text) are tokenized on the event loop: the trip
+# to the tokenizer thread and back waits for the GIL and a turn of the loop, both busy under a streaming load, and is
+# in the request's time to first token (256 characters: 0.27-0.35 ms p50 and 0.9-1.4 ms p90 with the loop half busy,
+# 0.11 ms on the loop; 1024 hold the loop about 0.3 ms; benchmarks/prompt_encode_latency.py, docs/server.md).
 INLINE_CHARS = 1024
 
 
