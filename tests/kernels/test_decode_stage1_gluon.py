@@ -4,46 +4,51 @@ against the float64 reference over the dequantized cache."""
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
+from lightllm.common import proc
 from lightllm.kernels.attention.decode import stage1_gluon
 from lightllm.kernels.attention.decode.flash_decode import launch_stage2
 from lightllm.kernels.attention.decode.reference import decode_attention_ref
 
+from tests.benchmarks.test_linear_attention_bench import REPO
 from tests.kernels.test_decode_attention import make_batch, quantize, rel_err
 
 _CHILD = """
 import json, sys
-from lightllm.kernels.attention.decode.stage1_gluon import compile_for
+sys.path.insert(0, "benchmarks")
+from decode_stage1_resources import build_gluon
 out = []
-for head_dim, group, block_n, prefetch in json.loads(sys.argv[1]):
-    c = compile_for(90, head_dim, group, block_n, prefetch=prefetch)
+for q_heads, kv_heads, head_dim, block_n, prefetch in json.loads(sys.argv[1]):
+    c = build_gluon(90, (q_heads, kv_heads, head_dim), block_n, prefetch)
     out.append({"shared": c.metadata.shared, "ttgir": c.asm["ttgir"], "ptx": c.asm["ptx"]})
 print(json.dumps(out))
 """
-_SHAPES = [(128, 4, 16, False), (128, 8, 32, False), (256, 6, 16, False), (128, 4, 16, True)]
+_SHAPES = [(32, 8, 128, 16, False), (64, 8, 128, 32, False), (24, 4, 256, 16, False), (32, 8, 128, 16, True)]
 
 
 @pytest.fixture(scope="module")
-def compiled_sm90():
-    """Each shape compiled for sm_90 in one child process without the interpreter (Gluon has none)."""
+def compiled_sm90(tmp_path_factory):
+    """Each shape compiled for sm_90 (benchmarks/decode_stage1_resources.py's build) in one child process without the
+    interpreter (Gluon has none), into a Triton cache of its own."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(_SHAPES)], capture_output=True, text=True,
-                          env=env, timeout=600)  # fmt: skip
+    env.update(PYTHONPATH=REPO, TRITON_CACHE_DIR=str(tmp_path_factory.mktemp("triton-cache")))
+    done = proc.run([sys.executable, "-c", _CHILD, json.dumps(_SHAPES)], timeout=proc.HANG_TIMEOUT_S, cwd=REPO,
+                    env=env)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    return dict(zip(_SHAPES, json.loads(done.stdout)))
+    return dict(zip(map(tuple, _SHAPES), json.loads(done.stdout)))
 
 
-@pytest.mark.parametrize("head_dim, group, block_n, prefetch", _SHAPES)
-def test_compiles_for_sm90_with_nothing_through_shared_memory(compiled_sm90, head_dim, group, block_n, prefetch):
+@pytest.mark.parametrize("q_heads, kv_heads, head_dim, block_n, prefetch", _SHAPES)
+def test_compiles_for_sm90_with_nothing_through_shared_memory(compiled_sm90, q_heads, kv_heads, head_dim, block_n,
+                                                              prefetch):  # fmt: skip
     """The dequantized K and V go from the code words to the mma operands in registers: no shared memory, no
     barrier, every dot a register mma (four per tile and side, one per byte of a word), and the codes loaded 16
     bytes at a time."""
-    compiled = compiled_sm90[head_dim, group, block_n, prefetch]
+    compiled = compiled_sm90[q_heads, kv_heads, head_dim, block_n, prefetch]
     ptx = compiled["ptx"]
     assert compiled["shared"] == 0
     assert "local_alloc" not in compiled["ttgir"]

@@ -333,28 +333,3 @@ def launch_stage1_int8_gluon(
         GROUP=q_heads // kv_heads, HEAD_DIM=head_dim, BLOCK_N=block_n, MIN_BLOCKS=min_blocks, QGROUP=quant_group,
         PREFETCH=prefetch, num_warps=1,
     )  # fmt: skip
-
-
-_POINTER_TYPES = {"Q": "*bf16", "K": "*i8", "V": "*i8", "K_scale": "*fp16", "V_scale": "*fp16",
-                  "req_to_token": "*i32", "b_req_idx": "*i32", "b_seq_len": "*i32", "mid_o": "*fp32",
-                  "mid_lse": "*fp32"}  # fmt: skip
-
-
-def compile_for(arch: int, head_dim: int, group: int, block_n: int, quant_group: int = 8, prefetch: bool = False):
-    """The kernel compiled for ``sm_<arch>`` without a GPU (bf16 queries; pointers and strides multiples of 16):
-    Triton's ``CompiledKernel``, whose ``asm`` has the TTGIR, PTX and cubin. Not under the interpreter (its reductions
-    would be interpreted functions): the tests call it in a child process."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    kernel = decode_stage1_int8_gluon_kernel
-    constexprs = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_N=block_n, MIN_BLOCKS=1, QGROUP=quant_group,
-                      PREFETCH=prefetch)  # fmt: skip
-    signature = {n: _POINTER_TYPES.get(n, "fp32" if n == "qk_scale" else "constexpr" if n in constexprs else "i32")
-                 for n in kernel.arg_names}  # fmt: skip
-    # what a launch specializes: pointers and the strides, multiples of 16 at the supported shapes (the vector loads)
-    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names)
-               if n in _POINTER_TYPES or n.startswith("stride")}  # fmt: skip
-    src = GluonASTSource(kernel, signature, constexprs, aligned)
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": 1})
