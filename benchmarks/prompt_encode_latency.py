@@ -31,9 +31,8 @@ def prompt(chars: int, seed: int = 0) -> str:
 
 
 async def _busy(stop: asyncio.Event, slice_s: float) -> None:
-    """Half the loop's time: ``slice_s`` of Python, then as long waiting in the selector (the GIL released). Yielding
-    with ``sleep(0)`` alone, a loop that never waits, starves the tokenizer thread of the GIL for good (CPython
-    hands it back to the thread that dropped it for a zero-timeout poll): the trip then never ends."""
+    """Half the loop's time: ``slice_s`` of Python, then as long waiting in its selector, as a server's loop waits
+    between the steps it writes."""
     while not stop.is_set():
         t = time.perf_counter()
         while time.perf_counter() - t < slice_s:
@@ -84,12 +83,12 @@ def main():
     from lightllm.server.prompts import INLINE_CHARS, load_tokenizer
 
     if args.model:
-        model = args.model
+        tokenizer = load_tokenizer(args.model)
     else:
         from lightllm.tools.make_tiny_model import make_tiny_qwen3
 
-        model = str(make_tiny_qwen3(tempfile.mkdtemp(prefix="lightllm-tiny-")))
-    tokenizer = load_tokenizer(model)
+        with tempfile.TemporaryDirectory(prefix="lightllm-tiny-") as tmp:  # the tokenizer is in memory once loaded
+            tokenizer = load_tokenizer(str(make_tiny_qwen3(tmp)))
     rows = []
     for chars in args.chars:
         text = prompt(chars)

@@ -24,6 +24,15 @@ def load_benchmark(name):
     return module
 
 
+def run_benchmark(name, *args):
+    """``python benchmarks/<name>.py ARGS`` in a child process (the repo importable), stopped with its children if it
+    hangs; shared with the other benchmarks' tests."""
+    from lightllm.common import proc
+
+    return proc.run([sys.executable, os.path.join(REPO, "benchmarks", f"{name}.py"), *args],
+                    env={**os.environ, "PYTHONPATH": REPO}, timeout=proc.HANG_TIMEOUT_S)  # fmt: skip
+
+
 def analyzed_lines(bench, saved, tmp_path, capsys):
     """What ``--analyze`` prints for the saved run ``saved``, line by line."""
     path = tmp_path / "run.json"

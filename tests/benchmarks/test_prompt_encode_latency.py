@@ -2,19 +2,12 @@
 written and printed; bad values are one line."""
 
 import json
-import os
-import subprocess
-import sys
 
-from lightllm.common import proc as procs
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SCRIPT = os.path.join(REPO, "benchmarks", "prompt_encode_latency.py")
+from tests.benchmarks.test_linear_attention_bench import run_benchmark
 
 
 def run(*args):
-    return subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": REPO}, timeout=procs.HANG_TIMEOUT_S)  # fmt: skip
+    return run_benchmark("prompt_encode_latency", *args)
 
 
 def test_both_paths_are_timed_at_every_length_and_load(tmp_path):

@@ -2,19 +2,12 @@
 are one line."""
 
 import json
-import os
-import subprocess
-import sys
 
-from lightllm.common import proc as procs
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SCRIPT = os.path.join(REPO, "benchmarks", "stream_first_token.py")
+from tests.benchmarks.test_linear_attention_bench import run_benchmark
 
 
 def run(*args):
-    return subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": REPO}, timeout=procs.HANG_TIMEOUT_S)  # fmt: skip
+    return run_benchmark("stream_first_token", *args)
 
 
 def test_every_probe_gets_its_headers_and_its_first_token(tmp_path):
