@@ -267,9 +267,16 @@ def run_servers(args, model, workload, vocab, cfg, rep, flags, results, startups
                 if warm:
                     run_load(args, bases[mode], workload, vocab, conc, warm, point_seed(args.seed, ci, 0) + 1)
             for rnd in range(args.rounds or 1):
+                cores = {}
+                if args.server_cores and args.rounds:
+                    for (mode, proc, _, _, _), position in zip(alive, positions):
+                        cores[mode] = round_cores(args.server_cores, position, rnd)
+                        repin_tree(proc.pid, cores[mode])
                 for mode in round_order(modes, rnd):
                     res = run_load(args, bases[mode], workload, vocab, conc, args.requests,
                                    point_seed(args.seed, ci, rnd), args.rate)  # fmt: skip
+                    if mode in cores:
+                        res["cores"] = sorted(cores[mode])
                     results.setdefault((mode, conc), []).append(res)
                     where = {"workload": workload, "mode": mode, "repeat": rep, "concurrency": conc}
                     print(json.dumps({**where, **({"round": rnd} if args.rounds else {}), **res}), flush=True)
@@ -315,6 +322,24 @@ def side_by_side_pool(max_conc, max_len, mtp_step):
 def pin_kwargs(cores):
     """``Popen`` arguments that start a process on ``cores`` only (None: anywhere); what it starts inherits them."""
     return {} if cores is None else {"preexec_fn": lambda: os.sched_setaffinity(0, cores)}
+
+
+def repin_tree(pid, cores):
+    """Move the running process ``pid``, every process under it and every thread of them onto ``cores`` (on Linux
+    an affinity is a thread's own, so each thread is set; what they start later inherits it)."""
+    for member in [pid, *procs.descendants(pid)]:
+        try:
+            for tid in os.listdir(f"/proc/{member}/task"):
+                os.sched_setaffinity(int(tid), cores)
+        except (FileNotFoundError, ProcessLookupError):  # exited meanwhile
+            pass
+
+
+def round_cores(server_cores, position, rnd):
+    """The cores of the ``position``-th server in round ``rnd``: the core sets rotate every round, so over as many
+    rounds as servers each server runs once on every set and a difference between the sets (a shared physical core,
+    interrupts) reaches every server alike instead of becoming one server's bias."""
+    return server_cores[(position + rnd) % len(server_cores)]
 
 
 def core_plan(cores, servers, tp, per=None):
@@ -363,7 +388,8 @@ def main():
                    "schedule per round)")  # fmt: skip
     p.add_argument("--pin-cores", action="store_true", help="give each server tp + 1 CPU cores of its own (or "
                    "--cores-per-server; in launch order; its processes share them) and the load clients the rest, "
-                   "so no server shares a core with another server or a client")  # fmt: skip
+                   "so no server shares a core with another server or a client; with --rounds the servers' core "
+                   "sets rotate every round")  # fmt: skip
     p.add_argument("--cores-per-server", type=int, default=None, help="with --pin-cores: each server's cores "
                    "(default tp + 1: its HTTP process and each engine rank)")  # fmt: skip
     p.add_argument("--concurrency", type=int, nargs="+", default=[16, 32, 64])
@@ -447,25 +473,20 @@ def main():
                 cfg = {"on": cfg_on, "off": cfg_off, "off_b": cfg_off}
                 if args.compare == "overlap":  # the same configs for all: only overlapped decode differs
                     cfg = {"on": cfg_on, "off": cfg_on, "off_b": cfg_on}
-                for rep in range(args.repeats):
-                    run_repeat(args, model, workload, vocab, cfg, rep, flags, results, startups)
+                try:
+                    for rep in range(args.repeats):
+                        run_repeat(args, model, workload, vocab, cfg, rep, flags, results, startups)
+                except (SystemExit, KeyboardInterrupt):  # stopped (a timeout's SIGTERM, ^C): keep what was measured
+                    rows += point_rows(args, workload, results, decode_attention_timings(cfg_on))
+                    save(args, rows, startups, partial=True)
+                    print(f"stopped: {args.out} keeps the {len(rows)} point(s) every server had measured (partial)",
+                          flush=True)  # fmt: skip
+                    raise
                 # the tuned files keep each run key's tuned and default time: why "on" chose what it chose
                 shutil.copytree(cfg_on, os.path.join(args.log_dir, f"configs_tp{args.tp}_{workload}"),
                                 dirs_exist_ok=True)  # fmt: skip
                 kernels = decode_attention_timings(cfg_on)
-            for conc in args.concurrency:
-                on, off = summarize(results["on", conc]), summarize(results["off", conc])
-                row = {"workload": workload, "concurrency": conc, "tp": args.tp, "on": on, "off": off,
-                       "on_vs_off_pct": (on["tokens_per_s"] / off["tokens_per_s"] - 1) * 100,
-                       # the Qwen3 graph's one kernel per layer; Qwen3.5 mixes kernels per step (left out)
-                       "decode_attention": per_step_attention(kernels, conc, args.layers)
-                       if args.model == "qwen3" else None}  # fmt: skip
-                if args.control:  # the A/A difference of every reported number at this point
-                    off_b = row["off_b"] = summarize(results["off_b", conc])
-                    row["off_b_vs_off_pct"] = (off_b["tokens_per_s"] / off["tokens_per_s"] - 1) * 100
-                    row["aa_pct"] = {k: pct(off_b[k], off[k]) for k in AA_REPORTED}
-                    row["aa_ttft_pooled"] = aa_ttft_interval(results["off", conc], results["off_b", conc])
-                rows.append(row)
+            rows += point_rows(args, workload, results, kernels)
             save(args, rows, startups)
     save(args, rows, startups)
     runs = f"{args.repeats} server starts" + (f" x {args.rounds} rounds (servers side by side)" if args.rounds else "")
@@ -501,7 +522,8 @@ def main():
             print(f"{r['workload']:8s} {r['concurrency']:4d}  {mode:5s} {cells}{aa}")
     if args.control:
         print("\nA/A time to first token with every measured request of a point pooled (its runs' requests together):"
-              " off_b vs off, and the 95 % bootstrap interval (requests resampled within each run)")  # fmt: skip
+              " off_b vs off, and the 95 % bootstrap interval (rounds resampled, then requests within each run)"
+              )  # fmt: skip
         print("workload conc  requests  p50                       p99                       mean")
         for r in rows:
             aa, n = r["aa_ttft_pooled"], (r["off"]["ttft_pooled"] or {}).get("requests", 0)
@@ -639,27 +661,29 @@ def pooled_ttft(runs):
 
 def aa_ttft_interval(a_runs, b_runs, resamples=BOOTSTRAP_RESAMPLES, seed=0):
     """``b`` vs ``a`` in percent for each pooled time-to-first-token statistic, with its 95 % bootstrap interval:
-    ``{stat: {"pct", "ci95": [low, high]}}``, None without samples. Each run's requests are resampled with
-    replacement within that run (a round's schedule and its server's state stay in its round), the two servers
-    independently; seeded, so a saved run's interval can be recomputed."""
-    a, b = _samples(a_runs), _samples(b_runs)
-    if not a or not b:
+    ``{stat: {"pct", "ci95": [low, high]}}``, None without samples. Two levels, the round first: a resample draws
+    rounds with replacement, the same rounds for both servers (a round's schedule and moment are theirs alike; runs
+    pair by position), then each drawn run's requests with replacement within it. The interval so holds what moves
+    from round to round (the machine's drift, a core set) besides the requests' own spread; with few rounds it is
+    wide, as it should be. Seeded, so a saved run's interval can be recomputed."""
+    pairs = [(ra["ttft_samples_ms"], rb["ttft_samples_ms"]) for ra, rb in zip(a_runs, b_runs)
+             if ra.get("ttft_samples_ms") and rb.get("ttft_samples_ms")]  # fmt: skip
+    if not pairs:
         return None
     rng = random.Random(seed)
-
-    def draw(runs):
-        return [x for run in runs for x in rng.choices(run, k=len(run))]
-
     diffs = {k: [] for k in POOLED_TTFT}
     for _ in range(resamples):
-        da, db = draw(a), draw(b)
+        drawn = rng.choices(pairs, k=len(pairs))
+        da = [x for run, _ in drawn for x in rng.choices(run, k=len(run))]
+        db = [x for _, run in drawn for x in rng.choices(run, k=len(run))]
         for k, f in POOLED_TTFT.items():
             diffs[k].append(pct(f(db), f(da)))
     out = {}
     for k, f in POOLED_TTFT.items():
         d = sorted(diffs[k])
         low, high = d[int(0.025 * resamples)], d[max(0, int(0.975 * resamples) - 1)]
-        out[k] = {"pct": pct(f([x for run in b for x in run]), f([x for run in a for x in run])), "ci95": [low, high]}
+        whole = pct(f([x for _, run in pairs for x in run]), f([x for run, _ in pairs for x in run]))
+        out[k] = {"pct": whole, "ci95": [low, high]}
     return out
 
 
@@ -670,7 +694,30 @@ def tuned_config_files(startups):
             if (s["mode"], s["repeat"]) == ("on", 0) and "config_files_written" in s}  # fmt: skip
 
 
-def save(args, rows, startups):
+def point_rows(args, workload, results, kernels):
+    """One row per concurrency of ``workload`` that every server has measured at least once (a stopped run keeps
+    the points it finished; the A/A interval pairs the runs both have)."""
+    rows = []
+    modes = ("on", "off", "off_b") if args.control else ("on", "off")
+    for conc in args.concurrency:
+        if not all(results.get((mode, conc)) for mode in modes):
+            continue
+        on, off = summarize(results["on", conc]), summarize(results["off", conc])
+        row = {"workload": workload, "concurrency": conc, "tp": args.tp, "on": on, "off": off,
+               "on_vs_off_pct": (on["tokens_per_s"] / off["tokens_per_s"] - 1) * 100,
+               # the Qwen3 graph's one kernel per layer; Qwen3.5 mixes kernels per step (left out)
+               "decode_attention": per_step_attention(kernels, conc, args.layers)
+               if args.model == "qwen3" else None}  # fmt: skip
+        if args.control:  # the A/A difference of every reported number at this point
+            off_b = row["off_b"] = summarize(results["off_b", conc])
+            row["off_b_vs_off_pct"] = (off_b["tokens_per_s"] / off["tokens_per_s"] - 1) * 100
+            row["aa_pct"] = {k: pct(off_b[k], off[k]) for k in AA_REPORTED}
+            row["aa_ttft_pooled"] = aa_ttft_interval(results["off", conc], results["off_b", conc])
+        rows.append(row)
+    return rows
+
+
+def save(args, rows, startups, partial=False):
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"tp": args.tp, "model": args.model, "tiny": args.tiny, "layers": args.layers,
@@ -681,7 +728,8 @@ def save(args, rows, startups):
                    "control": args.control, "compare": args.compare, "client_procs": args.client_procs,
                    "pin_cores": args.pin_cores, "cores_per_server": args.cores_per_server,
                    "config_checks_ok": not any(s.get("config_check") for s in startups),
-                   "tuned_config_files": tuned_config_files(startups), "rows": rows, "startups": startups},
+                   "tuned_config_files": tuned_config_files(startups), "partial": partial, "rows": rows,
+                   "startups": startups},
                   f, indent=1)  # fmt: skip
 
 

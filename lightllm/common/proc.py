@@ -62,6 +62,11 @@ def _tree(pid: int, descendants: bool = True) -> Dict[int, str]:
     return {p: stats[p][3] for p in found}
 
 
+def descendants(pid: int) -> List[int]:
+    """The processes under ``pid`` (and the other members of its process group), from /proc; none off Linux."""
+    return sorted(_tree(pid))
+
+
 def _alive(pid: int, started: Optional[str] = None) -> bool:
     """Running (not a zombie), and the same process when its start time is given (a pid can be reused)."""
     stat = _stat(pid)

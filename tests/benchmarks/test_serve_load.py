@@ -7,6 +7,8 @@ import random
 import signal
 import subprocess
 import sys
+import time
+import types
 from http.server import BaseHTTPRequestHandler
 
 import pytest
@@ -392,6 +394,36 @@ def test_the_pooled_a_a_interval_resamples_within_each_run(serve_load):
     assert got["mean"] == {"pct": 0.0, "ci95": [0.0, 0.0]}
 
 
+def test_the_pooled_a_a_interval_holds_the_rounds_disagreement(serve_load):
+    """Server b 8 % slower than a in one round, level in the next, 8 % faster in the third: pooled they agree, but
+    three rounds cannot tell a 5 % difference from none, so the interval must span it (requests resampled only
+    within runs would read about +-1.5 %)."""
+    rng = random.Random(2)
+    a = [{"ttft_samples_ms": [rng.uniform(3.0, 9.0) for _ in range(400)]} for _ in range(3)]
+    b = [{"ttft_samples_ms": [x * f for x in run["ttft_samples_ms"]]} for run, f in zip(a, (1.08, 1.0, 0.92))]
+    low, high = serve_load.aa_ttft_interval(a, b, resamples=400)["mean"]["ci95"]
+    assert low < -5.0 and high > 5.0, (low, high)
+    paired = [{"ttft_samples_ms": [x * f for x in run["ttft_samples_ms"]]} for run, f in zip(a, (1.0, 3.0, 0.5))]
+    got = serve_load.aa_ttft_interval(paired, paired, resamples=400)["mean"]  # rounds apart, servers alike
+    assert got["pct"] == 0.0 and -3.0 < got["ci95"][0] < 0.0 < got["ci95"][1] < 3.0, got
+
+
+def test_a_stopped_run_keeps_the_points_every_server_measured(serve_load):
+    """Stopped in the middle of concurrency 4 (its "off_b" not yet loaded): concurrency 2 is a row, 4 is not."""
+
+    def run(tps, ttft):
+        return {"tokens_per_s": tps, "all_complete_finite": True, "ttft_samples_ms": [ttft, ttft + 1.0]}
+
+    results = {(mode, 2): [run(100.0, 5.0), run(110.0, 6.0)] for mode in ("on", "off", "off_b")}
+    results.update({("on", 4): [run(200.0, 5.0)], ("off", 4): [run(190.0, 5.0)]})
+    args = types.SimpleNamespace(control=True, concurrency=[2, 4], tp=1, model="qwen3", layers=4)
+    rows = serve_load.point_rows(args, "short", results, {})
+    assert [r["concurrency"] for r in rows] == [2]
+    assert rows[0]["on"]["tokens_per_s"] == 105.0 and rows[0]["aa_ttft_pooled"]["mean"]["pct"] == 0.0
+    args.control = False  # without the A/A server, 4 is whole
+    assert [r["concurrency"] for r in serve_load.point_rows(args, "short", results, {})] == [2, 4]
+
+
 def test_three_rounds_put_each_of_three_servers_at_every_position(serve_load):
     orders = [serve_load.round_order(["on", "off", "off_b"], r) for r in range(3)]
     assert orders == [["on", "off", "off_b"], ["off", "off_b", "on"], ["off_b", "on", "off"]]
@@ -452,6 +484,46 @@ def test_a_pinned_process_and_its_children_run_on_their_cores_only(serve_load):
     assert serve_load.pin_kwargs(None) == {}
 
 
+def test_core_sets_rotate_every_round_so_each_server_runs_on_each_set(serve_load):
+    sets = [{0, 1}, {2, 3}, {4, 5}]
+    for rnd in range(3):
+        assert [serve_load.round_cores(sets, pos, rnd) for pos in range(3)] == sets[rnd:] + sets[:rnd]
+    assert {frozenset(serve_load.round_cores(sets, 1, rnd)) for rnd in range(3)} == {frozenset(c) for c in sets}
+
+
+def test_repinning_moves_every_thread_of_a_running_process_and_of_its_children(serve_load):
+    """A server's tree (an HTTP process, engine ranks, their threads) moves to a round's cores while it runs."""
+    everywhere, last = os.sched_getaffinity(0), max(os.sched_getaffinity(0))
+    assert len(everywhere) >= 2, "this test moves a process between cores: it needs two"
+    sleeper = "import threading, time; threading.Thread(target=time.sleep, args=(60,), daemon=True).start(); "
+    child = sleeper + "time.sleep(60)"
+    parent = sleeper + f"import subprocess, sys; subprocess.Popen([sys.executable, '-c', {child!r}]); print(1); "
+    parent += "sys.stdout.flush(); time.sleep(60)"
+    with procs.running([sys.executable, "-c", parent], stdout=subprocess.PIPE, text=True) as proc:
+        assert proc.stdout.readline().strip() == "1"
+        deadline = time.monotonic() + procs.HANG_TIMEOUT_S
+        while True:  # the child and both sleeping threads up
+            tasks = {pid: os.listdir(f"/proc/{pid}/task") for pid in tree_pids(proc.pid)}
+            if len(tasks) == 2 and all(len(t) >= 2 for t in tasks.values()) or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert len(tasks) == 2, tasks
+        serve_load.repin_tree(proc.pid, {last})
+        moved = {int(tid): os.sched_getaffinity(int(tid)) for pid, tids in tasks.items() for tid in tids}
+    assert len(moved) >= 4 and all(cores == {last} for cores in moved.values()), moved
+
+
+def tree_pids(pid):
+    """``pid`` and every process under it, from /proc."""
+    out, stack = [], [pid]
+    while stack:
+        out.append(stack.pop())
+        for tid in os.listdir(f"/proc/{out[-1]}/task"):
+            with open(f"/proc/{out[-1]}/task/{tid}/children") as f:
+                stack.extend(int(c) for c in f.read().split())
+    return out
+
+
 def test_pin_cores_on_too_few_cores_is_a_one_line_error(serve_load, tmp_path):
     cmd, env = _benchmark(tmp_path, "--pin-cores", "--control")
     one_core = serve_load.pin_kwargs({min(os.sched_getaffinity(0))})  # whatever this machine has
@@ -476,6 +548,8 @@ def test_stopping_the_benchmark_stops_its_server_and_removes_its_folders(tmp_pat
     assert bench.returncode == 128 + signal.SIGTERM  # it ended itself: no SIGKILL was needed
     assert [p for p, started in server_tree.items() if procs._alive(p, started)] == []
     assert _left_behind(tmp_path) == []
+    saved = json.loads((tmp_path / "out.json").read_text())  # what it had, marked partial: no point finished
+    assert saved["partial"] is True and saved["rows"] == [] and saved["startups"][0]["mode"] == "on"
 
 
 def test_tuning_off_drops_every_decode_attention_kernel_mtp_and_linear_ones_included(serve_load):
