@@ -9,21 +9,19 @@ and the rate at which each kernel reads its bytes (codes + scales) relative to b
 row then records the best of the plain space and of that variant apart (``variants``), and ``ms`` is the best of
 both. ``--element-path`` likewise times every INT8/INT4 candidate with the per-element dequantization that the
 PTX word helpers replaced (stage1.py), in the same run, and ``--more-stages`` the candidates of 2 and 4 warps with
-one more pipeline stage (one tile more in flight per program). ``--gluon`` times the Gluon INT8 stage 1
-(``stage1_gluon.py``: one-warp programs, no shared memory) with stage 2 at ``BLOCK_N`` 16/32, 2-16 waves, with and
-without ``PREFETCH``, at quant group 8, after checking its output against the Triton kernel's on the same pool.
+one more pipeline stage (one tile more in flight per program). ``--head-major`` lays every KV type's
+pool out head-major (each head's tokens contiguous) instead of the engine's token-major layout: a probe of how much
+the access pattern costs.
 """
 
 import argparse
 import json
-import math
 import os
 import time
 
 import torch
 
 from decode_attention import SHAPES, kv_bytes, make_pool, time_configs
-from lightllm.common.autotuner import cuda_graph_bench
 from lightllm.kernels.attention.decode import flash_decode
 
 DEFAULT_CELLS = ["hq32-hk8-d128:64", "hq24-hk4-d256:16", "hq32-hk8-d128:16", "hq24-hk4-d256:64"]
@@ -43,48 +41,9 @@ def variant_spaces(kind, q, extras=()) -> dict:
     return spaces
 
 
-GLUON_CONFIGS = [{"BLOCK_N": block_n, "WAVES": waves, "PREFETCH": prefetch}
-                 for block_n in (16, 32) for waves in (2, 4, 8, 16) for prefetch in (False, True)]  # fmt: skip
-
-
-def gluon_fn(q, pool, r2t, idx, seq, graph_max, out, group, cfg):
-    """The Gluon INT8 stage 1 and stage 2 as one call, split for a graph of ``graph_max`` like the Triton kernel."""
-    from lightllm.kernels.attention.decode import stage1_gluon
-    from lightllm.kernels.attention.decode.splits import num_splits
-
-    k, v, ks, vs = pool
-    batch, q_heads, head_dim = q.shape
-    splits = num_splits(batch, k.shape[1], graph_max, cfg["BLOCK_N"], cfg["WAVES"], q.device)
-    mid_o = torch.empty(batch, q_heads, splits, head_dim, device=q.device)
-    mid_lse = torch.empty(batch, q_heads, splits, device=q.device)
-
-    def run():
-        stage1_gluon.launch_stage1_int8_gluon(q, k, v, ks, vs, r2t, idx, seq, mid_o, mid_lse, head_dim**-0.5,
-                                              cfg["BLOCK_N"], quant_group=group, prefetch=cfg["PREFETCH"])  # fmt: skip
-        flash_decode.launch_stage2(mid_o, mid_lse, seq, out, cfg["BLOCK_N"])
-
-    return run
-
-
-def gluon_best(q, pool, r2t, idx, seq, graph_max, out, group):
-    """``(ms, config as JSON, relative error against the Triton kernel's output)`` over ``GLUON_CONFIGS``."""
-    k, v, ks, vs = pool
-    flash_decode.gqa_decode_attention_int8kv(q, k, v, ks, vs, r2t, idx, seq, graph_max, out=out, quant_group=group)
-    want = out.double().clone()
-    gluon_fn(q, pool, r2t, idx, seq, graph_max, out, group, GLUON_CONFIGS[0])()
-    err = ((out.double() - want).norm() / want.norm()).item()
-    timed = [(cuda_graph_bench(gluon_fn(q, pool, r2t, idx, seq, graph_max, out, group, c)), json.dumps(c))
-             for c in GLUON_CONFIGS]  # fmt: skip
-    return (*min(timed), err)
-
-
 def best_of_space(kind, q, pool, r2t, idx, seq, graph_max, out, group, extras=()):
     """The fastest candidate of each variant space: ``{variant: (ms, config as JSON)}``."""
     best = {}
-    if "gluon" in extras and kind == "int8" and group == 8:
-        ms, cfg, err = gluon_best(q, pool, r2t, idx, seq, graph_max, out, group)
-        print(f"  gluon: {ms * 1e3:.1f} us {cfg}, relative error vs the Triton kernel {err:.2e}", flush=True)
-        best["gluon"] = (ms if err < 1e-2 else math.inf, cfg)  # a wrong kernel's time is no result
     for name, configs in variant_spaces(kind, q, extras).items():
         previous = flash_decode.set_ptx_dequant(name != "element_path")
         try:
@@ -112,7 +71,7 @@ def run(args):
             if time.time() - t0 > args.budget_s:
                 print(f"time budget {args.budget_s} s spent: stopping", flush=True)
                 return rows
-            pool = make_pool(kind, tokens, hk, d, group)
+            pool = make_pool(kind, tokens, hk, d, group, args.head_major)
             for length in args.lens:
                 seq = torch.full((batch,), length, device="cuda", dtype=torch.int32)
                 variants = best_of_space(kind, q, pool, r2t, idx, seq, graph_max, out, group, args.extras)
@@ -168,13 +127,8 @@ def main():
         const="element_path",
         help="also time the INT8/INT4 candidates with per-element dequantization (set_ptx_dequant(False))",
     )
-    p.add_argument(
-        "--gluon",
-        dest="extras",
-        action="append_const",
-        const="gluon",
-        help="also time the Gluon INT8 stage 1 (stage1_gluon.py) at quant group 8",
-    )
+    p.add_argument("--head-major", action="store_true", help="every KV type's pool head-major: a program's tokens "
+                   "contiguous (a probe of the access pattern; the engine's pool is token-major)")  # fmt: skip
     p.add_argument("--analyze", metavar="JSON", help="print the table of a saved run (no GPU needed)")
     p.add_argument("--out", default="benchmarks/results/decode_attention_quant.json")
     args = p.parse_args()
@@ -189,7 +143,8 @@ def main():
     rows = run(args)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "graph_max_len": max(args.lens), "rows": rows}, f)
+        json.dump({"device": torch.cuda.get_device_name(), "graph_max_len": max(args.lens),
+                   "head_major": args.head_major, "rows": rows}, f)  # fmt: skip
     print_table(rows)
 
 

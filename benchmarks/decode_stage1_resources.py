@@ -10,12 +10,7 @@ barrier, each loop iteration).
     python benchmarks/decode_stage1_resources.py --analyze benchmarks/results/decode_stage1_resources_sm90.json
 
 One row per (shape, KV type, quant group, BLOCK_N, num_warps, num_stages, MIN_BLOCKS): WAVES only sizes the grid,
-so candidates that differ in it share a compile. ``--gluon`` compiles the Gluon INT8 stage 1 instead
-(``stage1_gluon.py``: quant group 8, one warp) at ``BLOCK_N`` 16 and 32, with and without ``PREFETCH``, and also
-counts its SASS instructions and global loads:
-
-    python benchmarks/decode_stage1_resources.py --gluon \
-        --out benchmarks/results/decode_stage1_resources_gluon_sm90.json
+so candidates that differ in it share a compile.
 """
 
 import argparse
@@ -157,47 +152,6 @@ def _cuobjdump(cubin: bytes, *flags: str) -> str:
         return subprocess.run([tool, *flags, f.name], capture_output=True, text=True, check=True).stdout
 
 
-def sass_counts(sass: str) -> dict:
-    """``cuobjdump -sass``'s instructions (static count, the whole kernel) and, of them, global loads."""
-    ops = re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass)
-    return {"sass_instructions": len(ops), "sass_global_loads": sum(op == "LDG" for op in ops)}
-
-
-def build_gluon(arch: int, shape, block_n: int, prefetch: bool):
-    """The Gluon INT8 stage 1 (quant group 8) compiled for ``sm_<arch>`` with the model's tensors' specialization:
-    Triton's ``CompiledKernel`` (``asm`` holds its TTGIR, PTX and cubin)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    from lightllm.kernels.attention.decode.stage1_gluon import decode_stage1_int8_gluon_kernel as kernel
-
-    hq, hk, d = shape
-    constexprs = dict(GROUP=hq // hk, HEAD_DIM=d, BLOCK_N=block_n, MIN_BLOCKS=1, QGROUP=8, PREFETCH=prefetch)
-    types = signature(kernel.arg_names, constexprs, "int8")
-    attrs = divisibility(kernel.arg_names, types, int_args(shape, "int8", 8))
-    return triton.compile(GluonASTSource(kernel, types, constexprs, attrs), target=GPUTarget("cuda", arch, 32),
-                          options={"num_warps": 1})  # fmt: skip
-
-
-def run_gluon(args) -> dict:
-    results = {"arch": f"sm_{args.arch}", "kernel": "gluon", "cells": []}
-    for name in args.shapes:
-        for block_n in (16, 32):
-            for prefetch in (False, True):
-                compiled = build_gluon(args.arch, SHAPES[name], block_n, prefetch)
-                res = parse_resources(_cuobjdump(compiled.asm["cubin"], "--dump-resource-usage"))
-                res.update(
-                    sass_counts(_cuobjdump(compiled.asm["cubin"], "-sass")), shared_bytes=compiled.metadata.shared
-                )
-                cell = {"shape": name, "kind": "int8", "group": 8, "BLOCK_N": block_n, "num_warps": 1,
-                        "PREFETCH": prefetch, **res}  # fmt: skip
-                results["cells"].append(cell)
-                print(cell, flush=True)
-                save_json(results, args.out)
-    return results
-
-
 def run(args) -> dict:
     flash_decode, kernel, int4_offset, p2 = _kernels()
     import torch
@@ -217,21 +171,7 @@ def run(args) -> dict:
     return results
 
 
-def print_gluon_table(results: dict) -> None:
-    arch = int(results["arch"].removeprefix("sm_"))
-    print(f"# Gluon INT8 stage 1 (quant group 8, one warp) compiled for {results['arch']}: registers per thread, "
-          "spilled bytes, shared memory, warps per SM, static SASS instructions and global loads")  # fmt: skip
-    print(f"{'shape':14s} {'BN':>4s} {'prefetch':>8s} {'regs':>4s} {'spill B':>7s} {'smem':>5s} {'warps/SM':>8s} "
-          f"{'SASS':>5s} {'LDG':>4s}")  # fmt: skip
-    for c in results["cells"]:
-        warps, _ = resident(c["regs"], 1, c["shared_bytes"], arch)
-        print(f"{c['shape']:14s} {c['BLOCK_N']:4d} {str(c['PREFETCH']):>8s} {c['regs']:4d} {c['stack_bytes']:7d} "
-              f"{c['shared_bytes']:5d} {warps:8d} {c['sass_instructions']:5d} {c['sass_global_loads']:4d}")  # fmt: skip
-
-
 def print_table(results: dict) -> None:
-    if results.get("kernel") == "gluon":
-        return print_gluon_table(results)
     arch = int(results["arch"].removeprefix("sm_"))
     print(
         f"# decode stage 1 compiled for {results['arch']}: registers per thread, spilled bytes (stack), shared "
@@ -255,7 +195,6 @@ def parse_args(argv=None):
     p.add_argument("--kinds", nargs="+", default=list(KINDS), choices=list(KINDS))
     p.add_argument("--groups", nargs="+", type=int, default=[8, 32], help="INT8/INT4 quant group sizes")
     p.add_argument("--max-configs", type=int, default=None, help="compile only the first N configs of each space")
-    p.add_argument("--gluon", action="store_true", help="the Gluon INT8 stage 1 instead (stage1_gluon.py)")
     p.add_argument("--analyze", metavar="JSON", help="print the table of a saved run")
     p.add_argument("--out", default="benchmarks/results/decode_stage1_resources.json")
     args = p.parse_args(argv)
@@ -275,7 +214,7 @@ def main(argv=None):
             results = json.load(f)
     else:
         os.environ.pop("TRITON_INTERPRET", None)  # a real compile, not the interpreter
-        results = run_gluon(args) if args.gluon else run(args)
+        results = run(args)
     print_table(results)
 
 

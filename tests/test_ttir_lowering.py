@@ -19,12 +19,7 @@ pytestmark = pytest.mark.skipif(
 
 # Entry kernels no CPU test launches, (module, kernel) -> why. The check fails when a kernel listed here starts being
 # launched or disappears, so the list cannot go stale.
-NOT_LAUNCHED_ON_CPU: Dict[Tuple[str, str], str] = {
-    ("lightllm.kernels.attention.decode.stage1_gluon", "decode_stage1_int8_gluon_kernel"): (
-        "Gluon, which has no interpreter: tests/kernels/test_decode_stage1_gluon.py compiles it for sm_90 in a child "
-        "process"
-    ),
-}
+NOT_LAUNCHED_ON_CPU: Dict[Tuple[str, str], str] = {}
 
 
 def _launch_sample(kernel, quant, group):

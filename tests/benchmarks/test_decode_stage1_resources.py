@@ -92,25 +92,3 @@ def test_launch_specialization_marks_aligned_pointers_and_multiples_of_16(bench)
     names = ["Q", "qk_scale", "stride_kt", "stride_ksh", "GROUP"]
     types = {"Q": "*bf16", "qk_scale": "fp32", "stride_kt": "i32", "stride_ksh": "i32", "GROUP": "constexpr"}
     assert bench.divisibility(names, types, ints) == {(0,): [["tt.divisibility", 16]], (2,): [["tt.divisibility", 16]]}
-
-
-def test_sass_counts_take_every_instruction_and_the_global_loads(bench):
-    sass = """
-        /*0000*/                   LDC R1, c[0x0][0x28] ;
-        /*0010*/              @!P0 LDG.E.128 R4, desc[UR4][R2.64] ;
-        /*0020*/               @P1 HMMA.16816.F32 R8, R12, R16, R8 ;
-        /*0030*/                   LDG.E R6, desc[UR4][R4.64] ;
-        /*0040*/                   EXIT ;
-    """
-    assert bench.sass_counts(sass) == {"sass_instructions": 5, "sass_global_loads": 2}
-
-
-def test_gluon_table_from_a_saved_run(bench, tmp_path, capsys):
-    cell = {"shape": "hq32-hk8-d128", "kind": "int8", "group": 8, "BLOCK_N": 16, "num_warps": 1, "PREFETCH": False,
-            "regs": 167, "stack_bytes": 0, "shared_static": 0, "local_bytes": 0, "sass_instructions": 1184,
-            "sass_global_loads": 62, "shared_bytes": 0}  # fmt: skip
-    path = tmp_path / "g.json"
-    path.write_text(json.dumps({"arch": "sm_90", "kernel": "gluon", "cells": [cell]}))
-    bench.main(["--analyze", str(path)])
-    (row,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("hq32")]
-    assert row.split() == ["hq32-hk8-d128", "16", "False", "167", "0", "0", "12", "1184", "62"]

@@ -1,0 +1,86 @@
+"""benchmarks/decode_kv_read_probe.py: its probe kernel (under the interpreter) against the numpy reference, on
+every KV layout it reads, and its table from a saved run."""
+
+import json
+import zlib
+
+import pytest
+import torch
+
+from lightllm.kernels.attention.decode.splits import num_splits
+from tests.benchmarks.test_linear_attention_bench import load_benchmark
+
+
+@pytest.fixture(scope="module")
+def probe():
+    return load_benchmark("decode_kv_read_probe")
+
+
+def _pool(kind, tokens, heads, head_dim, group, head_major, gen):
+    """Random KV as make_pool draws it, on the CPU (codes over their whole range, scales nonzero)."""
+
+    def draw(make, width):
+        t = make((heads, tokens, width) if head_major else (tokens, heads, width))
+        return t.transpose(0, 1) if head_major else t
+
+    if kind == "none":
+        values = lambda s: torch.randn(s, generator=gen).to(torch.bfloat16)  # noqa: E731
+        return draw(values, head_dim), draw(values, head_dim), None, None
+    width, dtype = (head_dim, torch.int8) if kind == "int8" else (head_dim // 2, torch.uint8)
+    lo, hi = (-128, 128) if kind == "int8" else (0, 256)
+    codes = lambda s: torch.randint(lo, hi, s, generator=gen).to(dtype)  # noqa: E731
+    scales = lambda s: (torch.rand(s, generator=gen) * 0.02 + 0.01).half()  # noqa: E731
+    return draw(codes, width), draw(codes, width), draw(scales, head_dim // group), draw(scales, head_dim // group)
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+@pytest.mark.parametrize("head_major", [False, True])
+@pytest.mark.parametrize("kind,group", [("none", 0), ("int8", 8), ("int4", 8), ("int8", 32)])
+def test_the_probe_xors_every_word_of_each_splits_tokens(probe, kind, group, head_major, prefetch):
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{kind}{group}{head_major}".encode()))
+    heads, head_dim, graph_max, tokens = 2, 64, 160, 700
+    pool = _pool(kind, tokens, heads, head_dim, group or 8, head_major, gen)
+    lens = torch.tensor([160, 0, 37, 129], dtype=torch.int32)  # full, empty, ragged, one past a block
+    r2t = torch.randperm(tokens, generator=gen)[: 4 * graph_max].to(torch.int32).view(4, graph_max)
+    cfg = {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "WAVES": 8, "PREFETCH": prefetch}
+    splits = num_splits(4, heads, graph_max, 32, 8, torch.device("cpu"))
+    assert splits == 3  # 5 blocks of the longest request over 3 splits: 2, 2 and 1 blocks
+    out = torch.full((4, heads, splits), -12345, dtype=torch.int32)  # every element must be written
+    probe.launch_probe(pool, r2t, lens, graph_max, cfg, out=out)
+    want = probe.probe_reference(pool, r2t, lens, splits, 32)
+    assert torch.equal(out, want)
+    assert (want[0] != 0).all()  # the full request's splits read real words (zero only for splits with no tokens)
+
+
+def test_a_wrong_output_shape_is_an_error_naming_it(probe):
+    pool = _pool("int8", 64, 2, 64, 8, False, torch.Generator().manual_seed(0))
+    r2t, lens = torch.arange(64, dtype=torch.int32).view(1, 64), torch.tensor([64], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"out: expected shape \(1, 2, \d+\), got \(1, 2, 999\)"):
+        probe.launch_probe(pool, r2t, lens, 64, probe.CONFIGS[0], out=torch.empty(1, 2, 999, dtype=torch.int32))
+
+
+def test_the_table_reads_a_saved_run(probe, tmp_path, capsys):
+    rows = [
+        {"shape": "hq32-hk8-d128", "B": 64, "L": 32768, "kind": "none", "group": 0, "probe_ms": 1.8,
+         "cfg": {}, "bytes": 8.6e9, "kernel_ms": 1.884},
+        {"shape": "hq32-hk8-d128", "B": 64, "L": 32768, "kind": "int8", "group": 8, "probe_ms": 1.2,
+         "cfg": {}, "bytes": 5.4e9, "kernel_ms": None},
+    ]  # fmt: skip
+    path = tmp_path / "probe.json"
+    path.write_text(json.dumps({"rows": rows}))
+    probe.main(["--analyze", str(path)])
+    lines = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("hq32")]
+    assert lines[0] == ["hq32-hk8-d128", "64", "none", "0", "1800.0", "4.78", "1.00", "1884.0", "4.56"]
+    assert lines[1] == ["hq32-hk8-d128", "64", "int8", "8", "1200.0", "4.50", "0.94", "-", "-"]
+
+
+def test_the_real_kernels_time_comes_from_the_matching_row(probe):
+    rows = [{"shape": "s", "B": 1, "L": 8, "kind": "int8", "group": 32, "ms": 2.0},
+            {"shape": "s", "B": 1, "L": 8, "kind": "int8", "group": 8, "ms": 1.0},
+            {"shape": "s", "B": 1, "L": 8, "kind": "none", "group": 0, "ms": 3.0}]  # fmt: skip
+    assert probe.real_kernel_ms(rows, "s", 1, 8, "int8", 8) == 1.0
+    assert probe.real_kernel_ms(rows, "s", 1, 8, "none", 0) == 3.0
+    assert (
+        probe.real_kernel_ms(rows, "s", 1, 8, "int4", 8) is None
+        and probe.real_kernel_ms(None, "s", 1, 8, "x", 0) is None
+    )
