@@ -9,7 +9,10 @@ float16 scales as 16-bit words (with ``PREFETCH``, the next tile's before this o
 together; each program writes one word (so no load is dead and the result is checked against
 :func:`probe_reference`). Per cell and KV type it reports the fastest of a config grid (``BLOCK_N``, warps, stages,
 waves, ``PREFETCH``), graph-timed, as a byte rate and as a share of the bf16 probe's, beside the real kernel's time
-from a saved ``decode_attention_quant.py`` run (``--against``).
+from a saved ``decode_attention_quant.py`` run (``--against``). ``--work`` then adds, per code word, that many
+dependent integer multiply-adds before the xor (timed over the 8 fastest configs without work): how much arithmetic
+per byte the reads hide at this grid before their rate falls, which is what a quantized kernel spends on
+dequantization (INT8: four codes a word, so 4 is about one operation per code).
 
     python benchmarks/decode_kv_read_probe.py --out benchmarks/results/decode_kv_read_probe_h200.json \
         --against benchmarks/results/decode_attention_quant_token_major_h200.json
@@ -32,10 +35,20 @@ from decode_attention import SHAPES, kv_bytes, make_pool  # noqa: E402
 
 from lightllm.kernels.attention.decode.splits import num_splits, split_token_ranges, split_tokens  # noqa: E402
 
+MIX_ADD = tl.constexpr(-1640531527)  # 0x9E3779B9 as an int32
 CONFIGS = [{"BLOCK_N": n, "num_warps": w, "num_stages": s, "WAVES": waves, "PREFETCH": pre}
            for n, w, s, waves, pre in itertools.product((32, 64, 128), (2, 4, 8), (2, 3), (1, 2, 4), (False, True))
            ]  # fmt: skip
 DEFAULT_CELLS = ["hq32-hk8-d128:64", "hq32-hk8-d128:16", "hq24-hk4-d256:64"]
+
+
+@triton.jit
+def _mix(words, WORK: tl.constexpr):
+    """``WORK`` dependent integer multiply-adds per word (``w * w + c``, wrapping: nothing folds it), standing in
+    for dequantization's work per code word."""
+    for _ in tl.static_range(WORK):
+        words = words * words + MIX_ADD
+    return words
 
 
 @triton.jit
@@ -66,12 +79,13 @@ def kv_read_probe_kernel(
     stride_kst, stride_ksh, stride_vst, stride_vsh,
     stride_rt, stride_ob, stride_oh, splits,
     BLOCK_N: tl.constexpr, WORDS: tl.constexpr, SCALE_WORDS: tl.constexpr, HAS_SCALES: tl.constexpr,
-    MIN_BLOCKS: tl.constexpr, PREFETCH: tl.constexpr,
+    MIN_BLOCKS: tl.constexpr, PREFETCH: tl.constexpr, WORK: tl.constexpr,
 ):  # fmt: skip
     """Program (b, h, s): the xor of every 32-bit code word of K and V (``WORDS`` a token) and, with
     ``HAS_SCALES``, of every 16-bit scale of both (``SCALE_WORDS`` a token; sign-extended), over split ``s``'s tokens
     of request ``b``. ``PREFETCH``: the next tile's loads are issued before this tile is used (one tile in flight
-    in registers), since Triton does not pipeline loads that feed no dot."""
+    in registers), since Triton does not pipeline loads that feed no dot. ``WORK``: integer multiply-adds per code
+    word before the xor (:func:`_mix`)."""
     b, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(B_SEQ + b)
     per_split = split_tokens(seq_len, splits, BLOCK_N, MIN_BLOCKS)
@@ -88,7 +102,7 @@ def kv_read_probe_kernel(
                                           stride_kt, stride_kh, stride_vt, stride_vh, stride_kst, stride_ksh,
                                           stride_vst, stride_vsh, stride_rt, BLOCK_N, WORDS, SCALE_WORDS,
                                           HAS_SCALES)  # fmt: skip
-            acc ^= k ^ v
+            acc ^= _mix(k, WORK) ^ _mix(v, WORK)
             acc_s ^= ks ^ vs
             k, v, ks, vs = k2, v2, ks2, vs2
     else:
@@ -96,7 +110,7 @@ def kv_read_probe_kernel(
             k, v, ks, vs = _load_tile(K, V, KS, VS, REQ_TO_TOKEN, b, h, n0, end,
                                       stride_kt, stride_kh, stride_vt, stride_vh, stride_kst, stride_ksh, stride_vst,
                                       stride_vsh, stride_rt, BLOCK_N, WORDS, SCALE_WORDS, HAS_SCALES)  # fmt: skip
-            acc ^= k ^ v
+            acc ^= _mix(k, WORK) ^ _mix(v, WORK)
             acc_s ^= ks ^ vs
     word = tl.xor_sum(tl.xor_sum(acc, axis=1), axis=0)
     word ^= tl.xor_sum(tl.xor_sum(acc_s, axis=1), axis=0).to(tl.int32)
@@ -128,14 +142,23 @@ def launch_probe(pool, req_to_token, seq_lens, graph_max, cfg, out=None):
         ks_.stride(0), ks_.stride(1), vs_.stride(0), vs_.stride(1),
         req_to_token.stride(0), out.stride(0), out.stride(1), splits,
         BLOCK_N=cfg["BLOCK_N"], WORDS=k.shape[2], SCALE_WORDS=1 if ks is None else ks.shape[2],
-        HAS_SCALES=ks is not None, MIN_BLOCKS=1, PREFETCH=cfg.get("PREFETCH", False),
+        HAS_SCALES=ks is not None, MIN_BLOCKS=1, PREFETCH=cfg.get("PREFETCH", False), WORK=cfg.get("WORK", 0),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     return out
 
 
-def probe_reference(pool, req_to_token, seq_lens, splits, block_n):
-    """What :func:`launch_probe` writes, in numpy: per (request, head, split) the xor of its tokens' words."""
+def mix_reference(words, work):
+    """:func:`_mix` in numpy (uint32 arithmetic wraps as the kernel's int32 does)."""
+    w = words.astype(np.int64).astype(np.uint32)
+    for _ in range(work):
+        w = w * w + np.uint32(MIX_ADD.value & 0xFFFFFFFF)
+    return w.view(np.int32)
+
+
+def probe_reference(pool, req_to_token, seq_lens, splits, block_n, work=0):
+    """What :func:`launch_probe` writes, in numpy: per (request, head, split) the xor of its tokens' words (each
+    code word after ``work`` rounds of :func:`_mix`)."""
     k, v, ks, vs = (None if t is None else t.cpu().numpy() for t in as_words(pool))
     r2t, lens = req_to_token.cpu().numpy(), seq_lens.cpu().tolist()
     out = np.zeros((len(lens), k.shape[1], splits), dtype=np.int32)
@@ -143,7 +166,8 @@ def probe_reference(pool, req_to_token, seq_lens, splits, block_n):
         for s, (start, end) in enumerate(split_token_ranges(length, splits, block_n)):
             tok = r2t[b, start:end]
             for h in range(k.shape[1]):
-                word = np.bitwise_xor.reduce(np.concatenate([k[tok, h].ravel(), v[tok, h].ravel()]), initial=0)
+                words = np.concatenate([k[tok, h].ravel(), v[tok, h].ravel()])
+                word = np.bitwise_xor.reduce(mix_reference(words, work), initial=0)
                 if ks is not None:
                     scales = np.concatenate([ks[tok, h].ravel(), vs[tok, h].ravel()])
                     word ^= np.int32(np.bitwise_xor.reduce(scales, initial=np.int16(0)))
@@ -151,8 +175,8 @@ def probe_reference(pool, req_to_token, seq_lens, splits, block_n):
     return torch.from_numpy(out)
 
 
-def best_probe(pool, req_to_token, seq_lens, graph_max, configs=CONFIGS):
-    """``(ms, config)``: the fastest config, graph-timed (configs that fail to compile or run are skipped)."""
+def time_probe(pool, req_to_token, seq_lens, graph_max, configs=CONFIGS):
+    """``[(ms, config), ...]`` fastest first, graph-timed (configs that fail to compile or run are left out)."""
     from lightllm.common.autotuner import cuda_graph_bench
 
     timed = []
@@ -161,17 +185,18 @@ def best_probe(pool, req_to_token, seq_lens, graph_max, configs=CONFIGS):
             timed.append((cuda_graph_bench(lambda: launch_probe(pool, req_to_token, seq_lens, graph_max, cfg)), cfg))
         except Exception:  # out of resources at some shapes
             continue
-    return min(timed, key=lambda t: t[0]) if timed else (math.inf, None)
+    return sorted(timed, key=lambda t: t[0]) or [(math.inf, None)]
 
 
-def check_probe(kind, kv_heads, head_dim, group, head_major, length=4096):
-    """The probe against :func:`probe_reference` on a small pool of this KV type (two requests, one ragged)."""
+def check_probe(kind, kv_heads, head_dim, group, head_major, work=0, length=4096):
+    """The probe (with ``work``) against :func:`probe_reference` on a small pool of this KV type (two requests, one
+    ragged)."""
     pool = make_pool(kind, 2 * length, kv_heads, head_dim, group, head_major)
     r2t = torch.randperm(2 * length, device="cuda").to(torch.int32).view(2, length)
     seq = torch.tensor([length, length // 3 + 5], device="cuda", dtype=torch.int32)
-    cfg = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2, "WAVES": 1, "PREFETCH": True}
+    cfg = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2, "WAVES": 1, "PREFETCH": True, "WORK": work}
     got = launch_probe(pool, r2t, seq, length, cfg).cpu()
-    if not torch.equal(got, probe_reference(pool, r2t, seq, got.shape[2], cfg["BLOCK_N"])):
+    if not torch.equal(got, probe_reference(pool, r2t, seq, got.shape[2], cfg["BLOCK_N"], work)):
         raise AssertionError(f"the probe's output differs from its reference ({kind}, {kv_heads} heads, d{head_dim})")
 
 
@@ -199,15 +224,19 @@ def run(args):
         r2t = torch.arange(tokens, device="cuda", dtype=torch.int32).view(batch, args.len)
         seq = torch.full((batch,), args.len, device="cuda", dtype=torch.int32)
         for kind, group in [("none", 0)] + [(k, g) for k in ("int8", "int4") for g in args.groups]:
-            check_probe(kind, hk, d, group or 8, args.head_major)
+            check_probe(kind, hk, d, group or 8, args.head_major, max(args.work))
             pool = make_pool(kind, tokens, hk, d, group or 8, args.head_major)
-            ms, cfg = best_probe(pool, r2t, seq, args.len)
             nbytes = kv_bytes(kind, batch, args.len, hk, d, group or 8)
             real = real_kernel_ms(against, shape, batch, args.len, kind, group)
-            rows.append({"shape": shape, "B": batch, "L": args.len, "kind": kind, "group": group, "probe_ms": ms,
-                         "cfg": cfg, "bytes": nbytes, "kernel_ms": real})  # fmt: skip
-            print(json.dumps(rows[-1]), flush=True)
-            save(args, rows)  # a run cut short keeps its finished rows
+            timed = time_probe(pool, r2t, seq, args.len)  # the whole grid without work
+            for work in args.work:  # with work: the 8 fastest configs without it
+                best = timed if work == 0 else time_probe(pool, r2t, seq, args.len,
+                                                          [{**c, "WORK": work} for _, c in timed[:8] if c])  # fmt: skip
+                ms, cfg = best[0]
+                rows.append({"shape": shape, "B": batch, "L": args.len, "kind": kind, "group": group, "work": work,
+                             "probe_ms": ms, "cfg": cfg, "bytes": nbytes, "kernel_ms": real})  # fmt: skip
+                print(json.dumps(rows[-1]), flush=True)
+                save(args, rows)  # a run cut short keeps its finished rows
             del pool
             torch.cuda.empty_cache()
     return rows
@@ -222,15 +251,20 @@ def save(args, rows):
 
 def print_table(rows):
     """Per cell and KV type: the probe's time and byte rate, its rate over the bf16 probe's, and the real kernel's."""
-    base = {(r["shape"], r["B"]): r for r in rows if r["kind"] == "none"}
-    print(f"{'shape':14s} {'B':>3s} kind  grp  probe us  probe TB/s  x bf16 probe rate  kernel us  kernel TB/s")
+    base = {(r["shape"], r["B"]): r for r in rows if r["kind"] == "none" and not r.get("work")}
+    print(
+        "work: integer multiply-adds per 32-bit code word; 'x bf16 probe rate': the rate over the bf16 probe's "
+        "without work"
+    )
+    print(f"{'shape':14s} {'B':>3s} kind  grp work  probe us  probe TB/s  x bf16 probe rate  kernel us  kernel TB/s")
     for r in rows:
         b = base.get((r["shape"], r["B"]))
         rate = r["bytes"] / r["probe_ms"] / 1e9
         rel = rate / (b["bytes"] / b["probe_ms"] / 1e9) if b else float("nan")
         kernel = r.get("kernel_ms")
         k_text = f"{kernel * 1e3:9.1f}  {r['bytes'] / kernel / 1e9:11.2f}" if kernel else f"{'-':>9s}  {'-':>11s}"
-        print(f"{r['shape']:14s} {r['B']:3d} {r['kind']:4s} {r['group']:4d} {r['probe_ms'] * 1e3:9.1f} {rate:11.2f} "
+        print(f"{r['shape']:14s} {r['B']:3d} {r['kind']:4s} {r['group']:4d} {r.get('work', 0):4d} "
+              f"{r['probe_ms'] * 1e3:9.1f} {rate:11.2f} "
               f"{rel:18.2f}  {k_text}")  # fmt: skip
 
 
@@ -239,6 +273,8 @@ def main(argv=None):
     p.add_argument("--cells", nargs="+", default=DEFAULT_CELLS, help="SHAPE:BATCH, shapes of decode_attention.py")
     p.add_argument("--len", type=int, default=32768, help="every request's KV length (and the launch's maximum)")
     p.add_argument("--groups", nargs="+", type=int, default=[8, 32], help="INT8/INT4 quant group sizes")
+    p.add_argument("--work", nargs="+", type=int, default=[0, 2, 4, 8], help="integer multiply-adds per code "
+                   "word to time besides none (0 first; each over the 8 fastest configs without work)")  # fmt: skip
     p.add_argument("--head-major", action="store_true", help="head-major pools (decode_attention_quant.py's probe)")
     p.add_argument("--against", metavar="JSON", help="a decode_attention_quant.py run: the real kernels' times")
     p.add_argument("--analyze", metavar="JSON", help="print the table of a saved run (no GPU needed)")
@@ -250,6 +286,8 @@ def main(argv=None):
     bad = [c for c in args.cells if c.split(":")[0] not in SHAPES or not c.partition(":")[2].isdigit()]
     if bad:
         p.error(f"--cells expected SHAPE:BATCH with SHAPE one of {list(SHAPES)}, got {bad}")
+    if args.work[0] != 0 or any(w < 0 for w in args.work):
+        p.error(f"--work expected 0 first, then non-negative counts, got {args.work}")
     if args.len < 4096:
         p.error(f"--len expected at least 4096 (the correctness check's length), got {args.len}")
     if not torch.cuda.is_available():
