@@ -117,6 +117,26 @@ def kv_read_probe_kernel(
     tl.store(OUT + b * stride_ob + h * stride_oh + s, word)
 
 
+def ptx_multiplies(words, work, block_n=64, num_warps=2, arch=90):
+    """32-bit integer multiplies (``mul.lo``/``mad.lo``) in the probe's PTX for ``sm_<arch>`` at ``words`` code words a
+    token and ``work``: shows the work chain survives the compiler (each round one per word a thread loads). Compiles
+    on any machine (no GPU)."""
+    import re
+
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    kernel = kv_read_probe_kernel
+    types = {name: "i32" for name in kernel.arg_names}
+    types.update(K="*i32", V="*i32", KS="*i16", VS="*i16", REQ_TO_TOKEN="*i32", B_SEQ="*i32", OUT="*i32")
+    consts = dict(BLOCK_N=block_n, WORDS=words, SCALE_WORDS=16, HAS_SCALES=True, MIN_BLOCKS=1, PREFETCH=True,
+                  WORK=work)  # fmt: skip
+    types.update({name: "constexpr" for name in consts})
+    compiled = triton.compile(ASTSource(kernel, types, consts), target=GPUTarget("cuda", arch, 32),
+                              options={"num_warps": num_warps, "num_stages": 2})  # fmt: skip
+    return len(re.findall(r"\b(?:mad|mul)\.lo\.s32\b", compiled.asm["ptx"]))
+
+
 def as_words(pool):
     """The pool as the probe reads it: codes (or bf16 values) as int32 words, scales as int16 (None for bf16)."""
     k, v, ks, vs = pool
@@ -219,7 +239,7 @@ def run(args):
     for cell in args.cells:
         shape, batch = cell.split(":")
         batch = int(batch)
-        hq, hk, d = SHAPES[shape]
+        _, hk, d = SHAPES[shape]
         tokens = batch * args.len
         r2t = torch.arange(tokens, device="cuda", dtype=torch.int32).view(batch, args.len)
         seq = torch.full((batch,), args.len, device="cuda", dtype=torch.int32)

@@ -648,14 +648,10 @@ POOLED_TTFT = {"p50": lambda xs: percentile(xs, 50), "p99": lambda xs: percentil
 BOOTSTRAP_RESAMPLES = 1000
 
 
-def _samples(runs):
-    return [r["ttft_samples_ms"] for r in runs if r.get("ttft_samples_ms")]
-
-
 def pooled_ttft(runs):
     """Time to first token (ms) over every measured request of ``runs`` together: their count, p50, p99 and mean;
     None without samples (a load that did not stream)."""
-    xs = [x for run in _samples(runs) for x in run]
+    xs = [x for r in runs for x in r.get("ttft_samples_ms") or ()]
     return {"requests": len(xs), **{f"{k}_ms": f(xs) for k, f in POOLED_TTFT.items()}} if xs else None
 
 

@@ -2,13 +2,16 @@
 every KV layout it reads, and its table from a saved run."""
 
 import json
+import os
+import sys
 import zlib
 
 import pytest
 import torch
 
+from lightllm.common import proc
 from lightllm.kernels.attention.decode.splits import num_splits
-from tests.benchmarks.test_linear_attention_bench import load_benchmark
+from tests.benchmarks.test_linear_attention_bench import REPO, load_benchmark
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +63,20 @@ def test_the_work_per_word_is_the_wrapping_square_and_add_chain(probe):
     got = probe.mix_reference(words, 3)
     assert [int(g) & 0xFFFFFFFF for g in got] == want
     assert (probe.mix_reference(words, 0) == words).all()
+
+
+def test_the_work_survives_the_sm90_compile(tmp_path):
+    """What the --work rows mean: each round is one more integer multiply per code word a thread loads (4 rounds, 32
+    words a token, 64-token tiles over 64 threads: 256 more), not folded away by the compiler. A real compile in a
+    child process, in a Triton cache of its own."""
+    code = ("import sys; sys.path.insert(0, 'benchmarks'); import decode_kv_read_probe as p; "
+            "print(p.ptx_multiplies(32, 0), p.ptx_multiplies(32, 4))")  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": REPO, "TRITON_CACHE_DIR": str(tmp_path / "triton-cache")}
+    env.pop("TRITON_INTERPRET", None)
+    done = proc.run([sys.executable, "-c", code], cwd=REPO, env=env, timeout=proc.HANG_TIMEOUT_S)
+    assert done.returncode == 0, done.stderr[-3000:]
+    without, with_work = map(int, done.stdout.split())
+    assert with_work - without == 4 * 64 * 32 * 2 // 64  # K and V words of a tile, per thread
 
 
 def test_a_wrong_output_shape_is_an_error_naming_it(probe):

@@ -495,10 +495,11 @@ def test_repinning_moves_every_thread_of_a_running_process_and_of_its_children(s
     """A server's tree (an HTTP process, engine ranks, their threads) moves to a round's cores while it runs."""
     everywhere, last = os.sched_getaffinity(0), max(os.sched_getaffinity(0))
     assert len(everywhere) >= 2, "this test moves a process between cores: it needs two"
-    sleeper = "import threading, time; threading.Thread(target=time.sleep, args=(60,), daemon=True).start(); "
-    child = sleeper + "time.sleep(60)"
+    # each process: a second thread, and both wait until the group is stopped (however slow the machine)
+    sleeper = "import threading; threading.Thread(target=threading.Event().wait, daemon=True).start(); "
+    child = sleeper + "threading.Event().wait()"
     parent = sleeper + f"import subprocess, sys; subprocess.Popen([sys.executable, '-c', {child!r}]); print(1); "
-    parent += "sys.stdout.flush(); time.sleep(60)"
+    parent += "sys.stdout.flush(); threading.Event().wait()"
     with procs.running([sys.executable, "-c", parent], stdout=subprocess.PIPE, text=True) as proc:
         assert proc.stdout.readline().strip() == "1"
         deadline = time.monotonic() + procs.HANG_TIMEOUT_S
