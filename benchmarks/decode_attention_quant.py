@@ -9,9 +9,9 @@ and the rate at which each kernel reads its bytes (codes + scales) relative to b
 row then records the best of the plain space and of that variant apart (``variants``), and ``ms`` is the best of
 both. ``--element-path`` likewise times every INT8/INT4 candidate with the per-element dequantization that the
 PTX word helpers replaced (stage1.py), in the same run, and ``--more-stages`` the candidates of 2 and 4 warps with
-one more pipeline stage (one tile more in flight per program). ``--head-major`` lays every KV type's
-pool out head-major (each head's tokens contiguous) instead of the engine's token-major layout: a probe of how much
-the access pattern costs.
+one more pipeline stage (one tile more in flight per program). ``--head-major`` lays every KV type's pool out
+head-major (each head's tokens contiguous) instead of the engine's token-major layout: a probe of how much the access
+pattern costs.
 """
 
 import argparse
