@@ -275,6 +275,7 @@ def run_servers(args, model, workload, vocab, cfg, rep, flags, results, startups
                 for mode in round_order(modes, rnd):
                     res = run_load(args, bases[mode], workload, vocab, conc, args.requests,
                                    point_seed(args.seed, ci, rnd), args.rate)  # fmt: skip
+                    res["repeat"] = rep  # the server start: the A/A interval's outer level
                     if mode in cores:
                         res["cores"] = sorted(cores[mode])
                     results.setdefault((mode, conc), []).append(res)
@@ -522,15 +523,17 @@ def main():
             print(f"{r['workload']:8s} {r['concurrency']:4d}  {mode:5s} {cells}{aa}")
     if args.control:
         print("\nA/A time to first token with every measured request of a point pooled (its runs' requests together):"
-              " off_b vs off, and the 95 % bootstrap interval (rounds resampled, then requests within each run)"
+              " off_b vs off, and the 95 % bootstrap interval (server starts resampled, then rounds within each, then"
+              " requests within each run; with one start per server the interval cannot hold how starts differ)"
               )  # fmt: skip
-        print("workload conc  requests  p50                       p99                       mean")
+        print("workload conc  starts  requests  p50                       p99                       mean")
         for r in rows:
             aa, n = r["aa_ttft_pooled"], (r["off"]["ttft_pooled"] or {}).get("requests", 0)
             cells = "  ".join("-".ljust(24) if aa is None else
                               f"{aa[k]['pct']:+5.1f}% [{aa[k]['ci95'][0]:+5.1f}, {aa[k]['ci95'][1]:+5.1f}]".ljust(24)
                               for k in POOLED_TTFT)  # fmt: skip
-            print(f"{r['workload']:8s} {r['concurrency']:4d}  {n:8d}  {cells}")
+            starts = "-" if aa is None else aa.get("starts", 1)
+            print(f"{r['workload']:8s} {r['concurrency']:4d}  {starts:>6}  {n:8d}  {cells}")
     print("\nwho kept up (median over runs): the engine's mean decode batch, its busy share of the wall time (steps"
           " / seconds), the busiest client process's CPU share, and the decode step (ms) with its GPU part (CUDA"
           " events: forward and sampling; the rest is the host's)")  # fmt: skip
@@ -657,29 +660,37 @@ def pooled_ttft(runs):
 
 def aa_ttft_interval(a_runs, b_runs, resamples=BOOTSTRAP_RESAMPLES, seed=0):
     """``b`` vs ``a`` in percent for each pooled time-to-first-token statistic, with its 95 % bootstrap interval:
-    ``{stat: {"pct", "ci95": [low, high]}}``, None without samples. Two levels, the round first: a resample draws
-    rounds with replacement, the same rounds for both servers (a round's schedule and moment are theirs alike; runs
-    pair by position), then each drawn run's requests with replacement within it. The interval so holds what moves
-    from round to round (the machine's drift, a core set) besides the requests' own spread; with few rounds it is
-    wide, as it should be. Seeded, so a saved run's interval can be recomputed."""
-    pairs = [(ra["ttft_samples_ms"], rb["ttft_samples_ms"]) for ra, rb in zip(a_runs, b_runs)
-             if ra.get("ttft_samples_ms") and rb.get("ttft_samples_ms")]  # fmt: skip
-    if not pairs:
+    ``{stat: {"pct", "ci95": [low, high]}, "starts": n}``, None without samples. Three levels, the outermost first:
+    a resample draws server starts (``repeat``) with replacement, then rounds within each drawn start, the same ones
+    for both servers (a round's schedule and moment are theirs alike; runs pair by position), then each drawn run's
+    requests within it. The interval so holds what differs from one start of a server to the next (its process's
+    state: the H200 showed two identical servers 5 % apart in all nine rounds of one start), what moves from round
+    to round (the machine's drift, a core set), and the requests' own spread. With one start per server it holds
+    no start-to-start variation (``starts`` says so); with few rounds it is wide, as it should be. Seeded, so a saved
+    run's interval can be recomputed."""
+    starts = {}
+    for ra, rb in zip(a_runs, b_runs):
+        if ra.get("ttft_samples_ms") and rb.get("ttft_samples_ms"):
+            starts.setdefault(ra.get("repeat", 0), []).append((ra["ttft_samples_ms"], rb["ttft_samples_ms"]))
+    if not starts:
         return None
+    groups = list(starts.values())
     rng = random.Random(seed)
     diffs = {k: [] for k in POOLED_TTFT}
     for _ in range(resamples):
-        drawn = rng.choices(pairs, k=len(pairs))
+        drawn = [pair for group in rng.choices(groups, k=len(groups)) for pair in rng.choices(group, k=len(group))]
         da = [x for run, _ in drawn for x in rng.choices(run, k=len(run))]
         db = [x for _, run in drawn for x in rng.choices(run, k=len(run))]
         for k, f in POOLED_TTFT.items():
             diffs[k].append(pct(f(db), f(da)))
+    pairs = [pair for group in groups for pair in group]
     out = {}
     for k, f in POOLED_TTFT.items():
         d = sorted(diffs[k])
         low, high = d[int(0.025 * resamples)], d[max(0, int(0.975 * resamples) - 1)]
         whole = pct(f([x for _, run in pairs for x in run]), f([x for run, _ in pairs for x in run]))
         out[k] = {"pct": whole, "ci95": [low, high]}
+    out["starts"] = len(groups)
     return out
 
 

@@ -324,7 +324,7 @@ def test_runs_end_to_end_on_the_tiny_model(tmp_path):
     assert row["aa_pct"]["decode_gpu_ms"] is None
     # time to first token over every measured request, and the A/A's bootstrap interval, printed too
     assert all(row[m]["ttft_pooled"]["requests"] == 3 for m in ("on", "off", "off_b"))
-    assert set(row["aa_ttft_pooled"]) == {"p50", "p99", "mean"} and "bootstrap interval" in done.stdout
+    assert set(row["aa_ttft_pooled"]) == {"p50", "p99", "mean", "starts"} and "bootstrap interval" in done.stdout
     assert row["aa_pct"]["itl_p50_ms"] == pytest.approx(
         (row["off_b"]["itl_p50_ms"] / row["off"]["itl_p50_ms"] - 1) * 100
     )
@@ -381,7 +381,8 @@ def test_the_pooled_a_a_interval_brackets_a_known_shift_and_is_seeded(serve_load
         assert low < 10.0 < high and high - low < 10.0
     assert serve_load.aa_ttft_interval(a, b, resamples=200) == got  # the same seed, the same interval
     same = serve_load.aa_ttft_interval(a, a, resamples=200)
-    assert all(same[s]["pct"] == 0.0 and same[s]["ci95"][0] < 0.0 < same[s]["ci95"][1] for s in same)
+    assert all(same[s]["pct"] == 0.0 and same[s]["ci95"][0] < 0.0 < same[s]["ci95"][1] for s in ("p50", "p99", "mean"))
+    assert same["starts"] == 1  # runs without a start index: one start
     assert serve_load.aa_ttft_interval(a, [{}]) is None
 
 
@@ -406,6 +407,23 @@ def test_the_pooled_a_a_interval_holds_the_rounds_disagreement(serve_load):
     paired = [{"ttft_samples_ms": [x * f for x in run["ttft_samples_ms"]]} for run, f in zip(a, (1.0, 3.0, 0.5))]
     got = serve_load.aa_ttft_interval(paired, paired, resamples=400)["mean"]  # rounds apart, servers alike
     assert got["pct"] == 0.0 and -3.0 < got["ci95"][0] < 0.0 < got["ci95"][1] < 3.0, got
+
+
+def test_the_pooled_a_a_interval_holds_how_server_starts_differ(serve_load):
+    """Server b 8 % slower than a in every round of the first start and 8 % faster in every round of the second (a
+    process's own state, as the H200 showed at concurrency 64): rounds agree within each start, so only resampling
+    the starts shows that two starts cannot resolve 5 %. One start alone reads its +8 % as resolved, and says it had
+    one start."""
+    rng = random.Random(3)
+    a = [{"repeat": rep, "ttft_samples_ms": [rng.uniform(3.0, 9.0) for _ in range(300)]}
+         for rep in (0, 1) for _ in range(3)]  # fmt: skip
+    b = [{**run, "ttft_samples_ms": [x * (1.08 if run["repeat"] == 0 else 0.92) for x in run["ttft_samples_ms"]]}
+         for run in a]  # fmt: skip
+    got = serve_load.aa_ttft_interval(a, b, resamples=400)
+    low, high = got["mean"]["ci95"]
+    assert got["starts"] == 2 and low < -5.0 and high > 5.0, got
+    first = serve_load.aa_ttft_interval(a[:3], b[:3], resamples=400)
+    assert first["starts"] == 1 and 0.0 < first["mean"]["ci95"][0] < 8.0 < first["mean"]["ci95"][1] < 12.0, first
 
 
 def test_a_stopped_run_keeps_the_points_every_server_measured(serve_load):
