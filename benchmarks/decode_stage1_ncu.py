@@ -11,9 +11,12 @@ profiled one:
     ncu --import /tmp/int8.ncu-rep --page source --print-source sass --csv > int8_sass.csv
     python benchmarks/decode_stage1_ncu.py --summarize before:int8=int8_raw.csv,int8_sass.csv ... --out FILE
 
-(the run before the PTX dequantization exported ``--page details`` instead of ``--page raw``; both are read). The
-summary keeps, per kernel: duration, registers, warps active per SM, warp instructions issued, and each SASS
-opcode's share of the executed instructions and of the warp-stall samples.
+(the run before the PTX dequantization exported ``--page details`` instead of ``--page raw``; both are read).
+``--rung dequant`` or ``--rung dots`` launches that rung of ``decode_stage1_ladder.py`` instead of the real stage 1,
+at the same config, so the stall reasons of each rung's work can be set side by side (its kernel is
+``stage1_ladder_kernel``: profile it with ``--kernel-name regex:stage1``). The summary keeps, per kernel: duration,
+registers, warps active per SM, warp instructions issued, and each SASS opcode's share of the executed instructions
+and of the warp-stall samples.
 """
 
 import argparse
@@ -21,16 +24,18 @@ import collections
 import csv
 import json
 import sys
+from functools import partial
 
 # (BLOCK_N, num_warps, num_stages, WAVES) per KV type, from benchmarks/results/decode_attention_quant_h200.json
 CONFIGS = {"none": (64, 8, 3, 4), "int8": (64, 2, 2, 8), "int4": (64, 2, 2, 8)}
 BATCH, LENGTH, Q_HEADS, KV_HEADS, HEAD_DIM, GROUP = 64, 32768, 32, 8, 128, 8
 
 
-def profile_target(kinds) -> None:
+def profile_target(kinds, rung="kernel") -> None:
     import torch
 
     from decode_attention import decode_fn, make_pool
+    from decode_stage1_ladder import launch_rung
 
     r2t = torch.arange(BATCH * LENGTH, device="cuda", dtype=torch.int32).view(BATCH, LENGTH)
     idx = torch.arange(BATCH, device="cuda", dtype=torch.int32)
@@ -41,7 +46,10 @@ def profile_target(kinds) -> None:
         block_n, warps, stages, waves = CONFIGS[kind]
         cfg = {"BLOCK_N": block_n, "num_warps": warps, "num_stages": stages, "WAVES": waves}
         pool = make_pool(kind, BATCH * LENGTH, KV_HEADS, HEAD_DIM, GROUP)
-        fn = decode_fn(kind, q, pool, r2t, idx, seq, LENGTH, out, GROUP, cfg)
+        if rung == "kernel":
+            fn = decode_fn(kind, q, pool, r2t, idx, seq, LENGTH, out, GROUP, cfg)
+        else:
+            fn = partial(launch_rung, rung == "dots", kind, q, pool, r2t, seq, LENGTH, GROUP, cfg)
         for _ in range(4):
             fn()
         torch.cuda.synchronize()
@@ -117,6 +125,12 @@ def summarize(specs) -> dict:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("kinds", nargs="*", help=f"KV types to launch, of {list(CONFIGS)} (default all)")
+    p.add_argument(
+        "--rung",
+        choices=("kernel", "dequant", "dots"),
+        default="kernel",
+        help="the real stage 1 (default) or a rung of decode_stage1_ladder.py at the same config",
+    )
     p.add_argument("--summarize", nargs="+", metavar="RUN:KIND=CSV[,SASS_CSV]", help="summarize ncu exports")
     p.add_argument("--out", default="benchmarks/results/decode_stage1_ncu.json")
     args = p.parse_args(argv)
@@ -129,7 +143,7 @@ def main(argv=None) -> None:
     bad = [k for k in args.kinds if k not in CONFIGS]
     if bad:
         p.error(f"kinds expected some of {list(CONFIGS)}, got {bad}")
-    profile_target(args.kinds or list(CONFIGS))
+    profile_target(args.kinds or list(CONFIGS), args.rung)
 
 
 if __name__ == "__main__":

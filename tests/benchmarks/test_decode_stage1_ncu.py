@@ -1,6 +1,8 @@
 """benchmarks/decode_stage1_ncu.py: its summary of ncu's CSV exports (details or raw page, SASS source page), on
 small exports in ncu's layouts; the profile itself is the GPU's."""
 
+import pytest
+
 from tests.benchmarks.test_linear_attention_bench import load_benchmark
 
 DETAILS = """==PROF== Connected
@@ -40,3 +42,11 @@ def test_summary_reads_both_metric_pages_and_the_sass_page(tmp_path):
     }  # fmt: skip
     assert got["ptx"]["int8"] == {"duration_us": 1917.44, "registers": 168.0, "warps_active_per_sm": 8.49,
                                   "warp_instructions": 647435264.0}  # fmt: skip
+
+
+def test_a_rung_of_the_ladder_is_a_target_and_a_bad_one_is_refused(capsys):
+    bench = load_benchmark("decode_stage1_ncu")
+    with pytest.raises(SystemExit):
+        bench.main(["int8", "--rung", "softmax"])
+    err = capsys.readouterr().err
+    assert "--rung: invalid choice: 'softmax'" in err and "'dequant'" in err and "'dots'" in err
