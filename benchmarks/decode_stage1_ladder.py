@@ -1,14 +1,15 @@
 """Where quantized decode attention's time goes, step by step (issue 17 goal 1).
 
 ``decode_kv_read_probe.py`` showed that stage 1's grid reads an INT8 pool's bytes at 0.95 of the rate it reads a
-bf16 pool's when it does nothing with them (INT4: 0.81), and that two integer operations per code cost almost
-nothing there; yet the real INT8 kernel takes 1.39x the probe's time at d128, B=64, 32K. This times the kernel's
+bf16 pool's when it does nothing with them (INT4: 0.81), and that one integer operation per code costs under 1 %
+there; yet the real INT8 kernel takes 1.39x the probe's time at d128, B=64, 32K. This times the kernel's
 work as a ladder, every rung on the same grid, pool and config candidates (the tuner's for that KV type):
 
 0. ``reads``: the probe (its own config grid): codes and scales loaded and xor'ed.
 1. ``dequant``: stage 1's own K and V loading and dequantization (``stage1._load_kv_halves``, the PTX word path on a
    GPU), summed into a float32 tile per program (a conversion and an add per element).
-2. ``dots``: and both dots as the kernel does them (``q K^T``, then that product as float16 times V), no softmax.
+2. ``dots``: and both dots as the kernel does them (``q K^T``, then that product in the values' 16-bit type times
+   V), no softmax.
 3. ``kernel``: the real decode (stage 1 and its few-microsecond stage 2; ``decode_attention.py``'s launch).
 
 A rung's time over the one before it is what that work costs where the reads do not hide it. Each rung writes a
@@ -33,7 +34,7 @@ from decode_attention import SHAPES, candidate_configs, decode_fn, kv_bytes, mak
 from decode_kv_read_probe import time_probe  # noqa: E402
 
 from lightllm.common.kv_cache.quant import INT4_OFFSET, dequantize_int4_ref, dequantize_int8_ref  # noqa: E402
-from lightllm.kernels.attention.decode.flash_decode import _ptx_path  # noqa: E402
+from lightllm.kernels.attention.decode.flash_decode import _QUANT_BITS, _ptx_path  # noqa: E402
 from lightllm.kernels.attention.decode.splits import (  # noqa: E402
     min_blocks,
     num_splits,
@@ -44,7 +45,6 @@ from lightllm.kernels.attention.decode.stage1 import _load_kv_halves  # noqa: E4
 from lightllm.kernels.launch_math import next_power_of_2  # noqa: E402
 
 RUNGS = ("reads", "dequant", "dots", "kernel")
-_QUANT_BITS = {"none": 0, "int8": 8, "int4": 4}
 DEFAULT_CELLS = ["hq32-hk8-d128:64"]
 
 
@@ -273,9 +273,11 @@ def main(argv=None):
     bad = [c for c in args.cells if c.split(":")[0] not in SHAPES or not c.partition(":")[2].isdigit()]
     if bad:
         p.error(f"--cells expected SHAPE:BATCH with SHAPE one of {list(SHAPES)}, got {bad}")
-    bad = [g for g in args.groups if g not in (8, 16, 32, 64) or g % 4]
+    bad = [g for g in args.groups if g not in (8, 16, 32, 64)]
     if bad:
         p.error(f"--groups expected quant groups of 8, 16, 32 or 64 elements, got {bad}")
+    if args.len < 1:
+        p.error(f"--len expected a KV length of at least 1 token, got {args.len}")
     if not torch.cuda.is_available():
         sys.exit("decode_stage1_ladder.py needs a CUDA GPU (--analyze reads a saved run anywhere)")
     print_table(run(args))

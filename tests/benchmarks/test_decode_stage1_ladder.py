@@ -78,3 +78,6 @@ def test_bad_arguments_stop_with_one_line_naming_them(ladder, capsys):
     with pytest.raises(SystemExit):
         ladder.main(["--groups", "6"])
     assert "--groups expected quant groups of 8, 16, 32 or 64 elements, got [6]" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        ladder.main(["--len", "0"])
+    assert "--len expected a KV length of at least 1 token, got 0" in capsys.readouterr().err
