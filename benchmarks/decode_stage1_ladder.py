@@ -207,7 +207,7 @@ def run(args):
         q_heads, kv_heads, head_dim = SHAPES[shape]
         for kind, group in [("none", 0)] + [(k, g) for k in ("int8", "int4") for g in args.groups]:
             q_small = torch.randn(2, q_heads, head_dim, device="cuda", dtype=torch.bfloat16)
-            small = make_pool(kind, 2 * 4096, kv_heads, head_dim, group or 8)
+            small = make_pool(kind, 2 * 4096, kv_heads, head_dim, group or 8, args.head_major)
             r2t_small = torch.randperm(2 * 4096, device="cuda").to(torch.int32).view(2, 4096)
             seq_small = torch.tensor([4096, 1500], device="cuda", dtype=torch.int32)
             for dots in (False, True):
@@ -216,7 +216,7 @@ def run(args):
             small = None
 
             tokens = batch * args.len
-            pool = make_pool(kind, tokens, kv_heads, head_dim, group or 8)
+            pool = make_pool(kind, tokens, kv_heads, head_dim, group or 8, args.head_major)
             q = torch.randn(batch, q_heads, head_dim, device="cuda", dtype=torch.bfloat16)
             r2t = torch.arange(tokens, device="cuda", dtype=torch.int32).view(batch, args.len)
             idx = torch.arange(batch, device="cuda", dtype=torch.int32)
@@ -243,7 +243,8 @@ def run(args):
 def save(args, rows):
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "len": args.len, "rows": rows}, f, indent=1)
+        json.dump({"device": torch.cuda.get_device_name(), "len": args.len, "head_major": args.head_major,
+                   "rows": rows}, f, indent=1)  # fmt: skip
 
 
 def print_table(rows):
@@ -264,6 +265,7 @@ def main(argv=None):
     p.add_argument("--cells", nargs="+", default=DEFAULT_CELLS, help="SHAPE:BATCH, shapes of decode_attention.py")
     p.add_argument("--len", type=int, default=32768, help="every request's KV length (and the launch's maximum)")
     p.add_argument("--groups", nargs="+", type=int, default=[8], help="INT8/INT4 quant group sizes")
+    p.add_argument("--head-major", action="store_true", help="head-major pools (decode_attention_quant.py's probe)")
     p.add_argument("--analyze", metavar="JSON", help="print the table of a saved run (no GPU needed)")
     p.add_argument("--out", default="benchmarks/results/decode_stage1_ladder.json")
     args = p.parse_args(argv)

@@ -18,11 +18,21 @@ def ladder():
 
 
 @pytest.mark.parametrize("dots", [False, True])
-@pytest.mark.parametrize("kind,group", [("none", 0), ("int8", 8), ("int4", 8), ("int8", 32)])
-def test_each_rung_sums_what_its_work_makes_of_each_splits_tokens(ladder, kind, group, dots):
-    gen = torch.Generator().manual_seed(zlib.crc32(f"{kind}{group}{dots}".encode()))
+@pytest.mark.parametrize(
+    "kind,group,head_major",
+    [
+        ("none", 0, False),
+        ("int8", 8, False),
+        ("int4", 8, False),
+        ("int8", 32, False),
+        ("int8", 8, True),
+        ("int4", 8, True),
+    ],
+)
+def test_each_rung_sums_what_its_work_makes_of_each_splits_tokens(ladder, kind, group, head_major, dots):
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{kind}{group}{head_major}{dots}".encode()))
     kv_heads, head_dim, graph_max, tokens = 2, 64, 160, 700
-    pool = _pool(kind, tokens, kv_heads, head_dim, group or 8, False, gen)
+    pool = _pool(kind, tokens, kv_heads, head_dim, group or 8, head_major, gen)
     q = torch.randn(4, 2 * kv_heads, head_dim, generator=gen).to(torch.bfloat16)
     if kind == "none":  # float16: Triton 3.6's interpreter does bfloat16 arithmetic on the raw bits
         q, pool = q.half(), (pool[0].half(), pool[1].half(), None, None)
