@@ -288,24 +288,35 @@ def print_table(rows):
               f"{rel:18.2f}  {k_text}")  # fmt: skip
 
 
+def add_cell_args(p, default_cells, default_groups):
+    """The flags this probe and ``decode_stage1_ladder.py`` share: which cells, KV length, quant groups, pool layout,
+    and ``--analyze``."""
+    p.add_argument("--cells", nargs="+", default=default_cells, help="SHAPE:BATCH, shapes of decode_attention.py")
+    p.add_argument("--len", type=int, default=32768, help="every request's KV length (and the launch's maximum)")
+    p.add_argument("--groups", nargs="+", type=int, default=default_groups, help="INT8/INT4 quant group sizes")
+    p.add_argument("--head-major", action="store_true", help="head-major pools (decode_attention_quant.py's probe)")
+    p.add_argument("--analyze", metavar="JSON", help="print the table of a saved run (no GPU needed)")
+
+
+def check_cells(p, cells):
+    """One error line unless every cell is ``SHAPE:BATCH`` with a known shape."""
+    bad = [c for c in cells if c.split(":")[0] not in SHAPES or not c.partition(":")[2].isdigit()]
+    if bad:
+        p.error(f"--cells expected SHAPE:BATCH with SHAPE one of {list(SHAPES)}, got {bad}")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--cells", nargs="+", default=DEFAULT_CELLS, help="SHAPE:BATCH, shapes of decode_attention.py")
-    p.add_argument("--len", type=int, default=32768, help="every request's KV length (and the launch's maximum)")
-    p.add_argument("--groups", nargs="+", type=int, default=[8, 32], help="INT8/INT4 quant group sizes")
+    add_cell_args(p, DEFAULT_CELLS, [8, 32])
     p.add_argument("--work", nargs="+", type=int, default=[0, 2, 4, 8], help="integer multiply-adds per code "
                    "word to time besides none (0 first; each over the 8 fastest configs without work)")  # fmt: skip
-    p.add_argument("--head-major", action="store_true", help="head-major pools (decode_attention_quant.py's probe)")
     p.add_argument("--against", metavar="JSON", help="a decode_attention_quant.py run: the real kernels' times")
-    p.add_argument("--analyze", metavar="JSON", help="print the table of a saved run (no GPU needed)")
     p.add_argument("--out", default="benchmarks/results/decode_kv_read_probe.json")
     args = p.parse_args(argv)
     if args.analyze:
         with open(args.analyze) as f:
             return print_table(json.load(f)["rows"])
-    bad = [c for c in args.cells if c.split(":")[0] not in SHAPES or not c.partition(":")[2].isdigit()]
-    if bad:
-        p.error(f"--cells expected SHAPE:BATCH with SHAPE one of {list(SHAPES)}, got {bad}")
+    check_cells(p, args.cells)
     if args.work[0] != 0 or any(w < 0 for w in args.work):
         p.error(f"--work expected 0 first, then non-negative counts, got {args.work}")
     if args.len < 4096:

@@ -31,7 +31,7 @@ import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # its sibling modules, however it is loaded
 from decode_attention import SHAPES, candidate_configs, decode_fn, kv_bytes, make_pool  # noqa: E402
-from decode_kv_read_probe import time_probe  # noqa: E402
+from decode_kv_read_probe import add_cell_args, check_cells, time_probe  # noqa: E402
 
 from lightllm.common.kv_cache.quant import INT4_OFFSET, dequantize_int4_ref, dequantize_int8_ref  # noqa: E402
 from lightllm.kernels.attention.decode.flash_decode import _QUANT_BITS, _ptx_path  # noqa: E402
@@ -41,7 +41,7 @@ from lightllm.kernels.attention.decode.splits import (  # noqa: E402
     split_token_ranges,
     split_tokens,
 )
-from lightllm.kernels.attention.decode.stage1 import _load_kv_halves  # noqa: E402
+from lightllm.kernels.attention.decode.stage1 import _load_kv_halves, _load_q_halves  # noqa: E402
 from lightllm.kernels.launch_math import next_power_of_2  # noqa: E402
 
 RUNGS = ("reads", "dequant", "dots", "kernel")
@@ -70,16 +70,8 @@ def stage1_ladder_kernel(
 
     d = tl.arange(0, HALF_D)
     h = tl.arange(0, BLOCK_H)
-    heads = kvh * GROUP + h
-    q_ptr = Q + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + d[None, :]
-    q_lo = tl.load(q_ptr, mask=(h < GROUP)[:, None], other=0.0)
-    q_hi = tl.load(q_ptr + HALF_D, mask=(h < GROUP)[:, None], other=0.0)
-    if F16:
-        q_lo = q_lo.to(tl.float16)
-        q_hi = q_hi.to(tl.float16)
-        kv_dtype = tl.float16
-    else:
-        kv_dtype = Q.dtype.element_ty
+    q_lo, q_hi = _load_q_halves(Q, b, kvh * GROUP + h, h < GROUP, stride_qb, stride_qh, HALF_D, F16)
+    kv_dtype = q_lo.dtype
     tokens = req_to_token + b.to(tl.int64) * stride_rr
     if DOTS:
         acc_lo = tl.zeros([BLOCK_H, HALF_D], dtype=tl.float32)
@@ -262,19 +254,13 @@ def print_table(rows):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--cells", nargs="+", default=DEFAULT_CELLS, help="SHAPE:BATCH, shapes of decode_attention.py")
-    p.add_argument("--len", type=int, default=32768, help="every request's KV length (and the launch's maximum)")
-    p.add_argument("--groups", nargs="+", type=int, default=[8], help="INT8/INT4 quant group sizes")
-    p.add_argument("--head-major", action="store_true", help="head-major pools (decode_attention_quant.py's probe)")
-    p.add_argument("--analyze", metavar="JSON", help="print the table of a saved run (no GPU needed)")
+    add_cell_args(p, DEFAULT_CELLS, [8])
     p.add_argument("--out", default="benchmarks/results/decode_stage1_ladder.json")
     args = p.parse_args(argv)
     if args.analyze:
         with open(args.analyze) as f:
             return print_table(json.load(f)["rows"])
-    bad = [c for c in args.cells if c.split(":")[0] not in SHAPES or not c.partition(":")[2].isdigit()]
-    if bad:
-        p.error(f"--cells expected SHAPE:BATCH with SHAPE one of {list(SHAPES)}, got {bad}")
+    check_cells(p, args.cells)
     bad = [g for g in args.groups if g not in (8, 16, 32, 64)]
     if bad:
         p.error(f"--groups expected quant groups of 8, 16, 32 or 64 elements, got {bad}")

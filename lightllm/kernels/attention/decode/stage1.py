@@ -224,6 +224,20 @@ def _load_kv_halves(
 
 
 @triton.jit
+def _load_q_halves(Q, b, heads, mask_h, stride_qb, stride_qh, HALF_D: tl.constexpr, F16: tl.constexpr):
+    """Request ``b``'s query rows ``heads`` (zeros where ``mask_h`` is off) as two halves ``[len(heads), HALF_D]``,
+    as float16 with ``F16`` (exact for bf16 queries in float16's normal range: 8 significant bits into 11)."""
+    d = tl.arange(0, HALF_D)
+    q_ptr = Q + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + d[None, :]
+    q_lo = tl.load(q_ptr, mask=mask_h[:, None], other=0.0)
+    q_hi = tl.load(q_ptr + HALF_D, mask=mask_h[:, None], other=0.0)
+    if F16:
+        q_lo = q_lo.to(tl.float16)
+        q_hi = q_hi.to(tl.float16)
+    return q_lo, q_hi
+
+
+@triton.jit
 def decode_stage1_kernel(
     Q,
     K,
@@ -282,15 +296,8 @@ def decode_stage1_kernel(
     mask_h = h < GROUP
     heads = kvh * GROUP + h
     d = tl.arange(0, HALF_D)
-    q_ptr = Q + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + d[None, :]
-    q_lo = tl.load(q_ptr, mask=mask_h[:, None], other=0.0)
-    q_hi = tl.load(q_ptr + HALF_D, mask=mask_h[:, None], other=0.0)
-    if F16:  # exact for bf16 queries in float16's normal range (8 significant bits into 11)
-        q_lo = q_lo.to(tl.float16)
-        q_hi = q_hi.to(tl.float16)
-        kv_dtype = tl.float16
-    else:
-        kv_dtype = Q.dtype.element_ty
+    q_lo, q_hi = _load_q_halves(Q, b, heads, mask_h, stride_qb, stride_qh, HALF_D, F16)
+    kv_dtype = q_lo.dtype  # what K and V become for the dots
 
     slot = tl.load(b_req_idx + b).to(tl.int64)
     tokens = req_to_token + slot * stride_rr
