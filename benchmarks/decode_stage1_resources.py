@@ -136,20 +136,16 @@ def compile_one(kernel, arch: int, shape, kind: str, group: int, cfg: dict, int4
     src = ASTSource(kernel, types, constexprs, attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
                               options={"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})  # fmt: skip
-    res = parse_resources(_cuobjdump(compiled.asm["cubin"], "--dump-resource-usage"))
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        text = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True,
+                              check=True).stdout  # fmt: skip
+    res = parse_resources(text)
     res["shared_bytes"] = compiled.metadata.shared
     res["staged_tiles"] = staged_tiles(compiled.asm["ttgir"], cfg["BLOCK_N"], d // 2)
     return res
-
-
-def _cuobjdump(cubin: bytes, *flags: str) -> str:
-    import triton
-
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        return subprocess.run([tool, *flags, f.name], capture_output=True, text=True, check=True).stdout
 
 
 def run(args) -> dict:

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from tests.benchmarks.test_linear_attention_bench import load_benchmark
+from tests.benchmarks.helpers import load_benchmark
 
 LENS = [1024, 4096, 8192, 16384, 32768]
 

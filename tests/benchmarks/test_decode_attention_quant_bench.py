@@ -4,7 +4,7 @@ import os
 import subprocess
 import sys
 
-from tests.benchmarks.test_linear_attention_bench import REPO, load_benchmark
+from tests.benchmarks.helpers import REPO, load_benchmark
 
 SCRIPT = os.path.join(REPO, "benchmarks", "decode_attention_quant.py")
 

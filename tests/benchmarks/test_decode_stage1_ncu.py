@@ -3,7 +3,7 @@ small exports in ncu's layouts; the profile itself is the GPU's."""
 
 import pytest
 
-from tests.benchmarks.test_linear_attention_bench import load_benchmark
+from tests.benchmarks.helpers import load_benchmark
 
 DETAILS = """==PROF== Connected
 "ID","Kernel Name","Section Name","Metric Name","Metric Unit","Metric Value"

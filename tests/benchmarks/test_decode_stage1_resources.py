@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from lightllm.common import proc
-from tests.benchmarks.test_linear_attention_bench import REPO, load_benchmark
+from tests.benchmarks.helpers import REPO, load_benchmark
 
 
 @pytest.fixture(scope="module")

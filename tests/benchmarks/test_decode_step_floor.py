@@ -9,7 +9,7 @@ from safetensors import safe_open
 from lightllm.engine.args import EngineArgs
 from lightllm.engine.model_runner import ModelRunner
 from lightllm.tools.make_tiny_model import make_tiny_qwen3, make_tiny_qwen3_5
-from tests.benchmarks.test_linear_attention_bench import load_benchmark
+from tests.benchmarks.helpers import load_benchmark
 
 decode_step = load_benchmark("decode_step")
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from tests.benchmarks.test_linear_attention_bench import load_benchmark
+from tests.benchmarks.helpers import load_benchmark
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """benchmarks/kv_gather_dequant.py: the table of a saved run (the GPU timings are the benchmark's, not a test's)."""
 
-from tests.benchmarks.test_linear_attention_bench import load_benchmark
+from tests.benchmarks.helpers import load_benchmark
 
 
 def test_table_reports_speedup_and_rate(capsys):

@@ -3,7 +3,7 @@ benchmark, not a test)."""
 
 import pytest
 
-from tests.benchmarks.test_linear_attention_bench import analyzed_lines, load_benchmark
+from tests.benchmarks.helpers import analyzed_lines, load_benchmark
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from tests.benchmarks.test_linear_attention_bench import load_benchmark
+from tests.benchmarks.helpers import load_benchmark
 
 
 @pytest.fixture(scope="module")

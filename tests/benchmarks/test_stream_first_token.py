@@ -3,7 +3,7 @@ are one line."""
 
 import json
 
-from tests.benchmarks.test_linear_attention_bench import run_benchmark
+from tests.benchmarks.helpers import run_benchmark
 
 
 def run(*args):
