@@ -70,23 +70,24 @@ FA3_SPLITS = (0, 1, 2, 4, 8, 16, 32)
 KINDS = ("none", "int8", "int4")
 
 
-def make_pool(kind, tokens, kv_heads, head_dim, group, head_major=False):
+def make_pool(kind, tokens, kv_heads, head_dim, group, head_major=False, device="cuda", generator=None):
     """Random KV for timing (codes and scales drawn directly; correctness is the tests' job). ``head_major``: each
     head's tokens contiguous (``[heads, tokens, ...]`` storage seen as ``[tokens, heads, ...]``), so a tile of a
-    program's tokens is one contiguous run instead of one row per token strided by every head's."""
+    program's tokens is one contiguous run instead of one row per token strided by every head's. ``device`` and
+    ``generator``: where and from what it is drawn (the benchmarks' CPU tests draw seeded pools)."""
 
     def draw(make, width):
         t = make((kv_heads, tokens, width) if head_major else (tokens, kv_heads, width))
         return t.transpose(0, 1) if head_major else t
 
     if kind == "none":
-        k = draw(lambda s: torch.randn(s, device="cuda", dtype=torch.bfloat16), head_dim)
-        return k, draw(lambda s: torch.randn(s, device="cuda", dtype=torch.bfloat16), head_dim), None, None
+        values = lambda s: torch.randn(s, device=device, dtype=torch.bfloat16, generator=generator)  # noqa: E731
+        return draw(values, head_dim), draw(values, head_dim), None, None
     width = head_dim if kind == "int8" else head_dim // 2
     dtype = torch.int8 if kind == "int8" else torch.uint8
     lo, hi = (-127, 128) if kind == "int8" else (0, 256)
-    codes = lambda s: torch.randint(lo, hi, s, device="cuda", dtype=dtype)  # noqa: E731
-    scale = lambda s: torch.rand(s, device="cuda").add_(0.5).mul_(0.02).half()  # noqa: E731
+    codes = lambda s: torch.randint(lo, hi, s, device=device, dtype=dtype, generator=generator)  # noqa: E731
+    scale = lambda s: torch.rand(s, device=device, generator=generator).add_(0.5).mul_(0.02).half()  # noqa: E731
     return draw(codes, width), draw(codes, width), draw(scale, head_dim // group), draw(scale, head_dim // group)
 
 

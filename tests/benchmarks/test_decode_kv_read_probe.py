@@ -11,29 +11,12 @@ import torch
 
 from lightllm.common import proc
 from lightllm.kernels.attention.decode.splits import num_splits
-from tests.benchmarks.test_linear_attention_bench import REPO, load_benchmark
+from tests.benchmarks.helpers import REPO, load_benchmark
 
 
 @pytest.fixture(scope="module")
 def probe():
     return load_benchmark("decode_kv_read_probe")
-
-
-def _pool(kind, tokens, heads, head_dim, group, head_major, gen):
-    """Random KV as make_pool draws it, on the CPU (codes over their whole range, scales nonzero)."""
-
-    def draw(make, width):
-        t = make((heads, tokens, width) if head_major else (tokens, heads, width))
-        return t.transpose(0, 1) if head_major else t
-
-    if kind == "none":
-        values = lambda s: torch.randn(s, generator=gen).to(torch.bfloat16)  # noqa: E731
-        return draw(values, head_dim), draw(values, head_dim), None, None
-    width, dtype = (head_dim, torch.int8) if kind == "int8" else (head_dim // 2, torch.uint8)
-    lo, hi = (-128, 128) if kind == "int8" else (0, 256)
-    codes = lambda s: torch.randint(lo, hi, s, generator=gen).to(dtype)  # noqa: E731
-    scales = lambda s: (torch.rand(s, generator=gen) * 0.02 + 0.01).half()  # noqa: E731
-    return draw(codes, width), draw(codes, width), draw(scales, head_dim // group), draw(scales, head_dim // group)
 
 
 @pytest.mark.parametrize("prefetch,work", [(False, 0), (True, 0), (True, 3)])
@@ -42,7 +25,7 @@ def _pool(kind, tokens, heads, head_dim, group, head_major, gen):
 def test_the_probe_xors_every_word_of_each_splits_tokens(probe, kind, group, head_major, prefetch, work):
     gen = torch.Generator().manual_seed(zlib.crc32(f"{kind}{group}{head_major}".encode()))
     heads, head_dim, graph_max, tokens = 2, 64, 160, 700
-    pool = _pool(kind, tokens, heads, head_dim, group or 8, head_major, gen)
+    pool = probe.make_pool(kind, tokens, heads, head_dim, group or 8, head_major, device="cpu", generator=gen)
     lens = torch.tensor([160, 0, 37, 129], dtype=torch.int32)  # full, empty, ragged, one past a block
     r2t = torch.randperm(tokens, generator=gen)[: 4 * graph_max].to(torch.int32).view(4, graph_max)
     cfg = {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "WAVES": 8, "PREFETCH": prefetch, "WORK": work}
@@ -80,7 +63,7 @@ def test_the_work_survives_the_sm90_compile(tmp_path):
 
 
 def test_a_wrong_output_shape_is_an_error_naming_it(probe):
-    pool = _pool("int8", 64, 2, 64, 8, False, torch.Generator().manual_seed(0))
+    pool = probe.make_pool("int8", 64, 2, 64, 8, device="cpu", generator=torch.Generator().manual_seed(0))
     r2t, lens = torch.arange(64, dtype=torch.int32).view(1, 64), torch.tensor([64], dtype=torch.int32)
     with pytest.raises(ValueError, match=r"out: expected shape \(1, 2, \d+\), got \(1, 2, 999\)"):
         probe.launch_probe(pool, r2t, lens, 64, probe.CONFIGS[0], out=torch.empty(1, 2, 999, dtype=torch.int32))

@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from lightllm.kernels.attention.decode.splits import num_splits
-from tests.benchmarks.test_decode_kv_read_probe import _pool
-from tests.benchmarks.test_linear_attention_bench import load_benchmark
+from tests.benchmarks.helpers import load_benchmark
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +31,7 @@ def ladder():
 def test_each_rung_sums_what_its_work_makes_of_each_splits_tokens(ladder, kind, group, head_major, dots):
     gen = torch.Generator().manual_seed(zlib.crc32(f"{kind}{group}{head_major}{dots}".encode()))
     kv_heads, head_dim, graph_max, tokens = 2, 64, 160, 700
-    pool = _pool(kind, tokens, kv_heads, head_dim, group or 8, head_major, gen)
+    pool = ladder.make_pool(kind, tokens, kv_heads, head_dim, group or 8, head_major, device="cpu", generator=gen)
     q = torch.randn(4, 2 * kv_heads, head_dim, generator=gen).to(torch.bfloat16)
     if kind == "none":  # float16: Triton 3.6's interpreter does bfloat16 arithmetic on the raw bits
         q, pool = q.half(), (pool[0].half(), pool[1].half(), None, None)
@@ -62,7 +61,7 @@ def test_the_reference_weighs_v_by_the_rounded_products(ladder):
 
 
 def test_a_wrong_output_shape_is_an_error_naming_it(ladder):
-    pool = _pool("int8", 64, 2, 64, 8, False, torch.Generator().manual_seed(0))
+    pool = ladder.make_pool("int8", 64, 2, 64, 8, device="cpu", generator=torch.Generator().manual_seed(0))
     q = torch.zeros(1, 4, 64, dtype=torch.bfloat16)
     r2t, lens = torch.arange(64, dtype=torch.int32).view(1, 64), torch.tensor([64], dtype=torch.int32)
     cfg = {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "WAVES": 1}
