@@ -12,6 +12,11 @@ PTX word helpers replaced (stage1.py), in the same run, and ``--more-stages`` th
 one more pipeline stage (one tile more in flight per program). ``--head-major`` lays every KV type's pool out
 head-major (each head's tokens contiguous) instead of the engine's token-major layout: a probe of how much the access
 pattern costs.
+
+``--configs`` times INT8/INT4 at the given stage-1 configs only (bf16 keeps its tuned best as the baseline) and
+prints every config's time: run it before and after a kernel change (e.g. ``git apply benchmarks/patches/...``) for
+an A/B at fixed configs, where the tuned best alone can hide that a change helps one config and hurts another.
+``--kinds`` limits the quantized KV types; the JSON is rewritten after every row, so a run cut short keeps its rows.
 """
 
 import argparse
@@ -27,9 +32,12 @@ from lightllm.kernels.attention.decode import flash_decode
 DEFAULT_CELLS = ["hq32-hk8-d128:64", "hq24-hk4-d256:16", "hq32-hk8-d128:16", "hq24-hk4-d256:64"]
 
 
-def variant_spaces(kind, q, extras=()) -> dict:
-    """The kernel's own candidates (``"tuned space"``) and, for INT8/INT4, each extra variant of them."""
+def variant_spaces(kind, q, extras=(), configs=None) -> dict:
+    """The kernel's own candidates (``"tuned space"``) and, for INT8/INT4, each extra variant of them; with
+    ``configs``, INT8/INT4 time only those (``"configs"``: an A/B of kernel versions at fixed configs)."""
     space = flash_decode.quant_split_kv_configs(q) if kind != "none" else flash_decode.split_kv_configs(q)
+    if configs and kind != "none":
+        return {"configs": list(configs)}
     spaces = {"tuned space": space}
     if kind != "none":
         if "block_n_128" in extras:
@@ -41,23 +49,26 @@ def variant_spaces(kind, q, extras=()) -> dict:
     return spaces
 
 
-def best_of_space(kind, q, pool, r2t, idx, seq, graph_max, out, group, extras=()):
-    """The fastest candidate of each variant space: ``{variant: (ms, config as JSON)}``."""
+def best_of_space(kind, q, pool, r2t, idx, seq, graph_max, out, group, extras=(), configs=None):
+    """Each variant space's fastest candidate and every candidate's time:
+    ``{variant: {"ms", "cfg" (JSON), "timed": [[config, ms], ...]}}``."""
     best = {}
-    for name, configs in variant_spaces(kind, q, extras).items():
+    for name, space in variant_spaces(kind, q, extras, configs).items():
         previous = flash_decode.set_ptx_dequant(name != "element_path")
         try:
-            _, timed = time_configs(kind, q, pool, r2t, idx, seq, graph_max, out, group, configs)
+            _, timed = time_configs(kind, q, pool, r2t, idx, seq, graph_max, out, group, space)
         finally:
             flash_decode.set_ptx_dequant(previous)
-        best[name] = min((ms, json.dumps(cfg)) for cfg, ms in timed)
+        ms, cfg = min((ms, json.dumps(cfg)) for cfg, ms in timed)
+        best[name] = {"ms": ms, "cfg": cfg, "timed": timed}
     return best
 
 
-def run(args):
+def run(args, save=lambda rows: None):
+    """The table's rows; ``save(rows)`` after each, so a run cut short keeps what it timed."""
     t0, rows = time.time(), []
     graph_max = max(args.lens)
-    kinds = [("none", 8)] + [(k, g) for k in ("int8", "int4") for g in args.groups]
+    kinds = [("none", 8)] + [(k, g) for k in ("int8", "int4") if k in args.kinds for g in args.groups]
     for cell in args.cells:
         shape, batch = cell.split(":")
         batch = int(batch)
@@ -74,13 +85,15 @@ def run(args):
             pool = make_pool(kind, tokens, hk, d, group, args.head_major)
             for length in args.lens:
                 seq = torch.full((batch,), length, device="cuda", dtype=torch.int32)
-                variants = best_of_space(kind, q, pool, r2t, idx, seq, graph_max, out, group, args.extras)
-                ms, cfg = min(variants.values())
+                variants = best_of_space(kind, q, pool, r2t, idx, seq, graph_max, out, group, args.extras,
+                                         args.configs)  # fmt: skip
+                best = min(variants.values(), key=lambda v: v["ms"])
                 rows.append({"shape": shape, "B": batch, "L": length, "kind": kind,
-                             "group": group if kind != "none" else 0, "ms": ms, "cfg": cfg,
-                             "bytes": kv_bytes(kind, batch, length, hk, d, group),
-                             "variants": {name: {"ms": t, "cfg": c} for name, (t, c) in variants.items()}})  # fmt: skip
-                print(f"{shape} B={batch} L={length} {kind} g{rows[-1]['group']}: {ms * 1e3:.1f} us {cfg}", flush=True)
+                             "group": group if kind != "none" else 0, "ms": best["ms"], "cfg": best["cfg"],
+                             "bytes": kv_bytes(kind, batch, length, hk, d, group), "variants": variants})  # fmt: skip
+                print(f"{shape} B={batch} L={length} {kind} g{rows[-1]['group']}: {best['ms'] * 1e3:.1f} us "
+                      f"{best['cfg']}", flush=True)  # fmt: skip
+                save(rows)
             del pool
             torch.cuda.empty_cache()
     return rows
@@ -97,7 +110,25 @@ def print_table(rows):
         print(f"{r['shape']:14s} {r['B']:3d} {r['L']:6d} {r['kind']:4s} {r['group']:5d} {r['ms'] * 1e3:8.1f} "
               f"{b['ms'] / r['ms']:7.2f} {rate:9.2f}", end="")  # fmt: skip
         variants = r.get("variants", {})
-        print("".join(f"  {name} {v['ms'] * 1e3:.1f}" for name, v in variants.items() if len(variants) > 1))
+        if "configs" in variants:  # --configs: every config's time, in the order given
+            print("  configs " + " ".join(f"{ms * 1e3:.1f}" for _, ms in variants["configs"]["timed"]))
+        else:
+            print("".join(f"  {name} {v['ms'] * 1e3:.1f}" for name, v in variants.items() if len(variants) > 1))
+
+
+CONFIG_KEYS = {"BLOCK_N", "num_warps", "num_stages", "WAVES"}
+
+
+def parse_config(p, text: str) -> dict:
+    """One ``--configs`` value: a JSON object with the stage-1 config keys (``MIN_BLOCKS`` optional)."""
+    try:
+        cfg = json.loads(text)
+    except json.JSONDecodeError:
+        cfg = None
+    if not isinstance(cfg, dict) or not CONFIG_KEYS <= set(cfg) or not set(cfg) <= CONFIG_KEYS | {"MIN_BLOCKS"}:
+        p.error(f"--configs expected JSON objects with keys {sorted(CONFIG_KEYS)} (and optionally MIN_BLOCKS), "
+                f"got {text!r}")  # fmt: skip
+    return cfg
 
 
 def main():
@@ -105,6 +136,20 @@ def main():
     p.add_argument("--cells", nargs="+", default=DEFAULT_CELLS, help="SHAPE:BATCH, shapes of decode_attention.py")
     p.add_argument("--lens", nargs="+", type=int, default=[32768])
     p.add_argument("--groups", nargs="+", type=int, default=[8, 32], help="INT8/INT4 quant group sizes")
+    p.add_argument(
+        "--kinds",
+        nargs="+",
+        default=["int8", "int4"],
+        choices=["int8", "int4"],
+        help="quantized KV types to time beside bf16",
+    )
+    p.add_argument(
+        "--configs",
+        nargs="+",
+        metavar="JSON",
+        help='time INT8/INT4 at these stage-1 configs only, each like {"BLOCK_N": 64, "num_warps": 2, '
+        '"num_stages": 3, "WAVES": 4}: an A/B of kernel versions',
+    )
     p.add_argument("--budget-s", type=float, default=600.0, help="stop starting new KV types after this long")
     p.add_argument(
         "--block-n-128",
@@ -140,12 +185,16 @@ def main():
     bad = [c for c in args.cells if c.split(":")[0] not in SHAPES or not c.partition(":")[2].isdigit()]
     if bad:
         p.error(f"--cells expected SHAPE:BATCH with SHAPE one of {list(SHAPES)}, got {bad}")
-    rows = run(args)
+    if args.configs:
+        args.configs = [parse_config(p, text) for text in args.configs]
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "graph_max_len": max(args.lens),
-                   "head_major": args.head_major, "rows": rows}, f)  # fmt: skip
-    print_table(rows)
+
+    def save(rows):
+        with open(args.out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "graph_max_len": max(args.lens),
+                       "head_major": args.head_major, "rows": rows}, f)  # fmt: skip
+
+    print_table(run(args, save))
 
 
 if __name__ == "__main__":

@@ -14,15 +14,19 @@ profiled one:
 (the run before the PTX dequantization exported ``--page details`` instead of ``--page raw``; both are read).
 ``--rung dequant`` or ``--rung dots`` launches that rung of ``decode_stage1_ladder.py`` instead of the real stage 1,
 at the same config, so the stall reasons of each rung's work can be set side by side (its kernel is
-``stage1_ladder_kernel``: profile it with ``--kernel-name regex:stage1``). The summary keeps, per kernel: duration,
-registers, warps active per SM, warp instructions issued, and each SASS opcode's share of the executed instructions
-and of the warp-stall samples.
+``stage1_ladder_kernel``: profile it with ``--kernel-name regex:stage1``). ``--batch`` and ``--config
+BLOCK_N/WARPS/STAGES/WAVES`` profile another batch or config. The summary keeps, per kernel: duration, registers,
+warps active per SM, warp instructions issued, the cycles per issued instruction a warp spends in each stall state
+(from a raw page with WarpStateStats), the blocks per SM that registers and shared memory allow (with LaunchStats and
+Occupancy), and each SASS opcode's share of the executed instructions and of the
+warp-stall samples (``IMAD.MOV``, a register move, apart from ``IMAD``).
 """
 
 import argparse
 import collections
 import csv
 import json
+import re
 import sys
 from functools import partial
 
@@ -31,21 +35,21 @@ CONFIGS = {"none": (64, 8, 3, 4), "int8": (64, 2, 2, 8), "int4": (64, 2, 2, 8)}
 BATCH, LENGTH, Q_HEADS, KV_HEADS, HEAD_DIM, GROUP = 64, 32768, 32, 8, 128, 8
 
 
-def profile_target(kinds, rung="kernel") -> None:
+def profile_target(kinds, rung="kernel", batch=BATCH, config=None) -> None:
     import torch
 
     from decode_attention import decode_fn, make_pool
     from decode_stage1_ladder import launch_rung
 
-    r2t = torch.arange(BATCH * LENGTH, device="cuda", dtype=torch.int32).view(BATCH, LENGTH)
-    idx = torch.arange(BATCH, device="cuda", dtype=torch.int32)
-    seq = torch.full((BATCH,), LENGTH, device="cuda", dtype=torch.int32)
-    q = torch.randn(BATCH, Q_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    r2t = torch.arange(batch * LENGTH, device="cuda", dtype=torch.int32).view(batch, LENGTH)
+    idx = torch.arange(batch, device="cuda", dtype=torch.int32)
+    seq = torch.full((batch,), LENGTH, device="cuda", dtype=torch.int32)
+    q = torch.randn(batch, Q_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     out = torch.empty_like(q)
     for kind in kinds:
-        block_n, warps, stages, waves = CONFIGS[kind]
+        block_n, warps, stages, waves = config or CONFIGS[kind]
         cfg = {"BLOCK_N": block_n, "num_warps": warps, "num_stages": stages, "WAVES": waves}
-        pool = make_pool(kind, BATCH * LENGTH, KV_HEADS, HEAD_DIM, GROUP)
+        pool = make_pool(kind, batch * LENGTH, KV_HEADS, HEAD_DIM, GROUP)
         if rung == "kernel":
             fn = decode_fn(kind, q, pool, r2t, idx, seq, LENGTH, out, GROUP, cfg)
         else:
@@ -55,6 +59,9 @@ def profile_target(kinds, rung="kernel") -> None:
         torch.cuda.synchronize()
         del pool
         torch.cuda.empty_cache()
+
+
+_STALL = re.compile(r"smsp__average_warps_issue_stalled_(\w+?)_per_issue_active\.ratio")
 
 
 def _rows(path: str) -> list:
@@ -81,10 +88,19 @@ def metrics(path: str) -> dict:
     units, values = rows[1], rows[2]  # --page raw: one column per metric
     col = {k: i for i, k in enumerate(head)}
     scale = {"ns": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}[units[col["gpu__time_duration.sum"]]]
-    return {"duration_us": _number(values[col["gpu__time_duration.sum"]]) * scale,
-            "registers": _number(values[col["launch__registers_per_thread"]]),
-            "warps_active_per_sm": _number(values[col["sm__warps_active.avg.per_cycle_active"]]),
-            "warp_instructions": _number(values[col["smsp__inst_executed.sum"]])}  # fmt: skip
+    out = {"duration_us": _number(values[col["gpu__time_duration.sum"]]) * scale,
+           "registers": _number(values[col["launch__registers_per_thread"]]),
+           "warps_active_per_sm": _number(values[col["sm__warps_active.avg.per_cycle_active"]]),
+           "warp_instructions": _number(values[col["smsp__inst_executed.sum"]])}  # fmt: skip
+    stalls = {m.group(1): round(_number(values[i]), 2) for i, k in enumerate(head)
+              if (m := _STALL.fullmatch(k)) and values[i] and _number(values[i]) >= 0.01}  # fmt: skip
+    if stalls:  # WarpStateStats was collected: cycles per issued instruction a warp spends in each state
+        out["stalls_per_issue"] = dict(sorted(stalls.items(), key=lambda kv: -kv[1]))
+    for name in ("registers", "shared_mem"):  # LaunchStats / Occupancy: blocks per SM each resource allows
+        metric = f"launch__occupancy_limit_{name}"
+        if metric in col and values[col[metric]]:
+            out[f"blocks_per_sm_by_{name}"] = _number(values[col[metric]])
+    return out
 
 
 def opcodes(path: str, top: int = 20) -> dict:
@@ -100,7 +116,8 @@ def opcodes(path: str, top: int = 20) -> dict:
         words = r[src].split()
         if not words:
             continue
-        op = (words[1] if words[0].startswith("@") else words[0]).split(".")[0]
+        op = words[1] if words[0].startswith("@") else words[0]
+        op = "IMAD.MOV" if op.startswith("IMAD.MOV") else op.split(".")[0]  # a register move, not a multiply-add
         ex[op] += int(r[executed])
         st[op] += int(r[stalls])
     total_ex, total_st = sum(ex.values()), sum(st.values())
@@ -131,6 +148,8 @@ def main(argv=None) -> None:
         default="kernel",
         help="the real stage 1 (default) or a rung of decode_stage1_ladder.py at the same config",
     )
+    p.add_argument("--batch", type=int, default=BATCH, help=f"requests of {LENGTH} tokens (default {BATCH})")
+    p.add_argument("--config", metavar="BLOCK_N/WARPS/STAGES/WAVES", help="the config to launch instead of CONFIGS")
     p.add_argument("--summarize", nargs="+", metavar="RUN:KIND=CSV[,SASS_CSV]", help="summarize ncu exports")
     p.add_argument("--out", default="benchmarks/results/decode_stage1_ncu.json")
     args = p.parse_args(argv)
@@ -143,7 +162,15 @@ def main(argv=None) -> None:
     bad = [k for k in args.kinds if k not in CONFIGS]
     if bad:
         p.error(f"kinds expected some of {list(CONFIGS)}, got {bad}")
-    profile_target(args.kinds or list(CONFIGS), args.rung)
+    config = None
+    if args.config is not None:
+        parts = args.config.split("/")
+        if len(parts) != 4 or not all(x.isdigit() and int(x) > 0 for x in parts):
+            p.error(f"--config expected BLOCK_N/WARPS/STAGES/WAVES as four positive integers, got {args.config!r}")
+        config = tuple(map(int, parts))
+    if args.batch < 1:
+        p.error(f"--batch expected a positive integer, got {args.batch}")
+    profile_target(args.kinds or list(CONFIGS), args.rung, args.batch, config)
 
 
 if __name__ == "__main__":

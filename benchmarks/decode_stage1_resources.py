@@ -27,6 +27,7 @@ from bench_io import save_json
 SHAPES = {"hq32-hk8-d128": (32, 8, 128), "hq24-hk4-d256": (24, 4, 256)}
 KINDS = ("none", "int8", "int4")
 REGS_PER_SM = 65536  # sm_80 / sm_90 register file (32-bit registers)
+SCHEDULERS_PER_SM = 4  # each warp takes its registers from its scheduler's quarter of the file
 MAX_WARPS_PER_SM = 64
 MAX_BLOCKS_PER_SM = 32
 SHARED_KIB_PER_SM = {80: 164, 86: 100, 87: 164, 89: 100, 90: 228}  # the CUDA guide's shared memory per SM
@@ -102,11 +103,16 @@ def parse_resources(text: str) -> dict:
 
 def resident(regs: int, num_warps: int, shared_bytes: int = 0, arch: int = 90) -> tuple:
     """(resident warps per SM, what limits them: "regs", "smem" or "slots"): the registers are allocated per warp in
-    units of 256, the shared memory with the per-block reservation (not counted for an arch this table does not know),
-    whole blocks only."""
+    units of 256 from the register file of the warp's scheduler (a quarter of the SM's), the shared memory with the
+    per-block reservation (not counted for an arch this table does not know), whole blocks only.
+
+    The per-scheduler split is what Nsight Compute's register limit follows on the H200: a 2-warp program of 180
+    registers fits 4 blocks (two 5760-register warps per 16384-register quarter), not the 5 that 65536 / 11520
+    gives; at 168 registers it fits 6 (``decode_stage1_ncu_rungs_h200.json``'s launch statistics)."""
     per_warp = -(-regs * 32 // 256) * 256
+    quarter = REGS_PER_SM // SCHEDULERS_PER_SM
     limits = {
-        "regs": REGS_PER_SM // (per_warp * num_warps),
+        "regs": SCHEDULERS_PER_SM * (quarter // per_warp) // num_warps,
         "slots": min(MAX_WARPS_PER_SM // num_warps, MAX_BLOCKS_PER_SM),
     }
     if shared_bytes and arch in SHARED_KIB_PER_SM:

@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.benchmarks.helpers import REPO, load_benchmark
 
 SCRIPT = os.path.join(REPO, "benchmarks", "decode_attention_quant.py")
@@ -58,3 +60,32 @@ def test_table_prints_the_variants(capsys):
     bench.print_table([{**base, "kind": "none", "ms": 0.5}, {**base, "kind": "int8", "ms": 0.4, "variants": variants}])
     line = [ln for ln in capsys.readouterr().out.splitlines() if " int8 " in ln][0]
     assert line.endswith("tuned space 500.0  block_n_128 400.0")
+
+
+def test_configs_replace_the_quantized_space_and_the_table_prints_each(capsys):
+    """--configs: INT8/INT4 time exactly the given configs (bf16 keeps its tuned space as the baseline), and the
+    table prints every config's time in the order given."""
+    bench = load_benchmark("decode_attention_quant")
+    cfgs = [{"BLOCK_N": 64, "num_warps": 2, "num_stages": 3, "WAVES": 4},
+            {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2, "WAVES": 2, "MIN_BLOCKS": 2}]  # fmt: skip
+    assert bench.variant_spaces("int8", None, ("block_n_128",), cfgs) == {"configs": cfgs}
+    assert list(bench.variant_spaces("none", None, (), cfgs)) == ["tuned space"]
+    base = {"shape": "hq32-hk8-d128", "B": 16, "L": 32768, "group": 8, "bytes": 1.0}
+    variants = {"configs": {"ms": 0.44, "cfg": "{}", "timed": [[cfgs[0], 0.5256], [cfgs[1], 0.44]]}}
+    bench.print_table([{**base, "kind": "none", "ms": 0.5}, {**base, "kind": "int8", "ms": 0.44, "variants": variants}])
+    line = [ln for ln in capsys.readouterr().out.splitlines() if " int8 " in ln][0]
+    assert line.endswith("configs 525.6 440.0")
+
+
+@pytest.mark.parametrize("value", ['{"BLOCK_N": 64}', "not json", '{"BLOCK_N": 64, "num_warps": 2, "num_stages": 3, '
+                                   '"WAVES": 4, "SPLITS": 3}'])  # fmt: skip
+def test_bad_configs_name_the_flag(value):
+    done = subprocess.run([sys.executable, SCRIPT, "--configs", value], capture_output=True, text=True,
+                          cwd=os.path.join(REPO, "benchmarks"))  # fmt: skip
+    assert done.returncode == 2 and "--configs expected JSON objects with keys" in done.stderr and value in done.stderr
+
+
+def test_bad_kinds_name_the_flag():
+    done = subprocess.run([sys.executable, SCRIPT, "--kinds", "fp8"], capture_output=True, text=True,
+                          cwd=os.path.join(REPO, "benchmarks"))  # fmt: skip
+    assert done.returncode == 2 and "--kinds: invalid choice: 'fp8'" in done.stderr
