@@ -29,6 +29,7 @@ KINDS = ("none", "int8", "int4")
 REGS_PER_SM = 65536  # sm_80 / sm_90 register file (32-bit registers)
 SCHEDULERS_PER_SM = 4  # each warp takes its registers from its scheduler's quarter of the file
 MAX_WARPS_PER_SM = 64
+WAVES = (1, 2, 4, 8)  # the tuned candidates' WAVES values (flash_decode.split_kv_configs)
 MAX_BLOCKS_PER_SM = 32
 SHARED_KIB_PER_SM = {80: 164, 86: 100, 87: 164, 89: 100, 90: 228}  # the CUDA guide's shared memory per SM
 RESERVED_SHARED_PER_BLOCK = 1024  # the driver's per-block reservation (sm_80 and later)
@@ -190,6 +191,41 @@ def print_table(results: dict) -> None:
               f"{c['stack_bytes']:7d} {c['shared_bytes'] / 1024:8.1f} {warps:8d} {why:>5s} {staged:>6}")  # fmt: skip
 
 
+def wave_fill(cell: dict, batch: int, waves: int, length: int = 32768, sms: int = 132, arch: int = 90) -> tuple:
+    """``(programs, slots, waves run, fill)`` of one candidate's stage-1 grid at ``batch`` requests of ``length``
+    tokens: the grid ``num_splits`` gives for ``WAVES`` = ``waves``, the programs the compiled candidate keeps
+    resident on ``sms`` SMs, how many rounds of them the grid needs, and the share of those rounds' slots it fills."""
+    from lightllm.kernels.attention.decode.splits import splits_for_sms
+
+    kv_heads = SHAPES[cell["shape"]][1]
+    programs = batch * kv_heads * splits_for_sms(batch, kv_heads, length, cell["BLOCK_N"], waves, sms)
+    slots = resident(cell["regs"], cell["num_warps"], cell["shared_bytes"], arch)[0] // cell["num_warps"] * sms
+    rounds = -(-programs // slots)
+    return programs, slots, rounds, programs / (rounds * slots)
+
+
+def print_waves(results: dict, batches, sms: int = 132, length: int = 32768) -> None:
+    """Per candidate and batch, each ``WAVES`` value's grid as ``programs/slots rounds fill``: a latency-bound kernel
+    whose last round is part-full idles the rest of it (docs/decode_attention.md, register moves)."""
+    arch = int(results["arch"].removeprefix("sm_"))
+    print(f"# stage-1 grids at L={length} on {sms} SMs: programs / resident slots, rounds, fill of those rounds")
+    print(f"{'shape':14s} {'kv':5s} {'grp':>3s} {'BN':>4s} {'w':>2s} {'st':>2s} {'B':>4s} "
+          + " ".join(f"{'WAVES ' + str(w):>20s}" for w in WAVES))  # fmt: skip
+    seen = set()
+    for c in results["cells"]:
+        key = (c["shape"], c["kind"], c["group"], c["BLOCK_N"], c["num_warps"], c["num_stages"])
+        if key in seen:  # MIN_BLOCKS changes nothing here
+            continue
+        seen.add(key)
+        for batch in batches:
+            cols = []
+            for w in WAVES:
+                programs, slots, rounds, fill = wave_fill(c, batch, w, length, sms, arch)
+                cols.append(f"{programs:5d}/{slots:4d} {rounds}x {100 * fill:3.0f}%")
+            print(f"{c['shape']:14s} {c['kind']:5s} {c['group']:3d} {c['BLOCK_N']:4d} {c['num_warps']:2d} "
+                  f"{c['num_stages']:2d} {batch:4d} " + " ".join(f"{x:>20s}" for x in cols))  # fmt: skip
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--arch", type=int, default=90, help="compute capability as an integer (90: H100/H200)")
@@ -198,10 +234,22 @@ def parse_args(argv=None):
     p.add_argument("--groups", nargs="+", type=int, default=[8, 32], help="INT8/INT4 quant group sizes")
     p.add_argument("--max-configs", type=int, default=None, help="compile only the first N configs of each space")
     p.add_argument("--analyze", metavar="JSON", help="print the table of a saved run")
+    p.add_argument(
+        "--waves",
+        nargs="+",
+        type=int,
+        metavar="B",
+        help="with --analyze: each candidate's grid at these "
+        "batches instead (programs against resident slots, rounds, fill)",
+    )
+    p.add_argument("--sms", type=int, default=132, help="SMs for --waves (132: H100 SXM / H200)")
     p.add_argument("--out", default="benchmarks/results/decode_stage1_resources.json")
     args = p.parse_args(argv)
     if args.max_configs is not None and args.max_configs < 1:
         p.error(f"--max-configs expected a positive count, got {args.max_configs}")
+    if args.waves and (not args.analyze or min(args.waves) < 1 or args.sms < 1):
+        p.error(f"--waves expected positive batches with --analyze FILE and --sms >= 1, got {args.waves}, "
+                f"--analyze {args.analyze}, --sms {args.sms}")  # fmt: skip
     if args.arch < 80:
         p.error(f"--arch expected a compute capability of at least 80 (bf16 dots), got {args.arch}")
     if any(g < 1 or g & (g - 1) for g in args.groups):
@@ -214,6 +262,9 @@ def main(argv=None):
     if args.analyze:
         with open(args.analyze) as f:
             results = json.load(f)
+        if args.waves:
+            print_waves(results, args.waves, args.sms)
+            return
     else:
         os.environ.pop("TRITON_INTERPRET", None)  # a real compile, not the interpreter
         results = run(args)

@@ -96,3 +96,24 @@ def test_launch_specialization_marks_aligned_pointers_and_multiples_of_16(bench)
     names = ["Q", "qk_scale", "stride_kt", "stride_ksh", "GROUP"]
     types = {"Q": "*bf16", "qk_scale": "fp32", "stride_kt": "i32", "stride_ksh": "i32", "GROUP": "constexpr"}
     assert bench.divisibility(names, types, ints) == {(0,): [["tt.divisibility", 16]], (2,): [["tt.divisibility", 16]]}
+
+
+def test_wave_fill_counts_rounds_of_resident_programs(bench):
+    """The grid num_splits gives, against the programs the compiled candidate keeps resident: HEAD's INT8 choice
+    (144 registers, 43 KiB: 5 programs per SM, 660 on an H200) at B=64 fills 78 % of two rounds at WAVES 4; with 180
+    registers (4 per SM, 528) B=16's 640 programs need two rounds where 660 slots hold them in one."""
+    head = {"shape": "hq32-hk8-d128", "BLOCK_N": 64, "num_warps": 2, "regs": 144, "shared_bytes": 43264}
+    assert bench.wave_fill(head, 64, 4) == (1024, 660, 2, 1024 / 1320)
+    assert bench.wave_fill(head, 16, 4) == (640, 660, 1, 640 / 660)
+    patched = {**head, "regs": 180, "shared_bytes": 39168}
+    assert bench.wave_fill(patched, 16, 4) == (640, 528, 2, 640 / 1056)
+    # 66 SMs: half the slots, but ceil(264 / 128) = 3 splits, 384 programs, so two rounds
+    assert bench.wave_fill(head, 16, 4, sms=66)[:3] == (384, 330, 2)
+
+
+def test_waves_needs_a_saved_run_and_positive_batches(bench, capsys):
+    saved = ["--analyze", "x.json"]
+    for argv in (["--waves", "16"], [*saved, "--waves", "0"], [*saved, "--waves", "16", "--sms", "0"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(argv)
+        assert "--waves expected positive batches with --analyze FILE" in capsys.readouterr().err

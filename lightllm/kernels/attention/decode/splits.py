@@ -43,8 +43,13 @@ def _num_sms(device: torch.device) -> int:
 def num_splits(batch: int, kv_heads: int, max_len_in_batch: int, block_n: int, waves: int, device) -> int:
     """Split programs per (request, KV head): about ``waves`` programs per SM, and no more than the longest request
     the launch serves gives work to (its blocks, rounded down so that at that length every split has some)."""
+    return splits_for_sms(batch, kv_heads, max_len_in_batch, block_n, waves, _num_sms(device))
+
+
+def splits_for_sms(batch: int, kv_heads: int, max_len_in_batch: int, block_n: int, waves: int, sms: int) -> int:
+    """:func:`num_splits` for a GPU of ``sms`` SMs (benchmarks that reason about another GPU than this one)."""
     max_blocks = max(1, cdiv(max_len_in_batch, block_n))
-    want = min(cdiv(waves * _num_sms(device), max(1, batch * kv_heads)), max_blocks)
+    want = min(cdiv(waves * sms, max(1, batch * kv_heads)), max_blocks)
     return cdiv(max_blocks, cdiv(max_blocks, want))
 
 
