@@ -204,13 +204,13 @@ def wave_fill(cell: dict, batch: int, waves: int, length: int = 32768, sms: int 
     return programs, slots, rounds, programs / (rounds * slots)
 
 
-def print_waves(results: dict, batches, sms: int = 132, length: int = 32768) -> None:
+def print_waves(results: dict, batches, sms: int = 132, length: int = 32768, waves=WAVES) -> None:
     """Per candidate and batch, each ``WAVES`` value's grid as ``programs/slots rounds fill``: a latency-bound kernel
     whose last round is part-full idles the rest of it (docs/decode_attention.md, register moves)."""
     arch = int(results["arch"].removeprefix("sm_"))
     print(f"# stage-1 grids at L={length} on {sms} SMs: programs / resident slots, rounds, fill of those rounds")
     print(f"{'shape':14s} {'kv':5s} {'grp':>3s} {'BN':>4s} {'w':>2s} {'st':>2s} {'B':>4s} "
-          + " ".join(f"{'WAVES ' + str(w):>20s}" for w in WAVES))  # fmt: skip
+          + " ".join(f"{'WAVES ' + str(w):>20s}" for w in waves))  # fmt: skip
     seen = set()
     for c in results["cells"]:
         key = (c["shape"], c["kind"], c["group"], c["BLOCK_N"], c["num_warps"], c["num_stages"])
@@ -219,7 +219,7 @@ def print_waves(results: dict, batches, sms: int = 132, length: int = 32768) -> 
         seen.add(key)
         for batch in batches:
             cols = []
-            for w in WAVES:
+            for w in waves:
                 programs, slots, rounds, fill = wave_fill(c, batch, w, length, sms, arch)
                 cols.append(f"{programs:5d}/{slots:4d} {rounds}x {100 * fill:3.0f}%")
             print(f"{c['shape']:14s} {c['kind']:5s} {c['group']:3d} {c['BLOCK_N']:4d} {c['num_warps']:2d} "
@@ -243,13 +243,23 @@ def parse_args(argv=None):
         "batches instead (programs against resident slots, rounds, fill)",
     )
     p.add_argument("--sms", type=int, default=132, help="SMs for --waves (132: H100 SXM / H200)")
+    p.add_argument(
+        "--waves-values",
+        nargs="+",
+        type=int,
+        default=list(WAVES),
+        metavar="W",
+        help=f"the WAVES values --waves shows (default the tuned ones, {list(WAVES)})",
+    )
     p.add_argument("--out", default="benchmarks/results/decode_stage1_resources.json")
     args = p.parse_args(argv)
     if args.max_configs is not None and args.max_configs < 1:
         p.error(f"--max-configs expected a positive count, got {args.max_configs}")
-    if args.waves and (not args.analyze or min(args.waves) < 1 or args.sms < 1):
-        p.error(f"--waves expected positive batches with --analyze FILE and --sms >= 1, got {args.waves}, "
-                f"--analyze {args.analyze}, --sms {args.sms}")  # fmt: skip
+    if args.waves and (not args.analyze or min(args.waves) < 1 or args.sms < 1 or min(args.waves_values) < 1):
+        p.error(
+            f"--waves expected positive batches with --analyze FILE, --sms and --waves-values >= 1, got "
+            f"{args.waves}, --analyze {args.analyze}, --sms {args.sms}, --waves-values {args.waves_values}"
+        )
     if args.arch < 80:
         p.error(f"--arch expected a compute capability of at least 80 (bf16 dots), got {args.arch}")
     if any(g < 1 or g & (g - 1) for g in args.groups):
@@ -263,7 +273,7 @@ def main(argv=None):
         with open(args.analyze) as f:
             results = json.load(f)
         if args.waves:
-            print_waves(results, args.waves, args.sms)
+            print_waves(results, args.waves, args.sms, waves=args.waves_values)
             return
     else:
         os.environ.pop("TRITON_INTERPRET", None)  # a real compile, not the interpreter

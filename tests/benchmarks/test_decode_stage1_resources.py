@@ -113,7 +113,8 @@ def test_wave_fill_counts_rounds_of_resident_programs(bench):
 
 def test_waves_needs_a_saved_run_and_positive_batches(bench, capsys):
     saved = ["--analyze", "x.json"]
-    for argv in (["--waves", "16"], [*saved, "--waves", "0"], [*saved, "--waves", "16", "--sms", "0"]):
+    for argv in (["--waves", "16"], [*saved, "--waves", "0"], [*saved, "--waves", "16", "--sms", "0"],
+                 [*saved, "--waves", "16", "--waves-values", "4", "0"]):  # fmt: skip
         with pytest.raises(SystemExit):
             bench.parse_args(argv)
         assert "--waves expected positive batches with --analyze FILE" in capsys.readouterr().err
