@@ -226,7 +226,6 @@ def launch(args, model, workload, cfg, mode, rep, flags, position=0):
     except BaseException:
         procs.stop(proc)
         raise
-    print(json.dumps(start), flush=True)
     return proc, base, start, before
 
 
@@ -259,6 +258,8 @@ def run_servers(args, model, workload, vocab, cfg, rep, flags, results, startups
         for position, mode in zip(positions, modes):
             proc, base, start, before = launch(args, model, workload, cfg, mode, rep, flags, position)
             startups.append(start)
+            # announced only once recorded: a stop that follows the line (a test's SIGTERM) saves this start
+            print(json.dumps(start), flush=True)
             alive.append((mode, proc, base, start, before))
         bases = {mode: base for mode, _, base, _, _ in alive}
         for ci, conc in enumerate(args.concurrency):
