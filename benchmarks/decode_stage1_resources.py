@@ -29,10 +29,10 @@ KINDS = ("none", "int8", "int4")
 REGS_PER_SM = 65536  # sm_80 / sm_90 register file (32-bit registers)
 SCHEDULERS_PER_SM = 4  # each warp takes its registers from its scheduler's quarter of the file
 MAX_WARPS_PER_SM = 64
-WAVES = (1, 2, 4, 8)  # the tuned candidates' WAVES values (flash_decode.split_kv_configs)
 MAX_BLOCKS_PER_SM = 32
 SHARED_KIB_PER_SM = {80: 164, 86: 100, 87: 164, 89: 100, 90: 228}  # the CUDA guide's shared memory per SM
 RESERVED_SHARED_PER_BLOCK = 1024  # the driver's per-block reservation (sm_80 and later)
+WAVES = (1, 2, 4, 8)  # the tuned candidates' WAVES values (flash_decode.split_kv_configs; a test checks)
 _RESOURCE = re.compile(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
 
 
@@ -192,7 +192,7 @@ def print_table(results: dict) -> None:
 
 
 def wave_fill(cell: dict, batch: int, waves: int, length: int = 32768, sms: int = 132, arch: int = 90) -> tuple:
-    """``(programs, slots, waves run, fill)`` of one candidate's stage-1 grid at ``batch`` requests of ``length``
+    """``(programs, slots, rounds, fill)`` of one candidate's stage-1 grid at ``batch`` requests of ``length``
     tokens: the grid ``num_splits`` gives for ``WAVES`` = ``waves``, the programs the compiled candidate keeps
     resident on ``sms`` SMs, how many rounds of them the grid needs, and the share of those rounds' slots it fills."""
     from lightllm.kernels.attention.decode.splits import splits_for_sms
@@ -239,8 +239,7 @@ def parse_args(argv=None):
         nargs="+",
         type=int,
         metavar="B",
-        help="with --analyze: each candidate's grid at these "
-        "batches instead (programs against resident slots, rounds, fill)",
+        help="with --analyze: each candidate's grid at these batches (programs against resident slots, rounds, fill)",
     )
     p.add_argument("--sms", type=int, default=132, help="SMs for --waves (132: H100 SXM / H200)")
     p.add_argument(

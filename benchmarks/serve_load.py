@@ -257,10 +257,11 @@ def run_servers(args, model, workload, vocab, cfg, rep, flags, results, startups
     try:
         for position, mode in zip(positions, modes):
             proc, base, start, before = launch(args, model, workload, cfg, mode, rep, flags, position)
-            startups.append(start)
-            # announced only once recorded: a stop that follows the line (a test's SIGTERM) saves this start
-            print(json.dumps(start), flush=True)
             alive.append((mode, proc, base, start, before))
+            startups.append(start)
+            # announced only once recorded: a stop that follows the line (a test's SIGTERM) stops this server and
+            # saves this start
+            print(json.dumps(start), flush=True)
         bases = {mode: base for mode, _, base, _, _ in alive}
         for ci, conc in enumerate(args.concurrency):
             warm = conc * 2 if args.warmup is None else args.warmup  # on its own schedule, nothing of it counted

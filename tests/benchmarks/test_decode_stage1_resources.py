@@ -6,6 +6,7 @@ import os
 import sys
 
 import pytest
+import torch
 
 from lightllm.common import proc
 from tests.benchmarks.helpers import REPO, load_benchmark
@@ -109,6 +110,13 @@ def test_wave_fill_counts_rounds_of_resident_programs(bench):
     assert bench.wave_fill(patched, 16, 4) == (640, 528, 2, 640 / 1056)
     # 66 SMs: half the slots, but ceil(264 / 128) = 3 splits, 384 programs, so two rounds
     assert bench.wave_fill(head, 16, 4, sms=66)[:3] == (384, 330, 2)
+
+
+def test_waves_shown_by_default_are_the_tuned_ones(bench):
+    flash_decode = bench._kernels()[0]
+    q = torch.empty(1, 32, 128)
+    for space in (flash_decode.split_kv_configs(q), flash_decode.quant_split_kv_configs(q)):
+        assert tuple(sorted({c["WAVES"] for c in space})) == bench.WAVES
 
 
 def test_waves_needs_a_saved_run_and_positive_batches(bench, capsys):
