@@ -70,6 +70,14 @@ FA3_SPLITS = (0, 1, 2, 4, 8, 16, 32)
 KINDS = ("none", "int8", "int4")
 
 
+def check_cells(p, cells):
+    """One error line (``p.error``) unless every cell is ``SHAPE:BATCH`` with a shape of :data:`SHAPES`: the cells of
+    decode_attention_quant.py, decode_kv_read_probe.py and decode_stage1_ladder.py."""
+    bad = [c for c in cells if c.split(":")[0] not in SHAPES or not c.partition(":")[2].isdigit()]
+    if bad:
+        p.error(f"--cells expected SHAPE:BATCH with SHAPE one of {list(SHAPES)}, got {bad}")
+
+
 def make_pool(kind, tokens, kv_heads, head_dim, group, head_major=False, device="cuda", generator=None):
     """Random KV for timing (codes and scales drawn directly; correctness is the tests' job). ``head_major``: each
     head's tokens contiguous (``[heads, tokens, ...]`` storage seen as ``[tokens, heads, ...]``), so a tile of a

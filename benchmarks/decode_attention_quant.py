@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from decode_attention import SHAPES, kv_bytes, make_pool, time_configs
+from decode_attention import SHAPES, check_cells, kv_bytes, make_pool, time_configs
 from lightllm.kernels.attention.decode import flash_decode
 
 DEFAULT_CELLS = ["hq32-hk8-d128:64", "hq24-hk4-d256:16", "hq32-hk8-d128:16", "hq24-hk4-d256:64"]
@@ -182,9 +182,7 @@ def main():
         with open(args.analyze) as f:
             print_table(json.load(f)["rows"])
         return
-    bad = [c for c in args.cells if c.split(":")[0] not in SHAPES or not c.partition(":")[2].isdigit()]
-    if bad:
-        p.error(f"--cells expected SHAPE:BATCH with SHAPE one of {list(SHAPES)}, got {bad}")
+    check_cells(p, args.cells)
     if args.configs:
         args.configs = [parse_config(p, text) for text in args.configs]
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

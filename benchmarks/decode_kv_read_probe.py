@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # its sibling modules, however it is loaded
-from decode_attention import SHAPES, kv_bytes, make_pool  # noqa: E402
+from decode_attention import SHAPES, check_cells, kv_bytes, make_pool  # noqa: E402
 
 from lightllm.kernels.attention.decode.splits import num_splits, split_token_ranges, split_tokens  # noqa: E402
 
@@ -296,13 +296,6 @@ def add_cell_args(p, default_cells, default_groups):
     p.add_argument("--groups", nargs="+", type=int, default=default_groups, help="INT8/INT4 quant group sizes")
     p.add_argument("--head-major", action="store_true", help="head-major pools (decode_attention_quant.py's probe)")
     p.add_argument("--analyze", metavar="JSON", help="print the table of a saved run (no GPU needed)")
-
-
-def check_cells(p, cells):
-    """One error line unless every cell is ``SHAPE:BATCH`` with a known shape."""
-    bad = [c for c in cells if c.split(":")[0] not in SHAPES or not c.partition(":")[2].isdigit()]
-    if bad:
-        p.error(f"--cells expected SHAPE:BATCH with SHAPE one of {list(SHAPES)}, got {bad}")
 
 
 def main(argv=None):

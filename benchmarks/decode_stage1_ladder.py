@@ -30,8 +30,8 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # its sibling modules, however it is loaded
-from decode_attention import SHAPES, candidate_configs, decode_fn, kv_bytes, make_pool  # noqa: E402
-from decode_kv_read_probe import add_cell_args, check_cells, time_probe  # noqa: E402
+from decode_attention import SHAPES, candidate_configs, check_cells, decode_fn, kv_bytes, make_pool  # noqa: E402
+from decode_kv_read_probe import add_cell_args, time_probe  # noqa: E402
 
 from lightllm.common.kv_cache.quant import INT4_OFFSET, dequantize_int4_ref, dequantize_int8_ref  # noqa: E402
 from lightllm.kernels.attention.decode.flash_decode import _QUANT_BITS, _ptx_path  # noqa: E402

@@ -128,7 +128,8 @@ def staged_tiles(ttgir: str, block_n: int, half_d: int) -> int:
     return len(re.findall(rf"ttg\.local_alloc %\S+ : \(tensor<{block_n}x{half_d}x(?:f16|bf16),", ttgir))
 
 
-def compile_one(kernel, arch: int, shape, kind: str, group: int, cfg: dict, int4_offset: int, p2) -> dict:
+def compile_one(kernel, arch: int, shape, kind: str, group: int, cfg: dict, int4_offset: int, p2,
+                maxnreg=None) -> dict:  # fmt: skip
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -142,7 +143,8 @@ def compile_one(kernel, arch: int, shape, kind: str, group: int, cfg: dict, int4
     attrs = divisibility(kernel.arg_names, types, int_args(shape, kind, group))
     src = ASTSource(kernel, types, constexprs, attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                              options={"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})  # fmt: skip
+                              options={"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"],
+                                       **({} if maxnreg is None else {"maxnreg": maxnreg})})  # fmt: skip
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
@@ -167,7 +169,8 @@ def run(args) -> dict:
             space = flash_decode.split_kv_configs(q) if kind == "none" else flash_decode.quant_split_kv_configs(q)
             for group in [0] if kind == "none" else args.groups:
                 for cfg in distinct_configs(space)[: args.max_configs]:
-                    res = compile_one(kernel, args.arch, SHAPES[name], kind, group, cfg, int4_offset, p2)
+                    cap = args.maxnreg.get(cfg["num_warps"]) if kind != "none" else None
+                    res = compile_one(kernel, args.arch, SHAPES[name], kind, group, cfg, int4_offset, p2, cap)
                     results["cells"].append({"shape": name, "kind": kind, "group": group, **cfg, **res})
                     print(name, kind, group, cfg, res, flush=True)
                     save_json(results, args.out)  # a cut-short run keeps what compiled
@@ -250,8 +253,15 @@ def parse_args(argv=None):
         metavar="W",
         help=f"the WAVES values --waves shows (default the tuned ones, {list(WAVES)})",
     )
+    p.add_argument("--maxnreg", nargs="+", default=[], metavar="WARPS:REGS", help="compile INT8/INT4 programs of "
+                   "WARPS warps with Triton's maxnreg REGS (e.g. 2:168 4:128: the register caps of "
+                   "benchmarks/patches/stage1_q_in_registers.patch)")  # fmt: skip
     p.add_argument("--out", default="benchmarks/results/decode_stage1_resources.json")
     args = p.parse_args(argv)
+    caps = [c.split(":") for c in args.maxnreg]
+    if not all(len(c) == 2 and c[0].isdigit() and c[1].isdigit() and int(c[0]) > 0 and int(c[1]) > 0 for c in caps):
+        p.error(f"--maxnreg expected WARPS:REGS pairs of positive integers, got {args.maxnreg}")
+    args.maxnreg = {int(w): int(r) for w, r in caps}
     if args.max_configs is not None and args.max_configs < 1:
         p.error(f"--max-configs expected a positive count, got {args.max_configs}")
     if args.waves and (not args.analyze or min(args.waves) < 1 or args.sms < 1 or min(args.waves_values) < 1):

@@ -1,14 +1,8 @@
 """benchmarks/decode_attention_quant.py, table part: speed-up over bf16 and the byte-rate ratio from a saved run."""
 
-import os
-import subprocess
-import sys
-
 import pytest
 
-from tests.benchmarks.helpers import REPO, load_benchmark
-
-SCRIPT = os.path.join(REPO, "benchmarks", "decode_attention_quant.py")
+from tests.benchmarks.helpers import load_benchmark, run_benchmark
 
 
 def test_table_gives_speedup_and_byte_rate_against_bf16(capsys):
@@ -26,8 +20,7 @@ def test_table_gives_speedup_and_byte_rate_against_bf16(capsys):
 
 
 def test_bad_cells_name_the_flag():
-    done = subprocess.run([sys.executable, SCRIPT, "--cells", "hq32-hk8-d128:x"], capture_output=True, text=True,
-                          cwd=os.path.join(REPO, "benchmarks"))  # fmt: skip
+    done = run_benchmark("decode_attention_quant", "--cells", "hq32-hk8-d128:x")
     assert done.returncode == 2 and "--cells expected SHAPE:BATCH" in done.stderr
 
 
@@ -80,12 +73,10 @@ def test_configs_replace_the_quantized_space_and_the_table_prints_each(capsys):
 @pytest.mark.parametrize("value", ['{"BLOCK_N": 64}', "not json", '{"BLOCK_N": 64, "num_warps": 2, "num_stages": 3, '
                                    '"WAVES": 4, "SPLITS": 3}'])  # fmt: skip
 def test_bad_configs_name_the_flag(value):
-    done = subprocess.run([sys.executable, SCRIPT, "--configs", value], capture_output=True, text=True,
-                          cwd=os.path.join(REPO, "benchmarks"))  # fmt: skip
+    done = run_benchmark("decode_attention_quant", "--configs", value)
     assert done.returncode == 2 and "--configs expected JSON objects with keys" in done.stderr and value in done.stderr
 
 
 def test_bad_kinds_name_the_flag():
-    done = subprocess.run([sys.executable, SCRIPT, "--kinds", "fp8"], capture_output=True, text=True,
-                          cwd=os.path.join(REPO, "benchmarks"))  # fmt: skip
+    done = run_benchmark("decode_attention_quant", "--kinds", "fp8")
     assert done.returncode == 2 and "--kinds: invalid choice: 'fp8'" in done.stderr

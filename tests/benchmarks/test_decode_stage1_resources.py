@@ -126,3 +126,15 @@ def test_waves_needs_a_saved_run_and_positive_batches(bench, capsys):
         with pytest.raises(SystemExit):
             bench.parse_args(argv)
         assert "--waves expected positive batches with --analyze FILE" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["2", "2:x", "0:168"])
+def test_bad_maxnreg_is_refused(bench, capsys, value):
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--maxnreg", value])
+    assert "--maxnreg expected WARPS:REGS pairs of positive integers" in capsys.readouterr().err
+
+
+def test_maxnreg_is_read_per_warp_count(bench):
+    assert bench.parse_args(["--maxnreg", "2:168", "4:128"]).maxnreg == {2: 168, 4: 128}
+    assert bench.parse_args([]).maxnreg == {}
