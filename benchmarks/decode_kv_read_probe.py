@@ -256,17 +256,18 @@ def run(args):
                 rows.append({"shape": shape, "B": batch, "L": args.len, "kind": kind, "group": group, "work": work,
                              "probe_ms": ms, "cfg": cfg, "bytes": nbytes, "kernel_ms": real})  # fmt: skip
                 print(json.dumps(rows[-1]), flush=True)
-                save(args, rows)  # a run cut short keeps its finished rows
+                save(args, rows, against=args.against)  # a run cut short keeps its rows
             del pool
             torch.cuda.empty_cache()
     return rows
 
 
-def save(args, rows):
+def save(args, rows, **extra):
+    """``args.out``: the run so far, in the layout this probe and ``decode_stage1_ladder.py`` share (plus ``extra``)."""
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "len": args.len, "head_major": args.head_major,
-                   "against": args.against, "rows": rows}, f, indent=1)  # fmt: skip
+        json.dump({"device": torch.cuda.get_device_name(), "len": args.len, "head_major": args.head_major, **extra,
+                   "rows": rows}, f, indent=1)  # fmt: skip
 
 
 def print_table(rows):
@@ -298,6 +299,28 @@ def add_cell_args(p, default_cells, default_groups):
     p.add_argument("--analyze", metavar="JSON", help="print the table of a saved run (no GPU needed)")
 
 
+def cell_main(p, argv, run, print_table, validate):
+    """What this probe's and ``decode_stage1_ladder.py``'s ``main`` share once their flags are declared: ``--analyze``
+    prints a saved run anywhere; otherwise the cells and ``validate(p, args)`` (one error line each), a CUDA GPU, and
+    the run's table."""
+    args = p.parse_args(argv)
+    if args.analyze:
+        with open(args.analyze) as f:
+            return print_table(json.load(f)["rows"])
+    check_cells(p, args.cells)
+    validate(p, args)
+    if not torch.cuda.is_available():
+        sys.exit(f"{p.prog} needs a CUDA GPU (--analyze reads a saved run anywhere)")
+    print_table(run(args))
+
+
+def _validate(p, args):
+    if args.work[0] != 0 or any(w < 0 for w in args.work):
+        p.error(f"--work expected 0 first, then non-negative counts, got {args.work}")
+    if args.len < 4096:
+        p.error(f"--len expected at least 4096 (the correctness check's length), got {args.len}")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_cell_args(p, DEFAULT_CELLS, [8, 32])
@@ -305,18 +328,7 @@ def main(argv=None):
                    "word to time besides none (0 first; each over the 8 fastest configs without work)")  # fmt: skip
     p.add_argument("--against", metavar="JSON", help="a decode_attention_quant.py run: the real kernels' times")
     p.add_argument("--out", default="benchmarks/results/decode_kv_read_probe.json")
-    args = p.parse_args(argv)
-    if args.analyze:
-        with open(args.analyze) as f:
-            return print_table(json.load(f)["rows"])
-    check_cells(p, args.cells)
-    if args.work[0] != 0 or any(w < 0 for w in args.work):
-        p.error(f"--work expected 0 first, then non-negative counts, got {args.work}")
-    if args.len < 4096:
-        p.error(f"--len expected at least 4096 (the correctness check's length), got {args.len}")
-    if not torch.cuda.is_available():
-        sys.exit("decode_kv_read_probe.py needs a CUDA GPU (--analyze reads a saved run anywhere)")
-    print_table(run(args))
+    return cell_main(p, argv, run, print_table, _validate)
 
 
 if __name__ == "__main__":

@@ -30,8 +30,8 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # its sibling modules, however it is loaded
-from decode_attention import SHAPES, candidate_configs, check_cells, decode_fn, kv_bytes, make_pool  # noqa: E402
-from decode_kv_read_probe import add_cell_args, time_probe  # noqa: E402
+from decode_attention import SHAPES, candidate_configs, decode_fn, kv_bytes, make_pool  # noqa: E402
+from decode_kv_read_probe import add_cell_args, cell_main, save, time_probe  # noqa: E402
 
 from lightllm.common.kv_cache.quant import INT4_OFFSET, dequantize_int4_ref, dequantize_int8_ref  # noqa: E402
 from lightllm.kernels.attention.decode.flash_decode import _QUANT_BITS, _ptx_path  # noqa: E402
@@ -232,13 +232,6 @@ def run(args):
     return rows
 
 
-def save(args, rows):
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "len": args.len, "head_major": args.head_major,
-                   "rows": rows}, f, indent=1)  # fmt: skip
-
-
 def print_table(rows):
     """Per cell and KV type: each rung's time (us) and what it adds over the rung before, and the byte rate of the
     reads and of the kernel."""
@@ -252,23 +245,19 @@ def print_table(rows):
               f"{r['bytes'] / r['reads_ms'] / 1e9:10.2f}  {r['bytes'] / r['kernel_ms'] / 1e9:11.2f}")  # fmt: skip
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_cell_args(p, DEFAULT_CELLS, [8])
-    p.add_argument("--out", default="benchmarks/results/decode_stage1_ladder.json")
-    args = p.parse_args(argv)
-    if args.analyze:
-        with open(args.analyze) as f:
-            return print_table(json.load(f)["rows"])
-    check_cells(p, args.cells)
+def _validate(p, args):
     bad = [g for g in args.groups if g not in (8, 16, 32, 64)]
     if bad:
         p.error(f"--groups expected quant groups of 8, 16, 32 or 64 elements, got {bad}")
     if args.len < 1:
         p.error(f"--len expected a KV length of at least 1 token, got {args.len}")
-    if not torch.cuda.is_available():
-        sys.exit("decode_stage1_ladder.py needs a CUDA GPU (--analyze reads a saved run anywhere)")
-    print_table(run(args))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_cell_args(p, DEFAULT_CELLS, [8])
+    p.add_argument("--out", default="benchmarks/results/decode_stage1_ladder.json")
+    return cell_main(p, argv, run, print_table, _validate)
 
 
 if __name__ == "__main__":
