@@ -208,6 +208,9 @@ class Engine:
             else:  # prefill, or mixed: a running request's chunk is its last token
                 chunks = [r.context_slice(r.prefilled, r.chunk_end) for r in batch]
                 logits = self.runner.prefill([r.slot for r in batch], chunks)
+                at_branch = [r.slot for r in batch if r.branch and r.chunk_end == r.branch]
+                if at_branch:  # before any later forward moves their state on
+                    self.runner.checkpoint(at_branch)
         except Exception:  # e.g. out of memory on one long prompt: only the requests of this forward fail
             failed = self.scheduler.mixed_step_failed(batch) if kind == "mixed" else batch
             logger.exception(

@@ -412,6 +412,14 @@ class ModelRunner:
         if checkpoint is not None:
             self.model.save_state(slot, checkpoint)
 
+    def checkpoint(self, slots: Sequence[int]) -> None:
+        """Right after the prefill whose chunks stopped at these rows' branches: each row's state (Qwen3.5) is
+        copied into a checkpoint the prefix cache records after its computed tokens, where the cache has none."""
+        for slot in slots:
+            checkpoint = self.kv.branch_checkpoint(slot)
+            if checkpoint is not None:
+                self.model.save_state(slot, checkpoint)
+
     # ---- warmup and graphs ---------------------------------------------------------------------------------
 
     def _warmup_prefill(self, graph_buckets: Sequence[int], every_size: bool = True) -> None:

@@ -10,8 +10,8 @@ from typing import Callable, Optional, Protocol, Sequence, Tuple, runtime_checka
 
 import torch
 
-STATE_CHANGING = ("prefill", "decode", "decode_ahead", "inputs_known", "add_request", "free", "mtp.draft", "mtp.verify",
-                  "mtp.accept")  # fmt: skip
+STATE_CHANGING = ("prefill", "decode", "decode_ahead", "inputs_known", "add_request", "free", "checkpoint",
+                  "mtp.draft", "mtp.verify", "mtp.accept")  # fmt: skip
 
 
 @runtime_checkable
@@ -22,7 +22,9 @@ class KVQueries(Protocol):
 
     def has_free_slot(self) -> bool: ...
 
-    def match_prefix(self, tokens: Sequence[int]) -> Tuple[int, int]: ...  # (cached, of them evictable now)
+    # (cached, of them evictable now, the branch: with state checkpoints, how far the KV hit goes past the last
+    # checkpoint on it; 0 when it does not)
+    def match_prefix_with_branch(self, tokens: Sequence[int]) -> Tuple[int, int, int]: ...
 
     def usage(self) -> float: ...
 
@@ -68,6 +70,10 @@ class Runner(Protocol):
     def add_request(self, prefix: Sequence[int] = ()) -> int: ...  # its row starts with the cached ``prefix``
 
     def free(self, slot: int) -> None: ...
+
+    # Only for a cache with state checkpoints, right after the prefill whose chunks stopped at these rows' branches:
+    # each row's state is checkpointed after its computed tokens (KVQueries.match_prefix_with_branch)
+    def checkpoint(self, slots: Sequence[int]) -> None: ...
 
     # Rank 0 only, not broadcast: ``hook()`` right before each forward is launched (the engine's step GPU timer)
     def set_launch_hook(self, hook: Optional[Callable[[], None]]) -> None: ...

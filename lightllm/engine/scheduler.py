@@ -6,7 +6,10 @@ Prefill first: a prefill step carries at most ``prefill_step_tokens`` prompt tok
 requests being prefilled, then waiting requests, admitted oldest first while request slots and free KV allow (KV
 for a request's whole remaining context must be free when it is admitted; it is allocated chunk by chunk). With
 the prefix cache a request is admitted with the longest cached prefix of its context (all but its last token) in
-its KV row already, and prefills only the rest.
+its KV row already, and prefills only the rest. For a model with state beside the KV (Qwen3.5) a cached prefix is
+usable only up to a state checkpoint; when the cached KV goes at least ``branch_min_tokens`` further (a shared system
+prompt whose requests went on past it), a chunked prefill stops a chunk at that *branch* and the runner checkpoints
+the state there, so the next request with that prefix reuses all of it.
 With chunked prefill (the default) the last request of a step gets what is left of the budget and the rest of its
 context waits for the next prefill step; in between, the running requests decode one step, so a long prompt never
 stalls them for more than one chunk. Its first token is sampled after its last chunk. Without chunking a prompt
@@ -32,6 +35,11 @@ from lightllm.engine.runner import Runner
 logger = logging.getLogger(__name__)
 
 
+# A branch checkpoint costs its request one more prefill step (its chunk stops there) and a checkpoint slot; under
+# this many tokens past the last checkpoint the next requests' saving is about one step's fixed cost
+BRANCH_MIN_TOKENS = 64
+
+
 class Scheduler:
     def __init__(self, runner: Runner, eos_token_ids: Iterable[int]):
         self.runner = runner
@@ -47,6 +55,7 @@ class Scheduler:
         self.mixed = self.args.enable_mixed_chunk  # normalize refused it without chunking or with MTP
         self.step_tokens = self.args.prefill_step_tokens
         self.decode_tokens = self.args.spec_tokens  # KV tokens a decode step takes per request (MTP: N + 1)
+        self.branch_min_tokens = BRANCH_MIN_TOKENS
         self.last_step = "idle"  # the kind of the last step scheduled: a chunk is followed by a decode step
         if not self.chunked and self.args.batch_max_tokens < self.args.max_req_total_len:
             logger.info("batch_max_tokens %d < max_req_total_len %d: with --disable_chunked_prefill a longer prompt "
@@ -104,6 +113,8 @@ class Scheduler:
         context is now in (to be sampled) are returned, the rest stay being prefilled."""
         for req in batch:
             req.prefilled = req.chunk_end
+            if req.prefilled >= req.branch:  # reached (and checkpointed by the engine): no later chunk stops
+                req.branch = 0
         partial = {id(r) for r in self.prefilling}
         self.prefilling += [r for r in batch if id(r) not in partial]
         self.prefilling = [r for r in self.prefilling if r.prefilled < r.context_len]
@@ -142,7 +153,7 @@ class Scheduler:
         """Free ``req``'s KV slot, if it holds one (its prefill starts over if it is admitted again)."""
         self.prefilling = [r for r in self.prefilling if r is not req]
         self.admitted = [r for r in self.admitted if r is not req]
-        req.prefilled = req.chunk_end = 0
+        req.prefilled = req.chunk_end = req.branch = 0
         if req.slot >= 0:
             slot, req.slot = req.slot, -1
             self.runner.free(slot)
@@ -161,20 +172,21 @@ class Scheduler:
             r.context_len - r.prefilled + self.decode_tokens for r in self.prefilling
         )
 
-    def _fits(self, req: Request, planned: int) -> Optional[Tuple[int, int]]:
-        """(tokens of ``req``'s context the prefix cache holds, tokens left to compute) when a request slot and the KV
-        for its whole context are free beside the ``planned`` tokens; else None."""
+    def _fits(self, req: Request, planned: int) -> Optional[Tuple[int, int, int]]:
+        """(tokens of ``req``'s context the prefix cache holds, tokens left to compute, the branch: where a state
+        checkpoint would extend the hit, 0 when none would) when a request slot and the KV for its whole context are
+        free beside the ``planned`` tokens; else None."""
         kv = self.runner.kv
         if not kv.has_free_slot():  # first: the match below walks the whole context
             return None
         context = req.context
         # the prefix cache's longest hit, one token short of the whole context: its logits are needed
-        cached, evictable = kv.match_prefix(context[:-1])
+        cached, evictable, branch = kv.match_prefix_with_branch(context[:-1])
         need = len(context) - cached
         # pinning the hit takes its evictable tokens out of the free ones
         if not kv.can_allocate(planned + need + self.decode_tokens + evictable):
             return None
-        return cached, need
+        return cached, need, branch
 
     def _prefill_batch(self, budget: int) -> List[Request]:
         batch, kv = [], self.runner.kv
@@ -182,6 +194,8 @@ class Scheduler:
         chunks = 0
         for req in self.prefilling:  # oldest first; their KV was free at admission, decodes may have taken it
             n = min(req.context_len - req.prefilled, budget)
+            if req.prefilled < req.branch:  # the chunk stops at the branch: the runner checkpoints the state there
+                n = min(n, req.branch - req.prefilled)
             if n <= 0 or not kv.can_allocate(len(self.running) * self.decode_tokens + chunks + n):
                 break
             chunks += n
@@ -193,7 +207,7 @@ class Scheduler:
             fit = self._fits(self.waiting[0], planned)
             if fit is None:
                 break
-            cached, need = fit
+            cached, need, branch = fit
             if not self.chunked and batch and need > budget:
                 break
             req = self.waiting[0]
@@ -204,6 +218,10 @@ class Scheduler:
                 req.num_cached_tokens = min(cached, len(req.prompt_ids))
             req.prefilled = cached
             req.chunk_end = cached + (need if not self.chunked else min(need, budget))
+            # chunked only: without it a prompt is prefilled whole, never left partly done for a checkpoint
+            req.branch = branch if self.chunked and branch - cached >= self.branch_min_tokens else 0
+            if req.branch:
+                req.chunk_end = min(req.chunk_end, req.branch)
             budget -= req.chunk_end - cached
             planned += need + self.decode_tokens
             batch.append(req)

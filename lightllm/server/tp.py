@@ -279,6 +279,9 @@ class TPRunner:
             self._cast("free", slot)
             self.runner.free(slot)
 
+    def checkpoint(self, slots) -> None:
+        self._step("checkpoint", self.runner.checkpoint, (list(slots),))
+
     def stop(self, timeout: float = 60.0) -> None:
         """Stop the workers and wait for them, then leave the process group: rank 0 hosts the store the
         workers tear down against, so it must outlive them. Idempotent; the engine loop must be stopped first."""

@@ -48,9 +48,11 @@ def test_a_follow_up_turn_prefills_only_past_the_previous_request(model_dir):
 
 def test_what_no_checkpoint_covers_is_recomputed(model_dir):
     """An identical prompt's checkpoint lies past its last-but-one token (the request's answer was computed too),
-    and a prompt inside a cached one has none: both prefill whole, as without the cache."""
+    and a prompt inside a cached one has none: both prefill whole, as without the cache, when the KV they share is
+    shorter than the scheduler's minimum branch (64 tokens by default; these share 24-36)."""
     r = runner(model_dir)
     engine, calls = Engine(r, eos_ids=[]), counting(r)
+    assert engine.scheduler.branch_min_tokens == 64
     first, _ = run(engine, [BASE])
     second, fins = run(engine, [BASE])
     inner, inner_fins = run(engine, [BASE[:25]])
@@ -60,20 +62,69 @@ def test_what_no_checkpoint_covers_is_recomputed(model_dir):
     assert inner == want
 
 
+@pytest.mark.parametrize("branch_min", [64, 1], ids=["no branches", "branch checkpoints"])
 @pytest.mark.parametrize("mixed", [False, True], ids=["alternating", "mixed chunks"])
-def test_greedy_output_is_the_same_with_the_cache_on_and_off(model_dir, mixed):
+def test_greedy_output_is_the_same_with_the_cache_on_and_off(model_dir, mixed, branch_min):
     """The Qwen3 module's waves (contained, longer, diverging and identical prompts) and one more built on them. With
     mixed steps and 8-token chunks, running requests' decode tokens ride in the chunk steps of the longer prompts,
-    each continuing its state there (the run checks that such steps happened)."""
+    each continuing its state there (the run checks that such steps happened). With a minimum branch of one token,
+    every request that shares more KV than a checkpoint covers stops a chunk there and leaves a checkpoint, which
+    later waves start from."""
     waves = WAVES + [[BASE + [5], BASE[:30], [7, 8, 9, 10, 11, 12]]]
     opts = dict(enable_mixed_chunk=True, chunked_prefill_size=8) if mixed else {}
     want = [outs for outs, _ in run_waves(runner(model_dir, cache=False, **opts), waves)]
     r = runner(model_dir, **opts)
     engine, kinds = Engine(r, eos_ids=[]), []
+    engine.scheduler.branch_min_tokens = branch_min
+    if branch_min == 1:
+        real, branches = r.checkpoint, []
+        r.checkpoint = lambda slots: (branches.extend(slots), real(slots))[1]
     schedule = engine.scheduler.schedule
     engine.scheduler.schedule = lambda: (lambda kb: kinds.append(kb[0]) or kb)(schedule())
     assert [run(engine, w)[0] for w in waves] == want
     assert ("mixed" in kinds) == mixed
+    assert branch_min == 64 or branches
+    assert_no_state_leak(r)
+
+
+@pytest.mark.parametrize("chunk", [None, 8], ids=["whole", "8-token chunks"])
+def test_a_shared_prefix_is_checkpointed_at_its_branch(model_dir, chunk):
+    """Three prompts share a 26-token prefix (a system prompt). The first leaves a checkpoint only at its end; the
+    second shares the prefix's KV but no checkpoint on it, so its prefill stops a chunk at the branch (26) and
+    leaves a checkpoint there; the third then prefills only its own tokens. Greedy output is the cache-off run's."""
+    shared = BASE[:26]
+    prompts = [shared + [60, 61], shared + [70, 71, 72], shared + [80, 81]]
+    opts = dict(chunked_prefill_size=chunk) if chunk else {}
+    off = Engine(runner(model_dir, cache=False, **opts), eos_ids=[])
+    want = [run(off, [p])[0][0] for p in prompts]
+    r = runner(model_dir, **opts)
+    engine, calls = Engine(r, eos_ids=[]), counting(r)
+    engine.scheduler.branch_min_tokens = 16
+    got, cached = [], []
+    for p in prompts:
+        outs, fins = run(engine, [p])
+        got.append(outs[0])
+        cached.append(fins[0].cached_tokens)
+    assert got == want and cached == [0, 0, 26] and r.kv.prefix.num_states == 4  # 3 ends, 1 branch
+    first, second = [len(prompts[0])], [26, 3]
+    if chunk:
+        first, second = [8, 8, 8, 4], [8, 8, 8, 2, 3]
+    assert calls == [[n] for n in first + second + [2]]
+    assert_no_state_leak(r)
+
+
+def test_identical_and_contained_prompts_are_reused_after_a_branch(model_dir):
+    """The cases above that no checkpoint covered, with a minimum branch under what they share: the second
+    identical prompt stops at its last-but-one token and leaves a checkpoint there, which the third reuses; a prompt
+    inside a cached one does the same at its own last-but-one token."""
+    r = runner(model_dir)
+    engine, calls = Engine(r, eos_ids=[]), counting(r)
+    engine.scheduler.branch_min_tokens = 8
+    outs = [run(engine, [p]) for p in (BASE, BASE, BASE, BASE[:25], BASE[:25])]
+    assert calls == [[37], [36], [1], [1], [24], [1], [1]]
+    assert [fins[0].cached_tokens for _, fins in outs] == [0, 0, 36, 0, 24]
+    off = Engine(runner(model_dir, cache=False), eos_ids=[])
+    assert [o[0] for o, _ in outs] == [run(off, [p])[0][0] for p in (BASE, BASE, BASE, BASE[:25], BASE[:25])]
     assert_no_state_leak(r)
 
 

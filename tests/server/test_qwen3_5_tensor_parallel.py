@@ -1,5 +1,6 @@
 """Qwen3.5 served from its folder with --tp 2 on the CPU (gloo): linear-attention heads and state split by heads,
-the same greedy tokens and logprobs as one process; chat through the folder's template."""
+the same greedy tokens and logprobs as one process (prefix-cache checkpoints at request ends and at a shared
+prompt's branch kept on every rank); chat through the folder's template."""
 
 import re
 
@@ -15,12 +16,18 @@ def test_tp2_matches_one_process(tmp_path):
     model = str(make_tiny_qwen3_5(tmp_path / "model", seed=4))  # 2 key / 4 value heads, 4 / 2 attention heads
     args = ["--model_dir", model, "--tp", "2", "--data_type", "fp32", "--device", "cpu", "--batch_max_tokens", "64",
             "--max_req_total_len", "128", "--running_max_req_size", "4"]  # fmt: skip
-    prompts = [[5, 6, 7, 8, 9], [11], list(range(30, 70))]
+    shared = list(range(100, 166))  # a 66-token system prompt: over the scheduler's minimum branch (64)
+    prompts = [[5, 6, 7, 8, 9], [11], list(range(30, 70)), shared + [1, 2], shared + [3], shared + [4, 5]]
     ref = LLM(model, data_type="fp32", device="cpu", batch_max_tokens=64, max_req_total_len=128,
               running_max_req_size=4).generate(prompts, SamplingParams(max_new_tokens=8, logprobs=True,
                                                                        ignore_eos=True))  # fmt: skip
     with running_server(tmp_path, args) as base:
+        # one at a time: the second shared prompt stops a chunk at the branch (66) and every rank checkpoints its
+        # state share there; the third starts from it on every rank
         assert_generates_like(base, prompts, ref)
+        body = {"prompt": prompts[-1], "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        again = httpx.post(base + "/v1/completions", json=body, timeout=procs.HANG_TIMEOUT_S).json()
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == len(shared)
         # the chat template comes from the folder's tokenizer
         body = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4, "temperature": 0}
         chat = httpx.post(base + "/v1/chat/completions", json=body, timeout=procs.HANG_TIMEOUT_S)

@@ -33,8 +33,11 @@ class KVCacheManager:
     ``state_checkpoints=C`` (with the prefix cache) is for a model with per-request state beside the KV (Qwen3.5's
     linear attention): a finished request leaves a checkpoint of its state after its computed tokens (one of ``C``
     ids, the least recently used given up when all are taken), and a prefix is cached only up to the deepest
-    checkpoint on its path. The manager only counts: ``free_request`` returns the checkpoint id the caller must copy
-    the row's state into, ``prefix_state`` the one ``add_request``'s prefix starts from.
+    checkpoint on its path. A request whose prefix the tree's KV holds beyond that checkpoint can stop its prefill
+    at the branch (``match_prefix_with_branch``) and leave a checkpoint there (``branch_checkpoint``): a shared
+    system prompt becomes usable to the requests after it. The manager only counts: ``free_request`` and
+    ``branch_checkpoint`` return the checkpoint id the caller must copy the row's state into, ``prefix_state`` the
+    one ``add_request``'s prefix starts from.
     """
 
     def __init__(self, num_tokens: int, max_reqs: int, max_len: int, device="cuda", contiguous_slots: bool = False,
@@ -108,6 +111,16 @@ class KVCacheManager:
         """(how many leading ``tokens`` the prefix cache holds, how many of those it could evict now); (0, 0)
         without the cache. Pinning them by ``add_request`` takes the second number out of the free tokens."""
         return self.prefix.match(tokens, self.stateful) if self.prefix else (0, 0)
+
+    def match_prefix_with_branch(self, tokens: Sequence[int]) -> Tuple[int, int, int]:
+        """``match_prefix(tokens)`` and, third, the *branch*: with state checkpoints, how many leading ``tokens``
+        the tree's KV holds when that is more than the first number (the checkpoints stop short of it), else 0. A
+        row whose prefill stops at the branch can leave a checkpoint there (``branch_checkpoint``), which makes
+        the whole cached prefix usable to the next request that shares it."""
+        if not self.stateful:
+            return (*self.match_prefix(tokens), 0)
+        cached, evictable, kv = self.prefix.match_with_branch(tokens)
+        return cached, evictable, kv if kv > cached else 0
 
     def add_request(self, prefix: Sequence[int] = ()) -> int:
         """A fresh request slot whose row starts with the cached KV of ``prefix`` (pinned until ``free_request``);
@@ -296,6 +309,19 @@ class KVCacheManager:
         self._last_extend[slot] = False
         self.slots.free(slot)
         return state
+
+    def branch_checkpoint(self, slot: int) -> Optional[int]:
+        """With state checkpoints, for a row whose computed tokens all lie in the tree (its prefill stopped at its
+        branch, ``match_prefix_with_branch``): the id of a checkpoint now recorded after them, which the caller must
+        fill with the row's state before the row runs again. None when the tree no longer holds them all (evicted
+        since), has a checkpoint there already, or no id can be had."""
+        self.slots.check_allocated("KVCacheManager.branch_checkpoint", slot)
+        if not self.stateful:
+            raise ValueError("KVCacheManager.branch_checkpoint: expected a manager with state checkpoints, got none")
+        ids = self._ids[slot]
+        if len(ids) != self._seq_lens[slot] or self.prefix.match(ids)[0] < len(ids):
+            return None
+        return self._checkpoint(ids)
 
     def _checkpoint(self, ids: Sequence[int]) -> Optional[int]:
         """A checkpoint id recorded after ``ids`` (in the tree); None when the tree has one there or no id can be

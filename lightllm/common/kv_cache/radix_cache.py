@@ -61,6 +61,17 @@ class RadixCache:
     def match(self, tokens: Sequence[int], stateful: bool = False) -> Tuple[int, int]:
         """(how many leading ``tokens`` are cached, how many of those sit in unpinned nodes); changes nothing.
         ``stateful``: cached up to the deepest state checkpoint on their path (0 without one)."""
+        kv, usable = self._match(tokens)
+        return usable if stateful else kv
+
+    def match_with_branch(self, tokens: Sequence[int]) -> Tuple[int, int, int]:
+        """``match(tokens, stateful=True)`` and, third, how many leading ``tokens`` are cached whatever the
+        checkpoints (``match(tokens)[0]``), from one walk: where a checkpoint would make more of them usable."""
+        kv, usable = self._match(tokens)
+        return usable[0], usable[1], kv[0]
+
+    def _match(self, tokens: Sequence[int]) -> Tuple[Tuple[int, int], Tuple[int, int]]:
+        """``match(tokens)`` and ``match(tokens, stateful=True)``."""
         node, i, unpinned, usable = self.root, 0, 0, (0, 0)
         while i < len(tokens):
             child = node.children.get(tokens[i])
@@ -74,7 +85,7 @@ class RadixCache:
             node = child
             if node.state is not None:
                 usable = (i, unpinned)
-        return usable if stateful else (i, unpinned)
+        return (i, unpinned), usable
 
     @property
     def num_states(self) -> int:

@@ -128,6 +128,46 @@ def test_manager_with_state_checkpoints_reuses_a_prefix_only_up_to_one():
     assert kv.free_request(slot) is None  # nothing computed: no checkpoint
 
 
+def test_the_branch_is_where_the_cached_kv_goes_past_the_last_checkpoint():
+    """A request sharing more KV with the tree than its checkpoints cover learns where (the branch); a row whose
+    computed tokens stop there gets a checkpoint, after which the whole shared prefix is usable."""
+    plain = KVCacheManager(32, 2, 16, "cpu", prefix_cache=True)
+    slot = plain.add_request()
+    plain.extend(slot, 4)
+    plain.computed(slot, [1, 2, 3, 4])
+    plain.free_request(slot)
+    assert plain.match_prefix_with_branch([1, 2, 3, 9]) == (3, 3, 0)  # no state: every cached token is usable
+    with pytest.raises(ValueError, match="branch_checkpoint: expected a manager with state checkpoints"):
+        plain.branch_checkpoint(plain.add_request())
+
+    kv = KVCacheManager(64, 3, 16, "cpu", prefix_cache=True, state_checkpoints=3)
+    slot = kv.add_request()
+    kv.extend(slot, 6)
+    kv.computed(slot, [1, 2, 3, 4, 5, 6])
+    assert kv.free_request(slot) == 0  # the end of [1..6]
+    assert kv.match_prefix_with_branch([1, 2, 3, 4, 7]) == (0, 0, 4)
+    assert kv.match_prefix_with_branch([1, 2, 3, 4, 5, 6, 7]) == (6, 6, 0)  # the checkpoint covers the hit
+    assert kv.match_prefix_with_branch([8, 9]) == (0, 0, 0)
+    slot = kv.add_request()  # [1, 2, 3, 4, 7, ...]: its prefill stops at the branch, 4
+    kv.extend(slot, 4)
+    kv.computed(slot, [1, 2, 3, 4])
+    assert kv.branch_checkpoint(slot) == 1  # the caller copies the row's state into checkpoint 1
+    assert kv.branch_checkpoint(slot) is None  # one there already
+    assert kv.match_prefix_with_branch([1, 2, 3, 4, 8]) == (4, 4, 0)  # all four usable now
+    kv.extend(slot, 1)
+    kv.computed(slot, [7])
+    assert kv.free_request(slot) == 2 and kv.prefix.num_states == 3
+
+    slot = kv.add_request()
+    kv.extend(slot, 2)
+    kv.computed(slot, [1, 2])
+    kv.prefix.evict(kv.prefix.num_tokens)  # the tree lost the prefix while the row computed it
+    assert kv.branch_checkpoint(slot) is None and kv.prefix.num_states == 0
+    kv.extend(slot, 1)  # a forward that raised after its tokens were added: not settled, no checkpoint
+    assert kv.branch_checkpoint(slot) is None
+    kv.free_request(slot)
+
+
 def _path_refs(tree):
     """{node: (its path's token ids, refs)} for every node."""
     out, stack = {}, [(c, []) for c in tree.root.children.values()]
@@ -148,7 +188,8 @@ def test_random_admissions_and_finishes_keep_the_tree_consistent(seed, checkpoin
     request's tokens; after every operation pins match the live requests and no count goes negative. With state
     checkpoints (three, fewer than the finishes: they are reused) a model of each checkpoint's content (the token
     ids of the request whose state was saved into it) proves that a hit starts from the state of exactly its
-    prefix, and that every node's checkpoint holds its path's state."""
+    prefix, and that every node's checkpoint holds its path's state; a request that shares more KV than its
+    checkpoint covers is checkpointed at its branch, as the engine does."""
     rng = random.Random(seed)
     total, max_len = 64, 24
     kv = KVCacheManager(total, 6, max_len, "cpu", prefix_cache=True, state_checkpoints=checkpoints)
@@ -156,7 +197,7 @@ def test_random_admissions_and_finishes_keep_the_tree_consistent(seed, checkpoin
     saved = {}  # checkpoint id -> the token ids whose state it holds
     bases = [[rng.randrange(5) for _ in range(max_len)] for _ in range(3)]
     live = {}  # request slot -> (its token ids, tokens pinned at admission)
-    evictions = hits = 0
+    evictions = hits = branches = 0
     for _ in range(300):
         if live and (rng.random() < 0.4 or not kv.has_free_slot()):
             slot = rng.choice(list(live))
@@ -168,7 +209,8 @@ def test_random_admissions_and_finishes_keep_the_tree_consistent(seed, checkpoin
             base = rng.choice(bases)
             ids = base[: rng.randrange(2, max_len)] + [rng.randrange(5) for _ in range(rng.randrange(3))]
             ids = ids[:max_len]
-            cached, evictable = kv.match_prefix(ids[:-1])
+            cached, evictable, branch = kv.match_prefix_with_branch(ids[:-1])
+            assert (cached, evictable) == kv.match_prefix(ids[:-1]) and (branch == 0 or branch > cached)
             if not kv.can_allocate(len(ids) - cached + evictable):
                 continue
             before = kv.prefix.num_tokens
@@ -177,11 +219,19 @@ def test_random_admissions_and_finishes_keep_the_tree_consistent(seed, checkpoin
             assert [content[s] for s in row] == [tuple(ids[: i + 1]) for i in range(cached)]
             if checkpoints and cached:
                 assert saved[kv.prefix_state(slot)] == tuple(ids[:cached])
-            new = kv.extend(slot, len(ids) - cached)
+            # the prefill stops at the branch, where the runner checkpoints the row's state (unless the extend
+            # evicted the tree's copy of the prefix meanwhile), then goes on
+            for start, end in [(cached, branch), (branch, len(ids))] if branch else [(cached, len(ids))]:
+                new = kv.extend(slot, end - start)
+                for i, s in enumerate(new.tolist(), start=start):
+                    content[s] = tuple(ids[: i + 1])
+                kv.computed(slot, ids[start:end])
+                if end == branch:
+                    state = kv.branch_checkpoint(slot)
+                    branches += state is not None
+                    if state is not None:
+                        saved[state] = tuple(ids[:branch])
             evictions += before > kv.prefix.num_tokens
-            for i, s in enumerate(new.tolist(), start=cached):
-                content[s] = tuple(ids[: i + 1])
-            kv.computed(slot, ids[cached:])
             live[slot] = (ids, cached)
             hits += cached > 0
         nodes = _path_refs(kv.prefix)
@@ -201,7 +251,7 @@ def test_random_admissions_and_finishes_keep_the_tree_consistent(seed, checkpoin
         assert kv.tokens.num_free + kv.prefix.num_tokens + held == total  # no slot leaked or counted twice
     assert evictions > 0 and hits > 0
     if checkpoints:
-        assert len(saved) == checkpoints  # every id used, some several times
+        assert len(saved) == checkpoints and branches > 0  # every id used, some several times
     for slot in list(live):
         kv.free_request(slot)
     assert kv.tokens.num_free == total - kv.prefix.num_tokens
