@@ -32,7 +32,7 @@ from lightllm.engine.request import Request
 from lightllm.engine.sampler import SamplingParams
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from engine_bench import random_qwen3, write_rows  # noqa: E402
+from engine_bench import random_model, write_rows  # noqa: E402
 
 
 def percentile(values, q):
@@ -101,7 +101,7 @@ def main(argv=None):
 
     rows = []
     with tempfile.TemporaryDirectory() as root:
-        model, common = random_qwen3(root, args.tiny, args.layers, args.prompt + 64,
+        model, common = random_model(root, args.tiny, args.layers, args.prompt + 64,
                                      tiny_tokens=args.prompt + 64 * (args.streams + 2))  # fmt: skip
         modes = [(c, False) for c in args.chunks] + [(c, True) for c in args.chunks if args.mixed]
         modes += [] if args.no_off else [(None, False)]

@@ -22,7 +22,7 @@ from lightllm.engine.request import Request
 from lightllm.engine.sampler import SamplingParams
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from engine_bench import random_qwen3, write_rows  # noqa: E402
+from engine_bench import random_model, write_rows  # noqa: E402
 
 
 class StepTimes:
@@ -124,7 +124,7 @@ def main(argv=None) -> int:
     total = args.prompt + args.output
     rows = []
     with tempfile.TemporaryDirectory() as root:
-        model, common = random_qwen3(root, args.tiny, args.layers, total, tiny_tokens=max(args.batches) * total + 1)
+        model, common = random_model(root, args.tiny, args.layers, total, tiny_tokens=max(args.batches) * total + 1)
         most = max(args.batches)
         engine_args = EngineArgs(model_dir=model, running_max_req_size=most, graph_max_batch_size=most,
                                  max_req_total_len=total, **common)  # fmt: skip
