@@ -207,10 +207,10 @@ class Engine:
                 logits = self.runner.decode([r.slot for r in batch], [r.output_ids[-1] for r in batch])
             else:  # prefill, or mixed: a running request's chunk is its last token
                 chunks = [r.context_slice(r.prefilled, r.chunk_end) for r in batch]
-                logits = self.runner.prefill([r.slot for r in batch], chunks)
-                at_branch = [r.slot for r in batch if r.branch and r.chunk_end == r.branch]
-                if at_branch:  # before any later forward moves their state on
-                    self.runner.checkpoint(at_branch)
+                # the prefix cache takes a prompt once it is all in (or up to its branch), while the request runs
+                decoding = {id(r) for r in self.scheduler.running} if kind == "mixed" else ()
+                publish = [r.slot for r in batch if id(r) not in decoding and r.chunk_end in (r.context_len, r.branch)]
+                logits = self.runner.prefill([r.slot for r in batch], chunks, publish)
         except Exception:  # e.g. out of memory on one long prompt: only the requests of this forward fail
             failed = self.scheduler.mixed_step_failed(batch) if kind == "mixed" else batch
             logger.exception(

@@ -306,11 +306,15 @@ class ModelRunner:
         if self._launch_hook is not None:
             self._launch_hook()
 
-    def prefill(self, slots: Sequence[int], prompts: Sequence[Sequence[int]]) -> torch.Tensor:
+    def prefill(
+        self, slots: Sequence[int], prompts: Sequence[Sequence[int]], publish: Sequence[int] = ()
+    ) -> torch.Tensor:
         """Append each request's new tokens to its KV and run them as one packed prefill; float32 logits of each
         request's last new token. A slot that already holds tokens (the earlier chunks of a chunked prefill) is
         continued: its new tokens sit after them and attend to them (and Qwen3.5's state slot carries on). One
-        request within a prefill graph's bucket replays that graph (its logits valid until the next replay)."""
+        request within a prefill graph's bucket replays that graph (its logits valid until the next replay).
+        ``publish``: rows whose computed tokens the prefix cache takes now, while they run (``kv.publish``), with
+        their state (Qwen3.5) copied into the checkpoint it records after them, before any later forward moves it."""
         lens = [len(p) for p in prompts]
         prefix = [self.kv.seq_len(s) for s in slots]
         token_idx = self.kv.extend_many(slots, lens)  # one allocation and one table write for the step
@@ -321,6 +325,10 @@ class ModelRunner:
             logits = self._prefill_eager(slots, prompts, lens, prefix, token_idx)
         for slot, prompt in zip(slots, prompts):  # after the forward: a failed one leaves no KV to reuse
             self.kv.computed(slot, prompt)
+        for slot in publish:
+            checkpoint = self.kv.publish(slot)
+            if checkpoint is not None:
+                self.model.save_state(slot, checkpoint)
         return logits
 
     def _prefill_eager(self, slots, prompts, lens, prefix, token_idx) -> torch.Tensor:
@@ -411,14 +419,6 @@ class ModelRunner:
         checkpoint = self.kv.free_request(slot)
         if checkpoint is not None:
             self.model.save_state(slot, checkpoint)
-
-    def checkpoint(self, slots: Sequence[int]) -> None:
-        """Right after the prefill whose chunks stopped at these rows' branches: each row's state (Qwen3.5) is
-        copied into a checkpoint the prefix cache records after its computed tokens, where the cache has none."""
-        for slot in slots:
-            checkpoint = self.kv.branch_checkpoint(slot)
-            if checkpoint is not None:
-                self.model.save_state(slot, checkpoint)
 
     # ---- warmup and graphs ---------------------------------------------------------------------------------
 

@@ -10,8 +10,8 @@ from typing import Callable, Optional, Protocol, Sequence, Tuple, runtime_checka
 
 import torch
 
-STATE_CHANGING = ("prefill", "decode", "decode_ahead", "inputs_known", "add_request", "free", "checkpoint",
-                  "mtp.draft", "mtp.verify", "mtp.accept")  # fmt: skip
+STATE_CHANGING = ("prefill", "decode", "decode_ahead", "inputs_known", "add_request", "free", "mtp.draft", "mtp.verify",
+                  "mtp.accept")  # fmt: skip
 
 
 @runtime_checkable
@@ -63,17 +63,17 @@ class Runner(Protocol):
     @property
     def mtp(self) -> Optional[MTPSteps]: ...  # with --mtp_mode: its draft / verify / accept steps, else None
 
-    def prefill(self, slots: Sequence[int], prompts: Sequence[Sequence[int]]) -> torch.Tensor: ...
+    # ``publish``: rows whose computed tokens (and state) the prefix cache takes right after this forward, while they
+    # run: those whose prompt is now all in, or whose chunk stopped at their branch (KVQueries)
+    def prefill(
+        self, slots: Sequence[int], prompts: Sequence[Sequence[int]], publish: Sequence[int] = ()
+    ) -> torch.Tensor: ...
 
     def decode(self, slots: Sequence[int], last_tokens: Sequence[int]) -> torch.Tensor: ...
 
     def add_request(self, prefix: Sequence[int] = ()) -> int: ...  # its row starts with the cached ``prefix``
 
     def free(self, slot: int) -> None: ...
-
-    # Only for a cache with state checkpoints, right after the prefill whose chunks stopped at these rows' branches:
-    # each row's state is checkpointed after its computed tokens (KVQueries.match_prefix_with_branch)
-    def checkpoint(self, slots: Sequence[int]) -> None: ...
 
     # Rank 0 only, not broadcast: ``hook()`` right before each forward is launched (the engine's step GPU timer)
     def set_launch_hook(self, hook: Optional[Callable[[], None]]) -> None: ...

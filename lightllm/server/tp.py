@@ -239,8 +239,8 @@ class TPRunner:
             self.workers.fail_if_one_exited(_EXIT_WAIT_S)
             raise
 
-    def prefill(self, slots, prompts):
-        return self._step("prefill", self.runner.prefill, (list(slots), [list(p) for p in prompts]))
+    def prefill(self, slots, prompts, publish=()):
+        return self._step("prefill", self.runner.prefill, (list(slots), [list(p) for p in prompts], list(publish)))
 
     def decode(self, slots, last_tokens):
         return self._step("decode", self.runner.decode, (list(slots), list(last_tokens)))
@@ -278,9 +278,6 @@ class TPRunner:
         with self.workers.command("free"):
             self._cast("free", slot)
             self.runner.free(slot)
-
-    def checkpoint(self, slots) -> None:
-        self._step("checkpoint", self.runner.checkpoint, (list(slots),))
 
     def stop(self, timeout: float = 60.0) -> None:
         """Stop the workers and wait for them, then leave the process group: rank 0 hosts the store the

@@ -75,7 +75,12 @@ def test_greedy_output_is_the_same_chunked_or_not(model_dir, chunk):
     want = run_all(Engine(runner(model_dir), eos_ids=[]), PROMPTS)
     trace, r = [], runner(model_dir, chunk)
     step_tokens, real = [], r.prefill
-    r.prefill = lambda slots, prompts: (step_tokens.append(sum(map(len, prompts))), real(slots, prompts))[1]
+
+    def prefill(slots, prompts, *publish):
+        step_tokens.append(sum(map(len, prompts)))
+        return real(slots, prompts, *publish)
+
+    r.prefill = prefill
     got = run_all(Engine(r, eos_ids=[]), PROMPTS, trace=trace)
     assert got == want
     assert max(step_tokens) <= chunk and sum(step_tokens) == sum(map(len, PROMPTS))
@@ -161,7 +166,12 @@ def test_mixed_step_carries_the_running_requests_with_each_chunk(model_dir):
     the chunk and one token per running request, and the long request's first token comes with its last chunk."""
     r = runner(model_dir, chunk=6, enable_mixed_chunk=True)  # a budget of 6: 4 prompt tokens beside 2 running
     forwards, real = [], r.prefill
-    r.prefill = lambda slots, prompts: (forwards.append([len(p) for p in prompts]), real(slots, prompts))[1]
+
+    def prefill(slots, prompts, *publish):
+        forwards.append([len(p) for p in prompts])
+        return real(slots, prompts, *publish)
+
+    r.prefill = prefill
     engine = Engine(r, eos_ids=[])
     outs = {}
     for i, p in enumerate(PROMPTS[3:] + PROMPTS[1:2]):
@@ -226,7 +236,7 @@ def test_a_failed_mixed_step_fails_its_chunk_and_re_prefills_the_running_request
         engine.step()
     real = r.prefill
 
-    def fail_once(slots, prompts):
+    def fail_once(slots, prompts, publish=()):
         r.prefill = real
         raise RuntimeError("out of memory (injected)")
 

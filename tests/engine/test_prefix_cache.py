@@ -36,7 +36,7 @@ def runner(model_dir, tokens=512, cache=True, **kw):
 def counting(r):
     """``r`` with every prefill's new tokens counted, per request: a list of lists, one per prefill call."""
     calls, real = [], r.prefill
-    r.prefill = lambda slots, prompts: (calls.append([len(p) for p in prompts]), real(slots, prompts))[1]
+    r.prefill = lambda slots, prompts, *rest: (calls.append([len(p) for p in prompts]), real(slots, prompts, *rest))[1]
     return calls
 
 
@@ -101,6 +101,30 @@ def test_a_second_identical_prompt_computes_one_token(model_dir):
     assert calls[1:] == [[1]] and fins[0].cached_tokens == len(BASE) - 1 and second == first
 
 
+def test_a_running_request_shares_its_prompt(model_dir):
+    """A prompt is published once prefilled: a request admitted while the first still decodes reuses the prefix
+    they share (counted through the runner), and both give the cache-off output."""
+    prompts = [BASE, BASE[:30] + [5, 6]]
+    want, _ = run(Engine(runner(model_dir, cache=False), eos_ids=[]), prompts[:1], max_new=10)
+    want += run(Engine(runner(model_dir, cache=False), eos_ids=[]), prompts[1:], max_new=4)[0]
+    r = runner(model_dir)
+    engine, calls = Engine(r, eos_ids=[]), counting(r)
+    outs, fins = [[], []], [None, None]
+
+    def emitter(i):
+        return lambda ev: outs[i].append(ev.token_id) if ev.kind == "token" else fins.__setitem__(i, ev)
+
+    engine.submit(Request("0", prompts[0], SamplingParams(max_new_tokens=10, ignore_eos=True), emitter(0)))
+    engine.step()
+    engine.step()  # prefilled, decoding
+    engine.submit(Request("1", prompts[1], SamplingParams(max_new_tokens=4, ignore_eos=True), emitter(1)))
+    while None in fins:
+        assert engine.step()
+    assert fins[1].cached_tokens == 30 and calls == [[len(BASE)], [2]]
+    assert outs == want and fins[0].finish_reason == fins[1].finish_reason == "length"
+    assert_no_leak(r)
+
+
 def test_the_flag_turns_it_off(model_dir):
     r = runner(model_dir, cache=False)
     engine, calls = Engine(r, eos_ids=[]), counting(r)
@@ -110,10 +134,11 @@ def test_the_flag_turns_it_off(model_dir):
 
 
 def test_eviction_under_a_tiny_pool_loses_no_request(model_dir):
-    """A pool of 130 tokens holds about two requests: the tree evicts (and requests are preempted) all along."""
+    """A pool of 100 tokens holds about one and a half requests (their shared prefixes published as they run): the
+    tree evicts (and requests are preempted) all along."""
     prompts = [BASE[: 20 + 3 * i] + [i, i + 1] for i in range(6)] + [[200 + i for i in range(30)], BASE]
     want, _ = run(Engine(runner(model_dir, cache=False), eos_ids=[]), prompts, max_new=12)
-    r = runner(model_dir, tokens=130)
+    r = runner(model_dir, tokens=100)
     evicted, real = [], r.kv.prefix.evict
     r.kv.prefix.evict = lambda n: evicted.append(real(n)) or evicted[-1]
     engine = Engine(r, eos_ids=[])

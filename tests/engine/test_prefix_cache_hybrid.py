@@ -1,8 +1,10 @@
-"""The prefix cache with Qwen3.5 (linear-attention state beside the KV) on the CPU, float32: a finished request leaves
-a checkpoint of its state after its computed tokens, and a later request reuses a cached prefix up to the deepest
-checkpoint on it. Greedy output is the same with the cache on and off (and with one checkpoint for many requests,
-under a pool small enough to preempt); a follow-up turn prefills only past the previous request's tokens; what no
-checkpoint covers is recomputed; the flag turns the checkpoints, and with them the cache, off."""
+"""The prefix cache with Qwen3.5 (linear-attention state beside the KV) on the CPU, float32: a request leaves a
+checkpoint of its state after its prompt (published while it runs) and after its computed tokens, and a later request
+reuses a cached prefix up to the deepest checkpoint on it; one whose cached KV goes past that checkpoint stops a chunk
+at the branch and leaves one there. Greedy output is the same with the cache on and off (and with one checkpoint for
+many requests, under a pool small enough to preempt); a follow-up turn prefills only past the previous request's
+tokens, or past its prompt when the answer differs; what no checkpoint covers is recomputed; the flag turns the
+checkpoints, and with them the cache, off."""
 
 import logging
 
@@ -37,12 +39,28 @@ def test_a_follow_up_turn_prefills_only_past_the_previous_request(model_dir):
     r = runner(model_dir)
     engine, calls = Engine(r, eos_ids=[]), counting(r)
     got, _ = run(engine, [first])
-    assert got == answer and r.kv.prefix.num_states == 1
+    assert got == answer and r.kv.prefix.num_states == 2  # after the prompt (published) and after the answer
     run(engine, [OTHER])  # takes the freed slot: its state row no longer holds turn one's
     got, fins = run(engine, [first + answer[0] + more])
     computed = len(first) + len(answer[0]) - 1
     assert got == want and fins[0].cached_tokens == computed
     assert calls == [[len(first)], [len(OTHER)], [1 + len(more)]]
+    assert_no_state_leak(r)
+
+
+def test_a_turn_that_re_renders_the_answer_starts_after_the_previous_prompt(model_dir):
+    """Turn two repeats turn one's prompt but not its answer (a chat template that re-renders it): it starts from
+    the checkpoint published after turn one's prompt, and its output is the cache-off run's."""
+    first, other_answer = BASE[:20], [60, 61, 62, 63]
+    follow = first + other_answer + [50, 51]
+    want, _ = run(Engine(runner(model_dir, cache=False), eos_ids=[]), [follow])
+    r = runner(model_dir)
+    engine, calls = Engine(r, eos_ids=[]), counting(r)
+    run(engine, [first])
+    run(engine, [OTHER])  # takes the freed slot: its state row no longer holds turn one's
+    got, fins = run(engine, [follow])
+    assert got == want and fins[0].cached_tokens == len(first)
+    assert calls[-1] == [len(other_answer) + 2]
     assert_no_state_leak(r)
 
 
@@ -74,16 +92,20 @@ def test_greedy_output_is_the_same_with_the_cache_on_and_off(model_dir, mixed, b
     opts = dict(enable_mixed_chunk=True, chunked_prefill_size=8) if mixed else {}
     want = [outs for outs, _ in run_waves(runner(model_dir, cache=False, **opts), waves)]
     r = runner(model_dir, **opts)
-    engine, kinds = Engine(r, eos_ids=[]), []
+    engine, kinds, branches = Engine(r, eos_ids=[]), [], []
     engine.scheduler.branch_min_tokens = branch_min
-    if branch_min == 1:
-        real, branches = r.checkpoint, []
-        r.checkpoint = lambda slots: (branches.extend(slots), real(slots))[1]
     schedule = engine.scheduler.schedule
-    engine.scheduler.schedule = lambda: (lambda kb: kinds.append(kb[0]) or kb)(schedule())
+
+    def watched():
+        kind, batch = schedule()
+        kinds.append(kind)
+        branches.extend(req.chunk_end for req in batch if req.branch and req.chunk_end == req.branch)
+        return kind, batch
+
+    engine.scheduler.schedule = watched
     assert [run(engine, w)[0] for w in waves] == want
     assert ("mixed" in kinds) == mixed
-    assert branch_min == 64 or branches
+    assert bool(branches) == (branch_min == 1)
     assert_no_state_leak(r)
 
 
@@ -148,13 +170,13 @@ def test_aborts_leave_consistent_checkpoints(model_dir):
 
 def test_one_checkpoint_and_a_tiny_pool_lose_no_request(model_dir):
     """Follow-up turns of several conversations through one checkpoint (each finish takes it from the last) and a
-    130-token pool that evicts and preempts (a preempted request is re-admitted from its own checkpoint)."""
+    100-token pool that evicts and preempts (a preempted request is re-admitted from its own checkpoint)."""
     starts = [BASE[: 10 + 4 * i] + [i] for i in range(4)]
     off = Engine(runner(model_dir, cache=False), eos_ids=[])
     answers, _ = run(off, starts, max_new=10)
     follow = [s + a + [60 + i] for i, (s, a) in enumerate(zip(starts, answers))]
     want, _ = run(off, follow, max_new=10)
-    r = runner(model_dir, tokens=130, linear_att_cache_size=1)
+    r = runner(model_dir, tokens=100, linear_att_cache_size=1)
     engine = Engine(r, eos_ids=[])
     preempted, real_preempt = [], engine.scheduler._preempt
     engine.scheduler._preempt = lambda req: (preempted.append(req.id), real_preempt(req))
@@ -221,18 +243,27 @@ def test_a_failed_forward_leaves_no_checkpoint_of_its_half_advanced_state(model_
 
 def test_a_failed_decode_step_leaves_no_checkpoint(model_dir):
     """The same for a decode forward: the running requests end with "error" and leave their prompts' KV in the
-    tree, but no checkpoint."""
+    tree, and only the checkpoints published after their prompts (before the failed step), from which follow-ups
+    give the cache-off output."""
+    off = Engine(runner(model_dir, cache=False), eos_ids=[])
+    prompts = [BASE[:12], OTHER]
+    follow = [p + [77, 78] for p in prompts]
+    want, _ = run(off, follow)
     r = runner(model_dir)
     real = r.model.forward
 
     def forward(input_ids, state):
         if not state.is_prefill:
-            r.model.linear.state.ssm.add_(1.0)
+            r.model.linear.state.ssm[:, : r.model._checkpoint_base].add_(1.0)  # the request rows' state moved
             raise RuntimeError("injected decode failure")
         return real(input_ids, state)
 
     r.model.forward = forward
-    _, fins = run(Engine(r, eos_ids=[]), [BASE[:12], OTHER])
+    engine = Engine(r, eos_ids=[])
+    _, fins = run(engine, prompts)
     assert [ev.finish_reason for ev in fins] == ["error", "error"]
-    assert r.kv.prefix.num_tokens == 12 + len(OTHER) and r.kv.prefix.num_states == 0
+    assert r.kv.prefix.num_tokens == 12 + len(OTHER) and r.kv.prefix.num_states == 2
+    r.model.forward = real
+    got, fins = run(engine, follow)
+    assert got == want and [ev.cached_tokens for ev in fins] == [12, len(OTHER)]
     assert_no_state_leak(r)

@@ -11,9 +11,7 @@ from lightllm.engine.request import Request
 from lightllm.engine.runner import STATE_CHANGING, AheadDecoder, KVQueries, Runner
 from lightllm.engine.sampler import SamplingParams
 from lightllm.server import tp
-from lightllm.tools.make_tiny_model import make_tiny_qwen3, make_tiny_qwen3_5
-from tests.engine.test_prefix_cache import run
-from tests.engine.test_prefix_cache import runner as hybrid_runner
+from lightllm.tools.make_tiny_model import make_tiny_qwen3
 from tests.engine.test_scheduler import runner as make_runner
 
 
@@ -38,12 +36,7 @@ def model_dir(tmp_path_factory):
     return str(make_tiny_qwen3(tmp_path_factory.mktemp("m"), seed=2))
 
 
-@pytest.fixture(scope="module")
-def hybrid_dir(tmp_path_factory):
-    return str(make_tiny_qwen3_5(tmp_path_factory.mktemp("hybrid"), seed=2))
-
-
-def test_the_interface_lists_exactly_what_the_engine_uses(model_dir, hybrid_dir):
+def test_the_interface_lists_exactly_what_the_engine_uses(model_dir):
     """Admission, prefill, decode, preemption (a 40-token cache), finishing, an abort and a seeded request: every
     runner and KV member the engine touches is in the interface, and every member is touched (``model_dir`` is
     for the server and LLM, which load the tokenizer from it)."""
@@ -84,14 +77,6 @@ def test_the_interface_lists_exactly_what_the_engine_uses(model_dir, hybrid_dir)
         engine.step()
     assert finished == {0: "length", 1: "length", 2: "length", 3: "abort"}
     assert preempted and {"prefill", "decode"} <= set(steps)
-    # Qwen3.5 (state checkpoints): a request that shares a longer prefix than a checkpoint covers is checkpointed
-    # at its branch
-    hybrid = hybrid_runner(hybrid_dir)
-    engine = Engine(Recording(hybrid, used, {"kv": lambda kv: Recording(kv, kv_used)}), eos_ids=[])
-    engine.scheduler.branch_min_tokens = 4
-    for prompt in (list(range(3, 30)) + [1], list(range(3, 30)) + [2]):
-        run(engine, [prompt])
-    assert hybrid.kv.prefix.num_states == 3  # two ends and the branch
     assert used | {"model_dir"} == members(Runner) | members(AheadDecoder)  # the model runner decodes ahead
     assert kv_used == members(KVQueries)
 
@@ -118,8 +103,7 @@ def test_the_tensor_parallel_runner_forwards_nothing_implicitly(model_dir):
     rank0.decode([slot], [6])
     rank0.decode_ahead([slot], [0], torch.tensor([7]))  # the draws stay on rank 0: the cast carries slots and rows
     rank0.inputs_known([slot], [7])
-    rank0.checkpoint([])  # broadcast like the rest (no rows: this Qwen3 runner's cache keeps no state checkpoints)
     rank0.free(slot)
-    assert [c[0] for c in cast] == ["add_request", "prefill", "decode", "decode_ahead", "inputs_known", "checkpoint",
-                                    "free"]  # fmt: skip
+    assert [c[0] for c in cast] == ["add_request", "prefill", "decode", "decode_ahead", "inputs_known", "free"]
+    assert cast[1] == ("prefill", [slot], [[3, 4, 5]], [])  # what to publish travels with the prefill
     assert cast[3] == ("decode_ahead", [slot], [0]) and marks == [2, 3, 4]

@@ -105,7 +105,7 @@ def test_a_failing_prefill_fails_its_batch_and_frees_it(model_dir):
     r = runner(model_dir, 512)
     events = []
     sched = Engine(r, eos_ids=[])
-    r.prefill = lambda slots, prompts: (_ for _ in ()).throw(RuntimeError("device lost"))
+    r.prefill = lambda slots, prompts, publish=(): (_ for _ in ()).throw(RuntimeError("device lost"))
     for i in range(2):
         sched.submit(Request(str(i), [3, 4, 5], SamplingParams(max_new_tokens=4), events.append))
     assert sched.step()
@@ -126,10 +126,10 @@ def test_a_failed_forward_fails_only_the_requests_in_it(model_dir, failing):
     real_prefill, real_decode = r.prefill, r.decode
     culprit = {}
 
-    def prefill(slots, contexts):
+    def prefill(slots, contexts, publish=()):
         if failing == "prefill" and contexts[0][:3] == prompts[1]:
             raise RuntimeError("CUDA out of memory")
-        return real_prefill(slots, contexts)
+        return real_prefill(slots, contexts, publish)
 
     def decode(slots, tokens):
         if failing == "decode" and len(slots) == 2 and not culprit:  # 0 and 1 decoding together, once

@@ -31,10 +31,12 @@ class FakeRunner:
     def free(self, slot):
         self.kv.free_request(slot)
 
-    def prefill(self, slots, prompts):
+    def prefill(self, slots, prompts, publish=()):
         for slot, prompt in zip(slots, prompts):
             self.kv.extend(slot, len(prompt))
             self.kv.computed(slot, prompt)
+        for slot in publish:
+            self.kv.publish(slot)
         return WEIGHTS[[p[-1] for p in prompts]].clone()
 
     def decode(self, slots, last_tokens):
@@ -95,7 +97,7 @@ class ScriptedRunner(FakeRunner):
         self._slots += 1
         return self._slots
 
-    def prefill(self, slots, prompts):
+    def prefill(self, slots, prompts, publish=()):
         for slot, ids in zip(slots, prompts):
             self._prompt[slot] = self._prompt.get(slot, []) + list(ids)
             self._step[slot] = 0

@@ -41,7 +41,7 @@ class BlockingRunner:
     def free(self, slot):
         pass
 
-    def prefill(self, slots, prompts):
+    def prefill(self, slots, prompts, publish=()):
         self.entered.set()
         assert self.release.wait(procs.HANG_TIMEOUT_S), "the test never released the step"
         return torch.zeros(len(slots), self.config.vocab_size)

@@ -39,7 +39,7 @@ class FakeRunner:
         logits[:, NEXT] = 10.0
         return logits
 
-    def prefill(self, slots, prompts):
+    def prefill(self, slots, prompts, publish=()):
         return self._logits(len(slots))
 
     def decode(self, slots, last_tokens):

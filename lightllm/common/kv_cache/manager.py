@@ -33,11 +33,14 @@ class KVCacheManager:
     ``state_checkpoints=C`` (with the prefix cache) is for a model with per-request state beside the KV (Qwen3.5's
     linear attention): a finished request leaves a checkpoint of its state after its computed tokens (one of ``C``
     ids, the least recently used given up when all are taken), and a prefix is cached only up to the deepest
-    checkpoint on its path. A request whose prefix the tree's KV holds beyond that checkpoint can stop its prefill
-    at the branch (``match_prefix_with_branch``) and leave a checkpoint there (``branch_checkpoint``): a shared
-    system prompt becomes usable to the requests after it. The manager only counts: ``free_request`` and
-    ``branch_checkpoint`` return the checkpoint id the caller must copy the row's state into, ``prefix_state`` the
-    one ``add_request``'s prefix starts from.
+    checkpoint on its path. The manager only counts: ``free_request`` and ``publish`` return the checkpoint id the
+    caller must copy the row's state into, ``prefix_state`` the one ``add_request``'s prefix starts from.
+
+    ``publish(slot)`` puts a running row's computed tokens into the tree before it ends (the row pins them): at the
+    end of its prompt's prefill, so a request admitted meanwhile reuses them (and, with checkpoints, the state after
+    the prompt: a follow-up turn whose template drops the answer's reasoning still starts from it); and where its
+    prefill stops at the *branch* (``match_prefix_with_branch``: a shared system prompt that a checkpoint does not
+    cover yet), so the requests after it reuse the whole shared prefix.
     """
 
     def __init__(self, num_tokens: int, max_reqs: int, max_len: int, device="cuda", contiguous_slots: bool = False,
@@ -68,7 +71,8 @@ class KVCacheManager:
         )
         self._ids: List[List[int]] = [[] for _ in range(max_reqs)]  # token ids whose KV each row holds (prefix cache)
         self._pins: list = [None] * max_reqs  # the tree node each row pinned at add_request
-        self._num_pinned = [0] * max_reqs  # how many tokens it starts with from the tree
+        # how many leading tokens of each row are the tree's slots, pinned by the row (its prefix, what it published)
+        self._num_pinned = [0] * max_reqs
         self._seq_lens = [0] * max_reqs
         # A row's tokens in row order: ``_held`` (chunks, and decode tokens a later chunk came after), then
         # ``_held_decode`` (the decode steps' tokens since the last chunk, one int each)
@@ -115,8 +119,8 @@ class KVCacheManager:
     def match_prefix_with_branch(self, tokens: Sequence[int]) -> Tuple[int, int, int]:
         """``match_prefix(tokens)`` and, third, the *branch*: with state checkpoints, how many leading ``tokens``
         the tree's KV holds when that is more than the first number (the checkpoints stop short of it), else 0. A
-        row whose prefill stops at the branch can leave a checkpoint there (``branch_checkpoint``), which makes
-        the whole cached prefix usable to the next request that shares it."""
+        row whose prefill stops at the branch can leave a checkpoint there (``publish``), which makes the whole
+        cached prefix usable to the next request that shares it."""
         if not self.stateful:
             return (*self.match_prefix(tokens), 0)
         cached, evictable, kv = self.prefix.match_with_branch(tokens)
@@ -296,8 +300,7 @@ class KVCacheManager:
         self.slots.check_allocated("KVCacheManager.free_request", slot)
         state = None
         if not self.contiguous_slots:
-            held = self._held[slot] + ([torch.tensor(self._held_decode[slot])] if self._held_decode[slot] else [])
-            token_idx = torch.cat(held) if held else torch.empty(0, dtype=torch.int64)
+            token_idx = self._row_tokens(slot)
             if self.prefix is not None:
                 token_idx = self._release_to_tree(slot, token_idx)
                 settled = len(self._ids[slot]) == self._seq_lens[slot]  # else a forward raised after extend
@@ -310,18 +313,48 @@ class KVCacheManager:
         self.slots.free(slot)
         return state
 
-    def branch_checkpoint(self, slot: int) -> Optional[int]:
-        """With state checkpoints, for a row whose computed tokens all lie in the tree (its prefill stopped at its
-        branch, ``match_prefix_with_branch``): the id of a checkpoint now recorded after them, which the caller must
-        fill with the row's state before the row runs again. None when the tree no longer holds them all (evicted
-        since), has a checkpoint there already, or no id can be had."""
-        self.slots.check_allocated("KVCacheManager.branch_checkpoint", slot)
-        if not self.stateful:
-            raise ValueError("KVCacheManager.branch_checkpoint: expected a manager with state checkpoints, got none")
+    def publish(self, slot: int) -> Optional[int]:
+        """With the prefix cache, while ``slot``'s request runs: its computed tokens go into the tree now (the tree
+        takes the pool slots of those it did not hold; for those it did, the row switches to the tree's slots and
+        frees its own) and the row pins their whole path until ``free_request``, so a request admitted next reuses
+        them; the pool's free count does not change. With state checkpoints: the id of a checkpoint now recorded
+        after them, which the caller must fill with the row's state before the row runs again. None without the
+        cache, with nothing computed, when the tree has a checkpoint there already or no id can be had, or when the
+        row's last forward did not return (its state may have moved past its computed tokens)."""
+        self.slots.check_allocated("KVCacheManager.publish", slot)
         ids = self._ids[slot]
-        if len(ids) != self._seq_lens[slot] or self.prefix.match(ids)[0] < len(ids):
+        if self.prefix is None or not ids or len(ids) != self._seq_lens[slot]:
             return None
-        return self._checkpoint(ids)
+        own = self._num_pinned[slot]
+        token_idx = self._row_tokens(slot)
+        already = self.prefix.insert(ids, token_idx[: len(ids)])
+        node, tree_slots = self.prefix.pin(ids)  # before the old pin goes: none of the path turns evictable
+        if self._pins[slot] is not None:
+            self.prefix.unpin(self._pins[slot])
+        self._pins[slot] = node
+        if already > own:
+            # The row computed tokens the tree held already (up to a branch): it reads the tree's slots from now
+            # on and frees its own, so the pin it adds costs the pool nothing (what it pins was counted free)
+            shared = tree_slots[own:already]
+            self.req_to_token.write(slot, own, shared)
+            self._rewrite_row(slot, own, shared)
+            self.tokens.free(token_idx[own:already])
+        self._num_pinned[slot] = len(ids)
+        return self._checkpoint(ids) if self.stateful else None
+
+    def _rewrite_row(self, slot: int, start: int, token_idx: torch.Tensor) -> None:
+        """The row's tokens at positions ``[start, start + len(token_idx))`` become ``token_idx`` (its chunks keep
+        their bounds: ``truncate`` reads the last one)."""
+        if self._held_decode[slot]:  # decode steps' tokens as one more chunk (the last extend stays what it was)
+            self._held[slot].append(torch.tensor(self._held_decode[slot], dtype=torch.int64))
+            self._held_decode[slot] = []
+        pos, end, chunks = 0, start + token_idx.numel(), self._held[slot]
+        for c, chunk in enumerate(chunks):
+            a, b = max(start, pos), min(end, pos + chunk.numel())
+            if a < b:
+                chunks[c] = chunk.clone()  # a chunk may be a view of a whole step's allocation
+                chunks[c][a - pos : b - pos] = token_idx[a - start : b - start]
+            pos += chunk.numel()
 
     def _checkpoint(self, ids: Sequence[int]) -> Optional[int]:
         """A checkpoint id recorded after ``ids`` (in the tree); None when the tree has one there or no id can be
@@ -332,8 +365,13 @@ class KVCacheManager:
         """A free checkpoint id or, all taken, the least recently used node's."""
         return self._free_states.pop() if self._free_states else self.prefix.evict_state()
 
+    def _row_tokens(self, slot: int) -> torch.Tensor:
+        """The pool slots of the row's tokens, in row order (CPU int64)."""
+        held = self._held[slot] + ([torch.tensor(self._held_decode[slot])] if self._held_decode[slot] else [])
+        return torch.cat(held) if held else torch.empty(0, dtype=torch.int64)
+
     def _release_to_tree(self, slot: int, token_idx: torch.Tensor) -> torch.Tensor:
-        """Insert the row's computed tokens into the tree and unpin its prefix: the slots left for the free list
+        """Insert the row's computed tokens into the tree and unpin its path: the slots left for the free list
         (those the tree already held under another slot, and any whose KV was never written)."""
         ids, pinned, cached = self._ids[slot], self._pins[slot], self._num_pinned[slot]
         already = self.prefix.insert(ids, token_idx[: len(ids)])

@@ -129,16 +129,14 @@ def test_manager_with_state_checkpoints_reuses_a_prefix_only_up_to_one():
 
 
 def test_the_branch_is_where_the_cached_kv_goes_past_the_last_checkpoint():
-    """A request sharing more KV with the tree than its checkpoints cover learns where (the branch); a row whose
-    computed tokens stop there gets a checkpoint, after which the whole shared prefix is usable."""
+    """A request sharing more KV with the tree than its checkpoints cover learns where (the branch); publishing a
+    row whose computed tokens stop there records a checkpoint, after which the whole shared prefix is usable."""
     plain = KVCacheManager(32, 2, 16, "cpu", prefix_cache=True)
     slot = plain.add_request()
     plain.extend(slot, 4)
     plain.computed(slot, [1, 2, 3, 4])
     plain.free_request(slot)
     assert plain.match_prefix_with_branch([1, 2, 3, 9]) == (3, 3, 0)  # no state: every cached token is usable
-    with pytest.raises(ValueError, match="branch_checkpoint: expected a manager with state checkpoints"):
-        plain.branch_checkpoint(plain.add_request())
 
     kv = KVCacheManager(64, 3, 16, "cpu", prefix_cache=True, state_checkpoints=3)
     slot = kv.add_request()
@@ -151,21 +149,45 @@ def test_the_branch_is_where_the_cached_kv_goes_past_the_last_checkpoint():
     slot = kv.add_request()  # [1, 2, 3, 4, 7, ...]: its prefill stops at the branch, 4
     kv.extend(slot, 4)
     kv.computed(slot, [1, 2, 3, 4])
-    assert kv.branch_checkpoint(slot) == 1  # the caller copies the row's state into checkpoint 1
-    assert kv.branch_checkpoint(slot) is None  # one there already
-    assert kv.match_prefix_with_branch([1, 2, 3, 4, 8]) == (4, 4, 0)  # all four usable now
+    assert kv.publish(slot) == 1  # the caller copies the row's state into checkpoint 1
+    assert kv.publish(slot) is None  # one there already
+    assert kv.match_prefix_with_branch([1, 2, 3, 4, 8]) == (4, 0, 0)  # usable now, pinned by the running row
     kv.extend(slot, 1)
     kv.computed(slot, [7])
     assert kv.free_request(slot) == 2 and kv.prefix.num_states == 3
+    assert kv.match_prefix_with_branch([1, 2, 3, 4, 8]) == (4, 4, 0)
 
-    slot = kv.add_request()
-    kv.extend(slot, 2)
-    kv.computed(slot, [1, 2])
-    kv.prefix.evict(kv.prefix.num_tokens)  # the tree lost the prefix while the row computed it
-    assert kv.branch_checkpoint(slot) is None and kv.prefix.num_states == 0
-    kv.extend(slot, 1)  # a forward that raised after its tokens were added: not settled, no checkpoint
-    assert kv.branch_checkpoint(slot) is None
-    kv.free_request(slot)
+
+def test_a_published_row_shares_its_tokens_while_it_runs():
+    """``publish`` puts a running row's computed tokens into the tree, pinned: a second request reuses them at
+    once, nothing can evict them, and when both end every slot is accounted for (the tree's, the free list's)."""
+    kv = KVCacheManager(24, 3, 16, "cpu", prefix_cache=True)
+    assert kv.publish(kv.add_request()) is None  # nothing computed yet
+    kv.free_request(0)
+    a = kv.add_request()
+    kv.extend(a, 5)
+    kv.computed(a, [1, 2, 3, 4, 5])
+    kv.extend(a, 1)  # a decode step's token whose forward has not returned: not published
+    assert kv.publish(a) is None and kv.prefix.num_tokens == 0
+    kv.computed(a, [6])
+    assert kv.publish(a) is None  # without state checkpoints: no id, but the tokens are in
+    assert kv.match_prefix([1, 2, 3, 4, 5, 6, 9]) == (6, 0) and kv.prefix.num_evictable == 0
+    assert kv.num_free_tokens == 24 - 6  # the row's tokens, now the tree's, pinned: not free
+    kv.prefix.evict(24)
+    assert kv.prefix.num_tokens == 6  # pinned: nothing evicted
+    b = kv.add_request([1, 2, 3, 4])  # reuses a's slots
+    assert kv.table[b, :4].tolist() == kv.table[a, :4].tolist()
+    kv.extend(b, 2)
+    kv.computed(b, [7, 8])
+    kv.publish(b)  # [1..4] + [7, 8]: the tree splits a's node at 4
+    kv.extend(a, 1)
+    kv.computed(a, [10])
+    kv.free_request(a)  # the tree keeps [1..6] (its own since publish) and takes token 10
+    assert kv.prefix.num_tokens == 9 and kv.prefix.num_evictable == 3  # b pins [1..4] + [7, 8]
+    kv.free_request(b)
+    assert kv.prefix.num_evictable == kv.prefix.num_tokens == 9 and kv.tokens.num_free == 24 - 9
+    kv.prefix.clear()
+    assert kv.tokens.num_free == 24
 
 
 def _path_refs(tree):
@@ -188,15 +210,15 @@ def test_random_admissions_and_finishes_keep_the_tree_consistent(seed, checkpoin
     request's tokens; after every operation pins match the live requests and no count goes negative. With state
     checkpoints (three, fewer than the finishes: they are reused) a model of each checkpoint's content (the token
     ids of the request whose state was saved into it) proves that a hit starts from the state of exactly its
-    prefix, and that every node's checkpoint holds its path's state; a request that shares more KV than its
-    checkpoint covers is checkpointed at its branch, as the engine does."""
+    prefix, and that every node's checkpoint holds its path's state. As in the engine, rows are published while they
+    run (at their branch, at the end of their prompt), which pins what they computed and hands it to the tree."""
     rng = random.Random(seed)
     total, max_len = 64, 24
     kv = KVCacheManager(total, 6, max_len, "cpu", prefix_cache=True, state_checkpoints=checkpoints)
     content = {}  # slot -> the token ids (from position 0) whose last one's KV the slot holds
     saved = {}  # checkpoint id -> the token ids whose state it holds
     bases = [[rng.randrange(5) for _ in range(max_len)] for _ in range(3)]
-    live = {}  # request slot -> (its token ids, tokens pinned at admission)
+    live = {}  # request slot -> (its token ids, its leading tokens whose slots are the tree's, pinned)
     evictions = hits = branches = 0
     for _ in range(300):
         if live and (rng.random() < 0.4 or not kv.has_free_slot()):
@@ -211,7 +233,7 @@ def test_random_admissions_and_finishes_keep_the_tree_consistent(seed, checkpoin
             ids = ids[:max_len]
             cached, evictable, branch = kv.match_prefix_with_branch(ids[:-1])
             assert (cached, evictable) == kv.match_prefix(ids[:-1]) and (branch == 0 or branch > cached)
-            if not kv.can_allocate(len(ids) - cached + evictable):
+            if not kv.can_allocate(len(ids) - cached + evictable + 1):  # + a decode step's token, as admission
                 continue
             before = kv.prefix.num_tokens
             slot = kv.add_request(ids[:cached])
@@ -219,20 +241,38 @@ def test_random_admissions_and_finishes_keep_the_tree_consistent(seed, checkpoin
             assert [content[s] for s in row] == [tuple(ids[: i + 1]) for i in range(cached)]
             if checkpoints and cached:
                 assert saved[kv.prefix_state(slot)] == tuple(ids[:cached])
-            # the prefill stops at the branch, where the runner checkpoints the row's state (unless the extend
-            # evicted the tree's copy of the prefix meanwhile), then goes on
+            # as the engine does: the prefill stops at the branch, then goes on to the end of the prompt, and the
+            # row is published at both (with checkpoints, the runner copies the row's state into the id it gets)
+            pinned = cached  # the row's leading tokens whose slots are the tree's, pinned by it
             for start, end in [(cached, branch), (branch, len(ids))] if branch else [(cached, len(ids))]:
                 new = kv.extend(slot, end - start)
                 for i, s in enumerate(new.tolist(), start=start):
                     content[s] = tuple(ids[: i + 1])
                 kv.computed(slot, ids[start:end])
-                if end == branch:
-                    state = kv.branch_checkpoint(slot)
-                    branches += state is not None
+                if rng.random() < 0.7:  # and sometimes not: a row that never published ends the same way
+                    pinned = end  # the tree's slots from then on (the row's duplicates freed)
+                    state = kv.publish(slot)
+                    row = kv.table[slot, :end].tolist()  # the row reads slots holding exactly its tokens' KV
+                    assert row == kv._row_tokens(slot).tolist()[:end]
+                    assert [content[s] for s in row] == [tuple(ids[: i + 1]) for i in range(end)]
+                    branches += end == branch
                     if state is not None:
-                        saved[state] = tuple(ids[:branch])
+                        saved[state] = tuple(ids[:end])
+            if len(ids) < max_len and rng.random() < 0.3:  # a decode step, published too (a mixed step's chunk)
+                token = rng.randrange(5)
+                (new,) = kv.extend_each([slot]).tolist()
+                content[new] = tuple(ids) + (token,)
+                kv.computed_each([slot], [token])
+                ids = ids + [token]
+                if rng.random() < 0.5:
+                    pinned = len(ids)
+                    state = kv.publish(slot)
+                    row = kv.table[slot, : len(ids)].tolist()
+                    assert row == kv._row_tokens(slot).tolist() and content[row[-1]] == tuple(ids)
+                    if state is not None:
+                        saved[state] = tuple(ids)
             evictions += before > kv.prefix.num_tokens
-            live[slot] = (ids, cached)
+            live[slot] = (ids, pinned)
             hits += cached > 0
         nodes = _path_refs(kv.prefix)
         for node, (path, refs) in nodes.items():
@@ -247,7 +287,7 @@ def test_random_admissions_and_finishes_keep_the_tree_consistent(seed, checkpoin
         assert sorted(states + kv._free_states) == list(range(checkpoints))
         assert kv.prefix.num_tokens == sum(len(n.key) for n in nodes)
         assert kv.prefix.num_evictable == sum(len(n.key) for n in nodes if n.refs == 0)
-        held = sum(kv.seq_len(s) - pinned for s, (_, pinned) in live.items())
+        held = sum(kv.seq_len(s) - pinned for s, (_, pinned) in live.items())  # the rows' own slots
         assert kv.tokens.num_free + kv.prefix.num_tokens + held == total  # no slot leaked or counted twice
     assert evictions > 0 and hits > 0
     if checkpoints:
