@@ -38,7 +38,7 @@ class KVCacheManager:
 
     ``publish(slot)`` puts a running row's computed tokens into the tree before it ends (the row pins them): at the
     end of its prompt's prefill, so a request admitted meanwhile reuses them (and, with checkpoints, the state after
-    the prompt: a follow-up turn whose template drops the answer's reasoning still starts from it); and where its
+    the prompt: a follow-up turn that repeats the prompt but not the answer still starts from it); and where its
     prefill stops at the *branch* (``match_prefix_with_branch``: a shared system prompt that a checkpoint does not
     cover yet), so the requests after it reuse the whole shared prefix.
     """
@@ -70,7 +70,7 @@ class KVCacheManager:
             RadixCache(self.tokens.free, self._free_states.append) if prefix_cache else None
         )
         self._ids: List[List[int]] = [[] for _ in range(max_reqs)]  # token ids whose KV each row holds (prefix cache)
-        self._pins: list = [None] * max_reqs  # the tree node each row pinned at add_request
+        self._pins: list = [None] * max_reqs  # the tree node each row pinned (add_request, publish)
         # how many leading tokens of each row are the tree's slots, pinned by the row (its prefix, what it published)
         self._num_pinned = [0] * max_reqs
         self._seq_lens = [0] * max_reqs

@@ -30,8 +30,11 @@ class ReqToTokenTable:
         return self.table.device
 
     def write(self, slot: int, start: int, token_idx: torch.Tensor) -> None:
-        """``table[slot, start:start+len(token_idx)] = token_idx`` (bounds checked by the caller)."""
-        self.table[slot, start : start + token_idx.numel()] = token_idx.to(device=self.table.device, dtype=torch.int32)
+        """``table[slot, start:start+len(token_idx)] = token_idx`` (bounds checked by the caller), through pinned
+        memory: an admission with a cached prefix, or a publish, does not wait for the GPU."""
+        self.table[slot, start : start + token_idx.numel()] = tensor_to_device(
+            token_idx, self.table.device, torch.int32
+        )
 
     def write_points(self, slots: Sequence[int], positions: Sequence[int], token_idx: torch.Tensor) -> None:
         """``table[slots[i], positions[i]] = token_idx[i]`` for every ``i`` in one indexed write into the flattened
