@@ -111,6 +111,7 @@ class ServerArgs:
     nccl_port: Optional[int] = None  # None: a free port
     reasoning_parser: Optional[str] = None  # None: reasoning stays in the chat answer's content
     tool_call_parser: Optional[str] = None  # None: tool calls stay in the chat answer's content
+    linear_att_hash_page_size: Optional[int] = None  # LightLLM's; accepted and logged as unused
 
 
 TOKENIZER_MODES = ("fast", "slow", "auto")
@@ -140,6 +141,11 @@ _SERVER_FLAGS = {  # the ServerArgs fields whose flag is not a plain typed value
     "eos_id": dict(type=int, nargs="+", help="token ids that end a request, besides the model's own EOS"),
     "chat_template": dict(help="a Jinja chat template, as a file path or inline, replacing the tokenizer's"),
     "nccl_port": dict(type=int, help="with --tp > 1: the port of the ranks' rendezvous (default: a free one)"),
+    "linear_att_hash_page_size": dict(
+        type=int,
+        help="accepted for LightLLM compatibility; Qwen3.5's prefix cache checkpoints its linear-attention "
+        "state after each prompt and at shared-prefix branches, not every N tokens",
+    ),
 }
 
 
@@ -190,6 +196,9 @@ def parse_args(argv: Optional[List[str]] = None) -> Tuple[ServerArgs, EngineArgs
             raise ValueError(
                 f"--max_request_body_bytes expected a positive integer, got {server.max_request_body_bytes}"
             )
+        if server.linear_att_hash_page_size is not None and server.linear_att_hash_page_size < 1:
+            raise ValueError(f"--linear_att_hash_page_size expected a positive integer, got "
+                             f"{server.linear_att_hash_page_size}")  # fmt: skip
         if server.nccl_port is not None and not 0 < server.nccl_port < 65536:
             raise ValueError(f"--nccl_port expected a value in [1, 65535], got {server.nccl_port}")
         if server.tp > 1 and server.nccl_port == server.port:  # rank 0 would listen there before HTTP does
@@ -239,6 +248,10 @@ def _note_unused(server: ServerArgs) -> None:
         logger.info("--trust_remote_code: unused, the supported architectures (Qwen3, Qwen3.5) run no remote code")
     if server.nccl_port is not None and server.tp == 1:
         logger.info("--nccl_port %d: unused with --tp 1", server.nccl_port)
+    if server.linear_att_hash_page_size is not None:
+        logger.info("--linear_att_hash_page_size %d: unused, Qwen3.5's prefix cache checkpoints its linear-attention "
+                    "state after each prompt and at shared-prefix branches (docs/engine.md)",
+                    server.linear_att_hash_page_size)  # fmt: skip
 
 
 def _fit_to_model(engine: EngineArgs, server: ServerArgs) -> None:

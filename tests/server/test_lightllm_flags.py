@@ -98,6 +98,19 @@ def test_flags_accepted_for_compatibility_log_that_they_change_nothing(model, ca
     messages = [r.message for r in caplog.records]
     assert "--trust_remote_code: unused, the supported architectures (Qwen3, Qwen3.5) run no remote code" in messages
     assert "--nccl_port 29500: unused with --tp 1" in messages
+    caplog.clear()
+    server, _ = parse(model, "--linear_att_hash_page_size", "512")
+    assert server.linear_att_hash_page_size == 512
+    assert [r.message for r in caplog.records if "linear_att_hash_page_size" in r.message] == [
+        "--linear_att_hash_page_size 512: unused, Qwen3.5's prefix cache checkpoints its linear-attention state after "
+        "each prompt and at shared-prefix branches (docs/engine.md)"
+    ]
+
+
+def test_linear_att_hash_page_size_must_be_positive(capsys, model):
+    assert refused(capsys, model, "--linear_att_hash_page_size", "0") == (
+        "error: --linear_att_hash_page_size expected a positive integer, got 0"
+    )
 
 
 def test_disable_dynamic_prompt_cache_is_an_engine_option(model):
