@@ -330,6 +330,7 @@ class Server:
                 if first:  # every event carries the admission's hit: count it once
                     first = False
                     self.metrics.cached_tokens.inc(evs[0].cached_tokens)
+                    self.metrics.prompt_tokens.inc(len(ids))
                     if cached is not None:
                         cached.append(evs[0].cached_tokens)
                 ready = []

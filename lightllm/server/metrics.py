@@ -31,6 +31,9 @@ class Metrics:
         self.finished = Counter("lightllm_requests_finished", "finished requests", ["finish_reason"], registry=r)
         self.cached_tokens = Counter("lightllm_prompt_cached_tokens", "prompt tokens read from the prefix cache "
                                      "instead of computed", registry=r)  # fmt: skip
+        # beside it, the prefix cache's hit rate: both counted at a request's first token
+        self.prompt_tokens = Counter("lightllm_prompt_tokens", "prompt tokens of requests that got a first token",
+                                     registry=r)  # fmt: skip
         # MTP speculative decoding: draft tokens proposed, and those accepted (emitted as output tokens)
         self.spec_drafts = Counter("lightllm_spec_decode_num_draft_tokens", "MTP draft tokens proposed", registry=r)
         self.spec_accepted = Counter("lightllm_spec_decode_num_accepted_tokens", "MTP draft tokens accepted",

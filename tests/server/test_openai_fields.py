@@ -234,10 +234,11 @@ def test_penalties_and_bias_reach_the_draw(client):
 
 def test_usage_reports_the_prompt_tokens_read_from_the_prefix_cache(client):
     """The second identical prompt reuses all but its last token (computed for its logits), whole or streamed, and
-    /metrics counts them."""
+    /metrics counts them beside all the prompt tokens (the hit rate)."""
     body = {"prompt": "abcdef", "max_tokens": 2, "ignore_eos": True}
     assert post(client, COMPLETIONS, body)["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
     assert post(client, COMPLETIONS, body)["usage"]["prompt_tokens_details"] == {"cached_tokens": 5}
     last = events(client, COMPLETIONS, {**body, "stream": True, "stream_options": {"include_usage": True}})[-1]
     assert last["usage"]["prompt_tokens_details"] == {"cached_tokens": 5}
-    assert "lightllm_prompt_cached_tokens_total 10.0" in client.get("/metrics").text
+    metrics = client.get("/metrics").text
+    assert "lightllm_prompt_cached_tokens_total 10.0" in metrics and "lightllm_prompt_tokens_total 18.0" in metrics
