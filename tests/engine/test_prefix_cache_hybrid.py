@@ -111,9 +111,10 @@ def test_greedy_output_is_the_same_with_the_cache_on_and_off(model_dir, mixed, b
 
 @pytest.mark.parametrize("chunk", [None, 8], ids=["whole", "8-token chunks"])
 def test_a_shared_prefix_is_checkpointed_at_its_branch(model_dir, chunk):
-    """Three prompts share a 26-token prefix (a system prompt). The first leaves a checkpoint only at its end; the
-    second shares the prefix's KV but no checkpoint on it, so its prefill stops a chunk at the branch (26) and
-    leaves a checkpoint there; the third then prefills only its own tokens. Greedy output is the cache-off run's."""
+    """Three prompts share a 26-token prefix (a system prompt). The first leaves checkpoints only past it (after its
+    prompt, after its answer); the second shares the prefix's KV but no checkpoint on it, so its prefill stops a
+    chunk at the branch (26) and leaves a checkpoint there; the third then prefills only its own tokens. Greedy
+    output is the cache-off run's."""
     shared = BASE[:26]
     prompts = [shared + [60, 61], shared + [70, 71, 72], shared + [80, 81]]
     opts = dict(chunked_prefill_size=chunk) if chunk else {}
@@ -127,7 +128,8 @@ def test_a_shared_prefix_is_checkpointed_at_its_branch(model_dir, chunk):
         outs, fins = run(engine, [p])
         got.append(outs[0])
         cached.append(fins[0].cached_tokens)
-    assert got == want and cached == [0, 0, 26] and r.kv.prefix.num_states == 4  # 3 ends, 1 branch
+    # all four checkpoint ids in use (of the prompts' and answers' ends and the branch, the least recent given up)
+    assert got == want and cached == [0, 0, 26] and r.kv.prefix.num_states == 4
     first, second = [len(prompts[0])], [26, 3]
     if chunk:
         first, second = [8, 8, 8, 4], [8, 8, 8, 2, 3]

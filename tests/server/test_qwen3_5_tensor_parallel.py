@@ -1,6 +1,6 @@
 """Qwen3.5 served from its folder with --tp 2 on the CPU (gloo): linear-attention heads and state split by heads,
-the same greedy tokens and logprobs as one process (prefix-cache checkpoints at request ends and at a shared
-prompt's branch kept on every rank); chat through the folder's template."""
+the same greedy tokens and logprobs as one process (prefix-cache checkpoints after prompts, at request ends and at a
+shared prompt's branch kept alike on every rank); chat through the folder's template."""
 
 import re
 
