@@ -207,9 +207,10 @@ class Engine:
                 logits = self.runner.decode([r.slot for r in batch], [r.output_ids[-1] for r in batch])
             else:  # prefill, or mixed: a running request's chunk is its last token
                 chunks = [r.context_slice(r.prefilled, r.chunk_end) for r in batch]
-                # the prefix cache takes a prompt once it is all in (or up to its branch), while the request runs
+                # the prefix cache takes each prompt chunk as it is computed, while the request runs (a mixed step's
+                # decode tokens wait for their request's end); a prompt's end and a branch keep a lasting checkpoint
                 decoding = {id(r) for r in self.scheduler.running} if kind == "mixed" else ()
-                publish = [r.slot for r in batch if id(r) not in decoding and r.chunk_end in (r.context_len, r.branch)]
+                publish = [(r.slot, r.chunk_end in (r.context_len, r.branch)) for r in batch if id(r) not in decoding]
                 logits = self.runner.prefill([r.slot for r in batch], chunks, publish)
         except Exception:  # e.g. out of memory on one long prompt: only the requests of this forward fail
             failed = self.scheduler.mixed_step_failed(batch) if kind == "mixed" else batch

@@ -313,8 +313,9 @@ class ModelRunner:
         request's last new token. A slot that already holds tokens (the earlier chunks of a chunked prefill) is
         continued: its new tokens sit after them and attend to them (and Qwen3.5's state slot carries on). One
         request within a prefill graph's bucket replays that graph (its logits valid until the next replay).
-        ``publish``: rows whose computed tokens the prefix cache takes now, while they run (``kv.publish``), with
-        their state (Qwen3.5) copied into the checkpoint it records after them, before any later forward moves it."""
+        ``publish``: ``(slot, lasting)`` of the rows whose computed tokens the prefix cache takes now, while they run
+        (``kv.publish``), with their state (Qwen3.5) copied into the checkpoint it records after them, before any
+        later forward moves it."""
         lens = [len(p) for p in prompts]
         prefix = [self.kv.seq_len(s) for s in slots]
         token_idx = self.kv.extend_many(slots, lens)  # one allocation and one table write for the step
@@ -325,8 +326,8 @@ class ModelRunner:
             logits = self._prefill_eager(slots, prompts, lens, prefix, token_idx)
         for slot, prompt in zip(slots, prompts):  # after the forward: a failed one leaves no KV to reuse
             self.kv.computed(slot, prompt)
-        for slot in publish:
-            checkpoint = self.kv.publish(slot)
+        for slot, lasting in publish:
+            checkpoint = self.kv.publish(slot, lasting)
             if checkpoint is not None:
                 self.model.save_state(slot, checkpoint)
         return logits

@@ -63,10 +63,11 @@ class Runner(Protocol):
     @property
     def mtp(self) -> Optional[MTPSteps]: ...  # with --mtp_mode: its draft / verify / accept steps, else None
 
-    # ``publish``: rows whose computed tokens (and state) the prefix cache takes right after this forward, while they
-    # run: those whose prompt is now all in, or whose chunk stopped at their branch (KVQueries)
+    # ``publish``: ``(slot, lasting)`` of the rows whose computed tokens (and state) the prefix cache takes right
+    # after this forward, while they run: every prompt chunk; ``lasting`` where the prompt is now all in or the chunk
+    # stopped at its branch (KVQueries), so the checkpoint there outlives those of chunks inside a prompt
     def prefill(
-        self, slots: Sequence[int], prompts: Sequence[Sequence[int]], publish: Sequence[int] = ()
+        self, slots: Sequence[int], prompts: Sequence[Sequence[int]], publish: Sequence[Tuple[int, bool]] = ()
     ) -> torch.Tensor: ...
 
     def decode(self, slots: Sequence[int], last_tokens: Sequence[int]) -> torch.Tensor: ...

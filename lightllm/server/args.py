@@ -144,7 +144,7 @@ _SERVER_FLAGS = {  # the ServerArgs fields whose flag is not a plain typed value
     "linear_att_hash_page_size": dict(
         type=int,
         help="accepted for LightLLM compatibility; Qwen3.5's prefix cache checkpoints its linear-attention "
-        "state after each prompt and at shared-prefix branches, not every N tokens",
+        "state after each prefill chunk, each prompt and at shared-prefix branches, not every N tokens",
     ),
 }
 
@@ -250,7 +250,7 @@ def _note_unused(server: ServerArgs) -> None:
         logger.info("--nccl_port %d: unused with --tp 1", server.nccl_port)
     if server.linear_att_hash_page_size is not None:
         logger.info("--linear_att_hash_page_size %d: unused, Qwen3.5's prefix cache checkpoints its linear-attention "
-                    "state after each prompt and at shared-prefix branches (docs/engine.md)",
+                    "state after each prefill chunk, each prompt and at shared-prefix branches (docs/engine.md)",
                     server.linear_att_hash_page_size)  # fmt: skip
 
 

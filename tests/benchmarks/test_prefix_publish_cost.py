@@ -22,12 +22,17 @@ def test_rows_time_each_length_fresh_and_shared(bench, tmp_path):
 
 
 def test_a_request_publishes_as_the_engine_does(bench):
-    """The timed request leaves the tree what the engine's does: its prompt and decode tokens, unpinned."""
+    """The timed request publishes and leaves the tree what the engine's does: its prompt chunk by chunk, then its
+    prompt and decode tokens, unpinned."""
     from lightllm.common.kv_cache import KVCacheManager
 
     kv = KVCacheManager(256, 2, 64, "cpu", prefix_cache=True)
     prompt = list(range(1, 41))
-    bench.request_us(kv, prompt, 4, publish=True)
+    published = []
+    real = kv.publish
+    kv.publish = lambda slot, lasting: published.append((kv.seq_len(slot), lasting)) or real(slot, lasting)
+    bench.request_us(kv, prompt, 4, publish=True, chunk=16)
+    assert published == [(16, False), (32, False), (40, True)]  # after each chunk, the prompt's end lasting
     assert kv.prefix.num_tokens == 44 and kv.prefix.num_evictable == 44 and kv.num_free_slots == 2
     assert kv.match_prefix(prompt + [0, 1, 2, 3, 99]) == (44, 44)  # decode tokens 0..3 follow the prompt
 

@@ -111,10 +111,12 @@ def test_greedy_output_is_the_same_with_the_cache_on_and_off(model_dir, mixed, b
 
 @pytest.mark.parametrize("chunk", [None, 8], ids=["whole", "8-token chunks"])
 def test_a_shared_prefix_is_checkpointed_at_its_branch(model_dir, chunk):
-    """Three prompts share a 26-token prefix (a system prompt). The first leaves checkpoints only past it (after its
-    prompt, after its answer); the second shares the prefix's KV but no checkpoint on it, so its prefill stops a
-    chunk at the branch (26) and leaves a checkpoint there; the third then prefills only its own tokens. Greedy
-    output is the cache-off run's."""
+    """Three prompts share a 26-token prefix (a system prompt). Whole, the first leaves checkpoints only past it
+    (after its prompt, after its answer); the second shares the prefix's KV but no checkpoint on it, so its prefill
+    stops a chunk at the branch (26) and leaves a checkpoint there; the third then prefills only its own tokens. In
+    8-token chunks the first also leaves one after each chunk: the second starts from the one at 24 (2 tokens short
+    of the prefix: no branch under the minimum of 16), which it keeps lasting, and so does the third. Greedy output
+    is the cache-off run's."""
     shared = BASE[:26]
     prompts = [shared + [60, 61], shared + [70, 71, 72], shared + [80, 81]]
     opts = dict(chunked_prefill_size=chunk) if chunk else {}
@@ -128,12 +130,10 @@ def test_a_shared_prefix_is_checkpointed_at_its_branch(model_dir, chunk):
         outs, fins = run(engine, [p])
         got.append(outs[0])
         cached.append(fins[0].cached_tokens)
-    # all four checkpoint ids in use (of the prompts' and answers' ends and the branch, the least recent given up)
-    assert got == want and cached == [0, 0, 26] and r.kv.prefix.num_states == 4
-    first, second = [len(prompts[0])], [26, 3]
-    if chunk:
-        first, second = [8, 8, 8, 4], [8, 8, 8, 2, 3]
-    assert calls == [[n] for n in first + second + [2]]
+    # all four checkpoint ids in use (of the prompts' and answers' ends, the branch, the chunks: the least recent go)
+    assert got == want and cached == ([0, 24, 24] if chunk else [0, 0, 26]) and r.kv.prefix.num_states == 4
+    want_calls = [8, 8, 8, 4, 5, 4] if chunk else [len(prompts[0]), 26, 3, 2]
+    assert calls == [[n] for n in want_calls]
     assert_no_state_leak(r)
 
 
@@ -220,7 +220,8 @@ def test_the_flag_sizes_the_checkpoints_and_zero_turns_the_cache_off(model_dir, 
 
 def test_a_failed_forward_leaves_no_checkpoint_of_its_half_advanced_state(model_dir):
     """A chunk's forward that raises after the first layers advanced the state: the request ends with "error", and
-    its first chunk's KV stays in the tree but without a checkpoint, so the same prompt again is computed afresh."""
+    its first chunk's KV stays in the tree with the checkpoint published after it, none of the failed chunk's, so
+    the same prompt again starts from the first chunk's state and gives the cache-off output."""
     prompt = BASE[:20]
     want, _ = run(Engine(runner(model_dir, cache=False, chunked_prefill_size=8), eos_ids=[]), [prompt])
     r = runner(model_dir, chunked_prefill_size=8)
@@ -228,8 +229,8 @@ def test_a_failed_forward_leaves_no_checkpoint_of_its_half_advanced_state(model_
 
     def forward(input_ids, state):
         calls.append(1)
-        if len(calls) == 2:  # the second chunk: the state rows moved, then the forward fails
-            r.model.linear.state.ssm.add_(1.0)
+        if len(calls) == 2:  # the second chunk: the request rows' state moved, then the forward fails
+            r.model.linear.state.ssm[:, : r.model._checkpoint_base].add_(1.0)
             raise RuntimeError("injected failure")
         return real(input_ids, state)
 
@@ -237,10 +238,9 @@ def test_a_failed_forward_leaves_no_checkpoint_of_its_half_advanced_state(model_
     engine = Engine(r, eos_ids=[])
     _, fins = run(engine, [prompt])
     assert fins[0].finish_reason == "error"
-    assert r.kv.prefix.num_tokens == 8 and r.kv.prefix.num_states == 0
-    r.model.linear.state.ssm.zero_()  # every request starts afresh: only a checkpoint could carry the damage
+    assert r.kv.prefix.num_tokens == 8 and r.kv.prefix.num_states == 1
     got, fins = run(engine, [prompt])
-    assert got == want and fins[0].cached_tokens == 0
+    assert got == want and fins[0].cached_tokens == 8
 
 
 def test_a_failed_decode_step_leaves_no_checkpoint(model_dir):

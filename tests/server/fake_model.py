@@ -35,8 +35,8 @@ class FakeRunner:
         for slot, prompt in zip(slots, prompts):
             self.kv.extend(slot, len(prompt))
             self.kv.computed(slot, prompt)
-        for slot in publish:
-            self.kv.publish(slot)
+        for slot, lasting in publish:
+            self.kv.publish(slot, lasting)
         return WEIGHTS[[p[-1] for p in prompts]].clone()
 
     def decode(self, slots, last_tokens):

@@ -103,7 +103,7 @@ def test_flags_accepted_for_compatibility_log_that_they_change_nothing(model, ca
     assert server.linear_att_hash_page_size == 512
     assert [r.message for r in caplog.records if "linear_att_hash_page_size" in r.message] == [
         "--linear_att_hash_page_size 512: unused, Qwen3.5's prefix cache checkpoints its linear-attention state after "
-        "each prompt and at shared-prefix branches (docs/engine.md)"
+        "each prefill chunk, each prompt and at shared-prefix branches (docs/engine.md)"
     ]
 
 

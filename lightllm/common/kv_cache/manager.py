@@ -146,6 +146,8 @@ class KVCacheManager:
                     raise ValueError(f"KVCacheManager.add_request: prefix expected to end at a state checkpoint "
                                      f"(match_prefix), got {len(prefix)} tokens")  # fmt: skip
                 self._pins[slot], token_idx = self.prefix.pin(prefix)
+                if self.stateful:  # a chunk's checkpoint a request starts from has earned its place
+                    self._pins[slot].lasting = True
             except ValueError:
                 self.slots.free(slot)
                 raise
@@ -313,14 +315,16 @@ class KVCacheManager:
         self.slots.free(slot)
         return state
 
-    def publish(self, slot: int) -> Optional[int]:
+    def publish(self, slot: int, lasting: bool = True) -> Optional[int]:
         """With the prefix cache, while ``slot``'s request runs: its computed tokens go into the tree now (the tree
         takes the pool slots of those it did not hold; for those it did, the row switches to the tree's slots and
         frees its own) and the row pins their whole path until ``free_request``, so a request admitted next reuses
         them; the pool's free count does not change. With state checkpoints: the id of a checkpoint now recorded
-        after them, which the caller must fill with the row's state before the row runs again. None without the
-        cache, with nothing computed, when the tree has a checkpoint there already or no id can be had, or when the
-        row's last forward did not return (its state may have moved past its computed tokens)."""
+        after them, which the caller must fill with the row's state before the row runs again; ``lasting`` False
+        for a chunk inside a prompt (its checkpoint is given up before those of prompts' ends, branches and
+        requests' ends: ``RadixCache.evict_state``). None without the cache, with nothing computed, when the tree
+        has a checkpoint there already or no id can be had, or when the row's last forward did not return (its
+        state may have moved past its computed tokens)."""
         self.slots.check_allocated("KVCacheManager.publish", slot)
         ids = self._ids[slot]
         if self.prefix is None or not ids or len(ids) != self._seq_lens[slot]:
@@ -340,7 +344,7 @@ class KVCacheManager:
             self._rewrite_row(slot, own, shared)
             self.tokens.free(token_idx[own:already])
         self._num_pinned[slot] = len(ids)
-        return self._checkpoint(ids) if self.stateful else None
+        return self._checkpoint(ids, lasting) if self.stateful else None
 
     def _rewrite_row(self, slot: int, start: int, token_idx: torch.Tensor) -> None:
         """The row's tokens at positions ``[start, start + len(token_idx))`` become ``token_idx`` (its chunks keep
@@ -356,10 +360,10 @@ class KVCacheManager:
                 chunks[c][a - pos : b - pos] = token_idx[a - start : b - start]
             pos += chunk.numel()
 
-    def _checkpoint(self, ids: Sequence[int]) -> Optional[int]:
+    def _checkpoint(self, ids: Sequence[int], lasting: bool = True) -> Optional[int]:
         """A checkpoint id recorded after ``ids`` (in the tree); None when the tree has one there or no id can be
         had."""
-        return self.prefix.attach_state(ids, self._take_state)
+        return self.prefix.attach_state(ids, self._take_state, lasting)
 
     def _take_state(self) -> Optional[int]:
         """A free checkpoint id or, all taken, the least recently used node's."""

@@ -22,7 +22,7 @@ import torch
 
 
 class _Node:
-    __slots__ = ("key", "slots", "children", "parent", "refs", "last_used", "serial", "state")
+    __slots__ = ("key", "slots", "children", "parent", "refs", "last_used", "serial", "state", "lasting")
     _serials = itertools.count()  # ties in LRU order break by creation, the same on every tensor-parallel rank
 
     def __init__(self, key: List[int], slots: torch.Tensor, parent: Optional["_Node"]):
@@ -34,6 +34,7 @@ class _Node:
         self.last_used = 0
         self.serial = next(_Node._serials)
         self.state: Optional[int] = None  # checkpoint id: the state after this node's last token
+        self.lasting = False  # the checkpoint ends a prompt, a branch or a request (not a chunk inside a prompt)
 
 
 def _common_len(a: Sequence[int], b: Sequence[int]) -> int:
@@ -138,31 +139,36 @@ class RadixCache:
             self.num_evictable += len(leaf.key)
         return cached
 
-    def attach_state(self, tokens: Sequence[int], take: Callable[[], Optional[int]]) -> Optional[int]:
+    def attach_state(self, tokens: Sequence[int], take: Callable[[], Optional[int]], lasting: bool = True
+                     ) -> Optional[int]:  # fmt: skip
         """Record a checkpoint after the cached ``tokens`` (``ValueError`` if they are not all cached), its id from
         ``take()``, which is called only when there is none there yet; the id, or None when ``tokens`` is empty, a
-        checkpoint is there already or ``take()`` gave none. ``take`` may call ``evict_state``."""
+        checkpoint is there already (made ``lasting`` if this one is: the same state) or ``take()`` gave none.
+        ``take`` may call ``evict_state``. A checkpoint that is not ``lasting`` (after a chunk inside a prompt) is
+        given up before any lasting one."""
         cached, _ = self.match(tokens)
         if cached < len(tokens):
             raise ValueError(f"RadixCache.attach_state: tokens expected a cached prefix, got {len(tokens)} tokens of "
                              f"which {cached} are cached")  # fmt: skip
         node, _ = self._walk(tokens)
         if node is self.root or node.state is not None:
+            node.lasting = node.lasting or lasting
             return None
         state = take()  # never this node's (it has none): evict_state picks among nodes that have one
         if state is None:
             return None
-        node.state = state
+        node.state, node.lasting = state, lasting
         node.last_used = next(self._clock)
         self._stateful[state] = node
         return state
 
     def evict_state(self) -> Optional[int]:
-        """Give up the least recently used state checkpoint (its node's KV stays); its id, None when there is none.
-        A pinned path's checkpoint may go too: whoever pinned it has read it already."""
+        """Give up the least recently used state checkpoint, one that is not lasting if there is any (its node's KV
+        stays); its id, None when there is none. A pinned path's checkpoint may go too: whoever pinned it has read
+        it already."""
         if not self._stateful:
             return None
-        node = min(self._stateful.values(), key=lambda n: (n.last_used, n.serial))
+        node = min(self._stateful.values(), key=lambda n: (n.lasting, n.last_used, n.serial))
         del self._stateful[node.state]
         state, node.state = node.state, None
         return state

@@ -98,6 +98,34 @@ def test_the_least_recently_used_checkpoint_is_given_up_first():
     assert tree.num_tokens == 4  # the KV stays
 
 
+def test_checkpoints_of_chunks_inside_a_prompt_are_given_up_first():
+    """A checkpoint that is not lasting (a chunk's) goes before any lasting one, however recent; recording a lasting
+    one where it is makes it lasting, and so does a request that starts from it (the manager's admission)."""
+    tree = RadixCache(lambda idx: None)
+    for i, seq in enumerate(([1, 2], [5, 6], [7, 8])):
+        tree.insert(seq, torch.arange(2 * i, 2 * i + 2))
+    assert tree.attach_state([1, 2], lambda: 0) == 0  # lasting, the oldest
+    assert tree.attach_state([5, 6], lambda: 1, lasting=False) == 1
+    assert tree.attach_state([7, 8], lambda: 2, lasting=False) == 2
+    assert tree.attach_state([7, 8], lambda: 9) is None  # one there: now lasting, the same state
+    assert tree.evict_state() == 1 and tree.evict_state() == 0 and tree.evict_state() == 2
+
+    kv = KVCacheManager(32, 2, 16, "cpu", prefix_cache=True, state_checkpoints=2)
+    a = kv.add_request()
+    kv.extend(a, 4)
+    kv.computed(a, [1, 2, 3, 4])
+    assert kv.publish(a, lasting=False) == 0  # a chunk inside the prompt
+    kv.extend(a, 2)
+    kv.computed(a, [5, 6])
+    assert kv.publish(a) == 1 and kv.free_request(a) is None  # the prompt's end, which is also the request's
+    b = kv.add_request([1, 2, 3, 4])  # starts from the chunk's checkpoint: lasting from now on, and just used
+    kv.extend(b, 1)
+    kv.computed(b, [7])
+    assert kv.publish(b) == 1  # both ids lasting: the least recently used, [1..6]'s, is given up
+    assert kv.match_prefix([1, 2, 3, 4, 8]) == (4, 0) and kv.match_prefix([1, 2, 3, 4, 5, 6, 9]) == (4, 0)
+    kv.free_request(b)
+
+
 def test_manager_refuses_a_prefix_without_the_cache():
     kv = KVCacheManager(16, 2, 8, "cpu")
     with pytest.raises(ValueError, match="prefix expected empty without the prefix cache, got 2 tokens"):
@@ -251,7 +279,7 @@ def test_random_admissions_and_finishes_keep_the_tree_consistent(seed, checkpoin
                 kv.computed(slot, ids[start:end])
                 if rng.random() < 0.7:  # and sometimes not: a row that never published ends the same way
                     pinned = end  # the tree's slots from then on (the row's duplicates freed)
-                    state = kv.publish(slot)
+                    state = kv.publish(slot, lasting=end == len(ids) or rng.random() < 0.5)
                     row = kv.table[slot, :end].tolist()  # the row reads slots holding exactly its tokens' KV
                     assert row == kv._row_tokens(slot).tolist()[:end]
                     assert [content[s] for s in row] == [tuple(ids[: i + 1]) for i in range(end)]
