@@ -125,6 +125,29 @@ def test_a_running_request_shares_its_prompt(model_dir):
     assert_no_leak(r)
 
 
+def test_a_prompt_still_prefilling_shares_its_chunks(model_dir):
+    """Each prompt chunk is published as it is computed: a request submitted after two of a long prompt's 8-token
+    chunks is admitted beside its last chunk (the budget is the first's until then) and reuses the 20 tokens they
+    share from the four chunks already published; both give the cache-off output."""
+    prompts = [BASE, BASE[:20] + [5, 6]]
+    want = [run(Engine(runner(model_dir, cache=False), eos_ids=[]), [p], max_new=4)[0][0] for p in prompts]
+    r = runner(model_dir, chunked_prefill_size=8)
+    engine, calls = Engine(r, eos_ids=[]), counting(r)
+    outs, fins = [[], []], [None, None]
+
+    def emitter(i):
+        return lambda ev: outs[i].append(ev.token_id) if ev.kind == "token" else fins.__setitem__(i, ev)
+
+    engine.submit(Request("0", prompts[0], SamplingParams(max_new_tokens=4, ignore_eos=True), emitter(0)))
+    engine.step()
+    engine.step()  # two chunks in, three to go
+    engine.submit(Request("1", prompts[1], SamplingParams(max_new_tokens=4, ignore_eos=True), emitter(1)))
+    while None in fins:
+        assert engine.step()
+    assert calls[:5] == [[8], [8], [8], [8], [5, 2]] and fins[1].cached_tokens == 20 and outs == want
+    assert_no_leak(r)
+
+
 def test_the_flag_turns_it_off(model_dir):
     r = runner(model_dir, cache=False)
     engine, calls = Engine(r, eos_ids=[]), counting(r)
