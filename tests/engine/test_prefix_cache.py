@@ -101,6 +101,20 @@ def test_a_second_identical_prompt_computes_one_token(model_dir):
     assert calls[1:] == [[1]] and fins[0].cached_tokens == len(BASE) - 1 and second == first
 
 
+def run_second_after(engine, prompts, max_new, steps):
+    """Submit ``prompts[0]``, run ``steps`` engine steps, submit ``prompts[1]``, run both to the end: (tokens,
+    finish events) of each."""
+    outs, fins = [[], []], [None, None]
+    for i, prompt in enumerate(prompts):
+        emit = (lambda i: lambda ev: outs[i].append(ev.token_id) if ev.kind == "token" else fins.__setitem__(i, ev))(i)
+        engine.submit(Request(str(i), prompt, SamplingParams(max_new_tokens=max_new[i], ignore_eos=True), emit))
+        for _ in range(steps if i == 0 else 0):
+            engine.step()
+    while None in fins:
+        assert engine.step()
+    return outs, fins
+
+
 def test_a_running_request_shares_its_prompt(model_dir):
     """A prompt is published once prefilled: a request admitted while the first still decodes reuses the prefix
     they share (counted through the runner), and both give the cache-off output."""
@@ -109,17 +123,7 @@ def test_a_running_request_shares_its_prompt(model_dir):
     want += run(Engine(runner(model_dir, cache=False), eos_ids=[]), prompts[1:], max_new=4)[0]
     r = runner(model_dir)
     engine, calls = Engine(r, eos_ids=[]), counting(r)
-    outs, fins = [[], []], [None, None]
-
-    def emitter(i):
-        return lambda ev: outs[i].append(ev.token_id) if ev.kind == "token" else fins.__setitem__(i, ev)
-
-    engine.submit(Request("0", prompts[0], SamplingParams(max_new_tokens=10, ignore_eos=True), emitter(0)))
-    engine.step()
-    engine.step()  # prefilled, decoding
-    engine.submit(Request("1", prompts[1], SamplingParams(max_new_tokens=4, ignore_eos=True), emitter(1)))
-    while None in fins:
-        assert engine.step()
+    outs, fins = run_second_after(engine, prompts, [10, 4], steps=2)  # the first prefilled and decoding
     assert fins[1].cached_tokens == 30 and calls == [[len(BASE)], [2]]
     assert outs == want and fins[0].finish_reason == fins[1].finish_reason == "length"
     assert_no_leak(r)
@@ -133,17 +137,7 @@ def test_a_prompt_still_prefilling_shares_its_chunks(model_dir):
     want = [run(Engine(runner(model_dir, cache=False), eos_ids=[]), [p], max_new=4)[0][0] for p in prompts]
     r = runner(model_dir, chunked_prefill_size=8)
     engine, calls = Engine(r, eos_ids=[]), counting(r)
-    outs, fins = [[], []], [None, None]
-
-    def emitter(i):
-        return lambda ev: outs[i].append(ev.token_id) if ev.kind == "token" else fins.__setitem__(i, ev)
-
-    engine.submit(Request("0", prompts[0], SamplingParams(max_new_tokens=4, ignore_eos=True), emitter(0)))
-    engine.step()
-    engine.step()  # two chunks in, three to go
-    engine.submit(Request("1", prompts[1], SamplingParams(max_new_tokens=4, ignore_eos=True), emitter(1)))
-    while None in fins:
-        assert engine.step()
+    outs, fins = run_second_after(engine, prompts, [4, 4], steps=2)  # two chunks in, three to go
     assert calls[:5] == [[8], [8], [8], [8], [5, 2]] and fins[1].cached_tokens == 20 and outs == want
     assert_no_leak(r)
 
