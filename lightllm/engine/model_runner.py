@@ -19,7 +19,7 @@ Start-up, top to bottom (``ModelRunner.__init__``):
 import logging
 import time
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, Tuple
 
 import torch
 
@@ -307,7 +307,7 @@ class ModelRunner:
             self._launch_hook()
 
     def prefill(
-        self, slots: Sequence[int], prompts: Sequence[Sequence[int]], publish: Sequence[int] = ()
+        self, slots: Sequence[int], prompts: Sequence[Sequence[int]], publish: Sequence[Tuple[int, bool]] = ()
     ) -> torch.Tensor:
         """Append each request's new tokens to its KV and run them as one packed prefill; float32 logits of each
         request's last new token. A slot that already holds tokens (the earlier chunks of a chunked prefill) is

@@ -32,7 +32,7 @@ class Request:
     slot: int = -1  # its KV slot while it holds one
     prefilled: int = 0  # tokens of its context in the KV cache (chunked prefill: the chunks done so far)
     chunk_end: int = 0  # how far the prefill step it is scheduled in goes
-    branch: int = 0  # where its prefill stops a chunk for a state checkpoint (0: nowhere; scheduler.py)
+    branch: int = 0  # set at admission: where its prefill stops a chunk for a state checkpoint (0: nowhere)
     num_cached_tokens: Optional[int] = None  # prompt tokens the prefix cache held at its first admission
     generator: Optional[torch.Generator] = None  # from params.seed, made by the engine on submit
     sampling_row: int = -1  # its row of the logits processor's tables while it holds one

@@ -113,8 +113,6 @@ class Scheduler:
         context is now in (to be sampled) are returned, the rest stay being prefilled."""
         for req in batch:
             req.prefilled = req.chunk_end
-            if req.prefilled >= req.branch:  # reached (and checkpointed by the engine): no later chunk stops
-                req.branch = 0
         partial = {id(r) for r in self.prefilling}
         self.prefilling += [r for r in batch if id(r) not in partial]
         self.prefilling = [r for r in self.prefilling if r.prefilled < r.context_len]
@@ -153,7 +151,7 @@ class Scheduler:
         """Free ``req``'s KV slot, if it holds one (its prefill starts over if it is admitted again)."""
         self.prefilling = [r for r in self.prefilling if r is not req]
         self.admitted = [r for r in self.admitted if r is not req]
-        req.prefilled = req.chunk_end = req.branch = 0
+        req.prefilled = req.chunk_end = 0
         if req.slot >= 0:
             slot, req.slot = req.slot, -1
             self.runner.free(slot)

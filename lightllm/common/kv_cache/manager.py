@@ -36,9 +36,9 @@ class KVCacheManager:
     checkpoint on its path. The manager only counts: ``free_request`` and ``publish`` return the checkpoint id the
     caller must copy the row's state into, ``prefix_state`` the one ``add_request``'s prefix starts from.
 
-    ``publish(slot)`` puts a running row's computed tokens into the tree before it ends (the row pins them): at the
-    end of its prompt's prefill, so a request admitted meanwhile reuses them (and, with checkpoints, the state after
-    the prompt: a follow-up turn that repeats the prompt but not the answer still starts from it); and where its
+    ``publish(slot)`` puts a running row's computed tokens into the tree before it ends (the row pins them): after
+    each prompt chunk, so a request admitted meanwhile reuses them (and, with checkpoints, the state there: after
+    the prompt, a follow-up turn that repeats the prompt but not the answer still starts from it); and where its
     prefill stops at the *branch* (``match_prefix_with_branch``: a shared system prompt that a checkpoint does not
     cover yet), so the requests after it reuse the whole shared prefix.
     """
