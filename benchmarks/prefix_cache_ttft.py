@@ -8,8 +8,9 @@ with the cache on: <= 0.15 at 8K on the H200) and third / first, and the prompt 
 
 ``--shared N``: the three sends share only their first ``N`` tokens (a system prompt) and each ends with its own
 random tokens. Qwen3 reuses the shared KV from the second send on; Qwen3.5 reuses a prefix only from a state
-checkpoint, which the second send leaves at the branch (docs/engine.md, "Prefix cache"), so its third send is the
-first to reuse it (the same holds for an identical prompt). Writes JSON.
+checkpoint (docs/engine.md, "Prefix cache"): the second send starts from the first's last prefill-chunk boundary
+inside the shared part (none below ``--chunked_prefill_size``, 4096) and leaves a checkpoint at the branch, so the
+third is the first to reuse all of it (the same holds for an identical prompt). Writes JSON.
 
     python benchmarks/prefix_cache_ttft.py --out benchmarks/results/prefix_cache_ttft_h200.json
     python benchmarks/prefix_cache_ttft.py --model qwen3.5 --shared 7168 --out F
