@@ -65,13 +65,16 @@ QWEN3_5_27B_SHAPE = dict(padded_vocab_size=248320, hidden_size=5120, intermediat
                          initializer_range=0.02)  # fmt: skip
 
 
-def build_model(root: str, layers: int, model: str = "qwen3") -> str:
+def build_model(root: str, layers: int, model: str = "qwen3", mtp: bool = False) -> str:
+    """A random-weight Qwen3-8B- or Qwen3.5-27B-shaped folder of ``layers`` layers (``mtp``: Qwen3.5 with its
+    MTP head)."""
     from lightllm.tools.make_tiny_model import QWEN3_8B_SHAPE, make_tiny_qwen3, make_tiny_qwen3_5
 
     if model == "qwen3":
         return str(make_tiny_qwen3(os.path.join(root, "qwen3-8b-shaped"), num_hidden_layers=layers, **QWEN3_8B_SHAPE))
     kinds = tuple("full_attention" if i % 4 == 3 else "linear_attention" for i in range(layers))  # 3:1, as 27B
-    return str(make_tiny_qwen3_5(os.path.join(root, "qwen3.5-27b-shaped"), layer_types=kinds, **QWEN3_5_27B_SHAPE))
+    return str(make_tiny_qwen3_5(os.path.join(root, "qwen3.5-27b-shaped"), layer_types=kinds, mtp=mtp,
+                                 **QWEN3_5_27B_SHAPE))  # fmt: skip
 
 
 def step_times(model_dir, batch_sizes, kv_len, graph_max_len, profile_batch=None, buckets=None, pdl_ab=0):

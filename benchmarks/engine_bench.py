@@ -7,22 +7,27 @@ import os
 import torch
 
 
-def random_model(root: str, tiny: bool, layers: int, max_len: int, tiny_tokens: int, model: str = "qwen3") -> tuple:
+def random_model(
+    root: str, tiny: bool, layers: int, max_len: int, tiny_tokens: int, model: str = "qwen3", mtp: bool = False
+) -> tuple:
     """``(model_dir, engine arguments)``: the built-in tiny ``model`` on the CPU (``tiny``; positions for ``max_len``
     tokens, a ``tiny_tokens`` KV pool), else a random-weight model of ``layers`` layers in bf16: Qwen3-8B-shaped
     (``qwen3``) or Qwen3.5-27B-shaped (``qwen3.5``, ``decode_step.build_model``: 3 linear-attention layers to 1
-    full)."""
+    full). ``mtp``: Qwen3.5 with its MTP head."""
     from lightllm.tools.make_tiny_model import make_tiny_qwen3, make_tiny_qwen3_5
 
     if model not in ("qwen3", "qwen3.5"):
         raise ValueError(f"random_model: model expected qwen3 or qwen3.5, got {model!r}")
+    if mtp and model != "qwen3.5":
+        raise ValueError(f"random_model: an MTP head expected model qwen3.5, got {model!r}")
     if tiny:
         make = make_tiny_qwen3 if model == "qwen3" else make_tiny_qwen3_5
-        out = make(os.path.join(root, "tiny"), max_position_embeddings=max(4096, max_len))
+        head = dict(mtp=True) if mtp else {}
+        out = make(os.path.join(root, "tiny"), max_position_embeddings=max(4096, max_len), **head)
         return str(out), dict(data_type="fp32", device="cpu", max_total_token_num=tiny_tokens)
     from decode_step import build_model  # benchmarks/ is the script's folder
 
-    return build_model(root, layers, model), dict(data_type="bf16")
+    return build_model(root, layers, model, mtp), dict(data_type="bf16")
 
 
 def write_rows(path: str, args, rows: list) -> None:

@@ -10,10 +10,12 @@ with the cache on: <= 0.15 at 8K on the H200) and third / first, and the prompt 
 random tokens. Qwen3 reuses the shared KV from the second send on; Qwen3.5 reuses a prefix only from a state
 checkpoint (docs/engine.md, "Prefix cache"): the second send starts from the first's last prefill-chunk boundary
 inside the shared part (none below ``--chunked_prefill_size``, 4096) and leaves a checkpoint at the branch, so the
-third is the first to reuse all of it (the same holds for an identical prompt). Writes JSON.
+third is the first to reuse all of it (the same holds for an identical prompt). ``--mtp_step N`` (Qwen3.5): with its
+MTP head and ``--mtp_mode eagle_with_att`` (slots keyed by their token and the next). Writes JSON.
 
     python benchmarks/prefix_cache_ttft.py --out benchmarks/results/prefix_cache_ttft_h200.json
     python benchmarks/prefix_cache_ttft.py --model qwen3.5 --shared 7168 --out F
+    python benchmarks/prefix_cache_ttft.py --model qwen3.5 --mtp_step 2 --shared 7168 --out F
     python benchmarks/prefix_cache_ttft.py --tiny --prompt 512 --out /tmp/prefix.json   # the method on a CPU
 """
 
@@ -86,22 +88,26 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--out", default="benchmarks/results/prefix_cache_ttft.json")
     p.add_argument("--tiny", action="store_true", help="the built-in tiny model on the CPU (a check of the method)")
+    p.add_argument("--mtp_step", type=int, default=0, help="Qwen3.5 with MTP, N drafts per step (0: off)")
     args = p.parse_args(argv)
     if not 0 <= args.shared < args.prompt:
         p.error(f"--shared expected in [0, --prompt {args.prompt}), got {args.shared}")
+    if args.mtp_step and args.model != "qwen3.5":
+        p.error(f"--mtp_step expected --model qwen3.5 (the model with an MTP head), got --model {args.model}")
+    mtp = dict(mtp_mode="eagle_with_att", mtp_step=args.mtp_step) if args.mtp_step else {}
 
     rows = []
     with tempfile.TemporaryDirectory() as root:
         model, common = random_model(root, args.tiny, args.layers, args.prompt + 8, tiny_tokens=4 * (args.prompt + 8),
-                                     model=args.model)  # fmt: skip
+                                     model=args.model, mtp=bool(mtp))  # fmt: skip
         for cache in (True, False):
             engine_args = EngineArgs(model_dir=model, running_max_req_size=4, graph_max_batch_size=4,
                                      max_req_total_len=args.prompt + 8, disable_dynamic_prompt_cache=not cache,
-                                     **common)  # fmt: skip
+                                     **common, **mtp)  # fmt: skip
             runner = ModelRunner(engine_args)
             vocab = runner.config.vocab_size if args.tiny else 512  # the tokenizer's ids; the lm_head is padded
             row = {"mode": "cache on" if cache else "cache off", "model": args.model, "prompt": args.prompt,
-                   "shared": args.shared or args.prompt}  # fmt: skip
+                   "shared": args.shared or args.prompt, "mtp_step": args.mtp_step}  # fmt: skip
             row.update(measure(Engine(runner, eos_ids=[]), args.prompt, args.repeats, vocab, 0, args.shared))
             rows.append(row)
             print(f"{row['mode']:>9}: {args.prompt}-token prompts sharing {row['shared']}, TTFT first "

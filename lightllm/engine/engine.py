@@ -211,7 +211,12 @@ class Engine:
                 # decode tokens wait for their request's end); a prompt's end and a branch keep a lasting checkpoint
                 decoding = {id(r) for r in self.scheduler.running} if kind == "mixed" else ()
                 publish = [(r.slot, r.chunk_end in (r.context_len, r.branch)) for r in batch if id(r) not in decoding]
-                logits = self.runner.prefill([r.slot for r in batch], chunks, publish)
+                if self.spec is None:
+                    logits = self.runner.prefill([r.slot for r in batch], chunks, publish)
+                else:  # the MTP head's KV at a chunk's last position reads the token after it
+                    following = [r.context_slice(r.chunk_end, r.chunk_end + 1)[0] if r.chunk_end < r.context_len
+                                 else None for r in batch]  # fmt: skip
+                    logits = self.runner.prefill([r.slot for r in batch], chunks, publish, following)
         except Exception:  # e.g. out of memory on one long prompt: only the requests of this forward fail
             failed = self.scheduler.mixed_step_failed(batch) if kind == "mixed" else batch
             logger.exception(

@@ -178,10 +178,9 @@ class ModelRunner:
         # prefix-cache checkpoints of that state, where the prefix cache can be on at all
         cache_off = self._prefix_cache_off(contiguous)
         checkpoints = a.linear_att_cache_size if cache_off is None else 0
-        if a.mtp_mode is None:
-            state_bytes = self.model.alloc_request_state(max_reqs, ssm_dtype, checkpoints=checkpoints)
-        else:  # one state slot per verified token (mtp_runner.py)
-            state_bytes = self.model.alloc_request_state(max_reqs, ssm_dtype, slots_per_request=a.spec_tokens)
+        # MTP: one state slot per verified token (mtp_runner.py)
+        state_bytes = self.model.alloc_request_state(max_reqs, ssm_dtype, checkpoints=checkpoints,
+                                                     slots_per_request=a.spec_tokens)  # fmt: skip
         checkpoints = checkpoints if state_bytes else 0  # a model without state keeps none
         # MTP: the head's KV is one more pool layer; a row also holds a verify's drafts past max_req_total_len
         kv_layers = c.num_kv_layers + (a.mtp_mode is not None)
@@ -213,8 +212,10 @@ class ModelRunner:
                              f"({a.max_req_total_len}){drafts} request plus padding: raise --max_total_token_num or "
                              "--mem_fraction, or lower --max_req_total_len")  # fmt: skip
         prefix_cache = self._use_prefix_cache(cache_off)  # a model with checkpoints has no blocker: they stay
+        # MTP: the head's KV at a position reads the next token too, so the tree keys a slot by both
         self.kv = KVCacheManager(num_tokens, max_reqs, row_len, self.device, contiguous_slots=contiguous,
-                                 prefix_cache=prefix_cache, state_checkpoints=checkpoints)  # fmt: skip
+                                 prefix_cache=prefix_cache, state_checkpoints=checkpoints,
+                                 next_token_keys=a.mtp_mode is not None)  # fmt: skip
         pool = make_pool(a.llm_kv_type, num_tokens, kv_layers, self.model.kv_heads, c.head_dim,
                          a.torch_dtype, self.device, a.llm_kv_quant_group_size)  # fmt: skip
         # fa3 picks its layout too
@@ -230,8 +231,6 @@ class ModelRunner:
         """Why the prefix cache is off whatever the model ("" when turned off by its flag), None when it can be on."""
         if self.args.disable_dynamic_prompt_cache:
             return ""
-        if self.args.mtp_mode is not None:  # a verify step's KV is not recorded for the tree
-            return "--mtp_mode"
         if contiguous:
             return "the FA3 build without paged KV gives each request a fixed row of the pool"
         return None
@@ -307,7 +306,11 @@ class ModelRunner:
             self._launch_hook()
 
     def prefill(
-        self, slots: Sequence[int], prompts: Sequence[Sequence[int]], publish: Sequence[Tuple[int, bool]] = ()
+        self,
+        slots: Sequence[int],
+        prompts: Sequence[Sequence[int]],
+        publish: Sequence[Tuple[int, bool]] = (),
+        following: Sequence[Optional[int]] = (),
     ) -> torch.Tensor:
         """Append each request's new tokens to its KV and run them as one packed prefill; float32 logits of each
         request's last new token. A slot that already holds tokens (the earlier chunks of a chunked prefill) is
@@ -315,7 +318,8 @@ class ModelRunner:
         request within a prefill graph's bucket replays that graph (its logits valid until the next replay).
         ``publish``: ``(slot, lasting)`` of the rows whose computed tokens the prefix cache takes now, while they run
         (``kv.publish``), with their state (Qwen3.5) copied into the checkpoint it records after them, before any
-        later forward moves it."""
+        later forward moves it. ``following`` (MTP, one per row): the token after each chunk, None after a prompt's
+        last: the head's KV at a chunk's last position reads it (``MTPRunner.prefill``)."""
         lens = [len(p) for p in prompts]
         prefix = [self.kv.seq_len(s) for s in slots]
         token_idx = self.kv.extend_many(slots, lens)  # one allocation and one table write for the step
@@ -323,22 +327,34 @@ class ModelRunner:
         if self.prefill_graphs is not None and len(slots) == 1:  # one request within a bucket: a graph replay
             logits = self.prefill_graphs.prefill(slots[0], prefix[0], prompts[0], token_idx, self._launching)
         if logits is None:
-            logits = self._prefill_eager(slots, prompts, lens, prefix, token_idx)
-        for slot, prompt in zip(slots, prompts):  # after the forward: a failed one leaves no KV to reuse
-            self.kv.computed(slot, prompt)
+            logits = self._prefill_eager(slots, prompts, lens, prefix, token_idx, following)
+        if self.mtp is None:  # after the forward: a failed one leaves no KV to reuse (MTP books its own keys)
+            for slot, prompt in zip(slots, prompts):
+                self.kv.computed(slot, prompt)
+        ends = {s for s, after in zip(slots, following or [None] * len(slots)) if after is None}
         for slot, lasting in publish:
-            checkpoint = self.kv.publish(slot, lasting)
-            if checkpoint is not None:
-                self.model.save_state(slot, checkpoint)
+            self.publish_row(slot, lasting)
+            if self.mtp is not None and slot in ends and self.kv.prefix is not None:
+                self.mtp.publish_at_draft.add(slot)  # the prompt's last slot is whole at the first draft
         return logits
 
-    def _prefill_eager(self, slots, prompts, lens, prefix, token_idx) -> torch.Tensor:
+    def publish_row(self, slot: int, lasting: bool, state_at_computed: Optional[bool] = None) -> None:
+        """``kv.publish``, and the row's current state into the checkpoint it records."""
+        checkpoint = self.kv.publish(slot, lasting, state_at_computed)
+        if checkpoint is not None:
+            self.model.save_state(self._state_row(slot), checkpoint)
+
+    def _state_row(self, slot: int) -> int:
+        """The state row holding request ``slot``'s current state (MTP: one of its verify slots)."""
+        return slot if self.mtp is None else slot * self.mtp.tokens + self.mtp.current[slot]
+
+    def _prefill_eager(self, slots, prompts, lens, prefix, token_idx, following=()) -> torch.Tensor:
         dev = self.device
         state = InferState.packed_prefill(slots, self.kv.table, prefix, lens, token_idx, dev)
         input_ids = host_to_device([t for p in prompts for t in p], torch.int64, dev)
         self._launching()
         if self.mtp is not None:  # the MTP head's KV follows each chunk
-            return self.mtp.prefill(input_ids, state, slots, prompts)
+            return self.mtp.prefill(input_ids, state, slots, prompts, following)
         return self.model.forward(input_ids, state)
 
     def decode(self, slots: Sequence[int], last_tokens: Sequence[int]) -> torch.Tensor:
@@ -406,20 +422,31 @@ class ModelRunner:
         return logits
 
     def add_request(self, prefix: Sequence[int] = ()) -> int:
-        """A request slot whose KV row starts with the prefix cache's slots for ``prefix`` (all of it cached: the
-        scheduler asked ``kv.match_prefix`` first), and its state (Qwen3.5) with the prefix's checkpoint."""
+        """A request slot whose KV row starts with the prefix cache's slots for ``prefix`` (the first ``cached``
+        entries of ``kv.context_key``, all cached: the scheduler matched them first), and its state (Qwen3.5) with
+        the prefix's checkpoint."""
         slot = self.kv.add_request(prefix)
+        if self.mtp is not None:  # the head's KV is whole up to the prefix's end (keys of the next token too)
+            self.mtp.reset(slot, len(prefix))
         checkpoint = self.kv.prefix_state(slot)
         if checkpoint is not None:
-            self.model.load_state(checkpoint, slot)
+            self.model.load_state(checkpoint, self._state_row(slot))
         return slot
 
-    def free(self, slot: int) -> None:
+    def free(self, slot: int, last_token: Optional[int] = None) -> None:
         """Free the request's slot; its computed KV goes to the prefix cache, and its state (Qwen3.5) to the
-        checkpoint the cache recorded after those tokens."""
+        checkpoint the cache recorded after those tokens. ``last_token`` (MTP): the request's newest token, which
+        its KV does not hold: the head's KV at the position before it reads it (``MTPRunner.finish``)."""
+        if self.mtp is not None and self.kv.prefix is not None and last_token is not None:
+            try:
+                self.mtp.finish(slot, last_token)
+            except Exception:  # the slot is freed whatever happens; the tree then keeps its KV up to the head's
+                logger.exception("MTP head catch-up of slot %d at its request's end failed", slot)
+        if self.mtp is not None:
+            self.mtp.publish_at_draft.discard(slot)
         checkpoint = self.kv.free_request(slot)
         if checkpoint is not None:
-            self.model.save_state(slot, checkpoint)
+            self.model.save_state(self._state_row(slot), checkpoint)
 
     # ---- warmup and graphs ---------------------------------------------------------------------------------
 

@@ -20,6 +20,14 @@ A step (the engine's ``spec_decode``):
 3. ``accept``: with ``a`` drafts accepted, the KV keeps positions ``m .. m + a`` and the rest is freed
    (``KVCacheManager.truncate``); slot ``a`` becomes current; the head's speculative entries past ``m - 1`` are
    rewritten by the next catch-up, from the verify's hidden states.
+
+With the prefix cache a slot's KV is whole once the head's entry there is written, and that entry reads the next
+token: the manager keys each slot by its token and the next (``next_token_keys``), and the catch-ups book the slots
+they complete (``kv.computed``). A prefill chunk with a known next token (``following``: one inside a prompt) is
+caught up to its end, so it is published with a state checkpoint; a prompt's end gets its checkpoint at the first
+draft, whose catch-up completes its last slot before the verify moves the state on; a request's end, at ``finish``,
+a last catch-up over the positions still pending once the token after them is known. A request admitted with a
+cached prefix starts with the head caught up to its end (``reset``).
 """
 
 import os
@@ -30,6 +38,7 @@ from typing import Callable, List, Optional, Sequence
 import numpy as np
 import torch
 
+from lightllm.common.kv_cache.manager import next_token_keys
 from lightllm.common.transfer import host_to_device, tensor_to_device
 from lightllm.layers import parallel
 from lightllm.layers.infer_state import InferState, packed_positions
@@ -51,6 +60,8 @@ class MTPRunner:
         self._drafts: Optional[List[List[int]]] = None  # this step's drafts on the host, once read
         self._draft_dev: Optional[torch.Tensor] = None  # this step's drafts [B, N] on the device
         self._hidden = None  # the verify's hidden states [B, T, H]
+        self._completed: list = []  # (slot, tokens) of the slots this step's first draft completes, booked after it
+        self.publish_at_draft: set = set()  # rows whose prompt end is checkpointed at their first draft
         self.graphs = None  # MTPGraphs once captured
 
     def capture_graphs(self, batch_sizes: Sequence[int], graph_lens: Sequence[int], api=None) -> None:
@@ -58,9 +69,11 @@ class MTPRunner:
 
         self.graphs = MTPGraphs(self, batch_sizes, graph_lens, api)
 
-    def reset(self, slot: int) -> None:
-        """A fresh request in ``slot``: nothing in its KV, state slot 0 current."""
-        self.current[slot], self.mtp_next[slot], self.pending[slot], self.follow[slot] = 0, 0, [], []
+    def reset(self, slot: int, cached: int = 0) -> None:
+        """A fresh request in ``slot``: state slot 0 current, its KV empty or ``cached`` tokens from the prefix cache
+        (whose head entries are whole: their keys hold the next token)."""
+        self.current[slot], self.mtp_next[slot], self.pending[slot], self.follow[slot] = 0, cached, [], []
+        self.publish_at_draft.discard(slot)
 
     def state_idx(self, slots: Sequence[int], device) -> torch.Tensor:
         return host_to_device([s * self.tokens + self.current[s] for s in slots], torch.int32, torch.device(device))
@@ -68,19 +81,39 @@ class MTPRunner:
     # ---- prefill -------------------------------------------------------------------------------------------
 
     def prefill(self, input_ids: torch.Tensor, state: InferState, slots: Sequence[int],
-                prompts: Sequence[Sequence[int]]) -> torch.Tensor:  # fmt: skip
+                prompts: Sequence[Sequence[int]], following: Sequence[Optional[int]] = ()) -> torch.Tensor:  # fmt: skip
         """The main prefill forward (logits of each request's last token), then the head's catch-up over every
-        chunk position whose next token is known."""
+        chunk position whose next token is known: all but the last, or all of them where ``following`` (one per
+        row, None after a prompt's end) gives the token after the chunk."""
         for slot, prompt in zip(slots, prompts):
             if self.kv.seq_len(slot) == len(prompt):  # its first chunk: a fresh request in this row
                 self.reset(slot)
         state.state_idx = self.state_idx(slots, input_ids.device)
         logits, hidden = self.model.forward(input_ids, state, keep_hidden=True)
-        for slot, part, prompt in zip(slots, hidden.split([len(p) for p in prompts]), prompts):
+        following = list(following) or [None] * len(slots)
+        for slot, part, prompt, after in zip(slots, hidden.split([len(p) for p in prompts]), prompts, following):
             self.pending[slot].append(part)
             self.follow[slot].extend(prompt)
+            if after is not None:
+                self.follow[slot].append(after)
         self._catch_up([s for s in slots if len(self.follow[s]) > 1])
+        for slot, after in zip(slots, following):
+            if after is not None:  # caught up to the chunk's end; the next chunk brings that token again
+                self.follow[slot].pop()
         return logits
+
+    def finish(self, slot: int, last_token: int) -> None:
+        """The request in ``slot`` ends with ``last_token`` emitted (not in its KV): the head catches up over its
+        pending positions, now that the token after the last of them is known, so its whole KV (and, once the row
+        is freed, a checkpoint of its state after it) goes to the prefix cache. Nothing when none is pending, or
+        when its last step did not complete (the KV holds more positions than it knows tokens of)."""
+        follow = self.follow[slot]
+        if not follow or self.mtp_next[slot] + len(follow) != self.kv.seq_len(slot):
+            return
+        if sum(p.shape[0] for p in self.pending[slot]) < len(follow):
+            return
+        follow.append(last_token)
+        self._catch_up([slot])
 
     def _catch_up(self, slots: Sequence[int]) -> None:
         """The head over each slot's pending prompt positions followed by known tokens (all but the last pending
@@ -109,8 +142,15 @@ class MTPRunner:
                                           max_position=self.max_position)  # fmt: skip
         self.head.forward(host_to_device(ids, i64, dev), hidden, state)
         for s, k in zip(slots, counts):
+            self._book(s, self.follow[s][: k + 1])
             self.mtp_next[s] += k
             self.follow[s] = self.follow[s][k:]
+
+    def _book(self, slot: int, tokens: Sequence[int]) -> None:
+        """The slots of ``tokens[:-1]`` (after the row's booked ones) are whole now, their head entries written:
+        the prefix cache may take them, keyed with the token after each."""
+        if self.kv.prefix is not None:
+            self.kv.computed(slot, next_token_keys(tokens))
 
     def _first_draft_inputs(self, slots: Sequence[int]) -> dict:
         """The step's catch-up as ``first_draft`` takes it: ``T`` rows per request, the ``k`` pending ones first
@@ -130,6 +170,7 @@ class MTPRunner:
                 windows.append(torch.cat([rows[:k], rows.new_zeros(T - k, rows.shape[1])]))
             ids.extend(self.follow[s][1:])
             ids.extend([0] * (T - k))
+            self._completed.append((s, self.follow[s][: k + 1]))
             starts.append(self.mtp_next[s])
             lasts.append(k - 1)
             self.pending[s] = []
@@ -169,12 +210,14 @@ class MTPRunner:
         bases = [self.kv.seq_len(s) for s in slots]  # m: the KV length before this step
         # the verify step's N + 1 slots of every request, in one allocation and one table write
         self._token_idx = self.kv.extend_many(slots, [self.tokens] * len(slots))
-        first = self._first_draft_inputs(slots)
         graph = self.graphs.pick(len(slots), max(bases) + self.tokens) if self.graphs else None
+        self._completed = []
+        first = self._first_draft_inputs(slots)
         if graph is not None:
             logits, hidden = self.graphs.run_first_draft(graph, first)
         else:
             logits, hidden = self.first_draft(first, len(slots), max(bases) + self.tokens)
+        self._book_first_draft()
         drafts = [self._pick(choose, 0, logits)]
         b_req_idx = first["b_req_idx"]
         base = host_to_device(bases, torch.int64, dev)
@@ -194,6 +237,17 @@ class MTPRunner:
             drafts.append(self._pick(choose, k, logits))
         self._draft_dev, self._drafts = torch.stack(drafts, dim=1), None
         return self._draft_dev
+
+    def _book_first_draft(self) -> None:
+        """Book the slots the first draft's catch-up completed. A row whose prompt ended in the last prefill gets
+        its prompt-end checkpoint now (``publish_at_draft``): its catch-up completed the prompt's last slot, and its
+        current state, which the verify moves on, is still the one after the prompt."""
+        for slot, tokens in self._completed:
+            self._book(slot, tokens)
+            if slot in self.publish_at_draft:
+                self.publish_at_draft.discard(slot)
+                self.runner.publish_row(slot, True, state_at_computed=True)
+        self._completed = []
 
     def _pick(self, choose, k: int, logits: torch.Tensor) -> torch.Tensor:
         """Draft ``k`` of each request ``[batch]`` (int64): ``choose``'s on rank 0, which every other rank receives,

@@ -39,6 +39,8 @@ class Request:
     arrival: float = field(default_factory=time.perf_counter)
     last_token_time: Optional[float] = None
     finished: bool = False  # its finish event was emitted (set first: a callback that raises does not undo it)
+    key: Optional[List[int]] = field(default=None, repr=False)  # the prefix cache's key of its context (scheduler)
+    key_of: int = -1  # the context length ``key`` is of
 
     @property
     def context(self) -> List[int]:

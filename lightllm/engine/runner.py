@@ -6,7 +6,7 @@ tensor-parallel runner broadcasts exactly these to the other ranks, so their KV 
 rest is read-only.
 """
 
-from typing import Callable, Optional, Protocol, Sequence, Tuple, runtime_checkable
+from typing import Callable, List, Optional, Protocol, Sequence, Tuple, runtime_checkable
 
 import torch
 
@@ -22,8 +22,11 @@ class KVQueries(Protocol):
 
     def has_free_slot(self) -> bool: ...
 
-    # (cached, of them evictable now, the branch: with state checkpoints, how far the KV hit goes past the last
-    # checkpoint on it; 0 when it does not)
+    # the prefix cache's key of a context: one entry per slot a hit could cover (all but the last token's)
+    def context_key(self, context: Sequence[int]) -> List[int]: ...
+
+    # of a ``context_key``: (cached, of them evictable now, the branch: with state checkpoints, how far the KV hit
+    # goes past the last checkpoint on it; 0 when it does not)
     def match_prefix_with_branch(self, tokens: Sequence[int]) -> Tuple[int, int, int]: ...
 
     def usage(self) -> float: ...
@@ -66,15 +69,22 @@ class Runner(Protocol):
     # ``publish``: ``(slot, lasting)`` of the rows whose computed tokens (and state) the prefix cache takes right
     # after this forward, while they run: every prompt chunk; ``lasting`` where the prompt is now all in or the chunk
     # stopped at its branch (KVQueries), so the checkpoint there outlives those of chunks inside a prompt
+    # ``following`` (with MTP, one per row): the token after each chunk, None after a prompt's last
     def prefill(
-        self, slots: Sequence[int], prompts: Sequence[Sequence[int]], publish: Sequence[Tuple[int, bool]] = ()
+        self,
+        slots: Sequence[int],
+        prompts: Sequence[Sequence[int]],
+        publish: Sequence[Tuple[int, bool]] = (),
+        following: Sequence[Optional[int]] = (),
     ) -> torch.Tensor: ...
 
     def decode(self, slots: Sequence[int], last_tokens: Sequence[int]) -> torch.Tensor: ...
 
-    def add_request(self, prefix: Sequence[int] = ()) -> int: ...  # its row starts with the cached ``prefix``
+    # its row starts with the cached ``prefix``: the first ``cached`` entries of ``kv.context_key``
+    def add_request(self, prefix: Sequence[int] = ()) -> int: ...
 
-    def free(self, slot: int) -> None: ...
+    # ``last_token``: the request's newest token, not in its KV (MTP completes the head's KV with it)
+    def free(self, slot: int, last_token: Optional[int] = None) -> None: ...
 
     # Rank 0 only, not broadcast: ``hook()`` right before each forward is launched (the engine's step GPU timer)
     def set_launch_hook(self, hook: Optional[Callable[[], None]]) -> None: ...

@@ -154,7 +154,7 @@ class Scheduler:
         req.prefilled = req.chunk_end = 0
         if req.slot >= 0:
             slot, req.slot = req.slot, -1
-            self.runner.free(slot)
+            self.runner.free(slot, req.output_ids[-1] if req.output_ids else None)
 
     def can_admit(self) -> bool:
         """Whether a prefill step would admit the first waiting request now (a request slot and the KV for its
@@ -177,14 +177,20 @@ class Scheduler:
         kv = self.runner.kv
         if not kv.has_free_slot():  # first: the match below walks the whole context
             return None
-        context = req.context
         # the prefix cache's longest hit, one token short of the whole context: its logits are needed
-        cached, evictable, branch = kv.match_prefix_with_branch(context[:-1])
-        need = len(context) - cached
+        cached, evictable, branch = kv.match_prefix_with_branch(self._context_key(req))
+        need = req.context_len - cached
         # pinning the hit takes its evictable tokens out of the free ones
         if not kv.can_allocate(planned + need + self.decode_tokens + evictable):
             return None
         return cached, need, branch
+
+    def _context_key(self, req: Request) -> list:
+        """``kv.context_key`` of ``req``'s context, kept while its context does not change: a request that waits for
+        room is matched again at every step (building a 32K context's MTP key takes a millisecond)."""
+        if req.key_of != req.context_len:
+            req.key, req.key_of = self.runner.kv.context_key(req.context), req.context_len
+        return req.key
 
     def _prefill_batch(self, budget: int) -> List[Request]:
         batch, kv = [], self.runner.kv
@@ -209,7 +215,8 @@ class Scheduler:
             if not self.chunked and batch and need > budget:
                 break
             req = self.waiting[0]
-            req.slot = self.runner.add_request(req.context_slice(0, cached))
+            req.slot = self.runner.add_request(self._context_key(req)[:cached])
+            req.key, req.key_of = None, -1  # matched again only if preempted, its context longer by then
             self.waiting.popleft()  # only once it holds a slot: a runner that raises leaves it for fail_all
             self.admitted.append(req)
             if req.num_cached_tokens is None:  # the first admission's hit is what the client's prompt saved

@@ -25,17 +25,18 @@ class Model(Protocol):
 
     def set_attention(self, attn: AttentionBackend) -> None: ...
 
-    def alloc_request_state(self, num_slots: int, ssm_dtype: torch.dtype, checkpoints: int = 0) -> int:
-        """Allocate per-request state kept beside the KV cache (linear-attention state; one slot per request
-        row, indexed like ``b_req_idx``, and ``checkpoints`` more for the prefix cache) before the KV cache is sized;
-        its bytes, 0 for a model without any."""
+    def alloc_request_state(self, num_slots: int, ssm_dtype: torch.dtype, checkpoints: int = 0,
+                            slots_per_request: int = 1) -> int:  # fmt: skip
+        """Allocate per-request state kept beside the KV cache (linear-attention state; ``slots_per_request`` state
+        rows per request row, request ``r``'s from row ``r * slots_per_request`` on, and ``checkpoints`` more for the
+        prefix cache) before the KV cache is sized; its bytes, 0 for a model without any."""
 
-    def save_state(self, slot: int, checkpoint: int) -> None:
-        """Copy request row ``slot``'s state into prefix-cache checkpoint ``checkpoint`` (on the device's stream: the
-        row may run again right after). Only for a model with state."""
+    def save_state(self, row: int, checkpoint: int) -> None:
+        """Copy state row ``row`` into prefix-cache checkpoint ``checkpoint`` (on the device's stream: the row may
+        run again right after). Only for a model with state."""
 
-    def load_state(self, checkpoint: int, slot: int) -> None:
-        """Copy checkpoint ``checkpoint`` into request row ``slot``'s state, which its prefill then continues."""
+    def load_state(self, checkpoint: int, row: int) -> None:
+        """Copy checkpoint ``checkpoint`` into state row ``row``, which its request's prefill then continues."""
 
     def prefix_cache_blocker(self) -> Optional[str]:
         """Why a request can't start from another's cached KV prefix, as the state beside the KV that the prefix

@@ -239,8 +239,9 @@ class TPRunner:
             self.workers.fail_if_one_exited(_EXIT_WAIT_S)
             raise
 
-    def prefill(self, slots, prompts, publish=()):
-        return self._step("prefill", self.runner.prefill, (list(slots), [list(p) for p in prompts], list(publish)))
+    def prefill(self, slots, prompts, publish=(), following=()):
+        args = (list(slots), [list(p) for p in prompts], list(publish), list(following))
+        return self._step("prefill", self.runner.prefill, args)
 
     def decode(self, slots, last_tokens):
         return self._step("decode", self.runner.decode, (list(slots), list(last_tokens)))
@@ -274,10 +275,10 @@ class TPRunner:
             self._cast("add_request", list(prefix))
             return self.runner.add_request(prefix)
 
-    def free(self, slot: int) -> None:
+    def free(self, slot: int, last_token=None) -> None:
         with self.workers.command("free"):
-            self._cast("free", slot)
-            self.runner.free(slot)
+            self._cast("free", slot, last_token)
+            self.runner.free(slot, last_token)
 
     def stop(self, timeout: float = 60.0) -> None:
         """Stop the workers and wait for them, then leave the process group: rank 0 hosts the store the

@@ -42,3 +42,19 @@ def test_a_shared_prefix_must_leave_each_send_its_own_tokens(bench, tmp_path, ca
     with pytest.raises(SystemExit):
         bench.main(["--tiny", "--prompt", "120", "--shared", "120", "--out", str(tmp_path / "x.json")])
     assert "--shared expected in [0, --prompt 120), got 120" in capsys.readouterr().err
+
+
+def test_with_mtp_a_shared_prefix_is_read_but_its_last_slot(bench, tmp_path):
+    """With an MTP head a slot is keyed by its token and the next: a repeated prompt reads what it reads without
+    MTP, and a shared system prompt all but its last slot, whose next token differs between the sends."""
+    assert rows(bench, tmp_path, "--model", "qwen3.5", "--mtp_step", "2")["third_cached_tokens"] == [119, 119]
+    on = rows(bench, tmp_path, "--model", "qwen3.5", "--mtp_step", "2", "--shared", "80")
+    assert on["mtp_step"] == 2 and on["second_cached_tokens"] == [0, 0] and on["third_cached_tokens"] == [79, 79]
+
+
+def test_mtp_needs_the_model_with_a_head(bench, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        bench.main(["--tiny", "--mtp_step", "2", "--out", str(tmp_path / "x.json")])
+    assert (
+        "--mtp_step expected --model qwen3.5 (the model with an MTP head), got --model qwen3" in capsys.readouterr().err
+    )

@@ -4,7 +4,7 @@ subprocess by ``test_mtp_tensor_parallel.py`` so a failing rank can't take pytes
 ``python -m tests.engine.mtp_tp_probe SPEC``: SPEC is JSON ``{"runs": [{"args": EngineArgs kwargs, "sampling":
 SamplingParams kwargs (optional; request ``i`` seeded ``seed + i``)}, ...], "prompts": [[ids]], "max_new_tokens":
 n}``; the last stdout line is JSON, per run ``{"tokens": {i: ids}, "drafts": d, "accepted": a, "proposed": [[[draft
-tokens] per request] per step]}``.
+tokens] per request] per step], "cached": prompt tokens read from the prefix cache}``.
 """
 
 import json
@@ -49,13 +49,20 @@ def generate(runner, spec: dict, sampling: Optional[dict] = None) -> dict:
     params = {i: SamplingParams(max_new_tokens=spec["max_new_tokens"], ignore_eos=True, **sampling,
                                 seed=None if seed is None else seed + i)
               for i in range(len(spec["prompts"]))}  # fmt: skip
-    counts, log = SpecCounts(), None
+    counts, log, cached = SpecCounts(), None, []
+    add_request = runner.add_request
+
+    def admit(prefix=()):  # what each admission read from the prefix cache
+        cached.append(len(prefix))
+        return add_request(prefix)
+
+    runner.add_request = admit
     engine = Engine(runner, eos_ids=[], observer=counts)
     if engine.spec is not None:
         log = engine.spec.mtp = DraftLog(engine.spec.mtp)
     tokens, _ = run_all(engine, spec["prompts"], params=params)
     return {"tokens": tokens, "drafts": counts.drafts, "accepted": counts.accepted,
-            "proposed": log.proposed if log else []}  # fmt: skip
+            "proposed": log.proposed if log else [], "cached": sum(cached)}  # fmt: skip
 
 
 def main(spec: dict) -> list:

@@ -22,6 +22,9 @@ from tests.engine.test_scheduler import run_all
 from tests.server.server_helpers import REPO
 
 PROMPTS = [[5, 6, 7], [100, 20, 30, 40, 50, 60, 70, 80, 90, 11, 12, 13, 14, 15, 16, 17, 18, 19], [250]]
+# one more that shares the second's first 17 tokens: admitted a step later, it starts from the second's first chunk
+# (its checkpoint in the prefix cache, which every rank keeps alike)
+PROMPTS.append(PROMPTS[1][:17] + [33])
 NEW_TOKENS = 9
 ARGS = dict(data_type="fp32", device="cpu", batch_max_tokens=16, max_req_total_len=64, running_max_req_size=4)
 
@@ -74,6 +77,7 @@ def test_tp2_mtp_matches_one_process(folders, tmp_path):
                             (agree, one_process(**runs[1]), want["agree"]), (apart, both, want["half"])]:  # fmt: skip
         assert tp2["tokens"] == tp1["tokens"] == plain["tokens"]
         assert (tp2["proposed"], tp2["drafts"], tp2["accepted"]) == (tp1["proposed"], tp1["drafts"], tp1["accepted"])
+        assert tp2["cached"] == tp1["cached"] > 0
     assert agree["accepted"] == agree["drafts"] > 0  # the agreeing head: every draft
     assert 0 < apart["accepted"] < apart["drafts"]  # accepted and rejected drafts both happen
     assert one_process(**runs[2]) == both  # one process with the head from its own folder too

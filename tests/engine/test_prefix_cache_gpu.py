@@ -60,3 +60,33 @@ def test_published_prompts_and_branches_are_reused_on_the_gpu(model_dir):
     for got, want in zip(on, off):
         assert abs(got["logprob"] - want["logprob"]) < 0.05, (got, want)
     assert runner.kv.prefix.num_evictable == runner.kv.prefix.num_tokens  # every pin released
+
+
+@pytest.fixture(scope="module")
+def mtp_dir(tmp_path_factory):
+    return str(make_tiny_qwen3_5(tmp_path_factory.mktemp("q35-mtp"), seed=2, mtp="agree", **QWEN3_5_GPU_SHAPE))
+
+
+def test_with_mtp_the_third_request_reads_the_shared_prompt_on_the_gpu(mtp_dir):
+    """MTP's draft and verify graphs around the prompt-end and request-end checkpoints: the third request reads
+    the shared prompt but its last slot (keyed with the next token, which differs), its first token as the
+    cache-off engine's, and the agreeing head's drafts accepted as often (a wrong cached head entry would cost
+    acceptance)."""
+    from lightllm.engine.model_runner import ModelRunner
+
+    from tests.engine.test_mtp_engine import SpecCounts
+
+    prompts = [SHARED + [300 + i, 301 + i] for i in range(3)]
+    mtp = dict(mtp_mode="eagle_with_att", mtp_step=2)
+    runs = {}
+    for cache in (False, True):
+        counts = SpecCounts()
+        runner = ModelRunner(engine_args(mtp_dir, disable_dynamic_prompt_cache=not cache, **mtp))
+        runs[cache] = first_tokens(Engine(runner, eos_ids=[], observer=counts), prompts, steps_between=3, max_new=8)
+        runs[cache, "spec"] = counts.drafts, counts.accepted
+    assert [g["cached"] for g in runs[True]] == [0, 0, 199]
+    for got, want in zip(runs[True], runs[False]):
+        assert abs(got["logprob"] - want["logprob"]) < 0.05, (got, want)
+    (drafts_on, accepted_on), (drafts_off, accepted_off) = runs[True, "spec"], runs[False, "spec"]
+    assert accepted_off > 0 and accepted_on / drafts_on >= 0.9 * accepted_off / drafts_off
+    assert runner.kv.prefix.num_evictable == runner.kv.prefix.num_tokens  # every pin released

@@ -105,5 +105,7 @@ def test_the_tensor_parallel_runner_forwards_nothing_implicitly(model_dir):
     rank0.inputs_known([slot], [7])
     rank0.free(slot)
     assert [c[0] for c in cast] == ["add_request", "prefill", "decode", "decode_ahead", "inputs_known", "free"]
-    assert cast[1] == ("prefill", [slot], [[3, 4, 5]], [])  # what to publish travels with the prefill
+    # what to publish, and MTP's tokens after each chunk, travel with the prefill; the last token with a free
+    assert cast[1] == ("prefill", [slot], [[3, 4, 5]], [], [])
+    assert cast[5] == ("free", slot, None)
     assert cast[3] == ("decode_ahead", [slot], [0]) and marks == [2, 3, 4]

@@ -28,10 +28,10 @@ class FakeRunner:
     def add_request(self, prefix=()):
         return self.kv.add_request(prefix)
 
-    def free(self, slot):
+    def free(self, slot, last_token=None):
         self.kv.free_request(slot)
 
-    def prefill(self, slots, prompts, publish=()):
+    def prefill(self, slots, prompts, publish=(), following=()):
         for slot, prompt in zip(slots, prompts):
             self.kv.extend(slot, len(prompt))
             self.kv.computed(slot, prompt)
@@ -97,7 +97,7 @@ class ScriptedRunner(FakeRunner):
         self._slots += 1
         return self._slots
 
-    def prefill(self, slots, prompts, publish=()):
+    def prefill(self, slots, prompts, publish=(), following=()):
         for slot, ids in zip(slots, prompts):
             self._prompt[slot] = self._prompt.get(slot, []) + list(ids)
             self._step[slot] = 0

@@ -38,10 +38,10 @@ class BlockingRunner:
     def add_request(self, prefix=()):
         return 0
 
-    def free(self, slot):
+    def free(self, slot, last_token=None):
         pass
 
-    def prefill(self, slots, prompts, publish=()):
+    def prefill(self, slots, prompts, publish=(), following=()):
         self.entered.set()
         assert self.release.wait(procs.HANG_TIMEOUT_S), "the test never released the step"
         return torch.zeros(len(slots), self.config.vocab_size)

@@ -31,7 +31,7 @@ class FakeRunner:
     def add_request(self, prefix=()):
         return 0
 
-    def free(self, slot):
+    def free(self, slot, last_token=None):
         pass
 
     def _logits(self, n):
@@ -39,7 +39,7 @@ class FakeRunner:
         logits[:, NEXT] = 10.0
         return logits
 
-    def prefill(self, slots, prompts, publish=()):
+    def prefill(self, slots, prompts, publish=(), following=()):
         return self._logits(len(slots))
 
     def decode(self, slots, last_tokens):

@@ -15,6 +15,16 @@ from lightllm.common.kv_cache.radix_cache import RadixCache
 from lightllm.common.kv_cache.req_to_token import MAX_TOKEN_INDEX, ReqToTokenTable
 
 
+def next_token_keys(tokens: Sequence[int]) -> List[int]:
+    """The prefix cache's keys of ``tokens`` when a slot's KV depends on the token after it too (MTP: the head's
+    entry at position ``i`` reads ``t_{i + 1}``): one per token but the last, ``(t_i, t_{i+1})`` packed in one int
+    (token ids are below 2**31), so two contexts share a slot only where they share the token after it as well."""
+    if len(tokens) < 2:
+        return []
+    ids = np.asarray(tokens, dtype=np.int64)
+    return ((ids[:-1] << 32) | ids[1:]).tolist()  # numpy: 1.1 ms at 32K tokens, a Python loop 1.9
+
+
 class KVCacheManager:
     """Token pool of ``num_tokens`` slots shared by up to ``max_reqs`` requests of at most ``max_len`` tokens.
 
@@ -36,6 +46,10 @@ class KVCacheManager:
     checkpoint on its path. The manager only counts: ``free_request`` and ``publish`` return the checkpoint id the
     caller must copy the row's state into, ``prefix_state`` the one ``add_request``'s prefix starts from.
 
+    ``next_token_keys=True`` (MTP) keys each slot by its token and the one after it (``next_token_keys``): the
+    caller books a slot as ``computed`` with that key once the slot's KV is whole, which may lag the row's length.
+    ``context_key`` gives a context's key either way.
+
     ``publish(slot)`` puts a running row's computed tokens into the tree before it ends (the row pins them): after
     each prompt chunk, so a request admitted meanwhile reuses them (and, with checkpoints, the state there: after
     the prompt, a follow-up turn that repeats the prompt but not the answer still starts from it); and where its
@@ -44,7 +58,7 @@ class KVCacheManager:
     """
 
     def __init__(self, num_tokens: int, max_reqs: int, max_len: int, device="cuda", contiguous_slots: bool = False,
-                 prefix_cache: bool = False, state_checkpoints: int = 0):  # fmt: skip
+                 prefix_cache: bool = False, state_checkpoints: int = 0, next_token_keys: bool = False):  # fmt: skip
         check_count("KVCacheManager", "num_tokens", num_tokens, 1)
         if num_tokens - 1 > MAX_TOKEN_INDEX:
             raise ValueError(f"KVCacheManager: num_tokens expected <= {MAX_TOKEN_INDEX + 1} (int32), got {num_tokens}")
@@ -66,6 +80,7 @@ class KVCacheManager:
                              f"{state_checkpoints}")  # fmt: skip
         self._free_states = list(range(state_checkpoints))[::-1]  # checkpoint ids no node holds (pop: lowest first)
         self.stateful = state_checkpoints > 0
+        self.next_token_keys = next_token_keys
         self.prefix: Optional[RadixCache] = (
             RadixCache(self.tokens.free, self._free_states.append) if prefix_cache else None
         )
@@ -110,6 +125,12 @@ class KVCacheManager:
     def usage(self) -> float:
         """Fraction of the pool's tokens in use."""
         return 1 - self.num_free_tokens / self.num_tokens
+
+    def context_key(self, context: Sequence[int]) -> List[int]:
+        """The prefix cache's key of a request's context, one entry per slot a hit could cover: all of it but the
+        last token (its logits must be computed), each token paired with the next one with ``next_token_keys``.
+        ``match_prefix_with_branch`` takes it, and ``add_request`` its first ``cached`` entries."""
+        return next_token_keys(context) if self.next_token_keys else list(context[:-1])
 
     def match_prefix(self, tokens: Sequence[int]) -> Tuple[int, int]:
         """(how many leading ``tokens`` the prefix cache holds, how many of those it could evict now); (0, 0)
@@ -315,7 +336,7 @@ class KVCacheManager:
         self.slots.free(slot)
         return state
 
-    def publish(self, slot: int, lasting: bool = True) -> Optional[int]:
+    def publish(self, slot: int, lasting: bool = True, state_at_computed: Optional[bool] = None) -> Optional[int]:
         """With the prefix cache, while ``slot``'s request runs: its computed tokens go into the tree now (the tree
         takes the pool slots of those it did not hold; for those it did, the row switches to the tree's slots and
         frees its own) and the row pins their whole path until ``free_request``, so a request admitted next reuses
@@ -323,12 +344,16 @@ class KVCacheManager:
         after them, which the caller must fill with the row's state before the row runs again; ``lasting`` False
         for a chunk inside a prompt (its checkpoint is given up before those of prompts' ends, branches and
         requests' ends: ``RadixCache.evict_state``). None without the cache, with nothing computed, when the tree
-        has a checkpoint there already or no id can be had, or when the row's last forward did not return (its
-        state may have moved past its computed tokens)."""
+        has a checkpoint there already or no id can be had, or when the row's state may not be the one after its
+        computed tokens: ``state_at_computed`` None takes it to be exactly when they are all the row holds (else a
+        forward raised after its extend, or, with ``next_token_keys``, a slot's key waits for the next token);
+        True or False is the caller's word (MTP's draft step vouches for the state it has not advanced yet)."""
         self.slots.check_allocated("KVCacheManager.publish", slot)
         ids = self._ids[slot]
-        if self.prefix is None or not ids or len(ids) != self._seq_lens[slot]:
+        if self.prefix is None or not ids:
             return None
+        if state_at_computed is None:
+            state_at_computed = len(ids) == self._seq_lens[slot]
         own = self._num_pinned[slot]
         token_idx = self._row_tokens(slot)
         already = self.prefix.insert(ids, token_idx[: len(ids)])
@@ -344,7 +369,7 @@ class KVCacheManager:
             self._rewrite_row(slot, own, shared)
             self.tokens.free(token_idx[own:already])
         self._num_pinned[slot] = len(ids)
-        return self._checkpoint(ids, lasting) if self.stateful else None
+        return self._checkpoint(ids, lasting) if self.stateful and state_at_computed else None
 
     def _rewrite_row(self, slot: int, start: int, token_idx: torch.Tensor) -> None:
         """The row's tokens at positions ``[start, start + len(token_idx))`` become ``token_idx`` (its chunks keep

@@ -109,10 +109,11 @@ class Qwen3Model:
         """The backend that owns the KV pool this model writes and attends over."""
         self.attn = attn
 
-    def alloc_request_state(self, num_slots: int, ssm_dtype: torch.dtype, checkpoints: int = 0) -> int:
+    def alloc_request_state(self, num_slots: int, ssm_dtype: torch.dtype, checkpoints: int = 0,
+                            slots_per_request: int = 1) -> int:  # fmt: skip
         return 0  # the KV cache is all the state a request has
 
-    def save_state(self, slot: int, checkpoint: int) -> None:
+    def save_state(self, row: int, checkpoint: int) -> None:
         raise RuntimeError("Qwen3 has no per-request state to checkpoint")
 
     load_state = save_state

@@ -104,20 +104,17 @@ class Qwen3_5Model:
         """Allocate the linear-attention state slots (conv state in the model dtype, recurrent state in
         ``ssm_dtype``), ``slots_per_request`` per request row (MTP: one per verified token, ``InferState.state_idx``
         says which is current), then ``checkpoints`` for the prefix cache; returns their bytes."""
-        if checkpoints and slots_per_request != 1:
-            raise ValueError("Qwen3.5: prefix-cache checkpoints expected one state slot per request (no MTP), got "
-                             f"{slots_per_request}")  # fmt: skip
         self._checkpoint_base, self._checkpoints = num_slots * slots_per_request, checkpoints
         state = LinearAttentionState(len(self.state_layer), self._checkpoint_base + checkpoints, self.linear_shape,
                                      self.dtype, ssm_dtype, self.device)  # fmt: skip
         self.linear = LinearAttentionBackend(state, self.device)
         return state.nbytes
 
-    def save_state(self, slot: int, checkpoint: int) -> None:
-        self._copy_state(slot, self._checkpoint_row(checkpoint))
+    def save_state(self, row: int, checkpoint: int) -> None:
+        self._copy_state(row, self._checkpoint_row(checkpoint))
 
-    def load_state(self, checkpoint: int, slot: int) -> None:
-        self._copy_state(self._checkpoint_row(checkpoint), slot)
+    def load_state(self, checkpoint: int, row: int) -> None:
+        self._copy_state(self._checkpoint_row(checkpoint), row)
 
     def _checkpoint_row(self, checkpoint: int) -> int:
         if not 0 <= checkpoint < self._checkpoints:

@@ -195,8 +195,8 @@ def test_a_published_row_shares_its_tokens_while_it_runs():
     a = kv.add_request()
     kv.extend(a, 5)
     kv.computed(a, [1, 2, 3, 4, 5])
-    kv.extend(a, 1)  # a decode step's token whose forward has not returned: not published
-    assert kv.publish(a) is None and kv.prefix.num_tokens == 0
+    kv.extend(a, 1)  # a decode step's token whose forward has not returned: only the computed ones go in
+    assert kv.publish(a) is None and kv.prefix.num_tokens == 5
     kv.computed(a, [6])
     assert kv.publish(a) is None  # without state checkpoints: no id, but the tokens are in
     assert kv.match_prefix([1, 2, 3, 4, 5, 6, 9]) == (6, 0) and kv.prefix.num_evictable == 0
