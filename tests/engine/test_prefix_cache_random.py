@@ -2,7 +2,7 @@
 prompts built from a few shared starts, submitted in random waves (some while others decode), under random chunk
 sizes, mixed steps, minimum branches and pools down to one small enough to evict. Every request's greedy tokens are
 the cache-off engine's, every request ends by length, prefixes are read from the cache, and no slot, pin or
-checkpoint leaks."""
+checkpoint leaks. With an MTP head (Qwen3.5), the accepted drafts are the cache-off engine's too."""
 
 import random
 
@@ -12,6 +12,7 @@ from lightllm.engine.engine import Engine
 from lightllm.engine.request import Request
 from lightllm.engine.sampler import SamplingParams
 from lightllm.tools.make_tiny_model import make_tiny_qwen3, make_tiny_qwen3_5
+from tests.engine.test_mtp_engine import SpecCounts, half_dir  # noqa: F401 (a fixture)
 from tests.engine.test_prefix_cache import assert_no_leak, runner
 
 
@@ -78,4 +79,32 @@ def test_random_workloads_give_the_cache_off_tokens(model_dir, seed):
     if r.kv.stateful:
         states = r.kv.prefix.num_states
         assert states + len(r.kv._free_states) == r.args.linear_att_cache_size
+    assert_no_leak(r)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_random_workloads_with_mtp_give_the_cache_off_tokens_and_acceptance(half_dir, seed):  # noqa: F811
+    """Qwen3.5 with an MTP head that accepts about half its drafts: the same tokens and the same accepted drafts
+    as without the cache (a wrong cached head entry would change the drafts), prefixes read, nothing leaked."""
+    rng = random.Random(100 + seed)
+    waves, gaps = workload(rng)
+    # two more turns after the longest prompt: MTP keys a slot with the token after it, so both miss the checkpoint
+    # after that prompt (its last slot read the request's first token); the first stops at the branch and leaves
+    # one there, which the second reads while the first decodes
+    longest = max((p for wave in waves for p, _ in wave), key=len)
+    waves += [[(longest[:49] + [401], 9)], [(longest[:49] + [402], 3)]]
+    gaps[-1:] = [100, 3, 0]  # the two turns come once the rest is done, and a few steps apart
+    opts = dict(chunked_prefill_size=rng.choice([4, 8, 64]), mtp_mode="eagle_with_att", mtp_step=rng.choice([1, 3]))
+    runs = []
+    for cache in (False, True):
+        counts = SpecCounts()
+        # pools the tree must evict from, but that never preempt (a re-prefill emits a token without drafting)
+        r = runner(half_dir, cache=cache, tokens=rng.choice([300, 512]) if cache else 512, **opts)
+        engine = Engine(r, eos_ids=[], observer=counts)
+        engine.scheduler.branch_min_tokens = 1  # these prompts' branches are short, and with MTP the way to a hit
+        runs.append((*run_workload(engine, waves, gaps), (counts.drafts, counts.accepted)))
+    (want, _, _, want_spec), (got, fins, hits, got_spec) = runs
+    assert got == want and set(fins.values()) == {"length"} and hits > 0, opts
+    assert got_spec == want_spec and got_spec[1] > 0, (got_spec, want_spec)
+    assert r.kv.prefix.num_states + len(r.kv._free_states) == r.args.linear_att_cache_size
     assert_no_leak(r)
