@@ -325,9 +325,9 @@ class KVCacheManager:
         if not self.contiguous_slots:
             token_idx = self._row_tokens(slot)
             if self.prefix is not None:
-                token_idx = self._release_to_tree(slot, token_idx)
+                token_idx, end = self._release_to_tree(slot, token_idx)
                 settled = len(self._ids[slot]) == self._seq_lens[slot]  # else a forward raised after extend
-                state = self._checkpoint(self._ids[slot]) if self.stateful and settled else None
+                state = self.prefix.attach_at(end, self._take_state) if self.stateful and settled else None
             if token_idx.numel():
                 self.tokens.free(token_idx)
         self._held[slot], self._held_decode[slot], self._ids[slot] = [], [], []
@@ -354,22 +354,26 @@ class KVCacheManager:
             return None
         if state_at_computed is None:
             state_at_computed = len(ids) == self._seq_lens[slot]
-        own = self._num_pinned[slot]
+        own, pinned = self._num_pinned[slot], self._pins[slot]
         token_idx = self._row_tokens(slot)
-        already = self.prefix.insert(ids, token_idx[: len(ids)])
-        node, tree_slots = self.prefix.pin(ids)  # before the old pin goes: none of the path turns evictable
-        if self._pins[slot] is not None:
-            self.prefix.unpin(self._pins[slot])
+        # from the row's pinned node (the end of its first ``own`` tokens): each publish walks its new tokens only
+        already, node, tree_slots = self.prefix.insert_after(pinned or self.prefix.root, ids[own:],
+                                                             token_idx[own : len(ids)])  # fmt: skip
+        self.prefix.pin_node(node)  # before the old pin goes: none of the path turns evictable
+        if pinned is not None:
+            self.prefix.unpin(pinned)
         self._pins[slot] = node
-        if already > own:
+        if already:
             # The row computed tokens the tree held already (up to a branch): it reads the tree's slots from now
             # on and frees its own, so the pin it adds costs the pool nothing (what it pins was counted free)
-            shared = tree_slots[own:already]
+            shared = tree_slots[:already]
             self.req_to_token.write(slot, own, shared)
             self._rewrite_row(slot, own, shared)
-            self.tokens.free(token_idx[own:already])
+            self.tokens.free(token_idx[own : own + already])
         self._num_pinned[slot] = len(ids)
-        return self._checkpoint(ids, lasting) if self.stateful and state_at_computed else None
+        if not (self.stateful and state_at_computed):
+            return None
+        return self.prefix.attach_at(node, self._take_state, lasting)
 
     def _rewrite_row(self, slot: int, start: int, token_idx: torch.Tensor) -> None:
         """The row's tokens at positions ``[start, start + len(token_idx))`` become ``token_idx`` (its chunks keep
@@ -385,11 +389,6 @@ class KVCacheManager:
                 chunks[c][a - pos : b - pos] = token_idx[a - start : b - start]
             pos += chunk.numel()
 
-    def _checkpoint(self, ids: Sequence[int], lasting: bool = True) -> Optional[int]:
-        """A checkpoint id recorded after ``ids`` (in the tree); None when the tree has one there or no id can be
-        had."""
-        return self.prefix.attach_state(ids, self._take_state, lasting)
-
     def _take_state(self) -> Optional[int]:
         """A free checkpoint id or, all taken, the least recently used node's."""
         return self._free_states.pop() if self._free_states else self.prefix.evict_state()
@@ -399,15 +398,17 @@ class KVCacheManager:
         held = self._held[slot] + ([torch.tensor(self._held_decode[slot])] if self._held_decode[slot] else [])
         return torch.cat(held) if held else torch.empty(0, dtype=torch.int64)
 
-    def _release_to_tree(self, slot: int, token_idx: torch.Tensor) -> torch.Tensor:
-        """Insert the row's computed tokens into the tree and unpin its path: the slots left for the free list
-        (those the tree already held under another slot, and any whose KV was never written)."""
+    def _release_to_tree(self, slot: int, token_idx: torch.Tensor) -> Tuple[torch.Tensor, object]:
+        """Insert the row's computed tokens into the tree (from its pinned node) and unpin its path: the slots left
+        for the free list (those the tree already held under another slot, and any whose KV was never written), and
+        the tree node where the computed tokens end."""
         ids, pinned, cached = self._ids[slot], self._pins[slot], self._num_pinned[slot]
-        already = self.prefix.insert(ids, token_idx[: len(ids)])
+        already, node, _ = self.prefix.insert_after(pinned or self.prefix.root, ids[cached:],
+                                                    token_idx[cached : len(ids)])  # fmt: skip
         if pinned is not None:
             self.prefix.unpin(pinned)
             self._pins[slot] = None
-        return torch.cat([token_idx[cached:already], token_idx[len(ids) :]])
+        return torch.cat([token_idx[cached : cached + already], token_idx[len(ids) :]]), node
 
     def seq_len(self, slot: int) -> int:
         self.slots.check_allocated("KVCacheManager.seq_len", slot)

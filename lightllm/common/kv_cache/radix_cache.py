@@ -103,15 +103,19 @@ class RadixCache:
             raise ValueError(f"RadixCache.pin: tokens expected a cached prefix, got {len(tokens)} tokens of which "
                              f"{cached} are cached")  # fmt: skip
         node, parts = self._walk(tokens)
-        now = next(self._clock)
-        up = node
-        while up is not self.root:
-            if up.refs == 0:
-                self.num_evictable -= len(up.key)
-            up.refs += 1
-            up.last_used = now
-            up = up.parent
+        self.pin_node(node)
         return node, torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+
+    def pin_node(self, node: _Node) -> None:
+        """``pin`` of the path ending at ``node`` (a node of this tree, the root for none), from the node up: its
+        length in nodes, not tokens."""
+        now = next(self._clock)
+        while node is not self.root:
+            if node.refs == 0:
+                self.num_evictable -= len(node.key)
+            node.refs += 1
+            node.last_used = now
+            node = node.parent
 
     def unpin(self, node: _Node) -> None:
         """Undo one ``pin`` that returned ``node``."""
@@ -139,6 +143,35 @@ class RadixCache:
             self.num_evictable += len(leaf.key)
         return cached
 
+    def insert_after(self, node: _Node, tokens: Sequence[int], slots: torch.Tensor) -> Tuple[int, _Node, torch.Tensor]:
+        """``insert`` of ``tokens`` after the path ending at ``node`` (a request's pinned node, so one that no
+        eviction can take; the root for none), walking from there: the tokens after a running request's published
+        part cost their own length, not the whole prefix's. Returns (how many leading ``tokens`` were cached
+        already, the node where ``tokens`` end (split there if needed), the tree's slots of ``tokens``)."""
+        if slots.numel() != len(tokens):
+            raise ValueError(f"RadixCache.insert_after: slots expected one per token ({len(tokens)}), got "
+                             f"{slots.numel()}")  # fmt: skip
+        i, parts = 0, []
+        while i < len(tokens):
+            child = node.children.get(tokens[i])
+            if child is None:
+                break
+            n = _common_len(child.key, tokens[i : i + len(child.key)])
+            if n < len(child.key):
+                child = self._split(child, n)
+            parts.append(child.slots)
+            node, i = child, i + n
+        cached = i
+        if cached < len(tokens):
+            leaf = _Node(list(tokens[cached:]), slots[cached:].clone(), node)
+            leaf.last_used = next(self._clock)
+            node.children[leaf.key[0]] = leaf
+            self.num_tokens += len(leaf.key)
+            self.num_evictable += len(leaf.key)
+            parts.append(leaf.slots)
+            node = leaf
+        return cached, node, torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+
     def attach_state(self, tokens: Sequence[int], take: Callable[[], Optional[int]], lasting: bool = True
                      ) -> Optional[int]:  # fmt: skip
         """Record a checkpoint after the cached ``tokens`` (``ValueError`` if they are not all cached), its id from
@@ -151,6 +184,10 @@ class RadixCache:
             raise ValueError(f"RadixCache.attach_state: tokens expected a cached prefix, got {len(tokens)} tokens of "
                              f"which {cached} are cached")  # fmt: skip
         node, _ = self._walk(tokens)
+        return self.attach_at(node, take, lasting)
+
+    def attach_at(self, node: _Node, take: Callable[[], Optional[int]], lasting: bool = True) -> Optional[int]:
+        """``attach_state`` at the end of ``node`` (the root: none), without walking to it."""
         if node is self.root or node.state is not None:
             node.lasting = node.lasting or lasting
             return None

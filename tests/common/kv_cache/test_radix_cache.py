@@ -40,6 +40,25 @@ def test_insert_keeps_the_tree_slots_of_what_it_already_holds():
     assert slots.tolist() == [0, 1, 12]
 
 
+def test_insert_after_a_pinned_node_walks_from_there():
+    """``insert_after`` (a running row's publish) from the node its pin ends at: what it held already (splitting a
+    node where the tokens leave it), a new leaf for the rest, the tree's slots of all of them; ``pin_node`` and
+    ``attach_at`` act on the node it returns as ``pin`` and ``attach_state`` do on the tokens."""
+    tree, _ = tree_with([1, 2, 3, 4, 5, 6])
+    node, _ = tree.pin([1, 2])
+    assert tree.insert_after(node, [], torch.empty(0, dtype=torch.int64))[:2] == (0, node)
+    cached, end, slots = tree.insert_after(node, [3, 4, 9, 9], torch.tensor([20, 21, 22, 23]))
+    assert cached == 2 and slots.tolist() == [2, 3, 22, 23] and tree.num_tokens == 8
+    assert tree.match([1, 2, 3, 4, 5, 6]) == (6, 4) and tree.match([1, 2, 3, 4, 9, 9]) == (6, 4)
+    tree.pin_node(end)
+    tree.unpin(node)
+    assert tree.num_evictable == 2  # [5, 6]: the path to [.., 9, 9] is pinned
+    assert tree.attach_at(end, lambda: 7) == 7 and tree.match([1, 2, 3, 4, 9, 9, 1], stateful=True) == (6, 0)
+    assert tree.attach_at(end, lambda: 8) is None and tree.attach_at(tree.root, lambda: 8) is None
+    tree.unpin(end)
+    assert tree.num_evictable == tree.num_tokens == 8
+
+
 def test_pin_of_an_uncached_prefix_changes_nothing():
     tree, _ = tree_with([1, 2, 3])
     with pytest.raises(ValueError, match="expected a cached prefix, got 4 tokens of which 3 are cached"):
