@@ -38,7 +38,9 @@ def test_tp2_matches_one_process(tmp_path):
 
 def test_tp2_serves_mtp(tmp_path, monkeypatch):
     """--tp 2 with MTP (the head sharded like the main model, rank 0's drafts and acceptance broadcast): /generate
-    gives one process's tokens and logprobs without MTP, and the drafts are accepted (the agreeing head)."""
+    gives one process's tokens and logprobs without MTP, and the drafts are accepted (the agreeing head). A
+    follow-up that repeats the second prompt and its answer starts from that request's end on both ranks (the
+    prefix cache's checkpoint there, the head's KV completed at its end)."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # two ranks on two cores: spinning OpenMP threads starve gloo
     model = str(make_tiny_qwen3_5(tmp_path / "model", mtp="agree", seed=4))
     opts = dict(data_type="fp32", device="cpu", batch_max_tokens=64, max_req_total_len=128, running_max_req_size=4)
@@ -49,7 +51,13 @@ def test_tp2_serves_mtp(tmp_path, monkeypatch):
     ref = LLM(model, **opts).generate(prompts, SamplingParams(max_new_tokens=8, logprobs=True, ignore_eos=True))
     with running_server(tmp_path, args) as base:
         assert_generates_like(base, prompts, ref)
+        follow_up = [prompts[1] + ref[1].token_ids + [60, 61]]
+        params = SamplingParams(max_new_tokens=8, logprobs=True, ignore_eos=True)
+        assert_generates_like(base, follow_up, LLM(model, **opts).generate(follow_up, params))
         metrics = httpx.get(base + "/metrics", timeout=procs.HANG_TIMEOUT_S).text
+    cached = re.search(r"^lightllm_prompt_cached_tokens_total (\S+)", metrics, re.M)
+    # the second request's KV: its prompt and its tokens but the last (never fed back before it ended)
+    assert cached and float(cached.group(1)) == len(prompts[1]) + 8 - 1, metrics[-2000:]
     accepted = re.search(r"^lightllm_spec_decode_num_accepted_tokens_total (\S+)", metrics, re.M)
     assert accepted and float(accepted.group(1)) > 0, metrics[-2000:]
     (log,) = tmp_path.glob("server-*.log")
