@@ -18,6 +18,9 @@ STATE_CHANGING = ("prefill", "decode", "decode_ahead", "inputs_known", "add_requ
 class KVQueries(Protocol):
     """The questions the scheduling policy asks the KV cache; it never changes the cache through this."""
 
+    @property
+    def stateful(self) -> bool: ...  # a cached prefix is usable only up to a state checkpoint (Qwen3.5's)
+
     def can_allocate(self, num_tokens: int) -> bool: ...
 
     def has_free_slot(self) -> bool: ...

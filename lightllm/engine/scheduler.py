@@ -9,7 +9,9 @@ the prefix cache a request is admitted with the longest cached prefix of its con
 its KV row already, and prefills only the rest. For a model with state beside the KV (Qwen3.5) a cached prefix is
 usable only up to a state checkpoint; when the cached KV goes at least ``branch_min_tokens`` further (a shared system
 prompt whose requests went on past it), a chunked prefill stops a chunk at that *branch* and the runner checkpoints
-the state there, so the next request with that prefix reuses all of it.
+the state there, so the next request with that prefix reuses all of it. A request that shares at least that many more
+tokens with one still being prefilled (``n`` samples of a prompt, a system prompt sent by several clients at once)
+waits, first in line, until that one has published them (Qwen3.5: it stops a chunk where they part), and reads them.
 With chunked prefill (the default) the last request of a step gets what is left of the budget and the rest of its
 context waits for the next prefill step; in between, the running requests decode one step, so a long prompt never
 stalls them for more than one chunk. Its first token is sampled after its last chunk. Without chunking a prompt
@@ -29,6 +31,7 @@ import logging
 from collections import deque
 from typing import Deque, Dict, Iterable, List, Optional, Tuple
 
+from lightllm.common.kv_cache.radix_cache import common_prefix_len
 from lightllm.engine.request import Request
 from lightllm.engine.runner import Runner
 
@@ -113,6 +116,8 @@ class Scheduler:
         context is now in (to be sampled) are returned, the rest stay being prefilled."""
         for req in batch:
             req.prefilled = req.chunk_end
+            if req.prefilled == req.context_len:  # a waiting request no longer compares its key with this one's
+                req.key, req.key_of = None, -1
         partial = {id(r) for r in self.prefilling}
         self.prefilling += [r for r in batch if id(r) not in partial]
         self.prefilling = [r for r in self.prefilling if r.prefilled < r.context_len]
@@ -152,6 +157,7 @@ class Scheduler:
         self.prefilling = [r for r in self.prefilling if r is not req]
         self.admitted = [r for r in self.admitted if r is not req]
         req.prefilled = req.chunk_end = 0
+        req.key, req.key_of = None, -1
         if req.slot >= 0:
             slot, req.slot = req.slot, -1
             self.runner.free(slot, req.output_ids[-1] if req.output_ids else None)
@@ -215,8 +221,9 @@ class Scheduler:
             if not self.chunked and batch and need > budget:
                 break
             req = self.waiting[0]
+            if self._wait_for_sibling(req, cached, batch):
+                break  # first in line, it waits for a request in flight to publish what they share
             req.slot = self.runner.add_request(self._context_key(req)[:cached])
-            req.key, req.key_of = None, -1  # matched again only if preempted, its context longer by then
             self.waiting.popleft()  # only once it holds a slot: a runner that raises leaves it for fail_all
             self.admitted.append(req)
             if req.num_cached_tokens is None:  # the first admission's hit is what the client's prompt saved
@@ -232,6 +239,33 @@ class Scheduler:
             batch.append(req)
             holding += 1
         return batch
+
+    def _wait_for_sibling(self, req: Request, cached: int, batch: List[Request]) -> bool:
+        """Whether waiting ``req`` shares at least ``branch_min_tokens`` more of its prefix-cache key with a request
+        still being prefilled (or admitted by this step) than the cache holds, before that one has computed them:
+        ``n`` samples of one prompt, or a system prompt sent by several clients at once. Prefilling them together
+        would compute the shared tokens once each; waiting, it reads them from the cache once that request
+        publishes them (the same or the next prefill step). A model with state checkpoints (Qwen3.5) needs one where
+        they part: that request's chunk stops there (its branch), this step's shortened if it would go past."""
+        if self.runner.kv.stateful and not self.chunked:  # no chunk can stop there: waiting would gain nothing
+            return False
+        key, need = self._context_key(req), cached + self.branch_min_tokens
+        if len(key) < need:
+            return False
+        in_batch = {id(r) for r in batch}
+        for other in self.prefilling + [r for r in batch if r.slot >= 0]:
+            if other.key is None or other.key_of != other.context_len:  # its key is kept while it prefills
+                continue
+            shared = common_prefix_len(key, other.key)
+            if shared < need or other.prefilled >= shared:  # too little to gain, or computed (and published) already
+                continue
+            if self.runner.kv.stateful:  # asked again each step it waits: a nearer branch is moved on once passed
+                if not other.prefilled < other.branch <= shared:
+                    other.branch = shared
+                if id(other) in in_batch and other.chunk_end > other.branch:
+                    other.chunk_end = other.branch
+            return True
+        return False
 
     def _preempt(self, req: Request, why: str = "KV cache full") -> None:
         logger.info("%s: preempting request %s (%d tokens), it will be re-prefilled", why, req.id,
