@@ -38,15 +38,15 @@ class _Node:
 
 
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading items ``a`` and ``b`` share: compared as whole slices (C speed), 1024 at a time where they
-    part, then item by item in the block where they do."""
+    """How many leading items ``a`` and ``b`` share: compared 1024 at a time as slices (C speed), then item by item in
+    the block where they part, so two long sequences that part early cost that block, not their length."""
     n = min(len(a), len(b))
-    if a[:n] == b[:n]:  # the common case (a whole node matches)
-        return n
     i = 0
-    while a[i : i + 1024] == b[i : i + 1024]:
+    while i < n and a[i : i + 1024] == b[i : i + 1024]:
         i += 1024
-    return next(j for j in range(i, n) if a[j] != b[j])
+    if i >= n:
+        return n
+    return next((j for j in range(i, min(i + 1024, n)) if a[j] != b[j]), min(i + 1024, n))
 
 
 class RadixCache:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lightllm.common.kv_cache import KVCacheManager
-from lightllm.common.kv_cache.radix_cache import RadixCache
+from lightllm.common.kv_cache.radix_cache import RadixCache, common_prefix_len
 
 
 def tree_with(*seqs):
@@ -18,6 +18,18 @@ def tree_with(*seqs):
         tree.insert(seq, torch.arange(nxt, nxt + len(seq)))
         nxt += len(seq)
     return tree, freed
+
+
+def test_common_prefix_len_is_where_two_sequences_part():
+    """Against an item-by-item count, for lengths around the 1024-item blocks it compares at once."""
+    rng = random.Random(0)
+    for _ in range(500):
+        base = [rng.randrange(3) for _ in range(3000)]
+        a, b = base[: rng.randrange(3000)], list(base[: rng.randrange(3000)])
+        if b and rng.random() < 0.7:
+            b[rng.randrange(len(b))] += 1
+        n = min(len(a), len(b))
+        assert common_prefix_len(a, b) == next((i for i in range(n) if a[i] != b[i]), n)
 
 
 def test_matches_at_token_granularity():
