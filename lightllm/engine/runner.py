@@ -19,6 +19,9 @@ class KVQueries(Protocol):
     """The questions the scheduling policy asks the KV cache; it never changes the cache through this."""
 
     @property
+    def caching(self) -> bool: ...  # the prefix cache is on
+
+    @property
     def stateful(self) -> bool: ...  # a cached prefix is usable only up to a state checkpoint (Qwen3.5's)
 
     def can_allocate(self, num_tokens: int) -> bool: ...

@@ -247,7 +247,8 @@ class Scheduler:
         would compute the shared tokens once each; waiting, it reads them from the cache once that request
         publishes them (the same or the next prefill step). A model with state checkpoints (Qwen3.5) needs one where
         they part: that request's chunk stops there (its branch), this step's shortened if it would go past."""
-        if self.runner.kv.stateful and not self.chunked:  # no chunk can stop there: waiting would gain nothing
+        kv = self.runner.kv
+        if not kv.caching or (kv.stateful and not self.chunked):  # nothing to read, or no chunk can stop there
             return False
         key, need = self._context_key(req), cached + self.branch_min_tokens
         if len(key) < need:
@@ -259,7 +260,7 @@ class Scheduler:
             shared = common_prefix_len(key, other.key)
             if shared < need or other.prefilled >= shared:  # too little to gain, or computed (and published) already
                 continue
-            if self.runner.kv.stateful:  # asked again each step it waits: a nearer branch is moved on once passed
+            if kv.stateful:  # asked again each step it waits: a nearer branch is moved on once passed
                 if not other.prefilled < other.branch <= shared:
                     other.branch = shared
                 if id(other) in in_batch and other.chunk_end > other.branch:

@@ -61,7 +61,10 @@ def test_samples_of_one_prompt_compute_it_once(model):
     others part from it: their last token is computed for its logits), the other three read all but the last
     token, and the tokens computed are the prompt's once plus one per sample."""
     prompts = [SHARED] * 4
-    want, _ = run_all(engine(model, cache=False)[0], prompts, max_new=5)
+    off, off_calls = engine(model, cache=False)
+    want, _ = run_all(off, prompts, max_new=5)
+    assert off_calls[:2] == [[64], [36, 28]]  # without the cache nothing waits: the budget goes to the next in line
+    assert sum(map(sum, off_calls)) == 4 * 100
     eng, calls = engine(model)
     cached, got = cached_tokens(eng, prompts)
     assert got == want

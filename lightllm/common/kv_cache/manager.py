@@ -112,6 +112,11 @@ class KVCacheManager:
         return self.tokens.num_free + (self.prefix.num_evictable if self.prefix else 0)
 
     @property
+    def caching(self) -> bool:
+        """Whether the prefix cache is on."""
+        return self.prefix is not None
+
+    @property
     def num_free_slots(self) -> int:
         return self.slots.num_free
 
