@@ -11,7 +11,8 @@ usable only up to a state checkpoint; when the cached KV goes at least ``branch_
 prompt whose requests went on past it), a chunked prefill stops a chunk at that *branch* and the runner checkpoints
 the state there, so the next request with that prefix reuses all of it. A request that shares at least that many more
 tokens with one still being prefilled (``n`` samples of a prompt, a system prompt sent by several clients at once)
-waits, first in line, until that one has published them (Qwen3.5: it stops a chunk where they part), and reads them.
+waits, keeping its place in line (the requests behind it may be admitted meanwhile), until that one has published
+them (Qwen3.5: it stops a chunk where they part), and reads them.
 With chunked prefill (the default) the last request of a step gets what is left of the budget and the rest of its
 context waits for the next prefill step; in between, the running requests decode one step, so a long prompt never
 stalls them for more than one chunk. Its first token is sampled after its last chunk. Without chunking a prompt
@@ -213,31 +214,36 @@ class Scheduler:
             budget -= n
             batch.append(req)
         holding = len(self.running) + len(self.prefilling)  # request slots in use
-        while self.waiting and budget > 0 and holding < self.args.running_max_req_size:
-            fit = self._fits(self.waiting[0], planned)
-            if fit is None:
-                break
-            cached, need, branch = fit
-            if not self.chunked and batch and need > budget:
-                break
-            req = self.waiting[0]
-            if self._wait_for_sibling(req, cached, batch):
-                break  # first in line, it waits for a request in flight to publish what they share
-            req.slot = self.runner.add_request(self._context_key(req)[:cached])
-            self.waiting.popleft()  # only once it holds a slot: a runner that raises leaves it for fail_all
-            self.admitted.append(req)
-            if req.num_cached_tokens is None:  # the first admission's hit is what the client's prompt saved
-                req.num_cached_tokens = min(cached, len(req.prompt_ids))
-            req.prefilled = cached
-            req.chunk_end = cached + (need if not self.chunked else min(need, budget))
-            # chunked only: without it a prompt is prefilled whole, never left partly done for a checkpoint
-            req.branch = branch if self.chunked and branch - cached >= self.branch_min_tokens else 0
-            if req.branch:
-                req.chunk_end = min(req.chunk_end, req.branch)
-            budget -= req.chunk_end - cached
-            planned += need + self.decode_tokens
-            batch.append(req)
-            holding += 1
+        passed = []  # waiting for a sibling in flight (``_wait_for_sibling``): they keep their place in line
+        try:
+            while self.waiting and budget > 0 and holding < self.args.running_max_req_size:
+                req = self.waiting[0]
+                fit = self._fits(req, planned)
+                if fit is None:
+                    break
+                cached, need, branch = fit
+                if not self.chunked and batch and need > budget:
+                    break
+                if self._wait_for_sibling(req, cached, batch):
+                    passed.append(self.waiting.popleft())  # the requests behind it may be admitted meanwhile
+                    continue
+                req.slot = self.runner.add_request(self._context_key(req)[:cached])
+                self.waiting.popleft()  # only once it holds a slot: a runner that raises leaves it for fail_all
+                self.admitted.append(req)
+                if req.num_cached_tokens is None:  # the first admission's hit is what the client's prompt saved
+                    req.num_cached_tokens = min(cached, len(req.prompt_ids))
+                req.prefilled = cached
+                req.chunk_end = cached + (need if not self.chunked else min(need, budget))
+                # chunked only: without it a prompt is prefilled whole, never left partly done for a checkpoint
+                req.branch = branch if self.chunked and branch - cached >= self.branch_min_tokens else 0
+                if req.branch:
+                    req.chunk_end = min(req.chunk_end, req.branch)
+                budget -= req.chunk_end - cached
+                planned += need + self.decode_tokens
+                batch.append(req)
+                holding += 1
+        finally:
+            self.waiting.extendleft(reversed(passed))
         return batch
 
     def _wait_for_sibling(self, req: Request, cached: int, batch: List[Request]) -> bool:

@@ -42,7 +42,8 @@ def engine(model, cache=True, branch_min=8, **kw):
 
 
 def cached_tokens(eng, prompts):
-    """Per prompt, the tokens its admission read from the cache (submitted together, run to the end), and the tokens."""
+    """The tokens each admission read from the cache, in admission order (the prompts submitted together and run to
+    the end), and each prompt's tokens."""
     got = {}
     real = eng.runner.add_request
 
@@ -92,3 +93,17 @@ def test_a_short_common_start_does_not_wait(model):
     eng, calls = engine(model, branch_min=64)
     cached_tokens(eng, prompts)
     assert calls[0] == [50, 14]  # the first step: the budget's 64 tokens, two prompts
+
+
+def test_requests_behind_waiting_samples_go_first(model):
+    """Samples waiting for their first keep their place in line, but an unrelated request behind them is admitted
+    in the step they wait: the budget left goes to it."""
+    other = torch.randint(3, 400, (30,), generator=GEN).tolist()
+    prompts = [SHARED] * 3 + [other]
+    want, _ = run_all(engine(model, cache=False)[0], prompts, max_new=5)
+    eng, calls = engine(model)
+    cached, got = cached_tokens(eng, prompts)
+    assert got == want
+    # step 2: the first's rest (Qwen3.5: to the token before its last, where the samples part) and the other's 28
+    assert calls[1] == [35 if eng.runner.kv.stateful else 36, 28]
+    assert cached == [0, 0, 99, 99]  # in admission order: the first, the other, the two samples
