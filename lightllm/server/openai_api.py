@@ -282,10 +282,11 @@ class OpenAIReply:
 
     def _usage(self, completion_tokens: int, cached: List[int]) -> dict:
         """``cached``: per sequence, its prompt tokens read from the prefix cache. A prompt counts once in
-        ``prompt_tokens``, so its samples' hits count once too (the largest)."""
+        ``prompt_tokens``, so its samples' hits count once too: the smallest, what the prompt's first computation
+        read (the samples admitted after it read what it computed: docs/engine.md, "Prefix cache")."""
         prompt_tokens = sum(len(ids) for ids in self.prompts)
         per = len(cached) // len(self.prompts)
-        hits = sum(max(cached[p * per : (p + 1) * per], default=0) for p in range(len(self.prompts)))
+        hits = sum(min(cached[p * per : (p + 1) * per], default=0) for p in range(len(self.prompts)))
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                 "total_tokens": prompt_tokens + completion_tokens,
                 "prompt_tokens_details": {"cached_tokens": hits}}  # fmt: skip
