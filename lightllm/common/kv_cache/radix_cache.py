@@ -136,17 +136,7 @@ class RadixCache:
         """Keep ``slots`` (CPU int64, one per token) as the KV of ``tokens``. Returns how many leading tokens were
         cached already: the tree keeps its own slots for those, so the caller still owns (and frees) the first that
         many of ``slots``; the tree owns the rest."""
-        if slots.numel() != len(tokens):
-            raise ValueError(f"RadixCache.insert: slots expected one per token ({len(tokens)}), got {slots.numel()}")
-        cached, _ = self.match(tokens)
-        node, _ = self._walk(tokens[:cached])
-        if cached < len(tokens):
-            leaf = _Node(list(tokens[cached:]), slots[cached:].clone(), node)
-            leaf.last_used = next(self._clock)
-            node.children[leaf.key[0]] = leaf
-            self.num_tokens += len(leaf.key)
-            self.num_evictable += len(leaf.key)
-        return cached
+        return self.insert_after(self.root, tokens, slots)[0]
 
     def insert_after(self, node: _Node, tokens: Sequence[int], slots: torch.Tensor) -> Tuple[int, _Node, torch.Tensor]:
         """``insert`` of ``tokens`` after the path ending at ``node`` (a request's pinned node, so one that no
@@ -154,7 +144,7 @@ class RadixCache:
         part cost their own length, not the whole prefix's. Returns (how many leading ``tokens`` were cached
         already, the node where ``tokens`` end (split there if needed), the tree's slots of ``tokens``)."""
         if slots.numel() != len(tokens):
-            raise ValueError(f"RadixCache.insert_after: slots expected one per token ({len(tokens)}), got "
+            raise ValueError(f"RadixCache.insert: slots expected one per token ({len(tokens)}), got "
                              f"{slots.numel()}")  # fmt: skip
         i, parts = 0, []
         while i < len(tokens):
