@@ -30,6 +30,21 @@ def random_model(
     return build_model(root, layers, model, mtp), dict(data_type="bf16")
 
 
+def add_model_args(p) -> None:
+    """The arguments of ``random_model``'s model: ``--model``, ``--mtp_step``, ``--layers``, ``--tiny``."""
+    p.add_argument("--model", choices=("qwen3", "qwen3.5"), default="qwen3")
+    p.add_argument("--mtp_step", type=int, default=0, help="Qwen3.5 with MTP, N drafts per step (0: off)")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--tiny", action="store_true", help="the built-in tiny model on the CPU (a check of the method)")
+
+
+def mtp_options(p, args) -> dict:
+    """The engine options ``--mtp_step`` asks for ({} when off); a model without an MTP head is a usage error."""
+    if args.mtp_step and args.model != "qwen3.5":
+        p.error(f"--mtp_step expected --model qwen3.5 (the model with an MTP head), got --model {args.model}")
+    return dict(mtp_mode="eagle_with_att", mtp_step=args.mtp_step) if args.mtp_step else {}
+
+
 def write_rows(path: str, args, rows: list) -> None:
     """``{"device", "args", "rows"}`` to ``path`` (its folder made if missing)."""
     device = torch.cuda.get_device_name() if torch.cuda.is_available() and not args.tiny else "cpu"

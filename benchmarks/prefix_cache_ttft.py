@@ -35,7 +35,7 @@ from lightllm.engine.request import Request
 from lightllm.engine.sampler import SamplingParams
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from engine_bench import random_model, write_rows  # noqa: E402
+from engine_bench import add_model_args, mtp_options, random_model, write_rows  # noqa: E402
 
 
 def time_to_first_token(engine: Engine, ids) -> tuple:
@@ -81,20 +81,15 @@ def measure(engine: Engine, prompt: int, repeats: int, vocab: int, seed: int, sh
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", choices=("qwen3", "qwen3.5"), default="qwen3")
-    p.add_argument("--layers", type=int, default=8)
+    add_model_args(p)
     p.add_argument("--prompt", type=int, default=8192)
     p.add_argument("--shared", type=int, default=0, help="the sends share only their first N tokens (0: all)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--out", default="benchmarks/results/prefix_cache_ttft.json")
-    p.add_argument("--tiny", action="store_true", help="the built-in tiny model on the CPU (a check of the method)")
-    p.add_argument("--mtp_step", type=int, default=0, help="Qwen3.5 with MTP, N drafts per step (0: off)")
     args = p.parse_args(argv)
     if not 0 <= args.shared < args.prompt:
         p.error(f"--shared expected in [0, --prompt {args.prompt}), got {args.shared}")
-    if args.mtp_step and args.model != "qwen3.5":
-        p.error(f"--mtp_step expected --model qwen3.5 (the model with an MTP head), got --model {args.model}")
-    mtp = dict(mtp_mode="eagle_with_att", mtp_step=args.mtp_step) if args.mtp_step else {}
+    mtp = mtp_options(p, args)
 
     rows = []
     with tempfile.TemporaryDirectory() as root:

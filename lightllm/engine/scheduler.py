@@ -194,7 +194,7 @@ class Scheduler:
 
     def _context_key(self, req: Request) -> list:
         """``kv.context_key`` of ``req``'s context, kept while its context does not change: a request that waits for
-        room is matched again at every step (building a 32K context's MTP key takes a millisecond)."""
+        room is matched again at every step, and building a key walks the whole context."""
         if req.key_of != req.context_len:
             req.key, req.key_of = self.runner.kv.context_key(req.context), req.context_len
         return req.key

@@ -22,7 +22,7 @@ def next_token_keys(tokens: Sequence[int]) -> List[int]:
     if len(tokens) < 2:
         return []
     ids = np.asarray(tokens, dtype=np.int64)
-    return ((ids[:-1] << 32) | ids[1:]).tolist()  # numpy: 1.1 ms at 32K tokens, a Python loop 1.9
+    return ((ids[:-1] << 32) | ids[1:]).tolist()  # one vectorized pass, not a Python loop over the pairs
 
 
 class KVCacheManager:
