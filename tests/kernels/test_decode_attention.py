@@ -347,6 +347,12 @@ def test_bad_inputs_name_the_argument():
         gqa_decode_attention_int8kv(q, kq, vq, ks.float(), vs, r2t, idx, seq, 8)
     with pytest.raises(ValueError, match="k_cache expected .* torch.uint8"):
         gqa_decode_attention_int4kv(q, kq, vq, ks, vs, r2t, idx, seq, 8)
+    strided = torch.zeros(ks.shape[0], ks.shape[1], 2 * ks.shape[2], dtype=ks.dtype, device=ks.device)[..., ::2]
+    with pytest.raises(ValueError, match=r"v_scale expected contiguous rows of 8 scales .*, got \(32, 16, 2\)"):
+        gqa_decode_attention_int8kv(q, kq, vq, ks, strided.copy_(vs), r2t, idx, seq, 8)
+    padded = torch.zeros(ks.shape[0], ks.shape[1], ks.shape[2] + 2, dtype=ks.dtype, device=ks.device)[..., :-2]
+    with pytest.raises(ValueError, match="k_scale expected contiguous rows of 8 scales"):  # rows 10 apart: not whole
+        gqa_decode_attention_int8kv(q, kq, vq, padded.copy_(ks), vs, r2t, idx, seq, 8)
 
 
 def test_step_plan_checks_once_and_refuses_other_shapes():

@@ -333,11 +333,15 @@ def _check(q_shape, q_dtype, k_cache, v_cache, k_scale, v_scale, req_to_token, b
         half = head_dim // 2  # stage 1 reads each row as two halves (INT4 packs them; INT8 too has groups per half)
         if quant_group <= 0 or half % quant_group or quant_group & (quant_group - 1):
             fail("quant_group", f"a power of two dividing {half}", quant_group)
+        groups = head_dim // quant_group
         for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
-            shape = (k_cache.shape[0], kv_heads, head_dim // quant_group)
+            shape = (k_cache.shape[0], kv_heads, groups)
             if t is None or tuple(t.shape) != shape or t.dtype != SCALE_DTYPE or t.device != device:
                 got = None if t is None else f"{tuple(t.shape)} {t.dtype} on {t.device}"
                 fail(name, f"a {str(SCALE_DTYPE).removeprefix('torch.')} {list(shape)} tensor on {device}", got)
+            # stage 1 reads a head's scales as one vector (its loads assume whole rows: stage1.py)
+            if t.stride(2) != 1 or t.stride(0) % groups or t.stride(1) % groups:
+                fail(name, f"contiguous rows of {groups} scales (strides multiples of {groups}, last 1)", t.stride())
     if req_to_token.dim() != 2 or req_to_token.dtype != torch.int32 or req_to_token.device != device:
         fail("req_to_token", "an int32 [max_reqs, max_len] tensor on the cache's device", f"{req_to_token.dtype}")
     check_request_rows(fail, batch, device, b_req_idx, b_seq_len)

@@ -323,6 +323,10 @@ def decode_stage1_kernel(
         tok = tl.load(tokens + offs_n, mask=mask_n, other=0).to(tl.int64)
         k_row = tok * stride_kt + kvh * stride_kh
         k_srow = tok * stride_kst + kvh * stride_ksh
+        v_srow = tok * stride_vst + kvh * stride_vsh
+        if QUANT != 0:  # whole scale rows (the host checks the strides): vector loads, pipelined as async copies
+            k_srow = tl.multiple_of(k_srow, 2 * HALF_D // QGROUP)
+            v_srow = tl.multiple_of(v_srow, 2 * HALF_D // QGROUP)
         if QK_INT8:
             qk = qk_int8_scores(q_lo, q_hi, q_scale, correction, K, K_scale, k_row, k_srow, mask_n, BLOCK_N, BLOCK_G,
                                 BLOCK_R, BLOCK_H, HALF_D, QGROUP, QUANT)  # fmt: skip
@@ -338,9 +342,8 @@ def decode_stage1_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v_lo, v_hi = _load_kv_halves(V, V_scale, tok * stride_vt + kvh * stride_vh, tok * stride_vst + kvh * stride_vsh,
-                                     mask_n, d, BLOCK_N, HALF_D, QUANT, QGROUP, INT4_OFFSET, F16, ASM,
-                                     kv_dtype)  # fmt: skip
+        v_lo, v_hi = _load_kv_halves(V, V_scale, tok * stride_vt + kvh * stride_vh, v_srow, mask_n, d, BLOCK_N, HALF_D,
+                                     QUANT, QGROUP, INT4_OFFSET, F16, ASM, kv_dtype)  # fmt: skip
         p = p.to(kv_dtype)
         acc_lo = acc_lo * alpha[:, None] + tl.dot(p, v_lo, input_precision=PRECISION)
         acc_hi = acc_hi * alpha[:, None] + tl.dot(p, v_hi, input_precision=PRECISION)
