@@ -4,7 +4,10 @@ the cubin's resources. Nothing is timed; it shows what a GPU table cannot: a can
 registers or shared memory leave few warps resident per SM (fewer loads in flight for a memory-bound kernel), and
 how many dequantized K/V tiles the compiler stages through shared memory (from its TTGIR: a 16-bit
 ``[BLOCK_N, D/2]`` register tensor written to shared memory, then read back in the dot's operand layout, behind a
-barrier, each loop iteration).
+barrier, each loop iteration). From the SASS of the main loop (the longest backward branch): its instructions per
+tile, barriers, synchronous global loads (``LDG``: latency a tile waits on, where the pipeline's async copies,
+``LDGSTS``, hide it) and the layout conversions in its TTGIR. ``--qk-int8`` also compiles each INT8/INT4 candidate
+with the integer QK dot (``stage1_qk_int8.py``).
 
     python benchmarks/decode_stage1_resources.py --out benchmarks/results/decode_stage1_resources_sm90.json
     python benchmarks/decode_stage1_resources.py --analyze benchmarks/results/decode_stage1_resources_sm90.json
@@ -14,6 +17,7 @@ so candidates that differ in it share a compile.
 """
 
 import argparse
+import collections
 import json
 import os
 import re
@@ -34,6 +38,7 @@ SHARED_KIB_PER_SM = {80: 164, 86: 100, 87: 164, 89: 100, 90: 228}  # the CUDA gu
 RESERVED_SHARED_PER_BLOCK = 1024  # the driver's per-block reservation (sm_80 and later)
 WAVES = (1, 2, 4, 8)  # the tuned candidates' WAVES values (flash_decode.split_kv_configs; a test checks)
 _RESOURCE = re.compile(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
+_SASS_LINE = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)[.A-Z0-9_]*\s*([^;]*);")
 
 
 def _kernels():
@@ -41,9 +46,10 @@ def _kernels():
     from lightllm.common.kv_cache.quant import INT4_OFFSET
     from lightllm.kernels.attention.decode import flash_decode
     from lightllm.kernels.attention.decode.stage1 import decode_stage1_kernel
+    from lightllm.kernels.attention.decode.stage1_qk_int8 import qk_int8_rows
     from lightllm.kernels.launch_math import next_power_of_2
 
-    return flash_decode, decode_stage1_kernel, INT4_OFFSET, next_power_of_2
+    return flash_decode, decode_stage1_kernel, INT4_OFFSET, next_power_of_2, qk_int8_rows
 
 
 def distinct_configs(configs: list) -> list:
@@ -52,6 +58,7 @@ def distinct_configs(configs: list) -> list:
     for cfg in configs:
         key = {k: cfg[k] for k in ("BLOCK_N", "num_warps", "num_stages")}
         key["MIN_BLOCKS"] = cfg.get("MIN_BLOCKS", 1)
+        key["QK_INT8"] = cfg.get("QK_INT8", 0)
         if key not in out:
             out.append(key)
     return out
@@ -128,8 +135,29 @@ def staged_tiles(ttgir: str, block_n: int, half_d: int) -> int:
     return len(re.findall(rf"ttg\.local_alloc %\S+ : \(tensor<{block_n}x{half_d}x(?:f16|bf16),", ttgir))
 
 
+def loop_stats(sass: str) -> dict:
+    """The main loop's instruction mix from ``cuobjdump -sass``: the body of the longest backward branch."""
+    ins = [(int(a, 16), op, args) for a, op, args in _SASS_LINE.findall(sass)]
+    body = []
+    for addr, op, args in ins:
+        target = re.search(r"0x([0-9a-f]+)", args) if op == "BRA" else None
+        if target and int(target.group(1), 16) < addr:
+            lo = int(target.group(1), 16)
+            span = [o for a, o, _ in ins if lo <= a <= addr]
+            body = span if len(span) > len(body) else body
+    ops = collections.Counter(body)
+    return {"loop_instructions": len(body), "loop_barriers": ops["BAR"], "loop_sync_loads": ops["LDG"],
+            "loop_async_copies": ops["LDGSTS"]}  # fmt: skip
+
+
+def loop_conversions(ttgir: str) -> int:
+    """Layout conversions inside the first loop of the TTGIR (through shared memory unless register-local)."""
+    start = ttgir.find("scf.for")
+    return ttgir.count("ttg.convert_layout", start, ttgir.find("scf.yield", start)) if start >= 0 else 0
+
+
 def compile_one(kernel, arch: int, shape, kind: str, group: int, cfg: dict, int4_offset: int, p2,
-                maxnreg=None) -> dict:  # fmt: skip
+                maxnreg=None, rows=None) -> dict:  # fmt: skip
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -138,7 +166,11 @@ def compile_one(kernel, arch: int, shape, kind: str, group: int, cfg: dict, int4
     bits = {"none": 0, "int8": 8, "int4": 4}[kind]
     constexprs = dict(GROUP=hq // hk, BLOCK_H=max(16, p2(hq // hk)), HALF_D=d // 2, BLOCK_N=cfg["BLOCK_N"],
                       MIN_BLOCKS=cfg["MIN_BLOCKS"], QUANT=bits, QGROUP=group if bits else 0,
-                      INT4_OFFSET=int4_offset, F16=bits > 0, ASM=bits > 0, PRECISION=None, USE_PDL=False)  # fmt: skip
+                      INT4_OFFSET=int4_offset, F16=bits > 0, ASM=bits > 0, PRECISION=None, USE_PDL=False,
+                      QK_INT8=False, BLOCK_G=16, BLOCK_R=16)  # fmt: skip
+    if cfg.get("QK_INT8"):  # ``rows``: qk_int8_rows, (BLOCK_G, BLOCK_R) of the integer dot
+        block_g, block_r = rows(hq // hk, d, group)
+        constexprs.update(QK_INT8=True, BLOCK_G=block_g, BLOCK_R=block_r)
     types = signature(kernel.arg_names, constexprs, kind)
     attrs = divisibility(kernel.arg_names, types, int_args(shape, kind, group))
     src = ASTSource(kernel, types, constexprs, attrs)
@@ -151,14 +183,16 @@ def compile_one(kernel, arch: int, shape, kind: str, group: int, cfg: dict, int4
         f.flush()
         text = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True,
                               check=True).stdout  # fmt: skip
+        sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout
     res = parse_resources(text)
     res["shared_bytes"] = compiled.metadata.shared
     res["staged_tiles"] = staged_tiles(compiled.asm["ttgir"], cfg["BLOCK_N"], d // 2)
+    res.update(loop_stats(sass), loop_conversions=loop_conversions(compiled.asm["ttgir"]))
     return res
 
 
 def run(args) -> dict:
-    flash_decode, kernel, int4_offset, p2 = _kernels()
+    flash_decode, kernel, int4_offset, p2, rows = _kernels()
     import torch
 
     results = {"arch": f"sm_{args.arch}", "cells": []}
@@ -167,10 +201,13 @@ def run(args) -> dict:
         q = torch.empty(1, hq, d)
         for kind in args.kinds:
             space = flash_decode.split_kv_configs(q) if kind == "none" else flash_decode.quant_split_kv_configs(q)
+            if args.block_n:
+                space = [c for c in space if c["BLOCK_N"] in args.block_n]
             for group in [0] if kind == "none" else args.groups:
-                for cfg in distinct_configs(space)[: args.max_configs]:
+                twins = ({}, {"QK_INT8": 1}) if kind != "none" and args.qk_int8 else ({},)
+                for cfg in [{**base, **t} for base in distinct_configs(space)[: args.max_configs] for t in twins]:
                     cap = args.maxnreg.get(cfg["num_warps"]) if kind != "none" else None
-                    res = compile_one(kernel, args.arch, SHAPES[name], kind, group, cfg, int4_offset, p2, cap)
+                    res = compile_one(kernel, args.arch, SHAPES[name], kind, group, cfg, int4_offset, p2, cap, rows)
                     results["cells"].append({"shape": name, "kind": kind, "group": group, **cfg, **res})
                     print(name, kind, group, cfg, res, flush=True)
                     save_json(results, args.out)  # a cut-short run keeps what compiled
@@ -181,17 +218,22 @@ def print_table(results: dict) -> None:
     arch = int(results["arch"].removeprefix("sm_"))
     print(
         f"# decode stage 1 compiled for {results['arch']}: registers per thread, spilled bytes (stack), shared "
-        "memory, the warps per SM that registers and shared memory allow (and which limits them), and the "
-        "dequantized K/V tiles staged through shared memory per iteration ('-': a run before that was counted)"
+        "memory, the warps per SM that registers and shared memory allow (and which limits them), the "
+        "dequantized K/V tiles staged through shared memory per iteration, and the main loop's instructions, "
+        "barriers, synchronous global loads and layout conversions per tile ('-': a run before that was counted; "
+        "qk: the integer QK dot)"
     )
-    print(f"{'shape':14s} {'kv':5s} {'grp':>3s} {'BN':>4s} {'w':>2s} {'st':>2s} {'minb':>4s} "
-          f"{'regs':>4s} {'spill B':>7s} {'smem KiB':>8s} {'warps/SM':>8s} {'limit':>5s} {'staged':>6s}")  # fmt: skip
+    print(f"{'shape':14s} {'kv':5s} {'grp':>3s} {'BN':>4s} {'w':>2s} {'st':>2s} {'minb':>4s} {'qk':>2s} "
+          f"{'regs':>4s} {'spill B':>7s} {'smem KiB':>8s} {'warps/SM':>8s} {'limit':>5s} {'staged':>6s} "
+          f"{'loop':>5s} {'BAR':>4s} {'LDG':>4s} {'cvt':>4s}")  # fmt: skip
     for c in results["cells"]:
         warps, why = resident(c["regs"], c["num_warps"], c["shared_bytes"], arch)
-        staged = c.get("staged_tiles", "-")
+        loop = [c.get(k, "-") for k in ("staged_tiles", "loop_instructions", "loop_barriers", "loop_sync_loads",
+                                        "loop_conversions")]  # fmt: skip
         print(f"{c['shape']:14s} {c['kind']:5s} {c['group']:3d} {c['BLOCK_N']:4d} {c['num_warps']:2d} "
-              f"{c['num_stages']:2d} {c['MIN_BLOCKS']:4d} {c['regs']:4d} "
-              f"{c['stack_bytes']:7d} {c['shared_bytes'] / 1024:8.1f} {warps:8d} {why:>5s} {staged:>6}")  # fmt: skip
+              f"{c['num_stages']:2d} {c['MIN_BLOCKS']:4d} {'y' if c.get('QK_INT8') else '':>2s} {c['regs']:4d} "
+              f"{c['stack_bytes']:7d} {c['shared_bytes'] / 1024:8.1f} {warps:8d} {why:>5s} {loop[0]:>6} "
+              f"{loop[1]:>5} {loop[2]:>4} {loop[3]:>4} {loop[4]:>4}")  # fmt: skip
 
 
 def wave_fill(cell: dict, batch: int, waves: int, length: int = 32768, sms: int = 132, arch: int = 90) -> tuple:
@@ -216,7 +258,7 @@ def print_waves(results: dict, batches, sms: int = 132, length: int = 32768, wav
           + " ".join(f"{'WAVES ' + str(w):>20s}" for w in waves))  # fmt: skip
     seen = set()
     for c in results["cells"]:
-        key = (c["shape"], c["kind"], c["group"], c["BLOCK_N"], c["num_warps"], c["num_stages"])
+        key = (c["shape"], c["kind"], c["group"], c["BLOCK_N"], c["num_warps"], c["num_stages"], c.get("QK_INT8", 0))
         if key in seen:  # MIN_BLOCKS changes nothing here
             continue
         seen.add(key)
@@ -236,6 +278,8 @@ def parse_args(argv=None):
     p.add_argument("--kinds", nargs="+", default=list(KINDS), choices=list(KINDS))
     p.add_argument("--groups", nargs="+", type=int, default=[8, 32], help="INT8/INT4 quant group sizes")
     p.add_argument("--max-configs", type=int, default=None, help="compile only the first N configs of each space")
+    p.add_argument("--block-n", nargs="+", type=int, metavar="N", help="only the candidates of these BLOCK_N")
+    p.add_argument("--qk-int8", action="store_true", help="also compile each INT8/INT4 candidate with QK_INT8")
     p.add_argument("--analyze", metavar="JSON", help="print the table of a saved run")
     p.add_argument(
         "--waves",

@@ -35,10 +35,53 @@ def test_one_candidate_per_quantized_kind_compiles_for_sm90_and_reports_its_reso
     assert "warps/SM" in done.stdout and "hq32-hk8-d128 int8" in done.stdout
 
 
+def test_main_loop_statistics_of_whole_scale_rows_and_the_integer_qk_dot(tmp_path):
+    """The main loop's SASS, compiled for sm_90: group-32 scales load as asynchronous copies like group 8's (the
+    whole-row hint; without it each scale row was a synchronous load, and the layout conversions added barriers),
+    and the integer QK dot runs fewer instructions per tile than dequantizing K."""
+    out = tmp_path / "res.json"
+    cmd = [sys.executable, os.path.join(REPO, "benchmarks", "decode_stage1_resources.py"), "--shapes", "hq32-hk8-d128",
+           "--kinds", "int8", "--groups", "8", "32", "--block-n", "64", "--max-configs", "1", "--qk-int8",
+           "--out", str(out)]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env.pop("TRITON_INTERPRET", None)
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
+    done = proc.run(cmd, timeout=proc.HANG_TIMEOUT_S, cwd=REPO, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    cells = {(c["group"], c["QK_INT8"]): c for c in json.loads(out.read_text())["cells"]}
+    assert sorted(cells) == [(8, 0), (8, 1), (32, 0), (32, 1)] and {c["BLOCK_N"] for c in cells.values()} == {64}
+    for c in cells.values():
+        assert c["loop_instructions"] > 200 and c["loop_barriers"] > 0 and c["loop_async_copies"] > 0
+    assert cells[32, 0]["loop_sync_loads"] <= cells[8, 0]["loop_sync_loads"]
+    assert cells[32, 0]["loop_barriers"] <= cells[8, 0]["loop_barriers"]
+    assert cells[32, 1]["loop_instructions"] < 0.85 * cells[32, 0]["loop_instructions"]
+    assert " BAR " in done.stdout and " y " in done.stdout  # the table's loop columns and the QK_INT8 rows
+
+
+def test_loop_statistics_read_the_longest_backward_branch(bench):
+    sass = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/                   LDG.E R2, desc[UR4][R4.64] ;
+        /*0020*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;
+        /*0030*/                   LDGSTS.E.BYPASS.128 [R3], desc[UR4][R6.64] ;
+        /*0040*/              @!P0 LDG.E.U16 R8, desc[UR4][R10.64] ;
+        /*0050*/               @P1 BRA `(.L_x_1) ;
+        /*0060*/                   BRA 0x20 ;
+        /*0070*/                   BRA 0x50 ;
+        /*0080*/                   EXIT ;
+    """
+    assert bench.loop_stats(sass) == {"loop_instructions": 5, "loop_barriers": 1, "loop_sync_loads": 1,
+                                      "loop_async_copies": 1}  # fmt: skip
+    assert bench.loop_stats("no loop") == {"loop_instructions": 0, "loop_barriers": 0, "loop_sync_loads": 0,
+                                           "loop_async_copies": 0}  # fmt: skip
+    ttgir = "a ttg.convert_layout scf.for { ttg.convert_layout ttg.convert_layout scf.yield } ttg.convert_layout"
+    assert bench.loop_conversions(ttgir) == 2 and bench.loop_conversions("no loop") == 0
+
+
 def test_candidates_differing_only_in_waves_share_a_compile(bench):
     space = [{"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "WAVES": w} for w in (1, 2, 4)]
     space.append({"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "WAVES": 2, "MIN_BLOCKS": 2})
-    plain = {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "MIN_BLOCKS": 1}
+    plain = {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "MIN_BLOCKS": 1, "QK_INT8": 0}
     assert bench.distinct_configs(space) == [plain, {**plain, "MIN_BLOCKS": 2}]
 
 
@@ -87,7 +130,10 @@ def test_table_from_a_saved_run(bench, tmp_path, capsys):
     path.write_text(json.dumps({"arch": "sm_90", "cells": [cell]}))
     bench.main(["--analyze", str(path)])
     (row,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("hq32")]
-    assert row.split() == ["hq32-hk8-d128", "int4", "8", "64", "4", "2", "1", "255", "728", "22.0", "8", "regs", "-"]
+    assert (
+        row.split()
+        == ["hq32-hk8-d128", "int4", "8", "64", "4", "2", "1", "255", "728", "22.0", "8", "regs"] + ["-"] * 5
+    )
 
 
 def test_launch_specialization_marks_aligned_pointers_and_multiples_of_16(bench):
