@@ -80,7 +80,7 @@ def _launch_split_kv(
     ks = k_scale if k_scale is not None else k_cache
     vs = v_scale if v_scale is not None else v_cache
     f16 = quant != "none" and q.dtype != torch.float32
-    qk_int8 = bool(cfg.get("QK_INT8")) and f16
+    qk_int8 = bool(cfg.get("QK_INT8")) and f16  # float32 queries keep their exact float path
     block_g, block_r = qk_int8_rows(group, head_dim, quant_group) if qk_int8 else (16, 16)
     if batch > 0:
         _STAGE1.launch(
