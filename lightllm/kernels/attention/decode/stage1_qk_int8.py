@@ -61,8 +61,8 @@ def qk_int8_scores(q_lo, q_hi, q_scale, correction, K, K_scale, row, srow, mask_
                    BLOCK_G: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, HALF_D: tl.constexpr,
                    QGROUP: tl.constexpr, QUANT: tl.constexpr):  # fmt: skip
     """Scores ``[BLOCK_H, BLOCK_N]`` (float32, times whatever ``q_scale`` carries: stage 1 folds the softmax scale in)
-    of one K tile at element offsets ``row`` (scales at ``srow``); row ``i`` is head ``i % BLOCK_G`` (rows past ``BLOCK_G`` repeat heads when a head block is
-    narrower than the 16-row tile the PV dot needs)."""
+    of one K tile at element offsets ``row`` (scales at ``srow``); row ``i`` is head ``i % BLOCK_G`` (rows past
+    ``BLOCK_G`` repeat heads when a head block is narrower than the 16-row tile the PV dot needs)."""
     d = tl.arange(0, HALF_D)
     m = mask_n[:, None]
     if QUANT == 4:
