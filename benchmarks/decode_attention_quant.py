@@ -9,9 +9,8 @@ and the rate at which each kernel reads its bytes (codes + scales) relative to b
 row then records the best of the plain space and of that variant apart (``variants``), and ``ms`` is the best of
 both. ``--element-path`` likewise times every INT8/INT4 candidate with the per-element dequantization that the
 PTX word helpers replaced (stage1.py), in the same run, and ``--more-stages`` the candidates of 2 and 4 warps with
-one more pipeline stage (one tile more in flight per program). ``--qk-int8`` times every INT8/INT4 candidate with the
-QK product as an int8 dot on the raw K codes (``QK_INT8``, the query quantized per quant group), and ``--more-waves``
-the two-warp candidates at 16 and 32 programs per SM. ``--head-major`` lays every KV type's pool out
+one more pipeline stage (one tile more in flight per program). ``--more-waves`` times the two-warp candidates at 16 and
+32 programs per SM. ``--head-major`` lays every KV type's pool out
 head-major (each head's tokens contiguous) instead of the engine's token-major layout: a probe of how much the access
 pattern costs.
 
@@ -48,8 +47,6 @@ def variant_spaces(kind, q, extras=(), configs=None) -> dict:
             spaces["more_stages"] = [{**c, "num_stages": c["num_stages"] + 1} for c in space if c["num_warps"] < 8]
         if "element_path" in extras:
             spaces["element_path"] = space
-        if "qk_int8" in extras:
-            spaces["qk_int8"] = [{**c, "QK_INT8": 1} for c in space]
         if "more_waves" in extras:
             spaces["more_waves"] = [{**c, "WAVES": w} for c in space if c["num_warps"] == 2 and c["WAVES"] == 8
                                     and "MIN_BLOCKS" not in c for w in (16, 32)]  # fmt: skip
@@ -124,11 +121,11 @@ def print_table(rows):
 
 
 CONFIG_KEYS = {"BLOCK_N", "num_warps", "num_stages", "WAVES"}
-OPTIONAL_KEYS = {"MIN_BLOCKS", "QK_INT8"}
+OPTIONAL_KEYS = {"MIN_BLOCKS"}
 
 
 def parse_config(p, text: str) -> dict:
-    """One ``--configs`` value: a JSON object with the stage-1 config keys (``MIN_BLOCKS``, ``QK_INT8`` optional)."""
+    """One ``--configs`` value: a JSON object with the stage-1 config keys (``MIN_BLOCKS`` optional)."""
     try:
         cfg = json.loads(text)
     except json.JSONDecodeError:
@@ -179,13 +176,6 @@ def main():
         action="append_const",
         const="element_path",
         help="also time the INT8/INT4 candidates with per-element dequantization (set_ptx_dequant(False))",
-    )
-    p.add_argument(
-        "--qk-int8",
-        dest="extras",
-        action="append_const",
-        const="qk_int8",
-        help="also time every INT8/INT4 candidate with QK as an int8 dot on the raw K codes (stage1_qk_int8.py)",
     )
     p.add_argument(
         "--more-waves",

@@ -6,8 +6,8 @@ how many dequantized K/V tiles the compiler stages through shared memory (from i
 ``[BLOCK_N, D/2]`` register tensor written to shared memory, then read back in the dot's operand layout, behind a
 barrier, each loop iteration). From the SASS of the main loop (the longest backward branch): its instructions per
 tile, barriers, synchronous global loads (``LDG``: latency a tile waits on, where the pipeline's async copies,
-``LDGSTS``, hide it) and the layout conversions in its TTGIR. ``--qk-int8`` also compiles each INT8/INT4 candidate
-with the integer QK dot (``stage1_qk_int8.py``).
+``LDGSTS``, hide it) and the layout conversions in its TTGIR. Rows marked ``qk`` in a saved run were compiled with
+``benchmarks/patches/stage1_qk_int8.patch`` applied (its ``--qk-int8``: the integer QK dot).
 
     python benchmarks/decode_stage1_resources.py --out benchmarks/results/decode_stage1_resources_sm90.json
     python benchmarks/decode_stage1_resources.py --analyze benchmarks/results/decode_stage1_resources_sm90.json
@@ -46,10 +46,9 @@ def _kernels():
     from lightllm.common.kv_cache.quant import INT4_OFFSET
     from lightllm.kernels.attention.decode import flash_decode
     from lightllm.kernels.attention.decode.stage1 import decode_stage1_kernel
-    from lightllm.kernels.attention.decode.stage1_qk_int8 import qk_int8_rows
     from lightllm.kernels.launch_math import next_power_of_2
 
-    return flash_decode, decode_stage1_kernel, INT4_OFFSET, next_power_of_2, qk_int8_rows
+    return flash_decode, decode_stage1_kernel, INT4_OFFSET, next_power_of_2
 
 
 def distinct_configs(configs: list) -> list:
@@ -58,7 +57,6 @@ def distinct_configs(configs: list) -> list:
     for cfg in configs:
         key = {k: cfg[k] for k in ("BLOCK_N", "num_warps", "num_stages")}
         key["MIN_BLOCKS"] = cfg.get("MIN_BLOCKS", 1)
-        key["QK_INT8"] = cfg.get("QK_INT8", 0)
         if key not in out:
             out.append(key)
     return out
@@ -157,7 +155,7 @@ def loop_conversions(ttgir: str) -> int:
 
 
 def compile_one(kernel, arch: int, shape, kind: str, group: int, cfg: dict, int4_offset: int, p2,
-                maxnreg=None, rows=None) -> dict:  # fmt: skip
+                maxnreg=None) -> dict:  # fmt: skip
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -166,11 +164,7 @@ def compile_one(kernel, arch: int, shape, kind: str, group: int, cfg: dict, int4
     bits = {"none": 0, "int8": 8, "int4": 4}[kind]
     constexprs = dict(GROUP=hq // hk, BLOCK_H=max(16, p2(hq // hk)), HALF_D=d // 2, BLOCK_N=cfg["BLOCK_N"],
                       MIN_BLOCKS=cfg["MIN_BLOCKS"], QUANT=bits, QGROUP=group if bits else 0,
-                      INT4_OFFSET=int4_offset, F16=bits > 0, ASM=bits > 0, PRECISION=None, USE_PDL=False,
-                      QK_INT8=False, BLOCK_G=16, BLOCK_R=16)  # fmt: skip
-    if cfg.get("QK_INT8"):  # ``rows``: qk_int8_rows, (BLOCK_G, BLOCK_R) of the integer dot
-        block_g, block_r = rows(hq // hk, d, group)
-        constexprs.update(QK_INT8=True, BLOCK_G=block_g, BLOCK_R=block_r)
+                      INT4_OFFSET=int4_offset, F16=bits > 0, ASM=bits > 0, PRECISION=None, USE_PDL=False)  # fmt: skip
     types = signature(kernel.arg_names, constexprs, kind)
     attrs = divisibility(kernel.arg_names, types, int_args(shape, kind, group))
     src = ASTSource(kernel, types, constexprs, attrs)
@@ -192,7 +186,7 @@ def compile_one(kernel, arch: int, shape, kind: str, group: int, cfg: dict, int4
 
 
 def run(args) -> dict:
-    flash_decode, kernel, int4_offset, p2, rows = _kernels()
+    flash_decode, kernel, int4_offset, p2 = _kernels()
     import torch
 
     results = {"arch": f"sm_{args.arch}", "cells": []}
@@ -204,10 +198,9 @@ def run(args) -> dict:
             if args.block_n:
                 space = [c for c in space if c["BLOCK_N"] in args.block_n]
             for group in [0] if kind == "none" else args.groups:
-                twins = ({}, {"QK_INT8": 1}) if kind != "none" and args.qk_int8 else ({},)
-                for cfg in [{**base, **t} for base in distinct_configs(space)[: args.max_configs] for t in twins]:
+                for cfg in distinct_configs(space)[: args.max_configs]:
                     cap = args.maxnreg.get(cfg["num_warps"]) if kind != "none" else None
-                    res = compile_one(kernel, args.arch, SHAPES[name], kind, group, cfg, int4_offset, p2, cap, rows)
+                    res = compile_one(kernel, args.arch, SHAPES[name], kind, group, cfg, int4_offset, p2, cap)
                     results["cells"].append({"shape": name, "kind": kind, "group": group, **cfg, **res})
                     print(name, kind, group, cfg, res, flush=True)
                     save_json(results, args.out)  # a cut-short run keeps what compiled
@@ -221,7 +214,7 @@ def print_table(results: dict) -> None:
         "memory, the warps per SM that registers and shared memory allow (and which limits them), the "
         "dequantized K/V tiles staged through shared memory per iteration, and the main loop's instructions, "
         "barriers, synchronous global loads and layout conversions per tile ('-': a run before that was counted; "
-        "qk: the integer QK dot)"
+        "qk: compiled with benchmarks/patches/stage1_qk_int8.patch)"
     )
     print(f"{'shape':14s} {'kv':5s} {'grp':>3s} {'BN':>4s} {'w':>2s} {'st':>2s} {'minb':>4s} {'qk':>2s} "
           f"{'regs':>4s} {'spill B':>7s} {'smem KiB':>8s} {'warps/SM':>8s} {'limit':>5s} {'staged':>6s} "
@@ -279,7 +272,6 @@ def parse_args(argv=None):
     p.add_argument("--groups", nargs="+", type=int, default=[8, 32], help="INT8/INT4 quant group sizes")
     p.add_argument("--max-configs", type=int, default=None, help="compile only the first N configs of each space")
     p.add_argument("--block-n", nargs="+", type=int, metavar="N", help="only the candidates of these BLOCK_N")
-    p.add_argument("--qk-int8", action="store_true", help="also compile each INT8/INT4 candidate with QK_INT8")
     p.add_argument("--analyze", metavar="JSON", help="print the table of a saved run")
     p.add_argument(
         "--waves",

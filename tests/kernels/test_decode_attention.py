@@ -18,7 +18,7 @@ from lightllm.kernels.attention.decode import (
     gqa_decode_attention_int8kv,
 )
 from lightllm.kernels.attention.decode import flash_decode, splits
-from lightllm.kernels.attention.decode.reference import decode_attention_ref, quantize_q_groups_ref
+from lightllm.kernels.attention.decode.reference import decode_attention_ref
 from lightllm.kernels.attention.decode.splits import split_token_ranges
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -102,42 +102,6 @@ def test_quantized_groups_and_wide_tiles(kind, group):
     assert not out.isnan().any(), "unwritten output"
     ref = decode_attention_ref(q, kd, vd, r2t, idx, seq)
     torch.testing.assert_close(out.double(), ref, rtol=3e-3, atol=3e-3 * ref.abs().max().item())
-
-
-@pytest.mark.parametrize("kind", ["int8", "int4"])
-@pytest.mark.parametrize(
-    "head_dim, q_heads, kv_heads, group",
-    [(128, 8, 2, 32), (64, 12, 2, 16), (128, 2, 2, 32), (64, 8, 1, 8)],
-    ids=["g4-q32-16rows", "g6-q16-padded-heads", "g1-q32-padded-rows", "g8-q8-64rows"],
-)
-def test_integer_qk_dot_matches_quantized_query_reference(kind, head_dim, q_heads, kv_heads, group):
-    """``QK_INT8``: the K codes in an int8 dot with the query quantized per (head, quant group). It equals attention
-    with that quantized query (``quantize_q_groups_ref``), and the query's rounding adds less error than the KV's
-    quantization has against float KV. Codes over their whole range, queries with outlier channels, ragged lengths,
-    padded heads (group 6 in 8 rows), rows past the groups (1 head, 4 groups in 16 rows) and one row per group
-    (8 heads x 8 groups)."""
-    lens = [1, 77, 300, 129]
-    q, k, v, r2t, idx, seq = make_batch(4, q_heads, kv_heads, head_dim, lens, torch.float16, seed=21)
-    g = torch.Generator().manual_seed(22)
-    spread = torch.logspace(-1, 1, k.shape[0])[torch.randperm(k.shape[0], generator=g)].to(k.device)
-    k, v = (k.float() * spread[:, None, None]).half(), (v.float() * spread[:, None, None]).half()
-    q = (q.float() * torch.logspace(-1, 1, head_dim, device=q.device)).half()  # outlier channels, as real queries
-    cfg = {"BLOCK_N": 16, "num_warps": 2, "num_stages": 1, "WAVES": 2, "QK_INT8": 1}
-    out, (kd, vd) = run(kind, q, k, v, r2t, idx, seq, max(lens), group=group, run_config=cfg)
-    assert not out.isnan().any(), "unwritten output"
-    ref = decode_attention_ref(quantize_q_groups_ref(q, group), kd, vd, r2t, idx, seq)
-    torch.testing.assert_close(out.double(), ref, rtol=3e-3, atol=3e-3 * ref.abs().max().item())
-    float_q, _ = run(kind, q, k, v, r2t, idx, seq, max(lens), group=group)
-    kv_error = rel_err(float_q, decode_attention_ref(q, k, v, r2t, idx, seq))
-    assert 0 < rel_err(out, float_q) < kv_error  # the query's rounding costs less than the KV's own
-
-
-def test_integer_qk_dot_query_quantization_reference():
-    q = torch.tensor([[0.0, 0.0, 0.0, 0.0, 1.0, -0.5, 0.25, 2.0]], dtype=torch.float64)
-    deq = quantize_q_groups_ref(q, 4)
-    assert deq[0, :4].eq(0).all()  # an all-zero group stays zero (no division by zero)
-    codes = deq[0, 4:] * 127 / 2.0
-    assert torch.equal(codes, torch.tensor([64.0, -32.0, 16.0, 127.0], dtype=torch.float64))  # 63.5 -> 64, -31.75
 
 
 def test_quantized_candidates_add_two_warp_programs():
@@ -502,23 +466,6 @@ def test_gpu_ptx_dequant_matches_element_path(kind, group, head_dim, q_heads, kv
     torch.testing.assert_close(ptx_out.float(), element_out.float(), rtol=2e-3, atol=2e-3)
     ref = decode_attention_ref(q, kd, vd, r2t, idx, seq)
     assert rel_err(ptx_out, ref) < 1e-2
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["int8", "int4"])
-@pytest.mark.parametrize("group", [8, 32])
-@pytest.mark.parametrize("head_dim, q_heads, kv_heads", [(128, 32, 8), (256, 24, 4), (128, 64, 8)])
-def test_gpu_integer_qk_dot(kind, group, head_dim, q_heads, kv_heads):
-    """The int8 tensor-core QK dot on the GPU: attention with the query quantized as the kernel does, bf16 queries,
-    codes over their whole range, long and ragged lengths."""
-    lens = [1, 300, 4097, 63, 2049]
-    q, k, v, r2t, idx, seq = make_batch(5, q_heads, kv_heads, head_dim, lens, torch.bfloat16, pool=32768, seed=4)
-    spread = torch.logspace(-1, 1, k.shape[0], device=k.device)[torch.randperm(k.shape[0], device=k.device)]
-    k, v = (k.float() * spread[:, None, None]).bfloat16(), (v.float() * spread[:, None, None]).bfloat16()
-    cfg = {"BLOCK_N": 64, "num_warps": 2, "num_stages": 3, "WAVES": 8, "QK_INT8": 1}  # the quantized kernels' pick
-    out, (kd, vd) = run(kind, q, k, v, r2t, idx, seq, 8192, group=group, run_config=cfg)
-    assert not out.isnan().any(), "unwritten output"
-    assert rel_err(out, decode_attention_ref(quantize_q_groups_ref(q, group), kd, vd, r2t, idx, seq)) < 1e-2
 
 
 @pytest.mark.gpu

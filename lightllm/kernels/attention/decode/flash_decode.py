@@ -33,7 +33,6 @@ from lightllm.kernels.attention.decode.tuning import (
     inputs_at_lengths,
 )
 from lightllm.kernels.attention.decode.stage1 import decode_stage1_kernel
-from lightllm.kernels.attention.decode.stage1_qk_int8 import qk_int8_rows
 from lightllm.kernels.attention.decode.stage2 import decode_stage2_kernel
 from lightllm.kernels.direct_launch import DirectLaunch
 from lightllm.kernels.launch_math import next_power_of_2
@@ -80,8 +79,6 @@ def _launch_split_kv(
     ks = k_scale if k_scale is not None else k_cache
     vs = v_scale if v_scale is not None else v_cache
     f16 = quant != "none" and q.dtype != torch.float32
-    qk_int8 = bool(cfg.get("QK_INT8")) and f16  # float32 queries keep their exact float path
-    block_g, block_r = qk_int8_rows(group, head_dim, quant_group) if qk_int8 else (16, 16)
     if batch > 0:
         _STAGE1.launch(
             (batch, kv_heads, splits),
@@ -95,7 +92,7 @@ def _launch_split_kv(
             GROUP=group, BLOCK_H=max(16, next_power_of_2(group)), HALF_D=head_dim // 2,
             BLOCK_N=cfg["BLOCK_N"], MIN_BLOCKS=least, QUANT=_QUANT_BITS[quant], QGROUP=quant_group,
             INT4_OFFSET=INT4_OFFSET, F16=f16, ASM=f16 and _ptx_path(q, k_cache, v_cache, quant_group),
-            PRECISION="ieee" if q.dtype == torch.float32 else None, QK_INT8=qk_int8, BLOCK_G=block_g, BLOCK_R=block_r,
+            PRECISION="ieee" if q.dtype == torch.float32 else None,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )  # fmt: skip
         launch_stage2(mid_o, mid_lse, b_seq_len, out, cfg["BLOCK_N"], least)

@@ -39,13 +39,3 @@ def decode_attention_ref(
         scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
         out[b] = torch.einsum("thn,nhd->thd", scores.softmax(-1), v)
     return out.squeeze(1) if q.dim() == 3 else out
-
-
-def quantize_q_groups_ref(q: torch.Tensor, quant_group: int) -> torch.Tensor:
-    """The query as stage 1's integer QK dot sees it (``stage1_qk_int8.py``): int8 codes per ``quant_group`` dims of
-    each head (absmax / 127, round half away from zero), dequantized, float64 of q's shape."""
-    groups = q.double().unflatten(-1, (-1, quant_group))
-    amax = groups.abs().amax(-1, keepdim=True)
-    scaled = groups * torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
-    codes = torch.trunc(scaled + torch.where(scaled >= 0, 0.5, -0.5))
-    return (codes * amax / 127.0).flatten(-2)

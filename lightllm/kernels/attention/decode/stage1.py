@@ -29,7 +29,6 @@ import triton
 import triton.language as tl
 
 from lightllm.kernels.attention.decode.splits import split_tokens
-from lightllm.kernels.attention.decode.stage1_qk_int8 import load_q_int8_rows, qk_int8_scores
 from lightllm.kernels.pdl import pdl_release, pdl_wait
 
 
@@ -279,9 +278,6 @@ def decode_stage1_kernel(
     ASM: tl.constexpr,  # F16 on a GPU: codes to float16 by the PTX helpers, four per register
     PRECISION: tl.constexpr,  # "ieee" for float32 queries (no tf32 rounding), None (default) for 16-bit
     USE_PDL: tl.constexpr = False,  # kernels/pdl.py
-    QK_INT8: tl.constexpr = False,  # F16 only: QK as an int8 dot on the raw K codes (stage1_qk_int8.py)
-    BLOCK_G: tl.constexpr = 16,  # QK_INT8: GROUP padded to a power of two
-    BLOCK_R: tl.constexpr = 16,  # QK_INT8: rows of the integer dot, one per (quant group, head)
 ):
     pdl_wait(USE_PDL)
     b = tl.program_id(0)
@@ -300,16 +296,8 @@ def decode_stage1_kernel(
     mask_h = h < GROUP
     heads = kvh * GROUP + h
     d = tl.arange(0, HALF_D)
-    if QK_INT8:
-        tl.static_assert(F16, "the integer QK dot is for quantized KV with 16-bit queries")
-        q_lo, q_hi, q_scale, correction = load_q_int8_rows(
-            Q, b, kvh, stride_qb, stride_qh, GROUP, BLOCK_G, BLOCK_R, HALF_D, QGROUP, INT4_OFFSET, QUANT
-        )
-        q_scale *= qk_scale
-        kv_dtype = tl.float16
-    else:
-        q_lo, q_hi = _load_q_halves(Q, b, heads, mask_h, stride_qb, stride_qh, HALF_D, F16)
-        kv_dtype = q_lo.dtype  # what K and V become for the dots
+    q_lo, q_hi = _load_q_halves(Q, b, heads, mask_h, stride_qb, stride_qh, HALF_D, F16)
+    kv_dtype = q_lo.dtype  # what K and V become for the dots
 
     slot = tl.load(b_req_idx + b).to(tl.int64)
     tokens = req_to_token + slot * stride_rr
@@ -327,17 +315,12 @@ def decode_stage1_kernel(
         if QUANT != 0:  # whole scale rows (the host checks the strides): vector loads, pipelined as async copies
             k_srow = tl.multiple_of(k_srow, 2 * HALF_D // QGROUP)
             v_srow = tl.multiple_of(v_srow, 2 * HALF_D // QGROUP)
-        if QK_INT8:
-            qk = qk_int8_scores(q_lo, q_hi, q_scale, correction, K, K_scale, k_row, k_srow, mask_n, BLOCK_N, BLOCK_G,
-                                BLOCK_R, BLOCK_H, HALF_D, QGROUP, QUANT)  # fmt: skip
-        else:
-            k_lo, k_hi = _load_kv_halves(K, K_scale, k_row, k_srow, mask_n, d, BLOCK_N, HALF_D, QUANT, QGROUP,
-                                         INT4_OFFSET, F16, ASM, kv_dtype)  # fmt: skip
-            qk = tl.dot(q_lo, tl.trans(k_lo), input_precision=PRECISION) + tl.dot(
-                q_hi, tl.trans(k_hi), input_precision=PRECISION
-            )
-            qk *= qk_scale
-        qk = tl.where(mask_n[None, :], qk, float("-inf"))
+        k_lo, k_hi = _load_kv_halves(K, K_scale, k_row, k_srow, mask_n, d, BLOCK_N, HALF_D, QUANT, QGROUP, INT4_OFFSET,
+                                     F16, ASM, kv_dtype)  # fmt: skip
+        qk = tl.dot(q_lo, tl.trans(k_lo), input_precision=PRECISION) + tl.dot(
+            q_hi, tl.trans(k_hi), input_precision=PRECISION
+        )
+        qk = tl.where(mask_n[None, :], qk * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])
