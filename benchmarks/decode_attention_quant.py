@@ -9,8 +9,7 @@ and the rate at which each kernel reads its bytes (codes + scales) relative to b
 row then records the best of the plain space and of that variant apart (``variants``), and ``ms`` is the best of
 both. ``--element-path`` likewise times every INT8/INT4 candidate with the per-element dequantization that the
 PTX word helpers replaced (stage1.py), in the same run, and ``--more-stages`` the candidates of 2 and 4 warps with
-one more pipeline stage (one tile more in flight per program). ``--more-waves`` times the two-warp candidates at 16 and
-32 programs per SM. ``--head-major`` lays every KV type's pool out
+one more pipeline stage (one tile more in flight per program). ``--head-major`` lays every KV type's pool out
 head-major (each head's tokens contiguous) instead of the engine's token-major layout: a probe of how much the access
 pattern costs.
 
@@ -47,9 +46,6 @@ def variant_spaces(kind, q, extras=(), configs=None) -> dict:
             spaces["more_stages"] = [{**c, "num_stages": c["num_stages"] + 1} for c in space if c["num_warps"] < 8]
         if "element_path" in extras:
             spaces["element_path"] = space
-        if "more_waves" in extras:
-            spaces["more_waves"] = [{**c, "WAVES": w} for c in space if c["num_warps"] == 2 and c["WAVES"] == 8
-                                    and "MIN_BLOCKS" not in c for w in (16, 32)]  # fmt: skip
     return spaces
 
 
@@ -176,13 +172,6 @@ def main():
         action="append_const",
         const="element_path",
         help="also time the INT8/INT4 candidates with per-element dequantization (set_ptx_dequant(False))",
-    )
-    p.add_argument(
-        "--more-waves",
-        dest="extras",
-        action="append_const",
-        const="more_waves",
-        help="also time the two-warp INT8/INT4 candidates of WAVES 8 at 16 and 32 programs per SM",
     )
     p.add_argument("--head-major", action="store_true", help="every KV type's pool head-major: a program's tokens "
                    "contiguous (a probe of the access pattern; the engine's pool is token-major)")  # fmt: skip

@@ -36,7 +36,7 @@ MAX_WARPS_PER_SM = 64
 MAX_BLOCKS_PER_SM = 32
 SHARED_KIB_PER_SM = {80: 164, 86: 100, 87: 164, 89: 100, 90: 228}  # the CUDA guide's shared memory per SM
 RESERVED_SHARED_PER_BLOCK = 1024  # the driver's per-block reservation (sm_80 and later)
-WAVES = (1, 2, 4, 8)  # the tuned candidates' WAVES values (flash_decode.split_kv_configs; a test checks)
+WAVES = (1, 2, 4, 8, 16, 32)  # the tuned candidates' WAVES values (flash_decode.*_configs; a test checks)
 _RESOURCE = re.compile(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
 _SASS_LINE = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)[.A-Z0-9_]*\s*([^;]*);")
 

@@ -46,17 +46,6 @@ def test_more_stages_and_element_path_spaces():
     assert list(bench.variant_spaces("none", None, ("more_stages", "element_path"))) == ["tuned space"]
 
 
-def test_more_waves_space():
-    """--more-waves times the two-warp candidates of WAVES 8 at 16 and 32."""
-    bench = load_benchmark("decode_attention_quant")
-    space = bench.flash_decode.quant_split_kv_configs(None)
-    spaces = bench.variant_spaces("int8", None, ("more_waves",))
-    two_warp_8 = [c for c in space if c["num_warps"] == 2 and c["WAVES"] == 8]
-    assert len(spaces["more_waves"]) == 2 * len(two_warp_8) == 8
-    assert {(c["WAVES"], c["num_warps"]) for c in spaces["more_waves"]} == {(16, 2), (32, 2)}
-    assert list(bench.variant_spaces("none", None, ("more_waves",))) == ["tuned space"]
-
-
 def test_table_prints_the_variants(capsys):
     bench = load_benchmark("decode_attention_quant")
     base = {"shape": "hq32-hk8-d128", "B": 16, "L": 32768, "group": 8, "bytes": 1.0}

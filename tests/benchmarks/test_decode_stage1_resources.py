@@ -159,8 +159,8 @@ def test_wave_fill_counts_rounds_of_resident_programs(bench):
 def test_waves_shown_by_default_are_the_tuned_ones(bench):
     flash_decode = bench._kernels()[0]
     q = torch.empty(1, 32, 128)
-    for space in (flash_decode.split_kv_configs(q), flash_decode.quant_split_kv_configs(q)):
-        assert tuple(sorted({c["WAVES"] for c in space})) == bench.WAVES
+    spaces = flash_decode.split_kv_configs(q) + flash_decode.quant_split_kv_configs(q)
+    assert tuple(sorted({c["WAVES"] for c in spaces})) == bench.WAVES
 
 
 def test_waves_needs_a_saved_run_and_positive_batches(bench, capsys):

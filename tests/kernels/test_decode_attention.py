@@ -1,3 +1,4 @@
+import json
 import logging
 import math
 
@@ -110,6 +111,9 @@ def test_quantized_candidates_add_two_warp_programs():
     quant = flash_decode.quant_split_kv_configs(q)
     assert all(c in quant for c in plain) and {c["num_warps"] for c in quant} - {c["num_warps"] for c in plain} == {2}
     assert {c["num_stages"] for c in quant if c["num_warps"] == 2} == {2, 3}
+    many = [c for c in quant if c["WAVES"] > 8]  # two-warp programs only, all four (BLOCK_N, stages) at 16 and 32
+    assert len(many) == 8 and {c["num_warps"] for c in many} == {2} and {c["WAVES"] for c in many} == {16, 32}
+    assert len(quant) == len(plain) * 2 + 8 and len({json.dumps(c, sort_keys=True) for c in quant}) == len(quant)
     assert flash_decode._launch_gqa_flash_decode_int8kv.configs_gen_func is flash_decode.quant_split_kv_configs
 
 
