@@ -163,7 +163,7 @@ def quant_split_kv_configs(q):
     PTX dequantization 22 % of a two-warp program's stall samples sit at the barrier before its next tile (Nsight
     Compute, docs); a third stage, one more tile in flight, won 7 of 12 cells by up to 7 %
     (decode_attention_quant_ptx_h200.json). Two-warp programs also run at 16 and 32 waves (no compile: WAVES is the
-    grid): at B=64 and 32K eight waves give 2 splits a request, 1024 programs for about 800 resident slots, and 16 or
+    grid): at B=64 and 32K eight waves give 2 splits a request, 1024 programs for 660-800 resident slots, and 16 or
     32 waves were 8-10 % faster at INT8 in two H200 runs (decode_attention_quant_{waves,scale_rows_qk_int8}_h200)."""
     space = _split_candidates((32, 64), ((2, 2), (2, 3), (4, 2), (8, 3)))
     many_waves = [{**c, "WAVES": waves} for c in space if c["num_warps"] == 2 and c["WAVES"] == 8 for waves in (16, 32)]
