@@ -103,6 +103,7 @@ def main(argv=None):
                 f"{row['last_first_token_ms']:.1f} ms, prompt tokens computed {tokens[0]}",
                 flush=True,
             )
+            runner.prefill = prefill  # drop the counting wrapper: it holds the runner, which would outlive `del`
             del runner, engine
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
