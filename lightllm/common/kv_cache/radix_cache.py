@@ -107,7 +107,7 @@ class RadixCache:
         if cached < len(tokens):
             raise ValueError(f"RadixCache.pin: tokens expected a cached prefix, got {len(tokens)} tokens of which "
                              f"{cached} are cached")  # fmt: skip
-        node, parts = self._walk(tokens)
+        node, _, parts = self._walk(tokens)
         self.pin_node(node)
         return node, torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
 
@@ -146,17 +146,7 @@ class RadixCache:
         if slots.numel() != len(tokens):
             raise ValueError(f"RadixCache.insert: slots expected one per token ({len(tokens)}), got "
                              f"{slots.numel()}")  # fmt: skip
-        i, parts = 0, []
-        while i < len(tokens):
-            child = node.children.get(tokens[i])
-            if child is None:
-                break
-            n = common_prefix_len(child.key, tokens[i : i + len(child.key)])
-            if n < len(child.key):
-                child = self._split(child, n)
-            parts.append(child.slots)
-            node, i = child, i + n
-        cached = i
+        node, cached, parts = self._walk(tokens, node)
         if cached < len(tokens):
             leaf = _Node(list(tokens[cached:]), slots[cached:].clone(), node)
             leaf.last_used = next(self._clock)
@@ -178,7 +168,7 @@ class RadixCache:
         if cached < len(tokens):
             raise ValueError(f"RadixCache.attach_state: tokens expected a cached prefix, got {len(tokens)} tokens of "
                              f"which {cached} are cached")  # fmt: skip
-        node, _ = self._walk(tokens)
+        node, _, _ = self._walk(tokens)
         return self.attach_at(node, take, lasting)
 
     def attach_at(self, node: _Node, take: Callable[[], Optional[int]], lasting: bool = True) -> Optional[int]:
@@ -235,17 +225,20 @@ class RadixCache:
 
     # ---- helpers -------------------------------------------------------------------------------------------
 
-    def _walk(self, tokens: Sequence[int]) -> Tuple[_Node, List[torch.Tensor]]:
-        """The node where the cached ``tokens`` end (split there if they end inside one), with the slots along."""
-        node, i, parts = self.root, 0, []
+    def _walk(self, tokens: Sequence[int], node: Optional[_Node] = None) -> Tuple[_Node, int, List[torch.Tensor]]:
+        """From ``node`` (the root by default) along ``tokens`` while the tree holds them: the node where the held ones
+        end (split there if they end inside one), how many are held, and the slots along."""
+        node, i, parts = self.root if node is None else node, 0, []
         while i < len(tokens):
-            child = node.children[tokens[i]]
+            child = node.children.get(tokens[i])
+            if child is None:
+                break
             n = common_prefix_len(child.key, tokens[i : i + len(child.key)])
             if n < len(child.key):
                 child = self._split(child, n)
             parts.append(child.slots)
             node, i = child, i + n
-        return node, parts
+        return node, i, parts
 
     def _split(self, node: _Node, n: int) -> _Node:
         """Cut ``node`` after its first ``n`` tokens; the new upper part (same pins, same age, no checkpoint: the
