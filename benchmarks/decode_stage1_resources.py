@@ -38,7 +38,7 @@ SHARED_KIB_PER_SM = {80: 164, 86: 100, 87: 164, 89: 100, 90: 228}  # the CUDA gu
 RESERVED_SHARED_PER_BLOCK = 1024  # the driver's per-block reservation (sm_80 and later)
 WAVES = (1, 2, 4, 8, 16, 32)  # the tuned candidates' WAVES values (flash_decode.*_configs; a test checks)
 _RESOURCE = re.compile(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
-_SASS_LINE = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)[.A-Z0-9_]*\s*([^;]*);")
+_SASS_LINE = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)([.A-Z0-9_]*)\s*([^;]*);")
 
 
 def _kernels():
@@ -134,18 +134,20 @@ def staged_tiles(ttgir: str, block_n: int, half_d: int) -> int:
 
 
 def loop_stats(sass: str) -> dict:
-    """The main loop's instruction mix from ``cuobjdump -sass``: the body of the longest backward branch."""
-    ins = [(int(a, 16), op, args) for a, op, args in _SASS_LINE.findall(sass)]
+    """The main loop's instruction mix from ``cuobjdump -sass``: the body of the longest backward branch. Register
+    moves are ``MOV`` and ``IMAD.MOV`` (ptxas's move on the integer pipe): copies into an MMA's register quad."""
+    ins = [(int(a, 16), op, mods, args) for a, op, mods, args in _SASS_LINE.findall(sass)]
     body = []
-    for addr, op, args in ins:
+    for addr, op, _, args in ins:
         target = re.search(r"0x([0-9a-f]+)", args) if op == "BRA" else None
         if target and int(target.group(1), 16) < addr:
             lo = int(target.group(1), 16)
-            span = [o for a, o, _ in ins if lo <= a <= addr]
+            span = [(o, m) for a, o, m, _ in ins if lo <= a <= addr]
             body = span if len(span) > len(body) else body
-    ops = collections.Counter(body)
+    ops = collections.Counter(op for op, _ in body)
+    moves = sum(op == "MOV" or (op == "IMAD" and mods.startswith(".MOV")) for op, mods in body)
     return {"loop_instructions": len(body), "loop_barriers": ops["BAR"], "loop_sync_loads": ops["LDG"],
-            "loop_async_copies": ops["LDGSTS"]}  # fmt: skip
+            "loop_async_copies": ops["LDGSTS"], "loop_register_moves": moves}  # fmt: skip
 
 
 def loop_conversions(ttgir: str) -> int:
@@ -199,7 +201,9 @@ def run(args) -> dict:
                 space = [c for c in space if c["BLOCK_N"] in args.block_n]
             for group in [0] if kind == "none" else args.groups:
                 for cfg in distinct_configs(space)[: args.max_configs]:
-                    cap = args.maxnreg.get(cfg["num_warps"]) if kind != "none" else None
+                    # the launcher's own register cap unless --maxnreg sets one (quantized programs only)
+                    cap = flash_decode.register_cap(cfg["num_warps"], kind != "none", d)
+                    cap = args.maxnreg.get(cfg["num_warps"], cap) if kind != "none" else cap
                     res = compile_one(kernel, args.arch, SHAPES[name], kind, group, cfg, int4_offset, p2, cap)
                     results["cells"].append({"shape": name, "kind": kind, "group": group, **cfg, **res})
                     print(name, kind, group, cfg, res, flush=True)
@@ -213,20 +217,21 @@ def print_table(results: dict) -> None:
         f"# decode stage 1 compiled for {results['arch']}: registers per thread, spilled bytes (stack), shared "
         "memory, the warps per SM that registers and shared memory allow (and which limits them), the "
         "dequantized K/V tiles staged through shared memory per iteration, and the main loop's instructions, "
-        "barriers, synchronous global loads and layout conversions per tile ('-': a run before that was counted; "
+        "barriers, synchronous global loads, layout conversions and register moves per tile ('-': a run before that "
+        "was counted; "
         "qk: compiled with benchmarks/patches/stage1_qk_int8.patch)"
     )
     print(f"{'shape':14s} {'kv':5s} {'grp':>3s} {'BN':>4s} {'w':>2s} {'st':>2s} {'minb':>4s} {'qk':>2s} "
           f"{'regs':>4s} {'spill B':>7s} {'smem KiB':>8s} {'warps/SM':>8s} {'limit':>5s} {'staged':>6s} "
-          f"{'loop':>5s} {'BAR':>4s} {'LDG':>4s} {'cvt':>4s}")  # fmt: skip
+          f"{'loop':>5s} {'BAR':>4s} {'LDG':>4s} {'cvt':>4s} {'mov':>4s}")  # fmt: skip
     for c in results["cells"]:
         warps, why = resident(c["regs"], c["num_warps"], c["shared_bytes"], arch)
         loop = [c.get(k, "-") for k in ("staged_tiles", "loop_instructions", "loop_barriers", "loop_sync_loads",
-                                        "loop_conversions")]  # fmt: skip
+                                        "loop_conversions", "loop_register_moves")]  # fmt: skip
         print(f"{c['shape']:14s} {c['kind']:5s} {c['group']:3d} {c['BLOCK_N']:4d} {c['num_warps']:2d} "
               f"{c['num_stages']:2d} {c['MIN_BLOCKS']:4d} {'y' if c.get('QK_INT8') else '':>2s} {c['regs']:4d} "
               f"{c['stack_bytes']:7d} {c['shared_bytes'] / 1024:8.1f} {warps:8d} {why:>5s} {loop[0]:>6} "
-              f"{loop[1]:>5} {loop[2]:>4} {loop[3]:>4} {loop[4]:>4}")  # fmt: skip
+              f"{loop[1]:>5} {loop[2]:>4} {loop[3]:>4} {loop[4]:>4} {loop[5]:>4}")  # fmt: skip
 
 
 def wave_fill(cell: dict, batch: int, waves: int, length: int = 32768, sms: int = 132, arch: int = 90) -> tuple:
@@ -290,8 +295,8 @@ def parse_args(argv=None):
         help=f"the WAVES values --waves shows (default the tuned ones, {list(WAVES)})",
     )
     p.add_argument("--maxnreg", nargs="+", default=[], metavar="WARPS:REGS", help="compile INT8/INT4 programs of "
-                   "WARPS warps with Triton's maxnreg REGS (e.g. 2:168 4:128: the register caps of "
-                   "benchmarks/patches/stage1_q_in_registers.patch)")  # fmt: skip
+                   "WARPS warps with Triton's maxnreg REGS instead of the launcher's cap "
+                   "(flash_decode.register_cap: 2:168 4:128 up to head_dim 128)")  # fmt: skip
     p.add_argument("--out", default="benchmarks/results/decode_stage1_resources.json")
     args = p.parse_args(argv)
     caps = [c.split(":") for c in args.maxnreg]

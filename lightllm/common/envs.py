@@ -6,6 +6,7 @@ variable once so that start-up stops with one line naming the bad one.
 
 import functools
 import os
+import re
 from pathlib import Path
 from typing import Optional
 
@@ -15,6 +16,7 @@ AUTOTUNE_MAX_SECONDS_PER_SEARCH = "LIGHTLLM_AUTOTUNE_MAX_SECONDS_PER_SEARCH"
 DECODE_ATTN_AUTOTUNE_SEQ_LEN = "LIGHTLLM_DECODE_ATTN_AUTOTUNE_SEQ_LEN"
 AUTOTUNE_CHOICE_RULE = "LIGHTLLM_AUTOTUNE_CHOICE_RULE"
 AUTOTUNE_CHOICE_RULES = ("minimax_loss", "tuning_len", "never_slower_than_default")  # see autotuner/choice.py
+AUTOTUNE_IGNORE_SHIPPED = "LIGHTLLM_AUTOTUNE_IGNORE_SHIPPED"
 TINY_MODEL_DIR = "LIGHTLLM_TINY_MODEL_DIR"
 # Every variable above; tests clear them all so the caller's environment cannot change a result.
 ALL = (
@@ -23,6 +25,7 @@ ALL = (
     AUTOTUNE_MAX_SECONDS_PER_SEARCH,
     DECODE_ATTN_AUTOTUNE_SEQ_LEN,
     AUTOTUNE_CHOICE_RULE,
+    AUTOTUNE_IGNORE_SHIPPED,
     TINY_MODEL_DIR,
 )
 
@@ -93,6 +96,24 @@ def get_autotune_choice_rule(default: str = "minimax_loss") -> str:
     return rule
 
 
+def get_autotune_ignore_shipped() -> frozenset:
+    """Tuned kernels whose in-package configs are not read, by name (comma-separated; ``all``: every kernel). At
+    level 1 their keys then search as on a GPU with nothing shipped: how shipped configs are re-tuned after a kernel
+    changes (``python -m lightllm.tools.tune_shipped --retune``)."""
+    return _ignore_shipped(os.environ.get(AUTOTUNE_IGNORE_SHIPPED))
+
+
+@functools.lru_cache(maxsize=16)
+def _ignore_shipped(raw: Optional[str]) -> frozenset:
+    names = frozenset(n.strip() for n in (raw or "").split(",") if n.strip())
+    if any(not re.fullmatch(r"[a-z0-9_]+", n) for n in names) or ("all" in names and len(names) > 1):
+        raise ValueError(
+            f"{AUTOTUNE_IGNORE_SHIPPED}={raw!r} is not allowed; use tuned kernel names (lower case, digits and _) "
+            "separated by commas, or all"
+        )
+    return names
+
+
 def get_autotune_config_dir() -> Path:
     """Writable root of tuned configs (default ``~/.cache/lightllm/autotune``)."""
     return _folder(AUTOTUNE_CONFIG_DIR, "~/.cache/lightllm/autotune")
@@ -127,5 +148,6 @@ def validate_all() -> None:
     get_decode_attn_autotune_seq_len()
     get_autotune_max_seconds_per_search()
     get_autotune_choice_rule()
+    get_autotune_ignore_shipped()
     get_autotune_config_dir()
     get_tiny_model_dir()

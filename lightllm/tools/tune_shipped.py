@@ -12,6 +12,8 @@ was stopped by SIGTERM (each search is written as it ends, so a stopped start ke
     python -m lightllm.tools.tune_shipped --out lightllm/common/autotuner/configs --shapes qwen3-8b
     python -m lightllm.tools.tune_shipped --out DIR --shapes qwen3.5-27b --dry-run   # list the starts only
     python -m lightllm.tools.tune_shipped --out DIR --shapes qwen3.5-27b --variants triton --mtp-only
+    python -m lightllm.tools.tune_shipped --out lightllm/common/autotuner/configs --variants int8kv int4kv \
+        --retune gqa_flash_decode_int8kv gqa_flash_decode_int4kv     # after a kernel change: search shipped keys again
 
 Each start's line names the searches its log reports per kernel and their seconds (where a first start's time goes);
 ``--log-dir`` keeps the logs themselves.
@@ -190,8 +192,17 @@ def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
                    help="stop a start that runs longer (its finished searches are kept); default none")  # fmt: skip
     p.add_argument("--log-dir", type=Path, default=None,
                    help="keep each start's output there (default: a temporary folder, removed at the end)")  # fmt: skip
+    p.add_argument("--retune", nargs="+", default=[], metavar="KERNEL",
+                   help="search these tuned kernels' keys again although configs ship for them (all: every kernel), "
+                   "e.g. after a kernel change; their shipped configs are not read during the starts "
+                   "(LIGHTLLM_AUTOTUNE_IGNORE_SHIPPED), and the export replaces the keys it tuned")  # fmt: skip
     p.add_argument("--dry-run", action="store_true", help="print the starts it would run, and run nothing")
     args = p.parse_args(argv)
+    known = shipped_kernels()
+    unknown = sorted(set(args.retune) - known - {"all"})
+    if unknown or ("all" in args.retune and len(set(args.retune)) > 1):
+        p.error(f"--retune expected 'all' or kernels with shipped configs ({', '.join(sorted(known))}), got "
+                f"{args.retune}")  # fmt: skip
     for flag, lens in (("--graph-lens", args.graph_lens), ("--graph-len-buckets", args.graph_len_buckets)):
         bad = [n for n in lens if n < 1]
         if bad:
@@ -204,6 +215,13 @@ def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
     if args.per_start_timeout is not None and not 0 < args.per_start_timeout < float("inf"):
         p.error(f"--per-start-timeout expected a positive number of seconds, got {args.per_start_timeout:g}")
     return args
+
+
+def shipped_kernels() -> set:
+    """Names of the tuned kernels with configs in the package, for any Triton version and GPU."""
+    from lightllm.common.autotuner import store
+
+    return {p.name for p in store.SHIPPED_ROOT.glob("*/*/*") if p.is_dir()}
 
 
 def _stop_on_sigterm(signum, frame):
@@ -236,6 +254,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         log_dir = args.log_dir or Path(tmp) / "logs"
         log_dir.mkdir(parents=True, exist_ok=True)
         os.environ["LIGHTLLM_AUTOTUNE_CONFIG_DIR"] = str(config_dir)
+        if args.retune:  # the starts inherit it: those kernels search as if nothing shipped
+            os.environ["LIGHTLLM_AUTOTUNE_IGNORE_SHIPPED"] = ",".join(args.retune)
 
         def export() -> None:
             # after every start, also one stopped by SIGTERM (a job's time limit): a run cut short keeps its tuning

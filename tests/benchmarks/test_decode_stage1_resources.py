@@ -56,6 +56,30 @@ def test_main_loop_statistics_of_whole_scale_rows(tmp_path):
     assert " BAR " in done.stdout  # the table's loop columns
 
 
+def test_quantized_loop_keeps_queries_in_registers_within_the_register_cap(tmp_path):
+    """The shipped INT8/INT4 d128 program (64 tokens, 2 warps, 3 stages) compiled for sm_90 as the launcher runs it:
+    with the first block peeled, the queries stay in registers and V is a 2-wide operand, so the loop copies almost
+    nothing into MMA register quads (234 moves a tile before), and the launcher's cap holds it to 168 registers with
+    no spills."""
+    code = (
+        "import json, sys; sys.path.insert(0, 'benchmarks'); import decode_stage1_resources as R\n"
+        "fd, kernel, off, p2 = R._kernels(); cfg = dict(BLOCK_N=64, num_warps=2, num_stages=3, MIN_BLOCKS=1)\n"
+        "cap = fd.register_cap(2, True, 128)\n"
+        "print(json.dumps({k: R.compile_one(kernel, 90, R.SHAPES['hq32-hk8-d128'], k, 8, cfg, off, p2, cap)\n"
+        "                  for k in ('int8', 'int4')}))"
+    )
+    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env.pop("TRITON_INTERPRET", None)
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
+    done = proc.run([sys.executable, "-c", code], timeout=proc.HANG_TIMEOUT_S, cwd=REPO, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    cells = json.loads(done.stdout.strip().splitlines()[-1])
+    for kind, c in cells.items():
+        assert c["loop_instructions"] > 500, (kind, c)  # the whole tile's work was counted
+        assert c["loop_register_moves"] <= 16, (kind, c)
+        assert c["regs"] <= 168 and c["stack_bytes"] == 0, (kind, c)
+
+
 def test_loop_statistics_read_the_longest_backward_branch(bench):
     sass = """
         /*0000*/                   MOV R1, c[0x0][0x28] ;
@@ -63,15 +87,17 @@ def test_loop_statistics_read_the_longest_backward_branch(bench):
         /*0020*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;
         /*0030*/                   LDGSTS.E.BYPASS.128 [R3], desc[UR4][R6.64] ;
         /*0040*/              @!P0 LDG.E.U16 R8, desc[UR4][R10.64] ;
+        /*0048*/                   IMAD.MOV.U32 R12, RZ, RZ, R9 ;
+        /*004c*/                   IMAD.WIDE.U32 R14, R2, 0x4, R6 ;
         /*0050*/               @P1 BRA `(.L_x_1) ;
         /*0060*/                   BRA 0x20 ;
         /*0070*/                   BRA 0x50 ;
         /*0080*/                   EXIT ;
     """
-    assert bench.loop_stats(sass) == {"loop_instructions": 5, "loop_barriers": 1, "loop_sync_loads": 1,
-                                      "loop_async_copies": 1}  # fmt: skip
+    assert bench.loop_stats(sass) == {"loop_instructions": 7, "loop_barriers": 1, "loop_sync_loads": 1,
+                                      "loop_async_copies": 1, "loop_register_moves": 1}  # fmt: skip
     assert bench.loop_stats("no loop") == {"loop_instructions": 0, "loop_barriers": 0, "loop_sync_loads": 0,
-                                           "loop_async_copies": 0}  # fmt: skip
+                                           "loop_async_copies": 0, "loop_register_moves": 0}  # fmt: skip
     ttgir = "a ttg.convert_layout scf.for { ttg.convert_layout ttg.convert_layout scf.yield } ttg.convert_layout"
     assert bench.loop_conversions(ttgir) == 2 and bench.loop_conversions("no loop") == 0
 
@@ -130,7 +156,7 @@ def test_table_from_a_saved_run(bench, tmp_path, capsys):
     (row,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("hq32")]
     assert (
         row.split()
-        == ["hq32-hk8-d128", "int4", "8", "64", "4", "2", "1", "255", "728", "22.0", "8", "regs"] + ["-"] * 5
+        == ["hq32-hk8-d128", "int4", "8", "64", "4", "2", "1", "255", "728", "22.0", "8", "regs"] + ["-"] * 6
     )
 
 

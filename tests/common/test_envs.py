@@ -55,6 +55,13 @@ def test_the_config_dir_and_the_level_are_read_without_surrounding_spaces(monkey
         ("LIGHTLLM_AUTOTUNE_MAX_SECONDS_PER_SEARCH", "0", r"LIGHTLLM_AUTOTUNE_MAX_SECONDS_PER_SEARCH='0' must be"),
         ("LIGHTLLM_AUTOTUNE_MAX_SECONDS_PER_SEARCH", "nan", r"LIGHTLLM_AUTOTUNE_MAX_SECONDS_PER_SEARCH='nan' must be"),
         ("LIGHTLLM_AUTOTUNE_MAX_SECONDS_PER_SEARCH", "x", r"LIGHTLLM_AUTOTUNE_MAX_SECONDS_PER_SEARCH='x' is not a"),
+        (
+            "LIGHTLLM_AUTOTUNE_IGNORE_SHIPPED",
+            "rmsnorm;silu_mul",
+            r"LIGHTLLM_AUTOTUNE_IGNORE_SHIPPED='rmsnorm;silu_mul' is",
+        ),
+        ("LIGHTLLM_AUTOTUNE_IGNORE_SHIPPED", "RMSNorm", r"LIGHTLLM_AUTOTUNE_IGNORE_SHIPPED='RMSNorm' is not allowed"),
+        ("LIGHTLLM_AUTOTUNE_IGNORE_SHIPPED", "all,rmsnorm", r"IGNORE_SHIPPED='all,rmsnorm' is not allowed; use tuned"),
     ],
 )
 def test_bad_values_name_variable_and_value(monkeypatch, name, value, message):
@@ -114,6 +121,14 @@ def test_valid_values_parse(monkeypatch):
     assert envs.get_triton_autotune_level() == 2
     assert envs.get_decode_attn_autotune_seq_len() == 8192
     assert envs.get_autotune_max_seconds_per_search() == 2.5
+
+
+def test_ignored_shipped_kernels_are_a_comma_separated_set(monkeypatch):
+    assert envs.get_autotune_ignore_shipped() == frozenset()
+    monkeypatch.setenv("LIGHTLLM_AUTOTUNE_IGNORE_SHIPPED", " gqa_flash_decode_int8kv, gqa_flash_decode_int4kv ,")
+    assert envs.get_autotune_ignore_shipped() == {"gqa_flash_decode_int8kv", "gqa_flash_decode_int4kv"}
+    monkeypatch.setenv("LIGHTLLM_AUTOTUNE_IGNORE_SHIPPED", "all")
+    assert envs.get_autotune_ignore_shipped() == {"all"}
 
 
 def test_all_names_every_variable():

@@ -143,6 +143,14 @@ def test_ptx_path_only_on_a_gpu_for_whole_words_and_aligned_rows(monkeypatch):
     assert not flash_decode._ptx_path(gpu_q, k, k, 8)
 
 
+def test_register_cap_only_for_small_ptx_programs_up_to_head_dim_128():
+    """The PTX path's 2- and 4-warp programs keep the occupancy they had before the queries moved to registers; the
+    8-warp ones, the per-element path and head_dim 256 (where the caps spill) run uncapped."""
+    assert flash_decode.register_cap(2, True, 128) == 168 and flash_decode.register_cap(4, True, 64) == 128
+    assert flash_decode.register_cap(8, True, 128) is None
+    assert flash_decode.register_cap(2, False, 128) is None and flash_decode.register_cap(2, True, 256) is None
+
+
 @pytest.mark.parametrize("waves, block_n", [(1, 32), (4, 16)])
 def test_split_counts_and_empty_request(waves, block_n):
     """Many splits with few chunks (most splits empty), a padded request of length 0 (output 0)."""
@@ -467,7 +475,8 @@ def test_gpu_ptx_dequant_matches_element_path(kind, group, head_dim, q_heads, kv
             flash_decode.set_ptx_dequant(previous)
     (ptx_out, (kd, vd)), (element_out, _) = outs
     assert not ptx_out.isnan().any(), "unwritten output"
-    torch.testing.assert_close(ptx_out.float(), element_out.float(), rtol=2e-3, atol=2e-3)
+    # one bf16 ulp: the PTX path's V dot (a 2-wide operand) sums its tokens in another order than the element path's
+    torch.testing.assert_close(ptx_out.float(), element_out.float(), rtol=2**-7, atol=2e-3)
     ref = decode_attention_ref(q, kd, vd, r2t, idx, seq)
     assert rel_err(ptx_out, ref) < 1e-2
 

@@ -1,4 +1,5 @@
 import json
+import os
 import logging
 
 import pytest
@@ -32,6 +33,13 @@ def test_buckets_below_each_start_s_graph_length_reach_the_engine():
     assert args.normalize().fit_to_model(32768, 128, "bfloat16").graph_lens() == [1024, 4096, 16384, 32768]
 
 
+def _ship(name):
+    """A shipped config folder for kernel ``name`` (the tests' shipped root is an empty temporary folder)."""
+    from lightllm.common.autotuner import store
+
+    (store.SHIPPED_ROOT / "triton_3.6.0" / "NVIDIA_H200" / name).mkdir(parents=True, exist_ok=True)
+
+
 def test_bad_arguments_and_no_gpu(capsys, monkeypatch):
     with pytest.raises(SystemExit):
         tune_shipped.main(["--out", "x", "--graph-lens", "0"])
@@ -50,6 +58,14 @@ def test_bad_arguments_and_no_gpu(capsys, monkeypatch):
     with pytest.raises(SystemExit):
         tune_shipped.main(["--out", "x", "--per-start-timeout", "0"])
     assert "--per-start-timeout expected a positive number of seconds, got 0" in capsys.readouterr().err
+    _ship("gqa_flash_decode_int8kv")
+    with pytest.raises(SystemExit):
+        tune_shipped.main(["--out", "x", "--retune", "gqa_flash_decode_int9kv"])
+    err = capsys.readouterr().err
+    assert "--retune expected 'all' or kernels with shipped configs (" in err and "gqa_flash_decode_int8kv" in err
+    with pytest.raises(SystemExit):
+        tune_shipped.main(["--out", "x", "--retune", "all", "rmsnorm"])
+    assert "--retune expected 'all' or kernels" in capsys.readouterr().err
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     assert tune_shipped.main(["--out", "x"]) == 2
     assert "tuning needs a CUDA GPU" in capsys.readouterr().err
@@ -220,6 +236,26 @@ def test_a_run_with_every_key_already_tuned_succeeds_and_exports_nothing(monkeyp
     assert tune_shipped.main(argv) == 0
     assert exported == []
     assert "nothing new to export" in capsys.readouterr().out
+
+
+def test_retune_makes_the_starts_ignore_those_kernels_shipped_configs(monkeypatch, tmp_path):
+    """--retune KERNEL ...: every start runs with LIGHTLLM_AUTOTUNE_IGNORE_SHIPPED naming them (so level 1 searches
+    their keys although configs ship); without it the starts read what ships."""
+    seen = []
+
+    def run_start(kwargs, config_dir, timeout, log_path):
+        log_path.write_text("")
+        seen.append(os.environ.get("LIGHTLLM_AUTOTUNE_IGNORE_SHIPPED"))
+        return 1.0
+
+    _fake_starts(monkeypatch, run_start)
+    _ship("gqa_flash_decode_int8kv")
+    _ship("gqa_flash_decode_int4kv")
+    monkeypatch.delenv("LIGHTLLM_AUTOTUNE_IGNORE_SHIPPED", raising=False)
+    argv = ["--out", str(tmp_path / "out"), "--shapes", "builtin", "--variants", "int8kv", "--graph-lens", "4096"]
+    assert tune_shipped.main(argv) == 0
+    assert tune_shipped.main(argv + ["--retune", "gqa_flash_decode_int8kv", "gqa_flash_decode_int4kv"]) == 0
+    assert seen == [None, "gqa_flash_decode_int8kv,gqa_flash_decode_int4kv"]
 
 
 def test_mtp_only_without_a_start_to_run_is_an_error(monkeypatch, capsys):

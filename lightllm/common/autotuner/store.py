@@ -186,9 +186,14 @@ class ConfigStore:
         return entries
 
     def load_layers(self, frozen_static_key: Any) -> List[Dict[Any, Tuple[Config, Path]]]:
-        """Run key (frozen) -> (config, file) of each root, the shipped configs first, then the writable root's."""
+        """Run key (frozen) -> (config, file) of each root, the shipped configs first (none where
+        ``LIGHTLLM_AUTOTUNE_IGNORE_SHIPPED`` names this kernel), then the writable root's."""
         layers = []
+        ignored = envs.get_autotune_ignore_shipped()
         for root in (SHIPPED_ROOT, envs.get_autotune_config_dir()):
+            if root is SHIPPED_ROOT and ({"all", self.kernel_name} & ignored):
+                layers.append({})
+                continue
             path = self.path(root, frozen_static_key)
             data = read_config_file(path)
             configs = {} if data is None else data["configs"]

@@ -177,6 +177,30 @@ def test_shipped_configs_are_read_and_user_root_wins(toy, isolated_autotune, tmp
     assert t.configs_used() == [{"ms": 0.5}, {"ms": 0.2}]
 
 
+@pytest.mark.parametrize("ignored", ["all", "other_kernel,{name}"])
+def test_ignored_shipped_configs_are_searched_again_at_level_1(toy, monkeypatch, isolated_autotune, ignored):
+    """LIGHTLLM_AUTOTUNE_IGNORE_SHIPPED naming the kernel (or all): its shipped keys are misses, so level 1 searches
+    them (a re-tune after a kernel change) and the user root's configs are still read."""
+    t = toy()
+    frozen = (("alpha", 2.0), ("dtype", "torch.float32"))
+    s = store.ConfigStore(t.name)
+    for root, configs in (
+        (store.SHIPPED_ROOT, {"4": {"ms": 0.5}, "8": {"ms": 0.9}}),
+        (isolated_autotune, {"8": {"ms": 0.2}}),
+    ):
+        p = s.path(root, frozen)
+        p.parent.mkdir(parents=True)
+        p.write_text(json.dumps({"version": 1, "configs": configs}))
+    monkeypatch.setenv("LIGHTLLM_AUTOTUNE_IGNORE_SHIPPED", ignored.format(name=t.name))
+    assert s.load(frozen) == {8: {"ms": 0.2}}
+    monkeypatch.setenv("LIGHTLLM_TRITON_AUTOTUNE_LEVEL", "1")
+    with autotune_warmup(GENERAL):
+        t(n=4)
+    assert {cfg["ms"] for cfg in t.bench.timed if cfg} == {0.2, 0.5, 0.9}  # searched, not read from shipped
+    monkeypatch.delenv("LIGHTLLM_AUTOTUNE_IGNORE_SHIPPED")
+    assert s.load(frozen) == {4: {"ms": 0.2}, 8: {"ms": 0.2}}  # the search's config over the shipped one
+
+
 def test_writes_go_only_to_user_root(toy, monkeypatch, isolated_autotune):
     monkeypatch.setenv("LIGHTLLM_TRITON_AUTOTUNE_LEVEL", "1")
     t = toy()

@@ -79,6 +79,7 @@ def _launch_split_kv(
     ks = k_scale if k_scale is not None else k_cache
     vs = v_scale if v_scale is not None else v_cache
     f16 = quant != "none" and q.dtype != torch.float32
+    asm = f16 and _ptx_path(q, k_cache, v_cache, quant_group)
     if batch > 0:
         _STAGE1.launch(
             (batch, kv_heads, splits),
@@ -91,12 +92,25 @@ def _launch_split_kv(
             mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
             GROUP=group, BLOCK_H=max(16, next_power_of_2(group)), HALF_D=head_dim // 2,
             BLOCK_N=cfg["BLOCK_N"], MIN_BLOCKS=least, QUANT=_QUANT_BITS[quant], QGROUP=quant_group,
-            INT4_OFFSET=INT4_OFFSET, F16=f16, ASM=f16 and _ptx_path(q, k_cache, v_cache, quant_group),
+            INT4_OFFSET=INT4_OFFSET, F16=f16, ASM=asm,
             PRECISION="ieee" if q.dtype == torch.float32 else None,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            **({"maxnreg": cap} if (cap := register_cap(cfg["num_warps"], asm, head_dim)) else {}),
         )  # fmt: skip
         launch_stage2(mid_o, mid_lse, b_seq_len, out, cfg["BLOCK_N"], least)
     return out
+
+
+# Registers a thread of the PTX path may hold, by warps a program. A warp takes its registers from its scheduler's
+# quarter of the file (16384): 168 keeps three 2-warp programs' warps a quarter, 128 four 4-warp ones, as many as
+# before the queries moved to registers (stage1._attend_block; uncapped, a 2-warp program fits one block fewer per
+# SM, which cost B=16 a wave: docs/decode_attention.md, "register moves").
+_REGISTER_CAP = {2: 168, 4: 128}
+
+
+def register_cap(num_warps: int, asm: bool, head_dim: int) -> Optional[int]:
+    """Stage 1's ``maxnreg``: for the PTX path up to head_dim 128 (at 256 the caps spill), else None (no cap)."""
+    return _REGISTER_CAP.get(num_warps) if asm and head_dim <= 128 else None
 
 
 def _ptx_path(q, k_cache, v_cache, quant_group: int) -> bool:

@@ -23,6 +23,11 @@ On a GPU (``ASM``) the same float16 values come from PTX: the codes are read as 
 two PRMTs place the four codes under float16 exponent bytes, then one packed subtraction and one packed scale
 multiply per pair (INT4: one LOP3 per pair picks a nibble). Written per element, Triton keeps one code per register
 and spends a PRMT per byte to extract and re-pack it (docs/decode_attention.md has the profile).
+
+Two things keep the quantized loop free of register moves (a fifth of its instructions before): the first block runs
+before the loop (up to head_dim 128), so the queries' dot operand is built once and stays in registers, and
+dequantized V passes through an opaque move so Triton reads V and the probabilities as 2-wide operands by
+``ldmatrix``. The launcher caps the registers this adds (``flash_decode.register_cap``).
 """
 
 import triton
@@ -238,6 +243,55 @@ def _load_q_halves(Q, b, heads, mask_h, stride_qb, stride_qh, HALF_D: tl.constex
 
 
 @triton.jit
+def _operand_width_barrier(x):
+    """``x`` (float16) unchanged, through an instruction Triton cannot see into.
+
+    Triton sizes a dot operand's per-thread K run (``kWidth``) from the narrowest load it traces the operand back to,
+    through elementwise ops and joins: for dequantized V that is 4 (the codes' words), which makes the probabilities
+    the same 4-wide operand. Both then reach the MMA through 64-bit shared-memory loads and a register move per
+    fragment word, where a 2-wide operand is one ``ldmatrix`` (V's tile goes through shared memory either way).
+    A side-effecting asm stops the trace; ptxas drops the move."""
+    return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=tl.float16, is_pure=False, pack=2)
+
+
+@triton.jit
+def _attend_block(n0, end, m_i, l_i, acc_lo, acc_hi, q_lo, q_hi, tokens, K, V, K_scale, V_scale, kvh, qk_scale,
+                  stride_kt, stride_kh, stride_vt, stride_vh, stride_kst, stride_ksh, stride_vst, stride_vsh, d,
+                  BLOCK_N: tl.constexpr, HALF_D: tl.constexpr, QUANT: tl.constexpr, QGROUP: tl.constexpr,
+                  INT4_OFFSET: tl.constexpr, F16: tl.constexpr, ASM: tl.constexpr, PRECISION: tl.constexpr,
+                  kv_dtype):  # fmt: skip
+    """Online softmax over the block of tokens ``[n0, n0 + BLOCK_N)`` (those below ``end``)."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < end
+    tok = tl.load(tokens + offs_n, mask=mask_n, other=0).to(tl.int64)
+    k_row = tok * stride_kt + kvh * stride_kh
+    k_srow = tok * stride_kst + kvh * stride_ksh
+    v_srow = tok * stride_vst + kvh * stride_vsh
+    if QUANT != 0:  # whole scale rows (the host checks the strides): vector loads, pipelined as async copies
+        k_srow = tl.multiple_of(k_srow, 2 * HALF_D // QGROUP)
+        v_srow = tl.multiple_of(v_srow, 2 * HALF_D // QGROUP)
+    k_lo, k_hi = _load_kv_halves(K, K_scale, k_row, k_srow, mask_n, d, BLOCK_N, HALF_D, QUANT, QGROUP, INT4_OFFSET,
+                                 F16, ASM, kv_dtype)  # fmt: skip
+    qk = tl.dot(q_lo, tl.trans(k_lo), input_precision=PRECISION) + tl.dot(
+        q_hi, tl.trans(k_hi), input_precision=PRECISION
+    )
+    qk = tl.where(mask_n[None, :], qk * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v_lo, v_hi = _load_kv_halves(V, V_scale, tok * stride_vt + kvh * stride_vh, v_srow, mask_n, d, BLOCK_N, HALF_D,
+                                 QUANT, QGROUP, INT4_OFFSET, F16, ASM, kv_dtype)  # fmt: skip
+    if ASM:
+        v_lo = _operand_width_barrier(v_lo)
+        v_hi = _operand_width_barrier(v_hi)
+    p = p.to(kv_dtype)
+    acc_lo = acc_lo * alpha[:, None] + tl.dot(p, v_lo, input_precision=PRECISION)
+    acc_hi = acc_hi * alpha[:, None] + tl.dot(p, v_hi, input_precision=PRECISION)
+    return m_new, l_i, acc_lo, acc_hi
+
+
+@triton.jit
 def decode_stage1_kernel(
     Q,
     K,
@@ -305,32 +359,25 @@ def decode_stage1_kernel(
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc_lo = tl.zeros([BLOCK_H, HALF_D], dtype=tl.float32)
     acc_hi = tl.zeros([BLOCK_H, HALF_D], dtype=tl.float32)
-    for n0 in range(start, end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < end
-        tok = tl.load(tokens + offs_n, mask=mask_n, other=0).to(tl.int64)
-        k_row = tok * stride_kt + kvh * stride_kh
-        k_srow = tok * stride_kst + kvh * stride_ksh
-        v_srow = tok * stride_vst + kvh * stride_vsh
-        if QUANT != 0:  # whole scale rows (the host checks the strides): vector loads, pipelined as async copies
-            k_srow = tl.multiple_of(k_srow, 2 * HALF_D // QGROUP)
-            v_srow = tl.multiple_of(v_srow, 2 * HALF_D // QGROUP)
-        k_lo, k_hi = _load_kv_halves(K, K_scale, k_row, k_srow, mask_n, d, BLOCK_N, HALF_D, QUANT, QGROUP, INT4_OFFSET,
-                                     F16, ASM, kv_dtype)  # fmt: skip
-        qk = tl.dot(q_lo, tl.trans(k_lo), input_precision=PRECISION) + tl.dot(
-            q_hi, tl.trans(k_hi), input_precision=PRECISION
-        )
-        qk = tl.where(mask_n[None, :], qk * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v_lo, v_hi = _load_kv_halves(V, V_scale, tok * stride_vt + kvh * stride_vh, v_srow, mask_n, d, BLOCK_N, HALF_D,
-                                     QUANT, QGROUP, INT4_OFFSET, F16, ASM, kv_dtype)  # fmt: skip
-        p = p.to(kv_dtype)
-        acc_lo = acc_lo * alpha[:, None] + tl.dot(p, v_lo, input_precision=PRECISION)
-        acc_hi = acc_hi * alpha[:, None] + tl.dot(p, v_hi, input_precision=PRECISION)
-        m_i = m_new
+    first = start
+    if F16 and HALF_D <= 64:
+        # The first block before the loop, so the queries' conversion to the dot operand has a user outside it:
+        # Triton then keeps q in registers instead of re-reading it from shared memory in every iteration (and,
+        # with the 4-wide operand the codes need, re-assembling each MMA fragment with register moves). bf16 reads
+        # q with ldmatrix and gains nothing but registers, so only the quantized path peels; at head_dim 256 the
+        # queries' registers do not fit (spills), so only up to 128.
+        m_i, l_i, acc_lo, acc_hi = _attend_block(
+            start, end, m_i, l_i, acc_lo, acc_hi, q_lo, q_hi, tokens, K, V, K_scale, V_scale, kvh, qk_scale,
+            stride_kt, stride_kh, stride_vt, stride_vh, stride_kst, stride_ksh, stride_vst, stride_vsh, d,
+            BLOCK_N, HALF_D, QUANT, QGROUP, INT4_OFFSET, F16, ASM, PRECISION, kv_dtype,
+        )  # fmt: skip
+        first = start + BLOCK_N
+    for n0 in range(first, end, BLOCK_N):
+        m_i, l_i, acc_lo, acc_hi = _attend_block(
+            n0, end, m_i, l_i, acc_lo, acc_hi, q_lo, q_hi, tokens, K, V, K_scale, V_scale, kvh, qk_scale,
+            stride_kt, stride_kh, stride_vt, stride_vh, stride_kst, stride_ksh, stride_vst, stride_vsh, d,
+            BLOCK_N, HALF_D, QUANT, QGROUP, INT4_OFFSET, F16, ASM, PRECISION, kv_dtype,
+        )  # fmt: skip
 
     pdl_release(USE_PDL)
     o_ptr = mid_o + b.to(tl.int64) * stride_mob + heads[:, None] * stride_moh + split * stride_mos + d[None, :]
