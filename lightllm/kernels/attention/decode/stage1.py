@@ -364,8 +364,9 @@ def decode_stage1_kernel(
         # The first block before the loop, so the queries' conversion to the dot operand has a user outside it:
         # Triton then keeps q in registers instead of re-reading it from shared memory in every iteration (and,
         # with the 4-wide operand the codes need, re-assembling each MMA fragment with register moves). bf16 reads
-        # q with ldmatrix and gains nothing but registers, so only the quantized path peels; at head_dim 256 the
-        # queries' registers do not fit (spills), so only up to 128.
+        # q with ldmatrix and gains nothing but registers, so only the quantized path peels. At head_dim 256 the
+        # queries' registers make some candidates spill and others lose warps per SM, so only up to 128 (the docs'
+        # "Queries in registers" has the d256 compile).
         m_i, l_i, acc_lo, acc_hi = _attend_block(
             start, end, m_i, l_i, acc_lo, acc_hi, q_lo, q_hi, tokens, K, V, K_scale, V_scale, kvh, qk_scale,
             stride_kt, stride_kh, stride_vt, stride_vh, stride_kst, stride_ksh, stride_vst, stride_vsh, d,
