@@ -302,7 +302,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 1
     if not exported:
         # every key was already shipped (the scratch cache starts empty): done, not an export failure
-        print(f"nothing new to export: every start found its configs already shipped, {args.out} is unchanged")
+        why = (
+            f"no start searched {', '.join(args.retune)}"
+            if args.retune
+            else "every start found its configs already shipped"
+        )
+        print(f"nothing new to export: {why}, {args.out} is unchanged")
     return status
 
 

@@ -238,7 +238,7 @@ def test_a_run_with_every_key_already_tuned_succeeds_and_exports_nothing(monkeyp
     assert "nothing new to export" in capsys.readouterr().out
 
 
-def test_retune_makes_the_starts_ignore_those_kernels_shipped_configs(monkeypatch, tmp_path):
+def test_retune_makes_the_starts_ignore_those_kernels_shipped_configs(monkeypatch, tmp_path, capsys):
     """--retune KERNEL ...: every start runs with LIGHTLLM_AUTOTUNE_IGNORE_SHIPPED naming them (so level 1 searches
     their keys although configs ship); without it the starts read what ships."""
     seen = []
@@ -256,6 +256,8 @@ def test_retune_makes_the_starts_ignore_those_kernels_shipped_configs(monkeypatc
     assert tune_shipped.main(argv) == 0
     assert tune_shipped.main(argv + ["--retune", "gqa_flash_decode_int8kv", "gqa_flash_decode_int4kv"]) == 0
     assert seen == [None, "gqa_flash_decode_int8kv,gqa_flash_decode_int4kv"]
+    # these fake starts search nothing: with --retune that is said as such, not as "already shipped"
+    assert "no start searched gqa_flash_decode_int8kv, gqa_flash_decode_int4kv" in capsys.readouterr().out
 
 
 def test_mtp_only_without_a_start_to_run_is_an_error(monkeypatch, capsys):
