@@ -161,17 +161,20 @@ def test_a_new_search_replaces_its_key_however_the_file_spelled_it(isolated_auto
     assert s.load(frozen) == {4: {"B": 2}, 8: {"B": 1}}
 
 
-def test_shipped_configs_are_read_and_user_root_wins(toy, isolated_autotune, tmp_path):
+def _shipped_and_user_configs(toy, user_root):
+    """A toy kernel with configs for run keys 4 and 8 shipped and for 8 in the user root: (toy, store, frozen key)."""
     t = toy()
     frozen = (("alpha", 2.0), ("dtype", "torch.float32"))
     s = store.ConfigStore(t.name)
-    for root, configs in (
-        (store.SHIPPED_ROOT, {"4": {"ms": 0.5}, "8": {"ms": 0.9}}),
-        (isolated_autotune, {"8": {"ms": 0.2}}),
-    ):
+    for root, configs in ((store.SHIPPED_ROOT, {"4": {"ms": 0.5}, "8": {"ms": 0.9}}), (user_root, {"8": {"ms": 0.2}})):
         p = s.path(root, frozen)
         p.parent.mkdir(parents=True)
         p.write_text(json.dumps({"version": 1, "configs": configs}))
+    return t, s, frozen
+
+
+def test_shipped_configs_are_read_and_user_root_wins(toy, isolated_autotune, tmp_path):
+    t, _, _ = _shipped_and_user_configs(toy, isolated_autotune)
     t(n=4)
     t(n=8)
     assert t.configs_used() == [{"ms": 0.5}, {"ms": 0.2}]
@@ -181,16 +184,7 @@ def test_shipped_configs_are_read_and_user_root_wins(toy, isolated_autotune, tmp
 def test_ignored_shipped_configs_are_searched_again_at_level_1(toy, monkeypatch, isolated_autotune, ignored):
     """LIGHTLLM_AUTOTUNE_IGNORE_SHIPPED naming the kernel (or all): its shipped keys are misses, so level 1 searches
     them (a re-tune after a kernel change) and the user root's configs are still read."""
-    t = toy()
-    frozen = (("alpha", 2.0), ("dtype", "torch.float32"))
-    s = store.ConfigStore(t.name)
-    for root, configs in (
-        (store.SHIPPED_ROOT, {"4": {"ms": 0.5}, "8": {"ms": 0.9}}),
-        (isolated_autotune, {"8": {"ms": 0.2}}),
-    ):
-        p = s.path(root, frozen)
-        p.parent.mkdir(parents=True)
-        p.write_text(json.dumps({"version": 1, "configs": configs}))
+    t, s, frozen = _shipped_and_user_configs(toy, isolated_autotune)
     monkeypatch.setenv("LIGHTLLM_AUTOTUNE_IGNORE_SHIPPED", ignored.format(name=t.name))
     assert s.load(frozen) == {8: {"ms": 0.2}}
     monkeypatch.setenv("LIGHTLLM_TRITON_AUTOTUNE_LEVEL", "1")
