@@ -6,8 +6,10 @@ how many dequantized K/V tiles the compiler stages through shared memory (from i
 ``[BLOCK_N, D/2]`` register tensor written to shared memory, then read back in the dot's operand layout, behind a
 barrier, each loop iteration). From the SASS of the main loop (the longest backward branch): its instructions per
 tile, barriers, synchronous global loads (``LDG``: latency a tile waits on, where the pipeline's async copies,
-``LDGSTS``, hide it) and the layout conversions in its TTGIR. Rows marked ``qk`` in a saved run were compiled with
-``benchmarks/patches/stage1_qk_int8.patch`` applied (its ``--qk-int8``: the integer QK dot).
+``LDGSTS``, hide it), register moves (``MOV``, ``IMAD.MOV``) and the layout conversions in its TTGIR. Each candidate
+compiles as the launcher runs it, register cap included (``flash_decode.register_cap``; ``--maxnreg`` sets others).
+Rows marked ``qk`` in a saved run were compiled with ``benchmarks/patches/stage1_qk_int8.patch`` applied (its
+``--qk-int8``: the integer QK dot).
 
     python benchmarks/decode_stage1_resources.py --out benchmarks/results/decode_stage1_resources_sm90.json
     python benchmarks/decode_stage1_resources.py --analyze benchmarks/results/decode_stage1_resources_sm90.json

@@ -59,7 +59,7 @@ def test_main_loop_statistics_of_whole_scale_rows(tmp_path):
 def test_quantized_loop_keeps_queries_in_registers_within_the_register_cap(tmp_path):
     """The shipped INT8/INT4 d128 program (64 tokens, 2 warps, 3 stages) compiled for sm_90 as the launcher runs it:
     with the first block peeled, the queries stay in registers and V is a 2-wide operand, so the loop copies almost
-    nothing into MMA register quads (234 moves a tile before), and the launcher's cap holds it to 168 registers with
+    nothing into MMA register quads (201 moves a tile before), and the launcher's cap holds it to 168 registers with
     no spills."""
     code = (
         "import json, sys; sys.path.insert(0, 'benchmarks'); import decode_stage1_resources as R\n"
