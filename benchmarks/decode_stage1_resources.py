@@ -205,7 +205,7 @@ def run(args) -> dict:
                 for cfg in distinct_configs(space)[: args.max_configs]:
                     # the launcher's own register cap unless --maxnreg sets one (quantized programs only)
                     cap = flash_decode.register_cap(cfg["num_warps"], kind != "none", d)
-                    cap = args.maxnreg.get(cfg["num_warps"], cap) if kind != "none" else cap
+                    cap = args.maxnreg.get(cfg["num_warps"], cap) if kind != "none" else None
                     res = compile_one(kernel, args.arch, SHAPES[name], kind, group, cfg, int4_offset, p2, cap)
                     results["cells"].append({"shape": name, "kind": kind, "group": group, **cfg, **res})
                     print(name, kind, group, cfg, res, flush=True)

@@ -253,9 +253,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         config_dir = Path(tmp) / "configs"
         log_dir = args.log_dir or Path(tmp) / "logs"
         log_dir.mkdir(parents=True, exist_ok=True)
-        os.environ["LIGHTLLM_AUTOTUNE_CONFIG_DIR"] = str(config_dir)
-        if args.retune:  # the starts inherit it: those kernels search as if nothing shipped
-            os.environ["LIGHTLLM_AUTOTUNE_IGNORE_SHIPPED"] = ",".join(args.retune)
+        # the starts inherit these (--retune: those kernels search as if nothing shipped); put back at the end
+        scoped = {"LIGHTLLM_AUTOTUNE_CONFIG_DIR": str(config_dir)}
+        if args.retune:
+            scoped["LIGHTLLM_AUTOTUNE_IGNORE_SHIPPED"] = ",".join(args.retune)
+        previous = {name: os.environ.get(name) for name in scoped}
+        os.environ.update(scoped)
 
         def export() -> None:
             # after every start, also one stopped by SIGTERM (a job's time limit): a run cut short keeps its tuning
@@ -294,6 +297,11 @@ def main(argv: Optional[List[str]] = None) -> int:
                           flush=True)  # fmt: skip
         finally:
             signal.signal(signal.SIGTERM, sigterm)
+            for name, value in previous.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
     if failed:
         print(f"{len(failed)} of {len(starts)} starts failed (what they tuned before failing was exported):",
               file=sys.stderr)  # fmt: skip

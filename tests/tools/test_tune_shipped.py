@@ -256,6 +256,10 @@ def test_retune_makes_the_starts_ignore_those_kernels_shipped_configs(monkeypatc
     assert tune_shipped.main(argv) == 0
     assert tune_shipped.main(argv + ["--retune", "gqa_flash_decode_int8kv", "gqa_flash_decode_int4kv"]) == 0
     assert seen == [None, "gqa_flash_decode_int8kv,gqa_flash_decode_int4kv"]
+    # main() puts back what it set for its starts
+    assert (
+        "LIGHTLLM_AUTOTUNE_IGNORE_SHIPPED" not in os.environ and os.environ["LIGHTLLM_AUTOTUNE_CONFIG_DIR"] == "unused"
+    )
     # these fake starts search nothing: with --retune that is said as such, not as "already shipped"
     assert "no start searched gqa_flash_decode_int8kv, gqa_flash_decode_int4kv" in capsys.readouterr().out
 

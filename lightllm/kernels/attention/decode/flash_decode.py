@@ -95,7 +95,7 @@ def _launch_split_kv(
             INT4_OFFSET=INT4_OFFSET, F16=f16, ASM=asm,
             PRECISION="ieee" if q.dtype == torch.float32 else None,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-            **({"maxnreg": cap} if (cap := register_cap(cfg["num_warps"], asm, head_dim)) else {}),
+            maxnreg=register_cap(cfg["num_warps"], asm, head_dim),  # None: no cap (Triton drops None options)
         )  # fmt: skip
         launch_stage2(mid_o, mid_lse, b_seq_len, out, cfg["BLOCK_N"], least)
     return out
