@@ -17,16 +17,17 @@ MODEL = "tiny-served"  # --model_name
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def start_server(home, args, timeout=procs.HANG_TIMEOUT_S):
+def start_server(home, args, timeout=procs.HANG_TIMEOUT_S, **popen_kwargs):
     """``python -m lightllm.server.api_server *args`` answering /health: (process, base URL, log path). The process
-    leads its own session; stop it with ``lightllm.common.proc.stop`` (``running_server`` does)."""
+    leads its own session; stop it with ``lightllm.common.proc.stop`` (``running_server`` does). ``popen_kwargs``
+    go to ``subprocess.Popen``."""
     port = free_port()
     env = {**os.environ, "PYTHONPATH": REPO, "LIGHTLLM_TINY_MODEL_DIR": str(home / "tiny"),
            "LIGHTLLM_AUTOTUNE_CONFIG_DIR": str(home / "autotune"), "HF_HUB_OFFLINE": "1"}  # fmt: skip
     log_path = home / f"server-{port}.log"
     with open(log_path, "w") as log:
         proc = procs.start([sys.executable, "-m", "lightllm.server.api_server", "--port", str(port), *args], env=env,
-                           stdout=log, stderr=log)  # fmt: skip
+                           stdout=log, stderr=log, **popen_kwargs)  # fmt: skip
     base = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(proc, base, timeout)

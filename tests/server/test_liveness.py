@@ -121,10 +121,18 @@ def test_shutdown_drains_then_aborts_what_is_left(tmp_path):
     assert "still running after 0.5s (--shutdown_drain_s); aborting them" in log.read_text()
 
 
+def _sigint_as_in_a_terminal():
+    """In the server's process before it starts: SIGINT's default action, as a terminal's foreground job has it. A
+    shell without job control starts a background command (``pytest &``, ``nohup``) with SIGINT ignored, its children
+    inherit that, and Python then installs no KeyboardInterrupt handler: the Ctrl+C these tests send would be lost."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_while_streaming_ends_the_server_without_a_traceback(tmp_path):
     """Ctrl+C (SIGINT to the whole process group) drains and aborts as SIGTERM does; the server then ends as Ctrl+C
     ends a program (killed by SIGINT), not with uvicorn's re-raised KeyboardInterrupt as a traceback."""
-    proc, base, log = start_server(tmp_path, ["--device", "cpu", "--shutdown_drain_s", "0"])
+    proc, base, log = start_server(tmp_path, ["--device", "cpu", "--shutdown_drain_s", "0"],
+                                   preexec_fn=_sigint_as_in_a_terminal)  # fmt: skip
     try:
         body = {"inputs": [5, 6, 7], "parameters": {"max_new_tokens": 4000, "ignore_eos": True}}
         with httpx.stream("POST", base + "/generate_stream", json=body, timeout=procs.HANG_TIMEOUT_S) as running:
@@ -145,7 +153,8 @@ def test_ctrl_c_while_starting_ends_the_server_without_a_traceback(tmp_path):
     env = {**os.environ, "PYTHONPATH": REPO, "LIGHTLLM_TINY_MODEL_DIR": str(tmp_path / "tiny"),
            "LIGHTLLM_AUTOTUNE_CONFIG_DIR": str(tmp_path / "autotune"), "HF_HUB_OFFLINE": "1"}  # fmt: skip
     cmd = [sys.executable, "-m", "lightllm.server.api_server", "--device", "cpu", "--port", str(free_port())]
-    with procs.running(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+    with procs.running(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                       preexec_fn=_sigint_as_in_a_terminal) as proc:  # fmt: skip
         hung = threading.Timer(procs.HANG_TIMEOUT_S, proc.kill)  # a start that never prints ends the read: a failure
         hung.start()
         lines = []
