@@ -31,7 +31,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 from lightllm.common import proc as procs
 from lightllm.tools.make_tiny_model import BUILTIN_SHAPE, QWEN3_8B_SHAPE
@@ -143,10 +143,14 @@ def search_summary(log_text: str) -> str:
     return "; ".join(f"{k} {n} searches {t:.1f} s" for k, (n, t) in ranked) or "no searches"
 
 
-def _run_start(kwargs: dict, config_dir: Path, timeout: Optional[float], log_path: Path) -> float:
+def _run_start(kwargs: dict, config_dir: Path, timeout: Optional[float], log_path: Path,
+               ignore_shipped: Sequence[str] = ()) -> float:  # fmt: skip
     """Seconds the start took; RuntimeError naming the start when it fails or runs out of ``timeout``. Its output
-    goes to ``log_path`` (kept for a stopped start too)."""
+    goes to ``log_path`` (kept for a stopped start too). ``ignore_shipped``: kernels whose shipped configs the start
+    does not read (``LIGHTLLM_AUTOTUNE_IGNORE_SHIPPED``), so it searches their keys."""
     env = {**os.environ, "LIGHTLLM_TRITON_AUTOTUNE_LEVEL": "1", "LIGHTLLM_AUTOTUNE_CONFIG_DIR": str(config_dir)}
+    if ignore_shipped:
+        env["LIGHTLLM_AUTOTUNE_IGNORE_SHIPPED"] = ",".join(ignore_shipped)
     t = time.perf_counter()
     with open(log_path, "w") as log:
         try:  # its tree is stopped however we end, a timeout included
@@ -221,7 +225,7 @@ def shipped_kernels() -> set:
     """Names of the tuned kernels with configs in the package, for any Triton version and GPU."""
     from lightllm.common.autotuner import store
 
-    return {p.name for p in store.SHIPPED_ROOT.glob("*/*/*") if p.is_dir()}
+    return {p.name for p in store.iter_kernel_dirs(store.SHIPPED_ROOT)}
 
 
 def _stop_on_sigterm(signum, frame):
@@ -253,12 +257,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         config_dir = Path(tmp) / "configs"
         log_dir = args.log_dir or Path(tmp) / "logs"
         log_dir.mkdir(parents=True, exist_ok=True)
-        # the starts inherit these (--retune: those kernels search as if nothing shipped); put back at the end
-        scoped = {"LIGHTLLM_AUTOTUNE_CONFIG_DIR": str(config_dir)}
-        if args.retune:
-            scoped["LIGHTLLM_AUTOTUNE_IGNORE_SHIPPED"] = ",".join(args.retune)
-        previous = {name: os.environ.get(name) for name in scoped}
-        os.environ.update(scoped)
+        # what the in-process export reads from; put back at the end
+        previous = os.environ.get("LIGHTLLM_AUTOTUNE_CONFIG_DIR")
+        os.environ["LIGHTLLM_AUTOTUNE_CONFIG_DIR"] = str(config_dir)
 
         def export() -> None:
             # after every start, also one stopped by SIGTERM (a job's time limit): a run cut short keeps its tuning
@@ -281,7 +282,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                                            args.graph_len_buckets)  # fmt: skip
                     log_path = log_dir / f"{shape}-{start.variant}-{start.graph_len}-mtp{start.mtp_step}.log"
                     try:
-                        seconds = _run_start(kwargs, config_dir, args.per_start_timeout, log_path)
+                        seconds = _run_start(kwargs, config_dir, args.per_start_timeout, log_path, args.retune)
                     except RuntimeError as e:
                         failed.append(start)
                         print(f"{start.describe()}: FAILED, {e}", file=sys.stderr, flush=True)
@@ -297,11 +298,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                           flush=True)  # fmt: skip
         finally:
             signal.signal(signal.SIGTERM, sigterm)
-            for name, value in previous.items():
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
+            if previous is None:
+                os.environ.pop("LIGHTLLM_AUTOTUNE_CONFIG_DIR", None)
+            else:
+                os.environ["LIGHTLLM_AUTOTUNE_CONFIG_DIR"] = previous
     if failed:
         print(f"{len(failed)} of {len(starts)} starts failed (what they tuned before failing was exported):",
               file=sys.stderr)  # fmt: skip

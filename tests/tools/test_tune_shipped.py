@@ -125,6 +125,17 @@ def test_a_start_over_its_timeout_is_stopped_and_named(monkeypatch, tmp_path):
     assert log.exists() and set(log.read_text().split()) <= {"started"}
 
 
+def test_a_start_gets_the_kernels_whose_shipped_configs_it_ignores_in_its_environment(monkeypatch, tmp_path):
+    monkeypatch.delenv("LIGHTLLM_AUTOTUNE_IGNORE_SHIPPED", raising=False)
+    monkeypatch.setattr(tune_shipped, "_START", "import os\nprint(os.environ.get('LIGHTLLM_AUTOTUNE_IGNORE_SHIPPED'))")
+    log = tmp_path / "start.log"
+    tune_shipped._run_start({"model_dir": "m"}, tmp_path, timeout=None, log_path=log)
+    assert log.read_text() == "None\n"
+    tune_shipped._run_start({"model_dir": "m"}, tmp_path, None, log, ["gqa_flash_decode_int8kv", "rmsnorm"])
+    assert log.read_text() == "gqa_flash_decode_int8kv,rmsnorm\n"
+    assert "LIGHTLLM_AUTOTUNE_IGNORE_SHIPPED" not in os.environ  # the caller's environment is left alone
+
+
 def test_a_failed_start_names_itself_and_keeps_its_log(monkeypatch, tmp_path):
     monkeypatch.setattr(tune_shipped, "_START", "print('started', flush=True)\nraise SystemExit(3)")
     log = tmp_path / "start.log"
@@ -163,7 +174,7 @@ def test_a_failed_start_loses_nothing_the_others_tuned(monkeypatch, tmp_path, ca
     named and the status is 1."""
     ran = []
 
-    def run_start(kwargs, config_dir, timeout, log_path):
+    def run_start(kwargs, config_dir, timeout, log_path, ignore_shipped=()):
         log_path.write_text("")
         backend, graph_len = kwargs["llm_decode_att_backend"], kwargs["graph_max_len_in_batch"]
         ran.append((backend, graph_len, timeout))
@@ -192,7 +203,7 @@ def test_a_run_stopped_by_sigterm_exports_what_it_tuned_and_ends(monkeypatch, tm
 
     ran = []
 
-    def run_start(kwargs, config_dir, timeout, log_path):
+    def run_start(kwargs, config_dir, timeout, log_path, ignore_shipped=()):
         log_path.write_text("")
         ran.append(kwargs["graph_max_len_in_batch"])
         _tune(config_dir, f"k{len(ran)}")
@@ -227,7 +238,9 @@ def test_a_run_stopped_by_sigterm_exports_what_it_tuned_and_ends(monkeypatch, tm
 def test_a_run_with_every_key_already_tuned_succeeds_and_exports_nothing(monkeypatch, tmp_path, capsys):
     """A second pass whose starts all find their configs shipped writes no config: exit 0, ``--out`` untouched."""
 
-    def run_start(kwargs, config_dir, timeout, log_path):  # a start that searched nothing: no config written
+    def run_start(
+        kwargs, config_dir, timeout, log_path, ignore_shipped=()
+    ):  # a start that searched nothing: no config written
         log_path.write_text("")
         return 1.0
 
@@ -239,13 +252,13 @@ def test_a_run_with_every_key_already_tuned_succeeds_and_exports_nothing(monkeyp
 
 
 def test_retune_makes_the_starts_ignore_those_kernels_shipped_configs(monkeypatch, tmp_path, capsys):
-    """--retune KERNEL ...: every start runs with LIGHTLLM_AUTOTUNE_IGNORE_SHIPPED naming them (so level 1 searches
-    their keys although configs ship); without it the starts read what ships."""
+    """--retune KERNEL ...: every start is told to ignore those kernels' shipped configs (so level 1 searches their
+    keys although configs ship); without it the starts read what ships."""
     seen = []
 
-    def run_start(kwargs, config_dir, timeout, log_path):
+    def run_start(kwargs, config_dir, timeout, log_path, ignore_shipped=()):
         log_path.write_text("")
-        seen.append(os.environ.get("LIGHTLLM_AUTOTUNE_IGNORE_SHIPPED"))
+        seen.append(list(ignore_shipped))
         return 1.0
 
     _fake_starts(monkeypatch, run_start)
@@ -255,8 +268,8 @@ def test_retune_makes_the_starts_ignore_those_kernels_shipped_configs(monkeypatc
     argv = ["--out", str(tmp_path / "out"), "--shapes", "builtin", "--variants", "int8kv", "--graph-lens", "4096"]
     assert tune_shipped.main(argv) == 0
     assert tune_shipped.main(argv + ["--retune", "gqa_flash_decode_int8kv", "gqa_flash_decode_int4kv"]) == 0
-    assert seen == [None, "gqa_flash_decode_int8kv,gqa_flash_decode_int4kv"]
-    # main() puts back what it set for its starts
+    assert seen == [[], ["gqa_flash_decode_int8kv", "gqa_flash_decode_int4kv"]]
+    # main() puts back the config folder it pointed its export at, and sets nothing else
     assert (
         "LIGHTLLM_AUTOTUNE_IGNORE_SHIPPED" not in os.environ and os.environ["LIGHTLLM_AUTOTUNE_CONFIG_DIR"] == "unused"
     )
