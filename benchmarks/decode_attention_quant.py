@@ -8,10 +8,11 @@ and the rate at which each kernel reads its bytes (codes + scales) relative to b
 ``--block-n-128`` also times every INT8/INT4 candidate of ``BLOCK_N`` 64 at 128 (twice the bytes a tile loads); each
 row then records the best of the plain space and of that variant apart (``variants``), and ``ms`` is the best of
 both. ``--element-path`` likewise times every INT8/INT4 candidate with the per-element dequantization that the
-PTX word helpers replaced (stage1.py), in the same run, and ``--more-stages`` the candidates of 2 and 4 warps with
-one more pipeline stage (one tile more in flight per program). ``--head-major`` lays every KV type's pool out
-head-major (each head's tokens contiguous) instead of the engine's token-major layout: a probe of how much the access
-pattern costs.
+PTX word helpers replaced (stage1.py), in the same run, ``--more-stages`` the candidates of 2 and 4 warps with one
+more pipeline stage (one tile more in flight per program), and ``--peel-all`` the candidates with stage 1's first
+block peeled (the queries kept in registers) also at head_dim 256, where the launcher does not peel.
+``--head-major`` lays every KV type's pool out head-major (each head's tokens contiguous) instead of the engine's
+token-major layout: a probe of how much the access pattern costs.
 
 ``--configs`` times INT8/INT4 at the given stage-1 configs only (bf16 keeps its tuned best as the baseline) and
 prints every config's time: run it before and after a kernel change (e.g. ``git apply benchmarks/patches/...``) for
@@ -46,6 +47,8 @@ def variant_spaces(kind, q, extras=(), configs=None) -> dict:
             spaces["more_stages"] = [{**c, "num_stages": c["num_stages"] + 1} for c in space if c["num_warps"] < 8]
         if "element_path" in extras:
             spaces["element_path"] = space
+        if "peel_all" in extras:
+            spaces["peel_all"] = space
     return spaces
 
 
@@ -55,10 +58,13 @@ def best_of_space(kind, q, pool, r2t, idx, seq, graph_max, out, group, extras=()
     best = {}
     for name, space in variant_spaces(kind, q, extras, configs).items():
         previous = flash_decode.set_ptx_dequant(name != "element_path")
+        peel_bound = flash_decode.set_peel_max_head_dim(max(flash_decode.HEAD_DIMS)) if name == "peel_all" else None
         try:
             _, timed = time_configs(kind, q, pool, r2t, idx, seq, graph_max, out, group, space)
         finally:
             flash_decode.set_ptx_dequant(previous)
+            if peel_bound is not None:
+                flash_decode.set_peel_max_head_dim(peel_bound)
         ms, cfg = min((ms, json.dumps(cfg)) for cfg, ms in timed)
         best[name] = {"ms": ms, "cfg": cfg, "timed": timed}
     return best
@@ -172,6 +178,14 @@ def main():
         action="append_const",
         const="element_path",
         help="also time the INT8/INT4 candidates with per-element dequantization (set_ptx_dequant(False))",
+    )
+    p.add_argument(
+        "--peel-all",
+        dest="extras",
+        action="append_const",
+        const="peel_all",
+        help="also time the INT8/INT4 candidates with stage 1's first block peeled at every head_dim (the launcher "
+        "peels up to 128: flash_decode.peel_queries)",
     )
     p.add_argument("--head-major", action="store_true", help="every KV type's pool head-major: a program's tokens "
                    "contiguous (a probe of the access pattern; the engine's pool is token-major)")  # fmt: skip

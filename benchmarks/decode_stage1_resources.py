@@ -159,16 +159,21 @@ def loop_conversions(ttgir: str) -> int:
 
 
 def compile_one(kernel, arch: int, shape, kind: str, group: int, cfg: dict, int4_offset: int, p2,
-                maxnreg=None) -> dict:  # fmt: skip
+                maxnreg=None, peel=None) -> dict:  # fmt: skip
+    """One candidate's resources; ``peel`` (stage 1's ``PEEL``) defaults to the launcher's rule."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from lightllm.kernels.attention.decode.flash_decode import peel_queries
+
     hq, hk, d = shape
     bits = {"none": 0, "int8": 8, "int4": 4}[kind]
+    peel = peel_queries(bits > 0, d) if peel is None else peel
     constexprs = dict(GROUP=hq // hk, BLOCK_H=max(16, p2(hq // hk)), HALF_D=d // 2, BLOCK_N=cfg["BLOCK_N"],
                       MIN_BLOCKS=cfg["MIN_BLOCKS"], QUANT=bits, QGROUP=group if bits else 0,
-                      INT4_OFFSET=int4_offset, F16=bits > 0, ASM=bits > 0, PRECISION=None, USE_PDL=False)  # fmt: skip
+                      INT4_OFFSET=int4_offset, F16=bits > 0, ASM=bits > 0, PEEL=peel, PRECISION=None,
+                      USE_PDL=False)  # fmt: skip
     types = signature(kernel.arg_names, constexprs, kind)
     attrs = divisibility(kernel.arg_names, types, int_args(shape, kind, group))
     src = ASTSource(kernel, types, constexprs, attrs)
@@ -206,8 +211,10 @@ def run(args) -> dict:
                     # the launcher's own register cap unless --maxnreg sets one (quantized programs only)
                     cap = flash_decode.register_cap(cfg["num_warps"], kind != "none", d)
                     cap = args.maxnreg.get(cfg["num_warps"], cap) if kind != "none" else None
-                    res = compile_one(kernel, args.arch, SHAPES[name], kind, group, cfg, int4_offset, p2, cap)
-                    results["cells"].append({"shape": name, "kind": kind, "group": group, **cfg, **res})
+                    # --peel-all: every quantized program peels its first block, whatever its head_dim
+                    peel = kind != "none" if args.peel_all else flash_decode.peel_queries(kind != "none", d)
+                    res = compile_one(kernel, args.arch, SHAPES[name], kind, group, cfg, int4_offset, p2, cap, peel)
+                    results["cells"].append({"shape": name, "kind": kind, "group": group, **cfg, "PEEL": peel, **res})
                     print(name, kind, group, cfg, res, flush=True)
                     save_json(results, args.out)  # a cut-short run keeps what compiled
     return results
@@ -221,17 +228,20 @@ def print_table(results: dict) -> None:
         "dequantized K/V tiles staged through shared memory per iteration, and the main loop's instructions, "
         "barriers, synchronous global loads, layout conversions and register moves per tile ('-': a run before that "
         "was counted; "
-        "qk: compiled with benchmarks/patches/stage1_qk_int8.patch)"
+        "qk: compiled with benchmarks/patches/stage1_qk_int8.patch; peel: the first block before the loop, '-' where a "
+        "run did not record it)"
     )
-    print(f"{'shape':14s} {'kv':5s} {'grp':>3s} {'BN':>4s} {'w':>2s} {'st':>2s} {'minb':>4s} {'qk':>2s} "
+    print(f"{'shape':14s} {'kv':5s} {'grp':>3s} {'BN':>4s} {'w':>2s} {'st':>2s} {'minb':>4s} {'qk':>2s} {'peel':>4s} "
           f"{'regs':>4s} {'spill B':>7s} {'smem KiB':>8s} {'warps/SM':>8s} {'limit':>5s} {'staged':>6s} "
           f"{'loop':>5s} {'BAR':>4s} {'LDG':>4s} {'cvt':>4s} {'mov':>4s}")  # fmt: skip
     for c in results["cells"]:
         warps, why = resident(c["regs"], c["num_warps"], c["shared_bytes"], arch)
         loop = [c.get(k, "-") for k in ("staged_tiles", "loop_instructions", "loop_barriers", "loop_sync_loads",
                                         "loop_conversions", "loop_register_moves")]  # fmt: skip
+        peel = {True: "y", False: "", None: "-"}[c.get("PEEL")]
         print(f"{c['shape']:14s} {c['kind']:5s} {c['group']:3d} {c['BLOCK_N']:4d} {c['num_warps']:2d} "
-              f"{c['num_stages']:2d} {c['MIN_BLOCKS']:4d} {'y' if c.get('QK_INT8') else '':>2s} {c['regs']:4d} "
+              f"{c['num_stages']:2d} {c['MIN_BLOCKS']:4d} {'y' if c.get('QK_INT8') else '':>2s} "
+              f"{peel:>4s} {c['regs']:4d} "
               f"{c['stack_bytes']:7d} {c['shared_bytes'] / 1024:8.1f} {warps:8d} {why:>5s} {loop[0]:>6} "
               f"{loop[1]:>5} {loop[2]:>4} {loop[3]:>4} {loop[4]:>4} {loop[5]:>4}")  # fmt: skip
 
@@ -258,7 +268,8 @@ def print_waves(results: dict, batches, sms: int = 132, length: int = 32768, wav
           + " ".join(f"{'WAVES ' + str(w):>20s}" for w in waves))  # fmt: skip
     seen = set()
     for c in results["cells"]:
-        key = (c["shape"], c["kind"], c["group"], c["BLOCK_N"], c["num_warps"], c["num_stages"], c.get("QK_INT8", 0))
+        key = (c["shape"], c["kind"], c["group"], c["BLOCK_N"], c["num_warps"], c["num_stages"], c.get("QK_INT8", 0),
+               c.get("PEEL"))  # fmt: skip
         if key in seen:  # MIN_BLOCKS changes nothing here
             continue
         seen.add(key)
@@ -299,6 +310,8 @@ def parse_args(argv=None):
     p.add_argument("--maxnreg", nargs="+", default=[], metavar="WARPS:REGS", help="compile INT8/INT4 programs of "
                    "WARPS warps with Triton's maxnreg REGS instead of the launcher's cap "
                    "(flash_decode.register_cap: 2:168 4:128 up to head_dim 128)")  # fmt: skip
+    p.add_argument("--peel-all", action="store_true", help="compile every INT8/INT4 program with its first block "
+                   "peeled (queries in registers), also where the launcher does not peel (head_dim 256)")  # fmt: skip
     p.add_argument("--out", default="benchmarks/results/decode_stage1_resources.json")
     args = p.parse_args(argv)
     caps = [c.split(":") for c in args.maxnreg]

@@ -1,5 +1,7 @@
 """benchmarks/decode_attention_quant.py, table part: speed-up over bf16 and the byte-rate ratio from a saved run."""
 
+import json
+
 import pytest
 
 from tests.benchmarks.helpers import load_benchmark, run_benchmark
@@ -44,6 +46,35 @@ def test_more_stages_and_element_path_spaces():
     assert spaces["element_path"] == space
     assert spaces["more_stages"] == [{**c, "num_stages": c["num_stages"] + 1} for c in space if c["num_warps"] < 8]
     assert list(bench.variant_spaces("none", None, ("more_stages", "element_path"))) == ["tuned space"]
+
+
+def test_peel_all_times_the_space_again_with_the_peel_at_every_head_dim(monkeypatch):
+    """--peel-all: the tuned space once more, timed with stage 1 peeling at head_dim 256 too; the launcher's bound
+    is back afterwards, also when a timing fails."""
+    bench = load_benchmark("decode_attention_quant")
+    fd = bench.flash_decode
+    seen = []
+
+    def fake_time_configs(kind, q, pool, r2t, idx, seq, graph_max, out, group, space):
+        seen.append(fd.peel_queries(True, 256))
+        return None, [(cfg, 1.0 + i) for i, cfg in enumerate(space)]
+
+    monkeypatch.setattr(bench, "time_configs", fake_time_configs)
+    best = bench.best_of_space("int8", None, None, None, None, None, 32768, None, 8, ("peel_all",))
+    assert list(best) == ["tuned space", "peel_all"] and seen == [False, True]
+    assert best["peel_all"]["cfg"] == json.dumps(fd.quant_split_kv_configs(None)[0])
+    assert not fd.peel_queries(True, 256)
+    assert list(bench.variant_spaces("none", None, ("peel_all",))) == ["tuned space"]
+
+    def failing_when_peeled(*args):
+        if fd.peel_queries(True, 256):
+            raise RuntimeError("out of memory")
+        return fake_time_configs(*args)
+
+    monkeypatch.setattr(bench, "time_configs", failing_when_peeled)
+    with pytest.raises(RuntimeError):
+        bench.best_of_space("int4", None, None, None, None, None, 32768, None, 8, ("peel_all",))
+    assert not fd.peel_queries(True, 256)
 
 
 def test_table_prints_the_variants(capsys):

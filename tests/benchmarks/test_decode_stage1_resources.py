@@ -32,6 +32,7 @@ def test_one_candidate_per_quantized_kind_compiles_for_sm90_and_reports_its_reso
     for cell in cells:
         assert 16 <= cell["regs"] <= 255 and cell["shared_bytes"] > 0 and cell["stack_bytes"] >= 0
         assert 0 <= cell["staged_tiles"] <= 4  # K and V, two halves each
+        assert cell["PEEL"] is True  # the launcher's rule at head_dim 128
     assert "warps/SM" in done.stdout and "hq32-hk8-d128 int8" in done.stdout
 
 
@@ -78,6 +79,26 @@ def test_quantized_loop_keeps_queries_in_registers_within_the_register_cap(tmp_p
         assert c["loop_instructions"] > 500, (kind, c)  # the whole tile's work was counted
         assert c["loop_register_moves"] <= 16, (kind, c)
         assert c["regs"] <= 168 and c["stack_bytes"] == 0, (kind, c)
+
+
+def test_peel_all_keeps_d256_queries_in_registers(tmp_path):
+    """At head_dim 256 the launcher does not peel (``peel=None`` follows it): d256's INT8 program of 32 tokens, 2 warps
+    and 3 stages re-assembles its query fragments every tile (132 moves on sm_90). Peeled, as ``--peel-all``
+    compiles it, the loop moves almost nothing, at 255 registers and no spill."""
+    code = (
+        "import json, sys; sys.path.insert(0, 'benchmarks'); import decode_stage1_resources as R\n"
+        "fd, kernel, off, p2 = R._kernels(); cfg = dict(BLOCK_N=32, num_warps=2, num_stages=3, MIN_BLOCKS=1)\n"
+        "print(json.dumps([R.compile_one(kernel, 90, R.SHAPES['hq24-hk4-d256'], 'int8', 8, cfg, off, p2, None, p)\n"
+        "                  for p in (None, True)]))"
+    )
+    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env.pop("TRITON_INTERPRET", None)
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
+    done = proc.run([sys.executable, "-c", code], timeout=proc.HANG_TIMEOUT_S, cwd=REPO, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    launcher, peeled = json.loads(done.stdout.strip().splitlines()[-1])
+    assert launcher["loop_register_moves"] > 64 and peeled["loop_register_moves"] <= 16, (launcher, peeled)
+    assert peeled["loop_instructions"] < launcher["loop_instructions"] and peeled["stack_bytes"] == 0
 
 
 def test_loop_statistics_read_the_longest_backward_branch(bench):
@@ -151,13 +172,12 @@ def test_table_from_a_saved_run(bench, tmp_path, capsys):
             "MIN_BLOCKS": 1, "regs": 255, "stack_bytes": 728, "shared_static": 1024,
             "local_bytes": 0, "shared_bytes": 22528}  # fmt: skip
     path = tmp_path / "r.json"
-    path.write_text(json.dumps({"arch": "sm_90", "cells": [cell]}))
+    path.write_text(json.dumps({"arch": "sm_90", "cells": [cell, {**cell, "PEEL": True}]}))
     bench.main(["--analyze", str(path)])
-    (row,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("hq32")]
-    assert (
-        row.split()
-        == ["hq32-hk8-d128", "int4", "8", "64", "4", "2", "1", "255", "728", "22.0", "8", "regs"] + ["-"] * 6
-    )
+    old, peeled = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("hq32")]
+    head, tail = ["hq32-hk8-d128", "int4", "8", "64", "4", "2", "1"], ["255", "728", "22.0", "8", "regs"] + ["-"] * 6
+    assert old == head + ["-"] + tail  # a run from before the peel was recorded
+    assert peeled == head + ["y"] + tail
 
 
 def test_launch_specialization_marks_aligned_pointers_and_multiples_of_16(bench):

@@ -151,6 +151,40 @@ def test_register_cap_only_for_small_ptx_programs_up_to_head_dim_128():
     assert flash_decode.register_cap(2, False, 128) is None and flash_decode.register_cap(2, True, 256) is None
 
 
+def test_quantized_programs_peel_their_first_block_up_to_head_dim_128():
+    """Stage 1 keeps the queries in registers by peeling its first block: INT8/INT4 with 16-bit queries, up to
+    head_dim 128 unless a benchmark moves the bound (and gets the previous one back)."""
+    assert flash_decode.peel_queries(True, 64) and flash_decode.peel_queries(True, 128)
+    assert not flash_decode.peel_queries(True, 256) and not flash_decode.peel_queries(False, 128)
+    previous = flash_decode.set_peel_max_head_dim(256)
+    try:
+        assert previous == 128 and flash_decode.peel_queries(True, 256)
+    finally:
+        assert flash_decode.set_peel_max_head_dim(previous) == 256
+    assert not flash_decode.peel_queries(True, 256)
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_peeled_first_block_gives_the_loop_s_result_at_head_dim_256(kind):
+    """The peel only moves the first block out of the loop: at head_dim 256 (not peeled by default) forcing it gives
+    the unpeeled output, bit for bit under the interpreter (a compiled kernel may contract its arithmetic otherwise),
+    over splits of several blocks, of one partial block, and a one-token request."""
+    lens = [70, 1, 33]
+    q, k, v, r2t, idx, seq = make_batch(3, 6, 1, 256, lens, torch.bfloat16, seed=8)
+    cfg = {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1, "WAVES": 1}
+    plain, (kd, vd) = run(kind, q, k, v, r2t, idx, seq, max(lens), run_config=cfg)
+    previous = flash_decode.set_peel_max_head_dim(256)
+    try:
+        peeled, _ = run(kind, q, k, v, r2t, idx, seq, max(lens), run_config=cfg)
+    finally:
+        flash_decode.set_peel_max_head_dim(previous)
+    assert not peeled.isnan().any(), "unwritten output"
+    exact = DEVICE == "cpu"
+    torch.testing.assert_close(peeled, plain, rtol=0 if exact else 2**-7, atol=0 if exact else 1e-3)
+    ref = decode_attention_ref(q, kd, vd, r2t, idx, seq)
+    torch.testing.assert_close(peeled.double(), ref, rtol=1e-2, atol=1e-2)
+
+
 @pytest.mark.parametrize("waves, block_n", [(1, 32), (4, 16)])
 def test_split_counts_and_empty_request(waves, block_n):
     """Many splits with few chunks (most splits empty), a padded request of length 0 (output 0)."""

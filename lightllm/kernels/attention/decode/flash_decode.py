@@ -92,7 +92,7 @@ def _launch_split_kv(
             mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
             GROUP=group, BLOCK_H=max(16, next_power_of_2(group)), HALF_D=head_dim // 2,
             BLOCK_N=cfg["BLOCK_N"], MIN_BLOCKS=least, QUANT=_QUANT_BITS[quant], QGROUP=quant_group,
-            INT4_OFFSET=INT4_OFFSET, F16=f16, ASM=asm,
+            INT4_OFFSET=INT4_OFFSET, F16=f16, ASM=asm, PEEL=peel_queries(f16, head_dim),
             PRECISION="ieee" if q.dtype == torch.float32 else None,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
             maxnreg=register_cap(cfg["num_warps"], asm, head_dim),  # None: no cap (Triton drops None options)
@@ -111,6 +111,24 @@ _REGISTER_CAP = {2: 168, 4: 128}
 def register_cap(num_warps: int, asm: bool, head_dim: int) -> Optional[int]:
     """Stage 1's ``maxnreg``: for the PTX path up to head_dim 128 (at 256 the caps spill), else None (no cap)."""
     return _REGISTER_CAP.get(num_warps) if asm and head_dim <= 128 else None
+
+
+# Stage 1 peels its first block (keeping the queries in registers) for quantized KV up to this head_dim: at 256 the
+# queries' registers make some candidates spill and others lose warps per SM (docs/decode_attention.md, "Queries in
+# registers"). set_peel_max_head_dim changes it for benchmarks that time the peel where it is off.
+_peel_max_head_dim = 128
+
+
+def peel_queries(f16: bool, head_dim: int) -> bool:
+    """Stage 1's ``PEEL``: quantized KV with 16-bit queries (``F16``) up to the peel's head_dim."""
+    return f16 and head_dim <= _peel_max_head_dim
+
+
+def set_peel_max_head_dim(head_dim: int) -> int:
+    """Peel stage 1's first block for quantized KV up to ``head_dim`` (128 by default); returns the previous bound."""
+    global _peel_max_head_dim
+    previous, _peel_max_head_dim = _peel_max_head_dim, int(head_dim)
+    return previous
 
 
 def _ptx_path(q, k_cache, v_cache, quant_group: int) -> bool:

@@ -330,6 +330,7 @@ def decode_stage1_kernel(
     INT4_OFFSET: tl.constexpr,  # nibble = code + offset (common/kv_cache/quant.py)
     F16: tl.constexpr,  # quantized KV with 16-bit queries: dequantize and dot in float16 (module docstring)
     ASM: tl.constexpr,  # F16 on a GPU: codes to float16 by the PTX helpers, four per register
+    PEEL: tl.constexpr,  # F16: the first block before the loop, q kept in registers (flash_decode.peel_queries)
     PRECISION: tl.constexpr,  # "ieee" for float32 queries (no tf32 rounding), None (default) for 16-bit
     USE_PDL: tl.constexpr = False,  # kernels/pdl.py
 ):
@@ -360,13 +361,11 @@ def decode_stage1_kernel(
     acc_lo = tl.zeros([BLOCK_H, HALF_D], dtype=tl.float32)
     acc_hi = tl.zeros([BLOCK_H, HALF_D], dtype=tl.float32)
     first = start
-    if F16 and HALF_D <= 64:
+    if PEEL:
         # The first block before the loop, so the queries' conversion to the dot operand has a user outside it:
         # Triton then keeps q in registers instead of re-reading it from shared memory in every iteration (and,
         # with the 4-wide operand the codes need, re-assembling each MMA fragment with register moves). bf16 reads
-        # q with ldmatrix and gains nothing but registers, so only the quantized path peels. At head_dim 256 the
-        # queries' registers make some candidates spill and others lose warps per SM, so only up to 128 (the docs'
-        # "Queries in registers" has the d256 compile).
+        # q with ldmatrix and gains nothing but registers, so only the quantized path peels (the launcher decides).
         m_i, l_i, acc_lo, acc_hi = _attend_block(
             start, end, m_i, l_i, acc_lo, acc_hi, q_lo, q_hi, tokens, K, V, K_scale, V_scale, kvh, qk_scale,
             stride_kt, stride_kh, stride_vt, stride_vh, stride_kst, stride_ksh, stride_vst, stride_vsh, d,
