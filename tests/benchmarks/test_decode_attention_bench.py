@@ -66,3 +66,38 @@ def test_tables_print_every_rule_and_the_gain(bench, capsys):
     assert "minimax_loss              vs default  +5.0 (1 of 1 rows > 2 %)" in out
     assert "B= 16 never_slower_than_default splits= 2 worst   7.8/ -3.0" in out
     assert "all           best +9.46 %" in out and "never_slower_than_default +3.09 %" in out
+
+
+def test_passes_alternate_the_order_and_keep_each_launch_s_fastest(bench, monkeypatch):
+    """The second pass runs backwards, so the launches timed first (slow after a new pool) are timed again last; a
+    config that fails is not retried."""
+    order, broken, slow = [], [], iter([3.0, 2.5])  # the first two timings of the run are slow
+
+    def fake_decode_fn(kind, q, pool, r2t, idx, seq, launch_len, out, group, cfg):
+        name = "default" if cfg is None else cfg["name"]
+        if name == "broken":
+            broken.append(name)
+            raise RuntimeError("out of resources")
+        return name
+
+    def fake_bench(name):
+        order.append(name)
+        return next(slow, {"default": 1.0, "a": 0.9, "b": 1.1}[name])
+
+    monkeypatch.setattr(bench, "decode_fn", fake_decode_fn)
+    monkeypatch.setattr(bench, "cuda_graph_bench", fake_bench)
+    configs = [{"name": "a"}, {"name": "broken"}, {"name": "b"}]
+    default, timed = bench.time_configs("none", *[None] * 7, 8, configs, passes=2)
+    assert order == ["default", "a", "b", "b", "a", "default"] and len(broken) == 1
+    assert default == 1.0 and timed == [[configs[0], 0.9], [configs[1], math.inf], [configs[2], 1.1]]
+    order.clear()
+    slow = iter([3.0])
+    default, timed = bench.time_configs("none", *[None] * 7, 8, configs)  # one pass: the slow first timing stays
+    assert order == ["default", "a", "b"] and default == 3.0
+
+
+def test_passes_must_be_positive(bench, monkeypatch, capsys):
+    monkeypatch.setattr("sys.argv", ["decode_attention.py", "--passes", "0"])
+    with pytest.raises(SystemExit):
+        bench.main()
+    assert "--passes expected a positive count, got 0" in capsys.readouterr().err
