@@ -114,8 +114,9 @@ def register_cap(num_warps: int, asm: bool, head_dim: int) -> Optional[int]:
 
 
 # Stage 1 peels its first block (keeping the queries in registers) for quantized KV up to this head_dim: at 256 the
-# queries' registers make some candidates spill and others lose warps per SM (docs/decode_attention.md, "Queries in
-# registers"). set_peel_max_head_dim changes it for benchmarks that time the peel where it is off.
+# queries' registers make some candidates spill and others lose warps per SM, and on the H200 the peel gained at
+# most 0.5 % on the best d256 candidate (benchmarks/results/decode_attention_quant_d256_peel_h200.json).
+# set_peel_max_head_dim changes it for benchmarks that time the peel where it is off.
 _peel_max_head_dim = 128
 
 
