@@ -57,24 +57,32 @@ def test_main_loop_statistics_of_whole_scale_rows(tmp_path):
     assert " BAR " in done.stdout  # the table's loop columns
 
 
-def test_quantized_loop_keeps_queries_in_registers_within_the_register_cap(tmp_path):
-    """The shipped INT8/INT4 d128 program (64 tokens, 2 warps, 3 stages) compiled for sm_90 as the launcher runs it:
-    with the first block peeled, the queries stay in registers and V is a 2-wide operand, so the loop copies almost
-    nothing into MMA register quads (201 moves a tile before), and the launcher's cap holds it to 168 registers with
-    no spills."""
+def compiled_in_a_process(tmp_path, expression: str, cfg="BLOCK_N=64, num_warps=2, num_stages=3, MIN_BLOCKS=1"):
+    """The JSON value of ``expression``, evaluated in a fresh process that compiles for sm_90 (no interpreter, its
+    own Triton cache), where ``R`` is the benchmark, ``fd, kernel, off, p2`` its ``_kernels()`` and ``cfg`` a config."""
     code = (
         "import json, sys; sys.path.insert(0, 'benchmarks'); import decode_stage1_resources as R\n"
-        "fd, kernel, off, p2 = R._kernels(); cfg = dict(BLOCK_N=64, num_warps=2, num_stages=3, MIN_BLOCKS=1)\n"
-        "cap = fd.register_cap(2, True, 128)\n"
-        "print(json.dumps({k: R.compile_one(kernel, 90, R.SHAPES['hq32-hk8-d128'], k, 8, cfg, off, p2, cap)\n"
-        "                  for k in ('int8', 'int4')}))"
+        f"fd, kernel, off, p2 = R._kernels(); cfg = dict({cfg})\n"
+        f"print(json.dumps({expression}))"
     )
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
     env.pop("TRITON_INTERPRET", None)
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
     done = proc.run([sys.executable, "-c", code], timeout=proc.HANG_TIMEOUT_S, cwd=REPO, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
-    cells = json.loads(done.stdout.strip().splitlines()[-1])
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_quantized_loop_keeps_queries_in_registers_within_the_register_cap(tmp_path):
+    """The shipped INT8/INT4 d128 program (64 tokens, 2 warps, 3 stages) compiled for sm_90 as the launcher runs it:
+    with the first block peeled, the queries stay in registers and V is a 2-wide operand, so the loop copies almost
+    nothing into MMA register quads (201 moves a tile before), and the launcher's cap holds it to 168 registers with
+    no spills."""
+    cells = compiled_in_a_process(
+        tmp_path,
+        "{k: R.compile_one(kernel, 90, R.SHAPES['hq32-hk8-d128'], k, 8, cfg, off, p2, fd.register_cap(2, True, 128))"
+        " for k in ('int8', 'int4')}",
+    )
     for kind, c in cells.items():
         assert c["loop_instructions"] > 500, (kind, c)  # the whole tile's work was counted
         assert c["loop_register_moves"] <= 16, (kind, c)
@@ -85,18 +93,12 @@ def test_peel_all_keeps_d256_queries_in_registers(tmp_path):
     """At head_dim 256 the launcher does not peel (``peel=None`` follows it): d256's INT8 program of 32 tokens, 2 warps
     and 3 stages re-assembles its query fragments every tile (132 moves on sm_90). Peeled, as ``--peel-all``
     compiles it, the loop moves almost nothing, at 255 registers and no spill."""
-    code = (
-        "import json, sys; sys.path.insert(0, 'benchmarks'); import decode_stage1_resources as R\n"
-        "fd, kernel, off, p2 = R._kernels(); cfg = dict(BLOCK_N=32, num_warps=2, num_stages=3, MIN_BLOCKS=1)\n"
-        "print(json.dumps([R.compile_one(kernel, 90, R.SHAPES['hq24-hk4-d256'], 'int8', 8, cfg, off, p2, None, p)\n"
-        "                  for p in (None, True)]))"
+    launcher, peeled = compiled_in_a_process(
+        tmp_path,
+        "[R.compile_one(kernel, 90, R.SHAPES['hq24-hk4-d256'], 'int8', 8, cfg, off, p2, None, peel)"
+        " for peel in (None, True)]",
+        cfg="BLOCK_N=32, num_warps=2, num_stages=3, MIN_BLOCKS=1",
     )
-    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    env.pop("TRITON_INTERPRET", None)
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
-    done = proc.run([sys.executable, "-c", code], timeout=proc.HANG_TIMEOUT_S, cwd=REPO, env=env)
-    assert done.returncode == 0, done.stderr[-3000:]
-    launcher, peeled = json.loads(done.stdout.strip().splitlines()[-1])
     assert launcher["loop_register_moves"] > 64 and peeled["loop_register_moves"] <= 16, (launcher, peeled)
     assert peeled["loop_instructions"] < launcher["loop_instructions"] and peeled["stack_bytes"] == 0
 
