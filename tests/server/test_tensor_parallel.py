@@ -541,6 +541,10 @@ def test_stopping_does_not_wait_for_a_stopped_worker_and_leaves_none_behind():
     proc.start()
     try:
         os.kill(proc.pid, signal.SIGSTOP)
+        # Stopped before the join's SIGTERM: on a busy machine a child not yet scheduled would take the SIGTERM
+        # first (the lower signal) and die of it, not of the SIGKILL this test is about.
+        _, status = os.waitpid(proc.pid, os.WUNTRACED)
+        assert os.WIFSTOPPED(status)
         progress = RankProgress(ctx, 2)
         progress.set(1, progress.BEAT, time.monotonic() - 60)  # its last heartbeat, a minute ago
         workers = Workers([proc], progress, interval_s=3600)
