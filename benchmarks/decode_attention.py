@@ -12,9 +12,9 @@ whose maximum length is the largest L (as a captured decode graph is):
   against the default (FA3: its own split heuristic), and FA3's geo-mean gain over its heuristic at B >= 16;
 - stage 2's share of the time and whether its num_warps matters.
 
-Each launch is timed in ``--passes`` passes (default 2), alternating the order, and keeps its fastest: a single pass
-timed the first launches after each new KV pool up to 12 % slow at 1K, which flattered the tuned configs against the
-default (timed first) and moved the frozen choice.
+Each launch is timed in ``--passes`` passes (default 2), alternating the order, and keeps its fastest: in one H200 run
+of a single pass, the first launches of each batch's first cell (a new KV pool) ran up to 12 % slow at 1K, which
+flattered the tuned configs against the default (timed first) and moved the frozen choice.
 
     python benchmarks/decode_attention.py --out benchmarks/results/decode_attention_h200.json
 
@@ -125,8 +125,8 @@ def time_configs(kind, q, pool, r2t, idx, seq, launch_len, out, group, configs, 
     """``(default ms, [[config, ms], ...])``: graph-timed launches for ``launch_len`` (inf where a config fails).
 
     With ``passes`` > 1 the default and every config are timed that many times, each pass in the reverse order of the
-    one before, and each keeps its fastest: on the H200 the first launches timed after a new KV pool ran up to 12 %
-    slow at 1K (the default first; docs/decode_attention.md, "Frozen config")."""
+    one before, and each keeps its fastest: in one H200 run the first launches of a new KV pool ran up to 12 % slow
+    at 1K (the default first; docs/decode_attention.md, "A single timing pass is not enough at 1K")."""
     launches = [None] + list(configs)
     best = [math.inf] * len(launches)
     for n in range(passes):

@@ -160,7 +160,7 @@ def loop_conversions(ttgir: str) -> int:
 
 def compile_one(kernel, arch: int, shape, kind: str, group: int, cfg: dict, int4_offset: int, p2,
                 maxnreg=None, peel=None) -> dict:  # fmt: skip
-    """One candidate's resources; ``peel`` (stage 1's ``PEEL``) defaults to the launcher's rule."""
+    """One candidate's resources, ``PEEL`` among them: stage 1's peel, ``peel`` or else the launcher's rule."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -188,6 +188,7 @@ def compile_one(kernel, arch: int, shape, kind: str, group: int, cfg: dict, int4
                               check=True).stdout  # fmt: skip
         sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout
     res = parse_resources(text)
+    res["PEEL"] = peel
     res["shared_bytes"] = compiled.metadata.shared
     res["staged_tiles"] = staged_tiles(compiled.asm["ttgir"], cfg["BLOCK_N"], d // 2)
     res.update(loop_stats(sass), loop_conversions=loop_conversions(compiled.asm["ttgir"]))
@@ -212,9 +213,9 @@ def run(args) -> dict:
                     cap = flash_decode.register_cap(cfg["num_warps"], kind != "none", d)
                     cap = args.maxnreg.get(cfg["num_warps"], cap) if kind != "none" else None
                     # --peel-all: every quantized program peels its first block, whatever its head_dim
-                    peel = kind != "none" if args.peel_all else flash_decode.peel_queries(kind != "none", d)
+                    peel = kind != "none" if args.peel_all else None
                     res = compile_one(kernel, args.arch, SHAPES[name], kind, group, cfg, int4_offset, p2, cap, peel)
-                    results["cells"].append({"shape": name, "kind": kind, "group": group, **cfg, "PEEL": peel, **res})
+                    results["cells"].append({"shape": name, "kind": kind, "group": group, **cfg, **res})
                     print(name, kind, group, cfg, res, flush=True)
                     save_json(results, args.out)  # a cut-short run keeps what compiled
     return results

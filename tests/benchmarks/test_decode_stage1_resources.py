@@ -99,6 +99,7 @@ def test_peel_all_keeps_d256_queries_in_registers(tmp_path):
         " for peel in (None, True)]",
         cfg="BLOCK_N=32, num_warps=2, num_stages=3, MIN_BLOCKS=1",
     )
+    assert launcher["PEEL"] is False and peeled["PEEL"] is True  # what each compiled, as a run records it
     assert launcher["loop_register_moves"] > 64 and peeled["loop_register_moves"] <= 16, (launcher, peeled)
     assert peeled["loop_instructions"] < launcher["loop_instructions"] and peeled["stack_bytes"] == 0
 

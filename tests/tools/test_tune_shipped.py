@@ -238,9 +238,8 @@ def test_a_run_stopped_by_sigterm_exports_what_it_tuned_and_ends(monkeypatch, tm
 def test_a_run_with_every_key_already_tuned_succeeds_and_exports_nothing(monkeypatch, tmp_path, capsys):
     """A second pass whose starts all find their configs shipped writes no config: exit 0, ``--out`` untouched."""
 
-    def run_start(
-        kwargs, config_dir, timeout, log_path, ignore_shipped=()
-    ):  # a start that searched nothing: no config written
+    def run_start(kwargs, config_dir, timeout, log_path, ignore_shipped=()):
+        # a start that searched nothing: no config written
         log_path.write_text("")
         return 1.0
 
