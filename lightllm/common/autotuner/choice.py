@@ -46,6 +46,12 @@ def check_rule(rule: str, name: str = "rule") -> str:
 
 def choose(default: Sequence[float], timings: Dict[int, Sequence[float]], rule: str) -> int:
     """Index of the winning candidate in ``timings``, or -1 for the launcher default."""
+    return ranking(default, timings, rule)[0]
+
+
+def ranking(default: Sequence[float], timings: Dict[int, Sequence[float]], rule: str) -> List[int]:
+    """The contenders under ``rule``, best first (``choose`` takes the first): indices into ``timings``, -1 for the
+    launcher default, which is always among them and ahead of every candidate it ties."""
     check_rule(rule)
     everyone: Dict[int, Sequence[float]] = {-1: default, **timings}
     if rule == "tuning_len" or len(default) == 1:  # one scenario: every rule picks the fastest
@@ -55,12 +61,8 @@ def choose(default: Sequence[float], timings: Dict[int, Sequence[float]], rule: 
         if rule == "never_slower_than_default":
             everyone = {i: t for i, t in everyone.items() if no_slower(t, default)}
         score = {i: worst_case_loss(t, best) for i, t in everyone.items()}
-    winner = -1
-    for i, s in score.items():
-        better = s < score[winner] or (s == score[winner] and everyone[i][0] < everyone[winner][0])
-        if i != -1 and better:
-            winner = i
-    return winner
+    # Sorted by score, then by the time at the tuning point; the default wins exact ties (Python's sort is stable).
+    return sorted(score, key=lambda i: (score[i], everyone[i][0], i != -1))
 
 
 def per_scenario_best(all_times) -> List[float]:

@@ -36,6 +36,7 @@ class AutotuneStats:
     configs_written: int = 0
     candidates_timed: int = 0
     candidates_rejected: int = 0
+    candidates_retimed: int = 0  # the default and the finalists, timed again after every candidate
     search_seconds: float = 0.0
 
     def copy(self) -> "AutotuneStats":
@@ -106,12 +107,13 @@ def autotune_warmup(kernel_type: AutotuneKernelType = AutotuneKernelType.GENERAL
         level = logging.INFO if done.searches else logging.DEBUG
         logger.log(
             level,
-            "autotune warmup [%s] done in %.2fs: %d searches (%d candidates timed, %d rejected), "
+            "autotune warmup [%s] done in %.2fs: %d searches (%d candidates timed, %d re-timed, %d rejected), "
             "%d configs written, %.2fs searching",
             kernel_type.name,
             time.perf_counter() - start,
             done.searches,
             done.candidates_timed,
+            done.candidates_retimed,
             done.candidates_rejected,
             done.configs_written,
             done.search_seconds,

@@ -31,9 +31,12 @@ def test_ranks_agree_on_configs(tmp_path, world):
 
     # Split search: disjoint slices covering every candidate (dealt round-robin), one agreed winner, found on
     # the slice of the rank that timed it (candidate 5: rank 5 % world), so the winner crossed ranks.
-    slices = [{c["ms"] for c in r["split"]["timed"] if c} for r in res]
+    # Then every rank re-timed the three leading candidates, the highest index first, and the default last.
+    assert all(r["split"]["timed"][-4:] == [{"ms": 0.05}, {"ms": 0.4}, {"ms": 0.3}, None] for r in res)
+    first_pass = [r["split"]["timed"][:-4] for r in res]
+    slices = [{c["ms"] for c in timed if c} for timed in first_pass]
     assert set().union(*slices) == ALL and sum(len(s) for s in slices) == len(ALL)
-    assert all(r["split"]["timed"][0] is None for r in res)  # each rank measured the default first
+    assert all(timed[0] is None for timed in first_pass)  # each rank measured the default first
     assert [r["split"]["used"] for r in res] == [{"ms": 0.05}] * world
     assert 0.05 in slices[5 % world] and [len(s) for s in slices] == [len(range(r, 6, world)) for r in range(world)]
 

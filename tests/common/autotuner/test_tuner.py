@@ -1,5 +1,6 @@
 import json
 import logging
+import math
 
 import pytest
 import torch
@@ -36,7 +37,9 @@ def test_level_1_searches_in_own_phase_once_per_run_key(toy, level, isolated_aut
     t = toy()
     with autotune_warmup(GENERAL):
         t(n=4)
-    assert t.bench.timed == [None, {"ms": 0.5}, {"ms": 0.2}, {"ms": 0.9}]  # default first
+    # The default first, every candidate, then the leaders again (all three here), reversed, and the default last.
+    first, again = [None, {"ms": 0.5}, {"ms": 0.2}, {"ms": 0.9}], [{"ms": 0.9}, {"ms": 0.2}, {"ms": 0.5}, None]
+    assert t.bench.timed == first + again
     assert t.configs_used()[-1] == {"ms": 0.2}
     assert saved(t, isolated_autotune) == {"4": {"ms": 0.2}}
     t.reset_log()
@@ -105,14 +108,14 @@ def test_force_retunes_general_once_per_process_but_acts_adaptive_for_decode(toy
             with autotune_warmup(kind):
                 for _ in range(3):  # e.g. one call per layer
                     t(n=8)
-        searches = t.bench.timed.count(None)
+        searches = t.bench.timed.count(None) / 2  # a search times the default first and last
         assert searches == (1 if kind is GENERAL else 0)
     forced = [r for r in caplog.records if "acts as 1 (adaptive)" in r.getMessage()]
     assert len(forced) == 1
     t = toy(DECODE)
     with autotune_warmup(DECODE):
         t(n=8)  # a missing key still searches at level 2
-    assert t.bench.timed.count(None) == 1
+    assert t.bench.timed.count(None) == 2
     assert len([r for r in caplog.records if "acts as 1 (adaptive)" in r.getMessage()]) == 1
 
 
@@ -124,7 +127,7 @@ def test_key_params_by_position_keyword_and_declared_default(toy, level, isolate
         t.kernel(x, out)  # alpha omitted: static key uses the declared default 2.0
         t.kernel(x, out, 2.0)
         t.kernel(x=x, out=out, alpha=2.0)
-    assert t.bench.timed.count(None) == 1
+    assert t.bench.timed.count(None) == 2  # one search: the default timed first and last
     files = list(store.iter_config_files(isolated_autotune, t.name))
     assert [f.name for f in files] == ["alpha=2.0,dtype=torch.float32.json"]
 
@@ -196,7 +199,7 @@ def test_mutated_args_are_restored_after_each_candidate(level):
     with autotune_warmup(GENERAL):
         accumulate(acc, x)
     torch.testing.assert_close(acc, start + x, rtol=0, atol=0)  # only the final call's update remains
-    assert len(seen) == 7  # (eager + timed) x (default + 2 candidates) + the final call
+    assert len(seen) == 13  # (eager + timed) x (default + 2 candidates) x 2 passes + the final call
     assert all(torch.equal(s, start) for s in seen)  # every run began from the caller's values
 
 
@@ -288,7 +291,8 @@ def test_budget_ends_search_with_best_so_far(toy, level, monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger="lightllm.common.autotuner"):
         with autotune_warmup(GENERAL):
             t(n=4)
-    assert t.bench.timed == [None, {"ms": 0.5}, {"ms": 0.4}, {"ms": 0.1}]  # default first; 0.05 never reached
+    # Default first; 0.05 never reached, and nothing re-timed once the budget is spent.
+    assert t.bench.timed == [None, {"ms": 0.5}, {"ms": 0.4}, {"ms": 0.1}]
     assert t.configs_used()[-1] == {"ms": 0.1}  # the best of those timed
     assert t.kernel.last_search.seconds == 40.0
     (warning,) = [r.getMessage() for r in caplog.records if "budget" in r.getMessage()]
@@ -422,6 +426,82 @@ def test_choice_rule_over_several_inputs(toy, level, monkeypatch, caplog, rule, 
     assert "worst-case loss" in msg
     if expected == "b":
         assert 'best at tuning length was {"ms":1,"name":"a"}' in msg
+
+
+def test_retiming_gives_a_slow_first_default_its_fair_time(toy, level):
+    """The default's first timing runs 20 % slow (inputs just made): one pass would pick 1.1 ms over its true
+    1.0 ms; re-timed last it keeps its faster time and wins. The record keeps both passes."""
+    level(1)
+    t = toy(configs=[{"ms": 1.1}, {"ms": 1.3}])
+    first = [True]
+
+    def ms(cfg):
+        if cfg is None:
+            slow, first[0] = first[0], False
+            return 1.2 if slow else 1.0
+        return cfg["ms"]
+
+    t.bench.ms = ms
+    before = get_autotune_stats()
+    with autotune_warmup(GENERAL):
+        t(n=4)
+    assert t.configs_used()[-1] is None
+    record = t.kernel.last_search
+    assert record.default_ms == [1.0] and record.first_pass == {-1: [1.2], 0: [1.1], 1: [1.3]}
+    done = get_autotune_stats() - before
+    assert (done.candidates_timed, done.candidates_retimed) == (3, 3)
+
+
+def test_only_the_leading_candidates_are_retimed(toy, level):
+    """Six candidates, one failing: the three fastest that ran are timed again, highest index first, then the
+    default; a re-timing that comes out slower leaves the first time in place."""
+    level(1)
+    t = toy(configs=[{"ms": v} for v in (0.5, 0.3, 0.9, 0.4, 0.05, 0.01)])
+    t.fail = {0.01}
+    calls = {}
+
+    def ms(cfg):
+        key = None if cfg is None else cfg["ms"]
+        calls[key] = calls.get(key, 0) + 1
+        return (1.0 if key is None else key) * calls[key]  # every re-timing twice as slow
+
+    t.bench.ms = ms
+    with autotune_warmup(GENERAL):
+        t(n=4)
+    first = [None] + [{"ms": v} for v in (0.5, 0.3, 0.9, 0.4, 0.05)]
+    assert t.bench.timed == first + [{"ms": 0.05}, {"ms": 0.4}, {"ms": 0.3}, None]
+    record = t.kernel.last_search
+    assert sorted(record.first_pass) == [-1, 1, 3, 4] and record.default_ms == [1.0]
+    assert [ms for _, ms in record.timings] == [[0.5], [0.3], [0.9], [0.4], [0.05], [math.inf]]
+    assert t.configs_used()[-1] == {"ms": 0.05}
+
+
+def test_retiming_keeps_the_faster_time_per_input(toy, level):
+    """Over several inputs each scenario keeps its own faster time, and the rule chooses on those."""
+    level(1)
+    t = toy(DECODE)
+    t.kernel.rebuild_input_func = _length_dependent(t)
+    table = t.bench.ms_at
+    seen = set()
+
+    def ms_at(cfg, rows):
+        key = (None if cfg is None else cfg["name"], rows)
+        again, _ = key in seen, seen.add(key)
+        # "b" ran 40 % slow at 8 rows the first time, which made "a" look the safer choice; the default's second
+        # timing at 64 rows is faster.
+        if key == ("b", 8) and not again:
+            return table(cfg, rows) * 1.4
+        return table(cfg, rows) * (0.9 if key == (None, 64) and again else 1.0)
+
+    t.bench.ms_at = ms_at
+    with autotune_warmup(DECODE):
+        t(n=4)
+    record = t.kernel.last_search
+    assert record.first_pass[-1] == [1.0, 1.0] and record.default_ms == [0.9, 1.0]
+    names = [c["name"] for c, _ in record.timings]
+    assert record.first_pass[names.index("b")] == pytest.approx([0.52, 0.441])
+    assert record.timings[names.index("b")][1] == pytest.approx([0.52, 0.315])
+    assert t.configs_used()[-1]["name"] == "b"
 
 
 def test_choice_rule_env_is_validated(monkeypatch):
