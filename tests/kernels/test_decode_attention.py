@@ -425,7 +425,7 @@ def test_search_uses_representative_batch_over_existing_pool(monkeypatch):
         out2, _ = run("none", q, k, v, r2t, idx, seq, 2048)  # same key: no second search
     tuned.clear_cache()
     timed = [c for c in calls if c[1] is not r2t]
-    assert len(seen) == 3 * 2  # (default + 2 configs) x lengths [1024, 512]
+    assert len(seen) == 3 * 2 * 2  # (default + 2 configs) x lengths [1024, 512] x 2 (all three re-timed)
     assert {int(c[2][0]) for c in timed} == {1024, 512} and all(c[3] == 2048 for c in timed)
     assert all(c[0] is k for c in timed)  # the existing pool, no new KV
     assert all(int(c[1].max()) < k.shape[0] and c[1].shape == (2, 1024) for c in timed)

@@ -327,7 +327,7 @@ def test_search_times_on_a_dummy_pool_and_advances_the_real_one_once(monkeypatch
     check_decode(out, pool, before, ref_out, ref_pool, idx, torch.float32)
     assert rec.on(pool) == [(pool, idx, fastest)]  # one launch on the real pool: the call, with the winner
     timed = [launch for launch in rec.launches if launch[0] is not pool]
-    assert len(timed) == 3 * 2  # default + 2 candidates, each an eager run and a timed run
+    assert len(timed) == 3 * 2 * 2  # default + 2 candidates, each an eager run and a timed run, all re-timed
     assert all(s.shape == (3, 4, DK, DV) and s.data_ptr() != pool.data_ptr() for s, _, _ in timed)
     assert all(i.tolist() == [2, 1, 0] for _, i, _ in timed)
     assert rec.cloned and all(t.data_ptr() != pool.data_ptr() for t in rec.cloned)

@@ -93,7 +93,7 @@ def test_forced_search_leaves_the_real_pool_bit_identical(monkeypatch, isolated_
         plan = TUNED.plan(*args)
         assert torch.equal(bits(pool), bits(before)), "the search changed the real state pool"
         assert rec.on(pool) == [] and rec.cloned == []
-        assert len(rec.launches) == 3 * 2  # default + 2 candidates, each an eager run and a timed run
+        assert len(rec.launches) == 3 * 2 * 2  # default + 2 candidates, each an eager run and a timed run, all re-timed
         assert all(launched.shape[0] == 4 * 5 for launched, _ in rec.launches)  # 4 requests (3 rounded up), 5 slots
         plan.run(*args)
     assert rec.on(pool) == [(pool, fastest)]

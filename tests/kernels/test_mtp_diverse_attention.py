@@ -237,7 +237,8 @@ def test_search_times_representative_groups_over_the_existing_pool(monkeypatch):
     finally:
         tuned.clear_cache()
     rebuilt = [c for c in launches if c[1] is not r2t]
-    assert len(timed) == 3  # the default and 2 candidates at the one tuning length (512, capped by nothing)
+    # the default and 2 candidates at the one tuning length (512, capped by nothing), each timed twice (the re-timing)
+    assert len(timed) == 3 * 2
     assert record.run_key == (2, 512) and tuned.kernel_type == AutotuneKernelType.DECODE_ATTENTION
     assert all(c[0] is k and c[3] == 1024 and c[2].tolist() == [512, 512] for c in rebuilt)
     assert all(int(c[1].max()) < k.shape[0] for c in rebuilt)
