@@ -67,7 +67,7 @@ from lightllm.common.autotuner.choice import choose, per_scenario_best
 from lightllm.common.envs import AUTOTUNE_CHOICE_RULES as RULES
 from lightllm.kernels.attention.decode.fa3 import FA3_LADDER_DIVISORS
 from lightllm.kernels.attention.decode.tuning import decode_attn_autotune_seq_lens, seq_len_ladder
-from lightllm.kernels.attention.decode import flash_decode
+from lightllm.kernels.attention.decode import flash_decode, stage2
 
 SHAPES = {"hq32-hk8-d128": (32, 8, 128), "hq64-hk8-d128": (64, 8, 128), "hq24-hk4-d256": (24, 4, 256)}
 FA3_SPLITS = (0, 1, 2, 4, 8, 16, 32)
@@ -185,8 +185,8 @@ def run(args):
     graph_max = max(args.lens)
     ladder = [n for n in decode_attn_autotune_seq_lens() if n in args.lens]
     results = {"device": torch.cuda.get_device_name(), "copy_GBs": bw, "graph_max_len": graph_max,
-               "ladder": ladder, "quant_group": args.group, "passes": args.passes, "cells": [],
-               "stage2": []}  # fmt: skip
+               "ladder": ladder, "quant_group": args.group, "passes": args.passes,
+               "stage2_tile": stage2._split_tile, "cells": [], "stage2": []}  # fmt: skip
     for shape in args.shapes:
         for batch in (1, 16, 64):
             if batch in args.batches:
@@ -240,7 +240,8 @@ def run_buckets(args):
     points = timing_points(lens, sets, ladders)
     results = {"device": torch.cuda.get_device_name(), "mode": "buckets", "buckets": buckets, "lens": lens,
                "sets": sets, "ladders": {k: {str(b): ladder for b, ladder in v.items()} for k, v in ladders.items()},
-               "quant_group": args.group, "passes": args.passes, "points": []}  # fmt: skip
+               "quant_group": args.group, "passes": args.passes, "stage2_tile": stage2._split_tile,
+               "points": []}  # fmt: skip
     print(
         f"buckets {buckets}: {len(points)} (length, launch) points per shape, batch and KV type: {points}", flush=True
     )
@@ -450,6 +451,9 @@ def main():
         help="time the default and each candidate this many times, alternating the order, and keep each one's "
         "fastest (1: as runs before 2026-12-05)",
     )
+    p.add_argument("--stage2-tile", type=int, default=None, metavar="N",
+                   help="stage 2 merges N splits a step for requests using at least 2N (a power of two; 1: one "
+                   "split a step everywhere; default 16, stage2.split_tile)")  # fmt: skip
     p.add_argument("--buckets", nargs="+", type=int, default=None, metavar="LEN",
                    help="decode graphs per KV length bucket (these, below the longest --lens, and the longest): the "
                    "bucket analysis instead of the frozen-config one")  # fmt: skip
@@ -486,6 +490,11 @@ def main():
     for flag, lens in (("--nearest", args.nearest or []), ("--tuned-lens", args.tuned_lens)):
         if any(n <= 0 for n in lens):
             p.error(f"{flag} expected positive KV lengths, got {lens}")
+    if args.stage2_tile is not None:
+        try:
+            stage2.set_split_tile(args.stage2_tile)
+        except ValueError as e:
+            p.error(f"--stage2-tile: {e}")
     if args.analyze:
         with open(args.analyze) as f:
             results = json.load(f)

@@ -33,7 +33,7 @@ from lightllm.kernels.attention.decode.tuning import (
     inputs_at_lengths,
 )
 from lightllm.kernels.attention.decode.stage1 import decode_stage1_kernel
-from lightllm.kernels.attention.decode.stage2 import decode_stage2_kernel
+from lightllm.kernels.attention.decode.stage2 import decode_stage2_kernel, split_tile
 from lightllm.kernels.direct_launch import DirectLaunch
 from lightllm.kernels.launch_math import next_power_of_2
 from lightllm.kernels.step_buffer import StepBuffer, split_partials
@@ -160,7 +160,7 @@ def launch_stage2(mid_o, mid_lse, b_seq_len, out, block_n: int, least: int = 1, 
         mid_o, mid_lse, b_seq_len, out,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1), splits, block_n, least,
-        HEAD_DIM=head_dim, num_warps=num_warps or (4 if head_dim <= 128 else 8),
+        HEAD_DIM=head_dim, SPLIT_TILE=split_tile(splits), num_warps=num_warps or (4 if head_dim <= 128 else 8),
     )  # fmt: skip
 
 

@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from lightllm.kernels.attention.decode.splits import split_tokens
+from lightllm.kernels.attention.decode.stage2 import merge_splits
 
 
 @triton.jit
@@ -131,20 +132,8 @@ def mtp_diverse_stage2_kernel(
     visible = tl.maximum(seq_len - (Q_LEN - 1) + t, 0)
     used = tl.cdiv(visible, per_split)  # splits holding a key this row sees; 0 for a padded row
 
-    d = tl.arange(0, HEAD_DIM)
-    o_ptr = mid_o + b.to(tl.int64) * stride_mob + t * stride_mot + h * stride_moh + d
+    o_ptr = mid_o + b.to(tl.int64) * stride_mob + t * stride_mot + h * stride_moh
     lse_ptr = mid_lse + b * stride_mlb + t * stride_mlt + h * stride_mlh
-    m_i = float("-inf")
-    l_i = 0.0
-    acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
-    for s in range(0, used):
-        lse = tl.load(lse_ptr + s)
-        o = tl.load(o_ptr + s * stride_mos)
-        m_new = tl.maximum(m_i, lse)
-        alpha = tl.exp2(m_i - m_new)
-        w = tl.exp2(lse - m_new)
-        acc = acc * alpha + o * w
-        l_i = l_i * alpha + w
-        m_i = m_new
-    out = tl.where(used > 0, acc / tl.maximum(l_i, 1e-30), 0.0)
+    out = merge_splits(o_ptr, lse_ptr, used, stride_mos, HEAD_DIM, 1)  # one split a step: the tiles are unmeasured here
+    d = tl.arange(0, HEAD_DIM)
     tl.store(Out + b.to(tl.int64) * stride_ob + t * stride_ot + h * stride_oh + d, out.to(Out.dtype.element_ty))

@@ -39,3 +39,14 @@ def decode_attention_ref(
         scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
         out[b] = torch.einsum("thn,nhd->thd", scores.softmax(-1), v)
     return out.squeeze(1) if q.dim() == 3 else out
+
+
+def merge_splits_ref(mid_o: torch.Tensor, mid_lse: torch.Tensor, used) -> torch.Tensor:
+    """Stage 2 in float64: request ``b``'s first ``used[b]`` splits of ``mid_o [batch, heads, splits, D]`` weighted by
+    ``2^mid_lse [batch, heads, splits]`` (base-2 log-sum-exps), ``[batch, heads, D]``; zeros where ``used[b]`` is 0."""
+    out = torch.zeros(mid_o.shape[0], mid_o.shape[1], mid_o.shape[3], dtype=torch.float64)
+    for b, n in enumerate(used):
+        if n:
+            w = torch.softmax(mid_lse[b, :, :n].double().cpu() * math.log(2.0), dim=-1)
+            out[b] = (w.unsqueeze(-1) * mid_o[b, :, :n].double().cpu()).sum(1)
+    return out
