@@ -200,6 +200,11 @@ class ConfigStore:
             layers.append({key_from_json(rk): (cfg, path) for rk, cfg in configs.items()})
         return layers
 
+    def cut_counts(self, frozen_static_key: Any) -> Dict[Any, int]:
+        """Run key (frozen) -> searches in a row the budget cut short, from the writable root's file."""
+        data = read_config_file(self.path(envs.get_autotune_config_dir(), frozen_static_key))
+        return {} if data is None else {key_from_json(rk): n for rk, n in read_cut_counts(data).items()}
+
     def save(self, static_key: Any, frozen_static_key: Any, entries: Dict[Any, Tuple[Config, dict]]) -> Optional[Path]:
         """Merge ``{run_key: (config, timing)}`` into the writable root's file; None if it could not be written."""
         path = self.path(envs.get_autotune_config_dir(), frozen_static_key)
@@ -314,6 +319,18 @@ def read_timings(data: dict) -> Dict[str, Dict[str, float]]:
             out[run_key] = {name: ms for name, ms in times.items() if ms is not None}
         else:
             out[run_key] = {}
+    return out
+
+
+def read_cut_counts(data: dict) -> Dict[str, int]:
+    """Per run key of ``data`` whose search the time budget cut short: how many searches in a row were cut
+    (``"cut": n`` in its timing; a hand-edited value that is not a positive int is no cut)."""
+    out = {}
+    for run_key in data["configs"]:
+        timing = data["timings"].get(run_key)
+        cut = timing.get("cut") if isinstance(timing, dict) else None
+        if type(cut) is int and cut > 0:
+            out[run_key] = cut
     return out
 
 

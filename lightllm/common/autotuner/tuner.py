@@ -47,6 +47,9 @@ _MISSING = object()
 _OFF = int(AutotuneLevel.OFF)  # a plain int: every call compares the level with it
 # Candidates timed a second time beside the default once every candidate has been timed (``Autotuner._retime``).
 FINALISTS = 3
+# A search the time budget cut short is searched again at this many later starts (level 1/2): its compiles are then
+# in Triton's cache, which is where a first search on a new GPU spends its budget.
+CUT_RESUMES = 1
 
 
 _force_as_adaptive_logged = False
@@ -125,10 +128,11 @@ class SearchRecord:
 class _StaticKeyState:
     """What one kernel knows about one static key: its configs, the config each run key launched, warmed configs."""
 
-    def __init__(self, static_key: Any, configs: Dict[Any, Config], sources: Dict[Any, Any]):
+    def __init__(self, static_key: Any, configs: Dict[Any, Config], sources: Dict[Any, Any], cut: Dict[Any, int]):
         self.static_key = static_key
         self.configs = configs
         self.sources = sources  # run key -> file its config was read from
+        self.cut = cut  # run key -> searches in a row the time budget cut short (the writable root's file)
         self.resolved: Dict[Any, Config] = {}  # run key -> config (exact or nearest) that has launched for it
         self.warmed: set = set()  # JSON of configs already run once in this process
         self.searched: set = set()  # run keys searched in this process (FORCE searches each once)
@@ -287,7 +291,8 @@ class Autotuner:
         if state is None:
             entries = self._candidate_entries(self.store.load_layers(frozen), args, kwargs)
             configs = {run_key: config for run_key, (config, _) in entries.items()}
-            state = _StaticKeyState(static_key, configs, {run_key: path for run_key, (_, path) in entries.items()})
+            sources = {run_key: path for run_key, (_, path) in entries.items()}
+            state = _StaticKeyState(static_key, configs, sources, self.store.cut_counts(frozen))
             self._states[frozen] = state
         return state
 
@@ -384,7 +389,8 @@ class Autotuner:
             _log_force_as_adaptive()
             level = AutotuneLevel.ADAPTIVE
         cached = state.configs.get(run_key, _MISSING)
-        need = cached is _MISSING or (level == AutotuneLevel.FORCE and run_key not in state.searched)
+        again = level == AutotuneLevel.FORCE or 0 < state.cut.get(run_key, 0) <= CUT_RESUMES  # once a process
+        need = cached is _MISSING or (again and run_key not in state.searched)
         if dist.world() == 1:
             return self._search(state, run_key, args, kwargs, split=False) if need else cached
         mine = (key_to_json(freeze(state.static_key)), key_to_json(run_key), need, None if need else cached)
@@ -447,12 +453,14 @@ class Autotuner:
             bar = tqdm(mine, desc=f"autotune {self.kernel_name}", delay=2.0, leave=False, disable=rank != 0)
             for i in bar:
                 if search_clock() - start > budget:
+                    resumes = state.cut.get(run_key, 0) < CUT_RESUMES
                     logger.warning(
-                        "autotune %s: search budget of %gs spent after %d of %d candidates; keeping the best so far",
+                        "autotune %s: search budget of %gs spent after %d of %d candidates; keeping the best so far%s",
                         self.kernel_name,
                         budget,
                         len(timings),
                         len(mine),
+                        " (the next start at level 1 searches this key again)" if resumes else "",
                     )
                     break
                 timings[i] = []
@@ -488,7 +496,8 @@ class Autotuner:
             retime_seconds,
         )
         self._log_search(self.last_search, len(timings))
-        self._adopt(state, run_key, best, best_ms[0], default_ms[0], len(timings), write=not split or rank == 0)
+        cut = len(timings) < len(candidates)
+        self._adopt(state, run_key, best, best_ms[0], default_ms[0], len(timings), cut, write=not split or rank == 0)
         STATS.searches += 1
         STATS.search_seconds += seconds
         return best
@@ -497,10 +506,11 @@ class Autotuner:
         """Time the default and the ``FINALISTS`` leading candidates once more, in the reverse of their first order,
         each keeping its faster time per scenario; returns ``(default_ms, first_pass)`` and updates ``timings``.
 
-        One pass is not enough: the default goes first, on inputs just made, and in one H200 run of
-        benchmarks/decode_attention.py such first launches ran up to 12 % slow at 1K, handing the win to a
-        candidate the default beats (docs/decode_attention.md, "A single timing pass is not enough at 1K").
-        Under a split search every rank re-times the same finalists and all take rank 0's times."""
+        A guard for the default, timed first on inputs just made: in one H200 run of benchmarks/decode_attention.py
+        such first launches ran up to 12 % slow at 1K. In the tuner's own decode searches on the H200 they ran at
+        most 1.1 % slow, and the re-timing moved 3 of 22 picks by at most 0.5 points of worst-case loss for
+        0.33-0.59 s a search (benchmarks/autotune_retime.py). Under a split search every rank re-times the same
+        finalists and all take rank 0's times."""
         leaders = [i for i in ranking(default_ms, timings, rule) if i >= 0 and all(map(math.isfinite, timings[i]))]
         finalists = sorted(leaders[:FINALISTS], reverse=True) + [-1]
         again = {}
@@ -586,15 +596,19 @@ class Autotuner:
             extra,
         )
 
-    def _adopt(self, state, run_key, config, best_ms: float, default_ms: float, timed: int, write: bool) -> None:
+    def _adopt(self, state, run_key, config, best_ms: float, default_ms: float, timed: int, cut: bool, write: bool):
+        """Use and store a search's winner; ``cut``: the budget ended the search early (counted in its timing)."""
         state.configs[run_key] = config
         state.resolved.clear()
         self.generation += 1
         state.searched.add(run_key)
+        state.cut[run_key] = state.cut.get(run_key, 0) + 1 if cut else 0
         if config is not None:
             state.warmed.add(key_to_json(config))
         if write:
             timing = {"best_ms": round(best_ms, 6), "default_ms": round(default_ms, 6), "candidates": timed}
+            if cut:
+                timing["cut"] = state.cut[run_key]
             entry = {run_key: (config, timing)}
             if self.store.save(state.static_key, freeze(state.static_key), entry) is not None:
                 STATS.configs_written += 1

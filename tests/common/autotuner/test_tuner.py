@@ -299,6 +299,72 @@ def test_budget_ends_search_with_best_so_far(toy, level, monkeypatch, caplog):
     assert "budget of 30s spent after 3 of 4 candidates" in warning
 
 
+def _file_timings(t, config_dir):
+    (path,) = store.iter_config_files(config_dir, t.name)
+    return json.loads(path.read_text())["timings"]
+
+
+def test_a_cut_search_is_searched_again_once_at_a_later_start(toy, level, monkeypatch, isolated_autotune, caplog):
+    """Each timing takes 10 s on a fake clock and the budget is 30 s: the first search is cut after 3 of 4
+    candidates and its timing says so; the next start searches the key again (cut too, counted), the one after does
+    not: the resume is used up."""
+    level(1)
+    monkeypatch.setenv("LIGHTLLM_AUTOTUNE_MAX_SECONDS_PER_SEARCH", "30")
+    now = [0.0]
+    monkeypatch.setattr(tuner, "search_clock", lambda: now[0])
+    t = toy(configs=[{"ms": 0.5}, {"ms": 0.4}, {"ms": 0.1}, {"ms": 0.05}])
+    real_ms = t.bench.ms
+
+    def ten_seconds(cfg):
+        now[0] += 10.0
+        return real_ms(cfg)
+
+    t.bench.ms = ten_seconds
+    with caplog.at_level(logging.WARNING, logger="lightllm.common.autotuner"):
+        with autotune_warmup(GENERAL):
+            t(n=4)
+            t(n=4)  # another layer: no second search in this process
+    assert t.bench.timed.count(None) == 1 and _file_timings(t, isolated_autotune)["4"]["cut"] == 1
+    assert "the next start at level 1 searches this key again" in caplog.text
+    caplog.clear()
+    for start, cut in ((2, 2), (3, None)):  # restarts: the resumed search, then none
+        t.kernel.clear_cache()
+        t.bench.timed.clear()
+        with caplog.at_level(logging.WARNING, logger="lightllm.common.autotuner"):
+            with autotune_warmup(GENERAL):
+                t(n=4)
+        searched = t.bench.timed.count(None) == 1
+        assert searched == (start == 2) and _file_timings(t, isolated_autotune)["4"].get("cut") == 2
+        assert ("searches this key again" in caplog.text) is False
+    level(0)
+    t.kernel.clear_cache()
+    t.reset_log()
+    with autotune_warmup(GENERAL):
+        t(n=4)
+    assert t.bench.timed == [] and t.configs_used()[-1] == {"ms": 0.1}  # level 0 uses the cut search's config
+
+
+def test_a_resumed_search_that_finishes_clears_the_cut(toy, level, monkeypatch, isolated_autotune):
+    level(1)
+    t = toy()
+    with autotune_warmup(GENERAL):
+        t(n=4)
+    (path,) = store.iter_config_files(isolated_autotune, t.name)
+    data = json.loads(path.read_text())
+    data["timings"]["4"]["cut"] = 1  # as a first start on a new GPU would have left it
+    data["timings"]["8"] = {"cut": "yes"}  # hand-edited nonsense under a key with no config: no cut
+    path.write_text(json.dumps(data))
+    for searches in (1, 0):
+        t.kernel.clear_cache()
+        t.bench.timed.clear()
+        with autotune_warmup(GENERAL):
+            t(n=4)
+        assert t.bench.timed.count(None) == 2 * searches  # the default, first and last
+        assert "cut" not in _file_timings(t, isolated_autotune)["4"]
+    for bad in ("yes", 0, -1, True, 1.0):
+        assert store.read_cut_counts({"configs": {"4": None}, "timings": {"4": {"cut": bad}}}) == {}
+
+
 def test_search_refused_during_capture_but_cache_hits_work(toy, level, monkeypatch):
     level(1)
     t = toy()
