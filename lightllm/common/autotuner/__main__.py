@@ -62,9 +62,10 @@ def cmd_show(args) -> int:
                 print("  unreadable (see warning above)")
                 continue
             print(f"  static key: {data.get('static_key')}")
-            timings = store.read_timings(data)
+            timings, cut = store.read_timings(data), store.read_cut_counts(data)
             for rk, cfg in data["configs"].items():
-                print(f"  run key {rk}: {'default' if cfg is None else cfg}{_timing_text(timings[rk])}")
+                cut_text = f"  (search cut short by the time budget: {cut[rk]} in a row)" if rk in cut else ""
+                print(f"  run key {rk}: {'default' if cfg is None else cfg}{_timing_text(timings[rk])}{cut_text}")
     if not found:
         print(f"no configs for kernel {args.kernel!r}")
         return 1

@@ -70,6 +70,7 @@ def test_show_prints_only_times_the_store_accepts(isolated_autotune, capsys):
         "5": {"best_ms": 0.05, "default_ms": -1},
         "6": {"best_ms": 0.05, "default_ms": 0},
         "7": {"best_ms": True, "default_ms": 0.1},
+        "9": {"best_ms": 0.05, "default_ms": 0.1, "cut": 1},
     }
     configs = {rk: {"B": int(rk)} for rk in timings}
     payload = json.dumps({"version": 1, "configs": configs, "timings": timings})
@@ -85,6 +86,7 @@ def test_show_prints_only_times_the_store_accepts(isolated_autotune, capsys):
         "run key 5: {'B': 5}  0.0500 ms",
         "run key 6: {'B': 6}  0.0500 ms",
         "run key 7: {'B': 7}",
+        "run key 9: {'B': 9}  0.0500 ms, 2.00x over default  (search cut short by the time budget: 1 in a row)",
         "run key 8: default",
     ]
 
