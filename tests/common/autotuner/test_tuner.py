@@ -274,8 +274,9 @@ def test_never_slower_than_default(toy, level, isolated_autotune):
     assert saved(t, isolated_autotune) == {"4": None}
 
 
-def test_budget_ends_search_with_best_so_far(toy, level, monkeypatch, caplog):
-    """On a fake clock each timing takes 10 s: a 30 s budget is spent after the default and three candidates."""
+def _ten_seconds_a_timing(toy, level, monkeypatch):
+    """A toy of four candidates at level 1 whose every timing takes 10 s on a fake search clock, with a 30 s budget:
+    the budget is spent after the default and three candidates, however fast the machine is."""
     level(1)
     monkeypatch.setenv("LIGHTLLM_AUTOTUNE_MAX_SECONDS_PER_SEARCH", "30")
     now = [0.0]
@@ -288,6 +289,12 @@ def test_budget_ends_search_with_best_so_far(toy, level, monkeypatch, caplog):
         return real_ms(cfg)
 
     t.bench.ms = ten_seconds
+    return t
+
+
+def test_budget_ends_search_with_best_so_far(toy, level, monkeypatch, caplog):
+    """On a fake clock each timing takes 10 s: a 30 s budget is spent after the default and three candidates."""
+    t = _ten_seconds_a_timing(toy, level, monkeypatch)
     with caplog.at_level(logging.WARNING, logger="lightllm.common.autotuner"):
         with autotune_warmup(GENERAL):
             t(n=4)
@@ -308,18 +315,7 @@ def test_a_cut_search_is_searched_again_once_at_a_later_start(toy, level, monkey
     """Each timing takes 10 s on a fake clock and the budget is 30 s: the first search is cut after 3 of 4
     candidates and its timing says so; the next start searches the key again (cut too, counted), the one after does
     not: the resume is used up."""
-    level(1)
-    monkeypatch.setenv("LIGHTLLM_AUTOTUNE_MAX_SECONDS_PER_SEARCH", "30")
-    now = [0.0]
-    monkeypatch.setattr(tuner, "search_clock", lambda: now[0])
-    t = toy(configs=[{"ms": 0.5}, {"ms": 0.4}, {"ms": 0.1}, {"ms": 0.05}])
-    real_ms = t.bench.ms
-
-    def ten_seconds(cfg):
-        now[0] += 10.0
-        return real_ms(cfg)
-
-    t.bench.ms = ten_seconds
+    t = _ten_seconds_a_timing(toy, level, monkeypatch)
     with caplog.at_level(logging.WARNING, logger="lightllm.common.autotuner"):
         with autotune_warmup(GENERAL):
             t(n=4)
@@ -327,7 +323,7 @@ def test_a_cut_search_is_searched_again_once_at_a_later_start(toy, level, monkey
     assert t.bench.timed.count(None) == 1 and _file_timings(t, isolated_autotune)["4"]["cut"] == 1
     assert "the next start at level 1 searches this key again" in caplog.text
     caplog.clear()
-    for start, cut in ((2, 2), (3, None)):  # restarts: the resumed search, then none
+    for start in (2, 3):  # restarts: the resumed search (cut again: 2 in a row), then none
         t.kernel.clear_cache()
         t.bench.timed.clear()
         with caplog.at_level(logging.WARNING, logger="lightllm.common.autotuner"):
