@@ -17,6 +17,7 @@ DECODE_ATTN_AUTOTUNE_SEQ_LEN = "LIGHTLLM_DECODE_ATTN_AUTOTUNE_SEQ_LEN"
 AUTOTUNE_CHOICE_RULE = "LIGHTLLM_AUTOTUNE_CHOICE_RULE"
 AUTOTUNE_CHOICE_RULES = ("minimax_loss", "tuning_len", "never_slower_than_default")  # see autotuner/choice.py
 AUTOTUNE_IGNORE_SHIPPED = "LIGHTLLM_AUTOTUNE_IGNORE_SHIPPED"
+AUTOTUNE_COMPILE_THREADS = "LIGHTLLM_AUTOTUNE_COMPILE_THREADS"
 TINY_MODEL_DIR = "LIGHTLLM_TINY_MODEL_DIR"
 # Every variable above; tests clear them all so the caller's environment cannot change a result.
 ALL = (
@@ -26,6 +27,7 @@ ALL = (
     DECODE_ATTN_AUTOTUNE_SEQ_LEN,
     AUTOTUNE_CHOICE_RULE,
     AUTOTUNE_IGNORE_SHIPPED,
+    AUTOTUNE_COMPILE_THREADS,
     TINY_MODEL_DIR,
 )
 
@@ -114,6 +116,18 @@ def _ignore_shipped(raw: Optional[str]) -> frozenset:
     return names
 
 
+def get_autotune_compile_threads() -> int:
+    """Threads that compile a search's candidates (and the cached configs a start-up warms) before any runs
+    (autotuner/precompile.py); 1 compiles each as it first launches. Default: the CPUs this process may use, at
+    most 8 (each tensor-parallel rank has its own pool)."""
+    raw = os.environ.get(AUTOTUNE_COMPILE_THREADS)
+    allowed = "a positive integer (1: compile each config as it first launches)"
+    count = _parse_int(AUTOTUNE_COMPILE_THREADS, min(8, len(os.sched_getaffinity(0))), raw, allowed)
+    if count < 1:
+        raise ValueError(f"{AUTOTUNE_COMPILE_THREADS}={raw!r} is not allowed; use {allowed}")
+    return count
+
+
 def get_autotune_config_dir() -> Path:
     """Writable root of tuned configs (default ``~/.cache/lightllm/autotune``)."""
     return _folder(AUTOTUNE_CONFIG_DIR, "~/.cache/lightllm/autotune")
@@ -149,5 +163,6 @@ def validate_all() -> None:
     get_autotune_max_seconds_per_search()
     get_autotune_choice_rule()
     get_autotune_ignore_shipped()
+    get_autotune_compile_threads()
     get_autotune_config_dir()
     get_tiny_model_dir()

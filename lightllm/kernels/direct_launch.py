@@ -15,6 +15,9 @@ Under ``TRITON_INTERPRET=1`` (CI) the kernel is an interpreted function and ever
 Launch hooks (a profiler's ``knobs.runtime.launch_enter_hook``) are passed on as ``kernel[grid]`` passes them;
 a kernel with ``pre_run_hooks`` always takes ``kernel[grid]``. Not re-checked on the direct path: Triton's check
 that the globals a kernel read at compile time still hold their values (module constants, never reassigned).
+
+Inside a tuner's compile pass (``common/autotuner/precompile.py``) a launch only compiles, on the pass's thread pool:
+Triton's ``kernel.warmup`` with the same arguments.
 """
 
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -24,7 +27,10 @@ from triton import knobs
 from triton.runtime.driver import driver
 from triton.runtime.jit import JITFunction
 
+from lightllm.common.autotuner import precompile
+
 _enabled = True
+_compile_only = False  # a tuner's compile pass (common/autotuner/precompile.py): launches only compile
 _pdl = False  # programmatic dependent launch for the kernels that declare USE_PDL (kernels/pdl.py)
 LAUNCHERS: List["DirectLaunch"] = []  # every kernel's, in the order their modules made them (tests, benchmarks)
 _MAX_BINDINGS = 8  # specializations kept per key (a few in practice: e.g. decode's split count changes a class)
@@ -54,6 +60,14 @@ def set_pdl(on: bool) -> bool:
                              f"got {torch.cuda.get_device_capability()}")  # fmt: skip
     previous, _pdl = _pdl, bool(on)
     return previous
+
+
+def _set_compile_only(on: bool) -> None:
+    global _compile_only
+    _compile_only = on
+
+
+precompile.register_switch(_set_compile_only)
 
 
 def int_class(value: int) -> int:
@@ -195,6 +209,10 @@ class DirectLaunch:
     def launch(self, grid: Sequence[int], *args, **kwargs) -> None:
         if _pdl and self.pdl_ready:  # a keyword constexpr and option: part of the binding's key
             kwargs["USE_PDL"] = kwargs["launch_pdl"] = True
+        if _compile_only:  # Triton's warm-up compiles for these arguments without launching (on the pass's pool)
+            if self.direct:
+                self.kernel.warmup(*args, grid=grid, **kwargs)
+            return
         if _enabled and self.direct and not self.kernel.pre_run_hooks:
             key = (len(args), tuple(kwargs), tuple(kwargs.values()), knobs.runtime.debug,
                    knobs.compilation.instrumentation_mode)  # fmt: skip

@@ -38,6 +38,8 @@ class AutotuneStats:
     candidates_rejected: int = 0
     candidates_retimed: int = 0  # the default and the finalists, timed again after every candidate
     search_seconds: float = 0.0
+    kernels_compiled_ahead: int = 0  # compile requests of the passes before searches and cached-config warm-ups
+    compile_ahead_seconds: float = 0.0  # those passes' wall time (within search_seconds for a search's)
 
     def copy(self) -> "AutotuneStats":
         return AutotuneStats(**{f.name: getattr(self, f.name) for f in fields(self)})
@@ -108,7 +110,7 @@ def autotune_warmup(kernel_type: AutotuneKernelType = AutotuneKernelType.GENERAL
         logger.log(
             level,
             "autotune warmup [%s] done in %.2fs: %d searches (%d candidates timed, %d re-timed, %d rejected), "
-            "%d configs written, %.2fs searching",
+            "%d configs written, %.2fs searching; %d kernels compiled ahead in %.2fs",
             kernel_type.name,
             time.perf_counter() - start,
             done.searches,
@@ -117,4 +119,6 @@ def autotune_warmup(kernel_type: AutotuneKernelType = AutotuneKernelType.GENERAL
             done.candidates_rejected,
             done.configs_written,
             done.search_seconds,
+            done.kernels_compiled_ahead,
+            done.compile_ahead_seconds,
         )

@@ -15,7 +15,7 @@ import torch
 from tqdm import tqdm
 
 from lightllm.common import envs
-from lightllm.common.autotuner import dist
+from lightllm.common.autotuner import dist, precompile
 from lightllm.common.autotuner.accuracy import collect_tensors, mismatch
 from lightllm.common.autotuner.bench import get_bench_func
 from lightllm.common.autotuner.choice import check_rule, choose, per_scenario_best, ranking, worst_case_loss
@@ -123,6 +123,8 @@ class SearchRecord:
     # (``timings`` and ``default_ms`` keep each one's faster time).
     first_pass: Dict[int, List[float]] = field(default_factory=dict)
     retime_seconds: float = 0.0  # of ``seconds``
+    compile_seconds: float = 0.0  # of ``seconds``: the compile pass before the first timing (precompile.py)
+    kernels_compiled: int = 0  # compile requests that pass sent to its pool
 
 
 class _StaticKeyState:
@@ -422,6 +424,7 @@ class Autotuner:
         if not pending:
             return
         snapshot = _Snapshot(self._mutates_picker.pick(args, kwargs))
+        self._compile_ahead(list(pending.values()), [(args, kwargs)], snapshot.restore)
         for text, config in pending.items():
             state.warmed.add(text)
             try:
@@ -439,6 +442,11 @@ class Autotuner:
                 f"autotune kernel {self.kernel_name!r}: refusing to search while a CUDA graph is being captured; "
                 "run one eager forward inside autotune_warmup(...) before capturing"
             )
+        if precompile.compiling():
+            raise RuntimeError(
+                f"autotune kernel {self.kernel_name!r}: refusing to search inside another kernel's compile pass, "
+                "where no launch runs"
+            )
         start = search_clock()
         budget = envs.get_autotune_max_seconds_per_search()
         rule = envs.get_autotune_choice_rule(self.choice_rule)
@@ -447,6 +455,11 @@ class Autotuner:
         rank, world = (dist.rank(), dist.world()) if split else (0, 1)
         mine = [i for i in range(len(candidates)) if i % world == rank]  # ranks time disjoint slices
         trials = [_Trial(self, t_args, t_kwargs) for t_args, t_kwargs in scenarios]
+        compiled = self._compile_ahead(
+            [None] + [candidates[i] for i in mine],
+            scenarios,
+            lambda: [trial.snapshot.restore() for trial in trials],
+        )
         timings: Dict[int, List[float]] = {}
         try:
             default_ms = [trial.measure(None) for trial in trials]  # first: the bar every candidate must beat
@@ -494,6 +507,8 @@ class Autotuner:
             seconds,
             first_pass,
             retime_seconds,
+            compiled.seconds,
+            compiled.kernels,
         )
         self._log_search(self.last_search, len(timings))
         cut = len(timings) < len(candidates)
@@ -501,6 +516,25 @@ class Autotuner:
         STATS.searches += 1
         STATS.search_seconds += seconds
         return best
+
+    def _compile_ahead(self, configs: list, inputs, restore: Callable[[], object]) -> precompile.CompilePass:
+        """Compile ``configs`` for each of ``inputs`` (``(args, kwargs)`` pairs) on a thread pool before any of them
+        runs (autotuner/precompile.py); ``restore`` undoes the launchers' own writes to mutated inputs."""
+        threads = envs.get_autotune_compile_threads()
+        if len(configs) < 2 or not precompile.usable(threads):
+            return precompile.CompilePass()
+
+        def run(config):
+            for args, kwargs in inputs:
+                self.fn(*args, run_config=config, **kwargs)
+
+        try:
+            done = precompile.compile_ahead(run, configs, threads, search_clock)
+        finally:
+            restore()
+        STATS.kernels_compiled_ahead += done.kernels
+        STATS.compile_ahead_seconds += done.seconds
+        return done
 
     def _retime(self, trials, candidates, default_ms, timings, rule, split) -> tuple:
         """Time the default and the ``FINALISTS`` leading candidates once more, in the reverse of their first order,
@@ -582,6 +616,8 @@ class Autotuner:
                     f"; best at tuning length was {name} ({fastest[0]:.4f} ms, worst-case loss "
                     f"{worst_case_loss(fastest, per_best) - 1:.1%}), chosen by {record.rule}"
                 )
+        if record.kernels_compiled:
+            extra += f"; {record.kernels_compiled} kernels compiled ahead in {record.compile_seconds:.2f}s"
         logger.info(
             "autotune %s %s run_key=%s: %s %.4f ms, %.2fx over default (%.4f ms), %d candidates in %.2fs%s",
             self.kernel_name,

@@ -80,3 +80,32 @@ def test_capture_uses_cache_and_refuses_to_search():
         with pytest.raises(RuntimeError, match="refusing to search while a CUDA graph is being captured"):
             with torch.cuda.graph(other):
                 rmsnorm(y, w)
+
+
+@pytest.mark.parametrize("threads", [1, 4])
+def test_candidates_compile_ahead_on_the_pool_from_a_cold_cache(isolated_autotune, monkeypatch, tmp_path, threads):
+    """A cold Triton cache (on disk and in process): with 4 threads every candidate's kernel compiles on the pool
+    before the first timing and the timings find them compiled; with 1 each compiles as it is first timed. The
+    search is as correct either way."""
+    from lightllm.kernels import direct_launch
+    from lightllm.kernels.norm.rmsnorm import _RMSNORM
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    monkeypatch.setenv("LIGHTLLM_AUTOTUNE_COMPILE_THREADS", str(threads))
+    monkeypatch.setattr(direct_launch, "_enabled", False)  # no binding from an earlier test launches uncompiled
+    _RMSNORM.kernel.device_caches.clear()
+    x = torch.randn(512, 4096, device="cuda", dtype=torch.bfloat16)
+    w = torch.rand(4096, device="cuda", dtype=torch.bfloat16)
+    with autotune_warmup(GENERAL):
+        out = rmsnorm(x, w)
+    record = _launch_rmsnorm.last_search
+    assert all(math.isfinite(ms[0]) for _, ms in record.timings) and len(record.timings) == 14
+    assert record.chosen_ms[0] == min([record.default_ms[0]] + [ms[0] for _, ms in record.timings])
+    torch.testing.assert_close(out.float(), rmsnorm_ref(x, w).float(), rtol=1e-2, atol=1e-2)
+    compiled = len(_RMSNORM.kernel.device_caches[torch.cuda.current_device()][0])
+    distinct = len({json.dumps(c, sort_keys=True) for c, _ in record.timings})  # every candidate differs in a constexpr
+    if threads == 1:
+        assert record.kernels_compiled == 0 and record.compile_seconds == 0
+    else:  # the default's kernel and each candidate's, each sent to the pool once
+        assert distinct <= record.kernels_compiled <= distinct + 1 and compiled >= record.kernels_compiled
+        assert record.compile_seconds <= record.seconds  # both on the search clock (frozen by the fixture)

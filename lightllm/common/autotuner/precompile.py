@@ -1,0 +1,101 @@
+"""Compile the configs a search will time (or a start-up will warm) on a thread pool, before any of them runs.
+
+Otherwise each config's Triton kernels compile one after another as the config first launches, and on a GPU that
+has never run them that is where a start-up's time goes: the first INT8 decode search on an H200 spent its whole
+30 s budget after 29-35 of its 56 candidates (benchmarks/results/autotune_retime_h200.json). Most of a compile runs
+without Python's GIL (MLIR and LLVM passes, ``ptxas`` in a child process): two threads compiled stage-1 decode
+kernels for sm_90 1.65x as fast as one on a 2-core machine.
+
+How: every config's launcher runs once per input with each launch turned into a compile request (launchers
+register the switch: ``kernels/direct_launch.py``), under Triton's ``AsyncCompileMode``, whose compiles go to a
+pool of ``LIGHTLLM_AUTOTUNE_COMPILE_THREADS`` threads. No Triton kernel runs; the launcher's own torch work does
+(buffers, copies), which is why the tuner restores mutated inputs afterwards. Leaving the mode waits for every
+compile and puts each in its kernel's cache, where the launches that follow find it. A config whose launcher or
+compile fails here is passed over quietly: its first real launch compiles it again and fails as it always did.
+"""
+
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
+from dataclasses import dataclass
+from typing import Callable, Iterable, List
+
+try:  # Triton 3.4+
+    from triton import knobs
+    from triton.runtime._async_compile import AsyncCompileMode, active_mode
+except ImportError:  # pragma: no cover - an older Triton compiles each kernel as it first launches
+    AsyncCompileMode = None
+
+logger = logging.getLogger(__name__)
+
+# Called with True before a compile pass and False after it: each turns its launches into compile requests.
+_switches: List[Callable[[bool], None]] = []
+_active = False
+
+
+def register_switch(switch: Callable[[bool], None]) -> None:
+    """A launcher module's way to learn when its launches must only compile (``switch(True)``) and when they run
+    again (``switch(False)``)."""
+    _switches.append(switch)
+
+
+def compiling() -> bool:
+    """True inside a compile pass (a search must not start there: none of its launches would run)."""
+    return _active
+
+
+@dataclass
+class CompilePass:
+    """What one pass did: compile requests sent to the pool (a kernel already compiled in this process sends
+    none), configs whose launcher raised, and the seconds it took, waiting for the compiles included."""
+
+    kernels: int = 0
+    failed: int = 0
+    seconds: float = 0.0
+
+
+def usable(threads: int) -> bool:
+    """Whether a pass can run here: more than one thread, a Triton with ``AsyncCompileMode`` and none active, no
+    interpreter (nothing compiles under ``TRITON_INTERPRET``) and a launcher module that listens."""
+    return (
+        threads > 1
+        and AsyncCompileMode is not None
+        and not knobs.runtime.interpret
+        and active_mode.get() is None
+        and bool(_switches)
+        and not _active
+    )
+
+
+def compile_ahead(
+    run: Callable[[object], object],
+    configs: Iterable[object],
+    threads: int,
+    clock: Callable[[], float] = time.perf_counter,
+) -> CompilePass:
+    """Run ``run(config)`` for each config with launches compiling only, on ``threads`` threads; every compile has
+    finished (or failed) when this returns. ``clock`` times it (the tuner passes its search clock)."""
+    global _active
+    done = CompilePass()
+    start = clock()
+    with ExitStack() as stack:
+        pool = stack.enter_context(ThreadPoolExecutor(threads, thread_name_prefix="autotune-compile"))
+        mode = stack.enter_context(AsyncCompileMode(pool, ignore_errors=True))  # leaving it waits for them all
+        _active = True
+        for switch in _switches:
+            switch(True)
+        try:
+            for config in configs:
+                try:
+                    run(config)
+                except Exception as e:
+                    done.failed += 1
+                    logger.debug("compile ahead: config %s raised (%s: %s)", config, type(e).__name__, e)
+        finally:
+            for switch in _switches:
+                switch(False)
+            _active = False
+        done.kernels = len(mode.raw_futures)
+    done.seconds = clock() - start
+    return done
