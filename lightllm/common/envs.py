@@ -116,16 +116,16 @@ def _ignore_shipped(raw: Optional[str]) -> frozenset:
     return names
 
 
-def get_autotune_compile_threads() -> int:
+def get_autotune_compile_threads() -> Optional[int]:
     """Threads that compile a search's candidates (and the cached configs a start-up warms) before any runs
-    (autotuner/precompile.py); 1 compiles each as it first launches. Default: the CPUs this process may use, at
-    most 8 (each tensor-parallel rank has its own pool)."""
+    (autotuner/precompile.py); 1 compiles each as it first launches. None when unset: the tuner then shares the
+    CPUs this process may use among the tensor-parallel ranks, at most 8 a rank (``precompile.default_threads``)."""
     raw = os.environ.get(AUTOTUNE_COMPILE_THREADS)
     allowed = "a positive integer (1: compile each config as it first launches)"
-    count = _parse_int(AUTOTUNE_COMPILE_THREADS, min(8, len(os.sched_getaffinity(0))), raw, allowed)
-    if count < 1:
+    count = _parse_int(AUTOTUNE_COMPILE_THREADS, 0, raw, allowed)
+    if raw is not None and raw.strip() and count < 1:
         raise ValueError(f"{AUTOTUNE_COMPILE_THREADS}={raw!r} is not allowed; use {allowed}")
-    return count
+    return count or None
 
 
 def get_autotune_config_dir() -> Path:

@@ -520,7 +520,7 @@ class Autotuner:
     def _compile_ahead(self, configs: list, inputs, restore: Callable[[], object]) -> precompile.CompilePass:
         """Compile ``configs`` for each of ``inputs`` (``(args, kwargs)`` pairs) on a thread pool before any of them
         runs (autotuner/precompile.py); ``restore`` undoes the launchers' own writes to mutated inputs."""
-        threads = envs.get_autotune_compile_threads()
+        threads = envs.get_autotune_compile_threads() or precompile.default_threads(dist.world())
         if len(configs) < 2 or not precompile.usable(threads):
             return precompile.CompilePass()
 

@@ -211,9 +211,9 @@ def test_compile_threads_must_be_a_positive_integer(monkeypatch, raw):
         envs.validate_all()
 
 
-def test_compile_threads_default_is_the_usable_cpus_at_most_8(monkeypatch):
-    import os
-
-    assert envs.get_autotune_compile_threads() == min(8, len(os.sched_getaffinity(0)))
+def test_compile_threads_default_shares_the_cpus_among_ranks_at_most_8(monkeypatch):
+    assert envs.get_autotune_compile_threads() is None  # unset: the tuner's default
+    monkeypatch.setattr(precompile.os, "sched_getaffinity", lambda pid: set(range(16)))
+    assert [precompile.default_threads(r) for r in (1, 2, 4, 8, 16, 32)] == [8, 8, 4, 2, 1, 1]
     monkeypatch.setenv(envs.AUTOTUNE_COMPILE_THREADS, " 3 ")
     assert envs.get_autotune_compile_threads() == 3
