@@ -15,28 +15,24 @@ the pool, ``warm s`` the second search, ``timed`` of ``candidates`` in the cold 
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # its sibling modules, however it is loaded
-from bench_io import save_json  # noqa: E402
+import torch
 
-SHAPE_NAMES = ("hq32-hk8-d128", "hq64-hk8-d128", "hq24-hk4-d256")  # decode_attention.SHAPES (imported by the child)
-KIND_NAMES = ("none", "int8", "int4")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # its sibling modules, however it is loaded
+from autotune_retime import add_cell_args, search_once  # noqa: E402
+from bench_io import save_json  # noqa: E402
+from decode_attention import SHAPES, make_pool  # noqa: E402
+
+from lightllm.common.autotuner.keys import key_to_json  # noqa: E402
 
 
 def child(kind: str, shape: str, batch: int, graph_len: int, group: int) -> dict:
     """One cell in this (fresh) process: a cold search, then a warm one of the same key."""
-    import math
-
-    import torch
-    from autotune_retime import search_once
-    from decode_attention import SHAPES, make_pool
-
-    from lightllm.common.autotuner.keys import key_to_json
-
     hq, hk, d = SHAPES[shape]
     tokens = batch * graph_len
     pool = make_pool(kind, tokens, hk, d, group)
@@ -92,20 +88,14 @@ def main(argv=None):
         print(json.dumps(child(kind, shape, int(batch), int(graph_len), int(group))))
         return
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--kinds", nargs="+", default=list(KIND_NAMES), choices=KIND_NAMES)
-    p.add_argument("--shapes", nargs="+", default=["hq32-hk8-d128"], choices=SHAPE_NAMES)
-    p.add_argument("--batches", nargs="+", type=int, default=[8])
+    add_cell_args(p, ["hq32-hk8-d128"], [8])
     p.add_argument("--threads", nargs="+", type=int, default=[1, 8], help="LIGHTLLM_AUTOTUNE_COMPILE_THREADS values")
-    p.add_argument("--graph-len", type=int, default=32768, help="the decode graph's maximum KV length")
-    p.add_argument("--group", type=int, default=8, choices=(8, 16, 32), help="quant group of INT8/INT4 KV")
     p.add_argument("--budget", type=float, default=300.0, help="search budget in seconds (the default is 30)")
     p.add_argument("--cell-timeout", type=float, default=400.0, help="seconds before a cell's process is stopped")
     p.add_argument("--out", default="benchmarks/results/autotune_compile.json")
     args = p.parse_args(argv)
     if min(args.threads) < 1 or min(args.batches) < 1 or args.graph_len < 1 or args.budget <= 0:
         p.error("--threads, --batches, --graph-len and --budget must be positive")
-    import torch
-
     if not torch.cuda.is_available():
         sys.exit("autotune_compile.py needs a CUDA GPU")
     results = {"device": torch.cuda.get_device_name(), "cpus": len(os.sched_getaffinity(0)),

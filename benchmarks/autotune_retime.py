@@ -125,13 +125,18 @@ def print_row(row: dict) -> None:
     )
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_cell_args(p, shapes, batches) -> None:
+    """The cells of a decode-attention search benchmark: KV types, shapes, batches, graph length, quant group."""
     p.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
-    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    p.add_argument("--batches", nargs="+", type=int, default=[1, 8, 16, 64, 128])
+    p.add_argument("--shapes", nargs="+", default=list(shapes), choices=list(SHAPES))
+    p.add_argument("--batches", nargs="+", type=int, default=list(batches))
     p.add_argument("--graph-len", type=int, default=32768, help="the decode graph's maximum KV length")
     p.add_argument("--group", type=int, default=8, choices=(8, 16, 32), help="quant group of INT8/INT4 KV")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_cell_args(p, SHAPES, [1, 8, 16, 64, 128])
     p.add_argument("--repeats", type=int, default=2, help="searches per cell, each from an empty config folder")
     p.add_argument("--max-gb", type=float, default=60.0, help="skip cells whose KV pool is larger")
     p.add_argument("--out", default="benchmarks/results/autotune_retime.json")
