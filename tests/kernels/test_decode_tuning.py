@@ -177,7 +177,8 @@ def test_shipped_decode_attention_configs_resolve_to_the_tuning_length_that_cove
 def test_shipped_decode_attention_files_cover_every_default_graph_size_at_both_lengths():
     """What README promises for the H200: every shipped decode-attention file (and each q_len of FA3's: its MTP
     verify is q_len 4) holds a config for each batch size a default server captures, at graph lengths 4096 and
-    32768, so a first start there searches nothing at either length."""
+    32768, so a first start there searches nothing at either length. Another GPU's files (the H100's hold 32768
+    alone) cover every such batch size at each length they hold."""
     from lightllm.common.autotuner import store
     from lightllm.common.autotuner.keys import key_from_json
     from lightllm.engine.args import EngineArgs
@@ -191,11 +192,12 @@ def test_shipped_decode_attention_files_cover_every_default_graph_size_at_both_l
             batches = {}  # (the key's middle, e.g. FA3's q_len; its length) -> batch sizes
             for key in map(key_from_json, store.read_config_file(path, strict=True)["configs"]):
                 batches.setdefault((key[1:-1], key[-1]), set()).add(key[0])
+            h200 = path.parent.parent.name == "NVIDIA_H200"
             for middle in {m for m, _ in batches}:
-                for length in (4096, 32768):
+                for length in (4096, 32768) if h200 else {n for m, n in batches if m == middle}:
                     missing = sizes - batches.get((middle, length), set())
                     assert not missing, f"{path.name}: no config for batch sizes {sorted(missing)} at {middle, length}"
-            files += 1
+            files += h200
     assert files >= 25  # 6 Triton bf16, 6 + 6 quantized, 6 FA3, 1 MTP diverse
 
 
