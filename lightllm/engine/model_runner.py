@@ -146,7 +146,7 @@ class ModelRunner:
         costs = self.decode_graph_costs
         logger.info(
             "ready: %d decode graphs (%.1f MiB%s), %d prefill graphs (%.1f MiB), %d kernels tuned%s, %d configs "
-            "written; %s",
+            "written%s; %s",
             sum(g for g, _, _ in costs.values()),
             sum(b for _, _, b in costs.values()) / 2**20,
             f"; per KV length bucket {describe_costs(costs)}" if len(costs) > 1 else "",
@@ -155,6 +155,8 @@ class ModelRunner:
             tuned.searches,
             _untuned_device_note(self.device),
             tuned.configs_written,
+            (f", {tuned.kernels_compiled_ahead} kernels compiled ahead in {tuned.compile_ahead_seconds:.1f}s"
+             if tuned.kernels_compiled_ahead else ""),  # fmt: skip
             ", ".join(f"{k} {v:.1f}s" for k, v in seconds.items()),
         )
         self.startup_seconds = seconds

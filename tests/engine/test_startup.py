@@ -184,6 +184,28 @@ def test_summary_says_tuning_needs_a_gpu(tmp_path, monkeypatch, caplog, level, n
     assert (expected in ready) == note and ("0 kernels tuned, " in ready) != note
 
 
+def test_ready_line_counts_the_kernels_compiled_ahead(tmp_path, monkeypatch, caplog):
+    """Where a first start's time went: the kernels its searches and warm-ups compiled ahead (a GPU's; here the
+    counters are stood in for), and nothing said when none was."""
+    from lightllm.common.autotuner import AutotuneStats
+    from lightllm.engine import model_runner
+    from lightllm.engine.model_runner import ModelRunner
+    from lightllm.tools.make_tiny_model import make_tiny_qwen3
+
+    args = EngineArgs(model_dir=str(make_tiny_qwen3(tmp_path / "m", seed=0)), data_type="fp32", device="cpu",
+                      batch_max_tokens=16, max_req_total_len=16, running_max_req_size=2)  # fmt: skip
+    lines = []
+    for ahead in (0, 34):
+        counters = iter([AutotuneStats(), AutotuneStats(kernels_compiled_ahead=ahead, compile_ahead_seconds=8.74)])
+        monkeypatch.setattr(model_runner, "get_autotune_stats", lambda: next(counters))
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="lightllm.engine.model_runner"):
+            ModelRunner(args)
+        lines += [r.getMessage() for r in caplog.records if r.getMessage().startswith("ready:")]
+    assert "compiled ahead" not in lines[0]
+    assert "0 configs written, 34 kernels compiled ahead in 8.7s; " in lines[1]
+
+
 def test_data_type_auto_is_the_checkpoints_own(caplog):
     caplog.set_level(logging.INFO)
     fit = lambda dtype: EngineArgs(device="cpu").normalize().fit_to_model(4096, 128, dtype)  # noqa: E731
