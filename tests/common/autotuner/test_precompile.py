@@ -17,6 +17,7 @@ from lightllm.common.autotuner import AutotuneKernelType, autotune, autotune_war
 from lightllm.common.autotuner import set_bench_func, tuner
 from lightllm.kernels import direct_launch
 from lightllm.kernels.direct_launch import DirectLaunch
+from lightllm.tools import tune_shipped
 
 GENERAL = AutotuneKernelType.GENERAL
 MS = {None: 1.0, 16: 0.5, 32: 0.3, 64: 0.9}  # "time" of each BLOCK (None: the launcher default, BLOCK 8)
@@ -125,6 +126,8 @@ def test_a_search_compiles_every_candidate_on_the_pool_before_the_first_timing(c
     assert done.kernels_compiled_ahead == 4 and done.compile_ahead_seconds >= record.compile_seconds
     assert "candidates in" in caplog.text and "; 4 kernels compiled ahead in" in caplog.text  # the search's line
     assert "searching; 4 kernels compiled ahead in" in caplog.text  # the warm-up scope's summary
+    summary = tune_shipped.search_summary(caplog.text)  # a tune_shipped start's line, from the same log
+    assert summary == "precompile_search 1 searches 11.0 s (4 kernels compiled ahead in 1.0 s)"
 
 
 def test_a_config_that_fails_to_compile_ahead_fails_when_timed_as_before(compile_pass):
