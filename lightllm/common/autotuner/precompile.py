@@ -91,7 +91,10 @@ def compile_ahead(
     start = clock()
     with ExitStack() as stack:
         pool = stack.enter_context(ThreadPoolExecutor(threads, thread_name_prefix="autotune-compile"))
-        mode = stack.enter_context(AsyncCompileMode(pool, ignore_errors=True))  # leaving it waits for them all
+        mode = AsyncCompileMode(pool, ignore_errors=True)  # leaving it waits for every compile
+        queue = _Queue(pool, mode)
+        stack.push(queue.on_exit)
+        stack.enter_context(mode)
         _active = True
         for switch in _switches:
             switch(True)
@@ -102,6 +105,9 @@ def compile_ahead(
                 except Exception as e:
                     done.failed += 1
                     logger.debug("compile ahead: config %s raised (%s: %s)", config, type(e).__name__, e)
+        except BaseException:  # an interrupt: the compiles not started are dropped before the mode waits
+            queue.drop()
+            raise
         finally:
             for switch in _switches:
                 switch(False)
@@ -109,3 +115,31 @@ def compile_ahead(
         done.kernels = len(mode.raw_futures)
     done.seconds = clock() - start
     return done
+
+
+class _Queue:
+    """The pass's pool and compiles, for an interrupt (Ctrl-C, SIGTERM's exit): ``drop`` cancels the compiles still
+    queued, so that leaving the mode waits only for the running ones. ``shutdown(cancel_futures=True)`` takes them
+    off the queue and cancels their futures, but a future cancelled that way never tells its waiters (only the
+    executor's own hand-off does), and leaving ``AsyncCompileMode`` waits on every future: done here, once."""
+
+    def __init__(self, pool: ThreadPoolExecutor, mode):
+        self.pool, self.mode, self.dropped = pool, mode, False
+
+    def drop(self) -> None:
+        if self.dropped:
+            return
+        self.dropped = True
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        for future in self.mode.raw_futures:
+            if future.cancelled():
+                future.set_running_or_notify_cancel()  # CANCELLED -> CANCELLED_AND_NOTIFIED: its waiters wake
+
+    def on_exit(self, exc_type, exc, traceback) -> bool:
+        """After the mode's exit, before the pool's: an interrupt while the mode waited for the compiles drops the
+        rest, and the mode, which never reached its own reset, is made inactive."""
+        if exc_type is not None:
+            self.drop()
+            if active_mode.get() is self.mode:
+                active_mode.set(None)
+        return False

@@ -207,6 +207,46 @@ def test_no_search_inside_a_compile_pass(compile_pass):
     assert _pool_compiled(outer_kernel) == [] and sorted(b for b, _ in outer_kernel.compiles) == [8, 16, 32]
 
 
+@pytest.mark.parametrize("when", ["launching", "waiting"])
+def test_an_interrupted_pass_drops_its_queued_compiles(monkeypatch, when):
+    """Ctrl-C in a pass, while its launchers run or while it waits for the compiles: the compiles not started are
+    dropped, the running one finishes, and afterwards launches run again and no compile mode is left active."""
+    from triton.runtime import _async_compile
+
+    kernel = _StandInKernel()
+    started, release = threading.Event(), threading.Event()
+    compile_one = kernel._compile
+
+    def slow_compile(block):  # the first compile holds the pool's one thread until the queue was dropped
+        started.set()
+        assert release.wait(timeout=30)
+        return compile_one(block)
+
+    kernel._compile = slow_compile
+    drop = precompile._Queue.drop
+    monkeypatch.setattr(precompile._Queue, "drop", lambda queue: (drop(queue), release.set()))
+    launch = DirectLaunch(kernel, direct=True)
+    x = torch.randn(4, 3)
+
+    def run(block):
+        launch.launch((1,), x, torch.empty_like(x), 2.0, BLOCK=block)
+        if block == 32 and when == "launching":
+            assert started.wait(timeout=30)
+            raise KeyboardInterrupt
+
+    def interrupted(futures):
+        assert started.wait(timeout=30)
+        raise KeyboardInterrupt
+        yield
+
+    if when == "waiting":
+        monkeypatch.setattr(_async_compile, "as_completed", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        precompile.compile_ahead(run, [8, 16, 32, 64], threads=1)
+    assert [b for b, _ in kernel.compiles] == [8]  # the others waited in the queue and were dropped
+    assert not precompile.compiling() and not direct_launch._compile_only and active_mode.get() is None
+
+
 @pytest.mark.parametrize("raw", ["0", "-2", "x", "1.5"])
 def test_compile_threads_must_be_a_positive_integer(monkeypatch, raw):
     monkeypatch.setenv(envs.AUTOTUNE_COMPILE_THREADS, raw)
