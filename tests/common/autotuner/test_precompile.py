@@ -1,6 +1,7 @@
 """The compile pass before a search and before a start-up's cached-config warm-up (autotuner/precompile.py): every
 config's kernels compile on the pool before the first one is timed or run, each distinct kernel once; a config that
-fails there fails when timed, as before; one thread, the interpreter or a nested search turn it off.
+fails there fails when timed, as before; one thread or the interpreter turn it off; a search inside a pass is refused;
+an interrupt drops the compiles still queued.
 
 On the CPU a stand-in kernel plays Triton's part: its ``warmup`` submits to the active ``AsyncCompileMode`` as
 ``JITFunction`` does, and its launch compiles on the caller's thread what is not in its cache."""
