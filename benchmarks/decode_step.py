@@ -11,6 +11,12 @@ per step) / the faster of the measured copy and GEMV read rates.
     python benchmarks/decode_step.py --model qwen3.5 --layers 8 --out benchmarks/results/decode_step_qwen3_5_h200.json
     python benchmarks/decode_step.py --layers 36 --batches 1 --no-startup --out benchmarks/results/ttft_36l_h200.json
 
+Start-up (``--startup-modes``, each a fresh process after the step table): tuning cold, warm and off by default;
+``first`` and ``first_serial`` time a new machine's first start with the shipped configs and an empty Triton cache,
+the tuned kernels' cached configs compiled ahead on the tuner's threads or on one:
+
+    python benchmarks/decode_step.py --batches 1 --tune-level 0 --startup-modes first first_serial --out F
+
 The time-to-first-token row runs one prompt (``--ttft-prompt`` tokens) with the prefill graphs and eagerly.
 
 Decode graphs per KV length bucket (``--graph_len_buckets``, the server flag; default the engine's, one bucket): each
@@ -223,12 +229,35 @@ def graph_costs(runner) -> dict:
             sorted(runner.decode_graph_costs.items())}  # fmt: skip
 
 
-def startup_seconds(model_dir, mode, config_dir, buckets=None):
-    """A fresh process: tuning cold (empty config dir, level 1), warm (same dir again, level 1), off (level 3).
-    Returns the whole start-up, the runner's seconds per phase and its decode graphs' cost per KV length bucket
-    (``decode_graph_buckets``)."""
+STARTUP_MODES = ("cold", "warm", "off", "first", "first_serial")
+
+
+def startup_env(mode, config_dir, fresh_dir):
+    """The environment of a start-up of ``mode``. ``cold``: tuning from an empty config dir (level 1); ``warm``: the
+    same dir again; ``off``: level 3. ``first`` is a first start on a new machine with what ships: level 0, an
+    empty config dir and an empty Triton cache (``fresh_dir``), so every kernel compiles, the cached configs of each
+    tuned kernel on the tuner's compile threads; ``first_serial`` the same on one compile thread."""
+    if mode not in STARTUP_MODES:
+        raise ValueError(f"start-up mode expected one of {STARTUP_MODES}, got {mode!r}")
     env = {**os.environ, "LIGHTLLM_AUTOTUNE_CONFIG_DIR": config_dir,
-           "LIGHTLLM_TRITON_AUTOTUNE_LEVEL": "3" if mode == "off" else "1"}  # fmt: skip
+           "LIGHTLLM_TRITON_AUTOTUNE_LEVEL": {"off": "3", "cold": "1", "warm": "1"}.get(mode, "0")}  # fmt: skip
+    env.pop("LIGHTLLM_AUTOTUNE_COMPILE_THREADS", None)
+    if mode.startswith("first"):
+        env.update(LIGHTLLM_AUTOTUNE_CONFIG_DIR=os.path.join(fresh_dir, "configs"),
+                   TRITON_CACHE_DIR=os.path.join(fresh_dir, "triton"))  # fmt: skip
+        if mode == "first_serial":
+            env["LIGHTLLM_AUTOTUNE_COMPILE_THREADS"] = "1"
+    return env
+
+
+def startup_seconds(model_dir, mode, config_dir, buckets=None):
+    """A fresh process started as ``startup_env`` says. Returns the whole start-up, the runner's seconds per phase
+    and its decode graphs' cost per KV length bucket (``decode_graph_buckets``)."""
+    with tempfile.TemporaryDirectory(prefix="first-start-") as fresh:
+        return _startup_seconds(model_dir, mode, startup_env(mode, config_dir, fresh), buckets)
+
+
+def _startup_seconds(model_dir, mode, env, buckets):
     code = ("import json, time; t=time.perf_counter(); from lightllm import LLM; "
             f"llm = LLM({model_dir!r}, data_type='bf16', running_max_req_size=64, graph_max_batch_size=64, "
             "max_req_total_len=32768, graph_max_len_in_batch=32768, batch_max_tokens=8192, "
@@ -254,6 +283,9 @@ def main():
     p.add_argument("--kv-len", type=int, default=4096)
     p.add_argument("--out", default="benchmarks/results/decode_step.json")
     p.add_argument("--no-startup", action="store_true")
+    p.add_argument("--startup-modes", nargs="+", default=["cold", "warm", "off"], choices=STARTUP_MODES,
+                   help="start-ups to time, in order (startup_env); first / first_serial: a new machine's first "
+                   "start with the shipped configs, on the compile threads / on one")  # fmt: skip
     p.add_argument(
         "--tune-level",
         type=int,
@@ -319,7 +351,7 @@ def main():
             gc.collect()  # the children size their KV pools from free memory
             torch.cuda.empty_cache()
             with tempfile.TemporaryDirectory() as cfg:
-                for mode in ("cold", "warm", "off"):
+                for mode in args.startup_modes:
                     result["startup_s"][mode] = startup_seconds(model_dir, mode, cfg, args.graph_len_buckets)
                     print(mode, json.dumps(result["startup_s"][mode]), flush=True)
                     save(args.out, result)

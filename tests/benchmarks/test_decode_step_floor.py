@@ -58,3 +58,25 @@ def test_pdl_ab_alternates_which_graph_goes_first_and_pairs_each_round(monkeypat
     ratios = sorted([1.1 / 1.0, 2.0 / 2.1, 2.7 / 3.0, 1.0 / 1.2])
     assert got["pdl_over_plain"] == pytest.approx((ratios[1] + ratios[2]) / 2)
     assert got["replay_ms"] == pytest.approx(1.65) and got["replay_pdl_ms"] == pytest.approx(1.55)
+
+
+def test_first_start_modes_begin_with_empty_caches_and_the_shipped_configs(tmp_path, monkeypatch):
+    """``first`` / ``first_serial``: level 0 (the shipped configs), an empty config dir and an empty Triton cache, on
+    the tuner's compile threads / on one; the tuning modes keep the shared config dir and the caller's Triton cache."""
+    monkeypatch.setenv("LIGHTLLM_AUTOTUNE_COMPILE_THREADS", "5")  # the caller's choice never reaches a start-up
+    monkeypatch.setenv("TRITON_CACHE_DIR", "/caller/triton")
+    shared, fresh = str(tmp_path / "shared"), str(tmp_path / "fresh")
+    env = {mode: decode_step.startup_env(mode, shared, fresh) for mode in decode_step.STARTUP_MODES}
+    assert [env[m]["LIGHTLLM_TRITON_AUTOTUNE_LEVEL"] for m in decode_step.STARTUP_MODES] == ["1", "1", "3", "0", "0"]
+    for mode in ("cold", "warm", "off"):
+        assert env[mode]["LIGHTLLM_AUTOTUNE_CONFIG_DIR"] == shared and env[mode]["TRITON_CACHE_DIR"] == "/caller/triton"
+    for mode in ("first", "first_serial"):
+        assert env[mode]["LIGHTLLM_AUTOTUNE_CONFIG_DIR"].startswith(fresh)
+        assert env[mode]["TRITON_CACHE_DIR"].startswith(fresh)
+    assert (
+        "LIGHTLLM_AUTOTUNE_COMPILE_THREADS" not in env["first"]
+        and "LIGHTLLM_AUTOTUNE_COMPILE_THREADS" not in env["cold"]
+    )
+    assert env["first_serial"]["LIGHTLLM_AUTOTUNE_COMPILE_THREADS"] == "1"
+    with pytest.raises(ValueError, match="start-up mode expected one of"):
+        decode_step.startup_env("lukewarm", shared, fresh)
