@@ -137,24 +137,20 @@ def search_summary(log_text: str) -> str:
     """Per tuned kernel, the searches a start's log reports and their seconds (the tuner logs one line per search),
     with the kernels those searches compiled ahead and that part of the seconds: where a start's time went, e.g.
     ``gqa_flash_decode 19 searches 143.2 s (34 kernels compiled ahead in 8.7 s); rmsnorm 2 searches 0.4 s``."""
-    per: dict = {}
+    per: dict = {}  # kernel -> [searches, seconds, kernels compiled ahead, their seconds]
     for line in log_text.splitlines():
         found = _SEARCH.search(line)
         if found is None:
             continue
+        row = per.setdefault(found.group(1), [0, 0.0, 0, 0.0])
+        row[0], row[1] = row[0] + 1, row[1] + float(found.group(3))
         ahead = _AHEAD.search(line, found.end())
-        count, total, kernels, compiling = per.get(found.group(1), (0, 0.0, 0, 0.0))
-        per[found.group(1)] = (count + 1, total + float(found.group(3)),
-                               kernels + (int(ahead.group(1)) if ahead else 0),
-                               compiling + (float(ahead.group(2)) if ahead else 0.0))  # fmt: skip
+        if ahead:
+            row[2], row[3] = row[2] + int(ahead.group(1)), row[3] + float(ahead.group(2))
     ranked = sorted(per.items(), key=lambda item: -item[1][1])
-    return (
-        "; ".join(
-            f"{k} {n} searches {t:.1f} s" + (f" ({a} kernels compiled ahead in {c:.1f} s)" if a else "")
-            for k, (n, t, a, c) in ranked
-        )
-        or "no searches"
-    )
+    parts = [f"{k} {n} searches {t:.1f} s" + (f" ({a} kernels compiled ahead in {c:.1f} s)" if a else "")
+             for k, (n, t, a, c) in ranked]  # fmt: skip
+    return "; ".join(parts) or "no searches"
 
 
 def _run_start(kwargs: dict, config_dir: Path, timeout: Optional[float], log_path: Path,

@@ -72,9 +72,8 @@ def usable(threads: int) -> bool:
         threads > 1
         and AsyncCompileMode is not None
         and not knobs.runtime.interpret
-        and active_mode.get() is None
+        and active_mode.get() is None  # also inside a pass of ours
         and bool(_switches)
-        and not _active
     )
 
 

@@ -79,7 +79,7 @@ def merge_splits(o_ptr, lse_ptr, used, stride_mos, HEAD_DIM: tl.constexpr, SPLIT
     (benchmarks/results/decode_stage2_h200.json) one split a step costs about 60 ns a split (17.5 µs for 256 at
     d256); tiles of 16 took 0.54-0.94x its time from 32 splits up, but 1.04-1.15x with 16-17, and at B=64 with 2-5
     splits tiles of 2-4 took up to 2x."""
-    if SPLIT_TILE == 1:
+    if SPLIT_TILE == 1:  # a constexpr branch: a launch of tile 1 compiles the loop alone
         out = _merge_one_at_a_time(o_ptr, lse_ptr, used, stride_mos, HEAD_DIM)
     elif used >= 2 * SPLIT_TILE:
         out = _merge_in_tiles(o_ptr, lse_ptr, used, stride_mos, HEAD_DIM, SPLIT_TILE)
