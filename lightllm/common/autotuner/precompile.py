@@ -4,8 +4,8 @@ Otherwise each config's Triton kernels compile one after another as the config f
 has never run them that is where a start-up's time goes: the first INT8 decode search on an H200 spent its whole
 30 s budget after 29-35 of its 56 candidates (benchmarks/results/autotune_retime_h200.json). Most of a compile runs
 without Python's GIL (MLIR and LLVM passes, ``ptxas`` in a child process): on an H100 machine with 16 CPUs that
-search's 23 compiles took about 43 s one after another and 9.7 s on 8 threads, and the search 49.9 s against 17.2 s
-(benchmarks/results/autotune_compile_h100.json).
+search's 23 compiles took about 43 s one after another (the cold search less a second one) and 9.7 s on 8 threads,
+and the search 49.9 s against 17.2 s (benchmarks/results/autotune_compile_h100.json).
 
 How: every config's launcher runs once per input with each launch turned into a compile request (launchers
 register the switch: ``kernels/direct_launch.py``), under Triton's ``AsyncCompileMode``, whose compiles go to a
