@@ -13,12 +13,19 @@ length), for each cell, ``--repeats`` times, and reports from each search's reco
   final pick's (what a single pass would have cost the frozen config);
 - ``search s`` and ``retime s``: the whole search and its re-timings.
 
+``--arms R:F ...`` runs each search once per arm, with ``R`` replays in the first pass over every candidate
+(``bench.SCREEN_REPLAYS``) and ``F`` finalists re-timed at the full count (``tuner.FINALISTS``), in the order given.
+The first arm is the judge: ``judged loss`` is each arm's pick's worst-case loss on the judge's final timings of the
+same cell and repeat, so an arm that repeats the judge's (an A/A pair) shows what the method's noise alone costs.
+
     python benchmarks/autotune_retime.py --out benchmarks/results/autotune_retime_h200.json
+    python benchmarks/autotune_retime.py --arms 15:3 5:3 15:3 --out F
 """
 
 import argparse
 import math
 import os
+import statistics
 import sys
 import tempfile
 
@@ -28,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # its sibling mo
 from bench_io import save_json  # noqa: E402
 from decode_attention import KINDS, SHAPES, decode_fn, kv_bytes, make_pool  # noqa: E402
 
-from lightllm.common.autotuner import AutotuneKernelType, autotune_warmup  # noqa: E402
+from lightllm.common.autotuner import AutotuneKernelType, autotune_warmup, bench, tuner  # noqa: E402
 from lightllm.common.autotuner.choice import choose, per_scenario_best, worst_case_loss  # noqa: E402
 from lightllm.common.autotuner.keys import key_to_json  # noqa: E402
 from lightllm.kernels.attention.decode import flash_decode  # noqa: E402
@@ -61,6 +68,44 @@ def summarize(record) -> dict:
     }
 
 
+def _kept(record) -> dict:
+    return {-1: record.default_ms, **{i: ms for i, (_, ms) in enumerate(record.timings)}}
+
+
+def _pick(record):
+    """(index, config) the rule chooses on the record's final timings; index -1 is the default."""
+    times = _kept(record)
+    i = choose(times[-1], {j: t for j, t in times.items() if j >= 0}, record.rule)
+    return i, (None if i < 0 else record.timings[i][0])
+
+
+def judged(record, judge) -> dict:
+    """``record``'s pick judged on ``judge``'s final timings (another search of the same key and candidates): its
+    worst-case loss there, whether it is the judge's pick, and whether the judge's pick was among ``record``'s
+    re-timed finalists."""
+    times = _kept(judge)
+    index = {key_to_json(c): i for i, (c, _) in enumerate(judge.timings)}
+    _, config = _pick(record)
+    mine = -1 if config is None else index[key_to_json(config)]
+    best = per_scenario_best(t for t in times.values() if all(map(math.isfinite, t)))
+    theirs, _ = _pick(judge)
+    finalists = {-1 if c is None else index[key_to_json(c)] for c in
+                 (None if i < 0 else record.timings[i][0] for i in record.first_pass)}  # fmt: skip
+    return {"judged_loss_pct": 100.0 * (worst_case_loss(times[mine], best) - 1), "same_pick": mine == theirs,
+            "judge_pick_retimed": theirs in finalists or mine == theirs}  # fmt: skip
+
+
+def parse_arm(text: str) -> tuple:
+    """``"R:F"`` -> (first-pass replays R >= 1, finalists F >= 0)."""
+    try:
+        replays, finalists = (int(v) for v in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"an arm expected REPLAYS:FINALISTS (e.g. 5:3), got {text!r}") from None
+    if replays < 1 or finalists < 0:
+        raise argparse.ArgumentTypeError(f"an arm expected REPLAYS >= 1 and FINALISTS >= 0, got {text!r}")
+    return replays, finalists
+
+
 def search_once(kind, q, pool, r2t, idx, seq, graph_len, out, group):
     """One DECODE_ATTENTION search of this kernel's key, from an empty config folder: its record."""
     launcher = flash_decode._LAUNCHERS[kind]
@@ -81,7 +126,7 @@ def run(args) -> dict:
     os.environ["LIGHTLLM_DECODE_ATTN_AUTOTUNE_SEQ_LEN"] = str(args.graph_len)
     os.environ["LIGHTLLM_AUTOTUNE_IGNORE_SHIPPED"] = "all"  # search as on a GPU with nothing shipped
     results = {"device": torch.cuda.get_device_name(), "graph_len": args.graph_len, "quant_group": args.group,
-               "rows": []}  # fmt: skip
+               "arms": [arm_label(j, *arm) for j, arm in enumerate(args.arms)], "rows": []}  # fmt: skip
     for kind in args.kinds:
         for shape in args.shapes:
             hq, hk, d = SHAPES[shape]
@@ -96,19 +141,63 @@ def run(args) -> dict:
                 seq = torch.full((batch,), args.graph_len, device="cuda", dtype=torch.int32)
                 q = torch.randn(batch, hq, d, device="cuda", dtype=torch.bfloat16)
                 for repeat in range(args.repeats):
-                    record = search_once(kind, q, pool, r2t, idx, seq, args.graph_len, torch.empty_like(q), args.group)
-                    row = {"kind": kind, "shape": shape, "B": batch, "repeat": repeat, **summarize(record)}
-                    results["rows"].append(row)
-                    print_row(row)
-                    save_json(results, args.out)  # partial results survive a time limit
+                    judge = None
+                    for j, (replays, finalists) in enumerate(args.arms):
+                        bench.SCREEN_REPLAYS, tuner.FINALISTS = replays, finalists
+                        record = search_once(kind, q, pool, r2t, idx, seq, args.graph_len, torch.empty_like(q),
+                                             args.group)  # fmt: skip
+                        judge = judge or record
+                        row = {
+                            "kind": kind,
+                            "shape": shape,
+                            "B": batch,
+                            "repeat": repeat,
+                            "arm": arm_label(j, replays, finalists),
+                        }
+                        row.update(summarize(record), **judged(record, judge))
+                        results["rows"].append(row)
+                        print_row(row)
+                        save_json(results, args.out)  # partial results survive a time limit
                 del pool, r2t
                 torch.cuda.empty_cache()
+    results["arm_summary"] = arm_summary(results["rows"])
+    save_json(results, args.out)
+    print_arms(results["rows"])
     return results
 
 
+def arm_label(index: int, replays: int, finalists: int) -> str:
+    """``#0 15:3``: the arm's place (the judge is #0; two arms of one setting stay apart) and its setting."""
+    return f"#{index} {replays}:{finalists}"
+
+
+def arm_summary(rows: list) -> dict:
+    """Per arm: searches, median search and re-timing seconds, mean and worst judged loss, picks equal to the
+    judge's and judge's picks the arm re-timed."""
+    out = {}
+    for arm in dict.fromkeys(r["arm"] for r in rows):
+        mine = [r for r in rows if r["arm"] == arm]
+        losses = [r["judged_loss_pct"] for r in mine]
+        out[arm] = {"searches": len(mine), "search_s": statistics.median(r["search_s"] for r in mine),
+                    "retime_s": statistics.median(r["retime_s"] for r in mine),
+                    "judged_loss_mean_pct": statistics.fmean(losses), "judged_loss_max_pct": max(losses),
+                    "same_pick": sum(r["same_pick"] for r in mine),
+                    "judge_pick_retimed": sum(r["judge_pick_retimed"] for r in mine)}  # fmt: skip
+    return out
+
+
+def print_arms(rows: list) -> None:
+    print(f"{'arm':>8} {'searches':>8} {'search s':>8} {'retime s':>8} {'judged loss mean/max':>20} "
+          f"{'same pick':>9} {'judge pick re-timed':>19}")  # fmt: skip
+    for arm, a in arm_summary(rows).items():
+        loss = f"{a['judged_loss_mean_pct']:.2f}/{a['judged_loss_max_pct']:.2f}%"
+        print(f"{arm:>8} {a['searches']:>8} {a['search_s']:>8.2f} {a['retime_s']:>8.2f} {loss:>20} "
+              f"{a['same_pick']:>9} {a['judge_pick_retimed']:>19}")  # fmt: skip
+
+
 HEADER = (
-    f"{'kind':5} {'shape':14} {'B':>4} {'rep':>3} {'default 1st':>11} {'finalists 1st':>13} {'1-pass loss':>11} "
-    f"{'loss':>6} {'search s':>8} {'retime s':>8}  picks (one pass -> re-timed)"
+    f"{'kind':5} {'shape':14} {'B':>4} {'rep':>3} {'arm':>8} {'default 1st':>11} {'finalists 1st':>13} "
+    f"{'1-pass loss':>11} {'loss':>6} {'judged':>7} {'search s':>8} {'retime s':>8}  picks (one pass -> re-timed)"
 )
 
 
@@ -118,8 +207,9 @@ def print_row(row: dict) -> None:
 
     picks = row["pick"] if row["pick"] == row["one_pass_pick"] else f"{row['one_pass_pick']} -> {row['pick']}"
     print(
-        f"{row['kind']:5} {row['shape']:14} {row['B']:>4} {row['repeat']:>3} {pct(row['default_first_pct']):>11} "
-        f"{pct(row['finalists_first_pct']):>13} {pct(row['one_pass_loss_pct']):>11} {pct(row['loss_pct']):>6} "
+        f"{row['kind']:5} {row['shape']:14} {row['B']:>4} {row['repeat']:>3} {row.get('arm', '-'):>8} "
+        f"{pct(row['default_first_pct']):>11} {pct(row['finalists_first_pct']):>13} "
+        f"{pct(row['one_pass_loss_pct']):>11} {pct(row['loss_pct']):>6} {pct(row.get('judged_loss_pct')):>7} "
         f"{row['search_s']:>8.2f} {row['retime_s']:>8.2f}  {picks}",
         flush=True,
     )
@@ -139,6 +229,13 @@ def main(argv=None):
     add_cell_args(p, SHAPES, [1, 8, 16, 64, 128])
     p.add_argument("--repeats", type=int, default=2, help="searches per cell, each from an empty config folder")
     p.add_argument("--max-gb", type=float, default=60.0, help="skip cells whose KV pool is larger")
+    p.add_argument(
+        "--arms",
+        nargs="+",
+        type=parse_arm,
+        default=[(bench.SCREEN_REPLAYS, tuner.FINALISTS)],
+        help="REPLAYS:FINALISTS per search of a cell, the first the judge (default: the tuner's own)",
+    )
     p.add_argument("--out", default="benchmarks/results/autotune_retime.json")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():

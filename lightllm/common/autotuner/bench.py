@@ -1,9 +1,11 @@
 """Timers for candidate configs: ``fn(run) -> milliseconds`` where ``run()`` launches the kernel once.
 
 The default on a GPU times CUDA-graph replays with CUDA events, the way a captured decode step will run
-the kernel (no Python or launch overhead in the number). Without CUDA a wall-clock timer is used.
+the kernel (no Python or launch overhead in the number). Without CUDA a wall-clock timer is used. A search screens
+every candidate with fewer replays (``screen_bench_func``) and times its finalists again with the full count.
 """
 
+import functools
 import logging
 import math
 import statistics
@@ -19,6 +21,9 @@ BenchFunc = Callable[[Callable[[], object]], float]
 _TARGET_GRAPH_MS = 1.0  # launches per graph are chosen so one replay takes about this long
 _MAX_RUNS_PER_GRAPH = 100
 _REPLAYS = 15
+# Replays of a search's first pass over every candidate: a replay is ~1 ms of launches, so at 15 the replays were
+# two thirds of a timing; the finalists and the default are timed again at _REPLAYS (tuner.Autotuner._retime).
+SCREEN_REPLAYS = 5
 
 
 def cuda_graph_bench(run: Callable[[], object], replays: int = _REPLAYS) -> float:
@@ -89,3 +94,11 @@ def set_bench_func(fn: Optional[BenchFunc]) -> None:
 
 def get_bench_func() -> BenchFunc:
     return _bench_func or default_bench
+
+
+def screen_bench_func() -> BenchFunc:
+    """The timer of a search's first pass: the CUDA-graph timer at ``SCREEN_REPLAYS`` replays; a timer swapped in
+    by :func:`set_bench_func`, or the CPU's wall clock, times both passes alike."""
+    if _bench_func is None and torch.cuda.is_available():
+        return functools.partial(cuda_graph_bench, replays=SCREEN_REPLAYS)
+    return get_bench_func()

@@ -17,7 +17,7 @@ from tqdm import tqdm
 from lightllm.common import envs
 from lightllm.common.autotuner import dist, precompile
 from lightllm.common.autotuner.accuracy import collect_tensors, mismatch
-from lightllm.common.autotuner.bench import get_bench_func
+from lightllm.common.autotuner.bench import get_bench_func, screen_bench_func
 from lightllm.common.autotuner.choice import check_rule, choose, per_scenario_best, ranking, worst_case_loss
 from lightllm.common.autotuner.keys import (
     ParamPicker,
@@ -680,8 +680,8 @@ class _Trial:
         return collect_tensors(returned) + [t for t in named.values() if isinstance(t, torch.Tensor)]
 
     def measure(self, config: Config, again: bool = False) -> float:
-        """Milliseconds per run, or inf when the config fails or disagrees with the default's outputs; ``again``:
-        a re-timing, counted apart."""
+        """Milliseconds per run, or inf when the config fails or disagrees with the default's outputs; the first
+        pass screens (``screen_bench_func``), ``again`` (a re-timing, counted apart) times in full."""
         tuner = self.tuner
 
         def run():
@@ -700,7 +700,7 @@ class _Trial:
                     )
                     return math.inf
             self.snapshot.restore()
-            ms = float(get_bench_func()(run))
+            ms = float((get_bench_func() if again else screen_bench_func())(run))
             if again:
                 STATS.candidates_retimed += 1
             else:

@@ -538,6 +538,48 @@ def test_only_the_leading_candidates_are_retimed(toy, level):
     assert t.configs_used()[-1] == {"ms": 0.05}
 
 
+def test_first_pass_screens_and_the_finalists_are_timed_in_full(toy, level, monkeypatch):
+    """Every candidate and the default are screened by the first pass's timer; the re-timings use the full one."""
+    level(1)
+    t = toy(configs=[{"ms": v} for v in (0.5, 0.3, 0.9, 0.4, 0.6)])
+    fake, used = tuner.get_bench_func(), []
+
+    def timer(name):
+        def time_it(run):
+            used.append(name)
+            return fake(run)
+
+        return time_it
+
+    monkeypatch.setattr(tuner, "screen_bench_func", lambda: timer("screen"))
+    monkeypatch.setattr(tuner, "get_bench_func", lambda: timer("full"))
+    with autotune_warmup(GENERAL):
+        t(n=4)
+    assert used == ["screen"] * 6 + ["full"] * (tuner.FINALISTS + 1)
+    assert t.bench.timed[6:] == [{"ms": 0.4}, {"ms": 0.3}, {"ms": 0.5}, None]  # the leaders, last first; the default
+
+
+def test_screen_timer_is_the_graph_timer_at_fewer_replays(monkeypatch):
+    """On a GPU with the default timer the first pass replays SCREEN_REPLAYS times; a swapped-in timer, or the
+    CPU's wall clock, times both passes."""
+    from lightllm.common.autotuner import bench, set_bench_func
+
+    set_bench_func(None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    screen = bench.screen_bench_func()
+    assert screen.func is bench.cuda_graph_bench and screen.keywords == {"replays": bench.SCREEN_REPLAYS}
+    assert bench.get_bench_func() is bench.default_bench
+    assert 1 <= bench.SCREEN_REPLAYS < bench._REPLAYS
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert bench.screen_bench_func() is bench.default_bench
+    mine = lambda run: 1.0  # noqa: E731
+    set_bench_func(mine)
+    try:
+        assert bench.screen_bench_func() is mine
+    finally:
+        set_bench_func(None)
+
+
 def test_retiming_keeps_the_faster_time_per_input(toy, level):
     """Over several inputs each scenario keeps its own faster time, and the rule chooses on those."""
     level(1)
