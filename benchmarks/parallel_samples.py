@@ -13,6 +13,7 @@ prompt tokens the prefills computed per round, and what the samples read from th
 """
 
 import argparse
+import gc
 import os
 import statistics
 import sys
@@ -53,6 +54,40 @@ def one_round(engine: Engine, prompts, computed: list) -> tuple:
     return max(firsts.values()) - t0, sum(computed) - before, [cached[i] for i in range(len(prompts))]
 
 
+def run_mode(args, model: str, common: dict, mtp: dict, cache: bool) -> dict:
+    """One mode's engine, warm-up and rounds; its row. Everything that holds the runner is local here, so it is
+    freed when this returns (the second mode's KV sizing reads the free memory)."""
+    engine_args = EngineArgs(model_dir=model, running_max_req_size=args.samples, max_req_total_len=args.prompt + 8,
+                             graph_max_batch_size=args.samples, disable_dynamic_prompt_cache=not cache, **common,
+                             **mtp)  # fmt: skip
+    runner = ModelRunner(engine_args)
+    computed, prefill = [], runner.prefill
+
+    def counted(slots, prompts, *rest):
+        computed.append(sum(len(q) for q in prompts))
+        return prefill(slots, prompts, *rest)
+
+    runner.prefill = counted
+    engine = Engine(runner, eos_ids=[])
+    vocab = runner.config.vocab_size if args.tiny else 512  # the tokenizer's ids; the lm_head is padded
+    g = torch.Generator().manual_seed(0)
+    one_round(engine, [torch.randint(0, vocab, (args.prompt,), generator=g).tolist()], computed)  # warm-up
+    times, tokens, reads = [], [], []
+    for _ in range(args.repeats):
+        prompt = torch.randint(0, vocab, (args.prompt,), generator=g).tolist()
+        t, n, hits = one_round(engine, [prompt] * args.samples, computed)
+        times.append(t)
+        tokens.append(n)
+        reads.append(hits)
+    row = {"mode": "cache on" if cache else "cache off", "model": args.model, "mtp_step": args.mtp_step,
+           "prompt": args.prompt, "samples": args.samples, "last_first_token_ms": statistics.median(times) * 1e3,
+           "rounds_ms": [t * 1e3 for t in times], "computed_tokens": tokens, "cached_tokens": reads}  # fmt: skip
+    print(f"{row['mode']:>9}: {args.samples} samples of a {args.prompt}-token prompt, last first token "
+          f"{row['last_first_token_ms']:.1f} ms, prompt tokens computed {tokens[0]}", flush=True)  # fmt: skip
+    runner.prefill = prefill  # the counting wrapper refers to the runner: a cycle to break before returning
+    return row
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_model_args(p)
@@ -71,40 +106,8 @@ def main(argv=None):
                                      tiny_tokens=(args.samples + 2) * (args.prompt + 8), model=args.model,
                                      mtp=bool(mtp))  # fmt: skip
         for cache in (True, False):
-            engine_args = EngineArgs(model_dir=model, running_max_req_size=args.samples,
-                                     max_req_total_len=args.prompt + 8, graph_max_batch_size=args.samples,
-                                     disable_dynamic_prompt_cache=not cache, **common, **mtp)  # fmt: skip
-            runner = ModelRunner(engine_args)
-            computed, prefill = [], runner.prefill
-
-            def counted(slots, prompts, *rest, prefill=prefill, computed=computed):
-                computed.append(sum(len(q) for q in prompts))
-                return prefill(slots, prompts, *rest)
-
-            runner.prefill = counted
-            engine = Engine(runner, eos_ids=[])
-            vocab = runner.config.vocab_size if args.tiny else 512  # the tokenizer's ids; the lm_head is padded
-            g = torch.Generator().manual_seed(0)
-            one_round(engine, [torch.randint(0, vocab, (args.prompt,), generator=g).tolist()], computed)  # warm-up
-            times, tokens, reads = [], [], []
-            for _ in range(args.repeats):
-                prompt = torch.randint(0, vocab, (args.prompt,), generator=g).tolist()
-                t, n, hits = one_round(engine, [prompt] * args.samples, computed)
-                times.append(t)
-                tokens.append(n)
-                reads.append(hits)
-            row = {"mode": "cache on" if cache else "cache off", "model": args.model, "mtp_step": args.mtp_step,
-                   "prompt": args.prompt, "samples": args.samples,
-                   "last_first_token_ms": statistics.median(times) * 1e3, "rounds_ms": [t * 1e3 for t in times],
-                   "computed_tokens": tokens, "cached_tokens": reads}  # fmt: skip
-            rows.append(row)
-            print(
-                f"{row['mode']:>9}: {args.samples} samples of a {args.prompt}-token prompt, last first token "
-                f"{row['last_first_token_ms']:.1f} ms, prompt tokens computed {tokens[0]}",
-                flush=True,
-            )
-            runner.prefill = prefill  # drop the counting wrapper: it holds the runner, which would outlive `del`
-            del runner, engine
+            rows.append(run_mode(args, model, common, mtp, cache))
+            gc.collect()  # the runner and its KV pool go before the next mode sizes its own from the free memory
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
     on, off = rows

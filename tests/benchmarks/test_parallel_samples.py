@@ -29,3 +29,24 @@ def test_one_sample_is_refused(bench, tmp_path, capsys):
     with pytest.raises(SystemExit):
         bench.main(["--tiny", "--samples", "1", "--out", str(tmp_path / "x.json")])
     assert "--samples and --prompt expected at least 2, got 1 and 4096" in capsys.readouterr().err
+
+
+def test_each_modes_runner_is_freed_before_the_next_sizes_its_pool(bench, tmp_path, monkeypatch):
+    """On a GPU the second mode's KV pool is sized from the free memory, so the first mode's runner must be gone by
+    then (a runner kept alive left the second one a pool of 0 tokens on the H100)."""
+    import gc
+    import weakref
+
+    made, alive_at_start = [], []
+    real = bench.ModelRunner
+
+    def tracked(*args, **kwargs):
+        alive_at_start.append(sum(ref() is not None for ref in made))
+        runner = real(*args, **kwargs)
+        made.append(weakref.ref(runner))
+        return runner
+
+    monkeypatch.setattr(bench, "ModelRunner", tracked)
+    bench.main(["--tiny", "--prompt", "40", "--samples", "2", "--repeats", "1", "--out", str(tmp_path / "s.json")])
+    gc.collect()
+    assert alive_at_start == [0, 0] and [ref() for ref in made] == [None, None]
