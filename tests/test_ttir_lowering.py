@@ -118,6 +118,37 @@ def test_one_cubin_per_kernel_options_and_code_path_at_its_biggest_tiles():
     assert ttir_lowering.representatives(list(recorder.launches)) == [off, biggest, warps]
 
 
+def test_the_short_prefill_fla_kernel_builds_for_sm90_at_qwen3_5_widths():
+    """fla-core's fused recurrent gated delta rule as the linear-attention backend's short prefill launches it
+    (``layers/linear_attention.py``, ``_fla_recurrent``), from zero and from initial states: recorded from a small
+    interpreted run, then built for sm_90 with bf16 inputs at Qwen3.5-27B's widths (16 key heads, 48 value heads,
+    head dims 128). The whole-suite checks build lightllm's own kernels only."""
+    from lightllm.layers import linear_attention as la
+
+    tokens, g = 3, torch.Generator().manual_seed(0)
+    q, k = (torch.randn(tokens, 1, 16, generator=g).half() for _ in range(2))
+    v = torch.randn(tokens, 2, 16, generator=g).half()
+    decay, beta = -torch.rand(tokens, 2, generator=g), torch.rand(tokens, 2, generator=g).half()
+    cu = torch.tensor([0, 1, tokens])
+    plan = la.LinearAttentionPlan(torch.arange(2, dtype=torch.int32), cu, cu, max_q_len=2)
+    with ttir_lowering.recording() as recorder:
+        for init in (None, torch.zeros(2, 2, 16, 16)):
+            la._fla_recurrent(q, k, v, decay, beta, plan, init)
+    widths = {"H": 16, "HV": 48, "K": 128, "V": 128, "BK": 128}
+
+    def at_widths(launch):
+        return dataclasses.replace(
+            launch,
+            signature=tuple((n, t.replace("fp16", "bf16")) for n, t in launch.signature),
+            constexprs=tuple((n, widths.get(n, c)) for n, c in launch.constexprs),
+        )
+
+    launches = [at_widths(launch) for launch in recorder.launches]
+    assert [launch.name for launch in launches] == ["fused_recurrent_gated_delta_rule_fwd_kernel"] * 2
+    built = ttir_lowering.build_cubins(launches)
+    assert [b.error for b in built] == [None, None]
+
+
 def test_kernel_enumeration_tells_entry_kernels_from_helpers():
     functions = ttir_lowering.jit_functions()
     entries = ttir_lowering.entry_kernels(functions)

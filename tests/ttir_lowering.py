@@ -262,6 +262,8 @@ def _source(launch: Launch):
     from triton.runtime.jit import JITFunction
 
     kernel = getattr(importlib.import_module(launch.module), launch.name)
+    while not isinstance(kernel, JITFunction) and hasattr(kernel, "fn"):
+        kernel = kernel.fn  # a library's @triton.heuristics / @triton.autotune wrapper around the JITFunction
     if not isinstance(kernel, JITFunction):
         raise TypeError(f"{launch.module}.{launch.name} is a {type(kernel).__name__}, not a JITFunction")
     attrs = {(kernel.arg_names.index(name),): [list(a) for a in attr] for name, attr in launch.attrs}

@@ -10,7 +10,9 @@ writes its final states into the slot. Decode reads and updates the slot in plac
 indexes the state through the static ``b_req_idx`` buffer.
 
 - CPU: the torch references.
-- GPU prefill: fla-core's chunked gated delta rule (packed varlen; float32 models: the torch reference); the conv
+- GPU prefill: fla-core's chunked gated delta rule (packed varlen; float32 models: the torch reference), or, when
+  no request of the forward brings more than ``RECURRENT_MAX_TOKENS`` new tokens (a short prompt, the rest of a
+  prompt after a prefix-cache hit), fla-core's fused recurrent kernel over the same packing; the conv
   as K shifted multiply-adds over the whole packed batch (:func:`causal_conv1d_packed`: no per-request loop on the
   host).
 - GPU decode: the Triton recurrent update and conv update (``kernels/linear_attention``).
@@ -34,6 +36,10 @@ from lightllm.kernels.linear_attention.verify_reference import causal_conv1d_ver
 from lightllm.layers.infer_state import InferState
 
 SSM_DATA_TYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # --linear_att_ssm_data_type
+# A prefill whose requests bring at most this many new tokens each runs the gated delta rule token by token (one
+# launch) instead of chunked: fla's chunked path costs about 1 ms of host work a layer (H100 profile, docs/engine.md),
+# and up to one of its 64-token chunks it has no work to share across tokens
+RECURRENT_MAX_TOKENS = 64
 
 
 @dataclass(frozen=True)
@@ -79,6 +85,7 @@ class LinearAttentionPlan:
     cu_seqlens_cpu: Optional[torch.Tensor] = None
     offsets: Optional[torch.Tensor] = None  # int64 [tokens]: each token's index in its request (GPU prefill)
     continues: Optional[torch.Tensor] = None  # bool [batch]: starts from its slot's states (None: all from zero)
+    max_q_len: int = 0  # prefill: the most new tokens of one request
     dst_idx: Optional[torch.Tensor] = None  # int32 [batch, T]: MTP verify, the slot of the state after each token
     # GPU decode: the conv update's and the delta rule's kernel plans, made at the first layer's call (from its
     # tensors) and run by every later layer, each writing one output buffer per forward
@@ -109,7 +116,8 @@ class LinearAttentionBackend:
             starts = torch.repeat_interleave(cu[:-1], lens, output_size=tokens)  # output_size: no device sync
             offsets = torch.arange(tokens, device=cu.device) - starts
         continues = infer_state.b_prefix_len > 0 if infer_state.max_prefix_len else None
-        return LinearAttentionPlan(slots, cu, cu_cpu, offsets, continues)
+        max_q_len = int((cu_cpu[1:] - cu_cpu[:-1]).max()) if len(cu_cpu) > 1 else 0
+        return LinearAttentionPlan(slots, cu, cu_cpu, offsets, continues, max_q_len=max_q_len)
 
     def _initial(self, pool: torch.Tensor, plan: LinearAttentionPlan) -> torch.Tensor:
         """Each request's state from its slot of ``pool`` (one layer), zeros for a request that starts afresh
@@ -139,7 +147,8 @@ class LinearAttentionBackend:
         # fla-core 0.6.0's chunk kernels fail to compile for float32 inputs with Triton 3.6 on the H200 (chunk_o:
         # "PassManager::run failed"), so float32 models take the torch reference on the GPU too: slow, but exact
         if self.on_gpu and v.dtype != torch.float32:
-            out, finals = _fla_chunk(q, k, v, g, beta.to(v.dtype), plan, init)
+            fla = _fla_recurrent if plan.max_q_len <= RECURRENT_MAX_TOKENS else _fla_chunk
+            out, finals = fla(q, k, v, g, beta.to(v.dtype), plan, init)
         else:
             out, finals = gated_delta_rule_varlen_ref(q, k, v, g, beta, plan.cu_seqlens_cpu, initial_states=init)
         self.state.ssm_layers[layer][plan.state_idx.long()] = finals.to(self.state.ssm.dtype)
@@ -248,6 +257,19 @@ def _fla_chunk(q, k, v, g, beta, plan: LinearAttentionPlan, initial_state=None) 
     out, finals = chunk_gated_delta_rule(q, k, v, g, beta, scale=q.shape[-1] ** -0.5, initial_state=initial_state,
                                          output_final_state=True, use_qk_l2norm_in_kernel=True,
                                          cu_seqlens=plan.cu_seqlens, cu_seqlens_cpu=plan.cu_seqlens_cpu)  # fmt: skip
+    return out[0], finals
+
+
+def _fla_recurrent(q, k, v, g, beta, plan: LinearAttentionPlan, initial_state=None) -> Tuple[torch.Tensor, ...]:
+    """:func:`_fla_chunk`'s computation token by token: fla-core's fused recurrent gated delta rule, one launch over
+    the same packing, same initial and final states (``g`` and ``beta`` by name: its fifth positional is ``gk``)."""
+    from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule  # lazy: GPU only
+
+    q, k, v, g, beta = (t.contiguous().unsqueeze(0) for t in (q, k, v, g, beta))
+    out, finals = fused_recurrent_gated_delta_rule(
+        q, k, v, g=g, beta=beta, scale=q.shape[-1] ** -0.5, initial_state=initial_state, output_final_state=True,
+        use_qk_l2norm_in_kernel=True, cu_seqlens=plan.cu_seqlens
+    )  # fmt: skip
     return out[0], finals
 
 

@@ -134,11 +134,13 @@ def test_packed_conv_matches_the_per_request_reference(dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("lens", [[1, 70, 9], [1, 33, 9]], ids=["chunked", "recurrent"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_gpu_prefill_and_decode_match_the_references(dtype):
-    """fla-core's chunked prefill and the Triton decode kernels (the GPU path) against the CPU references, with
-    grouped value heads, several sequences (one longer than fla's 64-token chunk) and unordered slots."""
-    lens, slots = [1, 70, 9], [3, 0, 2]
+def test_gpu_prefill_and_decode_match_the_references(dtype, lens):
+    """fla-core's prefill (chunked with a request longer than RECURRENT_MAX_TOKENS and fla's 64-token chunk, else
+    its fused recurrent kernel) and the Triton decode kernels (the GPU path) against the CPU references, with
+    grouped value heads, several sequences and unordered slots."""
+    slots = [3, 0, 2]
     s = GPU_SHAPE
     t, d = inputs(sum(lens), s=s), inputs(3, seed=1, s=s)
     ref, gpu = backend(shape=s), backend(device="cuda", dtype=dtype, shape=s)
@@ -294,6 +296,7 @@ def test_float32_prefill_on_the_gpu_path_takes_the_reference(monkeypatch):
         return v.float(), torch.zeros(len(plan.cu_seqlens_cpu) - 1, v.shape[1], q.shape[-1], v.shape[-1])
 
     monkeypatch.setattr(la, "_fla_chunk", fake_fla)
+    monkeypatch.setattr(la, "_fla_recurrent", fake_fla)
     lens, slots, t = [1, 9], [3, 0], inputs(10)
     ref = backend()
     want = run_prefill(ref, t, lens, slots)
@@ -306,3 +309,89 @@ def test_float32_prefill_on_the_gpu_path_takes_the_reference(monkeypatch):
     half.on_gpu = True
     run_prefill(half, {n: v.to(torch.bfloat16) for n, v in t.items()}, lens, slots)
     assert calls == [torch.bfloat16]
+
+
+@pytest.mark.parametrize("lens, path", [([1, 9], "recurrent"), ([64, 3], "recurrent"), ([65, 3], "chunk"),
+                                        ([1, 200], "chunk")])  # fmt: skip
+def test_short_prefills_take_the_recurrent_kernel(monkeypatch, lens, path):
+    """On the GPU path a 16-bit prefill goes token by token when no request brings more than RECURRENT_MAX_TOKENS
+    new tokens (one launch, little host work), chunked otherwise; both get the same inputs, slots' states as
+    initial state included, and the final states land in the slots."""
+    import lightllm.layers.linear_attention as la
+
+    assert la.RECURRENT_MAX_TOKENS == 64
+    calls = []
+
+    def fake(name):
+        def fla(q, k, v, g, beta, plan, init=None):
+            calls.append((name, plan.max_q_len, init is None))
+            finals = torch.full((len(plan.cu_seqlens_cpu) - 1, v.shape[1], q.shape[-1], v.shape[-1]), 0.5)
+            return v.float(), finals
+
+        return fla
+
+    monkeypatch.setattr(la, "_fla_chunk", fake("chunk"))
+    monkeypatch.setattr(la, "_fla_recurrent", fake("recurrent"))
+    t = inputs(sum(lens))
+    be = backend(dtype=torch.bfloat16)
+    be.on_gpu = True
+    slots = [3, 0]
+    run_prefill(be, {n: v.to(torch.bfloat16) for n, v in t.items()}, lens, slots)
+    assert calls == [(path, max(lens), True)]
+    assert (be.state.ssm[0, slots] == 0.5).all()
+    calls.clear()
+    plan = be.plan(chunk_batch(lens, slots, [4, 0]))  # a continued request: the slots' states go in
+    u = {n: v.to(torch.bfloat16) for n, v in t.items()}
+    be.delta_prefill(0, u["q"], u["k"], u["v"], u["a"], u["b"], u["A_log"], u["dt_bias"], plan)
+    assert calls == [(path, max(lens), False)]
+
+
+def test_recurrent_fla_kernel_matches_the_reference_under_the_interpreter():
+    """fla-core's fused recurrent kernel as ``_fla_recurrent`` calls it (its gates and betas by name, the packing's
+    bounds, float32 initial states, the final states out), run by Triton's interpreter, against the torch
+    reference: three requests of 1, 5 and 9 tokens, grouped value heads."""
+    import lightllm.layers.linear_attention as la
+    from lightllm.kernels.linear_attention.reference import gated_delta_rule_varlen_ref, gdn_gates_ref
+
+    lens, s = [1, 5, 9], SHAPE
+    t = inputs(sum(lens), seed=7)
+    g, beta = gdn_gates_ref(t["a"], t["b"], t["A_log"], t["dt_bias"])
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+    init = torch.randn(3, s.value_heads, s.key_dim, s.value_dim, generator=torch.Generator().manual_seed(8)) * 0.1
+    plan = la.LinearAttentionPlan(torch.arange(3, dtype=torch.int32), cu, cu, max_q_len=max(lens))
+    for start in (None, init):
+        out, finals = la._fla_recurrent(t["q"], t["k"], t["v"], g, beta, plan, start)
+        want_out, want_finals = gated_delta_rule_varlen_ref(t["q"], t["k"], t["v"], g, beta, cu, initial_states=start)
+        torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(finals, want_finals, rtol=1e-5, atol=1e-5)
+
+
+def test_short_prefill_on_the_gpu_path_continues_the_states_under_the_interpreter():
+    """The backend's GPU path end to end (packed conv, fla's fused recurrent kernel in float16 under the
+    interpreter): a request prefilled in two short chunks, the second starting from its slot's states, beside a
+    fresh request in a slot holding a finished request's states, against one whole float32 reference prefill."""
+    whole_lens, slots = [9, 6], [2, 1]
+    t = inputs(sum(whole_lens), seed=9)
+    want_conv, want_out = run_prefill(backend(), t, whole_lens, slots)
+    be = backend(dtype=torch.float16)
+    be.on_gpu = True
+    be.state.ssm[0, 1] = 7.0  # must not be read: request B starts fresh
+    half = {n: v.half() for n, v in t.items()}
+    got = torch.full_like(want_out, float("nan"))
+    for pieces, step_slots, prefix in (([(0, 0, 4)], [2], [0]), ([(0, 4, 9), (1, 0, 6)], [2, 1], [4, 0])):
+        idx = torch.cat([torch.arange([0, 9][r] + a, [0, 9][r] + b) for r, a, b in pieces])
+        u = rows(half, idx)
+        plan = be.plan(chunk_batch([b - a for _, a, b in pieces], step_slots, prefix))
+        assert plan.max_q_len <= 64
+        x = be.conv_prefill(0, u["x"], u["weight"], plan)
+        assert x.dtype == torch.float16
+        got[idx] = be.delta_prefill(0, u["q"], u["k"], u["v"], u["a"], u["b"], u["A_log"], u["dt_bias"],
+                                    plan).float()  # fmt: skip
+    torch.testing.assert_close(got, want_out, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(be.state.ssm, backend_states(t, whole_lens, slots), rtol=2e-2, atol=2e-2)
+
+
+def backend_states(t, lens, slots):
+    ref = backend()
+    run_prefill(ref, t, lens, slots)
+    return ref.state.ssm

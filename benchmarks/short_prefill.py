@@ -1,0 +1,105 @@
+"""Time to first token of short Qwen3.5 prefills, the gated delta rule chunked vs token by token, in one process.
+
+In-process engine (no HTTP), a random-weight Qwen3.5-27B-shaped model of ``--layers`` layers. Per round, each
+mode in turn (the order alternates): ``chunked`` (fla-core's chunked kernels for every prefill,
+``RECURRENT_MAX_TOKENS`` 0) and ``recurrent`` (the default: fla-core's fused recurrent kernel when no request brings
+more than ``RECURRENT_MAX_TOKENS`` new tokens). Each times fresh prompts of ``--lens`` tokens (the median of
+``--sends``) and one ``--prompt``-token prompt sent three times: its third send reads all but the last token from
+the prefix cache and prefills one (docs/engine.md, "Prefix cache"). Prints the medians over the rounds per mode;
+writes JSON. On a GPU only the modes differ; ``--tiny`` (CPU, the torch references in both modes) checks the method.
+
+    python benchmarks/short_prefill.py --out benchmarks/results/short_prefill_h200.json
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+
+import torch
+
+from lightllm.engine.args import EngineArgs
+from lightllm.engine.engine import Engine
+from lightllm.engine.model_runner import ModelRunner
+from lightllm.layers import linear_attention
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from engine_bench import random_model, write_rows  # noqa: E402
+from prefix_cache_ttft import time_to_first_token  # noqa: E402
+
+MODES = {"chunked": 0, "recurrent": linear_attention.RECURRENT_MAX_TOKENS}
+
+
+def one_round(engine: Engine, fresh, lens, sends: int, prompt: int) -> dict:
+    """The current mode's times (ms): fresh prompts of each length, then a repeated prompt's three sends."""
+    row = {f"fresh_{n}_ms": statistics.median(time_to_first_token(engine, fresh(n))[0] * 1e3 for _ in range(sends))
+           for n in lens}  # fmt: skip
+    ids = fresh(prompt)
+    repeated = [time_to_first_token(engine, ids) for _ in range(3)]
+    row["repeated_ms"] = [t * 1e3 for t, _ in repeated]
+    row["repeated_cached_tokens"] = [hit for _, hit in repeated]
+    return row
+
+
+def summarize(rounds: list, lens) -> dict:
+    """Per mode, the median over its rounds of each fresh length and of the repeated prompt's third send."""
+    out = {}
+    for mode in MODES:
+        mine = [r for r in rounds if r["mode"] == mode]
+        out[mode] = {f"fresh_{n}_ms": statistics.median(r[f"fresh_{n}_ms"] for r in mine) for n in lens}
+        out[mode]["cache_hit_ms"] = statistics.median(r["repeated_ms"][2] for r in mine)
+    return out
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--tiny", action="store_true", help="the built-in tiny Qwen3.5 on the CPU (a check of the method)")
+    p.add_argument("--lens", type=int, nargs="+", default=[1, 16, 64, 512])
+    p.add_argument(
+        "--prompt",
+        type=int,
+        default=8192,
+        help="the repeated prompt's tokens (over 64, so its second send leaves the checkpoint the third reads)",
+    )
+    p.add_argument("--sends", type=int, default=3, help="fresh prompts timed per length, mode and round")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--out", default="benchmarks/results/short_prefill.json")
+    args = p.parse_args(argv)
+    if min(args.lens) < 1 or args.prompt < 2 or args.sends < 1 or args.rounds < 1:
+        p.error("--lens, --sends and --rounds expected positive integers and --prompt at least 2")
+    longest = max(args.prompt, *args.lens)
+    rounds = []
+    with tempfile.TemporaryDirectory() as root:
+        model, common = random_model(root, args.tiny, args.layers, longest + 8, tiny_tokens=4 * (longest + 8),
+                                     model="qwen3.5")  # fmt: skip
+        runner = ModelRunner(EngineArgs(model_dir=model, running_max_req_size=4, graph_max_batch_size=4,
+                                        max_req_total_len=longest + 8, **common))  # fmt: skip
+        engine = Engine(runner, eos_ids=[])
+        vocab = runner.config.vocab_size if args.tiny else 512  # the tokenizer's ids; the lm_head is padded
+        g = torch.Generator().manual_seed(0)
+
+        def fresh(n):
+            return torch.randint(0, vocab, (n,), generator=g).tolist()
+
+        time_to_first_token(engine, fresh(args.prompt))  # warm-up: kernels compiled
+        try:
+            for i in range(args.rounds):
+                for mode, cap in list(MODES.items())[:: 1 if i % 2 == 0 else -1]:
+                    linear_attention.RECURRENT_MAX_TOKENS = cap
+                    rounds.append({"round": i, "mode": mode, **one_round(engine, fresh, args.lens, args.sends,
+                                                                         args.prompt)})  # fmt: skip
+        finally:
+            linear_attention.RECURRENT_MAX_TOKENS = MODES["recurrent"]
+    summary = summarize(rounds, args.lens)
+    print(f"{'mode':>9} " + " ".join(f"{f'{n} tok ms':>10}" for n in args.lens) + f" {'cache hit ms':>12}")
+    for mode, s in summary.items():
+        print(f"{mode:>9} " + " ".join(f"{s[f'fresh_{n}_ms']:>10.2f}" for n in args.lens)
+              + f" {s['cache_hit_ms']:>12.2f}")  # fmt: skip
+    write_rows(args.out, args, [{"summary": summary, "rounds": rounds}])
+    return summary, rounds
+
+
+if __name__ == "__main__":
+    main()
