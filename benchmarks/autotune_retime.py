@@ -146,7 +146,7 @@ def run(args) -> dict:
                         bench.SCREEN_REPLAYS, tuner.FINALISTS = replays, finalists
                         record = search_once(kind, q, pool, r2t, idx, seq, args.graph_len, torch.empty_like(q),
                                              args.group)  # fmt: skip
-                        judge = judge or record
+                        judge = record if judge is None else judge
                         row = {
                             "kind": kind,
                             "shape": shape,
