@@ -7,8 +7,11 @@ more than ``RECURRENT_MAX_TOKENS`` new tokens). Each times fresh prompts of ``--
 ``--sends``) and one ``--prompt``-token prompt sent three times: its third send reads all but the last token from
 the prefix cache and prefills one (docs/engine.md, "Prefix cache"). Prints the medians over the rounds per mode;
 writes JSON. On a GPU only the modes differ; ``--tiny`` (CPU, the torch references in both modes) checks the method.
+``--profile MODE`` then runs ``torch.profiler`` over one more such cache hit in that mode and keeps its host and
+device totals and its ``--top`` operators by host time (where a short prefill's time goes).
 
     python benchmarks/short_prefill.py --out benchmarks/results/short_prefill_h200.json
+    python benchmarks/short_prefill.py --rounds 1 --profile chunked --out F
 """
 
 import argparse
@@ -42,6 +45,29 @@ def one_round(engine: Engine, fresh, lens, sends: int, prompt: int) -> dict:
     return row
 
 
+def profile_cache_hit(engine: Engine, fresh, prompt: int, top: int) -> dict:
+    """``torch.profiler`` over the third send of a ``prompt``-token prompt (a one-token prefill after a cache hit):
+    its host and device totals (ms, self times summed over operators) and the ``top`` operators by host time."""
+    ids = fresh(prompt)
+    for _ in range(2):
+        time_to_first_token(engine, ids)
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        seconds, cached = time_to_first_token(engine, ids)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    events = prof.key_averages()
+    ops = sorted(events, key=lambda e: e.cpu_time_total, reverse=True)[:top]
+    return {"ttft_ms": seconds * 1e3, "cached_tokens": cached,
+            "host_ms": sum(e.self_cpu_time_total for e in events) / 1e3,
+            "device_ms": sum(e.self_device_time_total for e in events) / 1e3,
+            "top_ops": [{"name": e.key, "calls": e.count, "host_total_ms": e.cpu_time_total / 1e3,
+                         "host_self_ms": e.self_cpu_time_total / 1e3, "device_ms": e.device_time_total / 1e3}
+                        for e in ops]}  # fmt: skip
+
+
 def summarize(rounds: list, lens) -> dict:
     """Per mode, the median over its rounds of each fresh length and of the repeated prompt's third send."""
     out = {}
@@ -65,12 +91,14 @@ def main(argv=None):
     )
     p.add_argument("--sends", type=int, default=3, help="fresh prompts timed per length, mode and round")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--profile", choices=list(MODES), help="profile one more cache hit in this mode")
+    p.add_argument("--top", type=int, default=25, help="operators the profile keeps, by host time")
     p.add_argument("--out", default="benchmarks/results/short_prefill.json")
     args = p.parse_args(argv)
-    if min(args.lens) < 1 or args.prompt < 2 or args.sends < 1 or args.rounds < 1:
-        p.error("--lens, --sends and --rounds expected positive integers and --prompt at least 2")
+    if min(args.lens) < 1 or args.prompt < 2 or args.sends < 1 or args.rounds < 1 or args.top < 1:
+        p.error("--lens, --sends, --rounds and --top expected positive integers and --prompt at least 2")
     longest = max(args.prompt, *args.lens)
-    rounds = []
+    rounds, profile = [], None
     with tempfile.TemporaryDirectory() as root:
         model, common = random_model(root, args.tiny, args.layers, longest + 8, tiny_tokens=4 * (longest + 8),
                                      model="qwen3.5")  # fmt: skip
@@ -90,6 +118,9 @@ def main(argv=None):
                     linear_attention.RECURRENT_MAX_TOKENS = cap
                     rounds.append({"round": i, "mode": mode, **one_round(engine, fresh, args.lens, args.sends,
                                                                          args.prompt)})  # fmt: skip
+            if args.profile:
+                linear_attention.RECURRENT_MAX_TOKENS = MODES[args.profile]
+                profile = {"mode": args.profile, **profile_cache_hit(engine, fresh, args.prompt, args.top)}
         finally:
             linear_attention.RECURRENT_MAX_TOKENS = MODES["recurrent"]
     summary = summarize(rounds, args.lens)
@@ -97,7 +128,15 @@ def main(argv=None):
     for mode, s in summary.items():
         print(f"{mode:>9} " + " ".join(f"{s[f'fresh_{n}_ms']:>10.2f}" for n in args.lens)
               + f" {s['cache_hit_ms']:>12.2f}")  # fmt: skip
-    write_rows(args.out, args, [{"summary": summary, "rounds": rounds}])
+    if profile:
+        print(
+            f"profile ({profile['mode']}): a cache hit's first token after {profile['ttft_ms']:.1f} ms, host "
+            f"{profile['host_ms']:.1f} ms, device {profile['device_ms']:.1f} ms"
+        )
+        for op in profile["top_ops"]:
+            print(f"  {op['name'][:60]:60} {op['calls']:>5} calls {op['host_total_ms']:>8.3f} ms host "
+                  f"{op['device_ms']:>8.3f} ms device")  # fmt: skip
+    write_rows(args.out, args, [{"summary": summary, "rounds": rounds, "profile": profile}])
     return summary, rounds
 
 

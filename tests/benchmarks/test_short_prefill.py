@@ -30,10 +30,23 @@ def test_modes_alternate_and_the_third_send_is_a_cache_hit(bench, tmp_path, monk
         assert r["repeated_cached_tokens"][2] == 99 and r["fresh_1_ms"] > 0 and r["fresh_5_ms"] > 0
     assert set(summary) == {"chunked", "recurrent"}
     assert set(summary["chunked"]) == {"fresh_1_ms", "fresh_5_ms", "cache_hit_ms"}
-    assert json.loads(out.read_text())["rows"][0]["summary"] == summary
+    saved = json.loads(out.read_text())["rows"][0]
+    assert saved["summary"] == summary and saved["profile"] is None
+
+
+def test_profile_of_a_cache_hit(bench, tmp_path):
+    out = tmp_path / "short.json"
+    bench.main(["--tiny", "--lens", "1", "--prompt", "100", "--sends", "1", "--rounds", "1", "--profile", "chunked",
+                "--top", "5", "--out", str(out)])  # fmt: skip
+    profile = json.loads(out.read_text())["rows"][0]["profile"]
+    assert profile["mode"] == "chunked" and profile["cached_tokens"] == 99
+    assert len(profile["top_ops"]) == 5 and profile["host_ms"] > 0
+    hosts = [op["host_total_ms"] for op in profile["top_ops"]]
+    assert hosts == sorted(hosts, reverse=True) and all(op["calls"] >= 1 for op in profile["top_ops"])
+    assert linear_attention.RECURRENT_MAX_TOKENS == 64
 
 
 def test_bad_lengths_are_refused(bench, tmp_path, capsys):
     with pytest.raises(SystemExit):
         bench.main(["--tiny", "--lens", "0", "--out", str(tmp_path / "x.json")])
-    assert "--lens, --sends and --rounds expected positive integers" in capsys.readouterr().err
+    assert "--lens, --sends, --rounds and --top expected positive integers" in capsys.readouterr().err
