@@ -370,28 +370,25 @@ def test_short_prefill_on_the_gpu_path_continues_the_states_under_the_interprete
     """The backend's GPU path end to end (packed conv, fla's fused recurrent kernel in float16 under the
     interpreter): a request prefilled in two short chunks, the second starting from its slot's states, beside a
     fresh request in a slot holding a finished request's states, against one whole float32 reference prefill."""
-    whole_lens, slots = [9, 6], [2, 1]
+    whole_lens, slots, starts = [9, 6], [2, 1], [0, 9]
     t = inputs(sum(whole_lens), seed=9)
-    want_conv, want_out = run_prefill(backend(), t, whole_lens, slots)
+    ref = backend()
+    want_conv, want_out = run_prefill(ref, t, whole_lens, slots)
     be = backend(dtype=torch.float16)
     be.on_gpu = True
     be.state.ssm[0, 1] = 7.0  # must not be read: request B starts fresh
     half = {n: v.half() for n, v in t.items()}
-    got = torch.full_like(want_out, float("nan"))
+    got_conv, got_out = torch.full_like(want_conv, float("nan")), torch.full_like(want_out, float("nan"))
     for pieces, step_slots, prefix in (([(0, 0, 4)], [2], [0]), ([(0, 4, 9), (1, 0, 6)], [2, 1], [4, 0])):
-        idx = torch.cat([torch.arange([0, 9][r] + a, [0, 9][r] + b) for r, a, b in pieces])
+        idx = torch.cat([torch.arange(starts[r] + a, starts[r] + b) for r, a, b in pieces])
         u = rows(half, idx)
         plan = be.plan(chunk_batch([b - a for _, a, b in pieces], step_slots, prefix))
         assert plan.max_q_len <= 64
         x = be.conv_prefill(0, u["x"], u["weight"], plan)
         assert x.dtype == torch.float16
-        got[idx] = be.delta_prefill(0, u["q"], u["k"], u["v"], u["a"], u["b"], u["A_log"], u["dt_bias"],
-                                    plan).float()  # fmt: skip
-    torch.testing.assert_close(got, want_out, rtol=2e-2, atol=2e-2)
-    torch.testing.assert_close(be.state.ssm, backend_states(t, whole_lens, slots), rtol=2e-2, atol=2e-2)
-
-
-def backend_states(t, lens, slots):
-    ref = backend()
-    run_prefill(ref, t, lens, slots)
-    return ref.state.ssm
+        got_conv[idx] = x.float()
+        got_out[idx] = be.delta_prefill(0, u["q"], u["k"], u["v"], u["a"], u["b"], u["A_log"], u["dt_bias"],
+                                        plan).float()  # fmt: skip
+    torch.testing.assert_close(got_conv, want_conv, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(got_out, want_out, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(be.state.ssm, ref.state.ssm, rtol=2e-2, atol=2e-2)
