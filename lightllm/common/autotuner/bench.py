@@ -21,8 +21,9 @@ BenchFunc = Callable[[Callable[[], object]], float]
 _TARGET_GRAPH_MS = 1.0  # launches per graph are chosen so one replay takes about this long
 _MAX_RUNS_PER_GRAPH = 100
 _REPLAYS = 15
-# Replays of a search's first pass over every candidate: a replay is ~1 ms of launches, so at 15 the replays were
-# two thirds of a timing; the finalists and the default are timed again at _REPLAYS (tuner.Autotuner._retime).
+# Replays of a search's first pass over every candidate (a replay is ~1 ms of launches); the finalists and the
+# default are timed again at _REPLAYS (tuner.Autotuner._retime). On an H100 this took 36 % off real decode searches'
+# time with picks as good as a second search at 15 (docs/autotune.md, "How a search runs").
 SCREEN_REPLAYS = 5
 
 
