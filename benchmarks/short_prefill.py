@@ -1,12 +1,15 @@
-"""Time to first token of short Qwen3.5 prefills, the gated delta rule chunked vs token by token, in one process.
+"""Time to first token of short Qwen3.5 prefills: the gated delta rule chunked vs token by token, eager vs replayed
+from prefill graphs, in one process.
 
 In-process engine (no HTTP), a random-weight Qwen3.5-27B-shaped model of ``--layers`` layers. Per round, each
 mode in turn (the order alternates): ``chunked`` (fla-core's chunked kernels for every prefill,
-``RECURRENT_MAX_TOKENS`` 0) and ``recurrent`` (the default: fla-core's fused recurrent kernel when no request brings
-more than ``RECURRENT_MAX_TOKENS`` new tokens). Each times fresh prompts of ``--lens`` tokens (the median of
-``--sends``) and one ``--prompt``-token prompt sent three times: its third send reads all but the last token from
-the prefix cache and prefills one (docs/engine.md, "Prefix cache"). Prints the medians over the rounds per mode;
-writes JSON. On a GPU only the modes differ; ``--tiny`` (CPU, the torch references in both modes) checks the method.
+``RECURRENT_MAX_TOKENS`` 0, no prefill graphs), ``recurrent`` (fla-core's fused recurrent kernel when no request
+brings more than ``RECURRENT_MAX_TOKENS`` new tokens, no prefill graphs) and ``graphs`` (the default: as
+``recurrent``, and one request of at most that many new tokens replays a prefill graph). Each times fresh prompts
+of ``--lens`` tokens (the median of ``--sends``) and one ``--prompt``-token prompt sent three times: its third send
+reads all but the last token from the prefix cache and prefills one (docs/engine.md, "Prefix cache"). Prints the
+medians over the rounds per mode; writes JSON. On a GPU only the modes differ; ``--tiny`` (CPU: the torch
+references in every mode, no graphs) checks the method.
 ``--profile MODE`` then runs ``torch.profiler`` over one more such cache hit in that mode and keeps its host and
 device totals and its ``--top`` operators by host time (where a short prefill's time goes).
 
@@ -31,7 +34,16 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from engine_bench import random_model, write_rows  # noqa: E402
 from prefix_cache_ttft import time_to_first_token  # noqa: E402
 
-MODES = {"chunked": 0, "recurrent": linear_attention.RECURRENT_MAX_TOKENS}
+# mode: (RECURRENT_MAX_TOKENS, prefill graphs on)
+MODES = {"chunked": (0, False), "recurrent": (linear_attention.RECURRENT_MAX_TOKENS, False),
+         "graphs": (linear_attention.RECURRENT_MAX_TOKENS, True)}  # fmt: skip
+
+
+def set_mode(runner: ModelRunner, captured, mode: str) -> None:
+    """``mode``'s kernel choice, and the prefill graphs captured at start-up on or off."""
+    cap, graphs = MODES[mode]
+    linear_attention.RECURRENT_MAX_TOKENS = cap
+    runner.prefill_graphs = captured if graphs else None
 
 
 def one_round(engine: Engine, fresh, lens, sends: int, prompt: int) -> dict:
@@ -104,7 +116,9 @@ def main(argv=None):
                                      model="qwen3.5")  # fmt: skip
         runner = ModelRunner(EngineArgs(model_dir=model, running_max_req_size=4, graph_max_batch_size=4,
                                         max_req_total_len=longest + 8, **common))  # fmt: skip
-        engine = Engine(runner, eos_ids=[])
+        engine, captured = Engine(runner, eos_ids=[]), runner.prefill_graphs
+        if captured is None and not args.tiny:
+            p.error("expected prefill graphs captured at start-up (a GPU, bf16)")
         vocab = runner.config.vocab_size if args.tiny else 512  # the tokenizer's ids; the lm_head is padded
         g = torch.Generator().manual_seed(0)
 
@@ -114,15 +128,15 @@ def main(argv=None):
         time_to_first_token(engine, fresh(args.prompt))  # warm-up: kernels compiled
         try:
             for i in range(args.rounds):
-                for mode, cap in list(MODES.items())[:: 1 if i % 2 == 0 else -1]:
-                    linear_attention.RECURRENT_MAX_TOKENS = cap
+                for mode in list(MODES)[:: 1 if i % 2 == 0 else -1]:
+                    set_mode(runner, captured, mode)
                     rounds.append({"round": i, "mode": mode, **one_round(engine, fresh, args.lens, args.sends,
                                                                          args.prompt)})  # fmt: skip
             if args.profile:
-                linear_attention.RECURRENT_MAX_TOKENS = MODES[args.profile]
+                set_mode(runner, captured, args.profile)
                 profile = {"mode": args.profile, **profile_cache_hit(engine, fresh, args.prompt, args.top)}
         finally:
-            linear_attention.RECURRENT_MAX_TOKENS = MODES["recurrent"]
+            set_mode(runner, captured, "graphs")
     summary = summarize(rounds, args.lens)
     print(f"{'mode':>9} " + " ".join(f"{f'{n} tok ms':>10}" for n in args.lens) + f" {'cache hit ms':>12}")
     for mode, s in summary.items():

@@ -493,7 +493,9 @@ class ModelRunner:
         if why is not None:
             logger.info("prefill graphs off: the model's %s", why)
             return []
-        return prefill_buckets(min(a.prefill_graph_max_tokens, a.prefill_step_tokens, a.max_req_total_len))
+        own = self.model.prefill_graph_max_tokens()
+        most = min(a.prefill_graph_max_tokens, a.prefill_step_tokens, a.max_req_total_len, own or a.max_req_total_len)
+        return prefill_buckets(most)
 
     def _capture_prefill_graphs(self, buckets: Sequence[int], graph_api) -> PrefillGraphs:
         """Prefill graphs over the decode graphs' pool. Cached-prefix graphs only where a prefill can continue a

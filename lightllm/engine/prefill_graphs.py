@@ -12,7 +12,11 @@ rows):
   attention never lets a real row see them, and every other op works row by row;
 - the request's lengths are device tensors: ``b_q_len = n``, ``b_prefix_len = p``, ``b_seq_len = p + n``. Context
   attention computes only the ``n`` real rows, and the forward hands on only the last real row
-  (``b_q_start + b_q_len - 1``): the logits are those of the request's last token.
+  (``b_q_start + b_q_len - 1``): the logits are those of the request's last token;
+- linear attention (Qwen3.5) would carry the padding rows into the request's state, so the state (``padded``) marks
+  them as a second sequence, the padding request's, run from and into its state slot: ``state_idx`` is
+  ``[slot, pad_slot]``. Its plan derives the sequence bounds on the device from ``b_q_len`` and the bucket
+  (``layers/linear_attention.py``).
 
 Buckets are 16, 32, 64, ... up to ``--prefill_graph_max_tokens`` (and that number itself), each one of the
 GENERAL warm-up's lengths, so the tuned prefill kernels have settled their configs for every bucket's keys before
@@ -35,6 +39,7 @@ MIN_BUCKET = 16  # the GENERAL warm-up's first length (context attention keys fe
 TOKEN_FIELDS = (("input_ids", torch.int64), ("positions", torch.int64), ("out_token_idx", torch.int64))
 REQUEST_FIELDS = (("b_req_idx", torch.int32), ("b_seq_len", torch.int32), ("b_q_start", torch.int32),
                   ("b_q_len", torch.int32), ("b_prefix_len", torch.int32))  # fmt: skip
+STATE_ROWS = ("state_idx", torch.int32)  # the request's linear-attention state slot, then the padding request's
 
 
 def prefill_buckets(max_tokens: int) -> List[int]:
@@ -65,7 +70,7 @@ class PrefillStaging:
         self.rows, pinned = rows, device.type == "cuda"
         self.pad = {"input_ids": 0, "positions": 0, "out_token_idx": pad_token}
         layout = [(name, dtype, rows) for name, dtype in TOKEN_FIELDS]
-        layout += [(name, dtype, 1) for name, dtype in REQUEST_FIELDS]  # int64 first: views stay aligned
+        layout += [(name, dtype, 1) for name, dtype in REQUEST_FIELDS] + [(*STATE_ROWS, 2)]  # int64 first: aligned
         nbytes = sum(n * dtype.itemsize for _, dtype, n in layout)
         self.host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
         self.device_buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
@@ -80,6 +85,7 @@ class PrefillStaging:
         for name, value in (("b_req_idx", pad_slot), ("b_seq_len", 1), ("b_q_start", 0), ("b_q_len", 1),
                             ("b_prefix_len", 0)):  # fmt: skip
             self._host[name][0] = value
+        self._host["state_idx"][:] = pad_slot
         self._live = 0  # token rows holding the last request's values
         self._copied = torch.cuda.Event() if pinned else None  # the last copy has read the host buffer
         self.device_buffer.copy_(self.host)
@@ -103,7 +109,7 @@ class PrefillStaging:
                 h[name][n : self._live] = value
         self._live = n
         for name, value in (("b_req_idx", slot), ("b_seq_len", prefix_len + n), ("b_q_len", n),
-                            ("b_prefix_len", prefix_len)):  # fmt: skip
+                            ("b_prefix_len", prefix_len), ("state_idx", slot)):  # fmt: skip
             h[name][0] = value
         self.device_buffer.copy_(self.host, non_blocking=True)
         if self._copied is not None:
@@ -127,6 +133,8 @@ class PrefillStaging:
             max_q_len=bucket,
             b_prefix_len=v["b_prefix_len"],
             max_prefix_len=max_len if prefixed else 0,
+            state_idx=v["state_idx"],
+            padded=True,
         )
         return v["input_ids"][:bucket], state
 

@@ -52,6 +52,10 @@ class InferState:
     # ``state_dst_idx[b, t]`` (int32 [batch, q_len]).
     state_idx: Optional[torch.Tensor] = None
     state_dst_idx: Optional[torch.Tensor] = None
+    # A prefill graph's one request padded to ``max_q_len`` token rows (``engine/prefill_graphs.py``): the rows past
+    # its ``b_q_len`` belong to the padding request. Linear attention runs them as a second sequence of their own,
+    # from and into the padding request's state slot (``state_idx`` is then [2]: the request's slot, the padding's).
+    padded: bool = False
     graph_max_len: Optional[int] = None
     attn_plan: Optional[Any] = field(default=None, repr=False)
 

@@ -103,6 +103,8 @@ class LinearAttentionBackend:
         slots = infer_state.b_req_idx if infer_state.state_idx is None else infer_state.state_idx
         if not infer_state.is_prefill:
             return LinearAttentionPlan(slots, dst_idx=infer_state.state_dst_idx)
+        if infer_state.padded:
+            return self._padded_plan(infer_state, slots)
         lens = infer_state.b_q_len.to(torch.int64)
         if infer_state.q_lens_host is not None:  # the bounds from the host: nothing here waits for the device
             cu_cpu = torch.tensor([0, *itertools.accumulate(infer_state.q_lens_host)], dtype=torch.int64)
@@ -118,6 +120,31 @@ class LinearAttentionBackend:
         continues = infer_state.b_prefix_len > 0 if infer_state.max_prefix_len else None
         max_q_len = int((cu_cpu[1:] - cu_cpu[:-1]).max()) if len(cu_cpu) > 1 else 0
         return LinearAttentionPlan(slots, cu, cu_cpu, offsets, continues, max_q_len=max_q_len)
+
+    def _padded_plan(self, infer_state: InferState, slots: torch.Tensor) -> LinearAttentionPlan:
+        """A prefill graph's plan: one request of ``b_q_len`` tokens, then the padding rows up to ``max_q_len`` as
+        a second sequence (``slots``: both state slots). Every bound is derived on the device, nothing waits for it
+        and nothing depends on the lengths on the host, so a captured graph replays it for any ``b_q_len``; the
+        token-by-token kernel is the only one that runs so (fla's chunked one sizes its grid on the host)."""
+        if infer_state.b_q_len.shape != (1,) or slots.shape != (2,):
+            raise ValueError(f"linear attention: a padded prefill expected one request and two state slots, got "
+                             f"{infer_state.b_q_len.shape[0]} requests and {slots.shape[0]} slots")  # fmt: skip
+        tokens = infer_state.max_q_len
+        if self.on_gpu and tokens > RECURRENT_MAX_TOKENS:
+            raise ValueError(f"linear attention: a padded prefill expected at most RECURRENT_MAX_TOKENS "
+                             f"({RECURRENT_MAX_TOKENS}) rows on a GPU, got {tokens}")  # fmt: skip
+        own = infer_state.b_q_len.to(torch.int64)
+        lens = torch.cat([own, tokens - own])
+        cu = torch.cat([lens.new_zeros(1), lens.cumsum(0)])
+        offsets = None
+        if self.on_gpu:
+            offsets = torch.arange(tokens, device=cu.device) - torch.repeat_interleave(
+                cu[:-1], lens, output_size=tokens
+            )
+        continues = None
+        if infer_state.max_prefix_len:  # the padding always starts afresh
+            continues = torch.cat([infer_state.b_prefix_len > 0, torch.zeros(1, dtype=torch.bool, device=cu.device)])
+        return LinearAttentionPlan(slots, cu, None if self.on_gpu else cu, offsets, continues, max_q_len=tokens)
 
     def _initial(self, pool: torch.Tensor, plan: LinearAttentionPlan) -> torch.Tensor:
         """Each request's state from its slot of ``pool`` (one layer), zeros for a request that starts afresh

@@ -48,6 +48,10 @@ class Model(Protocol):
         state those tokens would change (logged after "the model's"), or None when padding rows change nothing
         but their own outputs and a scratch KV slot (then a prefill graph serves one request's new tokens)."""
 
+    def prefill_graph_max_tokens(self) -> Optional[int]:
+        """The most new tokens one of this model's prefill graphs serves, or None (no bound of its own beyond
+        ``--prefill_graph_max_tokens``)."""
+
     def forward(self, input_ids: torch.Tensor, state: InferState) -> torch.Tensor: ...
 
 

@@ -1,6 +1,7 @@
 """short_prefill's method on the CPU (the tiny Qwen3.5): which mode each round ran and what it timed, not how fast."""
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
@@ -24,14 +25,25 @@ def test_modes_alternate_and_the_third_send_is_a_cache_hit(bench, tmp_path, monk
     out = tmp_path / "short.json"
     summary, rounds = bench.main(["--tiny", "--lens", "1", "5", "--prompt", "100", "--sends", "1", "--rounds", "2",
                                   "--out", str(out)])  # fmt: skip
-    assert seen == [0, 64, 64, 0] and [r["mode"] for r in rounds] == ["chunked", "recurrent", "recurrent", "chunked"]
+    modes = ["chunked", "recurrent", "graphs", "graphs", "recurrent", "chunked"]
+    assert seen == [0, 64, 64, 64, 64, 0] and [r["mode"] for r in rounds] == modes
     assert linear_attention.RECURRENT_MAX_TOKENS == 64  # restored
     for r in rounds:
         assert r["repeated_cached_tokens"][2] == 99 and r["fresh_1_ms"] > 0 and r["fresh_5_ms"] > 0
-    assert set(summary) == {"chunked", "recurrent"}
+    assert set(summary) == {"chunked", "recurrent", "graphs"}
     assert set(summary["chunked"]) == {"fresh_1_ms", "fresh_5_ms", "cache_hit_ms"}
     saved = json.loads(out.read_text())["rows"][0]
     assert saved["summary"] == summary and saved["profile"] is None
+
+
+def test_each_mode_sets_the_kernel_choice_and_the_graphs(bench, monkeypatch):
+    monkeypatch.setattr(linear_attention, "RECURRENT_MAX_TOKENS", 64)
+    runner, captured = SimpleNamespace(prefill_graphs=None), object()
+    got = {}
+    for mode in ("graphs", "chunked", "recurrent", "graphs"):
+        bench.set_mode(runner, captured, mode)
+        got[mode] = (linear_attention.RECURRENT_MAX_TOKENS, runner.prefill_graphs is captured)
+    assert got == {"chunked": (0, False), "recurrent": (64, False), "graphs": (64, True)}
 
 
 def test_profile_of_a_cache_hit(bench, tmp_path):

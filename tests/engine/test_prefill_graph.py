@@ -14,7 +14,7 @@ from lightllm.engine.model_runner import ModelRunner, _prefill_graphs_estimate
 from lightllm.engine.prefill_graphs import PrefillStaging, bucket_for, prefill_buckets
 from lightllm.models.qwen3.model import Qwen3Model
 from lightllm.server.args import parse_args
-from lightllm.tools.make_tiny_model import BUILTIN_SHAPE, make_tiny_qwen3, make_tiny_qwen3_5
+from lightllm.tools.make_tiny_model import BUILTIN_SHAPE, QWEN3_5_GPU_SHAPE, make_tiny_qwen3, make_tiny_qwen3_5
 
 LENGTHS = (1, 7, 100, 128, 300)
 
@@ -77,15 +77,24 @@ def test_staging_puts_the_request_first_and_padding_after():
     # before any request: the padding request, one new token, no prefix (what the captures run)
     assert _views(staging) == {"input_ids": [0] * 6, "positions": [0] * 6, "out_token_idx": [99] * 6,
                                "b_req_idx": [5], "b_seq_len": [1], "b_q_start": [0], "b_q_len": [1],
-                               "b_prefix_len": [0]}  # fmt: skip
+                               "b_prefix_len": [0], "state_idx": [5, 5]}  # fmt: skip
     staging.stage(2, 3, [7, 8, 9, 10], torch.tensor([40, 41, 42, 43]))
-    assert _views(staging) == {"input_ids": [7, 8, 9, 10, 0, 0], "positions": [3, 4, 5, 6, 0, 0],
-                               "out_token_idx": [40, 41, 42, 43, 99, 99], "b_req_idx": [2], "b_seq_len": [7],
-                               "b_q_start": [0], "b_q_len": [4], "b_prefix_len": [3]}  # fmt: skip
+    assert _views(staging) == {
+        "input_ids": [7, 8, 9, 10, 0, 0],
+        "positions": [3, 4, 5, 6, 0, 0],
+        "out_token_idx": [40, 41, 42, 43, 99, 99],
+        "b_req_idx": [2],
+        "b_seq_len": [7],
+        "b_q_start": [0],
+        "b_q_len": [4],
+        "b_prefix_len": [3],
+        "state_idx": [2, 5],
+    }  # the request's linear-attention state, then the padding's
     staging.stage(1, 0, [11], [50])  # a shorter request: the rows the last one used are padding again
     assert _views(staging) == {"input_ids": [11, 0, 0, 0, 0, 0], "positions": [0] * 6,
                                "out_token_idx": [50, 99, 99, 99, 99, 99], "b_req_idx": [1], "b_seq_len": [1],
-                               "b_q_start": [0], "b_q_len": [1], "b_prefix_len": [0]}  # fmt: skip
+                               "b_q_start": [0], "b_q_len": [1], "b_prefix_len": [0],
+                               "state_idx": [1, 5]}  # fmt: skip
     for tokens, slots in (([], []), ([1] * 7, list(range(7))), ([1, 2], [3])):
         with pytest.raises(ValueError, match=r"PrefillStaging.stage: expected 1 to 6 new tokens and one KV slot"):
             staging.stage(0, 0, tokens, torch.tensor(slots))
@@ -324,13 +333,82 @@ def test_no_prefill_graphs_when_turned_off(tiny_dir, opts):
     assert runner.prefill_graphs is None
 
 
-def test_qwen3_5_opts_out(tmp_path, caplog):
+# ---- Qwen3.5: the padding rows are a sequence of their own for linear attention ---------------------------
+
+
+@pytest.fixture(scope="module")
+def qwen3_5_runners(tmp_path_factory):
+    model = str(make_tiny_qwen3_5(tmp_path_factory.mktemp("q35"), seed=0))
+    graphed, api = graph_runner(model)
+    return graphed, api, ModelRunner(cpu_args(model, disable_cudagraph=True))
+
+
+@pytest.mark.parametrize("prefix_len", [0, 40], ids=["fresh", "chunk-after-40"])
+@pytest.mark.parametrize("n", [1, 7, 16, 50, 64])
+def test_qwen3_5_graph_prefill_equals_eager_and_leaves_other_states_alone(qwen3_5_runners, n, prefix_len):
+    """Buckets stop at RECURRENT_MAX_TOKENS; the replay gives eager's logits, and the request's conv and recurrent
+    states after it are eager's (the padding rows did not advance them); another request's states are untouched."""
+    graphed, api, eager = qwen3_5_runners
+    assert graphed.prefill_graphs.buckets == [16, 32, 64] and graphed.prefill_graphs.prefixed
+    other_prompt, first, prompt = _prompt(30, 1), _prompt(prefix_len, 2), _prompt(n, 3)
+    out = {}
+    for runner in (graphed, eager):
+        state = runner.model.linear.state
+        other = runner.add_request()
+        runner.prefill([other], [other_prompt])
+        other_before = (state.conv[:, other].clone(), state.ssm[:, other].clone())
+        slot = runner.add_request()
+        if prefix_len:
+            runner.prefill([slot], [first])
+        api.replayed.clear()
+        logits = runner.prefill([slot], [prompt]).clone()
+        out[runner] = (logits, state.conv[:, slot].clone(), state.ssm[:, slot].clone(), _kv_rows(runner, slot))
+        if runner is graphed:
+            assert api.replayed == [(bucket_for(graphed.prefill_graphs.buckets, n), prefix_len > 0)]
+        assert torch.equal(state.conv[:, other], other_before[0]) and torch.equal(state.ssm[:, other], other_before[1])
+        runner.free(slot)
+        runner.free(other)
+    for g, e in zip(out[graphed], out[eager]):
+        assert g.abs().sum() > 0  # written: a fresh state or logits of zeros would pass by accident
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
+
+
+def test_qwen3_5_longer_prefills_and_a_prefix_cache_hit(qwen3_5_runners):
+    """Past the last bucket the prefill runs eagerly; a prefix-cache hit (its state from a checkpoint) replays the
+    prefixed graph and gives eager's logits and greedy continuation."""
+    graphed, api, eager = qwen3_5_runners
+    prompt = _prompt(100, 7)
+    got = {}
+    for runner in (graphed, eager):
+        api.replayed.clear()
+        first = runner.add_request()
+        runner.prefill([first], [prompt[:65]])  # 65 tokens: above the 64 bucket, eager
+        runner.free(first)
+        assert runner.kv.match_prefix(prompt[:65])[0] == 65
+        slot = runner.add_request(prompt[:65])
+        logits = [runner.prefill([slot], [prompt[65:]]).clone()]
+        for _ in range(3):
+            logits.append(runner.decode([slot], [int(logits[-1].argmax())]).clone())
+        got[runner] = logits
+        runner.free(slot)
+        runner.kv.prefix.clear()
+        if runner is graphed:
+            assert api.replayed == [(64, True)]
+    for g, e in zip(got[graphed], got[eager]):  # float32 rounding: the padded and unpadded orders of summation
+        torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4)
+        assert g.argmax() == e.argmax()
+
+
+def test_qwen3_5_opts_out_without_the_token_by_token_path(tmp_path, caplog, monkeypatch):
+    from lightllm.layers import linear_attention
+
+    monkeypatch.setattr(linear_attention, "RECURRENT_MAX_TOKENS", 0)
     model = str(make_tiny_qwen3_5(tmp_path / "q35", seed=0))
     with caplog.at_level(logging.INFO, logger="lightllm.engine.model_runner"):
         runner, _ = graph_runner(model, batch_max_tokens=32, max_req_total_len=32)
     assert runner.prefill_graphs is None and runner.graphs is not None
-    assert ("prefill graphs off: the model's linear-attention state: padding tokens would advance the request's "
-            "conv and recurrent state") in [r.getMessage() for r in caplog.records]  # fmt: skip
+    assert ("prefill graphs off: the model's linear attention: RECURRENT_MAX_TOKENS (0) is below the smallest "
+            "prefill graph (16 tokens)") in [r.getMessage() for r in caplog.records]  # fmt: skip
 
 
 # ---- memory ---------------------------------------------------------------------------------------------------
@@ -439,3 +517,51 @@ def test_gpu_prefill_graphs_equal_eager(gpu_dir, kv_type):
             else:
                 assert (g_kv.float() - e_kv.float()).abs().max() <= 1  # int8: one quantization step at most
             assert torch.equal(_kv_rows(runner, other), other_kv), (n, prefix_len)
+
+
+@pytest.fixture(scope="module")
+def gpu_qwen3_5_dir(tmp_path_factory):
+    return str(make_tiny_qwen3_5(tmp_path_factory.mktemp("gpu-q35"), seed=2, **QWEN3_5_GPU_SHAPE))
+
+
+@pytest.mark.gpu
+def test_gpu_qwen3_5_prefill_graphs_equal_eager(gpu_qwen3_5_dir):
+    """Qwen3.5 (bf16, fla's token-by-token kernel for up to 64 tokens): per prompt length, fresh and after an
+    earlier chunk, the replay equals the captured forward run eagerly from the same states over the same static
+    inputs bit for bit, logits and the request's conv and recurrent states; against the unpadded eager prefill up
+    to bf16 rounding, with the same greedy token; another request's KV and states are untouched."""
+    runner = _gpu_runner(gpu_qwen3_5_dir)
+    graphs, state = runner.prefill_graphs, runner.model.linear.state
+    assert graphs.buckets == [16, 32, 64] and graphs.prefixed
+    other = runner.add_request()
+    runner.prefill([other], [_prompt(333, 9)])
+    other_before = [t.clone() for t in (_kv_rows(runner, other), state.conv[:, other], state.ssm[:, other])]
+    for prefix_len in (0, 40):
+        for n in (1, 7, 16, 50, 64):
+            first, prompt = _prompt(prefix_len, n), _prompt(n, n + 1)
+            results = []
+            for use_graphs in (True, False):
+                runner.prefill_graphs = graphs if use_graphs else None
+                slot = runner.add_request()
+                if prefix_len:
+                    runner.prefill([slot], [first])
+                before = state.conv[:, slot].clone(), state.ssm[:, slot].clone()
+                logits = runner.prefill([slot], [prompt]).clone()
+                after = state.conv[:, slot].clone(), state.ssm[:, slot].clone()
+                results.append((logits, *after))
+                if use_graphs:
+                    key = graphs.pick(n, prefix_len)
+                    assert key == (bucket_for(graphs.buckets, n), prefix_len > 0)
+                    state.conv[:, slot], state.ssm[:, slot] = before  # the captured forward, from the same states
+                    assert torch.equal(logits, graphs.run_key(key).clone()), (n, prefix_len)
+                    assert torch.equal(state.conv[:, slot], after[0]) and torch.equal(state.ssm[:, slot], after[1])
+                runner.free(slot)
+                runner.kv.prefix.clear()
+            (g, g_conv, g_ssm), (e, e_conv, e_ssm) = results
+            assert g.isfinite().all() and g_ssm.abs().sum() > 0
+            torch.testing.assert_close(g, e, rtol=0.05, atol=0.05)
+            assert e[0, g.argmax()] >= e.max() - 0.05, (n, prefix_len)  # the same greedy token, up to ties
+            torch.testing.assert_close(g_conv.float(), e_conv.float(), rtol=0.02, atol=0.02)
+            torch.testing.assert_close(g_ssm.float(), e_ssm.float(), rtol=0.02, atol=0.02)
+            now = (_kv_rows(runner, other), state.conv[:, other], state.ssm[:, other])
+            assert all(torch.equal(a, b) for a, b in zip(now, other_before)), (n, prefix_len)

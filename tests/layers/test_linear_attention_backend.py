@@ -392,3 +392,61 @@ def test_short_prefill_on_the_gpu_path_continues_the_states_under_the_interprete
     torch.testing.assert_close(got_conv, want_conv, rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(got_out, want_out, rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(be.state.ssm, ref.state.ssm, rtol=2e-2, atol=2e-2)
+
+
+def padded_batch(n, bucket, slot, pad_slot, prefix):
+    """A prefill graph's state: one request of ``n`` tokens after ``prefix`` padded to ``bucket`` rows."""
+    i32 = dict(dtype=torch.int32)
+    return InferState(is_prefill=True, b_req_idx=torch.tensor([slot], **i32), req_to_token=None, b_seq_len=None,
+                      out_token_idx=None, positions=None, max_len_in_batch=bucket, b_q_start=torch.zeros(1, **i32),
+                      b_q_len=torch.tensor([n], **i32), max_q_len=bucket, b_prefix_len=torch.tensor([prefix], **i32),
+                      max_prefix_len=64, state_idx=torch.tensor([slot, pad_slot], **i32), padded=True)  # fmt: skip
+
+
+@pytest.mark.parametrize("gpu_path", [False, True], ids=["reference", "gpu-interpreter"])
+@pytest.mark.parametrize("n", [3, 16], ids=["padded", "fills-the-bucket"])
+def test_padded_prefill_keeps_the_padding_out_of_the_requests_states(gpu_path, n):
+    """A prefill graph's padded rows (``InferState.padded``): a request continued after 5 tokens with ``n`` more,
+    padded to 16 rows of random garbage, gives the outputs and final states of its unpadded prefill; the padding
+    runs from and into the padding slot only. On the GPU path: the packed conv and fla's fused recurrent kernel in
+    float16 under the interpreter (with an empty padding sequence when the request fills the bucket)."""
+    bucket, slot, pad_slot, other = 16, 2, 3, 1
+    t = inputs(5 + bucket, seed=11)
+    dtype = torch.float16 if gpu_path else torch.float32
+    ref, be = backend(), backend(dtype=dtype)
+    be.on_gpu = gpu_path
+    for b in (ref, be):  # the request's first 5 tokens, from a plain prefill
+        run_prefill(b, rows(t, torch.arange(5)), [5], [slot])
+    be.state.ssm[0, other] = 7.0
+    plan = ref.plan(chunk_batch([n], [slot], [5]))
+    u = rows(t, torch.arange(5, 5 + n))
+    want_conv = ref.conv_prefill(0, u["x"], u["weight"], plan)
+    want_out = ref.delta_prefill(0, u["q"], u["k"], u["v"], u["a"], u["b"], u["A_log"], u["dt_bias"], plan)
+    plan = be.plan(padded_batch(n, bucket, slot, pad_slot, 5))
+    assert plan.max_q_len == bucket and plan.cu_seqlens.tolist() == [0, n, bucket]
+    u = {k: v.to(dtype) for k, v in rows(t, torch.arange(5, 5 + bucket)).items()}
+    got_conv = be.conv_prefill(0, u["x"], u["weight"], plan)
+    got_out = be.delta_prefill(0, u["q"], u["k"], u["v"], u["a"], u["b"], u["A_log"], u["dt_bias"], plan)
+    tol = dict(rtol=2e-2, atol=2e-2) if gpu_path else dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_conv[:n].float(), want_conv, **tol)
+    torch.testing.assert_close(got_out[:n].float(), want_out, **tol)
+    for pool, want in ((be.state.conv, ref.state.conv), (be.state.ssm, ref.state.ssm)):
+        torch.testing.assert_close(pool[0, slot].float(), want[0, slot].float(), **tol)
+    assert (be.state.ssm[0, other] == 7.0).all()
+    # the padding ran as a fresh sequence of its own: its slot holds that sequence's final states
+    pad = rows(t, torch.arange(5 + n, 5 + bucket))
+    fresh = backend()
+    if n < bucket:
+        run_prefill(fresh, pad, [bucket - n], [pad_slot])
+    torch.testing.assert_close(be.state.ssm[0, pad_slot].float(), fresh.state.ssm[0, pad_slot], **tol)
+
+
+def test_padded_prefill_bounds_are_checked():
+    be = backend()
+    be.on_gpu = True
+    with pytest.raises(ValueError, match=r"at most RECURRENT_MAX_TOKENS \(64\) rows on a GPU, got 128"):
+        be.plan(padded_batch(3, 128, 2, 3, 0))
+    state = padded_batch(3, 16, 2, 3, 0)
+    state.state_idx = torch.tensor([2], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"expected one request and two state slots, got 1 requests and 1 slots"):
+        be.plan(state)

@@ -112,6 +112,8 @@ def causal_conv1d_prefill_ref(
     out = torch.empty_like(x)
     states = torch.zeros(len(bounds) - 1, K - 1, C, dtype=x.dtype, device=x.device)
     for i, (s, e) in enumerate(zip(bounds[:-1], bounds[1:])):
+        if e == s:  # an empty sequence (a padded prefill graph's padding, when the request fills the bucket)
+            continue
         seq = x[s:e].t().unsqueeze(0).float()  # [1, C, n]
         y = F.conv1d(seq, weight.float().unsqueeze(1), padding=K - 1, groups=C)[..., : e - s]
         out[s:e] = F.silu(y)[0].t().to(x.dtype)

@@ -124,6 +124,9 @@ class Qwen3Model:
     def prefill_graph_blocker(self) -> Optional[str]:
         return None  # every op but causal attention is row by row; padding rows come after the real ones
 
+    def prefill_graph_max_tokens(self) -> Optional[int]:
+        return None
+
     def forward(self, input_ids: torch.Tensor, state: InferState) -> torch.Tensor:
         """Float32 logits ``[rows, vocab]``: the last token of each request (prefill), every new token (decode)."""
         attn = self.attn
