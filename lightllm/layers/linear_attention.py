@@ -12,9 +12,9 @@ indexes the state through the static ``b_req_idx`` buffer.
 - CPU: the torch references.
 - GPU prefill: fla-core's chunked gated delta rule (packed varlen; float32 models: the torch reference), or, when
   no request of the forward brings more than ``RECURRENT_MAX_TOKENS`` new tokens (a short prompt, the rest of a
-  prompt after a prefix-cache hit), fla-core's fused recurrent kernel over the same packing; the conv
-  as K shifted multiply-adds over the whole packed batch (:func:`causal_conv1d_packed`: no per-request loop on the
-  host).
+  prompt after a prefix-cache hit), fla-core's fused recurrent kernel over the same packing; the conv in two Triton
+  launches over the whole packed batch, reading and writing the slots' windows itself
+  (``kernels/linear_attention/conv1d_prefill.py``).
 - GPU decode: the Triton recurrent update and conv update (``kernels/linear_attention``).
 """
 
@@ -87,10 +87,12 @@ class LinearAttentionPlan:
     continues: Optional[torch.Tensor] = None  # bool [batch]: starts from its slot's states (None: all from zero)
     max_q_len: int = 0  # prefill: the most new tokens of one request
     dst_idx: Optional[torch.Tensor] = None  # int32 [batch, T]: MTP verify, the slot of the state after each token
-    # GPU decode: the conv update's and the delta rule's kernel plans, made at the first layer's call (from its
-    # tensors) and run by every later layer, each writing one output buffer per forward
+    # GPU: the conv's (decode: and the delta rule's) kernel plans, made at the first layer's call (from its tensors)
+    # and run by every later layer, each writing one output buffer per forward
     conv_update: Any = None
     delta_decode: Any = None
+    conv_prefill: Any = None
+    seq_ids: Optional[torch.Tensor] = None  # int64 [tokens]: each token's request (GPU prefill)
 
 
 class LinearAttentionBackend:
@@ -112,14 +114,10 @@ class LinearAttentionBackend:
         else:
             cu = torch.cat([lens.new_zeros(1), lens.cumsum(0)])
             cu_cpu = cu.cpu()
-        offsets = None
-        if self.on_gpu:
-            tokens = int(cu_cpu[-1])
-            starts = torch.repeat_interleave(cu[:-1], lens, output_size=tokens)  # output_size: no device sync
-            offsets = torch.arange(tokens, device=cu.device) - starts
+        seq_ids, offsets = _token_layout(cu, lens, int(cu_cpu[-1])) if self.on_gpu else (None, None)
         continues = infer_state.b_prefix_len > 0 if infer_state.max_prefix_len else None
         max_q_len = int((cu_cpu[1:] - cu_cpu[:-1]).max()) if len(cu_cpu) > 1 else 0
-        return LinearAttentionPlan(slots, cu, cu_cpu, offsets, continues, max_q_len=max_q_len)
+        return LinearAttentionPlan(slots, cu, cu_cpu, offsets, continues, max_q_len=max_q_len, seq_ids=seq_ids)
 
     def _padded_plan(self, infer_state: InferState, slots: torch.Tensor) -> LinearAttentionPlan:
         """A prefill graph's plan: one request of ``b_q_len`` tokens, then the padding rows up to ``max_q_len`` as
@@ -136,15 +134,12 @@ class LinearAttentionBackend:
         own = infer_state.b_q_len.to(torch.int64)
         lens = torch.cat([own, tokens - own])
         cu = torch.cat([lens.new_zeros(1), lens.cumsum(0)])
-        offsets = None
-        if self.on_gpu:
-            offsets = torch.arange(tokens, device=cu.device) - torch.repeat_interleave(
-                cu[:-1], lens, output_size=tokens
-            )
+        seq_ids, offsets = _token_layout(cu, lens, tokens) if self.on_gpu else (None, None)
         continues = None
         if infer_state.max_prefix_len:  # the padding always starts afresh
             continues = torch.cat([infer_state.b_prefix_len > 0, torch.zeros(1, dtype=torch.bool, device=cu.device)])
-        return LinearAttentionPlan(slots, cu, None if self.on_gpu else cu, offsets, continues, max_q_len=tokens)
+        return LinearAttentionPlan(slots, cu, None if self.on_gpu else cu, offsets, continues, max_q_len=tokens,
+                                   seq_ids=seq_ids)  # fmt: skip
 
     def _initial(self, pool: torch.Tensor, plan: LinearAttentionPlan) -> torch.Tensor:
         """Each request's state from its slot of ``pool`` (one layer), zeros for a request that starts afresh
@@ -157,13 +152,21 @@ class LinearAttentionBackend:
 
     def conv_prefill(self, layer: int, x: torch.Tensor, weight: torch.Tensor, plan: LinearAttentionPlan):
         """Depthwise causal conv + SiLU of the packed ``x`` ``[T, C]`` (``weight`` ``[C, K]``)."""
-        if plan.continues is not None:
-            out, states = self._conv_continued(x, weight, self._initial(self.state.conv_layers[layer], plan), plan)
-        elif self.on_gpu:
-            out, states = causal_conv1d_packed(x, weight, plan.cu_seqlens, plan.offsets)
-        else:
-            out, states = causal_conv1d_prefill_ref(x, weight, plan.cu_seqlens_cpu)
-        self.state.conv_layers[layer][plan.state_idx.long()] = states.to(self.state.conv.dtype)
+        pool = self.state.conv_layers[layer]
+        if self.on_gpu:
+            if plan.conv_prefill is None:
+                from lightllm.kernels.linear_attention.conv1d_prefill import CausalConv1dPrefillPlan
+
+                conv = self.state.conv
+                check_same_device("conv", conv, x=x, weight=weight, state_idx=plan.state_idx,
+                                  cu_seqlens=plan.cu_seqlens)  # fmt: skip
+                plan.conv_prefill = CausalConv1dPrefillPlan(x.shape, x.dtype, conv.shape[1:], conv.dtype, weight.dtype,
+                                                            plan.state_idx, plan.cu_seqlens, plan.seq_ids, plan.offsets,
+                                                            plan.continues, reuse_outputs=True)  # fmt: skip
+            return plan.conv_prefill.run(x, pool, weight)
+        init = None if plan.continues is None else self._initial(pool, plan)
+        out, states = causal_conv1d_prefill_ref(x, weight, plan.cu_seqlens_cpu, init)
+        pool[plan.state_idx.long()] = states.to(pool.dtype)
         return out
 
     def delta_prefill(self, layer: int, q, k, v, a, b, A_log, dt_bias, plan: LinearAttentionPlan) -> torch.Tensor:
@@ -180,29 +183,6 @@ class LinearAttentionBackend:
             out, finals = gated_delta_rule_varlen_ref(q, k, v, g, beta, plan.cu_seqlens_cpu, initial_states=init)
         self.state.ssm_layers[layer][plan.state_idx.long()] = finals.to(self.state.ssm.dtype)
         return out.to(v.dtype)
-
-    def _conv_continued(self, x, weight, init, plan: LinearAttentionPlan):
-        """The conv of requests that carry ``init`` ``[N, K - 1, C]`` (their previous inputs): each request's inputs
-        are packed after its ``K - 1`` previous ones, convolved as one longer sequence (zeros before it: the same
-        as a fresh start), and the outputs of the previous inputs dropped. The final states come out as usual."""
-        n, km1 = init.shape[0], init.shape[1]
-        cu = plan.cu_seqlens
-        lens = cu[1:] - cu[:-1]
-        tokens = x.shape[0]
-        own = torch.repeat_interleave(torch.arange(n, device=x.device), lens, output_size=tokens)
-        at = torch.arange(tokens, device=x.device) + (own + 1) * km1  # token t of request r in the longer packing
-        prev = (cu[:-1] + torch.arange(n, device=x.device) * km1)[:, None] + torch.arange(km1, device=x.device)
-        ext = x.new_empty(tokens + n * km1, x.shape[1])
-        ext[at] = x
-        ext[prev.flatten()] = init.reshape(-1, x.shape[1]).to(x.dtype)
-        cu_ext = cu + torch.arange(n + 1, device=x.device) * km1
-        if self.on_gpu:
-            offsets = torch.arange(ext.shape[0], device=x.device) - torch.repeat_interleave(
-                cu_ext[:-1], lens + km1, output_size=ext.shape[0])  # fmt: skip
-            out, states = causal_conv1d_packed(ext, weight, cu_ext, offsets)
-        else:
-            out, states = causal_conv1d_prefill_ref(ext, weight, cu_ext.cpu())
-        return out[at], states
 
     # ---- decode: one token per request, its slot updated in place -----------------------------------------
 
@@ -300,18 +280,8 @@ def _fla_recurrent(q, k, v, g, beta, plan: LinearAttentionPlan, initial_state=No
     return out[0], finals
 
 
-def causal_conv1d_packed(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor, offsets: torch.Tensor):
-    """:func:`causal_conv1d_prefill_ref` over the whole packed batch at once: ``y[t] = sum_s w[K-1-s] * x[t-s]``
-    over the shifts ``s`` that stay inside the token's request (``offsets[t] >= s``), SiLU, in float32. Returns
-    the output ``[T, C]`` (x's dtype) and each request's last ``K - 1`` inputs ``[N, K - 1, C]`` (zeros before
-    its start)."""
-    K = weight.shape[1]
-    xf, w = x.float(), weight.float()
-    y = xf * w[:, K - 1]
-    for s in range(1, K):
-        shifted = torch.zeros_like(xf)
-        shifted[s:] = xf[:-s]
-        y += shifted * (offsets >= s).unsqueeze(1) * w[:, K - 1 - s]
-    idx = cu_seqlens[1:, None] - (K - 1) + torch.arange(K - 1, device=x.device)  # [N, K - 1]
-    states = x[idx.clamp(min=0)] * (idx >= cu_seqlens[:-1, None]).unsqueeze(-1)
-    return torch.nn.functional.silu(y).to(x.dtype), states
+def _token_layout(cu: torch.Tensor, lens: torch.Tensor, tokens: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Each packed token's request and its index in it (int64 ``[tokens]``), on the device without waiting for it
+    (``output_size``: the host knows the total)."""
+    seq_ids = torch.repeat_interleave(torch.arange(lens.shape[0], device=cu.device), lens, output_size=tokens)
+    return seq_ids, torch.arange(tokens, device=cu.device) - cu[seq_ids]

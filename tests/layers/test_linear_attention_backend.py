@@ -15,7 +15,6 @@ from lightllm.layers.linear_attention import (
     LinearAttentionBackend,
     LinearAttentionShape,
     LinearAttentionState,
-    causal_conv1d_packed,
 )
 
 SHAPE = LinearAttentionShape(key_heads=2, value_heads=4, key_dim=16, value_dim=8, conv_kernel=4)
@@ -114,55 +113,25 @@ def test_decode_advances_only_its_requests_slots():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-def test_packed_conv_matches_the_per_request_reference(dtype):
-    """The GPU prefill's conv (shifted adds over the packed batch) against the reference, with requests shorter
-    than the kernel (their state zero-padded on the left) and one token long."""
-    lens = [1, 2, 9, 5]
+def test_gpu_conv_path_matches_the_per_request_reference(dtype):
+    """The GPU prefill's conv (``conv1d_prefill``'s kernels, under the interpreter on the CPU) from the plan's token
+    layout, against the reference: requests shorter than the kernel (their window zero-padded on the left) and one
+    token long, each window written into its own slot."""
+    lens, slots = [1, 2, 9, 5], [3, 0, 2, 1]
     t = inputs(sum(lens))
     x, weight = t["x"].to(dtype), t["weight"].to(dtype)
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
-    offsets = torch.cat([torch.arange(n) for n in lens])
-    be = backend()
-    be.on_gpu = True  # the plan of the GPU path, built on the CPU
-    plan = be.plan(batch(lens, [0, 1, 2, 3]))
-    assert torch.equal(plan.offsets, offsets) and torch.equal(plan.cu_seqlens, cu)
-    out, states = causal_conv1d_packed(x, weight, plan.cu_seqlens, plan.offsets)
+    be = backend(dtype=dtype, slots=5)
+    be.on_gpu = True
+    be.state.conv[0, 4] = 7.0  # no request's slot: kept
+    plan = be.plan(batch(lens, slots))
+    assert plan.offsets.tolist() == [0, 0, 1, *range(9), *range(5)] and torch.equal(plan.cu_seqlens, cu)
+    assert plan.seq_ids.tolist() == [0, 1, 1, *[2] * 9, *[3] * 5]
+    out = be.conv_prefill(0, x, weight, plan)
     want_out, want_states = causal_conv1d_prefill_ref(x, weight, cu)
     assert out.dtype == dtype and torch.allclose(out.float(), want_out.float(), atol=1e-5 if dtype == torch.float32
                                                  else 2e-3, rtol=1e-3)  # fmt: skip
-    assert torch.equal(states, want_states)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("lens", [[1, 70, 9], [1, 33, 9]], ids=["chunked", "recurrent"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_gpu_prefill_and_decode_match_the_references(dtype, lens):
-    """fla-core's prefill (chunked with a request longer than RECURRENT_MAX_TOKENS and fla's 64-token chunk, else
-    its fused recurrent kernel) and the Triton decode kernels (the GPU path) against the CPU references, with
-    grouped value heads, several sequences and unordered slots."""
-    slots = [3, 0, 2]
-    s = GPU_SHAPE
-    t, d = inputs(sum(lens), s=s), inputs(3, seed=1, s=s)
-    ref, gpu = backend(shape=s), backend(device="cuda", dtype=dtype, shape=s)
-    to = lambda v: v.to(device="cuda", dtype=dtype)  # noqa: E731
-    want = run_prefill(ref, t, lens, slots)
-    got = run_prefill(gpu, {n: to(v) for n, v in t.items()}, lens, slots)
-    tol = 5e-3 if dtype == torch.float32 else 1e-1  # fp32: fla's dots may run in tf32
-    for w, g in zip(want, got):
-        assert torch.allclose(g.float().cpu(), w, atol=tol, rtol=tol)
-    assert torch.allclose(gpu.state.ssm.cpu(), ref.state.ssm, atol=tol, rtol=tol)
-    outs = []
-    for be, conv in ((ref, lambda v: v), (gpu, to)):
-        plan = be.plan(batch(None, slots, be.state.conv.device))
-        x = be.conv_decode(0, conv(d["x"]), conv(t["weight"]), plan)
-        kd = s.key_heads * s.key_dim  # q, k, v: strided views of the conv output, as the model passes them
-        q, k = x[:, :kd].view(3, s.key_heads, -1), x[:, kd : 2 * kd].view(3, s.key_heads, -1)
-        v = x[:, 2 * kd :].view(3, s.value_heads, -1)
-        outs.append(be.delta_decode(0, q, k, v, conv(d["a"]), conv(d["b"]), conv(t["A_log"]), conv(t["dt_bias"]),
-                                    plan).float().cpu())  # fmt: skip
-    assert torch.allclose(outs[1], outs[0], atol=tol, rtol=tol)
-    assert torch.allclose(gpu.state.ssm.cpu(), ref.state.ssm, atol=tol, rtol=tol)
-    assert torch.allclose(gpu.state.conv.float().cpu(), ref.state.conv, atol=tol, rtol=tol)
+    assert torch.equal(be.state.conv[0, slots], want_states) and (be.state.conv[0, 4] == 7).all()
 
 
 def chunk_batch(lens, slots, prefix):
@@ -184,8 +153,8 @@ def test_chunked_prefill_continues_each_slots_states(conv_path):
     """A prefill chunk that continues a request (b_prefix_len > 0) starts from its slot's conv window and recurrent
     state: two chunks give the outputs and final states of one whole prefill. Request B's first chunk is shorter
     than the conv window; request C starts fresh in the second step from a slot holding a finished request's
-    states, which it must not read. The GPU path's conv (torch shifted adds) runs here too; its delta rule is
-    fla-core's (GPU test below)."""
+    states, which it must not read. The GPU path's conv (its Triton kernels, under the interpreter) runs here too;
+    its delta rule is fla-core's (GPU test below)."""
     whole_lens, slots = [9, 3, 6], [2, 0, 1]
     t = inputs(sum(whole_lens), seed=4)
     starts = [0, 9, 12]

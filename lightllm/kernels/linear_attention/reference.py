@@ -102,23 +102,23 @@ def gated_delta_decode_ref(
 
 
 def causal_conv1d_prefill_ref(
-    x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor
+    x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor, initial_states: Optional[torch.Tensor] = None
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Depthwise causal conv + SiLU (in float32) over packed sequences. ``x`` ``[T, C]``, ``weight`` ``[C, K]``.
-    Returns the output ``[T, C]`` (x's dtype) and each sequence's conv state ``[N, K - 1, C]`` (its last ``K - 1``
-    inputs, zero-padded on the left when shorter)."""
+    """Depthwise causal conv + SiLU (in float32) over packed sequences. ``x`` ``[T, C]``, ``weight`` ``[C, K]``;
+    ``initial_states`` ``[N, K - 1, C]``: each sequence's previous ``K - 1`` inputs (taken in x's dtype), or None
+    (zeros: a fresh start). Returns the output ``[T, C]`` (x's dtype) and each sequence's conv state
+    ``[N, K - 1, C]`` (its last ``K - 1`` inputs, the previous ones where it is shorter)."""
     C, K = weight.shape
     bounds = cu_seqlens.tolist()
     out = torch.empty_like(x)
     states = torch.zeros(len(bounds) - 1, K - 1, C, dtype=x.dtype, device=x.device)
     for i, (s, e) in enumerate(zip(bounds[:-1], bounds[1:])):
-        if e == s:  # an empty sequence (a padded prefill graph's padding, when the request fills the bucket)
-            continue
-        seq = x[s:e].t().unsqueeze(0).float()  # [1, C, n]
-        y = F.conv1d(seq, weight.float().unsqueeze(1), padding=K - 1, groups=C)[..., : e - s]
-        out[s:e] = F.silu(y)[0].t().to(x.dtype)
-        padded = torch.cat([torch.zeros(K - 1, C, dtype=x.dtype, device=x.device), x[s:e]])
-        states[i] = padded[-(K - 1) :]
+        prev = states[i] if initial_states is None else initial_states[i].to(x.dtype)
+        seq = torch.cat([prev, x[s:e]])  # [K - 1 + n, C]
+        if e > s:
+            y = F.conv1d(seq.t().unsqueeze(0).float(), weight.float().unsqueeze(1), groups=C)  # [1, C, n]
+            out[s:e] = F.silu(y)[0].t().to(x.dtype)
+        states[i] = seq[-(K - 1) :]
     return out, states
 
 
