@@ -10,6 +10,8 @@ of ``--lens`` tokens (the median of ``--sends``) and one ``--prompt``-token prom
 reads all but the last token from the prefix cache and prefills one (docs/engine.md, "Prefix cache"). Prints the
 medians over the rounds per mode; writes JSON. On a GPU only the modes differ; ``--tiny`` (CPU: the torch
 references in every mode, no graphs) checks the method.
+``--chunked-graph-max-tokens N`` captures prefill graphs past ``RECURRENT_MAX_TOKENS`` up to ``N`` tokens (fla's
+chunked kernels, off by default: ``linear_attention.CHUNKED_GRAPH_MAX_TOKENS``), so ``graphs`` replays those too.
 ``--profile MODE`` then runs ``torch.profiler`` over one more such cache hit in that mode and keeps its host and
 device totals and its ``--top`` operators by host time (where a short prefill's time goes).
 
@@ -90,25 +92,8 @@ def summarize(rounds: list, lens) -> dict:
     return out
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--tiny", action="store_true", help="the built-in tiny Qwen3.5 on the CPU (a check of the method)")
-    p.add_argument("--lens", type=int, nargs="+", default=[1, 16, 64, 512])
-    p.add_argument(
-        "--prompt",
-        type=int,
-        default=8192,
-        help="the repeated prompt's tokens (over 64, so its second send leaves the checkpoint the third reads)",
-    )
-    p.add_argument("--sends", type=int, default=3, help="fresh prompts timed per length, mode and round")
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--profile", choices=list(MODES), help="profile one more cache hit in this mode")
-    p.add_argument("--top", type=int, default=25, help="operators the profile keeps, by host time")
-    p.add_argument("--out", default="benchmarks/results/short_prefill.json")
-    args = p.parse_args(argv)
-    if min(args.lens) < 1 or args.prompt < 2 or args.sends < 1 or args.rounds < 1 or args.top < 1:
-        p.error("--lens, --sends, --rounds and --top expected positive integers and --prompt at least 2")
+def measure(args, p) -> tuple:
+    """The rounds (and the profile) of one engine built for ``args``."""
     longest = max(args.prompt, *args.lens)
     rounds, profile = [], None
     with tempfile.TemporaryDirectory() as root:
@@ -137,6 +122,42 @@ def main(argv=None):
                 profile = {"mode": args.profile, **profile_cache_hit(engine, fresh, args.prompt, args.top)}
         finally:
             set_mode(runner, captured, "graphs")
+    return rounds, profile
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--tiny", action="store_true", help="the built-in tiny Qwen3.5 on the CPU (a check of the method)")
+    p.add_argument("--lens", type=int, nargs="+", default=[1, 16, 64, 512])
+    p.add_argument(
+        "--prompt",
+        type=int,
+        default=8192,
+        help="the repeated prompt's tokens (over 64, so its second send leaves the checkpoint the third reads)",
+    )
+    p.add_argument("--sends", type=int, default=3, help="fresh prompts timed per length, mode and round")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--profile", choices=list(MODES), help="profile one more cache hit in this mode")
+    p.add_argument("--top", type=int, default=25, help="operators the profile keeps, by host time")
+    p.add_argument(
+        "--chunked-graph-max-tokens",
+        type=int,
+        default=linear_attention.CHUNKED_GRAPH_MAX_TOKENS,
+        help="linear_attention.CHUNKED_GRAPH_MAX_TOKENS for this run: prefill graphs past RECURRENT_MAX_TOKENS",
+    )
+    p.add_argument("--out", default="benchmarks/results/short_prefill.json")
+    args = p.parse_args(argv)
+    if min(args.lens) < 1 or args.prompt < 2 or args.sends < 1 or args.rounds < 1 or args.top < 1:
+        p.error("--lens, --sends, --rounds and --top expected positive integers and --prompt at least 2")
+    if args.chunked_graph_max_tokens < 0:
+        p.error("--chunked-graph-max-tokens expected a non-negative integer")
+    previous = linear_attention.CHUNKED_GRAPH_MAX_TOKENS
+    linear_attention.CHUNKED_GRAPH_MAX_TOKENS = args.chunked_graph_max_tokens  # read when the graphs are captured
+    try:
+        rounds, profile = measure(args, p)
+    finally:
+        linear_attention.CHUNKED_GRAPH_MAX_TOKENS = previous
     summary = summarize(rounds, args.lens)
     print(f"{'mode':>9} " + " ".join(f"{f'{n} tok ms':>10}" for n in args.lens) + f" {'cache hit ms':>12}")
     for mode, s in summary.items():

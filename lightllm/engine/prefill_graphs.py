@@ -15,8 +15,8 @@ rows):
   (``b_q_start + b_q_len - 1``): the logits are those of the request's last token;
 - linear attention (Qwen3.5) would carry the padding rows into the request's state, so the state (``padded``) marks
   them as a second sequence, the padding request's, run from and into its state slot: ``state_idx`` is
-  ``[slot, pad_slot]``. Its plan derives the sequence bounds on the device from ``b_q_len`` and the bucket
-  (``layers/linear_attention.py``).
+  ``[slot, pad_slot, pad_slot]`` (the third for an empty sequence the chunked kernels' plan adds). Its plan derives
+  the sequence bounds on the device from ``b_q_len`` and the bucket (``layers/linear_attention.py``).
 
 Buckets are 16, 32, 64, ... up to ``--prefill_graph_max_tokens`` (and that number itself), each one of the
 GENERAL warm-up's lengths, so the tuned prefill kernels have settled their configs for every bucket's keys before
@@ -39,7 +39,9 @@ MIN_BUCKET = 16  # the GENERAL warm-up's first length (context attention keys fe
 TOKEN_FIELDS = (("input_ids", torch.int64), ("positions", torch.int64), ("out_token_idx", torch.int64))
 REQUEST_FIELDS = (("b_req_idx", torch.int32), ("b_seq_len", torch.int32), ("b_q_start", torch.int32),
                   ("b_q_len", torch.int32), ("b_prefix_len", torch.int32))  # fmt: skip
-STATE_ROWS = ("state_idx", torch.int32)  # the request's linear-attention state slot, then the padding request's
+# the request's linear-attention state slot, then the padding request's twice (a padded plan's second and third
+# sequence: layers/linear_attention.py)
+STATE_ROWS = ("state_idx", torch.int32, 3)
 
 
 def prefill_buckets(max_tokens: int) -> List[int]:
@@ -70,7 +72,7 @@ class PrefillStaging:
         self.rows, pinned = rows, device.type == "cuda"
         self.pad = {"input_ids": 0, "positions": 0, "out_token_idx": pad_token}
         layout = [(name, dtype, rows) for name, dtype in TOKEN_FIELDS]
-        layout += [(name, dtype, 1) for name, dtype in REQUEST_FIELDS] + [(*STATE_ROWS, 2)]  # int64 first: aligned
+        layout += [(name, dtype, 1) for name, dtype in REQUEST_FIELDS] + [STATE_ROWS]  # int64 first: aligned
         nbytes = sum(n * dtype.itemsize for _, dtype, n in layout)
         self.host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
         self.device_buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)

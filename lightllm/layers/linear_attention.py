@@ -40,6 +40,12 @@ SSM_DATA_TYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # --lin
 # launch) instead of chunked: fla's chunked path costs about 1 ms of host work a layer (H100 profile, docs/engine.md),
 # and up to one of its 64-token chunks it has no work to share across tokens
 RECURRENT_MAX_TOKENS = 64
+# Prefill graphs (Qwen3.5) of more rows than RECURRENT_MAX_TOKENS, up to this many, run fla's chunked kernels from
+# chunk indices made on the device (:func:`static_chunk_indices`), so nothing of theirs depends on the lengths on
+# the host. 0 (off) until a GPU run shows fla's chunked path captures and replays so (tests/engine/
+# test_prefill_graph.py::test_gpu_qwen3_5_chunked_prefill_graphs_equal_eager); the padded plan is tested on the CPU.
+CHUNKED_GRAPH_MAX_TOKENS = 0
+FLA_CHUNK = 64  # fla-core's chunk size for the gated delta rule
 
 
 @dataclass(frozen=True)
@@ -93,6 +99,7 @@ class LinearAttentionPlan:
     delta_decode: Any = None
     conv_prefill: Any = None
     seq_ids: Optional[torch.Tensor] = None  # int64 [tokens]: each token's request (GPU prefill)
+    chunk_indices: Optional[torch.Tensor] = None  # int64 [chunks, 2]: a chunked prefill graph's (fla's layout)
 
 
 class LinearAttentionBackend:
@@ -121,25 +128,34 @@ class LinearAttentionBackend:
 
     def _padded_plan(self, infer_state: InferState, slots: torch.Tensor) -> LinearAttentionPlan:
         """A prefill graph's plan: one request of ``b_q_len`` tokens, then the padding rows up to ``max_q_len`` as
-        a second sequence (``slots``: both state slots). Every bound is derived on the device, nothing waits for it
-        and nothing depends on the lengths on the host, so a captured graph replays it for any ``b_q_len``; the
-        token-by-token kernel is the only one that runs so (fla's chunked one sizes its grid on the host)."""
-        if infer_state.b_q_len.shape != (1,) or slots.shape != (2,):
-            raise ValueError(f"linear attention: a padded prefill expected one request and two state slots, got "
-                             f"{infer_state.b_q_len.shape[0]} requests and {slots.shape[0]} slots")  # fmt: skip
+        a sequence of their own (``slots``: the request's state slot, then the padding's). Every bound is derived on
+        the device, nothing waits for it and nothing depends on the lengths on the host, so a captured graph replays
+        it for any ``b_q_len``. Past ``RECURRENT_MAX_TOKENS`` rows (fla's chunked kernels, which size their grids
+        by the chunk count), an empty third sequence follows, which the chunk indices' spare row points at, so the
+        count is the same for every ``b_q_len`` (:func:`static_chunk_indices`)."""
         tokens = infer_state.max_q_len
-        if self.on_gpu and tokens > RECURRENT_MAX_TOKENS:
+        chunked = tokens > RECURRENT_MAX_TOKENS
+        sequences = 3 if chunked else 2
+        if infer_state.b_q_len.shape != (1,) or slots.shape[0] < sequences:
+            raise ValueError(f"linear attention: a padded prefill expected one request and {sequences} state slots, "
+                             f"got {infer_state.b_q_len.shape[0]} requests and {slots.shape[0]} slots")  # fmt: skip
+        if self.on_gpu and chunked and tokens > CHUNKED_GRAPH_MAX_TOKENS:
             raise ValueError(f"linear attention: a padded prefill expected at most RECURRENT_MAX_TOKENS "
-                             f"({RECURRENT_MAX_TOKENS}) rows on a GPU, got {tokens}")  # fmt: skip
+                             f"({RECURRENT_MAX_TOKENS}) rows on a GPU, or CHUNKED_GRAPH_MAX_TOKENS "
+                             f"({CHUNKED_GRAPH_MAX_TOKENS}), got {tokens}")  # fmt: skip
         own = infer_state.b_q_len.to(torch.int64)
-        lens = torch.cat([own, tokens - own])
+        lens = torch.cat([own, tokens - own, own.new_zeros(sequences - 2)])
         cu = torch.cat([lens.new_zeros(1), lens.cumsum(0)])
         seq_ids, offsets = _token_layout(cu, lens, tokens) if self.on_gpu else (None, None)
         continues = None
         if infer_state.max_prefix_len:  # the padding always starts afresh
-            continues = torch.cat([infer_state.b_prefix_len > 0, torch.zeros(1, dtype=torch.bool, device=cu.device)])
-        return LinearAttentionPlan(slots, cu, None if self.on_gpu else cu, offsets, continues, max_q_len=tokens,
-                                   seq_ids=seq_ids)  # fmt: skip
+            fresh = torch.zeros(sequences - 1, dtype=torch.bool, device=cu.device)
+            continues = torch.cat([infer_state.b_prefix_len > 0, fresh])
+        plan = LinearAttentionPlan(slots[:sequences], cu, None if self.on_gpu else cu, offsets, continues,
+                                   max_q_len=tokens, seq_ids=seq_ids)  # fmt: skip
+        if chunked:
+            plan.chunk_indices = static_chunk_indices(cu, FLA_CHUNK, -(-tokens // FLA_CHUNK) + 1)
+        return plan
 
     def _initial(self, pool: torch.Tensor, plan: LinearAttentionPlan) -> torch.Tensor:
         """Each request's state from its slot of ``pool`` (one layer), zeros for a request that starts afresh
@@ -263,7 +279,8 @@ def _fla_chunk(q, k, v, g, beta, plan: LinearAttentionPlan, initial_state=None) 
     q, k, v, g, beta = (t.contiguous().unsqueeze(0) for t in (q, k, v, g, beta))  # q/k/v: views of the conv out
     out, finals = chunk_gated_delta_rule(q, k, v, g, beta, scale=q.shape[-1] ** -0.5, initial_state=initial_state,
                                          output_final_state=True, use_qk_l2norm_in_kernel=True,
-                                         cu_seqlens=plan.cu_seqlens, cu_seqlens_cpu=plan.cu_seqlens_cpu)  # fmt: skip
+                                         cu_seqlens=plan.cu_seqlens, cu_seqlens_cpu=plan.cu_seqlens_cpu,
+                                         chunk_indices=plan.chunk_indices)  # fmt: skip
     return out[0], finals
 
 
@@ -285,3 +302,14 @@ def _token_layout(cu: torch.Tensor, lens: torch.Tensor, tokens: int) -> Tuple[to
     (``output_size``: the host knows the total)."""
     seq_ids = torch.repeat_interleave(torch.arange(lens.shape[0], device=cu.device), lens, output_size=tokens)
     return seq_ids, torch.arange(tokens, device=cu.device) - cu[seq_ids]
+
+
+def static_chunk_indices(cu: torch.Tensor, chunk: int, rows: int) -> torch.Tensor:
+    """fla's chunk indices (``[seq, chunk in seq]`` per ``chunk``-token chunk, in order) of the packing ``cu``, made
+    on the device with a fixed ``rows``: rows past the real chunks point at chunk 0 of the last sequence, which must
+    be empty (every kernel masks all its rows: it writes nothing)."""
+    counts = (cu[1:] - cu[:-1] + chunk - 1).div(chunk, rounding_mode="floor")
+    starts = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+    slot = torch.arange(rows, device=cu.device)
+    seq = (torch.searchsorted(starts, slot, right=True) - 1).clamp(max=counts.shape[0] - 1)
+    return torch.stack([seq, slot - starts[seq]], 1)

@@ -62,3 +62,19 @@ def test_bad_lengths_are_refused(bench, tmp_path, capsys):
     with pytest.raises(SystemExit):
         bench.main(["--tiny", "--lens", "0", "--out", str(tmp_path / "x.json")])
     assert "--lens, --sends, --rounds and --top expected positive integers" in capsys.readouterr().err
+
+
+def test_chunked_graphs_are_on_for_the_run_only(bench, tmp_path, monkeypatch, capsys):
+    seen, real = [], bench.one_round
+
+    def watched(*args):
+        seen.append(linear_attention.CHUNKED_GRAPH_MAX_TOKENS)
+        return real(*args)
+
+    monkeypatch.setattr(bench, "one_round", watched)
+    bench.main(["--tiny", "--lens", "1", "--prompt", "100", "--sends", "1", "--rounds", "1",
+                "--chunked-graph-max-tokens", "128", "--out", str(tmp_path / "s.json")])  # fmt: skip
+    assert seen == [128] * 3 and linear_attention.CHUNKED_GRAPH_MAX_TOKENS == 0
+    with pytest.raises(SystemExit):
+        bench.main(["--tiny", "--chunked-graph-max-tokens", "-1", "--out", str(tmp_path / "x.json")])
+    assert "--chunked-graph-max-tokens expected a non-negative integer" in capsys.readouterr().err

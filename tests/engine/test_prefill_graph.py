@@ -77,7 +77,7 @@ def test_staging_puts_the_request_first_and_padding_after():
     # before any request: the padding request, one new token, no prefix (what the captures run)
     assert _views(staging) == {"input_ids": [0] * 6, "positions": [0] * 6, "out_token_idx": [99] * 6,
                                "b_req_idx": [5], "b_seq_len": [1], "b_q_start": [0], "b_q_len": [1],
-                               "b_prefix_len": [0], "state_idx": [5, 5]}  # fmt: skip
+                               "b_prefix_len": [0], "state_idx": [5, 5, 5]}  # fmt: skip
     staging.stage(2, 3, [7, 8, 9, 10], torch.tensor([40, 41, 42, 43]))
     assert _views(staging) == {
         "input_ids": [7, 8, 9, 10, 0, 0],
@@ -88,13 +88,13 @@ def test_staging_puts_the_request_first_and_padding_after():
         "b_q_start": [0],
         "b_q_len": [4],
         "b_prefix_len": [3],
-        "state_idx": [2, 5],
-    }  # the request's linear-attention state, then the padding's
+        "state_idx": [2, 5, 5],
+    }  # the request's linear-attention state, then the padding's (twice: linear_attention._padded_plan)
     staging.stage(1, 0, [11], [50])  # a shorter request: the rows the last one used are padding again
     assert _views(staging) == {"input_ids": [11, 0, 0, 0, 0, 0], "positions": [0] * 6,
                                "out_token_idx": [50, 99, 99, 99, 99, 99], "b_req_idx": [1], "b_seq_len": [1],
                                "b_q_start": [0], "b_q_len": [1], "b_prefix_len": [0],
-                               "state_idx": [1, 5]}  # fmt: skip
+                               "state_idx": [1, 5, 5]}  # fmt: skip
     for tokens, slots in (([], []), ([1] * 7, list(range(7))), ([1, 2], [3])):
         with pytest.raises(ValueError, match=r"PrefillStaging.stage: expected 1 to 6 new tokens and one KV slot"):
             staging.stage(0, 0, tokens, torch.tensor(slots))
@@ -399,6 +399,36 @@ def test_qwen3_5_longer_prefills_and_a_prefix_cache_hit(qwen3_5_runners):
         assert g.argmax() == e.argmax()
 
 
+@pytest.mark.parametrize("prefix_len", [0, 40], ids=["fresh", "chunk-after-40"])
+def test_qwen3_5_chunked_graph_buckets_equal_eager(tmp_path, monkeypatch, prefix_len):
+    """With CHUNKED_GRAPH_MAX_TOKENS at 128 the buckets reach 128 (fla's chunked kernels on a GPU; here the
+    references through the same padded plan, three sequences): 65 to 128 new tokens replay the 128 graph and give
+    eager's logits and states."""
+    from lightllm.layers import linear_attention
+
+    monkeypatch.setattr(linear_attention, "CHUNKED_GRAPH_MAX_TOKENS", 128)
+    model = str(make_tiny_qwen3_5(tmp_path / "q35", seed=0))
+    graphed, api = graph_runner(model)
+    eager = ModelRunner(cpu_args(model, disable_cudagraph=True))
+    assert graphed.prefill_graphs.buckets == [16, 32, 64, 128]
+    for n in (65, 100, 128):
+        out = {}
+        for runner in (graphed, eager):
+            state = runner.model.linear.state
+            slot = runner.add_request()
+            if prefix_len:
+                runner.prefill([slot], [_prompt(prefix_len, 2)])
+            api.replayed.clear()
+            logits = runner.prefill([slot], [_prompt(n, 3)]).clone()
+            out[runner] = (logits, state.conv[:, slot].clone(), state.ssm[:, slot].clone())
+            if runner is graphed:
+                assert api.replayed == [(128, prefix_len > 0)]
+            runner.free(slot)
+            runner.kv.prefix.clear()
+        for g, e in zip(out[graphed], out[eager]):
+            torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4)
+
+
 def test_qwen3_5_opts_out_without_the_token_by_token_path(tmp_path, caplog, monkeypatch):
     from lightllm.layers import linear_attention
 
@@ -565,3 +595,48 @@ def test_gpu_qwen3_5_prefill_graphs_equal_eager(gpu_qwen3_5_dir):
             torch.testing.assert_close(g_ssm.float(), e_ssm.float(), rtol=0.02, atol=0.02)
             now = (_kv_rows(runner, other), state.conv[:, other], state.ssm[:, other])
             assert all(torch.equal(a, b) for a, b in zip(now, other_before)), (n, prefix_len)
+
+
+@pytest.mark.gpu
+def test_gpu_qwen3_5_chunked_prefill_graphs_equal_eager(gpu_qwen3_5_dir, monkeypatch):
+    """What turning CHUNKED_GRAPH_MAX_TOKENS on needs (it is 0 until this passes on a GPU): fla-core's chunked
+    kernels captured with chunk indices made on the device, buckets up to 512; per length, fresh and after a chunk,
+    the replay equals the captured forward run eagerly from the same states bit for bit and the unpadded eager
+    prefill to bf16 rounding, another request's states untouched."""
+    from lightllm.layers import linear_attention
+
+    monkeypatch.setattr(linear_attention, "CHUNKED_GRAPH_MAX_TOKENS", 512)
+    runner = _gpu_runner(gpu_qwen3_5_dir)
+    graphs, state = runner.prefill_graphs, runner.model.linear.state
+    assert graphs.buckets == [16, 32, 64, 128, 256, 512] and graphs.prefixed
+    other = runner.add_request()
+    runner.prefill([other], [_prompt(333, 9)])
+    other_before = [t.clone() for t in (state.conv[:, other], state.ssm[:, other])]
+    for prefix_len in (0, 40):
+        for n in (65, 128, 200, 256, 511, 512):
+            first, prompt = _prompt(prefix_len, n), _prompt(n, n + 1)
+            results = []
+            for use_graphs in (True, False):
+                runner.prefill_graphs = graphs if use_graphs else None
+                slot = runner.add_request()
+                if prefix_len:
+                    runner.prefill([slot], [first])
+                before = state.conv[:, slot].clone(), state.ssm[:, slot].clone()
+                logits = runner.prefill([slot], [prompt]).clone()
+                after = state.conv[:, slot].clone(), state.ssm[:, slot].clone()
+                results.append((logits, *after))
+                if use_graphs:
+                    key = graphs.pick(n, prefix_len)
+                    assert key == (bucket_for(graphs.buckets, n), prefix_len > 0)
+                    state.conv[:, slot], state.ssm[:, slot] = before
+                    assert torch.equal(logits, graphs.run_key(key).clone()), (n, prefix_len)
+                    assert torch.equal(state.ssm[:, slot], after[1]), (n, prefix_len)
+                runner.free(slot)
+                runner.kv.prefix.clear()
+            (g, g_conv, g_ssm), (e, e_conv, e_ssm) = results
+            assert g.isfinite().all()
+            torch.testing.assert_close(g, e, rtol=0.05, atol=0.05)
+            assert e[0, g.argmax()] >= e.max() - 0.05, (n, prefix_len)
+            torch.testing.assert_close(g_conv.float(), e_conv.float(), rtol=0.02, atol=0.02)
+            torch.testing.assert_close(g_ssm.float(), e_ssm.float(), rtol=0.02, atol=0.02)
+            assert all(torch.equal(a, b) for a, b in zip((state.conv[:, other], state.ssm[:, other]), other_before))

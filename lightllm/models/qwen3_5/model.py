@@ -145,7 +145,7 @@ class Qwen3_5Model:
         return None
 
     def prefill_graph_max_tokens(self) -> Optional[int]:
-        return linear_attention.RECURRENT_MAX_TOKENS
+        return max(linear_attention.RECURRENT_MAX_TOKENS, linear_attention.CHUNKED_GRAPH_MAX_TOKENS)
 
     # ---- forward ------------------------------------------------------------------------------------------
 
