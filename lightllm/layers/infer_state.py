@@ -54,7 +54,8 @@ class InferState:
     state_dst_idx: Optional[torch.Tensor] = None
     # A prefill graph's one request padded to ``max_q_len`` token rows (``engine/prefill_graphs.py``): the rows past
     # its ``b_q_len`` belong to the padding request. Linear attention runs them as a second sequence of their own,
-    # from and into the padding request's state slot (``state_idx`` is then [2]: the request's slot, the padding's).
+    # from and into the padding request's state slot (``state_idx`` is then [3]: the request's slot, then the
+    # padding's twice, the third for an empty sequence its chunked plan adds).
     padded: bool = False
     graph_max_len: Optional[int] = None
     attn_plan: Optional[Any] = field(default=None, repr=False)

@@ -32,7 +32,6 @@ from lightllm.layers.attention import AttentionBackend
 from lightllm.layers.infer_state import InferState
 from lightllm.layers.logits import plan_logits
 from lightllm.layers.parallel import all_reduce_
-from lightllm.engine.prefill_graphs import MIN_BUCKET
 from lightllm.layers import linear_attention
 from lightllm.layers.linear_attention import (
     LinearAttentionBackend,
@@ -135,11 +134,12 @@ class Qwen3_5Model:
         return "linear-attention state: the prefix cache keeps it in checkpoints, and --linear_att_cache_size is 0"
 
     def prefill_graph_blocker(self) -> Optional[str]:
-        # the padding rows run as a sequence of their own (InferState.padded), token by token: fla's chunked kernels
-        # and the float32 model's torch reference on a GPU read the sequence bounds on the host
-        if linear_attention.RECURRENT_MAX_TOKENS < MIN_BUCKET:
-            return (f"linear attention: RECURRENT_MAX_TOKENS ({linear_attention.RECURRENT_MAX_TOKENS}) is below the "
-                    f"smallest prefill graph ({MIN_BUCKET} tokens)")  # fmt: skip
+        # the padding rows run as a sequence of their own (InferState.padded, layers/linear_attention.py), on a GPU
+        # through fla's kernels with every bound on the device; the float32 model's torch reference reads them on
+        # the host
+        if not self.prefill_graph_max_tokens():
+            return ("linear attention: RECURRENT_MAX_TOKENS and CHUNKED_GRAPH_MAX_TOKENS are 0 (no kernel of its "
+                    "prefill runs from bounds on the device)")  # fmt: skip
         if self.use_kernels and self.dtype == torch.float32:
             return "float32 linear attention: its prefill runs the torch reference, which reads lengths on the host"
         return None
