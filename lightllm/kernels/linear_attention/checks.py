@@ -152,3 +152,14 @@ def check_conv_layouts(kernel: str, x: torch.Tensor, conv_state: torch.Tensor, w
             fail(kernel, name, "a contiguous last dim", f"strides {t.stride()}")
     if not weight.is_contiguous():
         fail(kernel, "weight", "contiguous", f"strides {weight.stride()}")
+
+
+def conv_output(kernel: str, x: torch.Tensor, out, buffer=None) -> torch.Tensor:
+    """A conv's output: ``out`` when it has x's shape and dtype and a contiguous last dim, else, when None, the
+    plan's ``buffer`` (a ``StepBuffer``) or a new tensor."""
+    if out is None:
+        return buffer.get(x.device) if buffer is not None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if out.shape != x.shape or out.dtype != x.dtype or out.stride(-1) != 1:
+        fail(kernel, "out", f"a {tuple(x.shape)} {x.dtype} tensor with a contiguous last dim",
+             f"{tuple(out.shape)} {out.dtype} strides {out.stride()}")  # fmt: skip
+    return out

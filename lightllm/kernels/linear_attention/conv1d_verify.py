@@ -21,6 +21,7 @@ from lightllm.kernels.linear_attention.checks import (
     check_block_c_config,
     check_conv_layouts,
     check_conv_state,
+    conv_output,
     check_devices,
     check_tokens,
     check_verify_idx,
@@ -112,11 +113,7 @@ class CausalConv1dVerifyPlan:
     def run(self, x, conv_state, weight, out=None) -> torch.Tensor:
         self.inputs.check((x.shape, x.dtype), (conv_state.shape, conv_state.dtype), (weight.shape, weight.dtype))
         check_conv_layouts(_KERNEL, x, conv_state, weight)
-        if out is None:
-            out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        elif out.shape != x.shape or out.dtype != x.dtype or out.stride(-1) != 1:
-            fail(_KERNEL, "out", f"a {tuple(x.shape)} {x.dtype} tensor with a contiguous last dim",
-                 f"{tuple(out.shape)} {out.dtype} strides {out.stride()}")  # fmt: skip
+        out = conv_output(_KERNEL, x, out)
         return _launch(x, conv_state, weight, self.src_idx, self.dst_idx, out, run_config=self.run_config)
 
 
