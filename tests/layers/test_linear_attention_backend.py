@@ -136,6 +136,38 @@ def test_gpu_conv_path_matches_the_per_request_reference(dtype):
     assert torch.equal(be.state.conv[0, slots], want_states) and (be.state.conv[0, 4] == 7).all()
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("lens", [[1, 70, 9], [1, 33, 9]], ids=["chunked", "recurrent"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_gpu_prefill_and_decode_match_the_references(dtype, lens):
+    """fla-core's prefill (chunked with a request longer than RECURRENT_MAX_TOKENS and fla's 64-token chunk, else
+    its fused recurrent kernel) and the Triton decode kernels (the GPU path) against the CPU references, with
+    grouped value heads, several sequences and unordered slots."""
+    slots = [3, 0, 2]
+    s = GPU_SHAPE
+    t, d = inputs(sum(lens), s=s), inputs(3, seed=1, s=s)
+    ref, gpu = backend(shape=s), backend(device="cuda", dtype=dtype, shape=s)
+    to = lambda v: v.to(device="cuda", dtype=dtype)  # noqa: E731
+    want = run_prefill(ref, t, lens, slots)
+    got = run_prefill(gpu, {n: to(v) for n, v in t.items()}, lens, slots)
+    tol = 5e-3 if dtype == torch.float32 else 1e-1  # fp32: fla's dots may run in tf32
+    for w, g in zip(want, got):
+        assert torch.allclose(g.float().cpu(), w, atol=tol, rtol=tol)
+    assert torch.allclose(gpu.state.ssm.cpu(), ref.state.ssm, atol=tol, rtol=tol)
+    outs = []
+    for be, conv in ((ref, lambda v: v), (gpu, to)):
+        plan = be.plan(batch(None, slots, be.state.conv.device))
+        x = be.conv_decode(0, conv(d["x"]), conv(t["weight"]), plan)
+        kd = s.key_heads * s.key_dim  # q, k, v: strided views of the conv output, as the model passes them
+        q, k = x[:, :kd].view(3, s.key_heads, -1), x[:, kd : 2 * kd].view(3, s.key_heads, -1)
+        v = x[:, 2 * kd :].view(3, s.value_heads, -1)
+        outs.append(be.delta_decode(0, q, k, v, conv(d["a"]), conv(d["b"]), conv(t["A_log"]), conv(t["dt_bias"]),
+                                    plan).float().cpu())  # fmt: skip
+    assert torch.allclose(outs[1], outs[0], atol=tol, rtol=tol)
+    assert torch.allclose(gpu.state.ssm.cpu(), ref.state.ssm, atol=tol, rtol=tol)
+    assert torch.allclose(gpu.state.conv.float().cpu(), ref.state.conv, atol=tol, rtol=tol)
+
+
 def chunk_batch(lens, slots, prefix):
     state = batch(lens, slots)
     state.b_prefix_len = torch.tensor(prefix, dtype=torch.int32)
