@@ -306,10 +306,12 @@ def _token_layout(cu: torch.Tensor, lens: torch.Tensor, tokens: int) -> Tuple[to
 
 def static_chunk_indices(cu: torch.Tensor, chunk: int, rows: int) -> torch.Tensor:
     """fla's chunk indices (``[seq, chunk in seq]`` per ``chunk``-token chunk, in order) of the packing ``cu``, made
-    on the device with a fixed ``rows``: rows past the real chunks point at chunk 0 of the last sequence, which must
-    be empty (every kernel masks all its rows: it writes nothing)."""
-    counts = (cu[1:] - cu[:-1] + chunk - 1).div(chunk, rounding_mode="floor")
-    starts = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
-    slot = torch.arange(rows, device=cu.device)
-    seq = (torch.searchsorted(starts, slot, right=True) - 1).clamp(max=counts.shape[0] - 1)
-    return torch.stack([seq, slot - starts[seq]], 1)
+    on the device with a fixed ``rows`` (fla-core's ``prepare_chunk_indices_static``). fla marks rows past the real
+    chunks with sequence -1, which its gated delta rule kernels do not skip; here they point at chunk 0 of the last
+    sequence instead, which must be empty (every kernel masks all of its rows: it writes nothing)."""
+    from fla.ops.utils.index import prepare_chunk_indices_static
+
+    indices, _ = prepare_chunk_indices_static(cu, chunk, rows)
+    seq, at = indices.unbind(1)
+    spare = seq < 0
+    return torch.stack([torch.where(spare, cu.shape[0] - 2, seq), torch.where(spare, 0, at)], 1)

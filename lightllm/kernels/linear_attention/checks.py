@@ -154,12 +154,28 @@ def check_conv_layouts(kernel: str, x: torch.Tensor, conv_state: torch.Tensor, w
         fail(kernel, "weight", "contiguous", f"strides {weight.stride()}")
 
 
-def conv_output(kernel: str, x: torch.Tensor, out, buffer=None) -> torch.Tensor:
-    """A conv's output: ``out`` when it has x's shape and dtype and a contiguous last dim, else, when None, the
-    plan's ``buffer`` (a ``StepBuffer``) or a new tensor."""
-    if out is None:
-        return buffer.get(x.device) if buffer is not None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    if out.shape != x.shape or out.dtype != x.dtype or out.stride(-1) != 1:
-        fail(kernel, "out", f"a {tuple(x.shape)} {x.dtype} tensor with a contiguous last dim",
-             f"{tuple(out.shape)} {out.dtype} strides {out.stride()}")  # fmt: skip
-    return out
+class ConvLayerInputs:
+    """What a conv plan (update, verify, prefill) checks per layer: the planned shapes and dtypes of x, the conv
+    state and the weight (``[channels, K]``, ``K`` from the state's ``K - 1`` rows), their layouts
+    (:func:`check_conv_layouts`), and ``out`` of x's shape and dtype; without ``out``, the plan's output buffer
+    (``kernels/step_buffer.py``) or, with none, a new tensor."""
+
+    __slots__ = ("kernel", "planned", "buffer")
+
+    def __init__(self, kernel: str, x_shape, dtype, state_shape, state_dtype, weight_dtype, buffer=None):
+        self.kernel, self.buffer = kernel, buffer
+        weight_shape = torch.Size((x_shape[-1], state_shape[1] + 1))
+        self.planned = PlannedInputs(kernel, x=(x_shape, dtype), conv_state=(state_shape, state_dtype),
+                                     weight=(weight_shape, weight_dtype))  # fmt: skip
+
+    def output(self, x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, out=None) -> torch.Tensor:
+        """Checks one layer's tensors; returns ``out`` (made when None)."""
+        self.planned.check((x.shape, x.dtype), (conv_state.shape, conv_state.dtype), (weight.shape, weight.dtype))
+        check_conv_layouts(self.kernel, x, conv_state, weight)
+        if out is None:
+            buffer = self.buffer
+            return buffer.get(x.device) if buffer is not None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        if out.shape != x.shape or out.dtype != x.dtype or out.stride(-1) != 1:
+            fail(self.kernel, "out", f"a {tuple(x.shape)} {x.dtype} tensor with a contiguous last dim",
+                 f"{tuple(out.shape)} {out.dtype} strides {out.stride()}")  # fmt: skip
+        return out

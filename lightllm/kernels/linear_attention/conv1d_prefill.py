@@ -12,9 +12,10 @@ Two launches, both reading the sequence bounds on the device only (a prefill gra
   it writes. It runs after the output launch, which read the old windows.
 
 One kernel launch each instead of the ~25 torch ops per layer of the shifted multiply-adds it replaces. A plain
-kernel with a fixed config, not tuned, as ``conv1d_update``: it reads x once and writes y once (memory-bound, a few
-percent of a prefill layer's bytes). Same numerics as ``causal_conv1d_prefill_ref`` (float32 sums; an old window's
-values enter in x's dtype, a new window in the state's).
+kernel with a fixed config, not tuned, as ``conv1d_update``: it reads x once (from the cache for the ``K - 1`` shifts
+after the first) and writes y once; ``benchmarks/conv_prefill.py`` times it against those torch ops. Same numerics
+as ``causal_conv1d_prefill_ref`` (float32 sums; an old window's values enter in x's dtype, a new window in the
+state's).
 """
 
 from typing import Optional
@@ -23,15 +24,13 @@ import torch
 import triton
 import triton.language as tl
 
-from lightllm.common.autotuner import PlannedInputs
 from lightllm.kernels.direct_launch import DirectLaunch
 from lightllm.kernels.launch_math import cdiv, next_power_of_2
 from lightllm.kernels.linear_attention.checks import (
     DTYPES,
+    ConvLayerInputs,
     check_block_c_config,
-    check_conv_layouts,
     check_conv_state,
-    conv_output,
     check_devices,
     fail,
 )
@@ -120,21 +119,13 @@ class CausalConv1dPrefillPlan:
         x_shape, state_shape = torch.Size(x_shape), torch.Size(state_shape)
         _check_plan(x_shape, dtype, state_shape, state_dtype, weight_dtype, state_idx, cu_seqlens, seq_ids, offsets,
                     continues, run_config)  # fmt: skip
-        channels, taps = x_shape[1], state_shape[1] + 1
         self.index = (state_idx, cu_seqlens, seq_ids, offsets, continues)
         self.cfg = run_config or DEFAULT_CONFIG
-        self.inputs = PlannedInputs(
-            _KERNEL,
-            x=(x_shape, dtype),
-            conv_state=(state_shape, state_dtype),
-            weight=(torch.Size((channels, taps)), weight_dtype),
-        )
-        self._out = StepBuffer(x_shape, dtype, reuse_outputs)
+        self.inputs = ConvLayerInputs(_KERNEL, x_shape, dtype, state_shape, state_dtype, weight_dtype,
+                                      StepBuffer(x_shape, dtype, reuse_outputs))  # fmt: skip
 
     def run(self, x, conv_state, weight, out=None) -> torch.Tensor:
-        self.inputs.check((x.shape, x.dtype), (conv_state.shape, conv_state.dtype), (weight.shape, weight.dtype))
-        check_conv_layouts(_KERNEL, x, conv_state, weight)
-        out = conv_output(_KERNEL, x, out, self._out)
+        out = self.inputs.output(x, conv_state, weight, out)
         _launch(x, conv_state, weight, *self.index, out, self.cfg)
         return out
 

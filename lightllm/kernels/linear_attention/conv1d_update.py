@@ -12,16 +12,14 @@ import torch
 import triton
 import triton.language as tl
 
-from lightllm.common.autotuner import PlannedInputs
 from lightllm.kernels.direct_launch import DirectLaunch
 from lightllm.kernels.pdl import pdl_release, pdl_wait
 from lightllm.kernels.launch_math import cdiv
 from lightllm.kernels.linear_attention.checks import (
     DTYPES,
+    ConvLayerInputs,
     check_block_c_config,
-    check_conv_layouts,
     check_conv_state,
-    conv_output,
     check_devices,
     check_state_idx,
     fail,
@@ -85,20 +83,12 @@ class CausalConv1dUpdatePlan:
                  reuse_outputs=False):  # fmt: skip
         x_shape, state_shape = torch.Size(x_shape), torch.Size(state_shape)
         _check_plan(x_shape, dtype, state_shape, state_dtype, weight_dtype, state_idx, run_config)
-        channels, taps = x_shape[1], state_shape[1] + 1
         self.state_idx, self.run_config = state_idx, run_config
-        self.inputs = PlannedInputs(
-            _KERNEL,
-            x=(x_shape, dtype),
-            conv_state=(state_shape, state_dtype),
-            weight=(torch.Size((channels, taps)), weight_dtype),
-        )
-        self._out = StepBuffer(x_shape, dtype, reuse_outputs)
+        self.inputs = ConvLayerInputs(_KERNEL, x_shape, dtype, state_shape, state_dtype, weight_dtype,
+                                      StepBuffer(x_shape, dtype, reuse_outputs))  # fmt: skip
 
     def run(self, x, conv_state, weight, out=None) -> torch.Tensor:
-        self.inputs.check((x.shape, x.dtype), (conv_state.shape, conv_state.dtype), (weight.shape, weight.dtype))
-        check_conv_layouts(_KERNEL, x, conv_state, weight)
-        out = conv_output(_KERNEL, x, out, self._out)
+        out = self.inputs.output(x, conv_state, weight, out)
         return _launch(x, conv_state, weight, self.state_idx, out, run_config=self.run_config)
 
 

@@ -14,14 +14,12 @@ import torch
 import triton
 import triton.language as tl
 
-from lightllm.common.autotuner import PlannedInputs
 from lightllm.kernels.launch_math import cdiv, next_power_of_2
 from lightllm.kernels.linear_attention.checks import (
     DTYPES,
+    ConvLayerInputs,
     check_block_c_config,
-    check_conv_layouts,
     check_conv_state,
-    conv_output,
     check_devices,
     check_tokens,
     check_verify_idx,
@@ -101,19 +99,11 @@ class CausalConv1dVerifyPlan:
     def __init__(self, x_shape, dtype, state_shape, state_dtype, weight_dtype, src_idx, dst_idx, run_config=None):
         x_shape, state_shape = torch.Size(x_shape), torch.Size(state_shape)
         _check_plan(x_shape, dtype, state_shape, state_dtype, weight_dtype, src_idx, dst_idx, run_config)
-        channels, taps = x_shape[2], state_shape[1] + 1
         self.src_idx, self.dst_idx, self.run_config = src_idx, dst_idx, run_config
-        self.inputs = PlannedInputs(
-            _KERNEL,
-            x=(x_shape, dtype),
-            conv_state=(state_shape, state_dtype),
-            weight=(torch.Size((channels, taps)), weight_dtype),
-        )
+        self.inputs = ConvLayerInputs(_KERNEL, x_shape, dtype, state_shape, state_dtype, weight_dtype)
 
     def run(self, x, conv_state, weight, out=None) -> torch.Tensor:
-        self.inputs.check((x.shape, x.dtype), (conv_state.shape, conv_state.dtype), (weight.shape, weight.dtype))
-        check_conv_layouts(_KERNEL, x, conv_state, weight)
-        out = conv_output(_KERNEL, x, out)
+        out = self.inputs.output(x, conv_state, weight, out)
         return _launch(x, conv_state, weight, self.src_idx, self.dst_idx, out, run_config=self.run_config)
 
 
