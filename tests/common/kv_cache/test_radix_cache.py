@@ -1,6 +1,8 @@
 """The prefix cache: token-granular matches, pins that keep a running request's prefix from eviction, LRU eviction,
 and a stress test of random admissions and finishes against a plain model of what every pool slot holds."""
 
+import heapq
+import itertools
 import random
 
 import pytest
@@ -95,6 +97,94 @@ def test_eviction_takes_the_least_recently_used_unpinned_leaves():
     assert tree.evict(100) == 4 and tree.num_tokens == 3 and tree.num_evictable == 0
     with pytest.raises(RuntimeError, match="3 cached tokens are pinned"):
         tree.clear()
+
+
+def _lru_leaves(tree, num_tokens):
+    """The leaves ``tree.evict(num_tokens)`` must take, in order, by the rule itself over a walk of every node: the
+    least recently used unpinned leaf first (ties by creation), a parent joining once its last child is taken."""
+    nodes, stack = [], list(tree.root.children.values())
+    while stack:
+        nodes.append(stack.pop())
+        stack.extend(nodes[-1].children.values())
+    children = {id(n): len(n.children) for n in nodes}
+    heap = [(n.last_used, n.serial, n) for n in nodes if n.refs == 0 and not n.children]
+    heapq.heapify(heap)
+    taken, freed = [], 0
+    while freed < num_tokens and heap:
+        leaf = heapq.heappop(heap)[2]
+        taken.append(leaf)
+        freed += len(leaf.key)
+        parent = leaf.parent
+        if parent is not tree.root:
+            children[id(parent)] -= 1
+            if parent.refs == 0 and not children[id(parent)]:
+                heapq.heappush(heap, (parent.last_used, parent.serial, parent))
+    return taken
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_eviction_follows_the_lru_rule_of_a_full_walk_through_pins_splits_and_checkpoints(seed):
+    """Random inserts (sharing prefixes, so nodes split), pins, unpins, checkpoints and evictions: every eviction
+    takes exactly the leaves a walk over the whole tree picks by the rule, and hands their slots back in one call,
+    last taken first (the order per-leaf calls gave the pool); the heap of candidates stays within its bound."""
+    rng = random.Random(seed)
+    calls = []
+    tree = RadixCache(calls.append)
+    pins, nxt, states = [], 0, itertools.count()
+    bases = [[rng.randrange(4) for _ in range(12)] for _ in range(4)]
+    for _ in range(600):
+        op = rng.random()
+        if op < 0.4:
+            seq = rng.choice(bases)[: rng.randrange(1, 12)] + [rng.randrange(4) for _ in range(rng.randrange(4))]
+            cached, _ = tree.match(seq)
+            tree.insert(seq, torch.arange(nxt, nxt + len(seq)))
+            nxt += len(seq)
+            if rng.random() < 0.3:
+                tree.attach_state(seq[: rng.randrange(1, len(seq) + 1)], lambda: next(states), rng.random() < 0.5)
+        elif op < 0.6 and tree.num_tokens:
+            seq = rng.choice(bases)[: rng.randrange(1, 12)]
+            cached, _ = tree.match(seq)
+            if cached:
+                pins.append(tree.pin(seq[:cached])[0])
+        elif op < 0.75 and pins:
+            tree.unpin(pins.pop(rng.randrange(len(pins))))
+        else:
+            want = rng.randrange(1, 12)
+            taken = _lru_leaves(tree, want)
+            expected = [s for leaf in reversed(taken) for s in leaf.slots.tolist()]
+            calls.clear()
+            assert tree.evict(want) == len(expected)
+            assert [s for c in calls for s in c.tolist()] == expected and len(calls) == (1 if taken else 0)
+        nodes = len(_path_refs(tree))
+        assert tree._num_nodes == nodes and len(tree._leaves) <= 2 * nodes + 65
+    while pins:
+        tree.unpin(pins.pop())
+    held = tree.num_tokens
+    assert tree.clear() == held and tree.num_tokens == 0 and tree._num_nodes == 0 and tree.num_states == 0
+
+
+def test_an_eviction_does_not_walk_the_tree():
+    """A full cache admits each request by evicting an old one: that costs the leaves taken, not a walk over every
+    cached request. The heap is rebuilt (one walk) only once it holds more than twice as many entries as the tree has
+    nodes, which takes hundreds of pins."""
+    tree = RadixCache(lambda idx: None)
+    walks = []
+    real = tree._nodes
+    tree._nodes = lambda: walks.append(1) or real()
+    rng = random.Random(0)
+    for i in range(300):
+        tree.insert([i] + [rng.randrange(100) for _ in range(7)], torch.arange(8 * i, 8 * i + 8))
+    for i in range(300, 1300):
+        assert tree.evict(8) == 8
+        tree.insert([i] + [rng.randrange(100) for _ in range(7)], torch.arange(8 * i, 8 * i + 8))
+        node, _ = tree.pin(tree.root.children[i].key)  # a request that reads it, then finishes
+        tree.unpin(node)
+    assert tree._num_nodes == 300 and not walks and len(tree._leaves) <= 2 * 300 + 65
+    for i in range(1000):  # requests reading cached prefixes, none evicting: entries pile up until a rebuild
+        node, _ = tree.pin(tree.root.children[rng.randrange(1000, 1300)].key)
+        tree.unpin(node)
+        assert len(tree._leaves) <= 2 * tree._num_nodes + 65
+    assert 1 <= len(walks) <= 1000 // 300 + 1  # a walk per pushes of at least the node count
 
 
 def test_state_checkpoints_sit_at_node_ends_and_bound_a_stateful_match():
