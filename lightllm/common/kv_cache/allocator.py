@@ -6,6 +6,7 @@ Every check runs before any state changes, so a rejected call never corrupts the
 
 from typing import Sequence, Union
 
+import numpy as np
 import torch
 
 IndexLike = Union[torch.Tensor, Sequence[int]]
@@ -28,16 +29,19 @@ class TokenAllocator:
     """Hands out token slots ``0 .. num_tokens-1`` of the KV pool.
 
     Free slots live in an int64 stack (``_free[:num_free]``, top at the end), so ``alloc`` and ``free`` are
-    O(n) tensor slices with no per-token Python loop. A boolean in-use mask rejects double and foreign frees.
+    O(n) slices with no per-token Python loop. A boolean in-use mask rejects double and foreign frees. Both are numpy
+    arrays: a step allocates tens of slots, where a torch op's dispatch costs more than its work (a request's
+    bookkeeping in a full pool: 0.62 -> 0.45 ms, ``benchmarks/prefix_evict_cost.py``); callers get and give torch
+    tensors.
     """
 
     def __init__(self, num_tokens: int):
         check_count("TokenAllocator", "num_tokens", num_tokens, 1)
         self.num_tokens = num_tokens
         # Reversed so that the first allocations come out as 0, 1, 2, ...
-        self._free = torch.arange(num_tokens - 1, -1, -1, dtype=torch.int64)
+        self._free = np.arange(num_tokens - 1, -1, -1, dtype=np.int64)
         self._num_free = num_tokens
-        self._in_use = torch.zeros(num_tokens, dtype=torch.bool)
+        self._in_use = np.zeros(num_tokens, dtype=bool)
 
     @property
     def num_free(self) -> int:
@@ -58,10 +62,10 @@ class TokenAllocator:
                 f"TokenAllocator.alloc: asked for {n} tokens, only {self._num_free} of {self.num_tokens} are free"
             )
         top = self._num_free
-        indices = self._free[top - n : top].flip(0)  # flip() copies, so later pushes can't alias the result
+        indices = self._free[top - n : top][::-1].copy()  # a copy: later pushes must not alias the result
         self._num_free = top - n
         self._in_use[indices] = True
-        return indices
+        return torch.from_numpy(indices)
 
     def free(self, indices: IndexLike) -> None:
         """Return token indices (1-D, any device, any integer dtype) to the pool.
@@ -69,25 +73,26 @@ class TokenAllocator:
         Raises ``ValueError`` (and changes nothing) if an index is out of range, repeated in the call, or
         not currently allocated.
         """
-        idx = _as_index_tensor("TokenAllocator.free", indices)
-        if idx.numel() == 0:
+        idx = _as_index_tensor("TokenAllocator.free", indices).numpy()
+        if idx.size == 0:
             return
-        lo, hi = int(idx.min()), int(idx.max())
+        ordered = np.sort(idx)
+        lo, hi = int(ordered[0]), int(ordered[-1])
         if lo < 0 or hi >= self.num_tokens:
             raise ValueError(
                 f"TokenAllocator.free: indices expected values in [0, {self.num_tokens}), got range [{lo}, {hi}]"
             )
         not_used = idx[~self._in_use[idx]]
-        if not_used.numel():
+        if not_used.size:
             raise ValueError(
-                f"TokenAllocator.free: indices expected allocated tokens, got {not_used.numel()} that are free "
+                f"TokenAllocator.free: indices expected allocated tokens, got {not_used.size} that are free "
                 f"(double free or never allocated), e.g. {not_used[:4].tolist()}"
             )
-        if torch.unique(idx).numel() != idx.numel():
+        if (ordered[1:] == ordered[:-1]).any():
             raise ValueError("TokenAllocator.free: indices expected distinct values, got repeats (double free)")
         top = self._num_free
-        self._free[top : top + idx.numel()] = idx.flip(0)  # freed in order, reallocated in the same order
-        self._num_free = top + idx.numel()
+        self._free[top : top + idx.size] = idx[::-1]  # freed in order, reallocated in the same order
+        self._num_free = top + idx.size
         self._in_use[idx] = False
 
 
