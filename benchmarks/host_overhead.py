@@ -130,7 +130,15 @@ def main():
                 res = measure(model, vocab, conc, args, env)
                 runs.append({"repeat": rep, "concurrency": conc, "layout": args.layout,
                              "torch_threads": args.torch_threads, "stream": args.stream, **res})  # fmt: skip
-    keys = ("tokens_per_s", "decode_step_ms", "decode_batch", "engine_cpu_ms_per_step", "http_cpu_ms_per_step")
+    keys = (
+        "tokens_per_s",
+        "decode_step_ms",
+        "decode_batch",
+        "engine_cpu_ms_per_step",
+        "http_cpu_ms_per_step",
+        "engine_cpu_ms_per_request",
+        "http_cpu_ms_per_request",
+    )
     median = [{"concurrency": c, **{k: statistics.median(r[k] for r in runs if r["concurrency"] == c) for k in keys}}
               for c in args.concurrency]  # fmt: skip
     print(
@@ -140,11 +148,12 @@ def main():
         + ", HTTP's"
     )
     print(f"{'conc':>5} {'tok/s':>8} {'decode step ms':>15} {'decode batch':>13} {'engine CPU ms':>14} "
-          f"{'HTTP CPU ms':>12} {'all ok':>7}")  # fmt: skip
+          f"{'HTTP CPU ms':>12} {'per request: engine':>20} {'HTTP':>6} {'all ok':>7}")  # fmt: skip
     for m in median:
         ok = all(r["all_complete_finite"] for r in runs if r["concurrency"] == m["concurrency"])
         print(f"{m['concurrency']:5d} {m['tokens_per_s']:8.0f} {m['decode_step_ms']:15.3f} {m['decode_batch']:13.1f} "
-              f"{m['engine_cpu_ms_per_step']:14.3f} {m['http_cpu_ms_per_step']:12.3f} {str(ok):>7}")  # fmt: skip
+              f"{m['engine_cpu_ms_per_step']:14.3f} {m['http_cpu_ms_per_step']:12.3f} "
+              f"{m['engine_cpu_ms_per_request']:20.3f} {m['http_cpu_ms_per_request']:6.3f} {str(ok):>7}")  # fmt: skip
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"machine": platform.machine(), "cpus": os.cpu_count(), "python": platform.python_version(),
@@ -178,12 +187,18 @@ def measure(model: str, vocab: int, batch: int, args, env) -> dict:
         engine = engine_pid(proc.pid) if args.layout == "process" else proc.pid
         asyncio.run(load(base, 8, 8, args.prompt, 8, vocab))  # warm the paths once
         cpu = (cpu_seconds(engine), cpu_seconds(proc.pid))
-        res = asyncio.run(
-            load(base, args.requests or 4 * batch, 2 * batch, args.prompt, args.output, vocab, stream=args.stream)
-        )
+        n = args.requests or 4 * batch
+        res = asyncio.run(load(base, n, 2 * batch, args.prompt, args.output, vocab, stream=args.stream))
         steps = res["prefill_steps"] + res["decode_steps"]
         engine_cpu, http_cpu = cpu_seconds(engine) - cpu[0], cpu_seconds(proc.pid) - cpu[1]
-    return {**res, "engine_cpu_ms_per_step": engine_cpu / steps * 1e3, "http_cpu_ms_per_step": http_cpu / steps * 1e3}
+    # per request as well: with short outputs (--output 2) admission, prefill and the HTTP request dominate
+    return {
+        **res,
+        "engine_cpu_ms_per_step": engine_cpu / steps * 1e3,
+        "http_cpu_ms_per_step": http_cpu / steps * 1e3,
+        "engine_cpu_ms_per_request": engine_cpu / n * 1e3,
+        "http_cpu_ms_per_request": http_cpu / n * 1e3,
+    }
 
 
 def cpu_seconds(pid: int) -> float:
