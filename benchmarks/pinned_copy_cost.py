@@ -1,7 +1,8 @@
 """Host cost of putting a step's small host values on the GPU, per call: what ``transfer.host_to_device`` pays (a
-fresh tensor pinned through PyTorch's pinned-memory cache, then a ``non_blocking`` copy) against a persistent pinned
-buffer filled in place and copied ``non_blocking`` into a persistent device tensor (what ``engine/staging.py`` does
-once a step), and against the pageable copy ``torch.tensor(values, device=...)`` (which waits for the stream).
+fresh tensor pinned through PyTorch's pinned-memory cache, then a ``non_blocking`` copy) against persistent pinned
+buffers filled in place and copied ``non_blocking`` into a persistent device tensor (what ``engine/staging.py`` does
+once a step; a ring of ``RING``, each reused once its copy is done), and against the pageable copy
+``torch.tensor(values, device=...)`` (which waits for the stream).
 
 Each variant is timed with the GPU idle and with the GPU busy (a large elementwise kernel queued before every call,
 as in a step, so a copy that waits for the stream shows that wait). Host microseconds per call, medians of
@@ -24,6 +25,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from lightllm.common.transfer import host_to_device  # noqa: E402
 
+RING = 8  # pinned buffers of the persistent variant
+
 
 def variants(values: list, device: torch.device) -> dict:
     """name -> a call that puts ``values`` (int64) on ``device`` and returns them there (``pin_memory only``: in pinned
@@ -34,13 +37,20 @@ def variants(values: list, device: torch.device) -> dict:
         "pageable torch.tensor": lambda: torch.tensor(values, dtype=torch.int64, device=device),
     }
     if device.type == "cuda":
-        host = torch.empty(n, dtype=torch.int64, pin_memory=True)
+        # a ring of pinned buffers, each written again only once its last copy is done (staging.py waits on an event
+        # for its one buffer): the wait is part of what this variant costs
+        ring = [(torch.empty(n, dtype=torch.int64, pin_memory=True), torch.cuda.Event()) for _ in range(RING)]
         dev = torch.empty(n, dtype=torch.int64, device=device)
-        view = host.numpy()
+        turn = [0]
 
         def staged():
-            view[:] = values
-            return dev.copy_(host, non_blocking=True)
+            host, copied = ring[turn[0] % RING]
+            turn[0] += 1
+            copied.synchronize()
+            host.numpy()[:] = values
+            dev.copy_(host, non_blocking=True)
+            copied.record()
+            return dev
 
         out["persistent pinned buffer"] = staged
         out["pin_memory only"] = lambda: torch.tensor(values, dtype=torch.int64).pin_memory()
