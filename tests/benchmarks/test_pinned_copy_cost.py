@@ -57,3 +57,7 @@ def test_gpu_times_the_pinned_variants_too(bench, tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert {r["variant"] for r in rows} == {"host_to_device", "pageable torch.tensor", "persistent pinned buffer",
                                             "pin_memory only"}  # fmt: skip
+    for name, call in bench.variants([5, 6, 7], torch.device("cuda")).items():
+        for _ in range(bench.RING + 1):  # round the persistent ring once
+            got = call()
+            assert got.device.type == ("cpu" if name == "pin_memory only" else "cuda") and got.tolist() == [5, 6, 7]
