@@ -398,7 +398,7 @@ def test_search_uses_representative_batch_over_existing_pool(monkeypatch):
     monkeypatch.setenv("LIGHTLLM_DECODE_ATTN_AUTOTUNE_SEQ_LEN", "1024")
     tuned = flash_decode._launch_gqa_flash_decode
     tuned.clear_cache()
-    cfgs = [{"BLOCK_N": 16, "num_warps": 2, "num_stages": 1, "WAVES": w} for w in (1, 4)]
+    cfgs = [{"BLOCK_N": 64, "num_warps": 2, "num_stages": 1, "WAVES": w} for w in (1, 4)]
     monkeypatch.setattr(tuned, "configs_gen_func", lambda q: cfgs)
     seen = []
 
@@ -448,7 +448,7 @@ def test_cached_config_outside_the_candidates_is_a_miss(monkeypatch, caplog, iso
     static_key = freeze(flash_decode._static_key(q, k, "none", 0))
     run_key = flash_decode.split_kv_run_key(q, 2048)
     tuned.store.save(static_key, static_key, {run_key: (bad, {})})
-    cfg = {"BLOCK_N": 16, "num_warps": 2, "num_stages": 1, "WAVES": 1}  # one cheap candidate
+    cfg = {"BLOCK_N": 64, "num_warps": 2, "num_stages": 1, "WAVES": 1}  # one cheap candidate
     monkeypatch.setattr(tuned, "configs_gen_func", lambda q: [cfg])
     launched = []
     real_launch = tuned.fn
