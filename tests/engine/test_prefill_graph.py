@@ -607,8 +607,8 @@ def test_gpu_qwen3_5_prefill_graphs_equal_eager(gpu_qwen3_5_dir):
 
 @pytest.mark.gpu
 def test_gpu_qwen3_5_chunked_prefill_graphs_equal_eager(gpu_qwen3_5_dir, monkeypatch):
-    """What turning CHUNKED_GRAPH_MAX_TOKENS on needs (it is 0 until this passes on a GPU): fla-core's chunked
-    kernels captured with chunk indices made on the device, buckets up to 512 (see
+    """What turning CHUNKED_GRAPH_MAX_TOKENS on needs (passed on an H100, 2026-12-05; the constant is still 0):
+    fla-core's chunked kernels captured with chunk indices made on the device, buckets up to 512 (see
     ``_qwen3_5_graphs_equal_eager``)."""
     from lightllm.layers import linear_attention
 
