@@ -10,8 +10,9 @@ of ``--lens`` tokens (the median of ``--sends``) and one ``--prompt``-token prom
 reads all but the last token from the prefix cache and prefills one (docs/engine.md, "Prefix cache"). Prints the
 medians over the rounds per mode; writes JSON. On a GPU only the modes differ; ``--tiny`` (CPU: the torch
 references in every mode, no graphs) checks the method.
-``--chunked-graph-max-tokens N`` captures prefill graphs past ``RECURRENT_MAX_TOKENS`` up to ``N`` tokens (fla's
-chunked kernels, off by default: ``linear_attention.CHUNKED_GRAPH_MAX_TOKENS``), so ``graphs`` replays those too.
+``--chunked-graph-max-tokens N`` sets ``linear_attention.CHUNKED_GRAPH_MAX_TOKENS`` (default 512: prefill graphs past
+``RECURRENT_MAX_TOKENS`` run fla's chunked kernels) for the run; 0 stops ``graphs`` at ``RECURRENT_MAX_TOKENS``. The
+start-up's prefill graphs, their memory and the seconds of each start-up part are printed and kept (``startup``).
 ``--profile MODE`` then runs ``torch.profiler`` over one more such cache hit in that mode and keeps its host and
 device totals and its ``--top`` operators by host time (where a short prefill's time goes).
 
@@ -93,7 +94,7 @@ def summarize(rounds: list, lens) -> dict:
 
 
 def measure(args, p) -> tuple:
-    """The rounds (and the profile) of one engine built for ``args``."""
+    """The rounds, the profile (or None) and the start-up's cost of one engine built for ``args``."""
     longest = max(args.prompt, *args.lens)
     rounds, profile = [], None
     with tempfile.TemporaryDirectory() as root:
@@ -104,6 +105,9 @@ def measure(args, p) -> tuple:
         engine, captured = Engine(runner, eos_ids=[]), runner.prefill_graphs
         if captured is None and not args.tiny:
             p.error("expected prefill graphs captured at start-up (a GPU, bf16)")
+        startup = {"seconds": dict(runner.startup_seconds), "prefill_graphs": captured.num_graphs if captured else 0,
+                   "prefill_buckets": list(captured.buckets) if captured else [],
+                   "prefill_graph_mib": captured.memory_bytes / 2**20 if captured else 0.0}  # fmt: skip
         vocab = runner.config.vocab_size if args.tiny else 512  # the tokenizer's ids; the lm_head is padded
         g = torch.Generator().manual_seed(0)
 
@@ -122,7 +126,7 @@ def measure(args, p) -> tuple:
                 profile = {"mode": args.profile, **profile_cache_hit(engine, fresh, args.prompt, args.top)}
         finally:
             set_mode(runner, captured, "graphs")
-    return rounds, profile
+    return rounds, profile, startup
 
 
 def main(argv=None):
@@ -155,10 +159,13 @@ def main(argv=None):
     previous = linear_attention.CHUNKED_GRAPH_MAX_TOKENS
     linear_attention.CHUNKED_GRAPH_MAX_TOKENS = args.chunked_graph_max_tokens  # read when the graphs are captured
     try:
-        rounds, profile = measure(args, p)
+        rounds, profile, startup = measure(args, p)
     finally:
         linear_attention.CHUNKED_GRAPH_MAX_TOKENS = previous
     summary = summarize(rounds, args.lens)
+    print(f"start-up: {startup['prefill_graphs']} prefill graphs (buckets {startup['prefill_buckets']}), "
+          f"{startup['prefill_graph_mib']:.1f} MiB; "
+          + ", ".join(f"{k} {v:.1f} s" for k, v in startup["seconds"].items()))  # fmt: skip
     print(f"{'mode':>9} " + " ".join(f"{f'{n} tok ms':>10}" for n in args.lens) + f" {'cache hit ms':>12}")
     for mode, s in summary.items():
         print(f"{mode:>9} " + " ".join(f"{s[f'fresh_{n}_ms']:>10.2f}" for n in args.lens)
@@ -171,7 +178,7 @@ def main(argv=None):
         for op in profile["top_ops"]:
             print(f"  {op['name'][:60]:60} {op['calls']:>5} calls {op['host_total_ms']:>8.3f} ms host "
                   f"{op['device_ms']:>8.3f} ms device")  # fmt: skip
-    write_rows(args.out, args, [{"summary": summary, "rounds": rounds, "profile": profile}])
+    write_rows(args.out, args, [{"summary": summary, "startup": startup, "rounds": rounds, "profile": profile}])
     return summary, rounds
 
 

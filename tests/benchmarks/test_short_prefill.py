@@ -34,6 +34,9 @@ def test_modes_alternate_and_the_third_send_is_a_cache_hit(bench, tmp_path, monk
     assert set(summary["chunked"]) == {"fresh_1_ms", "fresh_5_ms", "cache_hit_ms"}
     saved = json.loads(out.read_text())["rows"][0]
     assert saved["summary"] == summary and saved["profile"] is None
+    startup = saved["startup"]  # the CPU captures no graphs; the start-up's parts are timed
+    assert startup["prefill_graphs"] == 0 and startup["prefill_buckets"] == [] and startup["prefill_graph_mib"] == 0
+    assert startup["seconds"] and all(v >= 0 for v in startup["seconds"].values())
 
 
 def test_each_mode_sets_the_kernel_choice_and_the_graphs(bench, monkeypatch):
@@ -64,8 +67,8 @@ def test_bad_lengths_are_refused(bench, tmp_path, capsys):
     assert "--lens, --sends, --rounds and --top expected positive integers" in capsys.readouterr().err
 
 
-def test_chunked_graphs_are_on_for_the_run_only(bench, tmp_path, monkeypatch, capsys):
-    seen, real = [], bench.one_round
+def test_chunked_graphs_are_set_for_the_run_only(bench, tmp_path, monkeypatch, capsys):
+    seen, real, default = [], bench.one_round, linear_attention.CHUNKED_GRAPH_MAX_TOKENS
 
     def watched(*args):
         seen.append(linear_attention.CHUNKED_GRAPH_MAX_TOKENS)
@@ -74,7 +77,7 @@ def test_chunked_graphs_are_on_for_the_run_only(bench, tmp_path, monkeypatch, ca
     monkeypatch.setattr(bench, "one_round", watched)
     bench.main(["--tiny", "--lens", "1", "--prompt", "100", "--sends", "1", "--rounds", "1",
                 "--chunked-graph-max-tokens", "128", "--out", str(tmp_path / "s.json")])  # fmt: skip
-    assert seen == [128] * 3 and linear_attention.CHUNKED_GRAPH_MAX_TOKENS == 0
+    assert seen == [128] * 3 and linear_attention.CHUNKED_GRAPH_MAX_TOKENS == default == 512
     with pytest.raises(SystemExit):
         bench.main(["--tiny", "--chunked-graph-max-tokens", "-1", "--out", str(tmp_path / "x.json")])
     assert "--chunked-graph-max-tokens expected a non-negative integer" in capsys.readouterr().err

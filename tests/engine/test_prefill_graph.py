@@ -338,16 +338,22 @@ def test_no_prefill_graphs_when_turned_off(tiny_dir, opts):
 
 @pytest.fixture(scope="module")
 def qwen3_5_runners(tmp_path_factory):
+    """Buckets of the token-by-token kernel alone (CHUNKED_GRAPH_MAX_TOKENS 0, read when the graphs are made)."""
+    from lightllm.layers import linear_attention
+
     model = str(make_tiny_qwen3_5(tmp_path_factory.mktemp("q35"), seed=0))
-    graphed, api = graph_runner(model)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(linear_attention, "CHUNKED_GRAPH_MAX_TOKENS", 0)
+        graphed, api = graph_runner(model)
     return graphed, api, ModelRunner(cpu_args(model, disable_cudagraph=True))
 
 
 @pytest.mark.parametrize("prefix_len", [0, 40], ids=["fresh", "chunk-after-40"])
 @pytest.mark.parametrize("n", [1, 7, 16, 50, 64])
 def test_qwen3_5_graph_prefill_equals_eager_and_leaves_other_states_alone(qwen3_5_runners, n, prefix_len):
-    """Buckets stop at RECURRENT_MAX_TOKENS; the replay gives eager's logits, and the request's conv and recurrent
-    states after it are eager's (the padding rows did not advance them); another request's states are untouched."""
+    """Without chunked graphs the buckets stop at RECURRENT_MAX_TOKENS; the replay gives eager's logits, and the
+    request's conv and recurrent states after it are eager's (the padding rows did not advance them); another
+    request's states are untouched."""
     graphed, api, eager = qwen3_5_runners
     assert graphed.prefill_graphs.buckets == [16, 32, 64] and graphed.prefill_graphs.prefixed
     other_prompt, first, prompt = _prompt(30, 1), _prompt(prefix_len, 2), _prompt(n, 3)
@@ -400,18 +406,15 @@ def test_qwen3_5_longer_prefills_and_a_prefix_cache_hit(qwen3_5_runners):
 
 
 @pytest.mark.parametrize("prefix_len", [0, 40], ids=["fresh", "chunk-after-40"])
-def test_qwen3_5_chunked_graph_buckets_equal_eager(tmp_path, monkeypatch, prefix_len):
-    """With CHUNKED_GRAPH_MAX_TOKENS at 128 the buckets reach 128 (fla's chunked kernels on a GPU; here the
-    references through the same padded plan, three sequences): 65 to 128 new tokens replay the 128 graph and give
-    eager's logits and states."""
-    from lightllm.layers import linear_attention
-
-    monkeypatch.setattr(linear_attention, "CHUNKED_GRAPH_MAX_TOKENS", 128)
+def test_qwen3_5_chunked_graph_buckets_equal_eager(tmp_path, prefix_len):
+    """By default (CHUNKED_GRAPH_MAX_TOKENS 512) the buckets reach 512 (fla's chunked kernels past 64 on a GPU;
+    here the references through the same padded plan, three sequences): 65 to 128 new tokens replay the 128 graph,
+    and 300 the 512 one, and give eager's logits and states."""
     model = str(make_tiny_qwen3_5(tmp_path / "q35", seed=0))
     graphed, api = graph_runner(model)
     eager = ModelRunner(cpu_args(model, disable_cudagraph=True))
-    assert graphed.prefill_graphs.buckets == [16, 32, 64, 128]
-    for n in (65, 100, 128):
+    assert graphed.prefill_graphs.buckets == [16, 32, 64, 128, 256, 512]
+    for n in (65, 100, 128, 300):
         out = {}
         for runner in (graphed, eager):
             state = runner.model.linear.state
@@ -422,7 +425,7 @@ def test_qwen3_5_chunked_graph_buckets_equal_eager(tmp_path, monkeypatch, prefix
             logits = runner.prefill([slot], [_prompt(n, 3)]).clone()
             out[runner] = (logits, state.conv[:, slot].clone(), state.ssm[:, slot].clone())
             if runner is graphed:
-                assert api.replayed == [(128, prefix_len > 0)]
+                assert api.replayed == [(bucket_for(graphed.prefill_graphs.buckets, n), prefix_len > 0)]
             runner.free(slot)
             runner.kv.prefix.clear()
         for g, e in zip(out[graphed], out[eager]):
@@ -433,6 +436,7 @@ def test_qwen3_5_opts_out_without_the_token_by_token_path(tmp_path, caplog, monk
     from lightllm.layers import linear_attention
 
     monkeypatch.setattr(linear_attention, "RECURRENT_MAX_TOKENS", 0)
+    monkeypatch.setattr(linear_attention, "CHUNKED_GRAPH_MAX_TOKENS", 0)
     model = str(make_tiny_qwen3_5(tmp_path / "q35", seed=0))
     with caplog.at_level(logging.INFO, logger="lightllm.engine.model_runner"):
         runner, _ = graph_runner(model, batch_max_tokens=32, max_req_total_len=32)
@@ -598,21 +602,21 @@ def _qwen3_5_graphs_equal_eager(runner, lengths):
 
 
 @pytest.mark.gpu
-def test_gpu_qwen3_5_prefill_graphs_equal_eager(gpu_qwen3_5_dir):
-    """Qwen3.5 (bf16), fla's token-by-token kernel for up to 64 tokens: see ``_qwen3_5_graphs_equal_eager``."""
+def test_gpu_qwen3_5_prefill_graphs_equal_eager(gpu_qwen3_5_dir, monkeypatch):
+    """Qwen3.5 (bf16), fla's token-by-token kernel for up to 64 tokens, alone (chunked graphs off): see
+    ``_qwen3_5_graphs_equal_eager``."""
+    from lightllm.layers import linear_attention
+
+    monkeypatch.setattr(linear_attention, "CHUNKED_GRAPH_MAX_TOKENS", 0)
     runner = _gpu_runner(gpu_qwen3_5_dir)
     assert runner.prefill_graphs.buckets == [16, 32, 64] and runner.prefill_graphs.prefixed
     _qwen3_5_graphs_equal_eager(runner, (1, 7, 16, 50, 64))
 
 
 @pytest.mark.gpu
-def test_gpu_qwen3_5_chunked_prefill_graphs_equal_eager(gpu_qwen3_5_dir, monkeypatch):
-    """What turning CHUNKED_GRAPH_MAX_TOKENS on needs (passed on an H100, 2026-12-05; the constant is still 0):
-    fla-core's chunked kernels captured with chunk indices made on the device, buckets up to 512 (see
-    ``_qwen3_5_graphs_equal_eager``)."""
-    from lightllm.layers import linear_attention
-
-    monkeypatch.setattr(linear_attention, "CHUNKED_GRAPH_MAX_TOKENS", 512)
+def test_gpu_qwen3_5_chunked_prefill_graphs_equal_eager(gpu_qwen3_5_dir):
+    """The default buckets past 64 (CHUNKED_GRAPH_MAX_TOKENS 512): fla-core's chunked kernels captured with chunk
+    indices made on the device, buckets up to 512 (see ``_qwen3_5_graphs_equal_eager``)."""
     runner = _gpu_runner(gpu_qwen3_5_dir)
     assert runner.prefill_graphs.buckets == [16, 32, 64, 128, 256, 512] and runner.prefill_graphs.prefixed
     _qwen3_5_graphs_equal_eager(runner, (65, 128, 200, 256, 511, 512))

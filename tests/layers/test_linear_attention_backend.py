@@ -454,9 +454,10 @@ def test_padded_prefill_keeps_the_padding_out_of_the_requests_states(gpu_path, n
     assert any(torch.allclose(be.state.ssm[0, pad_slot].float(), w, **tol) for w in want_pad)
 
 
-def test_padded_prefill_bounds_are_checked():
+def test_padded_prefill_bounds_are_checked(monkeypatch):
     be = backend()
     be.on_gpu = True
+    monkeypatch.setattr(la, "CHUNKED_GRAPH_MAX_TOKENS", 0)
     with pytest.raises(ValueError, match=r"at most RECURRENT_MAX_TOKENS \(64\) rows on a GPU, or "
                                          r"CHUNKED_GRAPH_MAX_TOKENS \(0\), got 128"):  # fmt: skip
         be.plan(padded_batch(3, 128, 2, 3, 0))
