@@ -51,7 +51,7 @@ _HELP = {
     "(one bucket, graph_max_len_in_batch)",
     "disable_cudagraph": "decode and prefill eagerly (no graphs, no decode-attention tuning scope)",
     "prefill_graph_max_tokens": "a prefill step of one request with at most this many new tokens replays a CUDA "
-    "graph (padded to the next of 16, 32, 64, ... up to this); 0: prefill eagerly (Qwen3.5 always does)",
+    "graph (padded to the next of 16, 32, 64, ... up to this; Qwen3.5: at most 512); 0: prefill eagerly",
     "llm_kv_type": "KV cache type",
     "llm_kv_quant_group_size": "INT8/INT4 KV quantization group size along head_dim",
     "llm_decode_att_backend": "decode attention kernels; auto: fa3 on a Hopper GPU with an FA3 provider installed "
