@@ -105,9 +105,11 @@ def measure(args, p) -> tuple:
         engine, captured = Engine(runner, eos_ids=[]), runner.prefill_graphs
         if captured is None and not args.tiny:
             p.error("expected prefill graphs captured at start-up (a GPU, bf16)")
-        startup = {"seconds": dict(runner.startup_seconds), "prefill_graphs": captured.num_graphs if captured else 0,
-                   "prefill_buckets": list(captured.buckets) if captured else [],
-                   "prefill_graph_mib": captured.memory_bytes / 2**20 if captured else 0.0}  # fmt: skip
+        startup = {"seconds": dict(runner.startup_seconds), "prefill_graphs": 0, "prefill_buckets": [],
+                   "prefill_graph_mib": 0.0}  # fmt: skip
+        if captured is not None:
+            startup.update(prefill_graphs=captured.num_graphs, prefill_buckets=list(captured.buckets),
+                           prefill_graph_mib=captured.memory_bytes / 2**20)  # fmt: skip
         vocab = runner.config.vocab_size if args.tiny else 512  # the tokenizer's ids; the lm_head is padded
         g = torch.Generator().manual_seed(0)
 
