@@ -18,14 +18,15 @@ MAX_N = 128  # n and best_of: each is a request of its own in the engine
 _ignored_logged: Set[str] = set()
 
 
+# NaN and infinity (Python's JSON parser reads them) are refused by name rather than by whichever bound they fail.
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class _Lenient(BaseModel):
     """Unknown fields are accepted and dropped; the first time a name is seen it is logged."""
 
-    model_config = ConfigDict(extra="allow", strict=True)
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
     @model_validator(mode="after")
     def _log_ignored(self):

@@ -170,6 +170,8 @@ def test_disconnect_while_generating_frees_kv(server):
         # ranges the engine cannot honour
         ("/generate", {"inputs": "a", "parameters": {"seed": 2**63}}, "parameters.seed: Input should be less than"),
         ("/v1/completions", {"prompt": "a", "seed": -1}, "seed: Input should be greater than or equal to 0"),
+        ("/generate", b'{"inputs": "a", "parameters": {"temperature": NaN}}',
+         "parameters.temperature: Input should be a finite number"),
         # text a tokenizer cannot take
         ("/v1/completions", b'{"prompt": "ok \\ud800"}',
          "prompt: expected valid Unicode text, got a lone surrogate U+D800 at"),
@@ -185,7 +187,8 @@ def test_disconnect_while_generating_frees_kv(server):
     ids=["bad-json", "unknown-field", "wrong-type", "negative", "absurd", "too-long", "bad-token", "no-msgs", "top_p",
          "min_p", "chat-min_p",
          "str-int", "float-int", "bool-int", "float-id", "bool-id", "str-id", "int-bool", "big-seed", "negative-seed",
-         "surrogate", "chat-surrogate", "bad-utf8", "deep-json", "long-text", "many-stops", "long-stop"],  # fmt: skip
+         "nan", "surrogate", "chat-surrogate", "bad-utf8", "deep-json", "long-text", "many-stops",
+         "long-stop"],  # fmt: skip
 )
 def test_bad_input_is_400_and_server_keeps_serving(server, path, body, message):
     kw = (

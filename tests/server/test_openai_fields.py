@@ -1,7 +1,9 @@
 """The OpenAI routes take the fields real clients send (issue 18 item 1): in-process, over a fake model whose
 next-token distribution depends on the last token, and a one-letter-per-token tokenizer."""
 
+import json
 import logging
+import math
 
 import pytest
 import torch
@@ -105,6 +107,9 @@ def test_tool_choice_none_leaves_the_tools_out_of_the_template(server, client):
      "messages.0.tool_calls.0.function.arguments: expected a JSON string or an object, got 3"),
     (CHAT, {"n": 0}, "n: Input should be greater than or equal to 1"),
     (CHAT, {"temperature": "1"}, "temperature: Input should be a valid number"),
+    (CHAT, {"temperature": math.nan}, "temperature: Input should be a finite number"),
+    (COMPLETIONS, {"repetition_penalty": math.inf}, "repetition_penalty: Input should be a finite number"),
+    (COMPLETIONS, {"logit_bias": {"3": -math.inf}}, "logit_bias.3: Input should be a finite number"),
     (COMPLETIONS, {"suffix": "tail"}, "suffix: not supported (no fill-in-the-middle)"),
     (COMPLETIONS, {"n": 3, "best_of": 2}, "best_of: 2 is less than n 3; best_of must be >= n"),
     (COMPLETIONS, {"best_of": 2, "stream": True}, "best_of: 2 > n 1 cannot be streamed"),
@@ -118,12 +123,13 @@ def test_tool_choice_none_leaves_the_tools_out_of_the_template(server, client):
         "tool-no-name", "tool-no-type", "tool-parameters", "top-without-logprobs", "top-21",
         "stream-options", "template-kwargs", "presence", "frequency", "repetition", "bias-id", "bias-key",
         "bias-value", "stop-id", "min-tokens", "max-completion-tokens", "role", "call-no-function", "call-no-name",
-        "call-arguments", "n-0", "temperature-str", "suffix",
+        "call-arguments", "n-0", "temperature-str", "temperature-nan", "penalty-inf", "bias-inf", "suffix",
         "best-of-lt-n", "best-of-stream", "echo-logprobs", "logprobs-21", "no-prompts", "long-prompt", "bad-id",
         "too-many"])  # fmt: skip
 def test_what_this_server_cannot_do_is_a_400_that_says_so(server, client, path, body, message):
     base = {"messages": MSGS, "max_tokens": 2} if path == CHAT else {"prompt": "abc", "max_tokens": 2}
-    r = client.post(path, json={**base, **body})
+    # json.dumps writes NaN and Infinity, as JavaScript clients and Python's json do; httpx's json= refuses them
+    r = client.post(path, content=json.dumps({**base, **body}), headers={"content-type": "application/json"})
     assert r.status_code == 400, r.text
     assert message in r.json()["error"]["message"], r.text
     assert server.submitted == []
