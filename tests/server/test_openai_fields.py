@@ -128,7 +128,7 @@ def test_tool_choice_none_leaves_the_tools_out_of_the_template(server, client):
         "too-many"])  # fmt: skip
 def test_what_this_server_cannot_do_is_a_400_that_says_so(server, client, path, body, message):
     base = {"messages": MSGS, "max_tokens": 2} if path == CHAT else {"prompt": "abc", "max_tokens": 2}
-    # json.dumps writes NaN and Infinity, as JavaScript clients and Python's json do; httpx's json= refuses them
+    # json.dumps writes NaN and Infinity, which the server's JSON parser reads; httpx's json= refuses them
     r = client.post(path, content=json.dumps({**base, **body}), headers={"content-type": "application/json"})
     assert r.status_code == 400, r.text
     assert message in r.json()["error"]["message"], r.text
