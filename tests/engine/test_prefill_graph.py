@@ -376,7 +376,10 @@ def test_qwen3_5_graph_prefill_equals_eager_and_leaves_other_states_alone(qwen3_
         runner.free(other)
     for g, e in zip(out[graphed], out[eager]):
         assert g.abs().sum() > 0  # written: a fresh state or logits of zeros would pass by accident
-        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
+        # fp32 GEMMs over 16 padded rows sum in another order than over 7 (the CPU's BLAS picks its kernels by shape
+        # and instruction set): up to 1.2e-5 apart on logits of about 5 on an AVX-512 machine; a padding row leaking
+        # into the request moves them by far more
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=5e-5)
 
 
 def test_qwen3_5_longer_prefills_and_a_prefix_cache_hit(qwen3_5_runners):
