@@ -59,6 +59,12 @@ from lightllm.models.registry import read_model_config
 logger = logging.getLogger(__name__)
 
 PROFILE_POOL_TOKENS = 256  # the profiling forward's scratch KV pool; its token indices wrap
+# Triton compiles one program per specialization of a kernel's integer arguments (1, a multiple of 16, any other)
+# and of its pointers' 16-byte alignment. The warm-up ladder's prompts are multiples of 16 and live ones mostly are
+# not, so these batches (a prompt length per request) compile the other programs at start-up rather than in a
+# live request's prefill, where they cost seconds on an empty Triton cache (docs/engine.md, "Start-up"). 97 is past
+# Qwen3.5's fused recurrent limit (64 new tokens): its chunked kernels run.
+UNALIGNED_WARMUP_BATCHES = ((1,), (17,), (17, 15), (33, 1), (97,), (97, 33))
 
 
 class ModelRunner:
@@ -104,8 +110,13 @@ class ModelRunner:
         seconds["kv sizing"] = time.perf_counter() - t
 
         stats0, t = get_autotune_stats(), time.perf_counter()
+        every_size = self.device.type == "cuda" or use_graphs
         with autotune_warmup(AutotuneKernelType.GENERAL):
-            self._warmup_prefill(buckets, every_size=self.device.type == "cuda" or use_graphs)
+            self._warmup_prefill(buckets, every_size)
+        if every_size:  # outside the tuning scope: compiles only
+            self._warmup_unaligned()
+        if self.kv.prefix is not None:  # random warm-up prompts: nothing a live request could reuse
+            self.kv.prefix.clear()
         seconds["general warmup"] = time.perf_counter() - t
 
         self.graphs: Optional[DecodeGraphs] = None
@@ -460,25 +471,46 @@ class ModelRunner:
         CPU, no graphs: the torch references run, nothing compiles or tunes): the smallest size alone, which proves
         the forward runs before the first request (the whole ladder took 4 s of a CPU server start, docs/engine.md)."""
         a = self.args
-        # the second chunks only where kernels compile and tune: on the CPU the references run either way
-        chunked = self.device.type == "cuda" and not a.disable_chunked_prefill and a.max_req_total_len > 1
-        most = min(a.prefill_step_tokens, self.kv.num_free_tokens // (2 if chunked else 1))
+        chunks = self._warmup_chunks()
+        most = min(a.prefill_step_tokens, self.kv.num_free_tokens // chunks)
         lengths = sorted(set(prefill_buckets(most)) | {b for b in graph_buckets if b <= most})
         if not every_size:
             lengths = lengths[:1]
         gen = torch.Generator().manual_seed(0)
         for total in lengths:
-            sizes = _prefill_sizes(total, a.max_req_total_len // (2 if chunked else 1), a.running_max_req_size)
-            slots = [self.kv.add_request() for _ in sizes]
-            try:
-                for _ in range(2 if chunked else 1):
-                    prompts = [torch.randint(0, self.config.vocab_size, (n,), generator=gen).tolist() for n in sizes]
-                    self.prefill(slots, prompts)
-            finally:
-                for s in slots:
-                    self.free(s)
-        if self.kv.prefix is not None:  # random warmup prompts: nothing a live request could reuse
-            self.kv.prefix.clear()
+            self._dummy_prefill(_prefill_sizes(total, a.max_req_total_len // chunks, a.running_max_req_size), chunks,
+                                gen)  # fmt: skip
+
+    def _warmup_unaligned(self) -> None:
+        """Dummy prefills of ``UNALIGNED_WARMUP_BATCHES`` that fit (request slots, a request's length, the KV pool
+        and a prefill step), each as two chunks with chunked prefill. Called outside the tuning scope: their keys
+        take the nearest tuned configs, as a live request's do, so they compile what it would and tune nothing."""
+        a = self.args
+        chunks = self._warmup_chunks()
+        gen = torch.Generator().manual_seed(1)
+        for sizes in UNALIGNED_WARMUP_BATCHES:
+            fits_slots = len(sizes) <= a.running_max_req_size and max(sizes) * chunks <= a.max_req_total_len
+            fits_step = sum(sizes) <= a.prefill_step_tokens and sum(sizes) * chunks <= self.kv.num_free_tokens
+            if fits_slots and fits_step:
+                self._dummy_prefill(list(sizes), chunks, gen)
+
+    def _warmup_chunks(self) -> int:
+        """2 where a warm-up prompt also runs as a second chunk (chunked prefill on a GPU: the prefix kernels compile
+        and tune there; on the CPU the references run either way), else 1."""
+        a = self.args
+        return 2 if self.device.type == "cuda" and not a.disable_chunked_prefill and a.max_req_total_len > 1 else 1
+
+    def _dummy_prefill(self, sizes: Sequence[int], chunks: int, gen: torch.Generator) -> None:
+        """Random prompts of ``sizes`` tokens in fresh request slots, prefilled ``chunks`` times (each after the
+        last), then freed."""
+        slots = [self.kv.add_request() for _ in sizes]
+        try:
+            for _ in range(chunks):
+                prompts = [torch.randint(0, self.config.vocab_size, (n,), generator=gen).tolist() for n in sizes]
+                self.prefill(slots, prompts)
+        finally:
+            for s in slots:
+                self.free(s)
 
     def _prefill_graph_buckets(self) -> list:
         """The prefill graphs' token buckets: up to ``--prefill_graph_max_tokens``, at most a prefill step's tokens
