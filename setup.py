@@ -13,7 +13,7 @@ setup(
     version="0.1.0",
     description="LLM inference server with a phase-aware kernel autotuner",
     packages=find_packages(include=["lightllm", "lightllm.*"]),
-    package_data={"lightllm.common.autotuner": ["configs/**/*.json"]},
+    package_data={"lightllm.common.autotuner": ["configs/**/*.json"], "lightllm.layers": ["fla_configs/**/*.json"]},
     include_package_data=True,
     python_requires=">=3.10",
     install_requires=_requirements(),

@@ -33,6 +33,7 @@ from lightllm.kernels.linear_attention.reference import (
     gdn_gates_ref,
 )
 from lightllm.kernels.linear_attention.verify_reference import causal_conv1d_verify_ref, gated_delta_verify_ref
+from lightllm.layers import fla_tuning
 from lightllm.layers.infer_state import InferState
 
 SSM_DATA_TYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # --linear_att_ssm_data_type
@@ -106,6 +107,8 @@ class LinearAttentionBackend:
     def __init__(self, state: LinearAttentionState, device: torch.device):
         self.state = state
         self.on_gpu = device.type == "cuda"
+        if self.on_gpu:  # before fla-core's first import (in the first prefill)
+            fla_tuning.use_shipped_configs()
 
     def plan(self, infer_state: InferState) -> LinearAttentionPlan:
         """Once per forward, before the first layer."""

@@ -1,0 +1,117 @@
+"""Configs for fla-core's own autotuned kernels (Qwen3.5's chunked prefill), shipped so a first start does not search.
+
+fla-core tunes its chunked gated-delta-rule kernels with Triton's autotuner the first time each key runs in a process
+(Triton keeps the result on disk: later starts on the machine read it). On a fresh H200 that was 7 searches and 65.5 s
+of a Qwen3.5-27B-shaped start-up (benchmarks/results/fla_autotune_qwen3_5_27b_h200.json). fla-core 0.6 reads
+configs from ``$FLA_CONFIG_DIR/<kernel>.json`` when ``FLA_CACHE_MODE`` asks it to (read once, when fla-core is
+imported); ``strict`` takes a config only for the exact key it was tuned for, and any other key is searched as
+before. :func:`use_shipped_configs` points fla-core at this package's configs for the GPU and Triton version, unless
+the user set either variable.
+
+The files come from a start's ``TRITON_PRINT_AUTOTUNING=1`` output (its "Triton autotuning for function" lines)::
+
+    python -m lightllm.layers.fla_tuning LOG DIR   # DIR: fla_configs/triton_<version>/<gpu>
+"""
+
+import ast
+import hashlib
+import json
+import logging
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Dict, List, Optional
+
+logger = logging.getLogger(__name__)
+
+SHIPPED_ROOT = Path(__file__).with_name("fla_configs")
+_done = False
+
+
+def shipped_dir() -> Path:
+    """This GPU's and Triton version's folder of fla-core configs (the autotuner store's names for both)."""
+    from lightllm.common.autotuner import store
+
+    return SHIPPED_ROOT / store.triton_dir_name() / store.device_dir_name()
+
+
+def use_shipped_configs() -> Optional[Path]:
+    """Once per process, before fla-core is imported: ``FLA_CONFIG_DIR`` = :func:`shipped_dir` and ``FLA_CACHE_MODE``
+    = ``strict`` where configs ship for this GPU and neither variable is set. The folder used, else None."""
+    global _done
+    if _done:
+        return None
+    _done = True
+    folder = shipped_dir()
+    if "FLA_CONFIG_DIR" in os.environ or "FLA_CACHE_MODE" in os.environ or not folder.is_dir():
+        return None
+    if "fla.ops.utils.cache" in sys.modules:  # its mode was read at import: setting it now would change nothing
+        logger.info("fla-core was imported before its shipped configs could be named; it autotunes as before")
+        return None
+    os.environ["FLA_CONFIG_DIR"], os.environ["FLA_CACHE_MODE"] = str(folder), "strict"
+    logger.info("fla-core: configs for its autotuned kernels from %s (FLA_CACHE_MODE=strict)", folder)
+    return folder
+
+
+_AUTOTUNED = re.compile(
+    r"Triton autotuning for function (\w+),\s*with key as (\(.*?\)),\s*finished after [0-9.]+s,\s*"
+    r"best config selected: (.*?);"
+)
+_LAUNCH_OPTIONS = ("num_warps", "num_ctas", "num_stages", "maxnreg")
+
+
+def key_hash(key: list) -> str:
+    """fla-core's entry name for an autotune key: the md5 of its compact, sorted JSON."""
+    return hashlib.md5(json.dumps(key, separators=(",", ":"), sort_keys=True).encode()).hexdigest()
+
+
+def parse_autotune_log(text: str) -> Dict[str, List[dict]]:
+    """Kernel name -> ``[{"autotune_key", "config"}]`` from Triton's ``TRITON_PRINT_AUTOTUNING`` lines, in fla-core's
+    entry format. A line whose key or config cannot be read is a ValueError naming it."""
+    out: Dict[str, List[dict]] = {}
+    for name, key_text, config_text in _AUTOTUNED.findall(text):
+        try:
+            key = list(ast.literal_eval(key_text))
+            parts = dict(part.split(": ", 1) for part in config_text.split(", "))
+            config = {"kwargs": {k: ast.literal_eval(v) for k, v in parts.items() if k not in _LAUNCH_OPTIONS}}
+            config.update({k: ast.literal_eval(parts[k]) for k in _LAUNCH_OPTIONS})
+        except (ValueError, SyntaxError, KeyError) as e:
+            raise ValueError(f"autotune line of {name} expected a tuple key and 'name: value' options, got key "
+                             f"{key_text!r} and config {config_text!r} ({e!r})") from None  # fmt: skip
+        out.setdefault(name, []).append({"autotune_key": key, "config": config})
+    return out
+
+
+def write_configs(entries: Dict[str, List[dict]], folder: Path) -> List[Path]:
+    """One ``<kernel>.json`` per kernel in ``folder``, merged with the entries a file there holds."""
+    folder.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, rows in sorted(entries.items()):
+        path = folder / f"{name}.json"
+        data = json.loads(path.read_text()) if path.exists() else {"kernel_name": name, "autotune_entries": {}}
+        for row in rows:
+            data["autotune_entries"][key_hash(row["autotune_key"])] = row
+        path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+        written.append(path)
+    return written
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m lightllm.layers.fla_tuning", description=__doc__.splitlines()[0])
+    p.add_argument("log", type=Path, help="a start's output with TRITON_PRINT_AUTOTUNING=1")
+    p.add_argument("dir", type=Path, help="the folder to write <kernel>.json into")
+    args = p.parse_args(argv)
+    entries = parse_autotune_log(args.log.read_text(errors="replace"))
+    if not entries:
+        print(f"error: {args.log} holds no 'Triton autotuning for function' line", file=sys.stderr)
+        return 1
+    for path in write_configs(entries, args.dir):
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

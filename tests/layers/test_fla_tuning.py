@@ -1,0 +1,118 @@
+"""fla-core's shipped configs: the autotune log they come from, the files fla-core's own lookup reads (in a child
+process: fla-core reads ``FLA_CACHE_MODE`` once, when it is imported), and when the process is pointed at them."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from lightllm.layers import fla_tuning
+
+LOG = """\
+Triton autotuning for function chunk_fwd_kernel_o,
+with key as (16, 48, 128, 128, 64, False, 'torch.bfloat16', 'torch.int64'),
+finished after 2.86s,
+best config selected: BK: 64, BV: 64, num_warps: 4, num_ctas: 1, num_stages: 3, maxnreg: None;
+some other output
+Triton autotuning for function chunk_fwd_kernel_o,
+with key as (8, 24, 128, 128, 64, False, 'torch.bfloat16', 'torch.int64'),
+finished after 2.01s,
+best config selected: BK: 32, BV: 64, num_warps: 8, num_ctas: 1, num_stages: 2, maxnreg: None;
+Triton autotuning for function chunk_local_cumsum_scalar_kernel,
+with key as (1, 48, 64, True, False, 'torch.float32'),
+finished after 0.93s,
+best config selected: num_warps: 1, num_ctas: 1, num_stages: 3, maxnreg: None;
+"""
+
+LOOKUP = """
+import json, sys
+from fla.ops.utils.cache import AutotuneKey, load_cached_config
+for kernel, key in json.loads(sys.argv[1]):
+    print(json.dumps(load_cached_config(kernel, AutotuneKey(tuple(key)))))
+"""
+
+
+def fla_lookup(folder, queries, mode="strict"):
+    """What fla-core's own lookup returns for each ``(kernel, key)`` with ``FLA_CONFIG_DIR`` = ``folder``."""
+    env = {"FLA_CONFIG_DIR": str(folder), "FLA_CACHE_MODE": mode, "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, "-c", LOOKUP, json.dumps(queries)], env=env, capture_output=True, text=True,
+                         check=True).stdout  # fmt: skip
+    return [json.loads(line) for line in out.splitlines()]
+
+
+def test_the_log_becomes_files_fla_core_reads_by_exact_key(tmp_path):
+    entries = fla_tuning.parse_autotune_log(LOG)
+    assert [len(entries[k]) for k in ("chunk_fwd_kernel_o", "chunk_local_cumsum_scalar_kernel")] == [2, 1]
+    fla_tuning.write_configs(entries, tmp_path)
+    o = ["chunk_fwd_kernel_o", [16, 48, 128, 128, 64, False, "torch.bfloat16", "torch.int64"]]
+    o8 = ["chunk_fwd_kernel_o", [8, 24, 128, 128, 64, False, "torch.bfloat16", "torch.int64"]]
+    other = ["chunk_fwd_kernel_o", [32, 48, 128, 128, 64, False, "torch.bfloat16", "torch.int64"]]
+    cumsum = ["chunk_local_cumsum_scalar_kernel", [1, 48, 64, True, False, "torch.float32"]]
+    missing = ["l2norm_fwd_kernel", [128, 1]]
+    got = fla_lookup(tmp_path, [o, o8, other, cumsum, missing])
+    assert got[0] == {"kwargs": {"BK": 64, "BV": 64}, "num_warps": 4, "num_ctas": 1, "num_stages": 3, "maxnreg": None}
+    assert got[1]["kwargs"] == {"BK": 32, "BV": 64} and got[1]["num_warps"] == 8
+    assert got[2] is None and got[4] is None  # another key or kernel: fla-core autotunes it as before
+    assert got[3] == {"kwargs": {}, "num_warps": 1, "num_ctas": 1, "num_stages": 3, "maxnreg": None}
+    assert fla_lookup(tmp_path, [o], mode="disabled") == [None]  # read only when FLA_CACHE_MODE asks
+
+    # written again: merged, not duplicated
+    fla_tuning.write_configs(fla_tuning.parse_autotune_log(LOG), tmp_path)
+    assert len(json.loads((tmp_path / "chunk_fwd_kernel_o.json").read_text())["autotune_entries"]) == 2
+
+
+def test_every_shipped_config_is_what_fla_core_finds_for_its_key():
+    folders = [p for p in fla_tuning.SHIPPED_ROOT.glob("triton_*/*") if p.is_dir()]
+    assert folders
+    for folder in folders:
+        queries, want = [], []
+        for path in sorted(folder.glob("*.json")):
+            for entry in json.loads(path.read_text())["autotune_entries"].values():
+                queries.append([path.stem, entry["autotune_key"]])
+                want.append(entry["config"])
+        assert queries and fla_lookup(folder, queries) == want
+        assert all(set(c) == {"kwargs", "num_warps", "num_ctas", "num_stages", "maxnreg"} for c in want)
+
+
+def test_a_line_it_cannot_read_is_named():
+    bad = LOG.replace("num_warps: 4", "num_warps: four")
+    with pytest.raises(ValueError, match=r"autotune line of chunk_fwd_kernel_o expected a tuple key .*four"):
+        fla_tuning.parse_autotune_log(bad)
+
+
+@pytest.fixture
+def fresh(monkeypatch, tmp_path):
+    """A process that has not named fla-core's configs yet, whose GPU's shipped folder is ``tmp_path``."""
+    monkeypatch.setattr(fla_tuning, "_done", False)
+    monkeypatch.setattr(fla_tuning, "shipped_dir", lambda: tmp_path)
+    monkeypatch.delitem(sys.modules, "fla.ops.utils.cache", raising=False)
+    for name in ("FLA_CONFIG_DIR", "FLA_CACHE_MODE"):
+        monkeypatch.delenv(name, raising=False)
+    return tmp_path
+
+
+def test_points_fla_core_at_the_gpus_folder_once(fresh, monkeypatch):
+    import os
+
+    assert fla_tuning.use_shipped_configs() == fresh
+    assert (os.environ["FLA_CONFIG_DIR"], os.environ["FLA_CACHE_MODE"]) == (str(fresh), "strict")
+    monkeypatch.setenv("FLA_CONFIG_DIR", "/elsewhere")
+    assert fla_tuning.use_shipped_configs() is None and os.environ["FLA_CONFIG_DIR"] == "/elsewhere"  # once
+
+
+@pytest.mark.parametrize("why", ["user dir", "user mode", "no folder", "fla imported"])
+def test_leaves_fla_core_alone(fresh, monkeypatch, why):
+    import os
+
+    if why == "user dir":
+        monkeypatch.setenv("FLA_CONFIG_DIR", "/mine")
+    elif why == "user mode":
+        monkeypatch.setenv("FLA_CACHE_MODE", "disabled")
+    elif why == "no folder":
+        monkeypatch.setattr(fla_tuning, "shipped_dir", lambda: fresh / "none")
+    else:
+        monkeypatch.setitem(sys.modules, "fla.ops.utils.cache", object())
+    before = (os.environ.get("FLA_CONFIG_DIR"), os.environ.get("FLA_CACHE_MODE"))
+    assert fla_tuning.use_shipped_configs() is None
+    assert (os.environ.get("FLA_CONFIG_DIR"), os.environ.get("FLA_CACHE_MODE")) == before
