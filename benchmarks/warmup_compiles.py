@@ -69,7 +69,8 @@ class ProgramLog:
 
     def _after(self, *, key, repr, fn, **_):
         t0 = self._t0.pop(str(key), None)
-        self.got.append({"kernel": fn.name, "program": repr, "s": time.perf_counter() - t0 if t0 else None})
+        seconds = None if t0 is None else time.perf_counter() - t0
+        self.got.append({"kernel": fn.name, "program": repr, "s": seconds})
         return False
 
     def since(self, n: int) -> list:
@@ -144,6 +145,10 @@ def run_arm(args) -> dict:
             "after_startup": len(log.got) - at_ready}  # fmt: skip
 
 
+def _sends_ms(item: dict) -> str:
+    return " / ".join(f"{x:.1f}" for x in item["ttft_ms"])
+
+
 def table(rows: list) -> str:
     lines = ["| arm | programs at start-up | start-up s | programs after | their s | slowest first TTFT ms (item) |",
              "|---|---|---|---|---|---|"]  # fmt: skip
@@ -158,9 +163,8 @@ def table(rows: list) -> str:
         by = {(i["pass"], i["item"]): i for i in r["items"]}
         for name, _, _ in TRAFFIC:
             a, b = by[(0, name)], by[(1, name)]
-            ttft = lambda i: " / ".join(f"{x:.1f}" for x in i["ttft_ms"])  # noqa: E731
-            lines.append(f"| {r['arm']} | {name} | {ttft(a)} | {ttft(b)} | {len(a['programs']) + len(b['programs'])} "
-                         f"| {a['programs_s'] + b['programs_s']:.2f} |")  # fmt: skip
+            met, spent = len(a["programs"]) + len(b["programs"]), a["programs_s"] + b["programs_s"]
+            lines.append(f"| {r['arm']} | {name} | {_sends_ms(a)} | {_sends_ms(b)} | {met} | {spent:.2f} |")
     return "\n".join(lines)
 
 

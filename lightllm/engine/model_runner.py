@@ -478,8 +478,8 @@ class ModelRunner:
             lengths = lengths[:1]
         gen = torch.Generator().manual_seed(0)
         for total in lengths:
-            self._dummy_prefill(_prefill_sizes(total, a.max_req_total_len // chunks, a.running_max_req_size), chunks,
-                                gen)  # fmt: skip
+            sizes = _prefill_sizes(total, a.max_req_total_len // chunks, a.running_max_req_size)
+            self._dummy_prefill(sizes, chunks, gen)
 
     def _warmup_unaligned(self) -> None:
         """Dummy prefills of ``UNALIGNED_WARMUP_BATCHES`` that fit (request slots, a request's length, the KV pool
