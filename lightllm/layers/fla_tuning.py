@@ -8,7 +8,8 @@ imported); ``strict`` takes a config only for the exact key it was tuned for, an
 before. :func:`use_shipped_configs` points fla-core at this package's configs for the GPU and Triton version, unless
 the user set either variable.
 
-The files come from a start's ``TRITON_PRINT_AUTOTUNING=1`` output (its "Triton autotuning for function" lines)::
+The files come from the output of a start with ``TRITON_PRINT_AUTOTUNING=1``, ``FLA_CACHE_MODE=disabled`` and an
+empty Triton cache (a result read from the cache prints nothing): its "Triton autotuning for function" lines::
 
     python -m lightllm.layers.fla_tuning LOG DIR   # DIR: fla_configs/triton_<version>/<gpu>
 """
