@@ -3,10 +3,10 @@
 fla-core tunes its chunked gated-delta-rule kernels with Triton's autotuner the first time each key runs in a process
 (Triton keeps the result on disk: later starts on the machine read it). On a fresh H200 that was 7 searches and 65.5 s
 of a Qwen3.5-27B-shaped start-up (benchmarks/results/fla_autotune_qwen3_5_27b_h200.json). fla-core 0.6 reads
-configs from ``$FLA_CONFIG_DIR/<kernel>.json`` when ``FLA_CACHE_MODE`` asks it to (read once, when fla-core is
-imported); ``strict`` takes a config only for the exact key it was tuned for, and any other key is searched as
-before. :func:`use_shipped_configs` points fla-core at this package's configs for the GPU and Triton version, unless
-the user set either variable.
+configs from ``$FLA_CONFIG_DIR/<kernel>.json`` when ``FLA_CACHE_MODE`` asks it to (the mode read once, when fla-core
+is imported; the folder at each lookup); ``strict`` takes a config only for the exact key it was tuned for, and any
+other key is searched as before. :func:`use_shipped_configs` points fla-core at this package's configs for the GPU
+and Triton version, unless the user set either variable.
 
 The files come from the output of a start with ``TRITON_PRINT_AUTOTUNING=1``, ``FLA_CACHE_MODE=disabled`` and an
 empty Triton cache (a result read from the cache prints nothing): its "Triton autotuning for function" lines::
@@ -38,8 +38,9 @@ def shipped_dir() -> Path:
 
 
 def use_shipped_configs() -> Optional[Path]:
-    """Once per process, before fla-core is imported: ``FLA_CONFIG_DIR`` = :func:`shipped_dir` and ``FLA_CACHE_MODE``
-    = ``strict`` where configs ship for this GPU and neither variable is set. The folder used, else None."""
+    """Once per process, before fla-core's first kernel runs: ``FLA_CONFIG_DIR`` = :func:`shipped_dir` and
+    ``FLA_CACHE_MODE`` = ``strict`` where configs ship for this GPU and neither variable is set (and the mode fla-core
+    read, where it is imported already). The folder used, else None."""
     global _done
     if _done:
         return None
@@ -47,10 +48,10 @@ def use_shipped_configs() -> Optional[Path]:
     folder = shipped_dir()
     if "FLA_CONFIG_DIR" in os.environ or "FLA_CACHE_MODE" in os.environ or not folder.is_dir():
         return None
-    if "fla.ops.utils.cache" in sys.modules:  # its mode was read at import: setting it now would change nothing
-        logger.info("fla-core was imported before its shipped configs could be named; it autotunes as before")
-        return None
-    os.environ["FLA_CONFIG_DIR"], os.environ["FLA_CACHE_MODE"] = str(folder), "strict"
+    os.environ["FLA_CONFIG_DIR"], os.environ["FLA_CACHE_MODE"] = str(folder), "strict"  # the folder: read per lookup
+    cache = sys.modules.get("fla.ops.utils.cache")
+    if cache is not None:  # imported already (transformers' Qwen3.5 model imports fla-core), the mode read then
+        cache.FLA_CACHE_MODE = cache.FlaCacheMode.STRICT
     logger.info("fla-core: configs for its autotuned kernels from %s (FLA_CACHE_MODE=strict)", folder)
     return folder
 

@@ -101,7 +101,7 @@ def test_points_fla_core_at_the_gpus_folder_once(fresh, monkeypatch):
     assert fla_tuning.use_shipped_configs() is None and os.environ["FLA_CONFIG_DIR"] == "/elsewhere"  # once
 
 
-@pytest.mark.parametrize("why", ["user dir", "user mode", "no folder", "fla imported"])
+@pytest.mark.parametrize("why", ["user dir", "user mode", "no folder"])
 def test_leaves_fla_core_alone(fresh, monkeypatch, why):
     import os
 
@@ -109,10 +109,30 @@ def test_leaves_fla_core_alone(fresh, monkeypatch, why):
         monkeypatch.setenv("FLA_CONFIG_DIR", "/mine")
     elif why == "user mode":
         monkeypatch.setenv("FLA_CACHE_MODE", "disabled")
-    elif why == "no folder":
-        monkeypatch.setattr(fla_tuning, "shipped_dir", lambda: fresh / "none")
     else:
-        monkeypatch.setitem(sys.modules, "fla.ops.utils.cache", object())
+        monkeypatch.setattr(fla_tuning, "shipped_dir", lambda: fresh / "none")
     before = (os.environ.get("FLA_CONFIG_DIR"), os.environ.get("FLA_CACHE_MODE"))
     assert fla_tuning.use_shipped_configs() is None
     assert (os.environ.get("FLA_CONFIG_DIR"), os.environ.get("FLA_CACHE_MODE")) == before
+
+
+IMPORTED_FIRST = """
+import json, sys
+from pathlib import Path
+import fla.ops.utils.cache as cache  # first, as transformers' Qwen3.5 model does
+from lightllm.layers import fla_tuning
+fla_tuning.shipped_dir = lambda: Path(sys.argv[1])
+assert fla_tuning.use_shipped_configs() == Path(sys.argv[1])
+kernel, key = json.loads(sys.argv[2])
+print(json.dumps(cache.load_cached_config(kernel, cache.AutotuneKey(tuple(key)))))
+"""
+
+
+def test_fla_core_imported_first_still_reads_them(tmp_path):
+    """fla-core read FLA_CACHE_MODE (unset: disabled) when imported; the shipped folder is still used after."""
+    fla_tuning.write_configs(fla_tuning.parse_autotune_log(LOG), tmp_path)
+    query = ["chunk_fwd_kernel_o", [16, 48, 128, 128, 64, False, "torch.bfloat16", "torch.int64"]]
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(fla_tuning.SHIPPED_ROOT.parents[2])}
+    out = subprocess.run([sys.executable, "-c", IMPORTED_FIRST, str(tmp_path), json.dumps(query)], env=env,
+                         capture_output=True, text=True, check=True).stdout  # fmt: skip
+    assert json.loads(out)["kwargs"] == {"BK": 64, "BV": 64}
