@@ -49,9 +49,9 @@ def use_shipped_configs() -> Optional[Path]:
     if "FLA_CONFIG_DIR" in os.environ or "FLA_CACHE_MODE" in os.environ or not folder.is_dir():
         return None
     os.environ["FLA_CONFIG_DIR"], os.environ["FLA_CACHE_MODE"] = str(folder), "strict"  # the folder: read per lookup
-    cache = sys.modules.get("fla.ops.utils.cache")
-    if cache is not None:  # imported already (transformers' Qwen3.5 model imports fla-core), the mode read then
-        cache.FLA_CACHE_MODE = cache.FlaCacheMode.STRICT
+    modes = getattr(sys.modules.get("fla.ops.utils.cache"), "FlaCacheMode", None)
+    if modes is not None:  # imported already (transformers' Qwen3.5 model imports fla-core), the mode read then
+        sys.modules["fla.ops.utils.cache"].FLA_CACHE_MODE = modes.STRICT
     logger.info("fla-core: configs for its autotuned kernels from %s (FLA_CACHE_MODE=strict)", folder)
     return folder
 

@@ -136,3 +136,14 @@ def test_fla_core_imported_first_still_reads_them(tmp_path):
     out = subprocess.run([sys.executable, "-c", IMPORTED_FIRST, str(tmp_path), json.dumps(query)], env=env,
                          capture_output=True, text=True, check=True).stdout  # fmt: skip
     assert json.loads(out)["kwargs"] == {"BK": 64, "BV": 64}
+
+
+def test_an_older_fla_core_imported_first_is_left_as_it_is(fresh, monkeypatch):
+    """An fla-core without its config modes (before 0.6): the variables are set, nothing else is touched."""
+    import os
+    import types
+
+    older = types.SimpleNamespace()
+    monkeypatch.setitem(sys.modules, "fla.ops.utils.cache", older)
+    assert fla_tuning.use_shipped_configs() == fresh and os.environ["FLA_CACHE_MODE"] == "strict"
+    assert vars(older) == {}
