@@ -15,7 +15,6 @@ empty Triton cache (a result read from the cache prints nothing): its "Triton au
 """
 
 import ast
-import hashlib
 import json
 import logging
 import os
@@ -63,11 +62,6 @@ _AUTOTUNED = re.compile(
 _LAUNCH_OPTIONS = ("num_warps", "num_ctas", "num_stages", "maxnreg")
 
 
-def key_hash(key: list) -> str:
-    """fla-core's entry name for an autotune key: the md5 of its compact, sorted JSON."""
-    return hashlib.md5(json.dumps(key, separators=(",", ":"), sort_keys=True).encode()).hexdigest()
-
-
 def parse_autotune_log(text: str) -> Dict[str, List[dict]]:
     """Kernel name -> ``[{"autotune_key", "config"}]`` from Triton's ``TRITON_PRINT_AUTOTUNING`` lines, in fla-core's
     entry format. A line whose key or config cannot be read is a ValueError naming it."""
@@ -86,14 +80,24 @@ def parse_autotune_log(text: str) -> Dict[str, List[dict]]:
 
 
 def write_configs(entries: Dict[str, List[dict]], folder: Path) -> List[Path]:
-    """One ``<kernel>.json`` per kernel in ``folder``, merged with the entries a file there holds."""
+    """One ``<kernel>.json`` per kernel in ``folder``, merged with the entries a file there holds (each named by
+    fla-core's own hash of its key). A file there that is not such JSON is a ValueError naming it."""
+    from fla.ops.utils.cache import AutotuneKey
+
     folder.mkdir(parents=True, exist_ok=True)
     written = []
     for name, rows in sorted(entries.items()):
         path = folder / f"{name}.json"
-        data = json.loads(path.read_text()) if path.exists() else {"kernel_name": name, "autotune_entries": {}}
+        data = {"kernel_name": name, "autotune_entries": {}}
+        if path.exists():
+            try:
+                data = json.loads(path.read_text())
+                data["autotune_entries"].keys()
+            except (ValueError, KeyError, AttributeError, TypeError) as e:
+                raise ValueError(f"{path} expected fla-core's config JSON with 'autotune_entries' to merge into, "
+                                 f"got {e!r}; fix or remove it") from None  # fmt: skip
         for row in rows:
-            data["autotune_entries"][key_hash(row["autotune_key"])] = row
+            data["autotune_entries"][AutotuneKey.key_hash(row["autotune_key"])] = row
         path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
         written.append(path)
     return written
