@@ -185,7 +185,7 @@ def main(argv=None):
         cmd = [sys.executable, os.path.abspath(__file__), "--arm", arm, "--model", args.model, "--layers",
                str(args.layers)] + (["--tiny"] if args.tiny else [])  # fmt: skip
         with procs.running(cmd, stdout=subprocess.PIPE, text=True) as child:  # its tree stopped however we leave
-            out, _ = child.communicate()
+            out, _ = child.communicate(timeout=procs.HANG_TIMEOUT_S)
         if child.returncode != 0:
             sys.exit(f"arm {arm} failed (exit {child.returncode}); its output is above")
         rows.append(json.loads(next(line[4:] for line in out.splitlines() if line.startswith("ARM "))))

@@ -2,11 +2,11 @@
 process: fla-core reads ``FLA_CACHE_MODE`` once, when it is imported), and when the process is pointed at them."""
 
 import json
-import subprocess
 import sys
 
 import pytest
 
+from lightllm.common import proc as procs
 from lightllm.layers import fla_tuning
 
 LOG = """\
@@ -36,9 +36,14 @@ for kernel, key in json.loads(sys.argv[1]):
 def fla_lookup(folder, queries, mode="strict"):
     """What fla-core's own lookup returns for each ``(kernel, key)`` with ``FLA_CONFIG_DIR`` = ``folder``."""
     env = {"FLA_CONFIG_DIR": str(folder), "FLA_CACHE_MODE": mode, "PATH": "/usr/bin:/bin"}
-    out = subprocess.run([sys.executable, "-c", LOOKUP, json.dumps(queries)], env=env, capture_output=True, text=True,
-                         check=True).stdout  # fmt: skip
-    return [json.loads(line) for line in out.splitlines()]
+    return [json.loads(line) for line in child_output([sys.executable, "-c", LOOKUP, json.dumps(queries)], env)]
+
+
+def child_output(cmd, env) -> list:
+    """``cmd``'s stdout lines; its tree is stopped if it hangs, and a failure shows its stderr."""
+    done = procs.run(cmd, timeout=procs.HANG_TIMEOUT_S, env=env)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.splitlines()
 
 
 def test_the_log_becomes_files_fla_core_reads_by_exact_key(tmp_path):
@@ -75,6 +80,13 @@ def test_every_shipped_config_is_what_fla_core_finds_for_its_key():
         assert all(set(c) == {"kwargs", "num_warps", "num_ctas", "num_stages", "maxnreg"} for c in want)
 
 
+def test_a_file_it_cannot_merge_into_is_named(tmp_path):
+    (tmp_path / "chunk_fwd_kernel_o.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match=r"chunk_fwd_kernel_o.json expected fla-core's config JSON .*fix or remove"):
+        fla_tuning.write_configs(fla_tuning.parse_autotune_log(LOG), tmp_path)
+    assert (tmp_path / "chunk_fwd_kernel_o.json").read_text() == "[1, 2]"  # left as it was
+
+
 def test_a_line_it_cannot_read_is_named():
     bad = LOG.replace("num_warps: 4", "num_warps: four")
     with pytest.raises(ValueError, match=r"autotune line of chunk_fwd_kernel_o expected a tuple key .*four"):
@@ -87,8 +99,9 @@ def fresh(monkeypatch, tmp_path):
     monkeypatch.setattr(fla_tuning, "_done", False)
     monkeypatch.setattr(fla_tuning, "shipped_dir", lambda: tmp_path)
     monkeypatch.delitem(sys.modules, "fla.ops.utils.cache", raising=False)
-    for name in ("FLA_CONFIG_DIR", "FLA_CACHE_MODE"):
-        monkeypatch.delenv(name, raising=False)
+    for name in ("FLA_CONFIG_DIR", "FLA_CACHE_MODE"):  # set first, so the teardown removes what the test sets
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     return tmp_path
 
 
@@ -133,8 +146,7 @@ def test_fla_core_imported_first_still_reads_them(tmp_path):
     fla_tuning.write_configs(fla_tuning.parse_autotune_log(LOG), tmp_path)
     query = ["chunk_fwd_kernel_o", [16, 48, 128, 128, 64, False, "torch.bfloat16", "torch.int64"]]
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(fla_tuning.SHIPPED_ROOT.parents[2])}
-    out = subprocess.run([sys.executable, "-c", IMPORTED_FIRST, str(tmp_path), json.dumps(query)], env=env,
-                         capture_output=True, text=True, check=True).stdout  # fmt: skip
+    (out,) = child_output([sys.executable, "-c", IMPORTED_FIRST, str(tmp_path), json.dumps(query)], env)
     assert json.loads(out)["kwargs"] == {"BK": 64, "BV": 64}
 
 
