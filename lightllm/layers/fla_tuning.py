@@ -110,11 +110,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("log", type=Path, help="a start's output with TRITON_PRINT_AUTOTUNING=1")
     p.add_argument("dir", type=Path, help="the folder to write <kernel>.json into")
     args = p.parse_args(argv)
-    entries = parse_autotune_log(args.log.read_text(errors="replace"))
-    if not entries:
-        print(f"error: {args.log} holds no 'Triton autotuning for function' line", file=sys.stderr)
+    try:
+        entries = parse_autotune_log(args.log.read_text(errors="replace"))
+        if not entries:
+            raise ValueError(f"{args.log} holds no 'Triton autotuning for function' line")
+        written = write_configs(entries, args.dir)
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
         return 1
-    for path in write_configs(entries, args.dir):
+    for path in written:
         print(path)
     return 0
 

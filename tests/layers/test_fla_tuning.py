@@ -159,3 +159,19 @@ def test_an_older_fla_core_imported_first_is_left_as_it_is(fresh, monkeypatch):
     monkeypatch.setitem(sys.modules, "fla.ops.utils.cache", older)
     assert fla_tuning.use_shipped_configs() == fresh and os.environ["FLA_CACHE_MODE"] == "strict"
     assert vars(older) == {}
+
+
+def test_the_command_writes_the_files_or_says_why_in_one_line(tmp_path, capsys):
+    log = tmp_path / "start.log"
+    log.write_text(LOG)
+    assert fla_tuning.main([str(log), str(tmp_path / "out")]) == 0
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        "chunk_fwd_kernel_o.json",
+        "chunk_local_cumsum_scalar_kernel.json",
+    ]
+    capsys.readouterr()
+    log.write_text("no autotuning here")
+    assert fla_tuning.main([str(log), str(tmp_path / "out")]) == 1
+    assert capsys.readouterr().err == f"error: {log} holds no 'Triton autotuning for function' line\n"
+    assert fla_tuning.main([str(tmp_path / "missing.log"), str(tmp_path / "out")]) == 1
+    assert capsys.readouterr().err.startswith("error: [Errno 2]")
