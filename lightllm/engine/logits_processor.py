@@ -55,9 +55,10 @@ class LogitsProcessor:
         ahead = 0 if pending is None else pending.shape[1]
         if any(p.logit_bias for p in params):
             x += self._tables["bias"].index_select(0, rows)
-        if any(p.min_tokens for p in params):
+        blocked = self._tables.get("blocked")  # made by the first request with min_tokens and a token to hold back
+        if blocked is not None and any(p.min_tokens for p in params):
             early = settings[:, _GENERATED] + ahead < settings[:, _MIN]
-            x.masked_fill_(self._tables["blocked"].index_select(0, rows) & early[:, None], float("-inf"))
+            x.masked_fill_(blocked.index_select(0, rows) & early[:, None], float("-inf"))
         repetition = any(p.repetition_penalty != 1 for p in params)
         additive = any(p.frequency_penalty or p.presence_penalty for p in params)
         if repetition or additive:

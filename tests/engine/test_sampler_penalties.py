@@ -115,6 +115,16 @@ def test_min_tokens_leaves_eos_alone_under_ignore_eos():
     assert torch.equal(changed[0, [t for t in range(VOCAB) if t != 9]], logits[0, [t for t in range(VOCAB) if t != 9]])
 
 
+def test_min_tokens_with_nothing_to_hold_back_changes_nothing():
+    """min_tokens under ignore_eos without stop token ids (or on a model without EOS) holds no token back: the
+    first such request, before any table of held-back tokens exists, is drawn as if it had none (it once raised)."""
+    for eos, ignore_eos in (([EOS], True), ([], False)):
+        proc = LogitsProcessor(VOCAB, torch.device("cpu"), eos)
+        req = Request("r", [1], SamplingParams(max_new_tokens=8, min_tokens=4, ignore_eos=ignore_eos), lambda ev: None)
+        logits = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(2))
+        assert torch.equal(proc.apply(logits, [req]), logits)
+
+
 def test_requests_without_any_pay_nothing():
     proc = LogitsProcessor(VOCAB, torch.device("cpu"), [EOS])
     reqs = [Request(str(i), [1, 2], SamplingParams(temperature=1.0, top_k=4), lambda ev: None) for i in range(3)]
