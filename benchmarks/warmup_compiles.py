@@ -70,7 +70,8 @@ class ProgramLog:
     def _after(self, *, key, repr, fn, **_):
         t0 = self._t0.pop(str(key), None)
         seconds = None if t0 is None else time.perf_counter() - t0
-        self.got.append({"kernel": fn.name, "program": repr, "s": seconds})
+        # the key names the specialization (each argument's type and divisibility, the constexprs): what was new
+        self.got.append({"kernel": fn.name, "program": repr, "key": str(key), "s": seconds})
         return False
 
     def since(self, n: int) -> list:

@@ -482,17 +482,28 @@ class ModelRunner:
             self._dummy_prefill(sizes, chunks, gen)
 
     def _warmup_unaligned(self) -> None:
-        """Dummy prefills of ``UNALIGNED_WARMUP_BATCHES`` that fit (request slots, a request's length, the KV pool
-        and a prefill step), each as two chunks with chunked prefill. Called outside the tuning scope: their keys
-        take the nearest tuned configs, as a live request's do, so they compile what it would and tune nothing."""
+        """Dummy prefills of ``UNALIGNED_WARMUP_BATCHES``, then of one token less than each ladder size past them:
+        tuned kernels key their configs by power-of-two buckets of a prefill's tokens, and each bucket's config is a
+        program of its own, so each bucket needs an unaligned total too (a 3-request prefill of 388 tokens compiled
+        for 1.5 s in a live request on an H200). Those that fit (request slots, a request's length, the KV pool and
+        a prefill step), each as two chunks with chunked prefill. Called outside the tuning scope: their keys take
+        the nearest tuned configs, as a live request's do, so they compile what it would and tune nothing."""
         a = self.args
         chunks = self._warmup_chunks()
         gen = torch.Generator().manual_seed(1)
-        for sizes in UNALIGNED_WARMUP_BATCHES:
+        batches = [list(sizes) for sizes in UNALIGNED_WARMUP_BATCHES]
+        past = max(sum(sizes) for sizes in batches)
+        most = min(a.prefill_step_tokens, self.kv.num_free_tokens // chunks)
+        for total in prefill_buckets(most):
+            sizes = _prefill_sizes(total, a.max_req_total_len // chunks, a.running_max_req_size)
+            sizes[-1] -= 1  # requests cap it below ``total`` where few or short: still one token off a multiple
+            if sum(sizes) > past and sizes[-1] > 0 and sizes not in batches:
+                batches.append(sizes)
+        for sizes in batches:
             fits_slots = len(sizes) <= a.running_max_req_size and max(sizes) * chunks <= a.max_req_total_len
             fits_step = sum(sizes) <= a.prefill_step_tokens and sum(sizes) * chunks <= self.kv.num_free_tokens
             if fits_slots and fits_step:
-                self._dummy_prefill(list(sizes), chunks, gen)
+                self._dummy_prefill(sizes, chunks, gen)
 
     def _warmup_chunks(self) -> int:
         """2 where a warm-up prompt also runs as a second chunk (chunked prefill on a GPU: the prefix kernels compile

@@ -22,20 +22,24 @@ def test_the_batches_cover_the_lengths_the_ladder_never_runs():
 
 
 @pytest.mark.parametrize(
-    "running_max_req_size, max_req_total_len, chunks, expected",
+    "running_max_req_size, max_req_total_len, batch_max_tokens, chunks, expected",
     [
-        (4, 256, 2, [1, 1, 17, 17, 32, 32, 34, 34, 97, 97, 130, 130]),  # every batch, each as two chunks
-        (4, 256, 1, [1, 17, 32, 34, 97, 130]),  # no chunked prefill: one prefill each
-        (1, 256, 1, [1, 17, 97]),  # one request slot: the single-request batches
-        (4, 64, 2, [1, 1, 17, 17, 32, 32]),  # requests of at most 64 tokens hold two chunks of up to 32
+        # every batch, each as two chunks; then the 256-token bucket's 128 + 127 (a request holds two 128 chunks)
+        (4, 256, 256, 2, [1, 1, 17, 17, 32, 32, 34, 34, 97, 97, 130, 130, 255, 255]),
+        (4, 256, 256, 1, [1, 17, 32, 34, 97, 130, 255]),  # no chunked prefill: one prefill each
+        (1, 256, 256, 1, [1, 17, 97, 255]),  # one request slot: the single-request batches
+        # requests of at most 64 tokens hold two chunks of up to 32: 4 x 32 - 1 is below the fixed batches
+        (4, 64, 256, 2, [1, 1, 17, 17, 32, 32]),
+        # one token short of every bucket past the fixed batches, up to a prefill step's 1000 tokens
+        (4, 1024, 1000, 1, [1, 17, 32, 34, 97, 130, 255, 511, 999]),
     ],
 )
 def test_each_batch_that_fits_prefills_outside_any_tuning_scope(
-    tmp_path, monkeypatch, running_max_req_size, max_req_total_len, chunks, expected
+    tmp_path, monkeypatch, running_max_req_size, max_req_total_len, batch_max_tokens, chunks, expected
 ):
     args = EngineArgs(model_dir=str(make_tiny_qwen3(tmp_path / "m", seed=0)), data_type="fp32", device="cpu",
-                      batch_max_tokens=256, max_req_total_len=max_req_total_len, max_total_token_num=2048,
-                      running_max_req_size=running_max_req_size)  # fmt: skip
+                      batch_max_tokens=batch_max_tokens, max_req_total_len=max_req_total_len,
+                      max_total_token_num=2048, running_max_req_size=running_max_req_size)  # fmt: skip
     runner = ModelRunner(args)
     log, real = [], Qwen3Model.forward
 
