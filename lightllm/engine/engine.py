@@ -39,7 +39,7 @@ from lightllm.engine.request import Event, Request
 from lightllm.engine.runner import AheadDecoder, Runner
 from lightllm.engine.sampler import SamplingParams, sample, top_logprobs_launch
 from lightllm.engine.scheduler import Scheduler
-from lightllm.engine.spec_decode import SpecDecoder
+from lightllm.engine.spec_decode import DraftChooser, SpecDecoder
 
 logger = logging.getLogger(__name__)
 
@@ -508,21 +508,25 @@ class Engine:
 
     def warm_up_sampling(self) -> None:
         """Draw once from random logits, greedily and with every sampling option (temperature, top-k, top-p, min-p,
-        penalties, bias, ``min_tokens``, a seed, top logprobs), leaving no trace. CUDA loads a kernel's module at its
-        first launch, and the runner's warm-up draws nothing: on an H100 the first request's time to first token was
-        32 ms against 1 ms for the next (docs/engine.md, "Start-up")."""
-        vocab = self.runner.config.vocab_size
+        penalties, bias, ``min_tokens``, a seed, top logprobs; with MTP the drafts' choice and the verify's acceptance
+        too), leaving no trace. CUDA loads a kernel's module at its first launch, and the runner's warm-up draws
+        nothing: on an H100 the first request's time to first token was 32 ms against 1 ms for the next
+        (docs/engine.md, "Start-up")."""
+        vocab, dev = self.runner.config.vocab_size, self.runner.device
         options = SamplingParams(temperature=0.7, top_k=50, top_p=0.9, min_p=0.01, presence_penalty=0.1,
                                  frequency_penalty=0.1, repetition_penalty=1.1, logit_bias={vocab - 1: 1.0},
                                  min_tokens=2, top_logprobs=2)  # fmt: skip
-        seeded = dataclasses.replace(options, seed=0)
-        reqs = [Request(f"warm-up-{i}", [0, vocab - 1], p, _ignore) for i, p in enumerate((SamplingParams(), options,
-                                                                                          seeded))]  # fmt: skip
-        reqs[2].generator = torch.Generator(device=self.runner.device).manual_seed(0)
-        logits = torch.randn(len(reqs), vocab, device=self.runner.device)
+        params = (SamplingParams(), options, dataclasses.replace(options, seed=0))
+        reqs = [Request(f"warm-up-{i}", [0, vocab - 1], p, _ignore) for i, p in enumerate(params)]
+        reqs[2].generator = torch.Generator(device=dev).manual_seed(0)
+        logits = torch.randn(len(reqs), vocab, device=dev)
         try:
             self._draw(reqs[:1], logits[:1])  # greedy alone: the argmax, no penalty
             self._draw(reqs, logits)
+            if self.spec is not None:
+                n, chooser = self.spec.step_drafts, DraftChooser(reqs)
+                drafts = torch.stack([chooser(k, torch.randn(len(reqs), vocab, device=dev)) for k in range(n)], 1)
+                self.spec._read(reqs, drafts, torch.randn(len(reqs), n + 1, vocab, device=dev), chooser, 2)
         finally:
             for req in reqs:
                 self.processor.release(req)

@@ -76,3 +76,29 @@ def test_it_runs_on_a_model_without_eos():
     engine = Engine(FakeRunner(), eos_ids=[])
     engine.warm_up_sampling()
     assert engine.processor.capacity >= 2 and engine.processor.rows_in_use == 0
+
+
+def test_with_mtp_it_also_chooses_drafts_and_runs_the_acceptance(monkeypatch):
+    from types import SimpleNamespace
+
+    from lightllm.engine.spec_decode import SpecDecoder
+
+    reads, real = [], SpecDecoder._read
+
+    def read(self, batch, drafts, logits, chooser, want):
+        reads.append((len(batch), tuple(drafts.shape), tuple(logits.shape), len(chooser.q), want))
+        rows = real(self, batch, drafts, logits, chooser, want)
+        assert len(rows) == len(batch) and all(
+            len(r) == 2 * 3 + 2 + 2 * 3 * 2 for r in rows
+        )  # T tokens, T logprobs, N flags, tops
+        return rows
+
+    monkeypatch.setattr(SpecDecoder, "_read", read)
+    runner = FakeRunner()
+    runner.mtp = SimpleNamespace(step=2)  # two drafts a step: the verify reads three positions
+    engine = Engine(runner, eos_ids=[3])
+    assert engine.spec is not None
+    engine.warm_up_sampling()
+    # the sampled and seeded requests drew their drafts from q at both draft steps
+    assert reads == [(3, (3, 2), (3, 3, runner.config.vocab_size), 2, 2)]
+    assert engine.processor.rows_in_use == 0
