@@ -246,7 +246,7 @@ def test_per_step_attention_reads_what_a_search_wrote(serve_load, monkeypatch, i
     monkeypatch.setenv("LIGHTLLM_DECODE_ATTN_AUTOTUNE_SEQ_LEN", "1024")
     tuned = flash_decode._launch_gqa_flash_decode
     tuned.clear_cache()
-    monkeypatch.setattr(tuned, "configs_gen_func", lambda q: [{"BLOCK_N": 16, "num_warps": 2, "num_stages": 1,
+    monkeypatch.setattr(tuned, "configs_gen_func", lambda q: [{"BLOCK_N": 256, "num_warps": 2, "num_stages": 1,
                                                                "WAVES": 1}])  # fmt: skip
     calls = []
 

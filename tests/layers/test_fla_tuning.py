@@ -26,16 +26,19 @@ best config selected: num_warps: 1, num_ctas: 1, num_stages: 3, maxnreg: None;
 """
 
 LOOKUP = """
-import json, sys
+import json, os, sys
 from fla.ops.utils.cache import AutotuneKey, load_cached_config
-for kernel, key in json.loads(sys.argv[1]):
+for folder, kernel, key in json.loads(sys.argv[1]):
+    os.environ["FLA_CONFIG_DIR"] = folder  # read at each lookup
     print(json.dumps(load_cached_config(kernel, AutotuneKey(tuple(key)))))
 """
 
 
-def fla_lookup(folder, queries, mode="strict"):
-    """What fla-core's own lookup returns for each ``(kernel, key)`` with ``FLA_CONFIG_DIR`` = ``folder``."""
-    env = {"FLA_CONFIG_DIR": str(folder), "FLA_CACHE_MODE": mode, "PATH": "/usr/bin:/bin"}
+def fla_lookup(queries, mode="strict"):
+    """What fla-core's own lookup returns for each ``(folder, kernel, key)`` with ``FLA_CONFIG_DIR`` = ``folder``,
+    in one process (fla-core takes seconds to import)."""
+    env = {"FLA_CACHE_MODE": mode, "PATH": "/usr/bin:/bin"}
+    queries = [[str(folder), kernel, key] for folder, kernel, key in queries]
     return [json.loads(line) for line in child_output([sys.executable, "-c", LOOKUP, json.dumps(queries)], env)]
 
 
@@ -55,12 +58,12 @@ def test_the_log_becomes_files_fla_core_reads_by_exact_key(tmp_path):
     other = ["chunk_fwd_kernel_o", [32, 48, 128, 128, 64, False, "torch.bfloat16", "torch.int64"]]
     cumsum = ["chunk_local_cumsum_scalar_kernel", [1, 48, 64, True, False, "torch.float32"]]
     missing = ["l2norm_fwd_kernel", [128, 1]]
-    got = fla_lookup(tmp_path, [o, o8, other, cumsum, missing])
+    got = fla_lookup([(tmp_path, *q) for q in (o, o8, other, cumsum, missing)])
     assert got[0] == {"kwargs": {"BK": 64, "BV": 64}, "num_warps": 4, "num_ctas": 1, "num_stages": 3, "maxnreg": None}
     assert got[1]["kwargs"] == {"BK": 32, "BV": 64} and got[1]["num_warps"] == 8
     assert got[2] is None and got[4] is None  # another key or kernel: fla-core autotunes it as before
     assert got[3] == {"kwargs": {}, "num_warps": 1, "num_ctas": 1, "num_stages": 3, "maxnreg": None}
-    assert fla_lookup(tmp_path, [o], mode="disabled") == [None]  # read only when FLA_CACHE_MODE asks
+    # read only when FLA_CACHE_MODE asks: test_fla_core_imported_first_still_reads_them looks up first without it
 
     # written again: merged, not duplicated
     fla_tuning.write_configs(fla_tuning.parse_autotune_log(LOG), tmp_path)
@@ -69,15 +72,16 @@ def test_the_log_becomes_files_fla_core_reads_by_exact_key(tmp_path):
 
 def test_every_shipped_config_is_what_fla_core_finds_for_its_key():
     folders = [p for p in fla_tuning.SHIPPED_ROOT.glob("triton_*/*") if p.is_dir()]
-    assert folders
+    queries, want = [], []
     for folder in folders:
-        queries, want = [], []
+        found = len(queries)
         for path in sorted(folder.glob("*.json")):
             for entry in json.loads(path.read_text())["autotune_entries"].values():
-                queries.append([path.stem, entry["autotune_key"]])
+                queries.append((folder, path.stem, entry["autotune_key"]))
                 want.append(entry["config"])
-        assert queries and fla_lookup(folder, queries) == want
-        assert all(set(c) == {"kwargs", "num_warps", "num_ctas", "num_stages", "maxnreg"} for c in want)
+        assert len(queries) > found, f"{folder} ships no entry"
+    assert len(folders) >= 2 and fla_lookup(queries) == want
+    assert all(set(c) == {"kwargs", "num_warps", "num_ctas", "num_stages", "maxnreg"} for c in want)
 
 
 def test_a_file_it_cannot_merge_into_is_named(tmp_path):
@@ -130,24 +134,29 @@ def test_leaves_fla_core_alone(fresh, monkeypatch, why):
 
 
 IMPORTED_FIRST = """
-import json, sys
+import json, os, sys
 from pathlib import Path
 import fla.ops.utils.cache as cache  # first, as transformers' Qwen3.5 model does
 from lightllm.layers import fla_tuning
+kernel, key = json.loads(sys.argv[2])
+os.environ["FLA_CONFIG_DIR"] = sys.argv[1]
+before = cache.load_cached_config(kernel, cache.AutotuneKey(tuple(key)))  # the mode fla-core read: disabled
+del os.environ["FLA_CONFIG_DIR"]
 fla_tuning.shipped_dir = lambda: Path(sys.argv[1])
 assert fla_tuning.use_shipped_configs() == Path(sys.argv[1])
-kernel, key = json.loads(sys.argv[2])
-print(json.dumps(cache.load_cached_config(kernel, cache.AutotuneKey(tuple(key)))))
+print(json.dumps([before, cache.load_cached_config(kernel, cache.AutotuneKey(tuple(key)))]))
 """
 
 
 def test_fla_core_imported_first_still_reads_them(tmp_path):
-    """fla-core read FLA_CACHE_MODE (unset: disabled) when imported; the shipped folder is still used after."""
+    """fla-core read FLA_CACHE_MODE (unset: disabled) when imported, so it reads no folder, even one with the key;
+    the shipped folder is still used after."""
     fla_tuning.write_configs(fla_tuning.parse_autotune_log(LOG), tmp_path)
     query = ["chunk_fwd_kernel_o", [16, 48, 128, 128, 64, False, "torch.bfloat16", "torch.int64"]]
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(fla_tuning.SHIPPED_ROOT.parents[2])}
     (out,) = child_output([sys.executable, "-c", IMPORTED_FIRST, str(tmp_path), json.dumps(query)], env)
-    assert json.loads(out)["kwargs"] == {"BK": 64, "BV": 64}
+    before, after = json.loads(out)
+    assert before is None and after["kwargs"] == {"BK": 64, "BV": 64}
 
 
 def test_an_older_fla_core_imported_first_is_left_as_it_is(fresh, monkeypatch):
