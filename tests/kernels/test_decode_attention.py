@@ -398,7 +398,7 @@ def test_search_uses_representative_batch_over_existing_pool(monkeypatch):
     monkeypatch.setenv("LIGHTLLM_DECODE_ATTN_AUTOTUNE_SEQ_LEN", "1024")
     tuned = flash_decode._launch_gqa_flash_decode
     tuned.clear_cache()
-    cfgs = [{"BLOCK_N": 64, "num_warps": 2, "num_stages": 1, "WAVES": w} for w in (1, 4)]
+    cfgs = [{"BLOCK_N": 256, "num_warps": 2, "num_stages": 1, "WAVES": w} for w in (1, 4)]
     monkeypatch.setattr(tuned, "configs_gen_func", lambda q: cfgs)
     seen = []
 
