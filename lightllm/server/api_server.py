@@ -600,6 +600,31 @@ def _make_runner(engine_args, tp: int, tp_step_timeout_s: float, nccl_port: Opti
     return ModelRunner(engine_args)
 
 
+def _checked_inputs(argv) -> tuple:
+    """``(server_args, engine_args, sock, tokenizer, sampling_defaults)``; a bad flag, a taken port, a bad generation
+    config or tokenizer is one line and exit code 2, before the model loads."""
+    server_args, engine_args = parse_args(argv)
+    try:  # a taken port is reported in a second, not after the warm-up
+        sock = bind(server_args.host, server_args.port)
+    except ValueError as e:
+        sys.stderr.write(f"error: {e}\n")
+        sys.exit(2)
+    from lightllm.tools.make_tiny_model import default_model_dir
+
+    model_dir = engine_args.model_dir or str(default_model_dir())
+    try:
+        sampling_defaults = read_sampling_defaults(model_dir)
+        tokenizer = load_tokenizer(model_dir, server_args.tokenizer_mode, server_args.chat_template)
+    except ValueError as e:
+        sock.close()
+        sys.stderr.write(f"error: {e}\n")
+        sys.exit(2)
+    except BaseException:
+        sock.close()
+        raise
+    return server_args, engine_args, sock, tokenizer, sampling_defaults
+
+
 def run(server: Server, sock, server_args: ServerArgs) -> int:
     """Serve until SIGTERM/SIGINT (which end the process itself once drained) or until the engine process dies
     (exit code 1: ``EngineProcess`` has logged why)."""
@@ -619,25 +644,19 @@ def run(server: Server, sock, server_args: ServerArgs) -> int:
 
 def main(argv=None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    server_args, engine_args = parse_args(argv)
-    try:  # before the model loads: a taken port is reported in a second, not after the warm-up
-        sock = bind(server_args.host, server_args.port)
-    except ValueError as e:
-        sys.stderr.write(f"error: {e}\n")
-        sys.exit(2)
-    from lightllm.tools.make_tiny_model import default_model_dir
-
-    model_dir = engine_args.model_dir or str(default_model_dir())
-    try:  # still before the model loads: a bad file or tokenizer mode is one line, not a traceback later
-        sampling_defaults = read_sampling_defaults(model_dir)
-        tokenizer = load_tokenizer(model_dir, server_args.tokenizer_mode, server_args.chat_template)
-    except ValueError as e:
-        sock.close()
-        sys.stderr.write(f"error: {e}\n")
-        sys.exit(2)
+    # First, held: the engine process's imports (seconds) overlap the arguments' and the tokenizer's checks here, and
+    # it builds and logs nothing until released, so bad input is still one line before any loading
+    engine = EngineProcess()
+    try:
+        server_args, engine_args, sock, tokenizer, sampling_defaults = _checked_inputs(argv)
+    except BaseException as e:
+        engine.stop()
+        if isinstance(e, KeyboardInterrupt):
+            _exit_interrupted()
+        raise
     make_runner = functools.partial(_make_runner, engine_args, server_args.tp, server_args.tp_step_timeout_s,
                                     server_args.nccl_port)  # fmt: skip
-    engine = EngineProcess(make_runner, getattr(tokenizer, "eos_token_id", None), server_args.eos_id)
+    engine.release(make_runner, getattr(tokenizer, "eos_token_id", None), server_args.eos_id)
     try:
         engine.wait_ready()
         model_name = server_args.model_name or (

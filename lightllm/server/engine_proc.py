@@ -61,9 +61,14 @@ class EngineProcess:
 
     ``make_runner`` (picklable, run in the engine process) builds the runner: a ``ModelRunner``, or rank 0 of
     tensor parallelism, whose ``stop`` the engine process calls on its way out. ``args`` and ``config`` (vocabulary
-    size, EOS ids) are the runner's, known once ``wait_ready`` returns."""
+    size, EOS ids) are the runner's, known once ``wait_ready`` returns.
 
-    def __init__(self, make_runner: Callable, tokenizer_eos: Optional[int] = None, extra_eos_ids: Sequence[int] = ()):
+    Without ``make_runner`` the process is held: it starts (a spawned process imports torch and the engine, seconds)
+    but builds and logs nothing until ``release`` gives it ``make_runner`` and the EOS ids, so the HTTP process parses
+    its arguments and loads its tokenizer meanwhile, and ``stop`` ends it quietly if either fails."""
+
+    def __init__(self, make_runner: Optional[Callable] = None, tokenizer_eos: Optional[int] = None,
+                 extra_eos_ids: Sequence[int] = ()):  # fmt: skip
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self._step_started = ctx.RawValue(ctypes.c_double, math.nan)
@@ -86,6 +91,10 @@ class EngineProcess:
         self._reaped = threading.Event()  # the reader has waited for the engine process's exit
 
     # ---- start-up, on the main thread ----------------------------------------------------------------------
+
+    def release(self, make_runner: Callable, tokenizer_eos: Optional[int] = None, extra_eos_ids: Sequence[int] = ()):
+        """Let a held engine process build its runner (the constructor's arguments)."""
+        self._conn.send(("release", make_runner, tokenizer_eos, tuple(extra_eos_ids)))
 
     def wait_ready(self) -> None:
         """Until the runner is built (weights, tuning, graphs); ``EngineStartError`` (one line) if building it raised
@@ -355,8 +364,13 @@ class _EngineSide:
 
 def _engine_main(conn, make_runner, tokenizer_eos, extra_eos, step_started, parent: int, log_level: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C: the HTTP process drains, then stops us
-    logging.basicConfig(level=log_level, format=_LOG_FORMAT)
     _exit_with_parent(parent)
+    if make_runner is None:  # held until released; the HTTP side's end (EOF) while we wait: nothing to do
+        try:
+            _, make_runner, tokenizer_eos, extra_eos = conn.recv()
+        except (EOFError, OSError):
+            return
+    logging.basicConfig(level=log_level, format=_LOG_FORMAT)
     lock = threading.Lock()  # a tensor-parallel worker's error comes from the watchdog thread
 
     def report(message: str) -> None:

@@ -212,3 +212,47 @@ def test_an_engine_killed_while_starting_says_so_and_names_the_sizes():
         engine.stop()
     assert str(e.value) == ("engine process was killed by signal 9 while starting (out of memory? check "
                             "--running_max_req_size / --max_total_token_num)")  # fmt: skip
+
+
+class _MarkingRunner(FakeRunner):
+    """A FakeRunner that leaves a file behind when built (picklable: a class with a path given by functools)."""
+
+    def __init__(self, marker):
+        Path(marker).write_text("built")
+        super().__init__()
+
+
+def test_a_held_engine_process_builds_nothing_until_released(tmp_path):
+    """Started held and never released (the HTTP process's arguments or tokenizer failed, or it died), the engine
+    process ends on its pipe's end without building anything; released, it builds the runner it is given and stops
+    at the tokenizer's EOS."""
+    import functools
+
+    from fake_model import WEIGHTS
+
+    marker = tmp_path / "built"
+    make_runner = functools.partial(_MarkingRunner, str(marker))
+    engine = EngineProcess()  # held: nothing to build yet
+    engine._conn.close()  # the HTTP side gone before any release
+    engine.process.join(procs.HANG_TIMEOUT_S)
+    assert engine.process.exitcode == 0 and not marker.exists()
+
+    first = int(WEIGHTS[2].argmax())  # the fake model's greedy token after "c"
+    engine = EngineProcess()
+    try:
+        engine.release(make_runner, first)
+        engine.wait_ready()
+        assert marker.exists()
+        server = Server(engine, Letters(), "tiny")
+        server.prompts.tokenizer = server.tokenizer
+        with TestClient(server.app) as client:
+            body = {"inputs": "abc", "parameters": {"max_new_tokens": 6}}
+            got = client.post("/generate", json=body).json()
+        assert got["token_ids"] == [first] and got["finish_reason"] == "stop", got
+    finally:
+        engine.stop()
+
+
+def test_stop_ends_a_held_engine_process_quietly():
+    engine = EngineProcess()
+    assert engine.stop() and engine.process.exitcode is not None
