@@ -19,9 +19,15 @@ def probe():
     return load_benchmark("decode_kv_read_probe")
 
 
-@pytest.mark.parametrize("prefetch,work", [(False, 0), (True, 0), (True, 3)])
-@pytest.mark.parametrize("head_major", [False, True])
-@pytest.mark.parametrize("kind,group", [("none", 0), ("int8", 8), ("int4", 8), ("int8", 32)])
+# every kind in both layouts without prefetch; the prefetch without work token-major, with work head-major
+CASES = [
+    (kind, group, head_major, prefetch, work)
+    for kind, group in [("none", 0), ("int8", 8), ("int4", 8), ("int8", 32)]
+    for head_major, prefetch, work in [(False, False, 0), (True, False, 0), (False, True, 0), (True, True, 3)]
+]
+
+
+@pytest.mark.parametrize("kind,group,head_major,prefetch,work", CASES)
 def test_the_probe_xors_every_word_of_each_splits_tokens(probe, kind, group, head_major, prefetch, work):
     gen = torch.Generator().manual_seed(zlib.crc32(f"{kind}{group}{head_major}".encode()))
     heads, head_dim, graph_max, tokens = 2, 64, 160, 700
