@@ -75,7 +75,13 @@ class EngineProcess:
         self.process = ctx.Process(target=_engine_main, name="lightllm-engine",
                                    args=(child, make_runner, tokenizer_eos, tuple(extra_eos_ids), self._step_started,
                                          os.getpid(), logging.getLogger().level or logging.INFO))  # fmt: skip
-        self.process.start()  # not a daemon: it starts tensor-parallel workers of its own
+        # Ctrl+C reaches the whole process group: SIGINT is blocked in the child from its first instruction (the mask
+        # survives exec) until ``_engine_main`` ignores it, so it never interrupts the child's imports with a traceback
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            self.process.start()  # not a daemon: it starts tensor-parallel workers of its own
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         child.close()  # ours closed: the engine's end of the pipe is then its only one, so its death is an EOF here
         self.args = self.config = self.model_dir = None
         self.observer = None  # the Metrics its step messages are replayed on
@@ -364,6 +370,7 @@ class _EngineSide:
 
 def _engine_main(conn, make_runner, tokenizer_eos, extra_eos, step_started, parent: int, log_level: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C: the HTTP process drains, then stops us
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked since the start: one pending is ignored
     _exit_with_parent(parent)
     if make_runner is None:  # held until released; the HTTP side's end (EOF) while we wait: nothing to do
         try:

@@ -256,3 +256,16 @@ def test_a_held_engine_process_builds_nothing_until_released(tmp_path):
 def test_stop_ends_a_held_engine_process_quietly():
     engine = EngineProcess()
     assert engine.stop() and engine.process.exitcode is not None
+
+
+def test_ctrl_c_while_the_engine_process_imports_does_not_end_it():
+    """Ctrl+C goes to the whole process group: one that reaches the engine process while it still imports (before it
+    ignores SIGINT) must neither end it nor print a traceback."""
+    engine = EngineProcess()
+    try:
+        os.kill(engine.process.pid, signal.SIGINT)  # at once: the spawned interpreter is still importing
+        engine.release(FakeRunner)
+        engine.wait_ready()
+        assert engine.process.is_alive()
+    finally:
+        engine.stop()
