@@ -39,7 +39,7 @@ from lightllm.engine.request import Event, Request
 from lightllm.engine.runner import AheadDecoder, Runner
 from lightllm.engine.sampler import SamplingParams, sample, top_logprobs_launch
 from lightllm.engine.scheduler import Scheduler
-from lightllm.engine.spec_decode import DraftChooser, SpecDecoder
+from lightllm.engine.spec_decode import SpecDecoder
 
 logger = logging.getLogger(__name__)
 
@@ -524,9 +524,7 @@ class Engine:
             self._draw(reqs[:1], logits[:1])  # greedy alone: the argmax, no penalty
             self._draw(reqs, logits)
             if self.spec is not None:
-                n, chooser = self.spec.step_drafts, DraftChooser(reqs)
-                drafts = torch.stack([chooser(k, torch.randn(len(reqs), vocab, device=dev)) for k in range(n)], 1)
-                self.spec._read(reqs, drafts, torch.randn(len(reqs), n + 1, vocab, device=dev), chooser, 2)
+                self.spec.warm_up(reqs, vocab)
         finally:
             for req in reqs:
                 self.processor.release(req)

@@ -178,6 +178,13 @@ class SpecDecoder:
         self.mtp.accept(slots, [o.accepted for o in outcomes])
         return self._emit(batch, outcomes)
 
+    def warm_up(self, reqs: List[Request], vocab: int) -> None:
+        """Choose drafts for ``reqs`` and run the verify's acceptance on random logits, reading nothing back into the
+        requests (``Engine.warm_up_sampling``: the first launch of each kernel loads its module)."""
+        dev, n, chooser = self.engine.runner.device, self.step_drafts, DraftChooser(reqs)
+        drafts = torch.stack([chooser(k, torch.randn(len(reqs), vocab, device=dev)) for k in range(n)], dim=1)
+        self._read(reqs, drafts, torch.randn(len(reqs), n + 1, vocab, device=dev), chooser, 2)
+
     def _decide(self, batch, drafts: torch.Tensor, logits: torch.Tensor, chooser: DraftChooser) -> List[_Outcome]:
         """Each request's tokens, events and accepted drafts from the verify's ``logits [B, N + 1, vocab]`` and the
         drafts ``[B, N]`` (on the device), in one device-to-host read. A request reaches verify position ``k`` only

@@ -88,9 +88,8 @@ def test_with_mtp_it_also_chooses_drafts_and_runs_the_acceptance(monkeypatch):
     def read(self, batch, drafts, logits, chooser, want):
         reads.append((len(batch), tuple(drafts.shape), tuple(logits.shape), len(chooser.q), want))
         rows = real(self, batch, drafts, logits, chooser, want)
-        assert len(rows) == len(batch) and all(
-            len(r) == 2 * 3 + 2 + 2 * 3 * 2 for r in rows
-        )  # T tokens, T logprobs, N flags, tops
+        width = 3 + 3 + 2 + 2 * 3 * 2  # T tokens, T logprobs, N going-on flags, T x want top ids and values
+        assert len(rows) == len(batch) and all(len(r) == width for r in rows)
         return rows
 
     monkeypatch.setattr(SpecDecoder, "_read", read)
