@@ -67,8 +67,7 @@ def main(argv=None):
                      seconds.items()]  # fmt: skip
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"cpus": len(os.sched_getaffinity(0)), "args": vars(args), "rows": rows}, f,
-                  indent=1)  # fmt: skip
+        json.dump({"cpus": len(os.sched_getaffinity(0)), "args": vars(args), "rows": rows}, f, indent=1)
     print("| checkout | tp | starts s | median s |\n|---|---|---|---|")
     for r in rows:
         print(f"| {r['repo']} | {r['tp']} | {' / '.join(f'{s:.2f}' for s in r['seconds'])} | {r['median_s']:.2f} |")

@@ -92,10 +92,11 @@ def write_configs(entries: Dict[str, List[dict]], folder: Path) -> List[Path]:
         if path.exists():
             try:
                 data = json.loads(path.read_text())
-                data["autotune_entries"].keys()
-            except (ValueError, KeyError, AttributeError, TypeError) as e:
+            except ValueError as e:
+                data = e
+            if not isinstance(data, dict) or not isinstance(data.get("autotune_entries"), dict):
                 raise ValueError(f"{path} expected fla-core's config JSON with 'autotune_entries' to merge into, "
-                                 f"got {e!r}; fix or remove it") from None  # fmt: skip
+                                 f"got {data!r:.200}; fix or remove it")  # fmt: skip
         for row in rows:
             data["autotune_entries"][AutotuneKey.key_hash(row["autotune_key"])] = row
         path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
