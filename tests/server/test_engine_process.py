@@ -233,9 +233,12 @@ def test_a_held_engine_process_builds_nothing_until_released(tmp_path):
     marker = tmp_path / "built"
     make_runner = functools.partial(_MarkingRunner, str(marker))
     engine = EngineProcess()  # held: nothing to build yet
-    engine._conn.close()  # the HTTP side gone before any release
-    engine.process.join(procs.HANG_TIMEOUT_S)
-    assert engine.process.exitcode == 0 and not marker.exists()
+    try:
+        engine._conn.close()  # the HTTP side gone before any release
+        engine.process.join(procs.HANG_TIMEOUT_S)
+        assert engine.process.exitcode == 0 and not marker.exists()
+    finally:
+        engine.stop()
 
     first = int(WEIGHTS[2].argmax())  # the fake model's greedy token after "c"
     engine = EngineProcess()
@@ -253,14 +256,17 @@ def test_a_held_engine_process_builds_nothing_until_released(tmp_path):
         engine.stop()
 
 
-def test_stop_ends_a_held_engine_process_quietly():
+def test_stop_ends_a_held_engine_process_quietly(capfd):
+    """Stopped before its release (a bad flag or tokenizer), mid-import or waiting: it ends and writes nothing (its
+    stderr is this process's)."""
     engine = EngineProcess()
     assert engine.stop() and engine.process.exitcode is not None
+    assert capfd.readouterr().err == ""
 
 
-def test_ctrl_c_while_the_engine_process_imports_does_not_end_it():
+def test_ctrl_c_while_the_engine_process_imports_does_not_end_it(capfd):
     """Ctrl+C goes to the whole process group: one that reaches the engine process while it still imports (before it
-    ignores SIGINT) must neither end it nor print a traceback."""
+    ignores SIGINT) must neither end it nor print a traceback (its stderr is this process's)."""
     engine = EngineProcess()
     try:
         os.kill(engine.process.pid, signal.SIGINT)  # at once: the spawned interpreter is still importing
@@ -269,3 +275,5 @@ def test_ctrl_c_while_the_engine_process_imports_does_not_end_it():
         assert engine.process.is_alive()
     finally:
         engine.stop()
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
