@@ -78,14 +78,14 @@ def test_prefix_matches_reference(dtype, lens, prefix_lens):
     _check_prefix(lens, prefix_lens, 64, dtype, cfg, seed=sum(lens) + sum(prefix_lens))
 
 
-def _check_prefix(lens, prefix_lens, head_dim, dtype, cfg, seed):
-    """8 query heads over 2 KV heads, each request's prefix at scattered pool slots: every row written and within
-    the dtype's error of the float64 reference."""
+def _check_prefix(lens, prefix_lens, head_dim, dtype, cfg, seed, heads=(8, 2)):
+    """``heads`` (8 query heads over 2 KV heads), each request's prefix at scattered pool slots: every row written and
+    within the dtype's error of the float64 reference."""
     g = torch.Generator().manual_seed(seed)
-    q, k, v, b_start, b_len = _packed(lens, 8, 2, head_dim, dtype, g)
+    q, k, v, b_start, b_len = _packed(lens, *heads, head_dim, dtype, g)
     pool = sum(prefix_lens) + 60
-    k_cache = torch.randn(pool, 2, head_dim, generator=g).to(dtype).to(DEVICE)
-    v_cache = torch.randn(pool, 2, head_dim, generator=g).to(dtype).to(DEVICE)
+    k_cache = torch.randn(pool, heads[1], head_dim, generator=g).to(dtype).to(DEVICE)
+    v_cache = torch.randn(pool, heads[1], head_dim, generator=g).to(dtype).to(DEVICE)
     prefix = _cached_prefix(prefix_lens, pool, g)
     out = torch.full_like(q, float("nan"))
     context_attention(q, k, v, b_start, b_len, max(lens), out=out, run_config=cfg, prefix=prefix, k_cache=k_cache,
@@ -129,9 +129,10 @@ def test_prefix_bad_inputs():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 def test_split_prefix_matches_reference(splits, dtype):
     """The prefix read in ranges by parallel programs and merged: prefixes shorter than the split count (empty
-    ranges), not block multiples, absent (0), and one request with a long prefix; every row written."""
+    ranges), not block multiples, absent (0), and one request with a long prefix; every row written. Group 4 on one
+    KV head: the interpreter runs a program per (request, head, block, split)."""
     cfg = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1, "PREFIX_SPLITS": splits}
-    _check_prefix([3, 1, 20, 9], [0, 70, 5, 131], 128, dtype, cfg, seed=splits)
+    _check_prefix([3, 1, 20, 9], [0, 70, 5, 131], 128, dtype, cfg, seed=splits, heads=(4, 1))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="records the interpreter's launches: a CPU run's check")
