@@ -40,6 +40,7 @@ takes for it. No GPU; the run must have timed those graphs (as ``--also-buckets`
 import argparse
 import json
 import math
+import statistics
 import sys
 import time
 
@@ -349,6 +350,46 @@ def analyze_fa3(results):
     return out
 
 
+def compare_runs(runs, rule="minimax_loss"):
+    """Triton's frozen config against FA3's best ``num_splits`` over repeated saved runs (each a process of its own
+    that tuned again), per (shape, B, L) every run measured: each run's ratio, their median, and the median tuned
+    time over the best of FA3's per-split medians (one run's best split is the fastest of several noisy timings, so
+    it is biased low)."""
+    cells = {}
+    for run in runs:
+        fa3 = {(f["shape"], f["B"]): f for f in run.get("fa3_frozen", [])}
+        for frozen in run["frozen"]:
+            f = fa3.get((frozen["shape"], frozen["B"]))
+            if frozen["kind"] != "none" or f is None:
+                continue
+            for i, n in enumerate(frozen["lens"]):
+                j = f["lens"].index(n)
+                cell = cells.setdefault((frozen["shape"], frozen["B"], n), {"tuned": [], "fa3": []})
+                cell["tuned"].append(frozen["rules"][rule]["ms"][i])
+                cell["fa3"].append({sp: ms[j] for sp, ms in f["splits"].items()})
+    out = []
+    for (shape, batch, n), cell in sorted(cells.items()):
+        if len(cell["tuned"]) < len(runs):
+            continue  # not in every run
+        best = [min(times.values()) for times in cell["fa3"]]
+        medians = {sp: statistics.median(times[sp] for times in cell["fa3"]) for sp in cell["fa3"][0]}
+        split = min(medians, key=medians.get)
+        ratios = [t / b for t, b in zip(cell["tuned"], best)]
+        out.append({"shape": shape, "B": batch, "L": n, "rule": rule, "tuned_ms": cell["tuned"], "fa3_best_ms": best,
+                    "ratio": ratios, "ratio_median": statistics.median(ratios), "fa3_split_of_best_median": int(split),
+                    "ratio_of_medians": statistics.median(cell["tuned"]) / medians[split]})  # fmt: skip
+    return out
+
+
+def print_runs(entries, runs):
+    print(f"Triton (frozen, {entries[0]['rule'] if entries else '-'}) over FA3's best num_splits, {runs} runs")
+    print(f"{'shape':15} {'B':>4} {'L':>6} | {'each run':{7 * runs}} | median | medians' ratio (FA3 split)")
+    for e in entries:
+        each = " ".join(f"{r:6.3f}" for r in e["ratio"])
+        print(f"{e['shape']:15} {e['B']:4} {e['L']:6} | {each} | {e['ratio_median']:6.3f} | "
+              f"{e['ratio_of_medians']:6.3f} ({e['fa3_split_of_best_median']})")  # fmt: skip
+
+
 def fa3_gains(fa3_frozen, min_batch=16):
     """Geo-mean % gain over FA3's heuristic of every cell at B >= ``min_batch`` (every L), per shape and over
     all: of the per-cell best split ("best") and of each rule's frozen split."""
@@ -474,8 +515,22 @@ def main():
         metavar="LEN",
         help="--nearest / --level0: the graph lengths tuned configs exist for (default: what ships)",
     )
+    p.add_argument("--runs", nargs="+", metavar="JSON", help="saved runs of the same cells (each its own "
+                   "process): Triton's frozen config over FA3's best split per run and over the runs (no GPU "
+                   "needed)")  # fmt: skip
     p.add_argument("--out", default="benchmarks/results/decode_attention.json")
     args = p.parse_args()
+    if args.runs:
+        runs = []
+        for path in args.runs:
+            with open(path) as f:
+                runs.append(json.load(f))
+        entries = compare_runs(runs)
+        if not entries:
+            sys.exit(f"--runs: no cell has Triton's frozen config and FA3's splits in every one of {args.runs}")
+        save_json({"device": runs[0].get("device"), "sources": args.runs, "cells": entries}, args.out)
+        print_runs(entries, len(runs))
+        return
     if args.passes < 1:
         p.error(f"--passes expected a positive count, got {args.passes}")
     if args.buckets is not None and any(b <= 0 for b in args.buckets):

@@ -1,6 +1,7 @@
 """benchmarks/decode_attention.py, analysis part: what each choice rule freezes from a saved run, its loss against
 each length's best and against the default (FA3: its own split heuristic), and the geo-mean gain over it."""
 
+import json
 import math
 
 import pytest
@@ -101,3 +102,41 @@ def test_passes_must_be_positive(bench, monkeypatch, capsys):
     with pytest.raises(SystemExit):
         bench.main()
     assert "--passes expected a positive count, got 0" in capsys.readouterr().err
+
+
+def test_repeated_runs_compare_the_frozen_config_with_fa3s_best_per_run_and_over_the_runs(bench):
+    """Two saved runs: the frozen config ("fast" at 32K: 0.5 ms, then 0.6) against FA3's splits. Each run's best split
+    is its fastest; over the runs each split's median is taken first, so a split that was lucky once does not win."""
+    first, second = saved_run(), saved_run()
+    for cell in second["cells"]:
+        cell["configs"][0][1] += 0.1  # "fast" 0.1 ms slower in the second run
+        cell["fa3_ms"] = {"0": 1.0, "1": 0.45, "2": 0.55}  # split 1 lucky in this run alone
+    runs = []
+    for run in (first, second):
+        run["rows"], run["frozen"] = bench.analyze(run)
+        run["fa3_frozen"] = bench.analyze_fa3(run)
+        runs.append(run)
+    entries = bench.compare_runs(runs)
+    assert [(e["shape"], e["B"], e["L"]) for e in entries] == [("hq32-hk8-d128", 16, n) for n in LENS]
+    at_32k = entries[-1]
+    assert at_32k["tuned_ms"] == pytest.approx([0.5, 0.6]) and at_32k["fa3_best_ms"] == pytest.approx([0.9, 0.45])
+    assert at_32k["ratio"] == pytest.approx([0.5 / 0.9, 0.6 / 0.45])
+    assert at_32k["ratio_median"] == pytest.approx((0.5 / 0.9 + 0.6 / 0.45) / 2)
+    # medians over the runs: split 1 (0.9, 0.45) -> 0.675, split 2 (0.97, 0.55) -> 0.76, heuristic 1.0
+    assert at_32k["fa3_split_of_best_median"] == 1 and at_32k["ratio_of_medians"] == pytest.approx(0.55 / 0.675)
+    assert bench.compare_runs([first, {"frozen": [], "fa3_frozen": []}]) == []  # a cell must be in every run
+
+
+def test_runs_from_the_command_line(bench, monkeypatch, tmp_path, capsys):
+    run = saved_run()
+    run["rows"], run["frozen"] = bench.analyze(run)
+    run["fa3_frozen"] = bench.analyze_fa3(run)
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(run))
+    monkeypatch.setattr("sys.argv", ["decode_attention.py", "--runs", str(path), str(path), "--out",
+                                     str(tmp_path / "out.json")])  # fmt: skip
+    bench.main()
+    out = capsys.readouterr().out
+    assert "over FA3's best num_splits, 2 runs" in out
+    assert "hq32-hk8-d128     16  32768 |  0.556  0.556 |  0.556 |  0.556 (1)" in out
+    assert len(json.loads((tmp_path / "out.json").read_text())["cells"]) == len(LENS)
