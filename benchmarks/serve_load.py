@@ -37,6 +37,8 @@ schedule (seeded), so no load meets its prompts in a server's prefix cache.
     python benchmarks/serve_load.py --tiny --model qwen3.5 --mtp-step 2 --concurrency 2   # the same on a CPU
     # overlapped decode on vs off, side by side, with an A/A pair
     python benchmarks/serve_load.py --compare overlap --workloads short --repeats 1 --rounds 6 --control --pin-cores
+    # more server starts than one call holds: the same command per call, then its files as one run
+    python benchmarks/serve_load.py --merge call1.json call2.json call3.json --out merged.json
 """
 
 import argparse
@@ -406,6 +408,9 @@ def main():
     p.add_argument("--out", default="benchmarks/results/serve_load.json")
     p.add_argument("--log-dir", default="serve_load_logs", help="server logs (one per start) and the tuned configs")
     p.add_argument("--control", action="store_true", help="also start a second 'off' server per repeat (off_b)")
+    p.add_argument("--merge", nargs="+", metavar="JSON", help="saved runs of one method (other device calls' server "
+                   "starts) as one run written to --out: every point's runs together, starts renumbered, the tables "
+                   "and the A/A interval over all of them; nothing is started")  # fmt: skip
     p.add_argument("--compare", default="tuning", choices=("tuning", "overlap"), help="what 'on' and 'off' differ "
                    "in: decode-attention tuning (default), or overlapped decode ('off' starts with "
                    "--disable_overlap_schedule; all run the configs the first 'on' start tuned)")  # fmt: skip
@@ -420,6 +425,22 @@ def main():
                    "of every server; auto: fa3 when fa3_fwd_interface imports, else triton (default: auto for "
                    "qwen3.5, triton for qwen3)")  # fmt: skip
     args = p.parse_args()
+    if args.merge:
+        saved = []
+        for path in args.merge:
+            try:
+                with open(path) as f:
+                    saved.append(json.load(f))
+            except (OSError, ValueError) as e:
+                p.error(f"--merge {path}: cannot read a saved run: {e}")
+        try:
+            merged, rows, startups = merge_saved(saved)
+        except (KeyError, TypeError, ValueError) as e:
+            p.error(str(e) if isinstance(e, ValueError) else f"--merge: not a saved serve_load run ({e!r} missing)")
+        merged.out = args.out
+        save(merged, rows, startups, partial=any(d.get("partial") for d in saved), merged_from=args.merge)
+        report(merged, rows, startups)
+        return
     if args.mtp_step and args.model != "qwen3.5":
         p.error(f"--mtp-step {args.mtp_step} expected --model qwen3.5 (the model with an MTP head), got {args.model}")
     if args.model == "qwen3.5" and not args.tiny:
@@ -492,6 +513,11 @@ def main():
             rows += point_rows(args, workload, results, kernels)
             save(args, rows, startups)
     save(args, rows, startups)
+    report(args, rows, startups)
+
+
+def report(args, rows, startups):
+    """The tables of a run (or of merged runs) on stdout."""
     runs = f"{args.repeats} server starts" + (f" x {args.rounds} rounds (servers side by side)" if args.rounds else "")
     print(f"\nmedian of {runs} per mode; spread = (max - min) / median")
     print("step ms = the server's mean decode step (forward, sampling, bookkeeping; median over runs): on / off")
@@ -726,10 +752,53 @@ def point_rows(args, workload, results, kernels):
     return rows
 
 
-def save(args, rows, startups, partial=False):
+# What runs must share to merge: everything that shapes a server or a load (not how many starts each had)
+MERGE_SAME = ("tp", "model", "tiny", "layers", "mtp_step", "mtp_head", "decode_backend", "requests", "output_tokens",
+              "warmup", "rate", "seed", "rounds", "control", "compare", "client_procs", "pin_cores",
+              "cores_per_server")  # fmt: skip
+MODES = ("on", "off", "off_b")
+
+
+def merge_saved(saved):
+    """Saved runs of one method (each, say, one device call's worth of server starts) as one: ``(settings, rows,
+    startups)`` with every point's runs and every start together, each file's starts numbered after the previous
+    file's, so the A/A interval draws starts from all of them; rows recomputed. Within a file's point each mode keeps
+    as many runs as the mode with the fewest (a stopped run may have measured "off" once more than "off_b"), so the
+    A/A pairs stay run against run. ValueError naming the setting two files differ in."""
+    for i, d in enumerate(saved[1:], 2):
+        for key in MERGE_SAME:
+            if d.get(key) != saved[0].get(key):
+                raise ValueError(f"--merge: file {i} has {key}={d.get(key)!r} and file 1 {saved[0].get(key)!r}; only "
+                                 "runs of one method merge")  # fmt: skip
+    results, startups, attention, offset = {}, [], {}, 0
+    for d in saved:
+        repeats = [s["repeat"] for s in d["startups"]]
+        for row in d["rows"]:
+            point = (row["workload"], row["concurrency"])
+            attention.setdefault(point, row.get("decode_attention"))
+            modes = [m for m in MODES if m in row]
+            keep = min(len(row[m]["runs"]) for m in modes)
+            for mode in modes:
+                runs = [{**run, "repeat": run.get("repeat", 0) + offset} for run in row[mode]["runs"][:keep]]
+                results.setdefault(point, {}).setdefault(mode, []).extend(runs)
+                repeats += [run.get("repeat", 0) for run in row[mode]["runs"]]
+        startups += [{**s, "repeat": s["repeat"] + offset} for s in d["startups"]]
+        offset += max(repeats, default=-1) + 1
+    settings = argparse.Namespace(**{k: saved[0].get(k) for k in MERGE_SAME}, repeats=offset)
+    rows = []
+    for workload in dict.fromkeys(w for w, _ in results):
+        settings.concurrency = [c for w, c in results if w == workload]
+        by_mode = {(m, c): runs for (w, c), per in results.items() if w == workload for m, runs in per.items()}
+        for row in point_rows(settings, workload, by_mode, {}):
+            row["decode_attention"] = attention[workload, row["concurrency"]]
+            rows.append(row)
+    return settings, rows, startups
+
+
+def save(args, rows, startups, partial=False, **extra):
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"tp": args.tp, "model": args.model, "tiny": args.tiny, "layers": args.layers,
+        json.dump({**extra, "tp": args.tp, "model": args.model, "tiny": args.tiny, "layers": args.layers,
                    "mtp_step": args.mtp_step, "mtp_head": args.mtp_head if args.model == "qwen3.5" else None,
                    "decode_backend": args.decode_backend, "requests": args.requests,
                    "output_tokens": args.output_tokens, "warmup": args.warmup, "rate": args.rate, "seed": args.seed,

@@ -443,6 +443,71 @@ def test_a_stopped_run_keeps_the_points_every_server_measured(serve_load):
     assert [r["concurrency"] for r in serve_load.point_rows(args, "short", results, {})] == [2, 4]
 
 
+def _saved_run(serve_load, path, factors, off_runs=1, **changed):
+    """A saved --control run at concurrency 2, one start per factor: in start i every off_b request takes factors[i]
+    times its off twin (a start's own state), "on" as "off"; "off" measured ``off_runs`` times a start, the others
+    once (a run stopped between them)."""
+    rng = random.Random(len(factors) * 10 + off_runs)
+    results, startups = {}, []
+    for rep, factor in enumerate(factors):
+        for _ in range(off_runs):
+            samples = [rng.uniform(3.0, 9.0) for _ in range(200)]
+            for mode, f in (("on", 1.0), ("off", 1.0), ("off_b", factor)):
+                if mode != "off" and len(results.get((mode, 2), [])) > rep:
+                    continue
+                run = {"repeat": rep, "tokens_per_s": 100.0 / f, "all_complete_finite": True, "client_cpu_pct": 10.0,
+                       "ttft_samples_ms": [x * f for x in samples]}  # fmt: skip
+                results.setdefault((mode, 2), []).append(run)
+        startups += [{"workload": "short", "mode": m, "repeat": rep, "startup_s": 1.0, "summary": "-", "ranks": None,
+                      "config_files_written": [], "config_check": None} for m in ("on", "off", "off_b")]  # fmt: skip
+    settings = dict(tp=1, model="qwen3", tiny=False, layers=4, mtp_step=0, mtp_head="agree", decode_backend="triton",
+                    requests=200, output_tokens=None, warmup=None, rate=0.0, seed=0, rounds=0, control=True,
+                    compare="tuning", client_procs=None, pin_cores=False, cores_per_server=None, concurrency=[2],
+                    repeats=len(factors), out=str(path))  # fmt: skip
+    args = types.SimpleNamespace(**{**settings, **changed})
+    serve_load.save(args, serve_load.point_rows(args, "short", results, {}), startups)
+    return str(path)
+
+
+def test_merged_runs_draw_the_a_a_interval_from_every_start(serve_load, tmp_path, monkeypatch, capsys):
+    """Two device calls' runs, one start each: off_b 8 % slower in the first, 8 % faster in the second. Each alone
+    reads its 8 % as resolved; merged, their starts are numbered apart and the interval spans both."""
+    first = _saved_run(serve_load, tmp_path / "a.json", [1.08])
+    second = _saved_run(serve_load, tmp_path / "b.json", [0.92], off_runs=2)  # "off" once more than off_b
+    for path, sign in ((first, 1), (second, -1)):
+        low, high = json.loads(open(path).read())["rows"][0]["aa_ttft_pooled"]["mean"]["ci95"]
+        assert sign * low > 0 and sign * high > 0  # one start: "resolved"
+    out = tmp_path / "merged.json"
+    monkeypatch.setattr(sys, "argv", ["serve_load.py", "--merge", first, second, "--out", str(out)])
+    serve_load.main()
+    merged = json.loads(out.read_text())
+    (row,) = merged["rows"]
+    assert merged["merged_from"] == [first, second] and merged["repeats"] == 2
+    assert [s["repeat"] for s in merged["startups"]] == [0, 0, 0, 1, 1, 1]
+    # the second file's extra "off" run is left out: each start pairs its one off run with its one off_b run
+    assert {m: [r["repeat"] for r in row[m]["runs"]] for m in ("on", "off", "off_b")} == {
+        "on": [0, 1], "off": [0, 1], "off_b": [0, 1]}  # fmt: skip
+    pooled = row["aa_ttft_pooled"]
+    assert pooled["starts"] == 2 and pooled["mean"]["ci95"][0] < -5.0 and pooled["mean"]["ci95"][1] > 5.0, pooled
+    assert row["off"]["ttft_pooled"]["requests"] == 400
+    assert "A/A time to first token" in capsys.readouterr().out
+
+
+def test_runs_of_different_methods_do_not_merge(serve_load, tmp_path, monkeypatch, capsys):
+    first = _saved_run(serve_load, tmp_path / "a.json", [1.0])
+    other = _saved_run(serve_load, tmp_path / "b.json", [1.0], requests=100)
+    monkeypatch.setattr(sys, "argv", ["serve_load.py", "--merge", first, other, "--out", str(tmp_path / "m.json")])
+    with pytest.raises(SystemExit) as e:
+        serve_load.main()
+    assert e.value.code == 2 and not (tmp_path / "m.json").exists()
+    assert "--merge: file 2 has requests=100 and file 1 200; only runs of one method merge" in capsys.readouterr().err
+    (tmp_path / "bad.json").write_text("{")
+    monkeypatch.setattr(sys, "argv", ["serve_load.py", "--merge", first, str(tmp_path / "bad.json")])
+    with pytest.raises(SystemExit):
+        serve_load.main()
+    assert f"--merge {tmp_path / 'bad.json'}: cannot read a saved run" in capsys.readouterr().err
+
+
 def test_three_rounds_put_each_of_three_servers_at_every_position(serve_load):
     orders = [serve_load.round_order(["on", "off", "off_b"], r) for r in range(3)]
     assert orders == [["on", "off", "off_b"], ["off", "off_b", "on"], ["off_b", "on", "off"]]
