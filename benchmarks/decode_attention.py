@@ -363,6 +363,8 @@ def compare_runs(runs, rule="minimax_loss"):
             if frozen["kind"] != "none" or f is None:
                 continue
             for i, n in enumerate(frozen["lens"]):
+                if n not in f["lens"]:
+                    continue  # FA3 not timed at this length
                 j = f["lens"].index(n)
                 cell = cells.setdefault((frozen["shape"], frozen["B"], n), {"tuned": [], "fa3": []})
                 cell["tuned"].append(frozen["rules"][rule]["ms"][i])

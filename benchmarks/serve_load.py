@@ -528,7 +528,7 @@ def report(args, rows, startups):
         on, off, att = r["on"], r["off"], r["decode_attention"]
         att_text = f"{att['tuned_ms']:.3f}/{att['default_ms']:.3f}" if att else "-"
         step_text = "/".join("-" if x is None else f"{x:.3f}" for x in (on["decode_step_ms"], off["decode_step_ms"]))
-        ok = all(r[m]["all_complete_finite"] for m in ("on", "off", "off_b") if m in r)
+        ok = all(r[m]["all_complete_finite"] for m in MODES if m in r)
         control = f"  {r['off_b_vs_off_pct']:+11.1f}%" if args.control else ""
         print(f"{r['workload']:8s} {r['concurrency']:4d} {on['tokens_per_s']:9.0f} {off['tokens_per_s']:10.0f} "
               f"{r['on_vs_off_pct']:+9.1f}% {on['spread_pct']:8.1f}% {off['spread_pct']:10.1f}%  {step_text:>14s}"
@@ -538,7 +538,7 @@ def report(args, rows, startups):
     aa_head = "  A/A (off_b vs off): tok/s ttft50 ttft99 itl50 itl99  step   gpu" if args.control else ""
     print("workload conc  mode   ttft p50  ttft p99  itl p50  itl p99" + aa_head)
     for r in rows:
-        for mode in ("on", "off", "off_b"):
+        for mode in MODES:
             if mode not in r:
                 continue
             m = r[mode]
@@ -574,7 +574,7 @@ def report(args, rows, startups):
     )
     bound = []
     for r in rows:
-        for mode in ("on", "off", "off_b"):
+        for mode in MODES:
             if mode in r:
                 m = r[mode]
                 cells = ["-" if m[k] is None else f"{m[k]:.1f}" for k in HOST_CHECK]
@@ -590,10 +590,10 @@ def report(args, rows, startups):
     if args.mtp_step:
         print(f"\nMTP step {args.mtp_step}: draft acceptance (accepted / proposed drafts over the measured window, "
               "median over runs)")  # fmt: skip
-        print("workload conc  " + "  ".join(f"{m:>6s}" for m in ("on", "off", "off_b") if m in rows[0]))
+        print("workload conc  " + "  ".join(f"{m:>6s}" for m in MODES if m in rows[0]))
         for r in rows:
             cells = "  ".join("     -" if r[m]["acceptance"] is None else f"{r[m]['acceptance']:6.3f}"
-                              for m in ("on", "off", "off_b") if m in r)  # fmt: skip
+                              for m in MODES if m in r)  # fmt: skip
             print(f"{r['workload']:8s} {r['concurrency']:4d}  {cells}")
     for s in startups:
         ranks = s["ranks"]
@@ -646,6 +646,7 @@ def per_step_attention(kernels, concurrency, layers):
     return {"tuned_ms": tuned * layers, "default_ms": default * layers, "layers": layers}
 
 
+MODES = ("on", "off", "off_b")  # "off_b" only with --control
 REPORTED = ("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")
 # the served step (tokens/s is mostly decode batch over it) and its GPU part (the rest is the host's)
 AA_REPORTED = REPORTED + ("decode_step_ms", "decode_gpu_ms")
@@ -733,7 +734,7 @@ def point_rows(args, workload, results, kernels):
     """One row per concurrency of ``workload`` that every server has measured at least once (a stopped run keeps
     the points it finished; the A/A interval pairs the runs both have)."""
     rows = []
-    modes = ("on", "off", "off_b") if args.control else ("on", "off")
+    modes = MODES if args.control else MODES[:2]
     for conc in args.concurrency:
         if not all(results.get((mode, conc)) for mode in modes):
             continue
@@ -756,7 +757,6 @@ def point_rows(args, workload, results, kernels):
 MERGE_SAME = ("tp", "model", "tiny", "layers", "mtp_step", "mtp_head", "decode_backend", "requests", "output_tokens",
               "warmup", "rate", "seed", "rounds", "control", "compare", "client_procs", "pin_cores",
               "cores_per_server")  # fmt: skip
-MODES = ("on", "off", "off_b")
 
 
 def merge_saved(saved):

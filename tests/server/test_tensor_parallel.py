@@ -288,7 +288,7 @@ def test_a_worker_killed_while_streaming_is_named(tmp_path):
 def test_a_stopped_worker_turns_health_503_and_then_ends_the_server_naming_it(tmp_path):
     """SIGSTOP rank 1: rank 0 waits for it inside the step's collective. /health must say so (503), and past
     --tp_step_timeout_s the server must end, naming rank 1, as it does for a dead rank."""
-    proc, log_path, pid, base = _start_tp2(tmp_path, "--health_step_timeout_s", "0.5", "--tp_step_timeout_s", "6")
+    proc, log_path, pid, base = _start_tp2(tmp_path, "--health_step_timeout_s", "0.5", "--tp_step_timeout_s", "8")
     try:
         os.kill(pid, signal.SIGSTOP)
         body = {"inputs": [5, 6, 7], "parameters": {"max_new_tokens": 4}}
@@ -311,7 +311,7 @@ def test_a_stopped_worker_turns_health_503_and_then_ends_the_server_naming_it(tm
         procs.stop(proc)  # its session: rank 1 too
     text = log_path.read_text()
     assert re.search(
-        r"tensor-parallel command '\w+' not finished after --tp_step_timeout_s 6: rank 1 \(no heartbeat "
+        r"tensor-parallel command '\w+' not finished after --tp_step_timeout_s 8: rank 1 \(no heartbeat "
         r"for [\d.]+s: stopped or frozen, never received it\), so the server exits",
         text,
     ), text[-3000:]
@@ -459,16 +459,16 @@ from lightllm.server import tp
 real_init = tp.init_tp
 
 
-def init_then_short_default(*args):  # the default timeout of the groups made after the rendezvous: 1 s, not 30 min
+def init_then_short_default(*args):  # the default timeout of the groups made after the rendezvous: 2 s, not 30 min
     real_init(*args)
-    c10d.default_pg_timeout = datetime.timedelta(seconds=1)
+    c10d.default_pg_timeout = datetime.timedelta(seconds=2)
 
 
 tp.init_tp = init_then_short_default
 tp.ModelRunner = lambda args: SimpleNamespace(mtp=None)
 if __name__ == "__main__":
     runner = tp.start_tp(EngineArgs(model_dir=sys.argv[1], device="cpu"), 2)
-    time.sleep(3)  # idle: no command, the worker waits for the next one
+    time.sleep(4)  # idle: no command, the worker waits for the next one
     runner.stop()
     print("worker exit code", runner.workers.procs[0].exitcode)
 """
@@ -476,7 +476,7 @@ if __name__ == "__main__":
 
 def test_an_idle_server_keeps_its_workers_past_the_groups_default_timeout(tmp_path):
     """Idle, a worker waits for rank 0's next command in a gloo collective: the group's default timeout (30 minutes,
-    1 s here) must not end it, and with it the server, after that long without a request."""
+    2 s here) must not end it, and with it the server, after that long without a request."""
     code, out = _run_script(tmp_path, _IDLE, tmp_path)
     assert code == 0, out
     assert "worker exit code 0" in out and "Traceback" not in out, out
