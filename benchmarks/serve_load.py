@@ -20,7 +20,8 @@ With MTP on, each point also reports the draft acceptance (the server's spec-dec
 ``--compare overlap`` makes "on" and "off" differ in overlapped decode instead: every server runs the configs the
 first "on" start tuned, and "off" (and "off_b") start with ``--disable_overlap_schedule``.
 With ``--rounds K`` (a multiple of the server count) the servers of a repeat run side by side (each with a KV pool
-of its own, a quarter over what the largest concurrency fills) and each point is K rounds, every server getting
+of its own, a quarter over what the largest concurrency fills; started together, after the tuning start came up
+alone) and each point is K rounds, every server getting
 ``--requests`` requests per round in a rotating order, on a fresh schedule per round: a drift of the machine over
 minutes then reaches every server alike instead of whichever one ran during it. Every point and round has its own
 schedule (seeded), so no load meets its prompts in a server's prefix cache.
@@ -136,24 +137,18 @@ def config_check(mode, written):
 
 
 def start_server(model_dir, tp, level, config_dir, max_batch, max_len, log_path, flags=(), cores=None):
-    """One server sized for the largest concurrency; its stderr (the start-up summary) goes to ``log_path``.
-    ``cores``: the CPU cores it and every process it starts may run on (inherited by its children)."""
+    """Spawn one server sized for the largest concurrency, its stderr (the start-up summary) into ``log_path``;
+    ``(proc, base url)``, not yet answering (``wait_healthy``). ``cores``: the CPU cores it and every process it
+    starts may run on (inherited by its children)."""
     port = free_port()
     env = {**os.environ, "LIGHTLLM_TRITON_AUTOTUNE_LEVEL": str(level), "LIGHTLLM_AUTOTUNE_CONFIG_DIR": config_dir}
     cmd = [sys.executable, "-m", "lightllm.server.api_server", "--model_dir", model_dir, "--port", str(port),
            "--tp", str(tp), "--running_max_req_size", str(max_batch), "--graph_max_batch_size", str(max_batch),
            "--max_req_total_len", str(max_len), "--graph_max_len_in_batch", str(max_len),
            "--batch_max_tokens", "16384", *flags]  # fmt: skip
-    t0 = time.perf_counter()
     with open(log_path, "w") as log:
         proc = procs.start(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, **pin_kwargs(cores))
-    base = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(proc, base, hint=f"see {log_path}")
-    except BaseException:
-        procs.stop(proc)
-        raise
-    return proc, base, time.perf_counter() - t0
+    return proc, f"http://127.0.0.1:{port}"
 
 
 def decode_attention_kernels() -> set:
@@ -205,9 +200,9 @@ def workload_shape(args, workload):
 
 
 def launch(args, model, workload, cfg, mode, rep, flags, position=0):
-    """Start one server of ``mode``, the ``position``-th of its repeat (``--pin-cores``: its cores); ``(proc, base,
-    start record, its config dir's snapshot)``. The first "on" start tunes (level 1, empty config dir) and "off"
-    starts from its files minus decode attention's."""
+    """Spawn one server of ``mode``, the ``position``-th of its repeat (``--pin-cores``: its cores); ``(proc, base,
+    start record, its config dir's snapshot)``, the server not yet answering (``finish_start``). The first "on"
+    start tunes (level 1, empty config dir) and "off" starts from its files minus decode attention's."""
     prompt_len, out_len = workload_shape(args, workload)
     max_len = prompt_len + out_len + 64
     level = 1 if (mode, rep) == ("on", 0) else 0
@@ -219,16 +214,33 @@ def launch(args, model, workload, cfg, mode, rep, flags, position=0):
     if args.rounds:  # side by side on one GPU: each server a KV pool of its own, not 90 % of the device
         sizing += ["--max_total_token_num", str(side_by_side_pool(max(args.concurrency), max_len, args.mtp_step))]
     cores = args.server_cores[position] if args.server_cores else None
-    proc, base, seconds = start_server(model, args.tp, level, cfg[mode], max(args.concurrency), max_len, log_path,
-                                       sizing, cores)  # fmt: skip
-    start = {"workload": workload, "mode": mode, "repeat": rep, "startup_s": seconds,
-             "cores": None if cores is None else sorted(cores)}  # fmt: skip
-    try:
-        start.update(summary=startup_summary(log_path), ranks=rank_agreement(log_path))
-    except BaseException:
-        procs.stop(proc)
-        raise
+    t0 = time.perf_counter()
+    proc, base = start_server(model, args.tp, level, cfg[mode], max(args.concurrency), max_len, log_path, sizing,
+                              cores)  # fmt: skip
+    start = {"workload": workload, "mode": mode, "repeat": rep, "cores": None if cores is None else sorted(cores),
+             "log": log_path, "t0": t0}  # fmt: skip
     return proc, base, start, before
+
+
+def finish_start(proc, base, start):
+    """Wait until the spawned server answers, then complete its start record: seconds from spawn to healthy (the
+    servers of one batch started together, so each one's includes its share of the machine), the runner's summary,
+    the ranks' agreement."""
+    log_path = start.pop("log")
+    wait_healthy(proc, base, hint=f"see {log_path}")
+    start["startup_s"] = time.perf_counter() - start.pop("t0")
+    start.update(summary=startup_summary(log_path), ranks=rank_agreement(log_path))
+
+
+def start_batches(modes, positions, rep):
+    """The servers of a repeat in the groups that start together: the tuning start ("on" at repeat 0) alone, so its
+    search times kernels on an otherwise idle machine and the "off" start copies the files it wrote; every other
+    server of the repeat at once (side by side they are all up and idle before the first load, so starting them
+    together changes nothing measured and saves a start's time per server)."""
+    pairs = list(zip(positions, modes))
+    tuning = [(position, mode) for position, mode in pairs if (mode, rep) == ("on", 0)]
+    rest = [pair for pair in pairs if pair not in tuning]
+    return [batch for batch in (tuning, rest) if batch]
 
 
 def run_load(args, base, workload, vocab, conc, n, seed, rate=0.0):
@@ -257,13 +269,17 @@ def run_servers(args, model, workload, vocab, cfg, rep, flags, results, startups
     a time; the others wait idle."""
     alive = []
     try:
-        for position, mode in zip(positions, modes):
-            proc, base, start, before = launch(args, model, workload, cfg, mode, rep, flags, position)
-            alive.append((mode, proc, base, start, before))
-            startups.append(start)
-            # announced only once recorded: a stop that follows the line (a test's SIGTERM) stops this server and
-            # saves this start
-            print(json.dumps(start), flush=True)
+        for batch in start_batches(modes, positions, rep):
+            spawned = []
+            for position, mode in batch:
+                spawned.append((mode, *launch(args, model, workload, cfg, mode, rep, flags, position)))
+                alive.append(spawned[-1])  # stopped by the finally below, answering or not
+            for _, proc, base, start, _ in spawned:
+                finish_start(proc, base, start)
+                startups.append(start)
+                # announced only once recorded: a stop that follows the line (a test's SIGTERM) stops this server
+                # and saves this start
+                print(json.dumps(start), flush=True)
         bases = {mode: base for mode, _, base, _, _ in alive}
         for ci, conc in enumerate(args.concurrency):
             warm = conc * 2 if args.warmup is None else args.warmup  # on its own schedule, nothing of it counted

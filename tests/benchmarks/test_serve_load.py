@@ -1,5 +1,6 @@
 """serve_load's plan and its reading of the tuned files (the GPU run itself is a benchmark, not a test)."""
 
+import argparse
 import importlib.util
 import json
 import os
@@ -510,6 +511,46 @@ def test_three_rounds_put_each_of_three_servers_at_every_position(serve_load):
     orders = [serve_load.round_order(["on", "off", "off_b"], r) for r in range(3)]
     assert orders == [["on", "off", "off_b"], ["off", "off_b", "on"], ["off_b", "on", "off"]]
     assert serve_load.round_order(["on", "off", "off_b"], 3) == orders[0]  # then it starts over
+
+
+@pytest.mark.parametrize("rep", [0, 1])
+def test_side_by_side_servers_start_together_after_the_tuning_start(serve_load, monkeypatch, rep):
+    """With --rounds the tuning start ("on" at repeat 0) comes up alone first; the other servers are all spawned
+    before any is waited for. A server that never answers stops every server spawned with it."""
+    events = []
+
+    def launch(args, model, workload, cfg, mode, rep, flags, position=0):
+        events.append(("spawn", mode))
+        return mode, f"http://{mode}", {"mode": mode, "repeat": rep}, {}
+
+    def finish_start(proc, base, start):
+        events.append(("ready", proc))
+        if proc == "off_b" and rep == 1:
+            raise RuntimeError("off_b never answered")
+
+    monkeypatch.setattr(serve_load, "launch", launch)
+    monkeypatch.setattr(serve_load, "finish_start", finish_start)
+    monkeypatch.setattr(serve_load, "run_load", lambda *a, **k: {"tokens_per_s": 1.0})
+    stopped = []
+    monkeypatch.setattr(serve_load, "stop_all", lambda alive, cfg: stopped.extend(m for m, *_ in alive))
+    args = argparse.Namespace(concurrency=[2], warmup=0, rounds=3, server_cores=None, requests=1, seed=0, rate=0.0)
+    modes = serve_load.start_order(rep, True)
+    startups, results = [], {}
+
+    def run():
+        serve_load.run_servers(args, "model", "short", 8, {}, rep, [], results, startups, modes, [0, 1, 2])
+
+    if rep == 0:
+        run()
+        assert events == [("spawn", "on"), ("ready", "on"), ("spawn", "off"), ("spawn", "off_b"), ("ready", "off"),
+                          ("ready", "off_b")]  # fmt: skip
+        assert [s["mode"] for s in startups] == ["on", "off", "off_b"] and len(results[("off_b", 2)]) == 3
+    else:
+        with pytest.raises(RuntimeError, match="off_b never answered"):
+            run()
+        assert [e for e, _ in events] == ["spawn"] * 3 + ["ready"] * 2  # nothing tunes: all three at once
+        assert sorted(stopped) == ["off", "off_b", "on"] and not results
+    assert sorted(stopped) == ["off", "off_b", "on"]
 
 
 def test_output_tokens_below_two_is_a_one_line_error(tmp_path):
