@@ -18,7 +18,9 @@ noise. Every start records the config files it wrote under its config dir: an "o
 failure is printed loudly and kept in the JSON, the run goes on); the tuning start's list is the expected set.
 With MTP on, each point also reports the draft acceptance (the server's spec-decode counters over the window).
 ``--compare overlap`` makes "on" and "off" differ in overlapped decode instead: every server runs the configs the
-first "on" start tuned, and "off" (and "off_b") start with ``--disable_overlap_schedule``.
+first "on" start tuned, and "off" (and "off_b") start with ``--disable_overlap_schedule``. ``--compare none`` starts
+them alike (level 0, one config dir, nothing tuned): "on" vs "off" is then an A/A pair, the method's noise with two
+servers instead of ``--control``'s three.
 With ``--rounds K`` (a multiple of the server count) the servers of a repeat run side by side (each with a KV pool
 of its own, a quarter over what the largest concurrency fills; started together, after the tuning start came up
 alone) and each point is K rounds, every server getting
@@ -38,6 +40,9 @@ schedule (seeded), so no load meets its prompts in a server's prefix cache.
     python benchmarks/serve_load.py --tiny --model qwen3.5 --mtp-step 2 --concurrency 2   # the same on a CPU
     # overlapped decode on vs off, side by side, with an A/A pair
     python benchmarks/serve_load.py --compare overlap --workloads short --repeats 1 --rounds 6 --control --pin-cores
+    # an A/A pair alone, many starts: two identical servers side by side (--merge several such calls)
+    python benchmarks/serve_load.py --compare none --workloads short --concurrency 64 --repeats 8 --rounds 2 \
+        --requests 192 --rate 60 --pin-cores
     # more server starts than one call holds: the same command per call, then its files as one run
     python benchmarks/serve_load.py --merge call1.json call2.json call3.json --out merged.json
 """
@@ -205,7 +210,7 @@ def launch(args, model, workload, cfg, mode, rep, flags, position=0):
     start tunes (level 1, empty config dir) and "off" starts from its files minus decode attention's."""
     prompt_len, out_len = workload_shape(args, workload)
     max_len = prompt_len + out_len + 64
-    level = 1 if (mode, rep) == ("on", 0) else 0
+    level = 1 if tunes(args, mode, rep) else 0
     if (mode, rep) == ("off", 0) and args.compare == "tuning":
         copy_without_decode_attention(cfg["on"], cfg["off"])
     log_path = os.path.join(args.log_dir, f"server_tp{args.tp}_{workload}_{mode}{rep}.log")
@@ -232,13 +237,25 @@ def finish_start(proc, base, start):
     start.update(summary=startup_summary(log_path), ranks=rank_agreement(log_path))
 
 
-def start_batches(modes, positions, rep):
+def tunes(args, mode, rep):
+    """Whether this start searches (level 1, an empty config dir): the first "on" start, unless on and off start
+    alike (``--compare none``)."""
+    return (mode, rep) == ("on", 0) and args.compare != "none"
+
+
+def aa_pair(args):
+    """The two modes whose difference is the method's own noise: ``--control``'s "off_b" vs "off", or with
+    ``--compare none`` "on" vs "off" (started alike); None when the run has no such pair."""
+    return ("off", "off_b") if args.control else ("off", "on") if args.compare == "none" else None
+
+
+def start_batches(args, modes, positions, rep):
     """The servers of a repeat in the groups that start together: the tuning start ("on" at repeat 0) alone, so its
     search times kernels on an otherwise idle machine and the "off" start copies the files it wrote; every other
     server of the repeat at once (side by side they are all up and idle before the first load, so starting them
     together changes nothing measured and saves a start's time per server)."""
     pairs = list(zip(positions, modes))
-    tuning = [(position, mode) for position, mode in pairs if (mode, rep) == ("on", 0)]
+    tuning = [(position, mode) for position, mode in pairs if tunes(args, mode, rep)]
     rest = [pair for pair in pairs if pair not in tuning]
     return [batch for batch in (tuning, rest) if batch]
 
@@ -269,7 +286,7 @@ def run_servers(args, model, workload, vocab, cfg, rep, flags, results, startups
     a time; the others wait idle."""
     alive = []
     try:
-        for batch in start_batches(modes, positions, rep):
+        for batch in start_batches(args, modes, positions, rep):
             spawned = []
             for position, mode in batch:
                 spawned.append((mode, *launch(args, model, workload, cfg, mode, rep, flags, position)))
@@ -427,9 +444,10 @@ def main():
     p.add_argument("--merge", nargs="+", metavar="JSON", help="saved runs of one method (other device calls' server "
                    "starts) as one run written to --out: every point's runs together, starts renumbered, the tables "
                    "and the A/A interval over all of them; nothing is started")  # fmt: skip
-    p.add_argument("--compare", default="tuning", choices=("tuning", "overlap"), help="what 'on' and 'off' differ "
-                   "in: decode-attention tuning (default), or overlapped decode ('off' starts with "
-                   "--disable_overlap_schedule; all run the configs the first 'on' start tuned)")  # fmt: skip
+    p.add_argument("--compare", default="tuning", choices=("tuning", "overlap", "none"), help="what 'on' and 'off' "
+                   "differ in: decode-attention tuning (default), overlapped decode ('off' starts with "
+                   "--disable_overlap_schedule; all run the configs the first 'on' start tuned), or nothing (none: "
+                   "an A/A pair of two servers started alike, level 0, nothing tuned)")  # fmt: skip
     p.add_argument("--tiny", action="store_true", help="the built-in tiny model instead (a CPU check of the method)")
     p.add_argument("--model", default="qwen3", choices=MODELS, help="qwen3: Qwen3-8B widths; qwen3.5: Qwen3.5-27B "
                    "widths, --layers a multiple of 4 (3 linear + 1 full attention each), with an MTP head")  # fmt: skip
@@ -511,7 +529,7 @@ def main():
             # noise floor an on-vs-off difference must clear before decode attention can be blamed for it.
             with tempfile.TemporaryDirectory() as cfg_on, tempfile.TemporaryDirectory() as cfg_off:
                 cfg = {"on": cfg_on, "off": cfg_off, "off_b": cfg_off}
-                if args.compare == "overlap":  # the same configs for all: only overlapped decode differs
+                if args.compare != "tuning":  # the same configs for all: only overlapped decode differs, or nothing
                     cfg = {"on": cfg_on, "off": cfg_on, "off_b": cfg_on}
                 try:
                     for rep in range(args.repeats):
@@ -551,7 +569,9 @@ def report(args, rows, startups):
               f"  {att_text:>12s}"
               f"{control}  {ok}")  # fmt: skip
     print("\nlatency as the client sees it (ms, median over runs): time to first token and inter-token, p50 / p99")
-    aa_head = "  A/A (off_b vs off): tok/s ttft50 ttft99 itl50 itl99  step   gpu" if args.control else ""
+    pair = aa_pair(args)
+    aa_name = pair and f"{pair[1]} vs {pair[0]}"
+    aa_head = f"  A/A ({aa_name}): tok/s ttft50 ttft99 itl50 itl99  step   gpu" if pair else ""
     print("workload conc  mode   ttft p50  ttft p99  itl p50  itl p99" + aa_head)
     for r in rows:
         for mode in MODES:
@@ -560,14 +580,14 @@ def report(args, rows, startups):
             m = r[mode]
             cells = " ".join("       -" if m[k] is None else f"{m[k]:8.2f}" for k in REPORTED[1:])
             aa = ""
-            if mode == "off_b":
+            if pair and mode == pair[1]:
                 aa = "  " + " ".join(
                     "     -" if r["aa_pct"][k] is None else f"{r['aa_pct'][k]:+5.1f}%" for k in AA_REPORTED
                 )
             print(f"{r['workload']:8s} {r['concurrency']:4d}  {mode:5s} {cells}{aa}")
-    if args.control:
+    if pair:
         print("\nA/A time to first token with every measured request of a point pooled (its runs' requests together):"
-              " off_b vs off, and the 95 % bootstrap interval (server starts resampled, then rounds within each, then"
+              f" {aa_name}, and the 95 % bootstrap interval (server starts resampled, then rounds within each, then"
               " requests within each run; with one start per server the interval cannot hold how starts differ)"
               )  # fmt: skip
         print("workload conc  starts  requests  p50                       p99                       mean")
@@ -760,11 +780,14 @@ def point_rows(args, workload, results, kernels):
                # the Qwen3 graph's one kernel per layer; Qwen3.5 mixes kernels per step (left out)
                "decode_attention": per_step_attention(kernels, conc, args.layers)
                if args.model == "qwen3" else None}  # fmt: skip
-        if args.control:  # the A/A difference of every reported number at this point
+        if args.control:
             off_b = row["off_b"] = summarize(results["off_b", conc])
             row["off_b_vs_off_pct"] = (off_b["tokens_per_s"] / off["tokens_per_s"] - 1) * 100
-            row["aa_pct"] = {k: pct(off_b[k], off[k]) for k in AA_REPORTED}
-            row["aa_ttft_pooled"] = aa_ttft_interval(results["off", conc], results["off_b", conc])
+        pair = aa_pair(args)
+        if pair:  # the A/A difference of every reported number at this point
+            a, b = (row[m] for m in pair)
+            row["aa_pct"] = {k: pct(b[k], a[k]) for k in AA_REPORTED}
+            row["aa_ttft_pooled"] = aa_ttft_interval(results[pair[0], conc], results[pair[1], conc])
         rows.append(row)
     return rows
 

@@ -436,12 +436,32 @@ def test_a_stopped_run_keeps_the_points_every_server_measured(serve_load):
 
     results = {(mode, 2): [run(100.0, 5.0), run(110.0, 6.0)] for mode in ("on", "off", "off_b")}
     results.update({("on", 4): [run(200.0, 5.0)], ("off", 4): [run(190.0, 5.0)]})
-    args = types.SimpleNamespace(control=True, concurrency=[2, 4], tp=1, model="qwen3", layers=4)
+    args = types.SimpleNamespace(control=True, compare="tuning", concurrency=[2, 4], tp=1, model="qwen3", layers=4)
     rows = serve_load.point_rows(args, "short", results, {})
     assert [r["concurrency"] for r in rows] == [2]
     assert rows[0]["on"]["tokens_per_s"] == 105.0 and rows[0]["aa_ttft_pooled"]["mean"]["pct"] == 0.0
     args.control = False  # without the A/A server, 4 is whole
     assert [r["concurrency"] for r in serve_load.point_rows(args, "short", results, {})] == [2, 4]
+
+
+def test_compare_none_makes_on_and_off_the_a_a_pair(serve_load):
+    """Two servers started alike: their difference is reported as the A/A (every number and the pooled interval);
+    with --control the A/A stays off_b vs off."""
+
+    def run(tps, ttft):
+        return {"tokens_per_s": tps, "all_complete_finite": True, "ttft_samples_ms": [ttft, ttft + 1.0, ttft + 2.0]}
+
+    results = {("on", 2): [run(110.0, 6.0)], ("off", 2): [run(100.0, 5.0)], ("off_b", 2): [run(100.0, 5.0)]}
+    args = types.SimpleNamespace(control=False, compare="none", concurrency=[2], tp=1, model="qwen3", layers=4)
+    (row,) = serve_load.point_rows(args, "short", results, {})
+    assert "off_b" not in row and row["aa_pct"]["tokens_per_s"] == pytest.approx(10.0)
+    assert row["aa_ttft_pooled"]["p50"]["pct"] == pytest.approx(100 * (7.0 / 6.0 - 1))
+    args.control = True
+    (row,) = serve_load.point_rows(args, "short", results, {})
+    assert row["aa_pct"]["tokens_per_s"] == 0.0 and row["aa_ttft_pooled"]["p50"]["pct"] == 0.0
+    args.control, args.compare = False, "tuning"  # on and off differ: no A/A pair
+    (row,) = serve_load.point_rows(args, "short", results, {})
+    assert "aa_pct" not in row and "aa_ttft_pooled" not in row
 
 
 def _saved_run(serve_load, path, factors, off_runs=1, **changed):
@@ -533,7 +553,9 @@ def test_side_by_side_servers_start_together_after_the_tuning_start(serve_load, 
     monkeypatch.setattr(serve_load, "run_load", lambda *a, **k: {"tokens_per_s": 1.0})
     stopped = []
     monkeypatch.setattr(serve_load, "stop_all", lambda alive, cfg: stopped.extend(m for m, *_ in alive))
-    args = argparse.Namespace(concurrency=[2], warmup=0, rounds=3, server_cores=None, requests=1, seed=0, rate=0.0)
+    args = argparse.Namespace(
+        compare="tuning", concurrency=[2], warmup=0, rounds=3, server_cores=None, requests=1, seed=0, rate=0.0
+    )
     modes = serve_load.start_order(rep, True)
     startups, results = [], {}
 
@@ -810,13 +832,14 @@ def test_mtp_matrix_runs_end_to_end_on_the_tiny_qwen3_5(tmp_path):
             assert f" {arg} " in log, arg
 
 
-@pytest.mark.parametrize("compare", ["tuning", "overlap"])
+@pytest.mark.parametrize("compare", ["tuning", "overlap", "none"])
 def test_on_and_off_differ_in_what_compare_names(serve_load, monkeypatch, tmp_path, compare):
     """tuning: "off" runs the tuned configs less decode attention's, from a config dir of its own; overlap: every
-    server runs the "on" start's configs and "off" / "off_b" decode synchronously (--disable_overlap_schedule)."""
+    server runs the "on" start's configs and "off" / "off_b" decode synchronously (--disable_overlap_schedule);
+    none: every server starts alike, nothing tuned."""
     started, copied = [], []
     monkeypatch.setattr(serve_load, "start_server", lambda model, tp, level, cfg_dir, mb, ml, log, flags, cores:
-                        started.append((level, cfg_dir, list(flags))) or (None, "http://x", 1.0))  # fmt: skip
+                        started.append((level, cfg_dir, list(flags))) or (None, "http://x"))  # fmt: skip
     monkeypatch.setattr(serve_load, "copy_without_decode_attention", lambda src, dst: copied.append((src, dst)))
     monkeypatch.setattr(serve_load, "startup_summary", lambda log: {})
     monkeypatch.setattr(serve_load, "rank_agreement", lambda log: {})
@@ -824,11 +847,16 @@ def test_on_and_off_differ_in_what_compare_names(serve_load, monkeypatch, tmp_pa
                                  mtp_step=0, output_tokens=None, compare=compare))()  # fmt: skip
     on_dir, off_dir = str(tmp_path / "on"), str(tmp_path / "off")
     cfg = {"on": on_dir, "off": off_dir, "off_b": off_dir}
-    if compare == "overlap":
+    if compare != "tuning":
         cfg = {"on": on_dir, "off": on_dir, "off_b": on_dir}
     for mode in ("on", "off", "off_b"):
         serve_load.launch(args, "model", "short", cfg, mode, 0, ["--x"])
     on, off, off_b = started
+    if compare == "none":  # an A/A pair (and a third with --control): all alike, all start together
+        assert on == off == off_b == (0, on_dir, ["--x"]) and copied == []
+        together = [(0, "on"), (1, "off"), (2, "off_b")]
+        assert serve_load.start_batches(args, ["on", "off", "off_b"], [0, 1, 2], 0) == [together]
+        return
     assert on == (1, on_dir, ["--x"])  # the first "on" start tunes
     if compare == "tuning":
         assert off == off_b == (0, off_dir, ["--x"]) and copied == [(on_dir, off_dir)]
