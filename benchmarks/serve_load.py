@@ -638,7 +638,7 @@ def report(args, rows, startups):
             else f"; RANKS DISAGREE on {ranks['differing_keys']} keys")  # fmt: skip
         print(f"start-up {s['workload']} {s['mode']}{s['repeat']}: {s['startup_s']:.1f}s ({s['summary']}){agreement}; "
               f"wrote {len(s['config_files_written'])} config files")  # fmt: skip
-    for workload, files in tuned_config_files(startups).items():
+    for workload, files in tuned_config_files(startups).items() if args.compare != "none" else ():
         print(f"\nconfig files the tuning start wrote ({workload}, {len(files)}):")
         print("\n".join(f"  {f}" for f in files) or "  (none)")
     for s in startups:
