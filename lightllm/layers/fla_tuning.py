@@ -90,10 +90,12 @@ def write_configs(entries: Dict[str, List[dict]], folder: Path) -> List[Path]:
         path = folder / f"{name}.json"
         data = {"kernel_name": name, "autotune_entries": {}}
         if path.exists():
+            text = path.read_text()
             try:
-                data = json.loads(path.read_text())
+                data = json.loads(text)
             except ValueError as e:
-                data = e
+                raise ValueError(f"{path} expected fla-core's config JSON to merge into, got invalid JSON ({e}); "
+                                 "fix or remove it") from None  # fmt: skip
             if not isinstance(data, dict) or not isinstance(data.get("autotune_entries"), dict):
                 raise ValueError(f"{path} expected fla-core's config JSON with 'autotune_entries' to merge into, "
                                  f"got {data!r:.200}; fix or remove it")  # fmt: skip

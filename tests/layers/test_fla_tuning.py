@@ -84,11 +84,13 @@ def test_every_shipped_config_is_what_fla_core_finds_for_its_key():
     assert all(set(c) == {"kwargs", "num_warps", "num_ctas", "num_stages", "maxnreg"} for c in want)
 
 
-def test_a_file_it_cannot_merge_into_is_named(tmp_path):
-    (tmp_path / "chunk_fwd_kernel_o.json").write_text("[1, 2]")
-    with pytest.raises(ValueError, match=r"chunk_fwd_kernel_o.json expected fla-core's config JSON .*fix or remove"):
+@pytest.mark.parametrize("content, says", [("[1, 2]", r"'autotune_entries'.*got \[1, 2\]"),
+                                           ('{"kernel_name": ', "invalid JSON")])  # fmt: skip
+def test_a_file_it_cannot_merge_into_is_named(tmp_path, content, says):
+    (tmp_path / "chunk_fwd_kernel_o.json").write_text(content)
+    with pytest.raises(ValueError, match=rf"chunk_fwd_kernel_o.json expected fla-core's config JSON.*{says}.*fix or"):
         fla_tuning.write_configs(fla_tuning.parse_autotune_log(LOG), tmp_path)
-    assert (tmp_path / "chunk_fwd_kernel_o.json").read_text() == "[1, 2]"  # left as it was
+    assert (tmp_path / "chunk_fwd_kernel_o.json").read_text() == content  # left as it was
 
 
 def test_a_line_it_cannot_read_is_named():
