@@ -207,7 +207,8 @@ def workload_shape(args, workload):
 def launch(args, model, workload, cfg, mode, rep, flags, position=0):
     """Spawn one server of ``mode``, the ``position``-th of its repeat (``--pin-cores``: its cores); ``(proc, base,
     start record, its config dir's snapshot)``, the server not yet answering (``finish_start``). The first "on"
-    start tunes (level 1, empty config dir) and "off" starts from its files minus decode attention's."""
+    start tunes (level 1, empty config dir; not with ``--compare none``) and "off" starts from its files minus decode
+    attention's."""
     prompt_len, out_len = workload_shape(args, workload)
     max_len = prompt_len + out_len + 64
     level = 1 if tunes(args, mode, rep) else 0
