@@ -90,9 +90,8 @@ def write_configs(entries: Dict[str, List[dict]], folder: Path) -> List[Path]:
         path = folder / f"{name}.json"
         data = {"kernel_name": name, "autotune_entries": {}}
         if path.exists():
-            text = path.read_text()
             try:
-                data = json.loads(text)
+                data = json.loads(path.read_text())
             except ValueError as e:
                 raise ValueError(f"{path} expected fla-core's config JSON to merge into, got invalid JSON ({e}); "
                                  "fix or remove it") from None  # fmt: skip
