@@ -525,9 +525,15 @@ def main():
     if args.runs:
         runs = []
         for path in args.runs:
-            with open(path) as f:
-                runs.append(json.load(f))
-        entries = compare_runs(runs)
+            try:
+                with open(path) as f:
+                    runs.append(json.load(f))
+            except (OSError, ValueError) as e:
+                p.error(f"--runs {path}: cannot read a saved run: {e}")
+        try:
+            entries = compare_runs(runs)
+        except (KeyError, TypeError, AttributeError) as e:
+            p.error(f"--runs: not a saved decode_attention.py run ({e!r} missing)")
         if not entries:
             sys.exit(f"--runs: no cell has Triton's frozen config and FA3's splits in every one of {args.runs}")
         save_json({"device": runs[0].get("device"), "sources": args.runs, "cells": entries}, args.out)

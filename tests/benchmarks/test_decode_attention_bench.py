@@ -140,3 +140,16 @@ def test_runs_from_the_command_line(bench, monkeypatch, tmp_path, capsys):
     assert "over FA3's best num_splits, 2 runs" in out
     assert "hq32-hk8-d128     16  32768 |  0.556  0.556 |  0.556 |  0.556 (1)" in out
     assert len(json.loads((tmp_path / "out.json").read_text())["cells"]) == len(LENS)
+
+
+@pytest.mark.parametrize("content, says", [(None, "cannot read a saved run"), ("{", "cannot read a saved run"),
+                                           ("{}", "not a saved decode_attention.py run")])  # fmt: skip
+def test_runs_that_cannot_be_read_are_one_line_errors(bench, monkeypatch, tmp_path, capsys, content, says):
+    path = tmp_path / "run.json"
+    if content is not None:
+        path.write_text(content)
+    monkeypatch.setattr("sys.argv", ["decode_attention.py", "--runs", str(path), "--out", str(tmp_path / "o.json")])
+    with pytest.raises(SystemExit) as stop:
+        bench.main()
+    assert stop.value.code == 2 and says in capsys.readouterr().err
+    assert not (tmp_path / "o.json").exists()
