@@ -1,13 +1,11 @@
 """What the GPU benchmarks share around their measurement: writing results as JSON (partial results too, so a
-time limit keeps what finished) and the entry that either measures (a GPU, or Triton's interpreter with
-``--dry-run``) or re-prints a saved run (``--analyze``)."""
+time limit keeps what finished), reading saved runs back, and the entry that either measures (a GPU, or Triton's
+interpreter with ``--dry-run``) or re-prints a saved run (``--analyze``)."""
 
 import json
 import os
 import sys
-from typing import Callable
-
-import torch
+from typing import Callable, List
 
 
 def save_json(results, path: str) -> None:
@@ -16,8 +14,23 @@ def save_json(results, path: str) -> None:
         json.dump(results, f, default=str)
 
 
+def read_saved_runs(parser, flag: str, paths: List[str]) -> list:
+    """The JSON of each saved run in ``paths`` (a flag's files); one that cannot be read is ``parser``'s one-line
+    error naming ``flag`` and the file."""
+    runs = []
+    for path in paths:
+        try:
+            with open(path) as f:
+                runs.append(json.load(f))
+        except (OSError, ValueError) as e:
+            parser.error(f"{flag} {path}: cannot read a saved run: {e}")
+    return runs
+
+
 def measure_or_analyze(args, name: str, run: Callable, analyze: Callable, print_table: Callable) -> None:
     """``run(args)`` (or the saved run of ``--analyze``), then its ``analyze`` rows saved beside it and printed."""
+    import torch  # here, not at import: scripts that only read saved runs do without it
+
     if args.analyze:
         with open(args.analyze) as f:
             results = json.load(f)

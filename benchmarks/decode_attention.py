@@ -48,7 +48,7 @@ import torch
 import triton
 
 from bandwidth import copy_gbs
-from bench_io import save_json
+from bench_io import read_saved_runs, save_json
 from decode_attention_buckets import (
     analyze_buckets,
     analyze_level0,
@@ -523,13 +523,7 @@ def main():
     p.add_argument("--out", default="benchmarks/results/decode_attention.json")
     args = p.parse_args()
     if args.runs:
-        runs = []
-        for path in args.runs:
-            try:
-                with open(path) as f:
-                    runs.append(json.load(f))
-            except (OSError, ValueError) as e:
-                p.error(f"--runs {path}: cannot read a saved run: {e}")
+        runs = read_saved_runs(p, "--runs", args.runs)
         try:
             entries = compare_runs(runs)
         except (KeyError, TypeError, AttributeError) as e:

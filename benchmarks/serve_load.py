@@ -64,6 +64,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # its sibling modules, however it is loaded
+from bench_io import read_saved_runs  # noqa: E402
 from load_client import auto_client_procs, load, percentile  # noqa: E402
 
 from lightllm.common import proc as procs  # noqa: E402
@@ -461,13 +462,7 @@ def main():
                    "qwen3.5, triton for qwen3)")  # fmt: skip
     args = p.parse_args()
     if args.merge:
-        saved = []
-        for path in args.merge:
-            try:
-                with open(path) as f:
-                    saved.append(json.load(f))
-            except (OSError, ValueError) as e:
-                p.error(f"--merge {path}: cannot read a saved run: {e}")
+        saved = read_saved_runs(p, "--merge", args.merge)
         try:
             merged, rows, startups = merge_saved(saved)
         except (KeyError, TypeError, ValueError) as e:
