@@ -7,7 +7,8 @@ shrinks to the gaps between reads of a backlog) and its next request goes out la
 the concurrency). One Python process can fall behind a 64-stream load of a fast model, so ``client_procs`` splits the
 schedule over that many processes (request i goes to process i mod ``client_procs``, each with its share of the
 concurrency) and every load reports the busiest client process's CPU share (``client_cpu_pct``) and the engine's busy
-share of the wall time (``engine_busy_pct``); a client near 100 % flags a measurement of the client.
+share of the wall time (``engine_busy_pct``); a client near 100 % flags a measurement of the client. The server's
+HTTP and engine processes' CPU shares (``http_cpu_pct``, ``engine_cpu_pct``) say the same of the server's host side.
 """
 
 import asyncio
@@ -26,6 +27,8 @@ SPEC_COUNTERS = {"lightllm_spec_decode_num_draft_tokens": "draft_tokens",
                  "lightllm_spec_decode_num_accepted_tokens": "accepted_tokens"}  # fmt: skip
 TTFT_FAMILY = "lightllm_time_to_first_token_seconds"
 MESSAGE_FAMILY = "lightllm_engine_message_delay_seconds"  # the engine process -> HTTP process hop of each step
+# the server's processes' CPU time (prometheus_client's process collectors): their busy share of a core over a load
+CPU_COUNTERS = {"process_cpu_seconds": "http_cpu_pct", "lightllm_engine_process_cpu_seconds": "engine_cpu_pct"}
 _START_MARGIN_S = 0.2  # client processes are told to start this far ahead, so they start together
 _START_TIMEOUT_S = 120.0  # for every client process to import this module (a busy CI machine included)
 _POLL_S = 0.05  # how often a split load looks whether its client processes are done
@@ -197,7 +200,8 @@ async def load(base, n, concurrency, prompt_len, out_len, vocab, seed=0, rate=0.
             shards = result.get()
     # from the first clock's start: the connections opened before it are not part of the load
     seconds = max(s["end"] for s in shards) - min(s["start"] for s in shards)
-    steps = step_stats(before, await engine_steps(base))
+    after = await engine_steps(base)
+    steps = step_stats(before, after)
     results = [r for s in shards for r in s["results"]]
     tokens = sum(r[0] for r in results)
     ok = all(count == out_len and finite for count, finite, *_ in results)
@@ -215,7 +219,7 @@ async def load(base, n, concurrency, prompt_len, out_len, vocab, seed=0, rate=0.
     return {"output_tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "all_complete_finite": ok,
             **latency, "client_procs": client_procs,
             "client_cpu_pct": max(s["cpu_s"] / s["busy_s"] for s in shards) * 100,
-            "engine_busy_pct": busy / seconds * 100, **steps}  # fmt: skip
+            "engine_busy_pct": busy / seconds * 100, **cpu_shares(before, after, seconds), **steps}  # fmt: skip
 
 
 async def engine_steps(base):
@@ -233,8 +237,19 @@ async def engine_steps(base):
                         if s.name.endswith(("_count", "_sum"))})  # fmt: skip
         elif family.name in (TTFT_FAMILY, MESSAGE_FAMILY):
             out.update({(s.name, None): s.value for s in family.samples if s.name.endswith(("_count", "_sum"))})
-        elif family.name in SPEC_COUNTERS:
+        elif family.name in SPEC_COUNTERS or family.name in CPU_COUNTERS:
             out.update({(family.name, None): s.value for s in family.samples if s.name.endswith("_total")})
+    return out
+
+
+def cpu_shares(before, after, seconds):
+    """Each server process's CPU time over a load of ``seconds``, in percent of one core (None where the server
+    exports no such counter: not Linux, or the engine on a thread of the HTTP process). Counted from /proc in clock
+    ticks (10 ms), so a few-second load reads it to about a percent."""
+    out = {}
+    for family, name in CPU_COUNTERS.items():
+        key = (family, None)
+        out[name] = (after[key] - before.get(key, 0.0)) / seconds * 100 if key in after and seconds > 0 else None
     return out
 
 

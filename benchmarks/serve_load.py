@@ -595,14 +595,15 @@ def report(args, rows, startups):
             starts = "-" if aa is None else aa.get("starts", 1)
             print(f"{r['workload']:8s} {r['concurrency']:4d}  {starts:>6}  {n:8d}  {cells}")
     print("\nwho kept up (median over runs): the engine's mean decode batch, its busy share of the wall time (steps"
-          " / seconds), the busiest client process's CPU share, and the decode step (ms) with its GPU part (CUDA"
-          " events: forward and sampling; the rest is the host's)")  # fmt: skip
+          " / seconds), the busiest client process's CPU share, the server's HTTP and engine processes' CPU shares"
+          " (% of a core), and the decode step (ms) with its GPU part (CUDA events: forward and sampling; the rest"
+          " is the host's)")  # fmt: skip
     print("; mean time to first token (ms) as the client saw it and as the server timed it (from submission to the"
           " token sampled), the client's wait for the response headers (the request is submitted as they go out),"
           " and each step's message hop from the engine process to the HTTP event loop (ms)")  # fmt: skip
     print(
-        "workload conc  mode   decode batch  engine busy  client CPU   step ms   gpu ms  ttft client  server  "
-        "headers  engine->http"
+        "workload conc  mode   decode batch  engine busy  client CPU  http CPU  engine CPU   step ms   gpu ms  "
+        "ttft client  server  headers  engine->http"
     )
     bound = []
     for r in rows:
@@ -613,8 +614,8 @@ def report(args, rows, startups):
                 step = ["-" if m[k] is None else f"{m[k]:.3f}" for k in ("decode_step_ms", "decode_gpu_ms")]
                 first = ["-" if m.get(k) is None else f"{m[k]:.2f}" for k in TTFT_MEANS]
                 print(f"{r['workload']:8s} {r['concurrency']:4d}  {mode:5s} {cells[0]:>12s} {cells[1]:>11s}% "
-                      f"{cells[2]:>9s}% {step[0]:>9s} {step[1]:>8s} {first[0]:>12s} {first[1]:>7s} {first[2]:>8s} "
-                      f"{first[3]:>13s}")  # fmt: skip
+                      f"{cells[2]:>9s}% {cells[3]:>8s}% {cells[4]:>10s}% {step[0]:>9s} {step[1]:>8s} "
+                      f"{first[0]:>12s} {first[1]:>7s} {first[2]:>8s} {first[3]:>13s}")  # fmt: skip
                 if m["client_cpu_pct"] > CLIENT_BOUND_PCT:
                     bound.append(f"{r['workload']} {r['concurrency']} {mode}")
     if bound:
@@ -682,7 +683,7 @@ MODES = ("on", "off", "off_b")  # "off_b" only with --control
 REPORTED = ("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")
 # the served step (tokens/s is mostly decode batch over it) and its GPU part (the rest is the host's)
 AA_REPORTED = REPORTED + ("decode_step_ms", "decode_gpu_ms")
-HOST_CHECK = ("decode_batch", "engine_busy_pct", "client_cpu_pct")
+HOST_CHECK = ("decode_batch", "engine_busy_pct", "client_cpu_pct", "http_cpu_pct", "engine_cpu_pct")
 # the client's TTFT and the server's own (its /metrics histogram), the client's wait for the headers, the hop back
 TTFT_MEANS = ("ttft_mean_ms", "server_ttft_mean_ms", "headers_mean_ms", "engine_message_mean_ms")
 CLIENT_BOUND_PCT = 80  # a client process busier than this may be what is measured

@@ -105,6 +105,7 @@ class Server:
         self.metrics = Metrics()
         if isinstance(runner, EngineProcess):  # the server's layout: the engine in a process of its own
             runner.observer = self.metrics
+            self.metrics.watch_engine_process(runner.process.pid)
             self.engine = self.loop = self.mailbox = runner
             self._emitter = lambda events: events.put_nowait  # delivered on the event loop, a step at a time
         else:  # in-process, on a thread of this process (tests over fake runners)

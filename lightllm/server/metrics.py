@@ -8,7 +8,7 @@ observer method only needs to be defined on this class.
 import time
 from typing import Sequence
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
 # 1 ms to 60 s: a decode step of a small model at batch 1 up to a long prompt's prefill behind a full queue
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -60,6 +60,13 @@ class Metrics:
                                           "sampling)", ["kind"], registry=r, buckets=STEP_BUCKETS)  # fmt: skip
         self.step_batch = Histogram("lightllm_step_batch_size", "requests per engine step", ["kind"], registry=r,
                                     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512))  # fmt: skip
+        # This (HTTP) process's CPU time, memory and open files (process_*, read from /proc on Linux): over a load,
+        # how close the process that streams every token is to a full core
+        ProcessCollector(registry=r)
+
+    def watch_engine_process(self, pid: int) -> None:
+        """Also export the engine process's (``pid``: rank 0 with tensor parallelism) as lightllm_engine_process_*."""
+        ProcessCollector(namespace="lightllm_engine", pid=lambda: pid, registry=self.registry)
 
     # the engine's StepObserver
     def on_queues(self, waiting: int, running: int, kv_usage: float) -> None:

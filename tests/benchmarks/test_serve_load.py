@@ -310,6 +310,9 @@ def test_runs_end_to_end_on_the_tiny_model(tmp_path):
         # the warm-up's 4 requests are left out: only the 3 measured ones are counted, here and in the steps
         assert run["all_complete_finite"] and run["output_tokens"] == 3 * 32
         assert run["client_procs"] == 2 and 0 < run["client_cpu_pct"] and 0 < run["engine_busy_pct"] <= 100
+        # the server's two processes' CPU shares over the load, from their /metrics counters (the engine computed
+        # every step on this CPU: more than the counters' 10 ms tick)
+        assert run["http_cpu_pct"] is not None and run["engine_cpu_pct"] > 0
         assert 0 < run["ttft_p50_ms"] <= run["ttft_p99_ms"] and 0 < run["itl_p50_ms"] <= run["itl_p99_ms"]
         # from the server's step histograms: each request's first token comes from its prefill, the rest
         # from decode steps, and every step of the load is counted once
@@ -775,6 +778,16 @@ def test_a_servers_mean_latency_is_the_delta_of_its_histogram(load_client, famil
     assert load_client.step_stats(before, after)[key] == pytest.approx(6.0)
     assert load_client.step_stats(after, after)[key] is None
     assert load_client.step_stats({}, {})[key] is None
+
+
+def test_each_server_process_cpu_share_is_its_counters_delta_over_the_load(load_client):
+    """CPU seconds over wall seconds, in percent of a core, per process; None where the server has no counter."""
+    before = {("process_cpu_seconds", None): 10.0, ("lightllm_engine_process_cpu_seconds", None): 40.0}
+    after = {("process_cpu_seconds", None): 11.5, ("lightllm_engine_process_cpu_seconds", None): 42.7}
+    assert load_client.cpu_shares(before, after, 3.0) == pytest.approx({"http_cpu_pct": 50.0, "engine_cpu_pct": 90.0})
+    in_process = {("process_cpu_seconds", None): 11.5}  # the engine on a thread of the HTTP process
+    assert load_client.cpu_shares(before, in_process, 3.0) == {"http_cpu_pct": pytest.approx(50.0),
+                                                               "engine_cpu_pct": None}  # fmt: skip
 
 
 def test_the_gpu_part_of_a_step_is_the_delta_of_its_own_histogram(load_client):

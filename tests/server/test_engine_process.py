@@ -85,6 +85,10 @@ def test_one_message_per_step_holds_every_requests_tokens_and_feeds_the_latency_
         < metric(text, "lightllm_engine_message_delay_seconds_sum")
         < metric(text, "lightllm_engine_message_delay_seconds_count")
     )  # a mean under a second: the send time is on the HTTP side's clock
+    # both processes' CPU time: the HTTP process's own and the engine process's (it ran every step: not zero)
+    assert metric(text, "process_cpu_seconds_total") > 0
+    assert metric(text, "lightllm_engine_process_cpu_seconds_total") > 0
+    assert metric(text, "lightllm_engine_process_start_time_seconds") > metric(text, "process_start_time_seconds")
 
 
 def test_only_the_reader_waits_for_the_engine_process_and_stop_sees_its_clean_exit():
