@@ -83,12 +83,28 @@ def test_a_client_that_never_finishes_its_headers_is_cut_off(tmp_path):
             slow.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: appl")
             slow.settimeout(120)  # the server closes it after 1 s; the old server never did
             assert slow.recv(1024) == b""
-        # a connection that sends nothing at all is closed too
+        # a connection that sends nothing at all is closed too, and one whose body stops short of its length
         with socket.create_connection(("127.0.0.1", port)) as idle:
             idle.settimeout(120)
             assert idle.recv(1024) == b""
+        with socket.create_connection(("127.0.0.1", port)) as short:
+            short.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                          b"Content-Length: 100\r\n\r\n{\"inputs\": [5,")  # fmt: skip
+            short.settimeout(120)
+            assert short.recv(1024) == b""
         body = {"inputs": [5, 6, 7], "parameters": {"max_new_tokens": 4, "ignore_eos": True}}
         assert len(httpx.post(base + "/generate", json=body, timeout=procs.HANG_TIMEOUT_S).json()["token_ids"]) == 4
+        # the deadline is for reading a request: a whole one answered for longer than it is not cut off, and the
+        # next request on the same connection is served
+        long = {"inputs": [5, 6, 7], "parameters": {"max_new_tokens": 3000, "ignore_eos": True}}
+        with httpx.Client(timeout=procs.HANG_TIMEOUT_S) as client:
+            start = time.monotonic()
+            with client.stream("POST", base + "/generate_stream", json=long) as r:
+                events = _events(r.iter_lines())
+            assert time.monotonic() - start > 1.0, "the answer must outlast the 1 s deadline to test it"
+            assert len([e for e in events if e["token"]["id"] is not None]) == 3000
+            assert events[-1]["finish_reason"] == "length"
+            assert len(client.post(base + "/generate", json=body).json()["token_ids"]) == 4
     finally:
         procs.stop(proc)
 
