@@ -382,17 +382,41 @@ def round_cores(server_cores, position, rnd):
     return server_cores[(position + rnd) % len(server_cores)]
 
 
-def core_plan(cores, servers, tp, per=None):
-    """``--pin-cores``: ``(per-server core sets, the clients' cores)``. Each server gets ``per`` cores of its own
-    (default ``tp + 1``: its HTTP process and each engine rank), in launch order, so a server's engine never waits
-    behind another server's or a client's process; the load clients and this script share the rest. ValueError when
-    that leaves the clients fewer than two cores."""
-    cores, per = sorted(cores), per or tp + 1
-    need = servers * per + 2
-    if len(cores) < need:
-        raise ValueError(f"--pin-cores expected at least {need} CPU cores ({servers} servers x {per} + 2 for the "
-                         f"load clients), this process may run on {len(cores)}")  # fmt: skip
-    return [set(cores[i * per : (i + 1) * per]) for i in range(servers)], set(cores[servers * per :])
+def cpu_siblings(cpu):
+    """The logical CPUs of ``cpu``'s physical core, itself included (Linux's topology; just ``{cpu}`` where it cannot be
+    read)."""
+    try:
+        with open(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list") as f:
+            text = f.read().strip()
+    except OSError:
+        return {cpu}
+    out = set()
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    return out | {cpu}
+
+
+def core_plan(cores, servers, tp, per=None, siblings=cpu_siblings):
+    """``--pin-cores``: ``(per-server core sets, the clients' cores, the idle cores)``. Each server gets ``per``
+    physical cores of its own (default ``tp + 1``: its HTTP process and each engine rank), in launch order, and runs on
+    one logical CPU of each: their SMT siblings stay idle, so neither a server's engine (a core kept busy) nor a client
+    shares a physical core with another process of a server. The load clients and this script share the rest.
+    ``siblings(cpu)``: the logical CPUs of ``cpu``'s physical core. ValueError when that leaves the clients fewer than
+    two cores."""
+    allowed = set(cores)
+    physical = sorted({frozenset(siblings(c) & allowed) for c in allowed}, key=min)
+    per = per or tp + 1
+    need = servers * per
+    clients = {c for group in physical[need:] for c in group}
+    if len(physical) < need or len(clients) < 2:
+        smt = len(physical) < len(allowed)
+        where = f" in {len(physical)} physical cores" if smt else ""
+        raise ValueError(f"--pin-cores expected at least {need} physical CPU cores ({servers} servers x {per}) and 2 "
+                         f"more CPUs for the load clients, this process may run on {len(allowed)}{where}")  # fmt: skip
+    server_cores = [{min(group) for group in physical[i * per : (i + 1) * per]} for i in range(servers)]
+    idle = {c for group in physical[:need] for c in group} - set().union(*server_cores)
+    return server_cores, clients, idle
 
 
 def main():
@@ -494,14 +518,16 @@ def main():
     if args.cores_per_server is not None and (args.cores_per_server < 1 or not args.pin_cores):
         p.error(f"--cores-per-server expected a positive count with --pin-cores, got {args.cores_per_server}"
                 + ("" if args.pin_cores else " without --pin-cores"))  # fmt: skip
-    args.server_cores = None
+    args.server_cores, args.idle_cores = None, None
     if args.pin_cores:
         try:
-            args.server_cores, client_cores = core_plan(
+            args.server_cores, client_cores, args.idle_cores = core_plan(
                 os.sched_getaffinity(0), servers, args.tp, args.cores_per_server
             )
         except ValueError as e:
             p.error(str(e))
+        print(f"pinned: servers on {[sorted(c) for c in args.server_cores]}, their SMT siblings "
+              f"{sorted(args.idle_cores) or 'none'} idle, the clients on {sorted(client_cores)}")  # fmt: skip
         os.sched_setaffinity(0, client_cores)  # this script, and the client processes it spawns
     args.decode_backend = resolve_decode_backend(args.decode_backend, args.model)
     flags = server_flags(args.decode_backend, args.model, args.mtp_step)
@@ -792,7 +818,7 @@ def point_rows(args, workload, results, kernels):
 # What runs must share to merge: everything that shapes a server or a load (not how many starts each had)
 MERGE_SAME = ("tp", "model", "tiny", "layers", "mtp_step", "mtp_head", "decode_backend", "requests", "output_tokens",
               "warmup", "rate", "seed", "rounds", "control", "compare", "client_procs", "pin_cores",
-              "cores_per_server")  # fmt: skip
+              "cores_per_server", "idle_cores")  # fmt: skip
 
 
 def merge_saved(saved):
@@ -841,6 +867,7 @@ def save(args, rows, startups, partial=False, **extra):
                    "repeats": args.repeats, "rounds": args.rounds,
                    "control": args.control, "compare": args.compare, "client_procs": args.client_procs,
                    "pin_cores": args.pin_cores, "cores_per_server": args.cores_per_server,
+                   "idle_cores": None if getattr(args, "idle_cores", None) is None else sorted(args.idle_cores),
                    "config_checks_ok": not any(s.get("config_check") for s in startups),
                    "tuned_config_files": tuned_config_files(startups), "partial": partial, "rows": rows,
                    "startups": startups},

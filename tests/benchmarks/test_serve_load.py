@@ -609,15 +609,61 @@ def test_the_tiny_model_takes_the_short_workload_only(tmp_path):
 
 
 def test_pinned_cores_give_each_server_its_own_and_the_clients_the_rest(serve_load):
-    servers, clients = serve_load.core_plan(range(15, -1, -1), servers=3, tp=1)
-    assert servers == [{0, 1}, {2, 3}, {4, 5}] and clients == set(range(6, 16))
-    servers, clients = serve_load.core_plan(range(8), servers=2, tp=2)  # an HTTP process and two engine ranks
+    def alone(cpu):  # no SMT: every logical CPU a physical core
+        return {cpu}
+
+    servers, clients, idle = serve_load.core_plan(range(15, -1, -1), servers=3, tp=1, siblings=alone)
+    assert servers == [{0, 1}, {2, 3}, {4, 5}] and clients == set(range(6, 16)) and idle == set()
+    servers, clients, _ = serve_load.core_plan(range(8), servers=2, tp=2, siblings=alone)  # HTTP + two engine ranks
     assert servers == [{0, 1, 2}, {3, 4, 5}] and clients == {6, 7}
-    servers, clients = serve_load.core_plan(range(16), servers=3, tp=1, per=3)  # --cores-per-server 3
+    servers, clients, _ = serve_load.core_plan(range(16), servers=3, tp=1, per=3, siblings=alone)  # per server 3
     assert servers == [{0, 1, 2}, {3, 4, 5}, {6, 7, 8}] and clients == set(range(9, 16))
-    with pytest.raises(ValueError, match=r"--pin-cores expected at least 8 CPU cores \(3 servers x 2 \+ 2 for the "
-                       r"load clients\), this process may run on 7"):  # fmt: skip
-        serve_load.core_plan(range(7), servers=3, tp=1)
+    with pytest.raises(ValueError, match=r"--pin-cores expected at least 6 physical CPU cores \(3 servers x 2\) and "
+                       r"2 more CPUs for the load clients, this process may run on 7$"):  # fmt: skip
+        serve_load.core_plan(range(7), servers=3, tp=1, siblings=alone)
+
+
+def test_a_pinned_server_runs_on_whole_physical_cores_and_leaves_their_smt_siblings_idle(serve_load):
+    """16 logical CPUs on 8 physical cores, siblings i and i + 8 (as Linux numbers them on most x86 servers): a
+    server's HTTP process and engine each get a physical core, neither shares it with a client or the other server,
+    and the clients get every logical CPU of the physical cores left."""
+
+    def pairs(cpu):
+        return {cpu % 8, cpu % 8 + 8}
+
+    servers, clients, idle = serve_load.core_plan(range(16), servers=2, tp=1, siblings=pairs)
+    assert servers == [{0, 1}, {2, 3}] and idle == {8, 9, 10, 11}
+    assert clients == {4, 5, 6, 7, 12, 13, 14, 15}
+    # siblings numbered next to each other (0-1, 2-3, ...): the same, one CPU of each pair
+    servers, clients, idle = serve_load.core_plan(range(16), servers=2, tp=1, siblings=lambda c: {c & ~1, c | 1})
+    assert servers == [{0, 2}, {4, 6}] and idle == {1, 3, 5, 7} and clients == set(range(8, 16))
+    # only the CPUs this process may run on count, and the error names the physical cores
+    with pytest.raises(ValueError, match=r"at least 6 physical CPU cores \(3 servers x 2\) and 2 more CPUs for the "
+                       r"load clients, this process may run on 12 in 6 physical cores$"):  # fmt: skip
+        serve_load.core_plan([0, 1, 2, 3, 4, 5, 8, 9, 10, 11, 12, 13], servers=3, tp=1, siblings=pairs)
+
+
+def test_the_siblings_of_a_cpu_come_from_linux_topology_or_it_stands_alone(serve_load, monkeypatch):
+    import builtins
+
+    real_open = builtins.open
+
+    def fake_open(path, *a, **k):
+        if str(path).endswith("cpu3/topology/thread_siblings_list"):
+            import io
+
+            return io.StringIO("3,11\n")
+        if str(path).endswith("cpu5/topology/thread_siblings_list"):
+            import io
+
+            return io.StringIO("4-5\n")
+        if "topology" in str(path):
+            raise FileNotFoundError(path)
+        return real_open(path, *a, **k)
+
+    monkeypatch.setattr(builtins, "open", fake_open)
+    assert serve_load.cpu_siblings(3) == {3, 11} and serve_load.cpu_siblings(5) == {4, 5}
+    assert serve_load.cpu_siblings(7) == {7}  # unreadable: alone
 
 
 def test_a_pinned_process_and_its_children_run_on_their_cores_only(serve_load):
@@ -679,8 +725,8 @@ def test_pin_cores_on_too_few_cores_is_a_one_line_error(serve_load, tmp_path):
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=procs.HANG_TIMEOUT_S, **one_core)
     assert done.returncode == 2
     last = done.stderr.strip().splitlines()[-1]
-    assert last.endswith("--pin-cores expected at least 8 CPU cores (3 servers x 2 + 2 for the load clients), this "
-                         "process may run on 1"), last  # fmt: skip
+    assert last.endswith("--pin-cores expected at least 6 physical CPU cores (3 servers x 2) and 2 more CPUs for the "
+                         "load clients, this process may run on 1"), last  # fmt: skip
 
 
 def test_stopping_the_benchmark_stops_its_server_and_removes_its_folders(tmp_path):
