@@ -526,8 +526,8 @@ def main():
             )
         except ValueError as e:
             p.error(str(e))
-        print(f"pinned: servers on {[sorted(c) for c in args.server_cores]}, their SMT siblings "
-              f"{sorted(args.idle_cores) or 'none'} idle, the clients on {sorted(client_cores)}")  # fmt: skip
+        print(f"pinned: servers on {[sorted(c) for c in args.server_cores]}, idle (their SMT siblings): "
+              f"{sorted(args.idle_cores) or 'none'}, the clients on {sorted(client_cores)}")  # fmt: skip
         os.sched_setaffinity(0, client_cores)  # this script, and the client processes it spawns
     args.decode_backend = resolve_decode_backend(args.decode_backend, args.model)
     flags = server_flags(args.decode_backend, args.model, args.mtp_step)

@@ -94,17 +94,6 @@ def test_a_client_that_never_finishes_its_headers_is_cut_off(tmp_path):
             assert short.recv(1024) == b""
         body = {"inputs": [5, 6, 7], "parameters": {"max_new_tokens": 4, "ignore_eos": True}}
         assert len(httpx.post(base + "/generate", json=body, timeout=procs.HANG_TIMEOUT_S).json()["token_ids"]) == 4
-        # the deadline is for reading a request: a whole one answered for longer than it is not cut off, and the
-        # next request on the same connection is served
-        long = {"inputs": [5, 6, 7], "parameters": {"max_new_tokens": 3000, "ignore_eos": True}}
-        with httpx.Client(timeout=procs.HANG_TIMEOUT_S) as client:
-            start = time.monotonic()
-            with client.stream("POST", base + "/generate_stream", json=long) as r:
-                events = _events(r.iter_lines())
-            assert time.monotonic() - start > 1.0, "the answer must outlast the 1 s deadline to test it"
-            assert len([e for e in events if e["token"]["id"] is not None]) == 3000
-            assert events[-1]["finish_reason"] == "length"
-            assert len(client.post(base + "/generate", json=body).json()["token_ids"]) == 4
     finally:
         procs.stop(proc)
 
