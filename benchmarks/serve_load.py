@@ -269,6 +269,39 @@ def run_load(args, base, workload, vocab, conc, n, seed, rate=0.0):
                             client_procs=args.client_procs or auto_client_procs(conc)))  # fmt: skip
 
 
+def scheduling_counts(pid):
+    """How often the threads of process ``pid`` were taken off a CPU while they could still run (involuntary context
+    switches: another thread wanted the CPU) and moved between CPUs (migrations), summed over its threads, from /proc
+    (Linux; a count it cannot read is None). A server's HTTP process sharing its CPU shows in the first, one the
+    scheduler keeps moving in the second."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return {"involuntary_switches": None, "migrations": None}
+    # a kernel without CONFIG_SCHED_DEBUG has no sched file: migrations unknown
+    switches, migrations = 0, 0 if os.path.exists(f"/proc/{pid}/sched") else None
+    for tid in tids:
+        switches += _proc_count(f"/proc/{pid}/task/{tid}/status", "nonvoluntary_ctxt_switches:")
+        if migrations is not None:
+            migrations += _proc_count(f"/proc/{pid}/task/{tid}/sched", "se.nr_migrations")
+    return {"involuntary_switches": switches, "migrations": migrations}
+
+
+def _proc_count(path, name):
+    """The integer after ``name`` on its line of the /proc file ``path``; 0 when the thread has exited meanwhile."""
+    try:
+        with open(path) as f:
+            line = next((ln for ln in f if ln.startswith(name)), None)
+    except OSError:
+        return 0
+    return 0 if line is None else int(line[len(name) :].strip(" :\t\n"))
+
+
+def counts_delta(before, after):
+    """``after - before`` per count of ``scheduling_counts`` (None where either is unknown)."""
+    return {k: None if before[k] is None or after[k] is None else after[k] - before[k] for k in before}
+
+
 def run_repeat(args, model, workload, vocab, cfg, rep, flags, results, startups):
     """One repeat: every mode's server, one after another (default), or with ``--rounds`` all of them side by side
     and each point measured in rounds that visit every server in turn."""
@@ -300,6 +333,7 @@ def run_servers(args, model, workload, vocab, cfg, rep, flags, results, startups
                 # and saves this start
                 print(json.dumps(start), flush=True)
         bases = {mode: base for mode, _, base, _, _ in alive}
+        pids = {mode: proc.pid for mode, proc, _, _, _ in alive}  # the HTTP process: a server's process tree's root
         for ci, conc in enumerate(args.concurrency):
             warm = conc * 2 if args.warmup is None else args.warmup  # on its own schedule, nothing of it counted
             for mode in modes:
@@ -312,9 +346,13 @@ def run_servers(args, model, workload, vocab, cfg, rep, flags, results, startups
                         cores[mode] = round_cores(args.server_cores, position, rnd)
                         repin_tree(proc.pid, cores[mode])
                 for mode in round_order(modes, rnd):
+                    http_pid = pids[mode]
+                    before = scheduling_counts(http_pid)
                     res = run_load(args, bases[mode], workload, vocab, conc, args.requests,
                                    point_seed(args.seed, ci, rnd), args.rate)  # fmt: skip
+                    res.update({f"http_{k}": v for k, v in counts_delta(before, scheduling_counts(http_pid)).items()})
                     res["repeat"] = rep  # the server start: the A/A interval's outer level
+                    res["round"] = rnd
                     if mode in cores:
                         res["cores"] = sorted(cores[mode])
                     results.setdefault((mode, conc), []).append(res)

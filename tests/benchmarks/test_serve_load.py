@@ -313,6 +313,8 @@ def test_runs_end_to_end_on_the_tiny_model(tmp_path):
         # the server's two processes' CPU shares over the load, from their /metrics counters (the engine computed
         # every step on this CPU: more than the counters' 10 ms tick)
         assert run["http_cpu_pct"] is not None and run["engine_cpu_pct"] > 0
+        # and how the HTTP process was scheduled over it (counts, from /proc); the round it was measured in
+        assert run["http_involuntary_switches"] >= 0 and run["round"] == 0
         assert 0 < run["ttft_p50_ms"] <= run["ttft_p99_ms"] and 0 < run["itl_p50_ms"] <= run["itl_p99_ms"]
         # from the server's step histograms: each request's first token comes from its prefill, the rest
         # from decode steps, and every step of the load is counted once
@@ -834,6 +836,25 @@ def test_each_server_process_cpu_share_is_its_counters_delta_over_the_load(load_
     in_process = {("process_cpu_seconds", None): 11.5}  # the engine on a thread of the HTTP process
     assert load_client.cpu_shares(before, in_process, 3.0) == {"http_cpu_pct": pytest.approx(50.0),
                                                                "engine_cpu_pct": None}  # fmt: skip
+
+
+def test_scheduling_counts_are_counts_for_a_live_process_and_unknown_for_a_gone_one(serve_load):
+    import threading
+
+    release = threading.Event()
+    thread = threading.Thread(target=release.wait)
+    thread.start()
+    try:
+        counts = serve_load.scheduling_counts(os.getpid())
+    finally:
+        release.set()
+        thread.join()
+    assert isinstance(counts["involuntary_switches"], int) and counts["involuntary_switches"] >= 0
+    assert counts["migrations"] is None or counts["migrations"] >= 0  # None: a kernel without scheduler statistics
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    assert serve_load.scheduling_counts(gone.pid) == {"involuntary_switches": None, "migrations": None}
+    assert serve_load.counts_delta({"a": 1, "b": None}, {"a": 5, "b": 3}) == {"a": 4, "b": None}
 
 
 def test_the_gpu_part_of_a_step_is_the_delta_of_its_own_histogram(load_client):
