@@ -82,8 +82,9 @@ async def _probes(base: str, n: int, vocab: int, gap_s: float) -> list:
 def measure(model: str, vocab: int, args, env) -> dict:
     port = free_port()
     batch = args.background + 1
+    # the forward free (no step time), the server's own HTTP stack
     cmd = [sys.executable, os.path.join(HERE, "host_overhead.py"), "--serve", model, str(port), str(batch), "process",
-           "1"]  # fmt: skip
+           "1", "0", "server"]  # fmt: skip
     base = f"http://127.0.0.1:{port}"
     with procs.running(cmd, env=env) as proc:
         wait_healthy(proc, base)

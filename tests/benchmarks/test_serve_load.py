@@ -546,11 +546,12 @@ def test_side_by_side_servers_start_together_after_the_tuning_start(serve_load, 
 
     def launch(args, model, workload, cfg, mode, rep, flags, position=0):
         events.append(("spawn", mode))
-        return mode, f"http://{mode}", {"mode": mode, "repeat": rep}, {}
+        proc = types.SimpleNamespace(mode=mode, pid=os.getpid())  # a live pid: its scheduling counts are read
+        return proc, f"http://{mode}", {"mode": mode, "repeat": rep}, {}
 
     def finish_start(proc, base, start):
-        events.append(("ready", proc))
-        if proc == "off_b" and rep == 1:
+        events.append(("ready", proc.mode))
+        if proc.mode == "off_b" and rep == 1:
             raise RuntimeError("off_b never answered")
 
     monkeypatch.setattr(serve_load, "launch", launch)
