@@ -12,6 +12,15 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 logger = logging.getLogger(__name__)
 _CANCEL_GRACE_S = 10.0  # after the drain's aborts: time for handlers to send their last bytes
+# A request's head (request line and headers) larger than this is refused with a 431: httptools' parser buffers a head
+# without a bound of its own (h11 refused one over 16 KB), so one client could grow this process's memory for as long
+# as the read deadline lets it send. Far above any real head, and above what one read of the socket can overcount.
+MAX_REQUEST_HEAD_BYTES = 1 << 20
+_HEAD_MESSAGE = b"request line and headers over %d bytes together" % MAX_REQUEST_HEAD_BYTES
+_HEAD_TOO_LARGE = (
+    b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: text/plain; charset=utf-8\r\n"
+    b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(_HEAD_MESSAGE), _HEAD_MESSAGE)
+)
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -44,6 +53,7 @@ class ReadTimeoutHttpTools(HttpToolsProtocol):
         self.read_timeout_s = read_timeout_s
         self._read_deadline = None
         self._reading = True  # a request is due or begun and not yet whole (a new connection owes its first)
+        self._in_head, self._head_bytes = True, 0  # reading a request's head; bytes received while it lasts
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
@@ -54,9 +64,23 @@ class ReadTimeoutHttpTools(HttpToolsProtocol):
             self._read_deadline.cancel()
         super().connection_lost(exc)
 
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self._in_head and not self.transport.is_closing():  # the head still incomplete after all of data
+            self._head_bytes += len(data)
+            if self._head_bytes > MAX_REQUEST_HEAD_BYTES:
+                logger.debug("closing a connection from %s: a request head over %d bytes",
+                             "%s:%d" % self.client if self.client else "?", MAX_REQUEST_HEAD_BYTES)  # fmt: skip
+                self.transport.write(_HEAD_TOO_LARGE)
+                self.transport.close()
+
     def on_message_begin(self) -> None:
         super().on_message_begin()
-        self._reading = True
+        self._reading = self._in_head = True
+
+    def on_headers_complete(self) -> None:
+        self._in_head, self._head_bytes = False, 0
+        super().on_headers_complete()
 
     def on_message_complete(self) -> None:
         super().on_message_complete()

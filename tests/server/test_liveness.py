@@ -23,6 +23,7 @@ from lightllm.common.kv_cache import KVCacheManager
 from lightllm.engine.request import Request
 from lightllm.engine.sampler import SamplingParams
 from lightllm.server.api_server import Server
+from lightllm.server.serving import MAX_REQUEST_HEAD_BYTES
 
 
 class BlockingRunner:
@@ -92,6 +93,13 @@ def test_a_client_that_never_finishes_its_headers_is_cut_off(tmp_path):
                           b"Content-Length: 100\r\n\r\n{\"inputs\": [5,")  # fmt: skip
             short.settimeout(120)
             assert short.recv(1024) == b""
+        # a head without end is refused once it passes the limit, long before the deadline (one byte past it: the
+        # server has read everything when it closes, so the close is no reset that could drop its answer)
+        with socket.create_connection(("127.0.0.1", port)) as huge:
+            huge.settimeout(120)
+            start = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Pad: "
+            huge.sendall(start + b"a" * (MAX_REQUEST_HEAD_BYTES + 1 - len(start)))
+            assert huge.recv(1024).startswith(b"HTTP/1.1 431 Request Header Fields Too Large\r\n")
         body = {"inputs": [5, 6, 7], "parameters": {"max_new_tokens": 4, "ignore_eos": True}}
         assert len(httpx.post(base + "/generate", json=body, timeout=procs.HANG_TIMEOUT_S).json()["token_ids"]) == 4
     finally:
