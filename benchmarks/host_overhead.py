@@ -7,7 +7,7 @@ GPU work is short: short prompts, small models, large batches.
     python benchmarks/host_overhead.py --layout thread   # the engine on a thread of the HTTP process (before)
     # the HTTP process's CPU per streamed token at a GPU's pace (a 1.2 ms step: one token per stream per wake-up),
     # the server's HTTP stack (httptools on uvloop) against uvicorn's h11 on asyncio (before), in turns
-    python benchmarks/host_overhead.py --stream --step-ms 1.2 --concurrency 8 --output 256 --http server h11 \
+    python benchmarks/host_overhead.py --stream --step-ms 1.2 --concurrency 16 --output 256 --http server h11 \
         --repeats 3 --out benchmarks/results/host_overhead_http_stack_cpu.json
 
 Besides the engine's own step time (``lightllm_step_seconds``: forward, sampling and emitting the tokens of one
@@ -76,10 +76,9 @@ def serve(model_dir: str, port: int, batch: int, layout: str, torch_threads: int
 
     from lightllm.server.api_server import Server
     from lightllm.server.engine_proc import EngineProcess
+    from lightllm.server.serving import http_stack
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    from lightllm.server.serving import ReadTimeoutHttpTools
-
     if layout == "thread":
         engine = free_forward_runner(model_dir, batch, torch_threads, step_s)
     else:
@@ -87,10 +86,7 @@ def serve(model_dir: str, port: int, batch: int, layout: str, torch_threads: int
             functools.partial(free_forward_runner, model_dir, batch, torch_threads, step_s), tokenizer.eos_token_id
         )
         engine.wait_ready()
-    if http == "server":
-        stack = {"http": functools.partial(ReadTimeoutHttpTools, read_timeout_s=30.0), "loop": "auto"}
-    else:
-        stack = {"http": "h11", "loop": "asyncio"}
+    stack = http_stack(read_timeout_s=30.0) if http == "server" else {"http": "h11", "loop": "asyncio"}
     try:
         server = Server(engine, tokenizer, model_name="host-overhead")
         uvicorn.run(server.app, host="127.0.0.1", port=port, log_level="warning", **stack)

@@ -346,11 +346,10 @@ def run_servers(args, model, workload, vocab, cfg, rep, flags, results, startups
                         cores[mode] = round_cores(args.server_cores, position, rnd)
                         repin_tree(proc.pid, cores[mode])
                 for mode in round_order(modes, rnd):
-                    http_pid = pids[mode]
-                    before = scheduling_counts(http_pid)
+                    before = scheduling_counts(pids[mode])
                     res = run_load(args, bases[mode], workload, vocab, conc, args.requests,
                                    point_seed(args.seed, ci, rnd), args.rate)  # fmt: skip
-                    res.update({f"http_{k}": v for k, v in counts_delta(before, scheduling_counts(http_pid)).items()})
+                    res.update({f"http_{k}": v for k, v in counts_delta(before, scheduling_counts(pids[mode])).items()})
                     res["repeat"] = rep  # the server start: the A/A interval's outer level
                     res["round"] = rnd
                     if mode in cores:

@@ -130,13 +130,17 @@ class DrainingServer(uvicorn.Server):
         self.abort_rest()
 
 
+def http_stack(read_timeout_s: float) -> dict:
+    """uvicorn's ``http`` and ``loop`` settings of the server: httptools with the read deadline, on uvloop (asyncio's
+    loop where uvloop is not installed: not Linux or macOS)."""
+    return {"http": functools.partial(ReadTimeoutHttpTools, read_timeout_s=read_timeout_s), "loop": "auto"}
+
+
 def serve(app, sock: socket.socket, read_timeout_s: float, drain_s: float, abort_rest: Callable[[], None],
           on_start: Optional[Callable[[uvicorn.Server], None]] = None) -> None:  # fmt: skip
     """Serve ``app`` on the bound ``sock`` until SIGTERM/SIGINT, then drain (see DrainingServer). ``on_start``
     gets the uvicorn server first (setting its ``should_exit`` stops serving, with the same drain)."""
-    protocol = functools.partial(ReadTimeoutHttpTools, read_timeout_s=read_timeout_s)
-    # uvloop: the event loop that streams every token in C (asyncio's where it is not installed: not Linux/macOS)
-    config = uvicorn.Config(app, http=protocol, loop="auto", log_level="info")
+    config = uvicorn.Config(app, log_level="info", **http_stack(read_timeout_s))
     host, port = sock.getsockname()[:2]
     logger.info("serving on http://%s:%d", host, port)
     server = DrainingServer(config, drain_s, abort_rest)
