@@ -18,7 +18,8 @@ end a request the same way offline and served.
 """
 
 import functools
-from typing import Callable, List, Sequence, Tuple
+import weakref
+from typing import Callable, Dict, List, Sequence, Tuple
 
 # Per request: their cost per token is O(count x length), paid on the HTTP event loop.
 MAX_STOP_STRINGS = 16
@@ -43,10 +44,24 @@ def decoder(tokenizer, skip_special_tokens: bool) -> Callable[[List[int]], str]:
     return functools.partial((backend if direct else tokenizer).decode, skip_special_tokens=skip_special_tokens)
 
 
+# tokenizer -> {skip_special_tokens: {token id: its text alone}}, shared by every stream of that tokenizer
+_PIECES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _pieces(tokenizer, skip_special_tokens: bool) -> Dict[int, str]:
+    """The texts of single ids decoded so far for ``tokenizer`` (a stream's previous token is the next step's
+    emitted part, so this is half of a stream's decoding). At most one entry per id the model can emit."""
+    try:
+        per_tokenizer = _PIECES.setdefault(tokenizer, {})
+    except TypeError:  # not weakly referenceable: a cache of this stream's own
+        return {}
+    return per_tokenizer.setdefault(skip_special_tokens, {})
+
+
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, skip_special_tokens: bool = True):
         self._decode = decoder(tokenizer, skip_special_tokens)
-        self._text_ids = {}  # token id -> whether its own text is non-empty (asked only of long held-back windows)
+        self._pieces = _pieces(tokenizer, skip_special_tokens)
         self.ids: List[int] = []
         self._start = 0  # the window starts here: context for the ids after _emitted
         self._emitted = 0  # ids before this have had their text emitted
@@ -63,8 +78,11 @@ class IncrementalDetokenizer:
     def _advance(self, final: bool) -> str:
         if self._emitted == len(self.ids):
             return ""
-        done = self._decode(self.ids[self._start : self._emitted])
-        window = self._decode(self.ids[self._start :])
+        start, emitted = self._start, self._emitted
+        # mostly the one id emitted last time: its text alone, decoded once per id of the vocabulary
+        n = emitted - start
+        done = self._piece(self.ids[start]) if n == 1 else self._decode(self.ids[start:emitted]) if n else ""
+        window = self._decode(self.ids[start:])
         if final or (len(window) > len(done) and not window.endswith("\ufffd")):
             self._start, self._emitted = self._emitted, len(self.ids)
             return window[len(done) :]
@@ -79,7 +97,7 @@ class IncrementalDetokenizer:
         # bytes apart later, one U+FFFD each. A character straddling the cut moves it a few ids back.
         cut, carrying = len(self.ids), 0  # before the 3rd last id with text (the first one, if fewer; all, if none)
         for i in range(len(self.ids) - 1, self._emitted - 1, -1):
-            if self._carries_text(self.ids[i]):
+            if self._piece(self.ids[i]):
                 cut, carrying = i, carrying + 1
                 if carrying == _UTF8_TAIL_BYTES:
                     break
@@ -90,10 +108,11 @@ class IncrementalDetokenizer:
                 return text[len(done) :]
         return ""
 
-    def _carries_text(self, token_id: int) -> bool:
-        if token_id not in self._text_ids:
-            self._text_ids[token_id] = self._decode([token_id]) != ""
-        return self._text_ids[token_id]
+    def _piece(self, token_id: int) -> str:
+        text = self._pieces.get(token_id)
+        if text is None:
+            text = self._pieces[token_id] = self._decode([token_id])
+        return text
 
 
 def check_stop_strings(stops: List[str]) -> None:

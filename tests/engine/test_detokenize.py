@@ -1,5 +1,6 @@
 """Incremental detokenization gives the text a full decode gives, delta by delta."""
 
+import gc
 import random
 
 import pytest
@@ -202,3 +203,51 @@ def test_stop_string_limits(stops, message):
     check_stop_strings(["x" * 256] * 16)
     with pytest.raises(ValueError, match=message):
         check_stop_strings(stops)
+
+
+class _CountingTokenizer:
+    """The tiny tokenizer's ``decode``, counted (a class of its own: ``decoder`` then calls it, not the backend)."""
+
+    def __init__(self, tokenizer):
+        self._tokenizer, self.calls = tokenizer, 0
+
+    def decode(self, ids, skip_special_tokens=False):
+        self.calls += 1
+        return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def test_a_streaming_token_costs_one_decode_once_its_ids_texts_are_known(tokenizer):
+    counting = _CountingTokenizer(tokenizer)
+    ids = tokenizer.encode("The quick brown fox jumps over the lazy dog, again and again and again.")
+    first, calls_first = stream(counting, ids), counting.calls
+    counting.calls = 0
+    second = stream(counting, ids)  # another stream of the same tokenizer: every single id's text is known now
+    assert first == second and "".join(first[0]) + first[1] == tokenizer.decode(ids, skip_special_tokens=True)
+    assert counting.calls == len(ids) < calls_first  # the window alone, one per token (was two per token)
+
+
+def test_single_id_texts_are_kept_per_tokenizer_and_skip_special_setting(tokenizer):
+    from lightllm.engine.detokenize import _PIECES
+
+    special = tokenizer.all_special_ids[0]
+    counting = _CountingTokenizer(tokenizer)
+    for skip in (True, False):
+        detok = IncrementalDetokenizer(counting, skip_special_tokens=skip)
+        for t in [special] * (MAX_HELD_TOKENS + 2):  # skipped: held back until the window is cut by texts
+            detok.add(t)
+        detok.finish()
+    assert _PIECES[counting][True][special] == "" and _PIECES[counting][False][special] == tokenizer.decode([special])
+    del counting, detok  # the cache goes with its tokenizer
+    gc.collect()
+    assert all(type(t) is not _CountingTokenizer for t in _PIECES.keys())
+
+
+def test_a_tokenizer_that_cannot_be_weakly_referenced_still_streams(tokenizer):
+    class Slotted:
+        __slots__ = ("decode",)
+
+    slotted = Slotted()
+    slotted.decode = tokenizer.decode
+    ids = tokenizer.encode("naïve café 你好")
+    deltas, rest = stream(slotted, ids)
+    assert "".join(deltas) + rest == tokenizer.decode(ids, skip_special_tokens=True)

@@ -5,6 +5,8 @@ engine gives it in-process (tokens, logprobs, top logprobs, cached tokens, EOS, 
 import math
 import pickle
 
+import pytest
+
 from fake_model import FakeRunner
 
 from lightllm.engine.engine import Engine
@@ -130,7 +132,7 @@ def test_a_handler_waiting_for_its_finish_still_takes_its_events_every_few_token
 
     async def woken_after(events):
         inbox = _Inbox(each_token=False)
-        waiting = asyncio.ensure_future(inbox.get_all(timeout=3600))
+        waiting = asyncio.ensure_future(inbox.get_all())
         await asyncio.sleep(0)  # it waits now
         for n, ev in enumerate(events, 1):
             inbox.put_nowait(ev)
@@ -154,3 +156,53 @@ def test_the_server_keeps_its_start_up_objects_out_of_garbage_collection_while_i
     with TestClient(server.app):
         assert gc.get_freeze_count() > 10000
     assert gc.get_freeze_count() == 0
+
+
+@pytest.mark.parametrize("values", [[0.0, 0.001, 0.0025, 0.0026, 60.0, 61.0, -1.0], [0.003] * 5, []])
+def test_the_step_histogram_exposes_what_prometheus_histogram_would(values):
+    import random
+
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+    from lightllm.server.metrics import LATENCY_BUCKETS, StepHistogram
+
+    values = values + [random.Random(len(values)).expovariate(200) for _ in range(300)]
+    ours, theirs = CollectorRegistry(), CollectorRegistry()
+    step = StepHistogram("x_seconds", "a latency", LATENCY_BUCKETS, ours)
+    reference = Histogram("x_seconds", "a latency", registry=theirs, buckets=LATENCY_BUCKETS)
+    step.observe_many(values[:100])
+    for v in values[100:]:
+        step.observe(v)
+    for v in values:
+        reference.observe(v)
+
+    def lines(registry):
+        return [line for line in generate_latest(registry).decode().splitlines() if "_created" not in line]
+
+    assert lines(ours) == lines(theirs)
+    created = [line for line in generate_latest(ours).decode().splitlines() if line.startswith("x_seconds_created ")]
+    assert len(created) == 1 and float(created[0].split()[1]) > 1e9
+
+
+def test_the_ticker_wakes_each_waiting_inbox_with_nothing_and_takes_it_out_of_waiting():
+    import asyncio
+
+    from lightllm.engine.request import Event
+    from lightllm.server.api_server import _Inbox, _Ticker
+
+    async def main():
+        waiting = set()
+        ticker = _Ticker(asyncio.get_running_loop(), 0.01, waiting)
+        idle, busy = _Inbox(waiting=waiting), _Inbox(waiting=waiting)
+        busy.put_nowait(Event("token", 7))
+        got_busy = await busy.get_all()  # an event is there: no wait, never entered
+        assert not waiting
+        task = asyncio.ensure_future(idle.get_all())
+        await asyncio.sleep(0)
+        assert waiting == {idle}
+        got_idle = await asyncio.wait_for(task, 30)
+        ticker.stop()
+        return got_busy, got_idle, waiting
+
+    busy, idle, waiting = asyncio.run(main())
+    assert [ev.token_id for ev in busy] == [7] and idle == [] and waiting == set()
