@@ -126,6 +126,13 @@ def main():
         help="/generate_stream (an event per token, as serve_load sends) instead of /generate (one answer each)",
     )
     p.add_argument(
+        "--api",
+        choices=["native", "completions"],
+        default="native",
+        help="the route: LightLLM's /generate(_stream) with logprobs, or OpenAI's /v1/completions (the prompt's token "
+        "ids, no logprobs), the path OpenAI clients stream through",
+    )
+    p.add_argument(
         "--torch_threads",
         type=int,
         default=1,
@@ -161,7 +168,8 @@ def main():
                 for http in args.http:  # in turn within a repeat: a drift of the machine reaches every stack alike
                     res = measure(model, vocab, conc, args, env, http)
                     runs.append({"repeat": rep, "concurrency": conc, "http": http, "layout": args.layout,
-                                 "torch_threads": args.torch_threads, "stream": args.stream, **res})  # fmt: skip
+                                 "torch_threads": args.torch_threads, "stream": args.stream, "api": args.api,
+                                 **res})  # fmt: skip
     keys = (
         "tokens_per_s",
         "decode_step_ms",
@@ -177,7 +185,9 @@ def main():
                                                for k in keys}}
               for c in args.concurrency for h in args.http]  # fmt: skip
     print(
-        f"median of {args.repeats} server starts, layout {args.layout}, torch threads {args.torch_threads}; CPU per "
+        f"median of {args.repeats} server starts, layout {args.layout}, torch threads {args.torch_threads}, "
+        f"{'/v1/completions' if args.api == 'completions' else '/generate_stream' if args.stream else '/generate'}; "
+        "CPU per "
         "step (all steps of the load): the engine's process"
         + (" (= the server's: one process)" if args.layout == "thread" else "")
         + ", HTTP's"
@@ -197,7 +207,7 @@ def main():
     with open(args.out, "w") as f:
         json.dump({"machine": platform.machine(), "cpus": os.cpu_count(), "python": platform.python_version(),
                    "layout": args.layout, "torch_threads": args.torch_threads, "stream": args.stream,
-                   "step_ms": args.step_ms, "http": args.http,
+                   "api": args.api, "step_ms": args.step_ms, "http": args.http,
                    "prompt": args.prompt, "output": args.output, "repeats": args.repeats, "runs": runs,
                    "median": median}, f, indent=1)  # fmt: skip
 
@@ -226,10 +236,10 @@ def measure(model: str, vocab: int, batch: int, args, env, http: str = "server")
     with procs.running(cmd, env=env) as proc:
         wait_healthy(proc, base)
         engine = engine_pid(proc.pid) if args.layout == "process" else proc.pid
-        asyncio.run(load(base, 8, 8, args.prompt, 8, vocab))  # warm the paths once
+        asyncio.run(load(base, 8, 8, args.prompt, 8, vocab, stream=args.stream, api=args.api))  # warm the paths once
         cpu = (cpu_seconds(engine), cpu_seconds(proc.pid))
         n = args.requests or 4 * batch
-        res = asyncio.run(load(base, n, 2 * batch, args.prompt, args.output, vocab, stream=args.stream))
+        res = asyncio.run(load(base, n, 2 * batch, args.prompt, args.output, vocab, stream=args.stream, api=args.api))
         steps = res["prefill_steps"] + res["decode_steps"]
         engine_cpu, http_cpu = cpu_seconds(engine) - cpu[0], cpu_seconds(proc.pid) - cpu[1]
     # per request as well: with short outputs (--output 2) admission, prefill and the HTTP request dominate

@@ -89,21 +89,34 @@ def token_gaps(arrivals):
     return [(b - a) / n for (a, _), (b, n) in zip(reads, reads[1:]) for _ in range(n)]
 
 
-async def _one(client, base, prompt, out_len, stream):
+async def _one(client, base, prompt, out_len, stream, api="native"):
     """One request: (tokens, all logprobs finite, seconds to its first token, the gaps between its tokens, seconds to
-    its response headers: a stream's handler submits it to the engine just before it sends them)."""
-    body = {"inputs": prompt, "parameters": {"max_new_tokens": out_len, "ignore_eos": True, "logprobs": True}}
+    its response headers: a stream's handler submits it to the engine just before it sends them). ``api``: "native"
+    (/generate_stream or /generate, with logprobs) or "completions" (OpenAI's /v1/completions with the prompt's token
+    ids, as OpenAI clients stream; no logprobs: the check is then vacuous)."""
+    if api == "completions":
+        body = {"prompt": prompt, "max_tokens": out_len, "ignore_eos": True, "stream": stream}
+        route = "/v1/completions"
+    else:
+        body = {"inputs": prompt, "parameters": {"max_new_tokens": out_len, "ignore_eos": True, "logprobs": True}}
+        route = "/generate_stream" if stream else "/generate"
     t0 = time.perf_counter()
     if not stream:
-        r = await client.post(base + "/generate", json=body)
+        r = await client.post(base + route, json=body)
         r.raise_for_status()
         data = r.json()
+        if api == "completions":
+            return data["usage"]["completion_tokens"], True, None, [], None
         return len(data["token_ids"]), all(math.isfinite(x) for x in data["logprobs"]), None, [], None
     times, finite = [], True
-    async with client.stream("POST", base + "/generate_stream", json=body) as r:
+    async with client.stream("POST", base + route, json=body) as r:
         headers = time.perf_counter() - t0
         r.raise_for_status()
         async for now, event in sse_events(r):
+            if api == "completions":  # a token's chunk has no finish reason; the last one (no token) has
+                if event["choices"] and event["choices"][0]["finish_reason"] is None:
+                    times.append(now)
+                continue
             token = event["token"]
             if token["id"] is not None:
                 times.append(now)
@@ -121,7 +134,7 @@ async def open_connections(client, base, n):
         r.raise_for_status()
 
 
-async def _shard(base, arrivals, prompts, concurrency, out_len, stream, start_at):
+async def _shard(base, arrivals, prompts, concurrency, out_len, stream, api, start_at):
     """This process's share of a load: its requests at their offsets from the wall-clock time ``start_at`` (or from
     when its connections are open, if later). Returns the per-request results, its CPU seconds and when (wall clock)
     its clock started and its last request ended."""
@@ -135,7 +148,7 @@ async def _shard(base, arrivals, prompts, concurrency, out_len, stream, start_at
         async def scheduled(at, prompt):
             await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
             async with sem:
-                return await _one(client, base, prompt, out_len, stream)
+                return await _one(client, base, prompt, out_len, stream, api)
 
         results = await asyncio.gather(*(scheduled(at, p) for at, p in zip(arrivals, prompts)))
         cpu, seconds = time.process_time() - cpu0, time.perf_counter() - t0
@@ -169,9 +182,12 @@ def deal(arrivals, prompts, concurrency: int, parts: int):
     return [(arrivals[i::parts], prompts[i::parts], share) for i, share in enumerate(shares)]
 
 
-async def load(base, n, concurrency, prompt_len, out_len, vocab, seed=0, rate=0.0, stream=False, client_procs=1):
-    """``n`` requests of ``request_schedule(seed, ...)`` to /generate_stream (``stream``) or /generate, at most
-    ``concurrency`` at a time, each with logprobs, from ``client_procs`` processes: output tokens/s, time to first
+async def load(
+    base, n, concurrency, prompt_len, out_len, vocab, seed=0, rate=0.0, stream=False, client_procs=1, api="native"
+):
+    """``n`` requests of ``request_schedule(seed, ...)`` to /generate_stream (``stream``) or /generate (``api``
+    "completions": OpenAI's /v1/completions, see ``_one``), at most ``concurrency`` at a time, from ``client_procs``
+    processes: output tokens/s, time to first
     token and inter-token latency as the client sees them (streaming only), the client's and the engine's busy
     shares, and the server's step statistics over the run."""
     arrivals, prompts = request_schedule(seed, n, prompt_len, vocab, rate)
@@ -179,9 +195,9 @@ async def load(base, n, concurrency, prompt_len, out_len, vocab, seed=0, rate=0.
     before = await engine_steps(base)
     if client_procs == 1:
         start = time.time()
-        shards = [await _shard(base, arrivals, prompts, concurrency, out_len, stream, start)]
+        shards = [await _shard(base, arrivals, prompts, concurrency, out_len, stream, api, start)]
     else:
-        work = [(base, *shard, out_len, stream) for shard in deal(arrivals, prompts, concurrency, client_procs)]
+        work = [(base, *shard, out_len, stream, api) for shard in deal(arrivals, prompts, concurrency, client_procs)]
         ctx = multiprocessing.get_context("spawn")  # no fork of a process that holds an event loop
         barrier = ctx.Barrier(client_procs + 1)
         with ctx.Pool(client_procs, initializer=_ready, initargs=(barrier, base)) as pool:

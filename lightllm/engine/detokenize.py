@@ -31,17 +31,33 @@ _MAX_CUT_TRIES = 8  # cut positions tried per token, from the latest one back
 _GENERIC_DECODE = ("transformers.tokenization_utils_tokenizers", "transformers.tokenization_utils_fast")
 
 
-def decoder(tokenizer, skip_special_tokens: bool) -> Callable[[List[int]], str]:
-    """``tokenizer.decode`` for lists of ids, called on the Rust backend directly when that is all it does (a
-    fast tokenizer whose class keeps transformers' own ``decode`` and ``_decode``, no space clean-up): the same
-    text for a third of the cost (benchmarks/stream_host_cost.py), and a stream decodes twice per token."""
+def _backend(tokenizer):
+    """The Rust tokenizer when ``tokenizer.decode`` is its decode and nothing more (a fast tokenizer whose class keeps
+    transformers' own ``decode`` and ``_decode``, no space clean-up), else None."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     impl = getattr(type(tokenizer), "_decode", None)
     outer = getattr(type(tokenizer), "decode", None)
     direct = (backend is not None and getattr(impl, "__module__", None) in _GENERIC_DECODE
               and getattr(outer, "__module__", None) in _GENERIC_DECODE + ("transformers.tokenization_utils_base",)
               and not getattr(tokenizer, "clean_up_tokenization_spaces", False))  # fmt: skip
-    return functools.partial((backend if direct else tokenizer).decode, skip_special_tokens=skip_special_tokens)
+    return backend if direct else None
+
+
+def decoder(tokenizer, skip_special_tokens: bool) -> Callable[[List[int]], str]:
+    """``tokenizer.decode`` for lists of ids, called on the Rust backend directly where that is all it does: the
+    same text for a third of the cost (benchmarks/stream_host_cost.py)."""
+    backend = _backend(tokenizer)
+    return functools.partial((backend or tokenizer).decode, skip_special_tokens=skip_special_tokens)
+
+
+def pieces_join(tokenizer) -> bool:
+    """Whether the text of two ids is the text of one then the other's wherever neither holds an incomplete
+    character: a byte-level BPE's decoder (GPT-2's, Qwen's) turns the ids into bytes and decodes them together, so
+    complete pieces just join. Not so for others: SentencePiece's drops the space of a text's first word."""
+    from tokenizers import decoders
+
+    backend = _backend(tokenizer)
+    return backend is not None and isinstance(backend.decoder, decoders.ByteLevel)
 
 
 # tokenizer -> {skip_special_tokens: {token id: its text alone}}, shared by every stream of that tokenizer
@@ -62,6 +78,7 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer, skip_special_tokens: bool = True):
         self._decode = decoder(tokenizer, skip_special_tokens)
         self._pieces = _pieces(tokenizer, skip_special_tokens)
+        self._joins = pieces_join(tokenizer)
         self.ids: List[int] = []
         self._start = 0  # the window starts here: context for the ids after _emitted
         self._emitted = 0  # ids before this have had their text emitted
@@ -76,13 +93,16 @@ class IncrementalDetokenizer:
         return self._advance(final=True)
 
     def _advance(self, final: bool) -> str:
-        if self._emitted == len(self.ids):
+        ids, start, emitted = self.ids, self._start, self._emitted
+        if emitted == len(ids):
             return ""
-        start, emitted = self._start, self._emitted
-        # mostly the one id emitted last time: its text alone, decoded once per id of the vocabulary
-        n = emitted - start
-        done = self._piece(self.ids[start]) if n == 1 else self._decode(self.ids[start:emitted]) if n else ""
-        window = self._decode(self.ids[start:])
+        if self._joins and len(ids) == emitted + 1 and emitted - start <= 1:
+            # a stream that keeps up: one new id after the one emitted last; no decoding where both texts are whole
+            new = self._piece(ids[emitted])
+            if new and "\ufffd" not in new and (start == emitted or "\ufffd" not in self._piece(ids[start])):
+                self._start, self._emitted = emitted, emitted + 1
+                return new
+        done, window = self._text(start, emitted), self._text(start, len(ids))
         if final or (len(window) > len(done) and not window.endswith("\ufffd")):
             self._start, self._emitted = self._emitted, len(self.ids)
             return window[len(done) :]
@@ -107,6 +127,12 @@ class IncrementalDetokenizer:
                 self._start, self._emitted = self._emitted, cut
                 return text[len(done) :]
         return ""
+
+    def _text(self, lo: int, hi: int) -> str:
+        """The text of ``ids[lo:hi]``; a single id's is decoded once per id of the vocabulary."""
+        if hi - lo == 1:
+            return self._piece(self.ids[lo])
+        return self._decode(self.ids[lo:hi]) if hi > lo else ""
 
     def _piece(self, token_id: int) -> str:
         text = self._pieces.get(token_id)

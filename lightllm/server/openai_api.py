@@ -10,12 +10,14 @@ import json
 import re
 import time
 import uuid
-from typing import AsyncIterator, Dict, List, Optional, Sequence, Tuple
+from typing import AsyncIterator, Callable, Dict, List, Optional, Sequence, Tuple
 
 from lightllm.engine.detokenize import IncrementalDetokenizer
 from lightllm.server.bodies import ChatRequest, CompletionRequest
 from lightllm.server.chat_output import ChatParsing, merge_deltas
 from lightllm.server.http_guards import BadRequest
+
+json_str = json.encoder.encode_basestring_ascii  # json.dumps of a str (ensure_ascii), in C
 
 # Message roles OpenAI clients send; "developer" (OpenAI's newer name for system) reaches the template as "system",
 # which is the role chat templates know (Qwen3's renders no other role in the system slot, and skips unknown ones).
@@ -358,6 +360,7 @@ class OpenAIReply:
                 yield self._sse(kind, [{"index": i, "text": self._echo(i // self.n), "logprobs": None,
                                         "finish_reason": None}])  # fmt: skip
         outputs = [self.parsing.new_output() for _ in seqs] if self.parsing else None
+        plain = self._plain_chunk(kind)
         async for ready in self.server.merged_streams(seqs, request, cached, submitted):
             chunk = []  # what is ready together goes out in one write (see Server._stream)
             for i, (delta, ev, fin) in ready:
@@ -381,6 +384,9 @@ class OpenAIReply:
                     elif not fields and lps is None:
                         continue  # all held back (a tag may be starting): nothing to send yet
                     choice = {"index": i, "delta": fields}
+                elif fin is None and lps is None:
+                    chunk.append(plain(i, delta))
+                    continue
                 elif self.chat:
                     choice = {"index": i, "delta": {"content": delta} if delta or not fin else {}}
                 else:
@@ -402,9 +408,22 @@ class OpenAIReply:
         parts = [self.logprobs.completion([t], [lp], [top], at) for t, lp, top, (at, _) in zip(ids, lps, tops, tokens)]
         return {key: [x for p in parts for x in p[key]] for key in parts[0]}
 
+    def _plain_chunk(self, kind: str) -> Callable[[int, str], str]:
+        """``(choice index, text delta) -> event`` of a token without logprobs that does not finish its choice (the
+        hot path: one per token), formatted directly: ``_sse``'s text for that choice, character for character."""
+        pre = self._sse_head(kind) + '{"index": '
+        mid, post = (', "delta": {"content": ', "}") if self.chat else (', "text": ', "")
+        post += ', "logprobs": null, "finish_reason": null}]}\n\n'
+        return lambda i, delta: f"{pre}{int(i)}{mid}{json_str(delta)}{post}"
+
+    def _sse_head(self, kind: str) -> str:
+        """An event's text up to its choices' first one: ``_sse``'s, ``json.dumps``'s formatting."""
+        return (f'data: {{"id": {json.dumps(self.id)}, "object": {json.dumps(kind)}, "created": {int(self.created)}, '
+                f'"model": {json.dumps(self.server.model_name)}, "choices": [')  # fmt: skip
+
     def _sse(self, kind: str, choices: list, usage: Optional[dict] = None) -> str:
-        body = {"id": self.id, "object": kind, "created": self.created, "model": self.server.model_name,
-                "choices": choices}  # fmt: skip
+        """``data: `` and the JSON of {id, object, created, model, choices, usage (when given)}."""
+        text = self._sse_head(kind) + json.dumps(choices)[1:]  # the head opened the list
         if usage is not None:
-            body["usage"] = usage
-        return f"data: {json.dumps(body)}\n\n"
+            text += ', "usage": ' + json.dumps(usage)
+        return text + "}\n\n"

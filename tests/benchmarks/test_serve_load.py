@@ -148,7 +148,7 @@ def test_every_request_of_a_load_goes_out_on_a_connection_opened_before_the_cloc
 
     monkeypatch.setattr(load_client, "_one", one)
     try:
-        out = asyncio.run(load_client._shard(base, [0.0] * 12, [[1]] * 12, 4, 3, True, 0.0))
+        out = asyncio.run(load_client._shard(base, [0.0] * 12, [[1]] * 12, 4, 3, True, "native", 0.0))
     finally:
         server.shutdown()
     assert len(out["results"]) == 12 and len(opened) == 4 and len(set(opened)) == 4

@@ -223,7 +223,8 @@ def test_a_streaming_token_costs_one_decode_once_its_ids_texts_are_known(tokeniz
     counting.calls = 0
     second = stream(counting, ids)  # another stream of the same tokenizer: every single id's text is known now
     assert first == second and "".join(first[0]) + first[1] == tokenizer.decode(ids, skip_special_tokens=True)
-    assert counting.calls == len(ids) < calls_first  # the window alone, one per token (was two per token)
+    # the window alone (the id emitted last and the new one), one per token but the first (was two per token)
+    assert counting.calls == len(ids) - 1 < calls_first
 
 
 def test_single_id_texts_are_kept_per_tokenizer_and_skip_special_setting(tokenizer):
@@ -251,3 +252,37 @@ def test_a_tokenizer_that_cannot_be_weakly_referenced_still_streams(tokenizer):
     ids = tokenizer.encode("naïve café 你好")
     deltas, rest = stream(slotted, ids)
     assert "".join(deltas) + rest == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def _metaspace_tokenizer():
+    """A SentencePiece-style fast tokenizer: a word's text alone has no leading space, after another word it has."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.WordLevel({"<unk>": 0, "\u2581hello": 1, "\u2581world": 2, "\u2581again": 3},
+                                         unk_token="<unk>"))  # fmt: skip
+    backend.pre_tokenizer, backend.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, clean_up_tokenization_spaces=False)
+
+
+def test_pieces_join_only_for_a_byte_level_decoder_called_directly(tokenizer):
+    from lightllm.engine.detokenize import pieces_join
+
+    metaspace = _metaspace_tokenizer()
+    assert metaspace.decode([1, 2]) == "hello world" and metaspace.decode([2]) == "world"  # so pieces don't join
+    assert pieces_join(tokenizer) and not pieces_join(metaspace) and not pieces_join(_CountingTokenizer(tokenizer))
+    ids = [1, 2, 3, 2, 1]
+    deltas, rest = stream(metaspace, ids)
+    assert deltas == ["hello", " world", " again", " world", " hello"] and rest == ""
+
+
+def test_a_byte_level_stream_of_whole_pieces_decodes_nothing_once_they_are_known(tokenizer):
+    ids = tokenizer.encode("Hello, wörld! 你好 🙂 naïve café — plain words and more plain words.")
+    stream(tokenizer, ids)  # every single id's text is known from here on
+    detok, calls = IncrementalDetokenizer(tokenizer), []
+    decode = detok._decode
+    detok._decode = lambda window: calls.append(window) or decode(window)
+    text = "".join(detok.add(t) for t in ids) + detok.finish()
+    assert text == tokenizer.decode(ids, skip_special_tokens=True)
+    split = [t for t in ids if "\ufffd" in tokenizer.decode([t])]  # bytes of characters split across ids
+    assert split and 0 < len(calls) <= 2 * len(split)  # decoding only around them

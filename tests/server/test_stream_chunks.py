@@ -4,6 +4,8 @@ process fell behind on go out in one send, not one send per token; tokens that a
 import asyncio
 import json
 
+import pytest
+
 from fake_model import make_server
 
 from lightllm.engine.request import Event
@@ -134,6 +136,60 @@ def test_token_events_are_the_json_of_the_event_they_stand_for():
                            "count_output_tokens": count, "prompt_tokens": prompt},
                  "generated_text": None, "finished": False, "finish_reason": None, "details": None}  # fmt: skip
         assert _token_event(token_id, text, logprob, special, count, prompt) == f"data: {json.dumps(event)}\n\n"
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_openai_token_chunks_are_the_json_of_the_event_they_stand_for(chat):
+    """A plain token's chunk (no logprobs, not the last) is formatted directly; every chunk is ``data: `` and
+    ``json.dumps`` of {id, object, created, model, choices[, usage]}, character for character."""
+    import random
+
+    server = make_server()
+    server.model_name = 'a "model" % with \\ and é'
+    reply = OpenAIReply(server, chat, [[0, 1]], 1, 1, None, False)
+    kind = reply.kind + ".chunk" if chat else reply.kind
+    plain = reply._plain_chunk(kind)
+    rng = random.Random(int(chat))
+    alphabet = 'ab "\\\n\t\r\x00\x1f\x7f/é你🙂\u2028\ufffd%s{}'
+    for _ in range(300):
+        delta, i = "".join(rng.choice(alphabet) for _ in range(rng.randrange(0, 6))), rng.randrange(300)
+        choice = {"index": i, "delta": {"content": delta}} if chat else {"index": i, "text": delta}
+        choices = [{**choice, "logprobs": None, "finish_reason": None}]
+        body = {
+            "id": reply.id,
+            "object": kind,
+            "created": reply.created,
+            "model": server.model_name,
+            "choices": choices,
+        }
+        assert plain(i, delta) == reply._sse(kind, choices) == f"data: {json.dumps(body)}\n\n"
+    usage = {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}
+    body = {"id": reply.id, "object": kind, "created": reply.created, "model": server.model_name, "choices": [],
+            "usage": usage}  # fmt: skip
+    assert reply._sse(kind, [], usage=usage) == f"data: {json.dumps(body)}\n\n"
+
+
+def test_a_single_sequence_stream_needs_no_task_of_its_own_and_aborts_when_closed():
+    """One sequence (the usual request) is followed directly, not through a pump task; leaving it early aborts it."""
+
+    async def main():
+        server = make_server()
+        gates = scripted(server, BURSTS)
+        aborted = []
+        server.engine.abort = lambda rid, reason="abort": aborted.append(reason)
+        tasks_before = len(asyncio.all_tasks())
+        stream = server.merged_streams([([0, 1], SamplingParams(max_new_tokens=5))], Connected())
+        first = await stream.__anext__()
+        tasks_during = len(asyncio.all_tasks())
+        for gate in gates:
+            gate.set_result(None)
+        await stream.aclose()  # the client left after its first chunk
+        return first, tasks_during - tasks_before, aborted
+
+    first, extra_tasks, aborted = asyncio.run(main())
+    assert [(i, ev.token_id) for i, (_, ev, _) in first] == [(0, 1)]
+    assert extra_tasks == 1  # the scripted engine's feeder, no pump
+    assert aborted == ["abort"]
 
 
 def finished_counts(server):
