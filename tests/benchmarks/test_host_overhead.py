@@ -20,3 +20,16 @@ def test_both_http_stacks_stream_every_token_at_a_gpu_steps_pace(tmp_path):
         assert run["decode_step_ms"] >= 1.0 and run["http_cpu_us_per_token"] > 0
     assert [m["http"] for m in result["median"]] == ["server", "h11"]
     assert "HTTP us/token" in done.stdout
+
+
+def test_openai_completions_streams_are_counted_token_by_token(tmp_path):
+    out = tmp_path / "ho.json"
+    done = run_benchmark("host_overhead", "--stream", "--api", "completions", "--concurrency", "2", "--requests", "4",
+                         "--output", "16", "--repeats", "1", "--out", str(out))  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["api"] == "completions" and [r["api"] for r in result["runs"]] == ["completions"]
+    run = result["runs"][0]
+    # every token's chunk reached the client as one (ignore_eos: all 16 of each), each with its own arrival time
+    assert run["all_complete_finite"] and run["output_tokens"] == 4 * 16 and run["ttft_mean_ms"] > 0
+    assert "/v1/completions" in done.stdout

@@ -139,7 +139,7 @@ def test_every_request_of_a_load_goes_out_on_a_connection_opened_before_the_cloc
     base = f"http://127.0.0.1:{server.server_address[1]}"
     opened = []
 
-    async def one(client, base, prompt, out_len, stream):  # a request of the load: the same pool, another GET
+    async def one(client, base, prompt, out_len, stream, api):  # a request of the load: the same pool, another GET
         if not opened:
             opened.extend(ports)  # what the warm-up opened, before the first request of the load
         await asyncio.sleep(0.01)  # in flight together, as streams are
@@ -163,7 +163,7 @@ def test_a_loads_seconds_leave_out_the_connections_opened_before_its_clock(load_
     async def slow_open(client, base, n):
         await asyncio.sleep(1.0)
 
-    async def one(client, base, prompt, out_len, stream):
+    async def one(client, base, prompt, out_len, stream, api):
         await asyncio.sleep(0.1)
         return out_len, True, 0.01, [], 0.005
 
