@@ -69,7 +69,7 @@ def _pieces(tokenizer, skip_special_tokens: bool) -> Dict[int, str]:
     emitted part, so this is half of a stream's decoding). At most one entry per id the model can emit."""
     try:
         per_tokenizer = _PIECES.setdefault(tokenizer, {})
-    except TypeError:  # not weakly referenceable: a cache of this stream's own
+    except TypeError:  # not weakly referenceable (or not hashable): a cache of this stream's own
         return {}
     return per_tokenizer.setdefault(skip_special_tokens, {})
 

@@ -48,9 +48,9 @@ from lightllm.server.metrics import Metrics
 from lightllm.server.http_guards import BadRequest, BodyLimit, ModelNotFound, install_error_handlers
 from lightllm.server.openai_api import (
     OpenAIReply,
-    json_str,
     chat_messages,
     check_unsupported,
+    json_str,
     prompt_list,
     sampling_options,
     template_options,
