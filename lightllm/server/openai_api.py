@@ -18,6 +18,7 @@ from lightllm.server.chat_output import ChatParsing, merge_deltas
 from lightllm.server.http_guards import BadRequest
 
 json_str = json.encoder.encode_basestring_ascii  # json.dumps of a str (ensure_ascii), in C
+_TEXT_FIELDS = frozenset({"content", "reasoning_content"})  # a chat delta's text fields
 
 # Message roles OpenAI clients send; "developer" (OpenAI's newer name for system) reaches the template as "system",
 # which is the role chat templates know (Qwen3's renders no other role in the system slot, and skips unknown ones).
@@ -383,6 +384,10 @@ class OpenAIReply:
                         fin = outputs[i].finish_reason(fin)
                     elif not fields and lps is None:
                         continue  # all held back (a tag may be starting): nothing to send yet
+                    elif fin is None and lps is None and len(fields) == 1 and _TEXT_FIELDS.intersection(fields):
+                        field, text = next(iter(fields.items()))
+                        chunk.append(plain(i, text, field))
+                        continue
                     choice = {"index": i, "delta": fields}
                 elif fin is None and lps is None:
                     chunk.append(plain(i, delta))
@@ -408,13 +413,16 @@ class OpenAIReply:
         parts = [self.logprobs.completion([t], [lp], [top], at) for t, lp, top, (at, _) in zip(ids, lps, tops, tokens)]
         return {key: [x for p in parts for x in p[key]] for key in parts[0]}
 
-    def _plain_chunk(self, kind: str) -> Callable[[int, str], str]:
-        """``(choice index, text delta) -> event`` of a token without logprobs that does not finish its choice (the
-        hot path: one per token), formatted directly: ``_sse``'s text for that choice, character for character."""
+    def _plain_chunk(self, kind: str) -> Callable[..., str]:
+        """``(choice index, text delta[, chat delta field]) -> event`` of a token without logprobs that does not finish
+        its choice (the hot path: one per token), formatted directly: ``_sse``'s text for that choice, character for
+        character. ``field`` (chat): "content", or "reasoning_content" (one of ``_TEXT_FIELDS``)."""
         pre = self._sse_head(kind) + '{"index": '
-        mid, post = (', "delta": {"content": ', "}") if self.chat else (', "text": ', "")
-        post += ', "logprobs": null, "finish_reason": null}]}\n\n'
-        return lambda i, delta: f"{pre}{int(i)}{mid}{json_str(delta)}{post}"
+        post = ', "logprobs": null, "finish_reason": null}]}\n\n'
+        if not self.chat:
+            return lambda i, delta: f'{pre}{int(i)}, "text": {json_str(delta)}{post}'
+        mids = {field: f', "delta": {{"{field}": ' for field in _TEXT_FIELDS}
+        return lambda i, delta, field="content": f"{pre}{int(i)}{mids[field]}{json_str(delta)}}}{post}"
 
     def _sse_head(self, kind: str) -> str:
         """An event's text up to its choices' first one: ``_sse``'s, ``json.dumps``'s formatting."""

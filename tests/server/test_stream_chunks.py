@@ -151,18 +151,15 @@ def test_openai_token_chunks_are_the_json_of_the_event_they_stand_for(chat):
     plain = reply._plain_chunk(kind)
     rng = random.Random(int(chat))
     alphabet = 'ab "\\\n\t\r\x00\x1f\x7f/é你🙂\u2028\ufffd%s{}'
-    for _ in range(300):
+    for n in range(300):
         delta, i = "".join(rng.choice(alphabet) for _ in range(rng.randrange(0, 6))), rng.randrange(300)
-        choice = {"index": i, "delta": {"content": delta}} if chat else {"index": i, "text": delta}
+        field = ("content", "reasoning_content")[n % 2]  # chat: the answer's text, or its reasoning's
+        choice = {"index": i, "delta": {field: delta}} if chat else {"index": i, "text": delta}
         choices = [{**choice, "logprobs": None, "finish_reason": None}]
-        body = {
-            "id": reply.id,
-            "object": kind,
-            "created": reply.created,
-            "model": server.model_name,
-            "choices": choices,
-        }
-        assert plain(i, delta) == reply._sse(kind, choices) == f"data: {json.dumps(body)}\n\n"
+        body = {"id": reply.id, "object": kind, "created": reply.created, "model": server.model_name,
+                "choices": choices}  # fmt: skip
+        formatted = plain(i, delta, field) if chat else plain(i, delta)
+        assert formatted == reply._sse(kind, choices) == f"data: {json.dumps(body)}\n\n"
     usage = {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}
     body = {"id": reply.id, "object": kind, "created": reply.created, "model": server.model_name, "choices": [],
             "usage": usage}  # fmt: skip
