@@ -4,9 +4,9 @@ and never waits for HTTP: the two share no GIL.
 
 What crosses, batched both ways, pickled over one ``multiprocessing`` pipe:
 
-- HTTP -> engine, one message per turn of the HTTP event loop that posted anything (``_PipeWriter``), holding
-  everything posted in it: ``("submit", id, prompt ids, SamplingParams, arrival)``, ``("abort", id, reason)``,
-  ``("abort_all",)``, ``("stop",)``. A thread of the engine process receives them and queues them for the next step.
+- HTTP -> engine, one message per wake-up of the HTTP side's sender thread, holding everything queued since the
+  last: ``("submit", id, prompt ids, SamplingParams, arrival)``, ``("abort", id, reason)``, ``("abort_all",)``,
+  ``("stop",)``. A thread of the engine process receives them and queues them for the next step.
 - engine -> HTTP, one message per step, ``("step", records, calls)``: the step's events in order, and its observer
   calls (the step's token latencies in one ``on_tokens``; last, ``on_engine_message`` with the send time),
   replayed on the HTTP side's ``Metrics``. A record is either the step's sampled tokens as columns, ``("tokens",
@@ -21,19 +21,16 @@ HTTP process does (its pipe closes, its parent changes) and ignores SIGINT: Ctrl
 and the HTTP process stops it after the drain.
 """
 
-import asyncio
 import ctypes
 import itertools
 import logging
 import math
 import multiprocessing as mp
 import os
+import queue
 import signal
-import socket
-import struct
 import threading
 import time
-from multiprocessing.reduction import ForkingPickler
 from types import SimpleNamespace
 from typing import Callable, Dict, List, Optional, Sequence
 
@@ -91,7 +88,7 @@ class EngineProcess:
         self.on_exit: List[Callable[[], None]] = []  # called on the event loop when the engine process dies
         self.problem: Optional[str] = None  # why it is gone, once it is
         self._emits: Dict[str, Callable[[Event], None]] = {}  # request id -> its emit, on the event loop only
-        self._writer: Optional[_PipeWriter] = None  # once ready (a held process's pipe stays this object's alone)
+        self._outbox: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()
         self._loop = None
         self._stopping = False
         # Once the reader runs it is the only thread that waits for the engine process: two waits race, and the
@@ -122,14 +119,11 @@ class EngineProcess:
             self.process.join(10)
             raise EngineStartError(info)
         self.args, self.config, self.model_dir = info["args"], SimpleNamespace(**info["config"]), info["model_dir"]
-        self._writer = _PipeWriter(self._conn)
+        threading.Thread(target=self._send_loop, name="lightllm-engine-send", daemon=True).start()
 
     def bind(self, loop) -> None:
-        """Deliver to ``loop`` (the HTTP event loop) and write from it; ``start`` then starts reading the engine's
-        messages."""
+        """Deliver to ``loop`` (the HTTP event loop); ``start`` then starts reading the engine's messages."""
         self._loop = loop
-        if self._writer is not None:
-            self._writer.bind(loop)
 
     def start(self) -> None:
         self._reader = threading.Thread(target=self._read_loop, name="lightllm-engine-read", daemon=True)
@@ -142,13 +136,13 @@ class EngineProcess:
             req.emit(Event("finish", finish_reason="error"))
             return
         self._emits[req.id] = req.emit
-        self._writer.post(("submit", req.id, req.prompt_ids, req.params, req.arrival))
+        self._outbox.put(("submit", req.id, req.prompt_ids, req.params, req.arrival))
 
     def abort(self, request_id: str, reason: str = "abort") -> None:
-        self._writer.post(("abort", request_id, reason))
+        self._outbox.put(("abort", request_id, reason))
 
     def abort_all(self) -> None:
-        self._writer.post(("abort_all",))
+        self._outbox.put(("abort_all",))
 
     # ---- the EngineLoop's side -----------------------------------------------------------------------------
 
@@ -173,8 +167,8 @@ class EngineProcess:
         self._stopping = True
         if self._process_alive() and self.args is None:  # still starting (Ctrl+C while loading): nothing to drain
             self.process.terminate()
-        elif self._process_alive() and self._writer is not None:
-            self._writer.send_now(("stop",))  # now: the event loop, if this runs on it, waits here until the end
+        elif self._process_alive():
+            self._outbox.put(("stop",))
         if self._reader is None:
             self.process.join(timeout)
             clean = not self.process.is_alive()
@@ -186,11 +180,22 @@ class EngineProcess:
                 self.process.join()
             else:
                 self._reaped.wait()
-        if self._writer is not None:
-            self._writer.close()
         return clean
 
     # ---- threads -------------------------------------------------------------------------------------------
+
+    def _send_loop(self) -> None:
+        """Everything queued since the last send goes in one message, so the event loop never waits on the pipe."""
+        while True:
+            items = [self._outbox.get()]
+            while not self._outbox.empty():
+                items.append(self._outbox.get())
+            try:
+                self._conn.send(items)
+            except (OSError, ValueError):  # the engine is gone: the reader reports it
+                return
+            if any(item[0] == "stop" for item in items):
+                return
 
     def _read_loop(self) -> None:
         deliver = True  # until the event loop is closed; the pipe is still drained then, so the engine never blocks
@@ -232,102 +237,6 @@ class EngineProcess:
             emit(Event("finish", finish_reason="error"))
         for callback in self.on_exit:
             callback()
-
-
-class _PipeWriter:
-    """The HTTP side's messages to the engine process, written by the event loop: what is posted during one turn of
-    the loop goes out as one message at the turn's end, framed as ``multiprocessing.Connection.recv`` reads it, and
-    without blocking: what the pipe cannot take yet is written once it can. (A sender thread did this before; its
-    wake-up per message cost a GIL hand-off each way, on the path of every request's submission.) Posted from
-    another thread, or with no loop running (before serving, after it, or ``send_now``), it is written at once.
-    Nothing is written after a "stop"."""
-
-    def __init__(self, conn):
-        # its own handle on the pipe: sends that never block (MSG_DONTWAIT) while the fd stays blocking for the reader
-        self._sock = socket.socket(fileno=os.dup(conn.fileno()))
-        self._loop: Optional[asyncio.AbstractEventLoop] = None
-        self._items: List[tuple] = []
-        self._buf = bytearray()  # framed, not yet written
-        self._scheduled = self._watching = self._stopped = False
-
-    def bind(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
-
-    def post(self, item: tuple) -> None:
-        loop = self._loop
-        if loop is None or not loop.is_running():
-            self.send_now(item)
-        elif _running_loop() is not loop:
-            loop.call_soon_threadsafe(self.post, item)
-        else:
-            self._items.append(item)
-            if not self._scheduled:
-                self._scheduled = True
-                loop.call_soon(self._flush)
-
-    def send_now(self, item: tuple) -> None:
-        """``item`` and everything before it, written before this returns (blocking)."""
-        self._items.append(item)
-        self._frame()
-        if self._watching:
-            self._watch(False)
-        try:
-            self._sock.sendall(self._buf)
-        except OSError:  # the engine is gone: the reader reports it
-            pass
-        self._buf.clear()
-
-    def close(self) -> None:
-        if self._watching:
-            self._watch(False)
-        self._stopped = True
-        self._sock.close()
-
-    def _flush(self) -> None:
-        self._scheduled = False
-        self._frame()
-        self._write()
-
-    def _frame(self) -> None:
-        if self._stopped:
-            self._items.clear()
-        if not self._items:
-            return
-        data = ForkingPickler.dumps(self._items)
-        self._stopped = any(item[0] == "stop" for item in self._items)
-        self._items = []
-        size = len(data)  # Connection's header: a signed 32-bit size, or -1 and a 64-bit one
-        self._buf += struct.pack("!i", size) if size <= 0x7FFFFFFF else struct.pack("!iQ", -1, size)
-        self._buf += data
-
-    def _write(self) -> None:
-        while self._buf:
-            try:
-                sent = self._sock.send(self._buf, socket.MSG_DONTWAIT)
-            except BlockingIOError:  # full: the engine's receiver is behind; the loop calls again when there is room
-                break
-            except OSError:
-                self._buf.clear()
-                break
-            del self._buf[:sent]
-        if bool(self._buf) != self._watching:
-            self._watch(bool(self._buf))
-
-    def _watch(self, on: bool) -> None:
-        self._watching = on
-        if self._loop is None or self._loop.is_closed():
-            return
-        if on:
-            self._loop.add_writer(self._sock.fileno(), self._write)
-        else:
-            self._loop.remove_writer(self._sock.fileno())
-
-
-def _running_loop() -> Optional[asyncio.AbstractEventLoop]:
-    try:
-        return asyncio.get_running_loop()
-    except RuntimeError:
-        return None
 
 
 def replay(records: list, emits: Dict[str, Callable[[Event], None]]) -> None:
