@@ -187,8 +187,7 @@ def main():
     print(
         f"median of {args.repeats} server starts, layout {args.layout}, torch threads {args.torch_threads}, "
         f"{'/v1/completions' if args.api == 'completions' else '/generate_stream' if args.stream else '/generate'}; "
-        "CPU per "
-        "step (all steps of the load): the engine's process"
+        "CPU per step (all steps of the load): the engine's process"
         + (" (= the server's: one process)" if args.layout == "thread" else "")
         + ", HTTP's"
     )

@@ -187,9 +187,8 @@ async def load(
 ):
     """``n`` requests of ``request_schedule(seed, ...)`` to /generate_stream (``stream``) or /generate (``api``
     "completions": OpenAI's /v1/completions, see ``_one``), at most ``concurrency`` at a time, from ``client_procs``
-    processes: output tokens/s, time to first
-    token and inter-token latency as the client sees them (streaming only), the client's and the engine's busy
-    shares, and the server's step statistics over the run."""
+    processes: output tokens/s, time to first token and inter-token latency as the client sees them (streaming only),
+    the client's and the engine's busy shares, and the server's step statistics over the run."""
     arrivals, prompts = request_schedule(seed, n, prompt_len, vocab, rate)
     client_procs = max(1, min(client_procs, concurrency, n))
     before = await engine_steps(base)
