@@ -184,25 +184,34 @@ def test_the_step_histogram_exposes_what_prometheus_histogram_would(values):
     assert len(created) == 1 and float(created[0].split()[1]) > 1e9
 
 
-def test_the_ticker_wakes_each_waiting_inbox_with_nothing_and_takes_it_out_of_waiting():
+def test_the_ticker_wakes_an_inbox_that_waited_a_whole_period_and_takes_it_out_of_waiting():
+    """Only inboxes idle for a period: a stream whose tokens flow is not woken (a tick waking all 64 streams at once
+    made a burst of disconnect checks that delayed everything behind it)."""
     import asyncio
 
     from lightllm.engine.request import Event
     from lightllm.server.api_server import _Inbox, _Ticker
 
     async def main():
+        loop = asyncio.get_running_loop()
         waiting = set()
-        ticker = _Ticker(asyncio.get_running_loop(), 0.01, waiting)
-        idle, busy = _Inbox(waiting=waiting), _Inbox(waiting=waiting)
+        ticker = _Ticker(loop, 0.01, waiting)
+        idle, fresh, busy = _Inbox(waiting=waiting), _Inbox(waiting=waiting), _Inbox(waiting=waiting)
         busy.put_nowait(Event("token", 7))
         got_busy = await busy.get_all()  # an event is there: no wait, never entered
         assert not waiting
-        task = asyncio.ensure_future(idle.get_all())
+        idle_task, fresh_task = asyncio.ensure_future(idle.get_all()), asyncio.ensure_future(fresh.get_all())
         await asyncio.sleep(0)
-        assert waiting == {idle}
-        got_idle = await asyncio.wait_for(task, 30)
+        assert waiting == {idle, fresh}
+        fresh._since = loop.time() + 3600  # as if it had only just begun waiting at every tick
+        got_idle = await asyncio.wait_for(idle_task, 30)
+        await asyncio.sleep(0.05)  # several more ticks
+        assert not fresh_task.done() and waiting == {fresh}
+        fresh.put_nowait(Event("token", 8))
+        got_fresh = await fresh_task
         ticker.stop()
-        return got_busy, got_idle, waiting
+        return got_busy, got_idle, got_fresh, waiting
 
-    busy, idle, waiting = asyncio.run(main())
-    assert [ev.token_id for ev in busy] == [7] and idle == [] and waiting == set()
+    busy, idle, fresh, waiting = asyncio.run(main())
+    assert [ev.token_id for ev in busy] == [7] and idle == [] and [ev.token_id for ev in fresh] == [8]
+    assert waiting == set()
