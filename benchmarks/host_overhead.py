@@ -9,6 +9,9 @@ GPU work is short: short prompts, small models, large batches.
     # the server's HTTP stack (httptools on uvloop) against uvicorn's h11 on asyncio (before), in turns
     python benchmarks/host_overhead.py --stream --step-ms 1.2 --concurrency 16 --output 256 --http server h11 \
         --repeats 3 --out benchmarks/results/host_overhead_http_stack_cpu.json
+    # the same through OpenAI's /v1/completions (benchmarks/results/host_overhead_stream_cost_cpu.json has both routes)
+    python benchmarks/host_overhead.py --stream --step-ms 1.2 --concurrency 16 --output 256 --api completions \
+        --repeats 3
 
 Besides the engine's own step time (``lightllm_step_seconds``: forward, sampling and emitting the tokens of one
 step) it reports the CPU time each process spent per step over the load (from /proc: every thread, the messages

@@ -487,8 +487,9 @@ def main():
                    "K (a multiple of the server count): the servers of a repeat run side by side and each point is "
                    "K rounds, every server getting --requests requests per round in a rotating order (a fresh "
                    "schedule per round)")  # fmt: skip
-    p.add_argument("--pin-cores", action="store_true", help="give each server tp + 1 CPU cores of its own (or "
-                   "--cores-per-server; in launch order; its processes share them) and the load clients the rest, "
+    p.add_argument("--pin-cores", action="store_true", help="give each server tp + 1 physical CPU cores of its own "
+                   "(or --cores-per-server; one logical CPU of each, their SMT siblings left idle; in launch order; "
+                   "its processes share them) and the load clients the rest, "
                    "so no server shares a core with another server or a client; with --rounds the servers' core "
                    "sets rotate every round")  # fmt: skip
     p.add_argument("--cores-per-server", type=int, default=None, help="with --pin-cores: each server's cores "
