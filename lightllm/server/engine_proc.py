@@ -36,6 +36,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
+from lightllm.common.gc_heap import GcPauses, freeze_startup_heap
 from lightllm.engine.engine import Engine, eos_token_ids
 from lightllm.engine.request import Event, Request
 from lightllm.server.engine_loop import EngineLoop
@@ -84,6 +85,7 @@ class EngineProcess:
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         child.close()  # ours closed: the engine's end of the pipe is then its only one, so its death is an EOF here
         self.args = self.config = self.model_dir = None
+        self.gc_frozen = 0
         self.observer = None  # the Metrics its step messages are replayed on
         self.on_exit: List[Callable[[], None]] = []  # called on the event loop when the engine process dies
         self.problem: Optional[str] = None  # why it is gone, once it is
@@ -119,6 +121,7 @@ class EngineProcess:
             self.process.join(10)
             raise EngineStartError(info)
         self.args, self.config, self.model_dir = info["args"], SimpleNamespace(**info["config"]), info["model_dir"]
+        self.gc_frozen = info["gc_frozen"]  # start-up objects the engine process keeps out of the collector's passes
         threading.Thread(target=self._send_loop, name="lightllm-engine-send", daemon=True).start()
 
     def bind(self, loop) -> None:
@@ -292,8 +295,10 @@ class _Recorder:
 class _EngineSide:
     """The engine process: the engine loop on its main thread, a thread receiving the HTTP side's messages."""
 
-    def __init__(self, conn, runner, eos_ids, step_started):
+    def __init__(self, conn, runner, eos_ids, step_started, gc_pauses: Optional[GcPauses] = None):
         self.conn = conn
+        self.gc_pauses = gc_pauses
+        self._gc_passes_sent = 0
         self.runner = runner
         self.recorder = _Recorder()
         self.engine = Engine(runner, eos_ids, observer=self.recorder, emit_tokens=self._emit_tokens)
@@ -325,6 +330,10 @@ class _EngineSide:
         # finish from this message then reads metrics that already count its KV as free.
         sched = self.engine.scheduler
         self.recorder.on_queues(len(sched.waiting), len(sched.running) + len(sched.prefilling), self.runner.kv.usage())
+        pauses = self.gc_pauses
+        if pauses is not None and pauses.passes != self._gc_passes_sent:  # a few a second at most under load
+            self._gc_passes_sent = pauses.passes
+            self.recorder.on_gc_pauses(*pauses.snapshot())
         records, calls = self.records, self.recorder.take()
         if not records and not calls:
             return
@@ -395,10 +404,14 @@ def _engine_main(conn, make_runner, tokenizer_eos, extra_eos, step_started, pare
         # The GPU does the math; this process's own torch ops are bookkeeping-sized (staging, KV tables), where
         # intra-op threads only add a barrier per op (1 ms for a 64 x 512 log_softmax on a busy 2-core host).
         torch.set_num_threads(1)
+    # built: what this process serves with is never garbage (the collector's passes would walk it, stopping steps)
+    frozen = freeze_startup_heap()
+    gc_pauses = GcPauses().install()
     config = {"vocab_size": runner.config.vocab_size, "eos_token_ids": tuple(runner.config.eos_token_ids)}
-    conn.send(("ready", {"args": runner.args, "config": config, "model_dir": getattr(runner, "model_dir", None)}))
+    conn.send(("ready", {"args": runner.args, "config": config, "model_dir": getattr(runner, "model_dir", None),
+                         "gc_frozen": frozen}))  # fmt: skip
     eos = eos_token_ids(runner.config, SimpleNamespace(eos_token_id=tokenizer_eos), extra_eos)
-    side = _EngineSide(conn, runner, eos, step_started)
+    side = _EngineSide(conn, runner, eos, step_started, gc_pauses)
     side.run()
     conn.send(("stopped",))
     conn.close()

@@ -15,6 +15,8 @@ from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
 
+from lightllm.common.gc_heap import GcPauses
+
 # 1 ms to 60 s: a decode step of a small model at batch 1 up to a long prompt's prefill behind a full queue
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -66,6 +68,36 @@ class StepHistogram:
         return [family]
 
 
+class GcPauseHistogram:
+    """``lightllm_gc_pause_seconds{process, generation}``: the garbage collector's passes in this (HTTP) process,
+    from ``own``, and in the engine process, from the cumulative counts its step messages carry (``engine``)."""
+
+    name = "lightllm_gc_pause_seconds"
+    documentation = "garbage collector passes (the process stops while one runs), per process and generation"
+
+    def __init__(self, own: GcPauses, registry: CollectorRegistry):
+        self.own = own
+        self.engine = None  # (counts, sums) as the engine process last sent them; None with the engine on a thread
+        registry.register(self)
+
+    def describe(self) -> Iterable[HistogramMetricFamily]:
+        return [HistogramMetricFamily(self.name, self.documentation, labels=["process", "generation"])]
+
+    def collect(self) -> Iterable[HistogramMetricFamily]:
+        family = HistogramMetricFamily(self.name, self.documentation, labels=["process", "generation"])
+        bounds = [floatToGoString(b) for b in self.own.bounds] + ["+Inf"]
+        for process, snapshot in (("http", self.own.snapshot()), ("engine", self.engine)):
+            if snapshot is None:
+                continue
+            for generation, (counts, total) in enumerate(zip(*snapshot)):
+                acc, buckets = 0, []
+                for bound, count in zip(bounds, counts):
+                    acc += count
+                    buckets.append((bound, acc))
+                family.add_metric([process, str(generation)], buckets, total)
+        return [family]
+
+
 class Metrics:
     def __init__(self):
         self.registry = CollectorRegistry()
@@ -109,6 +141,9 @@ class Metrics:
         # This (HTTP) process's CPU time, memory and open files (process_*, read from /proc on Linux): over a load,
         # how close the process that streams every token is to a full core
         ProcessCollector(registry=r)
+        # The collector's passes; the server installs ``gc_pauses`` in this process while it serves
+        self.gc_pauses = GcPauses()
+        self.gc_pause = GcPauseHistogram(self.gc_pauses, r)
 
     def watch_engine_process(self, pid: int) -> None:
         """Also export the engine process's (``pid``: rank 0 with tensor parallelism) as lightllm_engine_process_*."""
@@ -142,6 +177,10 @@ class Metrics:
 
     def on_step_gpu(self, kind: str, seconds: float) -> None:
         self.step_gpu_seconds.labels(kind).observe(seconds)
+
+    def on_gc_pauses(self, counts: Sequence[Sequence[int]], sums: Sequence[float]) -> None:
+        """The engine process's collector passes so far (``GcPauses.snapshot``), sent when they changed."""
+        self.gc_pause.engine = ([list(c) for c in counts], list(sums))
 
     def on_spec(self, drafts: int, accepted: int) -> None:
         self.spec_drafts.inc(drafts)

@@ -19,6 +19,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from lightllm.common.gc_heap import freeze_startup_heap
 from lightllm.common.net import free_port
 from lightllm.engine.args import EngineArgs
 from lightllm.engine.model_runner import ModelRunner
@@ -402,6 +403,8 @@ def _worker(rank: int, world: int, init_method: str, args: EngineArgs, parent: i
     except ValueError as e:  # bad input (a malformed checkpoint): rank 0's watchdog reports it, no traceback here
         errors.send(f"tensor-parallel rank {rank}: {e}")
         os._exit(1)
+    # a collector pass over the model's objects here would hold every rank's step (lightllm/common/gc_heap.py)
+    freeze_startup_heap()
     try:
         worker_loop(runner, group, progress, rank)
     except Exception:

@@ -2,6 +2,7 @@
 token (so sampling, penalties and logprobs mean something), and each token is one letter."""
 
 import atexit
+import gc
 import json
 import os
 import signal
@@ -180,6 +181,14 @@ class KilledRunner(FakeRunner):
 
     def __init__(self):
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+class CollectingRunner(FakeRunner):
+    """FakeRunner whose every decode runs a full garbage collection pass, as allocation does now and then."""
+
+    def decode(self, slots, last_tokens):
+        gc.collect()
+        return super().decode(slots, last_tokens)
 
 
 class SlowExitRunner(FakeRunner):

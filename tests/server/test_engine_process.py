@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from fake_model import CrashingRunner, FakeRunner, KilledRunner, Letters, SlowExitRunner
+from fake_model import CollectingRunner, CrashingRunner, FakeRunner, KilledRunner, Letters, SlowExitRunner
 from fastapi.testclient import TestClient
 from server_helpers import REPO
 
@@ -89,6 +89,21 @@ def test_one_message_per_step_holds_every_requests_tokens_and_feeds_the_latency_
     assert metric(text, "process_cpu_seconds_total") > 0
     assert metric(text, "lightllm_engine_process_cpu_seconds_total") > 0
     assert metric(text, "lightllm_engine_process_start_time_seconds") > metric(text, "process_start_time_seconds")
+
+
+def test_the_engine_process_freezes_its_start_up_heap_and_its_collector_passes_reach_the_metrics():
+    server = started(CollectingRunner)  # a full pass at every decode step
+    body = {"inputs": "abc", "parameters": {"max_new_tokens": 4, "ignore_eos": True}}
+    try:
+        with TestClient(server.app) as client:
+            assert len(client.post("/generate", json=body).json()["token_ids"]) == 4
+            text = client.get("/metrics").text
+    finally:
+        assert server.engine.stop()
+    assert server.engine.gc_frozen > 10000  # torch and the runner, built before it served
+    passes = metric(text, 'lightllm_gc_pause_seconds_count{generation="2",process="engine"}')
+    assert passes is not None and passes >= 3  # the decode steps' passes (the message of the last one may follow)
+    assert metric(text, 'lightllm_gc_pause_seconds_count{generation="2",process="http"}') is not None
 
 
 def test_only_the_reader_waits_for_the_engine_process_and_stop_sees_its_clean_exit():

@@ -215,3 +215,45 @@ def test_the_ticker_wakes_an_inbox_that_waited_a_whole_period_and_takes_it_out_o
     busy, idle, fresh, waiting = asyncio.run(main())
     assert [ev.token_id for ev in busy] == [7] and idle == [] and [ev.token_id for ev in fresh] == [8]
     assert waiting == set()
+
+
+def test_the_engine_process_sends_its_collector_passes_when_they_change_and_metrics_show_both_processes():
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from lightllm.common.gc_heap import GcPauses
+    from lightllm.server.metrics import Metrics
+
+    pauses, pipe = GcPauses(), PipeEnd()
+    side = _EngineSide(pipe, FakeRunner(), (), StepStart(), pauses)
+
+    def sent_pauses():
+        side._send_step()
+        calls = pipe.messages[-1][2] if pipe.messages else []
+        pipe.messages.clear()
+        return [args for name, args in calls if name == "on_gc_pauses"]
+
+    assert sent_pauses() == []  # no pass yet
+    for generation in (0, 2, 2):
+        pauses._callback("start", {"generation": generation})
+        pauses._callback("stop", {"generation": generation})
+    (counts, sums), *more = sent_pauses()
+    assert more == [] and [sum(c) for c in counts] == [1, 0, 2] and sums[2] > 0
+    assert sent_pauses() == []  # unchanged: not sent again
+
+    metrics = Metrics()
+    metrics.gc_pauses._callback("start", {"generation": 1})  # this (HTTP) process's own pass
+    metrics.gc_pauses._callback("stop", {"generation": 1})
+    metrics.on_gc_pauses(counts, sums)
+    samples = {(s.name, s.labels["process"], s.labels["generation"], s.labels.get("le")): s.value
+               for f in text_string_to_metric_families(generate_latest(metrics.registry).decode())
+               if f.name == "lightllm_gc_pause_seconds" for s in f.samples}  # fmt: skip
+    count = {(p, g): samples[("lightllm_gc_pause_seconds_count", p, g, None)] for p in ("http", "engine")
+             for g in "012"}  # fmt: skip
+    assert count == {("http", "0"): 0, ("http", "1"): 1, ("http", "2"): 0,
+                     ("engine", "0"): 1, ("engine", "1"): 0, ("engine", "2"): 2}  # fmt: skip
+    assert samples[("lightllm_gc_pause_seconds_bucket", "engine", "2", "+Inf")] == 2
+    assert samples[("lightllm_gc_pause_seconds_sum", "engine", "2", None)] == pytest.approx(sums[2])
+    buckets = [v for (name, p, g, le), v in samples.items() if name.endswith("_bucket") and (p, g) == ("engine", "2")]
+    assert buckets == sorted(buckets)  # cumulative
+    assert len(buckets) == len(pauses.bounds) + 1
