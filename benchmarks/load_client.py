@@ -13,6 +13,7 @@ HTTP and engine processes' CPU shares (``http_cpu_pct``, ``engine_cpu_pct``) say
 
 import asyncio
 import contextlib
+import gc
 import json
 import math
 import multiprocessing
@@ -27,6 +28,8 @@ SPEC_COUNTERS = {"lightllm_spec_decode_num_draft_tokens": "draft_tokens",
                  "lightllm_spec_decode_num_accepted_tokens": "accepted_tokens"}  # fmt: skip
 TTFT_FAMILY = "lightllm_time_to_first_token_seconds"
 MESSAGE_FAMILY = "lightllm_engine_message_delay_seconds"  # the engine process -> HTTP process hop of each step
+GC_FAMILY = "lightllm_gc_pause_seconds"  # the garbage collector's passes in the server's processes
+GC_LONG_S = "0.01"  # a pass longer than this bound (10 ms) is a stall a client can see
 # the server's processes' CPU time (prometheus_client's process collectors): their busy share of a core over a load
 CPU_COUNTERS = {"process_cpu_seconds": "http_cpu_pct", "lightllm_engine_process_cpu_seconds": "engine_cpu_pct"}
 _START_MARGIN_S = 0.2  # client processes are told to start this far ahead, so they start together
@@ -134,6 +137,21 @@ async def open_connections(client, base, n):
         r.raise_for_status()
 
 
+@contextlib.contextmanager
+def collector_paused():
+    """No garbage collector pass while a load is measured: a full one stops this client for milliseconds (more as
+    its results grow), and the tokens it would have read meanwhile count as the server's latency. What the load
+    leaves in reference cycles waits for the pass after it (a load is bounded: a few thousand requests)."""
+    was = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 async def _shard(base, arrivals, prompts, concurrency, out_len, stream, api, start_at):
     """This process's share of a load: its requests at their offsets from the wall-clock time ``start_at`` (or from
     when its connections are open, if later). Returns the per-request results, its CPU seconds and when (wall clock)
@@ -142,16 +160,17 @@ async def _shard(base, arrivals, prompts, concurrency, out_len, stream, api, sta
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(timeout=procs.HANG_TIMEOUT_S, limits=limits) as client:
         await open_connections(client, base, concurrency)
-        await asyncio.sleep(max(0.0, start_at - time.time()))
-        t0, cpu0, started = time.perf_counter(), time.process_time(), time.time()
+        with collector_paused():  # its first pass runs before the clock starts
+            await asyncio.sleep(max(0.0, start_at - time.time()))
+            t0, cpu0, started = time.perf_counter(), time.process_time(), time.time()
 
-        async def scheduled(at, prompt):
-            await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
-            async with sem:
-                return await _one(client, base, prompt, out_len, stream, api)
+            async def scheduled(at, prompt):
+                await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
+                async with sem:
+                    return await _one(client, base, prompt, out_len, stream, api)
 
-        results = await asyncio.gather(*(scheduled(at, p) for at, p in zip(arrivals, prompts)))
-        cpu, seconds = time.process_time() - cpu0, time.perf_counter() - t0
+            results = await asyncio.gather(*(scheduled(at, p) for at, p in zip(arrivals, prompts)))
+            cpu, seconds = time.process_time() - cpu0, time.perf_counter() - t0
     return {"results": results, "cpu_s": cpu, "busy_s": seconds, "start": started, "end": time.time()}
 
 
@@ -238,13 +257,19 @@ async def load(
 
 
 async def engine_steps(base):
-    """The server's cumulative step histograms, ``{(sample, kind): value}`` for their _count and _sum, and MTP's
-    draft counters, ``{(family, None): value}``. A client of its own: a connection left idle through a load outlives
-    the server's keep-alive, and reusing it as the server closes it fails the read."""
+    """The server's cumulative step histograms, ``{(sample, kind): value}`` for their _count and _sum; MTP's draft
+    counters and the processes' CPU seconds, ``{(family, None): value}``; the garbage collector's passes,
+    ``{(sample, process): value}`` over every generation (``_short``: those within ``GC_LONG_S``). A client of its
+    own: a connection left idle through a load outlives the server's keep-alive, and reusing it as the server closes
+    it fails the read."""
+    async with httpx.AsyncClient(timeout=procs.HANG_TIMEOUT_S) as client:
+        return server_counters((await client.get(base + "/metrics")).text)
+
+
+def server_counters(text):
+    """What ``engine_steps`` keeps of a /metrics exposition ``text``."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    async with httpx.AsyncClient(timeout=procs.HANG_TIMEOUT_S) as client:
-        text = (await client.get(base + "/metrics")).text
     out = {}
     for family in text_string_to_metric_families(text):
         if family.name in ("lightllm_step_seconds", "lightllm_step_gpu_seconds", "lightllm_step_batch_size"):
@@ -252,6 +277,14 @@ async def engine_steps(base):
                         if s.name.endswith(("_count", "_sum"))})  # fmt: skip
         elif family.name in (TTFT_FAMILY, MESSAGE_FAMILY):
             out.update({(s.name, None): s.value for s in family.samples if s.name.endswith(("_count", "_sum"))})
+        elif family.name == GC_FAMILY:  # per process, the generations together
+            for s in family.samples:
+                kind = s.name[len(GC_FAMILY) :] if s.name.endswith(("_count", "_sum")) else None
+                if s.name.endswith("_bucket") and s.labels["le"] == GC_LONG_S:
+                    kind = "_short"
+                if kind is not None:
+                    key = (GC_FAMILY + kind, s.labels["process"])
+                    out[key] = out.get(key, 0.0) + s.value
         elif family.name in SPEC_COUNTERS or family.name in CPU_COUNTERS:
             out.update({(family.name, None): s.value for s in family.samples if s.name.endswith("_total")})
     return out
@@ -291,4 +324,11 @@ def step_stats(before, after):
     sent = delta.get((MESSAGE_FAMILY + "_count", None), 0.0)
     out["engine_message_mean_ms"] = delta[(MESSAGE_FAMILY + "_sum", None)] / sent * 1e3 if sent else None
     out["acceptance"] = out["accepted_tokens"] / out["draft_tokens"] if out["draft_tokens"] else None
+    # the garbage collector's passes in each server process over the load: their time, and how many took > 10 ms
+    # (None for a process the server does not report: the engine on a thread of the HTTP process)
+    for process in ("http", "engine"):
+        count = (GC_FAMILY + "_count", process)
+        known = count in after
+        out[f"{process}_gc_ms"] = delta[(GC_FAMILY + "_sum", process)] * 1e3 if known else None
+        out[f"{process}_gc_long"] = int(delta[count] - delta[(GC_FAMILY + "_short", process)]) if known else None
     return out

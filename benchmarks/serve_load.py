@@ -684,6 +684,15 @@ def report(args, rows, startups):
                     bound.append(f"{r['workload']} {r['concurrency']} {mode}")
     if bound:
         print(f"CLIENT-BOUND (a client process over {CLIENT_BOUND_PCT}% CPU; raise --client-procs): {', '.join(bound)}")
+    print("\nthe garbage collector in the server's processes (median over runs): its passes' time over a run (ms) and"
+          " how many took over 10 ms (a stall every stream sees)")  # fmt: skip
+    print("workload conc  mode   http ms  engine ms  http >10ms  engine >10ms")
+    for r in rows:
+        for mode in MODES:
+            if mode in r:
+                cells = ["-" if r[mode].get(k) is None else f"{r[mode][k]:.1f}" for k in GC_CHECK]
+                print(f"{r['workload']:8s} {r['concurrency']:4d}  {mode:5s} {cells[0]:>8s} {cells[1]:>10s} "
+                      f"{cells[2]:>11s} {cells[3]:>13s}")  # fmt: skip
     if args.mtp_step:
         print(f"\nMTP step {args.mtp_step}: draft acceptance (accepted / proposed drafts over the measured window, "
               "median over runs)")  # fmt: skip
@@ -751,6 +760,8 @@ HOST_CHECK = ("decode_batch", "engine_busy_pct", "client_cpu_pct", "http_cpu_pct
 # the client's TTFT and the server's own (its /metrics histogram), the client's wait for the headers, the hop back
 TTFT_MEANS = ("ttft_mean_ms", "server_ttft_mean_ms", "headers_mean_ms", "engine_message_mean_ms")
 CLIENT_BOUND_PCT = 80  # a client process busier than this may be what is measured
+# the garbage collector's passes in the server's processes over a run: their time (ms), and those over 10 ms
+GC_CHECK = ("http_gc_ms", "engine_gc_ms", "http_gc_long", "engine_gc_long")
 
 
 def pct(a, b):
@@ -763,7 +774,7 @@ def summarize(runs):
     time to first token over every measured request of the runs together; whether every request was whole."""
     tps = sorted(r["tokens_per_s"] for r in runs)
     out = {}
-    for key in REPORTED + ("decode_step_ms", "decode_gpu_ms", "acceptance") + HOST_CHECK + TTFT_MEANS:
+    for key in REPORTED + ("decode_step_ms", "decode_gpu_ms", "acceptance") + HOST_CHECK + TTFT_MEANS + GC_CHECK:
         values = [r[key] for r in runs if r.get(key) is not None]
         out[key] = statistics.median(values) if values else None
     return {**out, "spread_pct": (tps[-1] - tps[0]) / out["tokens_per_s"] * 100, "ttft_pooled": pooled_ttft(runs),

@@ -943,3 +943,57 @@ def test_on_and_off_differ_in_what_compare_names(serve_load, monkeypatch, tmp_pa
         assert off == off_b == (0, off_dir, ["--x"]) and copied == [(on_dir, off_dir)]
     else:
         assert off == off_b == (0, on_dir, ["--x", "--disable_overlap_schedule"]) and copied == []
+
+
+def test_each_server_process_collector_time_and_long_passes_over_a_load(load_client, monkeypatch):
+    """Read from the server's own exposition: per process, the passes' time (ms) and how many took over 10 ms,
+    every generation together; None for a process the server does not report (the engine on a thread)."""
+    from prometheus_client import generate_latest
+
+    from lightllm.common import gc_heap
+    from lightllm.server.metrics import Metrics
+
+    metrics = Metrics()
+    own = metrics.gc_pauses
+
+    def passes(pauses, *spans):  # (generation, seconds) each, through the callback on a fake clock
+        for generation, seconds in spans:
+            clock = iter([1.0, 1.0 + seconds])
+            monkeypatch.setattr(gc_heap.time, "perf_counter", lambda: next(clock))
+            pauses._callback("start", {"generation": generation})
+            pauses._callback("stop", {"generation": generation})
+
+    def counters():
+        return load_client.server_counters(generate_latest(metrics.registry).decode())
+
+    passes(own, (0, 0.001))
+    before = counters()
+    count = load_client.GC_FAMILY + "_count"
+    assert before[(count, "http")] == 1 and (count, "engine") not in before
+    passes(own, (0, 0.002), (2, 0.04))
+    engine = gc_heap.GcPauses()
+    passes(engine, (1, 0.003), (2, 0.02), (2, 0.5))
+    metrics.on_gc_pauses(*engine.snapshot())
+    stats = load_client.step_stats(before, counters())
+    assert stats["http_gc_ms"] == pytest.approx(42.0) and stats["http_gc_long"] == 1
+    assert stats["engine_gc_ms"] == pytest.approx(523.0) and stats["engine_gc_long"] == 2
+    assert load_client.step_stats(before, before)["engine_gc_ms"] is None  # the engine on a thread: none of its own
+
+
+def test_no_collector_pass_runs_while_a_load_is_measured(load_client):
+    import gc
+
+    assert gc.isenabled()
+    with load_client.collector_paused():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError), load_client.collector_paused():
+        raise RuntimeError("a failed load")
+    assert gc.isenabled()
+    gc.disable()  # a caller that runs without the collector keeps it off
+    try:
+        with load_client.collector_paused():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
