@@ -287,6 +287,25 @@ def scheduling_counts(pid):
     return {"involuntary_switches": switches, "migrations": migrations}
 
 
+def steal_ticks():
+    """Per CPU, the time the hypervisor gave this virtual machine's CPU to something else while it wanted to run
+    (/proc/stat's "steal"), in clock ticks: ``{cpu: ticks}``; {} where it cannot be read (not Linux)."""
+    try:
+        with open("/proc/stat") as f:
+            rows = [line.split() for line in f if line.startswith("cpu") and not line.startswith("cpu ")]
+    except OSError:
+        return {}
+    return {int(row[0][3:]): int(row[8]) for row in rows if len(row) > 8}
+
+
+def steal_ms(before, after, cpus=None):
+    """Steal time (ms) between two ``steal_ticks`` on ``cpus`` (default: every CPU); None where it is unknown."""
+    keys = [c for c in (after if cpus is None else cpus) if c in before and c in after]
+    if not keys:
+        return None
+    return sum(after[c] - before[c] for c in keys) * 1000 / os.sysconf("SC_CLK_TCK")
+
+
 def _proc_count(path, name):
     """The integer after ``name`` on its line of the /proc file ``path``; 0 when the thread has exited meanwhile."""
     try:
@@ -346,10 +365,14 @@ def run_servers(args, model, workload, vocab, cfg, rep, flags, results, startups
                         cores[mode] = round_cores(args.server_cores, position, rnd)
                         repin_tree(proc.pid, cores[mode])
                 for mode in round_order(modes, rnd):
-                    before = scheduling_counts(pids[mode])
+                    before, stolen = scheduling_counts(pids[mode]), steal_ticks()
                     res = run_load(args, bases[mode], workload, vocab, conc, args.requests,
                                    point_seed(args.seed, ci, rnd), args.rate)  # fmt: skip
                     res.update({f"http_{k}": v for k, v in counts_delta(before, scheduling_counts(pids[mode])).items()})
+                    # a stall no process of the machine caused: its CPUs given to another machine meanwhile
+                    stolen_after = steal_ticks()
+                    res["steal_ms_all"] = steal_ms(stolen, stolen_after)
+                    res["steal_ms_server"] = steal_ms(stolen, stolen_after, cores[mode]) if mode in cores else None
                     res["repeat"] = rep  # the server start: the A/A interval's outer level
                     res["round"] = rnd
                     if mode in cores:
@@ -684,15 +707,16 @@ def report(args, rows, startups):
                     bound.append(f"{r['workload']} {r['concurrency']} {mode}")
     if bound:
         print(f"CLIENT-BOUND (a client process over {CLIENT_BOUND_PCT}% CPU; raise --client-procs): {', '.join(bound)}")
-    print("\nthe garbage collector in the server's processes (median over runs): its passes' time over a run (ms) and"
-          " how many took over 10 ms (a stall every stream sees)")  # fmt: skip
-    print("workload conc  mode   http ms  engine ms  http >10ms  engine >10ms")
+    print("\nstalls (median over runs): the garbage collector's passes in the server's processes over a run (ms) and"
+          " how many took over 10 ms (every stream sees one), and the machine's CPUs' steal time (ms: the hypervisor"
+          " ran another machine there), on the server's cores (pinned) and on all")  # fmt: skip
+    print("workload conc  mode   http ms  engine ms  http >10ms  engine >10ms  steal server  steal all")
     for r in rows:
         for mode in MODES:
             if mode in r:
-                cells = ["-" if r[mode].get(k) is None else f"{r[mode][k]:.1f}" for k in GC_CHECK]
+                cells = ["-" if r[mode].get(k) is None else f"{r[mode][k]:.1f}" for k in GC_CHECK + STEAL_CHECK]
                 print(f"{r['workload']:8s} {r['concurrency']:4d}  {mode:5s} {cells[0]:>8s} {cells[1]:>10s} "
-                      f"{cells[2]:>11s} {cells[3]:>13s}")  # fmt: skip
+                      f"{cells[2]:>11s} {cells[3]:>13s} {cells[4]:>13s} {cells[5]:>10s}")  # fmt: skip
     if args.mtp_step:
         print(f"\nMTP step {args.mtp_step}: draft acceptance (accepted / proposed drafts over the measured window, "
               "median over runs)")  # fmt: skip
@@ -762,6 +786,8 @@ TTFT_MEANS = ("ttft_mean_ms", "server_ttft_mean_ms", "headers_mean_ms", "engine_
 CLIENT_BOUND_PCT = 80  # a client process busier than this may be what is measured
 # the garbage collector's passes in the server's processes over a run: their time (ms), and those over 10 ms
 GC_CHECK = ("http_gc_ms", "engine_gc_ms", "http_gc_long", "engine_gc_long")
+# and the stalls of the virtual machine itself: its CPUs' steal time over a run (ms), the server's cores and all
+STEAL_CHECK = ("steal_ms_server", "steal_ms_all")
 
 
 def pct(a, b):
@@ -774,7 +800,9 @@ def summarize(runs):
     time to first token over every measured request of the runs together; whether every request was whole."""
     tps = sorted(r["tokens_per_s"] for r in runs)
     out = {}
-    for key in REPORTED + ("decode_step_ms", "decode_gpu_ms", "acceptance") + HOST_CHECK + TTFT_MEANS + GC_CHECK:
+    for key in (
+        REPORTED + ("decode_step_ms", "decode_gpu_ms", "acceptance") + HOST_CHECK + TTFT_MEANS + GC_CHECK + STEAL_CHECK
+    ):
         values = [r[key] for r in runs if r.get(key) is not None]
         out[key] = statistics.median(values) if values else None
     return {**out, "spread_pct": (tps[-1] - tps[0]) / out["tokens_per_s"] * 100, "ttft_pooled": pooled_ttft(runs),

@@ -997,3 +997,15 @@ def test_no_collector_pass_runs_while_a_load_is_measured(load_client):
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_steal_time_is_read_per_cpu_and_summed_over_the_cpus_asked_for(serve_load):
+    """The hypervisor's stalls of the machine over a run: /proc/stat's steal ticks per CPU, as ms over a set of CPUs."""
+    ticks = serve_load.steal_ticks()
+    assert ticks and all(isinstance(c, int) and v >= 0 for c, v in ticks.items())  # CI runs on Linux
+    assert set(ticks) <= set(range(os.cpu_count() or 1024))
+    hz = os.sysconf("SC_CLK_TCK")
+    before, after = {0: 10, 1: 5, 2: 7}, {0: 10 + hz, 1: 5 + hz // 2, 2: 7}
+    assert serve_load.steal_ms(before, after) == pytest.approx(1500.0)
+    assert serve_load.steal_ms(before, after, {1, 2}) == pytest.approx(500.0)
+    assert serve_load.steal_ms(before, after, {5}) is None and serve_load.steal_ms({}, {}) is None
