@@ -27,6 +27,16 @@ HOP_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.0
 STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.256, 0.512, 1.024, 2.048)
 
 
+def cumulative(bounds: Sequence[float], counts: Sequence[int]) -> list:
+    """Prometheus' buckets, ``[(le, count at or below it)]`` with +Inf last, from per-bucket ``counts`` (one more
+    than ``bounds``: the last is above every bound)."""
+    out, acc = [], 0
+    for bound, count in zip(list(bounds) + [float("inf")], counts):
+        acc += count
+        out.append((floatToGoString(bound), acc))
+    return out
+
+
 class StepHistogram:
     """A label-less histogram fed a step's values at once (``observe_many``): one lock and one bucket search per
     value, where ``prometheus_client.Histogram.observe`` takes a lock per bucket and the sum (per-token latencies,
@@ -59,11 +69,8 @@ class StepHistogram:
     def collect(self) -> Iterable[HistogramMetricFamily]:
         with self._lock:
             counts, total = list(self._counts), self._sum
-        buckets, acc = [], 0
-        for bound, count in zip(self._bounds + [float("inf")], counts):
-            acc += count
-            buckets.append((floatToGoString(bound), acc))
-        family = HistogramMetricFamily(self.name, self.documentation, buckets=buckets, sum_value=total)
+        family = HistogramMetricFamily(self.name, self.documentation, buckets=cumulative(self._bounds, counts),
+                                       sum_value=total)  # fmt: skip
         family.samples.append(Sample(self.name + "_created", {}, self._created))
         return [family]
 
@@ -85,16 +92,11 @@ class GcPauseHistogram:
 
     def collect(self) -> Iterable[HistogramMetricFamily]:
         family = HistogramMetricFamily(self.name, self.documentation, labels=["process", "generation"])
-        bounds = [floatToGoString(b) for b in self.own.bounds] + ["+Inf"]
         for process, snapshot in (("http", self.own.snapshot()), ("engine", self.engine)):
             if snapshot is None:
                 continue
             for generation, (counts, total) in enumerate(zip(*snapshot)):
-                acc, buckets = 0, []
-                for bound, count in zip(bounds, counts):
-                    acc += count
-                    buckets.append((bound, acc))
-                family.add_metric([process, str(generation)], buckets, total)
+                family.add_metric([process, str(generation)], cumulative(self.own.bounds, counts), total)
         return [family]
 
 
