@@ -77,7 +77,7 @@ def serve(model_dir: str, port: int, batch: int, layout: str, torch_threads: int
     import uvicorn
     from transformers import AutoTokenizer
 
-    from lightllm.server.api_server import Server
+    from lightllm.server.http_server import Server
     from lightllm.server.engine_proc import EngineProcess
     from lightllm.server.serving import http_stack
 

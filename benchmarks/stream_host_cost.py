@@ -1,7 +1,7 @@
 """The HTTP process's per-token costs of a stream, one at a time, on the built-in tiny model's tokenizer (CPU):
 
 - decoding a few ids through transformers' ``decode`` against the Rust backend directly (``detokenize.decoder``);
-- a ``/generate_stream`` token event as dicts through ``json.dumps`` against ``api_server._token_event``;
+- a ``/generate_stream`` token event as dicts through ``json.dumps`` against ``http_server._token_event``;
 - incremental detokenization per token for streams that hold text back (random ids of a 151936-id model over the
   512-id tokenizer, as the benchmarks' random-weight models emit; one stray byte repeated; a skipped special token
   repeated), with the held-back window bounded (now) and unbounded (``MAX_HELD_TOKENS`` set out of reach: the
@@ -51,7 +51,7 @@ def main():
     from transformers import AutoTokenizer
 
     from lightllm.engine.detokenize import decoder
-    from lightllm.server.api_server import _token_event
+    from lightllm.server.http_server import _token_event
     from lightllm.tools.make_tiny_model import make_tiny_qwen3
 
     with tempfile.TemporaryDirectory() as root:

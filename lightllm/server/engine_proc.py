@@ -21,12 +21,9 @@ HTTP process does (its pipe closes, its parent changes) and ignores SIGINT: Ctrl
 and the HTTP process stops it after the drain.
 """
 
-import ctypes
 import itertools
 import logging
 import math
-import multiprocessing as mp
-import os
 import queue
 import signal
 import threading
@@ -40,6 +37,7 @@ from lightllm.common.gc_heap import GcPauses, freeze_startup_heap
 from lightllm.engine.engine import Engine, eos_token_ids
 from lightllm.engine.request import Event, Request
 from lightllm.server.engine_loop import EngineLoop
+from lightllm.server.engine_spawn import SpawnedEngine, spawn_engine
 from lightllm.server import tp
 from lightllm.server.tp import _exit_with_parent
 
@@ -69,21 +67,11 @@ class EngineProcess:
     its arguments and loads its tokenizer meanwhile, and ``stop`` ends it quietly if either fails."""
 
     def __init__(self, make_runner: Optional[Callable] = None, tokenizer_eos: Optional[int] = None,
-                 extra_eos_ids: Sequence[int] = ()):  # fmt: skip
-        ctx = mp.get_context("spawn")
-        self._conn, child = ctx.Pipe()
-        self._step_started = ctx.RawValue(ctypes.c_double, math.nan)
-        self.process = ctx.Process(target=_engine_main, name="lightllm-engine",
-                                   args=(child, make_runner, tokenizer_eos, tuple(extra_eos_ids), self._step_started,
-                                         os.getpid(), logging.getLogger().level or logging.INFO))  # fmt: skip
-        # Ctrl+C reaches the whole process group: SIGINT is blocked in the child from its first instruction (the mask
-        # survives exec) until ``_engine_main`` ignores it, so it never interrupts the child's imports with a traceback
-        mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-        try:
-            self.process.start()  # not a daemon: it starts tensor-parallel workers of its own
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-        child.close()  # ours closed: the engine's end of the pipe is then its only one, so its death is an EOF here
+                 extra_eos_ids: Sequence[int] = (), spawned: Optional[SpawnedEngine] = None):  # fmt: skip
+        """``spawned``: a held engine process started already (``api_server`` starts it before its own imports)."""
+        if spawned is None:
+            spawned = spawn_engine(make_runner, tokenizer_eos, extra_eos_ids)
+        self.process, self._conn, self._step_started = spawned.process, spawned.conn, spawned.step_started
         self.args = self.config = self.model_dir = None
         self.gc_frozen = 0
         self.observer = None  # the Metrics its step messages are replayed on
@@ -382,6 +370,10 @@ def _engine_main(conn, make_runner, tokenizer_eos, extra_eos, step_started, pare
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked since the start: one pending is ignored
     _exit_with_parent(parent)
     if make_runner is None:  # held until released; the HTTP side's end (EOF) while we wait: nothing to do
+        # What building the runner imports first (a second: transformers reads the model's config.json), imported
+        # while the HTTP process still parses its arguments and loads its tokenizer
+        from transformers import AutoConfig  # noqa: F401
+
         try:
             _, make_runner, tokenizer_eos, extra_eos = conn.recv()
         except (EOFError, OSError):

@@ -84,7 +84,7 @@ def test_cache_smaller_than_one_request_is_a_startup_error(model_dir):
 
 def test_step_metrics_count_every_prefill_and_decode_step(model_dir):
     """4 prompts that fit one prefill, 12 tokens each: 1 prefill step of 4 requests, then 11 decode steps of 4."""
-    from lightllm.server.api_server import Metrics
+    from lightllm.server.metrics import Metrics
 
     metrics = Metrics()
     sched = Engine(runner(model_dir, 512), eos_ids=[], observer=metrics)

@@ -13,7 +13,7 @@ import torch
 
 from lightllm.engine.args import EngineArgs
 from lightllm.common.kv_cache import KVCacheManager
-from lightllm.server.api_server import Server
+from lightllm.server.http_server import Server
 
 VOCAB = 16
 WEIGHTS = torch.randn(VOCAB, VOCAB, generator=torch.Generator().manual_seed(0)) * 2  # row: logits after a token

@@ -21,7 +21,7 @@ from server_helpers import REPO
 
 from lightllm.common import proc as procs
 from lightllm.common.net import free_port, wait_healthy
-from lightllm.server.api_server import Server
+from lightllm.server.http_server import Server
 from lightllm.server.engine_proc import EngineExited, EngineProcess
 
 
@@ -153,7 +153,8 @@ _FAKE_SERVER = """
 import sys
 sys.path.insert(0, {tests!r})
 from fake_model import {runner}, Letters
-from lightllm.server.api_server import Server, run
+from lightllm.server.api_server import run
+from lightllm.server.http_server import Server
 from lightllm.server.args import ServerArgs
 from lightllm.server.engine_proc import EngineProcess
 from lightllm.server.serving import bind
@@ -296,3 +297,24 @@ def test_ctrl_c_while_the_engine_process_imports_does_not_end_it(capfd):
         engine.stop()
     err = capfd.readouterr().err
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+
+
+def test_the_server_command_starts_its_engine_process_before_importing_anything_heavy():
+    """``python -m lightllm.server.api_server`` spawns its held engine process first, so the engine's imports run
+    beside the HTTP process's: the command's module imports no torch, FastAPI or transformers (every process spawned
+    from it imports that module again as its main, and neither would they)."""
+    code = ("import sys, lightllm.server.api_server, lightllm.server.engine_spawn; "
+            "print(sorted(m for m in ('torch', 'fastapi', 'transformers', 'triton') if m in sys.modules))")  # fmt: skip
+    done = procs.run([sys.executable, "-c", code], timeout=procs.HANG_TIMEOUT_S)
+    assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr
+
+
+def test_a_spawned_engine_that_is_never_released_stops_quietly(capfd):
+    """The server command's own path when its HTTP side fails before the release (a bad flag, Ctrl+C while it
+    imports): ``SpawnedEngine.stop`` ends the held process and prints nothing."""
+    from lightllm.server.engine_spawn import spawn_engine
+
+    spawned = spawn_engine()
+    spawned.stop()
+    assert spawned.process.exitcode is not None and spawned.conn.closed
+    assert capfd.readouterr().err == ""

@@ -22,7 +22,7 @@ from lightllm.common.net import free_port
 from lightllm.common.kv_cache import KVCacheManager
 from lightllm.engine.request import Request
 from lightllm.engine.sampler import SamplingParams
-from lightllm.server.api_server import Server
+from lightllm.server.http_server import Server
 from lightllm.server.serving import MAX_REQUEST_HEAD_BYTES
 
 

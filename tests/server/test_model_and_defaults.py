@@ -11,7 +11,7 @@ from fastapi.testclient import TestClient
 
 from lightllm.engine.args import EngineArgs
 from lightllm.common.kv_cache import KVCacheManager
-from lightllm.server.api_server import Server
+from lightllm.server.http_server import Server
 from lightllm.server.generation_defaults import read_sampling_defaults
 from lightllm.tools.make_tiny_model import make_tiny_qwen3
 

@@ -128,7 +128,7 @@ def test_a_handler_waiting_for_its_finish_still_takes_its_events_every_few_token
     import asyncio
 
     from lightllm.engine.request import Event
-    from lightllm.server.api_server import _DRAIN_EVENTS, _Inbox
+    from lightllm.server.http_server import _DRAIN_EVENTS, _Inbox
 
     async def woken_after(events):
         inbox = _Inbox(each_token=False)
@@ -190,7 +190,7 @@ def test_the_ticker_wakes_an_inbox_that_waited_a_whole_period_and_takes_it_out_o
     import asyncio
 
     from lightllm.engine.request import Event
-    from lightllm.server.api_server import _Inbox, _Ticker
+    from lightllm.server.http_server import _Inbox, _Ticker
 
     async def main():
         loop = asyncio.get_running_loop()

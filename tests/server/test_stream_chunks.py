@@ -123,7 +123,7 @@ def test_token_events_are_the_json_of_the_event_they_stand_for():
     import math
     import random
 
-    from lightllm.server.api_server import _token_event
+    from lightllm.server.http_server import _token_event
 
     rng = random.Random(0)
     alphabet = 'ab "\\\n\t\r\x00\x1f\x7f/é你🙂\u2028\ufffd'
@@ -200,17 +200,17 @@ def test_a_streamed_request_is_submitted_before_its_response_starts(monkeypatch)
     request is still counted once, with its own finish reason."""
     from fastapi.testclient import TestClient
 
-    from lightllm.server import api_server
+    from lightllm.server import http_server
 
     server = make_server()
     seen = []
-    call = api_server._SubmittedStream.__call__
+    call = http_server._SubmittedStream.__call__
 
     async def recording(self, scope, receive, send):
         seen.append(len(server.submitted))  # requests in the engine as the response starts
         await call(self, scope, receive, send)
 
-    monkeypatch.setattr(api_server._SubmittedStream, "__call__", recording)
+    monkeypatch.setattr(http_server._SubmittedStream, "__call__", recording)
     native = {"inputs": "ab", "parameters": {"max_new_tokens": 3, "ignore_eos": True}}
     openai = {"prompt": "ab", "max_tokens": 3, "n": 2, "stream": True, "ignore_eos": True}
     with TestClient(server.app) as client:
@@ -223,7 +223,7 @@ def test_a_streamed_request_is_submitted_before_its_response_starts(monkeypatch)
 def test_a_stream_whose_body_never_starts_aborts_what_its_handler_submitted():
     """The client leaves before the body's task runs (the ASGI server reports the disconnect at once): the body
     never reads its requests, and the response still aborts each of them, counted once as "abort"."""
-    from lightllm.server.api_server import _SubmittedStream
+    from lightllm.server.http_server import _SubmittedStream
 
     async def main():
         server = make_server()
