@@ -26,7 +26,9 @@ def start_seconds(repo: str, args: list, home: str) -> float:
     from lightllm.common.net import free_port, wait_healthy
 
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": repo, "LIGHTLLM_TINY_MODEL_DIR": os.path.join(home, "tiny"),
+    # ``repo`` first; what PYTHONPATH held stays after it (a machine whose dependencies are installed there)
+    path = os.pathsep.join([repo] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+    env = {**os.environ, "PYTHONPATH": path, "LIGHTLLM_TINY_MODEL_DIR": os.path.join(home, "tiny"),
            "LIGHTLLM_AUTOTUNE_CONFIG_DIR": os.path.join(home, "autotune"), "HF_HUB_OFFLINE": "1"}  # fmt: skip
     t = time.perf_counter()
     server = proc.start([sys.executable, "-m", "lightllm.server.api_server", "--port", str(port), *args], env=env,

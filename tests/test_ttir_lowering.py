@@ -61,6 +61,7 @@ def test_arguments_are_typed_as_triton_specializes_them():
     assert dict(first.signature) == {"X": "*fp16", "Out": "*fp16", "n": "i32", "big": "i64", "one": "constexpr",
                                      "scale": "fp32", "Absent": "constexpr", "BLOCK": "constexpr"}  # fmt: skip
     assert first.constexprs == (("one", 1), ("Absent", None), ("BLOCK", 32))
+    assert first.specialized == ("one", "Absent")  # Triton's constants, not the kernel's declared constexprs
     aligned = (("tt.divisibility", 16),)
     assert dict(first.attrs) == {"X": aligned, "Out": aligned, "n": aligned, "big": ()}  # 2**40 + 3 is odd
     assert first.options == (("num_warps", 2),)
@@ -116,6 +117,15 @@ def test_one_cubin_per_kernel_options_and_code_path_at_its_biggest_tiles():
     warps = record(16, 4, 8, num_warps=2)
     assert len(recorder.launches) == 6
     assert ttir_lowering.representatives(list(recorder.launches)) == [off, biggest, warps]
+
+    strides = ttir_lowering.LaunchRecorder()
+    y = torch.zeros(32, dtype=torch.float16)
+    for one, absent in ((1, None), (3, None), (1, y)):
+        strides.record(samples.typed_args_kernel, (y, y, 32, 7, one, 0.5, absent), {"BLOCK": 32})
+    unit, other, present = strides.launches
+    assert unit.specialized == ("one", "Absent") and other.specialized == ("Absent",)
+    # an int Triton specialized to 1 (a stride of 1) is the data's, built with its other values; None picks a path
+    assert ttir_lowering.representatives([unit, other, present]) == [unit, present]
 
 
 def test_the_short_prefill_fla_kernel_builds_for_sm90_at_qwen3_5_widths():

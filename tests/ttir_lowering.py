@@ -47,6 +47,8 @@ class Launch:
     constexprs: Tuple[Tuple[str, Any], ...]  # constexpr parameter (or int specialized to 1) -> its value
     attrs: Tuple[Tuple[str, Tuple[Tuple[str, int], ...]], ...]  # parameter -> e.g. (("tt.divisibility", 16),)
     options: Tuple[Tuple[str, Any], ...]  # launch options given (num_warps, num_stages, ...)
+    # parameters not declared constexpr that Triton made constants of for this launch (an int equal to 1, None)
+    specialized: Tuple[str, ...] = ()
 
     def describe(self) -> str:
         values = ", ".join(f"{name}={value!r}" for name, value in self.constexprs)
@@ -105,6 +107,7 @@ class LaunchRecorder:
         bound, specialization, options = binder(*args, **kwargs)
         _, signature, constexprs, attrs = jit._pack_args(self._backend, kwargs, bound, specialization, options)
         names = list(signature)
+        declared = {p.name for p in jit.params if p.is_constexpr}
         return Launch(
             module=kernel.fn.__module__,
             name=kernel.fn.__qualname__,
@@ -112,6 +115,7 @@ class LaunchRecorder:
             constexprs=tuple((names[path[0]], value) for path, value in sorted(constexprs.items())),
             attrs=tuple((names[path[0]], tuple(map(tuple, a))) for path, a in sorted(attrs.items())),
             options=tuple((k, v) for k, v in kwargs.items() if k in self._option_names and k not in _ADDED_BY_RUN),
+            specialized=tuple(names[path[0]] for path in sorted(constexprs) if names[path[0]] not in declared),
         )
 
 
@@ -188,12 +192,15 @@ def representatives(launches: List[Launch]) -> List[Launch]:
 
     Integer constexprs are tile sizes or switches that kernels test against zero (``QUANT == 0``, ``QGROUP``), so
     a code path is the constexprs with each integer reduced to whether it is zero; flags, strings and ``None``
-    arguments count as they are. Within a path the launch with the largest product of its integers is built (shared
-    memory grows with the tiles), the first of equals. Launches that differ only in argument dtypes, alignment, other
-    tile sizes or switch values share one build; every launch is still lowered to TTIR."""
+    arguments count as they are. An integer argument that Triton specialized to 1 for a launch (a stride of 1) is,
+    like its specialization on alignment, the data's and not a path. Within a path the launch with the largest
+    product of its integers is built (shared memory grows with the tiles), the first of equals. Launches that differ
+    only in argument dtypes, alignment, strides of 1, other tile sizes or switch values share one build; every launch
+    is still lowered to TTIR."""
     best: Dict[tuple, Launch] = {}
     for launch in launches:
-        key = (launch.module, launch.name, launch.options, tuple((n, _path_value(v)) for n, v in launch.constexprs))
+        path = tuple((n, _path_value(v)) for n, v in launch.constexprs if not (n in launch.specialized and _is_int(v)))
+        key = (launch.module, launch.name, launch.options, path)
         if key not in best or _tile_product(launch) > _tile_product(best[key]):
             best[key] = launch
     return list(best.values())
