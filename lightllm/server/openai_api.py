@@ -266,7 +266,7 @@ class LogprobFormatter:
 
 class OpenAIReply:
     """One OpenAI response: its id, its choices and usage, whole or as server-sent events. ``server``: the
-    api_server's ``Server`` (its tokenizer, model name, and ``merged_streams`` for streams)."""
+    http_server's ``Server`` (its tokenizer, model name, and ``merged_streams`` for streams)."""
 
     def __init__(self, server, chat: bool, prompts: List[List[int]], n: int, best_of: int, echoes,
                  with_logprobs: bool, parsing: Optional[ChatParsing] = None, stops: bool = False):  # fmt: skip
