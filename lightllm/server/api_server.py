@@ -12,6 +12,7 @@ process imports torch, FastAPI and the model code (and each process it spawns, w
 its main, pays nothing for it).
 """
 
+import contextlib
 import functools
 import logging
 import os
@@ -85,6 +86,25 @@ def run(server, sock, server_args) -> int:
     return 1 if isinstance(engine, EngineProcess) and engine.problem else 0
 
 
+@contextlib.contextmanager
+def _interrupts_held():
+    """A Ctrl+C during the block is raised as KeyboardInterrupt when it ends, not inside it: one that lands while
+    torch initializes its C extensions is swallowed there and leaves numpy half-initialized, so the import fails
+    later with another error (and a traceback) instead of ending the server as Ctrl+C does."""
+    caught = []
+    previous = signal.getsignal(signal.SIGINT)
+    if previous is not signal.default_int_handler:  # ignored (a background job) or someone else's: left as it is
+        yield
+        return
+    signal.signal(signal.SIGINT, lambda *_: caught.append(True))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if caught:
+        raise KeyboardInterrupt
+
+
 def main(argv=None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # First, held, before this process's own imports: the engine process's imports (seconds) overlap them and the
@@ -93,8 +113,9 @@ def main(argv=None) -> None:
     spawned = spawn_engine()
     engine = None
     try:
-        from lightllm.server.engine_proc import EngineExited, EngineProcess, EngineStartError
-        from lightllm.server.http_server import TINY_NAME, Server
+        with _interrupts_held():
+            from lightllm.server.engine_proc import EngineExited, EngineProcess, EngineStartError
+            from lightllm.server.http_server import TINY_NAME, Server
 
         engine = EngineProcess(spawned=spawned)
         server_args, engine_args, sock, tokenizer, sampling_defaults = _checked_inputs(argv)

@@ -367,7 +367,6 @@ class _EngineSide:
 
 def _engine_main(conn, make_runner, tokenizer_eos, extra_eos, step_started, parent: int, log_level: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C: the HTTP process drains, then stops us
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked since the start: one pending is ignored
     _exit_with_parent(parent)
     if make_runner is None:  # held until released; the HTTP side's end (EOF) while we wait: nothing to do
         # What building the runner imports first (a second: transformers reads the model's config.json), imported

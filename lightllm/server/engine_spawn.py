@@ -9,6 +9,7 @@ import math
 import multiprocessing as mp
 import os
 import signal
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
@@ -38,13 +39,18 @@ def spawn_engine(make_runner: Optional[Callable] = None, tokenizer_eos: Optional
     process = ctx.Process(target=_child_main, name="lightllm-engine",
                           args=(child, make_runner, tokenizer_eos, tuple(extra_eos_ids), step_started, os.getpid(),
                                 logging.getLogger().level or logging.INFO))  # fmt: skip
-    # Ctrl+C reaches the whole process group: SIGINT is blocked in the child from its first instruction (the mask
-    # survives exec) until ``_engine_main`` ignores it, so it never interrupts the child's imports with a traceback
-    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    # Ctrl+C reaches the whole process group, and the child must not die of it while it imports. A SIGINT ignored
+    # here stays ignored across the child's exec (a blocked one does not stay blocked: /proc showed the child's mask
+    # empty), and Python then installs no KeyboardInterrupt handler; ``_engine_main`` keeps ignoring it. This
+    # process's own handler is back once the child is started (a Ctrl+C in those milliseconds is lost). Only the main
+    # thread may set a handler: started from another thread, the child takes SIGINT as this process does.
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
     try:
         process.start()  # not a daemon: it starts tensor-parallel workers of its own
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
     child.close()  # ours closed: the engine's end of the pipe is then its only one, so its death is an EOF here
     return SpawnedEngine(process, conn, step_started)
 

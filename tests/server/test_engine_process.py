@@ -289,7 +289,12 @@ def test_ctrl_c_while_the_engine_process_imports_does_not_end_it(capfd):
     ignores SIGINT) must neither end it nor print a traceback (its stderr is this process's)."""
     engine = EngineProcess()
     try:
-        os.kill(engine.process.pid, signal.SIGINT)  # at once: the spawned interpreter is still importing
+        with open(f"/proc/{engine.process.pid}/status") as f:  # from its start: a blocked SIGINT did not survive exec
+            ignored = int(next(line for line in f if line.startswith("SigIgn:")).split()[1], 16)
+        assert ignored & (1 << (signal.SIGINT - 1))
+        os.kill(engine.process.pid, signal.SIGINT)  # at once: the spawned interpreter is still starting
+        time.sleep(0.3)
+        os.kill(engine.process.pid, signal.SIGINT)  # and while it imports torch (this killed it before 2026-12-07)
         engine.release(FakeRunner)
         engine.wait_ready()
         assert engine.process.is_alive()

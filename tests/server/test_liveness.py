@@ -161,6 +161,47 @@ def test_ctrl_c_while_streaming_ends_the_server_without_a_traceback(tmp_path):
     assert "Traceback" not in text and "KeyboardInterrupt" not in text, text[-3000:]
 
 
+def _spawned_children(pid):
+    """The pids of the processes ``pid`` spawned through multiprocessing (from /proc), its resource tracker aside."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    stat = f.read()
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    cmdline = f.read().decode(errors="replace")
+            except OSError:  # gone meanwhile
+                continue
+            spawned = "spawn_main" in cmdline and "resource_tracker" not in cmdline
+            if spawned and int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry))
+    return found
+
+
+def test_ctrl_c_while_the_http_process_still_imports_ends_it_and_its_engine_process(tmp_path):
+    """The engine process is spawned before the HTTP process's own imports (torch, FastAPI: seconds): a Ctrl+C in
+    that window stops the held engine process too, and the server ends as Ctrl+C ends it, without a traceback."""
+    from lightllm.tools.make_tiny_model import default_model_dir
+
+    default_model_dir()  # built here: a first start builds it while parsing its flags, with transformers' imports
+    env = {**os.environ, "PYTHONPATH": REPO, "LIGHTLLM_AUTOTUNE_CONFIG_DIR": str(tmp_path / "autotune"),
+           "HF_HUB_OFFLINE": "1"}  # fmt: skip
+    cmd = [sys.executable, "-m", "lightllm.server.api_server", "--device", "cpu", "--port", str(free_port())]
+    with procs.running(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                       preexec_fn=_sigint_as_in_a_terminal) as proc:  # fmt: skip
+        deadline = time.monotonic() + procs.HANG_TIMEOUT_S
+        while not _spawned_children(proc.pid) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        (engine,) = _spawned_children(proc.pid)
+        time.sleep(0.3)  # past the spawn: the HTTP process is importing (or later: every later point is handled too)
+        os.killpg(proc.pid, signal.SIGINT)
+        text = proc.stdout.read()
+        assert proc.wait(timeout=procs.HANG_TIMEOUT_S) == -signal.SIGINT, text[-3000:]
+    assert "Traceback" not in text and "KeyboardInterrupt" not in text, text[-3000:]
+    assert not os.path.exists(f"/proc/{engine}"), "the engine process outlived the server"
+
+
 def test_ctrl_c_while_starting_ends_the_server_without_a_traceback(tmp_path):
     """Ctrl+C while the engine process loads the model: the HTTP process stops it and ends, without a traceback."""
     env = {**os.environ, "PYTHONPATH": REPO, "LIGHTLLM_TINY_MODEL_DIR": str(tmp_path / "tiny"),
