@@ -86,6 +86,26 @@ def run(server, sock, server_args) -> int:
     return 1 if isinstance(engine, EngineProcess) and engine.problem else 0
 
 
+_EARLY_TP_MAX = 64  # a larger --tp starts no workers before the flags are checked (a typo must not fork hundreds)
+
+
+def _early_tp(argv) -> int:
+    """``--tp`` as the command line gives it, read before the flags' parser (which imports torch) so that the held
+    engine process starts its tensor-parallel workers' imports too. Only a hint: anything but a plain integer in
+    [2, 64] is 1, the parser reports a bad value, and the engine process replaces workers of another count."""
+    value = None
+    for i, arg in enumerate(argv):  # the last one counts, as argparse has it
+        if arg == "--tp" and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith("--tp="):
+            value = arg[len("--tp=") :]
+    try:
+        tp = int(value)
+    except (TypeError, ValueError):
+        return 1
+    return tp if 2 <= tp <= _EARLY_TP_MAX else 1
+
+
 @contextlib.contextmanager
 def _interrupts_held():
     """A Ctrl+C during the block is raised as KeyboardInterrupt when it ends, not inside it: one that lands while
@@ -107,10 +127,10 @@ def _interrupts_held():
 
 def main(argv=None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    # First, held, before this process's own imports: the engine process's imports (seconds) overlap them and the
-    # arguments' and the tokenizer's checks, and it builds and logs nothing until released, so bad input is still one
-    # line before any loading
-    spawned = spawn_engine()
+    # First, held, before this process's own imports: the engine process's imports (seconds), and its tensor-parallel
+    # workers' with --tp, overlap them and the arguments' and the tokenizer's checks, and it builds and logs nothing
+    # until released, so bad input is still one line before any loading
+    spawned = spawn_engine(tp=_early_tp(sys.argv[1:] if argv is None else argv))
     engine = None
     try:
         with _interrupts_held():

@@ -365,10 +365,13 @@ class _EngineSide:
             stop()
 
 
-def _engine_main(conn, make_runner, tokenizer_eos, extra_eos, step_started, parent: int, log_level: int) -> None:
+def _engine_main(conn, make_runner, tokenizer_eos, extra_eos, step_started, parent: int, log_level: int,
+                 early_tp: int = 1) -> None:  # fmt: skip
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C: the HTTP process drains, then stops us
     _exit_with_parent(parent)
     if make_runner is None:  # held until released; the HTTP side's end (EOF) while we wait: nothing to do
+        if early_tp > 1:  # their imports beside ours; dismissed by start_tp if the checked --tp differs
+            tp.held_workers = tp.HeldWorkers(early_tp)
         # What building the runner imports first (a second: transformers reads the model's config.json), imported
         # while the HTTP process still parses its arguments and loads its tokenizer
         from transformers import AutoConfig  # noqa: F401

@@ -31,14 +31,16 @@ class SpawnedEngine:
 
 
 def spawn_engine(make_runner: Optional[Callable] = None, tokenizer_eos: Optional[int] = None,
-                 extra_eos_ids: Sequence[int] = ()) -> SpawnedEngine:  # fmt: skip
-    """Start the engine process; without ``make_runner`` it is held (see ``EngineProcess``)."""
+                 extra_eos_ids: Sequence[int] = (), tp: int = 1) -> SpawnedEngine:  # fmt: skip
+    """Start the engine process; without ``make_runner`` it is held (see ``EngineProcess``), and with ``tp`` > 1
+    (the command line's ``--tp``, before it is checked) it starts that many tensor-parallel workers meanwhile,
+    held too (``tp.HeldWorkers``)."""
     ctx = mp.get_context("spawn")
     conn, child = ctx.Pipe()
     step_started = ctx.RawValue(ctypes.c_double, math.nan)
     process = ctx.Process(target=_child_main, name="lightllm-engine",
                           args=(child, make_runner, tokenizer_eos, tuple(extra_eos_ids), step_started, os.getpid(),
-                                logging.getLogger().level or logging.INFO))  # fmt: skip
+                                logging.getLogger().level or logging.INFO, tp))  # fmt: skip
     # Ctrl+C reaches the whole process group, and the child must not die of it while it imports. A SIGINT ignored
     # here stays ignored across the child's exec (a blocked one does not stay blocked: /proc showed the child's mask
     # empty), and Python then installs no KeyboardInterrupt handler; ``_engine_main`` keeps ignoring it. This

@@ -392,10 +392,28 @@ def _worker(rank: int, world: int, init_method: str, args: EngineArgs, parent: i
             errors) -> None:  # fmt: skip
     _exit_with_parent(parent)
     _heartbeat(progress, rank)
+    _serve_rank(rank, world, init_method, args, parent, progress, errors)
+
+
+def _held_worker(rank: int, world: int, parent: int, progress: RankProgress, errors, inbox) -> None:
+    """A worker started before its arguments are known (``HeldWorkers``): it imports what building its runner
+    needs, then waits for ``(init_method, args)``, or for its inbox's end (dismissed: it exits quietly)."""
+    _exit_with_parent(parent)
+    _heartbeat(progress, rank)
+    from transformers import AutoConfig  # noqa: F401  (ModelRunner reads the config through it first)
+
+    try:
+        init_method, args = inbox.recv()
+    except (EOFError, OSError):
+        return
+    inbox.close()
+    _serve_rank(rank, world, init_method, args, parent, progress, errors)
+
+
+def _serve_rank(rank: int, world: int, init_method: str, args: EngineArgs, parent: int, progress: RankProgress,
+                errors) -> None:  # fmt: skip
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
     args = _for_rank(args, rank)
-    import torch
-
     init_tp(rank, world, init_method, torch.device(args.device))
     group = dist.new_group(backend="gloo", timeout=_COMMAND_TIMEOUT)
     try:
@@ -416,20 +434,64 @@ def _worker(rank: int, world: int, init_method: str, args: EngineArgs, parent: i
     dist.destroy_process_group()
 
 
+class HeldWorkers:
+    """Ranks 1..world-1 started before their arguments are known. A held engine process starts them as soon as
+    ``api_server`` has read ``--tp`` off the command line, so their imports (seconds) run while the HTTP process
+    parses its flags and loads its tokenizer, not after. ``start_tp`` releases them with the rendezvous and the
+    engine's arguments, or dismisses them when it needs another world size."""
+
+    def __init__(self, world: int):
+        ctx = mp.get_context("spawn")
+        self.world = world
+        self.progress = RankProgress(ctx, world)
+        self.procs, self.errors, self._inboxes = [], [], []
+        for rank in range(1, world):
+            error_in, error_out = ctx.Pipe(duplex=False)
+            inbox_out, inbox_in = ctx.Pipe(duplex=False)  # (read end, write end)
+            args = (rank, world, os.getpid(), self.progress, error_out, inbox_out)
+            proc = ctx.Process(target=_held_worker, args=args, daemon=True, name=f"lightllm-tp{rank}")
+            proc.start()
+            error_out.close()  # the worker's alone from here: its exit is an EOF
+            inbox_out.close()
+            self.procs.append(proc)
+            self.errors.append(error_in)
+            self._inboxes.append(inbox_in)
+
+    def release(self, init_method: str, args: EngineArgs) -> bool:
+        """Send every worker its start; False, with every worker dismissed, if one is gone already."""
+        try:
+            for inbox in self._inboxes:
+                inbox.send((init_method, args))
+        except OSError:  # BrokenPipeError: that worker exited (an import failed); a fresh start will say why
+            self.dismiss()
+            return False
+        for inbox in self._inboxes:
+            inbox.close()
+        return True
+
+    def dismiss(self) -> None:
+        """End workers that were never released (they have built nothing: mostly still importing)."""
+        for inbox in self._inboxes:
+            inbox.close()
+        for proc in self.procs:
+            proc.terminate()
+            proc.join()
+        for conn in self.errors:
+            conn.close()
+
+
+# The workers a held engine process started for the command line's ``--tp`` (``HeldWorkers``), set by
+# ``engine_proc`` while it waits for its release, until ``start_tp`` takes them.
+held_workers: Optional[HeldWorkers] = None
+
+
 def rendezvous_address(port: Optional[int] = None) -> str:
     """Where the ranks meet (torch.distributed's init_method): ``port`` (--nccl_port), else a free one."""
     return f"tcp://127.0.0.1:{port if port is not None else free_port()}"
 
 
-def start_tp(args: EngineArgs, tp: int, step_timeout_s: Optional[float] = None, port: Optional[int] = None) -> TPRunner:
-    """Spawn ranks 1..tp-1, join as rank 0 and build every rank's runner (start-up runs in lockstep). ``port``:
-    the ranks' rendezvous port (``--nccl_port``), default a free one."""
-    if not args.model_dir:  # resolve (and build, once) the built-in model here, not in every rank
-        from lightllm.tools.make_tiny_model import default_model_dir
-
-        args = EngineArgs(**{**vars(args), "model_dir": str(default_model_dir())})
-    init_method = rendezvous_address(port)
-    logger.info("tensor-parallel rendezvous at %s", init_method)
+def _spawn_workers(tp: int, init_method: str, args: EngineArgs) -> tuple:
+    """Ranks 1..tp-1 started now, with their arguments: ``(processes, progress, error pipes)``."""
     ctx = mp.get_context("spawn")
     progress = RankProgress(ctx, tp)
     procs, errors = [], []
@@ -441,7 +503,31 @@ def start_tp(args: EngineArgs, tp: int, step_timeout_s: Optional[float] = None, 
         proc.start()
         error_out.close()  # the worker's alone from here: its exit is an EOF
         procs.append(proc)
-    logger.info("tensor-parallel workers started: %s", ", ".join(f"{p.name} pid {p.pid}" for p in procs))
+    return procs, progress, errors
+
+
+def start_tp(args: EngineArgs, tp: int, step_timeout_s: Optional[float] = None, port: Optional[int] = None) -> TPRunner:
+    """Start ranks 1..tp-1 (or release the ``held_workers`` of that world size), join as rank 0 and build every
+    rank's runner (start-up runs in lockstep). ``port``: the ranks' rendezvous port (``--nccl_port``), default a
+    free one."""
+    if not args.model_dir:  # resolve (and build, once) the built-in model here, not in every rank
+        from lightllm.tools.make_tiny_model import default_model_dir
+
+        args = EngineArgs(**{**vars(args), "model_dir": str(default_model_dir())})
+    init_method = rendezvous_address(port)
+    logger.info("tensor-parallel rendezvous at %s", init_method)
+    global held_workers
+    held, held_workers = held_workers, None
+    if held is not None and held.world != tp:
+        held.dismiss()
+        held = None
+    if held is not None and held.release(init_method, args):
+        procs, progress, errors = held.procs, held.progress, held.errors
+        how = "started while the server read its arguments"
+    else:
+        procs, progress, errors = _spawn_workers(tp, init_method, args)
+        how = "started"
+    logger.info("tensor-parallel workers %s: %s", how, ", ".join(f"{p.name} pid {p.pid}" for p in procs))
     # Watched from here on: a rank dying at start-up must not hang rank 0 either. Start-up itself (loading,
     # compiles, tuning, graph capture) is not timed: only the commands of serving are.
     workers = Workers(procs, progress, step_timeout_s, errors=errors)

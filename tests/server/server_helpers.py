@@ -57,3 +57,21 @@ def assert_generates_like(base, prompts, ref):
         got = httpx.post(base + "/generate", json=body, timeout=procs.HANG_TIMEOUT_S).json()
         assert got["token_ids"] == want.token_ids
         assert max(abs(a - b) for a, b in zip(got["logprobs"], want.logprobs)) <= 1e-4
+
+
+def spawned_children(pid):
+    """The pids of the processes ``pid`` spawned through multiprocessing (from /proc), its resource tracker aside."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    stat = f.read()
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    cmdline = f.read().decode(errors="replace")
+            except OSError:  # gone meanwhile
+                continue
+            spawned = "spawn_main" in cmdline and "resource_tracker" not in cmdline
+            if spawned and int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry))
+    return found

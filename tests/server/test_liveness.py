@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import httpx
 import torch
 from fastapi.testclient import TestClient
-from server_helpers import REPO, start_server
+from server_helpers import REPO, spawned_children, start_server
 
 from lightllm.engine.args import EngineArgs
 from lightllm.common import proc as procs
@@ -161,24 +161,6 @@ def test_ctrl_c_while_streaming_ends_the_server_without_a_traceback(tmp_path):
     assert "Traceback" not in text and "KeyboardInterrupt" not in text, text[-3000:]
 
 
-def _spawned_children(pid):
-    """The pids of the processes ``pid`` spawned through multiprocessing (from /proc), its resource tracker aside."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    stat = f.read()
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    cmdline = f.read().decode(errors="replace")
-            except OSError:  # gone meanwhile
-                continue
-            spawned = "spawn_main" in cmdline and "resource_tracker" not in cmdline
-            if spawned and int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(entry))
-    return found
-
-
 def _catches(pid, signum):
     """Whether process ``pid`` has a handler of its own for ``signum`` now (/proc's SigCgt mask)."""
     with open(f"/proc/{pid}/status") as f:
@@ -208,10 +190,10 @@ def test_ctrl_c_while_the_http_process_still_imports_ends_it_and_its_engine_proc
         # the imports, where one inside torch's C initialization used to surface as another error. Found, not timed.
         deadline = time.monotonic() + procs.HANG_TIMEOUT_S
         while proc.poll() is None and time.monotonic() < deadline:
-            if _spawned_children(proc.pid) and _catches(proc.pid, signal.SIGINT) and _maps(proc.pid, "libtorch"):
+            if spawned_children(proc.pid) and _catches(proc.pid, signal.SIGINT) and _maps(proc.pid, "libtorch"):
                 break
             time.sleep(0.005)
-        (engine,) = _spawned_children(proc.pid)
+        (engine,) = spawned_children(proc.pid)
         os.killpg(proc.pid, signal.SIGINT)
         hung = threading.Timer(procs.HANG_TIMEOUT_S, proc.kill)  # a server that ignored it: the read ends, failing
         hung.start()

@@ -14,7 +14,7 @@ import time
 
 import httpx
 import pytest
-from server_helpers import REPO, assert_generates_like, running_server, start_server
+from server_helpers import REPO, assert_generates_like, running_server, spawned_children, start_server
 
 from lightllm import LLM, SamplingParams
 from lightllm.common import proc as procs
@@ -53,6 +53,8 @@ def test_tp_matches_one_process(tmp_path, tp):
     (log,) = tmp_path.glob("server-*.log")
     text = log.read_text()
     assert f"tensor-parallel workers stopped ({tp} ranks)" in text
+    # started by the held engine process from the command line's --tp, before the flags were parsed
+    assert "tensor-parallel workers started while the server read its arguments" in text
     assert f"autotune: all {tp} ranks hold identical configs" in text
     assert "Traceback" not in text
 
@@ -480,6 +482,65 @@ def test_an_idle_server_keeps_its_workers_past_the_groups_default_timeout(tmp_pa
     code, out = _run_script(tmp_path, _IDLE, tmp_path)
     assert code == 0, out
     assert "worker exit code 0" in out and "Traceback" not in out, out
+
+
+_HELD = """
+import sys
+from types import SimpleNamespace
+from lightllm.engine.args import EngineArgs
+from lightllm.server import tp
+
+tp.ModelRunner = lambda args: SimpleNamespace(mtp=None, args=args)  # every rank: no model, the start-up protocol only
+if __name__ == "__main__":
+    held = tp.HeldWorkers(int(sys.argv[2]))
+    tp.held_workers = held
+    runner = tp.start_tp(EngineArgs(model_dir=sys.argv[1], device="cpu"), 2)
+    print("taken", [p.pid for p in runner.workers.procs] == [p.pid for p in held.procs])
+    print("held ended", [p.exitcode is not None for p in held.procs])
+    print("left", tp.held_workers)
+    runner.stop()
+    print("worker exit codes", [p.exitcode for p in runner.workers.procs])
+"""
+
+
+@pytest.mark.parametrize("held_world", [2, 3])
+def test_start_tp_takes_the_held_workers_of_its_world_size_and_dismisses_others(tmp_path, held_world):
+    """Workers a held engine process started from the command line's --tp: ``start_tp`` releases them when their
+    world size is its own and runs with them, and otherwise ends them and starts its own."""
+    code, out = _run_script(tmp_path, _HELD.replace("sys.argv[2]", str(held_world)), make_tiny_qwen3(tmp_path / "m"))
+    assert code == 0 and "Traceback" not in out, out
+    taken = held_world == 2
+    assert f"taken {taken}" in out, out
+    assert ("held ended [False]" if taken else "held ended [True, True]") in out, out
+    assert "left None" in out and "worker exit codes [0]" in out, out
+
+
+def test_the_command_lines_tp_is_read_before_the_flags_are_parsed():
+    """``api_server`` reads --tp off the command line before its parser (which imports torch) to start the workers
+    early: a hint, so anything unreadable or out of [2, 64] is 1 (no early workers) and the parser reports it."""
+    from lightllm.server.api_server import _early_tp
+
+    argvs = (["--tp", "2"], ["--tp=4"], ["--port", "9", "--tp", "2", "--tp", "3"], ["--tp", "64"], [], ["--tp"],
+             ["--tp", "x"], ["--tp", "1"], ["--tp", "-2"], ["--tp", "65"], ["--tp_step_timeout_s", "8"])  # fmt: skip
+    assert [_early_tp(argv) for argv in argvs] == [2, 4, 3, 64, 1, 1, 1, 1, 1, 1, 1]
+
+
+def test_a_held_engine_never_released_leaves_no_worker_behind(tmp_path):
+    """The server command's engine process starts its --tp workers while it is held; when the HTTP side fails before
+    the release (a bad flag) and stops it, the workers end too instead of waiting for a start that never comes."""
+    from lightllm.server.engine_spawn import spawn_engine
+
+    spawned = spawn_engine(tp=3)
+    deadline = time.monotonic() + procs.HANG_TIMEOUT_S
+    workers = []
+    while len(workers) < 2 and time.monotonic() < deadline:  # the engine process's children, once it started them
+        time.sleep(0.1)
+        workers = spawned_children(spawned.process.pid)
+    assert len(workers) == 2, workers
+    spawned.stop()
+    while not all(_gone(w) for w in workers) and time.monotonic() < deadline:  # each watches its parent
+        time.sleep(0.1)
+    assert all(_gone(w) for w in workers), "a held worker outlived its engine process"
 
 
 def test_a_request_failing_alone_keeps_the_ranks_in_step(tmp_path, monkeypatch):
