@@ -37,9 +37,8 @@ from lightllm.common.gc_heap import GcPauses, freeze_startup_heap
 from lightllm.engine.engine import Engine, eos_token_ids
 from lightllm.engine.request import Event, Request
 from lightllm.server.engine_loop import EngineLoop
-from lightllm.server.engine_spawn import SpawnedEngine, spawn_engine
+from lightllm.server.engine_spawn import HeldWorkers, SpawnedEngine, spawn_engine
 from lightllm.server import tp
-from lightllm.server.tp import _exit_with_parent
 
 logger = logging.getLogger(__name__)
 _LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -365,13 +364,12 @@ class _EngineSide:
             stop()
 
 
-def _engine_main(conn, make_runner, tokenizer_eos, extra_eos, step_started, parent: int, log_level: int,
-                 early_tp: int = 1) -> None:  # fmt: skip
+def _engine_main(conn, make_runner, tokenizer_eos, extra_eos, step_started, log_level: int,
+                 held_workers: Optional[HeldWorkers] = None) -> None:  # fmt: skip
+    """The engine process (``engine_spawn._child_main`` watches its parent and starts ``held_workers`` first)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C: the HTTP process drains, then stops us
-    _exit_with_parent(parent)
     if make_runner is None:  # held until released; the HTTP side's end (EOF) while we wait: nothing to do
-        if early_tp > 1:  # their imports beside ours; dismissed by start_tp if the checked --tp differs
-            tp.held_workers = tp.HeldWorkers(early_tp)
+        tp.held_workers = held_workers  # start_tp takes them, or ends them if the checked --tp differs
         # What building the runner imports first (a second: transformers reads the model's config.json), imported
         # while the HTTP process still parses its arguments and loads its tokenizer
         from transformers import AutoConfig  # noqa: F401

@@ -1,7 +1,9 @@
 """Starting the engine process, with nothing heavier than ``multiprocessing`` imported: ``api_server`` starts it
 before it imports torch, FastAPI and the model code itself, so that the engine process's own imports (seconds, the
 longest part of a small model's start) run beside the HTTP process's instead of after them. ``EngineProcess``
-(``engine_proc``) is the handle on what this starts."""
+(``engine_proc``) is the handle on what this starts. With ``--tp`` the engine process starts its tensor-parallel
+workers (``HeldWorkers``) from here too, before its own imports; what those processes share with it from their first
+instruction (``RankProgress``, ``exit_with_parent``) lives here for that reason."""
 
 import ctypes
 import logging
@@ -10,8 +12,39 @@ import multiprocessing as mp
 import os
 import signal
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
+
+
+class RankProgress:
+    """Per rank, in shared memory: commands received, commands finished and the time of the last heartbeat
+    (``time.monotonic``, one clock for every process of the host). Rank 0 reads it to name a rank that holds
+    up a step: the others wait for that one inside a collective, so only this tells them apart."""
+
+    RECEIVED, FINISHED, BEAT = range(3)
+
+    def __init__(self, ctx, world: int):
+        self.values = ctx.RawArray(ctypes.c_double, 3 * world)
+
+    def set(self, rank: int, field: int, value: float) -> None:
+        self.values[3 * rank + field] = value
+
+    def get(self, rank: int, field: int) -> float:
+        return self.values[3 * rank + field]
+
+
+def exit_with_parent(parent: int, interval_s: float = 0.5) -> None:
+    """End this process when ``parent`` does (killed, crashed): a tensor-parallel worker outliving rank 0 would hold
+    its GPU inside a collective that never ends, an engine process outliving the HTTP process its memory. ``parent``
+    is the pid that spawned us: it may already be gone by the time this runs."""
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(interval_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="lightllm-tp-parent-watch", daemon=True).start()
 
 
 @dataclass
@@ -34,7 +67,7 @@ def spawn_engine(make_runner: Optional[Callable] = None, tokenizer_eos: Optional
                  extra_eos_ids: Sequence[int] = (), tp: int = 1) -> SpawnedEngine:  # fmt: skip
     """Start the engine process; without ``make_runner`` it is held (see ``EngineProcess``), and with ``tp`` > 1
     (the command line's ``--tp``, before it is checked) it starts that many tensor-parallel workers meanwhile,
-    held too (``tp.HeldWorkers``)."""
+    held too (``HeldWorkers``)."""
     ctx = mp.get_context("spawn")
     conn, child = ctx.Pipe()
     step_started = ctx.RawValue(ctypes.c_double, math.nan)
@@ -57,8 +90,68 @@ def spawn_engine(make_runner: Optional[Callable] = None, tokenizer_eos: Optional
     return SpawnedEngine(process, conn, step_started)
 
 
-def _child_main(*args) -> None:
-    """The engine process's entry: the engine's imports happen here, in the child."""
+class HeldWorkers:
+    """Tensor-parallel ranks 1..world-1 started before their arguments are known. A held engine process starts them
+    first thing (``api_server`` read ``--tp`` off the command line), so their imports (seconds) run beside its own
+    and the HTTP process's flag parsing and tokenizer load, not after. ``tp.start_tp`` releases them with the
+    rendezvous and the engine's arguments, or dismisses them when it needs another world size."""
+
+    def __init__(self, world: int):
+        ctx = mp.get_context("spawn")
+        self.world = world
+        self.progress = RankProgress(ctx, world)
+        self.procs, self.errors, self._inboxes = [], [], []
+        for rank in range(1, world):
+            error_in, error_out = ctx.Pipe(duplex=False)
+            inbox_out, inbox_in = ctx.Pipe(duplex=False)  # (read end, write end)
+            args = (rank, world, os.getpid(), self.progress, error_out, inbox_out)
+            proc = ctx.Process(target=_held_worker_main, args=args, daemon=True, name=f"lightllm-tp{rank}")
+            proc.start()
+            error_out.close()  # the worker's alone from here: its exit is an EOF
+            inbox_out.close()
+            self.procs.append(proc)
+            self.errors.append(error_in)
+            self._inboxes.append(inbox_in)
+
+    def release(self, init_method: str, args) -> bool:
+        """Send every worker its start (the rendezvous, the ``EngineArgs``); False, with every worker dismissed, if
+        one is gone already."""
+        try:
+            for inbox in self._inboxes:
+                inbox.send((init_method, args))
+        except OSError:  # BrokenPipeError: that worker exited (an import failed); a fresh start will say why
+            self.dismiss()
+            return False
+        for inbox in self._inboxes:
+            inbox.close()
+        return True
+
+    def dismiss(self) -> None:
+        """End workers that were never released (they have built nothing: mostly still importing)."""
+        for inbox in self._inboxes:
+            inbox.close()
+        for proc in self.procs:
+            proc.terminate()
+            proc.join()
+        for conn in self.errors:
+            conn.close()
+
+
+def _held_worker_main(rank: int, world: int, parent: int, progress: RankProgress, errors, inbox) -> None:
+    """A held worker's entry: it watches its parent before its imports (seconds), so it never outlives an engine
+    process that is stopped meanwhile."""
+    exit_with_parent(parent)
+    from lightllm.server.tp import _held_worker
+
+    _held_worker(rank, world, parent, progress, errors, inbox)
+
+
+def _child_main(conn, make_runner, tokenizer_eos, extra_eos, step_started, parent: int, log_level: int,
+                tp: int) -> None:  # fmt: skip
+    """The engine process's entry: it watches its parent and starts its held workers before its own imports, which
+    happen here, in the child."""
+    exit_with_parent(parent)
+    held = HeldWorkers(tp) if make_runner is None and tp > 1 else None
     from lightllm.server.engine_proc import _engine_main
 
-    _engine_main(*args)
+    _engine_main(conn, make_runner, tokenizer_eos, extra_eos, step_started, log_level, held)

@@ -7,7 +7,6 @@ so their allocators stay identical. Commands travel over a gloo group (never the
 
 import atexit
 import contextlib
-import ctypes
 import datetime
 import logging
 import multiprocessing as mp
@@ -25,6 +24,7 @@ from lightllm.engine.args import EngineArgs
 from lightllm.engine.model_runner import ModelRunner
 from lightllm.engine.runner import STATE_CHANGING
 from lightllm.layers.parallel import init_tp
+from lightllm.server.engine_spawn import HeldWorkers, RankProgress, exit_with_parent
 
 logger = logging.getLogger(__name__)
 _COMMANDS = STATE_CHANGING
@@ -35,28 +35,11 @@ _FROZEN_S = 5.0  # a worker silent this long is stopped (SIGSTOP, a debugger) or
 _EXIT_WAIT_S = 5.0
 # The command group's collectives: a worker waits in one for rank 0's next command for as long as the server is idle,
 # and gloo's default (30 minutes) would end it, and with it the server, after half an hour without a request. A hang
-# inside a step is the watchdog's (--tp_step_timeout_s, heartbeats), a dead rank 0 _exit_with_parent's.
+# inside a step is the watchdog's (--tp_step_timeout_s, heartbeats), a dead rank 0 exit_with_parent's.
 _COMMAND_TIMEOUT = datetime.timedelta(days=365)
 # Where a rank's start-up error (a ValueError building its runner: a malformed checkpoint) goes instead of the log:
 # the engine process sets it to its pipe, so the HTTP process prints it as one line.
 start_error_sink: Optional[Callable[[str], None]] = None
-
-
-class RankProgress:
-    """Per rank, in shared memory: commands received, commands finished and the time of the last heartbeat
-    (``time.monotonic``, one clock for every process of the host). Rank 0 reads it to name a rank that holds
-    up a step: the others wait for that one inside a collective, so only this tells them apart."""
-
-    RECEIVED, FINISHED, BEAT = range(3)
-
-    def __init__(self, ctx, world: int):
-        self.values = ctx.RawArray(ctypes.c_double, 3 * world)
-
-    def set(self, rank: int, field: int, value: float) -> None:
-        self.values[3 * rank + field] = value
-
-    def get(self, rank: int, field: int) -> float:
-        return self.values[3 * rank + field]
 
 
 class Workers:
@@ -364,18 +347,6 @@ def _parent_gone(parent: int, wait_s: float) -> bool:
     return True
 
 
-def _exit_with_parent(parent: int, interval_s: float = 0.5) -> None:
-    """A worker outliving rank 0 (killed, crashed) would hold its GPU inside a collective that never ends.
-    ``parent`` is rank 0's pid as it spawned us: it may already be gone by the time this runs."""
-
-    def watch():
-        while os.getppid() == parent:
-            time.sleep(interval_s)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="lightllm-tp-parent-watch", daemon=True).start()
-
-
 def _heartbeat(progress: RankProgress, rank: int) -> None:
     """Marks this process alive every _HEARTBEAT_S from a thread of its own: it stops only when the whole process
     does (SIGSTOP, a debugger), not when the main thread waits in a collective."""
@@ -390,15 +361,15 @@ def _heartbeat(progress: RankProgress, rank: int) -> None:
 
 def _worker(rank: int, world: int, init_method: str, args: EngineArgs, parent: int, progress: RankProgress,
             errors) -> None:  # fmt: skip
-    _exit_with_parent(parent)
+    exit_with_parent(parent)
     _heartbeat(progress, rank)
     _serve_rank(rank, world, init_method, args, parent, progress, errors)
 
 
 def _held_worker(rank: int, world: int, parent: int, progress: RankProgress, errors, inbox) -> None:
     """A worker started before its arguments are known (``HeldWorkers``): it imports what building its runner
-    needs, then waits for ``(init_method, args)``, or for its inbox's end (dismissed: it exits quietly)."""
-    _exit_with_parent(parent)
+    needs, then waits for ``(init_method, args)``, or for its inbox's end (dismissed: it exits quietly). Its
+    entry, ``engine_spawn._held_worker_main``, watches its parent already."""
     _heartbeat(progress, rank)
     from transformers import AutoConfig  # noqa: F401  (ModelRunner reads the config through it first)
 
@@ -434,53 +405,7 @@ def _serve_rank(rank: int, world: int, init_method: str, args: EngineArgs, paren
     dist.destroy_process_group()
 
 
-class HeldWorkers:
-    """Ranks 1..world-1 started before their arguments are known. A held engine process starts them as soon as
-    ``api_server`` has read ``--tp`` off the command line, so their imports (seconds) run while the HTTP process
-    parses its flags and loads its tokenizer, not after. ``start_tp`` releases them with the rendezvous and the
-    engine's arguments, or dismisses them when it needs another world size."""
-
-    def __init__(self, world: int):
-        ctx = mp.get_context("spawn")
-        self.world = world
-        self.progress = RankProgress(ctx, world)
-        self.procs, self.errors, self._inboxes = [], [], []
-        for rank in range(1, world):
-            error_in, error_out = ctx.Pipe(duplex=False)
-            inbox_out, inbox_in = ctx.Pipe(duplex=False)  # (read end, write end)
-            args = (rank, world, os.getpid(), self.progress, error_out, inbox_out)
-            proc = ctx.Process(target=_held_worker, args=args, daemon=True, name=f"lightllm-tp{rank}")
-            proc.start()
-            error_out.close()  # the worker's alone from here: its exit is an EOF
-            inbox_out.close()
-            self.procs.append(proc)
-            self.errors.append(error_in)
-            self._inboxes.append(inbox_in)
-
-    def release(self, init_method: str, args: EngineArgs) -> bool:
-        """Send every worker its start; False, with every worker dismissed, if one is gone already."""
-        try:
-            for inbox in self._inboxes:
-                inbox.send((init_method, args))
-        except OSError:  # BrokenPipeError: that worker exited (an import failed); a fresh start will say why
-            self.dismiss()
-            return False
-        for inbox in self._inboxes:
-            inbox.close()
-        return True
-
-    def dismiss(self) -> None:
-        """End workers that were never released (they have built nothing: mostly still importing)."""
-        for inbox in self._inboxes:
-            inbox.close()
-        for proc in self.procs:
-            proc.terminate()
-            proc.join()
-        for conn in self.errors:
-            conn.close()
-
-
-# The workers a held engine process started for the command line's ``--tp`` (``HeldWorkers``), set by
+# The workers a held engine process started for the command line's ``--tp`` (``engine_spawn.HeldWorkers``), set by
 # ``engine_proc`` while it waits for its release, until ``start_tp`` takes them.
 held_workers: Optional[HeldWorkers] = None
 

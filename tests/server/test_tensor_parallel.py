@@ -153,10 +153,10 @@ def test_a_failing_test_leaves_no_server_process_behind(tmp_path):
 
 _ORPHAN = """
 import multiprocessing as mp, os, time
-from lightllm.server.tp import _exit_with_parent
+from lightllm.server.engine_spawn import exit_with_parent
 
 def child(parent):
-    _exit_with_parent(parent, interval_s=0.1)
+    exit_with_parent(parent, interval_s=0.1)
     time.sleep(600)  # stands for a collective waiting on a rank that is gone
 
 if __name__ == "__main__":
