@@ -91,10 +91,10 @@ def spawn_engine(make_runner: Optional[Callable] = None, tokenizer_eos: Optional
 
 
 class HeldWorkers:
-    """Tensor-parallel ranks 1..world-1 started before their arguments are known. A held engine process starts them
-    first thing (``api_server`` read ``--tp`` off the command line), so their imports (seconds) run beside its own
-    and the HTTP process's flag parsing and tokenizer load, not after. ``tp.start_tp`` releases them with the
-    rendezvous and the engine's arguments, or dismisses them when it needs another world size."""
+    """Tensor-parallel ranks 1..world-1, started before their arguments are known; ``release`` sends them. A held
+    engine process starts them first thing (``api_server`` read ``--tp`` off the command line), so their imports
+    (seconds) run beside its own and the HTTP process's flag parsing and tokenizer load, not after; ``tp.start_tp``
+    releases those, or dismisses them for another world size, and otherwise starts and releases its own at once."""
 
     def __init__(self, world: int):
         ctx = mp.get_context("spawn")
@@ -105,7 +105,7 @@ class HeldWorkers:
             error_in, error_out = ctx.Pipe(duplex=False)
             inbox_out, inbox_in = ctx.Pipe(duplex=False)  # (read end, write end)
             args = (rank, world, os.getpid(), self.progress, error_out, inbox_out)
-            proc = ctx.Process(target=_held_worker_main, args=args, daemon=True, name=f"lightllm-tp{rank}")
+            proc = ctx.Process(target=_worker_main, args=args, daemon=True, name=f"lightllm-tp{rank}")
             proc.start()
             error_out.close()  # the worker's alone from here: its exit is an EOF
             inbox_out.close()
@@ -114,20 +114,20 @@ class HeldWorkers:
             self._inboxes.append(inbox_in)
 
     def release(self, init_method: str, args) -> bool:
-        """Send every worker its start (the rendezvous, the ``EngineArgs``); False, with every worker dismissed, if
-        one is gone already."""
+        """Send every worker its start (the rendezvous, the ``EngineArgs``); False if one is gone already (a worker
+        not reached then ends at its inbox's end)."""
         try:
             for inbox in self._inboxes:
                 inbox.send((init_method, args))
-        except OSError:  # BrokenPipeError: that worker exited (an import failed); a fresh start will say why
-            self.dismiss()
+            return True
+        except OSError:  # BrokenPipeError: that worker exited (its imports failed)
             return False
-        for inbox in self._inboxes:
-            inbox.close()
-        return True
+        finally:
+            for inbox in self._inboxes:
+                inbox.close()
 
     def dismiss(self) -> None:
-        """End workers that were never released (they have built nothing: mostly still importing)."""
+        """End workers that will not be used (they have built nothing: mostly still importing)."""
         for inbox in self._inboxes:
             inbox.close()
         for proc in self.procs:
@@ -137,13 +137,13 @@ class HeldWorkers:
             conn.close()
 
 
-def _held_worker_main(rank: int, world: int, parent: int, progress: RankProgress, errors, inbox) -> None:
-    """A held worker's entry: it watches its parent before its imports (seconds), so it never outlives an engine
-    process that is stopped meanwhile."""
+def _worker_main(rank: int, world: int, parent: int, progress: RankProgress, errors, inbox) -> None:
+    """A worker's entry: it watches its parent before its imports (seconds), so it never outlives an engine process
+    that is stopped meanwhile."""
     exit_with_parent(parent)
-    from lightllm.server.tp import _held_worker
+    from lightllm.server.tp import _worker
 
-    _held_worker(rank, world, parent, progress, errors, inbox)
+    _worker(rank, world, parent, progress, errors, inbox)
 
 
 def _child_main(conn, make_runner, tokenizer_eos, extra_eos, step_started, parent: int, log_level: int,

@@ -9,7 +9,6 @@ import atexit
 import contextlib
 import datetime
 import logging
-import multiprocessing as mp
 import os
 import threading
 import time
@@ -24,7 +23,7 @@ from lightllm.engine.args import EngineArgs
 from lightllm.engine.model_runner import ModelRunner
 from lightllm.engine.runner import STATE_CHANGING
 from lightllm.layers.parallel import init_tp
-from lightllm.server.engine_spawn import HeldWorkers, RankProgress, exit_with_parent
+from lightllm.server.engine_spawn import HeldWorkers, RankProgress
 
 logger = logging.getLogger(__name__)
 _COMMANDS = STATE_CHANGING
@@ -359,17 +358,10 @@ def _heartbeat(progress: RankProgress, rank: int) -> None:
     threading.Thread(target=beat, name="lightllm-tp-heartbeat", daemon=True).start()
 
 
-def _worker(rank: int, world: int, init_method: str, args: EngineArgs, parent: int, progress: RankProgress,
-            errors) -> None:  # fmt: skip
-    exit_with_parent(parent)
-    _heartbeat(progress, rank)
-    _serve_rank(rank, world, init_method, args, parent, progress, errors)
-
-
-def _held_worker(rank: int, world: int, parent: int, progress: RankProgress, errors, inbox) -> None:
-    """A worker started before its arguments are known (``HeldWorkers``): it imports what building its runner
-    needs, then waits for ``(init_method, args)``, or for its inbox's end (dismissed: it exits quietly). Its
-    entry, ``engine_spawn._held_worker_main``, watches its parent already."""
+def _worker(rank: int, world: int, parent: int, progress: RankProgress, errors, inbox) -> None:
+    """A worker (``HeldWorkers``; its entry, ``engine_spawn._worker_main``, watches its parent already): it imports
+    what building its runner needs, then waits for ``(init_method, args)``, or for its inbox's end (dismissed: it
+    exits quietly)."""
     _heartbeat(progress, rank)
     from transformers import AutoConfig  # noqa: F401  (ModelRunner reads the config through it first)
 
@@ -415,43 +407,31 @@ def rendezvous_address(port: Optional[int] = None) -> str:
     return f"tcp://127.0.0.1:{port if port is not None else free_port()}"
 
 
-def _spawn_workers(tp: int, init_method: str, args: EngineArgs) -> tuple:
-    """Ranks 1..tp-1 started now, with their arguments: ``(processes, progress, error pipes)``."""
-    ctx = mp.get_context("spawn")
-    progress = RankProgress(ctx, tp)
-    procs, errors = [], []
-    for rank in range(1, tp):
-        error_in, error_out = ctx.Pipe(duplex=False)
-        errors.append(error_in)
-        proc = ctx.Process(target=_worker, args=(rank, tp, init_method, args, os.getpid(), progress, error_out),
-                           daemon=True, name=f"lightllm-tp{rank}")  # fmt: skip
-        proc.start()
-        error_out.close()  # the worker's alone from here: its exit is an EOF
-        procs.append(proc)
-    return procs, progress, errors
+def _start_workers(tp: int, init_method: str, args: EngineArgs) -> tuple:
+    """Ranks 1..tp-1 given their start: the ``held_workers`` when they are of this world size and all alive, else
+    workers started now. ``(HeldWorkers, how they were started)``."""
+    global held_workers
+    held, held_workers = held_workers, None
+    if held is not None:
+        if held.world == tp and held.release(init_method, args):
+            return held, "started while the server read its arguments"
+        held.dismiss()
+    fresh = HeldWorkers(tp)
+    fresh.release(init_method, args)  # one that died already is the watchdog's to report, as any exited worker
+    return fresh, "started"
 
 
 def start_tp(args: EngineArgs, tp: int, step_timeout_s: Optional[float] = None, port: Optional[int] = None) -> TPRunner:
-    """Start ranks 1..tp-1 (or release the ``held_workers`` of that world size), join as rank 0 and build every
-    rank's runner (start-up runs in lockstep). ``port``: the ranks' rendezvous port (``--nccl_port``), default a
-    free one."""
+    """Start ranks 1..tp-1 (or release the ``held_workers``), join as rank 0 and build every rank's runner (start-up
+    runs in lockstep). ``port``: the ranks' rendezvous port (``--nccl_port``), default a free one."""
     if not args.model_dir:  # resolve (and build, once) the built-in model here, not in every rank
         from lightllm.tools.make_tiny_model import default_model_dir
 
         args = EngineArgs(**{**vars(args), "model_dir": str(default_model_dir())})
     init_method = rendezvous_address(port)
     logger.info("tensor-parallel rendezvous at %s", init_method)
-    global held_workers
-    held, held_workers = held_workers, None
-    if held is not None and held.world != tp:
-        held.dismiss()
-        held = None
-    if held is not None and held.release(init_method, args):
-        procs, progress, errors = held.procs, held.progress, held.errors
-        how = "started while the server read its arguments"
-    else:
-        procs, progress, errors = _spawn_workers(tp, init_method, args)
-        how = "started"
+    workers, how = _start_workers(tp, init_method, args)
+    procs, progress, errors = workers.procs, workers.progress, workers.errors
     logger.info("tensor-parallel workers %s: %s", how, ", ".join(f"{p.name} pid {p.pid}" for p in procs))
     # Watched from here on: a rank dying at start-up must not hang rank 0 either. Start-up itself (loading,
     # compiles, tuning, graph capture) is not timed: only the commands of serving are.

@@ -492,9 +492,9 @@ from lightllm.server import tp
 
 tp.ModelRunner = lambda args: SimpleNamespace(mtp=None, args=args)  # every rank: no model, the start-up protocol only
 if __name__ == "__main__":
-    held = tp.HeldWorkers(int(sys.argv[2]))
+    held = tp.HeldWorkers({world})
     tp.held_workers = held
-    if sys.argv[3] == "dead":  # a worker gone before the release (its imports failed): its pipe is closed
+    if {state!r} == "dead":  # a worker gone before the release (its imports failed): its pipe is closed
         held.procs[0].kill()
         held.procs[0].join()
     runner = tp.start_tp(EngineArgs(model_dir=sys.argv[1], device="cpu"), 2)
@@ -510,8 +510,7 @@ if __name__ == "__main__":
 def test_start_tp_takes_the_held_workers_of_its_world_size_and_dismisses_others(tmp_path, held_world, state):
     """Workers a held engine process started from the command line's --tp: ``start_tp`` releases them when their
     world size is its own and all are alive, and runs with them; otherwise it ends them and starts its own."""
-    source = _HELD.replace("sys.argv[2]", str(held_world)).replace("sys.argv[3]", repr(state))
-    code, out = _run_script(tmp_path, source, make_tiny_qwen3(tmp_path / "m"))
+    code, out = _run_script(tmp_path, _HELD.format(world=held_world, state=state), make_tiny_qwen3(tmp_path / "m"))
     assert code == 0 and "Traceback" not in out, out
     taken = held_world == 2 and state == "alive"
     assert f"taken {taken}" in out, out
@@ -529,22 +528,29 @@ def test_the_command_lines_tp_is_read_before_the_flags_are_parsed():
     assert [_early_tp(argv) for argv in argvs] == [2, 4, 3, 64, 1, 1, 1, 1, 1, 1, 1]
 
 
-def test_a_held_engine_never_released_leaves_no_worker_behind(tmp_path):
+def test_a_held_engine_never_released_leaves_no_worker_behind():
     """The server command's engine process starts its --tp workers while it is held; when the HTTP side fails before
     the release (a bad flag) and stops it, the workers end too instead of waiting for a start that never comes."""
     from lightllm.server.engine_spawn import spawn_engine
 
     spawned = spawn_engine(tp=3)
-    deadline = time.monotonic() + procs.HANG_TIMEOUT_S
     workers = []
-    while len(workers) < 2 and time.monotonic() < deadline:  # the engine process's children, once it started them
-        time.sleep(0.1)
-        workers = spawned_children(spawned.process.pid)
-    assert len(workers) == 2, workers
-    spawned.stop()
-    while not all(_gone(w) for w in workers) and time.monotonic() < deadline:  # each watches its parent
-        time.sleep(0.1)
-    assert all(_gone(w) for w in workers), "a held worker outlived its engine process"
+    try:
+        deadline = time.monotonic() + procs.HANG_TIMEOUT_S
+        while len(workers) < 2 and time.monotonic() < deadline:  # the engine process's children, once it started them
+            time.sleep(0.1)
+            workers = spawned_children(spawned.process.pid)
+        assert len(workers) == 2, workers
+        spawned.stop()
+        while not all(_gone(w) for w in workers) and time.monotonic() < deadline:  # each watches its parent
+            time.sleep(0.1)
+        assert all(_gone(w) for w in workers), "a held worker outlived its engine process"
+    finally:  # whatever failed above: nothing of it stays behind
+        if spawned.process.is_alive():
+            spawned.stop()
+        for w in workers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(w, signal.SIGKILL)
 
 
 def test_a_request_failing_alone_keeps_the_ranks_in_step(tmp_path, monkeypatch):
