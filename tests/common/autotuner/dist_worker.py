@@ -4,6 +4,7 @@ import json
 import logging
 import os
 import sys
+import time
 from datetime import timedelta
 
 import torch
@@ -18,6 +19,7 @@ from lightllm.common.autotuner import (
     set_bench_func,
     store,
 )
+from lightllm.common.autotuner import tuner
 from lightllm.common.autotuner.keys import freeze
 from lightllm.common.proc import HANG_TIMEOUT_S
 
@@ -97,6 +99,22 @@ def main():
         result["differ"] = {"timed": differ.timed, "used": differ.last}
         result["agree_after_differ"] = check_rank_agreement()
         result["configs_in_use"] = configs_in_use()
+
+        # Clocks on either side of the budget when the first pass ends: rank 0's real clock within it, the others'
+        # past it from their first look (they time no candidate). All must follow rank 0 and re-time, whose gather
+        # would otherwise meet the next kernel's agreement gather.
+        os.environ["LIGHTLLM_AUTOTUNE_MAX_SECONDS_PER_SEARCH"] = "60"
+        if rank > 0:
+            ticks = iter(range(0, 10**6, 100))
+            tuner.search_clock = lambda: float(next(ticks))
+        straddle = make_kernel("dist_budget_straddle")
+        current[:] = [straddle]
+        straddle(x)
+        tuner.search_clock = time.perf_counter
+        after = make_kernel("dist_after_straddle")
+        current[:] = [after]
+        after(x)
+        result["straddle"] = {"timed": straddle.timed, "used": straddle.last, "after": after.last}
 
     dist.barrier()  # every rank has written its files
     files = {}

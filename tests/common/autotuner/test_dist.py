@@ -9,7 +9,8 @@ from lightllm.common.net import free_port
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
-ALL = {0.5, 0.3, 0.9, 0.4, 0.6, 0.05}
+CANDIDATES_MS = [0.5, 0.3, 0.9, 0.4, 0.6, 0.05]  # dist_worker's candidates, in order
+ALL = set(CANDIDATES_MS)
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
@@ -58,6 +59,16 @@ def test_ranks_agree_on_configs(tmp_path, world):
     # Different keys: each rank tunes the full list, with a warning.
     assert all({c["ms"] for c in r["differ"]["timed"] if c} == ALL for r in res)
     assert all(any("ranks disagree on keys" in w for w in r["warnings"]) for r in res)
+
+    # Rank 0 within the budget, the others' clocks past it: all re-timed rank 0's finalists (its slice alone was
+    # timed: candidates 0, world, 2 world, ...), adopted one winner, and the next kernel's agreement still paired up.
+    slice0 = [CANDIDATES_MS[i] for i in range(0, len(CANDIDATES_MS), world)]
+    finalists = [{"ms": ms} for ms in sorted(slice0)[:3]]
+    retimed = sorted(finalists, key=lambda c: CANDIDATES_MS.index(c["ms"]), reverse=True) + [None]
+    assert all(r["straddle"]["timed"][-len(retimed) :] == retimed for r in res)
+    assert all(len(r["straddle"]["timed"]) == len(retimed) + 1 for r in res[1:])  # the default, then the re-timing
+    assert [r["straddle"]["used"] for r in res] == [{"ms": min(slice0)}] * world
+    assert [r["straddle"]["after"] for r in res] == [{"ms": 0.05}] * world
 
     # Only rank 0 wrote agreed configs; ranks whose keys differed wrote their own.
     files = res[0]["files"]
