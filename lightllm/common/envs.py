@@ -34,14 +34,16 @@ ALL = (
 _AUTOTUNE_LEVELS = {0: "use cached configs", 1: "adaptive", 2: "force", 3: "off"}
 
 
+_PLAIN_INT = re.compile(r"-?[0-9]+")
+
+
 def _parse_int(name: str, default: int, raw: Optional[str] = None, allowed: str = "an integer") -> int:
     raw = os.environ.get(name) if raw is None else raw
     if raw is None or raw.strip() == "":
         return default
-    try:
-        return int(raw.strip())
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not an integer; use {allowed}") from None
+    if not _PLAIN_INT.fullmatch(raw.strip()):  # int() would also take "1_6", "+5" and non-ASCII digits
+        raise ValueError(f"{name}={raw!r} is not an integer; use {allowed}")
+    return int(raw.strip())
 
 
 def get_triton_autotune_level() -> int:
@@ -74,6 +76,8 @@ def get_autotune_max_seconds_per_search() -> float:
     if raw is None or raw.strip() == "":
         return 30.0
     try:
+        if "_" in raw or not raw.isascii():  # float() would take "1_0" and non-ASCII digits
+            raise ValueError(raw)
         seconds = float(raw)
     except ValueError:
         raise ValueError(

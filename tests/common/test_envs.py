@@ -52,6 +52,13 @@ def test_the_config_dir_and_the_level_are_read_without_surrounding_spaces(monkey
             "1.5",
             r"LIGHTLLM_DECODE_ATTN_AUTOTUNE_SEQ_LEN='1.5' is not an integer",
         ),
+        # int() and float() take these; the level's parser already did not
+        ("LIGHTLLM_DECODE_ATTN_AUTOTUNE_SEQ_LEN", "32_768", r"AUTOTUNE_SEQ_LEN='32_768' is not an integer"),
+        ("LIGHTLLM_DECODE_ATTN_AUTOTUNE_SEQ_LEN", "+4096", r"AUTOTUNE_SEQ_LEN='\+4096' is not an integer"),
+        ("LIGHTLLM_DECODE_ATTN_AUTOTUNE_SEQ_LEN", "\u0663\u0662", r"AUTOTUNE_SEQ_LEN='\u0663\u0662' is not an integer"),
+        ("LIGHTLLM_AUTOTUNE_COMPILE_THREADS", "1_6", r"LIGHTLLM_AUTOTUNE_COMPILE_THREADS='1_6' is not an integer"),
+        ("LIGHTLLM_AUTOTUNE_MAX_SECONDS_PER_SEARCH", "1_0", r"LIGHTLLM_AUTOTUNE_MAX_SECONDS_PER_SEARCH='1_0' is not a"),
+        ("LIGHTLLM_AUTOTUNE_MAX_SECONDS_PER_SEARCH", "\u0663", r"LIGHTLLM_AUTOTUNE_MAX_SECONDS_PER_SEARCH='\u0663' is"),
         ("LIGHTLLM_AUTOTUNE_MAX_SECONDS_PER_SEARCH", "0", r"LIGHTLLM_AUTOTUNE_MAX_SECONDS_PER_SEARCH='0' must be"),
         ("LIGHTLLM_AUTOTUNE_MAX_SECONDS_PER_SEARCH", "nan", r"LIGHTLLM_AUTOTUNE_MAX_SECONDS_PER_SEARCH='nan' must be"),
         ("LIGHTLLM_AUTOTUNE_MAX_SECONDS_PER_SEARCH", "x", r"LIGHTLLM_AUTOTUNE_MAX_SECONDS_PER_SEARCH='x' is not a"),

@@ -129,9 +129,12 @@ def read_config_file(path: Path, strict: bool = False) -> Optional[dict]:
             bad[rk] = "not an object of JSON scalars or null"
             continue
         try:
-            key_from_json(rk)
+            key = key_from_json(rk)
         except (ValueError, TypeError, RecursionError) as e:
             bad[rk] = f"bad run key: {e}"
+            continue
+        if not _finite_numbers(key):  # nearest-key distances are floats: 1e400 as an int would overflow them
+            bad[rk] = "bad run key: a number that is not a finite float"
     if bad:
         named = "; ".join(f"{_shorten(rk)}: {_shorten(why)}" for rk, why in list(bad.items())[:3])
         named += f" and {len(bad) - 3} more" if len(bad) > 3 else ""
@@ -146,6 +149,21 @@ def read_config_file(path: Path, strict: bool = False) -> Optional[dict]:
     if not isinstance(data.get("timings"), dict):
         data["timings"] = {}  # optional: hand-written and shipped files may carry configs alone
     return data
+
+
+def _finite_numbers(key: Any) -> bool:
+    """Whether every number in a frozen run key is a finite float, or an int that converts to one."""
+    if isinstance(key, tuple):
+        return all(_finite_numbers(part) for part in key)
+    return isinstance(key, bool) or not isinstance(key, (int, float)) or _finite_float(key) is not None
+
+
+def _finite_float(value: Any) -> Optional[float]:
+    try:
+        number = float(value)
+    except OverflowError:  # an int past float's range
+        return None
+    return number if math.isfinite(number) else None
 
 
 def _shorten(text: str, limit: int = 80) -> str:
@@ -305,7 +323,8 @@ def atomic_write_json(path: Path, payload: dict) -> None:
 def _timing_ms(value: Any) -> Optional[float]:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
-    return float(value) if math.isfinite(value) and value > 0 else None
+    ms = _finite_float(value)
+    return ms if ms is not None and ms > 0 else None
 
 
 def read_timings(data: dict) -> Dict[str, Dict[str, float]]:

@@ -146,6 +146,23 @@ def test_a_malformed_entry_is_left_out_and_the_files_other_entries_kept(caplog, 
     assert set(data["timings"]) == {"4", "32"}
 
 
+def test_run_keys_and_times_beyond_a_float_are_left_out(caplog, tmp_path):
+    """A hand-edited number too large for a float (valid JSON, under Python's digit limit) or not finite: its entry
+    is a malformed one (nearest-key distances are floats and would overflow on it while serving), and such a time
+    is dropped by ``read_timings`` (``show`` and the benchmarks read it), as a negative one is."""
+    huge = "1" + "0" * 400
+    path = tmp_path / "k.json"
+    keys = {"8": {"B": 1}, f"[8, {huge}]": {"B": 2}, f"{huge}.5": {"B": 3}, "NaN": {"B": 4}, "[1, -Infinity]": {"B": 5}}
+    timings = {"8": {"best_ms": int(huge), "default_ms": 2.0}}
+    path.write_text(json.dumps({"version": 1, "configs": keys, "timings": timings}))
+    with caplog.at_level(logging.WARNING, logger="lightllm.common.autotuner"):
+        data = store.read_config_file(path)
+    assert data["configs"] == {"8": {"B": 1}}
+    (warning,) = [r.getMessage() for r in caplog.records if str(path) in r.getMessage()]
+    assert "4 of its 5 entries ignored" in warning and "not a finite float" in warning
+    assert store.read_timings(data) == {"8": {"default_ms": 2.0}}
+
+
 def test_a_new_search_replaces_its_key_however_the_file_spelled_it(isolated_autotune):
     """A hand-written "4.0" is run key 4: the search's "4" replaces it (both in the file, the sorted-later "4.0"
     would win at load)."""
