@@ -22,18 +22,29 @@ class ChatParsing:
 
 
 def chat_parsing(reasoning_parser: Optional[str], tool_call_parser: Optional[str], body,
-                 prompt_tail: str) -> Optional[ChatParsing]:  # fmt: skip
+                 generation_prompt: str = "") -> Optional[ChatParsing]:  # fmt: skip
     """The parsing a chat request gets, None for none. Reasoning: with a reasoning parser, unless the request turns
     thinking off (``chat_template_kwargs.enable_thinking`` false). Tools: with a tool-call parser and ``tools``,
-    unless ``tool_choice`` is ``"none"``. ``prompt_tail``: the end of the rendered prompt (a template may open
-    ``<think>`` there)."""
-    thinking_off = (body.chat_template_kwargs or {}).get("enable_thinking") is False
-    reasoning = reasoning_parser is not None and not thinking_off
+    unless ``tool_choice`` is ``"none"``. ``generation_prompt``: what the chat template added after the messages
+    (a template may open ``<think>`` there), where :func:`reads_generation_prompt` says it is needed."""
+    reasoning = _reasoning(reasoning_parser, body)
     tools = tool_call_parser is not None and bool(body.tools) and body.tool_choice != "none"
     if not reasoning and not tools:
         return None
-    starts = reasoning and (REASONING_PARSERS[reasoning_parser] or prompt_opens_think(prompt_tail))
+    starts = reasoning and (REASONING_PARSERS[reasoning_parser] or prompt_opens_think(generation_prompt))
     return ChatParsing(reasoning, starts, tools)
+
+
+def reads_generation_prompt(reasoning_parser: Optional[str], body) -> bool:
+    """Whether :func:`chat_parsing` looks at the chat template's generation prompt: a parser whose answers start in
+    the reasoning only where the template opened ``<think>`` (``qwen3``), with thinking on. Only that part of the
+    prompt counts: a message that mentions ``<think>`` opens nothing."""
+    return _reasoning(reasoning_parser, body) and not REASONING_PARSERS[reasoning_parser]
+
+
+def _reasoning(reasoning_parser: Optional[str], body) -> bool:
+    thinking_off = (body.chat_template_kwargs or {}).get("enable_thinking") is False
+    return reasoning_parser is not None and not thinking_off
 
 
 class ChatOutput:

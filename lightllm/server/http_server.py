@@ -37,7 +37,7 @@ from lightllm.engine.runner import Runner
 from lightllm.engine.sampler import MAX_SEED, SamplingParams
 from lightllm.server.args import ServerArgs
 from lightllm.server.bodies import ChatRequest, CompletionRequest, GenerateRequest
-from lightllm.server.chat_output import chat_parsing
+from lightllm.server.chat_output import chat_parsing, reads_generation_prompt
 from lightllm.server.engine_loop import EngineLoop
 from lightllm.server.engine_proc import EngineProcess
 from lightllm.server.metrics import Metrics
@@ -63,7 +63,6 @@ _NATIVE_FIELDS = {"max_tokens": "parameters.max_new_tokens", "min_tokens": "para
                   **{f: f"parameters.{f}" for f in ("temperature", "top_p", "top_k", "min_p", "seed",
                                                     "presence_penalty", "frequency_penalty",
                                                     "repetition_penalty")}}  # fmt: skip
-_PROMPT_TAIL_TOKENS = 32  # holds a generation prompt's "<think>\n\n</think>\n\n" even spelled in bytes
 
 
 # ---- the app -----------------------------------------------------------------------------------------------
@@ -259,6 +258,10 @@ class Server:
             ids = await self.prompts.encode_chat(prompt, template_options or {})
         else:
             ids = await self.prompts.encode(prompt, field) if isinstance(prompt, str) else list(prompt)
+        return self._checked(field, ids)
+
+    def _checked(self, field: str, ids: List[int]) -> List[int]:
+        """``ids`` of a prompt, or a 400 naming ``field``: empty, too long, or out of the vocabulary."""
         if not ids:
             raise BadRequest(f"{field}: expected at least one token")
         limit = self.runner.args.max_req_total_len
@@ -448,8 +451,14 @@ class Server:
         if len(items) * best_of > MAX_SEQUENCES:  # before any tokenizing
             raise BadRequest(f"{'prompt' if many else 'n'}: {len(items)} prompt(s) x {best_of} samples (n or best_of) "
                              f"is more than the {MAX_SEQUENCES} sequences one request may ask for")  # fmt: skip
+        generation_prompt = ""  # what the chat template added for the answer, where a reasoning parser reads it
         if chat:
-            prompts = [await self._encode("messages", chat_messages(body), template_options(body))]
+            messages, template = chat_messages(body), template_options(body)
+            if reads_generation_prompt(self.reasoning_parser, body):
+                ids, generation_prompt = await self.prompts.encode_chat_answering(messages, template)
+                prompts = [self._checked("messages", ids)]
+            else:
+                prompts = [await self._encode("messages", messages, template)]
             max_tokens = body.max_completion_tokens or body.max_tokens
             fields = {"max_tokens": "max_completion_tokens"} if body.max_completion_tokens else None
         else:
@@ -466,9 +475,7 @@ class Server:
             echoes = [p if isinstance(p, str) else self.tokenizer.decode(ids) for p, ids in zip(items, prompts)]
         parsing = None
         if chat and (self.reasoning_parser or self.tool_call_parser):
-            # the prompt's end tells whether the template opened <think> for the answer
-            tail = self.tokenizer.decode(prompts[0][-_PROMPT_TAIL_TOKENS:]) if self.reasoning_parser else ""
-            parsing = chat_parsing(self.reasoning_parser, self.tool_call_parser, body, tail)
+            parsing = chat_parsing(self.reasoning_parser, self.tool_call_parser, body, generation_prompt)
         reply = OpenAIReply(
             self, chat, prompts, n, best_of, echoes, options["logprobs"], parsing, stops=bool(seqs[0][1].stop)
         )

@@ -5,7 +5,7 @@ that serves ``/health`` and every running stream; a short one on the loop, where
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
 import logging
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 from lightllm.engine.tokenizer import load_tokenizer as _load_tokenizer
 from lightllm.server.http_guards import BadRequest
@@ -50,6 +50,17 @@ class PromptEncoder:
     async def encode_chat(self, messages: List[dict], options: Optional[dict] = None) -> List[int]:
         """Token ids of ``messages`` rendered by the model's chat template (generation prompt added); ``options``:
         more keyword arguments for the template (``tools``, ``enable_thinking``, ...)."""
+        return (await self._chat(messages, options, self._render))[0]
+
+    async def encode_chat_answering(
+        self, messages: List[dict], options: Optional[dict] = None
+    ) -> Tuple[List[int], str]:
+        """``encode_chat``'s ids, and the text the template adds after the messages for the answer (its generation
+        prompt, where a template may open ``<think>``): the prompt rendered without it is a prefix of the prompt
+        rendered with it; where a template breaks that, the whole prompt."""
+        return await self._chat(messages, options, self._render_answering)
+
+    async def _chat(self, messages: List[dict], options: Optional[dict], render) -> tuple:
         for i, m in enumerate(messages):
             for key in ("role", "content", "name"):
                 if key in m:
@@ -64,15 +75,23 @@ class PromptEncoder:
         # tools, tool calls and reasoning render at lengths the messages' text does not show
         plain = not (options or {}).get("tools") and all(set(m) <= {"role", "content", "name"} for m in messages)
         if plain and chars <= INLINE_CHARS:
-            return self._render(messages, options or {})
-        return await self._off_loop(self._render, messages, options or {})
+            return render(messages, options or {})
+        return await self._off_loop(render, messages, options or {})
 
-    def _render(self, messages: List[dict], options: dict) -> List[int]:
+    def _render(self, messages: List[dict], options: dict) -> tuple:
+        return (self.tokenizer.encode(self._text(messages, options, True)),)
+
+    def _render_answering(self, messages: List[dict], options: dict) -> Tuple[List[int], str]:
+        text, before = self._text(messages, options, True), self._text(messages, options, False)
+        return self.tokenizer.encode(text), text[len(before) :] if text.startswith(before) else text
+
+    def _text(self, messages: List[dict], options: dict, generation_prompt: bool) -> str:
         try:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **options)
+            return self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=generation_prompt, **options
+            )
         except Exception as e:  # a template that rejects these messages
             raise BadRequest(f"messages: the model's chat template could not render them ({e})") from e
-        return self.tokenizer.encode(text)
 
     async def _off_loop(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)

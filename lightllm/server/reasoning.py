@@ -3,8 +3,9 @@ text of a chat answer into ``reasoning_content``.
 
 Names as LightLLM (``qwen3``, ``qwen3-thinking``, ``deepseek-r1``) and vLLM (``deepseek_r1``) spell them. They
 differ in one thing: where the output starts when it does not open ``<think>`` itself. ``qwen3`` treats such an
-answer as content unless the rendered prompt left a ``<think>`` open (Qwen3's thinking-only templates end the
-prompt with it); the others always start inside the reasoning (DeepSeek-R1's template opens it in the prompt)."""
+answer as content unless the template's generation prompt left a ``<think>`` open (Qwen3's thinking-only templates
+end the prompt with it); the others always start inside the reasoning (DeepSeek-R1's template opens it in the prompt).
+"""
 
 from typing import Tuple
 
@@ -13,9 +14,9 @@ THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 REASONING_PARSERS = {"qwen3": False, "qwen3-thinking": True, "deepseek-r1": True, "deepseek_r1": True}
 
 
-def prompt_opens_think(prompt_tail: str) -> bool:
-    """Whether the end of a rendered prompt leaves a ``<think>`` open (the answer starts inside the reasoning)."""
-    return prompt_tail.rfind(THINK_OPEN) > prompt_tail.rfind(THINK_CLOSE)
+def prompt_opens_think(generation_prompt: str) -> bool:
+    """Whether a chat template's generation prompt leaves a ``<think>`` open: the answer starts inside the reasoning."""
+    return generation_prompt.rfind(THINK_OPEN) > generation_prompt.rfind(THINK_CLOSE)
 
 
 def partial_tag_at_end(text: str, tag: str) -> int:

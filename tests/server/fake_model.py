@@ -136,10 +136,10 @@ class Chars:
     def decode(self, ids, skip_special_tokens=False, **kw):
         return "".join(chr(i) for i in ids if not (skip_special_tokens and i == 0))
 
-    def apply_chat_template(self, messages, enable_thinking=True, open_think=False, **kw):
+    def apply_chat_template(self, messages, enable_thinking=True, open_think=False, add_generation_prompt=False, **kw):
         self.template_calls.append((messages, kw))
         prompt = "<think>\n\n</think>\n\n" if not enable_thinking else "<think>\n" if open_think else ""
-        return messages[-1]["content"] + chr(self.SEP) + "assistant:" + prompt
+        return messages[-1]["content"] + chr(self.SEP) + ("assistant:" + prompt if add_generation_prompt else "")
 
 
 def make_scripted_server(**parsers) -> Server:

@@ -5,7 +5,7 @@ across tokens)."""
 import json
 
 import pytest
-from fake_model import make_scripted_server, post, sse
+from fake_model import Chars, make_scripted_server, post, sse
 from fastapi.testclient import TestClient
 
 CHAT = "/v1/chat/completions"
@@ -59,6 +59,17 @@ def test_a_template_that_opens_think_in_the_prompt(client):
     message = ask(client, "pondering</think>yes", **kwargs)["choices"][0]["message"]
     assert (message["reasoning_content"], message["content"]) == ("pondering", "yes")
     assert joined(ask(client, "pondering</think>yes", stream=True, **kwargs))[:2] == ("pondering", "yes")
+
+
+def test_a_message_that_mentions_think_opens_nothing(client):
+    # The prompt ends with the user's unclosed "<think>" just before the generation prompt: only what the template
+    # adds for the answer says whether the answer starts inside the reasoning (the model answers up to SEP).
+    question = "What does the <think> tag do?"
+    for stream in (False, True):
+        reply = ask(client, f"It is a tag.{chr(Chars.SEP)}{question}", stream=stream)
+        message = None if stream else reply["choices"][0]["message"]
+        fields = joined(reply)[:2] if stream else (message.get("reasoning_content") or "", message["content"])
+        assert fields == ("", "It is a tag."), stream
 
 
 def test_enable_thinking_false_gives_no_reasoning(client):

@@ -148,3 +148,23 @@ def test_a_lone_surrogate_anywhere_the_template_renders_is_a_400_naming_it(messa
     with pytest.raises(BadRequest, match=f"^{field}: expected valid Unicode text, got a lone surrogate U"):
         asyncio.run(prompts.encode_chat([message], options))
     assert tok.calls == 0  # refused without rendering or tokenizing
+
+
+def test_the_generation_prompt_is_what_the_template_adds_for_the_answer(tmp_path_factory):
+    """A Qwen3-style template: the answer's header, and with thinking off an empty think block; a message that mentions
+    ``<think>`` is not part of it. The ids are encode_chat's."""
+    from transformers import AutoTokenizer
+
+    from lightllm.tools.make_tiny_model import CHAT_TEMPLATE, make_tiny_qwen3
+
+    tok = AutoTokenizer.from_pretrained(make_tiny_qwen3(tmp_path_factory.mktemp("m"), seed=1))
+    tok.chat_template = CHAT_TEMPLATE + (
+        "{%- if add_generation_prompt and enable_thinking is defined and enable_thinking is false %}"
+        "{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    )
+    prompts = PromptEncoder(tok, max_req_total_len=512)
+    messages = [{"role": "user", "content": "What does the <think> tag do?"}]
+    ids, added = asyncio.run(prompts.encode_chat_answering(messages))
+    assert added == "<|im_start|>assistant\n" and ids == asyncio.run(prompts.encode_chat(messages))
+    _, added = asyncio.run(prompts.encode_chat_answering(messages, {"enable_thinking": False}))
+    assert added == "<|im_start|>assistant\n<think>\n\n</think>\n\n"
