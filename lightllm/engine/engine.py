@@ -533,12 +533,13 @@ class Engine:
         if req.finished:  # a step that raised after finishing it leaves it to fail_all too: one finish per request
             return
         req.finished = True
-        self.processor.release(req)
         try:
+            self.processor.release(req)
             self.scheduler.release(req)
         except (ValueError, KVCacheFull):
             logger.exception("freeing request %s", req.id)
-        req.emit(Event("finish", finish_reason=reason, cached_tokens=req.num_cached_tokens or 0))
+        finally:  # anything else (a device error saving its state) fails the step, and fail_all skips it: end it now
+            req.emit(Event("finish", finish_reason=reason, cached_tokens=req.num_cached_tokens or 0))
 
 
 def _weak_hook(engine: Engine) -> Callable[[], None]:

@@ -52,8 +52,9 @@ class Scheduler:
         self.waiting: Deque[Request] = deque()
         self.running: List[Request] = []
         self.prefilling: List[Request] = []  # admitted, holding a slot, part of their context still to prefill
-        # admitted by the prefill step under way and in neither list yet (until ``update``): a step that raises
-        # before then must still leave them to ``fail_all``, or their slots and prefix pins are never released
+        # admitted by the prefill step under way, or whose last chunk it ran, and in no other list (until
+        # ``update``): a step that raises before then must still leave them to ``fail_all``, or their slots and
+        # prefix pins are never released and they never finish
         self.admitted: List[Request] = []
         self.chunked = not self.args.disable_chunked_prefill
         self.mixed = self.args.enable_mixed_chunk  # normalize refused it without chunking or with MTP
@@ -122,8 +123,11 @@ class Scheduler:
         partial = {id(r) for r in self.prefilling}
         self.prefilling += [r for r in batch if id(r) not in partial]
         self.prefilling = [r for r in self.prefilling if r.prefilled < r.context_len]
-        self.admitted = [r for r in self.admitted if r.prefilled == r.context_len]  # the rest are in prefilling
-        return [r for r in batch if r.prefilled == r.context_len]
+        done = [r for r in batch if r.prefilled == r.context_len]
+        running = {id(r) for r in self.running}  # a mixed step's decode rows
+        # Until ``update``: admitted now or by an earlier step (a last chunk), in no other list meanwhile
+        self.admitted = [r for r in done if id(r) not in running]
+        return done
 
     def update(self, kind: str, alive: List[Request]) -> None:
         """After a step of ``kind``: ``alive`` are its sampled requests that go on (a mixed step's hold every

@@ -235,3 +235,48 @@ def test_fail_all_after_a_step_raised_past_its_prefill_frees_the_prefilled_reque
     engine.fail_all()
     assert events == [("token", ""), ("finish", "error")] and not engine.has_unfinished()
     assert_no_leak(r)
+
+
+@pytest.mark.parametrize("mixed", [False, True], ids=["chunk", "mixed"])
+def test_fail_all_after_a_step_raised_past_a_last_chunk_frees_its_request(model_dir, mixed):
+    """A request admitted by an earlier step whose last chunk this step prefilled is, until the step's end, in no
+    list but ``admitted``: a step raising there (here in its first token's emit) must still leave it to ``fail_all``."""
+    r = runner(model_dir, chunked_prefill_size=8, enable_mixed_chunk=mixed)
+    engine = Engine(r, eos_ids=[])
+    events = []
+
+    def emit(ev):
+        events.append((ev.kind, ev.finish_reason))
+        if ev.kind == "token":
+            raise RuntimeError("emit callback bug")
+
+    engine.submit(Request("x", list(range(3, 23)), SamplingParams(max_new_tokens=4, ignore_eos=True), emit))
+    with pytest.raises(RuntimeError, match="emit callback bug"):
+        for _ in range(3):  # chunks of 8, 8 and 4 tokens: the third samples the first token
+            engine.step()
+    engine.fail_all()
+    assert events == [("token", ""), ("finish", "error")] and not engine.has_unfinished()
+    assert_no_leak(r)
+
+
+def test_a_release_that_raises_still_ends_the_request_once(model_dir, monkeypatch):
+    """Freeing a finished request raised something other than the slot bookkeeping's own errors (a device error):
+    the step fails, and the request has had its one finish event (``fail_all`` skips it as finished)."""
+    r = runner(model_dir)
+    engine = Engine(r, eos_ids=[])
+    events = []
+    engine.submit(Request("a", list(range(3, 20)), SamplingParams(max_new_tokens=8, ignore_eos=True), events.append))
+    engine.step()
+    release = engine.scheduler.release
+
+    def failing(req):
+        monkeypatch.setattr(engine.scheduler, "release", release)
+        raise RuntimeError("CUDA error: an illegal memory access")
+
+    monkeypatch.setattr(engine.scheduler, "release", failing)
+    engine.abort("a")
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        while engine.has_unfinished():
+            engine.step()
+    engine.fail_all()
+    assert [e.kind for e in events] == ["token", "finish"] and events[-1].finish_reason == "abort"
