@@ -202,7 +202,9 @@ def filtered_sorted(logits: torch.Tensor, params: Sequence[SamplingParams]):
     probs = torch.softmax(ordered.masked_fill(cut, float("-inf")), dim=-1)
     if any(p.top_p < 1 for p in params):
         top_p = host_to_device([p.top_p for p in params], logits.dtype, dev)
-        probs = probs.masked_fill(probs.cumsum(-1) - probs > top_p[:, None], 0.0)  # mass before a token > top_p
+        # a token whose more likely ones already reach top_p goes; rows of top_p 1 keep all (their float32
+        # cumulative sum may pass 1 in the tail)
+        probs = probs.masked_fill((probs.cumsum(-1) - probs >= top_p[:, None]) & (top_p[:, None] < 1), 0.0)
     if any(p.min_p for p in params):  # relative to the most likely token: the same set before or after top-k/p
         min_p = host_to_device([p.min_p for p in params], logits.dtype, dev)
         probs = probs.masked_fill(probs < min_p[:, None] * probs[:, :1], 0.0)

@@ -80,7 +80,7 @@ def accept_or_resample(
     ``(tokens [R], accepted [R] bool)``; each row's token is distributed as ``p[i]``."""
     at = drafts[:, None]
     u = uniform_rows(p.shape[0], generators, p.device)
-    accepted = u * q.gather(1, at).squeeze(1) <= p.gather(1, at).squeeze(1)
+    accepted = u * q.gather(1, at).squeeze(1) < p.gather(1, at).squeeze(1)  # not <=: u may be 0, p(d) may be 0
     residual = (p - q).clamp_(min=0)
     residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, p)
     return torch.where(accepted, drafts, draw_rows(residual, generators)), accepted

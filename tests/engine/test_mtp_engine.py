@@ -342,10 +342,22 @@ def test_accepted_or_resampled_drafts_are_distributed_as_the_target(case):
     got, accepted = accept_or_resample(p.expand(n, vocab), q.expand(n, vocab), drafts, generators)
     assert torch.equal(got[accepted], drafts[accepted])  # an accepted row keeps its draft
     if case == "q equals p":
-        assert bool(accepted.all())  # u * q <= p always
+        assert bool(accepted.all())  # u * q < p always: u < 1
     freq = torch.bincount(got, minlength=vocab).double() / n
     sigma = (p.double() * (1 - p.double()) / n).sqrt()
     assert torch.all((freq - p.double()).abs() <= 5 * sigma + 1e-9), f"{freq} vs {p}"
+
+
+def test_a_draft_the_target_excludes_is_never_accepted_even_at_u_0(monkeypatch):
+    """``torch.rand`` can give exactly 0: a draft of target probability 0 (blocked by min_tokens, cut by top-k/p) must
+    still be resampled, as plain sampling never draws it."""
+    from lightllm.engine import spec_decode
+
+    monkeypatch.setattr(spec_decode, "uniform_rows", lambda n, generators, device: torch.zeros(n, device=device))
+    p = torch.tensor([[0.0, 0.5, 0.5]]).expand(64, 3)
+    q = torch.full((64, 3), 1 / 3)
+    got, accepted = spec_decode.accept_or_resample(p, q, torch.zeros(64, dtype=torch.int64), [None] * 64)
+    assert not accepted.any() and bool((got != 0).all())
 
 
 def test_processed_logits_read_the_changed_rows_and_the_others_as_they_are():

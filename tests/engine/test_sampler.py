@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from lightllm.engine.sampler import SamplingParams, sample
+from lightllm.engine.sampler import SamplingParams, filtered_sorted, sample
 
 SETS = [
     SamplingParams(temperature=0.7),
@@ -28,7 +28,7 @@ def expected(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     if p.top_p < 1:
         mass_before = q.cumsum(0) - q
         assert (mass_before - p.top_p).abs().min() > 1e-3, "a boundary this close would test float rounding"
-        q = torch.where(mass_before > p.top_p, 0.0, q)
+        q = torch.where(mass_before >= p.top_p, 0.0, q)
     if p.min_p:
         ratio = q / q[0]
         assert (ratio - p.min_p).abs().min() > 1e-3, "a boundary this close would test float rounding"
@@ -58,6 +58,23 @@ def test_draws_follow_each_rows_distribution_in_one_mixed_batch():
             assert 1 < (want > 0).sum() < (expected(base[s], SamplingParams(**{**vars(p), "min_p": 0.0})) > 0).sum()
         sigma = (want * (1 - want) / n).sqrt()
         assert torch.all((freq - want).abs() <= 5 * sigma + 1e-9), f"set {s}: {freq} vs {want}"
+
+
+@pytest.mark.parametrize("vocab, top_p, kept", [(2, 0.5, 1), (4, 0.75, 3), (4, 0.8, 4)])
+def test_top_p_keeps_the_smallest_set_that_reaches_it_at_exact_ties(vocab, top_p, kept):
+    """Equal logits: the probabilities and their sums are exact, so a token whose more likely ones already reach
+    top_p is dropped, not kept (0.5 + 0.5 with top_p 0.5 keeps one token)."""
+    logits = torch.zeros(1, vocab)
+    tokens = [sample(logits, [SamplingParams(temperature=1.0, top_p=top_p)], [None])[0].item() for _ in range(300)]
+    assert len(set(tokens)) == kept
+
+
+def test_a_row_of_top_p_1_keeps_every_token_beside_one_that_filters():
+    """A batch that filters by top_p sorts every row; a row of top_p 1 keeps all its tokens, though its float32
+    cumulative sum passes 1 in the tail."""
+    logits = torch.randn(2, 32000, generator=torch.Generator().manual_seed(0)) * 4  # the sum passes 1 at ~22000
+    _, probs, _ = filtered_sorted(logits, [SamplingParams(temperature=1.0, top_p=0.5), SamplingParams(temperature=1.0)])
+    assert (probs[1] > 0).all() and (probs[0] == 0).any()
 
 
 @pytest.mark.parametrize("p", SETS[:6], ids=["t", "topk", "topp", "topk-topp", "minp", "all"])
