@@ -327,7 +327,10 @@ class _EngineSide:
         out = list(records)
         records.clear()  # the same list: every emitter appends to it
         calls.append(("on_engine_message", (time.perf_counter(),)))  # last: the HTTP side times the hop
-        self.conn.send(("step", out, calls))
+        try:
+            self.conn.send(("step", out, calls))
+        except (EOFError, OSError):  # the HTTP process is gone (its requests with it): stop, as its EOF also says
+            self.loop.request_stop()
 
     def _receive(self) -> None:
         while True:
@@ -405,5 +408,8 @@ def _engine_main(conn, make_runner, tokenizer_eos, extra_eos, step_started, log_
     eos = eos_token_ids(runner.config, SimpleNamespace(eos_token_id=tokenizer_eos), extra_eos)
     side = _EngineSide(conn, runner, eos, step_started, gc_pauses)
     side.run()
-    conn.send(("stopped",))
+    try:
+        conn.send(("stopped",))
+    except (EOFError, OSError):  # the HTTP process is gone: nobody waits for it
+        pass
     conn.close()
