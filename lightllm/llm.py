@@ -8,6 +8,7 @@ sampled with ``seed + i``, so a single prompt with seed ``s`` gives the tokens t
 
 import dataclasses
 import itertools
+import operator
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Tuple, Union
 
@@ -50,14 +51,15 @@ class LLM:
     def generate(
         self, prompts: Union[Prompt, Sequence[Prompt]], sampling_params: Optional[SamplingParams] = None
     ) -> List[RequestOutput]:
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        prompts = _prompt_list(prompts)
+        if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
+            raise ValueError(f"sampling_params expected a SamplingParams or None, got {type(sampling_params).__name__}")
         params = sampling_params or SamplingParams()
         params.check_token_ids(self.runner.config.vocab_size)
         limit, vocab = self.runner.args.max_req_total_len, self.runner.config.vocab_size
         requests, outputs = [], []
         for i, p in enumerate(prompts):
-            ids = self.tokenizer.encode(p) if isinstance(p, str) else [int(t) for t in p]
+            ids = self.tokenizer.encode(p) if isinstance(p, str) else [operator.index(t) for t in p]
             if not ids:
                 raise ValueError(f"prompt {i} is empty")
             bad = [t for t in ids if not 0 <= t < vocab]  # the server's 400: an embedding lookup outside it fails
@@ -111,3 +113,38 @@ class LLM:
                 out.finish_reason = "stop"
 
         return emit
+
+
+def _prompt_list(prompts) -> list:
+    """``generate``'s prompts as a list: a text, a list of token ids, or a list (or tuple) of those; anything else (a
+    tensor, an array, bytes, floats, bools) is a ValueError naming what it got."""
+    if isinstance(prompts, str) or _token_ids(prompts):
+        return [prompts]
+    if not isinstance(prompts, (list, tuple)):
+        raise ValueError(f"prompts expected a string, a list of token ids or a list of those, got "
+                         f"{type(prompts).__name__} (a tensor or array: .tolist())")  # fmt: skip
+    for i, p in enumerate(prompts):
+        if not isinstance(p, str) and not _token_ids(p):
+            raise ValueError(f"prompt {i} expected a string or a non-empty list of int token ids, got "
+                             f"{_shown(p)}")  # fmt: skip
+    return list(prompts)
+
+
+def _token_ids(value) -> bool:
+    """A non-empty list or tuple of integers (numpy's too), none of them a bool."""
+    return isinstance(value, (list, tuple)) and bool(value) and all(_is_token_id(t) for t in value)
+
+
+def _is_token_id(value) -> bool:
+    if isinstance(value, bool):
+        return False
+    try:
+        operator.index(value)  # int and numpy integers; not float, str or numpy's bool
+    except TypeError:
+        return False
+    return True
+
+
+def _shown(value) -> str:
+    text = repr(value)
+    return f"{type(value).__name__} {text[:60]}{'...' if len(text) > 60 else ''}"

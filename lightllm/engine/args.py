@@ -149,7 +149,8 @@ class EngineArgs:
                 ok, allowed = isinstance(value, (int, float)) and not isinstance(value, bool), "a number"
             elif kind is str and f.name in _PATH_FIELDS:  # a Path is taken, and kept as its str
                 path = os.fspath(value) if isinstance(value, os.PathLike) else value
-                ok, allowed = isinstance(path, str), "a folder path (str or os.PathLike)"
+                # "" (an unset variable in a launcher's --model_dir "$MODEL") must not mean the built-in model
+                ok, allowed = isinstance(path, str) and path.strip() != "", "a folder path (str or os.PathLike)"
                 if ok:
                     setattr(self, f.name, path)
             elif kind is str:
@@ -207,6 +208,9 @@ class EngineArgs:
         elif self.max_req_total_len > context_len:
             raise ValueError(f"--max_req_total_len {self.max_req_total_len} expected at most the model's context, "
                              f"max_position_embeddings {context_len}")  # fmt: skip
+        if self.max_req_total_len < 2:  # a prompt has a token and an answer another: no request would fit
+            raise ValueError(f"--max_req_total_len expected at least 2 (one prompt token and one generated), got "
+                             f"{self.max_req_total_len} (max_position_embeddings {context_len})")  # fmt: skip
         self.graph_max_len_in_batch = min(self.graph_max_len_in_batch or self.max_req_total_len, self.max_req_total_len)
         longest = self.graph_max_len_in_batch
         dropped = [b for b in self.graph_len_buckets if b >= longest]
@@ -214,10 +218,12 @@ class EngineArgs:
             logger.info("graph_len_buckets: %s dropped, not below --graph_max_len_in_batch %d (its own bucket)",
                         ", ".join(map(str, dropped)), longest)  # fmt: skip
         self.graph_len_buckets = tuple(b for b in self.graph_len_buckets if b < longest)
-        if self.max_total_token_num is not None and self.max_total_token_num - 1 < self.max_req_total_len:
-            raise ValueError(f"--max_total_token_num {self.max_total_token_num} expected at least "
-                             f"{self.max_req_total_len + 1}: one --max_req_total_len ({self.max_req_total_len}) "
-                             "request plus the padding token")  # fmt: skip
+        row = self.max_req_total_len + self.spec_tokens - 1  # a verify step writes its drafts past the context
+        if self.max_total_token_num is not None and self.max_total_token_num - 1 < row:
+            drafts = f" + --mtp_step {self.mtp_step}" if self.mtp_mode is not None else ""
+            raise ValueError(f"--max_total_token_num {self.max_total_token_num} expected at least {row + 1}: one "
+                             f"--max_req_total_len ({self.max_req_total_len}){drafts} request plus the padding "
+                             "token")  # fmt: skip
         group = self.llm_kv_quant_group_size
         if self.llm_kv_type == "None":
             if group != DEFAULT_KV_QUANT_GROUP_SIZE:

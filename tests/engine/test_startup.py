@@ -127,6 +127,13 @@ def test_bad_engine_args(field, value, message):
         ("model_dir", 123, "--model_dir expected a folder path (str or os.PathLike) or None, got 123 (int)"),
         ("mtp_draft_model_dir", 5, "--mtp_draft_model_dir expected a folder path (str or os.PathLike) or None, got 5"),
         ("llm_kv_type", None, "--llm_kv_type expected a string, got None (NoneType)"),
+        # an unset variable in a launcher's --model_dir "$MODEL": not the built-in random model
+        ("model_dir", "", "--model_dir expected a folder path (str or os.PathLike) or None, got '' (str)"),
+        (
+            "mtp_draft_model_dir",
+            " ",
+            "--mtp_draft_model_dir expected a folder path (str or os.PathLike) or None, got ' '",
+        ),
     ],
 )
 def test_engine_args_of_the_wrong_type_name_the_option_and_the_type(field, value, message):
@@ -143,6 +150,22 @@ def test_engine_args_take_a_path_for_a_folder_and_an_int_for_a_number(tmp_path):
 def test_device_names_the_allowed_values():
     with pytest.raises(ValueError, match="--device expected cpu, cuda or cuda:N, got 'gpu0'"):
         EngineArgs(device="gpu0").normalize()
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(max_req_total_len=1), r"--max_req_total_len expected at least 2 \(one prompt token and one generated\)"),
+        (
+            dict(max_req_total_len=64, max_total_token_num=68, mtp_mode="eagle_with_att", mtp_step=4),
+            r"--max_total_token_num 68 expected at least 69: one --max_req_total_len \(64\) \+ --mtp_step 4 request",
+        ),
+    ],
+)
+def test_sizes_that_no_request_fits_are_refused_before_loading(options, message):
+    """Checked with the model's config (at parse time), not after the weights load or at the first request."""
+    with pytest.raises(ValueError, match=message):
+        EngineArgs(device="cpu", **options).normalize().fit_to_model(4096, 128)
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,65 @@
+"""``LLM.generate``'s arguments: a text, token ids (numpy's integers too) or a list of those, and a SamplingParams;
+anything else is a ValueError naming what it got, never a traceback from deep inside or a silent misreading (bytes as
+ids, floats truncated, bools as 0 and 1)."""
+
+import numpy as np
+import pytest
+import torch
+
+from lightllm.engine.sampler import SamplingParams
+from lightllm.llm import LLM
+from lightllm.tools.make_tiny_model import make_tiny_qwen3
+
+ONE = SamplingParams(max_new_tokens=1)
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    model = make_tiny_qwen3(tmp_path_factory.mktemp("m"), seed=3)
+    return LLM(str(model), data_type="fp32", device="cpu", max_req_total_len=64, running_max_req_size=4)
+
+
+@pytest.mark.parametrize(
+    "prompts, ids",
+    [
+        ([5, 6], [[5, 6]]),
+        ((5, 6), [[5, 6]]),
+        ([np.int64(5), np.int32(6)], [[5, 6]]),
+        ([[5, 6], (7,)], [[5, 6], [7]]),
+        ([], []),
+    ],
+)
+def test_token_id_prompts_in_every_accepted_form(llm, prompts, ids):
+    assert [out.prompt_token_ids for out in llm.generate(prompts, ONE)] == ids
+
+
+def test_text_prompts_one_or_many(llm):
+    outs = llm.generate(["hello", "the fox"], ONE)
+    assert [out.prompt_token_ids for out in outs] == [llm.tokenizer.encode("hello"), llm.tokenizer.encode("the fox")]
+
+
+@pytest.mark.parametrize(
+    "prompts, message",
+    [
+        (None, "prompts expected a string, a list of token ids or a list of those, got NoneType"),
+        (5, "got int"),
+        (b"hi", "got bytes"),
+        ({"a": 1}, "got dict"),
+        (torch.tensor([1, 2]), "got Tensor (a tensor or array: .tolist())"),
+        (np.array([1, 2]), "got ndarray"),
+        ([1.5, 2.5], "prompt 0 expected a string or a non-empty list of int token ids, got float 1.5"),
+        ([[1.9, 2.7]], "prompt 0 expected a string or a non-empty list of int token ids, got list [1.9, 2.7]"),
+        ([[True, 7]], "got list [True, 7]"),
+        ([[5], ["7"]], "prompt 1 expected a string or a non-empty list of int token ids, got list ['7']"),
+        ([[5], []], "prompt 1 expected a string or a non-empty list of int token ids, got list []"),
+    ],
+)
+def test_other_prompts_are_a_value_error_naming_what_they_got(llm, prompts, message):
+    with pytest.raises(ValueError) as e:
+        llm.generate(prompts, ONE)
+    assert message in str(e.value)
+
+
+def test_sampling_params_must_be_sampling_params(llm):
+    with pytest.raises(ValueError, match="sampling_params expected a SamplingParams or None, got dict"):
+        llm.generate("hi", {"max_new_tokens": 2})
