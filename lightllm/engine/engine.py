@@ -535,9 +535,10 @@ class Engine:
         req.finished = True
         try:
             self.processor.release(req)
-            self.scheduler.release(req)
-        except (ValueError, KVCacheFull):
-            logger.exception("freeing request %s", req.id)
+            try:
+                self.scheduler.release(req)
+            except (ValueError, KVCacheFull):
+                logger.exception("freeing request %s", req.id)
         finally:  # anything else (a device error saving its state) fails the step, and fail_all skips it: end it now
             req.emit(Event("finish", finish_reason=reason, cached_tokens=req.num_cached_tokens or 0))
 
