@@ -5,6 +5,7 @@ that serves ``/health`` and every running stream; a short one on the loop, where
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
 import logging
+import os
 from typing import List, Optional, Tuple
 
 from lightllm.engine.tokenizer import load_tokenizer as _load_tokenizer
@@ -56,8 +57,8 @@ class PromptEncoder:
         self, messages: List[dict], options: Optional[dict] = None
     ) -> Tuple[List[int], str]:
         """``encode_chat``'s ids, and the text the template adds after the messages for the answer (its generation
-        prompt, where a template may open ``<think>``): the prompt rendered without it is a prefix of the prompt
-        rendered with it; where a template breaks that, the whole prompt."""
+        prompt, where a template may open ``<think>``): the prompt rendered with it past where it stops agreeing with
+        the prompt rendered without it."""
         return await self._chat(messages, options, self._render_answering)
 
     async def _chat(self, messages: List[dict], options: Optional[dict], render) -> tuple:
@@ -83,7 +84,8 @@ class PromptEncoder:
 
     def _render_answering(self, messages: List[dict], options: dict) -> Tuple[List[int], str]:
         text, before = self._text(messages, options, True), self._text(messages, options, False)
-        return self.tokenizer.encode(text), text[len(before) :] if text.startswith(before) else text
+        common = len(before) if text.startswith(before) else len(os.path.commonprefix([text, before]))
+        return self.tokenizer.encode(text), text[common:]
 
     def _text(self, messages: List[dict], options: dict, generation_prompt: bool) -> str:
         try:
