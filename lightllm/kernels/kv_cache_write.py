@@ -18,6 +18,7 @@ from lightllm.common.kv_cache.quant import (
     INT4_QMAX,
     INT8_QMAX,
     SCALE_DTYPE,
+    SCALE_MAX,
     SCALE_MIN,
     check_group_size,
     quantize_int4_ref,
@@ -32,6 +33,7 @@ _INDEX_DTYPES = (torch.int32, torch.int64)
 # (IEEE round-to-nearest adds; libdevice.rint would do the same but the interpreter lacks it).
 _ROUND_MAGIC = tl.constexpr(12582912.0)
 _SCALE_MIN = tl.constexpr(SCALE_MIN)
+_SCALE_MAX = tl.constexpr(SCALE_MAX)
 
 
 @triton.jit
@@ -71,7 +73,8 @@ def _quantize_groups(x, NUM_GROUPS: tl.constexpr, GROUP: tl.constexpr, QMAX: tl.
     """float32 ``[NUM_GROUPS * GROUP]`` -> (integer-valued float32 codes, same shape; float16 scales)."""
     xg = tl.reshape(x, (NUM_GROUPS, GROUP))
     amax = tl.max(tl.abs(xg), axis=1)
-    scale = tl.maximum(tl.math.div_rn(amax, tl.full(amax.shape, QMAX, tl.float32)), _SCALE_MIN).to(tl.float16)
+    scale = tl.maximum(tl.math.div_rn(amax, tl.full(amax.shape, QMAX, tl.float32)), _SCALE_MIN)
+    scale = tl.minimum(scale, _SCALE_MAX).to(tl.float16)  # saturating codes, not an inf scale (0 x inf = NaN)
     scale_b = tl.broadcast_to(scale.to(tl.float32)[:, None], (NUM_GROUPS, GROUP))
     y = tl.math.div_rn(xg, scale_b)
     y = tl.minimum(tl.maximum(y, -QMAX), QMAX)  # clamp before rounding: both bounds are integers

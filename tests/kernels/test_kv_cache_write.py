@@ -143,6 +143,24 @@ def test_quant_writers_round_ties_to_even(kind, dtype):
     _run_quant(writer, ref, (NUM_TOKENS, KV_HEADS, code_shape), code_dtype, k, v, idx, group_size)
 
 
+@pytest.mark.parametrize("kind, big", [("int8", 9e6), ("int4", 5e5)])
+def test_a_group_past_qmax_times_float16s_largest_saturates_instead_of_reading_nan(kind, big):
+    """float32 K: a group whose absmax / QMAX passes 65504 takes the largest finite float16 scale and saturated
+    codes (an infinite scale made every code 0 and read 0 x inf = NaN), bit for bit as the reference."""
+    head_dim, group_size = 64, 8
+    k, v, idx = _inputs(head_dim, torch.float32, seed=11)
+    k[1, 0, :group_size] *= big
+    if kind == "int8":
+        writer, ref, code_shape, code_dtype = write_kv_int8, write_kv_int8_ref, head_dim, torch.int8
+    else:
+        writer, ref, code_shape, code_dtype = write_kv_int4, write_kv_int4_ref, head_dim // 2, torch.uint8
+    _run_quant(writer, ref, (NUM_TOKENS, KV_HEADS, code_shape), code_dtype, k, v, idx, group_size)
+    caches = [_pool((NUM_TOKENS, KV_HEADS, code_shape), code_dtype) for _ in range(2)]
+    scales = [_pool((NUM_TOKENS, KV_HEADS, head_dim // group_size), torch.float16) for _ in range(2)]
+    writer(k, v, *caches, *scales, idx, group_size)
+    assert scales[0][idx[1], 0, 0].item() == 65504.0 and torch.isfinite(scales[0][idx]).all()
+
+
 @pytest.mark.parametrize("writer", [write_kv, write_kv_int8, write_kv_int4], ids=["copy", "int8", "int4"])
 def test_no_tokens_is_a_no_op(writer):
     k = torch.empty(0, KV_HEADS, 64, device=DEVICE)

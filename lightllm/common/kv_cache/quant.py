@@ -20,6 +20,8 @@ INT8_QMAX = 127
 INT4_QMAX = 7
 INT4_OFFSET = 8
 SCALE_MIN = 1e-7
+# float16's largest: a group past QMAX x 65504 (fp32 K/V) saturates its codes instead of a scale of inf (0 x inf = NaN)
+SCALE_MAX = 65504.0
 SCALE_DTYPE = torch.float16
 
 
@@ -52,7 +54,7 @@ def _check_codes(owner: str, q: torch.Tensor, scale: torch.Tensor, dtype, head_d
 def _group_scales(x: torch.Tensor, group_size: int, qmax: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """(x in float32 as ``[..., G_count, group_size]``, float16 scales ``[..., G_count]``)."""
     xg = x.float().reshape(*x.shape[:-1], x.shape[-1] // group_size, group_size)
-    scale = torch.clamp_min(xg.abs().amax(dim=-1) / qmax, SCALE_MIN).to(SCALE_DTYPE)
+    scale = torch.clamp(xg.abs().amax(dim=-1) / qmax, SCALE_MIN, SCALE_MAX).to(SCALE_DTYPE)
     return xg, scale
 
 
