@@ -156,7 +156,7 @@ class EngineProcess:
         False when it was still running after ``timeout`` seconds: it is killed then. Idempotent."""
         self._stopping = True
         if self._process_alive() and self.args is None:  # still starting (Ctrl+C while loading): nothing to drain
-            self.process.terminate()
+            self.process.kill()  # it ignores SIGTERM (engine_spawn); its workers watch its pid and leave too
         elif self._process_alive():
             self._outbox.put(("stop",))
         if self._reader is None:
@@ -370,7 +370,8 @@ class _EngineSide:
 def _engine_main(conn, make_runner, tokenizer_eos, extra_eos, step_started, log_level: int,
                  held_workers: Optional[HeldWorkers] = None) -> None:  # fmt: skip
     """The engine process (``engine_spawn._child_main`` watches its parent and starts ``held_workers`` first)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C: the HTTP process drains, then stops us
+    for signum in (signal.SIGINT, signal.SIGTERM):  # Ctrl+C, a service's stop: the HTTP process drains, then stops us
+        signal.signal(signum, signal.SIG_IGN)
     if make_runner is None:  # held until released; the HTTP side's end (EOF) while we wait: nothing to do
         tp.held_workers = held_workers  # start_tp takes them, or ends them if the checked --tp differs
         # What building the runner imports first (a second: transformers reads the model's config.json), imported

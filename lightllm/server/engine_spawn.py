@@ -58,9 +58,14 @@ class SpawnedEngine:
 
     def stop(self) -> None:
         """End a process that was never released (the HTTP process failed to start): quietly, it builds nothing."""
-        self.process.terminate()
+        self.process.kill()  # SIGTERM is ignored there (_DRAINED); its held workers watch its pid and leave too
         self.process.join()
         self.conn.close()
+
+
+# Signals the HTTP process drains on: its engine process and workers ignore them, and are stopped by it (a kill, not
+# SIGTERM, where one must end without a drain)
+_DRAINED = (signal.SIGINT, signal.SIGTERM)
 
 
 def spawn_engine(make_runner: Optional[Callable] = None, tokenizer_eos: Optional[int] = None,
@@ -74,18 +79,20 @@ def spawn_engine(make_runner: Optional[Callable] = None, tokenizer_eos: Optional
     process = ctx.Process(target=_child_main, name="lightllm-engine",
                           args=(child, make_runner, tokenizer_eos, tuple(extra_eos_ids), step_started, os.getpid(),
                                 logging.getLogger().level or logging.INFO, tp))  # fmt: skip
-    # Ctrl+C reaches the whole process group, and the child must not die of it while it imports. A SIGINT ignored
-    # here stays ignored across the child's exec (a blocked one does not stay blocked: /proc showed the child's mask
-    # empty), and Python then installs no KeyboardInterrupt handler; ``_engine_main`` keeps ignoring it. This
-    # process's own handler is back once the child is started (a Ctrl+C in those milliseconds is lost). Only the main
-    # thread may set a handler: started from another thread, the child takes SIGINT as this process does.
+    # Ctrl+C reaches the whole process group, and a service manager's SIGTERM the whole control group (systemd's
+    # default KillMode): the child and its workers must not die of either, the HTTP process drains and then stops
+    # them (and they end with it if it dies). A signal ignored here stays ignored across the child's exec (a blocked
+    # one does not stay blocked: /proc showed the child's mask empty), Python then installs no KeyboardInterrupt
+    # handler, and the workers the child spawns inherit it too. This process's own handlers are back once the child
+    # is started (a signal in those milliseconds is lost). Only the main thread may set a handler: started from
+    # another thread, the child takes both as this process does.
     main = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+    previous = {s: signal.signal(s, signal.SIG_IGN) for s in _DRAINED} if main else {}
     try:
         process.start()  # not a daemon: it starts tensor-parallel workers of its own
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGINT, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
     child.close()  # ours closed: the engine's end of the pipe is then its only one, so its death is an EOF here
     return SpawnedEngine(process, conn, step_started)
 
@@ -131,7 +138,7 @@ class HeldWorkers:
         for inbox in self._inboxes:
             inbox.close()
         for proc in self.procs:
-            proc.terminate()
+            proc.kill()  # SIGTERM is ignored there (inherited from the engine process: _DRAINED)
             proc.join()
         for conn in self.errors:
             conn.close()

@@ -147,10 +147,9 @@ class Workers:
         self.stopping = True
 
     def join(self, timeout: float) -> None:
-        """Wait up to ``timeout`` for the workers to stop; one still running then is terminated, and one that does
-        not end on SIGTERM either is killed. A worker without a heartbeat for ``_FROZEN_S`` (stopped by SIGSTOP, or
-        frozen) is not waited for: it would hold the stop to the end of ``timeout`` (the HTTP side's own limit) and
-        then stay behind, since a stopped process does not act on SIGTERM."""
+        """Wait up to ``timeout`` for the workers to stop; one still running then is killed. A worker without a
+        heartbeat for ``_FROZEN_S`` (stopped by SIGSTOP, or frozen) is not waited for: it would hold the stop to the
+        end of ``timeout`` (the HTTP side's own limit)."""
         deadline = time.monotonic() + timeout
         for rank, proc in enumerate(self.procs, start=1):
             while proc.is_alive() and time.monotonic() < deadline and not self._frozen(rank):
@@ -158,12 +157,9 @@ class Workers:
             if not proc.is_alive():
                 continue
             why = "has no heartbeat" if self._frozen(rank) else f"did not stop in {timeout:g}s"
-            logger.warning("tensor-parallel worker %s %s; terminating it", proc.name, why)
-            proc.terminate()
-            proc.join(2)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(5)
+            logger.warning("tensor-parallel worker %s %s; killing it", proc.name, why)
+            proc.kill()  # a server's workers ignore SIGTERM (engine_spawn: the HTTP process drains on it)
+            proc.join(5)
 
     def _frozen(self, rank: int) -> bool:
         """No heartbeat from ``rank`` for ``_FROZEN_S`` (it beats from the start, loading included)."""

@@ -12,6 +12,7 @@ import time
 from types import SimpleNamespace
 
 import httpx
+import pytest
 import torch
 from fastapi.testclient import TestClient
 from server_helpers import REPO, spawned_children, start_server
@@ -110,10 +111,12 @@ def _events(lines):
     return [json.loads(line[6:]) for line in lines if line.startswith("data: ")]
 
 
-def test_shutdown_drains_then_aborts_what_is_left(tmp_path):
+@pytest.mark.parametrize("to", ["server", "group"])
+def test_shutdown_drains_then_aborts_what_is_left(tmp_path, to):
     """SIGTERM with one request 4000 tokens from its end and one waiting behind it (one request runs at a time),
     and a 0.5 s drain: each client gets what was generated and finish_reason abort, and the server exits,
-    instead of finishing both requests first."""
+    instead of finishing both requests first. Sent to the whole process group (a service manager stopping the
+    service's control group) the engine process does not die of it: the HTTP process drains and stops it."""
     args = ["--device", "cpu", "--shutdown_drain_s", "0.5", "--running_max_req_size", "1"]
     proc, base, log = start_server(tmp_path, args)
     try:
@@ -122,7 +125,10 @@ def test_shutdown_drains_then_aborts_what_is_left(tmp_path):
             lines = running.iter_lines()
             first = next(line for line in lines if line.startswith("data: "))
             with httpx.stream("POST", base + "/generate_stream", json=body, timeout=procs.HANG_TIMEOUT_S) as waiting:
-                proc.send_signal(signal.SIGTERM)
+                if to == "group":
+                    os.killpg(proc.pid, signal.SIGTERM)
+                else:
+                    proc.send_signal(signal.SIGTERM)
                 events = _events([first, *lines])
                 waited = _events(waiting.iter_lines())
         tokens = [e for e in events if e["token"]["id"] is not None]
@@ -131,7 +137,10 @@ def test_shutdown_drains_then_aborts_what_is_left(tmp_path):
         assert proc.wait(timeout=procs.HANG_TIMEOUT_S) in (0, -signal.SIGTERM)
     finally:
         procs.stop(proc)
-    assert "still running after 0.5s (--shutdown_drain_s); aborting them" in log.read_text()
+    text = log.read_text()
+    assert (
+        "still running after 0.5s (--shutdown_drain_s); aborting them" in text and "engine process exited" not in text
+    )
 
 
 def _sigint_as_in_a_terminal():

@@ -603,8 +603,8 @@ def test_a_request_failing_alone_keeps_the_ranks_in_step(tmp_path, monkeypatch):
 
 def test_stopping_does_not_wait_for_a_stopped_worker_and_leaves_none_behind():
     """A worker stopped by SIGSTOP (no heartbeat) neither holds the stop to its whole timeout (the HTTP side's own
-    60 s, after which the server logged a step that was not running) nor stays behind: SIGTERM does not reach a
-    stopped process, SIGKILL does."""
+    60 s, after which the server logged a step that was not running) nor stays behind: it is killed (SIGKILL reaches
+    a stopped process; a server's workers ignore SIGTERM)."""
     from lightllm.server.tp import RankProgress, Workers
 
     ctx = multiprocessing.get_context("spawn")
@@ -612,8 +612,7 @@ def test_stopping_does_not_wait_for_a_stopped_worker_and_leaves_none_behind():
     proc.start()
     try:
         os.kill(proc.pid, signal.SIGSTOP)
-        # Stopped before the join's SIGTERM: on a busy machine a child not yet scheduled would take the SIGTERM
-        # first (the lower signal) and die of it, not of the SIGKILL this test is about.
+        # Stopped before the join: the test is about a stopped worker, not one a busy machine has not scheduled yet
         _, status = os.waitpid(proc.pid, os.WUNTRACED)
         assert os.WIFSTOPPED(status)
         progress = RankProgress(ctx, 2)
