@@ -173,7 +173,7 @@ def test_a_cache_without_room_for_one_request_and_its_drafts_is_one_error(dirs):
     args = EngineArgs(model_dir=dirs["mtp"], device="cpu", data_type="fp32", max_req_total_len=64,
                       max_total_token_num=66, running_max_req_size=2, mtp_mode="eagle_with_att",
                       mtp_step=2)  # fmt: skip
-    with pytest.raises(
-        ValueError, match=r"holds 66 tokens, fewer than one --max_req_total_len \(64\) \+ --mtp_step 2 "
-    ):
+    # refused with the model's config, before any weight loads (the runner's own check came after loading)
+    with pytest.raises(ValueError, match=r"--max_total_token_num 66 expected at least 67: one --max_req_total_len "
+                                         r"\(64\) \+ --mtp_step 2 request plus the padding token"):  # fmt: skip
         ModelRunner(args)
