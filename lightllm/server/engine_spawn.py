@@ -44,7 +44,7 @@ def exit_with_parent(parent: int, interval_s: float = 0.5) -> None:
             time.sleep(interval_s)
         os._exit(1)
 
-    threading.Thread(target=watch, name="lightllm-tp-parent-watch", daemon=True).start()
+    threading.Thread(target=watch, name="lightllm-parent-watch", daemon=True).start()
 
 
 @dataclass

@@ -51,7 +51,7 @@ class PromptEncoder:
     async def encode_chat(self, messages: List[dict], options: Optional[dict] = None) -> List[int]:
         """Token ids of ``messages`` rendered by the model's chat template (generation prompt added); ``options``:
         more keyword arguments for the template (``tools``, ``enable_thinking``, ...)."""
-        return (await self._chat(messages, options, self._render))[0]
+        return await self._chat(messages, options, self._render)
 
     async def encode_chat_answering(
         self, messages: List[dict], options: Optional[dict] = None
@@ -61,7 +61,9 @@ class PromptEncoder:
         the prompt rendered without it."""
         return await self._chat(messages, options, self._render_answering)
 
-    async def _chat(self, messages: List[dict], options: Optional[dict], render) -> tuple:
+    async def _chat(self, messages: List[dict], options: Optional[dict], render):
+        """``render(messages, options)`` once the messages are checked: on the loop for short plain ones, else on
+        the tokenizer's thread."""
         for i, m in enumerate(messages):
             for key in ("role", "content", "name"):
                 if key in m:
@@ -79,8 +81,8 @@ class PromptEncoder:
             return render(messages, options or {})
         return await self._off_loop(render, messages, options or {})
 
-    def _render(self, messages: List[dict], options: dict) -> tuple:
-        return (self.tokenizer.encode(self._text(messages, options, True)),)
+    def _render(self, messages: List[dict], options: dict) -> List[int]:
+        return self.tokenizer.encode(self._text(messages, options, True))
 
     def _render_answering(self, messages: List[dict], options: dict) -> Tuple[List[int], str]:
         text, before = self._text(messages, options, True), self._text(messages, options, False)
