@@ -141,7 +141,9 @@ class EngineArgs:
                 if value is None:
                     continue
                 kind = next(a for a in get_args(kind) if a is not type(None))
-            if kind is bool:
+            if f.name == "llm_kv_type" and value is None:  # the flag's "None" (no quantization) as Python's None
+                self.llm_kv_type, ok = "None", True
+            elif kind is bool:
                 ok, allowed = isinstance(value, bool), "a bool (True or False)"
             elif kind is int:
                 ok, allowed = isinstance(value, int) and not isinstance(value, bool), "an integer"

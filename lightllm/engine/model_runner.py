@@ -450,14 +450,16 @@ class ModelRunner:
         """Free the request's slot; its computed KV goes to the prefix cache, and its state (Qwen3.5) to the
         checkpoint the cache recorded after those tokens. ``last_token`` (MTP): the request's newest token, which
         its KV does not hold: the head's KV at the position before it reads it (``MTPRunner.finish``)."""
-        if self.mtp is not None and self.kv.prefix is not None and last_token is not None:
-            try:
-                self.mtp.finish(slot, last_token)
-            except Exception:  # the slot is freed whatever happens; the tree then keeps its KV up to the head's
-                logger.exception("MTP head catch-up of slot %d at its request's end failed", slot)
-        if self.mtp is not None:
-            self.mtp.publish_at_draft.discard(slot)
-        checkpoint = self.kv.free_request(slot)
+        try:
+            if self.mtp is not None and self.kv.prefix is not None and last_token is not None:
+                try:
+                    self.mtp.finish(slot, last_token)
+                except Exception:  # the slot is freed whatever happens; the tree then keeps its KV up to the head's
+                    logger.exception("MTP head catch-up of slot %d at its request's end failed", slot)
+        finally:  # an interrupt (Ctrl-C in LLM.generate) inside the catch-up must not leak the slot and its KV
+            if self.mtp is not None:
+                self.mtp.publish_at_draft.discard(slot)
+            checkpoint = self.kv.free_request(slot)
         if checkpoint is not None:
             self.model.save_state(self._state_row(slot), checkpoint)
 

@@ -11,6 +11,7 @@ from lightllm.engine.args import EngineArgs
 from lightllm.engine.model_runner import ModelRunner
 from lightllm.engine.request import Request
 from lightllm.engine.sampler import SamplingParams
+from lightllm.llm import LLM
 from lightllm.tools.make_tiny_model import make_tiny_qwen3_5
 
 from tests.engine.test_mtp_engine import SpecCounts, half_dir  # noqa: F401 (a fixture)
@@ -192,3 +193,27 @@ def test_engine_outputs_and_acceptance_are_the_same_with_the_cache_on_and_off(ha
     assert on == off and on_spec == off_spec
     assert 0 < on_spec[1] < on_spec[0]  # some drafts accepted, some not: the comparison can tell
     assert off_cached == [0, 0, 0, 0] and on_cached[0] == 0 and min(on_cached[1:]) > 0
+
+
+def test_an_interrupt_in_the_heads_catch_up_at_a_requests_end_frees_its_slot(mtp_dir):
+    """Ctrl-C in ``LLM.generate`` while the MTP head catches up on a finished request's last token: its request slot
+    and KV still go back (they leaked for good: every later call ran with one slot and its tokens fewer)."""
+    llm = LLM(mtp_dir, data_type="fp32", device="cpu", max_req_total_len=128, running_max_req_size=3,
+              mtp_mode="eagle_with_att", mtp_step=N, linear_att_cache_size=16)  # fmt: skip
+    kv, mtp = llm.runner.kv, llm.runner.mtp
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    prompts = [fresh_tokens(8), fresh_tokens(9)]
+    llm.generate(prompts, params)
+    free = (kv.num_free_slots, kv.num_free_tokens)
+    finish = mtp.finish
+
+    def interrupted(*args):  # the user's Ctrl-C lands while the head's forward runs
+        finish(*args)
+        raise KeyboardInterrupt
+
+    mtp.finish = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(prompts, params)
+    mtp.finish = finish
+    assert llm.generate(prompts, params)[0].finish_reason == "length"  # the LLM is still usable
+    assert (kv.num_free_slots, kv.num_free_tokens) == free
