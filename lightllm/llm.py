@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Tuple, Union
 
 from lightllm.engine.args import EngineArgs
-from lightllm.engine.detokenize import TextStream
+from lightllm.engine.detokenize import TextStream, final_text, stop_ids
 from lightllm.engine.engine import Engine, eos_token_ids
 from lightllm.engine.model_runner import ModelRunner
 from lightllm.engine.request import Event, Request
@@ -45,7 +45,8 @@ class LLM:
             raise TypeError(f"LLM: unknown engine option(s) {unknown}; allowed: {sorted(names - {'model_dir'})}")
         self.runner = ModelRunner(EngineArgs(model_dir=model_dir, **engine_options))
         self.tokenizer = load_tokenizer(self.runner.model_dir)  # the server's loader: a folder without one is refused
-        self.engine = Engine(self.runner, eos_token_ids(self.runner.config, self.tokenizer))
+        self.eos_ids = eos_token_ids(self.runner.config, self.tokenizer)
+        self.engine = Engine(self.runner, self.eos_ids)
         self._requests = itertools.count()  # ids unique across calls: a stop string's abort may outlive its call
 
     def generate(
@@ -54,7 +55,8 @@ class LLM:
         prompts = _prompt_list(prompts)
         if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
             raise ValueError(f"sampling_params expected a SamplingParams or None, got {type(sampling_params).__name__}")
-        params = sampling_params or SamplingParams()
+        # a copy, checked anew: fields set after construction (params.stop = "ab") are checked and normalized too
+        params = dataclasses.replace(sampling_params or SamplingParams())
         params.check_token_ids(self.runner.config.vocab_size)
         limit, vocab = self.runner.args.max_req_total_len, self.runner.config.vocab_size
         requests, outputs = [], []
@@ -84,13 +86,13 @@ class LLM:
             raise
         if not params.stop:  # without stop strings the text is decoded once, as the server does
             for out in outputs:
-                out.text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+                out.text = final_text(self.tokenizer, out.token_ids, params, self.eos_ids)
         return outputs
 
     def _collector(self, request_id: str, out: RequestOutput, params: SamplingParams):
         """The request's ``emit``: collects tokens and, with stop strings, the text, ending the request at the
         first stop string as the server does."""
-        text = TextStream(self.tokenizer if params.stop else None, params.stop)
+        text = TextStream(self.tokenizer if params.stop else None, params, stop_ids(params, self.eos_ids))
 
         def emit(ev: Event) -> None:
             out.num_cached_tokens = ev.cached_tokens  # every event carries it

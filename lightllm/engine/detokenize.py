@@ -19,7 +19,7 @@ end a request the same way offline and served.
 
 import functools
 import weakref
-from typing import Callable, Dict, List, Sequence, Tuple
+from typing import Callable, Collection, Dict, FrozenSet, List, Sequence, Tuple
 
 # Per request: their cost per token is O(count x length), paid on the HTTP event loop.
 MAX_STOP_STRINGS = 16
@@ -159,8 +159,9 @@ class StopStrings:
     Matching is incremental: each delta is searched together with what is held back, which is shorter than
     the longest stop string, so the work per delta does not grow with the text streamed so far."""
 
-    def __init__(self, stops: List[str]):
+    def __init__(self, stops: List[str], include: bool = False):
         self.stops = stops
+        self.include = include  # the text ends after the stop string found, not before it (vLLM's option)
         self._longest = max((len(s) for s in stops), default=0)
         self._firsts = {s[0] for s in stops}
         self._held = ""
@@ -172,9 +173,10 @@ class StopStrings:
             return delta, False
         text, self._held = self._held + delta, ""
         self.scanned += len(text)
-        found = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        found = [(i, -len(s)) for i, s in ((text.find(s), s) for s in self.stops) if i >= 0]
         if found:
-            return text[: min(found)], True
+            at, minus_len = min(found)  # the first stop string in the text (the longest of those starting there)
+            return text[: at - minus_len if self.include else at], True
         hold = 0 if final else self._partial_at_end(text)
         self._held = text[len(text) - hold :] if hold else ""
         return text[: len(text) - hold], False
@@ -192,18 +194,40 @@ class StopStrings:
 
 class TextStream:
     """One request's text as its tokens arrive, cut at its first stop string. ``tokenizer`` None: no text is
-    produced (every delta is ''), for a caller that decodes once at the end and has no stop strings."""
+    produced (every delta is ''), for a caller that decodes once at the end and has no stop strings.
 
-    def __init__(self, tokenizer, stops: Sequence[str] = ()):
-        self._detok = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
-        self._stops = StopStrings(list(stops))
+    ``params`` (``SamplingParams``) chooses the text as vLLM's same-named options do: ``skip_special_tokens`` (a special
+    token's text is left out), ``include_stop_str_in_output`` (the stop string found, or the text of the token that
+    stopped the request, ends the text; by default neither is in it). ``stop_ids``: the token ids that end the request
+    (its end-of-sequence ids unless ``ignore_eos``, and its ``stop_token_ids``): such a token is the request's last."""
+
+    def __init__(self, tokenizer, params, stop_ids: Collection[int] = ()):
+        skip = params.skip_special_tokens
+        self._detok = IncrementalDetokenizer(tokenizer, skip) if tokenizer is not None else None
+        self._stops = StopStrings(list(params.stop), params.include_stop_str_in_output)
+        self._stop_ids = () if params.include_stop_str_in_output else stop_ids
 
     def add(self, token_id: int) -> Tuple[str, bool]:
         """The text ``token_id`` adds, and whether a stop string ended it (the request is then over: abort it
         with "stop")."""
-        return self._stops.cut(self._detok.add(token_id) if self._detok else "")
+        if self._detok is None or token_id in self._stop_ids:
+            return self._stops.cut("")
+        return self._stops.cut(self._detok.add(token_id))
 
     def finish(self, reason: str) -> Tuple[str, str]:
         """The text still held back, and the finish reason the client sees for the engine's ``reason``."""
         rest, hit = self._stops.cut(self._detok.finish() if self._detok else "", final=True)
         return rest, "stop" if hit else reason
+
+
+def stop_ids(params, eos_ids: Collection[int]) -> FrozenSet[int]:
+    """The token ids that end a request of ``params`` (the scheduler's rule): ``eos_ids`` unless ``ignore_eos``, and
+    its ``stop_token_ids``."""
+    return frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else frozenset(eos_ids))
+
+
+def final_text(tokenizer, token_ids: Sequence[int], params, eos_ids: Collection[int]) -> str:
+    """A whole generation's text decoded at once, as :class:`TextStream` streams it when there are no stop strings."""
+    if token_ids and not params.include_stop_str_in_output and token_ids[-1] in stop_ids(params, eos_ids):
+        token_ids = token_ids[:-1]
+    return tokenizer.decode(list(token_ids), skip_special_tokens=params.skip_special_tokens)

@@ -33,7 +33,9 @@ class SamplingParams:
     to its logit. ``min_tokens``: EOS (unless ``ignore_eos``) and ``stop_token_ids`` cannot be drawn before this many
     tokens.
     ``top_logprobs``: how many most likely tokens (with logprobs) to return per generated token. Token ids are
-    checked against a vocabulary by ``check_token_ids``."""
+    checked against a vocabulary by ``check_token_ids``.
+    ``skip_special_tokens`` / ``include_stop_str_in_output`` (vLLM's): the text leaves out special tokens' text / ends
+    with the stop string found or the stop token's text (by default it ends before either); token ids are unchanged."""
 
     max_new_tokens: int = 16
     temperature: float = 0.0
@@ -51,6 +53,8 @@ class SamplingParams:
     logit_bias: Dict[int, float] = field(default_factory=dict)
     min_tokens: int = 0
     top_logprobs: int = 0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self):
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
@@ -85,7 +89,7 @@ class SamplingParams:
                              f"got {self.min_tokens!r}")  # fmt: skip
         if not _integer(self.top_logprobs) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"top_logprobs expected an integer in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}")
-        for name in ("logprobs", "ignore_eos"):
+        for name in ("logprobs", "ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} expected a bool, got {getattr(self, name)!r}")
         ids = self.stop_token_ids

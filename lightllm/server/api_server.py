@@ -159,7 +159,8 @@ def main(argv=None) -> None:
         server = Server(engine, tokenizer, model_name=model_name,
                         health_step_timeout_s=server_args.health_step_timeout_s,
                         max_request_body_bytes=server_args.max_request_body_bytes,
-                        sampling_defaults=sampling_defaults, reasoning_parser=server_args.reasoning_parser,
+                        sampling_defaults=sampling_defaults, extra_eos_ids=server_args.eos_id,
+                        reasoning_parser=server_args.reasoning_parser,
                         tool_call_parser=server_args.tool_call_parser)  # fmt: skip
         code = run(server, sock, server_args)
     except EngineStartError as e:  # a malformed checkpoint or a size too big: bad input, as a bad flag is

@@ -15,7 +15,10 @@ from lightllm.engine.sampler import MAX_PENALTY, MAX_SEED, MAX_TOP_LOGPROBS
 logger = logging.getLogger(__name__)
 
 MAX_N = 128  # n and best_of: each is a request of its own in the engine
+# Unknown field names logged so far: bounded, as clients choose the names (a set of every one grew without limit).
 _ignored_logged: Set[str] = set()
+MAX_IGNORED_LOGGED = 256
+_NAME_SHOWN = 64  # characters of an unknown name that are logged
 
 
 # NaN and infinity (Python's JSON parser reads them) are refused by name rather than by whichever bound they fail.
@@ -24,17 +27,18 @@ class _Body(BaseModel):
 
 
 class _Lenient(BaseModel):
-    """Unknown fields are accepted and dropped; the first time a name is seen it is logged."""
+    """Unknown fields are accepted and dropped; the first time a name is seen it is logged (the first 256 names)."""
 
     model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
     @model_validator(mode="after")
     def _log_ignored(self):
         for name in self.model_extra or {}:
-            key = f"{type(self).__name__}.{name}"
-            if key not in _ignored_logged:
+            key = f"{type(self).__name__}.{name[:_NAME_SHOWN]}"
+            if key not in _ignored_logged and len(_ignored_logged) < MAX_IGNORED_LOGGED:
                 _ignored_logged.add(key)
-                logger.debug("%s: field %r is not used by this server; ignored", type(self).__name__, name)
+                logger.debug("%s: field %r is not used by this server; ignored", type(self).__name__,
+                             name[:_NAME_SHOWN])  # fmt: skip
         return self
 
 
@@ -65,6 +69,7 @@ class GenerateParameters(_Sampling):
     frequency_penalty: float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
     repetition_penalty: float = Field(1.0, gt=0)
     min_new_tokens: int = Field(0, ge=0)
+    skip_special_tokens: bool = True
 
 
 class GenerateRequest(_Body):
@@ -74,6 +79,7 @@ class GenerateRequest(_Body):
 
 class StreamOptions(_Lenient):
     include_usage: Optional[bool] = None
+    continuous_usage_stats: Optional[bool] = None  # vLLM's: with include_usage, each chunk has its choice's usage
 
 
 class ResponseFormat(_Lenient):
@@ -102,6 +108,9 @@ class _OpenAI(_Lenient):
     ignore_eos: Optional[bool] = None
     response_format: Optional[ResponseFormat] = None
     user: Optional[str] = None
+    skip_special_tokens: Optional[bool] = None  # vLLM's: false keeps special tokens' text in the text
+    include_stop_str_in_output: Optional[bool] = None  # vLLM's: the text ends with the stop string or stop token
+    truncate_prompt_tokens: Optional[int] = Field(None, ge=1)  # vLLM's: only the prompt's last this many tokens
 
 
 class CompletionRequest(_OpenAI):
@@ -136,3 +145,5 @@ class ChatRequest(_OpenAI):
     tools: Optional[List[Dict[str, Any]]] = None
     tool_choice: Union[str, Dict[str, Any], None] = None
     chat_template_kwargs: Optional[Dict[str, Any]] = None
+    add_generation_prompt: Optional[bool] = None  # vLLM's: the template opens the answer (default true)
+    continue_final_message: Optional[bool] = None  # vLLM's: the answer continues the last (assistant) message

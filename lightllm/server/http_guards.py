@@ -3,6 +3,8 @@ shape, ``{"error": {"message", "type", "code"}}``, for every error FastAPI or St
 in their own shape (``{"detail": ...}`` or plain text)."""
 
 import logging
+import re
+from typing import Dict, List, Optional
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
@@ -66,22 +68,79 @@ class BodyLimit:
         await error_response(413, message)(scope, receive, send)
 
 
+# How pydantic names a union's branch in an error's location ('str', 'list[int]', 'function-after[...]'): not a field.
+_BRANCH = re.compile(r"^(str|int|float|bool|none|dict|list)$|\[")
+# What a union field takes, for a value no branch of it accepts (the per-branch messages say it piecemeal).
+_UNION_FIELDS = {
+    "content": 'a string, null, or a list of text parts ({"type": "text", "text": "..."})',
+    "prompt": "a string, a list of token ids, or a non-empty list of strings or token-id lists",
+    "inputs": "a string or a list of token ids",
+    "stop": "a string, a list of strings, or null",
+    "stop_sequences": "a string, a list of strings, or null",
+    "tool_choice": "'auto', 'none' or an object",
+}
+_JSON_KINDS = {str: "string", int: "number", float: "number", bool: "boolean", list: "array"}
+
+
+def _fields(loc: tuple) -> tuple:
+    return tuple(x for x in loc if not (isinstance(x, str) and _BRANCH.search(x)))
+
+
+def validation_messages(errors: List[dict]) -> List[str]:
+    """One message per field for pydantic's ``errors``: a location without union branch names, and for a union that
+    took none of its branches, the branch the value got furthest into (a list of parts whose part misses a field) or,
+    where none got in, what the field takes."""
+    unions: Dict[tuple, Dict[str, list]] = {}  # location of the union -> branch -> its errors
+    out = []
+    for e in errors:
+        loc = tuple(e["loc"][1:])
+        cut = next((i for i, x in enumerate(loc) if isinstance(x, str) and _BRANCH.search(x)), None)
+        if cut is None:
+            out.append((loc, e["msg"]))
+        else:
+            unions.setdefault(loc[:cut], {}).setdefault(loc[cut], []).append((_fields(loc[cut + 1 :]), e))
+    for where, branches in unions.items():
+        depth = {b: max(len(rest) for rest, _ in errs) for b, errs in branches.items()}
+        deepest = max(depth.values())
+        chosen = [b for b, d in depth.items() if d == deepest]
+        if deepest > 0 and len(chosen) == 1:
+            out.extend((where + rest, e["msg"]) for rest, e in branches[chosen[0]])
+            continue
+        field = next((x for x in reversed(where) if isinstance(x, str)), "")
+        got = repr(next(iter(branches.values()))[0][1].get("input"))
+        takes = _UNION_FIELDS.get(field) or " or ".join(
+            sorted({e["msg"] for errs in branches.values() for _, e in errs})
+        )
+        out.append((where, f"expected {takes}, got {got if len(got) <= 60 else got[:57] + '...'}"))
+    return [f"{'.'.join(str(x) for x in loc) or 'body'}: {msg.removeprefix('Value error, ')}" for loc, msg in out]
+
+
+def _body_message(e: dict, content_type: Optional[str]) -> str:
+    """The 400 for a body that is not a JSON object: which header was sent, or which JSON value came."""
+    if e["type"] == "string_unicode":  # a JSON escape can spell a lone surrogate (\ud800), which no text holds
+        return "body: holds a string that is not valid Unicode (a lone surrogate escape such as \\ud800)"
+    if "json" not in (content_type or "").lower() or isinstance(e.get("input"), bytes):
+        # FastAPI parses JSON only under a JSON Content-Type (curl -d sends a form's): say which was sent
+        return f"body: expected a JSON object with Content-Type: application/json, got Content-Type {content_type!r}"
+    if e.get("input") is None:
+        return "body: expected a JSON object, got null or an empty body"
+    kind = _JSON_KINDS.get(type(e["input"]), "value")
+    twice = " (was the body JSON-encoded twice?)" if kind == "string" else ""
+    return f"body: expected a JSON object, got a JSON {kind}{twice}"
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def invalid(request, exc: RequestValidationError):
-        parts = []
+        parts, fields = [], []
         for e in exc.errors():
             if e["type"] == "json_invalid":
                 parts.append(f"body: invalid JSON ({e.get('ctx', {}).get('error', e['msg'])})")
-                continue
-            if tuple(e["loc"]) == ("body",) and isinstance(e.get("input"), (bytes, str)):
-                # FastAPI parses JSON only under a JSON Content-Type (curl -d sends a form's): say which was sent
-                sent = request.headers.get("content-type")
-                parts.append(f"body: expected a JSON object with Content-Type: application/json, got Content-Type "
-                             f"{sent!r}")  # fmt: skip
-                continue
-            where = ".".join(str(x) for x in e["loc"][1:]) or "body"
-            parts.append(f"{where}: {e['msg'].removeprefix('Value error, ')}")
+            elif tuple(e["loc"]) == ("body",):
+                parts.append(_body_message(e, request.headers.get("content-type")))
+            else:
+                fields.append(e)
+        parts.extend(validation_messages(fields))
         return error_response(400, "; ".join(parts) or "invalid request")
 
     @app.exception_handler(BadRequest)

@@ -29,7 +29,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from lightllm.common.gc_heap import freeze_startup_heap
-from lightllm.engine.detokenize import TextStream
+from lightllm.engine.detokenize import TextStream, final_text, stop_ids
 from lightllm.engine.engine import Engine, eos_token_ids
 from lightllm.engine.request import Event
 from lightllm.engine.request import Request as EngineRequest
@@ -84,7 +84,7 @@ class Server:
         """``runner``: an ``EngineProcess`` (the server: the engine in a process of its own, ready), or a runner
         whose engine then runs on a thread of this process (tests over fake runners). ``sampling_defaults``: what
         the OpenAI routes use for a sampling field a request leaves out (``read_sampling_defaults``);
-        ``extra_eos_ids``: ``--eos_id`` for the in-process engine (an ``EngineProcess`` is given them itself);
+        ``extra_eos_ids``: ``--eos_id`` (an ``EngineProcess`` is given them too; here they say which token ends text);
         ``reasoning_parser``, ``tool_call_parser``: the flags of those names (None: chat answers stay plain text)."""
         self.runner = runner
         self.health_step_timeout_s = health_step_timeout_s
@@ -96,6 +96,7 @@ class Server:
         self.sampling_defaults = dict(sampling_defaults or {})
         self.reasoning_parser, self.tool_call_parser = reasoning_parser, tool_call_parser
         self._special_ids = set(getattr(tokenizer, "all_special_ids", ()))
+        self.eos_ids = eos_token_ids(runner.config, tokenizer, extra_eos_ids)  # the engine's: which token ends text
         self.metrics = Metrics()
         self._waiting: Set[_Inbox] = set()  # the inboxes a handler waits on now: the ticker wakes them
         if isinstance(runner, EngineProcess):  # the server's layout: the engine in a process of its own
@@ -105,7 +106,7 @@ class Server:
             self._emitter = lambda events: events.put_nowait  # delivered on the event loop, a step at a time
         else:  # in-process, on a thread of this process (tests over fake runners)
             self.mailbox = _Mailbox()
-            self.engine = Engine(runner, eos_token_ids(runner.config, tokenizer, extra_eos_ids), observer=self.metrics)
+            self.engine = Engine(runner, self.eos_ids, observer=self.metrics)
             self.loop = EngineLoop(self.engine, after_step=self.mailbox.flush)
             self._emitter = lambda events: functools.partial(self.mailbox.post, events)
         self.app = self._build_app()
@@ -212,12 +213,15 @@ class Server:
         else:
             temperature = p.temperature if p.temperature is not None else (1.0 if p.do_sample else 0.0)
         stops = [x for s in (p.stop, p.stop_sequences) for x in ([s] if isinstance(s, str) else s or [])]
+        both = p.stop is not None and p.stop_sequences is not None
+        fields = {**_NATIVE_FIELDS, "stop": "parameters.stop and stop_sequences together" if both else (
+            "parameters.stop" if p.stop is not None else "parameters.stop_sequences")}  # fmt: skip
         options = dict(temperature=temperature, top_p=p.top_p, top_k=max(p.top_k, 0), min_p=p.min_p,
                        ignore_eos=p.ignore_eos, logprobs=p.logprobs or p.return_details,
                        presence_penalty=p.presence_penalty,
                        frequency_penalty=p.frequency_penalty, repetition_penalty=p.repetition_penalty,
-                       min_tokens=p.min_new_tokens)  # fmt: skip
-        return ids, self._params(ids, p.max_new_tokens, stops, p.seed, options, _NATIVE_FIELDS)
+                       min_tokens=p.min_new_tokens, skip_special_tokens=p.skip_special_tokens)  # fmt: skip
+        return ids, self._params(ids, p.max_new_tokens, stops, p.seed, options, fields)
 
     def _token_details(self, token_id: int, logprob: float) -> dict:
         """LightLLM's per-token details: id, its text alone, logprob, and whether it is a special token."""
@@ -251,19 +255,24 @@ class Server:
                 chunk.append(f"data: {json.dumps(event)}\n\n")
             yield "".join(chunk)
 
-    async def _encode(self, field: str, prompt, template_options: Optional[dict] = None) -> List[int]:
+    async def _encode(self, field: str, prompt, template_options: Optional[dict] = None,
+                      keep: Optional[int] = None) -> List[int]:  # fmt: skip
         """Token ids of a prompt (text, token ids, or chat messages rendered with ``template_options``), checked
-        against the vocabulary and max_req_total_len; ``field`` names it in a 400."""
+        against the vocabulary and max_req_total_len (its last ``keep`` tokens, where given); ``field`` names it in a
+        400."""
         if field == "messages":
             ids = await self.prompts.encode_chat(prompt, template_options or {})
         else:
             ids = await self.prompts.encode(prompt, field) if isinstance(prompt, str) else list(prompt)
-        return self._checked(field, ids)
+        return self._checked(field, ids, keep)
 
-    def _checked(self, field: str, ids: List[int]) -> List[int]:
-        """``ids`` of a prompt, or a 400 naming ``field``: empty, too long, or out of the vocabulary."""
+    def _checked(self, field: str, ids: List[int], keep: Optional[int] = None) -> List[int]:
+        """``ids`` of a prompt (its last ``keep``: vLLM's ``truncate_prompt_tokens``), or a 400 naming ``field``:
+        empty, too long, or out of the vocabulary."""
         if not ids:
             raise BadRequest(f"{field}: expected at least one token")
+        if keep is not None:
+            ids = ids[-keep:]
         limit = self.runner.args.max_req_total_len
         if len(ids) >= limit:
             raise BadRequest(f"{field}: {len(ids)} tokens, max_req_total_len is {limit}")
@@ -289,11 +298,7 @@ class Server:
             params = SamplingParams(max_new_tokens=max_tokens, stop=stops, seed=seed, **options)
             params.check_token_ids(self.runner.config.vocab_size)
         except ValueError as e:
-            message = str(e)
-            name = re.match(r"[a-z_]+", message)  # SamplingParams' messages start with the field's name
-            if name and name.group() in fields:
-                message = fields[name.group()] + message[name.end() :]
-            raise BadRequest(message) from None
+            raise BadRequest(_body_names(str(e), fields)) from None
         return params
 
     def _submit(self, ids, params, each_token: bool = True) -> "_Submitted":
@@ -319,7 +324,7 @@ class Server:
         ("abort" when it left first, whether it was running or still queued)."""
         submitted = submitted or self._submit(ids, params, each_token=text)
         events = submitted.events
-        out = TextStream(self.tokenizer if text else None, params.stop)
+        out = TextStream(self.tokenizer if text else None, params, stop_ids(params, self.eos_ids))
         first = True
         loop = asyncio.get_running_loop()
         next_check = loop.time() + _DISCONNECT_CHECK_S
@@ -370,7 +375,7 @@ class Server:
                 if fin:
                     reason = fin
         if not incremental:
-            text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
+            text = final_text(self.tokenizer, token_ids, params, self.eos_ids)
         return {"text": text, "token_ids": token_ids, "logprobs": logprobs, "top_logprobs": tops,
                 "finish_reason": reason or "abort", "cached_tokens": sum(cached)}  # fmt: skip
 
@@ -452,17 +457,20 @@ class Server:
             raise BadRequest(f"{'prompt' if many else 'n'}: {len(items)} prompt(s) x {best_of} samples (n or best_of) "
                              f"is more than the {MAX_SEQUENCES} sequences one request may ask for")  # fmt: skip
         generation_prompt = ""  # what the chat template added for the answer, where a reasoning parser reads it
+        keep = body.truncate_prompt_tokens
         if chat:
             messages, template = chat_messages(body), template_options(body)
             if reads_generation_prompt(self.reasoning_parser, body):
                 ids, generation_prompt = await self.prompts.encode_chat_answering(messages, template)
-                prompts = [self._checked("messages", ids)]
+                prompts = [self._checked("messages", ids, keep)]
             else:
-                prompts = [await self._encode("messages", messages, template)]
+                prompts = [await self._encode("messages", messages, template, keep)]
             max_tokens = body.max_completion_tokens or body.max_tokens
             fields = {"max_tokens": "max_completion_tokens"} if body.max_completion_tokens else None
         else:
-            prompts = [await self._encode(f"prompt.{i}" if many else "prompt", p) for i, p in enumerate(items)]
+            prompts = [
+                await self._encode(f"prompt.{i}" if many else "prompt", p, keep=keep) for i, p in enumerate(items)
+            ]
             max_tokens, fields = body.max_tokens, None  # null: the rest of max_req_total_len
         seqs = []
         for ids in prompts:
@@ -472,7 +480,8 @@ class Server:
                 seqs.append((ids, dataclasses.replace(params, seed=seed)))
         echoes = None
         if not chat and body.echo:
-            echoes = [p if isinstance(p, str) else self.tokenizer.decode(ids) for p, ids in zip(items, prompts)]
+            echoes = [p if isinstance(p, str) and keep is None else self.tokenizer.decode(ids)
+                      for p, ids in zip(items, prompts)]  # fmt: skip
         parsing = None
         if chat and (self.reasoning_parser or self.tool_call_parser):
             parsing = chat_parsing(self.reasoning_parser, self.tool_call_parser, body, generation_prompt)
@@ -480,10 +489,21 @@ class Server:
             self, chat, prompts, n, best_of, echoes, options["logprobs"], parsing, stops=bool(seqs[0][1].stop)
         )
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            options = body.stream_options
+            include_usage = bool(options and options.include_usage)
+            continuous = include_usage and bool(options.continuous_usage_stats)
             subs = [self._submit(ids, params) for ids, params in seqs]
-            return _SubmittedStream(reply.stream(seqs, request, include_usage, subs), subs)
+            return _SubmittedStream(reply.stream(seqs, request, include_usage, subs, continuous), subs)
         return reply.whole(await self._collect_all(seqs, request))
+
+
+def _body_names(message: str, fields: Dict[str, str]) -> str:
+    """A ``SamplingParams`` message with the engine's field names (``max_new_tokens``, ...) as the body named them
+    (``fields``: engine name -> body name, ``max_tokens`` standing for ``max_new_tokens``), up to the value shown."""
+    names = {"max_new_tokens": fields.get("max_tokens", "max_tokens"), **fields}
+    head, got, rest = message.partition(", got ")  # what follows "got" is the client's own value
+    head = re.sub(r"\b[a-z_]+\b", lambda m: names.get(m.group(), m.group()), head)
+    return head + got + rest
 
 
 def _json_float(x: float) -> str:

@@ -24,7 +24,19 @@ _TEXT_FIELDS = frozenset({"content", "reasoning_content"})  # a chat delta's tex
 # which is the role chat templates know (Qwen3's renders no other role in the system slot, and skips unknown ones).
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 # chat_template_kwargs may not set what the server itself passes to the template.
-RESERVED_TEMPLATE_KWARGS = ("conversation", "messages", "tools", "tokenize", "add_generation_prompt", "chat_template")
+RESERVED_TEMPLATE_KWARGS = ("conversation", "messages", "tools", "tokenize", "add_generation_prompt", "chat_template",
+                            "continue_final_message")  # fmt: skip
+# vLLM's fields for what this server does not do: refused by name, since each changes the output and ignoring it (as
+# an unknown field is) would answer something else with a 200. (field, what it asks for)
+REFUSED_VLLM_FIELDS = (
+    ("guided_json", "constrained decoding"),
+    ("guided_regex", "constrained decoding"),
+    ("guided_choice", "constrained decoding"),
+    ("guided_grammar", "constrained decoding"),
+    ("structured_outputs", "constrained decoding"),
+    ("use_beam_search", "beam search"),
+    ("prompt_logprobs", "prompt token logprobs"),
+)
 PROMPT_LOGPROBS_REFUSED = (
     "echo with logprobs: prompt token logprobs are not supported; the prefill keeps the logits of the last prompt "
     "position only (all positions would be prompt_len x vocab floats per request); use echo without logprobs"
@@ -33,6 +45,11 @@ PROMPT_LOGPROBS_REFUSED = (
 
 def check_unsupported(body, chat: bool) -> None:
     """400 for what the body asks that this server does not do, naming the field and the alternative."""
+    extra = body.model_extra or {}
+    for name, what in REFUSED_VLLM_FIELDS:
+        if extra.get(name) not in (None, False):
+            raise BadRequest(f"{name}: not supported ({what} is not available in this server); leave it out or send "
+                             "null")  # fmt: skip
     if body.stream_options is not None and not body.stream:
         raise BadRequest("stream_options: only allowed with stream true")
     fmt = body.response_format
@@ -57,7 +74,15 @@ def _check_chat(body: ChatRequest) -> None:
         raise BadRequest(f"tool_choice: {shown!r} is not supported (forcing a call needs constrained decoding, which "
                          "this server does not have); use 'auto' or 'none'")  # fmt: skip
     for key in sorted(set(body.chat_template_kwargs or {}) & set(RESERVED_TEMPLATE_KWARGS)):
-        raise BadRequest(f"chat_template_kwargs: {key!r} is set by the server; it may not be passed")
+        own = " (send it as the request's own field)" if hasattr(body, key) else ""
+        raise BadRequest(f"chat_template_kwargs: {key!r} is set by the server; it may not be passed{own}")
+    if body.continue_final_message:
+        if body.add_generation_prompt:
+            raise BadRequest("continue_final_message: true needs add_generation_prompt false (the answer continues the "
+                             "last message instead of opening a new one)")  # fmt: skip
+        if body.messages[-1].role != "assistant":
+            raise BadRequest(f"continue_final_message: the last message must be the assistant's to continue, got role "
+                             f"{body.messages[-1].role!r}")  # fmt: skip
 
 
 # The optional fields of a function entry's "function" object: (key, allowed types, what the message says)
@@ -132,11 +157,16 @@ def chat_messages(body: ChatRequest) -> List[dict]:
 
 
 def template_options(body: ChatRequest) -> dict:
-    """Keyword arguments for ``apply_chat_template``: the tools (unless tool_choice is 'none') and the request's
-    ``chat_template_kwargs`` (e.g. Qwen3's ``enable_thinking``)."""
+    """Keyword arguments for ``apply_chat_template``: the tools (unless tool_choice is 'none'), the request's
+    ``chat_template_kwargs`` (e.g. Qwen3's ``enable_thinking``) and, where the request turns the answer's turn off
+    (``add_generation_prompt`` false, ``continue_final_message``), those flags."""
     options = dict(body.chat_template_kwargs or {})
     if body.tools and body.tool_choice != "none":
         options["tools"] = body.tools
+    if body.continue_final_message:  # the answer goes on in the last message: no new turn opened after it
+        options.update(continue_final_message=True, add_generation_prompt=False)
+    elif body.add_generation_prompt is False:
+        options["add_generation_prompt"] = False
     return options
 
 
@@ -150,7 +180,15 @@ def sampling_options(body, chat: bool, defaults: Dict[str, float]) -> dict:
     chosen["top_k"] = max(chosen["top_k"], 0)  # -1: off
     if body.repetition_penalty is None and "repetition_penalty" in defaults:
         chosen["repetition_penalty"] = defaults["repetition_penalty"]
-    for key in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "ignore_eos"):
+    for key in (
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "min_tokens",
+        "ignore_eos",
+        "skip_special_tokens",
+        "include_stop_str_in_output",
+    ):
         if getattr(body, key) is not None:
             chosen[key] = getattr(body, key)
     chosen["stop_token_ids"] = list(body.stop_token_ids or ())
@@ -338,11 +376,13 @@ class OpenAIReply:
             lps = self.logprobs.completion(r["token_ids"], r["logprobs"], r["top_logprobs"], len(echo))
         return {"index": index, "text": echo + r["text"], "logprobs": lps, "finish_reason": r["finish_reason"]}
 
-    async def stream(self, seqs: List[tuple], request, include_usage: bool, submitted=None) -> AsyncIterator[str]:
+    async def stream(self, seqs: List[tuple], request, include_usage: bool, submitted=None,
+                     continuous: bool = False) -> AsyncIterator[str]:  # fmt: skip
         """Server-sent events: per choice, a first chunk (chat: the role; completions with echo: the prompt), one
         chunk per token (with its logprobs when asked; with stop strings a token's come once some of its text is sent,
         never for the tokens a stop string cut off), a last one with the finish reason; with ``include_usage`` a
-        final chunk with no choices and the usage; then ``[DONE]``. best_of equals n here.
+        final chunk with no choices and the usage; then ``[DONE]``. best_of equals n here. ``continuous`` (vLLM's
+        ``continuous_usage_stats``): every chunk of a choice also has that choice's usage so far.
         ("Chunk" is OpenAI's name for one event; the events of tokens ready together share one write.)"""
         kind = self.kind + ".chunk" if self.chat else self.kind
         produced, cached = [0] * len(seqs), [[] for _ in seqs]
@@ -353,15 +393,19 @@ class OpenAIReply:
         waiting: List[List[tuple]] = [[] for _ in seqs]  # (offset, event) of the tokens whose logprobs wait
         positions = [TextOffsets(self.logprobs.tokenizer, sent[i])
                      for i in range(len(seqs))] if self.with_logprobs and (waits or not self.chat) else []  # fmt: skip
+
+        def event(choice: dict) -> str:  # one choice's chunk (with its usage so far, where asked)
+            usage = self._choice_usage(choice["index"], produced) if continuous else None
+            return self._sse(kind, [choice], usage=usage)
+
         for i in range(len(seqs)):
             if self.chat:
-                yield self._sse(kind, [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                        "finish_reason": None}])  # fmt: skip
+                yield event({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                             "finish_reason": None})  # fmt: skip
             elif self.echoes:
-                yield self._sse(kind, [{"index": i, "text": self._echo(i // self.n), "logprobs": None,
-                                        "finish_reason": None}])  # fmt: skip
+                yield event({"index": i, "text": self._echo(i // self.n), "logprobs": None, "finish_reason": None})
         outputs = [self.parsing.new_output() for _ in seqs] if self.parsing else None
-        plain = self._plain_chunk(kind)
+        plain = self._plain_chunk(kind) if not continuous else self._usage_chunk(event)
         async for ready in self.server.merged_streams(seqs, request, cached, submitted):
             chunk = []  # what is ready together goes out in one write (see Server._stream)
             for i, (delta, ev, fin) in ready:
@@ -396,7 +440,7 @@ class OpenAIReply:
                     choice = {"index": i, "delta": {"content": delta} if delta or not fin else {}}
                 else:
                     choice = {"index": i, "text": delta}
-                chunk.append(self._sse(kind, [{**choice, "logprobs": lps, "finish_reason": fin}]))
+                chunk.append(event({**choice, "logprobs": lps, "finish_reason": fin}))
             if chunk:
                 yield "".join(chunk)
         if include_usage:
@@ -412,6 +456,19 @@ class OpenAIReply:
             return self.logprobs.chat(ids, lps, tops)
         parts = [self.logprobs.completion([t], [lp], [top], at) for t, lp, top, (at, _) in zip(ids, lps, tops, tokens)]
         return {key: [x for p in parts for x in p[key]] for key in parts[0]}
+
+    def _choice_usage(self, i: int, produced: List[int]) -> dict:
+        """Choice ``i``'s usage so far (``produced``: tokens per choice), as vLLM's continuous usage stats give it."""
+        prompt_tokens = len(self.prompts[i // self.n])
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": produced[i],
+                "total_tokens": prompt_tokens + produced[i]}  # fmt: skip
+
+    def _usage_chunk(self, event: Callable[[dict], str]) -> Callable[..., str]:
+        """``_plain_chunk``'s signature, each event made by ``event`` (which adds the usage)."""
+        if not self.chat:
+            return lambda i, delta: event({"index": i, "text": delta, "logprobs": None, "finish_reason": None})
+        return lambda i, delta, field="content": event({"index": i, "delta": {field: delta}, "logprobs": None,
+                                                        "finish_reason": None})  # fmt: skip
 
     def _plain_chunk(self, kind: str) -> Callable[..., str]:
         """``(choice index, text delta[, chat delta field]) -> event`` of a token without logprobs that does not finish

@@ -49,8 +49,9 @@ class PromptEncoder:
         return await self._off_loop(self.tokenizer.encode, text)
 
     async def encode_chat(self, messages: List[dict], options: Optional[dict] = None) -> List[int]:
-        """Token ids of ``messages`` rendered by the model's chat template (generation prompt added); ``options``:
-        more keyword arguments for the template (``tools``, ``enable_thinking``, ...)."""
+        """Token ids of ``messages`` rendered by the model's chat template (generation prompt added unless ``options``
+        say ``add_generation_prompt`` false); ``options``: more keyword arguments for the template (``tools``,
+        ``enable_thinking``, ``continue_final_message``, ...)."""
         return await self._chat(messages, options, self._render)
 
     async def encode_chat_answering(
@@ -90,10 +91,11 @@ class PromptEncoder:
         return self.tokenizer.encode(text), text[common:]
 
     def _text(self, messages: List[dict], options: dict, generation_prompt: bool) -> str:
+        """``generation_prompt``: the answer's turn opened, unless ``options`` turn it off (``add_generation_prompt``
+        false, ``continue_final_message``)."""
+        kwargs = dict(options, add_generation_prompt=generation_prompt and options.get("add_generation_prompt", True))
         try:
-            return self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=generation_prompt, **options
-            )
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
         except Exception as e:  # a template that rejects these messages
             raise BadRequest(f"messages: the model's chat template could not render them ({e})") from e
 

@@ -63,3 +63,48 @@ def test_other_prompts_are_a_value_error_naming_what_they_got(llm, prompts, mess
 def test_sampling_params_must_be_sampling_params(llm):
     with pytest.raises(ValueError, match="sampling_params expected a SamplingParams or None, got dict"):
         llm.generate("hi", {"max_new_tokens": 2})
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("max_new_tokens", 0, "max_new_tokens expected a positive integer, got 0"),
+        ("top_logprobs", 50, "top_logprobs expected an integer in [0, 20], got 50"),
+        ("temperature", -1, "temperature expected a number in [0, 100], got -1"),
+    ],
+)
+def test_sampling_params_changed_after_construction_are_checked_again(llm, field, value, message):
+    params = SamplingParams(max_new_tokens=2)
+    setattr(params, field, value)
+    with pytest.raises(ValueError) as e:
+        llm.generate("hi", params)
+    assert str(e.value) == message
+
+
+def test_a_stop_string_set_after_construction_is_one_string_not_its_characters(llm):
+    ids = llm.generate([5, 6], SamplingParams(max_new_tokens=8, ignore_eos=True))[0].token_ids
+    text = llm.tokenizer.decode(ids)
+    stop = text[2:4]  # two characters: as a string it stops at both, as its characters at the first of either
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    params.stop = stop
+    out = llm.generate([5, 6], params)[0]
+    assert out.text == text[: text.index(stop)] and out.finish_reason == "stop"
+
+
+def test_a_stop_token_ends_the_text_before_its_own_unless_asked(llm):
+    """vLLM's rule, offline as served: the stop token's text is left out, ``include_stop_str_in_output`` keeps it."""
+    ids = llm.generate([5, 6], SamplingParams(max_new_tokens=8, ignore_eos=True))[0].token_ids
+    at = next(i for i in range(2, 8) if ids[i] not in ids[:i] and llm.tokenizer.decode(ids[i : i + 1]).strip())
+    for stop, include in ((), False), (("zz",), False), ((), True), (("zz",), True):
+        params = SamplingParams(max_new_tokens=8, ignore_eos=True, stop_token_ids=[ids[at]], stop=stop,
+                                include_stop_str_in_output=include)  # fmt: skip
+        out = llm.generate([5, 6], params)[0]
+        assert out.token_ids == ids[: at + 1] and out.finish_reason == "stop"
+        assert out.text == llm.tokenizer.decode(ids[: at + 1 if include else at]), (stop, include)
+
+
+def test_kv_type_none_is_the_flags_none():
+    """The docs list None among llm_kv_type's values (the flag's "None"): Python's None is taken as it."""
+    from lightllm.engine.args import EngineArgs
+
+    assert EngineArgs(llm_kv_type=None).normalize().llm_kv_type == "None"

@@ -163,9 +163,9 @@ def test_disconnect_while_generating_frees_kv(server):
         ("/generate", {"inputs": "a", "parameters": {"max_new_tokens": "8"}}, "parameters.max_new_tokens: Input"),
         ("/generate", {"inputs": "a", "parameters": {"max_new_tokens": 8.0}}, "parameters.max_new_tokens: Input"),
         ("/generate", {"inputs": "a", "parameters": {"max_new_tokens": True}}, "parameters.max_new_tokens: Input"),
-        ("/generate", {"inputs": [1.0]}, "inputs.list[int].0: Input should be a valid integer"),
-        ("/generate", {"inputs": [True]}, "inputs.list[int].0: Input should be a valid integer"),
-        ("/generate", {"inputs": ["1"]}, "inputs.list[int].0: Input should be a valid integer"),
+        ("/generate", {"inputs": [1.0]}, "inputs.0: Input should be a valid integer"),
+        ("/generate", {"inputs": [True]}, "inputs.0: Input should be a valid integer"),
+        ("/generate", {"inputs": ["1"]}, "inputs.0: Input should be a valid integer"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "stream": 1}, "stream: Input"),
         # ranges the engine cannot honour
         ("/generate", {"inputs": "a", "parameters": {"seed": 2**63}}, "parameters.seed: Input should be less than"),

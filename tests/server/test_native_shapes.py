@@ -69,10 +69,10 @@ def test_do_sample_and_stop_sequences(server, client):
 @pytest.mark.parametrize("parameters, message", [
     ({"do_sample": 1}, "parameters.do_sample: Input should be a valid boolean"),
     ({"top_k": -2}, "parameters.top_k: Input should be greater than or equal to -1"),
-    ({"stop_sequences": [""]}, "stop: expected non-empty strings"),
+    ({"stop_sequences": [""]}, "parameters.stop_sequences: expected non-empty strings"),
     ({"repetition_penalty": 0}, "parameters.repetition_penalty: Input should be greater than 0"),
     ({"min_new_tokens": 5, "max_new_tokens": 2},
-     "parameters.min_new_tokens expected an integer in [0, max_new_tokens 2], got 5"),
+     "parameters.min_new_tokens expected an integer in [0, parameters.max_new_tokens 2], got 5"),
     ({"max_new_tokens": 500}, "parameters.max_new_tokens: 500 with a 3-token prompt exceeds max_req_total_len"),
 ], ids=["do-sample", "top-k", "empty-stop", "repetition", "min-new-tokens", "max-new-tokens"])  # fmt: skip
 def test_bad_native_parameters_are_a_400_naming_them(server, client, parameters, message):

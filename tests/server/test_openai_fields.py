@@ -95,7 +95,7 @@ def test_tool_choice_none_leaves_the_tools_out_of_the_template(server, client):
     (CHAT, {"logit_bias": {"a": 1}}, "logit_bias: key 'a' is not a token id"),
     (CHAT, {"logit_bias": {"3": 101}}, "logit_bias[3] expected a number in [-100, 100], got 101"),
     (CHAT, {"stop_token_ids": [16]}, "stop_token_ids: token ids expected in [0, 16), got [16]"),
-    (CHAT, {"min_tokens": 9, "max_tokens": 4}, "min_tokens expected an integer in [0, max_new_tokens 4], got 9"),
+    (CHAT, {"min_tokens": 9, "max_tokens": 4}, "min_tokens expected an integer in [0, max_tokens 4], got 9"),
     (CHAT, {"max_completion_tokens": 500}, "max_completion_tokens: 500 with a 3-token prompt exceeds max_req_total"),
     (CHAT, {"messages": [{"role": "bogus", "content": "x"}]},
      "messages.0.role: 'bogus' is not one of system, developer, user, assistant, tool, function"),
