@@ -1,10 +1,13 @@
 """The engine serving Qwen3.5 against transformers' ``Qwen3_5ForCausalLM`` on tiny random hybrid models (every
 parameter perturbed): packed prefill logits, greedy tokens and logprobs, decode after prefill, state slots."""
 
+import json
 import logging
+import shutil
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from lightllm import LLM, SamplingParams
 from lightllm.engine.args import EngineArgs
@@ -72,6 +75,51 @@ def test_greedy_tokens_and_logprobs_match_transformers_generate(tiny_dir, hf_mod
         assert max(abs(a - b) for a, b in zip(out.logprobs, ref.tolist())) <= 1e-4
         forced, best = forced_scores(llm.runner, prompt, out.token_ids)  # prefill then decodes, one request
         assert max(abs(a - b) for a, b in zip(out.logprobs, forced)) <= 1e-5 and forced == best
+
+
+def conditional_generation_folder(text_dir, out, **top_fields):
+    """The text model as a ``Qwen3_5ForConditionalGeneration`` folder transformers loads too (a tiny vision config,
+    its tower left random): nested ``text_config``, weights under ``model.language_model.``; ``top_fields`` are
+    added at config.json's top level."""
+    shutil.copytree(text_dir, out)
+    text = json.loads((out / "config.json").read_text())
+    text.pop("architectures")
+    vision = {"depth": 1, "hidden_size": 16, "num_heads": 2, "intermediate_size": 16, "out_hidden_size": 64}
+    config = {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5", "text_config": text,
+              "vision_config": vision, "tie_word_embeddings": False, **top_fields}  # fmt: skip
+    (out / "config.json").write_text(json.dumps(config))
+    tensors = load_file(out / "model.safetensors")
+    renamed = {"model.language_model." + k[len("model.") :] if k.startswith("model.") else k: v
+               for k, v in tensors.items()}  # fmt: skip
+    save_file(renamed, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+def hf_generate(model_dir, prompt, steps, conditional_generation, **kw):
+    """transformers' greedy ``generate`` of the folder's model (the ConditionalGeneration class for such a folder)."""
+    from transformers import AutoModelForImageTextToText, Qwen3_5ForCausalLM
+
+    cls = AutoModelForImageTextToText if conditional_generation else Qwen3_5ForCausalLM
+    model = cls.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=steps, do_sample=False, **kw)
+    return out[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize("kind", ["text", "conditional generation"])
+def test_tied_config_with_a_different_stored_lm_head_gives_transformers_tokens(tiny_dir, tmp_path, kind):
+    """tie_word_embeddings: true, but the files hold an lm_head.weight unlike the embedding: transformers projects
+    with the stored head ("we will NOT tie them"), and so must the engine."""
+    cg = kind != "text"
+    if cg:
+        model_dir = conditional_generation_folder(tiny_dir, tmp_path / "model", tie_word_embeddings=True)
+    else:
+        model_dir = shutil.copytree(tiny_dir, tmp_path / "model")
+        config = json.loads((model_dir / "config.json").read_text())
+        (model_dir / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    llm = LLM(str(model_dir), data_type="fp32", device="cpu", batch_max_tokens=64, max_req_total_len=128)
+    (out,) = llm.generate([PROMPTS[1]], SamplingParams(max_new_tokens=6, ignore_eos=True))
+    assert out.token_ids == hf_generate(model_dir, PROMPTS[1], 6, cg, min_new_tokens=6)
 
 
 def test_state_after_prefill_equals_state_after_one_token_decodes(tiny_dir):

@@ -1,5 +1,7 @@
 """The engine against transformers' Qwen3ForCausalLM on tiny random models: greedy tokens and logprobs."""
 
+import json
+
 import pytest
 import torch
 
@@ -48,6 +50,18 @@ def test_cpu_fp32_greedy_matches_transformers(tiny_dir):
         forced, best = forced_scores(llm.runner, prompt, out.token_ids)  # the GPU test's reference path
         assert max(abs(a - b) for a, b in zip(out.logprobs, forced)) <= 1e-5 and forced == best
     assert llm.runner.kv.num_free_slots == llm.runner.args.running_max_req_size  # all freed but the pad slot
+
+
+def test_tied_config_with_a_different_stored_lm_head_gives_transformers_tokens(tmp_path):
+    """tie_word_embeddings: true, but the files hold an lm_head.weight unlike the embedding: transformers projects
+    with the stored head ("we will NOT tie them"), and so must the engine."""
+    model_dir = make_tiny_qwen3(tmp_path / "model", num_hidden_layers=1, seed=3)  # untied: its own lm_head
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    llm = LLM(str(model_dir), data_type="fp32", device="cpu", batch_max_tokens=64, max_req_total_len=128)
+    prompt = [5, 17, 42, 7, 99, 3]
+    (out,) = llm.generate([prompt], SamplingParams(max_new_tokens=6, ignore_eos=True))
+    assert out.token_ids == hf_greedy(model_dir, prompt, 6, torch.float32, "cpu")[0]
 
 
 def test_text_prompts_and_unknown_option(tiny_dir):

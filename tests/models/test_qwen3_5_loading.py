@@ -152,6 +152,36 @@ def test_conditional_generation_ties_through_its_top_level_field(tiny_dir, tmp_p
     assert w.lm_head is w.embed
 
 
+@pytest.mark.parametrize("stored", ["equal", "different"])
+@pytest.mark.parametrize("kind", ["text", "conditional generation"])
+def test_tied_config_with_a_stored_lm_head(tiny_dir, tmp_path, caplog, kind, stored):
+    """tie_word_embeddings with an lm_head.weight in the files: one shared tensor when it equals the embedding;
+    else the stored head (as transformers loads it; tests/engine compares the tokens), with one warning, on every
+    tensor-parallel rank alike."""
+    make = shutil.copytree if kind == "text" else conditional_generation_folder
+    folder = make(tiny_dir, tmp_path / "model")
+    path = folder / "model.safetensors"
+    tensors = load_file(path)
+    embed = next(v for k, v in tensors.items() if k.endswith("embed_tokens.weight"))
+    if stored == "equal":
+        tensors["lm_head.weight"] = embed.clone()
+        save_file(tensors, path, metadata={"format": "pt"})
+    edit_config(folder, tie_word_embeddings=True)
+    family, c = read_model_config(folder)
+    assert c.tie_word_embeddings
+    for rank, tp in ((0, 1), (0, 2), (1, 2)):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="lightllm.models.qwen3_5.weights"):
+            w = family.build(folder, c, torch.float32, torch.device("cpu"), rank, tp).w
+        assert torch.equal(w.lm_head, tensors["lm_head.weight"])
+        if stored == "equal":
+            assert w.lm_head is w.embed and not caplog.records
+        else:
+            assert not torch.equal(w.lm_head, embed)
+            [record] = caplog.records
+            assert "tie_word_embeddings" in record.getMessage() and "lm_head.weight" in record.getMessage()
+
+
 def logits(model, ids):
     """One prefill of ``ids`` through a fresh fp32 KV pool and one state slot."""
     c = model.config

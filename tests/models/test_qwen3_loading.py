@@ -179,6 +179,37 @@ def test_tied_embeddings(tmp_path):
     assert torch.equal(weights.lm_head, hf.lm_head.weight)
 
 
+@pytest.mark.parametrize("stored", ["equal", "different"])
+def test_tied_config_with_a_stored_lm_head(model_copy, caplog, stored):
+    """tie_word_embeddings with an lm_head.weight in the files: one shared tensor when it equals the embedding;
+    else the stored head, as transformers loads it, with one warning (every tensor-parallel rank alike)."""
+    from lightllm.models.qwen3.tensor_parallel import shard_spec
+
+    if stored == "equal":
+        edit_tensors(model_copy, lambda t: t.update({"lm_head.weight": t["model.embed_tokens.weight"].clone()}))
+    edit_config(model_copy, tie_word_embeddings=True)
+    cfg = Qwen3ModelConfig.from_model_dir(model_copy)
+    hf = Qwen3ForCausalLM.from_pretrained(model_copy, dtype=torch.float32).lm_head.weight
+    for shard in (None, shard_spec(cfg, 0, 2), shard_spec(cfg, 1, 2)):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="lightllm.models.qwen3.weights"):
+            weights = load_qwen3_weights(model_copy, cfg, dtype=torch.float32, shard=shard)
+        assert torch.equal(weights.lm_head, hf)
+        if stored == "equal":
+            assert weights.lm_head is weights.embed and not caplog.records
+        else:
+            assert not torch.equal(weights.lm_head, weights.embed)
+            [record] = caplog.records
+            assert "tie_word_embeddings" in record.getMessage() and "lm_head.weight" in record.getMessage()
+
+
+def test_tied_config_checks_a_stored_lm_head_shape(model_copy):
+    edit_tensors(model_copy, lambda t: t.update({"lm_head.weight": t["lm_head.weight"][:, :8].contiguous()}))
+    edit_config(model_copy, tie_word_embeddings=True)
+    with pytest.raises(ModelLoadError, match=r"lm_head\.weight has shape \[512, 8\], expected \[512, 48\]"):
+        load_qwen3_weights(model_copy, Qwen3ModelConfig.from_model_dir(model_copy))
+
+
 def test_sharded_checkpoint(model_copy, tiny_dir):
     tensors = load_file(model_copy / "model.safetensors")
     (model_copy / "model.safetensors").unlink()

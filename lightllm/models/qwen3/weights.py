@@ -11,7 +11,7 @@ so at most one extra tensor is alive beside the result.
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, Iterator, List, Optional, Tuple, Union
+from typing import Callable, Collection, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 from safetensors import safe_open
@@ -25,6 +25,7 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Checkpoint dtypes we can cast from; anything else (fp8, int8, packed int4) needs scales we don't read.
 _SOURCE_DTYPES = ("F16", "BF16", "F32")
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+LM_HEAD = "lm_head.weight"
 
 
 # Checkpoint fields read into rows of one fused weight: field -> (fused weight, its place among the parts).
@@ -89,7 +90,7 @@ class Qwen3Weights:
     embed: torch.Tensor  # [vocab, hidden]
     layers: List[LayerWeights]
     final_norm: torch.Tensor  # [hidden]
-    lm_head: torch.Tensor  # [vocab, hidden]; the same object as ``embed`` when embeddings are tied
+    lm_head: torch.Tensor  # [vocab, hidden]; the same object as ``embed`` when tied (see ``tied_lm_head``)
 
 
 def _layer_names(i: int) -> Dict[str, str]:
@@ -110,12 +111,10 @@ def _layer_names(i: int) -> Dict[str, str]:
 
 
 def expected_shapes(config: Qwen3ModelConfig) -> Dict[str, Tuple[int, ...]]:
-    """Every HF tensor name a Qwen3 checkpoint must hold, with its shape (``lm_head`` only when untied)."""
+    """Every HF tensor name a Qwen3 checkpoint holds, with its shape (``lm_head`` may be absent when tied)."""
     c = config
     h, q_out, kv_out = c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-    shapes = {"model.embed_tokens.weight": (c.vocab_size, h), "model.norm.weight": (h,)}
-    if not c.tie_word_embeddings:
-        shapes["lm_head.weight"] = (c.vocab_size, h)
+    shapes = {"model.embed_tokens.weight": (c.vocab_size, h), "model.norm.weight": (h,), LM_HEAD: (c.vocab_size, h)}
     layer_shapes = {
         "input_norm": (h,),
         "q_proj": (q_out, h),
@@ -135,18 +134,26 @@ def expected_shapes(config: Qwen3ModelConfig) -> Dict[str, Tuple[int, ...]]:
     return shapes
 
 
-def _is_ignored(name: str, config: Qwen3ModelConfig) -> bool:
-    """Tensors skipped without a warning: a duplicate lm_head of tied embeddings, old rotary buffers."""
-    return (config.tie_word_embeddings and name == "lm_head.weight") or name.endswith(_IGNORED_SUFFIXES)
+def tied_lm_head(embed: torch.Tensor, stored: Optional[torch.Tensor], where: Path, log: logging.Logger) -> torch.Tensor:
+    """The output projection of a model with ``tie_word_embeddings``: ``embed`` itself (one tensor, no copy),
+    unless the checkpoint's own ``lm_head.weight`` (``stored``) differs from it. Then the config is wrong about the
+    checkpoint and, as transformers does, the stored head is used, with one warning."""
+    if stored is None or torch.equal(stored, embed):
+        return embed
+    log.warning("%s: config.json says tie_word_embeddings but the checkpoint's %s differs from the embedding; using "
+                "%s, as transformers does (set tie_word_embeddings to false to silence this)", where, LM_HEAD,
+                LM_HEAD)  # fmt: skip
+    return stored
 
 
 def checked_tensors(
     model_dir: Path, shapes: Dict[str, Tuple[int, ...]], unknown: Callable[[str], None],
-    missing_hint: Callable[[str], str] = lambda name: "",
+    missing_hint: Callable[[str], str] = lambda name: "", optional: Collection[str] = (),
 ) -> Iterator[tuple]:  # fmt: skip
     """``(handle, name, slice view)`` of each tensor named in ``shapes`` across the checkpoint's files, checked
     first: in one file only, of its expected shape and a supported source dtype. Names not in ``shapes`` go to
-    ``unknown``. At the end, ModelLoadError for the first missing name, ``missing_hint(name)`` appended."""
+    ``unknown``. At the end, ModelLoadError for the first missing name not in ``optional``, ``missing_hint(name)``
+    appended."""
     seen = set()
     for file in safetensors_files(model_dir):
         with open_safetensors(file) as f:
@@ -168,7 +175,7 @@ def checked_tensors(
                         f"{file}: tensor {name} has dtype {source_dtype}; only F16, BF16 and F32 are supported"
                     )
                 yield f, name, view
-    missing = [name for name in shapes if name not in seen]
+    missing = [name for name in shapes if name not in seen and name not in optional]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise ModelLoadError(f"{model_dir}: tensor {missing[0]} is missing from the safetensors files{more}"
@@ -277,10 +284,15 @@ def load_qwen3_weights(
     unexpected: List[str] = []
 
     def unknown(name: str) -> None:
-        if not _is_ignored(name, config):
+        if not name.endswith(_IGNORED_SUFFIXES):  # old rotary buffers: skipped without a warning
             unexpected.append(name)
 
-    for f, name, view in checked_tensors(model_dir, shapes, unknown, lambda name: unknown_tensors_note(unexpected)):
+    def hint(name: str) -> str:
+        return unknown_tensors_note(unexpected)
+
+    # A tied checkpoint may still hold lm_head.weight (``tied_lm_head`` decides which tensor projects).
+    optional = (LM_HEAD,) if config.tie_word_embeddings else ()
+    for f, name, view in checked_tensors(model_dir, shapes, unknown, hint, optional):
         layer, field = where.get(name, (None, None))
         part = shard(field) if shard is not None and field is not None else None
         if part is None:
@@ -315,5 +327,7 @@ def load_qwen3_weights(
         layers.append(
             LayerWeights(**own, qkv_proj=fused_weights[i, "qkv_proj"], gate_up_proj=fused_weights[i, "gate_up_proj"])
         )
-    lm_head = embed if config.tie_word_embeddings else tensors["lm_head.weight"]
+    lm_head = tensors.pop(LM_HEAD, None)
+    if config.tie_word_embeddings:
+        lm_head = tied_lm_head(embed, lm_head, model_dir, logger)
     return Qwen3Weights(embed=embed, layers=layers, final_norm=tensors["model.norm.weight"], lm_head=lm_head)

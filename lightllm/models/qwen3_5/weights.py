@@ -26,7 +26,7 @@ from typing import Dict, List, Optional, Tuple, Union
 import torch
 
 from lightllm.models.hf_config import ModelLoadError
-from lightllm.models.qwen3.weights import GateUpViews, checked_tensors, unknown_tensors_note
+from lightllm.models.qwen3.weights import LM_HEAD, GateUpViews, checked_tensors, tied_lm_head, unknown_tensors_note
 from lightllm.models.qwen3_5.config import Qwen3_5ModelConfig
 from lightllm.models.qwen3_5.tensor_parallel import ShardSpec
 
@@ -144,7 +144,7 @@ class Qwen3_5Weights:
     embed: torch.Tensor  # [vocab, hidden]
     layers: List[LayerWeights]
     final_norm: torch.Tensor  # [hidden], 1 + weight, float32
-    lm_head: torch.Tensor  # the same object as ``embed`` when embeddings are tied
+    lm_head: torch.Tensor  # the same object as ``embed`` when tied (see ``tied_lm_head``)
     mtp: Optional[MTPWeights] = None  # loaded only when asked for
 
 
@@ -198,12 +198,10 @@ def _layers(c: Qwen3_5ModelConfig, mtp: bool) -> list:
 
 
 def expected_shapes(c: Qwen3_5ModelConfig, mtp: bool = False) -> Dict[str, Tuple[int, ...]]:
-    """Every HF tensor name the checkpoint must hold, with its shape (``lm_head`` only when untied; ``mtp.*``
+    """Every HF tensor name the checkpoint holds, with its shape (``lm_head`` may be absent when tied; ``mtp.*``
     only with ``mtp``)."""
     shapes = {f"{c.weight_prefix}embed_tokens.weight": (c.vocab_size, c.hidden_size),
-              f"{c.weight_prefix}norm.weight": (c.hidden_size,)}  # fmt: skip
-    if not c.tie_word_embeddings:
-        shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
+              f"{c.weight_prefix}norm.weight": (c.hidden_size,), LM_HEAD: (c.vocab_size, c.hidden_size)}  # fmt: skip
     for i in _layers(c, mtp):
         shapes.update(dict(_layer_names(c, i).values()))
     if mtp:
@@ -259,7 +257,7 @@ def load_qwen3_5_weights(
     if apart:
         head = {name: shape for name, shape in expected_shapes(config, True).items() if name not in main}
         read.folder(head_dir, head, {"": "not mtp.*: only the MTP head is read from here"}, warn_unexpected=False)
-    return _assemble(config, read.tensors, read.fused, mtp)
+    return _assemble(config, read.tensors, read.fused, mtp, model_dir)
 
 
 class _Reader:
@@ -287,7 +285,7 @@ class _Reader:
             prefix = next((p for p in skipped_reasons if name.startswith(p)), None)
             if prefix is not None:
                 skipped[prefix] += 1
-            elif not (c.tie_word_embeddings and name == "lm_head.weight"):
+            else:
                 unexpected.append(name)
 
         def missing_hint(name: str) -> str:
@@ -295,7 +293,9 @@ class _Reader:
                 return "; --mtp_mode needs the checkpoint's MTP head (mtp.* weights)"
             return unknown_tensors_note(unexpected)
 
-        for f, name, view in checked_tensors(folder, shapes, unknown, missing_hint):
+        # A tied checkpoint may still hold lm_head.weight (``tied_lm_head`` decides which tensor projects).
+        optional = (LM_HEAD,) if c.tie_word_embeddings else ()
+        for f, name, view in checked_tensors(folder, shapes, unknown, missing_hint, optional):
             layer, field = self.where.get(name, (None, None))
             part = shard(field) if shard is not None and field is not None else None
             if field in FUSED_PARTS:
@@ -337,10 +337,12 @@ def _one_plus(w: torch.Tensor) -> torch.Tensor:
 
 
 def _assemble(c: Qwen3_5ModelConfig, tensors: Dict[str, torch.Tensor], fused: Dict[Tuple[int, str], torch.Tensor],
-              mtp: bool) -> Qwen3_5Weights:  # fmt: skip
+              mtp: bool, model_dir: Path) -> Qwen3_5Weights:  # fmt: skip
     layers = [_assemble_layer(c, i, tensors, fused) for i in range(c.num_hidden_layers)]
     embed = tensors[f"{c.weight_prefix}embed_tokens.weight"]
-    lm_head = embed if c.tie_word_embeddings else tensors["lm_head.weight"]
+    lm_head = tensors.pop(LM_HEAD, None)
+    if c.tie_word_embeddings:
+        lm_head = tied_lm_head(embed, lm_head, model_dir, logger)
     head = None
     if mtp:
         own = {field: tensors[name] for field, (name, _) in _mtp_names(c).items()}
