@@ -122,6 +122,25 @@ def test_tied_config_with_a_different_stored_lm_head_gives_transformers_tokens(t
     assert out.token_ids == hf_generate(model_dir, PROMPTS[1], 6, cg, min_new_tokens=6)
 
 
+def test_conditional_generation_stops_on_a_top_level_eos_id(tiny_dir, hf_model, tmp_path):
+    """A ConditionalGeneration folder with eos_token_id only at config.json's top level and no
+    generation_config.json: transformers' generate stops on that id, and so must the engine."""
+    prompt = PROMPTS[1]
+    with torch.no_grad():
+        greedy = hf_model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, min_new_tokens=8)
+    greedy = greedy[0, len(prompt) :].tolist()
+    stop = next(i for i in range(2, 8) if greedy[i] not in greedy[:i])  # an id first met after two tokens
+    model_dir = conditional_generation_folder(tiny_dir, tmp_path / "model", eos_token_id=greedy[stop])
+    (model_dir / "generation_config.json").unlink()
+    config = json.loads((model_dir / "config.json").read_text())
+    config["text_config"].pop("eos_token_id")
+    (model_dir / "config.json").write_text(json.dumps(config))
+    llm = LLM(str(model_dir), data_type="fp32", device="cpu", batch_max_tokens=64, max_req_total_len=128)
+    (out,) = llm.generate([prompt], SamplingParams(max_new_tokens=8))
+    assert out.token_ids == hf_generate(model_dir, prompt, 8, True) == greedy[: stop + 1]
+    assert out.finish_reason == "stop"
+
+
 def test_state_after_prefill_equals_state_after_one_token_decodes(tiny_dir):
     runner = cpu_runner(tiny_dir)
     prompt = PROMPTS[3]

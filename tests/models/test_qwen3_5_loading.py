@@ -182,6 +182,28 @@ def test_tied_config_with_a_stored_lm_head(tiny_dir, tmp_path, caplog, kind, sto
             assert "tie_word_embeddings" in record.getMessage() and "lm_head.weight" in record.getMessage()
 
 
+def test_conditional_generation_reads_special_ids_at_the_top_when_text_config_has_none(tiny_dir, tmp_path):
+    """eos/bos only at config.json's top level (no generation_config.json): transformers' generate reads them there."""
+    from transformers import AutoConfig, GenerationConfig
+
+    cg = conditional_generation_folder(tiny_dir, tmp_path / "cg")
+    (cg / "generation_config.json").unlink()
+    data = json.loads((cg / "config.json").read_text())
+    for field in ("eos_token_id", "bos_token_id"):
+        data["text_config"].pop(field)
+    (cg / "config.json").write_text(json.dumps({**data, "eos_token_id": [7, 9], "bos_token_id": 5}))
+    c = Qwen3_5ModelConfig.from_model_dir(cg)
+    want = GenerationConfig.from_model_config(AutoConfig.from_pretrained(cg))
+    assert (list(c.eos_token_ids), c.bos_token_id) == (want.eos_token_id, want.bos_token_id) == ([7, 9], 5)
+    (cg / "config.json").write_text(json.dumps({**data, "eos_token_id": 512}))
+    with pytest.raises(ModelLoadError, match=r"config.json: field 'eos_token_id' \[512\] out of range for vocab_size "
+                                             r"512$"):  # fmt: skip
+        Qwen3_5ModelConfig.from_model_dir(cg)
+    (cg / "config.json").write_text(json.dumps({**data, "bos_token_id": [1, 2]}))  # transformers takes it up there
+    with pytest.raises(ModelLoadError, match=r"config.json: field 'bos_token_id' must be one token id, got \[1, 2\]$"):
+        Qwen3_5ModelConfig.from_model_dir(cg)
+
+
 def logits(model, ids):
     """One prefill of ``ids`` through a fresh fp32 KV pool and one state slot."""
     c = model.config

@@ -94,7 +94,7 @@ class Qwen3ModelConfig:
         if not isinstance(tie, bool):
             raise f.error("tie_word_embeddings", f"must be true or false, got {tie!r}")
 
-        eos, bos = special_token_ids(f, hf, model_dir, vocab_size)
+        eos, bos = special_token_ids(f, model_dir, vocab_size)
 
         dtype = raw.get("torch_dtype", raw.get("dtype"))  # the file's name for it; transformers makes a torch.dtype
         if dtype is not None and not isinstance(dtype, str):
@@ -136,17 +136,27 @@ def _rope_theta(f: ConfigFields) -> float:
     return f.positive_float("rope_parameters.rope_theta", value=params.get("rope_theta", 10000.0))
 
 
-def special_token_ids(f: ConfigFields, hf, model_dir: Path, vocab: int) -> Tuple[Tuple[int, ...], Optional[int]]:
+def special_token_ids(
+    f: ConfigFields, model_dir: Path, vocab: int, outer: Optional[ConfigFields] = None
+) -> Tuple[Tuple[int, ...], Optional[int]]:
     """The end-of-sequence ids (the config's, then :func:`generation_eos`'s) and the begin id (or None), checked
-    against ``vocab``."""
-    eos = f.token_ids("eos_token_id", hf.eos_token_id) if hf.eos_token_id is not None else ()
-    bos = hf.bos_token_id
-    if bos is not None:
-        (bos,) = f.token_ids("bos_token_id", bos)
-    for field, ids in (("eos_token_id", eos), ("bos_token_id", () if bos is None else (bos,))):
-        if any(i >= vocab for i in ids):
-            raise f.error(field, f"{list(ids)} out of range for vocab_size {vocab}")
-    return eos + generation_eos(model_dir, exclude=eos, vocab=vocab), bos
+    against ``vocab``. ``outer``: the top level of a config whose text model ``f`` is (a multimodal ``text_config``);
+    an id ``f`` lacks is read there, as transformers' ``generate`` reads it."""
+    eos = _token_ids(f, outer, "eos_token_id", vocab)
+    bos = _token_ids(f, outer, "bos_token_id", vocab, one=True)
+    return eos + generation_eos(model_dir, exclude=eos, vocab=vocab), bos[0] if bos else None
+
+
+def _token_ids(f: ConfigFields, outer: Optional[ConfigFields], field: str, vocab: int, one=False) -> Tuple[int, ...]:
+    """``field``'s ids (at most one with ``one``) in ``f``, else in ``outer`` (when given); () when neither has it."""
+    src = outer if getattr(f.hf, field, None) is None and outer is not None else f
+    value = getattr(src.hf, field, None)
+    ids = () if value is None else src.token_ids(field, value)
+    if one and len(ids) > 1:  # transformers checks this in a text config, not at a multimodal config's top level
+        raise src.error(field, f"must be one token id, got {value!r}")
+    if any(i >= vocab for i in ids):
+        raise src.error(field, f"{list(ids)} out of range for vocab_size {vocab}")
+    return ids
 
 
 def generation_eos(model_dir: Path, exclude: Tuple[int, ...], vocab: int) -> Tuple[int, ...]:

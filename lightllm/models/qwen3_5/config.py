@@ -135,7 +135,7 @@ def _read(f: _TextFields, model_dir: Path, multimodal: bool, top: ConfigFields) 
     if not isinstance(tie, bool):
         raise (top if multimodal else f).error("tie_word_embeddings", f"must be true or false, got {tie!r}")
     vocab = f.positive_int("vocab_size")
-    eos, bos = special_token_ids(f, hf, model_dir, vocab)
+    eos, bos = special_token_ids(f, model_dir, vocab, outer=top if multimodal else None)
     return Qwen3_5ModelConfig(
         vocab_size=vocab,
         hidden_size=hidden,
