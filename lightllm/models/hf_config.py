@@ -3,7 +3,7 @@ turned into one ``ModelLoadError`` line that names the file and the field."""
 
 import json
 from pathlib import Path
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Collection, Dict, Optional, Tuple
 
 _FROM_CONFIG = object()
 
@@ -102,6 +102,44 @@ class ConfigFields:
             if isinstance(i, bool) or not isinstance(i, int) or i < 0:
                 raise self.error(field, f"must be a token id or a list of token ids, got {value!r}")
         return tuple(ids)
+
+
+def unsupported_rope(f: ConfigFields, params: Dict[str, Any], allowed: Collection[str]) -> Optional[ModelLoadError]:
+    """The error for rope parameters (transformers' ``rope_parameters``) other than plain rope, ``rope_type``
+    'default' with only the ``allowed`` keys; None when they are plain. It names the offending keys as the file
+    spells them (:func:`rope_field`), so that the user sees what to change."""
+    bad = ["rope_type"] if params.get("rope_type", "default") != "default" else []
+    bad += [key for key in params if key not in allowed and key != "rope_type"]
+    if not bad:
+        return None
+    plain = f"only plain rope is supported: rope_type 'default' with {', '.join(sorted(set(allowed) - {'rope_type'}))}"
+    # Keys transformers adds itself (original_max_position_embeddings for yarn) are named only if nothing else is.
+    names = list(dict.fromkeys(name for name in (rope_field(f.raw, key) for key in bad) if name))
+    if not names:
+        return f.error(f"rope_parameters.{bad[0]}", f"is {json.dumps(params[bad[0]])}; {plain}")
+    also = f" (and {', '.join(repr(getattr(f, 'prefix', '') + n) for n in names[1:])})" if len(names) > 1 else ""
+    return f.error(names[0], f"is {json.dumps(_raw_value(f.raw, names[0]))}{also}; {plain}")
+
+
+def rope_field(raw: Dict[str, Any], key: str) -> Optional[str]:
+    """Where the file sets transformers' ``rope_parameters[key]``, which folds top-level fields (``rope_theta``,
+    ``partial_rotary_factor``) and ``rope_scaling`` (taken over ``rope_parameters``; ``type`` for ``rope_type``)
+    into it: ``rope_scaling.<key>``, ``rope_parameters.<key>`` or the top-level ``key``; None if the file does not
+    set it."""
+    outer = "rope_scaling" if raw.get("rope_scaling") else "rope_parameters"
+    given = raw.get(outer) if isinstance(raw.get(outer), dict) else {}
+    if key in given:
+        return f"{outer}.{key}"
+    if key == "rope_type" and "type" in given:
+        return f"{outer}.type"  # the old spelling
+    return key if key in raw else None
+
+
+def _raw_value(raw: Dict[str, Any], name: str) -> Any:
+    """The file's value of ``name`` (``a.b`` is ``raw[a][b]``)."""
+    for part in name.split("."):
+        raw = raw[part]
+    return raw
 
 
 def checkpoint_dtype(model_dir: Path) -> Optional[str]:

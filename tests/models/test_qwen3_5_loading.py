@@ -225,14 +225,17 @@ def logits(model, ids):
         ({"layer_types": ["linear_attention", "sliding_attention", "linear_attention", "full_attention"]},
          "layer_types"),
         ({"layer_types": ["linear_attention"] * 4}, "layer_types"),
-        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}}, "rope_parameters"),
+        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}}, "rope_parameters.rope_type"),
+        ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4}, "partial_rotary_factor": 0.01},
+         "partial_rotary_factor"),
         ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.1}},
          "rope_parameters.partial_rotary_factor"),
         ({"linear_num_value_heads": 3}, "linear_num_value_heads"),
         ({"attention_bias": True}, "attention_bias"),
         ({"hidden_act": "gelu"}, "hidden_act"),
     ],
-    ids=["layer type", "no full attention", "rope type", "rotary dims", "value heads", "bias", "act"],
+    ids=["layer type", "no full attention", "rope type", "top-level rotary dims", "rotary dims", "value heads", "bias",
+         "act"],
 )  # fmt: skip
 def test_config_errors_are_one_line_naming_the_field(model_copy, changes, field):
     edit_config(model_copy, **changes)
@@ -250,6 +253,19 @@ def test_nested_config_errors_name_the_text_config_field(tiny_dir, tmp_path):
     with pytest.raises(ModelLoadError, match=r"field 'text_config.layer_types' has 'sliding_attention'; supported: "
                                              r"linear_attention, full_attention$"):  # fmt: skip
         read_model_config(cg)
+
+
+def test_nested_rope_errors_name_the_keys_the_file_sets(tiny_dir, tmp_path):
+    cg = conditional_generation_folder(tiny_dir, tmp_path / "cg")
+    data = json.loads((cg / "config.json").read_text())
+    data["text_config"]["rope_parameters"].update(rope_type="linear", factor=2.0)
+    (cg / "config.json").write_text(json.dumps(data))
+    with pytest.raises(ModelLoadError) as err:
+        read_model_config(cg)
+    assert str(err.value) == (f"{cg / 'config.json'}: field 'text_config.rope_parameters.rope_type' is \"linear\" "
+                              "(and 'text_config.rope_parameters.factor'); only plain rope is supported: rope_type "
+                              "'default' with mrope_interleaved, mrope_section, partial_rotary_factor, "
+                              "rope_theta")  # fmt: skip
 
 
 @pytest.mark.parametrize("archs, model_type, expected", [

@@ -279,7 +279,7 @@ def test_extra_tensors_warn(model_copy, caplog):
         ({"num_hidden_layers": "two"}, "num_hidden_layers"),
         ({"num_key_value_heads": 3}, "num_key_value_heads"),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling"),
-        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}}, "rope_parameters"),
+        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}}, "rope_parameters.rope_type"),
         ({"eos_token_id": 100000}, "eos_token_id"),
         ({"use_sliding_window": True}, "use_sliding_window"),
         ({"attention_bias": True}, "attention_bias"),
@@ -294,6 +294,22 @@ def test_config_errors(model_copy, changes, field):
     msg = str(err.value)
     assert "\n" not in msg
     assert str(model_copy / "config.json") in msg and f"'{field}'" in msg
+
+
+@pytest.mark.parametrize("changes, expected", [
+    ({"partial_rotary_factor": 0.5}, "field 'partial_rotary_factor' is 0.5;"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "factor": 4.0}},
+     "field 'rope_parameters.factor' is 4.0;"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}},
+     "field 'rope_parameters.rope_type' is \"yarn\" (and 'rope_parameters.factor');"),
+], ids=["top-level partial_rotary_factor", "extra key", "rope type"])  # fmt: skip
+def test_rope_errors_name_the_keys_the_file_sets(model_copy, changes, expected):
+    """transformers folds top-level rope fields into rope_parameters; the error names the one the file sets."""
+    edit_config(model_copy, **changes)
+    with pytest.raises(ModelLoadError) as err:
+        Qwen3ModelConfig.from_model_dir(model_copy)
+    assert str(err.value) == (f"{model_copy / 'config.json'}: {expected} only plain rope is supported: rope_type "
+                              "'default' with rope_theta")  # fmt: skip
 
 
 @pytest.mark.parametrize("changes, expected", [

@@ -17,6 +17,8 @@ from lightllm.models.hf_config import (
     check_model_type,
     read_config_file,
     read_json,
+    rope_field,
+    unsupported_rope,
 )
 
 ARCHITECTURES = ("Qwen3ForCausalLM",)
@@ -120,20 +122,19 @@ class Qwen3ModelConfig:
 
 def _rope_theta(f: ConfigFields) -> float:
     """The plain rope's theta. transformers folds the older top-level ``rope_theta`` / ``rope_scaling`` into
-    ``rope_parameters``; anything but ``rope_type`` 'default' is refused, naming the field the file used."""
+    ``rope_parameters``; anything but ``rope_type`` 'default' with ``rope_theta`` is refused, naming the field the
+    file used."""
     scaling = f.raw.get("rope_scaling")
     if scaling is not None and scaling != {"rope_type": "default"}:
         raise f.error("rope_scaling", f"is not supported (must be null), found {json.dumps(scaling)}")
     params = f.hf.rope_parameters or {}
     if not isinstance(params, dict):
         raise f.error("rope_parameters", f"must be an object, got {params!r}")
-    extra = sorted(set(params) - {"rope_type", "rope_theta"})
-    if params.get("rope_type", "default") != "default" or extra:
-        found = f.raw.get("rope_parameters", params)
-        raise f.error(
-            "rope_parameters", f"only plain rope (rope_type 'default') is supported, found {json.dumps(found)}"
-        )
-    return f.positive_float("rope_parameters.rope_theta", value=params.get("rope_theta", 10000.0))
+    error = unsupported_rope(f, params, ("rope_type", "rope_theta"))
+    if error is not None:
+        raise error
+    theta_field = rope_field(f.raw, "rope_theta") or "rope_parameters.rope_theta"
+    return f.positive_float(theta_field, value=params.get("rope_theta", 10000.0))
 
 
 def special_token_ids(

@@ -8,12 +8,19 @@ of the text positions, so for text-only prompts every section rotates by the sam
 plain 1-D one over the first ``rotary_dim`` dims; ``mrope_section`` / ``mrope_interleaved`` are accepted.
 """
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple, Union
 
-from lightllm.models.hf_config import ConfigFields, ModelLoadError, auto_config, check_model_type, read_config_file
+from lightllm.models.hf_config import (
+    ConfigFields,
+    ModelLoadError,
+    auto_config,
+    check_model_type,
+    read_config_file,
+    rope_field,
+    unsupported_rope,
+)
 from lightllm.models.qwen3.config import special_token_ids
 
 TEXT_ARCHITECTURE = "Qwen3_5ForCausalLM"
@@ -177,15 +184,15 @@ def _rope(f: _TextFields, head_dim: int) -> Tuple[float, int]:
     params = f.hf.rope_parameters or {}
     if not isinstance(params, dict):
         raise f.error("rope_parameters", f"must be an object, got {params!r}")
-    if params.get("rope_type", "default") != "default" or set(params) - _ROPE_KEYS:
-        found = f.raw.get("rope_parameters", f.raw.get("rope_scaling", params))
-        raise f.error(
-            "rope_parameters", f"only plain rope (rope_type 'default') is supported, found {json.dumps(found)}"
-        )
-    theta = f.positive_float("rope_parameters.rope_theta", value=params.get("rope_theta", 10000.0))
-    factor = f.positive_float("rope_parameters.partial_rotary_factor", value=params.get("partial_rotary_factor", 1.0))
+    error = unsupported_rope(f, params, _ROPE_KEYS)
+    if error is not None:
+        raise error
+    theta_field = rope_field(f.raw, "rope_theta") or "rope_parameters.rope_theta"
+    theta = f.positive_float(theta_field, value=params.get("rope_theta", 10000.0))
+    factor_field = rope_field(f.raw, "partial_rotary_factor") or "rope_parameters.partial_rotary_factor"
+    factor = f.positive_float(factor_field, value=params.get("partial_rotary_factor", 1.0))
     rotary_dim = int(head_dim * factor)  # transformers' rounding
     if factor > 1 or rotary_dim < 2 or rotary_dim % 2:
-        raise f.error("rope_parameters.partial_rotary_factor", f"{factor} x head_dim {head_dim} must give an even "
-                      f"number of rotary dims in [2, head_dim], got {rotary_dim}")  # fmt: skip
+        raise f.error(factor_field, f"{factor} x head_dim {head_dim} must give an even number of rotary dims in "
+                      f"[2, head_dim], got {rotary_dim}")  # fmt: skip
     return theta, rotary_dim
