@@ -141,6 +141,20 @@ def test_conditional_generation_stops_on_a_top_level_eos_id(tiny_dir, hf_model, 
     assert out.finish_reason == "stop"
 
 
+def test_text_folder_with_conditional_generation_weight_names_gives_transformers_tokens(tiny_dir, tmp_path):
+    """A Qwen3_5ForCausalLM folder whose weights are named ``model.language_model.*`` (a text model cut out of a
+    ConditionalGeneration checkpoint): transformers strips ``language_model.``, and so must the engine."""
+    model_dir = shutil.copytree(tiny_dir, tmp_path / "model")
+    tensors = load_file(model_dir / "model.safetensors")
+    renamed = {"model.language_model." + k[len("model.") :] if k.startswith("model.") else k: v
+               for k, v in tensors.items()}  # fmt: skip
+    save_file(renamed, model_dir / "model.safetensors", metadata={"format": "pt"})
+    llm = LLM(str(model_dir), data_type="fp32", device="cpu", batch_max_tokens=64, max_req_total_len=128)
+    (out,) = llm.generate([PROMPTS[1]], SamplingParams(max_new_tokens=6, ignore_eos=True))
+    want = hf_generate(model_dir, PROMPTS[1], 6, False, min_new_tokens=6)
+    assert out.token_ids == want == hf_generate(tiny_dir, PROMPTS[1], 6, False, min_new_tokens=6)
+
+
 def test_state_after_prefill_equals_state_after_one_token_decodes(tiny_dir):
     runner = cpu_runner(tiny_dir)
     prompt = PROMPTS[3]

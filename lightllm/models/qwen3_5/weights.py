@@ -18,6 +18,7 @@ over ``[pre_fc_norm_embedding(embed(token)); pre_fc_norm_hidden(hidden)]``, one 
 Its norms are zero-centred like the main ones.
 """
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +27,15 @@ from typing import Dict, List, Optional, Tuple, Union
 import torch
 
 from lightllm.models.hf_config import ModelLoadError
-from lightllm.models.qwen3.weights import LM_HEAD, GateUpViews, checked_tensors, tied_lm_head, unknown_tensors_note
+from lightllm.models.qwen3.weights import (
+    LM_HEAD,
+    GateUpViews,
+    checked_tensors,
+    open_safetensors,
+    safetensors_files,
+    tied_lm_head,
+    unknown_tensors_note,
+)
 from lightllm.models.qwen3_5.config import Qwen3_5ModelConfig
 from lightllm.models.qwen3_5.tensor_parallel import ShardSpec
 
@@ -250,6 +259,7 @@ def load_qwen3_5_weights(
         if not folder.is_dir():
             raise ModelLoadError(f"{folder}: model folder not found")
     apart = head_dir.resolve() != model_dir.resolve()
+    config = _with_files_prefix(model_dir, config)
     read = _Reader(config, dtype, device, shard, mtp)
     main = expected_shapes(config, mtp and not apart)
     skipped = {**_SKIPPED, MTP_PREFIX: f"MTP head: read from {head_dir}"} if apart else _SKIPPED
@@ -258,6 +268,21 @@ def load_qwen3_5_weights(
         head = {name: shape for name, shape in expected_shapes(config, True).items() if name not in main}
         read.folder(head_dir, head, {"": "not mtp.*: only the MTP head is read from here"}, warn_unexpected=False)
     return _assemble(config, read.tensors, read.fused, mtp, model_dir)
+
+
+def _with_files_prefix(model_dir: Path, c: Qwen3_5ModelConfig) -> Qwen3_5ModelConfig:
+    """``c``, reading the weights under ``model.language_model.`` where a text folder's files have them there (a
+    text model cut out of a ConditionalGeneration checkpoint): transformers strips ``language_model.`` from them."""
+    multimodal_prefix = "model.language_model."
+    if c.weight_prefix == multimodal_prefix:
+        return c
+    names = set()
+    for file in safetensors_files(model_dir):
+        with open_safetensors(file) as f:
+            names.update(f.keys())
+    if f"{c.weight_prefix}embed_tokens.weight" in names or f"{multimodal_prefix}embed_tokens.weight" not in names:
+        return c
+    return dataclasses.replace(c, weight_prefix=multimodal_prefix)
 
 
 class _Reader:
