@@ -41,6 +41,63 @@ CHAT_TEMPLATE = (
 )
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# make_tiny_qwen3's arguments the CLI sets, by flag: its errors name the flag
+_FLAGS = {"vocab_size": "--vocab-size", "hidden_size": "--hidden", "intermediate_size": "--intermediate",
+          "num_hidden_layers": "--layers", "num_attention_heads": "--heads", "num_key_value_heads": "--kv-heads",
+          "head_dim": "--head-dim", "max_position_embeddings": "--max-position-embeddings"}  # fmt: skip
+
+
+def _check_qwen3_shape(sizes: dict, names: Optional[dict] = None) -> None:
+    """ValueError for sizes (``make_tiny_qwen3``'s arguments) that lightllm's Qwen3 config reader refuses, so that
+    every folder written here loads: positive sizes, heads a multiple of KV heads, a context of at least 2 tokens,
+    an even head_dim (rotary).
+    ``names``: what to call an argument in the message (the CLI's flags); default its own name."""
+    names = names or {}
+    _check_positive(sizes, names)
+    _check_multiple(sizes, "num_attention_heads", "num_key_value_heads", names)
+    _check_context(sizes, names)
+    if sizes["head_dim"] % 2:
+        raise ValueError(f"{names.get('head_dim', 'head_dim')} expected an even number (rotary embeddings), "
+                         f"got {sizes['head_dim']}")  # fmt: skip
+
+
+def _check_qwen3_5_shape(sizes: dict, layer_types, partial_rotary_factor: float) -> None:
+    """ValueError for ``make_tiny_qwen3_5`` arguments that lightllm's Qwen3.5 config reader refuses, so that every
+    folder written here loads: positive sizes, heads multiples of KV heads (attention and linear attention), known
+    layer types with a full-attention one, an even rotary width in [2, head_dim]."""
+    from lightllm.models.qwen3_5.config import LAYER_TYPES  # lazy: the built-in model (Qwen3) needs none of it
+
+    _check_positive(sizes, {})
+    _check_multiple(sizes, "num_attention_heads", "num_key_value_heads", {})
+    _check_multiple(sizes, "linear_num_value_heads", "linear_num_key_heads", {})
+    _check_context(sizes, {})
+    if not layer_types or any(t not in LAYER_TYPES for t in layer_types) or "full_attention" not in layer_types:
+        raise ValueError(f"layer_types expected a sequence of {LAYER_TYPES} with at least one 'full_attention' "
+                         f"(the KV cache needs one), got {layer_types!r}")  # fmt: skip
+    rotary_dim = int(sizes["head_dim"] * partial_rotary_factor)  # transformers' rounding, as the reader's
+    if not 0 < partial_rotary_factor <= 1 or rotary_dim < 2 or rotary_dim % 2:
+        raise ValueError(f"partial_rotary_factor {partial_rotary_factor} x head_dim {sizes['head_dim']} expected an "
+                         f"even number of rotary dims in [2, head_dim], got {rotary_dim}")  # fmt: skip
+
+
+def _check_positive(sizes: dict, names: dict) -> None:
+    for arg, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{names.get(arg, arg)} expected a positive integer, got {value!r}")
+
+
+def _check_context(sizes: dict, names: dict) -> None:
+    # the engine's bound on max_req_total_len: a request with fewer tokens than two would not fit
+    if sizes["max_position_embeddings"] < 2:
+        raise ValueError(f"{names.get('max_position_embeddings', 'max_position_embeddings')} expected at least 2 (one "
+                         f"prompt token and one generated), got {sizes['max_position_embeddings']}")  # fmt: skip
+
+
+def _check_multiple(sizes: dict, arg: str, of: str, names: dict) -> None:
+    if sizes[arg] % sizes[of]:
+        raise ValueError(f"{names.get(arg, arg)} expected a multiple of {names.get(of, of)} ({sizes[of]}), "
+                         f"got {sizes[arg]}")  # fmt: skip
+
 
 # Training text for the tokenizer: plain English, a little code and numbers, so common words get merged.
 _CORPUS = """\
@@ -130,12 +187,20 @@ def make_tiny_qwen3(
     ``Qwen3ForCausalLM`` init under ``seed``, with a wider ``initializer_range`` than HF's 0.02 so logits are
     not flat, and RMSNorm weights perturbed around 1 so a loader that swaps two norms is caught. The caller's
     global RNG state is left untouched. ``generation_config``: keys added to ``generation_config.json`` (sampling
-    defaults such as ``{"do_sample": True, "temperature": 0.6}``).
+    defaults such as ``{"do_sample": True, "temperature": 0.6}``). Sizes lightllm's config reader refuses (not
+    positive, heads not a multiple of KV heads, a context under 2 tokens, an odd head_dim) raise ValueError before
+    anything is written.
     """
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     if dtype not in _DTYPES:
         raise ValueError(f"expected dtype in {sorted(_DTYPES)}, got {dtype!r}")
+    sizes = dict(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
+                 num_hidden_layers=num_hidden_layers, num_attention_heads=num_attention_heads,
+                 num_key_value_heads=num_key_value_heads, head_dim=head_dim,
+                 max_position_embeddings=max_position_embeddings)  # fmt: skip
+    _check_qwen3_shape(sizes)
+    _check_padded_vocab(padded_vocab_size)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -163,6 +228,12 @@ def make_tiny_qwen3(
                 if name.endswith("norm.weight"):
                     param.copy_(1.0 + 0.1 * torch.randn_like(param))
     return _save(model.to(_DTYPES[dtype]), tokenizer, out, generation_config)
+
+
+def _check_padded_vocab(padded_vocab_size) -> None:
+    if isinstance(padded_vocab_size, bool) or not isinstance(padded_vocab_size, int) or padded_vocab_size < 0:
+        raise ValueError(f"padded_vocab_size expected 0 (the tokenizer's size) or a row count, got "
+                         f"{padded_vocab_size!r}")  # fmt: skip
 
 
 def _save(model, tokenizer, out: Path, generation_config: Optional[dict]) -> Path:
@@ -210,12 +281,22 @@ def make_tiny_qwen3_5(
 
     ``mtp``: also write an MTP head (``mtp.*``, ``tools/tiny_mtp.py``): True or ``"random"`` (drafts ~never
     accepted), ``"agree"`` (main model and head built so that drafts are ~always accepted; ``mtp_noise`` lowers
-    that; needs untied embeddings).
+    that; needs untied embeddings). Arguments lightllm's config reader refuses raise ValueError before anything is
+    written (``make_tiny_qwen3``'s rules, the same for linear-attention heads, a full-attention layer, an even
+    rotary width).
     """
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
     if dtype not in _DTYPES:
         raise ValueError(f"expected dtype in {sorted(_DTYPES)}, got {dtype!r}")
+    sizes = dict(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
+                 num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads, head_dim=head_dim,
+                 linear_num_key_heads=linear_num_key_heads, linear_num_value_heads=linear_num_value_heads,
+                 linear_key_head_dim=linear_key_head_dim, linear_value_head_dim=linear_value_head_dim,
+                 linear_conv_kernel_dim=linear_conv_kernel_dim,
+                 max_position_embeddings=max_position_embeddings)  # fmt: skip
+    _check_qwen3_5_shape(sizes, layer_types, partial_rotary_factor)
+    _check_padded_vocab(padded_vocab_size)
     head = check_mtp_head(mtp) if mtp is not False else None
     if head == "agree" and tie_word_embeddings:
         raise ValueError("mtp='agree' expected tie_word_embeddings=False: its lm_head is a shifted embedding")
@@ -343,43 +424,62 @@ def _build_default(target: Path) -> Path:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description="Write a tiny random-weight Qwen3 or Qwen3.5 Hugging Face folder.")
+    parser = argparse.ArgumentParser(
+        prog="python -m lightllm.tools.make_tiny_model",
+        description="Write a tiny random-weight Qwen3 or Qwen3.5 Hugging Face folder.",
+    )
     parser.add_argument("out_dir", help="folder to write (created if missing)")
     parser.add_argument("--family", choices=("qwen3", "qwen3.5"), default="qwen3",
                         help="qwen3.5: a hybrid Qwen3.5 with make_tiny_qwen3_5's defaults (only --seed and --dtype "
                         "apply)")  # fmt: skip
-    parser.add_argument("--vocab-size", type=int, default=512, help="tokenizer vocab size target")
-    parser.add_argument("--hidden", type=int, default=64, help="hidden_size")
-    parser.add_argument("--intermediate", type=int, default=128, help="intermediate_size")
-    parser.add_argument("--layers", type=int, default=2, help="num_hidden_layers")
-    parser.add_argument("--heads", type=int, default=4, help="num_attention_heads")
-    parser.add_argument("--kv-heads", type=int, default=2, help="num_key_value_heads")
-    parser.add_argument("--head-dim", type=int, default=16, help="head_dim")
-    parser.add_argument("--max-position-embeddings", type=int, default=4096)
+    parser.add_argument("--vocab-size", dest="vocab_size", type=int, default=512, help="tokenizer vocab size target")
+    parser.add_argument("--hidden", dest="hidden_size", type=int, default=64, help="hidden_size")
+    parser.add_argument("--intermediate", dest="intermediate_size", type=int, default=128, help="intermediate_size")
+    parser.add_argument("--layers", dest="num_hidden_layers", type=int, default=2, help="num_hidden_layers")
+    parser.add_argument(
+        "--heads", dest="num_attention_heads", type=int, default=4, help="num_attention_heads, a multiple of --kv-heads"
+    )
+    parser.add_argument("--kv-heads", dest="num_key_value_heads", type=int, default=2, help="num_key_value_heads")
+    parser.add_argument("--head-dim", dest="head_dim", type=int, default=16, help="head_dim, even (rotary embeddings)")
+    parser.add_argument("--max-position-embeddings", type=int, default=4096, help="at least 2")
     parser.add_argument("--tie-word-embeddings", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default="float32")
     args = parser.parse_args(argv)
+    sizes = {arg: getattr(args, arg) for arg in _FLAGS}
+    if args.family == "qwen3.5":
+        # its shape is make_tiny_qwen3_5's: a Qwen3 flag would be silently ignored
+        ignored = [_FLAGS[arg] for arg, value in sizes.items() if value != parser.get_default(arg)]
+        ignored += ["--tie-word-embeddings"] if args.tie_word_embeddings else []
+        if ignored:
+            parser.error(f"{', '.join(ignored)}: --family qwen3 only (--family qwen3.5 takes --seed and --dtype)")
+    else:
+        try:
+            _check_qwen3_shape(sizes, _FLAGS)
+        except ValueError as e:
+            parser.error(str(e))
+    _make_out_dir(parser, args.out_dir)
     if args.family == "qwen3.5":
         out = make_tiny_qwen3_5(args.out_dir, seed=args.seed, dtype=args.dtype)
         print(f"wrote tiny Qwen3.5 model to {out}")
         return
-    out = make_tiny_qwen3(
-        args.out_dir,
-        vocab_size=args.vocab_size,
-        hidden_size=args.hidden,
-        intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads,
-        head_dim=args.head_dim,
-        max_position_embeddings=args.max_position_embeddings,
-        tie_word_embeddings=args.tie_word_embeddings,
-        seed=args.seed,
-        dtype=args.dtype,
-    )
+    out = make_tiny_qwen3(args.out_dir, **sizes, tie_word_embeddings=args.tie_word_embeddings, seed=args.seed,
+                          dtype=args.dtype)  # fmt: skip
     vocab = json.loads((out / "config.json").read_text())["vocab_size"]
     print(f"wrote tiny Qwen3 model to {out} (vocab_size={vocab})")
+
+
+def _make_out_dir(parser: argparse.ArgumentParser, out_dir: str) -> None:
+    """Create ``out_dir`` before the build, so a path that cannot be a writable folder is one line, not a traceback.
+    An empty name (an unset shell variable) is refused: it would be the current folder."""
+    if not out_dir.strip():
+        parser.error("out_dir expected a folder to create or write into, got ''")
+    try:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        parser.error(f"out_dir {out_dir!r} expected a folder to create or write into ({type(e).__name__}: {e})")
+    if not os.access(out_dir, os.W_OK | os.X_OK):
+        parser.error(f"out_dir {out_dir!r} expected a folder to create or write into (it is not writable)")
 
 
 if __name__ == "__main__":

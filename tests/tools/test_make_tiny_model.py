@@ -1,5 +1,6 @@
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -214,3 +215,89 @@ def test_tiny_qwen3_5_is_hybrid_deterministic_and_perturbed(tmp_path):
     assert not torch.equal(w["model.layers.0.linear_attn.norm.weight"], torch.ones(8))
     make_tiny_model.main([str(tmp_path / "cli"), "--family", "qwen3.5", "--seed", "3"])
     assert (tmp_path / "cli" / "model.safetensors").read_bytes() == (a / "model.safetensors").read_bytes()
+
+
+@pytest.mark.parametrize(
+    "flags, error",
+    [
+        (["--head-dim", "0"], "--head-dim expected a positive integer, got 0"),
+        (["--intermediate", "-5"], "--intermediate expected a positive integer, got -5"),
+        (["--hidden", "0"], "--hidden expected a positive integer, got 0"),
+        (["--layers", "0"], "--layers expected a positive integer, got 0"),
+        (["--vocab-size", "-5"], "--vocab-size expected a positive integer, got -5"),
+        (["--max-position-embeddings", "0"], "--max-position-embeddings expected a positive integer, got 0"),
+        (["--max-position-embeddings", "1"], "--max-position-embeddings expected at least 2 (one prompt token"),
+        (["--heads", "3"], "--heads expected a multiple of --kv-heads (2), got 3"),
+        (["--head-dim", "3"], "--head-dim expected an even number (rotary embeddings), got 3"),
+        (["--family", "qwen3.5", "--heads", "8", "--tie-word-embeddings"], "--heads, --tie-word-embeddings: --family "
+         "qwen3 only (--family qwen3.5 takes --seed and --dtype)"),  # fmt: skip
+    ],
+    ids=["head-dim-0", "intermediate-neg", "hidden-0", "layers-0", "vocab-neg", "context-0", "context-1",
+         "heads-not-multiple", "head-dim-odd", "qwen3.5-ignores"],  # fmt: skip
+)
+def test_cli_refuses_a_shape_the_engine_would_not_load(tmp_path, capsys, flags, error):
+    with pytest.raises(SystemExit) as exit_info:
+        make_tiny_model.main([str(tmp_path / "m"), *flags])
+    assert exit_info.value.code == 2
+    assert f"error: {error}" in capsys.readouterr().err.splitlines()[-1]
+    assert not (tmp_path / "m").exists()  # refused before anything is written
+
+
+def test_cli_out_dir_that_cannot_be_a_folder_is_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # '' would be the current folder
+    file = tmp_path / "file"
+    file.write_text("")
+    cases = [(str(file), "(FileExistsError: "), (str(file / "m"), "(NotADirectoryError: "), ("", "got ''")]
+    if os.path.isdir("/proc/self"):
+        cases.append(("/proc/nope", "(FileNotFoundError: "))  # /proc takes no new folders, not even root's
+    for out_dir, why in cases:
+        with pytest.raises(SystemExit):
+            make_tiny_model.main([out_dir])
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and err.splitlines()[-1].startswith(
+            "python -m lightllm.tools.make_tiny_model: error: out_dir "
+        ), err
+        assert why in err
+    assert [p.name for p in tmp_path.iterdir()] == ["file"]
+
+
+@pytest.mark.parametrize(
+    "build, kwargs, error",
+    [
+        (make_tiny_qwen3, dict(num_attention_heads=3), "num_attention_heads expected a multiple of "
+         "num_key_value_heads (2), got 3"),  # fmt: skip
+        (make_tiny_qwen3, dict(head_dim=0), "head_dim expected a positive integer, got 0"),
+        (make_tiny_qwen3, dict(padded_vocab_size=-1), "padded_vocab_size expected 0"),
+        (make_tiny_model.make_tiny_qwen3_5, dict(intermediate_size=-5), "intermediate_size expected a positive"),
+        (make_tiny_model.make_tiny_qwen3_5, dict(linear_num_value_heads=3), "linear_num_value_heads expected a "
+         "multiple of linear_num_key_heads (2), got 3"),  # fmt: skip
+        (make_tiny_model.make_tiny_qwen3_5, dict(layer_types=("linear_attention",)), "at least one 'full_attention'"),
+        (make_tiny_model.make_tiny_qwen3_5, dict(head_dim=6), "partial_rotary_factor 0.25 x head_dim 6 expected an "
+         "even number of rotary dims in [2, head_dim], got 1"),  # fmt: skip
+        (make_tiny_model.make_tiny_qwen3_5, dict(max_position_embeddings=1, mtp=True), "max_position_embeddings "
+         "expected at least 2"),  # fmt: skip
+    ],
+    ids=["q3-heads", "q3-head-dim", "q3-padded-vocab", "q35-intermediate", "q35-linear-heads", "q35-no-full",
+         "q35-rotary", "q35-mtp-context"],  # fmt: skip
+)
+def test_builders_refuse_what_the_engine_would_not_load(tmp_path, build, kwargs, error):
+    with pytest.raises(ValueError, match=re.escape(error)):
+        build(tmp_path / "m", **kwargs)
+    assert not (tmp_path / "m").exists()
+
+
+def test_the_smallest_accepted_shapes_load(tmp_path):
+    """The checks refuse only what the config readers refuse: their boundary cases are written and read back."""
+    from lightllm.models.qwen3.config import Qwen3ModelConfig
+    from lightllm.models.qwen3_5.config import Qwen3_5ModelConfig
+
+    make_tiny_model.main([str(tmp_path / "q3"), "--vocab-size", "1", "--hidden", "8", "--intermediate", "1",
+                          "--layers", "1", "--heads", "6", "--kv-heads", "3", "--head-dim", "2",
+                          "--max-position-embeddings", "2"])  # fmt: skip
+    assert Qwen3ModelConfig.from_model_dir(tmp_path / "q3").num_attention_heads == 6
+    make_tiny_model.make_tiny_qwen3_5(tmp_path / "q35", vocab_size=1, hidden_size=8, intermediate_size=1,
+                                      layer_types=("full_attention",), num_attention_heads=3, num_key_value_heads=3,
+                                      head_dim=8, linear_num_key_heads=1, linear_num_value_heads=1,
+                                      linear_key_head_dim=1, linear_value_head_dim=1, linear_conv_kernel_dim=1,
+                                      max_position_embeddings=2)  # fmt: skip
+    assert Qwen3_5ModelConfig.from_model_dir(tmp_path / "q35").rotary_dim == 2
