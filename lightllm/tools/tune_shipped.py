@@ -177,19 +177,23 @@ def _run_start(kwargs: dict, config_dir: Path, timeout: Optional[float], log_pat
 
 
 def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
+    from lightllm.common.autotuner.__main__ import _export_dir_problem  # the export's own check of --out
+
     p = argparse.ArgumentParser(prog="python -m lightllm.tools.tune_shipped", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    p.add_argument("--out", required=True, help="folder to export into (the shipped one to ship them)")
-    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--out", required=True, help="folder to create or export into (the shipped one to ship them)")
+    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES), help="repeats are dropped")
     p.add_argument(
         "--variants",
         nargs="+",
         default=list(VARIANTS),
         choices=list(VARIANTS),
-        help="decode backends / quantized KV types to tune (fa3 needs a Hopper GPU and an FA3 build)",
+        help="decode backends / quantized KV types to tune (fa3 needs a Hopper GPU and an FA3 build); repeats are "
+        "dropped",
     )
     p.add_argument("--graph-lens", nargs="+", type=int, default=[4096, 32768],
-                   help="graph_max_len_in_batch values (each a run key of decode attention)")  # fmt: skip
+                   help="graph_max_len_in_batch values (each a run key of decode attention); repeats are "
+                   "dropped")  # fmt: skip
     p.add_argument("--graph-len-buckets", nargs="+", type=int, default=[], metavar="LEN",
                    help="also capture decode graphs per KV length bucket in each start (the server's "
                    "--graph_len_buckets; those below the start's graph length), so each bucket's configs are "
@@ -204,8 +208,9 @@ def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
     )
     p.add_argument("--per-start-timeout", type=float, default=None, metavar="SECONDS",
                    help="stop a start that runs longer (its finished searches are kept); default none")  # fmt: skip
-    p.add_argument("--log-dir", type=Path, default=None,
-                   help="keep each start's output there (default: a temporary folder, removed at the end)")  # fmt: skip
+    p.add_argument("--log-dir", default=None,
+                   help="keep each start's output there, a folder to create or write into (default: a temporary "
+                   "folder, removed at the end)")  # fmt: skip
     p.add_argument("--retune", nargs="+", default=[], metavar="KERNEL",
                    help="search these tuned kernels' keys again although configs ship for them (all: every kernel), "
                    "e.g. after a kernel change; their shipped configs are not read during the starts "
@@ -217,11 +222,24 @@ def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
     if unknown or ("all" in args.retune and len(set(args.retune)) > 1):
         p.error(f"--retune expected 'all' or kernels with shipped configs ({', '.join(sorted(known))}), got "
                 f"{args.retune}")  # fmt: skip
-    for flag, lens in (("--graph-lens", args.graph_lens), ("--graph-len-buckets", args.graph_len_buckets)):
-        bad = [n for n in lens if n < 1]
-        if bad:
-            p.error(f"{flag} expected positive lengths, got {bad}")
+    # a graph length is the model's context too (build_model): the engine serves none under 2 tokens
+    short = [n for n in args.graph_lens if n < 2]
+    if short:
+        p.error(f"--graph-lens expected lengths of at least 2 (one prompt token and one generated), got {short}")
+    bad = [n for n in args.graph_len_buckets if n < 1]
+    if bad:
+        p.error(f"--graph-len-buckets expected positive lengths, got {bad}")
     args.graph_len_buckets = sorted(set(args.graph_len_buckets))
+    # a repeat would plan every start it names again (hours of GPU time for nothing): dropped, in the given order
+    args.shapes = list(dict.fromkeys(args.shapes))
+    args.variants = list(dict.fromkeys(args.variants))
+    args.graph_lens = list(dict.fromkeys(args.graph_lens))
+    # before any start: a path that cannot be a folder would fail each export after its hour of tuning
+    for flag, path in (("--out", args.out), ("--log-dir", args.log_dir)):
+        problem = None if path is None else _export_dir_problem(path)
+        if problem is not None:
+            p.error(f"{flag} {path!r} {problem}; expected a folder to create or write into")
+    args.log_dir = None if args.log_dir is None else Path(args.log_dir)
     if not 0 <= args.mtp_step <= 4:
         p.error(f"--mtp-step expected 0 (no MTP starts) or a draft count in [1, 4], got {args.mtp_step}")
     if args.mtp_only and not args.mtp_step:
@@ -261,6 +279,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     from lightllm.common.autotuner import store
     from lightllm.common.autotuner.__main__ import main as autotuner_cli
 
+    if args.log_dir is not None:
+        try:  # before any start: an unwritable place is one line, not a traceback
+            args.log_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            print(
+                f"error: --log-dir {str(args.log_dir)!r} cannot be created ({type(e).__name__}: {e})", file=sys.stderr
+            )
+            return 2
     failed, status, exported = [], 0, False
     sigterm = signal.signal(signal.SIGTERM, _stop_on_sigterm)
     with tempfile.TemporaryDirectory(prefix="lightllm-tune-") as tmp:

@@ -42,8 +42,10 @@ def _ship(name):
 
 def test_bad_arguments_and_no_gpu(capsys, monkeypatch):
     with pytest.raises(SystemExit):
-        tune_shipped.main(["--out", "x", "--graph-lens", "0"])
-    assert "--graph-lens expected positive lengths, got [0]" in capsys.readouterr().err
+        tune_shipped.main(["--out", "x", "--graph-lens", "4096", "1", "0"])
+    assert "--graph-lens expected lengths of at least 2 (one prompt token and one generated), got [1, 0]" in (
+        capsys.readouterr().err
+    )
     with pytest.raises(SystemExit):
         tune_shipped.main(["--out", "x", "--graph-len-buckets", "4096", "-1"])
     assert "--graph-len-buckets expected positive lengths, got [-1]" in capsys.readouterr().err
@@ -69,6 +71,50 @@ def test_bad_arguments_and_no_gpu(capsys, monkeypatch):
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     assert tune_shipped.main(["--out", "x"]) == 2
     assert "tuning needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_out_and_log_dir_that_cannot_be_folders_stop_before_any_start(tmp_path, capsys):
+    """Each export would fail after its start's tuning (an hour on a GPU, in a scratch folder then removed)."""
+    file = tmp_path / "file"
+    file.write_text("")
+    for flag, path, problem in [
+        ("--out", str(file), "is a file"),
+        ("--out", "", "is empty"),
+        ("--out", str(file / "configs"), f"is under a file ({file})"),
+        ("--log-dir", str(file), "is a file"),
+        ("--log-dir", "", "is empty"),  # not the current folder
+    ]:
+        argv = ["--out", str(tmp_path / "out"), "--dry-run"] + [flag, path]
+        with pytest.raises(SystemExit) as exit_info:
+            tune_shipped.main(argv)
+        assert exit_info.value.code == 2
+        assert capsys.readouterr().err.splitlines()[-1] == (
+            f"python -m lightllm.tools.tune_shipped: error: {flag} {path!r} {problem}; expected a folder to create "
+            "or write into"
+        )
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc")
+def test_a_log_dir_that_cannot_be_created_is_one_line_before_any_start(monkeypatch, tmp_path, capsys):
+    ran = []
+    _fake_starts(monkeypatch, lambda *args, **kwargs: ran.append(args))
+    argv = ["--out", str(tmp_path / "out"), "--shapes", "builtin", "--variants", "triton", "--log-dir", "/proc/nope"]
+    assert tune_shipped.main(argv) == 2  # /proc takes no new folders, not even root's
+    assert capsys.readouterr().err.startswith("error: --log-dir '/proc/nope' cannot be created (FileNotFoundError: ")
+    assert ran == []
+
+
+def test_repeated_shapes_variants_and_graph_lens_plan_each_start_once(capsys):
+    argv = ["--out", "x", "--shapes", "builtin", "builtin", "--variants", "triton", "int8kv", "triton", "--graph-lens",
+            "4096", "1024", "4096", "--dry-run"]  # fmt: skip
+    assert tune_shipped.main(argv) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "builtin      triton  graph len   4096",
+        "builtin      triton  graph len   1024",
+        "builtin      int8kv  graph len   4096",
+        "builtin      int8kv  graph len   1024",
+        "4 starts",
+    ]
 
 
 def test_every_shape_names_its_intermediate_size():
