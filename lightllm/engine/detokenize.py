@@ -173,10 +173,11 @@ class StopStrings:
             return delta, False
         text, self._held = self._held + delta, ""
         self.scanned += len(text)
-        found = [(i, -len(s)) for i, s in ((text.find(s), s) for s in self.stops) if i >= 0]
+        found = [(i + len(s), i) for i, s in ((text.find(s), s) for s in self.stops) if i >= 0]
         if found:
-            at, minus_len = min(found)  # the first stop string in the text (the longest of those starting there)
-            return text[: at - minus_len if self.include else at], True
+            # the first stop string to be complete (the longest of those ending there), whatever the tokens' split
+            end, at = min(found)
+            return text[: end if self.include else at], True
         hold = 0 if final else self._partial_at_end(text)
         self._held = text[len(text) - hold :] if hold else ""
         return text[: len(text) - hold], False

@@ -460,8 +460,8 @@ class ModelRunner:
             if self.mtp is not None:
                 self.mtp.publish_at_draft.discard(slot)
             checkpoint = self.kv.free_request(slot)
-        if checkpoint is not None:
-            self.model.save_state(self._state_row(slot), checkpoint)
+            if checkpoint is not None:  # the cache holds it from now on: it must be filled, interrupt or not
+                self.model.save_state(self._state_row(slot), checkpoint)
 
     # ---- warmup and graphs ---------------------------------------------------------------------------------
 

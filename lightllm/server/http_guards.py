@@ -70,10 +70,12 @@ class BodyLimit:
 
 # How pydantic names a union's branch in an error's location ('str', 'list[int]', 'function-after[...]'): not a field.
 _BRANCH = re.compile(r"^(str|int|float|bool|none|dict|list)$|\[")
-# What a union field takes, for a value no branch of it accepts (the per-branch messages say it piecemeal).
+# The union fields of the bodies (bodies.py), and what each takes, for a value none of its forms accepts (the
+# per-branch messages say it piecemeal). "[]": an item of a list that is one of the field's forms.
 _UNION_FIELDS = {
     "content": 'a string, null, or a list of text parts ({"type": "text", "text": "..."})',
     "prompt": "a string, a list of token ids, or a non-empty list of strings or token-id lists",
+    "prompt[]": "a string or a list of token ids",
     "inputs": "a string or a list of token ids",
     "stop": "a string, a list of strings, or null",
     "stop_sequences": "a string, a list of strings, or null",
@@ -82,37 +84,55 @@ _UNION_FIELDS = {
 _JSON_KINDS = {str: "string", int: "number", float: "number", bool: "boolean", list: "array"}
 
 
+def _branch_at(loc: tuple) -> Optional[int]:
+    """Where the first union branch name is in ``loc``: right after a union field's name, or after an item's index in
+    it (a dict's key named 'str' or 'a[0]' is a key, not a branch)."""
+    for i in range(1, len(loc)):
+        union = loc[i - 1] in _UNION_FIELDS or (i > 1 and isinstance(loc[i - 1], int) and loc[i - 2] in _UNION_FIELDS)
+        if union and isinstance(loc[i], str) and _BRANCH.search(loc[i]):
+            return i
+    return None
+
+
 def _fields(loc: tuple) -> tuple:
     return tuple(x for x in loc if not (isinstance(x, str) and _BRANCH.search(x)))
 
 
 def validation_messages(errors: List[dict]) -> List[str]:
     """One message per field for pydantic's ``errors``: a location without union branch names, and for a union that
-    took none of its branches, the branch the value got furthest into (a list of parts whose part misses a field) or,
-    where none got in, what the field takes."""
-    unions: Dict[tuple, Dict[str, list]] = {}  # location of the union -> branch -> its errors
+    took none of its forms, the errors of the form the value got furthest into (a list of parts whose part misses a
+    field) or, where none got in, what the field takes."""
+    return [f"{'.'.join(str(x) for x in loc) or 'body'}: {msg.removeprefix('Value error, ')}"
+            for loc, msg in _resolve([(tuple(e["loc"][1:]), e) for e in errors])]  # fmt: skip
+
+
+def _resolve(errors: List[tuple]) -> List[tuple]:
+    """``(location, message)`` for ``(location with branch names, pydantic error)`` pairs; a union's chosen branch is
+    resolved again, for the unions inside it (a prompt's list of strings or token-id lists)."""
+    unions: Dict[tuple, Dict[str, list]] = {}  # location of the union -> branch -> (the rest of the location, error)
     out = []
-    for e in errors:
-        loc = tuple(e["loc"][1:])
-        cut = next((i for i, x in enumerate(loc) if isinstance(x, str) and _BRANCH.search(x)), None)
+    for loc, e in errors:
+        cut = _branch_at(loc)
         if cut is None:
             out.append((loc, e["msg"]))
         else:
-            unions.setdefault(loc[:cut], {}).setdefault(loc[cut], []).append((_fields(loc[cut + 1 :]), e))
+            unions.setdefault(loc[:cut], {}).setdefault(loc[cut], []).append((loc[cut + 1 :], e))
     for where, branches in unions.items():
-        depth = {b: max(len(rest) for rest, _ in errs) for b, errs in branches.items()}
+        depth = {b: max(len(_fields(rest)) for rest, _ in errs) for b, errs in branches.items()}
         deepest = max(depth.values())
         chosen = [b for b, d in depth.items() if d == deepest]
         if deepest > 0 and len(chosen) == 1:
-            out.extend((where + rest, e["msg"]) for rest, e in branches[chosen[0]])
+            out.extend(_resolve([(where + rest, e) for rest, e in branches[chosen[0]]]))
             continue
         field = next((x for x in reversed(where) if isinstance(x, str)), "")
+        takes = _UNION_FIELDS.get(field + ("[]" if isinstance(where[-1], int) else ""))
+        if takes is None:
+            takes = (
+                "one of its forms (" + "; ".join(sorted({e["msg"] for es in branches.values() for _, e in es})) + ")"
+            )
         got = repr(next(iter(branches.values()))[0][1].get("input"))
-        takes = _UNION_FIELDS.get(field) or " or ".join(
-            sorted({e["msg"] for errs in branches.values() for _, e in errs})
-        )
         out.append((where, f"expected {takes}, got {got if len(got) <= 60 else got[:57] + '...'}"))
-    return [f"{'.'.join(str(x) for x in loc) or 'body'}: {msg.removeprefix('Value error, ')}" for loc, msg in out]
+    return out
 
 
 def _body_message(e: dict, content_type: Optional[str]) -> str:

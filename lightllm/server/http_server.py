@@ -485,9 +485,11 @@ class Server:
         parsing = None
         if chat and (self.reasoning_parser or self.tool_call_parser):
             parsing = chat_parsing(self.reasoning_parser, self.tool_call_parser, body, generation_prompt)
-        reply = OpenAIReply(
-            self, chat, prompts, n, best_of, echoes, options["logprobs"], parsing, stops=bool(seqs[0][1].stop)
-        )
+        params = seqs[0][1]  # the text's rules are every sample's
+        hidden = () if params.include_stop_str_in_output else stop_ids(params, self.eos_ids)
+        reply = OpenAIReply(self, chat, prompts, n, best_of, echoes, options["logprobs"], parsing,
+                            stops=bool(params.stop), skip_special_tokens=params.skip_special_tokens,
+                            hidden=hidden)  # fmt: skip
         if body.stream:
             options = body.stream_options
             include_usage = bool(options and options.include_usage)

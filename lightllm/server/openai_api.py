@@ -10,7 +10,7 @@ import json
 import re
 import time
 import uuid
-from typing import AsyncIterator, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import AsyncIterator, Callable, Collection, Dict, List, Optional, Sequence, Tuple
 
 from lightllm.engine.detokenize import IncrementalDetokenizer
 from lightllm.server.bodies import ChatRequest, CompletionRequest
@@ -36,6 +36,11 @@ REFUSED_VLLM_FIELDS = (
     ("structured_outputs", "constrained decoding"),
     ("use_beam_search", "beam search"),
     ("prompt_logprobs", "prompt token logprobs"),
+    ("allowed_token_ids", "sampling restricted to given tokens"),
+    ("bad_words", "banned words"),
+    ("logits_processors", "custom logits processors"),
+    ("return_tokens_as_token_ids", "logprob tokens as 'token_id:N' strings"),
+    ("echo", "a chat answer prefixed with the last message"),  # chat's echo: completions' is a field of its own
 )
 PROMPT_LOGPROBS_REFUSED = (
     "echo with logprobs: prompt token logprobs are not supported; the prefill keeps the logits of the last prompt "
@@ -47,7 +52,8 @@ def check_unsupported(body, chat: bool) -> None:
     """400 for what the body asks that this server does not do, naming the field and the alternative."""
     extra = body.model_extra or {}
     for name, what in REFUSED_VLLM_FIELDS:
-        if extra.get(name) not in (None, False):
+        value = extra.get(name)
+        if value is not None and value is not False:  # 0 is a value here (prompt_logprobs 0: the prompt's own)
             raise BadRequest(f"{name}: not supported ({what} is not available in this server); leave it out or send "
                              "null")  # fmt: skip
     if body.stream_options is not None and not body.stream:
@@ -228,16 +234,19 @@ class TextOffsets:
     from ``start`` (an echoed prompt's length), with the text as the stream gives it: a token inside a character split
     over tokens starts where that character does, and one with no text (a skipped special token) where the next text
     does. Adding up each token's own decode instead drifts by the split characters' extra U+FFFDs and the special
-    tokens' names."""
+    tokens' names. ``skip_special_tokens`` and ``hidden`` (token ids whose text is left out: the request's stop tokens)
+    are the text's own rules (``TextStream``'s)."""
 
-    def __init__(self, tokenizer, start: int):
-        self._detok = IncrementalDetokenizer(tokenizer)
+    def __init__(self, tokenizer, start: int, skip_special_tokens: bool = True, hidden: Collection[int] = ()):
+        self._detok = IncrementalDetokenizer(tokenizer, skip_special_tokens)
         self._at = start
+        self._hidden = hidden
 
     def next(self, token_id: int) -> int:
         """The offset of ``token_id``, the next generated token."""
         at = self._at
-        self._at += len(self._detok.add(token_id))
+        if token_id not in self._hidden:
+            self._at += len(self._detok.add(token_id))
         return at
 
     @property
@@ -247,10 +256,16 @@ class TextOffsets:
 
 
 class LogprobFormatter:
-    """OpenAI's logprobs objects from the engine's (token id, logprob, top logprobs) per generated token."""
+    """OpenAI's logprobs objects from the engine's (token id, logprob, top logprobs) per generated token; the text's
+    rules (``TextOffsets``) for where each token starts in it."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, skip_special_tokens: bool = True, hidden: Collection[int] = ()):
         self.tokenizer = tokenizer
+        self.skip_special_tokens, self.hidden = skip_special_tokens, hidden
+
+    def offsets(self, start: int) -> TextOffsets:
+        """Where each next generated token starts in the text, from ``start``."""
+        return TextOffsets(self.tokenizer, start, self.skip_special_tokens, self.hidden)
 
     def text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
@@ -289,7 +304,7 @@ class LogprobFormatter:
         text shared by several tokens has the likeliest one's); ``text_offset`` counts from ``offset`` (an echoed
         prompt)."""
         texts, offsets, top_maps = [], [], []
-        positions = TextOffsets(self.tokenizer, offset)
+        positions = self.offsets(offset)
         for tok, lp, top in zip(tokens, logprobs, tops):
             text = self.text(tok)
             offsets.append(positions.next(tok))
@@ -307,7 +322,9 @@ class OpenAIReply:
     http_server's ``Server`` (its tokenizer, model name, and ``merged_streams`` for streams)."""
 
     def __init__(self, server, chat: bool, prompts: List[List[int]], n: int, best_of: int, echoes,
-                 with_logprobs: bool, parsing: Optional[ChatParsing] = None, stops: bool = False):  # fmt: skip
+                 with_logprobs: bool, parsing: Optional[ChatParsing] = None, stops: bool = False,
+                 skip_special_tokens: bool = True, hidden: Collection[int] = ()):  # fmt: skip
+        """``skip_special_tokens``, ``hidden``: the text's rules, for the logprobs' offsets (``TextOffsets``)."""
         self.server, self.chat, self.prompts, self.n, self.best_of = server, chat, prompts, n, best_of
         self.with_logprobs = with_logprobs
         self.stops = stops  # the request has stop strings, which may cut the text (see _reported)
@@ -316,7 +333,7 @@ class OpenAIReply:
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
         self.kind = "chat.completion" if chat else "text_completion"
-        self.logprobs = LogprobFormatter(server.tokenizer)
+        self.logprobs = LogprobFormatter(server.tokenizer, skip_special_tokens, hidden)
 
     def _echo(self, prompt_index: int) -> str:
         return self.echoes[prompt_index] if self.echoes else ""
@@ -349,7 +366,7 @@ class OpenAIReply:
         start before the cut (the stop string's own tokens are not in the text)."""
         if not self.stops or r["finish_reason"] != "stop":
             return len(r["token_ids"])
-        positions = TextOffsets(self.logprobs.tokenizer, 0)
+        positions = self.logprobs.offsets(0)
         starts = [positions.next(t) for t in r["token_ids"]]
         if len(r["text"]) >= positions.end:  # ended otherwise (EOS): nothing was cut
             return len(starts)
@@ -391,7 +408,7 @@ class OpenAIReply:
         waits = self.with_logprobs and self.stops
         sent = [len(self._echo(i // self.n)) for i in range(len(seqs))]  # where the text sent so far ends
         waiting: List[List[tuple]] = [[] for _ in seqs]  # (offset, event) of the tokens whose logprobs wait
-        positions = [TextOffsets(self.logprobs.tokenizer, sent[i])
+        positions = [self.logprobs.offsets(sent[i])
                      for i in range(len(seqs))] if self.with_logprobs and (waits or not self.chat) else []  # fmt: skip
 
         def event(choice: dict) -> str:  # one choice's chunk (with its usage so far, where asked)

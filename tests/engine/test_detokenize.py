@@ -286,3 +286,17 @@ def test_a_byte_level_stream_of_whole_pieces_decodes_nothing_once_they_are_known
     assert text == tokenizer.decode(ids, skip_special_tokens=True)
     split = [t for t in ids if "\ufffd" in tokenizer.decode([t])]  # bytes of characters split across ids
     assert split and 0 < len(calls) <= 2 * len(split)  # decoding only around them
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_the_first_stop_string_to_be_complete_ends_the_text_however_the_tokens_split_it(include):
+    """Stops "ange" and "n" in "orange": "n" is complete first, whether "ange" arrives as one delta or four."""
+    for deltas in (["or", "ange"], ["or", "a", "n", "g", "e"]):
+        cut = StopStrings(["ange", "n"], include)
+        text, hit = "", False
+        for delta in deltas:
+            out, hit = cut.cut(delta)
+            text += out
+            if hit:
+                break
+        assert (text, hit) == ("oran" if include else "ora", True), deltas

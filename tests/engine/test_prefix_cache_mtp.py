@@ -197,14 +197,20 @@ def test_engine_outputs_and_acceptance_are_the_same_with_the_cache_on_and_off(ha
 
 def test_an_interrupt_in_the_heads_catch_up_at_a_requests_end_frees_its_slot(mtp_dir):
     """Ctrl-C in ``LLM.generate`` while the MTP head catches up on a finished request's last token: its request slot
-    and KV still go back (they leaked for good: every later call ran with one slot and its tokens fewer)."""
-    llm = LLM(mtp_dir, data_type="fp32", device="cpu", max_req_total_len=128, running_max_req_size=3,
-              mtp_mode="eagle_with_att", mtp_step=N, linear_att_cache_size=16)  # fmt: skip
-    kv, mtp = llm.runner.kv, llm.runner.mtp
-    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
-    prompts = [fresh_tokens(8), fresh_tokens(9)]
-    llm.generate(prompts, params)
-    free = (kv.num_free_slots, kv.num_free_tokens)
+    and KV still go back (they leaked for good: every later call ran with one slot and its tokens fewer), and the
+    state checkpoint the prefix cache keeps for it is filled (a later prompt extending it read an unsaved state)."""
+    opts = dict(data_type="fp32", device="cpu", max_req_total_len=128, running_max_req_size=3,
+                mtp_mode="eagle_with_att", mtp_step=N, linear_att_cache_size=16)  # fmt: skip
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True, logprobs=True)
+    prompts = [fresh_tokens(20), fresh_tokens(9)]
+    calm = LLM(mtp_dir, **opts)
+    answers = [out.token_ids for out in calm.generate(prompts, params)]
+    follow_up = prompts[0] + answers[0] + [7, 8, 9]
+    expected = calm.generate(follow_up, params)[0]
+    assert expected.num_cached_tokens > len(prompts[0])  # it reads the first answer's state from the cache
+
+    llm = LLM(mtp_dir, **opts)
+    mtp = llm.runner.mtp
     finish = mtp.finish
 
     def interrupted(*args):  # the user's Ctrl-C lands while the head's forward runs
@@ -215,5 +221,7 @@ def test_an_interrupt_in_the_heads_catch_up_at_a_requests_end_frees_its_slot(mtp
     with pytest.raises(KeyboardInterrupt):
         llm.generate(prompts, params)
     mtp.finish = finish
-    assert llm.generate(prompts, params)[0].finish_reason == "length"  # the LLM is still usable
-    assert (kv.num_free_slots, kv.num_free_tokens) == free
+    assert llm.runner.kv.num_free_slots == calm.runner.kv.num_free_slots  # every request slot back
+    out = llm.generate(follow_up, params)[0]
+    assert (out.num_cached_tokens, out.token_ids) == (expected.num_cached_tokens, expected.token_ids)
+    assert out.logprobs == pytest.approx(expected.logprobs, abs=1e-4)

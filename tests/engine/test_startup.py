@@ -126,7 +126,7 @@ def test_bad_engine_args(field, value, message):
         ("enable_mixed_chunk", 1, "--enable_mixed_chunk expected a bool (True or False), got 1 (int)"),
         ("model_dir", 123, "--model_dir expected a folder path (str or os.PathLike) or None, got 123 (int)"),
         ("mtp_draft_model_dir", 5, "--mtp_draft_model_dir expected a folder path (str or os.PathLike) or None, got 5"),
-        ("llm_kv_type", None, "--llm_kv_type expected a string, got None (NoneType)"),
+        ("llm_kv_type", 8, "--llm_kv_type expected a string, got 8 (int)"),  # None is the flag's "None"
         # an unset variable in a launcher's --model_dir "$MODEL": not the built-in random model
         ("model_dir", "", "--model_dir expected a folder path (str or os.PathLike) or None, got '' (str)"),
         (

@@ -43,6 +43,7 @@ def texts(client, **extra):
         ({"stop": ["yo"], "include_stop_str_in_output": True}, "Hi yo"),
         ({"stop": ["o", "yo\n"], "include_stop_str_in_output": True}, "Hi yo"),  # the first to be complete
         ({"stop": ["yo", "y"], "include_stop_str_in_output": True}, "Hi y"),
+        ({"stop": ["i y", "y"], "include_stop_str_in_output": True}, "Hi y"),  # both end there: the longer
         ({"stop_token_ids": [ord("y")]}, "Hi "),  # the stop token's text is left out (vLLM)
         ({"stop_token_ids": [ord("y")], "include_stop_str_in_output": True}, "Hi y"),
     ],
@@ -50,6 +51,32 @@ def texts(client, **extra):
 def test_text_options_whole_and_streamed(scripted, extra, text):
     whole, streamed = texts(scripted, **extra)
     assert whole == streamed == (text, "stop")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_logprobs_report_the_stop_token_and_offsets_follow_the_texts_rules(scripted, stream):
+    """The stop token's text is left out of the text but the token is the completion's: its logprob is reported (a
+    stop string that never matches changes nothing). With special tokens kept, each one's text has its width."""
+
+    def logprobs(**extra):
+        body = {"prompt": "ab" + chr(30), "max_tokens": 4, "logprobs": 0, **extra}
+        if not stream:
+            choice = post(scripted, COMPLETIONS, body)["choices"][0]
+            return choice["text"], choice["logprobs"]["tokens"], choice["logprobs"]["text_offset"]
+        chunks = [e["choices"][0] for e in sse(scripted, COMPLETIONS, {**body, "stream": True}) if e["choices"]]
+        lps = [c["logprobs"] for c in chunks if c["logprobs"]]
+        return (
+            "".join(c["text"] for c in chunks),
+            sum((lp["tokens"] for lp in lps), []),
+            sum((lp["text_offset"] for lp in lps), []),
+        )
+
+    for stop in [], ["zzz"]:
+        assert logprobs(stop_token_ids=[ord("b")], stop=stop) == ("a", ["a", "b"], [0, 1])
+        assert logprobs(stop=stop) == ("ab", ["a", "b", "\x00"], [0, 1, 2])  # EOS: special, left out either way
+    kept = logprobs(ignore_eos=True, skip_special_tokens=False)
+    assert kept == ("ab\x00\x00", ["a", "b", "\x00", "\x00"], [0, 1, 2, 3])
+    assert logprobs(ignore_eos=True) == ("ab", ["a", "b", "\x00", "\x00"], [0, 1, 2, 2])
 
 
 def test_native_generate_keeps_special_tokens_when_asked(scripted):
@@ -116,6 +143,11 @@ def test_continue_final_message_continues_the_answer_in_a_real_template():
         (CHAT, {"structured_outputs": {"choice": ["a"]}}, "structured_outputs"),
         (COMPLETIONS, {"use_beam_search": True}, "use_beam_search"),
         (COMPLETIONS, {"prompt_logprobs": 1}, "prompt_logprobs"),
+        (COMPLETIONS, {"prompt_logprobs": 0}, "prompt_logprobs"),  # 0: the prompt tokens' own logprobs
+        (CHAT, {"allowed_token_ids": [1, 2]}, "allowed_token_ids"),
+        (COMPLETIONS, {"bad_words": ["x"]}, "bad_words"),
+        (CHAT, {"echo": True}, "echo"),
+        (CHAT, {"return_tokens_as_token_ids": True}, "return_tokens_as_token_ids"),
     ],
 )  # fmt: skip
 def test_vllm_fields_for_what_this_server_does_not_do_are_a_400(server, client, path, extra, name):
@@ -185,6 +217,10 @@ def test_a_json_body_that_is_not_an_object_is_a_400_saying_what_it_is(client, ra
         (COMPLETIONS, {"prompt": [1, "a"]}, "prompt: expected a string, a list of token ids, or a non-empty list of "
          "strings or token-id lists, got [1, 'a']"),
         (COMPLETIONS, {"prompt": "a", "stop": [1]}, "stop.0: Input should be a valid string"),
+        (COMPLETIONS, {"prompt": [[1, 2], [3, [4]]]}, "prompt.1.1: Input should be a valid integer"),
+        (COMPLETIONS, {"prompt": "a", "logit_bias": {"list": "x"}}, "logit_bias.list: Input should be a valid number"),
+        (CHAT, {"messages": [{"role": "user", "content": "a"}], "tool_choice": 5},
+         "tool_choice: expected 'auto', 'none' or an object, got 5"),
         (GENERATE, {"inputs": 3.5}, "inputs: expected a string or a list of token ids, got 3.5"),
         (COMPLETIONS, {"prompt": "a", "min_tokens": 5, "max_tokens": 3},
          "min_tokens expected an integer in [0, max_tokens 3], got 5"),
