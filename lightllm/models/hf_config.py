@@ -105,20 +105,25 @@ class ConfigFields:
 
 
 def unsupported_rope(f: ConfigFields, params: Dict[str, Any], allowed: Collection[str]) -> Optional[ModelLoadError]:
-    """The error for rope parameters (transformers' ``rope_parameters``) other than plain rope, ``rope_type``
-    'default' with only the ``allowed`` keys; None when they are plain. It names the offending keys as the file
-    spells them (:func:`rope_field`), so that the user sees what to change."""
-    bad = ["rope_type"] if params.get("rope_type", "default") != "default" else []
-    bad += [key for key in params if key not in allowed and key != "rope_type"]
+    """The error for rope parameters (transformers' ``rope_parameters``) other than plain rope, ``rope_type`` (or its
+    old spelling ``type``) 'default' with only the ``allowed`` keys; None when they are plain. It names the offending
+    keys as the file spells them (:func:`rope_field`), so that the user sees what to change."""
+    kind = params.get("rope_type", params.get("type", "default"))
+    bad = ["rope_type"] if kind != "default" else []
+    bad += [key for key in params if key not in allowed and key not in ("rope_type", "type")]
     if not bad:
         return None
     plain = f"only plain rope is supported: rope_type 'default' with {', '.join(sorted(set(allowed) - {'rope_type'}))}"
     # Keys transformers adds itself (original_max_position_embeddings for yarn) are named only if nothing else is.
-    names = list(dict.fromkeys(name for name in (rope_field(f.raw, key) for key in bad) if name))
-    if not names:
+    paths = list(dict.fromkeys(path for path in (_rope_path(f.raw, key) for key in bad) if path))
+    if not paths:
         return f.error(f"rope_parameters.{bad[0]}", f"is {json.dumps(params[bad[0]])}; {plain}")
-    also = f" (and {', '.join(repr(getattr(f, 'prefix', '') + n) for n in names[1:])})" if len(names) > 1 else ""
-    return f.error(names[0], f"is {json.dumps(_raw_value(f.raw, names[0]))}{also}; {plain}")
+    prefix = getattr(f, "prefix", "")
+    also = f" (and {', '.join(repr(prefix + '.'.join(p)) for p in paths[1:])})" if len(paths) > 1 else ""
+    value = f.raw
+    for part in paths[0]:
+        value = value[part]
+    return f.error(".".join(paths[0]), f"is {json.dumps(value)}{also}; {plain}")
 
 
 def rope_field(raw: Dict[str, Any], key: str) -> Optional[str]:
@@ -126,20 +131,19 @@ def rope_field(raw: Dict[str, Any], key: str) -> Optional[str]:
     ``partial_rotary_factor``) and ``rope_scaling`` (taken over ``rope_parameters``; ``type`` for ``rope_type``)
     into it: ``rope_scaling.<key>``, ``rope_parameters.<key>`` or the top-level ``key``; None if the file does not
     set it."""
+    path = _rope_path(raw, key)
+    return None if path is None else ".".join(path)
+
+
+def _rope_path(raw: Dict[str, Any], key: str) -> Optional[Tuple[str, ...]]:
+    """:func:`rope_field`'s place as the keys to follow (a key may itself hold a dot)."""
     outer = "rope_scaling" if raw.get("rope_scaling") else "rope_parameters"
     given = raw.get(outer) if isinstance(raw.get(outer), dict) else {}
     if key in given:
-        return f"{outer}.{key}"
+        return (outer, key)
     if key == "rope_type" and "type" in given:
-        return f"{outer}.type"  # the old spelling
-    return key if key in raw else None
-
-
-def _raw_value(raw: Dict[str, Any], name: str) -> Any:
-    """The file's value of ``name`` (``a.b`` is ``raw[a][b]``)."""
-    for part in name.split("."):
-        raw = raw[part]
-    return raw
+        return (outer, "type")  # the old spelling
+    return (key,) if key in raw else None
 
 
 def checkpoint_dtype(model_dir: Path) -> Optional[str]:

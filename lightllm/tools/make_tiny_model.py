@@ -45,6 +45,9 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 _FLAGS = {"vocab_size": "--vocab-size", "hidden_size": "--hidden", "intermediate_size": "--intermediate",
           "num_hidden_layers": "--layers", "num_attention_heads": "--heads", "num_key_value_heads": "--kv-heads",
           "head_dim": "--head-dim", "max_position_embeddings": "--max-position-embeddings"}  # fmt: skip
+_CLI_DEFAULTS = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                 "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                 "max_position_embeddings": 4096}  # fmt: skip
 
 
 def _check_qwen3_shape(sizes: dict, names: Optional[dict] = None) -> None:
@@ -74,6 +77,8 @@ def _check_qwen3_5_shape(sizes: dict, layer_types, partial_rotary_factor: float)
     if not layer_types or any(t not in LAYER_TYPES for t in layer_types) or "full_attention" not in layer_types:
         raise ValueError(f"layer_types expected a sequence of {LAYER_TYPES} with at least one 'full_attention' "
                          f"(the KV cache needs one), got {layer_types!r}")  # fmt: skip
+    if sizes["linear_conv_kernel_dim"] < 2:
+        raise ValueError(f"linear_conv_kernel_dim expected at least 2, got {sizes['linear_conv_kernel_dim']}")
     rotary_dim = int(sizes["head_dim"] * partial_rotary_factor)  # transformers' rounding, as the reader's
     if not 0 < partial_rotary_factor <= 1 or rotary_dim < 2 or rotary_dim % 2:
         raise ValueError(f"partial_rotary_factor {partial_rotary_factor} x head_dim {sizes['head_dim']} expected an "
@@ -432,16 +437,16 @@ def main(argv=None) -> None:
     parser.add_argument("--family", choices=("qwen3", "qwen3.5"), default="qwen3",
                         help="qwen3.5: a hybrid Qwen3.5 with make_tiny_qwen3_5's defaults (only --seed and --dtype "
                         "apply)")  # fmt: skip
-    parser.add_argument("--vocab-size", dest="vocab_size", type=int, default=512, help="tokenizer vocab size target")
-    parser.add_argument("--hidden", dest="hidden_size", type=int, default=64, help="hidden_size")
-    parser.add_argument("--intermediate", dest="intermediate_size", type=int, default=128, help="intermediate_size")
-    parser.add_argument("--layers", dest="num_hidden_layers", type=int, default=2, help="num_hidden_layers")
-    parser.add_argument(
-        "--heads", dest="num_attention_heads", type=int, default=4, help="num_attention_heads, a multiple of --kv-heads"
-    )
-    parser.add_argument("--kv-heads", dest="num_key_value_heads", type=int, default=2, help="num_key_value_heads")
-    parser.add_argument("--head-dim", dest="head_dim", type=int, default=16, help="head_dim, even (rotary embeddings)")
-    parser.add_argument("--max-position-embeddings", type=int, default=4096, help="at least 2")
+    # The size flags default to None so that one given with --family qwen3.5 is seen even at its Qwen3 default.
+    parser.add_argument("--vocab-size", dest="vocab_size", type=int, help="tokenizer vocab size target (512)")
+    parser.add_argument("--hidden", dest="hidden_size", type=int, help="hidden_size (64)")
+    parser.add_argument("--intermediate", dest="intermediate_size", type=int, help="intermediate_size (128)")
+    parser.add_argument("--layers", dest="num_hidden_layers", type=int, help="num_hidden_layers (2)")
+    parser.add_argument("--heads", dest="num_attention_heads", type=int, help="num_attention_heads (4), a multiple of "
+                        "--kv-heads")  # fmt: skip
+    parser.add_argument("--kv-heads", dest="num_key_value_heads", type=int, help="num_key_value_heads (2)")
+    parser.add_argument("--head-dim", dest="head_dim", type=int, help="head_dim (16), even (rotary embeddings)")
+    parser.add_argument("--max-position-embeddings", type=int, help="max_position_embeddings (4096), at least 2")
     parser.add_argument("--tie-word-embeddings", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default="float32")
@@ -449,11 +454,12 @@ def main(argv=None) -> None:
     sizes = {arg: getattr(args, arg) for arg in _FLAGS}
     if args.family == "qwen3.5":
         # its shape is make_tiny_qwen3_5's: a Qwen3 flag would be silently ignored
-        ignored = [_FLAGS[arg] for arg, value in sizes.items() if value != parser.get_default(arg)]
+        ignored = [_FLAGS[arg] for arg, value in sizes.items() if value is not None]
         ignored += ["--tie-word-embeddings"] if args.tie_word_embeddings else []
         if ignored:
             parser.error(f"{', '.join(ignored)}: --family qwen3 only (--family qwen3.5 takes --seed and --dtype)")
     else:
+        sizes = {arg: _CLI_DEFAULTS[arg] if value is None else value for arg, value in sizes.items()}
         try:
             _check_qwen3_shape(sizes, _FLAGS)
         except ValueError as e:

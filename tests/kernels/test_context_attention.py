@@ -41,6 +41,26 @@ def test_bad_inputs():
         context_attention(q, torch.randn(4, 2, 64), torch.randn(4, 2, 64), torch.zeros(1), torch.ones(1), 4)
 
 
+def test_views_and_outputs_it_would_read_or_write_wrongly_are_refused():
+    """The kernel steps through the head dim at unit stride: a transposed view was read wrongly, and an ``out`` too
+    small was written past its end (a heap corruption under the interpreter, an out-of-bounds write on a GPU)."""
+    start, length = torch.zeros(1, dtype=torch.int32), torch.full((1,), 64, dtype=torch.int32)
+    q, kv = torch.randn(64, 4, 64), torch.randn(64, 2, 64)
+    transposed = torch.randn(64, 64, 4).transpose(1, 2)  # [64, 4, 64], last-dim stride 4
+    with pytest.raises(ValueError, match=r"context_attention: q expected a contiguous last dim, got strides"):
+        context_attention(transposed, kv, kv, start, length, 64)
+    with pytest.raises(ValueError, match=r"context_attention: v expected a contiguous last dim"):
+        context_attention(q, kv, torch.randn(64, 64, 2).transpose(1, 2), start, length, 64)
+    for out in torch.zeros(2, 4, 64), torch.zeros(64, 4, 64, dtype=torch.float16), torch.zeros(64, 64, 4).mT:
+        with pytest.raises(ValueError, match=r"context_attention: out expected q's \(64, 4, 64\) torch.float32"):
+            context_attention(q, kv, kv, start, length, 64, out=out)
+    prefix = CachedPrefix(torch.zeros(1, 8, dtype=torch.int32), torch.zeros(1, dtype=torch.int32),
+                          torch.ones(1, dtype=torch.int32))  # fmt: skip
+    cache = torch.randn(8, 64, 2).transpose(1, 2)
+    with pytest.raises(ValueError, match=r"context_attention: k_cache expected a contiguous last dim"):
+        context_attention(q, kv, kv, start, length, 64, prefix=prefix, k_cache=cache, v_cache=cache)
+
+
 def _packed(lens, heads, kv_heads, head_dim, dtype, g):
     starts = [0]
     for n in lens[:-1]:

@@ -182,8 +182,9 @@ def test_tied_config_with_a_stored_lm_head(tiny_dir, tmp_path, caplog, kind, sto
             assert "tie_word_embeddings" in record.getMessage() and "lm_head.weight" in record.getMessage()
 
 
-def test_conditional_generation_reads_special_ids_at_the_top_when_text_config_has_none(tiny_dir, tmp_path):
-    """eos/bos only at config.json's top level (no generation_config.json): transformers' generate reads them there."""
+def test_conditional_generation_reads_special_ids_at_the_top_level_first(tiny_dir, tmp_path):
+    """eos/bos at config.json's top level (no generation_config.json): transformers' generate reads them there first,
+    then what text_config sets for what the top level leaves unset."""
     from transformers import AutoConfig, GenerationConfig
 
     cg = conditional_generation_folder(tiny_dir, tmp_path / "cg")
@@ -199,6 +200,17 @@ def test_conditional_generation_reads_special_ids_at_the_top_when_text_config_ha
     with pytest.raises(ModelLoadError, match=r"config.json: field 'eos_token_id' \[512\] out of range for vocab_size "
                                              r"512$"):  # fmt: skip
         Qwen3_5ModelConfig.from_model_dir(cg)
+    # both levels set: the top level's win, as transformers' generate reads them
+    both = {
+        **data,
+        "eos_token_id": 11,
+        "bos_token_id": 5,
+        "text_config": {**data["text_config"], "eos_token_id": [3, 4], "bos_token_id": 6},
+    }
+    (cg / "config.json").write_text(json.dumps(both))
+    c = Qwen3_5ModelConfig.from_model_dir(cg)
+    want = GenerationConfig.from_model_config(AutoConfig.from_pretrained(cg))
+    assert (list(c.eos_token_ids), c.bos_token_id) == ([want.eos_token_id], want.bos_token_id) == ([11], 5)
     (cg / "config.json").write_text(json.dumps({**data, "bos_token_id": [1, 2]}))  # transformers takes it up there
     with pytest.raises(ModelLoadError, match=r"config.json: field 'bos_token_id' must be one token id, got \[1, 2\]$"):
         Qwen3_5ModelConfig.from_model_dir(cg)
@@ -231,11 +243,12 @@ def logits(model, ids):
         ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.1}},
          "rope_parameters.partial_rotary_factor"),
         ({"linear_num_value_heads": 3}, "linear_num_value_heads"),
+        ({"linear_conv_kernel_dim": 1}, "linear_conv_kernel_dim"),
         ({"attention_bias": True}, "attention_bias"),
         ({"hidden_act": "gelu"}, "hidden_act"),
     ],
-    ids=["layer type", "no full attention", "rope type", "top-level rotary dims", "rotary dims", "value heads", "bias",
-         "act"],
+    ids=["layer type", "no full attention", "rope type", "top-level rotary dims", "rotary dims", "value heads",
+         "conv width", "bias", "act"],
 )  # fmt: skip
 def test_config_errors_are_one_line_naming_the_field(model_copy, changes, field):
     edit_config(model_copy, **changes)

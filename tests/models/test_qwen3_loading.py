@@ -278,7 +278,8 @@ def test_extra_tensors_warn(model_copy, caplog):
         ({"hidden_size": _DELETE}, "hidden_size"),
         ({"num_hidden_layers": "two"}, "num_hidden_layers"),
         ({"num_key_value_heads": 3}, "num_key_value_heads"),
-        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling.rope_type"),
+        ({"rope_scaling": {"type": "linear", "factor": 4.0}}, "rope_scaling.type"),
         ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}}, "rope_parameters.rope_type"),
         ({"eos_token_id": 100000}, "eos_token_id"),
         ({"use_sliding_window": True}, "use_sliding_window"),
@@ -302,7 +303,9 @@ def test_config_errors(model_copy, changes, field):
      "field 'rope_parameters.factor' is 4.0;"),
     ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}},
      "field 'rope_parameters.rope_type' is \"yarn\" (and 'rope_parameters.factor');"),
-], ids=["top-level partial_rotary_factor", "extra key", "rope type"])  # fmt: skip
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "scaling.factor": 4.0}},
+     "field 'rope_parameters.scaling.factor' is 4.0;"),
+], ids=["top-level partial_rotary_factor", "extra key", "rope type", "a key with a dot"])  # fmt: skip
 def test_rope_errors_name_the_keys_the_file_sets(model_copy, changes, expected):
     """transformers folds top-level rope fields into rope_parameters; the error names the one the file sets."""
     edit_config(model_copy, **changes)
@@ -310,6 +313,25 @@ def test_rope_errors_name_the_keys_the_file_sets(model_copy, changes, expected):
         Qwen3ModelConfig.from_model_dir(model_copy)
     assert str(err.value) == (f"{model_copy / 'config.json'}: {expected} only plain rope is supported: rope_type "
                               "'default' with rope_theta")  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"rope_scaling": {}},
+        {"rope_scaling": {"type": "default"}},
+        {"rope_scaling": {"rope_type": "default"}},
+        {"rope_parameters": {"type": "default", "rope_theta": 1e6}},
+    ],
+    ids=["empty rope_scaling", "old type key in rope_scaling", "rope_type key", "old type key in rope_parameters"],
+)
+def test_plain_rope_in_every_spelling_transformers_reads_is_plain_rope(model_copy, changes):
+    """transformers reads each as plain rope (the old ``type`` key included): so does the engine, same theta."""
+    from transformers import AutoConfig
+
+    edit_config(model_copy, **changes)
+    theta = AutoConfig.from_pretrained(model_copy).rope_parameters["rope_theta"]
+    assert Qwen3ModelConfig.from_model_dir(model_copy).rope_theta == theta
 
 
 @pytest.mark.parametrize("changes, expected", [

@@ -231,9 +231,10 @@ def test_tiny_qwen3_5_is_hybrid_deterministic_and_perturbed(tmp_path):
         (["--head-dim", "3"], "--head-dim expected an even number (rotary embeddings), got 3"),
         (["--family", "qwen3.5", "--heads", "8", "--tie-word-embeddings"], "--heads, --tie-word-embeddings: --family "
          "qwen3 only (--family qwen3.5 takes --seed and --dtype)"),  # fmt: skip
+        (["--family", "qwen3.5", "--layers", "2"], "--layers: --family qwen3 only"),  # even at the Qwen3 default
     ],
     ids=["head-dim-0", "intermediate-neg", "hidden-0", "layers-0", "vocab-neg", "context-0", "context-1",
-         "heads-not-multiple", "head-dim-odd", "qwen3.5-ignores"],  # fmt: skip
+         "heads-not-multiple", "head-dim-odd", "qwen3.5-ignores", "qwen3.5-ignores-a-default"],  # fmt: skip
 )
 def test_cli_refuses_a_shape_the_engine_would_not_load(tmp_path, capsys, flags, error):
     with pytest.raises(SystemExit) as exit_info:
@@ -276,9 +277,11 @@ def test_cli_out_dir_that_cannot_be_a_folder_is_one_line(tmp_path, capsys, monke
          "even number of rotary dims in [2, head_dim], got 1"),  # fmt: skip
         (make_tiny_model.make_tiny_qwen3_5, dict(max_position_embeddings=1, mtp=True), "max_position_embeddings "
          "expected at least 2"),  # fmt: skip
+        (make_tiny_model.make_tiny_qwen3_5, dict(linear_conv_kernel_dim=1), "linear_conv_kernel_dim expected at least "
+         "2, got 1"),  # fmt: skip
     ],
     ids=["q3-heads", "q3-head-dim", "q3-padded-vocab", "q35-intermediate", "q35-linear-heads", "q35-no-full",
-         "q35-rotary", "q35-mtp-context"],  # fmt: skip
+         "q35-rotary", "q35-mtp-context", "q35-conv-width"],  # fmt: skip
 )
 def test_builders_refuse_what_the_engine_would_not_load(tmp_path, build, kwargs, error):
     with pytest.raises(ValueError, match=re.escape(error)):
@@ -298,6 +301,6 @@ def test_the_smallest_accepted_shapes_load(tmp_path):
     make_tiny_model.make_tiny_qwen3_5(tmp_path / "q35", vocab_size=1, hidden_size=8, intermediate_size=1,
                                       layer_types=("full_attention",), num_attention_heads=3, num_key_value_heads=3,
                                       head_dim=8, linear_num_key_heads=1, linear_num_value_heads=1,
-                                      linear_key_head_dim=1, linear_value_head_dim=1, linear_conv_kernel_dim=1,
+                                      linear_key_head_dim=1, linear_value_head_dim=1, linear_conv_kernel_dim=2,
                                       max_position_embeddings=2)  # fmt: skip
     assert Qwen3_5ModelConfig.from_model_dir(tmp_path / "q35").rotary_dim == 2

@@ -5,7 +5,6 @@ Anything the Qwen3 forward does not implement (rope scaling, sliding window, att
 activation) is refused here with one line naming the file and the field, rather than producing wrong logits.
 """
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Tuple, Union
@@ -124,9 +123,6 @@ def _rope_theta(f: ConfigFields) -> float:
     """The plain rope's theta. transformers folds the older top-level ``rope_theta`` / ``rope_scaling`` into
     ``rope_parameters``; anything but ``rope_type`` 'default' with ``rope_theta`` is refused, naming the field the
     file used."""
-    scaling = f.raw.get("rope_scaling")
-    if scaling is not None and scaling != {"rope_type": "default"}:
-        raise f.error("rope_scaling", f"is not supported (must be null), found {json.dumps(scaling)}")
     params = f.hf.rope_parameters or {}
     if not isinstance(params, dict):
         raise f.error("rope_parameters", f"must be an object, got {params!r}")
@@ -141,16 +137,18 @@ def special_token_ids(
     f: ConfigFields, model_dir: Path, vocab: int, outer: Optional[ConfigFields] = None
 ) -> Tuple[Tuple[int, ...], Optional[int]]:
     """The end-of-sequence ids (the config's, then :func:`generation_eos`'s) and the begin id (or None), checked
-    against ``vocab``. ``outer``: the top level of a config whose text model ``f`` is (a multimodal ``text_config``);
-    an id ``f`` lacks is read there, as transformers' ``generate`` reads it."""
+    against ``vocab``. ``outer``: the top level of a config whose text model ``f`` is (a multimodal ``text_config``):
+    an id set there wins over ``f``'s, as transformers' ``generate`` reads them (``GenerationConfig.from_model_config``
+    takes the top level, then fills what it left unset from the text config)."""
     eos = _token_ids(f, outer, "eos_token_id", vocab)
     bos = _token_ids(f, outer, "bos_token_id", vocab, one=True)
     return eos + generation_eos(model_dir, exclude=eos, vocab=vocab), bos[0] if bos else None
 
 
 def _token_ids(f: ConfigFields, outer: Optional[ConfigFields], field: str, vocab: int, one=False) -> Tuple[int, ...]:
-    """``field``'s ids (at most one with ``one``) in ``f``, else in ``outer`` (when given); () when neither has it."""
-    src = outer if getattr(f.hf, field, None) is None and outer is not None else f
+    """``field``'s ids (at most one with ``one``) in ``outer`` (when given and set there), else in ``f``; () when
+    neither has it."""
+    src = outer if outer is not None and getattr(outer.hf, field, None) is not None else f
     value = getattr(src.hf, field, None)
     ids = () if value is None else src.token_ids(field, value)
     if one and len(ids) > 1:  # transformers checks this in a text config, not at a multimodal config's top level

@@ -158,7 +158,7 @@ def _read(f: _TextFields, model_dir: Path, multimodal: bool, top: ConfigFields) 
         linear_num_value_heads=v_heads,
         linear_key_head_dim=f.positive_int("linear_key_head_dim", default=hf.linear_key_head_dim),
         linear_value_head_dim=f.positive_int("linear_value_head_dim", default=hf.linear_value_head_dim),
-        linear_conv_kernel_dim=f.positive_int("linear_conv_kernel_dim", default=hf.linear_conv_kernel_dim),
+        linear_conv_kernel_dim=_conv_kernel_dim(f, hf),
         rms_norm_eps=f.positive_float("rms_norm_eps"),
         max_position_embeddings=f.positive_int("max_position_embeddings", default=hf.max_position_embeddings),
         tie_word_embeddings=tie,
@@ -176,6 +176,15 @@ def _mtp_layers(f: _TextFields) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise f.error("mtp_num_hidden_layers", f"must be a non-negative integer, got {value!r}")
     return value
+
+
+def _conv_kernel_dim(f: _TextFields, hf) -> int:
+    """The linear attention's causal conv1d width: at least 2 (its state holds the ``K - 1`` tokens before the
+    current one; no Qwen3.5 has fewer, and the kernels are not written for an empty state)."""
+    width = f.positive_int("linear_conv_kernel_dim", default=hf.linear_conv_kernel_dim)
+    if width < 2:
+        raise f.error("linear_conv_kernel_dim", f"must be at least 2, got {width}")
+    return width
 
 
 def _rope(f: _TextFields, head_dim: int) -> Tuple[float, int]:

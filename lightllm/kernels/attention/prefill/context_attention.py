@@ -393,6 +393,13 @@ class ContextAttentionPlan:
     def run(self, q, k, v, out=None, k_cache=None, v_cache=None) -> torch.Tensor:
         """``k_cache``/``v_cache`` ``[pool tokens, kv_heads, D]`` in q's dtype: this layer's cache, with a prefix."""
         self.inputs.check((q.shape, q.dtype), (k.shape, k.dtype), (v.shape, v.dtype))
+        # the kernel steps through the head dim at unit stride: a transposed view would be read (or written) wrongly
+        for name, t in (("q", q), ("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
+            if t is not None and t.stride(-1) != 1:
+                raise ValueError(f"context_attention: {name} expected a contiguous last dim, got strides {t.stride()}")
+        if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1):
+            raise ValueError(f"context_attention: out expected q's {tuple(q.shape)} {q.dtype} with a contiguous last "
+                             f"dim, got {tuple(out.shape)} {out.dtype} with strides {out.stride()}")  # fmt: skip
         out = self._out.get(q.device) if out is None else out
         args = (q, k, v, out, self.b_start, self.b_len, self.max_q_len, self.sm_scale)
         p = self.prefix
