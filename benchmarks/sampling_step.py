@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import torch
 
+from lightllm.engine.args import EngineArgs
 from lightllm.engine.engine import Engine
 from lightllm.engine.request import Request
 from lightllm.engine.sampler import SamplingParams
@@ -27,9 +28,9 @@ CASES = {
 }
 
 
-class _Runner:  # what Engine's constructor reads; the draw needs nothing else
+class _Runner:  # what Engine's constructor reads (its scheduler: the engine's own options); the draw needs nothing else
     def __init__(self, vocab, device):
-        self.args = SimpleNamespace(batch_max_tokens=1, max_req_total_len=1)
+        self.args = EngineArgs(batch_max_tokens=1, max_req_total_len=1)
         self.config = SimpleNamespace(vocab_size=vocab, eos_token_ids=(0,))
         self.device = torch.device(device)
 

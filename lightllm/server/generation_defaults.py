@@ -14,7 +14,7 @@ FILE = "generation_config.json"
 _RANGES = {
     "temperature": ("a number in [0, 100]", lambda v: _number(v) and 0 <= v <= 100),
     "top_p": ("a number in (0, 1]", lambda v: _number(v) and 0 < v <= 1),
-    "top_k": ("an integer >= 0", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0),
+    "top_k": ("an integer >= -1 (-1 and 0: off)", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= -1),
     "min_p": ("a number in [0, 1]", lambda v: _number(v) and 0 <= v <= 1),
     "repetition_penalty": ("a number > 0", lambda v: _number(v) and v > 0),
 }
@@ -47,7 +47,7 @@ def read_sampling_defaults(model_dir: Union[str, Path]) -> Dict[str, Union[int, 
             continue
         if not ok(value):
             raise ValueError(f"{path}: {key} expected {allowed}, got {value!r}")
-        defaults[key] = value
+        defaults[key] = max(value, 0) if key == "top_k" else value  # top_k -1 (vLLM's "off") is this server's 0
     if config.get("do_sample") is False:  # greedy: top_p, top_k and min_p change nothing; a penalty still does
         defaults = {"temperature": 0.0, **{k: v for k, v in defaults.items() if k == "repetition_penalty"}}
     logger.info("sampling defaults of the OpenAI routes from %s: %s", path, defaults or "none set")

@@ -21,6 +21,7 @@ import torch
 from filelock import FileLock, Timeout
 
 from lightllm.common import envs
+from lightllm.common.cli import OneLineParser
 from lightllm.tools.tiny_mtp import add_mtp_head, check_mtp_head, make_agreeing, mtp_tensors
 
 logger = logging.getLogger(__name__)
@@ -429,7 +430,7 @@ def _build_default(target: Path) -> Path:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="python -m lightllm.tools.make_tiny_model",
         description="Write a tiny random-weight Qwen3 or Qwen3.5 Hugging Face folder.",
     )

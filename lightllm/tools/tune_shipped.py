@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import List, Optional, Sequence
 
 from lightllm.common import proc as procs
+from lightllm.common.cli import OneLineParser
 from lightllm.tools.make_tiny_model import BUILTIN_SHAPE, QWEN3_8B_SHAPE
 
 QWEN3_D128 = dict(head_dim=128, num_key_value_heads=8)
@@ -179,8 +180,8 @@ def _run_start(kwargs: dict, config_dir: Path, timeout: Optional[float], log_pat
 def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
     from lightllm.common.autotuner.__main__ import _export_dir_problem  # the export's own check of --out
 
-    p = argparse.ArgumentParser(prog="python -m lightllm.tools.tune_shipped", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p = OneLineParser(prog="python -m lightllm.tools.tune_shipped", description=__doc__,
+                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--out", required=True, help="folder to create or export into (the shipped one to ship them)")
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES), help="repeats are dropped")
     p.add_argument(

@@ -187,14 +187,23 @@ def test_do_sample_false_means_greedy(tmp_path):
     assert read_sampling_defaults(write(tmp_path, greedy_with_penalty)) == want
 
 
+def test_top_k_minus_one_is_off_as_a_request_may_send_it(tmp_path):
+    """vLLM's convention for "no top-k", which a request may send too: the folder is served, with top_k off."""
+    assert read_sampling_defaults(write(tmp_path, {"top_k": -1, "temperature": 0.6})) == {
+        "top_k": 0,
+        "temperature": 0.6,
+    }
+
+
 @pytest.mark.parametrize("config, expected", [
     ({"temperature": -1}, "temperature expected a number in [0, 100], got -1"),
     ({"top_p": 0}, "top_p expected a number in (0, 1], got 0"),
-    ({"top_k": 2.5}, "top_k expected an integer >= 0, got 2.5"),
-    ({"top_k": True}, "top_k expected an integer >= 0, got True"),
+    ({"top_k": 2.5}, "top_k expected an integer >= -1 (-1 and 0: off), got 2.5"),
+    ({"top_k": True}, "top_k expected an integer >= -1 (-1 and 0: off), got True"),
+    ({"top_k": -2}, "top_k expected an integer >= -1 (-1 and 0: off), got -2"),
     ({"min_p": 1.5}, "min_p expected a number in [0, 1], got 1.5"),
     ({"repetition_penalty": 0}, "repetition_penalty expected a number > 0, got 0"),
-], ids=["temperature", "top_p", "top_k float", "top_k bool", "min_p", "repetition_penalty"])  # fmt: skip
+], ids=["temperature", "top_p", "top_k float", "top_k bool", "top_k -2", "min_p", "repetition_penalty"])  # fmt: skip
 def test_a_value_no_request_could_send_names_the_file_and_key(tmp_path, config, expected):
     path = write(tmp_path, config)
     with pytest.raises(ValueError) as e:

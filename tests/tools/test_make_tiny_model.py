@@ -240,7 +240,8 @@ def test_cli_refuses_a_shape_the_engine_would_not_load(tmp_path, capsys, flags, 
     with pytest.raises(SystemExit) as exit_info:
         make_tiny_model.main([str(tmp_path / "m"), *flags])
     assert exit_info.value.code == 2
-    assert f"error: {error}" in capsys.readouterr().err.splitlines()[-1]
+    (line,) = capsys.readouterr().err.splitlines()  # one line: no usage block above it
+    assert line.startswith("python -m lightllm.tools.make_tiny_model: error: ") and f"error: {error}" in line
     assert not (tmp_path / "m").exists()  # refused before anything is written
 
 
