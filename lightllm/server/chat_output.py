@@ -5,7 +5,7 @@ looked for in the content only."""
 from dataclasses import dataclass
 from typing import List, Optional
 
-from lightllm.server.reasoning import REASONING_PARSERS, ReasoningSplitter, prompt_opens_think
+from lightllm.server.reasoning import REASONING_PARSERS, ReasoningSplitter, prompt_closes_think, prompt_opens_think
 from lightllm.server.tool_calls import ToolCall, ToolCallExtractor
 
 
@@ -31,15 +31,23 @@ def chat_parsing(reasoning_parser: Optional[str], tool_call_parser: Optional[str
     tools = tool_call_parser is not None and bool(body.tools) and body.tool_choice != "none"
     if not reasoning and not tools:
         return None
-    starts = reasoning and (REASONING_PARSERS[reasoning_parser] or prompt_opens_think(generation_prompt))
+    if not reasoning:
+        starts = False
+    elif REASONING_PARSERS[reasoning_parser]:  # inside the reasoning, unless a continued message closed it already
+        starts = not (body.continue_final_message and prompt_closes_think(generation_prompt))
+    else:
+        starts = prompt_opens_think(generation_prompt)
     return ChatParsing(reasoning, starts, tools)
 
 
 def reads_generation_prompt(reasoning_parser: Optional[str], body) -> bool:
     """Whether :func:`chat_parsing` looks at the chat template's generation prompt: a parser whose answers start in
-    the reasoning only where the template opened ``<think>`` (``qwen3``), with thinking on. Only that part of the
-    prompt counts: a message that mentions ``<think>`` opens nothing."""
-    return _reasoning(reasoning_parser, body) and not REASONING_PARSERS[reasoning_parser]
+    the reasoning only where the template opened ``<think>`` (``qwen3``), with thinking on; any parser where the answer
+    continues the last message (``continue_final_message``: a prefill may open or close ``<think>``). Only that part
+    of the prompt counts: an earlier message that mentions ``<think>`` opens nothing."""
+    if not _reasoning(reasoning_parser, body):
+        return False
+    return not REASONING_PARSERS[reasoning_parser] or bool(body.continue_final_message)
 
 
 def _reasoning(reasoning_parser: Optional[str], body) -> bool:

@@ -59,7 +59,8 @@ class PromptEncoder:
     ) -> Tuple[List[int], str]:
         """``encode_chat``'s ids, and the text the template adds after the messages for the answer (its generation
         prompt, where a template may open ``<think>``): the prompt rendered with it past where it stops agreeing with
-        the prompt rendered without it."""
+        the prompt rendered without it. With ``continue_final_message`` the answer continues the last message, so
+        that text is the last message as rendered (its opening and the prefill, which may open or close ``<think>``)."""
         return await self._chat(messages, options, self._render_answering)
 
     async def _chat(self, messages: List[dict], options: Optional[dict], render):
@@ -86,7 +87,12 @@ class PromptEncoder:
         return self.tokenizer.encode(self._text(messages, options, True))
 
     def _render_answering(self, messages: List[dict], options: dict) -> Tuple[List[int], str]:
-        text, before = self._text(messages, options, True), self._text(messages, options, False)
+        text = self._text(messages, options, True)
+        if options.get("continue_final_message"):  # the answer goes on in the last message: its opening and text so far
+            rest = {key: value for key, value in options.items() if key != "continue_final_message"}
+            before = self._text(messages[:-1], rest, False) if len(messages) > 1 else ""
+        else:
+            before = self._text(messages, options, False)
         common = len(before) if text.startswith(before) else len(os.path.commonprefix([text, before]))
         return self.tokenizer.encode(text), text[common:]
 

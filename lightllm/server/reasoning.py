@@ -19,6 +19,11 @@ def prompt_opens_think(generation_prompt: str) -> bool:
     return generation_prompt.rfind(THINK_OPEN) > generation_prompt.rfind(THINK_CLOSE)
 
 
+def prompt_closes_think(text: str) -> bool:
+    """Whether ``text`` (a continued message) closed its last ``<think>``: the answer goes on in the content."""
+    return text.rfind(THINK_CLOSE) > text.rfind(THINK_OPEN)
+
+
 def partial_tag_at_end(text: str, tag: str) -> int:
     """Length of the longest end of ``text`` that is a proper prefix of ``tag`` (held back: the next delta may
     complete the tag)."""

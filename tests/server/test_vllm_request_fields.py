@@ -7,10 +7,11 @@ import asyncio
 import json
 
 import pytest
-from fake_model import make_scripted_server, post, sse
+from fake_model import Chars, ScriptedRunner, make_scripted_server, post, sse
 from fastapi.testclient import TestClient
 
 from lightllm.server import bodies
+from lightllm.server.http_server import Server
 from lightllm.server.prompts import PromptEncoder
 from lightllm.tools.make_tiny_model import _build_tokenizer
 
@@ -248,3 +249,40 @@ def test_unknown_field_names_logged_are_bounded(client, monkeypatch):
     post(client, COMPLETIONS, {**body, **{f"z{i}": 1 for i in range(100)}})
     assert len(bodies._ignored_logged) == bodies.MAX_IGNORED_LOGGED
     assert max(len(k) for k in bodies._ignored_logged) <= len("CompletionRequest.") + bodies._NAME_SHOWN
+
+
+class ChatML(Chars):
+    """A Qwen3-like ChatML template over ``Chars``: the first (system) message is the scripted answer, before ``SEP``;
+    ``continue_final_message`` leaves the last message open, as transformers renders it."""
+
+    def apply_chat_template(self, messages, add_generation_prompt=False, continue_final_message=False, **kw):
+        out = messages[0]["content"] + chr(Chars.SEP)
+        for i, m in enumerate(messages[1:]):
+            out += f"<|im_start|>{m['role']}\n{m['content']}"
+            if not (continue_final_message and i == len(messages) - 2):
+                out += "<|im_end|>\n"
+        return out + ("<|im_start|>assistant\n" if add_generation_prompt else "")
+
+
+@pytest.mark.parametrize(
+    "parser, prefill, answer, split",
+    [
+        ("qwen3", "<think>\nplan", "more</think>\n\nok", ("more", "ok")),  # the prefill opened the reasoning
+        ("qwen3", "<think>x</think>\n\nIt is", " 42.", (None, " 42.")),
+        ("deepseek-r1", "<think>x</think>\n\nIt is", " 42.", (None, " 42.")),  # the prefill closed it already
+        ("qwen3-thinking", "<think>x</think>\n\nIt is", " 42.", (None, " 42.")),
+        ("deepseek-r1", "Sure, ", "hmm</think>ok", ("hmm", "ok")),  # nothing closed: as always, inside the reasoning
+    ],
+)
+def test_a_continued_assistant_message_decides_where_the_answer_starts(parser, prefill, answer, split):
+    server = Server(ScriptedRunner(), ChatML(), "tiny", reasoning_parser=parser)
+    server.prompts.tokenizer = server.tokenizer
+    msgs = [{"role": "system", "content": answer}, {"role": "user", "content": "q"},
+            {"role": "assistant", "content": prefill}]  # fmt: skip
+    body = {"messages": msgs, "max_tokens": 30, "continue_final_message": True}
+    with TestClient(server.app) as c:
+        message = post(c, CHAT, body)["choices"][0]["message"]
+        deltas = [ch["choices"][0]["delta"] for ch in sse(c, CHAT, {**body, "stream": True}) if ch["choices"]]
+    assert (message["reasoning_content"], message["content"]) == split
+    streamed = ["".join(d.get(key) or "" for d in deltas) for key in ("reasoning_content", "content")]
+    assert streamed == [split[0] or "", split[1]]
