@@ -23,6 +23,7 @@ from tests.engine.test_qwen3_vs_transformers import (
     forced_scores,
 )
 from tests.engine.test_scheduler import run_all
+from tests.models.test_qwen3_5_loading import language_model_names
 
 GEN = torch.Generator().manual_seed(0)
 PROMPTS = [torch.randint(3, 500, (n,), generator=GEN).tolist() for n in (1, 7, 200, 33)]
@@ -88,9 +89,7 @@ def conditional_generation_folder(text_dir, out, **top_fields):
     config = {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5", "text_config": text,
               "vision_config": vision, "tie_word_embeddings": False, **top_fields}  # fmt: skip
     (out / "config.json").write_text(json.dumps(config))
-    tensors = load_file(out / "model.safetensors")
-    renamed = {"model.language_model." + k[len("model.") :] if k.startswith("model.") else k: v
-               for k, v in tensors.items()}  # fmt: skip
+    renamed = language_model_names(load_file(out / "model.safetensors"))
     save_file(renamed, out / "model.safetensors", metadata={"format": "pt"})
     return out
 
@@ -145,9 +144,7 @@ def test_text_folder_with_conditional_generation_weight_names_gives_transformers
     """A Qwen3_5ForCausalLM folder whose weights are named ``model.language_model.*`` (a text model cut out of a
     ConditionalGeneration checkpoint): transformers strips ``language_model.``, and so must the engine."""
     model_dir = shutil.copytree(tiny_dir, tmp_path / "model")
-    tensors = load_file(model_dir / "model.safetensors")
-    renamed = {"model.language_model." + k[len("model.") :] if k.startswith("model.") else k: v
-               for k, v in tensors.items()}  # fmt: skip
+    renamed = language_model_names(load_file(model_dir / "model.safetensors"))
     save_file(renamed, model_dir / "model.safetensors", metadata={"format": "pt"})
     llm = LLM(str(model_dir), data_type="fp32", device="cpu", batch_max_tokens=64, max_req_total_len=128)
     (out,) = llm.generate([PROMPTS[1]], SamplingParams(max_new_tokens=6, ignore_eos=True))

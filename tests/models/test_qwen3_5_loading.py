@@ -36,6 +36,13 @@ def edit_config(model_dir, **changes):
     path.write_text(json.dumps({k: v for k, v in data.items() if v is not None}))
 
 
+def language_model_names(tensors: dict) -> dict:
+    """A text checkpoint's tensors named as a ``Qwen3_5ForConditionalGeneration`` one's: ``model.`` becomes
+    ``model.language_model.``."""
+    return {("model.language_model." + k[len("model.") :] if k.startswith("model.") else k): v
+            for k, v in tensors.items()}  # fmt: skip
+
+
 def conditional_generation_folder(text_dir, out, tie=False):
     """The text model as a ``Qwen3_5ForConditionalGeneration`` checkpoint: nested ``text_config``, weights under
     ``model.language_model.``, plus a vision tensor and an MTP tensor the loader must skip."""
@@ -45,9 +52,7 @@ def conditional_generation_folder(text_dir, out, tie=False):
     (out / "config.json").write_text(json.dumps({"architectures": ["Qwen3_5ForConditionalGeneration"],
                                                  "model_type": "qwen3_5", "text_config": text,
                                                  "tie_word_embeddings": tie}))  # fmt: skip
-    tensors = load_file(out / "model.safetensors")
-    renamed = {("model.language_model." + k[len("model."):] if k.startswith("model.") else k): v
-               for k, v in tensors.items()}  # fmt: skip
+    renamed = language_model_names(load_file(out / "model.safetensors"))
     renamed["model.visual.patch_embed.proj.weight"] = torch.zeros(4, 3)
     renamed["model.visual.blocks.0.norm1.weight"] = torch.zeros(4)
     renamed["mtp.fc.weight"] = torch.zeros(2, 2)
