@@ -79,8 +79,11 @@ def _check_chat(body: ChatRequest) -> None:
         shown = choice if isinstance(choice, str) else "a named function"
         raise BadRequest(f"tool_choice: {shown!r} is not supported (forcing a call needs constrained decoding, which "
                          "this server does not have); use 'auto' or 'none'")  # fmt: skip
+    if (body.model_extra or {}).get("chat_template") is not None:  # vLLM's default refuses it too (untrusted Jinja)
+        raise BadRequest("chat_template: a request's own chat template is not supported; the server renders with the "
+                         "model's template or the one --chat_template names; leave it out or send null")  # fmt: skip
     for key in sorted(set(body.chat_template_kwargs or {}) & set(RESERVED_TEMPLATE_KWARGS)):
-        own = " (send it as the request's own field)" if hasattr(body, key) else ""
+        own = " (send it as the request's own field)" if key in type(body).model_fields else ""
         raise BadRequest(f"chat_template_kwargs: {key!r} is set by the server; it may not be passed{own}")
     if body.continue_final_message:
         if body.add_generation_prompt:

@@ -53,13 +53,16 @@ def parse_call(body: str) -> Optional[ToolCall]:
 class ToolCallExtractor:
     """One answer's content, delta by delta, as a list of pieces: text (``str``) and calls (``ToolCall``). A call
     is emitted whole once its tag closes; text that could start a tag is held until it is known not to. The spaces
-    around calls are dropped (Qwen writes a newline before and after each tag); an answer without calls keeps all
-    of its text."""
+    around calls are dropped (Qwen writes a newline before and after each tag), except that text on both sides of
+    calls stays apart: by the spaces written after the calls, else those before them, else a newline. An answer
+    without calls keeps all of its text."""
 
     def __init__(self):
         self._held = ""  # text outside a tag that may start one
         self._spaces = ""  # trailing spaces of the text so far: emitted once more text follows
-        self._after_call = False  # drop the spaces that follow a call
+        self._after_call = False  # the spaces that follow a call separate it from text, if text came before it
+        self._gap = ""  # the spaces held before the calls since the last text
+        self._wrote_text = False
         self._inside: Optional[str] = None  # the text of an open tag
         self.calls = 0
 
@@ -101,15 +104,15 @@ class ToolCallExtractor:
         return out
 
     def _text(self, text: str, out: list) -> None:
-        if self._after_call:
-            text = text.lstrip()
-            if not text:
-                return
-            self._after_call = False
         body = text.rstrip()
+        if body and self._after_call:
+            spaces = self._spaces + text[: len(text) - len(text.lstrip())]
+            text, body = text.lstrip(), body.lstrip()
+            self._spaces = (spaces or self._gap or "\n") if self._wrote_text else ""
+            self._after_call = False
         if body:
             out.append(self._spaces + body)
-            self._spaces = ""
+            self._spaces, self._wrote_text = "", True
         self._spaces += text[len(body) :]
 
     def _close(self, body: str, out: list, closed: bool) -> None:
@@ -117,6 +120,8 @@ class ToolCallExtractor:
         if call is None:  # stays text, tags included
             self._text(CALL_OPEN + body + (CALL_CLOSE if closed else ""), out)
             return
+        if not self._after_call:
+            self._gap = self._spaces
         self._spaces, self._after_call = "", True
         self.calls += 1
         out.append(call)

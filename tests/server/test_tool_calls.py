@@ -23,7 +23,10 @@ WEATHER = ("get_weather", {"city": "Paris", "unit": "c"})
 TIME = ("now", {})
 CASES = {
     "one call": (CALL, "", [WEATHER]),
-    "text around": ("Let me check.\n" + CALL + "\nDone.", "Let me check.Done.", [WEATHER]),
+    "text around": ("Let me check.\n" + CALL + "\n\nDone.", "Let me check.\n\nDone.", [WEATHER]),
+    "text around, spaces before only": ("Answer: 42 " + CALL + "Right?", "Answer: 42 Right?", [WEATHER]),
+    "text around, no spaces": ("42" + CALL + CALL + "Right?", "42\nRight?", [WEATHER, WEATHER]),
+    "spaces after a first call dropped": (CALL + "\n Done.", "Done.", [WEATHER]),
     "two calls": (CALL + "\n" + CALL.replace("get_weather", "now").replace('{"city": "Paris", "unit": "c"}', "{}"),
                   "", [WEATHER, TIME]),
     "no tags": ("just text, 1 < 2 <tool", "just text, 1 < 2 <tool", []),
@@ -51,7 +54,7 @@ def test_a_call_comes_out_once_its_tag_closes_and_text_is_not_held_longer_than_n
     assert ex.add('_call>{"name": "now", ') == []
     [call] = ex.add('"arguments": {"a": 1}}</tool_call>')
     assert (call.name, call.arguments, call.id.startswith("call_")) == ("now", '{"a": 1}', True)
-    assert ex.add(" then") == ["then"] and ex.finish() == []
+    assert ex.add(" then") == [" then"] and ex.finish() == []  # text on both sides: the space keeps them apart
 
 
 def test_parse_call_and_openai_shape():

@@ -116,6 +116,10 @@ def test_continue_final_message_and_add_generation_prompt_reach_the_template(ser
          "the last message must be the assistant's to continue, got role 'user'"),
         ({"chat_template_kwargs": {"continue_final_message": True}}, "chat_template_kwargs: 'continue_final_message' "
          "is set by the server; it may not be passed (send it as the request's own field)"),
+        ({"chat_template": "{{ messages }}"}, "chat_template: a request's own chat template is not supported; the "
+         "server renders with the model's template or the one --chat_template names; leave it out or send null"),
+        ({"chat_template_kwargs": {"chat_template": "x"}}, "chat_template_kwargs: 'chat_template' is set by the "
+         "server; it may not be passed"),  # no hint to send it as a field: that is refused too
     ],
 )  # fmt: skip
 def test_bad_chat_template_flags_are_a_400(server, client, extra, message):
