@@ -171,7 +171,7 @@ class Server:
         async def generate_stream(body: GenerateRequest, request: Request):
             ids, params = await self._native(body)
             sub = self._submit(ids, params)
-            return _SubmittedStream(self._native_events(ids, params, body.parameters, request, sub), [sub])
+            return _SubmittedStream(self._native_events(ids, params, body.parameters, request, sub), [sub], done=False)
 
         @app.post("/v1/completions")
         async def completions(body: CompletionRequest, request: Request):
@@ -545,10 +545,11 @@ class _Submitted:
 
 class _SubmittedStream(StreamingResponse):
     """A streamed response over requests its handler submitted: whatever way the response ends (its body done,
-    the client gone before the body started, a failed send), no request of it is left running."""
+    the client gone before the body started, a failed send, an error making the body), no request of it is left
+    running. ``done``: the body's events end with ``data: [DONE]`` (OpenAI's routes), also after an error."""
 
-    def __init__(self, body, submitted: Sequence[_Submitted]):
-        super().__init__(body, media_type="text/event-stream")
+    def __init__(self, body: AsyncIterator[str], submitted: Sequence[_Submitted], done: bool = True):
+        super().__init__(_ending_in_an_error_event(body, done), media_type="text/event-stream")
         self.submitted = submitted
 
     async def __call__(self, scope, receive, send) -> None:
@@ -557,6 +558,19 @@ class _SubmittedStream(StreamingResponse):
         finally:
             for sub in self.submitted:
                 sub.abort()
+
+
+async def _ending_in_an_error_event(body: AsyncIterator[str], done: bool) -> AsyncIterator[str]:
+    """``body``'s events; if making one raises, an error event (and ``[DONE]`` where the route ends with it), as
+    vLLM's streams end, instead of a connection closed mid-body that clients report as an incomplete read."""
+    try:
+        async for event in body:
+            yield event
+    except Exception as e:  # not BaseException: a cancelled task (the client gone) ends as it is
+        logger.exception("a streamed response failed; it ends with an error event")
+        error = {"message": f"internal error ({type(e).__name__}); the server log has the details",
+                 "type": "server_error", "code": 500}  # fmt: skip
+        yield f"data: {json.dumps({'error': error})}\n\n" + ("data: [DONE]\n\n" if done else "")
 
 
 class _Inbox:

@@ -35,7 +35,7 @@ def parse_call(body: str) -> Optional[ToolCall]:
     """The call inside one ``<tool_call>`` tag, or None when it is not a well-formed call."""
     try:
         obj = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: a model in a loop nests [[[[ past json's depth
         return None
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
@@ -43,7 +43,7 @@ def parse_call(body: str) -> Optional[ToolCall]:
     if isinstance(arguments, str):  # some models write the arguments already as a JSON string
         try:
             arguments = json.loads(arguments)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
     if not isinstance(arguments, dict):
         return None

@@ -98,6 +98,10 @@ class ScriptedRunner(FakeRunner):
         self._slots += 1
         return self._slots
 
+    def free(self, slot, last_token=None):  # its slots hold no KV
+        self._prompt.pop(slot, None)
+        self._step.pop(slot, None)
+
     def prefill(self, slots, prompts, publish=(), following=()):
         for slot, ids in zip(slots, prompts):
             self._prompt[slot] = self._prompt.get(slot, []) + list(ids)

@@ -62,3 +62,11 @@ def test_parse_call_and_openai_shape():
     assert call.as_openai() == {"id": call.id, "type": "function", "function": {"name": "f", "arguments": '{"q": "é"}'}}
     assert call.as_openai(2)["index"] == 2
     assert [parse_call(b) for b in ("[1]", '{"name": 3}', '{"name": "f", "arguments": [1]}', "")] == [None] * 4
+
+
+def test_a_tag_nested_past_jsons_depth_stays_text():
+    """A model in a loop writes ``[[[[...``: json's RecursionError is "not a call", not a crash of the request."""
+    text = "<tool_call>" + "[" * 1200 + "</tool_call>"
+    assert parse_call("[" * 1200) is None
+    assert parse_call('{"name": "f", "arguments": "' + "[" * 1200 + '"}') is None
+    assert split_tool_calls(text) == (text, [])
