@@ -12,6 +12,7 @@ import operator
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Tuple, Union
 
+from lightllm.common import envs
 from lightllm.engine.args import EngineArgs
 from lightllm.engine.detokenize import TextStream, final_text, stop_ids
 from lightllm.engine.engine import Engine, eos_token_ids
@@ -19,6 +20,7 @@ from lightllm.engine.model_runner import ModelRunner
 from lightllm.engine.request import Event, Request
 from lightllm.engine.sampler import MAX_SEED, SamplingParams
 from lightllm.engine.tokenizer import load_tokenizer
+from lightllm.tools.make_tiny_model import default_model_dir
 
 Prompt = Union[str, Sequence[int]]
 
@@ -43,8 +45,11 @@ class LLM:
         unknown = sorted(set(engine_options) - names)
         if unknown:
             raise TypeError(f"LLM: unknown engine option(s) {unknown}; allowed: {sorted(names - {'model_dir'})}")
-        self.runner = ModelRunner(EngineArgs(model_dir=model_dir, **engine_options))
-        self.tokenizer = load_tokenizer(self.runner.model_dir)  # the server's loader: a folder without one is refused
+        args = EngineArgs(model_dir=model_dir, **engine_options)
+        envs.validate_all()  # as ModelRunner does first: a bad variable is one line before anything loads
+        # the server's loader, before the model (a folder without a tokenizer fails in seconds, not after the load)
+        self.tokenizer = load_tokenizer(args.model_dir or str(default_model_dir()))
+        self.runner = ModelRunner(args)
         self.eos_ids = eos_token_ids(self.runner.config, self.tokenizer)
         self.engine = Engine(self.runner, self.eos_ids)
         self._requests = itertools.count()  # ids unique across calls: a stop string's abort may outlive its call

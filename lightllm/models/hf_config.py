@@ -32,9 +32,26 @@ def read_config_file(model_dir: Path) -> Tuple[Path, Dict[str, Any]]:
     gives: ``AutoConfig`` fills a missing field with its class default (``hidden_size`` 4096, ``head_dim`` 128),
     which fits no other model."""
     if not model_dir.is_dir():
-        raise ModelLoadError(f"{model_dir}: model folder not found")
+        what = "is a file, not a model folder" if model_dir.exists() else "model folder not found"
+        raise ModelLoadError(f"{model_dir}: {what}")
     path = model_dir / "config.json"
-    return path, read_json(path)
+    raw = read_json(path)
+    check_unquantized(path, raw)
+    return path, raw
+
+
+def check_unquantized(path: Path, raw: Dict[str, Any]) -> None:
+    """A quantized checkpoint (FP8, GPTQ, AWQ, bitsandbytes: ``quantization_config`` at the top or in
+    ``text_config``) refused by name, before its tensors' dtypes or shapes fail the load with a message that does
+    not say why."""
+    text = raw.get("text_config")
+    for field, where in (("quantization_config", raw), ("text_config.quantization_config", text)):
+        quant = where.get("quantization_config") if isinstance(where, dict) else None
+        if quant is not None:
+            method = quant.get("quant_method") if isinstance(quant, dict) else None
+            named = f" (quant_method {method!r})" if method is not None else ""
+            raise ModelLoadError(f"{path}: field {field!r}{named}: quantized checkpoints are not supported; only "
+                                 "unquantized F16, BF16 or F32 weights load")  # fmt: skip
 
 
 def auto_config(model_dir: Path) -> Any:

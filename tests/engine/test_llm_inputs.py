@@ -108,3 +108,15 @@ def test_kv_type_none_is_the_flags_none():
     from lightllm.engine.args import EngineArgs
 
     assert EngineArgs(llm_kv_type=None).normalize().llm_kv_type == "None"
+
+
+def test_a_folder_without_a_tokenizer_is_refused_before_the_model_loads(tmp_path, monkeypatch):
+    """As the server checks it: a real model's load, warm-up and graph capture take minutes before such an error."""
+    model = make_tiny_qwen3(tmp_path / "m")
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        (model / name).unlink(missing_ok=True)
+    built = []
+    monkeypatch.setattr("lightllm.llm.ModelRunner", lambda args: built.append(args))
+    with pytest.raises(ValueError, match="no usable tokenizer"):
+        LLM(str(model), data_type="fp32", device="cpu")
+    assert built == []

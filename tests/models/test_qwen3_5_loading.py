@@ -378,3 +378,15 @@ def test_tensor_parallel_must_divide_the_heads(tiny_dir):
     c = dataclasses.replace(c, num_key_value_heads=4)  # the attention heads divide: the linear ones do not
     with pytest.raises(ValueError, match=r"^--tp 4: the model's linear_num_key_heads \(2\) is not divisible by it$"):
         family.check_tp(c, 4)
+
+
+def test_a_quantization_config_in_text_config_is_refused_by_name(tiny_dir, tmp_path):
+    cg = conditional_generation_folder(tiny_dir, tmp_path / "cg")
+    data = json.loads((cg / "config.json").read_text())
+    data["text_config"]["quantization_config"] = {"quant_method": "awq", "bits": 4}
+    (cg / "config.json").write_text(json.dumps(data))
+    with pytest.raises(ModelLoadError) as err:
+        read_model_config(cg)
+    assert str(err.value) == (f"{cg / 'config.json'}: field 'text_config.quantization_config' (quant_method 'awq'): "
+                              "quantized checkpoints are not supported; only unquantized F16, BF16 or F32 weights "
+                              "load")  # fmt: skip

@@ -10,6 +10,7 @@ from transformers import AutoConfig, Qwen3ForCausalLM
 from lightllm.models.hf_config import ModelLoadError
 from lightllm.models.qwen3.config import Qwen3ModelConfig
 from lightllm.models.qwen3.weights import load_qwen3_weights
+from lightllm.models.registry import read_model_config
 from lightllm.tools.make_tiny_model import make_tiny_qwen3
 
 HF_NAMES = {
@@ -368,6 +369,8 @@ def test_model_type_must_be_qwen3(model_copy, model_type):
 def test_bad_json_and_missing_files(model_copy, tmp_path):
     with pytest.raises(ModelLoadError, match="model folder not found"):
         Qwen3ModelConfig.from_model_dir(tmp_path / "nowhere")
+    with pytest.raises(ModelLoadError, match="config.json: is a file, not a model folder"):
+        Qwen3ModelConfig.from_model_dir(model_copy / "config.json")
     (model_copy / "config.json").write_text('{"vocab_size": 512,')
     with pytest.raises(ModelLoadError, match=r"config\.json: invalid JSON"):
         Qwen3ModelConfig.from_model_dir(model_copy)
@@ -435,12 +438,30 @@ def test_quantized_checkpoint_is_refused(model_copy):
         load_qwen3_weights(model_copy, cfg)
 
 
+@pytest.mark.parametrize("quant", [{"quant_method": "gptq", "bits": 4}, {"quant_method": "fp8"}, "bnb"])
+def test_a_quantization_config_is_refused_by_name(model_copy, quant):
+    """Before the tensors: GPTQ's qweight/scales would say a tensor is missing, bitsandbytes' packed bytes a shape."""
+    edit_config(model_copy, quantization_config=quant)
+    with pytest.raises(ModelLoadError) as err:
+        read_model_config(model_copy)
+    method = f" (quant_method {quant['quant_method']!r})" if isinstance(quant, dict) else ""
+    assert str(err.value) == (f"{model_copy / 'config.json'}: field 'quantization_config'{method}: quantized "
+                              "checkpoints are not supported; only unquantized F16, BF16 or F32 weights "
+                              "load")  # fmt: skip
+
+
 def test_no_safetensors_and_bad_dtype(model_copy):
     cfg = Qwen3ModelConfig.from_model_dir(model_copy)
     with pytest.raises(ModelLoadError, match="int8"):
         load_qwen3_weights(model_copy, cfg, dtype=torch.int8)
-    (model_copy / "model.safetensors").unlink()
-    with pytest.raises(ModelLoadError, match=r"no \*\.safetensors files"):
+    (model_copy / "model.safetensors").rename(model_copy / "pytorch_model.bin")  # not a real .bin: never opened
+    with pytest.raises(ModelLoadError) as err:
+        load_qwen3_weights(model_copy, cfg)
+    assert str(err.value) == (f"{model_copy}: no *.safetensors files found (found PyTorch weights pytorch_model.bin, "
+                              "which are not read: convert them to safetensors, e.g. with transformers' "
+                              "save_pretrained)")  # fmt: skip
+    (model_copy / "pytorch_model.bin").unlink()
+    with pytest.raises(ModelLoadError, match=r"no \*\.safetensors files found$"):
         load_qwen3_weights(model_copy, cfg)
 
 

@@ -66,8 +66,9 @@ class Qwen3ModelConfig:
 
         hidden_size = f.positive_int("hidden_size")
         num_heads = f.positive_int("num_attention_heads")
-        # AutoConfig's defaults for these two (32 KV heads, head_dim 128) fit no small model; a file without them
-        # means what transformers' modeling code has always read: one KV head per head, hidden_size // heads.
+        # Qwen3Config's defaults for these two (32 KV heads, head_dim 128) fit no small model; a file without them is
+        # read as Qwen2-era modeling code read one: one KV head per head, hidden_size // heads (the weights' shapes
+        # are checked, so a folder meant otherwise fails on q_proj's shape, never loads wrong).
         num_kv_heads = f.positive_int("num_key_value_heads", default=num_heads)
         if num_heads % num_kv_heads:
             raise f.error("num_key_value_heads", f"({num_kv_heads}) must divide num_attention_heads ({num_heads})")

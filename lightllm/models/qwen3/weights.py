@@ -218,7 +218,14 @@ def safetensors_files(model_dir: Path) -> List[Path]:
         return [model_dir / name for name in names]
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
-        raise ModelLoadError(f"{model_dir}: no *.safetensors files found")
+        bins = sorted(p.name for p in model_dir.glob("*.bin"))
+        found = (
+            f" (found PyTorch weights {', '.join(bins[:3])}{', ...' if len(bins) > 3 else ''}, which are not "
+            "read: convert them to safetensors, e.g. with transformers' save_pretrained)"
+            if bins
+            else ""
+        )
+        raise ModelLoadError(f"{model_dir}: no *.safetensors files found{found}")
     return files
 
 
