@@ -120,6 +120,23 @@ def _ignore_shipped(raw: Optional[str]) -> frozenset:
     return names
 
 
+def _check_ignored_kernels_ship_configs() -> None:
+    """At start-up: a name that ships no configs ignores nothing, so it is a typo (the kernel meant keeps its shipped
+    configs and a level-1 re-tune searches nothing)."""
+    names = get_autotune_ignore_shipped() - {"all"}
+    if not names:
+        return
+    from lightllm.common.autotuner import store  # it imports this module
+
+    known = {path.name for path in store.iter_kernel_dirs(store.SHIPPED_ROOT)}
+    if names - known:
+        raise ValueError(
+            f"{AUTOTUNE_IGNORE_SHIPPED}={os.environ.get(AUTOTUNE_IGNORE_SHIPPED)!r} is not allowed: "
+            f"no configs ship for {', '.join(sorted(names - known))}; use all or kernels that have some "
+            f"({', '.join(sorted(known)) or 'none ship here'})"
+        )
+
+
 def get_autotune_compile_threads() -> Optional[int]:
     """Threads that compile a search's candidates (and the cached configs a start-up warms) before any runs
     (autotuner/precompile.py); 1 compiles each as it first launches. None when unset: the tuner then shares the
@@ -166,7 +183,7 @@ def validate_all() -> None:
     get_decode_attn_autotune_seq_len()
     get_autotune_max_seconds_per_search()
     get_autotune_choice_rule()
-    get_autotune_ignore_shipped()
+    _check_ignored_kernels_ship_configs()
     get_autotune_compile_threads()
     get_autotune_config_dir()
     get_tiny_model_dir()

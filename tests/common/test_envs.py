@@ -154,3 +154,20 @@ def test_tests_start_from_a_clean_environment(isolated_autotune, tiny_model_home
         envs.TINY_MODEL_DIR: str(tiny_model_home),
     }
     assert tuner.search_clock() == tuner.search_clock() == 0.0
+
+
+def test_ignored_shipped_kernels_must_ship_configs(monkeypatch, isolated_autotune):
+    """A typo ignores nothing (the kernel meant keeps its shipped configs): start-up stops naming it."""
+    from lightllm.common.autotuner import store
+
+    (store.SHIPPED_ROOT / "triton_3.6.0" / "NVIDIA_H200" / "gqa_flash_decode_int8kv").mkdir(parents=True)
+    monkeypatch.setenv("LIGHTLLM_AUTOTUNE_IGNORE_SHIPPED", "gqa_flash_decode_int8kv")
+    envs.validate_all()
+    monkeypatch.setenv("LIGHTLLM_AUTOTUNE_IGNORE_SHIPPED", "gqa_flash_decode_int8,gqa_flash_decode_int8kv")
+    with pytest.raises(ValueError) as e:
+        envs.validate_all()
+    assert str(e.value) == ("LIGHTLLM_AUTOTUNE_IGNORE_SHIPPED='gqa_flash_decode_int8,gqa_flash_decode_int8kv' is not "
+                            "allowed: no configs ship for gqa_flash_decode_int8; use all or kernels that have some "
+                            "(gqa_flash_decode_int8kv)")  # fmt: skip
+    monkeypatch.setenv("LIGHTLLM_AUTOTUNE_IGNORE_SHIPPED", "all")
+    envs.validate_all()

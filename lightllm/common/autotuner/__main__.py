@@ -97,6 +97,12 @@ def cmd_clear(args) -> int:
         print(f"removed {kernel_dir} ({files} config files)")
     if not removed:
         print(f"nothing to clear for kernel {args.kernel!r} under {root} (shipped configs are never touched)")
+    shipped_dirs = list(store.iter_kernel_dirs(store.SHIPPED_ROOT, args.kernel))
+    if shipped_dirs:  # their keys stay cached: a level-1 start would search nothing
+        files = sum(len(store.config_files(d)) for d in shipped_dirs)
+        plural = "s" * (files != 1)
+        print(f"{args.kernel} also has {files} shipped config file{plural}, still read; to search their keys again, "
+              f"start at level 1 with {envs.AUTOTUNE_IGNORE_SHIPPED}={args.kernel}")  # fmt: skip
     return 0
 
 

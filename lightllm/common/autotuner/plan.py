@@ -12,7 +12,7 @@ class Plan:
     arguments of its first ``run``, which may search there exactly as a plain call would.
 
     Made once per step and run by every layer, whose arguments share the plan's keys: ``run`` keys nothing
-    again, it costs three comparisons and the launcher call. A plan goes stale when the kernel's configs change
+    again, it costs three comparisons and the launcher call. A plan goes stale when its static key's configs change
     (a search, a dropped config, ``clear_all_caches()``) or a warmup scope is entered or left; its next ``run``
     then resolves again on that run's arguments, exactly as a plain call would. The first ``run`` of a config
     not yet launched in this process is that config's first launch (a config that raises is dropped there).
@@ -33,7 +33,7 @@ class Plan:
 
     def settled(self) -> bool:
         """Whether the next ``run`` launches ``config`` as it is: resolved, launched, and nothing changed since."""
-        return self.confirmed and self.generation == self.tuner.generation and self.scope_ticks == SCOPE_CLOCK.ticks
+        return self.confirmed and self.generation == self.state.generation and self.scope_ticks == SCOPE_CLOCK.ticks
 
     def run(self, *args, **kwargs):
         if self.settled():

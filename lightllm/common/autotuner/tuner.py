@@ -138,6 +138,14 @@ class _StaticKeyState:
         self.resolved: Dict[Any, Config] = {}  # run key -> config (exact or nearest) that has launched for it
         self.warmed: set = set()  # JSON of configs already run once in this process
         self.searched: set = set()  # run keys searched in this process (FORCE searches each once)
+        # Bumped whenever a config a plan of this key may hold changes: those plans then resolve again. Per key, not
+        # per kernel: with tensor parallelism a change on some ranks only (taking rank 0's config) must not make
+        # the plans of the kernel's other keys resolve again there, with a collective the other ranks never enter.
+        self.generation = 0
+
+
+# The state plans hold where the level is off: nothing is keyed, and it never changes.
+_UNTUNED = _StaticKeyState(None, {}, {}, {})
 
 
 class Autotuner:
@@ -197,7 +205,6 @@ class Autotuner:
         self._states: Dict[Any, _StaticKeyState] = {}
         # Consecutive calls (every layer of a step) mostly share the static key; equal flat keys freeze equal.
         self._last_static: Tuple[Optional[dict], Any] = (None, None)
-        self.generation = 0  # bumped whenever a config a plan may hold changes: plans then resolve again
         self.last_search: Optional[SearchRecord] = None
         _instances.add(self)
 
@@ -237,7 +244,7 @@ class Autotuner:
         ``launched``: the config has launched for the run key in this process (else this is its first launch)."""
         level = envs.get_triton_autotune_level()
         if level == _OFF:
-            return None, None, None, False, level, True
+            return _UNTUNED, None, None, False, level, True
         state = self._state_of(args, kwargs)
         run_key = freeze(self._run_key_of(args, kwargs))
         config, searching, launched = self._resolve_keyed(state, run_key, level, args, kwargs)
@@ -260,12 +267,12 @@ class Autotuner:
 
     def _settle(self, plan: Plan, args: tuple, kwargs: dict) -> None:
         plan.state, plan.run_key, plan.config, plan.searching, plan.level, plan.confirmed = self._resolve(args, kwargs)
-        plan.generation, plan.scope_ticks = self.generation, SCOPE_CLOCK.ticks
+        plan.generation, plan.scope_ticks = plan.state.generation, SCOPE_CLOCK.ticks
 
     def _run_unsettled(self, plan: Plan, args: tuple, kwargs: dict):
         """``Plan.run`` off its fast path: a stale plan resolves again on these arguments; a config that has not
         launched for its run key yet gets its first launch."""
-        if plan.generation != self.generation or plan.scope_ticks != SCOPE_CLOCK.ticks:
+        if plan.state is None or plan.generation != plan.state.generation or plan.scope_ticks != SCOPE_CLOCK.ticks:
             self._settle(plan, args, kwargs)
             if plan.confirmed:
                 return self.fn(*args, run_config=plan.config, **kwargs)
@@ -373,7 +380,7 @@ class Autotuner:
         for run_key in run_keys:
             del state.configs[run_key]
         state.resolved.clear()
-        self.generation += 1
+        state.generation += 1
         files = sorted({str(state.sources[k]) for k in run_keys if k in state.sources}) or ["tuned in this process"]
         logger.warning(
             "autotune %s: dropped cached config %s (run keys %s; %s): %s; %s",
@@ -411,7 +418,7 @@ class Autotuner:
             return cached  # the very object, so the run key's memo of its launched config stays valid
         state.configs[run_key] = agreed
         state.resolved.clear()
-        self.generation += 1
+        state.generation += 1
         return agreed
 
     def _warm_cached_configs(self, state: _StaticKeyState, args: tuple, kwargs: dict) -> None:
@@ -561,6 +568,8 @@ class Autotuner:
         first_pass = {i: list(default_ms if i < 0 else timings[i]) for i in again}
         for i, ms in again.items():
             kept = [min(a, b) for a, b in zip(first_pass[i], ms)]
+            if i >= 0 and not all(map(math.isfinite, ms)):  # raised or disagreed this time: out, whatever it did before
+                kept = [math.inf] * len(ms)
             if i < 0:
                 default_ms = kept
             else:
@@ -637,7 +646,7 @@ class Autotuner:
         """Use and store a search's winner; ``cut``: the budget ended the search early (counted in its timing)."""
         state.configs[run_key] = config
         state.resolved.clear()
-        self.generation += 1
+        state.generation += 1
         state.searched.add(run_key)
         state.cut[run_key] = state.cut.get(run_key, 0) + 1 if cut else 0
         if config is not None:
@@ -652,8 +661,9 @@ class Autotuner:
 
     def clear_cache(self) -> None:
         """Forget what this process loaded and tuned (the files stay)."""
+        for state in [*self._states.values(), _UNTUNED]:  # plans made before hold these: they resolve again
+            state.generation += 1
         self._states.clear()
-        self.generation += 1
 
 
 class _Snapshot:
@@ -722,7 +732,8 @@ def _log_force_as_adaptive() -> None:
         _force_as_adaptive_logged = True
         logger.info(
             "%s=2 (force) acts as 1 (adaptive) for decode-attention kernels: every layer calls the same key. "
-            "To re-tune one, clear its configs: python -m lightllm.common.autotuner clear KERNEL",
+            "To re-tune one, clear its configs (python -m lightllm.common.autotuner clear KERNEL) and, where configs "
+            "ship for it, set LIGHTLLM_AUTOTUNE_IGNORE_SHIPPED=KERNEL; then start at level 1",
             envs.AUTOTUNE_LEVEL,
         )
 

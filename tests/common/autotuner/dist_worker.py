@@ -19,6 +19,7 @@ from lightllm.common.autotuner import (
     set_bench_func,
     store,
 )
+from lightllm.common.autotuner import dist as adist
 from lightllm.common.autotuner import tuner
 from lightllm.common.autotuner.keys import freeze
 from lightllm.common.proc import HANG_TIMEOUT_S
@@ -115,6 +116,25 @@ def main():
         current[:] = [after]
         after(x)
         result["straddle"] = {"timed": straddle.timed, "used": straddle.last, "after": after.last}
+
+        # Two plans of one GENERAL kernel run in turn (small_m_linear's, one per weight, every layer), ranks' caches
+        # alike for the first key and not for the second: the ranks that take rank 0's config for the second must
+        # not resolve the first plan again, alone, with a gather the others never enter.
+        with autotune_warmup(AutotuneKernelType.GENERAL):
+            plans = make_kernel("dist_two_plans", AutotuneKernelType.GENERAL)
+            store.ConfigStore(plans.kernel_name).save(4, freeze(4), {8: ({"ms": 0.3}, {})})
+            store.ConfigStore(plans.kernel_name).save(6, freeze(6), {8: (mine, {})})
+            gathers, gather = [], adist.all_gather_object
+            adist.all_gather_object = lambda obj: (gathers.append(obj), gather(obj))[1]
+            first, second = plans.plan(), plans.plan()
+            used = []
+            for _layer in range(3):
+                first.run(x)
+                used.append(plans.last)
+                second.run(torch.ones(8, 6))
+                used.append(plans.last)
+            adist.all_gather_object = gather
+            result["two_plans"] = {"gathers": len(gathers), "used": used, "timed": plans.timed}
 
     dist.barrier()  # every rank has written its files
     files = {}

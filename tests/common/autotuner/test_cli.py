@@ -106,8 +106,14 @@ def test_clear_touches_only_writable_root(two_kernels, capsys):
     assert not list(store.iter_config_files(two_kernels, "decode_a"))
     assert list(store.iter_config_files(two_kernels, "prefill_b"))
     assert list(store.iter_config_files(store.SHIPPED_ROOT, "decode_a"))
+    hint = ("decode_a also has 1 shipped config file, still read; to search their keys again, start at "
+            "level 1 with LIGHTLLM_AUTOTUNE_IGNORE_SHIPPED=decode_a")  # fmt: skip
+    assert hint in out  # else a level-1 start after clear would search nothing
     assert cli.main(["clear", "decode_a"]) == 0
-    assert "nothing to clear" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "nothing to clear" in out and hint in out
+    assert cli.main(["clear", "prefill_b"]) == 0
+    assert "shipped config" not in capsys.readouterr().out
 
 
 def test_clear_removes_every_folder_of_the_kernel_and_nothing_else(isolated_autotune, capsys, tmp_path):

@@ -70,6 +70,12 @@ def test_ranks_agree_on_configs(tmp_path, world):
     assert [r["straddle"]["used"] for r in res] == [{"ms": min(slice0)}] * world
     assert [r["straddle"]["after"] for r in res] == [{"ms": 0.05}] * world
 
+    # Two plans of one kernel, the second key's configs differ: one agreement gather per plan on every rank, rank
+    # 0's config for the second everywhere, nothing searched.
+    assert [r["two_plans"]["gathers"] for r in res] == [2] * world
+    assert [r["two_plans"]["used"] for r in res] == [[{"ms": 0.3}] * 6] * world
+    assert all(r["two_plans"]["timed"] == [] for r in res)
+
     # Only rank 0 wrote agreed configs; ranks whose keys differed wrote their own.
     files = res[0]["files"]
     assert any("dist_split" in f for f in files["0"]) and any("dist_one_missing" in f for f in files["0"])

@@ -538,6 +538,29 @@ def test_only_the_leading_candidates_are_retimed(toy, level):
     assert t.configs_used()[-1] == {"ms": 0.05}
 
 
+@pytest.mark.parametrize("breaks", ["raises", "disagrees"])
+def test_a_finalist_that_fails_its_retiming_is_ruled_out(toy, level, breaks):
+    """The fastest candidate raises, or its output disagrees with the default's, when timed again: it scores
+    infinity as in the first pass (its first time does not survive), and the next finalist wins and is stored."""
+    level(1)
+    t = toy(configs=[{"ms": v} for v in (0.5, 0.2, 0.9)])
+
+    def ms(cfg):
+        if cfg is not None and cfg["ms"] == 0.9:  # the first pass's last: 0.2 breaks from here on
+            if breaks == "raises":
+                t.fail.add(0.2)
+            else:
+                t.bias[0.2] = 5.0
+        return 1.0 if cfg is None else cfg["ms"]
+
+    t.bench.ms = ms
+    with autotune_warmup(GENERAL):
+        t(n=4)
+    record = t.kernel.last_search
+    assert record.chosen == {"ms": 0.5} and record.first_pass[1] == [0.2]
+    assert [ms for _, ms in record.timings] == [[0.5], [math.inf], [0.9]]
+
+
 def test_first_pass_screens_and_the_finalists_are_timed_in_full(toy, level, monkeypatch):
     """Every candidate and the default are screened by the first pass's timer; the re-timings use the full one."""
     level(1)
