@@ -329,9 +329,14 @@ def check_mtp(args, family, config, model_dir: str) -> None:
         if not os.path.isdir(draft):
             raise ValueError(f"--mtp_draft_model_dir {draft}: expected a folder holding the MTP head (mtp.* weights "
                              "and a config.json), found no such folder")  # fmt: skip
-        why = family.mtp_draft_support(Path(draft), config)
-        if why is not None:
-            raise ValueError(f"--mtp_draft_model_dir {draft}: {why}")
-    why = support(Path(draft or model_dir), config, mode)  # the mode, and mtp.* weights in the head's folder
+        try:  # a folder error (no safetensors, a bad index) names the head's folder, not the flag that gave it
+            why = family.mtp_draft_support(Path(draft), config)
+            if why is not None:
+                raise ValueError(why)
+            why = support(Path(draft), config, mode)  # the mode, and mtp.* weights in the head's folder
+        except ValueError as e:
+            raise ValueError(f"--mtp_draft_model_dir {draft}: {e}") from None
+    else:
+        why = support(Path(model_dir), config, mode)
     if why is not None:
         raise ValueError(f"--mtp_mode {mode} can't run on {draft or model_dir}: {why}")

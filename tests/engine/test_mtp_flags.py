@@ -2,6 +2,7 @@
 the offline ``LLM`` raises the same message; the server's metrics count drafts and accepted tokens."""
 
 import contextlib
+import shutil
 
 import pytest
 
@@ -74,7 +75,9 @@ def head_dirs(tmp_path_factory, dirs):
     wide = make_tiny_qwen3_5(out / "wide-model", mtp=True, hidden_size=96)
     split_mtp_head(wide, out / "wide-main", out / "wide")
     (out / "bare").mkdir()
-    return {name: str(out / name) for name in ("main", "head", "wide", "bare")}
+    (out / "unweighted").mkdir()  # a config.json and no safetensors
+    shutil.copy(out / "head" / "config.json", out / "unweighted" / "config.json")
+    return {name: str(out / name) for name in ("main", "head", "wide", "bare", "unweighted")}
 
 
 def test_a_head_folder_of_its_own_is_accepted(dirs, head_dirs):
@@ -89,8 +92,9 @@ def test_a_head_folder_of_its_own_is_accepted(dirs, head_dirs):
       "must match the main model"),
      ("plain", "--mtp_mode eagle_with_att can't run on {plain}: its safetensors files hold no MTP head (mtp.* "
       "weights)"),
-     ("bare", "--mtp_draft_model_dir {bare}: expected a Qwen3.5 folder with a config.json: ")],
-    ids=["config mismatch", "no head weights", "no config"],
+     ("bare", "--mtp_draft_model_dir {bare}: expected a Qwen3.5 folder with a config.json: "),
+     ("unweighted", "--mtp_draft_model_dir {unweighted}: {unweighted}: no *.safetensors files found")],
+    ids=["config mismatch", "no head weights", "no config", "no safetensors"],
 )  # fmt: skip
 def test_a_head_folder_that_cannot_serve_is_one_line(capsys, dirs, head_dirs, draft, message):
     folders = {**dirs, **head_dirs}
