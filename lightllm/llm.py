@@ -20,6 +20,7 @@ from lightllm.engine.model_runner import ModelRunner
 from lightllm.engine.request import Event, Request
 from lightllm.engine.sampler import MAX_SEED, SamplingParams
 from lightllm.engine.tokenizer import load_tokenizer
+from lightllm.models.registry import read_model_config
 from lightllm.tools.make_tiny_model import default_model_dir
 
 Prompt = Union[str, Sequence[int]]
@@ -46,9 +47,14 @@ class LLM:
         if unknown:
             raise TypeError(f"LLM: unknown engine option(s) {unknown}; allowed: {sorted(names - {'model_dir'})}")
         args = EngineArgs(model_dir=model_dir, **engine_options)
-        envs.validate_all()  # as ModelRunner does first: a bad variable is one line before anything loads
-        # the server's loader, before the model (a folder without a tokenizer fails in seconds, not after the load)
-        self.tokenizer = load_tokenizer(args.model_dir or str(default_model_dir()))
+        # In the server's order: options, variables and the folder's config.json checked first (ModelRunner checks
+        # the options again, on the real arguments), then the tokenizer, before the model loads (a folder without
+        # one fails in seconds, not after the load, warm-up and graph capture).
+        dataclasses.replace(args).normalize()
+        envs.validate_all()
+        folder = args.model_dir or str(default_model_dir())
+        read_model_config(folder)
+        self.tokenizer = load_tokenizer(folder)
         self.runner = ModelRunner(args)
         self.eos_ids = eos_token_ids(self.runner.config, self.tokenizer)
         self.engine = Engine(self.runner, self.eos_ids)

@@ -120,3 +120,14 @@ def test_a_folder_without_a_tokenizer_is_refused_before_the_model_loads(tmp_path
     with pytest.raises(ValueError, match="no usable tokenizer"):
         LLM(str(model), data_type="fp32", device="cpu")
     assert built == []
+
+
+def test_a_folder_that_is_no_model_is_named_before_the_tokenizer_is_tried(tmp_path):
+    """A missing folder or a hub id is the folder's error at once, not a tokenizer's after network retries."""
+    model = make_tiny_qwen3(tmp_path / "m")
+    for folder, why in [(tmp_path / "none", "model folder not found"), ("Qwen/Qwen3-0.6B", "model folder not found"),
+                        (model / "config.json", "is a file, not a model folder")]:  # fmt: skip
+        with pytest.raises(ValueError, match=f"^{folder}: {why}$"):
+            LLM(str(folder), data_type="fp32", device="cpu")
+    with pytest.raises(ValueError, match="--data_type expected one of"):  # the options before anything is read
+        LLM(str(tmp_path / "none"), data_type="fp33", device="cpu")

@@ -138,6 +138,9 @@ class _StaticKeyState:
         self.resolved: Dict[Any, Config] = {}  # run key -> config (exact or nearest) that has launched for it
         self.warmed: set = set()  # JSON of configs already run once in this process
         self.searched: set = set()  # run keys searched in this process (FORCE searches each once)
+        # Run keys the ranks decided together in this process: a plan that resolves one again (stale after another
+        # run key's change, on some ranks only) takes its config without a gather the other ranks would not enter.
+        self.decided: set = set()
         # Bumped whenever a config a plan of this key may hold changes: those plans then resolve again. Per key, not
         # per kernel: with tensor parallelism a change on some ranks only (taking rank 0's config) must not make
         # the plans of the kernel's other keys resolve again there, with a collective the other ranks never enter.
@@ -402,6 +405,9 @@ class Autotuner:
         need = cached is _MISSING or (again and run_key not in state.searched)
         if dist.world() == 1:
             return self._search(state, run_key, args, kwargs, split=False) if need else cached
+        if not need and run_key in state.decided:
+            return cached
+        state.decided.add(run_key)
         mine = (key_to_json(freeze(state.static_key)), key_to_json(run_key), need, None if need else cached)
         infos = dist.all_gather_object(mine)
         if any(info[:2] != mine[:2] for info in infos):

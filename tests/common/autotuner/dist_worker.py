@@ -133,8 +133,20 @@ def main():
                 used.append(plans.last)
                 second.run(torch.ones(8, 6))
                 used.append(plans.last)
-            adist.all_gather_object = gather
             result["two_plans"] = {"gathers": len(gathers), "used": used, "timed": plans.timed}
+            # The same with one static key and two run keys (add_norm's token rows and final_add_norm's output rows).
+            rows = make_kernel("dist_two_run_keys", AutotuneKernelType.GENERAL)
+            store.ConfigStore(rows.kernel_name).save(4, freeze(4), {8: ({"ms": 0.3}, {}), 2: (mine, {})})
+            gathers.clear()
+            tokens, out_rows = rows.plan(), rows.plan()
+            used = []
+            for _layer in range(3):
+                tokens.run(x)
+                used.append(rows.last)
+                out_rows.run(torch.ones(2, 4))
+                used.append(rows.last)
+            adist.all_gather_object = gather
+            result["two_run_keys"] = {"gathers": len(gathers), "used": used, "timed": rows.timed}
 
     dist.barrier()  # every rank has written its files
     files = {}

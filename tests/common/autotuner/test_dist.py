@@ -75,6 +75,8 @@ def test_ranks_agree_on_configs(tmp_path, world):
     assert [r["two_plans"]["gathers"] for r in res] == [2] * world
     assert [r["two_plans"]["used"] for r in res] == [[{"ms": 0.3}] * 6] * world
     assert all(r["two_plans"]["timed"] == [] for r in res)
+    assert [r["two_run_keys"]["gathers"] for r in res] == [2] * world  # one static key, its second run key differing
+    assert [r["two_run_keys"]["used"] for r in res] == [[{"ms": 0.3}] * 6] * world
 
     # Only rank 0 wrote agreed configs; ranks whose keys differed wrote their own.
     files = res[0]["files"]
