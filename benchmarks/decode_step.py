@@ -341,9 +341,9 @@ def main():
                   "first_start_decode_graph_buckets": graph_costs(llm.runner), "rows": rows,
                   "startup_s": {}}  # fmt: skip
         result["ttft"] = {"prompt_tokens": args.ttft_prompt, **ttft_ms(llm, args.ttft_prompt)}
-        params, tflops = step_weight_params(llm.runner.model.w), matmul_tflops()
+        tflops = matmul_tflops()
         # a bound, not a target: read the weights once, plus the prompt's matmul FLOPs at the measured bf16 rate
-        flops_ms = 2 * params * args.ttft_prompt / tflops / 1e9
+        flops_ms = ttft_floor_flops(llm.runner.model.w, args.ttft_prompt) / tflops / 1e9
         result["ttft"].update(floor_ms=weight_bytes / floor_gbs / 1e6 + flops_ms, matmul_tflops=tflops)
         save(args.out, result)  # the step times survive a start-up run cut short
         if not args.no_startup:
@@ -407,6 +407,13 @@ def step_weight_bytes(w) -> int:
 
 def step_weight_params(w) -> int:
     return sum(nbytes // size for nbytes, size in _step_storages(w).values())
+
+
+def ttft_floor_flops(w, prompt_tokens: int, requests: int = 1) -> int:
+    """Matmul FLOPs of a prefill of ``requests`` prompts of ``prompt_tokens`` tokens in all: every step weight times
+    every token, but the lm_head only for each request's last token (the prefill's logits rows)."""
+    lm_head = w.lm_head.numel()
+    return 2 * (step_weight_params(w) - lm_head) * prompt_tokens + 2 * lm_head * requests
 
 
 def _state_bytes_per_request(model) -> int:
