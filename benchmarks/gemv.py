@@ -12,8 +12,9 @@ what that ranking would pick and its cold loss against the cold best: what timin
     python benchmarks/gemv.py --analyze benchmarks/results/gemv_h200.json
     python benchmarks/gemv.py --dry-run --out /tmp/gemv.json   # the method on a CPU (interpreter, tiny shapes)
 
-Per (shape, M) the table ends with the layer's projections summed (lm_head apart): cuBLAS against the best of
-cuBLAS and the candidates per projection, what a tuned start would reach at best.
+Per (shape, layer kind, M) the table ends with a layer's projections summed (lm_head apart): cuBLAS against the best
+of cuBLAS and the candidates per projection, what a tuned start would reach at best. Qwen3.5-27B has two layer kinds,
+full attention (``qkv``, ``o``) and linear attention (``in_proj``, ``out_proj``), each with the MLP.
 """
 
 import argparse
@@ -39,6 +40,9 @@ SHAPES = {
 }  # fmt: skip
 DRY_SHAPES = {"tiny": {"qkv": (96, 64, None), "down": (64, 80, None), "lm_head": (200, 64, F32)}}
 LAYER_EXCLUDES = ("lm_head", "mtp_fc")  # not per layer
+# Per shape whose layers differ, each layer kind's own projections; the rest (the MLP) are in every layer. A layer
+# runs one kind's projections, never two (Qwen3.5: 3 linear-attention layers to 1 full-attention layer).
+LAYER_KINDS = {"qwen3.5-27b": {"full": ("qkv", "o"), "linear": ("in_proj", "out_proj")}}
 COLD_BYTES = 512 << 20
 
 
@@ -156,16 +160,20 @@ def analyze(results: dict) -> list:
 
 
 def layer_sums(rows: list) -> list:
-    """Per (shape, M): the layer's projections summed, cuBLAS and the per-projection best of cuBLAS and candidates."""
+    """Per (shape, layer kind, M): one layer's projections summed, cuBLAS and the per-projection best of cuBLAS and
+    candidates. ``layer``: the kind in ``LAYER_KINDS``, or "all" for a shape whose layers are alike."""
     sums = {}
     for r in rows:
         if r["proj"] in LAYER_EXCLUDES:
             continue
-        empty = {"shape": r["shape"], "M": r["M"], "cublas_ms": 0.0, "best_ms": 0.0, "bytes": 0}
-        s = sums.setdefault((r["shape"], r["M"]), empty)
-        s["cublas_ms"] += r["cublas_ms"]
-        s["best_ms"] += min(r["cublas_ms"], r["best_ms"])
-        s["bytes"] += r["weight_bytes"]
+        kinds = LAYER_KINDS.get(r["shape"], {"all": ()})
+        own = [kind for kind, projs in kinds.items() if r["proj"] in projs]
+        for kind in own or kinds:  # a kind's own projection in that kind's layer, the others in every kind's
+            empty = {"shape": r["shape"], "layer": kind, "M": r["M"], "cublas_ms": 0.0, "best_ms": 0.0, "bytes": 0}
+            s = sums.setdefault((r["shape"], kind, r["M"]), empty)
+            s["cublas_ms"] += r["cublas_ms"]
+            s["best_ms"] += min(r["cublas_ms"], r["best_ms"])
+            s["bytes"] += r["weight_bytes"]
     return list(sums.values())
 
 
@@ -188,10 +196,11 @@ def print_table(results: dict, rows: list) -> None:
         print(f"{r['shape']:<12} {r['proj']:<9} {r['M']:>3} {r['N']:>7} {r['K']:>6} {r['cublas_ms']:>10.4f} "
               f"{r['cublas_TBs']:>5.2f} {r['best_ms']:>9.4f} {r['best_TBs']:>5.2f} {r['speedup']:>8.2f}  "
               f"{_short(r['best_cfg']):<24} {warm}")  # fmt: skip
-    print(f"{'layer sum':<12} {'M':>3} {'cuBLAS ms':>10} {'TB/s':>5} {'tuned ms':>9} {'TB/s':>5} {'x cuBLAS':>8}")
+    print(f"{'layer sum':<12} {'layer':<6} {'M':>3} {'cuBLAS ms':>10} {'TB/s':>5} {'tuned ms':>9} {'TB/s':>5} "
+          f"{'x cuBLAS':>8}")  # fmt: skip
     for s in layer_sums(rows):
-        print(f"{s['shape']:<12} {s['M']:>3} {s['cublas_ms']:>10.4f} {s['bytes'] / s['cublas_ms'] / 1e9:>5.2f} "
-              f"{s['best_ms']:>9.4f} {s['bytes'] / s['best_ms'] / 1e9:>5.2f} "
+        print(f"{s['shape']:<12} {s['layer']:<6} {s['M']:>3} {s['cublas_ms']:>10.4f} "
+              f"{s['bytes'] / s['cublas_ms'] / 1e9:>5.2f} {s['best_ms']:>9.4f} {s['bytes'] / s['best_ms'] / 1e9:>5.2f} "
               f"{s['cublas_ms'] / s['best_ms']:>8.2f}")  # fmt: skip
 
 

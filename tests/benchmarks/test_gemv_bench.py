@@ -63,7 +63,26 @@ def test_analyze_prints_a_saved_run(bench, tmp_path, capsys):
     lines = capsys.readouterr().out.splitlines()
     assert "torch.mv 1 GiB rate 4.30 TB/s" in lines[0]
     assert lines[2].split()[:10] == ["qwen3-8b", "gate_up", "1", "1", "1", "0.5000", "2.00", "0.4000", "2.50", "1.25"]
-    assert lines[-1].split() == ["qwen3-8b", "1", "0.9000", "2.22", "0.8000", "2.50", "1.12"]
+    assert lines[-1].split() == ["qwen3-8b", "all", "1", "0.9000", "2.22", "0.8000", "2.50", "1.12"]
+
+
+def test_qwen3_5_layer_sums_are_one_per_layer_kind(bench):
+    """Qwen3.5-27B's layers are full attention (qkv, o) or linear attention (in_proj, out_proj), 1:3, each with the
+    MLP: one sum per kind and M, never the four attention projections in one "layer"."""
+    shape = bench.SHAPES["qwen3.5-27b"]
+    ms = {proj: 2**i for i, proj in enumerate(shape)}  # powers of two: each set of projections has its own sum
+    rows = [{"shape": "qwen3.5-27b", "proj": proj, "M": m, "cublas_ms": ms[proj] * m, "best_ms": ms[proj] * m / 2,
+             "weight_bytes": n * k * 2} for proj, (n, k, _) in shape.items() for m in (1, 4)]  # fmt: skip
+    sums = {(s["layer"], s["M"]): s for s in bench.layer_sums(rows)}
+    assert sorted(sums) == [("full", 1), ("full", 4), ("linear", 1), ("linear", 4)]
+    for kind, projs in (
+        ("full", ("qkv", "o", "gate_up", "down")),
+        ("linear", ("in_proj", "out_proj", "gate_up", "down")),
+    ):
+        for m in (1, 4):
+            s = sums[(kind, m)]
+            assert s["cublas_ms"] == sum(ms[p] * m for p in projs) and s["best_ms"] == s["cublas_ms"] / 2
+            assert s["bytes"] == sum(shape[p][0] * shape[p][1] * 2 for p in projs)
 
 
 def test_bad_arguments(bench):
