@@ -48,7 +48,7 @@ class StepTimes:
 
 def one_round(engine: Engine, prompts, output: int) -> tuple:
     """(seconds from the first decode token to the last, every request's tokens) for ``prompts`` to ``output``
-    tokens each, greedy."""
+    tokens each, greedy. The clock starts as the first decode step ends, so it times ``output - 2`` decode steps."""
     outs, first_decode = {}, []
 
     def emitter(i):
@@ -92,7 +92,7 @@ def measure(engine: Engine, observer: StepTimes, batch: int, args, vocab: int) -
         secs = [s for s, _, _ in samples[mode]]
         steps = [m for _, m, _ in samples[mode]]
         gpu = [g for _, _, gs in samples[mode] for g in gs]
-        tok_s = [batch * (args.output - 1) / s for s in secs]
+        tok_s = [batch * (args.output - 2) / s for s in secs]  # the tokens of the steps one_round times
         row = {
             "batch": batch,
             "overlap": mode,
@@ -119,8 +119,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="benchmarks/results/overlap_decode.json")
     args = p.parse_args(argv)
     bad = {k: v for k, v in (("--prompt", args.prompt), ("--rounds", args.rounds)) if v < 1}
-    if bad or args.output < 2 or min(args.batches) < 1:
-        p.error(f"expected --prompt, --rounds and --batches >= 1 and --output >= 2, got {vars(args)}")
+    if bad or args.output < 3 or min(args.batches) < 1:  # --output 3: one timed decode step
+        p.error(f"expected --prompt, --rounds and --batches >= 1 and --output >= 3, got {vars(args)}")
     total = args.prompt + args.output
     rows = []
     with tempfile.TemporaryDirectory() as root:
