@@ -138,8 +138,9 @@ class _StaticKeyState:
         self.resolved: Dict[Any, Config] = {}  # run key -> config (exact or nearest) that has launched for it
         self.warmed: set = set()  # JSON of configs already run once in this process
         self.searched: set = set()  # run keys searched in this process (FORCE searches each once)
-        # Run keys the ranks decided together in this process: a plan that resolves one again (stale after another
-        # run key's change, on some ranks only) takes its config without a gather the other ranks would not enter.
+        # Run keys the ranks decided together in this process: resolving one again (a plan stale after another run
+        # key's change on some ranks only, a config dropped on one rank) takes this rank's config, or its nearest,
+        # without a gather the other ranks would not enter.
         self.decided: set = set()
         # Bumped whenever a config a plan of this key may hold changes: those plans then resolve again. Per key, not
         # per kernel: with tensor parallelism a change on some ranks only (taking rank 0's config) must not make
@@ -405,8 +406,8 @@ class Autotuner:
         need = cached is _MISSING or (again and run_key not in state.searched)
         if dist.world() == 1:
             return self._search(state, run_key, args, kwargs, split=False) if need else cached
-        if not need and run_key in state.decided:
-            return cached
+        if run_key in state.decided:  # whatever this rank dropped since (alone): the others gather no more
+            return cached if cached is not _MISSING else self._lookup(state, run_key)
         state.decided.add(run_key)
         mine = (key_to_json(freeze(state.static_key)), key_to_json(run_key), need, None if need else cached)
         infos = dist.all_gather_object(mine)

@@ -145,8 +145,25 @@ def main():
                 used.append(rows.last)
                 out_rows.run(torch.ones(2, 4))
                 used.append(rows.last)
-            adist.all_gather_object = gather
             result["two_run_keys"] = {"gathers": len(gathers), "used": used, "timed": rows.timed}
+            # Rank 0's config for run key 8, taken by the others, can't launch on run key 2's rows, where they warm
+            # it first: they alone drop it, also for the decided key 8, which they then run without a new gather.
+            dropped = make_kernel("dist_drop_one_rank", AutotuneKernelType.GENERAL)
+            fn = dropped.fn
+
+            def refusing(x, run_config=None):
+                if run_config == {"ms": 0.3} and x.shape[0] == 2:
+                    raise RuntimeError("out of resources")
+                return fn(x, run_config=run_config)
+
+            dropped.fn = refusing
+            store.ConfigStore(dropped.kernel_name).save(4, freeze(4), {8: (mine, {}), 2: ({"ms": 0.9}, {})})
+            gathers.clear()
+            for _layer in range(2):
+                dropped(x)
+                dropped(torch.ones(2, 4))
+            adist.all_gather_object = gather
+            result["drop_one_rank"] = {"gathers": len(gathers), "timed": dropped.timed}
 
     dist.barrier()  # every rank has written its files
     files = {}

@@ -77,6 +77,8 @@ def test_ranks_agree_on_configs(tmp_path, world):
     assert all(r["two_plans"]["timed"] == [] for r in res)
     assert [r["two_run_keys"]["gathers"] for r in res] == [2] * world  # one static key, its second run key differing
     assert [r["two_run_keys"]["used"] for r in res] == [[{"ms": 0.3}] * 6] * world
+    assert [r["drop_one_rank"]["gathers"] for r in res] == [2] * world  # no rank gathers alone after its drop
+    assert all(r["drop_one_rank"]["timed"] == [] for r in res)
 
     # Only rank 0 wrote agreed configs; ranks whose keys differed wrote their own.
     files = res[0]["files"]
