@@ -126,25 +126,13 @@ def main():
             store.ConfigStore(plans.kernel_name).save(6, freeze(6), {8: (mine, {})})
             gathers, gather = [], adist.all_gather_object
             adist.all_gather_object = lambda obj: (gathers.append(obj), gather(obj))[1]
-            first, second = plans.plan(), plans.plan()
-            used = []
-            for _layer in range(3):
-                first.run(x)
-                used.append(plans.last)
-                second.run(torch.ones(8, 6))
-                used.append(plans.last)
+            used = run_plans(plans, [x, torch.ones(8, 6)])
             result["two_plans"] = {"gathers": len(gathers), "used": used, "timed": plans.timed}
             # The same with one static key and two run keys (add_norm's token rows and final_add_norm's output rows).
             rows = make_kernel("dist_two_run_keys", AutotuneKernelType.GENERAL)
             store.ConfigStore(rows.kernel_name).save(4, freeze(4), {8: ({"ms": 0.3}, {}), 2: (mine, {})})
             gathers.clear()
-            tokens, out_rows = rows.plan(), rows.plan()
-            used = []
-            for _layer in range(3):
-                tokens.run(x)
-                used.append(rows.last)
-                out_rows.run(torch.ones(2, 4))
-                used.append(rows.last)
+            used = run_plans(rows, [x, torch.ones(2, 4)])
             result["two_run_keys"] = {"gathers": len(gathers), "used": used, "timed": rows.timed}
             # Rank 0's config for run key 8, taken by the others, can't launch on run key 2's rows, where they warm
             # it first: they alone drop it, also for the decided key 8, which they then run without a new gather.
@@ -175,6 +163,16 @@ def main():
     dist.destroy_process_group()
     with open(out_path, "w") as f:
         json.dump(result, f)
+
+
+def run_plans(kernel, inputs, layers=3):
+    """One plan per input, run in turn by each of ``layers`` layers as a forward runs them; the configs launched."""
+    plans, used = [kernel.plan() for _ in inputs], []
+    for _layer in range(layers):
+        for plan, x in zip(plans, inputs):
+            plan.run(x)
+            used.append(kernel.last)
+    return used
 
 
 class _Collect(logging.Handler):
