@@ -148,7 +148,10 @@ class Scheduler:
     def finish_reason(self, req: Request, token_id: int) -> Optional[str]:
         """Why ``req`` ends with ``token_id`` just appended, or None when it goes on."""
         p = req.params
-        if (token_id in self.eos and not p.ignore_eos) or token_id in p.stop_token_ids:
+        stops = (token_id in self.eos and not p.ignore_eos) or token_id in p.stop_token_ids
+        # before min_tokens never: the logits processor bans stop tokens then, but a row with every token banned (or
+        # not finite) still yields one (vLLM's stop check also waits for min_tokens)
+        if stops and len(req.output_ids) >= p.min_tokens:
             return "stop"
         return "length" if self.ends_by_length(req, len(req.output_ids)) else None
 

@@ -40,12 +40,18 @@ logger = logging.getLogger(__name__)
 
 def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """The distribution ``sampler.sample_rows`` draws from, per row of ``logits [n, vocab]``: temperature, then
-    top-k, top-p and min-p (``sampler.filtered_sorted``), renormalized, in token order."""
+    top-k, top-p and min-p (``sampler.filtered_sorted``), renormalized, in token order. A row that is not a
+    distribution (non-finite logits) is all on the token ``sample_rows`` takes for it, its most likely one, so
+    acceptance, resampling and the bonus draw agree with plain sampling there too."""
     scaled, probs, order = filtered_sorted(logits, params)
     if probs is None:
-        return torch.softmax(scaled, dim=-1)
-    probs = probs / probs.sum(dim=-1, keepdim=True)
-    return torch.zeros_like(probs).scatter_(1, order, probs)
+        probs, fallback = torch.softmax(scaled, dim=-1), logits.argmax(dim=-1)
+    else:
+        fallback = order.gather(1, scaled.argmax(dim=-1, keepdim=True)).squeeze(1)
+        probs = torch.zeros_like(probs).scatter_(1, order, probs / probs.sum(dim=-1, keepdim=True))
+    bad = ~torch.isfinite(probs).all(dim=-1) | (probs.sum(dim=-1) <= 0)
+    one_hot = torch.zeros_like(probs).scatter_(1, fallback[:, None], 1.0)
+    return torch.where(bad[:, None], one_hot, probs)
 
 
 def draw_rows(probs: torch.Tensor, generators: Sequence[Optional[torch.Generator]]) -> torch.Tensor:

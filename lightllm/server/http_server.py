@@ -17,7 +17,6 @@ import functools
 import gc
 import json
 import logging
-import math
 import re
 import threading
 import time
@@ -46,6 +45,7 @@ from lightllm.server.openai_api import (
     OpenAIReply,
     chat_messages,
     check_unsupported,
+    finite_logprob,
     json_str,
     prompt_list,
     sampling_options,
@@ -162,7 +162,7 @@ class Server:
                    "finish_reason": result["finish_reason"], "prompt_tokens": len(ids),
                    "token_ids": tokens}  # fmt: skip
             if body.parameters.logprobs:
-                out["logprobs"] = result["logprobs"]
+                out["logprobs"] = [finite_logprob(lp) for lp in result["logprobs"]]
             if body.parameters.return_details:
                 out["tokens"] = [self._token_details(t, lp) for t, lp in zip(tokens, result["logprobs"])]
             return JSONResponse(out)  # plain JSON types already: skips FastAPI's walk over every token and logprob
@@ -226,7 +226,8 @@ class Server:
     def _token_details(self, token_id: int, logprob: float) -> dict:
         """LightLLM's per-token details: id, its text alone, logprob, and whether it is a special token."""
         special = token_id in self._special_ids
-        return {"id": token_id, "text": self.tokenizer.decode([token_id]), "logprob": logprob, "special": special}
+        text, logprob = self.tokenizer.decode([token_id]), finite_logprob(logprob)
+        return {"id": token_id, "text": text, "logprob": logprob, "special": special}
 
     async def _native_events(self, ids, params, p, request: Request,
                              submitted: Optional["_Submitted"] = None) -> AsyncIterator[str]:  # fmt: skip
@@ -508,15 +509,11 @@ def _body_names(message: str, fields: Dict[str, str]) -> str:
     return head + got + rest
 
 
-def _json_float(x: float) -> str:
-    x = float(x)
-    return repr(x) if math.isfinite(x) else json.dumps(x)  # json.dumps writes NaN and Infinity its own way
-
-
 def _token_event(token_id: int, text: str, logprob: float, special: bool, count: int, prompt_tokens: int) -> str:
     """``data: json.dumps(event)`` of a ``/generate_stream`` token event (not the last), character for character,
     formatted directly: ``json.dumps`` walking the nested dicts was a quarter of the HTTP process's time under load."""
-    return (f'data: {{"token": {{"id": {int(token_id)}, "text": {json_str(text)}, "logprob": {_json_float(logprob)}, '
+    logprob = finite_logprob(logprob)
+    return (f'data: {{"token": {{"id": {int(token_id)}, "text": {json_str(text)}, "logprob": {logprob!r}, '
             f'"special": {"true" if special else "false"}, "count_output_tokens": {int(count)}, "prompt_tokens": '
             f'{int(prompt_tokens)}}}, "generated_text": null, "finished": false, "finish_reason": null, '
             f'"details": null}}\n\n')  # fmt: skip

@@ -7,6 +7,7 @@ back, OpenAI's responses and stream chunks (``OpenAIReply``) with their logprobs
 import bisect
 import functools
 import json
+import math
 import re
 import time
 import uuid
@@ -18,6 +19,18 @@ from lightllm.server.chat_output import ChatParsing, merge_deltas
 from lightllm.server.http_guards import BadRequest
 
 json_str = json.encoder.encode_basestring_ascii  # json.dumps of a str (ensure_ascii), in C
+LOGPROB_FLOOR = -9999.0  # vLLM's: what a response says for a logprob below it, -inf or NaN (logits that overflowed)
+
+
+def finite_logprob(logprob: float) -> float:
+    """A logprob as JSON can carry it: NaN and Infinity are not JSON (JavaScript's, Go's and Rust's parsers refuse
+    them, and Starlette's JSONResponse raises on them), so -inf and NaN become ``LOGPROB_FLOOR`` and +inf 0."""
+    logprob = float(logprob)
+    if logprob == math.inf:
+        return 0.0
+    return logprob if logprob >= LOGPROB_FLOOR else LOGPROB_FLOOR  # below it, -inf, or NaN (no comparison holds)
+
+
 _TEXT_FIELDS = frozenset({"content", "reasoning_content"})  # a chat delta's text fields
 
 # Message roles OpenAI clients send; "developer" (OpenAI's newer name for system) reaches the template as "system",
@@ -298,7 +311,7 @@ class LogprobFormatter:
 
     def _chat_entry(self, token_id: int, logprob: float) -> dict:
         text = self.text(token_id)
-        return {"token": text, "logprob": logprob, "bytes": self.raw_bytes(token_id, text)}
+        return {"token": text, "logprob": finite_logprob(logprob), "bytes": self.raw_bytes(token_id, text)}
 
     def completion(self, tokens: Sequence[int], logprobs: Sequence[float], tops: Sequence[Optional[list]],
                    offset: int) -> dict:  # fmt: skip
@@ -314,10 +327,11 @@ class LogprobFormatter:
             texts.append(text)
             top_map = {}
             for t, v in top or ():  # most likely first: a text shared by several tokens keeps the likeliest's
-                top_map.setdefault(self.text(t), v)
-            top_map[text] = lp  # the chosen token's own logprob, whatever alternative shares its text
+                top_map.setdefault(self.text(t), finite_logprob(v))
+            top_map[text] = finite_logprob(lp)  # the chosen token's own logprob, whatever alternative shares its text
             top_maps.append(top_map)
-        return {"tokens": texts, "token_logprobs": list(logprobs), "top_logprobs": top_maps, "text_offset": offsets}
+        return {"tokens": texts, "token_logprobs": [finite_logprob(lp) for lp in logprobs], "top_logprobs": top_maps,
+                "text_offset": offsets}  # fmt: skip
 
 
 class OpenAIReply:

@@ -323,6 +323,27 @@ def test_filtered_probs_is_the_distribution_the_sampler_draws_from(p):
     torch.testing.assert_close(filtered_probs(row[None], [p])[0].double(), expected(row, p), atol=1e-6, rtol=0)
 
 
+@pytest.mark.parametrize("p", SETS[:6], ids=["t", "topk", "topp", "topk-topp", "minp", "all"])
+@pytest.mark.parametrize("bad", ["+inf", "nan"])
+def test_a_row_that_is_not_a_distribution_takes_the_token_plain_sampling_takes(p, bad):
+    """Logits that overflowed: acceptance, resampling and the bonus draw all give the sampler's own fallback token
+    (its most likely), never an arbitrary one (the argmax of NaN probabilities, token 0)."""
+    from lightllm.engine.sampler import sample_rows
+    from lightllm.engine.spec_decode import accept_or_resample, draw_rows, filtered_probs
+
+    row = torch.randn(1, 12, generator=torch.Generator().manual_seed(2))
+    if bad == "nan":
+        row[0, :] = float("nan")
+    else:
+        row[0, 7] = float("inf")
+    plain = sample_rows(row, [p]).tolist()
+    probs = filtered_probs(row, [p])
+    assert torch.isfinite(probs).all() and probs.sum().item() == 1.0
+    drafts = torch.tensor([(plain[0] + 1) % 12])  # a draft other than that token: rejected, then resampled
+    q = torch.softmax(torch.randn(1, 12), dim=-1)
+    assert draw_rows(probs, [None]).tolist() == plain == accept_or_resample(probs, q, drafts, [None])[0].tolist()
+
+
 @pytest.mark.parametrize("case", ["random", "q lacks a token of p", "q equals p"])
 def test_accepted_or_resampled_drafts_are_distributed_as_the_target(case):
     from lightllm.engine.spec_decode import accept_or_resample
