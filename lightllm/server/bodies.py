@@ -70,6 +70,7 @@ class GenerateParameters(_Sampling):
     repetition_penalty: float = Field(1.0, gt=0)
     min_new_tokens: int = Field(0, ge=0)
     skip_special_tokens: bool = True
+    add_special_tokens: bool = True  # a text input's BOS and the like (LightLLM's benchmark client sends false)
 
 
 class GenerateRequest(_Body):

@@ -96,6 +96,9 @@ class Server:
         self.sampling_defaults = dict(sampling_defaults or {})
         self.reasoning_parser, self.tool_call_parser = reasoning_parser, tool_call_parser
         self._special_ids = set(getattr(tokenizer, "all_special_ids", ()))
+        # a native stop sequence that is a special token's text stops on that token, as LightLLM's (which matches
+        # stop sequences as token ids) does: the text match never sees it when special tokens are skipped
+        self._special_by_text = {tokenizer.decode([i]): i for i in sorted(self._special_ids)}
         self.eos_ids = eos_token_ids(runner.config, tokenizer, extra_eos_ids)  # the engine's: which token ends text
         self.metrics = Metrics()
         self._waiting: Set[_Inbox] = set()  # the inboxes a handler waits on now: the ticker wakes them
@@ -207,7 +210,7 @@ class Server:
 
     async def _native(self, body: GenerateRequest) -> Tuple[List[int], SamplingParams]:
         p = body.parameters
-        ids = await self._encode("inputs", body.inputs)
+        ids = await self._encode("inputs", body.inputs, add_special_tokens=p.add_special_tokens)
         if p.do_sample is False:
             temperature = 0.0
         else:
@@ -216,12 +219,16 @@ class Server:
         both = p.stop is not None and p.stop_sequences is not None
         fields = {**_NATIVE_FIELDS, "stop": "parameters.stop and stop_sequences together" if both else (
             "parameters.stop" if p.stop is not None else "parameters.stop_sequences")}  # fmt: skip
+        special_stops = [self._special_by_text[s] for s in stops if s in self._special_by_text]
         options = dict(temperature=temperature, top_p=p.top_p, top_k=max(p.top_k, 0), min_p=p.min_p,
                        ignore_eos=p.ignore_eos, logprobs=p.logprobs or p.return_details,
                        presence_penalty=p.presence_penalty,
                        frequency_penalty=p.frequency_penalty, repetition_penalty=p.repetition_penalty,
-                       min_tokens=p.min_new_tokens, skip_special_tokens=p.skip_special_tokens)  # fmt: skip
-        return ids, self._params(ids, p.max_new_tokens, stops, p.seed, options, fields)
+                       min_tokens=p.min_new_tokens, skip_special_tokens=p.skip_special_tokens,
+                       stop_token_ids=special_stops)  # fmt: skip
+        params = self._params(ids, p.max_new_tokens, stops, p.seed, options, fields)  # checks min_new_tokens
+        # LightLLM's min_new_tokens counts the EOS: it may be the last of them (the engine's min_tokens comes before)
+        return ids, dataclasses.replace(params, min_tokens=max(p.min_new_tokens - 1, 0))
 
     def _token_details(self, token_id: int, logprob: float) -> dict:
         """LightLLM's per-token details: id, its text alone, logprob, and whether it is a special token."""
@@ -257,14 +264,16 @@ class Server:
             yield "".join(chunk)
 
     async def _encode(self, field: str, prompt, template_options: Optional[dict] = None,
-                      keep: Optional[int] = None) -> List[int]:  # fmt: skip
+                      keep: Optional[int] = None, add_special_tokens: bool = True) -> List[int]:  # fmt: skip
         """Token ids of a prompt (text, token ids, or chat messages rendered with ``template_options``), checked
         against the vocabulary and max_req_total_len (its last ``keep`` tokens, where given); ``field`` names it in a
         400."""
         if field == "messages":
             ids = await self.prompts.encode_chat(prompt, template_options or {})
+        elif isinstance(prompt, str):
+            ids = await self.prompts.encode(prompt, field, add_special_tokens)
         else:
-            ids = await self.prompts.encode(prompt, field) if isinstance(prompt, str) else list(prompt)
+            ids = list(prompt)
         return self._checked(field, ids, keep)
 
     def _checked(self, field: str, ids: List[int], keep: Optional[int] = None) -> List[int]:

@@ -3,6 +3,7 @@ tokenized (chat template included) on a thread of its own, so a long prompt neve
 that serves ``/health`` and every running stream; a short one on the loop, where it costs less than the trip."""
 
 import asyncio
+import functools
 from concurrent.futures import ThreadPoolExecutor
 import logging
 import os
@@ -41,12 +42,16 @@ class PromptEncoder:
         # One thread: tokenizations queue behind each other (as they did on the loop), never beside it.
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lightllm-tokenize")
 
-    async def encode(self, text: str, field: str) -> List[int]:
-        """Token ids of a text prompt; ``field`` names it in a 400."""
+    async def encode(self, text: str, field: str, add_special_tokens: bool = True) -> List[int]:
+        """Token ids of a text prompt; ``field`` names it in a 400. ``add_special_tokens`` false: without the
+        tokenizer's BOS and the like (LightLLM's native parameter; Qwen's tokenizers add none)."""
         self._check(field, text)
+        encode = self.tokenizer.encode
+        if not add_special_tokens:
+            encode = functools.partial(encode, add_special_tokens=False)
         if len(text) <= INLINE_CHARS:
-            return self.tokenizer.encode(text)
-        return await self._off_loop(self.tokenizer.encode, text)
+            return encode(text)
+        return await self._off_loop(encode, text)
 
     async def encode_chat(self, messages: List[dict], options: Optional[dict] = None) -> List[int]:
         """Token ids of ``messages`` rendered by the model's chat template (generation prompt added unless ``options``

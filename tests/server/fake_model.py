@@ -56,7 +56,7 @@ class Letters:
     def __init__(self):
         self.template_calls = []
 
-    def encode(self, text):
+    def encode(self, text, add_special_tokens=True):  # it adds none either way
         return [ord(c) - 97 for c in text]
 
     def decode(self, ids, **kw):
@@ -134,7 +134,7 @@ class Chars:
     def __init__(self):
         self.template_calls = []
 
-    def encode(self, text):
+    def encode(self, text, add_special_tokens=True):
         return [ord(c) for c in text]
 
     def decode(self, ids, skip_special_tokens=False, **kw):

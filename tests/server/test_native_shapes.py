@@ -79,3 +79,37 @@ def test_bad_native_parameters_are_a_400_naming_them(server, client, parameters,
     r = client.post(GENERATE, json={"inputs": "abc", "parameters": parameters})
     assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
     assert server.submitted == []
+
+
+@pytest.fixture
+def scripted():
+    from fake_model import make_scripted_server
+    from fastapi.testclient import TestClient
+
+    with TestClient(make_scripted_server().app) as client:
+        yield client
+
+
+def test_a_stop_sequence_that_is_a_special_tokens_text_stops_on_it(scripted):
+    """As LightLLM's (stop sequences matched as token ids): with special tokens skipped from the text, a text match
+    never saw it and the request ran on to max_new_tokens. (Chars: id 0, "\\x00", is the special token.)"""
+    body = {"inputs": "ab\x00cd\x1e", "parameters": {"max_new_tokens": 8, "ignore_eos": True}}
+    assert post(scripted, GENERATE, body)["finish_reason"] == "length"
+    r = post(scripted, GENERATE, {**body, "parameters": {**body["parameters"], "stop_sequences": ["\x00"]}})
+    assert (r["finish_reason"], r["count_output_tokens"], r["generated_text"]) == ("stop", 3, ["ab"])
+
+
+def test_min_new_tokens_counts_the_eos_as_lightllm_does(scripted):
+    """The answer "ab" then EOS: with min_new_tokens 3 the EOS may be the third token (LightLLM holds EOS back while
+    fewer than min_new_tokens - 1 tokens exist); 4 holds it back once."""
+    body = {"inputs": "ab\x1e", "parameters": {"max_new_tokens": 6, "min_new_tokens": 3}}
+    r = post(scripted, GENERATE, body)
+    assert (r["finish_reason"], r["count_output_tokens"], r["generated_text"]) == ("stop", 3, ["ab"])
+    r = post(scripted, GENERATE, {**body, "parameters": {**body["parameters"], "min_new_tokens": 4}})
+    assert r["count_output_tokens"] > 3
+
+
+def test_add_special_tokens_is_accepted(scripted):
+    """LightLLM's benchmark client sends it (false); a tokenizer without a BOS (Qwen's) gives the same ids."""
+    body = {"inputs": "ab\x1e", "parameters": {"max_new_tokens": 4, "add_special_tokens": False}}
+    assert post(scripted, GENERATE, body)["generated_text"] == ["ab"]
