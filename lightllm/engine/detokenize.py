@@ -200,20 +200,27 @@ class TextStream:
     ``params`` (``SamplingParams``) chooses the text as vLLM's same-named options do: ``skip_special_tokens`` (a special
     token's text is left out), ``include_stop_str_in_output`` (the stop string found, or the text of the token that
     stopped the request, ends the text; by default neither is in it). ``stop_ids``: the token ids that end the request
-    (its end-of-sequence ids unless ``ignore_eos``, and its ``stop_token_ids``): such a token is the request's last."""
+    (its end-of-sequence ids unless ``ignore_eos``, and its ``stop_token_ids``): such a token is the request's last
+    once it has ``min_tokens`` tokens. Stop strings, as vLLM's, are looked for only in the text of the tokens after
+    the first ``min_tokens``."""
 
     def __init__(self, tokenizer, params, stop_ids: Collection[int] = ()):
         skip = params.skip_special_tokens
         self._detok = IncrementalDetokenizer(tokenizer, skip) if tokenizer is not None else None
         self._stops = StopStrings(list(params.stop), params.include_stop_str_in_output)
         self._stop_ids = () if params.include_stop_str_in_output else stop_ids
+        self._min_tokens, self._tokens = params.min_tokens, 0
 
     def add(self, token_id: int) -> Tuple[str, bool]:
         """The text ``token_id`` adds, and whether a stop string ended it (the request is then over: abort it
         with "stop")."""
-        if self._detok is None or token_id in self._stop_ids:
+        self._tokens += 1
+        if self._detok is None:
             return self._stops.cut("")
-        return self._stops.cut(self._detok.add(token_id))
+        if token_id in self._stop_ids and self._tokens >= self._min_tokens:  # it ends the request (scheduler's rule)
+            return self._stops.cut("")
+        delta = self._detok.add(token_id)
+        return (delta, False) if self._tokens <= self._min_tokens else self._stops.cut(delta)
 
     def finish(self, reason: str) -> Tuple[str, str]:
         """The text still held back, and the finish reason the client sees for the engine's ``reason``."""

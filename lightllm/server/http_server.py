@@ -95,7 +95,12 @@ class Server:
         self.created = int(time.time())  # the /v1/models entry's "created": when this server started
         self.sampling_defaults = dict(sampling_defaults or {})
         self.reasoning_parser, self.tool_call_parser = reasoning_parser, tool_call_parser
-        self._special_ids = set(getattr(tokenizer, "all_special_ids", ()))
+        # what skip_special_tokens skips: the named special tokens and every added token marked special (the chat
+        # tokens of a tokenizer that does not list them, e.g. the tiny model's <|im_start|>)
+        added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+        self._special_ids = set(getattr(tokenizer, "all_special_ids", ())) | {
+            i for i, token in added.items() if getattr(token, "special", False)
+        }
         # a native stop sequence that is a special token's text stops on that token, as LightLLM's (which matches
         # stop sequences as token ids) does: the text match never sees it when special tokens are skipped
         self._special_by_text = {tokenizer.decode([i]): i for i in sorted(self._special_ids)}

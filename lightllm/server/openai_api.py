@@ -371,7 +371,8 @@ class OpenAIReply:
         for p in range(len(self.prompts)):
             group = results[p * self.best_of : (p + 1) * self.best_of]
             if self.best_of > self.n:  # the n most likely samples under the model, most likely first
-                group = sorted(group, key=lambda r: sum(r["logprobs"]), reverse=True)[: self.n]
+                # on the logprobs the client sees: a sample of overflowed logits (NaN) must not rank first
+                group = sorted(group, key=lambda r: sum(map(finite_logprob, r["logprobs"])), reverse=True)[: self.n]
             for r in group:
                 choices.append(self._choice(len(choices), p, r))
         usage = self._usage(sum(len(r["token_ids"]) for r in results), [r["cached_tokens"] for r in results])

@@ -38,13 +38,17 @@ class FakeRunner:
             self.kv.computed(slot, prompt)
         for slot, lasting in publish:
             self.kv.publish(slot, lasting)
-        return WEIGHTS[[p[-1] for p in prompts]].clone()
+        return self.logits_after([p[-1] for p in prompts])
 
     def decode(self, slots, last_tokens):
         self.kv.extend_each(slots)
         for slot, token in zip(slots, last_tokens):
             self.kv.computed(slot, (token,))
-        return WEIGHTS[list(last_tokens)].clone()
+        return self.logits_after(list(last_tokens))
+
+    def logits_after(self, last_tokens):
+        """The next-token logits of each row, given its last token."""
+        return WEIGHTS[last_tokens].clone()
 
 
 class Letters:

@@ -113,3 +113,35 @@ def test_add_special_tokens_is_accepted(scripted):
     """LightLLM's benchmark client sends it (false); a tokenizer without a BOS (Qwen's) gives the same ids."""
     body = {"inputs": "ab\x1e", "parameters": {"max_new_tokens": 4, "add_special_tokens": False}}
     assert post(scripted, GENERATE, body)["generated_text"] == ["ab"]
+
+
+def test_a_stop_sequence_of_an_added_special_token_stops_on_it():
+    """The tiny model's tokenizer marks <|im_start|> special (skipped from the text) without listing it in
+    all_special_ids: a native stop sequence of its text still stops on it, and details call it special."""
+    from types import SimpleNamespace
+
+    from fake_model import FakeRunner
+    from fastapi.testclient import TestClient
+
+    from lightllm.server.http_server import Server
+    from lightllm.tools.make_tiny_model import _build_tokenizer
+
+    tok = _build_tokenizer(512, 4096)
+    letter, im_start = tok.encode("hi")[0], tok.convert_tokens_to_ids("<|im_start|>")
+    assert im_start not in tok.all_special_ids
+
+    class Alternating(FakeRunner):  # a letter, <|im_start|>, a letter, ...
+        def __init__(self):
+            super().__init__()
+            self.config = SimpleNamespace(eos_token_ids=(), vocab_size=len(tok))
+
+        def logits_after(self, last_tokens):
+            rows = torch.full((len(last_tokens), len(tok)), -1e4)
+            rows[range(len(last_tokens)), [im_start if t == letter else letter for t in last_tokens]] = 1e4
+            return rows
+
+    with TestClient(Server(Alternating(), tok, "tiny").app) as client:
+        r = post(client, GENERATE, {"inputs": "hi", "parameters": {"max_new_tokens": 8, "return_details": True,
+                                                                   "stop_sequences": ["<|im_start|>"]}})  # fmt: skip
+    assert (r["finish_reason"], r["count_output_tokens"]) == ("stop", 2)
+    assert [t["special"] for t in r["tokens"]] == [False, True]

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from fake_model import VOCAB, FakeRunner, Letters, make_server
+from fake_model import VOCAB, FakeRunner, Letters, make_server, sse
 from fastapi.testclient import TestClient
 
 from lightllm.server.http_server import Server
@@ -27,20 +27,12 @@ class OverflowingRunner(FakeRunner):
         super().__init__()
         self.kind = kind
 
-    def _rows(self, n):
+    def logits_after(self, last_tokens):
         if self.kind == "nan":
-            return torch.full((n, VOCAB), float("nan"))
-        rows = torch.full((n, VOCAB), float("-inf"))
+            return torch.full((len(last_tokens), VOCAB), float("nan"))
+        rows = torch.full((len(last_tokens), VOCAB), float("-inf"))
         rows[:, 3] = 0.0
         return rows
-
-    def prefill(self, slots, prompts, publish=(), following=()):
-        super().prefill(slots, prompts, publish, following)
-        return self._rows(len(slots))
-
-    def decode(self, slots, last_tokens):
-        super().decode(slots, last_tokens)
-        return self._rows(len(slots))
 
 
 CHAT = {"messages": [{"role": "user", "content": "ab"}], "max_tokens": 2, "logprobs": True, "top_logprobs": 3}
@@ -83,9 +75,53 @@ def test_finite_logprob():
 
 def test_min_tokens_holds_when_every_token_is_a_stop_token():
     """The stop tokens are banned before min_tokens; with every token one, the row has nothing left and yields one
-    anyway: it does not end the request before min_tokens (vLLM's stop check waits for min_tokens too)."""
+    anyway: it does not end the request before min_tokens (vLLM's stop check waits for min_tokens too), and its text
+    stays, the same text whole, streamed, and with a stop string."""
+    body = {"prompt": "ab", "max_tokens": 5, "min_tokens": 3, "stop_token_ids": list(range(VOCAB))}
     with TestClient(make_server().app) as client:
-        r = client.post("/v1/completions", json={"prompt": "ab", "max_tokens": 5, "min_tokens": 3,
-                                                 "stop_token_ids": list(range(VOCAB))})  # fmt: skip
-    assert (r.status_code, r.json()["usage"]["completion_tokens"], r.json()["choices"][0]["finish_reason"]) == (
-        200, 3, "stop")  # fmt: skip
+        r = client.post("/v1/completions", json=body).json()
+        with_stop_string = client.post("/v1/completions", json={**body, "stop": ["zzz"]}).json()
+        streamed = sse(client, "/v1/completions", {**body, "stream": True})
+    assert (r["usage"]["completion_tokens"], r["choices"][0]["finish_reason"]) == (3, "stop")
+    text = r["choices"][0]["text"]
+    assert len(text) == 2 and with_stop_string["choices"][0]["text"] == text  # the third, the stop token, hidden
+    assert "".join(c["choices"][0]["text"] for c in streamed if c["choices"]) == text
+
+
+def test_stop_strings_wait_for_min_tokens():
+    """As vLLM's: a stop string is looked for only in the text after the first min_tokens tokens."""
+    base = {"prompt": "ab", "max_tokens": 10, "temperature": 0}
+    with TestClient(make_server().app) as client:
+        free = client.post("/v1/completions", json=base).json()["choices"][0]["text"]
+        r = client.post("/v1/completions", json={**base, "min_tokens": 6, "stop": [free[0]]}).json()
+        streamed = sse(client, "/v1/completions", {**base, "min_tokens": 6, "stop": [free[0]], "stream": True})
+    text = r["choices"][0]["text"]
+    assert r["usage"]["completion_tokens"] >= 6 and text.startswith(free[:6]) and free[0] not in text[6:]
+    assert "".join(c["choices"][0]["text"] for c in streamed if c["choices"]) == text
+
+
+class FirstSampleOverflows(FakeRunner):
+    """The decode rows of the first request to decode are NaN (its slot's, until it is freed: a later request may
+    reuse the slot)."""
+
+    bad = None
+
+    def decode(self, slots, last_tokens):
+        rows = super().decode(slots, last_tokens)
+        self.bad = min(slots) if self.bad is None else self.bad
+        rows[[i for i, slot in enumerate(slots) if slot == self.bad]] = float("nan")
+        return rows
+
+    def free(self, slot, last_token=None):
+        if slot == self.bad:
+            self.bad = -1
+        super().free(slot, last_token)
+
+
+def test_best_of_ranks_on_the_logprobs_the_client_sees():
+    server = Server(FirstSampleOverflows(), Letters(), "tiny")
+    server.prompts.tokenizer = server.tokenizer
+    with TestClient(server.app) as client:
+        r = client.post("/v1/completions", json={"prompt": "ab", "max_tokens": 4, "best_of": 2, "temperature": 1.0,
+                                                 "logprobs": 0}).json()  # fmt: skip
+    assert LOGPROB_FLOOR not in r["choices"][0]["logprobs"]["token_logprobs"]
