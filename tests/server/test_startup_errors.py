@@ -144,12 +144,14 @@ def test_a_corrupt_safetensors_file_under_mtp_is_one_line(tmp_path, capsys):
     bad = shutil.copytree(model, tmp_path / "bad")
     (bad / "model.safetensors").write_bytes(b"\xff" * 64)
     capsys.readouterr()  # the writer's progress bar
-    for argv in (["--model_dir", str(bad)], ["--model_dir", str(model), "--mtp_draft_model_dir", str(bad)]):
+    draft = ["--model_dir", str(model), "--mtp_draft_model_dir", str(bad)]
+    # the head's own folder is named by the flag that gave it
+    for argv, prefix in ((["--model_dir", str(bad)], ""), (draft, f"--mtp_draft_model_dir {bad}: ")):
         with pytest.raises(SystemExit) as e:
             parse_args([*argv, "--device", "cpu", "--mtp_mode", "eagle_with_att", "--mtp_step", "1"])
         err = capsys.readouterr().err
         assert e.value.code == 2 and len(err.splitlines()) == 1, err
-        assert err.startswith(f"error: {bad / 'model.safetensors'}: cannot read safetensors file: "), err
+        assert err.startswith(f"error: {prefix}{bad / 'model.safetensors'}: cannot read safetensors file: "), err
 
 
 def test_a_bad_config_of_a_supported_architecture_names_the_folder_not_the_architecture(tmp_path, model, capsys):
