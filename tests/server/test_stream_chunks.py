@@ -119,11 +119,12 @@ def test_collect_takes_every_token_of_a_burst():
 def test_token_events_are_the_json_of_the_event_they_stand_for():
     """The hot path formats a token's event directly; it is ``json.dumps`` of the event dict, character for
     character: text with quotes, backslashes, control and non-ASCII characters; logprobs finite, tiny, huge and
-    not finite; booleans and counts."""
+    not finite (those as the JSON floor a response carries); booleans and counts."""
     import math
     import random
 
     from lightllm.server.http_server import _token_event
+    from lightllm.server.openai_api import finite_logprob
 
     rng = random.Random(0)
     alphabet = 'ab "\\\n\t\r\x00\x1f\x7f/é你🙂\u2028\ufffd'
@@ -132,7 +133,7 @@ def test_token_events_are_the_json_of_the_event_they_stand_for():
         text = "".join(rng.choice(alphabet) for _ in range(rng.randrange(0, 6)))
         logprob = floats[i] if i < len(floats) else -rng.expovariate(0.5)
         token_id, special, count, prompt = rng.randrange(200000), rng.random() < 0.5, rng.randrange(1, 5000), 128
-        event = {"token": {"id": token_id, "text": text, "logprob": logprob, "special": special,
+        event = {"token": {"id": token_id, "text": text, "logprob": finite_logprob(logprob), "special": special,
                            "count_output_tokens": count, "prompt_tokens": prompt},
                  "generated_text": None, "finished": False, "finish_reason": None, "details": None}  # fmt: skip
         assert _token_event(token_id, text, logprob, special, count, prompt) == f"data: {json.dumps(event)}\n\n"
