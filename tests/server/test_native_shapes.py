@@ -1,9 +1,15 @@
 """``/generate`` and ``/generate_stream`` in LightLLM's request and response shapes (issue 18 item 4): in-process,
 over the fake model of ``fake_model.py`` (token i is the letter chr(97 + i); token 15, "p", is special)."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
-from fake_model import WEIGHTS, post, sse
+from fake_model import WEIGHTS, FakeRunner, make_scripted_server, post, sse
+from fastapi.testclient import TestClient
+
+from lightllm.server.http_server import Server
+from lightllm.tools.make_tiny_model import _build_tokenizer
 
 GENERATE, STREAM = "/generate", "/generate_stream"
 
@@ -83,9 +89,6 @@ def test_bad_native_parameters_are_a_400_naming_them(server, client, parameters,
 
 @pytest.fixture
 def scripted():
-    from fake_model import make_scripted_server
-    from fastapi.testclient import TestClient
-
     with TestClient(make_scripted_server().app) as client:
         yield client
 
@@ -118,14 +121,6 @@ def test_add_special_tokens_is_accepted(scripted):
 def test_a_stop_sequence_of_an_added_special_token_stops_on_it():
     """The tiny model's tokenizer marks <|im_start|> special (skipped from the text) without listing it in
     all_special_ids: a native stop sequence of its text still stops on it, and details call it special."""
-    from types import SimpleNamespace
-
-    from fake_model import FakeRunner
-    from fastapi.testclient import TestClient
-
-    from lightllm.server.http_server import Server
-    from lightllm.tools.make_tiny_model import _build_tokenizer
-
     tok = _build_tokenizer(512, 4096)
     letter, im_start = tok.encode("hi")[0], tok.convert_tokens_to_ids("<|im_start|>")
     assert im_start not in tok.all_special_ids
