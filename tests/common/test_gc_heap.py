@@ -27,7 +27,8 @@ def test_freezing_collects_start_up_garbage_and_keeps_what_is_left_out_of_later_
 
     frozen = freeze_startup_heap()
 
-    assert frozen == gc.get_freeze_count() > 0
+    # frozen objects still die by reference counting (another thread's, say), so the count can only have fallen
+    assert frozen >= gc.get_freeze_count() > 0
     assert gone() is None  # collected, not frozen
     assert id(kept) not in {id(o) for o in gc.get_objects()}  # generations 0-2: what a pass walks
     assert gc.is_tracked(kept)  # still an object the collector knows, in the permanent generation
