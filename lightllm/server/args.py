@@ -68,7 +68,7 @@ _HELP = {
     "mem_fraction": "fraction of GPU memory the server may use, KV cache sized after a profiling forward "
     "(CPU: fraction of available RAM for the KV cache)",
     "max_total_token_num": "KV cache size in tokens (overrides mem_fraction)",
-    "device": "cuda or cpu (default: cuda when available)",
+    "device": "cuda, cuda:N or cpu (default: cuda when available)",
     "mtp_mode": "MTP speculative decoding (default off); Qwen3.5's in-checkpoint MTP layer, reused for every draft "
     "step, is eagle_with_att",
     "mtp_step": "draft tokens per decode step with --mtp_mode, 1-4",
