@@ -149,8 +149,8 @@ def main(argv=None) -> None:
         raise
     make_runner = functools.partial(_make_runner, engine_args, server_args.tp, server_args.tp_step_timeout_s,
                                     server_args.nccl_port)  # fmt: skip
-    engine.release(make_runner, getattr(tokenizer, "eos_token_id", None), server_args.eos_id)
     try:
+        engine.release(make_runner, getattr(tokenizer, "eos_token_id", None), server_args.eos_id)
         engine.wait_ready()
         model_name = server_args.model_name or (
             Path(engine_args.model_dir).resolve().name if engine_args.model_dir else TINY_NAME

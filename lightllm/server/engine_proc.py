@@ -88,8 +88,12 @@ class EngineProcess:
     # ---- start-up, on the main thread ----------------------------------------------------------------------
 
     def release(self, make_runner: Callable, tokenizer_eos: Optional[int] = None, extra_eos_ids: Sequence[int] = ()):
-        """Let a held engine process build its runner (the constructor's arguments)."""
-        self._conn.send(("release", make_runner, tokenizer_eos, tuple(extra_eos_ids)))
+        """Let a held engine process build its runner (the constructor's arguments). An engine process that died
+        held (the OOM killer, a failed import) is no error here: ``wait_ready`` then says how it ended."""
+        try:
+            self._conn.send(("release", make_runner, tokenizer_eos, tuple(extra_eos_ids)))
+        except OSError:  # BrokenPipeError, ConnectionResetError: its end of the pipe is gone
+            pass
 
     def wait_ready(self) -> None:
         """Until the runner is built (weights, tuning, graphs); ``EngineStartError`` (one line) if building it raised

@@ -236,6 +236,20 @@ def test_an_engine_killed_while_starting_says_so_and_names_the_sizes():
                             "--running_max_req_size / --max_total_token_num)")  # fmt: skip
 
 
+def test_an_engine_killed_before_its_release_says_so_at_wait_ready():
+    """Killed while held (the HTTP process still loads its tokenizer): releasing it writes to a closed pipe, which
+    must not raise a BrokenPipeError traceback instead of the one line wait_ready gives."""
+    engine = EngineProcess()  # held
+    try:
+        engine.process.kill()
+        engine.process.join(procs.HANG_TIMEOUT_S)
+        engine.release(FakeRunner)
+        with pytest.raises(EngineExited, match=r"^engine process was killed by signal 9 while starting"):
+            engine.wait_ready()
+    finally:
+        engine.stop()
+
+
 class _MarkingRunner(FakeRunner):
     """A FakeRunner that leaves a file behind when built (picklable: a class with a path given by functools)."""
 
