@@ -4,6 +4,7 @@ timeout for clients that never finish sending a request, and a bounded drain of 
 import asyncio
 import functools
 import logging
+import signal
 import socket
 from typing import Callable, Optional
 
@@ -108,26 +109,49 @@ class ReadTimeoutHttpTools(HttpToolsProtocol):
 class DrainingServer(uvicorn.Server):
     """On SIGTERM/SIGINT uvicorn stops accepting and waits for in-flight requests without a bound. Here it waits
     ``drain_s`` seconds, then ``abort_rest()`` ends the remaining requests (their clients get finish_reason
-    "abort"), and anything still open after a short grace is cancelled."""
+    "abort"), connections still sending a request are closed, and anything still open after a short grace is
+    cancelled. A second Ctrl+C ends the drain at once the same way (uvicorn's own, which it invites with "CTRL+C to
+    force quit", cancels every handler mid-response: streams cut without their end, a traceback each); a third is
+    uvicorn's force quit."""
 
     def __init__(self, config: uvicorn.Config, drain_s: float, abort_rest: Callable[[], None]):
         config.timeout_graceful_shutdown = int(drain_s + _CANCEL_GRACE_S) + 1
         super().__init__(config)
         self.drain_s = drain_s
         self.abort_rest = abort_rest
+        self._draining: Optional[asyncio.AbstractEventLoop] = None  # the loop, once the drain has begun
+        self._drained = False  # the drain is over: by its timer or a second Ctrl+C
+
+    def handle_exit(self, sig, frame) -> None:
+        if sig == signal.SIGINT and self._draining is not None and not self._drained:
+            self._draining.call_soon_threadsafe(self._drain_over, True)  # a signal handler: the loop runs it next
+            return
+        super().handle_exit(sig, frame)
 
     async def shutdown(self, sockets=None) -> None:
-        timer = asyncio.get_running_loop().call_later(self.drain_s, self._drain_over)
+        self._draining = asyncio.get_running_loop()
+        timer = self._draining.call_later(self.drain_s, self._drain_over)
         try:
             await super().shutdown(sockets)
         finally:
             timer.cancel()
 
-    def _drain_over(self) -> None:
-        if self.server_state.tasks:
+    def _drain_over(self, cut_short: bool = False) -> None:
+        if self._drained:
+            return
+        self._drained = True
+        if cut_short:
+            logger.warning("shutdown: Ctrl+C again; aborting the %d request(s) still running (once more: quit at once, "
+                           "without their ends)", len(self.server_state.tasks))  # fmt: skip
+        elif self.server_state.tasks:
             logger.warning("shutdown: %d request(s) still running after %gs (--shutdown_drain_s); aborting them",
                            len(self.server_state.tasks), self.drain_s)  # fmt: skip
         self.abort_rest()
+        # A request not yet whole (its body still coming) has nothing to abort: its handler waits for the body until
+        # the grace runs out and is cancelled then (a 500 and a traceback). Closed, it sees the client leave.
+        for connection in list(self.server_state.connections):
+            if getattr(connection, "_reading", False) and not connection.transport.is_closing():
+                connection.transport.close()
 
 
 def http_stack(read_timeout_s: float) -> dict:

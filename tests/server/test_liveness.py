@@ -116,7 +116,9 @@ def test_shutdown_drains_then_aborts_what_is_left(tmp_path, to):
     """SIGTERM with one request 4000 tokens from its end and one waiting behind it (one request runs at a time),
     and a 0.5 s drain: each client gets what was generated and finish_reason abort, and the server exits,
     instead of finishing both requests first. Sent to the whole process group (a service manager stopping the
-    service's control group) the engine process does not die of it: the HTTP process drains and stops it."""
+    service's control group) the engine process does not die of it: the HTTP process drains and stops it. A request
+    whose body is still coming has its connection closed then: its handler was cancelled after the grace, with a
+    traceback and a 500."""
     args = ["--device", "cpu", "--shutdown_drain_s", "0.5", "--running_max_req_size", "1"]
     proc, base, log = start_server(tmp_path, args)
     try:
@@ -125,12 +127,18 @@ def test_shutdown_drains_then_aborts_what_is_left(tmp_path, to):
             lines = running.iter_lines()
             first = next(line for line in lines if line.startswith("data: "))
             with httpx.stream("POST", base + "/generate_stream", json=body, timeout=procs.HANG_TIMEOUT_S) as waiting:
-                if to == "group":
-                    os.killpg(proc.pid, signal.SIGTERM)
-                else:
-                    proc.send_signal(signal.SIGTERM)
-                events = _events([first, *lines])
-                waited = _events(waiting.iter_lines())
+                port = int(base.rsplit(":", 1)[1])
+                with socket.create_connection(("127.0.0.1", port)) as sending:
+                    sending.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                                    b"Content-Length: 100\r\n\r\n{\"inputs\": [5,")  # fmt: skip
+                    if to == "group":
+                        os.killpg(proc.pid, signal.SIGTERM)
+                    else:
+                        proc.send_signal(signal.SIGTERM)
+                    events = _events([first, *lines])
+                    waited = _events(waiting.iter_lines())
+                    sending.settimeout(procs.HANG_TIMEOUT_S)
+                    assert sending.recv(1024) == b""
         tokens = [e for e in events if e["token"]["id"] is not None]
         assert 1 <= len(tokens) < 4000 and events[-1]["finish_reason"] == "abort"  # delivered up to the abort
         assert [e["finish_reason"] for e in waited] == ["abort"]
@@ -141,6 +149,7 @@ def test_shutdown_drains_then_aborts_what_is_left(tmp_path, to):
     assert (
         "still running after 0.5s (--shutdown_drain_s); aborting them" in text and "engine process exited" not in text
     )
+    assert "Traceback" not in text and "timeout graceful shutdown exceeded" not in text, text[-3000:]
 
 
 def _sigint_as_in_a_terminal():
@@ -151,15 +160,21 @@ def _sigint_as_in_a_terminal():
 
 
 def test_ctrl_c_while_streaming_ends_the_server_without_a_traceback(tmp_path):
-    """Ctrl+C (SIGINT to the whole process group) drains and aborts as SIGTERM does; the server then ends as Ctrl+C
-    ends a program (killed by SIGINT), not with uvicorn's re-raised KeyboardInterrupt as a traceback."""
-    proc, base, log = start_server(tmp_path, ["--device", "cpu", "--shutdown_drain_s", "0"],
+    """Ctrl+C (SIGINT to the whole process group) drains as SIGTERM does, and a second one ends the drain at once,
+    aborting what runs (uvicorn's own second Ctrl+C cut the streams mid-body, a traceback each); the server then
+    ends as Ctrl+C ends a program (killed by SIGINT), not with uvicorn's re-raised KeyboardInterrupt as a traceback."""
+    proc, base, log = start_server(tmp_path, ["--device", "cpu", "--shutdown_drain_s", "3600"],
                                    preexec_fn=_sigint_as_in_a_terminal)  # fmt: skip
     try:
         body = {"inputs": [5, 6, 7], "parameters": {"max_new_tokens": 4000, "ignore_eos": True}}
         with httpx.stream("POST", base + "/generate_stream", json=body, timeout=procs.HANG_TIMEOUT_S) as running:
             lines = running.iter_lines()
             first = next(line for line in lines if line.startswith("data: "))
+            os.killpg(proc.pid, signal.SIGINT)
+            draining = time.monotonic() + procs.HANG_TIMEOUT_S
+            while "Waiting for connections to close" not in log.read_text():  # uvicorn is draining: a second press
+                assert time.monotonic() < draining and proc.poll() is None, log.read_text()[-3000:]
+                time.sleep(0.05)
             os.killpg(proc.pid, signal.SIGINT)
             events = _events([first, *lines])
         assert events[-1]["finish_reason"] == "abort"
