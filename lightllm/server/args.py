@@ -119,7 +119,9 @@ TOKENIZER_MODES = ("fast", "slow", "auto")
 
 _SERVER_HELP = {
     "tp": "tensor-parallel GPUs",
-    "health_step_timeout_s": "/health answers 503 while one engine step has run longer than this",
+    "health_step_timeout_s": (
+        "/health answers 503 while one engine step has run longer than this, or no step has run for this long"
+    ),
     "tp_step_timeout_s": "with --tp > 1: a step some rank has not finished after this ends the server, naming it",
     "shutdown_drain_s": "on SIGTERM/SIGINT, wait this long for in-flight requests, then abort the rest",
     "request_read_timeout_s": "close a connection that has not sent a whole request within this",

@@ -1,4 +1,5 @@
-"""The server's engine loop: runs ``Engine.step()`` until stopped, times the step in flight (for /health),
+"""The server's engine loop: runs ``Engine.step()`` until stopped (an idle one steps every ``_IDLE_WAIT_S``), times
+the step in flight and the time since the last one ended (for /health),
 hands each step's events to the HTTP side (``after_step``) and fails the requests of a step that raised. It runs on
 a thread of its own (``start``, the in-process server of the tests) or on the engine process's main thread
 (``run``, see ``engine_proc``)."""
@@ -20,13 +21,15 @@ class EngineLoop:
         engine: Engine,
         after_step: Optional[Callable[[], None]] = None,
         clock: Callable[[], float] = time.monotonic,
-        on_step_started: Optional[Callable[[Optional[float]], None]] = None,
+        on_step: Optional[Callable[[Optional[float], Optional[float]], None]] = None,
     ):
         self.engine = engine
         self.after_step = after_step  # called on the loop's thread after every step: deliver its events
         self.clock = clock  # times the step in flight, for /health
-        self.on_step_started = on_step_started  # told each step's start time, None when it ends (another process)
+        # told (start, None) as each step starts and (None, end) as it ends: another process's /health reads them
+        self.on_step = on_step
         self._step_started: Optional[float] = None
+        self._step_ended: Optional[float] = None  # the last step's end: a loop stuck between steps stops moving it
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="lightllm-engine", daemon=True)
 
@@ -55,10 +58,21 @@ class EngineLoop:
         started = self._step_started
         return None if started is None else self.clock() - started
 
+    def between_steps_s(self) -> Optional[float]:
+        """How long since the last step ended while none runs (an idle loop steps every ``_IDLE_WAIT_S``, so more
+        is a loop stuck outside its steps); None while a step runs and before the first has ended."""
+        if self._step_started is not None:  # read first: the end is stored before the step is marked ended
+            return None
+        ended = self._step_ended
+        return None if ended is None else self.clock() - ended
+
     def _mark(self, started: Optional[float]) -> None:
+        ended = None
+        if started is None:
+            ended = self._step_ended = self.clock()  # first: between steps, the end read is never an older step's
         self._step_started = started
-        if self.on_step_started is not None:
-            self.on_step_started(started)
+        if self.on_step is not None:
+            self.on_step(started, ended)
 
     def run(self) -> None:
         """The loop, on the calling thread, until ``request_stop``."""

@@ -13,7 +13,8 @@ What crosses, batched both ways, pickled over one ``multiprocessing`` pipe:
   ids, token ids, logprobs, top logprobs or None, cached tokens)``, or one event, ``("event", id, kind, token id,
   logprob, finish reason, top logprobs, cached tokens)`` (finishes; MTP's tokens). ``replay`` turns them back into
   each request's ``Event``s.
-- shared memory: the start time of the step in flight (``time.monotonic``, one clock per host), for ``/health``.
+- shared memory: the start time of the step in flight and the end time of the last step (``time.monotonic``, one
+  clock per host), for ``/health``: a step running too long, or an engine process stuck between steps.
 
 The engine process dying (a crash, a lost tensor-parallel rank, the OOM killer) ends every request in flight with
 finish_reason "error", turns ``/health`` 503 and stops the server (``on_exit``). The engine process leaves when the
@@ -37,7 +38,7 @@ from lightllm.common.gc_heap import GcPauses, freeze_startup_heap
 from lightllm.engine.engine import Engine, eos_token_ids
 from lightllm.engine.request import Event, Request
 from lightllm.server.engine_loop import EngineLoop
-from lightllm.server.engine_spawn import HeldWorkers, SpawnedEngine, spawn_engine
+from lightllm.server.engine_spawn import ENDED, STARTED, HeldWorkers, SpawnedEngine, spawn_engine
 from lightllm.server import tp
 
 logger = logging.getLogger(__name__)
@@ -55,7 +56,8 @@ class EngineStartError(ValueError):
 
 class EngineProcess:
     """The HTTP process's handle on the engine process: ``submit``, ``abort`` and ``abort_all`` as ``Engine`` has
-    them (called on the HTTP event loop), ``start``/``stop``/``is_alive``/``step_in_flight_s`` as ``EngineLoop``.
+    them (called on the HTTP event loop), ``start``/``stop``/``is_alive``/``step_in_flight_s``/``between_steps_s`` as
+    ``EngineLoop``.
 
     ``make_runner`` (picklable, run in the engine process) builds the runner: a ``ModelRunner``, or rank 0 of
     tensor parallelism, whose ``stop`` the engine process calls on its way out. ``args`` and ``config`` (vocabulary
@@ -70,7 +72,7 @@ class EngineProcess:
         """``spawned``: a held engine process started already (``api_server`` starts it before its own imports)."""
         if spawned is None:
             spawned = spawn_engine(make_runner, tokenizer_eos, extra_eos_ids)
-        self.process, self._conn, self._step_started = spawned.process, spawned.conn, spawned.step_started
+        self.process, self._conn, self._step_times = spawned.process, spawned.conn, spawned.step_times
         self.args = self.config = self.model_dir = None
         self.gc_frozen = 0
         self.observer = None  # the Metrics its step messages are replayed on
@@ -152,8 +154,14 @@ class EngineProcess:
         return self.problem or f"engine process exited with code {self.process.exitcode}"
 
     def step_in_flight_s(self) -> Optional[float]:
-        started = self._step_started.value
+        started = self._step_times[STARTED]
         return None if math.isnan(started) else time.monotonic() - started
+
+    def between_steps_s(self) -> Optional[float]:
+        if not math.isnan(self._step_times[STARTED]):  # read first: the end is stored before the step is marked ended
+            return None
+        ended = self._step_times[ENDED]
+        return None if math.isnan(ended) else time.monotonic() - ended
 
     def stop(self, timeout: float = 60.0) -> bool:
         """Stop the engine process after its current step and wait for it (it stops its tensor-parallel workers);
@@ -286,7 +294,7 @@ class _Recorder:
 class _EngineSide:
     """The engine process: the engine loop on its main thread, a thread receiving the HTTP side's messages."""
 
-    def __init__(self, conn, runner, eos_ids, step_started, gc_pauses: Optional[GcPauses] = None):
+    def __init__(self, conn, runner, eos_ids, step_times, gc_pauses: Optional[GcPauses] = None):
         self.conn = conn
         self.gc_pauses = gc_pauses
         self._gc_passes_sent = 0
@@ -294,11 +302,15 @@ class _EngineSide:
         self.recorder = _Recorder()
         self.engine = Engine(runner, eos_ids, observer=self.recorder, emit_tokens=self._emit_tokens)
         self.records: List[tuple] = []  # the step's events so far, as ``replay`` reads them
-        self._step_started = step_started
-        self.loop = EngineLoop(self.engine, after_step=self._send_step, on_step_started=self._mark)
+        self._step_times = step_times
+        self.loop = EngineLoop(self.engine, after_step=self._send_step, on_step=self._mark)
 
-    def _mark(self, started: Optional[float]) -> None:
-        self._step_started.value = math.nan if started is None else started
+    def _mark(self, started: Optional[float], ended: Optional[float]) -> None:
+        if started is None:
+            self._step_times[ENDED] = ended  # first: between steps the HTTP side never reads an older step's end
+            self._step_times[STARTED] = math.nan
+        else:
+            self._step_times[STARTED] = started
 
     def _emitter(self, request_id: str) -> Callable[[Event], None]:
         """A request's emit (its finish; MTP's tokens): one record per event."""
@@ -371,7 +383,7 @@ class _EngineSide:
             stop()
 
 
-def _engine_main(conn, make_runner, tokenizer_eos, extra_eos, step_started, log_level: int,
+def _engine_main(conn, make_runner, tokenizer_eos, extra_eos, step_times, log_level: int,
                  held_workers: Optional[HeldWorkers] = None) -> None:  # fmt: skip
     """The engine process (``engine_spawn._child_main`` watches its parent and starts ``held_workers`` first)."""
     for signum in (signal.SIGINT, signal.SIGTERM):  # Ctrl+C, a service's stop: the HTTP process drains, then stops us
@@ -411,7 +423,7 @@ def _engine_main(conn, make_runner, tokenizer_eos, extra_eos, step_started, log_
     conn.send(("ready", {"args": runner.args, "config": config, "model_dir": getattr(runner, "model_dir", None),
                          "gc_frozen": frozen}))  # fmt: skip
     eos = eos_token_ids(runner.config, SimpleNamespace(eos_token_id=tokenizer_eos), extra_eos)
-    side = _EngineSide(conn, runner, eos, step_started, gc_pauses)
+    side = _EngineSide(conn, runner, eos, step_times, gc_pauses)
     side.run()
     try:
         conn.send(("stopped",))

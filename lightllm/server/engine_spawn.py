@@ -47,14 +47,18 @@ def exit_with_parent(parent: int, interval_s: float = 0.5) -> None:
     threading.Thread(target=watch, name="lightllm-parent-watch", daemon=True).start()
 
 
+STARTED, ENDED = range(2)  # the fields of ``SpawnedEngine.step_times``
+
+
 @dataclass
 class SpawnedEngine:
-    """A started engine process and the HTTP side's ends of what it shares: the pipe and the start time of the step
-    in flight (``time.monotonic``; NaN between steps)."""
+    """A started engine process and the HTTP side's ends of what it shares: the pipe and ``step_times``, the start
+    of the step in flight (NaN between steps) and the end of the last one (NaN before the first): ``time.monotonic``,
+    one clock for every process of the host."""
 
     process: Any  # multiprocessing's Process
     conn: Any  # the HTTP side's end of the pipe
-    step_started: Any  # a shared c_double
+    step_times: Any  # two shared c_doubles: STARTED, ENDED
 
     def stop(self) -> None:
         """End a process that was never released (the HTTP process failed to start): quietly, it builds nothing."""
@@ -75,9 +79,9 @@ def spawn_engine(make_runner: Optional[Callable] = None, tokenizer_eos: Optional
     held too (``HeldWorkers``)."""
     ctx = mp.get_context("spawn")
     conn, child = ctx.Pipe()
-    step_started = ctx.RawValue(ctypes.c_double, math.nan)
+    step_times = ctx.RawArray(ctypes.c_double, [math.nan, math.nan])  # STARTED, ENDED
     process = ctx.Process(target=_child_main, name="lightllm-engine",
-                          args=(child, make_runner, tokenizer_eos, tuple(extra_eos_ids), step_started, os.getpid(),
+                          args=(child, make_runner, tokenizer_eos, tuple(extra_eos_ids), step_times, os.getpid(),
                                 logging.getLogger().level or logging.INFO, tp))  # fmt: skip
     # Ctrl+C reaches the whole process group, and a service manager's SIGTERM the whole control group (systemd's
     # default KillMode): the child and its workers must not die of either, the HTTP process drains and then stops
@@ -94,7 +98,7 @@ def spawn_engine(make_runner: Optional[Callable] = None, tokenizer_eos: Optional
         for signum, handler in previous.items():
             signal.signal(signum, handler)
     child.close()  # ours closed: the engine's end of the pipe is then its only one, so its death is an EOF here
-    return SpawnedEngine(process, conn, step_started)
+    return SpawnedEngine(process, conn, step_times)
 
 
 class HeldWorkers:
@@ -153,7 +157,7 @@ def _worker_main(rank: int, world: int, parent: int, progress: RankProgress, err
     _worker(rank, world, parent, progress, errors, inbox)
 
 
-def _child_main(conn, make_runner, tokenizer_eos, extra_eos, step_started, parent: int, log_level: int,
+def _child_main(conn, make_runner, tokenizer_eos, extra_eos, step_times, parent: int, log_level: int,
                 tp: int) -> None:  # fmt: skip
     """The engine process's entry: it watches its parent and starts its held workers before its own imports, which
     happen here, in the child."""
@@ -161,4 +165,4 @@ def _child_main(conn, make_runner, tokenizer_eos, extra_eos, step_started, paren
     held = HeldWorkers(tp) if make_runner is None and tp > 1 else None
     from lightllm.server.engine_proc import _engine_main
 
-    _engine_main(conn, make_runner, tokenizer_eos, extra_eos, step_started, log_level, held)
+    _engine_main(conn, make_runner, tokenizer_eos, extra_eos, step_times, log_level, held)

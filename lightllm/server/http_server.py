@@ -202,13 +202,19 @@ class Server:
                                 "(--model_name)")  # fmt: skip
 
     def _liveness_problem(self) -> Optional[str]:
-        """Why the engine loop is not making progress (None while it is): a thread that ended, or one step
-        running longer than ``health_step_timeout_s`` (a hung kernel, a stopped tensor-parallel rank)."""
+        """Why the engine loop is not making progress (None while it is): a thread or process that ended, one step
+        running longer than ``health_step_timeout_s`` (a hung kernel, a stopped tensor-parallel rank), or a loop
+        that has gone that long between two steps (stopped, deadlocked outside a step; an idle loop steps every
+        50 ms)."""
         if not self.loop.is_alive():
             return self.loop.exit_reason()
+        bound = self.health_step_timeout_s
         busy = self.loop.step_in_flight_s()
-        if busy is not None and busy > self.health_step_timeout_s:
-            return f"engine step running for {busy:.1f}s, over --health_step_timeout_s {self.health_step_timeout_s:g}"
+        if busy is not None and busy > bound:
+            return f"engine step running for {busy:.1f}s, over --health_step_timeout_s {bound:g}"
+        idle = self.loop.between_steps_s() if busy is None else None
+        if idle is not None and idle > bound:
+            return f"engine loop has not run a step for {idle:.1f}s, over --health_step_timeout_s {bound:g}"
         return None
 
     # ---- request plumbing ----------------------------------------------------------------------------------

@@ -3,6 +3,7 @@ time and then aborts them."""
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -77,34 +78,107 @@ def test_health_is_503_while_a_step_runs_past_the_bound():
         assert client.get("/health").status_code == 200
 
 
-def test_a_client_that_never_finishes_its_headers_is_cut_off(tmp_path):
-    proc, base, _ = start_server(tmp_path, ["--device", "cpu", "--request_read_timeout_s", "1"])
+def test_health_is_503_while_the_engine_loop_is_stuck_between_steps():
+    """A loop that stops coming round (a deadlock outside a step; an idle loop steps every 50 ms) is reported as a
+    long step is: it never starts the step whose time the rule above measures. Before its first step, nothing."""
+    server = Server(BlockingRunner(), SimpleNamespace(eos_token_id=None), "m", health_step_timeout_s=30)
+    now = [0.0]
+    server.loop.clock = lambda: now[0]
+    assert server.loop.between_steps_s() is None  # start-up: not timed
+    waiting, release = threading.Event(), threading.Event()
+    wait = server.engine.wait_for_request
+
+    def stuck_wait(timeout):  # the idle loop's wait, after the step has ended
+        waiting.set()
+        assert release.wait(procs.HANG_TIMEOUT_S), "the test never released the loop"
+        wait(timeout)
+
+    server.engine.wait_for_request = stuck_wait
+    with TestClient(server.app) as client:
+        try:
+            assert waiting.wait(procs.HANG_TIMEOUT_S)
+            now[0] = 30.0  # at the bound: still healthy
+            assert client.get("/health").status_code == 200
+            now[0] = 31.5
+            r = client.get("/health")
+            assert r.status_code == 503
+            assert r.json()["status"] == "engine loop has not run a step for 31.5s, over --health_step_timeout_s 30"
+        finally:
+            release.set()
+        deadline = time.monotonic() + procs.HANG_TIMEOUT_S  # the next step's end is at 31.5 too
+        while server.loop.between_steps_s() != 0.0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert client.get("/health").status_code == 200
+
+
+@pytest.fixture(scope="module")
+def short_timeouts_server(tmp_path_factory):
+    """A server whose connections time out after 1 s and whose /health bound is 1 s: (process, base URL)."""
+    args = ["--device", "cpu", "--request_read_timeout_s", "1", "--health_step_timeout_s", "1"]
+    proc, base, _ = start_server(tmp_path_factory.mktemp("short"), args)
     try:
-        port = int(base.rsplit(":", 1)[1])
-        with socket.create_connection(("127.0.0.1", port)) as slow:
-            slow.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: appl")
-            slow.settimeout(120)  # the server closes it after 1 s; the old server never did
-            assert slow.recv(1024) == b""
-        # a connection that sends nothing at all is closed too, and one whose body stops short of its length
-        with socket.create_connection(("127.0.0.1", port)) as idle:
-            idle.settimeout(120)
-            assert idle.recv(1024) == b""
-        with socket.create_connection(("127.0.0.1", port)) as short:
-            short.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                          b"Content-Length: 100\r\n\r\n{\"inputs\": [5,")  # fmt: skip
-            short.settimeout(120)
-            assert short.recv(1024) == b""
-        # a head without end is refused once it passes the limit, long before the deadline (one byte past it: the
-        # server has read everything when it closes, so the close is no reset that could drop its answer)
-        with socket.create_connection(("127.0.0.1", port)) as huge:
-            huge.settimeout(120)
-            start = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Pad: "
-            huge.sendall(start + b"a" * (MAX_REQUEST_HEAD_BYTES + 1 - len(start)))
-            assert huge.recv(1024).startswith(b"HTTP/1.1 431 Request Header Fields Too Large\r\n")
-        body = {"inputs": [5, 6, 7], "parameters": {"max_new_tokens": 4, "ignore_eos": True}}
-        assert len(httpx.post(base + "/generate", json=body, timeout=procs.HANG_TIMEOUT_S).json()["token_ids"]) == 4
+        yield proc, base
     finally:
         procs.stop(proc)
+
+
+def test_health_is_503_while_the_engine_process_is_stopped_between_steps(short_timeouts_server):
+    """SIGSTOP the idle engine process (standing in for any hang outside a step): /health turns 503 once it has
+    not run a step for --health_step_timeout_s, and 200 again after SIGCONT. An idle engine process is never
+    reported: its loop keeps stepping."""
+    proc, base = short_timeouts_server
+    (engine,) = spawned_children(proc.pid)
+    statuses, end = [], time.monotonic() + 1.5  # idle past the bound
+    while time.monotonic() < end:
+        statuses.append(httpx.get(base + "/health", timeout=procs.HANG_TIMEOUT_S).status_code)
+        time.sleep(0.1)
+    assert set(statuses) == {200}
+    os.kill(engine, signal.SIGSTOP)
+    try:
+        stopped = time.monotonic()
+        deadline = stopped + 60  # the bound is 1 s; the old server answered 200 forever
+        while (r := httpx.get(base + "/health", timeout=procs.HANG_TIMEOUT_S)).status_code == 200:
+            assert time.monotonic() < deadline, "/health never reported the stopped engine process"
+            time.sleep(0.1)
+        assert time.monotonic() - stopped >= 1.0
+        # stopped between steps (all but always: an idle step takes microseconds of its 50 ms round) or inside one
+        assert r.status_code == 503 and re.fullmatch(
+            r"engine (loop has not run a step|step running) for [\d.]+s, over --health_step_timeout_s 1",
+            r.json()["status"],
+        ), r.text
+    finally:
+        os.kill(engine, signal.SIGCONT)
+    deadline = time.monotonic() + procs.HANG_TIMEOUT_S
+    while httpx.get(base + "/health", timeout=procs.HANG_TIMEOUT_S).status_code != 200:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
+def test_a_client_that_never_finishes_its_headers_is_cut_off(short_timeouts_server):
+    _, base = short_timeouts_server
+    port = int(base.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port)) as slow:
+        slow.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: appl")
+        slow.settimeout(120)  # the server closes it after 1 s; the old server never did
+        assert slow.recv(1024) == b""
+    # a connection that sends nothing at all is closed too, and one whose body stops short of its length
+    with socket.create_connection(("127.0.0.1", port)) as idle:
+        idle.settimeout(120)
+        assert idle.recv(1024) == b""
+    with socket.create_connection(("127.0.0.1", port)) as short:
+        short.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 100\r\n\r\n{\"inputs\": [5,")  # fmt: skip
+        short.settimeout(120)
+        assert short.recv(1024) == b""
+    # a head without end is refused once it passes the limit, long before the deadline (one byte past it: the
+    # server has read everything when it closes, so the close is no reset that could drop its answer)
+    with socket.create_connection(("127.0.0.1", port)) as huge:
+        huge.settimeout(120)
+        start = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Pad: "
+        huge.sendall(start + b"a" * (MAX_REQUEST_HEAD_BYTES + 1 - len(start)))
+        assert huge.recv(1024).startswith(b"HTTP/1.1 431 Request Header Fields Too Large\r\n")
+    body = {"inputs": [5, 6, 7], "parameters": {"max_new_tokens": 4, "ignore_eos": True}}
+    assert len(httpx.post(base + "/generate", json=body, timeout=procs.HANG_TIMEOUT_S).json()["token_ids"]) == 4
 
 
 def _events(lines):

@@ -27,8 +27,9 @@ class PipeEnd:
         self.messages.append(pickle.loads(pickle.dumps(message)))
 
 
-class StepStart:
-    value = math.nan
+def step_times():
+    """What the engine process shares for /health: the start of the step in flight and the last step's end."""
+    return [math.nan, math.nan]
 
 
 def greedy_run(eos):
@@ -80,7 +81,7 @@ def test_replayed_step_messages_give_each_request_the_events_of_the_in_process_e
     run(direct, lambda rid: want.setdefault(rid, []).append, direct.submit)
 
     pipe = PipeEnd()
-    side = _EngineSide(pipe, FakeRunner(), eos, StepStart())
+    side = _EngineSide(pipe, FakeRunner(), eos, step_times())
     got, emits = {}, {}
 
     def emitter(rid):
@@ -225,7 +226,7 @@ def test_the_engine_process_sends_its_collector_passes_when_they_change_and_metr
     from lightllm.server.metrics import Metrics
 
     pauses, pipe = GcPauses(), PipeEnd()
-    side = _EngineSide(pipe, FakeRunner(), (), StepStart(), pauses)
+    side = _EngineSide(pipe, FakeRunner(), (), step_times(), pauses)
 
     def sent_pauses():
         side._send_step()
