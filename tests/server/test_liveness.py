@@ -135,12 +135,10 @@ def test_health_is_503_while_the_engine_process_is_stopped_between_steps(short_t
     assert set(statuses) == {200}
     os.kill(engine, signal.SIGSTOP)
     try:
-        stopped = time.monotonic()
-        deadline = stopped + 60  # the bound is 1 s; the old server answered 200 forever
+        deadline = time.monotonic() + 60  # the bound is 1 s; the old server answered 200 forever
         while (r := httpx.get(base + "/health", timeout=procs.HANG_TIMEOUT_S)).status_code == 200:
             assert time.monotonic() < deadline, "/health never reported the stopped engine process"
             time.sleep(0.1)
-        assert time.monotonic() - stopped >= 1.0
         # stopped between steps (all but always: an idle step takes microseconds of its 50 ms round) or inside one
         assert r.status_code == 503 and re.fullmatch(
             r"engine (loop has not run a step|step running) for [\d.]+s, over --health_step_timeout_s 1",
@@ -200,19 +198,22 @@ def test_shutdown_drains_then_aborts_what_is_left(tmp_path, to):
         with httpx.stream("POST", base + "/generate_stream", json=body, timeout=procs.HANG_TIMEOUT_S) as running:
             lines = running.iter_lines()
             first = next(line for line in lines if line.startswith("data: "))
-            with httpx.stream("POST", base + "/generate_stream", json=body, timeout=procs.HANG_TIMEOUT_S) as waiting:
-                port = int(base.rsplit(":", 1)[1])
-                with socket.create_connection(("127.0.0.1", port)) as sending:
-                    sending.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                                    b"Content-Length: 100\r\n\r\n{\"inputs\": [5,")  # fmt: skip
+            port = int(base.rsplit(":", 1)[1])
+            with socket.create_connection(("127.0.0.1", port)) as sending:
+                sending.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                                b"Content-Length: 100\r\n\r\n{\"inputs\": [5,")  # fmt: skip
+                # the next connection's answer begun: the server took this one (accepted in order) before SIGTERM
+                with httpx.stream(
+                    "POST", base + "/generate_stream", json=body, timeout=procs.HANG_TIMEOUT_S
+                ) as waiting:
                     if to == "group":
                         os.killpg(proc.pid, signal.SIGTERM)
                     else:
                         proc.send_signal(signal.SIGTERM)
                     events = _events([first, *lines])
                     waited = _events(waiting.iter_lines())
-                    sending.settimeout(procs.HANG_TIMEOUT_S)
-                    assert sending.recv(1024) == b""
+                sending.settimeout(procs.HANG_TIMEOUT_S)
+                assert sending.recv(1024) == b""
         tokens = [e for e in events if e["token"]["id"] is not None]
         assert 1 <= len(tokens) < 4000 and events[-1]["finish_reason"] == "abort"  # delivered up to the abort
         assert [e["finish_reason"] for e in waited] == ["abort"]
