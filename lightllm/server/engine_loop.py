@@ -1,4 +1,4 @@
-"""The server's engine loop: runs ``Engine.step()`` until stopped (an idle one steps every ``_IDLE_WAIT_S``), times
+"""The server's engine loop: runs ``Engine.step()`` until stopped (an idle one steps every ``IDLE_WAIT_S``), times
 the step in flight and the time since the last one ended (for /health),
 hands each step's events to the HTTP side (``after_step``) and fails the requests of a step that raised. It runs on
 a thread of its own (``start``, the in-process server of the tests) or on the engine process's main thread
@@ -12,7 +12,7 @@ from typing import Callable, Optional
 from lightllm.engine.engine import Engine
 
 logger = logging.getLogger(__name__)
-_IDLE_WAIT_S = 0.05  # an idle loop wakes this often to notice a stop
+IDLE_WAIT_S = 0.05  # an idle loop wakes this often to notice a stop
 
 
 class EngineLoop:
@@ -59,7 +59,7 @@ class EngineLoop:
         return None if started is None else self.clock() - started
 
     def between_steps_s(self) -> Optional[float]:
-        """How long since the last step ended while none runs (an idle loop steps every ``_IDLE_WAIT_S``, so more
+        """How long since the last step ended while none runs (an idle loop steps every ``IDLE_WAIT_S``, so more
         is a loop stuck outside its steps); None while a step runs and before the first has ended."""
         if self._step_started is not None:  # read first: the end is stored before the step is marked ended
             return None
@@ -94,4 +94,4 @@ class EngineLoop:
                 except Exception:  # e.g. the HTTP loop closing under a shutdown: the engine thread goes on
                     logger.exception("delivering a step's events failed")
             if not busy:
-                self.engine.wait_for_request(_IDLE_WAIT_S)
+                self.engine.wait_for_request(IDLE_WAIT_S)

@@ -37,7 +37,7 @@ from lightllm.engine.sampler import MAX_SEED, SamplingParams
 from lightllm.server.args import ServerArgs
 from lightllm.server.bodies import ChatRequest, CompletionRequest, GenerateRequest
 from lightllm.server.chat_output import chat_parsing, reads_generation_prompt
-from lightllm.server.engine_loop import EngineLoop
+from lightllm.server.engine_loop import IDLE_WAIT_S, EngineLoop
 from lightllm.server.engine_proc import EngineProcess
 from lightllm.server.metrics import Metrics
 from lightllm.server.http_guards import BadRequest, BodyLimit, ModelNotFound, install_error_handlers
@@ -213,7 +213,7 @@ class Server:
         if busy is not None and busy > bound:
             return f"engine step running for {busy:.1f}s, over --health_step_timeout_s {bound:g}"
         idle = self.loop.between_steps_s() if busy is None else None
-        if idle is not None and idle > bound:
+        if idle is not None and idle > bound + IDLE_WAIT_S:  # an idle loop's wait is no hang, even past a tiny bound
             return f"engine loop has not run a step for {idle:.1f}s, over --health_step_timeout_s {bound:g}"
         return None
 

@@ -54,6 +54,7 @@ class ReadTimeoutHttpTools(HttpToolsProtocol):
         self.read_timeout_s = read_timeout_s
         self._read_deadline = None
         self._reading = True  # a request is due or begun and not yet whole (a new connection owes its first)
+        self._unanswered = 0  # requests read whole whose responses have not ended (more than one: pipelined)
         self._in_head, self._head_bytes = True, 0  # reading a request's head; bytes received while it lasts
 
     def connection_made(self, transport) -> None:
@@ -86,8 +87,10 @@ class ReadTimeoutHttpTools(HttpToolsProtocol):
     def on_message_complete(self) -> None:
         super().on_message_complete()
         self._reading = False
+        self._unanswered += 1
 
     def on_response_complete(self) -> None:
+        self._unanswered -= 1
         super().on_response_complete()
         # the next request on a kept-alive connection gets its own deadline (an idle one: uvicorn's keep-alive
         # timeout closes it first; a pipelined one already read whole: the deadline passes it by)
@@ -97,6 +100,10 @@ class ReadTimeoutHttpTools(HttpToolsProtocol):
         if self._read_deadline is not None:
             self._read_deadline.cancel()
         self._read_deadline = self.loop.call_later(self.read_timeout_s, self._read_timed_out)
+
+    def only_sending_a_request(self) -> bool:
+        """A request is coming in and no response is under way on this connection: closing it loses no answer."""
+        return self._reading and self._unanswered == 0 and not self.transport.is_closing()
 
     def _read_timed_out(self) -> None:
         self._read_deadline = None
@@ -120,17 +127,22 @@ class DrainingServer(uvicorn.Server):
         self.drain_s = drain_s
         self.abort_rest = abort_rest
         self._draining: Optional[asyncio.AbstractEventLoop] = None  # the loop, once the drain has begun
+        self._cut_short = False  # a second Ctrl+C came (maybe before the drain began: uvicorn looks every 0.1 s)
         self._drained = False  # the drain is over: by its timer or a second Ctrl+C
 
     def handle_exit(self, sig, frame) -> None:
-        if sig == signal.SIGINT and self._draining is not None and not self._drained:
-            self._draining.call_soon_threadsafe(self._drain_over, True)  # a signal handler: the loop runs it next
+        if sig == signal.SIGINT and self.should_exit and not self._drained and not self._cut_short:
+            self._cut_short = True
+            if self._draining is not None:  # else shutdown() ends the drain as it begins
+                self._draining.call_soon_threadsafe(self._drain_over, True)  # a signal handler: the loop runs it next
             return
         super().handle_exit(sig, frame)
 
     async def shutdown(self, sockets=None) -> None:
         self._draining = asyncio.get_running_loop()
         timer = self._draining.call_later(self.drain_s, self._drain_over)
+        if self._cut_short:
+            self._draining.call_soon(self._drain_over, True)
         try:
             await super().shutdown(sockets)
         finally:
@@ -150,7 +162,7 @@ class DrainingServer(uvicorn.Server):
         # A request not yet whole (its body still coming) has nothing to abort: its handler waits for the body until
         # the grace runs out and is cancelled then (a 500 and a traceback). Closed, it sees the client leave.
         for connection in list(self.server_state.connections):
-            if getattr(connection, "_reading", False) and not connection.transport.is_closing():
+            if isinstance(connection, ReadTimeoutHttpTools) and connection.only_sending_a_request():
                 connection.transport.close()
 
 

@@ -16,6 +16,7 @@ import httpx
 import pytest
 import torch
 from fastapi.testclient import TestClient
+from fake_model import FakeRunner
 from server_helpers import REPO, spawned_children, start_server
 
 from lightllm.engine.args import EngineArgs
@@ -25,7 +26,7 @@ from lightllm.common.kv_cache import KVCacheManager
 from lightllm.engine.request import Request
 from lightllm.engine.sampler import SamplingParams
 from lightllm.server.http_server import Server
-from lightllm.server.serving import MAX_REQUEST_HEAD_BYTES
+from lightllm.server.serving import MAX_REQUEST_HEAD_BYTES, DrainingServer
 
 
 class BlockingRunner:
@@ -111,6 +112,40 @@ def test_health_is_503_while_the_engine_loop_is_stuck_between_steps():
         assert client.get("/health").status_code == 200
 
 
+def test_an_idle_loop_is_healthy_under_a_bound_shorter_than_its_wait():
+    """An idle loop waits 50 ms for a request between its steps: that is no hang, even where the bound is shorter
+    (any positive number is a valid --health_step_timeout_s)."""
+    server = Server(FakeRunner(), SimpleNamespace(eos_token_id=None), "m", health_step_timeout_s=0.02)
+    with TestClient(server.app) as client:
+        deadline = time.monotonic() + procs.HANG_TIMEOUT_S
+        while server.loop.between_steps_s() is None:  # the first idle step has ended
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert [client.get("/health").status_code for _ in range(30)] == [200] * 30
+
+
+def test_a_second_ctrl_c_before_the_drain_begins_still_ends_it_with_the_aborts(monkeypatch):
+    """uvicorn begins its shutdown up to 0.1 s after the first signal: a second Ctrl+C in between must end the drain
+    (the aborts) as one during it does, not set uvicorn's force quit; a third is the force quit."""
+    import asyncio
+
+    import uvicorn
+
+    async def no_uvicorn_shutdown(self, sockets=None):
+        await asyncio.sleep(0)  # the drain's scheduled end runs here
+
+    monkeypatch.setattr(uvicorn.Server, "shutdown", no_uvicorn_shutdown)
+    aborts = []
+    server = DrainingServer(uvicorn.Config(app=None), drain_s=3600, abort_rest=lambda: aborts.append(1))
+    server.handle_exit(signal.SIGINT, None)
+    server.handle_exit(signal.SIGINT, None)  # before shutdown() began
+    assert server.should_exit and not server.force_exit and aborts == []
+    asyncio.run(server.shutdown())
+    assert aborts == [1] and not server.force_exit
+    server.handle_exit(signal.SIGINT, None)
+    assert server.force_exit
+
+
 @pytest.fixture(scope="module")
 def short_timeouts_server(tmp_path_factory):
     """A server whose connections time out after 1 s and whose /health bound is 1 s: (process, base URL)."""
@@ -185,12 +220,13 @@ def _events(lines):
 
 @pytest.mark.parametrize("to", ["server", "group"])
 def test_shutdown_drains_then_aborts_what_is_left(tmp_path, to):
-    """SIGTERM with one request 4000 tokens from its end and one waiting behind it (one request runs at a time),
+    """SIGTERM with one request 4000 tokens from its end and two waiting behind it (one request runs at a time),
     and a 0.5 s drain: each client gets what was generated and finish_reason abort, and the server exits,
-    instead of finishing both requests first. Sent to the whole process group (a service manager stopping the
+    instead of finishing the requests first. Sent to the whole process group (a service manager stopping the
     service's control group) the engine process does not die of it: the HTTP process drains and stops it. A request
-    whose body is still coming has its connection closed then: its handler was cancelled after the grace, with a
-    traceback and a 500."""
+    whose body is still coming has its connection closed then (its handler was cancelled after the grace, with a
+    traceback and a 500), but not one that answers a request with the next one's head begun behind it (pipelined):
+    its stream still ends."""
     args = ["--device", "cpu", "--shutdown_drain_s", "0.5", "--running_max_req_size", "1"]
     proc, base, log = start_server(tmp_path, args)
     try:
@@ -199,10 +235,19 @@ def test_shutdown_drains_then_aborts_what_is_left(tmp_path, to):
             lines = running.iter_lines()
             first = next(line for line in lines if line.startswith("data: "))
             port = int(base.rsplit(":", 1)[1])
-            with socket.create_connection(("127.0.0.1", port)) as sending:
+            with socket.create_connection(("127.0.0.1", port)) as sending, socket.create_connection(
+                ("127.0.0.1", port)
+            ) as pipelined:
                 sending.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                                 b"Content-Length: 100\r\n\r\n{\"inputs\": [5,")  # fmt: skip
-                # the next connection's answer begun: the server took this one (accepted in order) before SIGTERM
+                raw = json.dumps(body).encode()
+                pipelined.sendall(b"POST /generate_stream HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                                  b"Content-Length: %d\r\n\r\n%s" % (len(raw), raw))  # fmt: skip
+                pipelined.settimeout(procs.HANG_TIMEOUT_S)
+                answer = b""
+                while b"\r\n\r\n" not in answer:  # its answer begun: the server took both connections (in order)
+                    answer += pipelined.recv(65536)
+                pipelined.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # the next request's head, begun
                 with httpx.stream(
                     "POST", base + "/generate_stream", json=body, timeout=procs.HANG_TIMEOUT_S
                 ) as waiting:
@@ -214,9 +259,12 @@ def test_shutdown_drains_then_aborts_what_is_left(tmp_path, to):
                     waited = _events(waiting.iter_lines())
                 sending.settimeout(procs.HANG_TIMEOUT_S)
                 assert sending.recv(1024) == b""
+                while chunk := pipelined.recv(65536):
+                    answer += chunk
         tokens = [e for e in events if e["token"]["id"] is not None]
         assert 1 <= len(tokens) < 4000 and events[-1]["finish_reason"] == "abort"  # delivered up to the abort
         assert [e["finish_reason"] for e in waited] == ["abort"]
+        assert answer.endswith(b"\r\n0\r\n\r\n") and b'"finish_reason": "abort"' in answer, answer[-300:]
         assert proc.wait(timeout=procs.HANG_TIMEOUT_S) in (0, -signal.SIGTERM)
     finally:
         procs.stop(proc)
