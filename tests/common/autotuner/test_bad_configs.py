@@ -169,3 +169,17 @@ def test_first_launch_never_clones_what_the_kernel_mutates(toy, monkeypatch, iso
     t(n=8)
     t(n=8)
     assert t.configs_used()[-1] == (None if fails else GOOD[1])
+
+
+def test_a_dropped_config_is_forgotten_by_run_keys_that_already_launched_it(toy, isolated_autotune):
+    """Run key 9 (nearest: 8) finds the cached config failing to launch; run key 8, which had launched it, now
+    counts as a miss too ("its run keys count as misses") and takes the nearest entry left, not its memo of the
+    dropped config."""
+    t = toy(configs=GOOD)
+    write_configs(t, isolated_autotune, {"8": GOOD[1], "1024": GOOD[2]})
+    t(n=8)
+    t.fail.add(0.2)  # fails for the larger input only
+    t(n=9)
+    t.fail.discard(0.2)
+    t(n=8)
+    assert t.configs_used() == [GOOD[1], GOOD[1], None, GOOD[2]]

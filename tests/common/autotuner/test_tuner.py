@@ -265,6 +265,20 @@ def test_failing_candidate_scores_infinity(toy, level):
     assert t.configs_used()[-1] == {"ms": 0.5}
 
 
+@pytest.mark.parametrize("bad", [-1.0, math.nan], ids=["negative", "nan"])
+def test_a_time_that_is_not_a_time_scores_infinity(toy, level, bad):
+    """A custom timer (``set_bench_func``) that returns a negative time or NaN for a candidate: the candidate counts
+    as failed (infinity), never as the fastest; the slower candidate that timed properly wins."""
+    level(1)
+    t = toy(configs=[{"ms": 0.5}, {"ms": bad}])
+    with autotune_warmup(GENERAL):
+        t(n=4)
+    record = t.kernel.last_search
+    assert record.chosen == {"ms": 0.5}
+    assert [ms for _, ms in record.timings] == [[0.5], [math.inf]]
+    assert t.configs_used()[-1] == {"ms": 0.5}
+
+
 def test_never_slower_than_default(toy, level, isolated_autotune):
     level(1)
     t = toy(configs=[{"ms": 1.5}, {"ms": 1.0}])  # default is 1.0 ms: a tie does not win
