@@ -70,3 +70,13 @@ def test_completion_top_logprobs_give_the_chosen_token_its_own_logprob_when_toke
     out = fmt.completion([a, word], [-0.1, -2.0], [[(a, -0.1), (b, -3.0)], [(a, -0.5), (b, -0.7)]], 0)
     assert [top[tok] for tok, top in zip(out["tokens"], out["top_logprobs"])] == out["token_logprobs"]
     assert out["top_logprobs"] == [{"\ufffd": -0.1}, {"\ufffd": -0.5, fmt.text(word): -2.0}]
+
+
+def test_completion_top_logprobs_keep_a_sampled_token_s_own_logprob_when_a_likelier_one_shares_its_text(tokenizer):
+    """The sampled token is the less likely of two that share a text: its key holds its own logprob (-3.0), not the
+    likelier alternative's (-0.1) that came first among the alternatives."""
+    fmt = LogprobFormatter(tokenizer)
+    a, b = tokenizer.encode("é", add_special_tokens=False)[:1] + tokenizer.encode("中", add_special_tokens=False)[:1]
+    assert fmt.text(a) == fmt.text(b) == "\ufffd" and a != b
+    out = fmt.completion([b], [-3.0], [[(a, -0.1), (b, -3.0)]], 0)
+    assert out["token_logprobs"] == [-3.0] and out["top_logprobs"] == [{"\ufffd": -3.0}]

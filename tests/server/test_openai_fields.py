@@ -4,10 +4,13 @@ next-token distribution depends on the last token, and a one-letter-per-token to
 import json
 import logging
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 from fake_model import WEIGHTS, post, sse
+
+from lightllm.server.openai_api import OpenAIReply
 
 
 def events(client, path, body):
@@ -171,6 +174,17 @@ def test_n_and_list_prompts_give_one_choice_per_prompt_and_sample_in_order(serve
     assert [texts[i] for i in range(6)] == [c["text"] for c in r["choices"]]
     chat = post(client, CHAT, {"messages": MSGS, "n": 2, "max_tokens": 3, "temperature": 1.0, "seed": 1})
     assert [c["index"] for c in chat["choices"]] == [0, 1]
+
+
+def test_usage_counts_each_prompt_s_smallest_hit_among_its_samples():
+    """n > 1 with unequal hits: each prompt counts once in prompt_tokens, so its hits count once too, the smallest of
+    its samples' (what its first computation read; the later samples read what that one computed). The reply alone,
+    without a server."""
+    reply = OpenAIReply(SimpleNamespace(tokenizer=None, model_name="m"), False, [[1, 2, 3, 4], [5, 6, 7]], 3, 3, None,
+                        False)  # fmt: skip
+    usage = reply._usage(12, [0, 3, 3, 2, 1, 2])
+    assert usage == {"prompt_tokens": 7, "completion_tokens": 12, "total_tokens": 19,
+                     "prompt_tokens_details": {"cached_tokens": 1}}  # fmt: skip
 
 
 def cumulative(client, prompt, seed):
