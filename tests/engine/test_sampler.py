@@ -119,6 +119,27 @@ def test_bad_sampling_params(kwargs, message):
         SamplingParams(**kwargs)
 
 
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(temperature=100),
+        dict(top_p=1.0),
+        dict(min_p=1.0),
+        dict(max_new_tokens=4, min_tokens=4),
+        dict(top_logprobs=20),
+        dict(presence_penalty=2.0, frequency_penalty=-2.0),
+        dict(logit_bias={0: 100.0, 1: -100.0}),
+        dict(seed=2**63 - 1),
+    ],
+    ids=lambda kwargs: ",".join(kwargs),
+)
+def test_the_edge_of_each_documented_range_is_accepted(kwargs):
+    """Each range's closed end constructs and is kept as given (the messages say [0, 100], (0, 1], [0, 1],
+    [0, max_new_tokens], [0, 20], [-2, 2], [-100, 100], [0, 2**63))."""
+    p = SamplingParams(**kwargs)
+    assert {name: getattr(p, name) for name in kwargs} == kwargs
+
+
 def test_sampler():
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(3, 50, generator=g)
