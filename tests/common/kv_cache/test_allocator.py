@@ -234,8 +234,10 @@ def test_extend_each_can_leave_the_table_write_to_the_caller():
     assert torch.equal(m.table, before)
 
 
-@pytest.mark.parametrize("bad", [3, -1, 9, True, 1.0], ids=["free", "negative", "out-of-range", "bool", "float"])
+@pytest.mark.parametrize("bad", [3, -1, 4, 9, True, 1.0],
+                         ids=["free", "negative", "max_reqs", "out-of-range", "bool", "float"])  # fmt: skip
 def test_batch_slot_checks_name_the_first_bad_slot_as_the_single_checks_do(bad):
+    """Every kind of bad slot, the first past the range (max_reqs) included, is the single check's ValueError."""
     m = KVCacheManager(32, max_reqs=4, max_len=8, device="cpu", prefix_cache=True)
     a, b = m.add_request(), m.add_request()
     m.extend(a, 2)

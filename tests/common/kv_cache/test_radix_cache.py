@@ -219,6 +219,14 @@ def test_the_least_recently_used_checkpoint_is_given_up_first():
     assert tree.num_tokens == 4  # the KV stays
 
 
+def test_a_checkpoint_made_now_makes_its_node_the_most_recently_used():
+    """Recording a checkpoint is a use of its node: the KV of an older untouched prefix is evicted before it."""
+    tree, freed = tree_with([1, 2], [5, 6])  # [1, 2] older
+    assert tree.attach_state([1, 2], lambda: 0) == 0
+    assert tree.evict(2) == 2 and freed == [2, 3]  # [5, 6]'s slots
+    assert tree.match([1, 2, 9], stateful=True) == (2, 2)
+
+
 def test_checkpoints_of_chunks_inside_a_prompt_are_given_up_first():
     """A checkpoint that is not lasting (a chunk's) goes before any lasting one, however recent; recording a lasting
     one where it is makes it lasting, and so does a request that starts from it (the manager's admission)."""
@@ -245,6 +253,16 @@ def test_checkpoints_of_chunks_inside_a_prompt_are_given_up_first():
     assert kv.publish(b) == 1  # both ids lasting: the least recently used, [1..6]'s, is given up
     assert kv.match_prefix([1, 2, 3, 4, 8]) == (4, 0) and kv.match_prefix([1, 2, 3, 4, 5, 6, 9]) == (4, 0)
     kv.free_request(b)
+
+
+def test_a_chunk_s_checkpoint_where_a_lasting_one_is_leaves_it_lasting():
+    """Recording a checkpoint that is not lasting (a chunk's end inside a later prompt) where a lasting one is changes
+    nothing: the same state stays lasting, and the newer chunk's checkpoint is given up before it."""
+    tree, _ = tree_with([1, 2], [5, 6])
+    assert tree.attach_state([1, 2], lambda: 0) == 0  # a prompt's end: lasting, the oldest
+    assert tree.attach_state([5, 6], lambda: 1, lasting=False) == 1
+    assert tree.attach_state([1, 2], lambda: pytest.fail("took an id where a checkpoint is"), lasting=False) is None
+    assert tree.evict_state() == 1 and tree.evict_state() == 0 and tree.evict_state() is None
 
 
 def test_manager_refuses_a_prefix_without_the_cache():
