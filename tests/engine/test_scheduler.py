@@ -2,6 +2,7 @@
 with their requests."""
 
 import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from lightllm.engine.model_runner import ModelRunner
 from lightllm.engine.sampler import SamplingParams
 from lightllm.engine.engine import Engine
 from lightllm.engine.request import Request
+from lightllm.engine.scheduler import Scheduler
 from lightllm.tools.make_tiny_model import make_tiny_qwen3
 
 
@@ -62,6 +64,35 @@ def test_preemption_under_a_small_cache_gives_the_same_tokens(model_dir):
     assert preempted, "the cache was meant to run out"
     assert got == want and set(reasons.values()) == {"length"}
     assert tight_runner.kv.num_free_tokens == 40 - 1  # all freed but the padding token
+
+
+def test_a_request_reaches_max_req_total_len_and_ends_there_whatever_its_max_new_tokens(model_dir):
+    """max_req_total_len is 32: a 29-token prompt asking for 100 new tokens gets 3, prompt and output filling the
+    bound exactly, and ends "length" (the engine API; the HTTP routes refuse such a max_tokens with a 400)."""
+    r = runner(model_dir, 256)
+    outs, reasons = run_all(Engine(r, eos_ids=[]), [list(range(3, 32))], max_new=100)
+    assert len(outs[0]) == 3 and reasons == {0: "length"}
+    assert r.kv.num_free_tokens == 256 - 1
+
+
+def test_a_short_cache_preempts_the_partly_prefilled_request_then_the_newest_running_one():
+    """The scheduler alone, over a fake KV cache that cannot hold the next decode step twice over: the request being
+    prefilled in chunks goes first, then the newest running one; each frees its slot and waits, the one preempted
+    last first in line."""
+    answers = iter([False, False, True])  # can_allocate: room once two requests are gone
+    kv = SimpleNamespace(can_allocate=lambda n: next(answers), has_free_slot=lambda: False)
+    args = SimpleNamespace(disable_chunked_prefill=False, enable_mixed_chunk=False, prefill_step_tokens=64,
+                           spec_tokens=1, batch_max_tokens=64, max_req_total_len=64,
+                           running_max_req_size=4)  # fmt: skip
+    freed = []
+    sched = Scheduler(SimpleNamespace(args=args, kv=kv, free=lambda slot, last: freed.append(slot)), [])
+    old, new, part = (Request(name, list(range(3, 3 + n)), SamplingParams(), lambda ev: None)
+                      for name, n in (("old", 3), ("new", 4), ("part", 40)))  # fmt: skip
+    old.slot, new.slot, part.slot, part.prefilled = 0, 1, 2, 16
+    sched.running, sched.prefilling, sched.last_step = [old, new], [part], "prefill"  # a chunk step just ran
+    assert sched.schedule() == ("decode", [old])
+    assert [r.id for r in sched.waiting] == ["new", "part"] and freed == [2, 1] and not sched.prefilling
+    assert (new.slot, part.slot, part.prefilled) == (-1, -1, 0)
 
 
 def test_abort_frees_kv(model_dir):
