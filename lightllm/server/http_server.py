@@ -39,7 +39,7 @@ from lightllm.server.bodies import ChatRequest, CompletionRequest, GenerateReque
 from lightllm.server.chat_output import chat_parsing, reads_generation_prompt
 from lightllm.server.engine_loop import IDLE_WAIT_S, EngineLoop
 from lightllm.server.engine_proc import EngineProcess
-from lightllm.server.metrics import Metrics
+from lightllm.server.metrics import Metrics, ResponseCounter
 from lightllm.server.http_guards import BadRequest, BodyLimit, ModelNotFound, install_error_handlers
 from lightllm.server.openai_api import (
     OpenAIReply,
@@ -141,6 +141,9 @@ class Server:
 
         app = FastAPI(title="lightllm", lifespan=lifespan)
         app.add_middleware(BodyLimit, limit=self.max_request_body_bytes)
+        # outermost (added last): it also counts BodyLimit's refusals
+        app.add_middleware(ResponseCounter, counter=self.metrics.http_responses,
+                           routes=lambda: [route.path for route in app.routes])  # fmt: skip
         install_error_handlers(app)
 
         @app.get("/health")

@@ -8,7 +8,7 @@ observer method only needs to be defined on this class.
 import bisect
 import threading
 import time
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.core import HistogramMetricFamily
@@ -140,6 +140,10 @@ class Metrics:
                                           "sampling)", ["kind"], registry=r, buckets=STEP_BUCKETS)  # fmt: skip
         self.step_batch = Histogram("lightllm_step_batch_size", "requests per engine step", ["kind"], registry=r,
                                     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512))  # fmt: skip
+        # Every HTTP response by its route's path (as declared, e.g. /v1/models/{model_id:path}; "other" for paths no
+        # route serves) and status code: refused requests (4xx) and failed ones (5xx) beside the served
+        self.http_responses = Counter("lightllm_http_responses", "HTTP responses by route and status code",
+                                      ["route", "status"], registry=r)  # fmt: skip
         # This (HTTP) process's CPU time, memory and open files (process_*, read from /proc on Linux): over a load,
         # how close the process that streams every token is to a full core
         ProcessCollector(registry=r)
@@ -187,3 +191,31 @@ class Metrics:
     def on_spec(self, drafts: int, accepted: int) -> None:
         self.spec_drafts.inc(drafts)
         self.spec_accepted.inc(accepted)
+
+
+class ResponseCounter:
+    """ASGI middleware: counts each HTTP response in ``counter`` (labels ``route`` and ``status``) when it starts,
+    so a stream counts once, by the status its client got. ``routes()`` gives the app's route paths (asked at the
+    first response, when every route is declared). A response's route is the declared path the router matched,
+    else its own path if a route declares it (a 413 refused before routing), else "other" (a 404): the label set
+    stays bounded whatever paths clients send."""
+
+    def __init__(self, app, counter: Counter, routes: Callable[[], Iterable[str]]):
+        self.app = app
+        self.counter = counter
+        self._routes = routes
+        self.routes = None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def counted(message):
+            if message["type"] == "http.response.start":
+                if self.routes is None:
+                    self.routes = frozenset(self._routes())
+                route = getattr(scope.get("route"), "path", None) or scope["path"]
+                self.counter.labels(route if route in self.routes else "other", str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, counted)

@@ -208,10 +208,13 @@ def test_bad_input_is_400_and_server_keeps_serving(server, path, body, message):
 def test_models_and_metrics(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert client.models.retrieve(MODEL).max_model_len == MAX_LEN
+    counts = [responses(server, "/v1/completions", status) for status in (404, 200)]
     with pytest.raises(openai.NotFoundError) as e:
         client.completions.create(model="lightllm-tiny-qwen3", prompt="hi", max_tokens=1)
     assert e.value.code == "model_not_found"
     client.completions.create(model=MODEL, prompt="hi", max_tokens=3)  # a decode step of its own (run alone too)
+    assert [responses(server, "/v1/completions", status) for status in (404, 200)] == [c + 1 for c in counts]
+    assert responses(server, "/v1/models/{model_id:path}", 200) >= 1  # a parametrized route by its declared path
     text = httpx.get(server + "/metrics").text
     for name in ("lightllm_queue_length", "lightllm_running_batch", "lightllm_generated_tokens_total",
                  "lightllm_time_to_first_token_seconds_bucket", "lightllm_inter_token_latency_seconds_bucket",
@@ -221,14 +224,24 @@ def test_models_and_metrics(server, client):
     assert metric(server, "lightllm_generated_tokens_total") > 0
 
 
+def responses(base, route, status):
+    """``lightllm_http_responses_total`` of one route and status (0 before the first)."""
+    return metric(base, "lightllm_http_responses_total", f'{{route="{route}",status="{status}"}}') or 0
+
+
 def test_unknown_routes_and_methods_answer_in_the_error_shape(server):
-    for r, code in ((httpx.get(server + "/nope"), 404), (httpx.get(server + "/generate"), 405)):
+    before = [responses(server, "other", 404), responses(server, "/generate", 405)]
+    for r, code in ((httpx.get(server + "/nope/" + "x" * 64), 404), (httpx.get(server + "/generate"), 405)):
         assert r.status_code == code and r.json()["error"]["code"] == code, r.text
+    # counted by route, a path no route serves as "other" (the label set stays bounded)
+    assert [responses(server, "other", 404), responses(server, "/generate", 405)] == [b + 1 for b in before]
+    assert "/nope/" not in httpx.get(server + "/metrics").text
 
 
 def test_a_body_over_the_limit_is_refused_before_it_is_read(server):
     """A declared Content-Length over --max_request_body_bytes is a 413 at once: the server does not wait for
-    (or parse) the 10 MB it announces."""
+    (or parse) the 10 MB it announces. /metrics counts it under its route, though no route ran."""
+    refused = responses(server, "/generate", 413)
     host, port = server.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=30) as sock:
         sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -240,6 +253,7 @@ def test_a_body_over_the_limit_is_refused_before_it_is_read(server):
     assert error["code"] == 413
     assert error["message"] == f"body: 10000000 bytes, more than --max_request_body_bytes ({MAX_BODY})"
     assert httpx.get(server + "/health").status_code == 200
+    assert responses(server, "/generate", 413) == refused + 1
 
 
 def test_extreme_sampling_parameters_do_not_fail_their_neighbours(server):
