@@ -544,17 +544,20 @@ def _token_event(token_id: int, text: str, logprob: float, special: bool, count:
 
 class _Submitted:
     """An engine request that is submitted and not yet followed to its end: counted in
-    lightllm_requests_finished_total exactly once, by ``end`` (its finish), or by ``abort`` (the client left, a stop
-    string, or a streamed response that ended before its body ever read the request)."""
+    lightllm_requests_finished_total (and lightllm_e2e_request_latency_seconds) exactly once, by ``end`` (its
+    finish), or by ``abort`` (the client left, a stop string, or a streamed response that ended before its body ever
+    read the request)."""
 
     def __init__(self, server: "Server", request_id: str, events: "_Inbox"):
         self.server, self.request_id, self.events = server, request_id, events
         self.ended = False
+        self.submitted_at = time.perf_counter()
 
     def end(self, reason: str) -> None:
         if not self.ended:
             self.ended = True
             self.server.metrics.finished.labels(reason).inc()
+            self.server.metrics.e2e.observe(time.perf_counter() - self.submitted_at)
 
     def abort(self, reason: str = "abort") -> None:
         """Abort it in the engine and count it with ``reason``, unless it has ended already."""

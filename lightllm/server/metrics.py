@@ -20,6 +20,9 @@ from lightllm.common.gc_heap import GcPauses
 # 1 ms to 60 s: a decode step of a small model at batch 1 up to a long prompt's prefill behind a full queue
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
+# and on to 10 minutes: a whole request, a long generation included
+E2E_BUCKETS = LATENCY_BUCKETS + (120, 300, 600)
+
 # 50 us to 100 ms: a hop between processes, from a free core's wake-up to a starved one's time slices
 HOP_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
 
@@ -109,6 +112,9 @@ class Metrics:
         self.kv_usage = Gauge("lightllm_kv_usage_ratio", "fraction of KV cache tokens in use", registry=r)
         self.generated_tokens = Counter("lightllm_generated_tokens", "tokens generated", registry=r)
         self.finished = Counter("lightllm_requests_finished", "finished requests", ["finish_reason"], registry=r)
+        # observed with each lightllm_requests_finished count: from the submission by the HTTP process to the end
+        self.e2e = Histogram("lightllm_e2e_request_latency_seconds", "request submission to its end (finish or "
+                             "abort)", registry=r, buckets=E2E_BUCKETS)  # fmt: skip
         self.cached_tokens = Counter("lightllm_prompt_cached_tokens", "prompt tokens read from the prefix cache "
                                      "instead of computed", registry=r)  # fmt: skip
         # beside it, the prefix cache's hit rate: both counted at a request's first token

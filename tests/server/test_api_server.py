@@ -222,6 +222,12 @@ def test_models_and_metrics(server, client):
                  'lightllm_step_batch_size_sum{kind="prefill"}'):  # fmt: skip
         assert name in text
     assert metric(server, "lightllm_generated_tokens_total") > 0
+    # every end observes its latency once, as it counts its finish (one scrape: a request may end in between)
+    text = httpx.get(server + "/metrics").text
+    finished = sum(float(v) for v in re.findall(r"^lightllm_requests_finished_total\{.*\} (\S+)$", text, re.M))
+    ends = re.search(r"^lightllm_e2e_request_latency_seconds_count (\S+)$", text, re.M)
+    assert float(ends.group(1)) == finished >= 1
+    assert float(re.search(r"^lightllm_e2e_request_latency_seconds_sum (\S+)$", text, re.M).group(1)) > 0
 
 
 def responses(base, route, status):
