@@ -204,7 +204,8 @@ class ResponseCounter:
     so a stream counts once, by the status its client got. ``routes()`` gives the app's route paths (asked at the
     first response, when every route is declared). A response's route is the declared path the router matched,
     else its own path if a route declares it (a 413 refused before routing), else "other" (a 404): the label set
-    stays bounded whatever paths clients send."""
+    stays bounded whatever paths clients send. An exception that leaves the app before any response started counts
+    as the 500 that Starlette's outermost error middleware then sends."""
 
     def __init__(self, app, counter: Counter, routes: Callable[[], Iterable[str]]):
         self.app = app
@@ -216,12 +217,24 @@ class ResponseCounter:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
 
+        started = False
+
+        def count(status: int) -> None:
+            if self.routes is None:
+                self.routes = frozenset(self._routes())
+            route = getattr(scope.get("route"), "path", None) or scope["path"]
+            self.counter.labels(route if route in self.routes else "other", str(status)).inc()
+
         async def counted(message):
+            nonlocal started
             if message["type"] == "http.response.start":
-                if self.routes is None:
-                    self.routes = frozenset(self._routes())
-                route = getattr(scope.get("route"), "path", None) or scope["path"]
-                self.counter.labels(route if route in self.routes else "other", str(message["status"])).inc()
+                started = True
+                count(message["status"])
             await send(message)
 
-        await self.app(scope, receive, counted)
+        try:
+            await self.app(scope, receive, counted)
+        except Exception:
+            if not started:
+                count(500)
+            raise
