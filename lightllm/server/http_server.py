@@ -142,8 +142,7 @@ class Server:
         app = FastAPI(title="lightllm", lifespan=lifespan)
         app.add_middleware(BodyLimit, limit=self.max_request_body_bytes)
         # outermost (added last): it also counts BodyLimit's refusals
-        app.add_middleware(ResponseCounter, counter=self.metrics.http_responses,
-                           routes=lambda: [route.path for route in app.routes])  # fmt: skip
+        app.add_middleware(ResponseCounter, counter=self.metrics.http_responses)
         install_error_handlers(app)
 
         @app.get("/health")

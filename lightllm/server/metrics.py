@@ -8,7 +8,7 @@ observer method only needs to be defined on this class.
 import bisect
 import threading
 import time
-from typing import Callable, Iterable, Sequence
+from typing import Iterable, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.core import HistogramMetricFamily
@@ -201,17 +201,15 @@ class Metrics:
 
 class ResponseCounter:
     """ASGI middleware: counts each HTTP response in ``counter`` (labels ``route`` and ``status``) when it starts,
-    so a stream counts once, by the status its client got. ``routes()`` gives the app's route paths (asked at the
-    first response, when every route is declared). A response's route is the declared path the router matched,
-    else its own path if a route declares it (a 413 refused before routing), else "other" (a 404): the label set
-    stays bounded whatever paths clients send. An exception that leaves the app before any response started counts
-    as the 500 that Starlette's outermost error middleware then sends."""
+    so a stream counts once, by the status its client got. A response's route is the declared path the router
+    matched, else its own path if one of the app's routes declares it (a 413 refused before routing), else "other"
+    (a 404): the label set stays bounded whatever paths clients send. An exception that leaves the app before any
+    response started counts as the 500 that Starlette's outermost error middleware then sends."""
 
-    def __init__(self, app, counter: Counter, routes: Callable[[], Iterable[str]]):
+    def __init__(self, app, counter: Counter):
         self.app = app
         self.counter = counter
-        self._routes = routes
-        self.routes = None
+        self.routes = None  # the app's declared paths, read at the first response (every route is declared by then)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -221,7 +219,7 @@ class ResponseCounter:
 
         def count(status: int) -> None:
             if self.routes is None:
-                self.routes = frozenset(self._routes())
+                self.routes = frozenset(route.path for route in scope["app"].routes)  # Starlette sets scope["app"]
             route = getattr(scope.get("route"), "path", None) or scope["path"]
             self.counter.labels(route if route in self.routes else "other", str(status)).inc()
 

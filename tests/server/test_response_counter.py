@@ -16,7 +16,7 @@ def _app():
     counter = Counter("responses", "responses", ["route", "status"], registry=registry)
     app = FastAPI()
     app.add_middleware(BodyLimit, limit=100)
-    app.add_middleware(ResponseCounter, counter=counter, routes=lambda: [route.path for route in app.routes])
+    app.add_middleware(ResponseCounter, counter=counter)
     install_error_handlers(app)
 
     @app.get("/items/{item_id}")
