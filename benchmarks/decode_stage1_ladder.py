@@ -41,7 +41,7 @@ from lightllm.kernels.attention.decode.splits import (  # noqa: E402
     split_token_ranges,
     split_tokens,
 )
-from lightllm.kernels.attention.decode.stage1 import _load_kv_halves, _load_q_halves  # noqa: E402
+from lightllm.kernels.attention.decode.stage1 import INT8_PTX_UNIT, _load_kv_halves, _load_q_halves  # noqa: E402
 from lightllm.kernels.launch_math import next_power_of_2  # noqa: E402
 
 RUNGS = ("reads", "dequant", "dots", "kernel")
@@ -88,6 +88,8 @@ def stage1_ladder_kernel(
                                      kv_dtype)  # fmt: skip
         if DOTS:
             qk = tl.dot(q_lo, tl.trans(k_lo)) + tl.dot(q_hi, tl.trans(k_hi))
+            if ASM and QUANT == 8:
+                qk = qk * INT8_PTX_UNIT  # the PTX INT8 path's K is 1/16 of its value (stage1._int8_word_to_f16)
         v_lo, v_hi = _load_kv_halves(V, V_scale, tok * stride_vt + kvh * stride_vh, tok * stride_vst + kvh * stride_vsh,
                                      mask_n, d, BLOCK_N, HALF_D, QUANT, QGROUP, INT4_OFFSET, F16, ASM,
                                      kv_dtype)  # fmt: skip
@@ -98,6 +100,9 @@ def stage1_ladder_kernel(
         else:
             acc_lo += k_lo.to(tl.float32) + v_lo.to(tl.float32)
             acc_hi += k_hi.to(tl.float32) + v_hi.to(tl.float32)
+    if ASM and QUANT == 8:  # and so is V
+        acc_lo = acc_lo * INT8_PTX_UNIT
+        acc_hi = acc_hi * INT8_PTX_UNIT
     o_ptr = OUT + b.to(tl.int64) * stride_ob + kvh * stride_oh + split * stride_os + d
     tl.store(o_ptr, tl.sum(acc_lo, 0))
     tl.store(o_ptr + HALF_D, tl.sum(acc_hi, 0))

@@ -1,15 +1,15 @@
 """Registers, spilled bytes and shared memory of decode attention's stage-1 kernel for each tuned candidate, compiled
-for a GPU architecture on any machine: Triton compiles to a cubin without a GPU, and its bundled ``cuobjdump`` reads
-the cubin's resources. Nothing is timed; it shows what a GPU table cannot: a candidate that spills, one whose
-registers or shared memory leave few warps resident per SM (fewer loads in flight for a memory-bound kernel), and
-how many dequantized K/V tiles the compiler stages through shared memory (from its TTGIR: a 16-bit
-``[BLOCK_N, D/2]`` register tensor written to shared memory, then read back in the dot's operand layout, behind a
-barrier, each loop iteration). From the SASS of the main loop (the longest backward branch): its instructions per
-tile, barriers, synchronous global loads (``LDG``: latency a tile waits on, where the pipeline's async copies,
-``LDGSTS``, hide it), register moves (``MOV``, ``IMAD.MOV``) and the layout conversions in its TTGIR. Each candidate
-compiles as the launcher runs it, register cap included (``flash_decode.register_cap``; ``--maxnreg`` sets others).
-Rows marked ``qk`` in a saved run were compiled with ``benchmarks/patches/stage1_qk_int8.patch`` applied (its
-``--qk-int8``: the integer QK dot).
+for a GPU architecture on any machine: Triton compiles to a cubin without a GPU, and its bundled ``cuobjdump`` reads the
+cubin's resources. Nothing is timed; it shows what a GPU table cannot: a candidate that spills, one whose registers or
+shared memory leave few warps resident per SM (fewer loads in flight for a memory-bound kernel), and how many
+dequantized K/V tiles the compiler stages through shared memory (from its TTGIR: a 16-bit ``[BLOCK_N, D/2]`` register
+tensor written to shared memory, then read back in the dot's operand layout, behind a barrier; summed over the kernel's
+copies of the block body). From the SASS of the main loop (the longest backward branch): its instructions per tile,
+barriers, synchronous global loads (``LDG``: latency a tile waits on, where the pipeline's async copies, ``LDGSTS``,
+hide it), register moves (``MOV``, ``IMAD.MOV``) and the layout conversions in its TTGIR. Each candidate compiles as the
+launcher runs it, register cap included (``flash_decode.register_cap``; ``--maxnreg`` sets others). Rows marked ``qk``
+in a saved run were compiled with ``benchmarks/patches/stage1_qk_int8.patch`` applied (its ``--qk-int8``: the integer QK
+dot).
 
     python benchmarks/decode_stage1_resources.py --out benchmarks/results/decode_stage1_resources_sm90.json
     python benchmarks/decode_stage1_resources.py --analyze benchmarks/results/decode_stage1_resources_sm90.json
@@ -131,7 +131,8 @@ def resident(regs: int, num_warps: int, shared_bytes: int = 0, arch: int = 90) -
 
 def staged_tiles(ttgir: str, block_n: int, half_d: int) -> int:
     """Register tensors of a KV tile's shape in a 16-bit float type that the kernel writes to shared memory: the
-    dequantized tiles the dot cannot take from registers (async copies of the codes allocate without a source)."""
+    dequantized tiles the dot cannot take from registers (async copies of the codes allocate without a source),
+    summed over the kernel's copies of the block body (with the peel: the first block, the loop, the partial last)."""
     return len(re.findall(rf"ttg\.local_alloc %\S+ : \(tensor<{block_n}x{half_d}x(?:f16|bf16),", ttgir))
 
 
@@ -226,7 +227,8 @@ def print_table(results: dict) -> None:
     print(
         f"# decode stage 1 compiled for {results['arch']}: registers per thread, spilled bytes (stack), shared "
         "memory, the warps per SM that registers and shared memory allow (and which limits them), the "
-        "dequantized K/V tiles staged through shared memory per iteration, and the main loop's instructions, "
+        "dequantized K/V tiles staged through shared memory (over the kernel's copies of the block body), and the main "
+        "loop's instructions, "
         "barriers, synchronous global loads, layout conversions and register moves per tile ('-': a run before that "
         "was counted; "
         "qk: compiled with benchmarks/patches/stage1_qk_int8.patch; peel: the first block before the loop, '-' where a "

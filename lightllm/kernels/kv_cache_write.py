@@ -17,6 +17,8 @@ from lightllm.common.kv_cache.quant import (
     INT4_OFFSET,
     INT4_QMAX,
     INT8_QMAX,
+    INT8_SCALE_LOW_BITS,
+    INT8_SCALE_MAX,
     SCALE_DTYPE,
     SCALE_MAX,
     SCALE_MIN,
@@ -34,6 +36,9 @@ _INDEX_DTYPES = (torch.int32, torch.int64)
 _ROUND_MAGIC = tl.constexpr(12582912.0)
 _SCALE_MIN = tl.constexpr(SCALE_MIN)
 _SCALE_MAX = tl.constexpr(SCALE_MAX)
+_INT8_QMAX = tl.constexpr(INT8_QMAX)
+_INT8_SCALE_MAX = tl.constexpr(INT8_SCALE_MAX)
+_INT8_SCALE_STEP = tl.constexpr((1 << INT8_SCALE_LOW_BITS) - 1)
 
 
 @triton.jit
@@ -74,7 +79,11 @@ def _quantize_groups(x, NUM_GROUPS: tl.constexpr, GROUP: tl.constexpr, QMAX: tl.
     xg = tl.reshape(x, (NUM_GROUPS, GROUP))
     amax = tl.max(tl.abs(xg), axis=1)
     scale = tl.maximum(tl.math.div_rn(amax, tl.full(amax.shape, QMAX, tl.float32)), _SCALE_MIN)
-    scale = tl.minimum(scale, _SCALE_MAX).to(tl.float16)  # saturating codes, not an inf scale (0 x inf = NaN)
+    if QMAX == _INT8_QMAX:  # 7 significant bits, rounded up, at most 512 (common/kv_cache/quant.py)
+        bits = tl.minimum(scale, _INT8_SCALE_MAX).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
+        scale = ((bits + _INT8_SCALE_STEP) & ~_INT8_SCALE_STEP).to(tl.int16).to(tl.float16, bitcast=True)
+    else:
+        scale = tl.minimum(scale, _SCALE_MAX).to(tl.float16)  # saturating codes, not an inf scale (0 x inf = NaN)
     scale_b = tl.broadcast_to(scale.to(tl.float32)[:, None], (NUM_GROUPS, GROUP))
     y = tl.math.div_rn(xg, scale_b)
     y = tl.minimum(tl.maximum(y, -QMAX), QMAX)  # clamp before rounding: both bounds are integers

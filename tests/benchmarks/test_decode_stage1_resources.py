@@ -31,7 +31,8 @@ def test_one_candidate_per_quantized_kind_compiles_for_sm90_and_reports_its_reso
     assert got == sorted(("hq32-hk8-d128", k, g) for k in ("int8", "int4") for g in (8, 32))
     for cell in cells:
         assert 16 <= cell["regs"] <= 255 and cell["shared_bytes"] > 0 and cell["stack_bytes"] >= 0
-        assert 0 <= cell["staged_tiles"] <= 4  # K and V, two halves each
+        # V's two halves in each copy of the block body: with the peel the first block, the loop and the partial last
+        assert 0 <= cell["staged_tiles"] <= 2 * 3
         assert cell["PEEL"] is True  # the launcher's rule at head_dim 128
     assert "warps/SM" in done.stdout and "hq32-hk8-d128 int8" in done.stdout
 

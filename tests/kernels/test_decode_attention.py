@@ -4,14 +4,18 @@ import math
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from lightllm.common.autotuner import AutotuneKernelType, autotune_warmup, set_bench_func
 from lightllm.common.autotuner.keys import freeze, key_to_json
 from lightllm.common.kv_cache.quant import (
+    INT8_SCALE_MAX,
     dequantize_int4_ref,
     dequantize_int8_ref,
     quantize_int4_ref,
     quantize_int8_ref,
+    round_up_scale_bits,
 )
 from lightllm.kernels.attention.decode import (
     gqa_decode_attention,
@@ -19,6 +23,7 @@ from lightllm.kernels.attention.decode import (
     gqa_decode_attention_int8kv,
 )
 from lightllm.kernels.attention.decode import flash_decode, splits
+from lightllm.kernels.attention.decode.stage1 import INT8_PTX_UNIT, _load_kv_halves
 from lightllm.kernels.attention.decode.reference import decode_attention_ref
 from lightllm.kernels.attention.decode.splits import split_token_ranges
 
@@ -513,6 +518,116 @@ def test_gpu_ptx_dequant_matches_element_path(kind, group, head_dim, q_heads, kv
     torch.testing.assert_close(ptx_out.float(), element_out.float(), rtol=2**-7, atol=2e-3)
     ref = decode_attention_ref(q, kd, vd, r2t, idx, seq)
     assert rel_err(ptx_out, ref) < 1e-2
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("least, graph_max", [(1, 64), (2, 4096), (3, 4096)])
+def test_each_split_reads_exactly_its_own_blocks(kind, least, graph_max):
+    """Stage 1's peeled path (16-bit queries, quantized KV, head_dim <= 128: the first block, whole blocks without
+    masks, then a partial last block) over lengths around the block's multiples, splits of one, several and no
+    blocks: every token past a request's end points at a slot whose scales are NaN, so a read past a split's end
+    shows, and each split's partial output and log-sum-exp match float64 over exactly its tokens."""
+    head_dim, q_heads, block_n, pool = 64, 4, 16, 512
+    lens = [n for n in (1, 15, 16, 17, 31, 32, 33, 48, 64, 80, 95, 96, 97, 160) if n <= graph_max]
+    g = torch.Generator().manual_seed(least)
+    quant, dequant = {
+        "int8": (quantize_int8_ref, dequantize_int8_ref),
+        "int4": (quantize_int4_ref, dequantize_int4_ref),
+    }[kind]
+    (kq, ks), (vq, vs) = (quant(torch.randn(pool, 1, head_dim, generator=g), 8) for _ in "kv")
+    kd, vd = dequant(kq, ks, 8).double(), dequant(vq, vs, 8).double()
+    ks[pool - 1], vs[pool - 1] = float("nan"), float("nan")
+    q = torch.randn(len(lens), q_heads, head_dim, generator=g).half()
+    r2t = torch.full((len(lens), 200), pool - 1, dtype=torch.int32)
+    for b, n in enumerate(lens):
+        r2t[b, :n] = torch.randperm(pool - 1, generator=g)[:n].int()
+    cfg = {"BLOCK_N": block_n, "num_warps": 2, "num_stages": 1, "WAVES": 8, "MIN_BLOCKS": least}
+    n_splits = splits.num_splits(len(lens), 1, graph_max, block_n, 8, torch.device(DEVICE))
+    shape = (len(lens), q_heads, n_splits, head_dim)
+    scratch = {
+        shape: (torch.full(shape, float("nan"), device=DEVICE), torch.full(shape[:-1], float("nan"), device=DEVICE))
+    }
+    tensors = [t.to(DEVICE) for t in (q, kq, vq, ks, vs, r2t)]
+    idx = torch.arange(len(lens), dtype=torch.int32, device=DEVICE)
+    seq = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    out = torch.full_like(tensors[0], float("nan"))
+    flash_decode._launch_split_kv(*tensors, idx, seq, graph_max, out, 0.125, kind, 8, scratch, cfg)
+    mid_o, mid_lse = (t.cpu().double() for t in scratch[shape])
+    assert flash_decode.peel_queries(True, head_dim)
+    for b, n in enumerate(lens):
+        for s, (lo, hi) in enumerate(split_token_ranges(n, n_splits, block_n, least)):
+            if lo == hi:  # stage 2 skips it: left unwritten
+                assert mid_o[b, :, s].isnan().all() and mid_lse[b, :, s].isnan().all()
+                continue
+            tok = r2t[b, lo:hi].long()
+            scores = torch.einsum("hd,nd->hn", q[b].double(), kd[tok, 0]) * 0.125
+            torch.testing.assert_close(mid_o[b, :, s], scores.softmax(-1) @ vd[tok, 0], rtol=0, atol=5e-3)
+            torch.testing.assert_close(mid_lse[b, :, s], scores.logsumexp(-1) / math.log(2), rtol=0, atol=5e-3)
+
+
+def test_ptx_int8_fma_arithmetic_is_exact_for_every_code_and_format_scale():
+    """The PTX INT8 helper's arithmetic (stage1._int8_word_to_f16), emulated: ``code + 128`` under 0x54 is the float16
+    ``64 + (code + 128) / 16``; one FMA by the scale with the bias ``-72 * scale`` (float64 here: exact, then one
+    rounding, as the FMA) is ``code * scale / 16`` rounded once, for all 255 codes and every scale of the INT8 format
+    (4 low mantissa bits clear, up to 512, subnormals included); where that is a normal float16, 16 times it is the
+    element path's ``code * scale``. The GPU test below runs the PTX itself."""
+    u = torch.arange(1, 256, dtype=torch.int32)
+    placed = (u | 0x5400).to(torch.int16).view(torch.float16).double()
+    assert torch.equal(placed, 64 + u.double() / 16)
+    scales = torch.arange(0x0010, 0x6001, 16, dtype=torch.int32).to(torch.int16).view(torch.float16).double()
+    assert scales.max().item() == INT8_SCALE_MAX and len(scales) == 1536
+    bias = (-72 * scales).half().double()
+    assert torch.equal(bias, -72 * scales)  # exact in float16
+    fma = (placed[None, :] * scales[:, None] + bias[:, None]).half()
+    codes = (u - 128).double()
+    assert torch.equal(fma, (codes[None, :] * scales[:, None] / INT8_PTX_UNIT.value).half())
+    element = (codes[None, :] * scales[:, None]).half().double()
+    normal = (element / INT8_PTX_UNIT.value).abs() >= 2**-14
+    assert torch.equal(fma.double()[normal] * INT8_PTX_UNIT.value, element[normal])
+
+
+@triton.jit
+def _dequant_both_paths_kernel(Codes, Scales, Ptx, Element, BLOCK_N: tl.constexpr, HALF_D: tl.constexpr,
+                               QGROUP: tl.constexpr):  # fmt: skip
+    """One INT8 tile ``[BLOCK_N, 2 * HALF_D]`` dequantized by stage 1's PTX word path and by its element path."""
+    n = tl.arange(0, BLOCK_N)
+    d = tl.arange(0, HALF_D)
+    row, srow, every = n * (2 * HALF_D), n * (2 * HALF_D // QGROUP), n < BLOCK_N
+    out = n[:, None] * (2 * HALF_D) + d[None, :]
+    lo, hi = _load_kv_halves(Codes, Scales, row, srow, every, d, BLOCK_N, HALF_D, 8, QGROUP, 8, True, True, tl.float16)
+    tl.store(Ptx + out, lo)
+    tl.store(Ptx + out + HALF_D, hi)
+    lo, hi = _load_kv_halves(Codes, Scales, row, srow, every, d, BLOCK_N, HALF_D, 8, QGROUP, 8, True, False,
+                             tl.float16)  # fmt: skip
+    tl.store(Element + out, lo)
+    tl.store(Element + out + HALF_D, hi)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("group", [8, 32])
+def test_gpu_ptx_int8_dequant_is_exact_at_a_sixteenth(group):
+    """The PTX INT8 helper's one FMA with the bias ``-72 * scale``: every code (-127..127) at scales of the INT8
+    format (7 significant bits, up to 512) gives exactly the element path's ``code * scale`` / 16 wherever that is a
+    normal float16, and within half a subnormal ulp below (as the /16 rounds it)."""
+    block_n, head_dim = 64, 128
+    g = torch.Generator().manual_seed(5)
+    codes = torch.randint(-127, 128, (block_n, head_dim), generator=g, dtype=torch.int8)
+    codes.view(-1)[:255] = torch.arange(-127, 128, dtype=torch.int8)
+    bits = torch.randint(0x0010, 0x6000 + 1, (block_n, head_dim // group), generator=g, dtype=torch.int32)
+    scales = round_up_scale_bits(bits.to(torch.int16).view(torch.float16))
+    scales.view(-1)[:2] = torch.tensor([INT8_SCALE_MAX, 2.0**-10])  # the largest scale and the smallest all-normal one
+    assert (scales.float() <= INT8_SCALE_MAX).all()
+    codes, scales = codes.to(DEVICE), scales.to(DEVICE)
+    ptx, element = (torch.full((block_n, head_dim), float("nan"), dtype=torch.float16, device=DEVICE) for _ in "ab")
+    _dequant_both_paths_kernel[(1,)](codes, scales, ptx, element, BLOCK_N=block_n, HALF_D=head_dim // 2,
+                                     QGROUP=group)  # fmt: skip
+    exact = (codes.float() * scales.float().repeat_interleave(group, 1)).half()
+    assert torch.equal(element, exact)  # the element path: exact codes, one rounding by the scale
+    normal = (exact.float() / INT8_PTX_UNIT.value).abs() >= 2**-14
+    assert normal.float().mean() > 0.9 and not ptx.isnan().any()
+    unit = INT8_PTX_UNIT.value
+    torch.testing.assert_close(ptx.float()[normal] * unit, exact.float()[normal], rtol=0, atol=0)
+    assert ((ptx.float() * unit - exact.float()).abs()[~normal] <= unit * 2.0**-25).all()
 
 
 @pytest.mark.gpu

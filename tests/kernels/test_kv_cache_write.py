@@ -3,6 +3,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from lightllm.common.kv_cache.quant import INT8_SCALE_MAX
 from lightllm.kernels.kv_cache_write import (
     write_kv,
     write_kv_int4,
@@ -143,10 +144,11 @@ def test_quant_writers_round_ties_to_even(kind, dtype):
     _run_quant(writer, ref, (NUM_TOKENS, KV_HEADS, code_shape), code_dtype, k, v, idx, group_size)
 
 
-@pytest.mark.parametrize("kind, big", [("int8", 9e6), ("int4", 5e5)])
-def test_a_group_past_qmax_times_float16s_largest_saturates_instead_of_reading_nan(kind, big):
-    """float32 K: a group whose absmax / QMAX passes 65504 takes the largest finite float16 scale and saturated
-    codes (an infinite scale made every code 0 and read 0 x inf = NaN), bit for bit as the reference."""
+@pytest.mark.parametrize("kind, big, top", [("int8", 9e6, INT8_SCALE_MAX), ("int4", 5e5, 65504.0)])
+def test_a_group_past_qmax_times_the_largest_scale_saturates_instead_of_reading_nan(kind, big, top):
+    """float32 K: a group whose absmax / QMAX passes the largest scale (INT8: 512, so its codes times their scales
+    stay inside float16; INT4: float16's largest) takes that scale and saturated codes (an infinite scale made every
+    code 0 and read 0 x inf = NaN), bit for bit as the reference."""
     head_dim, group_size = 64, 8
     k, v, idx = _inputs(head_dim, torch.float32, seed=11)
     k[1, 0, :group_size] *= big
@@ -158,7 +160,7 @@ def test_a_group_past_qmax_times_float16s_largest_saturates_instead_of_reading_n
     caches = [_pool((NUM_TOKENS, KV_HEADS, code_shape), code_dtype) for _ in range(2)]
     scales = [_pool((NUM_TOKENS, KV_HEADS, head_dim // group_size), torch.float16) for _ in range(2)]
     writer(k, v, *caches, *scales, idx, group_size)
-    assert scales[0][idx[1], 0, 0].item() == 65504.0 and torch.isfinite(scales[0][idx]).all()
+    assert scales[0][idx[1], 0, 0].item() == top and torch.isfinite(scales[0][idx]).all()
 
 
 @pytest.mark.parametrize("writer", [write_kv, write_kv_int8, write_kv_int4], ids=["copy", "int8", "int4"])

@@ -6,7 +6,11 @@ Triton writers (``lightllm.kernels.kv_cache_write``) and the quantized decode ke
   scales are float16 ``[..., head_dim // group_size]``.
 - ``scale = float16(max(absmax(group) / QMAX, 1e-7))`` (math in float32, then rounded to float16);
   ``q = clamp(round_half_even(x / float32(scale)), -QMAX, QMAX)``; dequant ``q * float32(scale)``.
-- INT8: ``QMAX = 127``, codes stored as int8 ``[..., D]``.
+- INT8: ``QMAX = 127``, codes stored as int8 ``[..., D]``. The float16 scale is then rounded *up* to 7
+  significant bits (its 4 low mantissa bits cleared: ``(bits + 15) & ~15``), at most ``INT8_SCALE_MAX``, before
+  the codes are taken: the decode kernel dequantizes a code with one FMA, ``(64 + (code + 128) / 16) * scale -
+  72 * scale``, whose bias ``72 * scale`` is exact only so. A normal float16 scale (absmax >= 127 * 2**-14) grows
+  by under 1/64, a subnormal one by under 2**-20.
 - INT4: ``QMAX = 7``, nibble ``q + 8`` (1..15), "split halves" packing into uint8 ``[..., D // 2]``:
   byte ``j`` holds element ``j`` in its low nibble and element ``j + D/2`` in its high nibble.
   ``group_size`` must divide ``D / 2`` so that no group straddles the two halves.
@@ -23,6 +27,10 @@ SCALE_MIN = 1e-7
 # float16's largest: a group past QMAX x 65504 (fp32 K/V) saturates its codes instead of a scale of inf (0 x inf = NaN)
 SCALE_MAX = 65504.0
 SCALE_DTYPE = torch.float16
+# INT8 scales (above): 4 low mantissa bits zero, and at most 512, so a code times its scale (127 x 512 = 65024) and the
+# decode kernel's FMA bias (72 x 512) stay inside float16
+INT8_SCALE_LOW_BITS = 4
+INT8_SCALE_MAX = 512.0
 
 
 def check_group_size(owner: str, head_dim: int, group_size: int, int4: bool = False) -> None:
@@ -54,8 +62,17 @@ def _check_codes(owner: str, q: torch.Tensor, scale: torch.Tensor, dtype, head_d
 def _group_scales(x: torch.Tensor, group_size: int, qmax: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """(x in float32 as ``[..., G_count, group_size]``, float16 scales ``[..., G_count]``)."""
     xg = x.float().reshape(*x.shape[:-1], x.shape[-1] // group_size, group_size)
-    scale = torch.clamp(xg.abs().amax(dim=-1) / qmax, SCALE_MIN, SCALE_MAX).to(SCALE_DTYPE)
-    return xg, scale
+    top = INT8_SCALE_MAX if qmax == INT8_QMAX else SCALE_MAX
+    scale = torch.clamp(xg.abs().amax(dim=-1) / qmax, SCALE_MIN, top).to(SCALE_DTYPE)
+    return xg, round_up_scale_bits(scale) if qmax == INT8_QMAX else scale
+
+
+def round_up_scale_bits(scale: torch.Tensor) -> torch.Tensor:
+    """Positive float16 scales rounded up to a multiple of ``2 ** INT8_SCALE_LOW_BITS`` of their ulps: 7 significant
+    bits for a normal float16, the INT8 format's scales."""
+    step = (1 << INT8_SCALE_LOW_BITS) - 1
+    bits = scale.view(torch.int16).to(torch.int32)
+    return ((bits + step) & ~step).to(torch.int16).view(SCALE_DTYPE)
 
 
 def _codes(xg: torch.Tensor, scale: torch.Tensor, qmax: int) -> torch.Tensor:

@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from lightllm.common.kv_cache import dequantize_int4_ref, dequantize_int8_ref, quantize_int4_ref, quantize_int8_ref
+from lightllm.common.kv_cache.quant import INT8_SCALE_MAX, round_up_scale_bits
 
 QUANT = {
     "int8": (quantize_int8_ref, dequantize_int8_ref, 127),
@@ -10,12 +11,13 @@ QUANT = {
 
 
 def _error_bound(x, scale, group_size, qmax):
-    """Per-element bound on |x - dequant(quant(x))|: half a step, plus what rounding the scale to float16 costs
-    at the clamped end of the group (qmax * |scale32 - scale16|), plus float32 slack."""
+    """Per-element bound on |x - dequant(quant(x))|: half a step, plus what a scale rounded below absmax / qmax costs
+    at the clamped end of the group (qmax * (scale32 - scale16)), plus float32 slack. A scale rounded up (INT8's, to
+    7 significant bits) clamps nothing."""
     xg = x.float().unflatten(-1, (-1, group_size))
     scale32 = torch.clamp_min(xg.abs().amax(-1) / qmax, 1e-7)
     s16 = scale.float()
-    per_group = s16 / 2 + qmax * (scale32 - s16).abs()
+    per_group = s16 / 2 + qmax * (scale32 - s16).clamp_min(0)
     return (per_group.unsqueeze(-1) + 1e-6 * xg.abs()).flatten(-2)
 
 
@@ -51,8 +53,32 @@ def test_int8_codes_exact_with_half_to_even():
     assert q.dtype == torch.int8
     assert q.tolist() == [127, -64, 0, 2, 2, -2, 0, 3] + [0] * 8
     assert scale.dtype == torch.float16 and scale[0].item() == 1.0
-    assert scale[1].item() == torch.tensor(1e-7).to(torch.float16).item() > 0  # all-zero group: floor, not zero
+    assert scale[1].item() == round_up_scale_bits(torch.tensor(1e-7).half()).item() > 0  # all-zero group: a floor
     assert dequantize_int8_ref(q, scale, 8).tolist() == [127.0, -64.0, 0.0, 2.0, 2.0, -2.0, 0.0, 3.0] + [0.0] * 8
+
+
+@pytest.mark.parametrize("magnitude", [1e-6, 1e-3, 1.0, 300.0, 1e5], ids=str)
+def test_int8_scales_have_7_significant_bits_and_an_exact_decode_bias(magnitude):
+    """What the decode kernel's one-FMA dequantization needs (stage1._int8_word_to_f16): ``72 * scale`` exact in
+    float16 and finite, so each scale has its 4 low mantissa bits clear and is at most 512; it is the float16 scale
+    rounded up (never down: the group's absmax still maps inside +-127), by under 1/64 (a subnormal one: 2**-20)."""
+    torch.manual_seed(1)
+    x = torch.randn(64, 4, 128) * magnitude * torch.logspace(-1, 1, 64)[:, None, None]
+    q, scale = quantize_int8_ref(x, 8)
+    bits = scale.view(torch.int16).int()
+    assert (bits & 15 == 0).all() and (scale.float() <= INT8_SCALE_MAX).all() and (scale > 0).all()
+    bias = scale.float() * 72
+    assert torch.equal(bias.half().float(), bias)
+    rounded = torch.clamp(x.unflatten(-1, (-1, 8)).abs().amax(-1) / 127, 1e-7, INT8_SCALE_MAX).half().float()
+    assert (scale.float() >= rounded).all() and (scale.float() < rounded * (1 + 1 / 64) + 2.0**-20).all()
+    if magnitude == 1e5:  # past 127 x 512 the codes saturate at the largest scale
+        assert (scale.float() == INT8_SCALE_MAX).any() and (q.abs() == 127).any()
+
+
+def test_round_up_scale_bits_rounds_up_to_a_multiple_of_16_ulps():
+    s = torch.tensor([0x3C00, 0x3C01, 0x3C0F, 0x3C10, 0x3C11, 0x3FF1, 0x0001, 0x000F], dtype=torch.int16)
+    got = round_up_scale_bits(s.view(torch.float16)).view(torch.int16).tolist()
+    assert got == [0x3C00, 0x3C10, 0x3C10, 0x3C10, 0x3C20, 0x4000, 0x0010, 0x0010]
 
 
 def test_int4_packing_layout_exact_bytes():

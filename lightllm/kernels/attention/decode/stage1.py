@@ -16,18 +16,22 @@ and what still bounds it): a code becomes a float16 with integer ops only (its b
 1024.0, then one subtraction: exact, where an int-to-float conversion runs at a quarter of the ALU rate), is scaled
 by its float16 scale in float16 (rounded once, to 11 significant bits where the bf16 path rounds to 8), and both
 dots run in float16 with float32 accumulation: bf16 queries become float16 once per program (exactly, inside
-float16's range), the probabilities (in [0, 1]) once per tile. So |q|, |K| and |V| must stay below float16's
-65504. float32 queries dequantize in float32 and keep IEEE dots.
+float16's range), the probabilities (in [0, 1]) once per tile. The queries take the softmax scale (base 2) once
+there, not every score. So |K| and |V| must stay below float16's 65504, and |q| times that scale too (on the PTX INT8
+path, below, times 16 more: |q| < 32K at head_dim 128). float32 queries dequantize in float32 and keep IEEE dots.
 
 On a GPU (``ASM``) the same float16 values come from PTX: the codes are read as 32-bit words of four, and per word
-two PRMTs place the four codes under float16 exponent bytes, then one packed subtraction and one packed scale
-multiply per pair (INT4: one LOP3 per pair picks a nibble). Written per element, Triton keeps one code per register
-and spends a PRMT per byte to extract and re-pack it (docs/decode_attention.md has the profile).
+two PRMTs place the four codes under float16 exponent bytes. INT8 then takes one packed FMA per pair, by the scale
+plus an exact bias, which leaves 1/16 of the value (``INT8_PTX_UNIT``, so the bias stays inside float16; the softmax
+scale and the output's normalization take the 16 back, exactly). INT4 takes one packed subtraction and one packed
+scale multiply per pair (and one LOP3 per pair picks a nibble). Written per element, Triton keeps one code per
+register and spends a PRMT per byte to extract and re-pack it (docs/decode_attention.md has the profile).
 
 Two things keep the quantized loop free of register moves (a fifth of its instructions before): the first block runs
 before the loop (up to head_dim 128), so the queries' dot operand is built once and stays in registers, and
 dequantized V passes through an opaque move so Triton reads V and the probabilities as 2-wide operands by
-``ldmatrix``. The launcher caps the registers this adds (``flash_decode.register_cap``).
+``ldmatrix``. The launcher caps the registers this adds (``flash_decode.register_cap``). After the peeled block the
+loop takes whole blocks only, with no masks on its loads and scores; a split's partial last block runs after it.
 """
 
 import triton
@@ -35,6 +39,9 @@ import triton.language as tl
 
 from lightllm.kernels.attention.decode.splits import split_tokens
 from lightllm.kernels.pdl import pdl_release, pdl_wait
+
+# The PTX INT8 path (_int8_word_to_f16) dequantizes K and V to 1/16 of their values; stage 1 scales them back
+INT8_PTX_UNIT = tl.constexpr(16.0)
 
 
 @triton.jit
@@ -52,29 +59,33 @@ def _nibble_to_f16(nibble, INT4_OFFSET: tl.constexpr):
 # Dequantization as PTX on 32-bit words of four codes (GPU only: the interpreter runs the helpers above). Codes
 # loaded as int8 live one per register and Triton extracts and re-packs each with PRMTs (the H200's profile: PRMT 24 %
 # and IMAD 18 % of the quantized stage 1's instructions, 213 registers); a word load keeps four per register and
-# two PRMTs place them under float16 exponent bytes, one packed subtraction and one packed scale multiply per pair.
+# two PRMTs place them under float16 exponent bytes, then one packed FMA (INT8) or a subtraction and a multiply (INT4)
+# per pair.
 @triton.jit
-def _int8_word_to_f16(words, scale):
-    """Four int8 codes per int32 word, times their float16 scale (one per word), as four float16 tensors in memory
-    order: ``code ^ 0x80`` is ``code + 128`` unsigned, placed under 0x64 (1024.0's high byte), minus 1152."""
+def _int8_word_to_f16(words, scale, bias):
+    """Four int8 codes per int32 word, with their float16 scale and ``bias = -72 * scale`` (one each per word), as
+    four float16 tensors in memory order, each ``code * scale / 16`` (``INT8_PTX_UNIT``) rounded once.
+
+    ``code ^ 0x80`` is ``code + 128`` unsigned; placed under 0x54 (64.0's high byte) it is ``64 + (code + 128) / 16``,
+    and one FMA by the scale plus the bias leaves ``code * scale / 16``. The bias is exact because INT8 scales have 7
+    significant bits (common/kv_cache/quant.py). The 1/16 keeps the bias inside float16 for every scale the format
+    allows (``72 * 512``); with 1024.0's byte the bias would be ``1152 * scale``, finite only below 57."""
     return tl.inline_asm_elementwise(
         asm="""{
-        .reg .b32 u, m, c, lo, hi, s;
+        .reg .b32 u, m, lo, hi, s, b;
         xor.b32 u, $4, 0x80808080;
-        mov.b32 m, 0x64646464;
+        mov.b32 m, 0x54545454;
         prmt.b32 lo, u, m, 0x4140;
         prmt.b32 hi, u, m, 0x4342;
-        mov.b32 c, 0x64806480;
-        sub.rn.f16x2 lo, lo, c;
-        sub.rn.f16x2 hi, hi, c;
         mov.b32 s, {$5, $5};
-        mul.rn.f16x2 lo, lo, s;
-        mul.rn.f16x2 hi, hi, s;
+        mov.b32 b, {$6, $6};
+        fma.rn.f16x2 lo, lo, s, b;
+        fma.rn.f16x2 hi, hi, s, b;
         mov.b32 {$0, $1}, lo;
         mov.b32 {$2, $3}, hi;
         }""",
-        constraints="=h,=h,=h,=h,r,h",
-        args=[words, scale],
+        constraints="=h,=h,=h,=h,r,h,h",
+        args=[words, scale, bias],
         dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
         is_pure=True,
         pack=1,
@@ -147,14 +158,17 @@ def _load_dequant_words(Base, Scale, row, srow, m, BLOCK_N: tl.constexpr, HALF_D
     w = tl.arange(0, HALF_D // 4)
     g = tl.arange(0, HALF_D // QGROUP)
     words = Base.to(tl.pointer_type(tl.int32)) + (row >> 2)[:, None] + w[None, :]
-    s_lo = _word_scales(tl.load(Scale + srow[:, None] + g[None, :], mask=m, other=0), BLOCK_N, HALF_D, QGROUP)
-    s_hi = _word_scales(tl.load(Scale + srow[:, None] + (g + HALF_D // QGROUP)[None, :], mask=m, other=0),
-                        BLOCK_N, HALF_D, QGROUP)  # fmt: skip
+    g_lo = tl.load(Scale + srow[:, None] + g[None, :], mask=m, other=0)
+    g_hi = tl.load(Scale + srow[:, None] + (g + HALF_D // QGROUP)[None, :], mask=m, other=0)
+    s_lo = _word_scales(g_lo, BLOCK_N, HALF_D, QGROUP)
+    s_hi = _word_scales(g_hi, BLOCK_N, HALF_D, QGROUP)
     if QUANT == 4:
         a0, a1, a2, a3, b0, b1, b2, b3 = _int4_word_to_f16(tl.load(words, mask=m, other=0), s_lo, s_hi)
     else:
-        a0, a1, a2, a3 = _int8_word_to_f16(tl.load(words, mask=m, other=0), s_lo)
-        b0, b1, b2, b3 = _int8_word_to_f16(tl.load(words + HALF_D // 4, mask=m, other=0), s_hi)
+        c_lo = _word_scales(g_lo * -72.0, BLOCK_N, HALF_D, QGROUP)  # exact: 7-bit scales
+        c_hi = _word_scales(g_hi * -72.0, BLOCK_N, HALF_D, QGROUP)
+        a0, a1, a2, a3 = _int8_word_to_f16(tl.load(words, mask=m, other=0), s_lo, c_lo)
+        b0, b1, b2, b3 = _int8_word_to_f16(tl.load(words + HALF_D // 4, mask=m, other=0), s_hi, c_hi)
     return _join4(a0, a1, a2, a3, BLOCK_N, HALF_D), _join4(b0, b1, b2, b3, BLOCK_N, HALF_D)
 
 
@@ -259,10 +273,14 @@ def _attend_block(n0, end, m_i, l_i, acc_lo, acc_hi, q_lo, q_hi, tokens, K, V, K
                   stride_kt, stride_kh, stride_vt, stride_vh, stride_kst, stride_ksh, stride_vst, stride_vsh, d,
                   BLOCK_N: tl.constexpr, HALF_D: tl.constexpr, QUANT: tl.constexpr, QGROUP: tl.constexpr,
                   INT4_OFFSET: tl.constexpr, F16: tl.constexpr, ASM: tl.constexpr, PRECISION: tl.constexpr,
-                  kv_dtype):  # fmt: skip
-    """Online softmax over the block of tokens ``[n0, n0 + BLOCK_N)`` (those below ``end``)."""
+                  kv_dtype, FULL: tl.constexpr = False):  # fmt: skip
+    """Online softmax over the block of tokens ``[n0, n0 + BLOCK_N)`` (those below ``end``; ``FULL``: all of them,
+    so no load or score is masked)."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < end
+    if FULL:
+        mask_n = tl.full([BLOCK_N], 1, tl.int1)
+    else:
+        mask_n = offs_n < end
     tok = tl.load(tokens + offs_n, mask=mask_n, other=0).to(tl.int64)
     k_row = tok * stride_kt + kvh * stride_kh
     k_srow = tok * stride_kst + kvh * stride_ksh
@@ -360,27 +378,50 @@ def decode_stage1_kernel(
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc_lo = tl.zeros([BLOCK_H, HALF_D], dtype=tl.float32)
     acc_hi = tl.zeros([BLOCK_H, HALF_D], dtype=tl.float32)
-    first = start
+    if ASM and QUANT == 8:
+        qk_scale = qk_scale * INT8_PTX_UNIT  # K arrives as code * scale / 16 (_int8_word_to_f16)
+    if F16:
+        # the softmax scale goes into the float16 queries once (one more rounding, far under K's quantization)
+        # instead of into every score
+        q_lo = (q_lo.to(tl.float32) * qk_scale).to(tl.float16)
+        q_hi = (q_hi.to(tl.float32) * qk_scale).to(tl.float16)
+        qk_scale = 1.0
+    # PEEL: the first block before the loop, so the queries' conversion to the dot operand has a user outside it:
+    # Triton then keeps q in registers instead of re-reading it from shared memory in every iteration (and, with the
+    # 4-wide operand the codes need, re-assembling each MMA fragment with register moves). bf16 reads q with
+    # ldmatrix and gains nothing but registers, so only the quantized path peels (the launcher decides). The loop
+    # then takes whole blocks without masks, and the split's partial last block, if any, comes after it (splits
+    # share whole blocks, so only a request's last block can be partial). At head_dim 256 (no peel) the unmasked
+    # loop holds 30-50 more registers a thread, so there it stays one masked loop.
+    loop_start = start
+    loop_end = end
     if PEEL:
-        # The first block before the loop, so the queries' conversion to the dot operand has a user outside it:
-        # Triton then keeps q in registers instead of re-reading it from shared memory in every iteration (and,
-        # with the 4-wide operand the codes need, re-assembling each MMA fragment with register moves). bf16 reads
-        # q with ldmatrix and gains nothing but registers, so only the quantized path peels (the launcher decides).
         m_i, l_i, acc_lo, acc_hi = _attend_block(
             start, end, m_i, l_i, acc_lo, acc_hi, q_lo, q_hi, tokens, K, V, K_scale, V_scale, kvh, qk_scale,
             stride_kt, stride_kh, stride_vt, stride_vh, stride_kst, stride_ksh, stride_vst, stride_vsh, d,
             BLOCK_N, HALF_D, QUANT, QGROUP, INT4_OFFSET, F16, ASM, PRECISION, kv_dtype,
         )  # fmt: skip
-        first = start + BLOCK_N
-    for n0 in range(first, end, BLOCK_N):
+        loop_start = start + BLOCK_N
+        loop_end = loop_start + (tl.maximum(end - loop_start, 0) // BLOCK_N) * BLOCK_N
+    for n0 in range(loop_start, loop_end, BLOCK_N):
         m_i, l_i, acc_lo, acc_hi = _attend_block(
             n0, end, m_i, l_i, acc_lo, acc_hi, q_lo, q_hi, tokens, K, V, K_scale, V_scale, kvh, qk_scale,
             stride_kt, stride_kh, stride_vt, stride_vh, stride_kst, stride_ksh, stride_vst, stride_vsh, d,
-            BLOCK_N, HALF_D, QUANT, QGROUP, INT4_OFFSET, F16, ASM, PRECISION, kv_dtype,
+            BLOCK_N, HALF_D, QUANT, QGROUP, INT4_OFFSET, F16, ASM, PRECISION, kv_dtype, PEEL,
         )  # fmt: skip
+    if PEEL:
+        if loop_end < end:
+            m_i, l_i, acc_lo, acc_hi = _attend_block(
+                loop_end, end, m_i, l_i, acc_lo, acc_hi, q_lo, q_hi, tokens, K, V, K_scale, V_scale, kvh, qk_scale,
+                stride_kt, stride_kh, stride_vt, stride_vh, stride_kst, stride_ksh, stride_vst, stride_vsh, d,
+                BLOCK_N, HALF_D, QUANT, QGROUP, INT4_OFFSET, F16, ASM, PRECISION, kv_dtype,
+            )  # fmt: skip
 
     pdl_release(USE_PDL)
     o_ptr = mid_o + b.to(tl.int64) * stride_mob + heads[:, None] * stride_moh + split * stride_mos + d[None, :]
-    tl.store(o_ptr, acc_lo / l_i[:, None], mask=mask_h[:, None])
-    tl.store(o_ptr + HALF_D, acc_hi / l_i[:, None], mask=mask_h[:, None])
+    norm = l_i
+    if ASM and QUANT == 8:
+        norm = l_i / INT8_PTX_UNIT  # so does V: exact, a power of two
+    tl.store(o_ptr, acc_lo / norm[:, None], mask=mask_h[:, None])
+    tl.store(o_ptr + HALF_D, acc_hi / norm[:, None], mask=mask_h[:, None])
     tl.store(mid_lse + b * stride_mlb + heads * stride_mlh + split, m_i + tl.log2(l_i), mask=mask_h)
