@@ -130,7 +130,8 @@ class LogitsProcessor:
             counts = self._table("counts", torch.float32)  # float: used as is by the penalties; exact to 2**24
             in_prompt = self._table("in_prompt", torch.bool)
             in_prompt[row].index_fill_(0, self._ids(req.prompt_ids), True)  # `[row, ids] = True` copies a CPU True
-            if req.output_ids:  # re-admitted after preemption; not bincount, whose size reads the device
+            # A request handed in with tokens already generated (never the engine's: its rows outlive preemption).
+            if req.output_ids:  # not bincount, whose size reads the device
                 ones = torch.ones(len(req.output_ids), dtype=torch.float32, device=self.device)
                 counts[row].index_put_((self._ids(req.output_ids),), ones, accumulate=True)
         if p.logit_bias:

@@ -61,6 +61,17 @@ def test_a_mixed_batch_matches_the_reference_step_after_step(device):
     assert late.sampling_row == freed, "a released row is handed out again, cleared"
 
 
+def test_a_request_handed_in_with_generated_tokens_counts_them_from_its_first_step():
+    """A row filled for a request that already has output (the engine never hands one in: its rows outlive
+    preemption) counts those tokens for the penalties and ``min_tokens``, as the reference over its lists does."""
+    torch.manual_seed(2)
+    proc = LogitsProcessor(VOCAB, torch.device("cpu"), [EOS])
+    reqs = [Request(str(i), [1, 2, 5], p, lambda ev: None, output_ids=[7, 7, 2]) for i, p in enumerate(PARAMS)]
+    logits = torch.randn(len(reqs), VOCAB) * 3
+    want = torch.stack([reference(row, r) for row, r in zip(logits, reqs)])
+    torch.testing.assert_close(proc.apply(logits, reqs).double(), want, rtol=1e-6, atol=1e-5)
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_pending_tokens_count_as_generated_and_record_many_keeps_them(device):
     """MTP decides verify position ``k`` as if the ``k`` drafts before it were generated: ``apply(pending=...)``
