@@ -65,6 +65,7 @@ from decode_attention_buckets import (
 )
 from lightllm.common.autotuner import cuda_graph_bench
 from lightllm.common.autotuner.choice import choose, per_scenario_best
+from lightllm.common.kv_cache.quant import round_up_scale_bits
 from lightllm.common.envs import AUTOTUNE_CHOICE_RULES as RULES
 from lightllm.kernels.attention.decode.fa3 import FA3_LADDER_DIVISORS
 from lightllm.kernels.attention.decode.tuning import decode_attn_autotune_seq_lens, seq_len_ladder
@@ -100,7 +101,11 @@ def make_pool(kind, tokens, kv_heads, head_dim, group, head_major=False, device=
     dtype = torch.int8 if kind == "int8" else torch.uint8
     lo, hi = (-127, 128) if kind == "int8" else (0, 256)
     codes = lambda s: torch.randint(lo, hi, s, device=device, dtype=dtype, generator=generator)  # noqa: E731
-    scale = lambda s: torch.rand(s, device=device, generator=generator).add_(0.5).mul_(0.02).half()  # noqa: E731
+
+    def scale(s):  # INT8's in its format's 7 significant bits, which the GPU path's exact FMA bias needs (quant.py)
+        x = torch.rand(s, device=device, generator=generator).add_(0.5).mul_(0.02).half()
+        return round_up_scale_bits(x) if kind == "int8" else x
+
     return draw(codes, width), draw(codes, width), draw(scale, head_dim // group), draw(scale, head_dim // group)
 
 

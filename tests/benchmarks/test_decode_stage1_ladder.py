@@ -7,6 +7,7 @@ import zlib
 import pytest
 import torch
 
+from lightllm.common.kv_cache.quant import round_up_scale_bits
 from lightllm.kernels.attention.decode.splits import num_splits
 from tests.benchmarks.helpers import load_benchmark
 
@@ -58,6 +59,17 @@ def test_the_reference_weighs_v_by_the_rounded_products(ladder):
     assert got.tolist() == [[[[12.0, -4.0]]]]
     got = ladder.ladder_reference(False, "none", q, (k, v, None, None), *one)
     assert got.tolist() == [[[[4.0, 1.0]]]]
+
+
+def test_timing_pools_hold_int8_scales_in_the_format(ladder):
+    """The GPU path's one-FMA INT8 dequantization is exact only on the format's 7-bit scales: the timing pools' INT8
+    scales are such scales (and spread, not one value), INT4's are drawn as they are."""
+    gen = torch.Generator().manual_seed(0)
+    _, _, ks, vs = ladder.make_pool("int8", 256, 2, 64, 8, device="cpu", generator=gen)
+    for s in (ks, vs):
+        assert torch.equal(round_up_scale_bits(s), s) and s.unique().numel() > 16
+    _, _, ks4, _ = ladder.make_pool("int4", 256, 2, 64, 8, device="cpu", generator=gen)
+    assert not torch.equal(round_up_scale_bits(ks4), ks4)
 
 
 def test_a_wrong_output_shape_is_an_error_naming_it(ladder):

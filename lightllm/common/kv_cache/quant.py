@@ -24,7 +24,8 @@ INT8_QMAX = 127
 INT4_QMAX = 7
 INT4_OFFSET = 8
 SCALE_MIN = 1e-7
-# float16's largest: a group past QMAX x 65504 (fp32 K/V) saturates its codes instead of a scale of inf (0 x inf = NaN)
+# float16's largest: a group past QMAX x 65504 (fp32 K/V; INT8: 127 x INT8_SCALE_MAX) saturates its codes instead of a
+# scale of inf (0 x inf = NaN)
 SCALE_MAX = 65504.0
 SCALE_DTYPE = torch.float16
 # INT8 scales (above): 4 low mantissa bits zero, and at most 512, so a code times its scale (127 x 512 = 65024) and the

@@ -326,7 +326,10 @@ def gqa_decode_attention_int8kv(
 ) -> torch.Tensor:  # fmt: skip
     """As :func:`gqa_decode_attention` over an INT8 pool: ``k_cache``/``v_cache`` int8
     ``[pool_tokens, kv_heads, head_dim]``, ``k_scale``/``v_scale`` float16 ``[pool_tokens, kv_heads,
-    head_dim // quant_group]`` (see ``lightllm.common.kv_cache.quant``)."""
+    head_dim // quant_group]`` in the format of ``lightllm.common.kv_cache.quant`` (7 significant bits, at most 512,
+    as its writers make them: other scales make the GPU path's one-FMA dequantization inexact). With 16-bit queries,
+    |q| x ``sm_scale`` must stay below 65504 / (16 log2 e), about 2838 (|q| < 32K at the default scale, head_dim 128).
+    """
     check_q_device("gqa decode attention", q, k_cache)
     plan = GQADecodePlan("int8", q.shape, q.dtype, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len,
                          max_len_in_batch, k_scale, v_scale, sm_scale, quant_group, run_config)  # fmt: skip
