@@ -23,7 +23,7 @@ from lightllm.kernels.attention.decode import (
     gqa_decode_attention_int8kv,
 )
 from lightllm.kernels.attention.decode import flash_decode, splits
-from lightllm.kernels.attention.decode.stage1 import INT8_PTX_UNIT, _load_kv_halves
+from lightllm.kernels.attention.decode.stage1 import INT8_PTX_BIAS, INT8_PTX_UNIT, _load_kv_halves
 from lightllm.kernels.attention.decode.reference import decode_attention_ref
 from lightllm.kernels.attention.decode.splits import split_token_ranges
 
@@ -576,8 +576,8 @@ def test_ptx_int8_fma_arithmetic_is_exact_for_every_code_and_format_scale():
     assert torch.equal(placed, 64 + u.double() / 16)
     scales = torch.arange(0x0010, 0x6001, 16, dtype=torch.int32).to(torch.int16).view(torch.float16).double()
     assert scales.max().item() == INT8_SCALE_MAX and len(scales) == 1536
-    bias = (-72 * scales).half().double()
-    assert torch.equal(bias, -72 * scales)  # exact in float16
+    bias = (INT8_PTX_BIAS.value * scales).half().double()
+    assert torch.equal(bias, INT8_PTX_BIAS.value * scales)  # exact in float16
     fma = (placed[None, :] * scales[:, None] + bias[:, None]).half()
     codes = (u - 128).double()
     assert torch.equal(fma, (codes[None, :] * scales[:, None] / INT8_PTX_UNIT.value).half())

@@ -42,6 +42,9 @@ from lightllm.kernels.pdl import pdl_release, pdl_wait
 
 # The PTX INT8 path (_int8_word_to_f16) dequantizes K and V to 1/16 of their values; stage 1 scales them back
 INT8_PTX_UNIT = tl.constexpr(16.0)
+# Its FMA's bias per unit of scale: code + 128 under 0x54 (64.0's high byte) is 64 + (code + 128) / 16, so 64 + 8 off
+# leaves code / 16
+INT8_PTX_BIAS = tl.constexpr(-72.0)
 
 
 @triton.jit
@@ -63,8 +66,9 @@ def _nibble_to_f16(nibble, INT4_OFFSET: tl.constexpr):
 # per pair.
 @triton.jit
 def _int8_word_to_f16(words, scale, bias):
-    """Four int8 codes per int32 word, with their float16 scale and ``bias = -72 * scale`` (one each per word), as
-    four float16 tensors in memory order, each ``code * scale / 16`` (``INT8_PTX_UNIT``) rounded once.
+    """Four int8 codes per int32 word, with their float16 scale and ``bias = INT8_PTX_BIAS * scale`` (-72 times it;
+    one each per word), as four float16 tensors in memory order, each ``code * scale / 16`` (``INT8_PTX_UNIT``)
+    rounded once.
 
     ``code ^ 0x80`` is ``code + 128`` unsigned; placed under 0x54 (64.0's high byte) it is ``64 + (code + 128) / 16``,
     and one FMA by the scale plus the bias leaves ``code * scale / 16``. The bias is exact because INT8 scales have 7
@@ -165,8 +169,8 @@ def _load_dequant_words(Base, Scale, row, srow, m, BLOCK_N: tl.constexpr, HALF_D
     if QUANT == 4:
         a0, a1, a2, a3, b0, b1, b2, b3 = _int4_word_to_f16(tl.load(words, mask=m, other=0), s_lo, s_hi)
     else:
-        c_lo = _word_scales(g_lo * -72.0, BLOCK_N, HALF_D, QGROUP)  # exact: 7-bit scales
-        c_hi = _word_scales(g_hi * -72.0, BLOCK_N, HALF_D, QGROUP)
+        c_lo = _word_scales(g_lo * INT8_PTX_BIAS, BLOCK_N, HALF_D, QGROUP)  # exact: 7-bit scales
+        c_hi = _word_scales(g_hi * INT8_PTX_BIAS, BLOCK_N, HALF_D, QGROUP)
         a0, a1, a2, a3 = _int8_word_to_f16(tl.load(words, mask=m, other=0), s_lo, c_lo)
         b0, b1, b2, b3 = _int8_word_to_f16(tl.load(words + HALF_D // 4, mask=m, other=0), s_hi, c_hi)
     return _join4(a0, a1, a2, a3, BLOCK_N, HALF_D), _join4(b0, b1, b2, b3, BLOCK_N, HALF_D)
